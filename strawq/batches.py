@@ -1,0 +1,224 @@
+"""The grantor's side of ready groups: staleness-first scan, batch manifests, ack, GC.
+
+A batch is a MANIFEST record that *references* ready groups (no payload copy). Publishing
+``batches/<seq>`` is the commit point; the referenced entries then move from ``ready/`` to
+``batched/`` so later scans skip them. A crash between the two is finished by ``recover``
+(a group named by a manifest is never offered again: invariant 1, "a group enters at most
+one training batch"). ``ack`` publishes ``acked/<seq>``; ``gc`` then deletes the payloads,
+the entries and finally the manifest, so a crash mid-GC is simply redone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from strawq import records
+from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.names import STAGE_PARTIAL, TaskName, data_key, queue_key
+from strawq.queue import RunQueue
+from strawq.records import Kind
+
+log = logging.getLogger(__name__)
+
+_META_PROBE = 8192
+
+
+@dataclass(frozen=True)
+class Manifest:
+    seq: int
+    groups: list[TaskName]
+    summaries: list[dict[str, Any]]
+    meta: dict[str, Any]
+
+
+@dataclass
+class GcReport:
+    batches: int = 0
+    payloads: int = 0
+    stale: int = 0
+    tmp: int = 0
+    details: list[str] = field(default_factory=list)
+
+
+class BatchStore:
+    def __init__(self, queue: RunQueue) -> None:
+        self.queue = queue
+        self.storage = queue.storage
+
+    # -- ready ---------------------------------------------------------------------------------
+    def scan_ready(self) -> list[TaskName]:
+        """Ready groups, oldest minimum weight version first (then dataset order)."""
+        out = []
+        for n in self.storage.list("ready"):
+            name = TaskName.try_parse(n)
+            if name is not None:
+                out.append(name)
+        return out  # names sort by <minver>.<order>: the listing is already in order
+
+    def read_summary(self, name: TaskName, state: str = "ready") -> dict[str, Any]:
+        """A group's metadata from its record header, without reading the payload."""
+        key = data_key(name.id, name.gen, "group")
+        head = self.storage.read_prefix(key, _META_PROBE)
+        kind, meta, need = records.decode_meta_only(head, name=key)
+        if not meta:
+            kind, meta, _ = records.decode_meta_only(self.storage.read_prefix(key, need), name=key)
+        if kind != Kind.GROUP:
+            raise CorruptRecord(f"{key}: expected a GROUP record, found {kind.name}")
+        summary: dict[str, Any] = meta["group"]
+        return summary
+
+    # -- batches -------------------------------------------------------------------------------
+    def publish_batch(self, seq: int, names: Sequence[TaskName],
+                      summaries: Sequence[dict[str, Any]] | None = None,
+                      meta: dict[str, Any] | None = None) -> Manifest:
+        """Commit a batch (exclusive create of the manifest), then move its groups."""
+        body = {"seq": seq, "groups": [str(n) for n in names],
+                "summaries": list(summaries or []), "meta": meta or {}, "at": time.time()}
+        self.storage.publish(f"batches/{seq:012d}", records.encode(Kind.MANIFEST, body))
+        self._move_to_batched(names)
+        return Manifest(seq, list(names), list(summaries or []), meta or {})
+
+    def _move_to_batched(self, names: Sequence[TaskName]) -> None:
+        moved = False
+        for name in names:
+            try:
+                self.storage.rename(f"ready/{name}", f"batched/{name}", sync_dir=False)
+                moved = True
+            except (NotFound, AlreadyExists):
+                pass
+        if moved:
+            self.storage.sync_dirs(["batched", "ready"])
+
+    def batch_seqs(self) -> tuple[list[int], set[int]]:
+        """(all manifest seqs present, the acked ones)."""
+        seqs = [int(n) for n in self.storage.list("batches") if n.isdigit()]
+        acked = {int(n) for n in self.storage.list("acked") if n.isdigit()}
+        return seqs, acked
+
+    def read_manifest(self, seq: int) -> Manifest:
+        key = f"batches/{seq:012d}"
+        rec = records.decode(self.storage.read(key), expect=Kind.MANIFEST, name=key)
+        m = rec.meta
+        return Manifest(m["seq"], [TaskName.parse(n) for n in m["groups"]], m["summaries"],
+                        m["meta"])
+
+    def recover(self) -> list[Manifest]:
+        """Finish interrupted batch commits; returns the unacked manifests, oldest first."""
+        seqs, acked = self.batch_seqs()
+        pending = []
+        for seq in seqs:
+            man = self.read_manifest(seq)
+            self._move_to_batched(man.groups)
+            if seq not in acked:
+                pending.append(man)
+        return pending
+
+    def next_seq(self) -> int:
+        seqs, _ = self.batch_seqs()
+        last = max(seqs, default=0)
+        hint = self.storage.list("collector")
+        marks = [int(n[5:]) for n in hint if n.startswith("bseq-") and n[5:].isdigit()]
+        return max([last, *marks]) + 1
+
+    def ack(self, seq: int) -> None:
+        """The trainer consumed batch ``seq``: its groups become garbage."""
+        if not self.storage.exists(f"batches/{seq:012d}"):
+            raise NotFound(2, f"batch {seq} has no manifest (never published, or already "
+                              "garbage-collected)")
+        try:
+            self.storage.publish(f"acked/{seq:012d}", b"")
+        except AlreadyExists:
+            pass
+
+    # -- staleness bound ----------------------------------------------------------------------
+    def drop_ready(self, name: TaskName, reason: str, message: str = "") -> bool:
+        """Move a ready group to DROPPED (e.g. staler than the bound η)."""
+        self.queue._write_note(name, "drop", reason, message)
+        try:
+            self.storage.rename(f"ready/{name}", f"dropped/{name.with_(producer=reason)}")
+        except (NotFound, AlreadyExists):
+            return False
+        return True
+
+    def requeue_ready(self, name: TaskName) -> bool:
+        """Send a too-stale ready group back as fresh work (gen + 1, not an attempt)."""
+        new = name.with_(key=queue_key(STAGE_PARTIAL if name.resume >= 0 else "b", 0,
+                                       name.order),
+                         gen=name.gen + 1, attempts=max(name.attempts - 1, 0), resume=-1,
+                         producer=None)
+        try:
+            self.storage.rename(f"ready/{name}", f"pending/{new}")
+        except (NotFound, AlreadyExists):
+            return False
+        self.storage.delete(data_key(name.id, name.gen, "group"))
+        return True
+
+    # -- garbage collection --------------------------------------------------------------------
+    def gc(self, *, full: bool = False, keep_batches: int = 0) -> GcReport:
+        """Delete consumed batches; with ``full``, also stale-generation payloads."""
+        rep = GcReport()
+        seqs, acked = self.batch_seqs()
+        done = sorted(s for s in seqs if s in acked)
+        if keep_batches:
+            done = done[:-keep_batches]
+        for seq in done:
+            try:
+                man = self.read_manifest(seq)
+            except CorruptRecord as exc:
+                log.error("manifest %s is corrupt (%s); quarantining", seq, exc)
+                self.queue.quarantine(f"batches/{seq:012d}")
+                continue
+            for name in man.groups:
+                self.storage.delete(data_key(name.id, name.gen, "group"))
+                if name.resume >= 0:
+                    self.storage.delete(data_key(name.id, name.resume, "partial"))
+                self.storage.delete(f"batched/{name}")
+                rep.payloads += 1
+            self._mark_high_water(seq)
+            self.storage.delete(f"batches/{seq:012d}")
+            self.storage.delete(f"acked/{seq:012d}")
+            rep.batches += 1
+        if full:
+            rep.stale = self._gc_stale_generations()
+        return rep
+
+    def _mark_high_water(self, seq: int) -> None:
+        """Remember the highest batch seq before its manifest goes: names are never reused."""
+        try:
+            self.storage.publish(f"collector/bseq-{seq:012d}", b"")
+        except AlreadyExists:
+            pass
+        for n in self.storage.list("collector"):
+            if n.startswith("bseq-") and n[5:].isdigit() and int(n[5:]) < seq:
+                self.storage.delete(f"collector/{n}")
+
+    def _gc_stale_generations(self) -> int:
+        """Payloads of generations older than the task's current one (fenced writers)."""
+        current: dict[str, TaskName] = {}
+        keys = self.queue.list_pending() + [f"{d}/{n}" for d in
+                                            ("leased", "ready", "batched", "dropped")
+                                            for n in self.storage.list(d)]
+        for key in keys:
+            name = TaskName.try_parse(key.rsplit("/", 1)[1])
+            if name is not None:
+                prev = current.get(name.id)
+                if prev is None or name.gen > prev.gen:
+                    current[name.id] = name
+        removed = 0
+        for n in self.storage.list("data"):
+            tid, _, rest = n.partition("~g")
+            gen_s, _, suffix = rest.partition(".")
+            cur = current.get(tid)
+            if cur is None or not gen_s.isdigit():
+                continue
+            gen = int(gen_s)
+            keep = gen >= cur.gen or (suffix == "partial" and gen == cur.resume) or \
+                suffix in ("drop", "fail")
+            if not keep:
+                self.storage.delete(f"data/{n}")
+                removed += 1
+        return removed

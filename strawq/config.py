@@ -1,0 +1,69 @@
+"""Configuration of one queue run: a frozen, keyword-only, validated dataclass.
+
+Unknown keys are rejected with the list of known ones (``from_dict``); every field is
+documented where it is declared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from strawq.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T:
+    """Build a config dataclass from a mapping, refusing unknown keys by name."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or cls.__name__}: expected a mapping, found "
+                          f"{type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; known keys are "
+                          f"{sorted(fields)}")
+    return cls(**data)
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    return dataclasses.asdict(obj)
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueueConfig:
+    #: Claims per task before it is dropped with a record (attempts are counted at claim;
+    #: ``yield``/``release`` refund theirs).
+    max_attempts: int = 3
+    #: Seconds without a heartbeat-counter change, on the grantor's monotonic clock,
+    #: after which a producer's leases expire and their tasks are re-queued.
+    lease_timeout_s: float = 60.0
+    #: Producer heartbeat cadence. Producers stop work at ``lease_timeout_s - margin``.
+    heartbeat_interval_s: float = 5.0
+    #: Prompts released per cursor advance (one cursor record per release).
+    release_batch: int = 64
+    #: Key of the prompt in a dataset row (a string or a list of token ids).
+    prompt_key: str = "prompt"
+    #: Samples per prompt group (G), recorded for readers and ``strawq status``.
+    group_size: int = 8
+    #: fsync files and directories (turn off only for throwaway benchmarks).
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.lease_timeout_s <= 0:
+            raise ConfigError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
+        if not 0 < self.heartbeat_interval_s < self.lease_timeout_s:
+            raise ConfigError(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be > 0 and below "
+                f"lease_timeout_s ({self.lease_timeout_s}); use about a third of it")
+        if self.release_batch < 1:
+            raise ConfigError(f"release_batch must be >= 1, got {self.release_batch}")
+        if self.group_size < 1:
+            raise ConfigError(f"group_size must be >= 1, got {self.group_size}")
+        if not self.prompt_key:
+            raise ConfigError("prompt_key must be a non-empty string")

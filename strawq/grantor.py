@@ -1,0 +1,106 @@
+"""Lease expiry, judged by one grantor on its own monotonic clock (invariant 3).
+
+Producers never report time. They advance a heartbeat *counter* (``hb/<producer>~<n>``);
+the grantor remembers, per producer, the value it last saw and *when it saw it change* on
+its own clock. A lease expires when its producer's counter has not moved for
+``lease_timeout_s`` (or, for a producer that never beat, since the grantor first saw the
+lease). Expiry is a rename of the lease file — the same atomic step a completing producer
+needs — so exactly one of "complete" and "expire" wins, and the loser is fenced.
+
+The clock is injected so tests (and the Hypothesis model) can drive it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from strawq.errors import AlreadyExists, NotFound
+from strawq.names import TaskName
+from strawq.queue import RunQueue
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScanResult:
+    leases: int = 0
+    expired: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    producers: dict[str, int] = field(default_factory=dict)
+    #: producer -> seconds since its counter last moved, on the grantor's clock
+    silence: dict[str, float] = field(default_factory=dict)
+
+
+class LeaseMonitor:
+    def __init__(self, queue: RunQueue, *, lease_timeout_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.queue = queue
+        self.timeout = lease_timeout_s or queue.config.lease_timeout_s
+        self.clock = clock
+        self._seen: dict[str, tuple[int, float]] = {}
+        self._first_seen: dict[str, float] = {}
+
+    def observe_heartbeats(self, now: float) -> dict[str, int]:
+        latest: dict[str, int] = {}
+        stale: list[str] = []
+        for name in self.queue.storage.list("hb"):
+            p, _, c = name.rpartition("~")
+            if not (p and c.isdigit()):
+                continue
+            if p in latest:
+                stale.append(f"hb/{p}~{min(latest[p], int(c)):016d}")
+            latest[p] = max(latest.get(p, 0), int(c))
+        for key in stale:  # left by a producer that died between publish and delete
+            self.queue.storage.delete(key)
+        for p, c in latest.items():
+            prev = self._seen.get(p)
+            if prev is None or prev[0] != c:
+                self._seen[p] = (c, now)
+        return latest
+
+    def scan(self) -> ScanResult:
+        """One pass: observe heartbeats, expire silent producers' leases."""
+        now = self.clock()
+        res = ScanResult(producers=self.observe_heartbeats(now))
+        res.silence = {p: now - t for p, (_c, t) in self._seen.items()}
+        names = self.queue.storage.list("leased")
+        live = set(names)
+        for gone in [k for k in self._first_seen if k not in live]:
+            del self._first_seen[gone]
+        for n in names:
+            name = TaskName.try_parse(n)
+            if name is None or name.producer is None:
+                continue
+            res.leases += 1
+            first = self._first_seen.setdefault(n, now)
+            beat = self._seen.get(name.producer)
+            last_alive = max(first, beat[1]) if beat else first
+            if now - last_alive >= self.timeout:
+                self._expire(name, res)
+        return res
+
+    def _expire(self, name: TaskName, res: ScanResult) -> None:
+        q = self.queue
+        src = f"leased/{name}"
+        if name.attempts >= q.config.max_attempts:
+            q._write_note(name, "drop", "lease_expired.max_attempts",
+                          f"producer {name.producer} went silent on attempt {name.attempts} "
+                          f"of {q.config.max_attempts}")
+            dst = f"dropped/{name.with_(producer='lease_expired.max_attempts')}"
+            target = res.dropped
+        else:
+            dst = f"pending/{q._requeued_name(name, refund=False)}"
+            target = res.expired
+        try:
+            q.storage.rename(src, dst)
+        except (NotFound, AlreadyExists):
+            return  # the holder finished (or handed it back) first: it won the race
+        log.warning("lease %s of producer %s expired; task %s -> %s", name.gen, name.producer,
+                    name.id, dst.split("/", 1)[0])
+        target.append(name.id)
+
+    def forget_producer(self, producer: str) -> None:
+        self._seen.pop(producer, None)

@@ -1,0 +1,141 @@
+"""Group records: a prompt and its G samples, packed as flat per-token columns.
+
+The same structure is a *ready* group (every sample finished, rewards set) and a *partial*
+group (some samples unfinished, their prefixes saved at a weight update). The four
+per-token columns always have equal lengths and are cut per sample by ``sample_lens``
+(invariant 4); ``validate`` enforces it on every encode and decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from strawq import records
+from strawq.errors import CorruptRecord
+from strawq.records import Kind
+
+SAMPLE_STATUSES = ("completed", "truncated", "aborted", "pending", "failed")
+TOKEN_COLUMNS = {"tokens": np.int32, "logprobs": np.float32, "versions": np.int64,
+                 "loss_mask": np.uint8}
+
+
+@dataclass(kw_only=True)
+class GroupData:
+    task_id: str
+    index: int
+    prompt_ids: np.ndarray
+    sample_lens: Sequence[int]
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    loss_mask: np.ndarray
+    rewards: Sequence[float | None]
+    status: Sequence[str]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.ascontiguousarray(self.prompt_ids, dtype=np.int32)
+        for name, dtype in TOKEN_COLUMNS.items():
+            setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
+        self.sample_lens = [int(n) for n in self.sample_lens]
+        self.rewards = [None if r is None else float(r) for r in self.rewards]
+        self.status = [str(s) for s in self.status]
+        self.validate()
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def validate(self) -> None:
+        n = self.tokens.shape[0]
+        for name in TOKEN_COLUMNS:
+            col = getattr(self, name)
+            if col.ndim != 1 or col.shape[0] != n:
+                raise CorruptRecord(f"group {self.task_id}: column {name!r} has shape "
+                                    f"{col.shape}, expected ({n},) like 'tokens'")
+        if sum(self.sample_lens) != n or any(x < 0 for x in self.sample_lens):
+            raise CorruptRecord(f"group {self.task_id}: sample_lens {list(self.sample_lens)} "
+                                f"sum to {sum(self.sample_lens)}, expected {n} tokens")
+        g = len(self.sample_lens)
+        if len(self.rewards) != g or len(self.status) != g:
+            raise CorruptRecord(f"group {self.task_id}: {g} samples but {len(self.rewards)} "
+                                f"rewards and {len(self.status)} statuses")
+        bad = [s for s in self.status if s not in SAMPLE_STATUSES]
+        if bad:
+            raise CorruptRecord(f"group {self.task_id}: unknown sample status {bad[0]!r}; "
+                                f"expected one of {SAMPLE_STATUSES}")
+
+    def offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.sample_lens, dtype=np.int64)])
+
+    def sample(self, i: int) -> dict[str, np.ndarray]:
+        """The per-token columns of sample ``i`` (views, no copy)."""
+        off = self.offsets()
+        return {name: getattr(self, name)[off[i]:off[i + 1]] for name in TOKEN_COLUMNS}
+
+    def min_version(self, default: int = 0) -> int:
+        if self.versions.size:
+            return int(self.versions.min())
+        return int(self.meta.get("version_hint", default))
+
+    def max_version(self, default: int = 0) -> int:
+        if self.versions.size:
+            return int(self.versions.max())
+        return int(self.meta.get("version_hint", default))
+
+    @property
+    def complete(self) -> bool:
+        return all(s in ("completed", "truncated", "failed") for s in self.status)
+
+    def summary(self) -> dict[str, Any]:
+        """Metadata that readers and the collector use without touching the payload."""
+        return {
+            "task_id": self.task_id,
+            "index": self.index,
+            "sample_lens": list(self.sample_lens),
+            "prompt_len": int(self.prompt_ids.shape[0]),
+            "rewards": list(self.rewards),
+            "status": list(self.status),
+            "min_version": self.min_version(),
+            "max_version": self.max_version(),
+            "num_versions": int(np.unique(self.versions).size),
+            "meta": self.meta,
+        }
+
+    def encode(self, kind: Kind = Kind.GROUP) -> list[bytes]:
+        self.validate()
+        tables = {
+            "prompt": {"ids": self.prompt_ids},
+            "tokens": {name: getattr(self, name) for name in TOKEN_COLUMNS},
+        }
+        return records.encode(kind, {"group": self.summary()}, tables)
+
+    @classmethod
+    def from_record(cls, rec: records.Record) -> GroupData:
+        if rec.kind not in (Kind.GROUP, Kind.PARTIAL):
+            raise CorruptRecord(f"expected a GROUP or PARTIAL record, found {rec.kind.name}")
+        try:
+            s = rec.meta["group"]
+            tables = rec.tables()
+            tok = tables["tokens"]
+            cols = {name: tok.column(name).to_numpy(zero_copy_only=True)
+                    for name in TOKEN_COLUMNS}
+            prompt = tables["prompt"].column("ids").to_numpy(zero_copy_only=True)
+            return cls(task_id=s["task_id"], index=s["index"], prompt_ids=prompt,
+                       sample_lens=s["sample_lens"], rewards=s["rewards"], status=s["status"],
+                       meta=s.get("meta", {}), **cols)
+        except (KeyError, TypeError) as exc:
+            raise CorruptRecord(f"group record is missing field {exc}") from exc
+
+
+def decode_group(data: bytes | memoryview, *, name: str = "group") -> GroupData:
+    rec = records.decode(data, name=name)
+    return GroupData.from_record(rec)

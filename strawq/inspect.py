@@ -1,0 +1,58 @@
+"""Readable views of single records, for ``strawq inspect`` and for people debugging a run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from strawq import records
+from strawq.errors import CorruptRecord, NotFound
+from strawq.groups import GroupData
+from strawq.names import TaskName
+from strawq.queue import RunQueue
+from strawq.records import Kind
+
+
+def _resolve(queue: RunQueue, key: str) -> str:
+    if "/" in key:
+        return key
+    state, name = queue.find(key)  # a bare task id
+    if state == "pending":
+        for k in queue.list_pending():
+            if k.endswith(str(name)):
+                return k
+    return f"{state}/{name}"
+
+
+def describe_record(queue: RunQueue, key: str, *, tokens: int = 16) -> dict[str, Any]:
+    key = _resolve(queue, key)
+    out: dict[str, Any] = {"key": key}
+    leaf = key.rsplit("/", 1)[1]
+    name = TaskName.try_parse(leaf)
+    if name is not None:
+        out["name"] = {"id": name.id, "generation": name.gen, "attempts": name.attempts,
+                       "resume_from_generation": name.resume, "holder_or_reason": name.producer,
+                       "order_key": name.key}
+    try:
+        data = queue.storage.read(key)
+    except NotFound:
+        raise NotFound(2, f"{key}: no such record in this run") from None
+    try:
+        rec = records.decode(data, name=key)
+    except CorruptRecord as exc:
+        out["error"] = str(exc)
+        return out
+    out["kind"] = rec.kind.name
+    out["bytes"] = len(data)
+    if rec.kind in (Kind.GROUP, Kind.PARTIAL):
+        g = GroupData.from_record(rec)
+        out["group"] = g.summary()
+        out["samples"] = [
+            {k: v[:tokens].tolist() for k, v in g.sample(i).items()} | {
+                "length": g.sample_lens[i], "status": g.status[i], "reward": g.rewards[i]}
+            for i in range(g.num_samples)
+        ]
+    else:
+        out["meta"] = {k: v for k, v in rec.meta.items() if k != "tables"}
+    if rec.kind == Kind.TASK and name is not None and name.resume >= 0:
+        out["resumes_from"] = f"data/{name.id}~g{name.resume}.partial"
+    return out

@@ -1,0 +1,105 @@
+"""File names that carry a task's state counters.
+
+A task record's *content* never changes after it is published (invariant 2). What changes
+as it moves — generation, attempts, which partial prefix to resume from, who holds it — is
+carried in its *name*, so every transition is a single atomic rename.
+
+    <key>~<id>~g<gen>~a<attempts>~r<resume>[~<producer>]
+
+* ``key`` orders the queue: ``a<minver:012>.<order:012>`` for partial tasks (oldest
+  weight version first), ``b000000000000.<order:012>`` for fresh tasks returned to the
+  queue, ``c000000000000.<order:012>`` for fresh tasks in a release directory. Ready groups
+  use ``<minver:012>.<order:012>``.
+* ``gen`` is the lease generation: bumped every time the task goes back to the queue, so
+  a result from an older generation has nothing left to rename (fencing).
+* ``attempts`` is counted at claim and refunded by ``yield``/``release``.
+* ``resume`` is the generation whose partial record (``data/<id>~g<resume>.partial``) holds
+  the saved prefixes; ``-1`` for none.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from strawq.errors import ConfigError
+
+ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+_NAME_RE = re.compile(
+    r"(?P<key>[a-c]?\d{12}\.\d{12})~(?P<id>[A-Za-z0-9_.-]+)~g(?P<gen>\d+)~a(?P<att>\d+)"
+    r"~r(?P<res>-1|\d+)(?:~(?P<producer>[A-Za-z0-9_.-]+))?"
+)
+MAX_VERSION = 10**12 - 1
+
+STAGE_PARTIAL = "a"
+STAGE_REQUEUED = "b"
+STAGE_FRESH = "c"
+
+
+def validate_id(value: str, what: str = "task id") -> str:
+    if not isinstance(value, str) or not ID_RE.fullmatch(value):
+        raise ConfigError(f"invalid {what} {value!r}: expected 1-128 characters of "
+                          "[A-Za-z0-9_.-], not starting with '.'")
+    return value
+
+
+def dataset_task_id(index: int) -> str:
+    return f"i{index:012d}"
+
+
+def clamp_version(v: int) -> int:
+    return min(max(int(v), 0), MAX_VERSION)
+
+
+def queue_key(stage: str, version: int, order: int) -> str:
+    return f"{stage}{clamp_version(version):012d}.{order % 10**12:012d}"
+
+
+def ready_key(min_version: int, order: int) -> str:
+    return f"{clamp_version(min_version):012d}.{order % 10**12:012d}"
+
+
+@dataclass(frozen=True)
+class TaskName:
+    key: str
+    id: str
+    gen: int
+    attempts: int
+    resume: int = -1
+    producer: str | None = None
+
+    def __str__(self) -> str:
+        base = f"{self.key}~{self.id}~g{self.gen}~a{self.attempts}~r{self.resume}"
+        return f"{base}~{self.producer}" if self.producer else base
+
+    @classmethod
+    def parse(cls, name: str) -> TaskName:
+        m = _NAME_RE.fullmatch(name)
+        if m is None:
+            raise ConfigError(f"not a task name: {name!r}")
+        return cls(key=m["key"], id=m["id"], gen=int(m["gen"]), attempts=int(m["att"]),
+                   resume=int(m["res"]), producer=m["producer"])
+
+    @classmethod
+    def try_parse(cls, name: str) -> TaskName | None:
+        m = _NAME_RE.fullmatch(name)
+        if m is None:
+            return None
+        return cls(key=m["key"], id=m["id"], gen=int(m["gen"]), attempts=int(m["att"]),
+                   resume=int(m["res"]), producer=m["producer"])
+
+    @property
+    def order(self) -> int:
+        return int(self.key.rsplit(".", 1)[1])
+
+    @property
+    def version(self) -> int:
+        return int(self.key.rsplit(".", 1)[0].lstrip("abc") or 0)
+
+    def with_(self, **changes: object) -> TaskName:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def data_key(task_id: str, gen: int, suffix: str) -> str:
+    """The immutable record a lease of generation ``gen`` writes (group/partial/fail/drop)."""
+    return f"data/{task_id}~g{gen}.{suffix}"

@@ -1,0 +1,348 @@
+"""The run directory and the producer-side operations: claim, heartbeat, complete, yield.
+
+Layout of ``<root>/<run_id>/`` (see ``docs/protocol.md`` for the crash table)::
+
+    run.meta                 RUN record: config, created_at (exclusive create)
+    tmp/                     temporary files, ``<writer>.<uuid>`` (never read)
+    staging/r-<seq>.<nonce>/ a release being prepared (not yet visible)
+    cursor/<seq>             CURSOR records: the dataset cursor (latest wins)
+    pending/<name>           partial (stage a) and returned (stage b) tasks
+    pending/r-<seq>/<name>   fresh tasks of release <seq> (stage c), dataset order
+    leased/<name>~<producer> tasks held by a producer
+    ready/<name>~<producer>  finished groups; payload at data/<id>~g<gen>.group
+    batched/<name>~<producer> groups referenced by a batch manifest
+    batches/<seq>            MANIFEST records;  acked/<seq>: the trainer consumed it
+    dropped/<name>~<reason>  tasks dropped for a recorded reason (data/<id>~g<gen>.drop)
+    data/<id>~g<gen>.<kind>  immutable payloads: group, partial, drop
+    hb/<producer>~<counter>  heartbeat counters (the name is the data)
+    versions/<v>             the weight version the collector has announced
+    quarantine/              records that failed their checks, moved aside
+
+Every transition is one atomic rename; see ``strawq.states``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from strawq import records
+from strawq.config import QueueConfig, from_dict, to_dict
+from strawq.errors import (AlreadyExists, ConfigError, CorruptRecord, LeaseLost, NotFound,
+                           TaskNotFound)
+from strawq.groups import GroupData
+from strawq.names import (STAGE_PARTIAL, STAGE_REQUEUED, TaskName, data_key, queue_key,
+                          ready_key, validate_id)
+from strawq.records import Kind
+from strawq.storage import Storage
+
+log = logging.getLogger(__name__)
+
+DIRS = ("tmp", "staging", "cursor", "pending", "leased", "ready", "batched", "batches",
+        "acked", "dropped", "data", "hb", "versions", "quarantine", "collector")
+RUN_KEY = "run.meta"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A claimed task: what a producer needs to work on it and to hand it back."""
+
+    name: TaskName
+    task: dict[str, Any]
+
+    @property
+    def task_id(self) -> str:
+        return self.name.id
+
+    @property
+    def gen(self) -> int:
+        return self.name.gen
+
+    @property
+    def producer(self) -> str:
+        if self.name.producer is None:  # pragma: no cover - leases always carry one
+            raise ValueError("lease without a producer")
+        return self.name.producer
+
+    @property
+    def key(self) -> str:
+        return f"leased/{self.name}"
+
+    @property
+    def has_partial(self) -> bool:
+        return self.name.resume >= 0
+
+
+class RunQueue:
+    """One run's queue on a store. Safe to use from many processes and hosts at once."""
+
+    def __init__(self, storage: Storage, config: QueueConfig | None = None) -> None:
+        self.storage = storage
+        if config is None:
+            config = self._load_config()
+        self.config = config
+        self._hb_counter: dict[str, int] = {}
+
+    # -- run lifecycle ---------------------------------------------------------------------
+    @classmethod
+    def create(cls, storage: Storage, config: QueueConfig | None = None, *,
+               meta: dict[str, Any] | None = None) -> RunQueue:
+        """Create the run layout; idempotent if the run exists with the same config."""
+        config = config or QueueConfig()
+        for d in DIRS:
+            storage.makedirs(d)
+        body = {"config": to_dict(config), "created_at": time.time(), "meta": meta or {}}
+        try:
+            storage.publish(RUN_KEY, records.encode(Kind.RUN, body))
+        except AlreadyExists:
+            existing = cls(storage)
+            if to_dict(existing.config) != to_dict(config):
+                raise ConfigError(
+                    f"run at {storage.describe()} exists with config {to_dict(existing.config)}"
+                    f"; refusing to reopen it with {to_dict(config)}") from None
+            return existing
+        return cls(storage, config)
+
+    @classmethod
+    def open(cls, storage: Storage) -> RunQueue:
+        return cls(storage)
+
+    def _load_config(self) -> QueueConfig:
+        try:
+            rec = records.decode(self.storage.read(RUN_KEY), expect=Kind.RUN, name=RUN_KEY)
+        except NotFound:
+            raise NotFound(2, f"no strawq run at {self.storage.describe()}: run "
+                              "'strawq init' first") from None
+        return from_dict(QueueConfig, rec.meta["config"], where=RUN_KEY)
+
+    # -- reading task records ----------------------------------------------------------------
+    def _read_record(self, key: str, expect: Kind) -> records.Record:
+        data = self.storage.read(key)
+        try:
+            return records.decode(data, expect=expect, name=key)
+        except CorruptRecord:
+            self.quarantine(key)
+            raise
+
+    def quarantine(self, key: str) -> str | None:
+        """Move a bad record aside (never delete it); returns its new key."""
+        dst = f"quarantine/{key.replace('/', '+')}"
+        try:
+            self.storage.rename(key, dst)
+        except (NotFound, AlreadyExists):
+            return None
+        log.error("quarantined corrupt record %s -> %s", key, dst)
+        return dst
+
+    # -- producer side -----------------------------------------------------------------------
+    def list_pending(self, limit: int | None = None) -> list[str]:
+        """Pending keys in claim order: partial, then returned, then fresh by release."""
+        top = self.storage.list("pending")
+        files = [f"pending/{n}" for n in top if not n.startswith("r-")]
+        out = files
+        for d in (n for n in top if n.startswith("r-")):
+            if limit is not None and len(out) >= limit:
+                break
+            out = out + [f"pending/{d}/{n}" for n in self.storage.list(f"pending/{d}")]
+        return out if limit is None else out[:limit]
+
+    def claim(self, producer: str, n: int = 1) -> list[Lease]:
+        """Lease up to ``n`` tasks in priority order. Exactly one claimer wins each task."""
+        validate_id(producer, "producer id")
+        if n <= 0:
+            return []
+        candidates = self.list_pending(limit=max(4 * n, 16))
+        won: list[tuple[str, TaskName]] = []
+        touched: set[str] = set()
+        for src in candidates:
+            if len(won) >= n:
+                break
+            name = TaskName.try_parse(src.rsplit("/", 1)[1])
+            if name is None:
+                log.warning("ignoring a foreign file in the queue: %s", src)
+                continue
+            held = name.with_(attempts=name.attempts + 1, producer=producer)
+            dst = f"leased/{held}"
+            try:
+                self.storage.rename(src, dst, sync_dir=False)
+            except NotFound:
+                continue  # another producer won it
+            won.append((dst, held))
+            touched.add(src.rsplit("/", 1)[0])
+        if won:
+            self.storage.sync_dirs(["leased", *touched])
+        leases = []
+        for dst, held in won:
+            try:
+                rec = self._read_record(dst, Kind.TASK)
+            except CorruptRecord as exc:
+                log.error("claimed task %s has a corrupt record (%s); quarantined", held.id, exc)
+                continue
+            leases.append(Lease(held, rec.meta["task"]))
+        return leases
+
+    def heartbeat(self, producer: str) -> int:
+        """Advance the producer's heartbeat counter; the grantor watches it move."""
+        validate_id(producer, "producer id")
+        prev = self._hb_counter.get(producer)
+        if prev is None:
+            prev = max((c for p, c in self._heartbeats() if p == producer), default=0)
+        counter = prev + 1
+        self.storage.publish(f"hb/{producer}~{counter:016d}", b"", sync_dir=False)
+        self._hb_counter[producer] = counter
+        if prev:
+            self.storage.delete(f"hb/{producer}~{prev:016d}")
+        return counter
+
+    def _heartbeats(self) -> Iterable[tuple[str, int]]:
+        for n in self.storage.list("hb"):
+            p, _, c = n.rpartition("~")
+            if p and c.isdigit():
+                yield p, int(c)
+
+    def still_held(self, lease: Lease) -> bool:
+        """Whether the lease file is still ours (a hint: only the final rename fences)."""
+        return self.storage.exists(lease.key)
+
+    def load_partial(self, lease: Lease) -> GroupData | None:
+        """The saved prefixes of a partial task, or None for a fresh one."""
+        if not lease.has_partial:
+            return None
+        key = data_key(lease.task_id, lease.name.resume, "partial")
+        rec = self._read_record(key, Kind.PARTIAL)
+        return GroupData.from_record(rec)
+
+    def _move_lease(self, lease: Lease, dst: str) -> None:
+        try:
+            self.storage.rename(lease.key, dst)
+        except NotFound:
+            raise LeaseLost(f"lease {lease.name} is no longer held by {lease.producer}: it "
+                            "expired and was re-queued (or the task was dropped); its result "
+                            "is discarded") from None
+
+    def complete(self, lease: Lease, group: GroupData) -> str:
+        """Publish a finished group and move the task to READY. ``LeaseLost`` if fenced."""
+        self._check_group(lease, group)
+        payload = data_key(lease.task_id, lease.gen, "group")
+        self.storage.publish(payload, group.encode(Kind.GROUP))
+        name = lease.name.with_(key=ready_key(group.min_version(), lease.name.order))
+        dst = f"ready/{name}"
+        try:
+            self._move_lease(lease, dst)
+        except LeaseLost:
+            self.storage.delete(payload)
+            raise
+        return dst
+
+    def yield_partial(self, lease: Lease, group: GroupData) -> str:
+        """Save the prefixes and return the task as PARTIAL (no attempt spent, gen + 1)."""
+        self._check_group(lease, group)
+        payload = data_key(lease.task_id, lease.gen, "partial")
+        self.storage.publish(payload, group.encode(Kind.PARTIAL))
+        name = lease.name.with_(
+            key=queue_key(STAGE_PARTIAL, group.min_version(), lease.name.order),
+            gen=lease.gen + 1, attempts=max(lease.name.attempts - 1, 0), resume=lease.gen,
+            producer=None)
+        dst = f"pending/{name}"
+        try:
+            self._move_lease(lease, dst)
+        except LeaseLost:
+            self.storage.delete(payload)
+            raise
+        return dst
+
+    def release(self, lease: Lease) -> str:
+        """Give a task back untouched (no attempt spent, gen + 1)."""
+        dst = f"pending/{self._requeued_name(lease.name, refund=True)}"
+        self._move_lease(lease, dst)
+        return dst
+
+    @staticmethod
+    def _requeued_name(name: TaskName, *, refund: bool) -> TaskName:
+        key = name.key
+        if key.startswith("c"):  # a fresh task keeps its dataset order among returned ones
+            key = queue_key(STAGE_REQUEUED, 0, name.order)
+        return name.with_(key=key, gen=name.gen + 1, producer=None,
+                          attempts=max(name.attempts - 1, 0) if refund else name.attempts)
+
+    def fail(self, lease: Lease, reason: str, message: str = "", *,
+             retryable: bool = True) -> str:
+        """Record a failure; re-queue the task, or drop it after ``max_attempts``."""
+        validate_id(reason, "reason")
+        if retryable and lease.name.attempts < self.config.max_attempts:
+            self._write_note(lease.name, "fail", reason, message)
+            dst = f"pending/{self._requeued_name(lease.name, refund=False)}"
+            self._move_lease(lease, dst)
+            return dst
+        if retryable:
+            reason = f"{reason}.max_attempts"
+        return self.drop(lease, reason, message)
+
+    def drop(self, lease: Lease, reason: str, message: str = "",
+             summary: dict[str, Any] | None = None) -> str:
+        """Drop a task with a recorded reason (e.g. a filter rejected the group)."""
+        validate_id(reason, "reason")
+        self._write_note(lease.name, "drop", reason, message, summary)
+        dst = f"dropped/{lease.name.with_(producer=reason)}"
+        self._move_lease(lease, dst)
+        return dst
+
+    def _write_note(self, name: TaskName, kind: str, reason: str, message: str,
+                    summary: dict[str, Any] | None = None) -> None:
+        body = {"task_id": name.id, "gen": name.gen, "attempts": name.attempts,
+                "reason": reason, "message": message, "at": time.time(),
+                "summary": summary or {}}
+        try:
+            self.storage.publish(data_key(name.id, name.gen, kind),
+                                 records.encode(Kind.DROP if kind == "drop" else Kind.FAIL, body))
+        except AlreadyExists:
+            pass  # a retried call: the first note stands
+
+    def _check_group(self, lease: Lease, group: GroupData) -> None:
+        if group.task_id != lease.task_id:
+            raise ConfigError(f"group is for task {group.task_id!r}, lease is for "
+                              f"{lease.task_id!r}")
+
+    # -- weight versions ---------------------------------------------------------------------
+    def current_version(self) -> int:
+        names = self.storage.list("versions")
+        return max((int(n) for n in names if n.isdigit()), default=0)
+
+    def set_version(self, version: int) -> None:
+        """Announce weight version ``version`` (monotonic; older announcements are GC'd)."""
+        current = self.current_version()
+        if version < current:
+            raise ConfigError(f"weight version must not go back: current {current}, "
+                              f"asked {version}")
+        try:
+            self.storage.publish(f"versions/{version:012d}", b"")
+        except AlreadyExists:
+            pass
+        for n in self.storage.list("versions"):
+            if n.isdigit() and int(n) < version:
+                self.storage.delete(f"versions/{n}")
+
+    # -- lookups ------------------------------------------------------------------------------
+    def find(self, task_id: str) -> tuple[str, TaskName]:
+        """Where a task is now (a scan: for tools and tests, not the hot path)."""
+        for state in ("pending", "leased", "ready", "batched", "dropped"):
+            keys = self.list_pending() if state == "pending" else [
+                f"{state}/{n}" for n in self.storage.list(state)]
+            for key in keys:
+                name = TaskName.try_parse(key.rsplit("/", 1)[1])
+                if name is not None and name.id == task_id:
+                    return state, name
+        raise TaskNotFound(f"task {task_id!r} is in no state of this run (trained and "
+                           "garbage-collected, or never released)")
+
+    def read_task(self, key: str) -> dict[str, Any]:
+        rec = self._read_record(key, Kind.TASK)
+        task: dict[str, Any] = rec.meta["task"]
+        return task
+
+    def read_group(self, task_id: str, gen: int) -> GroupData:
+        key = data_key(task_id, gen, "group")
+        return GroupData.from_record(self._read_record(key, Kind.GROUP))

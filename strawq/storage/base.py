@@ -1,0 +1,134 @@
+"""The storage contract: keys, bytes and atomic name operations.
+
+A store knows nothing about tasks or tensors. Keys are ``/``-separated relative paths whose
+components are validated (invariant 7): they become file names on a shared mount.
+
+The only primitives the queue relies on are:
+
+* ``publish(key, data)`` — write to a unique temporary name, fsync, close, then move into
+  place *without replacing* an existing key, then fsync the directory (invariant 2). A
+  reader on any client sees either nothing or the whole record.
+* ``rename(src, dst)`` — atomic, exactly one winner when several callers move the same
+  ``src``; never replaces ``dst``. This is what claims, completes and fences.
+* ``list(dir)`` — names directly inside a directory, dot-files skipped (NFS silly renames).
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from strawq.errors import ConfigError
+
+_COMPONENT = re.compile(r"[A-Za-z0-9_+=-][A-Za-z0-9._~+=-]{0,199}")
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if every component is a safe file name, else raise ``ConfigError``."""
+    if not key or key.startswith("/") or key.endswith("/"):
+        raise ConfigError(f"invalid storage key {key!r}: expected a relative path like 'a/b'")
+    for part in key.split("/"):
+        if part in (".", "..") or not _COMPONENT.fullmatch(part):
+            raise ConfigError(
+                f"invalid storage key {key!r}: component {part!r} must match "
+                f"{_COMPONENT.pattern} (no dot-files, no '..', at most 200 characters)"
+            )
+    return key
+
+
+def parent(key: str) -> str:
+    """The directory part of ``key`` ('' for a top-level key)."""
+    return key.rpartition("/")[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a backend guarantees. Every ``True`` is backed by a conformance test."""
+
+    #: ``rename`` is atomic with one winner and never replaces its destination.
+    atomic_rename: bool = True
+    #: ``publish`` refuses an existing key atomically (O_EXCL / link / RENAME_NOREPLACE).
+    exclusive_create: bool = True
+    #: data is durable once ``publish`` returns (file fsync + directory fsync).
+    durable: bool = True
+    #: several processes (and hosts, for a shared mount) can use the store at once.
+    multi_process: bool = True
+    #: ``local_path`` gives a real path that can be memory-mapped.
+    mmap: bool = True
+
+
+class Storage(abc.ABC):
+    """Abstract key/bytes store with atomic publish and rename."""
+
+    capabilities: Capabilities = Capabilities()
+
+    #: A short identifier of this writer, used in temporary names.
+    writer_id: str = "w"
+
+    @abc.abstractmethod
+    def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
+                sync_dir: bool = True) -> None:
+        """Atomically create ``key`` with ``data``; ``AlreadyExists`` if it exists.
+
+        ``data`` may be a sequence of buffers written back to back (no concatenation copy).
+        With ``sync_dir=False`` the caller promises to call ``sync_dirs`` on the parent
+        before it reports success to anyone (batched fsyncs, DESIGN §6).
+        """
+
+    @abc.abstractmethod
+    def read(self, key: str) -> bytes:
+        """The whole content of ``key``; ``NotFound`` if absent."""
+
+    @abc.abstractmethod
+    def read_prefix(self, key: str, size: int) -> bytes:
+        """At most the first ``size`` bytes of ``key``."""
+
+    @abc.abstractmethod
+    def rename(self, src: str, dst: str, *, sync_dir: bool = True) -> None:
+        """Atomically move ``src`` to ``dst``.
+
+        ``NotFound`` if ``src`` is gone (somebody else won), ``AlreadyExists`` if ``dst``
+        exists. Directories are renamed the same way.
+        """
+
+    @abc.abstractmethod
+    def list(self, directory: str) -> list[str]:
+        """Sorted names directly inside ``directory`` ([] if it does not exist)."""
+
+    @abc.abstractmethod
+    def delete(self, key: str, *, missing_ok: bool = True) -> None:
+        """Remove a file."""
+
+    @abc.abstractmethod
+    def rmdir(self, directory: str) -> bool:
+        """Remove an *empty* directory; False if it is not empty or absent."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` names a file or directory."""
+
+    @abc.abstractmethod
+    def is_dir(self, key: str) -> bool:
+        """Whether ``key`` names a directory."""
+
+    @abc.abstractmethod
+    def makedirs(self, directory: str) -> None:
+        """Create ``directory`` and its parents (durably)."""
+
+    @abc.abstractmethod
+    def sync_dirs(self, directories: Iterable[str]) -> None:
+        """fsync each directory once (after batched ``sync_dir=False`` operations)."""
+
+    def local_path(self, key: str) -> str | None:
+        """A path for memory-mapping, or None when the backend has none."""
+        return None
+
+    def size(self, key: str) -> int:
+        """Size in bytes of ``key``."""
+        return len(self.read(key))
+
+    def describe(self) -> str:
+        """A one-line description for logs and ``strawq status``."""
+        return type(self).__name__

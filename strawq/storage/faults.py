@@ -1,0 +1,113 @@
+"""A fault-injecting wrapper around any store, for crash and error-path tests.
+
+* ``errors={"publish": (3, errno.ENOSPC)}`` — the 3rd ``publish`` raises that error.
+* ``crash_after=N`` — the N-th mutating operation (publish, rename, delete, rmdir) raises
+  ``CrashPoint`` *before* it happens, modelling a process killed right there; the wrapped
+  store keeps exactly what a real crash would leave.
+* ``phantom_enoent={"rename": 2}`` — the 2nd rename happens but reports ENOENT, as a
+  retried NFS RPC can.
+* ``seed``/``error_rate`` — random ``EIO`` on any operation, reproducible per seed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+from collections.abc import Iterable, Sequence
+
+from strawq.errors import NotFound
+from strawq.storage.base import Storage
+from strawq.storage.posix import translate
+
+_MUTATING = ("publish", "rename", "delete", "rmdir")
+
+
+class CrashPoint(BaseException):
+    """Raised in place of the operation at which the simulated process dies.
+
+    A ``BaseException`` so that library ``except Exception`` blocks cannot swallow it.
+    """
+
+
+class FaultyStorage(Storage):
+    def __init__(self, inner: Storage, *, errors: dict[str, tuple[int, int]] | None = None,
+                 crash_after: int | None = None, phantom_enoent: dict[str, int] | None = None,
+                 seed: int | None = None, error_rate: float = 0.0) -> None:
+        self.inner = inner
+        self.capabilities = inner.capabilities
+        self.writer_id = inner.writer_id
+        self._errors = dict(errors or {})
+        self._crash_after = crash_after
+        self._phantom = dict(phantom_enoent or {})
+        self._rng = random.Random(seed)
+        self._rate = error_rate
+        self.counts: dict[str, int] = {}
+        self.mutations = 0
+        self.log: list[tuple[str, tuple[str, ...]]] = []
+
+    def _enter(self, op: str, *keys: str) -> None:
+        n = self.counts[op] = self.counts.get(op, 0) + 1
+        if op in _MUTATING:
+            self.mutations += 1
+            if self._crash_after is not None and self.mutations >= self._crash_after:
+                raise CrashPoint(f"simulated crash before {op} {keys} (mutation {self.mutations})")
+        spec = self._errors.get(op)
+        if spec is not None and spec[0] == n:
+            code = spec[1]
+            raise translate(OSError(code, os.strerror(code)), f"{op} {' '.join(keys)}")
+        if self._rate and self._rng.random() < self._rate:
+            raise translate(OSError(errno.EIO, os.strerror(errno.EIO)), f"{op} {' '.join(keys)}")
+        self.log.append((op, keys))
+
+    def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
+                sync_dir: bool = True) -> None:
+        self._enter("publish", key)
+        self.inner.publish(key, data, sync_dir=sync_dir)
+
+    def read(self, key: str) -> bytes:
+        self._enter("read", key)
+        return self.inner.read(key)
+
+    def read_prefix(self, key: str, size: int) -> bytes:
+        self._enter("read", key)
+        return self.inner.read_prefix(key, size)
+
+    def rename(self, src: str, dst: str, *, sync_dir: bool = True) -> None:
+        self._enter("rename", src, dst)
+        self.inner.rename(src, dst, sync_dir=sync_dir)
+        if self._phantom.get("rename") == self.counts["rename"]:
+            raise NotFound(errno.ENOENT, f"rename {src} -> {dst}: (injected) reply lost")
+
+    def list(self, directory: str) -> list[str]:
+        self._enter("list", directory)
+        return self.inner.list(directory)
+
+    def delete(self, key: str, *, missing_ok: bool = True) -> None:
+        self._enter("delete", key)
+        self.inner.delete(key, missing_ok=missing_ok)
+
+    def rmdir(self, directory: str) -> bool:
+        self._enter("rmdir", directory)
+        return self.inner.rmdir(directory)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def is_dir(self, key: str) -> bool:
+        return self.inner.is_dir(key)
+
+    def makedirs(self, directory: str) -> None:
+        self.inner.makedirs(directory)
+
+    def sync_dirs(self, directories: Iterable[str]) -> None:
+        self.inner.sync_dirs(directories)
+
+    def local_path(self, key: str) -> str | None:
+        return self.inner.local_path(key)
+
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def describe(self) -> str:
+        return f"faulty({self.inner.describe()})"

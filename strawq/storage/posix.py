@@ -1,0 +1,236 @@
+"""POSIX backend: a local directory, or a JuiceFS / NFS mount.
+
+Writes follow the maildir discipline of ``reference/filesystem-semantics.md``: unique
+temporary name in ``tmp/`` on the same filesystem, fsync, close, rename into place without
+replacing, fsync the directory. The file is never published while its descriptor is open
+(JuiceFS shows such a file empty to other clients).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import uuid
+from collections.abc import Iterable, Sequence
+
+from strawq.errors import AlreadyExists, NotFound, StorageError, StorageFull
+from strawq.storage.base import Capabilities, Storage, parent, validate_key
+
+log = logging.getLogger(__name__)
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _renameat2 = getattr(_libc, "renameat2", None)
+except OSError:  # pragma: no cover - non-glibc platforms
+    _renameat2 = None
+
+
+def translate(exc: OSError, what: str) -> Exception:
+    """Map an ``OSError`` to the package's exceptions, keeping errno and the message."""
+    code = exc.errno
+    msg = f"{what}: {exc.strerror or exc}"
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFull(code, msg + " (free space or raise the quota; nothing was published)")
+    if code == errno.ENOENT:
+        return NotFound(code, msg)
+    if code in (errno.EEXIST, errno.ENOTEMPTY):
+        return AlreadyExists(code, msg)
+    return StorageError(code if code is not None else errno.EIO, msg)
+
+
+class PosixStorage(Storage):
+    """A store rooted at a directory of a POSIX filesystem."""
+
+    def __init__(self, root: str, *, writer_id: str | None = None, fsync: bool = True,
+                 tmp_dir: str = "tmp") -> None:
+        self.root = os.path.abspath(root)
+        self.writer_id = writer_id or f"w{os.getpid()}"
+        self._fsync = fsync
+        self._tmp = tmp_dir
+        self._noreplace_ok = _renameat2 is not None
+        self.capabilities = Capabilities(durable=fsync)
+        os.makedirs(os.path.join(self.root, self._tmp), exist_ok=True)
+
+    # -- paths ---------------------------------------------------------------------------
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, validate_key(key))
+
+    def local_path(self, key: str) -> str | None:
+        return self._path(key)
+
+    def describe(self) -> str:
+        return f"posix:{self.root}"
+
+    # -- primitives ----------------------------------------------------------------------
+    def _fsync_dir(self, path: str) -> None:
+        if not self._fsync:
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise translate(exc, f"open directory {path} for fsync") from exc
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            # EINVAL: the filesystem cannot fsync directories; nothing more to do there.
+            if exc.errno != errno.EINVAL:
+                raise translate(exc, f"fsync directory {path}") from exc
+        finally:
+            os.close(fd)
+
+    def _rename_noreplace(self, src: str, dst: str) -> None:
+        if self._noreplace_ok and _renameat2 is not None:
+            rc = _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst),
+                            _RENAME_NOREPLACE)
+            if rc == 0:
+                return
+            code = ctypes.get_errno()
+            if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+                log.warning("RENAME_NOREPLACE unsupported under %s; using rename()", self.root)
+                self._noreplace_ok = False
+            else:
+                raise OSError(code, os.strerror(code), src)
+        # Fallback: destinations are unique by construction, so a check is enough to catch
+        # bugs; the atomicity that matters (one winner per source) is rename's own.
+        if os.path.lexists(dst):
+            raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+        os.rename(src, dst)
+
+    def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
+                sync_dir: bool = True) -> None:
+        dst = self._path(key)
+        tmp = os.path.join(self.root, self._tmp, f"{self.writer_id}.{uuid.uuid4().hex}")
+        chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as exc:
+            raise translate(exc, f"create temporary file for {key}") from exc
+        try:
+            try:
+                for chunk in chunks:
+                    view = memoryview(chunk).cast("B")
+                    while view:
+                        n = os.write(fd, view)
+                        view = view[n:]
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                self._rename_noreplace(tmp, dst)
+            except FileNotFoundError:
+                # The parent directory is missing: create it once and retry.
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                self._rename_noreplace(tmp, dst)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            raise translate(exc, f"publish {key}") from exc
+        if sync_dir:
+            self._fsync_dir(os.path.dirname(dst))
+
+    def read(self, key: str) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise translate(exc, f"read {key}") from exc
+
+    def read_prefix(self, key: str, size: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read(size)
+        except OSError as exc:
+            raise translate(exc, f"read {key}") from exc
+
+    def size(self, key: str) -> int:
+        try:
+            return os.stat(self._path(key)).st_size
+        except OSError as exc:
+            raise translate(exc, f"stat {key}") from exc
+
+    def rename(self, src: str, dst: str, *, sync_dir: bool = True) -> None:
+        s, d = self._path(src), self._path(dst)
+        try:
+            self._rename_noreplace(s, d)
+        except OSError as exc:
+            # NFS: a retried RENAME whose first attempt succeeded reports ENOENT. Our
+            # destinations are unique to the caller, so an existing one means we won.
+            if exc.errno == errno.ENOENT and os.path.lexists(d) and not os.path.lexists(s):
+                log.debug("rename %s -> %s reported ENOENT but the destination exists", src, dst)
+            else:
+                raise translate(exc, f"rename {src} -> {dst}") from exc
+        if sync_dir:
+            self._fsync_dir(os.path.dirname(d))
+            if os.path.dirname(s) != os.path.dirname(d):
+                self._fsync_dir(os.path.dirname(s))
+
+    def list(self, directory: str) -> list[str]:
+        path = self._path(directory) if directory else self.root
+        try:
+            names = os.listdir(path)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise translate(exc, f"list {directory}") from exc
+        return sorted(n for n in names if not n.startswith("."))
+
+    def delete(self, key: str, *, missing_ok: bool = True) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            if not missing_ok:
+                raise NotFound(errno.ENOENT, f"delete {key}: no such key") from None
+        except OSError as exc:
+            raise translate(exc, f"delete {key}") from exc
+
+    def rmdir(self, directory: str) -> bool:
+        try:
+            os.rmdir(self._path(directory))
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                return False
+            raise translate(exc, f"rmdir {directory}") from exc
+        return True
+
+    def exists(self, key: str) -> bool:
+        return os.path.lexists(self._path(key))
+
+    def is_dir(self, key: str) -> bool:
+        return os.path.isdir(self._path(key))
+
+    def makedirs(self, directory: str) -> None:
+        path = self._path(directory)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise translate(exc, f"makedirs {directory}") from exc
+        self._fsync_dir(os.path.dirname(path))
+
+    def sync_dirs(self, directories: Iterable[str]) -> None:
+        for d in dict.fromkeys(directories):
+            self._fsync_dir(self._path(d) if d else self.root)
+
+    def clean_tmp(self, writer_prefix: str) -> int:
+        """Remove temporary files of writers whose ids start with ``writer_prefix``.
+
+        Only call this for writers known to be gone (a fenced collector epoch, a producer
+        whose lease the grantor expired): a live writer's temporary file is in use.
+        """
+        n = 0
+        for name in self.list(self._tmp):
+            if name.startswith(writer_prefix + "."):
+                _unlink_quietly(os.path.join(self.root, self._tmp, name))
+                n += 1
+        return n
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
