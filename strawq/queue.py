@@ -42,7 +42,7 @@ from strawq.storage import Storage
 log = logging.getLogger(__name__)
 
 DIRS = ("tmp", "staging", "cursor", "pending", "leased", "ready", "batched", "batches",
-        "acked", "dropped", "data", "hb", "versions", "quarantine", "collector")
+        "acked", "dropped", "data", "hb", "versions", "quarantine", "collector", "control")
 RUN_KEY = "run.meta"
 
 
