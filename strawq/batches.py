@@ -76,6 +76,7 @@ class BatchStore:
                       summaries: Sequence[dict[str, Any]] | None = None,
                       meta: dict[str, Any] | None = None) -> Manifest:
         """Commit a batch (exclusive create of the manifest), then move its groups."""
+        self.storage.sync_dirs(["ready", "leased"])  # producers' renames, made durable
         body = {"seq": seq, "groups": [str(n) for n in names],
                 "summaries": list(summaries or []), "meta": meta or {}, "at": time.time()}
         self.storage.publish(f"batches/{seq:012d}", records.encode(Kind.MANIFEST, body))

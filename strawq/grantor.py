@@ -95,7 +95,7 @@ class LeaseMonitor:
             dst = f"pending/{q._requeued_name(name, refund=False)}"
             target = res.expired
         try:
-            q.storage.rename(src, dst)
+            q.storage.rename(src, dst, sync_dir=False)  # lost in a power cut: expires again
         except (NotFound, AlreadyExists):
             return  # the holder finished (or handed it back) first: it won the race
         log.warning("lease %s of producer %s expired; task %s -> %s", name.gen, name.producer,

@@ -91,6 +91,12 @@ class GroupData:
             return int(self.versions.max())
         return int(self.meta.get("version_hint", default))
 
+    def num_versions(self) -> int:
+        if not self.versions.size:
+            return 0
+        lo, hi = int(self.versions.min()), int(self.versions.max())
+        return 1 if lo == hi else int(np.unique(self.versions).size)
+
     @property
     def complete(self) -> bool:
         return all(s in ("completed", "truncated", "failed") for s in self.status)
@@ -106,7 +112,7 @@ class GroupData:
             "status": list(self.status),
             "min_version": self.min_version(),
             "max_version": self.max_version(),
-            "num_versions": int(np.unique(self.versions).size),
+            "num_versions": self.num_versions(),
             "meta": self.meta,
         }
 

@@ -156,7 +156,6 @@ class RunQueue:
             return []
         candidates = self.list_pending(limit=max(4 * n, 16))
         won: list[tuple[str, TaskName]] = []
-        touched: set[str] = set()
         for src in candidates:
             if len(won) >= n:
                 break
@@ -171,9 +170,8 @@ class RunQueue:
             except NotFound:
                 continue  # another producer won it
             won.append((dst, held))
-            touched.add(src.rsplit("/", 1)[0])
-        if won:
-            self.storage.sync_dirs(["leased", *touched])
+        # No directory fsync: a claim lost to a power failure puts the task back in pending,
+        # which only means it runs again (execution is at-least-once).
         leases = []
         for dst, held in won:
             try:
@@ -191,7 +189,8 @@ class RunQueue:
         if prev is None:
             prev = max((c for p, c in self._heartbeats() if p == producer), default=0)
         counter = prev + 1
-        self.storage.publish(f"hb/{producer}~{counter:016d}", b"", sync_dir=False)
+        self.storage.publish(f"hb/{producer}~{counter:016d}", b"", sync_dir=False,
+                             sync_file=False)
         self._hb_counter[producer] = counter
         if prev:
             self.storage.delete(f"hb/{producer}~{prev:016d}")
@@ -216,8 +215,12 @@ class RunQueue:
         return GroupData.from_record(rec)
 
     def _move_lease(self, lease: Lease, dst: str) -> None:
+        """The fencing step. Not fsync'd: if a power failure undoes it, the task is back in
+        LEASED, expires and runs again; its payload was made durable before this rename.
+        The collector fsyncs ``ready/`` before a manifest names a group (``publish_batch``).
+        """
         try:
-            self.storage.rename(lease.key, dst)
+            self.storage.rename(lease.key, dst, sync_dir=False)
         except NotFound:
             raise LeaseLost(f"lease {lease.name} is no longer held by {lease.producer}: it "
                             "expired and was re-queued (or the task was dropped); its result "

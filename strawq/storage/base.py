@@ -69,12 +69,14 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
-                sync_dir: bool = True) -> None:
+                sync_dir: bool = True, sync_file: bool = True) -> None:
         """Atomically create ``key`` with ``data``; ``AlreadyExists`` if it exists.
 
         ``data`` may be a sequence of buffers written back to back (no concatenation copy).
         With ``sync_dir=False`` the caller promises to call ``sync_dirs`` on the parent
-        before it reports success to anyone (batched fsyncs, DESIGN §6).
+        before it reports success to anyone (batched fsyncs, DESIGN §6). With
+        ``sync_file=False`` the content is not fsync'd either: only for data whose loss in a
+        power failure is harmless (heartbeat counters).
         """
 
     @abc.abstractmethod

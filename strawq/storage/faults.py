@@ -61,9 +61,9 @@ class FaultyStorage(Storage):
         self.log.append((op, keys))
 
     def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
-                sync_dir: bool = True) -> None:
+                sync_dir: bool = True, sync_file: bool = True) -> None:
         self._enter("publish", key)
-        self.inner.publish(key, data, sync_dir=sync_dir)
+        self.inner.publish(key, data, sync_dir=sync_dir, sync_file=sync_file)
 
     def read(self, key: str) -> bytes:
         self._enter("read", key)

@@ -32,7 +32,7 @@ class MemoryStorage(Storage):
             d = parent(d)
 
     def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
-                sync_dir: bool = True) -> None:
+                sync_dir: bool = True, sync_file: bool = True) -> None:
         validate_key(key)
         if isinstance(data, (bytes, bytearray, memoryview)):
             blob = bytes(data)
@@ -58,6 +58,9 @@ class MemoryStorage(Storage):
         validate_key(src)
         validate_key(dst)
         with self._lock:
+            if src not in self._files and src not in self._dirs:
+                # POSIX order: a missing source is ENOENT even when the destination exists
+                raise NotFound(errno.ENOENT, f"rename {src} -> {dst}: source is gone")
             if dst in self._files or dst in self._dirs:
                 raise AlreadyExists(errno.EEXIST, f"rename {src} -> {dst}: destination exists")
             if src in self._files:

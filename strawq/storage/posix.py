@@ -102,7 +102,7 @@ class PosixStorage(Storage):
         os.rename(src, dst)
 
     def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
-                sync_dir: bool = True) -> None:
+                sync_dir: bool = True, sync_file: bool = True) -> None:
         dst = self._path(key)
         tmp = os.path.join(self.root, self._tmp, f"{self.writer_id}.{uuid.uuid4().hex}")
         chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
@@ -117,7 +117,7 @@ class PosixStorage(Storage):
                     while view:
                         n = os.write(fd, view)
                         view = view[n:]
-                if self._fsync:
+                if self._fsync and sync_file:
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -130,7 +130,7 @@ class PosixStorage(Storage):
         except OSError as exc:
             _unlink_quietly(tmp)
             raise translate(exc, f"publish {key}") from exc
-        if sync_dir:
+        if sync_dir and sync_file:
             self._fsync_dir(os.path.dirname(dst))
 
     def read(self, key: str) -> bytes:
@@ -156,7 +156,15 @@ class PosixStorage(Storage):
     def rename(self, src: str, dst: str, *, sync_dir: bool = True) -> None:
         s, d = self._path(src), self._path(dst)
         try:
-            self._rename_noreplace(s, d)
+            try:
+                self._rename_noreplace(s, d)
+            except FileNotFoundError:
+                # Like publish: a missing destination directory is created, never reported
+                # as NotFound (which every caller reads as "somebody else won the source").
+                if not os.path.lexists(s) or os.path.isdir(os.path.dirname(d)):
+                    raise
+                os.makedirs(os.path.dirname(d), exist_ok=True)
+                self._rename_noreplace(s, d)
         except OSError as exc:
             # NFS: a retried RENAME whose first attempt succeeded reports ENOENT. Our
             # destinations are unique to the caller, so an existing one means we won.
