@@ -122,7 +122,8 @@ class Feeder:
             self.storage.publish(f"staging/{staging}/{name}", records.encode(Kind.TASK, body),
                                  sync_dir=False)
             good += 1
-        self.storage.sync_dirs([f"staging/{staging}", "staging", "dropped"])
+        # The staging directory exists only once a good row was staged in it.
+        self.storage.sync_dirs([f"staging/{staging}"] * bool(good) + ["staging", "dropped"])
         end = rows[-1][0] + 1 if rows else cur.next_index
         exhausted = len(rows) < n
         new = Cursor(seq, end, staging if good else None, exhausted, self.dataset.fingerprint)

@@ -72,6 +72,15 @@ def run_status(queue: RunQueue) -> RunStatus:
     if cursors:
         from strawq import records
 
-        rec = records.decode(st.read(f"cursor/{cursors[-1]}"), name="cursor")
-        out.cursor = {k: rec.meta.get(k) for k in ("seq", "next_index", "exhausted")}
+        from strawq.errors import CorruptRecord, NotFound
+
+        key = f"cursor/{cursors[-1]}"
+        try:
+            rec = records.decode(st.read(key), expect=records.Kind.CURSOR, name=key)
+        except (CorruptRecord, NotFound) as exc:
+            # a status report must not crash on the record it should report (invariant 2);
+            # the feeder quarantines it on its next start
+            out.cursor = {"error": str(exc)}
+        else:
+            out.cursor = {k: rec.meta.get(k) for k in ("seq", "next_index", "exhausted")}
     return out
