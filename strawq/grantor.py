@@ -101,6 +101,10 @@ class LeaseMonitor:
         log.warning("lease %s of producer %s expired; task %s -> %s", name.gen, name.producer,
                     name.id, dst.split("/", 1)[0])
         target.append(name.id)
+        if name.producer:
+            # Producers write with writer_id == producer id: a silent one's temporary files
+            # are garbage (if it wakes up, its publish fails like its fenced rename would).
+            q.storage.clean_tmp(name.producer)
 
     def forget_producer(self, producer: str) -> None:
         self._seen.pop(producer, None)

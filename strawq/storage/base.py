@@ -127,6 +127,10 @@ class Storage(abc.ABC):
         """A path for memory-mapping, or None when the backend has none."""
         return None
 
+    def clean_tmp(self, writer_prefix: str) -> int:
+        """Remove temporary files of a writer known to be gone; returns how many."""
+        return 0
+
     def size(self, key: str) -> int:
         """Size in bytes of ``key``."""
         return len(self.read(key))
