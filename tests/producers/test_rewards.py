@@ -1,0 +1,76 @@
+"""Built-in rewards, filters and the plugin loader's start-up checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from producers.plugins import check_filter_fn, check_reward_fn, load_filter, load_reward
+from producers.rewards import (answers_match, count_task, extract_answer, math_answer,
+                               zero_variance)
+from strawq.errors import ConfigError
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("so the answer is \\boxed{42}.", "42"),
+    ("first \\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("work...\n#### 1,234\n", "1,234"),
+    ("no answer here", None),
+])
+def test_extract_answer(text: str, expected: str | None) -> None:
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("pred,label,ok", [
+    ("42", 42, True), ("1,234", "1234", True), ("0.5", "1/2", False), ("3.0", "3", True),
+    ("$7$", "7", True), ("7.", "7", True), ("8", "7", False), (None, "7", False),
+])
+def test_answers_match(pred: str | None, label: object, ok: bool) -> None:
+    assert answers_match(pred, label) is ok
+
+
+def test_math_answer_reads_text_and_label() -> None:
+    task = {"row": {"prompt": "2+2?", "answer": "4"}}
+    assert math_answer(task, [1, 2], {"text": "#### 4"}) == 1.0
+    assert math_answer(task, [1, 2], {"text": "\\boxed{5}"}) == 0.0
+    with pytest.raises(ValueError, match="text"):
+        math_answer(task, [1], {})
+
+
+def test_count_task_rewards_exact_stop() -> None:
+    task = {"row": {"prompt": [5], "target": 7, "count": 3, "eos": 0}}
+    assert count_task(task, [7, 7, 7, 0], {}) == 1.0
+    assert count_task(task, [7, 7, 7, 7, 0], {}) == 0.5      # right tokens, did not stop
+    assert count_task(task, [7, 9, 7, 0], {}) == pytest.approx(1 / 3)
+    assert count_task(task, [], {}) == 0.0
+
+
+def test_zero_variance_filter() -> None:
+    assert zero_variance({}, [1.0, 1.0, 1.0]) == "zero_variance"
+    assert zero_variance({}, [0.0, 1.0]) is None
+    assert zero_variance({}, [1.0]) is None
+
+
+def test_plugins_resolve_and_check() -> None:
+    fn = load_reward("producers.rewards.count_task")
+    assert check_reward_fn(fn, {"row": {"target": 1, "count": 1}}, [1, 0]) == 1.0
+    flt = load_filter("producers.rewards:zero_variance")
+    assert flt is not None and check_filter_fn(flt, {}, [1.0, 1.0]) == "zero_variance"
+    assert load_filter(None) is None
+
+
+@pytest.mark.parametrize("path,msg", [
+    ("nope.module.fn", "cannot import"),
+    ("producers.rewards.missing", "no callable"),
+    ("producers.rewards.extract_answer", "3 positional"),
+    ("", "dotted path"),
+])
+def test_plugins_refuse_bad_paths(path: str, msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg):
+        load_reward(path)
+
+
+def test_reward_contract_rejects_non_float() -> None:
+    with pytest.raises(ConfigError, match="finite float"):
+        check_reward_fn(lambda t, r, m: float("nan"), {}, [])
+    with pytest.raises(ConfigError, match="finite float"):
+        check_reward_fn(lambda t, r, m: "1", {}, [])  # type: ignore[arg-type,return-value]
