@@ -166,7 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_doctor_parser(sub)
     except ImportError:  # pragma: no cover - partial installs
         pass
-    _add_optional(sub, "producers.engines.cli", "add_engine_parser")
+    engine = sub.add_parser("engine", help="local SGLang-compatible engines (tiny, sim, router)",
+                            description="Serve a local engine that speaks SGLang's native HTTP "
+                            "protocol: 'tiny' is a real torch model on CPU, 'sim' a timing model "
+                            "for scale experiments, 'router' a minimal sglang-router.")
+    _add_optional(engine.add_subparsers(dest="engine_command", metavar="ENGINE_COMMAND"),
+                  "producers.engines.cli", "add_engine_parser")
     _add_optional(sub, "collector.cli", "add_parsers")
     return p
 

@@ -1,0 +1,5 @@
+import sys
+
+from producers.engines.cli import main
+
+sys.exit(main())

@@ -1,0 +1,125 @@
+"""Build and start a local engine (or the mini router) from Python."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from aiohttp import web
+
+from producers.engines.core import EngineCore
+from producers.engines.router import build_router_app
+from producers.engines.server import build_app
+from producers.engines.sim_backend import SimBackend, SimConfig
+from producers.engines.tiny_config import TinyConfig
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("tiny", "sim", "router")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """Everything needed to build one local engine.
+
+    Fields:
+        kind: ``tiny`` (torch model), ``sim`` (timing model) or ``router``.
+        max_running: slot limit (``--max-running-requests``); more requests wait.
+        weight_version: initial version string; strawq wants an integer string.
+        model_path: tiny only: a directory written by ``save_weights``; None = random
+            init from ``tiny`` (the config's seed).
+        tiny / sim: backend configurations.
+        threads: torch threads for the tiny model (1 is fastest for the default size on
+            small CPUs; None = torch default).
+        served_model_name: reported by ``/model_info``.
+        health_check_timeout_s: ``/health_generate`` answers 503 after this.
+        update_wait_timeout_s: an unpaused weight update gives up (400) after waiting
+            this long for in-flight requests.
+        worker_urls: router only: the workers to route to.
+    """
+
+    kind: str
+    max_running: int = 32
+    weight_version: str = "0"
+    model_path: str | None = None
+    tiny: TinyConfig = field(default_factory=TinyConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    threads: int | None = 1
+    served_model_name: str | None = None
+    health_check_timeout_s: float = 20.0
+    update_wait_timeout_s: float = 600.0
+    worker_urls: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"engine kind must be one of {KINDS}, found {self.kind!r}")
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, found {self.max_running}")
+        if self.model_path is not None and self.kind != "tiny":
+            raise ValueError("model_path only applies to the tiny engine")
+        object.__setattr__(self, "worker_urls", tuple(self.worker_urls))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(
+                f"unknown EngineOptions keys {sorted(unknown)}; expected a subset of {sorted(known)}"
+            )
+        kwargs = dict(data)
+        if isinstance(kwargs.get("tiny"), Mapping):
+            kwargs["tiny"] = TinyConfig.from_dict(kwargs["tiny"])
+        if isinstance(kwargs.get("sim"), Mapping):
+            kwargs["sim"] = SimConfig.from_dict(kwargs["sim"])
+        return cls(**kwargs)
+
+
+def build_engine_app(opts: EngineOptions) -> web.Application:
+    if opts.kind == "router":
+        return build_router_app(list(opts.worker_urls))
+    backend: Any
+    if opts.kind == "tiny":
+        from producers.engines.tiny_backend import TinyBackend  # torch only where needed
+
+        backend = TinyBackend.from_path_or_config(
+            opts.model_path, opts.tiny, max_running=opts.max_running, threads=opts.threads
+        )
+        model_path = opts.model_path or f"random-init:seed={opts.tiny.seed}"
+    else:
+        backend = SimBackend(opts.sim)
+        model_path = "sim"
+    core = EngineCore(
+        backend,
+        max_running=opts.max_running,
+        weight_version=opts.weight_version,
+        model_path=model_path,
+        update_wait_timeout_s=opts.update_wait_timeout_s,
+    )
+    return build_app(
+        core,
+        served_model_name=opts.served_model_name or f"strawq-{opts.kind}",
+        health_check_timeout_s=opts.health_check_timeout_s,
+    )
+
+
+async def start_engine(
+    opts: EngineOptions, *, host: str = "127.0.0.1", port: int = 0
+) -> tuple[web.AppRunner, str]:
+    """Start serving in the running event loop; returns the runner and the base URL.
+
+    Stop it with ``await runner.cleanup()``.
+    """
+    app = build_engine_app(opts)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096)
+    await site.start()
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    bound = sockets[0].getsockname()[1] if sockets else port
+    url = f"http://{host}:{bound}"
+    logger.info("%s engine listening on %s", opts.kind, url)
+    return runner, url

@@ -1,0 +1,134 @@
+"""A minimal stand-in for sglang-router 0.3.x: worker registry and round-robin ``/generate``.
+
+Only what strawq uses: ``GET /workers`` (the 0.3.x shape), ``POST /workers`` (202),
+``DELETE /workers/{id}``, ``/generate`` forwarded round-robin with the body unchanged,
+``/flush_cache`` fanned out, ``/health`` and ``/health_generate`` answered by the router.
+Control endpoints (abort, pause, weight updates) are deliberately *not* routed (404), as
+in the real router: clients must send them to each worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = web.AppKey("router_state", dict)
+
+
+def _worker(url: str) -> dict[str, Any]:
+    return {
+        "id": str(uuid.uuid4()),
+        "url": url.rstrip("/"),
+        "worker_type": "regular",
+        "is_healthy": True,
+        "load": -1,
+    }
+
+
+async def _list_workers(request: web.Request) -> web.Response:
+    workers = request.app[STATE_KEY]["workers"]
+    return web.json_response({"workers": workers, "total": len(workers), "stats": {}})
+
+
+async def _add_worker(request: web.Request) -> web.Response:
+    try:
+        body = await request.json()
+    except ValueError:
+        return web.json_response(
+            {"error": {"message": "body must be JSON with a 'url'"}}, status=400
+        )
+    if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+        return web.json_response(
+            {"error": {"message": "body must be JSON with a 'url'"}}, status=400
+        )
+    worker = _worker(body["url"])
+    request.app[STATE_KEY]["workers"].append(worker)
+    return web.json_response(
+        {"status": "accepted", "worker_id": worker["id"], "url": worker["url"]}, status=202
+    )
+
+
+async def _delete_worker(request: web.Request) -> web.Response:
+    workers = request.app[STATE_KEY]["workers"]
+    wid = request.match_info["wid"]
+    kept = [w for w in workers if w["id"] != wid]
+    if len(kept) == len(workers):
+        return web.json_response({"error": {"message": f"no worker with id {wid}"}}, status=404)
+    workers[:] = kept
+    return web.json_response({"status": "accepted", "worker_id": wid}, status=202)
+
+
+async def _generate(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    workers = state["workers"]
+    if not workers:
+        return web.json_response({"error": {"message": "no workers registered"}}, status=503)
+    url = workers[next(state["rr"]) % len(workers)]["url"]
+    body = await request.read()
+    try:
+        async with state["session"].post(
+            url + "/generate", data=body, headers={"Content-Type": "application/json"}
+        ) as resp:
+            data = await resp.read()
+            return web.Response(body=data, status=resp.status, content_type=resp.content_type)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return web.json_response({"error": {"message": f"worker {url} failed: {exc}"}}, status=502)
+
+
+async def _flush_cache(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+
+    async def one(url: str) -> int:
+        try:
+            async with state["session"].post(
+                url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp:
+                return resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return 599
+
+    codes = await asyncio.gather(*(one(w["url"]) for w in state["workers"]))
+    ok = all(c == 200 for c in codes)
+    return web.Response(
+        status=200 if ok else 500, text="Cache flushed." if ok else f"flush failed: {codes}"
+    )
+
+
+async def _ok(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+def build_router_app(worker_urls: list[str]) -> web.Application:
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app[STATE_KEY] = {
+        "workers": [_worker(u) for u in worker_urls],
+        "rr": itertools.count(),
+        "session": None,
+    }
+    app.router.add_get("/workers", _list_workers)
+    app.router.add_post("/workers", _add_worker)
+    app.router.add_delete("/workers/{wid}", _delete_worker)
+    app.router.add_post("/generate", _generate)
+    app.router.add_post("/flush_cache", _flush_cache)
+    app.router.add_get("/health", _ok)
+    app.router.add_get("/health_generate", _ok)
+
+    async def startup(a: web.Application) -> None:
+        a[STATE_KEY]["session"] = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)
+        )
+
+    async def cleanup(a: web.Application) -> None:
+        await a[STATE_KEY]["session"].close()
+
+    app.on_startup.append(startup)
+    app.on_cleanup.append(cleanup)
+    return app

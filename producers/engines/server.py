@@ -1,0 +1,519 @@
+"""aiohttp server speaking SGLang 0.5.x's native HTTP protocol for the local engines.
+
+Endpoints: ``/generate`` (POST/PUT), ``/abort_request``, ``/pause_generation``,
+``/continue_generation``, ``/update_weights_from_disk``, ``/update_weight_version``,
+``/flush_cache``, ``/v1/loads``, ``/model_info`` (+ ``/get_model_info``), ``/health``,
+``/health_generate``, ``/ready``. Differences from SGLang are listed in ``docs/engines.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+
+from producers.engines.core import (
+    ABORT_WAITING,
+    EngineCore,
+    Req,
+    ReqParams,
+    UpdateRejected,
+    detokenize,
+)
+from producers.engines.sim_backend import seed_for_rid
+
+logger = logging.getLogger(__name__)
+
+CORE_KEY = web.AppKey("core", EngineCore)
+INFO_KEY = web.AppKey("info", dict)
+
+SAMPLING_KEYS = (
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+)
+UNSUPPORTED_NON_DEFAULT = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop_regex": None,
+    "logit_bias": None,
+}
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def error_response(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _num(sp: Mapping[str, Any], key: str, default: float) -> float:
+    value = sp.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"sampling_params.{key} must be a number, found {value!r}")
+    return float(value)
+
+
+def _int(sp: Mapping[str, Any], key: str, default: int) -> int:
+    value = sp.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"sampling_params.{key} must be an integer, found {value!r}")
+    return value
+
+
+def parse_sampling_params(sp: Any) -> tuple[ReqParams, int]:
+    """Validate ``sampling_params`` like SGLang 0.5.23; returns ``(params, n)``."""
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, Mapping):
+        raise BadRequest("sampling_params must be an object")
+    unknown = [k for k in sp if k not in SAMPLING_KEYS]
+    if unknown:
+        raise BadRequest(
+            f"unknown field `{unknown[0]}`, expected one of {', '.join(f'`{k}`' for k in SAMPLING_KEYS)}"
+        )
+    for key, default in UNSUPPORTED_NON_DEFAULT.items():
+        if sp.get(key) is not None and sp.get(key) != default:
+            raise BadRequest(f"sampling_params.{key} is not supported by strawq's local engines")
+    max_new = _int(sp, "max_new_tokens", 128)
+    if max_new < 0:
+        raise BadRequest(f"max_new_tokens must be at least 0, got {max_new}.")
+    temperature = _num(sp, "temperature", 1.0)
+    if temperature < 0:
+        raise BadRequest(f"temperature must be non-negative, got {temperature}.")
+    top_p = _num(sp, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p}.")
+    top_k = _int(sp, "top_k", -1)
+    if top_k == 0 or top_k < -1:
+        raise BadRequest(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
+    min_p = _num(sp, "min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise BadRequest(f"min_p must be in [0, 1], got {min_p}.")
+    min_new = _int(sp, "min_new_tokens", 0)
+    if not 0 <= min_new <= max(max_new, 0):
+        raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens], got {min_new}.")
+    stop_ids = sp.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+    ):
+        raise BadRequest("stop_token_ids must be a list of integers")
+    stop = sp.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(stop, list)
+        or not all(isinstance(s, str) and s for s in stop)
+        or len(stop) > 32
+    ):
+        raise BadRequest(
+            "stop must be a non-empty string or a list of at most 32 non-empty strings"
+        )
+    n = _int(sp, "n", 1)
+    if n < 1:
+        raise BadRequest(f"n must be at least 1, got {n}.")
+    seed = sp.get("sampling_seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadRequest(f"sampling_seed must be an integer, found {seed!r}")
+    params = ReqParams(
+        max_new_tokens=max_new,
+        min_new_tokens=min_new,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        stop_token_ids=frozenset(stop_ids),
+        stop=tuple(stop),
+        ignore_eos=bool(sp.get("ignore_eos", False)),
+        no_stop_trim=bool(sp.get("no_stop_trim", False)),
+        seed=seed,
+    )
+    return params, n
+
+
+def version_spans(versions: list[str], current: str) -> list[dict[str, Any]]:
+    if not versions:
+        return [{"version": current, "start": 0, "end": 0}]
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
+
+
+def build_response(
+    req: Req, core: EngineCore, *, return_logprob: bool, text_in_logprobs: bool, latency: float
+) -> dict[str, Any]:
+    finish = req.finish or {}
+    ids = req.out_ids
+    text_ids = ids
+    if (
+        finish.get("type") == "stop"
+        and not req.params.no_stop_trim
+        and isinstance(finish.get("matched"), int)
+        and ids
+    ):
+        text_ids = ids[:-1]
+    text = detokenize(text_ids)
+    if (
+        finish.get("type") == "stop"
+        and isinstance(finish.get("matched"), str)
+        and not req.params.no_stop_trim
+    ):
+        text = text.removesuffix(finish["matched"])
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": finish,
+        "prompt_tokens": len(req.input_ids),
+        "weight_version": core.version,
+        "weight_versions": version_spans(req.out_versions, core.version),
+        "completion_tokens": len(ids),
+        "cached_tokens": 0,
+        "cached_tokens_details": None,
+        "num_retractions": req.num_retractions,
+        "reasoning_tokens": 0,
+        "dp_rank": None,
+        "e2e_latency": round(latency, 6),
+    }
+    if finish == ABORT_WAITING:
+        for key in ("prompt_tokens", "cached_tokens", "cached_tokens_details", "num_retractions"):
+            meta.pop(key)
+    if return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, f" {tok}" if text_in_logprobs else None]
+            for lp, tok in zip(req.out_logprobs, ids)
+        ]
+        meta["output_token_logprobs_length"] = len(ids)
+        meta["input_token_logprobs"] = []
+    return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+
+async def _json_body(request: web.Request, *, allow_empty: bool = True) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    core = request.app[CORE_KEY]
+    try:
+        body = await _json_body(request, allow_empty=False)
+        given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
+        if len(given) != 1:
+            raise BadRequest(
+                "Either text, input_ids or input_embeds should be provided (exactly one)."
+            )
+        if given[0] != "input_ids":
+            raise BadRequest(
+                f"{given[0]} is not supported by strawq's local engines (no tokenizer); send input_ids"
+            )
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by strawq's local engines")
+        if body.get("top_logprobs_num") or body.get("token_ids_logprob") is not None:
+            raise BadRequest(
+                "top_logprobs_num / token_ids_logprob are not supported by strawq's local engines"
+            )
+        inputs = body["input_ids"]
+        batch = isinstance(inputs, list) and bool(inputs) and isinstance(inputs[0], list)
+        prompts = inputs if batch else [inputs]
+        for p in prompts:
+            if not isinstance(p, list) or not p:
+                raise BadRequest("input_ids cannot be empty.")
+            if not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < core.backend.vocab_size
+                for t in p
+            ):
+                raise BadRequest(f"input_ids must be integers in [0, {core.backend.vocab_size})")
+        sps = body.get("sampling_params")
+        sps_list = sps if isinstance(sps, list) else [sps] * len(prompts)
+        if len(sps_list) != len(prompts):
+            raise BadRequest("sampling_params list length must match the batch size")
+        parsed = [parse_sampling_params(sp) for sp in sps_list]
+        ctx = core.backend.context_length
+        for p, (params, _) in zip(prompts, parsed):
+            if len(p) >= ctx:
+                raise BadRequest(
+                    f"The input ({len(p)} tokens) is longer than the model's context length ({ctx} tokens)."
+                )
+            if len(p) + params.max_new_tokens >= ctx:
+                raise BadRequest(
+                    f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
+                    f"a total of {len(p) + params.max_new_tokens} tokens: {len(p)} tokens from the input messages and "
+                    f"{params.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the "
+                    "input messages or the completion to fit within the limit."
+                )
+        rid = body.get("rid")
+        base = str(rid) if isinstance(rid, str) and rid else uuid.uuid4().hex
+        if isinstance(rid, list):
+            raise BadRequest(
+                "a list of rids is not supported; send one rid (sub-requests get '{rid}_{i}')"
+            )
+    except BadRequest as exc:
+        return error_response(str(exc))
+    reqs: list[Req] = []
+    loop = asyncio.get_running_loop()
+    for p, (params, n) in zip(prompts, parsed):
+        for _ in range(n):
+            reqs.append(
+                Req(rid="", input_ids=list(p), params=params, seed=0, done=loop.create_future())
+            )
+    multi = len(reqs) > 1
+    for i, req in enumerate(reqs):
+        req.rid = f"{base}_{i}" if multi else base
+        if req.params.seed is not None:
+            req.seed = req.params.seed + (i if multi else 0)
+        elif isinstance(rid, str) and rid:
+            req.seed = seed_for_rid(req.rid)
+        else:
+            req.seed = random.getrandbits(63)
+    started = time.monotonic()
+    try:
+        await core.submit(reqs)
+    except ValueError as exc:
+        return error_response(str(exc))
+    latency = time.monotonic() - started
+    out = [
+        build_response(
+            r,
+            core,
+            return_logprob=bool(body.get("return_logprob")),
+            text_in_logprobs=bool(body.get("return_text_in_logprobs")),
+            latency=latency,
+        )
+        for r in reqs
+    ]
+    return web.json_response(out if multi else out[0])
+
+
+async def handle_abort(request: web.Request) -> web.Response:
+    try:
+        body = await _json_body(request)
+    except BadRequest as exc:
+        return error_response(str(exc))
+    rid = body.get("rid")
+    request.app[CORE_KEY].abort(
+        rid if isinstance(rid, str) else None, abort_all=bool(body.get("abort_all"))
+    )
+    return web.Response(status=200)
+
+
+async def handle_pause(request: web.Request) -> web.Response:
+    try:
+        body = await _json_body(request)
+    except BadRequest as exc:
+        return error_response(str(exc))
+    mode = body.get("mode") or "abort"
+    if mode not in ("abort", "retract", "in_place"):
+        return error_response(f"mode must be one of abort, retract, in_place; got {mode!r}")
+    await request.app[CORE_KEY].pause(mode)
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def handle_continue(request: web.Request) -> web.Response:
+    await request.app[CORE_KEY].cont()
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+async def handle_update_weights(request: web.Request) -> web.Response:
+    core = request.app[CORE_KEY]
+    try:
+        body = await _json_body(request, allow_empty=False)
+    except BadRequest as exc:
+        return error_response(str(exc))
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        return error_response("model_path is required")
+    version = body.get("weight_version")
+    paused_before = core.paused is not None
+    try:
+        message = await core.update_weights(
+            path,
+            None if version is None else str(version),
+            abort_all_requests=bool(body.get("abort_all_requests", False)),
+            flush_cache=bool(body.get("flush_cache", True)),
+        )
+    except UpdateRejected as exc:
+        return web.json_response(
+            {"success": False, "message": str(exc), "num_paused_requests": 0}, status=400
+        )
+    paused = len(core.waiting) + len(core.running) if paused_before else 0
+    return web.json_response({"success": True, "message": message, "num_paused_requests": paused})
+
+
+async def handle_update_version(request: web.Request) -> web.Response:
+    try:
+        body = await _json_body(request, allow_empty=False)
+    except BadRequest as exc:
+        return error_response(str(exc))
+    new = body.get("new_version")
+    if new is None:
+        return error_response("new_version is required")
+    request.app[CORE_KEY].set_version(
+        str(new), abort_all_requests=bool(body.get("abort_all_requests", True))
+    )
+    return web.json_response(
+        {"success": True, "message": f"Weight version updated to {new}", "new_version": str(new)}
+    )
+
+
+async def handle_flush_cache(request: web.Request) -> web.Response:
+    core = request.app[CORE_KEY]
+    try:
+        timeout = float(request.query.get("timeout", "0"))
+    except ValueError:
+        return error_response("timeout must be a number of seconds")
+    if core.paused == "in_place" and (core.running or core.waiting):
+        return web.Response(status=400, text="Flush cache failed.")
+    # abort / retract pauses free every KV slot, so flushing is allowed even with
+    # retracted requests waiting (as observed on SGLang 0.5.23)
+    if core.paused in ("abort", "retract") or await core.flush_cache(timeout):
+        return web.Response(
+            text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+            "requests, the operation will not be performed.)\n"
+        )
+    return web.Response(status=400, text="Flush cache failed.")
+
+
+async def handle_loads(request: web.Request) -> web.Response:
+    core = request.app[CORE_KEY]
+    return web.json_response(
+        {
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "version": request.app[INFO_KEY]["engine_version"],
+            "loads": [core.loads()],
+        }
+    )
+
+
+async def handle_model_info(request: web.Request) -> web.Response:
+    core = request.app[CORE_KEY]
+    info = {
+        "model_path": core.model_path,
+        "tokenizer_path": None,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": core.version,
+        "load_format": "auto",
+        "served_model_name": request.app[INFO_KEY]["served_model_name"],
+        "engine_kind": core.backend.kind,
+        "max_running_requests": core.max_running,
+    }
+    info.update(core.backend.model_info())
+    return web.json_response(info)
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def handle_ready(request: web.Request) -> web.Response:
+    if request.app[CORE_KEY].paused is not None:
+        return web.Response(status=503, text="paused")
+    return web.Response(status=200)
+
+
+async def handle_health_generate(request: web.Request) -> web.Response:
+    core = request.app[CORE_KEY]
+    if core.running:
+        return web.Response(status=200)
+    req = Req(
+        rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+        input_ids=[0],
+        params=ReqParams(max_new_tokens=1, ignore_eos=True),
+        seed=0,
+        done=asyncio.get_running_loop().create_future(),
+    )
+    try:
+        await asyncio.wait_for(core.submit([req]), request.app[INFO_KEY]["health_check_timeout_s"])
+    except (asyncio.TimeoutError, ValueError):
+        core.abort(req.rid)
+        return web.Response(status=503, text="health check timed out")
+    return web.Response(status=200)
+
+
+def build_app(
+    core: EngineCore, *, served_model_name: str, health_check_timeout_s: float = 20.0
+) -> web.Application:
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app[CORE_KEY] = core
+    app[INFO_KEY] = {
+        "served_model_name": served_model_name,
+        "engine_version": f"strawq-local-{core.backend.kind}",
+        "health_check_timeout_s": health_check_timeout_s,
+    }
+    r = app.router
+    r.add_post("/generate", handle_generate)
+    r.add_put("/generate", handle_generate)
+    r.add_post("/abort_request", handle_abort)
+    r.add_post("/pause_generation", handle_pause)
+    r.add_post("/continue_generation", handle_continue)
+    r.add_post("/update_weights_from_disk", handle_update_weights)
+    r.add_post("/update_weight_version", handle_update_version)
+    r.add_get("/flush_cache", handle_flush_cache)
+    r.add_post("/flush_cache", handle_flush_cache)
+    r.add_get("/v1/loads", handle_loads)
+    r.add_get("/model_info", handle_model_info)
+    r.add_get("/get_model_info", handle_model_info)
+    r.add_get("/health", handle_health)
+    r.add_get("/health_generate", handle_health_generate)
+    r.add_get("/ready", handle_ready)
+
+    async def on_startup(_: web.Application) -> None:
+        core.start()
+
+    async def on_shutdown(_: web.Application) -> None:
+        await core.stop()  # before aiohttp waits for open handlers
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    return app

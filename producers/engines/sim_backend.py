@@ -1,0 +1,167 @@
+"""Backend of the ``sim`` engine: a timing model, no neural network.
+
+* One decode step takes ``step_base_ms + step_per_req_ms * batch`` (times ``time_scale``);
+  admitting requests adds ``prefill_ms_per_token`` per input token (prompt + resumed
+  prefix) to that step.
+* Response lengths are long-tailed: ``L = round(exp(N(ln(len_median), len_sigma)))``,
+  capped at ``len_cap``; with probability ``cap_prob`` a response runs to the cap (the
+  spike of responses that never stop). The response ends with ``eos_token_id`` at
+  ``L`` tokens unless ``max_new_tokens`` comes first.
+* Everything is a pure function of the request's seed (``sampling_seed``, else a hash
+  of the rid): token ids are ``3 + hash(seed, position) % (vocab - 3)``, log-probs are
+  hash-derived values in (-4, 0). A resumed request is recognised by counting the
+  trailing input tokens that equal the seed's own tokens at those positions, so with the
+  same seed a resumed sample continues exactly as the uninterrupted one would.
+
+No thread per request: decode is a plain loop on the event loop, then one
+``asyncio.sleep`` for the whole batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from producers.engines.core import Req
+from producers.engines.seeding import position_hash, position_uniform
+
+_LEN_SALT = 0x5EED_1E57
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """Timing model of the ``sim`` engine (all times in milliseconds of model time)."""
+
+    step_base_ms: float = 10.0
+    step_per_req_ms: float = 0.05
+    prefill_ms_per_token: float = 0.002
+    len_median: float = 200.0
+    len_sigma: float = 1.0
+    len_cap: int = 4096
+    cap_prob: float = 0.02
+    vocab_size: int = 32000
+    context_length: int = 32768
+    eos_token_id: int = 2
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "step_base_ms",
+            "step_per_req_ms",
+            "prefill_ms_per_token",
+            "time_scale",
+            "len_sigma",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SimConfig.{name} must be >= 0, found {getattr(self, name)}")
+        if self.len_median < 1 or self.len_cap < 1:
+            raise ValueError("SimConfig.len_median and len_cap must be >= 1")
+        if not 0.0 <= self.cap_prob <= 1.0:
+            raise ValueError(f"SimConfig.cap_prob must be in [0, 1], found {self.cap_prob}")
+        if self.vocab_size < 8 or not 0 <= self.eos_token_id < 3:
+            raise ValueError(
+                "SimConfig needs vocab_size >= 8 and eos_token_id in 0..2 (ids >= 3 are content)"
+            )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SimConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(
+                f"unknown SimConfig keys {sorted(unknown)}; expected a subset of {sorted(known)}"
+            )
+        return cls(**data)
+
+
+def seed_for_rid(rid: str) -> int:
+    return zlib.crc32(rid.encode()) * 0x9E3779B1
+
+
+def sim_token(seed: int, position: int, vocab_size: int) -> int:
+    return 3 + position_hash(seed, position) % (vocab_size - 3)
+
+
+def sim_logprob(seed: int, position: int) -> float:
+    return -4.0 * position_uniform(seed ^ 0xA5A5, position) - 1e-3
+
+
+def target_length(seed: int, cfg: SimConfig) -> int:
+    """The response length this seed stops at (before ``max_new_tokens``)."""
+    u_cap = position_uniform(seed ^ _LEN_SALT, -1)
+    if u_cap < cfg.cap_prob:
+        return cfg.len_cap
+    u1 = max(position_uniform(seed ^ _LEN_SALT, -2), 1e-12)
+    u2 = position_uniform(seed ^ _LEN_SALT, -3)
+    z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+    length = round(math.exp(math.log(cfg.len_median) + cfg.len_sigma * z))
+    return max(1, min(cfg.len_cap, length))
+
+
+class SimBackend:
+    kind = "sim"
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.vocab_size = cfg.vocab_size
+        self.context_length = cfg.context_length
+        self.eos_token_id = cfg.eos_token_id
+        self.model_path = "sim"
+        self._pending_prefill_ms = 0.0
+
+    async def prefill(self, reqs: Sequence[Req]) -> None:
+        for req in reqs:
+            seq = req.input_ids + req.out_ids
+            if req.backend_state is None or "prompt_len" not in req.backend_state:
+                resumed = 0
+                for pos in range(len(seq) - 1, 0, -1):
+                    if seq[pos] != sim_token(req.seed, pos, self.vocab_size):
+                        break
+                    resumed += 1
+                req.backend_state = {
+                    "prompt_len": len(seq) - resumed,
+                    "target": target_length(req.seed, self.cfg),
+                }
+            self._pending_prefill_ms += self.cfg.prefill_ms_per_token * len(seq)
+
+    async def decode(self, reqs: Sequence[Req]) -> list[tuple[int, float]]:
+        out = []
+        vocab = self.vocab_size
+        for req in reqs:
+            state = req.backend_state
+            pos = req.seq_len
+            if pos - state["prompt_len"] == state["target"] - 1 and not req.params.ignore_eos:
+                token = self.eos_token_id
+            else:
+                token = sim_token(req.seed, pos, vocab)
+            out.append((token, sim_logprob(req.seed, pos)))
+        delay_ms = (
+            self.cfg.step_base_ms + self.cfg.step_per_req_ms * len(reqs) + self._pending_prefill_ms
+        )
+        self._pending_prefill_ms = 0.0
+        delay = delay_ms * self.cfg.time_scale / 1000.0
+        await asyncio.sleep(delay) if delay > 0 else await asyncio.sleep(0)
+        return out
+
+    def release(self, req: Req) -> None:
+        """Nothing to free; the per-request state is kept so a retracted request resumes."""
+
+    async def load_weights(self, path: str) -> None:
+        self.model_path = path
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_type": "strawq-sim",
+            "architectures": ["StrawqSimTimingModel"],
+            "vocab_size": self.vocab_size,
+            "context_length": self.context_length,
+            "eos_token_id": self.eos_token_id,
+            "sim": {f.name: getattr(self.cfg, f.name) for f in fields(self.cfg)},
+        }
+
+    async def close(self) -> None:
+        return None

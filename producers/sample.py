@@ -1,0 +1,363 @@
+"""The sample-state record every downstream part (producers, queue, collector) shares.
+
+A :class:`Sample` is one response being generated for one prompt. It may be produced by
+several engine requests ("segments"): a request can be aborted (pause for a weight update,
+producer shutdown) and the sample resumed later from its prefix. The per-token arrays —
+response ids, rollout log-probs, weight versions, loss mask — always have equal length;
+:meth:`Sample.check` verifies it and every mutation calls it.
+
+Budget arithmetic for a resume (see ``docs/engines.md``)::
+
+    remaining = max_new_tokens - len(response)
+    if context_length is known:
+        remaining = min(remaining, context_length - 1 - len(prompt) - len(response))
+    remaining <= 0  ->  the sample finishes as TRUNCATED without any request
+
+(SGLang rejects a request whose ``input + max_new_tokens >= context_length``.)
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_SCHEMA_VERSION = 1
+
+TOKEN_DTYPE = np.int32
+LOGPROB_DTYPE = np.float32
+VERSION_DTYPE = np.int64
+MASK_DTYPE = np.uint8
+
+
+class SampleError(ValueError):
+    """A sample operation would break the sample's invariants (lengths, budget, state)."""
+
+
+class SampleStatus(str, enum.Enum):
+    """Lifecycle of a sample.
+
+    ::
+
+        PENDING --stop--> COMPLETED
+           |  ^ \\--length / zero budget--> TRUNCATED
+           |  |
+         abort  resume (same transitions as PENDING)
+           v  |
+          ABORTED
+
+    ``ABORTED`` means "partial, resumable": it is not a final state.
+    """
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+
+
+_FINISH_TO_STATUS = {
+    "stop": SampleStatus.COMPLETED,
+    "length": SampleStatus.TRUNCATED,
+    "abort": SampleStatus.ABORTED,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerParams:
+    """Sampling parameters of one sample; constant across its segments.
+
+    Fields:
+        max_new_tokens: total response budget over all segments (>= 0).
+        temperature: >= 0; below 1e-6 the engine samples greedily.
+        top_p: in (0, 1].
+        top_k: -1 (all) or >= 1.
+        stop_token_ids: token ids that end the response (the stop token is kept).
+        seed: ``sampling_seed`` sent to the engine, or None for engine randomness.
+        ignore_eos: keep generating past the model's EOS (stop_token_ids still stop).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 0
+        ):
+            raise SampleError(f"max_new_tokens must be an int >= 0, found {self.max_new_tokens!r}")
+        if not self.temperature >= 0.0:
+            raise SampleError(f"temperature must be >= 0, found {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SampleError(f"top_p must be in (0, 1], found {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
+            raise SampleError(f"top_k must be -1 (all) or >= 1, found {self.top_k!r}")
+        ids = tuple(self.stop_token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise SampleError(
+                f"stop_token_ids must be non-negative ints, found {self.stop_token_ids!r}"
+            )
+        object.__setattr__(self, "stop_token_ids", ids)
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise SampleError(f"seed must be an int or None, found {self.seed!r}")
+
+    def to_sglang(self, max_new_tokens: int | None = None) -> dict[str, Any]:
+        """The ``sampling_params`` dict for one request, with an optional reduced budget."""
+        out: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            out["sampling_seed"] = self.seed
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            f.name: (
+                list(getattr(self, f.name)) if f.name == "stop_token_ids" else getattr(self, f.name)
+            )
+            for f in fields(self)
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplerParams:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise SampleError(
+                f"unknown SamplerParams keys {sorted(unknown)}; expected a subset of {sorted(known)}"
+            )
+        kwargs = dict(data)
+        if "stop_token_ids" in kwargs:
+            kwargs["stop_token_ids"] = tuple(int(t) for t in kwargs["stop_token_ids"])
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    """One engine response, already validated by the protocol parser.
+
+    ``finish_reason`` is SGLang's dict (``{"type": "stop" | "length" | "abort", ...}``).
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: Mapping[str, Any]
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise SampleError(
+                f"segment arrays differ in length: {n} ids, {len(self.logprobs)} logprobs, {len(self.versions)} versions"
+            )
+        kind = self.finish_reason.get("type") if isinstance(self.finish_reason, Mapping) else None
+        if kind not in _FINISH_TO_STATUS:
+            raise SampleError(
+                f"segment finish_reason type must be stop/length/abort, found {self.finish_reason!r}"
+            )
+
+
+def _arr(values: Any, dtype: Any) -> np.ndarray:
+    if isinstance(values, (bytes, bytearray)):
+        return np.frombuffer(values, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
+    return np.asarray(values if values is not None else [], dtype=dtype).reshape(-1).copy()
+
+
+@dataclass(kw_only=True, eq=False)
+class Sample:
+    """Mutable state of one response. See the module docstring for the invariants."""
+
+    uid: str
+    prompt_ids: np.ndarray
+    params: SamplerParams
+    response_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, TOKEN_DTYPE))
+    logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, LOGPROB_DTYPE))
+    versions: np.ndarray = field(default_factory=lambda: np.zeros(0, VERSION_DTYPE))
+    loss_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, MASK_DTYPE))
+    status: SampleStatus = SampleStatus.PENDING
+    finish_reason: dict[str, Any] | None = None
+    num_segments: int = 0
+    reward: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _arr(self.prompt_ids, TOKEN_DTYPE)
+        self.response_ids = _arr(self.response_ids, TOKEN_DTYPE)
+        self.logprobs = _arr(self.logprobs, LOGPROB_DTYPE)
+        self.versions = _arr(self.versions, VERSION_DTYPE)
+        self.loss_mask = _arr(self.loss_mask, MASK_DTYPE)
+        self.status = SampleStatus(self.status)
+        self.check()
+
+    @classmethod
+    def new(cls, uid: str, prompt_ids: Sequence[int] | np.ndarray, params: SamplerParams) -> Sample:
+        return cls(uid=uid, prompt_ids=np.asarray(prompt_ids, dtype=TOKEN_DTYPE), params=params)
+
+    # -- invariants -------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise :class:`SampleError` unless every invariant holds."""
+        n = len(self.response_ids)
+        lengths = (len(self.logprobs), len(self.versions), len(self.loss_mask))
+        if any(m != n for m in lengths):
+            raise SampleError(
+                f"sample {self.uid}: per-token arrays differ in length: response_ids={n}, "
+                f"logprobs={lengths[0]}, versions={lengths[1]}, loss_mask={lengths[2]}"
+            )
+        if len(self.prompt_ids) == 0:
+            raise SampleError(
+                f"sample {self.uid}: prompt_ids is empty; a prompt needs at least one token"
+            )
+        if n > self.params.max_new_tokens:
+            raise SampleError(
+                f"sample {self.uid}: response has {n} tokens, more than max_new_tokens={self.params.max_new_tokens}"
+            )
+        if n and (self.loss_mask > 1).any():
+            raise SampleError(f"sample {self.uid}: loss_mask must hold only 0/1")
+
+    # -- derived ----------------------------------------------------------------------
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def is_final(self) -> bool:
+        return self.status.is_final
+
+    def remaining_budget(self, context_length: int | None = None) -> int:
+        """Tokens the next segment may generate (>= 0); see the module docstring."""
+        remaining = self.params.max_new_tokens - self.response_length
+        if context_length is not None:
+            remaining = min(
+                remaining, context_length - 1 - len(self.prompt_ids) - self.response_length
+            )
+        return max(0, remaining)
+
+    def resume_input_ids(self) -> list[int]:
+        """Prompt followed by every generated token: the next request's ``input_ids``."""
+        return [int(t) for t in self.prompt_ids] + [int(t) for t in self.response_ids]
+
+    def min_version(self) -> int | None:
+        return int(self.versions.min()) if len(self.versions) else None
+
+    # -- mutation ---------------------------------------------------------------------
+    def finish_without_request(self) -> None:
+        """Mark the sample TRUNCATED because its budget is spent (no engine call)."""
+        self._require_resumable()
+        self.status = SampleStatus.TRUNCATED
+        self.finish_reason = {"type": "length", "length": 0}
+        self.check()
+
+    def _require_resumable(self) -> None:
+        if self.status.is_final:
+            raise SampleError(
+                f"sample {self.uid} is already {self.status.value}; only pending or aborted samples can be extended"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain python types only (ints, floats, str, lists, dicts): msgpack- and JSON-able."""
+        return {
+            "schema": SAMPLE_SCHEMA_VERSION,
+            "uid": self.uid,
+            "prompt_ids": self.prompt_ids.tolist(),
+            "params": self.params.to_dict(),
+            "response_ids": self.response_ids.tolist(),
+            "logprobs": self.logprobs.tolist(),
+            "versions": self.versions.tolist(),
+            "loss_mask": self.loss_mask.tolist(),
+            "status": self.status.value,
+            "finish_reason": None if self.finish_reason is None else dict(self.finish_reason),
+            "num_segments": self.num_segments,
+            "reward": self.reward,
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Sample:
+        schema = data.get("schema")
+        if schema != SAMPLE_SCHEMA_VERSION:
+            raise SampleError(
+                f"sample record schema {schema!r} is not supported; expected {SAMPLE_SCHEMA_VERSION}"
+            )
+        known = {f.name for f in fields(cls)} | {"schema"}
+        unknown = set(data) - known
+        if unknown:
+            raise SampleError(
+                f"unknown sample record keys {sorted(unknown)}; expected a subset of {sorted(known)}"
+            )
+        kwargs = {k: v for k, v in data.items() if k != "schema"}
+        kwargs["params"] = SamplerParams.from_dict(data["params"])
+        if kwargs.get("finish_reason") is not None:
+            kwargs["finish_reason"] = dict(kwargs["finish_reason"])
+        kwargs["extra"] = dict(kwargs.get("extra") or {})
+        return cls(**kwargs)
+
+
+def apply_segment(sample: Sample, segment: Segment) -> int:
+    """Append one engine response onto ``sample``; return the number of tokens appended.
+
+    The new tokens get loss mask 1. The status follows ``finish_reason``: stop →
+    COMPLETED, length → TRUNCATED, abort → ABORTED (resumable). The sample is untouched
+    if the segment would overrun ``max_new_tokens`` or the sample is already final.
+    """
+    sample._require_resumable()
+    n_new = len(segment.token_ids)
+    if sample.response_length + n_new > sample.params.max_new_tokens:
+        raise SampleError(
+            f"sample {sample.uid}: segment of {n_new} tokens would overrun max_new_tokens="
+            f"{sample.params.max_new_tokens} (already {sample.response_length}); segment rejected"
+        )
+    sample.response_ids = np.concatenate(
+        [sample.response_ids, np.asarray(segment.token_ids, TOKEN_DTYPE)]
+    )
+    sample.logprobs = np.concatenate([sample.logprobs, np.asarray(segment.logprobs, LOGPROB_DTYPE)])
+    sample.versions = np.concatenate([sample.versions, np.asarray(segment.versions, VERSION_DTYPE)])
+    sample.loss_mask = np.concatenate([sample.loss_mask, np.ones(n_new, MASK_DTYPE)])
+    sample.status = _FINISH_TO_STATUS[str(segment.finish_reason["type"])]
+    sample.finish_reason = dict(segment.finish_reason)
+    if n_new:
+        sample.num_segments += 1
+    sample.check()
+    logger.debug("sample %s: +%d tokens, status %s", sample.uid, n_new, sample.status.value)
+    return n_new
+
+
+def mask_offpolicy_prefix(sample: Sample, current_version: int) -> int:
+    """Zero the loss mask of tokens generated by weights older than ``current_version``.
+
+    The behaviour of slime's ``--mask-offpolicy-in-partial-rollout``. Returns how many
+    tokens were newly masked.
+    """
+    old = (sample.versions < current_version) & (sample.loss_mask == 1)
+    count = int(old.sum())
+    if count:
+        sample.loss_mask = sample.loss_mask.copy()
+        sample.loss_mask[old] = 0
+    sample.check()
+    return count

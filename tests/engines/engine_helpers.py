@@ -1,0 +1,89 @@
+"""Helpers for the engine tests (imported by name; conftest puts this folder on sys.path)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+T = TypeVar("T")
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def run(coro: Awaitable[T], timeout_s: float = 60.0) -> T:
+    """Run a coroutine to completion with a deadline (no pytest-asyncio needed)."""
+
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout_s)
+
+    return asyncio.run(bounded())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class AppThread:
+    """Serve an aiohttp app built by ``factory`` on a private loop in a daemon thread."""
+
+    def __init__(self, factory: Callable[[], web.Application]) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._factory = factory
+        self.url = ""
+        self._thread = threading.Thread(target=self._main, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise TimeoutError("test server did not start")
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._start())
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+
+    async def _start(self) -> None:
+        self._runner = web.AppRunner(self._factory(), access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        self._ready.set()
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+
+
+def load_fixture(name: str) -> Any:
+    import json
+
+    return json.loads((FIXTURES / name).read_text())
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]], timeout_s: float = 30.0, poll_s: float = 0.01
+) -> None:
+    """Poll an async predicate until it holds; fail after ``timeout_s`` (a deadline, not a timing assertion)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not reached within {timeout_s}s")
+        await asyncio.sleep(poll_s)
+
+
+async def load_counts(client: Any, url: str) -> tuple[int, int]:
+    body = await client.loads(url)
+    entry = body["loads"][0]
+    return int(entry["num_running_reqs"]), int(entry["num_waiting_reqs"])
