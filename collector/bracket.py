@@ -1,0 +1,204 @@
+"""The weight-update bracket, trainer side: pause producers, push weights, resume.
+
+::
+
+    trainer (rank 0)            control/ (shared FS)             producer p (each node)
+    ----------------            --------------------             ----------------------
+    begin_weight_update()
+      pause(v+1) ───────────▶  pause-<v+1>
+                                                    ◀─ poll ──  sees paused, stops claiming,
+                                                                aborts generation, yields
+                                                                partials / completes groups,
+                               ack-<v+1>~p  ◀──────────────── ack(v+1, p); keeps beating
+      waits: every *live*
+      producer acked (live =
+      heartbeat counter moved
+      within lease_timeout_s,
+      on our monotonic clock)
+    push weights to engines
+      (update_weights_from_disk)
+    end_weight_update(v+1)
+      set_version(v+1) ──────▶ versions/<v+1>
+      resume(v+1) ───────────▶ resume-<v+1>  ── poll ──▶  reads current_version(), resumes
+                                                           claiming; new tokens carry v+1
+
+Liveness is judged the way the grantor judges leases (invariant 3): from heartbeat counters,
+on this process's monotonic clock, through a ``LeaseMonitor``'s observations — never from
+mtimes. A producer that goes silent during the wait stops being waited for once it has been
+silent for ``lease_timeout_s`` (its leases are the grantor's to expire); a producer that
+keeps beating but never acks fails the bracket at the deadline with ``BracketTimeout``
+naming it. A bracket left open by a crashed trainer is continued by the next
+``begin_weight_update`` (same version), or released with ``abort_weight_update``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from collector.errors import BracketError, BracketTimeout
+from strawq.control import Control
+from strawq.grantor import LeaseMonitor
+from strawq.names import TaskName
+from strawq.queue import RunQueue
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BracketReport:
+    #: the version the bracket installs
+    version: int
+    #: producers that acknowledged the pause
+    acked: frozenset[str]
+    #: producers not waited for: silent for at least the lease timeout (seconds silent)
+    dead: dict[str, float] = field(default_factory=dict)
+    waited_s: float = 0.0
+    #: leases still held by producers that acked (a producer bug: ack means "holds none")
+    stray_leases: list[str] = field(default_factory=list)
+    #: True when this call continued a bracket a previous trainer left open
+    continued: bool = False
+
+
+class WeightUpdateBracket:
+    """One trainer's bracket. Run it on one rank only (rank 0)."""
+
+    def __init__(self, queue: RunQueue, *, monitor: LeaseMonitor | None = None,
+                 lease_timeout_s: float | None = None, poll_interval_s: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.queue = queue
+        self.control = Control(queue.storage)
+        self.clock = clock
+        self.sleep = sleep
+        self.poll_interval_s = poll_interval_s
+        self.lease_timeout_s = lease_timeout_s or queue.config.lease_timeout_s
+        # Pass the collector's monitor when it runs in this process: its observations are
+        # then the grantor's own. Otherwise a private one: call observe() every step so it
+        # knows which producers went silent long ago.
+        self.monitor = monitor or LeaseMonitor(queue, lease_timeout_s=self.lease_timeout_s,
+                                               clock=clock)
+        self._open: int | None = None
+
+    # -- liveness ------------------------------------------------------------------------------
+    def observe(self) -> dict[str, float]:
+        """Read heartbeat counters now; returns producer -> seconds since its counter moved."""
+        now = self.clock()
+        self.monitor.observe_heartbeats(now)
+        return {p: now - t for p, (_c, t) in self.monitor._seen.items()}
+
+    def live_producers(self) -> set[str]:
+        return {p for p, s in self.observe().items() if s < self.lease_timeout_s}
+
+    @property
+    def is_open(self) -> bool:
+        return self._open is not None or self.control.state().paused
+
+    # -- the bracket ---------------------------------------------------------------------------
+    def begin_weight_update(self, timeout: float = 300.0) -> BracketReport:
+        """Pause producers for version v+1 and wait for every live producer's ack."""
+        if timeout < self.lease_timeout_s:
+            log.warning("bracket timeout %.1fs is below the lease timeout %.1fs: a producer "
+                        "that died just before the pause fails the bracket instead of being "
+                        "judged dead", timeout, self.lease_timeout_s)
+        st = self.control.state()
+        continued = st.paused
+        if continued:
+            version = st.pause_version
+            log.warning("continuing the weight-update bracket for version %d left open "
+                        "(a previous trainer stopped inside it)", version)
+        else:
+            version = max(self.queue.current_version(), st.pause_version,
+                          st.resume_version) + 1
+            self.control.pause(version)
+        self._open = version
+        start = self.clock()
+        dead: dict[str, float] = {}
+        while True:
+            silence = self.observe()
+            acks = self.control.state().acks
+            missing = {}
+            for p, s in silence.items():
+                if p in acks:
+                    continue
+                if s >= self.lease_timeout_s:
+                    if p not in dead:
+                        log.warning("producer %s silent for %.1fs: judged dead, not waited "
+                                    "for", p, s)
+                    dead[p] = s
+                else:
+                    missing[p] = s
+            waited = self.clock() - start
+            if not missing:
+                break
+            if waited >= timeout:
+                raise BracketTimeout(
+                    f"weight update to version {version}: producers {sorted(missing)} are "
+                    f"alive (heartbeats moved {', '.join(f'{s:.1f}s' for s in missing.values())}"
+                    f" ago) but did not acknowledge the pause within {timeout:.1f}s; expected "
+                    f"control/ack-{version:012d}~<producer>. The pause stays open: retry "
+                    "begin_weight_update(), or abort_weight_update() to let them carry on",
+                    missing)
+            self.sleep(self.poll_interval_s)
+        stray = self._stray_leases(acks)
+        if stray:
+            log.error("producers acked the pause but still hold leases %s; they will be "
+                      "expired by the grantor if their holders stop beating", stray)
+        log.info("weight update to version %d: %d producers paused (%d dead) in %.2fs",
+                 version, len(acks), len(dead), waited)
+        return BracketReport(version, frozenset(acks), {p: dead[p] for p in dead
+                                                        if p not in acks},
+                             waited, stray, continued)
+
+    def _stray_leases(self, acks: frozenset[str]) -> list[str]:
+        out = []
+        for n in self.queue.storage.list("leased"):
+            t = TaskName.try_parse(n)
+            if t is not None and t.producer in acks:
+                out.append(n)
+        return out
+
+    def end_weight_update(self, version: int | None = None) -> int:
+        """Announce ``version`` (default: the bracket's) and resume producers."""
+        opened = self._open_version()
+        version = opened if version is None else int(version)
+        if version < opened:
+            raise BracketError(f"end_weight_update({version}): the open bracket installs "
+                               f"version {opened}; expected a version >= {opened}")
+        self.queue.set_version(version)
+        self.control.resume(version)
+        self._open = None
+        log.info("weight version %d is live; producers resume", version)
+        return version
+
+    def abort_weight_update(self) -> None:
+        """Resume producers without announcing a new version (the weights did not change)."""
+        opened = self._open_version()
+        self.control.resume(opened)
+        self._open = None
+        log.warning("weight update to version %d aborted; producers resume on version %d",
+                    opened, self.queue.current_version())
+
+    def _open_version(self) -> int:
+        if self._open is not None:
+            return self._open
+        st = self.control.state()
+        if st.paused:
+            return st.pause_version
+        raise BracketError("no weight-update bracket is open: call begin_weight_update() "
+                           "first")
+
+    def weight_update(self, push: Callable[[int], None], *, timeout: float = 300.0,
+                      version: int | None = None) -> BracketReport:
+        """``begin``, ``push(version)`` (load the new weights into every engine), ``end``.
+
+        If ``push`` raises, the bracket stays open (producers stay paused) and the error
+        propagates: retry, or call ``abort_weight_update()``.
+        """
+        rep = self.begin_weight_update(timeout)
+        target = rep.version if version is None else version
+        push(target)
+        self.end_weight_update(target)
+        return rep

@@ -1,0 +1,91 @@
+"""Configuration of the global batch collector: one frozen, keyword-only, validated dataclass.
+
+Build it from a mapping with ``strawq.config.from_dict(CollectorConfig, data)`` (unknown
+keys are refused by name). Every field is documented where it is declared; the admission
+rule these bounds feed is explained in ``collector.admission`` and ``docs/collector.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strawq.errors import ConfigError
+
+ETA_MODES = ("drop", "requeue", "off")
+ADVANTAGE_MODES = ("grpo", "grpo_mean_only", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectorConfig:
+    #: B: groups per training batch (one manifest).
+    batch_groups: int = 64
+    #: η: maximum staleness in weight versions (current version − a group's minimum token
+    #: version). ``None`` means unbounded (η = ∞): only the slot and backlog bounds apply.
+    max_staleness: int | None = None
+    #: What to do with a ready group staler than η at batch time: ``drop`` (recorded in
+    #: ``dropped/`` with reason ``stale_eta``), ``requeue`` (generated again from scratch),
+    #: or ``off`` (admission control only, never enforced on ready groups).
+    eta_mode: str = "drop"
+    #: Optimizer steps (batches) per weight version; the admission bound scales with it.
+    batches_per_version: int = 1
+    #: Bound on running groups (pending + leased + partial). Set it to the producers' total
+    #: group slots K (DESIGN §4) plus a small prefetch so no producer waits for work.
+    max_running: int = 256
+    #: Bound on the ready backlog: the collector releases only while
+    #: ``ready + running < max_running + max_ready``.
+    max_ready: int = 256
+    #: Prefetched batches: manifests published but not yet acked by the trainer.
+    max_prefetch_batches: int = 2
+    #: Publish a short final batch once the dataset is exhausted and nothing is running.
+    flush_at_end: bool = True
+    #: Advantages stored in the manifest: ``grpo`` ((r − mean) / (std + eps), unbiased std
+    #: over the group, as verl's GRPO), ``grpo_mean_only`` (r − mean, Dr. GRPO) or ``none``.
+    advantages: str = "grpo"
+    #: ε of the GRPO normalisation.
+    advantage_eps: float = 1e-6
+    #: Seconds between loop passes of ``Collector.run``.
+    poll_interval_s: float = 0.05
+    #: Seconds between GC passes over acked batches.
+    gc_interval_s: float = 1.0
+    #: Collector heartbeat silence (on the newcomer's monotonic clock) after which a new
+    #: collector takes over with epoch + 1. Must be far above one loop pass.
+    takeover_timeout_s: float = 30.0
+    #: Write one JSON line of queue metrics per this many seconds (0: every pass).
+    metrics_interval_s: float = 10.0
+    #: JSONL file the collector appends metrics to (None: no file).
+    metrics_jsonl: str | None = None
+    #: Port of the collector's Prometheus endpoint (None: no endpoint; 0: any free port).
+    prometheus_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_groups < 1:
+            raise ConfigError(f"batch_groups must be >= 1, got {self.batch_groups}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ConfigError(f"max_staleness must be >= 0 or None (unbounded), got "
+                              f"{self.max_staleness}")
+        if self.eta_mode not in ETA_MODES:
+            raise ConfigError(f"eta_mode must be one of {ETA_MODES}, got {self.eta_mode!r}")
+        if self.batches_per_version < 1:
+            raise ConfigError(f"batches_per_version must be >= 1, got "
+                              f"{self.batches_per_version}")
+        if self.max_running < 1:
+            raise ConfigError(f"max_running must be >= 1, got {self.max_running}")
+        if self.max_ready < self.batch_groups:
+            raise ConfigError(f"max_ready ({self.max_ready}) must be >= batch_groups "
+                              f"({self.batch_groups}), or no full batch can ever form")
+        if self.max_prefetch_batches < 1:
+            raise ConfigError(f"max_prefetch_batches must be >= 1, got "
+                              f"{self.max_prefetch_batches}")
+        if self.advantages not in ADVANTAGE_MODES:
+            raise ConfigError(f"advantages must be one of {ADVANTAGE_MODES}, got "
+                              f"{self.advantages!r}")
+        if self.advantage_eps <= 0:
+            raise ConfigError(f"advantage_eps must be > 0, got {self.advantage_eps}")
+        for name in ("poll_interval_s", "gc_interval_s", "metrics_interval_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.takeover_timeout_s <= 0:
+            raise ConfigError(f"takeover_timeout_s must be > 0, got {self.takeover_timeout_s}")
+        if self.prometheus_port is not None and not 0 <= self.prometheus_port < 65536:
+            raise ConfigError(f"prometheus_port must be in [0, 65535] or None, got "
+                              f"{self.prometheus_port}")

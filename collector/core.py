@@ -1,0 +1,332 @@
+"""The global batch collector: grantor, feeder, admission, staleness-first batches, GC.
+
+Exactly one per run (``collector.fencing``). One pass of ``Collector.step()``:
+
+1. ``beat``: check the epoch fence (``FencedOut`` if taken over), advance the heartbeat;
+2. ``LeaseMonitor.scan()``: expire the leases of producers whose counters stopped moving;
+3. GC of acked batches (every ``gc_interval_s``);
+4. scan ``ready/``, order it staleness-first, apply the η bound (drop or re-queue);
+5. publish batches of B groups while fewer than ``max_prefetch_batches`` are unacked (a
+   short last batch once the dataset is exhausted and nothing runs);
+6. admission: release new prompt groups through the ``Feeder`` (``collector.admission``);
+7. metrics (after the state is persisted).
+
+Everything runs in the caller's thread on an injected clock: tests drive ``step()`` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from collector.admission import Admission, Depths, admission
+from collector.config import CollectorConfig
+from collector.fencing import EpochFence
+from collector.metrics import MetricsSink
+from collector.ordering import StalenessOrder, group_advantages
+from collector.resume import ResumeInfo, open_queue
+from strawq.batches import BatchStore, GcReport
+from strawq.config import QueueConfig
+from strawq.dataset import Dataset
+from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.feeder import Feeder
+from strawq.grantor import LeaseMonitor, ScanResult
+from strawq.names import TaskName, data_key
+from strawq.queue import RunQueue
+
+log = logging.getLogger(__name__)
+
+STALE_REASON = "stale_eta"
+CORRUPT_REASON = "corrupt_group"
+
+
+@dataclass
+class StepReport:
+    version: int = 0
+    depths: Depths = field(default_factory=Depths)
+    admission: Admission | None = None
+    released: int = 0
+    published: list[int] = field(default_factory=list)
+    dropped_stale: list[str] = field(default_factory=list)
+    requeued_stale: list[str] = field(default_factory=list)
+    scan: ScanResult | None = None
+    gc: GcReport | None = None
+    prefetched: int = 0
+    exhausted: bool = False
+
+    @property
+    def drained(self) -> bool:
+        """Nothing left to do: dataset exhausted, nothing running, ready or unacked."""
+        d = self.depths
+        return self.exhausted and d.running == 0 and d.ready == 0 and self.prefetched == 0
+
+
+class Collector:
+    """The run's one collector. Construct with ``Collector.open`` (or ``__init__`` + ``start``)."""
+
+    def __init__(self, queue: RunQueue, dataset: Dataset, config: CollectorConfig | None = None,
+                 *, owner: str = "collector", clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep,
+                 metrics: MetricsSink | None = None) -> None:
+        self.queue = queue
+        self.storage = queue.storage
+        self.dataset = dataset
+        self.config = config or CollectorConfig()
+        self.clock = clock
+        self.sleep = sleep
+        self.fence = EpochFence(self.storage, owner=owner,
+                                takeover_timeout_s=self.config.takeover_timeout_s,
+                                clock=clock, sleep=sleep)
+        self.batches = BatchStore(queue)
+        self.monitor = LeaseMonitor(queue, clock=clock)
+        self.order = StalenessOrder()
+        self.metrics = metrics or MetricsSink(self.config.metrics_jsonl,
+                                              self.config.prometheus_port)
+        self.feeder: Feeder | None = None
+        self.resume_info: ResumeInfo | None = None
+        self._last_gc = float("-inf")
+        self._last_metrics = float("-inf")
+        self._ready_seen_at_metrics = 0
+        self._steps = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str, dataset: Dataset, config: CollectorConfig | None = None, *,
+             queue_config: QueueConfig | None = None,
+             checkpoint: Mapping[str, Any] | None = None, wait: bool = True,
+             fsync: bool = True, **kwargs: Any) -> Collector:
+        """Open (or create) the run at ``path``, take the fence, recover, apply a resume path."""
+        queue, info = open_queue(path, queue_config=queue_config, checkpoint=checkpoint,
+                                 writer_id=kwargs.get("owner", "collector"), fsync=fsync)
+        col = cls(queue, dataset, config, **kwargs)
+        col.start(wait=wait, resume=info)
+        return col
+
+    def start(self, *, wait: bool = True, resume: ResumeInfo | None = None) -> int:
+        """Take the epoch fence, then recover releases and batch commits. Returns the epoch."""
+        epoch = self.fence.acquire(wait=wait)
+        self.feeder = Feeder(self.queue, self.dataset)
+        self.batches.recover()
+        self.resume_info = resume
+        if resume is not None and resume.path in ("cursor", "fresh") and resume.checkpoint:
+            self._apply_checkpoint(resume)
+        return epoch
+
+    def _apply_checkpoint(self, resume: ResumeInfo) -> None:
+        ckpt = resume.checkpoint or {}
+        assert self.feeder is not None
+        if resume.path == "cursor":
+            self.feeder.load_state_dict(dict(ckpt["feeder"]))
+        version = int(ckpt.get("version") or 0)
+        if version > self.queue.current_version():
+            self.queue.set_version(version)
+        seq = int(ckpt.get("batch_seq") or 0)
+        if seq > 0:  # batch numbers continue after the checkpoint's (names are never reused)
+            try:
+                self.storage.publish(f"collector/bseq-{seq:012d}", b"")
+            except AlreadyExists:
+                pass
+
+    def close(self) -> None:
+        """Stop cleanly (a successor starts at once) and shut the metrics endpoint."""
+        self.fence.close()
+        self.metrics.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Feeder cursor and version, for a trainer that runs the collector in-process."""
+        feeder = self.feeder.state_dict() if self.feeder is not None else None
+        return {"feeder": feeder, "version": self.queue.current_version()}
+
+    # -- one pass -----------------------------------------------------------------------------
+    def step(self) -> StepReport:
+        if self.feeder is None:
+            raise RuntimeError("Collector.step() before start(): take the fence first")
+        now = self.clock()
+        self.fence.beat()
+        rep = StepReport(scan=self.monitor.scan())
+        if now - self._last_gc >= self.config.gc_interval_s:
+            rep.gc = self.batches.gc()
+            self._last_gc = now
+        rep.version = self.queue.current_version()
+        ready = self._ordered_ready(rep)
+        seqs, acked = self.batches.batch_seqs()
+        rep.prefetched = len([s for s in seqs if s not in acked])
+        rep.depths = self.depths(ready=len(ready))
+        rep.exhausted = self.feeder.exhausted
+        self._form_batches(ready, rep)
+        self._admit(rep)
+        self._steps += 1
+        self._emit_metrics(rep, now)
+        return rep
+
+    def depths(self, *, ready: int | None = None) -> Depths:
+        pending = [k.rsplit("/", 1)[1] for k in self.queue.list_pending()]
+        partial = sum(1 for n in pending if n.startswith("a"))
+        return Depths(pending=len(pending) - partial, partial=partial,
+                      leased=len(self.storage.list("leased")),
+                      ready=len(self.storage.list("ready")) if ready is None else ready,
+                      batched=len(self.storage.list("batched")))
+
+    def _ordered_ready(self, rep: StepReport) -> list[TaskName]:
+        scanned = self.batches.scan_ready()
+        ready = self.order.order(scanned)
+        eta = self.config.max_staleness
+        if eta is None or self.config.eta_mode == "off":
+            return ready
+        keep = []
+        for n in ready:
+            if rep.version - n.version <= eta:
+                keep.append(n)
+                continue
+            if self.config.eta_mode == "drop":
+                msg = (f"staleness {rep.version - n.version} > eta {eta} (min version "
+                       f"{n.version}, current {rep.version})")
+                if self.batches.drop_ready(n, STALE_REASON, msg):
+                    rep.dropped_stale.append(n.id)
+            elif self.batches.requeue_ready(n):
+                rep.requeued_stale.append(n.id)
+        self.order.forget(rep.dropped_stale + rep.requeued_stale)
+        if rep.dropped_stale or rep.requeued_stale:
+            log.info("eta bound %d at version %d: dropped %d, re-queued %d stale groups", eta,
+                     rep.version, len(rep.dropped_stale), len(rep.requeued_stale))
+        return keep
+
+    # -- batches -----------------------------------------------------------------------------
+    def _form_batches(self, ready: list[TaskName], rep: StepReport) -> None:
+        cfg = self.config
+        B = cfg.batch_groups
+        while rep.prefetched < cfg.max_prefetch_batches and ready:
+            if len(ready) >= B:
+                take, ready = ready[:B], ready[B:]
+            elif rep.exhausted and cfg.flush_at_end and rep.depths.running == 0:
+                take, ready = ready, []
+            else:
+                return
+            names, summaries = self._summaries(take)
+            if not names:
+                continue
+            meta = {"epoch": self.fence.epoch, "version": rep.version,
+                    "advantages": cfg.advantages, "owner": self.fence.owner}
+            seq = self._publish(names, summaries, meta)
+            self.order.forget([n.id for n in names])
+            rep.published.append(seq)
+            rep.prefetched += 1
+            rep.depths = Depths(pending=rep.depths.pending, partial=rep.depths.partial,
+                                leased=rep.depths.leased, ready=rep.depths.ready - len(names),
+                                batched=rep.depths.batched + len(names))
+
+    def _summaries(self, take: list[TaskName]) -> tuple[list[TaskName], list[dict[str, Any]]]:
+        names: list[TaskName] = []
+        summaries: list[dict[str, Any]] = []
+        for n in take:
+            try:
+                s = self.batches.read_summary(n)
+            except (CorruptRecord, NotFound) as exc:
+                log.error("ready group %s has an unreadable payload (%s); dropping it with "
+                          "reason %s", n.id, exc, CORRUPT_REASON)
+                self.queue.quarantine(data_key(n.id, n.gen, "group"))
+                self.batches.drop_ready(n, CORRUPT_REASON, str(exc))
+                continue
+            s = dict(s)
+            s["advantages"] = group_advantages(s.get("rewards", []), self.config.advantages,
+                                               self.config.advantage_eps)
+            names.append(n)
+            summaries.append(s)
+        return names, summaries
+
+    def _publish(self, names: list[TaskName], summaries: list[dict[str, Any]],
+                 meta: dict[str, Any]) -> int:
+        for _attempt in range(3):
+            self.fence.check()
+            seq = self.batches.next_seq()
+            try:
+                self.batches.publish_batch(seq, names, summaries, meta)
+            except AlreadyExists:
+                log.warning("batch %d already exists (a concurrent collector?); rechecking the "
+                            "fence", seq)
+                continue
+            log.info("published batch %d: %d groups, versions %d..%d", seq, len(names),
+                     names[0].version, names[-1].version)
+            return seq
+        self.fence.check()
+        raise AlreadyExists(17, "could not publish a batch after 3 tries: batches/ keeps "
+                                "changing under this collector; is a second one running?")
+
+    # -- admission ---------------------------------------------------------------------------
+    def _admit(self, rep: StepReport) -> None:
+        assert self.feeder is not None
+        cfg = self.config
+        rep.admission = admission(rep.depths, batch_groups=cfg.batch_groups,
+                                  max_staleness=cfg.max_staleness,
+                                  batches_per_version=cfg.batches_per_version,
+                                  max_running=cfg.max_running, max_ready=cfg.max_ready)
+        want = rep.admission.capacity
+        if want <= 0 or self.feeder.exhausted:
+            return
+        self.fence.check()
+        while want > 0 and not self.feeder.exhausted:
+            n = self.feeder.release(min(want, self.queue.config.release_batch))
+            if n == 0:
+                break
+            rep.released += n
+            want -= n
+        rep.exhausted = self.feeder.exhausted
+        rep.depths = Depths(pending=rep.depths.pending + rep.released,
+                            partial=rep.depths.partial, leased=rep.depths.leased,
+                            ready=rep.depths.ready, batched=rep.depths.batched)
+
+    # -- metrics -----------------------------------------------------------------------------
+    def dropped_by_reason(self) -> dict[str, int]:
+        reasons: Counter[str] = Counter()
+        for n in self.storage.list("dropped"):
+            t = TaskName.try_parse(n)
+            reasons[t.producer if t is not None and t.producer else "unknown"] += 1
+        return dict(reasons)
+
+    def _emit_metrics(self, rep: StepReport, now: float) -> None:
+        cfg = self.config
+        if now - self._last_metrics < cfg.metrics_interval_s:
+            return
+        elapsed = now - self._last_metrics if self._last_metrics > float("-inf") else 0.0
+        new_ready = self.order.observed_total - self._ready_seen_at_metrics
+        self._ready_seen_at_metrics = self.order.observed_total
+        self._last_metrics = now
+        d = rep.depths
+        values: dict[str, Any] = {
+            "collector/step": self._steps, "collector/epoch": self.fence.epoch,
+            "queue/version": rep.version, "queue/pending": d.pending,
+            "queue/partial": d.partial, "queue/leased": d.leased, "queue/ready": d.ready,
+            "queue/batched": d.batched, "queue/prefetched_batches": rep.prefetched,
+            "collector/released": rep.released,
+            "collector/admission_capacity": rep.admission.capacity if rep.admission else 0,
+            "collector/groups_per_s": new_ready / elapsed if elapsed > 0 else 0.0,
+            "collector/expired_leases": len(rep.scan.expired) if rep.scan else 0,
+        }
+        for reason, count in self.dropped_by_reason().items():
+            values[f"dropped/{reason}"] = count
+        self.metrics.emit(values)
+
+    # -- loop --------------------------------------------------------------------------------
+    def run(self, *, max_steps: int | None = None, until_drained: bool = False,
+            deadline_s: float | None = None,
+            should_stop: Callable[[], bool] | None = None) -> StepReport:
+        """Loop ``step()``; returns the last report. Stops on drain, steps, deadline or flag."""
+        start = self.clock()
+        steps = 0
+        while True:
+            rep = self.step()
+            steps += 1
+            if until_drained and rep.drained:
+                log.info("collector: dataset exhausted and every batch acked; stopping")
+                return rep
+            if max_steps is not None and steps >= max_steps:
+                return rep
+            if deadline_s is not None and self.clock() - start >= deadline_s:
+                return rep
+            if should_stop is not None and should_stop():
+                return rep
+            self.sleep(self.config.poll_interval_s)

@@ -1,0 +1,169 @@
+"""Exactly one collector per run: epochs by exclusive create, a heartbeat counter, takeover.
+
+Records in ``collector/`` (next to the core's ``bseq-<n>`` high-water marks)::
+
+    epoch-<E>              EPOCH record (owner, host, pid), exclusive create: the claim
+    hb-<E>~<counter>       the holder's heartbeat counter (the name is the data)
+    closed-<E>             the holder stopped cleanly: a successor need not wait
+
+A newcomer reads the newest epoch E. With no epoch it creates ``epoch-1``. If E is closed it
+creates E+1 at once. Otherwise it watches E's heartbeat counter on *its own* monotonic clock
+(invariant 3: never mtimes, never two hosts' clocks): the moment the counter moves it
+refuses with ``CollectorBusy``; if the counter stays put for ``takeover_timeout_s`` it
+creates ``epoch-<E+1>`` (exclusive, so of two newcomers exactly one wins; the loser
+refuses). Every collector action first calls ``check()`` (or ``beat()``, which checks): an
+epoch newer than its own means it was taken over, and it raises ``FencedOut``.
+
+Residual window, stated: a holder that passes ``check()`` and then stalls for longer than
+``takeover_timeout_s`` before its next write could write once after a takeover. Writes
+that matter are still safe: batch manifests ``batches/<seq>`` and cursor records are
+exclusive creates, and every group move is a rename with one winner.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+
+from collector.errors import CollectorBusy
+from strawq import records
+from strawq.errors import AlreadyExists, FencedOut
+from strawq.records import Kind
+from strawq.storage import Storage
+
+log = logging.getLogger(__name__)
+
+KEEP_EPOCHS = 2
+
+
+def _epochs(names: list[str]) -> list[int]:
+    return sorted(int(n[6:]) for n in names if n.startswith("epoch-") and n[6:].isdigit())
+
+
+def _hb_counter(names: list[str], epoch: int) -> int:
+    prefix = f"hb-{epoch:012d}~"
+    return max((int(n[len(prefix):]) for n in names
+                if n.startswith(prefix) and n[len(prefix):].isdigit()), default=0)
+
+
+class EpochFence:
+    """The fencing token of one collector. Clock and sleep are injected for tests."""
+
+    def __init__(self, storage: Storage, *, owner: str = "collector",
+                 takeover_timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.storage = storage
+        self.owner = owner
+        self.timeout = takeover_timeout_s
+        self.clock = clock
+        self.sleep = sleep
+        self.epoch = 0
+        self._counter = 0
+        storage.makedirs("collector")
+
+    # -- acquiring -----------------------------------------------------------------------------
+    def acquire(self, *, wait: bool = True) -> int:
+        """Become the run's collector; returns the epoch. ``CollectorBusy`` if one is alive.
+
+        With ``wait=False`` a live-looking holder (not closed) is refused at once instead of
+        being watched for ``takeover_timeout_s``.
+        """
+        names = self.storage.list("collector")
+        epochs = _epochs(names)
+        newest = epochs[-1] if epochs else 0
+        if newest and f"closed-{newest:012d}" not in names:
+            if not wait:
+                raise CollectorBusy(
+                    f"collector epoch {newest} holds this run and did not close; expected no "
+                    f"live collector. Stop it, or start this one with a wait of "
+                    f"{self.timeout:.0f}s so a dead holder can be taken over")
+            self._watch(newest)
+        return self._create(newest + 1)
+
+    def _watch(self, epoch: int) -> None:
+        """Return once ``epoch``'s heartbeat stayed still for the timeout; else refuse."""
+        start = self.clock()
+        first = _hb_counter(self.storage.list("collector"), epoch)
+        poll = max(min(self.timeout / 20, 1.0), 0.01)
+        log.info("collector epoch %d did not close; watching its heartbeat (at %d) for %.1fs "
+                 "before taking over", epoch, first, self.timeout)
+        while True:
+            names = self.storage.list("collector")
+            newest = _epochs(names)[-1] if _epochs(names) else 0
+            if newest > epoch:
+                raise CollectorBusy(f"collector epoch {newest} took over this run while we "
+                                    "waited; it is the live collector, refusing to start")
+            counter = _hb_counter(names, epoch)
+            if counter != first:
+                raise CollectorBusy(
+                    f"collector epoch {epoch} is alive (heartbeat moved {first} -> {counter}); "
+                    "exactly one collector runs per run: stop it first, or use it")
+            if f"closed-{epoch:012d}" in names:
+                return
+            if self.clock() - start >= self.timeout:
+                log.warning("collector epoch %d was silent for %.1fs (heartbeat %d); taking "
+                            "over", epoch, self.clock() - start, counter)
+                return
+            self.sleep(poll)
+
+    def _create(self, epoch: int) -> int:
+        body = {"epoch": epoch, "owner": self.owner, "host": socket.gethostname(),
+                "pid": os.getpid(), "at": time.time()}
+        try:
+            self.storage.publish(f"collector/epoch-{epoch:012d}",
+                                 records.encode(Kind.EPOCH, body))
+        except AlreadyExists:
+            raise CollectorBusy(f"another collector created epoch {epoch} first; it is the "
+                                "live collector, refusing to start") from None
+        self.epoch = epoch
+        self._counter = 0
+        self._gc(epoch)
+        self.beat()
+        log.info("collector %s holds epoch %d", self.owner, epoch)
+        return epoch
+
+    def _gc(self, epoch: int) -> None:
+        for n in self.storage.list("collector"):
+            head, _, rest = n.partition("-")
+            e = rest.partition("~")[0]
+            if head in ("epoch", "hb", "closed") and e.isdigit() and \
+                    int(e) <= epoch - KEEP_EPOCHS:
+                self.storage.delete(f"collector/{n}")
+
+    # -- holding -------------------------------------------------------------------------------
+    def check(self, names: list[str] | None = None) -> None:
+        """Raise ``FencedOut`` unless this collector still holds the newest epoch."""
+        if not self.epoch:
+            raise FencedOut("this collector holds no epoch: call acquire() before acting")
+        names = self.storage.list("collector") if names is None else names
+        epochs = _epochs(names)
+        newest = epochs[-1] if epochs else 0
+        if newest != self.epoch or f"closed-{self.epoch:012d}" in names:
+            raise FencedOut(f"collector epoch {self.epoch} was taken over (newest epoch "
+                            f"{newest}); this collector must stop acting on the run")
+
+    def beat(self) -> int:
+        """Check the fence, then advance the heartbeat counter; returns the counter."""
+        names = self.storage.list("collector")
+        self.check(names)
+        prev = self._counter or _hb_counter(names, self.epoch)
+        self._counter = prev + 1
+        self.storage.publish(f"collector/hb-{self.epoch:012d}~{self._counter:016d}", b"",
+                             sync_dir=False)
+        if prev:
+            self.storage.delete(f"collector/hb-{self.epoch:012d}~{prev:016d}")
+        return self._counter
+
+    def close(self) -> None:
+        """Stop cleanly: a successor may start without waiting for the takeover timeout."""
+        if not self.epoch:
+            return
+        try:
+            self.storage.publish(f"collector/closed-{self.epoch:012d}", b"")
+        except AlreadyExists:
+            pass
+        log.info("collector epoch %d closed", self.epoch)

@@ -1,0 +1,336 @@
+"""The trainer-side reader: ``next_batch`` → packed torch tensors of this rank's shard; ``ack``.
+
+Delivery is at-least-once and training exactly-once when the trainer acks after its step:
+an unacked batch is delivered again after a trainer restart; a batch at or below the
+checkpoint's ``batch_seq`` is never delivered again (it is acked on the spot if it was not).
+
+Only rank 0 writes (acks); every rank reads the same manifest and packs only its shard (see
+``collector.packing.shard_groups``). Call ``ack`` after the optimizer step — every rank has
+loaded its shard by then, so the collector's GC cannot pull payloads from under a reader.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from collector.bracket import BracketReport, WeightUpdateBracket
+from collector.errors import BatchTimeout
+from collector.metrics import MetricsSink
+from collector.packing import Packer, decode_columns, group_tokens, map_record, shard_groups
+from collector.resume import CHECKPOINT_FORMAT, read_cursor_state
+from strawq.batches import BatchStore, Manifest
+from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.names import TaskName, data_key
+from strawq.queue import RunQueue
+from strawq.storage import open_storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """One rank's shard of one batch. Token tensors are flat over ``cu_seqlens``."""
+
+    seq: int
+    rank: int
+    world_size: int
+    #: weight version current when the batch was read (staleness is measured against it)
+    version: int
+    #: int32 [T]: prompt + response ids of every sample, concatenated
+    tokens: torch.Tensor
+    #: int32 [S + 1]: sample i is ``[cu_seqlens[i], cu_seqlens[i+1])``
+    cu_seqlens: torch.Tensor
+    #: uint8 [T]: 0 over prompts, the recorded mask over responses
+    loss_mask: torch.Tensor
+    #: float32 [T]: the engine's log-probs (0 over prompts)
+    rollout_logprobs: torch.Tensor
+    #: int64 [T]: weight version that produced each token (−1 over prompts)
+    versions: torch.Tensor
+    #: float32 [T]: each sample's advantage on every one of its tokens
+    advantages: torch.Tensor
+    #: float32 [S]
+    rewards: torch.Tensor
+    #: float32 [S]
+    sample_advantages: torch.Tensor
+    #: int32 [S]
+    prompt_lens: torch.Tensor
+    #: int32 [S]
+    response_lens: torch.Tensor
+    #: int64 [S]: position of the sample's group in ``groups``
+    sample_group: torch.Tensor
+    #: int64 [S]: dataset index of the sample's prompt
+    sample_index: torch.Tensor
+    #: int64 [S]: minimum token version of each sample (its group's for empty responses)
+    sample_min_version: torch.Tensor
+    #: this rank's groups (manifest names), staleness-first
+    groups: list[TaskName]
+    #: their manifest summaries (task_id, index, sample_lens, rewards, status, advantages, ...)
+    summaries: list[dict[str, Any]]
+    #: groups in the whole batch (all ranks)
+    total_groups: int
+    #: groups of this shard that failed their checks (dropped with a record, not trained)
+    skipped: list[str] = field(default_factory=list)
+    #: staleness/* metrics of this shard
+    stats: dict[str, float] = field(default_factory=dict)
+    #: bytes of group records read for this shard
+    bytes_read: int = 0
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.cu_seqlens.shape[0]) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class BatchReader:
+    """Reads batches for one data-parallel rank. Clock and sleep are injected for tests."""
+
+    def __init__(self, queue: RunQueue, *, rank: int = 0, world_size: int = 1,
+                 verify: bool = True, metrics: MetricsSink | None = None,
+                 poll_interval_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.queue = queue
+        self.storage = queue.storage
+        self.batches = BatchStore(queue)
+        self.rank = rank
+        self.world_size = world_size
+        self.verify = verify
+        self.metrics = metrics
+        self.poll_interval_s = poll_interval_s
+        self.clock = clock
+        self.sleep = sleep
+        self._delivered = 0
+        self._acked = 0
+        self._skip_upto = 0
+        self._last_return: float | None = None
+        self._steps = 0
+        self._bracket: WeightUpdateBracket | None = None
+
+    @classmethod
+    def open(cls, path: str, *, rank: int = 0, world_size: int = 1,
+             metrics_jsonl: str | None = None, prometheus_port: int | None = None,
+             **kwargs: Any) -> BatchReader:
+        """Open the run at ``path``; metrics only on rank 0."""
+        queue = RunQueue.open(open_storage(path, writer_id=f"reader{rank}"))
+        metrics = MetricsSink(metrics_jsonl, prometheus_port) if rank == 0 and (
+            metrics_jsonl or prometheus_port is not None) else None
+        return cls(queue, rank=rank, world_size=world_size, metrics=metrics, **kwargs)
+
+    # -- delivery -----------------------------------------------------------------------------
+    def _next_seq(self) -> int | None:
+        seqs, acked = self.batches.batch_seqs()
+        for s in sorted(seqs):
+            if s in acked:
+                continue
+            if s <= self._skip_upto:
+                log.warning("batch %d is at or below the checkpoint's batch %d but was not "
+                            "acked (the trainer stopped between its checkpoint and the ack); "
+                            "acking it now, it is not trained again", s, self._skip_upto)
+                if self.rank == 0:
+                    self.batches.ack(s)
+                continue
+            if s <= self._delivered:
+                continue
+            return s
+        return None
+
+    def next_batch(self, timeout: float = 600.0) -> Batch:
+        """The next batch's shard for this rank; ``BatchTimeout`` after ``timeout`` seconds."""
+        if self.rank == 0:
+            self.bracket.observe()  # producers' liveness history for the next bracket
+        start = self.clock()
+        delay = self.poll_interval_s
+        while True:
+            seq = self._next_seq()
+            if seq is not None:
+                try:
+                    man = self.batches.read_manifest(seq)
+                except NotFound:
+                    continue  # acked and collected in between (another reader process)
+                break
+            waited = self.clock() - start
+            if waited >= timeout:
+                raise BatchTimeout(self._timeout_message(timeout))
+            self.sleep(min(delay, max(timeout - waited, 0.0)))
+            delay = min(delay * 2, 0.5)
+        wait_s = self.clock() - start
+        batch = self.load(man)
+        self._delivered = seq
+        now = self.clock()
+        step_s = now - self._last_return if self._last_return is not None else None
+        self._last_return = now
+        self._steps += 1
+        self._emit(batch, wait_s, step_s)
+        return batch
+
+    def _timeout_message(self, timeout: float) -> str:
+        ready = len(self.storage.list("ready"))
+        pending = len(self.queue.list_pending())
+        leased = len(self.storage.list("leased"))
+        epochs = [n for n in self.storage.list("collector") if n.startswith("epoch-")]
+        return (f"no batch after {timeout:.1f}s (expected batch > {self._delivered}); queue: "
+                f"pending={pending} leased={leased} ready={ready}; collector epochs "
+                f"{epochs or 'none'}. Is the collector running ('strawq collector') and are "
+                "producers claiming work?")
+
+    def load(self, man: Manifest) -> Batch:
+        """Pack this rank's shard of a manifest (no waiting, no bookkeeping)."""
+        counts = [group_tokens(s) for s in man.summaries]
+        mine = shard_groups(counts, self.world_size)[self.rank]
+        version = self.queue.current_version()
+        total = sum(counts[i] for i in mine)
+        nsamples = sum(len(man.summaries[i]["sample_lens"]) for i in mine)
+        pk = Packer(total, nsamples)
+        groups: list[TaskName] = []
+        summaries: list[dict[str, Any]] = []
+        skipped: list[str] = []
+        nbytes = 0
+        for i in mine:
+            name, summ = man.groups[i], man.summaries[i]
+            key = data_key(name.id, name.gen, "group")
+            try:
+                data = map_record(self.storage, key)
+                nbytes += len(data)
+                rec_summary, prompt, cols = decode_columns(data, key=key, verify=self.verify)
+                lens = rec_summary["sample_lens"]
+                if list(lens) != list(summ["sample_lens"]):
+                    raise CorruptRecord(f"{key}: sample_lens {lens} differ from the "
+                                        f"manifest's {summ['sample_lens']}")
+                pk.add(prompt, lens, cols, int(summ.get("min_version", 0)))
+                del prompt, cols, data
+            except (CorruptRecord, NotFound, ValueError) as exc:
+                self._drop_bad(name, key, exc)
+                skipped.append(name.id)
+                continue
+            groups.append(name)
+            summaries.append(summ)
+        pk.finish()
+        rewards = np.array([0.0 if r is None else r for s in summaries for r in s["rewards"]],
+                           dtype=np.float32)
+        sadv = np.array([a for s in summaries for a in s.get("advantages", [])],
+                        dtype=np.float32)
+        if sadv.shape[0] != pk.sample:  # a manifest written without advantages
+            sadv = np.zeros(pk.sample, dtype=np.float32)
+        sgroup = np.repeat(np.arange(len(summaries), dtype=np.int64),
+                           [len(s["sample_lens"]) for s in summaries])
+        sindex = np.array([s["index"] for s in summaries], dtype=np.int64)[sgroup] \
+            if summaries else np.empty(0, dtype=np.int64)
+        cu = np.zeros(pk.sample + 1, dtype=np.int32)
+        np.cumsum(pk.seqlens, out=cu[1:])
+        resp = (pk.seqlens - pk.prompt_lens).astype(np.int32)
+        stal = version - pk.min_version
+        stats = {"staleness/mean": float(stal.mean()) if stal.size else 0.0,
+                 "staleness/max": float(stal.max()) if stal.size else 0.0,
+                 "staleness/multi_version_frac":
+                     float(pk.multi_version.mean()) if stal.size else 0.0}
+        return Batch(
+            seq=man.seq, rank=self.rank, world_size=self.world_size, version=version,
+            tokens=torch.from_numpy(pk.tokens), cu_seqlens=torch.from_numpy(cu),
+            loss_mask=torch.from_numpy(pk.loss_mask),
+            rollout_logprobs=torch.from_numpy(pk.logprobs),
+            versions=torch.from_numpy(pk.versions),
+            advantages=torch.from_numpy(np.repeat(sadv, pk.seqlens)),
+            rewards=torch.from_numpy(rewards), sample_advantages=torch.from_numpy(sadv),
+            prompt_lens=torch.from_numpy(pk.prompt_lens),
+            response_lens=torch.from_numpy(resp), sample_group=torch.from_numpy(sgroup),
+            sample_index=torch.from_numpy(sindex),
+            sample_min_version=torch.from_numpy(pk.min_version), groups=groups,
+            summaries=summaries, total_groups=len(man.groups), skipped=skipped, stats=stats,
+            bytes_read=nbytes)
+
+    def _drop_bad(self, name: TaskName, key: str, exc: Exception) -> None:
+        """A batched group whose payload fails its checks: quarantine it, drop with a record."""
+        reason = "corrupt_group" if not isinstance(exc, NotFound) else "missing_payload"
+        log.error("batch group %s (%s) is unusable: %s; quarantined and dropped with reason "
+                  "%s, the batch goes on without it", name.id, key, exc, reason)
+        self.queue.quarantine(key)
+        self.queue._write_note(name, "drop", reason, str(exc))
+        try:
+            self.storage.rename(f"batched/{name}", f"dropped/{name.with_(producer=reason)}")
+        except (NotFound, AlreadyExists):
+            pass
+
+    # -- acks ---------------------------------------------------------------------------------
+    def ack(self, batch: Batch | int) -> None:
+        """Consumption is durable (rank 0 publishes ``acked/<seq>``; other ranks no-op)."""
+        seq = batch if isinstance(batch, int) else batch.seq
+        if self.rank == 0:
+            self.batches.ack(seq)
+        self._acked = max(self._acked, seq)
+
+    # -- weight updates (rank 0) --------------------------------------------------------------
+    @property
+    def bracket(self) -> WeightUpdateBracket:
+        if self._bracket is None:
+            self._bracket = WeightUpdateBracket(self.queue, clock=self.clock, sleep=self.sleep)
+        return self._bracket
+
+    def begin_weight_update(self, timeout: float = 300.0) -> BracketReport:
+        """Pause producers (see ``collector.bracket``); rank 0 only."""
+        return self.bracket.begin_weight_update(timeout)
+
+    def end_weight_update(self, version: int | None = None) -> int:
+        """Announce the new version and resume producers; rank 0 only."""
+        return self.bracket.end_weight_update(version)
+
+    # -- checkpoint ---------------------------------------------------------------------------
+    def state_dict(self, consumed: Batch | int | None = None) -> dict[str, Any]:
+        """For the trainer's checkpoint: last acked batch, weight version, dataset cursor.
+
+        Pass ``consumed`` when the checkpoint is written *before* ``ack(batch)``: the state
+        then counts that batch as trained, and a restart from it never delivers it again.
+        """
+        seq = self._acked
+        if consumed is not None:
+            seq = max(seq, consumed if isinstance(consumed, int) else consumed.seq)
+        return {"format": CHECKPOINT_FORMAT, "batch_seq": seq,
+                "version": self.queue.current_version(),
+                "feeder": read_cursor_state(self.storage)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Never deliver batches at or below the checkpoint's last acked one again."""
+        if state.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:
+            raise ValueError(f"checkpoint format {state.get('format')!r}, this reader reads "
+                             f"{CHECKPOINT_FORMAT}")
+        seq = int(state.get("batch_seq") or 0)
+        self._acked = max(self._acked, seq)
+        self._skip_upto = max(self._skip_upto, seq)
+        self._delivered = max(self._delivered, seq)
+        v = int(state.get("version") or 0)
+        if v != self.queue.current_version():
+            log.info("checkpoint was at weight version %d, the queue announces %d", v,
+                     self.queue.current_version())
+
+    # -- metrics ------------------------------------------------------------------------------
+    def _emit(self, batch: Batch, wait_s: float, step_s: float | None) -> None:
+        if self.metrics is None:
+            return
+        values: dict[str, Any] = {"trainer/step": self._steps, "batch/seq": batch.seq,
+                                  "batch/groups": len(batch.groups),
+                                  "batch/samples": batch.num_samples,
+                                  "batch/tokens": batch.num_tokens,
+                                  "trainer/wait_s": wait_s, "queue/version": batch.version,
+                                  **batch.stats}
+        if step_s is not None and step_s > 0:
+            values["trainer/wait_ratio"] = min(wait_s / step_s, 1.0)
+        pending = [k.rsplit("/", 1)[1] for k in self.queue.list_pending()]
+        values["queue/partial"] = sum(1 for n in pending if n.startswith("a"))
+        values["queue/pending"] = len(pending) - values["queue/partial"]
+        for state in ("leased", "ready", "batched"):
+            values[f"queue/{state}"] = len(self.storage.list(state))
+        self.metrics.emit(values)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()

@@ -1,0 +1,111 @@
+"""Opening a run for the collector, and the three resume paths.
+
+``open_queue(path, checkpoint=...)`` decides which path a (re)start takes:
+
+* ``queue``  — the run directory holds a readable run: everything on disk wins (pending,
+  leased, partial, ready, batched work all survive; the checkpoint only fills in nothing).
+* ``cursor`` — the queue state is missing or unreadable, the checkpoint has a dataset
+  cursor: a warning, a fresh queue, releases resume at the checkpointed index, the weight
+  version and the batch sequence continue from the checkpoint.
+* ``fresh``  — no queue state and no cursor in the checkpoint: a warning, start from the
+  dataset's beginning.
+* ``new``    — no queue state and no checkpoint at all: a first start (no warning).
+
+An unreadable run directory is never deleted: it is renamed to ``<path>.unreadable-<time>``
+for inspection and a new one is created in its place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from strawq import records
+from strawq.config import QueueConfig
+from strawq.errors import CorruptRecord, NotFound, StorageError
+from strawq.queue import RUN_KEY, RunQueue
+from strawq.records import Kind
+from strawq.storage import Storage, open_storage
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ResumeInfo:
+    #: "queue", "cursor", "fresh" or "new" (see the module docstring)
+    path: str
+    message: str
+    checkpoint: Mapping[str, Any] | None = None
+
+
+def read_cursor_state(storage: Storage) -> dict[str, Any] | None:
+    """The newest cursor in ``Feeder.state_dict()`` form, read-only (no recovery side effects).
+
+    The trainer side uses this: constructing a ``Feeder`` runs its recovery, which only the
+    collector may do.
+    """
+    for name in reversed(storage.list("cursor")):
+        if not name.isdigit():
+            continue
+        try:
+            rec = records.decode(storage.read(f"cursor/{name}"), expect=Kind.CURSOR,
+                                 name=f"cursor/{name}")
+        except (CorruptRecord, NotFound):
+            continue
+        m = rec.meta
+        return {"next_index": int(m["next_index"]), "seq": int(m["seq"]),
+                "fingerprint": m.get("fingerprint", {})}
+    return None
+
+
+def _queue_is_readable(storage: Storage) -> str | None:
+    """None if the run record decodes; else why not."""
+    try:
+        records.decode(storage.read(RUN_KEY), expect=Kind.RUN, name=RUN_KEY)
+    except NotFound:
+        return "missing"
+    except (CorruptRecord, StorageError) as exc:
+        return f"unreadable ({exc})"
+    return None
+
+
+def open_queue(path: str, *, queue_config: QueueConfig | None = None,
+               checkpoint: Mapping[str, Any] | None = None,
+               writer_id: str = "collector", fsync: bool = True) -> tuple[RunQueue, ResumeInfo]:
+    """Open (or create) the run at ``path`` and say which resume path applies."""
+    os.makedirs(path, exist_ok=True)
+    storage = open_storage(path, writer_id=writer_id, fsync=fsync)
+    problem = _queue_is_readable(storage)
+    if problem is None:
+        queue = RunQueue.open(storage)
+        return queue, ResumeInfo("queue", f"queue state intact at {path}", checkpoint)
+    if problem != "missing":
+        aside = f"{os.path.abspath(path).rstrip('/')}.unreadable-{int(time.time())}"
+        os.rename(path, aside)
+        os.makedirs(path)
+        storage = open_storage(path, writer_id=writer_id, fsync=fsync)
+        log.warning("queue state at %s is %s; moved it to %s for inspection", path, problem,
+                    aside)
+    queue = RunQueue.create(storage, queue_config)
+    if checkpoint is None:
+        if problem != "missing":
+            log.warning("no checkpoint given either: starting from the dataset's beginning")
+            return queue, ResumeInfo("fresh", "queue unreadable, no checkpoint", None)
+        return queue, ResumeInfo("new", f"new run at {path}", None)
+    feeder = checkpoint.get("feeder") if isinstance(checkpoint, Mapping) else None
+    if feeder and "next_index" in feeder:
+        log.warning("queue state at %s is %s: resuming from the checkpoint's dataset cursor "
+                    "(index %s, version %s, last batch %s); work that was in flight is "
+                    "generated again", path, problem, feeder["next_index"],
+                    checkpoint.get("version"), checkpoint.get("batch_seq"))
+        return queue, ResumeInfo("cursor", f"queue {problem}; cursor from checkpoint",
+                                 checkpoint)
+    log.warning("queue state at %s is %s and the checkpoint has no dataset cursor: starting "
+                "from the dataset's beginning", path, problem)
+    return queue, ResumeInfo("fresh", f"queue {problem}; no cursor in checkpoint", checkpoint)
