@@ -87,7 +87,7 @@ class WeightUpdateBracket:
         """Read heartbeat counters now; returns producer -> seconds since its counter moved."""
         now = self.clock()
         self.monitor.observe_heartbeats(now)
-        return {p: now - t for p, (_c, t) in self.monitor._seen.items()}
+        return self.monitor.silence(now)
 
     def live_producers(self) -> set[str]:
         return {p for p, s in self.observe().items() if s < self.lease_timeout_s}

@@ -26,7 +26,7 @@ from collector.metrics import MetricsSink
 from collector.packing import Packer, decode_columns, group_tokens, map_record, shard_groups
 from collector.resume import CHECKPOINT_FORMAT, read_cursor_state
 from strawq.batches import BatchStore, Manifest
-from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.errors import CorruptRecord, NotFound
 from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
 from strawq.storage import open_storage
@@ -255,11 +255,7 @@ class BatchReader:
         log.error("batch group %s (%s) is unusable: %s; quarantined and dropped with reason "
                   "%s, the batch goes on without it", name.id, key, exc, reason)
         self.queue.quarantine(key)
-        self.queue._write_note(name, "drop", reason, str(exc))
-        try:
-            self.storage.rename(f"batched/{name}", f"dropped/{name.with_(producer=reason)}")
-        except (NotFound, AlreadyExists):
-            pass
+        self.batches.drop_from("batched", name, reason, str(exc))
 
     # -- acks ---------------------------------------------------------------------------------
     def ack(self, batch: Batch | int) -> None:

@@ -138,9 +138,15 @@ class BatchStore:
     # -- staleness bound ----------------------------------------------------------------------
     def drop_ready(self, name: TaskName, reason: str, message: str = "") -> bool:
         """Move a ready group to DROPPED (e.g. staler than the bound η)."""
-        self.queue._write_note(name, "drop", reason, message)
+        return self.drop_from("ready", name, reason, message)
+
+    def drop_from(self, state: str, name: TaskName, reason: str, message: str = "") -> bool:
+        """Drop a READY or BATCHED group with a recorded reason; False if it moved on."""
+        if state not in ("ready", "batched"):
+            raise ValueError(f"drop_from: state must be 'ready' or 'batched', got {state!r}")
+        self.queue.write_note(name, "drop", reason, message)
         try:
-            self.storage.rename(f"ready/{name}", f"dropped/{name.with_(producer=reason)}")
+            self.storage.rename(f"{state}/{name}", f"dropped/{name.with_(producer=reason)}")
         except (NotFound, AlreadyExists):
             return False
         return True

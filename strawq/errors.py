@@ -55,7 +55,7 @@ class DatasetError(StrawqError, ValueError):
     """A dataset could not be read, or one of its rows is malformed."""
 
 
-class FencedOut(StrawqError):
+class FencedOut(StrawqError, PermissionError):
     """A newer holder (collector epoch, lease generation) has taken over."""
 
 

@@ -47,12 +47,13 @@ class LeaseMonitor:
         latest: dict[str, int] = {}
         stale: list[str] = []
         for name in self.queue.storage.list("hb"):
-            p, _, c = name.rpartition("~")
-            if not (p and c.isdigit()):
+            p, _, digits = name.rpartition("~")
+            if not (p and digits.isdigit()):
                 continue
+            counter = int(digits)
             if p in latest:
-                stale.append(f"hb/{p}~{min(latest[p], int(c)):016d}")
-            latest[p] = max(latest.get(p, 0), int(c))
+                stale.append(f"hb/{p}~{min(latest[p], counter):016d}")
+            latest[p] = max(latest.get(p, 0), counter)
         for key in stale:  # left by a producer that died between publish and delete
             self.queue.storage.delete(key)
         for p, c in latest.items():
@@ -86,7 +87,7 @@ class LeaseMonitor:
         q = self.queue
         src = f"leased/{name}"
         if name.attempts >= q.config.max_attempts:
-            q._write_note(name, "drop", "lease_expired.max_attempts",
+            q.write_note(name, "drop", "lease_expired.max_attempts",
                           f"producer {name.producer} went silent on attempt {name.attempts} "
                           f"of {q.config.max_attempts}")
             dst = f"dropped/{name.with_(producer='lease_expired.max_attempts')}"
@@ -105,6 +106,11 @@ class LeaseMonitor:
             # Producers write with writer_id == producer id: a silent one's temporary files
             # are garbage (if it wakes up, its publish fails like its fenced rename would).
             q.storage.clean_tmp(name.producer)
+
+    def silence(self, now: float | None = None) -> dict[str, float]:
+        """Seconds since each producer's heartbeat counter last moved (grantor's clock)."""
+        now = self.clock() if now is None else now
+        return {p: now - t for p, (_c, t) in self._seen.items()}
 
     def forget_producer(self, producer: str) -> None:
         self._seen.pop(producer, None)

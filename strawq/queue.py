@@ -276,7 +276,7 @@ class RunQueue:
         """Record a failure; re-queue the task, or drop it after ``max_attempts``."""
         validate_id(reason, "reason")
         if retryable and lease.name.attempts < self.config.max_attempts:
-            self._write_note(lease.name, "fail", reason, message)
+            self.write_note(lease.name, "fail", reason, message)
             dst = f"pending/{self._requeued_name(lease.name, refund=False)}"
             self._move_lease(lease, dst)
             return dst
@@ -288,12 +288,12 @@ class RunQueue:
              summary: dict[str, Any] | None = None) -> str:
         """Drop a task with a recorded reason (e.g. a filter rejected the group)."""
         validate_id(reason, "reason")
-        self._write_note(lease.name, "drop", reason, message, summary)
+        self.write_note(lease.name, "drop", reason, message, summary)
         dst = f"dropped/{lease.name.with_(producer=reason)}"
         self._move_lease(lease, dst)
         return dst
 
-    def _write_note(self, name: TaskName, kind: str, reason: str, message: str,
+    def write_note(self, name: TaskName, kind: str, reason: str, message: str,
                     summary: dict[str, Any] | None = None) -> None:
         body = {"task_id": name.id, "gen": name.gen, "attempts": name.attempts,
                 "reason": reason, "message": message, "at": time.time(),

@@ -186,6 +186,14 @@ class StorageConformance:
         storage.publish("seq/none", [])
         assert storage.read("seq/none") == b""
 
+    def test_publish_without_file_sync_is_still_atomic(self, storage: Storage) -> None:
+        """``sync_file=False`` (heartbeat counters) gives up durability, nothing else."""
+        storage.publish("nosync/k", [b"a" * 100, b"b"], sync_dir=False, sync_file=False)
+        assert storage.read("nosync/k") == b"a" * 100 + b"b"
+        with pytest.raises(AlreadyExists):
+            storage.publish("nosync/k", b"again", sync_file=False)
+        assert storage.read("nosync/k") == b"a" * 100 + b"b"
+
     def test_publish_is_exclusive(self, storage: Storage) -> None:
         _require(storage, "exclusive_create")
         storage.publish("x/k", b"first")
