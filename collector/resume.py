@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from strawq.feeder import read_cursor_state as feeder_cursor_state
 from strawq import records
 from strawq.config import QueueConfig
 from strawq.errors import CorruptRecord, NotFound, StorageError
@@ -50,18 +51,10 @@ def read_cursor_state(storage: Storage) -> dict[str, Any] | None:
     The trainer side uses this: constructing a ``Feeder`` runs its recovery, which only the
     collector may do.
     """
-    for name in reversed(storage.list("cursor")):
-        if not name.isdigit():
-            continue
-        try:
-            rec = records.decode(storage.read(f"cursor/{name}"), expect=Kind.CURSOR,
-                                 name=f"cursor/{name}")
-        except (CorruptRecord, NotFound):
-            continue
-        m = rec.meta
-        return {"next_index": int(m["next_index"]), "seq": int(m["seq"]),
-                "fingerprint": m.get("fingerprint", {})}
-    return None
+    state = feeder_cursor_state(storage)
+    if state is None:
+        return None
+    return {k: state[k] for k in ("next_index", "seq", "fingerprint")}
 
 
 def _queue_is_readable(storage: Storage) -> str | None:

@@ -108,14 +108,38 @@ class BatchStore:
                         m["meta"])
 
     def recover(self) -> list[Manifest]:
-        """Finish interrupted batch commits; returns the unacked manifests, oldest first."""
+        """Finish interrupted batch commits; returns the unacked manifests, oldest first.
+
+        A manifest that fails its checks is quarantined. The groups it named can no longer
+        be told apart from the trained ones, so every ``batched/`` entry that no readable
+        manifest names goes back to ``ready/``: possibly trained twice, never lost (and
+        logged as an error, since only storage corruption gets here).
+        """
         seqs, acked = self.batch_seqs()
         pending = []
+        named: set[str] = set()
+        lost_manifest = False
         for seq in seqs:
-            man = self.read_manifest(seq)
+            try:
+                man = self.read_manifest(seq)
+            except CorruptRecord as exc:
+                log.error("batch manifest %d is corrupt (%s): quarantined; its groups go back "
+                          "to ready and may be trained twice", seq, exc)
+                self.queue.quarantine(f"batches/{seq:012d}")
+                self.storage.delete(f"acked/{seq:012d}")
+                lost_manifest = True
+                continue
             self._move_to_batched(man.groups)
+            named.update(str(n) for n in man.groups)
             if seq not in acked:
                 pending.append(man)
+        if lost_manifest:
+            for n in self.storage.list("batched"):
+                if n not in named:
+                    try:
+                        self.storage.rename(f"batched/{n}", f"ready/{n}")
+                    except (NotFound, AlreadyExists):
+                        pass
         return pending
 
     def next_seq(self) -> int:
@@ -189,6 +213,9 @@ class BatchStore:
             self.storage.delete(f"batches/{seq:012d}")
             self.storage.delete(f"acked/{seq:012d}")
             rep.batches += 1
+        for seq in acked - set(seqs):
+            # an ack whose manifest GC already removed (a crash between the two deletions)
+            self.storage.delete(f"acked/{seq:012d}")
         if full:
             rep.stale = self._gc_stale_generations()
         return rep

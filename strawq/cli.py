@@ -106,9 +106,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from strawq.batches import BatchStore
 
-    rep = BatchStore(_queue(args.path)).gc(full=args.full)
+    q = _queue(args.path)
+    rep = BatchStore(q).gc(full=args.full)
+    tmp = sum(q.storage.clean_tmp(w) for w in args.tmp_of or [])
     print(f"gc: {rep.batches} batches, {rep.payloads} group payloads, {rep.stale} stale "
-          "payloads removed")
+          f"payloads, {tmp} temporary files removed")
     return 0
 
 
@@ -158,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "payloads of generations older than each task's current one.")
     s.add_argument("path")
     s.add_argument("--full", action="store_true")
+    s.add_argument("--tmp-of", action="append", metavar="WRITER",
+                   help="also remove temporary files of WRITER (a producer id), which must be "
+                   "known dead: a live writer's temporary file is in use")
     s.set_defaults(func=cmd_gc)
 
     try:

@@ -7,6 +7,8 @@ documented where it is declared.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -26,7 +28,42 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T:
     if unknown:
         raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; known keys are "
                           f"{sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        _check_type(f"{where or cls.__name__}.{key}", value, hints[key])
     return cls(**data)
+
+
+def _check_type(where: str, value: Any, hint: Any) -> None:
+    """Refuse values of the wrong type (JSON gives strings, floats and bools freely)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        errors = []
+        for arg in args:
+            try:
+                _check_type(where, value, arg)
+                return
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{where}: {value!r} matches none of {args}")
+    if hint is Any or origin is not None:
+        return  # containers and literals: checked by __post_init__ where it matters
+    if hint is type(None):
+        ok = value is None
+    elif hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif isinstance(hint, type):
+        ok = isinstance(value, hint)
+    else:
+        ok = True
+    if not ok:
+        name = getattr(hint, "__name__", str(hint))
+        raise ConfigError(f"{where}: expected {name}, found {type(value).__name__} {value!r}")
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

@@ -24,9 +24,10 @@ from typing import Any
 from strawq import records
 from strawq.dataset import BadRow, Dataset, DatasetCursorReader
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
-from strawq.names import STAGE_FRESH, TaskName, data_key, dataset_task_id, queue_key
+from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
 from strawq.queue import RunQueue
 from strawq.records import Kind
+from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,41 @@ class Cursor:
     staging: str | None
     exhausted: bool
     fingerprint: dict[str, Any]
+    #: key of a cursor record that failed its checks (recover() repairs it)
+    corrupt: str | None = None
+
+
+def cursor_name(seq: int, next_index: int) -> str:
+    """``<seq>.<next_index>``: the name alone says where the cursor stands, so a cursor
+    record whose content is damaged still tells how far the dataset was released."""
+    return f"{seq:012d}.{next_index:012d}"
+
+
+def list_cursors(storage: Storage) -> list[tuple[int, int, str]]:
+    """(seq, next_index, name) of every cursor record, oldest first."""
+    out = []
+    for name in storage.list("cursor"):
+        seq, dot, nxt = name.partition(".")
+        if dot and seq.isdigit() and nxt.isdigit():
+            out.append((int(seq), int(nxt), name))
+    return sorted(out)
+
+
+def read_cursor_state(storage: Storage) -> dict[str, Any] | None:
+    """The newest cursor as ``Feeder.state_dict()``, read-only (no recovery side effects)."""
+    cursors = list_cursors(storage)
+    if not cursors:
+        return None
+    seq, nxt, name = cursors[-1]
+    state: dict[str, Any] = {"seq": seq, "next_index": nxt, "fingerprint": {}, "exhausted": False}
+    try:
+        rec = records.decode(storage.read(f"cursor/{name}"), expect=Kind.CURSOR,
+                             name=f"cursor/{name}")
+        state["fingerprint"] = rec.meta.get("fingerprint", {})
+        state["exhausted"] = bool(rec.meta.get("exhausted", False))
+    except (CorruptRecord, NotFound) as exc:
+        state["error"] = str(exc)
+    return state
 
 
 class Feeder:
@@ -55,26 +91,35 @@ class Feeder:
     # -- cursor ------------------------------------------------------------------------------
     def read_cursor(self) -> Cursor:
         """The latest committed cursor (a fresh run starts at index 0)."""
-        for name in reversed(self.storage.list("cursor")):
-            if not name.isdigit():
-                continue
-            key = f"cursor/{name}"
-            try:
-                rec = records.decode(self.storage.read(key), expect=Kind.CURSOR, name=key)
-            except CorruptRecord as exc:
-                # Only the newest can be torn by a crash, and it was never committed: the
-                # exclusive create publishes whole files. Anything else is real corruption.
-                log.error("cursor record %s is corrupt (%s); quarantining it", key, exc)
-                self.queue.quarantine(key)
-                continue
-            m = rec.meta
-            return Cursor(m["seq"], m["next_index"], m.get("staging"), m.get("exhausted", False),
-                          m.get("fingerprint", {}))
-        return Cursor(0, 0, None, False, {})
+        cursors = list_cursors(self.storage)
+        if not cursors:
+            return Cursor(0, 0, None, False, {})
+        seq, nxt, name = cursors[-1]
+        key = f"cursor/{name}"
+        try:
+            rec = records.decode(self.storage.read(key), expect=Kind.CURSOR, name=key)
+        except CorruptRecord as exc:
+            # Publication is atomic, so this is real corruption, not a torn write. The name
+            # still says how far the release went; its staging directory is the one whose
+            # name starts with r-<seq>. (recover repairs the cursor).
+            log.error("cursor record %s is corrupt (%s); continuing from index %d as its name "
+                      "says", key, exc, nxt)
+            prefix = f"r-{seq:012d}."
+            staging = next((s for s in self.storage.list("staging") if s.startswith(prefix)),
+                           None)
+            return Cursor(seq, nxt, staging, False, {}, corrupt=key)
+        m = rec.meta
+        return Cursor(m["seq"], m["next_index"], m.get("staging"), m.get("exhausted", False),
+                      m.get("fingerprint", {}))
 
     def recover(self) -> Cursor:
         """Finish a committed release and delete uncommitted ones. Reads O(in flight)."""
         cur = self.read_cursor()
+        if cur.corrupt:
+            self._promote(cur)
+            self._write_cursor(cur.seq + 1, cur.next_index, None, False, repaired=cur.corrupt)
+            self.queue.quarantine(cur.corrupt)
+            cur = self.read_cursor()
         for name in self.storage.list("staging"):
             if cur.staging == name:
                 self._promote(cur)
@@ -127,9 +172,7 @@ class Feeder:
         end = rows[-1][0] + 1 if rows else cur.next_index
         exhausted = len(rows) < n
         new = Cursor(seq, end, staging if good else None, exhausted, self.dataset.fingerprint)
-        meta = {"seq": seq, "next_index": end, "staging": new.staging, "exhausted": exhausted,
-                "fingerprint": new.fingerprint, "at": time.time()}
-        self.storage.publish(f"cursor/{seq:012d}", records.encode(Kind.CURSOR, meta))
+        self._write_cursor(seq, end, new.staging, exhausted)
         if good:
             self._promote(new)
         else:
@@ -138,13 +181,21 @@ class Feeder:
         self._gc_cursors(seq)
         return len(rows)
 
+    def _write_cursor(self, seq: int, next_index: int, staging: str | None, exhausted: bool,
+                      **extra: Any) -> None:
+        meta = {"seq": seq, "next_index": next_index, "staging": staging,
+                "exhausted": exhausted, "fingerprint": self.dataset.fingerprint,
+                "at": time.time(), **extra}
+        self.storage.publish(f"cursor/{cursor_name(seq, next_index)}",
+                             records.encode(Kind.CURSOR, meta))
+
     def _record_bad_row(self, task_id: str, row: BadRow) -> None:
         name = TaskName(key=queue_key("c", 0, row.index), id=task_id, gen=0, attempts=0,
                         resume=-1, producer="bad_row")
         body = {"task_id": task_id, "gen": 0, "attempts": 0, "reason": "bad_row",
                 "message": row.message, "at": time.time(), "summary": {"index": row.index}}
         log.error("dropping dataset row %d: %s", row.index, row.message)
-        for key, kind in ((data_key(task_id, 0, "drop"), Kind.DROP),
+        for key, kind in ((note_key(task_id, 0, "drop", "bad_row"), Kind.DROP),
                           (f"dropped/{name}", Kind.DROP)):
             try:
                 self.storage.publish(key, records.encode(kind, body), sync_dir=False)
@@ -152,8 +203,8 @@ class Feeder:
                 pass
 
     def _gc_cursors(self, seq: int) -> None:
-        for name in self.storage.list("cursor"):
-            if name.isdigit() and int(name) <= seq - KEEP_CURSORS:
+        for old, _next, name in list_cursors(self.storage):
+            if old <= seq - KEEP_CURSORS:
                 self.storage.delete(f"cursor/{name}")
 
     @property
@@ -170,8 +221,6 @@ class Feeder:
         if self.cursor.seq:
             raise AlreadyExists(17, f"the queue already has a cursor at index "
                                     f"{self.cursor.next_index}; it wins over a checkpoint")
-        meta = {"seq": 1, "next_index": int(state["next_index"]), "staging": None,
-                "exhausted": False, "fingerprint": self.dataset.fingerprint, "at": time.time(),
-                "restored_from_checkpoint": True}
-        self.storage.publish(f"cursor/{1:012d}", records.encode(Kind.CURSOR, meta))
+        self._write_cursor(1, int(state["next_index"]), None, False,
+                           restored_from_checkpoint=True)
         self.cursor = self.read_cursor()

@@ -80,10 +80,13 @@ class LeaseMonitor:
             beat = self._seen.get(name.producer)
             last_alive = max(first, beat[1]) if beat else first
             if now - last_alive >= self.timeout:
+                # Its temporary files are left alone: on a shared mount the grantor cannot
+                # know whether a write is still in flight (`strawq gc --tmp-of` removes them
+                # once the operator knows the writer is dead).
                 self._expire(name, res)
         return res
 
-    def _expire(self, name: TaskName, res: ScanResult) -> None:
+    def _expire(self, name: TaskName, res: ScanResult) -> bool:
         q = self.queue
         src = f"leased/{name}"
         if name.attempts >= q.config.max_attempts:
@@ -98,14 +101,11 @@ class LeaseMonitor:
         try:
             q.storage.rename(src, dst, sync_dir=False)  # lost in a power cut: expires again
         except (NotFound, AlreadyExists):
-            return  # the holder finished (or handed it back) first: it won the race
+            return False  # the holder finished (or handed it back) first: it won the race
         log.warning("lease %s of producer %s expired; task %s -> %s", name.gen, name.producer,
                     name.id, dst.split("/", 1)[0])
         target.append(name.id)
-        if name.producer:
-            # Producers write with writer_id == producer id: a silent one's temporary files
-            # are garbage (if it wakes up, its publish fails like its fenced rename would).
-            q.storage.clean_tmp(name.producer)
+        return True
 
     def silence(self, now: float | None = None) -> dict[str, float]:
         """Seconds since each producer's heartbeat counter last moved (grantor's clock)."""

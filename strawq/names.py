@@ -100,6 +100,13 @@ class TaskName:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
+def note_key(task_id: str, gen: int, kind: str, reason: str) -> str:
+    """The note a drop or failure leaves: keyed by reason too, so that two movers racing
+    to drop one generation (a crashed holder, then the grantor) each keep their own note
+    and the dropped entry's reason always names an existing one."""
+    return f"data/{task_id}~g{gen}.{kind}.{reason}"
+
+
 def data_key(task_id: str, gen: int, suffix: str) -> str:
     """The immutable record a lease of generation ``gen`` writes (group/partial/fail/drop)."""
     return f"data/{task_id}~g{gen}.{suffix}"

@@ -12,7 +12,7 @@ Layout of ``<root>/<run_id>/`` (see ``docs/protocol.md`` for the crash table)::
     ready/<name>~<producer>  finished groups; payload at data/<id>~g<gen>.group
     batched/<name>~<producer> groups referenced by a batch manifest
     batches/<seq>            MANIFEST records;  acked/<seq>: the trainer consumed it
-    dropped/<name>~<reason>  tasks dropped for a recorded reason (data/<id>~g<gen>.drop)
+    dropped/<name>~<reason>  dropped with a reason; note at data/<id>~g<gen>.drop.<reason>
     data/<id>~g<gen>.<kind>  immutable payloads: group, partial, drop
     hb/<producer>~<counter>  heartbeat counters (the name is the data)
     versions/<v>             the weight version the collector has announced
@@ -32,10 +32,10 @@ from typing import Any
 from strawq import records
 from strawq.config import QueueConfig, from_dict, to_dict
 from strawq.errors import (AlreadyExists, ConfigError, CorruptRecord, LeaseLost, NotFound,
-                           TaskNotFound)
+                           StorageError, TaskNotFound)
 from strawq.groups import GroupData
-from strawq.names import (STAGE_PARTIAL, STAGE_REQUEUED, TaskName, data_key, queue_key,
-                          ready_key, validate_id)
+from strawq.names import (STAGE_PARTIAL, STAGE_REQUEUED, TaskName, data_key, note_key,
+                          queue_key, ready_key, validate_id)
 from strawq.records import Kind
 from strawq.storage import Storage
 
@@ -146,7 +146,14 @@ class RunQueue:
         for d in (n for n in top if n.startswith("r-")):
             if limit is not None and len(out) >= limit:
                 break
-            out = out + [f"pending/{d}/{n}" for n in self.storage.list(f"pending/{d}")]
+            inside = self.storage.list(f"pending/{d}")
+            if not inside:
+                # Drained: remove it so listings stay proportional to work in flight. Safe
+                # against races: rmdir refuses a non-empty directory, and a release
+                # directory is never refilled (every release gets a new sequence number).
+                self.storage.rmdir(f"pending/{d}")
+                continue
+            out = out + [f"pending/{d}/{n}" for n in inside]
         return out if limit is None else out[:limit]
 
     def claim(self, producer: str, n: int = 1) -> list[Lease]:
@@ -226,11 +233,25 @@ class RunQueue:
                             "expired and was re-queued (or the task was dropped); its result "
                             "is discarded") from None
 
+    def _publish_payload(self, lease: Lease, key: str, chunks: list[bytes]) -> None:
+        """Publish a lease's payload; a failure on a lease no longer held is ``LeaseLost``."""
+        try:
+            self.storage.publish(key, chunks)
+        except AlreadyExists:
+            if self.still_held(lease):
+                return  # our own earlier attempt (a retried call): the payload stands
+            raise LeaseLost(f"lease {lease.name} is no longer held: the task moved on") from None
+        except (StorageError, NotFound) as exc:
+            if isinstance(exc, NotFound) or not self.still_held(lease):
+                raise LeaseLost(f"lease {lease.name} was lost while its payload was being "
+                                f"written ({exc}); the result is discarded") from exc
+            raise
+
     def complete(self, lease: Lease, group: GroupData) -> str:
         """Publish a finished group and move the task to READY. ``LeaseLost`` if fenced."""
         self._check_group(lease, group)
         payload = data_key(lease.task_id, lease.gen, "group")
-        self.storage.publish(payload, group.encode(Kind.GROUP))
+        self._publish_payload(lease, payload, group.encode(Kind.GROUP))
         name = lease.name.with_(key=ready_key(group.min_version(), lease.name.order))
         dst = f"ready/{name}"
         try:
@@ -244,7 +265,7 @@ class RunQueue:
         """Save the prefixes and return the task as PARTIAL (no attempt spent, gen + 1)."""
         self._check_group(lease, group)
         payload = data_key(lease.task_id, lease.gen, "partial")
-        self.storage.publish(payload, group.encode(Kind.PARTIAL))
+        self._publish_payload(lease, payload, group.encode(Kind.PARTIAL))
         name = lease.name.with_(
             key=queue_key(STAGE_PARTIAL, group.min_version(), lease.name.order),
             gen=lease.gen + 1, attempts=max(lease.name.attempts - 1, 0), resume=lease.gen,
@@ -299,7 +320,7 @@ class RunQueue:
                 "reason": reason, "message": message, "at": time.time(),
                 "summary": summary or {}}
         try:
-            self.storage.publish(data_key(name.id, name.gen, kind),
+            self.storage.publish(note_key(name.id, name.gen, kind, reason),
                                  records.encode(Kind.DROP if kind == "drop" else Kind.FAIL, body))
         except AlreadyExists:
             pass  # a retried call: the first note stands

@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from strawq.feeder import read_cursor_state
 from strawq.names import TaskName
 from strawq.queue import RunQueue
 
@@ -68,19 +69,8 @@ def run_status(queue: RunQueue) -> RunStatus:
     acked = {n for n in st.list("acked") if n.isdigit()}
     out.batches_unacked = len(seqs - acked)
     out.quarantined = len(st.list("quarantine"))
-    cursors = [n for n in st.list("cursor") if n.isdigit()]
-    if cursors:
-        from strawq import records
-
-        from strawq.errors import CorruptRecord, NotFound
-
-        key = f"cursor/{cursors[-1]}"
-        try:
-            rec = records.decode(st.read(key), expect=records.Kind.CURSOR, name=key)
-        except (CorruptRecord, NotFound) as exc:
-            # a status report must not crash on the record it should report (invariant 2);
-            # the feeder quarantines it on its next start
-            out.cursor = {"error": str(exc)}
-        else:
-            out.cursor = {k: rec.meta.get(k) for k in ("seq", "next_index", "exhausted")}
+    cursor = read_cursor_state(st)
+    if cursor is not None:
+        out.cursor = {k: cursor[k] for k in ("seq", "next_index", "exhausted", "error")
+                      if k in cursor}
     return out

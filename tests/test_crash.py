@@ -51,8 +51,7 @@ def check_recovered(storage: Storage, dataset: Dataset, *,
     batches.update(audit.manifests)
     trained = {t for seq in (acked_before or set()) | audit.acked
                for t in batches.get(seq, [])}
-    # strict_reasons=False: see test_drop_reason_consistent_after_crash_before_drop (xfail)
-    problems = audit.check(released, trained=trained, extra_ok={BAD}, strict_reasons=False)
+    problems = audit.check(released, trained=trained, extra_ok={BAD})
     assert problems == [], problems
     assert audit.ids("leased") == set(), "recovery must expire the dead holder's leases"
     if BAD in audit.entries:
@@ -60,8 +59,7 @@ def check_recovered(storage: Storage, dataset: Dataset, *,
 
     batches.update(drain(storage, dataset))
     final = audit_run(storage)
-    assert final.check(ALL, trained={t for ids in batches.values() for t in ids},
-                       strict_reasons=False) == []
+    assert final.check(ALL, trained={t for ids in batches.values() for t in ids}) == []
     dropped = final.ids("dropped", "quarantined")
     assert BAD in dropped
     verdict = check_total_queue(ALL - dropped, [t for ids in batches.values() for t in ids])
@@ -203,11 +201,6 @@ def test_every_crash_point_recovers(scenario: str, backend: str, tmp_path: Path)
     assert crashes >= 1, f"{scenario} made no mutation: the enumeration tested nothing"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "drop/fail notes are keyed data/<id>~g<gen>.drop and the first one stands: a holder "
-    "killed between its drop note and its rename leaves its reason, then the grantor's "
-    "expiry drops the task as 'lease_expired.max_attempts' (grantor.py _expire -> "
-    "write_note AlreadyExists) - the entry and its note disagree on why"))
 def test_drop_reason_consistent_after_crash_before_drop(tmp_path: Path) -> None:
     inner = MemoryStorage()
     ctx = _at_max_attempts(base(inner, write_jsonl(tmp_path / "data.jsonl", ROWS)))
@@ -221,10 +214,6 @@ def test_drop_reason_consistent_after_crash_before_drop(tmp_path: Path) -> None:
     assert audit.check({tid(i) for i in range(audit.cursor_next)}) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BatchStore.gc deletes batches/<seq> before acked/<seq>; a crash between the two leaves "
-    "acked/<seq> without its manifest, and gc only visits seqs that have a manifest: the "
-    "ack marker is never removed (a leak per crash, invariant 6)"))
 def test_gc_crash_leaves_no_orphan_ack(tmp_path: Path) -> None:
     inner = MemoryStorage()
     ctx = _batched(base(inner, write_jsonl(tmp_path / "data.jsonl", ROWS)), ack=True)

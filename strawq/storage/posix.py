@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 from strawq.errors import AlreadyExists, NotFound, StorageError, StorageFull
-from strawq.storage.base import Capabilities, Storage, parent, validate_key
+from strawq.storage.base import Capabilities, Storage, validate_key
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +47,15 @@ class PosixStorage(Storage):
     """A store rooted at a directory of a POSIX filesystem."""
 
     def __init__(self, root: str, *, writer_id: str | None = None, fsync: bool = True,
-                 tmp_dir: str = "tmp") -> None:
+                 tmp_dir: str = "tmp", nfs_retry_rule: bool = False) -> None:
         self.root = os.path.abspath(root)
         self.writer_id = writer_id or f"w{os.getpid()}"
         self._fsync = fsync
         self._tmp = tmp_dir
         self._noreplace_ok = _renameat2 is not None
+        # NFS only: a retried RENAME whose first attempt succeeded reports ENOENT. Off by
+        # default: elsewhere ENOENT with the destination present means another mover won.
+        self._nfs_retry_rule = nfs_retry_rule
         self.capabilities = Capabilities(durable=fsync)
         os.makedirs(os.path.join(self.root, self._tmp), exist_ok=True)
 
@@ -168,7 +171,8 @@ class PosixStorage(Storage):
         except OSError as exc:
             # NFS: a retried RENAME whose first attempt succeeded reports ENOENT. Our
             # destinations are unique to the caller, so an existing one means we won.
-            if exc.errno == errno.ENOENT and os.path.lexists(d) and not os.path.lexists(s):
+            if (self._nfs_retry_rule and exc.errno == errno.ENOENT and os.path.lexists(d)
+                    and not os.path.lexists(s)):
                 log.debug("rename %s -> %s reported ENOENT but the destination exists", src, dst)
             else:
                 raise translate(exc, f"rename {src} -> {dst}") from exc

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from strawq import records
 from strawq.errors import CorruptRecord, NotFound
 from strawq.groups import GroupData
-from strawq.names import TaskName, data_key
+from strawq.names import TaskName, data_key, note_key
 from strawq.records import Kind
 from strawq.storage import Storage
 
@@ -196,14 +196,16 @@ def audit_run(storage: Storage) -> Audit:
                         if g.task_id != e.name.id:
                             a.corrupt.append((gkey, f"payload of {g.task_id}"))
             if e.state == "dropped":
-                note = _decode(storage, data_key(e.name.id, e.name.gen, "drop"), a, Kind.DROP)
+                note = _decode(storage, note_key(e.name.id, e.name.gen, "drop",
+                                                 e.name.producer or ""), a, Kind.DROP)
                 if note is not None:
                     a.drop_reasons[e.name.id] = str(note.meta.get("reason"))
-    best = -1
-    for n in storage.list("cursor"):
+    from strawq.feeder import list_cursors
+
+    for _seq, nxt, n in list_cursors(storage):
         rec = _decode(storage, f"cursor/{n}", a, Kind.CURSOR)
-        if rec is not None and int(n) > best:
-            best, a.cursor_next = int(n), int(rec.meta["next_index"])
+        if rec is not None:
+            a.cursor_next = max(a.cursor_next, int(rec.meta["next_index"]), nxt)
     a.staging = storage.list("staging")
     a.tmp = storage.list("tmp")
     return a

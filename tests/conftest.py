@@ -1,0 +1,4 @@
+try:
+    from tests.juicefs_fixtures import *  # noqa: F401,F403
+except ImportError:  # pragma: no cover - the JuiceFS fixtures are optional
+    pass
