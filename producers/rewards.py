@@ -62,20 +62,19 @@ def math_answer(task: dict[str, Any], response_ids: list[int], meta: dict[str, A
 
 
 def count_task(task: dict[str, Any], response_ids: list[int], meta: dict[str, Any]) -> float:
-    """The demo task: the row holds ``target`` (a token id) and ``count`` (k).
+    """The demo task: write exactly ``count`` (k) tokens, then stop (EOS).
 
-    Reward = fraction of the first k tokens equal to ``target`` (0..0.5) + 0.5 when the
-    response stops right after them (EOS at k, or exactly k tokens). A model that never
-    stops earns at most 0.5; the tail of long responses is what the task teaches away.
+    Reward = max(0, 1 - |L - k| / max(k, 4)), L = tokens before the EOS (or all of them
+    when the response never stopped). What the model emits decides when it stops, so a
+    fresh model's lengths are long-tailed (it rarely samples EOS) and a trained one's follow
+    k — whose own distribution has a long tail (see ``demo.task``).
     """
     row = task.get("row", task)
-    target, k = int(row["target"]), int(row["count"])
-    eos = int(row.get("eos", 0))
-    body = [t for t in response_ids if t != eos]
+    k = int(row["count"])
+    eos = int(row.get("eos", 2))
     stopped = bool(response_ids) and response_ids[-1] == eos
-    hits = sum(1 for t in body[:k] if t == target)
-    length_ok = len(body) == k and (stopped or len(response_ids) == k)
-    return 0.5 * hits / k + (0.5 if length_ok and hits == k else 0.0)
+    length = len(response_ids) - 1 if stopped else len(response_ids)
+    return max(0.0, 1.0 - abs(length - k) / max(k, 4))
 
 
 def zero_variance(task: dict[str, Any], rewards: list[float]) -> str | None:

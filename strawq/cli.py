@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optional(engine.add_subparsers(dest="engine_command", metavar="ENGINE_COMMAND"),
                   "producers.engines.cli", "add_engine_parser")
     _add_optional(sub, "collector.cli", "add_parsers")
+    _add_optional(sub, "demo.cli", "add_parsers")
     return p
 
 

@@ -36,12 +36,14 @@ def test_math_answer_reads_text_and_label() -> None:
         math_answer(task, [1], {})
 
 
-def test_count_task_rewards_exact_stop() -> None:
-    task = {"row": {"prompt": [5], "target": 7, "count": 3, "eos": 0}}
-    assert count_task(task, [7, 7, 7, 0], {}) == 1.0
-    assert count_task(task, [7, 7, 7, 7, 0], {}) == 0.5      # right tokens, did not stop
-    assert count_task(task, [7, 9, 7, 0], {}) == pytest.approx(1 / 3)
-    assert count_task(task, [], {}) == 0.0
+def test_count_task_rewards_stopping_at_k() -> None:
+    task = {"row": {"prompt": [5], "count": 8, "eos": 2}}
+    assert count_task(task, [7] * 8 + [2], {}) == 1.0
+    assert count_task(task, [7] * 10 + [2], {}) == pytest.approx(0.75)   # two too many
+    assert count_task(task, [7] * 6, {}) == pytest.approx(0.75)          # truncated early
+    assert count_task(task, [7] * 40, {}) == 0.0                          # never stopped
+    short = {"row": {"count": 2, "eos": 2}}
+    assert count_task(short, [2], {}) == pytest.approx(0.5)               # |0-2| / max(2, 4)
 
 
 def test_zero_variance_filter() -> None:
@@ -52,7 +54,7 @@ def test_zero_variance_filter() -> None:
 
 def test_plugins_resolve_and_check() -> None:
     fn = load_reward("producers.rewards.count_task")
-    assert check_reward_fn(fn, {"row": {"target": 1, "count": 1}}, [1, 0]) == 1.0
+    assert check_reward_fn(fn, {"row": {"count": 1, "eos": 2}}, [1, 2]) == 1.0
     flt = load_filter("producers.rewards:zero_variance")
     assert flt is not None and check_filter_fn(flt, {}, [1.0, 1.0]) == "zero_variance"
     assert load_filter(None) is None

@@ -1,0 +1,61 @@
+"""``strawq demo`` and ``strawq lab``: argument parsing only; the work is in demo.run/demo.lab."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from typing import Any
+
+DEMO_HELP = """\
+Run a real RL loop on this machine with every part of strawq: a two-node Ray cluster, two
+tiny engines (torch models behind SGLang's HTTP protocol), one producer per node, the
+collector, and a GRPO trainer that reads batches through the reader API and pushes new
+weights through the weight-update bracket after every step. The task ("write exactly k
+tokens, then stop") is verifiable and has long-tailed response lengths.
+
+Writes to --workdir: timeline.png (who is busy, weight updates marked), reward.png,
+staleness.png, metrics.jsonl, summary.json, and the queue itself under run/.
+Ctrl-C stops cleanly after the current step; --resume continues where it stopped.
+"""
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from demo.run import DemoConfig, format_summary, run_demo
+
+    fields = {f.name for f in dataclasses.fields(DemoConfig)}
+    cfg = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    if not args.verbose:  # the progress bar says what matters; warnings still show
+        logging.getLogger().setLevel(logging.WARNING)
+    result = run_demo(cfg)
+    print(format_summary(result))
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("demo", help="an end-to-end RL run on this machine (the main job)",
+                       description=DEMO_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("sync", "partial", "async"), default=None,
+                   help="sync: barrier per batch; partial: over-sample, interrupted groups "
+                   "resume next step; async: generate while training, staleness bound "
+                   "--max-staleness (default)")
+    p.add_argument("--steps", type=int, help="training steps (default 40)")
+    p.add_argument("--batch-groups", dest="batch_groups", type=int,
+                   help="prompt groups per batch B (default 8)")
+    p.add_argument("--group-size", dest="group_size", type=int, help="samples per prompt G")
+    p.add_argument("--max-staleness", dest="max_staleness", type=int, help="async bound η")
+    p.add_argument("--oversample", type=float, help="partial: groups admitted per batch ÷ B")
+    p.add_argument("--workdir", help="output directory (default runs/demo)")
+    p.add_argument("--run-root", dest="run_root",
+                   help="put the queue on this mount (e.g. a JuiceFS mount) instead")
+    p.add_argument("--resume", action="store_true", default=None,
+                   help="continue the run in --workdir where it stopped")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    p.set_defaults(func=cmd_demo)
+    try:
+        from demo.lab_cli import add_lab_parser
+    except ImportError:
+        return
+    add_lab_parser(sub)

@@ -1,0 +1,308 @@
+"""``strawq demo``: a real RL loop on a laptop, every part for real.
+
+A local Ray cluster with two nodes, a run directory (local disk, or a JuiceFS mount), two
+tiny engines (real torch models behind SGLang's HTTP protocol), one producer actor per
+node, the collector (grantor + feeder) in a thread, and a GRPO trainer that consumes
+batches through the reader API and pushes new weights through the weight-update bracket
+after every step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from collector.bracket import WeightUpdateBracket
+from collector.core import Collector
+from collector.reader import BatchReader
+from demo import plots, task
+from demo.schedule import ScheduleConfig, ScheduleResult, StepRecord, collector_config, \
+    run_schedule
+from demo.trainer import GRPOTrainer
+from producers.engines.testing import EngineProcess, start_engine_subprocess
+from producers.engines.tiny_model import init_model, load_weights, save_weights
+from strawq.config import QueueConfig
+from strawq.dataset import Dataset
+from strawq.queue import RunQueue
+from strawq.storage import PosixStorage
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "trainer.ckpt"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    #: where everything goes: run/ (the queue), weights/, plots, metrics, summary
+    workdir: str = "runs/demo"
+    #: put the queue's run directory under this mount instead (e.g. a JuiceFS mount)
+    run_root: str | None = None
+    mode: str = "async"
+    steps: int = 40
+    batch_groups: int = 8
+    group_size: int = 8
+    max_staleness: int = 1
+    oversample: float = 1.5
+    engines: int = 2
+    nodes: int = 2
+    #: concurrent requests per engine (C); K = floor(C*E/G) group slots
+    concurrency: int = 64
+    prompts: int = 4000
+    lr: float = 1e-3
+    seed: int = 0
+    resume: bool = False
+    lease_timeout_s: float = 20.0
+    progress: bool = True
+
+
+@dataclass
+class DemoResult:
+    config: DemoConfig
+    schedule: ScheduleResult
+    rewards: list[float]
+    staleness: list[int]
+    trained_indices: list[int]
+    files: dict[str, str] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+class Sampler(threading.Thread):
+    """Polls engine loads every ``period_s`` for the timeline (busy = running > 0)."""
+
+    def __init__(self, urls: list[str], period_s: float = 0.25) -> None:
+        super().__init__(daemon=True, name="strawq-demo-sampler")
+        self.urls, self.period = urls, period_s
+        self.samples = plots.Samples()
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.period):
+            now = time.monotonic()
+            for i, url in enumerate(self.urls):
+                try:
+                    with urllib.request.urlopen(f"{url}/v1/loads?include=core", timeout=2) as r:
+                        loads = json.load(r)["loads"]
+                    running = sum(int(x.get("num_running_reqs", 0)) for x in loads)
+                    cap = sum(int(x.get("max_running_requests", 1) or 1) for x in loads)
+                    self.samples.add(f"engine {i}", now, min(1.0, running / max(cap, 1)))
+                except OSError:
+                    self.samples.add(f"engine {i}", now, 0.0)
+
+
+def _start_ray(nodes: int) -> Any:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1,
+                                                            "include_dashboard": False})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False,
+             logging_level=logging.WARNING)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def run_demo(cfg: DemoConfig) -> DemoResult:
+    """Run the whole loop; Ctrl-C stops cleanly (run again with resume=True to continue)."""
+    import ray
+
+    from producers.placement import PlacementConfig, ProducerPlacement, wait_for_nodes
+    from producers.producer_config import ProducerConfig
+
+    torch.set_num_threads(1)
+    work = os.path.abspath(cfg.workdir)
+    os.makedirs(work, exist_ok=True)
+    run_dir = os.path.join(os.path.abspath(cfg.run_root) if cfg.run_root else work, "run")
+    weights = os.path.join(work, "weights")
+    ckpt_path = os.path.join(work, CHECKPOINT)
+    dataset_path = os.path.join(work, "prompts.jsonl")
+    fresh = not (cfg.resume and os.path.exists(os.path.join(run_dir, "run.meta")))
+    if fresh and os.path.exists(os.path.join(run_dir, "run.meta")):
+        raise RuntimeError(f"{run_dir} already holds a run: pass --resume to continue it, or "
+                           "choose another --workdir")
+    if not os.path.exists(dataset_path):
+        task.write_dataset(dataset_path, cfg.prompts, seed=cfg.seed)
+    sched = ScheduleConfig(mode=cfg.mode, batch_groups=cfg.batch_groups, steps=cfg.steps,
+                           max_staleness=cfg.max_staleness, oversample=cfg.oversample,
+                           slots=cfg.concurrency * cfg.engines // cfg.group_size)
+    qcfg = QueueConfig(group_size=cfg.group_size, lease_timeout_s=cfg.lease_timeout_s,
+                       heartbeat_interval_s=cfg.lease_timeout_s / 5, release_batch=32)
+    RunQueue.create(PosixStorage(run_dir, writer_id="demo"), qcfg, meta={"demo": asdict(cfg)})
+
+    # weights: fresh model, or the checkpoint's
+    start_step = start_version = 0
+    model = init_model(task.tiny_config(cfg.seed))
+    ckpt: dict[str, Any] | None = None
+    if not fresh and os.path.exists(ckpt_path):
+        ckpt = torch.load(ckpt_path, weights_only=True)
+        start_step, start_version = int(ckpt["step"]), int(ckpt["version"])
+        model = load_weights(ckpt["weights_dir"]) if os.path.isdir(ckpt["weights_dir"]) \
+            else model
+    initial = os.path.join(weights, f"v{start_version:06d}")
+    if not os.path.isdir(initial):
+        save_weights(model, initial)
+
+    engines: list[EngineProcess] = []
+    placement = None
+    stop = threading.Event()
+    col_thread = None
+    sampler = None
+    old_handler = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        log.warning("interrupted: finishing the current step, then stopping cleanly "
+                    "(run again with --resume to continue)")
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_sigint)
+    cluster = None
+    try:
+        for _ in range(cfg.engines):
+            engines.append(start_engine_subprocess(
+                "tiny", model_path=initial, max_running_requests=cfg.concurrency,
+                weight_version=str(start_version)))
+        urls = [e.url for e in engines]
+        collector = Collector.open(run_dir, Dataset(dataset_path), collector_config(sched),
+                                   queue_config=qcfg, owner="demo-collector")
+        col_thread = threading.Thread(target=collector.run, kwargs={"should_stop": stop.is_set},
+                                      daemon=True, name="strawq-collector")
+        col_thread.start()
+        cluster = _start_ray(cfg.nodes)
+        wait_for_nodes(cfg.nodes)
+        pcfg = ProducerConfig(run_dir=run_dir, reward="producers.rewards.count_task",
+                              workers=tuple(urls), max_new_tokens=task.MAX_NEW_TOKENS,
+                              temperature=1.0, seed=cfg.seed, group_size=cfg.group_size)
+        placement = ProducerPlacement(pcfg, PlacementConfig(
+            run_id="demo", concurrency=cfg.concurrency, engines=cfg.engines,
+            group_size=cfg.group_size))
+        placement.reconcile()
+        trainer = GRPOTrainer(model, weights, urls, lr=cfg.lr)
+        reader = BatchReader.open(run_dir, metrics_jsonl=os.path.join(work, "metrics.jsonl"))
+        bracket = WeightUpdateBracket(reader.queue, lease_timeout_s=cfg.lease_timeout_s)
+        if ckpt is not None:
+            trainer.load_state_dict(ckpt["trainer"])
+            reader.load_state_dict(json.loads(ckpt["reader"]))
+        sampler = Sampler(urls)
+        sampler.start()
+        bar = _progress(cfg, start_step)
+        records: list[StepRecord] = []
+
+        def on_step(rec: StepRecord) -> None:
+            records.append(rec)
+            torch.save({"step": rec.step + 1, "version": rec.version,
+                        "weights_dir": os.path.join(weights, f"v{rec.version:06d}"),
+                        "trainer": trainer.state_dict(),
+                        "reader": json.dumps(reader.state_dict())}, ckpt_path + ".tmp")
+            os.replace(ckpt_path + ".tmp", ckpt_path)
+            if bar is not None:
+                d = collector.depths()
+                bar.set_postfix_str(
+                    f"reward {rec.metrics.get('reward/mean', 0):.2f} len "
+                    f"{rec.metrics.get('response_len/mean', 0):.0f} stale "
+                    f"{rec.metrics.get('staleness/mean', 0):.2f} wait {rec.wait_s:.1f}s "
+                    f"q[p{d.pending}+{d.partial} l{d.leased} r{d.ready}]", refresh=False)
+                bar.update(1)
+
+        res = run_schedule(sched, reader, bracket, trainer, start_version=start_version,
+                           start_step=start_step, on_step=on_step, should_stop=stop.is_set)
+        if bar is not None:
+            bar.close()
+        stats = placement.stats()
+        result = DemoResult(cfg, res, [r.metrics.get("reward/mean", 0.0) for r in records],
+                            [s for r in records for s in r.staleness],
+                            [i for r in records for i in r.indices])
+        result.summary = _summary(cfg, res, stats, collector)
+        result.files = _write_outputs(work, cfg, result, sampler.samples, stats)
+        return result
+    finally:
+        stop.set()
+        signal.signal(signal.SIGINT, old_handler)
+        if sampler is not None:
+            sampler.stop_event.set()
+        if placement is not None:
+            try:
+                placement.stop()
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway
+                log.warning("stopping producers: %s", exc)
+        if col_thread is not None:
+            col_thread.join(30)
+        if ray.is_initialized():
+            ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        for e in engines:
+            e.stop()
+
+
+def _progress(cfg: DemoConfig, start: int) -> Any:
+    if not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, initial=start, desc=f"strawq demo [{cfg.mode}]", unit="step",
+                dynamic_ncols=True)
+
+
+def _summary(cfg: DemoConfig, res: ScheduleResult, stats: dict[str, Any],
+             collector: Collector) -> dict[str, Any]:
+    recs = res.records
+    rewards = [r.metrics.get("reward/mean", 0.0) for r in recs]
+    k = max(1, len(rewards) // 5)
+    tokens = sum(p.get("tokens_generated", 0) for p in stats.values())
+    return {
+        "mode": cfg.mode, "steps": len(recs), "wall_s": round(res.wall_s, 1),
+        "reward/first": round(sum(rewards[:k]) / k, 3) if rewards else None,
+        "reward/last": round(sum(rewards[-k:]) / k, 3) if rewards else None,
+        "trainer/wait_ratio": round(res.trainer_wait_ratio(), 3),
+        "staleness/mean": round(sum(r.metrics.get("staleness/mean", 0) for r in recs)
+                                / max(len(recs), 1), 3),
+        "staleness/max": max((r.metrics.get("staleness/max", 0) for r in recs), default=0),
+        "staleness/multi_version_frac": round(
+            sum(r.metrics.get("staleness/multi_version_frac", 0) for r in recs)
+            / max(len(recs), 1), 3),
+        "groups/s": round(sum(len(r.indices) for r in recs) / max(res.wall_s, 1e-9), 2),
+        "tokens_generated": tokens,
+        "dropped": collector.dropped_by_reason(),
+        "producer_slot_utilisation": {p.get("producer_id", n): round(p.get(
+            "slot_utilisation", 0.0), 3) for n, p in stats.items()},
+    }
+
+
+def _write_outputs(work: str, cfg: DemoConfig, result: DemoResult, samples: plots.Samples,
+                   stats: dict[str, Any]) -> dict[str, str]:
+    files = {
+        "timeline": plots.timeline(os.path.join(work, "timeline.png"), result.schedule,
+                                   samples, title=f"strawq demo ({cfg.mode}): who is busy"),
+        "reward": plots.reward_curve(os.path.join(work, "reward.png"),
+                                     {cfg.mode: result.rewards},
+                                     title="reward per training step"),
+        "staleness": plots.staleness_hist(os.path.join(work, "staleness.png"),
+                                          {cfg.mode: result.staleness},
+                                          title="staleness of trained samples"),
+    }
+    summary_path = os.path.join(work, "summary.json")
+    with open(summary_path, "w", encoding="utf-8") as f:
+        json.dump({"summary": result.summary, "config": asdict(cfg),
+                   "steps": [asdict(r) for r in result.schedule.records]}, f, indent=2,
+                  default=str)
+    files["summary"] = summary_path
+    return files
+
+
+def format_summary(result: DemoResult) -> str:
+    rows = [(k, v) for k, v in result.summary.items()]
+    width = max(len(k) for k, _ in rows)
+    lines = ["", f"{'metric':<{width}}  value", f"{'-' * width}  -----"]
+    lines += [f"{k:<{width}}  {v}" for k, v in rows]
+    lines += ["", "files:"] + [f"  {k:<10} {v}" for k, v in result.files.items()]
+    return "\n".join(lines)

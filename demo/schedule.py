@@ -1,0 +1,150 @@
+"""The three rollout schedules, driven from the trainer's side of the reader API.
+
+* ``sync`` — a synchronous barrier: admission lets exactly one batch of groups into flight
+  (η = 0, at most B groups running or untrained); the trainer waits for all of them, and
+  generation is paused while it trains.
+* ``partial`` — synchronous with partial rollout (APRIL): admission over-samples
+  (``oversample``·B groups in flight); the step starts as soon as B groups are ready, the
+  rest are interrupted by the bracket and persisted as partial tasks that resume first in
+  the next step. Generation is paused while the trainer trains.
+* ``async`` — fully asynchronous with staleness bound η: producers keep generating while
+  the trainer trains; the bracket interrupts them only for the weight push, and the
+  collector keeps every batch within η versions.
+
+The loop records a timeline (trainer wait / train / weight update intervals) for plots.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from collector.bracket import WeightUpdateBracket
+from collector.config import CollectorConfig
+from collector.reader import BatchReader
+from demo.trainer import TrainerBackend
+
+log = logging.getLogger(__name__)
+
+MODES = ("sync", "partial", "async")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    mode: str = "async"
+    #: groups per training batch (B)
+    batch_groups: int = 8
+    #: training steps (one weight version each)
+    steps: int = 20
+    #: async: staleness bound η in versions
+    max_staleness: int = 1
+    #: partial: groups admitted per batch (≥ 1)
+    oversample: float = 1.5
+    #: total producer group slots K (caps running groups)
+    slots: int = 64
+    #: deadline of one next_batch / bracket wait
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.batch_groups < 1 or self.steps < 1 or self.slots < 1:
+            raise ValueError("batch_groups, steps and slots must be >= 1")
+        if self.max_staleness < 0 or self.oversample < 1:
+            raise ValueError("max_staleness must be >= 0 and oversample >= 1")
+
+
+def collector_config(cfg: ScheduleConfig, **extra: Any) -> CollectorConfig:
+    """The collector settings that implement a schedule."""
+    b = cfg.batch_groups
+    if cfg.mode == "sync":
+        running, eta = b, 0
+    elif cfg.mode == "partial":
+        running, eta = max(b, math.ceil(cfg.oversample * b)), 1
+    else:
+        running, eta = cfg.slots, cfg.max_staleness
+    return CollectorConfig(batch_groups=b, max_staleness=eta, eta_mode="requeue",
+                           max_running=running, max_ready=max(2 * b, running),
+                           max_prefetch_batches=1, **extra)
+
+
+@dataclass
+class Interval:
+    what: str
+    start: float
+    end: float
+
+
+@dataclass
+class StepRecord:
+    step: int
+    version: int
+    wait_s: float
+    train_s: float
+    update_s: float
+    metrics: dict[str, float]
+    #: per sample: version trained on - the sample's oldest token version
+    staleness: list[int] = field(default_factory=list)
+    #: dataset indices of the samples' prompts (one per group)
+    indices: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ScheduleResult:
+    records: list[StepRecord] = field(default_factory=list)
+    intervals: list[Interval] = field(default_factory=list)
+    started: float = 0.0
+    ended: float = 0.0
+
+    @property
+    def wall_s(self) -> float:
+        return self.ended - self.started
+
+    def trainer_wait_ratio(self) -> float:
+        wait = sum(r.wait_s for r in self.records)
+        return wait / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+def run_schedule(cfg: ScheduleConfig, reader: BatchReader, bracket: WeightUpdateBracket,
+                 trainer: TrainerBackend, *, start_version: int = 0, start_step: int = 0,
+                 on_step: Callable[[StepRecord], None] | None = None,
+                 should_stop: Callable[[], bool] = lambda: False,
+                 clock: Callable[[], float] = time.monotonic) -> ScheduleResult:
+    """Train ``cfg.steps`` steps; every step is one new weight version pushed to engines."""
+    res = ScheduleResult(started=clock())
+    version = start_version
+    pause_while_training = cfg.mode in ("sync", "partial")
+    for step in range(start_step, cfg.steps):
+        if should_stop():
+            break
+        t0 = clock()
+        batch = reader.next_batch(timeout=cfg.timeout_s)
+        t1 = clock()
+        res.intervals.append(Interval("wait", t0, t1))
+        if pause_while_training:
+            bracket.begin_weight_update(timeout=cfg.timeout_s)
+        t2 = clock()
+        metrics = trainer.train_step(batch)
+        reader.ack(batch)
+        t3 = clock()
+        res.intervals.append(Interval("train", t2, t3))
+        if not pause_while_training:
+            bracket.begin_weight_update(timeout=cfg.timeout_s)
+        version += 1
+        trainer.push_weights(version)
+        bracket.end_weight_update(version)
+        t4 = clock()
+        res.intervals.append(Interval("update", t3, t4))
+        stal = (batch.version - batch.sample_min_version).clamp(min=0).tolist()
+        idx = sorted({int(s["index"]) for s in batch.summaries})
+        rec = StepRecord(step, version, t1 - t0, t3 - t2, (t4 - t3) + (t2 - t1), metrics,
+                         stal, idx)
+        res.records.append(rec)
+        if on_step is not None:
+            on_step(rec)
+    res.ended = clock()
+    return res

@@ -1,0 +1,176 @@
+"""Trainers the schedules drive: a real GRPO trainer on the tiny model, and a sleeping one.
+
+``GRPOTrainer.train_step`` takes one packed ``Batch`` from the reader API and does one
+policy-gradient step with the token-level importance-sampling correction: per token,
+``w = min(pi_theta / mu, 2.0)`` (TIS, no gradient through w) against the log-probs the
+engine recorded (``mu``, from whatever weight version produced that token), and loss
+``-mean_samples(mean_tokens(w * A * log pi_theta))`` with the collector's GRPO
+group-normalised advantages.
+``push_weights`` saves the weights to a new directory and loads them into every engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from collector.importance import masked_tis_weights
+from collector.reader import Batch
+from producers.engines.tiny_model import TinyLM, load_weights, save_weights
+
+log = logging.getLogger(__name__)
+
+
+class TrainerBackend(Protocol):
+    def train_step(self, batch: Batch) -> dict[str, float]: ...
+
+    def push_weights(self, version: int) -> None: ...
+
+
+def unpack(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                  torch.Tensor]:
+    """Packed flat tensors -> padded [S, L] tokens, mask, rollout log-probs, advantages."""
+    cu = batch.cu_seqlens.to(torch.int64)
+    lens = (cu[1:] - cu[:-1])
+    s, length = int(lens.numel()), int(lens.max()) if lens.numel() else 0
+    pos = torch.arange(length).unsqueeze(0)
+    valid = pos < lens.unsqueeze(1)
+    idx = (cu[:-1].unsqueeze(1) + pos).clamp(max=max(int(cu[-1]) - 1, 0))
+    def gather(t: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        out = t[idx]
+        return torch.where(valid, out, torch.as_tensor(fill, dtype=out.dtype))
+    tokens = gather(batch.tokens.to(torch.int64))
+    mask = gather(batch.loss_mask.to(torch.float32))
+    logp_old = gather(batch.rollout_logprobs)
+    adv = gather(batch.advantages)
+    return tokens, mask, logp_old, adv, valid.reshape(s, length)
+
+
+@dataclass
+class GRPOTrainer:
+    """One process owns the model; weights go to the engines through a directory."""
+
+    model: TinyLM
+    workdir: str
+    engine_urls: list[str]
+    lr: float = 1e-3
+    is_mode: str = "tis"
+    keep_versions: int = 3
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        torch.manual_seed(0)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=self.lr)
+        os.makedirs(self.workdir, exist_ok=True)
+
+    @classmethod
+    def from_dir(cls, weights_dir: str, workdir: str, engine_urls: list[str],
+                 **kw: Any) -> GRPOTrainer:
+        return cls(load_weights(weights_dir), workdir, engine_urls, **kw)
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        t0 = time.perf_counter()
+        tokens, mask, logp_old, adv, _valid = unpack(batch)
+        self.model.train()
+        logits = self.model(tokens[:, :-1])
+        logp = F.log_softmax(logits.float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+        m, lo, a = mask[:, 1:], logp_old[:, 1:], adv[:, 1:]
+        w = masked_tis_weights(logp, lo, m, mode=self.is_mode)
+        denom = m.sum().clamp(min=1.0)
+        # GRPO's sequence-mean: each sample weighs the same whatever its length, so the
+        # short answers the task rewards are not drowned by long ones.
+        per_seq = (w * a * logp * m).sum(1) / m.sum(1).clamp(min=1.0)
+        loss = -per_seq.mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        with torch.no_grad():
+            ratio = torch.exp((logp - lo).clamp(-20, 20))
+            kl = ((ratio - 1) - (logp - lo)) * m
+        resp = batch.response_lens.to(torch.float32)
+        out = {
+            "loss": float(loss.detach()),
+            "reward/mean": float(batch.rewards.mean()) if batch.rewards.numel() else 0.0,
+            "response_len/mean": float(resp.mean()) if resp.numel() else 0.0,
+            "response_len/max": float(resp.max()) if resp.numel() else 0.0,
+            "is/ratio_mean": float((ratio * m).sum() / denom),
+            "is/k3_kl": float(kl.sum() / denom),
+            "grad_norm": float(grad_norm),
+            "train_s": time.perf_counter() - t0,
+        }
+        out.update({k: float(v) for k, v in batch.stats.items()})
+        self.history.append(out)
+        return out
+
+    def save(self, version: int) -> str:
+        path = os.path.join(self.workdir, f"v{version:06d}")
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_weights(self.model, tmp)
+        os.replace(tmp, path) if not os.path.exists(path) else shutil.rmtree(tmp)
+        for name in sorted(os.listdir(self.workdir))[:-self.keep_versions]:
+            if name.startswith("v") and name != os.path.basename(path):
+                shutil.rmtree(os.path.join(self.workdir, name), ignore_errors=True)
+        return path
+
+    def push_weights(self, version: int) -> None:
+        path = self.save(version)
+        asyncio.run(_push(self.engine_urls, path, version))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+
+
+async def _push(urls: list[str], path: str, version: int) -> None:
+    from producers.sglang_client import SGLangClient
+
+    async with SGLangClient(urls) as client:
+        await client.update_weights_from_disk(path, weight_version=version,
+                                              abort_all_requests=True)
+
+
+@dataclass
+class SleepTrainer:
+    """The lab's trainer: a step takes ``step_s`` seconds of wall time, per batch."""
+
+    step_s: float
+    engine_urls: list[str]
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        time.sleep(self.step_s)
+        resp = batch.response_lens.to(torch.float32)
+        out = {"reward/mean": float(batch.rewards.mean()) if batch.rewards.numel() else 0.0,
+               "response_len/mean": float(resp.mean()) if resp.numel() else 0.0,
+               "tokens": float(batch.loss_mask.to(torch.float32).sum()),
+               "train_s": self.step_s}
+        out.update({k: float(v) for k, v in batch.stats.items()})
+        self.history.append(out)
+        return out
+
+    def push_weights(self, version: int) -> None:
+        from producers.sglang_client import SGLangClient
+
+        async def go() -> None:
+            async with SGLangClient(self.engine_urls) as client:
+                await client.update_weight_version(version, abort_all_requests=True)
+
+        asyncio.run(go())
+
+
+def mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else float("nan")
