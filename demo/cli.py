@@ -40,7 +40,7 @@ def add_parsers(sub: Any) -> None:
                    help="sync: barrier per batch; partial: over-sample, interrupted groups "
                    "resume next step; async: generate while training, staleness bound "
                    "--max-staleness (default)")
-    p.add_argument("--steps", type=int, help="training steps (default 40)")
+    p.add_argument("--steps", type=int, help="training steps (default 60)")
     p.add_argument("--batch-groups", dest="batch_groups", type=int,
                    help="prompt groups per batch B (default 8)")
     p.add_argument("--group-size", dest="group_size", type=int, help="samples per prompt G")

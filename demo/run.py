@@ -31,6 +31,7 @@ from demo.trainer import GRPOTrainer
 from producers.engines.testing import EngineProcess, start_engine_subprocess
 from producers.engines.tiny_model import init_model, load_weights, save_weights
 from strawq.config import QueueConfig
+from strawq.control import Control
 from strawq.dataset import Dataset
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
@@ -47,7 +48,7 @@ class DemoConfig:
     #: put the queue's run directory under this mount instead (e.g. a JuiceFS mount)
     run_root: str | None = None
     mode: str = "async"
-    steps: int = 40
+    steps: int = 60
     batch_groups: int = 8
     group_size: int = 8
     max_staleness: int = 1
@@ -137,7 +138,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                            slots=cfg.concurrency * cfg.engines // cfg.group_size)
     qcfg = QueueConfig(group_size=cfg.group_size, lease_timeout_s=cfg.lease_timeout_s,
                        heartbeat_interval_s=cfg.lease_timeout_s / 5, release_batch=32)
-    RunQueue.create(PosixStorage(run_dir, writer_id="demo"), qcfg, meta={"demo": asdict(cfg)})
+    queue = RunQueue.create(PosixStorage(run_dir, writer_id="demo"), qcfg,
+                            meta={"demo": asdict(cfg)})
 
     # weights: fresh model, or the checkpoint's
     start_step = start_version = 0
@@ -148,6 +150,11 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         start_step, start_version = int(ckpt["step"]), int(ckpt["version"])
         model = load_weights(ckpt["weights_dir"]) if os.path.isdir(ckpt["weights_dir"]) \
             else model
+    # A bracket left open by a killed trainer: restarting is a weight update to that
+    # version with the checkpoint's weights (versions only go forward; names never reused).
+    control = Control(queue.storage).state()
+    reopen = control.pause_version if control.paused else None
+    start_version = max(start_version, reopen or 0, queue.current_version())
     initial = os.path.join(weights, f"v{start_version:06d}")
     if not os.path.isdir(initial):
         save_weights(model, initial)
@@ -189,6 +196,10 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         trainer = GRPOTrainer(model, weights, urls, lr=cfg.lr)
         reader = BatchReader.open(run_dir, metrics_jsonl=os.path.join(work, "metrics.jsonl"))
         bracket = WeightUpdateBracket(reader.queue, lease_timeout_s=cfg.lease_timeout_s)
+        if reopen is not None and bracket.is_open:
+            log.warning("closing the weight-update bracket a previous run left open "
+                        "(version %d)", reopen)
+            bracket.end_weight_update(start_version)
         if ckpt is not None:
             trainer.load_state_dict(ckpt["trainer"])
             reader.load_state_dict(json.loads(ckpt["reader"]))
@@ -196,14 +207,21 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         sampler.start()
         bar = _progress(cfg, start_step)
         records: list[StepRecord] = []
+        trained: list[int] = list(ckpt["trained"]) if ckpt is not None else []
+
+        def checkpoint(rec: StepRecord, batch: Any) -> None:
+            trained.extend(rec.indices)
+            torch.save({"step": rec.step + 1, "version": rec.version,
+                        "weights_dir": os.path.join(weights, f"v{rec.version:06d}"),
+                        "trainer": trainer.state_dict(), "trained": list(trained),
+                        "reader": json.dumps(reader.state_dict(consumed=batch))},
+                       ckpt_path + ".tmp")
+            with open(ckpt_path + ".tmp", "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(ckpt_path + ".tmp", ckpt_path)
 
         def on_step(rec: StepRecord) -> None:
             records.append(rec)
-            torch.save({"step": rec.step + 1, "version": rec.version,
-                        "weights_dir": os.path.join(weights, f"v{rec.version:06d}"),
-                        "trainer": trainer.state_dict(),
-                        "reader": json.dumps(reader.state_dict())}, ckpt_path + ".tmp")
-            os.replace(ckpt_path + ".tmp", ckpt_path)
             if bar is not None:
                 d = collector.depths()
                 bar.set_postfix_str(
@@ -214,13 +232,14 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                 bar.update(1)
 
         res = run_schedule(sched, reader, bracket, trainer, start_version=start_version,
-                           start_step=start_step, on_step=on_step, should_stop=stop.is_set)
+                           start_step=start_step, on_step=on_step, checkpoint=checkpoint,
+                           should_stop=stop.is_set)
         if bar is not None:
             bar.close()
         stats = placement.stats()
         result = DemoResult(cfg, res, [r.metrics.get("reward/mean", 0.0) for r in records],
                             [s for r in records for s in r.staleness],
-                            [i for r in records for i in r.indices])
+                            list(trained))
         result.summary = _summary(cfg, res, stats, collector)
         result.files = _write_outputs(work, cfg, result, sampler.samples, stats)
         return result

@@ -25,7 +25,7 @@ from typing import Any
 
 from collector.bracket import WeightUpdateBracket
 from collector.config import CollectorConfig
-from collector.reader import BatchReader
+from collector.reader import Batch, BatchReader
 from demo.trainer import TrainerBackend
 
 log = logging.getLogger(__name__)
@@ -112,9 +112,16 @@ class ScheduleResult:
 def run_schedule(cfg: ScheduleConfig, reader: BatchReader, bracket: WeightUpdateBracket,
                  trainer: TrainerBackend, *, start_version: int = 0, start_step: int = 0,
                  on_step: Callable[[StepRecord], None] | None = None,
+                 checkpoint: Callable[[StepRecord, Batch], None] | None = None,
                  should_stop: Callable[[], bool] = lambda: False,
                  clock: Callable[[], float] = time.monotonic) -> ScheduleResult:
-    """Train ``cfg.steps`` steps; every step is one new weight version pushed to engines."""
+    """Train ``cfg.steps`` steps; every step is one new weight version pushed to engines.
+
+    ``checkpoint(record, batch)`` runs after the new weights are pushed and *before* the
+    batch is acknowledged, so a crash anywhere leaves either a checkpoint that counts the
+    batch (the reader skips it on resume) or an unacknowledged batch that is delivered
+    again to a trainer restored from the previous checkpoint: trained exactly once.
+    """
     res = ScheduleResult(started=clock())
     version = start_version
     pause_while_training = cfg.mode in ("sync", "partial")
@@ -129,20 +136,22 @@ def run_schedule(cfg: ScheduleConfig, reader: BatchReader, bracket: WeightUpdate
             bracket.begin_weight_update(timeout=cfg.timeout_s)
         t2 = clock()
         metrics = trainer.train_step(batch)
-        reader.ack(batch)
         t3 = clock()
         res.intervals.append(Interval("train", t2, t3))
         if not pause_while_training:
             bracket.begin_weight_update(timeout=cfg.timeout_s)
         version += 1
         trainer.push_weights(version)
+        stal = (batch.version - batch.sample_min_version).clamp(min=0).tolist()
+        idx = sorted({int(s["index"]) for s in batch.summaries})
+        rec = StepRecord(step, version, t1 - t0, t3 - t2, 0.0, metrics, stal, idx)
+        if checkpoint is not None:
+            checkpoint(rec, batch)
+        reader.ack(batch)
         bracket.end_weight_update(version)
         t4 = clock()
         res.intervals.append(Interval("update", t3, t4))
-        stal = (batch.version - batch.sample_min_version).clamp(min=0).tolist()
-        idx = sorted({int(s["index"]) for s in batch.summaries})
-        rec = StepRecord(step, version, t1 - t0, t3 - t2, (t4 - t3) + (t2 - t1), metrics,
-                         stal, idx)
+        rec.update_s = (t4 - t3) + (t2 - t1)
         res.records.append(rec)
         if on_step is not None:
             on_step(rec)

@@ -1,0 +1,632 @@
+"""``strawq lab``: the three rollout schedules compared at the scale of a 64-GPU job.
+
+What runs, per mode, for real: the queue on disk, the collector (grantor + feeder +
+admission + staleness-first batches) in a thread, producers (``producers.producer.Producer``,
+one process per emulated node, each on its own event loop), the weight-update bracket, the
+reader API and a trainer that sleeps for its step time (``demo.trainer.SleepTrainer``).
+What is simulated: the engines (``sim`` timing model) and the training step.
+
+**Engine emulation.** The job has ``engines`` (E) rollout engines of ``concurrency`` (C)
+slots each, but a 2-core box cannot run E engine processes. ``sim_processes`` (P)
+processes each serve the slots of k = E/P engines: ``max_running_requests = k·C``. A sim
+process pays ``step_base_ms + step_per_req_ms·batch`` per decode step for its whole batch,
+whereas k real engines each pay the base for their own batch, in parallel. So the process
+gets ``step_per_req_ms / k`` and ``prefill_ms_per_token / k``: with its batch spread evenly
+over the k emulated engines (requests go round-robin, so they are in expectation), one
+decode step then costs exactly what one of those engines' steps costs, and each emulated
+engine keeps its own decode rate. (An uneven spread, e.g. a tail of 3 requests that would
+sit on one engine, costs base + 3·per_req/k instead of base + 3·per_req: a slight
+under-estimate when per_req·C is small against the base, as it is here.)
+
+**Time.** Every engine time is multiplied by ``time_scale`` and so is the trainer's step;
+all reported times are *model* seconds (wall ÷ time_scale). Queue, producer and HTTP
+overheads are real wall time, so in model time they look ``1/time_scale`` times larger:
+the lab is pessimistic about them.
+
+**CPU.** Every simulated token costs real CPU (the engine's decode loop, JSON, the
+producer's bookkeeping), and on a small box that cost stretches the simulated decode step.
+The lab measures it: ``decode_stretch`` = measured wall seconds per generated token of a
+busy slot ÷ the modelled step (≈ 1 when the box keeps up). Sizes are chosen so that it
+stays near 1; the report prints it, and the CPU seconds each part used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import random
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MODES = ("sync", "partial", "async")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LabConfig:
+    """The lab's standard case: a 64-GPU job, 48 GPUs of rollout (see ``docs/lab.md``)."""
+
+    #: where each mode's run/, timeline PNG and config JSON go (workdir/<mode>/)
+    workdir: str = "runs/lab"
+    #: modes to run, side by side; ratios are against ``sync`` when it is among them
+    modes: tuple[str, ...] = MODES
+    # -- the emulated job --------------------------------------------------------------------
+    #: E: rollout engines (one per rollout GPU)
+    engines: int = 48
+    #: C: concurrent requests per engine
+    concurrency: int = 16
+    #: P: sim processes that serve the E engines (E must be a multiple of P)
+    sim_processes: int = 2
+    #: W: producer processes (emulated nodes); K = floor(C·E/G) group slots split over them
+    producers: int = 2
+    #: G: samples per prompt group
+    group_size: int = 16
+    #: B: groups per training step
+    batch_groups: int = 96
+    #: training steps per mode
+    steps: int = 8
+    #: trainer step time, model seconds
+    train_step_s: float = 2.2
+    #: async: staleness bound η
+    max_staleness: int = 1
+    #: partial: groups admitted per step ÷ B
+    oversample: float = 1.5
+    # -- the engine timing model (model time) ---------------------------------------------------
+    step_base_ms: float = 20.0
+    step_per_req_ms: float = 0.25
+    prefill_ms_per_token: float = 0.01
+    prompt_len: int = 32
+    len_median: float = 24.0
+    len_sigma: float = 0.6
+    #: response cap (max_new_tokens); ``cap_prob`` of responses run to it
+    len_cap: int = 128
+    cap_prob: float = 0.03
+    #: wall seconds per model second
+    time_scale: float = 1.0
+    # -- plumbing ----------------------------------------------------------------------------
+    seed: int = 0
+    #: fsync queue writes (the production setting; a local disk makes them cheap)
+    fsync: bool = True
+    #: producer control/claim poll, wall seconds
+    poll_s: float = 0.02
+    #: engine load sampling period, wall seconds
+    sample_period_s: float = 0.1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for m in self.modes:
+            if m not in MODES:
+                raise ValueError(f"unknown mode {m!r}; expected some of {MODES}")
+        if not self.modes:
+            raise ValueError("modes must name at least one of sync, partial, async")
+        for name in ("engines", "concurrency", "sim_processes", "producers", "group_size",
+                     "batch_groups", "steps", "prompt_len", "len_cap"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LabConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.engines % self.sim_processes:
+            raise ValueError(f"engines ({self.engines}) must be a multiple of sim_processes "
+                             f"({self.sim_processes}): each process emulates the same number")
+        if self.concurrency * self.engines < self.producers * self.group_size:
+            raise ValueError(f"C·E = {self.concurrency * self.engines} slots cannot give each of "
+                             f"{self.producers} producers one group of G = {self.group_size}")
+        if self.train_step_s <= 0 or self.time_scale <= 0:
+            raise ValueError("train_step_s and time_scale must be > 0")
+        if self.max_staleness < 0 or self.oversample < 1:
+            raise ValueError("max_staleness must be >= 0 and oversample >= 1")
+
+    @property
+    def engines_per_process(self) -> int:
+        return self.engines // self.sim_processes
+
+    @property
+    def slots(self) -> int:
+        """Trajectory slots C·E."""
+        return self.concurrency * self.engines
+
+    @property
+    def group_slots(self) -> int:
+        """K = floor(C·E / G)."""
+        return self.slots // self.group_size
+
+    def sim_options(self) -> dict[str, Any]:
+        """The flags of one sim process (the per-engine timing model, see the module doc)."""
+        k = self.engines_per_process
+        return dict(max_running_requests=k * self.concurrency,
+                    step_base_ms=self.step_base_ms, step_per_req_ms=self.step_per_req_ms / k,
+                    prefill_ms_per_token=self.prefill_ms_per_token / k,
+                    len_median=self.len_median, len_sigma=self.len_sigma,
+                    len_cap=self.len_cap, cap_prob=self.cap_prob, time_scale=self.time_scale)
+
+    def model_step_s(self, batch: int | None = None) -> float:
+        """Modelled decode step of one engine with ``batch`` running (default C), model s."""
+        b = self.concurrency if batch is None else batch
+        return (self.step_base_ms + self.step_per_req_ms * b) / 1000.0
+
+    def expected_response_len(self) -> float:
+        """Mean response length of the timing model (lognormal, capped, spike at the cap)."""
+        mu, s = math.log(self.len_median), self.len_sigma
+        # E[min(X, cap)] for lognormal X
+        z = (math.log(self.len_cap) - mu) / s if s > 0 else math.inf
+        phi = 0.5 * (1 + math.erf((z - s) / math.sqrt(2))) if s > 0 else 1.0
+        tail = 0.5 * math.erfc(z / math.sqrt(2)) if s > 0 else 0.0
+        body = math.exp(mu + s * s / 2) * phi + self.len_cap * tail
+        return (1 - self.cap_prob) * body + self.cap_prob * self.len_cap
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["modes"] = list(self.modes)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LabConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown LabConfig keys {unknown}; expected some of {sorted(known)}")
+        d = dict(data)
+        if "modes" in d:
+            d["modes"] = tuple(d["modes"])
+        return cls(**d)
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    #: every figure of the row (model seconds unless named *_wall_s)
+    row: dict[str, Any]
+    #: the full configuration that produced the row (LabConfig + schedule + collector)
+    config: dict[str, Any]
+    #: per-sample staleness of every trained sample
+    staleness: list[int] = field(default_factory=list)
+    #: dataset indices trained, per step
+    trained: list[list[int]] = field(default_factory=list)
+    #: problems found by the end-of-run queue audit (empty when consistent)
+    problems: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class LabResult:
+    config: LabConfig
+    modes: dict[str, ModeResult] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+
+    def ratios(self) -> dict[str, dict[str, float]]:
+        """Per mode: throughput and rollout-to-train-end against ``sync``."""
+        base = self.modes.get("sync")
+        out: dict[str, dict[str, float]] = {}
+        for m, r in self.modes.items():
+            if base is None:
+                continue
+            out[m] = {
+                "throughput_x": _ratio(r.row["trained_tokens_per_s"],
+                                       base.row["trained_tokens_per_s"]),
+                "rollout_to_train_end_x": _ratio(r.row["rollout_to_train_end_s"],
+                                                 base.row["rollout_to_train_end_s"]),
+                "wait_ratio_cut": 1.0 - _ratio(r.row["trainer_wait_ratio"],
+                                               base.row["trainer_wait_ratio"]),
+            }
+        return out
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+# -- producers: one process per emulated node ---------------------------------------------------
+def _producer_main(config: dict[str, Any], stop: Any, out: Any) -> None:
+    """Child process: one ``Producer`` on its own event loop until ``stop`` is set."""
+    import asyncio
+
+    from producers.producer import Producer
+    from producers.producer_config import ProducerConfig
+
+    logging.basicConfig(level=logging.WARNING)
+    producer = Producer(ProducerConfig.from_dict(config), node_id=config.get("producer_id"))
+
+    async def main() -> None:
+        task = asyncio.create_task(producer.run())
+        while not stop.is_set() and not task.done():
+            await asyncio.sleep(0.05)
+        producer.request_stop()
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        out.put(producer.stats().to_dict())
+
+
+class _Producers:
+    def __init__(self, configs: list[dict[str, Any]]) -> None:
+        ctx = mp.get_context("spawn")
+        self.stop = ctx.Event()
+        self.out = ctx.Queue()
+        self.procs = [ctx.Process(target=_producer_main, args=(c, self.stop, self.out),
+                                  daemon=True, name=f"lab-{c['producer_id']}")
+                      for c in configs]
+        for p in self.procs:
+            p.start()
+
+    def finish(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        self.stop.set()
+        stats = []
+        deadline = time.monotonic() + timeout_s
+        for _ in self.procs:
+            try:
+                stats.append(self.out.get(timeout=max(0.1, deadline - time.monotonic())))
+            except Exception:  # noqa: BLE001 - a producer that died reports nothing
+                break
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+        return stats
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+        return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+# -- the collector loop, counting what it re-queues ----------------------------------------------
+class _CollectorLoop(threading.Thread):
+    def __init__(self, collector: Any) -> None:
+        super().__init__(daemon=True, name="strawq-lab-collector")
+        self.collector = collector
+        self.stop_event = threading.Event()
+        self.requeued = 0
+        self.dropped_stale = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop_event.is_set():
+                rep = self.collector.step()
+                self.requeued += len(rep.requeued_stale)
+                self.dropped_stale += len(rep.dropped_stale)
+                self.stop_event.wait(self.collector.config.poll_interval_s)
+        except BaseException as exc:  # noqa: BLE001 - reported by run_mode
+            self.error = exc
+            log.exception("lab collector failed")
+
+
+def _write_dataset(path: str, n: int, cfg: LabConfig) -> None:
+    rng = random.Random(cfg.seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(n):
+            prompt = [rng.randint(3, 31999) for _ in range(cfg.prompt_len)]
+            count = max(1, round(cfg.len_median * math.exp(rng.gauss(0, cfg.len_sigma))))
+            f.write(json.dumps({"prompt": prompt, "count": count, "eos": 2}) + "\n")
+
+
+def schedule_config(cfg: LabConfig, mode: str) -> Any:
+    from demo.schedule import ScheduleConfig
+
+    return ScheduleConfig(mode=mode, batch_groups=cfg.batch_groups, steps=cfg.steps,
+                          max_staleness=cfg.max_staleness, oversample=cfg.oversample,
+                          slots=cfg.group_slots, timeout_s=600.0)
+
+
+def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
+    """One schedule, from a fresh queue to the audit of what it left."""
+    from collector.bracket import WeightUpdateBracket
+    from collector.core import Collector
+    from collector.reader import BatchReader
+    from demo import plots
+    from demo.run import Sampler
+    from demo.schedule import collector_config, run_schedule
+    from demo.trainer import SleepTrainer
+    from producers.budget import split_budget
+    from producers.engines.testing import EngineProcess, start_engine_subprocess
+    from strawq.config import QueueConfig
+    from strawq.dataset import Dataset
+    from strawq.queue import RunQueue
+    from strawq.storage import PosixStorage
+
+    work = os.path.join(os.path.abspath(cfg.workdir), mode)
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    run_dir = os.path.join(work, "run")
+    dataset_path = os.path.join(work, "prompts.jsonl")
+    sched = schedule_config(cfg, mode)
+    admitted = max(sched.slots, math.ceil(cfg.oversample * cfg.batch_groups),
+                   (cfg.max_staleness + 1) * cfg.batch_groups)
+    _write_dataset(dataset_path, (cfg.steps + 4) * admitted + 64, cfg)
+    lease_timeout = 30.0
+    qcfg = QueueConfig(group_size=cfg.group_size, lease_timeout_s=lease_timeout,
+                       heartbeat_interval_s=lease_timeout / 6, release_batch=64,
+                       fsync=cfg.fsync)
+    RunQueue.create(PosixStorage(run_dir, writer_id="lab", fsync=cfg.fsync), qcfg,
+                    meta={"lab": cfg.to_dict(), "mode": mode})
+    ccfg = collector_config(sched, poll_interval_s=0.02, metrics_interval_s=5.0,
+                            metrics_jsonl=os.path.join(work, "collector.jsonl"))
+    budget = split_budget(cfg.concurrency, cfg.engines, cfg.group_size, cfg.producers)
+
+    engines: list[EngineProcess] = []
+    producers: _Producers | None = None
+    loop: _CollectorLoop | None = None
+    sampler: Sampler | None = None
+    try:
+        for _ in range(cfg.sim_processes):
+            engines.append(start_engine_subprocess("sim", **cfg.sim_options()))
+        urls = [e.url for e in engines]
+        pconfigs = [dict(run_dir=run_dir, reward="producers.rewards.count_task",
+                         workers=urls, slots=budget.slots[i], group_size=cfg.group_size,
+                         max_new_tokens=cfg.len_cap, seed=cfg.seed,
+                         producer_id=f"lab-{mode}-{i}", control_poll_s=cfg.poll_s,
+                         idle_poll_s=cfg.poll_s, abort_poll_s=0.05, io_threads=4,
+                         reward_threads=1)
+                    for i in range(cfg.producers)]
+        collector = Collector.open(run_dir, Dataset(dataset_path), ccfg, queue_config=qcfg,
+                                   owner="lab-collector", fsync=cfg.fsync)
+        reader = BatchReader.open(run_dir)
+        bracket = WeightUpdateBracket(reader.queue, lease_timeout_s=lease_timeout,
+                                      poll_interval_s=0.01)
+        trainer = SleepTrainer(cfg.train_step_s * cfg.time_scale, urls)
+        producers = _Producers(pconfigs)
+        _wait_producers(bracket, cfg.producers)
+        cpu0 = {"engines": sum(_cpu_s(e.pid) for e in engines),
+                "producers": sum(_cpu_s(p.pid or 0) for p in producers.procs),
+                "driver": time.process_time()}
+        sampler = Sampler(urls, period_s=cfg.sample_period_s)
+        sampler.start()
+        loop = _CollectorLoop(collector)
+        loop.start()  # the first group is released now: the clock starts here
+        bar = _progress(cfg, mode)
+        res = run_schedule(sched, reader, bracket, trainer,
+                           on_step=(lambda rec: bar.update(1)) if bar is not None else None,
+                           should_stop=lambda: loop.error is not None)
+        if bar is not None:
+            bar.close()
+        cpu = {"engines": sum(_cpu_s(e.pid) for e in engines) - cpu0["engines"],
+               "producers": sum(_cpu_s(p.pid or 0) for p in producers.procs)
+               - cpu0["producers"],
+               "driver": time.process_time() - cpu0["driver"]}
+        sampler.stop_event.set()
+        loop.stop_event.set()
+        loop.join(30)
+        if loop.error is not None:
+            raise RuntimeError(f"the lab's collector failed: {loop.error!r}") from loop.error
+        stats = producers.finish()
+        producers = None
+        problems = audit(run_dir, [r.indices for r in res.records])
+        row = _row(cfg, mode, res, sampler.samples, stats, cpu, loop, collector)
+        result = ModeResult(mode, row, {"lab": cfg.to_dict(), "schedule": asdict(sched),
+                                        "collector": asdict(ccfg),
+                                        "sim_process": cfg.sim_options(),
+                                        "producer": pconfigs[0] | {"slots": list(budget.slots)},
+                                        "queue": asdict(qcfg)},
+                            [s for r in res.records for s in r.staleness],
+                            [r.indices for r in res.records], problems)
+        result.files["timeline"] = plots.timeline(
+            os.path.join(work, "timeline.png"), res, sampler.samples,
+            title=f"strawq lab ({mode}): E={cfg.engines} engines x C={cfg.concurrency} in "
+                  f"{cfg.sim_processes} sim processes, B={cfg.batch_groups} G={cfg.group_size}"
+                  f" (wall s; model s = wall / {cfg.time_scale:g})")
+        path = os.path.join(work, "row.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"row": row, "config": result.config, "problems": problems,
+                       "steps": [asdict(r) for r in res.records]}, f, indent=2, default=str)
+        result.files["row"] = path
+        collector.close()
+        reader.close()
+        return result
+    finally:
+        if sampler is not None:
+            sampler.stop_event.set()
+        if loop is not None:
+            loop.stop_event.set()
+            loop.join(30)
+        if producers is not None:
+            producers.finish(10.0)
+        for e in engines:
+            e.stop()
+
+
+def _wait_producers(bracket: Any, n: int, timeout_s: float = 120.0) -> None:
+    """Until every producer process has beaten once (its loop is up)."""
+    deadline = time.monotonic() + timeout_s
+    while len(bracket.live_producers()) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(bracket.live_producers())} of {n} lab producers "
+                               f"started within {timeout_s:.0f}s")
+        time.sleep(0.05)
+
+
+def _progress(cfg: LabConfig, mode: str) -> Any:
+    if not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, desc=f"strawq lab [{mode}]", unit="step", dynamic_ncols=True,
+                leave=False)
+
+
+def _utilisation(samples: Any, t0: float, t1: float) -> float:
+    """Time-weighted busy slots ÷ capacity over [t0, t1], all sim processes together."""
+    busy = cap = 0.0
+    for pts in samples.series.values():
+        for (ta, b), (tb, _) in zip(pts, pts[1:]):
+            lo, hi = max(ta, t0), min(tb, t1)
+            if hi > lo:
+                busy += b * (hi - lo)
+                cap += hi - lo
+    return busy / cap if cap else float("nan")
+
+
+def _row(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[str, Any]],
+         cpu: dict[str, float], loop: _CollectorLoop, collector: Any) -> dict[str, Any]:
+    ts = cfg.time_scale
+    recs = res.records
+    wall = res.wall_s
+    model = wall / ts
+    tokens = sum(r.metrics.get("tokens", 0.0) for r in recs)
+    samples_n = sum(len(r.staleness) for r in recs)
+    stal = [s for r in recs for s in r.staleness]
+    multi = sum(r.metrics.get("staleness/multi_version_frac", 0.0) * len(r.staleness)
+                for r in recs)
+    gen_tokens = sum(p.get("tokens_generated", 0) for p in stats)
+    busy_traj_s = sum(p.get("slot_utilisation", 0.0) * p.get("slots", 0)
+                      * p.get("group_size", 0) * p.get("wall_s", 0.0) for p in stats)
+    # wall seconds a busy slot spends per generated token ≈ the decode step it saw
+    seen_step = busy_traj_s / gen_tokens if gen_tokens else float("nan")
+    util = _utilisation(samples, res.started, res.ended)
+    return {
+        "mode": mode,
+        "steps": len(recs),
+        "wall_s": round(wall, 2),
+        "model_s": round(model, 2),
+        "trained_tokens": int(tokens),
+        "trained_samples": samples_n,
+        "trained_tokens_per_s": tokens / model if model > 0 else float("nan"),
+        "trainer_wait_ratio": res.trainer_wait_ratio(),
+        "engine_utilisation": util,
+        "rollout_to_train_end_s": model / max(len(recs), 1),
+        "step_s": {"wait": sum(r.wait_s for r in recs) / ts / max(len(recs), 1),
+                   "train": sum(r.train_s for r in recs) / ts / max(len(recs), 1),
+                   "update": sum(r.update_s for r in recs) / ts / max(len(recs), 1)},
+        "staleness_mean": sum(stal) / len(stal) if stal else float("nan"),
+        "staleness_max": max(stal) if stal else 0,
+        "multi_version_share": multi / samples_n if samples_n else float("nan"),
+        "generated_tokens": gen_tokens,
+        "generated_per_trained": gen_tokens / tokens if tokens else float("nan"),
+        "requeued_stale": loop.requeued,
+        "dropped": collector.dropped_by_reason(),
+        "groups_yielded_partial": sum(p.get("groups_yielded", 0) for p in stats),
+        "decode_stretch": seen_step / (cfg.model_step_s() * ts) if gen_tokens else float("nan"),
+        "cpu_s": {k: round(v, 1) for k, v in cpu.items()},
+        "cpu_cores": round(sum(cpu.values()) / wall, 2) if wall > 0 else float("nan"),
+        "producer_cpu_ms_per_request_token": (
+            1000 * cpu["producers"] / gen_tokens if gen_tokens else float("nan")),
+    }
+
+
+def audit(run_dir: str, trained_per_step: list[list[int]]) -> list[str]:
+    """Invariant 1 at the end of a mode: every released dataset index is in exactly one place
+    — trained once (an acked batch), dropped with a recorded reason, or still queued
+    (pending, partial, ready; nothing may stay leased once the producers stopped)."""
+    from strawq.names import dataset_task_id
+    from strawq.storage import PosixStorage
+    from strawq.testing.audit import audit_run
+
+    a = audit_run(PosixStorage(run_dir, writer_id="lab-audit"))
+    released = {dataset_task_id(i) for i in range(a.cursor_next)}
+    flat = [i for step in trained_per_step for i in step]
+    problems: list[str] = []
+    dup = sorted({i for i in flat if flat.count(i) > 1}) if len(set(flat)) != len(flat) else []
+    if dup:
+        problems.append(f"indices trained more than once: {dup[:20]}")
+    trained_ids = {dataset_task_id(i) for i in flat}
+    acked_ids = {t for seq in a.acked for t in a.manifests.get(seq, [])}
+    if trained_ids - acked_ids and a.manifests:
+        missing = sorted(trained_ids - acked_ids)[:10]
+        # acked manifests may be garbage-collected; then the batched entry proves it
+        missing = [t for t in missing if a.state_of(t) not in ("batched", None)]
+        if missing:
+            problems.append(f"trained but in no acked batch: {missing}")
+    problems += a.check(released, trained=trained_ids)
+    for tid in sorted(released - trained_ids):
+        st = a.state_of(tid)
+        if st is None and tid not in trained_ids:
+            continue  # reported by check() as lost
+        if st == "leased":
+            problems.append(f"{tid} is still leased after the producers stopped")
+        if st == "batched" and tid not in acked_ids:
+            continue  # the prefetched next batch: published, not trained
+    return problems
+
+
+def run_lab(cfg: LabConfig) -> LabResult:
+    """Every mode of ``cfg.modes`` one after the other, on fresh queues; writes lab.json."""
+    os.makedirs(cfg.workdir, exist_ok=True)
+    result = LabResult(cfg)
+    for mode in cfg.modes:
+        log.info("lab: running %s", mode)
+        result.modes[mode] = run_mode(cfg, mode)
+    path = os.path.join(os.path.abspath(cfg.workdir), "lab.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"config": cfg.to_dict(), "ratios": result.ratios(),
+                   "rows": {m: r.row for m, r in result.modes.items()},
+                   "configs": {m: r.config for m, r in result.modes.items()},
+                   "problems": {m: r.problems for m, r in result.modes.items()}},
+                  f, indent=2, default=str)
+    result.files["json"] = path
+    result.files.update({f"timeline_{m}": r.files["timeline"] for m, r in result.modes.items()})
+    return result
+
+
+# -- the table -------------------------------------------------------------------------------
+_COLUMNS = (
+    ("trained tok/s", "trained_tokens_per_s", "{:.0f}"),
+    ("x sync", "throughput_x", "{:.2f}"),
+    ("wait ratio", "trainer_wait_ratio", "{:.3f}"),
+    ("engine util", "engine_utilisation", "{:.2f}"),
+    ("r2t-end/step s", "rollout_to_train_end_s", "{:.2f}"),
+    ("x sync", "rollout_to_train_end_x", "{:.2f}"),
+    ("stale mean", "staleness_mean", "{:.2f}"),
+    ("stale max", "staleness_max", "{}"),
+    ("multi-ver", "multi_version_share", "{:.2f}"),
+    ("gen/trained", "generated_per_trained", "{:.2f}"),
+    ("stretch", "decode_stretch", "{:.2f}"),
+)
+
+
+def format_table(result: LabResult) -> str:
+    cfg = result.config
+    ratios = result.ratios()
+    head = ["mode"] + [c[0] for c in _COLUMNS]
+    rows = []
+    for m, r in result.modes.items():
+        vals = {**r.row, **ratios.get(m, {})}
+        cells = [m]
+        for _, key, fmt in _COLUMNS:
+            v = vals.get(key, float("nan"))
+            cells.append(fmt.format(v) if isinstance(v, (int, float)) else str(v))
+        rows.append(cells)
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    out = [
+        f"strawq lab: E={cfg.engines} engines x C={cfg.concurrency} = {cfg.slots} slots "
+        f"(in {cfg.sim_processes} sim processes of {cfg.engines_per_process} engines), "
+        f"G={cfg.group_size}, K={cfg.group_slots} group slots over {cfg.producers} producers, "
+        f"B={cfg.batch_groups}, {cfg.steps} steps, train step {cfg.train_step_s:g} s, "
+        f"eta={cfg.max_staleness}, oversample={cfg.oversample:g}",
+        f"timing model: decode step {cfg.model_step_s() * 1000:.1f} ms at C, lengths "
+        f"lognormal(median {cfg.len_median:g}, sigma {cfg.len_sigma:g}) capped at "
+        f"{cfg.len_cap} with {cfg.cap_prob:.0%} at the cap (mean "
+        f"{cfg.expected_response_len():.0f}); time_scale {cfg.time_scale:g} "
+        "(all times below are model seconds)",
+        "",
+        line(head),
+        line(["-" * w for w in widths]),
+    ] + [line(c) for c in rows]
+    cpu = ", ".join(f"{m}: {r.row['cpu_cores']:.2f} cores "
+                    f"({', '.join(f'{k} {v}' for k, v in r.row['cpu_s'].items())} s)"
+                    for m, r in result.modes.items())
+    out += ["", f"CPU used by the lab (of {os.cpu_count()} cores): {cpu}",
+            "stretch = measured wall per token of a busy slot / modelled decode step "
+            "(1 = the box keeps up; above ~1.2 the CPU, not the schedule, is being measured)"]
+    req = {m: r.row["requeued_stale"] for m, r in result.modes.items() if r.row["requeued_stale"]}
+    if req:
+        out.append(f"groups re-queued by the eta bound (generated again): {req}")
+    for m, r in result.modes.items():
+        if r.problems:
+            out.append(f"AUDIT PROBLEMS in {m}: {r.problems[:5]}")
+    return "\n".join(out)
+
+
+def with_overrides(cfg: LabConfig, **kw: Any) -> LabConfig:
+    return replace(cfg, **{k: v for k, v in kw.items() if v is not None})
