@@ -135,9 +135,11 @@ def run_strawq(base: str, producers: int, groups: int, samples: int, tokens: int
     ds = os.path.join(root, "ds.jsonl")
     write_dataset(ds, groups)
     q = RunQueue.create(PosixStorage(os.path.join(root, "run"), writer_id="c"),
-                        QueueConfig(release_batch=groups, lease_timeout_s=600,
+                        QueueConfig(release_batch=64, lease_timeout_s=600,
                                     heartbeat_interval_s=10))
-    Feeder(q, Dataset(ds)).release(groups)
+    feeder = Feeder(q, Dataset(ds))
+    while feeder.release():  # release directories of 64, as a collector would
+        pass
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     start_at = time.time() + 0.5

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+import pyarrow as pa
 
 from strawq import records
 from strawq.errors import CorruptRecord
@@ -21,6 +22,7 @@ from strawq.records import Kind
 SAMPLE_STATUSES = ("completed", "truncated", "aborted", "pending", "failed")
 TOKEN_COLUMNS = {"tokens": np.int32, "logprobs": np.float32, "versions": np.int64,
                  "loss_mask": np.uint8}
+_TOKEN_DTYPES = tuple((c, np.dtype(t)) for c, t in TOKEN_COLUMNS.items())
 
 
 @dataclass(kw_only=True)
@@ -145,3 +147,58 @@ class GroupData:
 def decode_group(data: bytes | memoryview, *, name: str = "group") -> GroupData:
     rec = records.decode(data, name=name)
     return GroupData.from_record(rec)
+
+
+class GroupColumns(NamedTuple):
+    """A group record's summary and zero-copy numpy views of its columns."""
+
+    #: ``meta["group"]`` as written by ``GroupData.summary``
+    summary: dict[str, Any]
+    #: int32 [prompt_len]
+    prompt: np.ndarray
+    #: the ``TOKEN_COLUMNS``, each [sum(sample_lens)] of its dtype
+    columns: dict[str, np.ndarray]
+
+
+def decode_group_columns(data: bytes | memoryview, *, name: str = "group",
+                         expect: Kind | None = None, verify: bool = True) -> GroupColumns:
+    """Verify a GROUP/PARTIAL record and view its columns without building a ``GroupData``.
+
+    The reader's hot path: header and checksum as ``records.decode``; the Arrow streams via
+    ``records.decode_tables_fast`` (falling back to ``records.decode_tables`` for any stream
+    it does not take); then the checks of invariant 4: every token column is
+    ``sum(sample_lens)`` long with its dtype, the prompt is int32. ``CorruptRecord`` else.
+    The views share ``data``'s memory (and its lifetime).
+    """
+    rec = records.decode(data, expect=expect, name=name, verify=verify)
+    if rec.kind not in (Kind.GROUP, Kind.PARTIAL):
+        raise CorruptRecord(f"{name}: expected a GROUP or PARTIAL record, found {rec.kind.name}")
+    try:
+        summary = rec.meta["group"]
+        index = rec.meta["tables"]
+        lens = summary["sample_lens"]
+        n = sum(lens)
+        fast = records.decode_tables_fast(index, rec.payload)
+        if fast is not None and "tokens" in fast and "prompt" in fast:
+            tok, prompt = fast["tokens"], fast["prompt"]["ids"]
+        else:  # a stream the fast path does not take: pyarrow decodes it or says why not
+            tables = records.decode_tables(index, rec.payload)
+            tok = {c: tables["tokens"].column(c).to_numpy(zero_copy_only=True)
+                   for c in TOKEN_COLUMNS}
+            prompt = tables["prompt"].column("ids").to_numpy(zero_copy_only=True)
+        cols = {c: tok[c] for c in TOKEN_COLUMNS}
+    except CorruptRecord:
+        raise
+    except (KeyError, TypeError) as exc:
+        raise CorruptRecord(f"{name}: group record is missing field {exc}") from exc
+    except (ValueError, OSError, pa.ArrowException) as exc:  # nulls, bad flatbuffers (no verify)
+        raise CorruptRecord(f"{name}: group columns cannot be read: {exc}") from exc
+    for c, dt in _TOKEN_DTYPES:
+        col = cols[c]
+        if col.shape != (n,) or col.dtype != dt:
+            raise CorruptRecord(f"{name}: column {c!r} is {col.dtype}{list(col.shape)}, "
+                                f"expected {dt}[{n}] (the sum of sample_lens)")
+    if prompt.dtype != np.int32 or prompt.ndim != 1:
+        raise CorruptRecord(f"{name}: prompt ids are {prompt.dtype}, expected int32")
+    return GroupColumns(summary, prompt, cols)
+

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,8 @@ class RunQueue:
             config = self._load_config()
         self.config = config
         self._hb_counter: dict[str, int] = {}
+        self._fresh: _OrderedSet = _OrderedSet()
+        self._contended = False
 
     # -- run lifecycle ---------------------------------------------------------------------
     @classmethod
@@ -156,16 +159,53 @@ class RunQueue:
             out = out + [f"pending/{d}/{n}" for n in inside]
         return out if limit is None else out[:limit]
 
+    def _candidates(self, producer: str, n: int) -> list[str]:
+        """Claim candidates in priority order.
+
+        Partial and returned tasks sit at the top of ``pending/`` (few) and are listed on
+        every claim. Fresh tasks come from a per-process cache of the release directories'
+        listings, refilled when it runs low: a claim costs one small listing plus its
+        renames, not a listing of every release directory (on JuiceFS a listing of a few
+        hundred names costs milliseconds). Once a claimer has lost a race, it starts at its
+        own offset within the head of the fresh list, so concurrent claimers stop racing for
+        the same first task (dataset order then holds within that small window only).
+        """
+        top = self.storage.list("pending")
+        files = [f"pending/{x}" for x in top if not x.startswith("r-")]
+        dirs = sorted(x for x in top if x.startswith("r-"))
+        live = set(dirs)
+        fresh = [k for k in self._fresh if k.split("/", 2)[1] in live]
+        want = max(4 * n, 16)
+        if len(fresh) < want:
+            have = set(fresh)
+            for d in dirs:
+                if len(fresh) >= want:
+                    break
+                inside = self.storage.list(f"pending/{d}")
+                if not inside:
+                    # Drained: safe to remove (rmdir refuses a non-empty directory, and a
+                    # release directory is never refilled: each release has a new seq).
+                    self.storage.rmdir(f"pending/{d}")
+                    continue
+                fresh += [k for k in (f"pending/{d}/{x}" for x in inside) if k not in have]
+        self._fresh = _OrderedSet(fresh)
+        window = min(len(fresh), 2 * n + 2)
+        if window > 1 and self._contended:
+            off = zlib.crc32(producer.encode()) % window
+            fresh = fresh[off:window] + fresh[:off] + fresh[window:]
+        return files + fresh
+
     def claim(self, producer: str, n: int = 1) -> list[Lease]:
         """Lease up to ``n`` tasks in priority order. Exactly one claimer wins each task."""
         validate_id(producer, "producer id")
         if n <= 0:
             return []
-        candidates = self.list_pending(limit=max(4 * n, 16))
         won: list[tuple[str, TaskName]] = []
-        for src in candidates:
+        lost = 0
+        for src in self._candidates(producer, n):
             if len(won) >= n:
                 break
+            self._fresh.discard(src)
             name = TaskName.try_parse(src.rsplit("/", 1)[1])
             if name is None:
                 log.warning("ignoring a foreign file in the queue: %s", src)
@@ -175,8 +215,10 @@ class RunQueue:
             try:
                 self.storage.rename(src, dst, sync_dir=False)
             except NotFound:
+                lost += 1
                 continue  # another producer won it
             won.append((dst, held))
+        self._contended = lost > 0
         # No directory fsync: a claim lost to a power failure puts the task back in pending,
         # which only means it runs again (execution is at-least-once).
         leases = []
@@ -370,3 +412,16 @@ class RunQueue:
     def read_group(self, task_id: str, gen: int) -> GroupData:
         key = data_key(task_id, gen, "group")
         return GroupData.from_record(self._read_record(key, Kind.GROUP))
+
+
+class _OrderedSet(dict[str, None]):
+    """Insertion-ordered set of keys (the fresh-task cache)."""
+
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        super().__init__((k, None) for k in keys)
+
+    def discard(self, key: str) -> None:
+        self.pop(key, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.keys()))

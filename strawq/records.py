@@ -207,3 +207,147 @@ def decode_meta_only(prefix: bytes, *, name: str = "record") -> tuple[Kind, dict
     except Exception as exc:
         raise CorruptRecord(f"{name}: metadata is not valid msgpack: {exc}") from exc
     return Kind(kind), meta, need
+
+
+# -- fast path: one-batch Arrow IPC streams of fixed-width, null-free columns -----------------
+#
+# A group record's tables are Arrow IPC streams written by ``encode_tables``: a schema message,
+# one record-batch message, the end-of-stream marker. Records of one run share their schemas,
+# so the schema message is recognised by its bytes (parsed once by pyarrow, then cached) and
+# the record-batch message's flatbuffer is read directly for the body buffer offsets; the
+# columns are ``np.frombuffer`` views of the body. Anything unexpected (nulls, compression,
+# another layout or type) returns None and the caller takes the general ``decode_tables``
+# path, which decodes any valid stream and explains what is wrong with an invalid one.
+
+_IPC_PREFIX = struct.Struct("<Ii")
+_IPC_CONTINUATION = 0xFFFFFFFF
+_IPC_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+_IPC_METADATA_V5 = 4
+_IPC_RECORD_BATCH = 3
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_I16 = struct.Struct("<h")
+_U32 = struct.Struct("<I")
+_I32 = struct.Struct("<i")
+_I64 = struct.Struct("<q")
+_FB_SLOTS = [struct.Struct(f"<{n}H") for n in range(17)]
+_Fields = tuple[tuple[str, np.dtype[Any]], ...]
+#: schema message bytes -> (name, dtype) per field, or None for a schema the fast path skips
+_SCHEMAS: dict[bytes, _Fields | None] = {}
+_SCHEMAS_MAX = 256
+
+
+def _schema_fields(message: bytes) -> _Fields | None:
+    """Fields of a schema message when every one is a fixed-width number (cached by bytes)."""
+    try:
+        return _SCHEMAS[message]
+    except KeyError:
+        pass
+    fields: _Fields | None
+    try:
+        schema = pa.ipc.read_schema(pa.py_buffer(message))
+        out = []
+        for f in schema:
+            t = f.type
+            if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+                raise TypeError(f"{t} is not a fixed-width number")
+            out.append((f.name, np.dtype(t.to_pandas_dtype())))
+        fields = tuple(out)
+        if len({name for name, _ in fields}) != len(fields):
+            fields = None
+    except (pa.ArrowException, OSError, TypeError, ValueError):
+        fields = None
+    if len(_SCHEMAS) < _SCHEMAS_MAX:
+        _SCHEMAS[message] = fields
+    return fields
+
+
+def _fb_slots(buf: memoryview, table: int) -> tuple[int, ...]:
+    """Field offsets (0 = absent) of the flatbuffer table at ``table``."""
+    vtable = table - _I32.unpack_from(buf, table)[0]
+    n = (_U16.unpack_from(buf, vtable)[0] - 4) // 2
+    slots: tuple[int, ...] = _FB_SLOTS[n].unpack_from(buf, vtable + 4)  # IndexError: > 16
+    return slots
+
+
+def _fb_vector(buf: memoryview, at: int, fmt: str) -> tuple[int, ...]:
+    """A vector of 16-byte structs (two int64 each) referenced from offset field ``at``."""
+    at += _U32.unpack_from(buf, at)[0]
+    n = _U32.unpack_from(buf, at)[0]
+    return struct.unpack_from(f"<{2 * n}{fmt}", buf, at + 4)
+
+
+def _record_batch_layout(meta: memoryview) -> tuple[int, tuple[int, ...], tuple[int, ...],
+                                                     int] | None:
+    """(rows, nodes, buffers, body length) of an uncompressed record-batch message."""
+    root = _U32.unpack_from(meta, 0)[0]
+    m = _fb_slots(meta, root) + (0,) * 5
+    # Message: 0 version, 1 header_type, 2 header, 3 bodyLength, 4 custom_metadata
+    if not (m[0] and _I16.unpack_from(meta, root + m[0])[0] == _IPC_METADATA_V5
+            and m[1] and _U8.unpack_from(meta, root + m[1])[0] == _IPC_RECORD_BATCH and m[2]):
+        return None
+    body_len = _I64.unpack_from(meta, root + m[3])[0] if m[3] else 0
+    rb = root + m[2] + _U32.unpack_from(meta, root + m[2])[0]
+    r = _fb_slots(meta, rb) + (0,) * 5
+    # RecordBatch: 0 length, 1 nodes, 2 buffers, 3 compression, 4 variadicBufferCounts
+    if r[3] or r[4] or not (r[1] and r[2]):
+        return None
+    rows = _I64.unpack_from(meta, rb + r[0])[0] if r[0] else 0
+    return rows, _fb_vector(meta, rb + r[1], "q"), _fb_vector(meta, rb + r[2], "q"), body_len
+
+
+def decode_ipc_columns(stream: memoryview) -> dict[str, np.ndarray] | None:
+    """Zero-copy numpy views of the columns of a one-batch Arrow IPC stream.
+
+    For streams of null-free fixed-width numeric columns (what ``encode_tables`` writes for
+    numpy arrays); None for anything else — then use ``decode_tables``, which decodes every
+    valid stream and says what is wrong with an invalid one. Never raises on bad bytes.
+    """
+    try:
+        cont, size = _IPC_PREFIX.unpack_from(stream, 0)
+        if cont != _IPC_CONTINUATION or size <= 0:
+            return None
+        schema_end = 8 + size
+        fields = _schema_fields(bytes(stream[:schema_end]))
+        if fields is None:
+            return None
+        cont, size = _IPC_PREFIX.unpack_from(stream, schema_end)
+        body = schema_end + 8 + size
+        if cont != _IPC_CONTINUATION or size <= 0 or body % 8:
+            return None
+        layout = _record_batch_layout(stream[schema_end + 8:body])
+        if layout is None:
+            return None
+        rows, nodes, buffers, body_len = layout
+        end = body + body_len
+        k = len(fields)
+        if (rows < 0 or body_len < 0 or end + 8 != len(stream) or len(nodes) != 2 * k
+                or len(buffers) != 4 * k or stream[end:] != _IPC_EOS):
+            return None
+        out: dict[str, np.ndarray] = {}
+        for i, (name, dtype) in enumerate(fields):
+            off, length = buffers[4 * i + 2], buffers[4 * i + 3]
+            if (nodes[2 * i] != rows or nodes[2 * i + 1] != 0 or off < 0
+                    or length < rows * dtype.itemsize or off + length > body_len):
+                return None
+            out[name] = np.frombuffer(stream, dtype, count=rows, offset=body + off)
+        return out
+    except (struct.error, IndexError, ValueError, TypeError, OverflowError):
+        return None
+
+
+def decode_tables_fast(index: Mapping[str, Any],
+                       payload: memoryview) -> dict[str, dict[str, np.ndarray]] | None:
+    """``decode_tables`` as numpy column views, or None where ``decode_ipc_columns`` is."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    try:
+        for name, (off, length) in index.items():
+            if off < 0 or length < 0 or off + length > len(payload):
+                return None
+            cols = decode_ipc_columns(payload[off:off + length])
+            if cols is None:
+                return None
+            out[name] = cols
+    except (TypeError, ValueError):
+        return None
+    return out
