@@ -1,0 +1,228 @@
+"""One leased group while a producer works on it: build, resume, and persist.
+
+A ``GroupRun`` is the bridge between the engines' ``Sample`` records and the queue's
+``GroupData``: it builds G fresh samples for a task, or rebuilds them from a saved partial
+(completed samples are kept as they are, unfinished ones resume from their prefixes with
+the remaining budget), and packs them back into a ``GroupData`` — a ready group or a
+partial one. Pure logic: no I/O, no asyncio, testable on its own.
+
+What a group record's ``meta`` holds (besides ``version_hint``)::
+
+    producer        id of the producer that wrote it
+    params          per sample: SamplerParams.to_dict() (budget and seed survive a resume)
+    sample_status   per sample: generation status (pending/aborted/completed/truncated)
+    finish_reasons  per sample: the engine's last finish_reason (or None)
+    num_segments    per sample: engine responses that contributed tokens
+    reward_errors   {sample index: message} for rewards that raised
+    texts           partial records only: response text so far (text-based rewards)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from strawq.errors import ConfigError
+from strawq.groups import GroupData
+from strawq.queue import Lease
+
+from producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Sample,
+                              SamplerParams, SampleStatus, mask_offpolicy_prefix)
+
+FINAL_GROUP_STATUSES = ("completed", "truncated", "failed")
+
+
+class TaskError(ValueError):
+    """The task itself cannot be run (bad prompt, bad row overrides): fail it for good."""
+
+
+def sample_seed(base: int, index: int, i: int) -> int:
+    """A stable 63-bit seed for sample ``i`` of dataset row ``index``."""
+    h = hashlib.blake2b(f"{base}:{index}:{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & (2**63 - 1)
+
+
+def prompt_ids_of(task: Mapping[str, Any], prompt_key: str,
+                  tokenizer: Callable[[str], list[int]] | None) -> list[int]:
+    """The prompt's token ids: a list in the row, or a string through the tokenizer."""
+    row = task.get("row", {})
+    prompt = row.get(prompt_key) if isinstance(row, Mapping) else None
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise TaskError(f"task {task.get('id')}: prompt {prompt_key!r} is a string but the "
+                            "producer has no tokenizer; set ProducerConfig.tokenizer to a "
+                            "dotted path '(text) -> list[int]' or store token ids")
+        try:
+            ids = [int(t) for t in tokenizer(prompt)]
+        except Exception as exc:  # noqa: BLE001 - a plugin's failure becomes the task's
+            raise TaskError(f"task {task.get('id')}: tokenizer failed: "
+                            f"{type(exc).__name__}: {exc}") from exc
+    elif isinstance(prompt, list):
+        ids = [int(t) for t in prompt]
+    else:
+        raise TaskError(f"task {task.get('id')}: row has no usable {prompt_key!r} (a string "
+                        f"or a list of token ids); found {type(prompt).__name__}")
+    if not ids or any(t < 0 for t in ids):
+        raise TaskError(f"task {task.get('id')}: prompt must be a non-empty list of "
+                        f"non-negative token ids, found {ids[:8]}")
+    return ids
+
+
+@dataclass(eq=False)
+class GroupRun:
+    """The in-memory state of one leased group."""
+
+    lease: Lease
+    samples: list[Sample]
+    rewards: list[float | None]
+    reward_errors: dict[int, str] = field(default_factory=dict)
+    texts: list[str] = field(default_factory=list)
+    #: samples rebuilt from a saved prefix (they resume; tokens > 0 or status aborted)
+    resumed: list[bool] = field(default_factory=list)
+    #: requests sent per sample by this producer (rid suffix: never reuses a rid)
+    requests: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        g = len(self.samples)
+        self.texts = self.texts or [""] * g
+        self.resumed = self.resumed or [False] * g
+        self.requests = self.requests or [0] * g
+
+    # -- building --------------------------------------------------------------------------
+    @classmethod
+    def fresh(cls, lease: Lease, prompt_ids: list[int], params: list[SamplerParams]) -> GroupRun:
+        samples = [Sample.new(f"{lease.task_id}.{i}", prompt_ids, p) for i, p in enumerate(params)]
+        return cls(lease=lease, samples=samples, rewards=[None] * len(samples))
+
+    @classmethod
+    def from_partial(cls, lease: Lease, group: GroupData,
+                     default_params: Callable[[int], SamplerParams]) -> GroupRun:
+        """Rebuild the samples of a saved partial group.
+
+        Completed/truncated samples stay final with their reward; aborted/pending ones
+        resume from their prefix. Parameters come from the record (so the budget and seed
+        are the original ones), else from ``default_params(i)`` with the budget raised to
+        at least the saved length.
+        """
+        if group.task_id != lease.task_id:
+            raise ConfigError(f"partial record is for task {group.task_id!r}, lease is for "
+                              f"{lease.task_id!r}")
+        meta = group.meta or {}
+        saved_params = meta.get("params") or []
+        gen_status = meta.get("sample_status") or list(group.status)
+        finish = meta.get("finish_reasons") or [None] * group.num_samples
+        nseg = meta.get("num_segments") or [0] * group.num_samples
+        texts = meta.get("texts") or [""] * group.num_samples
+        errors = {int(k): str(v) for k, v in (meta.get("reward_errors") or {}).items()}
+        samples, rewards, resumed = [], [], []
+        for i in range(group.num_samples):
+            cols = group.sample(i)
+            n = int(cols["tokens"].shape[0])
+            if i < len(saved_params) and saved_params[i]:
+                params = SamplerParams.from_dict(saved_params[i])
+            else:
+                params = default_params(i)
+                if params.max_new_tokens < n:
+                    params = SamplerParams.from_dict({**params.to_dict(), "max_new_tokens": n})
+            status = str(gen_status[i]) if i < len(gen_status) else str(group.status[i])
+            if status == "failed":  # a reward failure on a finished sample
+                status = "completed"
+            if status not in {s.value for s in SampleStatus}:
+                status = "aborted"
+            s = Sample(uid=f"{lease.task_id}.{i}", prompt_ids=group.prompt_ids, params=params,
+                       response_ids=cols["tokens"], logprobs=cols["logprobs"],
+                       versions=cols["versions"], loss_mask=cols["loss_mask"],
+                       status=SampleStatus(status),
+                       finish_reason=finish[i] if i < len(finish) else None,
+                       num_segments=int(nseg[i]) if i < len(nseg) else 0)
+            samples.append(s)
+            rewards.append(group.rewards[i] if s.is_final else None)
+            resumed.append(not s.is_final)
+        return cls(lease=lease, samples=samples, rewards=rewards,
+                   reward_errors={k: v for k, v in errors.items() if samples[k].is_final},
+                   texts=[str(t) for t in texts][:len(samples)] + [""] * max(
+                       0, len(samples) - len(texts)),
+                   resumed=resumed)
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def task_id(self) -> str:
+        return self.lease.task_id
+
+    @property
+    def size(self) -> int:
+        return len(self.samples)
+
+    @property
+    def all_final(self) -> bool:
+        return all(s.is_final for s in self.samples)
+
+    def unfinished(self) -> list[int]:
+        return [i for i, s in enumerate(self.samples) if not s.is_final]
+
+    def rid_prefix(self, producer: str) -> str:
+        """Prefix of every rid of this lease: aborting it touches nothing else."""
+        return f"{producer}/{self.task_id}.g{self.lease.gen}/"
+
+    def next_rid(self, producer: str, i: int) -> str:
+        self.requests[i] += 1
+        return f"{self.rid_prefix(producer)}{i}.{self.requests[i]}"
+
+    def sample_meta(self, i: int) -> dict[str, Any]:
+        """What a reward function sees besides the task and the response ids."""
+        s = self.samples[i]
+        return {"text": self.texts[i], "status": s.status.value,
+                "finish_reason": s.finish_reason, "sample_index": i,
+                "num_segments": s.num_segments, "prompt_ids": s.prompt_ids.tolist(),
+                "min_version": s.min_version(),
+                "max_version": int(s.versions.max()) if len(s.versions) else None}
+
+    def rewards_for_filter(self) -> list[float]:
+        return [r for r in self.rewards if r is not None]
+
+    # -- packing ---------------------------------------------------------------------------
+    def to_group(self, *, producer: str, version_hint: int, partial: bool,
+                 mask_offpolicy: bool = False) -> GroupData:
+        """Pack the samples as a ready (``partial=False``) or partial group record."""
+        if mask_offpolicy and not partial:
+            for s in self.samples:
+                if len(s.versions):
+                    mask_offpolicy_prefix(s, int(s.versions.max()))
+        status = []
+        for i, s in enumerate(self.samples):
+            st = s.status.value
+            if s.is_final and i in self.reward_errors:
+                st = "failed"
+            status.append(st)
+        meta: dict[str, Any] = {
+            "producer": producer,
+            "version_hint": int(version_hint),
+            "params": [s.params.to_dict() for s in self.samples],
+            "sample_status": [s.status.value for s in self.samples],
+            "finish_reasons": [None if s.finish_reason is None else dict(s.finish_reason)
+                               for s in self.samples],
+            "num_segments": [s.num_segments for s in self.samples],
+            "reward_errors": {str(k): v for k, v in self.reward_errors.items()},
+        }
+        if partial:
+            meta["texts"] = list(self.texts)
+
+        def cat(name: str, dtype: Any) -> np.ndarray:
+            parts = [getattr(s, name) for s in self.samples]
+            return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(
+                0, dtype)
+
+        task = self.lease.task
+        return GroupData(
+            task_id=self.task_id, index=int(task.get("index", -1)),
+            prompt_ids=self.samples[0].prompt_ids if self.samples else np.zeros(0, TOKEN_DTYPE),
+            sample_lens=[s.response_length for s in self.samples],
+            tokens=cat("response_ids", TOKEN_DTYPE), logprobs=cat("logprobs", LOGPROB_DTYPE),
+            versions=cat("versions", VERSION_DTYPE), loss_mask=cat("loss_mask", MASK_DTYPE),
+            rewards=[r if s.is_final else None
+                     for r, s in zip(self.rewards, self.samples, strict=True)],
+            status=status, meta=meta)

@@ -1,0 +1,93 @@
+"""Producer accounting: trajectory-slot utilisation and per-group counters.
+
+Slot utilisation = busy trajectory-slot-seconds ÷ capacity-slot-seconds, where capacity =
+group slots × G at each moment (``set_slots`` changes it) and *busy* counts trajectories
+whose sample is still generating (claimed and unfinished). Both are integrated exactly
+at every change, on an injected clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class SlotMeter:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.busy = 0
+        self.capacity = 0
+        self._t = clock()
+        self._t0 = self._t
+        self.busy_s = 0.0
+        self.capacity_s = 0.0
+
+    def _advance(self) -> None:
+        now = self.clock()
+        dt = now - self._t
+        if dt > 0:
+            self.busy_s += self.busy * dt
+            self.capacity_s += self.capacity * dt
+        self._t = now
+
+    def set_capacity(self, n: int) -> None:
+        self._advance()
+        self.capacity = n
+
+    def add(self, n: int) -> None:
+        self._advance()
+        self.busy += n
+
+    def reset(self) -> None:
+        """Start a new measurement window (busy/capacity kept)."""
+        self._advance()
+        self.busy_s = self.capacity_s = 0.0
+        self._t0 = self._t
+
+    def utilisation(self) -> float:
+        self._advance()
+        return self.busy_s / self.capacity_s if self.capacity_s > 0 else 0.0
+
+    def window_s(self) -> float:
+        self._advance()
+        return self._t - self._t0
+
+
+@dataclass
+class ProducerStats:
+    producer_id: str = ""
+    node_id: str | None = None
+    slots: int = 0
+    group_size: int = 0
+    busy_trajectories: int = 0
+    groups_claimed: int = 0
+    groups_completed: int = 0
+    groups_dropped: int = 0
+    groups_yielded: int = 0
+    groups_failed: int = 0
+    groups_released: int = 0
+    leases_lost: int = 0
+    samples_finished: int = 0
+    tokens_generated: int = 0
+    reward_errors: int = 0
+    engine_faults: int = 0
+    unexpected_aborts: int = 0
+    brackets: int = 0
+    paused: bool = False
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    slot_utilisation: float = 0.0
+    cpu_s_per_group: float | None = None
+    drop_reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def groups_done(self) -> int:
+        """Groups that left this producer finished: ready or dropped by the filter."""
+        return self.groups_completed + self.groups_dropped
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["groups_done"] = self.groups_done
+        return d

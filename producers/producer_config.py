@@ -1,0 +1,157 @@
+"""Configuration of one producer: a frozen, keyword-only, validated dataclass.
+
+``ProducerConfig.from_dict`` rejects unknown keys by name (``strawq.config.from_dict``) and
+builds the nested ``client`` section (``producers.sglang_client.ClientConfig``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from strawq.config import from_dict
+from strawq.errors import ConfigError
+from strawq.names import validate_id
+
+from producers.sample import SampleError, SamplerParams
+from producers.sglang_client import ClientConfig
+
+#: SamplerParams fields a producer config sets and a task row may override
+SAMPLER_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
+                "ignore_eos")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProducerConfig:
+    #: The run's directory on the shared filesystem (``<root>/<run_id>``, made by
+    #: ``strawq init`` / ``RunQueue.create``); the same path on every node.
+    run_dir: str
+    #: Reward function, dotted path ``reward(task, response_ids, sample_meta) -> float``.
+    reward: str
+    #: Group filter, dotted path ``filter(task, rewards) -> reason | None`` (None: keep all).
+    filter: str | None = None
+    #: Tokenizer for string prompts, dotted path ``(text) -> list[int]``. Without one a
+    #: string prompt fails its task (non-retryable) with a message saying so.
+    tokenizer: str | None = None
+    #: Engine URLs; ``/generate`` goes round-robin over them (unless ``router_url``).
+    workers: tuple[str, ...] = ()
+    #: sglang-router URL: ``/generate`` goes there; control calls go to its ``/workers``.
+    router_url: str | None = None
+    #: Group slots of this producer (its share of K = floor(C*E/G)); ``set_slots`` changes it.
+    #: At most ``slots * G`` samples generate at once (the engine-concurrency budget).
+    slots: int = 1
+    #: Claim a new group as soon as one trajectory is free (its samples start as slots
+    #: free up; at most one group per producer waits like that). False: claim only when a
+    #: whole group's G trajectories are free (leaves up to G-1 trajectories idle).
+    eager_claim: bool = True
+    #: Samples per group G; None: the run's ``QueueConfig.group_size``.
+    group_size: int | None = None
+    #: Sampling defaults; a task row's ``sampling_params`` mapping overrides them.
+    max_new_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    #: Base seed: sample i of task index j gets a seed derived from (seed, j, i), the same
+    #: on every attempt and resume. None: engine randomness.
+    seed: int | None = None
+    #: Zero the loss mask of tokens older than the sample's newest version (slime's
+    #: ``--mask-offpolicy-in-partial-rollout``).
+    mask_offpolicy_in_partial_rollout: bool = False
+    #: HTTP client settings (timeouts, retries, context length).
+    client: ClientConfig = field(default_factory=ClientConfig)
+    #: Extra tries of a failed segment (after the client's own retries) before the group
+    #: is handed back (engine unreachable: yield as partial; rejected: ``fail``).
+    sample_retries: int = 2
+    #: How often the loop reads ``control/`` (the weight-update bracket).
+    control_poll_s: float = 0.1
+    #: Sleep when the queue had nothing to claim.
+    idle_poll_s: float = 0.1
+    #: Bracket/stop: how long to wait for aborted requests to return before cancelling them.
+    abort_deadline_s: float = 30.0
+    #: Re-send the rid-prefix abort at this cadence while waiting.
+    abort_poll_s: float = 0.5
+    #: Stop work on leases once no heartbeat succeeded for ``lease_timeout_s - margin``
+    #: (None: one heartbeat interval).
+    lease_margin_s: float | None = None
+    #: Pause before claiming again after a group was handed back for an engine fault
+    #: (doubles per consecutive fault, capped at 16x).
+    engine_backoff_s: float = 0.5
+    #: Threads for queue I/O (claim, complete, yield: fsync-bound) and for reward calls.
+    io_threads: int = 4
+    reward_threads: int = 2
+    #: Fixed producer id (tests); None: ``new_producer_id()``.
+    producer_id: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workers", tuple(str(w) for w in self.workers))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not self.run_dir:
+            raise ConfigError("ProducerConfig.run_dir must name the run directory")
+        if not self.workers and self.router_url is None:
+            raise ConfigError("ProducerConfig needs engine 'workers' URLs or a 'router_url'")
+        if self.slots < 0:
+            raise ConfigError(f"ProducerConfig.slots must be >= 0, got {self.slots}")
+        if self.group_size is not None and self.group_size < 1:
+            raise ConfigError(f"ProducerConfig.group_size must be >= 1, got {self.group_size}")
+        for name in ("control_poll_s", "idle_poll_s", "abort_deadline_s", "abort_poll_s",
+                     "engine_backoff_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"ProducerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.sample_retries < 0:
+            raise ConfigError(f"ProducerConfig.sample_retries must be >= 0, got "
+                              f"{self.sample_retries}")
+        if self.io_threads < 1 or self.reward_threads < 1:
+            raise ConfigError("ProducerConfig.io_threads and reward_threads must be >= 1")
+        if self.lease_margin_s is not None and self.lease_margin_s < 0:
+            raise ConfigError(f"ProducerConfig.lease_margin_s must be >= 0, got "
+                              f"{self.lease_margin_s}")
+        if self.producer_id is not None:
+            validate_id(self.producer_id, "producer id")
+        self.sampler_params()  # validates the sampling defaults
+
+    def sampler_params(self, overrides: Mapping[str, Any] | None = None,
+                       seed: int | None = None) -> SamplerParams:
+        """The sampling parameters of one sample: defaults, then the row's overrides."""
+        data: dict[str, Any] = {k: getattr(self, k) for k in SAMPLER_KEYS}
+        if overrides:
+            unknown = sorted(set(overrides) - set(SAMPLER_KEYS) - {"seed"})
+            if unknown:
+                raise ConfigError(f"task sampling_params has unknown key(s) {unknown}; known "
+                                  f"keys are {sorted(SAMPLER_KEYS)}")
+            data.update(overrides)
+        if seed is not None and "seed" not in data:
+            data["seed"] = seed
+        try:
+            return SamplerParams.from_dict(data)
+        except (SampleError, TypeError) as exc:
+            raise ConfigError(f"invalid sampling parameters {data}: {exc}") from exc
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ProducerConfig:
+        d = dict(data)
+        if isinstance(d.get("client"), Mapping):
+            try:
+                d["client"] = ClientConfig.from_dict(d["client"])
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"producer client config: {exc}") from exc
+        for key in ("workers", "stop_token_ids"):
+            if key in d and isinstance(d[key], list):
+                d[key] = tuple(d[key])
+        return from_dict(cls, d, where="producer config")
+
+    def to_dict(self) -> dict[str, Any]:
+        import dataclasses
+
+        return dataclasses.asdict(self)
+
+
+def new_producer_id(prefix: str | None = None) -> str:
+    """``p-<host>-<random>``: unique per incarnation, so a restart never reuses an id."""
+    host = prefix or socket.gethostname().split(".")[0]
+    host = "".join(c if c.isalnum() or c in "_-" else "-" for c in host)[:40] or "host"
+    return validate_id(f"p-{host}-{secrets.token_hex(4)}", "producer id")

@@ -1,0 +1,88 @@
+"""Shared pieces of the producer tests: runs with released prompts, and a driver loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from strawq.config import QueueConfig
+from strawq.feeder import Feeder
+from strawq.dataset import Dataset
+from strawq.names import TaskName
+from strawq.queue import RunQueue
+from strawq.storage import PosixStorage
+
+from producers.producer import Producer
+
+
+def make_run(path: str, n: int, *, rows: list[dict[str, Any]] | None = None, seed: int = 0,
+             **queue_kw: Any) -> RunQueue:
+    """A run at ``path`` with ``n`` prompts (token-id lists) released into pending."""
+    os.makedirs(path, exist_ok=True)
+    kw: dict[str, Any] = {"fsync": False, "lease_timeout_s": 3.0, "heartbeat_interval_s": 0.2,
+                          "group_size": 4, "release_batch": max(n, 1)}
+    kw.update(queue_kw)
+    q = RunQueue.create(PosixStorage(path, writer_id="setup", fsync=kw["fsync"]),
+                        QueueConfig(**kw))
+    rng = np.random.default_rng(seed)
+    if rows is None:
+        rows = [{"prompt": [int(x) for x in rng.integers(3, 200, int(rng.integers(2, 6)))],
+                 "target": 7, "count": 3} for _ in range(n)]
+    data = os.path.join(path, "dataset.jsonl")
+    with open(data, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    if rows:
+        Feeder(q, Dataset(data)).release(len(rows))
+    return q
+
+
+def names(q: RunQueue, state: str) -> list[TaskName]:
+    out = []
+    keys = q.list_pending() if state == "pending" else [
+        f"{state}/{n}" for n in q.storage.list(state)]
+    for k in keys:
+        t = TaskName.try_parse(k.rsplit("/", 1)[1])
+        if t is not None:
+            out.append(t)
+    return out
+
+
+def ids(q: RunQueue, state: str) -> list[str]:
+    return sorted(t.id for t in names(q, state))
+
+
+def ready_groups(q: RunQueue) -> dict[str, Any]:
+    return {t.id: q.read_group(t.id, t.gen) for t in names(q, "ready")}
+
+
+async def wait_for(cond: Callable[[], bool], timeout: float, what: str,
+                   poll: float = 0.05) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(poll)
+
+
+async def run_producers(producers: list[Producer],
+                        body: Callable[[], Awaitable[None]]) -> None:
+    """Run producers while ``body`` drives the test; stop them (parking groups) after."""
+    tasks = [asyncio.create_task(p.run()) for p in producers]
+    try:
+        await body()
+    finally:
+        for p in producers:
+            p.request_stop()
+        done, pending = await asyncio.wait(tasks, timeout=60)
+        for t in pending:
+            t.cancel()
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]

@@ -1,0 +1,218 @@
+"""The Producer loop without Ray: a real run directory and an in-process sim engine."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from strawq.control import Control
+from strawq.errors import ConfigError
+from strawq.names import note_key
+from strawq.queue import RunQueue
+
+from producers.producer import Producer
+from producers.producer_config import ProducerConfig
+from producers.sglang_client import SGLangClient
+from tests.producers.helpers import (ids, make_run, names, ready_groups, run_producers,
+                                     wait_for)
+
+pytestmark = pytest.mark.timeout(90)
+
+PLUGINS = "tests.producers.plugins_for_tests"
+
+
+def config(run: Path, eng: Any, **kw: Any) -> ProducerConfig:
+    base: dict[str, Any] = {"run_dir": str(run), "reward": f"{PLUGINS}.length_reward",
+                            "workers": (eng.url,), "slots": 3, "max_new_tokens": 64,
+                            "seed": 7, "control_poll_s": 0.02, "idle_poll_s": 0.02}
+    base.update(kw)
+    return ProducerConfig(**base)
+
+
+def all_settled(q: RunQueue, n: int) -> bool:
+    return len(ids(q, "ready")) + len(ids(q, "dropped")) == n
+
+
+def test_groups_become_ready_exactly_once(tmp_path: Path, sim_engine: Any) -> None:
+    n = 24
+    q = make_run(str(tmp_path / "run"), n)
+    p = Producer(config(tmp_path / "run", sim_engine))
+    seen_busy: list[int] = []
+
+    async def body() -> None:
+        async def watch() -> None:
+            while True:
+                seen_busy.append(p.stats().busy_trajectories)
+                await asyncio.sleep(0.005)
+        w = asyncio.create_task(watch())
+        await wait_for(lambda: all_settled(q, n), 60, "all groups ready")
+        w.cancel()
+
+    asyncio.run(run_producers([p], body))
+    assert ids(q, "ready") == sorted(f"i{i:012d}" for i in range(n))
+    assert not ids(q, "pending") and not ids(q, "leased")
+    assert max(seen_busy) <= 3 * 4  # never more trajectories than slots * G
+    for g in ready_groups(q).values():
+        assert g.num_samples == 4
+        assert all(s in ("completed", "truncated") for s in g.status)
+        assert g.rewards == [float(x) for x in g.sample_lens]  # length_reward
+        assert max(g.sample_lens) <= 64
+        assert g.meta["producer"] == p.producer_id
+    st = p.stats()
+    assert st.groups_completed == n and st.groups_done == n
+    assert st.cpu_s_per_group is not None and 0 < st.slot_utilisation <= 1.0
+
+
+def test_string_prompts_need_a_tokenizer(tmp_path: Path, sim_engine: Any) -> None:
+    rows = [{"prompt": "hello world"}, {"prompt": [5, 6, 7]}]
+    q = make_run(str(tmp_path / "a"), 0, rows=rows)
+    p = Producer(config(tmp_path / "a", sim_engine))
+    asyncio.run(run_producers([p], lambda: wait_for(lambda: all_settled(q, 2), 30, "settled")))
+    assert ids(q, "ready") == ["i000000000001"]
+    (dropped,) = names(q, "dropped")
+    assert dropped.id == "i000000000000" and dropped.producer == "bad_task"
+    note = q.storage.read(note_key(dropped.id, dropped.gen, "drop", "bad_task"))
+    assert b"tokenizer" in note
+
+    q2 = make_run(str(tmp_path / "b"), 0, rows=rows)
+    p2 = Producer(config(tmp_path / "b", sim_engine, tokenizer=f"{PLUGINS}.char_tokenizer"))
+    asyncio.run(run_producers([p2], lambda: wait_for(lambda: all_settled(q2, 2), 30, "ready")))
+    assert ids(q2, "ready") == ["i000000000000", "i000000000001"]
+    g = ready_groups(q2)["i000000000000"]
+    assert g.prompt_ids.tolist() == [3 + ord(c) % 100 for c in "hello world"]
+
+
+def test_reward_errors_are_recorded_not_raised(tmp_path: Path, sim_engine: Any) -> None:
+    rows = [{"prompt": [4, 5]}, {"prompt": [6, 7], "boom": True}, {"prompt": [8, 9]}]
+    q = make_run(str(tmp_path / "run"), 0, rows=rows)
+    p = Producer(config(tmp_path / "run", sim_engine, reward=f"{PLUGINS}.flaky_reward"))
+    asyncio.run(run_producers([p], lambda: wait_for(lambda: all_settled(q, 3), 30, "settled")))
+    ready = ready_groups(q)
+    assert sorted(ready) == ["i000000000000", "i000000000002"]
+    for g in ready.values():
+        assert g.status[0] == "failed" and g.rewards[0] is None
+        assert "verifier crashed" in g.meta["reward_errors"]["0"]
+        assert g.rewards[1:] == [1.0, 2.0, 3.0]
+    (dropped,) = names(q, "dropped")  # every reward failed: nothing to learn from
+    assert dropped.id == "i000000000001" and dropped.producer == "reward_error"
+    assert p.stats().reward_errors == 1 + 1 + 4
+
+
+def test_filter_drops_and_frees_capacity(tmp_path: Path, sim_engine: Any) -> None:
+    n = 10
+    q = make_run(str(tmp_path / "run"), n)
+    p = Producer(config(tmp_path / "run", sim_engine, slots=1,
+                        reward=f"{PLUGINS}.constant_reward",
+                        filter="producers.rewards.zero_variance"))
+    asyncio.run(run_producers([p], lambda: wait_for(lambda: all_settled(q, n), 30, "dropped")))
+    dropped = names(q, "dropped")
+    assert len(dropped) == n and {t.producer for t in dropped} == {"zero_variance"}
+    st = p.stats()
+    assert st.groups_dropped == n and st.drop_reasons == {"zero_variance": n}
+    assert st.busy_trajectories == 0
+
+
+def test_slots_zero_claims_nothing_until_set(tmp_path: Path, sim_engine: Any) -> None:
+    q = make_run(str(tmp_path / "run"), 4)
+    p = Producer(config(tmp_path / "run", sim_engine, slots=0))
+
+    async def body() -> None:
+        await asyncio.sleep(0.3)
+        assert len(ids(q, "pending")) == 4 and p.stats().groups_claimed == 0
+        p.set_slots(2)
+        await wait_for(lambda: all_settled(q, 4), 30, "ready after set_slots")
+
+    asyncio.run(run_producers([p], body))
+    assert p.stats().slots == 2
+
+
+def test_stop_yields_partials_that_another_producer_finishes(tmp_path: Path,
+                                                            sim_engine: Any) -> None:
+    """Stop mid-generation: held groups go back as partials; a second producer resumes
+    them and the tokens equal an uninterrupted run's (seeded sim engine)."""
+    n = 6
+    rows = [{"prompt": [10 + i, 11, 12]} for i in range(n)]
+    kw = {"max_new_tokens": 400, "ignore_eos": True, "slots": 6}
+    # reference: uninterrupted
+    qa = make_run(str(tmp_path / "a"), 0, rows=rows)
+    pa = Producer(config(tmp_path / "a", sim_engine, **kw))
+    asyncio.run(run_producers([pa], lambda: wait_for(lambda: all_settled(qa, n), 60, "ref")))
+    ref = ready_groups(qa)
+
+    qb = make_run(str(tmp_path / "b"), 0, rows=rows)
+    p1 = Producer(config(tmp_path / "b", sim_engine, **kw))
+
+    async def first() -> None:
+        await wait_for(lambda: p1.stats().tokens_generated > 0 or
+                       p1.stats().busy_trajectories > 0, 30, "work started")
+        await asyncio.sleep(0.05)
+
+    asyncio.run(run_producers([p1], first))
+    assert p1.stats().groups_yielded >= 1
+    partial = [t for t in names(qb, "pending") if t.key.startswith("a")]
+    assert partial and all(t.resume >= 0 for t in partial)
+    p2 = Producer(config(tmp_path / "b", sim_engine, **kw))
+    asyncio.run(run_producers([p2], lambda: wait_for(lambda: all_settled(qb, n), 60, "b")))
+    got = ready_groups(qb)
+    assert sorted(got) == sorted(ref)
+    for gid, g in got.items():
+        assert g.sample_lens == [400] * 4
+        assert np.array_equal(g.tokens, ref[gid].tokens)
+        assert np.array_equal(g.logprobs, ref[gid].logprobs)
+
+
+def test_bracket_on_sim_engine(tmp_path: Path, sim_engine: Any) -> None:
+    """Pause/ack/resume twice: partials carry prefixes, versions step up, the off-policy
+    prefix is masked, and nothing is lost or duplicated (tokens equal an unpaused run)."""
+    n = 8
+    rows = [{"prompt": [20 + i, 21]} for i in range(n)]
+    kw = {"max_new_tokens": 300, "ignore_eos": True, "slots": 2,
+          "mask_offpolicy_in_partial_rollout": True}
+    q = make_run(str(tmp_path / "run"), 0, rows=rows)
+    control = Control(q.storage)
+    p = Producer(config(tmp_path / "run", sim_engine, **kw))
+
+    async def body() -> None:
+        async with SGLangClient([sim_engine.url]) as client:
+            for v in (1, 2):
+                await wait_for(lambda: p.stats().busy_trajectories > 0, 30, "generating")
+                await asyncio.sleep(0.03)
+                control.pause(v)
+                await wait_for(lambda: p.producer_id in control.state().acks, 30, "ack")
+                assert not [t for t in names(q, "leased")]  # ack = holds no lease
+                await client.update_weight_version(v, abort_all_requests=False)
+                q.set_version(v)
+                control.resume(v)
+        await wait_for(lambda: all_settled(q, n), 60, "all ready")
+
+    asyncio.run(run_producers([p], body))
+    ready = ready_groups(q)
+    assert len(ready) == n and p.stats().brackets == 2
+    spans = 0
+    for g in ready.values():
+        assert g.sample_lens == [300] * 4
+        for i in range(4):
+            c = g.sample(i)
+            v = c["versions"]
+            assert np.all(np.diff(v) >= 0)
+            assert np.array_equal(c["loss_mask"], (v == v.max()).astype(np.uint8))
+            spans += int(v.min() != v.max())
+    assert spans > 0
+    assert p.stats().groups_yielded >= 1
+
+
+def test_config_rejects_unknown_keys(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown key"):
+        ProducerConfig.from_dict({"run_dir": "x", "reward": "a.b", "workers": ["u"],
+                                  "max_new_token": 3})
+    cfg = ProducerConfig.from_dict({"run_dir": "x", "reward": "a.b", "workers": ["u"],
+                                    "client": {"max_retries": 1}})
+    assert cfg.client.max_retries == 1 and cfg.workers == ("u",)
+    with pytest.raises(ConfigError, match="workers"):
+        ProducerConfig(run_dir="x", reward="a.b")
+    with pytest.raises(ConfigError, match="sampling_params"):
+        cfg.sampler_params({"temprature": 1.0})
