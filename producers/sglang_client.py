@@ -368,8 +368,16 @@ class SGLangClient:
         )
         payload = build_generate_payload(input_ids, params, rid=rid, extra=extra)
         timeout = timeout_s or self.config.generate_timeout_s
+        attempts = 0
 
         async def op() -> list[GenerateResult]:
+            nonlocal attempts
+            if rid is not None and attempts:
+                # A timed-out attempt may still run on the engine under the old rid: a retry
+                # gets its own (the old rid is its prefix, so aborting the old rid's prefix
+                # reaches both).
+                payload["rid"] = f"{rid}.retry{attempts}"
+            attempts += 1
             target = url or self._next_generate_url()
             _, data = await self._attempt(
                 "POST", target, "/generate", body=payload, params=None, timeout_s=timeout
@@ -427,8 +435,17 @@ class SGLangClient:
         urls = [url] if url is not None else self.worker_urls
         if not urls:
             raise EngineUnavailable("no workers known; refresh_workers() found none")
-        values = await asyncio.gather(*(fn(u) for u in urls))
-        return dict(zip(urls, values))
+        values = await asyncio.gather(*(fn(u) for u in urls), return_exceptions=True)
+        errors = [(u, v) for u, v in zip(urls, values, strict=True) if isinstance(v, Exception)]
+        if errors:
+            # every worker was tried; report each one that failed, by URL
+            detail = "; ".join(f"{u}: {e}" for u, e in errors)
+            first = errors[0][1]
+            if isinstance(first, EngineError) and len(errors) == 1:
+                raise first
+            raise EngineUnavailable(f"{len(errors)} of {len(urls)} workers failed: {detail}",
+                                    url=errors[0][0]) from first
+        return dict(zip(urls, values, strict=True))  # type: ignore[arg-type]
 
     async def abort(
         self, rid: str | None = None, *, abort_all: bool = False, url: str | None = None
