@@ -5,13 +5,18 @@
 2. Times one collector pass that selects B groups staleness-first out of the N ready and
    publishes the manifest (summaries read from record headers, advantages computed, fsync'd
    manifest, renames to batched/).
-3. Times ``BatchReader.load`` for rank 0 of 8 (mmap, xxh3 verify, Arrow decode, packing into
+3. Times ``BatchReader.load`` for rank 0 of 8 (read, xxh3 verify, Arrow decode, packing into
    torch tensors) against ``numpy.fromfile`` of the same files. Both read warm: the page
-   cache cannot be dropped here, so each is run once to warm up and then timed (best of R).
+   cache cannot be dropped here, so each is run once to warm up, then the two are timed
+   alternately (same page cache and allocator state) and the medians of R are compared.
 
-    python bench/collector.py [--quick] [--dir DIR]
+Two cases: the standard one (G=8 x ~512 response tokens, ~70 KB records; ``--tokens``) and
+the queue benchmark's groups (G=8 x ~2,048 tokens, ~280 KB records; ``--big-tokens``, built
+with just one batch of ready groups), run first.
 
-The last line is ``collector: reader GB/s ratio vs raw read = X``.
+    python bench/collector.py [--quick] [--dir DIR] [--threads N]
+
+The last line is the standard case: ``collector: reader GB/s ratio vs raw read = X``.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -73,80 +80,105 @@ def build(root: str, n: int, g: int, length: int, seed: int = 0) -> tuple[str, f
     return ds, time.perf_counter() - t0
 
 
-def best(fn, repeat: int) -> float:
-    fn()  # warm-up (page cache, allocator)
-    times = []
+def alternate(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Median seconds of each function, run alternately (same page cache and allocator
+    state for all), after one warm-up call each."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    keep: dict[str, object] = {}
+    for k, fn in fns.items():
+        keep[k] = fn()  # warm-up: page cache, allocator, Arrow schema cache
     for _ in range(repeat):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            keep[k] = fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def run_case(root: str, *, n: int, g: int, length: int, batch: int, ranks: int, repeat: int,
+             threads: int, publish_line: bool) -> float:
+    """Build a run, publish batch 1, compare the reader with numpy.fromfile; the ratio."""
+    ds, t_build = build(root, n, g, length)
+    print(f"setup: {n} ready groups (G={g}, ~{length} response tokens/sample) in "
+          f"{t_build:.1f}s")
+    run = os.path.join(root, "run")
+    q = RunQueue.open(open_storage(run, writer_id="collector", fsync=True))
+    col = Collector(q, Dataset(ds), CollectorConfig(
+        batch_groups=batch, max_running=16, max_ready=max(n, batch),
+        max_prefetch_batches=1, gc_interval_s=1e9, metrics_interval_s=1e9))
+    col.start(wait=False)
+    t0 = time.perf_counter()
+    rep = col.step()
+    t_step = time.perf_counter() - t0
+    if rep.published != [1]:
+        raise SystemExit(f"expected batch 1 to be published, got {rep.published}")
+    if publish_line:
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        ordered = col.order.order(col.batches.scan_ready())
+        t_scan = time.perf_counter() - t0
+        print(f"collector: select + publish {batch} of {n} ready groups: "
+              f"{t_step * 1e3:.1f} ms per pass (fsync on; a later scan+order of the "
+              f"{len(ordered)} left: {t_scan * 1e3:.1f} ms)")
+    reader = BatchReader(q, rank=0, world_size=ranks, read_threads=threads)
+    man = col.batches.read_manifest(1)
+    mine = shard_groups([group_tokens(s) for s in man.summaries], ranks)[0]
+    paths = [q.storage.local_path(data_key(man.groups[i].id, man.groups[i].gen, "group"))
+             for i in mine]
+    nbytes = sum(os.path.getsize(p) for p in paths)
+    t = alternate({"raw": lambda: [np.fromfile(p, dtype=np.uint8) for p in paths],
+                   "load": lambda: reader.load(man)}, repeat)
+    batch_ = reader.load(man)
+    reader.close()
+    gb_raw = nbytes / t["raw"] / 1e9
+    gb_load = nbytes / t["load"] / 1e9
+    print(f"reader: rank 0 of {ranks}: {len(mine)} groups, {len(paths)} files, "
+          f"{nbytes / 1e6:.1f} MB ({nbytes / len(paths) / 1e3:.0f} KB/record), "
+          f"{batch_.num_tokens} packed tokens (warm page cache, {threads} read thread(s), "
+          f"median of {repeat}, alternating)")
+    print(f"reader: load into torch {t['load'] * 1e3:.2f} ms = {gb_load:.2f} GB/s; "
+          f"numpy.fromfile {t['raw'] * 1e3:.2f} ms = {gb_raw:.2f} GB/s; "
+          f"ratio {gb_load / gb_raw:.2f}")
+    return gb_load / gb_raw
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2,000 ready groups, 256 tokens")
-    ap.add_argument("--dir", default=None, help="where to create the run (default: a temp dir)")
+    ap.add_argument("--dir", default=None, help="where to create the runs (default: temp dirs)")
     ap.add_argument("--ready", type=int, default=None)
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=None, help="mean response tokens/sample")
+    ap.add_argument("--big-tokens", type=int, default=2048,
+                    help="second case: mean response tokens/sample (0 skips it)")
     ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1, help="BatchReader read_threads")
     args = ap.parse_args()
     n = args.ready or (2000 if args.quick else 10000)
     length = args.tokens or (256 if args.quick else 512)
     g = 8
+    common = {"g": g, "batch": args.batch, "ranks": args.ranks, "repeat": args.repeat,
+              "threads": args.threads}
+    ratio_big = None
+    if args.big_tokens:  # the queue benchmark's group size (bench/queue_ops.py)
+        root = tempfile.mkdtemp(prefix="strawq-bench-", dir=args.dir)
+        try:
+            print(f"-- case 2: G={g} x ~{args.big_tokens} tokens (the queue benchmark's groups)")
+            ratio_big = run_case(root, n=args.batch, length=args.big_tokens,
+                                 publish_line=False, **common)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     root = tempfile.mkdtemp(prefix="strawq-bench-", dir=args.dir)
     try:
-        ds, t_build = build(root, n, g, length)
-        print(f"setup: {n} ready groups (G={g}, ~{length} response tokens/sample) in "
-              f"{t_build:.1f}s")
-        run = os.path.join(root, "run")
-        q = RunQueue.open(open_storage(run, writer_id="collector", fsync=True))
-        col = Collector(q, Dataset(ds), CollectorConfig(
-            batch_groups=args.batch, max_running=16, max_ready=max(n, args.batch),
-            max_prefetch_batches=1, gc_interval_s=1e9, metrics_interval_s=1e9))
-        col.start(wait=False)
-        t0 = time.perf_counter()
-        rep = col.step()
-        t_step = time.perf_counter() - t0
-        if rep.published != [1]:
-            raise SystemExit(f"expected batch 1 to be published, got {rep.published}")
-        t0 = time.perf_counter()
-        ordered = col.order.order(col.batches.scan_ready())
-        t_scan = time.perf_counter() - t0
-        print(f"collector: select + publish {args.batch} of {n} ready groups: "
-              f"{t_step * 1e3:.1f} ms per pass (fsync on; a later scan+order of the "
-              f"{len(ordered)} left: {t_scan * 1e3:.1f} ms)")
-
-        reader = BatchReader(q, rank=0, world_size=args.ranks)
-        man = col.batches.read_manifest(1)
-        mine = shard_groups([group_tokens(s) for s in man.summaries], args.ranks)[0]
-        paths = [q.storage.local_path(data_key(man.groups[i].id, man.groups[i].gen, "group"))
-                 for i in mine]
-        nbytes = sum(os.path.getsize(p) for p in paths)
-        holder: dict[str, object] = {}
-
-        def load() -> None:
-            holder["b"] = reader.load(man)
-
-        def raw() -> None:
-            holder["r"] = [np.fromfile(p, dtype=np.uint8) for p in paths]
-
-        t_raw = best(raw, args.repeat)
-        t_load = best(load, args.repeat)
-        batch = holder["b"]
-        gb_raw = nbytes / t_raw / 1e9
-        gb_load = nbytes / t_load / 1e9
-        print(f"reader: rank 0 of {args.ranks}: {len(mine)} groups, {len(paths)} files, "
-              f"{nbytes / 1e6:.1f} MB, {batch.num_tokens} packed tokens "  # type: ignore
-              f"(warm page cache, best of {args.repeat})")
-        print(f"reader: load into torch {t_load * 1e3:.2f} ms = {gb_load:.2f} GB/s; "
-              f"numpy.fromfile {t_raw * 1e3:.2f} ms = {gb_raw:.2f} GB/s")
-        print(f"collector: reader GB/s ratio vs raw read = {gb_load / gb_raw:.2f}")
+        print(f"-- case 1 (standard): G={g} x ~{length} tokens")
+        ratio = run_case(root, n=n, length=length, publish_line=True, **common)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if ratio_big is not None:
+        print(f"collector: reader GB/s ratio vs raw read, G={g} x {args.big_tokens} tokens = "
+              f"{ratio_big:.2f}")
+    print(f"collector: reader GB/s ratio vs raw read = {ratio:.2f}")
     return 0
 
 

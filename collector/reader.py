@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,12 +24,14 @@ import torch
 from collector.bracket import BracketReport, WeightUpdateBracket
 from collector.errors import BatchTimeout
 from collector.metrics import MetricsSink
-from collector.packing import Packer, decode_columns, group_tokens, map_record, shard_groups
+from collector.packing import RecordFile, ShardPacker, group_tokens, shard_groups
 from collector.resume import CHECKPOINT_FORMAT, read_cursor_state
 from strawq.batches import BatchStore, Manifest
 from strawq.errors import CorruptRecord, NotFound
+from strawq.groups import decode_group_columns
 from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
+from strawq.records import Kind
 from strawq.storage import open_storage
 
 log = logging.getLogger(__name__)
@@ -97,7 +100,7 @@ class BatchReader:
     def __init__(self, queue: RunQueue, *, rank: int = 0, world_size: int = 1,
                  verify: bool = True, metrics: MetricsSink | None = None,
                  poll_interval_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, read_threads: int = 1) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.queue = queue
@@ -116,6 +119,11 @@ class BatchReader:
         self._last_return: float | None = None
         self._steps = 0
         self._bracket: WeightUpdateBracket | None = None
+        if read_threads < 1:
+            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
+        #: one record buffer per reading thread; threads beyond the caller's from ``_pool``
+        self._files = [RecordFile() for _ in range(read_threads)]
+        self._pool: ThreadPoolExecutor | None = None
 
     @classmethod
     def open(cls, path: str, *, rank: int = 0, world_size: int = 1,
@@ -189,44 +197,39 @@ class BatchReader:
         counts = [group_tokens(s) for s in man.summaries]
         mine = shard_groups(counts, self.world_size)[self.rank]
         version = self.queue.current_version()
-        total = sum(counts[i] for i in mine)
-        nsamples = sum(len(man.summaries[i]["sample_lens"]) for i in mine)
-        pk = Packer(total, nsamples)
-        groups: list[TaskName] = []
-        summaries: list[dict[str, Any]] = []
+        pk = ShardPacker([man.summaries[i] for i in mine])
+        keys = [data_key(man.groups[i].id, man.groups[i].gen, "group") for i in mine]
+        nthreads = min(len(self._files), max(len(keys), 1))
+        if nthreads > 1 and self._pool is None:
+            self._pool = ThreadPoolExecutor(len(self._files) - 1,
+                                            thread_name_prefix="strawq-reader")
+        parts = [range(t, len(keys), nthreads) for t in range(nthreads)]
+        futures = [self._pool.submit(self._read_part, pk, keys, part, self._files[t])
+                   for t, part in enumerate(parts[1:], 1)] if self._pool else []
+        results = [self._read_part(pk, keys, parts[0], self._files[0])]
+        results += [f.result() for f in futures]
+        nbytes = sum(n for n, _ in results)
+        failed = sorted((k, exc) for _, errs in results for k, exc in errs)
         skipped: list[str] = []
-        nbytes = 0
-        for i in mine:
-            name, summ = man.groups[i], man.summaries[i]
-            key = data_key(name.id, name.gen, "group")
-            try:
-                data = map_record(self.storage, key)
-                nbytes += len(data)
-                rec_summary, prompt, cols = decode_columns(data, key=key, verify=self.verify)
-                lens = rec_summary["sample_lens"]
-                if list(lens) != list(summ["sample_lens"]):
-                    raise CorruptRecord(f"{key}: sample_lens {lens} differ from the "
-                                        f"manifest's {summ['sample_lens']}")
-                pk.add(prompt, lens, cols, int(summ.get("min_version", 0)))
-                del prompt, cols, data
-            except (CorruptRecord, NotFound, ValueError) as exc:
-                self._drop_bad(name, key, exc)
-                skipped.append(name.id)
-                continue
-            groups.append(name)
-            summaries.append(summ)
-        pk.finish()
+        for k, exc in failed:
+            name = man.groups[mine[k]]
+            self._drop_bad(name, keys[k], exc)
+            skipped.append(name.id)
+        ok = pk.finish().tolist()
+        groups = [man.groups[i] for k, i in enumerate(mine) if ok[k]]
+        summaries = [man.summaries[i] for k, i in enumerate(mine) if ok[k]]
+        nsamples = pk.seqlens.shape[0]
         rewards = np.array([0.0 if r is None else r for s in summaries for r in s["rewards"]],
                            dtype=np.float32)
         sadv = np.array([a for s in summaries for a in s.get("advantages", [])],
                         dtype=np.float32)
-        if sadv.shape[0] != pk.sample:  # a manifest written without advantages
-            sadv = np.zeros(pk.sample, dtype=np.float32)
+        if sadv.shape[0] != nsamples:  # a manifest written without advantages
+            sadv = np.zeros(nsamples, dtype=np.float32)
         sgroup = np.repeat(np.arange(len(summaries), dtype=np.int64),
                            [len(s["sample_lens"]) for s in summaries])
         sindex = np.array([s["index"] for s in summaries], dtype=np.int64)[sgroup] \
             if summaries else np.empty(0, dtype=np.int64)
-        cu = np.zeros(pk.sample + 1, dtype=np.int32)
+        cu = np.zeros(nsamples + 1, dtype=np.int32)
         np.cumsum(pk.seqlens, out=cu[1:])
         resp = (pk.seqlens - pk.prompt_lens).astype(np.int32)
         stal = version - pk.min_version
@@ -242,12 +245,34 @@ class BatchReader:
             versions=torch.from_numpy(pk.versions),
             advantages=torch.from_numpy(np.repeat(sadv, pk.seqlens)),
             rewards=torch.from_numpy(rewards), sample_advantages=torch.from_numpy(sadv),
-            prompt_lens=torch.from_numpy(pk.prompt_lens),
+            prompt_lens=torch.from_numpy(pk.prompt_lens.astype(np.int32)),
             response_lens=torch.from_numpy(resp), sample_group=torch.from_numpy(sgroup),
             sample_index=torch.from_numpy(sindex),
             sample_min_version=torch.from_numpy(pk.min_version), groups=groups,
             summaries=summaries, total_groups=len(man.groups), skipped=skipped, stats=stats,
             bytes_read=nbytes)
+
+    def _read_part(self, pk: ShardPacker, keys: list[str], part: range,
+                   file: RecordFile) -> tuple[int, list[tuple[int, Exception]]]:
+        """Read, verify, decode and pack groups ``part`` of the shard (one thread's share).
+
+        Returns the bytes read and the groups that failed their checks (dropped by the
+        caller). Threads write disjoint slots of the packed columns; file reads, xxh3 and
+        the numpy copies release the GIL.
+        """
+        nbytes = 0
+        failed: list[tuple[int, Exception]] = []
+        for k in part:
+            try:
+                data = file.read(self.storage, keys[k])
+                nbytes += len(data)
+                g = decode_group_columns(data, name=keys[k], expect=Kind.GROUP,
+                                         verify=self.verify)
+                pk.check(k, g.prompt, g.summary["sample_lens"], keys[k])
+                pk.add(k, g.prompt, g.columns)
+            except (CorruptRecord, NotFound, ValueError) as exc:
+                failed.append((k, exc))
+        return nbytes, failed
 
     def _drop_bad(self, name: TaskName, key: str, exc: Exception) -> None:
         """A batched group whose payload fails its checks: quarantine it, drop with a record."""
@@ -328,5 +353,8 @@ class BatchReader:
         self.metrics.emit(values)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         if self.metrics is not None:
             self.metrics.close()

@@ -143,7 +143,7 @@ def test_eta_bound_modes(dataset, mode):
         assert rep.dropped_stale == ["i000000000000"]
         state, name = q.find("i000000000000")
         assert state == "dropped" and name.producer == STALE_REASON
-        note = q.storage.read("data/i000000000000~g0.drop")
+        note = q.storage.read(f"data/i000000000000~g0.drop.{STALE_REASON}")
         assert b"staleness 2 > eta 1" in note
     else:
         assert rep.requeued_stale == ["i000000000000"]
