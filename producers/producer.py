@@ -16,19 +16,14 @@ class running on one asyncio event loop::
 reserves G; each sample frees its trajectory when its generation ends, so one long-tail
 sample never blocks a new claim once G trajectories are free (verl's continuous loop).
 
-**Heartbeat.** A task on the producer's own event loop schedules each beat; the file
-write runs on a dedicated thread so that slow payload fsyncs never delay it. Because the
-*loop* schedules the beats, a producer whose loop is blocked stops beating and its leases
-expire — it cannot keep a lease alive while making no progress, which a free-running
-thread would. If no beat succeeded for ``lease_timeout_s - margin`` the producer stops
-work on every lease (aborts their requests, persists nothing: the grantor will re-queue
-them) and claims nothing until a beat succeeds again.
+**Heartbeat** (``producers.heartbeat``): beats are scheduled by this loop, written on their
+own thread; when none succeeded for ``lease_timeout_s - margin`` the producer stops work
+on every lease (aborts their requests, persists nothing: the grantor will re-queue them)
+and claims nothing until a beat succeeds again.
 
-**Bracket.** When ``Control.state()`` shows a pause this producer has not acknowledged,
-it stops claiming, aborts its own requests on every worker (``/abort_request`` with its
-rid prefix, repeated until every in-flight ``/generate`` returned, cancelled after
-``abort_deadline_s``), completes the groups whose samples are all final, yields the others
-as partial groups, then ``Control.ack``s. It resumes claiming when ``resume-<v>`` appears.
+**Bracket** (``producers.bracket``): on a pause this producer has not acknowledged, it
+stops claiming, aborts its requests, completes or yields every held group, then acks; it
+claims again once the pause is resumed.
 
 rids are ``<producer>/<task>.g<gen>/<sample>.<n>``: the ``/`` after each part keeps one
 producer's (or one lease's) prefix from matching another's.
@@ -54,8 +49,10 @@ from strawq.names import validate_id
 from strawq.queue import Lease, RunQueue
 from strawq.storage import PosixStorage
 
+from producers.bracket import EngineAborter, PauseBracket
 from producers.engine_errors import EngineError, EngineUnavailable
 from producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
+from producers.heartbeat import Heartbeat
 from producers.meter import ProducerStats, SlotMeter
 from producers.plugins import FilterFn, RewardFn, load_filter, load_reward, resolve
 from producers.producer_config import ProducerConfig, new_producer_id
@@ -130,21 +127,26 @@ class Producer:
                                     slots=self._slots, group_size=self.group_size)
         self._lock = threading.Lock()  # guards cross-thread stats/slot reads
         self._stopping = False
-        self._pausing = False
-        self._acked_version = 0
-        self._beat_failing = False
-        self._last_beat_ok = clock()
         self._backoff_until = 0.0
         self._faults_in_row = 0
-        self._last_control = -math.inf
         self._last_empty_claim = -math.inf
         self._cpu0 = time.process_time()
         self._t0 = clock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._io: ThreadPoolExecutor | None = None
-        self._hb_pool: ThreadPoolExecutor | None = None
         self._reward_pool: ThreadPoolExecutor | None = None
+        self._heartbeat = Heartbeat(queue, self.producer_id,
+                                    interval_s=self.heartbeat_interval_s,
+                                    give_up_after_s=self.give_up_after_s, clock=clock)
+        self._aborter = EngineAborter(lambda: self._client, self.producer_id,
+                                      poll_s=config.abort_poll_s,
+                                      deadline_s=config.abort_deadline_s, clock=clock)
+        self._bracket = PauseBracket(self.control, self.producer_id,
+                                     poll_s=config.control_poll_s, clock=clock,
+                                     io=self._io_call, park=self._park_all,
+                                     held=lambda: len(self._groups),
+                                     unreturned=lambda: len(self._orphans))
         self.running = False
 
     # -- public controls (any thread) --------------------------------------------------------
@@ -188,7 +190,7 @@ class Producer:
             s.slot_utilisation = self._meter.utilisation()
             s.wall_s = self.clock() - self._t0
             s.cpu_s = time.process_time() - self._cpu0
-            s.paused = self._pausing
+            s.paused = self._bracket.pausing
         s.cpu_s_per_group = s.cpu_s / s.groups_done if s.groups_done else None
         return s
 
@@ -227,7 +229,7 @@ class Producer:
         self._wake = asyncio.Event()
         pid = self.producer_id
         self._io = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix=f"{pid}-io")
-        self._hb_pool = ThreadPoolExecutor(1, thread_name_prefix=f"{pid}-hb")
+        self._heartbeat.start()
         self._reward_pool = ThreadPoolExecutor(self.config.reward_threads,
                                                thread_name_prefix=f"{pid}-reward")
         if self._client is None:
@@ -236,8 +238,9 @@ class Producer:
         hb: asyncio.Task[None] | None = None
         try:
             await self.client.start()
-            await self._beat_once()  # beat before the first claim: the grantor sees us
-            hb = asyncio.create_task(self._heartbeat_loop(), name=f"{pid}-heartbeat")
+            await self._heartbeat.beat_once()  # before the first claim: the grantor sees us
+            hb = asyncio.create_task(self._heartbeat.run(self._give_up_leases),
+                                     name=f"{pid}-heartbeat")
             log.info("producer %s started on %s: %d slots x G=%d, workers %s", pid,
                      self.node_id or "this node", self._slots, self.group_size,
                      self.client.worker_urls)
@@ -257,7 +260,8 @@ class Producer:
                 if self._own_client and self._client is not None:
                     await self._client.close()
                     self._client = None
-                for pool in (self._io, self._hb_pool, self._reward_pool):
+                self._heartbeat.close()
+                for pool in (self._io, self._reward_pool):
                     pool.shutdown(wait=False, cancel_futures=True)
                 self.running = False
                 log.info("producer %s stopped: %s", pid, self.stats().to_dict())
@@ -270,7 +274,9 @@ class Producer:
         assert self._wake is not None
         while not self._stopping:
             await self._retry_orphans()
-            await self._poll_control()
+            if await self._bracket.poll():
+                with self._lock:
+                    self._stats.brackets += 1
             if self._stopping:
                 break
             timeout = self.config.control_poll_s
@@ -294,7 +300,7 @@ class Producer:
         """Groups to claim now. Eager (default): as soon as any trajectory is free and no
         claimed sample waits for one, so the engines never idle on slot granularity; the
         new group's samples start as trajectories free up. Strict: only whole groups."""
-        if self._pausing or self._beat_failing or self._orphans or \
+        if self._bracket.pausing or self._heartbeat.failing or self._orphans or \
                 self.clock() < self._backoff_until:
             return 0
         free = self._slots * self.group_size - self._meter.busy - self._demand
@@ -304,42 +310,7 @@ class Producer:
             return -(-free // self.group_size)
         return free // self.group_size
 
-    # -- control: the weight-update bracket --------------------------------------------------
-    async def _poll_control(self) -> None:
-        now = self.clock()
-        if now - self._last_control < self.config.control_poll_s:
-            return
-        self._last_control = now
-        try:
-            st = await self._io_call(self.control.state)
-        except StrawqError as exc:
-            log.warning("producer %s cannot read control/: %s", self.producer_id, exc)
-            return
-        if st.paused:
-            if self._acked_version == st.pause_version:
-                return
-            if not self._pausing:
-                log.info("producer %s: pause for version %d; parking %d groups",
-                         self.producer_id, st.pause_version, len(self._groups))
-            self._pausing = True
-            partials = await self._park_all("pause")
-            if self._orphans:
-                log.warning("producer %s still holds %d leases it could not hand back; "
-                            "not acknowledging the pause yet", self.producer_id,
-                            len(self._orphans))
-                return
-            await self._io_call(self.control.ack, st.pause_version, self.producer_id,
-                                partials=partials)
-            self._acked_version = st.pause_version
-            with self._lock:
-                self._stats.brackets += 1
-            log.info("producer %s acknowledged pause %d (%d partial groups)",
-                     self.producer_id, st.pause_version, partials)
-        elif self._pausing:
-            self._pausing = False
-            log.info("producer %s resumes (version %d live)", self.producer_id,
-                     st.resume_version)
-
+    # -- parking (bracket, stop), giving up (heartbeats failing) -----------------------------
     async def _park_all(self, why: str) -> int:
         """Stop every held group and hand it back; returns how many were yielded."""
         actives = list(self._groups.values())
@@ -350,86 +321,24 @@ class Producer:
         for a in actives:
             a.parking = True
         self._wake_waiters(all_=True)
-        await self._abort_and_wait(actives, f"{self.producer_id}/", why)
+        pending = {t for a in actives for t in a.sample_tasks.values() if not t.done()}
+        await self._aborter.abort_until_returned(pending, f"{self.producer_id}/", why)
         await asyncio.gather(*(a.task for a in actives if a.task is not None),
                              return_exceptions=True)
         with self._lock:
             return self._stats.groups_yielded - before
 
-    async def _abort_and_wait(self, actives: list[_Active], prefix: str, why: str) -> None:
-        """Abort ``prefix`` on every worker until the groups' generate calls all returned."""
-        pending = {t for a in actives for t in a.sample_tasks.values() if not t.done()}
-        deadline = self.clock() + self.config.abort_deadline_s
-        while pending:
-            await self._abort_prefix(prefix)
-            left = deadline - self.clock()
-            if left <= 0:
-                log.warning("producer %s (%s): %d requests still running %.1fs after the "
-                            "abort; cancelling them (their last segment is discarded)",
-                            self.producer_id, why, len(pending), self.config.abort_deadline_s)
-                for t in pending:
-                    t.cancel()
-                await asyncio.wait(pending, timeout=5.0)
-                return
-            _, pending = await asyncio.wait(pending, timeout=min(self.config.abort_poll_s,
-                                                                  left))
-
-    async def _abort_prefix(self, prefix: str) -> None:
-        """Best effort, bounded: a dead or hung worker must not stall the bracket."""
-        if self._client is None:
-            return
-        bound = max(1.0, 2 * self.config.abort_poll_s)
-
-        async def one(url: str) -> None:
-            try:
-                await asyncio.wait_for(self.client.abort(rid=prefix, url=url), bound)
-            except (EngineError, asyncio.TimeoutError, ValueError) as exc:
-                log.debug("abort %s on %s failed: %s", prefix, url, exc)
-
-        await asyncio.gather(*(one(u) for u in self.client.worker_urls))
-
-    # -- heartbeat ---------------------------------------------------------------------------
-    async def _beat_once(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._hb_pool, self.queue.heartbeat, self.producer_id)
-        except StrawqError as exc:
-            log.warning("producer %s: heartbeat failed: %s", self.producer_id, exc)
-            return
-        self._last_beat_ok = self.clock()
-        if self._beat_failing:
-            log.info("producer %s: heartbeats succeed again", self.producer_id)
-            self._beat_failing = False
-
-    async def _heartbeat_loop(self) -> None:
-        interval = self.heartbeat_interval_s
-        beat: asyncio.Task[None] | None = None
-        while True:
-            t0 = self.clock()
-            if beat is None or beat.done():
-                beat = asyncio.create_task(self._beat_once())
-            await asyncio.wait({beat}, timeout=interval)
-            self._check_lease_deadline()
-            await asyncio.sleep(max(0.0, interval - (self.clock() - t0)))
-
-    def _check_lease_deadline(self) -> None:
-        silent = self.clock() - self._last_beat_ok
-        if silent < self.give_up_after_s:
-            return
-        if not self._beat_failing:
+    def _give_up_leases(self, silent: float, first: bool) -> None:
+        """Heartbeats keep failing: stop work on every lease; the grantor re-queues them."""
+        if first:
             log.error("producer %s: no heartbeat succeeded for %.1fs (lease timeout %.1fs); "
                       "giving up %d leases, claiming nothing until a beat succeeds",
                       self.producer_id, silent, self.lease_timeout_s, len(self._groups))
-        self._beat_failing = True
         self._wake_waiters(all_=True)
         for a in list(self._groups.values()):
-            if a.abandoned:
-                continue
-            a.abandoned = True
-            for t in a.sample_tasks.values():
-                t.cancel()
-            if a.run is not None:
-                asyncio.create_task(self._abort_prefix(a.run.rid_prefix(self.producer_id)))
+            if not a.abandoned:
+                a.abandoned = True
+                self._stop_samples(a)
 
     # -- groups ------------------------------------------------------------------------------
     def _set_demand(self, a: _Active, n: int) -> None:
@@ -449,7 +358,7 @@ class Producer:
         loop = asyncio.get_running_loop()
         try:
             while self._meter.busy >= self._slots * self.group_size:
-                if a.parking or a.abandoned or a.fault is not None or self._pausing:
+                if a.parking or a.abandoned or a.fault is not None or self._bracket.pausing:
                     return False
                 fut: asyncio.Future[None] = loop.create_future()
                 self._waiters.append(fut)
@@ -549,7 +458,7 @@ class Producer:
             return
         try:
             while not s.is_final:
-                if a.parking or a.abandoned or a.fault is not None or self._pausing:
+                if a.parking or a.abandoned or a.fault is not None or self._bracket.pausing:
                     return
                 rid = run.next_rid(self.producer_id, i)
                 try:
@@ -562,12 +471,12 @@ class Producer:
                         log.warning("task %s sample %d: giving up after %d failures: %s",
                                     run.task_id, i, failures, exc)
                         a.fault = exc
-                        self._stop_siblings(a, i)
+                        self._stop_samples(a, keep=i)
                         return
                     log.info("task %s sample %d: %s; retry %d/%d", run.task_id, i, exc,
                              failures, self.config.sample_retries)
                     if isinstance(exc, EngineUnavailable):  # maybe still running somewhere
-                        asyncio.create_task(self._abort_prefix(rid))
+                        self._aborter.abort_soon(rid)
                     await asyncio.sleep(self.config.engine_backoff_s * failures)
                     continue
                 if res is None:
@@ -575,7 +484,7 @@ class Producer:
                 run.texts[i] += res.text
                 with self._lock:
                     self._stats.tokens_generated += len(res.output_ids)
-                if res.is_abort and not (a.parking or a.abandoned or self._pausing):
+                if res.is_abort and not (a.parking or a.abandoned or self._bracket.pausing):
                     # Aborted by someone else (an operator, an engine-side pause): resume.
                     with self._lock:
                         self._stats.unexpected_aborts += 1
@@ -589,12 +498,14 @@ class Producer:
             if not freed:
                 self._unreserve(a, 1)
 
-    def _stop_siblings(self, a: _Active, i: int) -> None:
+    def _stop_samples(self, a: _Active, keep: int | None = None) -> None:
+        """Cancel the group's sample tasks (all but ``keep``, the caller) and abort its
+        requests on the engines."""
         for j, t in a.sample_tasks.items():
-            if j != i and not t.done():
+            if j != keep and not t.done():
                 t.cancel()
         if a.run is not None:
-            asyncio.create_task(self._abort_prefix(a.run.rid_prefix(self.producer_id)))
+            self._aborter.abort_soon(a.run.rid_prefix(self.producer_id))
 
     async def _score(self, run: GroupRun, i: int) -> None:
         """Reward one final sample; an error is recorded on it, never raised."""

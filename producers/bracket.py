@@ -1,0 +1,152 @@
+"""The producer's side of the weight-update bracket, and aborting its requests on engines.
+
+The trainer (``collector.bracket``) writes ``pause-<v>``, waits for an ack from every live
+producer, swaps the weights and writes ``resume-<v>``. An ack promises that nothing of
+this producer's still generates with the old weights, so when ``Control.state()`` shows a
+pause this producer has not acknowledged, it stops claiming, aborts its own requests on
+every worker (``/abort_request`` with its rid prefix, repeated until every in-flight
+``/generate`` returned, cancelled after ``abort_deadline_s``), completes the groups whose
+samples are all final, yields the others as partial groups, then ``Control.ack``s. It
+resumes claiming when ``resume-<v>`` appears.
+
+Aborts go by rid prefix (``<producer>/``, or one lease's ``<producer>/<task>.g<gen>/``;
+see ``producers.producer``), so they never touch another producer's requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from strawq.control import Control, ControlState
+from strawq.errors import StrawqError
+
+from producers.engine_errors import EngineError
+from producers.sglang_client import SGLangClient
+
+log = logging.getLogger(__name__)
+
+
+class EngineAborter:
+    """Aborts requests by rid prefix on every worker: best effort, and always bounded."""
+
+    def __init__(self, client: Callable[[], SGLangClient | None], producer_id: str, *,
+                 poll_s: float, deadline_s: float, clock: Callable[[], float]) -> None:
+        #: the producer's engine client, None while it is not running
+        self.client = client
+        self.producer_id = producer_id
+        self.poll_s = poll_s
+        self.deadline_s = deadline_s
+        self.clock = clock
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def abort_prefix(self, prefix: str) -> None:
+        """Best effort, bounded: a dead or hung worker must not stall the bracket."""
+        client = self.client()
+        if client is None:
+            return
+        bound = max(1.0, 2 * self.poll_s)
+
+        async def one(url: str) -> None:
+            try:
+                await asyncio.wait_for(client.abort(rid=prefix, url=url), bound)
+            except (EngineError, asyncio.TimeoutError, ValueError) as exc:
+                log.debug("abort %s on %s failed: %s", prefix, url, exc)
+
+        await asyncio.gather(*(one(u) for u in client.worker_urls))
+
+    def abort_soon(self, prefix: str) -> None:
+        """``abort_prefix`` without waiting for it (from code that must not block); the
+        task is kept referenced until it ends, so the loop cannot drop it half-way."""
+        task = asyncio.create_task(self.abort_prefix(prefix))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def abort_until_returned(self, pending: set[asyncio.Task[None]], prefix: str,
+                                   why: str) -> None:
+        """Abort ``prefix`` on every worker until the ``pending`` tasks (generate calls) all
+        returned; past ``deadline_s`` they are cancelled and their last segment is lost."""
+        deadline = self.clock() + self.deadline_s
+        while pending:
+            await self.abort_prefix(prefix)
+            left = deadline - self.clock()
+            if left <= 0:
+                log.warning("producer %s (%s): %d requests still running %.1fs after the "
+                            "abort; cancelling them (their last segment is discarded)",
+                            self.producer_id, why, len(pending), self.deadline_s)
+                for t in pending:
+                    t.cancel()
+                await asyncio.wait(pending, timeout=5.0)
+                return
+            _, pending = await asyncio.wait(pending, timeout=min(self.poll_s, left))
+
+
+class PauseBracket:
+    """Watches ``control/`` and acknowledges each pause once every held group is back.
+
+    The producer supplies what the bracket cannot know: how to read ``control/`` off the
+    event loop (``io``), how to park its groups (``park``, returns the partials yielded),
+    and how many groups it holds and leases it failed to hand back (``held``,
+    ``unreturned``; an ack with unreturned leases would be a lie, so it waits).
+    """
+
+    def __init__(self, control: Control, producer_id: str, *, poll_s: float,
+                 clock: Callable[[], float],
+                 io: Callable[[Callable[[], Any]], Awaitable[Any]],
+                 park: Callable[[str], Awaitable[int]], held: Callable[[], int],
+                 unreturned: Callable[[], int]) -> None:
+        self.control = control
+        self.producer_id = producer_id
+        self.poll_s = poll_s
+        self.clock = clock
+        self._io = io
+        self._park = park
+        self._held = held
+        self._unreturned = unreturned
+        #: a pause is seen and not yet resumed: claim nothing, start no generation
+        self.pausing = False
+        self.acked_version = 0
+        self._last_poll = -math.inf
+
+    async def poll(self) -> bool:
+        """Read ``control/`` if ``poll_s`` has passed and act on it; True when this call
+        acknowledged a pause."""
+        now = self.clock()
+        if now - self._last_poll < self.poll_s:
+            return False
+        self._last_poll = now
+        try:
+            st: ControlState = await self._io(self.control.state)
+        except StrawqError as exc:
+            log.warning("producer %s cannot read control/: %s", self.producer_id, exc)
+            return False
+        if st.paused:
+            return await self._pause(st.pause_version)
+        if self.pausing:
+            self.pausing = False
+            log.info("producer %s resumes (version %d live)", self.producer_id,
+                     st.resume_version)
+        return False
+
+    async def _pause(self, version: int) -> bool:
+        if self.acked_version == version:
+            return False
+        if not self.pausing:
+            log.info("producer %s: pause for version %d; parking %d groups",
+                     self.producer_id, version, self._held())
+        self.pausing = True
+        partials = await self._park("pause")
+        if self._unreturned():
+            log.warning("producer %s still holds %d leases it could not hand back; "
+                        "not acknowledging the pause yet", self.producer_id,
+                        self._unreturned())
+            return False
+        await self._io(lambda: self.control.ack(version, self.producer_id,
+                                                 partials=partials))
+        self.acked_version = version
+        log.info("producer %s acknowledged pause %d (%d partial groups)",
+                 self.producer_id, version, partials)
+        return True
