@@ -291,28 +291,23 @@ class RunQueue:
 
     def complete(self, lease: Lease, group: GroupData) -> str:
         """Publish a finished group and move the task to READY. ``LeaseLost`` if fenced."""
-        self._check_group(lease, group)
-        payload = data_key(lease.task_id, lease.gen, "group")
-        self._publish_payload(lease, payload, group.encode(Kind.GROUP))
         name = lease.name.with_(key=ready_key(group.min_version(), lease.name.order))
-        dst = f"ready/{name}"
-        try:
-            self._move_lease(lease, dst)
-        except LeaseLost:
-            self.storage.delete(payload)
-            raise
-        return dst
+        return self._persist(lease, group, Kind.GROUP, "group", f"ready/{name}")
 
     def yield_partial(self, lease: Lease, group: GroupData) -> str:
         """Save the prefixes and return the task as PARTIAL (no attempt spent, gen + 1)."""
-        self._check_group(lease, group)
-        payload = data_key(lease.task_id, lease.gen, "partial")
-        self._publish_payload(lease, payload, group.encode(Kind.PARTIAL))
         name = lease.name.with_(
             key=queue_key(STAGE_PARTIAL, group.min_version(), lease.name.order),
             gen=lease.gen + 1, attempts=max(lease.name.attempts - 1, 0), resume=lease.gen,
             producer=None)
-        dst = f"pending/{name}"
+        return self._persist(lease, group, Kind.PARTIAL, "partial", f"pending/{name}")
+
+    def _persist(self, lease: Lease, group: GroupData, kind: Kind, suffix: str,
+                 dst: str) -> str:
+        """Payload first (durable), then the fencing rename; a fenced payload is removed."""
+        self._check_group(lease, group)
+        payload = data_key(lease.task_id, lease.gen, suffix)
+        self._publish_payload(lease, payload, group.encode(kind))
         try:
             self._move_lease(lease, dst)
         except LeaseLost:
