@@ -1,0 +1,100 @@
+"""The trainer side of a strawq run, reduced to its skeleton (rank 0 of one process).
+
+    python deploy/examples/trainer_loop.py RUN_DIR --router-url http://router:30000 \
+        --weights-dir /mnt/jfs/strawq/weights --steps 100
+
+Replace ``train_step`` and ``save_weights`` with your model. Everything else is the real
+API: ``BatchReader`` (packed batches, acks, checkpoint state), ``WeightUpdateBracket``
+(pause producers, push weights to every engine, resume) and the importance-sampling
+helpers. See docs/api.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+
+from collector.importance import masked_tis_weights
+from collector.reader import Batch, BatchReader
+from producers.sglang_client import SGLangClient
+
+log = logging.getLogger("trainer_loop")
+
+
+def train_step(batch: Batch) -> float:
+    """Your optimizer step. Here: the loss with logp_new = the rollout log-probs."""
+    logp_new = batch.rollout_logprobs.clone().requires_grad_()   # float32 [T]: your model's
+    w = masked_tis_weights(logp_new, batch.rollout_logprobs, batch.loss_mask, mode="tis")
+    loss = -(w * batch.advantages * logp_new).sum() / batch.loss_mask.sum().clamp(min=1)
+    loss.backward()
+    return float(loss)
+
+
+def save_weights(weights_dir: str, version: int) -> str:
+    """Your checkpoint writer: a directory every engine can load (on the shared mount)."""
+    path = os.path.join(weights_dir, f"v{version:06d}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def push_weights(router_url: str, weights_dir: str, version: int) -> None:
+    """Load version ``version`` into every engine the router lists (control calls are
+    sent to each worker: the router does not route them)."""
+    path = save_weights(weights_dir, version)
+
+    async def push() -> None:
+        async with SGLangClient(router_url=router_url) as client:
+            await client.update_weights_from_disk(path, weight_version=version)
+
+    asyncio.run(push())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir")
+    p.add_argument("--router-url", required=True)
+    p.add_argument("--weights-dir", required=True)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--checkpoint", default="trainer_state.json",
+                   help="where the reader state is saved (with your model checkpoint)")
+    p.add_argument("--metrics-jsonl", default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    reader = BatchReader.open(args.run_dir, rank=0, world_size=1,
+                              metrics_jsonl=args.metrics_jsonl)
+    if os.path.exists(args.checkpoint):
+        with open(args.checkpoint, encoding="utf-8") as f:
+            reader.load_state_dict(json.load(f))
+    if reader.bracket.is_open:  # a previous trainer stopped inside a weight update
+        reader.bracket.weight_update(
+            lambda v: push_weights(args.router_url, args.weights_dir, v), timeout=600)
+
+    for step in range(args.steps):
+        batch = reader.next_batch(timeout=600)
+        loss = train_step(batch)
+        rep = reader.bracket.weight_update(
+            lambda v: push_weights(args.router_url, args.weights_dir, v), timeout=600)
+        # checkpoint before the ack, counting this batch as trained (docs/api.md)
+        state = reader.state_dict(consumed=batch)
+        tmp = f"{args.checkpoint}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, args.checkpoint)
+        reader.ack(batch)
+        log.info("step %d: batch %d (%d samples, %d tokens), loss %.4f, version %d, "
+                 "staleness mean %.2f", step, batch.seq, batch.num_samples, batch.num_tokens,
+                 loss, rep.version, batch.stats.get("staleness/mean", 0.0))
+    reader.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

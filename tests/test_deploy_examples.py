@@ -1,0 +1,166 @@
+"""The deployment examples in ``deploy/`` stay true to the code.
+
+Every example config is built by the real config class (``from_dict`` refuses unknown keys),
+so an example with a renamed or misspelt key fails here; the storage declaration example
+loads through the doctor's own loader; every shell script parses (``bash -n``) and refuses
+what it documents refusing; the Ray cluster config validates against Ray's own schema.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from collector.config import CollectorConfig
+from producers.plugins import load_filter, load_reward
+from producers.producer_config import ProducerConfig
+from strawq.config import QueueConfig, from_dict
+from strawq.errors import ConfigError
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+RUN_JSON = DEPLOY / "examples" / "run.json"
+SCRIPTS = sorted(DEPLOY.rglob("*.sh"))
+
+needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
+
+
+def _run_json() -> dict[str, Any]:
+    with open(RUN_JSON, encoding="utf-8") as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def _placement_config() -> Any:
+    pytest.importorskip("ray")
+    from producers.placement import PlacementConfig
+
+    return PlacementConfig
+
+
+def test_run_json_sections_build_through_the_real_config_classes() -> None:
+    raw = _run_json()
+    assert sorted(raw) == ["collector", "placement", "producer", "queue"]
+    queue = from_dict(QueueConfig, raw["queue"], where="queue")
+    collector = from_dict(CollectorConfig, raw["collector"], where="collector")
+    producer = ProducerConfig.from_dict(raw["producer"])
+    placement = from_dict(_placement_config(), raw["placement"], where="placement")
+    # the sections describe one run: the same G everywhere, K = floor(C*E/G) fits the bound
+    assert queue.group_size == placement.group_size
+    k = placement.concurrency * placement.engines // placement.group_size
+    assert collector.max_running >= k
+    assert producer.client.context_length is not None
+
+
+@pytest.mark.parametrize("section", ["queue", "collector", "producer", "placement"])
+def test_a_misspelt_key_in_the_example_fails(section: str) -> None:
+    raw = copy.deepcopy(_run_json())
+    raw[section]["no_such_key"] = 1
+    build = {
+        "queue": lambda d: from_dict(QueueConfig, d),
+        "collector": lambda d: from_dict(CollectorConfig, d),
+        "producer": ProducerConfig.from_dict,
+        "placement": lambda d: from_dict(_placement_config(), d),
+    }[section]
+    with pytest.raises(ConfigError, match="no_such_key"):
+        build(raw[section])
+
+
+def test_the_example_plugins_resolve() -> None:
+    producer = _run_json()["producer"]
+    load_reward(producer["reward"])
+    load_filter(producer["filter"])
+
+
+def test_run_config_helper_loads_and_prints_sections(capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("ray")
+    spec = importlib.util.spec_from_file_location("run_config", DEPLOY / "examples" /
+                                                  "run_config.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "run_config", mod)  # its dataclass looks itself up there
+    spec.loader.exec_module(mod)
+    cfg = mod.load(str(RUN_JSON))
+    assert cfg.collector.batch_groups == _run_json()["collector"]["batch_groups"]
+    assert mod.main([str(RUN_JSON), "--section", "queue"]) == 0
+    assert json.loads(capsys.readouterr().out) == _run_json()["queue"]
+
+
+def test_declaration_example_loads_through_the_doctor() -> None:
+    from strawq.doctor.declaration import load_declaration
+
+    decl = load_declaration(str(DEPLOY / "juicefs" / "declaration.example.json"))
+    assert decl["profile"] == "juicefs" and decl["writeback"] is False
+    assert decl["open_cache"] == 0 and decl["readdir_cache"] is False
+
+
+@needs_bash
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_shell_script_parses(script: Path) -> None:
+    res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+def _mount_sh(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    return subprocess.run(["bash", str(DEPLOY / "juicefs" / "mount.sh"), *args],
+                          env=base | env, capture_output=True, text=True, timeout=30)
+
+
+@needs_bash
+def test_mount_script_refuses_to_run_without_meta_url() -> None:
+    res = _mount_sh({}, "mount")
+    assert res.returncode == 1 and "META_URL is not set" in res.stderr
+
+
+@needs_bash
+@pytest.mark.parametrize("opts, why", [("--writeback", "writeback"),
+                                       ("--open-cache 5", "close-to-open"),
+                                       ("--readdir-cache", "attr TTL"),
+                                       ("--no-bgjob", "background job")])
+def test_mount_script_refuses_options_that_break_the_contract(tmp_path: Path, opts: str,
+                                                              why: str) -> None:
+    res = _mount_sh({"META_URL": f"sqlite3://{tmp_path}/meta.db", "ALLOW_SQLITE": "1",
+                     "JUICEFS": shutil.which("true") or "/bin/true",
+                     "MOUNT_POINT": str(tmp_path / "mnt"), "CACHE_DIR": str(tmp_path / "c"),
+                     "EXTRA_MOUNT_OPTS": opts}, "mount")
+    assert res.returncode == 1 and why in res.stderr, res.stderr
+
+
+@needs_bash
+def test_mount_script_refuses_sqlite_for_a_cluster(tmp_path: Path) -> None:
+    res = _mount_sh({"META_URL": f"sqlite3://{tmp_path}/meta.db"}, "mount")
+    assert res.returncode == 1 and "only one host" in res.stderr
+
+
+@needs_bash
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_launch_engines_needs_a_model_path(tmp_path: Path) -> None:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "NUM_ENGINES": "1",
+           "LOG_DIR": str(tmp_path)}
+    res = subprocess.run(["bash", str(DEPLOY / "sglang" / "launch_engines.sh")], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 1 and "MODEL_PATH is not set" in res.stderr
+
+
+def test_ray_cluster_config_matches_rays_schema() -> None:
+    yaml = pytest.importorskip("yaml")
+    jsonschema = pytest.importorskip("jsonschema")
+    autoscaler = pytest.importorskip("ray.autoscaler")
+    with open(DEPLOY / "ray" / "cluster.yaml", encoding="utf-8") as f:
+        cfg = yaml.safe_load(f)
+    with open(os.path.join(os.path.dirname(autoscaler.__file__), "ray-schema.json"),
+              encoding="utf-8") as f:
+        schema = json.load(f)
+    jsonschema.validate(cfg, schema)
+    assert cfg["provider"]["type"] == "local"
+    assert any("mount.sh mount" in c for c in cfg["initialization_commands"])
