@@ -68,7 +68,17 @@ def cmd_collector(args: argparse.Namespace) -> int:
     if args.checkpoint:
         with open(args.checkpoint, encoding="utf-8") as f:
             checkpoint = json.load(f)
-    prompt_key = queue_config.prompt_key if queue_config else "prompt"
+    if queue_config is not None:
+        prompt_key = queue_config.prompt_key
+    else:  # an existing run knows its own prompt key
+        from strawq.errors import NotFound
+        from strawq.queue import RunQueue
+        from strawq.storage import open_storage
+
+        try:
+            prompt_key = RunQueue.open(open_storage(args.path, writer_id="cli")).config.prompt_key
+        except NotFound:
+            prompt_key = QueueConfig().prompt_key
     col = Collector.open(args.path, Dataset(args.dataset, prompt_key=prompt_key), config,
                          queue_config=queue_config, checkpoint=checkpoint,
                          wait=not args.no_wait, fsync=not args.no_fsync, owner=args.owner)

@@ -161,6 +161,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 
     engines: list[EngineProcess] = []
     placement = None
+    collector: Collector | None = None
     stop = threading.Event()
     col_thread = None
     sampler = None
@@ -255,6 +256,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                 log.warning("stopping producers: %s", exc)
         if col_thread is not None:
             col_thread.join(30)
+        if collector is not None:
+            collector.close()  # a clean hand-over: a resumed run takes the fence at once
         if ray.is_initialized():
             ray.shutdown()
         if cluster is not None:

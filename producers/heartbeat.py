@@ -54,13 +54,14 @@ class Heartbeat:
     async def beat_once(self) -> None:
         """One beat; a storage failure is logged and leaves ``last_ok`` where it was."""
         loop = asyncio.get_running_loop()
+        started = self.clock()  # a lease is safe for T from *before* its renewal
         try:
             # queue.heartbeat is looked up per beat: tests swap it for a failing one.
             await loop.run_in_executor(self._pool, self.queue.heartbeat, self.producer_id)
         except StrawqError as exc:
             log.warning("producer %s: heartbeat failed: %s", self.producer_id, exc)
             return
-        self.last_ok = self.clock()
+        self.last_ok = started
         if self.failing:
             log.info("producer %s: heartbeats succeed again", self.producer_id)
             self.failing = False

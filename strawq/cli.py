@@ -46,11 +46,11 @@ def cmd_init(args: argparse.Namespace) -> int:
         except json.JSONDecodeError:
             cfg[k] = v  # a bare string
     config = from_dict(QueueConfig, cfg, where="queue config")
+    os.makedirs(args.path, exist_ok=True)
     if args.declaration:
         from strawq.doctor import require_healthy
 
         require_healthy(args.path, args.declaration)
-    os.makedirs(args.path, exist_ok=True)
     q = RunQueue.create(open_storage(args.path, writer_id="cli"), config)
     print(f"run ready at {args.path}")
     print(json.dumps({"config": vars(q.config)}, indent=2))

@@ -1,11 +1,12 @@
 """The weight-update bracket's control channel, on the queue's own filesystem.
 
-The collector (the grantor) announces; producers acknowledge; nothing needs a live
-connection between them, and a restarted party reads where the bracket stands::
+The trainer (rank 0, through ``collector.bracket.WeightUpdateBracket``) announces;
+producers acknowledge; nothing needs a live connection between them, and a restarted party
+reads where the bracket stands::
 
-    control/pause-<v>              collector: stop claiming, abort, persist partials, ack
+    control/pause-<v>              trainer: stop claiming, abort, persist partials, ack
     control/ack-<v>~<producer>     producer: paused; holds no leases; partials persisted
-    control/resume-<v>             collector: weights of version v are live; carry on
+    control/resume-<v>             trainer: weights of version v are live; carry on
 
 The bracket for version ``v`` is open while ``pause-<v>`` exists without ``resume-<v>``.
 Producers poll ``list("control")`` (one cheap listing) on their loop cadence.

@@ -71,10 +71,12 @@ class LeaseMonitor:
         live = set(names)
         for gone in [k for k in self._first_seen if k not in live]:
             del self._first_seen[gone]
+        holders: set[str] = set()
         for n in names:
             name = TaskName.try_parse(n)
             if name is None or name.producer is None:
                 continue
+            holders.add(name.producer)
             res.leases += 1
             first = self._first_seen.setdefault(n, now)
             beat = self._seen.get(name.producer)
@@ -84,7 +86,19 @@ class LeaseMonitor:
                 # know whether a write is still in flight (`strawq gc --tmp-of` removes them
                 # once the operator knows the writer is dead).
                 self._expire(name, res)
+        self._forget_departed(now, holders)
         return res
+
+    def _forget_departed(self, now: float, holders: set[str]) -> None:
+        """Delete the heartbeat files of producers silent for two lease timeouts that hold
+        no lease, so ``hb/`` stays proportional to live producers (invariant 6). A producer
+        that was only paused simply publishes its next counter when it wakes up."""
+        for p, (counter, changed) in list(self._seen.items()):
+            if p not in holders and now - changed >= 2 * self.timeout:
+                self.queue.storage.delete(f"hb/{p}~{counter:016d}")
+                del self._seen[p]
+                log.info("producer %s departed (silent %.0fs, no leases); its heartbeat "
+                         "file is removed", p, now - changed)
 
     def _expire(self, name: TaskName, res: ScanResult) -> bool:
         q = self.queue

@@ -888,3 +888,26 @@ def test_cli_errors_are_messages_not_tracebacks(tmp_path: Path,
     assert "unknown key(s) ['lease_timeout']" in err and "lease_timeout_s" in err
     assert not (tmp_path / "run").exists()
     assert cli_main([]) == 2
+
+
+def test_departed_producers_heartbeat_files_are_removed(storage: Storage,
+                                                        tmp_path: Path) -> None:
+    """hb/ stays proportional to live producers: a producer silent for two lease timeouts
+    that holds no lease is forgotten; one still holding a lease is kept (its lease expires)."""
+    q = make_queue(storage)
+    make_feeder(q, tmp_path, 1).release(1)
+    clock = FakeClock()
+    mon = LeaseMonitor(q, clock=clock)
+    q.heartbeat("gone")
+    q.heartbeat("holder")
+    (lease,) = q.claim("holder")
+    mon.scan()
+    clock.advance(2 * q.config.lease_timeout_s + 1)
+    res = mon.scan()
+    assert res.expired == [lease.task_id]  # the holder's lease expired this scan
+    assert storage.list("hb") == ["holder~0000000000000001"]
+    clock.advance(2 * q.config.lease_timeout_s + 1)
+    mon.scan()  # now it holds nothing either
+    assert storage.list("hb") == []
+    assert q.heartbeat("gone") == 2  # a paused one that wakes up carries on (same handle)
+    assert mon.observe_heartbeats(clock()) == {"gone": 2}
