@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/strawq demo
+	$(VENV)/bin/strawq demo --fresh
 
 test: $(STAMP)
 	@deploy/juicefs/testvol.sh down "$(JFS_DIR)" >/dev/null 2>&1 || true

@@ -51,6 +51,8 @@ def add_parsers(sub: Any) -> None:
                    help="put the queue on this mount (e.g. a JuiceFS mount) instead")
     p.add_argument("--resume", action="store_true", default=None,
                    help="continue the run in --workdir where it stopped")
+    p.add_argument("--fresh", action="store_true", default=None,
+                   help="discard a previous run in --workdir and start over")
     p.add_argument("--seed", type=int)
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     p.set_defaults(func=cmd_demo)

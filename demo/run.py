@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -33,6 +34,7 @@ from producers.engines.tiny_model import init_model, load_weights, save_weights
 from strawq.config import QueueConfig
 from strawq.control import Control
 from strawq.dataset import Dataset
+from strawq.errors import StrawqError
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
 
@@ -61,6 +63,8 @@ class DemoConfig:
     lr: float = 1e-3
     seed: int = 0
     resume: bool = False
+    #: discard a previous run in ``workdir`` and start over
+    fresh: bool = False
     lease_timeout_s: float = 20.0
     progress: bool = True
 
@@ -127,10 +131,16 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     weights = os.path.join(work, "weights")
     ckpt_path = os.path.join(work, CHECKPOINT)
     dataset_path = os.path.join(work, "prompts.jsonl")
+    if cfg.fresh and not cfg.resume:
+        shutil.rmtree(run_dir, ignore_errors=True)  # only what a demo writes
+        shutil.rmtree(weights, ignore_errors=True)
+        for name in (CHECKPOINT, "metrics.jsonl", "summary.json"):
+            if os.path.exists(os.path.join(work, name)):
+                os.remove(os.path.join(work, name))
     fresh = not (cfg.resume and os.path.exists(os.path.join(run_dir, "run.meta")))
     if fresh and os.path.exists(os.path.join(run_dir, "run.meta")):
-        raise RuntimeError(f"{run_dir} already holds a run: pass --resume to continue it, or "
-                           "choose another --workdir")
+        raise StrawqError(f"{run_dir} already holds a run: pass --resume to continue it, "
+                          "--fresh to discard it and start over, or another --workdir")
     if not os.path.exists(dataset_path):
         task.write_dataset(dataset_path, cfg.prompts, seed=cfg.seed)
     sched = ScheduleConfig(mode=cfg.mode, batch_groups=cfg.batch_groups, steps=cfg.steps,
