@@ -35,13 +35,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import multiprocessing as mp
 import os
 import random
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -73,9 +72,9 @@ class LabConfig:
     #: training steps per mode
     steps: int = 8
     #: trainer step time, model seconds
-    train_step_s: float = 2.2
+    train_step_s: float = 4.0
     #: async: staleness bound η
-    max_staleness: int = 1
+    max_staleness: int = 2
     #: partial: groups admitted per step ÷ B
     oversample: float = 1.5
     # -- the engine timing model (model time) ---------------------------------------------------
@@ -83,13 +82,13 @@ class LabConfig:
     step_per_req_ms: float = 0.25
     prefill_ms_per_token: float = 0.01
     prompt_len: int = 32
-    len_median: float = 24.0
-    len_sigma: float = 0.6
+    len_median: float = 40.0
+    len_sigma: float = 0.5
     #: response cap (max_new_tokens); ``cap_prob`` of responses run to it
-    len_cap: int = 128
+    len_cap: int = 256
     cap_prob: float = 0.03
     #: wall seconds per model second
-    time_scale: float = 1.0
+    time_scale: float = 1.3
     # -- plumbing ----------------------------------------------------------------------------
     seed: int = 0
     #: fsync queue writes (the production setting; a local disk makes them cheap)
@@ -212,6 +211,8 @@ class LabResult:
                                                  base.row["rollout_to_train_end_s"]),
                 "wait_ratio_cut": 1.0 - _ratio(r.row["trainer_wait_ratio"],
                                                base.row["trainer_wait_ratio"]),
+                "throughput_steady_x": _ratio(r.row["trained_tokens_per_s_steady"],
+                                              base.row["trained_tokens_per_s_steady"]),
             }
         return out
 
@@ -221,15 +222,31 @@ def _ratio(a: float, b: float) -> float:
 
 
 # -- producers: one process per emulated node ---------------------------------------------------
-def _producer_main(config: dict[str, Any], stop: Any, out: Any) -> None:
-    """Child process: one ``Producer`` on its own event loop until ``stop`` is set."""
+STATS_PREFIX = "STRAWQ_LAB_STATS "
+
+
+def producer_child() -> None:
+    """Child process (``python -c``): one ``Producer`` on its own event loop.
+
+    Reads its ``ProducerConfig`` as one JSON line on stdin; stops when stdin closes; prints
+    its final stats as one line ``STRAWQ_LAB_STATS {json}``.
+    """
     import asyncio
+    import sys
 
     from producers.producer import Producer
     from producers.producer_config import ProducerConfig
 
     logging.basicConfig(level=logging.WARNING)
+    config = json.loads(sys.stdin.readline())
     producer = Producer(ProducerConfig.from_dict(config), node_id=config.get("producer_id"))
+    stop = threading.Event()
+
+    def watch_stdin() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
 
     async def main() -> None:
         task = asyncio.create_task(producer.run())
@@ -241,33 +258,49 @@ def _producer_main(config: dict[str, Any], stop: Any, out: Any) -> None:
     try:
         asyncio.run(main())
     finally:
-        out.put(producer.stats().to_dict())
+        print(STATS_PREFIX + json.dumps(producer.stats().to_dict()), flush=True)
 
 
 class _Producers:
+    """The producer processes of one mode (plain subprocesses: no Ray, no fork)."""
+
     def __init__(self, configs: list[dict[str, Any]]) -> None:
-        ctx = mp.get_context("spawn")
-        self.stop = ctx.Event()
-        self.out = ctx.Queue()
-        self.procs = [ctx.Process(target=_producer_main, args=(c, self.stop, self.out),
-                                  daemon=True, name=f"lab-{c['producer_id']}")
-                      for c in configs]
+        import subprocess
+        import sys
+
+        code = "from demo.lab import producer_child; producer_child()"
+        self.procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True) for _ in configs]
+        for p, c in zip(self.procs, configs, strict=True):
+            assert p.stdin is not None
+            p.stdin.write(json.dumps(c) + "\n")
+            p.stdin.flush()
+
+    def check_alive(self) -> None:
         for p in self.procs:
-            p.start()
+            if p.poll() is not None:
+                raise RuntimeError(f"lab producer process {p.pid} exited with {p.returncode}; "
+                                   "see its output above")
 
     def finish(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        self.stop.set()
+        """Stop every producer (it parks its groups) and collect its stats."""
+        import subprocess
+
+        for p in self.procs:
+            if p.stdin is not None and not p.stdin.closed:
+                p.stdin.close()
         stats = []
         deadline = time.monotonic() + timeout_s
-        for _ in self.procs:
-            try:
-                stats.append(self.out.get(timeout=max(0.1, deadline - time.monotonic())))
-            except Exception:  # noqa: BLE001 - a producer that died reports nothing
-                break
         for p in self.procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # hung: kill it, its leases expire
                 p.kill()
+                p.wait()
+            assert p.stdout is not None
+            for line in p.stdout.read().splitlines():
+                if line.startswith(STATS_PREFIX):
+                    stats.append(json.loads(line[len(STATS_PREFIX):]))
         return stats
 
 
@@ -377,9 +410,9 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
                                       poll_interval_s=0.01)
         trainer = SleepTrainer(cfg.train_step_s * cfg.time_scale, urls)
         producers = _Producers(pconfigs)
-        _wait_producers(bracket, cfg.producers)
+        _wait_producers(bracket, producers)
         cpu0 = {"engines": sum(_cpu_s(e.pid) for e in engines),
-                "producers": sum(_cpu_s(p.pid or 0) for p in producers.procs),
+                "producers": sum(_cpu_s(p.pid) for p in producers.procs),
                 "driver": time.process_time()}
         sampler = Sampler(urls, period_s=cfg.sample_period_s)
         sampler.start()
@@ -392,7 +425,7 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
         if bar is not None:
             bar.close()
         cpu = {"engines": sum(_cpu_s(e.pid) for e in engines) - cpu0["engines"],
-               "producers": sum(_cpu_s(p.pid or 0) for p in producers.procs)
+               "producers": sum(_cpu_s(p.pid) for p in producers.procs)
                - cpu0["producers"],
                "driver": time.process_time() - cpu0["driver"]}
         sampler.stop_event.set()
@@ -436,10 +469,12 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
             e.stop()
 
 
-def _wait_producers(bracket: Any, n: int, timeout_s: float = 120.0) -> None:
+def _wait_producers(bracket: Any, producers: _Producers, timeout_s: float = 120.0) -> None:
     """Until every producer process has beaten once (its loop is up)."""
     deadline = time.monotonic() + timeout_s
+    n = len(producers.procs)
     while len(bracket.live_producers()) < n:
+        producers.check_alive()
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {len(bracket.live_producers())} of {n} lab producers "
                                f"started within {timeout_s:.0f}s")
@@ -459,12 +494,29 @@ def _utilisation(samples: Any, t0: float, t1: float) -> float:
     """Time-weighted busy slots ÷ capacity over [t0, t1], all sim processes together."""
     busy = cap = 0.0
     for pts in samples.series.values():
-        for (ta, b), (tb, _) in zip(pts, pts[1:]):
+        for (ta, b), (tb, _) in zip(pts, pts[1:], strict=False):
             lo, hi = max(ta, t0), min(tb, t1)
             if hi > lo:
                 busy += b * (hi - lo)
                 cap += hi - lo
     return busy / cap if cap else float("nan")
+
+
+def _first_batch_at(res: Any) -> float:
+    waits = [iv for iv in res.intervals if iv.what == "wait"]
+    return float(waits[0].end if waits else res.started)
+
+
+def _steady_wait(res: Any) -> float:
+    span = res.ended - _first_batch_at(res)
+    wait = sum(r.wait_s for r in res.records[1:])
+    return wait / span if span > 0 else float("nan")
+
+
+def _steady_tokens_per_s(res: Any, time_scale: float) -> float:
+    span = (res.ended - _first_batch_at(res)) / time_scale
+    tokens = sum(r.metrics.get("tokens", 0.0) for r in res.records)
+    return tokens / span if span > 0 else float("nan")
 
 
 def _row(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[str, Any]],
@@ -493,6 +545,9 @@ def _row(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[str
         "trained_samples": samples_n,
         "trained_tokens_per_s": tokens / model if model > 0 else float("nan"),
         "trainer_wait_ratio": res.trainer_wait_ratio(),
+        # from the first batch's arrival on: the pipeline's fill (warm-up) left out
+        "trainer_wait_ratio_steady": _steady_wait(res),
+        "trained_tokens_per_s_steady": _steady_tokens_per_s(res, ts),
         "engine_utilisation": util,
         "rollout_to_train_end_s": model / max(len(recs), 1),
         "step_s": {"wait": sum(r.wait_s for r in recs) / ts / max(len(recs), 1),
@@ -515,37 +570,33 @@ def _row(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[str
 
 
 def audit(run_dir: str, trained_per_step: list[list[int]]) -> list[str]:
-    """Invariant 1 at the end of a mode: every released dataset index is in exactly one place
-    — trained once (an acked batch), dropped with a recorded reason, or still queued
-    (pending, partial, ready; nothing may stay leased once the producers stopped)."""
+    """Invariant 1 at the end of a mode, from the queue state and the trained batches.
+
+    Every released dataset index is in exactly one place: trained once (by the steps'
+    ``sample_index``/summaries, each in an acked manifest unless GC removed it), dropped
+    with a recorded reason, or still queued (pending, partial, ready, or the prefetched
+    next batch). Nothing may stay leased once the producers stopped. Empty = consistent.
+    """
+    from collections import Counter
+
     from strawq.names import dataset_task_id
     from strawq.storage import PosixStorage
     from strawq.testing.audit import audit_run
 
     a = audit_run(PosixStorage(run_dir, writer_id="lab-audit"))
     released = {dataset_task_id(i) for i in range(a.cursor_next)}
-    flat = [i for step in trained_per_step for i in step]
-    problems: list[str] = []
-    dup = sorted({i for i in flat if flat.count(i) > 1}) if len(set(flat)) != len(flat) else []
-    if dup:
-        problems.append(f"indices trained more than once: {dup[:20]}")
-    trained_ids = {dataset_task_id(i) for i in flat}
-    acked_ids = {t for seq in a.acked for t in a.manifests.get(seq, [])}
-    if trained_ids - acked_ids and a.manifests:
-        missing = sorted(trained_ids - acked_ids)[:10]
-        # acked manifests may be garbage-collected; then the batched entry proves it
-        missing = [t for t in missing if a.state_of(t) not in ("batched", None)]
-        if missing:
-            problems.append(f"trained but in no acked batch: {missing}")
-    problems += a.check(released, trained=trained_ids)
-    for tid in sorted(released - trained_ids):
-        st = a.state_of(tid)
-        if st is None and tid not in trained_ids:
-            continue  # reported by check() as lost
-        if st == "leased":
-            problems.append(f"{tid} is still leased after the producers stopped")
-        if st == "batched" and tid not in acked_ids:
-            continue  # the prefetched next batch: published, not trained
+    counts = Counter(i for step in trained_per_step for i in step)
+    problems = [f"index {i} trained {n} times" for i, n in sorted(counts.items()) if n > 1]
+    trained = {dataset_task_id(i) for i in counts}
+    problems += [f"trained index {t} was never released" for t in sorted(trained - released)]
+    acked = {t for seq in a.acked for t in a.manifests.get(seq, [])}
+    unacked = {t for seq, ids in a.manifests.items() if seq not in a.acked for t in ids}
+    problems += [f"trained {t} is in an unacknowledged batch" for t in sorted(trained & unacked)]
+    problems += [f"{t} is in an acked batch but the trainer never saw it"
+                 for t in sorted(acked - trained)]
+    problems += [f"{t} is still leased after the producers stopped"
+                 for t in sorted(a.ids("leased"))]
+    problems += a.check(released, trained=trained)
     return problems
 
 
@@ -573,13 +624,14 @@ _COLUMNS = (
     ("trained tok/s", "trained_tokens_per_s", "{:.0f}"),
     ("x sync", "throughput_x", "{:.2f}"),
     ("wait ratio", "trainer_wait_ratio", "{:.3f}"),
+    ("wait steady", "trainer_wait_ratio_steady", "{:.3f}"),
     ("engine util", "engine_utilisation", "{:.2f}"),
     ("r2t-end/step s", "rollout_to_train_end_s", "{:.2f}"),
     ("x sync", "rollout_to_train_end_x", "{:.2f}"),
     ("stale mean", "staleness_mean", "{:.2f}"),
     ("stale max", "staleness_max", "{}"),
     ("multi-ver", "multi_version_share", "{:.2f}"),
-    ("gen/trained", "generated_per_trained", "{:.2f}"),
+    ("requeued", "requeued_stale", "{}"),
     ("stretch", "decode_stretch", "{:.2f}"),
 )
 
@@ -596,8 +648,11 @@ def format_table(result: LabResult) -> str:
             v = vals.get(key, float("nan"))
             cells.append(fmt.format(v) if isinstance(v, (int, float)) else str(v))
         rows.append(cells)
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
+
     out = [
         f"strawq lab: E={cfg.engines} engines x C={cfg.concurrency} = {cfg.slots} slots "
         f"(in {cfg.sim_processes} sim processes of {cfg.engines_per_process} engines), "
@@ -619,14 +674,9 @@ def format_table(result: LabResult) -> str:
     out += ["", f"CPU used by the lab (of {os.cpu_count()} cores): {cpu}",
             "stretch = measured wall per token of a busy slot / modelled decode step "
             "(1 = the box keeps up; above ~1.2 the CPU, not the schedule, is being measured)"]
-    req = {m: r.row["requeued_stale"] for m, r in result.modes.items() if r.row["requeued_stale"]}
-    if req:
-        out.append(f"groups re-queued by the eta bound (generated again): {req}")
+    out.append("wait steady: from the first batch on (the pipeline's fill left out); "
+               "requeued: ready groups staler than eta, sent back to be generated again")
     for m, r in result.modes.items():
         if r.problems:
             out.append(f"AUDIT PROBLEMS in {m}: {r.problems[:5]}")
     return "\n".join(out)
-
-
-def with_overrides(cfg: LabConfig, **kw: Any) -> LabConfig:
-    return replace(cfg, **{k: v for k, v in kw.items() if v is not None})

@@ -64,9 +64,18 @@ def collector_config(cfg: ScheduleConfig, **extra: Any) -> CollectorConfig:
     if cfg.mode == "sync":
         running, eta = b, 0
     elif cfg.mode == "partial":
-        running, eta = max(b, math.ceil(cfg.oversample * b)), 1
+        # APRIL bounds nothing but the over-sampling: an interrupted group resumes first in
+        # the next step however many steps it spans. With eta = 1 a group needing more than
+        # two steps' generation (a long tail at the cap) was re-queued from scratch, and as
+        # its seed is fixed, again every time (strawq lab: 95 re-queued groups in 8 steps).
+        running, eta = max(b, math.ceil(cfg.oversample * b)), None
     else:
-        running, eta = cfg.slots, cfg.max_staleness
+        # Producers count K in trajectories: a group waiting on one long sample holds one
+        # trajectory, so they can hold more than K groups at once. A bound of K running
+        # groups starved them (strawq lab: engines 30 % busy, trainer waiting 60 %); K + B
+        # leaves a batch of claimable work, and the eta bound ((eta + 1)·B groups untrained
+        # or running) stays the one that limits staleness.
+        running, eta = cfg.slots + b, cfg.max_staleness
     return CollectorConfig(batch_groups=b, max_staleness=eta, eta_mode="requeue",
                            max_running=running, max_ready=max(2 * b, running),
                            max_prefetch_batches=1, **extra)
@@ -147,8 +156,16 @@ def run_schedule(cfg: ScheduleConfig, reader: BatchReader, bracket: WeightUpdate
         rec = StepRecord(step, version, t1 - t0, t3 - t2, 0.0, metrics, stal, idx)
         if checkpoint is not None:
             checkpoint(rec, batch)
-        reader.ack(batch)
-        bracket.end_weight_update(version)
+        if pause_while_training:
+            reader.ack(batch)  # producers are paused: freed groups start on the new version
+            bracket.end_weight_update(version)
+        else:
+            # async: acknowledge once the new version is live. The collector forms the next
+            # batch (and applies the eta check) when this one is acked; acked before the
+            # version bump, it checks against the old version and the trainer reads the
+            # batch one version later, at staleness up to eta + 1.
+            bracket.end_weight_update(version)
+            reader.ack(batch)
         t4 = clock()
         res.intervals.append(Interval("update", t3, t4))
         rec.update_s = (t4 - t3) + (t2 - t1)

@@ -1,0 +1,93 @@
+"""``strawq lab``: argument parsing only; the work is in ``demo.lab``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from typing import Any
+
+LAB_HELP = """\
+Compare the three rollout schedules (sync, partial, async) side by side at the scale of a
+64-GPU job, with every part of strawq running for real except the engines and the trainer:
+the queue on disk, the collector, one producer process per emulated node, the weight-update
+bracket and the reader API. Engines are the `sim` timing model (decode step =
+step_base_ms + step_per_req_ms x batch, lognormal response lengths with a spike at the cap);
+E engines of C slots are emulated by P sim processes (each serves k = E/P engines' slots,
+with step_per_req_ms and prefill cost divided by k so one step still costs what one
+engine's step costs). The trainer sleeps --train-step-s per step. --time-scale stretches or
+compresses every simulated duration; the report is in model seconds.
+
+Prints one table (trained tokens/s, trainer wait ratio, engine utilisation,
+rollout-to-train-end per step, staleness, multi-version share, generated/trained tokens,
+and the ratios against sync), and writes under --workdir: lab.json (every row and the
+configuration that produced it), <mode>/timeline.png, <mode>/row.json, <mode>/run/ (the
+queue, audited at the end: every released prompt trained once, dropped with a reason, or
+still queued).
+
+The "stretch" column is the CPU check: measured wall time per generated token of a busy
+slot / the modelled decode step. Near 1 the box keeps up; well above 1 the lab measures
+the CPU, not the schedule: lower --concurrency or raise --time-scale. See docs/lab.md.
+"""
+
+#: argparse dest -> LabConfig field (same names), with types and help
+_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("engines", int, "E: emulated rollout engines (default 48)"),
+    ("concurrency", int, "C: concurrent requests per engine (default 16)"),
+    ("sim_processes", int, "P: sim processes serving the E engines (default 2)"),
+    ("producers", int, "W: producer processes = emulated nodes (default 2)"),
+    ("group_size", int, "G: samples per prompt (default 16)"),
+    ("batch_groups", int, "B: groups per training step (default 96)"),
+    ("steps", int, "training steps per mode (default 8)"),
+    ("train_step_s", float, "trainer step time, model seconds (default 4.0)"),
+    ("max_staleness", int, "async staleness bound eta (default 2)"),
+    ("oversample", float, "partial: groups admitted per step / B (default 1.5)"),
+    ("step_base_ms", float, "decode step base cost, model ms (default 20)"),
+    ("step_per_req_ms", float, "decode step cost per running request of one engine"),
+    ("prefill_ms_per_token", float, "prefill cost per input token of one engine"),
+    ("prompt_len", int, "prompt tokens"),
+    ("len_median", float, "median response length, tokens"),
+    ("len_sigma", float, "lognormal sigma of response lengths"),
+    ("len_cap", int, "response cap (max_new_tokens)"),
+    ("cap_prob", float, "share of responses that run to the cap (default 0.03)"),
+    ("time_scale", float, "wall seconds per model second (default 1.3)"),
+    ("seed", int, "seed of the dataset and of every sample"),
+)
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    from demo.lab import LabConfig, format_table, run_lab
+
+    if not getattr(args, "verbose", False):
+        logging.getLogger().setLevel(logging.WARNING)
+    data: dict[str, Any] = {}
+    if args.config:
+        with open(args.config, encoding="utf-8") as f:
+            loaded = json.load(f)
+        data.update(loaded.get("config", loaded))  # a lab.json, or a bare LabConfig
+    names = {f.name for f in dataclasses.fields(LabConfig)}
+    data.update({k: v for k, v in vars(args).items() if k in names and v is not None})
+    if args.modes:
+        data["modes"] = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    cfg = LabConfig.from_dict(data)
+    result = run_lab(cfg)
+    print(format_table(result))
+    print(f"\nwritten: {result.files['json']} and <mode>/timeline.png under {cfg.workdir}")
+    return 1 if any(r.problems for r in result.modes.values()) else 0
+
+
+def add_lab_parser(sub: Any) -> None:
+    p = sub.add_parser("lab", help="the rollout schedules compared at scale (sim engines)",
+                       description=LAB_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", help="output directory (default runs/lab)")
+    p.add_argument("--modes", help="comma-separated subset of sync,partial,async (default all)")
+    p.add_argument("--config", help="start from this JSON (a lab.json's 'config', or a "
+                   "LabConfig mapping); flags override it")
+    for name, typ, text in _FLAGS:
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=typ, help=text)
+    p.add_argument("--no-fsync", dest="fsync", action="store_false", default=None,
+                   help="skip fsync on queue writes")
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    p.set_defaults(func=cmd_lab)
