@@ -164,11 +164,16 @@ class Collector:
         return rep
 
     def depths(self, *, ready: int | None = None) -> Depths:
+        """Queue depths, listed in the direction work flows (pending, leased, ready,
+        batched): a task that moves on between two listings is counted twice, never zero
+        times, so admission errs on the side of releasing too little. ``ready``: groups
+        already scanned this step (a group that became ready since is counted too)."""
         pending = [k.rsplit("/", 1)[1] for k in self.queue.list_pending()]
         partial = sum(1 for n in pending if n.startswith("a"))
-        return Depths(pending=len(pending) - partial, partial=partial,
-                      leased=len(self.storage.list("leased")),
-                      ready=len(self.storage.list("ready")) if ready is None else ready,
+        leased = len(self.storage.list("leased"))
+        listed_ready = len(self.storage.list("ready"))
+        return Depths(pending=len(pending) - partial, partial=partial, leased=leased,
+                      ready=max(listed_ready, ready or 0),
                       batched=len(self.storage.list("batched")))
 
     def _ordered_ready(self, rep: StepReport) -> list[TaskName]:
