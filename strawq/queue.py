@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 DIRS = ("tmp", "staging", "cursor", "pending", "leased", "ready", "batched", "batches",
         "acked", "dropped", "data", "hb", "versions", "quarantine", "collector", "control")
 RUN_KEY = "run.meta"
+#: How long a claimer trusts its listing of the top of ``pending/`` (partial and returned
+#: tasks) while it still has cached fresh candidates; its own monotonic clock.
+TOP_LIST_INTERVAL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,8 @@ class RunQueue:
         self._hb_counter: dict[str, int] = {}
         self._fresh: _OrderedSet = _OrderedSet()
         self._contended = False
+        self._top_files: list[str] = []
+        self._top_listed_at = float("-inf")
 
     # -- run lifecycle ---------------------------------------------------------------------
     @classmethod
@@ -170,12 +175,19 @@ class RunQueue:
         own offset within the head of the fresh list, so concurrent claimers stop racing for
         the same first task (dataset order then holds within that small window only).
         """
+        want = max(4 * n, 16)
+        now = time.monotonic()
+        if len(self._fresh) >= want and now - self._top_listed_at < TOP_LIST_INTERVAL_S:
+            # Fresh work is cached and the top was listed a moment ago: a partial task that
+            # appeared since waits at most TOP_LIST_INTERVAL_S for its priority.
+            return self._top_files + list(self._fresh)
         top = self.storage.list("pending")
+        self._top_listed_at = now
         files = [f"pending/{x}" for x in top if not x.startswith("r-")]
+        self._top_files = files
         dirs = sorted(x for x in top if x.startswith("r-"))
         live = set(dirs)
         fresh = [k for k in self._fresh if k.split("/", 2)[1] in live]
-        want = max(4 * n, 16)
         if len(fresh) < want:
             have = set(fresh)
             for d in dirs:
@@ -206,6 +218,8 @@ class RunQueue:
             if len(won) >= n:
                 break
             self._fresh.discard(src)
+            if src in self._top_files:
+                self._top_files.remove(src)
             name = TaskName.try_parse(src.rsplit("/", 1)[1])
             if name is None:
                 log.warning("ignoring a foreign file in the queue: %s", src)
@@ -268,6 +282,8 @@ class RunQueue:
         LEASED, expires and runs again; its payload was made durable before this rename.
         The collector fsyncs ``ready/`` before a manifest names a group (``publish_batch``).
         """
+        if dst.startswith("pending/"):
+            self._top_listed_at = float("-inf")  # our own handback: list the top next time
         try:
             self.storage.rename(lease.key, dst, sync_dir=False)
         except NotFound:
