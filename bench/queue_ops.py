@@ -325,6 +325,7 @@ def main() -> int:
     ap.add_argument("--flat", type=int, default=None, help="groups for the flatness run")
     ap.add_argument("--juicefs", default=os.environ.get("STRAWQ_JUICEFS_A"),
                     help="a JuiceFS mount to run on too (default $STRAWQ_JUICEFS_A)")
+    ap.add_argument("--flat-only", action="store_true", help="only the flatness run")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
     producers = [int(x) for x in (args.producers or ("1,4" if args.quick else "1,4,16"))
@@ -344,7 +345,7 @@ def main() -> int:
            f"{'straw g/s':>10}{'claim p50':>10}{'p99 ms':>8} | {'ratio':>6}")
     print(hdr)
     print("-" * len(hdr))
-    for loc, base in locations:
+    for loc, base in ([] if args.flat_only else locations):
         for p in producers:
             a = run_strawq(base, p, groups, args.samples, args.tokens)
             b = run_straw(base, p, groups, args.samples, args.tokens)
@@ -361,8 +362,13 @@ def main() -> int:
         print(f"{'groups':>9} {'us/group':>9} {'live files':>11}")
         for r in flat_rows:
             print(f"{int(r['groups']):>9} {r['us_per_group']:>9.0f} {int(r['live_files']):>11}")
-        first, last = flat_rows[0]["us_per_group"], flat_rows[-1]["us_per_group"]
-        print(f"last/first window cost = {last / first:.2f}")
+        costs = [r["us_per_group"] for r in flat_rows]
+        first, last = costs[0], costs[-1]
+        print(f"last/first window cost = {last / first:.2f}; max/min = "
+              f"{max(costs) / min(costs):.2f}; live files stay at "
+              f"{max(int(r['live_files']) for r in flat_rows)} or fewer")
+    if not results:
+        return 0
     for _loc, base in locations:
         shutil.rmtree(base, ignore_errors=True)
     if args.json:

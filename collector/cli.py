@@ -39,19 +39,9 @@ metrics_jsonl, prometheus_port. See docs/collector.md.
 
 def _load_config(args: argparse.Namespace) -> Any:
     from collector.config import CollectorConfig
-    from strawq.config import from_dict
+    from strawq.config import load_config
 
-    cfg: dict[str, Any] = {}
-    if args.config:
-        with open(args.config, encoding="utf-8") as f:
-            cfg = json.load(f)
-    for item in args.set or []:
-        k, _, v = item.partition("=")
-        try:
-            cfg[k] = json.loads(v)
-        except json.JSONDecodeError:
-            cfg[k] = v
-    return from_dict(CollectorConfig, cfg, where="collector config")
+    return load_config(CollectorConfig, args.config, args.set, where="collector config")
 
 
 def cmd_collector(args: argparse.Namespace) -> int:

@@ -312,13 +312,9 @@ class SGLangClient:
         params: Mapping[str, str] | None = None,
         timeout_s: float,
     ) -> Any:
-        async def op() -> Any:
-            _, data = await self._attempt(
-                method, base, path, body=body, params=params, timeout_s=timeout_s
-            )
-            return _decode_json(data, base, path)
-
-        return await self._with_retries(op, f"{method} {base}{path}")
+        data = await self._call_raw(method, base, path, body=body, params=params,
+                                    timeout_s=timeout_s)
+        return _decode_json(data, base, path)  # malformed JSON is not retried
 
     def _next_generate_url(self) -> str:
         if self.router_url is not None:

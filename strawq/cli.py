@@ -31,21 +31,11 @@ def _queue(path: str) -> Any:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from strawq.config import QueueConfig, from_dict
+    from strawq.config import QueueConfig, load_config
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
 
-    cfg: dict[str, Any] = {}
-    if args.config:
-        with open(args.config, encoding="utf-8") as f:
-            cfg = json.load(f)
-    for item in args.set or []:
-        k, _, v = item.partition("=")
-        try:
-            cfg[k] = json.loads(v)
-        except json.JSONDecodeError:
-            cfg[k] = v  # a bare string
-    config = from_dict(QueueConfig, cfg, where="queue config")
+    config = load_config(QueueConfig, args.config, args.set, where="queue config")
     os.makedirs(args.path, exist_ok=True)
     if args.declaration:
         from strawq.doctor import require_healthy

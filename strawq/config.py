@@ -7,9 +7,10 @@ documented where it is declared.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -64,6 +65,32 @@ def _check_type(where: str, value: Any, hint: Any) -> None:
     if not ok:
         name = getattr(hint, "__name__", str(hint))
         raise ConfigError(f"{where}: expected {name}, found {type(value).__name__} {value!r}")
+
+
+def load_config(cls: type[T], path: str | None = None,
+                overrides: Sequence[str] | None = None, *, where: str = "") -> T:
+    """A config from an optional JSON file plus ``KEY=VALUE`` overrides (the CLIs' --set).
+
+    A value is parsed as JSON when it can be (numbers, booleans, null, lists), else kept as
+    a bare string; the result goes through ``from_dict`` (unknown keys and wrong types are
+    refused by name).
+    """
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{where or cls.__name__}: cannot read {path}: {exc}") from exc
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"{where or cls.__name__}: --set takes KEY=VALUE, got {item!r}")
+        try:
+            data[key] = json.loads(value)
+        except json.JSONDecodeError:
+            data[key] = value
+    return from_dict(cls, data, where=where)
 
 
 def to_dict(obj: Any) -> dict[str, Any]:
