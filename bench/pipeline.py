@@ -8,7 +8,7 @@ ratios against the synchronous baseline and the targets, and as its last line ex
 
     pipeline: async/sync throughput = X, async trainer wait ratio = Y
 
-Anchors (shared/reference/anchors.md): verl fully-async 2.35-2.67x, AReaL 2.77x;
+Anchors (published figures): verl fully-async 2.35-2.67x, AReaL 2.77x;
 RolloutPipe cuts trainer waiting 37-76 % vs slime; APRIL partial rollout +17-35 %.
 X and Y are steady-state figures (from each mode's first batch on; the whole-run figures,
 with the pipeline's fill, are printed above). ``--quick`` runs a smaller case (fewer

@@ -1,7 +1,7 @@
 """SGLang 0.5.x ``/generate`` payloads and responses: building and strict parsing.
 
 Pure functions, no I/O. The parser rejects anything that does not match the protocol
-(see ``/work/shared/reference/sglang-protocol.md`` §1.3–1.7) with
+(SGLang 0.5.x's ``/generate`` response, as documented in docs/engines.md) with
 :class:`EngineProtocolError`; a response that passes is safe to store.
 
 Weight versions are integers in strawq. The engine's version strings are parsed with

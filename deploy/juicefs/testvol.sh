@@ -10,7 +10,7 @@
 # Each client has its own cache dir (DIR/cA, DIR/cB) and its own FUSE session, so the two
 # mounts behave like two nodes: no shared kernel caches (docs/filesystem-contract.md).
 #
-# Mount options follow reference/filesystem-semantics.md §10 (close-to-open kept):
+# Mount options are the queue-friendly ones of docs/filesystem-contract.md (close-to-open kept):
 #   no --writeback, --open-cache 0, --negative-entry-cache 0, no --readdir-cache.
 # Environment knobs:
 #   STRAWQ_JUICEFS_META_CACHE=default|zero   "zero" adds --attr-cache 0 --entry-cache 0

@@ -1,6 +1,6 @@
 """``strawq doctor``: verify a mount by measuring it, instead of trusting a declaration.
 
-The queue relies on a handful of filesystem behaviours (``reference/filesystem-semantics.md``,
+The queue relies on a handful of filesystem behaviours (``docs/filesystem-contract.md``,
 ``docs/filesystem-contract.md``): rename with one winner, exclusive create, fsync of files
 and directories, no torn publication, and, across clients of a shared mount, bounded
 visibility lag. Mount options can silently break them (JuiceFS ``--writeback`` or

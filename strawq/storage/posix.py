@@ -1,6 +1,6 @@
 """POSIX backend: a local directory, or a JuiceFS / NFS mount.
 
-Writes follow the maildir discipline of ``reference/filesystem-semantics.md``: unique
+Writes follow the maildir discipline (``docs/filesystem-contract.md``): unique
 temporary name in ``tmp/`` on the same filesystem, fsync, close, rename into place without
 replacing, fsync the directory. The file is never published while its descriptor is open
 (JuiceFS shows such a file empty to other clients).

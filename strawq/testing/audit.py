@@ -1,4 +1,4 @@
-"""Read a run directory and check the queue invariants (DESIGN.md §3, invariants 1 and 2).
+"""Read a run directory and check the queue invariants (invariants 1 and 2, docs/architecture.md).
 
 ``audit_run(storage)`` lists every state directory and decodes every visible record;
 ``Audit.check(released, ...)`` then returns a list of human-readable problems (empty when
