@@ -128,16 +128,22 @@ def write_dataset(path: str, n: int) -> None:
             f.write(json.dumps({"prompt": [1, 2, 3], "i": i}) + "\n")
 
 
-def run_strawq(base: str, producers: int, groups: int, samples: int, tokens: int
-               ) -> dict[str, float]:
-    root = os.path.join(base, f"strawq-{producers}-{secrets.token_hex(3)}")
+def new_run(base: str, tag: str, groups: int, release_batch: int
+            ) -> tuple[str, RunQueue, Feeder]:
+    """A fresh run with a dataset of ``groups`` prompts (leases long enough to never expire)."""
+    root = os.path.join(base, f"{tag}-{secrets.token_hex(3)}")
     os.makedirs(root)
     ds = os.path.join(root, "ds.jsonl")
     write_dataset(ds, groups)
     q = RunQueue.create(PosixStorage(os.path.join(root, "run"), writer_id="c"),
-                        QueueConfig(release_batch=64, lease_timeout_s=600,
+                        QueueConfig(release_batch=release_batch, lease_timeout_s=600,
                                     heartbeat_interval_s=10))
-    feeder = Feeder(q, Dataset(ds))
+    return root, q, Feeder(q, Dataset(ds))
+
+
+def run_strawq(base: str, producers: int, groups: int, samples: int, tokens: int
+               ) -> dict[str, float]:
+    root, q, feeder = new_run(base, f"strawq-{producers}", groups, 64)
     while feeder.release():  # release directories of 64, as a collector would
         pass
     ctx = mp.get_context("fork")
@@ -265,14 +271,7 @@ def run_straw(base: str, producers: int, groups: int, samples: int, tokens: int
 # -- flatness ----------------------------------------------------------------------------------
 def run_flat(base: str, total: int, window: int) -> list[dict[str, float]]:
     """One producer and one collector in a loop; cost per group in windows of ``window``."""
-    root = os.path.join(base, f"flat-{secrets.token_hex(3)}")
-    os.makedirs(root)
-    ds = os.path.join(root, "ds.jsonl")
-    write_dataset(ds, total)
-    q = RunQueue.create(PosixStorage(os.path.join(root, "run"), writer_id="c"),
-                        QueueConfig(release_batch=256, lease_timeout_s=600,
-                                    heartbeat_interval_s=10))
-    feeder = Feeder(q, Dataset(ds))
+    root, q, feeder = new_run(base, "flat", total, 256)
     bs = BatchStore(q)
     cols = make_columns(2, 16, 0)
     rows = []

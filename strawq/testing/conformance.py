@@ -113,6 +113,36 @@ def _mp_context() -> Any:
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
+def _thread_race(n: int, op: Callable[[int], object],
+                 loses_with: type[BaseException]) -> list[int]:
+    """Run ``op(i)`` in ``n`` threads released by one barrier; return who won.
+
+    ``loses_with`` is the exception a loser gets; anything else fails the test.
+    """
+    barrier = threading.Barrier(n)
+    wins: list[int] = []
+    errors: list[BaseException] = []
+
+    def go(i: int) -> None:
+        barrier.wait(timeout=_DEADLINE_S)
+        try:
+            op(i)
+        except loses_with:
+            return
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            return
+        wins.append(i)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(_DEADLINE_S)
+    assert not errors, errors
+    return wins
+
+
 class StorageConformance:
     """The contract every ``Storage`` backend must meet. Subclass and implement
     ``make_storage``."""
@@ -208,30 +238,9 @@ class StorageConformance:
 
     def test_publish_exclusive_threads(self, storage: Storage) -> None:
         _require(storage, "exclusive_create")
-        n = 12
         for r in range(10):
-            barrier = threading.Barrier(n)
-            wins: list[int] = []
-            errors: list[BaseException] = []
-
-            def go(i: int, r: int = r, barrier: threading.Barrier = barrier,
-                   wins: list[int] = wins, errors: list[BaseException] = errors) -> None:
-                barrier.wait(timeout=_DEADLINE_S)
-                try:
-                    storage.publish(f"t/k{r}", str(i).encode() * 1000)
-                except AlreadyExists:
-                    return
-                except BaseException as exc:  # noqa: BLE001 - reported below
-                    errors.append(exc)
-                    return
-                wins.append(i)
-
-            threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(_DEADLINE_S)
-            assert not errors, errors
+            wins = _thread_race(12, lambda i, r=r: storage.publish(  # type: ignore[misc]
+                f"t/k{r}", str(i).encode() * 1000), AlreadyExists)
             assert len(wins) == 1, f"round {r}: {len(wins)} publishers won: {wins}"
             assert storage.read(f"t/k{r}") == str(wins[0]).encode() * 1000
 
@@ -351,31 +360,10 @@ class StorageConformance:
 
     def test_rename_one_winner_threads(self, storage: Storage) -> None:
         _require(storage, "atomic_rename")
-        n = 16
         for r in range(self.race_rounds):
             storage.publish(f"t/src{r}", f"content {r}".encode())
-            barrier = threading.Barrier(n)
-            wins: list[int] = []
-            errors: list[BaseException] = []
-
-            def go(i: int, r: int = r, barrier: threading.Barrier = barrier,
-                   wins: list[int] = wins, errors: list[BaseException] = errors) -> None:
-                barrier.wait(timeout=_DEADLINE_S)
-                try:
-                    storage.rename(f"t/src{r}", f"t/dst{r}-{i:02d}")
-                except NotFound:
-                    return
-                except BaseException as exc:  # noqa: BLE001 - reported below
-                    errors.append(exc)
-                    return
-                wins.append(i)
-
-            threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(_DEADLINE_S)
-            assert not errors, errors
+            wins = _thread_race(16, lambda i, r=r: storage.rename(  # type: ignore[misc]
+                f"t/src{r}", f"t/dst{r}-{i:02d}"), NotFound)
             assert len(wins) == 1, f"round {r}: {len(wins)} renames won: {wins}"
             assert not storage.exists(f"t/src{r}")
             dsts = [x for x in storage.list("t") if x.startswith(f"dst{r}-")]
