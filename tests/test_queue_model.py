@@ -146,7 +146,7 @@ class QueueMachine(RuleBasedStateMachine):
         expected = self.queued_order()[:n]
         leases = self.q.claim(producer, n)
         assert [lease.task_id for lease in leases] == [t.id for t in expected]
-        for lease, t in zip(leases, expected):
+        for lease, t in zip(leases, expected, strict=False):
             t.state, t.holder, t.attempts = "leased", producer, t.attempts + 1
             assert (lease.gen, lease.name.attempts, lease.name.resume) == \
                 (t.gen, t.attempts, t.resume)

@@ -222,7 +222,7 @@ class EngineCore:
             return
         results = await self.backend.decode(batch)
         version = self.version
-        for req, (token, logprob) in zip(batch, results):
+        for req, (token, logprob) in zip(batch, results, strict=False):
             if req.state != "running":
                 continue
             req.out_ids.append(int(token))

@@ -222,7 +222,7 @@ def build_response(
     if return_logprob:
         meta["output_token_logprobs"] = [
             [lp, tok, f" {tok}" if text_in_logprobs else None]
-            for lp, tok in zip(req.out_logprobs, ids)
+            for lp, tok in zip(req.out_logprobs, ids, strict=False)
         ]
         meta["output_token_logprobs_length"] = len(ids)
         meta["input_token_logprobs"] = []
@@ -280,7 +280,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             raise BadRequest("sampling_params list length must match the batch size")
         parsed = [parse_sampling_params(sp) for sp in sps_list]
         ctx = core.backend.context_length
-        for p, (params, _) in zip(prompts, parsed):
+        for p, (params, _) in zip(prompts, parsed, strict=False):
             if len(p) >= ctx:
                 raise BadRequest(
                     f"The input ({len(p)} tokens) is longer than the model's context length ({ctx} tokens)."
@@ -302,7 +302,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return error_response(str(exc))
     reqs: list[Req] = []
     loop = asyncio.get_running_loop()
-    for p, (params, n) in zip(prompts, parsed):
+    for p, (params, n) in zip(prompts, parsed, strict=False):
         for _ in range(n):
             reqs.append(
                 Req(rid="", input_ids=list(p), params=params, seed=0, done=loop.create_future())

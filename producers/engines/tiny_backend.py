@@ -80,7 +80,7 @@ class TinyBackend:
             prefix = seq[:-1]
             if prefix:
                 _, kvs = self.model.forward_with_kv(torch.tensor([prefix], dtype=torch.long))
-                for (k, v), kc, vc in zip(kvs, self.k_caches, self.v_caches):
+                for (k, v), kc, vc in zip(kvs, self.k_caches, self.v_caches, strict=False):
                     kc[slot, :, : len(prefix)] = k[0]
                     vc[slot, :, : len(prefix)] = v[0]
             req.backend_state["pos"] = len(seq) - 1
@@ -107,12 +107,12 @@ class TinyBackend:
             torch.tensor([x.top_k for x in p], dtype=torch.long),
             torch.tensor([x.min_p for x in p], dtype=torch.float32),
             torch.tensor(
-                [position_uniform(r.seed, s["pos"] + 1) for r, s in zip(reqs, states)],
+                [position_uniform(r.seed, s["pos"] + 1) for r, s in zip(reqs, states, strict=False)],
                 dtype=torch.float64,
             ),
         )
         out = []
-        for s, tok, lp in zip(states, new_tokens.tolist(), logprobs.tolist()):
+        for s, tok, lp in zip(states, new_tokens.tolist(), logprobs.tolist(), strict=False):
             s["feed"] = tok
             s["pos"] += 1
             out.append((tok, lp))

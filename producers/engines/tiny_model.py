@@ -193,7 +193,7 @@ class TinyLM(nn.Module):
             :, None, None, :
         ]  # [B, 1, 1, L]
         x = self.embed(tokens)[:, None, :]
-        for layer, kc, vc in zip(self.layers, k_caches, v_caches):
+        for layer, kc, vc in zip(self.layers, k_caches, v_caches, strict=False):
             x = layer.forward_decode(x, cos, sin, kc, vc, slots, positions, mask)
         return self.lm_head(self.norm(x))[:, 0]
 
