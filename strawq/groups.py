@@ -132,11 +132,16 @@ class GroupData:
             raise CorruptRecord(f"expected a GROUP or PARTIAL record, found {rec.kind.name}")
         try:
             s = rec.meta["group"]
-            tables = rec.tables()
-            tok = tables["tokens"]
-            cols = {name: tok.column(name).to_numpy(zero_copy_only=True)
-                    for name in TOKEN_COLUMNS}
-            prompt = tables["prompt"].column("ids").to_numpy(zero_copy_only=True)
+            fast = records.decode_tables_fast(rec.meta.get("tables", {}), rec.payload)
+            if fast is not None and "tokens" in fast and "prompt" in fast:
+                cols = {name: fast["tokens"][name] for name in TOKEN_COLUMNS}
+                prompt = fast["prompt"]["ids"]
+            else:  # a stream the fast path does not take: pyarrow decodes it or says why
+                tables = rec.tables()
+                tok = tables["tokens"]
+                cols = {name: tok.column(name).to_numpy(zero_copy_only=True)
+                        for name in TOKEN_COLUMNS}
+                prompt = tables["prompt"].column("ids").to_numpy(zero_copy_only=True)
             return cls(task_id=s["task_id"], index=s["index"], prompt_ids=prompt,
                        sample_lens=s["sample_lens"], rewards=s["rewards"], status=s["status"],
                        meta=s.get("meta", {}), **cols)
