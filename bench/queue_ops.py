@@ -65,6 +65,30 @@ def make_columns(samples: int, tokens: int, seed: int) -> dict[str, np.ndarray]:
     }
 
 
+class Workers:
+    """P producer processes released together at a start time; their stats on exit."""
+
+    def __init__(self, target: Any, n: int, args: Any) -> None:
+        ctx = mp.get_context("fork")
+        self.out = ctx.Queue()
+        self.start_at = time.time() + 0.5
+        self.procs = [ctx.Process(target=target, args=args(i, self.start_at, self.out))
+                      for i in range(n)]
+        self.stats: list[dict[str, Any]] = []
+
+    def __enter__(self) -> Workers:
+        for p in self.procs:
+            p.start()
+        while time.time() < self.start_at:
+            time.sleep(0.001)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stats = [self.out.get(timeout=60) for _ in self.procs]
+        for p in self.procs:
+            p.join(30)
+
+
 # -- strawq -----------------------------------------------------------------------------------
 def strawq_worker(root: str, pid: int, start_at: float, samples: int, tokens: int,
                   out: Any) -> None:
@@ -146,22 +170,12 @@ def run_strawq(base: str, producers: int, groups: int, samples: int, tokens: int
     root, q, feeder = new_run(base, f"strawq-{producers}", groups, 64)
     while feeder.release():  # release directories of 64, as a collector would
         pass
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    start_at = time.time() + 0.5
-    procs = [ctx.Process(target=strawq_worker, args=(os.path.join(root, "run"), i, start_at,
-                                                     samples, tokens, out))
-             for i in range(producers)]
-    for p in procs:
-        p.start()
-    while time.time() < start_at:
-        time.sleep(0.001)
-    t0 = time.perf_counter()
-    collected, nbytes = strawq_collect(q, groups)
-    elapsed = time.perf_counter() - t0
-    stats = [out.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(30)
+    with Workers(strawq_worker, producers,
+                 lambda i, at, out: (os.path.join(root, "run"), i, at, samples, tokens, out)) as w:
+        t0 = time.perf_counter()
+        collected, nbytes = strawq_collect(q, groups)
+        elapsed = time.perf_counter() - t0
+    stats = w.stats
     claims = [x for s in stats for x in s["claims"]]
     shutil.rmtree(root, ignore_errors=True)
     if collected != groups or sum(s["done"] for s in stats) != groups:
@@ -235,31 +249,21 @@ def run_straw(base: str, producers: int, groups: int, samples: int, tokens: int
     from straw.rpc import QueueClient
 
     client = QueueClient(address, token=token)
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    start_at = time.time() + 0.5
-    procs = [ctx.Process(target=straw_worker, args=(str(root), address, token, i, start_at,
-                                                    samples, tokens, out))
-             for i in range(producers)]
-    for p in procs:
-        p.start()
-    while time.time() < start_at:
-        time.sleep(0.001)
-    t0 = time.perf_counter()
-    cursor = collected = nbytes = 0
-    while collected < groups:
-        page = client.call("read_commits", cursor=cursor, limit=64)
-        for receipt in page["commits"]:
-            ref = RecordSetRef.from_dict(receipt["result_ref"])
-            nbytes += sum(len(r.payload) for r in store.read(ref))
-            collected += 1
-        cursor = page["cursor"]
-        if not page["commits"]:
-            time.sleep(0.002)
-    elapsed = time.perf_counter() - t0
-    stats = [out.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(30)
+    with Workers(straw_worker, producers,
+                 lambda i, at, out: (str(root), address, token, i, at, samples, tokens, out)) as w:
+        t0 = time.perf_counter()
+        cursor = collected = nbytes = 0
+        while collected < groups:
+            page = client.call("read_commits", cursor=cursor, limit=64)
+            for receipt in page["commits"]:
+                ref = RecordSetRef.from_dict(receipt["result_ref"])
+                nbytes += sum(len(r.payload) for r in store.read(ref))
+                collected += 1
+            cursor = page["cursor"]
+            if not page["commits"]:
+                time.sleep(0.002)
+        elapsed = time.perf_counter() - t0
+    stats = w.stats
     store.close()
     coord.close()
     shutil.rmtree(root, ignore_errors=True)

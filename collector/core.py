@@ -152,10 +152,12 @@ class Collector:
             rep.gc = self.batches.gc()
             self._last_gc = now
         rep.version = self.queue.current_version()
+        upstream = self._upstream()  # listed before the ready scan: see depths()
         ready = self._ordered_ready(rep)
         seqs, acked = self.batches.batch_seqs()
         rep.prefetched = len([s for s in seqs if s not in acked])
-        rep.depths = self.depths(ready=len(ready))
+        # re-queued stale groups left ready after the upstream listing: still count them
+        rep.depths = self._depths(upstream, len(ready) + len(rep.requeued_stale))
         rep.exhausted = self.feeder.exhausted
         self._form_batches(ready, rep)
         self._admit(rep)
@@ -163,17 +165,21 @@ class Collector:
         self._emit_metrics(rep, now)
         return rep
 
-    def depths(self, *, ready: int | None = None) -> Depths:
+    def depths(self) -> Depths:
         """Queue depths, listed in the direction work flows (pending, leased, ready,
         batched): a task that moves on between two listings is counted twice, never zero
-        times, so admission errs on the side of releasing too little. ``ready``: groups
-        already scanned this step (a group that became ready since is counted too)."""
+        times, so admission errs on the side of releasing too little."""
+        return self._depths(self._upstream(), len(self.storage.list("ready")))
+
+    def _upstream(self) -> tuple[int, int, int]:
+        """(pending, partial, leased): what flows into ``ready/``, listed before it."""
         pending = [k.rsplit("/", 1)[1] for k in self.queue.list_pending()]
         partial = sum(1 for n in pending if n.startswith("a"))
-        leased = len(self.storage.list("leased"))
-        listed_ready = len(self.storage.list("ready"))
-        return Depths(pending=len(pending) - partial, partial=partial, leased=leased,
-                      ready=max(listed_ready, ready or 0),
+        return len(pending) - partial, partial, len(self.storage.list("leased"))
+
+    def _depths(self, upstream: tuple[int, int, int], ready: int) -> Depths:
+        pending, partial, leased = upstream
+        return Depths(pending=pending, partial=partial, leased=leased, ready=ready,
                       batched=len(self.storage.list("batched")))
 
     def _ordered_ready(self, rep: StepReport) -> list[TaskName]:

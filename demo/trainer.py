@@ -117,7 +117,10 @@ class GRPOTrainer:
         tmp = path + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         save_weights(self.model, tmp)
-        os.replace(tmp, path) if not os.path.exists(path) else shutil.rmtree(tmp)
+        if os.path.exists(path):  # this version was saved already (a resumed run)
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, path)
         for name in sorted(os.listdir(self.workdir))[:-self.keep_versions]:
             if name.startswith("v") and name != os.path.basename(path):
                 shutil.rmtree(os.path.join(self.workdir, name), ignore_errors=True)

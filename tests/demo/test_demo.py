@@ -25,6 +25,7 @@ import torch
 from demo.run import CHECKPOINT, DemoConfig, run_demo
 from producers.engines.tiny_model import load_weights, recompute_logprobs
 from strawq.feeder import read_cursor_state
+from strawq import records
 from strawq.groups import GroupData
 from strawq.names import dataset_task_id
 from strawq.queue import RunQueue
@@ -59,8 +60,7 @@ def check_alignment(run_dir: str, weights_dir: str) -> int:
     for name in storage.list("data"):
         if not name.endswith((".group", ".partial")):
             continue
-        rec_group = GroupData.from_record(__import__("strawq.records", fromlist=["decode"])
-                                          .decode(storage.read(f"data/{name}")))
+        rec_group = GroupData.from_record(records.decode(storage.read(f"data/{name}")))
         rec_group.validate()
         for i in range(rec_group.num_samples):
             s = rec_group.sample(i)
