@@ -35,10 +35,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from collector.config import CollectorConfig
-from collector.core import Collector
-from collector.packing import group_tokens, shard_groups
-from collector.reader import BatchReader
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector
+from strawq.collector.packing import group_tokens, shard_groups
+from strawq.collector.reader import BatchReader
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
 from strawq.feeder import Feeder

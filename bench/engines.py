@@ -6,7 +6,7 @@
 * sim engine request throughput with 1,000 concurrent requests (time-scaled timing model);
 * client overhead per request against a sim engine with zero step time.
 
-Each engine runs as a separate process (``python -m producers.engines serve``), the client
+Each engine runs as a separate process (``python -m strawq.producers.engines serve``), the client
 in this process, as in production. The last line is ``engines: tiny tok/s @8 = X``.
 """
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from producers.engines.testing import start_engine_subprocess
-from producers.sglang_client import ClientConfig, SGLangClient
+from strawq.producers.engines.testing import start_engine_subprocess
+from strawq.producers.sglang_client import ClientConfig, SGLangClient
 
 PROMPT = list(range(10, 26))  # 16 tokens
 

@@ -2,7 +2,7 @@
 
     python bench/pipeline.py [--quick] [--workdir DIR] [--steps N]
 
-Runs ``demo.lab.run_lab`` on ``LabConfig()`` (48 emulated engines x 16 slots in 2 sim
+Runs ``strawq.demo.lab.run_lab`` on ``LabConfig()`` (48 emulated engines x 16 slots in 2 sim
 processes, G=16, B=96, a 4 s trainer step, eta=2; see docs/lab.md), prints the table, the
 ratios against the synchronous baseline and the targets, and as its last line exactly::
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demo.lab import LabConfig, format_table, run_lab  # noqa: E402
+from strawq.demo.lab import LabConfig, format_table, run_lab  # noqa: E402
 
 TARGETS = {"async_x": 2.5, "async_wait": 0.05, "async_staleness_mean": 1.0, "partial_x": 1.35}
 

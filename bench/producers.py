@@ -31,8 +31,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from producers.budget import split_budget  # noqa: E402
-from producers.engines.testing import start_engine_subprocess  # noqa: E402
+from strawq.producers.budget import split_budget  # noqa: E402
+from strawq.producers.engines.testing import start_engine_subprocess  # noqa: E402
 from strawq.config import QueueConfig  # noqa: E402
 from strawq.dataset import Dataset  # noqa: E402
 from strawq.feeder import Feeder  # noqa: E402
@@ -45,8 +45,8 @@ def producer_main(cfg: dict[str, Any], go: str, stop: str, out: str) -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    from producers.producer import Producer
-    from producers.producer_config import ProducerConfig
+    from strawq.producers.producer import Producer
+    from strawq.producers.producer_config import ProducerConfig
 
     producer = Producer(ProducerConfig.from_dict(cfg))
 
@@ -84,7 +84,7 @@ def run_case(workdir: Path, url: str, n_prompts: int, producers: int, c: int, g:
     procs, outs = [], []
     ctx = mp.get_context("spawn")
     for i, slots in enumerate(budget.slots):
-        cfg = {"run_dir": str(run), "reward": "producers.rewards.count_task",
+        cfg = {"run_dir": str(run), "reward": "strawq.producers.rewards.count_task",
                "workers": [url], "slots": slots, "group_size": g, "max_new_tokens": max_new,
                "seed": i, "control_poll_s": 0.2, "idle_poll_s": 0.05,
                "producer_id": f"bench-w{producers}-{i}", "eager_claim": eager}

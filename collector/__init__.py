@@ -1,24 +1,24 @@
 """The global batch collector and the trainer-side reader (see ``docs/collector.md``).
 
 Collector side (no torch): ``Collector``, ``CollectorConfig``, ``EpochFence``,
-``admission``. Trainer side (torch): ``collector.reader.BatchReader``,
-``collector.bracket.WeightUpdateBracket``, ``collector.importance``. The trainer-side
+``admission``. Trainer side (torch): ``strawq.collector.reader.BatchReader``,
+``strawq.collector.bracket.WeightUpdateBracket``, ``strawq.collector.importance``. The trainer-side
 modules are not imported here, so the collector process never imports torch.
 """
 
 from __future__ import annotations
 
-from collector.admission import Admission, Depths, admission
-from collector.config import CollectorConfig
-from collector.core import Collector, StepReport
-from collector.errors import (
+from strawq.collector.admission import Admission, Depths, admission
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector, StepReport
+from strawq.collector.errors import (
                               BatchTimeout,
                               BracketError,
                               BracketTimeout,
                               CollectorBusy,
                               CollectorError,
 )
-from collector.fencing import EpochFence
+from strawq.collector.fencing import EpochFence
 
 __all__ = [
     "Admission",

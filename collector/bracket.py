@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from collector.errors import BracketError, BracketTimeout
+from strawq.collector.errors import BracketError, BracketTimeout
 from strawq.control import Control
 from strawq.grantor import LeaseMonitor
 from strawq.names import TaskName

@@ -1,6 +1,6 @@
 """``strawq collector``: run the global batch collector loop against a run directory.
 
-The CLI parses arguments and calls ``collector.core.Collector``; nothing else.
+The CLI parses arguments and calls ``strawq.collector.core.Collector``; nothing else.
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ metrics_jsonl, prometheus_port. See docs/collector.md.
 
 
 def _load_config(args: argparse.Namespace) -> Any:
-    from collector.config import CollectorConfig
+    from strawq.collector.config import CollectorConfig
     from strawq.config import load_config
 
     return load_config(CollectorConfig, args.config, args.set, where="collector config")
 
 
 def cmd_collector(args: argparse.Namespace) -> int:
-    from collector.core import Collector
+    from strawq.collector.core import Collector
     from strawq.config import QueueConfig, from_dict
     from strawq.dataset import Dataset
 

@@ -2,7 +2,7 @@
 
 Build it from a mapping with ``strawq.config.from_dict(CollectorConfig, data)`` (unknown
 keys are refused by name). Every field is documented where it is declared; the admission
-rule these bounds feed is explained in ``collector.admission`` and ``docs/collector.md``.
+rule these bounds feed is explained in ``strawq.collector.admission`` and ``docs/collector.md``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The global batch collector: grantor, feeder, admission, staleness-first batches, GC.
 
-Exactly one per run (``collector.fencing``). One pass of ``Collector.step()``:
+Exactly one per run (``strawq.collector.fencing``). One pass of ``Collector.step()``:
 
 1. ``beat``: check the epoch fence (``FencedOut`` if taken over), advance the heartbeat;
 2. ``LeaseMonitor.scan()``: expire the leases of producers whose counters stopped moving;
@@ -8,7 +8,7 @@ Exactly one per run (``collector.fencing``). One pass of ``Collector.step()``:
 4. scan ``ready/``, order it staleness-first, apply the η bound (drop or re-queue);
 5. publish batches of B groups while fewer than ``max_prefetch_batches`` are unacked (a
    short last batch once the dataset is exhausted and nothing runs);
-6. admission: release new prompt groups through the ``Feeder`` (``collector.admission``);
+6. admission: release new prompt groups through the ``Feeder`` (``strawq.collector.admission``);
 7. metrics (after the state is persisted).
 
 Everything runs in the caller's thread on an injected clock: tests drive ``step()`` directly.
@@ -23,12 +23,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from collector.admission import Admission, Depths, admission
-from collector.config import CollectorConfig
-from collector.fencing import EpochFence
-from collector.metrics import MetricsSink
-from collector.ordering import StalenessOrder, group_advantages
-from collector.resume import ResumeInfo, open_queue
+from strawq.collector.admission import Admission, Depths, admission
+from strawq.collector.config import CollectorConfig
+from strawq.collector.fencing import EpochFence
+from strawq.collector.metrics import MetricsSink
+from strawq.collector.ordering import StalenessOrder, group_advantages
+from strawq.collector.resume import ResumeInfo, open_queue
 from strawq.batches import BatchStore, GcReport
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset

@@ -28,7 +28,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from collector.errors import CollectorBusy
+from strawq.collector.errors import CollectorBusy
 from strawq import records
 from strawq.errors import AlreadyExists, FencedOut
 from strawq.records import Kind

@@ -5,7 +5,7 @@ an unacked batch is delivered again after a trainer restart; a batch at or below
 checkpoint's ``batch_seq`` is never delivered again (it is acked on the spot if it was not).
 
 Only rank 0 writes (acks); every rank reads the same manifest and packs only its shard (see
-``collector.packing.shard_groups``). Call ``ack`` after the optimizer step — every rank has
+``strawq.collector.packing.shard_groups``). Call ``ack`` after the optimizer step — every rank has
 loaded its shard by then, so the collector's GC cannot pull payloads from under a reader.
 """
 
@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from collector.bracket import BracketReport, WeightUpdateBracket
-from collector.errors import BatchTimeout
-from collector.metrics import MetricsSink
-from collector.packing import RecordFile, ShardPacker, group_tokens, shard_groups
-from collector.resume import CHECKPOINT_FORMAT, read_cursor_state
+from strawq.collector.bracket import BracketReport, WeightUpdateBracket
+from strawq.collector.errors import BatchTimeout
+from strawq.collector.metrics import MetricsSink
+from strawq.collector.packing import RecordFile, ShardPacker, group_tokens, shard_groups
+from strawq.collector.resume import CHECKPOINT_FORMAT, read_cursor_state
 from strawq.batches import BatchStore, Manifest
 from strawq.errors import CorruptRecord, NotFound
 from strawq.groups import decode_group_columns
@@ -298,7 +298,7 @@ class BatchReader:
         return self._bracket
 
     def begin_weight_update(self, timeout: float = 300.0) -> BracketReport:
-        """Pause producers (see ``collector.bracket``); rank 0 only."""
+        """Pause producers (see ``strawq.collector.bracket``); rank 0 only."""
         return self.bracket.begin_weight_update(timeout)
 
     def end_weight_update(self, version: int | None = None) -> int:

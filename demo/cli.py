@@ -1,4 +1,4 @@
-"""``strawq demo`` and ``strawq lab``: argument parsing only; the work is in demo.run/demo.lab."""
+"""``strawq demo`` and ``strawq lab``: argument parsing only; the work is in strawq.demo.run and strawq.demo.lab."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ Ctrl-C stops cleanly after the current step; --resume continues where it stopped
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from demo.run import DemoConfig, format_summary, run_demo
+    from strawq.demo.run import DemoConfig, format_summary, run_demo
 
     fields = {f.name for f in dataclasses.fields(DemoConfig)}
     cfg = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
@@ -57,7 +57,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     p.set_defaults(func=cmd_demo)
     try:
-        from demo.lab_cli import add_lab_parser
+        from strawq.demo.lab_cli import add_lab_parser
     except ImportError:
         return
     add_lab_parser(sub)

@@ -1,9 +1,9 @@
 """``strawq lab``: the three rollout schedules compared at the scale of a 64-GPU job.
 
 What runs, per mode, for real: the queue on disk, the collector (grantor + feeder +
-admission + staleness-first batches) in a thread, producers (``producers.producer.Producer``,
+admission + staleness-first batches) in a thread, producers (``strawq.producers.producer.Producer``,
 one process per emulated node, each on its own event loop), the weight-update bracket, the
-reader API and a trainer that sleeps for its step time (``demo.trainer.SleepTrainer``).
+reader API and a trainer that sleeps for its step time (``strawq.demo.trainer.SleepTrainer``).
 What is simulated: the engines (``sim`` timing model) and the training step.
 
 **Engine emulation.** The job has ``engines`` (E) rollout engines of ``concurrency`` (C)
@@ -234,8 +234,8 @@ def producer_child() -> None:
     import asyncio
     import sys
 
-    from producers.producer import Producer
-    from producers.producer_config import ProducerConfig
+    from strawq.producers.producer import Producer
+    from strawq.producers.producer_config import ProducerConfig
 
     logging.basicConfig(level=logging.WARNING)
     config = json.loads(sys.stdin.readline())
@@ -268,7 +268,7 @@ class _Producers:
         import subprocess
         import sys
 
-        code = "from demo.lab import producer_child; producer_child()"
+        code = "from strawq.demo.lab import producer_child; producer_child()"
         self.procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, text=True) for _ in configs]
         for p, c in zip(self.procs, configs, strict=True):
@@ -346,7 +346,7 @@ def _write_dataset(path: str, n: int, cfg: LabConfig) -> None:
 
 
 def schedule_config(cfg: LabConfig, mode: str) -> Any:
-    from demo.schedule import ScheduleConfig
+    from strawq.demo.schedule import ScheduleConfig
 
     return ScheduleConfig(mode=mode, batch_groups=cfg.batch_groups, steps=cfg.steps,
                           max_staleness=cfg.max_staleness, oversample=cfg.oversample,
@@ -355,15 +355,15 @@ def schedule_config(cfg: LabConfig, mode: str) -> Any:
 
 def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
     """One schedule, from a fresh queue to the audit of what it left."""
-    from collector.bracket import WeightUpdateBracket
-    from collector.core import Collector
-    from collector.reader import BatchReader
-    from demo import plots
-    from demo.run import Sampler
-    from demo.schedule import collector_config, run_schedule
-    from demo.trainer import SleepTrainer
-    from producers.budget import split_budget
-    from producers.engines.testing import EngineProcess, start_engine_subprocess
+    from strawq.collector.bracket import WeightUpdateBracket
+    from strawq.collector.core import Collector
+    from strawq.collector.reader import BatchReader
+    from strawq.demo import plots
+    from strawq.demo.run import Sampler
+    from strawq.demo.schedule import collector_config, run_schedule
+    from strawq.demo.trainer import SleepTrainer
+    from strawq.producers.budget import split_budget
+    from strawq.producers.engines.testing import EngineProcess, start_engine_subprocess
     from strawq.config import QueueConfig
     from strawq.dataset import Dataset
     from strawq.queue import RunQueue
@@ -396,7 +396,7 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
         for _ in range(cfg.sim_processes):
             engines.append(start_engine_subprocess("sim", **cfg.sim_options()))
         urls = [e.url for e in engines]
-        pconfigs = [dict(run_dir=run_dir, reward="producers.rewards.count_task",
+        pconfigs = [dict(run_dir=run_dir, reward="strawq.producers.rewards.count_task",
                          workers=urls, slots=budget.slots[i], group_size=cfg.group_size,
                          max_new_tokens=cfg.len_cap, seed=cfg.seed,
                          producer_id=f"lab-{mode}-{i}", control_poll_s=cfg.poll_s,

@@ -1,4 +1,4 @@
-"""``strawq lab``: argument parsing only; the work is in ``demo.lab``."""
+"""``strawq lab``: argument parsing only; the work is in ``strawq.demo.lab``."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
-    from demo.lab import LabConfig, format_table, run_lab
+    from strawq.demo.lab import LabConfig, format_table, run_lab
 
     if not getattr(args, "verbose", False):
         logging.getLogger().setLevel(logging.WARNING)

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from demo.schedule import ScheduleResult  # noqa: E402
+from strawq.demo.schedule import ScheduleResult  # noqa: E402
 
 
 @dataclass

@@ -22,15 +22,15 @@ from typing import Any
 
 import torch
 
-from collector.bracket import WeightUpdateBracket
-from collector.core import Collector
-from collector.reader import BatchReader
-from demo import plots, task
-from demo.schedule import ScheduleConfig, ScheduleResult, StepRecord, collector_config, \
+from strawq.collector.bracket import WeightUpdateBracket
+from strawq.collector.core import Collector
+from strawq.collector.reader import BatchReader
+from strawq.demo import plots, task
+from strawq.demo.schedule import ScheduleConfig, ScheduleResult, StepRecord, collector_config, \
     run_schedule
-from demo.trainer import GRPOTrainer
-from producers.engines.testing import EngineProcess, start_engine_subprocess
-from producers.engines.tiny_model import init_model, load_weights, save_weights
+from strawq.demo.trainer import GRPOTrainer
+from strawq.producers.engines.testing import EngineProcess, start_engine_subprocess
+from strawq.producers.engines.tiny_model import init_model, load_weights, save_weights
 from strawq.config import QueueConfig
 from strawq.control import Control
 from strawq.dataset import Dataset
@@ -121,8 +121,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     """Run the whole loop; Ctrl-C stops cleanly (run again with resume=True to continue)."""
     import ray
 
-    from producers.placement import PlacementConfig, ProducerPlacement, wait_for_nodes
-    from producers.producer_config import ProducerConfig
+    from strawq.producers.placement import PlacementConfig, ProducerPlacement, wait_for_nodes
+    from strawq.producers.producer_config import ProducerConfig
 
     torch.set_num_threads(1)
     work = os.path.abspath(cfg.workdir)
@@ -197,7 +197,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         col_thread.start()
         cluster = _start_ray(cfg.nodes)
         wait_for_nodes(cfg.nodes)
-        pcfg = ProducerConfig(run_dir=run_dir, reward="producers.rewards.count_task",
+        pcfg = ProducerConfig(run_dir=run_dir, reward="strawq.producers.rewards.count_task",
                               workers=tuple(urls), max_new_tokens=task.MAX_NEW_TOKENS,
                               temperature=1.0, seed=cfg.seed, group_size=cfg.group_size)
         placement = ProducerPlacement(pcfg, PlacementConfig(

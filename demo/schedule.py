@@ -23,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from collector.bracket import WeightUpdateBracket
-from collector.config import CollectorConfig
-from collector.reader import Batch, BatchReader
-from demo.trainer import TrainerBackend
+from strawq.collector.bracket import WeightUpdateBracket
+from strawq.collector.config import CollectorConfig
+from strawq.collector.reader import Batch, BatchReader
+from strawq.demo.trainer import TrainerBackend
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The demo's task: "write exactly k tokens, then stop".
 
-Verifiable (``producers.rewards.count_task``) and learnable by a tiny model in minutes on
+Verifiable (``strawq.producers.rewards.count_task``) and learnable by a tiny model in minutes on
 two CPU cores. Response lengths are long-tailed twice over: a fresh model rarely samples
 EOS (lengths run to the cap), and k itself is long-tailed — most prompts ask for 2–9
 tokens, a few for 20–64 — so partial rollout matters for the whole run.
@@ -14,7 +14,7 @@ import json
 import os
 import random
 
-from producers.engines.tiny_config import TinyConfig
+from strawq.producers.engines.tiny_config import TinyConfig
 
 BOS, EOS = 1, 2
 VOCAB = 32

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from collector.importance import masked_tis_weights
-from collector.reader import Batch
-from producers.engines.tiny_model import TinyLM, load_weights, save_weights
+from strawq.collector.importance import masked_tis_weights
+from strawq.collector.reader import Batch
+from strawq.producers.engines.tiny_model import TinyLM, load_weights, save_weights
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class GRPOTrainer:
 
 
 async def _push(urls: list[str], path: str, version: int) -> None:
-    from producers.sglang_client import SGLangClient
+    from strawq.producers.sglang_client import SGLangClient
 
     async with SGLangClient(urls) as client:
         await client.update_weights_from_disk(path, weight_version=version,
@@ -166,7 +166,7 @@ class SleepTrainer:
         return out
 
     def push_weights(self, version: int) -> None:
-        from producers.sglang_client import SGLangClient
+        from strawq.producers.sglang_client import SGLangClient
 
         async def go() -> None:
             async with SGLangClient(self.engine_urls) as client:

@@ -1,6 +1,6 @@
 """The producer's side of the weight-update bracket, and aborting its requests on engines.
 
-The trainer (``collector.bracket``) writes ``pause-<v>``, waits for an ack from every live
+The trainer (``strawq.collector.bracket``) writes ``pause-<v>``, waits for an ack from every live
 producer, swaps the weights and writes ``resume-<v>``. An ack promises that nothing of
 this producer's still generates with the old weights, so when ``Control.state()`` shows a
 pause this producer has not acknowledged, it stops claiming, aborts its own requests on
@@ -10,7 +10,7 @@ samples are all final, yields the others as partial groups, then ``Control.ack``
 resumes claiming when ``resume-<v>`` appears.
 
 Aborts go by rid prefix (``<producer>/``, or one lease's ``<producer>/<task>.g<gen>/``;
-see ``producers.producer``), so they never touch another producer's requests.
+see ``strawq.producers.producer``), so they never touch another producer's requests.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 from strawq.control import Control, ControlState
 from strawq.errors import StrawqError
 
-from producers.engine_errors import EngineError
-from producers.sglang_client import SGLangClient
+from strawq.producers.engine_errors import EngineError
+from strawq.producers.sglang_client import SGLangClient
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from strawq.errors import ConfigError
 from strawq.groups import GroupData
 from strawq.queue import Lease
 
-from producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Sample,
+from strawq.producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Sample,
                               SamplerParams, SampleStatus, mask_offpolicy_prefix)
 
 FINAL_GROUP_STATUSES = ("completed", "truncated", "failed")

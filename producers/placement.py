@@ -1,7 +1,7 @@
 """Producer placement: one pinned, named producer actor per eligible Ray node.
 
 The ONE module that imports Ray and applies ``ray.remote`` / ``.options``. Everything the
-actors do is library code (``producers.producer.Producer``); the reconcile decision is a
+actors do is library code (``strawq.producers.producer.Producer``); the reconcile decision is a
 pure function (``plan``) over injected node and actor views, so it is testable without a
 cluster.
 
@@ -12,7 +12,7 @@ cluster.
 * **Names**: ``strawq-producer-<run_id>-<node_id[:12]>``; an existing live actor of that
   name is adopted, not duplicated (a restarted driver finds its producers).
 * **Budget**: K = floor(C*E/G) group slots split by ``divmod(K, W)`` over the W eligible
-  nodes (``producers.budget.split_budget``; C*E < W*G is refused with the numbers),
+  nodes (``strawq.producers.budget.split_budget``; C*E < W*G is refused with the numbers),
   recomputed on every reconcile and pushed to each live producer with ``set_slots``.
 * **Reconcile** (Ray Serve's proxy-state manager is the model): start producers on nodes
   that joined, retire those whose node died or whose actor died, push the new split.
@@ -37,9 +37,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from strawq.errors import ConfigError
 from strawq.names import validate_id
 
-from producers.budget import Budget, split_budget
-from producers.producer import Producer
-from producers.producer_config import ProducerConfig, new_producer_id
+from strawq.producers.budget import Budget, split_budget
+from strawq.producers.producer import Producer
+from strawq.producers.producer_config import ProducerConfig, new_producer_id
 
 log = logging.getLogger(__name__)
 

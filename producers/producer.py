@@ -1,6 +1,6 @@
 """The producer loop: claim groups, drive the engines, persist ready and partial groups.
 
-One ``Producer`` per node (``producers.placement`` pins it there as a Ray actor), a plain
+One ``Producer`` per node (``strawq.producers.placement`` pins it there as a Ray actor), a plain
 class running on one asyncio event loop::
 
     main loop ── poll control/ (bracket) ── claim while free trajectory slots >= G ──┐
@@ -16,12 +16,12 @@ class running on one asyncio event loop::
 reserves G; each sample frees its trajectory when its generation ends, so one long-tail
 sample never blocks a new claim once G trajectories are free (verl's continuous loop).
 
-**Heartbeat** (``producers.heartbeat``): beats are scheduled by this loop, written on their
+**Heartbeat** (``strawq.producers.heartbeat``): beats are scheduled by this loop, written on their
 own thread; when none succeeded for ``lease_timeout_s - margin`` the producer stops work
 on every lease (aborts their requests, persists nothing: the grantor will re-queue them)
 and claims nothing until a beat succeeds again.
 
-**Bracket** (``producers.bracket``): on a pause this producer has not acknowledged, it
+**Bracket** (``strawq.producers.bracket``): on a pause this producer has not acknowledged, it
 stops claiming, aborts its requests, completes or yields every held group, then acks; it
 claims again once the pause is resumed.
 
@@ -49,15 +49,15 @@ from strawq.names import validate_id
 from strawq.queue import Lease, RunQueue
 from strawq.storage import PosixStorage
 
-from producers.bracket import EngineAborter, PauseBracket
-from producers.engine_errors import EngineError, EngineUnavailable
-from producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
-from producers.heartbeat import Heartbeat
-from producers.meter import ProducerStats, SlotMeter
-from producers.plugins import FilterFn, RewardFn, load_filter, load_reward, resolve
-from producers.producer_config import ProducerConfig, new_producer_id
-from producers.sample import SampleError, SamplerParams
-from producers.sglang_client import SGLangClient
+from strawq.producers.bracket import EngineAborter, PauseBracket
+from strawq.producers.engine_errors import EngineError, EngineUnavailable
+from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
+from strawq.producers.heartbeat import Heartbeat
+from strawq.producers.meter import ProducerStats, SlotMeter
+from strawq.producers.plugins import FilterFn, RewardFn, load_filter, load_reward, resolve
+from strawq.producers.producer_config import ProducerConfig, new_producer_id
+from strawq.producers.sample import SampleError, SamplerParams
+from strawq.producers.sglang_client import SGLangClient
 
 log = logging.getLogger(__name__)
 

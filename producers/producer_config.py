@@ -1,7 +1,7 @@
 """Configuration of one producer: a frozen, keyword-only, validated dataclass.
 
 ``ProducerConfig.from_dict`` rejects unknown keys by name (``strawq.config.from_dict``) and
-builds the nested ``client`` section (``producers.sglang_client.ClientConfig``).
+builds the nested ``client`` section (``strawq.producers.sglang_client.ClientConfig``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from strawq.config import from_dict
 from strawq.errors import ConfigError
 from strawq.names import validate_id
 
-from producers.sample import SampleError, SamplerParams
-from producers.sglang_client import ClientConfig
+from strawq.producers.sample import SampleError, SamplerParams
+from strawq.producers.sglang_client import ClientConfig
 
 #: SamplerParams fields a producer config sets and a task row may override
 SAMPLER_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",

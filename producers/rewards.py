@@ -8,7 +8,7 @@
   carries no GRPO signal).
 
 Text-based rewards need the response decoded; the local engines' detokenizer is plain
-(``producers.engines``), real deployments pass text through the task's tokenizer in the
+(``strawq.producers.engines``), real deployments pass text through the task's tokenizer in the
 reward plugin itself.
 """
 
@@ -67,7 +67,7 @@ def count_task(task: dict[str, Any], response_ids: list[int], meta: dict[str, An
     Reward = max(0, 1 - |L - k| / max(k, 4)), L = tokens before the EOS (or all of them
     when the response never stopped). What the model emits decides when it stops, so a
     fresh model's lengths are long-tailed (it rarely samples EOS) and a trained one's follow
-    k — whose own distribution has a long tail (see ``demo.task``).
+    k — whose own distribution has a long tail (see ``strawq.demo.task``).
     """
     row = task.get("row", task)
     k = int(row["count"])

@@ -7,7 +7,7 @@ directly, because sglang-router 0.3.x does not route them (protocol reference §
 
 Faults (refused connections, resets, timeouts, HTTP 5xx, malformed JSON or shapes) are
 retried a bounded number of times with exponential backoff and jitter, then raised as a
-typed :class:`~producers.engine_errors.EngineError` naming the worker URL. HTTP 4xx is
+typed :class:`~strawq.producers.engine_errors.EngineError` naming the worker URL. HTTP 4xx is
 raised at once as :class:`EngineRequestError`. An aborted request is returned as a result
 whose ``finish_type`` is ``"abort"`` — never as a finished one.
 """
@@ -26,15 +26,15 @@ from typing import Any, TypeVar
 import aiohttp
 from typing_extensions import Self
 
-from producers.engine_errors import (
+from strawq.producers.engine_errors import (
     EngineError,
     EngineProtocolError,
     EngineRequestError,
     EngineTimeout,
     EngineUnavailable,
 )
-from producers.sample import Sample, SampleError, SamplerParams, apply_segment
-from producers.sglang_protocol import (
+from strawq.producers.sample import Sample, SampleError, SamplerParams, apply_segment
+from strawq.producers.sglang_protocol import (
     GenerateResult,
     build_generate_payload,
     parse_generate_body,

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from producers.engine_errors import EngineProtocolError
-from producers.sample import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Segment
+from strawq.producers.engine_errors import EngineProtocolError
+from strawq.producers.sample import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Segment
 
 FINISH_TYPES = ("stop", "length", "abort")
 WAITING_ABORT_MESSAGE = "Abort in waiting queue"

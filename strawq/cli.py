@@ -166,9 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "protocol: 'tiny' is a real torch model on CPU, 'sim' a timing model "
                             "for scale experiments, 'router' a minimal sglang-router.")
     _add_optional(engine.add_subparsers(dest="engine_command", metavar="ENGINE_COMMAND"),
-                  "producers.engines.cli", "add_engine_parser")
-    _add_optional(sub, "collector.cli", "add_parsers")
-    _add_optional(sub, "demo.cli", "add_parsers")
+                  "strawq.producers.engines.cli", "add_engine_parser")
+    _add_optional(sub, "strawq.collector.cli", "add_parsers")
+    _add_optional(sub, "strawq.demo.cli", "add_parsers")
     return p
 
 

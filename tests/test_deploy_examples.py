@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from collector.config import CollectorConfig
-from producers.plugins import load_filter, load_reward
-from producers.producer_config import ProducerConfig
+from strawq.collector.config import CollectorConfig
+from strawq.producers.plugins import load_filter, load_reward
+from strawq.producers.producer_config import ProducerConfig
 from strawq.config import QueueConfig, from_dict
 from strawq.errors import ConfigError
 
@@ -41,7 +41,7 @@ def _run_json() -> dict[str, Any]:
 
 def _placement_config() -> Any:
     pytest.importorskip("ray")
-    from producers.placement import PlacementConfig
+    from strawq.producers.placement import PlacementConfig
 
     return PlacementConfig
 

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from producers.placement import ProducerPlacement
+    from strawq.producers.placement import ProducerPlacement
 
     cfg = load(args.config)
     ray.init(address=args.address)

@@ -4,9 +4,9 @@ A run config has four sections, each built by the real config class (unknown key
 refused by name, values type-checked and validated):
 
     queue      strawq.config.QueueConfig          -> strawq init --config, --queue-config
-    collector  collector.config.CollectorConfig   -> strawq collector --config
-    producer   producers.producer_config.ProducerConfig   (launch_producers.py)
-    placement  producers.placement.PlacementConfig        (launch_producers.py)
+    collector  strawq.collector.config.CollectorConfig   -> strawq collector --config
+    producer   strawq.producers.producer_config.ProducerConfig   (launch_producers.py)
+    placement  strawq.producers.placement.PlacementConfig        (launch_producers.py)
 
     python deploy/examples/run_config.py deploy/examples/run.json --check
     python deploy/examples/run_config.py deploy/examples/run.json --section queue > queue.json
@@ -34,8 +34,8 @@ class RunConfig:
 
 def load(path: str) -> RunConfig:
     """Every section through its config class; ``ConfigError`` names a wrong key."""
-    from collector.config import CollectorConfig
-    from producers.producer_config import ProducerConfig
+    from strawq.collector.config import CollectorConfig
+    from strawq.producers.producer_config import ProducerConfig
     from strawq.config import QueueConfig, from_dict
     from strawq.errors import ConfigError
 
@@ -53,7 +53,7 @@ def load(path: str) -> RunConfig:
 
 def _placement(data: dict[str, Any], path: str) -> Any:
     """``PlacementConfig`` lives in the module that imports Ray; build it from there."""
-    from producers.placement import PlacementConfig
+    from strawq.producers.placement import PlacementConfig
     from strawq.config import from_dict
 
     return from_dict(PlacementConfig, data, where=f"{path}: placement")

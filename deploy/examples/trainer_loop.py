@@ -17,9 +17,9 @@ import json
 import logging
 import os
 
-from collector.importance import masked_tis_weights
-from collector.reader import Batch, BatchReader
-from producers.sglang_client import SGLangClient
+from strawq.collector.importance import masked_tis_weights
+from strawq.collector.reader import Batch, BatchReader
+from strawq.producers.sglang_client import SGLangClient
 
 log = logging.getLogger("trainer_loop")
 

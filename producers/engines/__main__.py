@@ -1,5 +1,5 @@
 import sys
 
-from producers.engines.cli import main
+from strawq.producers.engines.cli import main
 
 sys.exit(main())

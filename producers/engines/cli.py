@@ -1,4 +1,4 @@
-"""Command line of the local engines: ``python -m producers.engines serve --kind tiny ...``.
+"""Command line of the local engines: ``python -m strawq.producers.engines serve --kind tiny ...``.
 
 ``add_engine_parser(subparsers)`` adds the ``serve`` and ``init-tiny`` commands to any
 argparse subparsers object (``strawq engine serve ...``); ``main(argv)`` runs standalone.
@@ -16,9 +16,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from producers.engines.launch import KINDS, EngineOptions, start_engine
-from producers.engines.sim_backend import SimConfig
-from producers.engines.tiny_config import TinyConfig
+from strawq.producers.engines.launch import KINDS, EngineOptions, start_engine
+from strawq.producers.engines.sim_backend import SimConfig
+from strawq.producers.engines.tiny_config import TinyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_init_tiny(args: argparse.Namespace) -> int:
-    from producers.engines.tiny_model import init_model, save_weights
+    from strawq.producers.engines.tiny_model import init_model, save_weights
 
     cfg = TinyConfig(
         **_pick(
@@ -168,7 +168,7 @@ def add_engine_parser(subparsers: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m producers.engines", description=__doc__.splitlines()[0]
+        prog="python -m strawq.producers.engines", description=__doc__.splitlines()[0]
     )
     add_engine_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

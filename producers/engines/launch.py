@@ -9,11 +9,11 @@ from typing import Any
 
 from aiohttp import web
 
-from producers.engines.core import EngineCore
-from producers.engines.router import build_router_app
-from producers.engines.server import build_app
-from producers.engines.sim_backend import SimBackend, SimConfig
-from producers.engines.tiny_config import TinyConfig
+from strawq.producers.engines.core import EngineCore
+from strawq.producers.engines.router import build_router_app
+from strawq.producers.engines.server import build_app
+from strawq.producers.engines.sim_backend import SimBackend, SimConfig
+from strawq.producers.engines.tiny_config import TinyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def build_engine_app(opts: EngineOptions) -> web.Application:
         return build_router_app(list(opts.worker_urls))
     backend: Any
     if opts.kind == "tiny":
-        from producers.engines.tiny_backend import TinyBackend  # torch only where needed
+        from strawq.producers.engines.tiny_backend import TinyBackend  # torch only where needed
 
         backend = TinyBackend.from_path_or_config(
             opts.model_path, opts.tiny, max_running=opts.max_running, threads=opts.threads

@@ -1,14 +1,14 @@
 """Batched sampling for the tiny engine (temperature, top-k, top-p, min-p, greedy).
 
-The random number of each row comes from :mod:`producers.engines.seeding`.
+The random number of each row comes from :mod:`strawq.producers.engines.seeding`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from producers.engines.seeding import position_uniform  # noqa: F401  (re-export)
-from producers.engines.tiny_model import GREEDY_TEMPERATURE
+from strawq.producers.engines.seeding import position_uniform  # noqa: F401  (re-export)
+from strawq.producers.engines.tiny_model import GREEDY_TEMPERATURE
 
 
 def sample_batch(

@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from producers.engines.core import (
+from strawq.producers.engines.core import (
     ABORT_WAITING,
     EngineCore,
     Req,
@@ -28,7 +28,7 @@ from producers.engines.core import (
     UpdateRejected,
     detokenize,
 )
-from producers.engines.sim_backend import seed_for_rid
+from strawq.producers.engines.sim_backend import seed_for_rid
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from producers.engines.core import Req
-from producers.engines.seeding import position_hash, position_uniform
+from strawq.producers.engines.core import Req
+from strawq.producers.engines.seeding import position_hash, position_uniform
 
 _LEN_SALT = 0x5EED_1E57
 

@@ -1,6 +1,6 @@
 """Helpers that start local engines for tests, benchmarks and demos.
 
-* :func:`start_engine_subprocess` — a real ``python -m producers.engines serve`` process
+* :func:`start_engine_subprocess` — a real ``python -m strawq.producers.engines serve`` process
   (kill it with ``kill -9`` to test a dying engine).
 * :class:`EngineThread` — an in-process engine on its own event loop in a daemon thread,
   usable from synchronous code.
@@ -24,8 +24,8 @@ from typing import Any
 
 from typing_extensions import Self
 
-from producers.engines.cli import READY_PREFIX
-from producers.engines.launch import EngineOptions, start_engine
+from strawq.producers.engines.cli import READY_PREFIX
+from strawq.producers.engines.launch import EngineOptions, start_engine
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,13 +77,13 @@ def start_engine_subprocess(
     env: Mapping[str, str] | None = None,
     **opts: Any,
 ) -> EngineProcess:
-    """Start ``python -m producers.engines serve --kind KIND --port PORT`` and wait until ready.
+    """Start ``python -m strawq.producers.engines serve --kind KIND --port PORT`` and wait until ready.
 
     Keyword options become CLI flags (``max_running_requests=4`` → ``--max-running-requests 4``,
     ``model_path=...``, ``time_scale=0.1``, ``weight_version="3"``...). ``port=0`` picks a
     free port; the URL is read from the engine's ready line.
     """
-    cmd = [sys.executable, "-m", "producers.engines", "serve", "--kind", kind, "--port", str(port)]
+    cmd = [sys.executable, "-m", "strawq.producers.engines", "serve", "--kind", kind, "--port", str(port)]
     for key, value in opts.items():
         if value is not None:
             cmd += _flag(key, value)

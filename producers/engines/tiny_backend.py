@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from producers.engines.core import Req
-from producers.engines.sampling import sample_batch
-from producers.engines.seeding import position_uniform
-from producers.engines.tiny_model import TinyConfig, TinyLM, init_model, load_weights
+from strawq.producers.engines.core import Req
+from strawq.producers.engines.sampling import sample_batch
+from strawq.producers.engines.seeding import position_uniform
+from strawq.producers.engines.tiny_model import TinyConfig, TinyLM, init_model, load_weights
 
 logger = logging.getLogger(__name__)
 

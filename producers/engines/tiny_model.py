@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from producers.engines.tiny_config import TinyConfig
+from strawq.producers.engines.tiny_config import TinyConfig
 
 __all__ = [
     "TinyConfig",

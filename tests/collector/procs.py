@@ -20,10 +20,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from collector.config import CollectorConfig
-from collector.core import Collector
-from collector.errors import BatchTimeout
-from collector.reader import BatchReader
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector
+from strawq.collector.errors import BatchTimeout
+from strawq.collector.reader import BatchReader
 from strawq.dataset import Dataset
 from strawq.queue import RunQueue
 from strawq.storage import open_storage

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from collector.admission import Depths, admission
-from collector.config import CollectorConfig
-from collector.core import Collector
+from strawq.collector.admission import Depths, admission
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector
 from strawq.dataset import Dataset
 from tests.collector.helpers import SimProducer, make_run, write_dataset
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from collector.bracket import WeightUpdateBracket
-from collector.config import CollectorConfig
-from collector.core import Collector
-from collector.errors import BracketError, BracketTimeout
-from collector.reader import BatchReader
+from strawq.collector.bracket import WeightUpdateBracket
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector
+from strawq.collector.errors import BracketError, BracketTimeout
+from strawq.collector.reader import BatchReader
 from strawq.dataset import Dataset
 from strawq.names import TaskName, data_key
 from tests.collector.helpers import FakeClock, SimProducer, make_run, write_dataset

@@ -10,10 +10,10 @@ import urllib.request
 
 import pytest
 
-from collector.config import CollectorConfig
-from collector.core import Collector
-from collector.metrics import MetricsSink
-from collector.reader import BatchReader
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector
+from strawq.collector.metrics import MetricsSink
+from strawq.collector.reader import BatchReader
 from strawq.config import from_dict
 from strawq.dataset import Dataset
 from strawq.errors import ConfigError

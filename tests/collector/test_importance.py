@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from collector.importance import (
+from strawq.collector.importance import (
     icepop_mask,
     importance_ratios,
     masked_tis_weights,

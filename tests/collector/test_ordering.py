@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collector.config import CollectorConfig
-from collector.core import STALE_REASON, Collector
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import STALE_REASON, Collector
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
 from strawq.groups import GroupData

@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collector.config import CollectorConfig
-from collector.core import Collector
-from collector.errors import BatchTimeout
-from collector.ordering import group_advantages
-from collector.packing import shard_groups
-from collector.reader import BatchReader
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector
+from strawq.collector.errors import BatchTimeout
+from strawq.collector.ordering import group_advantages
+from strawq.collector.packing import shard_groups
+from strawq.collector.reader import BatchReader
 from strawq.dataset import Dataset
 from strawq.names import TaskName
 from tests.collector.helpers import FakeClock, SimProducer, drive, make_run, write_dataset

@@ -11,10 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collector.config import CollectorConfig
-from collector.core import Collector
-from collector.packing import RecordFile, ShardPacker
-from collector.reader import Batch, BatchReader
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector
+from strawq.collector.packing import RecordFile, ShardPacker
+from strawq.collector.reader import Batch, BatchReader
 from strawq.dataset import Dataset
 from strawq.groups import GroupData
 from strawq.queue import RunQueue

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from collector.config import CollectorConfig
-from collector.core import Collector
-from collector.reader import BatchReader
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector
+from strawq.collector.reader import BatchReader
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
 from tests.collector.helpers import SimProducer, drive, write_dataset

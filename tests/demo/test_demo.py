@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from demo.run import CHECKPOINT, DemoConfig, run_demo
-from producers.engines.tiny_model import load_weights, recompute_logprobs
+from strawq.demo.run import CHECKPOINT, DemoConfig, run_demo
+from strawq.producers.engines.tiny_model import load_weights, recompute_logprobs
 from strawq.feeder import read_cursor_state
 from strawq import records
 from strawq.groups import GroupData

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("matplotlib")
 
-from demo.lab import MODES, LabConfig, format_table, run_lab  # noqa: E402
+from strawq.demo.lab import MODES, LabConfig, format_table, run_lab  # noqa: E402
 
 TINY = dict(engines=4, concurrency=8, sim_processes=2, producers=2, group_size=4,
             batch_groups=6, steps=3, train_step_s=0.4, max_staleness=1, oversample=1.5,

@@ -31,7 +31,7 @@ def app_server() -> Iterator[Callable[[Callable[[], web.Application]], AppThread
 @pytest.fixture(scope="session")
 def weight_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """Two tiny-model weight versions (0 and 1) with the same architecture."""
-    from producers.engines.tiny_model import TinyConfig, init_model, save_weights
+    from strawq.producers.engines.tiny_model import TinyConfig, init_model, save_weights
 
     root = tmp_path_factory.mktemp("tiny-weights")
     return {

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from engine_helpers import run
 
-from producers.engines.cli import add_engine_parser, main, options_from_args
-from producers.engines.testing import start_engine_subprocess
-from producers.engines.tiny_model import load_weights, recompute_logprobs
-from producers.sample import Sample, SamplerParams
-from producers.sglang_client import SGLangClient
+from strawq.producers.engines.cli import add_engine_parser, main, options_from_args
+from strawq.producers.engines.testing import start_engine_subprocess
+from strawq.producers.engines.tiny_model import load_weights, recompute_logprobs
+from strawq.producers.sample import Sample, SamplerParams
+from strawq.producers.sglang_client import SGLangClient
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -11,16 +11,16 @@ import pytest
 from aiohttp import web
 from engine_helpers import FIXTURES, free_port, load_counts, run, wait_until
 
-from producers.engine_errors import (
+from strawq.producers.engine_errors import (
     EngineError,
     EngineProtocolError,
     EngineRequestError,
     EngineTimeout,
     EngineUnavailable,
 )
-from producers.engines.testing import start_engine_subprocess
-from producers.sample import Sample, SamplerParams
-from producers.sglang_client import ClientConfig, SGLangClient
+from strawq.producers.engines.testing import start_engine_subprocess
+from strawq.producers.sample import Sample, SamplerParams
+from strawq.producers.sglang_client import ClientConfig, SGLangClient
 
 pytestmark = pytest.mark.timeout(60)
 

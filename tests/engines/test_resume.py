@@ -19,9 +19,9 @@ from engine_helpers import AppThread, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producers.engine_errors import EngineProtocolError
-from producers.sample import Sample, SamplerParams, SampleStatus
-from producers.sglang_client import ClientConfig, SGLangClient
+from strawq.producers.engine_errors import EngineProtocolError
+from strawq.producers.sample import Sample, SamplerParams, SampleStatus
+from strawq.producers.sglang_client import ClientConfig, SGLangClient
 
 pytestmark = pytest.mark.timeout(120)
 

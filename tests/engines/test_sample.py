@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producers.sample import (
+from strawq.producers.sample import (
     Sample,
     SampleError,
     SamplerParams,

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 from engine_helpers import load_counts, run, wait_until
 
-from producers.engines.launch import EngineOptions
-from producers.engines.sim_backend import SimConfig, target_length
-from producers.engines.testing import running_engine
-from producers.sample import Sample, SamplerParams, SampleStatus
-from producers.sglang_client import ClientConfig, SGLangClient
+from strawq.producers.engines.launch import EngineOptions
+from strawq.producers.engines.sim_backend import SimConfig, target_length
+from strawq.producers.engines.testing import running_engine
+from strawq.producers.sample import Sample, SamplerParams, SampleStatus
+from strawq.producers.sglang_client import ClientConfig, SGLangClient
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from engine_helpers import load_counts, run, wait_until
 
-from producers.engine_errors import EngineRequestError, EngineTimeout
-from producers.engines.launch import EngineOptions
-from producers.engines.testing import running_engine
-from producers.engines.tiny_model import TinyConfig, load_weights, recompute_logprobs
-from producers.sample import Sample, SamplerParams, SampleStatus, mask_offpolicy_prefix
-from producers.sglang_client import ClientConfig, SGLangClient
+from strawq.producers.engine_errors import EngineRequestError, EngineTimeout
+from strawq.producers.engines.launch import EngineOptions
+from strawq.producers.engines.testing import running_engine
+from strawq.producers.engines.tiny_model import TinyConfig, load_weights, recompute_logprobs
+from strawq.producers.sample import Sample, SamplerParams, SampleStatus, mask_offpolicy_prefix
+from strawq.producers.sglang_client import ClientConfig, SGLangClient
 
 pytestmark = pytest.mark.timeout(90)
 

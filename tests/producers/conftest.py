@@ -4,9 +4,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from producers.engines.launch import EngineOptions
-from producers.engines.sim_backend import SimConfig
-from producers.engines.testing import EngineThread
+from strawq.producers.engines.launch import EngineOptions
+from strawq.producers.engines.sim_backend import SimConfig
+from strawq.producers.engines.testing import EngineThread
 
 #: fast sim engine: ~0.1 ms per decode step, responses of ~20 tokens (long tail to 120)
 FAST_SIM = SimConfig(time_scale=0.01, len_median=20, len_sigma=0.8, len_cap=120, cap_prob=0.02)

@@ -17,7 +17,7 @@ from strawq.names import TaskName
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
 
-from producers.producer import Producer
+from strawq.producers.producer import Producer
 
 
 def make_run(path: str, n: int, *, rows: list[dict[str, Any]] | None = None, seed: int = 0,

@@ -12,13 +12,13 @@ import torch
 
 from strawq.control import Control
 
-from producers.engines.launch import EngineOptions
-from producers.engines.testing import EngineThread
-from producers.engines.tiny_config import TinyConfig
-from producers.engines.tiny_model import init_model, load_weights, recompute_logprobs, save_weights
-from producers.producer import Producer
-from producers.producer_config import ProducerConfig
-from producers.sglang_client import SGLangClient
+from strawq.producers.engines.launch import EngineOptions
+from strawq.producers.engines.testing import EngineThread
+from strawq.producers.engines.tiny_config import TinyConfig
+from strawq.producers.engines.tiny_model import init_model, load_weights, recompute_logprobs, save_weights
+from strawq.producers.producer import Producer
+from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.sglang_client import SGLangClient
 from tests.producers.helpers import ids, make_run, names, ready_groups, run_producers, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -47,7 +47,7 @@ def test_bracket_with_tiny_engine(tmp_path: Path) -> None:
     with EngineThread(EngineOptions(kind="tiny", model_path=str(weights[0]), max_running=16,
                                     tiny=SMALL)) as eng:
         p = Producer(ProducerConfig(run_dir=str(tmp_path / "run"),
-                                    reward="producers.rewards.count_task", workers=(eng.url,),
+                                    reward="strawq.producers.rewards.count_task", workers=(eng.url,),
                                     slots=2, max_new_tokens=max_new, ignore_eos=True, seed=1,
                                     control_poll_s=0.02, idle_poll_s=0.02))
         acks: list[int] = []

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from producers.budget import split_budget
+from strawq.producers.budget import split_budget
 from strawq.errors import ConfigError
 
 

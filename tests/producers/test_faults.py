@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from producers.engines.testing import start_engine_subprocess
-from producers.producer import Producer
-from producers.producer_config import ProducerConfig
-from producers.sglang_client import ClientConfig
+from strawq.producers.engines.testing import start_engine_subprocess
+from strawq.producers.producer import Producer
+from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.sglang_client import ClientConfig
 from tests.producers.faulty_proxy import FaultyProxy
 from tests.producers.helpers import ids, make_run, ready_groups, run_producers, wait_for
 
@@ -22,7 +22,7 @@ FAST_CLIENT = ClientConfig(generate_timeout_s=1.5, control_timeout_s=1.0, connec
 
 
 def cfg(run: Path, workers: list[str], **kw: Any) -> ProducerConfig:
-    base: dict[str, Any] = dict(run_dir=str(run), reward="producers.rewards.count_task",
+    base: dict[str, Any] = dict(run_dir=str(run), reward="strawq.producers.rewards.count_task",
                                 workers=tuple(workers), slots=3, max_new_tokens=60, seed=3,
                                 client=FAST_CLIENT, control_poll_s=0.02, idle_poll_s=0.02,
                                 engine_backoff_s=0.05, abort_deadline_s=2.0)

@@ -9,9 +9,9 @@ from strawq.errors import ConfigError
 from strawq.names import TaskName
 from strawq.queue import Lease
 
-from producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
-from producers.producer_config import ProducerConfig
-from producers.sample import SamplerParams, SampleStatus, Segment, apply_segment
+from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
+from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.sample import SamplerParams, SampleStatus, Segment, apply_segment
 
 
 def lease(gen: int = 0, resume: int = -1) -> Lease:
@@ -91,7 +91,7 @@ def test_prompt_and_row_overrides() -> None:
 
 
 def test_reconcile_plan() -> None:
-    placement = pytest.importorskip("producers.placement")
+    placement = pytest.importorskip("strawq.producers.placement")
     NodeView, plan = placement.NodeView, placement.plan
     nodes = [NodeView("n2", "10.0.0.2", 4), NodeView("n1", "10.0.0.1", 8),
              NodeView("head", "10.0.0.0", 0), NodeView("gone", "10.0.0.9", 8, alive=False)]

@@ -22,9 +22,9 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from strawq.errors import ConfigError  # noqa: E402
 from strawq.grantor import LeaseMonitor  # noqa: E402
 
-from producers.placement import (PlacementConfig, ProducerPlacement, actor_name,  # noqa: E402
+from strawq.producers.placement import (PlacementConfig, ProducerPlacement, actor_name,  # noqa: E402
                                  wait_for_nodes)
-from producers.producer_config import ProducerConfig  # noqa: E402
+from strawq.producers.producer_config import ProducerConfig  # noqa: E402
 from tests.producers.helpers import ids, make_run, names, ready_groups  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
@@ -48,7 +48,7 @@ def cluster() -> Iterator[Cluster]:
 
 
 def producer_config(run: str, eng: Any, **kw: Any) -> ProducerConfig:
-    base: dict[str, Any] = dict(run_dir=run, reward="producers.rewards.count_task",
+    base: dict[str, Any] = dict(run_dir=run, reward="strawq.producers.rewards.count_task",
                                 workers=(eng.url,), max_new_tokens=80, seed=5,
                                 control_poll_s=0.05, idle_poll_s=0.05)
     base.update(kw)

@@ -14,9 +14,9 @@ from strawq.errors import ConfigError
 from strawq.names import note_key
 from strawq.queue import RunQueue
 
-from producers.producer import Producer
-from producers.producer_config import ProducerConfig
-from producers.sglang_client import SGLangClient
+from strawq.producers.producer import Producer
+from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.sglang_client import SGLangClient
 from tests.producers.helpers import (ids, make_run, names, ready_groups, run_producers,
                                      wait_for)
 
@@ -107,7 +107,7 @@ def test_filter_drops_and_frees_capacity(tmp_path: Path, sim_engine: Any) -> Non
     q = make_run(str(tmp_path / "run"), n)
     p = Producer(config(tmp_path / "run", sim_engine, slots=1,
                         reward=f"{PLUGINS}.constant_reward",
-                        filter="producers.rewards.zero_variance"))
+                        filter="strawq.producers.rewards.zero_variance"))
     asyncio.run(run_producers([p], lambda: wait_for(lambda: all_settled(q, n), 30, "dropped")))
     dropped = names(q, "dropped")
     assert len(dropped) == n and {t.producer for t in dropped} == {"zero_variance"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from producers.plugins import check_filter_fn, check_reward_fn, load_filter, load_reward
-from producers.rewards import (answers_match, count_task, extract_answer, math_answer,
+from strawq.producers.plugins import check_filter_fn, check_reward_fn, load_filter, load_reward
+from strawq.producers.rewards import (answers_match, count_task, extract_answer, math_answer,
                                zero_variance)
 from strawq.errors import ConfigError
 
@@ -53,17 +53,17 @@ def test_zero_variance_filter() -> None:
 
 
 def test_plugins_resolve_and_check() -> None:
-    fn = load_reward("producers.rewards.count_task")
+    fn = load_reward("strawq.producers.rewards.count_task")
     assert check_reward_fn(fn, {"row": {"count": 1, "eos": 2}}, [1, 2]) == 1.0
-    flt = load_filter("producers.rewards:zero_variance")
+    flt = load_filter("strawq.producers.rewards:zero_variance")
     assert flt is not None and check_filter_fn(flt, {}, [1.0, 1.0]) == "zero_variance"
     assert load_filter(None) is None
 
 
 @pytest.mark.parametrize("path,msg", [
     ("nope.module.fn", "cannot import"),
-    ("producers.rewards.missing", "no callable"),
-    ("producers.rewards.extract_answer", "3 positional"),
+    ("strawq.producers.rewards.missing", "no callable"),
+    ("strawq.producers.rewards.extract_answer", "3 positional"),
     ("", "dotted path"),
 ])
 def test_plugins_refuse_bad_paths(path: str, msg: str) -> None:

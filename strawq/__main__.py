@@ -1,0 +1,7 @@
+"""``python -m strawq``: the same command line as ``strawq``."""
+
+import sys
+
+from strawq.cli import main
+
+sys.exit(main())
