@@ -1,4 +1,4 @@
-"""``strawq demo`` and ``strawq lab``: argument parsing only; the work is in strawq.demo.run and strawq.demo.lab."""
+"""``strawq demo``: argument parsing only; the work is in ``strawq.demo.run``."""
 
 from __future__ import annotations
 
@@ -56,8 +56,3 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     p.set_defaults(func=cmd_demo)
-    try:
-        from strawq.demo.lab_cli import add_lab_parser
-    except ImportError:
-        return
-    add_lab_parser(sub)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from strawq.errors import StrawqError
@@ -155,33 +157,70 @@ def build_parser() -> argparse.ArgumentParser:
                    "known dead: a live writer's temporary file is in use")
     s.set_defaults(func=cmd_gc)
 
-    try:
-        from strawq.doctor_cli import add_doctor_parser
-
-        add_doctor_parser(sub)
-    except ImportError:  # pragma: no cover - partial installs
-        pass
-    engine = sub.add_parser("engine", help="local SGLang-compatible engines (tiny, sim, router)",
-                            description="Serve a local engine that speaks SGLang's native HTTP "
-                            "protocol: 'tiny' is a real torch model on CPU, 'sim' a timing model "
-                            "for scale experiments, 'router' a minimal sglang-router.")
-    _add_optional(engine.add_subparsers(dest="engine_command", metavar="ENGINE_COMMAND"),
-                  "strawq.producers.engines.cli", "add_engine_parser")
-    _add_optional(sub, "strawq.collector.cli", "add_parsers")
-    _add_optional(sub, "strawq.demo.cli", "add_parsers")
+    for entry in SUBCOMMANDS:
+        entry.register(sub)
     return p
 
 
-def _add_optional(sub: Any, module: str, func: str) -> None:
-    """Subcommands that live outside the core (they need Ray, torch or HTTP)."""
-    import importlib
+@dataclass(frozen=True)
+class Subcommand:
+    """A command that lives outside the core CLI module (it may need an optional extra)."""
 
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:
-        logging.getLogger(__name__).debug("optional commands %s unavailable: %s", module, exc)
-        return
-    getattr(mod, func)(sub)
+    name: str
+    module: str
+    add: str  # function in ``module`` that adds the parser(s) to a subparsers object
+    help: str
+    extra: str | None = None  # the pip extra that brings its dependencies
+    nested: bool = False  # ``add`` takes the command's own subparsers (``strawq engine ...``)
+    description: str | None = None
+
+    def register(self, sub: Any) -> None:
+        try:
+            mod = importlib.import_module(self.module)
+        except ImportError as exc:
+            self._register_missing(sub, exc)
+            return
+        add = getattr(mod, self.add)
+        if self.nested:
+            p = sub.add_parser(self.name, help=self.help,
+                               description=self.description or self.help)
+            add(p.add_subparsers(dest=f"{self.name}_command", metavar="COMMAND"))
+        else:
+            add(sub)
+
+    def _register_missing(self, sub: Any, exc: ImportError) -> None:
+        hint = (f"pip install 'strawq[{self.extra}]'" if self.extra
+                else "reinstall strawq")
+        why = f"strawq {self.name} is unavailable: {exc} (install it with: {hint})"
+
+        def unavailable(_args: argparse.Namespace) -> int:
+            raise StrawqError(why)
+
+        p = sub.add_parser(self.name, help=f"{self.help} [unavailable: {hint}]",
+                           description=why)
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        p.set_defaults(func=unavailable)
+
+
+#: Every command that is not defined above, in the order ``--help`` lists them. A missing
+#: optional dependency turns a command into one that says what to install, never into a
+#: command that silently disappears.
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    Subcommand("doctor", "strawq.doctor_cli", "add_doctor_parser",
+               "verify a mount gives the guarantees the queue relies on"),
+    Subcommand("engine", "strawq.producers.engines.cli", "add_engine_parser",
+               "local SGLang-compatible engines (tiny, sim, router)", extra="engines",
+               nested=True,
+               description="Serve a local engine that speaks SGLang's native HTTP protocol: "
+               "'tiny' is a real torch model on CPU, 'sim' a timing model for scale "
+               "experiments, 'router' a minimal sglang-router."),
+    Subcommand("collector", "strawq.collector.cli", "add_parsers",
+               "run the global batch collector", extra="torch"),
+    Subcommand("demo", "strawq.demo.cli", "add_parsers",
+               "an end-to-end RL run on this machine (the main job)", extra="all"),
+    Subcommand("lab", "strawq.demo.lab_cli", "add_lab_parser",
+               "the rollout schedules compared at scale (sim engines)", extra="all"),
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
