@@ -10,7 +10,7 @@ samples are all final, yields the others as partial groups, then ``Control.ack``
 resumes claiming when ``resume-<v>`` appears.
 
 Aborts go by rid prefix (``<producer>/``, or one lease's ``<producer>/<task>.g<gen>/``;
-see ``strawq.producers.producer``), so they never touch another producer's requests.
+see ``strawq.producers.runner``), so they never touch another producer's requests.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 from strawq.control import Control, ControlState
 from strawq.errors import StrawqError
 
+from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineError
-from strawq.producers.sglang_client import SGLangClient
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 class EngineAborter:
     """Aborts requests by rid prefix on every worker: best effort, and always bounded."""
 
-    def __init__(self, client: Callable[[], SGLangClient | None], producer_id: str, *,
+    def __init__(self, client: Callable[[], EngineClient | None], producer_id: str, *,
                  poll_s: float, deadline_s: float, clock: Callable[[], float]) -> None:
         #: the producer's engine client, None while it is not running
         self.client = client

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from strawq.errors import ConfigError
+from strawq.errors import ConfigError, StrawqError
 from strawq.groups import GroupData
 from strawq.queue import Lease
 
@@ -36,7 +36,7 @@ from strawq.producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VER
 FINAL_GROUP_STATUSES = ("completed", "truncated", "failed")
 
 
-class TaskError(ValueError):
+class TaskError(StrawqError, ValueError):
     """The task itself cannot be run (bad prompt, bad row overrides): fail it for good."""
 
 

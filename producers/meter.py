@@ -8,6 +8,7 @@ at every change, on an injected clock.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -91,3 +92,33 @@ class ProducerStats:
         d = asdict(self)
         d["groups_done"] = self.groups_done
         return d
+
+
+class StatsBook:
+    """A producer's ``ProducerStats`` behind one lock: its parts bump counters on the
+    event loop, ``Producer.stats`` copies them from any thread."""
+
+    def __init__(self, stats: ProducerStats) -> None:
+        self.lock = threading.Lock()
+        self._stats = stats
+
+    def bump(self, counter: str, n: int = 1) -> None:
+        with self.lock:
+            setattr(self._stats, counter, getattr(self._stats, counter) + n)
+
+    def count_drop(self, reason: str) -> None:
+        with self.lock:
+            self._stats.groups_dropped += 1
+            self._stats.drop_reasons[reason] = self._stats.drop_reasons.get(reason, 0) + 1
+
+    def get(self, counter: str) -> int:
+        with self.lock:
+            value = getattr(self._stats, counter)
+        return int(value)
+
+    def snapshot(self) -> ProducerStats:
+        """A copy (the caller fills the gauges: busy, utilisation, wall and CPU time)."""
+        with self.lock:
+            s = ProducerStats(**{k: v for k, v in vars(self._stats).items()})
+            s.drop_reasons = dict(self._stats.drop_reasons)
+        return s

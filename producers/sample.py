@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from strawq.errors import StrawqError
+
 logger = logging.getLogger(__name__)
 
 SAMPLE_SCHEMA_VERSION = 1
@@ -36,7 +38,7 @@ VERSION_DTYPE = np.int64
 MASK_DTYPE = np.uint8
 
 
-class SampleError(ValueError):
+class SampleError(StrawqError, ValueError):
     """A sample operation would break the sample's invariants (lengths, budget, state)."""
 
 
@@ -151,7 +153,8 @@ class SamplerParams:
         unknown = set(data) - known
         if unknown:
             raise SampleError(
-                f"unknown SamplerParams keys {sorted(unknown)}; expected a subset of {sorted(known)}"
+                f"unknown SamplerParams keys {sorted(unknown)}; "
+                f"expected a subset of {sorted(known)}"
             )
         kwargs = dict(data)
         if "stop_token_ids" in kwargs:
@@ -175,12 +178,14 @@ class Segment:
         n = len(self.token_ids)
         if len(self.logprobs) != n or len(self.versions) != n:
             raise SampleError(
-                f"segment arrays differ in length: {n} ids, {len(self.logprobs)} logprobs, {len(self.versions)} versions"
+                f"segment arrays differ in length: {n} ids, {len(self.logprobs)} logprobs, "
+                f"{len(self.versions)} versions"
             )
         kind = self.finish_reason.get("type") if isinstance(self.finish_reason, Mapping) else None
         if kind not in _FINISH_TO_STATUS:
             raise SampleError(
-                f"segment finish_reason type must be stop/length/abort, found {self.finish_reason!r}"
+                "segment finish_reason type must be stop/length/abort, "
+                f"found {self.finish_reason!r}"
             )
 
 
@@ -236,7 +241,8 @@ class Sample:
             )
         if n > self.params.max_new_tokens:
             raise SampleError(
-                f"sample {self.uid}: response has {n} tokens, more than max_new_tokens={self.params.max_new_tokens}"
+                f"sample {self.uid}: response has {n} tokens, "
+                f"more than max_new_tokens={self.params.max_new_tokens}"
             )
         if n and (self.loss_mask > 1).any():
             raise SampleError(f"sample {self.uid}: loss_mask must hold only 0/1")
@@ -277,7 +283,8 @@ class Sample:
     def _require_resumable(self) -> None:
         if self.status.is_final:
             raise SampleError(
-                f"sample {self.uid} is already {self.status.value}; only pending or aborted samples can be extended"
+                f"sample {self.uid} is already {self.status.value}; "
+                "only pending or aborted samples can be extended"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -303,13 +310,15 @@ class Sample:
         schema = data.get("schema")
         if schema != SAMPLE_SCHEMA_VERSION:
             raise SampleError(
-                f"sample record schema {schema!r} is not supported; expected {SAMPLE_SCHEMA_VERSION}"
+                f"sample record schema {schema!r} is not supported; "
+                f"expected {SAMPLE_SCHEMA_VERSION}"
             )
         known = {f.name for f in fields(cls)} | {"schema"}
         unknown = set(data) - known
         if unknown:
             raise SampleError(
-                f"unknown sample record keys {sorted(unknown)}; expected a subset of {sorted(known)}"
+                f"unknown sample record keys {sorted(unknown)}; "
+                f"expected a subset of {sorted(known)}"
             )
         kwargs = {k: v for k, v in data.items() if k != "schema"}
         kwargs["params"] = SamplerParams.from_dict(data["params"])

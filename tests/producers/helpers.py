@@ -15,20 +15,22 @@ from strawq.feeder import Feeder
 from strawq.dataset import Dataset
 from strawq.names import TaskName
 from strawq.queue import RunQueue
-from strawq.storage import PosixStorage
+from strawq.storage import PosixStorage, Storage
 
 from strawq.producers.producer import Producer
 
 
 def make_run(path: str, n: int, *, rows: list[dict[str, Any]] | None = None, seed: int = 0,
-             **queue_kw: Any) -> RunQueue:
-    """A run at ``path`` with ``n`` prompts (token-id lists) released into pending."""
+             storage: Storage | None = None, **queue_kw: Any) -> RunQueue:
+    """A run at ``path`` with ``n`` prompts (token-id lists) released into pending; on
+    ``storage`` when given (``path`` then only holds the dataset file)."""
     os.makedirs(path, exist_ok=True)
     kw: dict[str, Any] = {"fsync": False, "lease_timeout_s": 3.0, "heartbeat_interval_s": 0.2,
                           "group_size": 4, "release_batch": max(n, 1)}
     kw.update(queue_kw)
-    q = RunQueue.create(PosixStorage(path, writer_id="setup", fsync=kw["fsync"]),
-                        QueueConfig(**kw))
+    if storage is None:
+        storage = PosixStorage(path, writer_id="setup", fsync=kw["fsync"])
+    q = RunQueue.create(storage, QueueConfig(**kw))
     rng = np.random.default_rng(seed)
     if rows is None:
         rows = [{"prompt": [int(x) for x in rng.integers(3, 200, int(rng.integers(2, 6)))],

@@ -15,7 +15,8 @@ from strawq.control import Control
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.engines.tiny_config import TinyConfig
-from strawq.producers.engines.tiny_model import init_model, load_weights, recompute_logprobs, save_weights
+from strawq.producers.engines.tiny_model import (init_model, load_weights, recompute_logprobs,
+                                                save_weights)
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sglang_client import SGLangClient
@@ -47,7 +48,8 @@ def test_bracket_with_tiny_engine(tmp_path: Path) -> None:
     with EngineThread(EngineOptions(kind="tiny", model_path=str(weights[0]), max_running=16,
                                     tiny=SMALL)) as eng:
         p = Producer(ProducerConfig(run_dir=str(tmp_path / "run"),
-                                    reward="strawq.producers.rewards.count_task", workers=(eng.url,),
+                                    reward="strawq.producers.rewards.count_task",
+                                    workers=(eng.url,),
                                     slots=2, max_new_tokens=max_new, ignore_eos=True, seed=1,
                                     control_poll_s=0.02, idle_poll_s=0.02))
         acks: list[int] = []

@@ -1,0 +1,332 @@
+"""Running one leased group: build or resume its samples, generate, reward, filter, settle.
+
+For each lease the ``GroupRunner`` starts one group task::
+
+    load (I/O thread): current version, saved partial or prompt ids
+      -> GroupRun (fresh G samples, or rebuilt from the partial)
+      -> one sample task per unfinished sample: acquire a trajectory (SlotPool),
+         generate segment by segment until final, release it, reward it
+      -> settle:  all final    -> filter -> HandBack.complete | HandBack.drop
+                  parked       -> HandBack.yield_partial (prefixes kept, no attempt spent)
+                  engine gone  -> HandBack.yield_partial + claim back-off
+                  rejected     -> HandBack.fail(retryable=True)
+                  abandoned    -> nothing (heartbeats failed; the grantor re-queues it)
+
+**Live rids.** Every ``/generate`` in flight is recorded in its group's ``live_rids``
+(added before the request is sent, removed when it returned); ``GroupRunner.live_rids()``
+is the producer's full set, so an abort can name exact rids. Aborts themselves still go by
+rid prefix (``strawq.producers.bracket``).
+
+rids are ``<producer>/<task>.g<gen>/<sample>.<n>``: the ``/`` after each part keeps one
+producer's (or one lease's) prefix from matching another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from strawq.errors import CorruptRecord, NotFound, StrawqError
+from strawq.groups import GroupData
+from strawq.names import validate_id
+from strawq.queue import Lease, RunQueue
+
+from strawq.producers.bracket import EngineAborter
+from strawq.producers.engine_client import EngineClient
+from strawq.producers.engine_errors import EngineError, EngineUnavailable
+from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
+from strawq.producers.handback import HandBack
+from strawq.producers.meter import StatsBook
+from strawq.producers.offload import Offload
+from strawq.producers.plugins import FilterFn, RewardFn, load_filter, load_reward, resolve
+from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.sample import SampleError, SamplerParams
+from strawq.producers.slots import SlotHold, SlotPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class ActiveGroup:
+    """A lease the producer holds, and the tasks working on it."""
+
+    lease: Lease
+    hold: SlotHold = field(default_factory=SlotHold)
+    run: GroupRun | None = None
+    task: asyncio.Task[None] | None = None
+    sample_tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    #: rids of this lease's ``/generate`` requests in flight now
+    live_rids: set[str] = field(default_factory=set)
+    parking: bool = False
+    abandoned: bool = False
+    fault: BaseException | None = None
+
+
+class GroupRunner:
+    """Runs every group its producer holds, on the producer's event loop."""
+
+    def __init__(self, config: ProducerConfig, *, producer_id: str, queue: RunQueue,
+                 group_size: int, client: Callable[[], EngineClient], pool: SlotPool,
+                 handback: HandBack, book: StatsBook, io: Offload, rewards: Offload,
+                 aborter: EngineAborter, pausing: Callable[[], bool],
+                 clock: Callable[[], float] = time.monotonic,
+                 kick: Callable[[], None] = lambda: None) -> None:
+        self.config = config
+        self.producer_id = producer_id
+        self.queue = queue
+        self.group_size = group_size
+        self.prompt_key = queue.config.prompt_key
+        self.reward_fn: RewardFn = load_reward(config.reward)
+        self.filter_fn: FilterFn | None = load_filter(config.filter)
+        self.tokenizer: Callable[[str], list[int]] | None = (
+            resolve(config.tokenizer, what="tokenizer", arity=1) if config.tokenizer else None)
+        self._client = client
+        self.pool = pool
+        self.handback = handback
+        self.book = book
+        self.io = io
+        self.rewards = rewards
+        self.aborter = aborter
+        self._pausing = pausing
+        self.clock = clock
+        self._kick = kick
+        #: lease key -> the group working on it
+        self.groups: dict[str, ActiveGroup] = {}
+        #: no claims before this time (engine faults back off exponentially)
+        self.backoff_until = 0.0
+        self._faults_in_row = 0
+
+    def live_rids(self) -> set[str]:
+        """Every rid of this producer's requests in flight now."""
+        return {rid for a in self.groups.values() for rid in a.live_rids}
+
+    def start(self, lease: Lease) -> ActiveGroup:
+        a = ActiveGroup(lease)
+        self.groups[lease.key] = a
+        self.pool.set_demand(a.hold, self.group_size)
+        self.book.bump("groups_claimed")
+        a.task = asyncio.create_task(self._run_group(a), name=f"group-{lease.task_id}")
+        return a
+
+    # -- parking (bracket, stop), giving up (heartbeats failing) -----------------------------
+    async def park_all(self, why: str) -> int:
+        """Stop every held group and hand it back; returns how many were yielded."""
+        actives = list(self.groups.values())
+        if not actives:
+            return 0
+        before = self.book.get("groups_yielded")
+        for a in actives:
+            a.parking = True
+        self.pool.wake_all()
+        pending = {t for a in actives for t in a.sample_tasks.values() if not t.done()}
+        await self.aborter.abort_until_returned(pending, f"{self.producer_id}/", why)
+        await asyncio.gather(*(a.task for a in actives if a.task is not None),
+                             return_exceptions=True)
+        return self.book.get("groups_yielded") - before
+
+    def abandon_all(self) -> None:
+        """Stop work on every lease without persisting anything (the grantor re-queues)."""
+        self.pool.wake_all()
+        for a in list(self.groups.values()):
+            if not a.abandoned:
+                a.abandoned = True
+                self.stop_samples(a)
+
+    def stop_samples(self, a: ActiveGroup, keep: int | None = None) -> None:
+        """Cancel the group's sample tasks (all but ``keep``, the caller) and abort its
+        requests on the engines."""
+        for j, t in a.sample_tasks.items():
+            if j != keep and not t.done():
+                t.cancel()
+        if a.run is not None:
+            self.aborter.abort_soon(a.run.rid_prefix(self.producer_id))
+
+    # -- one group -----------------------------------------------------------------------------
+    def _params(self, task: dict[str, Any], i: int) -> SamplerParams:
+        row = task.get("row") if isinstance(task.get("row"), dict) else {}
+        overrides = row.get("sampling_params") if isinstance(row, dict) else None
+        seed = None if self.config.seed is None else sample_seed(
+            self.config.seed, int(task.get("index", 0)), i)
+        try:
+            return self.config.sampler_params(overrides, seed)
+        except StrawqError as exc:
+            raise TaskError(f"task {task.get('id')}: {exc}") from exc
+
+    def _load(self, lease: Lease) -> tuple[int, GroupData | None, list[int] | None]:
+        """I/O thread: the current version and the saved prefixes, or the prompt ids."""
+        version = self.queue.current_version()
+        if lease.has_partial:
+            try:
+                return version, self.queue.load_partial(lease), None
+            except (NotFound, CorruptRecord) as exc:
+                log.error("task %s: its partial record is unusable (%s); generating the "
+                          "group afresh", lease.task_id, exc)
+        return version, None, prompt_ids_of(lease.task, self.prompt_key, self.tokenizer)
+
+    def _build(self, lease: Lease, partial: GroupData | None,
+               prompt: list[int] | None) -> GroupRun:
+        if partial is not None:
+            return GroupRun.from_partial(lease, partial, lambda i: self._params(lease.task, i))
+        if prompt is None:
+            raise TaskError(f"task {lease.task_id}: neither a partial nor a prompt to run")
+        return GroupRun.fresh(lease, prompt, [self._params(lease.task, i)
+                                              for i in range(self.group_size)])
+
+    async def _run_group(self, a: ActiveGroup) -> None:
+        lease = a.lease
+        try:
+            try:
+                version, partial, prompt = await self.io.call(self._load, lease)
+                run = self._build(lease, partial, prompt)
+            except (TaskError, SampleError) as exc:
+                log.error("task %s cannot run: %s", lease.task_id, exc)
+                await self.handback.fail(lease, "bad_task", str(exc), retryable=False)
+                return
+            a.run = run
+            todo = run.unfinished()
+            self.pool.set_demand(a.hold, len(todo))  # a partial needs only its unfinished
+            if not (a.parking or a.abandoned):
+                for i in todo:
+                    a.sample_tasks[i] = asyncio.create_task(self._run_sample(a, i))
+                if a.sample_tasks:
+                    await asyncio.wait(list(a.sample_tasks.values()))
+            await self._settle(a, version)
+        except Exception:  # noqa: BLE001 - a bug must not kill the loop or lose the task
+            log.exception("producer %s: unexpected error on task %s", self.producer_id,
+                          lease.task_id)
+            await self.handback.release(lease)
+        finally:
+            self.pool.close(a.hold)
+            self.groups.pop(lease.key, None)
+            self._kick()
+
+    def _halted(self, a: ActiveGroup) -> bool:
+        return a.parking or a.abandoned or a.fault is not None or self._pausing()
+
+    async def _run_sample(self, a: ActiveGroup, i: int) -> None:
+        run = a.run
+        if run is None:
+            return
+        s = run.samples[i]
+        failures = 0
+        freed = False
+        if not await self.pool.acquire(a.hold, lambda: self._halted(a)):
+            return
+        try:
+            while not s.is_final:
+                if self._halted(a):
+                    return
+                rid = run.next_rid(self.producer_id, i)
+                a.live_rids.add(rid)
+                try:
+                    res = await self._client().generate_sample(s, rid=rid)
+                except (EngineError, SampleError) as exc:
+                    failures += 1
+                    self.book.bump("engine_faults")
+                    if isinstance(exc, SampleError) or failures > self.config.sample_retries:
+                        log.warning("task %s sample %d: giving up after %d failures: %s",
+                                    run.task_id, i, failures, exc)
+                        a.fault = exc
+                        self.stop_samples(a, keep=i)
+                        return
+                    log.info("task %s sample %d: %s; retry %d/%d", run.task_id, i, exc,
+                             failures, self.config.sample_retries)
+                    if isinstance(exc, EngineUnavailable):  # maybe still running somewhere
+                        self.aborter.abort_soon(rid)
+                    await asyncio.sleep(self.config.engine_backoff_s * failures)
+                    continue
+                finally:
+                    a.live_rids.discard(rid)
+                if res is None:
+                    continue
+                run.texts[i] += res.text
+                self.book.bump("tokens_generated", len(res.output_ids))
+                if res.is_abort and not (a.parking or a.abandoned or self._pausing()):
+                    # Aborted by someone else (an operator, an engine-side pause): resume.
+                    self.book.bump("unexpected_aborts")
+                    await asyncio.sleep(min(0.05 * run.requests[i], 1.0))
+            self.pool.release(a.hold)
+            freed = True
+            self.book.bump("samples_finished")
+            await self._score(run, i)
+        finally:
+            if not freed:
+                self.pool.release(a.hold)
+
+    async def _score(self, run: GroupRun, i: int) -> None:
+        """Reward one final sample; an error is recorded on it, never raised."""
+        s = run.samples[i]
+        try:
+            value = await self.rewards.call(self.reward_fn, run.lease.task,
+                                            [int(t) for t in s.response_ids], run.sample_meta(i))
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not math.isfinite(value):
+                raise TypeError(f"reward function returned {value!r}; expected a finite float")
+            run.rewards[i] = float(value)
+            run.reward_errors.pop(i, None)
+        except Exception as exc:  # noqa: BLE001 - a plugin's failure is the sample's
+            run.rewards[i] = None
+            run.reward_errors[i] = f"{type(exc).__name__}: {exc}"[:500]
+            self.book.bump("reward_errors")
+            log.warning("task %s sample %d: reward failed: %s", run.task_id, i, exc)
+
+    # -- settling --------------------------------------------------------------------------
+    async def _settle(self, a: ActiveGroup, version: int) -> None:
+        run = a.run
+        if run is None:
+            return
+        if a.abandoned:
+            self.book.bump("leases_lost")
+            log.warning("task %s abandoned (heartbeats failing); the grantor re-queues it",
+                        run.task_id)
+            return
+        if run.all_final:
+            for i in range(run.size):
+                if run.rewards[i] is None and i not in run.reward_errors:
+                    await self._score(run, i)
+            await self._finish(run, version)
+            return
+        fault = a.fault
+        if fault is not None and not isinstance(fault, EngineUnavailable) and not a.parking:
+            await self.handback.fail(a.lease, "engine_rejected", str(fault)[:500])
+            return
+        if fault is not None:
+            self._faults_in_row += 1
+            delay = self.config.engine_backoff_s * min(2 ** (self._faults_in_row - 1), 16)
+            self.backoff_until = max(self.backoff_until, self.clock() + delay)
+            log.warning("task %s handed back as partial after an engine fault: %s "
+                        "(claiming again in %.1fs)", run.task_id, fault, delay)
+        group = run.to_group(producer=self.producer_id, version_hint=version, partial=True)
+        await self.handback.yield_partial(a.lease, group)
+
+    def _drop_reason(self, run: GroupRun) -> tuple[str | None, str]:
+        """The filter's verdict (a failing filter keeps the group), or ``reward_error``
+        when no reward succeeded."""
+        reason: str | None = None
+        if self.filter_fn is not None:
+            try:
+                reason = self.filter_fn(run.lease.task, run.rewards_for_filter())
+                if reason is not None:
+                    validate_id(reason, "filter drop reason")
+            except Exception as exc:  # noqa: BLE001 - keep the group, note the failure
+                log.warning("task %s: filter failed (%s); keeping the group", run.task_id, exc)
+                reason = None
+        if reason is None and run.size and not run.rewards_for_filter():
+            return "reward_error", "; ".join(sorted(set(run.reward_errors.values())))
+        return reason, ""
+
+    async def _finish(self, run: GroupRun, version: int) -> None:
+        self._faults_in_row = 0
+        reason, message = self._drop_reason(run)
+        group = run.to_group(producer=self.producer_id, version_hint=version, partial=False,
+                             mask_offpolicy=self.config.mask_offpolicy_in_partial_rollout)
+        if reason is not None:
+            await self.handback.drop(run.lease, reason, message or f"filter: {reason}",
+                                     group.summary())
+        else:
+            await self.handback.complete(run.lease, group)
