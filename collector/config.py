@@ -1,22 +1,27 @@
 """Configuration of the global batch collector: one frozen, keyword-only, validated dataclass.
 
-Build it from a mapping with ``strawq.config.from_dict(CollectorConfig, data)`` (unknown
-keys are refused by name). Every field is documented where it is declared; the admission
-rule these bounds feed is explained in ``strawq.collector.admission`` and ``docs/collector.md``.
+Build it from a mapping with ``CollectorConfig.from_dict(data)`` (``strawq.config.Config``:
+unknown keys are refused by name). Every field is documented where it is declared; the
+admission rule these bounds feed is explained in ``strawq.collector.admission`` and
+``docs/collector.md``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
+from strawq.config import Config
 from strawq.errors import ConfigError
 
-ETA_MODES = ("drop", "requeue", "off")
-ADVANTAGE_MODES = ("grpo", "grpo_mean_only", "none")
+EtaMode = Literal["drop", "requeue", "off"]
+AdvantageMode = Literal["grpo", "grpo_mean_only", "none"]
+ETA_MODES: tuple[str, ...] = get_args(EtaMode)
+ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
 
 
 @dataclass(frozen=True, kw_only=True)
-class CollectorConfig:
+class CollectorConfig(Config):
     #: B: groups per training batch (one manifest).
     batch_groups: int = 64
     #: η: maximum staleness in weight versions (current version − a group's minimum token
@@ -25,7 +30,7 @@ class CollectorConfig:
     #: What to do with a ready group staler than η at batch time: ``drop`` (recorded in
     #: ``dropped/`` with reason ``stale_eta``), ``requeue`` (generated again from scratch),
     #: or ``off`` (admission control only, never enforced on ready groups).
-    eta_mode: str = "drop"
+    eta_mode: EtaMode = "drop"
     #: Optimizer steps (batches) per weight version; the admission bound scales with it.
     batches_per_version: int = 1
     #: Bound on running groups (pending + leased + partial). Set it to the producers' total
@@ -40,7 +45,7 @@ class CollectorConfig:
     flush_at_end: bool = True
     #: Advantages stored in the manifest: ``grpo`` ((r − mean) / (std + eps), unbiased std
     #: over the group, as verl's GRPO), ``grpo_mean_only`` (r − mean, Dr. GRPO) or ``none``.
-    advantages: str = "grpo"
+    advantages: AdvantageMode = "grpo"
     #: ε of the GRPO normalisation.
     advantage_eps: float = 1e-6
     #: Seconds between loop passes of ``Collector.run``.
@@ -57,14 +62,12 @@ class CollectorConfig:
     #: Port of the collector's Prometheus endpoint (None: no endpoint; 0: any free port).
     prometheus_port: int | None = None
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.batch_groups < 1:
             raise ConfigError(f"batch_groups must be >= 1, got {self.batch_groups}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0 or None (unbounded), got "
                               f"{self.max_staleness}")
-        if self.eta_mode not in ETA_MODES:
-            raise ConfigError(f"eta_mode must be one of {ETA_MODES}, got {self.eta_mode!r}")
         if self.batches_per_version < 1:
             raise ConfigError(f"batches_per_version must be >= 1, got "
                               f"{self.batches_per_version}")
@@ -76,9 +79,6 @@ class CollectorConfig:
         if self.max_prefetch_batches < 1:
             raise ConfigError(f"max_prefetch_batches must be >= 1, got "
                               f"{self.max_prefetch_batches}")
-        if self.advantages not in ADVANTAGE_MODES:
-            raise ConfigError(f"advantages must be one of {ADVANTAGE_MODES}, got "
-                              f"{self.advantages!r}")
         if self.advantage_eps <= 0:
             raise ConfigError(f"advantage_eps must be > 0, got {self.advantage_eps}")
         for name in ("poll_interval_s", "gc_interval_s", "metrics_interval_s"):

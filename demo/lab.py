@@ -40,8 +40,10 @@ import random
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from strawq.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ MODES = ("sync", "partial", "async")
 
 
 @dataclass(frozen=True, kw_only=True)
-class LabConfig:
+class LabConfig(Config):
     """The lab's standard case: a 64-GPU job, 48 GPUs of rollout (see ``docs/lab.md``)."""
 
     #: where each mode's run/, timeline PNG and config JSON go (workdir/<mode>/)
@@ -99,7 +101,7 @@ class LabConfig:
     sample_period_s: float = 0.1
     progress: bool = True
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         for m in self.modes:
             if m not in MODES:
                 raise ValueError(f"unknown mode {m!r}; expected some of {MODES}")
@@ -157,22 +159,6 @@ class LabConfig:
         tail = 0.5 * math.erfc(z / math.sqrt(2)) if s > 0 else 0.0
         body = math.exp(mu + s * s / 2) * phi + self.len_cap * tail
         return (1 - self.cap_prob) * body + self.cap_prob * self.len_cap
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["modes"] = list(self.modes)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LabConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown LabConfig keys {unknown}; expected some of {sorted(known)}")
-        d = dict(data)
-        if "modes" in d:
-            d["modes"] = tuple(d["modes"])
-        return cls(**d)
 
 
 @dataclass

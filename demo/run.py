@@ -31,7 +31,7 @@ from strawq.demo.schedule import ScheduleConfig, ScheduleResult, StepRecord, col
 from strawq.demo.trainer import GRPOTrainer
 from strawq.producers.engines.testing import EngineProcess, start_engine_subprocess
 from strawq.producers.engines.tiny_model import init_model, load_weights, save_weights
-from strawq.config import QueueConfig
+from strawq.config import Config, QueueConfig
 from strawq.control import Control
 from strawq.dataset import Dataset
 from strawq.errors import StrawqError
@@ -44,7 +44,7 @@ CHECKPOINT = "trainer.ckpt"
 
 
 @dataclass(frozen=True, kw_only=True)
-class DemoConfig:
+class DemoConfig(Config):
     #: where everything goes: run/ (the queue), weights/, plots, metrics, summary
     workdir: str = "runs/demo"
     #: put the queue's run directory under this mount instead (e.g. a JuiceFS mount)

@@ -23,10 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from strawq.config import Config
 from strawq.collector.bracket import WeightUpdateBracket
 from strawq.collector.config import CollectorConfig
 from strawq.collector.reader import Batch, BatchReader
 from strawq.demo.trainer import TrainerBackend
+from strawq.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ MODES = ("sync", "partial", "async")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScheduleConfig:
+class ScheduleConfig(Config):
     mode: str = "async"
     #: groups per training batch (B)
     batch_groups: int = 8
@@ -49,13 +51,13 @@ class ScheduleConfig:
     #: deadline of one next_batch / bracket wait
     timeout_s: float = 600.0
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.batch_groups < 1 or self.steps < 1 or self.slots < 1:
-            raise ValueError("batch_groups, steps and slots must be >= 1")
+            raise ConfigError("batch_groups, steps and slots must be >= 1")
         if self.max_staleness < 0 or self.oversample < 1:
-            raise ValueError("max_staleness must be >= 0 and oversample >= 1")
+            raise ConfigError("max_staleness must be >= 0 and oversample >= 1")
 
 
 def collector_config(cfg: ScheduleConfig, **extra: Any) -> CollectorConfig:

@@ -34,6 +34,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from strawq.config import Config
 from strawq.errors import ConfigError
 from strawq.names import validate_id
 
@@ -143,7 +144,7 @@ class ProducerActor:
 
 # -- the manager -----------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
-class PlacementConfig:
+class PlacementConfig(Config):
     #: Run id used in actor names (``[A-Za-z0-9_.-]``).
     run_id: str
     #: C: concurrent requests per engine.
@@ -163,7 +164,7 @@ class PlacementConfig:
     #: Deadline of a producer's stop (it parks its groups first).
     stop_timeout_s: float = 120.0
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         validate_id(self.run_id, "run id")
         if self.num_cpus < 0:
             raise ConfigError(f"PlacementConfig.num_cpus must be >= 0, got {self.num_cpus}")

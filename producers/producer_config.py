@@ -1,6 +1,6 @@
 """Configuration of one producer: a frozen, keyword-only, validated dataclass.
 
-``ProducerConfig.from_dict`` rejects unknown keys by name (``strawq.config.from_dict``) and
+``ProducerConfig.from_dict`` (``strawq.config.Config``) rejects unknown keys by name and
 builds the nested ``client`` section (``strawq.producers.sglang_client.ClientConfig``).
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from strawq.config import from_dict
+from strawq.config import Config
 from strawq.errors import ConfigError
 from strawq.names import validate_id
 
@@ -25,7 +25,7 @@ SAMPLER_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_i
 
 
 @dataclass(frozen=True, kw_only=True)
-class ProducerConfig:
+class ProducerConfig(Config):
     #: The run's directory on the shared filesystem (``<root>/<run_id>``, made by
     #: ``strawq init`` / ``RunQueue.create``); the same path on every node.
     run_dir: str
@@ -87,9 +87,7 @@ class ProducerConfig:
     #: Fixed producer id (tests); None: ``new_producer_id()``.
     producer_id: str | None = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "workers", tuple(str(w) for w in self.workers))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+    def validate(self) -> None:
         if not self.run_dir:
             raise ConfigError("ProducerConfig.run_dir must name the run directory")
         if not self.workers and self.router_url is None:
@@ -130,24 +128,6 @@ class ProducerConfig:
             return SamplerParams.from_dict(data)
         except (SampleError, TypeError) as exc:
             raise ConfigError(f"invalid sampling parameters {data}: {exc}") from exc
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ProducerConfig:
-        d = dict(data)
-        if isinstance(d.get("client"), Mapping):
-            try:
-                d["client"] = ClientConfig.from_dict(d["client"])
-            except (ValueError, TypeError) as exc:
-                raise ConfigError(f"producer client config: {exc}") from exc
-        for key in ("workers", "stop_token_ids"):
-            if key in d and isinstance(d[key], list):
-                d[key] = tuple(d[key])
-        return from_dict(cls, d, where="producer config")
-
-    def to_dict(self) -> dict[str, Any]:
-        import dataclasses
-
-        return dataclasses.asdict(self)
 
 
 def new_producer_id(prefix: str | None = None) -> str:

@@ -20,12 +20,13 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
 from typing_extensions import Self
 
+from strawq.config import Config
 from strawq.producers.engine_errors import (
     EngineError,
     EngineProtocolError,
@@ -48,7 +49,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ClientConfig:
+class ClientConfig(Config):
     """Client settings. Every wait has a deadline.
 
     Fields:
@@ -78,7 +79,7 @@ class ClientConfig:
     context_length: int | None = None
     default_version: int | None = None
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         for name in (
             "connect_timeout_s",
             "generate_timeout_s",
@@ -99,16 +100,6 @@ class ClientConfig:
             raise ValueError(
                 f"ClientConfig.context_length must be >= 2, found {self.context_length}"
             )
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ClientConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(
-                f"unknown ClientConfig keys {sorted(unknown)}; expected a subset of {sorted(known)}"
-            )
-        return cls(**data)
 
 
 @dataclass(frozen=True)

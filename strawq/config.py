@@ -1,104 +1,288 @@
-"""Configuration of one queue run: a frozen, keyword-only, validated dataclass.
+"""The one configuration base, and the queue's own section.
 
-Unknown keys are rejected with the list of known ones (``from_dict``); every field is
-documented where it is declared.
+Every configuration class of the project is a frozen, keyword-only dataclass that inherits
+:class:`Config`; sections nest (a field typed with another ``Config`` class) and the root
+of a run is :class:`strawq.run_config.RunConfig` (torchtitan's job config is the model).
+
+One validation path, run on every construction (``__init__``, ``from_dict``,
+``dataclasses.replace``): each field's value is checked against its annotation (``int``,
+``float``, ``bool``, ``str``, ``X | None``, ``tuple[X, ...]``, ``Literal[...]``, nested
+sections), then the class's :meth:`Config.validate` checks the value rules. Mappings are
+turned into configs only by :meth:`Config.from_dict`, which refuses unknown keys by name and
+lists the known ones; every field is documented where it is declared.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import numbers
+import re
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from strawq.errors import ConfigError
 
-T = TypeVar("T")
+C = TypeVar("C", bound="Config")
+
+_HINTS: dict[tuple[type, str], Any] = {}
 
 
-def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T:
-    """Build a config dataclass from a mapping, refusing unknown keys by name."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where or cls.__name__}: expected a mapping, found "
-                          f"{type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; known keys are "
-                          f"{sorted(fields)}")
-    hints = typing.get_type_hints(cls)
-    for key, value in data.items():
-        _check_type(f"{where or cls.__name__}.{key}", value, hints[key])
-    return cls(**data)
+class Config:
+    """Base of every configuration class: type-checked fields, ``validate``, dict round trip.
+
+    Subclasses are ``@dataclass(frozen=True, kw_only=True)``; they put their value rules in
+    :meth:`validate` (raising :class:`ConfigError`; a ``ValueError`` is turned into one) and
+    never define ``__post_init__`` or a ``from_dict`` of their own.
+    """
+
+    #: Section types that cannot be imported where the class is defined (the root run
+    #: config names sections whose modules import Ray or HTTP clients): resolved on first use.
+    _lazy_types: ClassVar[Mapping[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is f.default:
+                continue  # a declared default is valid (and its section type stays unloaded)
+            coerced = _check(f"{cls.__name__}.{f.name}", value, _hint(cls, f.name))
+            if coerced is not value:
+                object.__setattr__(self, f.name, coerced)
+        try:
+            self.validate()
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def validate(self) -> None:
+        """Value rules across fields (ranges, choices); the types are already checked."""
+
+    @classmethod
+    def from_dict(cls: type[C], data: Mapping[str, Any], *, where: str = "") -> C:
+        """Build from a mapping (parsed JSON); unknown keys are refused, listing the known."""
+        where = where or cls.__name__
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, found {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys are "
+                              f"{sorted(fields)}")
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            hint = _hint(cls, key)
+            section = _section_type(hint)
+            if section is not None and isinstance(value, Mapping):
+                value = section.from_dict(value, where=f"{where}.{key}")
+            else:
+                value = _check(f"{where}.{key}", value, hint)
+            kwargs[key] = value
+        missing = sorted(n for n, f in fields.items() if n not in kwargs and f.init
+                         and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise ConfigError(f"{where}: missing required key(s) {missing}")
+        try:
+            return cls(**kwargs)
+        except ConfigError as exc:
+            msg = str(exc)
+            raise ConfigError(msg if msg.startswith(where) else f"{where}: {msg}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values (sections as mappings, tuples as lists); ``from_dict`` inverts it."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
 
-def _check_type(where: str, value: Any, hint: Any) -> None:
-    """Refuse values of the wrong type (JSON gives strings, floats and bools freely)."""
+def _plain(value: Any) -> Any:
+    if isinstance(value, Config):
+        return value.to_dict()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _hint(cls: type, name: str) -> Any:
+    """The resolved annotation of one field (cached), importing lazy section types on use."""
+    key = (cls, name)
+    if key not in _HINTS:
+        owner = next(k for k in cls.__mro__ if name in k.__dict__.get("__annotations__", {}))
+        annotation = owner.__dict__["__annotations__"][name]
+        lazy: Mapping[str, str] = getattr(cls, "_lazy_types", {})
+        localns: dict[str, Any] = {}
+        for type_name, target in lazy.items():
+            if isinstance(annotation, str) and re.search(rf"\b{type_name}\b", annotation):
+                module, _, attr = target.partition(":")
+                localns[type_name] = getattr(importlib.import_module(module), attr)
+
+        def probe() -> None: ...
+
+        probe.__annotations__ = {name: annotation}
+        globalns = vars(sys.modules[owner.__module__])
+        _HINTS[key] = typing.get_type_hints(probe, globalns=globalns, localns=localns)[name]
+    return _HINTS[key]
+
+
+def _section_type(hint: Any) -> type[Config] | None:
+    """The config class of a section field (``Section`` or ``Section | None``), else None."""
+    if isinstance(hint, type) and issubclass(hint, Config):
+        return hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        found = [a for a in typing.get_args(hint) if isinstance(a, type) and issubclass(a, Config)]
+        if len(found) == 1:
+            return found[0]
+    return None
+
+
+def _type_name(hint: Any) -> str:
+    if hint is type(None):
+        return "None"
+    if isinstance(hint, type):
+        return hint.__name__
+    return str(hint).replace("typing.", "")
+
+
+def _check(where: str, value: Any, hint: Any) -> Any:
+    """Refuse a value of the wrong type; return it (a list for a tuple field as a tuple).
+
+    JSON gives strings, floats and bools freely, so ``"3"`` is no int, ``True`` no number
+    and ``2.5`` no int; an int is a valid float.
+    """
     origin = typing.get_origin(hint)
+    if hint is Any:
+        return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
-        errors = []
         for arg in args:
             try:
-                _check_type(where, value, arg)
-                return
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"{where}: {value!r} matches none of {args}")
-    if hint is Any or origin is not None:
-        return  # containers and literals: checked by __post_init__ where it matters
+                return _check(where, value, arg)
+            except ConfigError:
+                continue
+        names = " or ".join(_type_name(a) for a in args)
+        raise ConfigError(f"{where}: expected {names}, found {type(value).__name__} {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if not any(value == c and type(value) is type(c) for c in choices):
+            raise ConfigError(f"{where}: expected one of {list(choices)}, found {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise ConfigError(f"{where}: expected a list, found {type(value).__name__} "
+                              f"{value!r}")
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            items = [_check(f"{where}[{i}]", v, args[0]) for i, v in enumerate(value)]
+        elif args:
+            if len(value) != len(args):
+                raise ConfigError(f"{where}: expected {len(args)} items, found {len(value)}")
+            pairs = enumerate(zip(value, args, strict=True))
+            items = [_check(f"{where}[{i}]", v, a) for i, (v, a) in pairs]
+        else:
+            items = list(value)
+        return tuple(items)
+    if origin is not None:  # other generics (dict[...], list[...]): the container only
+        if not isinstance(value, origin):
+            raise ConfigError(f"{where}: expected {_type_name(hint)}, found "
+                              f"{type(value).__name__} {value!r}")
+        return value
     if hint is type(None):
         ok = value is None
     elif hint is bool:
         ok = isinstance(value, bool)
     elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     elif hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
     elif isinstance(hint, type):
         ok = isinstance(value, hint)
     else:
         ok = True
     if not ok:
-        name = getattr(hint, "__name__", str(hint))
-        raise ConfigError(f"{where}: expected {name}, found {type(value).__name__} {value!r}")
+        raise ConfigError(f"{where}: expected {_type_name(hint)}, found "
+                          f"{type(value).__name__} {value!r}")
+    return value
 
 
-def load_config(cls: type[T], path: str | None = None,
-                overrides: Sequence[str] | None = None, *, where: str = "") -> T:
-    """A config from an optional JSON file plus ``KEY=VALUE`` overrides (the CLIs' --set).
+def from_dict(cls: type[C], data: Mapping[str, Any], *, where: str = "") -> C:
+    """``cls.from_dict(data)``: a config from a mapping, refusing unknown keys by name."""
+    return cls.from_dict(data, where=where)
+
+
+def to_dict(obj: Config) -> dict[str, Any]:
+    return obj.to_dict()
+
+
+def parse_overrides(overrides: Sequence[str] | None, *, where: str) -> dict[str, Any]:
+    """``KEY=VALUE`` items (the CLIs' ``--set``) as a nested mapping.
 
     A value is parsed as JSON when it can be (numbers, booleans, null, lists), else kept as
-    a bare string; the result goes through ``from_dict`` (unknown keys and wrong types are
-    refused by name).
+    a bare string; a dotted key (``producer.client.max_retries=5``) sets a nested section.
     """
+    data: dict[str, Any] = {}
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{where}: --set takes KEY=VALUE, got {item!r}")
+        try:
+            parsed: Any = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        *parents, leaf = key.split(".")
+        node = data
+        for p in parents:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{where}: --set {item!r}: {p!r} is not a section")
+            node = child
+        node[leaf] = parsed
+    return data
+
+
+def merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` laid over it, section by section."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(cls: type[C], path: str | None = None,
+                overrides: Sequence[str] | None = None, *, where: str = "") -> C:
+    """A config from an optional JSON file plus ``KEY=VALUE`` overrides (the CLIs' --set).
+
+    The result goes through ``cls.from_dict`` (unknown keys and wrong types are refused by
+    name).
+    """
+    name = where or cls.__name__
     data: dict[str, Any] = {}
     if path:
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
         except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{where or cls.__name__}: cannot read {path}: {exc}") from exc
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"{where or cls.__name__}: --set takes KEY=VALUE, got {item!r}")
-        try:
-            data[key] = json.loads(value)
-        except json.JSONDecodeError:
-            data[key] = value
-    return from_dict(cls, data, where=where)
-
-
-def to_dict(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj)
+            raise ConfigError(f"{name}: cannot read {path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{name}: {path} must hold a JSON object, found "
+                              f"{type(data).__name__}")
+    data = merge(data, parse_overrides(overrides, where=name))
+    return cls.from_dict(data, where=where)
 
 
 @dataclass(frozen=True, kw_only=True)
-class QueueConfig:
+class QueueConfig(Config):
+    """The queue's settings, recorded in ``run.meta`` when the run is created."""
+
     #: Claims per task before it is dropped with a record (attempts are counted at claim;
     #: ``yield``/``release`` refund theirs).
     max_attempts: int = 3
@@ -111,12 +295,13 @@ class QueueConfig:
     release_batch: int = 64
     #: Key of the prompt in a dataset row (a string or a list of token ids).
     prompt_key: str = "prompt"
-    #: Samples per prompt group (G), recorded for readers and ``strawq status``.
+    #: G: samples per prompt group. The one place a run declares it: producers and
+    #: placement read it from here (recorded in ``run.meta`` for readers and ``strawq status``).
     group_size: int = 8
     #: fsync files and directories (turn off only for throwaway benchmarks).
     fsync: bool = True
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.max_attempts < 1:
             raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.lease_timeout_s <= 0:

@@ -25,6 +25,7 @@ from strawq.producers.plugins import load_filter, load_reward
 from strawq.producers.producer_config import ProducerConfig
 from strawq.config import QueueConfig, from_dict
 from strawq.errors import ConfigError
+from strawq.run_config import RunConfig
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 RUN_JSON = DEPLOY / "examples" / "run.json"
@@ -49,29 +50,30 @@ def _placement_config() -> Any:
 def test_run_json_sections_build_through_the_real_config_classes() -> None:
     raw = _run_json()
     assert sorted(raw) == ["collector", "placement", "producer", "queue"]
-    queue = from_dict(QueueConfig, raw["queue"], where="queue")
-    collector = from_dict(CollectorConfig, raw["collector"], where="collector")
-    producer = ProducerConfig.from_dict(raw["producer"])
-    placement = from_dict(_placement_config(), raw["placement"], where="placement")
-    # the sections describe one run: the same G everywhere, K = floor(C*E/G) fits the bound
-    assert queue.group_size == placement.group_size
+    _placement_config()
+    run = RunConfig.from_dict(raw)
+    queue, collector, producer, placement = run.queue, run.collector, run.producer, run.placement
+    assert producer is not None and placement is not None
+    # the sections describe one run: G is held once (queue) and given to placement;
+    # K = floor(C*E/G) fits the bound
+    assert "group_size" not in raw["placement"] and "group_size" not in raw["producer"]
+    assert queue.group_size == placement.group_size == run.group_size
     k = placement.concurrency * placement.engines // placement.group_size
     assert collector.max_running >= k
     assert producer.client.context_length is not None
+    assert isinstance(from_dict(QueueConfig, raw["queue"]), QueueConfig)
+    assert isinstance(from_dict(CollectorConfig, raw["collector"]), CollectorConfig)
+    assert isinstance(ProducerConfig.from_dict(raw["producer"]), ProducerConfig)
 
 
 @pytest.mark.parametrize("section", ["queue", "collector", "producer", "placement"])
 def test_a_misspelt_key_in_the_example_fails(section: str) -> None:
+    if section == "placement":
+        _placement_config()
     raw = copy.deepcopy(_run_json())
     raw[section]["no_such_key"] = 1
-    build = {
-        "queue": lambda d: from_dict(QueueConfig, d),
-        "collector": lambda d: from_dict(CollectorConfig, d),
-        "producer": ProducerConfig.from_dict,
-        "placement": lambda d: from_dict(_placement_config(), d),
-    }[section]
-    with pytest.raises(ConfigError, match="no_such_key"):
-        build(raw[section])
+    with pytest.raises(ConfigError, match=rf"run config\.{section}: unknown key.*no_such_key"):
+        RunConfig.from_dict(raw)
 
 
 def test_the_example_plugins_resolve() -> None:

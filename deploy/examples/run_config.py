@@ -1,7 +1,8 @@
 """Load and validate a run config file like ``run.json``; print one section for the CLI.
 
-A run config has four sections, each built by the real config class (unknown keys are
-refused by name, values type-checked and validated):
+The file is one ``strawq.run_config.RunConfig``: four sections, each built by its real
+config class (unknown keys are refused by name, values type-checked and validated), and
+each value held once (G lives in ``queue.group_size``; placement is given it from there):
 
     queue      strawq.config.QueueConfig          -> strawq init --config, --queue-config
     collector  strawq.collector.config.CollectorConfig   -> strawq collector --config
@@ -10,6 +11,9 @@ refused by name, values type-checked and validated):
 
     python deploy/examples/run_config.py deploy/examples/run.json --check
     python deploy/examples/run_config.py deploy/examples/run.json --section queue > queue.json
+    python deploy/examples/run_config.py run.json --set collector.max_staleness=1 --check
+
+A wrong key or value is one line on stderr (exit status 1), never a traceback.
 """
 
 from __future__ import annotations
@@ -17,61 +21,46 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 SECTIONS = ("queue", "collector", "producer", "placement")
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    raw: dict[str, Any]
-    queue: Any
-    collector: Any
-    producer: Any
-    placement: Any
+def load(path: str, overrides: Sequence[str] = ()) -> Any:
+    """The ``RunConfig`` of ``path`` plus ``section.key=value`` overrides."""
+    from strawq.config import load_config
+    from strawq.run_config import RunConfig
 
-
-def load(path: str) -> RunConfig:
-    """Every section through its config class; ``ConfigError`` names a wrong key."""
-    from strawq.collector.config import CollectorConfig
-    from strawq.producers.producer_config import ProducerConfig
-    from strawq.config import QueueConfig, from_dict
-    from strawq.errors import ConfigError
-
-    with open(path, encoding="utf-8") as f:
-        raw = json.load(f)
-    if not isinstance(raw, dict) or sorted(raw) != sorted(SECTIONS):
-        found = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
-        raise ConfigError(f"{path}: expected exactly the sections {list(SECTIONS)}, found "
-                          f"{found}")
-    queue = from_dict(QueueConfig, raw["queue"], where=f"{path}: queue")
-    collector = from_dict(CollectorConfig, raw["collector"], where=f"{path}: collector")
-    producer = ProducerConfig.from_dict(raw["producer"])
-    return RunConfig(raw, queue, collector, producer, _placement(raw["placement"], path))
-
-
-def _placement(data: dict[str, Any], path: str) -> Any:
-    """``PlacementConfig`` lives in the module that imports Ray; build it from there."""
-    from strawq.producers.placement import PlacementConfig
-    from strawq.config import from_dict
-
-    return from_dict(PlacementConfig, data, where=f"{path}: placement")
+    return load_config(RunConfig, path, overrides, where="run config")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from strawq.errors import ConfigError
+
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path")
     p.add_argument("--section", choices=SECTIONS, help="print this section as JSON")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one value (repeatable)")
     p.add_argument("--check", action="store_true", help="validate every section, print OK")
     args = p.parse_args(argv)
-    cfg = load(args.path)
+    try:
+        cfg = load(args.path, args.set)
+    except ConfigError as exc:
+        print(f"error: {args.path}: {exc}", file=sys.stderr)
+        return 1
     if args.section:
-        json.dump(cfg.raw[args.section], sys.stdout, indent=2)
+        section = getattr(cfg, args.section)
+        if section is None:
+            print(f"error: {args.path} has no {args.section} section", file=sys.stderr)
+            return 1
+        json.dump(section.to_dict(), sys.stdout, indent=2)
         print()
     if args.check or not args.section:
-        print(f"{args.path}: OK (queue, collector, producer, placement)", file=sys.stderr)
+        present = ", ".join(s for s in SECTIONS if getattr(cfg, s) is not None)
+        print(f"{args.path}: OK ({present}; G = {cfg.group_size})", file=sys.stderr)
     return 0
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from strawq.config import Config
 from strawq.producers.engines.core import EngineCore
 from strawq.producers.engines.router import build_router_app
 from strawq.producers.engines.server import build_app
@@ -21,7 +21,7 @@ KINDS = ("tiny", "sim", "router")
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineOptions:
+class EngineOptions(Config):
     """Everything needed to build one local engine.
 
     Fields:
@@ -52,29 +52,13 @@ class EngineOptions:
     update_wait_timeout_s: float = 600.0
     worker_urls: tuple[str, ...] = ()
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"engine kind must be one of {KINDS}, found {self.kind!r}")
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, found {self.max_running}")
         if self.model_path is not None and self.kind != "tiny":
             raise ValueError("model_path only applies to the tiny engine")
-        object.__setattr__(self, "worker_urls", tuple(self.worker_urls))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> EngineOptions:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(
-                f"unknown EngineOptions keys {sorted(unknown)}; expected a subset of {sorted(known)}"
-            )
-        kwargs = dict(data)
-        if isinstance(kwargs.get("tiny"), Mapping):
-            kwargs["tiny"] = TinyConfig.from_dict(kwargs["tiny"])
-        if isinstance(kwargs.get("sim"), Mapping):
-            kwargs["sim"] = SimConfig.from_dict(kwargs["sim"])
-        return cls(**kwargs)
 
 
 def build_engine_app(opts: EngineOptions) -> web.Application:

@@ -22,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from strawq.config import Config
 from strawq.producers.engines.core import Req
 from strawq.producers.engines.seeding import position_hash, position_uniform
 
@@ -33,7 +34,7 @@ _LEN_SALT = 0x5EED_1E57
 
 
 @dataclass(frozen=True, kw_only=True)
-class SimConfig:
+class SimConfig(Config):
     """Timing model of the ``sim`` engine (all times in milliseconds of model time)."""
 
     step_base_ms: float = 10.0
@@ -48,7 +49,7 @@ class SimConfig:
     eos_token_id: int = 2
     time_scale: float = 1.0
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         for name in (
             "step_base_ms",
             "step_per_req_ms",
@@ -66,16 +67,6 @@ class SimConfig:
             raise ValueError(
                 "SimConfig needs vocab_size >= 8 and eos_token_id in 0..2 (ids >= 3 are content)"
             )
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SimConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(
-                f"unknown SimConfig keys {sorted(unknown)}; expected a subset of {sorted(known)}"
-            )
-        return cls(**data)
 
 
 def seed_for_rid(rid: str) -> int:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+
+from strawq.config import Config
+from strawq.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)
-class TinyConfig:
+class TinyConfig(Config):
     """Architecture of :class:`TinyLM`.
 
     Fields:
@@ -34,7 +35,7 @@ class TinyConfig:
     eos_token_id: int = 2
     seed: int = 0
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         for name in (
             "vocab_size",
             "hidden_size",
@@ -44,26 +45,18 @@ class TinyConfig:
             "context_length",
         ):
             if getattr(self, name) < 1:
-                raise ValueError(f"TinyConfig.{name} must be >= 1, found {getattr(self, name)}")
+                raise ConfigError(f"TinyConfig.{name} must be >= 1, found {getattr(self, name)}")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(
-                f"TinyConfig.hidden_size={self.hidden_size} must split into {self.num_heads} heads of even size"
+            raise ConfigError(
+                f"TinyConfig.hidden_size={self.hidden_size} must split into {self.num_heads} "
+                "heads of even size"
             )
         if not 0 <= self.eos_token_id < self.vocab_size:
-            raise ValueError(
-                f"TinyConfig.eos_token_id={self.eos_token_id} is outside the vocabulary [0, {self.vocab_size})"
+            raise ConfigError(
+                f"TinyConfig.eos_token_id={self.eos_token_id} is outside the vocabulary "
+                f"[0, {self.vocab_size})"
             )
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TinyConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(
-                f"unknown TinyConfig keys {sorted(unknown)}; expected a subset of {sorted(known)}"
-            )
-        return cls(**data)

@@ -1,0 +1,117 @@
+"""The root configuration of one run: every section nested under one object, each value once.
+
+torchtitan's job config is the model: one frozen tree whose sections are the components'
+own config classes, loaded from one file (``run.json``) plus ``--set section.key=value``
+overrides (``strawq.config.load_config``), validated in one pass. A misspelt key or a value
+of the wrong type is one line naming its place (``run config.producer.client: unknown
+key(s) ['max_retry']; known keys are [...]``).
+
+Sections:
+
+    queue      strawq.config.QueueConfig                      strawq init, the run's meta
+    collector  strawq.collector.config.CollectorConfig        strawq collector
+    producer   strawq.producers.producer_config.ProducerConfig   (its ``client`` section:
+               strawq.producers.sglang_client.ClientConfig)
+    placement  strawq.producers.placement.PlacementConfig     the driver's producer placement
+
+**Each value is held once.** G, the samples per prompt group, lives in ``queue.group_size``
+and nowhere else in a run config: the producer reads it from the run it joins, placement is
+given it from here. A file that also writes ``group_size`` in the producer or placement
+section is refused with both places named, even when the numbers agree; a run config
+built in Python whose sections disagree on G is refused the same way.
+
+This module imports no Ray, torch or HTTP client: ``producer`` and ``placement`` live in
+modules that do, so their classes are imported only when a run config has those sections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from strawq.collector.config import CollectorConfig
+from strawq.config import Config, QueueConfig
+from strawq.errors import ConfigError
+
+if TYPE_CHECKING:
+    from strawq.producers.placement import PlacementConfig
+    from strawq.producers.producer_config import ProducerConfig
+
+#: Sections that may not restate a value held elsewhere: section -> (key, where it lives).
+_HELD_ELSEWHERE = {"producer": ("group_size", "queue.group_size"),
+                   "placement": ("group_size", "queue.group_size")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(Config):
+    """One run: the queue, the collector, the producers and their placement."""
+
+    _lazy_types: ClassVar[Mapping[str, str]] = {
+        "ProducerConfig": "strawq.producers.producer_config:ProducerConfig",
+        "PlacementConfig": "strawq.producers.placement:PlacementConfig",
+    }
+
+    #: The queue, recorded in ``run.meta`` at ``strawq init``; holds G (``group_size``).
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    #: The global batch collector (admission, staleness bound, batches).
+    collector: CollectorConfig = field(default_factory=CollectorConfig)
+    #: The producers (one per node), with their engine client in ``producer.client``;
+    #: None on hosts that run no producer.
+    producer: ProducerConfig | None = None
+    #: Placement of the producer actors and the slot budget K = floor(C*E/G); None when
+    #: producers are started by hand.
+    placement: PlacementConfig | None = None
+
+    @property
+    def group_size(self) -> int:
+        """G, samples per prompt group (held in ``queue.group_size``)."""
+        return self.queue.group_size
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "") -> RunConfig:
+        """Build the run config; G written in a section besides ``queue`` is refused."""
+        where = where or "run config"
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, found {type(data).__name__}")
+        data = dict(data)
+        queue = data.get("queue", {})
+        g = queue.get("group_size", QueueConfig.group_size) if isinstance(queue, Mapping) \
+            else None
+        for section, (key, home) in _HELD_ELSEWHERE.items():
+            part = data.get(section)
+            if isinstance(part, Mapping) and key in part:
+                raise ConfigError(
+                    f"{where}: {section}.{key} = {part[key]!r} restates {home} = {g!r}; G is "
+                    f"held once, in {home}: remove {key} from the {section} section")
+        placement = data.get("placement")
+        if isinstance(placement, Mapping) and isinstance(g, int) and not isinstance(g, bool):
+            data["placement"] = {**placement, "group_size": g}  # placement is given G from here
+        return super().from_dict(data, where=where)
+
+    def validate(self) -> None:
+        g = self.queue.group_size
+        for section in ("producer", "placement"):
+            part = getattr(self, section)
+            held = getattr(part, "group_size", None)
+            if held is not None and held != g:
+                raise ConfigError(f"{section}.group_size = {held} differs from "
+                                  f"queue.group_size = {g}; G is held once, in "
+                                  f"queue.group_size: leave it unset in {section}")
+        p = self.placement
+        if p is not None and p.concurrency * p.engines < g:
+            raise ConfigError(f"placement: C*E = {p.concurrency}*{p.engines} = "
+                              f"{p.concurrency * p.engines} < G = {g} (queue.group_size): not "
+                              f"one group fits the engines; raise the concurrency or add engines")
+        if (self.producer is not None and self.producer.lease_margin_s is not None
+                and self.producer.lease_margin_s >= self.queue.lease_timeout_s):
+            raise ConfigError(f"producer.lease_margin_s ({self.producer.lease_margin_s}) must "
+                              f"be below queue.lease_timeout_s ({self.queue.lease_timeout_s})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The run config as written: values held elsewhere are left out of their sections."""
+        out = super().to_dict()
+        for section, (key, _) in _HELD_ELSEWHERE.items():
+            if isinstance(out.get(section), dict):
+                out[section].pop(key, None)
+        return out
