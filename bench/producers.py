@@ -37,6 +37,7 @@ from strawq.config import QueueConfig  # noqa: E402
 from strawq.dataset import Dataset  # noqa: E402
 from strawq.feeder import Feeder  # noqa: E402
 from strawq.queue import RunQueue  # noqa: E402
+from strawq.states import TaskState, names_in  # noqa: E402
 from strawq.storage import PosixStorage  # noqa: E402
 
 
@@ -69,6 +70,10 @@ def pending_count(q: RunQueue) -> int:
     return len(q.list_pending())
 
 
+def ready_count(q: RunQueue) -> int:
+    return len(names_in(q.storage, TaskState.READY))
+
+
 def run_case(workdir: Path, url: str, n_prompts: int, producers: int, c: int, g: int,
              max_new: int, eager: bool) -> dict[str, Any]:
     run = workdir / f"run-w{producers}"
@@ -94,14 +99,14 @@ def run_case(workdir: Path, url: str, n_prompts: int, producers: int, c: int, g:
         procs.append(p)
         outs.append(out)
     time.sleep(2.0 + producers * 0.5)  # let the spawned interpreters import everything
-    ready0 = len(q.storage.list("ready"))
+    ready0 = ready_count(q)
     Path(go).touch()
     t0 = time.perf_counter()
     deadline = t0 + 600
     while pending_count(q) > 0 and time.perf_counter() < deadline:
         time.sleep(0.02)
     elapsed = time.perf_counter() - t0
-    ready = len(q.storage.list("ready")) - ready0
+    ready = ready_count(q) - ready0
     Path(stop).touch()
     for p in procs:
         p.join(120)
@@ -114,7 +119,7 @@ def run_case(workdir: Path, url: str, n_prompts: int, producers: int, c: int, g:
     return {"producers": producers, "slots": list(budget.slots), "K": budget.total,
             "ready_groups": ready, "elapsed_s": elapsed, "groups_per_s": ready / elapsed,
             "utilisation": util, "samples_per_s": samples / elapsed, "cpu_ms_per_group": 1000 * cpu / done if done else None,
-            "ready_after_stop": len(q.storage.list("ready")) - ready0}
+            "ready_after_stop": ready_count(q) - ready0}
 
 
 def main() -> int:

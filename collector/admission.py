@@ -25,24 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strawq.states import Depths
 
-@dataclass(frozen=True)
-class Depths:
-    """Queue depths per state, counted from directory listings."""
-
-    pending: int = 0
-    partial: int = 0
-    leased: int = 0
-    ready: int = 0
-    batched: int = 0
-
-    @property
-    def running(self) -> int:
-        return self.pending + self.partial + self.leased
-
-    @property
-    def untrained(self) -> int:
-        return self.ready + self.batched
+__all__ = ["Admission", "Depths", "admission"]
 
 
 @dataclass(frozen=True)

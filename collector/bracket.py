@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from strawq.collector.errors import BracketError, BracketTimeout
 from strawq.control import Control
 from strawq.grantor import LeaseMonitor
-from strawq.names import TaskName
 from strawq.queue import RunQueue
+from strawq.states import TaskState, names_in
 
 log = logging.getLogger(__name__)
 
@@ -154,10 +154,9 @@ class WeightUpdateBracket:
 
     def _stray_leases(self, acks: frozenset[str]) -> list[str]:
         out = []
-        for n in self.queue.storage.list("leased"):
-            t = TaskName.try_parse(n)
-            if t is not None and t.producer in acks:
-                out.append(n)
+        for t in names_in(self.queue.storage, TaskState.LEASED):
+            if t.producer in acks:
+                out.append(str(t))
         return out
 
     def end_weight_update(self, version: int | None = None) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +34,10 @@ from strawq.dataset import Dataset
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.feeder import Feeder
 from strawq.grantor import LeaseMonitor, ScanResult
+from strawq.groups import staleness
 from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
+from strawq.states import depths, dropped_by_reason, upstream_depths
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +153,13 @@ class Collector:
             rep.gc = self.batches.gc()
             self._last_gc = now
         rep.version = self.queue.current_version()
-        upstream = self._upstream()  # listed before the ready scan: see depths()
+        upstream = upstream_depths(self.storage)  # listed before the ready scan: see depths()
         ready = self._ordered_ready(rep)
         seqs, acked = self.batches.batch_seqs()
         rep.prefetched = len([s for s in seqs if s not in acked])
         # re-queued stale groups left ready after the upstream listing: still count them
-        rep.depths = self._depths(upstream, len(ready) + len(rep.requeued_stale))
+        rep.depths = depths(self.storage, upstream=upstream,
+                            ready=len(ready) + len(rep.requeued_stale))
         rep.exhausted = self.feeder.exhausted
         self._form_batches(ready, rep)
         self._admit(rep)
@@ -166,21 +168,8 @@ class Collector:
         return rep
 
     def depths(self) -> Depths:
-        """Queue depths, listed in the direction work flows (pending, leased, ready,
-        batched): a task that moves on between two listings is counted twice, never zero
-        times, so admission errs on the side of releasing too little."""
-        return self._depths(self._upstream(), len(self.storage.list("ready")))
-
-    def _upstream(self) -> tuple[int, int, int]:
-        """(pending, partial, leased): what flows into ``ready/``, listed before it."""
-        pending = [k.rsplit("/", 1)[1] for k in self.queue.list_pending()]
-        partial = sum(1 for n in pending if n.startswith("a"))
-        return len(pending) - partial, partial, len(self.storage.list("leased"))
-
-    def _depths(self, upstream: tuple[int, int, int], ready: int) -> Depths:
-        pending, partial, leased = upstream
-        return Depths(pending=pending, partial=partial, leased=leased, ready=ready,
-                      batched=len(self.storage.list("batched")))
+        """Queue depths now (``strawq.states.depths``: listed in the direction work flows)."""
+        return depths(self.storage)
 
     def _ordered_ready(self, rep: StepReport) -> list[TaskName]:
         scanned = self.batches.scan_ready()
@@ -190,11 +179,12 @@ class Collector:
             return ready
         keep = []
         for n in ready:
-            if rep.version - n.version <= eta:
+            stale = staleness(rep.version, n.version)  # the group's: its minimum version
+            if stale <= eta:
                 keep.append(n)
                 continue
             if self.config.eta_mode == "drop":
-                msg = (f"staleness {rep.version - n.version} > eta {eta} (min version "
+                msg = (f"staleness {stale} > eta {eta} (min version "
                        f"{n.version}, current {rep.version})")
                 if self.batches.drop_ready(n, STALE_REASON, msg):
                     rep.dropped_stale.append(n.id)
@@ -292,11 +282,7 @@ class Collector:
 
     # -- metrics -----------------------------------------------------------------------------
     def dropped_by_reason(self) -> dict[str, int]:
-        reasons: Counter[str] = Counter()
-        for n in self.storage.list("dropped"):
-            t = TaskName.try_parse(n)
-            reasons[t.producer if t is not None and t.producer else "unknown"] += 1
-        return dict(reasons)
+        return dropped_by_reason(self.storage)
 
     def _emit_metrics(self, rep: StepReport, now: float) -> None:
         cfg = self.config

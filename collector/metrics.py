@@ -4,7 +4,8 @@ Names (slash-separated, as slime and verl log them; Prometheus gets ``strawq_`` 
 with ``/`` and ``.`` turned into ``_``):
 
 * ``staleness/mean``, ``staleness/max``, ``staleness/multi_version_frac`` — over the samples
-  of one batch: staleness = current version − the sample's minimum token version;
+  of one batch: staleness = current version − the sample's minimum token version
+  (``strawq.groups.staleness``, per sample);
   multi-version = the sample's response tokens carry more than one version.
 * ``trainer/wait_ratio`` — time spent waiting in ``next_batch`` ÷ step time (from one
   ``next_batch`` return to the next).

@@ -25,8 +25,6 @@ from typing import Any
 import numpy as np
 
 from strawq.errors import CorruptRecord, NotFound
-from strawq.groups import GroupColumns, decode_group_columns
-from strawq.records import Kind
 from strawq.storage import Storage
 
 _ALIGN = 64
@@ -100,17 +98,6 @@ class RecordFile:
         finally:
             os.close(fd)
         return self._buf[:size]
-
-
-def decode_columns(data: memoryview | bytes, *, key: str,
-                   verify: bool) -> tuple[dict[str, Any], np.ndarray, dict[str, np.ndarray]]:
-    """(summary, prompt ids, token columns) of a GROUP record: zero-copy views over ``data``.
-
-    Checks as ``strawq.groups.decode_group_columns``: the four token columns have one length,
-    and it is the sum of ``sample_lens`` (invariant 4); ``CorruptRecord`` else.
-    """
-    g: GroupColumns = decode_group_columns(data, name=key, expect=Kind.GROUP, verify=verify)
-    return g.summary, g.prompt, g.columns
 
 
 class ShardPacker:

@@ -18,9 +18,12 @@ from typing import Any
 
 from strawq import records
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
-from strawq.names import STAGE_PARTIAL, TaskName, data_key, queue_key
+from strawq.names import TaskName, data_key, requeued_name
 from strawq.queue import RunQueue
 from strawq.records import Kind
+from strawq.states import DIRS, TaskState, delete_trained, move, names_in, queued_state
+
+S = TaskState
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +55,7 @@ class BatchStore:
     # -- ready ---------------------------------------------------------------------------------
     def scan_ready(self) -> list[TaskName]:
         """Ready groups, oldest minimum weight version first (then dataset order)."""
-        out = []
-        for n in self.storage.list("ready"):
-            name = TaskName.try_parse(n)
-            if name is not None:
-                out.append(name)
-        return out  # names sort by <minver>.<order>: the listing is already in order
+        return names_in(self.storage, S.READY)  # names sort by <minver>.<order>
 
     def read_summary(self, name: TaskName, state: str = "ready") -> dict[str, Any]:
         """A group's metadata from its record header, without reading the payload."""
@@ -76,7 +74,8 @@ class BatchStore:
                       summaries: Sequence[dict[str, Any]] | None = None,
                       meta: dict[str, Any] | None = None) -> Manifest:
         """Commit a batch (exclusive create of the manifest), then move its groups."""
-        self.storage.sync_dirs(["ready", "leased"])  # producers' renames, made durable
+        # producers' renames, made durable
+        self.storage.sync_dirs([DIRS[S.READY], DIRS[S.LEASED]])
         body = {"seq": seq, "groups": [str(n) for n in names],
                 "summaries": list(summaries or []), "meta": meta or {}, "at": time.time()}
         self.storage.publish(f"batches/{seq:012d}", records.encode(Kind.MANIFEST, body))
@@ -87,12 +86,12 @@ class BatchStore:
         moved = False
         for name in names:
             try:
-                self.storage.rename(f"ready/{name}", f"batched/{name}", sync_dir=False)
+                move(self.storage, name, S.READY, S.BATCHED, sync_dir=False)
                 moved = True
             except (NotFound, AlreadyExists):
                 pass
         if moved:
-            self.storage.sync_dirs(["batched", "ready"])
+            self.storage.sync_dirs([DIRS[S.BATCHED], DIRS[S.READY]])
 
     def batch_seqs(self) -> tuple[list[int], set[int]]:
         """(all manifest seqs present, the acked ones)."""
@@ -134,10 +133,10 @@ class BatchStore:
             if seq not in acked:
                 pending.append(man)
         if lost_manifest:
-            for n in self.storage.list("batched"):
-                if n not in named:
+            for name in names_in(self.storage, S.BATCHED):
+                if str(name) not in named:
                     try:
-                        self.storage.rename(f"batched/{n}", f"ready/{n}")
+                        move(self.storage, name, S.BATCHED, S.READY)
                     except (NotFound, AlreadyExists):
                         pass
         return pending
@@ -166,23 +165,20 @@ class BatchStore:
 
     def drop_from(self, state: str, name: TaskName, reason: str, message: str = "") -> bool:
         """Drop a READY or BATCHED group with a recorded reason; False if it moved on."""
-        if state not in ("ready", "batched"):
+        if state not in (S.READY, S.BATCHED):
             raise ValueError(f"drop_from: state must be 'ready' or 'batched', got {state!r}")
         self.queue.write_note(name, "drop", reason, message)
         try:
-            self.storage.rename(f"{state}/{name}", f"dropped/{name.with_(producer=reason)}")
+            move(self.storage, name, S(state), S.DROPPED, name.with_(producer=reason))
         except (NotFound, AlreadyExists):
             return False
         return True
 
     def requeue_ready(self, name: TaskName) -> bool:
         """Send a too-stale ready group back as fresh work (gen + 1, not an attempt)."""
-        new = name.with_(key=queue_key(STAGE_PARTIAL if name.resume >= 0 else "b", 0,
-                                       name.order),
-                         gen=name.gen + 1, attempts=max(name.attempts - 1, 0), resume=-1,
-                         producer=None)
+        new = requeued_name(name, refund=True, drop_prefix=True)
         try:
-            self.storage.rename(f"ready/{name}", f"pending/{new}")
+            move(self.storage, name, S.READY, queued_state(new), new)
         except (NotFound, AlreadyExists):
             return False
         self.storage.delete(data_key(name.id, name.gen, "group"))
@@ -207,7 +203,7 @@ class BatchStore:
                 self.storage.delete(data_key(name.id, name.gen, "group"))
                 if name.resume >= 0:
                     self.storage.delete(data_key(name.id, name.resume, "partial"))
-                self.storage.delete(f"batched/{name}")
+                delete_trained(self.storage, name)
                 rep.payloads += 1
             self._mark_high_water(seq)
             self.storage.delete(f"batches/{seq:012d}")
@@ -233,12 +229,8 @@ class BatchStore:
     def _gc_stale_generations(self) -> int:
         """Payloads of generations older than the task's current one (fenced writers)."""
         current: dict[str, TaskName] = {}
-        keys = self.queue.list_pending() + [f"{d}/{n}" for d in
-                                            ("leased", "ready", "batched", "dropped")
-                                            for n in self.storage.list(d)]
-        for key in keys:
-            name = TaskName.try_parse(key.rsplit("/", 1)[1])
-            if name is not None:
+        for state in (S.PENDING, S.PARTIAL, S.LEASED, S.READY, S.BATCHED, S.DROPPED):
+            for name in names_in(self.storage, state):
                 prev = current.get(name.id)
                 if prev is None or name.gen > prev.gen:
                     current[name.id] = name

@@ -27,6 +27,7 @@ from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
 from strawq.queue import RunQueue
 from strawq.records import Kind
+from strawq.states import DIRS, RELEASE_PREFIX, TaskState, key_of, release_dir
 from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class Feeder:
             # name starts with r-<seq>. (recover repairs the cursor).
             log.error("cursor record %s is corrupt (%s); continuing from index %d as its name "
                       "says", key, exc, nxt)
-            prefix = f"r-{seq:012d}."
+            prefix = f"{RELEASE_PREFIX}{seq:012d}."
             staging = next((s for s in self.storage.list("staging") if s.startswith(prefix)),
                            None)
             return Cursor(seq, nxt, staging, False, {}, corrupt=key)
@@ -138,12 +139,13 @@ class Feeder:
         if cur.staging is None:
             return
         try:
-            self.storage.rename(f"staging/{cur.staging}", f"pending/r-{cur.seq:012d}")
+            # dataset -> PENDING: a whole release at once, one directory rename
+            self.storage.rename(f"staging/{cur.staging}", release_dir(cur.seq))
         except NotFound:
             pass  # already promoted
         except AlreadyExists:
-            log.error("pending/r-%012d exists while staging/%s is still there; leaving both "
-                      "for inspection", cur.seq, cur.staging)
+            log.error("%s exists while staging/%s is still there; leaving both for "
+                      "inspection", release_dir(cur.seq), cur.staging)
 
     # -- release -----------------------------------------------------------------------------
     def release(self, n: int | None = None) -> int:
@@ -154,7 +156,7 @@ class Feeder:
             return 0
         rows = self._reader.read(cur.next_index, n)
         seq = cur.seq + 1
-        staging = f"r-{seq:012d}.{uuid.uuid4().hex[:8]}"
+        staging = f"{RELEASE_PREFIX}{seq:012d}.{uuid.uuid4().hex[:8]}"
         good = 0
         for index, row in rows:
             task_id = dataset_task_id(index)
@@ -168,7 +170,8 @@ class Feeder:
                                  sync_dir=False)
             good += 1
         # The staging directory exists only once a good row was staged in it.
-        self.storage.sync_dirs([f"staging/{staging}"] * bool(good) + ["staging", "dropped"])
+        self.storage.sync_dirs([f"staging/{staging}"] * bool(good)
+                               + ["staging", DIRS[TaskState.DROPPED]])
         end = rows[-1][0] + 1 if rows else cur.next_index
         exhausted = len(rows) < n
         new = Cursor(seq, end, staging if good else None, exhausted, self.dataset.fingerprint)
@@ -190,13 +193,14 @@ class Feeder:
                              records.encode(Kind.CURSOR, meta))
 
     def _record_bad_row(self, task_id: str, row: BadRow) -> None:
-        name = TaskName(key=queue_key("c", 0, row.index), id=task_id, gen=0, attempts=0,
-                        resume=-1, producer="bad_row")
+        name = TaskName(key=queue_key(STAGE_FRESH, 0, row.index), id=task_id, gen=0,
+                        attempts=0, resume=-1, producer="bad_row")
         body = {"task_id": task_id, "gen": 0, "attempts": 0, "reason": "bad_row",
                 "message": row.message, "at": time.time(), "summary": {"index": row.index}}
         log.error("dropping dataset row %d: %s", row.index, row.message)
+        # dataset -> DROPPED: the note, then the entry, each by exclusive create
         for key, kind in ((note_key(task_id, 0, "drop", "bad_row"), Kind.DROP),
-                          (f"dropped/{name}", Kind.DROP)):
+                          (key_of(TaskState.DROPPED, name), Kind.DROP)):
             try:
                 self.storage.publish(key, records.encode(kind, body), sync_dir=False)
             except AlreadyExists:

@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from strawq.errors import AlreadyExists, NotFound
-from strawq.names import TaskName
+from strawq.names import TaskName, heartbeat_key, requeued_name
 from strawq.queue import RunQueue
+from strawq.states import TaskState, move, names_in, queued_state
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +47,9 @@ class LeaseMonitor:
     def observe_heartbeats(self, now: float) -> dict[str, int]:
         latest: dict[str, int] = {}
         stale: list[str] = []
-        for name in self.queue.storage.list("hb"):
-            p, _, digits = name.rpartition("~")
-            if not (p and digits.isdigit()):
-                continue
-            counter = int(digits)
+        for p, counter in self.queue.heartbeats():
             if p in latest:
-                stale.append(f"hb/{p}~{min(latest[p], counter):016d}")
+                stale.append(heartbeat_key(p, min(latest[p], counter)))
             latest[p] = max(latest.get(p, 0), counter)
         for key in stale:  # left by a producer that died between publish and delete
             self.queue.storage.delete(key)
@@ -67,19 +64,17 @@ class LeaseMonitor:
         now = self.clock()
         res = ScanResult(producers=self.observe_heartbeats(now))
         res.silence = {p: now - t for p, (_c, t) in self._seen.items()}
-        names = self.queue.storage.list("leased")
-        live = set(names)
+        leased = [(n, n.producer) for n in names_in(self.queue.storage, TaskState.LEASED)
+                  if n.producer is not None]
+        live = {str(n) for n, _p in leased}
         for gone in [k for k in self._first_seen if k not in live]:
             del self._first_seen[gone]
         holders: set[str] = set()
-        for n in names:
-            name = TaskName.try_parse(n)
-            if name is None or name.producer is None:
-                continue
-            holders.add(name.producer)
+        for name, producer in leased:
+            holders.add(producer)
             res.leases += 1
-            first = self._first_seen.setdefault(n, now)
-            beat = self._seen.get(name.producer)
+            first = self._first_seen.setdefault(str(name), now)
+            beat = self._seen.get(producer)
             last_alive = max(first, beat[1]) if beat else first
             if now - last_alive >= self.timeout:
                 # Its temporary files are left alone: on a shared mount the grantor cannot
@@ -95,29 +90,30 @@ class LeaseMonitor:
         that was only paused simply publishes its next counter when it wakes up."""
         for p, (counter, changed) in list(self._seen.items()):
             if p not in holders and now - changed >= 2 * self.timeout:
-                self.queue.storage.delete(f"hb/{p}~{counter:016d}")
+                self.queue.storage.delete(heartbeat_key(p, counter))
                 del self._seen[p]
                 log.info("producer %s departed (silent %.0fs, no leases); its heartbeat "
                          "file is removed", p, now - changed)
 
     def _expire(self, name: TaskName, res: ScanResult) -> bool:
         q = self.queue
-        src = f"leased/{name}"
         if name.attempts >= q.config.max_attempts:
             q.write_note(name, "drop", "lease_expired.max_attempts",
                           f"producer {name.producer} went silent on attempt {name.attempts} "
                           f"of {q.config.max_attempts}")
-            dst = f"dropped/{name.with_(producer='lease_expired.max_attempts')}"
+            new = name.with_(producer="lease_expired.max_attempts")
+            dst = TaskState.DROPPED
             target = res.dropped
         else:
-            dst = f"pending/{q._requeued_name(name, refund=False)}"
+            new = requeued_name(name, refund=False)
+            dst = queued_state(new)
             target = res.expired
-        try:
-            q.storage.rename(src, dst, sync_dir=False)  # lost in a power cut: expires again
+        try:  # not fsync'd: lost in a power cut, the lease simply expires again
+            move(q.storage, name, TaskState.LEASED, dst, new, sync_dir=False)
         except (NotFound, AlreadyExists):
             return False  # the holder finished (or handed it back) first: it won the race
         log.warning("lease %s of producer %s expired; task %s -> %s", name.gen, name.producer,
-                    name.id, dst.split("/", 1)[0])
+                    name.id, dst.value)
         target.append(name.id)
         return True
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +23,22 @@ SAMPLE_STATUSES = ("completed", "truncated", "aborted", "pending", "failed")
 TOKEN_COLUMNS = {"tokens": np.int32, "logprobs": np.float32, "versions": np.int64,
                  "loss_mask": np.uint8}
 _TOKEN_DTYPES = tuple((c, np.dtype(t)) for c, t in TOKEN_COLUMNS.items())
+
+_V = TypeVar("_V", int, np.ndarray)
+
+
+def staleness(current_version: int, min_version: _V) -> _V:
+    """Staleness (invariant 5): ``current_version`` − the minimum weight version over tokens.
+
+    The one definition. What "the tokens" are is the caller's ``min_version``: a group's
+    minimum over all its samples' tokens (``TaskName.version`` of a ready group, the
+    ``min_version`` of its summary) gives the group's staleness, which orders ready groups
+    and is checked against the η bound; an array of per-sample minima (the reader's
+    ``sample_min_version``) gives per-sample staleness for the ``staleness/*`` metrics.
+    Not clamped: a negative value means the batch was read before the version that stamped
+    its tokens was announced.
+    """
+    return current_version - min_version
 
 
 @dataclass(kw_only=True)
@@ -98,10 +114,6 @@ class GroupData:
             return 0
         lo, hi = int(self.versions.min()), int(self.versions.max())
         return 1 if lo == hi else int(np.unique(self.versions).size)
-
-    @property
-    def complete(self) -> bool:
-        return all(s in ("completed", "truncated", "failed") for s in self.status)
 
     def summary(self) -> dict[str, Any]:
         """Metadata that readers and the collector use without touching the payload."""

@@ -7,7 +7,7 @@ from typing import Any
 from strawq import records
 from strawq.errors import CorruptRecord, NotFound
 from strawq.groups import GroupData
-from strawq.names import TaskName
+from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
 from strawq.records import Kind
 
@@ -15,12 +15,8 @@ from strawq.records import Kind
 def _resolve(queue: RunQueue, key: str) -> str:
     if "/" in key:
         return key
-    state, name = queue.find(key)  # a bare task id
-    if state == "pending":
-        for k in queue.list_pending():
-            if k.endswith(str(name)):
-                return k
-    return f"{state}/{name}"
+    _state, found, _name = queue.locate(key)  # a bare task id
+    return found
 
 
 def describe_record(queue: RunQueue, key: str, *, tokens: int = 16) -> dict[str, Any]:
@@ -54,5 +50,5 @@ def describe_record(queue: RunQueue, key: str, *, tokens: int = 16) -> dict[str,
     else:
         out["meta"] = {k: v for k, v in rec.meta.items() if k != "tables"}
     if rec.kind == Kind.TASK and name is not None and name.resume >= 0:
-        out["resumes_from"] = f"data/{name.id}~g{name.resume}.partial"
+        out["resumes_from"] = data_key(name.id, name.resume, "partial")
     return out

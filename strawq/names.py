@@ -24,16 +24,19 @@ from dataclasses import dataclass, replace
 
 from strawq.errors import ConfigError
 
-ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
-_NAME_RE = re.compile(
-    r"(?P<key>[a-c]?\d{12}\.\d{12})~(?P<id>[A-Za-z0-9_.-]+)~g(?P<gen>\d+)~a(?P<att>\d+)"
-    r"~r(?P<res>-1|\d+)(?:~(?P<producer>[A-Za-z0-9_.-]+))?"
-)
-MAX_VERSION = 10**12 - 1
-
+#: Stage letters of a queued task's key: they sort partial work first, then tasks returned
+#: to the queue, then fresh ones. The only place these letters are spelled.
 STAGE_PARTIAL = "a"
 STAGE_REQUEUED = "b"
 STAGE_FRESH = "c"
+STAGES = STAGE_PARTIAL + STAGE_REQUEUED + STAGE_FRESH
+
+ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+_NAME_RE = re.compile(
+    rf"(?P<key>[{STAGES}]?\d{{12}}\.\d{{12}})~(?P<id>[A-Za-z0-9_.-]+)~g(?P<gen>\d+)"
+    r"~a(?P<att>\d+)~r(?P<res>-1|\d+)(?:~(?P<producer>[A-Za-z0-9_.-]+))?"
+)
+MAX_VERSION = 10**12 - 1
 
 
 def validate_id(value: str, what: str = "task id") -> str:
@@ -94,10 +97,44 @@ class TaskName:
 
     @property
     def version(self) -> int:
-        return int(self.key.rsplit(".", 1)[0].lstrip("abc") or 0)
+        return int(self.key.rsplit(".", 1)[0].lstrip(STAGES) or 0)
 
     def with_(self, **changes: object) -> TaskName:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def requeued_name(name: TaskName, *, refund: bool, drop_prefix: bool = False) -> TaskName:
+    """The name a task takes when it goes back to the queue: gen + 1, no holder.
+
+    ``refund`` gives back the attempt counted at claim (a release, a yield; not a failure).
+    A leased task keeps its key, except that a fresh one (stage ``c``, in a release
+    directory) moves to stage ``b`` at its dataset order. With ``drop_prefix`` (a ready
+    group sent back by the staleness bound) the key's version resets to 0 and the task
+    starts from scratch (``resume = -1``); one that had resumed a prefix keeps the
+    partial stage's priority.
+    """
+    key = name.key
+    resume = name.resume
+    if drop_prefix:
+        stage = STAGE_PARTIAL if name.resume >= 0 else STAGE_REQUEUED
+        key, resume = queue_key(stage, 0, name.order), -1
+    elif key.startswith(STAGE_FRESH):
+        key = queue_key(STAGE_REQUEUED, 0, name.order)
+    return name.with_(key=key, gen=name.gen + 1, producer=None, resume=resume,
+                      attempts=max(name.attempts - 1, 0) if refund else name.attempts)
+
+
+def heartbeat_key(producer: str, counter: int) -> str:
+    """``hb/<producer>~<counter>``: the name is the data (no content to read)."""
+    return f"hb/{producer}~{counter:016d}"
+
+
+def parse_heartbeat(name: str) -> tuple[str, int] | None:
+    """(producer, counter) of a file name in ``hb/``; None for anything else."""
+    producer, _, digits = name.rpartition("~")
+    if not (producer and digits.isdigit()):
+        return None
+    return producer, int(digits)
 
 
 def note_key(task_id: str, gen: int, kind: str, reason: str) -> str:

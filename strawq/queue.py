@@ -18,7 +18,8 @@ Layout of ``<root>/<run_id>/`` (see ``docs/protocol.md`` for the crash table)::
     versions/<v>             the weight version the collector has announced
     quarantine/              records that failed their checks, moved aside
 
-Every transition is one atomic rename; see ``strawq.states``.
+Every transition is one atomic rename made by ``strawq.states.move``, which also knows
+which directory holds each state.
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ from strawq.config import QueueConfig, from_dict, to_dict
 from strawq.errors import (AlreadyExists, ConfigError, CorruptRecord, LeaseLost, NotFound,
                            StorageError, TaskNotFound)
 from strawq.groups import GroupData
-from strawq.names import (STAGE_PARTIAL, STAGE_REQUEUED, TaskName, data_key, note_key,
-                          queue_key, ready_key, validate_id)
+from strawq.names import (STAGE_PARTIAL, TaskName, data_key, heartbeat_key, note_key,
+                          parse_heartbeat, queue_key, ready_key, requeued_name, validate_id)
 from strawq.records import Kind
+from strawq.states import DIRS as STATE_DIRS
+from strawq.states import (RELEASE_PREFIX, TaskState, entries, key_of, list_queued, move,
+                           queued_state)
 from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -73,7 +77,7 @@ class Lease:
 
     @property
     def key(self) -> str:
-        return f"leased/{self.name}"
+        return key_of(TaskState.LEASED, self.name)
 
     @property
     def has_partial(self) -> bool:
@@ -148,21 +152,7 @@ class RunQueue:
     # -- producer side -----------------------------------------------------------------------
     def list_pending(self, limit: int | None = None) -> list[str]:
         """Pending keys in claim order: partial, then returned, then fresh by release."""
-        top = self.storage.list("pending")
-        files = [f"pending/{n}" for n in top if not n.startswith("r-")]
-        out = files
-        for d in (n for n in top if n.startswith("r-")):
-            if limit is not None and len(out) >= limit:
-                break
-            inside = self.storage.list(f"pending/{d}")
-            if not inside:
-                # Drained: remove it so listings stay proportional to work in flight. Safe
-                # against races: rmdir refuses a non-empty directory, and a release
-                # directory is never refilled (every release gets a new sequence number).
-                self.storage.rmdir(f"pending/{d}")
-                continue
-            out = out + [f"pending/{d}/{n}" for n in inside]
-        return out if limit is None else out[:limit]
+        return list_queued(self.storage, limit)
 
     def _candidates(self, producer: str, n: int) -> list[str]:
         """Claim candidates in priority order.
@@ -181,11 +171,12 @@ class RunQueue:
             # Fresh work is cached and the top was listed a moment ago: a partial task that
             # appeared since waits at most TOP_LIST_INTERVAL_S for its priority.
             return self._top_files + list(self._fresh)
-        top = self.storage.list("pending")
+        pending = STATE_DIRS[TaskState.PENDING]
+        top = self.storage.list(pending)
         self._top_listed_at = now
-        files = [f"pending/{x}" for x in top if not x.startswith("r-")]
+        files = [f"{pending}/{x}" for x in top if not x.startswith(RELEASE_PREFIX)]
         self._top_files = files
-        dirs = sorted(x for x in top if x.startswith("r-"))
+        dirs = sorted(x for x in top if x.startswith(RELEASE_PREFIX))
         live = set(dirs)
         fresh = [k for k in self._fresh if k.split("/", 2)[1] in live]
         if len(fresh) < want:
@@ -193,13 +184,13 @@ class RunQueue:
             for d in dirs:
                 if len(fresh) >= want:
                     break
-                inside = self.storage.list(f"pending/{d}")
+                inside = self.storage.list(f"{pending}/{d}")
                 if not inside:
                     # Drained: safe to remove (rmdir refuses a non-empty directory, and a
                     # release directory is never refilled: each release has a new seq).
-                    self.storage.rmdir(f"pending/{d}")
+                    self.storage.rmdir(f"{pending}/{d}")
                     continue
-                fresh += [k for k in (f"pending/{d}/{x}" for x in inside) if k not in have]
+                fresh += [k for k in (f"{pending}/{d}/{x}" for x in inside) if k not in have]
         self._fresh = _OrderedSet(fresh)
         window = min(len(fresh), 2 * n + 2)
         if window > 1 and self._contended:
@@ -225,9 +216,9 @@ class RunQueue:
                 log.warning("ignoring a foreign file in the queue: %s", src)
                 continue
             held = name.with_(attempts=name.attempts + 1, producer=producer)
-            dst = f"leased/{held}"
             try:
-                self.storage.rename(src, dst, sync_dir=False)
+                dst = move(self.storage, name, queued_state(name), TaskState.LEASED, held,
+                           src_key=src, sync_dir=False)
             except NotFound:
                 lost += 1
                 continue  # another producer won it
@@ -250,20 +241,21 @@ class RunQueue:
         validate_id(producer, "producer id")
         prev = self._hb_counter.get(producer)
         if prev is None:
-            prev = max((c for p, c in self._heartbeats() if p == producer), default=0)
+            prev = max((c for p, c in self.heartbeats() if p == producer), default=0)
         counter = prev + 1
-        self.storage.publish(f"hb/{producer}~{counter:016d}", b"", sync_dir=False,
+        self.storage.publish(heartbeat_key(producer, counter), b"", sync_dir=False,
                              sync_file=False)
         self._hb_counter[producer] = counter
         if prev:
-            self.storage.delete(f"hb/{producer}~{prev:016d}")
+            self.storage.delete(heartbeat_key(producer, prev))
         return counter
 
-    def _heartbeats(self) -> Iterable[tuple[str, int]]:
+    def heartbeats(self) -> Iterator[tuple[str, int]]:
+        """(producer, counter) of every heartbeat file (a producer may briefly have two)."""
         for n in self.storage.list("hb"):
-            p, _, c = n.rpartition("~")
-            if p and c.isdigit():
-                yield p, int(c)
+            hb = parse_heartbeat(n)
+            if hb is not None:
+                yield hb
 
     def still_held(self, lease: Lease) -> bool:
         """Whether the lease file is still ours (a hint: only the final rename fences)."""
@@ -277,15 +269,15 @@ class RunQueue:
         rec = self._read_record(key, Kind.PARTIAL)
         return GroupData.from_record(rec)
 
-    def _move_lease(self, lease: Lease, dst: str) -> None:
+    def _move_lease(self, lease: Lease, dst: TaskState, new: TaskName) -> str:
         """The fencing step. Not fsync'd: if a power failure undoes it, the task is back in
         LEASED, expires and runs again; its payload was made durable before this rename.
         The collector fsyncs ``ready/`` before a manifest names a group (``publish_batch``).
         """
-        if dst.startswith("pending/"):
+        if dst in (TaskState.PENDING, TaskState.PARTIAL):
             self._top_listed_at = float("-inf")  # our own handback: list the top next time
         try:
-            self.storage.rename(lease.key, dst, sync_dir=False)
+            return move(self.storage, lease.name, TaskState.LEASED, dst, new, sync_dir=False)
         except NotFound:
             raise LeaseLost(f"lease {lease.name} is no longer held by {lease.producer}: it "
                             "expired and was re-queued (or the task was dropped); its result "
@@ -308,7 +300,7 @@ class RunQueue:
     def complete(self, lease: Lease, group: GroupData) -> str:
         """Publish a finished group and move the task to READY. ``LeaseLost`` if fenced."""
         name = lease.name.with_(key=ready_key(group.min_version(), lease.name.order))
-        return self._persist(lease, group, Kind.GROUP, "group", f"ready/{name}")
+        return self._persist(lease, group, Kind.GROUP, "group", TaskState.READY, name)
 
     def yield_partial(self, lease: Lease, group: GroupData) -> str:
         """Save the prefixes and return the task as PARTIAL (no attempt spent, gen + 1)."""
@@ -316,34 +308,24 @@ class RunQueue:
             key=queue_key(STAGE_PARTIAL, group.min_version(), lease.name.order),
             gen=lease.gen + 1, attempts=max(lease.name.attempts - 1, 0), resume=lease.gen,
             producer=None)
-        return self._persist(lease, group, Kind.PARTIAL, "partial", f"pending/{name}")
+        return self._persist(lease, group, Kind.PARTIAL, "partial", TaskState.PARTIAL, name)
 
     def _persist(self, lease: Lease, group: GroupData, kind: Kind, suffix: str,
-                 dst: str) -> str:
+                 dst: TaskState, new: TaskName) -> str:
         """Payload first (durable), then the fencing rename; a fenced payload is removed."""
         self._check_group(lease, group)
         payload = data_key(lease.task_id, lease.gen, suffix)
         self._publish_payload(lease, payload, group.encode(kind))
         try:
-            self._move_lease(lease, dst)
+            return self._move_lease(lease, dst, new)
         except LeaseLost:
             self.storage.delete(payload)
             raise
-        return dst
 
     def release(self, lease: Lease) -> str:
         """Give a task back untouched (no attempt spent, gen + 1)."""
-        dst = f"pending/{self._requeued_name(lease.name, refund=True)}"
-        self._move_lease(lease, dst)
-        return dst
-
-    @staticmethod
-    def _requeued_name(name: TaskName, *, refund: bool) -> TaskName:
-        key = name.key
-        if key.startswith("c"):  # a fresh task keeps its dataset order among returned ones
-            key = queue_key(STAGE_REQUEUED, 0, name.order)
-        return name.with_(key=key, gen=name.gen + 1, producer=None,
-                          attempts=max(name.attempts - 1, 0) if refund else name.attempts)
+        new = requeued_name(lease.name, refund=True)
+        return self._move_lease(lease, queued_state(new), new)
 
     def fail(self, lease: Lease, reason: str, message: str = "", *,
              retryable: bool = True) -> str:
@@ -351,9 +333,8 @@ class RunQueue:
         validate_id(reason, "reason")
         if retryable and lease.name.attempts < self.config.max_attempts:
             self.write_note(lease.name, "fail", reason, message)
-            dst = f"pending/{self._requeued_name(lease.name, refund=False)}"
-            self._move_lease(lease, dst)
-            return dst
+            new = requeued_name(lease.name, refund=False)
+            return self._move_lease(lease, queued_state(new), new)
         if retryable:
             reason = f"{reason}.max_attempts"
         return self.drop(lease, reason, message)
@@ -363,9 +344,7 @@ class RunQueue:
         """Drop a task with a recorded reason (e.g. a filter rejected the group)."""
         validate_id(reason, "reason")
         self.write_note(lease.name, "drop", reason, message, summary)
-        dst = f"dropped/{lease.name.with_(producer=reason)}"
-        self._move_lease(lease, dst)
-        return dst
+        return self._move_lease(lease, TaskState.DROPPED, lease.name.with_(producer=reason))
 
     def write_note(self, name: TaskName, kind: str, reason: str, message: str,
                     summary: dict[str, Any] | None = None) -> None:
@@ -403,22 +382,20 @@ class RunQueue:
                 self.storage.delete(f"versions/{n}")
 
     # -- lookups ------------------------------------------------------------------------------
-    def find(self, task_id: str) -> tuple[str, TaskName]:
-        """Where a task is now (a scan: for tools and tests, not the hot path)."""
-        for state in ("pending", "leased", "ready", "batched", "dropped"):
-            keys = self.list_pending() if state == "pending" else [
-                f"{state}/{n}" for n in self.storage.list(state)]
-            for key in keys:
-                name = TaskName.try_parse(key.rsplit("/", 1)[1])
-                if name is not None and name.id == task_id:
-                    return state, name
+    def locate(self, task_id: str) -> tuple[TaskState, str, TaskName]:
+        """(state, key, name) of a task now (a scan: for tools and tests, not the hot path)."""
+        for state in (TaskState.PENDING, TaskState.PARTIAL, TaskState.LEASED,
+                      TaskState.READY, TaskState.BATCHED, TaskState.DROPPED):
+            for key, name in entries(self.storage, state):
+                if name.id == task_id:
+                    return state, key, name
         raise TaskNotFound(f"task {task_id!r} is in no state of this run (trained and "
                            "garbage-collected, or never released)")
 
-    def read_task(self, key: str) -> dict[str, Any]:
-        rec = self._read_record(key, Kind.TASK)
-        task: dict[str, Any] = rec.meta["task"]
-        return task
+    def find(self, task_id: str) -> tuple[str, TaskName]:
+        """(directory, name) of a task now: partial tasks are found in ``pending``."""
+        state, _key, name = self.locate(task_id)
+        return STATE_DIRS[state], name
 
     def read_group(self, task_id: str, gen: int) -> GroupData:
         key = data_key(task_id, gen, "group")

@@ -132,11 +132,6 @@ def encode(kind: Kind, meta: Mapping[str, Any],
     return [head, *chunks]
 
 
-def encode_bytes(kind: Kind, meta: Mapping[str, Any],
-                 tables: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> bytes:
-    return b"".join(encode(kind, meta, tables))
-
-
 def decode(data: bytes | memoryview, *, expect: Kind | None = None, name: str = "record",
            verify: bool = True) -> Record:
     """Parse and verify a record. ``CorruptRecord`` says what was expected and found."""
@@ -180,11 +175,6 @@ def decode(data: bytes | memoryview, *, expect: Kind | None = None, name: str = 
         raise CorruptRecord(f"{name}: schema version {meta.get('v')!r}, this strawq reads "
                             f"{SCHEMA_VERSION}")
     return Record(kind_e, meta, payload)
-
-
-def header_size_hint(meta_bytes: int = 4096) -> int:
-    """How many bytes to read to get the header and (typically) all of the metadata."""
-    return HEADER.size + meta_bytes
 
 
 def decode_meta_only(prefix: bytes, *, name: str = "record") -> tuple[Kind, dict[str, Any], int]:

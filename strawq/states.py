@@ -1,23 +1,44 @@
-"""Task states and the transitions between them.
+"""Task states, where each lives on disk, the legal transitions, and the one move between them.
 
 ::
 
-    dataset ──release──▶ PENDING ──claim──▶ LEASED ──complete──▶ READY ──batch──▶ BATCHED
-                           ▲  ▲               │ │ │                 │                │
-                           │  └─release/fail──┘ │ └─drop/fail(max)──┼──▶ DROPPED      │ack
-                           │   (gen+1)          │                   │ (stale bound)  ▼
-               PARTIAL ◀───┼───────yield────────┘                   │             TRAINED
-                  │        └──────expire (grantor, gen+1)           │          (garbage, GC)
-                  └──claim──▶ LEASED
+    dataset ─release─▶ PENDING ─claim─▶ LEASED ─complete─▶ READY ─batch─▶ BATCHED ─gc─▶ TRAINED
+                        ▲  ▲              │ │ ▲              │ │ ▲           │
+                        │  └──release,────┘ │ │              │ │ └─recover───┘
+                        │   fail, expire    │ claim          │ │  (its manifest lost)
+                        │   (gen+1)   yield ▼ │              │ │
+                        │                PARTIAL ◀─requeue───┘ │
+                        └───────requeue (η bound, gen+1)───────┘
 
-Every arrow is one atomic rename (or exclusive create, for ``release``). Only the holder
-of a lease — or the grantor, after expiry — can move a LEASED task; a stale holder finds
-its file gone and gets ``LeaseLost``.
+    DROPPED ◀── drop, fail or expire after max_attempts (from LEASED); drop for the η bound
+                or a corrupt payload (READY); drop_from (BATCHED); a bad dataset row.
+
+PENDING and PARTIAL share ``pending/``: the stage letter of a name's key tells them apart
+(``a`` partial, ``b`` returned, ``c`` fresh; see ``strawq.names``). Fresh tasks arrive a whole
+release at a time in ``pending/r-<seq>/`` (one directory rename by the feeder); bad dataset
+rows are published straight into ``dropped/``. TRAINED has no directory: ``gc`` deletes a
+BATCHED entry once the trainer acked its batch.
+
+Every other arrow is one atomic rename, made by ``move``, which checks the transition against
+``TRANSITIONS`` first. Only the holder of a lease — or the grantor, after expiry — moves a
+LEASED task; a stale holder finds its file gone and gets ``LeaseLost``.
+
+``depths`` counts tasks per state from directory listings, in the direction work flows, so a
+task that moves on between two listings is counted twice, never zero times.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from strawq.errors import StrawqError
+from strawq.names import STAGE_PARTIAL, TaskName
+from strawq.storage import Storage
+
+log = logging.getLogger(__name__)
 
 
 class TaskState(str, enum.Enum):
@@ -26,30 +47,198 @@ class TaskState(str, enum.Enum):
     LEASED = "leased"
     READY = "ready"
     BATCHED = "batched"
-    TRAINED = "trained"
     DROPPED = "dropped"
+    #: acked and garbage-collected: no directory, the entry is deleted
+    TRAINED = "trained"
 
 
 S = TaskState
+
+#: The directory that holds each state's entries (PENDING and PARTIAL share one).
+DIRS: dict[TaskState, str] = {
+    S.PENDING: "pending", S.PARTIAL: "pending", S.LEASED: "leased", S.READY: "ready",
+    S.BATCHED: "batched", S.DROPPED: "dropped",
+}
+#: Prefix of a release directory inside ``pending/`` (fresh tasks, dataset order).
+RELEASE_PREFIX = "r-"
 
 #: (from, to) -> the operation that performs it, and who may call it.
 TRANSITIONS: dict[tuple[TaskState, TaskState], str] = {
     (S.PENDING, S.LEASED): "claim (producer)",
     (S.PARTIAL, S.LEASED): "claim (producer)",
     (S.LEASED, S.READY): "complete (lease holder)",
-    (S.LEASED, S.PARTIAL): "yield_partial (lease holder); expire/release with a saved prefix",
+    (S.LEASED, S.PARTIAL): "yield_partial (lease holder); release/fail/expire of a task "
+                           "claimed from PARTIAL (it keeps its stage)",
     (S.LEASED, S.PENDING): "release / fail retryable (lease holder); expire (grantor)",
     (S.LEASED, S.DROPPED): "drop / fail after max_attempts (holder); expire after max (grantor)",
-    (S.READY, S.BATCHED): "publish_batch (collector)",
-    (S.READY, S.DROPPED): "drop_ready (collector, staleness bound)",
-    (S.READY, S.PARTIAL): "requeue_ready (collector, staleness bound)",
-    (S.BATCHED, S.TRAINED): "ack (trainer) then gc (collector)",
+    (S.READY, S.BATCHED): "publish_batch / recover (collector)",
+    (S.READY, S.DROPPED): "drop_ready (collector: staleness bound, corrupt payload)",
+    (S.READY, S.PENDING): "requeue_ready (collector, staleness bound)",
+    (S.READY, S.PARTIAL): "requeue_ready of a group that had a prefix (collector)",
+    (S.BATCHED, S.READY): "recover, when the manifest naming it is lost (collector)",
+    (S.BATCHED, S.DROPPED): "drop_from batched (collector)",
+    (S.BATCHED, S.TRAINED): "ack (trainer) then gc (collector): the entry is deleted",
 }
 
 
+class IllegalTransition(StrawqError, ValueError):
+    """A move that the state machine does not allow (a bug in the caller)."""
+
+
 def check_transition(src: TaskState, dst: TaskState) -> str:
-    """Return the name of the operation for ``src -> dst``; ``ValueError`` if illegal."""
+    """Return the name of the operation for ``src -> dst``; ``IllegalTransition`` if none."""
     try:
         return TRANSITIONS[(src, dst)]
     except KeyError:
-        raise ValueError(f"illegal task transition {src.value} -> {dst.value}") from None
+        raise IllegalTransition(f"illegal task transition {src.value} -> {dst.value}; the "
+                                "legal ones are listed in strawq.states.TRANSITIONS") from None
+
+
+def queued_state(name: TaskName) -> TaskState:
+    """PARTIAL or PENDING, from the stage letter of a queued task's key."""
+    return S.PARTIAL if name.key.startswith(STAGE_PARTIAL) else S.PENDING
+
+
+def key_of(state: TaskState, name: TaskName) -> str:
+    """The storage key of ``name`` in ``state`` (queued tasks: the top of ``pending/``)."""
+    if state is S.TRAINED:
+        raise IllegalTransition("a trained task has no entry on disk")
+    if state in (S.PENDING, S.PARTIAL) and queued_state(name) is not state:
+        raise IllegalTransition(f"{name} cannot be {state.value}: its key's stage letter says "
+                                f"{queued_state(name).value}")
+    return f"{DIRS[state]}/{name}"
+
+
+def release_dir(seq: int) -> str:
+    """The directory of release ``seq``'s fresh tasks."""
+    return f"{DIRS[S.PENDING]}/{RELEASE_PREFIX}{seq:012d}"
+
+
+def move(storage: Storage, name: TaskName, src: TaskState, dst: TaskState,
+         new: TaskName | None = None, *, src_key: str | None = None,
+         sync_dir: bool = True) -> str:
+    """Move a task ``src -> dst`` (renamed to ``new``): one atomic rename. Returns its key.
+
+    ``src_key`` names the source when it is not the default place (a fresh task inside a
+    release directory). ``NotFound`` means another mover won (the caller decides whether
+    that is ``LeaseLost`` or a lost race); ``IllegalTransition`` means a bug.
+    """
+    check_transition(src, dst)
+    if dst is S.TRAINED:
+        raise IllegalTransition("use delete_trained() to retire a batched entry")
+    dst_key = key_of(dst, name if new is None else new)
+    storage.rename(src_key or key_of(src, name), dst_key, sync_dir=sync_dir)
+    return dst_key
+
+
+def delete_trained(storage: Storage, name: TaskName) -> None:
+    """BATCHED -> TRAINED: the entry of a group whose batch was acked is deleted."""
+    check_transition(S.BATCHED, S.TRAINED)
+    storage.delete(key_of(S.BATCHED, name))
+
+
+# -- listings ------------------------------------------------------------------------------
+#: stray files already warned about, per store (bounded: a flood of junk keeps warning)
+_warned: set[tuple[str, str]] = set()
+
+
+def _parse(storage: Storage, key: str) -> TaskName | None:
+    """The task name of a listed key; a stray file is skipped with one warning."""
+    name = TaskName.try_parse(key.rsplit("/", 1)[1])
+    if name is None and (storage.describe(), key) not in _warned:
+        if len(_warned) < 10_000:
+            _warned.add((storage.describe(), key))
+        log.warning("ignoring a file that is not a task in the queue: %s", key)
+    return name
+
+
+def list_queued(storage: Storage, limit: int | None = None) -> list[str]:
+    """Keys in ``pending/`` in claim order: partial, returned, then fresh by release.
+
+    A drained release directory is removed on the way, so listings stay proportional to
+    work in flight: rmdir refuses a non-empty directory, and a release directory is never
+    refilled (every release gets a new sequence number).
+    """
+    top = DIRS[S.PENDING]
+    listed = storage.list(top)
+    out = [f"{top}/{n}" for n in listed if not n.startswith(RELEASE_PREFIX)]
+    for d in (n for n in listed if n.startswith(RELEASE_PREFIX)):
+        if limit is not None and len(out) >= limit:
+            break
+        inside = storage.list(f"{top}/{d}")
+        if not inside:
+            storage.rmdir(f"{top}/{d}")
+            continue
+        out += [f"{top}/{d}/{n}" for n in inside]
+    return out if limit is None else out[:limit]
+
+
+def entries(storage: Storage, state: TaskState) -> list[tuple[str, TaskName]]:
+    """(key, name) of every task in ``state``, in listing order; stray files are skipped."""
+    if state in (S.PENDING, S.PARTIAL):
+        keys: Iterable[str] = list_queued(storage)
+    elif state is S.TRAINED:
+        return []
+    else:
+        keys = (f"{DIRS[state]}/{n}" for n in storage.list(DIRS[state]))
+    out = []
+    for key in keys:
+        name = _parse(storage, key)
+        if name is not None and (state not in (S.PENDING, S.PARTIAL)
+                                 or queued_state(name) is state):
+            out.append((key, name))
+    return out
+
+
+def names_in(storage: Storage, state: TaskState) -> list[TaskName]:
+    """The tasks in ``state`` (READY lists oldest minimum version first: names sort so)."""
+    return [name for _key, name in entries(storage, state)]
+
+
+def dropped_by_reason(storage: Storage) -> dict[str, int]:
+    """Dropped tasks per recorded reason (a dropped entry's last name field is its reason)."""
+    out: dict[str, int] = {}
+    for name in names_in(storage, S.DROPPED):
+        reason = name.producer or "unknown"
+        out[reason] = out.get(reason, 0) + 1
+    return out
+
+
+@dataclass(frozen=True)
+class Depths:
+    """Tasks per state, counted from directory listings."""
+
+    pending: int = 0
+    partial: int = 0
+    leased: int = 0
+    ready: int = 0
+    batched: int = 0
+
+    @property
+    def running(self) -> int:
+        return self.pending + self.partial + self.leased
+
+    @property
+    def untrained(self) -> int:
+        return self.ready + self.batched
+
+
+def upstream_depths(storage: Storage) -> Depths:
+    """PENDING, PARTIAL and LEASED: what flows into ``ready/``, listed in that order."""
+    queued = [name for key in list_queued(storage) if (name := _parse(storage, key)) is not None]
+    partial = sum(1 for n in queued if queued_state(n) is S.PARTIAL)
+    return Depths(pending=len(queued) - partial, partial=partial,
+                  leased=len(names_in(storage, S.LEASED)))
+
+
+def depths(storage: Storage, *, upstream: Depths | None = None,
+           ready: int | None = None) -> Depths:
+    """Tasks per state, listed in the direction work flows (pending, leased, ready, batched).
+
+    A task that moves on between two listings is counted twice, never zero times, so
+    admission errs on the side of releasing too little. A caller that scans ``ready/``
+    itself lists ``upstream_depths`` first, then passes both in.
+    """
+    up = upstream_depths(storage) if upstream is None else upstream
+    n_ready = len(names_in(storage, S.READY)) if ready is None else ready
+    return replace(up, ready=n_ready, batched=len(names_in(storage, S.BATCHED)))

@@ -7,8 +7,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from strawq.feeder import read_cursor_state
-from strawq.names import TaskName
+from strawq.groups import staleness
 from strawq.queue import RunQueue
+from strawq.states import TaskState, depths, dropped_by_reason, names_in
 
 
 @dataclass
@@ -31,40 +32,21 @@ class RunStatus:
 def run_status(queue: RunQueue) -> RunStatus:
     st = queue.storage
     out = RunStatus(current_version=queue.current_version())
-    pending = [k.rsplit("/", 1)[1] for k in queue.list_pending()]
-    names = {
-        "pending": [n for n in pending if not n.startswith("a")],
-        "partial": [n for n in pending if n.startswith("a")],
-        "leased": st.list("leased"),
-        "ready": st.list("ready"),
-        "batched": st.list("batched"),
-        "dropped": st.list("dropped"),
-    }
-    out.counts = {k: len(v) for k, v in names.items()}
-    by_producer: Counter[str] = Counter()
-    for n in names["leased"]:
-        t = TaskName.try_parse(n)
-        if t and t.producer:
-            by_producer[t.producer] += 1
+    out.counts = asdict(depths(st))
+    out.dropped_by_reason = dropped_by_reason(st)
+    out.counts["dropped"] = sum(out.dropped_by_reason.values())
+    names = {state.value: names_in(st, state) for state in (
+        TaskState.PARTIAL, TaskState.PENDING, TaskState.LEASED, TaskState.READY)}
+    by_producer: Counter[str] = Counter(t.producer for t in names["leased"] if t.producer)
     out.leases_by_producer = dict(by_producer)
-    reasons: Counter[str] = Counter()
-    for n in names["dropped"]:
-        t = TaskName.try_parse(n)
-        reasons[t.producer if t and t.producer else "?"] += 1
-    out.dropped_by_reason = dict(reasons)
-    for n in st.list("hb"):
-        p, _, c = n.rpartition("~")
-        if c.isdigit():
-            out.heartbeats[p] = max(out.heartbeats.get(p, 0), int(c))
-    ready = [t for t in map(TaskName.try_parse, names["ready"]) if t is not None]
-    if ready:
-        stal = [out.current_version - t.version for t in ready]
+    for p, c in queue.heartbeats():
+        out.heartbeats[p] = max(out.heartbeats.get(p, 0), c)
+    if names["ready"]:
+        stal = [staleness(out.current_version, t.version) for t in names["ready"]]
         out.staleness = {"ready/mean": sum(stal) / len(stal), "ready/max": float(max(stal))}
     for state in ("partial", "pending", "ready"):
         if names[state]:
-            first = TaskName.try_parse(names[state][0])
-            if first:
-                out.oldest[state] = first.id
+            out.oldest[state] = names[state][0].id
     seqs = {n for n in st.list("batches") if n.isdigit()}
     acked = {n for n in st.list("acked") if n.isdigit()}
     out.batches_unacked = len(seqs - acked)
