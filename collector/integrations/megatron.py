@@ -1,0 +1,442 @@
+"""Megatron-core adapter: a reader ``Batch`` → THD micro-batches for one rank.
+
+What a Megatron-core trainer needs from one data-parallel rank's shard:
+
+* **dynamic batch size**: micro-batches formed under a tokens-per-GPU budget
+  (``max_tokens_per_gpu``, counted after the context-parallel split, as slime's flag of the
+  same name). The shard is cut into *contiguous* runs of samples (``plan_micro_batches``):
+  the fewest micro-batches the budget allows, with the largest one as small as possible
+  (a binary search over the split point loads). Contiguous runs keep the shard's
+  staleness-first order and GRPO groups together, and let the common case (no context
+  parallelism, no padding) hand out *views* of the reader's tensors: the adapter then costs
+  a few slicing operations per micro-batch, whatever the token count.
+* **THD packing** with ``megatron.core.packed_seq_params.PackedSeqParams``
+  (``qkv_format="thd"``; ``cu_seqlens_q`` over the real lengths, ``cu_seqlens_q_padded`` over
+  the padded ones, both in the global, pre-split layout as Megatron's THD attention expects).
+* **padding** to the parallel multiples: with context parallelism (CP > 1) every sequence is
+  padded to a multiple of 2·CP (× TP under sequence parallelism), so that it splits into 2·CP
+  equal chunks; without CP, sequence parallelism pads the micro-batch's tail to a multiple
+  of TP (as one extra padding "sequence" in ``cu_seqlens``). ``pad_multiple`` adds a tail
+  multiple of your own (e.g. 128 against memory fragmentation).
+* **load-balanced CP split**: each (padded) sequence is cut into 2·CP chunks and CP rank r
+  keeps chunks r and 2·CP−1−r (Megatron's ``get_batch_on_this_cp_rank`` /
+  Transformer Engine's ``thd_get_partitioned_indices`` layout), so causal attention work is
+  even over the CP ranks.
+* **next-token alignment**: Megatron's loss at position t scores ``labels[t]``, the token
+  at t + 1. Every per-token tensor that describes a *generated* token (loss mask, rollout
+  log-probs, versions, advantages, ``target`` extras) is shifted with the labels, so
+  ``rollout_logprobs[t]`` is the engine's log-prob of ``labels[t]``. The last position of
+  every sequence has ``loss_mask`` 0 (what follows it in the stream is the next sample's
+  first prompt token, or padding, and is never trained). ``input`` extras (e.g. routed
+  experts, recorded per input position) are not shifted.
+
+Dtypes are the reader's (int32 ids, uint8 mask, float32 log-probs and advantages, int64
+versions): Megatron's embedding and ``vocab_parallel_cross_entropy`` take int32 ids, and
+half the bytes cross the host-to-device link; convert on the device when a kernel wants
+int64 or a float mask.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from strawq.collector.reader import Batch
+
+log = logging.getLogger(__name__)
+
+Align = Literal["input", "target"]
+
+_INSTALL = ("Megatron-core is not installed: pip install 'strawq[megatron]' (megatron-core==0.16.1;"
+            " it uses the torch already installed)")
+
+
+def _packed_seq_params_cls() -> Any:
+    try:
+        from megatron.core.packed_seq_params import PackedSeqParams
+    except ImportError as exc:  # pragma: no cover - exercised where megatron is missing
+        raise ImportError(_INSTALL) from exc
+    return PackedSeqParams
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """The model-parallel shape a rank packs for (its data-parallel shard is the reader's)."""
+
+    #: tensor-parallel size
+    tp_size: int = 1
+    #: context-parallel size and this rank's position in its CP group
+    cp_size: int = 1
+    cp_rank: int = 0
+    #: Megatron's ``sequence_parallel`` (splits the sequence over the TP ranks too)
+    sequence_parallel: bool = False
+    #: extra multiple for the micro-batch's total padded length (1 = none)
+    pad_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "cp_size", "pad_multiple"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.cp_rank < self.cp_size:
+            raise ValueError(f"cp_rank must be in [0, cp_size={self.cp_size}), got {self.cp_rank}")
+
+    @property
+    def seq_multiple(self) -> int:
+        """Every sequence is padded to this multiple (2·CP chunks, × TP under SP)."""
+        if self.cp_size == 1:
+            return 1
+        return 2 * self.cp_size * (self.tp_size if self.sequence_parallel else 1)
+
+    @property
+    def tail_multiple(self) -> int:
+        """The micro-batch's padded total is a multiple of this (before the CP split)."""
+        m = self.pad_multiple
+        if self.cp_size == 1 and self.sequence_parallel:
+            m = math.lcm(m, self.tp_size)
+        return m
+
+    @classmethod
+    def from_parallel_state(cls, *, pad_multiple: int = 1,
+                            sequence_parallel: bool | None = None) -> ParallelLayout:
+        """This process's layout from ``megatron.core.parallel_state`` (initialised)."""
+        try:
+            from megatron.core import parallel_state as ps
+        except ImportError as exc:  # pragma: no cover - exercised where megatron is missing
+            raise ImportError(_INSTALL) from exc
+        tp = int(ps.get_tensor_model_parallel_world_size())
+        return cls(tp_size=tp, cp_size=int(ps.get_context_parallel_world_size()),
+                   cp_rank=int(ps.get_context_parallel_rank()),
+                   sequence_parallel=tp > 1 if sequence_parallel is None else sequence_parallel,
+                   pad_multiple=pad_multiple)
+
+
+def _round_up(x: np.ndarray, m: int) -> np.ndarray:
+    return x if m == 1 else -(-x // m) * m
+
+
+def plan_micro_batches(seqlens: Sequence[int] | np.ndarray, max_tokens: int, *,
+                       seq_multiple: int = 1, min_micro_batches: int = 1) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` sample ranges whose padded tokens fit ``max_tokens``.
+
+    The count is the fewest the budget allows (at least ``min_micro_batches``, at most one
+    per sample); the split points then minimise the largest micro-batch (binary search on
+    the load bound, greedy fill). A sequence longer than the budget gets a micro-batch of
+    its own (logged). Deterministic: the same lengths give the same plan on every rank.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    w = _round_up(np.asarray(seqlens, dtype=np.int64), seq_multiple)
+    n = int(w.shape[0])
+    if n == 0:
+        return []
+    if (w < 0).any():
+        raise ValueError("sequence lengths must be >= 0")
+    biggest = int(w.max())
+    if biggest > max_tokens:
+        log.warning("a sequence of %d padded tokens exceeds the micro-batch budget of %d "
+                    "tokens; it gets a micro-batch of its own", biggest, max_tokens)
+    prefix = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(w, out=prefix[1:])
+
+    def cuts(bound: int) -> list[int]:
+        """Greedy ends: each part takes as many samples as fit ``bound`` (at least one)."""
+        ends = []
+        a = 0
+        while a < n:
+            b = int(np.searchsorted(prefix, prefix[a] + bound, side="right")) - 1
+            b = max(b, a + 1)
+            ends.append(b)
+            a = b
+        return ends
+
+    k = max(len(cuts(max_tokens)), min(max(min_micro_batches, 1), n))
+    # the smallest bound that still needs at most k parts (a part may exceed the bound only
+    # when it is a single sequence, so the part count falls as the bound grows)
+    lo, hi = 1, max_tokens
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(cuts(mid)) <= k:
+            hi = mid
+        else:
+            lo = mid + 1
+    ends = cuts(lo)
+    bounds = [0, *ends]
+    parts = [(bounds[i], bounds[i + 1]) for i in range(len(ends))]
+    while len(parts) < k:  # min_micro_batches asks for more: halve the widest part
+        i = max(range(len(parts)), key=lambda j: (parts[j][1] - parts[j][0], -j))
+        a, b = parts[i]
+        mid_s = a + (b - a) // 2
+        parts[i:i + 1] = [(a, mid_s), (mid_s, b)]
+    return parts
+
+
+def sync_num_micro_batches(count: int, group: Any = None) -> int:
+    """The largest count over a process group (every DP rank must run as many micro-batches
+    under pipeline parallelism); pass it back as ``min_micro_batches``."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return count
+    t = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch for one rank: ``[1, t]`` tensors in THD layout (this CP rank's part).
+
+    ``t`` is the padded token count divided by CP. ``labels[0, i]`` is the token after
+    ``tokens[0, i]`` within its sequence; ``loss_mask``, ``rollout_logprobs``, ``versions``,
+    ``advantages`` and the ``target`` extras are aligned with ``labels``.
+    """
+
+    #: int32 [1, t] input ids
+    tokens: torch.Tensor
+    #: int32 [1, t] next-token targets
+    labels: torch.Tensor
+    #: uint8 [1, t] 1 where the label is a trained response token
+    loss_mask: torch.Tensor
+    #: float32 [1, t] the engine's log-prob of each label (0 where not generated)
+    rollout_logprobs: torch.Tensor
+    #: int64 [1, t] weight version that generated each label (−1 where not generated)
+    versions: torch.Tensor
+    #: float32 [1, t] the sample's advantage (meaningful where loss_mask is 1)
+    advantages: torch.Tensor
+    #: THD parameters for the model's forward (``megatron.core.packed_seq_params``)
+    packed_seq_params: Any
+    #: int64 [n]: positions of this micro-batch's samples in the reader's ``Batch``
+    sample_ids: torch.Tensor
+    #: int32 [n]: real and padded lengths of its samples (global, before the CP split)
+    seqlens: torch.Tensor
+    padded_seqlens: torch.Tensor
+    #: per-token extras, aligned as declared (``input``: with tokens, ``target``: with labels)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: int64 [1, t] position of each token within its sequence, when built by the padded path
+    _positions: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens on this rank (padding included)."""
+        return int(self.tokens.shape[1])
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample_ids.shape[0])
+
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def position_ids(self) -> torch.Tensor:
+        """int64 [1, t]: position within the sequence (learned absolute embeddings need it;
+        RoPE under THD takes positions from ``cu_seqlens``)."""
+        if self._positions is not None:
+            return self._positions
+        lens = self.padded_seqlens.to(torch.int64)
+        starts = torch.cumsum(lens, 0) - lens
+        pos = torch.arange(int(lens.sum()), dtype=torch.int64)
+        pos -= torch.repeat_interleave(starts, lens)
+        if pos.shape[0] < self.num_tokens:  # the tail padding sequence
+            tail = torch.arange(self.num_tokens - pos.shape[0], dtype=torch.int64)
+            pos = torch.cat([pos, tail])
+        return pos.view(1, -1)
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> MicroBatch:
+        """A copy on ``device`` (the packed-sequence parameters included)."""
+        def mv(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        psp = self.packed_seq_params
+        cls = type(psp)
+        new_psp = cls(qkv_format=psp.qkv_format, cu_seqlens_q=mv(psp.cu_seqlens_q),
+                      cu_seqlens_kv=mv(psp.cu_seqlens_kv),
+                      cu_seqlens_q_padded=mv(psp.cu_seqlens_q_padded),
+                      cu_seqlens_kv_padded=mv(psp.cu_seqlens_kv_padded),
+                      max_seqlen_q=psp.max_seqlen_q, max_seqlen_kv=psp.max_seqlen_kv)
+        return MicroBatch(
+            tokens=mv(self.tokens), labels=mv(self.labels), loss_mask=mv(self.loss_mask),
+            rollout_logprobs=mv(self.rollout_logprobs), versions=mv(self.versions),
+            advantages=mv(self.advantages), packed_seq_params=new_psp,
+            sample_ids=self.sample_ids, seqlens=self.seqlens, padded_seqlens=self.padded_seqlens,
+            extras={k: mv(v) for k, v in self.extras.items()},
+            _positions=None if self._positions is None else mv(self._positions))
+
+
+#: column name → (fill value past the data, aligned with labels?)
+_COLUMNS: tuple[tuple[str, float, bool], ...] = (
+    ("tokens", 0, False), ("labels", 0, True), ("loss_mask", 0, True),
+    ("rollout_logprobs", 0.0, True), ("versions", -1, True), ("advantages", 0.0, True))
+
+
+class MegatronBatcher:
+    """Cuts a reader ``Batch`` into micro-batches for one rank of a Megatron-core job.
+
+    ``max_tokens_per_gpu`` is the budget per GPU *after* the CP split (the micro-batch holds
+    up to ``max_tokens_per_gpu · cp_size`` padded tokens before it). ``pad_token_id`` fills
+    padding. ``min_micro_batches`` forces at least that many (see
+    ``sync_num_micro_batches``).
+    """
+
+    def __init__(self, layout: ParallelLayout | None = None, *, max_tokens_per_gpu: int,
+                 pad_token_id: int = 0) -> None:
+        self.layout = layout or ParallelLayout()
+        if max_tokens_per_gpu < 1:
+            raise ValueError(f"max_tokens_per_gpu must be >= 1, got {max_tokens_per_gpu}")
+        self.max_tokens_per_gpu = max_tokens_per_gpu
+        self.pad_token_id = pad_token_id
+        self._psp = _packed_seq_params_cls()
+
+    def plan(self, batch: Batch, *, min_micro_batches: int = 1) -> list[tuple[int, int]]:
+        """The micro-batches' sample ranges (cheap: lengths only)."""
+        lens = np.diff(batch.cu_seqlens.numpy())
+        return plan_micro_batches(lens, self.max_tokens_per_gpu * self.layout.cp_size,
+                                  seq_multiple=self.layout.seq_multiple,
+                                  min_micro_batches=min_micro_batches)
+
+    def micro_batches(self, batch: Batch, *, min_micro_batches: int = 1,
+                      extras: Mapping[str, torch.Tensor] | None = None,
+                      extra_align: Mapping[str, Align] | None = None) -> list[MicroBatch]:
+        """Every micro-batch of ``batch`` for this rank, in plan order.
+
+        ``extras``: per-token tensors ``[T, ...]`` over the batch's packed tokens (e.g. teacher
+        log-probs, routed experts); ``extra_align[name]`` is ``"target"`` (default: shifted
+        with the labels) or ``"input"`` (aligned with the tokens).
+        """
+        cols = self._columns(batch)
+        ext = dict(extras or {})
+        align = dict(extra_align or {})
+        total = batch.num_tokens
+        for name, t in ext.items():
+            if t.shape[0] != total:
+                raise ValueError(f"extra {name!r} has {t.shape[0]} rows, the batch has {total} "
+                                 "tokens")
+            if align.setdefault(name, "target") not in ("input", "target"):
+                raise ValueError(f"extra_align[{name!r}] must be 'input' or 'target'")
+        cu = batch.cu_seqlens.numpy().astype(np.int64)
+        if cu.shape[0] > 2 and batch.loss_mask[torch.from_numpy(cu[1:-1])].any():
+            raise ValueError("a sample starts with a trained token (no prompt): the next-token "
+                             "shift needs every sample to start with a prompt token")
+        out = []
+        for a, b in self.plan(batch, min_micro_batches=min_micro_batches):
+            out.append(self._build(cols, ext, align, cu, a, b))
+        return out
+
+    # -- building ----------------------------------------------------------------------------
+    @staticmethod
+    def _columns(batch: Batch) -> dict[str, torch.Tensor]:
+        return {"tokens": batch.tokens, "labels": batch.tokens, "loss_mask": batch.loss_mask,
+                "rollout_logprobs": batch.rollout_logprobs, "versions": batch.versions,
+                "advantages": batch.advantages}
+
+    def _build(self, cols: dict[str, torch.Tensor], ext: dict[str, torch.Tensor],
+               align: dict[str, Align], cu: np.ndarray, a: int, b: int) -> MicroBatch:
+        lay = self.layout
+        lens = cu[a + 1:b + 1] - cu[a:b]
+        plens = _round_up(lens, lay.seq_multiple)
+        real = int(plens.sum())
+        tail = (-real) % lay.tail_multiple
+        seq_cu = np.zeros(lens.shape[0] + 1 + (tail > 0), dtype=np.int32)
+        np.cumsum(lens, out=seq_cu[1:lens.shape[0] + 1])
+        pad_cu = np.zeros_like(seq_cu)
+        np.cumsum(plens, out=pad_cu[1:lens.shape[0] + 1])
+        if tail:
+            seq_cu[-1] = seq_cu[-2] + tail
+            pad_cu[-1] = pad_cu[-2] + tail
+        max_len = int(max(plens.max(initial=0), tail))
+        start, end = int(cu[a]), int(cu[b])
+        if lay.seq_multiple == 1 and tail == 0:
+            fields, extras = self._views(cols, ext, align, start, end)
+            positions = None
+        else:
+            fields, extras, positions = self._gather(cols, ext, align, cu, a, b, plens, tail)
+        cu_t = torch.from_numpy(seq_cu)
+        pad_t = torch.from_numpy(pad_cu)
+        psp = self._psp(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
+                        cu_seqlens_q_padded=pad_t, cu_seqlens_kv_padded=pad_t,
+                        max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        return MicroBatch(**fields, packed_seq_params=psp,
+                          sample_ids=torch.arange(a, b, dtype=torch.int64),
+                          seqlens=torch.from_numpy(lens.astype(np.int32)),
+                          padded_seqlens=torch.from_numpy(plens.astype(np.int32)),
+                          extras=extras, _positions=positions)
+
+    def _views(self, cols: dict[str, torch.Tensor], ext: dict[str, torch.Tensor],
+               align: dict[str, Align], start: int, end: int
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """No padding, no CP split: views of the reader's tensors (the shifted ones copy only
+        for the shard's last micro-batch, whose last label lies past the data)."""
+        def cut(t: torch.Tensor, shifted: bool, fill: float) -> torch.Tensor:
+            if not shifted:
+                return t[start:end].unsqueeze(0)
+            if end < t.shape[0]:
+                return t[start + 1:end + 1].unsqueeze(0)
+            out = t.new_full((end - start, *t.shape[1:]), fill)
+            out[:end - start - 1] = t[start + 1:end]
+            return out.unsqueeze(0)
+
+        pad = self.pad_token_id
+        fields = {name: cut(cols[name], shifted, pad if name in ("tokens", "labels") else fill)
+                  for name, fill, shifted in _COLUMNS}
+        extras = {k: cut(t, align[k] == "target", 0) for k, t in ext.items()}
+        return fields, extras
+
+    def _gather(self, cols: dict[str, torch.Tensor], ext: dict[str, torch.Tensor],
+                align: dict[str, Align], cu: np.ndarray, a: int, b: int, plens: np.ndarray,
+                tail: int
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+        """Padding and/or the CP split: one index per alignment, one gather per column."""
+        lay = self.layout
+        cp, r = lay.cp_size, lay.cp_rank
+        starts = cu[a:b]
+        lens = cu[a + 1:b + 1] - starts
+        n = lens.shape[0]
+        if cp > 1:
+            # chunk r and chunk 2cp-1-r of every padded sequence
+            chunk = plens // (2 * cp)
+            run_seq = np.repeat(np.arange(n), 2)
+            run_off = np.empty(2 * n, dtype=np.int64)
+            run_off[0::2] = r * chunk
+            run_off[1::2] = (2 * cp - 1 - r) * chunk
+            run_len = np.repeat(chunk, 2)
+        else:
+            run_seq = np.arange(n)
+            run_off = np.zeros(n, dtype=np.int64)
+            run_len = plens
+        total = int(run_len.sum())
+        run_start = np.zeros(run_len.shape[0], dtype=np.int64)
+        np.cumsum(run_len[:-1], out=run_start[1:])
+        seq_of = np.repeat(run_seq, run_len)
+        # offset of each output position within its (padded) sequence
+        j = np.arange(total, dtype=np.int64) - np.repeat(run_start - run_off, run_len)
+        t_len = int(cols["tokens"].shape[0])
+        src_in = starts[seq_of] + j
+        ok_in = j < lens[seq_of]
+        src_tg = src_in + 1
+        ok_tg = ok_in & (src_tg < t_len)
+        if tail:
+            tail_local = tail // cp  # tail > 0 only without CP (see ParallelLayout)
+            j = np.concatenate([j, np.arange(tail_local, dtype=np.int64)])
+            pad = np.zeros(tail_local, dtype=bool)
+            ok_in, ok_tg = np.concatenate([ok_in, pad]), np.concatenate([ok_tg, pad])
+            src_in = np.concatenate([src_in, np.zeros(tail_local, dtype=np.int64)])
+            src_tg = np.concatenate([src_tg, np.zeros(tail_local, dtype=np.int64)])
+        idx = {False: (torch.from_numpy(ok_in), torch.from_numpy(src_in[ok_in])),
+               True: (torch.from_numpy(ok_tg), torch.from_numpy(src_tg[ok_tg]))}
+
+        def take(t: torch.Tensor, shifted: bool, fill: float) -> torch.Tensor:
+            mask, src = idx[shifted]
+            out = t.new_full((mask.shape[0], *t.shape[1:]), fill)
+            out[mask] = t.index_select(0, src)
+            return out.unsqueeze(0)
+
+        fields = {name: take(cols[name], shifted, fill) for name, fill, shifted in _COLUMNS}
+        fields["tokens"][0, ~idx[False][0]] = self.pad_token_id
+        fields["labels"][0, ~idx[True][0]] = self.pad_token_id
+        extras = {k: take(t, align[k] == "target", 0) for k, t in ext.items()}
+        return fields, extras, torch.from_numpy(j).view(1, -1)

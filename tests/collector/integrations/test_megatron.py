@@ -1,0 +1,305 @@
+"""The Megatron-core adapter against the real package: micro-batches under a token budget,
+THD ``PackedSeqParams``, padding to the parallel multiples, the load-balanced CP split
+(checked against Megatron's own ``get_batch_on_this_cp_rank``), next-token alignment, and
+Megatron's ``vocab_parallel_cross_entropy`` run on the labels."""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.collector.integrations.conftest import make_batch
+
+with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex are missing
+    warnings.simplefilter("ignore")
+    megatron_core = pytest.importorskip(
+        "megatron.core", reason="megatron-core not installed: pip install 'strawq[megatron]'")
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+from strawq.collector.integrations.megatron import (  # noqa: E402
+    MegatronBatcher,
+    MicroBatch,
+    ParallelLayout,
+    plan_micro_batches,
+    sync_num_micro_batches,
+)
+
+pytestmark = pytest.mark.megatron
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    """A one-process gloo group with Megatron's parallel state initialised (TP = CP = 1)."""
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+class _Group:
+    """A process-group stand-in with a size and a rank, for the CP slicing oracle only."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _lengths(seed: int, n: int = 40) -> tuple[list[int], list[int]]:
+    rng = np.random.default_rng(seed)
+    return ([int(x) for x in rng.integers(1, 30, n)],
+            [int(x) for x in rng.integers(0, 200, n)])
+
+
+# -- planning --------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=0, max_size=60), st.integers(1, 700),
+       st.sampled_from([1, 2, 4]), st.integers(1, 5))
+def test_plan_is_contiguous_within_budget_and_minimal(lens, budget, mult, min_mb):
+    parts = plan_micro_batches(lens, budget, seq_multiple=mult, min_micro_batches=min_mb)
+    if not lens:
+        assert parts == []
+        return
+    w = [-(-x // mult) * mult for x in lens]
+    assert parts[0][0] == 0 and parts[-1][1] == len(lens)
+    assert all(a < b for a, b in parts)
+    assert all(parts[i][1] == parts[i + 1][0] for i in range(len(parts) - 1))
+    for a, b in parts:  # over the budget only as a single, oversized sequence
+        assert sum(w[a:b]) <= budget or b - a == 1
+    # the fewest contiguous parts a greedy fill allows (a lower bound for any plan)
+    greedy, load = 0, None
+    for x in w:
+        if load is None or load + x > budget:
+            greedy, load = greedy + 1, x
+        else:
+            load += x
+    assert len(parts) == max(greedy, min(min_mb, len(lens)))
+
+
+def test_plan_balances_the_parts():
+    lens = [100] * 10
+    parts = plan_micro_batches(lens, 450)  # 3 parts needed; balanced: 4+3+3 or 3+4+3
+    assert len(parts) == 3
+    assert max(b - a for a, b in parts) == 4
+    assert plan_micro_batches(lens, 450) == parts  # deterministic
+
+
+def test_plan_gives_an_oversized_sequence_its_own_micro_batch(caplog):
+    parts = plan_micro_batches([10, 500, 10], 100)
+    assert parts == [(0, 1), (1, 2), (2, 3)]
+    assert "exceeds the micro-batch budget" in caplog.text
+
+
+def test_sync_num_micro_batches_without_a_group_is_identity():
+    assert sync_num_micro_batches(3) == 3
+
+
+# -- layout ----------------------------------------------------------------------------------
+def test_layout_multiples_and_validation():
+    assert ParallelLayout().seq_multiple == 1 and ParallelLayout().tail_multiple == 1
+    assert ParallelLayout(cp_size=2).seq_multiple == 4
+    assert ParallelLayout(cp_size=2, tp_size=2, sequence_parallel=True).seq_multiple == 8
+    assert ParallelLayout(tp_size=4, sequence_parallel=True).tail_multiple == 4
+    assert ParallelLayout(tp_size=4, sequence_parallel=True, pad_multiple=6).tail_multiple == 12
+    with pytest.raises(ValueError, match="cp_rank"):
+        ParallelLayout(cp_size=2, cp_rank=2)
+    with pytest.raises(ValueError, match="tp_size"):
+        ParallelLayout(tp_size=0)
+
+
+def test_layout_from_parallel_state(gloo):
+    lay = ParallelLayout.from_parallel_state(pad_multiple=8)
+    assert lay == ParallelLayout(tp_size=1, cp_size=1, cp_rank=0, sequence_parallel=False,
+                                 pad_multiple=8)
+
+
+# -- packing and alignment -------------------------------------------------------------------
+def _check_alignment(batch, mbs: list[MicroBatch]) -> None:
+    """Every sample's tokens in order; labels and per-token columns one step ahead."""
+    seen = []
+    cu = batch.cu_seqlens.tolist()
+    loss_tokens = 0
+    for mb in mbs:
+        assert isinstance(mb.packed_seq_params, PackedSeqParams)
+        assert mb.packed_seq_params.qkv_format == "thd"
+        psp_cu = mb.packed_seq_params.cu_seqlens_q_padded.tolist()
+        assert psp_cu[-1] == mb.num_tokens  # no CP here: local = global
+        for k, s in enumerate(mb.sample_ids.tolist()):
+            seen.append(s)
+            a, b = cu[s], cu[s + 1]
+            o = psp_cu[k]
+            n = b - a
+            assert int(mb.packed_seq_params.cu_seqlens_q[k + 1]
+                       - mb.packed_seq_params.cu_seqlens_q[k]) == n
+            got = mb.tokens[0, o:o + n]
+            assert torch.equal(got, batch.tokens[a:b])
+            assert torch.equal(mb.labels[0, o:o + n - 1], batch.tokens[a + 1:b])
+            for name in ("loss_mask", "rollout_logprobs", "versions", "advantages"):
+                col = getattr(mb, name)[0, o:o + n - 1]
+                assert torch.equal(col, getattr(batch, name)[a + 1:b]), name
+            assert mb.loss_mask[0, o + n - 1] == 0  # a sequence's last position: never trained
+            assert torch.equal(mb.position_ids()[0, o:o + n], torch.arange(n))
+        pad = mb.tokens.shape[1] - int(mb.packed_seq_params.cu_seqlens_q[-1])
+        assert pad >= 0
+        loss_tokens += mb.num_loss_tokens()
+    assert seen == list(range(batch.num_samples))
+    assert loss_tokens == int(batch.loss_mask.sum())  # every trained token exactly once
+
+
+def test_views_without_padding_are_aligned_and_zero_copy(gloo):
+    p, r = _lengths(1)
+    batch = make_batch(p, r, group_size=4)
+    b = MegatronBatcher(max_tokens_per_gpu=600)
+    mbs = b.micro_batches(batch)
+    assert len(mbs) == len(b.plan(batch)) > 1
+    _check_alignment(batch, mbs)
+    for mb in mbs:
+        assert mb.tokens.dtype == torch.int32 and mb.labels.dtype == torch.int32
+        assert mb.loss_mask.dtype == torch.uint8 and mb.versions.dtype == torch.int64
+        assert mb.num_tokens <= 600 or mb.num_samples == 1
+    # not the shard's last micro-batch: views of the reader's tensors (no copy)
+    assert mbs[0].tokens.untyped_storage().data_ptr() == \
+        batch.tokens.untyped_storage().data_ptr()
+    last = mbs[-1]
+    assert last.labels[0, -1] == 0 and last.versions[0, -1] == -1
+
+
+def test_sequence_parallel_tail_padding(gloo):
+    p, r = _lengths(2)
+    batch = make_batch(p, r)
+    lay = ParallelLayout(tp_size=4, sequence_parallel=True, pad_multiple=16)
+    mbs = MegatronBatcher(lay, max_tokens_per_gpu=700, pad_token_id=7).micro_batches(batch)
+    _check_alignment(batch, mbs)
+    for mb in mbs:
+        psp = mb.packed_seq_params
+        assert mb.num_tokens % 16 == 0
+        real = int(mb.seqlens.sum())
+        tail = mb.num_tokens - real
+        if tail:  # the tail is one extra padding "sequence" in cu_seqlens
+            assert psp.cu_seqlens_q.shape[0] == mb.num_samples + 2
+            assert (mb.tokens[0, real:] == 7).all() and (mb.loss_mask[0, real:] == 0).all()
+            assert (mb.versions[0, real:] == -1).all()
+            assert torch.equal(mb.position_ids()[0, real:], torch.arange(tail))
+        assert psp.max_seqlen_q == max(int(mb.padded_seqlens.max()), tail)
+
+
+@pytest.mark.parametrize("cp,tp,sp", [(2, 1, False), (4, 1, False), (2, 2, True)])
+def test_context_parallel_split_matches_megatron(gloo, cp, tp, sp):
+    p, r = _lengths(3, n=12)
+    batch = make_batch(p, r)
+    extra = torch.arange(batch.num_tokens, dtype=torch.float32) * 0.5
+    per_rank = []
+    for rank in range(cp):
+        lay = ParallelLayout(cp_size=cp, cp_rank=rank, tp_size=tp, sequence_parallel=sp)
+        b = MegatronBatcher(lay, max_tokens_per_gpu=300, pad_token_id=5)
+        per_rank.append(b.micro_batches(batch, extras={"teacher": extra}))
+    # the padded, unsplit micro-batch every rank's part comes from (no CP)
+    mult = 2 * cp * (tp if sp else 1)
+    assert len({len(m) for m in per_rank}) == 1
+    cu = batch.cu_seqlens.tolist()
+    for i in range(len(per_rank[0])):
+        mb0 = per_rank[0][i]
+        psp = mb0.packed_seq_params
+        assert int(psp.cu_seqlens_q_padded[-1]) == mb0.num_tokens * cp
+        assert all(int(x) % mult == 0 for x in mb0.padded_seqlens)
+        for rank in range(cp):
+            mb = per_rank[rank][i]
+            parts = {k: [] for k in ("tokens", "labels", "loss_mask", "versions", "teacher",
+                                     "positions")}
+            for k, s in enumerate(mb.sample_ids.tolist()):
+                a, b_ = cu[s], cu[s + 1]
+                n, pl = b_ - a, int(mb.padded_seqlens[k])
+                full = {
+                    "tokens": torch.full((pl,), 5, dtype=torch.int32),
+                    "labels": torch.full((pl,), 5, dtype=torch.int32),
+                    "loss_mask": torch.zeros(pl, dtype=torch.uint8),
+                    "versions": torch.full((pl,), -1, dtype=torch.int64),
+                    "teacher": torch.zeros(pl, dtype=torch.float32),
+                    "positions": torch.arange(pl, dtype=torch.int64)}
+                full["tokens"][:n] = batch.tokens[a:b_]
+                nxt = min(b_ + 1, batch.num_tokens)
+                full["labels"][:nxt - a - 1] = batch.tokens[a + 1:nxt]
+                full["loss_mask"][:nxt - a - 1] = batch.loss_mask[a + 1:nxt]
+                full["versions"][:nxt - a - 1] = batch.versions[a + 1:nxt]
+                full["teacher"][:nxt - a - 1] = extra[a + 1:nxt]
+                got = get_batch_on_this_cp_rank({k: v.view(1, -1) for k, v in full.items()},
+                                                cp_group=_Group(cp, rank))
+                for k in parts:
+                    parts[k].append(got[k].view(-1))
+            assert torch.equal(mb.tokens[0], torch.cat(parts["tokens"]))
+            assert torch.equal(mb.labels[0], torch.cat(parts["labels"]))
+            assert torch.equal(mb.loss_mask[0], torch.cat(parts["loss_mask"]))
+            assert torch.equal(mb.versions[0], torch.cat(parts["versions"]))
+            assert torch.equal(mb.extras["teacher"][0], torch.cat(parts["teacher"]))
+            assert torch.equal(mb.position_ids()[0], torch.cat(parts["positions"]))
+            assert mb.num_tokens <= 300 or mb.num_samples == 1
+    # over the CP ranks, every trained token is scored exactly once
+    total = sum(mb.num_loss_tokens() for mbs in per_rank for mb in mbs)
+    assert total == int(batch.loss_mask.sum())
+
+
+def test_extras_input_and_target_alignment(gloo):
+    batch = make_batch([3, 2], [4, 5])
+    experts = torch.arange(batch.num_tokens * 2, dtype=torch.int32).view(-1, 2)
+    teacher = -torch.arange(batch.num_tokens, dtype=torch.float32)
+    (mb,) = MegatronBatcher(max_tokens_per_gpu=100).micro_batches(
+        batch, extras={"experts": experts, "teacher": teacher},
+        extra_align={"experts": "input"})
+    assert torch.equal(mb.extras["experts"][0], experts)
+    assert torch.equal(mb.extras["teacher"][0, :-1], teacher[1:])
+    with pytest.raises(ValueError, match="rows"):
+        MegatronBatcher(max_tokens_per_gpu=100).micro_batches(
+            batch, extras={"bad": teacher[:-1]})
+
+
+def test_a_sample_without_prompt_is_refused(gloo):
+    batch = make_batch([2, 1], [3, 3])
+    batch.loss_mask[5] = 1  # the second sample's first token marked trained
+    with pytest.raises(ValueError, match="prompt"):
+        MegatronBatcher(max_tokens_per_gpu=100).micro_batches(batch)
+
+
+def test_min_micro_batches_and_to_device(gloo):
+    batch = make_batch([2] * 6, [5] * 6)
+    mbs = MegatronBatcher(max_tokens_per_gpu=1000).micro_batches(batch, min_micro_batches=4)
+    assert len(mbs) == 4
+    moved = mbs[0].to("cpu")
+    assert torch.equal(moved.tokens, mbs[0].tokens)
+    assert isinstance(moved.packed_seq_params, PackedSeqParams)
+
+
+def test_megatron_cross_entropy_takes_the_labels(gloo):
+    """Megatron's vocab-parallel loss runs on the int32 labels; masked by loss_mask."""
+    batch = make_batch([3, 4, 2], [6, 2, 7])
+    (mb,) = MegatronBatcher(max_tokens_per_gpu=100).micro_batches(batch)
+    vocab = 2000
+    logits = torch.randn(mb.num_tokens, 1, vocab, requires_grad=True)  # [s, b, v]
+    labels = (mb.labels.t() - 1000).clamp(0, vocab - 1)
+    ref = torch.nn.functional.cross_entropy(logits.detach()[:, 0], labels[:, 0].long(),
+                                            reduction="none")  # before: Megatron works in place
+    loss = tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), labels)
+    mask = mb.loss_mask.t().float()
+    ((loss * mask).sum() / mask.sum()).backward()
+    assert logits.grad is not None and loss.shape == (mb.num_tokens, 1)
+    assert torch.allclose(loss.detach()[:, 0], ref, atol=1e-4)
+    assert megatron_core.__version__ == "0.16.1"
