@@ -29,6 +29,7 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.reader import Batch, BatchReader
 from strawq.demo.trainer import TrainerBackend
 from strawq.errors import ConfigError
+from strawq.groups import staleness
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def run_schedule(cfg: ScheduleConfig, reader: BatchReader, bracket: WeightUpdate
             bracket.begin_weight_update(timeout=cfg.timeout_s)
         version += 1
         trainer.push_weights(version)
-        stal = (batch.version - batch.sample_min_version).clamp(min=0).tolist()
+        stal = staleness(batch.version, batch.sample_min_version.numpy()).clip(min=0).tolist()
         idx = sorted({int(s["index"]) for s in batch.summaries})
         rec = StepRecord(step, version, t1 - t0, t3 - t2, 0.0, metrics, stal, idx)
         if checkpoint is not None:

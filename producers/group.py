@@ -33,9 +33,6 @@ from strawq.queue import Lease
 from strawq.producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Sample,
                               SamplerParams, SampleStatus, mask_offpolicy_prefix)
 
-FINAL_GROUP_STATUSES = ("completed", "truncated", "failed")
-
-
 class TaskError(StrawqError, ValueError):
     """The task itself cannot be run (bad prompt, bad row overrides): fail it for good."""
 
