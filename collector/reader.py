@@ -34,6 +34,7 @@ from strawq.queue import RunQueue
 from strawq.records import Kind
 from strawq.storage import open_storage
 
+from strawq.storage.watch import DirWatch
 log = logging.getLogger(__name__)
 
 
@@ -100,7 +101,8 @@ class BatchReader:
     def __init__(self, queue: RunQueue, *, rank: int = 0, world_size: int = 1,
                  verify: bool = True, metrics: MetricsSink | None = None,
                  poll_interval_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, read_threads: int = 1) -> None:
+                 sleep: Callable[[float], None] = time.sleep, read_threads: int = 1,
+                 watch: DirWatch | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.queue = queue
@@ -125,6 +127,11 @@ class BatchReader:
         self._files = [RecordFile() for _ in range(read_threads)]
         self._pool: ThreadPoolExecutor | None = None
 
+        # Wait for a new manifest on inotify where this host sees it (the default sleep
+        # only: an injected sleep means an injected clock), else a fixed poll (no back-off).
+        if watch is None and sleep is time.sleep:
+            watch = DirWatch(self.storage, ("batches",))
+        self._watch = watch if watch is not None and watch.event_driven else None
     @classmethod
     def open(cls, path: str, *, rank: int = 0, world_size: int = 1,
              metrics_jsonl: str | None = None, prometheus_port: int | None = None,
@@ -158,7 +165,6 @@ class BatchReader:
         if self.rank == 0:
             self.bracket.observe()  # producers' liveness history for the next bracket
         start = self.clock()
-        delay = self.poll_interval_s
         while True:
             seq = self._next_seq()
             if seq is not None:
@@ -170,8 +176,13 @@ class BatchReader:
             waited = self.clock() - start
             if waited >= timeout:
                 raise BatchTimeout(self._timeout_message(timeout))
-            self.sleep(min(delay, max(timeout - waited, 0.0)))
-            delay = min(delay * 2, 0.5)
+            # A fixed interval: a doubling one (it reached 0.5 s) left a manifest published
+            # just after a listing unseen for up to that long while the trainer idled.
+            pause = min(self.poll_interval_s, max(timeout - waited, 0.0))
+            if self._watch is not None:
+                self._watch.wait(pause)
+            else:
+                self.sleep(pause)
         wait_s = self.clock() - start
         batch = self.load(man)
         self._delivered = seq
@@ -351,6 +362,9 @@ class BatchReader:
         for state in ("leased", "ready", "batched"):
             values[f"queue/{state}"] = len(self.storage.list(state))
         self.metrics.emit(values)
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
 
     def close(self) -> None:
         if self._pool is not None:

@@ -23,10 +23,32 @@ class Samples:
         self.series.setdefault(name, []).append((t, busy))
 
 
-def timeline(path: str, res: ScheduleResult, samples: Samples, *, title: str) -> str:
+#: queue events drawn as ticks on the timeline's "queue" row, bottom to top
+MARKS = ("release", "claim", "ready", "batch", "ack", "pause", "resume")
+MARK_COLORS = {"release": "#756bb1", "claim": "#9e9ac8", "ready": "#31a354",
+               "batch": "#2b8cbe", "ack": "#636363", "pause": "#e34a33", "resume": "#fdae6b"}
+
+
+def timeline(path: str, res: ScheduleResult, samples: Samples, *, title: str,
+             marks: dict[str, list[float]] | None = None,
+             gaps: Sequence[tuple[float, float]] | None = None) -> str:
+    """Who is busy over time; with ``marks``, a row of queue events (one tick per
+    release, claim, ready group, batch, ack, pause, resume); ``gaps`` (dead time: the
+    trainer waits and no engine runs) are shaded red across every row."""
     t0 = res.started
     rows = sorted(samples.series)
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.6 * (len(rows) + 1)))
+    top = len(rows) + (1 if marks else 0)
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.6 * (top + 1)))
+    for gs, ge in gaps or ():
+        ax.axvspan(gs - t0, ge - t0, color="#fb6a4a", alpha=0.35, lw=0)
+    if marks:
+        lane = 0.8 / len(MARKS)
+        base = len(rows) + 1.1
+        for k, what in enumerate(MARKS):
+            ts = [t - t0 for t in marks.get(what, [])]
+            if ts:
+                ax.vlines(ts, base + k * lane, base + (k + 1) * lane,
+                          color=MARK_COLORS[what], lw=0.6)
     colors = {"wait": "#d9d9d9", "train": "#2b8cbe", "update": "#e34a33"}
     for iv in res.intervals:
         ax.broken_barh([(iv.start - t0, iv.end - iv.start)], (0.1, 0.8),
@@ -41,9 +63,11 @@ def timeline(path: str, res: ScheduleResult, samples: Samples, *, title: str) ->
                                alpha=min(1.0, 0.15 + 0.85 * busy))
     for rec_iv in (iv for iv in res.intervals if iv.what == "update"):
         ax.axvline(rec_iv.start - t0, color="#e34a33", lw=0.8, ls="--")
-    ax.set_yticks([0.5] + [i + 0.5 for i in range(1, len(rows) + 1)])
-    ax.set_yticklabels(["trainer"] + rows)
-    ax.set_xlabel("seconds (trainer: grey wait, blue train, red weight update; green: busy)")
+    ax.set_yticks([0.5] + [i + 0.5 for i in range(1, top + 1)])
+    ax.set_yticklabels(["trainer"] + rows + (["queue events"] if marks else []))
+    ax.set_xlabel("seconds (trainer: grey wait, blue train, red weight update; green: busy"
+                  + ("; queue ticks bottom-up: " + ", ".join(MARKS) if marks else "")
+                  + ("; red shade: nobody works" if gaps else "") + ")")
     ax.set_title(title)
     ax.set_xlim(0, max(res.wall_s, 1e-3))
     fig.tight_layout()

@@ -9,6 +9,7 @@ after every step.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -16,8 +17,9 @@ import shutil
 import signal
 import threading
 import time
-import urllib.request
+import urllib.parse
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from strawq.collector.bracket import WeightUpdateBracket
 from strawq.collector.core import Collector
 from strawq.collector.reader import BatchReader
 from strawq.demo import plots, task
+from strawq.demo.hops import HopSamples, HopTracer, IdleGaps, idle_gaps
 from strawq.demo.schedule import ScheduleConfig, ScheduleResult, StepRecord, collector_config, \
     run_schedule
 from strawq.demo.trainer import GRPOTrainer
@@ -37,10 +40,13 @@ from strawq.dataset import Dataset
 from strawq.errors import StrawqError
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
+from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirWatch
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "trainer.ckpt"
+#: a stretch longer than this with the trainer waiting and every engine idle is dead time
+IDLE_GAP_S = 0.1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,29 +84,42 @@ class DemoResult:
     trained_indices: list[int]
     files: dict[str, str] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
+    hops: HopSamples | None = None
+    gaps: IdleGaps | None = None
 
 
 class Sampler(threading.Thread):
-    """Polls engine loads every ``period_s`` for the timeline (busy = running > 0)."""
+    """Polls engine loads every ``period_s`` for the timeline and the idle-gap check
+    (busy = requests running or waiting). One kept-alive connection per engine: at 50 Hz a
+    new connection per poll would cost more than the engines' own work."""
 
-    def __init__(self, urls: list[str], period_s: float = 0.25) -> None:
+    def __init__(self, urls: list[str], period_s: float = 0.02) -> None:
         super().__init__(daemon=True, name="strawq-demo-sampler")
         self.urls, self.period = urls, period_s
         self.samples = plots.Samples()
         self.stop_event = threading.Event()
 
     def run(self) -> None:
+        conns: dict[int, http.client.HTTPConnection] = {}
         while not self.stop_event.wait(self.period):
-            now = time.monotonic()
             for i, url in enumerate(self.urls):
+                now = time.monotonic()
                 try:
-                    with urllib.request.urlopen(f"{url}/v1/loads?include=core", timeout=2) as r:
-                        loads = json.load(r)["loads"]
-                    running = sum(int(x.get("num_running_reqs", 0)) for x in loads)
+                    if i not in conns:
+                        u = urllib.parse.urlsplit(url)
+                        conns[i] = http.client.HTTPConnection(u.hostname or "127.0.0.1",
+                                                              u.port, timeout=2)
+                    conns[i].request("GET", "/v1/loads?include=core")
+                    loads = json.loads(conns[i].getresponse().read())["loads"]
+                    running = sum(int(x.get("num_running_reqs", 0))
+                                  + int(x.get("num_waiting_reqs", 0)) for x in loads)
                     cap = sum(int(x.get("max_running_requests", 1) or 1) for x in loads)
                     self.samples.add(f"engine {i}", now, min(1.0, running / max(cap, 1)))
-                except OSError:
+                except (OSError, http.client.HTTPException, ValueError, KeyError):
+                    conns.pop(i, None)
                     self.samples.add(f"engine {i}", now, 0.0)
+        for c in conns.values():
+            c.close()
 
 
 def _start_ray(nodes: int) -> Any:
@@ -175,6 +194,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     stop = threading.Event()
     col_thread = None
     sampler = None
+    tracer: HopTracer | None = None
+    watches: list[DirWatch] = []
     old_handler = signal.getsignal(signal.SIGINT)
 
     def on_sigint(signum: int, frame: Any) -> None:
@@ -190,8 +211,19 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                 "tiny", model_path=initial, max_running_requests=cfg.concurrency,
                 weight_version=str(start_version)))
         urls = [e.url for e in engines]
-        collector = Collector.open(run_dir, Dataset(dataset_path), collector_config(sched),
-                                   queue_config=qcfg, owner="demo-collector")
+        tracer = HopTracer(queue)
+        tracer.start()
+        # The collector and the bracket wake on the files they wait for (inotify: every
+        # process of the demo is on this host) instead of sleeping a poll interval.
+        col_watch = _watch(queue, ("ready", "acked", "dropped", "versions", "pending"))
+        ctl_watch = _watch(queue, ("control",))
+        watches += [col_watch, ctl_watch]
+        # GC at every pass: admission counts acked groups as untrained until GC removes
+        # them, so a GC every gc_interval_s (1 s) held each release back by up to that long.
+        collector = Collector.open(run_dir, Dataset(dataset_path),
+                                   collector_config(sched, gc_interval_s=0.0),
+                                   queue_config=qcfg, owner="demo-collector",
+                                   sleep=_waiter(col_watch))
         col_thread = threading.Thread(target=collector.run, kwargs={"should_stop": stop.is_set},
                                       daemon=True, name="strawq-collector")
         col_thread.start()
@@ -206,7 +238,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         placement.reconcile()
         trainer = GRPOTrainer(model, weights, urls, lr=cfg.lr)
         reader = BatchReader.open(run_dir, metrics_jsonl=os.path.join(work, "metrics.jsonl"))
-        bracket = WeightUpdateBracket(reader.queue, lease_timeout_s=cfg.lease_timeout_s)
+        bracket = WeightUpdateBracket(reader.queue, lease_timeout_s=cfg.lease_timeout_s,
+                                      poll_interval_s=0.02, sleep=_waiter(ctl_watch))
+        _trace_returns(reader, tracer)
         if reopen is not None and bracket.is_open:
             log.warning("closing the weight-update bracket a previous run left open "
                         "(version %d)", reopen)
@@ -248,10 +282,23 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         if bar is not None:
             bar.close()
         stats = placement.stats()
+        hops = tracer.stop()
+        for p in stats.values():
+            tracer.add_producer_hops(p.get("hops") or {})
+        sampler.stop_event.set()
+        sampler.join(2)
         result = DemoResult(cfg, res, [r.metrics.get("reward/mean", 0.0) for r in records],
                             [s for r in records for s in r.staleness],
                             list(trained))
         result.summary = _summary(cfg, res, stats, collector)
+        waits = [(iv.start, iv.end) for iv in res.intervals if iv.what == "wait"]
+        result.hops = hops
+        result.gaps = idle_gaps(waits, sampler.samples.series, threshold_s=IDLE_GAP_S)
+        result.summary["hops"] = hops.summary()
+        result.summary["idle_gaps"] = result.gaps.to_dict(IDLE_GAP_S)
+        if reader.metrics is not None:  # the histograms in the run's metrics too
+            reader.metrics.emit({f"hop/{h}/{k}": v for h, st in result.summary["hops"].items()
+                                 for k, v in st.items()})
         result.files = _write_outputs(work, cfg, result, sampler.samples, stats)
         return result
     finally:
@@ -259,6 +306,10 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         signal.signal(signal.SIGINT, old_handler)
         if sampler is not None:
             sampler.stop_event.set()
+        if tracer is not None and tracer.is_alive():
+            tracer.stop()
+        for w in watches:
+            w.close()
         if placement is not None:
             try:
                 placement.stop()
@@ -274,6 +325,29 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
             cluster.shutdown()
         for e in engines:
             e.stop()
+
+
+def _watch(queue: RunQueue, dirs: tuple[str, ...]) -> DirWatch:
+    return DirWatch(queue.storage, dirs, mask=IN_CREATE | IN_MOVED_TO)
+
+
+def _waiter(watch: DirWatch) -> Callable[[float], None]:
+    """A ``sleep`` that returns as soon as the watched directories gain an entry."""
+    def wait(seconds: float) -> None:
+        watch.wait(seconds)
+    return wait
+
+
+def _trace_returns(reader: BatchReader, tracer: HopTracer) -> None:
+    """Tell the tracer when ``next_batch`` returns each batch (batch → trainer hop)."""
+    inner = reader.next_batch
+
+    def next_batch(timeout: float = 600.0) -> Any:
+        batch = inner(timeout)
+        tracer.returned(batch.seq)
+        return batch
+
+    reader.next_batch = next_batch  # type: ignore[method-assign]
 
 
 def _progress(cfg: DemoConfig, start: int) -> Any:
@@ -314,7 +388,9 @@ def _write_outputs(work: str, cfg: DemoConfig, result: DemoResult, samples: plot
                    stats: dict[str, Any]) -> dict[str, str]:
     files = {
         "timeline": plots.timeline(os.path.join(work, "timeline.png"), result.schedule,
-                                   samples, title=f"strawq demo ({cfg.mode}): who is busy"),
+                                   samples, title=f"strawq demo ({cfg.mode}): who is busy",
+                                   marks=result.hops.marks if result.hops else None,
+                                   gaps=result.gaps.gaps if result.gaps else None),
         "reward": plots.reward_curve(os.path.join(work, "reward.png"),
                                      {cfg.mode: result.rewards},
                                      title="reward per training step"),
@@ -332,9 +408,19 @@ def _write_outputs(work: str, cfg: DemoConfig, result: DemoResult, samples: plot
 
 
 def format_summary(result: DemoResult) -> str:
-    rows = [(k, v) for k, v in result.summary.items()]
+    rows = [(k, v) for k, v in result.summary.items() if k != "hops"]
     width = max(len(k) for k, _ in rows)
     lines = ["", f"{'metric':<{width}}  value", f"{'-' * width}  -----"]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]
+    hops = result.summary.get("hops") or {}
+    if hops:
+        w = max(len(h) for h in hops)
+        lines += ["", f"{'hop':<{w}}  count   p50 ms   p90 ms   p99 ms   max ms"]
+        for h, st in hops.items():
+            if st.get("count"):
+                lines.append(f"{h:<{w}}  {st['count']:>5}  {st['p50_ms']:>7}  {st['p90_ms']:>7}"
+                             f"  {st['p99_ms']:>7}  {st['max_ms']:>7}")
+            else:
+                lines.append(f"{h:<{w}}      0")
     lines += ["", "files:"] + [f"  {k:<10} {v}" for k, v in result.files.items()]
     return "\n".join(lines)

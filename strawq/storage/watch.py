@@ -1,0 +1,216 @@
+"""Wake-ups on directory changes: inotify where the kernel sees the change, a fixed poll else.
+
+Waiting for work on a shared filesystem used to mean sleeping and listing again, with the
+sleep doubling while nothing came (the reader's poll reached 0.5 s: a batch published just
+after a listing waited up to that long). A ``DirWatch`` replaces such sleeps:
+
+* **Event-driven** where the kernel sees the change: Linux inotify on the watched
+  directories. That covers a local disk, and a FUSE or NFS mount for every change made
+  through the same mount on this host (the demo, one node's producer and collector).
+* **Cheap** where it does not (a change made by another host on a shared mount: inotify
+  never hears of it): ``wait`` returns after the caller's poll interval at the latest, and
+  the caller lists again. The interval is fixed — no back-off — so the worst case delay is
+  one interval, and the cost is one listing per interval.
+
+An event only means "look again": callers always re-list, so a missed, merged or spurious
+event costs latency or one listing, never correctness. Names in the events are returned for
+tracing (``strawq.demo.hops``), not relied upon.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import select
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from strawq.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+IN_MODIFY = 0x002
+IN_ATTRIB = 0x004
+IN_CLOSE_WRITE = 0x008
+IN_MOVED_FROM = 0x040
+IN_MOVED_TO = 0x080
+IN_CREATE = 0x100
+IN_DELETE = 0x200
+IN_DELETE_SELF = 0x400
+IN_MOVE_SELF = 0x800
+IN_Q_OVERFLOW = 0x4000
+IN_IGNORED = 0x8000
+IN_ONLYDIR = 0x01000000
+IN_NONBLOCK = 0o4000
+IN_CLOEXEC = 0o2000000
+
+#: entries appearing in or leaving a directory: what a queue transition looks like
+ENTRY_EVENTS = IN_CREATE | IN_MOVED_TO | IN_DELETE | IN_MOVED_FROM
+_HEADER = struct.Struct("iIII")
+
+try:
+    _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+    _init1 = getattr(_libc, "inotify_init1", None)
+    _add_watch = getattr(_libc, "inotify_add_watch", None)
+except OSError:  # pragma: no cover - non-glibc platforms
+    _libc = _init1 = _add_watch = None
+
+
+def inotify_available() -> bool:
+    return _init1 is not None and _add_watch is not None
+
+
+class Event(tuple[str, str, int, float]):
+    """(directory, name, mask, monotonic time read): one directory entry changed."""
+
+    __slots__ = ()
+
+    @property
+    def directory(self) -> str:
+        return self[0]
+
+    @property
+    def name(self) -> str:
+        return self[1]
+
+    @property
+    def mask(self) -> int:
+        return self[2]
+
+    @property
+    def at(self) -> float:
+        return self[3]
+
+
+class DirWatch:
+    """Watches directories of a store (keys relative to its root) for entry changes.
+
+    ``wait(timeout)`` returns True as soon as a change was seen (False after ``timeout``
+    without one); ``fileno()`` lets an event loop wait on it (``loop.add_reader``), then
+    ``drain()`` clears it. Without inotify (another OS, a store without local paths, or
+    ``enabled=False``) ``wait`` simply sleeps ``timeout``: the caller's fixed poll.
+    Thread-safe for one waiter and any number of ``add`` callers.
+    """
+
+    def __init__(self, storage: Storage | None, dirs: Sequence[str] = (), *,
+                 mask: int = ENTRY_EVENTS, enabled: bool = True, keep_events: bool = False,
+                 sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.storage = storage
+        self.mask = mask
+        self.keep_events = keep_events
+        self.sleep = sleep
+        self.clock = clock
+        self.events: list[Event] = []
+        self._fd: int | None = None
+        self._wds: dict[int, str] = {}
+        self._lock = threading.Lock()
+        if enabled and inotify_available() and storage is not None \
+                and storage.local_path("tmp") is not None:
+            assert _init1 is not None
+            fd = _init1(IN_NONBLOCK | IN_CLOEXEC)
+            if fd < 0:
+                log.warning("inotify unavailable (%s): waits fall back to fixed polls",
+                            os.strerror(ctypes.get_errno()))
+            else:
+                self._fd = fd
+        for d in dirs:
+            self.add(d)
+
+    @property
+    def event_driven(self) -> bool:
+        return self._fd is not None
+
+    def fileno(self) -> int | None:
+        return self._fd
+
+    def add(self, directory: str) -> bool:
+        """Watch one more directory; False if it cannot be watched (gone, or no inotify)."""
+        if self._fd is None or self.storage is None:
+            return False
+        path = self.storage.local_path(directory)
+        if path is None:
+            return False
+        assert _add_watch is not None
+        wd = _add_watch(self._fd, os.fsencode(path), self.mask | IN_ONLYDIR)
+        if wd < 0:
+            code = ctypes.get_errno()
+            if code not in (errno.ENOENT, errno.ENOTDIR):
+                log.warning("cannot watch %s (%s): changes there are seen by polling only",
+                            path, os.strerror(code))
+            return False
+        with self._lock:
+            self._wds[wd] = directory
+        return True
+
+    def drain(self) -> bool:
+        """Consume pending events; True if there were any."""
+        fd = self._fd
+        if fd is None:
+            return False
+        seen = False
+        while True:
+            try:
+                buf = os.read(fd, 65536)
+            except BlockingIOError:
+                return seen
+            except OSError as exc:  # pragma: no cover - a closed descriptor
+                if exc.errno == errno.EBADF:
+                    return seen
+                raise
+            if not buf:
+                return seen
+            seen = True
+            if self.keep_events:
+                self._parse(buf)
+
+    def _parse(self, buf: bytes) -> None:
+        now = self.clock()
+        off = 0
+        with self._lock:
+            while off + _HEADER.size <= len(buf):
+                wd, mask, _cookie, length = _HEADER.unpack_from(buf, off)
+                raw = buf[off + _HEADER.size: off + _HEADER.size + length]
+                off += _HEADER.size + length
+                if mask & IN_IGNORED:
+                    self._wds.pop(wd, None)
+                    continue
+                name = raw.split(b"\0", 1)[0].decode(errors="replace")
+                self.events.append(Event((self._wds.get(wd, "?"), name, mask, now)))
+
+    def take_events(self) -> list[Event]:
+        """Drain, then return and forget the events kept so far (``keep_events=True``)."""
+        self.drain()
+        with self._lock:
+            out, self.events = self.events, []
+        return out
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a change is seen (True) or ``timeout`` passes (False)."""
+        timeout = max(timeout, 0.0)
+        fd = self._fd
+        if fd is None:
+            self.sleep(timeout)
+            return False
+        if self.drain():
+            return True
+        try:
+            ready, _, _ = select.select([fd], [], [], timeout)
+        except (OSError, ValueError):  # closed under us
+            return False
+        return bool(ready) and self.drain()
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> DirWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
