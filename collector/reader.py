@@ -28,13 +28,14 @@ from strawq.collector.packing import RecordFile, ShardPacker, group_tokens, shar
 from strawq.collector.resume import CHECKPOINT_FORMAT, read_cursor_state
 from strawq.batches import BatchStore, Manifest
 from strawq.errors import CorruptRecord, NotFound
-from strawq.groups import decode_group_columns
+from strawq.groups import decode_group_columns, staleness
 from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
 from strawq.records import Kind
+from strawq.states import depths
 from strawq.storage import open_storage
-
 from strawq.storage.watch import DirWatch
+
 log = logging.getLogger(__name__)
 
 
@@ -126,12 +127,12 @@ class BatchReader:
         #: one record buffer per reading thread; threads beyond the caller's from ``_pool``
         self._files = [RecordFile() for _ in range(read_threads)]
         self._pool: ThreadPoolExecutor | None = None
-
         # Wait for a new manifest on inotify where this host sees it (the default sleep
         # only: an injected sleep means an injected clock), else a fixed poll (no back-off).
         if watch is None and sleep is time.sleep:
             watch = DirWatch(self.storage, ("batches",))
         self._watch = watch if watch is not None and watch.event_driven else None
+
     @classmethod
     def open(cls, path: str, *, rank: int = 0, world_size: int = 1,
              metrics_jsonl: str | None = None, prometheus_port: int | None = None,
@@ -194,12 +195,11 @@ class BatchReader:
         return batch
 
     def _timeout_message(self, timeout: float) -> str:
-        ready = len(self.storage.list("ready"))
-        pending = len(self.queue.list_pending())
-        leased = len(self.storage.list("leased"))
+        d = depths(self.storage)
         epochs = [n for n in self.storage.list("collector") if n.startswith("epoch-")]
         return (f"no batch after {timeout:.1f}s (expected batch > {self._delivered}); queue: "
-                f"pending={pending} leased={leased} ready={ready}; collector epochs "
+                f"pending={d.pending + d.partial} leased={d.leased} ready={d.ready}; "
+                "collector epochs "
                 f"{epochs or 'none'}. Is the collector running ('strawq collector') and are "
                 "producers claiming work?")
 
@@ -243,7 +243,7 @@ class BatchReader:
         cu = np.zeros(nsamples + 1, dtype=np.int32)
         np.cumsum(pk.seqlens, out=cu[1:])
         resp = (pk.seqlens - pk.prompt_lens).astype(np.int32)
-        stal = version - pk.min_version
+        stal = staleness(version, pk.min_version)  # per sample: each one's minimum version
         stats = {"staleness/mean": float(stal.mean()) if stal.size else 0.0,
                  "staleness/max": float(stal.max()) if stal.size else 0.0,
                  "staleness/multi_version_frac":
@@ -356,17 +356,15 @@ class BatchReader:
                                   **batch.stats}
         if step_s is not None and step_s > 0:
             values["trainer/wait_ratio"] = min(wait_s / step_s, 1.0)
-        pending = [k.rsplit("/", 1)[1] for k in self.queue.list_pending()]
-        values["queue/partial"] = sum(1 for n in pending if n.startswith("a"))
-        values["queue/pending"] = len(pending) - values["queue/partial"]
-        for state in ("leased", "ready", "batched"):
-            values[f"queue/{state}"] = len(self.storage.list(state))
+        d = depths(self.storage)
+        for state in ("pending", "partial", "leased", "ready", "batched"):
+            values[f"queue/{state}"] = getattr(d, state)
         self.metrics.emit(values)
+
+    def close(self) -> None:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
-
-    def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
