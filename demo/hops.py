@@ -45,8 +45,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strawq.batches import BatchStore
-from strawq.names import TaskName
+from strawq.names import STAGE_FRESH, TaskName
 from strawq.queue import RunQueue
+from strawq.states import RELEASE_PREFIX
 from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirWatch, Event
 
 log = logging.getLogger(__name__)
@@ -158,8 +159,8 @@ class HopTracer(threading.Thread):
             seq, nxt = (int(x) for x in name.split(".")[:2])
             bisect.insort(self._bounds, (nxt, seq))
         elif d == "pending":
-            if name.startswith("r-"):
-                self._release_at[int(name[2:])] = t
+            if name.startswith(RELEASE_PREFIX):
+                self._release_at[int(name[len(RELEASE_PREFIX):])] = t
                 self.samples.mark("release", t)
                 if self._unanswered_ack is not None:
                     self.samples.add("ack_to_release", t - self._unanswered_ack)
@@ -194,7 +195,7 @@ class HopTracer(threading.Thread):
             self.samples.add("bracket_resume", t - self._resumed_at)
             self._resumed_at = None
         at = self._top_at.pop((n.id, n.gen), None)
-        if at is None and n.key.startswith("c") and n.id.startswith("i"):
+        if at is None and n.key.startswith(STAGE_FRESH) and n.id.startswith("i"):
             index = int(n.id[1:])
             k = bisect.bisect_right(self._bounds, (index, math.inf))
             if k < len(self._bounds):  # the first release whose end is past this index
