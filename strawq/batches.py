@@ -57,7 +57,7 @@ class BatchStore:
         """Ready groups, oldest minimum weight version first (then dataset order)."""
         return names_in(self.storage, S.READY)  # names sort by <minver>.<order>
 
-    def read_summary(self, name: TaskName, state: str = "ready") -> dict[str, Any]:
+    def read_summary(self, name: TaskName) -> dict[str, Any]:
         """A group's metadata from its record header, without reading the payload."""
         key = data_key(name.id, name.gen, "group")
         head = self.storage.read_prefix(key, _META_PROBE)
@@ -161,9 +161,10 @@ class BatchStore:
     # -- staleness bound ----------------------------------------------------------------------
     def drop_ready(self, name: TaskName, reason: str, message: str = "") -> bool:
         """Move a ready group to DROPPED (e.g. staler than the bound η)."""
-        return self.drop_from("ready", name, reason, message)
+        return self.drop_from(S.READY, name, reason, message)
 
-    def drop_from(self, state: str, name: TaskName, reason: str, message: str = "") -> bool:
+    def drop_from(self, state: TaskState | str, name: TaskName, reason: str,
+                  message: str = "") -> bool:
         """Drop a READY or BATCHED group with a recorded reason; False if it moved on."""
         if state not in (S.READY, S.BATCHED):
             raise ValueError(f"drop_from: state must be 'ready' or 'batched', got {state!r}")

@@ -46,8 +46,8 @@ from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
 
-DIRS = ("tmp", "staging", "cursor", "pending", "leased", "ready", "batched", "batches",
-        "acked", "dropped", "data", "hb", "versions", "quarantine", "collector", "control")
+DIRS = ("tmp", "staging", "cursor", *dict.fromkeys(STATE_DIRS.values()), "batches", "acked",
+        "data", "hb", "versions", "quarantine", "collector", "control")
 RUN_KEY = "run.meta"
 #: How long a claimer trusts its listing of the top of ``pending/`` (partial and returned
 #: tasks) while it still has cached fresh candidates; its own monotonic clock.
