@@ -1,21 +1,16 @@
-"""Producer placement: one pinned, named producer actor per eligible Ray node.
+"""Producer placement on Ray: one pinned, named producer actor per eligible Ray node.
 
-The ONE module that imports Ray and applies ``ray.remote`` / ``.options``. Everything the
-actors do is library code (``strawq.producers.producer.Producer``); the reconcile decision is a
-pure function (``plan``) over injected node and actor views, so it is testable without a
-cluster.
+The ONE module that imports Ray and applies ``ray.remote`` / ``.options``. What the actors
+do is library code (``strawq.producers.producer.Producer``); what reconcile decides is
+``strawq.producers.placement_plan`` (eligible nodes, the budget split, start/retire/adopt),
+which drives actors through the small ``ProducerHandle`` / ``ProducerLauncher`` interfaces
+implemented here for Ray — and by plain objects in its tests, without a cluster.
 
-* **Eligible nodes**: alive Ray nodes whose CPU resource is > 0 and at least the actor's
-  ``num_cpus``, sorted by (NodeManagerAddress, NodeID) as slime does.
 * **Pinning**: ``NodeAffinitySchedulingStrategy(node_id, soft=False)``; no restarts (a dead
   producer's leases expire through the grantor; reconcile starts a fresh one with a new id).
 * **Names**: ``strawq-producer-<run_id>-<node_id[:12]>``; an existing live actor of that
   name is adopted, not duplicated (a restarted driver finds its producers).
-* **Budget**: K = floor(C*E/G) group slots split by ``divmod(K, W)`` over the W eligible
-  nodes (``strawq.producers.budget.split_budget``; C*E < W*G is refused with the numbers),
-  recomputed on every reconcile and pushed to each live producer with ``set_slots``.
-* **Reconcile** (Ray Serve's proxy-state manager is the model): start producers on nodes
-  that joined, retire those whose node died or whose actor died, push the new split.
+* **Budget** and **reconcile**: see ``strawq.producers.placement_plan``.
 """
 
 from __future__ import annotations
@@ -26,9 +21,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -38,59 +33,19 @@ from strawq.config import Config
 from strawq.errors import ConfigError
 from strawq.names import validate_id
 
-from strawq.producers.budget import Budget, split_budget
+from strawq.producers.placement_plan import (ACTOR_PREFIX, ActorDied, ActorTimeout, NodeView,
+                                             Plan, ProducerFleet, ReconcileReport, actor_name,
+                                             eligible, plan)
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig, new_producer_id
 
+__all__ = ["ACTOR_PREFIX", "NodeView", "Plan", "PlacementConfig", "ProducerActor",
+           "ProducerPlacement", "ReconcileReport", "actor_name", "eligible", "plan",
+           "ray_nodes", "wait_for_nodes"]
+
 log = logging.getLogger(__name__)
 
-ACTOR_PREFIX = "strawq-producer"
-
-
-def actor_name(run_id: str, node_id: str) -> str:
-    return f"{ACTOR_PREFIX}-{run_id}-{node_id[:12]}"
-
-
-@dataclass(frozen=True)
-class NodeView:
-    node_id: str
-    address: str
-    cpus: float
-    alive: bool = True
-
-
-def eligible(nodes: Sequence[NodeView], min_cpus: float) -> list[NodeView]:
-    """Alive nodes with CPU > 0 and >= ``min_cpus``, in (address, node id) order."""
-    out = [n for n in nodes if n.alive and n.cpus > 0 and n.cpus >= min_cpus]
-    return sorted(out, key=lambda n: (n.address, n.node_id))
-
-
-@dataclass(frozen=True)
-class Plan:
-    start: list[str]
-    retire: list[str]
-    budget: Budget
-    #: node id -> group slots, for every producer that will be live
-    slots: dict[str, int]
-
-
-def plan(nodes: Sequence[NodeView], running: Sequence[str], *, min_cpus: float,
-         concurrency: int, engines: int, group_size: int) -> Plan:
-    """What reconcile does: start on new eligible nodes, retire on gone ones, re-split K.
-
-    Raises ``ConfigError`` (with the numbers) when C*E < W*G; then nothing changes.
-    """
-    target = eligible(nodes, min_cpus)
-    if not target:
-        raise ConfigError(f"no eligible producer node: need an alive Ray node with at least "
-                          f"{min_cpus} CPU; nodes seen: "
-                          f"{[(n.node_id[:12], n.cpus, n.alive) for n in nodes]}")
-    budget = split_budget(concurrency, engines, group_size, len(target))
-    ids = [n.node_id for n in target]
-    live = set(running)
-    return Plan(start=[i for i in ids if i not in live],
-                retire=[i for i in running if i not in set(ids)],
-                budget=budget, slots=dict(zip(ids, budget.slots, strict=True)))
+T = TypeVar("T")
 
 
 def ray_nodes() -> list[NodeView]:
@@ -109,7 +64,7 @@ class ProducerActor:
     def __init__(self, config: ProducerConfig, node_id: str | None = None) -> None:
         if config.producer_id is None:
             config = dataclasses.replace(config, producer_id=new_producer_id())
-        self.producer = Producer(config, node_id=node_id)
+        self.producer = Producer.from_config(config, node_id=node_id)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> str:
@@ -173,13 +128,86 @@ class PlacementConfig(Config):
                 raise ConfigError(f"PlacementConfig.{name} must be > 0")
 
 
-@dataclass
-class ReconcileReport:
-    started: list[str] = field(default_factory=list)
-    retired: list[str] = field(default_factory=list)
-    #: node id -> slots pushed
-    slots: dict[str, int] = field(default_factory=dict)
-    budget: Budget | None = None
+# -- Ray behind the placement_plan interfaces --------------------------------------------------
+class _RayReply(Generic[T]):
+    """An ``ObjectRef`` as a ``placement_plan.Reply``: Ray's errors become ours."""
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+
+    def result(self, timeout_s: float) -> T:
+        try:
+            value: T = ray.get(self.ref, timeout=timeout_s)
+        except RayActorError as exc:
+            raise ActorDied(f"producer actor died: {exc}") from exc
+        except GetTimeoutError as exc:
+            raise ActorTimeout(f"producer actor did not answer within {timeout_s:.0f}s") \
+                from exc
+        return value
+
+
+class RayProducerHandle:
+    """A ``ProducerActor`` handle as a ``placement_plan.ProducerHandle``."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def start(self) -> _RayReply[str]:
+        return _RayReply(self.actor.start.remote())
+
+    def ping(self) -> _RayReply[str]:
+        return _RayReply(self.actor.producer_id.remote())
+
+    def set_slots(self, n: int) -> _RayReply[None]:
+        return _RayReply(self.actor.set_slots.remote(n))
+
+    def stats(self) -> _RayReply[dict[str, Any]]:
+        return _RayReply(self.actor.stats.remote())
+
+    def stop(self, timeout_s: float) -> _RayReply[dict[str, Any]]:
+        return _RayReply(self.actor.stop.remote(timeout_s))
+
+    def kill(self) -> None:
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception as exc:  # noqa: BLE001 - it is already gone
+            log.debug("kill of a producer actor: %s", exc)
+
+
+class RayLauncher:
+    """Named, node-pinned ``ProducerActor``s (a ``placement_plan.ProducerLauncher``)."""
+
+    def __init__(self, config: PlacementConfig) -> None:
+        self.config = config
+
+    def _options(self, node_id: str) -> dict[str, Any]:
+        opts: dict[str, Any] = {
+            "name": actor_name(self.config.run_id, node_id),
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+            "num_cpus": self.config.num_cpus,
+            "max_restarts": 0,
+        }
+        if self.config.namespace is not None:
+            opts["namespace"] = self.config.namespace
+        return opts
+
+    def lookup(self, node_id: str) -> RayProducerHandle | None:
+        try:
+            return RayProducerHandle(ray.get_actor(actor_name(self.config.run_id, node_id),
+                                                   namespace=self.config.namespace))
+        except ValueError:
+            return None
+
+    def launch(self, node_id: str, config: ProducerConfig) -> RayProducerHandle:
+        deadline = time.monotonic() + self.config.call_timeout_s
+        while True:
+            try:
+                return RayProducerHandle(
+                    _REMOTE_ACTOR.options(**self._options(node_id)).remote(config, node_id))
+            except ValueError:  # the name of a dead predecessor is not released yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
 
 class ProducerPlacement:
@@ -194,115 +222,30 @@ class ProducerPlacement:
                               f"placement's G = {config.group_size}")
         self.producer_config = producer
         self.config = config
-        self._nodes = nodes
-        self.handles: dict[str, Any] = {}
-        self.producer_ids: dict[str, str] = {}
-        self._lock = threading.Lock()
+        self.fleet = ProducerFleet(producer, config, RayLauncher(config), nodes)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: Exception | None = None
 
-    # -- actor lifecycle ---------------------------------------------------------------------
-    def _options(self, node_id: str) -> dict[str, Any]:
-        opts: dict[str, Any] = {
-            "name": actor_name(self.config.run_id, node_id),
-            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
-            "num_cpus": self.config.num_cpus,
-            "max_restarts": 0,
-        }
-        if self.config.namespace is not None:
-            opts["namespace"] = self.config.namespace
-        return opts
+    @property
+    def handles(self) -> dict[str, Any]:
+        """node id -> its producer's Ray actor handle."""
+        with self.fleet.lock:
+            return {nid: h.actor for nid, h in self.fleet.handles.items()
+                    if isinstance(h, RayProducerHandle)}
 
-    def _lookup(self, node_id: str) -> Any | None:
-        try:
-            return ray.get_actor(actor_name(self.config.run_id, node_id),
-                                 namespace=self.config.namespace)
-        except ValueError:
-            return None
+    @property
+    def producer_ids(self) -> dict[str, str]:
+        """node id -> its producer's id."""
+        with self.fleet.lock:
+            return dict(self.fleet.producer_ids)
 
-    def _start(self, node_id: str, slots: int) -> Any:
-        handle: Any = self._lookup(node_id)
-        if handle is not None:
-            try:
-                pid = ray.get(handle.start.remote(), timeout=self.config.call_timeout_s)
-                log.info("adopted producer %s on node %s", pid, node_id[:12])
-                self.handles[node_id], self.producer_ids[node_id] = handle, pid
-                return handle
-            except (RayActorError, GetTimeoutError):
-                handle = None  # a dead one still registered: make a new one
-        cfg = dataclasses.replace(self.producer_config, slots=slots,
-                                  producer_id=new_producer_id(f"n{node_id[:8]}"))
-        deadline = time.monotonic() + self.config.call_timeout_s
-        while True:
-            try:
-                handle = _REMOTE_ACTOR.options(**self._options(node_id)).remote(cfg, node_id)
-                break
-            except ValueError:  # the name of a dead predecessor is not released yet
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        pid = ray.get(handle.start.remote(), timeout=self.config.call_timeout_s)
-        log.info("started producer %s on node %s with %d slots", pid, node_id[:12], slots)
-        self.handles[node_id], self.producer_ids[node_id] = handle, pid
-        return handle
-
-    def _retire(self, node_id: str) -> None:
-        handle = self.handles.pop(node_id, None)
-        pid = self.producer_ids.pop(node_id, None)
-        if handle is not None:
-            try:  # a live one parks its groups first; a dead one fails at once
-                ray.get(handle.stop.remote(self.config.stop_timeout_s),
-                        timeout=self.config.stop_timeout_s + 10)
-            except Exception as exc:  # noqa: BLE001 - dead or hung: kill it below
-                log.debug("stop of producer on %s: %s", node_id[:12], exc)
-            try:
-                ray.kill(handle, no_restart=True)
-            except Exception as exc:  # noqa: BLE001 - it is already gone
-                log.debug("kill of producer on %s: %s", node_id[:12], exc)
-        log.warning("retired producer %s of node %s", pid, node_id[:12])
-
-    def _dead_actors(self) -> list[str]:
-        """Node ids whose actor no longer answers (killed process, crashed actor)."""
-        refs = {nid: h.producer_id.remote() for nid, h in self.handles.items()}
-        dead = []
-        for nid, ref in refs.items():
-            try:
-                ray.get(ref, timeout=self.config.call_timeout_s)
-            except RayActorError:
-                dead.append(nid)
-            except GetTimeoutError:
-                log.warning("producer on node %s did not answer within %.0fs", nid[:12],
-                            self.config.call_timeout_s)
-        return dead
-
-    # -- reconcile -----------------------------------------------------------------------------
     def reconcile(self) -> ReconcileReport:
         """One pass: start/retire producers so there is one per eligible node; push slots.
 
         Raises ``ConfigError`` when C*E < W*G (nothing is started or changed then).
         """
-        with self._lock:
-            c = self.config
-            for nid in self._dead_actors():
-                self._retire(nid)
-            p = plan(self._nodes(), list(self.handles), min_cpus=c.num_cpus,
-                     concurrency=c.concurrency, engines=c.engines, group_size=c.group_size)
-            rep = ReconcileReport(budget=p.budget, slots=dict(p.slots))
-            for nid in p.retire:
-                self._retire(nid)
-                rep.retired.append(nid)
-            for nid in p.start:
-                self._start(nid, p.slots[nid])
-                rep.started.append(nid)
-            refs = [self.handles[nid].set_slots.remote(n) for nid, n in p.slots.items()
-                    if nid in self.handles]
-            try:
-                ray.get(refs, timeout=c.call_timeout_s)
-            except (RayActorError, GetTimeoutError) as exc:
-                log.warning("pushing slots failed for some producer (%s); next pass retries",
-                            exc)
-            return rep
+        return self.fleet.reconcile()
 
     def start_background(self) -> None:
         """Reconcile every ``reconcile_interval_s`` in a daemon thread until ``stop``."""
@@ -321,38 +264,14 @@ class ProducerPlacement:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """node id -> the producer's stats (producers that do not answer are left out)."""
-        with self._lock:
-            refs = {nid: h.stats.remote() for nid, h in self.handles.items()}
-        out = {}
-        for nid, ref in refs.items():
-            try:
-                out[nid] = ray.get(ref, timeout=self.config.call_timeout_s)
-            except (RayActorError, GetTimeoutError) as exc:
-                log.warning("no stats from the producer on %s: %s", nid[:12], exc)
-        return out
+        return self.fleet.stats()
 
     def stop(self) -> dict[str, dict[str, Any]]:
         """Stop reconciling, stop every producer (they park their groups), kill the actors."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.config.reconcile_interval_s + self.config.call_timeout_s)
-        with self._lock:
-            refs = {nid: h.stop.remote(self.config.stop_timeout_s)
-                    for nid, h in self.handles.items()}
-            out = {}
-            for nid, ref in refs.items():
-                try:
-                    out[nid] = ray.get(ref, timeout=self.config.stop_timeout_s + 10)
-                except (RayActorError, GetTimeoutError) as exc:
-                    log.warning("producer on %s did not stop cleanly: %s", nid[:12], exc)
-            for nid in list(self.handles):
-                h = self.handles.pop(nid)
-                self.producer_ids.pop(nid, None)
-                try:
-                    ray.kill(h, no_restart=True)
-                except Exception:  # noqa: BLE001
-                    pass
-            return out
+        return self.fleet.stop_all()
 
 
 #: The one place ``ray.remote`` is applied.
