@@ -97,7 +97,8 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values (sections as mappings, tuples as lists); ``from_dict`` inverts it."""
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        fields = dataclasses.fields(self)  # type: ignore[arg-type]
+        return {f.name: _plain(getattr(self, f.name)) for f in fields}
 
 
 def _plain(value: Any) -> Any:
