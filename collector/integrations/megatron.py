@@ -125,7 +125,8 @@ def plan_micro_batches(seqlens: Sequence[int] | np.ndarray, max_tokens: int, *,
     """Contiguous ``[start, end)`` sample ranges whose padded tokens fit ``max_tokens``.
 
     The count is the fewest the budget allows (at least ``min_micro_batches``, at most one
-    per sample); the split points then minimise the largest micro-batch (binary search on
+    per sample); the split points are the ones nearest to equal token shares, or, where
+    those break the budget, the ones that minimise the largest micro-batch (binary search on
     the load bound, greedy fill). A sequence longer than the budget gets a micro-batch of
     its own (logged). Deterministic: the same lengths give the same plan on every rank.
     """
@@ -156,16 +157,18 @@ def plan_micro_batches(seqlens: Sequence[int] | np.ndarray, max_tokens: int, *,
         return ends
 
     k = max(len(cuts(max_tokens)), min(max(min_micro_batches, 1), n))
-    # the smallest bound that still needs at most k parts (a part may exceed the bound only
-    # when it is a single sequence, so the part count falls as the bound grows)
-    lo, hi = 1, max_tokens
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(cuts(mid)) <= k:
-            hi = mid
-        else:
-            lo = mid + 1
-    ends = cuts(lo)
+    ends = _even_cuts(prefix, k, max_tokens)
+    if ends is None:
+        # the smallest bound that still needs at most k parts (a part may exceed the bound
+        # only when it is a single sequence, so the part count falls as the bound grows)
+        lo, hi = 1, max_tokens
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(cuts(mid)) <= k:
+                hi = mid
+            else:
+                lo = mid + 1
+        ends = cuts(lo)
     bounds = [0, *ends]
     parts = [(bounds[i], bounds[i + 1]) for i in range(len(ends))]
     while len(parts) < k:  # min_micro_batches asks for more: halve the widest part
@@ -174,6 +177,24 @@ def plan_micro_batches(seqlens: Sequence[int] | np.ndarray, max_tokens: int, *,
         mid_s = a + (b - a) // 2
         parts[i:i + 1] = [(a, mid_s), (mid_s, b)]
     return parts
+
+
+def _even_cuts(prefix: np.ndarray, k: int, max_tokens: int) -> list[int] | None:
+    """Split points nearest to k equal shares of the tokens (one vectorised search), or
+    None when a part would break the budget (the caller then searches for a bound)."""
+    n = prefix.shape[0] - 1
+    targets = prefix[-1] * np.arange(1, k, dtype=np.float64) / k
+    hi = np.searchsorted(prefix, targets, side="left").clip(1, n)
+    lo = (hi - 1).clip(1, n)
+    pick = np.where(np.abs(prefix[lo] - targets) <= np.abs(prefix[hi] - targets), lo, hi)
+    ends = [*pick.tolist(), n]
+    bounds = np.array([0, *ends], dtype=np.int64)
+    if (np.diff(bounds) <= 0).any():
+        return None
+    loads = prefix[bounds[1:]] - prefix[bounds[:-1]]
+    if ((loads > max_tokens) & (np.diff(bounds) > 1)).any():
+        return None
+    return ends
 
 
 def sync_num_micro_batches(count: int, group: Any = None) -> int:
@@ -291,6 +312,7 @@ class MegatronBatcher:
         self.max_tokens_per_gpu = max_tokens_per_gpu
         self.pad_token_id = pad_token_id
         self._psp = _packed_seq_params_cls()
+        self._rows: dict[int, torch.Tensor] = {}
 
     def plan(self, batch: Batch, *, min_micro_batches: int = 1) -> list[tuple[int, int]]:
         """The micro-batches' sample ranges (cheap: lengths only)."""
@@ -322,10 +344,12 @@ class MegatronBatcher:
         if cu.shape[0] > 2 and batch.loss_mask[torch.from_numpy(cu[1:-1])].any():
             raise ValueError("a sample starts with a trained token (no prompt): the next-token "
                              "shift needs every sample to start with a prompt token")
-        out = []
-        for a, b in self.plan(batch, min_micro_batches=min_micro_batches):
-            out.append(self._build(cols, ext, align, cu, a, b))
-        return out
+        self._rows = {id(t): t.unsqueeze(0) for t in (*cols.values(), *ext.values())}
+        try:
+            return [self._build(cols, ext, align, cu, a, b)
+                    for a, b in self.plan(batch, min_micro_batches=min_micro_batches)]
+        finally:
+            self._rows = {}
 
     # -- building ----------------------------------------------------------------------------
     @staticmethod
@@ -371,14 +395,17 @@ class MegatronBatcher:
                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """No padding, no CP split: views of the reader's tensors (the shifted ones copy only
         for the shard's last micro-batch, whose last label lies past the data)."""
+        rows = self._rows
         def cut(t: torch.Tensor, shifted: bool, fill: float) -> torch.Tensor:
+            t2 = rows[id(t)]  # [1, T, ...]: one slicing call per column
             if not shifted:
-                return t[start:end].unsqueeze(0)
+                return t2[:, start:end]
             if end < t.shape[0]:
-                return t[start + 1:end + 1].unsqueeze(0)
-            out = t.new_full((end - start, *t.shape[1:]), fill)
-            out[:end - start - 1] = t[start + 1:end]
-            return out.unsqueeze(0)
+                return t2[:, start + 1:end + 1]
+            out = t2.new_empty((1, end - start, *t.shape[1:]))
+            out[0, :end - start - 1] = t[start + 1:end]
+            out[0, end - start - 1] = fill
+            return out
 
         pad = self.pad_token_id
         fields = {name: cut(cols[name], shifted, pad if name in ("tokens", "labels") else fill)
@@ -415,28 +442,24 @@ class MegatronBatcher:
         # offset of each output position within its (padded) sequence
         j = np.arange(total, dtype=np.int64) - np.repeat(run_start - run_off, run_len)
         t_len = int(cols["tokens"].shape[0])
-        src_in = starts[seq_of] + j
+        lo, hi = int(starts[0]), min(int(cu[b]) + 1, t_len)  # the sources this part reads
+        fill_at = hi - lo  # index of the fill row appended after them
         ok_in = j < lens[seq_of]
-        src_tg = src_in + 1
-        ok_tg = ok_in & (src_tg < t_len)
+        src_in = np.where(ok_in, starts[seq_of] + j - lo, fill_at)
+        src_tg = np.where(ok_in & (src_in + 1 + lo < t_len), src_in + 1, fill_at)
         if tail:
-            tail_local = tail // cp  # tail > 0 only without CP (see ParallelLayout)
-            j = np.concatenate([j, np.arange(tail_local, dtype=np.int64)])
-            pad = np.zeros(tail_local, dtype=bool)
-            ok_in, ok_tg = np.concatenate([ok_in, pad]), np.concatenate([ok_tg, pad])
-            src_in = np.concatenate([src_in, np.zeros(tail_local, dtype=np.int64)])
-            src_tg = np.concatenate([src_tg, np.zeros(tail_local, dtype=np.int64)])
-        idx = {False: (torch.from_numpy(ok_in), torch.from_numpy(src_in[ok_in])),
-               True: (torch.from_numpy(ok_tg), torch.from_numpy(src_tg[ok_tg]))}
+            tail_fill = np.full(tail // cp, fill_at, dtype=np.int64)  # tail only without CP
+            j = np.concatenate([j, np.arange(tail // cp, dtype=np.int64)])
+            src_in = np.concatenate([src_in, tail_fill])
+            src_tg = np.concatenate([src_tg, tail_fill])
+        idx = {False: torch.from_numpy(src_in), True: torch.from_numpy(src_tg)}
 
         def take(t: torch.Tensor, shifted: bool, fill: float) -> torch.Tensor:
-            mask, src = idx[shifted]
-            out = t.new_full((mask.shape[0], *t.shape[1:]), fill)
-            out[mask] = t.index_select(0, src)
-            return out.unsqueeze(0)
+            ext = torch.cat([t[lo:hi], t.new_full((1, *t.shape[1:]), fill)])
+            return ext.index_select(0, idx[shifted]).unsqueeze(0)
 
-        fields = {name: take(cols[name], shifted, fill) for name, fill, shifted in _COLUMNS}
-        fields["tokens"][0, ~idx[False][0]] = self.pad_token_id
-        fields["labels"][0, ~idx[True][0]] = self.pad_token_id
+        pad = self.pad_token_id
+        fields = {name: take(cols[name], shifted, pad if name in ("tokens", "labels") else fill)
+                  for name, fill, shifted in _COLUMNS}
         extras = {k: take(t, align[k] == "target", 0) for k, t in ext.items()}
         return fields, extras, torch.from_numpy(j).view(1, -1)
