@@ -232,10 +232,7 @@ class BatchReader:
         nsamples = pk.seqlens.shape[0]
         rewards = np.array([0.0 if r is None else r for s in summaries for r in s["rewards"]],
                            dtype=np.float32)
-        sadv = np.array([a for s in summaries for a in s.get("advantages", [])],
-                        dtype=np.float32)
-        if sadv.shape[0] != nsamples:  # a manifest written without advantages
-            sadv = np.zeros(nsamples, dtype=np.float32)
+        sadv = pk.sample_advantages  # zeros for a manifest written without advantages
         sgroup = np.repeat(np.arange(len(summaries), dtype=np.int64),
                            [len(s["sample_lens"]) for s in summaries])
         sindex = np.array([s["index"] for s in summaries], dtype=np.int64)[sgroup] \
@@ -254,7 +251,7 @@ class BatchReader:
             loss_mask=torch.from_numpy(pk.loss_mask),
             rollout_logprobs=torch.from_numpy(pk.logprobs),
             versions=torch.from_numpy(pk.versions),
-            advantages=torch.from_numpy(np.repeat(sadv, pk.seqlens)),
+            advantages=torch.from_numpy(pk.advantages),
             rewards=torch.from_numpy(rewards), sample_advantages=torch.from_numpy(sadv),
             prompt_lens=torch.from_numpy(pk.prompt_lens.astype(np.int32)),
             response_lens=torch.from_numpy(resp), sample_group=torch.from_numpy(sgroup),
