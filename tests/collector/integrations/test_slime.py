@@ -1,0 +1,355 @@
+"""The slime adapters against slime's real classes (the project's pinned peer source).
+
+slime's ``Sample`` (its ``append_response_tokens`` is how slime's own SGLang rollout
+records a generation step, abort included), ``DataSource``, ``RolloutFnTrainOutput``,
+``call_rollout_fn`` and ``validate_rollout_id_annotated`` are the real ones. What needs
+SGLang engines or Megatron (slime's rollout manager, its HTTP rollout) is not run here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector
+from strawq.collector.reader import BatchReader
+from strawq.control import Control
+from strawq.dataset import Dataset
+from strawq.states import TaskState, names_in
+from tests.collector.helpers import SimProducer, drive, make_run, write_dataset
+from tests.collector.integrations.conftest import make_batch
+
+slime_types = pytest.importorskip(
+    "slime.utils.types", reason="slime not installed: pip install --no-deps <the pinned slime "
+    "source tarball> && pip install httpx pillow transformers (docs/slime.md)")
+from slime.observability.rollout_data_utils import validate_rollout_id_annotated  # noqa: E402
+from slime.rollout.base_types import RolloutFnTrainOutput, call_rollout_fn  # noqa: E402
+from slime.rollout.data_source import DataSource  # noqa: E402
+
+from strawq.collector.integrations import slime as adapter  # noqa: E402
+
+Sample = slime_types.Sample
+pytestmark = pytest.mark.slime
+G = 4
+
+
+@pytest.fixture(autouse=True)
+def _fresh_readers():
+    yield
+    for r in adapter._ReaderState.readers.values():
+        r.close()
+    adapter._ReaderState.readers.clear()
+    adapter._ReaderState.delivered.clear()
+
+
+@pytest.fixture
+def args(tmp_path):
+    ds = write_dataset(str(tmp_path / "ds.jsonl"), 12)
+    return SimpleNamespace(n_samples_per_prompt=G, prompt_data=ds, input_key="prompt",
+                           label_key=None, metadata_key=None, rollout_batch_size=2,
+                           save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"),
+                           strawq_run=str(tmp_path / "run"))
+
+
+def _generate(sample, n: int, *, finish: str, version: int, args, seed: int = 0) -> None:
+    """One SGLang call as slime's rollout records it (``Sample.append_response_tokens``)."""
+    rng = np.random.default_rng(seed)
+    sample.append_response_tokens(
+        args, tokens=[int(x) for x in rng.integers(100, 200, n)],
+        log_probs=[float(-x) for x in rng.random(n)], trainable=True,
+        meta_info={"finish_reason": {"type": finish}, "weight_version": str(version)},
+        text="x" * n)
+
+
+def _where(ds, task_id: str) -> str:
+    return ds.queue.find(task_id)[0]
+
+
+# -- mode 1: StrawqDataSource ------------------------------------------------------------------
+def test_is_a_slime_data_source(args):
+    ds = adapter.StrawqDataSource(args)
+    assert isinstance(ds, DataSource)
+    assert all(callable(getattr(ds, m)) for m in DataSource.__abstractmethods__)
+    assert len(ds) == 12
+
+
+def test_fresh_groups_come_from_the_cursor(args):
+    ds = adapter.StrawqDataSource(args)
+    groups = ds.get_samples(3)
+    rows = [json.loads(line) for line in open(args.prompt_data)]
+    assert [len(g) for g in groups] == [G] * 3
+    for k, g in enumerate(groups):
+        for j, s in enumerate(g):
+            assert isinstance(s, Sample) and s.status == Sample.Status.PENDING
+            assert s.group_index == k and s.index == k * G + j
+            assert s.tokens == rows[k]["prompt"] and s.response_length == 0
+            assert s.metadata["strawq"]["task_id"] == f"i{k:012d}"
+    assert all(_where(ds, f"i{k:012d}") == "leased" for k in range(3))
+
+
+def test_aborted_groups_resume_with_prefix_logprobs_versions_and_masks(args):
+    ds = adapter.StrawqDataSource(args)
+    ds.begin_rollout(0)
+    g0, g1 = ds.get_samples(2)
+    _generate(g0[0], 5, finish="stop", version=0, args=args)
+    g0[0].reward = 1.0
+    _generate(g0[1], 3, finish="abort", version=0, args=args, seed=1)
+    for s in g0[2:]:
+        s.status = Sample.Status.ABORTED  # aborted before its first request (slime's path)
+    for s in g1:
+        _generate(s, 2, finish="abort", version=0, args=args, seed=2)
+    before = [[(list(s.tokens), s.response_length, list(s.rollout_log_probs or []),
+                list(s.loss_mask or []), s.status, s.reward) for s in g] for g in (g0, g1)]
+    ds.add_samples([g0, g1])
+    pending = ds.queue.list_pending()
+    assert sum(1 for k in pending if k.split("/")[-1].startswith("a")) == 2  # durable partials
+
+    ds.begin_rollout(1)
+    again = ds.get_samples(3)
+    assert [g[0].metadata["strawq"]["task_id"] for g in again[:2]] == ["i000000000000",
+                                                                      "i000000000001"]
+    assert again[2][0].status == Sample.Status.PENDING  # then fresh work
+    for g, was in zip(again[:2], before, strict=True):
+        for s, (tokens, rlen, lps, mask, status, reward) in zip(g, was, strict=True):
+            if rlen == 0:
+                assert s.response_length == 0 and s.status == Sample.Status.ABORTED
+                continue
+            assert s.tokens == tokens and s.response_length == rlen
+            assert s.loss_mask == mask
+            assert np.allclose(s.rollout_log_probs, lps)
+            assert s.status == status and s.reward == reward
+            assert s.metadata["strawq"]["versions"] == [0] * rlen
+            assert s.weight_versions == ["0"]
+    # slime resumes the aborted ones (remaining budget) under version 1, aborts again
+    s = again[0][1]
+    _generate(s, 4, finish="abort", version=1, args=args, seed=3)
+    ds.add_samples([again[0]])
+    partial = names_in(ds.queue.storage, TaskState.PARTIAL)
+    assert any(n.id == "i000000000000" for n in partial)
+    ds.begin_rollout(2)
+    (g,) = ds.get_samples(1)
+    assert g[1].metadata["strawq"]["versions"] == [0] * 3 + [1] * 4  # per token, aligned
+    assert g[1].response_length == 7 and len(g[1].rollout_log_probs) == 7
+    assert g[1].weight_versions == ["0", "1"]
+
+
+def test_save_records_trained_groups_and_load_resumes_after_a_crash(args):
+    ds = adapter.StrawqDataSource(args)
+    ds.begin_rollout(0)
+    trained0 = [g[0].metadata["strawq"]["task_id"] for g in ds.get_samples(2)]
+    ds.save(0)
+    assert all(_where(ds, t) == "dropped" for t in trained0)
+    assert os.path.exists(os.path.join(args.save, "rollout/strawq_data_source_0.json"))
+    assert adapter.TRAINED in {n.producer for n in names_in(ds.queue.storage,
+                                                             TaskState.DROPPED)}
+    ds.begin_rollout(1)
+    ga, gb = ds.get_samples(2)
+    _generate(ga[0], 3, finish="abort", version=1, args=args)
+    ds.add_samples([ga])  # partial, durable
+    held = gb[0].metadata["strawq"]["task_id"]  # in slime's training when the job dies
+    assert _where(ds, held) == "leased"
+    del ds
+
+    ds2 = adapter.StrawqDataSource(args)  # restarted from the checkpoint of rollout 0
+    ds2.load(0)
+    assert _where(ds2, held) == "pending"  # after the checkpoint: generated again
+    ds2.begin_rollout(1)
+    got = ds2.get_samples(3)
+    ids = [g[0].metadata["strawq"]["task_id"] for g in got]
+    assert ids[0] == ga[0].metadata["strawq"]["task_id"]  # the partial first, prefix kept
+    assert got[0][0].response_length == 3
+    assert held in ids and not set(trained0) & set(ids)  # nothing trained twice
+    # every dataset index is in exactly one place
+    seen = {}
+    for state in (TaskState.PENDING, TaskState.PARTIAL, TaskState.LEASED, TaskState.DROPPED):
+        for n in names_in(ds2.queue.storage, state):
+            assert n.id not in seen
+            seen[n.id] = state
+    assert sorted(seen) == sorted({*trained0, *ids} | set(seen))
+
+
+def test_load_of_a_later_checkpoint_counts_its_leases_as_trained(args):
+    ds = adapter.StrawqDataSource(args)
+    ds.begin_rollout(3)
+    tid = ds.get_samples(1)[0][0].metadata["strawq"]["task_id"]
+    del ds  # crash after the model checkpoint of rollout 3, before the data source's save
+    ds2 = adapter.StrawqDataSource(args)
+    ds2.load(3)
+    assert _where(ds2, tid) == "dropped"
+
+
+def test_stock_rollout_without_tags_saves_everything_handed_out(args):
+    ds = adapter.StrawqDataSource(args)
+    first = [g[0].metadata["strawq"]["task_id"] for g in ds.get_samples(2)]
+    ds.save(0)
+    assert all(_where(ds, t) == "dropped" for t in first)
+    ds.get_samples(1)
+    assert {n.producer for n in names_in(ds.queue.storage, TaskState.LEASED)} == {"slime.r1"}
+
+
+def test_groups_neither_trained_nor_added_back_return_to_the_queue(args):
+    ds = adapter.StrawqDataSource(args)
+    ds.begin_rollout(0)
+    a, b = ds.get_samples(2)
+    ds.trained([a])  # b was filtered out by slime's dynamic sampling
+    assert _where(ds, b[0].metadata["strawq"]["task_id"]) == "pending"
+    ds.save(0)
+    assert _where(ds, a[0].metadata["strawq"]["task_id"]) == "dropped"
+
+
+def test_samples_to_group_refuses_misaligned_samples(args):
+    s = Sample(tokens=[1, 2], status=Sample.Status.ABORTED)
+    _generate(s, 3, finish="abort", version=0, args=args)
+    s.rollout_log_probs = s.rollout_log_probs[:-1]  # broken by hand
+    with pytest.raises(Exception, match="logprobs|shape"):
+        adapter.samples_to_group("i000000000000", 0, [s], version=0)
+
+
+# -- per-token extras -------------------------------------------------------------------------
+def test_extras_map_onto_sample_fields_and_slime_validates_them(args):
+    s = Sample(tokens=[1, 2], status=Sample.Status.PENDING)
+    _generate(s, 3, finish="stop", version=0, args=args)
+    adapter.apply_extras(s, {"teacher_logprobs": np.array([-0.1, -0.2, -0.3]),
+                             "top_p_token_ids": np.array([5, 6, 7, 8]),
+                             "top_p_token_offsets": np.array([0, 1, 3, 4]),
+                             "routed_experts": np.zeros((4, 2, 2), np.int32),
+                             "mine": [1, 2, 3]})
+    assert s.teacher_log_probs == pytest.approx([-0.1, -0.2, -0.3])
+    assert s.rollout_top_p_token_offsets.tolist() == [0, 1, 3, 4]
+    assert tuple(s.rollout_routed_experts.shape) == (4, 2, 2)
+    assert s.metadata["strawq"]["extras"]["mine"] == [1, 2, 3]
+    with pytest.raises(ValueError, match="offsets"):
+        adapter.apply_extras(s, {"top_p_token_offsets": np.array([0, 1, 4])})
+
+
+def test_batch_to_samples_fields(args):
+    batch = make_batch([2, 2, 3, 3], [3, 0, 4, 2], group_size=2)
+    batch.versions[11] = 11  # sample 2's response (tokens 10..13) spans two versions
+    groups = adapter.batch_to_samples(batch)
+    assert [len(g) for g in groups] == [2, 2]
+    s = groups[1][0]
+    a, b = int(batch.cu_seqlens[2]), int(batch.cu_seqlens[3])
+    assert s.tokens == batch.tokens[a:b].tolist() and s.response_length == 4
+    assert s.loss_mask == batch.loss_mask[a + 3:b].tolist()
+    assert s.metadata["strawq"]["versions"] == batch.versions[a + 3:b].tolist()
+    assert s.metadata["strawq"]["versions"] == [12, 11, 12, 12]
+    assert s.weight_versions == ["12", "11", "12"]  # one entry per run of equal versions
+    assert s.group_index == 1 and s.index == 2 and s.reward == 0.0
+    assert groups[0][1].response_length == 0 and groups[0][1].rollout_log_probs == []
+    validate_rollout_id_annotated(groups)
+
+
+# -- mode 2: strawq's producers, slime trains ---------------------------------------------------
+@pytest.fixture
+def world(tmp_path):
+    run = str(tmp_path / "run")
+    q = make_run(run, group_size=G)
+    ds = Dataset(write_dataset(str(tmp_path / "ds.jsonl"), 24))
+    col = Collector(q, ds, CollectorConfig(batch_groups=2, max_running=16, max_ready=16,
+                                           max_prefetch_batches=3, poll_interval_s=0,
+                                           gc_interval_s=0))
+    col.start(wait=False)
+    prods = [SimProducer(q, "p0", seed=1, max_new=(1, 9)), SimProducer(q, "p1", seed=2)]
+    for _ in range(200):
+        drive(col, prods, 1)
+        if len(col.batches.batch_seqs()[0]) >= 3:
+            break
+    assert len(col.batches.batch_seqs()[0]) >= 3
+    return SimpleNamespace(run=run, q=q, col=col, prods=prods, tmp=tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_generate_rollout_returns_the_collector_batch_as_samples(world):
+    a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2, save=str(world.tmp / "c"),
+                        load=None)
+    out = call_rollout_fn(adapter.generate_rollout, a, 0, None, evaluation=False)
+    assert isinstance(out, RolloutFnTrainOutput)
+    validate_rollout_id_annotated(out.samples)
+    ref = BatchReader(world.q).load(world.col.batches.read_manifest(1))
+    assert out.metrics["strawq/batch_seq"] == 1
+    flat = [s for g in out.samples for s in g]
+    assert len(out.samples) == len(ref.groups) and len(flat) == ref.num_samples
+    cu = ref.cu_seqlens.tolist()
+    for i, s in enumerate(flat):
+        a0, b0 = cu[i], cu[i + 1]
+        p = int(ref.prompt_lens[i])
+        assert s.tokens == ref.tokens[a0:b0].tolist()
+        assert s.response_length == b0 - a0 - p
+        assert s.loss_mask == ref.loss_mask[a0 + p:b0].tolist()
+        assert np.allclose(s.rollout_log_probs, ref.rollout_logprobs[a0 + p:b0].numpy())
+        assert s.metadata["strawq"]["versions"] == ref.versions[a0 + p:b0].tolist()
+        assert s.reward == pytest.approx(float(ref.rewards[i]))
+        assert s.status == Sample.Status.COMPLETED
+        assert s.group_index == int(ref.sample_index[i])
+        s._validate_response_metadata_lengths()  # slime's own alignment check
+    with pytest.raises(NotImplementedError, match="eval"):
+        adapter.generate_rollout(a, 0, None, evaluation=True)
+    call_rollout_fn(adapter.generate_rollout, a, 1, None, evaluation=False)
+    assert 1 in world.col.batches.batch_seqs()[1]  # rollout 0's batch acked (lag 1)
+    assert 2 not in world.col.batches.batch_seqs()[1]
+
+
+@pytest.mark.timeout(120)
+def test_weight_update_bracket_around_slimes_update(world):
+    a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2, strawq_bracket_timeout_s=30)
+    adapter.generate_rollout(a, 0, None)
+    stop = threading.Event()
+
+    def producers() -> None:
+        while not stop.is_set():
+            for p in world.prods:
+                p.step()
+            time.sleep(0.01)
+
+    t = threading.Thread(target=producers)
+    t.start()
+    try:
+        adapter.begin_weight_update_hook(a, "/weights/v1", None)  # slime wrote the weights
+        st = Control(world.q.storage).state()
+        assert st.paused and set(st.acks) == {"p0", "p1"}
+        assert not world.q.storage.list("leased")  # producers hold nothing while paused
+    finally:
+        stop.set()
+        t.join()
+    adapter.generate_rollout(a, 1, None)  # the engines have loaded them: bracket closed
+    st = Control(world.q.storage).state()
+    assert not st.paused and world.q.current_version() == 1
+
+
+@pytest.mark.timeout(120)
+def test_batch_source_ties_slime_checkpoints_to_the_reader(world):
+    a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2,
+                        save=str(world.tmp / "ckpt"), load=str(world.tmp / "ckpt"))
+    src = adapter.StrawqBatchSource(a)
+    assert isinstance(src, DataSource)
+    assert adapter.generate_rollout(a, 0, None).metrics["strawq/batch_seq"] == 1
+    src.save(0)
+    with open(os.path.join(a.save, "rollout/strawq_reader_0.json")) as f:
+        assert json.load(f)["batch_seq"] == 1
+    for r in adapter._ReaderState.readers.values():  # the job dies before acking batch 1
+        r.close()
+    adapter._ReaderState.readers.clear()
+    adapter._ReaderState.delivered.clear()
+    src2 = adapter.StrawqBatchSource(a)
+    src2.load(0)
+    assert adapter.generate_rollout(a, 1, None).metrics["strawq/batch_seq"] == 2
+    with pytest.raises(NotImplementedError):
+        src2.get_samples(1)
+
+
+def test_run_dir_comes_from_args_or_env(monkeypatch):
+    monkeypatch.delenv("STRAWQ_RUN", raising=False)
+    with pytest.raises(ValueError, match="STRAWQ_RUN"):
+        adapter.run_dir(SimpleNamespace())
+    monkeypatch.setenv("STRAWQ_RUN", "/x")
+    assert adapter.run_dir(SimpleNamespace()) == "/x"
+    assert adapter.run_dir(SimpleNamespace(strawq_run="/y")) == "/y"
+    assert torch.__version__
