@@ -66,8 +66,8 @@ def timeline(path: str, res: ScheduleResult, samples: Samples, *, title: str,
     ax.set_yticks([0.5] + [i + 0.5 for i in range(1, top + 1)])
     ax.set_yticklabels(["trainer"] + rows + (["queue events"] if marks else []))
     ax.set_xlabel("seconds (trainer: grey wait, blue train, red weight update; green: busy"
-                  + ("; queue ticks bottom-up: " + ", ".join(MARKS) if marks else "")
-                  + ("; red shade: nobody works" if gaps else "") + ")")
+                  + ("; red shade: nobody works" if gaps else "") + ")"
+                  + ("\nqueue ticks, bottom-up: " + ", ".join(MARKS) if marks else ""))
     ax.set_title(title)
     ax.set_xlim(0, max(res.wall_s, 1e-3))
     fig.tight_layout()

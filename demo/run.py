@@ -404,6 +404,17 @@ def _write_outputs(work: str, cfg: DemoConfig, result: DemoResult, samples: plot
                    "steps": [asdict(r) for r in result.schedule.records]}, f, indent=2,
                   default=str)
     files["summary"] = summary_path
+    if result.hops is not None:  # the raw events behind the hop table and the timeline
+        hops_path = os.path.join(work, "hops.json")
+        t0 = result.schedule.started
+        with open(hops_path, "w", encoding="utf-8") as f:
+            json.dump({"t0": t0, "hops_s": result.hops.hops,
+                       "marks_s": {k: [round(t - t0, 4) for t in v]
+                                   for k, v in result.hops.marks.items()},
+                       "idle_gaps_s": [(round(a - t0, 4), round(b - t0, 4))
+                                       for a, b in (result.gaps.gaps if result.gaps else [])]},
+                      f)
+        files["hops"] = hops_path
     return files
 
 

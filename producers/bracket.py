@@ -111,6 +111,10 @@ class PauseBracket:
         self.acked_version = 0
         self._last_poll = -math.inf
 
+    def poll_soon(self) -> None:
+        """``control/`` changed (an inotify wake-up): read it at the next ``poll``."""
+        self._last_poll = -math.inf
+
     async def poll(self) -> bool:
         """Read ``control/`` if ``poll_s`` has passed and act on it; True when this call
         acknowledged a pause."""

@@ -56,6 +56,10 @@ class SlotMeter:
         return self._t - self._t0
 
 
+#: hop samples kept per hop and producer (the newest)
+HOP_SAMPLES = 10_000
+
+
 @dataclass
 class ProducerStats:
     producer_id: str = ""
@@ -82,6 +86,8 @@ class ProducerStats:
     slot_utilisation: float = 0.0
     cpu_s_per_group: float | None = None
     drop_reasons: dict[str, int] = field(default_factory=dict)
+    #: hand-off latencies in seconds, the last ``HOP_SAMPLES`` of each (``StatsBook.hop``)
+    hops: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def groups_done(self) -> int:
@@ -111,6 +117,14 @@ class StatsBook:
             self._stats.groups_dropped += 1
             self._stats.drop_reasons[reason] = self._stats.drop_reasons.get(reason, 0) + 1
 
+    def hop(self, name: str, seconds: float) -> None:
+        """One sample of a hand-off latency (claim -> first request, final -> ready)."""
+        with self.lock:
+            xs = self._stats.hops.setdefault(name, [])
+            xs.append(seconds)
+            if len(xs) > HOP_SAMPLES:
+                del xs[:len(xs) - HOP_SAMPLES]
+
     def get(self, counter: str) -> int:
         with self.lock:
             value = getattr(self._stats, counter)
@@ -121,4 +135,5 @@ class StatsBook:
         with self.lock:
             s = ProducerStats(**{k: v for k, v in vars(self._stats).items()})
             s.drop_reasons = dict(self._stats.drop_reasons)
+            s.hops = {k: list(v) for k, v in self._stats.hops.items()}
         return s

@@ -39,6 +39,7 @@ from strawq.control import Control
 from strawq.names import validate_id
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
+from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirWatch
 
 from strawq.producers.bracket import EngineAborter, PauseBracket
 from strawq.producers.engine_client import EngineClient
@@ -194,6 +195,13 @@ class Producer:
         if self._wake is not None:
             self._wake.set()
 
+    def _on_change(self, watch: DirWatch) -> None:
+        """pending/ or control/ gained an entry: claim and read control/ now."""
+        watch.drain()
+        self._last_empty_claim = -math.inf
+        self._bracket.poll_soon()
+        self._kick()
+
     # -- run ---------------------------------------------------------------------------------
     async def run(self) -> None:
         """Work until ``request_stop()``; then hand back every held group and return."""
@@ -203,6 +211,14 @@ class Producer:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         pid = self.producer_id
+        # New work (pending/) and the bracket (control/) wake the loop at once where this
+        # host sees the change (inotify); the polls of idle_poll_s / control_poll_s remain
+        # the fallback for changes made on other hosts.
+        watch = DirWatch(self.queue.storage, ("pending", "control"),
+                         mask=IN_CREATE | IN_MOVED_TO)
+        fd = watch.fileno()
+        if fd is not None:
+            self._loop.add_reader(fd, self._on_change, watch)
         self._io.start()
         self._heartbeat.start()
         self._rewards.start()
@@ -233,6 +249,9 @@ class Producer:
                 if self._owns_client and self._client is not None:
                     await self._client.close()
                     self._client = None
+                if fd is not None:
+                    self._loop.remove_reader(fd)
+                watch.close()
                 self._heartbeat.close()
                 self._io.shutdown()
                 self._rewards.shutdown()

@@ -65,6 +65,10 @@ class ActiveGroup:
     parking: bool = False
     abandoned: bool = False
     fault: BaseException | None = None
+    #: hop timing (the producer's clock): claimed, first request sent, last sample final
+    claimed_at: float = 0.0
+    generating: bool = False
+    final_at: float | None = None
 
 
 class GroupRunner:
@@ -106,7 +110,7 @@ class GroupRunner:
         return {rid for a in self.groups.values() for rid in a.live_rids}
 
     def start(self, lease: Lease) -> ActiveGroup:
-        a = ActiveGroup(lease)
+        a = ActiveGroup(lease, claimed_at=self.clock())
         self.groups[lease.key] = a
         self.pool.set_demand(a.hold, self.group_size)
         self.book.bump("groups_claimed")
@@ -223,6 +227,9 @@ class GroupRunner:
                     return
                 rid = run.next_rid(self.producer_id, i)
                 a.live_rids.add(rid)
+                if not a.generating:
+                    a.generating = True
+                    self.book.hop("claim_to_generate", self.clock() - a.claimed_at)
                 try:
                     res = await self._client().generate_sample(s, rid=rid)
                 except (EngineError, SampleError) as exc:
@@ -252,6 +259,7 @@ class GroupRunner:
                     await asyncio.sleep(min(0.05 * run.requests[i], 1.0))
             self.pool.release(a.hold)
             freed = True
+            a.final_at = self.clock()
             self.book.bump("samples_finished")
             await self._score(run, i)
         finally:
@@ -290,6 +298,8 @@ class GroupRunner:
                 if run.rewards[i] is None and i not in run.reward_errors:
                     await self._score(run, i)
             await self._finish(run, version)
+            if a.final_at is not None:
+                self.book.hop("final_to_ready", self.clock() - a.final_at)
             return
         fault = a.fault
         if fault is not None and not isinstance(fault, EngineUnavailable) and not a.parking:
