@@ -9,6 +9,9 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 JFS_DIR ?= $(CURDIR)/.juicefs-test
 PYTEST_ARGS ?=
+# slime has no registry release: a source tarball of it (the project's pinned peer) enables
+# the slime adapter's tests, e.g. make install SLIME_SRC=/path/to/slime-624b824.tar.gz
+SLIME_SRC ?=
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -19,7 +22,11 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[all,juicefs]"
+	$(PY) -m pip install -q -e ".[all,juicefs,megatron]"
+	if [ -n "$(SLIME_SRC)" ]; then \
+	  $(PY) -m pip install -q --no-deps "$(SLIME_SRC)" && \
+	  $(PY) -m pip install -q httpx pillow transformers; \
+	fi
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -45,6 +52,7 @@ bench: $(STAMP)
 	$(PY) bench/queue_ops.py
 	$(PY) bench/engines.py
 	$(PY) bench/collector.py
+	$(PY) bench/integrations.py
 
 clean:
 	deploy/juicefs/testvol.sh down "$(JFS_DIR)" >/dev/null 2>&1 || true
