@@ -1,4 +1,4 @@
-"""Queue operations: strawq vs straw-queue 0.1.6, side by side in one run.
+"""Queue operations: strawq vs straw-queue 0.1.6 vs the filesystem's limit, in one run.
 
 Workload (both systems, same durability: every payload and every state change fsync'd):
 P producer *processes* each loop  claim 1 task -> write a group of G samples x T tokens
@@ -9,13 +9,25 @@ from the start barrier to the last group collected. Claim latency is measured in
 producers around the claim call (strawq: rename from the shared directory; straw:
 ``acquire`` through its coordinator's RPC, its only multi-process path).
 
+The third system is the yardstick: the bare durable protocol, with the same payloads (the
+same GROUP record bytes) and the same consumer. Each producer writes its share of groups
+(no claim: work is pre-partitioned) with write + fsync + rename + directory fsync; the
+consumer lists, reads and verifies each record (checksum and decode, as strawq's) and
+deletes it. Nothing a queue adds — claims, leases, manifests, acks, names — is in it, so
+strawq ÷ limit says what the queue costs on top of the filesystem.
+
+On JuiceFS the bench also counts metadata operations per group from the client's own
+counters (``<mount>/.stats``: ``juicefs_meta_ops_total_<op>``, every operation the mount
+sent to its metadata engine while the case ran, producers and consumer together).
+
 Also: per-operation cost over a long run (``--flat N`` groups through one run, small
 payloads, GC on), in windows, to show cost does not grow with history.
 
     python bench/queue_ops.py            # full: P in 1,4,16; local dir (+ JuiceFS if mounted)
     python bench/queue_ops.py --quick    # CI-sized smoke run
 
-The last line is ``queue_ops: strawq/straw throughput ratio = X`` (geometric mean).
+The last line is ``queue_ops: strawq/limit = X, strawq/straw = Y, meta ops/group = Z``
+(geometric means over the cases; Z is strawq's mean on JuiceFS, ``n/a`` without it).
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ from strawq.dataset import Dataset  # noqa: E402
 from strawq.feeder import Feeder  # noqa: E402
 from strawq.groups import GroupData  # noqa: E402
 from strawq.queue import RunQueue  # noqa: E402
+from strawq.records import Kind, decode  # noqa: E402
 from strawq.storage import PosixStorage  # noqa: E402
 
 
@@ -128,16 +141,23 @@ def strawq_collect(q: RunQueue, total: int, batch: int = 64) -> tuple[int, int]:
 
     gc_thread = threading.Thread(target=gc_loop, daemon=True)
     gc_thread.start()
+    read: dict[str, Any] = {}  # read and verified, waiting for their batch
     while collected < total:
-        names = bs.scan_ready()[:batch]
-        if not names:
-            time.sleep(0.002)
-            continue
-        for name in names:
+        fresh = [n for n in bs.scan_ready() if n.id not in read]
+        for name in fresh:
             g = q.read_group(name.id, name.gen)  # read + verify checksum
             nbytes += g.tokens.nbytes + g.logprobs.nbytes + g.versions.nbytes + g.loss_mask.nbytes
+            read[name.id] = name
+        # batches of ``batch`` groups, as a collector forms them (a short last one)
+        if len(read) < min(batch, total - collected):
+            if not fresh:
+                time.sleep(0.002)
+            continue
+        names = list(read.values())[:batch]
         bs.publish_batch(seq, names)
         bs.ack(seq)
+        for name in names:
+            del read[name.id]
         seq += 1
         collected += len(names)
     stop.set()
@@ -183,6 +203,98 @@ def run_strawq(base: str, producers: int, groups: int, samples: int, tokens: int
                            f"{sum(s['done'] for s in stats)} completed, {groups} released")
     return {"groups_s": groups / elapsed, "claim_p50_ms": pct(claims, 0.5) * 1e3,
             "claim_p99_ms": pct(claims, 0.99) * 1e3, "mib_s": nbytes / elapsed / 2**20}
+
+
+# -- the limit: the bare durable protocol -------------------------------------------------------
+def limit_record(pid: int, index: int, samples: int, tokens: int,
+                 cols: dict[str, np.ndarray]) -> list[bytes]:
+    """The same GROUP record bytes strawq's producers publish for this group."""
+    g = GroupData(task_id=f"i{index:012d}", index=index, prompt_ids=[1, 2, 3],
+                  sample_lens=[tokens] * samples, rewards=[1.0] * samples,
+                  status=["completed"] * samples, **cols)
+    return g.encode(Kind.GROUP)
+
+
+def limit_worker(root: str, pid: int, producers: int, groups: int, start_at: float,
+                 samples: int, tokens: int, out: Any) -> None:
+    st = PosixStorage(root, writer_id=f"p{pid}")
+    cols = make_columns(samples, tokens, pid)
+    lat: list[float] = []
+    done = 0
+    while time.time() < start_at:
+        time.sleep(0.001)
+    for index in range(pid, groups, producers):
+        body = limit_record(pid, index, samples, tokens, cols)
+        t0 = time.perf_counter()
+        # tmp write + fsync + close + rename (no replace) + fsync of ready/
+        st.publish(f"ready/g{index:012d}", body)
+        lat.append(time.perf_counter() - t0)
+        done += 1
+    out.put({"claims": lat, "done": done})
+
+
+def run_limit(base: str, producers: int, groups: int, samples: int, tokens: int
+              ) -> dict[str, float]:
+    root = os.path.join(base, f"limit-{producers}-{secrets.token_hex(3)}")
+    st = PosixStorage(root, writer_id="c")
+    st.makedirs("ready")
+    with Workers(limit_worker, producers,
+                 lambda i, at, out: (root, i, producers, groups, at, samples, tokens, out)) as w:
+        t0 = time.perf_counter()
+        collected = nbytes = 0
+        while collected < groups:
+            names = st.list("ready")
+            if not names:
+                time.sleep(0.002)
+                continue
+            for name in names:
+                key = f"ready/{name}"
+                g = GroupData.from_record(decode(st.read(key), expect=Kind.GROUP, name=key))
+                nbytes += g.tokens.nbytes + g.logprobs.nbytes + g.versions.nbytes + \
+                    g.loss_mask.nbytes
+                st.delete(key)  # consumed: the payload goes (strawq's GC)
+                collected += 1
+        elapsed = time.perf_counter() - t0
+    stats = w.stats
+    shutil.rmtree(root, ignore_errors=True)
+    if collected != groups or sum(s["done"] for s in stats) != groups:
+        raise RuntimeError(f"limit run: {collected} collected, "
+                           f"{sum(s['done'] for s in stats)} written, {groups} expected")
+    pubs = [x for s in stats for x in s["claims"]]
+    return {"groups_s": groups / elapsed, "publish_p50_ms": pct(pubs, 0.5) * 1e3,
+            "publish_p99_ms": pct(pubs, 0.99) * 1e3, "mib_s": nbytes / elapsed / 2**20}
+
+
+# -- JuiceFS client counters ---------------------------------------------------------------------
+def meta_ops(mount: str | None) -> dict[str, float]:
+    """The mount's cumulative metadata operations by kind (empty when not JuiceFS)."""
+    if mount is None:
+        return {}
+    try:
+        with open(os.path.join(mount, ".stats"), encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("juicefs_meta_ops_total_"):
+            name, _, value = line.partition(" ")
+            out[name[len("juicefs_meta_ops_total_"):]] = float(value)
+    return out
+
+
+def counted(mount: str | None, fn: Any, *args: Any) -> dict[str, Any]:
+    """Run one case; add its metadata operations per group (JuiceFS only)."""
+    before = meta_ops(mount)
+    res = dict(fn(*args))
+    after = meta_ops(mount)
+    if before or after:
+        groups = args[2]
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        res["meta_ops_per_group"] = sum(delta.values()) / groups
+        res["meta_ops_by_kind"] = {k: round(v / groups, 2) for k, v in sorted(delta.items())
+                                   if v}
+    return res
 
 
 # -- straw-queue 0.1.6 ---------------------------------------------------------------------------
@@ -335,28 +447,40 @@ def main() -> int:
                  .split(",")]
     groups = args.groups or (64 if args.quick else 512)
     flat = args.flat if args.flat is not None else (2000 if args.quick else 100_000)
-    locations = [("local", tempfile.mkdtemp(prefix="strawq-bench-"))]
+    locations: list[tuple[str, str, str | None]] = [
+        ("local", tempfile.mkdtemp(prefix="strawq-bench-"), None)]
     if args.juicefs and os.path.isdir(args.juicefs):
         jd = os.path.join(args.juicefs, f"bench-{secrets.token_hex(3)}")
         os.makedirs(jd)
-        locations.append(("juicefs", jd))
+        locations.append(("juicefs", jd, args.juicefs))
     results: list[dict[str, Any]] = []
     print(f"workload: groups of {args.samples} samples x {args.tokens} tokens "
           f"({args.samples * args.tokens * 17 / 2**10:.0f} KiB of columns), {groups} groups "
           f"per case, fsync on", flush=True)
     hdr = (f"{'fs':<8}{'P':>3} | {'strawq g/s':>11}{'claim p50':>10}{'p99 ms':>8} | "
-           f"{'straw g/s':>10}{'claim p50':>10}{'p99 ms':>8} | {'ratio':>6}")
+           f"{'straw g/s':>10}{'claim p50':>10}{'p99 ms':>8} | {'limit g/s':>10} | "
+           f"{'÷limit':>7}{'÷straw':>7} | {'meta ops/group q/s/lim':>22}")
     print(hdr)
     print("-" * len(hdr))
-    for loc, base in ([] if args.flat_only else locations):
+    for loc, base, mount in ([] if args.flat_only else locations):
         for p in producers:
-            a = run_strawq(base, p, groups, args.samples, args.tokens)
-            b = run_straw(base, p, groups, args.samples, args.tokens)
+            case = (base, p, groups, args.samples, args.tokens)
+            a = counted(mount, run_strawq, *case)
+            b = counted(mount, run_straw, *case)
+            c = counted(mount, run_limit, *case)
             ratio = a["groups_s"] / b["groups_s"]
-            results.append({"fs": loc, "producers": p, "strawq": a, "straw": b, "ratio": ratio})
+            of_limit = a["groups_s"] / c["groups_s"]
+            results.append({"fs": loc, "producers": p, "strawq": a, "straw": b, "limit": c,
+                            "ratio": ratio, "of_limit": of_limit})
+            ops = " / ".join(f"{x['meta_ops_per_group']:.1f}" for x in (a, b, c)) \
+                if "meta_ops_per_group" in a else "-"
             print(f"{loc:<8}{p:>3} | {a['groups_s']:>11.1f}{a['claim_p50_ms']:>10.2f}"
                   f"{a['claim_p99_ms']:>8.2f} | {b['groups_s']:>10.1f}{b['claim_p50_ms']:>10.2f}"
-                  f"{b['claim_p99_ms']:>8.2f} | {ratio:>6.2f}", flush=True)
+                  f"{b['claim_p99_ms']:>8.2f} | {c['groups_s']:>10.1f} | {of_limit:>7.2f}"
+                  f"{ratio:>7.2f} | {ops:>22}", flush=True)
+            if "meta_ops_by_kind" in a:
+                print(f"{'':<12}strawq meta ops per group by kind: {a['meta_ops_by_kind']}")
+                print(f"{'':<12}limit  meta ops per group by kind: {c['meta_ops_by_kind']}")
     flat_rows: list[dict[str, float]] = []
     if flat:
         window = max(flat // 10, 1)
@@ -372,13 +496,24 @@ def main() -> int:
               f"{max(int(r['live_files']) for r in flat_rows)} or fewer")
     if not results:
         return 0
-    for _loc, base in locations:
+    for _loc, base, _mount in locations:
         shutil.rmtree(base, ignore_errors=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"cases": results, "flat": flat_rows}, f, indent=2)
-    gm = math.exp(sum(math.log(r["ratio"]) for r in results) / len(results))
-    print(f"queue_ops: strawq/straw throughput ratio = {gm:.2f}")
+    def gmean(xs: list[float]) -> float:
+        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+    for loc in dict.fromkeys(r["fs"] for r in results):
+        rs = [r for r in results if r["fs"] == loc]
+        print(f"{loc}: strawq/limit = {gmean([r['of_limit'] for r in rs]):.2f}, "
+              f"strawq/straw = {gmean([r['ratio'] for r in rs]):.2f} (geometric means)")
+    jfs = [r["strawq"]["meta_ops_per_group"] for r in results
+           if "meta_ops_per_group" in r["strawq"]]
+    ops = f"{sum(jfs) / len(jfs):.1f}" if jfs else "n/a"
+    print(f"queue_ops: strawq/limit = {gmean([r['of_limit'] for r in results]):.2f}, "
+          f"strawq/straw = {gmean([r['ratio'] for r in results]):.2f}, "
+          f"meta ops/group = {ops}")
     return 0
 
 
