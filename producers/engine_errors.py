@@ -7,9 +7,15 @@ inherits the builtin that fits, so callers that only know builtins still catch t
 
 from __future__ import annotations
 
+from strawq.errors import StrawqError
 
-class EngineError(RuntimeError):
-    """Base class of every engine-side failure seen by the client."""
+
+class EngineError(StrawqError, RuntimeError):
+    """Base class of every engine-side failure seen by the client.
+
+    It derives from :class:`strawq.errors.StrawqError` (one base for the project) and from
+    ``RuntimeError`` (what callers that only know builtins expect).
+    """
 
     def __init__(self, message: str, *, url: str | None = None) -> None:
         super().__init__(message if url is None else f"{message} [worker {url}]")
@@ -38,3 +44,28 @@ class EngineRequestError(EngineError, ValueError):
     def __init__(self, message: str, *, url: str | None = None, status: int = 400) -> None:
         super().__init__(message, url=url)
         self.status = status
+
+
+class WeightUpdateRefused(EngineRequestError):
+    """An engine refused a weight update (``success: false``, usually HTTP 400).
+
+    SGLang 0.5.23 answers 400 "Weights were updated, but the cache was not flushed…" when
+    requests still run or wait on an ``in_place``-paused engine; the new weights may be
+    loaded while the version label is not. ``url`` names the worker; ``reply`` holds the
+    engine's answer when it sent one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str | None = None,
+        status: int = 400,
+        reply: object = None,
+    ) -> None:
+        super().__init__(message, url=url, status=status)
+        self.reply = reply
+
+
+class EngineAuthError(EngineRequestError, PermissionError):
+    """The engine answered 401/403: the API key (or the admin key) is missing or wrong."""

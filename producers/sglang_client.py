@@ -8,8 +8,21 @@ directly, because sglang-router 0.3.x does not route them (protocol reference §
 Faults (refused connections, resets, timeouts, HTTP 5xx, malformed JSON or shapes) are
 retried a bounded number of times with exponential backoff and jitter, then raised as a
 typed :class:`~strawq.producers.engine_errors.EngineError` naming the worker URL. HTTP 4xx is
-raised at once as :class:`EngineRequestError`. An aborted request is returned as a result
-whose ``finish_type`` is ``"abort"`` — never as a finished one.
+raised at once as :class:`EngineRequestError` (401/403: :class:`EngineAuthError`). Nothing
+else escapes: a caller that catches ``EngineError`` catches every engine failure.
+
+Aborts are by **exact rid** (SGLang 0.5.23 ignores a rid prefix, protocol reference §2).
+The client gives every request a rid and keeps the set of rids in flight, so that
+:meth:`SGLangClient.abort_matching` can abort "everything of this producer / group" by
+sending each live rid exactly, to every worker. An aborted reply whose last token is a
+stop token (EOS unless ``ignore_eos``, or a ``stop_token_ids`` entry) is reported as
+finished (``{"type": "stop", ..., "aborted": true}``): the real scheduler applies a pending
+abort before its stop check, so such a reply did reach its end.
+
+Authentication (SGLang ``--api-key`` / ``--admin-api-key``): the API key is sent as
+``Authorization: Bearer`` on every call; the control endpoints that SGLang marks
+admin-optional (abort, pause, continue, weight updates, flush) get the admin key when one
+is configured.
 """
 
 from __future__ import annotations
@@ -19,6 +32,8 @@ import json
 import logging
 import random
 import time
+import uuid
+from pathlib import Path
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,16 +43,19 @@ from typing_extensions import Self
 
 from strawq.config import Config
 from strawq.producers.engine_errors import (
+    EngineAuthError,
     EngineError,
     EngineProtocolError,
     EngineRequestError,
     EngineTimeout,
     EngineUnavailable,
+    WeightUpdateRefused,
 )
 from strawq.producers.sample import Sample, SampleError, SamplerParams, apply_segment
 from strawq.producers.sglang_protocol import (
     GenerateResult,
     build_generate_payload,
+    finalize_abort_at_stop,
     parse_generate_body,
     parse_version,
 )
@@ -46,6 +64,19 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 PAUSE_MODES = ("abort", "retract", "in_place")
+# Endpoints SGLang 0.5.23 marks ADMIN_OPTIONAL: with --admin-api-key they need that key.
+ADMIN_PATHS = frozenset(
+    {
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/update_weight_version",
+        "/flush_cache",
+    }
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +96,12 @@ class ClientConfig(Config):
         context_length: engine context length; resumes clamp their budget to it.
         default_version: map SGLang's non-numeric ``"default"`` version to this int
             (None: such a version is an error).
+        api_key: SGLang ``--api-key``; sent as a bearer token on every call.
+        admin_api_key: SGLang ``--admin-api-key``; sent instead on the admin endpoints
+            (abort, pause, continue, weight updates, flush).
+        eos_token_ids: the model's EOS ids; None = read them from ``/model_info``
+            (``eos_token_id``) or from the model's ``generation_config.json`` /
+            ``config.json`` when the engine's ``model_path`` is readable here.
     """
 
     connect_timeout_s: float = 5.0
@@ -78,6 +115,9 @@ class ClientConfig(Config):
     pool_limit: int = 1024
     context_length: int | None = None
     default_version: int | None = None
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    eos_token_ids: tuple[int, ...] | None = None
 
     def validate(self) -> None:
         for name in (
@@ -138,9 +178,19 @@ def parse_workers(body: Any, *, url: str | None = None) -> list[WorkerInfo]:
 
 
 class _Retryable(Exception):
+    """Internal: a fault worth retrying. Never leaves :class:`SGLangClient`."""
+
     def __init__(self, error: EngineError) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+@dataclass
+class _Inflight:
+    """One ``/generate`` call in flight: the caller's rid and the worker it went to."""
+
+    logical_rid: str
+    url: str
 
 
 class SGLangClient:
@@ -161,6 +211,8 @@ class SGLangClient:
         self._rr = 0
         self._session: aiohttp.ClientSession | None = None
         self._rng = random.Random()
+        self._inflight: dict[str, _Inflight] = {}
+        self._eos: dict[str, frozenset[int]] = {}
 
     # -- lifecycle ----------------------------------------------------------------------
     async def __aenter__(self) -> Self:
@@ -208,8 +260,8 @@ class SGLangClient:
 
     # -- transport ----------------------------------------------------------------------
     def _backoff(self, attempt: int) -> float:
-        base = min(self.config.backoff_max_s, self.config.backoff_base_s * (2**attempt))
-        return base * (1.0 + self.config.jitter * self._rng.random())
+        base = min(self.config.backoff_max_s, self.config.backoff_base_s * (2.0**attempt))
+        return float(base * (1.0 + self.config.jitter * self._rng.random()))
 
     async def _with_retries(self, op: Callable[[], Awaitable[T]], what: str) -> T:
         attempt = 0
@@ -231,6 +283,12 @@ class SGLangClient:
                 attempt += 1
                 await asyncio.sleep(delay)
 
+    def _auth_headers(self, path: str) -> dict[str, str] | None:
+        key = self.config.api_key
+        if path in ADMIN_PATHS and self.config.admin_api_key:
+            key = self.config.admin_api_key
+        return None if key is None else {"Authorization": f"Bearer {key}"}
+
     async def _attempt(
         self,
         method: str,
@@ -244,7 +302,12 @@ class SGLangClient:
         timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self.config.connect_timeout_s)
         try:
             async with self.session.request(
-                method, base + path, json=body, params=params, timeout=timeout
+                method,
+                base + path,
+                json=body,
+                params=params,
+                timeout=timeout,
+                headers=self._auth_headers(path),
             ) as resp:
                 data = await resp.read()
                 status = resp.status
@@ -265,6 +328,15 @@ class SGLangClient:
         if status >= 500:
             raise _Retryable(
                 EngineUnavailable(f"{method} {path}: HTTP {status}: {_snippet(data)}", url=base)
+            )
+        if status in (401, 403):
+            which = "admin key" if path in ADMIN_PATHS else "API key"
+            raise EngineAuthError(
+                f"{method} {path} refused: HTTP {status}: {_error_message(data)}; check the "
+                f"{which} (ClientConfig.api_key / admin_api_key, SGLang --api-key / "
+                "--admin-api-key)",
+                url=base,
+                status=status,
             )
         if status >= 400:
             raise EngineRequestError(
@@ -303,9 +375,13 @@ class SGLangClient:
         params: Mapping[str, str] | None = None,
         timeout_s: float,
     ) -> Any:
-        data = await self._call_raw(method, base, path, body=body, params=params,
-                                    timeout_s=timeout_s)
-        return _decode_json(data, base, path)  # malformed JSON is not retried
+        data = await self._call_raw(
+            method, base, path, body=body, params=params, timeout_s=timeout_s
+        )
+        try:
+            return _decode_json(data, base, path)
+        except _Retryable as exc:  # malformed JSON is not retried, and never escapes
+            raise exc.error from None
 
     def _next_generate_url(self) -> str:
         if self.router_url is not None:
@@ -345,7 +421,13 @@ class SGLangClient:
         timeout_s: float | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> list[GenerateResult]:
-        """``/generate`` returning every result (a list for ``n>1``)."""
+        """``/generate`` returning every result; ``n>1`` becomes n abortable requests.
+
+        SGLang 0.5.23 gives the sub-requests of an ``n>1`` call random rids, so none of
+        them could be aborted alone; the client sends n requests with rids
+        ``{rid}#{i}.`` instead (no sub-rid is a prefix of another) and returns the n
+        results in order.
+        """
         if len(input_ids) == 0:
             raise ValueError("input_ids is empty; SGLang rejects empty input_ids")
         params = (
@@ -353,31 +435,150 @@ class SGLangClient:
             if isinstance(sampling_params, SamplerParams)
             else dict(sampling_params)
         )
+        n = params.get("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"sampling_params.n must be an int >= 1, found {n!r}")
+        base = rid if rid is not None else uuid.uuid4().hex
+        if n == 1:
+            return [await self._generate_one(input_ids, params, base, url, timeout_s, extra)]
+        single = {k: v for k, v in params.items() if k != "n"}
+        seed = single.get("sampling_seed")
+        calls = []
+        for i in range(n):
+            sub = dict(single)
+            if isinstance(seed, int) and not isinstance(seed, bool):
+                sub["sampling_seed"] = seed + i
+            calls.append(self._generate_one(input_ids, sub, f"{base}#{i}.", url, timeout_s, extra))
+        return list(await asyncio.gather(*calls))
+
+    async def _generate_one(
+        self,
+        input_ids: Sequence[int],
+        params: dict[str, Any],
+        rid: str,
+        url: str | None,
+        timeout_s: float | None,
+        extra: Mapping[str, Any] | None,
+    ) -> GenerateResult:
         payload = build_generate_payload(input_ids, params, rid=rid, extra=extra)
         timeout = timeout_s or self.config.generate_timeout_s
         attempts = 0
 
-        async def op() -> list[GenerateResult]:
+        async def op() -> GenerateResult:
             nonlocal attempts
-            if rid is not None and attempts:
-                # A timed-out attempt may still run on the engine under the old rid: a retry
-                # gets its own (the old rid is its prefix, so aborting the old rid's prefix
-                # reaches both).
-                payload["rid"] = f"{rid}.retry{attempts}"
+            if attempts:
+                # A timed-out attempt may still run on the engine under the old rid: the
+                # retry gets its own rid, and both stay tracked until they end.
+                payload["rid"] = f"{rid}~retry{attempts}"
             attempts += 1
             target = url or self._next_generate_url()
-            _, data = await self._attempt(
-                "POST", target, "/generate", body=payload, params=None, timeout_s=timeout
-            )
+            wire_rid = str(payload["rid"])
+            self._inflight[wire_rid] = _Inflight(logical_rid=rid, url=target)
+            try:
+                _, data = await self._attempt(
+                    "POST", target, "/generate", body=payload, params=None, timeout_s=timeout
+                )
+            finally:
+                self._inflight.pop(wire_rid, None)
             body = _decode_json(data, target, "/generate")
             try:
-                return parse_generate_body(
+                results = parse_generate_body(
                     body, url=target, default_version=self.config.default_version
                 )
             except EngineProtocolError as exc:
                 raise _Retryable(exc) from None
+            if len(results) != 1:
+                raise _Retryable(
+                    EngineProtocolError(
+                        f"expected one /generate result for rid {wire_rid}, found {len(results)}",
+                        url=target,
+                    )
+                )
+            return results[0]
 
-        return await self._with_retries(op, f"/generate rid={rid}")
+        result = await self._with_retries(op, f"/generate rid={rid}")
+        if result.is_abort and len(result.output_ids) and not params.get("ignore_eos"):
+            # (ignore_eos switches off every token-based stop on SGLang 0.5.23)
+            result = finalize_abort_at_stop(
+                result,
+                eos_ids=await self.eos_token_ids(result.url),
+                stop_token_ids=params.get("stop_token_ids") or (),
+                min_new_tokens=int(params.get("min_new_tokens") or 0),
+            )
+        return result
+
+    # -- rids in flight ---------------------------------------------------------------------
+    def inflight_rids(self, prefix: str = "") -> list[str]:
+        """Wire rids of the ``/generate`` calls now in flight whose caller rid starts with
+        ``prefix`` (the client-side selection that SGLang's exact-rid abort cannot do)."""
+        return [w for w, f in self._inflight.items() if f.logical_rid.startswith(prefix)]
+
+    async def abort_matching(self, prefix: str, *, url: str | None = None) -> list[str]:
+        """Abort, by exact rid and on every worker, each request in flight whose caller rid
+        starts with ``prefix``; returns the wire rids aborted (empty: nothing was live)."""
+        rids = self.inflight_rids(prefix)
+        if rids:
+            await self.abort_rids(rids, url=url)
+        return rids
+
+    async def abort_rids(self, rids: Sequence[str], *, url: str | None = None) -> None:
+        """``/abort_request`` for each exact rid, on every worker (or ``url``).
+
+        SGLang aborts only an exact live rid; an unknown rid is a harmless no-op, so each
+        rid goes to each worker (behind a router the client does not know which one runs
+        it). Raises :class:`EngineError` naming the workers that failed.
+        """
+        if not rids:
+            return
+        if any(not r for r in rids):
+            raise ValueError("abort_rids needs non-empty rids (an empty rid aborts nothing)")
+
+        async def one(u: str) -> None:
+            await asyncio.gather(
+                *(
+                    self._call_raw(
+                        "POST",
+                        u,
+                        "/abort_request",
+                        body={"rid": r, "abort_all": False},
+                        timeout_s=self.config.control_timeout_s,
+                    )
+                    for r in rids
+                )
+            )
+
+        await self._each(url, one)
+
+    async def eos_token_ids(self, url: str | None = None) -> frozenset[int]:
+        """The model's EOS ids: the config's, else ``/model_info`` / the model's config files.
+
+        Cached per worker. Empty when they cannot be found (then an aborted reply ending on
+        EOS stays resumable; a warning says so once).
+        """
+        if self.config.eos_token_ids is not None:
+            return frozenset(self.config.eos_token_ids)
+        target = url if url is not None and url != self.router_url else None
+        if target is None:
+            target = self.worker_urls[0] if self.worker_urls else None
+        if target is None:
+            return frozenset()
+        cached = self._eos.get(target)
+        if cached is not None:
+            return cached
+        try:
+            info = await self.model_info(target)
+        except EngineError as exc:
+            logger.warning("cannot read /model_info of %s for its EOS ids: %s", target, exc)
+            return frozenset()
+        found = eos_ids_from_model_info(info)
+        if not found:
+            logger.warning(
+                "worker %s: no EOS id in /model_info nor in a readable model config; an aborted "
+                "reply ending on EOS will be treated as resumable (set ClientConfig.eos_token_ids)",
+                target,
+            )
+        self._eos[target] = found
+        return found
 
     async def generate_sample(
         self,
@@ -410,8 +611,8 @@ class SGLangClient:
         )
         if len(result.output_ids) > budget:
             raise EngineProtocolError(
-                f"engine returned {len(result.output_ids)} tokens for a budget of {budget} (rid {result.rid}); "
-                "segment rejected",
+                f"engine returned {len(result.output_ids)} tokens for a budget of {budget} "
+                f"(rid {result.rid}); segment rejected",
                 url=result.url,
             )
         apply_segment(sample, result.to_segment())
@@ -430,6 +631,11 @@ class SGLangClient:
             first = errors[0][1]
             if isinstance(first, EngineError) and len(errors) == 1:
                 raise first
+            if all(isinstance(e, WeightUpdateRefused) for _, e in errors):
+                raise WeightUpdateRefused(
+                    f"{len(errors)} of {len(urls)} workers refused the weight update: {detail}",
+                    url=errors[0][0],
+                ) from first
             raise EngineUnavailable(f"{len(errors)} of {len(urls)} workers failed: {detail}",
                                     url=errors[0][0]) from first
         return dict(zip(urls, values, strict=True))  # type: ignore[arg-type]
@@ -437,7 +643,11 @@ class SGLangClient:
     async def abort(
         self, rid: str | None = None, *, abort_all: bool = False, url: str | None = None
     ) -> None:
-        """``/abort_request``: by rid prefix, or everything with ``abort_all``."""
+        """``/abort_request`` on every worker: one exact rid, or everything (``abort_all``).
+
+        A rid prefix aborts nothing on SGLang 0.5.23; use :meth:`abort_matching` or
+        :meth:`abort_rids` to abort a set of requests.
+        """
         if rid is None and not abort_all:
             raise ValueError("abort needs a rid or abort_all=True")
         body: dict[str, Any] = {"abort_all": abort_all}
@@ -494,18 +704,57 @@ class SGLangClient:
         }
 
         async def one(u: str) -> Any:
-            reply = await self._call_json(
-                "POST",
-                u,
-                "/update_weights_from_disk",
-                body=body,
-                timeout_s=self.config.weight_update_timeout_s,
-            )
+            try:
+                reply = await self._call_json(
+                    "POST",
+                    u,
+                    "/update_weights_from_disk",
+                    body=body,
+                    timeout_s=self.config.weight_update_timeout_s,
+                )
+            except EngineAuthError:
+                raise
+            except EngineRequestError as exc:
+                raise WeightUpdateRefused(
+                    f"update_weights_from_disk({model_path}, version {weight_version}) refused: "
+                    f"{exc}. SGLang refuses while requests run on an in_place-paused engine; "
+                    "push with push_weights() (pause mode abort -> update -> continue)",
+                    url=u,
+                    status=exc.status,
+                ) from None
             if not isinstance(reply, Mapping) or reply.get("success") is not True:
-                raise EngineError(
-                    f"update_weights_from_disk({model_path}) failed: {reply!r}", url=u
+                raise WeightUpdateRefused(
+                    f"update_weights_from_disk({model_path}) failed: {reply!r}", url=u, reply=reply
                 )
             return reply
+
+        return await self._each(url, one)
+
+    async def push_weights(
+        self,
+        model_path: str,
+        *,
+        weight_version: int,
+        url: str | None = None,
+    ) -> dict[str, Any]:
+        """The trainer-side push that works on SGLang 0.5.23, on every worker.
+
+        Per worker: ``pause_generation(abort)`` (in-flight requests come back aborted with
+        their tokens; new ones wait at the engine's gate), ``update_weights_from_disk``
+        with the default cache flush, then ``continue_generation`` — also when the update
+        failed, so that a refused push never leaves an engine paused. Raises
+        :class:`WeightUpdateRefused` naming the worker(s) that refused.
+        """
+
+        async def one(u: str) -> Any:
+            await self.pause_generation("abort", url=u)
+            try:
+                replies = await self.update_weights_from_disk(
+                    model_path, weight_version=weight_version, url=u
+                )
+            finally:
+                await self.continue_generation(url=u)
+            return replies[u]
 
         return await self._each(url, one)
 
@@ -541,11 +790,14 @@ class SGLangClient:
                         "POST", u, "/flush_cache", timeout_s=self.config.control_timeout_s
                     )
                     return
+                except EngineAuthError:
+                    raise
                 except EngineRequestError as exc:
                     if time.monotonic() + poll_s > deadline:
                         raise EngineTimeout(
-                            f"flush_cache still refused after {deadline_s:.1f}s ({exc}); the engine is not idle — "
-                            "pause it (mode abort/retract) or abort requests first",
+                            f"flush_cache still refused after {deadline_s:.1f}s ({exc}); the "
+                            "engine is not idle — pause it (mode abort/retract) or abort "
+                            "requests first",
                             url=u,
                         ) from None
                     await asyncio.sleep(poll_s)
@@ -613,7 +865,10 @@ class SGLangClient:
     async def abort_until_idle(
         self, *, url: str | None = None, deadline_s: float = 60.0, poll_s: float = 0.5
     ) -> None:
-        """Abort everything on each worker, repeating until it reports no requests (slime PR #2056)."""
+        """Abort everything on each worker, repeating until it reports no requests.
+
+        (slime PR #2056's abort-until-idle.)
+        """
 
         async def one(u: str) -> None:
             deadline = time.monotonic() + deadline_s
@@ -634,6 +889,42 @@ class SGLangClient:
                 await asyncio.sleep(poll_s)
 
         await self._each(url, one)
+
+
+def eos_ids_from_model_info(info: Mapping[str, Any]) -> frozenset[int]:
+    """EOS ids from ``/model_info``: its ``eos_token_id`` (strawq's local engines), else the
+    model's ``generation_config.json`` / ``config.json`` when ``model_path`` (or
+    ``tokenizer_path``) is a directory readable from here (SGLang 0.5.23 does not report
+    them)."""
+    found = _as_ids(info.get("eos_token_id"))
+    if found:
+        return found
+    for key in ("model_path", "tokenizer_path"):
+        path = info.get(key)
+        if not isinstance(path, str) or not path:
+            continue
+        for name in ("generation_config.json", "config.json"):
+            try:
+                config = json.loads((Path(path) / name).read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(config, Mapping):
+                found = _as_ids(config.get("eos_token_id"))
+                if found:
+                    return found
+    return frozenset()
+
+
+def _as_ids(value: Any) -> frozenset[int]:
+    if isinstance(value, bool):
+        return frozenset()
+    if isinstance(value, int):
+        return frozenset({value})
+    if isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return frozenset(value)
+    return frozenset()
 
 
 def _snippet(data: bytes, limit: int = 200) -> str:

@@ -11,8 +11,9 @@ the caller maps it with ``default_version``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +41,9 @@ def parse_version(value: Any, *, url: str | None = None, default_version: int | 
             if value == "default" and default_version is not None:
                 return default_version
     raise EngineProtocolError(
-        f"weight version {value!r} is not an integer; strawq stamps integer versions. Start the engine "
-        "with --weight-version 0 (or send /update_weight_version with an integer), or set "
-        "ClientConfig.default_version to map SGLang's 'default'",
+        f"weight version {value!r} is not an integer; strawq stamps integer versions. Start "
+        "the engine with --weight-version 0 (or send /update_weight_version with an integer), "
+        "or set ClientConfig.default_version to map SGLang's 'default'",
         url=url,
     )
 
@@ -86,6 +87,32 @@ class GenerateResult:
         )
 
 
+def finalize_abort_at_stop(
+    result: GenerateResult,
+    *,
+    eos_ids: Iterable[int],
+    stop_token_ids: Iterable[int],
+    min_new_tokens: int = 0,
+) -> GenerateResult:
+    """An aborted reply that ends on a stop token is finished, not resumable.
+
+    SGLang 0.5.23's ``Req.update_finish_state`` applies a pending abort before its EOS /
+    stop-token check, so an aborted reply can end with the token that would have stopped
+    it. Such a reply is returned as ``{"type": "stop", "matched": id, "aborted": True}``.
+    Do not call it for an ``ignore_eos`` request: SGLang 0.5.23 then ignores
+    ``stop_token_ids`` too. Below ``min_new_tokens`` no token stops a request, so nothing
+    changes there. Stop *strings* are not detected (no tokenizer).
+    """
+    n = len(result.output_ids)
+    if not result.is_abort or n == 0 or n < min_new_tokens:
+        return result
+    last = int(result.output_ids[-1])
+    if last not in set(eos_ids) and last not in {int(t) for t in stop_token_ids}:
+        return result
+    finish = {"type": "stop", "matched": last, "aborted": True}
+    return dataclasses.replace(result, finish_reason=finish)
+
+
 def build_generate_payload(
     input_ids: Sequence[int],
     sampling_params: Mapping[str, Any],
@@ -121,8 +148,8 @@ def _int_field(meta: Mapping[str, Any], key: str, url: str | None, *, required: 
 def _parse_finish(value: Any, url: str | None) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise EngineProtocolError(
-            f"meta_info.finish_reason must be a dict with 'type' in {FINISH_TYPES}, found {value!r} "
-            "(a null finish_reason is only valid in a non-final stream chunk)",
+            f"meta_info.finish_reason must be a dict with 'type' in {FINISH_TYPES}, found "
+            f"{value!r} (a null finish_reason is only valid in a non-final stream chunk)",
             url=url,
         )
     kind = value.get("type")
@@ -153,8 +180,8 @@ def _parse_spans(spans: Any, n: int, url: str | None, default_version: int | Non
             )
         if start != cursor or end < start or end > n:
             raise EngineProtocolError(
-                f"weight_versions spans must tile [0, {n}) in order; span {span!r} does not start at {cursor} "
-                f"or ends out of range",
+                f"weight_versions spans must tile [0, {n}) in order; span {span!r} does not "
+                f"start at {cursor} or ends out of range",
                 url=url,
             )
         out[start:end] = parse_version(span["version"], url=url, default_version=default_version)

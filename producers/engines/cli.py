@@ -43,6 +43,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--log-level", default="warning")
     p.add_argument("--health-check-timeout", type=float, default=20.0)
+    p.add_argument("--api-key", default=None, help="as SGLang --api-key (bearer token)")
+    p.add_argument(
+        "--admin-api-key", default=None, help="as SGLang --admin-api-key (control endpoints)"
+    )
     t = p.add_argument_group("tiny")
     t.add_argument(
         "--model-path",
@@ -110,6 +114,8 @@ def options_from_args(args: argparse.Namespace) -> EngineOptions:
         served_model_name=args.served_model_name,
         health_check_timeout_s=args.health_check_timeout,
         worker_urls=tuple(u for u in args.worker_urls.split(",") if u),
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
     )
 
 

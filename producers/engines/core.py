@@ -8,13 +8,22 @@ worker thread, and it never touches the queues.
 
 Semantics follow SGLang 0.5.x (protocol reference §2–§4):
 
-* abort: waiting requests finish at once with 0 tokens ("Abort in waiting queue"); running
-  ones finish at the end of the current step with their partial tokens ("Aborted").
+* abort: by **exact rid** only (SGLang 0.5.23's tokenizer manager drops a rid that is not
+  an exact live rid, so a prefix aborts nothing), or everything. Waiting requests finish at
+  once with 0 tokens ("Abort in waiting queue"); running ones compute one more token and
+  then finish with their partial tokens ("Aborted") — a pending abort wins over EOS, stop
+  tokens and the length limit in that step, as in SGLang's ``Req.update_finish_state``. A
+  second abort of the same rid is a no-op, and an abort that reaches a request still held
+  at the pause gate is lost (SGLang marks the rid as aborted, but its scheduler does not
+  know it yet), so such a request runs on after ``continue``.
 * pause ``abort`` aborts everything in flight; ``retract`` puts running requests back in
   the waiting queue with their tokens (re-prefilled after continue); ``in_place`` just
   stops stepping and keeps the KV cache. While paused, new requests wait at the gate.
 * an unpaused weight update closes the gate, waits until nothing is in flight (or aborts
   everything with ``abort_all_requests``), swaps weights, then reopens the gate.
+* an update during an ``in_place`` pause with requests in flight loads the weights and
+  stamps later tokens with the new version, but answers 400 (cache not flushed) and leaves
+  the version label (``/model_info``) unchanged, as SGLang 0.5.23 does.
 * each token is stamped with the weight version in force when it was computed.
 """
 
@@ -66,6 +75,7 @@ class Req:
     finish: dict[str, Any] | None = None
     state: str = "new"  # new -> waiting -> running -> done (running -> waiting on retract)
     abort_requested: bool = False
+    abort_lost: bool = False  # aborted while held at the pause gate: SGLang loses it
     num_retractions: int = 0
     created: float = field(default_factory=time.monotonic)
     backend_state: Any = None
@@ -112,12 +122,15 @@ class EngineCore:
             raise ValueError(f"max_running must be >= 1, found {max_running}")
         self.backend = backend
         self.max_running = max_running
-        self.version = weight_version
+        self.version = weight_version  # stamped on each token (the scheduler's)
+        self.label = weight_version  # reported by /model_info (the tokenizer manager's)
         self.model_path = model_path
         self.update_wait_timeout_s = update_wait_timeout_s
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.live: dict[str, Req] = {}
+        self.gated: dict[str, Req] = {}  # submitted, held at the pause / update gate
+        self.abort_sent: set[str] = set()  # rids whose exact abort was already taken
         self.paused: str | None = None
         self.generated_tokens = 0
         self._updates_pending = 0
@@ -154,9 +167,15 @@ class EngineCore:
     async def submit(self, reqs: Sequence[Req], *, gate_timeout_s: float | None = None) -> None:
         """Wait at the gate (pause / pending update), enqueue, and wait for completion."""
         for req in reqs:
-            if req.rid in self.live:
+            if req.rid in self.live or req.rid in self.gated:
                 raise ValueError(f"rid {req.rid!r} is already in flight; rids must be unique")
-        await asyncio.wait_for(self._wait_gate(), gate_timeout_s)
+        for req in reqs:
+            self.gated[req.rid] = req
+        try:
+            await asyncio.wait_for(self._wait_gate(), gate_timeout_s)
+        finally:
+            for req in reqs:
+                self.gated.pop(req.rid, None)
         if self.closed:
             for req in reqs:
                 self._finish(req, dict(ABORT_WAITING))
@@ -189,7 +208,6 @@ class EngineCore:
     # -- the scheduler loop ---------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
-            self._reap_aborts()
             if self.paused is not None or not (self.waiting or self.running):
                 self._wake.clear()
                 try:
@@ -229,17 +247,21 @@ class EngineCore:
             req.out_logprobs.append(float(logprob))
             req.out_versions.append(version)
             self.generated_tokens += 1
+            if req.abort_requested:  # a pending abort wins over EOS / stop / length
+                self._finish(req, dict(ABORT_RUNNING))
+                continue
             finish = self._check_finish(req, int(token))
             if finish is not None:
                 self._finish(req, finish)
-        self._reap_aborts()
 
     def _check_finish(self, req: Req, token: int) -> dict[str, Any] | None:
         p = req.params
         n = len(req.out_ids)
         if n >= p.min_new_tokens:
-            if token in p.stop_token_ids or (
-                token == self.backend.eos_token_id and not p.ignore_eos
+            # SGLang 0.5.23: ignore_eos switches off every token-based stop, stop_token_ids
+            # included (Req._check_token_based_finish returns early)
+            if not p.ignore_eos and (
+                token in p.stop_token_ids or token == self.backend.eos_token_id
             ):
                 return {"type": "stop", "matched": token}
             if p.stop:
@@ -264,6 +286,7 @@ class EngineCore:
         req.state = "done"
         req.finish = finish
         self.live.pop(req.rid, None)
+        self.abort_sent.discard(req.rid)
         if not req.done.done():
             req.done.set_result(None)
         if not self.live:
@@ -275,17 +298,29 @@ class EngineCore:
 
     # -- control --------------------------------------------------------------------------
     def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
-        """Abort by rid prefix or everything; returns how many requests were hit."""
+        """Abort one exact live rid, or everything; returns how many requests were hit."""
         if not abort_all and not rid:
             return 0
+        if abort_all or rid is None:
+            targets = list(self.live.values())
+        else:
+            if rid in self.abort_sent:
+                return 0  # SGLang: a second abort of the same rid is dropped
+            if rid in self.gated:
+                self.abort_sent.add(rid)  # taken, but the scheduler never sees it
+                self.gated[rid].abort_lost = True
+                return 0
+            req = self.live.get(rid)
+            targets = [] if req is None else [req]
+            if req is not None:
+                self.abort_sent.add(rid)
         hit = 0
-        for req in list(self.live.values()):
-            if abort_all or req.rid.startswith(rid or ""):
-                hit += 1
-                if req.state == "waiting":
-                    self._finish(req, dict(ABORT_WAITING))
-                else:
-                    req.abort_requested = True
+        for req in targets:
+            hit += 1
+            if req.state == "waiting":
+                self._finish(req, dict(ABORT_WAITING))
+            else:
+                req.abort_requested = True
         self._wake.set()
         if hit:
             logger.info("abort rid=%r all=%s: %d requests", rid, abort_all, hit)
@@ -334,8 +369,8 @@ class EngineCore:
                     await self.wait_idle(self.update_wait_timeout_s)
                 except asyncio.TimeoutError:
                     raise UpdateRejected(
-                        f"requests still in flight after {self.update_wait_timeout_s:.0f}s; pause the engine "
-                        "or send abort_all_requests=true"
+                        f"requests still in flight after {self.update_wait_timeout_s:.0f}s; pause "
+                        "the engine or send abort_all_requests=true"
                     ) from None
                 async with self._step_lock:
                     await self._apply(path, version)
@@ -349,10 +384,12 @@ class EngineCore:
                     self._reap_aborts()
                 await self._apply(path, version)
                 if flush_cache and self.paused == "in_place" and (self.running or self.waiting):
+                    # SGLang 0.5.23: weights loaded, tokens stamped anew, label left stale
                     raise UpdateRejected(
-                        "Weights were updated, but the cache was not flushed because requests are in flight "
-                        "(in_place pause); send flush_cache=false."
+                        "Weights were updated, but the cache was not flushed because requests are "
+                        "still running or queued. Retract or finish them, then call /flush_cache."
                     )
+        self.label = self.version
         return f"Succeeded to update model weights. Weight version updated to {self.version}."
 
     async def _apply(self, path: str, version: str | None) -> None:
@@ -369,6 +406,7 @@ class EngineCore:
         if abort_all_requests:
             self.abort(abort_all=True)
         self.version = version
+        self.label = version
 
     async def flush_cache(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + max(0.0, timeout_s)

@@ -38,6 +38,9 @@ class EngineOptions(Config):
         update_wait_timeout_s: an unpaused weight update gives up (400) after waiting
             this long for in-flight requests.
         worker_urls: router only: the workers to route to.
+        api_key / admin_api_key: as SGLang's ``--api-key`` / ``--admin-api-key``: every
+            endpoint but health needs the API key; with an admin key, the control
+            endpoints (abort, pause, continue, weight updates, flush) need that one.
     """
 
     kind: str
@@ -51,6 +54,8 @@ class EngineOptions(Config):
     health_check_timeout_s: float = 20.0
     update_wait_timeout_s: float = 600.0
     worker_urls: tuple[str, ...] = ()
+    api_key: str | None = None
+    admin_api_key: str | None = None
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -86,6 +91,8 @@ def build_engine_app(opts: EngineOptions) -> web.Application:
         core,
         served_model_name=opts.served_model_name or f"strawq-{opts.kind}",
         health_check_timeout_s=opts.health_check_timeout_s,
+        api_key=opts.api_key,
+        admin_api_key=opts.admin_api_key,
     )
 
 

@@ -13,6 +13,7 @@ import datetime
 import json
 import logging
 import random
+import secrets
 import time
 import uuid
 from collections.abc import Mapping
@@ -296,7 +297,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         base = str(rid) if isinstance(rid, str) and rid else uuid.uuid4().hex
         if isinstance(rid, list):
             raise BadRequest(
-                "a list of rids is not supported; send one rid (sub-requests get '{rid}_{i}')"
+                "a list of rids is not supported; send one rid (batch sub-requests get "
+                "'{rid}_{i}', n>1 sub-requests random rids)"
             )
     except BadRequest as exc:
         return error_response(str(exc))
@@ -309,7 +311,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             )
     multi = len(reqs) > 1
     for i, req in enumerate(reqs):
-        req.rid = f"{base}_{i}" if multi else base
+        # SGLang 0.5.23: a batch's sub-rids are "{rid}_{i}", but n>1 gives random ones
+        req.rid = (f"{base}_{i}" if batch else uuid.uuid4().hex) if multi else base
         if req.params.seed is not None:
             req.seed = req.params.seed + (i if multi else 0)
         elif isinstance(rid, str) and rid:
@@ -442,10 +445,11 @@ async def handle_model_info(request: web.Request) -> web.Response:
         "tokenizer_path": None,
         "is_generation": True,
         "preferred_sampling_params": None,
-        "weight_version": core.version,
+        "weight_version": core.label,
         "load_format": "auto",
         "served_model_name": request.app[INFO_KEY]["served_model_name"],
         "engine_kind": core.backend.kind,
+        "eos_token_id": core.backend.eos_token_id,
         "max_running_requests": core.max_running,
     }
     info.update(core.backend.model_info())
@@ -481,10 +485,60 @@ async def handle_health_generate(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+# SGLang 0.5.23 marks these ADMIN_OPTIONAL: with --admin-api-key they need that key.
+ADMIN_PATHS = frozenset(
+    {
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/flush_cache",
+    }
+)
+
+
+def auth_allowed(
+    path: str, authorization: str | None, *, api_key: str | None, admin_api_key: str | None
+) -> bool:
+    """SGLang 0.5.23's ``decide_request_auth`` for the NORMAL and ADMIN_OPTIONAL levels."""
+    if path.startswith(("/health", "/ready", "/metrics")):
+        return True
+    expected = api_key
+    if path in ADMIN_PATHS and admin_api_key:
+        expected = admin_api_key
+    if not expected:
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token, expected)
+
+
+def _auth_middleware(api_key: str | None, admin_api_key: str | None) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if not auth_allowed(
+            request.path,
+            request.headers.get("Authorization"),
+            api_key=api_key,
+            admin_api_key=admin_api_key,
+        ):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return check
+
+
 def build_app(
-    core: EngineCore, *, served_model_name: str, health_check_timeout_s: float = 20.0
+    core: EngineCore,
+    *,
+    served_model_name: str,
+    health_check_timeout_s: float = 20.0,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
 ) -> web.Application:
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    middlewares = [_auth_middleware(api_key, admin_api_key)] if api_key or admin_api_key else []
+    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=middlewares)
     app[CORE_KEY] = core
     app[INFO_KEY] = {
         "served_model_name": served_model_name,

@@ -1,0 +1,476 @@
+"""The engine contract as tests: the real SGLang server and every local engine run them.
+
+In the style of the storage conformance suite (``strawq.testing.conformance``): subclass
+:class:`EngineContract` and provide a ``target`` fixture returning an
+:class:`EngineTarget`::
+
+    class TestMyEngine(EngineContract):
+        @pytest.fixture(scope="class")
+        def target(self):
+            with start_my_engine() as url:
+                yield EngineTarget(url=url, eos_token_id=2, vocab_size=512, ...)
+
+The tests state what SGLang 0.5.23 does (protocol reference §1–§5, §11); a local engine
+that passes a test the real server fails is a bug in the local engine (STYLE: talking to
+systems we do not own). Each test is small: on the real CPU fixture a token costs tens of
+milliseconds. Tests that need a capability the target does not declare (API keys) are
+skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiohttp
+import pytest
+
+from strawq.producers.engine_errors import EngineAuthError, WeightUpdateRefused
+from strawq.producers.sglang_client import ClientConfig, SGLangClient
+
+T = TypeVar("T")
+# Greedy; the seed makes the sim engine reproducible (SGLang ignores it without
+# --enable-deterministic-inference, and greedy needs none).
+GREEDY: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True, "sampling_seed": 1234}
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """One engine under test.
+
+    Fields:
+        url: the worker's base URL (control calls always go here).
+        eos_token_id: the model's EOS id.
+        vocab_size: token ids in ``[0, vocab_size)`` are valid.
+        prompt: a prompt of valid ids.
+        weight_dirs: two weight directories the engine can load (``update_weights_from_disk``);
+            the second one differs from the first (a real weight change).
+        max_running: the engine's ``--max-running-requests``.
+        long_tokens: a budget that keeps one request running for a second or more.
+        api_key / admin_api_key: the keys the engine was started with (None: none).
+        router_url: a router in front of ``url`` (``/generate`` goes there when set).
+        timeout_s: the deadline of one test.
+    """
+
+    url: str
+    eos_token_id: int
+    vocab_size: int
+    prompt: tuple[int, ...]
+    weight_dirs: tuple[str, str]
+    max_running: int
+    long_tokens: int = 400
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    router_url: str | None = None
+    timeout_s: float = 120.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def client(self, **overrides: Any) -> SGLangClient:
+        cfg: dict[str, Any] = {
+            "max_retries": 0,
+            "api_key": self.api_key,
+            "admin_api_key": self.admin_api_key,
+            "control_timeout_s": 60.0,
+        }
+        cfg.update(overrides)
+        return SGLangClient([self.url], router_url=self.router_url, config=ClientConfig(**cfg))
+
+    def headers(self, admin: bool = False) -> dict[str, str]:
+        key = self.admin_api_key if admin and self.admin_api_key else self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def _counts(client: SGLangClient, url: str) -> tuple[int, int]:
+    body = await client.loads(url)
+    entry = body["loads"][0]
+    return int(entry["num_running_reqs"]), int(entry["num_waiting_reqs"])
+
+
+async def _until(pred: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not reached within {timeout_s:.0f}s")
+        await asyncio.sleep(0.02)
+
+
+class EngineContract:
+    """SGLang 0.5.23 behaviour that strawq relies on. Subclasses provide ``target``."""
+
+    # -- plumbing -----------------------------------------------------------------------
+    def run(self, target: EngineTarget, coro: Awaitable[T]) -> T:
+        async def bounded() -> T:
+            return await asyncio.wait_for(coro, target.timeout_s)
+
+        return asyncio.run(bounded())
+
+    async def _running(
+        self, c: SGLangClient, t: EngineTarget, n: int = 1, task: asyncio.Future[Any] | None = None
+    ) -> None:
+        async def ok() -> bool:
+            if task is not None and task.done():
+                raise AssertionError(
+                    f"the request finished before it was seen running ({task.result()}); "
+                    "give it a longer budget"
+                )
+            return (await _counts(c, t.url))[0] >= n
+
+        await _until(ok, t.timeout_s / 2, f"{n} request(s) running on {t.url}")
+
+    async def _idle(self, c: SGLangClient, t: EngineTarget) -> None:
+        async def ok() -> bool:
+            return await _counts(c, t.url) == (0, 0)
+
+        await _until(ok, t.timeout_s / 2, f"{t.url} idle")
+
+    def _long(self, t: EngineTarget, n: int | None = None) -> dict[str, Any]:
+        return {"max_new_tokens": n or t.long_tokens, "ignore_eos": True}
+
+    async def _raw(
+        self, t: EngineTarget, path: str, body: Any, *, admin: bool = False
+    ) -> tuple[int, bytes]:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(t.url + path, json=body, headers=t.headers(admin)) as r,
+        ):
+            return r.status, await r.read()
+
+    # -- generate ---------------------------------------------------------------------------
+    def test_generate_logprobs_align(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            async with target.client() as c:
+                r = await c.generate(
+                    target.prompt, {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+                )
+                assert r.finish_reason == {"type": "length", "length": 6}
+                assert len(r.output_ids) == len(r.logprobs) == len(r.versions) == 6
+                assert r.completion_tokens == 6 and r.prompt_tokens == len(target.prompt)
+                assert (r.logprobs <= 0).all()
+
+        self.run(target, go())
+
+    def test_stop_token_is_kept_in_ids(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            async with target.client() as c:
+                greedy = {**GREEDY, "max_new_tokens": 6}
+                ref = await c.generate(target.prompt, greedy)
+                stop_tok = int(ref.output_ids[2])
+                stopping = {**greedy, "ignore_eos": False, "stop_token_ids": [stop_tok]}
+                r = await c.generate(target.prompt, stopping)
+                assert r.finish_type == "stop"
+                assert r.finish_reason["matched"] in (stop_tok, target.eos_token_id)
+                assert int(r.output_ids[-1]) == r.finish_reason["matched"]
+                assert len(r.output_ids) <= 3
+                # ignore_eos switches off every token-based stop, stop_token_ids included
+                ignoring = await c.generate(target.prompt, {**stopping, "ignore_eos": True})
+                assert ignoring.finish_reason == {"type": "length", "length": 6}
+
+        self.run(target, go())
+
+    def test_resume_reports_reduced_budget(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            async with target.client() as c:
+                first = await c.generate(target.prompt, {"max_new_tokens": 4, "ignore_eos": True})
+                resumed = await c.generate(
+                    list(target.prompt) + first.output_ids.tolist(),
+                    {"max_new_tokens": 3, "ignore_eos": True},
+                )
+                assert resumed.finish_reason == {"type": "length", "length": 3}
+                assert resumed.prompt_tokens == len(target.prompt) + 4
+                assert len(resumed.output_ids) == 3
+
+        self.run(target, go())
+
+    def test_n2_sub_requests_get_unrelated_rids(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            status, data = await self._raw(
+                target,
+                "/generate",
+                {
+                    "input_ids": list(target.prompt),
+                    "rid": "n2parent",
+                    "sampling_params": {"max_new_tokens": 2, "n": 2, "ignore_eos": True},
+                },
+            )
+            assert status == 200
+            body = json.loads(data)
+            assert isinstance(body, list) and len(body) == 2
+            rids = [item["meta_info"]["id"] for item in body]
+            assert len(set(rids)) == 2
+            assert not any(r.startswith("n2parent") for r in rids)  # so no rid abort reaches them
+            async with target.client() as c:
+                many = await c.generate_many(
+                    target.prompt, {"max_new_tokens": 2, "n": 2, "ignore_eos": True}, rid="n2c"
+                )
+                assert [m.rid for m in many] == ["n2c#0.", "n2c#1."]
+
+        self.run(target, go())
+
+    def test_loads_and_model_info(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            async with target.client() as c:
+                await self._idle(c, target)
+                body = await c.loads(target.url)
+                entry = body["loads"][0]
+                for key in ("num_running_reqs", "num_waiting_reqs", "max_running_requests"):
+                    assert key in entry, key
+                assert entry["max_running_requests"] == target.max_running
+                info = await c.model_info(target.url)
+                assert "weight_version" in info and "model_path" in info
+                await c.weight_version(target.url)  # an integer version
+                assert target.eos_token_id in await c.eos_token_ids(target.url)
+
+        self.run(target, go())
+
+    # -- aborts -------------------------------------------------------------------------------
+    def test_prefix_abort_is_ignored_exact_rid_aborts(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            async with target.client() as c:
+                task = asyncio.create_task(
+                    c.generate(target.prompt, self._long(target), rid="ctr/g1/s0")
+                )
+                await self._running(c, target)
+                status, body = await self._raw(
+                    target, "/abort_request", {"rid": "ctr/"}, admin=True
+                )
+                assert status == 200 and body == b""
+                await asyncio.sleep(0.3)
+                assert (await _counts(c, target.url))[0] == 1, "a rid prefix aborted a request"
+                assert not task.done()
+                assert await c.abort_matching("ctr/g1/") == ["ctr/g1/s0"]
+                r = await task
+                assert r.is_abort and not r.is_waiting_abort
+                assert 0 < len(r.output_ids) < target.long_tokens
+                assert len(r.logprobs) == len(r.output_ids) == len(r.versions)
+                assert r.prompt_tokens == len(target.prompt)
+
+        self.run(target, go())
+
+    def test_abort_waiting_request(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            async with target.client() as c:
+                rids = [f"ctw-{i}" for i in range(target.max_running)]
+                tasks = [
+                    asyncio.create_task(c.generate(target.prompt, self._long(target), rid=r))
+                    for r in rids
+                ]
+                await self._running(c, target, target.max_running)
+                extra = asyncio.create_task(
+                    c.generate(target.prompt, self._long(target), rid="ctw-extra")
+                )
+
+                async def queued() -> bool:
+                    return (await _counts(c, target.url))[1] >= 1
+
+                await _until(queued, 30, "a queued request")
+                await c.abort_rids(["ctw-extra"])
+                w = await extra
+                assert w.is_waiting_abort and len(w.output_ids) == 0 and w.prompt_tokens is None
+                await c.abort_rids(rids)
+                for r in await asyncio.gather(*tasks):
+                    assert r.is_abort and len(r.output_ids) == len(r.logprobs)
+
+        self.run(target, go())
+
+    def test_abort_at_pause_gate_is_lost(self, target: EngineTarget) -> None:
+        """An exact abort of a request held at the pause gate does not abort it."""
+
+        async def go() -> None:
+            async with target.client() as c:
+                await c.pause_generation("abort")
+                try:
+                    task = asyncio.create_task(
+                        c.generate(
+                            target.prompt, {"max_new_tokens": 3, "ignore_eos": True}, rid="gated"
+                        )
+                    )
+                    await asyncio.sleep(0.5)
+                    assert not task.done()
+                    await c.abort_rids(["gated"])
+                    await asyncio.sleep(0.2)
+                finally:
+                    await c.continue_generation()
+                r = await task
+                assert r.finish_reason == {"type": "length", "length": 3}
+
+        self.run(target, go())
+
+    def test_abort_landing_on_stop_token_is_final(self, target: EngineTarget) -> None:
+        """A pending abort wins over the stop check: the reply says abort but ends on the
+        stop token; the client reports it finished (``stop`` with ``aborted: true``)."""
+
+        async def go() -> None:
+            async with target.client() as c:
+                greedy = {**GREEDY, "max_new_tokens": 24}
+                ref = (await c.generate(target.prompt, greedy)).output_ids.tolist()
+                # stop positions where the token first appears; at most max_running of them,
+                # so that all run in lockstep: the one whose stop token comes next when the
+                # engine is frozen gets the abort in the step that emits its stop token
+                end = ref.index(target.eos_token_id) if target.eos_token_id in ref else len(ref)
+                firsts = [k for k in range(2, end) if ref[k] not in ref[:k]]
+                firsts = firsts[: target.max_running]
+                if len(firsts) < 3:
+                    pytest.skip(f"greedy path {ref} repeats too much to place stop tokens")
+                tasks = {
+                    k: asyncio.create_task(
+                        c.generate(
+                            target.prompt,
+                            {**greedy, "ignore_eos": False, "stop_token_ids": [ref[k]]},
+                            rid=f"cts-{k}",
+                        )
+                    )
+                    for k in firsts
+                }
+                done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_COMPLETED)
+                await c.pause_generation("in_place")
+                try:
+                    await c.abort_matching("cts-")
+                    await asyncio.sleep(0.2)
+                finally:
+                    await c.continue_generation()
+                landed = 0
+                for k, task in tasks.items():
+                    r = await task
+                    ids = r.output_ids.tolist()
+                    assert ref[k] not in ids[:-1], "generation went past its stop token"
+                    if ids and ids[-1] == ref[k]:
+                        assert r.finish_type == "stop" and int(r.finish_reason["matched"]) == ref[k]
+                        landed += int(bool(r.finish_reason.get("aborted")))
+                    else:
+                        assert r.is_abort, r.finish_reason
+                if not landed:
+                    self.no_landing(target)
+
+        self.run(target, go())
+
+    def no_landing(self, target: EngineTarget) -> None:
+        """No abort landed on a stop token this run (timing); local engines must land one."""
+        pytest.fail("no abort landed on its stop token")
+
+    # -- pause, weight updates ---------------------------------------------------------
+    async def _version(self, c: SGLangClient, t: EngineTarget) -> int:
+        return await c.weight_version(t.url)
+
+    def test_push_weights_keeps_tokens_and_stamps_versions(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            async with target.client() as c:
+                v = await self._version(c, target)
+                task = asyncio.create_task(c.generate(target.prompt, self._long(target)))
+                await self._running(c, target)
+                await c.push_weights(target.weight_dirs[1], weight_version=v + 1)
+                r = await task
+                assert r.is_abort and len(r.output_ids) > 0
+                assert set(r.versions.tolist()) == {v}
+                assert await self._version(c, target) == v + 1
+                after = await c.generate(target.prompt, {"max_new_tokens": 2, "ignore_eos": True})
+                assert set(after.versions.tolist()) == {v + 1}
+                await c.push_weights(target.weight_dirs[0], weight_version=v + 2)
+                assert await self._version(c, target) == v + 2
+
+        self.run(target, go())
+
+    def test_unpaused_update_waits_for_inflight(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            async with target.client() as c:
+                v = await self._version(c, target)
+                task = asyncio.create_task(
+                    c.generate(target.prompt, self._long(target, min(64, target.long_tokens)))
+                )
+                await self._running(c, target, task=task)
+                await c.update_weights_from_disk(target.weight_dirs[0], weight_version=v + 1)
+                r = await task
+                assert r.finish_type == "length" and set(r.versions.tolist()) == {v}
+                assert await self._version(c, target) == v + 1
+
+        self.run(target, go())
+
+    def test_retract_update_continue_spans_versions(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            async with target.client() as c:
+                v = await self._version(c, target)
+                n = min(64, target.long_tokens)
+                task = asyncio.create_task(c.generate(target.prompt, self._long(target, n)))
+                await self._running(c, target, task=task)
+                await c.pause_generation("retract")
+                try:
+                    await c.flush_cache(deadline_s=5)  # retract frees the KV cache
+                    await c.update_weights_from_disk(target.weight_dirs[0], weight_version=v + 1)
+                finally:
+                    await c.continue_generation()
+                r = await task
+                assert r.finish_reason == {"type": "length", "length": n}
+                versions = r.versions.tolist()
+                assert versions == sorted(versions) and set(versions) <= {v, v + 1}
+                assert versions[-1] == v + 1 and (r.num_retractions or 0) >= 1
+
+        self.run(target, go())
+
+    def test_in_place_update_is_refused_while_running(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            async with target.client() as c:
+                v = await self._version(c, target)
+                n = min(64, target.long_tokens)
+                task = asyncio.create_task(c.generate(target.prompt, self._long(target, n)))
+                await self._running(c, target, task=task)
+                await c.pause_generation("in_place")
+                try:
+                    status, _ = await self._raw(target, "/flush_cache", None, admin=True)
+                    assert status == 400
+                    with pytest.raises(WeightUpdateRefused, match="cache was not flushed") as ei:
+                        await c.update_weights_from_disk(
+                            target.weight_dirs[0], weight_version=v + 1
+                        )
+                    assert ei.value.url == target.url
+                    assert await self._version(c, target) == v  # the label stays stale
+                finally:
+                    await c.continue_generation()
+                r = await task
+                assert r.finish_type == "length"
+                assert r.versions.tolist()[-1] == v + 1  # while tokens get the new version
+                await c.push_weights(target.weight_dirs[0], weight_version=v + 2)
+                assert await self._version(c, target) == v + 2
+
+        self.run(target, go())
+
+    def test_flush_cache_refused_while_busy(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            async with target.client() as c:
+                task = asyncio.create_task(
+                    c.generate(target.prompt, self._long(target), rid="ctf")
+                )
+                await self._running(c, target)
+                status, _ = await self._raw(target, "/flush_cache", None, admin=True)
+                assert status == 400
+                await c.abort_rids(["ctf"])
+                await task
+                await self._idle(c, target)
+                status, _ = await self._raw(target, "/flush_cache", None, admin=True)
+                assert status == 200
+
+        self.run(target, go())
+
+    # -- authentication -----------------------------------------------------------------
+    def test_api_keys(self, target: EngineTarget) -> None:
+        if not target.api_key:
+            pytest.skip("the target was started without --api-key")
+
+        async def go() -> None:
+            async with target.client(api_key=None, admin_api_key=None) as anon:
+                assert await anon.health_generate(target.url)  # health needs no key
+                with pytest.raises(EngineAuthError):
+                    await anon.generate(target.prompt, {"max_new_tokens": 1})
+            async with target.client(admin_api_key=None) as user:
+                r = await user.generate(target.prompt, {"max_new_tokens": 1, "ignore_eos": True})
+                assert len(r.output_ids) == 1
+                if target.admin_api_key:
+                    with pytest.raises(EngineAuthError, match="admin key") as ei:
+                        await user.abort_rids(["nothing"])
+                    assert ei.value.url == target.url
+            async with target.client() as full:
+                await full.abort_rids(["nothing"])
+
+        self.run(target, go())

@@ -1,0 +1,40 @@
+"""The engine contract on the real SGLang 0.5.23 server (the oracle), CPU fixture.
+
+Skipped with the reason where no fixture is built; required in CI
+(``STRAWQ_REQUIRE_SGLANG=1``). The server is started once per session with
+``--weight-version 0 --api-key … --admin-api-key …`` (``tests/sglang_fixtures.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from strawq.producers.engines.contract import EngineContract, EngineTarget
+from tests.sglang_fixtures import RealServer
+
+pytestmark = [pytest.mark.sglang_real, pytest.mark.timeout(300)]
+
+# "The capital of France is" (SmolLM2 tokenizer)
+PROMPT = (504, 3575, 282, 4649, 314)
+
+
+class TestRealSGLangContract(EngineContract):
+    @pytest.fixture
+    def target(self, sglang_real: RealServer) -> EngineTarget:
+        return EngineTarget(
+            url=sglang_real.url,
+            eos_token_id=2,
+            vocab_size=49152,
+            prompt=PROMPT,
+            weight_dirs=(sglang_real.model_dir, sglang_real.perturbed_dir),
+            max_running=16,
+            long_tokens=400,
+            api_key=sglang_real.api_key,
+            admin_api_key=sglang_real.admin_api_key,
+            timeout_s=240.0,
+        )
+
+    def no_landing(self, target: EngineTarget) -> None:
+        # The real scheduler's pace decides where the freeze lands; the local engines must
+        # land one, the real server shows the shape whenever timing allows.
+        pytest.skip("no abort landed on its stop token this run (timing on the real server)")
