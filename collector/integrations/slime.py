@@ -71,16 +71,18 @@ EXTRA_FIELDS = {"teacher_logprobs": "teacher_log_probs",
                 "top_p_token_offsets": "rollout_top_p_token_offsets"}
 
 
-def _slime_types() -> Any:
+def _slime(module: str) -> Any:
+    """Import a slime module, or say how to install slime."""
+    import importlib
+
     try:
-        from slime.utils import types
+        return importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(_INSTALL) from exc
-    return types
+        raise ImportError(f"{_INSTALL} ({exc})") from exc
 
 
 def _sample_cls() -> Any:
-    return _slime_types().Sample
+    return _slime("slime.utils.types").Sample
 
 
 def run_dir(args: Any) -> str:
@@ -282,9 +284,7 @@ class StrawqDataSource:
     """
 
     def __init__(self, args: Any) -> None:
-        from slime.rollout.data_source import DataSource
-
-        DataSource.register(StrawqDataSource)
+        _slime("slime.rollout.data_source").DataSource.register(StrawqDataSource)
         self.args = args
         self.group_size = int(args.n_samples_per_prompt)
         self.prompt_key = getattr(args, "input_key", None) or "prompt"
@@ -459,14 +459,14 @@ def slime_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool
     hand-outs (exact save/load under ``train_async``), and returns to the queue at once the
     groups slime neither trained nor added back (dynamic-sampling filters).
     """
-    from slime.rollout.base_types import RolloutFnTrainOutput
-    from slime.rollout.sglang_rollout import generate_rollout as slime_generate
+    train_output = _slime("slime.rollout.base_types").RolloutFnTrainOutput
+    slime_generate = _slime("slime.rollout.sglang_rollout").generate_rollout
 
     if evaluation or not isinstance(data_source, StrawqDataSource):
         return slime_generate(args, rollout_id, data_source, evaluation=evaluation)
     data_source.begin_rollout(rollout_id)
     out = slime_generate(args, rollout_id, data_source, evaluation=False)
-    samples = out.samples if isinstance(out, RolloutFnTrainOutput) else out
+    samples = out.samples if isinstance(out, train_output) else out
     data_source.trained(samples)
     return out
 
@@ -495,8 +495,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     batches of rollouts ≤ ``rollout_id − strawq_ack_lag`` (default 1: slime's synchronous
     loop; use 2 with ``train_async``), then reads the next batch.
     """
-    from slime.rollout.base_types import RolloutFnTrainOutput
-
+    train_output = _slime("slime.rollout.base_types").RolloutFnTrainOutput
     if evaluation:
         raise NotImplementedError("strawq's rollout function serves training batches; "
                                   "evaluate with slime's --eval-function-path "
@@ -518,7 +517,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     metrics = {f"strawq/{k}": v for k, v in batch.stats.items()}
     metrics.update({"strawq/batch_seq": batch.seq, "strawq/version": batch.version,
                     "strawq/skipped": len(batch.skipped)})
-    return RolloutFnTrainOutput(samples=batch_to_samples(batch), metrics=metrics)
+    return train_output(samples=batch_to_samples(batch), metrics=metrics)
 
 
 def begin_weight_update_hook(args: Any, version_dir: str, rollout_engines: Any) -> None:
@@ -539,9 +538,7 @@ class StrawqBatchSource:
     batch its checkpoint already holds. Prompts come from the collector, not from here."""
 
     def __init__(self, args: Any) -> None:
-        from slime.rollout.data_source import DataSource
-
-        DataSource.register(StrawqBatchSource)
+        _slime("slime.rollout.data_source").DataSource.register(StrawqBatchSource)
         self.args = args
         self.path = run_dir(args)
 
