@@ -110,6 +110,9 @@ class PauseBracket:
         self.pausing = False
         self.acked_version = 0
         self._last_poll = -math.inf
+        #: "has control/ changed?" (a ``DirProbe``): while not pausing, a poll reads
+        #: ``control/`` only when it says so — one stat instead of a listing per poll
+        self.probe: Callable[[], bool] | None = None
 
     def poll_soon(self) -> None:
         """``control/`` changed (an inotify wake-up): read it at the next ``poll``."""
@@ -122,6 +125,8 @@ class PauseBracket:
         if now - self._last_poll < self.poll_s:
             return False
         self._last_poll = now
+        if self.probe is not None and not self.pausing and not self.probe():
+            return False
         try:
             st: ControlState = await self._io(self.control.state)
         except StrawqError as exc:

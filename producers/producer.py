@@ -39,7 +39,7 @@ from strawq.control import Control
 from strawq.names import validate_id
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
-from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirWatch
+from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirProbe, DirWatch
 
 from strawq.producers.bracket import EngineAborter, PauseBracket
 from strawq.producers.engine_client import EngineClient
@@ -122,6 +122,8 @@ class Producer:
         self._t0 = clock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._work_changed: Callable[[], bool] = lambda: True
+        self._drained = False
         self.running = False
 
     @classmethod
@@ -199,6 +201,7 @@ class Producer:
         """pending/ or control/ gained an entry: claim and read control/ now."""
         watch.drain()
         self._last_empty_claim = -math.inf
+        self._drained = False
         self._bracket.poll_soon()
         self._kick()
 
@@ -219,6 +222,12 @@ class Producer:
         fd = watch.fileno()
         if fd is not None:
             self._loop.add_reader(fd, self._on_change, watch)
+        # Where no event comes, an idle poll stats pending/ and control/ and lists only
+        # when they changed (one cached getattr instead of listings, see DirProbe).
+        work_probe = DirProbe(self.queue.storage, ("pending",), clock=self.clock)
+        self._bracket.probe = DirProbe(self.queue.storage, ("control",),
+                                       clock=self.clock).changed
+        self._work_changed = work_probe.changed
         self._io.start()
         self._heartbeat.start()
         self._rewards.start()
@@ -270,13 +279,18 @@ class Producer:
                 break
             timeout = self.config.control_poll_s
             n = self._claimable_groups()
-            if n > 0 and self.clock() - self._last_empty_claim >= self.config.idle_poll_s:
+            if n > 0 and self.clock() - self._last_empty_claim >= self.config.idle_poll_s \
+                    and (not self._drained or self._work_changed()):
                 leases = await self._io.call(self.queue.claim, self.producer_id, n)
                 for lease in leases:
                     self.runner.start(lease)
                 if len(leases) < n:
                     self._last_empty_claim = self.clock()
                     timeout = min(timeout, self.config.idle_poll_s)
+                    # Nothing left to claim (not merely lost races): until pending/ changes,
+                    # idle polls stat it instead of listing it.
+                    self._drained = not leases and not await self._io.call(
+                        self.queue.list_pending, 1)
                 else:
                     continue  # claimed all we could: look again at once
             try:

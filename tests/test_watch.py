@@ -64,3 +64,29 @@ def test_disabled_falls_back_to_sleep(tmp_path):
     slept: list[float] = []
     w = DirWatch(PosixStorage(str(tmp_path)), ("tmp",), enabled=False, sleep=slept.append)
     assert not w.event_driven and not w.wait(0.1) and slept == [0.1]
+
+
+def test_dir_probe_says_changed_after_each_change_and_once_more(tmp_path):
+    from strawq.storage.watch import DirProbe
+
+    st = PosixStorage(str(tmp_path))
+    st.makedirs("pending")
+    t = [0.0]
+    probe = DirProbe(st, ("pending",), full_every_s=10.0, clock=lambda: t[0])
+    assert probe.changed()  # first look: list
+    assert not probe.changed()
+    st.publish("pending/x", b"")
+    assert probe.changed() and probe.changed()  # the change, then once more (same tick)
+    assert not probe.changed()
+    st.delete("pending/x")
+    assert probe.changed()
+    probe.changed()
+    t[0] = 20.0
+    assert probe.changed()  # unchanged for full_every_s: list anyway
+
+
+def test_dir_probe_without_local_paths_always_lists():
+    from strawq.storage.watch import DirProbe
+
+    probe = DirProbe(MemoryStorage(), ("pending",))
+    assert all(probe.changed() for _ in range(3))

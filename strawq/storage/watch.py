@@ -214,3 +214,54 @@ class DirWatch:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class DirProbe:
+    """Has a directory changed since the last look? One ``stat`` instead of a listing.
+
+    The cheap wake-up where no event comes (another host's change on a shared mount): an
+    idle poller stats the directories it would list and lists only when one changed. A
+    directory's mtime moves with every entry added or removed; it is compared for
+    *equality* with the last value this process saw (never with a clock, never across
+    hosts). On a FUSE mount the stat is answered from the kernel's attribute cache within
+    its TTL (JuiceFS ``--attr-cache``, 1 s by default), so an idle poller costs at most one
+    metadata operation per directory per TTL however often it polls, and sees a change at
+    most one TTL late.
+
+    Two changes inside one timestamp tick (a few ms on ext4) leave one mtime: after every
+    change seen, the next look reports a change too, so a second change of the same tick
+    is listed one poll later. ``full_every_s`` bounds how long a look may say "unchanged"
+    (a filesystem that does not move directory mtimes still gets listed that often).
+    """
+
+    def __init__(self, storage: Storage | None, dirs: Sequence[str], *,
+                 full_every_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.paths = [storage.local_path(d) if storage is not None else None for d in dirs]
+        self.full_every_s = full_every_s
+        self.clock = clock
+        self._seen: list[tuple[int, int] | None] = [None] * len(self.paths)
+        self._again = True
+        self._last_true = -float("inf")
+
+    def changed(self) -> bool:
+        """True when a listing is due: a directory changed, or it may have."""
+        now = self.clock()
+        changed = self._again or now - self._last_true >= self.full_every_s
+        for i, path in enumerate(self.paths):
+            if path is None:
+                changed = True  # no local path (an in-memory store): always list
+                continue
+            try:
+                st = os.stat(path)
+                key: tuple[int, int] | None = (st.st_mtime_ns, st.st_ino)
+            except OSError:
+                key = None
+            if key != self._seen[i]:
+                self._seen[i] = key
+                changed = True
+        # one more listing after any change: a second change in the same mtime tick
+        self._again = changed and not self._again
+        if changed:
+            self._last_true = now
+        return changed

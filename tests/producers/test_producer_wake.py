@@ -50,3 +50,59 @@ def test_new_work_and_a_pause_wake_an_idle_producer(tmp_path: Path, sim_engine: 
     hops = p.stats().hops
     assert len(hops["claim_to_generate"]) == 4 and len(hops["final_to_ready"]) == 4
     assert all(x >= 0 for xs in hops.values() for x in xs)
+
+
+def test_idle_polls_stat_instead_of_listing(tmp_path: Path, sim_engine: Any,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without events (another host's changes), an idle producer's polls stat pending/
+    and control/ and list them only when they changed; new work is still found."""
+    import strawq.producers.producer as producer_mod
+    from strawq.storage.watch import DirProbe
+
+    monkeypatch.setattr(producer_mod, "DirWatch", _NoEvents)
+    probes = {"n": 0}
+    real_changed = DirProbe.changed
+
+    def counting(self: DirProbe) -> bool:
+        probes["n"] += 1
+        return real_changed(self)
+
+    monkeypatch.setattr(DirProbe, "changed", counting)
+    run = tmp_path / "run"
+    q = make_run(str(run), 0, rows=[])
+    cfg = ProducerConfig(run_dir=str(run), reward="tests.producers.plugins_for_tests."
+                         "length_reward", workers=(sim_engine.url,), slots=2,
+                         max_new_tokens=32, seed=3, control_poll_s=0.01, idle_poll_s=0.01)
+    p = Producer(cfg)
+    listed = {"pending": 0, "control": 0}
+    real_list = p.queue.storage.list
+
+    def counting_list(d: str) -> list[str]:
+        if d in listed:
+            listed[d] += 1
+        return real_list(d)
+
+    p.queue.storage.list = counting_list  # type: ignore[method-assign]
+    data = tmp_path / "later.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [5, 6, 7]}) + "\n" for _ in range(2)))
+
+    async def body() -> None:
+        await wait_for(lambda: probes["n"] >= 60, 60, "many idle polls")
+        assert listed["pending"] <= 6 and listed["control"] <= 6, listed
+        Feeder(q, Dataset(str(data))).release(2)  # seen through pending/'s mtime
+        await wait_for(lambda: len(ids(q, "ready")) == 2, 60, "released work to be done")
+
+    asyncio.run(run_producers([p], body))
+
+
+class _NoEvents:
+    """A DirWatch that never hears anything (a change made on another host)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        pass
+
+    def fileno(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
