@@ -44,6 +44,7 @@ import pytest
 
 __all__ = [
     "RealServer",
+    "RouterProcess",
     "free_port",
     "make_perturbed_copy",
     "sglang_real",
@@ -219,9 +220,13 @@ def start_router(
     timeout_s: float = 60.0,
     log: Path | None = None,
     extra_args: tuple[str, ...] = (),
+    api_key: str | None = None,
 ) -> RouterProcess:
     """Start the real router in front of ``worker_urls``; returns once ``GET /workers`` lists
-    them all."""
+    them all. With ``api_key`` the router is started with ``--api-key``: it then wants that
+    key from its clients and sends it to the workers."""
+    if api_key:
+        extra_args = (*extra_args, "--api-key", api_key)
     port = free_port()
     out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(
@@ -233,7 +238,7 @@ def start_router(
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            body = _get_json(router.url + "/workers")
+            body = _get_json(router.url + "/workers", api_key)
             workers = body.get("workers")
             if isinstance(workers, list) and len(workers) >= len(worker_urls):
                 return router
