@@ -225,8 +225,8 @@ class Producer:
         # Where no event comes, an idle poll stats pending/ and control/ and lists only
         # when they changed (one cached getattr instead of listings, see DirProbe).
         work_probe = DirProbe(self.queue.storage, ("pending",), clock=self.clock)
-        self._bracket.probe = DirProbe(self.queue.storage, ("control",),
-                                       clock=self.clock).changed
+        control_probe = DirProbe(self.queue.storage, ("control",), clock=self.clock)
+        self._bracket.probe = control_probe.changed
         self._work_changed = work_probe.changed
         self._io.start()
         self._heartbeat.start()
@@ -261,6 +261,8 @@ class Producer:
                 if fd is not None:
                     self._loop.remove_reader(fd)
                 watch.close()
+                work_probe.close()
+                control_probe.close()
                 self._heartbeat.close()
                 self._io.shutdown()
                 self._rewards.shutdown()

@@ -232,6 +232,11 @@ class DirProbe:
     change seen, the next look reports a change too, so a second change of the same tick
     is listed one poll later. ``full_every_s`` bounds how long a look may say "unchanged"
     (a filesystem that does not move directory mtimes still gets listed that often).
+
+    The look is an ``fstat`` of a descriptor held open on the directory: no path lookup
+    (each path component would cost a lookup per entry-cache TTL on a FUSE mount). The
+    descriptor is reopened by path at every full listing, so a directory replaced under
+    it is noticed.
     """
 
     def __init__(self, storage: Storage | None, dirs: Sequence[str], *,
@@ -241,22 +246,40 @@ class DirProbe:
         self.full_every_s = full_every_s
         self.clock = clock
         self._seen: list[tuple[int, int] | None] = [None] * len(self.paths)
+        self._fds: list[int | None] = [None] * len(self.paths)
         self._again = True
         self._last_true = -float("inf")
+
+    def _stat(self, i: int, path: str, reopen: bool) -> tuple[int, int] | None:
+        fd = self._fds[i]
+        if fd is not None and reopen:
+            os.close(fd)
+            fd = self._fds[i] = None
+        try:
+            if fd is None:
+                fd = self._fds[i] = os.open(path, os.O_RDONLY | os.O_DIRECTORY
+                                            | getattr(os, "O_CLOEXEC", 0))
+            st = os.fstat(fd)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_ino
+
+    def close(self) -> None:
+        for i, fd in enumerate(self._fds):
+            if fd is not None:
+                os.close(fd)
+                self._fds[i] = None
 
     def changed(self) -> bool:
         """True when a listing is due: a directory changed, or it may have."""
         now = self.clock()
-        changed = self._again or now - self._last_true >= self.full_every_s
+        full = now - self._last_true >= self.full_every_s
+        changed = self._again or full
         for i, path in enumerate(self.paths):
             if path is None:
                 changed = True  # no local path (an in-memory store): always list
                 continue
-            try:
-                st = os.stat(path)
-                key: tuple[int, int] | None = (st.st_mtime_ns, st.st_ino)
-            except OSError:
-                key = None
+            key = self._stat(i, path, reopen=full)
             if key != self._seen[i]:
                 self._seen[i] = key
                 changed = True

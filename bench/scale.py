@@ -1,0 +1,282 @@
+"""Scale: what idle producers cost the metadata service, and claim latency as they multiply.
+
+Needs the two-client JuiceFS test volume (``deploy/juicefs/testvol.sh up DIR``; the
+exports ``STRAWQ_JUICEFS_A`` / ``STRAWQ_JUICEFS_B``). Metadata operations are counted from
+each client's own counters (``<mount>/.stats``, ``juicefs_meta_ops_total_<op>``).
+
+1. **Idle producer** — one real ``Producer`` (default ``ProducerConfig`` and
+   ``QueueConfig``: polls every 0.1 s, a heartbeat every 5 s) with free slots and nothing
+   to claim, on client B while the run lives on client A, for ``--idle-s`` seconds: its
+   metadata operations per second, as shipped (idle polls stat ``pending/`` and
+   ``control/``, list on change) and as before (a listing of both every poll).
+2. **Claim latency vs producers** — one producer process claims tasks one by one on client
+   A (p50 / p99) while N simulated idle producers load the same volume through client B
+   at N x the idle rate measured in 1 (their real operations: heartbeats, and a look at
+   ``pending/`` and ``control/`` once per attribute-cache TTL), N in ``--counts``. The
+   achieved background rate is counted, not assumed: where the volume cannot carry N
+   producers' load, the row says so.
+3. **Extrapolation** to a 1,000-GPU and a 10,000-GPU job (one producer per 8-GPU node:
+   125 and 1,250 producers), from the measured rates.
+
+    python bench/scale.py [--idle-s 20] [--counts 1,10,100,1000] [--claims 200]
+
+The last line: ``scale: idle producer = X meta ops/s, claim p99 at N=<max> / N=1 = Y``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import secrets
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from strawq.config import QueueConfig  # noqa: E402
+from strawq.dataset import Dataset  # noqa: E402
+from strawq.feeder import Feeder  # noqa: E402
+from strawq.queue import RunQueue  # noqa: E402
+from strawq.storage import PosixStorage  # noqa: E402
+
+#: JuiceFS's default attribute-cache TTL (the test volume's): a stat is served from the
+#: kernel within it, so a polling client costs at most one getattr per directory per TTL
+ATTR_TTL_S = 1.0
+
+
+def meta_ops_by_kind(mount: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    with open(os.path.join(mount, ".stats"), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("juicefs_meta_ops_total_"):
+                name, value = line.split()[:2]
+                out[name[len("juicefs_meta_ops_total_"):]] = float(value)
+    return out
+
+
+def meta_ops(mount: str) -> float:
+    return sum(meta_ops_by_kind(mount).values())
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * (len(s) - 1)))] if s else float("nan")
+
+
+def new_run(root: str, tasks: int) -> str:
+    os.makedirs(root)
+    ds = os.path.join(root, "ds.jsonl")
+    with open(ds, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"prompt": [1, 2, 3]}) + "\n" for _ in range(tasks))
+    run = os.path.join(root, "run")
+    q = RunQueue.create(PosixStorage(run, writer_id="c"), QueueConfig(release_batch=256))
+    if tasks:
+        feeder = Feeder(q, Dataset(ds))
+        while feeder.release():
+            pass
+    return run
+
+
+# -- 1. an idle producer -------------------------------------------------------------------
+class IdleClient:
+    """An engine client that is never asked to generate (the producer has no work)."""
+
+    worker_urls: list[str] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def generate_sample(self, sample: Any, *, rid: str | None = None) -> Any:
+        raise RuntimeError("an idle producer generated")
+
+    async def abort(self, rid: str | None = None, *, url: str | None = None) -> None:
+        pass
+
+
+def idle_rate(run_b: str, mount_b: str, seconds: float, probe: bool
+              ) -> tuple[float, dict[str, float]]:
+    """Metadata ops/s of one idle producer on client B (``probe=False``: list every poll)."""
+    from strawq.producers.producer import Producer
+    from strawq.producers.producer_config import ProducerConfig
+    from strawq.storage.watch import DirProbe
+
+    real = DirProbe.changed
+    if not probe:
+        DirProbe.changed = lambda self: True  # type: ignore[method-assign]
+    try:
+        p = Producer(ProducerConfig(run_dir=run_b, reward="strawq.producers.rewards.count_task",
+                                    workers=("http://127.0.0.1:9",), slots=4),
+                     client=IdleClient())  # type: ignore[arg-type]
+
+        async def main() -> tuple[float, dict[str, float]]:
+            task = asyncio.create_task(p.run())
+            await asyncio.sleep(2.0)  # started, first claim done, first heartbeat written
+            before, t0 = meta_ops_by_kind(mount_b), time.perf_counter()
+            await asyncio.sleep(seconds)
+            after, dt = meta_ops_by_kind(mount_b), time.perf_counter() - t0
+            kinds = {k: round((v - before.get(k, 0.0)) / dt, 2) for k, v in after.items()
+                     if v - before.get(k, 0.0) > 0}
+            p.request_stop()
+            await asyncio.wait_for(task, 30)
+            return sum(kinds.values()), kinds
+
+        return asyncio.run(main())
+    finally:
+        DirProbe.changed = real  # type: ignore[method-assign]
+
+
+# -- 2. claim latency under N simulated idle producers -----------------------------------------
+def background(run_b: str, n: int, stop: threading.Event, threads: int = 4) -> None:
+    """N idle producers' operations on client B: each beats every heartbeat interval and
+    looks at pending/ and control/ once per attribute TTL (listing: each real producer is
+    its own client, so its looks are not served from this client's shared cache)."""
+    hb_s = QueueConfig().heartbeat_interval_s
+    q = RunQueue.open(PosixStorage(run_b, writer_id="sim", fsync=False))
+    st = q.storage
+    per_thread = [list(range(i, n, threads)) for i in range(threads)]
+
+    def loop(ids: list[int]) -> None:
+        if not ids:
+            return
+        # events per second for this thread's producers: beats and looks, spread evenly
+        rate = len(ids) * (1 / hb_s + 2 / ATTR_TTL_S)
+        gap = 1.0 / rate
+        k = 0
+        nxt = time.perf_counter()
+        while not stop.is_set():
+            pid = ids[k % len(ids)]
+            r = k % 21  # 1 beat per 20 looks: 1/5 s vs 2 x 1/1 s, per producer
+            try:
+                if r == 0:
+                    q.heartbeat(f"sim{pid}")
+                else:
+                    st.list("pending" if r % 2 else "control")
+            except Exception:  # noqa: BLE001 - overloaded volume: keep loading it
+                pass
+            k += 1
+            nxt += gap
+            delay = nxt - time.perf_counter()
+            if delay > 0:
+                stop.wait(delay)
+            elif delay < -1.0:
+                nxt = time.perf_counter()  # cannot keep up: do not build a backlog
+
+    ts = [threading.Thread(target=loop, args=(ids,), daemon=True) for ids in per_thread]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def claimer(run_a: str, claims: int, out: Any) -> None:
+    q = RunQueue.open(PosixStorage(run_a, writer_id="claimer"))
+    lat = []
+    for _ in range(claims):
+        t0 = time.perf_counter()
+        got = q.claim("claimer", 1)
+        lat.append(time.perf_counter() - t0)
+        if not got:
+            break
+        time.sleep(0.01)  # a producer claims when a slot frees, not in a tight loop
+    out.put(lat)
+
+
+def claim_latency(run_a: str, run_b: str, mount_b: str, n: int, claims: int
+                  ) -> dict[str, float]:
+    stop = threading.Event()
+    bg = threading.Thread(target=background, args=(run_b, n, stop), daemon=True) if n else None
+    if bg is not None:
+        bg.start()
+        time.sleep(1.0)
+    before, t0 = meta_ops(mount_b), time.perf_counter()
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    proc = ctx.Process(target=claimer, args=(run_a, claims, out))
+    proc.start()
+    lat = out.get(timeout=600)
+    proc.join(30)
+    achieved = (meta_ops(mount_b) - before) / (time.perf_counter() - t0)
+    stop.set()
+    if bg is not None:
+        bg.join(10)
+    return {"n": n, "p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3,
+            "claims": len(lat), "background_ops_s": achieved}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mount-a", default=os.environ.get("STRAWQ_JUICEFS_A"))
+    ap.add_argument("--mount-b", default=os.environ.get("STRAWQ_JUICEFS_B"))
+    ap.add_argument("--idle-s", type=float, default=20.0)
+    ap.add_argument("--counts", default="1,10,100,1000")
+    ap.add_argument("--claims", type=int, default=200)
+    ap.add_argument("--json", help="write results here")
+    args = ap.parse_args()
+    if not (args.mount_a and args.mount_b and os.path.exists(os.path.join(args.mount_a,
+                                                                          ".stats"))):
+        print("scale: needs two JuiceFS clients of one volume (STRAWQ_JUICEFS_A/B from "
+              "deploy/juicefs/testvol.sh up DIR)")
+        return 2
+    name = f"scale-{secrets.token_hex(3)}"
+    root_a = os.path.join(args.mount_a, name)
+    counts = [int(x) for x in args.counts.split(",")]
+    try:
+        run_a = new_run(root_a, args.claims * (len(counts) + 1))
+        run_b = os.path.join(args.mount_b, name, "run")
+        for _ in range(100):  # client B sees A's new directory (entry cache)
+            if os.path.exists(os.path.join(run_b, "run.meta")):
+                break
+            time.sleep(0.1)
+        idle_root = os.path.join(args.mount_a, name + "-idle")
+        new_run(idle_root, 0)
+        idle_b = os.path.join(args.mount_b, name + "-idle", "run")
+        for _ in range(100):
+            if os.path.exists(os.path.join(idle_b, "run.meta")):
+                break
+            time.sleep(0.1)
+        shipped, kinds = idle_rate(idle_b, args.mount_b, args.idle_s, probe=True)
+        before, kinds_before = idle_rate(idle_b, args.mount_b, args.idle_s, probe=False)
+        print(f"idle producer (default config: polls 0.1 s, heartbeat "
+              f"{QueueConfig().heartbeat_interval_s:.0f} s), client B, {args.idle_s:.0f} s: "
+              f"{shipped:.2f} meta ops/s (stat probes; listing every poll: {before:.1f})")
+        print(f"  by kind, ops/s: {kinds}; listing every poll: {kinds_before}")
+        rows = []
+        print(f"{'N':>6} {'background ops/s':>17} {'(wanted)':>9} {'claim p50 ms':>13} "
+              f"{'p99 ms':>8}")
+        for n in counts:
+            r = claim_latency(run_a, run_b, args.mount_b, n, args.claims)
+            r["wanted_ops_s"] = n * max(shipped, 1e-9)
+            rows.append(r)
+            print(f"{n:>6} {r['background_ops_s']:>17.0f} {r['wanted_ops_s']:>9.0f} "
+                  f"{r['p50_ms']:>13.2f} {r['p99_ms']:>8.2f}", flush=True)
+        for gpus in (1000, 10000):
+            prods = gpus // 8
+            print(f"{gpus:>6} GPUs = {prods} producers: idle load {prods * shipped:.0f} meta "
+                  f"ops/s (listing every poll: {prods * before:.0f})")
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"idle_ops_s": shipped, "idle_ops_s_listing": before,
+                           "claims": rows}, f, indent=2)
+        base = rows[0]["p99_ms"] if rows else float("nan")
+        top = rows[-1] if rows else {"n": 0, "p99_ms": float("nan")}
+        print(f"scale: idle producer = {shipped:.2f} meta ops/s, claim p99 at N={top['n']} / "
+              f"N={rows[0]['n'] if rows else 0} = {top['p99_ms'] / base:.2f}")
+    finally:
+        shutil.rmtree(root_a, ignore_errors=True)
+        shutil.rmtree(os.path.join(args.mount_a, name + "-idle"), ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
