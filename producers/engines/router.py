@@ -91,7 +91,7 @@ async def _flush_cache(request: web.Request) -> web.Response:
             async with state["session"].post(
                 url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=5)
             ) as resp:
-                return resp.status
+                return int(resp.status)
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return 599
 

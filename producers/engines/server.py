@@ -111,7 +111,8 @@ def parse_sampling_params(sp: Any) -> tuple[ReqParams, int]:
     unknown = [k for k in sp if k not in SAMPLING_KEYS]
     if unknown:
         raise BadRequest(
-            f"unknown field `{unknown[0]}`, expected one of {', '.join(f'`{k}`' for k in SAMPLING_KEYS)}"
+            f"unknown field `{unknown[0]}`, expected one of "
+            f"{', '.join(f'`{k}`' for k in SAMPLING_KEYS)}"
         )
     for key, default in UNSUPPORTED_NON_DEFAULT.items():
         if sp.get(key) is not None and sp.get(key) != default:
@@ -256,7 +257,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             )
         if given[0] != "input_ids":
             raise BadRequest(
-                f"{given[0]} is not supported by strawq's local engines (no tokenizer); send input_ids"
+                f"{given[0]} is not supported by strawq's local engines (no tokenizer); "
+                "send input_ids"
             )
         if body.get("stream"):
             raise BadRequest("stream=true is not supported by strawq's local engines")
@@ -284,14 +286,17 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         for p, (params, _) in zip(prompts, parsed, strict=False):
             if len(p) >= ctx:
                 raise BadRequest(
-                    f"The input ({len(p)} tokens) is longer than the model's context length ({ctx} tokens)."
+                    f"The input ({len(p)} tokens) is longer than the model's context length "
+                    f"({ctx} tokens)."
                 )
             if len(p) + params.max_new_tokens >= ctx:
                 raise BadRequest(
-                    f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
-                    f"a total of {len(p) + params.max_new_tokens} tokens: {len(p)} tokens from the input messages and "
-                    f"{params.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the "
-                    "input messages or the completion to fit within the limit."
+                    "Requested token count exceeds the model's maximum context length of "
+                    f"{ctx} tokens. You requested a total of {len(p) + params.max_new_tokens} "
+                    f"tokens: {len(p)} tokens from the input messages and "
+                    f"{params.max_new_tokens} tokens for the completion. Please reduce the "
+                    "number of tokens in the input messages or the completion to fit within "
+                    "the limit."
                 )
         rid = body.get("rid")
         base = str(rid) if isinstance(rid, str) and rid else uuid.uuid4().hex
@@ -421,8 +426,8 @@ async def handle_flush_cache(request: web.Request) -> web.Response:
     # retracted requests waiting (as observed on SGLang 0.5.23)
     if core.paused in ("abort", "retract") or await core.flush_cache(timeout):
         return web.Response(
-            text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
-            "requests, the operation will not be performed.)\n"
+            text="Cache flushed.\nPlease check backend logs for more details. (When there are "
+            "running or waiting requests, the operation will not be performed.)\n"
         )
     return web.Response(status=400, text="Flush cache failed.")
 

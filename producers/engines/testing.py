@@ -77,13 +77,15 @@ def start_engine_subprocess(
     env: Mapping[str, str] | None = None,
     **opts: Any,
 ) -> EngineProcess:
-    """Start ``python -m strawq.producers.engines serve --kind KIND --port PORT`` and wait until ready.
+    """Start ``python -m strawq.producers.engines serve --kind KIND --port PORT``; wait until
+    ready.
 
     Keyword options become CLI flags (``max_running_requests=4`` → ``--max-running-requests 4``,
     ``model_path=...``, ``time_scale=0.1``, ``weight_version="3"``...). ``port=0`` picks a
     free port; the URL is read from the engine's ready line.
     """
-    cmd = [sys.executable, "-m", "strawq.producers.engines", "serve", "--kind", kind, "--port", str(port)]
+    cmd = [sys.executable, "-m", "strawq.producers.engines", "serve", "--kind", kind]
+    cmd += ["--port", str(port)]
     for key, value in opts.items():
         if value is not None:
             cmd += _flag(key, value)
@@ -116,7 +118,8 @@ def start_engine_subprocess(
         if remaining <= 0:
             proc.kill()
             raise TimeoutError(
-                f"engine {kind} not ready after {ready_timeout_s:.0f}s; output:\n{''.join(seen[-20:])}"
+                f"engine {kind} not ready after {ready_timeout_s:.0f}s; output:\n"
+                f"{''.join(seen[-20:])}"
             )
         try:
             line = lines.get(timeout=remaining)
@@ -125,7 +128,8 @@ def start_engine_subprocess(
         if line is None:
             proc.wait(timeout=10)
             raise RuntimeError(
-                f"engine {kind} exited with {proc.returncode} before ready; output:\n{''.join(seen[-20:])}"
+                f"engine {kind} exited with {proc.returncode} before ready; output:\n"
+                f"{''.join(seen[-20:])}"
             )
         seen.append(line)
         if line.startswith(READY_PREFIX):

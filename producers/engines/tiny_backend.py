@@ -87,7 +87,8 @@ class TinyBackend:
             req.backend_state["feed"] = seq[-1]
 
     async def decode(self, reqs: Sequence[Req]) -> list[tuple[int, float]]:
-        return await self._run(self._decode_sync, list(reqs))
+        out: list[tuple[int, float]] = await self._run(self._decode_sync, list(reqs))
+        return out
 
     @torch.inference_mode()
     def _decode_sync(self, reqs: list[Req]) -> list[tuple[int, float]]:
@@ -107,7 +108,10 @@ class TinyBackend:
             torch.tensor([x.top_k for x in p], dtype=torch.long),
             torch.tensor([x.min_p for x in p], dtype=torch.float32),
             torch.tensor(
-                [position_uniform(r.seed, s["pos"] + 1) for r, s in zip(reqs, states, strict=False)],
+                [
+                    position_uniform(r.seed, s["pos"] + 1)
+                    for r, s in zip(reqs, states, strict=False)
+                ],
                 dtype=torch.float64,
             ),
         )
@@ -135,7 +139,8 @@ class TinyBackend:
         model = await self._run(load_weights, path)
         if model.cfg != self.cfg and _shape_key(model.cfg) != _shape_key(self.cfg):
             raise ValueError(
-                f"new weights have a different architecture ({model.cfg}) than the running model ({self.cfg}); "
+                f"new weights have a different architecture ({model.cfg}) than the running "
+                f"model ({self.cfg}); "
                 "restart the engine to change architecture"
             )
         self.model = model

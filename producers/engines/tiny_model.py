@@ -97,11 +97,13 @@ class Block(nn.Module):
         scores = scores.masked_fill(mask, float("-inf"))
         out = torch.softmax(scores, dim=-1) @ v  # [B, H, T, D]
         b, _, t, _ = out.shape
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        result: torch.Tensor = self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return result
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.mlp_norm(x)
-        return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+        down: torch.Tensor = self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+        return x + down
 
     def forward_full(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
@@ -152,6 +154,8 @@ class TinyLM(nn.Module):
             cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
         )
         angles = torch.outer(torch.arange(cfg.context_length, dtype=torch.float64), inv)
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
         self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
 
@@ -171,10 +175,13 @@ class TinyLM(nn.Module):
         mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).triu(1)[None, None]
         x = self.embed(tokens)
         kvs = []
-        for layer in self.layers:
+        for layer in self.blocks():
             x, k, v = layer.forward_full(x, cos, sin, mask)
             kvs.append((k, v))
         return self.lm_head(self.norm(x)), kvs
+
+    def blocks(self) -> list[Block]:
+        return [b for b in self.layers if isinstance(b, Block)]
 
     def forward_decode(
         self,
@@ -193,9 +200,10 @@ class TinyLM(nn.Module):
             :, None, None, :
         ]  # [B, 1, 1, L]
         x = self.embed(tokens)[:, None, :]
-        for layer, kc, vc in zip(self.layers, k_caches, v_caches, strict=False):
+        for layer, kc, vc in zip(self.blocks(), k_caches, v_caches, strict=False):
             x = layer.forward_decode(x, cos, sin, kc, vc, slots, positions, mask)
-        return self.lm_head(self.norm(x))[:, 0]
+        logits: torch.Tensor = self.lm_head(self.norm(x))
+        return logits[:, 0]
 
 
 def init_model(cfg: TinyConfig | None = None) -> TinyLM:
@@ -235,7 +243,8 @@ def load_config(directory: str | os.PathLike[str]) -> TinyConfig:
         return TinyConfig.from_dict(json.loads(path.read_text()))
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"{path} not found: a tiny model directory needs {CONFIG_FILE} and {WEIGHTS_FILE} (write one with save_weights)"
+            f"{path} not found: a tiny model directory needs {CONFIG_FILE} and {WEIGHTS_FILE} "
+            "(write one with save_weights)"
         ) from None
 
 

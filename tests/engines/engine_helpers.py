@@ -73,7 +73,10 @@ def load_fixture(name: str) -> Any:
 async def wait_until(
     predicate: Callable[[], Awaitable[bool]], timeout_s: float = 30.0, poll_s: float = 0.01
 ) -> None:
-    """Poll an async predicate until it holds; fail after ``timeout_s`` (a deadline, not a timing assertion)."""
+    """Poll an async predicate until it holds; fail after ``timeout_s``.
+
+    (A deadline, not a timing assertion.)
+    """
     import time
 
     deadline = time.monotonic() + timeout_s

@@ -10,7 +10,11 @@ from engine_helpers import FIXTURES, load_fixture
 
 from strawq.producers.engine_errors import EngineProtocolError
 from strawq.producers.sglang_client import parse_workers
-from strawq.producers.sglang_protocol import parse_generate_body, parse_generate_response, parse_version
+from strawq.producers.sglang_protocol import (
+    parse_generate_body,
+    parse_generate_response,
+    parse_version,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

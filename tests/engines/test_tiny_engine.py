@@ -45,7 +45,7 @@ def client_for(url: str, **cfg: Any) -> SGLangClient:
 def assert_recompute_matches(
     sample: Sample, weight_dirs: dict[int, Path], temperature: float
 ) -> None:
-    """Each token's rollout log-prob equals the teacher-forced one under its own version's weights."""
+    """Each token's rollout log-prob equals the teacher-forced one under its version's weights."""
     checked = 0
     for version in np.unique(sample.versions):
         model = load_weights(weight_dirs[int(version)])
