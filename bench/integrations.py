@@ -2,13 +2,14 @@
 
 1. Creates B ready groups with the real queue API (G=8 × ~512 response tokens + 64 prompt
    tokens per sample: the collector benchmark's standard case) and publishes one batch.
-2. Times, alternately (same page cache and allocator state), R runs each:
+2. Times R adjacent pairs (order alternating; same page cache and allocator state):
    * ``reader``: ``BatchReader.load`` of rank 0's shard (of 8): read, verify, decode, pack;
    * ``megatron``: the same load, then ``MegatronBatcher.micro_batches`` — micro-batches
      under a tokens-per-GPU budget, THD ``PackedSeqParams``, next-token aligned tensors.
    Throughput is packed tokens per second; the ratio is megatron ÷ reader (≥ 0.9: the
-   adapter is not the bottleneck), of the fastest runs (the least disturbed by other jobs on
-   a shared machine); the ratio of the medians is printed on the line before.
+   adapter is not the bottleneck): the median over the pairs of each pair's ratio (other
+   jobs on a shared machine move both members of a pair alike). The two stages of the
+   pipeline are also timed apart (reader ÷ (reader + packing), printed before).
 3. For information, the adapter alone under other layouts (TP=2 with sequence parallelism
    and a 128 tail multiple; CP=2), which pad and gather instead of slicing.
 
@@ -34,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.collector import build  # noqa: E402
 from strawq.collector.config import CollectorConfig  # noqa: E402
 from strawq.collector.core import Collector  # noqa: E402
+from strawq.batches import Manifest  # noqa: E402
 from strawq.collector.reader import BatchReader  # noqa: E402
 from strawq.dataset import Dataset  # noqa: E402
 from strawq.queue import RunQueue  # noqa: E402
@@ -47,10 +49,43 @@ with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex a
     )
 
 
+def paired(reader: BatchReader, man: Manifest, batcher: MegatronBatcher, repeat: int
+           ) -> dict[str, list[float]]:
+    """Times of the reader alone and of reader + micro-batches, run as adjacent pairs (the
+    order alternating), after a warm-up of each; inside the pipeline the two stages are
+    timed apart as well. Other jobs on a shared machine move both members of a pair alike,
+    so the pair's ratio is steadier than a ratio of separate medians."""
+    out: dict[str, list[float]] = {"reader": [], "pipeline": [], "stage_reader": [],
+                                   "stage_adapter": []}
+
+    def pipeline() -> None:
+        t0 = time.perf_counter()
+        batch = reader.load(man)
+        t1 = time.perf_counter()
+        batcher.micro_batches(batch)
+        t2 = time.perf_counter()
+        out["pipeline"].append(t2 - t0)
+        out["stage_reader"].append(t1 - t0)
+        out["stage_adapter"].append(t2 - t1)
+
+    def alone() -> None:
+        t0 = time.perf_counter()
+        reader.load(man)
+        out["reader"].append(time.perf_counter() - t0)
+
+    alone()
+    pipeline()
+    for v in out.values():
+        v.clear()
+    for i in range(repeat):
+        for fn in ((alone, pipeline) if i % 2 == 0 else (pipeline, alone)):
+            fn()
+    return out
+
+
 def best_and_median(fns: dict[str, Callable[[], object]], repeat: int
                     ) -> dict[str, tuple[float, float]]:
-    """(fastest, median) seconds of each function, run alternately after a warm-up each.
-    The fastest run is the one least disturbed by other jobs on a shared machine."""
+    """(fastest, median) seconds of each function, run alternately after a warm-up each."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()  # warm-up
@@ -89,19 +124,17 @@ def main() -> int:
         batcher = MegatronBatcher(max_tokens_per_gpu=args.max_tokens_per_gpu)
         batch = reader.load(man)
         mbs = batcher.micro_batches(batch)
-        t = best_and_median({"reader": lambda: reader.load(man),
-                             "megatron": lambda: batcher.micro_batches(reader.load(man)),
-                             "adapter": lambda: batcher.micro_batches(batch)}, args.repeat)
+        t = paired(reader, man, batcher, args.repeat)
         tokens = batch.num_tokens
         print(f"rank 0 of {args.ranks}: {len(batch.groups)} groups, {batch.num_samples} "
               f"samples, {tokens} packed tokens -> {len(mbs)} micro-batches of <= "
-              f"{args.max_tokens_per_gpu} tokens (TP=1, CP=1; {args.repeat} alternating runs, "
-              "warm page cache; fastest / median)")
-        for key, what in (("reader", "reader alone"), ("megatron", "reader + megatron packing"),
-                          ("adapter", "megatron packing alone")):
-            best, med = t[key]
-            print(f"{what}: {best * 1e3:.2f} / {med * 1e3:.2f} ms = "
-                  f"{tokens / best / 1e6:.1f} / {tokens / med / 1e6:.1f} M tokens/s")
+              f"{args.max_tokens_per_gpu} tokens (TP=1, CP=1; {args.repeat} adjacent pairs, "
+              "warm page cache; median [fastest])")
+        for key, what in (("reader", "reader alone"), ("pipeline", "reader + megatron packing"),
+                          ("stage_adapter", "  of which megatron packing")):
+            med, best = statistics.median(t[key]), min(t[key])
+            print(f"{what}: {med * 1e3:.2f} [{best * 1e3:.2f}] ms = "
+                  f"{tokens / med / 1e6:.1f} [{tokens / best / 1e6:.1f}] M tokens/s")
         for name, lay in (("TP=2 SP, tail x128", ParallelLayout(
                 tp_size=2, sequence_parallel=True, pad_multiple=128)),
                 ("CP=2 (rank 0)", ParallelLayout(cp_size=2, cp_rank=0))):
@@ -114,10 +147,13 @@ def main() -> int:
         col.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    ratio = t["reader"][0] / t["megatron"][0]
-    print(f"integrations: megatron packing / reader throughput (medians) = "
-          f"{t['reader'][1] / t['megatron'][1]:.2f}")
-    print(f"integrations: megatron packing / reader throughput = {ratio:.2f}")
+    pairs = [r / p for r, p in zip(t["reader"], t["pipeline"], strict=True)]
+    stages = [r / (r + a) for r, a in zip(t["stage_reader"], t["stage_adapter"], strict=True)]
+    print(f"integrations: within the pipeline, reader / (reader + packing) = "
+          f"{statistics.median(stages):.2f} (median of {len(stages)})")
+    print(f"integrations: paired ratios {min(pairs):.2f} .. {max(pairs):.2f}")
+    print(f"integrations: megatron packing / reader throughput = "
+          f"{statistics.median(pairs):.2f}")
     return 0
 
 

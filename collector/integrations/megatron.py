@@ -125,10 +125,10 @@ def plan_micro_batches(seqlens: Sequence[int] | np.ndarray, max_tokens: int, *,
     """Contiguous ``[start, end)`` sample ranges whose padded tokens fit ``max_tokens``.
 
     The count is the fewest the budget allows (at least ``min_micro_batches``, at most one
-    per sample); the split points are the ones nearest to equal token shares, or, where
-    those break the budget, the ones that minimise the largest micro-batch (binary search on
-    the load bound, greedy fill). A sequence longer than the budget gets a micro-batch of
-    its own (logged). Deterministic: the same lengths give the same plan on every rank.
+    per sample); the split points are at equal token shares, rounded to sample boundaries
+    (nearest, else down, else up), or, where none of those fits the budget, the greedy
+    fill's. A sequence longer than the budget gets a micro-batch of its own (logged).
+    Deterministic: the same lengths give the same plan on every rank.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -156,19 +156,11 @@ def plan_micro_batches(seqlens: Sequence[int] | np.ndarray, max_tokens: int, *,
             a = b
         return ends
 
-    k = max(len(cuts(max_tokens)), min(max(min_micro_batches, 1), n))
+    greedy = cuts(max_tokens)
+    k = max(len(greedy), min(max(min_micro_batches, 1), n))
     ends = _even_cuts(prefix, k, max_tokens)
-    if ends is None:
-        # the smallest bound that still needs at most k parts (a part may exceed the bound
-        # only when it is a single sequence, so the part count falls as the bound grows)
-        lo, hi = 1, max_tokens
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(cuts(mid)) <= k:
-                hi = mid
-            else:
-                lo = mid + 1
-        ends = cuts(lo)
+    if ends is None:  # no even split fits the budget: the greedy fill (the fewest parts)
+        ends = greedy
     bounds = [0, *ends]
     parts = [(bounds[i], bounds[i + 1]) for i in range(len(ends))]
     while len(parts) < k:  # min_micro_batches asks for more: halve the widest part
@@ -180,21 +172,24 @@ def plan_micro_batches(seqlens: Sequence[int] | np.ndarray, max_tokens: int, *,
 
 
 def _even_cuts(prefix: np.ndarray, k: int, max_tokens: int) -> list[int] | None:
-    """Split points nearest to k equal shares of the tokens (one vectorised search), or
-    None when a part would break the budget (the caller then searches for a bound)."""
+    """Split points at k equal shares of the tokens, each rounded to the nearest sample
+    boundary, else down, else up (vectorised); None when none of the three fits the budget
+    (a part over it that is not a single sequence)."""
     n = prefix.shape[0] - 1
     targets = prefix[-1] * np.arange(1, k, dtype=np.float64) / k
-    hi = np.searchsorted(prefix, targets, side="left").clip(1, n)
-    lo = (hi - 1).clip(1, n)
-    pick = np.where(np.abs(prefix[lo] - targets) <= np.abs(prefix[hi] - targets), lo, hi)
-    ends = [*pick.tolist(), n]
-    bounds = np.array([0, *ends], dtype=np.int64)
-    if (np.diff(bounds) <= 0).any():
-        return None
-    loads = prefix[bounds[1:]] - prefix[bounds[:-1]]
-    if ((loads > max_tokens) & (np.diff(bounds) > 1)).any():
-        return None
-    return ends
+    up = np.searchsorted(prefix, targets, side="left").clip(1, n)
+    down = (up - 1).clip(1, n)
+    nearest = np.where(np.abs(prefix[down] - targets) <= np.abs(prefix[up] - targets),
+                       down, up)
+    for pick in (nearest, down, up):
+        bounds = np.concatenate([[0], pick, [n]]).astype(np.int64)
+        width = np.diff(bounds)
+        if (width <= 0).any():
+            continue
+        loads = prefix[bounds[1:]] - prefix[bounds[:-1]]
+        if not ((loads > max_tokens) & (width > 1)).any():
+            return [int(x) for x in bounds[1:]]
+    return None
 
 
 def sync_num_micro_batches(count: int, group: Any = None) -> int:
@@ -289,6 +284,17 @@ class MicroBatch:
             _positions=None if self._positions is None else mv(self._positions))
 
 
+@dataclass
+class _Shard:
+    """Per-batch arrays every micro-batch slices (computed once per ``micro_batches``)."""
+
+    cu: np.ndarray
+    cu32: np.ndarray
+    lens: np.ndarray
+    lens_t: torch.Tensor
+    ids_t: torch.Tensor
+
+
 #: column name → (fill value past the data, aligned with labels?)
 _COLUMNS: tuple[tuple[str, float, bool], ...] = (
     ("tokens", 0, False), ("labels", 0, True), ("loss_mask", 0, True),
@@ -345,9 +351,15 @@ class MegatronBatcher:
             raise ValueError("a sample starts with a trained token (no prompt): the next-token "
                              "shift needs every sample to start with a prompt token")
         self._rows = {id(t): t.unsqueeze(0) for t in (*cols.values(), *ext.values())}
+        lens = np.diff(cu)
+        shard = _Shard(cu=cu, cu32=cu.astype(np.int32), lens=lens,
+                       lens_t=torch.from_numpy(lens.astype(np.int32)),
+                       ids_t=torch.arange(lens.shape[0], dtype=torch.int64))
+        parts = self.plan(batch, min_micro_batches=min_micro_batches)
         try:
-            return [self._build(cols, ext, align, cu, a, b)
-                    for a, b in self.plan(batch, min_micro_batches=min_micro_batches)]
+            if parts and self.layout.seq_multiple == 1 and self.layout.tail_multiple == 1:
+                return self._all_views(cols, ext, align, shard, parts)
+            return [self._build(cols, ext, align, shard, a, b) for a, b in parts]
         finally:
             self._rows = {}
 
@@ -359,9 +371,22 @@ class MegatronBatcher:
                 "advantages": batch.advantages}
 
     def _build(self, cols: dict[str, torch.Tensor], ext: dict[str, torch.Tensor],
-               align: dict[str, Align], cu: np.ndarray, a: int, b: int) -> MicroBatch:
+               align: dict[str, Align], shard: _Shard, a: int, b: int) -> MicroBatch:
         lay = self.layout
-        lens = cu[a + 1:b + 1] - cu[a:b]
+        cu = shard.cu
+        start, end = int(cu[a]), int(cu[b])
+        if lay.seq_multiple == 1 and (end - start) % lay.tail_multiple == 0:
+            # the common case, kept to a few cheap calls: no padding, views of the columns
+            fields, extras = self._views(cols, ext, align, start, end)
+            cu_t = torch.from_numpy(shard.cu32[a:b + 1] - shard.cu32[a])
+            max_len = int(shard.lens[a:b].max())
+            psp = self._psp(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
+                            cu_seqlens_q_padded=cu_t, cu_seqlens_kv_padded=cu_t,
+                            max_seqlen_q=max_len, max_seqlen_kv=max_len)
+            lens_t = shard.lens_t[a:b]
+            return MicroBatch(**fields, packed_seq_params=psp, sample_ids=shard.ids_t[a:b],
+                              seqlens=lens_t, padded_seqlens=lens_t, extras=extras)
+        lens = shard.lens[a:b]
         plens = _round_up(lens, lay.seq_multiple)
         real = int(plens.sum())
         tail = (-real) % lay.tail_multiple
@@ -373,12 +398,7 @@ class MegatronBatcher:
             seq_cu[-1] = seq_cu[-2] + tail
             pad_cu[-1] = pad_cu[-2] + tail
         max_len = int(max(plens.max(initial=0), tail))
-        start, end = int(cu[a]), int(cu[b])
-        if lay.seq_multiple == 1 and tail == 0:
-            fields, extras = self._views(cols, ext, align, start, end)
-            positions = None
-        else:
-            fields, extras, positions = self._gather(cols, ext, align, cu, a, b, plens, tail)
+        fields, extras, positions = self._gather(cols, ext, align, cu, a, b, plens, tail)
         cu_t = torch.from_numpy(seq_cu)
         pad_t = torch.from_numpy(pad_cu)
         psp = self._psp(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
@@ -389,6 +409,56 @@ class MegatronBatcher:
                           seqlens=torch.from_numpy(lens.astype(np.int32)),
                           padded_seqlens=torch.from_numpy(plens.astype(np.int32)),
                           extras=extras, _positions=positions)
+
+    def _all_views(self, cols: dict[str, torch.Tensor], ext: dict[str, torch.Tensor],
+                   align: dict[str, Align], shard: _Shard, parts: list[tuple[int, int]]
+                   ) -> list[MicroBatch]:
+        """No padding, no CP split, for every micro-batch at once: each column is split into
+        views with one call (the parts cover the shard's tokens end to end); the shifted
+        columns copy only their last part, whose last label lies past the data."""
+        cu, cu32, k = shard.cu, shard.cu32, len(parts)
+        starts = np.fromiter((a for a, _ in parts), dtype=np.int64, count=k)
+        counts = np.fromiter((b - a for a, b in parts), dtype=np.int64, count=k)
+        sizes = np.diff(cu[np.append(starts, cu.shape[0] - 1)]).tolist()
+        pad = self.pad_token_id
+
+        def split(t: torch.Tensor, shifted: bool, fill: float) -> list[torch.Tensor]:
+            row = self._rows[id(t)]  # [1, T, ...]
+            if not shifted:
+                return list(torch.split(row, sizes, dim=1))
+            out = list(torch.split(row[:, 1:], [*sizes[:-1], sizes[-1] - 1], dim=1))
+            last = row.new_empty((1, sizes[-1], *t.shape[1:]))
+            last[0, :-1] = out[-1][0]
+            last[0, -1] = fill
+            out[-1] = last
+            return out
+
+        fields = {name: split(cols[name], shifted, pad if name in ("tokens", "labels") else fill)
+                  for name, fill, shifted in _COLUMNS}
+        extras = {n: split(t, align[n] == "target", 0) for n, t in ext.items()}
+        # each part's cu_seqlens: its boundaries [a, b] minus its first token offset
+        span = counts + 1
+        first = np.repeat(np.cumsum(span) - span, span)
+        idx = np.arange(int(span.sum()), dtype=np.int64) - first + np.repeat(starts, span)
+        local = cu32[idx] - np.repeat(cu32[starts], span)
+        cus = torch.split(torch.from_numpy(local), span.tolist())
+        maxes = np.maximum.reduceat(shard.lens, starts).tolist()
+        lens = torch.split(shard.lens_t, counts.tolist())
+        ids = torch.split(shard.ids_t, counts.tolist())
+        psp_cls = self._psp
+        out = []
+        for i in range(k):
+            c = cus[i]
+            psp = psp_cls(qkv_format="thd", cu_seqlens_q=c, cu_seqlens_kv=c,
+                          cu_seqlens_q_padded=c, cu_seqlens_kv_padded=c,
+                          max_seqlen_q=maxes[i], max_seqlen_kv=maxes[i])
+            out.append(MicroBatch(
+                tokens=fields["tokens"][i], labels=fields["labels"][i],
+                loss_mask=fields["loss_mask"][i], rollout_logprobs=fields["rollout_logprobs"][i],
+                versions=fields["versions"][i], advantages=fields["advantages"][i],
+                packed_seq_params=psp, sample_ids=ids[i], seqlens=lens[i],
+                padded_seqlens=lens[i], extras={n: v[i] for n, v in extras.items()}))
+        return out
 
     def _views(self, cols: dict[str, torch.Tensor], ext: dict[str, torch.Tensor],
                align: dict[str, Align], start: int, end: int
