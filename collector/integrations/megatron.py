@@ -5,11 +5,11 @@ What a Megatron-core trainer needs from one data-parallel rank's shard:
 * **dynamic batch size**: micro-batches formed under a tokens-per-GPU budget
   (``max_tokens_per_gpu``, counted after the context-parallel split, as slime's flag of the
   same name). The shard is cut into *contiguous* runs of samples (``plan_micro_batches``):
-  the fewest micro-batches the budget allows, with the largest one as small as possible
-  (a binary search over the split point loads). Contiguous runs keep the shard's
-  staleness-first order and GRPO groups together, and let the common case (no context
-  parallelism, no padding) hand out *views* of the reader's tensors: the adapter then costs
-  a few slicing operations per micro-batch, whatever the token count.
+  the fewest micro-batches the budget allows, split at equal token shares where that fits.
+  Contiguous runs keep the shard's staleness-first order and GRPO groups together, and let
+  the common case (no context parallelism, no padding) hand out *views* of the reader's
+  tensors, one ``torch.split`` per column: the adapter then costs a few calls per
+  micro-batch, whatever the token count.
 * **THD packing** with ``megatron.core.packed_seq_params.PackedSeqParams``
   (``qkv_format="thd"``; ``cu_seqlens_q`` over the real lengths, ``cu_seqlens_q_padded`` over
   the padded ones, both in the global, pre-split layout as Megatron's THD attention expects).
