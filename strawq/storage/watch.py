@@ -240,7 +240,7 @@ class DirProbe:
     """
 
     def __init__(self, storage: Storage | None, dirs: Sequence[str], *,
-                 full_every_s: float = 10.0,
+                 full_every_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.paths = [storage.local_path(d) if storage is not None else None for d in dirs]
         self.full_every_s = full_every_s
