@@ -37,11 +37,16 @@ from strawq.grantor import LeaseMonitor, ScanResult
 from strawq.groups import staleness
 from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
-from strawq.states import depths, dropped_by_reason, upstream_depths
+from strawq.retention import drop_totals
+from strawq.states import depths, upstream_depths
 
 log = logging.getLogger(__name__)
 
 STALE_REASON = "stale_eta"
+#: Seconds between sweeps of ``data/`` (``strawq.retention``) on the collector's clock.
+SWEEP_INTERVAL_S = 30.0
+#: ``dropped/`` entries that trigger a compaction into the drop audit during a run.
+COMPACT_DROPS_AT = 1000
 CORRUPT_REASON = "corrupt_group"
 
 
@@ -90,6 +95,7 @@ class Collector:
         self.feeder: Feeder | None = None
         self.resume_info: ResumeInfo | None = None
         self._last_gc = float("-inf")
+        self._last_sweep = float("-inf")
         self._last_metrics = float("-inf")
         self._ready_seen_at_metrics = 0
         self._steps = 0
@@ -150,8 +156,11 @@ class Collector:
         self.fence.beat()
         rep = StepReport(scan=self.monitor.scan())
         if now - self._last_gc >= self.config.gc_interval_s:
-            rep.gc = self.batches.gc()
+            sweep = now - self._last_sweep >= max(SWEEP_INTERVAL_S, self.config.gc_interval_s)
+            rep.gc = self.batches.gc(sweep=sweep, compact_drops_at=COMPACT_DROPS_AT)
             self._last_gc = now
+            if sweep:
+                self._last_sweep = now
         rep.version = self.queue.current_version()
         upstream = upstream_depths(self.storage)  # listed before the ready scan: see depths()
         ready = self._ordered_ready(rep)
@@ -282,7 +291,8 @@ class Collector:
 
     # -- metrics -----------------------------------------------------------------------------
     def dropped_by_reason(self) -> dict[str, int]:
-        return dropped_by_reason(self.storage)
+        """Per reason over the whole run: the drop audit's counts plus ``dropped/``."""
+        return drop_totals(self.storage)
 
     def _emit_metrics(self, rep: StepReport, now: float) -> None:
         cfg = self.config
@@ -310,17 +320,29 @@ class Collector:
     # -- loop --------------------------------------------------------------------------------
     def run(self, *, max_steps: int | None = None, until_drained: bool = False,
             deadline_s: float | None = None,
-            should_stop: Callable[[], bool] | None = None) -> StepReport:
-        """Loop ``step()``; returns the last report. Stops on drain, steps, deadline or flag."""
+            should_stop: Callable[[], bool] | None = None,
+            max_batches: int | None = None) -> StepReport:
+        """Loop ``step()``; returns the last report. Stops on drain, passes (``max_steps``),
+        published batches (``max_batches``), deadline or flag.
+
+        On drain the acked batches are collected before returning (nothing is left as
+        "batched" for a later ``strawq gc``).
+        """
         start = self.clock()
         steps = 0
+        published = 0
         while True:
             rep = self.step()
             steps += 1
+            published += len(rep.published)
             if until_drained and rep.drained:
+                rep.gc = self.batches.gc(sweep=True, compact_drops_at=COMPACT_DROPS_AT)
+                rep.depths = self.depths()
                 log.info("collector: dataset exhausted and every batch acked; stopping")
                 return rep
             if max_steps is not None and steps >= max_steps:
+                return rep
+            if max_batches is not None and published >= max_batches:
                 return rep
             if deadline_s is not None and self.clock() - start >= deadline_s:
                 return rep

@@ -44,6 +44,8 @@ class GcReport:
     payloads: int = 0
     stale: int = 0
     tmp: int = 0
+    #: dropped entries folded into the drop audit (``strawq.retention``)
+    drops: int = 0
     details: list[str] = field(default_factory=list)
 
 
@@ -186,8 +188,14 @@ class BatchStore:
         return True
 
     # -- garbage collection --------------------------------------------------------------------
-    def gc(self, *, full: bool = False, keep_batches: int = 0) -> GcReport:
-        """Delete consumed batches; with ``full``, also stale-generation payloads."""
+    def gc(self, *, full: bool = False, keep_batches: int = 0, sweep: bool = False,
+           compact_drops_at: int | None = None) -> GcReport:
+        """Delete consumed batches.
+
+        ``sweep`` (or ``full``) also deletes ``data/`` records no live entry needs
+        (``strawq.retention.sweep_payloads``); ``compact_drops_at=N`` folds ``dropped/``
+        into the drop audit once it holds at least N entries (0: always).
+        """
         rep = GcReport()
         seqs, acked = self.batch_seqs()
         done = sorted(s for s in seqs if s in acked)
@@ -213,7 +221,13 @@ class BatchStore:
         for seq in acked - set(seqs):
             # an ack whose manifest GC already removed (a crash between the two deletions)
             self.storage.delete(f"acked/{seq:012d}")
-        if full:
+        if compact_drops_at is not None:
+            from strawq.retention import compact_drops
+
+            dropped = self.storage.list(DIRS[S.DROPPED])
+            if dropped and len(dropped) >= compact_drops_at:
+                rep.drops = compact_drops(self.storage)
+        if full or sweep:
             rep.stale = self._gc_stale_generations()
         return rep
 
@@ -228,24 +242,7 @@ class BatchStore:
                 self.storage.delete(f"collector/{n}")
 
     def _gc_stale_generations(self) -> int:
-        """Payloads of generations older than the task's current one (fenced writers)."""
-        current: dict[str, TaskName] = {}
-        for state in (S.PENDING, S.PARTIAL, S.LEASED, S.READY, S.BATCHED, S.DROPPED):
-            for name in names_in(self.storage, state):
-                prev = current.get(name.id)
-                if prev is None or name.gen > prev.gen:
-                    current[name.id] = name
-        removed = 0
-        for n in self.storage.list("data"):
-            tid, _, rest = n.partition("~g")
-            gen_s, _, suffix = rest.partition(".")
-            cur = current.get(tid)
-            if cur is None or not gen_s.isdigit():
-                continue
-            gen = int(gen_s)
-            keep = gen >= cur.gen or (suffix == "partial" and gen == cur.resume) or \
-                suffix in ("drop", "fail")
-            if not keep:
-                self.storage.delete(f"data/{n}")
-                removed += 1
-        return removed
+        """Payloads of fenced generations, and every record of a task no entry names."""
+        from strawq.retention import sweep_payloads
+
+        return sweep_payloads(self.storage)

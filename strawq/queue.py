@@ -317,10 +317,14 @@ class RunQueue:
         payload = data_key(lease.task_id, lease.gen, suffix)
         self._publish_payload(lease, payload, group.encode(kind))
         try:
-            return self._move_lease(lease, dst, new)
+            moved = self._move_lease(lease, dst, new)
         except LeaseLost:
             self.storage.delete(payload)
             raise
+        if kind is Kind.PARTIAL and lease.has_partial:
+            # the new prefixes include the old ones: the superseded partial is garbage
+            self.storage.delete(data_key(lease.task_id, lease.name.resume, "partial"))
+        return moved
 
     def release(self, lease: Lease) -> str:
         """Give a task back untouched (no attempt spent, gen + 1)."""

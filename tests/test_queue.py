@@ -26,7 +26,7 @@ from strawq.errors import (
     NotFound,
     TaskNotFound,
 )
-from strawq.feeder import Feeder
+from strawq.feeder import Feeder, list_cursors
 from strawq.grantor import LeaseMonitor
 from strawq.names import TaskName, data_key, note_key, dataset_task_id
 from strawq.queue import Lease, RunQueue
@@ -633,7 +633,7 @@ def test_corrupt_newest_cursor_is_quarantined_and_reported(storage: Storage, tmp
     f = make_feeder(q, tmp_path, 10)
     f.release(3)
     f.release(3)
-    key = "cursor/" + next(n for n in storage.list("cursor") if n.startswith("000000000002."))
+    key = "cursor/" + next(n for s, _, n in list_cursors(storage) if s == 2)
     clobber(storage, key, _corruptions(storage.read(key))[how])
     st = run_status(q)  # must not crash while the bad cursor is still in place
     assert st.counts["pending"] == 6
@@ -651,8 +651,7 @@ def test_release_after_corrupt_newest_cursor_loses_nothing(storage: Storage,
     f = make_feeder(q, tmp_path, 10)
     f.release(3)
     f.release(3)
-    clobber(storage, "cursor/" + next(n for n in storage.list("cursor")
-                                      if n.startswith("000000000002.")), b"")
+    clobber(storage, "cursor/" + next(n for s, _, n in list_cursors(storage) if s == 2), b"")
     f2 = Feeder(q, f.dataset)
     while f2.release(4):
         pass
@@ -771,9 +770,11 @@ def test_gc_full_removes_only_fenced_generations(storage: Storage, tmp_path: Pat
     q.yield_partial(lease, make_partial(tid(0)))          # data/i0~g0.partial (resume)
     (lease,) = q.claim("p")
     q.yield_partial(lease, make_partial(tid(0)))          # data/i0~g1.partial (resume)
+    # the superseded prefix goes with the yield that replaced it
+    assert not storage.exists(data_key(tid(0), 0, "partial"))
     storage.publish(data_key(tid(0), 0, "group"), make_group(tid(0)).encode())  # orphan
     rep = BatchStore(q).gc(full=True)
-    assert rep.stale == 2
+    assert rep.stale == 1
     assert storage.list("data") == [f"{tid(0)}~g1.partial"]
     (lease,) = q.claim("p")
     assert q.load_partial(lease) is not None
@@ -838,7 +839,9 @@ def test_cli_init_release_status_inspect_gc(tmp_path: Path,
     assert cli_main(["release", run, data]) == 0
     assert "released 4 rows; cursor at index 4" in capsys.readouterr().out
     assert cli_main(["release", run, data, "--count", "10"]) == 0
-    assert "released 2 rows; cursor at index 6 (dataset exhausted)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "released 1 of 2 rows (1 bad dropped" in out
+    assert "cursor at index 6 (dataset exhausted)" in out
 
     q = RunQueue.open(PosixStorage(run))
     (lease,) = q.claim("prod-1")
@@ -867,7 +870,7 @@ def test_cli_init_release_status_inspect_gc(tmp_path: Path,
     assert cli_main(["inspect", run, "i404"]) == 1
     assert "i404" in capsys.readouterr().err
     clobber(PosixStorage(run), f"pending/r-000000000001/{q.find(tid(1))[1]}", b"torn")
-    assert cli_main(["inspect", run, tid(1)]) == 0
+    assert cli_main(["inspect", run, tid(1)]) == 1  # a record that fails its checks
     assert "truncated" in json.loads(capsys.readouterr().out)["error"]
 
     bs = BatchStore(q)

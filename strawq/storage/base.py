@@ -131,6 +131,10 @@ class Storage(abc.ABC):
         """Remove temporary files of a writer known to be gone; returns how many."""
         return 0
 
+    def clean_dead_tmp(self, *, grace_s: float = 3600.0) -> int:
+        """Remove temporary files of writers that are dead, found without naming them."""
+        return 0
+
     def size(self, key: str) -> int:
         """Size in bytes of ``key``."""
         return len(self.read(key))

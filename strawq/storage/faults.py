@@ -111,3 +111,9 @@ class FaultyStorage(Storage):
 
     def describe(self) -> str:
         return f"faulty({self.inner.describe()})"
+
+    def clean_tmp(self, writer_prefix: str) -> int:
+        return self.inner.clean_tmp(writer_prefix)
+
+    def clean_dead_tmp(self, *, grace_s: float = 3600.0) -> int:
+        return self.inner.clean_dead_tmp(grace_s=grace_s)

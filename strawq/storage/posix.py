@@ -12,6 +12,8 @@ import ctypes
 import errno
 import logging
 import os
+import socket
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 
@@ -57,7 +59,11 @@ class PosixStorage(Storage):
         # default: elsewhere ENOENT with the destination present means another mover won.
         self._nfs_retry_rule = nfs_retry_rule
         self.capabilities = Capabilities(durable=fsync)
-        os.makedirs(os.path.join(self.root, self._tmp), exist_ok=True)
+        # ``tmp/`` is made by the first publish, not here: opening a store to read it
+        # (``strawq status``, a trainer's reader) must not write to the directory.
+        # Temporary names say which process wrote them (``<writer>.<host>-<pid>.<uuid>``),
+        # so a dead writer's leftovers are found without the operator naming it.
+        self._tmp_tag = f"{self.writer_id}.{_host()}-{os.getpid()}"
 
     # -- paths ---------------------------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -107,10 +113,14 @@ class PosixStorage(Storage):
     def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
                 sync_dir: bool = True, sync_file: bool = True) -> None:
         dst = self._path(key)
-        tmp = os.path.join(self.root, self._tmp, f"{self.writer_id}.{uuid.uuid4().hex}")
+        tmp = os.path.join(self.root, self._tmp, f"{self._tmp_tag}.{uuid.uuid4().hex}")
         chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:  # the first write to this run: make tmp/ now
+                os.makedirs(os.path.dirname(tmp), exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as exc:
             raise translate(exc, f"create temporary file for {key}") from exc
         try:
@@ -239,6 +249,51 @@ class PosixStorage(Storage):
                 _unlink_quietly(os.path.join(self.root, self._tmp, name))
                 n += 1
         return n
+
+    def clean_dead_tmp(self, *, grace_s: float = 3600.0) -> int:
+        """Remove temporary files whose writers are dead, without being told who they were.
+
+        A file written on this host by a process that no longer exists is removed at once
+        (its name carries host and pid). Any other file is removed once it is older than
+        ``grace_s`` by its mtime: a publish holds its temporary file for the time of one
+        write, so an hour-old one is abandoned whatever the clock skew between hosts
+        (the one place mtimes are trusted, and only to an hour's width).
+        """
+        host, now, n = _host(), time.time(), 0
+        for name in self.list(self._tmp):
+            path = os.path.join(self.root, self._tmp, name)
+            if name.startswith(self._tmp_tag + "."):
+                continue  # our own, possibly in flight in another thread
+            dead = False
+            parts = name.split(".")
+            if len(parts) >= 3:
+                h, _, pid = parts[-2].rpartition("-")
+                dead = h == host and pid.isdigit() and not _pid_alive(int(pid))
+            if not dead:
+                try:
+                    dead = now - os.stat(path).st_mtime >= grace_s
+                except OSError:
+                    continue
+            if dead:
+                _unlink_quietly(path)
+                n += 1
+        return n
+
+
+def _host() -> str:
+    """This host's name as a temporary-name component (no dots or odd characters)."""
+    h = socket.gethostname().split(".")[0]
+    return "".join(c if c.isalnum() or c in "_+=" else "_" for c in h)[:40] or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, under another user
+        return True
+    return True
 
 
 def _unlink_quietly(path: str) -> None:

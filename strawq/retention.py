@@ -1,0 +1,220 @@
+"""What a run keeps on disk, and the collection of everything else (invariant 6).
+
+A run directory holds live records only: work in flight, groups not yet trained, and what
+is kept on purpose (quarantined records, the drop audit, a few cursors, versions and
+control records). ``BatchStore.gc`` retires acked batches; this module does the rest:
+
+* ``compact_drops`` folds ``dropped/`` entries and their notes into the drop audit,
+  ``audit/drops-<seq>``: immutable segments, each one holding the cumulative counts per
+  reason and the drops it took in. A segment is published (exclusive create: a second
+  compactor loses) before the entries it names are deleted, and the next compaction first
+  finishes those deletions, so a crash in between neither loses nor double-counts a drop.
+  Past ``MAX_SEGMENTS`` the segments are merged into one (the newest ``KEEP_DETAILS``
+  drops stay in detail; the counts are always complete).
+* ``sweep_payloads`` removes ``data/`` records that no live entry needs: payloads and notes
+  of trained or compacted tasks, and payloads of generations that were fenced off.
+  ``data/`` is listed *before* the state directories, so a record whose task is alive at
+  the first listing is seen alive at the second (work flows one way; a task that leaves
+  every directory in between was trained, and its records are garbage).
+* ``live_files`` counts files per top-level directory (``bench/queue_ops.py``, tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from strawq import records
+from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.names import TaskName, note_key
+from strawq.records import Kind
+from strawq.states import TaskState, entries, names_in
+from strawq.storage import Storage
+
+log = logging.getLogger(__name__)
+
+AUDIT_DIR = "audit"
+SEGMENT_PREFIX = "drops-"
+#: Segments before they are merged into one.
+MAX_SEGMENTS = 16
+#: Drops kept in detail (id, reason, message) by a merge; counts are never truncated.
+KEEP_DETAILS = 10_000
+#: States whose entries keep a task's records alive, listed in the direction work flows.
+LIVE_STATES = (TaskState.PENDING, TaskState.PARTIAL, TaskState.LEASED, TaskState.READY,
+               TaskState.BATCHED, TaskState.DROPPED)
+
+
+@dataclass
+class DropAudit:
+    """The newest segment of the drop audit (empty when nothing was compacted yet)."""
+
+    seq: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    compacted: list[str] = field(default_factory=list)
+    drops: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _segments(storage: Storage) -> list[int]:
+    out = []
+    for n in storage.list(AUDIT_DIR):
+        rest = n[len(SEGMENT_PREFIX):]
+        if n.startswith(SEGMENT_PREFIX) and rest.isdigit():
+            out.append(int(rest))
+    return sorted(out)
+
+
+def _key(seq: int) -> str:
+    return f"{AUDIT_DIR}/{SEGMENT_PREFIX}{seq:012d}"
+
+
+def _read(storage: Storage, seq: int) -> DropAudit:
+    rec = records.decode(storage.read(_key(seq)), expect=Kind.STATE, name=_key(seq))
+    m = rec.meta
+    return DropAudit(seq, dict(m.get("counts", {})), list(m.get("compacted", [])),
+                     list(m.get("drops", [])))
+
+
+def latest_audit(storage: Storage) -> DropAudit:
+    """The newest readable segment (a corrupt one is skipped with an error)."""
+    for seq in reversed(_segments(storage)):
+        try:
+            return _read(storage, seq)
+        except (CorruptRecord, NotFound) as exc:
+            log.error("drop audit segment %s is unreadable (%s); using an older one",
+                      _key(seq), exc)
+    return DropAudit()
+
+
+def drop_totals(storage: Storage) -> dict[str, int]:
+    """Dropped tasks per reason over the whole run: the audit's counts plus ``dropped/``."""
+    audit = latest_audit(storage)
+    done = set(audit.compacted)
+    out = Counter(audit.counts)
+    for name in names_in(storage, TaskState.DROPPED):
+        if str(name) not in done:
+            out[name.producer or "unknown"] += 1
+    return dict(sorted(out.items()))
+
+
+def find_drop(storage: Storage, task_id: str) -> dict[str, Any] | None:
+    """The audit's row for a compacted drop of ``task_id`` (newest first), or None."""
+    for seq in reversed(_segments(storage)):
+        try:
+            audit = _read(storage, seq)
+        except (CorruptRecord, NotFound):
+            continue
+        for row in reversed(audit.drops):
+            if row.get("id") == task_id:
+                return dict(row, segment=_key(seq))
+    return None
+
+
+def _delete_dropped(storage: Storage, names: Iterable[TaskName]) -> None:
+    for name in names:
+        storage.delete(note_key(name.id, name.gen, "drop", name.producer or ""))
+        storage.delete(f"dropped/{name}")
+
+
+def _row(storage: Storage, name: TaskName) -> dict[str, Any]:
+    row: dict[str, Any] = {"id": name.id, "gen": name.gen, "attempts": name.attempts,
+                           "reason": name.producer or "unknown"}
+    key = note_key(name.id, name.gen, "drop", name.producer or "")
+    try:
+        note = records.decode(storage.read(key), expect=Kind.DROP, name=key).meta
+    except NotFound:
+        row["message"] = "(no note)"
+        return row
+    except CorruptRecord as exc:
+        row["message"] = f"(note unreadable: {exc})"
+        return row
+    row["message"] = str(note.get("message", ""))
+    row["at"] = note.get("at")
+    if note.get("summary"):
+        row["summary"] = note["summary"]
+    return row
+
+
+def compact_drops(storage: Storage) -> int:
+    """Fold every ``dropped/`` entry into the audit; returns how many were folded in."""
+    audit = latest_audit(storage)
+    done = set(audit.compacted)
+    finished = [name for _k, name in entries(storage, TaskState.DROPPED) if str(name) in done]
+    _delete_dropped(storage, finished)  # a crash after the last segment was published
+    todo = [name for _k, name in entries(storage, TaskState.DROPPED) if str(name) not in done]
+    if not todo:
+        return 0
+    rows = [_row(storage, n) for n in todo]
+    counts = Counter(audit.counts)
+    counts.update(r["reason"] for r in rows)
+    segs = _segments(storage)
+    merge = len(segs) >= MAX_SEGMENTS
+    drops = rows
+    if merge:
+        older: list[dict[str, Any]] = []
+        for seq in segs:
+            try:
+                older += _read(storage, seq).drops
+            except (CorruptRecord, NotFound):
+                continue
+        drops = (older + rows)[-KEEP_DETAILS:]
+    seq = max(segs, default=0) + 1
+    body = {"counts": dict(counts), "compacted": [str(n) for n in todo], "drops": drops,
+            "merged": merge, "at": time.time()}
+    try:
+        storage.publish(_key(seq), records.encode(Kind.STATE, body))
+    except AlreadyExists:
+        log.warning("another process compacted the drop audit first (segment %d); skipping",
+                    seq)
+        return 0
+    _delete_dropped(storage, todo)
+    if merge:
+        for old in segs:
+            storage.delete(_key(old))
+    return len(todo)
+
+
+def sweep_payloads(storage: Storage) -> int:
+    """Delete ``data/`` records no live entry needs; returns how many were deleted."""
+    listed = storage.list("data")  # first: see the module docstring
+    live: dict[str, list[TaskName]] = {}
+    for state in LIVE_STATES:
+        for name in names_in(storage, state):
+            live.setdefault(name.id, []).append(name)
+    removed = 0
+    for n in listed:
+        tid, sep, rest = n.partition("~g")
+        gen_s, _, suffix = rest.partition(".")
+        if not sep or not gen_s.isdigit():
+            continue  # not a record this module knows: leave it
+        gen, kind = int(gen_s), suffix.partition(".")[0]
+        names = live.get(tid)
+        if names is None:
+            keep = False  # trained, or its drop was compacted
+        elif kind == "group":
+            keep = any(gen >= t.gen for t in names)
+        elif kind == "partial":
+            keep = any(gen >= t.gen or gen == t.resume for t in names)
+        else:
+            keep = True  # notes of a live task
+        if not keep:
+            storage.delete(f"data/{n}")
+            removed += 1
+    return removed
+
+
+def live_files(storage: Storage) -> dict[str, int]:
+    """Files per top-level directory of the run (release directories count their tasks)."""
+    out: dict[str, int] = {}
+    for top in storage.list(""):
+        if not storage.is_dir(top):
+            continue
+        n = 0
+        for child in storage.list(top):
+            key = f"{top}/{child}"
+            n += len(storage.list(key)) if storage.is_dir(key) else 1
+        out[top] = n
+    return out
