@@ -6,10 +6,14 @@ The CLI parses arguments and calls ``strawq.collector.core.Collector``; nothing 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import os
 import signal
 from typing import Any
+
+from strawq.cli import positive_int
 
 log = logging.getLogger(__name__)
 
@@ -19,15 +23,21 @@ leases), the feeder (releases prompts from DATASET under admission control), and
 builder (staleness-first batches of B ready groups, published as manifests the trainer's
 BatchReader reads).
 
+PATH must be a strawq run, or new, or an empty directory: a directory holding other files is
+refused, never turned into a run.
+
 Exactly one collector runs per run. A second one refuses while the first one's heartbeat
 moves; after takeover_timeout_s of silence it takes over with a higher epoch, and the old
 one can no longer act (FencedOut). Stops when the dataset is exhausted and every batch is
-acked (or after --max-steps, or on SIGTERM/SIGINT, closing cleanly so a successor starts
-at once).
+acked, collecting the acked batches before it exits (or after --max-steps published
+batches, --max-passes loop passes, or on SIGTERM/SIGINT, closing cleanly so a successor
+starts at once).
 
 Resume: with the queue intact everything on disk survives. If the run directory holds no
 readable queue, --checkpoint (the trainer's BatchReader.state_dict() as JSON) supplies the
-dataset cursor, weight version and batch number; without it the run starts at row 0.
+dataset cursor, weight version and batch number; without it the run starts at row 0. A run
+whose run.meta is unreadable has lost its queue config with it: pass --queue-config too
+(the unreadable directory is moved aside to PATH.unreadable-<time>).
 
 Collector config keys (--set KEY=VALUE, or --config FILE): batch_groups, max_staleness
 (null = unbounded), eta_mode (drop|requeue|off), batches_per_version, max_running,
@@ -44,6 +54,61 @@ def _load_config(args: argparse.Namespace) -> Any:
     return load_config(CollectorConfig, args.config, args.set, where="collector config")
 
 
+#: Names whose presence makes a directory a (possibly damaged) strawq run.
+_RUN_MARKERS = ("run.meta", "pending", "leased", "ready", "batched", "cursor", "data")
+
+
+def _check_target(path: str) -> None:
+    """A new path, an empty directory, or a run: anything else is refused untouched."""
+    from strawq.errors import StrawqError
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise StrawqError(f"{path} is a file; expected a run directory (or a new path)")
+    if not os.path.isdir(path):
+        return
+    names = [n for n in os.listdir(path) if not n.startswith(".") and n != "lost+found"]
+    if names and not any(m in names for m in _RUN_MARKERS):
+        shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        raise StrawqError(f"{path} holds files ({shown}) but no strawq run; refusing to turn "
+                          "it into one: pass a new or empty directory, or the run's own path")
+
+
+def _prompt_key(args: argparse.Namespace, queue_config: Any) -> str:
+    """The run's prompt key; a run whose run.meta is unreadable needs --queue-config."""
+    from strawq.config import QueueConfig
+    from strawq.errors import CorruptRecord, NotFound, StrawqError
+    from strawq.queue import RunQueue
+    from strawq.storage import open_storage
+
+    if queue_config is not None:
+        return str(queue_config.prompt_key)
+    if not os.path.isdir(args.path):
+        return QueueConfig().prompt_key
+    try:
+        return RunQueue.open(open_storage(args.path, writer_id="cli")).config.prompt_key
+    except NotFound:
+        return QueueConfig().prompt_key
+    except (CorruptRecord, StrawqError) as exc:
+        raise StrawqError(
+            f"{args.path}/run.meta is unreadable ({exc}); the run's queue config is lost with "
+            "it. To resume, pass --queue-config FILE (a JSON object of the queue config the "
+            "run was created with, e.g. from 'strawq status' output saved earlier or your "
+            "launch script) together with --checkpoint FILE (the trainer's "
+            "BatchReader.state_dict()): the damaged directory is moved aside to "
+            f"{args.path.rstrip('/')}.unreadable-<time> and releases resume at the "
+            "checkpoint's dataset cursor") from exc
+
+
+def _read_json(path: str, what: str) -> Any:
+    from strawq.errors import ConfigError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{what}: cannot read {path}: {exc}") from exc
+
+
 def cmd_collector(args: argparse.Namespace) -> int:
     from strawq.collector.core import Collector
     from strawq.config import QueueConfig, from_dict
@@ -52,23 +117,11 @@ def cmd_collector(args: argparse.Namespace) -> int:
     config = _load_config(args)
     queue_config = None
     if args.queue_config:
-        with open(args.queue_config, encoding="utf-8") as f:
-            queue_config = from_dict(QueueConfig, json.load(f), where="queue config")
-    checkpoint = None
-    if args.checkpoint:
-        with open(args.checkpoint, encoding="utf-8") as f:
-            checkpoint = json.load(f)
-    if queue_config is not None:
-        prompt_key = queue_config.prompt_key
-    else:  # an existing run knows its own prompt key
-        from strawq.errors import NotFound
-        from strawq.queue import RunQueue
-        from strawq.storage import open_storage
-
-        try:
-            prompt_key = RunQueue.open(open_storage(args.path, writer_id="cli")).config.prompt_key
-        except NotFound:
-            prompt_key = QueueConfig().prompt_key
+        queue_config = from_dict(QueueConfig, _read_json(args.queue_config, "queue config"),
+                                 where="queue config")
+    checkpoint = _read_json(args.checkpoint, "checkpoint") if args.checkpoint else None
+    _check_target(args.path)
+    prompt_key = _prompt_key(args, queue_config)
     col = Collector.open(args.path, Dataset(args.dataset, prompt_key=prompt_key), config,
                          queue_config=queue_config, checkpoint=checkpoint,
                          wait=not args.no_wait, fsync=not args.no_fsync, owner=args.owner)
@@ -83,11 +136,15 @@ def cmd_collector(args: argparse.Namespace) -> int:
         info = col.resume_info
         log.info("collector epoch %d on %s (%s)", col.fence.epoch, args.path,
                  info.message if info else "")
-        rep = col.run(max_steps=args.max_steps, until_drained=not args.forever,
-                      should_stop=lambda: stop["flag"])
+        rep = col.run(max_steps=args.max_passes, max_batches=args.max_steps,
+                      until_drained=not args.forever, should_stop=lambda: stop["flag"])
         d = rep.depths
         log.info("collector stopped: version %d pending=%d partial=%d leased=%d ready=%d "
                  "batched=%d", rep.version, d.pending, d.partial, d.leased, d.ready, d.batched)
+        if getattr(args, "json", False):
+            print(json.dumps({"version": rep.version, "epoch": col.fence.epoch,
+                              "drained": rep.drained, "exhausted": rep.exhausted,
+                              "depths": dataclasses.asdict(d)}, indent=2, sort_keys=True))
     finally:
         col.close()
         for s, h in old.items():
@@ -110,9 +167,13 @@ def add_parsers(subparsers: Any) -> None:
                    "resuming when the queue state is missing")
     s.add_argument("--no-wait", action="store_true", help="refuse at once if another "
                    "collector holds the run, instead of watching its heartbeat")
-    s.add_argument("--max-steps", type=int, default=None, help="stop after N passes")
+    s.add_argument("--max-steps", type=positive_int, default=None, metavar="N",
+                   help="stop after publishing N batches (trainer steps)")
+    s.add_argument("--max-passes", type=positive_int, default=None, metavar="N",
+                   help="stop after N loop passes (each polls the queue once; for tests)")
     s.add_argument("--forever", action="store_true", help="keep running after the dataset "
                    "is exhausted and drained")
     s.add_argument("--owner", default="collector", help="name recorded in the epoch record")
     s.add_argument("--no-fsync", action="store_true", help="skip fsyncs (throwaway runs)")
+    s.add_argument("--json", action="store_true", help="print the final state as JSON")
     s.set_defaults(func=cmd_collector)

@@ -79,8 +79,10 @@ class EpochFence:
             if not wait:
                 raise CollectorBusy(
                     f"collector epoch {newest} holds this run and did not close; expected no "
-                    f"live collector. Stop it, or start this one with a wait of "
-                    f"{self.timeout:.0f}s so a dead holder can be taken over")
+                    "live collector. Stop it (SIGTERM closes it cleanly), or start this one "
+                    "without --no-wait (wait=True): it then watches the holder's heartbeat "
+                    f"and takes over once it was silent for {self.timeout:.0f}s "
+                    "(takeover_timeout_s)")
             self._watch(newest)
         return self._create(newest + 1)
 

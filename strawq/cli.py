@@ -23,42 +23,132 @@ persisted there, and one collector feeds the trainer staleness-first.
 """
 
 
+EPILOG = """\
+Options -q/--quiet and -v/--verbose work before or after the command. Commands that print
+state take --json.
+
+Exit status: 0 success; 1 an error (the message says what was expected, what was found and
+what to do next); 2 a usage error (unknown option, bad value); 130 interrupted. A closed
+output pipe (e.g. '| head') ends a command quietly with 0.
+
+Troubleshooting: docs/troubleshooting.md (symptom -> cause -> command).
+"""
+
+log = logging.getLogger("strawq.cli")
+
+
 def _queue(path: str) -> Any:
+    """Open an existing run read-only: nothing is created in ``path``."""
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
 
     if not os.path.isdir(path):
-        raise StrawqError(f"{path} is not a directory; create a run with 'strawq init {path}'")
+        what = "is a file, not" if os.path.exists(path) else "is not"
+        raise StrawqError(f"{path} {what} a run directory; create a run with "
+                          f"'strawq init {path}'")
     return RunQueue.open(open_storage(path, writer_id="cli"))
 
 
+def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
+    """Print ``payload`` as JSON with --json, else ``text`` (nothing with -q and no text)."""
+    if getattr(args, "json", False):
+        print(json.dumps(payload, indent=2, sort_keys=True, default=str))
+    elif text:
+        print(text)
+
+
+def positive_int(value: str) -> int:
+    """An argparse type: an integer >= 1 (a usage error otherwise)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+#: Names in a directory that ``init`` accepts besides a run's own (mount bookkeeping).
+_IGNORABLE = ("lost+found",)
+
+
+def _check_init_target(path: str) -> None:
+    from strawq.queue import RUN_KEY
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise StrawqError(f"{path} is a file; expected a new or empty directory for the run")
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, RUN_KEY)):
+        return
+    try:
+        present = sorted(n for n in os.listdir(path)
+                         if not n.startswith(".") and n not in _IGNORABLE)
+    except OSError as exc:
+        raise StrawqError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if present:
+        shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
+        raise StrawqError(f"{path} is not empty ({shown}) and holds no strawq run (no run.meta);"
+                          " expected a new or empty directory: choose another path, e.g. "
+                          f"{os.path.join(path, 'run')}")
+
+
 def cmd_init(args: argparse.Namespace) -> int:
-    from strawq.config import QueueConfig, load_config
+    from strawq.config import QueueConfig, load_config, to_dict
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
 
     config = load_config(QueueConfig, args.config, args.set, where="queue config")
-    os.makedirs(args.path, exist_ok=True)
+    _check_init_target(args.path)
+    try:
+        os.makedirs(args.path, exist_ok=True)
+    except OSError as exc:
+        raise StrawqError(f"cannot create the run directory {args.path}: "
+                          f"{exc.strerror or exc}; choose a writable path") from exc
+    if not os.access(args.path, os.W_OK | os.X_OK):
+        raise StrawqError(f"{args.path} is not writable by this user; choose a writable path "
+                          "or fix its permissions")
     if args.declaration:
         from strawq.doctor import require_healthy
 
         require_healthy(args.path, args.declaration)
     q = RunQueue.create(open_storage(args.path, writer_id="cli"), config)
-    print(f"run ready at {args.path}")
-    print(json.dumps({"config": vars(q.config)}, indent=2))
+    payload = {"path": args.path, "config": to_dict(q.config)}
+    _emit(args, payload, "" if args.quiet else
+          f"run ready at {args.path}\n" + json.dumps({"config": vars(q.config)}, indent=2))
     return 0
 
 
 def cmd_release(args: argparse.Namespace) -> int:
     from strawq.dataset import Dataset
     from strawq.feeder import Feeder
+    from strawq.states import dropped_by_reason
 
     q = _queue(args.path)
+    if args.dry_run:
+        return _release_dry_run(args, q, Dataset(args.dataset, prompt_key=q.config.prompt_key))
     feeder = Feeder(q, Dataset(args.dataset, prompt_key=q.config.prompt_key))
-    n = feeder.release(args.count)
-    print(f"released {n} rows; cursor at index {feeder.cursor.next_index}"
-          + (" (dataset exhausted)" if feeder.exhausted else ""))
+    bad_before = dropped_by_reason(q.storage).get("bad_row", 0)
+    rows = feeder.release(args.count)
+    bad = max(dropped_by_reason(q.storage).get("bad_row", 0) - bad_before, 0)
+    payload = {"rows": rows, "released": rows - bad, "dropped_bad_rows": bad,
+               "next_index": feeder.cursor.next_index, "exhausted": feeder.exhausted}
+    text = (f"released {rows - bad} of {rows} rows ({bad} bad dropped: see "
+            f"'strawq status {args.path}')" if bad else f"released {rows} rows")
+    text += (f"; cursor at index {feeder.cursor.next_index}"
+             + (" (dataset exhausted)" if feeder.exhausted else ""))
+    _emit(args, payload, text)
     return 0
+
+
+def _release_dry_run(args: argparse.Namespace, q: Any, dataset: Any) -> int:
+    from strawq.feeder import preview_release
+
+    p = preview_release(q, dataset, args.count)
+    payload = {"dry_run": True, "refused": p.refused, "next_index": p.start,
+               "would_move_to": p.end, "would_release": p.good, "would_drop": len(p.bad),
+               "bad_rows": [{"index": b.index, "message": b.message} for b in p.bad],
+               "prompt_kinds": p.kinds, "exhausted": p.exhausted}
+    _emit(args, payload, p.describe())
+    return 0 if p.refused is None else 1
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -84,6 +174,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("  oldest:  " + "  ".join(f"{k}={v}" for k, v in st.oldest.items()))
     print(f"  cursor:  {st.cursor or 'none'}   unacked batches: {st.batches_unacked}   "
           f"quarantined: {st.quarantined}")
+    if st.stray_files:
+        print(f"  stray files (not tasks, ignored): {', '.join(st.stray_files[:5])}"
+              + (" ..." if len(st.stray_files) > 5 else ""))
     return 0
 
 
@@ -91,7 +184,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from strawq.inspect import describe_record
 
     q = _queue(args.path)
-    print(json.dumps(describe_record(q, args.key, tokens=args.tokens), indent=2, default=str))
+    out = describe_record(q, args.key, tokens=args.tokens)
+    print(json.dumps(out, indent=2, default=str))
+    if "error" in out:
+        print(f"strawq inspect: error: {out['key']} fails its checks: {out['error']}",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -99,67 +197,190 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from strawq.batches import BatchStore
 
     q = _queue(args.path)
-    rep = BatchStore(q).gc(full=args.full)
+    rep = BatchStore(q).gc(full=args.full, sweep=True, compact_drops_at=0)
     tmp = sum(q.storage.clean_tmp(w) for w in args.tmp_of or [])
-    print(f"gc: {rep.batches} batches, {rep.payloads} group payloads, {rep.stale} stale "
-          f"payloads, {tmp} temporary files removed")
+    tmp += q.storage.clean_dead_tmp(grace_s=args.tmp_grace)
+    payload = {"batches": rep.batches, "group_payloads": rep.payloads,
+               "stale_records": rep.stale, "drops_compacted": rep.drops, "tmp": tmp}
+    _emit(args, payload, "" if args.quiet else
+          f"gc: {rep.batches} batches, {rep.payloads} group payloads, {rep.stale} stale or "
+          f"orphaned records, {rep.drops} drops compacted into the audit, {tmp} temporary "
+          "files removed")
     return 0
 
 
+def cmd_bracket(args: argparse.Namespace) -> int:
+    from strawq.control import Control
+
+    q = _queue(args.path)
+    control = Control(q.storage) if args.bracket_command == "abort" else None
+    st = _control_state(q.storage)
+    payload: dict[str, Any] = {"open": st.paused, "pause_version": st.pause_version,
+                               "resume_version": st.resume_version,
+                               "acked": sorted(st.acks), "current_version":
+                               q.current_version()}
+    if args.bracket_command == "status":
+        text = (f"weight-update bracket for version {st.pause_version} is OPEN: producers are "
+                f"paused (acked: {', '.join(sorted(st.acks)) or 'none'}); if the trainer that "
+                f"opened it is gone, run 'strawq bracket abort {args.path}'"
+                if st.paused else
+                f"no weight-update bracket is open (weight version {q.current_version()})")
+        _emit(args, payload, text)
+        return 0
+    if not st.paused:
+        raise StrawqError(f"no weight-update bracket is open at {args.path} (last pause "
+                          f"{st.pause_version}, last resume {st.resume_version}); nothing "
+                          "to abort")
+    assert control is not None
+    control.resume(st.pause_version)
+    payload.update(open=False, aborted=st.pause_version)
+    _emit(args, payload, f"aborted the weight update to version {st.pause_version}: producers "
+          f"resume on weight version {q.current_version()}")
+    return 0
+
+
+def _control_state(storage: Any) -> Any:
+    from strawq.control import ControlState
+
+    pause = resume = 0
+    acks: dict[int, set[str]] = {}
+    for n in storage.list("control"):  # read-only: Control() would create control/
+        kind, _, rest = n.partition("-")
+        if kind == "pause" and rest.isdigit():
+            pause = max(pause, int(rest))
+        elif kind == "resume" and rest.isdigit():
+            resume = max(resume, int(rest))
+        elif kind == "ack":
+            v, _, producer = rest.partition("~")
+            if v.isdigit():
+                acks.setdefault(int(v), set()).add(producer)
+    return ControlState(pause, resume, frozenset(acks.get(pause, set())))
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("strawq")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="strawq", description=DESCRIPTION,
+    p = argparse.ArgumentParser(prog="strawq", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    p.add_argument("--version", action="version", version=f"strawq {_version()}")
+    _add_verbosity(p, top=True)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     s = sub.add_parser("init", help="create a run directory (layout + config)",
-                       description="Create the run layout in PATH. Idempotent with the same "
-                       "config; refuses to reopen a run with a different one.")
+                       description="Create the run layout in PATH (a new or empty directory). "
+                       "Idempotent with the same config; refuses to reopen a run with a "
+                       "different one, and refuses a non-empty directory that is not a run.")
     s.add_argument("path", help="run directory (local path or a shared mount)")
     s.add_argument("--config", help="JSON file with queue config keys (unknown keys refused)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override one config key, e.g. --set max_attempts=5")
     s.add_argument("--declaration", help="storage declaration to verify with the doctor "
                    "before creating the run (refuses a mount that fails)")
+    _add_json(s)
     s.set_defaults(func=cmd_init)
 
     s = sub.add_parser("release", help="release prompts from a dataset into the queue",
                        description="Advance the durable dataset cursor by COUNT rows. Safe to "
-                       "re-run after a crash: no row is released twice.")
+                       "re-run after a crash: no row is released twice. Rows that fail to "
+                       "parse are dropped with reason bad_row and reported.")
     s.add_argument("path")
-    s.add_argument("dataset", help="JSONL or Parquet file (any fsspec URL)")
-    s.add_argument("--count", type=int, default=None, help="rows (default: release_batch)")
+    s.add_argument("dataset", help="JSONL or Parquet: a file, a directory or a glob of shards "
+                   "(any fsspec URL)")
+    s.add_argument("--count", type=positive_int, default=None,
+                   help="rows, >= 1 (default: release_batch)")
+    s.add_argument("--dry-run", action="store_true",
+                   help="validate the rows and report what would be released and dropped; "
+                   "the cursor does not move and nothing is written")
+    _add_json(s)
     s.set_defaults(func=cmd_release)
 
     s = sub.add_parser("status", help="tasks per state, leases, producers, staleness",
                        description="Summarise a run: tasks per state, leases per producer, "
-                       "heartbeat counters, dropped work by reason, staleness, oldest items.")
+                       "heartbeat counters, dropped work by reason, staleness, oldest items. "
+                       "Read-only: writes nothing to the run.")
     s.add_argument("path")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_json(s)
     s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("inspect", help="show one record, readable",
                        description="Decode and verify one record (task, group, partial, "
-                       "manifest, cursor, drop note). KEY is a path inside the run, e.g. "
-                       "'ready/<name>' or 'data/<id>~g0.group', or a task id.")
+                       "manifest, cursor, drop note, drop audit). KEY is a path inside the "
+                       "run, e.g. 'ready/<name>' or 'data/<id>~g0.group', or a task id. "
+                       "Exits 1 when the record fails its checks.")
     s.add_argument("path")
     s.add_argument("key")
     s.add_argument("--tokens", type=int, default=16, help="token ids to show per sample")
+    _add_json(s, help="JSON output (the only format of inspect; accepted for uniformity)")
     s.set_defaults(func=cmd_inspect)
 
-    s = sub.add_parser("gc", help="delete consumed batches and stale payloads",
-                       description="Garbage-collect acked batches; --full also removes "
-                       "payloads of generations older than each task's current one.")
+    s = sub.add_parser("gc", help="delete trained work, orphaned records and dead temp files",
+                       description="Garbage-collect acked batches, payloads no live task needs "
+                       "(trained, fenced generations, superseded partials), temporary files "
+                       "of dead writers, and fold dropped/ into the drop audit "
+                       "(audit/drops-<seq>, still read by status and inspect). Afterwards the "
+                       "run holds live records only.")
     s.add_argument("path")
-    s.add_argument("--full", action="store_true")
+    s.add_argument("--full", action="store_true",
+                   help="accepted for compatibility: every gc is full now")
     s.add_argument("--tmp-of", action="append", metavar="WRITER",
-                   help="also remove temporary files of WRITER (a producer id), which must be "
-                   "known dead: a live writer's temporary file is in use")
+                   help="also remove every temporary file of WRITER (a producer id) at once, "
+                   "which must be known dead")
+    s.add_argument("--tmp-grace", type=float, default=3600.0, metavar="SECONDS",
+                   help="a temporary file from another host is abandoned once this old "
+                   "(default 3600); dead writers on this host are found by pid at once")
+    _add_json(s)
     s.set_defaults(func=cmd_gc)
+
+    s = sub.add_parser("bracket", help="show or abort the weight-update bracket",
+                       description="The weight-update bracket pauses every producer while the "
+                       "trainer loads new weights. 'status' shows it; 'abort' releases a "
+                       "bracket whose trainer died or hangs (producers resume on the current "
+                       "weight version; no new version is announced).")
+    bsub = s.add_subparsers(dest="bracket_command", metavar="ACTION", required=True)
+    for action, hlp in (("status", "is a bracket open, and who acked it"),
+                        ("abort", "resume producers without a new weight version")):
+        b = bsub.add_parser(action, help=hlp, description=hlp)
+        b.add_argument("path")
+        _add_json(b)
+        _add_verbosity(b)
+        b.set_defaults(func=cmd_bracket)
 
     for entry in SUBCOMMANDS:
         entry.register(sub)
+    _verbosity_everywhere(p)
     return p
+
+
+def _add_json(p: argparse.ArgumentParser, help: str = "machine-readable output") -> None:
+    p.add_argument("--json", action="store_true", help=help)
+
+
+def _add_verbosity(p: argparse.ArgumentParser, *, top: bool = False) -> None:
+    """-q/-v on ``p``; below the top level they default to SUPPRESS, so a flag given before
+    the command is not reset by the command's parser."""
+    taken = p._option_string_actions  # noqa: SLF001 - argparse has no public lookup
+    default: Any = False if top else argparse.SUPPRESS
+    if "-v" not in taken and "--verbose" not in taken:
+        p.add_argument("-v", "--verbose", action="store_true", default=default,
+                       help="log at DEBUG level (and show tracebacks of internal errors)")
+    if "-q" not in taken and "--quiet" not in taken:
+        p.add_argument("-q", "--quiet", action="store_true", default=default,
+                       help="log warnings and errors only; print no summary")
+
+
+def _verbosity_everywhere(p: argparse.ArgumentParser) -> None:
+    for action in p._actions:  # noqa: SLF001
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for child in action.choices.values():
+                _add_verbosity(child)
+                _verbosity_everywhere(child)
 
 
 @dataclass(frozen=True)
@@ -216,6 +437,9 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "experiments, 'router' a minimal sglang-router."),
     Subcommand("collector", "strawq.collector.cli", "add_parsers",
                "run the global batch collector", extra="torch"),
+    Subcommand("producer", "strawq.producers.cli", "add_parsers",
+               "run one producer in this process, without Ray (Slurm, systemd)",
+               extra="engines"),
     Subcommand("demo", "strawq.demo.cli", "add_parsers",
                "an end-to-end RL run on this machine (the main job)", extra="all"),
     Subcommand("lab", "strawq.demo.lab_cli", "add_lab_parser",
@@ -226,20 +450,41 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    verbose, quiet = getattr(args, "verbose", False), getattr(args, "quiet", False)
+    args.verbose, args.quiet = verbose, quiet
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    where = f"strawq {args.command}"
     try:
         rc: int = args.func(args)
+        sys.stdout.flush()
         return rc
+    except BrokenPipeError:
+        # The reader went away (``| head``): not an error of ours. Point stdout at devnull
+        # so the interpreter's final flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except StrawqError as exc:
-        print(f"strawq {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        path = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"{where}: error:{path} {exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: no traceback
+        log.debug("internal error", exc_info=True)
+        print(f"{where}: internal error: {type(exc).__name__}: {exc}"
+              + ("" if verbose else " (rerun with -v for the traceback, and please report "
+                 "it)"), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

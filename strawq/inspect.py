@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from strawq import records
-from strawq.errors import CorruptRecord, NotFound
+from strawq.errors import CorruptRecord, NotFound, TaskNotFound
 from strawq.groups import GroupData
 from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
 from strawq.records import Kind
+from strawq.retention import find_drop
 
 
 def _resolve(queue: RunQueue, key: str) -> str:
@@ -20,7 +21,20 @@ def _resolve(queue: RunQueue, key: str) -> str:
 
 
 def describe_record(queue: RunQueue, key: str, *, tokens: int = 16) -> dict[str, Any]:
-    key = _resolve(queue, key)
+    """A readable view of one record; ``"error"`` is set when it fails its checks.
+
+    A bare task id that is in no state is looked up in the drop audit (a dropped task
+    whose entry ``gc`` compacted); ``TaskNotFound`` if it is not there either.
+    """
+    if "/" not in key:
+        try:
+            key = _resolve(queue, key)
+        except TaskNotFound:
+            row = find_drop(queue.storage, key)
+            if row is None:
+                raise
+            return {"key": row["segment"], "kind": "DROP", "state": "dropped",
+                    "compacted": True, "meta": row}
     out: dict[str, Any] = {"key": key}
     leaf = key.rsplit("/", 1)[1]
     name = TaskName.try_parse(leaf)

@@ -9,7 +9,9 @@ from typing import Any
 from strawq.feeder import read_cursor_state
 from strawq.groups import staleness
 from strawq.queue import RunQueue
-from strawq.states import TaskState, depths, dropped_by_reason, names_in
+from strawq.retention import drop_totals
+from strawq.names import TaskName
+from strawq.states import DIRS, RELEASE_PREFIX, TaskState, depths, names_in
 
 
 @dataclass
@@ -24,6 +26,8 @@ class RunStatus:
     cursor: dict[str, Any] = field(default_factory=dict)
     batches_unacked: int = 0
     quarantined: int = 0
+    #: files in the state directories that are not tasks (ignored by the queue)
+    stray_files: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -33,7 +37,7 @@ def run_status(queue: RunQueue) -> RunStatus:
     st = queue.storage
     out = RunStatus(current_version=queue.current_version())
     out.counts = asdict(depths(st))
-    out.dropped_by_reason = dropped_by_reason(st)
+    out.dropped_by_reason = drop_totals(st)  # dropped/ plus the compacted drop audit
     out.counts["dropped"] = sum(out.dropped_by_reason.values())
     names = {state.value: names_in(st, state) for state in (
         TaskState.PARTIAL, TaskState.PENDING, TaskState.LEASED, TaskState.READY)}
@@ -51,8 +55,26 @@ def run_status(queue: RunQueue) -> RunStatus:
     acked = {n for n in st.list("acked") if n.isdigit()}
     out.batches_unacked = len(seqs - acked)
     out.quarantined = len(st.list("quarantine"))
+    out.stray_files = stray_files(queue)
     cursor = read_cursor_state(st)
     if cursor is not None:
         out.cursor = {k: cursor[k] for k in ("seq", "next_index", "exhausted", "error")
                       if k in cursor}
+    return out
+
+
+def stray_files(queue: RunQueue, limit: int = 100) -> list[str]:
+    """Keys in the state directories that are not task names (a ``junk.txt``): the queue
+    ignores them, status names them so that an operator can remove them."""
+    st = queue.storage
+    out: list[str] = []
+    for d in dict.fromkeys(DIRS.values()):
+        for n in st.list(d):
+            key = f"{d}/{n}"
+            if d == DIRS[TaskState.PENDING] and n.startswith(RELEASE_PREFIX) and st.is_dir(key):
+                out += [f"{key}/{m}" for m in st.list(key) if TaskName.try_parse(m) is None]
+            elif TaskName.try_parse(n) is None:
+                out.append(key)
+            if len(out) >= limit:
+                return out[:limit]
     return out

@@ -39,3 +39,218 @@ def test_python_dash_m_strawq_runs_the_cli() -> None:
     assert res.returncode == 0, res.stderr
     assert "usage: strawq" in res.stdout
     assert "collector" in res.stdout
+
+
+# -- conventions and errors: no traceback reaches a user ----------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from strawq.config import QueueConfig  # noqa: E402
+from strawq.control import Control  # noqa: E402
+from strawq.queue import RunQueue  # noqa: E402
+from strawq.storage import PosixStorage  # noqa: E402
+
+
+def _cli(*argv: str, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "strawq", *argv], stdout=stdout,
+                          stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+
+
+def _tree(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def _run(tmp_path: Path, name: str = "run", **kw: object) -> str:
+    path = tmp_path / name
+    RunQueue.create(PosixStorage(str(path), writer_id="setup", fsync=False),
+                    QueueConfig(fsync=False, **kw))  # type: ignore[arg-type]
+    return str(path)
+
+
+def test_version_flag() -> None:
+    res = _cli("--version")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("strawq ")
+
+
+def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "Exit status: 0" in out and "2 a usage error" in out
+
+
+def test_init_on_a_file_is_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "afile"
+    f.write_text("x")
+    assert cli.main(["init", str(f)]) == 1
+    err = capsys.readouterr().err
+    assert "is a file" in err and "Traceback" not in err
+
+
+def test_init_on_an_unwritable_directory_is_a_message(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def denied(path: str, *a: object, **k: object) -> None:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "makedirs", denied)
+    assert cli.main(["init", str(tmp_path / "new")]) == 1
+    err = capsys.readouterr().err
+    assert "Permission denied" in err and "writable" in err
+
+
+def test_init_refuses_a_non_empty_unrelated_directory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "home"
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    before = _tree(d)
+    assert cli.main(["init", str(d)]) == 1
+    assert "not empty" in capsys.readouterr().err
+    assert _tree(d) == before
+
+
+def test_init_reopens_its_own_run_and_accepts_an_empty_directory(tmp_path: Path) -> None:
+    d = tmp_path / "empty"
+    d.mkdir()
+    assert cli.main(["init", str(d)]) == 0
+    assert cli.main(["init", str(d)]) == 0
+
+
+def test_release_of_a_directory_without_datasets_is_a_message(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    (tmp_path / "shards").mkdir()
+    res = _cli("release", run, str(tmp_path / "shards"))
+    assert res.returncode == 1
+    assert "error" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_release_counts_dropped_rows_and_refuses_a_negative_count(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _run(tmp_path)
+    ds = tmp_path / "ds.jsonl"
+    good = [json.dumps({"prompt": [1, 2]})] * 3
+    bad = ["{not json", json.dumps({"other": 1})] * 3
+    ds.write_text("\n".join(good + bad) + "\n")
+    assert cli.main(["release", run, str(ds), "--count", "9", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"] == 9 and out["released"] == 3 and out["dropped_bad_rows"] == 6
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["release", run, str(ds), "--count", "-5"])
+    assert exc.value.code == 2
+
+
+def test_status_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    r, w = os.pipe()
+    os.close(r)  # like `| head` that has already exited
+    try:
+        res = _cli("status", run, stdout=w)
+    finally:
+        os.close(w)
+    assert res.returncode == 0
+    assert "Traceback" not in res.stderr and "BrokenPipe" not in res.stderr
+
+
+def test_read_only_commands_write_nothing(tmp_path: Path) -> None:
+    run = Path(_run(tmp_path))
+    if (run / "tmp").exists():
+        (run / "tmp").rmdir()
+    before = _tree(run)
+    assert cli.main(["status", str(run)]) == 0
+    assert cli.main(["status", str(run), "--json"]) == 0
+    assert cli.main(["bracket", "status", str(run)]) == 0
+    assert _tree(run) == before
+
+
+def test_stray_files_are_named_by_status_and_not_counted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = Path(_run(tmp_path))
+    (run / "pending" / "junk.txt").write_text("x")
+    (run / "leased" / "junk.txt").write_text("x")
+    assert cli.main(["status", str(run), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["counts"]["pending"] == 0 and st["counts"]["leased"] == 0
+    assert st["stray_files"] == ["pending/junk.txt", "leased/junk.txt"]
+
+
+def test_inspect_of_a_corrupt_record_exits_1(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    run = Path(_run(tmp_path))
+    (run / "data" / "t~g0.group").write_bytes(b"garbage, not a record")
+    assert cli.main(["inspect", str(run), "data/t~g0.group", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["error"]
+    assert "fails its checks" in captured.err
+
+
+@pytest.mark.parametrize("argv", [["-q", "status"], ["status", "-q"], ["-v", "status"],
+                                  ["status", "-v"], ["status", "--quiet", "--json"]])
+def test_quiet_and_verbose_anywhere(tmp_path: Path, argv: list[str]) -> None:
+    run = _run(tmp_path)
+    assert cli.main([*argv, run]) == 0
+    args = cli.build_parser().parse_args([*argv, run])
+    assert args.verbose == ("-v" in argv)
+    assert args.quiet == ("-q" in argv or "--quiet" in argv)
+
+
+def test_every_state_command_speaks_json(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    run = str(tmp_path / "run")
+    ds = tmp_path / "ds.jsonl"
+    ds.write_text(json.dumps({"prompt": [1, 2]}) + "\n")
+    for argv in (["init", run], ["release", run, str(ds)], ["status", run], ["gc", run],
+                 ["bracket", "status", run], ["inspect", run, "i000000000000"]):
+        assert cli.main([*argv, "--json"]) == 0, argv
+        json.loads(capsys.readouterr().out)
+
+
+def test_an_unexpected_exception_is_a_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    def boom(_args: object) -> int:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli, "cmd_status", boom)
+    assert cli.main(["status", _run(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "internal error: RuntimeError: boom" in err and "Traceback" not in err
+
+
+def test_bracket_abort_releases_a_stuck_weight_update(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _run(tmp_path)
+    control = Control(PosixStorage(run, fsync=False))
+    control.pause(1)
+    control.ack(1, "p1")
+    assert cli.main(["bracket", "status", run, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["open"] and st["pause_version"] == 1 and st["acked"] == ["p1"]
+    assert cli.main(["bracket", "abort", run]) == 0
+    assert not control.state().paused
+    assert RunQueue.open(PosixStorage(run)).current_version() == 0  # no new version
+    capsys.readouterr()
+    assert cli.main(["bracket", "abort", run]) == 1
+    assert "nothing to abort" in capsys.readouterr().err
+
+
+def test_producer_command_is_registered_and_runs_without_ray(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    code = ("import sys; sys.modules['ray'] = None; from strawq.cli import main; "
+            f"sys.exit(main(['producer', {run!r}, '--engine', 'http://127.0.0.1:9', "
+            "'--reward', 'strawq.producers.rewards.math_answer', '--max-seconds', '0.5', "
+            "'--json']))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["producer_id"].startswith("p-")
+
+
+def test_producer_command_refuses_a_directory_without_a_run(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
+    assert cli.main(["producer", str(tmp_path), "--engine", "http://127.0.0.1:9",
+                     "--reward", "a.b"]) == 1
+    assert "no strawq run" in capsys.readouterr().err
