@@ -47,6 +47,7 @@ from strawq import records
 from strawq.errors import CorruptRecord, LeaseLost, NotFound
 from strawq.feeder import Feeder
 from strawq.groups import SAMPLE_STATUSES, GroupData
+from strawq.names import data_key
 from strawq.queue import Lease, RunQueue
 from strawq.records import Kind
 from strawq.states import TaskState, names_in
@@ -433,6 +434,9 @@ class StrawqDataSource:
                             summary={"rollout": rollout_id, "index": lease.task["index"]})
         except LeaseLost as exc:
             log.error("group %s: %s", lease.task_id, exc)
+            return
+        if lease.has_partial:  # the prefix it resumed from is trained: nothing reads it again
+            self.queue.storage.delete(data_key(lease.task_id, lease.name.resume, "partial"))
 
     @staticmethod
     def _task_id(group: Sequence[Any]) -> str | None:

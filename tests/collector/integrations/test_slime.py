@@ -176,6 +176,22 @@ def test_save_records_trained_groups_and_load_resumes_after_a_crash(args):
     assert sorted(seen) == sorted({*trained0, *ids} | set(seen))
 
 
+def test_a_trained_partial_leaves_no_prefix_payload(args):
+    ds = adapter.StrawqDataSource(args)
+    ds.begin_rollout(0)
+    (g,) = ds.get_samples(1)
+    _generate(g[0], 3, finish="abort", version=0, args=args)
+    ds.add_samples([g])
+    ds.begin_rollout(1)
+    (g,) = ds.get_samples(1)
+    assert g[0].response_length == 3
+    before = {k for k in ds.queue.storage.list("data") if k.endswith(".partial")}
+    assert len(before) == 1
+    ds.save(1)
+    assert _where(ds, "i000000000000") == "dropped"
+    assert not [k for k in ds.queue.storage.list("data") if k.endswith(".partial")]
+
+
 def test_load_of_a_later_checkpoint_counts_its_leases_as_trained(args):
     ds = adapter.StrawqDataSource(args)
     ds.begin_rollout(3)
