@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strawq import records
-from strawq.dataset import BadRow, Dataset, DatasetCursorReader
+from strawq.dataset import BadRow, Dataset, DatasetCursorReader, Row
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
 from strawq.queue import RunQueue
@@ -33,6 +33,14 @@ from strawq.storage import Storage
 log = logging.getLogger(__name__)
 
 KEEP_CURSORS = 4
+#: prefix of a cursor commit being prepared in ``staging/`` (renamed to ``cursor/<seq>``)
+COMMIT_PREFIX = "c-"
+#: how often a writer that keeps losing the cursor commit re-reads before giving up
+MAX_COMMIT_TRIES = 50
+
+
+class CursorContention(AlreadyExists):
+    """Another writer kept winning the cursor commit; nothing was released by this one."""
 
 
 @dataclass(frozen=True)
@@ -52,19 +60,47 @@ def cursor_name(seq: int, next_index: int) -> str:
     return f"{seq:012d}.{next_index:012d}"
 
 
-def list_cursors(storage: Storage) -> list[tuple[int, int, str]]:
-    """(seq, next_index, name) of every cursor record, oldest first."""
-    out = []
-    for name in storage.list("cursor"):
-        seq, dot, nxt = name.partition(".")
-        if dot and seq.isdigit() and nxt.isdigit():
-            out.append((int(seq), int(nxt), name))
-    return sorted(out)
+def _parse_pair(name: str) -> tuple[int, int] | None:
+    seq, dot, nxt = name.partition(".")
+    if dot and seq.isdigit() and nxt.isdigit():
+        return int(seq), int(nxt)
+    return None
+
+
+def _seq_dirs(names: list[str]) -> list[int]:
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def list_cursors(storage: Storage, *, newest_only: bool = False) -> list[tuple[int, int, str]]:
+    """(seq, next_index, path under ``cursor/``) of every cursor record, oldest first.
+
+    A record lives at ``cursor/<seq>/<seq>.<next>``: the directory ``cursor/<seq>`` is the
+    compare-and-swap (one writer wins each sequence number), the file name repeats where
+    the release ended. Flat ``cursor/<seq>.<next>`` records of older runs are read too.
+    """
+    names = storage.list("cursor")
+    out = [(*pair, n) for n in names if (pair := _parse_pair(n)) is not None]
+    seqs = _seq_dirs(names)
+    for seq in reversed(seqs):
+        inner = [(p, f) for f in storage.list(f"cursor/{seq:012d}")
+                 if (p := _parse_pair(f)) is not None and p[0] == seq]
+        out += [(seq, p[1], f"{seq:012d}/{f}") for p, f in inner]
+        if inner and newest_only:
+            break
+    out.sort()
+    return out[-1:] if newest_only else out
+
+
+def newest_seq(storage: Storage) -> int:
+    """The highest committed (or claimed) cursor sequence number; 0 for a fresh run."""
+    names = storage.list("cursor")
+    seqs = _seq_dirs(names) + [p[0] for n in names if (p := _parse_pair(n)) is not None]
+    return max(seqs, default=0)
 
 
 def read_cursor_state(storage: Storage) -> dict[str, Any] | None:
     """The newest cursor as ``Feeder.state_dict()``, read-only (no recovery side effects)."""
-    cursors = list_cursors(storage)
+    cursors = list_cursors(storage, newest_only=True)
     if not cursors:
         return None
     seq, nxt, name = cursors[-1]
@@ -80,7 +116,15 @@ def read_cursor_state(storage: Storage) -> dict[str, Any] | None:
 
 
 class Feeder:
-    """Releases prompt tasks from a dataset. Exactly one feeder per run (the collector)."""
+    """Releases prompt tasks from a dataset.
+
+    Any number of feeders may run against one run (the collector's, an operator's
+    ``strawq release``, a stalled collector after a takeover): each release re-reads the
+    newest cursor from disk and commits with a compare-and-swap on the sequence number
+    (exclusive rename of ``cursor/<seq>``). A writer that loses — another commit took the
+    number, or a newer cursor exists — discards its staging and re-reads, so it never
+    releases on stale knowledge (DESIGN invariant 8).
+    """
 
     def __init__(self, queue: RunQueue, dataset: Dataset) -> None:
         self.queue = queue
@@ -92,14 +136,14 @@ class Feeder:
     # -- cursor ------------------------------------------------------------------------------
     def read_cursor(self) -> Cursor:
         """The latest committed cursor (a fresh run starts at index 0)."""
-        cursors = list_cursors(self.storage)
+        cursors = list_cursors(self.storage, newest_only=True)
         if not cursors:
             return Cursor(0, 0, None, False, {})
         seq, nxt, name = cursors[-1]
         key = f"cursor/{name}"
         try:
             rec = records.decode(self.storage.read(key), expect=Kind.CURSOR, name=key)
-        except CorruptRecord as exc:
+        except (CorruptRecord, NotFound) as exc:
             # Publication is atomic, so this is real corruption, not a torn write. The name
             # still says how far the release went; its staging directory is the one whose
             # name starts with r-<seq>. (recover repairs the cursor).
@@ -113,27 +157,50 @@ class Feeder:
         return Cursor(m["seq"], m["next_index"], m.get("staging"), m.get("exhausted", False),
                       m.get("fingerprint", {}))
 
-    def recover(self) -> Cursor:
-        """Finish a committed release and delete uncommitted ones. Reads O(in flight)."""
-        cur = self.read_cursor()
-        if cur.corrupt:
-            self._promote(cur)
-            self._write_cursor(cur.seq + 1, cur.next_index, None, False, repaired=cur.corrupt)
-            self.queue.quarantine(cur.corrupt)
+    def refresh(self) -> Cursor:
+        """Re-read the newest cursor and finish its release (promote, repair a bad record)."""
+        for _ in range(MAX_COMMIT_TRIES):
             cur = self.read_cursor()
-        for name in self.storage.list("staging"):
-            if cur.staging == name:
+            if not cur.corrupt:
                 self._promote(cur)
-            else:
-                log.warning("discarding uncommitted release staging/%s", name)
-                for f in self.storage.list(f"staging/{name}"):
-                    self.storage.delete(f"staging/{name}/{f}")
-                self.storage.rmdir(f"staging/{name}")
+                self.cursor = cur
+                return cur
+            self._promote(cur)
+            if self._commit(cur.seq + 1, cur.next_index, None, False, repaired=cur.corrupt):
+                self.queue.quarantine(cur.corrupt)
+        raise CursorContention(17, "the cursor kept changing while this feeder repaired it")
+
+    def recover(self) -> Cursor:
+        """Finish a committed release and delete abandoned staging. Reads O(in flight).
+
+        Safe beside live writers: only staging at or below the newest committed sequence
+        number is abandoned (a writer still preparing it will lose its commit); staging for
+        a higher number may belong to a writer in the middle of a release and is left alone.
+        """
+        cur = self.refresh()
+        self._discard_abandoned(cur.seq, keep=cur.staging)
         if cur.fingerprint and cur.fingerprint != self.dataset.fingerprint:
             log.warning("the dataset changed since the cursor was written (%s, now %s); "
                         "continuing from index %d", cur.fingerprint, self.dataset.fingerprint,
                         cur.next_index)
         return cur
+
+    def _discard_abandoned(self, seq: int, keep: str | None = None,
+                           level: int = logging.WARNING) -> None:
+        """Delete staging at or below the committed number ``seq`` (its writer lost or died);
+        staging for a higher number may be another writer's release in progress: kept."""
+        for name in self.storage.list("staging"):
+            seq_s = name[2:].partition(".")[0]
+            if name == keep or (name.startswith((RELEASE_PREFIX, COMMIT_PREFIX))
+                                and seq_s.isdigit() and int(seq_s) > seq):
+                continue
+            log.log(level, "discarding uncommitted release staging/%s", name)
+            self._discard(name)
+
+    def _discard(self, staging: str) -> None:
+        for f in self.storage.list(f"staging/{staging}"):
+            self.storage.delete(f"staging/{staging}/{f}")
+        self.storage.rmdir(f"staging/{staging}")
 
     def _promote(self, cur: Cursor) -> None:
         if cur.staging is None:
@@ -149,14 +216,39 @@ class Feeder:
 
     # -- release -----------------------------------------------------------------------------
     def release(self, n: int | None = None) -> int:
-        """Release up to ``n`` more prompts (``release_batch`` by default); returns count."""
+        """Release up to ``n`` more prompts (``release_batch`` by default); returns count.
+
+        The newest cursor is re-read first, so a release by another writer (an operator's
+        ``strawq release``) is seen, never repeated. ``CursorContention`` if other writers
+        won the commit ``MAX_COMMIT_TRIES`` times in a row.
+        """
         n = self.queue.config.release_batch if n is None else n
-        cur = self.cursor
-        if n <= 0 or cur.exhausted:
-            return 0
+        for _attempt in range(MAX_COMMIT_TRIES):
+            cur = self.refresh()
+            if n <= 0 or cur.exhausted:
+                return 0
+            got = self._release_after(cur, n)
+            if got is not None:
+                return got
+        raise CursorContention(17, f"lost the cursor commit {MAX_COMMIT_TRIES} times in a row; "
+                                   "other writers keep releasing: retry later")
+
+    def _release_after(self, cur: Cursor, n: int) -> int | None:
+        """One release after ``cur``; None when another writer won the commit."""
         rows = self._reader.read(cur.next_index, n)
         seq = cur.seq + 1
         staging = f"{RELEASE_PREFIX}{seq:012d}.{uuid.uuid4().hex[:8]}"
+        try:
+            return self._stage_and_commit(cur, rows, n, seq, staging)
+        except NotFound:
+            # A writer that committed ``seq`` first discarded our staging under us.
+            log.info("release %d lost its staging to a writer that committed first; "
+                     "re-reading the cursor", seq)
+            self._discard(staging)
+            return None
+
+    def _stage_and_commit(self, cur: Cursor, rows: list[tuple[int, Row | BadRow]], n: int,
+                          seq: int, staging: str) -> int | None:
         good = 0
         for index, row in rows:
             task_id = dataset_task_id(index)
@@ -175,22 +267,47 @@ class Feeder:
         end = rows[-1][0] + 1 if rows else cur.next_index
         exhausted = len(rows) < n
         new = Cursor(seq, end, staging if good else None, exhausted, self.dataset.fingerprint)
-        self._write_cursor(seq, end, new.staging, exhausted)
+        won = self._commit(seq, end, new.staging, exhausted, start=cur.next_index)
+        if won and newest_seq(self.storage) > seq and (
+                not good or self.storage.exists(f"staging/{staging}")):
+            # We took a number whose record had been garbage-collected: a newer cursor
+            # exists, our knowledge was stale. Our record is older than the newest and
+            # never read; the staging is discarded.
+            won = False
+        if not won:
+            log.info("release %d (rows %d..%d) lost the cursor commit to another writer; "
+                     "re-reading the cursor", seq, cur.next_index, end)
+            self._discard(staging)
+            return None
         if good:
             self._promote(new)
         else:
             self.storage.rmdir(f"staging/{staging}")
         self.cursor = new
         self._gc_cursors(seq)
+        self._discard_abandoned(seq, level=logging.INFO)
         return len(rows)
 
-    def _write_cursor(self, seq: int, next_index: int, staging: str | None, exhausted: bool,
-                      **extra: Any) -> None:
+    def _commit(self, seq: int, next_index: int, staging: str | None, exhausted: bool,
+                **extra: Any) -> bool:
+        """Compare-and-swap the cursor to ``seq``: False if another writer took ``seq``.
+
+        The record is written into ``staging/c-<seq>.<nonce>/`` and the directory renamed
+        to ``cursor/<seq>`` without replacing: exactly one writer wins each number.
+        """
         meta = {"seq": seq, "next_index": next_index, "staging": staging,
                 "exhausted": exhausted, "fingerprint": self.dataset.fingerprint,
                 "at": time.time(), **extra}
-        self.storage.publish(f"cursor/{cursor_name(seq, next_index)}",
-                             records.encode(Kind.CURSOR, meta))
+        prep = f"staging/{COMMIT_PREFIX}{seq:012d}.{uuid.uuid4().hex[:8]}"
+        try:
+            self.storage.publish(f"{prep}/{cursor_name(seq, next_index)}",
+                                 records.encode(Kind.CURSOR, meta))
+            self.storage.rename(prep, f"cursor/{seq:012d}")
+        except (AlreadyExists, NotFound):
+            # NotFound: a recovering writer discarded our preparation (its number is taken)
+            self._discard(prep.partition("/")[2])
+            return False
+        return True
 
     def _record_bad_row(self, task_id: str, row: BadRow) -> None:
         name = TaskName(key=queue_key(STAGE_FRESH, 0, row.index), id=task_id, gen=0,
@@ -210,6 +327,11 @@ class Feeder:
         for old, _next, name in list_cursors(self.storage):
             if old <= seq - KEEP_CURSORS:
                 self.storage.delete(f"cursor/{name}")
+                if "/" in name:
+                    self.storage.rmdir(f"cursor/{old:012d}")
+        for name in self.storage.list("cursor"):  # emptied by a crash mid-GC, or repaired
+            if name.isdigit() and int(name) <= seq - KEEP_CURSORS:
+                self.storage.rmdir(f"cursor/{name}")
 
     @property
     def exhausted(self) -> bool:
@@ -222,9 +344,10 @@ class Feeder:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start releasing at a checkpointed index (only on an empty, fresh queue)."""
-        if self.cursor.seq:
+        cur = self.refresh()
+        if cur.seq or not self._commit(1, int(state["next_index"]), None, False,
+                                       restored_from_checkpoint=True):
+            cur = self.refresh()
             raise AlreadyExists(17, f"the queue already has a cursor at index "
-                                    f"{self.cursor.next_index}; it wins over a checkpoint")
-        self._write_cursor(1, int(state["next_index"]), None, False,
-                           restored_from_checkpoint=True)
-        self.cursor = self.read_cursor()
+                                    f"{cur.next_index}; it wins over a checkpoint")
+        self.refresh()
