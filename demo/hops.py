@@ -44,6 +44,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from strawq import records
 from strawq.batches import BatchStore
 from strawq.names import STAGE_FRESH, TaskName
 from strawq.queue import RunQueue
@@ -156,8 +157,10 @@ class HopTracer(threading.Thread):
     def _one(self, ev: Event) -> None:
         d, name, t = ev.directory, ev.name, ev.at
         if d == "cursor":
-            seq, nxt = (int(x) for x in name.split(".")[:2])
-            bisect.insort(self._bounds, (nxt, seq))
+            # the cursor record says where release <seq> ends (its next dataset index)
+            rec = records.decode(self.queue.storage.read(f"cursor/{name}"),
+                                 expect=records.Kind.CURSOR, name=name)
+            bisect.insort(self._bounds, (int(rec.meta["next_index"]), int(rec.meta["seq"])))
         elif d == "pending":
             if name.startswith(RELEASE_PREFIX):
                 self._release_at[int(name[len(RELEASE_PREFIX):])] = t

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from strawq import records
 from strawq.config import QueueConfig
 from strawq.demo.hops import HopTracer, histogram, idle_gaps
 from strawq.names import queue_key
@@ -38,11 +39,13 @@ def test_idle_gaps_need_the_trainer_waiting_and_every_engine_idle():
 def test_tracer_times_each_hop(tmp_path):
     q = RunQueue.create(PosixStorage(str(tmp_path / "run")), QueueConfig(group_size=2))
     tr = HopTracer(q)
+    q.storage.publish("cursor/000000000001", records.encode(
+        records.Kind.CURSOR, {"seq": 1, "next_index": 10}))
     task = f"{queue_key('c', 0, 5)}~i000000000005~g0~a1~r-1~p0"
     ready = "000000000000.000000000005~i000000000005~g0~a1~r-1~p0"
     returned = f"{queue_key('b', 0, 9)}~i000000000009~g1~a2~r-1~p0"
     tr.process([
-        ev("cursor", "000000000001.000000000010", 0.9),
+        ev("cursor", "000000000001", 0.9),
         ev("pending", "r-000000000001", 1.0),
         ev("leased", task, 1.25),
         ev("ready", ready, 2.0),
