@@ -222,6 +222,15 @@ class RunQueue:
             except NotFound:
                 lost += 1
                 continue  # another producer won it
+            except AlreadyExists:
+                # Not a state the protocol makes: the same task is live twice. Skip it and
+                # move this copy aside (its twin runs); never take the producer down.
+                log.error("claim of %s: %s is already held, so this task is live twice (a "
+                          "second copy at %s); skipping it and moving the copy to "
+                          "quarantine/ for inspection", name.id, key_of(TaskState.LEASED,
+                                                                        held), src)
+                self.quarantine(src)
+                continue
             won.append((dst, held))
         self._contended = lost > 0
         # No directory fsync: a claim lost to a power failure puts the task back in pending,
@@ -232,6 +241,10 @@ class RunQueue:
                 rec = self._read_record(dst, Kind.TASK)
             except CorruptRecord as exc:
                 log.error("claimed task %s has a corrupt record (%s); quarantined", held.id, exc)
+                continue
+            except NotFound:
+                log.error("claimed task %s is gone from %s before it was read (moved by "
+                          "someone else); skipping it", held.id, dst)
                 continue
             leases.append(Lease(held, rec.meta["task"]))
         return leases
