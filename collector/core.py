@@ -99,6 +99,8 @@ class Collector:
         self._last_metrics = float("-inf")
         self._ready_seen_at_metrics = 0
         self._steps = 0
+        #: counters of this incarnation (the metrics sink continues them across restarts)
+        self._totals = {"released": 0, "batches": 0, "expired": 0}
 
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
@@ -173,6 +175,9 @@ class Collector:
         self._form_batches(ready, rep)
         self._admit(rep)
         self._steps += 1
+        self._totals["released"] += rep.released
+        self._totals["batches"] += len(rep.published)
+        self._totals["expired"] += len(rep.scan.expired) if rep.scan else 0
         self._emit_metrics(rep, now)
         return rep
 
@@ -312,6 +317,9 @@ class Collector:
             "collector/admission_capacity": rep.admission.capacity if rep.admission else 0,
             "collector/groups_per_s": new_ready / elapsed if elapsed > 0 else 0.0,
             "collector/expired_leases": len(rep.scan.expired) if rep.scan else 0,
+            "collector/released_total": self._totals["released"],
+            "collector/batches_total": self._totals["batches"],
+            "collector/expired_leases_total": self._totals["expired"],
         }
         for reason, count in self.dropped_by_reason().items():
             values[f"dropped/{reason}"] = count

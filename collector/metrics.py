@@ -11,8 +11,23 @@ with ``/`` and ``.`` turned into ``_``):
   ``next_batch`` return to the next).
 * ``queue/pending``, ``queue/partial``, ``queue/leased``, ``queue/ready``, ``queue/batched``,
   ``queue/prefetched_batches``, ``queue/version``.
-* ``collector/groups_per_s`` (groups that became ready per second), ``collector/released``,
-  ``collector/admission_capacity``, ``dropped/<reason>`` (groups dropped per reason).
+* ``collector/groups_per_s`` (groups that became ready per second), ``collector/released``
+  (this pass), ``collector/admission_capacity``, ``dropped/<reason>`` (groups dropped per
+  reason, over the whole run).
+* counters: ``trainer/step``, ``collector/step``, ``collector/released_total``,
+  ``collector/batches_total``, ``collector/expired_leases_total``.
+
+Every JSONL line carries ``time`` (Unix seconds, the writer's wall clock) so lines from the
+collector and the trainer can be put on one time axis.
+
+Counters (``COUNTERS``: ``trainer/step``, ``collector/step`` and the ``*_total`` names)
+continue across restarts: a sink reads the newest value of each from the tail of its JSONL
+file when it opens and adds it to what the new process counts. ``dropped/<reason>`` is
+read from the run itself (``strawq.retention.drop_totals``) and needs no such help.
+
+Prometheus names follow its conventions: ``strawq_`` + the name with ``/`` and ``.`` as
+``_``, seconds spelled out (``trainer/wait_s`` -> ``strawq_trainer_wait_seconds``,
+``collector/groups_per_s`` -> ``strawq_collector_groups_per_second``).
 
 Prometheus uses ``prometheus_client`` (a dependency of Ray, present in the venv); each sink
 has its own registry so several sinks in one process do not collide.
@@ -25,6 +40,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,8 +49,63 @@ log = logging.getLogger(__name__)
 _PROM_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
+#: Cumulative counts that continue across restarts (see the module docstring).
+COUNTERS = frozenset({"trainer/step", "collector/step", "collector/released_total",
+                      "collector/batches_total", "collector/expired_leases_total"})
+#: How much of the JSONL file's tail is read to resume the counters.
+_TAIL_BYTES = 256 * 1024
+
+
 def prom_name(name: str) -> str:
-    return "strawq_" + _PROM_NAME.sub("_", name)
+    base = _PROM_NAME.sub("_", name)
+    if base.endswith("_per_s"):
+        base = base[:-len("_per_s")] + "_per_second"
+    elif base.endswith("_s"):
+        base = base[:-len("_s")] + "_seconds"
+    return "strawq_" + base
+
+
+def _end_torn_line(path: str) -> None:
+    """A crash can leave a last line without its newline: end it so ours parse."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+    except OSError:
+        return
+    if torn:
+        with open(path, "ab") as f:
+            f.write(b"\n")
+
+
+def resume_counters(path: str) -> dict[str, float]:
+    """The newest value of each counter in the tail of a metrics JSONL file ({} if none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(size - _TAIL_BYTES, 0))
+            tail = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return {}
+    found: dict[str, float] = {}
+    for line in reversed(tail.splitlines()):
+        try:
+            values = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line, or the cut at the start of the tail
+        if not isinstance(values, dict):
+            continue
+        for name in COUNTERS - found.keys():
+            v = values.get(name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                found[name] = v
+        if len(found) == len(COUNTERS):
+            break
+    return found
 
 
 class MetricsSink:
@@ -48,8 +119,12 @@ class MetricsSink:
         self._gauges: dict[str, Any] = {}
         self._server: Any = None
         self.port: int | None = None
+        #: counters' values at the end of the previous incarnation (same JSONL file)
+        self.base: dict[str, float] = {}
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            self.base = resume_counters(jsonl_path)
+            _end_torn_line(jsonl_path)
         if prometheus_port is not None:
             self._start_prometheus(prometheus_port, addr)
 
@@ -66,7 +141,15 @@ class MetricsSink:
         log.info("metrics: Prometheus endpoint on %s:%s", addr, self.port)
 
     def emit(self, values: Mapping[str, Any]) -> None:
-        """Write one JSON line (if configured) and update the gauges of numeric values."""
+        """Write one JSON line (if configured) and update the gauges of numeric values.
+
+        Adds ``time`` and continues the counters of a previous incarnation.
+        """
+        out: dict[str, Any] = {**values, "time": values.get("time", time.time())}
+        for name in COUNTERS & out.keys():
+            if name in self.base and isinstance(out[name], (int, float)):
+                out[name] = out[name] + self.base[name]
+        values = out
         if self.jsonl_path:
             line = json.dumps(dict(values), sort_keys=True, default=str) + "\n"
             with self._lock:
@@ -83,7 +166,8 @@ class MetricsSink:
 
         with self._lock:
             for name, value in values.items():
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or name == "time":
                     continue
                 g = self._gauges.get(name)
                 if g is None:
