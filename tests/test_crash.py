@@ -26,6 +26,7 @@ from strawq.feeder import Feeder
 from strawq.grantor import LeaseMonitor
 from strawq.names import data_key, dataset_task_id
 from strawq.queue import Lease, RunQueue
+from strawq.retention import drop_totals
 from strawq.storage import CrashPoint, FaultyStorage, MemoryStorage, PosixStorage, Storage
 from strawq.testing import audit_run, check_total_queue, make_group, write_jsonl
 from strawq.testing.crash import drain, read_log, recover
@@ -65,6 +66,25 @@ def check_recovered(storage: Storage, dataset: Dataset, *,
     verdict = check_total_queue(ALL - dropped, [t for ids in batches.values() for t in ids])
     assert verdict.valid, verdict
     assert final.ids("pending", "partial", "leased", "ready") == set()
+    assert_only_live_after_gc(storage)
+
+
+#: Directories that hold nothing once every task was trained or dropped and gc ran.
+WORK_DIRS = ("pending", "leased", "ready", "batched", "batches", "acked", "dropped", "data",
+             "staging", "tmp")
+
+
+def assert_only_live_after_gc(storage: Storage) -> None:
+    """Invariant 6: after a drain and a plain gc only kept-on-purpose records remain."""
+    totals = drop_totals(storage)
+    BatchStore(RunQueue.open(storage)).gc(sweep=True, compact_drops_at=0)
+    left = []
+    for d in WORK_DIRS:
+        for n in storage.list(d):
+            key = f"{d}/{n}"
+            left += [f"{key}/{m}" for m in storage.list(key)] if storage.is_dir(key) else [key]
+    assert left == [], f"records left after a drain and gc: {left}"
+    assert drop_totals(storage) == totals, "compaction changed the drop counts"
 
 
 # -- deterministic crash-point enumeration (FaultyStorage(crash_after=N)) -------------------
