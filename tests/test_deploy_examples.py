@@ -166,3 +166,14 @@ def test_ray_cluster_config_matches_rays_schema() -> None:
     jsonschema.validate(cfg, schema)
     assert cfg["provider"]["type"] == "local"
     assert any("mount.sh mount" in c for c in cfg["initialization_commands"])
+
+
+@pytest.mark.parametrize("override", ["producer.slots=\"x\"", "queue.group_size=-1",
+                                      "placement.foo=1", "collector=3",
+                                      "producer.client.timeoutz=1", "producer.workers=5"])
+def test_run_config_check_reports_a_typo_without_a_traceback(override: str) -> None:
+    res = subprocess.run([sys.executable, str(DEPLOY / "examples" / "run_config.py"),
+                          str(DEPLOY / "examples" / "run.json"), "--set", override, "--check"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 1
+    assert res.stderr.startswith("error: ") and "Traceback" not in res.stderr
