@@ -7,26 +7,37 @@ tests a user can run on their own function.
 
 Contracts::
 
-    reward(task: dict, response_ids: list[int], sample_meta: dict) -> float
+    reward(task: dict, response_ids: list[int], sample_meta: dict) -> float   # or async def
     filter(task: dict, rewards: list[float]) -> str | None   # a drop reason, or None to keep
+    tokenizer: "hf:<dir or name>", or a dotted path to (text) -> list[int], or to an object /
+               class with encode_prompt(prompt, row) and decode(ids) (strawq.tokenize)
+
+With ``reward_args`` the reward path names a *factory*: it is called once with those keyword
+arguments and returns the reward function (``strawq.producers.reward_remote.remote_reward``,
+``strawq.producers.reward_slime.slime_rm``, ``strawq.producers.reward_verl.verl_score``).
+An async reward runs on the producer's event loop; a plain one on the reward threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from strawq.errors import ConfigError
+from strawq.tokenize import FunctionTokenizer, HFTokenizer, PromptTokenizer
 
-RewardFn = Callable[[dict[str, Any], list[int], dict[str, Any]], float]
+from strawq.producers.offload import Offload
+
+RewardFn = Callable[[dict[str, Any], list[int], dict[str, Any]], "float | Awaitable[float]"]
 FilterFn = Callable[[dict[str, Any], list[float]], "str | None"]
 
 
-def resolve(path: str, *, what: str, arity: int) -> Callable[..., Any]:
-    """Import ``pkg.module:attr`` or ``pkg.module.attr`` and check it takes ``arity`` args."""
+def import_attr(path: str, *, what: str) -> Any:
+    """The object at ``pkg.module:attr`` or ``pkg.module.attr``."""
     if not isinstance(path, str) or not path:
         raise ConfigError(f"{what}: expected a dotted path like 'mypkg.rewards.score', got "
                           f"{path!r}")
@@ -40,9 +51,16 @@ def resolve(path: str, *, what: str, arity: int) -> Callable[..., Any]:
     except ImportError as exc:
         raise ConfigError(f"{what}: cannot import module {module_name!r} ({exc}); is it on "
                           "PYTHONPATH on every node?") from exc
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
+    if not hasattr(module, attr):
         raise ConfigError(f"{what}: {module_name!r} has no callable {attr!r}")
+    return getattr(module, attr)
+
+
+def resolve(path: str, *, what: str, arity: int) -> Callable[..., Any]:
+    """Import ``pkg.module:attr`` or ``pkg.module.attr`` and check it takes ``arity`` args."""
+    fn = import_attr(path, what=what)
+    if not callable(fn):
+        raise ConfigError(f"{what}: {path!r} is a {type(fn).__name__}, not a callable")
     try:
         sig = inspect.signature(fn)
         sig.bind(*([None] * arity))
@@ -52,20 +70,97 @@ def resolve(path: str, *, what: str, arity: int) -> Callable[..., Any]:
     return fn  # type: ignore[no-any-return]
 
 
-def load_reward(path: str) -> RewardFn:
-    return resolve(path, what="reward function", arity=3)
+def load_reward(path: str, args: Mapping[str, Any] | None = None) -> RewardFn:
+    """The reward function at ``path``; with ``args``, what the factory at ``path`` returns
+    when called with them."""
+    if args is None:
+        return resolve(path, what="reward function", arity=3)
+    factory = resolve(path, what="reward factory", arity=0)
+    try:
+        fn = factory(**args)
+    except (TypeError, ValueError, ConfigError) as exc:
+        raise ConfigError(f"reward factory {path}: bad reward_args {sorted(args)}: "
+                          f"{exc}") from exc
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"reward factory {path} returned {fn!r}, which does not take "
+                          f"(task, response_ids, sample_meta): {exc}") from exc
+    return fn  # type: ignore[no-any-return]
+
+
+def is_async(fn: Any) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None))  # noqa: B004 - a callable object's method
+
+
+def finite_reward(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"reward function returned {value!r}; expected a finite float")
+    return float(value)
+
+
+async def call_reward(fn: RewardFn, threads: Offload, task: dict[str, Any],
+                      response_ids: list[int], meta: dict[str, Any],
+                      decode: Callable[[list[int]], str] | None = None) -> float:
+    """Call a reward (async on the loop, plain on ``threads``) and check its value.
+
+    With ``decode``, ``meta['text']`` is the decoded response ids (what the trainer trains
+    on), never the concatenated segment texts; decoding runs on ``threads``."""
+    if decode is not None:
+        meta = {**meta, "text": await threads.call(decode, response_ids)}
+    if is_async(fn):
+        value: Any = await fn(task, response_ids, meta)  # type: ignore[misc]
+    else:
+        value = await threads.call(fn, task, response_ids, meta)
+        if inspect.isawaitable(value):
+            value = await value
+    return finite_reward(value)
+
+
+def load_tokenizer(spec: str | None, args: Mapping[str, Any] | None = None
+                   ) -> PromptTokenizer | None:
+    """``hf:<dir or hub name>`` (``HFTokenizer(source, **args)``), or a dotted path to a
+    ``(text) -> ids`` function, a tokenizer object, or a class / factory called with args."""
+    if spec is None:
+        return None
+    args = dict(args or {})
+    if spec.startswith("hf:"):
+        try:
+            return HFTokenizer(spec[3:], **args)
+        except TypeError as exc:
+            raise ConfigError(f"tokenizer {spec}: bad tokenizer_args: {exc}") from exc
+    obj = import_attr(spec, what="tokenizer")
+    if inspect.isclass(obj) or args:
+        try:
+            obj = obj(**args)
+        except TypeError as exc:
+            raise ConfigError(f"tokenizer {spec}: bad tokenizer_args: {exc}") from exc
+    if isinstance(obj, PromptTokenizer):
+        return obj
+    if callable(obj):
+        return FunctionTokenizer(obj)
+    raise ConfigError(f"tokenizer {spec}: expected a (text) -> ids function or an object with "
+                      f"encode_prompt(prompt, row) and decode(ids), found {type(obj).__name__}")
 
 
 def load_filter(path: str | None) -> FilterFn | None:
     return None if path is None else resolve(path, what="filter function", arity=2)
 
 
-def check_reward_fn(fn: RewardFn, task: dict[str, Any], response_ids: list[int]) -> float:
-    """Call a reward function once and check it returns a finite float."""
-    value = fn(task, response_ids, {})
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"reward function returned {value!r}; expected a finite float")
-    return float(value)
+def check_reward_fn(fn: RewardFn, task: dict[str, Any], response_ids: list[int],
+                    meta: dict[str, Any] | None = None) -> float:
+    """Call a reward function (plain or async) once and check it returns a finite float."""
+    value: Any = fn(task, response_ids, dict(meta or {}))
+    if inspect.isawaitable(value):
+        async def _await() -> Any:
+            return await value
+        value = asyncio.run(_await())
+    try:
+        return finite_reward(value)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def check_filter_fn(fn: FilterFn, task: dict[str, Any], rewards: list[float]) -> str | None:

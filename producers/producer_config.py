@@ -33,9 +33,19 @@ class ProducerConfig(Config):
     reward: str
     #: Group filter, dotted path ``filter(task, rewards) -> reason | None`` (None: keep all).
     filter: str | None = None
-    #: Tokenizer for string prompts, dotted path ``(text) -> list[int]``. Without one a
-    #: string prompt fails its task (non-retryable) with a message saying so.
+    #: Keyword arguments for a reward *factory*: with them, ``reward`` names a function that
+    #: is called once with these and returns the reward function (remote reward model,
+    #: slime / verl adapters: ``docs/rewards.md``). None: ``reward`` is the function.
+    reward_args: dict[str, Any] | None = None
+    #: Tokenizer for text and chat prompts, and for decoding responses for rewards:
+    #: ``hf:<model dir or hub name>`` (a Hugging Face tokenizer and its chat template), or a
+    #: dotted path to a ``(text) -> list[int]`` function (text only) or a tokenizer object
+    #: (``strawq.tokenize``). Without one a text or chat prompt fails its task
+    #: (non-retryable) with a message saying so.
     tokenizer: str | None = None
+    #: Keyword arguments for the tokenizer (``hf:``: ``gguf_file``, ``chat_template``,
+    #: ``add_generation_prompt``, ``template_kwargs``, ...; see ``docs/datasets.md``).
+    tokenizer_args: dict[str, Any] | None = None
     #: Engine URLs; ``/generate`` goes round-robin over them (unless ``router_url``).
     workers: tuple[str, ...] = ()
     #: sglang-router URL: ``/generate`` goes there; control calls go to its ``/workers``.

@@ -1,25 +1,46 @@
-"""Prompt datasets: JSONL or Parquet, read through fsspec and pyarrow.
+"""Prompt datasets: JSONL or Parquet, one file, a directory or a glob of shards, through fsspec.
 
-Rows are addressed by their 0-based index, which becomes the task id (``i<index>``) and the
-dataset cursor's unit. A malformed row is not an exception for the whole run: it comes back
-as a ``BadRow`` that the feeder records as *dropped* with the reason, so every index stays
+Rows are addressed by their 0-based index over the whole dataset (shards in sorted path
+order, rows in file order), which becomes the task id (``i<index>``) and the dataset
+cursor's unit. A malformed row is not an exception for the whole run: it comes back as a
+``BadRow`` that the feeder records as *dropped* with the reason, so every index stays
 accounted for (invariant 1).
+
+A row's prompt (``row[prompt_key]``) is one of
+
+* token ids: a non-empty list of non-negative ints, sent as they are;
+* text: a non-empty string, tokenized by the producer's tokenizer plugin;
+* chat messages: a non-empty list of ``{"role": str, "content": str | list | None, ...}``,
+  rendered by the tokenizer plugin's chat template (``strawq.tokenize``).
+
+The *fingerprint* names what the cursor counts over: the shards' paths (relative to the
+dataset's root), their sizes and the format, digested. It does not depend on the URL, so
+the same files under another mount point match; the feeder refuses to release from a
+dataset whose fingerprint differs from the run's (``docs/datasets.md``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-from collections.abc import Iterator
+import posixpath
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 import msgpack
+import xxhash
 
 from strawq.errors import DatasetError
 
 log = logging.getLogger(__name__)
+
+FORMATS = ("jsonl", "parquet")
+EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+              ".parquet": "parquet", ".pq": "parquet"}
+_GLOB_CHARS = "*?["
 
 
 @dataclass(frozen=True)
@@ -31,6 +52,36 @@ class BadRow:
 Row = dict[str, Any]
 
 
+def format_of(path: str) -> str | None:
+    """The format a shard's extension names, or None."""
+    return EXTENSIONS.get(posixpath.splitext(path)[1].lower())
+
+
+def prompt_kind(prompt: Any) -> str | None:
+    """``"ids"``, ``"text"`` or ``"chat"`` for a valid prompt, None otherwise."""
+    if isinstance(prompt, str):
+        return "text" if prompt else None
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        return "ids"
+    if all(isinstance(m, dict) for m in prompt):
+        return "chat" if _chat_problem(prompt) is None else None
+    return None
+
+
+def _chat_problem(messages: list[dict[str, Any]]) -> str | None:
+    for j, m in enumerate(messages):
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            return f"message {j} has no 'role' string (keys: {sorted(m)[:6]})"
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            return (f"message {j} ({role}): 'content' must be a string, a list of parts or "
+                    f"null, found {type(content).__name__}")
+    return None
+
+
 def _check_row(index: int, row: Any, prompt_key: str, where: str) -> Row | BadRow:
     if not isinstance(row, dict):
         return BadRow(index, f"{where}: expected a JSON object, found {type(row).__name__}")
@@ -39,13 +90,18 @@ def _check_row(index: int, row: Any, prompt_key: str, where: str) -> Row | BadRo
         if not prompt:
             return BadRow(index, f"{where}: {prompt_key!r} is an empty string")
     elif isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                 for t in prompt):
-            return BadRow(index, f"{where}: {prompt_key!r} must be a non-empty list of "
-                                 "non-negative token ids")
+        if not prompt:
+            return BadRow(index, f"{where}: {prompt_key!r} is an empty list")
+        if all(isinstance(m, dict) for m in prompt):
+            problem = _chat_problem(prompt)
+            if problem is not None:
+                return BadRow(index, f"{where}: {prompt_key!r} chat messages: {problem}")
+        elif prompt_kind(prompt) is None:
+            return BadRow(index, f"{where}: {prompt_key!r} must be a list of non-negative "
+                                 "token ids or a list of chat messages {role, content}")
     else:
-        return BadRow(index, f"{where}: missing {prompt_key!r} (a string or a list of token "
-                             f"ids); keys present: {sorted(row)[:10]}")
+        return BadRow(index, f"{where}: missing {prompt_key!r} (text, token ids or chat "
+                             f"messages); keys present: {sorted(row)[:10]}")
     try:
         msgpack.packb(row, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -53,69 +109,162 @@ def _check_row(index: int, row: Any, prompt_key: str, where: str) -> Row | BadRo
     return row
 
 
+@dataclass(frozen=True)
+class Shard:
+    path: str  # the filesystem's path
+    rel: str  # relative to the dataset's root: what the fingerprint names
+    size: int
+    fmt: str
+
+
 class Dataset:
-    """Random-access-by-cursor reader over a JSONL or Parquet file (any fsspec URL)."""
+    """Sequential-by-cursor reader over JSONL or Parquet shards (any fsspec URL).
+
+    ``url`` is one file, a directory (every ``.jsonl/.json/.ndjson/.parquet/.pq`` file
+    below it, hidden and ``_``-prefixed names skipped) or a glob (``data/train-*.parquet``).
+    Shards are read in sorted path order. ``fmt`` forces the format of every shard;
+    otherwise each shard's extension decides, and other extensions (``.csv``) are refused.
+    """
 
     def __init__(self, url: str, *, prompt_key: str = "prompt", fmt: str | None = None) -> None:
         self.url = url
         self.prompt_key = prompt_key
-        self.fmt = fmt or ("parquet" if url.endswith((".parquet", ".pq")) else "jsonl")
-        if self.fmt not in ("jsonl", "parquet"):
-            raise DatasetError(f"unknown dataset format {self.fmt!r}; expected jsonl or parquet")
+        if fmt is not None and fmt not in FORMATS:
+            raise DatasetError(f"unknown dataset format {fmt!r}; expected jsonl or parquet")
         try:
-            self._fs, self._path = fsspec.core.url_to_fs(url)
-            info = self._fs.info(self._path)
+            self._fs, path = fsspec.core.url_to_fs(url)
+            self.shards = self._list_shards(url, path.rstrip("/") or path, fmt)
+        except DatasetError:
+            raise
         except FileNotFoundError:
             raise DatasetError(f"dataset {url!r} does not exist") from None
         except Exception as exc:
             raise DatasetError(f"cannot open dataset {url!r}: {exc}") from exc
-        self.fingerprint = {"url": url, "size": int(info.get("size") or 0), "format": self.fmt}
+        formats = sorted({s.fmt for s in self.shards})
+        if len(formats) > 1:
+            raise DatasetError(f"dataset {url!r} mixes formats {formats}; keep one format per "
+                               "dataset (or pass fmt=)")
+        self.fmt = formats[0]
+        digest = xxhash.xxh3_64()
+        for s in self.shards:
+            digest.update(f"{s.rel}\0{s.size}\n".encode())
+        self.fingerprint: dict[str, Any] = {
+            "url": url, "format": self.fmt, "shards": len(self.shards),
+            "size": sum(s.size for s in self.shards), "digest": digest.hexdigest()}
         self._len: int | None = None
+
+    def _list_shards(self, url: str, path: str, fmt: str | None) -> list[Shard]:
+        fs = self._fs
+        if any(c in path for c in _GLOB_CHARS):
+            root = path[:min(path.index(c) for c in _GLOB_CHARS if c in path)]
+            root = root.rpartition("/")[0]
+            found = {p: fs.info(p) for p in fs.glob(path)}
+        else:
+            info = fs.info(path)
+            if info.get("type") != "directory":
+                sfmt = fmt or format_of(path)
+                if sfmt is None:
+                    raise DatasetError(
+                        f"cannot tell the format of {url!r} from its extension; strawq reads "
+                        f"JSONL ({', '.join(k for k, v in EXTENSIONS.items() if v == 'jsonl')})"
+                        " and Parquet (.parquet, .pq); pass fmt='jsonl' or fmt='parquet' if "
+                        "the file is one of those (CSV is not supported: convert it)")
+                rel = posixpath.basename(path)
+                return [Shard(path, rel, int(info.get("size") or 0), sfmt)]
+            root = path
+            found = fs.find(path, detail=True)
+        shards = []
+        for p, info in sorted(found.items()):
+            if info.get("type") == "directory":
+                continue
+            rel = posixpath.relpath(p, root) if root else p
+            if any(part.startswith((".", "_")) for part in rel.split("/")):
+                continue  # hidden files, _SUCCESS, _metadata
+            sfmt = fmt or format_of(p)
+            if sfmt is None:
+                continue
+            shards.append(Shard(p, rel, int(info.get("size") or 0), sfmt))
+        if not shards:
+            raise DatasetError(f"dataset {url!r} has no JSONL or Parquet files "
+                               f"({', '.join(EXTENSIONS)})")
+        return shards
 
     def __len__(self) -> int:
         if self._len is None:
-            self._len = sum(1 for _ in self._iter_raw(0))
+            self._len = sum(self._shard_len(s) for s in self.shards)
         return self._len
 
-    def _iter_raw(self, start: int) -> Iterator[tuple[int, Row | BadRow]]:
-        if self.fmt == "parquet":
-            yield from self._iter_parquet(start)
-            return
-        with self._fs.open(self._path, "rb") as f:
-            index = 0
-            for raw in f:
-                line = raw.strip()
-                if not line:
-                    continue  # blank lines are not rows
-                if index >= start:
-                    where = f"{self.url} row {index}"
-                    try:
-                        row = json.loads(line)
-                    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                        yield index, BadRow(index, f"{where}: invalid JSON: {exc}")
-                    else:
-                        yield index, _check_row(index, row, self.prompt_key, where)
-                index += 1
+    def _shard_len(self, shard: Shard) -> int:
+        if shard.fmt == "parquet":
+            return int(self._parquet_meta(shard).num_rows)
+        with self._fs.open(shard.path, "rb") as f:
+            return sum(1 for raw in f if raw.strip())
 
-    def _iter_parquet(self, start: int) -> Iterator[tuple[int, Row | BadRow]]:
+    def _parquet_meta(self, shard: Shard) -> Any:
         import pyarrow.parquet as pq
 
         try:
-            pf = pq.ParquetFile(self._fs.open(self._path, "rb"))
+            with self._fs.open(shard.path, "rb") as f:
+                return pq.ParquetFile(f).metadata
         except Exception as exc:
-            raise DatasetError(f"{self.url}: not a readable Parquet file: {exc}") from exc
+            raise DatasetError(f"{shard.path}: not a readable Parquet file: {exc}") from exc
+
+    def _iter_raw(self, start: int) -> Iterator[tuple[int, Row | BadRow]]:
         base = 0
-        for rg in range(pf.num_row_groups):
-            n = pf.metadata.row_group(rg).num_rows
-            if base + n <= start:
-                base += n
-                continue
-            for i, row in enumerate(pf.read_row_group(rg).to_pylist()):
-                index = base + i
-                if index >= start:
-                    yield index, _check_row(index, row, self.prompt_key,
-                                            f"{self.url} row {index}")
-            base += n
+        for shard in self.shards:
+            if shard.fmt == "parquet" and start > base:
+                # skip whole shards by their footers, without reading rows
+                n = int(self._parquet_meta(shard).num_rows)
+                if base + n <= start:
+                    base += n
+                    continue
+            it = (self._iter_parquet if shard.fmt == "parquet" else self._iter_jsonl)(
+                shard, base, start)
+            yield from it
+            base = it.end
+
+    def _iter_jsonl(self, shard: Shard, base: int, start: int) -> _Counted:
+        def gen(c: _Counted) -> Iterator[tuple[int, Row | BadRow]]:
+            index = base
+            with self._fs.open(shard.path, "rb") as f:
+                for raw in f:
+                    line = raw.strip()
+                    if not line:
+                        continue  # blank lines are not rows
+                    if index >= start:
+                        where = f"{shard.path} row {index}"
+                        try:
+                            row = json.loads(line)
+                        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                            yield index, BadRow(index, f"{where}: invalid JSON: {exc}")
+                        else:
+                            yield index, _check_row(index, row, self.prompt_key, where)
+                    index += 1
+                    c.end = index
+        return _Counted(gen, base)
+
+    def _iter_parquet(self, shard: Shard, base: int, start: int) -> _Counted:
+        import pyarrow.parquet as pq
+
+        def gen(c: _Counted) -> Iterator[tuple[int, Row | BadRow]]:
+            with self._fs.open(shard.path, "rb") as f:
+                try:
+                    pf = pq.ParquetFile(f)
+                except Exception as exc:
+                    raise DatasetError(f"{shard.path}: not a readable Parquet file: "
+                                       f"{exc}") from exc
+                b = base
+                for rg in range(pf.num_row_groups):
+                    n = pf.metadata.row_group(rg).num_rows
+                    if b + n > start:
+                        rows = pf.read_row_group(rg).to_pylist()
+                        for i in range(max(0, start - b), len(rows)):
+                            index = b + i
+                            yield index, _check_row(index, rows[i], self.prompt_key,
+                                                    f"{shard.path} row {index}")
+                    b += n
+                    c.end = b
+        return _Counted(gen, base)
 
     def read(self, start: int, count: int) -> list[tuple[int, Row | BadRow]]:
         """Rows ``start .. start+count-1`` (fewer at the end of the dataset)."""
@@ -128,23 +277,161 @@ class Dataset:
                 break
         return out
 
+    def shard_paths(self) -> Sequence[str]:
+        return [s.path for s in self.shards]
+
+
+class _Counted:
+    """An iterator over one shard's rows that knows the index after its last row."""
+
+    def __init__(self, gen: Any, base: int) -> None:
+        self.end = base
+        self._it: Iterator[tuple[int, Row | BadRow]] = gen(self)
+
+    def __iter__(self) -> Iterator[tuple[int, Row | BadRow]]:
+        return self._it
+
+    def __next__(self) -> tuple[int, Row | BadRow]:
+        return next(self._it)
+
+
+def fingerprints_match(recorded: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether a cursor's recorded fingerprint names the same data as ``current``.
+
+    Fingerprints written before shards were digested (``url, size, format``) are compared
+    by size and format, since their URL may name the same file under another mount."""
+    if not recorded:
+        return True
+    if "digest" in recorded:
+        return all(recorded.get(k) == current.get(k) for k in ("format", "digest"))
+    return all(recorded.get(k) == current.get(k) for k in ("format", "size"))
+
+
+class DatasetMismatch(DatasetError):
+    """The dataset given is not the one the run's cursor counts over (or its prompt key
+    differs from the run's)."""
+
+
+def _describe(fp: dict[str, Any]) -> str:
+    if not fp:
+        return "(none recorded)"
+    parts = [f"url {fp.get('url')!r}", f"format {fp.get('format')}"]
+    if "digest" in fp:
+        parts += [f"{fp.get('shards')} shard(s)", f"{fp.get('size')} bytes",
+                  f"digest {fp.get('digest')}"]
+    else:
+        parts.append(f"{fp.get('size')} bytes")
+    if fp.get("base"):
+        parts.append(f"its row 0 is task index {fp['base']}")
+    return ", ".join(parts)
+
+
+def mismatch_message(recorded: dict[str, Any], dataset: Dataset, next_index: int) -> str:
+    return (f"refusing to release from {dataset.url!r}: it is not the run's dataset "
+            f"(the cursor, at index {next_index}, counts over {_describe(recorded)}; this "
+            f"dataset is {_describe(dataset.fingerprint)}). Release from the run's dataset; to "
+            "switch datasets on purpose (the new rows continue the run's task indices), call "
+            "Feeder(queue, dataset, check_dataset=False).switch_dataset() (docs/datasets.md)")
+
+
+@dataclass(frozen=True)
+class ReleasePreview:
+    """What a release of ``count`` rows would do (``strawq release --dry-run``)."""
+
+    count: int
+    start: int
+    end: int
+    good: int
+    bad: tuple[BadRow, ...]
+    kinds: dict[str, int]
+    exhausted: bool
+    #: why the release would be refused (dataset mismatch, cursor exhausted), or None
+    refused: str | None = None
+
+    def describe(self) -> str:
+        if self.refused:
+            return f"dry run: would release nothing: {self.refused}"
+        lines = [f"dry run: would release {self.good} rows and drop {len(self.bad)} bad rows "
+                 f"(indices {self.start}..{self.end - 1}); cursor would move to {self.end}"
+                 + (" (dataset exhausted)" if self.exhausted else "")
+                 + "; prompts: " + (", ".join(f"{k} {v}" for k, v in sorted(self.kinds.items()))
+                                    or "none")]
+        lines += [f"  drop {b.message}" for b in self.bad[:20]]
+        if len(self.bad) > 20:
+            lines.append(f"  ... and {len(self.bad) - 20} more bad rows")
+        if self.end == self.start:
+            lines.append("  (no rows at the cursor)")
+        return "\n".join(lines)
+
+
+def preview(dataset: Dataset, fingerprint: dict[str, Any], next_index: int, exhausted: bool,
+            count: int) -> ReleasePreview:
+    """Validate the rows a release of ``count`` would take; reads only, writes nothing."""
+    reader = DatasetCursorReader(dataset)
+    empty = ReleasePreview(count, next_index, next_index, 0, (), {}, exhausted)
+    if not fingerprints_match(fingerprint, dataset.fingerprint):
+        return dataclasses.replace(
+            empty, refused=mismatch_message(fingerprint, dataset, next_index))
+    if exhausted:
+        return dataclasses.replace(empty, refused=f"the cursor is exhausted at index "
+                                                  f"{next_index}")
+    reader.adopt(fingerprint)
+    rows = reader.read(next_index, count)
+    bad = tuple(r for _, r in rows if isinstance(r, BadRow))
+    kinds: dict[str, int] = {}
+    for _, r in rows:
+        if not isinstance(r, BadRow):
+            kind = prompt_kind(r.get(dataset.prompt_key)) or "?"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    end = rows[-1][0] + 1 if rows else next_index
+    return ReleasePreview(count, next_index, end, len(rows) - len(bad), bad, kinds,
+                          len(rows) < count)
+
 
 class DatasetCursorReader:
-    """Keeps one open iterator so sequential releases do not rescan the file."""
+    """Keeps one open iterator so sequential releases do not rescan the file.
+
+    Task indices are ``base + row``: ``base`` is 0 unless the run switched datasets on
+    purpose (the new dataset's rows continue the run's index space; names are never
+    reused). It is part of the fingerprint the cursor records."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
+        self.base = 0
         self._it: Iterator[tuple[int, Row | BadRow]] | None = None
         self._next = -1
 
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """What the cursor records: the dataset's fingerprint and the base, when not 0."""
+        return {**self.dataset.fingerprint, **({"base": self.base} if self.base else {})}
+
+    def adopt(self, recorded: dict[str, Any], next_index: int = 0) -> None:
+        """Check a cursor's recorded fingerprint against this dataset and take its base;
+        ``DatasetMismatch`` when they differ."""
+        if not fingerprints_match(recorded, self.dataset.fingerprint):
+            raise DatasetMismatch(mismatch_message(recorded, self.dataset, next_index))
+        self.base = int(recorded.get("base", 0) or 0)
+
     def read(self, start: int, count: int) -> list[tuple[int, Row | BadRow]]:
-        if self._it is None or self._next != start:
-            self._it = self.dataset._iter_raw(start)
-            self._next = start
+        """Rows at task indices ``start .. start+count-1`` (fewer at the end)."""
+        if start < self.base:
+            raise DatasetError(f"task index {start} is before this dataset's first row "
+                               f"(index {self.base})")
+        row_start = start - self.base
+        if self._it is None or self._next != row_start:
+            self._it = self.dataset._iter_raw(row_start)
+            self._next = row_start
         out: list[tuple[int, Row | BadRow]] = []
-        for item in self._it:
-            out.append(item)
-            self._next = item[0] + 1
+        if count <= 0:
+            return out
+        for index, row in self._it:
+            self._next = index + 1
+            if self.base:
+                index += self.base
+                if isinstance(row, BadRow):
+                    row = BadRow(index, row.message)
+            out.append((index, row))
             if len(out) >= count:
                 break
         return out
