@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from strawq.errors import ConfigError, StrawqError
+from strawq.errors import ConfigError, DatasetError, StrawqError
 from strawq.groups import GroupData
 from strawq.queue import Lease
+from strawq.tokenize import FunctionTokenizer, PromptTokenizer, prompt_ids
 
 from strawq.producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Sample,
                               SamplerParams, SampleStatus, mask_offpolicy_prefix)
@@ -44,29 +45,19 @@ def sample_seed(base: int, index: int, i: int) -> int:
 
 
 def prompt_ids_of(task: Mapping[str, Any], prompt_key: str,
-                  tokenizer: Callable[[str], list[int]] | None) -> list[int]:
-    """The prompt's token ids: a list in the row, or a string through the tokenizer."""
+                  tokenizer: PromptTokenizer | Callable[[str], list[int]] | None) -> list[int]:
+    """The prompt's token ids: a list in the row, or text / chat messages through the
+    tokenizer plugin (``strawq.tokenize``); a plain function tokenizes text only."""
     row = task.get("row", {})
-    prompt = row.get(prompt_key) if isinstance(row, Mapping) else None
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise TaskError(f"task {task.get('id')}: prompt {prompt_key!r} is a string but the "
-                            "producer has no tokenizer; set ProducerConfig.tokenizer to a "
-                            "dotted path '(text) -> list[int]' or store token ids")
-        try:
-            ids = [int(t) for t in tokenizer(prompt)]
-        except Exception as exc:  # noqa: BLE001 - a plugin's failure becomes the task's
-            raise TaskError(f"task {task.get('id')}: tokenizer failed: "
-                            f"{type(exc).__name__}: {exc}") from exc
-    elif isinstance(prompt, list):
-        ids = [int(t) for t in prompt]
-    else:
-        raise TaskError(f"task {task.get('id')}: row has no usable {prompt_key!r} (a string "
-                        f"or a list of token ids); found {type(prompt).__name__}")
-    if not ids or any(t < 0 for t in ids):
-        raise TaskError(f"task {task.get('id')}: prompt must be a non-empty list of "
-                        f"non-negative token ids, found {ids[:8]}")
-    return ids
+    if tokenizer is not None and not isinstance(tokenizer, PromptTokenizer):
+        tokenizer = FunctionTokenizer(tokenizer)
+    try:
+        return prompt_ids(row if isinstance(row, Mapping) else {}, prompt_key, tokenizer)
+    except DatasetError as exc:
+        raise TaskError(f"task {task.get('id')}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - a plugin's failure becomes the task's
+        raise TaskError(f"task {task.get('id')}: tokenizer failed: "
+                        f"{type(exc).__name__}: {exc}") from exc
 
 
 @dataclass(eq=False)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from strawq.errors import CorruptRecord, NotFound, StrawqError
 from strawq.groups import GroupData
 from strawq.names import validate_id
 from strawq.queue import Lease, RunQueue
+from strawq.tokenize import FunctionTokenizer
 
 from strawq.producers.bracket import EngineAborter
 from strawq.producers.engine_client import EngineClient
@@ -43,7 +43,8 @@ from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_se
 from strawq.producers.handback import HandBack
 from strawq.producers.meter import StatsBook
 from strawq.producers.offload import Offload
-from strawq.producers.plugins import FilterFn, RewardFn, load_filter, load_reward, resolve
+from strawq.producers.plugins import (FilterFn, RewardFn, call_reward, load_filter, load_reward,
+                                      load_tokenizer)
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sample import SampleError, SamplerParams
 from strawq.producers.slots import SlotHold, SlotPool
@@ -85,10 +86,13 @@ class GroupRunner:
         self.queue = queue
         self.group_size = group_size
         self.prompt_key = queue.config.prompt_key
-        self.reward_fn: RewardFn = load_reward(config.reward)
+        self.reward_fn: RewardFn = load_reward(config.reward, config.reward_args)
         self.filter_fn: FilterFn | None = load_filter(config.filter)
-        self.tokenizer: Callable[[str], list[int]] | None = (
-            resolve(config.tokenizer, what="tokenizer", arity=1) if config.tokenizer else None)
+        self.tokenizer = load_tokenizer(config.tokenizer, config.tokenizer_args)
+        #: rewards see the decoded response ids, not the segments' texts stitched together
+        self.decode: Callable[[list[int]], str] | None = (
+            self.tokenizer.decode if self.tokenizer is not None
+            and not isinstance(self.tokenizer, FunctionTokenizer) else None)
         self._client = client
         self.pool = pool
         self.handback = handback
@@ -270,12 +274,9 @@ class GroupRunner:
         """Reward one final sample; an error is recorded on it, never raised."""
         s = run.samples[i]
         try:
-            value = await self.rewards.call(self.reward_fn, run.lease.task,
-                                            [int(t) for t in s.response_ids], run.sample_meta(i))
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    not math.isfinite(value):
-                raise TypeError(f"reward function returned {value!r}; expected a finite float")
-            run.rewards[i] = float(value)
+            run.rewards[i] = await call_reward(self.reward_fn, self.rewards, run.lease.task,
+                                               [int(t) for t in s.response_ids],
+                                               run.sample_meta(i), self.decode)
             run.reward_errors.pop(i, None)
         except Exception as exc:  # noqa: BLE001 - a plugin's failure is the sample's
             run.rewards[i] = None
