@@ -5,8 +5,17 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-# The CPU build of torch (a plain `torch` requirement would pull a multi-GB CUDA build).
+# torch, CPU build. A plain `pip install torch==X` from PyPI is the multi-GB CUDA build on
+# Linux, so `make install` (target `torch`) picks, in this order:
+#   1. a torch already installed in the venv: kept as it is;
+#   2. a torch wheel in a local wheel folder pip is configured with (PIP_FIND_LINKS or
+#      pip.conf find-links, as on machines that reach only a PyPI mirror): installed from it,
+#      with pip's own configuration, exactly as before;
+#   3. otherwise PyTorch's CPU wheel index explicitly (TORCH_INDEX), with PyPI as the extra
+#      index for torch's dependencies (PYPI_INDEX; point both at mirrors if needed).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+PYPI_INDEX ?= https://pypi.org/simple
 JFS_DIR ?= $(CURDIR)/.juicefs-test
 PYTEST_ARGS ?=
 # slime has no registry release: a source tarball of it (the project's pinned peer) enables
@@ -16,12 +25,12 @@ SLIME_SRC ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench clean torch
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(MAKE) --no-print-directory torch
 	$(PY) -m pip install -q -e ".[all,juicefs,megatron]"
 	if [ -n "$(SLIME_SRC)" ]; then \
 	  $(PY) -m pip install -q --no-deps "$(SLIME_SRC)" && \
@@ -30,6 +39,24 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+torch:
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	  echo "torch: using the installed $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	  exit 0; \
+	fi; \
+	local=; \
+	for d in $${PIP_FIND_LINKS:-} $$($(PY) -m pip config get global.find-links 2>/dev/null); do \
+	  for w in "$${d#file://}"/torch-*.whl; do [ -e "$$w" ] && local="$$w"; done; \
+	done; \
+	if [ -n "$$local" ]; then \
+	  echo "torch: from the local wheel folder ($$local)"; \
+	  $(PY) -m pip install -q "$(TORCH_SPEC)"; \
+	else \
+	  echo "torch: from the CPU wheel index $(TORCH_INDEX)"; \
+	  $(PY) -m pip install -q --index-url "$(TORCH_INDEX)" --extra-index-url "$(PYPI_INDEX)" \
+	    "$(TORCH_SPEC)"; \
+	fi
 
 demo: $(STAMP)
 	$(VENV)/bin/strawq demo --fresh
