@@ -4,13 +4,19 @@ The trainer (``strawq.collector.bracket``) writes ``pause-<v>``, waits for an ac
 producer, swaps the weights and writes ``resume-<v>``. An ack promises that nothing of
 this producer's still generates with the old weights, so when ``Control.state()`` shows a
 pause this producer has not acknowledged, it stops claiming, aborts its own requests on
-every worker (``/abort_request`` with its rid prefix, repeated until every in-flight
-``/generate`` returned, cancelled after ``abort_deadline_s``), completes the groups whose
-samples are all final, yields the others as partial groups, then ``Control.ack``s. It
-resumes claiming when ``resume-<v>`` appears.
+every worker, waits until every in-flight ``/generate`` came back with its tokens (an
+aborted reply carries all of them), completes the groups whose samples are all final,
+yields the others as partial groups, then ``Control.ack``s. It resumes claiming when
+``resume-<v>`` appears.
 
-Aborts go by rid prefix (``<producer>/``, or one lease's ``<producer>/<task>.g<gen>/``;
-see ``strawq.producers.runner``), so they never touch another producer's requests.
+Aborts name **exact rids**: SGLang 0.5.23 drops an ``/abort_request`` whose rid is not an
+exact live rid, so a prefix aborts nothing. The runner records every rid in flight
+(``GroupRunner.live_rids``); "this producer's requests" (``<producer>/``) or "this lease's"
+(``<producer>/<task>.g<gen>/``) is a selection of that set, and each selected rid is sent
+as it is, to every worker, repeated every ``abort_poll_s`` until the requests returned (a
+request that reached the engine after an abort round is caught by the next one). A request
+that has not come back after ``abort_deadline_s`` is cancelled and reported (a warning, and
+``EngineAborter.lost_requests``); its sample resumes from its last applied segment.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from strawq.control import Control, ControlState
@@ -31,32 +37,51 @@ log = logging.getLogger(__name__)
 
 
 class EngineAborter:
-    """Aborts requests by rid prefix on every worker: best effort, and always bounded."""
+    """Aborts requests by exact rid on every worker: best effort, and always bounded."""
 
     def __init__(self, client: Callable[[], EngineClient | None], producer_id: str, *,
-                 poll_s: float, deadline_s: float, clock: Callable[[], float]) -> None:
+                 poll_s: float, deadline_s: float, clock: Callable[[], float],
+                 live_rids: Callable[[], Iterable[str]] = tuple) -> None:
         #: the producer's engine client, None while it is not running
         self.client = client
         self.producer_id = producer_id
         self.poll_s = poll_s
         self.deadline_s = deadline_s
         self.clock = clock
+        #: every rid of this producer's requests in flight now (the runner's record)
+        self.live_rids = live_rids
+        #: requests cancelled because they did not come back before the deadline
+        self.lost_requests = 0
         self._background: set[asyncio.Task[None]] = set()
 
+    def matching(self, prefix: str) -> list[str]:
+        """The live rids under ``prefix`` (a selection made here: SGLang has none). A
+        ``prefix`` that does not end with ``/`` is a rid itself and is always included: a
+        request whose call failed is no longer recorded but may still run on an engine."""
+        found = {r for r in self.live_rids() if r.startswith(prefix)}
+        if prefix and not prefix.endswith("/"):
+            found.add(prefix)
+        return sorted(found)
+
     async def abort_prefix(self, prefix: str) -> None:
+        """Abort every live rid under ``prefix``, each by its exact rid."""
+        await self.abort_rids(self.matching(prefix))
+
+    async def abort_rids(self, rids: Iterable[str]) -> None:
         """Best effort, bounded: a dead or hung worker must not stall the bracket."""
         client = self.client()
-        if client is None:
+        rids = list(rids)
+        if client is None or not rids:
             return
         bound = max(1.0, 2 * self.poll_s)
 
-        async def one(url: str) -> None:
+        async def one(rid: str, url: str) -> None:
             try:
-                await asyncio.wait_for(client.abort(rid=prefix, url=url), bound)
+                await asyncio.wait_for(client.abort(rid=rid, url=url), bound)
             except (EngineError, asyncio.TimeoutError, ValueError) as exc:
-                log.debug("abort %s on %s failed: %s", prefix, url, exc)
+                log.debug("abort %s on %s failed: %s", rid, url, exc)
 
-        await asyncio.gather(*(one(u) for u in client.worker_urls))
+        await asyncio.gather(*(one(r, u) for r in rids for u in client.worker_urls))
 
     def abort_soon(self, prefix: str) -> None:
         """``abort_prefix`` without waiting for it (from code that must not block); the
@@ -74,9 +99,12 @@ class EngineAborter:
             await self.abort_prefix(prefix)
             left = deadline - self.clock()
             if left <= 0:
-                log.warning("producer %s (%s): %d requests still running %.1fs after the "
-                            "abort; cancelling them (their last segment is discarded)",
-                            self.producer_id, why, len(pending), self.deadline_s)
+                self.lost_requests += len(pending)
+                log.warning("producer %s (%s): %d requests (%s) did not come back %.1fs "
+                            "after the abort; cancelling them: their samples resume from "
+                            "their last applied segment, the tokens of this one are lost",
+                            self.producer_id, why, len(pending),
+                            ", ".join(self.matching(prefix)[:8]) or "-", self.deadline_s)
                 for t in pending:
                     t.cancel()
                 await asyncio.wait(pending, timeout=5.0)

@@ -33,5 +33,6 @@ class EngineClient(Protocol):
         ...
 
     async def abort(self, rid: str | None = None, *, url: str | None = None) -> None:
-        """``/abort_request`` on ``url`` (or every worker) for ``rid``."""
+        """``/abort_request`` on ``url`` (or every worker) for the exact ``rid`` (SGLang
+        0.5.23 ignores a rid that is not an exact live one, so never a prefix)."""
         ...

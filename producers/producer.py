@@ -105,7 +105,8 @@ class Producer:
         self._heartbeat = Heartbeat(self.queue, pid, interval_s=qc.heartbeat_interval_s,
                                     give_up_after_s=give_up_after_s, clock=clock)
         self._aborter = EngineAborter(lambda: self._client, pid, poll_s=config.abort_poll_s,
-                                      deadline_s=config.abort_deadline_s, clock=clock)
+                                      deadline_s=config.abort_deadline_s, clock=clock,
+                                      live_rids=lambda: self.runner.live_rids())
         self.runner = GroupRunner(config, producer_id=pid, queue=self.queue,
                                   group_size=self.group_size, client=lambda: self.client,
                                   pool=self.pool, handback=self.handback, book=self._book,
