@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from strawq import records
-from strawq.dataset import BadRow, Dataset, DatasetCursorReader, Row
+from strawq.dataset import (BadRow, Dataset, DatasetCursorReader, DatasetMismatch,
+                            ReleasePreview, Row, fingerprints_match, preview)
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
 from strawq.queue import RunQueue
@@ -126,12 +127,21 @@ class Feeder:
     releases on stale knowledge (DESIGN invariant 8).
     """
 
-    def __init__(self, queue: RunQueue, dataset: Dataset) -> None:
+    def __init__(self, queue: RunQueue, dataset: Dataset, *, check_dataset: bool = True) -> None:
+        """``DatasetMismatch`` if ``dataset`` is not the one the run's cursor counts over, or
+        its prompt key is not the run's (``check_dataset=False``: only to switch_dataset)."""
+        if dataset.prompt_key != queue.config.prompt_key:
+            raise DatasetMismatch(f"the dataset is read with prompt_key "
+                                  f"{dataset.prompt_key!r} but the run's prompt_key is "
+                                  f"{queue.config.prompt_key!r}; the run's key wins: read the "
+                                  f"dataset with prompt_key={queue.config.prompt_key!r}")
         self.queue = queue
         self.storage = queue.storage
         self.dataset = dataset
         self._reader = DatasetCursorReader(dataset)
         self.cursor = self.recover()
+        if check_dataset:
+            self._reader.adopt(self.cursor.fingerprint, self.cursor.next_index)
 
     # -- cursor ------------------------------------------------------------------------------
     def read_cursor(self) -> Cursor:
@@ -179,7 +189,7 @@ class Feeder:
         """
         cur = self.refresh()
         self._discard_abandoned(cur.seq, keep=cur.staging)
-        if cur.fingerprint and cur.fingerprint != self.dataset.fingerprint:
+        if not fingerprints_match(cur.fingerprint, self.dataset.fingerprint):
             log.warning("the dataset changed since the cursor was written (%s, now %s); "
                         "continuing from index %d", cur.fingerprint, self.dataset.fingerprint,
                         cur.next_index)
@@ -225,6 +235,7 @@ class Feeder:
         n = self.queue.config.release_batch if n is None else n
         for _attempt in range(MAX_COMMIT_TRIES):
             cur = self.refresh()
+            self._reader.adopt(cur.fingerprint, cur.next_index)  # never the wrong dataset
             if n <= 0 or cur.exhausted:
                 return 0
             got = self._release_after(cur, n)
@@ -266,7 +277,7 @@ class Feeder:
                                + ["staging", DIRS[TaskState.DROPPED]])
         end = rows[-1][0] + 1 if rows else cur.next_index
         exhausted = len(rows) < n
-        new = Cursor(seq, end, staging if good else None, exhausted, self.dataset.fingerprint)
+        new = Cursor(seq, end, staging if good else None, exhausted, self._reader.fingerprint)
         won = self._commit(seq, end, new.staging, exhausted, start=cur.next_index)
         if won and newest_seq(self.storage) > seq and (
                 not good or self.storage.exists(f"staging/{staging}")):
@@ -296,7 +307,7 @@ class Feeder:
         to ``cursor/<seq>`` without replacing: exactly one writer wins each number.
         """
         meta = {"seq": seq, "next_index": next_index, "staging": staging,
-                "exhausted": exhausted, "fingerprint": self.dataset.fingerprint,
+                "exhausted": exhausted, "fingerprint": self._reader.fingerprint,
                 "at": time.time(), **extra}
         prep = f"staging/{COMMIT_PREFIX}{seq:012d}.{uuid.uuid4().hex[:8]}"
         try:
@@ -340,7 +351,7 @@ class Feeder:
     def state_dict(self) -> dict[str, Any]:
         """The cursor for a trainer checkpoint (resume when the queue state is gone)."""
         return {"next_index": self.cursor.next_index, "seq": self.cursor.seq,
-                "fingerprint": self.dataset.fingerprint}
+                "fingerprint": self._reader.fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start releasing at a checkpointed index (only on an empty, fresh queue)."""
@@ -351,3 +362,33 @@ class Feeder:
             raise AlreadyExists(17, f"the queue already has a cursor at index "
                                     f"{cur.next_index}; it wins over a checkpoint")
         self.refresh()
+
+    def switch_dataset(self, *, start_row: int = 0) -> Cursor:
+        """Make this feeder's dataset the run's, on purpose: its row ``start_row`` becomes
+        the next task index, so task ids continue and are never reused. Commits a new cursor
+        (not exhausted) that records the new fingerprint; releases follow from it."""
+        if start_row < 0:
+            raise ValueError(f"start_row must be >= 0, got {start_row}")
+        for _ in range(MAX_COMMIT_TRIES):
+            cur = self.refresh()
+            self._reader.base = cur.next_index - start_row
+            if self._commit(cur.seq + 1, cur.next_index, None, False,
+                            switched_from=cur.fingerprint, start_row=start_row):
+                log.warning("switched the run's dataset to %s at task index %d (row %d)",
+                            self.dataset.url, cur.next_index, start_row)
+                return self.refresh()
+        raise CursorContention(17, "the cursor kept changing while switching datasets")
+
+
+def preview_release(queue: RunQueue, dataset: Dataset, count: int | None = None
+                    ) -> ReleasePreview:
+    """What ``Feeder(queue, dataset).release(count)`` would release and drop, read-only:
+    the cursor does not move and nothing is written or recovered (``--dry-run``)."""
+    count = queue.config.release_batch if count is None else count
+    if dataset.prompt_key != queue.config.prompt_key:
+        raise DatasetMismatch(f"the dataset is read with prompt_key {dataset.prompt_key!r} "
+                              f"but the run's is {queue.config.prompt_key!r}")
+    state = read_cursor_state(queue.storage) or {"next_index": 0, "fingerprint": {},
+                                                 "exhausted": False}
+    return preview(dataset, state.get("fingerprint") or {}, int(state["next_index"]),
+                   bool(state.get("exhausted")), count)
