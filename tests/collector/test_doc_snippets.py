@@ -66,3 +66,10 @@ def test_the_documented_loss_is_finite_on_an_empty_shard(tmp_path: Path, case: s
     for page, line, var in _loss_lines():
         loss = eval(line, {}, {"w": w, "logp": logp, var: batch})  # noqa: S307 - our docs
         assert torch.isfinite(loss), f"{page}: {line} is {loss} on an empty shard"
+
+
+def test_the_documented_reward_contract_check_runs() -> None:
+    page = (DOCS / "api.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    (block,) = [b for b in blocks if "check_reward_fn(math_answer" in b]
+    exec(block, {})  # noqa: S102 - our own docs; its assert checks the value
