@@ -420,8 +420,28 @@ def run_flat(base: str, total: int, window: int) -> list[dict[str, float]]:
             rows.append({"groups": done, "us_per_group": (t1 - t0) / (done - before_w(rows))
                          * 1e6, "live_files": files})
             t0 = t1
+    report_live_files(q)
     shutil.rmtree(root, ignore_errors=True)
     return rows
+
+
+#: Directories whose files are work: after the run and a plain gc they hold in-flight work only.
+WORK_DIRS = ("pending", "leased", "ready", "batched", "batches", "acked", "dropped", "data",
+             "staging", "tmp")
+
+
+def report_live_files(q: RunQueue) -> dict[str, int]:
+    """Files per directory after a plain gc; every group was trained, so work dirs are 0."""
+    from strawq.retention import live_files
+
+    BatchStore(q).gc(sweep=True, compact_drops_at=0)
+    q.storage.clean_dead_tmp()
+    files = live_files(q.storage)
+    beyond = {d: n for d, n in files.items() if d in WORK_DIRS and n}
+    print("live files per directory at the end, after gc: "
+          + "  ".join(f"{d}={n}" for d, n in sorted(files.items()))
+          + ("  (0 beyond in-flight work)" if not beyond else f"  LEFT OVER: {beyond}"))
+    return files
 
 
 def before_w(rows: list[dict[str, float]]) -> int:
