@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[all,juicefs,megatron]"
 	if [ -n "$(SLIME_SRC)" ]; then \
 	  $(PY) -m pip install -q --no-deps "$(SLIME_SRC)" && \
-	  $(PY) -m pip install -q httpx pillow transformers; \
+	  $(PY) -m pip install -q httpx pillow transformers pylatexenc; \
 	fi
 	touch $(STAMP)
 
@@ -80,6 +80,7 @@ bench: $(STAMP)
 	$(PY) bench/engines.py
 	$(PY) bench/collector.py
 	$(PY) bench/integrations.py
+	$(PY) bench/datasets.py
 
 clean:
 	deploy/juicefs/testvol.sh down "$(JFS_DIR)" >/dev/null 2>&1 || true

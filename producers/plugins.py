@@ -150,9 +150,9 @@ def load_filter(path: str | None) -> FilterFn | None:
 
 
 def check_reward_fn(fn: RewardFn, task: dict[str, Any], response_ids: list[int],
-                    meta: dict[str, Any] | None = None) -> float:
+                    sample_meta: dict[str, Any] | None = None) -> float:
     """Call a reward function (plain or async) once and check it returns a finite float."""
-    value: Any = fn(task, response_ids, dict(meta or {}))
+    value: Any = fn(task, response_ids, dict(sample_meta or {}))
     if inspect.isawaitable(value):
         async def _await() -> Any:
             return await value
