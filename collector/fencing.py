@@ -14,10 +14,11 @@ creates ``epoch-<E+1>`` (exclusive, so of two newcomers exactly one wins; the lo
 refuses). Every collector action first calls ``check()`` (or ``beat()``, which checks): an
 epoch newer than its own means it was taken over, and it raises ``FencedOut``.
 
-Residual window, stated: a holder that passes ``check()`` and then stalls for longer than
-``takeover_timeout_s`` before its next write could write once after a takeover. Writes
-that matter are still safe: batch manifests ``batches/<seq>`` and cursor records are
-exclusive creates, and every group move is a rename with one winner.
+A holder that passes ``check()`` and then stalls for longer than ``takeover_timeout_s``
+before its next write can still write once after a takeover. Every such write is fenced
+at the resource: a cursor commit is a compare-and-swap that a stale writer loses
+(``strawq.feeder``), every group move is a rename with one winner, and a manifest it
+publishes is *superseded* — readers refuse it and the successor sweeps it (below).
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from strawq.collector.errors import CollectorBusy
 from strawq import records
-from strawq.errors import AlreadyExists, FencedOut
+from strawq.batches import BatchStore, Manifest
+from strawq.errors import AlreadyExists, CorruptRecord, FencedOut, NotFound
 from strawq.records import Kind
+from strawq.states import TaskState, key_of, move
 from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -169,3 +173,114 @@ class EpochFence:
         except AlreadyExists:
             pass
         log.info("collector epoch %d closed", self.epoch)
+
+
+# -- manifests from a superseded epoch -------------------------------------------------------
+#
+# A collector that passed ``check()`` and then stalled past the takeover timeout can publish
+# one manifest after its successor took over. Each collector, right after taking its epoch
+# and before recovering, records the first batch number it may use: ``start-<E>~<F>`` (the
+# name is the data; F = the next batch number as listed then). A manifest stamped with an
+# epoch e is *superseded* when some newer epoch E > e started at F <= its number: it was
+# published after that successor listed ``batches/``. Readers never deliver it; the live
+# collector puts the groups it moved back to ``ready/`` (``sweep_superseded``) and deletes it
+# once none of its groups can still be moved by the stalled writer. Start records are kept
+# (one tiny file per collector start): an old epoch's stalled writer is refused forever.
+
+def mark_epoch_start(storage: Storage, epoch: int, first_seq: int) -> None:
+    """Record that collector ``epoch`` publishes batches from ``first_seq`` on."""
+    try:
+        storage.publish(f"collector/start-{epoch:012d}~{first_seq:012d}", b"")
+    except AlreadyExists:
+        pass
+
+
+def epoch_starts(storage: Storage, names: list[str] | None = None) -> list[tuple[int, int]]:
+    """(epoch, first batch number) of every collector start, oldest epoch first."""
+    out = []
+    for n in storage.list("collector") if names is None else names:
+        if n.startswith("start-"):
+            e, _, f = n[6:].partition("~")
+            if e.isdigit() and f.isdigit():
+                out.append((int(e), int(f)))
+    return sorted(out)
+
+
+def superseded(seq: int, meta: Mapping[str, Any], starts: list[tuple[int, int]]) -> int | None:
+    """The newer epoch that supersedes manifest ``seq`` (stamped ``meta['epoch']``), or None.
+
+    A manifest without an epoch (written by tools, not by a collector) is never refused.
+    """
+    epoch = meta.get("epoch")
+    if not isinstance(epoch, int):
+        return None
+    for e, first in starts:
+        if e > epoch and first <= seq:
+            return e
+    return None
+
+
+class SupersededSweep:
+    """The live collector's cleanup of manifests published by a superseded epoch.
+
+    Verdicts per manifest number are cached (a manifest never changes), so a pass reads
+    only manifests it has not seen. Returns the refused numbers still present.
+    """
+
+    def __init__(self, batches: BatchStore) -> None:
+        self.batches = batches
+        self.storage = batches.storage
+        self._verdict: dict[int, bool] = {}
+
+    def refused(self, seqs: list[int], starts: list[tuple[int, int]]) -> dict[int, Manifest]:
+        out: dict[int, Manifest] = {}
+        for seq in seqs:
+            if self._verdict.get(seq) is False:
+                continue
+            try:
+                man = self.batches.read_manifest(seq)
+            except (NotFound, CorruptRecord):
+                continue  # gone, or quarantined by recover/gc
+            by = superseded(seq, man.meta, starts)
+            self._verdict[seq] = by is not None
+            if by is not None:
+                out[seq] = man
+        return out
+
+    def sweep(self) -> set[int]:
+        """Return the groups of refused manifests to ``ready/``; delete finished ones."""
+        starts = epoch_starts(self.storage)
+        if len(starts) < 2:
+            return set()
+        seqs, _acked = self.batches.batch_seqs()
+        refused = self.refused(seqs, starts)
+        if not refused:
+            return set()
+        named: set[str] = set()
+        for seq in seqs:
+            if seq not in refused:
+                try:
+                    named.update(str(n) for n in self.batches.read_manifest(seq).groups)
+                except (NotFound, CorruptRecord):
+                    pass
+        for seq, man in sorted(refused.items()):
+            log.error("batch %d was published by collector epoch %s after epoch %s took over; "
+                      "it is refused: readers skip it and its groups go back to ready",
+                      seq, man.meta.get("epoch"), superseded(seq, man.meta, starts))
+            live = False
+            for name in man.groups:
+                if str(name) in named:
+                    continue
+                if self.storage.exists(key_of(TaskState.BATCHED, name)):
+                    try:
+                        move(self.storage, name, TaskState.BATCHED, TaskState.READY)
+                    except (NotFound, AlreadyExists):
+                        pass
+                live = live or self.storage.exists(key_of(TaskState.READY, name))
+            if not live:
+                # no group of it is left where the stalled writer could still move it
+                self.batches._mark_high_water(seq)  # its number is never used again
+                self.storage.delete(f"batches/{seq:012d}")
+                self.storage.delete(f"acked/{seq:012d}")
+                self._verdict.pop(seq, None)
+        return {s for s in refused if self.storage.exists(f"batches/{s:012d}")}

@@ -21,8 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from strawq.collector.behaviour import read_time_staleness, sampling_columns
 from strawq.collector.bracket import BracketReport, WeightUpdateBracket
 from strawq.collector.errors import BatchTimeout
+from strawq.collector.fencing import epoch_starts, superseded
 from strawq.collector.metrics import MetricsSink
 from strawq.collector.packing import RecordFile, ShardPacker, group_tokens, shard_groups
 from strawq.collector.resume import CHECKPOINT_FORMAT, read_cursor_state
@@ -86,6 +88,14 @@ class Batch:
     stats: dict[str, float] = field(default_factory=dict)
     #: bytes of group records read for this shard
     bytes_read: int = 0
+    #: per sample, the behaviour policy's sampling parameters (``strawq.collector.behaviour``):
+    #: float32 [S] temperature, float32 [S] top-p, int32 [S] top-k (−1: all)
+    temperature: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    #: bool [S]: staler than the run's η at the version this batch was read at (the
+    #: read-time re-check; kept and trained under ``eta_mode="train"``)
+    over_eta: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -119,6 +129,8 @@ class BatchReader:
         self._delivered = 0
         self._acked = 0
         self._skip_upto = 0
+        #: manifests from a superseded collector epoch (never delivered)
+        self._refused: set[int] = set()
         self._last_return: float | None = None
         self._steps = 0
         self._bracket: WeightUpdateBracket | None = None
@@ -156,7 +168,7 @@ class BatchReader:
                 if self.rank == 0:
                     self.batches.ack(s)
                 continue
-            if s <= self._delivered:
+            if s <= self._delivered or s in self._refused:
                 continue
             return s
         return None
@@ -173,7 +185,14 @@ class BatchReader:
                     man = self.batches.read_manifest(seq)
                 except NotFound:
                     continue  # acked and collected in between (another reader process)
-                break
+                by = superseded(seq, man.meta, epoch_starts(self.storage))
+                if by is None:
+                    break
+                log.error("batch %d comes from collector epoch %s, published after epoch %d "
+                          "took over: refused (its groups are batched again by the live "
+                          "collector)", seq, man.meta.get("epoch"), by)
+                self._refused.add(seq)
+                continue
             waited = self.clock() - start
             if waited >= timeout:
                 raise BatchTimeout(self._timeout_message(timeout))
@@ -245,6 +264,9 @@ class BatchReader:
                  "staleness/max": float(stal.max()) if stal.size else 0.0,
                  "staleness/multi_version_frac":
                      float(pk.multi_version.mean()) if stal.size else 0.0}
+        over, recheck = read_time_staleness(version, stal, man.meta)
+        stats.update(recheck)
+        sampling = sampling_columns(summaries)
         return Batch(
             seq=man.seq, rank=self.rank, world_size=self.world_size, version=version,
             tokens=torch.from_numpy(pk.tokens), cu_seqlens=torch.from_numpy(cu),
@@ -258,7 +280,8 @@ class BatchReader:
             sample_index=torch.from_numpy(sindex),
             sample_min_version=torch.from_numpy(pk.min_version), groups=groups,
             summaries=summaries, total_groups=len(man.groups), skipped=skipped, stats=stats,
-            bytes_read=nbytes)
+            bytes_read=nbytes, over_eta=torch.from_numpy(over),
+            **{k: torch.from_numpy(v) for k, v in sampling.items()})
 
     def _read_part(self, pk: ShardPacker, keys: list[str], part: range,
                    file: RecordFile) -> tuple[int, list[tuple[int, Exception]]]:
