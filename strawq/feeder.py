@@ -354,8 +354,13 @@ class Feeder:
                 "fingerprint": self._reader.fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Start releasing at a checkpointed index (only on an empty, fresh queue)."""
+        """Start releasing at a checkpointed index (only on an empty, fresh queue).
+
+        ``DatasetMismatch`` if the checkpoint's fingerprint is not this dataset's; a
+        checkpoint taken after a ``switch_dataset`` restores its offset too."""
         cur = self.refresh()
+        if not cur.seq:
+            self._reader.adopt(state.get("fingerprint") or {}, int(state["next_index"]))
         if cur.seq or not self._commit(1, int(state["next_index"]), None, False,
                                        restored_from_checkpoint=True):
             cur = self.refresh()

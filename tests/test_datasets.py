@@ -204,3 +204,23 @@ def test_release_dry_run_cli(tmp_path: Path) -> None:
     assert r.returncode == 1 and "not the run's dataset" in r.stdout
     r = subprocess.run(cli + ["release", str(run), other], capture_output=True, text=True)
     assert r.returncode != 0 and "not the run's dataset" in r.stderr
+
+
+def test_a_checkpointed_cursor_restores_on_the_same_dataset_only(tmp_path: Path) -> None:
+    first = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"a{i}"} for i in range(2)])
+    second = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"b{i}"} for i in range(5)])
+    q = make_queue(tmp_path)
+    Feeder(q, Dataset(first)).release(2)
+    f = Feeder(q, Dataset(second), check_dataset=False)
+    f.switch_dataset(start_row=1)
+    assert f.release(1) == 1
+    state = f.state_dict()
+    assert state["next_index"] == 3 and state["fingerprint"]["base"] == 1
+    fresh = RunQueue.create(PosixStorage(str(tmp_path / "run2")), QueueConfig(fsync=False))
+    with pytest.raises(DatasetMismatch):
+        Feeder(fresh, Dataset(first)).load_state_dict(state)
+    g = Feeder(fresh, Dataset(second))
+    g.load_state_dict(state)
+    assert g.release(10) == 3
+    rows = {lease.task_id: lease.task["row"]["prompt"] for lease in fresh.claim("p", 10)}
+    assert rows == {tid(3): "b2", tid(4): "b3", tid(5): "b4"}
