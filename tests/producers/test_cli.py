@@ -1,0 +1,47 @@
+"""``strawq producer``: one producer without Ray, stopped by SIGTERM like Slurm or systemd do."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.producers.helpers import ids, make_run
+
+PLUGINS = "tests.producers.plugins_for_tests"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_producer_process_generates_and_hands_back_on_sigterm(tmp_path: Path,
+                                                                sim_engine: Any) -> None:
+    n = 40
+    q = make_run(str(tmp_path / "run"), n)
+    code = "import sys; sys.modules['ray'] = None; from strawq.cli import main; " \
+           "sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "producer", str(tmp_path / "run"), "--engine",
+         sim_engine.url, "--reward", f"{PLUGINS}.length_reward", "--slots", "2",
+         "--set", "max_new_tokens=64", "--set", "idle_poll_s=0.02", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 60
+        while len(ids(q, "ready")) < 3:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no ready group within 60 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    stats = json.loads(out)
+    assert stats["groups_completed"] >= 3
+    assert ids(q, "leased") == []  # every held group was handed back
