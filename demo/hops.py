@@ -157,10 +157,9 @@ class HopTracer(threading.Thread):
     def _one(self, ev: Event) -> None:
         d, name, t = ev.directory, ev.name, ev.at
         if d == "cursor":
-            # the cursor record says where release <seq> ends (its next dataset index)
-            rec = records.decode(self.queue.storage.read(f"cursor/{name}"),
-                                 expect=records.Kind.CURSOR, name=name)
-            bisect.insort(self._bounds, (int(rec.meta["next_index"]), int(rec.meta["seq"])))
+            bound = self._cursor_bound(name)
+            if bound is not None:
+                bisect.insort(self._bounds, bound)
         elif d == "pending":
             if name.startswith(RELEASE_PREFIX):
                 self._release_at[int(name[len(RELEASE_PREFIX):])] = t
@@ -187,6 +186,22 @@ class HopTracer(threading.Thread):
             self.samples.mark("ack", t)
         elif d == "control":
             self._control(name, t)
+
+    def _cursor_bound(self, name: str) -> tuple[int, int] | None:
+        """(next dataset index, seq) of a new cursor: from its name ``<seq>.<next>`` (flat,
+        or inside a ``cursor/<seq>/`` directory), else from the record's content."""
+        st = self.queue.storage
+        if "." not in name and st.is_dir(f"cursor/{name}"):
+            inner = [n for n in st.list(f"cursor/{name}") if "." in n]
+            if not inner:
+                return None
+            name = f"{name}/{inner[0]}"
+        base = name.rsplit("/", 1)[-1]
+        parts = base.split(".")
+        if len(parts) == 2 and all(p.isdigit() for p in parts):
+            return int(parts[1]), int(parts[0])
+        rec = records.decode(st.read(f"cursor/{name}"), expect=records.Kind.CURSOR, name=name)
+        return int(rec.meta["next_index"]), int(rec.meta["seq"])
 
     def _claimed(self, name: str, t: float) -> None:
         n = TaskName.try_parse(name)

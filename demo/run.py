@@ -412,7 +412,11 @@ def _write_outputs(work: str, cfg: DemoConfig, result: DemoResult, samples: plot
                        "marks_s": {k: [round(t - t0, 4) for t in v]
                                    for k, v in result.hops.marks.items()},
                        "idle_gaps_s": [(round(a - t0, 4), round(b - t0, 4))
-                                       for a, b in (result.gaps.gaps if result.gaps else [])]},
+                                       for a, b in (result.gaps.gaps if result.gaps else [])],
+                       "trainer_s": [(iv.what, round(iv.start - t0, 4), round(iv.end - t0, 4))
+                                     for iv in result.schedule.intervals],
+                       "engines_s": {k: [(round(t - t0, 4), b) for t, b in v]
+                                     for k, v in samples.series.items()}},
                       f)
         files["hops"] = hops_path
     return files

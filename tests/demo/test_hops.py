@@ -39,7 +39,7 @@ def test_idle_gaps_need_the_trainer_waiting_and_every_engine_idle():
 def test_tracer_times_each_hop(tmp_path):
     q = RunQueue.create(PosixStorage(str(tmp_path / "run")), QueueConfig(group_size=2))
     tr = HopTracer(q)
-    q.storage.publish("cursor/000000000001", records.encode(
+    q.storage.publish("cursor/000000000001/000000000001.000000000010", records.encode(
         records.Kind.CURSOR, {"seq": 1, "next_index": 10}))
     task = f"{queue_key('c', 0, 5)}~i000000000005~g0~a1~r-1~p0"
     ready = "000000000000.000000000005~i000000000005~g0~a1~r-1~p0"
@@ -65,4 +65,18 @@ def test_tracer_times_each_hop(tmp_path):
     tr.add_producer_hops({"final_to_ready": [0.01, 0.02]})
     assert tr.samples.summary()["final_to_ready"]["count"] == 2
     assert tr.samples.marks["claim"] == [1.25, 3.6]
+    tr.watch.close()
+
+
+def test_cursor_bounds_from_any_cursor_layout(tmp_path):
+    q = RunQueue.create(PosixStorage(str(tmp_path / "run")), QueueConfig(group_size=2))
+    tr = HopTracer(q)
+    rec = records.encode(records.Kind.CURSOR, {"seq": 3, "next_index": 40})
+    q.storage.publish("cursor/000000000002.000000000030", rec)  # flat <seq>.<next>
+    q.storage.publish("cursor/000000000003/000000000003.000000000040", rec)  # per-seq dir
+    q.storage.publish("cursor/000000000004", records.encode(
+        records.Kind.CURSOR, {"seq": 4, "next_index": 50}))  # only the content says
+    assert tr._cursor_bound("000000000002.000000000030") == (30, 2)
+    assert tr._cursor_bound("000000000003") == (40, 3)
+    assert tr._cursor_bound("000000000004") == (50, 4)
     tr.watch.close()
