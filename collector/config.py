@@ -14,7 +14,7 @@ from typing import Literal, get_args
 from strawq.config import Config
 from strawq.errors import ConfigError
 
-EtaMode = Literal["drop", "requeue", "off"]
+EtaMode = Literal["train", "regenerate", "drop", "off", "requeue"]
 AdvantageMode = Literal["grpo", "grpo_mean_only", "none"]
 ETA_MODES: tuple[str, ...] = get_args(EtaMode)
 ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
@@ -27,10 +27,16 @@ class CollectorConfig(Config):
     #: η: maximum staleness in weight versions (current version − a group's minimum token
     #: version). ``None`` means unbounded (η = ∞): only the slot and backlog bounds apply.
     max_staleness: int | None = None
-    #: What to do with a ready group staler than η at batch time: ``drop`` (recorded in
-    #: ``dropped/`` with reason ``stale_eta``), ``requeue`` (generated again from scratch),
-    #: or ``off`` (admission control only, never enforced on ready groups).
-    eta_mode: EtaMode = "drop"
+    #: What to do with a ready group that would be trained staler than η (invariant 10; the
+    #: staleness is projected to the version it is trained at, prefetched batches ahead of
+    #: it counted): ``train`` (the default: keep the work, train it with its per-token
+    #: importance correction, count it in ``collector/stale_trained_total`` and name it in
+    #: the manifest's ``over_eta``), ``regenerate`` (generated again from scratch, with a
+    #: fresh sampling seed and a counted attempt; ``requeue`` is its old name), ``drop``
+    #: (recorded in ``dropped/`` with reason ``stale_eta``), or ``off`` (admission control
+    #: only, never checked on ready groups). Only ``regenerate`` and ``drop`` lose work,
+    #: and only when configured.
+    eta_mode: EtaMode = "train"
     #: Optimizer steps (batches) per weight version; the admission bound scales with it.
     batches_per_version: int = 1
     #: Bound on running groups (pending + leased + partial). Set it to the producers' total

@@ -5,7 +5,9 @@ Exactly one per run (``strawq.collector.fencing``). One pass of ``Collector.step
 1. ``beat``: check the epoch fence (``FencedOut`` if taken over), advance the heartbeat;
 2. ``LeaseMonitor.scan()``: expire the leases of producers whose counters stopped moving;
 3. GC of acked batches (every ``gc_interval_s``);
-4. scan ``ready/``, order it staleness-first, apply the η bound (drop or re-queue);
+4. scan ``ready/``, order it staleness-first, check the η bound against the version each
+   group will be trained at (prefetched batches ahead counted) and apply ``eta_mode``:
+   ``train`` (default: keep and count), ``regenerate`` or ``drop`` (only when configured);
 5. publish batches of B groups while fewer than ``max_prefetch_batches`` are unacked (a
    short last batch once the dataset is exhausted and nothing runs);
 6. admission: release new prompt groups through the ``Feeder`` (``strawq.collector.admission``);
@@ -59,6 +61,8 @@ class StepReport:
     published: list[int] = field(default_factory=list)
     dropped_stale: list[str] = field(default_factory=list)
     requeued_stale: list[str] = field(default_factory=list)
+    #: groups published although over η (``eta_mode="train"``): kept, trained, counted
+    stale_trained: list[str] = field(default_factory=list)
     scan: ScanResult | None = None
     gc: GcReport | None = None
     prefetched: int = 0
@@ -102,6 +106,8 @@ class Collector:
         self._steps = 0
         #: counters of this incarnation (the metrics sink continues them across restarts)
         self._totals = {"released": 0, "batches": 0, "expired": 0}
+        #: groups over η this incarnation, per policy action (``eta_mode``)
+        self.stale_totals = {"trained": 0, "regenerated": 0, "dropped": 0}
 
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
@@ -168,10 +174,10 @@ class Collector:
                 self._last_sweep = now
         rep.version = self.queue.current_version()
         upstream = upstream_depths(self.storage)  # listed before the ready scan: see depths()
-        ready = self._ordered_ready(rep)
         refused = self.superseded.sweep()  # a stalled predecessor's late manifests
         seqs, acked = self.batches.batch_seqs()
         rep.prefetched = len([s for s in seqs if s not in acked and s not in refused])
+        ready = self._ordered_ready(rep)  # after the prefetch count: eta is judged with it
         # re-queued stale groups left ready after the upstream listing: still count them
         rep.depths = depths(self.storage, upstream=upstream,
                             ready=len(ready) + len(rep.requeued_stale))
@@ -179,6 +185,9 @@ class Collector:
         self._form_batches(ready, rep)
         self._admit(rep)
         self._steps += 1
+        self.stale_totals["trained"] += len(rep.stale_trained)
+        self.stale_totals["regenerated"] += len(rep.requeued_stale)
+        self.stale_totals["dropped"] += len(rep.dropped_stale)
         self._totals["released"] += rep.released
         self._totals["batches"] += len(rep.published)
         self._totals["expired"] += len(rep.scan.expired) if rep.scan else 0
@@ -189,29 +198,43 @@ class Collector:
         """Queue depths now (``strawq.states.depths``: listed in the direction work flows)."""
         return depths(self.storage)
 
+    def trained_at(self, rep: StepReport, position: int) -> int:
+        """The version a ready group at ``position`` (staleness-first) is trained at, at the
+        earliest: the current one plus the versions of the batches trained before it (the
+        ``rep.prefetched`` unacked ones and those formed ahead of it now)."""
+        ahead = rep.prefetched + position // self.config.batch_groups
+        return rep.version + ahead // self.config.batches_per_version
+
     def _ordered_ready(self, rep: StepReport) -> list[TaskName]:
         scanned = self.batches.scan_ready()
         ready = self.order.order(scanned)
         eta = self.config.max_staleness
-        if eta is None or self.config.eta_mode == "off":
-            return ready
-        keep = []
+        mode = self.config.eta_mode
+        if eta is None or mode in ("off", "train"):
+            return ready  # ``train``: over-η groups are kept and counted as batches form
+        room = max(self.config.max_prefetch_batches - rep.prefetched, 0)
+        keep: list[TaskName] = []
         for n in ready:
-            stale = staleness(rep.version, n.version)  # the group's: its minimum version
+            if len(keep) >= room * self.config.batch_groups:
+                keep.append(n)  # not batched in this pass: judged when its batch forms
+                continue
+            at = self.trained_at(rep, len(keep))
+            stale = staleness(at, n.version)  # the group's: its minimum version
             if stale <= eta:
                 keep.append(n)
                 continue
-            if self.config.eta_mode == "drop":
-                msg = (f"staleness {stale} > eta {eta} (min version "
-                       f"{n.version}, current {rep.version})")
+            if mode == "drop":
+                msg = (f"staleness {stale} > eta {eta} (min version {n.version}, trained at "
+                       f"{at}, current {rep.version})")
                 if self.batches.drop_ready(n, STALE_REASON, msg):
                     rep.dropped_stale.append(n.id)
-            elif self.batches.requeue_ready(n):
+            elif self.batches.requeue_ready(n, refund=False):  # regenerate: fresh seed
                 rep.requeued_stale.append(n.id)
         self.order.forget(rep.dropped_stale + rep.requeued_stale)
         if rep.dropped_stale or rep.requeued_stale:
-            log.info("eta bound %d at version %d: dropped %d, re-queued %d stale groups", eta,
-                     rep.version, len(rep.dropped_stale), len(rep.requeued_stale))
+            log.warning("eta bound %d at version %d (eta_mode=%s): dropped %d, regenerating %d "
+                        "stale groups", eta, rep.version, mode, len(rep.dropped_stale),
+                        len(rep.requeued_stale))
         return keep
 
     # -- batches -----------------------------------------------------------------------------
@@ -228,8 +251,15 @@ class Collector:
             names, summaries = self._summaries(take)
             if not names:
                 continue
-            meta = {"epoch": self.fence.epoch, "version": rep.version,
-                    "advantages": cfg.advantages, "owner": self.fence.owner}
+            at = self.trained_at(rep, 0)
+            meta: dict[str, Any] = {"epoch": self.fence.epoch, "version": rep.version,
+                                    "advantages": cfg.advantages, "owner": self.fence.owner,
+                                    "max_staleness": cfg.max_staleness,
+                                    "eta_mode": cfg.eta_mode, "trained_at": at}
+            if cfg.max_staleness is not None and cfg.eta_mode == "train":
+                over = [n.id for n in names if staleness(at, n.version) > cfg.max_staleness]
+                meta["over_eta"] = over
+                rep.stale_trained += over
             seq = self._publish(names, summaries, meta)
             self.order.forget([n.id for n in names])
             rep.published.append(seq)
@@ -324,6 +354,9 @@ class Collector:
             "collector/released_total": self._totals["released"],
             "collector/batches_total": self._totals["batches"],
             "collector/expired_leases_total": self._totals["expired"],
+            "collector/stale_trained_total": self.stale_totals["trained"],
+            "collector/stale_regenerated_total": self.stale_totals["regenerated"],
+            "collector/stale_dropped_total": self.stale_totals["dropped"],
         }
         for reason, count in self.dropped_by_reason().items():
             values[f"dropped/{reason}"] = count

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from strawq.collector.behaviour import read_time_staleness, sampling_columns
 from strawq.collector.bracket import BracketReport, WeightUpdateBracket
 from strawq.collector.errors import BatchTimeout
 from strawq.collector.fencing import epoch_starts, superseded
@@ -87,6 +88,14 @@ class Batch:
     stats: dict[str, float] = field(default_factory=dict)
     #: bytes of group records read for this shard
     bytes_read: int = 0
+    #: per sample, the behaviour policy's sampling parameters (``strawq.collector.behaviour``):
+    #: float32 [S] temperature, float32 [S] top-p, int32 [S] top-k (−1: all)
+    temperature: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    #: bool [S]: staler than the run's η at the version this batch was read at (the
+    #: read-time re-check; kept and trained under ``eta_mode="train"``)
+    over_eta: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -255,6 +264,9 @@ class BatchReader:
                  "staleness/max": float(stal.max()) if stal.size else 0.0,
                  "staleness/multi_version_frac":
                      float(pk.multi_version.mean()) if stal.size else 0.0}
+        over, recheck = read_time_staleness(version, stal, man.meta)
+        stats.update(recheck)
+        sampling = sampling_columns(summaries)
         return Batch(
             seq=man.seq, rank=self.rank, world_size=self.world_size, version=version,
             tokens=torch.from_numpy(pk.tokens), cu_seqlens=torch.from_numpy(cu),
@@ -268,7 +280,8 @@ class BatchReader:
             sample_index=torch.from_numpy(sindex),
             sample_min_version=torch.from_numpy(pk.min_version), groups=groups,
             summaries=summaries, total_groups=len(man.groups), skipped=skipped, stats=stats,
-            bytes_read=nbytes)
+            bytes_read=nbytes, over_eta=torch.from_numpy(over),
+            **{k: torch.from_numpy(v) for k, v in sampling.items()})
 
     def _read_part(self, pk: ShardPacker, keys: list[str], part: range,
                    file: RecordFile) -> tuple[int, list[tuple[int, Exception]]]:

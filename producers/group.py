@@ -38,9 +38,16 @@ class TaskError(StrawqError, ValueError):
     """The task itself cannot be run (bad prompt, bad row overrides): fail it for good."""
 
 
-def sample_seed(base: int, index: int, i: int) -> int:
-    """A stable 63-bit seed for sample ``i`` of dataset row ``index``."""
-    h = hashlib.blake2b(f"{base}:{index}:{i}".encode(), digest_size=8).digest()
+def sample_seed(base: int, index: int, i: int, gen: int = 0) -> int:
+    """A stable 63-bit seed for sample ``i`` of dataset row ``index``.
+
+    ``gen`` is the lease generation of a group generated from scratch: a group sent back
+    (re-generated for staleness, released, expired) draws fresh samples instead of the same
+    ones again (a re-queued long-tail group would be exactly as long and cycle). A resumed
+    prefix keeps the seed recorded in its params; generation 0 keeps the historic seeds.
+    """
+    key = f"{base}:{index}:{i}" if gen == 0 else f"{base}:{index}:{i}:g{gen}"
+    h = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & (2**63 - 1)
 
 

@@ -155,11 +155,11 @@ class GroupRunner:
             self.aborter.abort_soon(a.run.rid_prefix(self.producer_id))
 
     # -- one group -----------------------------------------------------------------------------
-    def _params(self, task: dict[str, Any], i: int) -> SamplerParams:
+    def _params(self, task: dict[str, Any], i: int, gen: int = 0) -> SamplerParams:
         row = task.get("row") if isinstance(task.get("row"), dict) else {}
         overrides = row.get("sampling_params") if isinstance(row, dict) else None
         seed = None if self.config.seed is None else sample_seed(
-            self.config.seed, int(task.get("index", 0)), i)
+            self.config.seed, int(task.get("index", 0)), i, gen)
         try:
             return self.config.sampler_params(overrides, seed)
         except StrawqError as exc:
@@ -182,7 +182,7 @@ class GroupRunner:
             return GroupRun.from_partial(lease, partial, lambda i: self._params(lease.task, i))
         if prompt is None:
             raise TaskError(f"task {lease.task_id}: neither a partial nor a prompt to run")
-        return GroupRun.fresh(lease, prompt, [self._params(lease.task, i)
+        return GroupRun.fresh(lease, prompt, [self._params(lease.task, i, lease.gen)
                                               for i in range(self.group_size)])
 
     async def _run_group(self, a: ActiveGroup) -> None:

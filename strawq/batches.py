@@ -177,9 +177,10 @@ class BatchStore:
             return False
         return True
 
-    def requeue_ready(self, name: TaskName) -> bool:
-        """Send a too-stale ready group back as fresh work (gen + 1, not an attempt)."""
-        new = requeued_name(name, refund=True, drop_prefix=True)
+    def requeue_ready(self, name: TaskName, *, refund: bool = True) -> bool:
+        """Send a too-stale ready group back as fresh work (gen + 1; the attempt counted at
+        its claim is refunded unless ``refund=False``, the collector's ``regenerate``)."""
+        new = requeued_name(name, refund=refund, drop_prefix=True)
         try:
             move(self.storage, name, S.READY, queued_state(new), new)
         except (NotFound, AlreadyExists):
