@@ -4,8 +4,9 @@
 policy-gradient step with the token-level importance-sampling correction: per token,
 ``w = min(pi_theta / mu, 2.0)`` (TIS, no gradient through w) against the log-probs the
 engine recorded (``mu``, from whatever weight version produced that token), and loss
-``-mean_samples(mean_tokens(w * A * log pi_theta))`` with the collector's GRPO
-group-normalised advantages.
+``-aggregate(w * A * log pi_theta)`` (``loss_agg``, default the mean over samples of token
+means) with the collector's GRPO group-normalised advantages; ``log pi_theta`` is taken
+at each sample's recorded temperature (``GRPOTrainer.logprobs``).
 ``push_weights`` saves the weights to a new directory and loads them into every engine.
 """
 
@@ -21,9 +22,9 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from strawq.collector.importance import masked_tis_weights
+from strawq.collector.importance import (DEFAULT_LOSS_AGG, aggregate_loss, masked_tis_weights,
+                                         policy_logprobs, sampling_bias_warning)
 from strawq.collector.reader import Batch
 from strawq.producers.engines.tiny_model import TinyLM, load_weights, save_weights
 
@@ -64,6 +65,8 @@ class GRPOTrainer:
     engine_urls: list[str]
     lr: float = 1e-3
     is_mode: str = "tis"
+    #: loss reduction (``strawq.collector.importance.LOSS_AGG_MODES``), as the examples
+    loss_agg: str = DEFAULT_LOSS_AGG
     keep_versions: int = 3
     history: list[dict[str, float]] = field(default_factory=list)
 
@@ -77,21 +80,31 @@ class GRPOTrainer:
                  **kw: Any) -> GRPOTrainer:
         return cls(load_weights(weights_dir), workdir, engine_urls, **kw)
 
+    def logprobs(self, batch: Batch, tokens: torch.Tensor,
+                 model: torch.nn.Module | None = None) -> torch.Tensor:
+        """[S, L-1] log-probs of ``tokens[:, 1:]`` at each sample's recorded temperature,
+        the engines' log-prob convention (SGLang's default: tempered, before top-k / top-p
+        truncation), so an on-policy token has ratio 1 at any temperature. Truncated
+        sampling is warned about in ``train_step`` (its ratios stay biased)."""
+        logits = (model or self.model)(tokens[:, :-1])
+        temp = batch.temperature
+        t = 1.0 if temp is None else temp[:, None].expand(tokens[:, 1:].shape)
+        return policy_logprobs(logits, tokens[:, 1:], t)
+
     def train_step(self, batch: Batch) -> dict[str, float]:
         t0 = time.perf_counter()
         tokens, mask, logp_old, adv, _valid = unpack(batch)
         self.model.train()
-        logits = self.model(tokens[:, :-1])
-        logp = F.log_softmax(logits.float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+        sampling_bias_warning(batch.top_p, batch.top_k)
+        logp = self.logprobs(batch, tokens)
         m, lo, a = mask[:, 1:], logp_old[:, 1:], adv[:, 1:]
         w = masked_tis_weights(logp, lo, m, mode=self.is_mode)
         denom = m.sum().clamp(min=1.0)
-        # GRPO's sequence-mean: each sample weighs the same whatever its length, so the
-        # short answers the task rewards are not drowned by long ones.
-        per_seq = (w * a * logp * m).sum(1) / m.sum(1).clamp(min=1.0)
-        loss = -per_seq.mean()
+        # the loss reduction is an explicit option (docs/tuning.md); the default, GRPO's
+        # sequence mean of token means, weighs each sample the same whatever its length
+        loss = -aggregate_loss(w * a * logp, m, self.loss_agg)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         with torch.no_grad():

@@ -17,7 +17,8 @@ import json
 import logging
 import os
 
-from strawq.collector.importance import masked_tis_weights
+from strawq.collector.importance import (DEFAULT_LOSS_AGG, aggregate_loss, masked_tis_weights,
+                                         sampling_bias_warning)
 from strawq.collector.reader import Batch, BatchReader
 from strawq.producers.sglang_client import SGLangClient
 
@@ -25,10 +26,18 @@ log = logging.getLogger("trainer_loop")
 
 
 def train_step(batch: Batch) -> float:
-    """Your optimizer step. Here: the loss with logp_new = the rollout log-probs."""
+    """Your optimizer step. Here: the loss with logp_new = the rollout log-probs.
+
+    Your model's log-probs must be taken under each sample's sampling transform
+    (``batch.temperature``, ``batch.top_k``, ``batch.top_p``: see
+    ``strawq.collector.importance.policy_logprobs``), or on-policy ratios are not 1.
+    """
+    sampling_bias_warning(batch.top_p, batch.top_k)  # if you score the full softmax
     logp_new = batch.rollout_logprobs.clone().requires_grad_()   # float32 [T]: your model's
     w = masked_tis_weights(logp_new, batch.rollout_logprobs, batch.loss_mask, mode="tis")
-    loss = -(w * batch.advantages * logp_new).sum() / batch.loss_mask.sum().clamp(min=1)
+    # the same reduction as the demo trainer (docs/tuning.md, "Loss aggregation")
+    loss = -aggregate_loss(w * batch.advantages * logp_new, batch.loss_mask, DEFAULT_LOSS_AGG,
+                           batch.cu_seqlens)
     loss.backward()
     return float(loss)
 

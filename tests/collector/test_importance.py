@@ -9,9 +9,13 @@ import torch
 
 from strawq.collector.importance import (
     icepop_mask,
+    LOSS_AGG_MODES,
+    aggregate_loss,
     importance_ratios,
     masked_tis_weights,
     offpolicy_prefix_mask,
+    policy_logprobs,
+    sampling_bias_warning,
     truncated_is,
 )
 
@@ -40,6 +44,67 @@ def test_tis_has_no_gradient_through_the_weight():
     assert not w.requires_grad
 
 
-def test_offpolicy_prefix_mask():
-    versions = torch.tensor([-1, -1, 3, 3, 4, 5], dtype=torch.int64)
-    assert offpolicy_prefix_mask(versions, 4).tolist() == [0, 0, 0, 0, 1, 1]
+def test_offpolicy_prefix_mask_is_relative_to_each_sample():
+    # sample 0: resumed at versions 3 -> 4 -> 5 (keep its version-5 tail); sample 1: one
+    # segment at version 2 (kept whole, however old: it has no resumed prefix)
+    versions = torch.tensor([-1, -1, 3, 3, 4, 5, -1, 2, 2], dtype=torch.int64)
+    cu = torch.tensor([0, 6, 9], dtype=torch.int32)
+    assert offpolicy_prefix_mask(versions, cu).tolist() == [0, 0, 0, 0, 0, 1, 0, 1, 1]
+    padded = torch.tensor([[-1, 3, 3, 4], [-1, 2, 2, -1]])
+    assert offpolicy_prefix_mask(padded).tolist() == [[0, 0, 0, 1], [0, 1, 1, 0]]
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        offpolicy_prefix_mask(versions, 4)  # type: ignore[arg-type]
+
+
+def _draw(logits: torch.Tensor, temperature: float, top_k: int = -1,
+          top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine side: sample from the truncated tempered distribution, record its logp."""
+    x = logits / temperature
+    if top_k > 0:
+        kth = x.sort(-1, descending=True).values[..., top_k - 1:top_k]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1:
+        probs, order = x.softmax(-1).sort(-1, descending=True)
+        drop = torch.zeros_like(probs, dtype=torch.bool).scatter(
+            -1, order, (probs.cumsum(-1) - probs) >= top_p)
+        x = x.masked_fill(drop, float("-inf"))
+    logp = torch.log_softmax(x, -1)
+    tok = torch.multinomial(logp.exp(), 1, generator=torch.Generator().manual_seed(0))[:, 0]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+def test_policy_logprobs_make_on_policy_ratios_one():
+    logits = torch.randn(400, 50, generator=torch.Generator().manual_seed(1)) * 3
+    tok, lp = _draw(logits, 0.6)
+    # scored at T = 1 (what the demo did): per-token ratios far from 1
+    plain = policy_logprobs(logits, tok)
+    assert float((importance_ratios(plain, lp) - 1).abs().mean()) > 0.2
+    mine = policy_logprobs(logits, tok, torch.full((400,), 0.6))
+    assert torch.allclose(importance_ratios(mine, lp), torch.ones(400), atol=1e-4)
+    # truncated sampling: only the same truncation gives ratio 1
+    tok, lp = _draw(logits, 0.8, top_k=5, top_p=0.7)
+    biased = policy_logprobs(logits, tok, 0.8)
+    assert float((lp - biased).min()) > 0  # log of the kept mass, on every token
+    exact = policy_logprobs(logits, tok, 0.8, top_k=5, top_p=0.7)
+    assert torch.allclose(exact, lp, atol=1e-5)
+
+
+def test_sampling_bias_warning_once():
+    assert sampling_bias_warning(torch.ones(3), torch.full((3,), -1)) is None
+    with pytest.warns(RuntimeWarning, match="top_p < 1"):
+        assert sampling_bias_warning(torch.tensor([1.0, 0.9]), None) is not None
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_aggregate_loss_flat_equals_padded(mode):
+    flat = torch.tensor([9.0, 1.0, 2.0, 9.0, 3.0, 5.0, 7.0])
+    mask = torch.tensor([0, 1, 1, 0, 1, 1, 1])
+    cu = torch.tensor([0, 3, 7])
+    padded = torch.tensor([[9.0, 1.0, 2.0, 0.0], [9.0, 3.0, 5.0, 7.0]])
+    pmask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]])
+    want = {"token_mean": 18 / 5, "seq_mean_token_sum": (3 + 15) / 2,
+            "seq_mean_token_mean": (1.5 + 5) / 2}[mode]
+    assert float(aggregate_loss(flat, mask, mode, cu)) == pytest.approx(want)
+    assert float(aggregate_loss(padded, pmask, mode)) == pytest.approx(want)
+    with pytest.raises(ValueError, match="loss aggregation"):
+        aggregate_loss(flat, mask, "mean")
