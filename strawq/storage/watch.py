@@ -209,6 +209,12 @@ class DirWatch:
         if fd is not None:
             os.close(fd)
 
+    def __del__(self) -> None:  # an unclosed watch must not hold an inotify instance
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
     def __enter__(self) -> DirWatch:
         return self
 
@@ -269,6 +275,12 @@ class DirProbe:
             if fd is not None:
                 os.close(fd)
                 self._fds[i] = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def changed(self) -> bool:
         """True when a listing is due: a directory changed, or it may have."""
