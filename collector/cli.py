@@ -74,21 +74,25 @@ def _check_target(path: str) -> None:
 
 
 def _prompt_key(args: argparse.Namespace, queue_config: Any) -> str:
-    """The run's prompt key; a run whose run.meta is unreadable needs --queue-config."""
+    """The run's prompt key: an existing run's wins (--queue-config is used only to create a
+    run, and one naming another prompt_key is an error); a run whose run.meta is unreadable
+    needs --queue-config."""
     from strawq.config import QueueConfig
-    from strawq.errors import CorruptRecord, NotFound, StrawqError
+    from strawq.errors import ConfigError, CorruptRecord, NotFound, StrawqError
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
 
-    if queue_config is not None:
-        return str(queue_config.prompt_key)
+    fallback = str(queue_config.prompt_key) if queue_config is not None else \
+        QueueConfig().prompt_key
     if not os.path.isdir(args.path):
-        return QueueConfig().prompt_key
+        return fallback
     try:
-        return RunQueue.open(open_storage(args.path, writer_id="cli")).config.prompt_key
+        run_key = RunQueue.open(open_storage(args.path, writer_id="cli")).config.prompt_key
     except NotFound:
-        return QueueConfig().prompt_key
+        return fallback
     except (CorruptRecord, StrawqError) as exc:
+        if queue_config is not None:
+            return fallback
         raise StrawqError(
             f"{args.path}/run.meta is unreadable ({exc}); the run's queue config is lost with "
             "it. To resume, pass --queue-config FILE (a JSON object of the queue config the "
@@ -97,6 +101,14 @@ def _prompt_key(args: argparse.Namespace, queue_config: Any) -> str:
             "BatchReader.state_dict()): the damaged directory is moved aside to "
             f"{args.path.rstrip('/')}.unreadable-<time> and releases resume at the "
             "checkpoint's dataset cursor") from exc
+    named = _read_json(args.queue_config, "queue config").get("prompt_key") \
+        if queue_config is not None else None
+    if named is not None and named != run_key:
+        raise ConfigError(f"--queue-config names prompt_key {named!r} but the run at {args.path} "
+                          f"was created with prompt_key {run_key!r}; the run's key wins (the "
+                          "queue config is used only to create a run): remove prompt_key from "
+                          f"the file or set it to {run_key!r}")
+    return run_key
 
 
 def _read_json(path: str, what: str) -> Any:

@@ -224,3 +224,30 @@ def test_a_checkpointed_cursor_restores_on_the_same_dataset_only(tmp_path: Path)
     assert g.release(10) == 3
     rows = {lease.task_id: lease.task["row"]["prompt"] for lease in fresh.claim("p", 10)}
     assert rows == {tid(3): "b2", tid(4): "b3", tid(5): "b4"}
+
+
+def test_collector_cli_takes_the_runs_prompt_key(tmp_path: Path) -> None:
+    import argparse
+
+    from strawq.collector.cli import _prompt_key
+    from strawq.config import from_dict
+    from strawq.errors import ConfigError
+
+    make_queue(tmp_path, prompt_key="question")
+    path = str(tmp_path / "run")
+
+    def key(cfg: dict[str, Any] | None) -> str:
+        qc_path = None
+        if cfg is not None:
+            qc_path = str(tmp_path / "qc.json")
+            Path(qc_path).write_text(json.dumps(cfg))
+        qc = None if cfg is None else from_dict(QueueConfig, cfg)
+        return _prompt_key(argparse.Namespace(path=path, queue_config=qc_path), qc)
+
+    assert key(None) == "question"
+    assert key({"group_size": 4}) == "question"  # a queue config without prompt_key
+    assert key({"prompt_key": "question"}) == "question"
+    with pytest.raises(ConfigError, match="the run's key wins"):
+        key({"prompt_key": "prompt"})
+    path = str(tmp_path / "new-run")
+    assert key({"prompt_key": "q2"}) == "q2" and key(None) == "prompt"
