@@ -43,6 +43,7 @@ from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirProbe, DirWatch
 
 from strawq.producers.bracket import EngineAborter, PauseBracket
 from strawq.producers.engine_client import EngineClient
+from strawq.producers.engine_errors import EngineError, EngineProtocolError
 from strawq.producers.handback import HandBack
 from strawq.producers.heartbeat import Heartbeat
 from strawq.producers.meter import ProducerStats, StatsBook
@@ -237,6 +238,7 @@ class Producer:
         hb: asyncio.Task[None] | None = None
         try:
             await self.client.start()
+            await self._check_engine_versions()
             await self._heartbeat.beat_once()  # before the first claim: the grantor sees us
             hb = asyncio.create_task(self._heartbeat.run(self._give_up_leases),
                                      name=f"{pid}-heartbeat")
@@ -269,6 +271,23 @@ class Producer:
                 self._rewards.shutdown()
                 self.running = False
                 log.info("producer %s stopped: %s", pid, self.stats().to_dict())
+
+    async def _check_engine_versions(self) -> None:
+        """Refuse to start on an engine whose weight version is not an integer (SGLang's
+        ``"default"``): every sample would fault, and the producer would retry, then drop,
+        every group while its slots looked busy. An engine unreachable now is left to the
+        loop's own retries."""
+        probe = getattr(self.client, "weight_version", None)
+        if probe is None:
+            return
+        for url in getattr(self.client, "worker_urls", []):
+            try:
+                await probe(url)
+            except EngineProtocolError:
+                raise
+            except EngineError as exc:
+                log.warning("producer %s: could not read the weight version of %s yet: %s",
+                            self.producer_id, url, exc)
 
     async def _main_loop(self) -> None:
         wake = self._wake

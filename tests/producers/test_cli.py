@@ -45,3 +45,21 @@ def test_a_producer_process_generates_and_hands_back_on_sigterm(tmp_path: Path,
     stats = json.loads(out)
     assert stats["groups_completed"] >= 3
     assert ids(q, "leased") == []  # every held group was handed back
+
+
+def test_an_engine_on_the_default_weight_version_is_refused_at_start(
+        tmp_path: Path, capsys: Any) -> None:
+    from strawq.cli import main
+    from strawq.producers.engines.launch import EngineOptions
+    from strawq.producers.engines.testing import EngineThread
+    from tests.producers.conftest import FAST_SIM
+
+    q = make_run(str(tmp_path / "run"), 4)
+    with EngineThread(EngineOptions(kind="sim", weight_version="default", sim=FAST_SIM)) as eng:
+        rc = main(["producer", str(tmp_path / "run"), "--engine", eng.url, "--reward",
+                   f"{PLUGINS}.length_reward", "--max-seconds", "30"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "'default' is not an integer" in err and "--weight-version" in err
+    assert "Traceback" not in err
+    assert len(ids(q, "pending")) == 4 and ids(q, "dropped") == []  # nothing was burnt
