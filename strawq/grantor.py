@@ -78,8 +78,8 @@ class LeaseMonitor:
             last_alive = max(first, beat[1]) if beat else first
             if now - last_alive >= self.timeout:
                 # Its temporary files are left alone: on a shared mount the grantor cannot
-                # know whether a write is still in flight (`strawq gc --tmp-of` removes them
-                # once the operator knows the writer is dead).
+                # know whether a write is still in flight (`strawq gc` removes them once their
+                # writer is found dead: by pid on its host, else by age).
                 self._expire(name, res)
         self._forget_departed(now, holders)
         return res
