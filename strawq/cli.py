@@ -37,8 +37,8 @@ Troubleshooting: docs/troubleshooting.md (symptom -> cause -> command).
 log = logging.getLogger("strawq.cli")
 
 
-def _queue(path: str) -> Any:
-    """Open an existing run read-only: nothing is created in ``path``."""
+def _queue(path: str, *, read_only: bool = False) -> Any:
+    """Open an existing run; ``read_only``: nothing in ``path`` is created or changed."""
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
 
@@ -46,7 +46,7 @@ def _queue(path: str) -> Any:
         what = "is a file, not" if os.path.exists(path) else "is not"
         raise StrawqError(f"{path} {what} a run directory; create a run with "
                           f"'strawq init {path}'")
-    return RunQueue.open(open_storage(path, writer_id="cli"))
+    return RunQueue.open(open_storage(path, writer_id="cli", read_only=read_only))
 
 
 def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
@@ -154,7 +154,7 @@ def _release_dry_run(args: argparse.Namespace, q: Any, dataset: Any) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from strawq.status import run_status
 
-    st = run_status(_queue(args.path))
+    st = run_status(_queue(args.path, read_only=True))
     if args.json:
         print(json.dumps(st.to_dict(), indent=2, sort_keys=True))
         return 0
@@ -183,7 +183,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from strawq.inspect import describe_record
 
-    q = _queue(args.path)
+    q = _queue(args.path, read_only=True)
     out = describe_record(q, args.key, tokens=args.tokens)
     print(json.dumps(out, indent=2, default=str))
     if "error" in out:
@@ -212,7 +212,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_bracket(args: argparse.Namespace) -> int:
     from strawq.control import Control
 
-    q = _queue(args.path)
+    q = _queue(args.path, read_only=args.bracket_command == "status")
     control = Control(q.storage) if args.bracket_command == "abort" else None
     st = _control_state(q.storage)
     payload: dict[str, Any] = {"open": st.paused, "pause_version": st.pause_version,

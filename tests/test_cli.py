@@ -157,11 +157,19 @@ def test_status_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
 
 def test_read_only_commands_write_nothing(tmp_path: Path) -> None:
     run = Path(_run(tmp_path))
+    ds = tmp_path / "ds.jsonl"
+    ds.write_text(json.dumps({"prompt": [1, 2]}) + "\n")
+    assert cli.main(["release", str(run), str(ds)]) == 0
+    q = RunQueue.open(PosixStorage(str(run), writer_id="p", fsync=False))
+    (lease,) = q.claim("p")  # its release directory is now drained (listings tidy it)
+    Control(q.storage).pause(1)
     if (run / "tmp").exists():
-        (run / "tmp").rmdir()
+        (run / "tmp").rmdir()  # empty: every publish renamed its temporary file away
     before = _tree(run)
+    assert any(p.startswith("pending/r-") for p in before)
     assert cli.main(["status", str(run)]) == 0
     assert cli.main(["status", str(run), "--json"]) == 0
+    assert cli.main(["inspect", str(run), lease.task_id]) == 0
     assert cli.main(["bracket", "status", str(run)]) == 0
     assert _tree(run) == before
 

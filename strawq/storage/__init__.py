@@ -20,8 +20,12 @@ __all__ = [
 ]
 
 
-def open_storage(url: str, *, writer_id: str | None = None, fsync: bool = True) -> Storage:
-    """Open a store from a path or URL: ``/path``, ``file:///path`` or ``memory://``."""
+def open_storage(url: str, *, writer_id: str | None = None, fsync: bool = True,
+                 read_only: bool = False) -> Storage:
+    """Open a store from a path or URL: ``/path``, ``file:///path`` or ``memory://``.
+
+    ``read_only`` (POSIX) refuses writes and skips tidying: for tools that only look.
+    """
     if url.startswith("memory://"):
         return MemoryStorage(writer_id=writer_id or "mem")
     if url.startswith("file://"):
@@ -34,4 +38,4 @@ def open_storage(url: str, *, writer_id: str | None = None, fsync: bool = True) 
             "on a POSIX path (local disk, or a JuiceFS/NFS mount); object-store URLs are "
             "accepted for datasets only"
         )
-    return PosixStorage(url, writer_id=writer_id, fsync=fsync)
+    return PosixStorage(url, writer_id=writer_id, fsync=fsync, read_only=read_only)

@@ -49,8 +49,12 @@ class PosixStorage(Storage):
     """A store rooted at a directory of a POSIX filesystem."""
 
     def __init__(self, root: str, *, writer_id: str | None = None, fsync: bool = True,
-                 tmp_dir: str = "tmp", nfs_retry_rule: bool = False) -> None:
+                 tmp_dir: str = "tmp", nfs_retry_rule: bool = False,
+                 read_only: bool = False) -> None:
         self.root = os.path.abspath(root)
+        #: refuse every write, and skip the tidying a listing may do (``rmdir`` of a drained
+        #: release directory): what ``strawq status`` and ``strawq inspect`` open
+        self.read_only = read_only
         self.writer_id = writer_id or f"w{os.getpid()}"
         self._fsync = fsync
         self._tmp = tmp_dir
@@ -110,8 +114,14 @@ class PosixStorage(Storage):
             raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
         os.rename(src, dst)
 
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise StorageError(errno.EROFS, f"{what}: this store was opened read-only "
+                                            f"({self.root}); nothing was written")
+
     def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
                 sync_dir: bool = True, sync_file: bool = True) -> None:
+        self._writable(f"publish {key}")
         dst = self._path(key)
         tmp = os.path.join(self.root, self._tmp, f"{self._tmp_tag}.{uuid.uuid4().hex}")
         chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
@@ -167,6 +177,7 @@ class PosixStorage(Storage):
             raise translate(exc, f"stat {key}") from exc
 
     def rename(self, src: str, dst: str, *, sync_dir: bool = True) -> None:
+        self._writable(f"rename {src} -> {dst}")
         s, d = self._path(src), self._path(dst)
         try:
             try:
@@ -202,6 +213,7 @@ class PosixStorage(Storage):
         return sorted(n for n in names if not n.startswith("."))
 
     def delete(self, key: str, *, missing_ok: bool = True) -> None:
+        self._writable(f"delete {key}")
         try:
             os.unlink(self._path(key))
         except FileNotFoundError:
@@ -211,6 +223,8 @@ class PosixStorage(Storage):
             raise translate(exc, f"delete {key}") from exc
 
     def rmdir(self, directory: str) -> bool:
+        if self.read_only:
+            return False  # only ever tidying: a reader leaves it to the next writer
         try:
             os.rmdir(self._path(directory))
         except OSError as exc:
@@ -226,6 +240,7 @@ class PosixStorage(Storage):
         return os.path.isdir(self._path(key))
 
     def makedirs(self, directory: str) -> None:
+        self._writable(f"makedirs {directory}")
         path = self._path(directory)
         try:
             os.makedirs(path, exist_ok=True)
