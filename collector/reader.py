@@ -29,6 +29,8 @@ from strawq.collector.metrics import MetricsSink
 from strawq.collector.packing import RecordFile, ShardPacker, group_tokens, shard_groups
 from strawq.collector.resume import CHECKPOINT_FORMAT, read_cursor_state
 from strawq.batches import BatchStore, Manifest
+from strawq.commits import commit as commit_position
+from strawq.commits import committed_seq, hold
 from strawq.errors import CorruptRecord, NotFound
 from strawq.groups import decode_group_columns, staleness
 from strawq.names import TaskName, data_key
@@ -113,7 +115,7 @@ class BatchReader:
                  verify: bool = True, metrics: MetricsSink | None = None,
                  poll_interval_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, read_threads: int = 1,
-                 watch: DirWatch | None = None) -> None:
+                 watch: DirWatch | None = None, checkpointed: bool = True) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.queue = queue
@@ -129,6 +131,14 @@ class BatchReader:
         self._delivered = 0
         self._acked = 0
         self._skip_upto = 0
+        #: the trainer restores from checkpoints: acked batches stay until ``commit``
+        self.checkpointed = checkpointed
+        #: batches after this number are delivered (again) whether acked or not: the
+        #: committed position when this reader started, or the restored checkpoint's
+        self._replay_after: int | None = None
+        #: the position of the checkpoint being saved (committed by ``commit``, or by the
+        #: next ``state_dict``: a trainer saves one checkpoint at a time)
+        self._saving: int | None = None
         #: manifests from a superseded collector epoch (never delivered)
         self._refused: set[int] = set()
         self._last_return: float | None = None
@@ -156,10 +166,25 @@ class BatchReader:
         return cls(queue, rank=rank, world_size=world_size, metrics=metrics, **kwargs)
 
     # -- delivery -----------------------------------------------------------------------------
+    def _start_replay(self) -> None:
+        """First delivery: a checkpointing trainer re-reads every batch after the committed
+        position (its model has none of them, whatever it acked before a crash)."""
+        if not self.checkpointed or self._replay_after is not None:
+            return
+        if self.rank == 0:
+            marks = [int(n[5:]) for n in self.storage.list("collector")
+                     if n.startswith("bseq-") and n[5:].isdigit()]
+            hold(self.storage, max(marks, default=0))
+        pos = committed_seq(self.storage)
+        if pos is not None:
+            self._replay_after = max(pos, self._skip_upto)
+
     def _next_seq(self) -> int | None:
+        self._start_replay()
         seqs, acked = self.batches.batch_seqs()
+        replay = self._replay_after
         for s in sorted(seqs):
-            if s in acked:
+            if s in acked and (replay is None or s <= replay):
                 continue
             if s <= self._skip_upto:
                 log.warning("batch %d is at or below the checkpoint's batch %d but was not "
@@ -338,20 +363,46 @@ class BatchReader:
 
     # -- checkpoint ---------------------------------------------------------------------------
     def state_dict(self, consumed: Batch | int | None = None) -> dict[str, Any]:
-        """For the trainer's checkpoint: last acked batch, weight version, dataset cursor.
+        """For the trainer's checkpoint: last trained batch, weight version, dataset cursor.
 
-        Pass ``consumed`` when the checkpoint is written *before* ``ack(batch)``: the state
-        then counts that batch as trained, and a restart from it never delivers it again.
+        The one order: train on the batch, ``ack(batch)``, and every N steps
+        ``state = reader.state_dict()``, save the checkpoint with it, ``reader.commit(state)``.
+        Batches after the committed position are kept and delivered again to a trainer
+        restored from that checkpoint. (Calling ``state_dict`` again also commits the
+        previous one: a trainer saves one checkpoint at a time.) ``consumed`` counts a batch
+        trained but not yet acked.
         """
         seq = self._acked
         if consumed is not None:
             seq = max(seq, consumed if isinstance(consumed, int) else consumed.seq)
+        if self._saving is not None and self.rank == 0 and self.checkpointed:
+            commit_position(self.storage, self._saving)
+        self._saving = seq
         return {"format": CHECKPOINT_FORMAT, "batch_seq": seq,
                 "version": self.queue.current_version(),
                 "feeder": read_cursor_state(self.storage)}
 
+    def commit(self, state: Mapping[str, Any] | int | None = None) -> int:
+        """The checkpoint holding ``state`` (default: the last ``state_dict``) is durable:
+        batches up to its position are trained and may be garbage-collected. Rank 0 writes;
+        returns the committed position."""
+        if isinstance(state, Mapping):
+            seq = int(state.get("batch_seq") or 0)
+        elif state is not None:
+            seq = int(state)
+        elif self._saving is not None:
+            seq = self._saving
+        else:
+            raise ValueError("commit() before state_dict(): nothing to commit")
+        if self._saving is not None and seq >= self._saving:
+            self._saving = None
+        if self.rank != 0:
+            return seq
+        return commit_position(self.storage, seq)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Never deliver batches at or below the checkpoint's last acked one again."""
+        """Resume after the checkpoint: every batch after its position is delivered (again,
+        if it was acked after the checkpoint was saved), none at or below it."""
         if state.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:
             raise ValueError(f"checkpoint format {state.get('format')!r}, this reader reads "
                              f"{CHECKPOINT_FORMAT}")
@@ -359,6 +410,17 @@ class BatchReader:
         self._acked = max(self._acked, seq)
         self._skip_upto = max(self._skip_upto, seq)
         self._delivered = max(self._delivered, seq)
+        if self.checkpointed:
+            if self.rank == 0:
+                commit_position(self.storage, seq)  # a checkpoint being restored is durable
+            marks = [int(n[5:]) for n in self.storage.list("collector")
+                     if n.startswith("bseq-") and n[5:].isdigit()]
+            if max(marks, default=0) > seq:
+                log.error("batches %d..%d after this checkpoint were garbage-collected before "
+                          "a checkpoint covering them was committed; they cannot be trained "
+                          "again. Restore the newest checkpoint, and call reader.commit() "
+                          "after each save", seq + 1, max(marks))
+            self._replay_after = seq
         v = int(state.get("version") or 0)
         if v != self.queue.current_version():
             log.info("checkpoint was at weight version %d, the queue announces %d", v,

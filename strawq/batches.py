@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strawq import records
+from strawq.commits import committed_seq
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.names import TaskName, data_key, requeued_name
 from strawq.queue import RunQueue
@@ -199,7 +200,9 @@ class BatchStore:
         """
         rep = GcReport()
         seqs, acked = self.batch_seqs()
-        done = sorted(s for s in seqs if s in acked)
+        # acked is consumed; trained (collectable) once a checkpoint covers it (commits.py)
+        committed = committed_seq(self.storage)
+        done = sorted(s for s in seqs if s in acked and (committed is None or s <= committed))
         if keep_batches:
             done = done[:-keep_batches]
         for seq in done:

@@ -85,7 +85,7 @@ def test_a_reader_opens_a_run_without_writing(tmp_path: Path) -> None:
 def _produce_and_train(q, stop: threading.Event, acks: bool = True) -> threading.Thread:
     def loop() -> None:
         p = SimProducer(q, "p", seed=3)
-        reader = BatchReader(q)
+        reader = BatchReader(q, checkpointed=False)  # never restores: an ack is trained
         while not stop.is_set():
             p.step()
             if acks:
