@@ -71,3 +71,26 @@ def test_prometheus_names_follow_its_conventions(tmp_path: Path) -> None:
         sink.close()
     assert "strawq_trainer_wait_seconds 0.25" in body
     assert "strawq_time" not in body
+
+
+def test_trainer_step_continues_after_a_trainer_restart(tmp_path: Path) -> None:
+    from strawq.batches import BatchStore
+    from strawq.collector.reader import BatchReader
+    from strawq.feeder import Feeder
+    from tests.collector.helpers import SimProducer
+
+    q = make_run(str(tmp_path / "run"))
+    Feeder(q, Dataset(write_dataset(str(tmp_path / "ds.jsonl"), 4))).release(4)
+    p = SimProducer(q, "p", slots=4, max_new=(2, 4))
+    for _ in range(10):
+        p.step()
+    bs = BatchStore(q)
+    ready = bs.scan_ready()
+    for seq, names in ((1, ready[:2]), (2, ready[2:])):
+        bs.publish_batch(seq, names, [bs.read_summary(n) for n in names])
+    path = tmp_path / "trainer.jsonl"
+    for _incarnation in range(2):  # each trainer process reads and acks one batch
+        reader = BatchReader.open(str(tmp_path / "run"), metrics_jsonl=str(path))
+        reader.ack(reader.next_batch(timeout=5))
+        reader.close()
+    assert [v["trainer/step"] for v in _lines(path)] == [1, 2]
