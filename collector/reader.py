@@ -26,7 +26,7 @@ from strawq.collector.bracket import BracketReport, WeightUpdateBracket
 from strawq.collector.errors import BatchTimeout
 from strawq.collector.fencing import epoch_starts, superseded
 from strawq.collector.metrics import MetricsSink
-from strawq.collector.packing import RecordFile, ShardPacker, group_tokens, shard_groups
+from strawq.collector.packing import BufferPool, RecordFile, ShardPacker, group_tokens, shard_groups
 from strawq.collector.resume import CHECKPOINT_FORMAT, read_cursor_state
 from strawq.batches import BatchStore, Manifest
 from strawq.commits import commit as commit_position
@@ -148,6 +148,9 @@ class BatchReader:
             raise ValueError(f"read_threads must be >= 1, got {read_threads}")
         #: one record buffer per reading thread; threads beyond the caller's from ``_pool``
         self._files = [RecordFile() for _ in range(read_threads)]
+        #: reused memory for the packed shards (first-touch page faults cost as much as
+        #: the copies); a buffer is reused only once no batch references it
+        self._buffers = BufferPool()
         self._pool: ThreadPoolExecutor | None = None
         # Wait for a new manifest on inotify where this host sees it (the default sleep
         # only: an injected sleep means an injected clock), else a fixed poll (no back-off).
@@ -252,7 +255,7 @@ class BatchReader:
         counts = [group_tokens(s) for s in man.summaries]
         mine = shard_groups(counts, self.world_size)[self.rank]
         version = self.queue.current_version()
-        pk = ShardPacker([man.summaries[i] for i in mine])
+        pk = ShardPacker([man.summaries[i] for i in mine], self._buffers)
         keys = [data_key(man.groups[i].id, man.groups[i].gen, "group") for i in mine]
         nthreads = min(len(self._files), max(len(keys), 1))
         if nthreads > 1 and self._pool is None:
