@@ -158,8 +158,11 @@ class EpochFence:
         self.check(names)
         prev = self._counter or _hb_counter(names, self.epoch)
         self._counter = prev + 1
+        # The name is the data (an empty file): nothing to fsync, as for producers' beats.
+        # An fsync here cost every collector pass ~8 ms on a local disk, on the path from
+        # an ack to the next release.
         self.storage.publish(f"collector/hb-{self.epoch:012d}~{self._counter:016d}", b"",
-                             sync_dir=False)
+                             sync_dir=False, sync_file=False)
         if prev:
             self.storage.delete(f"collector/hb-{self.epoch:012d}~{prev:016d}")
         return self._counter
