@@ -4,22 +4,39 @@
 
 * tiny engine decode throughput (tokens/s) at 1, 8 and 32 concurrent requests;
 * sim engine request throughput with 1,000 concurrent requests (time-scaled timing model);
-* client overhead per request against a sim engine with zero step time.
+* client overhead per request against a sim engine with zero step time;
+* the real SGLang 0.5.23 server (the CPU fixture, when built; ``--real-url`` for a running
+  one): the engine contract suite, and a producer (G = 2) across weight-update brackets to a
+  perturbed weight directory and back: tokens kept across brackets / tokens generated (must
+  be 1.000) and the bracket latency (pause written -> resume written), p50 and max.
 
 Each engine runs as a separate process (``python -m strawq.producers.engines serve``), the client
-in this process, as in production. The last line is ``engines: tiny tok/s @8 = X``.
+in this process, as in production. The last lines are ``engines: tiny tok/s @8 = X`` and
+``engines: real sglang contract = P/N, tokens kept across brackets = X``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
+import tempfile
+import urllib.request
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from strawq.producers.engines.real_server import (
+    RealServer,
+    bracket_scenario,
+    default_fixture_home,
+    default_tools_dir,
+    fixture_problem,
+    make_perturbed_copy,
+    start_real_server,
+)
 from strawq.producers.engines.testing import start_engine_subprocess
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
 
@@ -81,11 +98,80 @@ async def client_overhead(url: str, n: int, concurrency: int) -> tuple[float, fl
         return sequential_us, n / (time.perf_counter() - start)
 
 
+def real_contract(server: RealServer) -> tuple[int, int, int, list[str]]:
+    """Run the engine contract suite's tests on the real server: passed, run, skipped."""
+    import pytest
+
+    from strawq.producers.engines.contract import EngineContract, EngineTarget
+
+    target = EngineTarget(
+        url=server.url, eos_token_id=2, vocab_size=49152, prompt=(504, 3575, 282, 4649, 314),
+        weight_dirs=(server.model_dir, server.perturbed_dir), max_running=16, long_tokens=400,
+        api_key=server.api_key, admin_api_key=server.admin_api_key, timeout_s=240.0,
+    )
+    suite = EngineContract()
+    passed = run = skipped = 0
+    failures: list[str] = []
+    for name in sorted(n for n in dir(EngineContract) if n.startswith("test_")):
+        try:
+            getattr(suite, name)(target)
+        except pytest.skip.Exception:
+            skipped += 1
+            continue
+        except Exception as exc:  # noqa: BLE001 - a failing contract test is a result
+            run += 1
+            failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:160]}")
+            continue
+        run += 1
+        passed += 1
+    return passed, run, skipped, failures
+
+
+def real_rows(url: str | None, rows: list[tuple[str, str]]) -> str:
+    """The real-server measurements (rows) and the summary line, or why they were skipped."""
+    if url:
+        server = RealServer(url=url.rstrip("/"), model_dir="", perturbed_dir="")
+        with urllib.request.urlopen(server.url + "/model_info", timeout=30) as resp:
+            model = Path(json.loads(resp.read())["model_path"])
+        server.model_dir = str(model)
+        server.perturbed_dir = str(make_perturbed_copy(model, model.with_name(
+            model.name + "-perturbed")))
+    else:
+        problem = fixture_problem(default_fixture_home(), default_tools_dir())
+        if problem:
+            return f"engines: real sglang skipped ({problem})"
+        server = start_real_server()
+        rows.append(("real sglang 0.5.23 (CPU fixture): server start", f"{server.started_s:.0f} s"))
+    try:
+        passed, run, skipped, failures = real_contract(server)
+        rows.append(("real sglang: engine contract suite",
+                     f"{passed}/{run} passed, {skipped} skipped"))
+        for f in failures:
+            rows.append(("  failed", f))
+        with tempfile.TemporaryDirectory() as tmp:
+            res = bracket_scenario(server, Path(tmp), groups=2, group_size=2, max_new=64,
+                                   brackets=3)
+        lat = sorted(res.latencies_s)
+        p50 = lat[len(lat) // 2]
+        rows.append(("real sglang: producer G=2, 3 brackets, tokens kept / generated",
+                     f"{res.kept}/{res.generated} = {res.kept_ratio:.3f} "
+                     f"({res.lost_requests} requests lost)"))
+        rows.append(("real sglang: bracket latency (pause -> resume)",
+                     f"p50 {p50:.2f} s, max {lat[-1]:.2f} s"))
+        return (f"engines: real sglang contract = {passed}/{run}, "
+                f"tokens kept across brackets = {res.kept_ratio:.3f}")
+    finally:
+        server.stop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--quick", action="store_true", help="fewer tokens and requests (CI smoke run)"
     )
+    parser.add_argument("--real-url", default=None,
+                        help="a running real SGLang server (no keys) instead of starting one")
+    parser.add_argument("--no-real", action="store_true", help="skip the real-server part")
     args = parser.parse_args()
     max_new = 64 if args.quick else 256
     rounds = 1 if args.quick else 3
@@ -147,12 +233,17 @@ def main() -> int:
     finally:
         zero.stop()
 
+    real_line = "engines: real sglang skipped (--no-real)"
+    if not args.no_real:
+        real_line = real_rows(args.real_url, rows)
+
     width = max(len(r[0]) for r in rows)
     print(f"{'measurement':<{width}}  result")
     print(f"{'-' * width}  {'-' * 24}")
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     print(f"engines: tiny tok/s @8 = {tiny_rates[8]:.0f}")
+    print(real_line)
     return 0
 
 

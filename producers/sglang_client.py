@@ -736,27 +736,48 @@ class SGLangClient:
         *,
         weight_version: int,
         url: str | None = None,
+        retries: int = 2,
+        idle_deadline_s: float = 30.0,
     ) -> dict[str, Any]:
         """The trainer-side push that works on SGLang 0.5.23, on every worker.
 
         Per worker: ``pause_generation(abort)`` (in-flight requests come back aborted with
-        their tokens; new ones wait at the engine's gate), ``update_weights_from_disk``
-        with the default cache flush, then ``continue_generation`` — also when the update
-        failed, so that a refused push never leaves an engine paused. Raises
-        :class:`WeightUpdateRefused` naming the worker(s) that refused.
+        their tokens; new ones wait at the engine's gate), wait until ``/v1/loads`` shows
+        no request (an aborted request can linger in the scheduler for a step after its
+        reply), ``update_weights_from_disk`` with the default cache flush, then
+        ``continue_generation`` — also when the update failed, so that a refused push never
+        leaves an engine paused. A "cache was not flushed" refusal (the weights are loaded,
+        the label is not) is retried after waiting for idle again, ``retries`` times.
+        Raises :class:`WeightUpdateRefused` naming the worker(s) that refused.
         """
 
         async def one(u: str) -> Any:
             await self.pause_generation("abort", url=u)
             try:
-                replies = await self.update_weights_from_disk(
-                    model_path, weight_version=weight_version, url=u
-                )
+                for attempt in range(retries + 1):
+                    await self._wait_idle(u, idle_deadline_s)
+                    try:
+                        replies = await self.update_weights_from_disk(
+                            model_path, weight_version=weight_version, url=u
+                        )
+                        return replies[u]
+                    except WeightUpdateRefused as exc:
+                        if attempt == retries or "cache was not flushed" not in str(exc):
+                            raise
+                        logger.warning("push to %s refused (%s); retrying when idle", u, exc)
             finally:
                 await self.continue_generation(url=u)
-            return replies[u]
+            raise AssertionError("unreachable")  # pragma: no cover
 
         return await self._each(url, one)
+
+    async def _wait_idle(self, url: str, deadline_s: float, poll_s: float = 0.1) -> None:
+        deadline = time.monotonic() + deadline_s
+        while await self.num_requests(url) > 0:
+            if time.monotonic() > deadline:
+                logger.warning("%s still reports requests %.0fs after the pause", url, deadline_s)
+                return
+            await asyncio.sleep(poll_s)
 
     async def update_weight_version(
         self, new_version: int, *, abort_all_requests: bool = True, url: str | None = None

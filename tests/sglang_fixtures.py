@@ -17,7 +17,8 @@ Import them from the top-level ``tests/conftest.py``::
    (CI sets it, so a broken fixture cannot pass as a skip).
 
 The second weight directory (``perturbed_dir``) is a copy of the model with one tensor
-scaled by 1.05, made once next to the model (outside the checkout).
+scaled by 1.05, made once next to the model (outside the checkout). The server and that
+copy come from ``strawq.producers.engines.real_server`` (``bench/engines.py`` uses it too).
 
 ``sglang_router_cmd`` (session): the command that starts the real ``sglang-router``
 (PyPI ``sglang-router``, the project's ``sglang-test`` extra), or a skip.
@@ -28,64 +29,40 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import socket
-import struct
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
+
+from strawq.producers.engines.real_server import (
+    MODEL_NAME,
+    RealServer,
+    default_fixture_home,
+    default_tools_dir,
+    fixture_problem,
+    free_port,
+    make_perturbed_copy,
+    start_real_server,
+)
 
 __all__ = [
     "RealServer",
     "RouterProcess",
     "free_port",
-    "make_perturbed_copy",
     "sglang_real",
     "sglang_router_cmd",
     "start_router",
 ]
-
-REPO = Path(__file__).resolve().parents[1]
-MODEL_NAME = "smollm2-135m-instruct-bf16"
-PERTURBED_TENSOR = "model.norm.weight"
-
-
-@dataclass(frozen=True)
-class RealServer:
-    url: str
-    model_dir: str
-    perturbed_dir: str
-    api_key: str | None
-    admin_api_key: str | None
-    started_s: float  # seconds the start took (0: an external server)
 
 
 def _unavailable(reason: str) -> None:
     if os.environ.get("STRAWQ_REQUIRE_SGLANG") == "1":
         pytest.fail(f"real SGLang server required (STRAWQ_REQUIRE_SGLANG=1) but {reason}")
     pytest.skip(f"no real SGLang server: {reason}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _tools_dir() -> Path:
-    explicit = os.environ.get("STRAWQ_SGLANG_TOOLS")
-    return Path(explicit) if explicit else REPO.parent / "shared" / "tools" / "sglang-cpu"
-
-
-def _fixture_home() -> Path:
-    return Path(os.environ.get("SGLANG_CPU_HOME") or Path.home() / ".cache" / "sglang-cpu")
 
 
 def _get_json(url: str, key: str | None = None) -> dict[str, object]:
@@ -99,43 +76,9 @@ def _get_json(url: str, key: str | None = None) -> dict[str, object]:
     return body
 
 
-def make_perturbed_copy(model_dir: Path, out: Path, *, scale: float = 1.05) -> Path:
-    """Copy ``model_dir`` to ``out`` with ``PERTURBED_TENSOR`` (bf16) multiplied by ``scale``.
-
-    Pure numpy on the safetensors layout (8-byte header length, JSON header, raw data), so
-    it needs neither torch nor the safetensors package. Idempotent: an existing complete
-    copy is reused.
-    """
-    done = out / ".strawq-perturbed"
-    if done.exists():
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in model_dir.iterdir():
-        if f.is_file() and f.name != "model.safetensors":
-            shutil.copy2(f, tmp / f.name)
-    raw = bytearray((model_dir / "model.safetensors").read_bytes())
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    entry = header[PERTURBED_TENSOR]
-    if entry["dtype"] != "BF16":
-        raise ValueError(f"{PERTURBED_TENSOR} is {entry['dtype']}, expected BF16")
-    start, end = (8 + n + int(x) for x in entry["data_offsets"])
-    bits = np.frombuffer(bytes(raw[start:end]), dtype=np.uint16).astype(np.uint32) << 16
-    values = bits.view(np.float32) * np.float32(scale)
-    raw[start:end] = (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
-    (tmp / "model.safetensors").write_bytes(bytes(raw))
-    (tmp / ".strawq-perturbed").write_text(f"{PERTURBED_TENSOR} x {scale}\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
 @pytest.fixture(scope="session")
 def sglang_real() -> Iterator[RealServer]:
     external = os.environ.get("STRAWQ_SGLANG_URL")
-    home = _fixture_home()
     if external:
         url = external.rstrip("/")
         api_key = os.environ.get("STRAWQ_SGLANG_API_KEY") or None
@@ -146,46 +89,20 @@ def sglang_real() -> Iterator[RealServer]:
             _unavailable(f"STRAWQ_SGLANG_URL={url} does not answer /model_info ({exc})")
         model_dir = Path(str(info["model_path"]))
         perturbed = make_perturbed_copy(model_dir, model_dir.with_name(MODEL_NAME + "-perturbed"))
-        yield RealServer(url, str(model_dir), str(perturbed), api_key, admin, 0.0)
+        yield RealServer(url, str(model_dir), str(perturbed), api_key, admin)
         return
-    serve = _tools_dir() / "serve.sh"
-    model_dir = home / "model" / MODEL_NAME
-    if not serve.exists():
-        _unavailable(f"{serve} not found (set STRAWQ_SGLANG_TOOLS to the sglang-cpu tools)")
-    if not (home / "venv" / "bin" / "python").exists() or not (model_dir / "config.json").exists():
-        _unavailable(
-            f"the CPU fixture is not built in {home} (run 'deploy/sglang/cpu_fixture.sh build')"
-        )
-    perturbed = make_perturbed_copy(model_dir, home / "model" / (MODEL_NAME + "-perturbed"))
-    port = free_port()
-    api_key, admin = "strawq-test-key", "strawq-test-admin-key"
-    env = dict(os.environ, SGLANG_CPU_HOME=str(home))
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [str(serve), str(port), "--", "--weight-version", "0", "--api-key", api_key,
-         "--admin-api-key", admin],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
-    )
-    if proc.returncode != 0 or not proc.stdout.strip().isdigit():
-        _unavailable(f"serve.sh failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
-    pid = int(proc.stdout.strip())
+    home, tools = default_fixture_home(), default_tools_dir()
+    problem = fixture_problem(home, tools)
+    if problem:
+        _unavailable(problem)
     try:
-        yield RealServer(
-            f"http://127.0.0.1:{port}", str(model_dir), str(perturbed), api_key, admin,
-            time.monotonic() - t0,
-        )
+        server = start_real_server(home, tools)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        _unavailable(str(exc))
+    try:
+        yield server
     finally:
-        try:
-            os.killpg(pid, 15)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
+        server.stop()
 
 
 @pytest.fixture(scope="session")

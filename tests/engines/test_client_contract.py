@@ -144,6 +144,9 @@ def test_refused_weight_push_is_typed_and_names_the_worker(app_server: Any) -> N
         _app(
             {
                 "/pause_generation": record("pause", ok),
+                "/v1/loads": record(
+                    "loads", {"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0}]}
+                ),
                 "/continue_generation": record("continue", ok),
                 "/update_weights_from_disk": record(
                     "update",
@@ -160,6 +163,7 @@ def test_refused_weight_push_is_typed_and_names_the_worker(app_server: Any) -> N
             with pytest.raises(WeightUpdateRefused, match="cache was not flushed") as ei:
                 await c.push_weights("/w/new", weight_version=4)
             assert ei.value.url == refusing.url and refusing.url in str(ei.value)
-        assert calls == ["pause", "update", "continue"]  # never left paused
+        # waits for idle before each try, retries the flush refusal twice, never stays paused
+        assert calls == ["pause"] + ["loads", "update"] * 3 + ["continue"]
 
     run(go())
