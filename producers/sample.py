@@ -84,8 +84,10 @@ class SamplerParams:
         top_p: in (0, 1].
         top_k: -1 (all) or >= 1.
         stop_token_ids: token ids that end the response (the stop token is kept).
-        seed: ``sampling_seed`` sent to the engine, or None for engine randomness.
-        ignore_eos: keep generating past the model's EOS (stop_token_ids still stop).
+        seed: ``sampling_seed`` sent to the engine, or None for engine randomness. SGLang
+            0.5.23 ignores it unless the server runs with ``--enable-deterministic-inference``.
+        ignore_eos: keep generating past the model's EOS. On SGLang 0.5.23 it switches off
+            ``stop_token_ids`` too (every token-based stop); the local engines do the same.
     """
 
     max_new_tokens: int
