@@ -85,8 +85,9 @@ class EngineAborter:
 
     def abort_soon(self, prefix: str) -> None:
         """``abort_prefix`` without waiting for it (from code that must not block); the
-        task is kept referenced until it ends, so the loop cannot drop it half-way."""
-        task = asyncio.create_task(self.abort_prefix(prefix))
+        task is kept referenced until it ends, so the loop cannot drop it half-way. The rids
+        are chosen now: a caller that just cancelled its sample tasks still finds them."""
+        task = asyncio.create_task(self.abort_rids(self.matching(prefix)))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

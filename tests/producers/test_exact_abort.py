@@ -60,3 +60,32 @@ def test_bracket_aborts_by_exact_rid_and_keeps_every_token(tmp_path: Path) -> No
     assert kept == p.stats().tokens_generated == n * g * max_new
     assert any(len(set(grp.sample(i)["versions"].tolist())) > 1
                for grp in groups.values() for i in range(g))
+
+
+def test_aborter_sends_exact_rids_chosen_when_called() -> None:
+    """stop / heartbeat give-up / a sample fault cancel their tasks and then abort: the rids
+    are chosen at the call, before the cancelled tasks forget them, and sent one by one."""
+    from strawq.producers.bracket import EngineAborter
+
+    sent: list[tuple[str | None, str | None]] = []
+
+    class FakeClient:
+        worker_urls = ["http://w1", "http://w2"]
+
+        async def abort(self, rid: str | None = None, *, url: str | None = None) -> None:
+            sent.append((rid, url))
+
+    live = {"p/t1.g1/0.1", "p/t1.g1/1.3", "p/t2.g1/0.1"}
+
+    async def go() -> None:
+        aborter = EngineAborter(lambda: FakeClient(), "p", poll_s=0.1, deadline_s=1.0,  # type: ignore[arg-type, return-value]
+                                clock=time.monotonic, live_rids=lambda: set(live))
+        aborter.abort_soon("p/t1.g1/")
+        live.clear()  # the cancelled sample tasks drop their rids
+        aborter.abort_soon("p/t2.g1/0.1")  # one rid whose call failed: sent as it is
+        await asyncio.sleep(0.1)
+
+    asyncio.run(go())
+    assert sorted(sent) == sorted(
+        (r, u) for r in ("p/t1.g1/0.1", "p/t1.g1/1.3", "p/t2.g1/0.1")
+        for u in ("http://w1", "http://w2"))
