@@ -172,6 +172,7 @@ class Collector:
             self._last_gc = now
             if sweep:
                 self._last_sweep = now
+                rep.gc.tmp += self.storage.clean_dead_tmp()  # writers found dead, unnamed
         rep.version = self.queue.current_version()
         upstream = upstream_depths(self.storage)  # listed before the ready scan: see depths()
         refused = self.superseded.sweep()  # a stalled predecessor's late manifests

@@ -140,3 +140,25 @@ def test_a_finished_collector_leaves_no_batched_work_and_ignores_stray_files(
     assert st["counts"]["batched"] == 0 and st["batches_unacked"] == 0
     assert st["stray_files"] == ["pending/junk.txt", "leased/junk.txt"]
     assert os.listdir(run / "batches") == [] and os.listdir(run / "data") == []
+
+
+def test_the_collector_collects_dead_writers_temporary_files(tmp_path: Path) -> None:
+    import time
+
+    run = tmp_path / "run"
+    q = make_run(str(run))
+    (run / "tmp").mkdir(exist_ok=True)
+    old = run / "tmp" / "p-gone.otherhost-7.0123abcd"
+    fresh = run / "tmp" / "p-live.otherhost-8.4567abcd"
+    for f in (old, fresh):
+        f.write_bytes(b"half a record")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    col = Collector(q, Dataset(write_dataset(str(tmp_path / "ds.jsonl"), 2)),
+                    CollectorConfig(gc_interval_s=0.0))
+    col.start(wait=False)
+    try:
+        rep = col.step()
+    finally:
+        col.close()
+    assert rep.gc is not None and rep.gc.tmp == 1
+    assert sorted(os.listdir(run / "tmp")) == [fresh.name]
