@@ -1,0 +1,649 @@
+"""Chaos benchmark: every part a real process, a nemesis of kill -9 and SIGSTOP, then a
+total-queue check and a storage check.
+
+    python bench/chaos.py [--quick] [--faults F] [--prompts N] [--workdir DIR]
+                          [--juicefs DIR]          # the run on a two-client JuiceFS volume
+
+Processes: two sim engines (``strawq engine serve --kind sim``, each behind a counting
+proxy in this process that tallies the completion tokens of every ``/generate`` answer by
+producer, task and lease generation), two producers (``strawq producer``), the collector
+(``strawq collector``), a trainer (this file, ``--role trainer``: a ``BatchReader`` that
+checkpoints every few steps in the documented order: train, ack, state_dict, save, commit)
+and an operator issuing ``strawq release``, ``strawq status`` and ``strawq gc``. With
+``--juicefs`` half of the processes open the run through mount A and half through mount B.
+
+The nemesis picks a victim every ``--gap`` seconds: ``kill -9`` (then a restart after a
+short pause; a collector restart takes over after ``takeover_timeout_s``) or ``SIGSTOP``
+for up to 3 s (a collector stopped past the takeover timeout is replaced by a new one, and
+the stopped one must find itself fenced when it wakes). A kill lands at a random instant,
+so some land inside a write (the crash enumerations in ``tests/`` cover each write step).
+
+Checks, after the nemesis stops and the run drains:
+* total queue (Jepsen): every dataset row is trained exactly once in the final model's
+  lineage (the trainer's last checkpoint) or dropped with a recorded reason: ``lost`` and
+  ``duplicated`` must be 0;
+* storage: after ``strawq gc`` only live records remain (no batch, ack, payload, lease,
+  staging or task entry).
+
+Figures (printed, and the last line exactly)::
+
+    chaos: faults = F, lost = L, duplicated = D, tokens lost per fault = T, recovery p50 = R s
+
+T = (completion tokens the engines returned − response tokens in the final model) / F.
+Per victim: faults, recovery (restart or SIGCONT → the trainer's next new batch), the tokens
+of tasks hit by that victim's faults that were generated and then thrown away, and for the
+trainer the steps lost (trained since its last checkpoint). Tokens an engine generated for
+an answer it never returned (it was killed) are invisible to the proxy: T is a lower bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PY = sys.executable
+VICTIMS = ("engine0", "engine1", "producer0", "producer1", "collector", "trainer", "operator")
+
+
+# -- the trainer role ------------------------------------------------------------------------
+
+def _write_json_atomic(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done: str) -> int:
+    from strawq.collector.errors import BatchTimeout
+    from strawq.collector.reader import BatchReader
+
+    def log(**ev: Any) -> None:
+        with open(events, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"t": time.time(), **ev}) + "\n")
+
+    reader = BatchReader.open(run)
+    model: list[dict[str, Any]] = []
+    steps = 0
+    if os.path.exists(ckpt):
+        with open(ckpt, encoding="utf-8") as f:
+            saved = json.load(f)
+        model, steps = saved["model"], saved["steps"]
+        reader.load_state_dict(saved["strawq"])
+    log(event="start", steps=steps)
+
+    def checkpoint() -> None:
+        state = reader.state_dict()
+        _write_json_atomic(ckpt, {"model": model, "steps": steps, "strawq": state})
+        reader.commit(state)
+        log(event="ckpt", steps=steps, seq=state["batch_seq"])
+
+    while True:
+        try:
+            batch = reader.next_batch(timeout=0.5)
+        except BatchTimeout:
+            if os.path.exists(done):
+                checkpoint()
+                return 0
+            continue
+        groups = [{"id": g.id, "gen": g.gen,
+                   "tokens": int(sum(s["sample_lens"]))}
+                  for g, s in zip(batch.groups, batch.summaries, strict=True)]
+        time.sleep(step_s)  # the optimizer step
+        model.append({"seq": batch.seq, "groups": groups})
+        steps += 1
+        log(event="batch", seq=batch.seq, step=steps, ids=[g["id"] for g in groups])
+        reader.ack(batch)
+        if steps % interval == 0:
+            checkpoint()
+
+
+# -- the counting proxy ----------------------------------------------------------------------
+
+@dataclass
+class Tally:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: (time, producer, task id, gen, completion tokens)
+    answers: list[tuple[float, str, str, int, int]] = field(default_factory=list)
+
+
+def _parse_rid(rid: str) -> tuple[str, str, int] | None:
+    try:
+        producer, lease, _rest = rid.split("/", 2)
+        task, _, gen = lease.rpartition(".g")
+        return producer, task, int(gen)
+    except ValueError:
+        return None
+
+
+class Proxies:
+    """One forwarding proxy per engine (aiohttp, on a thread of this process)."""
+
+    def __init__(self, targets: list[int], tally: Tally) -> None:
+        self.targets = targets
+        self.tally = tally
+        self.ports: list[int] = []
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self.thread.start()
+        ready.wait(30)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._start())
+        ready.set()
+        self.loop.run_forever()
+
+    async def _start(self) -> None:
+        import aiohttp
+        from aiohttp import web
+
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        for port in self.targets:
+            app = web.Application(client_max_size=256 * 1024 * 1024)
+            app.router.add_route("*", "/{tail:.*}", self._handler(port))
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.ports.append(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+    def _handler(self, port: int) -> Any:
+        from aiohttp import web
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            body = await request.read()
+            url = f"http://127.0.0.1:{port}{request.rel_url}"
+            try:
+                async with self.session.request(request.method, url, data=body,
+                                                headers={"Content-Type": request.headers.get(
+                                                    "Content-Type", "application/json")}) as r:
+                    data = await r.read()
+                    status = r.status
+                    ctype = r.headers.get("Content-Type", "application/json")
+            except Exception:  # noqa: BLE001 - the engine is dead: what a dead engine gives
+                return web.Response(status=502, text="engine unreachable")
+            if request.path == "/generate" and status == 200:
+                self._count(body, data)
+            return web.Response(status=status, body=data, content_type=ctype.split(";")[0])
+        return handle
+
+    def _count(self, req: bytes, resp: bytes) -> None:
+        try:
+            rq, rs = json.loads(req), json.loads(resp)
+        except ValueError:
+            return
+        rids = rq.get("rid")
+        outs = rs if isinstance(rs, list) else [rs]
+        rids = rids if isinstance(rids, list) else [rids] * len(outs)
+        now = time.time()
+        with self.tally.lock:
+            for rid, out in zip(rids, outs, strict=False):
+                who = _parse_rid(str(rid))
+                meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
+                n = int(meta.get("completion_tokens") or 0)
+                if who is not None and n:
+                    self.tally.answers.append((now, who[0], who[1], who[2], n))
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self.session.close()
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+# -- the processes ---------------------------------------------------------------------------
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log: str
+    p: subprocess.Popen[bytes] | None = None
+    stopped: bool = False
+    restarts: int = 0
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.p = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                      cwd=ROOT, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.p is not None and self.p.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.p is not None
+            os.kill(self.p.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.p is None:
+            return
+        if self.stopped:
+            self.signal(signal.SIGCONT)
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.p.wait()
+
+
+def strawq(*args: str) -> list[str]:
+    return [PY, "-m", "strawq", *args]
+
+
+@dataclass
+class Fault:
+    victim: str
+    kind: str
+    at: float
+    end: float = 0.0
+
+
+@dataclass
+class Chaos:
+    work: Path
+    run_a: str
+    run_b: str
+    prompts: int
+    faults_target: int
+    gap: float
+    seed: int
+    interval: int = 3
+    step_s: float = 0.1
+    tally: Tally = field(default_factory=Tally)
+    procs: dict[str, Proc] = field(default_factory=dict)
+    faults: list[Fault] = field(default_factory=list)
+    extra_collectors: list[Proc] = field(default_factory=list)
+    _cycle: list[str] = field(default_factory=list)
+
+    def path(self, i: int) -> str:
+        return self.run_a if i % 2 == 0 else self.run_b
+
+    def setup(self) -> None:
+        rng = random.Random(self.seed)
+        self.dataset = str(self.work / "prompts.jsonl")
+        with open(self.dataset, "w", encoding="utf-8") as f:
+            for i in range(self.prompts):
+                f.write(json.dumps({"prompt": [rng.randrange(3, 200) for _ in range(6)],
+                                    "count": rng.randrange(4, 40), "i": i}) + "\n")
+        subprocess.run(strawq("init", self.run_a, "-q", "--set", "group_size=4",
+                              "--set", "lease_timeout_s=2.0", "--set", "heartbeat_interval_s=0.2",
+                              "--set", "release_batch=8", "--set", "max_attempts=50"),
+                       check=True, cwd=ROOT)
+        self.engine_ports = [self._free_port() for _ in range(2)]
+        for i, port in enumerate(self.engine_ports):
+            self.procs[f"engine{i}"] = Proc(f"engine{i}", strawq(
+                "engine", "serve", "--kind", "sim", "--port", str(port), "--step-base-ms", "4",
+                "--step-per-req-ms", "0.05", "--len-median", "24", "--len-cap", "96",
+                "--cap-prob", "0.02", "-q"), str(self.work / f"engine{i}.log"))
+            self.procs[f"engine{i}"].start()
+        self._wait_engines()
+        self.proxies = Proxies(self.engine_ports, self.tally)
+        urls = [a for port in self.proxies.ports for a in ("--engine",
+                                                            f"http://127.0.0.1:{port}")]
+        for i in range(2):
+            self.procs[f"producer{i}"] = Proc(f"producer{i}", strawq(
+                "producer", self.path(i), *urls, "--slots", "4", "--set", "max_new_tokens=96",
+                "--reward", "strawq.producers.rewards.count_task",
+                "-q"), str(self.work / f"producer{i}.log"))
+        self.procs["collector"] = self._collector(0)
+        self.ckpt = str(self.work / "trainer.ckpt.json")
+        self.events = str(self.work / "trainer.events.jsonl")
+        self.done = str(self.work / "done")
+        self.procs["trainer"] = Proc("trainer", [
+            PY, str(Path(__file__).resolve()), "--role", "trainer", "--run", self.path(1),
+            "--ckpt", self.ckpt, "--events", self.events, "--interval", str(self.interval),
+            "--step-s", str(self.step_s), "--done", self.done], str(self.work / "trainer.log"))
+        for name in ("producer0", "producer1", "collector", "trainer"):
+            self.procs[name].start()
+        self.operator_rng = random.Random(self.seed + 1)
+        self.procs["operator"] = Proc("operator", [PY, "-c", "pass"],
+                                      str(self.work / "operator.log"))
+
+    def _collector(self, n: int) -> Proc:
+        return Proc("collector", strawq(
+            "collector", self.path(n), self.dataset, "--set", "batch_groups=4",
+            "--set", "takeover_timeout_s=2.0", "--set", "poll_interval_s=0.05",
+            "--set", "gc_interval_s=0.5", "--set", "max_prefetch_batches=2", "-q"),
+            str(self.work / "collector.log"))
+
+    @staticmethod
+    def _free_port() -> int:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+            return port
+
+    def _wait_engines(self, ports: list[int] | None = None) -> None:
+        import urllib.request
+        deadline = time.time() + 60
+        for port in ports or self.engine_ports:
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                    break
+                except OSError:
+                    if time.time() > deadline:
+                        raise RuntimeError(f"engine on port {port} did not start") from None
+                    time.sleep(0.1)
+
+    def operator_tick(self) -> None:
+        op = self.procs["operator"]
+        if op.alive() or op.stopped:
+            return
+        i = self.operator_rng.randrange(4)
+        cmd = [strawq("release", self.path(i), self.dataset, "--count", "4", "-q"),
+               strawq("status", self.path(i), "--json", "-q"),
+               strawq("gc", self.path(i), "-q"),
+               strawq("release", self.path(i), self.dataset, "--count", "3", "-q")][i]
+        op.argv = cmd
+        op.start()
+
+    def inject(self, rng: random.Random) -> None:
+        if not self._cycle:  # every victim once per round, in a random order
+            self._cycle = list(VICTIMS)
+            rng.shuffle(self._cycle)
+        victim = self._cycle.pop()
+        proc = self.procs[victim]
+        if not proc.alive() or proc.stopped:
+            return
+        kind = "kill9" if rng.random() < 0.7 else "sigstop"
+        fault = Fault(victim, kind, time.time())
+        self.faults.append(fault)
+        if kind == "kill9":
+            proc.signal(signal.SIGKILL)
+            assert proc.p is not None
+            proc.p.wait()
+            time.sleep(rng.uniform(0.1, 0.8))
+            if victim != "operator":
+                proc.restarts += 1
+                if victim == "collector":
+                    self.procs["collector"] = proc = self._collector(proc.restarts)
+                    proc.restarts = self.procs["collector"].restarts
+                proc.start()
+                if victim.startswith("engine"):
+                    self._wait_engines([self.engine_ports[int(victim[-1])]])
+        else:
+            pause = rng.uniform(0.3, 3.0)
+            proc.signal(signal.SIGSTOP)
+            proc.stopped = True
+            if victim == "collector" and pause > 2.5:
+                # the takeover: a second collector while the first is frozen
+                fresh = self._collector(len(self.extra_collectors) + 1)
+                fresh.start()
+                time.sleep(pause)
+                proc.signal(signal.SIGCONT)  # it must find itself fenced and exit
+                proc.stopped = False
+                self.extra_collectors.append(proc)
+                self.procs["collector"] = fresh
+            else:
+                time.sleep(pause)
+                proc.signal(signal.SIGCONT)
+                proc.stopped = False
+        fault.end = time.time()
+        print(f"fault {len(self.faults)}: {kind} {victim} ({fault.end - fault.at:.1f}s)",
+              file=sys.stderr, flush=True)
+
+    def nemesis(self) -> None:
+        rng = random.Random(self.seed + 2)
+        next_op = time.time()
+        while len(self.faults) < self.faults_target and self.collector_running():
+            now = time.time()
+            if now >= next_op:
+                self.operator_tick()
+                next_op = now + 0.7
+            self.keep_alive()
+            self.inject(rng)
+            time.sleep(rng.uniform(0.2, self.gap))
+
+    def collector_running(self) -> bool:
+        col = self.procs["collector"]
+        if col.alive():
+            return True
+        assert col.p is not None
+        return col.p.returncode != 0  # it exits 0 once drained
+
+    def keep_alive(self) -> None:
+        """A process that exited on its own (a fenced collector exits 1; a producer whose
+        engines were all down may give up) is started again, except a drained collector."""
+        for name in ("engine0", "engine1", "producer0", "producer1", "trainer"):
+            proc = self.procs[name]
+            if not proc.alive() and not proc.stopped:
+                proc.restarts += 1
+                proc.start()
+        col = self.procs["collector"]
+        if not col.alive() and col.p is not None and col.p.returncode != 0:
+            self.procs["collector"] = self._collector(col.restarts + 1)
+            self.procs["collector"].restarts = col.restarts + 1
+            self.procs["collector"].start()
+
+    def finish(self, deadline_s: float) -> bool:
+        end = time.time() + deadline_s
+        while time.time() < end:
+            self.keep_alive()
+            col = self.procs["collector"]
+            if not col.alive() and col.p is not None and col.p.returncode == 0:
+                break
+            time.sleep(0.2)
+        else:
+            return False
+        Path(self.done).touch()
+        trainer_proc = self.procs["trainer"]
+        assert trainer_proc.p is not None
+        trainer_proc.p.wait(60)
+        for proc in [*self.procs.values(), *self.extra_collectors]:
+            proc.stop()
+        self.proxies.close()
+        return True
+
+    # -- checks and figures -------------------------------------------------------------------
+    def check(self) -> dict[str, Any]:
+        from strawq.storage import open_storage
+        from strawq.testing import audit_run
+
+        with open(self.ckpt, encoding="utf-8") as f:
+            saved = json.load(f)
+        lineage = [g for step in saved["model"] for g in step["groups"]]
+        trained = [g["id"] for g in lineage]
+        storage = open_storage(self.run_a, writer_id="chaos")
+        audit = audit_run(storage)
+        from strawq.retention import find_drop
+
+        rows = {f"i{i:012d}" for i in range(self.prompts)}
+        counts: dict[str, int] = defaultdict(int)
+        for t in trained:
+            counts[t] += 1
+        duplicated = sorted(t for t, c in counts.items() if c > 1)
+        # dropped with a recorded reason: in dropped/, quarantine, or folded into the audit
+        dropped = {t for t in rows - set(trained)
+                   if t in audit.ids("dropped", "quarantined") or find_drop(storage, t)}
+        lost = sorted(rows - set(trained) - dropped)
+        subprocess.run(strawq("gc", self.run_a, "-q"), cwd=ROOT, check=False)
+        left = []
+        for d in ("pending", "leased", "ready", "batched", "batches", "acked", "data",
+                  "staging", "tmp"):
+            for n in storage.list(d):
+                key = f"{d}/{n}"
+                left += [f"{key}/{m}" for m in storage.list(key)] if storage.is_dir(key) \
+                    else [key]
+        return {"lineage": lineage, "lost": lost, "duplicated": duplicated, "left": left,
+                "dropped": sorted(dropped), "steps": saved["steps"]}
+
+    def figures(self, res: dict[str, Any]) -> dict[str, Any]:
+        events = [json.loads(line) for line in open(self.events, encoding="utf-8")]
+        batch_times = sorted(e["t"] for e in events if e["event"] == "batch")
+        seen: set[int] = set()
+        new_batch_times = []
+        for e in sorted((e for e in events if e["event"] == "batch"), key=lambda e: e["t"]):
+            if e["seq"] not in seen:
+                seen.add(e["seq"])
+                new_batch_times.append(e["t"])
+        useful = sum(g["tokens"] for g in res["lineage"])
+        by_task_useful = {g["id"]: g["tokens"] for g in res["lineage"]}
+        with self.tally.lock:
+            answers = list(self.tally.answers)
+        generated = sum(a[4] for a in answers)
+        per_task: dict[str, list[tuple[float, str, int, int]]] = defaultdict(list)
+        for t, producer, task, gen, n in answers:
+            per_task[task].append((t, producer, gen, n))
+        by_victim: dict[str, dict[str, Any]] = {
+            v: {"faults": 0, "recovery": [], "tokens_lost": 0, "steps_lost": []}
+            for v in VICTIMS}
+        for f in self.faults:
+            row = by_victim[f.victim]
+            row["faults"] += 1
+            nxt = next((t for t in new_batch_times if t >= f.end), None)
+            if nxt is not None:
+                row["recovery"].append(nxt - f.end)
+        # tokens thrown away per task, charged to the last fault before its final answer
+        for task, items in per_task.items():
+            waste = sum(n for *_x, n in items) - by_task_useful.get(task, 0)
+            if waste <= 0:
+                continue
+            first, last = min(i[0] for i in items), max(i[0] for i in items)
+            hit = [f for f in self.faults if first - 3.0 <= f.at <= last]
+            victim = hit[-1].victim if hit else "none"
+            by_victim.setdefault(victim, {"faults": 0, "recovery": [], "tokens_lost": 0,
+                                          "steps_lost": []})["tokens_lost"] += waste
+        # trainer: steps trained since its last checkpoint, lost at each kill
+        starts = [e for e in events if e["event"] == "start"]
+        for s in starts[1:]:
+            before = [e for e in events if e["event"] == "batch" and e["t"] < s["t"]]
+            if before:
+                by_victim["trainer"]["steps_lost"].append(max(before[-1]["step"] - s["steps"],
+                                                              0))
+        recov = [r for v in by_victim.values() for r in v["recovery"]]
+        nf = max(len(self.faults), 1)
+        return {"generated": generated, "useful": useful,
+                "tokens_lost_per_fault": (generated - useful) / nf,
+                "recovery_p50": statistics.median(recov) if recov else float("nan"),
+                "by_victim": by_victim, "batches": len(batch_times)}
+
+
+def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str) -> None:
+    print(f"\nchaos run on {fs}: {ch.prompts} prompts, {len(ch.faults)} faults, "
+          f"{res['steps']} trainer steps in the final model, {fig['batches']} batch deliveries")
+    print(f"tokens: {fig['generated']} returned by engines, {fig['useful']} in the final model")
+    print(f"{'victim':<10} {'faults':>6} {'kill9':>6} {'stop':>5} {'recovery p50 s':>15} "
+          f"{'tokens lost':>12} {'lost/fault':>10} {'steps lost':>11}")
+    for v, row in fig["by_victim"].items():
+        kinds = [f.kind for f in ch.faults if f.victim == v]
+        rec = f"{statistics.median(row['recovery']):.2f}" if row["recovery"] else "-"
+        per = f"{row['tokens_lost'] / row['faults']:.0f}" if row["faults"] else "-"
+        steps = (f"{statistics.mean(row['steps_lost']):.1f}" if row["steps_lost"] else "-")
+        print(f"{v:<10} {row['faults']:>6} {kinds.count('kill9'):>6} "
+              f"{kinds.count('sigstop'):>5} {rec:>15} {row['tokens_lost']:>12} {per:>10} "
+              f"{steps:>11}")
+    if res["left"]:
+        print(f"storage check FAILED: {len(res['left'])} records left after gc, e.g. "
+              f"{res['left'][:5]}")
+    else:
+        print("storage check: only live records after gc")
+    if res["lost"] or res["duplicated"]:
+        print(f"total-queue check FAILED: lost {res['lost'][:10]}, "
+              f"duplicated {res['duplicated'][:10]}")
+    else:
+        print(f"total-queue check: every row trained once or dropped with a reason "
+              f"({len(res['dropped'])} dropped)")
+    print(f"chaos: faults = {len(ch.faults)}, lost = {len(res['lost'])}, "
+          f"duplicated = {len(res['duplicated'])}, "
+          f"tokens lost per fault = {fig['tokens_lost_per_fault']:.0f}, "
+          f"recovery p50 = {fig['recovery_p50']:.2f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--role", choices=["bench", "trainer"], default="bench")
+    ap.add_argument("--run")
+    ap.add_argument("--ckpt")
+    ap.add_argument("--events")
+    ap.add_argument("--done")
+    ap.add_argument("--interval", type=int, default=3)
+    ap.add_argument("--step-s", type=float, default=0.1, help="the trainer's step time")
+    ap.add_argument("--quick", action="store_true", help="CI size: 160 prompts, 16 faults")
+    ap.add_argument("--prompts", type=int, default=400)
+    ap.add_argument("--faults", type=int, default=300)
+    ap.add_argument("--gap", type=float, default=1.0, help="max seconds between faults")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--juicefs", default=None,
+                    help="DIR for a two-client JuiceFS test volume (deploy/juicefs/testvol.sh)")
+    ap.add_argument("--deadline", type=float, default=600.0)
+    args = ap.parse_args(argv)
+    if args.role == "trainer":
+        return trainer(args.run, args.ckpt, args.events, args.interval, args.step_s, args.done)
+    if args.quick:
+        args.prompts, args.faults, args.gap = 160, 16, 0.6
+    work = Path(args.workdir or f"/tmp/strawq-chaos-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    fs = "local disk"
+    if args.juicefs:
+        out = subprocess.run(["bash", str(ROOT / "deploy/juicefs/testvol.sh"), "up",
+                              args.juicefs], capture_output=True, text=True, check=True)
+        env = dict(line.removeprefix("export ").split("=", 1)
+                   for line in out.stdout.splitlines() if "=" in line)
+        a = env["STRAWQ_JUICEFS_A"].strip("'\"")
+        b = env["STRAWQ_JUICEFS_B"].strip("'\"")
+        sub = f"chaos-{os.getpid()}"
+        run_a, run_b = f"{a}/{sub}", f"{b}/{sub}"
+        fs = "JuiceFS (two clients)"
+    else:
+        run_a = run_b = str(work / "run")
+    ch = Chaos(work, run_a, run_b, args.prompts, args.faults, args.gap, args.seed,
+               interval=args.interval, step_s=args.step_s)
+
+    def _term(_sig: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
+    ch.setup()
+    try:
+        ch.nemesis()
+        ok = ch.finish(args.deadline)
+    except BaseException:
+        for proc in [*ch.procs.values(), *ch.extra_collectors]:
+            proc.stop(2)
+        raise
+    if not ok:
+        for proc in [*ch.procs.values(), *ch.extra_collectors]:
+            proc.stop(2)
+        print(f"chaos: the run did not drain within {args.deadline:.0f}s (logs in {work})")
+        return 1
+    res = ch.check()
+    fig = ch.figures(res)
+    report(ch, res, fig, fs)
+    return 0 if not (res["lost"] or res["duplicated"] or res["left"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
