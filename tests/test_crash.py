@@ -96,6 +96,7 @@ class Ctx:
     leases: list[Lease] = field(default_factory=list)
     batches: dict[int, list[str]] = field(default_factory=dict)
     acked: set[int] = field(default_factory=set)
+    feeder: Feeder | None = None
 
 
 def base(storage: Storage, path: str) -> Ctx:
@@ -155,7 +156,35 @@ def _complete_resumed(q: RunQueue, ctx: Ctx) -> None:
     q.complete(lease, make_group(lease.task_id, prefix=q.load_partial(lease)))
 
 
+def _stale_feeder(ctx: Ctx) -> Ctx:
+    """The collector's feeder, then a second writer (``strawq release``) moves the cursor."""
+    ctx.feeder = Feeder(ctx.q, ctx.dataset)
+    Feeder(RunQueue.open(ctx.q.storage), ctx.dataset).release(3)
+    return ctx
+
+
+def _stale_feeder_releases(q: RunQueue, ctx: Ctx) -> None:
+    f = ctx.feeder
+    assert f is not None
+    f.queue, f.storage = q, q.storage  # the same object, now dying at storage step N
+    f.release(4)
+
+
+def _second_writer_mid_release(q: RunQueue, ctx: Ctx) -> None:
+    """A second writer releases while the first is between its storage steps: the first
+    runs on the faulty store; the interleaving point is its crash point."""
+    f = ctx.feeder
+    assert f is not None
+    f.queue, f.storage = q, q.storage
+    try:
+        f.release(4)
+    finally:
+        Feeder(RunQueue.open(ctx.q.storage), ctx.dataset).release(2)
+
+
 SCENARIOS: dict[str, tuple[Callable[[Ctx], Ctx], Callable[[RunQueue, Ctx], None]]] = {
+    "stale_feeder_release": (_stale_feeder, _stale_feeder_releases),
+    "second_writer_mid_release": (_stale_feeder, _second_writer_mid_release),
     "claim": (lambda c: c, lambda q, c: q.claim("dead", 3) and None),
     "heartbeat": (lambda c: (c.q.heartbeat("dead"), c)[1],
                   lambda q, c: q.heartbeat("dead") and None),

@@ -102,6 +102,8 @@ class QueueMachine(RuleBasedStateMachine):
         """(Re)start the collector side: feeder recovery, batch recovery, a new grantor."""
         self.q = RunQueue.open(self.storage)
         self.feeder = Feeder(self.q, self.dataset)
+        if not hasattr(self, "feeder2"):
+            self.feeder2 = Feeder(RunQueue.open(self.storage), self.dataset)
         self.bs = BatchStore(self.q)
         self.bs.recover()
         self.counter_owner: dict[str, Any] = {}
@@ -129,9 +131,11 @@ class QueueMachine(RuleBasedStateMachine):
             t.attempts = max(t.attempts - 1, 0)
 
     # -- rules: feeder and producers ---------------------------------------------------------
-    @rule(n=st.integers(1, 5))
-    def release(self, n: int) -> None:
-        got = self.feeder.release(n)
+    @rule(n=st.integers(1, 5), second=st.booleans())
+    def release(self, n: int, second: bool) -> None:
+        """The collector's feeder, or a second writer of the cursor (an operator's
+        ``strawq release`` opened once and kept, so its in-memory cursor goes stale)."""
+        got = (self.feeder2 if second else self.feeder).release(n)
         expected = min(n, N_ROWS - self.next_index)
         assert got == expected
         for i in range(self.next_index, self.next_index + got):
@@ -298,9 +302,10 @@ class QueueMachine(RuleBasedStateMachine):
         self.bs.ack(seq)
         self.acked.add(seq)
 
-    @rule(full=st.booleans())
-    def gc(self, full: bool) -> None:
-        self.bs.gc(full=full)
+    @rule(full=st.booleans(), operator=st.booleans())
+    def gc(self, full: bool, operator: bool) -> None:
+        """The collector's GC, or an operator's ``strawq gc`` (a second GC writer)."""
+        (BatchStore(RunQueue.open(self.storage)) if operator else self.bs).gc(full=full)
         for seq in self.acked:
             for tid in self.batches[seq]:
                 self.tasks[tid].state = "trained"
