@@ -9,8 +9,10 @@ after a listing waited up to that long). A ``DirWatch`` replaces such sleeps:
   through the same mount on this host (the demo, one node's producer and collector).
 * **Cheap** where it does not (a change made by another host on a shared mount: inotify
   never hears of it): ``wait`` returns after the caller's poll interval at the latest, and
-  the caller lists again. The interval is fixed — no back-off — so the worst case delay is
-  one interval, and the cost is one listing per interval.
+  the caller looks again. The interval is fixed — no back-off — so the worst case delay is
+  one interval. A ``DirProbe`` makes the look a ``stat`` of the directory, and the listing
+  happens only when its mtime moved (idle producers: one getattr per directory per
+  attribute-cache TTL on JuiceFS instead of two listings per poll).
 
 An event only means "look again": callers always re-list, so a missed, merged or spurious
 event costs latency or one listing, never correctness. Names in the events are returned for
