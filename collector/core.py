@@ -104,6 +104,8 @@ class Collector:
         self._last_metrics = float("-inf")
         self._ready_seen_at_metrics = 0
         self._steps = 0
+        #: batches this collector may still publish (None: no limit; ``run(max_batches=)``)
+        self.batch_budget: int | None = None
         #: counters of this incarnation (the metrics sink continues them across restarts)
         self._totals = {"released": 0, "batches": 0, "expired": 0}
         #: groups over η this incarnation, per policy action (``eta_mode``)
@@ -242,7 +244,7 @@ class Collector:
     def _form_batches(self, ready: list[TaskName], rep: StepReport) -> None:
         cfg = self.config
         B = cfg.batch_groups
-        while rep.prefetched < cfg.max_prefetch_batches and ready:
+        while rep.prefetched < cfg.max_prefetch_batches and ready and self.batch_budget != 0:
             if len(ready) >= B:
                 take, ready = ready[:B], ready[B:]
             elif rep.exhausted and cfg.flush_at_end and rep.depths.running == 0:
@@ -264,6 +266,8 @@ class Collector:
             seq = self._publish(names, summaries, meta)
             self.order.forget([n.id for n in names])
             rep.published.append(seq)
+            if self.batch_budget is not None:
+                self.batch_budget -= 1
             rep.prefetched += 1
             rep.depths = Depths(pending=rep.depths.pending, partial=rep.depths.partial,
                                 leased=rep.depths.leased, ready=rep.depths.ready - len(names),
@@ -377,6 +381,8 @@ class Collector:
         start = self.clock()
         steps = 0
         published = 0
+        if max_batches is not None:
+            self.batch_budget = max_batches
         while True:
             rep = self.step()
             steps += 1
