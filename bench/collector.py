@@ -52,7 +52,8 @@ def build(root: str, n: int, g: int, length: int, seed: int = 0) -> tuple[str, f
     rng = np.random.default_rng(seed)
     ds = os.path.join(root, "ds.jsonl")
     with open(ds, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"prompt": [int(x) for x in rng.integers(1, 50000, 64)]}) + "\n" for i in range(n))
+        f.writelines(json.dumps({"prompt": [int(x) for x in rng.integers(1, 50000, 64)]})
+                     + "\n" for _ in range(n))
     run = os.path.join(root, "run")
     os.makedirs(run)
     q = RunQueue.create(open_storage(run, writer_id="setup", fsync=False),
