@@ -90,7 +90,7 @@ def run_case(workdir: Path, url: str, n_prompts: int, producers: int, c: int, g:
     ctx = mp.get_context("spawn")
     for i, slots in enumerate(budget.slots):
         cfg = {"run_dir": str(run), "reward": "strawq.producers.rewards.count_task",
-               "workers": [url], "slots": slots, "group_size": g, "max_new_tokens": max_new,
+               "workers": [url], "slots": slots, "max_new_tokens": max_new,
                "seed": i, "control_poll_s": 0.2, "idle_poll_s": 0.05,
                "producer_id": f"bench-w{producers}-{i}", "eager_claim": eager}
         out = str(workdir / f"stats-{producers}-{i}.json")

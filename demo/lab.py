@@ -383,7 +383,7 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
             engines.append(start_engine_subprocess("sim", **cfg.sim_options()))
         urls = [e.url for e in engines]
         pconfigs = [dict(run_dir=run_dir, reward="strawq.producers.rewards.count_task",
-                         workers=urls, slots=budget.slots[i], group_size=cfg.group_size,
+                         workers=urls, slots=budget.slots[i],
                          max_new_tokens=cfg.len_cap, seed=cfg.seed,
                          producer_id=f"lab-{mode}-{i}", control_poll_s=cfg.poll_s,
                          idle_poll_s=cfg.poll_s, abort_poll_s=0.05, io_threads=4,

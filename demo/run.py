@@ -231,10 +231,10 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         wait_for_nodes(cfg.nodes)
         pcfg = ProducerConfig(run_dir=run_dir, reward="strawq.producers.rewards.count_task",
                               workers=tuple(urls), max_new_tokens=task.MAX_NEW_TOKENS,
-                              temperature=1.0, seed=cfg.seed, group_size=cfg.group_size)
+                              temperature=1.0, seed=cfg.seed)
         placement = ProducerPlacement(pcfg, PlacementConfig(
-            run_id="demo", concurrency=cfg.concurrency, engines=cfg.engines,
-            group_size=cfg.group_size))
+            run_id="demo", concurrency=cfg.concurrency, engines=cfg.engines),
+            group_size=cfg.group_size)
         placement.reconcile()
         trainer = GRPOTrainer(model, weights, urls, lr=cfg.lr)
         reader = BatchReader.open(run_dir, metrics_jsonl=os.path.join(work, "metrics.jsonl"))

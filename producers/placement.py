@@ -106,8 +106,6 @@ class PlacementConfig(Config):
     concurrency: int
     #: E: number of engines.
     engines: int
-    #: G: samples per group (also fills ``ProducerConfig.group_size`` when unset).
-    group_size: int
     #: Ray namespace of the named actors (None: the driver's).
     namespace: str | None = None
     #: CPUs each producer actor reserves (slime: 1); a node needs at least this many.
@@ -126,6 +124,32 @@ class PlacementConfig(Config):
         for name in ("reconcile_interval_s", "call_timeout_s", "stop_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"PlacementConfig.{name} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetSizing:
+    """What the fleet reads: the placement's sizing and deadlines, and the run's G."""
+
+    concurrency: int
+    engines: int
+    group_size: int
+    num_cpus: float
+    call_timeout_s: float
+    stop_timeout_s: float
+
+    @classmethod
+    def of(cls, config: PlacementConfig, group_size: int) -> FleetSizing:
+        return cls(concurrency=config.concurrency, engines=config.engines,
+                   group_size=group_size, num_cpus=config.num_cpus,
+                   call_timeout_s=config.call_timeout_s, stop_timeout_s=config.stop_timeout_s)
+
+
+def run_group_size(run_dir: str) -> int:
+    """G of the run at ``run_dir`` (its ``QueueConfig``, recorded in ``run.meta``)."""
+    from strawq.queue import RunQueue
+    from strawq.storage import PosixStorage
+
+    return RunQueue.open(PosixStorage(run_dir)).config.group_size
 
 
 # -- Ray behind the placement_plan interfaces --------------------------------------------------
@@ -214,15 +238,14 @@ class ProducerPlacement:
     """Driver-side manager of the producer actors (one per eligible node)."""
 
     def __init__(self, producer: ProducerConfig, config: PlacementConfig, *,
+                 group_size: int | None = None,
                  nodes: Callable[[], list[NodeView]] = ray_nodes) -> None:
-        if producer.group_size is None:
-            producer = dataclasses.replace(producer, group_size=config.group_size)
-        elif producer.group_size != config.group_size:
-            raise ConfigError(f"producer group_size {producer.group_size} differs from the "
-                              f"placement's G = {config.group_size}")
         self.producer_config = producer
         self.config = config
-        self.fleet = ProducerFleet(producer, config, RayLauncher(config), nodes)
+        #: G, held once in the run's ``QueueConfig``: read from the run unless given
+        self.group_size = run_group_size(producer.run_dir) if group_size is None else group_size
+        self.fleet = ProducerFleet(producer, FleetSizing.of(config, self.group_size),
+                                   RayLauncher(config), nodes)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: Exception | None = None

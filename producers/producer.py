@@ -89,7 +89,7 @@ class Producer:
         self.queue = queue if queue is not None else open_queue(config, self.producer_id)
         self.control = Control(self.queue.storage)
         qc = self.queue.config
-        self.group_size = config.group_size or qc.group_size
+        self.group_size = qc.group_size  # G is held once, in the run's QueueConfig
         self.lease_timeout_s = qc.lease_timeout_s
         margin = qc.heartbeat_interval_s if config.lease_margin_s is None else config.lease_margin_s
         give_up_after_s = max(qc.lease_timeout_s - margin, qc.heartbeat_interval_s)

@@ -57,8 +57,6 @@ class ProducerConfig(Config):
     #: free up; at most one group per producer waits like that). False: claim only when a
     #: whole group's G trajectories are free (leaves up to G-1 trajectories idle).
     eager_claim: bool = True
-    #: Samples per group G; None: the run's ``QueueConfig.group_size``.
-    group_size: int | None = None
     #: Sampling defaults; a task row's ``sampling_params`` mapping overrides them.
     max_new_tokens: int = 1024
     temperature: float = 1.0
@@ -104,8 +102,6 @@ class ProducerConfig(Config):
             raise ConfigError("ProducerConfig needs engine 'workers' URLs or a 'router_url'")
         if self.slots < 0:
             raise ConfigError(f"ProducerConfig.slots must be >= 0, got {self.slots}")
-        if self.group_size is not None and self.group_size < 1:
-            raise ConfigError(f"ProducerConfig.group_size must be >= 1, got {self.group_size}")
         for name in ("control_poll_s", "idle_poll_s", "abort_deadline_s", "abort_poll_s",
                      "engine_backoff_s"):
             if not getattr(self, name) > 0:

@@ -15,10 +15,10 @@ Sections:
     placement  strawq.producers.placement.PlacementConfig     the driver's producer placement
 
 **Each value is held once.** G, the samples per prompt group, lives in ``queue.group_size``
-and nowhere else in a run config: the producer reads it from the run it joins, placement is
-given it from here. A file that also writes ``group_size`` in the producer or placement
-section is refused with both places named, even when the numbers agree; a run config
-built in Python whose sections disagree on G is refused the same way.
+and nowhere else: ``ProducerConfig`` and ``PlacementConfig`` have no such field (a producer
+reads G from the run it joins, ``ProducerPlacement`` from the run or from
+``RunConfig.group_size``). A file that writes ``group_size`` in the producer or placement
+section is refused with both places named.
 
 This module imports no Ray, torch or HTTP client: ``producer`` and ``placement`` live in
 modules that do, so their classes are imported only when a run config has those sections.
@@ -74,7 +74,6 @@ class RunConfig(Config):
         where = where or "run config"
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where}: expected a mapping, found {type(data).__name__}")
-        data = dict(data)
         queue = data.get("queue", {})
         g = queue.get("group_size", QueueConfig.group_size) if isinstance(queue, Mapping) \
             else None
@@ -84,20 +83,10 @@ class RunConfig(Config):
                 raise ConfigError(
                     f"{where}: {section}.{key} = {part[key]!r} restates {home} = {g!r}; G is "
                     f"held once, in {home}: remove {key} from the {section} section")
-        placement = data.get("placement")
-        if isinstance(placement, Mapping) and isinstance(g, int) and not isinstance(g, bool):
-            data["placement"] = {**placement, "group_size": g}  # placement is given G from here
         return super().from_dict(data, where=where)
 
     def validate(self) -> None:
         g = self.queue.group_size
-        for section in ("producer", "placement"):
-            part = getattr(self, section)
-            held = getattr(part, "group_size", None)
-            if held is not None and held != g:
-                raise ConfigError(f"{section}.group_size = {held} differs from "
-                                  f"queue.group_size = {g}; G is held once, in "
-                                  f"queue.group_size: leave it unset in {section}")
         p = self.placement
         if p is not None and p.concurrency * p.engines < g:
             raise ConfigError(f"placement: C*E = {p.concurrency}*{p.engines} = "
@@ -107,11 +96,3 @@ class RunConfig(Config):
                 and self.producer.lease_margin_s >= self.queue.lease_timeout_s):
             raise ConfigError(f"producer.lease_margin_s ({self.producer.lease_margin_s}) must "
                               f"be below queue.lease_timeout_s ({self.queue.lease_timeout_s})")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The run config as written: values held elsewhere are left out of their sections."""
-        out = super().to_dict()
-        for section, (key, _) in _HELD_ELSEWHERE.items():
-            if isinstance(out.get(section), dict):
-                out[section].pop(key, None)
-        return out

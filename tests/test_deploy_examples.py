@@ -54,11 +54,10 @@ def test_run_json_sections_build_through_the_real_config_classes() -> None:
     run = RunConfig.from_dict(raw)
     queue, collector, producer, placement = run.queue, run.collector, run.producer, run.placement
     assert producer is not None and placement is not None
-    # the sections describe one run: G is held once (queue) and given to placement;
-    # K = floor(C*E/G) fits the bound
+    # the sections describe one run: G is held once (queue); K = floor(C*E/G) fits the bound
     assert "group_size" not in raw["placement"] and "group_size" not in raw["producer"]
-    assert queue.group_size == placement.group_size == run.group_size
-    k = placement.concurrency * placement.engines // placement.group_size
+    assert queue.group_size == run.group_size
+    k = placement.concurrency * placement.engines // run.group_size
     assert collector.max_running >= k
     assert producer.client.context_length is not None
     assert isinstance(from_dict(QueueConfig, raw["queue"]), QueueConfig)

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load(args.config)
     ray.init(address=args.address)
-    placement = ProducerPlacement(cfg.producer, cfg.placement)
+    placement = ProducerPlacement(cfg.producer, cfg.placement, group_size=cfg.group_size)
     rep = placement.reconcile()  # ConfigError with the numbers when C*E < W*G
     log.info("started %d producers; budget K=%d, slots %s", len(rep.started),
              rep.budget.total if rep.budget else 0, rep.slots)

@@ -2,7 +2,7 @@
 
 The file is one ``strawq.run_config.RunConfig``: four sections, each built by its real
 config class (unknown keys are refused by name, values type-checked and validated), and
-each value held once (G lives in ``queue.group_size``; placement is given it from there):
+each value held once (G lives in ``queue.group_size`` and in no other section):
 
     queue      strawq.config.QueueConfig          -> strawq init --config, --queue-config
     collector  strawq.collector.config.CollectorConfig   -> strawq collector --config

@@ -68,7 +68,7 @@ def test_refused_when_engines_cannot_hold_one_group_per_node(
     make_run(str(tmp_path / "run"), 0)
     pl = ProducerPlacement(producer_config(str(tmp_path / "run"), sim_engine),
                            PlacementConfig(run_id="refuse", concurrency=4, engines=1,
-                                           group_size=4, num_cpus=0.5))
+                                           num_cpus=0.5))
     with pytest.raises(ConfigError, match=r"C\*E = 4\*1 = 4 < W\*G = 2\*4 = 8"):
         pl.reconcile()
     assert pl.handles == {}
@@ -86,7 +86,7 @@ def test_one_producer_per_node_and_kill_mid_generation(
     pl = ProducerPlacement(producer_config(run, sim_engine, max_new_tokens=400,
                                            ignore_eos=True),
                            PlacementConfig(run_id="kill", concurrency=12, engines=1,
-                                           group_size=4, num_cpus=0.5))
+                                           num_cpus=0.5))
     try:
         rep = pl.reconcile()
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and
@@ -131,7 +131,7 @@ def test_reconcile_follows_nodes_joining_and_leaving(
     make_run(run, 0)
     pl = ProducerPlacement(producer_config(run, sim_engine),
                            PlacementConfig(run_id="recon", concurrency=10, engines=2,
-                                           group_size=4, num_cpus=0.5))
+                                           num_cpus=0.5))
     try:
         rep = pl.reconcile()  # K = 20 // 4 = 5 over 2 nodes: 3, 2
         assert sorted(rep.slots.values()) == [2, 3] and len(pl.handles) == 2

@@ -120,7 +120,7 @@ def fleet(nodes: list[NodeView], launcher: FakeLauncher | None = None,
           **settings: Any) -> tuple[ProducerFleet, FakeLauncher]:
     launcher = launcher or FakeLauncher()
     cfg = ProducerConfig(run_dir="unused", reward="tests.producers.plugins_for_tests."
-                         "length_reward", workers=("http://127.0.0.1:9",), group_size=4)
+                         "length_reward", workers=("http://127.0.0.1:9",))
     return ProducerFleet(cfg, Settings(**settings), launcher, lambda: nodes), launcher
 
 
