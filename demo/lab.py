@@ -47,7 +47,7 @@ from strawq.config import Config
 
 log = logging.getLogger(__name__)
 
-MODES = ("sync", "partial", "async")
+MODES = ("sync", "partial", "async", "stream")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,8 +75,10 @@ class LabConfig(Config):
     steps: int = 8
     #: trainer step time, model seconds
     train_step_s: float = 4.0
-    #: async: staleness bound η
-    max_staleness: int = 2
+    #: async, stream: staleness bound η of admission (over-η groups are trained and counted)
+    max_staleness: int = 1
+    #: stream: micro-batches per step (B/m complete groups each, trained as they are ready)
+    micro_batches: int = 4
     #: partial: groups admitted per step ÷ B
     oversample: float = 1.5
     # -- the engine timing model (model time) ---------------------------------------------------
@@ -106,7 +108,7 @@ class LabConfig(Config):
             if m not in MODES:
                 raise ValueError(f"unknown mode {m!r}; expected some of {MODES}")
         if not self.modes:
-            raise ValueError("modes must name at least one of sync, partial, async")
+            raise ValueError(f"modes must name at least one of {MODES}")
         for name in ("engines", "concurrency", "sim_processes", "producers", "group_size",
                      "batch_groups", "steps", "prompt_len", "len_cap"):
             if getattr(self, name) < 1:
@@ -275,18 +277,23 @@ class _Producers:
         for p in self.procs:
             if p.stdin is not None and not p.stdin.closed:
                 p.stdin.close()
+            p.stdin = None  # communicate() must not flush the closed pipe
         stats = []
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
+            # read while waiting: the stats line (with its hop samples) can exceed the
+            # pipe's 64 KiB, and a child blocked on a full pipe never exits
             try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:  # hung: kill it, its leases expire
                 p.kill()
-                p.wait()
-            assert p.stdout is not None
-            for line in p.stdout.read().splitlines():
+                out, _ = p.communicate()
+            for line in (out or "").splitlines():
                 if line.startswith(STATS_PREFIX):
-                    stats.append(json.loads(line[len(STATS_PREFIX):]))
+                    try:
+                        stats.append(json.loads(line[len(STATS_PREFIX):]))
+                    except json.JSONDecodeError as exc:
+                        log.error("lab producer %d: unreadable stats line (%s)", p.pid, exc)
         return stats
 
 
@@ -336,7 +343,8 @@ def schedule_config(cfg: LabConfig, mode: str) -> Any:
 
     return ScheduleConfig(mode=mode, batch_groups=cfg.batch_groups, steps=cfg.steps,
                           max_staleness=cfg.max_staleness, oversample=cfg.oversample,
-                          slots=cfg.group_slots, timeout_s=600.0)
+                          slots=cfg.group_slots, micro_batches=cfg.micro_batches,
+                          timeout_s=600.0)
 
 
 def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
@@ -391,10 +399,12 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
                     for i in range(cfg.producers)]
         collector = Collector.open(run_dir, Dataset(dataset_path), ccfg, queue_config=qcfg,
                                    owner="lab-collector", fsync=cfg.fsync)
-        reader = BatchReader.open(run_dir)
+        # the lab's trainer never restores a checkpoint: an acked batch is trained
+        reader = BatchReader.open(run_dir, checkpointed=False)
         bracket = WeightUpdateBracket(reader.queue, lease_timeout_s=lease_timeout,
                                       poll_interval_s=0.01)
-        trainer = SleepTrainer(cfg.train_step_s * cfg.time_scale, urls)
+        # one step = per_step trainer calls (stream: micro-batches of one step's time each)
+        trainer = SleepTrainer(cfg.train_step_s * cfg.time_scale / sched.per_step, urls)
         producers = _Producers(pconfigs)
         _wait_producers(bracket, producers)
         cpu0 = {"engines": sum(_cpu_s(e.pid) for e in engines),
@@ -423,6 +433,7 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
         producers = None
         problems = audit(run_dir, [r.indices for r in res.records])
         row = _row(cfg, mode, res, sampler.samples, stats, cpu, loop, collector)
+        row["bias"] = length_bias(cfg, res.records)
         result = ModeResult(mode, row, {"lab": cfg.to_dict(), "schedule": asdict(sched),
                                         "collector": asdict(ccfg),
                                         "sim_process": cfg.sim_options(),
@@ -435,6 +446,8 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
             title=f"strawq lab ({mode}): E={cfg.engines} engines x C={cfg.concurrency} in "
                   f"{cfg.sim_processes} sim processes, B={cfg.batch_groups} G={cfg.group_size}"
                   f" (wall s; model s = wall / {cfg.time_scale:g})")
+        result.files["bias"] = plot_bias(os.path.join(work, "bias.png"), cfg, mode,
+                                         row["bias"])
         path = os.path.join(work, "row.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"row": row, "config": result.config, "problems": problems,
@@ -545,6 +558,8 @@ def _row(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[str
         "generated_tokens": gen_tokens,
         "generated_per_trained": gen_tokens / tokens if tokens else float("nan"),
         "requeued_stale": loop.requeued,
+        "stale_trained": collector.stale_totals["trained"],
+        "dropped_stale": loop.dropped_stale,
         "dropped": collector.dropped_by_reason(),
         "groups_yielded_partial": sum(p.get("groups_yielded", 0) for p in stats),
         "decode_stretch": seen_step / (cfg.model_step_s() * ts) if gen_tokens else float("nan"),
@@ -553,6 +568,94 @@ def _row(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[str
         "producer_cpu_ms_per_request_token": (
             1000 * cpu["producers"] / gen_tokens if gen_tokens else float("nan")),
     }
+
+
+def generated_lengths(cfg: LabConfig, n: int = 20000) -> list[int]:
+    """Response lengths the sim engines' timing model generates (its distribution, drawn
+    ``n`` times): the reference the trained lengths are compared against."""
+    rng = random.Random(cfg.seed + 7)
+    out = []
+    for _ in range(n):
+        if rng.random() < cfg.cap_prob:
+            out.append(cfg.len_cap)
+        else:
+            x = round(math.exp(math.log(cfg.len_median) + cfg.len_sigma * rng.gauss(0, 1)))
+            out.append(max(1, min(cfg.len_cap, x)))
+    return out
+
+
+def length_buckets(cfg: LabConfig) -> list[tuple[int, int]]:
+    """[lo, hi) response-length buckets: body quartiles of the model, then the cap."""
+    m = cfg.len_median
+    edges = sorted({1, max(2, int(m / 2)), int(m), int(2 * m), int(4 * m), cfg.len_cap})
+    edges = [e for e in edges if e <= cfg.len_cap]
+    return [(a, b) for a, b in zip(edges, edges[1:], strict=False)] + [
+        (cfg.len_cap, cfg.len_cap + 1)]
+
+
+def length_bias(cfg: LabConfig, records: list[Any]) -> dict[str, Any]:
+    """Bias you can see: generated vs trained response lengths, staleness per length bucket
+    and the age (staleness) distribution of trained samples. A schedule that drops or
+    regenerates the tail trains a shorter distribution than the policy generates."""
+    gen = generated_lengths(cfg)
+    lens = [n for r in records for n in r.lengths]
+    stal = [s for r in records for s in r.staleness]
+    eta = cfg.max_staleness
+    buckets = []
+    for lo, hi in length_buckets(cfg):
+        mine = [s for n, s in zip(lens, stal, strict=False) if lo <= n < hi]
+        buckets.append({
+            "bucket": f"{lo}-{hi - 1}" if hi - lo > 1 else f"{lo} (cap)",
+            "generated_share": sum(1 for n in gen if lo <= n < hi) / len(gen),
+            "trained_share": len(mine) / len(lens) if lens else float("nan"),
+            "staleness_mean": sum(mine) / len(mine) if mine else float("nan"),
+            "over_eta_share": (sum(1 for s in mine if s > eta) / len(mine)
+                               if mine else float("nan")),
+        })
+    ages: dict[int, int] = {}
+    for s in stal:
+        ages[s] = ages.get(s, 0) + 1
+    return {"buckets": buckets, "age_counts": {str(k): v for k, v in sorted(ages.items())},
+            "generated_mean_len": sum(gen) / len(gen),
+            "trained_mean_len": sum(lens) / len(lens) if lens else float("nan")}
+
+
+def plot_bias(path: str, cfg: LabConfig, mode: str, bias: dict[str, Any]) -> str:
+    """``<mode>/bias.png``: length shares generated vs trained, staleness and over-eta share
+    per length bucket, and the age histogram of trained samples."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    b = bias["buckets"]
+    names = [x["bucket"] for x in b]
+    xs = range(len(b))
+    fig, ax = plt.subplots(1, 3, figsize=(14, 3.8))
+    ax[0].bar([x - 0.2 for x in xs], [x["generated_share"] for x in b], 0.4, label="generated")
+    ax[0].bar([x + 0.2 for x in xs], [x["trained_share"] for x in b], 0.4, label="trained")
+    ax[0].set_yscale("log")
+    ax[0].set_title(f"response length (mean {bias['generated_mean_len']:.0f} generated, "
+                    f"{bias['trained_mean_len']:.0f} trained)", fontsize=9)
+    ax[0].legend(fontsize=8)
+    ax[1].bar(xs, [x["staleness_mean"] for x in b], 0.6, label="mean staleness")
+    ax[1].plot(list(xs), [x["over_eta_share"] for x in b], "o-", color="C3",
+               label=f"share over eta={cfg.max_staleness}")
+    ax[1].set_title("staleness per length bucket", fontsize=9)
+    ax[1].legend(fontsize=8)
+    for a in ax[:2]:
+        a.set_xticks(list(xs))
+        a.set_xticklabels(names, fontsize=8)
+        a.set_xlabel("response tokens")
+    ages = bias["age_counts"]
+    ax[2].bar([int(k) for k in ages], list(ages.values()))
+    ax[2].set_title("age of trained samples (versions)", fontsize=9)
+    ax[2].set_xlabel("staleness")
+    fig.suptitle(f"strawq lab ({mode}): what is trained vs what is generated", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def audit(run_dir: str, trained_per_step: list[list[int]]) -> list[str]:
@@ -617,7 +720,9 @@ _COLUMNS = (
     ("stale mean", "staleness_mean", "{:.2f}"),
     ("stale max", "staleness_max", "{}"),
     ("multi-ver", "multi_version_share", "{:.2f}"),
-    ("requeued", "requeued_stale", "{}"),
+    ("over-eta trained", "stale_trained", "{}"),
+    ("regen", "requeued_stale", "{}"),
+    ("dropped", "dropped_stale", "{}"),
     ("stretch", "decode_stretch", "{:.2f}"),
 )
 
@@ -661,7 +766,8 @@ def format_table(result: LabResult) -> str:
             "stretch = measured wall per token of a busy slot / modelled decode step "
             "(1 = the box keeps up; above ~1.2 the CPU, not the schedule, is being measured)"]
     out.append("wait steady: from the first batch on (the pipeline's fill left out); "
-               "requeued: ready groups staler than eta, sent back to be generated again")
+               "over-eta trained: groups over eta kept and trained (eta_mode train); regen / "
+               "dropped: groups regenerated or dropped for staleness")
     for m, r in result.modes.items():
         if r.problems:
             out.append(f"AUDIT PROBLEMS in {m}: {r.problems[:5]}")

@@ -41,7 +41,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("batch_groups", int, "B: groups per training step (default 96)"),
     ("steps", int, "training steps per mode (default 8)"),
     ("train_step_s", float, "trainer step time, model seconds (default 4.0)"),
-    ("max_staleness", int, "async staleness bound eta (default 2)"),
+    ("max_staleness", int, "async/stream admission staleness bound eta (default 1)"),
     ("oversample", float, "partial: groups admitted per step / B (default 1.5)"),
     ("step_base_ms", float, "decode step base cost, model ms (default 20)"),
     ("step_per_req_ms", float, "decode step cost per running request of one engine"),
@@ -82,7 +82,8 @@ def add_lab_parser(sub: Any) -> None:
                        description=LAB_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", help="output directory (default runs/lab)")
-    p.add_argument("--modes", help="comma-separated subset of sync,partial,async (default all)")
+    p.add_argument("--modes",
+                   help="comma-separated subset of sync,partial,async,stream (default all)")
     p.add_argument("--config", help="start from this JSON (a lab.json's 'config', or a "
                    "LabConfig mapping); flags override it")
     for name, typ, text in _FLAGS:

@@ -8,8 +8,15 @@
   rest are interrupted by the bracket and persisted as partial tasks that resume first in
   the next step. Generation is paused while the trainer trains.
 * ``async`` — fully asynchronous with staleness bound η: producers keep generating while
-  the trainer trains; the bracket interrupts them only for the weight push, and the
-  collector keeps every batch within η versions.
+  the trainer trains; the bracket interrupts them only for the weight push (interrupted
+  samples resume on the new weights: partial resume across updates); admission keeps
+  ``(η + 1)·B`` groups untrained or running, and a group that still ends up over η is
+  trained with its importance correction and counted, never dropped or regenerated.
+* ``stream`` — ``async`` whose step is ``micro_batches`` micro-batches of B/m complete
+  groups, each trained as soon as it is ready (gradient accumulation; one weight version
+  per step): the trainer starts on the first groups that finish instead of waiting for B,
+  and groups that finish while a step runs are trained in that same step, on the version
+  that generated them (staleness 0). Staleness-first order still holds within the stream.
 
 The loop records a timeline (trainer wait / train / weight update intervals) for plots.
 """
@@ -33,7 +40,7 @@ from strawq.groups import staleness
 
 log = logging.getLogger(__name__)
 
-MODES = ("sync", "partial", "async")
+MODES = ("sync", "partial", "async", "stream")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +56,8 @@ class ScheduleConfig(Config):
     oversample: float = 1.5
     #: total producer group slots K (caps running groups)
     slots: int = 64
+    #: stream: micro-batches per step (B must be a multiple)
+    micro_batches: int = 4
     #: deadline of one next_batch / bracket wait
     timeout_s: float = 600.0
 
@@ -59,11 +68,20 @@ class ScheduleConfig(Config):
             raise ConfigError("batch_groups, steps and slots must be >= 1")
         if self.max_staleness < 0 or self.oversample < 1:
             raise ConfigError("max_staleness must be >= 0 and oversample >= 1")
+        if self.micro_batches < 1 or self.batch_groups % self.micro_batches:
+            raise ConfigError(f"micro_batches ({self.micro_batches}) must be >= 1 and divide "
+                              f"batch_groups ({self.batch_groups})")
+
+    @property
+    def per_step(self) -> int:
+        """Manifests (batches) the trainer reads per step: one, or the micro-batches."""
+        return self.micro_batches if self.mode == "stream" else 1
 
 
 def collector_config(cfg: ScheduleConfig, **extra: Any) -> CollectorConfig:
     """The collector settings that implement a schedule."""
     b = cfg.batch_groups
+    per_step = cfg.per_step
     if cfg.mode == "sync":
         running, eta = b, 0
     elif cfg.mode == "partial":
@@ -79,9 +97,12 @@ def collector_config(cfg: ScheduleConfig, **extra: Any) -> CollectorConfig:
         # leaves a batch of claimable work, and the eta bound ((eta + 1)·B groups untrained
         # or running) stays the one that limits staleness.
         running, eta = cfg.slots + b, cfg.max_staleness
-    return CollectorConfig(batch_groups=b, max_staleness=eta, eta_mode="requeue",
+    # eta_mode "train": nothing is regenerated or dropped for staleness (invariant 10); a
+    # group over eta (a tail longer than eta trainer steps) is trained and counted.
+    return CollectorConfig(batch_groups=b // per_step, batches_per_version=per_step,
+                           max_staleness=eta, eta_mode="train",
                            max_running=running, max_ready=max(2 * b, running),
-                           max_prefetch_batches=1, **extra)
+                           max_prefetch_batches=per_step, **extra)
 
 
 @dataclass
@@ -103,6 +124,8 @@ class StepRecord:
     staleness: list[int] = field(default_factory=list)
     #: dataset indices of the samples' prompts (one per group)
     indices: list[int] = field(default_factory=list)
+    #: per sample: response length (tokens), aligned with ``staleness``
+    lengths: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -136,10 +159,47 @@ def run_schedule(cfg: ScheduleConfig, reader: BatchReader, bracket: WeightUpdate
     """
     res = ScheduleResult(started=clock())
     version = start_version
-    pause_while_training = cfg.mode in ("sync", "partial")
     for step in range(start_step, cfg.steps):
         if should_stop():
             break
+        rec = _one_step(cfg, step, version, reader, bracket, trainer, res, checkpoint, clock)
+        version = rec.version
+        res.records.append(rec)
+        if on_step is not None:
+            on_step(rec)
+    res.ended = clock()
+    return res
+
+
+def _merge(metrics: list[dict[str, float]], sizes: list[int]) -> dict[str, float]:
+    """Micro-batch metrics as one step's: ``tokens`` summed, the rest sample-weighted."""
+    if len(metrics) == 1:
+        return metrics[0]
+    total = max(sum(sizes), 1)
+    out: dict[str, float] = {}
+    for key in {k for m in metrics for k in m}:
+        vals = [(m.get(key, 0.0), n) for m, n in zip(metrics, sizes, strict=True)]
+        if key in ("tokens", "train_s"):
+            out[key] = sum(v for v, _ in vals)
+        elif key.endswith("/max"):
+            out[key] = max(v for v, _ in vals)
+        else:
+            out[key] = sum(v * n for v, n in vals) / total
+    return out
+
+
+def _one_step(cfg: ScheduleConfig, step: int, version: int, reader: BatchReader,
+              bracket: WeightUpdateBracket, trainer: TrainerBackend, res: ScheduleResult,
+              checkpoint: Callable[[StepRecord, Batch], None] | None,
+              clock: Callable[[], float]) -> StepRecord:
+    pause_while_training = cfg.mode in ("sync", "partial")
+    wait = train = pause = 0.0
+    metrics: list[dict[str, float]] = []
+    stal: list[int] = []
+    idx: set[int] = set()
+    lengths: list[int] = []
+    batches: list[Batch] = []
+    for _micro in range(cfg.per_step):
         t0 = clock()
         batch = reader.next_batch(timeout=cfg.timeout_s)
         t1 = clock()
@@ -147,33 +207,38 @@ def run_schedule(cfg: ScheduleConfig, reader: BatchReader, bracket: WeightUpdate
         if pause_while_training:
             bracket.begin_weight_update(timeout=cfg.timeout_s)
         t2 = clock()
-        metrics = trainer.train_step(batch)
+        metrics.append(trainer.train_step(batch))
         t3 = clock()
         res.intervals.append(Interval("train", t2, t3))
-        if not pause_while_training:
-            bracket.begin_weight_update(timeout=cfg.timeout_s)
-        version += 1
-        trainer.push_weights(version)
-        stal = staleness(batch.version, batch.sample_min_version.numpy()).clip(min=0).tolist()
-        idx = sorted({int(s["index"]) for s in batch.summaries})
-        rec = StepRecord(step, version, t1 - t0, t3 - t2, 0.0, metrics, stal, idx)
-        if checkpoint is not None:
-            checkpoint(rec, batch)
-        if pause_while_training:
-            reader.ack(batch)  # producers are paused: freed groups start on the new version
-            bracket.end_weight_update(version)
-        else:
-            # async: acknowledge once the new version is live. The collector forms the next
-            # batch (and applies the eta check) when this one is acked; acked before the
-            # version bump, it checks against the old version and the trainer reads the
-            # batch one version later, at staleness up to eta + 1.
-            bracket.end_weight_update(version)
-            reader.ack(batch)
-        t4 = clock()
-        res.intervals.append(Interval("update", t3, t4))
-        rec.update_s = (t4 - t3) + (t2 - t1)
-        res.records.append(rec)
-        if on_step is not None:
-            on_step(rec)
-    res.ended = clock()
-    return res
+        wait, train, pause = wait + t1 - t0, train + t3 - t2, pause + t2 - t1
+        # version trained on: the weights before this step's update (read-time staleness)
+        stal += staleness(version, batch.sample_min_version.numpy()).clip(min=0).tolist()
+        idx |= {int(s["index"]) for s in batch.summaries}
+        lengths += batch.response_lens.tolist()
+        batches.append(batch)  # acked with the step: a crash re-delivers the whole step
+    t3 = clock()
+    if not pause_while_training:
+        bracket.begin_weight_update(timeout=cfg.timeout_s)
+    version += 1
+    trainer.push_weights(version)
+    sizes = [b.num_samples for b in batches]
+    rec = StepRecord(step, version, wait, train, 0.0, _merge(metrics, sizes), stal, sorted(idx),
+                     lengths)
+    if checkpoint is not None:
+        checkpoint(rec, batches[-1])
+    if pause_while_training:
+        for b in batches:  # producers are paused: freed groups start on the new version
+            reader.ack(b)
+        bracket.end_weight_update(version)
+    else:
+        # async: acknowledge once the new version is live. The collector forms the next
+        # batch (and judges eta) when this one is acked; acked before the version bump, it
+        # would judge against the old version and the trainer would read the batch one
+        # version later than planned.
+        bracket.end_weight_update(version)
+        for b in batches:
+            reader.ack(b)
+    t4 = clock()
+    res.intervals.append(Interval("update", t3, t4))
+    rec.update_s = (t4 - t3) + pause
+    return rec

@@ -1,9 +1,10 @@
-"""``strawq lab`` at a tiny size, all three modes, end to end: invariants, not timings.
+"""``strawq lab`` at a tiny size, all four modes, end to end: invariants, not timings.
 
 Real sim engine processes, producer processes, collector, bracket and reader; a few
 seconds of work per mode. Checks: every released dataset index is trained once, dropped
 with a reason, or still queued (the queue audit + the batches' indices); each step trained
-B distinct groups; the report has every mode with finite numbers; async staleness <= eta.
+B distinct groups; the report has every mode with finite numbers; nothing regenerated or
+dropped for staleness, and every sample over eta belongs to a group counted as such.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ TINY = dict(engines=4, concurrency=8, sim_processes=2, producers=2, group_size=4
             batch_groups=6, steps=3, train_step_s=0.4, max_staleness=1, oversample=1.5,
             step_base_ms=4.0, step_per_req_ms=0.1, prompt_len=8, len_median=8.0,
             len_sigma=0.5, len_cap=40, cap_prob=0.05, time_scale=1.0, fsync=False,
-            progress=False)
+            micro_batches=3, progress=False)
 
 
 def _finite(v: object) -> bool:
@@ -50,14 +51,22 @@ def test_lab_tiny_all_modes(tmp_path) -> None:
             assert _finite(r.row[key]), f"{mode}: {key} = {r.row[key]!r}"
         assert 0.0 <= r.row["trainer_wait_ratio"] <= 1.0
         assert 0.0 <= r.row["engine_utilisation"] <= 1.0
-        assert os.path.exists(r.files["timeline"])
+        assert os.path.exists(r.files["timeline"]) and os.path.exists(r.files["bias"])
+        assert r.row["bias"]["buckets"] and r.row["bias"]["age_counts"]
         with open(r.files["row"], encoding="utf-8") as f:
             exported = json.load(f)
         assert exported["config"]["lab"]["batch_groups"] == cfg.batch_groups
-        assert exported["config"]["collector"]["batch_groups"] == cfg.batch_groups
+        per_step = cfg.micro_batches if mode == "stream" else 1
+        assert exported["config"]["collector"]["batch_groups"] * per_step == cfg.batch_groups
+        assert exported["config"]["collector"]["batches_per_version"] == per_step
+        # invariant 10: nothing regenerated or dropped for staleness in any schedule
+        assert r.row["requeued_stale"] == 0 and r.row["dropped_stale"] == 0, mode
 
     assert result.modes["sync"].row["staleness_max"] == 0
-    assert max(result.modes["async"].staleness) <= cfg.max_staleness
+    for mode in ("async", "stream"):  # over eta only what was counted (kept and trained)
+        r = result.modes[mode]
+        over = sum(1 for s in r.staleness if s > cfg.max_staleness)
+        assert over <= r.row["stale_trained"] * cfg.group_size, mode
     assert max(result.modes["partial"].staleness) <= cfg.steps  # unbounded (APRIL)
     ratios = result.ratios()
     assert set(ratios) == set(MODES)
@@ -69,3 +78,22 @@ def test_lab_tiny_all_modes(tmp_path) -> None:
     table = format_table(result)
     for mode in MODES:
         assert mode in table
+
+
+def test_length_bias_buckets_and_ages() -> None:
+    from strawq.demo.lab import length_bias
+    from strawq.demo.schedule import StepRecord
+
+    cfg = LabConfig(**TINY)  # cap 40, median 8
+    recs = [StepRecord(0, 1, 0.0, 0.0, 0.0, {}, staleness=[0, 1, 3], lengths=[5, 40, 40]),
+            StepRecord(1, 2, 0.0, 0.0, 0.0, {}, staleness=[1], lengths=[9])]
+    bias = length_bias(cfg, recs)
+    buckets = {b["bucket"]: b for b in bias["buckets"]}
+    cap = buckets["40 (cap)"]
+    assert cap["trained_share"] == 0.5 and cap["staleness_mean"] == 2.0
+    assert cap["over_eta_share"] == 0.5  # eta = 1: the sample at staleness 3
+    assert abs(cap["generated_share"] - cfg.cap_prob) < 0.01
+    assert abs(sum(b["generated_share"] for b in bias["buckets"]) - 1) < 1e-9
+    assert abs(sum(b["trained_share"] for b in bias["buckets"]) - 1) < 1e-9
+    assert bias["age_counts"] == {"0": 1, "1": 2, "3": 1}
+    assert bias["trained_mean_len"] == (5 + 40 + 40 + 9) / 4
