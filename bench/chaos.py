@@ -278,6 +278,8 @@ class Chaos:
     seed: int
     interval: int = 3
     step_s: float = 0.1
+    restart_pause: float = 0.8
+    max_stop: float = 3.0
     tally: Tally = field(default_factory=Tally)
     procs: dict[str, Proc] = field(default_factory=dict)
     faults: list[Fault] = field(default_factory=list)
@@ -383,20 +385,18 @@ class Chaos:
             proc.signal(signal.SIGKILL)
             assert proc.p is not None
             proc.p.wait()
-            time.sleep(rng.uniform(0.1, 0.8))
+            time.sleep(rng.uniform(0.05, self.restart_pause))
             if victim != "operator":
                 proc.restarts += 1
                 if victim == "collector":
                     self.procs["collector"] = proc = self._collector(proc.restarts)
                     proc.restarts = self.procs["collector"].restarts
-                proc.start()
-                if victim.startswith("engine"):
-                    self._wait_engines([self.engine_ports[int(victim[-1])]])
+                proc.start()  # an engine comes up in the background: the proxy answers 502
         else:
-            pause = rng.uniform(0.3, 3.0)
+            pause = rng.uniform(0.3, self.max_stop)
             proc.signal(signal.SIGSTOP)
             proc.stopped = True
-            if victim == "collector" and pause > 2.5:
+            if victim == "collector" and pause > 2.2:
                 # the takeover: a second collector while the first is frozen
                 fresh = self._collector(len(self.extra_collectors) + 1)
                 fresh.start()
@@ -598,6 +598,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--juicefs", default=None,
                     help="DIR for a two-client JuiceFS test volume (deploy/juicefs/testvol.sh)")
     ap.add_argument("--deadline", type=float, default=600.0)
+    ap.add_argument("--max-stop", type=float, default=3.0, help="longest SIGSTOP, seconds")
+    ap.add_argument("--restart-pause", type=float, default=0.8,
+                    help="longest pause between a kill -9 and the restart, seconds")
     args = ap.parse_args(argv)
     if args.role == "trainer":
         return trainer(args.run, args.ckpt, args.events, args.interval, args.step_s, args.done)
@@ -610,8 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.juicefs:
         out = subprocess.run(["bash", str(ROOT / "deploy/juicefs/testvol.sh"), "up",
                               args.juicefs], capture_output=True, text=True, check=True)
-        env = dict(line.removeprefix("export ").split("=", 1)
-                   for line in out.stdout.splitlines() if "=" in line)
+        env = dict(word.split("=", 1) for line in out.stdout.splitlines()
+                   for word in line.removeprefix("export ").split() if "=" in word)
         a = env["STRAWQ_JUICEFS_A"].strip("'\"")
         b = env["STRAWQ_JUICEFS_B"].strip("'\"")
         sub = f"chaos-{os.getpid()}"
@@ -620,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run_a = run_b = str(work / "run")
     ch = Chaos(work, run_a, run_b, args.prompts, args.faults, args.gap, args.seed,
-               interval=args.interval, step_s=args.step_s)
+               interval=args.interval, step_s=args.step_s, restart_pause=args.restart_pause,
+               max_stop=args.max_stop)
 
     def _term(_sig: int, _frame: Any) -> None:
         raise KeyboardInterrupt
