@@ -611,12 +611,14 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     fs = "local disk"
     if args.juicefs:
-        out = subprocess.run(["bash", str(ROOT / "deploy/juicefs/testvol.sh"), "up",
-                              args.juicefs], capture_output=True, text=True, check=True)
-        env = dict(word.split("=", 1) for line in out.stdout.splitlines()
-                   for word in line.removeprefix("export ").split() if "=" in word)
-        a = env["STRAWQ_JUICEFS_A"].strip("'\"")
-        b = env["STRAWQ_JUICEFS_B"].strip("'\"")
+        a, b = f"{args.juicefs}/A", f"{args.juicefs}/B"
+        if not (os.path.ismount(a) and os.path.ismount(b)):  # mount it (else: reuse)
+            out = subprocess.run(["bash", str(ROOT / "deploy/juicefs/testvol.sh"), "up",
+                                  args.juicefs], capture_output=True, text=True, check=True)
+            env = dict(word.split("=", 1) for line in out.stdout.splitlines()
+                       for word in line.removeprefix("export ").split() if "=" in word)
+            a = env["STRAWQ_JUICEFS_A"].strip("'\"")
+            b = env["STRAWQ_JUICEFS_B"].strip("'\"")
         sub = f"chaos-{os.getpid()}"
         run_a, run_b = f"{a}/{sub}", f"{b}/{sub}"
         fs = "JuiceFS (two clients)"
