@@ -15,6 +15,11 @@ What a group record's ``meta`` holds (besides ``version_hint``)::
     num_segments    per sample: engine responses that contributed tokens
     reward_errors   {sample index: message} for rewards that raised
     texts           partial records only: response text so far (text-based rewards)
+    trajectories    per sample: Trajectory.to_dict() (turns, appended spans, tool calls);
+                    written only when some sample has more than one plain turn
+                    (``strawq.producers.trajectory``); absent: one turn each
+    failures        {sample index: message} for samples that failed (tool/environment):
+                    status ``failed``, reward None, loss mask 0
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from strawq.tokenize import FunctionTokenizer, PromptTokenizer, prompt_ids
 
 from strawq.producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Sample,
                               SamplerParams, SampleStatus, mask_offpolicy_prefix)
+from strawq.producers.trajectory import Trajectory
 
 class TaskError(StrawqError, ValueError):
     """The task itself cannot be run (bad prompt, bad row overrides): fail it for good."""
@@ -80,9 +86,15 @@ class GroupRun:
     resumed: list[bool] = field(default_factory=list)
     #: requests sent per sample by this producer (rid suffix: never reuses a rid)
     requests: list[int] = field(default_factory=list)
+    #: per sample: its turns, appended spans and tool calls
+    trajectories: list[Trajectory] = field(default_factory=list)
+    #: samples that failed (tool or environment): never trained
+    failures: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         g = len(self.samples)
+        self.trajectories = self.trajectories or [
+            Trajectory.from_dict(None, s.response_length) for s in self.samples]
         self.texts = self.texts or [""] * g
         self.resumed = self.resumed or [False] * g
         self.requests = self.requests or [0] * g
@@ -113,6 +125,8 @@ class GroupRun:
         nseg = meta.get("num_segments") or [0] * group.num_samples
         texts = meta.get("texts") or [""] * group.num_samples
         errors = {int(k): str(v) for k, v in (meta.get("reward_errors") or {}).items()}
+        failures = {int(k): str(v) for k, v in (meta.get("failures") or {}).items()}
+        saved_traj = meta.get("trajectories") or [None] * group.num_samples
         samples, rewards, resumed = [], [], []
         for i in range(group.num_samples):
             cols = group.sample(i)
@@ -139,6 +153,10 @@ class GroupRun:
             resumed.append(not s.is_final)
         return cls(lease=lease, samples=samples, rewards=rewards,
                    reward_errors={k: v for k, v in errors.items() if samples[k].is_final},
+                   failures={k: v for k, v in failures.items() if samples[k].is_final},
+                   trajectories=[Trajectory.from_dict(
+                       saved_traj[i] if i < len(saved_traj) else None, s.response_length)
+                       for i, s in enumerate(samples)],
                    texts=[str(t) for t in texts][:len(samples)] + [""] * max(
                        0, len(samples) - len(texts)),
                    resumed=resumed)
@@ -174,10 +192,39 @@ class GroupRun:
                 "finish_reason": s.finish_reason, "sample_index": i,
                 "num_segments": s.num_segments, "prompt_ids": s.prompt_ids.tolist(),
                 "min_version": s.min_version(),
-                "max_version": int(s.versions.max()) if len(s.versions) else None}
+                "max_version": int(s.versions.max()) if len(s.versions) else None,
+                "trajectory": self.trajectories[i].to_dict()}
 
     def rewards_for_filter(self) -> list[float]:
         return [r for r in self.rewards if r is not None]
+
+    def fail_sample(self, i: int, message: str) -> None:
+        """End sample ``i`` as failed: kept in the record, never trained (reward None,
+        loss mask 0)."""
+        s = self.samples[i]
+        s.status = SampleStatus.TRUNCATED
+        s.finish_reason = {"type": "failed", "message": message[:500]}
+        s.loss_mask = np.zeros_like(s.loss_mask)
+        self.failures[i] = message[:500]
+        self.rewards[i] = None
+
+    def restart_sample(self, i: int) -> None:
+        """Start sample ``i`` again from its prompt in a fresh environment (next epoch)."""
+        s = self.samples[i]
+        epoch = self.trajectories[i].epoch + 1
+        self.samples[i] = Sample.new(s.uid, s.prompt_ids, s.params)
+        self.trajectories[i] = Trajectory(epoch=epoch)
+        self.texts[i] = ""
+
+    def _trajectories_meta(self) -> list[dict[str, Any]] | None:
+        """Per-sample trajectories, or None when each is one plain turn (old layout)."""
+        def plain(s: Sample, t: Trajectory) -> bool:
+            return t.epoch == 0 and (not t.events or (
+                len(t.events) == 1 and t.events[0]["op"] == "gen"
+                and (t.events[0]["end"] is None or s.is_final)))
+        if all(plain(s, t) for s, t in zip(self.samples, self.trajectories, strict=True)):
+            return None
+        return [t.to_dict() for t in self.trajectories]
 
     # -- packing ---------------------------------------------------------------------------
     def to_group(self, *, producer: str, version_hint: int, partial: bool,
@@ -190,7 +237,7 @@ class GroupRun:
         status = []
         for i, s in enumerate(self.samples):
             st = s.status.value
-            if s.is_final and i in self.reward_errors:
+            if s.is_final and (i in self.reward_errors or i in self.failures):
                 st = "failed"
             status.append(st)
         meta: dict[str, Any] = {
@@ -205,6 +252,11 @@ class GroupRun:
         }
         if partial:
             meta["texts"] = list(self.texts)
+        trajectories = self._trajectories_meta()
+        if trajectories is not None:
+            meta["trajectories"] = trajectories
+        if self.failures:
+            meta["failures"] = {str(k): v for k, v in self.failures.items()}
 
         def cat(name: str, dtype: Any) -> np.ndarray:
             parts = [getattr(s, name) for s in self.samples]

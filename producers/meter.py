@@ -79,6 +79,10 @@ class ProducerStats:
     reward_errors: int = 0
     engine_faults: int = 0
     unexpected_aborts: int = 0
+    #: tool calls executed / returned from the record on a replay / failed tries
+    tool_calls: int = 0
+    tool_calls_replayed: int = 0
+    tool_errors: int = 0
     brackets: int = 0
     paused: bool = False
     wall_s: float = 0.0

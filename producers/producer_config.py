@@ -70,6 +70,21 @@ class ProducerConfig(Config):
     #: Zero the loss mask of tokens older than the sample's newest version (slime's
     #: ``--mask-offpolicy-in-partial-rollout``).
     mask_offpolicy_in_partial_rollout: bool = False
+    #: Generate plugin, dotted path ``async def generate(ctx) -> None`` that owns each
+    #: sample's trajectory (turns, tool calls; ``docs/agentic.md``). None: the built-in
+    #: single turn (``strawq.producers.generate.single_turn``).
+    generate: str | None = None
+    #: Keyword arguments for a generate plugin *factory* (then ``generate`` names it).
+    generate_args: dict[str, Any] | None = None
+    #: Most generated turns per sample (0: unlimited); past it the sample ends truncated.
+    max_turns: int = 0
+    #: A tool call's time limit, and its extra tries after a timeout or an error.
+    tool_timeout_s: float = 60.0
+    tool_retries: int = 1
+    #: After a tool's last try: ``fail_sample`` (recorded failed, never trained),
+    #: ``drop_group`` (dropped as ``tool_error``) or ``restart`` (a fresh environment,
+    #: at most ``tool_retries`` times, then fail_sample).
+    tool_failure: str = "fail_sample"
     #: HTTP client settings (timeouts, retries, context length).
     client: ClientConfig = field(default_factory=ClientConfig)
     #: Extra tries of a failed segment (after the client's own retries) before the group
@@ -116,6 +131,13 @@ class ProducerConfig(Config):
                               f"{self.lease_margin_s}")
         if self.producer_id is not None:
             validate_id(self.producer_id, "producer id")
+        if self.max_turns < 0 or self.tool_retries < 0 or not self.tool_timeout_s > 0:
+            raise ConfigError("ProducerConfig.max_turns and tool_retries must be >= 0 and "
+                              f"tool_timeout_s > 0, got {self.max_turns}, {self.tool_retries}, "
+                              f"{self.tool_timeout_s}")
+        if self.tool_failure not in ("fail_sample", "drop_group", "restart"):
+            raise ConfigError(f"ProducerConfig.tool_failure must be fail_sample, drop_group or "
+                              f"restart, got {self.tool_failure!r}")
         self.sampler_params()  # validates the sampling defaults
 
     def sampler_params(self, overrides: Mapping[str, Any] | None = None,

@@ -39,6 +39,7 @@ from strawq.tokenize import FunctionTokenizer
 from strawq.producers.bracket import EngineAborter
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineError, EngineUnavailable
+from strawq.producers.generate import GenerateFn, Halted, load_generate, run_plugin
 from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
 from strawq.producers.handback import HandBack
 from strawq.producers.meter import StatsBook
@@ -46,7 +47,7 @@ from strawq.producers.offload import Offload
 from strawq.producers.plugins import (FilterFn, RewardFn, call_reward, load_filter, load_reward,
                                       load_tokenizer)
 from strawq.producers.producer_config import ProducerConfig
-from strawq.producers.sample import SampleError, SamplerParams
+from strawq.producers.sample import SampleError, SamplerParams, SampleStatus
 from strawq.producers.slots import SlotHold, SlotPool
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,10 @@ class ActiveGroup:
     claimed_at: float = 0.0
     generating: bool = False
     final_at: float | None = None
+    #: the queue's version when the group was loaded (appended tokens before any turn)
+    version: int = 0
+    #: (reason, message): the generate plugin asked to drop the group (``tool_failure``)
+    drop: tuple[str, str] | None = None
 
 
 class GroupRunner:
@@ -88,6 +93,7 @@ class GroupRunner:
         self.prompt_key = queue.config.prompt_key
         self.reward_fn: RewardFn = load_reward(config.reward, config.reward_args)
         self.filter_fn: FilterFn | None = load_filter(config.filter)
+        self.generate_fn: GenerateFn = load_generate(config.generate, config.generate_args)
         self.tokenizer = load_tokenizer(config.tokenizer, config.tokenizer_args)
         #: rewards see the decoded response ids, not the segments' texts stitched together
         self.decode: Callable[[list[int]], str] | None = (
@@ -195,7 +201,7 @@ class GroupRunner:
                 log.error("task %s cannot run: %s", lease.task_id, exc)
                 await self.handback.fail(lease, "bad_task", str(exc), retryable=False)
                 return
-            a.run = run
+            a.run, a.version = run, version
             todo = run.unfinished()
             self.pool.set_demand(a.hold, len(todo))  # a partial needs only its unfinished
             if not (a.parking or a.abandoned):
@@ -214,61 +220,80 @@ class GroupRunner:
             self._kick()
 
     def _halted(self, a: ActiveGroup) -> bool:
-        return a.parking or a.abandoned or a.fault is not None or self._pausing()
+        return (a.parking or a.abandoned or a.fault is not None or a.drop is not None
+                or self._pausing())
+
+    def check_halted(self, a: ActiveGroup) -> None:
+        """Raise :class:`Halted` when the sample must stop (the generate plugin's calls)."""
+        if self._halted(a):
+            raise Halted()
 
     async def _run_sample(self, a: ActiveGroup, i: int) -> None:
         run = a.run
         if run is None:
             return
-        s = run.samples[i]
-        failures = 0
         freed = False
         if not await self.pool.acquire(a.hold, lambda: self._halted(a)):
             return
         try:
-            while not s.is_final:
-                if self._halted(a):
-                    return
-                rid = run.next_rid(self.producer_id, i)
-                a.live_rids.add(rid)
-                if not a.generating:
-                    a.generating = True
-                    self.book.hop("claim_to_generate", self.clock() - a.claimed_at)
-                try:
-                    res = await self._client().generate_sample(s, rid=rid)
-                except (EngineError, SampleError) as exc:
-                    failures += 1
-                    self.book.bump("engine_faults")
-                    if isinstance(exc, SampleError) or failures > self.config.sample_retries:
-                        log.warning("task %s sample %d: giving up after %d failures: %s",
-                                    run.task_id, i, failures, exc)
-                        a.fault = exc
-                        self.stop_samples(a, keep=i)
-                        return
-                    log.info("task %s sample %d: %s; retry %d/%d", run.task_id, i, exc,
-                             failures, self.config.sample_retries)
-                    if isinstance(exc, EngineUnavailable):  # maybe still running somewhere
-                        self.aborter.abort_soon(rid)
-                    await asyncio.sleep(self.config.engine_backoff_s * failures)
-                    continue
-                finally:
-                    a.live_rids.discard(rid)
-                if res is None:
-                    continue
-                run.texts[i] += res.text
-                self.book.bump("tokens_generated", len(res.output_ids))
-                if res.is_abort and not (a.parking or a.abandoned or self._pausing()):
-                    # Aborted by someone else (an operator, an engine-side pause): resume.
-                    self.book.bump("unexpected_aborts")
-                    await asyncio.sleep(min(0.05 * run.requests[i], 1.0))
+            try:
+                await run_plugin(self, a, i, a.version)
+            except Halted:
+                return
             self.pool.release(a.hold)
             freed = True
             a.final_at = self.clock()
             self.book.bump("samples_finished")
-            await self._score(run, i)
+            if i not in run.failures:
+                await self._score(run, i)
         finally:
             if not freed:
                 self.pool.release(a.hold)
+
+    async def generate_turn(self, a: ActiveGroup, i: int) -> str:
+        """Generate sample ``i`` segment by segment until the engine ends the turn; returns
+        its finish type (``stop`` / ``length``). Raises :class:`Halted` when the sample must
+        stop (parking, pausing, lease lost, an engine fault that gave up)."""
+        run = a.run
+        if run is None:
+            raise Halted()
+        s = run.samples[i]
+        failures = 0
+        while not s.is_final:
+            self.check_halted(a)
+            rid = run.next_rid(self.producer_id, i)
+            a.live_rids.add(rid)
+            if not a.generating:
+                a.generating = True
+                self.book.hop("claim_to_generate", self.clock() - a.claimed_at)
+            try:
+                res = await self._client().generate_sample(s, rid=rid)
+            except (EngineError, SampleError) as exc:
+                failures += 1
+                self.book.bump("engine_faults")
+                if isinstance(exc, SampleError) or failures > self.config.sample_retries:
+                    log.warning("task %s sample %d: giving up after %d failures: %s",
+                                run.task_id, i, failures, exc)
+                    a.fault = exc
+                    self.stop_samples(a, keep=i)
+                    raise Halted() from None
+                log.info("task %s sample %d: %s; retry %d/%d", run.task_id, i, exc,
+                         failures, self.config.sample_retries)
+                if isinstance(exc, EngineUnavailable):  # maybe still running somewhere
+                    self.aborter.abort_soon(rid)
+                await asyncio.sleep(self.config.engine_backoff_s * failures)
+                continue
+            finally:
+                a.live_rids.discard(rid)
+            if res is None:
+                continue
+            run.texts[i] += res.text
+            self.book.bump("tokens_generated", len(res.output_ids))
+            if res.is_abort and not (a.parking or a.abandoned or self._pausing()):
+                # Aborted by someone else (an operator, an engine-side pause): resume.
+                self.book.bump("unexpected_aborts")
+                await asyncio.sleep(min(0.05 * run.requests[i], 1.0))
+        return "stop" if s.status is SampleStatus.COMPLETED else "length"
 
     async def _score(self, run: GroupRun, i: int) -> None:
         """Reward one final sample; an error is recorded on it, never raised."""
@@ -294,9 +319,14 @@ class GroupRunner:
             log.warning("task %s abandoned (heartbeats failing); the grantor re-queues it",
                         run.task_id)
             return
+        if a.drop is not None and not a.parking:
+            await self.handback.drop(a.lease, a.drop[0], a.drop[1][:500], run.to_group(
+                producer=self.producer_id, version_hint=version, partial=False).summary())
+            return
         if run.all_final:
             for i in range(run.size):
-                if run.rewards[i] is None and i not in run.reward_errors:
+                if run.rewards[i] is None and i not in run.reward_errors and (
+                        i not in run.failures):
                     await self._score(run, i)
             await self._finish(run, version)
             if a.final_at is not None:
@@ -328,6 +358,8 @@ class GroupRunner:
                 log.warning("task %s: filter failed (%s); keeping the group", run.task_id, exc)
                 reason = None
         if reason is None and run.size and not run.rewards_for_filter():
+            if not run.reward_errors:
+                return "sample_failed", "; ".join(sorted(set(run.failures.values())))
             return "reward_error", "; ".join(sorted(set(run.reward_errors.values())))
         return reason, ""
 

@@ -1,0 +1,117 @@
+"""A sample's trajectory: the turns, appended tokens and tool calls that made its response.
+
+A multi-turn sample's response is one token sequence (what the trainer trains on) cut into
+*spans*: generated turns (loss mask 1, rollout log-probs, the engine's versions) and appended
+tokens (tool results, observations, chat-template glue: loss mask 0, log-prob 0, no weight
+of their own). Tool calls sit between spans with their idempotency key and result. The
+trajectory is an append-only list of events, persisted with the sample in every partial and
+ready record (``meta["trajectories"][i]``)::
+
+    {"op": "gen", "start": s, "end": e | None, "finish": "stop" | "length" | None}
+    {"op": "append", "start": s, "end": e, "kind": "tool" | "obs" | "glue" | ...}
+    {"op": "tool", "key": k, "name": n, "args": {...}, "result": ..., "attempts": a,
+     "seconds": t}
+
+A ``gen`` event whose ``end`` is None is a turn cut by an abort (weight update, stop): the
+next generation continues it from the saved prefix. A resumed trajectory is *replayed*: the
+generate plugin runs again from the start and every operation that the record already holds
+returns the recorded outcome (no engine call, no tool execution), so a tool call whose result
+was persisted is never executed again. Pure data: no I/O, no asyncio.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from strawq.errors import StrawqError
+
+TRAJECTORY_SCHEMA = 1
+OPS = ("gen", "append", "tool")
+
+
+class TrajectoryError(StrawqError, ValueError):
+    """A trajectory record is malformed, or a replay does not match what was recorded (the
+    generate plugin is not deterministic given the trajectory so far)."""
+
+
+def idempotency_key(task_id: str, sample: int, epoch: int, ordinal: int, name: str,
+                    args: Any, prefix: Sequence[int]) -> str:
+    """The key a tool call carries: the same call at the same point of the same trajectory
+    gets the same key on every producer and after every crash (so a re-executed call can be
+    deduplicated by the tool); a call after different tokens, or in a fresh environment
+    (``epoch``), gets another one."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(json.dumps([name, args], sort_keys=True, default=str).encode())
+    h.update(b"|")
+    h.update(",".join(str(int(t)) for t in prefix).encode())
+    return f"{task_id}.{sample}.e{epoch}.c{ordinal}.{h.hexdigest()}"
+
+
+@dataclass
+class Trajectory:
+    """The events of one sample's trajectory; ``epoch`` counts fresh-environment restarts."""
+
+    events: list[dict[str, Any]] = field(default_factory=list)
+    epoch: int = 0
+
+    # -- derived -----------------------------------------------------------------------
+    @property
+    def turns(self) -> int:
+        """Generated turns so far (an open one counts)."""
+        return sum(1 for e in self.events if e["op"] == "gen")
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["op"] == "tool"]
+
+    def open_turn(self) -> dict[str, Any] | None:
+        """The last event if it is a turn cut by an abort (it continues from its prefix)."""
+        if self.events and self.events[-1]["op"] == "gen" and self.events[-1]["end"] is None:
+            return self.events[-1]
+        return None
+
+    def check(self, response_len: int, loss_mask: Any = None) -> None:
+        """Spans tile ``[0, response_len)`` in order; appended spans have loss mask 0."""
+        pos = 0
+        for k, e in enumerate(self.events):
+            op = e.get("op")
+            if op not in OPS:
+                raise TrajectoryError(f"trajectory event {k}: unknown op {op!r}; expected {OPS}")
+            if op == "tool":
+                continue
+            end = e["end"] if e["end"] is not None else response_len
+            if e["start"] != pos or end < pos:
+                raise TrajectoryError(f"trajectory event {k} spans [{e['start']}, {end}); "
+                                      f"expected it to start at {pos}")
+            if e["end"] is None and k != len(self.events) - 1:
+                raise TrajectoryError(f"trajectory event {k} is an open turn but not the last")
+            if op == "append" and loss_mask is not None and any(
+                    int(m) for m in loss_mask[e["start"]:end]):
+                raise TrajectoryError(f"trajectory event {k}: appended tokens must have "
+                                      "loss mask 0")
+            pos = end
+        if pos != response_len:
+            raise TrajectoryError(f"trajectory spans cover {pos} tokens, the response has "
+                                  f"{response_len}")
+
+    # -- persistence -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": TRAJECTORY_SCHEMA, "epoch": self.epoch,
+                "events": [dict(e) for e in self.events]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, response_len: int = 0) -> Trajectory:
+        """Rebuild a saved trajectory. ``None`` (a record written before trajectories, or a
+        fresh sample) with a saved prefix is one open turn: it continues mid-turn."""
+        if data is None:
+            events = [{"op": "gen", "start": 0, "end": None, "finish": None}] if (
+                response_len) else []
+            return cls(events=events)
+        if data.get("schema") != TRAJECTORY_SCHEMA:
+            raise TrajectoryError(f"trajectory schema {data.get('schema')!r} is not supported; "
+                                  f"expected {TRAJECTORY_SCHEMA}")
+        return cls(events=[dict(e) for e in data.get("events") or []],
+                   epoch=int(data.get("epoch", 0)))
