@@ -40,6 +40,9 @@ def add_parsers(sub: Any) -> None:
                    help="sync: barrier per batch; partial: over-sample, interrupted groups "
                    "resume next step; async: generate while training, staleness bound "
                    "--max-staleness (default)")
+    p.add_argument("--task", choices=("count", "tools"), default=None,
+                   help="count: write exactly k tokens (default); tools: arithmetic the model "
+                   "delegates to a calculator tool (multi-turn trajectories)")
     p.add_argument("--steps", type=int, help="training steps (default 60)")
     p.add_argument("--batch-groups", dest="batch_groups", type=int,
                    help="prompt groups per batch B (default 8)")

@@ -27,7 +27,7 @@ import torch
 from strawq.collector.bracket import WeightUpdateBracket
 from strawq.collector.core import Collector
 from strawq.collector.reader import BatchReader
-from strawq.demo import plots, task
+from strawq.demo import plots, task, tools_task
 from strawq.demo.hops import HopSamples, HopTracer, IdleGaps, idle_gaps
 from strawq.demo.schedule import ScheduleConfig, ScheduleResult, StepRecord, collector_config, \
     run_schedule
@@ -56,6 +56,9 @@ class DemoConfig(Config):
     #: put the queue's run directory under this mount instead (e.g. a JuiceFS mount)
     run_root: str | None = None
     mode: str = "async"
+    #: ``count`` (write exactly k tokens) or ``tools`` (arithmetic through a calculator
+    #: tool: multi-turn trajectories, ``strawq.demo.tools_task``)
+    task: str = "count"
     steps: int = 60
     batch_groups: int = 8
     group_size: int = 8
@@ -161,7 +164,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         raise StrawqError(f"{run_dir} already holds a run: pass --resume to continue it, "
                           "--fresh to discard it and start over, or another --workdir")
     if not os.path.exists(dataset_path):
-        task.write_dataset(dataset_path, cfg.prompts, seed=cfg.seed)
+        (tools_task if cfg.task == "tools" else task).write_dataset(
+            dataset_path, cfg.prompts, seed=cfg.seed)
     sched = ScheduleConfig(mode=cfg.mode, batch_groups=cfg.batch_groups, steps=cfg.steps,
                            max_staleness=cfg.max_staleness, oversample=cfg.oversample,
                            slots=cfg.concurrency * cfg.engines // cfg.group_size)
@@ -229,9 +233,11 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         col_thread.start()
         cluster = _start_ray(cfg.nodes)
         wait_for_nodes(cfg.nodes)
-        pcfg = ProducerConfig(run_dir=run_dir, reward="strawq.producers.rewards.count_task",
-                              workers=tuple(urls), max_new_tokens=task.MAX_NEW_TOKENS,
-                              temperature=1.0, seed=cfg.seed)
+        task_keys: dict[str, Any] = dict(tools_task.PRODUCER) if cfg.task == "tools" else {
+            "reward": "strawq.producers.rewards.count_task",
+            "max_new_tokens": task.MAX_NEW_TOKENS}
+        pcfg = ProducerConfig(run_dir=run_dir, workers=tuple(urls), temperature=1.0,
+                              seed=cfg.seed, **task_keys)
         placement = ProducerPlacement(pcfg, PlacementConfig(
             run_id="demo", concurrency=cfg.concurrency, engines=cfg.engines),
             group_size=cfg.group_size)
