@@ -93,6 +93,13 @@ class LabConfig(Config):
     cap_prob: float = 0.03
     #: wall seconds per model second
     time_scale: float = 1.3
+    # -- the multi-turn case (``strawq.demo.agentic_sim``; 0: single turn) ---------------------
+    #: P(another turn): turns ~ 1 + Geometric, capped at ``agent_max_turns``
+    agent_turns_p: float = 0.0
+    agent_max_turns: int = 6
+    #: tool latency between turns ~ LogNormal(log median, sigma), model seconds
+    tool_median_s: float = 1.0
+    tool_sigma: float = 1.0
     # -- plumbing ----------------------------------------------------------------------------
     seed: int = 0
     #: fsync queue writes (the production setting; a local disk makes them cheap)
@@ -329,6 +336,18 @@ class _CollectorLoop(threading.Thread):
             log.exception("lab collector failed")
 
 
+def _agent_keys(cfg: LabConfig) -> dict[str, Any]:
+    """Producer config keys of the multi-turn case (none for the single-turn one)."""
+    if cfg.agent_turns_p <= 0:
+        return {}
+    return {"generate": "strawq.demo.agentic_sim.sim_agent",
+            "generate_args": {"turns_p": cfg.agent_turns_p, "max_turns": cfg.agent_max_turns,
+                              "tool_median_s": cfg.tool_median_s,
+                              "tool_sigma": cfg.tool_sigma, "time_scale": cfg.time_scale,
+                              "seed": cfg.seed},
+            "tool_timeout_s": 600.0}
+
+
 def _write_dataset(path: str, n: int, cfg: LabConfig) -> None:
     rng = random.Random(cfg.seed)
     with open(path, "w", encoding="utf-8") as f:
@@ -395,7 +414,7 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
                          max_new_tokens=cfg.len_cap, seed=cfg.seed,
                          producer_id=f"lab-{mode}-{i}", control_poll_s=cfg.poll_s,
                          idle_poll_s=cfg.poll_s, abort_poll_s=0.05, io_threads=4,
-                         reward_threads=1)
+                         reward_threads=1, **_agent_keys(cfg))
                     for i in range(cfg.producers)]
         collector = Collector.open(run_dir, Dataset(dataset_path), ccfg, queue_config=qcfg,
                                    owner="lab-collector", fsync=cfg.fsync)
