@@ -174,6 +174,28 @@ def test_tool_failure_policies(tmp_path: Path, sim_engine: Any) -> None:
         # each failed call was tried 1 + tool_retries times, each with the same key
         assert set(ledger_counts(str(ledger)).values()) == {2}
 
+    # restart: a fresh environment (next epoch, new keys) up to tool_retries times, then failed
+    run = tmp_path / "restart"
+    q = make_run(str(run), 0, rows=rows[:1], group_size=2)
+    ledger = tmp_path / "ledger-restart"
+    p = Producer(agent_config(run, sim_engine.url, ledger, tool_failure="restart",
+                              tool_retries=1,
+                              generate_args={"ledger": str(ledger), "fail": "always"}))
+
+    async def settled() -> None:
+        await wait_for(lambda: len(ids(q, "ready")) + len(ids(q, "dropped")) == 1, 60,
+                       "settled")
+
+    asyncio.run(run_producers([p], settled))
+    counts = ledger_counts(str(ledger))
+    epochs = {k.split(".e", 1)[1].split(".", 1)[0] for k in counts}
+    assert epochs <= {"0", "1"} and "1" in epochs, counts
+    assert set(counts.values()) == {2}
+    for grp in ready_groups(q).values():
+        for i in range(2):
+            if grp.meta["trajectories"][i]["epoch"] == 1:
+                assert grp.status[i] == "failed"
+
     run = tmp_path / "turns"
     q = make_run(str(run), 0, rows=rows, group_size=2)
     ledger = tmp_path / "ledger-turns"
