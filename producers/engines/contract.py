@@ -378,7 +378,7 @@ class EngineContract:
             async with target.client() as c:
                 v = await self._version(c, target)
                 task = asyncio.create_task(
-                    c.generate(target.prompt, self._long(target, min(64, target.long_tokens)))
+                    c.generate(target.prompt, self._long(target, min(32, target.long_tokens)))
                 )
                 await self._running(c, target, task=task)
                 try:
