@@ -256,6 +256,17 @@ class RunQueue:
         if prev is None:
             prev = max((c for p, c in self.heartbeats() if p == producer), default=0)
         counter = prev + 1
+        if prev:
+            # One rename moves the counter: no new file and no unlink (on a shared mount a
+            # beat cost a create, a rename, an unlink and their lookups: most of an idle
+            # producer's metadata operations).
+            try:
+                self.storage.rename(heartbeat_key(producer, prev),
+                                    heartbeat_key(producer, counter), sync_dir=False)
+                self._hb_counter[producer] = counter
+                return counter
+            except NotFound:
+                pass  # the grantor forgot this producer (or another process beat): anew
         self.storage.publish(heartbeat_key(producer, counter), b"", sync_dir=False,
                              sync_file=False)
         self._hb_counter[producer] = counter
