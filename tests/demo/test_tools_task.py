@@ -85,3 +85,14 @@ def test_demo_tools_task_end_to_end(mode: str, tmp_path: Path) -> None:
     assert len(result.schedule.records) == 4
     assert all(np.isfinite(r.metrics["loss"]) for r in result.schedule.records)
     assert os.path.getsize(result.files["timeline"]) > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_demo_tools_reward_rises(tmp_path: Path) -> None:
+    """The model learns to delegate: the reward of the last 10 steps beats the first 10."""
+    cfg = DemoConfig(workdir=str(tmp_path / "w"), task="tools", steps=40, prompts=2000,
+                     progress=False)
+    result = run_demo(cfg)
+    first, last = np.mean(result.rewards[:10]), np.mean(result.rewards[-10:])
+    assert last > first + 0.1, f"reward did not rise: first 10 steps {first:.3f}, last {last:.3f}"
