@@ -47,3 +47,29 @@ def tool_agent(ledger: str, turns: int = 3, slow_s: float = 0.0, fail: str = "")
             ctx.append([TOOL_TOKEN_BASE + int(out["value"]), TOOL_TOKEN_BASE], kind="tool")
 
     return agent
+
+
+def chat_two_turns(model_dir: str, second: str) -> GenerateFn:
+    """Two chat turns with the model's own chat template: the glue between the first answer
+    (ended by the template's end-of-turn token) and the second assistant turn is what the
+    template renders for a user message ``second``; it is appended with loss mask 0."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    mark = "\x00ANSWER\x00"
+
+    async def chat(ctx: GenerateContext) -> None:
+        first = ctx.task["row"]["prompt"]
+        turn = await ctx.generate()
+        if turn.finish != "stop":
+            ctx.finish("truncated")
+            return
+        rendered = tok.apply_chat_template(
+            [*first, {"role": "assistant", "content": mark}, {"role": "user", "content": second}],
+            tokenize=False, add_generation_prompt=True)
+        glue = rendered.split(mark + tok.eos_token, 1)[1]
+        ctx.append(tok.encode(glue, add_special_tokens=False), kind="glue")
+        turn = await ctx.generate()
+        ctx.finish("completed" if turn.finish == "stop" else "truncated")
+
+    return chat
