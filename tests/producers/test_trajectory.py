@@ -21,11 +21,14 @@ from strawq.control import Control
 from strawq.errors import ConfigError
 from strawq.grantor import LeaseMonitor
 from strawq.groups import GroupData
+from strawq.producers.engines.launch import EngineOptions
+from strawq.producers.engines.testing import EngineThread
 from strawq.producers.generate import load_generate
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.trajectory import Trajectory, TrajectoryError
+from tests.producers.conftest import FAST_SIM
 from tests.producers.helpers import ids, make_run, names, ready_groups, run_producers, wait_for
 from tests.producers.trajectory_plugins import ledger_counts
 
@@ -240,8 +243,13 @@ def _wait(cond: Any, timeout: float, what: str, proc: subprocess.Popen[str] | No
         time.sleep(0.05)
 
 
-def test_kill_9_mid_trajectory_never_reruns_a_persisted_tool_call(tmp_path: Path,
-                                                                   sim_engine: Any) -> None:
+def test_kill_9_mid_trajectory_never_reruns_a_persisted_tool_call(tmp_path: Path) -> None:
+    # its own engine: the module's one carries the versions an earlier test pushed
+    with EngineThread(EngineOptions(kind="sim", max_running=256, sim=FAST_SIM)) as eng:
+        _kill_9_scenario(tmp_path, eng)
+
+
+def _kill_9_scenario(tmp_path: Path, sim_engine: Any) -> None:
     n, g = 8, 2
     run = tmp_path / "run"
     q = make_run(str(run), n, group_size=g, lease_timeout_s=3.0, heartbeat_interval_s=0.2)
