@@ -260,8 +260,12 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         records: list[StepRecord] = []
         trained: list[int] = list(ckpt["trained"]) if ckpt is not None else []
 
+        spans: list[tuple[float, float]] = []  # tool calls of trained groups (wall clock)
+
         def checkpoint(rec: StepRecord, batch: Any) -> None:
             trained.extend(rec.indices)
+            for s in getattr(batch, "summaries", None) or []:
+                spans.extend(tools_task.tool_spans(s.get("meta") or {}))
             state = reader.state_dict(consumed=batch)
             torch.save({"step": rec.step + 1, "version": rec.version,
                         "weights_dir": os.path.join(weights, f"v{rec.version:06d}"),
@@ -311,6 +315,11 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         if reader.metrics is not None:  # the histograms in the run's metrics too
             reader.metrics.emit({f"hop/{h}/{k}": v for h, st in result.summary["hops"].items()
                                  for k, v in st.items()})
+        if spans:  # a timeline row: tool calls in flight (of trained groups)
+            sampler.samples.series["tools"] = tools_task.tool_series(
+                spans, time.time() - time.monotonic(), scale=cfg.group_size * cfg.batch_groups)
+            result.summary["tool_calls_trained"] = len(spans)
+            result.summary["tool_seconds_trained"] = round(sum(e - s for s, e in spans), 3)
         result.files = _write_outputs(work, cfg, result, sampler.samples, stats)
         return result
     finally:

@@ -103,7 +103,25 @@ def reward(task: dict[str, Any], response_ids: list[int], meta: dict[str, Any]) 
     return 1.0 if digit(response_ids[last["start"]]) == int(row.get("answer", -1)) else 0.0
 
 
-def tool_seconds(meta: dict[str, Any]) -> float:
-    """Seconds this sample spent in tools (for the timeline)."""
-    return sum(float(e.get("seconds", 0.0)) for t in meta.get("trajectories") or []
-               for e in (t or {}).get("events", []) if e.get("op") == "tool")
+def tool_spans(meta: dict[str, Any]) -> list[tuple[float, float]]:
+    """(start, end) wall-clock seconds of each tool call of a group (its record's meta)."""
+    return [(float(e["started"]), float(e["started"]) + float(e.get("seconds", 0.0)))
+            for t in meta.get("trajectories") or []
+            for e in (t or {}).get("events", []) if e.get("op") == "tool" and "started" in e]
+
+
+def tool_series(spans: list[tuple[float, float]], clock_offset: float, scale: int,
+                step_s: float = 0.05) -> list[tuple[float, float]]:
+    """Tools in flight over time as a timeline row: (monotonic t, min(1, calls / scale));
+    ``clock_offset`` = time.time() - time.monotonic() of this host."""
+    if not spans:
+        return []
+    lo = min(s for s, _ in spans)
+    hi = max(e for _, e in spans) + step_s
+    out = []
+    n = int((hi - lo) / step_s) + 1
+    for k in range(n):
+        t = lo + k * step_s
+        live = sum(1 for s, e in spans if s <= t < e)
+        out.append((t - clock_offset, min(1.0, live / max(scale, 1))))
+    return out

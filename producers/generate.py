@@ -216,7 +216,7 @@ class GenerateContext:
         key = idempotency_key(self._run.task_id, self.index, self.trajectory.epoch, ordinal,
                               name, args, s.response_ids.tolist())
         error = ""
-        t0 = time.monotonic()
+        t0, started = time.monotonic(), time.time()
         for attempt in range(1, cfg.tool_retries + 2):
             self._runner.check_halted(self._a)
             try:
@@ -237,7 +237,8 @@ class GenerateContext:
                 self._runner.book.hop("tool", seconds)
                 self.trajectory.events.append({"op": "tool", "key": key, "name": name,
                                                "args": args, "result": result,
-                                               "attempts": attempt, "seconds": seconds})
+                                               "attempts": attempt, "seconds": seconds,
+                                               "started": started})
                 self._pos = len(self.trajectory.events)
                 return result
             self._runner.book.bump("tool_errors")

@@ -10,7 +10,7 @@ ready record (``meta["trajectories"][i]``)::
     {"op": "gen", "start": s, "end": e | None, "finish": "stop" | "length" | None}
     {"op": "append", "start": s, "end": e, "kind": "tool" | "obs" | "glue" | ...}
     {"op": "tool", "key": k, "name": n, "args": {...}, "result": ..., "attempts": a,
-     "seconds": t}
+     "seconds": t, "started": wall-clock start (time.time())}
 
 A ``gen`` event whose ``end`` is None is a turn cut by an abort (weight update, stop): the
 next generation continues it from the saved prefix. A resumed trajectory is *replayed*: the
