@@ -155,8 +155,7 @@ async def _push(urls: list[str], path: str, version: int) -> None:
     from strawq.producers.sglang_client import SGLangClient
 
     async with SGLangClient(urls) as client:
-        await client.update_weights_from_disk(path, weight_version=version,
-                                              abort_all_requests=True)
+        await client.push_weights(path, weight_version=version)
 
 
 @dataclass

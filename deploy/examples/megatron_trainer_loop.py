@@ -98,7 +98,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batcher: Mega
 
 def push_weights(version: int) -> None:
     """Your hook: save the weights where every engine can read them, load them into every
-    engine (``SGLangClient(router_url=...).update_weights_from_disk``)."""
+    engine (``SGLangClient(router_url=...).push_weights``: pause, update, continue)."""
     log.info("weights for version %d pushed (placeholder)", version)
 
 

@@ -51,12 +51,14 @@ def save_weights(weights_dir: str, version: int) -> str:
 
 def push_weights(router_url: str, weights_dir: str, version: int) -> None:
     """Load version ``version`` into every engine the router lists (control calls are
-    sent to each worker: the router does not route them)."""
+    sent to each worker: the router does not route them). ``push_weights`` pauses each
+    engine (abort), waits until it is idle, updates and continues: SGLang refuses to flush
+    its cache while requests run."""
     path = save_weights(weights_dir, version)
 
     async def push() -> None:
         async with SGLangClient(router_url=router_url) as client:
-            await client.update_weights_from_disk(path, weight_version=version)
+            await client.push_weights(path, weight_version=version)
 
     asyncio.run(push())
 
