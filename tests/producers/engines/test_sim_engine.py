@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from engine_helpers import load_counts, run, wait_until
+from tests.producers.engines.engine_helpers import load_counts, run, wait_until
 
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig, target_length

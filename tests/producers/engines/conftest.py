@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from engine_helpers import AppThread
+from tests.producers.engines.engine_helpers import AppThread
 
 
 @pytest.fixture

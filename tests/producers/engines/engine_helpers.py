@@ -1,4 +1,4 @@
-"""Helpers for the engine tests (imported by name; conftest puts this folder on sys.path)."""
+"""Helpers for the engine tests."""
 
 from __future__ import annotations
 
