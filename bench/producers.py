@@ -118,7 +118,8 @@ def run_case(workdir: Path, url: str, n_prompts: int, producers: int, c: int, g:
     samples = sum(s["samples_finished"] for s in stats)
     return {"producers": producers, "slots": list(budget.slots), "K": budget.total,
             "ready_groups": ready, "elapsed_s": elapsed, "groups_per_s": ready / elapsed,
-            "utilisation": util, "samples_per_s": samples / elapsed, "cpu_ms_per_group": 1000 * cpu / done if done else None,
+            "utilisation": util, "samples_per_s": samples / elapsed,
+            "cpu_ms_per_group": 1000 * cpu / done if done else None,
             "ready_after_stop": ready_count(q) - ready0}
 
 

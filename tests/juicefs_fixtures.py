@@ -100,8 +100,8 @@ def juicefs_mounts() -> Iterator[tuple[str, str]]:
 
     work = tempfile.mkdtemp(prefix="strawq-jfs-")
     env = dict(os.environ, JUICEFS=binary)
-    proc = subprocess.run(["bash", TESTVOL, "up", work], check=False, capture_output=True, text=True,
-                          env=env, timeout=180)
+    proc = subprocess.run(["bash", TESTVOL, "up", work], check=False, capture_output=True,
+                          text=True, env=env, timeout=180)
     if proc.returncode != 0:
         subprocess.run(["bash", TESTVOL, "down", work], check=False, capture_output=True, env=env,
                        timeout=120)

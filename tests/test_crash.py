@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from strawq.testing.waiting import wait_until
 from strawq.batches import BatchStore
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
@@ -367,11 +367,7 @@ else:
 
 
 def _wait(check: Callable[[], bool], what: str, deadline_s: float = 60.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not check():
-        if time.monotonic() > end:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
+    wait_until(check, deadline_s, what=what)
 
 
 @pytest.mark.timeout(120)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from strawq.testing.waiting import wait_until
 from strawq.errors import AlreadyExists, NotFound
 from strawq.records import Kind, decode, encode
 from strawq.storage import PosixStorage
@@ -31,13 +32,12 @@ CTX = multiprocessing.get_context("spawn")
 
 def _wait_listed(storage: PosixStorage, directory: str, names: set[str], deadline_s: float
                  ) -> None:
-    end = time.monotonic() + deadline_s
-    while not names <= set(storage.list(directory)):
-        if time.monotonic() > end:
-            missing = sorted(names - set(storage.list(directory)))
-            raise AssertionError(f"{len(missing)} names not visible on {storage.root} after "
-                                 f"{deadline_s}s, e.g. {missing[:3]}")
-        time.sleep(0.005)
+    def missing() -> str:
+        gone = sorted(names - set(storage.list(directory)))
+        return f"{len(gone)} names not visible on {storage.root}, e.g. {gone[:3]}"
+
+    wait_until(lambda: names <= set(storage.list(directory)), deadline_s,
+               what=f"names listed in {directory}", poll_s=0.005, detail=missing)
 
 
 def _claimer(index: int, root: str, tasks: list[str], barrier: Any, results: Any) -> None:

@@ -161,7 +161,8 @@ def test_fail_requeues_then_drops_at_max_attempts(storage: Storage, tmp_path: Pa
     (lease,) = q.claim("p")
     dst = q.fail(lease, "engine_error", "HTTP 500 from engine")
     assert dst.startswith("pending/")
-    note = records.decode(storage.read(note_key(tid(0), 0, "fail", "engine_error")), expect=Kind.FAIL)
+    note = records.decode(storage.read(note_key(tid(0), 0, "fail", "engine_error")),
+                          expect=Kind.FAIL)
     assert note.meta["reason"] == "engine_error" and "HTTP 500" in note.meta["message"]
     (lease,) = q.claim("p")
     assert (lease.name.attempts, lease.gen) == (2, 1)
@@ -169,7 +170,8 @@ def test_fail_requeues_then_drops_at_max_attempts(storage: Storage, tmp_path: Pa
     assert dst.startswith("dropped/")
     state, name = q.find(tid(0))
     assert (state, name.producer) == ("dropped", "engine_error.max_attempts")
-    note = records.decode(storage.read(note_key(tid(0), 1, "drop", "engine_error.max_attempts")), expect=Kind.DROP)
+    note = records.decode(storage.read(note_key(tid(0), 1, "drop", "engine_error.max_attempts")),
+                          expect=Kind.DROP)
     assert note.meta["reason"] == "engine_error.max_attempts"
     assert note.meta["attempts"] == 2
     assert q.claim("p") == []
@@ -192,7 +194,8 @@ def test_drop_records_reason_and_summary(storage: Storage, tmp_path: Path) -> No
     make_feeder(q, tmp_path, 2).release(2)
     a, b = q.claim("p", 2)
     q.drop(a, "zero_reward_variance", "all rewards 1.0", summary={"rewards": [1.0, 1.0]})
-    note = records.decode(storage.read(note_key(a.task_id, a.gen, "drop", "zero_reward_variance")), expect=Kind.DROP)
+    note = records.decode(storage.read(note_key(a.task_id, a.gen, "drop", "zero_reward_variance")),
+                          expect=Kind.DROP)
     assert note.meta["summary"] == {"rewards": [1.0, 1.0]}
     assert q.find(a.task_id)[0] == "dropped"
     assert q.find(b.task_id)[0] == "leased"
@@ -418,8 +421,8 @@ def test_bad_dataset_rows_are_dropped_with_reason(storage: Storage, tmp_path: Pa
     bad = {1, 2, 3, 4, 5, 7}
     assert audit.ids("dropped") == {tid(i) for i in bad}
     assert {audit.name_of(tid(i)).producer for i in bad} == {"bad_row"}
-    messages = {i: records.decode(storage.read(note_key(tid(i), 0, "drop", "bad_row"))).meta["message"]
-                for i in bad}
+    messages = {i: records.decode(storage.read(note_key(tid(i), 0, "drop", "bad_row")))
+                .meta["message"] for i in bad}
     assert "invalid JSON" in messages[1]
     assert "missing 'prompt'" in messages[2] and "question" in messages[2]
     assert "empty string" in messages[3]

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from strawq.testing.waiting import async_wait_until
 from strawq.config import QueueConfig
 from strawq.feeder import Feeder
 from strawq.dataset import Dataset
@@ -65,12 +66,7 @@ def ready_groups(q: RunQueue) -> dict[str, Any]:
 
 async def wait_for(cond: Callable[[], bool], timeout: float, what: str,
                    poll: float = 0.05) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        await asyncio.sleep(poll)
+    await async_wait_until(cond, timeout, what=what, poll_s=poll)
 
 
 async def run_producers(producers: list[Producer],

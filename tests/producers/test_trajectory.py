@@ -10,13 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from strawq.testing.waiting import wait_until
 from strawq.control import Control
 from strawq.errors import ConfigError
 from strawq.grantor import LeaseMonitor
@@ -232,15 +232,13 @@ def _producer_process(run: Path, url: str, ledger: Path) -> subprocess.Popen[str
 
 def _wait(cond: Any, timeout: float, what: str, proc: subprocess.Popen[str] | None = None,
           monitor: LeaseMonitor | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
+    def check_alive() -> None:
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"producer exited: {proc.stderr.read() if proc.stderr else ''}")
         if monitor is not None:
             monitor.scan()
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.05)
+
+    wait_until(cond, timeout, what=what, poll_s=0.05, on_poll=check_alive)
 
 
 def test_kill_9_mid_trajectory_never_reruns_a_persisted_tool_call(tmp_path: Path) -> None:

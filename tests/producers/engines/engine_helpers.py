@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from strawq.testing.waiting import async_wait_until
+
 T = TypeVar("T")
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -73,17 +75,8 @@ def load_fixture(name: str) -> Any:
 async def wait_until(
     predicate: Callable[[], Awaitable[bool]], timeout_s: float = 30.0, poll_s: float = 0.01
 ) -> None:
-    """Poll an async predicate until it holds; fail after ``timeout_s``.
-
-    (A deadline, not a timing assertion.)
-    """
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not reached within {timeout_s}s")
-        await asyncio.sleep(poll_s)
+    """Poll an async predicate until it holds; fail after ``timeout_s``."""
+    await async_wait_until(predicate, timeout_s, what="an engine condition", poll_s=poll_s)
 
 
 async def load_counts(client: Any, url: str) -> tuple[int, int]:
