@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Iterable, Mapping
 
 from strawq.producers.engines.tiny_config import TinyConfig
 
@@ -43,8 +44,13 @@ def make_rows(n: int, seed: int = 0) -> list[dict[str, object]]:
 
 
 def write_dataset(path: str, n: int, seed: int = 0) -> str:
+    return write_jsonl(path, make_rows(n, seed))
+
+
+def write_jsonl(path: str, rows: Iterable[Mapping[str, object]]) -> str:
+    """A demo dataset file: one JSON object per row."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        for row in make_rows(n, seed):
+        for row in rows:
             f.write(json.dumps(row) + "\n")
     return path

@@ -18,11 +18,10 @@ idempotent by key (a pure function), so a call re-executed after a crash is harm
 
 from __future__ import annotations
 
-import json
-import os
 import random
 from typing import Any
 
+from strawq.demo.task import write_jsonl
 from strawq.producers.generate import GenerateContext
 
 BOS, EOS, CALL, RESULT, ASK = 1, 2, 3, 4, 15
@@ -58,11 +57,7 @@ def make_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def write_dataset(path: str, n: int, seed: int = 0) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for row in make_rows(n, seed):
-            f.write(json.dumps(row) + "\n")
-    return path
+    return write_jsonl(path, make_rows(n, seed))
 
 
 def calculator(args: dict[str, Any], key: str) -> dict[str, Any]:

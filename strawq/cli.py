@@ -240,21 +240,9 @@ def cmd_bracket(args: argparse.Namespace) -> int:
 
 
 def _control_state(storage: Any) -> Any:
-    from strawq.control import ControlState
+    from strawq.control import read_state
 
-    pause = resume = 0
-    acks: dict[int, set[str]] = {}
-    for n in storage.list("control"):  # read-only: Control() would create control/
-        kind, _, rest = n.partition("-")
-        if kind == "pause" and rest.isdigit():
-            pause = max(pause, int(rest))
-        elif kind == "resume" and rest.isdigit():
-            resume = max(resume, int(rest))
-        elif kind == "ack":
-            v, _, producer = rest.partition("~")
-            if v.isdigit():
-                acks.setdefault(int(v), set()).add(producer)
-    return ControlState(pause, resume, frozenset(acks.get(pause, set())))
+    return read_state(storage)
 
 
 def _version() -> str:

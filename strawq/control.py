@@ -49,19 +49,7 @@ class Control:
         storage.makedirs("control")
 
     def state(self) -> ControlState:
-        pause = resume = 0
-        acks: dict[int, set[str]] = {}
-        for n in self.storage.list("control"):
-            kind, _, rest = n.partition("-")
-            if kind == "pause" and rest.isdigit():
-                pause = max(pause, int(rest))
-            elif kind == "resume" and rest.isdigit():
-                resume = max(resume, int(rest))
-            elif kind == "ack":
-                v, _, producer = rest.partition("~")
-                if v.isdigit():
-                    acks.setdefault(int(v), set()).add(producer)
-        return ControlState(pause, resume, frozenset(acks.get(pause, set())))
+        return read_state(self.storage)
 
     def _put(self, name: str, body: dict[str, object]) -> None:
         try:
@@ -87,3 +75,21 @@ class Control:
             v = rest.partition("~")[0]
             if v.isdigit() and int(v) <= version - KEEP:
                 self.storage.delete(f"control/{n}")
+
+
+def read_state(storage: Storage) -> ControlState:
+    """The bracket's state from the names in ``control/`` (reads only; ``Control()`` would
+    create the directory)."""
+    pause = resume = 0
+    acks: dict[int, set[str]] = {}
+    for n in storage.list("control"):
+        kind, _, rest = n.partition("-")
+        if kind == "pause" and rest.isdigit():
+            pause = max(pause, int(rest))
+        elif kind == "resume" and rest.isdigit():
+            resume = max(resume, int(rest))
+        elif kind == "ack":
+            v, _, producer = rest.partition("~")
+            if v.isdigit():
+                acks.setdefault(int(v), set()).add(producer)
+    return ControlState(pause, resume, frozenset(acks.get(pause, set())))
