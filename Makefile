@@ -1,6 +1,8 @@
 # strawq: two commands on a fresh machine.
 #   make demo   the main job: an end-to-end RL run on embedded defaults
 #   make test   the test suite (brings up a real two-client JuiceFS volume when /dev/fuse exists)
+# For developers: make test-fast (the inner loop, about a minute: no slow, Ray, JuiceFS or
+# real-SGLang tests) and make lint (ruff, mypy --strict).
 # Both create .venv and install what they need on first use.
 
 PYTHON ?= python3
@@ -25,7 +27,7 @@ SLIME_SRC ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean torch
+.PHONY: demo test test-fast lint install bench clean torch
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +75,13 @@ test: $(STAMP)
 	rc=0; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS) || rc=$$?; \
 	deploy/juicefs/testvol.sh down "$(JFS_DIR)" >/dev/null 2>&1 || true; \
 	exit $$rc
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -x -p no:cacheprovider -m "not slow and not ray and not juicefs and not sglang_real" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy --strict strawq
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"

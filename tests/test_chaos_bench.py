@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(240)
 def test_chaos_bench_tiny(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "chaos.py"), "--prompts", "64",
-                           "--faults", "7", "--gap", "0.5", "--workdir", str(tmp_path / "w"),
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "chaos.py"), "--prompts", "128",
+                           "--faults", "7", "--gap", "0.3", "--workdir", str(tmp_path / "w"),
                            "--deadline", "150"], capture_output=True, text=True, timeout=230,
                           cwd=REPO, check=False)
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""

@@ -328,12 +328,14 @@ def _kill_matrix(tmp_path: Path, inside: bool) -> int:
     pytest.fail("the worker never completed")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_kill_9_before_each_mutation(tmp_path: Path) -> None:
     kills = _kill_matrix(tmp_path, inside=False)
     assert kills >= 40  # the worker's sequence makes 48 mutating steps
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_kill_9_inside_publish_after_temp_file_written(tmp_path: Path) -> None:
     kills = _kill_matrix(tmp_path, inside=True)

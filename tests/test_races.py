@@ -26,6 +26,8 @@ from strawq.storage import PosixStorage
 from strawq.testing import audit_run, check_total_queue, make_group, write_jsonl
 from strawq.testing.factories import make_partial, prompts
 
+pytestmark = pytest.mark.slow
+
 PROCESSES = 8
 TASKS = 400
 DEADLINE_S = 120.0

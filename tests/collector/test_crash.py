@@ -21,6 +21,8 @@ import pytest
 from strawq.names import TaskName
 from tests.collector.helpers import make_run, write_dataset
 
+pytestmark = pytest.mark.slow
+
 PROCS = os.path.join(os.path.dirname(__file__), "procs.py")
 N = 60
 

@@ -33,7 +33,7 @@ from strawq.storage import PosixStorage
 from strawq.testing.audit import audit_run
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def check_invariants(run_dir: str, trained: list[int]) -> None:

@@ -20,6 +20,8 @@ pytest.importorskip("matplotlib")
 
 from strawq.demo.lab import MODES, LabConfig, format_table, run_lab  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 TINY = dict(engines=4, concurrency=8, sim_processes=2, producers=2, group_size=4,
             batch_groups=6, steps=3, train_step_s=0.4, max_staleness=1, oversample=1.5,
             step_base_ms=4.0, step_per_req_ms=0.1, prompt_len=8, len_median=8.0,

@@ -31,7 +31,7 @@ from strawq.producers.sample import SamplerParams
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
 from tests.collector.helpers import make_run, write_dataset
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 VERSIONS = (0, 1, 2)
 #: per group, per sample: (temperature, the versions of its segments)

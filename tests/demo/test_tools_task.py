@@ -21,6 +21,8 @@ from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.trajectory import Trajectory
 from tests.producers.helpers import ids, make_run, ready_groups, run_producers, wait_for
 
+pytestmark = pytest.mark.slow
+
 
 def test_reward_reads_the_last_turn() -> None:
     row = {"row": {"answer": 6}}

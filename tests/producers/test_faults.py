@@ -15,7 +15,7 @@ from strawq.producers.sglang_client import ClientConfig
 from tests.producers.faulty_proxy import FaultyProxy
 from tests.producers.helpers import ids, make_run, ready_groups, run_producers, wait_for
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 FAST_CLIENT = ClientConfig(generate_timeout_s=1.5, control_timeout_s=1.0, connect_timeout_s=1.0,
                            max_retries=2, backoff_base_s=0.02, backoff_max_s=0.1)

@@ -241,6 +241,7 @@ def _wait(cond: Any, timeout: float, what: str, proc: subprocess.Popen[str] | No
     wait_until(cond, timeout, what=what, poll_s=0.05, on_poll=check_alive)
 
 
+@pytest.mark.slow
 def test_kill_9_mid_trajectory_never_reruns_a_persisted_tool_call(tmp_path: Path) -> None:
     # its own engine: the module's one carries the versions an earlier test pushed
     with EngineThread(EngineOptions(kind="sim", max_running=256, sim=FAST_SIM)) as eng:

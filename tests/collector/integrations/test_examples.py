@@ -20,6 +20,8 @@ from strawq.collector.core import Collector
 from strawq.dataset import Dataset
 from tests.collector.helpers import SimProducer, drive, make_run, write_dataset
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parents[3] / "deploy" / "examples"
 
 
