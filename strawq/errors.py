@@ -39,10 +39,6 @@ class StorageFull(StorageError):
     """The filesystem reported ENOSPC or EDQUOT; nothing was published."""
 
 
-class StorageCapabilityError(StrawqError, NotImplementedError):
-    """The backend lacks a capability the caller needs (see ``Capabilities``)."""
-
-
 class CorruptRecord(StrawqError, ValueError):
     """A record failed its framing, schema-version or checksum checks."""
 

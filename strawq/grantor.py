@@ -121,6 +121,3 @@ class LeaseMonitor:
         """Seconds since each producer's heartbeat counter last moved (grantor's clock)."""
         now = self.clock() if now is None else now
         return {p: now - t for p, (_c, t) in self._seen.items()}
-
-    def forget_producer(self, producer: str) -> None:
-        self._seen.pop(producer, None)

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from strawq.errors import StrawqError
+
 logger = logging.getLogger(__name__)
 
 ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
@@ -104,7 +106,7 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-class UpdateRejected(Exception):
+class UpdateRejected(StrawqError):
     """A weight update could not be applied; the message is returned to the caller."""
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from strawq.errors import StrawqError
 from strawq.producers.engines.core import (
     ABORT_WAITING,
     EngineCore,
@@ -76,8 +77,8 @@ UNSUPPORTED_NON_DEFAULT = {
 }
 
 
-class BadRequest(ValueError):
-    pass
+class BadRequest(StrawqError, ValueError):
+    """A request the engine answers with HTTP 400 (the message is the reply's body)."""
 
 
 def error_response(message: str, status: int = 400) -> web.Response:
