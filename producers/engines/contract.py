@@ -130,6 +130,13 @@ class EngineContract:
     def _long(self, t: EngineTarget, n: int | None = None) -> dict[str, Any]:
         return {"max_new_tokens": n or t.long_tokens, "ignore_eos": True}
 
+    async def _start_long(self, c: SGLangClient, t: EngineTarget, n: int) -> asyncio.Task[Any]:
+        """One ``n``-token request, returned once the engine reports it running (it must
+        not finish before that)."""
+        task = asyncio.create_task(c.generate(t.prompt, self._long(t, n)))
+        await self._running(c, t, task=task)
+        return task
+
     async def _raw(
         self, t: EngineTarget, path: str, body: Any, *, admin: bool = False
     ) -> tuple[int, bytes]:
@@ -387,10 +394,7 @@ class EngineContract:
         async def go() -> None:
             async with target.client() as c:
                 v = await self._version(c, target)
-                task = asyncio.create_task(
-                    c.generate(target.prompt, self._long(target, min(32, target.long_tokens)))
-                )
-                await self._running(c, target, task=task)
+                task = await self._start_long(c, target, min(32, target.long_tokens))
                 try:
                     await c.update_weights_from_disk(target.weight_dirs[0], weight_version=v + 1)
                     refused = False
@@ -414,8 +418,7 @@ class EngineContract:
             async with target.client() as c:
                 v = await self._version(c, target)
                 n = min(64, target.long_tokens)
-                task = asyncio.create_task(c.generate(target.prompt, self._long(target, n)))
-                await self._running(c, target, task=task)
+                task = await self._start_long(c, target, n)
                 await c.pause_generation("retract")
                 try:
                     await c.flush_cache(deadline_s=5)  # retract frees the KV cache
@@ -435,8 +438,7 @@ class EngineContract:
             async with target.client() as c:
                 v = await self._version(c, target)
                 n = min(64, target.long_tokens)
-                task = asyncio.create_task(c.generate(target.prompt, self._long(target, n)))
-                await self._running(c, target, task=task)
+                task = await self._start_long(c, target, n)
                 await c.pause_generation("in_place")
                 try:
                     status, _ = await self._raw(target, "/flush_cache", None, admin=True)
