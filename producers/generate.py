@@ -54,7 +54,7 @@ import numpy as np
 
 from strawq.errors import ConfigError, StrawqError
 
-from strawq.producers.plugins import import_attr, is_async, resolve
+from strawq.producers.plugins import is_async, resolve_with_args
 from strawq.producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE,
                                      SampleStatus)
 from strawq.producers.trajectory import Trajectory, TrajectoryError, idempotency_key
@@ -274,22 +274,8 @@ def load_generate(path: str | None, args: Mapping[str, Any] | None = None) -> Ge
     """The generate plugin at ``path`` (``async def fn(ctx)``); with ``args`` the factory at
     ``path`` called with them. Checked at start-up."""
     path = path or DEFAULT_GENERATE
-    if args is None:
-        fn = resolve(path, what="generate plugin", arity=1)
-    else:
-        factory = import_attr(path, what="generate plugin factory")
-        if not callable(factory):
-            raise ConfigError(f"generate plugin factory {path} is not callable")
-        try:
-            fn = factory(**args)
-        except (TypeError, ValueError, ConfigError) as exc:
-            raise ConfigError(f"generate factory {path}: bad generate_args {sorted(args)}: "
-                              f"{exc}") from exc
-        try:
-            inspect.signature(fn).bind(None)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"generate factory {path} returned {fn!r}, which does not take "
-                              f"(ctx): {exc}") from exc
+    fn: GenerateFn = resolve_with_args(path, args, what="generate plugin", arity=1,
+                                       args_key="generate_args", takes="(ctx)")
     if not is_async(fn):
         raise ConfigError(f"generate plugin {path} must be an async function "
                           "(async def generate(ctx) -> None)")

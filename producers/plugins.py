@@ -70,23 +70,36 @@ def resolve(path: str, *, what: str, arity: int) -> Callable[..., Any]:
     return fn  # type: ignore[no-any-return]
 
 
-def load_reward(path: str, args: Mapping[str, Any] | None = None) -> RewardFn:
-    """The reward function at ``path``; with ``args``, what the factory at ``path`` returns
-    when called with them."""
+def resolve_with_args(path: str, args: Mapping[str, Any] | None, *, what: str, arity: int,
+                      args_key: str, takes: str) -> Any:
+    """The callable at ``path`` taking ``arity`` positional arguments; with ``args``, what
+    the factory at ``path`` returns when called with them (checked the same way). Errors
+    name ``what`` (e.g. "reward"), the config key ``args_key`` and the expected ``takes``."""
     if args is None:
-        return resolve(path, what="reward function", arity=3)
-    factory = resolve(path, what="reward factory", arity=0)
+        return resolve(path, what=f"{what} function", arity=arity)
+    factory = import_attr(path, what=f"{what} factory")
+    if not callable(factory):
+        raise ConfigError(f"{what} factory: {path!r} is a {type(factory).__name__}, "
+                          "not a callable")
     try:
         fn = factory(**args)
     except (TypeError, ValueError, ConfigError) as exc:
-        raise ConfigError(f"reward factory {path}: bad reward_args {sorted(args)}: "
+        raise ConfigError(f"{what} factory {path}: bad {args_key} {sorted(args)}: "
                           f"{exc}") from exc
     try:
-        inspect.signature(fn).bind(None, None, None)
+        inspect.signature(fn).bind(*([None] * arity))
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"reward factory {path} returned {fn!r}, which does not take "
-                          f"(task, response_ids, sample_meta): {exc}") from exc
-    return fn  # type: ignore[no-any-return]
+        raise ConfigError(f"{what} factory {path} returned {fn!r}, which does not take "
+                          f"{takes}: {exc}") from exc
+    return fn
+
+
+def load_reward(path: str, args: Mapping[str, Any] | None = None) -> RewardFn:
+    """The reward function at ``path``; with ``args``, what the factory at ``path`` returns
+    when called with them."""
+    fn: RewardFn = resolve_with_args(path, args, what="reward", arity=3, args_key="reward_args",
+                                     takes="(task, response_ids, sample_meta)")
+    return fn
 
 
 def is_async(fn: Any) -> bool:

@@ -45,3 +45,10 @@ async def verl_async_score(data_source: str, solution_str: str, ground_truth: st
                            extra_info: dict[str, Any] | None = None) -> float:
     await asyncio.sleep(0)
     return 0.5
+
+
+def length_at_least(*, threshold: int) -> Any:
+    """A reward factory whose argument is required and keyword-only (``reward_args``)."""
+    def reward(task: dict[str, Any], response_ids: list[int], meta: dict[str, Any]) -> float:
+        return float(len(response_ids) >= threshold)
+    return reward

@@ -43,6 +43,16 @@ def test_async_and_plain_rewards_and_decoded_text() -> None:
         load_reward("strawq.producers.reward_remote.remote_reward", {"url": "ftp://x"})
 
 
+def test_reward_factory_with_required_keyword_arguments() -> None:
+    # the factory is called with reward_args; it is not required to take zero arguments
+    fn = load_reward(f"{PLUGINS}.length_at_least", {"threshold": 2})
+    threads = Offload(1, "rw")
+    assert run(call_reward(fn, threads, TASK, [1, 2], META)) == 1.0
+    assert run(call_reward(fn, threads, TASK, [1], META)) == 0.0
+    with pytest.raises(ConfigError, match="bad reward_args"):
+        load_reward(f"{PLUGINS}.length_at_least", {})
+
+
 class RewardServer:
     """A reward model stand-in on a real socket: scores, fails, stalls on request."""
 
