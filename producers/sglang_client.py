@@ -56,6 +56,8 @@ from strawq.producers.sglang_protocol import (
     build_generate_payload,
     finalize_abort_at_stop,
     parse_generate_body,
+    resumed_tokens,
+    with_resumed_tokens,
 )
 
 logger = logging.getLogger(__name__)
@@ -587,7 +589,8 @@ class SGLangClient(ControlCalls):
     ) -> GenerateResult | None:
         """Run (or resume) ``sample`` for one segment and apply the result onto it.
 
-        Sends prompt + generated ids with the remaining budget. With a zero budget the
+        Sends prompt + generated ids with the remaining budget, and how many of them are
+        the resumed prefix (``custom_params``, which SGLang ignores). With a zero budget the
         sample becomes TRUNCATED and no request is made (returns None). The result is
         checked against the budget before anything is appended.
         """
@@ -601,7 +604,9 @@ class SGLangClient(ControlCalls):
             return None
         result = await self.generate(
             sample.resume_input_ids(),
-            sample.params.to_sglang(max_new_tokens=budget),
+            with_resumed_tokens(
+                sample.params.to_sglang(max_new_tokens=budget), resumed_tokens(sample)
+            ),
             rid=rid,
             url=url,
             timeout_s=timeout_s,

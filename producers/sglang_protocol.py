@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 
 from strawq.producers.engine_errors import EngineProtocolError
-from strawq.producers.sample import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Segment
+from strawq.producers.sample import (
+    LOGPROB_DTYPE,
+    TOKEN_DTYPE,
+    VERSION_DTYPE,
+    Sample,
+    SampleStatus,
+    Segment,
+)
 
 FINISH_TYPES = ("stop", "length", "abort")
 WAITING_ABORT_MESSAGE = "Abort in waiting queue"
@@ -111,6 +118,30 @@ def finalize_abort_at_stop(
         return result
     finish = {"type": "stop", "matched": last, "aborted": True}
     return dataclasses.replace(result, finish_reason=finish)
+
+
+#: ``sampling_params.custom_params`` key: how many trailing ``input_ids`` are the sample's own
+#: earlier output in this turn (a resumed prefix). SGLang 0.5.23 accepts custom_params without
+#: ``--enable-custom-logit-processor`` and reads none but its own keys, so the real server
+#: ignores it; strawq's ``sim`` engine uses it to find where the prompt ends exactly.
+RESUMED_TOKENS_KEY = "strawq_resumed_tokens"
+
+
+def resumed_tokens(sample: Sample) -> int:
+    """The prefix a request for ``sample`` resumes: 0 when it starts a turn; after an abort,
+    the trailing response tokens the engine generated (loss mask 1) since the prompt or the
+    last appended (tool) token."""
+    if sample.status is not SampleStatus.ABORTED:
+        return 0
+    appended = np.flatnonzero(sample.loss_mask == 0)
+    return sample.response_length - (int(appended[-1]) + 1 if len(appended) else 0)
+
+
+def with_resumed_tokens(sampling_params: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """``sampling_params`` with :data:`RESUMED_TOKENS_KEY` set to ``n`` in custom_params."""
+    out = dict(sampling_params)
+    out["custom_params"] = {**(out.get("custom_params") or {}), RESUMED_TOKENS_KEY: int(n)}
+    return out
 
 
 def build_generate_payload(
