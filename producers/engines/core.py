@@ -60,6 +60,8 @@ class ReqParams:
     ignore_eos: bool = False
     no_stop_trim: bool = False
     seed: int | None = None
+    #: trailing input tokens that are the request's resumed prefix (custom_params), if sent
+    resumed_tokens: int | None = None
 
 
 @dataclass(eq=False)

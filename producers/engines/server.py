@@ -3,7 +3,8 @@
 Endpoints: ``/generate`` (POST/PUT), ``/abort_request``, ``/pause_generation``,
 ``/continue_generation``, ``/update_weights_from_disk``, ``/update_weight_version``,
 ``/flush_cache``, ``/v1/loads``, ``/model_info`` (+ ``/get_model_info``), ``/health``,
-``/health_generate``, ``/ready``. Differences from SGLang are listed in ``docs/engines.md``.
+``/health_generate``, ``/ready``; strawq's own ``/strawq/live_requests`` (the requests in
+flight, with their tokens so far). Differences from SGLang are listed in ``docs/engines.md``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from strawq.producers.engines.core import (
     detokenize,
 )
 from strawq.producers.engines.sim_backend import seed_for_rid
+from strawq.producers.sglang_protocol import RESUMED_TOKENS_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +159,16 @@ def parse_sampling_params(sp: Any) -> tuple[ReqParams, int]:
     seed = sp.get("sampling_seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest(f"sampling_seed must be an integer, found {seed!r}")
+    custom = sp.get("custom_params")
+    if custom is not None and not isinstance(custom, Mapping):
+        raise BadRequest(f"sampling_params.custom_params must be an object, found {custom!r}")
+    resumed = (custom or {}).get(RESUMED_TOKENS_KEY)
+    if resumed is not None and (
+        isinstance(resumed, bool) or not isinstance(resumed, int) or resumed < 0
+    ):
+        raise BadRequest(
+            f"custom_params.{RESUMED_TOKENS_KEY} must be an integer >= 0, found {resumed!r}"
+        )
     params = ReqParams(
         max_new_tokens=max_new,
         min_new_tokens=min_new,
@@ -169,6 +181,7 @@ def parse_sampling_params(sp: Any) -> tuple[ReqParams, int]:
         ignore_eos=bool(sp.get("ignore_eos", False)),
         no_stop_trim=bool(sp.get("no_stop_trim", False)),
         seed=seed,
+        resumed_tokens=resumed,
     )
     return params, n
 
@@ -289,6 +302,11 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
                 raise BadRequest(
                     f"The input ({len(p)} tokens) is longer than the model's context length "
                     f"({ctx} tokens)."
+                )
+            if params.resumed_tokens is not None and params.resumed_tokens >= len(p):
+                raise BadRequest(
+                    f"custom_params.{RESUMED_TOKENS_KEY}={params.resumed_tokens} must be less "
+                    f"than the {len(p)} input tokens (the prompt keeps at least one)"
                 )
             if len(p) + params.max_new_tokens >= ctx:
                 raise BadRequest(
@@ -462,6 +480,14 @@ async def handle_model_info(request: web.Request) -> web.Response:
     return web.json_response(info)
 
 
+async def handle_live_requests(request: web.Request) -> web.Response:
+    """strawq's own: every request in the engine now, with the tokens generated so far."""
+    core = request.app[CORE_KEY]
+    live = [{"rid": r.rid, "state": r.state, "output_tokens": len(r.out_ids)}
+            for r in core.live.values()]
+    return web.json_response({"generated_tokens": core.generated_tokens, "requests": live})
+
+
 async def handle_health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
@@ -565,6 +591,7 @@ def build_app(
     r.add_get("/model_info", handle_model_info)
     r.add_get("/get_model_info", handle_model_info)
     r.add_get("/health", handle_health)
+    r.add_get("/strawq/live_requests", handle_live_requests)
     r.add_get("/health_generate", handle_health_generate)
     r.add_get("/ready", handle_ready)
 

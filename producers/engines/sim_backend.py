@@ -10,8 +10,12 @@
 * Everything is a pure function of the request's seed (``sampling_seed``, else a hash
   of the rid): token ids are ``3 + hash(seed, position) % (vocab - 3)``, log-probs are
   hash-derived values in (-4, 0). A resumed request is recognised by counting the
-  trailing input tokens that equal the seed's own tokens at those positions, so with the
-  same seed a resumed sample continues exactly as the uninterrupted one would.
+  trailing input tokens that equal the seed's own tokens at those positions, no further
+  back than the resumed prefix the client declares
+  (``sampling_params.custom_params.strawq_resumed_tokens``, which SGLang ignores), so with
+  the same seed a resumed sample continues exactly as the uninterrupted one would. A
+  request without that field is matched against the whole input: a prompt that happens
+  to end in the seed's token (1 in ``vocab - 3``) ends one token early.
 
 No thread per request: decode is a plain loop on the event loop, then one
 ``asyncio.sleep`` for the whole batch.
@@ -108,16 +112,30 @@ class SimBackend:
         for req in reqs:
             seq = req.input_ids + req.out_ids
             if req.backend_state is None or "prompt_len" not in req.backend_state:
-                resumed = 0
-                for pos in range(len(seq) - 1, 0, -1):
-                    if seq[pos] != sim_token(req.seed, pos, self.vocab_size):
-                        break
-                    resumed += 1
                 req.backend_state = {
-                    "prompt_len": len(seq) - resumed,
+                    "prompt_len": self.prompt_len(req.input_ids, req.seed,
+                                                  req.params.resumed_tokens),
                     "target": target_length(req.seed, self.cfg),
                 }
             self._pending_prefill_ms += self.cfg.prefill_ms_per_token * len(seq)
+
+    def prompt_len(self, input_ids: Sequence[int], seed: int, resumed: int | None) -> int:
+        """Where the prompt of a request ends: before its trailing input tokens that are
+        this seed's own tokens at their positions (an earlier answer being resumed).
+
+        With ``resumed`` (the client's count of the resumed prefix, ``custom_params``) the
+        scan never goes past it, so a prompt that happens to end in the seed's token is
+        not taken for output; it still stops at a token that is not the seed's (the EOS
+        that ended an earlier turn). Without it the scan runs to the prompt's first
+        token: a prompt ending in the seed's token (1 in ``vocab_size - 3``) is taken as
+        one token shorter.
+        """
+        n = len(input_ids)
+        floor = 0 if resumed is None else max(n - resumed - 1, 0)
+        pos = n - 1
+        while pos > floor and input_ids[pos] == sim_token(seed, pos, self.vocab_size):
+            pos -= 1
+        return pos + 1
 
     async def decode(self, reqs: Sequence[Req]) -> list[tuple[int, float]]:
         out = []
