@@ -34,6 +34,14 @@ Per victim: faults, recovery (restart or SIGCONT → the trainer's next new batc
 of tasks hit by that victim's faults that were generated and then thrown away, and for the
 trainer the steps lost (trained since its last checkpoint). Tokens an engine generated for
 an answer it never returned (it was killed) are invisible to the proxy: T is a lower bound.
+
+Per producer kill (each producer incarnation runs with its own ``--producer-id``, so every
+rid names it): the tokens it had in flight — generated for the leases it held and had not
+persisted: the answers it had received, plus the tokens of its requests running on the
+engines at the kill (read from the engines' ``/strawq/live_requests`` right after it) —
+versus the tokens regenerated for the same tasks by their next lease (a killed producer
+leaves no partial, so the redo starts each group from its prompt), and the tokens its
+orphaned requests went on generating after it died. Printed per kill and in total.
 """
 
 from __future__ import annotations
@@ -127,8 +135,8 @@ def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done
 @dataclass
 class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    #: (time, producer, task id, gen, completion tokens)
-    answers: list[tuple[float, str, str, int, int]] = field(default_factory=list)
+    #: (time, producer, task id, gen, completion tokens, rid)
+    answers: list[tuple[float, str, str, int, int, str]] = field(default_factory=list)
 
 
 def _parse_rid(rid: str) -> tuple[str, str, int] | None:
@@ -208,7 +216,7 @@ class Proxies:
                 meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
                 n = int(meta.get("completion_tokens") or 0)
                 if who is not None and n:
-                    self.tally.answers.append((now, who[0], who[1], who[2], n))
+                    self.tally.answers.append((now, who[0], who[1], who[2], n, str(rid)))
 
     def close(self) -> None:
         async def stop() -> None:
@@ -227,10 +235,18 @@ class Proc:
     p: subprocess.Popen[bytes] | None = None
     stopped: bool = False
     restarts: int = 0
+    #: a producer: ``--producer-id NAME.rK`` per incarnation, so rids name the incarnation
+    producer_id: bool = False
+
+    @property
+    def incarnation(self) -> str:
+        return f"{self.name}.r{self.restarts}"
 
     def start(self) -> None:
+        argv = [*self.argv, "--producer-id", self.incarnation] if self.producer_id \
+            else self.argv
         with open(self.log, "ab") as out:
-            self.p = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+            self.p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                       cwd=ROOT, start_new_session=True)
 
     def alive(self) -> bool:
@@ -265,6 +281,11 @@ class Fault:
     kind: str
     at: float
     end: float = 0.0
+    #: a producer kill: the dead incarnation, when it died, and its requests then running
+    #: on the engines (rid -> tokens generated so far; None: an engine did not answer)
+    incarnation: str = ""
+    dead_at: float = 0.0
+    running: dict[str, int] | None = None
 
 
 @dataclass
@@ -315,7 +336,7 @@ class Chaos:
             self.procs[f"producer{i}"] = Proc(f"producer{i}", strawq(
                 "producer", self.path(i), *urls, "--slots", "4", "--set", "max_new_tokens=96",
                 "--reward", "strawq.producers.rewards.count_task",
-                "-q"), str(self.work / f"producer{i}.log"))
+                "-q"), str(self.work / f"producer{i}.log"), producer_id=True)
         self.procs["collector"] = self._collector(0)
         self.ckpt = str(self.work / "trainer.ckpt.json")
         self.events = str(self.work / "trainer.events.jsonl")
@@ -358,6 +379,27 @@ class Chaos:
                         raise RuntimeError(f"engine on port {port} did not start") from None
                     time.sleep(0.1)
 
+    def engine_requests(self, prefix: str) -> dict[str, int] | None:
+        """The requests whose rid starts with ``prefix`` running on the engines now, with
+        the tokens each has generated (the local engines' ``/strawq/live_requests``)."""
+        import urllib.error
+        import urllib.request
+        found: dict[str, int] = {}
+        for port in self.engine_ports:
+            url = f"http://127.0.0.1:{port}/strawq/live_requests"
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    body = json.load(r)
+            except urllib.error.URLError as exc:
+                if isinstance(exc.reason, ConnectionRefusedError):
+                    continue  # dead or still starting: it runs nothing
+                return None  # not answering: unknown
+            except (OSError, ValueError):
+                return None
+            found.update({q["rid"]: int(q["output_tokens"]) for q in body["requests"]
+                          if str(q["rid"]).startswith(prefix)})
+        return found
+
     def operator_tick(self) -> None:
         op = self.procs["operator"]
         if op.alive() or op.stopped:
@@ -385,6 +427,9 @@ class Chaos:
             proc.signal(signal.SIGKILL)
             assert proc.p is not None
             proc.p.wait()
+            if proc.producer_id:
+                fault.incarnation, fault.dead_at = proc.incarnation, time.time()
+                fault.running = self.engine_requests(f"{proc.incarnation}/")
             time.sleep(rng.uniform(0.05, self.restart_pause))
             if victim != "operator":
                 proc.restarts += 1
@@ -513,7 +558,7 @@ class Chaos:
             answers = list(self.tally.answers)
         generated = sum(a[4] for a in answers)
         per_task: dict[str, list[tuple[float, str, int, int]]] = defaultdict(list)
-        for t, producer, task, gen, n in answers:
+        for t, producer, task, gen, n, _rid in answers:
             per_task[task].append((t, producer, gen, n))
         by_victim: dict[str, dict[str, Any]] = {
             v: {"faults": 0, "recovery": [], "tokens_lost": 0, "steps_lost": []}
@@ -546,7 +591,52 @@ class Chaos:
         return {"generated": generated, "useful": useful,
                 "tokens_lost_per_fault": (generated - useful) / nf,
                 "recovery_p50": statistics.median(recov) if recov else float("nan"),
-                "by_victim": by_victim, "batches": len(batch_times)}
+                "by_victim": by_victim, "batches": len(batch_times),
+                "producer_kills": self.producer_kills(res, answers)}
+
+    def producer_kills(self, res: dict[str, Any],
+                       answers: list[tuple[float, str, str, int, int, str]]
+                       ) -> list[dict[str, Any]]:
+        """Per producer kill: the tokens it had in flight (generated for the leases it held
+        and had not persisted: answers it had received, plus the tokens of its requests then
+        running on the engines), the tokens generated for the same tasks by their next lease
+        (the redo), and the tokens its orphaned requests went on generating after it died."""
+        trained_gen = {g["id"]: g["gen"] for g in res["lineage"]}
+        by_task: dict[str, list[tuple[float, int, int]]] = defaultdict(list)
+        for t, _producer, task, gen, n, _rid in answers:
+            by_task[task].append((t, gen, n))
+        rows = []
+        for number, f in enumerate(self.faults, 1):
+            if not f.incarnation:
+                continue
+            mine = [a for a in answers if a[1] == f.incarnation]
+            running = f.running or {}
+            leases = {(a[2], a[3]) for a in mine if a[0] <= f.dead_at}
+            for rid in running:
+                who = _parse_rid(rid)
+                if who is not None:
+                    leases.add((who[1], who[2]))
+            held = {(task, gen) for task, gen in leases
+                    if trained_gen.get(task) != gen  # not persisted before the kill
+                    and not any(g > gen and t <= f.dead_at for t, g, _n in by_task[task])}
+            received = sum(a[4] for a in mine if a[0] <= f.dead_at and (a[2], a[3]) in held)
+            partial = 0
+            for rid, k in running.items():
+                who = _parse_rid(rid)
+                if who is not None and (who[1], who[2]) in held:
+                    partial += k
+            after = {a[5]: a[4] for a in mine if a[0] > f.dead_at}
+            orphaned = sum(max(n - running.get(rid, 0), 0) for rid, n in after.items())
+            redo = 0
+            for task, gen in held:
+                later = [g for _t, g, _n in by_task[task] if g > gen]
+                if later:
+                    redo += sum(n for _t, g, n in by_task[task] if g == min(later))
+            rows.append({"fault": number, "victim": f.victim, "incarnation": f.incarnation,
+                         "tasks": len(held), "received": received, "running": partial,
+                         "in_flight": received + partial, "regenerated": redo,
+                         "orphaned": orphaned, "engines_known": f.running is not None})
+        return rows
 
 
 def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str) -> None:
@@ -563,6 +653,25 @@ def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str) -> None
         print(f"{v:<10} {row['faults']:>6} {kinds.count('kill9'):>6} "
               f"{kinds.count('sigstop'):>5} {rec:>15} {row['tokens_lost']:>12} {per:>10} "
               f"{steps:>11}")
+    kills = fig["producer_kills"]
+    if kills:
+        print("producer kills: tokens in flight at the kill (answers received + requests "
+              "running) vs tokens regenerated by the same tasks' next lease")
+        print(f"{'fault':>5} {'producer':<13} {'tasks':>5} {'in flight':>9} {'received':>8} "
+              f"{'running':>7} {'regenerated':>11} {'orphaned':>8}")
+        for k in kills:
+            mark = "" if k["engines_known"] else "  (engines did not answer: running unknown)"
+            print(f"{k['fault']:>5} {k['incarnation']:<13} {k['tasks']:>5} {k['in_flight']:>9} "
+                  f"{k['received']:>8} {k['running']:>7} {k['regenerated']:>11} "
+                  f"{k['orphaned']:>8}{mark}")
+        flight = sum(k["in_flight"] for k in kills)
+        redo = sum(k["regenerated"] for k in kills)
+        ratio = f"{redo / flight:.2f}" if flight else "-"
+        print(f"producer kills: {len(kills)}, tokens in flight = {flight} "
+              f"({sum(k['received'] for k in kills)} received + "
+              f"{sum(k['running'] for k in kills)} running), regenerated = {redo} "
+              f"(x{ratio}), orphaned after the kill = {sum(k['orphaned'] for k in kills)}, "
+              f"tasks = {sum(k['tasks'] for k in kills)}")
     if res["left"]:
         print(f"storage check FAILED: {len(res['left'])} records left after gc, e.g. "
               f"{res['left'][:5]}")
