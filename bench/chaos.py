@@ -47,7 +47,6 @@ orphaned requests went on generating after it died. Printed per kill and in tota
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -56,7 +55,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -65,6 +63,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from chaos_proxy import Proxies, Tally, parse_rid  # noqa: E402 (bench/ is sys.path[0])
 
 PY = sys.executable
 VICTIMS = ("engine0", "engine1", "producer0", "producer1", "collector", "trainer", "operator")
@@ -128,101 +128,6 @@ def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done
         reader.ack(batch)
         if steps % interval == 0:
             checkpoint()
-
-
-# -- the counting proxy ----------------------------------------------------------------------
-
-@dataclass
-class Tally:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    #: (time, producer, task id, gen, completion tokens, rid)
-    answers: list[tuple[float, str, str, int, int, str]] = field(default_factory=list)
-
-
-def _parse_rid(rid: str) -> tuple[str, str, int] | None:
-    try:
-        producer, lease, _rest = rid.split("/", 2)
-        task, _, gen = lease.rpartition(".g")
-        return producer, task, int(gen)
-    except ValueError:
-        return None
-
-
-class Proxies:
-    """One forwarding proxy per engine (aiohttp, on a thread of this process)."""
-
-    def __init__(self, targets: list[int], tally: Tally) -> None:
-        self.targets = targets
-        self.tally = tally
-        self.ports: list[int] = []
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
-        self.thread.start()
-        ready.wait(30)
-
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self._start())
-        ready.set()
-        self.loop.run_forever()
-
-    async def _start(self) -> None:
-        import aiohttp
-        from aiohttp import web
-
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-        for port in self.targets:
-            app = web.Application(client_max_size=256 * 1024 * 1024)
-            app.router.add_route("*", "/{tail:.*}", self._handler(port))
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            self.ports.append(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
-
-    def _handler(self, port: int) -> Any:
-        from aiohttp import web
-
-        async def handle(request: web.Request) -> web.StreamResponse:
-            body = await request.read()
-            url = f"http://127.0.0.1:{port}{request.rel_url}"
-            try:
-                async with self.session.request(request.method, url, data=body,
-                                                headers={"Content-Type": request.headers.get(
-                                                    "Content-Type", "application/json")}) as r:
-                    data = await r.read()
-                    status = r.status
-                    ctype = r.headers.get("Content-Type", "application/json")
-            except Exception:  # noqa: BLE001 - the engine is dead: what a dead engine gives
-                return web.Response(status=502, text="engine unreachable")
-            if request.path == "/generate" and status == 200:
-                self._count(body, data)
-            return web.Response(status=status, body=data, content_type=ctype.split(";")[0])
-        return handle
-
-    def _count(self, req: bytes, resp: bytes) -> None:
-        try:
-            rq, rs = json.loads(req), json.loads(resp)
-        except ValueError:
-            return
-        rids = rq.get("rid")
-        outs = rs if isinstance(rs, list) else [rs]
-        rids = rids if isinstance(rids, list) else [rids] * len(outs)
-        now = time.time()
-        with self.tally.lock:
-            for rid, out in zip(rids, outs, strict=False):
-                who = _parse_rid(str(rid))
-                meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
-                n = int(meta.get("completion_tokens") or 0)
-                if who is not None and n:
-                    self.tally.answers.append((now, who[0], who[1], who[2], n, str(rid)))
-
-    def close(self) -> None:
-        async def stop() -> None:
-            await self.session.close()
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 # -- the processes ---------------------------------------------------------------------------
@@ -613,7 +518,7 @@ class Chaos:
             running = f.running or {}
             leases = {(a[2], a[3]) for a in mine if a[0] <= f.dead_at}
             for rid in running:
-                who = _parse_rid(rid)
+                who = parse_rid(rid)
                 if who is not None:
                     leases.add((who[1], who[2]))
             held = {(task, gen) for task, gen in leases
@@ -622,7 +527,7 @@ class Chaos:
             received = sum(a[4] for a in mine if a[0] <= f.dead_at and (a[2], a[3]) in held)
             partial = 0
             for rid, k in running.items():
-                who = _parse_rid(rid)
+                who = parse_rid(rid)
                 if who is not None and (who[1], who[2]) in held:
                     partial += k
             after = {a[5]: a[4] for a in mine if a[0] > f.dead_at}

@@ -1,0 +1,105 @@
+"""The chaos benchmark's counting proxy: one forwarding proxy per engine, tallying the
+completion tokens of every ``/generate`` answer by producer, task and lease generation
+(parsed from the rid ``producer/task.gN/...``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Tally:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: (time, producer, task id, gen, completion tokens, rid)
+    answers: list[tuple[float, str, str, int, int, str]] = field(default_factory=list)
+
+
+def parse_rid(rid: str) -> tuple[str, str, int] | None:
+    try:
+        producer, lease, _rest = rid.split("/", 2)
+        task, _, gen = lease.rpartition(".g")
+        return producer, task, int(gen)
+    except ValueError:
+        return None
+
+
+class Proxies:
+    """One forwarding proxy per engine (aiohttp, on a thread of this process)."""
+
+    def __init__(self, targets: list[int], tally: Tally) -> None:
+        self.targets = targets
+        self.tally = tally
+        self.ports: list[int] = []
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self.thread.start()
+        ready.wait(30)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._start())
+        ready.set()
+        self.loop.run_forever()
+
+    async def _start(self) -> None:
+        import aiohttp
+        from aiohttp import web
+
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        for port in self.targets:
+            app = web.Application(client_max_size=256 * 1024 * 1024)
+            app.router.add_route("*", "/{tail:.*}", self._handler(port))
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.ports.append(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+    def _handler(self, port: int) -> Any:
+        from aiohttp import web
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            body = await request.read()
+            url = f"http://127.0.0.1:{port}{request.rel_url}"
+            try:
+                async with self.session.request(request.method, url, data=body,
+                                                headers={"Content-Type": request.headers.get(
+                                                    "Content-Type", "application/json")}) as r:
+                    data = await r.read()
+                    status = r.status
+                    ctype = r.headers.get("Content-Type", "application/json")
+            except Exception:  # noqa: BLE001 - the engine is dead: what a dead engine gives
+                return web.Response(status=502, text="engine unreachable")
+            if request.path == "/generate" and status == 200:
+                self._count(body, data)
+            return web.Response(status=status, body=data, content_type=ctype.split(";")[0])
+        return handle
+
+    def _count(self, req: bytes, resp: bytes) -> None:
+        try:
+            rq, rs = json.loads(req), json.loads(resp)
+        except ValueError:
+            return
+        rids = rq.get("rid")
+        outs = rs if isinstance(rs, list) else [rs]
+        rids = rids if isinstance(rids, list) else [rids] * len(outs)
+        now = time.time()
+        with self.tally.lock:
+            for rid, out in zip(rids, outs, strict=False):
+                who = parse_rid(str(rid))
+                meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
+                n = int(meta.get("completion_tokens") or 0)
+                if who is not None and n:
+                    self.tally.answers.append((now, who[0], who[1], who[2], n, str(rid)))
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self.session.close()
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
