@@ -13,6 +13,13 @@ included. Everything that does not depend on the payload — the layout of the o
 per-sample arrays — is computed once per shard from the manifest summaries, vectorised.
 Each payload byte is copied twice (file → buffer, buffer → packed column); the buffer stays
 in cache between the two.
+
+Per-token extras (``strawq.extras``) are packed like ``logprobs``: ``extras[name]`` is
+``[T, *row shape]`` over the packed tokens — a prompt extra (routed experts) holds its
+record's rows over the prompt too, a response extra the placeholder value (0) there; a
+group recorded without an extra another group of the shard has gets placeholder rows (−1
+for routed experts). A ragged extra (top-p kept ids) is its flat values plus
+``extras[offsets_name(name)]`` int64 [T + 1] (no kept ids over prompts).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from strawq.errors import CorruptRecord, NotFound
+from strawq.extras import Extra, ExtraError, spec_of
 from strawq.storage import Storage
 
 _ALIGN = 64
@@ -155,6 +163,27 @@ _COLUMNS: tuple[tuple[str, np.dtype[Any]], ...] = (
     ("loss_mask", np.dtype(np.uint8)))
 
 
+def offsets_name(name: str) -> str:
+    """The key of a ragged extra's packed offsets: ``top_p_token_ids`` → ``…_offsets``."""
+    return f"{name.removesuffix('_ids')}_offsets"
+
+
+def _extra_layout(summaries: Sequence[dict[str, Any]]) -> dict[str, tuple[tuple[int, ...],
+                                                                          bool]]:
+    """name -> (row shape, ragged) of every known extra in the summaries (first one wins)."""
+    out: dict[str, tuple[tuple[int, ...], bool]] = {}
+    for s in summaries:
+        for name, info in (s.get("extras") or {}).items():
+            try:
+                spec_of(name)
+            except ExtraError:
+                continue  # a record with it fails its decode: dropped there
+            if name not in out or (not out[name][0] and info.get("shape")):
+                out[name] = (tuple(int(d) for d in info.get("shape") or ()),
+                             bool(info.get("ragged")))
+    return out
+
+
 class ShardPacker:
     """Packed columns of a rank's groups, laid out from their manifest summaries.
 
@@ -201,6 +230,17 @@ class ShardPacker:
         self._adv = [a if len(a) == len(lens) else [0.0] * len(lens)
                      for a, lens in zip(self._adv, self.sample_lens, strict=True)]
         self._added = [False] * self.num_groups
+        #: per-token extras over the packed tokens (ragged: counts here, values by group)
+        self.extra_layout = _extra_layout(summaries)
+        self.extras: dict[str, np.ndarray] = {}
+        self._ragged: dict[str, dict[int, np.ndarray]] = {}
+        for name, (shape, ragged) in self.extra_layout.items():
+            spec = spec_of(name)
+            if ragged:
+                self.extras[name] = np.zeros(total, dtype=np.int32)  # counts until finish
+                self._ragged[name] = {}
+            else:
+                self.extras[name] = np.empty((total, *shape), dtype=spec.dtype)
 
     def check(self, k: int, prompt: np.ndarray, sample_lens: Sequence[int], key: str) -> None:
         """The record agrees with its manifest summary (else ``CorruptRecord``)."""
@@ -210,6 +250,43 @@ class ShardPacker:
         if prompt.shape[0] != self._gp[k]:
             raise CorruptRecord(f"{key}: prompt has {prompt.shape[0]} tokens, the manifest "
                                 f"says {self._gp[k]}")
+
+    def check_extras(self, extras: dict[str, Extra], key: str) -> None:
+        """The record's extras fit the shard's layout (else ``CorruptRecord``)."""
+        for name, x in extras.items():
+            if name not in self.extra_layout:
+                raise CorruptRecord(f"{key}: extra {name!r} is not in the manifest's summary")
+            shape, ragged = self.extra_layout[name]
+            if x.ragged != ragged or (not ragged and x.shape != shape):
+                raise CorruptRecord(f"{key}: extra {name!r} has rows of {list(x.shape)}"
+                                    f"{' (ragged)' if x.ragged else ''}, the shard's other "
+                                    f"groups {list(shape)}{' (ragged)' if ragged else ''}")
+
+    def add_extras(self, k: int, extras: dict[str, Extra]) -> None:
+        """Copy group ``k``'s extras into place (after ``check_extras``); placeholders for
+        the extras it lacks."""
+        p = self._gp[k]
+        for name, out in self.extras.items():
+            spec = spec_of(name)
+            x = extras.get(name)
+            a, b = self._bounds[k], self._bounds[k + 1]
+            if x is None:
+                out[a:b] = 0 if name in self._ragged else spec.fill
+                continue
+            rows = x.values
+            if name in self._ragged and x.counts is not None:
+                self._ragged[name][k] = np.array(x.values)  # the record buffer is reused
+                rows = x.counts
+            if spec.prompt:
+                out[a:b] = rows
+                continue
+            o, src = a, 0
+            for r in self.sample_lens[k]:
+                d = o + p
+                out[o:d] = 0 if name in self._ragged else spec.fill
+                out[d:d + r] = rows[src:src + r]
+                src += r
+                o = d + r
 
     def add(self, k: int, prompt: np.ndarray, cols: dict[str, np.ndarray]) -> None:
         """Copy group ``k``'s prompt and response columns into place (after ``check``)."""
@@ -245,6 +322,7 @@ class ShardPacker:
             keep_sample = np.repeat(ok, self.group_samples)
             for name in ("tokens", "logprobs", "versions", "loss_mask", "advantages"):
                 setattr(self, name, getattr(self, name)[keep_tok])
+            self.extras = {n: x[keep_tok] for n, x in self.extras.items()}
             for name in ("seqlens", "prompt_lens"):
                 setattr(self, name, getattr(self, name)[keep_sample])
             self.group_samples = self.group_samples[ok]
@@ -252,6 +330,13 @@ class ShardPacker:
         self.sample_advantages = np.array([x for k, a in enumerate(self._adv) if ok[k]
                                            for x in a], dtype=np.float32)
         self.min_version, self.multi_version = self._sample_versions()
+        for name, parts in self._ragged.items():
+            counts = self.extras.pop(name)
+            values = [parts[k] for k in sorted(parts) if ok[k]]
+            self.extras[name] = np.concatenate(values) if values else np.zeros(0, np.int32)
+            off = np.zeros(counts.shape[0] + 1, dtype=np.int64)
+            np.cumsum(counts, out=off[1:])
+            self.extras[offsets_name(name)] = off
         return ok
 
     def _sample_versions(self) -> tuple[np.ndarray, np.ndarray]:

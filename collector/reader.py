@@ -98,6 +98,11 @@ class Batch:
     #: bool [S]: staler than the run's η at the version this batch was read at (the
     #: read-time re-check; kept and trained under ``eta_mode="train"``)
     over_eta: torch.Tensor | None = None
+    #: per-token extras (``strawq.extras``, ``collector.packing``): ``routed_experts`` int32
+    #: [T, layers, top_k] (−1: not computed, e.g. each sample's last position),
+    #: ``teacher_logprobs`` float32 [T], ``top_p_token_ids`` int32 flat with
+    #: ``top_p_token_offsets`` int64 [T + 1]; empty when the groups recorded none
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -309,6 +314,7 @@ class BatchReader:
             sample_min_version=torch.from_numpy(pk.min_version), groups=groups,
             summaries=summaries, total_groups=len(man.groups), skipped=skipped, stats=stats,
             bytes_read=nbytes, over_eta=torch.from_numpy(over),
+            extras={k: torch.from_numpy(v) for k, v in pk.extras.items()},
             **{k: torch.from_numpy(v) for k, v in sampling.items()})
 
     def _read_part(self, pk: ShardPacker, keys: list[str], part: range,
@@ -328,7 +334,11 @@ class BatchReader:
                 g = decode_group_columns(data, name=keys[k], expect=Kind.GROUP,
                                          verify=self.verify)
                 pk.check(k, g.prompt, g.summary["sample_lens"], keys[k])
+                if g.extras or pk.extras:
+                    pk.check_extras(g.extras, keys[k])
                 pk.add(k, g.prompt, g.columns)
+                if pk.extras:
+                    pk.add_extras(k, g.extras)
             except (CorruptRecord, NotFound, ValueError) as exc:
                 failed.append((k, exc))
         return nbytes, failed

@@ -193,6 +193,7 @@ class GenerateContext:
         s.logprobs = np.concatenate([s.logprobs, np.zeros(len(ids), LOGPROB_DTYPE)])
         s.versions = np.concatenate([s.versions, np.full(len(ids), version, VERSION_DTYPE)])
         s.loss_mask = np.concatenate([s.loss_mask, np.zeros(len(ids), MASK_DTYPE)])
+        s.pad_extras(len(ids))
         s.check()
         self.trajectory.events.append({"op": "append", "start": start,
                                        "end": s.response_length, "kind": str(kind)})

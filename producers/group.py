@@ -20,6 +20,10 @@ What a group record's ``meta`` holds (besides ``version_hint``)::
                     (``strawq.producers.trajectory``); absent: one turn each
     failures        {sample index: message} for samples that failed (tool/environment):
                     status ``failed``, reward None, loss mask 0
+
+Per-token extras (``strawq.extras``) go to ``GroupData.extras``: each sample's rows, or
+placeholder rows for a sample that holds none of an extra another sample holds; a partial's
+extras are its prefixes' rows, and ``from_partial`` gives them back to the samples.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from strawq.errors import ConfigError, DatasetError, StrawqError
+from strawq.extras import Extra, cat_samples
 from strawq.groups import GroupData
 from strawq.queue import Lease
 from strawq.tokenize import FunctionTokenizer, PromptTokenizer, prompt_ids
@@ -147,7 +152,8 @@ class GroupRun:
                        versions=cols["versions"], loss_mask=cols["loss_mask"],
                        status=SampleStatus(status),
                        finish_reason=finish[i] if i < len(finish) else None,
-                       num_segments=int(nseg[i]) if i < len(nseg) else 0)
+                       num_segments=int(nseg[i]) if i < len(nseg) else 0,
+                       extras=group.sample_extras(i))
             samples.append(s)
             rewards.append(group.rewards[i] if s.is_final else None)
             resumed.append(not s.is_final)
@@ -195,6 +201,13 @@ class GroupRun:
                 "max_version": int(s.versions.max()) if len(s.versions) else None,
                 "trajectory": self.trajectories[i].to_dict()}
 
+    def want_extras(self, names: tuple[str, ...],
+                    routed_experts_shape: tuple[int, ...] = ()) -> None:
+        """Ask the engine for these per-token extras on every sample's next segments."""
+        for s in self.samples:
+            s.want_extras = tuple(names)
+            s.routed_experts_shape = tuple(routed_experts_shape)
+
     def rewards_for_filter(self) -> list[float]:
         return [r for r in self.rewards if r is not None]
 
@@ -213,6 +226,8 @@ class GroupRun:
         s = self.samples[i]
         epoch = self.trajectories[i].epoch + 1
         self.samples[i] = Sample.new(s.uid, s.prompt_ids, s.params)
+        self.samples[i].want_extras = s.want_extras
+        self.samples[i].routed_experts_shape = s.routed_experts_shape
         self.trajectories[i] = Trajectory(epoch=epoch)
         self.texts[i] = ""
 
@@ -272,4 +287,10 @@ class GroupRun:
             versions=cat("versions", VERSION_DTYPE), loss_mask=cat("loss_mask", MASK_DTYPE),
             rewards=[r if s.is_final else None
                      for r, s in zip(self.rewards, self.samples, strict=True)],
-            status=status, meta=meta)
+            status=status, meta=meta, extras=self._extras())
+
+    def _extras(self) -> dict[str, Extra]:
+        """Every extra some sample holds, samples' rows one after another."""
+        p = len(self.samples[0].prompt_ids) if self.samples else 0
+        return cat_samples([s.extras for s in self.samples], p,
+                           [s.response_length for s in self.samples])

@@ -14,8 +14,10 @@ from typing import Any
 
 from strawq.config import Config
 from strawq.errors import ConfigError
+from strawq.extras import ExtraError, check_names
 from strawq.names import validate_id
 
+from strawq.producers.extras_protocol import GENERATED
 from strawq.producers.sample import SampleError, SamplerParams
 from strawq.producers.sglang_client import ClientConfig
 
@@ -85,6 +87,14 @@ class ProducerConfig(Config):
     #: ``drop_group`` (dropped as ``tool_error``) or ``restart`` (a fresh environment,
     #: at most ``tool_retries`` times, then fail_sample).
     tool_failure: str = "fail_sample"
+    #: Per-token extras to record with every sample (``strawq.extras``, docs/slime.md):
+    #: ``routed_experts`` (asks ``return_routed_experts``; the server needs
+    #: ``--enable-return-routed-experts`` and an MoE model), ``top_p_token_ids`` (asks
+    #: ``return_sampling_mask``). Empty: none (the records are as before).
+    extras: tuple[str, ...] = ()
+    #: Row shape of ``routed_experts``, ``[num_layers, moe_router_topk]`` (slime's
+    #: ``rollout_routed_experts``); empty: one flat row per position.
+    routed_experts_shape: tuple[int, ...] = ()
     #: HTTP client settings (timeouts, retries, context length).
     client: ClientConfig = field(default_factory=ClientConfig)
     #: Extra tries of a failed segment (after the client's own retries) before the group
@@ -139,6 +149,17 @@ class ProducerConfig(Config):
             raise ConfigError(f"ProducerConfig.tool_failure must be fail_sample, drop_group or "
                               f"restart, got {self.tool_failure!r}")
         self.sampler_params()  # validates the sampling defaults
+        try:
+            names = check_names(self.extras)
+        except ExtraError as exc:
+            raise ConfigError(f"ProducerConfig.extras: {exc}") from None
+        bad = [n for n in names if n not in GENERATED]
+        if bad:
+            raise ConfigError(f"ProducerConfig.extras: {bad} are not generation outputs; "
+                              f"a producer records {list(GENERATED)}")
+        if any(d < 1 for d in self.routed_experts_shape):
+            raise ConfigError("ProducerConfig.routed_experts_shape must be positive sizes, "
+                              f"got {list(self.routed_experts_shape)}")
 
     def sampler_params(self, overrides: Mapping[str, Any] | None = None,
                        seed: int | None = None) -> SamplerParams:

@@ -39,7 +39,9 @@ from strawq.tokenize import FunctionTokenizer
 from strawq.producers.bracket import EngineAborter
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineError, EngineUnavailable
-from strawq.producers.generate import GenerateFn, Halted, load_generate, run_plugin
+from strawq.producers.extras_protocol import ExtrasMismatch
+from strawq.producers.generate import (GenerateFn, Halted, SampleFailed, load_generate,
+                                       run_plugin)
 from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
 from strawq.producers.handback import HandBack
 from strawq.producers.meter import StatsBook
@@ -197,6 +199,7 @@ class GroupRunner:
             try:
                 version, partial, prompt = await self.io.call(self._load, lease)
                 run = self._build(lease, partial, prompt)
+                run.want_extras(self.config.extras, self.config.routed_experts_shape)
             except (TaskError, SampleError) as exc:
                 log.error("task %s cannot run: %s", lease.task_id, exc)
                 await self.handback.fail(lease, "bad_task", str(exc), retryable=False)
@@ -268,6 +271,9 @@ class GroupRunner:
                 self.book.hop("claim_to_generate", self.clock() - a.claimed_at)
             try:
                 res = await self._client().generate_sample(s, rid=rid)
+            except ExtrasMismatch as exc:  # misaligned per-token extras: this sample fails
+                self.book.bump("engine_faults")
+                raise SampleFailed(f"engine protocol error: {exc}") from None
             except (EngineError, SampleError) as exc:
                 failures += 1
                 self.book.bump("engine_faults")

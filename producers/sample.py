@@ -14,6 +14,13 @@ Budget arithmetic for a resume (see ``docs/engines.md``)::
     remaining <= 0  ->  the sample finishes as TRUNCATED without any request
 
 (SGLang rejects a request whose ``input + max_new_tokens >= context_length``.)
+
+**Per-token extras** (``strawq.extras``): a sample that asks for extras
+(``Sample.want_extras``) gets their rows with each segment and keeps them aligned with its
+tokens: a response extra has one row per response token, a prompt extra (routed experts)
+one row per position of prompt + response, the last a placeholder until the next segment
+(or a resume) feeds that token to the model. :meth:`Sample.check` verifies every extra the
+sample holds.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from typing import Any
 import numpy as np
 
 from strawq.errors import StrawqError
+from strawq.extras import (Extra, ExtraError, cat, check_names, first_placeholder, placeholder,
+                           rows_for, spec_of)
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +184,11 @@ class Segment:
     logprobs: np.ndarray
     versions: np.ndarray
     finish_reason: Mapping[str, Any]
+    #: per-token extras of this response: a response extra's rows for the new tokens; a
+    #: prompt extra's rows for positions ``[extras_start, prompt + response - 1)`` of the
+    #: whole sequence after this segment (SGLang's ``routed_experts_start_len``)
+    extras: Mapping[str, Extra] = field(default_factory=dict)
+    extras_start: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -213,6 +227,12 @@ class Sample:
     num_segments: int = 0
     reward: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: per-token extras asked of the engine (``strawq.extras`` names)
+    want_extras: tuple[str, ...] = ()
+    #: row shape of ``routed_experts`` ([layers, top_k]); empty: one flat row per position
+    routed_experts_shape: tuple[int, ...] = ()
+    #: per-token extras held, aligned with the tokens (see the module docstring)
+    extras: dict[str, Extra] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.prompt_ids = _arr(self.prompt_ids, TOKEN_DTYPE)
@@ -221,6 +241,12 @@ class Sample:
         self.versions = _arr(self.versions, VERSION_DTYPE)
         self.loss_mask = _arr(self.loss_mask, MASK_DTYPE)
         self.status = SampleStatus(self.status)
+        try:
+            self.want_extras = check_names(self.want_extras)
+        except ExtraError as exc:
+            raise SampleError(f"sample {self.uid}: {exc}") from None
+        self.extras = dict(self.extras)
+        self.routed_experts_shape = tuple(int(d) for d in self.routed_experts_shape)
         self.check()
 
     @classmethod
@@ -248,6 +274,31 @@ class Sample:
             )
         if n and (self.loss_mask > 1).any():
             raise SampleError(f"sample {self.uid}: loss_mask must hold only 0/1")
+        for name, x in self.extras.items():
+            try:
+                want = rows_for(name, len(self.prompt_ids), n)
+                x.check(f"sample {self.uid}: extra {name!r}")
+            except ExtraError as exc:
+                raise SampleError(str(exc)) from None
+            if x.rows != want:
+                raise SampleError(
+                    f"sample {self.uid}: extra {name!r} has {x.rows} rows but the sample has "
+                    f"{len(self.prompt_ids)} prompt and {n} response tokens (expected {want})"
+                )
+
+    def extras_start(self, name: str) -> int:
+        """Rows of prompt extra ``name`` already known (up to its first placeholder): the
+        next request asks only for the rest (``routed_experts_start_len``)."""
+        x = self.extras.get(name)
+        if x is None:
+            return 0
+        return min(first_placeholder(name, x), len(self.prompt_ids) + self.response_length)
+
+    def pad_extras(self, n: int) -> None:
+        """Placeholder rows for ``n`` tokens appended without the engine (a tool's output),
+        before :meth:`check`: the next request fills those of a prompt extra."""
+        for name, x in list(self.extras.items()):
+            self.extras[name] = cat([x, placeholder(name, n, x.shape)])
 
     # -- derived ----------------------------------------------------------------------
     @property
@@ -305,6 +356,9 @@ class Sample:
             "num_segments": self.num_segments,
             "reward": self.reward,
             "extra": dict(self.extra),
+            "want_extras": list(self.want_extras),
+            "routed_experts_shape": list(self.routed_experts_shape),
+            "extras": {k: x.to_dict() for k, x in self.extras.items()},
         }
 
     @classmethod
@@ -327,6 +381,13 @@ class Sample:
         if kwargs.get("finish_reason") is not None:
             kwargs["finish_reason"] = dict(kwargs["finish_reason"])
         kwargs["extra"] = dict(kwargs.get("extra") or {})
+        kwargs["want_extras"] = tuple(kwargs.get("want_extras") or ())
+        kwargs["routed_experts_shape"] = tuple(kwargs.get("routed_experts_shape") or ())
+        try:
+            kwargs["extras"] = {k: Extra.from_dict(k, v)
+                                for k, v in (kwargs.get("extras") or {}).items()}
+        except (ExtraError, ValueError, TypeError) as exc:
+            raise SampleError(f"sample record extras are invalid: {exc}") from None
         return cls(**kwargs)
 
 
@@ -344,9 +405,12 @@ def apply_segment(sample: Sample, segment: Segment) -> int:
             f"sample {sample.uid}: segment of {n_new} tokens would overrun max_new_tokens="
             f"{sample.params.max_new_tokens} (already {sample.response_length}); segment rejected"
         )
+    extras = (_extend_extras(sample, segment, sample.response_length)
+              if segment.extras or sample.extras else {})
     sample.response_ids = np.concatenate(
         [sample.response_ids, np.asarray(segment.token_ids, TOKEN_DTYPE)]
     )
+    sample.extras = extras
     sample.logprobs = np.concatenate([sample.logprobs, np.asarray(segment.logprobs, LOGPROB_DTYPE)])
     sample.versions = np.concatenate([sample.versions, np.asarray(segment.versions, VERSION_DTYPE)])
     sample.loss_mask = np.concatenate([sample.loss_mask, np.ones(n_new, MASK_DTYPE)])
@@ -357,6 +421,41 @@ def apply_segment(sample: Sample, segment: Segment) -> int:
     sample.check()
     logger.debug("sample %s: +%d tokens, status %s", sample.uid, n_new, sample.status.value)
     return n_new
+
+
+def _extend_extras(sample: Sample, segment: Segment, old_len: int) -> dict[str, Extra]:
+    """The sample's extras after ``segment`` (before its tokens are appended)."""
+    p, n_new = len(sample.prompt_ids), len(segment.token_ids)
+    out: dict[str, Extra] = {}
+    for name in dict.fromkeys([*sample.extras, *segment.extras]):
+        old = sample.extras.get(name)
+        new = segment.extras.get(name)
+        try:
+            if not spec_of(name).prompt:
+                base = old if old is not None else placeholder(name, old_len)
+                add = new if new is not None else placeholder(name, n_new)
+                out[name] = cat([base, add])
+                continue
+            shape = (new or old or placeholder(name, 0)).shape
+            if new is None:  # nothing returned (no tokens): the placeholders stay
+                out[name] = cat([old.take(0, p + old_len) if old is not None
+                                 else placeholder(name, p + old_len, shape),
+                                 placeholder(name, n_new, shape)])
+                continue
+            start = segment.extras_start
+            have = old.rows if old is not None else 0
+            if start and (old is None or have < start):
+                raise SampleError(f"sample {sample.uid}: extra {name!r} resumes at row "
+                                  f"{start} but the sample holds {have} rows")
+            head = old.take(0, start) if old is not None else placeholder(name, 0, shape)
+            out[name] = cat([head, new, placeholder(name, 1, shape)])
+        except ExtraError as exc:
+            raise SampleError(f"sample {sample.uid}: {exc}") from None
+        want = rows_for(name, p, old_len + n_new)
+        if out[name].rows != want:
+            raise SampleError(f"sample {sample.uid}: extra {name!r} would have "
+                              f"{out[name].rows} rows after this segment, expected {want}")
+    return out
 
 
 def mask_offpolicy_prefix(sample: Sample, current_version: int) -> int:

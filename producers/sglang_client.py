@@ -49,6 +49,7 @@ from strawq.producers.engine_errors import (
     EngineTimeout,
     EngineUnavailable,
 )
+from strawq.producers.extras_protocol import extras_payload, segment_for
 from strawq.producers.sample import Sample, SampleError, SamplerParams, apply_segment
 from strawq.producers.sglang_control import ControlCalls
 from strawq.producers.sglang_protocol import (
@@ -610,6 +611,7 @@ class SGLangClient(ControlCalls):
             rid=rid,
             url=url,
             timeout_s=timeout_s,
+            extra=extras_payload(sample) or None,
         )
         if len(result.output_ids) > budget:
             raise EngineProtocolError(
@@ -617,7 +619,7 @@ class SGLangClient(ControlCalls):
                 f"(rid {result.rid}); segment rejected",
                 url=result.url,
             )
-        apply_segment(sample, result.to_segment())
+        apply_segment(sample, segment_for(result, sample))
         return result
 
     async def health_generate(self, url: str, *, timeout_s: float | None = None) -> bool:

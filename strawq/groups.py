@@ -4,6 +4,14 @@ The same structure is a *ready* group (every sample finished, rewards set) and a
 group (some samples unfinished, their prefixes saved at a weight update). The four
 per-token columns always have equal lengths and are cut per sample by ``sample_lens``
 (invariant 4); ``validate`` enforces it on every encode and decode.
+
+Optional per-token extras (``strawq.extras``: routed experts, top-p kept ids, teacher
+log-probs) ride along in ``GroupData.extras``: one table ``x.<name>`` (column ``v``, the
+rows flattened) and, for a ragged extra, ``x.<name>.n`` (column ``n``, values per row).
+Their rows are the samples' rows one after another — response tokens only, or prompt +
+response positions for a prompt extra (``sample_lens[i] + prompt_len`` rows for sample
+``i``) — and the summary's ``extras`` says each one's dtype, row shape and kind. A record
+without extras has no ``extras`` key and decodes exactly as before.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import pyarrow as pa
 
 from strawq import records
 from strawq.errors import CorruptRecord
+from strawq.extras import Extra, ExtraError, spec_of
 from strawq.records import Kind
 
 SAMPLE_STATUSES = ("completed", "truncated", "aborted", "pending", "failed")
@@ -54,11 +63,14 @@ class GroupData:
     rewards: Sequence[float | None]
     status: Sequence[str]
     meta: dict[str, Any] = field(default_factory=dict)
+    #: per-token extras (``strawq.extras``), samples' rows one after another
+    extras: dict[str, Extra] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.ascontiguousarray(self.prompt_ids, dtype=np.int32)
         for name, dtype in TOKEN_COLUMNS.items():
             setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
+        self.extras = dict(self.extras)
         self.sample_lens = [int(n) for n in self.sample_lens]
         self.rewards = [None if r is None else float(r) for r in self.rewards]
         self.status = [str(s) for s in self.status]
@@ -90,6 +102,27 @@ class GroupData:
         if bad:
             raise CorruptRecord(f"group {self.task_id}: unknown sample status {bad[0]!r}; "
                                 f"expected one of {SAMPLE_STATUSES}")
+        for name, x in self.extras.items():
+            _check_extra(f"group {self.task_id}", name, x, self.extra_rows(name))
+
+    def extra_rows(self, name: str) -> int:
+        """Rows of extra ``name`` the group holds (invariant 4 for extras)."""
+        return _extra_rows(name, self.num_tokens, int(self.prompt_ids.shape[0]),
+                           len(self.sample_lens))
+
+    def extra_offsets(self, name: str) -> np.ndarray:
+        """Row offsets of each sample in extra ``name`` ([G + 1])."""
+        p = int(self.prompt_ids.shape[0]) if spec_of(name).prompt else 0
+        return np.concatenate([[0], np.cumsum([n + p for n in self.sample_lens],
+                                              dtype=np.int64)])
+
+    def sample_extras(self, i: int) -> dict[str, Extra]:
+        """The extras' rows of sample ``i``."""
+        out = {}
+        for name, x in self.extras.items():
+            off = self.extra_offsets(name)
+            out[name] = x.take(int(off[i]), int(off[i + 1]))
+        return out
 
     def offsets(self) -> np.ndarray:
         return np.concatenate([[0], np.cumsum(self.sample_lens, dtype=np.int64)])
@@ -128,6 +161,8 @@ class GroupData:
             "max_version": self.max_version(),
             "num_versions": self.num_versions(),
             "meta": self.meta,
+            **({"extras": {name: _extra_info(name, x) for name, x in self.extras.items()}}
+               if self.extras else {}),
         }
 
     def encode(self, kind: Kind = Kind.GROUP) -> list[bytes]:
@@ -136,6 +171,10 @@ class GroupData:
             "prompt": {"ids": self.prompt_ids},
             "tokens": {name: getattr(self, name) for name in TOKEN_COLUMNS},
         }
+        for name, x in self.extras.items():
+            tables[f"x.{name}"] = {"v": x.values.reshape(-1)}
+            if x.counts is not None:
+                tables[f"x.{name}.n"] = {"n": x.counts}
         return records.encode(kind, {"group": self.summary()}, tables)
 
     @classmethod
@@ -148,15 +187,19 @@ class GroupData:
             if fast is not None and "tokens" in fast and "prompt" in fast:
                 cols = {name: fast["tokens"][name] for name in TOKEN_COLUMNS}
                 prompt = fast["prompt"]["ids"]
+                flat = fast
             else:  # a stream the fast path does not take: pyarrow decodes it or says why
                 tables = rec.tables()
                 tok = tables["tokens"]
                 cols = {name: tok.column(name).to_numpy(zero_copy_only=True)
                         for name in TOKEN_COLUMNS}
                 prompt = tables["prompt"].column("ids").to_numpy(zero_copy_only=True)
+                flat = _tables_numpy(tables)
+            extras = _read_extras("group record", s, flat, len(cols["tokens"]),
+                                  int(prompt.shape[0]))
             return cls(task_id=s["task_id"], index=s["index"], prompt_ids=prompt,
                        sample_lens=s["sample_lens"], rewards=s["rewards"], status=s["status"],
-                       meta=s.get("meta", {}), **cols)
+                       meta=s.get("meta", {}), extras=extras, **cols)
         except (KeyError, TypeError) as exc:
             raise CorruptRecord(f"group record is missing field {exc}") from exc
 
@@ -175,6 +218,8 @@ class GroupColumns(NamedTuple):
     prompt: np.ndarray
     #: the ``TOKEN_COLUMNS``, each [sum(sample_lens)] of its dtype
     columns: dict[str, np.ndarray]
+    #: per-token extras (``strawq.extras``); empty for a record without any
+    extras: dict[str, Extra] = {}
 
 
 def decode_group_columns(data: bytes | memoryview, *, name: str = "group",
@@ -198,12 +243,16 @@ def decode_group_columns(data: bytes | memoryview, *, name: str = "group",
         fast = records.decode_tables_fast(index, rec.payload)
         if fast is not None and "tokens" in fast and "prompt" in fast:
             tok, prompt = fast["tokens"], fast["prompt"]["ids"]
+            flat = fast
         else:  # a stream the fast path does not take: pyarrow decodes it or says why not
             tables = records.decode_tables(index, rec.payload)
             tok = {c: tables["tokens"].column(c).to_numpy(zero_copy_only=True)
                    for c in TOKEN_COLUMNS}
             prompt = tables["prompt"].column("ids").to_numpy(zero_copy_only=True)
+            flat = _tables_numpy(tables)
         cols = {c: tok[c] for c in TOKEN_COLUMNS}
+        extras = _read_extras(name, summary, flat, n, int(prompt.shape[0])) \
+            if "extras" in summary else {}
     except CorruptRecord:
         raise
     except (KeyError, TypeError) as exc:
@@ -217,5 +266,73 @@ def decode_group_columns(data: bytes | memoryview, *, name: str = "group",
                                 f"expected {dt}[{n}] (the sum of sample_lens)")
     if prompt.dtype != np.int32 or prompt.ndim != 1:
         raise CorruptRecord(f"{name}: prompt ids are {prompt.dtype}, expected int32")
-    return GroupColumns(summary, prompt, cols)
+    return GroupColumns(summary, prompt, cols, extras)
+
+
+# -- extras in records -------------------------------------------------------------------------
+def _extra_rows(name: str, tokens: int, prompt_len: int, samples: int) -> int:
+    try:
+        spec = spec_of(name)
+    except ExtraError as exc:
+        raise CorruptRecord(f"{exc} (written by a newer strawq?)") from None
+    return tokens + (prompt_len * samples if spec.prompt else 0)
+
+
+def _check_extra(what: str, name: str, x: Extra, rows: int) -> None:
+    spec = spec_of(name)
+    try:
+        x.check(f"{what}: extra {name!r}")
+    except ExtraError as exc:
+        raise CorruptRecord(str(exc)) from None
+    if x.ragged != spec.ragged or x.values.dtype != spec.dtype:
+        raise CorruptRecord(f"{what}: extra {name!r} is {x.values.dtype}"
+                            f"{' ragged' if x.ragged else ''}, expected {spec.dtype}"
+                            f"{' ragged' if spec.ragged else ''}")
+    if x.rows != rows:
+        raise CorruptRecord(f"{what}: extra {name!r} has {x.rows} rows, expected {rows} "
+                            f"({'prompt + ' if spec.prompt else ''}response tokens)")
+
+
+def _extra_info(name: str, x: Extra) -> dict[str, Any]:
+    spec = spec_of(name)
+    return {"dtype": str(x.values.dtype), "shape": list(x.shape), "prompt": spec.prompt,
+            "ragged": x.ragged}
+
+
+def _tables_numpy(tables: dict[str, pa.RecordBatch]) -> dict[str, dict[str, np.ndarray]]:
+    return {t: {c: b.column(c).to_numpy(zero_copy_only=True) for c in b.schema.names}
+            for t, b in tables.items() if t.startswith("x.")}
+
+
+def _read_extras(what: str, summary: dict[str, Any], tables: dict[str, dict[str, np.ndarray]],
+                 tokens: int, prompt_len: int) -> dict[str, Extra]:
+    """The extras a summary declares, checked against it and invariant 4."""
+    out: dict[str, Extra] = {}
+    samples = len(summary["sample_lens"])
+    for name, info in (summary.get("extras") or {}).items():
+        rows = _extra_rows(name, tokens, prompt_len, samples)
+        try:
+            v = tables[f"x.{name}"]["v"]
+            shape = tuple(int(d) for d in info["shape"])
+            counts = tables[f"x.{name}.n"]["n"] if info.get("ragged") else None
+        except KeyError as exc:
+            raise CorruptRecord(f"{what}: extra {name!r} is declared but its column {exc} "
+                                "is missing") from None
+        if str(v.dtype) != info.get("dtype"):
+            raise CorruptRecord(f"{what}: extra {name!r} is {v.dtype}, the summary says "
+                                f"{info.get('dtype')}")
+        if counts is None:
+            k = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            if v.shape[0] != rows * k:
+                raise CorruptRecord(f"{what}: extra {name!r} has {v.shape[0]} values, "
+                                    f"expected {rows} rows of {list(shape)}")
+            x = Extra(v.reshape(rows, *shape))
+        else:
+            if counts.dtype != np.int32:
+                raise CorruptRecord(f"{what}: extra {name!r} counts are {counts.dtype}, "
+                                    "expected int32")
+            x = Extra(v, counts)
+        _check_extra(what, name, x, rows)
+        out[name] = x
+    return out
 

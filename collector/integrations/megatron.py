@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from strawq.collector.reader import Batch
+from strawq.extras import SPECS
 
 log = logging.getLogger(__name__)
 
@@ -333,12 +334,18 @@ class MegatronBatcher:
         """Every micro-batch of ``batch`` for this rank, in plan order.
 
         ``extras``: per-token tensors ``[T, ...]`` over the batch's packed tokens (e.g. teacher
-        log-probs, routed experts); ``extra_align[name]`` is ``"target"`` (default: shifted
-        with the labels) or ``"input"`` (aligned with the tokens).
+        log-probs, routed experts); None: the batch's own fixed-row extras (``Batch.extras``,
+        the ragged top-p ids aside). ``extra_align[name]`` is ``"target"`` (default: shifted
+        with the labels) or ``"input"`` (aligned with the tokens; the default of a prompt
+        extra such as ``routed_experts``, the routing of each input token).
         """
         cols = self._columns(batch)
-        ext = dict(extras or {})
-        align = dict(extra_align or {})
+        if extras is None:
+            extras = {n: t for n, t in batch.extras.items()
+                      if n in SPECS and not SPECS[n].ragged}
+        ext = dict(extras)
+        align: dict[str, Align] = {n: "input" for n in ext if n in SPECS and SPECS[n].prompt}
+        align.update(extra_align or {})
         total = batch.num_tokens
         for name, t in ext.items():
             if t.shape[0] != total:

@@ -40,11 +40,14 @@ from typing import Any
 
 import numpy as np
 
+from strawq.collector.packing import offsets_name
 from strawq.collector.reader import Batch, BatchReader
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
 from strawq import records
 from strawq.errors import CorruptRecord, LeaseLost, NotFound
+from strawq.extras import (ROUTED_EXPERTS, SPECS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS, Extra,
+                           cat_samples)
 from strawq.feeder import Feeder
 from strawq.groups import SAMPLE_STATUSES, GroupData
 from strawq.names import data_key
@@ -129,6 +132,28 @@ def apply_extras(sample: Any, extras: Mapping[str, Any]) -> None:
     sample._validate_response_metadata_lengths()
 
 
+def batch_extras(batch: Batch, a: int, b: int, prompt_len: int) -> dict[str, Any]:
+    """Packed sample ``[a, b)``'s extras in ``apply_extras``'s form: ``routed_experts``
+    [len(tokens) − 1, ...] (slime's rows: the last token's routing is not computed),
+    ``teacher_logprobs`` [R], ``top_p_token_ids`` (flat) and ``top_p_token_offsets``
+    [R + 1] over the response."""
+    out: dict[str, Any] = {}
+    r0 = a + prompt_len
+    for name, t in batch.extras.items():
+        spec = SPECS.get(name)
+        if spec is None:
+            continue
+        if spec.ragged:
+            off = batch.extras[offsets_name(name)][r0:b + 1].numpy()
+            out[name] = t[int(off[0]):int(off[-1])].numpy()
+            out[offsets_name(name)] = off - off[0]
+        elif spec.prompt:
+            out[name] = t[a:b - 1].numpy()
+        else:
+            out[name] = t[r0:b].numpy()
+    return out
+
+
 def batch_to_samples(batch: Batch, *, extras: Sequence[Mapping[str, Any]] | None = None
                      ) -> list[list[Any]]:
     """A reader ``Batch`` as slime ``Sample`` groups (one list per group, batch order).
@@ -138,7 +163,8 @@ def batch_to_samples(batch: Batch, *, extras: Sequence[Mapping[str, Any]] | None
     token versions), ``reward`` (the raw reward: slime normalises per group itself),
     ``status``, ``group_index`` (dataset index), ``index`` (dataset index · G + position)
     and ``metadata["strawq"]`` (task id, batch seq, per-token ``versions``, ``advantage``,
-    ``min_version``). ``extras[i]`` (optional, per sample) maps through ``apply_extras``.
+    ``min_version``). ``extras[i]`` (per sample; default: the batch's own ``Batch.extras``,
+    ``batch_extras``) maps through ``apply_extras``.
     """
     sample_cls = _sample_cls()
     status_cls = sample_cls.Status
@@ -172,6 +198,8 @@ def batch_to_samples(batch: Batch, *, extras: Sequence[Mapping[str, Any]] | None
                                  "min_version": minv[i]}})
             if extras is not None:
                 apply_extras(s, extras[i])
+            elif batch.extras:
+                apply_extras(s, batch_extras(batch, a, b, plens[i]))
             group.append(s)
             i += 1
         out.append(group)
@@ -226,8 +254,59 @@ def group_to_samples(task: Mapping[str, Any], prev: GroupData | None, group_size
                 s.weight_versions = run_versions(cols["versions"].tolist())
                 for k, v in (pmeta.get("sample_meta") or [{}] * group_size)[j].items():
                     s.metadata.setdefault(k, v)
+                _restore_extras(s, prev.sample_extras(j))
         samples.append(s)
     return samples
+
+
+def _restore_extras(s: Any, extras: Mapping[str, Extra]) -> None:
+    """A saved prefix's extras back onto slime's fields (``rollout_routed_experts``,
+    ``rollout_top_p_token_*``, ``teacher_log_probs``)."""
+    import torch
+
+    for name, x in extras.items():
+        if name == ROUTED_EXPERTS:
+            s.rollout_routed_experts = torch.as_tensor(np.array(x.values[:-1]))
+        elif name == TOP_P_TOKEN_IDS:
+            s.rollout_top_p_token_ids = torch.as_tensor(np.array(x.values), dtype=torch.int32)
+            s.rollout_top_p_token_offsets = torch.as_tensor(x.offsets(), dtype=torch.int32)
+        elif name == TEACHER_LOGPROBS:
+            s.teacher_log_probs = [float(v) for v in x.values]
+
+
+def _sample_extras(s: Any, prompt_len: int, n: int) -> dict[str, Extra]:
+    """slime's per-token fields of one Sample as strawq extras (rows checked; a field that
+    does not line up with the tokens is left out, with an error logged)."""
+    out: dict[str, Extra] = {}
+    total = prompt_len + n
+    routed = getattr(s, "rollout_routed_experts", None)
+    if routed is not None:
+        arr = np.asarray(routed.cpu() if hasattr(routed, "cpu") else routed, dtype=np.int32)
+        if arr.ndim >= 1 and arr.shape[0] == total - 1:
+            fill = np.full((1, *arr.shape[1:]), SPECS[ROUTED_EXPERTS].fill, np.int32)
+            out[ROUTED_EXPERTS] = Extra(np.concatenate([arr, fill]))
+        else:
+            log.error("sample %s: rollout_routed_experts has %s rows, expected %d; not saved",
+                      s.index, arr.shape[:1], total - 1)
+    ids, off = (getattr(s, "rollout_top_p_token_ids", None),
+                getattr(s, "rollout_top_p_token_offsets", None))
+    if ids is not None and off is not None:
+        o = np.asarray(off, dtype=np.int64).reshape(-1)
+        v = np.asarray(ids, dtype=np.int32).reshape(-1)
+        if o.size == n + 1 and o[0] == 0 and o[-1] == v.size and (np.diff(o) >= 0).all():
+            out[TOP_P_TOKEN_IDS] = Extra(v, np.diff(o).astype(np.int32))
+        else:
+            log.error("sample %s: rollout_top_p_token_offsets do not cover its %d response "
+                      "tokens; not saved", s.index, n)
+    teacher = getattr(s, "teacher_log_probs", None)
+    if teacher is not None:
+        t = np.asarray(teacher, dtype=np.float32).reshape(-1)
+        if t.size == n:
+            out[TEACHER_LOGPROBS] = Extra(t)
+        else:
+            log.error("sample %s: teacher_log_probs has %d values for %d response tokens; "
+                      "not saved", s.index, t.size, n)
+    return out
 
 
 def samples_to_group(task_id: str, index: int, samples: Sequence[Any], *,
@@ -240,11 +319,13 @@ def samples_to_group(task_id: str, index: int, samples: Sequence[Any], *,
     """
     prompt: list[int] | None = None
     lens, toks, lps, vers, masks, status, rewards, texts, smeta = ([] for _ in range(9))
+    extras: list[dict[str, Extra]] = []
     for s in samples:
         n = int(s.response_length)
         tokens = list(s.tokens)
         if tokens and prompt is None:
             prompt = tokens[:len(tokens) - n]
+        extras.append(_sample_extras(s, len(tokens) - n, n) if tokens else {})
         old = list(s.metadata.get(META, {}).get("versions", []))[:n]
         wv = s.weight_versions[-1] if s.weight_versions else None
         new_v = int(wv) if isinstance(wv, str) and wv.lstrip("-").isdigit() else version
@@ -266,7 +347,8 @@ def samples_to_group(task_id: str, index: int, samples: Sequence[Any], *,
                      sample_lens=lens, tokens=np.asarray(toks, np.int32),
                      logprobs=np.asarray(lps, np.float32), versions=np.asarray(vers, np.int64),
                      loss_mask=np.asarray(masks, np.uint8), rewards=rewards, status=status,
-                     meta={"responses": texts, "sample_meta": smeta, "source": "slime"})
+                     meta={"responses": texts, "sample_meta": smeta, "source": "slime"},
+                     extras=cat_samples(extras, len(prompt), lens))
 
 
 # -- mode 1: slime generates, strawq keeps the data -------------------------------------------

@@ -20,6 +20,7 @@ skipped with the reason.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -27,9 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
+import numpy as np
 import pytest
 
+from strawq.extras import ROUTED_EXPERTS, TOP_P_TOKEN_IDS
 from strawq.producers.engine_errors import EngineAuthError, WeightUpdateRefused
+from strawq.producers.sample import Sample, SamplerParams, SampleStatus
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
 
 T = TypeVar("T")
@@ -54,6 +58,8 @@ class EngineTarget:
         api_key / admin_api_key: the keys the engine was started with (None: none).
         router_url: a router in front of ``url`` (``/generate`` goes there when set).
         timeout_s: the deadline of one test.
+        no_routed_experts: why the target returns no ``routed_experts`` (a dense model);
+            the routed-experts case is skipped with it.
     """
 
     url: str
@@ -68,6 +74,8 @@ class EngineTarget:
     router_url: str | None = None
     timeout_s: float = 120.0
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: why the target cannot return ``routed_experts`` (None: it can; a dense model cannot)
+    no_routed_experts: str | None = None
 
     def client(self, **overrides: Any) -> SGLangClient:
         cfg: dict[str, Any] = {
@@ -495,5 +503,69 @@ class EngineContract:
                     assert ei.value.url == target.url
             async with target.client() as full:
                 await full.abort_rids(["nothing"])
+
+        self.run(target, go())
+
+    # -- per-token extras -----------------------------------------------------------------
+    async def _two_segments(self, c: SGLangClient, t: EngineTarget, want: tuple[str, ...],
+                            params: dict[str, Any]) -> Sample:
+        """A sample generated as 3 tokens, then resumed (as after an abort) for 3 more."""
+        first = SamplerParams(max_new_tokens=3, **params)
+        s = Sample(uid="cx.0", prompt_ids=np.array(t.prompt), params=first, want_extras=want)
+        assert await c.generate_sample(s) is not None
+        assert s.response_length == 3
+        s.status = SampleStatus.ABORTED  # resume it like a prefix saved at a weight update
+        s.params = SamplerParams(max_new_tokens=6, **params)
+        assert await c.generate_sample(s) is not None
+        assert s.response_length == 6 and s.status is SampleStatus.TRUNCATED
+        return s
+
+    def test_routed_experts_across_a_resume(self, target: EngineTarget) -> None:
+        if target.no_routed_experts:
+            pytest.skip(target.no_routed_experts)
+
+        async def go() -> None:
+            async with target.client() as c:
+                s = await self._two_segments(c, target, (ROUTED_EXPERTS,),
+                                             {"temperature": 0.0, "ignore_eos": True})
+                x = s.extras[ROUTED_EXPERTS]
+                p = len(target.prompt)
+                assert x.rows == p + 6  # every position; the last one not computed yet
+                assert (x.values[-1] == -1).all() and (x.values[:-1] >= 0).all()
+                # one request over the whole sequence routes every position the same way
+                whole = list(target.prompt) + s.response_ids.tolist()
+                status, data = await self._raw(target, "/generate", {
+                    "input_ids": whole, "sampling_params": {"max_new_tokens": 1},
+                    "return_routed_experts": True, "routed_experts_start_len": 0})
+                assert status == 200
+                ref = np.frombuffer(base64.b64decode(json.loads(data)["meta_info"][
+                    "routed_experts"]), dtype="<i4")
+                assert ref.size == len(whole) * x.values[0].size
+                assert ref.reshape(x.values.shape).tolist()[:-1] == x.values.tolist()[:-1]
+
+        self.run(target, go())
+
+    def test_top_p_kept_ids_across_a_resume(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            async with target.client() as c:
+                s = await self._two_segments(c, target, (TOP_P_TOKEN_IDS,),
+                                             {"temperature": 1.0, "top_p": 0.9, "top_k": 50,
+                                              "ignore_eos": True, "seed": 7})
+                x = s.extras[TOP_P_TOKEN_IDS]
+                assert x.counts is not None and x.rows == 6 and (x.counts >= 1).all()
+                off = x.offsets()
+                for i, tok in enumerate(s.response_ids.tolist()):
+                    kept = x.values[off[i]:off[i + 1]].tolist()
+                    assert tok in kept, (i, tok, kept)  # a sampled token was kept
+
+        self.run(target, go())
+
+    def test_sampling_mask_needs_a_finite_top_k(self, target: EngineTarget) -> None:
+        async def go() -> None:
+            status, data = await self._raw(target, "/generate", {
+                "input_ids": list(target.prompt), "return_sampling_mask": True,
+                "sampling_params": {"max_new_tokens": 2, "temperature": 1.0, "top_k": -1}})
+            assert status == 400
+            assert b"return_sampling_mask requires" in data
 
         self.run(target, go())

@@ -31,6 +31,8 @@ from strawq.producers.engines.core import (
     UpdateRejected,
     detokenize,
 )
+from strawq.producers.engines.extras import add_extras
+from strawq.producers.engines.extras import check_request as check_extras_request
 from strawq.producers.engines.sim_backend import seed_for_rid
 from strawq.producers.sglang_protocol import RESUMED_TOKENS_KEY
 
@@ -298,6 +300,10 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         parsed = [parse_sampling_params(sp) for sp in sps_list]
         ctx = core.backend.context_length
         for p, (params, _) in zip(prompts, parsed, strict=False):
+            extras_error = check_extras_request(body, len(p), params.temperature,
+                                                params.top_k)
+            if extras_error is not None:
+                raise BadRequest(extras_error)
             if len(p) >= ctx:
                 raise BadRequest(
                     f"The input ({len(p)} tokens) is longer than the model's context length "
@@ -359,6 +365,10 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         )
         for r in reqs
     ]
+    for r, o in zip(reqs, out, strict=True):  # per-token extras (routed experts, top-p)
+        if r.finish != ABORT_WAITING:
+            add_extras(o["meta_info"], body, r.input_ids, r.out_ids, r.out_logprobs,
+                       core.backend.vocab_size, r.params.temperature, r.params.top_k)
     return web.json_response(out if multi else out[0])
 
 
