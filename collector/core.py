@@ -34,6 +34,7 @@ from strawq.batches import BatchStore, GcReport
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.eta import EtaPolicy, publish_policy
 from strawq.feeder import Feeder
 from strawq.grantor import LeaseMonitor, ScanResult
 from strawq.groups import staleness
@@ -129,6 +130,9 @@ class Collector:
         epoch = self.fence.acquire(wait=wait)
         # before recovering: a stalled predecessor's manifest from here on is refused
         mark_epoch_start(self.storage, epoch, self.batches.next_seq())
+        # producers apply it to partial tasks at claim (strawq.eta)
+        publish_policy(self.storage, EtaPolicy(self.config.max_staleness,
+                                               self.config.eta_mode, epoch))
         self.feeder = Feeder(self.queue, self.dataset)
         self.batches.recover()
         self.resume_info = resume

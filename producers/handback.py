@@ -3,7 +3,8 @@
 Every way a held group leaves the producer is one ``RunQueue`` call on an I/O thread:
 ``complete`` (a ready group), ``yield_partial`` (prefixes kept, no attempt spent),
 ``drop`` (filtered, with its reason), ``fail`` (with a reason; retryable or not) and
-``release`` (back to pending untouched). Failures never lose the task:
+``release`` (back to pending untouched) and ``regenerate`` (a claimed partial past the η
+bound: its prefix discarded, generated afresh). Failures never lose the task:
 
 * ``LeaseLost`` — the grantor re-leased it (fencing): counted, logged, nothing else to do;
 * any other error (storage trouble) — the lease is kept as an *orphan* and released again
@@ -57,6 +58,10 @@ class HandBack:
                    retryable: bool = True) -> None:
         await self._persist("fail", lease, "groups_failed", lambda: self.io.call(
             self.queue.fail, lease, reason, message, retryable=retryable))
+
+    async def regenerate(self, lease: Lease, reason: str, message: str) -> None:
+        await self._persist("regenerate", lease, "partials_regenerated", lambda: self.io.call(
+            self.queue.regenerate, lease, reason, message))
 
     async def release(self, lease: Lease) -> None:
         await self._persist("release", lease, "groups_released",

@@ -3,6 +3,8 @@
 For each lease the ``GroupRunner`` starts one group task::
 
     load (I/O thread): current version, saved partial or prompt ids
+      (a partial past the η bound: HandBack.regenerate | HandBack.drop, per the policy the
+       collector published, strawq.eta; under ``train`` it is resumed and counted)
       -> GroupRun (fresh G samples, or rebuilt from the partial)
       -> one sample task per unfinished sample: acquire a trajectory (SlotPool),
          generate segment by segment until final, release it, reward it
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strawq.errors import CorruptRecord, NotFound, StrawqError
+from strawq.eta import STALE_REASON
 from strawq.groups import GroupData
 from strawq.names import validate_id
 from strawq.queue import Lease, RunQueue
@@ -56,6 +59,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
+class _PastEta(Exception):
+    """A claimed partial is past the η bound and the policy discards it (not an error)."""
+
+    def __init__(self, action: str, version: int) -> None:
+        super().__init__(action)
+        self.action = action
+        self.version = version
+
+
 class ActiveGroup:
     """A lease the producer holds, and the tasks working on it."""
 
@@ -174,10 +186,16 @@ class GroupRunner:
             raise TaskError(f"task {task.get('id')}: {exc}") from exc
 
     def _load(self, lease: Lease) -> tuple[int, GroupData | None, list[int] | None]:
-        """I/O thread: the current version and the saved prefixes, or the prompt ids."""
+        """I/O thread: the current version and the saved prefixes, or the prompt ids.
+
+        A partial past the η bound under ``regenerate``/``drop`` raises ``_PastEta`` before
+        its prefix is read (``_eta_action``)."""
         version = self.queue.current_version()
         if lease.has_partial:
             try:
+            action = self._eta_action(lease, version)
+            if action in ("regenerate", "drop"):
+                raise _PastEta(action, version)
                 return version, self.queue.load_partial(lease), None
             except (NotFound, CorruptRecord) as exc:
                 log.error("task %s: its partial record is unusable (%s); generating the "
@@ -185,6 +203,31 @@ class GroupRunner:
         return version, None, prompt_ids_of(lease.task, self.prompt_key, self.tokenizer)
 
     def _build(self, lease: Lease, partial: GroupData | None,
+    def _eta_action(self, lease: Lease, version: int) -> str | None:
+        """The η policy's verdict on a claimed partial (``strawq.eta``): None within η (or
+        with no published policy); ``train`` is resumed here and counted."""
+        policy = self.queue.eta_policy()
+        action = None if policy is None else policy.partial_action(version,
+                                                                   lease.name.version)
+        if action == "train":
+            self.book.bump("partials_over_eta")
+            log.info("task %s: its prefix (oldest version %d) is past eta %s at version %d; "
+                     "resumed (eta_mode=train)", lease.task_id, lease.name.version,
+                     policy.max_staleness if policy else None, version)
+        return action
+
+    async def _past_eta(self, lease: Lease, past: _PastEta) -> None:
+        """Hand back a claimed partial past η before a token is spent on it."""
+        policy = self.queue.eta_policy()
+        eta = policy.max_staleness if policy is not None else None
+        behind = past.version - lease.name.version
+        msg = (f"partial prefix at version {lease.name.version} is {behind} versions behind "
+               f"version {past.version}, past eta {eta}")
+        if past.action == "drop":
+            await self.handback.drop(lease, STALE_REASON, msg)
+        else:
+            await self.handback.regenerate(lease, STALE_REASON, msg)
+
                prompt: list[int] | None) -> GroupRun:
         if partial is not None:
             return GroupRun.from_partial(lease, partial, lambda i: self._params(lease.task, i))
@@ -201,6 +244,9 @@ class GroupRunner:
                 run = self._build(lease, partial, prompt)
                 run.want_extras(self.config.extras, self.config.routed_experts_shape)
             except (TaskError, SampleError) as exc:
+            except _PastEta as past:
+                await self._past_eta(lease, past)
+                return
                 log.error("task %s cannot run: %s", lease.task_id, exc)
                 await self.handback.fail(lease, "bad_task", str(exc), retryable=False)
                 return

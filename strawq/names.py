@@ -109,7 +109,8 @@ def requeued_name(name: TaskName, *, refund: bool, drop_prefix: bool = False) ->
     ``refund`` gives back the attempt counted at claim (a release, a yield; not a failure).
     A leased task keeps its key, except that a fresh one (stage ``c``, in a release
     directory) moves to stage ``b`` at its dataset order. With ``drop_prefix`` (a ready
-    group sent back by the staleness bound) the key's version resets to 0 and the task
+    group sent back by the staleness bound, or a claimed partial task past it:
+    ``RunQueue.regenerate``) the key's version resets to 0 and the task
     starts from scratch (``resume = -1``); one that had resumed a prefix keeps the
     partial stage's priority.
     """

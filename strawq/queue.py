@@ -33,6 +33,7 @@ from typing import Any
 
 from strawq import records
 from strawq.config import QueueConfig, from_dict, to_dict
+from strawq.eta import EtaPolicy, PolicyCache
 from strawq.errors import (AlreadyExists, ConfigError, CorruptRecord, LeaseLost, NotFound,
                            StorageError, TaskNotFound)
 from strawq.groups import GroupData
@@ -97,6 +98,7 @@ class RunQueue:
         self._contended = False
         self._top_files: list[str] = []
         self._top_listed_at = float("-inf")
+        self._policy: PolicyCache | None = None
 
     # -- run lifecycle ---------------------------------------------------------------------
     @classmethod
@@ -349,6 +351,37 @@ class RunQueue:
             # the new prefixes include the old ones: the superseded partial is garbage
             self.storage.delete(data_key(lease.task_id, lease.name.resume, "partial"))
         return moved
+
+    def regenerate(self, lease: Lease, reason: str, message: str = "") -> str:
+        """Discard a claimed task's saved prefix: it is generated again from scratch.
+
+        A producer calls this for a partial task past the η bound (``eta_mode="regenerate"``,
+        ``strawq.eta``) before spending tokens on it. The semantics of the collector's
+        ``regenerate`` of a ready group (``BatchStore.requeue_ready(refund=False)``): gen + 1,
+        the attempt counted at claim kept, no prefix (``resume = -1``, so the next lease draws
+        fresh sampling seeds), and a task that had a prefix keeps the partial stage's priority
+        at version 0. The fencing rename comes first (a stale holder gets ``LeaseLost`` and
+        writes nothing), then a ``fail`` note with the reason, then the superseded partial
+        record is deleted.
+        """
+        validate_id(reason, "reason")
+        new = requeued_name(lease.name, refund=False, drop_prefix=True)
+        moved = self._move_lease(lease, queued_state(new), new)
+        try:
+            self.write_note(lease.name, "fail", reason, message)
+        except StorageError as exc:  # the move stands; the note is only the record of why
+            log.warning("task %s regenerated (%s) but its note could not be written: %s",
+                        lease.task_id, reason, exc)
+        if lease.has_partial:
+            self.storage.delete(data_key(lease.task_id, lease.name.resume, "partial"))
+        return moved
+
+    def eta_policy(self) -> EtaPolicy | None:
+        """The collector's published η policy (``strawq.eta``; re-read every few seconds),
+        or None when no collector has published one."""
+        if self._policy is None:
+            self._policy = PolicyCache(self.storage)
+        return self._policy.get()
 
     def release(self, lease: Lease) -> str:
         """Give a task back untouched (no attempt spent, gen + 1)."""

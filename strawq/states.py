@@ -6,12 +6,19 @@
                         ▲  ▲              │ │ ▲              │ │ ▲           │
                         │  └──release,────┘ │ │              │ │ └─recover───┘
                         │   fail, expire    │ claim          │ │  (its manifest lost)
-                        │   (gen+1)   yield ▼ │              │ │
+                        │   (gen+1)  yield, │ │              │ │
+                        │      regenerate   ▼ │              │ │
                         │                PARTIAL ◀─requeue───┘ │
                         └───────requeue (η bound, gen+1)───────┘
 
     DROPPED ◀── drop, fail or expire after max_attempts (from LEASED); drop for the η bound
-                or a corrupt payload (READY); drop_from (BATCHED); a bad dataset row.
+                at claim (LEASED) or at batch time, or a corrupt payload (READY); drop_from
+                (BATCHED); a bad dataset row.
+
+The η bound on a partial task is applied by the producer that claims it (``strawq.eta``):
+past η, ``regenerate`` discards the prefix (LEASED → PARTIAL at version 0 without a prefix,
+gen + 1, the claim's attempt counted) and ``drop`` drops it with reason ``stale_eta``, both
+before a token is spent on it; ``train`` resumes it, counted.
 
 PENDING and PARTIAL share ``pending/``: the stage letter of a name's key tells them apart
 (``a`` partial, ``b`` returned, ``c`` fresh; see ``strawq.names``). Fresh tasks arrive a whole
@@ -68,9 +75,11 @@ TRANSITIONS: dict[tuple[TaskState, TaskState], str] = {
     (S.PARTIAL, S.LEASED): "claim (producer)",
     (S.LEASED, S.READY): "complete (lease holder)",
     (S.LEASED, S.PARTIAL): "yield_partial (lease holder); release/fail/expire of a task "
-                           "claimed from PARTIAL (it keeps its stage)",
+                           "claimed from PARTIAL (it keeps its stage); regenerate (lease "
+                           "holder: a claimed partial past the η bound, prefix discarded)",
     (S.LEASED, S.PENDING): "release / fail retryable (lease holder); expire (grantor)",
-    (S.LEASED, S.DROPPED): "drop / fail after max_attempts (holder); expire after max (grantor)",
+    (S.LEASED, S.DROPPED): "drop / fail after max_attempts (holder; drop stale_eta: a "
+                           "claimed partial past the η bound); expire after max (grantor)",
     (S.READY, S.BATCHED): "publish_batch / recover (collector)",
     (S.READY, S.DROPPED): "drop_ready (collector: staleness bound, corrupt payload)",
     (S.READY, S.PENDING): "requeue_ready (collector, staleness bound)",

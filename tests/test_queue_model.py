@@ -1,6 +1,7 @@
 """The queue against an in-memory model (Hypothesis ``RuleBasedStateMachine``).
 
-Rules drive every operation, including stale lease handles, expiry on an injected clock and
+Rules drive every operation (``regenerate``, the η bound's discard of a claimed partial,
+included), including stale lease handles, expiry on an injected clock and
 a crash-and-reopen of the collector; after every step the whole run directory is audited
 and compared with the model. Invariants: at most one live generation per task, no released
 task disappears, each task id enters at most one batch, saved prefixes resume exactly,
@@ -246,6 +247,20 @@ class QueueMachine(RuleBasedStateMachine):
         self.q.drop(lease, "filtered", "zero reward variance")
         t = self.tasks[lease.task_id]
         t.state, t.holder, t.reason = "dropped", None, "filtered"
+
+    @precondition(lambda self: self.leases)
+    @rule(i=st.integers(0, 10**6))
+    def regenerate(self, i: int) -> None:
+        """A claimed partial past the η bound, discarded (``eta_mode="regenerate"``)."""
+        lease = self._pick(i)
+        if not self.is_current(lease):
+            return self._stale(lease, lambda: self.q.regenerate(lease, "stale_eta"))
+        self.q.regenerate(lease, "stale_eta", "past eta")
+        t = self.tasks[lease.task_id]
+        # the READY regenerate path's name: version 0, no prefix, gen + 1, attempt kept
+        t.state, t.holder, t.first_seen = "queued", None, None
+        t.stage, t.version = ("a" if t.resume >= 0 else "b"), 0
+        t.gen, t.resume, t.prefix = t.gen + 1, -1, None
 
     # -- rules: the grantor and the collector ------------------------------------------------
     @rule(dt=st.sampled_from([0.0, 3.0, TIMEOUT / 2, TIMEOUT, TIMEOUT * 3]))
