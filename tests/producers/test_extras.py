@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from typing import Any
 
 import numpy as np
 import pytest
 
+from strawq import records
 from strawq.errors import ConfigError
 from strawq.extras import ROUTED_EXPERTS, TOP_P_TOKEN_IDS
 from strawq.groups import decode_group
-from strawq.names import TaskName
+from strawq.names import TaskName, note_key
 from strawq.queue import Lease
 
 from strawq.producers.extras_protocol import ExtrasMismatch, extras_payload, segment_for
 from strawq.producers.group import GroupRun
+from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus, apply_segment
 from strawq.producers.sglang_protocol import parse_generate_response
+from tests.producers.helpers import make_run, names, run_producers, wait_for
 
 P = [5, 6, 7]
 
@@ -159,3 +163,22 @@ def test_config_lists_only_known_generated_extras() -> None:
         ProducerConfig.from_dict({**base, "extras": ["experts"]})
     with pytest.raises(ConfigError, match="not generation outputs"):
         ProducerConfig.from_dict({**base, "extras": ["teacher_logprobs"]})
+
+
+def test_a_reply_whose_extras_do_not_line_up_fails_its_sample_never_trained(
+        tmp_path: Any, sim_engine: Any) -> None:
+    """The sim engine routes [2 layers, top-2]; a producer told [3, 3] finds every reply
+    misaligned: each sample fails with the engine-protocol error, nothing is trained."""
+    q = make_run(str(tmp_path / "run"), 0, rows=[{"prompt": [4, 5]}])
+    p = Producer(ProducerConfig(
+        run_dir=str(tmp_path / "run"), reward="tests.producers.plugins_for_tests.length_reward",
+        workers=(sim_engine.url,), slots=1, max_new_tokens=8, control_poll_s=0.02,
+        idle_poll_s=0.02, extras=(ROUTED_EXPERTS,), routed_experts_shape=(3, 3)))
+    asyncio.run(run_producers([p], lambda: wait_for(lambda: bool(names(q, "dropped")), 30,
+                                                    "dropped")))
+    (dropped,) = names(q, "dropped")
+    assert dropped.producer == "sample_failed" and not names(q, "ready")
+    note = records.decode(q.storage.read(note_key(dropped.id, dropped.gen, "drop",
+                                                  "sample_failed")))
+    assert "engine protocol error" in str(note.meta) and "routed_experts" in str(note.meta)
+    assert p.stats().engine_faults == 4
