@@ -58,7 +58,6 @@ from strawq.producers.slots import SlotHold, SlotPool
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
 class _PastEta(Exception):
     """A claimed partial is past the η bound and the policy discards it (not an error)."""
 
@@ -68,6 +67,7 @@ class _PastEta(Exception):
         self.version = version
 
 
+@dataclass(eq=False)
 class ActiveGroup:
     """A lease the producer holds, and the tasks working on it."""
 
@@ -192,17 +192,16 @@ class GroupRunner:
         its prefix is read (``_eta_action``)."""
         version = self.queue.current_version()
         if lease.has_partial:
-            try:
             action = self._eta_action(lease, version)
             if action in ("regenerate", "drop"):
                 raise _PastEta(action, version)
+            try:
                 return version, self.queue.load_partial(lease), None
             except (NotFound, CorruptRecord) as exc:
                 log.error("task %s: its partial record is unusable (%s); generating the "
                           "group afresh", lease.task_id, exc)
         return version, None, prompt_ids_of(lease.task, self.prompt_key, self.tokenizer)
 
-    def _build(self, lease: Lease, partial: GroupData | None,
     def _eta_action(self, lease: Lease, version: int) -> str | None:
         """The η policy's verdict on a claimed partial (``strawq.eta``): None within η (or
         with no published policy); ``train`` is resumed here and counted."""
@@ -228,6 +227,7 @@ class GroupRunner:
         else:
             await self.handback.regenerate(lease, STALE_REASON, msg)
 
+    def _build(self, lease: Lease, partial: GroupData | None,
                prompt: list[int] | None) -> GroupRun:
         if partial is not None:
             return GroupRun.from_partial(lease, partial, lambda i: self._params(lease.task, i))
@@ -243,10 +243,10 @@ class GroupRunner:
                 version, partial, prompt = await self.io.call(self._load, lease)
                 run = self._build(lease, partial, prompt)
                 run.want_extras(self.config.extras, self.config.routed_experts_shape)
-            except (TaskError, SampleError) as exc:
             except _PastEta as past:
                 await self._past_eta(lease, past)
                 return
+            except (TaskError, SampleError) as exc:
                 log.error("task %s cannot run: %s", lease.task_id, exc)
                 await self.handback.fail(lease, "bad_task", str(exc), retryable=False)
                 return
