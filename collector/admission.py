@@ -15,6 +15,21 @@ after the ``untrained + running`` groups ahead of it, i.e. at most η versions f
 its tokens carry versions ≥ the current one. Groups a filter drops leave both counts at
 once, so their capacity is free again at once.
 
+``admission_batches`` = w (``CollectorConfig``) sets the window explicitly:
+``untrained + running < w·B``. The default form counts a version's batches as untrained
+until the trainer acks them, which it does after the version's update. A trainer that acks
+each batch as soon as it has trained it (``strawq.demo.schedule``'s ``flow``) frees their
+room during the version instead; for it ``w = η·u + 1`` is the same guarantee (a group
+released after j of the version's u batches were acked has at most (u − j) + η·u − ... ahead
+of it: the rest of this version and η more), and anything between that and (η + 1)·u trades
+staleness for throughput (over η: handled by ``eta_mode`` and counted).
+
+**Acked is trained for admission.** A batch the trainer acked is consumed; its groups stay in
+``batched/`` until GC collects them, which waits for a commit when the trainer checkpoints
+(``strawq.commits``). ``AckedGroups`` takes them out of *untrained*: otherwise a trainer that
+acks every micro-batch but commits once a step would free no room until the commit, and a GC
+interval would hold every release back by up to that long.
+
 The slot and backlog bounds always apply (with η = ∞ they are the only ones)::
 
     running < max_running                        (producers' slots + a small prefetch)
@@ -23,11 +38,18 @@ The slot and backlog bounds always apply (with η = ∞ they are the only ones):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+from strawq.errors import CorruptRecord, NotFound
 from strawq.states import Depths
 
-__all__ = ["Admission", "Depths", "admission"]
+if TYPE_CHECKING:
+    from strawq.batches import BatchStore
+
+__all__ = ["AckedGroups", "Admission", "Depths", "admission"]
 
 
 @dataclass(frozen=True)
@@ -41,16 +63,54 @@ class Admission:
 
 
 def admission(depths: Depths, *, batch_groups: int, max_staleness: int | None,
-              batches_per_version: int = 1, max_running: int, max_ready: int) -> Admission:
-    """The number of groups that may be released now (never negative)."""
+              batches_per_version: int = 1, max_running: int, max_ready: int,
+              window: float | None = None) -> Admission:
+    """The number of groups that may be released now (never negative); ``window``: the η
+    bound in batches (``CollectorConfig.admission_batches``; None: ``(η + 1)·u``)."""
     running_room = max_running - depths.running
     backlog_room = max_running + max_ready - depths.ready - depths.running
     rooms = {"running": running_room, "backlog": backlog_room}
     eta_room: int | None = None
     if max_staleness is not None:
-        limit = (max_staleness + 1) * batch_groups * batches_per_version
+        if window is None:
+            limit = (max_staleness + 1) * batch_groups * batches_per_version
+        else:  # floor: a fractional window never rounds up into more room than configured
+            limit = math.floor(window * batch_groups + 1e-9)
         eta_room = limit - depths.untrained - depths.running
         rooms["eta"] = eta_room
     limited_by = min(rooms, key=lambda k: rooms[k])
     capacity = max(rooms[limited_by], 0)
     return Admission(capacity, limited_by, eta_room, running_room, backlog_room)
+
+
+class AckedGroups:
+    """Groups of acked batches GC has not collected yet (``strawq.batches.BatchStore``).
+
+    ``untrained(depths, seqs, acked)`` is ``depths`` with them out of ``batched``. The counts
+    are read from each manifest once (a manifest never changes) and forgotten when GC removes
+    it. Pass the ``batch_seqs()`` listed *before* ``depths``: an ack that lands in between is
+    then still counted as untrained (admission errs on the side of releasing too little).
+    """
+
+    def __init__(self, batches: BatchStore) -> None:
+        self.batches = batches
+        self._groups: dict[int, int] = {}
+
+    def count(self, seqs: Iterable[int], acked: Collection[int]) -> int:
+        present = set(seqs)
+        for seq in list(self._groups):
+            if seq not in present:
+                del self._groups[seq]
+        total = 0
+        for seq in present & set(acked):
+            if seq not in self._groups:
+                try:
+                    man = self.batches.read_manifest(seq)
+                except (NotFound, CorruptRecord):
+                    continue  # collected meanwhile, or GC's to quarantine: not counted
+                self._groups[seq] = len(man.groups)
+            total += self._groups[seq]
+        return total
+
+    def untrained(self, depths: Depths, seqs: Iterable[int], acked: Collection[int]) -> Depths:
+        return replace(depths, batched=max(depths.batched - self.count(seqs, acked), 0))

@@ -39,6 +39,15 @@ class CollectorConfig(Config):
     eta_mode: EtaMode = "train"
     #: Optimizer steps (batches) per weight version; the admission bound scales with it.
     batches_per_version: int = 1
+    #: The η admission window in batches (≥ 1, may be fractional): release while
+    #: ``untrained + running < admission_batches·B``. None (the default) is
+    #: ``(η + 1)·batches_per_version``: every admitted group is trained within η versions
+    #: of its first token when a version's batches are acked after its update. A trainer
+    #: that acks each batch as soon as it is trained keeps that guarantee with
+    #: ``η·batches_per_version + 1``; a larger window trades staleness for throughput (a
+    #: group over η is then handled by ``eta_mode`` and counted). Ignored when η is None.
+    #: See ``strawq.collector.admission``.
+    admission_batches: float | None = None
     #: Bound on running groups (pending + leased + partial). Set it to the producers' total
     #: group slots K (DESIGN §4) plus a small prefetch so no producer waits for work.
     max_running: int = 256
@@ -77,6 +86,10 @@ class CollectorConfig(Config):
         if self.batches_per_version < 1:
             raise ConfigError(f"batches_per_version must be >= 1, got "
                               f"{self.batches_per_version}")
+        if self.admission_batches is not None and not (
+                1 <= self.admission_batches < float("inf")):  # also refuses NaN
+            raise ConfigError(f"admission_batches must be >= 1 (room for one full batch) or "
+                              f"None, got {self.admission_batches}")
         if self.max_running < 1:
             raise ConfigError(f"max_running must be >= 1, got {self.max_running}")
         if self.max_ready < self.batch_groups:

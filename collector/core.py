@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from strawq.collector.admission import Admission, Depths, admission
+from strawq.collector.admission import AckedGroups, Admission, Depths, admission
 from strawq.collector.config import CollectorConfig
 from strawq.collector.fencing import EpochFence, SupersededSweep, mark_epoch_start
 from strawq.collector.metrics import MetricsSink
@@ -96,6 +96,7 @@ class Collector:
         self.superseded = SupersededSweep(self.batches)
         self.monitor = LeaseMonitor(queue, clock=clock)
         self.order = StalenessOrder()
+        self.acked = AckedGroups(self.batches)
         self.metrics = metrics or MetricsSink(self.config.metrics_jsonl,
                                               self.config.prometheus_port)
         self.feeder: Feeder | None = None
@@ -188,6 +189,7 @@ class Collector:
         # re-queued stale groups left ready after the upstream listing: still count them
         rep.depths = depths(self.storage, upstream=upstream,
                             ready=len(ready) + len(rep.requeued_stale))
+        rep.depths = self.acked.untrained(rep.depths, seqs, acked)  # acked: consumed
         rep.exhausted = self.feeder.exhausted
         self._form_batches(ready, rep)
         self._admit(rep)
@@ -321,7 +323,8 @@ class Collector:
         rep.admission = admission(rep.depths, batch_groups=cfg.batch_groups,
                                   max_staleness=cfg.max_staleness,
                                   batches_per_version=cfg.batches_per_version,
-                                  max_running=cfg.max_running, max_ready=cfg.max_ready)
+                                  max_running=cfg.max_running, max_ready=cfg.max_ready,
+                                  window=cfg.admission_batches)
         want = rep.admission.capacity
         if want <= 0 or self.feeder.exhausted:
             return

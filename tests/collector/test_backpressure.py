@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from strawq.collector.admission import Depths, admission
+from strawq.commits import commit
+from strawq.errors import ConfigError
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.dataset import Dataset
@@ -78,3 +80,62 @@ def test_filtered_groups_free_capacity_at_once(tmp_path):
     rep = col.step()
     assert rep.released == 3  # the three filtered groups' capacity, at once
     assert col.dropped_by_reason() == {"zero_variance": 3}
+
+
+def test_admission_window_in_batches():
+    # flow's window for eta = 1 and m = 4 micro-batches of 24: eta·m + 1 = 5 batches = 120
+    d = Depths(pending=10, leased=60, ready=20, batched=24)
+    a = admission(d, batch_groups=24, max_staleness=1, batches_per_version=4, max_running=999,
+                  max_ready=999, window=5)
+    assert (a.capacity, a.limited_by, a.eta_room) == (6, "eta", 6)
+    # None: the default (eta + 1)·u batches = 192
+    a = admission(d, batch_groups=24, max_staleness=1, batches_per_version=4, max_running=999,
+                  max_ready=999)
+    assert a.eta_room == 192 - 114
+    # a fractional window rounds down: 5.5 · 24 = 132 groups
+    a = admission(d, batch_groups=24, max_staleness=1, batches_per_version=4, max_running=999,
+                  max_ready=999, window=5.5)
+    assert a.eta_room == 132 - 114
+    # no eta bound: the window is ignored
+    a = admission(d, batch_groups=24, max_staleness=None, max_running=200, max_ready=999,
+                  window=1)
+    assert (a.eta_room, a.limited_by) == (None, "running")
+
+
+@pytest.mark.parametrize("bad", [0.5, 0, -1, float("nan"), float("inf")])
+def test_admission_window_validated(bad):
+    with pytest.raises(ConfigError, match="admission_batches"):
+        CollectorConfig(admission_batches=bad)
+    CollectorConfig(admission_batches=1)
+    CollectorConfig(admission_batches=4.5)
+
+
+@pytest.mark.timeout(60)
+def test_acked_batch_frees_room_before_gc(tmp_path):
+    """A trainer that acks a batch but has not committed the checkpoint covering it yet: GC
+    keeps its groups on disk (batched), and admission counts them as trained all the same."""
+    q = make_run(str(tmp_path / "run"))
+    ds = Dataset(write_dataset(str(tmp_path / "ds.jsonl"), 100))
+    cfg = CollectorConfig(batch_groups=4, max_running=8, max_ready=8, max_staleness=0,
+                          eta_mode="off", poll_interval_s=0, gc_interval_s=0)
+    col = Collector(q, ds, cfg)
+    col.start(wait=False)
+    commit(q.storage, 0)  # a checkpointing trainer: GC waits for its commits
+    prod = SimProducer(q, "p", slots=4, chunk=50)
+    published: list[int] = []
+    for _ in range(50):
+        published += col.step().published
+        if published:
+            break
+        prod.step()
+    assert published, "no batch formed"
+    rep = col.step()
+    assert rep.released == 0 and rep.depths.batched == 4  # eta = 0: one batch in flight
+    col.batches.ack(published[0])
+    rep = col.step()
+    assert col.depths().batched == 4  # not collected: no commit covers it
+    assert rep.released == 4  # but consumed: its room is free
+    commit(q.storage, published[0])
+    col.step()
+    assert col.depths().batched == 0
+    assert col.acked.count(*col.batches.batch_seqs()) == 0
