@@ -47,7 +47,7 @@ from strawq.dataset import Dataset
 from strawq import records
 from strawq.errors import CorruptRecord, LeaseLost, NotFound
 from strawq.extras import (ROUTED_EXPERTS, SPECS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS, Extra,
-                           cat_samples)
+                           cat_samples, first_placeholder)
 from strawq.feeder import Feeder
 from strawq.groups import SAMPLE_STATUSES, GroupData
 from strawq.names import data_key
@@ -260,13 +260,17 @@ def group_to_samples(task: Mapping[str, Any], prev: GroupData | None, group_size
 
 
 def _restore_extras(s: Any, extras: Mapping[str, Extra]) -> None:
-    """A saved prefix's extras back onto slime's fields (``rollout_routed_experts``,
-    ``rollout_top_p_token_*``, ``teacher_log_probs``)."""
+    """A saved prefix's extras back onto slime's fields (``rollout_routed_experts``: only
+    when every row but the last is known, ``rollout_top_p_token_*``,
+    ``teacher_log_probs``)."""
     import torch
 
+    if not s.response_length:
+        return  # nothing generated: slime's first request records them
     for name, x in extras.items():
         if name == ROUTED_EXPERTS:
-            s.rollout_routed_experts = torch.as_tensor(np.array(x.values[:-1]))
+            if first_placeholder(name, x) == x.rows - 1:  # every row slime keeps is known
+                s.rollout_routed_experts = torch.as_tensor(np.array(x.values[:-1]))
         elif name == TOP_P_TOKEN_IDS:
             s.rollout_top_p_token_ids = torch.as_tensor(np.array(x.values), dtype=torch.int32)
             s.rollout_top_p_token_offsets = torch.as_tensor(x.offsets(), dtype=torch.int32)

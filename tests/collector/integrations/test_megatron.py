@@ -272,6 +272,20 @@ def test_extras_input_and_target_alignment(gloo):
             batch, extras={"bad": teacher[:-1]})
 
 
+def test_the_batchs_own_extras_by_default_routed_experts_with_the_inputs(gloo):
+    batch = make_batch([3, 2], [4, 5])
+    t = batch.num_tokens
+    batch.extras = {"routed_experts": torch.arange(t * 4, dtype=torch.int32).view(t, 2, 2),
+                    "teacher_logprobs": -torch.arange(t, dtype=torch.float32),
+                    "top_p_token_ids": torch.arange(7, dtype=torch.int32),
+                    "top_p_token_offsets": torch.zeros(t + 1, dtype=torch.int64)}
+    (mb,) = MegatronBatcher(max_tokens_per_gpu=100).micro_batches(batch)
+    assert set(mb.extras) == {"routed_experts", "teacher_logprobs"}  # ragged ids stay out
+    assert torch.equal(mb.extras["routed_experts"][0], batch.extras["routed_experts"])
+    assert torch.equal(mb.extras["teacher_logprobs"][0, :-1],
+                       batch.extras["teacher_logprobs"][1:])
+
+
 def test_a_sample_without_prompt_is_refused(gloo):
     batch = make_batch([2, 1], [3, 3])
     batch.loss_mask[5] = 1  # the second sample's first token marked trained

@@ -246,6 +246,64 @@ def test_extras_map_onto_sample_fields_and_slime_validates_them(args):
         adapter.apply_extras(s, {"top_p_token_offsets": np.array([0, 1, 4])})
 
 
+def _generate_with_extras(sample, n: int, *, finish: str, args, start: int = 0) -> None:
+    """One SGLang call with R3 routing and top-p replay, as slime records it: routed rows
+    for positions [start, len(tokens) − 1) (position j routes to (j, j + 50) in both
+    layers), kept ids per new token."""
+    first = len(sample.tokens)
+    new = [100 + first + k for k in range(n)]
+    total = first + n
+    routed = [[[j, j + 50], [j, j + 50]] for j in range(start, total - 1)]
+    kept = [[t, t + 1] for t in new]
+    offsets = np.concatenate([[0], np.cumsum([len(k) for k in kept])]).tolist()
+    sample.append_response_tokens(
+        args, tokens=new, log_probs=[-0.5] * n, trainable=True,
+        meta_info={"finish_reason": {"type": finish}, "weight_version": "0",
+                   "routed_experts": routed, "routed_experts_start_len": start,
+                   "top_p_kept_token_ids": [t for k in kept for t in k],
+                   "top_p_kept_token_offsets": offsets})
+
+
+def test_slimes_extras_survive_an_abort_and_a_resume_through_the_data_source(args):
+    """R3 routed experts, top-p kept ids and teacher log-probs of an aborted group are
+    saved in the partial record, given back, and slime's own resume appends to them."""
+    args.num_layers, args.moe_router_topk = 2, 2
+    ds = adapter.StrawqDataSource(args)
+    ds.begin_rollout(0)
+    (g,) = ds.get_samples(1)
+    s = g[0]
+    p = len(s.tokens)
+    _generate_with_extras(s, 3, finish="abort", args=args)
+    s.teacher_log_probs = [-1.0, -2.0, -3.0]
+    for other in g[1:]:
+        other.status = Sample.Status.ABORTED
+    ds.add_samples([g])
+    ds.begin_rollout(1)
+    (back,) = ds.get_samples(1)
+    r = back[0]
+    assert r.tokens == s.tokens and r.response_length == 3
+    assert r.rollout_routed_experts.tolist() == s.rollout_routed_experts.tolist()
+    assert tuple(r.rollout_routed_experts.shape) == (p + 2, 2, 2)
+    assert r.rollout_top_p_token_ids.tolist() == s.rollout_top_p_token_ids.tolist()
+    assert r.rollout_top_p_token_offsets.tolist() == s.rollout_top_p_token_offsets.tolist()
+    assert r.teacher_log_probs == [-1.0, -2.0, -3.0]
+    assert back[1].rollout_routed_experts is None  # nothing generated: nothing restored
+    # slime resumes it; its own merge keeps the restored rows before routed_experts_start_len
+    _generate_with_extras(r, 2, finish="abort", args=args, start=p + 2)
+    assert tuple(r.rollout_routed_experts.shape) == (p + 4, 2, 2)
+    assert r.rollout_routed_experts[:, 0, 0].tolist() == list(range(p + 4))
+    r.teacher_log_probs = None
+    ds.add_samples([back])
+    ds.begin_rollout(2)
+    (last,) = ds.get_samples(1)
+    t = last[0]
+    assert t.rollout_routed_experts[:, 0, 0].tolist() == list(range(p + 4))
+    assert t.rollout_top_p_token_offsets.tolist() == [0, 2, 4, 6, 8, 10]
+    assert t.rollout_top_p_token_ids.tolist() == r.rollout_top_p_token_ids.tolist()
+    assert t.teacher_log_probs is None
+    t._validate_response_metadata_lengths()
+
+
 def test_batch_to_samples_fields(args):
     batch = make_batch([2, 2, 3, 3], [3, 0, 4, 2], group_size=2)
     batch.versions[11] = 11  # sample 2's response (tokens 10..13) spans two versions
