@@ -29,22 +29,38 @@ silent for ``lease_timeout_s`` (its leases are the grantor's to expire); a produ
 keeps beating but never acks fails the bracket at the deadline with ``BracketTimeout``
 naming it. A bracket left open by a crashed trainer is continued by the next
 ``begin_weight_update`` (same version), or released with ``abort_weight_update``.
+
+**Engines on other weights.** Producers note under ``engines/`` every engine they find on
+a version other than the run's (``strawq.producers.engine_versions``) and keep it out of
+rotation. ``engines_needing_weights()`` lists them; ``repair_engines(push_to)`` pushes the
+run's current version to them through the trainer's own push path
+(``push_to(urls, version)``, the same call as a normal update, limited to those URLs) and
+deletes their notes once it returned. With ``repair=`` (or ``bracket.repair = ...``) this
+runs at each ``end_weight_update``, after producers resumed; call it on demand too (once
+per step is cheap: one listing). Producers put an engine back in rotation when it reports
+the run's version.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from strawq.collector.errors import BracketError, BracketTimeout
 from strawq.control import Control
+from strawq.engine_weights import EngineWeights, StaleNote
 from strawq.grantor import LeaseMonitor
 from strawq.queue import RunQueue
 from strawq.states import TaskState, names_in
 
 log = logging.getLogger(__name__)
+
+#: the trainer's push path limited to some engines: ``push_to(urls, version)``; returns the
+#: URLs it failed on (None or empty: all took the weights) or raises
+PushTo = Callable[[list[str], int], "Iterable[str] | None"]
 
 
 @dataclass(frozen=True)
@@ -68,9 +84,24 @@ class WeightUpdateBracket:
     def __init__(self, queue: RunQueue, *, monitor: LeaseMonitor | None = None,
                  lease_timeout_s: float | None = None, poll_interval_s: float = 0.05,
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep,
+                 repair: PushTo | None = None, repair_interval_s: float | None = 5.0) -> None:
         self.queue = queue
         self.control = Control(queue.storage)
+        self.engines = EngineWeights(queue.storage)
+        #: the trainer's push path limited to some engines, ``repair(urls, version)``;
+        #: called at each ``end_weight_update`` for the engines that need weights, and
+        #: every ``repair_interval_s`` by a background thread (None: no thread), so that a
+        #: trainer waiting for a batch while every engine is stale is not stuck
+        self.repair = repair
+        self._repair_lock = threading.Lock()  # a repair push never overlaps a bracket
+        self._stop_repairs = threading.Event()
+        self._repairer: threading.Thread | None = None
+        if repair is not None and repair_interval_s is not None:
+            self._repairer = threading.Thread(target=self._repair_loop,
+                                              args=(repair_interval_s,), daemon=True,
+                                              name="strawq-engine-repair")
+            self._repairer.start()
         self.clock = clock
         self.sleep = sleep
         self.poll_interval_s = poll_interval_s
@@ -112,8 +143,10 @@ class WeightUpdateBracket:
         else:
             version = max(self.queue.current_version(), st.pause_version,
                           st.resume_version) + 1
-            self.control.pause(version)
-        self._open = version
+        with self._repair_lock:  # waits for a repair push in progress
+            if not continued:
+                self.control.pause(version)
+            self._open = version
         start = self.clock()
         dead: dict[str, float] = {}
         while True:
@@ -170,7 +203,80 @@ class WeightUpdateBracket:
         self.control.resume(version)
         self._open = None
         log.info("weight version %d is live; producers resume", version)
+        if self.repair is not None:
+            try:
+                self.repair_engines()
+            except Exception as exc:  # noqa: BLE001 - the update itself succeeded
+                log.error("repairing engines after version %d failed: %s; they stay out of "
+                          "rotation (retry with repair_engines())", version, exc)
         return version
+
+    # -- engines on other weights ----------------------------------------------------------------
+    def engines_needing_weights(self) -> dict[str, StaleNote]:
+        """Engine URL -> the newest note (``engines/``) that it is not on the run's version."""
+        return self.engines.needing()
+
+    def mark_needing_weights(self, urls: list[str], *, reason: str,
+                             engine_version: int | None = None) -> None:
+        """Note engines that need the run's weights (e.g. the ones a push failed on)."""
+        v = self.queue.current_version()
+        for url in urls:
+            self.engines.mark(url, writer="trainer", engine_version=engine_version,
+                              run_version=v, reason=reason)
+
+    def repair_engines(self, push_to: PushTo | None = None
+                       ) -> list[str]:
+        """Push the run's current version to every engine that needs it, through
+        ``push_to(urls, version)`` (default: ``self.repair``); returns the URLs that took them.
+
+        Refused while a bracket is open (the bracket's own push reaches every engine). If
+        ``push_to`` raises, the notes stay and the error propagates."""
+        push = push_to or self.repair
+        if push is None:
+            raise BracketError("repair_engines() needs push_to(urls, version): the trainer's "
+                               "push path limited to some engines")
+        with self._repair_lock:
+            if self.is_open:
+                raise BracketError("repair_engines() while a weight-update bracket is open: "
+                                   "the bracket's push reaches every engine; repair after "
+                                   "end_weight_update()")
+            return self._repair(push)
+
+    def _repair(self, push: PushTo) -> list[str]:
+        need = self.engines_needing_weights()
+        if not need:
+            return []
+        version = self.queue.current_version()
+        urls = sorted(need)
+        log.warning("pushing the run's version %d to %d engines on other weights: %s",
+                    version, len(urls), ", ".join(
+                        f"{u} (at {need[u].engine_version})" for u in urls))
+        failed = set(push(urls, version) or ())
+        done = [u for u in urls if u not in failed]
+        for u in done:
+            self.engines.clear(u, up_to_version=version)
+        if failed:
+            log.error("push of version %d failed on %s; they stay out of rotation",
+                      version, ", ".join(sorted(failed)))
+        if done:
+            log.info("engines %s now hold version %d", ", ".join(done), version)
+        return done
+
+    def _repair_loop(self, interval_s: float) -> None:
+        while not self._stop_repairs.wait(interval_s):
+            try:
+                if not self.is_open and self.engines.needing():
+                    self.repair_engines()
+            except BracketError:
+                continue  # a bracket opened meanwhile: its push reaches every engine
+            except Exception as exc:  # noqa: BLE001 - keep trying; the notes stay
+                log.error("repairing engines failed: %s; retrying in %.0fs", exc, interval_s)
+
+    def close(self) -> None:
+        """Stop the background repairs (the thread is a daemon: it never holds a process)."""
+        self._stop_repairs.set()
+        if self._repairer is not None:
+            self._repairer.join(timeout=60)
 
     def abort_weight_update(self) -> None:
         """Resume producers without announcing a new version (the weights did not change)."""

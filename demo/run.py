@@ -245,7 +245,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         trainer = GRPOTrainer(model, weights, urls, lr=cfg.lr)
         reader = BatchReader.open(run_dir, metrics_jsonl=os.path.join(work, "metrics.jsonl"))
         bracket = WeightUpdateBracket(reader.queue, lease_timeout_s=cfg.lease_timeout_s,
-                                      poll_interval_s=0.02, sleep=_waiter(ctl_watch))
+                                      poll_interval_s=0.02, sleep=_waiter(ctl_watch),
+                                      repair=trainer.repair_engines)
         _trace_returns(reader, tracer)
         if reopen is not None and bracket.is_open:
             log.warning("closing the weight-update bracket a previous run left open "

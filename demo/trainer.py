@@ -7,7 +7,11 @@ engine recorded (``mu``, from whatever weight version produced that token), and 
 ``-aggregate(w * A * log pi_theta)`` (``loss_agg``, default the mean over samples of token
 means) with the collector's GRPO group-normalised advantages; ``log pi_theta`` is taken
 at each sample's recorded temperature (``GRPOTrainer.logprobs``).
-``push_weights`` saves the weights to a new directory and loads them into every engine.
+``push_weights`` saves the weights to a new directory and loads them into every engine;
+an engine the push fails on is logged and left out (``failed_engines``) unless every engine
+failed. ``repair_engines(urls, version)`` is the same push of an already saved version,
+limited to ``urls``: what ``WeightUpdateBracket(repair=...)`` calls for the engines that
+producers found on other weights (``engines/``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class TrainerBackend(Protocol):
     def train_step(self, batch: Batch) -> dict[str, float]: ...
 
     def push_weights(self, version: int) -> None: ...
+
+    def repair_engines(self, urls: list[str], version: int) -> list[str]: ...
 
 
 def unpack(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -69,6 +75,8 @@ class GRPOTrainer:
     loss_agg: str = DEFAULT_LOSS_AGG
     keep_versions: int = 3
     history: list[dict[str, float]] = field(default_factory=list)
+    #: engines the last push failed on (producers find them behind and keep them out)
+    failed_engines: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         torch.manual_seed(0)
@@ -141,7 +149,18 @@ class GRPOTrainer:
 
     def push_weights(self, version: int) -> None:
         path = self.save(version)
-        asyncio.run(_push(self.engine_urls, path, version))
+        self.failed_engines = _push_all(self.engine_urls, path, version)
+
+    def repair_engines(self, urls: list[str], version: int) -> list[str]:
+        """Push the saved weights of ``version`` to ``urls`` (engines on other weights);
+        returns the URLs that failed again."""
+        path = os.path.join(self.workdir, f"v{version:06d}")
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"cannot repair engines {urls}: the weights of version {version} are not in "
+                f"{self.workdir} any more (keep_versions={self.keep_versions}); the next "
+                "weight update reaches them")
+        return asyncio.run(_push(urls, path, version))
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
@@ -151,11 +170,31 @@ class GRPOTrainer:
         self.opt.load_state_dict(state["opt"])
 
 
-async def _push(urls: list[str], path: str, version: int) -> None:
+async def _push(urls: list[str], path: str, version: int) -> list[str]:
+    """``push_weights`` to each engine on its own; returns those that failed (logged)."""
+    from strawq.producers.engine_errors import EngineError
     from strawq.producers.sglang_client import SGLangClient
 
     async with SGLangClient(urls) as client:
-        await client.push_weights(path, weight_version=version)
+        async def one(u: str) -> str | None:
+            try:
+                await client.push_weights(path, weight_version=version, url=u)
+                return None
+            except EngineError as exc:
+                log.error("push of version %d to %s failed: %s; producers keep it out of "
+                          "rotation until it is repaired", version, u, exc)
+                return u
+        failed = await asyncio.gather(*(one(u) for u in urls))
+    return [u for u in failed if u is not None]
+
+
+def _push_all(urls: list[str], path: str, version: int) -> list[str]:
+    """The update's push: tolerated on some engines, an error when it reached none."""
+    failed = asyncio.run(_push(urls, path, version))
+    if urls and len(failed) == len(urls):
+        raise RuntimeError(f"push of version {version} failed on every engine ({urls}); "
+                           "the bracket stays open: retry or abort_weight_update()")
+    return failed
 
 
 @dataclass
@@ -178,13 +217,17 @@ class SleepTrainer:
         return out
 
     def push_weights(self, version: int) -> None:
+        self.repair_engines(self.engine_urls, version)
+
+    def repair_engines(self, urls: list[str], version: int) -> list[str]:
         from strawq.producers.sglang_client import SGLangClient
 
         async def go() -> None:
-            async with SGLangClient(self.engine_urls) as client:
+            async with SGLangClient(urls) as client:
                 await client.update_weight_version(version, abort_all_requests=True)
 
         asyncio.run(go())
+        return []
 
 
 def mean(values: list[float]) -> float:

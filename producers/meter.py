@@ -79,6 +79,14 @@ class ProducerStats:
     reward_errors: int = 0
     engine_faults: int = 0
     unexpected_aborts: int = 0
+    #: engines on weights other than the run's version (strawq.producers.engine_versions):
+    #: replies discarded and their tokens, engines taken out / put back, out now, all out
+    stale_replies: int = 0
+    stale_tokens_discarded: int = 0
+    engines_marked_stale: int = 0
+    engines_restored: int = 0
+    engines_stale: int = 0
+    waiting_for_weights: bool = False
     #: tool calls executed / returned from the record on a replay / failed tries
     tool_calls: int = 0
     tool_calls_replayed: int = 0

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 
 from strawq.control import Control
+from strawq.engine_weights import EngineWeights
 from strawq.names import validate_id
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
@@ -44,6 +45,7 @@ from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirProbe, DirWatch
 from strawq.producers.bracket import EngineAborter, PauseBracket
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineError, EngineProtocolError
+from strawq.producers.engine_versions import VersionGuard
 from strawq.producers.handback import HandBack
 from strawq.producers.heartbeat import Heartbeat
 from strawq.producers.meter import ProducerStats, StatsBook
@@ -118,6 +120,13 @@ class Producer:
                                      clock=clock, io=self._io.call, park=self.runner.park_all,
                                      held=lambda: len(self.runner.groups),
                                      unreturned=lambda: len(self.handback.orphans))
+        #: engines on weights other than the run's version: out of rotation, noted for
+        #: the trainer in engines/, probed until they hold the run's version again
+        self.guard = VersionGuard(pid, client=lambda: self._client,
+                                  current_version=self.queue.current_version,
+                                  notes=EngineWeights(self.queue.storage), io=self._io.call,
+                                  pausing=lambda: self._bracket.pausing, book=self._book,
+                                  probe_s=max(0.2, 5 * config.control_poll_s), clock=clock)
         self._stopping = False
         self._last_empty_claim = -math.inf
         self._cpu0 = time.process_time()
@@ -172,6 +181,8 @@ class Producer:
         s.wall_s = self.clock() - self._t0
         s.cpu_s = time.process_time() - self._cpu0
         s.paused = self._bracket.pausing
+        s.engines_stale = len(self.guard.stale)
+        s.waiting_for_weights = self.guard.waiting
         s.cpu_s_per_group = s.cpu_s / s.groups_done if s.groups_done else None
         return s
 
@@ -235,6 +246,8 @@ class Producer:
         self._rewards.start()
         if self._client is None:
             self._client = make_client(self.config)
+        if isinstance(self._client, SGLangClient):
+            self._client.guard = self.guard
         hb: asyncio.Task[None] | None = None
         try:
             await self.client.start()
@@ -255,6 +268,7 @@ class Producer:
                               "the grantor expires them once its heartbeats stop",
                               pid, len(self.handback.orphans))
             finally:
+                await self.guard.close()
                 if hb is not None:
                     hb.cancel()
                     await asyncio.gather(hb, return_exceptions=True)
@@ -276,7 +290,8 @@ class Producer:
         """Refuse to start on an engine whose weight version is not an integer (SGLang's
         ``"default"``): every sample would fault, and the producer would retry, then drop,
         every group while its slots looked busy. An engine unreachable now is left to the
-        loop's own retries."""
+        loop's own retries. Then take out of rotation every engine not on the run's
+        version (``VersionGuard.probe_all``)."""
         probe = getattr(self.client, "weight_version", None)
         if probe is None:
             return
@@ -288,6 +303,7 @@ class Producer:
             except EngineError as exc:
                 log.warning("producer %s: could not read the weight version of %s yet: %s",
                             self.producer_id, url, exc)
+        await self.guard.probe_all()
 
     async def _main_loop(self) -> None:
         wake = self._wake
@@ -295,8 +311,12 @@ class Producer:
             raise RuntimeError("the main loop runs only inside run()")
         while not self._stopping:
             await self.handback.retry_orphans()
+            was_pausing = self._bracket.pausing
             if await self._bracket.poll():
                 self._book.bump("brackets")
+            if was_pausing and not self._bracket.pausing:
+                await self.guard.probe_all()  # an engine the push missed stays out
+            self.guard.tick()
             if self._stopping:
                 break
             timeout = self.config.control_poll_s
@@ -325,7 +345,7 @@ class Producer:
         """Groups to claim now: none while pausing, heartbeats fail, a lease could not be
         handed back or engines back off; else what the slot pool allows."""
         if self._bracket.pausing or self._heartbeat.failing or self.handback.orphans or \
-                self.clock() < self.runner.backoff_until:
+                self.clock() < self.runner.backoff_until or self.guard.all_stale():
             return 0
         return self.pool.claimable_groups()
 

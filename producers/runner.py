@@ -42,6 +42,7 @@ from strawq.tokenize import FunctionTokenizer
 from strawq.producers.bracket import EngineAborter
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineError, EngineUnavailable
+from strawq.producers.engine_versions import NoFreshEngine, StaleEngine
 from strawq.producers.extras_protocol import ExtrasMismatch
 from strawq.producers.generate import (GenerateFn, Halted, SampleFailed, load_generate,
                                        run_plugin)
@@ -317,6 +318,11 @@ class GroupRunner:
                 self.book.hop("claim_to_generate", self.clock() - a.claimed_at)
             try:
                 res = await self._client().generate_sample(s, rid=rid)
+            except StaleEngine:
+                continue  # tokens of the wrong weights discarded; re-issued in rotation
+            except NoFreshEngine:  # every engine stale: wait for the trainer's push
+                await asyncio.sleep(self.config.engine_backoff_s)
+                continue
             except ExtrasMismatch as exc:  # misaligned per-token extras: this sample fails
                 self.book.bump("engine_faults")
                 raise SampleFailed(f"engine protocol error: {exc}") from None

@@ -49,6 +49,7 @@ from strawq.producers.engine_errors import (
     EngineTimeout,
     EngineUnavailable,
 )
+from strawq.producers.engine_versions import VersionGuard
 from strawq.producers.extras_protocol import extras_payload, segment_for
 from strawq.producers.sample import Sample, SampleError, SamplerParams, apply_segment
 from strawq.producers.sglang_control import ControlCalls
@@ -213,6 +214,8 @@ class SGLangClient(ControlCalls):
         self._rng = random.Random()
         self._inflight: dict[str, _Inflight] = {}
         self._eos: dict[str, frozenset[int]] = {}
+        #: the producer's weight-version guard: skips stale engines, judges each reply
+        self.guard: VersionGuard | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
     async def __aenter__(self) -> Self:
@@ -384,9 +387,10 @@ class SGLangClient(ControlCalls):
             raise exc.error from None
 
     def _next_generate_url(self) -> str:
+        urls = self.worker_urls if self.guard is None else self.guard.usable(self.worker_urls)
         if self.router_url is not None:
             return self.router_url
-        url = self._workers[self._rr % len(self._workers)].url
+        url = urls[self._rr % len(urls)]
         self._rr += 1
         return url
 
@@ -619,6 +623,8 @@ class SGLangClient(ControlCalls):
                 f"(rid {result.rid}); segment rejected",
                 url=result.url,
             )
+        if self.guard is not None:  # raises StaleEngine: no token from the wrong weights
+            await self.guard.check(result)
         apply_segment(sample, segment_for(result, sample))
         return result
 
@@ -636,7 +642,6 @@ class SGLangClient(ControlCalls):
             return True
         except (_Retryable, EngineRequestError):
             return False
-
 
 
 def eos_ids_from_model_info(info: Mapping[str, Any]) -> frozenset[int]:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +15,20 @@ FAST_SIM = SimConfig(time_scale=0.01, len_median=20, len_sigma=0.8, len_cap=120,
 
 
 @pytest.fixture(scope="module")
-def sim_engine() -> Iterator[EngineThread]:
+def module_sim_engine() -> Iterator[EngineThread]:
     with EngineThread(EngineOptions(kind="sim", max_running=256, sim=FAST_SIM)) as eng:
         yield eng
+
+
+@pytest.fixture
+def sim_engine(module_sim_engine: EngineThread) -> EngineThread:
+    """The module's sim engine, back on weight version 0 (a fresh run's version): a test
+    that pushed versions to it must not leave the next test's producer facing an engine on
+    other weights (which it would rightly keep out of rotation)."""
+    req = urllib.request.Request(
+        module_sim_engine.url + "/update_weight_version", method="POST",
+        data=json.dumps({"new_version": "0"}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        resp.read()
+    return module_sim_engine

@@ -1,7 +1,8 @@
 """A fault-injecting HTTP proxy in front of a local engine (its own loop, in a thread).
 
 ``mode`` of ``/generate``: ``ok`` (forward), ``500`` (every call fails), ``flaky`` (every
-other call fails with 500), ``hang`` (never answers). Other paths are always forwarded.
+other call fails with 500), ``hang`` (never answers). Other paths are forwarded, except
+those in ``refuse``, answered 400 ``{"success": false}`` (a refused weight update).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class FaultyProxy:
         self.upstream = upstream.rstrip("/")
         self.mode = mode
         self.calls = {"ok": 0, "500": 0, "hang": 0}
+        self.refuse: set[str] = set()
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -38,6 +40,9 @@ class FaultyProxy:
 
         async def forward(request: web.Request) -> web.StreamResponse:
             body = await request.read()
+            if request.path in self.refuse:
+                return web.json_response({"success": False, "message": "injected refusal"},
+                                         status=400)
             async with session.request(request.method, self.upstream + request.path_qs,
                                        data=body, headers={"Content-Type": "application/json"}
                                        ) as r:

@@ -1,0 +1,278 @@
+"""Engines on the right weights: a producer's guard against an engine on another version.
+
+Every ``/generate`` reply carries the engine's ``meta_info.weight_version`` (and per-token
+``weight_versions``); the run's version is durable in the queue (``versions/``). Outside a
+weight-update bracket every engine must hold the run's version, so a reply from another
+version means the engine is on the wrong weights: restarted from an old checkpoint, missed
+by a push that failed, or a new worker behind the router. :class:`VersionGuard` then
+
+* **discards the reply** (:class:`StaleEngine`): its tokens are never applied to the
+  sample, so none is stamped, stored or trained as the run's version; the runner re-issues
+  the request at once, on an engine still in rotation (the tokens are counted in
+  ``stale_tokens_discarded``);
+* **takes the engine out of rotation** for new requests (``SGLangClient`` skips it), and
+* **writes a note** under ``engines/`` (``strawq.engine_weights``) that the trainer's side
+  reads (``WeightUpdateBracket.engines_needing_weights``) to push the run's weights to it
+  through its ordinary push path.
+
+A stale engine is probed (``/model_info`` ``weight_version``) every ``probe_s``; once it
+reports the run's version it is back in rotation and this producer's notes on it are
+deleted. At start and after each bracket resumes, every engine is probed: one the push
+missed is found before any request goes to it.
+
+**When a mismatch is real.** During a bracket versions legitimately differ (engines are
+updated one by one; a reply may carry tokens of two versions). A mismatch is judged only
+after re-reading the run's version and ``control/``: while a pause is open or seen, replies
+keep the engine's own per-token stamps (as the bracket's parking always did) and nothing is
+marked. A reply from the run's version with tokens of an older one (an update outside a
+bracket) is discarded without marking the engine, which now holds the run's version.
+
+**Behind a router** the reply does not say which worker answered: a mismatch triggers a
+re-read of the router's ``/workers`` and a probe of each one; those on another version are
+noted for the trainer, but the router keeps routing to them until they are repaired, so
+some replies are discarded and re-issued meanwhile (``stale_replies``). When every engine
+is stale, producers claim nothing and generate nothing (``waiting_for_weights``, one log
+line) until one is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from strawq.control import read_state
+from strawq.engine_weights import EngineWeights
+from strawq.errors import StrawqError
+
+from strawq.producers.engine_errors import EngineError
+from strawq.producers.meter import StatsBook
+from strawq.producers.sglang_protocol import GenerateResult
+
+log = logging.getLogger(__name__)
+
+
+class StaleEngine(EngineError):
+    """A reply from weights other than the run's version: discarded; re-issue elsewhere."""
+
+    def __init__(self, message: str, *, url: str | None, engine_version: int,
+                 run_version: int, tokens: int) -> None:
+        super().__init__(message, url=url)
+        self.engine_version = engine_version
+        self.run_version = run_version
+        self.tokens = tokens
+
+
+class NoFreshEngine(EngineError):
+    """Every engine is out of rotation (on weights other than the run's version)."""
+
+
+class VersionGuard:
+    """One producer's view of which engines hold the run's weights."""
+
+    def __init__(self, producer_id: str, *, client: Callable[[], Any],
+                 current_version: Callable[[], int], notes: EngineWeights,
+                 io: Callable[[Callable[[], Any]], Awaitable[Any]],
+                 pausing: Callable[[], bool], book: StatsBook,
+                 probe_s: float = 0.5, probe_timeout_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.producer_id = producer_id
+        self._client = client
+        self._current_version = current_version
+        self.notes = notes
+        self._io = io
+        self._pausing = pausing
+        self.book = book
+        self.probe_s = probe_s
+        self.probe_timeout_s = probe_timeout_s
+        self.clock = clock
+        #: the run's version as last read (None: not read yet)
+        self.expected: int | None = None
+        #: engine URL -> the version it reported (None: unreadable) while out of rotation
+        self.stale: dict[str, int | None] = {}
+        self.waiting = False
+        self._last_probe = -float("inf")
+        self._probing: asyncio.Task[None] | None = None
+
+    # -- rotation (the client asks) ---------------------------------------------------------
+    def serves(self, url: str) -> bool:
+        return url not in self.stale
+
+    def usable(self, urls: list[str]) -> list[str]:
+        """``urls`` still in rotation; :class:`NoFreshEngine` when none is."""
+        ok = [u for u in urls if u not in self.stale]
+        if urls and not ok:
+            self._set_waiting(True)
+            raise NoFreshEngine(
+                f"every engine is on weights other than the run's version {self.expected}: "
+                f"{self._describe()}; waiting for the trainer to push them")
+        return ok
+
+    def all_stale(self) -> bool:
+        urls = self._worker_urls()
+        return bool(urls) and all(u in self.stale for u in urls)
+
+    # -- judging a reply (the client calls it before applying any token) --------------------
+    async def check(self, result: GenerateResult) -> None:
+        """Return when ``result`` may be applied; raise :class:`StaleEngine` when its tokens
+        come from weights other than the run's version outside a bracket."""
+        versions = np.asarray(result.versions)
+        exp = self.expected
+        if exp is not None and result.weight_version == exp and (
+                not len(versions) or (int(versions.min()) == exp == int(versions.max()))):
+            return
+        run_v, paused = await self.refresh()
+        if paused or self._pausing():
+            return  # a bracket is open: versions legitimately differ; stamps stay honest
+        if result.weight_version == run_v and (
+                not len(versions) or bool((versions == run_v).all())):
+            return
+        n = len(result.output_ids)
+        self.book.bump("stale_replies")
+        self.book.bump("stale_tokens_discarded", n)
+        found = sorted({int(v) for v in versions.tolist()} | {result.weight_version})
+        if result.weight_version != run_v:
+            if self._router_url() is not None and result.url == self._router_url():
+                await self.probe_all(refresh_workers=True)
+            elif result.url is not None:
+                await self.mark(result.url, result.weight_version, run_v,
+                                f"replied with version {result.weight_version}")
+        raise StaleEngine(
+            f"reply {result.rid} carries weight version(s) {found} but the run is at version "
+            f"{run_v}: its {n} tokens are discarded and the request goes to another engine",
+            url=result.url, engine_version=result.weight_version, run_version=run_v, tokens=n)
+
+    async def refresh(self) -> tuple[int, bool]:
+        """Re-read the run's version and whether a bracket is open (off the event loop)."""
+        def read() -> tuple[int, bool]:
+            return self._current_version(), read_state(self.notes.storage).paused
+        run_v, paused = await self._io(read)
+        self.expected = int(run_v)
+        return self.expected, bool(paused)
+
+    # -- marking and restoring --------------------------------------------------------------
+    async def mark(self, url: str, engine_version: int | None, run_version: int,
+                   reason: str) -> None:
+        """Take ``url`` out of rotation and note it for the trainer (once per episode)."""
+        if url in self.stale:
+            self.stale[url] = engine_version
+            return
+        self.stale[url] = engine_version
+        self.book.bump("engines_marked_stale")
+        log.error("producer %s: engine %s is on weight version %s but the run is at %d (%s); "
+                  "out of rotation until the trainer pushes version %d to it (noted in "
+                  "engines/)", self.producer_id, url, engine_version, run_version, reason,
+                  run_version)
+        try:
+            await self._io(lambda: self.notes.mark(
+                url, writer=self.producer_id, engine_version=engine_version,
+                run_version=run_version, reason=reason))
+        except StrawqError as exc:
+            log.warning("producer %s cannot note engine %s in engines/: %s", self.producer_id,
+                        url, exc)
+
+    async def restore(self, url: str, run_version: int) -> None:
+        if self.stale.pop(url, "absent") == "absent":
+            return
+        self.book.bump("engines_restored")
+        log.warning("producer %s: engine %s reports the run's version %d again; back in "
+                    "rotation", self.producer_id, url, run_version)
+        if not self.all_stale():
+            self._set_waiting(False)
+        try:
+            await self._io(lambda: self.notes.clear(url, writer=self.producer_id))
+        except StrawqError as exc:
+            log.warning("producer %s cannot clear its engines/ notes on %s: %s",
+                        self.producer_id, url, exc)
+
+    # -- probing ----------------------------------------------------------------------------
+    async def probe_all(self, *, refresh_workers: bool = False) -> None:
+        """Probe every engine's version (at start, after a bracket resumed, and behind a
+        router on a mismatch); mark those off the run's version, restore the others."""
+        run_v, paused = await self.refresh()
+        if paused or self._pausing():
+            return
+        client = self._client()
+        if refresh_workers and getattr(client, "router_url", None) is not None:
+            try:
+                await asyncio.wait_for(client.refresh_workers(), self.probe_timeout_s)
+            except (EngineError, asyncio.TimeoutError) as exc:
+                log.warning("producer %s cannot re-read the router's workers: %s",
+                            self.producer_id, exc)
+        urls = self._worker_urls()
+        found = await asyncio.gather(*(self._probe(u) for u in urls))
+        for url, v in zip(urls, found, strict=True):
+            if v is None:
+                continue  # unreachable: the generate path's own retries deal with it
+            if v != run_v:
+                await self.mark(url, v, run_v, f"reports version {v}")
+            else:
+                await self.restore(url, run_v)
+        self._last_probe = self.clock()
+
+    async def probe_stale(self) -> None:
+        run_v, paused = await self.refresh()
+        if paused or self._pausing():
+            return
+        for url in list(self.stale):
+            v = await self._probe(url)
+            if v == run_v:
+                await self.restore(url, run_v)
+            elif v is not None:
+                self.stale[url] = v
+        self._last_probe = self.clock()
+
+    def tick(self) -> None:
+        """From the producer's loop: probe the stale engines every ``probe_s`` (in a task,
+        so a slow engine never stalls the loop)."""
+        if not self.stale or self.clock() - self._last_probe < self.probe_s:
+            return
+        if self._probing is not None and not self._probing.done():
+            return
+        self._last_probe = self.clock()
+        self._probing = asyncio.create_task(self.probe_stale())
+        if self.all_stale():
+            self._set_waiting(True)
+
+    async def close(self) -> None:
+        if self._probing is not None:
+            self._probing.cancel()
+            await asyncio.gather(self._probing, return_exceptions=True)
+
+    async def _probe(self, url: str) -> int | None:
+        probe = getattr(self._client(), "weight_version", None)
+        if probe is None:
+            return None
+        try:
+            return int(await asyncio.wait_for(probe(url), self.probe_timeout_s))
+        except (EngineError, asyncio.TimeoutError) as exc:
+            log.debug("probe of %s failed: %s", url, exc)
+            return None
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _worker_urls(self) -> list[str]:
+        return list(getattr(self._client(), "worker_urls", []))
+
+    def _router_url(self) -> str | None:
+        url = getattr(self._client(), "router_url", None)
+        return url if isinstance(url, str) else None
+
+    def _describe(self) -> str:
+        return ", ".join(f"{u} at {v}" for u, v in sorted(self.stale.items())) or "-"
+
+    def _set_waiting(self, on: bool) -> None:
+        if on == self.waiting:
+            return
+        self.waiting = on
+        if on:
+            log.error("producer %s: every engine is on weights other than the run's version "
+                      "%s (%s); claiming and generating nothing until the trainer pushes "
+                      "them (engines/ lists them; docs/troubleshooting.md)", self.producer_id,
+                      self.expected, self._describe())
+        else:
+            log.warning("producer %s: an engine holds the run's version %s again; generating",
+                        self.producer_id, self.expected)

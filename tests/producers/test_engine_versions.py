@@ -1,0 +1,168 @@
+"""Engines on the right weights: an engine on a version other than the run's is kept out of
+rotation, noted in engines/, brought back by the trainer's push path, and no trained sample
+carries a token generated on the wrong weights.
+
+Each scenario releases prompts in phases: every group released after the engine went wrong
+must hold tokens of the run's version only (before the guard, about half of them came from
+the stale engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+import pytest
+
+from strawq.collector.bracket import WeightUpdateBracket
+from strawq.dataset import Dataset
+from strawq.engine_weights import EngineWeights
+from strawq.feeder import Feeder
+from strawq.queue import RunQueue
+
+from strawq.demo.trainer import GRPOTrainer
+from strawq.producers.engines.launch import EngineOptions
+from strawq.producers.engines.sim_backend import SimConfig
+from strawq.producers.engines.testing import EngineThread
+from strawq.producers.engines.tiny_config import TinyConfig
+from strawq.producers.engines.tiny_model import init_model
+from strawq.producers.producer import Producer
+from strawq.producers.producer_config import ProducerConfig
+from tests.producers.faulty_proxy import FaultyProxy
+from tests.producers.helpers import make_run, ready_groups, run_producers, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+#: ~2 ms per decode step, ~20 tokens a response: phases last long enough to overlap
+SIM = SimConfig(time_scale=0.2, len_median=20, len_sigma=0.5, len_cap=60, cap_prob=0.0)
+TINY = TinyConfig(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2,
+                  intermediate_size=32, context_length=128, seed=1)
+PHASE = 12
+
+
+def sim(version: str, port: int = 0) -> EngineThread:
+    return EngineThread(EngineOptions(kind="sim", max_running=64, weight_version=version,
+                                      sim=SIM), port=port)
+
+
+def port_of(url: str) -> int:
+    return int(urlparse(url).port or 0)
+
+
+def release(q: RunQueue, run_dir: str, n: int) -> None:
+    Feeder(q, Dataset(os.path.join(run_dir, "dataset.jsonl"))).release(n)
+
+
+def producer(run_dir: str, workers: tuple[str, ...]) -> Producer:
+    return Producer(ProducerConfig(run_dir=run_dir, reward="strawq.producers.rewards.count_task",
+                                   workers=workers, slots=4, max_new_tokens=40, seed=1,
+                                   control_poll_s=0.02, idle_poll_s=0.02, engine_backoff_s=0.05))
+
+
+def versions_by_index(q: RunQueue) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    for tid, grp in ready_groups(q).items():
+        vs: set[int] = set()
+        for i in range(len(grp.sample_lens)):
+            vs |= set(np.asarray(grp.sample(i)["versions"]).tolist())
+        out[int(tid.lstrip("i"))] = vs
+    return out
+
+
+def phased_run(run_dir: str, n: int, version: int) -> RunQueue:
+    """A run at ``version`` with ``n`` prompts in its dataset, none released yet."""
+    q = make_run(run_dir, 0, rows=[], group_size=2, release_batch=PHASE)
+    with open(os.path.join(run_dir, "dataset.jsonl"), "w", encoding="utf-8") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": [5 + i % 50, 9, 11], "target": 7, "count": 3}) + "\n")
+    q.set_version(version)
+    return q
+
+
+def test_engine_restarted_on_an_old_version_is_kept_out_and_repaired(tmp_path: Path) -> None:
+    run_dir = str(tmp_path / "run")
+    q = phased_run(run_dir, 3 * PHASE, 3)
+    notes = EngineWeights(q.storage)
+    bracket = WeightUpdateBracket(q)
+    good = sim("3")
+    bad = sim("3")
+    port = port_of(bad.url)
+    p = producer(run_dir, (good.url, bad.url))
+    trainer = GRPOTrainer(init_model(TINY), str(tmp_path / "weights"), [good.url, bad.url])
+    trainer.save(3)  # the weights of the run's version, as the last update left them
+    restarted: list[EngineThread] = []
+
+    async def body() -> None:
+        release(q, run_dir, PHASE)
+        await wait_for(lambda: len(versions_by_index(q)) >= PHASE // 2, 60, "phase 1")
+        bad.stop()  # the engine restarts on an old checkpoint, --weight-version 1
+        restarted.append(sim("1", port=port))
+        release(q, run_dir, PHASE)
+        await wait_for(lambda: bool(notes.notes()), 60, "the stale engine noted")
+        assert not p.guard.serves(bad.url)
+        need = bracket.engines_needing_weights()
+        assert set(need) == {bad.url} and need[bad.url].engine_version == 1
+        assert need[bad.url].run_version == 3
+        assert await asyncio.to_thread(bracket.repair_engines,
+                                       trainer.repair_engines) == [bad.url]
+        await wait_for(lambda: p.guard.serves(bad.url), 30, "the engine back in rotation")
+        assert not notes.notes()
+        release(q, run_dir, PHASE)
+        await wait_for(lambda: len(versions_by_index(q)) == 3 * PHASE, 60, "every group")
+
+    try:
+        asyncio.run(run_producers([p], body))
+    finally:
+        good.stop()
+        for e in restarted:
+            e.stop()
+    found = versions_by_index(q)
+    wrong = {i: v for i, v in found.items() if v != {3}}
+    assert not wrong, f"groups with tokens of the wrong weights: {wrong}"
+    st = p.stats()
+    assert st.engines_marked_stale == 1 and st.engines_restored == 1
+    assert st.stale_replies >= 1 and st.engines_stale == 0 and not st.waiting_for_weights
+
+
+def test_failed_push_to_one_of_two_engines(tmp_path: Path) -> None:
+    run_dir = str(tmp_path / "run")
+    n = 2 * PHASE
+    q = phased_run(run_dir, n, 1)
+    good, bad_engine = sim("1"), sim("1")
+    proxy = FaultyProxy(bad_engine.url)  # refuses weight updates while ``refuse`` is set
+    bad = proxy.url
+    trainer = GRPOTrainer(init_model(TINY), str(tmp_path / "weights"), [good.url, bad])
+    bracket = WeightUpdateBracket(q, lease_timeout_s=3.0, poll_interval_s=0.02,
+                                  repair=trainer.repair_engines, repair_interval_s=0.2)
+    p = producer(run_dir, (good.url, bad))
+    assert len(versions_by_index(q)) == 0
+
+    async def body() -> None:
+        release(q, run_dir, PHASE)
+        await wait_for(lambda: len(versions_by_index(q)) >= PHASE, 60, "phase 1")
+        proxy.refuse = {"/update_weights_from_disk"}
+        await asyncio.to_thread(bracket.begin_weight_update, 30.0)
+        await asyncio.to_thread(trainer.push_weights, 2)  # refused by one engine: tolerated
+        assert trainer.failed_engines == [bad]
+        await asyncio.to_thread(bracket.end_weight_update, 2)
+        await wait_for(lambda: bad in p.guard.stale, 30, "the engine the push missed")
+        release(q, run_dir, PHASE)
+        await wait_for(lambda: bad in bracket.engines_needing_weights(), 30, "the note")
+        proxy.refuse = set()  # the bracket's repair thread gets through now
+        await wait_for(lambda: p.guard.serves(bad), 30, "the engine back in rotation")
+        await wait_for(lambda: len(versions_by_index(q)) == n, 60, "every group")
+
+    try:
+        asyncio.run(run_producers([p], body))
+    finally:
+        bracket.close()
+        proxy.stop()
+        good.stop()
+        bad_engine.stop()
+    found = versions_by_index(q)
+    late = {i: v for i, v in found.items() if i >= PHASE and v != {2}}
+    assert not late, f"groups released after the update with tokens of version 1: {late}"
+    assert not bracket.engines_needing_weights()
