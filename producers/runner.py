@@ -223,6 +223,8 @@ class GroupRunner:
         behind = past.version - lease.name.version
         msg = (f"partial prefix at version {lease.name.version} is {behind} versions behind "
                f"version {past.version}, past eta {eta}")
+        log.info("task %s: %s; %s (eta_mode=%s)", lease.task_id, msg,
+                 "dropped" if past.action == "drop" else "generated afresh", past.action)
         if past.action == "drop":
             await self.handback.drop(lease, STALE_REASON, msg)
         else:
