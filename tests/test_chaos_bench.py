@@ -1,5 +1,6 @@
 """The chaos benchmark, tiny: real processes, a few kill -9 / SIGSTOP faults, and its own
-total-queue and storage checks must pass (bench/chaos.py exits 1 otherwise)."""
+total-queue and storage checks must pass (bench/chaos.py exits 1 otherwise); each producer
+kill is reported with its tokens in flight and the tokens regenerated after it."""
 
 from __future__ import annotations
 
@@ -25,3 +26,16 @@ def test_chaos_bench_tiny(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     m = re.match(r"chaos: faults = (\d+), lost = 0, duplicated = 0, ", last)
     assert m is not None and int(m.group(1)) >= 3, last
+    # every producer kill gets its in-flight vs regenerated figures, and a total
+    kills = len(re.findall(r"^fault \d+: kill9 producer\d", proc.stderr, re.M))
+    rows = re.findall(r"^ +\d+ producer\d\.r\d+ +\d+ +(\d+) +(\d+) +(\d+) +\d+ +\d+(?: .*)?$",
+                      proc.stdout, re.M)
+    assert len(rows) == kills, proc.stdout[-3000:]
+    assert all(int(f) == int(r) + int(g) for f, r, g in rows), rows
+    total = re.search(r"^producer kills: (\d+), tokens in flight = (\d+) \(\d+ received \+ "
+                      r"\d+ running\), regenerated = \d+ ", proc.stdout, re.M)
+    if kills:
+        assert total is not None and int(total.group(1)) == kills, proc.stdout[-3000:]
+        assert int(total.group(2)) == sum(int(f) for f, _r, _g in rows)
+    else:
+        assert total is None
