@@ -92,6 +92,11 @@ class ProducerStats:
     tool_calls_replayed: int = 0
     tool_errors: int = 0
     brackets: int = 0
+    #: claimed partial tasks past the η bound (``strawq.eta``): resumed anyway
+    #: (``eta_mode="train"``) / prefix discarded, generated afresh (``regenerate``); those
+    #: dropped (``drop``) are in ``drop_reasons["stale_eta"]``
+    partials_over_eta: int = 0
+    partials_regenerated: int = 0
     paused: bool = False
     wall_s: float = 0.0
     cpu_s: float = 0.0
@@ -100,11 +105,6 @@ class ProducerStats:
     drop_reasons: dict[str, int] = field(default_factory=dict)
     #: hand-off latencies in seconds, the last ``HOP_SAMPLES`` of each (``StatsBook.hop``)
     hops: dict[str, list[float]] = field(default_factory=dict)
-    #: claimed partial tasks past the η bound (``strawq.eta``): resumed anyway
-    #: (``eta_mode="train"``) / prefix discarded, generated afresh (``regenerate``); those
-    #: dropped (``drop``) are in ``drop_reasons["stale_eta"]``
-    partials_over_eta: int = 0
-    partials_regenerated: int = 0
 
     @property
     def groups_done(self) -> int:
