@@ -288,3 +288,100 @@ def bracket_scenario(
     return BracketResult(kept=kept, generated=p.stats().tokens_generated,
                          lost_requests=p._aborter.lost_requests, latencies_s=latencies,
                          groups=found, queue=q, run_dir=str(run_dir))
+
+
+@dataclass
+class StaleEngineResult:
+    #: ready groups generated while the engine was out of rotation (must be 0)
+    ready_while_stale: int
+    #: the producer noted the engine for the trainer and waited for weights
+    noted: bool
+    waited: bool
+    #: the URLs the trainer's repair pushed
+    repaired: list[str]
+    groups: dict[str, Any] = field(default_factory=dict)
+    run_version: int = 0
+
+
+def stale_engine_scenario(server: RealServer, workdir: Path, *, groups: int = 2,
+                          group_size: int = 2, max_new: int = 16,
+                          timeout_s: float = 300.0) -> StaleEngineResult:
+    """The server holds version ``w`` while the run is at ``w + 1`` (as after a restart with
+    an old ``--weight-version``, or a push it missed): the producer must keep it out of
+    rotation and generate nothing, note it in ``engines/``; the trainer's repair (the
+    ``push_weights`` of every update, limited to that engine) brings it back."""
+    from strawq.collector.bracket import WeightUpdateBracket
+    from strawq.config import QueueConfig
+    from strawq.dataset import Dataset
+    from strawq.feeder import Feeder
+    from strawq.names import TaskName
+    from strawq.queue import RunQueue
+    from strawq.storage import PosixStorage
+
+    from strawq.producers.producer import Producer
+    from strawq.producers.producer_config import ProducerConfig
+    from strawq.producers.sglang_client import ClientConfig, SGLangClient
+
+    cfg = ClientConfig(api_key=server.api_key, admin_api_key=server.admin_api_key,
+                       max_retries=1)
+
+    async def engine_version() -> int:
+        async with SGLangClient([server.url], config=cfg) as c:
+            return await c.weight_version(server.url)
+
+    run_dir = workdir / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    q = RunQueue.create(
+        PosixStorage(str(run_dir), writer_id="setup", fsync=False),
+        QueueConfig(fsync=False, lease_timeout_s=30.0, heartbeat_interval_s=0.2,
+                    group_size=group_size, release_batch=groups))
+    run_version = asyncio.run(engine_version()) + 1
+    q.set_version(run_version)
+    data = run_dir / "dataset.jsonl"
+    data.write_text("".join(
+        json.dumps({"prompt": PROMPTS[i % len(PROMPTS)], "target": 7, "count": 3}) + "\n"
+        for i in range(groups)))
+    Feeder(q, Dataset(str(data))).release(groups)
+    p = Producer(ProducerConfig(
+        run_dir=str(run_dir), reward="strawq.producers.rewards.count_task",
+        workers=(server.url,), client=cfg, slots=groups, max_new_tokens=max_new,
+        ignore_eos=True, seed=1, control_poll_s=0.05, idle_poll_s=0.05))
+
+    def push_to(urls: list[str], version: int) -> None:
+        async def go() -> None:
+            async with SGLangClient(urls, config=cfg) as c:
+                await c.push_weights(server.model_dir, weight_version=version)
+        asyncio.run(go())
+
+    bracket = WeightUpdateBracket(q, repair=push_to, repair_interval_s=None)
+    result = StaleEngineResult(0, False, False, [], run_version=run_version)
+
+    async def wait(cond: Any, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stale-engine scenario: {what} not reached")
+            await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        task = asyncio.create_task(p.run())
+        try:
+            await wait(lambda: server.url in bracket.engines_needing_weights(), "the note")
+            await wait(lambda: p.stats().waiting_for_weights, "waiting for weights")
+            await asyncio.sleep(1.0)  # a producer that ignored the note would generate now
+            result.noted, result.waited = True, True
+            result.ready_while_stale = len(q.storage.list("ready"))
+            result.repaired = await asyncio.to_thread(bracket.repair_engines)
+            await wait(lambda: len(q.storage.list("ready")) == groups, "all groups ready")
+        finally:
+            p.request_stop()
+            await asyncio.wait([task], timeout=60)
+            if task.done() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+
+    asyncio.run(main())
+    for name in q.storage.list("ready"):
+        t = TaskName.try_parse(name)
+        if t is not None:
+            result.groups[t.id] = q.read_group(t.id, t.gen)
+    return result
