@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
 import pytest
 
 from strawq.collector.bracket import WeightUpdateBracket
+from strawq.control import Control
 from strawq.dataset import Dataset
 from strawq.engine_weights import EngineWeights
 from strawq.feeder import Feeder
@@ -28,9 +31,12 @@ from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.engines.tiny_config import TinyConfig
+from strawq.producers.engine_versions import NoFreshEngine, StaleEngine, VersionGuard
 from strawq.producers.engines.tiny_model import init_model
+from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.sglang_protocol import GenerateResult
 from tests.producers.faulty_proxy import FaultyProxy
 from tests.producers.helpers import make_run, ready_groups, run_producers, wait_for
 
@@ -166,3 +172,60 @@ def test_failed_push_to_one_of_two_engines(tmp_path: Path) -> None:
     late = {i: v for i, v in found.items() if i >= PHASE and v != {2}}
     assert not late, f"groups released after the update with tokens of version 1: {late}"
     assert not bracket.engines_needing_weights()
+
+
+def _reply(version: int, spans: list[int], url: str = "http://e1") -> GenerateResult:
+    n = len(spans)
+    return GenerateResult(rid="r", output_ids=np.arange(n, dtype=np.int32),
+                          logprobs=np.zeros(n, np.float32), versions=np.asarray(spans, np.int64),
+                          finish_reason={"type": "length"}, weight_version=version,
+                          completion_tokens=n, prompt_tokens=1, cached_tokens=0,
+                          num_retractions=0, text="", url=url, meta_info={})
+
+
+class _Client:
+    worker_urls = ["http://e1", "http://e2"]
+    router_url = None
+
+    async def weight_version(self, url: str) -> int:
+        return 5
+
+
+def test_a_mismatch_is_judged_only_outside_a_bracket(tmp_path: Path) -> None:
+    q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
+    q.set_version(5)
+    control = Control(q.storage)
+    notes = EngineWeights(q.storage)
+    book = StatsBook(ProducerStats())
+
+    async def io(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    guard = VersionGuard("p1", client=_Client, current_version=q.current_version, notes=notes,
+                         io=io, pausing=lambda: False, book=book)
+
+    async def main() -> None:
+        await guard.check(_reply(5, [5, 5]))  # the run's version: applied
+        control.pause(6)  # a bracket: engines are updated one by one
+        await guard.check(_reply(6, [5, 6]))
+        await guard.check(_reply(5, [5]))
+        assert not guard.stale and not notes.notes()
+        control.resume(6)
+        q.set_version(6)
+        await guard.check(_reply(6, [6]))  # the guard re-reads the run's version
+        with pytest.raises(StaleEngine):  # behind after the bracket: out, noted
+            await guard.check(_reply(5, [5, 5, 5]))
+        assert not guard.serves("http://e1") and guard.usable(_Client.worker_urls) == [
+            "http://e2"]
+        assert [n.url for n in notes.notes()] == ["http://e1"]
+        with pytest.raises(StaleEngine):  # the right label, tokens of another: discarded
+            await guard.check(_reply(6, [5, 6], url="http://e2"))
+        assert guard.serves("http://e2")
+        guard.stale["http://e2"] = 5
+        with pytest.raises(NoFreshEngine):
+            guard.usable(_Client.worker_urls)
+        assert guard.waiting and guard.all_stale()
+
+    asyncio.run(main())
+    st = book.snapshot()
+    assert st.stale_replies == 2 and st.stale_tokens_discarded == 5
