@@ -32,6 +32,7 @@ from strawq.collector.ordering import StalenessOrder, group_advantages
 from strawq.collector.resume import ResumeInfo, open_queue
 from strawq.batches import BatchStore, GcReport
 from strawq.config import QueueConfig
+from strawq.eta import regenerate_or_train
 from strawq.dataset import Dataset
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.eta import EtaPolicy, publish_policy
@@ -232,6 +233,12 @@ class Collector:
             if stale <= eta:
                 keep.append(n)
                 continue
+            if regenerate_or_train(mode, n.attempts, self.queue.config.max_attempts) == "train":
+                log.info("group %s over eta (staleness %d) has used %d of %d attempts: trained "
+                         "with its correction, not regenerated again", n.id, stale, n.attempts,
+                         self.queue.config.max_attempts)
+                keep.append(n)  # counted as over-eta trained when its manifest is written
+                continue
             if mode == "drop":
                 msg = (f"staleness {stale} > eta {eta} (min version {n.version}, trained at "
                        f"{at}, current {rep.version})")
@@ -265,7 +272,7 @@ class Collector:
                                     "advantages": cfg.advantages, "owner": self.fence.owner,
                                     "max_staleness": cfg.max_staleness,
                                     "eta_mode": cfg.eta_mode, "trained_at": at}
-            if cfg.max_staleness is not None and cfg.eta_mode == "train":
+            if cfg.max_staleness is not None and cfg.eta_mode != "off":
                 over = [n.id for n in names if staleness(at, n.version) > cfg.max_staleness]
                 meta["over_eta"] = over
                 rep.stale_trained += over

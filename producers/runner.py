@@ -55,6 +55,7 @@ from strawq.producers.plugins import (FilterFn, RewardFn, call_reward, load_filt
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sample import SampleError, SamplerParams, SampleStatus
 from strawq.producers.slots import SlotHold, SlotPool
+from strawq.producers.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,9 @@ class GroupRunner:
         self.filter_fn: FilterFn | None = load_filter(config.filter)
         self.generate_fn: GenerateFn = load_generate(config.generate, config.generate_args)
         self.tokenizer = load_tokenizer(config.tokenizer, config.tokenizer_args)
+        #: scores final samples for ``teacher_logprobs`` (``strawq.producers.teacher``)
+        self.teacher = Teacher(config.teacher_url, config.client) if config.teacher_url \
+            else None
         #: rewards see the decoded response ids, not the segments' texts stitched together
         self.decode: Callable[[list[int]], str] | None = (
             self.tokenizer.decode if self.tokenizer is not None
@@ -207,8 +211,9 @@ class GroupRunner:
         """The η policy's verdict on a claimed partial (``strawq.eta``): None within η (or
         with no published policy); ``train`` is resumed here and counted."""
         policy = self.queue.eta_policy()
-        action = None if policy is None else policy.partial_action(version,
-                                                                   lease.name.version)
+        action = None if policy is None else policy.partial_action(
+            version, lease.name.version, attempts=lease.name.attempts,
+            max_attempts=self.queue.config.max_attempts)
         if action == "train":
             self.book.bump("partials_over_eta")
             log.info("task %s: its prefix (oldest version %d) is past eta %s at version %d; "
@@ -356,7 +361,10 @@ class GroupRunner:
         return "stop" if s.status is SampleStatus.COMPLETED else "length"
 
     async def _score(self, run: GroupRun, i: int) -> None:
-        """Reward one final sample; an error is recorded on it, never raised."""
+        """Reward one final sample; an error is recorded on it, never raised. With a
+        teacher, its log-probs first (a failure there fails the sample)."""
+        if self.teacher is not None and not await self.teacher.score(run, i):
+            return
         s = run.samples[i]
         try:
             run.rewards[i] = await call_reward(self.reward_fn, self.rewards, run.lease.task,

@@ -71,6 +71,14 @@ def test_a_partial_past_eta_gets_the_modes_action(mode: str, over: str | None) -
     assert EtaPolicy(None, mode).partial_action(version=10**6, min_version=0) is None
 
 
+def test_regeneration_stops_at_max_attempts() -> None:
+    policy = EtaPolicy(1, "regenerate")
+    for attempts, action in ((1, "regenerate"), (2, "regenerate"), (3, "train"), (4, "train")):
+        assert policy.partial_action(3, 1, attempts=attempts, max_attempts=3) == action
+    # drop is what the user asked for: not softened by the cap
+    assert EtaPolicy(1, "drop").partial_action(3, 1, attempts=9, max_attempts=3) == "drop"
+
+
 def test_a_bad_policy_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="eta_mode"):
         EtaPolicy(1, "ignore")

@@ -94,6 +94,34 @@ def test_regenerate_counts_an_attempt_and_draws_fresh_seeds(dataset):  # noqa: F
     assert sample_seed(7, 0, 3, 0) == sample_seed(7, 0, 3)
 
 
+def test_regenerate_stops_at_max_attempts_and_trains_the_group(dataset):  # noqa: F811
+    # a prompt whose responses keep running past eta must not cycle for ever: once its
+    # attempts are used up the group is kept and trained with its correction, and counted
+    q, col = _setup(dataset, eta_mode="regenerate")
+    col.step()
+    max_attempts = q.config.max_attempts
+    first = {x.task_id: x for x in q.claim("p", N)}
+    lease = first["i000000000000"]
+    version = 0
+    for attempt in range(1, max_attempts + 1):
+        assert lease.name.attempts == attempt
+        q.complete(lease, _group(lease, version))
+        version += 2
+        q.set_version(version)
+        if attempt == max_attempts:  # a fresh partner, so a batch of two forms
+            partner = first["i000000000001"]
+            q.complete(partner, _group(partner, version))
+        rep = col.step()
+        if attempt < max_attempts:
+            assert rep.requeued_stale == ["i000000000000"], attempt
+            (lease,) = q.claim("p", 1)
+    assert rep.requeued_stale == [] and rep.dropped_stale == []
+    assert "i000000000000" in rep.stale_trained
+    assert col.stale_totals["regenerated"] == max_attempts - 1
+    state, _name = q.find("i000000000000")
+    assert state in ("ready", "batched")
+
+
 def test_unknown_policy_refused():
     with pytest.raises(ConfigError, match="eta_mode"):
         CollectorConfig(eta_mode="ignore")  # type: ignore[arg-type]
