@@ -36,6 +36,7 @@ from strawq.producers.engines.tiny_model import init_model
 from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.sglang_protocol import GenerateResult
 from tests.producers.faulty_proxy import FaultyProxy
 from tests.producers.helpers import make_run, ready_groups, run_producers, wait_for
@@ -229,3 +230,46 @@ def test_a_mismatch_is_judged_only_outside_a_bracket(tmp_path: Path) -> None:
     asyncio.run(main())
     st = book.snapshot()
     assert st.stale_replies == 2 and st.stale_tokens_discarded == 5
+
+
+def test_a_new_worker_on_old_weights_behind_the_router(tmp_path: Path) -> None:
+    """The router hides which worker answered: a mismatch makes the producer re-read the
+    router's workers and probe each one; the new worker is noted and repaired, and no token
+    of its old weights is trained (the router keeps routing to it meanwhile: those replies
+    are discarded and re-issued)."""
+    run_dir = str(tmp_path / "run")
+    q = phased_run(run_dir, 2 * PHASE, 2)
+    a, new = sim("2"), sim("0")
+    router = EngineThread(EngineOptions(kind="router", worker_urls=(a.url,)))
+    bracket = WeightUpdateBracket(q)
+    p = Producer(ProducerConfig(run_dir=run_dir, reward="strawq.producers.rewards.count_task",
+                                router_url=router.url, slots=4, max_new_tokens=40, seed=1,
+                                control_poll_s=0.02, idle_poll_s=0.02, engine_backoff_s=0.05))
+
+    def push_to(urls: list[str], version: int) -> None:
+        async def go() -> None:
+            async with SGLangClient(urls) as c:
+                await c.push_weights("/sim/w", weight_version=version)
+        asyncio.run(go())
+
+    async def body() -> None:
+        release(q, run_dir, PHASE)
+        await wait_for(lambda: len(versions_by_index(q)) >= 2, 60, "phase 1")
+        async with SGLangClient([router.url]) as c:  # a new worker joins on old weights
+            await c._call_raw("POST", router.url, "/workers", body={"url": new.url},
+                              timeout_s=10)
+        release(q, run_dir, PHASE)
+        await wait_for(lambda: new.url in bracket.engines_needing_weights(), 60, "the note")
+        assert await asyncio.to_thread(bracket.repair_engines, push_to) == [new.url]
+        await wait_for(lambda: not p.guard.stale, 30, "the worker back")
+        await wait_for(lambda: len(versions_by_index(q)) == 2 * PHASE, 60, "every group")
+
+    try:
+        asyncio.run(run_producers([p], body))
+    finally:
+        router.stop()
+        a.stop()
+        new.stop()
+    wrong = {i: v for i, v in versions_by_index(q).items() if v != {2}}
+    assert not wrong, f"groups with tokens of the new worker's old weights: {wrong}"
+    assert p.stats().stale_replies >= 1
