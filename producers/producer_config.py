@@ -14,7 +14,7 @@ from typing import Any
 
 from strawq.config import Config
 from strawq.errors import ConfigError
-from strawq.extras import ExtraError, check_names
+from strawq.extras import TEACHER_LOGPROBS, ExtraError, check_names
 from strawq.names import validate_id
 
 from strawq.producers.extras_protocol import GENERATED
@@ -90,8 +90,12 @@ class ProducerConfig(Config):
     #: Per-token extras to record with every sample (``strawq.extras``, docs/slime.md):
     #: ``routed_experts`` (asks ``return_routed_experts``; the server needs
     #: ``--enable-return-routed-experts`` and an MoE model), ``top_p_token_ids`` (asks
-    #: ``return_sampling_mask``). Empty: none (the records are as before).
+    #: ``return_sampling_mask``), ``teacher_logprobs`` (a ``teacher_url`` scores each
+    #: final sample). Empty: none (the records are as before).
     extras: tuple[str, ...] = ()
+    #: The teacher engine (SGLang ``/generate``) that scores each final sample for
+    #: ``teacher_logprobs`` (``strawq.producers.teacher``); the ``client`` settings apply.
+    teacher_url: str | None = None
     #: Row shape of ``routed_experts``, ``[num_layers, moe_router_topk]`` (slime's
     #: ``rollout_routed_experts``); empty: one flat row per position.
     routed_experts_shape: tuple[int, ...] = ()
@@ -153,10 +157,14 @@ class ProducerConfig(Config):
             names = check_names(self.extras)
         except ExtraError as exc:
             raise ConfigError(f"ProducerConfig.extras: {exc}") from None
-        bad = [n for n in names if n not in GENERATED]
+        bad = [n for n in names if n not in (*GENERATED, TEACHER_LOGPROBS)]
         if bad:
-            raise ConfigError(f"ProducerConfig.extras: {bad} are not generation outputs; "
-                              f"a producer records {list(GENERATED)}")
+            raise ConfigError(f"ProducerConfig.extras: a producer records "
+                              f"{[*GENERATED, TEACHER_LOGPROBS]}, not {bad}")
+        if (TEACHER_LOGPROBS in names) != (self.teacher_url is not None):
+            raise ConfigError("ProducerConfig: teacher_logprobs in extras needs a teacher_url "
+                              "(the engine that scores each sample), and a teacher_url needs "
+                              "teacher_logprobs in extras")
         if any(d < 1 for d in self.routed_experts_shape):
             raise ConfigError("ProducerConfig.routed_experts_shape must be positive sizes, "
                               f"got {list(self.routed_experts_shape)}")

@@ -35,6 +35,7 @@ from strawq.extras import ROUTED_EXPERTS, TOP_P_TOKEN_IDS
 from strawq.producers.engine_errors import EngineAuthError, WeightUpdateRefused
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
+from strawq.producers.teacher import parse_teacher, teacher_payload
 
 T = TypeVar("T")
 # Greedy; the seed makes the sim engine reproducible (SGLang ignores it without
@@ -567,5 +568,23 @@ class EngineContract:
                 "sampling_params": {"max_new_tokens": 2, "temperature": 1.0, "top_k": -1}})
             assert status == 400
             assert b"return_sampling_mask requires" in data
+
+        self.run(target, go())
+
+    def test_teacher_scores_a_finished_sample(self, target: EngineTarget) -> None:
+        """A teacher's log-probs of a finished sample: ``max_new_tokens`` 0 with
+        ``logprob_start_len`` = prompt − 1 gives one entry per response token after a
+        first one without a log-prob (``strawq.producers.teacher``)."""
+        async def go() -> None:
+            async with target.client() as c:
+                s = Sample(uid="ct.0", prompt_ids=np.array(target.prompt),
+                           params=SamplerParams(max_new_tokens=4, temperature=0.0,
+                                                ignore_eos=True))
+                await c.generate_sample(s)
+                ids, params, extra = teacher_payload(s)
+                first = parse_teacher(await c.generate(ids, params, extra=extra), s)
+                again = parse_teacher(await c.generate(ids, params, extra=extra), s)
+                assert first.rows == 4 and (first.values <= 0).all()
+                assert first.values.tolist() == again.values.tolist()
 
         self.run(target, go())

@@ -12,6 +12,11 @@
   ``output_token_sampling_mask_length`` as SGLang sends them. As in SGLang 0.5.23 the
   request needs greedy sampling (top_k 1) or a finite ``1 < top_k <= 4096``
   (``--sampling-mask-max-tokens``); otherwise it is refused.
+* ``return_logprob`` with ``logprob_start_len`` s >= 0: ``meta_info.input_token_logprobs``
+  ``[[logprob, id, None], ...]`` for input positions ``[s, len(input_ids))``, the first
+  entry's log-prob ``None`` as SGLang 0.5.23 sends it (a teacher scores a finished
+  sample this way: ``max_new_tokens`` 0). The values are :func:`teacher_logprob` of the
+  position and its token.
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ def effective_top_k(temperature: float, top_k: int) -> int:
     if temperature < 1e-6:
         return 1
     return top_k if top_k > 0 else 1 << 30
+
+
+def teacher_logprob(position: int, token: int) -> float:
+    """The pretend teacher-forced log-prob of ``token`` at ``position`` (in [-2, -0.02])."""
+    return -(((token * 31 + position * 17) % 97) + 1) / 50
 
 
 def kept_ids(token: int, position: int, vocab_size: int, top_k: int) -> list[int]:
@@ -87,6 +97,12 @@ def add_extras(meta: dict[str, Any], body: Mapping[str, Any], input_ids: Sequenc
         ids = [*input_ids, *out_ids]
         rows = routed_experts(ids, int(body.get("routed_experts_start_len") or 0))
         meta["routed_experts"] = base64.b64encode(rows.astype("<i4").tobytes()).decode()
+    start = body.get("logprob_start_len")
+    if body.get("return_logprob") and isinstance(start, int) and not isinstance(start, bool) \
+            and 0 <= start < len(input_ids):
+        meta["input_token_logprobs"] = [
+            [None if j == start else teacher_logprob(j, int(input_ids[j])), int(input_ids[j]),
+             None] for j in range(start, len(input_ids))]
     if body.get("return_sampling_mask"):
         p = len(input_ids)
         k = effective_top_k(temperature, top_k)

@@ -16,12 +16,15 @@ from strawq.groups import decode_group
 from strawq.names import TaskName, note_key
 from strawq.queue import Lease
 
+from strawq.producers.engines.real_server import free_port
 from strawq.producers.extras_protocol import ExtrasMismatch, extras_payload, segment_for
 from strawq.producers.group import GroupRun
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus, apply_segment
+from strawq.producers.sglang_client import ClientConfig
 from strawq.producers.sglang_protocol import parse_generate_response
+from strawq.producers.teacher import parse_teacher, teacher_payload
 from tests.producers.helpers import make_run, names, run_producers, wait_for
 
 P = [5, 6, 7]
@@ -161,8 +164,31 @@ def test_config_lists_only_known_generated_extras() -> None:
         "routed_experts",)
     with pytest.raises(ConfigError, match="unknown per-token extra 'experts'"):
         ProducerConfig.from_dict({**base, "extras": ["experts"]})
-    with pytest.raises(ConfigError, match="not generation outputs"):
+    with pytest.raises(ConfigError, match="teacher_logprobs in extras needs a teacher_url"):
         ProducerConfig.from_dict({**base, "extras": ["teacher_logprobs"]})
+    assert ProducerConfig.from_dict({**base, "extras": ["teacher_logprobs"],
+                                     "teacher_url": "http://t"}).teacher_url == "http://t"
+
+
+def test_teacher_answers_must_line_up_with_the_response() -> None:
+    s = sample()
+    step(s, body([20, 21], "stop"))
+    ids, params, extra = teacher_payload(s)
+    assert ids == [*P, 20, 21] and params["max_new_tokens"] == 0
+    assert extra == {"logprob_start_len": 2}  # SGLang leaves the first entry's log-prob out
+
+    def scored(entries: list[Any]) -> Any:
+        b = body([], "length", input_token_logprobs=entries)
+        return parse_teacher(parse_generate_response(b), s)
+
+    assert scored([[None, 7, None], [-0.5, 20, None], [-1.5, 21, None]]).values.tolist() == [
+        -0.5, -1.5]
+    with pytest.raises(ExtrasMismatch, match="has 2 entries, expected 3"):
+        scored([[None, 7, None], [-0.5, 20, None]])
+    with pytest.raises(ExtrasMismatch, match="expected a log-prob of token 21"):
+        scored([[None, 7, None], [-0.5, 20, None], [-1.5, 22, None]])
+    with pytest.raises(ExtrasMismatch, match="not a finite value"):
+        scored([[None, 7, None], [-0.5, 20, None], [None, 21, None]])
 
 
 def test_a_reply_whose_extras_do_not_line_up_fails_its_sample_never_trained(
@@ -182,3 +208,21 @@ def test_a_reply_whose_extras_do_not_line_up_fails_its_sample_never_trained(
                                                   "sample_failed")))
     assert "engine protocol error" in str(note.meta) and "routed_experts" in str(note.meta)
     assert p.stats().engine_faults == 4
+
+
+def test_an_unreachable_teacher_fails_the_samples_never_made_up_values(
+        tmp_path: Any, sim_engine: Any) -> None:
+    q = make_run(str(tmp_path / "run"), 0, rows=[{"prompt": [4, 5]}])
+    p = Producer(ProducerConfig(
+        run_dir=str(tmp_path / "run"), reward="tests.producers.plugins_for_tests.length_reward",
+        workers=(sim_engine.url,), slots=1, max_new_tokens=8, control_poll_s=0.02,
+        idle_poll_s=0.02, extras=("teacher_logprobs",),
+        teacher_url=f"http://127.0.0.1:{free_port()}",
+        client=ClientConfig(max_retries=0, connect_timeout_s=2.0)))
+    asyncio.run(run_producers([p], lambda: wait_for(lambda: bool(names(q, "dropped")), 30,
+                                                    "dropped")))
+    (dropped,) = names(q, "dropped")
+    assert dropped.producer == "sample_failed" and not names(q, "ready")
+    note = records.decode(q.storage.read(note_key(dropped.id, dropped.gen, "drop",
+                                                  "sample_failed")))
+    assert "teacher" in str(note.meta)

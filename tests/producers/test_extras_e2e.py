@@ -1,5 +1,6 @@
 """Per-token extras end to end: producers on the sim engine over HTTP, a weight update in the
-middle of generation (partials saved, then resumed), the collector, the reader, and slime.
+middle of generation (partials saved, then resumed), a teacher scoring the finished samples,
+the collector, the reader, and slime.
 
 The sim engine's routing and kept ids are functions of the position and its token
 (``strawq.producers.engines.extras``), so every packed row can be checked against the
@@ -22,9 +23,10 @@ from strawq.collector.core import Collector
 from strawq.collector.reader import Batch, BatchReader
 from strawq.control import Control
 from strawq.dataset import Dataset
-from strawq.extras import ROUTED_EXPERTS, TOP_P_TOKEN_IDS
+from strawq.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS
 
-from strawq.producers.engines.extras import LAYERS, TOP_K, kept_ids, routed_experts_row
+from strawq.producers.engines.extras import (LAYERS, TOP_K, kept_ids, routed_experts_row,
+                                             teacher_logprob)
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
@@ -51,7 +53,8 @@ def _config(run: Path, url: str, **kw: Any) -> ProducerConfig:
         "run_dir": str(run), "reward": "tests.producers.plugins_for_tests.length_reward",
         "workers": (url,), "slots": 2, "max_new_tokens": 80, "ignore_eos": True, "seed": 3,
         "top_k": TOP_K_SAMPLING, "control_poll_s": 0.02, "idle_poll_s": 0.02,
-        "extras": (ROUTED_EXPERTS, TOP_P_TOKEN_IDS), "routed_experts_shape": (LAYERS, TOP_K)}
+        "extras": (ROUTED_EXPERTS, TOP_P_TOKEN_IDS, TEACHER_LOGPROBS), "teacher_url": url,
+        "routed_experts_shape": (LAYERS, TOP_K)}
     base.update(kw)
     return ProducerConfig(**base)
 
@@ -99,6 +102,7 @@ def test_packed_extras_line_up_with_the_tokens_across_the_resume(batch: Batch) -
     routed = batch.extras[ROUTED_EXPERTS].numpy()
     kept = batch.extras[TOP_P_TOKEN_IDS].numpy()
     off = batch.extras["top_p_token_offsets"].numpy()
+    teacher = batch.extras[TEACHER_LOGPROBS].numpy()
     assert routed.shape == (batch.num_tokens, LAYERS, TOP_K)
     assert off.shape == (batch.num_tokens + 1,) and off[-1] == kept.shape[0]
     tokens = batch.tokens.numpy()
@@ -112,9 +116,11 @@ def test_packed_extras_line_up_with_the_tokens_across_the_resume(batch: Batch) -
             assert routed[a + j].tolist() == routed_experts_row(j, int(tokens[a + j])).tolist()
         assert (routed[b - 1] == -1).all()
         assert (np.diff(off[a:a + p + 1]) == 0).all()  # no kept ids over the prompt
+        assert (teacher[a:a + p] == 0).all()
         for j in range(p, b - a):
             got = kept[off[a + j]:off[a + j + 1]].tolist()
             assert got == kept_ids(int(tokens[a + j]), j, SIM.vocab_size, TOP_K_SAMPLING)
+            assert teacher[a + j] == pytest.approx(teacher_logprob(j, int(tokens[a + j])))
     assert resumed > 0  # some samples span the weight update: their rows were resumed
 
 
@@ -142,6 +148,7 @@ def test_slime_samples_carry_the_extras_and_slime_accepts_them(batch: Batch) -> 
              "top_p_token_offsets": s.rollout_top_p_token_offsets},
             expected_num_tokens=s.response_length)
         assert off.tolist() == s.rollout_top_p_token_offsets.tolist()
+        assert len(s.teacher_log_probs) == s.response_length
         s._validate_response_metadata_lengths()
     args = SimpleNamespace(num_layers=LAYERS, moe_router_topk=TOP_K)
     validate_rollout_routed_experts_for_replay([s.rollout_routed_experts for s in flat], args)
