@@ -1,7 +1,8 @@
 """Benchmark of the rollout pipeline: the lab's schedules on two cases, whole-run figures.
 
     python bench/pipeline.py [--quick] [--workdir DIR] [--steps N] [--sync-steps N]
-                             [--modes sync,async,stream] [--cases standard,long_tail]
+                             [--modes sync,stream,flow] [--cases standard,long_tail]
+                             [--time-scale S] [--flow-windows 9,10]
 
 Two cases (``strawq.demo.lab``, docs/lab.md): ``standard`` = ``LabConfig()`` (48 emulated
 engines x 16 slots, G=16, B=96, a 4 s trainer step, lengths capped at 256 with 3 % at the
@@ -9,21 +10,29 @@ cap, eta=1) and ``long_tail``: the same with the cap at 384 tokens, 3 % of respo
 running to it — 384 x 24 ms = 9.2 s, more than two trainer steps. Each schedule runs
 ``--steps`` (30) steps; figures are over the whole run, the pipeline's fill included.
 ``sync`` is the baseline; its step time is stationary (a barrier per step), so it runs
-``--sync-steps`` (8) steps to save time. The last line is exactly::
+``--sync-steps`` (8) steps to save time. ``--flow-windows`` adds one ``flow`` row per
+admission window (in micro-batches; ``flow@10`` is flow with a window of 10), the frontier
+between staleness and speed. ``--time-scale`` (wall s per model s, default 3) keeps the
+sim engines at their modelled speed on a small box: every overlapping schedule needs them
+there, and the ``stretch`` column says whether they were (near 1: yes). The last line is
+exactly::
 
     pipeline: best async/sync = X, mean staleness = Y, stale drops = Z, trainer wait = W
 
-for the best non-sync schedule (the highest worst-case throughput over the cases): X its
-lowest throughput ratio to sync, Y its highest mean staleness, Z the groups it dropped or
-regenerated for staleness over both cases, W its highest trainer wait ratio. Targets: X >=
-2.77 (AReaL's 2.77x at eta = 4, the best anchor), Y <= 1.0, Z = 0. ``--quick`` runs 3
-steps at B=48: plumbing only, not the figures.
+for the best non-sync schedule: among those whose worst case over the cases meets the
+staleness and drop targets, the one with the highest worst-case throughput (if none meets
+them, the highest worst-case throughput). X is its lowest throughput ratio to sync, Y its
+highest mean staleness, Z the groups it dropped or regenerated for staleness over both
+cases, W its highest trainer wait ratio. Targets: X >= 2.77 (AReaL's 2.77x at eta = 4, the
+best anchor), Y <= 1.0, Z = 0. ``--quick`` runs 3 steps at B=48: plumbing only, not the
+figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -41,11 +50,27 @@ CASES = {
 
 
 def run_case(cfg: LabConfig, modes: list[str], sync_steps: int) -> LabResult:
+    """Every row of ``modes`` (``flow@W``: flow with an admission window of W micro-batches)."""
     result = LabResult(cfg)
-    for mode in modes:
+    for name in modes:
+        mode, _, window = name.partition("@")
         steps = min(sync_steps, cfg.steps) if mode == "sync" else cfg.steps
-        result.modes[mode] = run_mode(replace(cfg, steps=steps), mode)
+        row_cfg = replace(cfg, steps=steps, admission_batches=float(window) if window else None,
+                          workdir=os.path.join(cfg.workdir, name) if window else cfg.workdir)
+        result.modes[name] = run_mode(row_cfg, mode)
     return result
+
+
+def best_of(worst: dict[str, dict[str, float]]) -> str:
+    """The best schedule: the fastest of those that meet the staleness and drop targets,
+    else the fastest."""
+    def key(m: str) -> tuple[bool, float]:
+        w = worst[m]
+        meets = (w["staleness"] <= TARGETS["staleness"]
+                 and w["stale_actions"] == TARGETS["stale_actions"])
+        return meets, w["x"]
+
+    return max(worst, key=key)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,18 +78,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="runs/bench-pipeline")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--sync-steps", type=int, default=8)
-    ap.add_argument("--modes", default="sync,async,stream")
+    ap.add_argument("--modes", default="sync,stream,flow")
     ap.add_argument("--cases", default="standard,long_tail")
+    ap.add_argument("--time-scale", type=float, default=3.0,
+                    help="wall s per model s (raise it until stretch is near 1)")
+    ap.add_argument("--flow-windows", default="",
+                    help="extra flow rows, one per admission window in micro-batches")
     ap.add_argument("--quick", action="store_true", help="3 steps, B=48: plumbing only")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     modes = [m for m in args.modes.split(",") if m]
+    modes += [f"flow@{w}" for w in args.flow_windows.split(",") if w]
     if "sync" not in modes:
         ap.error("--modes must include sync (the baseline)")
     per_mode: dict[str, list[dict[str, float]]] = {m: [] for m in modes if m != "sync"}
     for case in [c for c in args.cases.split(",") if c]:
         cfg = replace(LabConfig(workdir=f"{args.workdir}/{case}", progress=False),
-                      steps=args.steps, **CASES[case])
+                      steps=args.steps, time_scale=args.time_scale, **CASES[case])
         if args.quick:
             cfg = replace(cfg, steps=3, batch_groups=48, train_step_s=2.0)
         result = run_case(cfg, modes, args.sync_steps)
@@ -86,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = {m: {"x": min(f["x"] for f in fs), "staleness": max(f["staleness"] for f in fs),
                  "stale_actions": sum(f["stale_actions"] for f in fs),
                  "wait": max(f["wait"] for f in fs)} for m, fs in per_mode.items() if fs}
-    best = max(worst, key=lambda m: worst[m]["x"])
+    best = best_of(worst)
     b = worst[best]
     print(f"best schedule: {best} (worst case over {args.cases})")
     for key, ok in (("x", b["x"] >= TARGETS["x"]),

@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 LAB_HELP = """\
-Compare the three rollout schedules (sync, partial, async) side by side at the scale of a
+Compare the rollout schedules (sync, partial, async, stream, flow) side by side at the scale of a
 64-GPU job, with every part of strawq running for real except the engines and the trainer:
 the queue on disk, the collector, one producer process per emulated node, the weight-update
 bracket and the reader API. Engines are the `sim` timing model (decode step =
@@ -43,6 +43,10 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("train_step_s", float, "trainer step time, model seconds (default 4.0)"),
     ("max_staleness", int, "async/stream admission staleness bound eta (default 1)"),
     ("oversample", float, "partial: groups admitted per step / B (default 1.5)"),
+    ("micro_batches", int, "stream: micro-batches per step (default 4)"),
+    ("flow_micro_batches", int, "flow: micro-batches per step, acked as trained (default 8)"),
+    ("admission_batches", float, "async/stream/flow: admission window in micro-batches "
+     "(default: the mode's own; flow eta*m + 1)"),
     ("step_base_ms", float, "decode step base cost, model ms (default 20)"),
     ("step_per_req_ms", float, "decode step cost per running request of one engine"),
     ("prefill_ms_per_token", float, "prefill cost per input token of one engine"),
@@ -83,7 +87,7 @@ def add_lab_parser(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", help="output directory (default runs/lab)")
     p.add_argument("--modes",
-                   help="comma-separated subset of sync,partial,async,stream (default all)")
+                   help="comma-separated subset of sync,partial,async,stream,flow (default all)")
     p.add_argument("--config", help="start from this JSON (a lab.json's 'config', or a "
                    "LabConfig mapping); flags override it")
     for name, typ, text in _FLAGS:

@@ -1,4 +1,4 @@
-"""The three rollout schedules, driven from the trainer's side of the reader API.
+"""The rollout schedules, driven from the trainer's side of the reader API.
 
 * ``sync`` — a synchronous barrier: admission lets exactly one batch of groups into flight
   (η = 0, at most B groups running or untrained); the trainer waits for all of them, and
@@ -17,6 +17,13 @@
   per step): the trainer starts on the first groups that finish instead of waiting for B,
   and groups that finish while a step runs are trained in that same step, on the version
   that generated them (staleness 0). Staleness-first order still holds within the stream.
+* ``flow`` — ``stream`` whose micro-batches are acknowledged as soon as they are trained, with
+  the admission window that keeps η for such a trainer (``η·m + 1`` micro-batches,
+  ``strawq.collector.admission``): room frees one micro-batch at a time, through the step,
+  instead of a whole step's worth at its end, so the same throughput needs a smaller
+  window — fewer groups waiting, ready, for the trainer — and staleness is lower. The
+  checkpoint still covers whole steps: an acked micro-batch stays on disk until a commit
+  covers it, and a restarted trainer is delivered the whole step again.
 
 The loop records a timeline (trainer wait / train / weight update intervals) for plots.
 """
@@ -40,7 +47,9 @@ from strawq.groups import staleness
 
 log = logging.getLogger(__name__)
 
-MODES = ("sync", "partial", "async", "stream")
+MODES = ("sync", "partial", "async", "stream", "flow")
+#: modes that train a step as micro-batches
+STREAMING = ("stream", "flow")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,8 +65,12 @@ class ScheduleConfig(Config):
     oversample: float = 1.5
     #: total producer group slots K (caps running groups)
     slots: int = 64
-    #: stream: micro-batches per step (B must be a multiple)
+    #: stream, flow: micro-batches per step (B must be a multiple)
     micro_batches: int = 4
+    #: async, stream, flow: the admission window in micro-batches
+    #: (``CollectorConfig.admission_batches``; None: the mode's own, ``(η + 1)·m`` or, in
+    #: flow, ``η·m + 1``)
+    admission_batches: float | None = None
     #: deadline of one next_batch / bracket wait
     timeout_s: float = 600.0
 
@@ -75,7 +88,12 @@ class ScheduleConfig(Config):
     @property
     def per_step(self) -> int:
         """Manifests (batches) the trainer reads per step: one, or the micro-batches."""
-        return self.micro_batches if self.mode == "stream" else 1
+        return self.micro_batches if self.mode in STREAMING else 1
+
+    @property
+    def acks_micro_batches(self) -> bool:
+        """Each micro-batch is acknowledged as soon as it is trained (``flow``)."""
+        return self.mode == "flow"
 
 
 def collector_config(cfg: ScheduleConfig, **extra: Any) -> CollectorConfig:
@@ -99,8 +117,13 @@ def collector_config(cfg: ScheduleConfig, **extra: Any) -> CollectorConfig:
         running, eta = cfg.slots + b, cfg.max_staleness
     # eta_mode "train": nothing is regenerated or dropped for staleness (invariant 10); a
     # group over eta (a tail longer than eta trainer steps) is trained and counted.
+    window = cfg.admission_batches if cfg.mode in ("async", *STREAMING) else None
+    if window is None and cfg.mode == "flow" and eta is not None:
+        # acked as trained: the version's trained micro-batches no longer count, and a group
+        # released after j of them has the other m - j and eta·m more ahead of it
+        window = eta * per_step + 1
     return CollectorConfig(batch_groups=b // per_step, batches_per_version=per_step,
-                           max_staleness=eta, eta_mode="train",
+                           max_staleness=eta, eta_mode="train", admission_batches=window,
                            max_running=running, max_ready=max(2 * b, running),
                            max_prefetch_batches=per_step, **extra)
 
@@ -216,6 +239,8 @@ def _one_step(cfg: ScheduleConfig, step: int, version: int, reader: BatchReader,
         idx |= {int(s["index"]) for s in batch.summaries}
         lengths += batch.response_lens.tolist()
         batches.append(batch)  # acked with the step: a crash re-delivers the whole step
+        if cfg.acks_micro_batches:  # frees its admission room now; a commit covers it later
+            reader.ack(batch)
     t3 = clock()
     if not pause_while_training:
         bracket.begin_weight_update(timeout=cfg.timeout_s)
@@ -237,7 +262,8 @@ def _one_step(cfg: ScheduleConfig, step: int, version: int, reader: BatchReader,
         # version later than planned.
         bracket.end_weight_update(version)
         for b in batches:
-            reader.ack(b)
+            if not cfg.acks_micro_batches:
+                reader.ack(b)
     t4 = clock()
     res.intervals.append(Interval("update", t3, t4))
     rec.update_s = (t4 - t3) + pause

@@ -1,0 +1,247 @@
+"""``strawq lab``'s report: the row of figures per mode, the length-bias figures and plot,
+and the table (``strawq.demo.lab`` runs the modes; docs/lab.md explains every column)."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from strawq.demo.lab import LabConfig, LabResult, _CollectorLoop
+
+
+def _utilisation(samples: Any, t0: float, t1: float) -> float:
+    """Time-weighted busy slots ÷ capacity over [t0, t1], all sim processes together."""
+    busy = cap = 0.0
+    for pts in samples.series.values():
+        for (ta, b), (tb, _) in zip(pts, pts[1:], strict=False):
+            lo, hi = max(ta, t0), min(tb, t1)
+            if hi > lo:
+                busy += b * (hi - lo)
+                cap += hi - lo
+    return busy / cap if cap else float("nan")
+
+
+def _first_batch_at(res: Any) -> float:
+    waits = [iv for iv in res.intervals if iv.what == "wait"]
+    return float(waits[0].end if waits else res.started)
+
+
+def _steady_wait(res: Any) -> float:
+    span = res.ended - _first_batch_at(res)
+    wait = sum(r.wait_s for r in res.records[1:])
+    return wait / span if span > 0 else float("nan")
+
+
+def _steady_tokens_per_s(res: Any, time_scale: float) -> float:
+    span = (res.ended - _first_batch_at(res)) / time_scale
+    tokens = sum(r.metrics.get("tokens", 0.0) for r in res.records)
+    return tokens / span if span > 0 else float("nan")
+
+
+def row_of(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[str, Any]],
+         cpu: dict[str, float], loop: _CollectorLoop, collector: Any) -> dict[str, Any]:
+    ts = cfg.time_scale
+    recs = res.records
+    wall = res.wall_s
+    model = wall / ts
+    tokens = sum(r.metrics.get("tokens", 0.0) for r in recs)
+    samples_n = sum(len(r.staleness) for r in recs)
+    stal = [s for r in recs for s in r.staleness]
+    multi = sum(r.metrics.get("staleness/multi_version_frac", 0.0) * len(r.staleness)
+                for r in recs)
+    gen_tokens = sum(p.get("tokens_generated", 0) for p in stats)
+    busy_traj_s = sum(p.get("slot_utilisation", 0.0) * p.get("slots", 0)
+                      * p.get("group_size", 0) * p.get("wall_s", 0.0) for p in stats)
+    # wall seconds a busy slot spends per generated token ≈ the decode step it saw
+    seen_step = busy_traj_s / gen_tokens if gen_tokens else float("nan")
+    util = _utilisation(samples, res.started, res.ended)
+    return {
+        "mode": mode,
+        "steps": len(recs),
+        "wall_s": round(wall, 2),
+        "model_s": round(model, 2),
+        "trained_tokens": int(tokens),
+        "trained_samples": samples_n,
+        "trained_tokens_per_s": tokens / model if model > 0 else float("nan"),
+        "trainer_wait_ratio": res.trainer_wait_ratio(),
+        # from the first batch's arrival on: the pipeline's fill (warm-up) left out
+        "trainer_wait_ratio_steady": _steady_wait(res),
+        "trained_tokens_per_s_steady": _steady_tokens_per_s(res, ts),
+        "engine_utilisation": util,
+        "rollout_to_train_end_s": model / max(len(recs), 1),
+        "step_s": {"wait": sum(r.wait_s for r in recs) / ts / max(len(recs), 1),
+                   "train": sum(r.train_s for r in recs) / ts / max(len(recs), 1),
+                   "update": sum(r.update_s for r in recs) / ts / max(len(recs), 1)},
+        "staleness_mean": sum(stal) / len(stal) if stal else float("nan"),
+        "staleness_max": max(stal) if stal else 0,
+        "multi_version_share": multi / samples_n if samples_n else float("nan"),
+        "generated_tokens": gen_tokens,
+        "generated_per_trained": gen_tokens / tokens if tokens else float("nan"),
+        "requeued_stale": loop.requeued,
+        "stale_trained": collector.stale_totals["trained"],
+        "dropped_stale": loop.dropped_stale,
+        "dropped": collector.dropped_by_reason(),
+        "groups_yielded_partial": sum(p.get("groups_yielded", 0) for p in stats),
+        "decode_stretch": seen_step / (cfg.model_step_s() * ts) if gen_tokens else float("nan"),
+        "cpu_s": {k: round(v, 1) for k, v in cpu.items()},
+        "cpu_cores": round(sum(cpu.values()) / wall, 2) if wall > 0 else float("nan"),
+        "producer_cpu_ms_per_request_token": (
+            1000 * cpu["producers"] / gen_tokens if gen_tokens else float("nan")),
+    }
+
+
+def generated_lengths(cfg: LabConfig, n: int = 20000) -> list[int]:
+    """Response lengths the sim engines' timing model generates (its distribution, drawn
+    ``n`` times): the reference the trained lengths are compared against."""
+    rng = random.Random(cfg.seed + 7)
+    out = []
+    for _ in range(n):
+        if rng.random() < cfg.cap_prob:
+            out.append(cfg.len_cap)
+        else:
+            x = round(math.exp(math.log(cfg.len_median) + cfg.len_sigma * rng.gauss(0, 1)))
+            out.append(max(1, min(cfg.len_cap, x)))
+    return out
+
+
+def length_buckets(cfg: LabConfig) -> list[tuple[int, int]]:
+    """[lo, hi) response-length buckets: body quartiles of the model, then the cap."""
+    m = cfg.len_median
+    edges = sorted({1, max(2, int(m / 2)), int(m), int(2 * m), int(4 * m), cfg.len_cap})
+    edges = [e for e in edges if e <= cfg.len_cap]
+    return [(a, b) for a, b in zip(edges, edges[1:], strict=False)] + [
+        (cfg.len_cap, cfg.len_cap + 1)]
+
+
+def length_bias(cfg: LabConfig, records: list[Any]) -> dict[str, Any]:
+    """Bias you can see: generated vs trained response lengths, staleness per length bucket
+    and the age (staleness) distribution of trained samples. A schedule that drops or
+    regenerates the tail trains a shorter distribution than the policy generates."""
+    gen = generated_lengths(cfg)
+    lens = [n for r in records for n in r.lengths]
+    stal = [s for r in records for s in r.staleness]
+    eta = cfg.max_staleness
+    buckets = []
+    for lo, hi in length_buckets(cfg):
+        mine = [s for n, s in zip(lens, stal, strict=False) if lo <= n < hi]
+        buckets.append({
+            "bucket": f"{lo}-{hi - 1}" if hi - lo > 1 else f"{lo} (cap)",
+            "generated_share": sum(1 for n in gen if lo <= n < hi) / len(gen),
+            "trained_share": len(mine) / len(lens) if lens else float("nan"),
+            "staleness_mean": sum(mine) / len(mine) if mine else float("nan"),
+            "over_eta_share": (sum(1 for s in mine if s > eta) / len(mine)
+                               if mine else float("nan")),
+        })
+    ages: dict[int, int] = {}
+    for s in stal:
+        ages[s] = ages.get(s, 0) + 1
+    return {"buckets": buckets, "age_counts": {str(k): v for k, v in sorted(ages.items())},
+            "generated_mean_len": sum(gen) / len(gen),
+            "trained_mean_len": sum(lens) / len(lens) if lens else float("nan")}
+
+
+def plot_bias(path: str, cfg: LabConfig, mode: str, bias: dict[str, Any]) -> str:
+    """``<mode>/bias.png``: length shares generated vs trained, staleness and over-eta share
+    per length bucket, and the age histogram of trained samples."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    b = bias["buckets"]
+    names = [x["bucket"] for x in b]
+    xs = range(len(b))
+    fig, ax = plt.subplots(1, 3, figsize=(14, 3.8))
+    ax[0].bar([x - 0.2 for x in xs], [x["generated_share"] for x in b], 0.4, label="generated")
+    ax[0].bar([x + 0.2 for x in xs], [x["trained_share"] for x in b], 0.4, label="trained")
+    ax[0].set_yscale("log")
+    ax[0].set_title(f"response length (mean {bias['generated_mean_len']:.0f} generated, "
+                    f"{bias['trained_mean_len']:.0f} trained)", fontsize=9)
+    ax[0].legend(fontsize=8)
+    ax[1].bar(xs, [x["staleness_mean"] for x in b], 0.6, label="mean staleness")
+    ax[1].plot(list(xs), [x["over_eta_share"] for x in b], "o-", color="C3",
+               label=f"share over eta={cfg.max_staleness}")
+    ax[1].set_title("staleness per length bucket", fontsize=9)
+    ax[1].legend(fontsize=8)
+    for a in ax[:2]:
+        a.set_xticks(list(xs))
+        a.set_xticklabels(names, fontsize=8)
+        a.set_xlabel("response tokens")
+    ages = bias["age_counts"]
+    ax[2].bar([int(k) for k in ages], list(ages.values()))
+    ax[2].set_title("age of trained samples (versions)", fontsize=9)
+    ax[2].set_xlabel("staleness")
+    fig.suptitle(f"strawq lab ({mode}): what is trained vs what is generated", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# -- the table -------------------------------------------------------------------------------
+_COLUMNS = (
+    ("trained tok/s", "trained_tokens_per_s", "{:.0f}"),
+    ("x sync", "throughput_x", "{:.2f}"),
+    ("wait ratio", "trainer_wait_ratio", "{:.3f}"),
+    ("wait steady", "trainer_wait_ratio_steady", "{:.3f}"),
+    ("engine util", "engine_utilisation", "{:.2f}"),
+    ("r2t-end/step s", "rollout_to_train_end_s", "{:.2f}"),
+    ("x sync", "rollout_to_train_end_x", "{:.2f}"),
+    ("stale mean", "staleness_mean", "{:.2f}"),
+    ("stale max", "staleness_max", "{}"),
+    ("multi-ver", "multi_version_share", "{:.2f}"),
+    ("over-eta trained", "stale_trained", "{}"),
+    ("regen", "requeued_stale", "{}"),
+    ("dropped", "dropped_stale", "{}"),
+    ("stretch", "decode_stretch", "{:.2f}"),
+)
+
+
+def format_table(result: LabResult) -> str:
+    cfg = result.config
+    ratios = result.ratios()
+    head = ["mode"] + [c[0] for c in _COLUMNS]
+    rows = []
+    for m, r in result.modes.items():
+        vals = {**r.row, **ratios.get(m, {})}
+        cells = [m]
+        for _, key, fmt in _COLUMNS:
+            v = vals.get(key, float("nan"))
+            cells.append(fmt.format(v) if isinstance(v, (int, float)) else str(v))
+        rows.append(cells)
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
+
+    out = [
+        f"strawq lab: E={cfg.engines} engines x C={cfg.concurrency} = {cfg.slots} slots "
+        f"(in {cfg.sim_processes} sim processes of {cfg.engines_per_process} engines), "
+        f"G={cfg.group_size}, K={cfg.group_slots} group slots over {cfg.producers} producers, "
+        f"B={cfg.batch_groups}, {cfg.steps} steps, train step {cfg.train_step_s:g} s, "
+        f"eta={cfg.max_staleness}, oversample={cfg.oversample:g}",
+        f"timing model: decode step {cfg.model_step_s() * 1000:.1f} ms at C, lengths "
+        f"lognormal(median {cfg.len_median:g}, sigma {cfg.len_sigma:g}) capped at "
+        f"{cfg.len_cap} with {cfg.cap_prob:.0%} at the cap (mean "
+        f"{cfg.expected_response_len():.0f}); time_scale {cfg.time_scale:g} "
+        "(all times below are model seconds)",
+        "",
+        line(head),
+        line(["-" * w for w in widths]),
+    ] + [line(c) for c in rows]
+    cpu = ", ".join(f"{m}: {r.row['cpu_cores']:.2f} cores "
+                    f"({', '.join(f'{k} {v}' for k, v in r.row['cpu_s'].items())} s)"
+                    for m, r in result.modes.items())
+    out += ["", f"CPU used by the lab (of {os.cpu_count()} cores): {cpu}",
+            "stretch = measured wall per token of a busy slot / modelled decode step "
+            "(1 = the box keeps up; above ~1.2 the CPU, not the schedule, is being measured)"]
+    out.append("wait steady: from the first batch on (the pipeline's fill left out); "
+               "over-eta trained: groups over eta kept and trained (eta_mode train); regen / "
+               "dropped: groups regenerated or dropped for staleness")
+    for m, r in result.modes.items():
+        if r.problems:
+            out.append(f"AUDIT PROBLEMS in {m}: {r.problems[:5]}")
+    return "\n".join(out)
