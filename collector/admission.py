@@ -18,11 +18,15 @@ once, so their capacity is free again at once.
 ``admission_batches`` = w (``CollectorConfig``) sets the window explicitly:
 ``untrained + running < w·B``. The default form counts a version's batches as untrained
 until the trainer acks them, which it does after the version's update. A trainer that acks
-each batch as soon as it has trained it (``strawq.demo.schedule``'s ``flow``) frees their
-room during the version instead; for it ``w = η·u + 1`` is the same guarantee (a group
-released after j of the version's u batches were acked has at most (u − j) + η·u − ... ahead
-of it: the rest of this version and η more), and anything between that and (η + 1)·u trades
-staleness for throughput (over η: handled by ``eta_mode`` and counted).
+each batch as soon as it has trained it (``strawq.demo.schedule``'s ``flow``) frees that room
+during the version instead, and for it ``w = η·u + 1`` is the same guarantee: a group
+released after j < u of the current version's batches were acked has fewer than w·B groups
+ahead of it, and (u − j)·B + η·u·B ≥ (η·u + 1)·B of them are trained within η versions.
+(Between the version's last ack and its update the producers are being paused; a group
+claimed in that instant can be one version over.) A window between η·u + 1 and (η + 1)·u
+trades staleness for throughput: each group of window is one more group started and not
+yet trained, ≈ 1/(u·B) of a version of mean staleness (Little's law); over η is handled by
+``eta_mode`` and counted.
 
 **Acked is trained for admission.** A batch the trainer acked is consumed; its groups stay in
 ``batched/`` until GC collects them, which waits for a commit when the trainer checkpoints
