@@ -12,7 +12,7 @@ running to it — 384 x 24 ms = 9.2 s, more than two trainer steps. Each schedul
 ``sync`` is the baseline; its step time is stationary (a barrier per step), so it runs
 ``--sync-steps`` (8) steps to save time. ``--flow-windows`` adds one ``flow`` row per
 admission window (in micro-batches; ``flow@10`` is flow with a window of 10), the frontier
-between staleness and speed. ``--time-scale`` (wall s per model s, default 3) keeps the
+between staleness and speed. ``--time-scale`` (wall s per model s, default 2.5) keeps the
 sim engines at their modelled speed on a small box: every overlapping schedule needs them
 there, and the ``stretch`` column says whether they were (near 1: yes). The last line is
 exactly::
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-steps", type=int, default=8)
     ap.add_argument("--modes", default="sync,stream,flow")
     ap.add_argument("--cases", default="standard,long_tail")
-    ap.add_argument("--time-scale", type=float, default=3.0,
+    ap.add_argument("--time-scale", type=float, default=2.5,
                     help="wall s per model s (raise it until stretch is near 1)")
     ap.add_argument("--flow-windows", default="",
                     help="extra flow rows, one per admission window in micro-batches")
