@@ -7,9 +7,13 @@ Skipped with the reason where no fixture is built; required in CI
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from strawq.extras import ROUTED_EXPERTS
 from strawq.producers.engines.contract import EngineContract, EngineTarget
+from strawq.producers.extras_protocol import ExtrasMismatch
+from strawq.producers.sample import Sample, SamplerParams
 from tests.sglang_fixtures import RealServer
 
 pytestmark = [pytest.mark.sglang_real, pytest.mark.timeout(300)]
@@ -42,3 +46,18 @@ class TestRealSGLangContract(EngineContract):
         # The real scheduler's pace decides where the freeze lands; the local engines must
         # land one, the real server shows the shape whenever timing allows.
         pytest.skip("no abort landed on its stop token this run (timing on the real server)")
+
+    def test_routed_experts_from_a_dense_model_are_a_clear_error(
+            self, target: EngineTarget) -> None:
+        """SGLang 0.5.23 on a dense model answers ``return_routed_experts`` without the
+        field: the producer's sample fails with what to do, nothing is appended."""
+        async def go() -> None:
+            async with target.client() as c:
+                s = Sample(uid="cr.0", prompt_ids=np.array(target.prompt),
+                           params=SamplerParams(max_new_tokens=3, ignore_eos=True),
+                           want_extras=(ROUTED_EXPERTS,))
+                with pytest.raises(ExtrasMismatch, match="--enable-return-routed-experts"):
+                    await c.generate_sample(s)
+                assert s.response_length == 0 and not s.extras
+
+        self.run(target, go())
