@@ -270,6 +270,7 @@ class QueueMachine(RuleBasedStateMachine):
             if self.seen.get(p, (None,))[0] != c:
                 self.seen[p] = (c, self.now)
         exp_expired, exp_dropped = set(), set()
+        holders = {t.holder for t in self.tasks.values() if t.state == "leased"}
         for t in self.tasks.values():
             if t.state != "leased":
                 continue
@@ -285,6 +286,12 @@ class QueueMachine(RuleBasedStateMachine):
                 else:
                     self.requeue(t, refund=False)
                     exp_expired.add(t.id)
+        # a producer silent for two timeouts that held no lease at the scan departs: the
+        # grantor forgets it (and removes its heartbeat file), so its next beat, whatever
+        # its counter, is a fresh observation
+        for p, (_c, changed) in list(self.seen.items()):
+            if p not in holders and self.now - changed >= 2 * TIMEOUT:
+                del self.seen[p]
         res = self.monitor.scan()
         assert set(res.expired) == exp_expired
         assert set(res.dropped) == exp_dropped
