@@ -35,10 +35,11 @@ a version other than the run's (``strawq.producers.engine_versions``) and keep i
 rotation. ``engines_needing_weights()`` lists them; ``repair_engines(push_to)`` pushes the
 run's current version to them through the trainer's own push path
 (``push_to(urls, version)``, the same call as a normal update, limited to those URLs) and
-deletes their notes once it returned. With ``repair=`` (or ``bracket.repair = ...``) this
-runs at each ``end_weight_update``, after producers resumed; call it on demand too (once
-per step is cheap: one listing). Producers put an engine back in rotation when it reports
-the run's version.
+deletes their notes once it returned. With ``repair=`` (or ``start_repairs(push_to)``)
+this runs at each ``end_weight_update``, after producers resumed, and every
+``repair_interval_s`` from a daemon thread (a trainer blocked on ``next_batch`` while every
+engine is stale is not stuck); call it on demand too. A repair never overlaps a bracket.
+Producers put an engine back in rotation when it reports the run's version.
 """
 
 from __future__ import annotations
@@ -93,15 +94,11 @@ class WeightUpdateBracket:
         #: called at each ``end_weight_update`` for the engines that need weights, and
         #: every ``repair_interval_s`` by a background thread (None: no thread), so that a
         #: trainer waiting for a batch while every engine is stale is not stuck
-        self.repair = repair
+        self.repair: PushTo | None = None
         self._repair_lock = threading.Lock()  # a repair push never overlaps a bracket
         self._stop_repairs = threading.Event()
         self._repairer: threading.Thread | None = None
-        if repair is not None and repair_interval_s is not None:
-            self._repairer = threading.Thread(target=self._repair_loop,
-                                              args=(repair_interval_s,), daemon=True,
-                                              name="strawq-engine-repair")
-            self._repairer.start()
+        self._repair_failures: set[str] = set()
         self.clock = clock
         self.sleep = sleep
         self.poll_interval_s = poll_interval_s
@@ -112,6 +109,18 @@ class WeightUpdateBracket:
         self.monitor = monitor or LeaseMonitor(queue, lease_timeout_s=self.lease_timeout_s,
                                                clock=clock)
         self._open: int | None = None
+        if repair is not None:
+            self.start_repairs(repair, interval_s=repair_interval_s)
+
+    def start_repairs(self, push_to: PushTo, *, interval_s: float | None = 5.0) -> None:
+        """Repair engines on other weights with ``push_to(urls, version)`` after every
+        ``end_weight_update`` and, unless ``interval_s`` is None, every ``interval_s`` from
+        a daemon thread (``reader.bracket.start_repairs(...)`` for the reader's bracket)."""
+        self.repair = push_to
+        if interval_s is not None and self._repairer is None:
+            self._repairer = threading.Thread(target=self._repair_loop, args=(interval_s,),
+                                              daemon=True, name="strawq-engine-repair")
+            self._repairer.start()
 
     # -- liveness ------------------------------------------------------------------------------
     def observe(self) -> dict[str, float]:
@@ -255,9 +264,11 @@ class WeightUpdateBracket:
         done = [u for u in urls if u not in failed]
         for u in done:
             self.engines.clear(u, up_to_version=version)
-        if failed:
-            log.error("push of version %d failed on %s; they stay out of rotation",
+        if failed - self._repair_failures:  # once per engine, not at every retry
+            log.error("push of version %d failed on %s; they stay out of rotation (a note "
+                      "of an engine retired for good: delete it from engines/)",
                       version, ", ".join(sorted(failed)))
+        self._repair_failures = (self._repair_failures | failed) - set(done)
         if done:
             log.info("engines %s now hold version %d", ", ".join(done), version)
         return done
@@ -277,6 +288,7 @@ class WeightUpdateBracket:
         self._stop_repairs.set()
         if self._repairer is not None:
             self._repairer.join(timeout=60)
+            self._repairer = None
 
     def abort_weight_update(self) -> None:
         """Resume producers without announcing a new version (the weights did not change)."""

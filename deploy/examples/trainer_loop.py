@@ -49,15 +49,19 @@ def save_weights(weights_dir: str, version: int) -> str:
     return path
 
 
-def push_weights(router_url: str, weights_dir: str, version: int) -> None:
+def push_weights(router_url: str, weights_dir: str, version: int,
+                 urls: list[str] | None = None) -> None:
     """Load version ``version`` into every engine the router lists (control calls are
     sent to each worker: the router does not route them). ``push_weights`` pauses each
     engine (abort), waits until it is idle, updates and continues: SGLang refuses to flush
-    its cache while requests run."""
-    path = save_weights(weights_dir, version)
+    its cache while requests run. With ``urls``: only those engines, with the weights
+    already saved for ``version`` (the repair of engines producers found on other
+    weights, docs/operations.md)."""
+    path = (os.path.join(weights_dir, f"v{version:06d}") if urls
+            else save_weights(weights_dir, version))
 
     async def push() -> None:
-        async with SGLangClient(router_url=router_url) as client:
+        async with SGLangClient(urls or (), router_url=None if urls else router_url) as client:
             await client.push_weights(path, weight_version=version)
 
     asyncio.run(push())
@@ -82,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(args.checkpoint):
         with open(args.checkpoint, encoding="utf-8") as f:
             reader.load_state_dict(json.load(f))
+    # engines producers keep out of rotation (on other weights) get the run's version
+    reader.bracket.start_repairs(
+        lambda urls, v: push_weights(args.router_url, args.weights_dir, v, urls))
     if reader.bracket.is_open:  # a previous trainer stopped inside a weight update
         reader.bracket.weight_update(
             lambda v: push_weights(args.router_url, args.weights_dir, v), timeout=600)
