@@ -25,6 +25,12 @@ them) and claims nothing until a beat succeeds again.
 **Bracket** (``strawq.producers.bracket``): on a pause this producer has not acknowledged,
 it stops claiming, aborts its requests, completes or yields every held group, then acks;
 it claims again once the pause is resumed.
+
+**Engines on the right weights** (``strawq.producers.engine_versions``): a reply from an
+engine on a version other than the run's (outside a bracket) is discarded and re-issued;
+the engine leaves the rotation, is noted under ``engines/`` for the trainer's repair, and
+comes back when a probe finds it on the run's version. Every engine is probed at start and
+after each bracket; with every engine out, the producer claims nothing.
 """
 
 from __future__ import annotations
@@ -343,7 +349,8 @@ class Producer:
 
     def _claimable_groups(self) -> int:
         """Groups to claim now: none while pausing, heartbeats fail, a lease could not be
-        handed back or engines back off; else what the slot pool allows."""
+        handed back, engines back off or every engine is on other weights; else what the
+        slot pool allows."""
         if self._bracket.pausing or self._heartbeat.failing or self.handback.orphans or \
                 self.clock() < self.runner.backoff_until or self.guard.all_stale():
             return 0

@@ -66,18 +66,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # Endpoints SGLang 0.5.23 marks ADMIN_OPTIONAL: with --admin-api-key they need that key.
-ADMIN_PATHS = frozenset(
-    {
-        "/abort_request",
-        "/pause_generation",
-        "/continue_generation",
-        "/update_weights_from_disk",
-        "/update_weights_from_tensor",
-        "/update_weights_from_distributed",
-        "/update_weight_version",
-        "/flush_cache",
-    }
-)
+ADMIN_PATHS = frozenset({
+    "/abort_request", "/pause_generation", "/continue_generation", "/update_weights_from_disk",
+    "/update_weights_from_tensor", "/update_weights_from_distributed", "/update_weight_version",
+    "/flush_cache"})
 
 
 @dataclass(frozen=True, kw_only=True)
