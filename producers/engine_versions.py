@@ -24,8 +24,10 @@ missed is found before any request goes to it.
 updated one by one; a reply may carry tokens of two versions). A mismatch is judged only
 after re-reading the run's version and ``control/``: while a pause is open or seen, replies
 keep the engine's own per-token stamps (as the bracket's parking always did) and nothing is
-marked. A reply from the run's version with tokens of an older one (an update outside a
-bracket) is discarded without marking the engine, which now holds the run's version.
+marked. Outside a bracket a reply with any token of another version is discarded (those
+tokens were generated on weights that were not the run's); its engine is marked unless a
+probe shows it holds the run's version now (a reply built on the run's version, or a
+producer that slept through a bracket and gets its old replies back).
 
 **Behind a router** the reply does not say which worker answered: a mismatch triggers a
 re-read of the router's ``/workers`` and a probe of each one; those on another version are
@@ -139,8 +141,12 @@ class VersionGuard:
             if self._router_url() is not None and result.url == self._router_url():
                 await self.probe_all(refresh_workers=True)
             elif result.url is not None:
-                await self.mark(result.url, result.weight_version, run_v,
-                                f"replied with version {result.weight_version}")
+                # marked unless it holds the run's version now (a producer that slept
+                # through a bracket sees its old replies come back: the engine is fine)
+                now = await self._probe(result.url)
+                if now != run_v:
+                    await self.mark(result.url, result.weight_version if now is None else now,
+                                    run_v, f"replied with version {result.weight_version}")
         raise StaleEngine(
             f"reply {result.rid} carries weight version(s) {found} but the run is at version "
             f"{run_v}: its {n} tokens are discarded and the request goes to another engine",

@@ -188,8 +188,11 @@ class _Client:
     worker_urls = ["http://e1", "http://e2"]
     router_url = None
 
+    #: what each engine reports now (e1 stayed on 5; e2 was updated to 6)
+    versions = {"http://e1": 5, "http://e2": 6}
+
     async def weight_version(self, url: str) -> int:
-        return 5
+        return self.versions[url]
 
 
 def test_a_mismatch_is_judged_only_outside_a_bracket(tmp_path: Path) -> None:
@@ -221,7 +224,9 @@ def test_a_mismatch_is_judged_only_outside_a_bracket(tmp_path: Path) -> None:
         assert [n.url for n in notes.notes()] == ["http://e1"]
         with pytest.raises(StaleEngine):  # the right label, tokens of another: discarded
             await guard.check(_reply(6, [5, 6], url="http://e2"))
-        assert guard.serves("http://e2")
+        with pytest.raises(StaleEngine):  # an old reply from an engine on 6 now: not marked
+            await guard.check(_reply(5, [5], url="http://e2"))
+        assert guard.serves("http://e2") and len(notes.notes()) == 1
         guard.stale["http://e2"] = 5
         with pytest.raises(NoFreshEngine):
             guard.usable(_Client.worker_urls)
@@ -229,7 +234,7 @@ def test_a_mismatch_is_judged_only_outside_a_bracket(tmp_path: Path) -> None:
 
     asyncio.run(main())
     st = book.snapshot()
-    assert st.stale_replies == 2 and st.stale_tokens_discarded == 5
+    assert st.stale_replies == 3 and st.stale_tokens_discarded == 6
 
 
 def test_a_new_worker_on_old_weights_behind_the_router(tmp_path: Path) -> None:
