@@ -40,6 +40,7 @@ from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.sglang_protocol import GenerateResult
 from tests.producers.faulty_proxy import FaultyProxy
 from tests.producers.helpers import make_run, ready_groups, run_producers, wait_for
+from tests.sglang_fixtures import start_router
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -237,7 +238,7 @@ def test_a_mismatch_is_judged_only_outside_a_bracket(tmp_path: Path) -> None:
     assert st.stale_replies == 3 and st.stale_tokens_discarded == 6
 
 
-def test_a_new_worker_on_old_weights_behind_the_router(tmp_path: Path) -> None:
+def _new_worker_behind_router(tmp_path: Path, start_router: Callable[[str], Any]) -> None:
     """The router hides which worker answered: a mismatch makes the producer re-read the
     router's workers and probe each one; the new worker is noted and repaired, and no token
     of its old weights is trained (the router keeps routing to it meanwhile: those replies
@@ -245,7 +246,7 @@ def test_a_new_worker_on_old_weights_behind_the_router(tmp_path: Path) -> None:
     run_dir = str(tmp_path / "run")
     q = phased_run(run_dir, 2 * PHASE, 2)
     a, new = sim("2"), sim("0")
-    router = EngineThread(EngineOptions(kind="router", worker_urls=(a.url,)))
+    router = start_router(a.url)
     bracket = WeightUpdateBracket(q)
     p = Producer(ProducerConfig(run_dir=run_dir, reward="strawq.producers.rewards.count_task",
                                 router_url=router.url, slots=4, max_new_tokens=40, seed=1,
@@ -261,8 +262,8 @@ def test_a_new_worker_on_old_weights_behind_the_router(tmp_path: Path) -> None:
         release(q, run_dir, PHASE)
         await wait_for(lambda: len(versions_by_index(q)) >= 2, 60, "phase 1")
         async with SGLangClient([router.url]) as c:  # a new worker joins on old weights
-            await c._call_raw("POST", router.url, "/workers", body={"url": new.url},
-                              timeout_s=10)
+            await c._call_raw("POST", router.url, "/workers",
+                              body={"url": new.url, "worker_type": "regular"}, timeout_s=10)
         release(q, run_dir, PHASE)
         await wait_for(lambda: new.url in bracket.engines_needing_weights(), 60, "the note")
         assert await asyncio.to_thread(bracket.repair_engines, push_to) == [new.url]
@@ -278,3 +279,16 @@ def test_a_new_worker_on_old_weights_behind_the_router(tmp_path: Path) -> None:
     wrong = {i: v for i, v in versions_by_index(q).items() if v != {2}}
     assert not wrong, f"groups with tokens of the new worker's old weights: {wrong}"
     assert p.stats().stale_replies >= 1
+
+
+def test_a_new_worker_on_old_weights_behind_the_router(tmp_path: Path) -> None:
+    _new_worker_behind_router(tmp_path, lambda url: EngineThread(
+        EngineOptions(kind="router", worker_urls=(url,))))
+
+
+@pytest.mark.sglang_real
+def test_a_new_worker_on_old_weights_behind_the_real_router(
+        tmp_path: Path, sglang_router_cmd: list[str]) -> None:
+    """The same behind the real sglang-router 0.3.x (round robin, workers added live)."""
+    _new_worker_behind_router(tmp_path, lambda url: start_router(
+        sglang_router_cmd, [url], log=tmp_path / "router.log"))
