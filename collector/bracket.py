@@ -218,6 +218,13 @@ class WeightUpdateBracket:
             except Exception as exc:  # noqa: BLE001 - the update itself succeeded
                 log.error("repairing engines after version %d failed: %s; they stay out of "
                           "rotation (retry with repair_engines())", version, exc)
+        else:
+            need = self.engines_needing_weights()
+            if need:
+                log.warning("engines %s are on weights other than the run's version and out "
+                            "of rotation; no repair is configured (WeightUpdateBracket("
+                            "repair=...) or start_repairs()): the next update's push may "
+                            "reach them", ", ".join(sorted(need)))
         return version
 
     # -- engines on other weights ----------------------------------------------------------------

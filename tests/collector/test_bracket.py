@@ -171,3 +171,29 @@ def test_open_bracket_is_continued_after_a_trainer_crash(world):
     with pytest.raises(BracketError, match="expected a version >= 2"):
         second.begin_weight_update(timeout=30)
         second.end_weight_update(1)
+
+
+def test_repair_pushes_the_run_version_to_noted_engines_only_outside_a_bracket(world):
+    q, _col, clock = world
+    q.set_version(3)
+    pushed: list[tuple[list[str], int]] = []
+
+    def push_to(urls, version):
+        pushed.append((list(urls), version))
+        return ["http://b"]  # b refused again: its note stays
+
+    bracket = WeightUpdateBracket(q, clock=clock, sleep=clock.sleep, repair=push_to,
+                                  repair_interval_s=None)
+    assert bracket.repair_engines() == [] and pushed == []  # nothing noted: no push
+    bracket.engines.mark("http://a", writer="p1", engine_version=1, run_version=3, reason="r")
+    bracket.mark_needing_weights(["http://b"], reason="push failed")
+    assert set(bracket.engines_needing_weights()) == {"http://a", "http://b"}
+    assert bracket.repair_engines() == ["http://a"]
+    assert pushed == [(["http://a", "http://b"], 3)]
+    assert set(bracket.engines_needing_weights()) == {"http://b"}
+    bracket.control.pause(4)  # a bracket: its own push reaches every engine
+    with pytest.raises(BracketError, match="bracket is open"):
+        bracket.repair_engines()
+    bracket.end_weight_update(4)  # resumes, then repairs what is noted
+    assert pushed[-1] == (["http://b"], 4)
+    bracket.close()
