@@ -281,14 +281,19 @@ class WeightUpdateBracket:
         return done
 
     def _repair_loop(self, interval_s: float) -> None:
+        last = ""
         while not self._stop_repairs.wait(interval_s):
             try:
                 if not self.is_open and self.engines.needing():
                     self.repair_engines()
+                last = ""
             except BracketError:
                 continue  # a bracket opened meanwhile: its push reaches every engine
             except Exception as exc:  # noqa: BLE001 - keep trying; the notes stay
-                log.error("repairing engines failed: %s; retrying in %.0fs", exc, interval_s)
+                if str(exc) != last:  # once per distinct failure, not every interval
+                    log.error("repairing engines failed: %s; retrying every %.0fs", exc,
+                              interval_s)
+                last = str(exc)
 
     def close(self) -> None:
         """Stop the background repairs (the thread is a daemon: it never holds a process)."""
