@@ -24,7 +24,7 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,14 @@ class RealServer:
         except ProcessLookupError:
             pass
 
+
+async def _wait(cond: Callable[[], bool], what: str, timeout_s: float) -> None:
+    """Poll ``cond`` every 50 ms; ``TimeoutError`` naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached in {timeout_s:.0f}s")
+        await asyncio.sleep(0.05)
 
 def default_tools_dir() -> Path:
     """``$STRAWQ_SGLANG_TOOLS``, else the project's ``../shared/tools/sglang-cpu``."""
@@ -242,11 +250,7 @@ def bracket_scenario(
         return len(q.storage.list("ready"))
 
     async def wait(cond: Any, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not cond():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"bracket scenario: {what} not reached in {timeout_s:.0f}s")
-            await asyncio.sleep(0.05)
+        await _wait(cond, f"bracket scenario: {what}", timeout_s)
 
     async def body() -> None:
         async with SGLangClient([server.url], config=cfg) as trainer:
@@ -357,11 +361,7 @@ def stale_engine_scenario(server: RealServer, workdir: Path, *, groups: int = 2,
     result = StaleEngineResult(0, False, False, [], run_version=run_version)
 
     async def wait(cond: Any, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not cond():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"stale-engine scenario: {what} not reached")
-            await asyncio.sleep(0.05)
+        await _wait(cond, f"stale-engine scenario: {what}", timeout_s)
 
     async def main() -> None:
         task = asyncio.create_task(p.run())

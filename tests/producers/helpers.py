@@ -84,3 +84,25 @@ async def run_producers(producers: list[Producer],
         for t in done:
             if t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
+
+
+def batch_all_ready(q: RunQueue, dataset_path: str, n: int) -> Any:
+    """The ``n`` ready groups of a run as one batch: a collector publishes it (a few passes),
+    the reader reads it."""
+    from strawq.collector.config import CollectorConfig
+    from strawq.collector.core import Collector
+    from strawq.collector.reader import BatchReader
+
+    col = Collector(q, Dataset(dataset_path),
+                    CollectorConfig(batch_groups=n, max_running=max(n, 16), max_ready=max(n, 16),
+                                    poll_interval_s=0, gc_interval_s=0))
+    col.start(wait=False)
+    for _ in range(50):
+        col.step()
+        if col.batches.batch_seqs()[0]:
+            break
+    reader = BatchReader(q)
+    try:
+        return reader.next_batch(timeout=30)
+    finally:
+        reader.close()

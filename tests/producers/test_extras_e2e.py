@@ -18,11 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from strawq.collector.config import CollectorConfig
-from strawq.collector.core import Collector
-from strawq.collector.reader import Batch, BatchReader
+from strawq.collector.reader import Batch
 from strawq.control import Control
-from strawq.dataset import Dataset
 from strawq.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS
 
 from strawq.producers.engines.extras import (LAYERS, TOP_K, kept_ids, routed_experts_row,
@@ -33,7 +30,8 @@ from strawq.producers.engines.testing import EngineThread
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sglang_client import SGLangClient
-from tests.producers.helpers import ids, make_run, names, run_producers, wait_for
+from tests.producers.helpers import (batch_all_ready, ids, make_run, names, run_producers,
+                                     wait_for)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -82,19 +80,7 @@ def batch(sim: EngineThread, tmp_path_factory: pytest.TempPathFactory) -> Batch:
 
     asyncio.run(run_producers([p], body))
     assert p.stats().groups_yielded >= 1
-    col = Collector(q, Dataset(str(run / "dataset.jsonl")),
-                    CollectorConfig(batch_groups=N, max_running=16, max_ready=16,
-                                    poll_interval_s=0, gc_interval_s=0))
-    col.start(wait=False)
-    for _ in range(50):
-        col.step()
-        if col.batches.batch_seqs()[0]:
-            break
-    reader = BatchReader(q)
-    try:
-        return reader.next_batch(timeout=30)
-    finally:
-        reader.close()
+    return batch_all_ready(q, str(run / "dataset.jsonl"), N)
 
 
 def test_packed_extras_line_up_with_the_tokens_across_the_resume(batch: Batch) -> None:

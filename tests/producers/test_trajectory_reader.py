@@ -12,17 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from strawq.collector.config import CollectorConfig
-from strawq.collector.core import Collector
 from strawq.collector.importance import (aggregate_loss, masked_tis_weights,
                                          offpolicy_prefix_mask)
-from strawq.collector.reader import BatchReader
 from strawq.control import Control
-from strawq.dataset import Dataset
 from strawq.producers.producer import Producer
 from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.trajectory import Trajectory
-from tests.producers.helpers import ids, make_run, ready_groups, run_producers, wait_for
+from tests.producers.helpers import (batch_all_ready, ids, make_run, ready_groups,
+                                     run_producers, wait_for)
 from tests.producers.test_trajectory import agent_config
 from tests.producers.trajectory_plugins import ledger_counts
 
@@ -53,15 +50,7 @@ def test_reader_and_importance_sampling_on_multi_turn_samples(tmp_path: Path,
 
     asyncio.run(run_producers([p], body))
     groups = {grp.task_id: grp for grp in ready_groups(q).values()}
-    col = Collector(q, Dataset(os.path.join(run, "dataset.jsonl")),
-                    CollectorConfig(batch_groups=n, max_running=n, max_ready=n,
-                                    poll_interval_s=0, gc_interval_s=0))
-    col.start(wait=False)
-    for _ in range(50):
-        col.step()
-        if col.batches.batch_seqs()[0]:
-            break
-    batch = BatchReader(q).next_batch(timeout=30)
+    batch = batch_all_ready(q, os.path.join(run, "dataset.jsonl"), n)
     assert batch.num_samples == n * g
     cu = batch.cu_seqlens.tolist()
     tool_pos: list[int] = []
