@@ -32,6 +32,7 @@ from strawq.collector.ordering import StalenessOrder, group_advantages
 from strawq.collector.resume import ResumeInfo, open_queue
 from strawq.batches import BatchStore, GcReport
 from strawq.config import QueueConfig
+from strawq.engine_weights import EngineWeights
 from strawq.eta import regenerate_or_train
 from strawq.dataset import Dataset
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
@@ -376,6 +377,8 @@ class Collector:
             "collector/stale_trained_total": self.stale_totals["trained"],
             "collector/stale_regenerated_total": self.stale_totals["regenerated"],
             "collector/stale_dropped_total": self.stale_totals["dropped"],
+            # engines noted on weights other than the run's (engines/): out of rotation
+            "engines/needing_weights": len(EngineWeights(self.storage).needing()),
         }
         for reason, count in self.dropped_by_reason().items():
             values[f"dropped/{reason}"] = count

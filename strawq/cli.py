@@ -177,6 +177,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st.stray_files:
         print(f"  stray files (not tasks, ignored): {', '.join(st.stray_files[:5])}"
               + (" ..." if len(st.stray_files) > 5 else ""))
+    if st.engines_needing_weights:
+        print(f"  engines needing weights (out of rotation until the trainer pushes version "
+              f"{st.current_version}; docs/troubleshooting.md):")
+        for url, n in st.engines_needing_weights.items():
+            have = "unreadable" if n["engine_version"] is None else n["engine_version"]
+            print(f"    {url}  reports version {have} (noted by {n['writer']}: {n['reason']})")
     return 0
 
 

@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from strawq.engine_weights import EngineWeights
 from strawq.feeder import read_cursor_state
 from strawq.groups import staleness
 from strawq.queue import RunQueue
@@ -28,6 +29,9 @@ class RunStatus:
     quarantined: int = 0
     #: files in the state directories that are not tasks (ignored by the queue)
     stray_files: list[str] = field(default_factory=list)
+    #: engines noted as on weights other than the run's (``engines/``): URL -> the newest
+    #: note's engine version (None: unreadable), run version, writer and reason
+    engines_needing_weights: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -56,6 +60,10 @@ def run_status(queue: RunQueue) -> RunStatus:
     out.batches_unacked = len(seqs - acked)
     out.quarantined = len(st.list("quarantine"))
     out.stray_files = stray_files(queue)
+    out.engines_needing_weights = {
+        url: {"engine_version": n.engine_version, "run_version": n.run_version,
+              "writer": n.writer, "reason": n.reason}
+        for url, n in sorted(EngineWeights(st).needing().items())}
     cursor = read_cursor_state(st)
     if cursor is not None:
         out.cursor = {k: cursor[k] for k in ("seq", "next_index", "exhausted", "error")

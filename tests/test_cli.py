@@ -262,3 +262,22 @@ def test_producer_command_refuses_a_directory_without_a_run(tmp_path: Path,
     assert cli.main(["producer", str(tmp_path), "--engine", "http://127.0.0.1:9",
                      "--reward", "a.b"]) == 1
     assert "no strawq run" in capsys.readouterr().err
+
+
+def test_status_names_the_engines_needing_weights(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from strawq.engine_weights import EngineWeights
+
+    run = Path(_run(tmp_path))
+    assert cli.main(["status", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["engines_needing_weights"] == {}
+    q = RunQueue.open(PosixStorage(str(run), writer_id="p", fsync=False))
+    EngineWeights(q.storage).mark("http://10.0.0.7:30000/", writer="producer-3",
+                                  engine_version=2, run_version=5, reason="restarted")
+    assert cli.main(["status", str(run), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["engines_needing_weights"] == {"http://10.0.0.7:30000": {
+        "engine_version": 2, "run_version": 5, "writer": "producer-3", "reason": "restarted"}}
+    assert cli.main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "engines needing weights" in out and "http://10.0.0.7:30000  reports version 2" in out

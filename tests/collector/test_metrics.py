@@ -94,3 +94,22 @@ def test_trainer_step_continues_after_a_trainer_restart(tmp_path: Path) -> None:
         reader.ack(reader.next_batch(timeout=5))
         reader.close()
     assert [v["trainer/step"] for v in _lines(path)] == [1, 2]
+
+
+def test_collector_reports_engines_needing_weights(tmp_path: Path) -> None:
+    from strawq.engine_weights import EngineWeights
+
+    q = make_run(str(tmp_path / "run"))
+    ds = Dataset(write_dataset(str(tmp_path / "ds.jsonl"), 4))
+    path = tmp_path / "c.jsonl"
+    col = Collector(q, ds, CollectorConfig(metrics_jsonl=str(path), metrics_interval_s=0.0,
+                                           batch_groups=2, max_running=4, max_ready=4))
+    col.start(wait=False)
+    col.step()
+    weights = EngineWeights(q.storage)
+    weights.mark("http://e1:30000", writer="p0", engine_version=0, run_version=1, reason="r")
+    weights.mark("http://e1:30000", writer="p1", engine_version=0, run_version=1, reason="r")
+    weights.mark("http://e2:30000", writer="p1", engine_version=None, run_version=1, reason="r")
+    col.step()
+    col.close()
+    assert [v["engines/needing_weights"] for v in _lines(path)] == [0, 2]  # per engine
