@@ -84,7 +84,7 @@ class LabConfig(Config):
     #: async, stream: staleness bound η of admission (over-η groups are trained and counted)
     max_staleness: int = 1
     #: stream: micro-batches per step (B/m complete groups each, trained as they are ready)
-    micro_batches: int = 4
+    micro_batches: int = 8
     #: partial: groups admitted per step ÷ B
     oversample: float = 1.5
     #: flow: micro-batches per step (acked as trained)

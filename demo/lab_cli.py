@@ -43,7 +43,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("train_step_s", float, "trainer step time, model seconds (default 4.0)"),
     ("max_staleness", int, "async/stream admission staleness bound eta (default 1)"),
     ("oversample", float, "partial: groups admitted per step / B (default 1.5)"),
-    ("micro_batches", int, "stream: micro-batches per step (default 4)"),
+    ("micro_batches", int, "stream: micro-batches per step (default 8)"),
     ("flow_micro_batches", int, "flow: micro-batches per step, acked as trained (default 8)"),
     ("admission_batches", float, "async/stream/flow: admission window in micro-batches "
      "(default: the mode's own; flow eta*m + 1)"),
