@@ -10,11 +10,13 @@ cap, eta=1) and ``long_tail``: the same with the cap at 384 tokens, 3 % of respo
 running to it — 384 x 24 ms = 9.2 s, more than two trainer steps. Each schedule runs
 ``--steps`` (30) steps; figures are over the whole run, the pipeline's fill included.
 ``sync`` is the baseline; its step time is stationary (a barrier per step), so it runs
-``--sync-steps`` (8) steps to save time. ``--flow-windows`` adds one ``flow`` row per
-admission window (in micro-batches; ``flow@10`` is flow with a window of 10), the frontier
-between staleness and speed. ``--time-scale`` (wall s per model s, default 2.5) keeps the
-sim engines at their modelled speed on a small box: every overlapping schedule needs them
-there, and the ``stretch`` column says whether they were (near 1: yes). The last line is
+``--sync-steps`` (8) steps to save time. A row of ``--modes`` is ``mode[/m][@W]``:
+``stream/8`` is stream in 8 micro-batches a step, ``flow@10`` flow with an admission window
+of 10 micro-batches; ``--flow-windows 10,12`` adds ``flow@10`` and ``flow@12``, points on
+the frontier between staleness and speed. ``--time-scale`` (wall s per model s, default
+2.5) keeps the sim engines at their modelled speed on a small box: every overlapping
+schedule needs them there, and the ``stretch`` column says whether they were (near 1:
+yes). The last line is
 exactly::
 
     pipeline: best async/sync = X, mean staleness = Y, stale drops = Z, trainer wait = W
@@ -50,13 +52,19 @@ CASES = {
 
 
 def run_case(cfg: LabConfig, modes: list[str], sync_steps: int) -> LabResult:
-    """Every row of ``modes`` (``flow@W``: flow with an admission window of W micro-batches)."""
+    """Every row of ``modes``: ``mode[/m][@W]``, e.g. ``stream/8`` (8 micro-batches a step),
+    ``flow@10`` (an admission window of 10 micro-batches)."""
     result = LabResult(cfg)
     for name in modes:
-        mode, _, window = name.partition("@")
+        spec, _, window = name.partition("@")
+        mode, _, micro = spec.partition("/")
         steps = min(sync_steps, cfg.steps) if mode == "sync" else cfg.steps
         row_cfg = replace(cfg, steps=steps, admission_batches=float(window) if window else None,
-                          workdir=os.path.join(cfg.workdir, name) if window else cfg.workdir)
+                          workdir=os.path.join(cfg.workdir, name.replace("/", "-"))
+                          if window or micro else cfg.workdir)
+        if micro:
+            key = "flow_micro_batches" if mode == "flow" else "micro_batches"
+            row_cfg = replace(row_cfg, **{key: int(micro)})
         result.modes[name] = run_mode(row_cfg, mode)
     return result
 
