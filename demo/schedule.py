@@ -20,10 +20,12 @@
 * ``flow`` — ``stream`` whose micro-batches are acknowledged as soon as they are trained, with
   the admission window that keeps η for such a trainer (``η·m + 1`` micro-batches,
   ``strawq.collector.admission``): room frees one micro-batch at a time, through the step,
-  instead of a whole step's worth at its end, so the same throughput needs a smaller
-  window — fewer groups waiting, ready, for the trainer — and staleness is lower. The
-  checkpoint still covers whole steps: an acked micro-batch stays on disk until a commit
-  covers it, and a restarted trainer is delivered the whole step again.
+  instead of a whole step's worth at its end. Measured (docs/lab.md): the same staleness as
+  ``stream`` but slower, since ~100 groups are then in flight at every weight update and
+  the bracket pauses and resumes each; a larger window (``admission_batches``) trades
+  staleness for speed. The checkpoint still covers whole steps: an acked micro-batch stays
+  on disk until a commit covers it, and a restarted trainer is delivered the whole step
+  again.
 
 The loop records a timeline (trainer wait / train / weight update intervals) for plots.
 """
