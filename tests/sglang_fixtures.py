@@ -54,6 +54,7 @@ __all__ = [
     "RouterProcess",
     "free_port",
     "sglang_real",
+    "sglang_real_session",
     "sglang_router_cmd",
     "start_router",
 ]
@@ -77,7 +78,7 @@ def _get_json(url: str, key: str | None = None) -> dict[str, object]:
 
 
 @pytest.fixture(scope="session")
-def sglang_real() -> Iterator[RealServer]:
+def sglang_real_session() -> Iterator[RealServer]:
     external = os.environ.get("STRAWQ_SGLANG_URL")
     if external:
         url = external.rstrip("/")
@@ -168,3 +169,21 @@ def start_router(
                 f"(exit code {proc.poll()})"
             )
         time.sleep(0.2)
+
+
+@pytest.fixture
+def sglang_real(sglang_real_session: RealServer) -> RealServer:
+    """The session's real server with its weight version label back at 0 (a fresh run's
+    version): a test that pushed versions to it must not leave the next test's producers
+    facing an engine on another version, which they rightly keep out of rotation."""
+    server = sglang_real_session
+    req = urllib.request.Request(
+        server.url + "/update_weight_version", method="POST",
+        data=json.dumps({"new_version": "0", "abort_all_requests": False}).encode(),
+        headers={"Content-Type": "application/json"})
+    key = server.admin_api_key or server.api_key
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        resp.read()
+    return server
