@@ -93,11 +93,12 @@ def test_demo_tools_task_end_to_end(mode: str, tmp_path: Path) -> None:
 @pytest.mark.timeout(1200)
 def test_demo_tools_reward_rises(tmp_path: Path) -> None:
     """The model learns to delegate: the reward of the last 10 steps beats the first 10."""
-    cfg = DemoConfig(workdir=str(tmp_path / "w"), task="tools", steps=40, prompts=2000,
-                     progress=False)
+    # sync: every step trains on its own version's samples, so what is measured is learning,
+    # not the async schedule's timing (which changes the batches from run to run; 40 async
+    # steps rose 0.008 -> 0.034 in one run, 0.023 -> 0.122 in another)
+    cfg = DemoConfig(workdir=str(tmp_path / "w"), task="tools", steps=80, prompts=4000,
+                     progress=False, mode="sync")
     result = run_demo(cfg)
     first, last = np.mean(result.rewards[:10]), np.mean(result.rewards[-10:])
-    # a rise, not a rate: the schedule's timing changes the batches, so the size of the rise
-    # varies between runs (0.023 -> 0.122 seen); without learning the two means are equal
-    assert last > max(2 * first, first + 0.05), (
+    assert last > first + 0.1, (
         f"reward did not rise: first 10 steps {first:.3f}, last {last:.3f}")
