@@ -70,6 +70,14 @@ class RealServer:
             pass
 
 
+async def _stop(producer: Any, task: asyncio.Task[Any]) -> None:
+    """Ask a scenario's producer to stop, wait for it (60 s), re-raise what it died of."""
+    producer.request_stop()
+    await asyncio.wait([task], timeout=60)
+    if task.done() and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]
+
+
 async def _wait(cond: Callable[[], bool], what: str, timeout_s: float) -> None:
     """Poll ``cond`` every 50 ms; ``TimeoutError`` naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -275,10 +283,7 @@ def bracket_scenario(
         try:
             await body()
         finally:
-            p.request_stop()
-            await asyncio.wait([task], timeout=60)
-            if task.done() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+            await _stop(p, task)
 
     asyncio.run(main())
     from strawq.names import TaskName
@@ -374,10 +379,7 @@ def stale_engine_scenario(server: RealServer, workdir: Path, *, groups: int = 2,
             result.repaired = await asyncio.to_thread(bracket.repair_engines)
             await wait(lambda: len(q.storage.list("ready")) == groups, "all groups ready")
         finally:
-            p.request_stop()
-            await asyncio.wait([task], timeout=60)
-            if task.done() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+            await _stop(p, task)
 
     asyncio.run(main())
     for name in q.storage.list("ready"):
