@@ -37,7 +37,9 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 N = 4
 TOP_K_SAMPLING = 50
-SIM = SimConfig(time_scale=0.05, len_median=10**4, len_cap=10**4, cap_prob=1.0)
+#: 10 ms a decode step: a group's 80 tokens take ~0.8 s, so the pause sent 0.2 s into
+#: generation always finds it mid-flight (at 0.5 ms a step they finished before it, once)
+SIM = SimConfig(time_scale=1.0, len_median=10**4, len_cap=10**4, cap_prob=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,7 @@ def batch(sim: EngineThread, tmp_path_factory: pytest.TempPathFactory) -> Batch:
     async def body() -> None:
         async with SGLangClient([sim.url]) as client:
             await wait_for(lambda: p.stats().busy_trajectories > 0, 30, "generating")
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
             control.pause(1)
             await wait_for(lambda: p.producer_id in control.state().acks, 30, "ack")
             assert not names(q, "leased")  # every group held was saved as a partial
