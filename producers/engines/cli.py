@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from strawq.producers.engines.launch import KINDS, EngineOptions, start_engine
+from strawq.producers.engines.server import DISCONNECT_POLL_S
 from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.tiny_config import TinyConfig
 
@@ -43,6 +44,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--log-level", default="warning")
     p.add_argument("--health-check-timeout", type=float, default=20.0)
+    p.add_argument(
+        "--disconnect-poll-s", type=float, default=DISCONNECT_POLL_S,
+        help="check a waiting request's client this often and abort the requests of a "
+        "client that is gone (SGLang: 4 s, SGLANG_REQUEST_STATE_WAIT_TIMEOUT)")
     p.add_argument("--api-key", default=None, help="as SGLang --api-key (bearer token)")
     p.add_argument(
         "--admin-api-key", default=None, help="as SGLang --admin-api-key (control endpoints)"
@@ -113,6 +118,7 @@ def options_from_args(args: argparse.Namespace) -> EngineOptions:
         threads=args.threads or None,
         served_model_name=args.served_model_name,
         health_check_timeout_s=args.health_check_timeout,
+        disconnect_poll_s=args.disconnect_poll_s,
         worker_urls=tuple(u for u in args.worker_urls.split(",") if u),
         api_key=args.api_key,
         admin_api_key=args.admin_api_key,

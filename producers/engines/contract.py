@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -77,6 +79,11 @@ class EngineTarget:
     extra: Mapping[str, Any] = field(default_factory=dict)
     #: why the target cannot return ``routed_experts`` (None: it can; a dense model cannot)
     no_routed_experts: str | None = None
+    #: a budget the engine needs well over ``3 * disconnect_deadline_s`` to generate (None:
+    #: the context is generated too fast to tell an abort from the end; the case is skipped)
+    orphan_tokens: int | None = 8000
+    #: how soon the request of a client killed with ``kill -9`` must be gone from the engine
+    disconnect_deadline_s: float = 30.0
 
     def client(self, **overrides: Any) -> SGLangClient:
         cfg: dict[str, Any] = {
@@ -105,6 +112,26 @@ async def _until(pred: Callable[[], Awaitable[bool]], timeout_s: float, what: st
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not reached within {timeout_s:.0f}s")
         await asyncio.sleep(0.02)
+
+
+#: a client in its own process: sends one ``/generate`` and waits for the answer
+_CLIENT = """
+import sys, urllib.request
+url, body, key = sys.argv[1:4]
+headers = {"Content-Type": "application/json"}
+if key:
+    headers["Authorization"] = "Bearer " + key
+urllib.request.urlopen(urllib.request.Request(url, data=body.encode(), headers=headers),
+                       timeout=3600).read()
+"""
+
+
+def spawn_generate(url: str, body: Mapping[str, Any],
+                   api_key: str | None = None) -> subprocess.Popen[bytes]:
+    """A client in its own process that posts ``body`` to ``url``'s ``/generate`` and waits
+    (kill it to leave the request orphaned, as a crashed producer does)."""
+    return subprocess.Popen([sys.executable, "-c", _CLIENT, url.rstrip("/") + "/generate",
+                             json.dumps(body), api_key or ""])
 
 
 class EngineContract:
@@ -263,6 +290,47 @@ class EngineContract:
                 assert 0 < len(r.output_ids) < target.long_tokens
                 assert len(r.logprobs) == len(r.output_ids) == len(r.versions)
                 assert r.prompt_tokens == len(target.prompt)
+
+        self.run(target, go())
+
+    def test_a_killed_clients_request_is_aborted(self, target: EngineTarget) -> None:
+        """SGLang 0.5.23 aborts the request of a client that is gone: whenever 4 s pass with
+        no answer (``SGLANG_REQUEST_STATE_WAIT_TIMEOUT``) the tokenizer manager checks the
+        connection and aborts the rid. So a producer killed with ``kill -9`` leaves nothing
+        generating for long: the engine is idle soon after, long before the request could
+        have used its budget."""
+
+        orphan_tokens = target.orphan_tokens
+        if orphan_tokens is None:
+            pytest.skip("the target generates its whole context too fast to tell an abort "
+                        "from the end")
+
+        async def go() -> None:
+            async with target.client() as c:
+                spent = []
+                for n in (8, 88):  # the per-token cost, prefill and HTTP taken out
+                    started = time.monotonic()
+                    await c.generate(target.prompt, self._long(target, n))
+                    spent.append(time.monotonic() - started)
+                whole_s = (spent[1] - spent[0]) / 80 * orphan_tokens
+                assert whole_s > 3 * target.disconnect_deadline_s, (
+                    f"{orphan_tokens} tokens take only ~{whole_s:.1f}s here: give the "
+                    "target a larger orphan_tokens or a shorter disconnect_deadline_s")
+                client = spawn_generate(
+                    target.router_url or target.url,
+                    {"input_ids": list(target.prompt), "rid": "orphan-1",
+                     "sampling_params": self._long(target, orphan_tokens)}, target.api_key)
+                try:
+                    await self._running(c, target)
+                finally:
+                    client.kill()
+                    client.wait()
+
+                async def idle() -> bool:
+                    return await _counts(c, target.url) == (0, 0)
+
+                await _until(idle, target.disconnect_deadline_s,
+                             "the request of a killed client aborted")
 
         self.run(target, go())
 

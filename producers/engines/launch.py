@@ -11,7 +11,7 @@ from aiohttp import web
 from strawq.config import Config
 from strawq.producers.engines.core import EngineCore
 from strawq.producers.engines.router import build_router_app
-from strawq.producers.engines.server import build_app
+from strawq.producers.engines.server import DISCONNECT_POLL_S, build_app
 from strawq.producers.engines.sim_backend import SimBackend, SimConfig
 from strawq.producers.engines.tiny_config import TinyConfig
 
@@ -35,6 +35,9 @@ class EngineOptions(Config):
             small CPUs; None = torch default).
         served_model_name: reported by ``/model_info``.
         health_check_timeout_s: ``/health_generate`` answers 503 after this.
+        disconnect_poll_s: how often a request with no answer yet checks that its client is
+            still connected; a gone client's requests are aborted (SGLang 0.5.23: 4 s,
+            ``SGLANG_REQUEST_STATE_WAIT_TIMEOUT``).
         update_wait_timeout_s: an unpaused weight update gives up (400) after waiting
             this long for in-flight requests.
         worker_urls: router only: the workers to route to.
@@ -52,6 +55,7 @@ class EngineOptions(Config):
     threads: int | None = 1
     served_model_name: str | None = None
     health_check_timeout_s: float = 20.0
+    disconnect_poll_s: float = DISCONNECT_POLL_S
     update_wait_timeout_s: float = 600.0
     worker_urls: tuple[str, ...] = ()
     api_key: str | None = None
@@ -62,6 +66,8 @@ class EngineOptions(Config):
             raise ValueError(f"engine kind must be one of {KINDS}, found {self.kind!r}")
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, found {self.max_running}")
+        if self.disconnect_poll_s <= 0:
+            raise ValueError(f"disconnect_poll_s must be > 0, found {self.disconnect_poll_s}")
         if self.model_path is not None and self.kind != "tiny":
             raise ValueError("model_path only applies to the tiny engine")
 
@@ -91,6 +97,7 @@ def build_engine_app(opts: EngineOptions) -> web.Application:
         core,
         served_model_name=opts.served_model_name or f"strawq-{opts.kind}",
         health_check_timeout_s=opts.health_check_timeout_s,
+        disconnect_poll_s=opts.disconnect_poll_s,
         api_key=opts.api_key,
         admin_api_key=opts.admin_api_key,
     )
@@ -104,7 +111,10 @@ async def start_engine(
     Stop it with ``await runner.cleanup()``.
     """
     app = build_engine_app(opts)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+    # The router drops its upstream request when its client goes away, as sglang-router
+    # does (its worker then aborts the request); an engine watches its clients itself.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0,
+                           handler_cancellation=opts.kind == "router")
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=4096)
     await site.start()

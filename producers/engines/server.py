@@ -40,6 +40,13 @@ logger = logging.getLogger(__name__)
 
 CORE_KEY = web.AppKey("core", EngineCore)
 INFO_KEY = web.AppKey("info", dict)
+#: requests whose client went away and whose abort the engine lost (held at a pause gate):
+#: they run on, like SGLang's, with nobody waiting; kept here so the tasks are not collected
+ORPHANS_KEY = web.AppKey("orphans", set)
+
+#: SGLang 0.5.23's ``SGLANG_REQUEST_STATE_WAIT_TIMEOUT``: how often the tokenizer manager
+#: checks, while a request has no new output, that its HTTP client is still connected
+DISCONNECT_POLL_S = 4.0
 
 SAMPLING_KEYS = (
     "max_new_tokens",
@@ -351,7 +358,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             req.seed = random.getrandbits(63)
     started = time.monotonic()
     try:
-        await core.submit(reqs)
+        if not await _submit_while_connected(request, core, reqs):
+            return web.Response(status=499)  # nobody reads it: the client is gone
     except ValueError as exc:
         return error_response(str(exc))
     latency = time.monotonic() - started
@@ -370,6 +378,40 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             add_extras(o["meta_info"], body, r.input_ids, r.out_ids, r.out_logprobs,
                        core.backend.vocab_size, r.params.temperature, r.params.top_k)
     return web.json_response(out if multi else out[0])
+
+
+async def _submit_while_connected(request: web.Request, core: EngineCore,
+                                  reqs: list[Req]) -> bool:
+    """Run ``reqs``; False when the client went away first.
+
+    As SGLang 0.5.23's tokenizer manager does: whenever ``disconnect_poll_s`` pass with the
+    requests unfinished, check the client's connection, and abort the rids of a client that
+    is gone (a producer killed with ``kill -9`` leaves no request generating for long).
+    Each abort is an ordinary exact-rid abort, so one that meets a request held at the pause
+    gate is lost there, as on SGLang: that request runs on, with nobody waiting."""
+    task = asyncio.ensure_future(core.submit(reqs))
+    poll_s = request.app[INFO_KEY]["disconnect_poll_s"]
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=poll_s)
+        if done:
+            task.result()
+            return True
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            logger.info("client of %s went away; aborting %d request(s)", reqs[0].rid,
+                        len(reqs))
+            for req in reqs:
+                core.abort(req.rid)
+            orphans = request.app[ORPHANS_KEY]
+            orphans.add(task)
+            task.add_done_callback(orphans.discard)
+            task.add_done_callback(_ignore_result)
+            return False
+
+
+def _ignore_result(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: nobody is waiting for an orphan's outcome
 
 
 async def handle_abort(request: web.Request) -> web.Response:
@@ -576,6 +618,7 @@ def build_app(
     *,
     served_model_name: str,
     health_check_timeout_s: float = 20.0,
+    disconnect_poll_s: float = DISCONNECT_POLL_S,
     api_key: str | None = None,
     admin_api_key: str | None = None,
 ) -> web.Application:
@@ -586,7 +629,9 @@ def build_app(
         "served_model_name": served_model_name,
         "engine_version": f"strawq-local-{core.backend.kind}",
         "health_check_timeout_s": health_check_timeout_s,
+        "disconnect_poll_s": disconnect_poll_s,
     }
+    app[ORPHANS_KEY] = set()
     r = app.router
     r.add_post("/generate", handle_generate)
     r.add_put("/generate", handle_generate)

@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from strawq.producers.engines.contract import spawn_generate
+from strawq.producers.sglang_client import ClientConfig, SGLangClient
 from strawq.testing.waiting import async_wait_until
 
 T = TypeVar("T")
@@ -83,3 +85,33 @@ async def load_counts(client: Any, url: str) -> tuple[int, int]:
     body = await client.loads(url)
     entry = body["loads"][0]
     return int(entry["num_running_reqs"]), int(entry["num_waiting_reqs"])
+
+
+async def orphan_through_router(router_url: str, workers: list[str]) -> None:
+    """A client killed with ``kill -9`` while its request runs behind the router: the
+    router drops its upstream connection and the worker aborts the request (SGLang's
+    disconnect check, every 0.5 s here) instead of generating the 20,000 tokens (100 s on
+    a sim engine at 5 ms a step)."""
+    async with SGLangClient(workers, config=ClientConfig(max_retries=0)) as c:
+        client = spawn_generate(router_url, {
+            "input_ids": [11, 22, 33, 44, 55], "rid": "orphan-r",
+            "sampling_params": {"max_new_tokens": 20000, "ignore_eos": True}})
+
+        async def running() -> int:
+            loads = [await c.loads(url) for url in workers]
+            return sum(int(body["loads"][0]["num_running_reqs"]) for body in loads)
+
+        try:
+            for _ in range(200):
+                if await running():
+                    break
+                await asyncio.sleep(0.05)
+            assert await running() == 1
+        finally:
+            client.kill()
+            client.wait()
+        for _ in range(100):  # 10 s: the worker checks its client every 0.5 s
+            if not await running():
+                break
+            await asyncio.sleep(0.1)
+        assert await running() == 0, "the killed client's request still runs on the worker"

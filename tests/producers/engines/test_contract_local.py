@@ -37,6 +37,7 @@ def tiny_target(weight_dirs: dict[int, Path]) -> Iterator[EngineTarget]:
             weight_dirs=(str(weight_dirs[0]), str(weight_dirs[1])),
             max_running=4,
             long_tokens=1000,
+            orphan_tokens=None,  # its 1024-token context takes ~1 s: the sim target covers it
         )
 
 
@@ -45,7 +46,8 @@ def sim_target() -> Iterator[EngineTarget]:
     """The sim engine, started with SGLang's API and admin keys."""
     sim = SimConfig(step_base_ms=20.0, len_median=10**4, len_cap=10**4, cap_prob=1.0)
     opts = EngineOptions(
-        kind="sim", max_running=4, sim=sim, api_key="user-key", admin_api_key="admin-key"
+        kind="sim", max_running=4, sim=sim, api_key="user-key", admin_api_key="admin-key",
+        disconnect_poll_s=0.5,
     )
     with EngineThread(opts) as engine:
         yield EngineTarget(
@@ -56,6 +58,8 @@ def sim_target() -> Iterator[EngineTarget]:
             weight_dirs=("/sim/weights-a", "/sim/weights-b"),
             max_running=4,
             long_tokens=2000,
+            orphan_tokens=20000,
+            disconnect_deadline_s=5.0,
             api_key="user-key",
             admin_api_key="admin-key",
         )

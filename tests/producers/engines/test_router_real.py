@@ -14,7 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from tests.producers.engines.engine_helpers import run
+from tests.producers.engines.engine_helpers import orphan_through_router, run
 
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
@@ -31,7 +31,8 @@ SIM = SimConfig(step_base_ms=5.0, len_median=10**4, len_cap=10**4, cap_prob=1.0)
 @pytest.fixture
 def sims() -> Iterator[list[EngineThread]]:
     engines = [
-        EngineThread(EngineOptions(kind="sim", max_running=8, sim=SIM, weight_version=v))
+        EngineThread(EngineOptions(kind="sim", max_running=8, sim=SIM, weight_version=v,
+                                   disconnect_poll_s=0.5))
         for v in ("0", "5", "9")
     ]
     yield engines
@@ -97,6 +98,12 @@ def test_control_calls_reach_every_worker_not_the_router(
                 assert await c.weight_version(e.url) == 7
 
     run(go(), 120)
+
+
+def test_a_killed_clients_request_is_aborted_through_the_router(
+    router_on_sims: RouterProcess, sims: list[EngineThread]
+) -> None:
+    run(orphan_through_router(router_on_sims.url, [e.url for e in sims[:2]]), 120)
 
 
 def test_worker_added_and_removed_while_requests_run(

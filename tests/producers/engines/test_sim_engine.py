@@ -6,7 +6,8 @@ import asyncio
 from typing import Any
 
 import pytest
-from tests.producers.engines.engine_helpers import load_counts, run, wait_until
+from tests.producers.engines.engine_helpers import (load_counts, orphan_through_router, run,
+                                                    wait_until)
 
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig, target_length
@@ -158,6 +159,21 @@ def test_waiting_abort_shape_and_retract_spans() -> None:
 
 async def _counts(c: SGLangClient, url: str, expected: tuple[int, int]) -> bool:
     return await load_counts(c, url) == expected
+
+
+def test_router_drops_the_request_of_a_killed_client() -> None:
+    """As the real sglang-router does (``test_router_real``): the worker sees its client
+    gone and aborts the request."""
+    sim = SimConfig(step_base_ms=5.0, len_median=10**4, len_cap=10**4, cap_prob=1.0)
+
+    async def go() -> None:
+        async with (
+            running_engine(EngineOptions(kind="sim", sim=sim, disconnect_poll_s=0.5)) as w1,
+            running_engine(EngineOptions(kind="router", worker_urls=(w1,))) as router,
+        ):
+            await orphan_through_router(router, [w1])
+
+    run(go())
 
 
 def test_router_discovery_generate_and_per_worker_control() -> None:
