@@ -1,6 +1,7 @@
 """The chaos benchmark's counting proxy: one forwarding proxy per engine, tallying the
 completion tokens of every ``/generate`` answer by producer, task and lease generation
-(parsed from the rid ``producer/task.gN/...``)."""
+(parsed from the rid ``producer/task.gN/...``). A proxy stands where sglang-router would:
+the request of a client that went away is aborted on its engine (see ``_abort``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from strawq.producers.engines.server import DISCONNECT_POLL_S
 
 
 @dataclass
@@ -64,22 +67,43 @@ class Proxies:
     def _handler(self, port: int) -> Any:
         from aiohttp import web
 
+        async def forward(request: web.Request, body: bytes) -> tuple[bytes, int, str]:
+            url = f"http://127.0.0.1:{port}{request.rel_url}"
+            async with self.session.request(request.method, url, data=body,
+                                            headers={"Content-Type": request.headers.get(
+                                                "Content-Type", "application/json")}) as r:
+                return (await r.read(), r.status,
+                        r.headers.get("Content-Type", "application/json"))
+
         async def handle(request: web.Request) -> web.StreamResponse:
             body = await request.read()
-            url = f"http://127.0.0.1:{port}{request.rel_url}"
+            call = asyncio.ensure_future(forward(request, body))
             try:
-                async with self.session.request(request.method, url, data=body,
-                                                headers={"Content-Type": request.headers.get(
-                                                    "Content-Type", "application/json")}) as r:
-                    data = await r.read()
-                    status = r.status
-                    ctype = r.headers.get("Content-Type", "application/json")
+                while not (await asyncio.wait({call}, timeout=DISCONNECT_POLL_S))[0]:
+                    if request.path == "/generate" and (
+                            request.transport is None or request.transport.is_closing()):
+                        await self._abort(port, body)
+                        # the answer still comes (aborted, with its tokens): counted below
+                data, status, ctype = await call
             except Exception:  # noqa: BLE001 - the engine is dead: what a dead engine gives
                 return web.Response(status=502, text="engine unreachable")
             if request.path == "/generate" and status == 200:
                 self._count(body, data)
             return web.Response(status=status, body=data, content_type=ctype.split(";")[0])
         return handle
+
+    async def _abort(self, port: int, body: bytes) -> None:
+        """The client went away: what sglang-router and SGLang do between them (the router
+        drops the upstream request, the engine's tokenizer manager notices within 4 s and
+        aborts the rid), done here so the aborted answer's tokens are still counted."""
+        try:
+            rid = json.loads(body).get("rid")
+        except ValueError:
+            return
+        if isinstance(rid, str):
+            async with self.session.post(f"http://127.0.0.1:{port}/abort_request",
+                                         json={"rid": rid}) as r:
+                await r.read()
 
     def _count(self, req: bytes, resp: bytes) -> None:
         try:
