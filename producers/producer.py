@@ -275,6 +275,8 @@ class Producer:
                               pid, len(self.handback.orphans))
             finally:
                 await self.guard.close()
+                if self.runner.teacher is not None:
+                    await self.runner.teacher.close()
                 if hb is not None:
                     hb.cancel()
                     await asyncio.gather(hb, return_exceptions=True)

@@ -70,6 +70,20 @@ class Teacher:
     def __init__(self, url: str, config: ClientConfig) -> None:
         self.url = url
         self.config = config
+        #: one client (one connection pool) for every score; started at the first one
+        self._client: SGLangClient | None = None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def _started(self) -> SGLangClient:
+        if self._client is None:
+            client = SGLangClient([self.url], config=self.config)
+            await client.start()
+            self._client = client
+        return self._client
 
     async def score(self, run: GroupRun, i: int) -> bool:
         """Record sample ``i``'s teacher log-probs; False when the sample failed instead."""
@@ -81,9 +95,8 @@ class Teacher:
             return True
         ids, params, extra = teacher_payload(s)
         try:
-            async with SGLangClient([self.url], config=self.config) as client:
-                result = await client.generate(ids, params, rid=f"{s.uid}.teacher",
-                                               extra=extra)
+            client = await self._started()
+            result = await client.generate(ids, params, rid=f"{s.uid}.teacher", extra=extra)
             s.extras[TEACHER_LOGPROBS] = parse_teacher(result, s)
         except EngineError as exc:
             log.warning("sample %s: teacher log-probs failed: %s", s.uid, exc)
