@@ -183,6 +183,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         for url, n in st.engines_needing_weights.items():
             have = "unreadable" if n["engine_version"] is None else n["engine_version"]
             print(f"    {url}  reports version {have} (noted by {n['writer']}: {n['reason']})")
+        print(f"  (an engine removed for good: strawq forget-engine {args.path} URL)")
     return 0
 
 
@@ -242,6 +243,23 @@ def cmd_bracket(args: argparse.Namespace) -> int:
     payload.update(open=False, aborted=st.pause_version)
     _emit(args, payload, f"aborted the weight update to version {st.pause_version}: producers "
           f"resume on weight version {q.current_version()}")
+    return 0
+
+
+def cmd_forget_engine(args: argparse.Namespace) -> int:
+    from strawq.engine_weights import EngineWeights
+
+    q = _queue(args.path)
+    weights = EngineWeights(q.storage)
+    url = args.url.rstrip("/")
+    noted = weights.needing()
+    if url not in noted:
+        raise StrawqError(f"no note says {url} needs weights at {args.path} (noted: "
+                          f"{', '.join(sorted(noted)) or 'none'})")
+    gone = weights.clear(url)
+    _emit(args, {"url": url, "notes_deleted": gone},
+          f"forgot {url}: {gone} note(s) deleted; the trainer no longer pushes to it (a "
+          "producer that still lists it and finds it behind notes it again)")
     return 0
 
 
@@ -345,6 +363,17 @@ def build_parser() -> argparse.ArgumentParser:
         _add_json(b)
         _add_verbosity(b)
         b.set_defaults(func=cmd_bracket)
+
+    s = sub.add_parser("forget-engine", help="drop the notes of an engine retired for good",
+                       description="Producers note an engine on weights other than the run's "
+                       "in RUN/engines/ and the trainer keeps pushing the run's weights to it "
+                       "until it catches up (strawq status lists them). For an engine that "
+                       "was removed for good, this deletes its notes: the repairs stop and "
+                       "engines/needing_weights drops.")
+    s.add_argument("path")
+    s.add_argument("url", help="the engine's base URL, as strawq status shows it")
+    _add_json(s)
+    s.set_defaults(func=cmd_forget_engine)
 
     for entry in SUBCOMMANDS:
         entry.register(sub)

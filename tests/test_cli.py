@@ -281,3 +281,27 @@ def test_status_names_the_engines_needing_weights(
     assert cli.main(["status", str(run)]) == 0
     out = capsys.readouterr().out
     assert "engines needing weights" in out and "http://10.0.0.7:30000  reports version 2" in out
+
+
+def test_forget_engine_drops_the_notes_of_a_retired_engine(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from strawq.engine_weights import EngineWeights
+
+    run = Path(_run(tmp_path))
+    q = RunQueue.open(PosixStorage(str(run), writer_id="p", fsync=False))
+    notes = EngineWeights(q.storage)
+    for writer in ("producer-1", "producer-2"):
+        notes.mark("http://10.0.0.7:30000", writer=writer, engine_version=2, run_version=5,
+                   reason="restarted")
+    notes.mark("http://10.0.0.8:30000", writer="producer-1", engine_version=None,
+               run_version=5, reason="unreachable")
+    assert cli.main(["status", str(run)]) == 0
+    assert "strawq forget-engine" in capsys.readouterr().out
+    assert cli.main(["forget-engine", str(run), "http://10.0.0.9:30000"]) == 1
+    err = capsys.readouterr().err
+    assert "no note says http://10.0.0.9:30000" in err and "http://10.0.0.8:30000" in err
+    assert "Traceback" not in err
+    assert cli.main(["forget-engine", str(run), "http://10.0.0.7:30000/", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"url": "http://10.0.0.7:30000",
+                                                   "notes_deleted": 2}
+    assert sorted(notes.needing()) == ["http://10.0.0.8:30000"]  # the other engine's kept
