@@ -59,7 +59,7 @@ def test_bracket_with_tiny_engine(tmp_path: Path) -> None:
                 for v in (1, 2):
                     await wait_for(lambda: p.stats().busy_trajectories > 0 or
                                    len(ids(q, "ready")) == n, 60, "generating")
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(0.03)  # a group takes ~0.13 s: land mid-flight
                     control.pause(v)
                     await wait_for(lambda: p.producer_id in control.state().acks, 60, "ack")
                     assert not names(q, "leased")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +16,12 @@ from strawq.errors import ConfigError
 from strawq.names import note_key
 from strawq.queue import RunQueue
 
+from strawq.producers.engines.launch import EngineOptions
+from strawq.producers.engines.testing import EngineThread
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sglang_client import SGLangClient
+from tests.producers.conftest import FAST_SIM
 from tests.producers.helpers import (ids, make_run, names, ready_groups, run_producers,
                                      wait_for)
 
@@ -165,7 +170,16 @@ def test_stop_yields_partials_that_another_producer_finishes(tmp_path: Path,
         assert np.array_equal(g.logprobs, ref[gid].logprobs)
 
 
-def test_bracket_on_sim_engine(tmp_path: Path, sim_engine: Any) -> None:
+@pytest.fixture
+def paced_sim() -> Iterator[EngineThread]:
+    """2 ms a decode step: a 300-token group takes 0.6 s, so a pause sent 30 ms into
+    generation always lands mid-flight (the fast sim's 30 ms groups could finish first)."""
+    with EngineThread(EngineOptions(kind="sim", max_running=64,
+                                    sim=replace(FAST_SIM, time_scale=0.2))) as eng:
+        yield eng
+
+
+def test_bracket_on_sim_engine(tmp_path: Path, paced_sim: EngineThread) -> None:
     """Pause/ack/resume twice: partials carry prefixes, versions step up, the off-policy
     prefix is masked, and nothing is lost or duplicated (tokens equal an unpaused run)."""
     n = 8
@@ -174,6 +188,7 @@ def test_bracket_on_sim_engine(tmp_path: Path, sim_engine: Any) -> None:
           "mask_offpolicy_in_partial_rollout": True}
     q = make_run(str(tmp_path / "run"), 0, rows=rows)
     control = Control(q.storage)
+    sim_engine = paced_sim
     p = Producer(config(tmp_path / "run", sim_engine, **kw))
 
     async def body() -> None:
