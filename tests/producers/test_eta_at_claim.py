@@ -41,7 +41,9 @@ ROWS = [{"prompt": [40 + i, 41, 42]} for i in range(N)]
 SEED = 7
 NEW_VERSION = 2  # η = 1: a prefix at version 0 is two versions behind
 #: slow enough that a group of 4 × 400 tokens is still running when the producer stops
-SIM = SimConfig(time_scale=0.05, len_median=20, len_sigma=0.8, len_cap=120, cap_prob=0.02)
+#: 2.5 ms a decode step: 400 tokens take 1 s, so the stop 50 ms in finds every group
+#: mid-generation
+SIM = SimConfig(time_scale=0.25, len_median=20, len_sigma=0.8, len_cap=120, cap_prob=0.02)
 
 
 @pytest.fixture(scope="module")

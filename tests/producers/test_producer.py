@@ -135,10 +135,20 @@ def test_slots_zero_claims_nothing_until_set(tmp_path: Path, sim_engine: Any) ->
     assert p.stats().slots == 2
 
 
-def test_stop_yields_partials_that_another_producer_finishes(tmp_path: Path,
-                                                            sim_engine: Any) -> None:
+@pytest.fixture
+def paced_sim() -> Iterator[EngineThread]:
+    """2 ms a decode step: a 300-token group takes 0.6 s, so a pause sent 30 ms into
+    generation always lands mid-flight (the fast sim's 30 ms groups could finish first)."""
+    with EngineThread(EngineOptions(kind="sim", max_running=64,
+                                    sim=replace(FAST_SIM, time_scale=0.2))) as eng:
+        yield eng
+
+
+def test_stop_yields_partials_that_another_producer_finishes(
+        tmp_path: Path, paced_sim: EngineThread) -> None:
     """Stop mid-generation: held groups go back as partials; a second producer resumes
     them and the tokens equal an uninterrupted run's (seeded sim engine)."""
+    sim_engine = paced_sim  # 0.8 s a group: the stop 50 ms in lands mid-generation
     n = 6
     rows = [{"prompt": [10 + i, 11, 12]} for i in range(n)]
     kw = {"max_new_tokens": 400, "ignore_eos": True, "slots": 6}
@@ -168,15 +178,6 @@ def test_stop_yields_partials_that_another_producer_finishes(tmp_path: Path,
         assert g.sample_lens == [400] * 4
         assert np.array_equal(g.tokens, ref[gid].tokens)
         assert np.array_equal(g.logprobs, ref[gid].logprobs)
-
-
-@pytest.fixture
-def paced_sim() -> Iterator[EngineThread]:
-    """2 ms a decode step: a 300-token group takes 0.6 s, so a pause sent 30 ms into
-    generation always lands mid-flight (the fast sim's 30 ms groups could finish first)."""
-    with EngineThread(EngineOptions(kind="sim", max_running=64,
-                                    sim=replace(FAST_SIM, time_scale=0.2))) as eng:
-        yield eng
 
 
 def test_bracket_on_sim_engine(tmp_path: Path, paced_sim: EngineThread) -> None:
