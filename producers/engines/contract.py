@@ -329,8 +329,12 @@ class EngineContract:
                 async def idle() -> bool:
                     return await _counts(c, target.url) == (0, 0)
 
-                await _until(idle, target.disconnect_deadline_s,
-                             "the request of a killed client aborted")
+                try:
+                    await _until(idle, target.disconnect_deadline_s,
+                                 "the request of a killed client aborted")
+                finally:  # failed: the orphan must not hold the engine for the next tests
+                    if not await idle():
+                        await c.abort_rids(["orphan-1"])
 
         self.run(target, go())
 
