@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 
 CORE_KEY = web.AppKey("core", EngineCore)
 INFO_KEY = web.AppKey("info", dict)
-#: requests whose client went away and whose abort the engine lost (held at a pause gate):
-#: they run on, like SGLang's, with nobody waiting; kept here so the tasks are not collected
+#: the submissions of clients that went away, kept until they end (so the tasks are not
+#: collected): an aborted request ends within a step; one whose abort was lost at the pause
+#: gate runs to its end with nobody waiting, as on SGLang
 ORPHANS_KEY = web.AppKey("orphans", set)
 
 #: SGLang 0.5.23's ``SGLANG_REQUEST_STATE_WAIT_TIMEOUT``: how often the tokenizer manager
