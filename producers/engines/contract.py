@@ -354,7 +354,7 @@ class EngineContract:
                 async def queued() -> bool:
                     return (await _counts(c, target.url))[1] >= 1
 
-                await _until(queued, 30, "a queued request")
+                await _until(queued, target.timeout_s / 2, "a queued request")
                 await c.abort_rids(["ctw-extra"])
                 w = await extra
                 assert w.is_waiting_abort and len(w.output_ids) == 0 and w.prompt_tokens is None
