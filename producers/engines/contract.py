@@ -106,6 +106,20 @@ async def _counts(client: SGLangClient, url: str) -> tuple[int, int]:
     return int(entry["num_running_reqs"]), int(entry["num_waiting_reqs"])
 
 
+async def _live_tokens(target: EngineTarget) -> dict[str, int] | None:
+    """Each request's output tokens so far, by rid (the local engines'
+    ``GET /strawq/live_requests``); None where the engine has no such endpoint."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(target.url.rstrip("/") + "/strawq/live_requests",
+                 headers=target.headers()) as resp,
+    ):
+        if resp.status != 200:
+            return None
+        body = await resp.json()
+    return {r["rid"]: int(r["output_tokens"]) for r in body["requests"]}
+
+
 async def _until(pred: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not await pred():
@@ -391,9 +405,10 @@ class EngineContract:
         """A pending abort wins over the stop check: the reply says abort but ends on the
         stop token; the client reports it finished (``stop`` with ``aborted: true``).
 
-        Whether an abort lands exactly on a stop token is timing; the scenario is tried a
-        few times, and every reply is checked each time (never past its stop token; an
-        abort that landed on it reported as finished)."""
+        On the real server whether an abort lands exactly on a stop token is timing; the
+        local engines are stepped until it does. The scenario is tried a few times, and
+        every reply is checked each time (never past its stop token; an abort that landed
+        on it reported as finished)."""
 
         async def once(c: Any, attempt: int) -> int:
             greedy = {**GREEDY, "max_new_tokens": 24}
@@ -407,6 +422,7 @@ class EngineContract:
             if len(firsts) < 3:
                 pytest.skip(f"greedy path {ref} repeats too much to place stop tokens")
             prefix = f"cts{attempt}-"
+            stepped = await _live_tokens(target) is not None
             tasks = {
                 k: asyncio.create_task(
                     c.generate(
@@ -417,13 +433,16 @@ class EngineContract:
                 )
                 for k in firsts
             }
-            await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_COMPLETED)
-            await c.pause_generation("in_place")
-            try:
-                await c.abort_matching(prefix)
-                await asyncio.sleep(0.2)
-            finally:
-                await c.continue_generation()
+            if stepped:
+                await self._abort_before_a_stop(c, target, prefix, tasks)
+            else:  # where the freeze lands is timing
+                await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_COMPLETED)
+                await c.pause_generation("in_place")
+                try:
+                    await c.abort_matching(prefix)
+                    await asyncio.sleep(0.2)
+                finally:
+                    await c.continue_generation()
             landed = 0
             for k, task in tasks.items():
                 r = await task
@@ -444,6 +463,26 @@ class EngineContract:
                 self.no_landing(target)
 
         self.run(target, go())
+
+    async def _abort_before_a_stop(
+        self, c: SGLangClient, target: EngineTarget, prefix: str,
+        tasks: Mapping[int, asyncio.Task[Any]],
+    ) -> None:
+        """Step an engine that lists its requests' tokens (the local engines'
+        ``/strawq/live_requests``) by pausing in place and reading every request's tokens,
+        until one request's next token is its stop token; then abort them all. The
+        requests may be admitted in different steps (they arrive one by one), so freezing
+        after the first one finishes does not tell where the others are."""
+        while not all(t.done() for t in tasks.values()):
+            await c.pause_generation("in_place")
+            try:
+                live = await _live_tokens(target) or {}
+                if any(live.get(f"{prefix}{k}") == k for k in tasks):
+                    await c.abort_matching(prefix)
+                    await asyncio.sleep(0.2)
+                    return
+            finally:
+                await c.continue_generation()
 
     def no_landing(self, target: EngineTarget) -> None:
         """No abort landed on a stop token this run (timing); local engines must land one."""
