@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from strawq.producers.engines.server import DISCONNECT_POLL_S
+from strawq.producers.engines.server import client_gone_first
 
 
 @dataclass
@@ -79,11 +79,9 @@ class Proxies:
             body = await request.read()
             call = asyncio.ensure_future(forward(request, body))
             try:
-                while not (await asyncio.wait({call}, timeout=DISCONNECT_POLL_S))[0]:
-                    if request.path == "/generate" and (
-                            request.transport is None or request.transport.is_closing()):
-                        await self._abort(port, body)
-                        # the answer still comes (aborted, with its tokens): counted below
+                if request.path == "/generate" and await client_gone_first(request, call):
+                    await self._abort(port, body)
+                    # the answer still comes (aborted, with its tokens): counted below
                 data, status, ctype = await call
             except Exception:  # noqa: BLE001 - the engine is dead: what a dead engine gives
                 return web.Response(status=502, text="engine unreachable")

@@ -26,6 +26,7 @@ copy come from ``strawq.producers.engines.real_server`` (``bench/engines.py`` us
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -48,6 +49,7 @@ from strawq.producers.engines.real_server import (
     make_perturbed_copy,
     start_real_server,
 )
+from strawq.producers.sglang_client import ClientConfig, SGLangClient
 
 __all__ = [
     "RealServer",
@@ -177,13 +179,11 @@ def sglang_real(sglang_real_session: RealServer) -> RealServer:
     version): a test that pushed versions to it must not leave the next test's producers
     facing an engine on another version, which they rightly keep out of rotation."""
     server = sglang_real_session
-    req = urllib.request.Request(
-        server.url + "/update_weight_version", method="POST",
-        data=json.dumps({"new_version": "0", "abort_all_requests": False}).encode(),
-        headers={"Content-Type": "application/json"})
-    key = server.admin_api_key or server.api_key
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        resp.read()
+
+    async def reset() -> None:
+        config = ClientConfig(api_key=server.api_key, admin_api_key=server.admin_api_key)
+        async with SGLangClient([server.url], config=config) as c:
+            await c.update_weight_version(0, abort_all_requests=False)
+
+    asyncio.run(reset())
     return server

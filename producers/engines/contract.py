@@ -410,7 +410,7 @@ class EngineContract:
         every reply is checked each time (never past its stop token; an abort that landed
         on it reported as finished)."""
 
-        async def once(c: Any, attempt: int) -> int:
+        async def once(c: Any, attempt: int, stepped: bool) -> int:
             greedy = {**GREEDY, "max_new_tokens": 24}
             ref = (await c.generate(target.prompt, greedy)).output_ids.tolist()
             # stop positions where the token first appears; at most max_running of them,
@@ -422,7 +422,6 @@ class EngineContract:
             if len(firsts) < 3:
                 pytest.skip(f"greedy path {ref} repeats too much to place stop tokens")
             prefix = f"cts{attempt}-"
-            stepped = await _live_tokens(target) is not None
             tasks = {
                 k: asyncio.create_task(
                     c.generate(
@@ -457,8 +456,9 @@ class EngineContract:
 
         async def go() -> None:
             async with target.client() as c:
+                stepped = await _live_tokens(target) is not None
                 for attempt in range(3):
-                    if await once(c, attempt):
+                    if await once(c, attempt, stepped):
                         return
                 self.no_landing(target)
 

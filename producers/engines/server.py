@@ -391,23 +391,28 @@ async def _submit_while_connected(request: web.Request, core: EngineCore,
     Each abort is an ordinary exact-rid abort, so one that meets a request held at the pause
     gate is lost there, as on SGLang: that request runs on, with nobody waiting."""
     task = asyncio.ensure_future(core.submit(reqs))
-    poll_s = request.app[INFO_KEY]["disconnect_poll_s"]
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=poll_s)
-        if done:
-            task.result()
+    if not await client_gone_first(request, task, request.app[INFO_KEY]["disconnect_poll_s"]):
+        task.result()
+        return True
+    logger.info("client of %s went away; aborting %d request(s)", reqs[0].rid, len(reqs))
+    for req in reqs:
+        core.abort(req.rid)
+    orphans = request.app[ORPHANS_KEY]
+    orphans.add(task)
+    task.add_done_callback(orphans.discard)
+    task.add_done_callback(_ignore_result)
+    return False
+
+
+async def client_gone_first(request: web.Request, work: asyncio.Future[Any],
+                            poll_s: float = DISCONNECT_POLL_S) -> bool:
+    """Wait for ``work``, checking every ``poll_s`` that ``request``'s client is still
+    connected (SGLang's tokenizer manager's check); True as soon as it is gone, False once
+    ``work`` is done."""
+    while not (await asyncio.wait({work}, timeout=poll_s))[0]:
+        if request.transport is None or request.transport.is_closing():
             return True
-        transport = request.transport
-        if transport is None or transport.is_closing():
-            logger.info("client of %s went away; aborting %d request(s)", reqs[0].rid,
-                        len(reqs))
-            for req in reqs:
-                core.abort(req.rid)
-            orphans = request.app[ORPHANS_KEY]
-            orphans.add(task)
-            task.add_done_callback(orphans.discard)
-            task.add_done_callback(_ignore_result)
-            return False
+    return False
 
 
 def _ignore_result(task: asyncio.Future[Any]) -> None:

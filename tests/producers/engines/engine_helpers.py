@@ -98,20 +98,19 @@ async def orphan_through_router(router_url: str, workers: list[str]) -> None:
             "sampling_params": {"max_new_tokens": 20000, "ignore_eos": True}})
 
         async def running() -> int:
-            loads = [await c.loads(url) for url in workers]
-            return sum(int(body["loads"][0]["num_running_reqs"]) for body in loads)
+            return sum([(await load_counts(c, url))[0] for url in workers])
+
+        async def started() -> bool:
+            return await running() > 0
+
+        async def idle() -> bool:
+            return await running() == 0
 
         try:
-            for _ in range(200):
-                if await running():
-                    break
-                await asyncio.sleep(0.05)
+            await async_wait_until(started, 10, what="the request running on a worker")
             assert await running() == 1
         finally:
             client.kill()
             client.wait()
-        for _ in range(100):  # 10 s: the worker checks its client every 0.5 s
-            if not await running():
-                break
-            await asyncio.sleep(0.1)
-        assert await running() == 0, "the killed client's request still runs on the worker"
+        # the worker checks its client every 0.5 s
+        await async_wait_until(idle, 10, what="the killed client's request aborted on the worker")
