@@ -56,7 +56,7 @@ def _names(q: RunQueue, state: str) -> list[TaskName]:
 
 
 def _producer(run: str, url: str, ledger: str, pid: str) -> subprocess.Popen[bytes]:
-    code = ("import sys; sys.modules['ray'] = None; from strawq.cli import main; "
+    code = ("import sys; sys.modules['ray'] = None; from strawq.app.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     args = {"turns_p": 0.6, "max_turns": 5, "tool_median_s": 0.05, "tool_sigma": 1.0,
             "tool_cap_s": 1.0, "ledger": ledger, "seed": 1}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strawq.producers.engines.real_server import (
+from strawq.testing.real_sglang import (
     RealServer,
     bracket_scenario,
     default_fixture_home,
@@ -102,7 +102,7 @@ def real_contract(server: RealServer) -> tuple[int, int, int, list[str]]:
     """Run the engine contract suite's tests on the real server: passed, run, skipped."""
     import pytest
 
-    from strawq.producers.engines.contract import EngineContract, EngineTarget
+    from strawq.testing.engine_contract import EngineContract, EngineTarget
 
     target = EngineTarget(
         url=server.url, eos_token_id=2, vocab_size=49152, prompt=(504, 3575, 282, 4649, 314),

@@ -8,6 +8,13 @@ modules are not imported here, so the collector process never imports torch.
 
 from __future__ import annotations
 
+if __name__ != "strawq.collector":  # one identity per module: see docs/architecture.md
+    raise ImportError(
+        f"the folder collector/ is the package strawq.collector; import it by that name, not as "
+        f"{__name__!r} (that would load a second, distinct copy of every module in it)"
+    )
+
+
 from strawq.collector.admission import Admission, Depths, admission
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector, StepReport

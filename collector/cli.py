@@ -13,7 +13,7 @@ import os
 import signal
 from typing import Any
 
-from strawq.cli import positive_int
+from strawq.argtypes import positive_int
 
 log = logging.getLogger(__name__)
 

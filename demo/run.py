@@ -125,25 +125,14 @@ class Sampler(threading.Thread):
             c.close()
 
 
-def _start_ray(nodes: int) -> Any:
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1,
-                                                            "include_dashboard": False})
-    for _ in range(nodes - 1):
-        cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING)
-    cluster.wait_for_nodes()
-    return cluster
-
-
 def run_demo(cfg: DemoConfig) -> DemoResult:
     """Run the whole loop; Ctrl-C stops cleanly (run again with resume=True to continue)."""
-    import ray
-
-    from strawq.producers.placement import PlacementConfig, ProducerPlacement, wait_for_nodes
+    from strawq.producers.placement import (
+        PlacementConfig,
+        ProducerPlacement,
+        start_local_cluster,
+        wait_for_nodes,
+    )
     from strawq.producers.producer_config import ProducerConfig
 
     torch.set_num_threads(1)
@@ -231,7 +220,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         col_thread = threading.Thread(target=collector.run, kwargs={"should_stop": stop.is_set},
                                       daemon=True, name="strawq-collector")
         col_thread.start()
-        cluster = _start_ray(cfg.nodes)
+        cluster = start_local_cluster(cfg.nodes)
         wait_for_nodes(cfg.nodes)
         task_keys: dict[str, Any] = dict(tools_task.PRODUCER) if cfg.task == "tools" else {
             "reward": "strawq.producers.rewards.count_task",
@@ -341,8 +330,6 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
             col_thread.join(30)
         if collector is not None:
             collector.close()  # a clean hand-over: a resumed run takes the fence at once
-        if ray.is_initialized():
-            ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
         for e in engines:

@@ -103,7 +103,7 @@ def cmd_producer(args: argparse.Namespace) -> int:
 
 
 def add_parsers(subparsers: Any) -> None:
-    from strawq.cli import positive_int
+    from strawq.argtypes import positive_int
 
     s = subparsers.add_parser(
         "producer", help="run one producer in this process, without Ray (Slurm, systemd)",

@@ -312,3 +312,29 @@ def wait_for_nodes(count: int, timeout_s: float = 60.0, min_cpus: float = 1.0) -
             raise TimeoutError(f"only {len(nodes)} eligible Ray nodes after {timeout_s:.0f}s, "
                                f"expected {count}")
         time.sleep(0.2)
+
+
+class LocalCluster:
+    """A Ray cluster of ``nodes`` one-CPU nodes in this machine's processes (demo and lab)."""
+
+    def __init__(self, nodes: int) -> None:
+        from ray.cluster_utils import Cluster
+
+        self._cluster = Cluster(initialize_head=True,
+                                head_node_args={"num_cpus": 1, "include_dashboard": False})
+        for _ in range(nodes - 1):
+            self._cluster.add_node(num_cpus=1)
+        ray.init(address=self._cluster.address, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING)
+        self._cluster.wait_for_nodes()
+
+    def shutdown(self) -> None:
+        """Disconnect this driver and stop every node."""
+        if ray.is_initialized():
+            ray.shutdown()
+        self._cluster.shutdown()  # type: ignore[no-untyped-call]
+
+
+def start_local_cluster(nodes: int) -> LocalCluster:
+    """Start a local multi-node Ray cluster and connect this driver to it."""
+    return LocalCluster(nodes)

@@ -2,6 +2,6 @@
 
 import sys
 
-from strawq.cli import main
+from strawq.app.cli import main
 
 sys.exit(main())

@@ -2,7 +2,7 @@
 
 Every configuration class of the project is a frozen, keyword-only dataclass that inherits
 :class:`Config`; sections nest (a field typed with another ``Config`` class) and the root
-of a run is :class:`strawq.run_config.RunConfig` (torchtitan's job config is the model).
+of a run is :class:`strawq.app.run_config.RunConfig` (torchtitan's job config is the model).
 
 One validation path, run on every construction (``__init__``, ``from_dict``,
 ``dataclasses.replace``): each field's value is checked against its annotation (``int``,

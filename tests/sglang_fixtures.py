@@ -18,7 +18,7 @@ Import them from the top-level ``tests/conftest.py``::
 
 The second weight directory (``perturbed_dir``) is a copy of the model with one tensor
 scaled by 1.05, made once next to the model (outside the checkout). The server and that
-copy come from ``strawq.producers.engines.real_server`` (``bench/engines.py`` uses it too).
+copy come from ``strawq.testing.real_sglang`` (``bench/engines.py`` uses it too).
 
 ``sglang_router_cmd`` (session): the command that starts the real ``sglang-router``
 (PyPI ``sglang-router``, the project's ``sglang-test`` extra), or a skip.
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from strawq.producers.engines.real_server import (
+from strawq.testing.real_sglang import (
     MODEL_NAME,
     RealServer,
     default_fixture_home,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from strawq import cli
+from strawq.app import cli
 
 
 def test_every_registered_command_is_listed(capsys: pytest.CaptureFixture[str]) -> None:
@@ -246,7 +246,7 @@ def test_bracket_abort_releases_a_stuck_weight_update(
 
 def test_producer_command_is_registered_and_runs_without_ray(tmp_path: Path) -> None:
     run = _run(tmp_path)
-    code = ("import sys; sys.modules['ray'] = None; from strawq.cli import main; "
+    code = ("import sys; sys.modules['ray'] = None; from strawq.app.cli import main; "
             f"sys.exit(main(['producer', {run!r}, '--engine', 'http://127.0.0.1:9', "
             "'--reward', 'strawq.producers.rewards.math_answer', '--max-seconds', '0.5', "
             "'--json']))")

@@ -20,7 +20,7 @@ import pytest
 from strawq.collector.config import CollectorConfig
 from strawq.config import Config, QueueConfig, load_config
 from strawq.errors import ConfigError
-from strawq.run_config import RunConfig
+from strawq.app.run_config import RunConfig
 
 RUN_JSON = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "run.json"
 
@@ -219,7 +219,7 @@ def test_run_config_errors_name_the_section() -> None:
 
 
 def test_run_config_module_imports_no_ray_torch_or_http() -> None:
-    code = ("import sys, strawq.run_config as r; "
+    code = ("import sys, strawq.app.run_config as r; "
             "r.RunConfig.from_dict({'queue': {'group_size': 4}, 'collector': {}}); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'ray', 'torch', 'aiohttp', 'requests', 'httpx'}))")

@@ -27,7 +27,8 @@ from strawq.grantor import LeaseMonitor
 from strawq.names import data_key, dataset_task_id
 from strawq.queue import Lease, RunQueue
 from strawq.retention import drop_totals
-from strawq.storage import CrashPoint, FaultyStorage, MemoryStorage, PosixStorage, Storage
+from strawq.storage import MemoryStorage, PosixStorage, Storage
+from strawq.testing.faults import CrashPoint, FaultyStorage
 from strawq.testing import audit_run, check_total_queue, make_group, write_jsonl
 from strawq.testing.crash import drain, read_log, recover
 from strawq.testing.factories import make_partial, prompts

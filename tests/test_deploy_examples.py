@@ -25,7 +25,7 @@ from strawq.producers.plugins import load_filter, load_reward
 from strawq.producers.producer_config import ProducerConfig
 from strawq.config import QueueConfig, from_dict
 from strawq.errors import ConfigError
-from strawq.run_config import RunConfig
+from strawq.app.run_config import RunConfig
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 RUN_JSON = DEPLOY / "examples" / "run.json"

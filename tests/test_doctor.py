@@ -47,7 +47,7 @@ def _no_scratch_left(directory: str) -> bool:
 
 
 def _show(report: doctor.DoctorReport) -> None:
-    from strawq.doctor_cli import render
+    from strawq.app.doctor_cli import render
 
     sys.stdout.write("\n" + render(report, width=100) + "\n")
 
@@ -249,7 +249,7 @@ def test_failed_report_cannot_be_declared(readonly_tmpfs: str, tmp_path: str) ->
 # -- the CLI -------------------------------------------------------------------------------
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "strawq.doctor_cli", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "strawq.app.doctor_cli", *args], cwd=REPO,
                           check=False, capture_output=True, text=True, timeout=120)
 
 
@@ -303,7 +303,7 @@ def test_cli_help_explains_the_checks() -> None:
 def test_add_doctor_parser_wires_into_a_main_cli() -> None:
     import argparse
 
-    from strawq.doctor_cli import add_doctor_parser, run_doctor_command
+    from strawq.app.doctor_cli import add_doctor_parser, run_doctor_command
 
     parser = argparse.ArgumentParser(prog="strawq")
     add_doctor_parser(parser.add_subparsers(dest="command"))

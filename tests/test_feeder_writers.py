@@ -18,7 +18,8 @@ from strawq.dataset import Dataset
 from strawq.feeder import Feeder, list_cursors
 from strawq.names import dataset_task_id
 from strawq.queue import RunQueue
-from strawq.storage import CrashPoint, FaultyStorage, MemoryStorage, PosixStorage, Storage
+from strawq.storage import MemoryStorage, PosixStorage, Storage
+from strawq.testing.faults import CrashPoint, FaultyStorage
 from strawq.testing import audit_run, make_group, write_jsonl
 from strawq.testing.crash import drain
 from strawq.testing.factories import prompts

@@ -14,7 +14,7 @@ import pytest
 
 from strawq import records
 from strawq.batches import BatchStore
-from strawq.cli import main as cli_main
+from strawq.app.cli import main as cli_main
 from strawq.config import QueueConfig, from_dict
 from strawq.control import Control
 from strawq.dataset import Dataset

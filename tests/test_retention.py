@@ -13,7 +13,7 @@ import pytest
 
 from strawq import retention
 from strawq.batches import BatchStore
-from strawq.cli import main as cli_main
+from strawq.app.cli import main as cli_main
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
 from strawq.feeder import Feeder

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from strawq import cli
+from strawq.app import cli
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

@@ -1,6 +1,6 @@
 """Load and validate a run config file like ``run.json``; print one section for the CLI.
 
-The file is one ``strawq.run_config.RunConfig``: four sections, each built by its real
+The file is one ``strawq.app.run_config.RunConfig``: four sections, each built by its real
 config class (unknown keys are refused by name, values type-checked and validated), and
 each value held once (G lives in ``queue.group_size`` and in no other section):
 
@@ -30,7 +30,7 @@ SECTIONS = ("queue", "collector", "producer", "placement")
 def load(path: str, overrides: Sequence[str] = ()) -> Any:
     """The ``RunConfig`` of ``path`` plus ``section.key=value`` overrides."""
     from strawq.config import load_config
-    from strawq.run_config import RunConfig
+    from strawq.app.run_config import RunConfig
 
     return load_config(RunConfig, path, overrides, where="run config")
 

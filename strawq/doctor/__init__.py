@@ -20,7 +20,7 @@ run starts the queue *measures* them in a scratch directory ``.strawq-doctor-<uu
 
 A report can be saved as a *storage declaration* (JSON) and later checked against a fresh
 measurement; ``require_healthy`` is the cheap start-up gate. Library code: no printing
-(``strawq.doctor_cli`` renders reports).
+(``strawq.app.doctor_cli`` renders reports).
 
 Layout: this module runs the checks in order (``run_doctor``, ``require_healthy``);
 ``mounts`` finds the mount and its type, ``juicefs`` reads and judges a JuiceFS client's

@@ -1,6 +1,6 @@
 """The report's vocabulary: what a check found, and what the doctor saw of the mount.
 
-Plain data only, so that every checking module (and ``strawq.doctor_cli``, which renders
+Plain data only, so that every checking module (and ``strawq.app.doctor_cli``, which renders
 reports) can import it without pulling in the checks themselves.
 """
 

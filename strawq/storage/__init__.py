@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from strawq.storage.base import Capabilities, Storage, parent, validate_key
-from strawq.storage.faults import CrashPoint, FaultyStorage
 from strawq.storage.memory import MemoryStorage
 from strawq.storage.posix import PosixStorage
 
 __all__ = [
     "Capabilities",
-    "CrashPoint",
-    "FaultyStorage",
     "MemoryStorage",
     "PosixStorage",
     "Storage",

@@ -46,7 +46,8 @@ from strawq.errors import (
 )
 from strawq.groups import GroupData, decode_group
 from strawq.records import Kind
-from strawq.storage import Capabilities, FaultyStorage, PosixStorage, Storage
+from strawq.storage import Capabilities, PosixStorage, Storage
+from strawq.testing.faults import FaultyStorage
 
 #: Keys that must never become file names (invariant 7).
 INVALID_KEYS = ("", "/abs", "a/", "a//b", "..", "../escape", "a/../b", ".", "a/./b",

@@ -33,7 +33,8 @@ from strawq.dataset import Dataset
 from strawq.feeder import Feeder
 from strawq.grantor import LeaseMonitor
 from strawq.queue import RunQueue
-from strawq.storage import FaultyStorage, PosixStorage, Storage
+from strawq.storage import PosixStorage, Storage
+from strawq.testing.faults import FaultyStorage
 from strawq.testing.factories import make_group, make_partial
 
 _MUTATING = ("publish", "rename", "delete", "rmdir")

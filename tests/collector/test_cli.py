@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from strawq.cli import main as cli_main
+from strawq.app.cli import main as cli_main
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.reader import BatchReader

@@ -22,7 +22,7 @@ from tests.collector.helpers import SimProducer, make_run, write_dataset
 
 @pytest.mark.timeout(60)
 def test_help_explains_the_command():
-    res = subprocess.run([sys.executable, "-m", "strawq.cli", "collector", "--help"],
+    res = subprocess.run([sys.executable, "-m", "strawq.app.cli", "collector", "--help"],
                          capture_output=True, text=True, timeout=50, check=False)
     assert res.returncode == 0
     assert "staleness-first" in res.stdout and "--checkpoint" in res.stdout
@@ -34,7 +34,7 @@ def test_cli_runs_until_drained_with_a_producer_and_trainer(tmp_path):
     ds = write_dataset(str(tmp_path / "ds.jsonl"), 12)
     metrics = tmp_path / "collector.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "strawq.cli", "collector", str(tmp_path / "run"), ds,
+        [sys.executable, "-m", "strawq.app.cli", "collector", str(tmp_path / "run"), ds,
          "--no-fsync", "--set", "batch_groups=4", "--set", "max_running=8",
          "--set", "max_ready=8", "--set", "poll_interval_s=0.01",
          "--set", "metrics_interval_s=0", "--set", f"metrics_jsonl={metrics}"],

@@ -108,7 +108,7 @@ def test_cli_refuses_second_collector_process(run, tmp_path):
     q, ds = run
     holder = Collector(q, ds, CFG)
     holder.start(wait=False)
-    cmd = [sys.executable, "-m", "strawq.cli", "collector", q.storage.local_path("run.meta")
+    cmd = [sys.executable, "-m", "strawq.app.cli", "collector", q.storage.local_path("run.meta")
            .rsplit("/", 1)[0], ds.url, "--no-wait", "--max-steps", "1"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=50, check=False,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})

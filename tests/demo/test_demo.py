@@ -124,7 +124,7 @@ def test_demo_reward_rises(tmp_path: Path) -> None:
 @pytest.mark.timeout(420)
 def test_demo_resumes_after_kill_9(tmp_path: Path) -> None:
     work = tmp_path / "w"
-    cmd = [sys.executable, "-m", "strawq.cli", "demo", "--workdir", str(work), "--steps", "14",
+    cmd = [sys.executable, "-m", "strawq.app.cli", "demo", "--workdir", str(work), "--steps", "14",
            "--no-progress"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,

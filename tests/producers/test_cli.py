@@ -21,7 +21,7 @@ def test_a_producer_process_generates_and_hands_back_on_sigterm(tmp_path: Path,
                                                                 sim_engine: Any) -> None:
     n = 40
     q = make_run(str(tmp_path / "run"), n)
-    code = "import sys; sys.modules['ray'] = None; from strawq.cli import main; " \
+    code = "import sys; sys.modules['ray'] = None; from strawq.app.cli import main; " \
            "sys.exit(main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "producer", str(tmp_path / "run"), "--engine",
@@ -49,7 +49,7 @@ def test_a_producer_process_generates_and_hands_back_on_sigterm(tmp_path: Path,
 
 def test_an_engine_on_the_default_weight_version_is_refused_at_start(
         tmp_path: Path, capsys: Any) -> None:
-    from strawq.cli import main
+    from strawq.app.cli import main
     from strawq.producers.engines.launch import EngineOptions
     from strawq.producers.engines.testing import EngineThread
     from tests.producers.conftest import FAST_SIM

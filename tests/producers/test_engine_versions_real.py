@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strawq.producers.engines.real_server import RealServer, stale_engine_scenario
+from strawq.testing.real_sglang import RealServer, stale_engine_scenario
 
 pytestmark = [pytest.mark.sglang_real, pytest.mark.slow, pytest.mark.timeout(420)]
 

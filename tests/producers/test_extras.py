@@ -16,7 +16,7 @@ from strawq.groups import decode_group
 from strawq.names import TaskName, note_key
 from strawq.queue import Lease
 
-from strawq.producers.engines.real_server import free_port
+from strawq.testing.real_sglang import free_port
 from strawq.producers.extras_protocol import ExtrasMismatch, extras_payload, segment_for
 from strawq.producers.group import GroupRun
 from strawq.producers.producer import Producer

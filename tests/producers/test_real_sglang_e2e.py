@@ -19,7 +19,7 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.reader import BatchReader
 from strawq.dataset import Dataset
-from strawq.producers.engines.real_server import BracketResult, RealServer, bracket_scenario
+from strawq.testing.real_sglang import BracketResult, RealServer, bracket_scenario
 from tests.sglang_fixtures import start_router
 
 pytestmark = [pytest.mark.sglang_real, pytest.mark.timeout(420)]

@@ -218,7 +218,7 @@ def test_tool_failure_policies(tmp_path: Path, sim_engine: Any) -> None:
 
 
 def _producer_process(run: Path, url: str, ledger: Path) -> subprocess.Popen[str]:
-    code = ("import sys; sys.modules['ray'] = None; from strawq.cli import main; "
+    code = ("import sys; sys.modules['ray'] = None; from strawq.app.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     args = {"ledger": str(ledger), "turns": 4, "slow_s": 0.1}
     return subprocess.Popen(

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from strawq.producers.engines.contract import spawn_generate
+from strawq.testing.engine_contract import spawn_generate
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
 from strawq.testing.waiting import async_wait_until
 

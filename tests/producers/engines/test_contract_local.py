@@ -1,4 +1,4 @@
-"""The engine contract (``strawq.producers.engines.contract``) on the local engines.
+"""The engine contract (``strawq.testing.engine_contract``) on the local engines.
 
 The same tests run against the real SGLang server in ``test_contract_sglang.py``; a local
 engine must pass every test the real server passes.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from strawq.producers.engines.contract import EngineContract, EngineTarget
+from strawq.testing.engine_contract import EngineContract, EngineTarget
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread

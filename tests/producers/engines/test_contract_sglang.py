@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from strawq.extras import ROUTED_EXPERTS
-from strawq.producers.engines.contract import EngineContract, EngineTarget
+from strawq.testing.engine_contract import EngineContract, EngineTarget
 from strawq.producers.extras_protocol import ExtrasMismatch
 from strawq.producers.sample import Sample, SamplerParams
 from tests.sglang_fixtures import RealServer

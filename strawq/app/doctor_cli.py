@@ -1,7 +1,7 @@
 """``strawq doctor PATH``: the command-line face of ``strawq.doctor``.
 
 Parses arguments, calls the library, renders the report. Wire it into the main CLI with
-``add_doctor_parser(subparsers)``; ``python -m strawq.doctor_cli PATH ...`` runs it alone.
+``add_doctor_parser(subparsers)``; ``python -m strawq.app.doctor_cli PATH ...`` runs it alone.
 """
 
 from __future__ import annotations

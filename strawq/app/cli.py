@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from strawq.argtypes import positive_int
 from strawq.errors import StrawqError
 
 DESCRIPTION = """\
@@ -34,7 +35,7 @@ output pipe (e.g. '| head') ends a command quietly with 0.
 Troubleshooting: docs/troubleshooting.md (symptom -> cause -> command).
 """
 
-log = logging.getLogger("strawq.cli")
+log = logging.getLogger("strawq.app.cli")
 
 
 def _queue(path: str, *, read_only: bool = False) -> Any:
@@ -55,17 +56,6 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
         print(json.dumps(payload, indent=2, sort_keys=True, default=str))
     elif text:
         print(text)
-
-
-def positive_int(value: str) -> int:
-    """An argparse type: an integer >= 1 (a usage error otherwise)."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
-    return n
 
 
 #: Names in a directory that ``init`` accepts besides a run's own (mount bookkeeping).
@@ -450,7 +440,7 @@ class Subcommand:
 #: optional dependency turns a command into one that says what to install, never into a
 #: command that silently disappears.
 SUBCOMMANDS: tuple[Subcommand, ...] = (
-    Subcommand("doctor", "strawq.doctor_cli", "add_doctor_parser",
+    Subcommand("doctor", "strawq.app.doctor_cli", "add_doctor_parser",
                "verify a mount gives the guarantees the queue relies on"),
     Subcommand("engine", "strawq.producers.engines.cli", "add_engine_parser",
                "local SGLang-compatible engines (tiny, sim, router)", extra="engines",
