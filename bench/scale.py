@@ -18,7 +18,10 @@ each client's own counters (``<mount>/.stats``, ``juicefs_meta_ops_total_<op>``)
 3. **Extrapolation** to a 1,000-GPU and a 10,000-GPU job (one producer per 8-GPU node:
    125 and 1,250 producers), from the measured rates.
 
-    python bench/scale.py [--idle-s 20] [--counts 1,10,100,1000] [--claims 200]
+    python bench/scale.py [--quick] [--idle-s 20] [--counts 1,10,100,1000] [--claims 200]
+
+``--quick`` (the CI size): 2 s idle windows, N in 1,10, 20 claims each; it checks the
+path, its figures are noise.
 
 The last line: ``scale: idle producer = X meta ops/s, claim p99 at N=<max> / N=1 = Y``.
 """
@@ -218,11 +221,16 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mount-a", default=os.environ.get("STRAWQ_JUICEFS_A"))
     ap.add_argument("--mount-b", default=os.environ.get("STRAWQ_JUICEFS_B"))
-    ap.add_argument("--idle-s", type=float, default=20.0)
-    ap.add_argument("--counts", default="1,10,100,1000")
-    ap.add_argument("--claims", type=int, default=200)
+    ap.add_argument("--quick", action="store_true",
+                    help="CI size: 2 s idle windows, N in 1,10, 20 claims")
+    ap.add_argument("--idle-s", type=float, default=None, help="default 20")
+    ap.add_argument("--counts", default=None, help="default 1,10,100,1000")
+    ap.add_argument("--claims", type=int, default=None, help="default 200")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
+    args.idle_s = args.idle_s or (2.0 if args.quick else 20.0)
+    args.counts = args.counts or ("1,10" if args.quick else "1,10,100,1000")
+    args.claims = args.claims or (20 if args.quick else 200)
     if not (args.mount_a and args.mount_b and os.path.exists(os.path.join(args.mount_a,
                                                                           ".stats"))):
         print("scale: needs two JuiceFS clients of one volume (STRAWQ_JUICEFS_A/B from "
