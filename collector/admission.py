@@ -1,19 +1,18 @@
-"""Admission control (DESIGN §4): how many new prompt groups the feeder may release now.
+"""Admission control: how many new prompt groups the feeder may release now.
 
-The design states the staleness rule as ``accepted + running < (η + v + 1)·B`` with
-*accepted* counted cumulatively since version 0 (as AReaL does): every group that ever
-became ready, trained or not. With B groups trained per weight version, after v versions
-``accepted_cumulative = v·B + untrained``, so the rule is exactly
+The staleness rule (docs/design.md, "Sizing") in the form the collector evaluates::
 
     untrained + running < (η + 1)·B·u          (u = batches per version)
 
 where *untrained* = ready + batched-not-yet-acked groups and *running* = pending + leased +
-partial. The collector evaluates this form: it only needs what is on disk now, it survives
-restarts, and a run resumed at version 37 on a fresh queue does not admit (η + 38)·B groups
-in one burst (AReaL PR #1345). Why it bounds staleness: a group released now is trained
-after the ``untrained + running`` groups ahead of it, i.e. at most η versions from now, and
-its tokens carry versions ≥ the current one. Groups a filter drops leave both counts at
-once, so their capacity is free again at once.
+partial. Counted cumulatively since version 0 (every group that ever became ready, trained
+or not, as AReaL counts it), ``accepted_cumulative = v·B·u + untrained`` after v versions,
+and the rule reads ``accepted + running < (η + v + 1)·B·u``. This form needs only what is on
+disk now: it survives restarts, and a run resumed at version 37 on a fresh queue does not
+admit (η + 38)·B groups in one burst (AReaL PR #1345). Why it bounds staleness: a group
+released now is trained after the ``untrained + running`` groups ahead of it, i.e. at most
+η versions from now, and its tokens carry versions ≥ the current one. Groups a filter drops
+leave both counts at once, so their capacity is free again at once.
 
 ``admission_batches`` = w (``CollectorConfig``) sets the window explicitly:
 ``untrained + running < w·B``. The default form counts a version's batches as untrained

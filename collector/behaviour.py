@@ -1,4 +1,5 @@
-"""The behaviour policy of every trained sample, as the trainer needs it (invariant 10).
+"""The behaviour policy of every trained sample, as the trainer needs it (docs/design.md, invariant
+10).
 
 A token's behaviour policy is the weight version that produced it (the ``versions``
 column) *and* the sampling parameters it was drawn with: temperature, top-p and top-k

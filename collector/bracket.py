@@ -22,13 +22,13 @@
       resume(v+1) ───────────▶ resume-<v+1>  ── poll ──▶  reads current_version(), resumes
                                                            claiming; new tokens carry v+1
 
-Liveness is judged the way the grantor judges leases (invariant 3): from heartbeat counters,
-on this process's monotonic clock, through a ``LeaseMonitor``'s observations — never from
-mtimes. A producer that goes silent during the wait stops being waited for once it has been
-silent for ``lease_timeout_s`` (its leases are the grantor's to expire); a producer that
-keeps beating but never acks fails the bracket at the deadline with ``BracketTimeout``
-naming it. A bracket left open by a crashed trainer is continued by the next
-``begin_weight_update`` (same version), or released with ``abort_weight_update``.
+Liveness is judged the way the grantor judges leases (docs/design.md, invariant 3): from heartbeat
+counters, on this process's monotonic clock, through a ``LeaseMonitor``'s observations — never from
+mtimes. A producer that goes silent during the wait stops being waited for once it has been silent
+for ``lease_timeout_s`` (its leases are the grantor's to expire); a producer that keeps beating but
+never acks fails the bracket at the deadline with ``BracketTimeout`` naming it. A bracket left open
+by a crashed trainer is continued by the next ``begin_weight_update`` (same version), or released
+with ``abort_weight_update``.
 
 **Engines on other weights.** Producers note under ``engines/`` every engine they find on
 a version other than the run's (``strawq.producers.engine_versions``) and keep it out of

@@ -27,15 +27,14 @@ class CollectorConfig(Config):
     #: η: maximum staleness in weight versions (current version − a group's minimum token
     #: version). ``None`` means unbounded (η = ∞): only the slot and backlog bounds apply.
     max_staleness: int | None = None
-    #: What to do with a ready group that would be trained staler than η (invariant 10; the
-    #: staleness is projected to the version it is trained at, prefetched batches ahead of
-    #: it counted): ``train`` (the default: keep the work, train it with its per-token
-    #: importance correction, count it in ``collector/stale_trained_total`` and name it in
-    #: the manifest's ``over_eta``), ``regenerate`` (generated again from scratch, with a
-    #: fresh sampling seed and a counted attempt; ``requeue`` is its old name), ``drop``
-    #: (recorded in ``dropped/`` with reason ``stale_eta``), or ``off`` (admission control
-    #: only, never checked on ready groups). Only ``regenerate`` and ``drop`` lose work,
-    #: and only when configured.
+    #: What to do with a ready group that would be trained staler than η (docs/design.md, invariant
+    #: 10; the staleness is projected to the version it is trained at, prefetched batches ahead of
+    #: it counted): ``train`` (the default: keep the work, train it with its per-token importance
+    #: correction, count it in ``collector/stale_trained_total`` and name it in the manifest's
+    #: ``over_eta``), ``regenerate`` (generated again from scratch, with a fresh sampling seed and a
+    #: counted attempt; ``requeue`` is its old name), ``drop`` (recorded in ``dropped/`` with reason
+    #: ``stale_eta``), or ``off`` (admission control only, never checked on ready groups). Only
+    #: ``regenerate`` and ``drop`` lose work, and only when configured.
     eta_mode: EtaMode = "train"
     #: Optimizer steps (batches) per weight version; the admission bound scales with it.
     batches_per_version: int = 1
@@ -49,7 +48,7 @@ class CollectorConfig(Config):
     #: See ``strawq.collector.admission``.
     admission_batches: float | None = None
     #: Bound on running groups (pending + leased + partial). Set it to the producers' total
-    #: group slots K (DESIGN §4) plus a small prefetch so no producer waits for work.
+    #: group slots K (docs/design.md, "Sizing") plus a small prefetch so no producer waits for work.
     max_running: int = 256
     #: Bound on the ready backlog: the collector releases only while
     #: ``ready + running < max_running + max_ready``.

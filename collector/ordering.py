@@ -1,4 +1,4 @@
-"""Staleness-first order of ready groups (invariant 5) and GRPO advantages.
+"""Staleness-first order of ready groups (docs/design.md, invariant 5) and GRPO advantages.
 
 ``BatchStore.scan_ready()`` lists ready groups by (minimum token version, dataset index),
 because that is how their names sort. The trainer must get them oldest version first and

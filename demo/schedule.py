@@ -117,8 +117,8 @@ def collector_config(cfg: ScheduleConfig, **extra: Any) -> CollectorConfig:
         # leaves a batch of claimable work, and the eta bound ((eta + 1)·B groups untrained
         # or running) stays the one that limits staleness.
         running, eta = cfg.slots + b, cfg.max_staleness
-    # eta_mode "train": nothing is regenerated or dropped for staleness (invariant 10); a
-    # group over eta (a tail longer than eta trainer steps) is trained and counted.
+    # eta_mode "train": nothing is regenerated or dropped for staleness (docs/design.md, invariant
+    # 10); a group over eta (a tail longer than eta trainer steps) is trained and counted.
     window = cfg.admission_batches if cfg.mode in ("async", *STREAMING) else None
     if window is None and cfg.mode == "flow" and eta is not None:
         # acked as trained: the version's trained micro-batches no longer count, and a group

@@ -3,8 +3,8 @@
 A batch is a MANIFEST record that *references* ready groups (no payload copy). Publishing
 ``batches/<seq>`` is the commit point; the referenced entries then move from ``ready/`` to
 ``batched/`` so later scans skip them. A crash between the two is finished by ``recover``
-(a group named by a manifest is never offered again: invariant 1, "a group enters at most
-one training batch"). ``ack`` publishes ``acked/<seq>``; ``gc`` then deletes the payloads,
+(a group named by a manifest is never offered again: a group enters at most one batch,
+docs/design.md, invariant 1). ``ack`` publishes ``acked/<seq>``; ``gc`` then deletes the payloads,
 the entries and finally the manifest, so a crash mid-GC is simply redone.
 """
 

@@ -4,7 +4,7 @@ Rows are addressed by their 0-based index over the whole dataset (shards in sort
 order, rows in file order), which becomes the task id (``i<index>``) and the dataset
 cursor's unit. A malformed row is not an exception for the whole run: it comes back as a
 ``BadRow`` that the feeder records as *dropped* with the reason, so every index stays
-accounted for (invariant 1).
+accounted for (docs/design.md, invariant 1).
 
 A row's prompt (``row[prompt_key]``) is one of
 

@@ -124,7 +124,7 @@ class Feeder:
     newest cursor from disk and commits with a compare-and-swap on the sequence number
     (exclusive rename of ``cursor/<seq>``). A writer that loses — another commit took the
     number, or a newer cursor exists — discards its staging and re-reads, so it never
-    releases on stale knowledge (DESIGN invariant 8).
+    releases on stale knowledge (docs/design.md, invariant 8).
     """
 
     def __init__(self, queue: RunQueue, dataset: Dataset, *, check_dataset: bool = True) -> None:

@@ -1,4 +1,4 @@
-"""Lease expiry, judged by one grantor on its own monotonic clock (invariant 3).
+"""Lease expiry, judged by one grantor on its own monotonic clock (docs/design.md, invariant 3).
 
 Producers never report time. They advance a heartbeat *counter* (``hb/<producer>~<n>``);
 the grantor remembers, per producer, the value it last saw and *when it saw it change* on
@@ -86,8 +86,8 @@ class LeaseMonitor:
 
     def _forget_departed(self, now: float, holders: set[str]) -> None:
         """Delete the heartbeat files of producers silent for two lease timeouts that hold
-        no lease, so ``hb/`` stays proportional to live producers (invariant 6). A producer
-        that was only paused simply publishes its next counter when it wakes up."""
+        no lease, so ``hb/`` stays proportional to live producers (docs/design.md, invariant 6). A
+        producer that was only paused simply publishes its next counter when it wakes up."""
         for p, (counter, changed) in list(self._seen.items()):
             if p not in holders and now - changed >= 2 * self.timeout:
                 self.queue.storage.delete(heartbeat_key(p, counter))

@@ -3,7 +3,7 @@
 The same structure is a *ready* group (every sample finished, rewards set) and a *partial*
 group (some samples unfinished, their prefixes saved at a weight update). The four
 per-token columns always have equal lengths and are cut per sample by ``sample_lens``
-(invariant 4); ``validate`` enforces it on every encode and decode.
+(docs/design.md, invariant 4); ``validate`` enforces it on every encode and decode.
 
 Optional per-token extras (``strawq.extras``: routed experts, top-p kept ids, teacher
 log-probs) ride along in ``GroupData.extras``: one table ``x.<name>`` (column ``v``, the
@@ -37,7 +37,8 @@ _V = TypeVar("_V", int, np.ndarray)
 
 
 def staleness(current_version: int, min_version: _V) -> _V:
-    """Staleness (invariant 5): ``current_version`` − the minimum weight version over tokens.
+    """Staleness (docs/design.md, invariant 5): ``current_version`` − the minimum weight version
+    over tokens.
 
     The one definition. What "the tokens" are is the caller's ``min_version``: a group's
     minimum over all its samples' tokens (``TaskName.version`` of a ready group, the
@@ -106,7 +107,7 @@ class GroupData:
             _check_extra(f"group {self.task_id}", name, x, self.extra_rows(name))
 
     def extra_rows(self, name: str) -> int:
-        """Rows of extra ``name`` the group holds (invariant 4 for extras)."""
+        """Rows of extra ``name`` the group holds (docs/design.md, invariant 4 for extras)."""
         return _extra_rows(name, self.num_tokens, int(self.prompt_ids.shape[0]),
                            len(self.sample_lens))
 
@@ -228,7 +229,7 @@ def decode_group_columns(data: bytes | memoryview, *, name: str = "group",
 
     The reader's hot path: header and checksum as ``records.decode``; the Arrow streams via
     ``records.decode_tables_fast`` (falling back to ``records.decode_tables`` for any stream
-    it does not take); then the checks of invariant 4: every token column is
+    it does not take); then the checks of docs/design.md, invariant 4: every token column is
     ``sum(sample_lens)`` long with its dtype, the prompt is int32. ``CorruptRecord`` else.
     The views share ``data``'s memory (and its lifetime).
     """
@@ -306,7 +307,7 @@ def _tables_numpy(tables: dict[str, pa.RecordBatch]) -> dict[str, dict[str, np.n
 
 def _read_extras(what: str, summary: dict[str, Any], tables: dict[str, dict[str, np.ndarray]],
                  tokens: int, prompt_len: int) -> dict[str, Extra]:
-    """The extras a summary declares, checked against it and invariant 4."""
+    """The extras a summary declares, checked against it and docs/design.md, invariant 4."""
     out: dict[str, Extra] = {}
     samples = len(summary["sample_lens"])
     for name, info in (summary.get("extras") or {}).items():

@@ -1,7 +1,7 @@
 """File names that carry a task's state counters.
 
-A task record's *content* never changes after it is published (invariant 2). What changes
-as it moves — generation, attempts, which partial prefix to resume from, who holds it — is
+A task record's *content* never changes after it is published (docs/design.md, invariant 2). What
+changes as it moves — generation, attempts, which partial prefix to resume from, who holds it — is
 carried in its *name*, so every transition is a single atomic rename.
 
     <key>~<id>~g<gen>~a<attempts>~r<resume>[~<producer>]

@@ -15,7 +15,8 @@ Layout of every record (little endian)::
     P   payload    Arrow IPC streams, one per table, each starting 64-byte aligned
 
 The payload offset is aligned so that a memory-mapped record hands Arrow (and then torch)
-aligned buffers with no copy. Payloads are data, never code: no pickle (invariant 7).
+aligned buffers with no copy. Payloads are data, never code: no pickle (docs/design.md, invariant
+7).
 """
 
 from __future__ import annotations

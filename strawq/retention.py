@@ -1,4 +1,4 @@
-"""What a run keeps on disk, and the collection of everything else (invariant 6).
+"""What a run keeps on disk, and the collection of everything else (docs/design.md, invariant 6).
 
 A run directory holds live records only: work in flight, groups not yet trained, and what
 is kept on purpose (quarantined records, the drop audit, a few cursors, versions and

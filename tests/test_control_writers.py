@@ -1,8 +1,8 @@
-"""The control channel with two writers (invariant 8): every announcement is an exclusive
-create of a name that carries its version, and the state is the newest version of each
-kind, so a second writer — a restarted trainer repeating its bracket, a stale one waking
-after a newer bracket closed, ``strawq bracket abort`` beside the trainer — can neither
-reopen a closed bracket nor close a newer one."""
+"""The control channel with two writers (docs/design.md, invariant 8): every announcement is an
+exclusive create of a name that carries its version, and the state is the newest version of each
+kind, so a second writer — a restarted trainer repeating its bracket, a stale one waking after a
+newer bracket closed, ``strawq bracket abort`` beside the trainer — can neither reopen a closed
+bracket nor close a newer one."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Crash points: simulated (every mutating step of every operation) and real (kill -9,
-SIGSTOP/SIGCONT). After each crash the queue recovers and the invariants must hold:
-every released index in exactly one state, no torn record visible, nothing duplicated,
-and a drain to the end trains every good row exactly once (Jepsen total-queue check)."""
+SIGSTOP/SIGCONT). After each crash the queue recovers and docs/design.md's invariants 1 and 2 must
+hold: every released index in exactly one state, no torn record visible, nothing duplicated, and a
+drain to the end trains every good row exactly once (Jepsen total-queue check)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Two writers of the dataset cursor (invariant 8): a CLI release beside a live collector,
-a stalled collector beside its successor. Every interleaving must release each row once.
+"""Two writers of the dataset cursor (docs/design.md, invariant 8): a CLI release beside a live
+collector, a stalled collector beside its successor. Every interleaving must release each row once.
 
 The cursor commit is a compare-and-swap on the release sequence number: a writer whose
 knowledge is stale loses the commit, discards its staging and re-reads, so no row is

@@ -1,4 +1,5 @@
-"""Per-token extras in group records: round trip, invariant 4, and old records unchanged."""
+"""Per-token extras in group records: round trip, docs/design.md invariant 4, and old records
+unchanged."""
 
 from __future__ import annotations
 

@@ -182,7 +182,7 @@ def test_streams_the_fast_path_skips_go_the_general_way():
     data = _record_with({"prompt": prompt, "tokens": wide}, _summary([4], 3))
     with pytest.raises(CorruptRecord, match="'tokens'"):
         decode_group_columns(data)
-    # columns shorter than sum(sample_lens): invariant 4
+    # columns shorter than sum(sample_lens): docs/design.md, invariant 4
     data = _record_with({"prompt": prompt, "tokens": _token_batch(4)}, _summary([4, 1], 3))
     with pytest.raises(CorruptRecord, match="sum of sample_lens"):
         decode_group_columns(data)

@@ -1,13 +1,13 @@
 """The storage contract: keys, bytes and atomic name operations.
 
 A store knows nothing about tasks or tensors. Keys are ``/``-separated relative paths whose
-components are validated (invariant 7): they become file names on a shared mount.
+components are validated (docs/design.md, invariant 7): they become file names on a shared mount.
 
 The only primitives the queue relies on are:
 
 * ``publish(key, data)`` — write to a unique temporary name, fsync, close, then move into
-  place *without replacing* an existing key, then fsync the directory (invariant 2). A
-  reader on any client sees either nothing or the whole record.
+  place *without replacing* an existing key, then fsync the directory (docs/design.md, invariant 2).
+  A reader on any client sees either nothing or the whole record.
 * ``rename(src, dst)`` — atomic, exactly one winner when several callers move the same
   ``src``; never replaces ``dst``. This is what claims, completes and fences.
 * ``list(dir)`` — names directly inside a directory, dot-files skipped (NFS silly renames).
@@ -74,9 +74,9 @@ class Storage(abc.ABC):
 
         ``data`` may be a sequence of buffers written back to back (no concatenation copy).
         With ``sync_dir=False`` the caller promises to call ``sync_dirs`` on the parent
-        before it reports success to anyone (batched fsyncs, DESIGN §6). With
-        ``sync_file=False`` the content is not fsync'd either: only for data whose loss in a
-        power failure is harmless (heartbeat counters).
+        before it reports success to anyone (batched directory fsyncs: docs/protocol.md §3,
+        "Complete / yield"). With ``sync_file=False`` the content is not fsync'd either: only for
+        data whose loss in a power failure is harmless (heartbeat counters).
         """
 
     @abc.abstractmethod

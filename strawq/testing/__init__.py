@@ -3,8 +3,8 @@
 * ``strawq.testing.conformance`` — ``StorageConformance``: subclass it, implement
   ``make_storage(tmp_path)``, and a backend gets the whole storage contract as tests.
 * ``strawq.testing.audit`` — an auditor that reads a run directory and checks the queue
-  invariants (every released index in exactly one state, no torn record visible, nothing
-  duplicated), and a Jepsen-style total-queue checker.
+  invariants of docs/design.md (every released index in exactly one state, no torn record visible,
+  nothing duplicated), and a Jepsen-style total-queue checker.
 * ``strawq.testing.factories`` — small builders: datasets, groups.
 * ``strawq.testing.crash`` — storage wrappers that ``SIGKILL`` the process at a chosen
   mutating operation (also *inside* ``publish``), and a worker script for kill tests.

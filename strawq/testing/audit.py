@@ -1,4 +1,5 @@
-"""Read a run directory and check the queue invariants (invariants 1 and 2, docs/architecture.md).
+"""Read a run directory and check the queue invariants (docs/design.md, invariants 1 and 2,
+docs/architecture.md).
 
 ``audit_run(storage)`` lists every state directory and decodes every visible record;
 ``Audit.check(released, ...)`` then returns a list of human-readable problems (empty when
@@ -22,7 +23,7 @@ from strawq.names import TaskName, data_key, note_key
 from strawq.records import Kind
 from strawq.storage import Storage
 
-#: Where a task can be. "quarantined" is reported, never silent (invariant 2).
+#: Where a task can be. "quarantined" is reported, never silent (docs/design.md, invariant 2).
 STATES = ("pending", "partial", "leased", "ready", "batched", "dropped", "quarantined")
 
 

@@ -49,7 +49,7 @@ from strawq.records import Kind
 from strawq.storage import Capabilities, PosixStorage, Storage
 from strawq.testing.faults import FaultyStorage
 
-#: Keys that must never become file names (invariant 7).
+#: Keys that must never become file names (docs/design.md, invariant 7).
 INVALID_KEYS = ("", "/abs", "a/", "a//b", "..", "../escape", "a/../b", ".", "a/./b",
                 ".hidden", "a/.hidden", "sp ace", "new\nline", "x" * 201, "a\\b", "a/~b",
                 "nul\x00")

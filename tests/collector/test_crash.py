@@ -3,7 +3,7 @@
 Real subprocesses on a real directory: one collector, one trainer (weight update every 3
 batches), two producers. The collector and the trainer are killed and restarted at seeded
 random moments. At the end every dataset index must be trained exactly once or recorded
-as dropped with a reason (invariant 1).
+as dropped with a reason (docs/design.md, invariant 1).
 """
 
 from __future__ import annotations

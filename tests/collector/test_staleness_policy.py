@@ -1,6 +1,6 @@
-"""The η policy (invariant 10): nothing is dropped for staleness unless configured; the bound
-is judged at the version a group is trained at (prefetched batches counted); ``regenerate``
-counts an attempt and draws fresh seeds."""
+"""The η policy (docs/design.md, invariant 10): nothing is dropped for staleness unless configured;
+the bound is judged at the version a group is trained at (prefetched batches counted);
+``regenerate`` counts an attempt and draws fresh seeds."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def test_lab_tiny_all_modes(tmp_path) -> None:
         per_step = {"stream": cfg.micro_batches, "flow": cfg.flow_micro_batches}.get(mode, 1)
         assert exported["config"]["collector"]["batch_groups"] * per_step == cfg.batch_groups
         assert exported["config"]["collector"]["batches_per_version"] == per_step
-        # invariant 10: nothing regenerated or dropped for staleness in any schedule
+        # docs/design.md, invariant 10: nothing regenerated or dropped for staleness in any schedule
         assert r.row["requeued_stale"] == 0 and r.row["dropped_stale"] == 0, mode
 
     assert result.modes["sync"].row["staleness_max"] == 0
