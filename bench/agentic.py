@@ -11,7 +11,10 @@ multi-turn case.
 2. **Schedules.** ``strawq lab`` on a multi-turn case (``agent_turns_p`` > 0), modes sync,
    partial and async: the lab's table and async/sync trained-token throughput.
 
-    python bench/agentic.py [--quick] [--skip-lab]
+    python bench/agentic.py [--quick] [--rounds R] [--groups N] [--steps S] [--skip-lab]
+
+``--quick`` (the CI size): 2 fault rounds over 12 groups, and a lab of 2 one-second steps
+with 0.2 s tool calls: it checks the path; its ratio is not the measurement.
 
 Prints ``agentic: tool calls re-executed after faults = N, async/sync = X``.
 """
@@ -160,16 +163,20 @@ async def _set_version(url: str, v: int) -> None:
         await client.update_weight_version(v)
 
 
-def lab(quick: bool) -> tuple[str, float]:
+def lab(quick: bool, steps: int | None = None) -> tuple[str, float]:
     from strawq.demo.lab import LabConfig, format_table, run_lab
 
     # B = 12 groups: every schedule's micro-batch count must divide it (the lab's default,
     # 8 micro-batches, is for B = 96), so the streaming modes get 4 of 3 groups each
     kw: dict[str, Any] = dict(engines=8, concurrency=16, group_size=8, batch_groups=12,
                               micro_batches=4, flow_micro_batches=4,
-                              steps=4 if quick else 8, train_step_s=4.0, len_median=30,
+                              steps=8, train_step_s=4.0, len_median=30,
                               agent_turns_p=0.5, agent_max_turns=5, tool_median_s=1.0,
                               tool_sigma=1.0, fsync=False, progress=False)
+    if quick:  # the CI size: the path, not the figures (2 steps, 1 s steps, 0.2 s tools)
+        kw.update(steps=2, train_step_s=1.0, tool_median_s=0.2)
+    if steps is not None:
+        kw.update(steps=steps)
     cfg = LabConfig(workdir=tempfile.mkdtemp(prefix="strawq-agentic-lab-"),
                     modes=("sync", "partial", "async"), **kw)
     result = run_lab(cfg)
@@ -179,14 +186,19 @@ def lab(quick: bool) -> tuple[str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="CI size: 2 rounds of 12 groups; a lab of 2 one-second steps")
+    ap.add_argument("--rounds", type=int, default=None, help="fault rounds (default 3)")
+    ap.add_argument("--groups", type=int, default=None, help="groups (default 24)")
+    ap.add_argument("--steps", type=int, default=None, help="lab steps per mode (default 8)")
     ap.add_argument("--skip-lab", action="store_true")
     args = ap.parse_args()
-    f = faults(rounds=2 if args.quick else 3, groups=12 if args.quick else 24)
+    f = faults(rounds=args.rounds or (2 if args.quick else 3),
+               groups=args.groups or (12 if args.quick else 24))
     print(json.dumps(f))
     ratio = float("nan")
     if not args.skip_lab:
-        table, ratio = lab(args.quick)
+        table, ratio = lab(args.quick, args.steps)
         print(table)
     print(f"agentic: tool calls re-executed after faults = {f['reexecuted_persisted']}, "
           f"async/sync = {ratio:.2f}")

@@ -8,7 +8,7 @@ each client's own counters (``<mount>/.stats``, ``juicefs_meta_ops_total_<op>``)
    ``QueueConfig``: polls every 0.1 s, a heartbeat every 5 s) with free slots and nothing
    to claim, on client B while the run lives on client A, for ``--idle-s`` seconds: its
    metadata operations per second, as shipped (idle polls stat ``pending/`` and
-   ``control/``, list on change) and as before (a listing of both every poll).
+   ``control/``, list on change) and with a listing of both every poll instead.
 2. **Claim latency vs producers** — one producer process claims tasks one by one on client
    A (p50 / p99) while N simulated idle producers load the same volume through client B
    at N x the idle rate measured in 1 (their real operations: heartbeats, and a look at

@@ -32,9 +32,9 @@ class CollectorConfig(Config):
     #: it counted): ``train`` (the default: keep the work, train it with its per-token importance
     #: correction, count it in ``collector/stale_trained_total`` and name it in the manifest's
     #: ``over_eta``), ``regenerate`` (generated again from scratch, with a fresh sampling seed and a
-    #: counted attempt; ``requeue`` is its old name), ``drop`` (recorded in ``dropped/`` with reason
-    #: ``stale_eta``), or ``off`` (admission control only, never checked on ready groups). Only
-    #: ``regenerate`` and ``drop`` lose work, and only when configured.
+    #: counted attempt; ``requeue`` is accepted for it), ``drop`` (recorded in ``dropped/`` with
+    #: reason ``stale_eta``), or ``off`` (admission control only, never checked on ready groups).
+    #: Only ``regenerate`` and ``drop`` lose work, and only when configured.
     eta_mode: EtaMode = "train"
     #: Optimizer steps (batches) per weight version; the admission bound scales with it.
     batches_per_version: int = 1

@@ -191,9 +191,9 @@ class ShardPacker:
     (any order; each group at most once); ``finish()`` drops the slots of groups that were
     not added (corrupt or missing records) and computes the per-sample version statistics.
 
-    The copies are plain slices, one per sample and column: the earlier boolean-mask
-    scatter (``out[a:b][mask] = column``) cost ~15 ns per token, more than reading the
-    record, and the mask passes over the whole shard in ``finish`` as much again.
+    The copies are plain slices, one per sample and column: a boolean-mask scatter
+    (``out[a:b][mask] = column``) costs ~15 ns per token, more than reading the record, and
+    mask passes over the whole shard in ``finish`` as much again.
     """
 
     def __init__(self, summaries: Sequence[dict[str, Any]],

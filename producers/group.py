@@ -55,7 +55,8 @@ def sample_seed(base: int, index: int, i: int, gen: int = 0) -> int:
     ``gen`` is the lease generation of a group generated from scratch: a group sent back
     (re-generated for staleness, released, expired) draws fresh samples instead of the same
     ones again (a re-queued long-tail group would be exactly as long and cycle). A resumed
-    prefix keeps the seed recorded in its params; generation 0 keeps the historic seeds.
+    prefix keeps the seed recorded in its params. Generation 0 hashes ``base:index:i``,
+    generation g ≥ 1 ``base:index:i:g<g>``.
     """
     key = f"{base}:{index}:{i}" if gen == 0 else f"{base}:{index}:{i}:g{gen}"
     h = hashlib.blake2b(key.encode(), digest_size=8).digest()

@@ -91,7 +91,7 @@ class ProducerConfig(Config):
     #: ``routed_experts`` (asks ``return_routed_experts``; the server needs
     #: ``--enable-return-routed-experts`` and an MoE model), ``top_p_token_ids`` (asks
     #: ``return_sampling_mask``), ``teacher_logprobs`` (a ``teacher_url`` scores each
-    #: final sample). Empty: none (the records are as before).
+    #: final sample). Empty: none (the records carry no extras).
     extras: tuple[str, ...] = ()
     #: The teacher engine (SGLang ``/generate``) that scores each final sample for
     #: ``teacher_logprobs`` (``strawq.producers.teacher``); the ``client`` settings apply.

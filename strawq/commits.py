@@ -9,7 +9,7 @@ checkpoint's batch number (like a consumer group's committed offset)::
 Garbage collection deletes an acked batch only at or below the committed number, so a
 trainer restored from its newest checkpoint gets every batch after it again, whatever the
 checkpoint interval. Without any ``committed/`` record (a run whose consumer never
-checkpoints, or tools) an ack alone lets GC collect the batch, as before.
+checkpoints, or tools) an ack alone lets GC collect the batch.
 
 Commits only move forward: the newest record wins, older ones are deleted after it is
 published (a crash in between leaves two; the higher one counts).

@@ -11,7 +11,7 @@ rows flattened) and, for a ragged extra, ``x.<name>.n`` (column ``n``, values pe
 Their rows are the samples' rows one after another — response tokens only, or prompt +
 response positions for a prompt extra (``sample_lens[i] + prompt_len`` rows for sample
 ``i``) — and the summary's ``extras`` says each one's dtype, row shape and kind. A record
-without extras has no ``extras`` key and decodes exactly as before.
+without extras has no ``extras`` key, and its columns decode the same either way.
 """
 
 from __future__ import annotations

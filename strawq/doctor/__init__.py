@@ -86,8 +86,8 @@ from strawq.errors import ConfigError, DoctorFailed
 
 log = logging.getLogger(__name__)
 
-# Also importable from here, as before the split: the names above marked "as" (tests and
-# older callers use them) and everything in __all__.
+# Also importable from here: the names above marked "as" (tests and callers use them) and
+# everything in __all__.
 __all__ = [
     "DECLARATION_KEYS",
     "Check",

@@ -1,8 +1,8 @@
 """Wake-ups on directory changes: inotify where the kernel sees the change, a fixed poll else.
 
-Waiting for work on a shared filesystem used to mean sleeping and listing again, with the
-sleep doubling while nothing came (the reader's poll reached 0.5 s: a batch published just
-after a listing waited up to that long). A ``DirWatch`` replaces such sleeps:
+Sleeping and listing again, with the sleep doubling while nothing comes, makes a waiter late
+by up to its longest sleep (a reader polling at 0.5 s leaves a batch published just after a
+listing unseen that long). A ``DirWatch`` waits instead:
 
 * **Event-driven** where the kernel sees the change: Linux inotify on the watched
   directories. That covers a local disk, and a FUSE or NFS mount for every change made
