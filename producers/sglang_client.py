@@ -3,7 +3,7 @@
 One :class:`SGLangClient` per process owns one ``aiohttp.ClientSession`` (one connection
 pool). ``/generate`` goes to the router when one is configured, otherwise round-robin over
 the worker list; control calls (abort, pause, weight updates, …) always go to each worker
-directly, because sglang-router 0.3.x does not route them (protocol reference §7).
+directly, because sglang-router 0.3.x does not route them (docs/engines.md).
 
 Faults (refused connections, resets, timeouts, HTTP 5xx, malformed JSON or shapes) are
 retried a bounded number of times with exponential backoff and jitter, then raised as a
@@ -11,7 +11,7 @@ typed :class:`~strawq.producers.engine_errors.EngineError` naming the worker URL
 raised at once as :class:`EngineRequestError` (401/403: :class:`EngineAuthError`). Nothing
 else escapes: a caller that catches ``EngineError`` catches every engine failure.
 
-Aborts are by **exact rid** (SGLang 0.5.23 ignores a rid prefix, protocol reference §2).
+Aborts are by **exact rid** (SGLang 0.5.23 ignores a rid prefix: docs/engines.md).
 The client gives every request a rid and keeps the set of rids in flight, so that
 :meth:`SGLangClient.abort_matching` can abort "everything of this producer / group" by
 sending each live rid exactly, to every worker. An aborted reply whose last token is a

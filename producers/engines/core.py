@@ -6,7 +6,7 @@ each), admitting waiting requests between steps up to ``max_running``. A backend
 All bookkeeping happens on the event-loop thread; only backend compute may run in a
 worker thread, and it never touches the queues.
 
-Semantics follow SGLang 0.5.x (protocol reference §2–§4):
+Semantics follow SGLang 0.5.x (docs/engines.md, "Protocol coverage and differences"):
 
 * abort: by **exact rid** only (SGLang 0.5.23's tokenizer manager drops a rid that is not
   an exact live rid, so a prefix aborts nothing), or everything. Waiting requests finish at

@@ -10,11 +10,11 @@ In the style of the storage conformance suite (``strawq.testing.conformance``): 
             with start_my_engine() as url:
                 yield EngineTarget(url=url, eos_token_id=2, vocab_size=512, ...)
 
-The tests state what SGLang 0.5.23 does (protocol reference §1–§5, §11); a local engine
-that passes a test the real server fails is a bug in the local engine (STYLE: talking to
-systems we do not own). Each test is small: on the real CPU fixture a token costs tens of
-milliseconds. Tests that need a capability the target does not declare (API keys) are
-skipped with the reason.
+The tests state what SGLang 0.5.23 does (docs/engines.md, "Facts observed on the real SGLang 0.5.23
+server"); a local engine that passes a test the real server fails is a bug in the local engine: the
+real engine decides (docs/design.md, invariant 9). Each test is small: on the real CPU fixture a
+token costs tens of milliseconds. Tests that need a capability the target does not declare (API
+keys) are skipped with the reason.
 """
 
 from __future__ import annotations

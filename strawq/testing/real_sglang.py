@@ -1,7 +1,7 @@
 """The real SGLang server as a test and benchmark fixture, and the bracket scenario run on it.
 
 * :func:`start_real_server` starts the project's CPU fixture (SGLang 0.5.23 serving
-  SmolLM2-135M; ``../shared/tools/sglang-cpu``, built with ``deploy/sglang/cpu_fixture.sh``)
+  SmolLM2-135M, built by ``deploy/sglang/cpu_fixture.sh build``, started by its ``serve``)
   on a free port with ``--weight-version 0`` and API keys, and stops it.
 * :func:`make_perturbed_copy` makes the second weight directory: the model with one tensor
   scaled, so that a weight update is a real change.
@@ -87,11 +87,11 @@ async def _wait(cond: Callable[[], bool], what: str, timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 def default_tools_dir() -> Path:
-    """``$STRAWQ_SGLANG_TOOLS``, else the project's ``../shared/tools/sglang-cpu``."""
+    """``$STRAWQ_SGLANG_TOOLS``, else the checkout's ``deploy/sglang`` (the fixture builder)."""
     explicit = os.environ.get("STRAWQ_SGLANG_TOOLS")
     if explicit:
         return Path(explicit)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "tools" / "sglang-cpu"
+    return Path(__file__).resolve().parents[2] / "deploy" / "sglang"
 
 
 def default_fixture_home() -> Path:
@@ -101,8 +101,9 @@ def default_fixture_home() -> Path:
 
 def fixture_problem(home: Path, tools: Path) -> str | None:
     """Why a server cannot be started from ``home`` / ``tools`` (None: it can)."""
-    if not (tools / "serve.sh").exists():
-        return f"{tools / 'serve.sh'} not found (set STRAWQ_SGLANG_TOOLS)"
+    if not (tools / "cpu_fixture.sh").exists():
+        return (f"{tools / 'cpu_fixture.sh'} not found (run from a checkout, or set "
+                "STRAWQ_SGLANG_TOOLS to its deploy/sglang)")
     if not (home / "venv" / "bin" / "python").exists():
         return f"the CPU fixture is not built in {home} (deploy/sglang/cpu_fixture.sh build)"
     if not (home / "model" / MODEL_NAME / "config.json").exists():
@@ -172,7 +173,7 @@ def start_real_server(
         args += ["--admin-api-key", admin_api_key]
     t0 = time.monotonic()
     proc = subprocess.run(
-        [str(tools / "serve.sh"), str(port), "--", *args],
+        [str(tools / "cpu_fixture.sh"), "serve", str(port), "--", *args],
         env=dict(os.environ, SGLANG_CPU_HOME=str(home)),
         capture_output=True,
         text=True,
@@ -180,7 +181,8 @@ def start_real_server(
         check=False,
     )
     if proc.returncode != 0 or not proc.stdout.strip().isdigit():
-        raise RuntimeError(f"serve.sh failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
+        raise RuntimeError(f"cpu_fixture.sh serve failed (rc {proc.returncode}): "
+                           f"{proc.stderr[-2000:]}")
     return RealServer(
         url=f"http://127.0.0.1:{port}",
         model_dir=str(model_dir),
