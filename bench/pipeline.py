@@ -26,8 +26,8 @@ staleness and drop targets, the one with the highest worst-case throughput (if n
 them, the highest worst-case throughput). X is its lowest throughput ratio to sync, Y its
 highest mean staleness, Z the groups it dropped or regenerated for staleness over both
 cases, W its highest trainer wait ratio. Targets: X >= 2.77 (AReaL's 2.77x at eta = 4, the
-best anchor), Y <= 1.0, Z = 0. ``--quick`` runs 3 steps at B=48: plumbing only, not the
-figures.
+best anchor), Y <= 1.0, Z = 0. ``--quick`` (the CI size) runs the standard case, sync and
+stream, 2 one-second steps at B=48 and time scale 1: plumbing only, not the figures.
 """
 
 from __future__ import annotations
@@ -84,16 +84,24 @@ def best_of(worst: dict[str, dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="runs/bench-pipeline")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--sync-steps", type=int, default=8)
-    ap.add_argument("--modes", default="sync,stream,flow")
-    ap.add_argument("--cases", default="standard,long_tail")
-    ap.add_argument("--time-scale", type=float, default=2.5,
-                    help="wall s per model s (raise it until stretch is near 1)")
+    ap.add_argument("--steps", type=int, default=None, help="default 30")
+    ap.add_argument("--sync-steps", type=int, default=None, help="default 8")
+    ap.add_argument("--modes", default=None, help="default sync,stream,flow")
+    ap.add_argument("--cases", default=None, help="default standard,long_tail")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="wall s per model s (default 2.5; raise it until stretch is near 1)")
     ap.add_argument("--flow-windows", default="",
                     help="extra flow rows, one per admission window in micro-batches")
-    ap.add_argument("--quick", action="store_true", help="3 steps, B=48: plumbing only")
+    ap.add_argument("--quick", action="store_true",
+                    help="plumbing only: the standard case, sync and stream, 2 steps of 1 s, "
+                         "B=48, time scale 1")
     args = ap.parse_args(argv)
+    quick = args.quick
+    args.steps = args.steps or (2 if quick else 30)
+    args.sync_steps = args.sync_steps or (2 if quick else 8)
+    args.modes = args.modes or ("sync,stream" if quick else "sync,stream,flow")
+    args.cases = args.cases or ("standard" if quick else "standard,long_tail")
+    args.time_scale = args.time_scale or (1.0 if quick else 2.5)
     logging.basicConfig(level=logging.WARNING)
     modes = [m for m in args.modes.split(",") if m]
     modes += [f"flow@{w}" for w in args.flow_windows.split(",") if w]
@@ -104,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(LabConfig(workdir=f"{args.workdir}/{case}", progress=False),
                       steps=args.steps, time_scale=args.time_scale, **CASES[case])
         if args.quick:
-            cfg = replace(cfg, steps=3, batch_groups=48, train_step_s=2.0)
+            cfg = replace(cfg, batch_groups=48, train_step_s=1.0)
         result = run_case(cfg, modes, args.sync_steps)
         print(f"== case {case} (sync: {min(args.sync_steps, cfg.steps)} steps; others: "
               f"{cfg.steps} steps; whole-run figures) ==")

@@ -1,0 +1,63 @@
+"""Every benchmark in ``bench/`` runs in its ``--quick`` form and ends on its summary line.
+
+A benchmark is a ``bench/*.py`` with a ``__main__`` block (``chaos_proxy.py`` is a module of
+``chaos.py``, not one). Each runs as a user runs it, ``python bench/<name>.py --quick``, in
+its own process, and must exit 0 with ``<name>: ...`` as its last line. A benchmark that
+needs something this machine may lack is skipped saying what: ``queue_ops`` the straw-queue
+anchor (the ``bench`` extra), ``scale`` the two-client JuiceFS volume.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
+
+pytestmark = pytest.mark.slow
+
+
+def benchmarks() -> list[str]:
+    return sorted(p.stem for p in BENCH.glob("*.py")
+                  if 'if __name__ == "__main__":' in p.read_text(encoding="utf-8"))
+
+
+def _needs(name: str, request: pytest.FixtureRequest) -> dict[str, str]:
+    """Extra environment for ``name``, or a skip saying what this machine lacks."""
+    if name == "queue_ops" and importlib.util.find_spec("straw") is None:
+        pytest.skip("bench/queue_ops.py compares against straw-queue 0.1.6, not installed "
+                    "(pip install -e '.[bench]')")
+    if name == "scale":
+        a, b = request.getfixturevalue("juicefs_mounts")
+        return {"STRAWQ_JUICEFS_A": a, "STRAWQ_JUICEFS_B": b}
+    return {}
+
+
+def test_the_benchmarks_are_found() -> None:
+    found = benchmarks()
+    assert "pipeline" in found and "queue_ops" in found, found
+    assert "chaos_proxy" not in found, "a module of chaos.py, not a benchmark"
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.juicefs) if n == "scale"
+                                  else n for n in benchmarks()])
+def test_quick_form_runs(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    script = BENCH / f"{name}.py"
+    assert "--quick" in script.read_text(encoding="utf-8"), f"bench/{name}.py has no --quick"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path),
+           **_needs(name, request)}
+    if name != "scale":
+        env.pop("STRAWQ_JUICEFS_A", None)  # queue_ops would add a JuiceFS row: not quick
+    proc = subprocess.run([sys.executable, str(script), "--quick"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=280, check=False)
+    out = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0, (f"bench/{name}.py --quick exited {proc.returncode}\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    assert out and out[-1].startswith(f"{name}: "), (
+        f"bench/{name}.py --quick did not end on its summary line: {out[-3:]}")
