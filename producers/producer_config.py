@@ -66,8 +66,9 @@ class ProducerConfig(Config):
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    #: Base seed: sample i of task index j gets a seed derived from (seed, j, i), the same
-    #: on every attempt and resume. None: engine randomness.
+    #: Base seed: sample i of task index j, generated from scratch under lease generation g,
+    #: gets ``sample_seed(seed, j, i, g)`` (fresh per generation; a resumed sample keeps the
+    #: seed in its recorded parameters). None: engine randomness.
     seed: int | None = None
     #: Zero the loss mask of tokens older than the sample's newest version (slime's
     #: ``--mask-offpolicy-in-partial-rollout``).
