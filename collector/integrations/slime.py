@@ -29,11 +29,15 @@ The run directory comes from ``args.strawq_run`` (``--custom-config-path`` YAML)
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 from collections import deque
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from strawq.collector.integrations.slime_samples import (EXTRA_FIELDS, META, _slime,
                                                          apply_extras, batch_extras,
@@ -62,20 +66,141 @@ class _ReaderState:
         return cls.readers[path]
 
 
+#: ``--custom-reward-post-process-path`` that ``generate_rollout`` needs
+REWARD_POST_PROCESS = "strawq.collector.integrations.slime.reward_post_process"
+#: slime's advantage estimators whose per-token advantage is the post-processed reward of
+#: the sample (``get_grpo_returns``): the only ones the manifest's advantages can feed
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo")
+_warned_custom: set[str] = set()
+
+
+def check_train_args(args: Any) -> None:
+    """Refuse slime settings under which slime would not train the manifest's advantages.
+
+    The collector computes each sample's advantage within its group (``advantages`` mode,
+    failed samples left out) and the manifest records it. slime's default reward
+    post-processing recomputes advantages from the rewards instead: it reshapes the batch
+    into groups of ``--n-samples-per-prompt`` only when it holds exactly
+    ``--rollout-batch-size`` groups (else it normalises across the whole batch), and a
+    failed sample's reward (``None``) makes it raise. ``reward_post_process`` hands slime
+    the manifest's advantages; it needs an estimator that takes them as they are
+    (``ADVANTAGE_ESTIMATORS``) and no second whitening (``--normalize-advantages``).
+    """
+    path = getattr(args, "custom_reward_post_process_path", None)
+    if path is None:
+        raise ValueError(
+            "strawq's generate_rollout needs --custom-reward-post-process-path "
+            f"{REWARD_POST_PROCESS}: the collector's batch carries each sample's advantage, "
+            "computed within its group (the manifest's); slime's default post-processing "
+            "recomputes them across the whole batch when it holds fewer than "
+            "--rollout-batch-size groups, and raises on a failed sample's reward (None). "
+            "See docs/slime.md")
+    if path != REWARD_POST_PROCESS:
+        if path not in _warned_custom:
+            _warned_custom.add(path)
+            log.warning("--custom-reward-post-process-path %s: it receives strawq's samples "
+                        "(a failed sample has reward None; the manifest's advantage is "
+                        "metadata['strawq']['advantage']); %s ships them as they are",
+                        path, REWARD_POST_PROCESS)
+        return
+    estimator = getattr(args, "advantage_estimator", "grpo")
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"--advantage-estimator {estimator}: {REWARD_POST_PROCESS} ships the manifest's "
+            f"per-sample advantages, which slime uses as they are only with "
+            f"{', '.join(ADVANTAGE_ESTIMATORS)}; choose one of them (the collector's "
+            "`advantages` mode sets how the group normalises)")
+    if getattr(args, "normalize_advantages", False):
+        raise ValueError(
+            "--normalize-advantages whitens the manifest's advantages a second time, across "
+            "the whole batch: drop it (the collector's `advantages` mode sets the "
+            "normalisation, within each group)")
+
+
+def reward_post_process(args: Any, samples: Sequence[Any]) -> tuple[list[float], list[float]]:
+    """``--custom-reward-post-process-path``: the manifest's advantages, as slime's rewards.
+
+    Returns ``(raw_rewards, rewards)`` in ``samples``' order, the contract of slime's
+    ``_post_process_rewards``. ``rewards`` is each sample's advantage from the manifest
+    (``metadata["strawq"]["advantage"]``, times its ``advantage_scale`` in a padded step,
+    ``pad_steps``), which slime's grpo/gspo/cispo estimators put on every response token.
+    ``raw_rewards`` (slime logs them) is the reward, 0 for a failed sample (no reward; its
+    advantage is 0, as the collector recorded it).
+    """
+    check_train_args(args)
+    raw: list[float] = []
+    adv: list[float] = []
+    for k, s in enumerate(samples):
+        meta = (s.metadata or {}).get(META) if isinstance(s.metadata, Mapping) else None
+        if not isinstance(meta, Mapping) or "advantage" not in meta:
+            raise ValueError(
+                f"sample {k} (index {getattr(s, 'index', None)}) carries no strawq advantage "
+                f"(metadata['{META}']['advantage']): {REWARD_POST_PROCESS} serves the samples "
+                "strawq's generate_rollout returns, not others")
+        adv.append(float(meta["advantage"]) * float(meta.get("advantage_scale", 1.0)))
+        raw.append(0.0 if s.reward is None else float(s.reward))
+    return raw, adv
+
+
+def pad_steps(groups: list[list[Any]], args: Any) -> int:
+    """Fill the last training step with inert samples; returns how many were added.
+
+    slime trains a rollout in steps of ``--global-batch-size`` samples, in order, and drops
+    the samples of a last, incomplete step (or raises when there is no complete one): a
+    batch shorter than expected (groups skipped at read time) would lose samples strawq then
+    acks as trained. The padding samples are copies of the shortest sample with
+    ``remove_sample`` set (slime zeroes their loss masks) and advantage 0. slime divides a
+    step's per-sample means by ``--global-batch-size``, so the real samples of the padded
+    step get ``advantage_scale`` = global batch size / their number: that step's loss is the
+    mean over its real samples, as in a full step. With ``--calculate-per-token-loss`` no
+    scale is set and each padding sample adds 1 to slime's token count (its
+    ``clamp_min(loss_mask.sum(), 1)``).
+    """
+    gbs = getattr(args, "global_batch_size", None)
+    flat = [s for g in groups for s in g]
+    if not gbs or not flat or len(flat) % int(gbs) == 0:
+        return 0
+    gbs = int(gbs)
+    tail = len(flat) % gbs
+    if not getattr(args, "calculate_per_token_loss", False):
+        for s in flat[len(flat) - tail:]:
+            s.metadata[META]["advantage_scale"] = gbs / tail
+    template = min(flat, key=lambda s: len(s.tokens))
+    mean_reward = float(np.mean([0.0 if s.reward is None else float(s.reward) for s in flat]))
+    pads = []
+    for k in range(gbs - tail):
+        p = copy.deepcopy(template)
+        p.remove_sample = True
+        p.loss_mask = [0] * int(p.response_length)
+        p.reward = mean_reward  # slime logs raw rewards: the padding leaves their mean as is
+        p.index = -1 - k
+        p.metadata = {META: {"padding": True, "advantage": 0.0,
+                             "versions": list(template.metadata[META]["versions"])}}
+        pads.append(p)
+    groups.append(pads)
+    log.warning("strawq batch: %d samples do not fill slime's steps of --global-batch-size "
+                "%d; %d inert padding samples added to the last step", len(flat), gbs, len(pads))
+    return len(pads)
+
+
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False
                      ) -> Any:
     """``--rollout-function-path``: one strawq collector batch as slime Sample groups.
 
-    Closes a weight-update bracket left open by ``begin_weight_update_hook`` (slime's
-    engines have loaded the new weights before it asks for the next rollout), acks the
-    batches of rollouts ≤ ``rollout_id − strawq_ack_lag`` (default 1: slime's synchronous
-    loop; use 2 with ``train_async``), then reads the next batch.
+    Refuses settings under which slime would not train the manifest's advantages
+    (``check_train_args``) before reading anything. Closes a weight-update bracket left open
+    by ``begin_weight_update_hook`` (slime's engines have loaded the new weights before it
+    asks for the next rollout), acks the batches of rollouts ≤ ``rollout_id −
+    strawq_ack_lag`` (default 1: slime's synchronous loop; use 2 with ``train_async``),
+    then reads the next batch; a batch that does not fill slime's last training step is
+    padded (``pad_steps``).
     """
     train_output = _slime("slime.rollout.base_types").RolloutFnTrainOutput
     if evaluation:
         raise NotImplementedError("strawq's rollout function serves training batches; "
                                   "evaluate with slime's --eval-function-path "
                                   "slime.rollout.sglang_rollout.generate_rollout")
+    check_train_args(args)
     path = run_dir(args)
     reader = _ReaderState.reader(path)
     delivered = _ReaderState.delivered[path]
@@ -90,10 +215,12 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     if want is not None and len(batch.groups) != int(want):
         log.warning("strawq batch %d has %d groups, slime's --rollout-batch-size is %s: set "
                     "the collector's batch_groups to match", batch.seq, len(batch.groups), want)
+    samples = batch_to_samples(batch)
+    padding = pad_steps(samples, args)
     metrics = {f"strawq/{k}": v for k, v in batch.stats.items()}
     metrics.update({"strawq/batch_seq": batch.seq, "strawq/version": batch.version,
-                    "strawq/skipped": len(batch.skipped)})
-    return train_output(samples=batch_to_samples(batch), metrics=metrics)
+                    "strawq/skipped": len(batch.skipped), "strawq/padding": padding})
+    return train_output(samples=samples, metrics=metrics)
 
 
 def begin_weight_update_hook(args: Any, version_dir: str, rollout_engines: Any) -> None:
@@ -153,7 +280,9 @@ class StrawqBatchSource:
         return 0
 
 
-__all__ = ["EXTRA_FIELDS", "META", "PRODUCER_PREFIX", "TRAINED", "StrawqBatchSource",
+__all__ = ["ADVANTAGE_ESTIMATORS", "EXTRA_FIELDS", "META", "PRODUCER_PREFIX",
+           "REWARD_POST_PROCESS", "TRAINED", "StrawqBatchSource", "check_train_args",
+           "pad_steps", "reward_post_process",
            "StrawqDataSource", "apply_extras", "batch_extras", "batch_to_samples",
            "begin_weight_update_hook", "generate_rollout", "group_to_samples", "run_dir",
            "run_versions", "samples_to_group", "slime_rollout"]

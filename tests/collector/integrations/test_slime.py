@@ -35,6 +35,7 @@ from slime.rollout.base_types import RolloutFnTrainOutput, call_rollout_fn  # no
 from slime.rollout.data_source import DataSource  # noqa: E402
 
 from strawq.collector.integrations import slime as adapter  # noqa: E402
+from strawq.collector.integrations.slime_train import RolloutManager, flatten  # noqa: E402
 
 Sample = slime_types.Sample
 pytestmark = pytest.mark.slime
@@ -343,7 +344,7 @@ def world(tmp_path):
 @pytest.mark.timeout(120)
 def test_generate_rollout_returns_the_collector_batch_as_samples(world):
     a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2, save=str(world.tmp / "c"),
-                        load=None)
+                        load=None, custom_reward_post_process_path=adapter.REWARD_POST_PROCESS)
     out = call_rollout_fn(adapter.generate_rollout, a, 0, None, evaluation=False)
     assert isinstance(out, RolloutFnTrainOutput)
     validate_rollout_id_annotated(out.samples)
@@ -364,6 +365,9 @@ def test_generate_rollout_returns_the_collector_batch_as_samples(world):
         assert s.status == Sample.Status.COMPLETED
         assert s.group_index == int(ref.sample_index[i])
         s._validate_response_metadata_lengths()  # slime's own alignment check
+    # slime's own conversion trains the manifest's advantages (its reward post-processing)
+    data = RolloutManager(a)._convert_samples_to_train_data(flatten(out.samples))
+    assert data["rewards"] == pytest.approx(ref.sample_advantages.tolist())
     with pytest.raises(NotImplementedError, match="eval"):
         adapter.generate_rollout(a, 0, None, evaluation=True)
     call_rollout_fn(adapter.generate_rollout, a, 1, None, evaluation=False)
@@ -373,7 +377,8 @@ def test_generate_rollout_returns_the_collector_batch_as_samples(world):
 
 @pytest.mark.timeout(120)
 def test_weight_update_bracket_around_slimes_update(world):
-    a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2, strawq_bracket_timeout_s=30)
+    a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2, strawq_bracket_timeout_s=30,
+                      custom_reward_post_process_path=adapter.REWARD_POST_PROCESS)
     adapter.generate_rollout(a, 0, None)
     stop = threading.Event()
 
@@ -401,7 +406,8 @@ def test_weight_update_bracket_around_slimes_update(world):
 @pytest.mark.timeout(120)
 def test_batch_source_ties_slime_checkpoints_to_the_reader(world):
     a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2,
-                        save=str(world.tmp / "ckpt"), load=str(world.tmp / "ckpt"))
+                        save=str(world.tmp / "ckpt"), load=str(world.tmp / "ckpt"),
+                        custom_reward_post_process_path=adapter.REWARD_POST_PROCESS)
     src = adapter.StrawqBatchSource(a)
     assert isinstance(src, DataSource)
     assert adapter.generate_rollout(a, 0, None).metrics["strawq/batch_seq"] == 1
