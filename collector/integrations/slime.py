@@ -44,7 +44,7 @@ from strawq.collector.integrations.slime_samples import (EXTRA_FIELDS, META, _sl
                                                          batch_to_samples, group_to_samples,
                                                          run_dir, run_versions,
                                                          samples_to_group)
-from strawq.collector.integrations.slime_source import (PRODUCER_PREFIX, TRAINED,
+from strawq.collector.integrations.slime_source import (FILTERED, PRODUCER_PREFIX, TRAINED,
                                                         StrawqDataSource, slime_rollout)
 from strawq.collector.reader import BatchReader
 
@@ -280,7 +280,7 @@ class StrawqBatchSource:
         return 0
 
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "EXTRA_FIELDS", "META", "PRODUCER_PREFIX",
+__all__ = ["ADVANTAGE_ESTIMATORS", "EXTRA_FIELDS", "FILTERED", "META", "PRODUCER_PREFIX",
            "REWARD_POST_PROCESS", "TRAINED", "StrawqBatchSource", "check_train_args",
            "pad_steps", "reward_post_process",
            "StrawqDataSource", "apply_extras", "batch_extras", "batch_to_samples",

@@ -19,7 +19,7 @@ import logging
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from strawq import records
@@ -42,12 +42,18 @@ PRODUCER_PREFIX = "slime.r"
 _PRODUCER_RE = re.compile(r"slime\.r(\d+)")
 #: reason recorded for groups that slime trained (data-source mode)
 TRAINED = "trained"
+#: reason recorded for groups that slime's dynamic-sampling filter rejected
+FILTERED = "filtered"
+#: statuses of a sample slime finished (it returns them as they are when handed out again)
+FINISHED = ("completed", "truncated", "failed")
 
 
 @dataclass
 class _Held:
     lease: Lease
     rollout: int
+    #: the Samples handed out (slime's rollout generates into these objects)
+    samples: list[Any] = field(default_factory=list)
 
 
 class StrawqDataSource:
@@ -111,12 +117,13 @@ class StrawqDataSource:
         out = []
         for lease in leases:
             prev = self.queue.load_partial(lease)
-            out.append(group_to_samples(
+            group = group_to_samples(
                 lease.task, prev, self.group_size, gen=lease.gen,
                 label_key=getattr(self.args, "label_key", None),
                 metadata_key=getattr(self.args, "metadata_key", None),
-                prompt_key=self.prompt_key))
-            self._held[lease.task_id] = _Held(lease, tag)
+                prompt_key=self.prompt_key)
+            out.append(group)
+            self._held[lease.task_id] = _Held(lease, tag, list(group))
         return out
 
     def add_samples(self, samples: list[list[Any]]) -> None:
@@ -137,17 +144,66 @@ class StrawqDataSource:
                 log.error("group %s could not be saved: %s", held.lease.task_id, exc)
 
     def trained(self, samples: Sequence[Sequence[Any]]) -> None:
-        """Mark groups as returned for training (``slime_rollout`` calls this); groups
-        handed out but neither trained nor added back are returned to the queue at once."""
+        """Settle the groups of this rollout that slime did not train (``slime_rollout``
+        calls this with the groups it trains; those stay held until ``save``).
+
+        A group handed out but neither trained nor added back is, by the state of the
+        Samples slime generated into:
+
+        * **finished** (every sample completed, truncated or failed) and rejected by slime's
+          dynamic-sampling filter (``--dynamic-sampling-filter-path``, asked again on the
+          same group): recorded as consumed — dropped with reason ``filtered`` and the
+          filter's reason in the note, in the drop audit like every drop (docs/design.md,
+          invariant 1) — never served again;
+        * **finished** and kept by the filter (slime had its batch full before this one
+          came back): saved as a partial task that needs no generation, trained by a later
+          rollout;
+        * otherwise (aborted without ``--partial-rollout``, or never generated): returned
+          to the queue untouched, no attempt spent.
+        """
         keep = {self._task_id(g) for g in samples}
+        verdict = self._filter()
         for tid in [t for t in self._held if t not in keep]:
             held = self._held.pop(tid)
-            log.info("group %s was neither trained nor added back (filtered or aborted without "
-                     "--partial-rollout); returned to the queue", tid)
             try:
-                self.queue.release(held.lease)
+                self._settle_unused(held, verdict)
             except LeaseLost as exc:
-                log.error("group %s could not be returned: %s", tid, exc)
+                log.error("group %s could not be settled: %s", tid, exc)
+
+    def _filter(self) -> Any:
+        """slime's dynamic-sampling filter as ``group -> DynamicFilterOutput`` (keeps every
+        group when none is configured)."""
+        path = getattr(self.args, "dynamic_sampling_filter_path", None)
+        call = _slime("slime.rollout.filter_hub.base_types").call_dynamic_filter
+        fn = _slime("slime.utils.misc").load_function(path) if path else None
+        return lambda group: call(fn, self.args, group)
+
+    def _settle_unused(self, held: _Held, verdict: Any) -> None:
+        lease, group = held.lease, held.samples
+        status = [s.status.value for s in group]
+        if not group or not all(st in FINISHED for st in status):
+            log.info("group %s was neither trained nor added back (aborted without "
+                     "--partial-rollout); returned to the queue", lease.task_id)
+            self.queue.release(lease)
+            return
+        out = verdict(group)
+        rewards = [s.reward if isinstance(s.reward, (int, float)) else None for s in group]
+        if not out.keep:
+            reason = getattr(out, "reason", None) or "rejected"
+            self._drop(lease, FILTERED, f"slime's dynamic-sampling filter: {reason}",
+                       summary={"rollout": held.rollout, "index": lease.task["index"],
+                                "filter_reason": str(reason), "rewards": rewards})
+            log.info("group %s rejected by slime's dynamic-sampling filter (%s): dropped",
+                     lease.task_id, reason)
+            return
+        g = samples_to_group(lease.task_id, int(lease.task["index"]), group,
+                             version=self.queue.current_version())
+        if g is None:
+            self.queue.release(lease)
+            return
+        self.queue.yield_partial(lease, g)
+        log.info("group %s finished after slime's batch was full: kept for a later rollout",
+                 lease.task_id)
 
     def save(self, rollout_id: int) -> None:
         """Groups handed out to rollouts ≤ ``rollout_id`` are trained: recorded durably."""
@@ -203,12 +259,15 @@ class StrawqDataSource:
 
     def _consume(self, lease: Lease, rollout_id: int) -> None:
         try:
-            self.queue.drop(lease, TRAINED, f"trained by slime; checkpoint of rollout "
-                                            f"{rollout_id}",
-                            summary={"rollout": rollout_id, "index": lease.task["index"]})
+            self._drop(lease, TRAINED, f"trained by slime; checkpoint of rollout {rollout_id}",
+                       summary={"rollout": rollout_id, "index": lease.task["index"]})
         except LeaseLost as exc:
             log.error("group %s: %s", lease.task_id, exc)
-            return
+
+    def _drop(self, lease: Lease, reason: str, message: str,
+              summary: dict[str, Any]) -> None:
+        """Record a group as consumed; the prefix it resumed from is read by nobody."""
+        self.queue.drop(lease, reason, message, summary=summary)
         if lease.has_partial:  # the prefix it resumed from is trained: nothing reads it again
             self.queue.storage.delete(data_key(lease.task_id, lease.name.resume, "partial"))
 
@@ -234,8 +293,10 @@ def slime_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool
     """slime's own SGLang rollout, with the rollout id handed to ``StrawqDataSource``.
 
     ``--rollout-function-path strawq.collector.integrations.slime.slime_rollout``: tags the
-    hand-outs (exact save/load under ``train_async``), and returns to the queue at once the
-    groups slime neither trained nor added back (dynamic-sampling filters).
+    hand-outs (exact save/load under ``train_async``) and settles at once the groups slime
+    neither trained nor added back (``StrawqDataSource.trained``: a dynamic-sampling filter
+    reject is dropped as ``filtered``, a finished surplus group kept for a later rollout,
+    an aborted one returned).
     """
     train_output = _slime("slime.rollout.base_types").RolloutFnTrainOutput
     slime_generate = _slime("slime.rollout.sglang_rollout").generate_rollout

@@ -23,6 +23,9 @@ from strawq.collector.core import Collector
 from strawq.collector.reader import BatchReader
 from strawq.control import Control
 from strawq.dataset import Dataset
+from strawq import records
+from strawq.names import note_key
+from strawq.retention import drop_totals
 from strawq.states import TaskState, names_in
 from tests.collector.helpers import SimProducer, drive, make_run, write_dataset
 from tests.collector.integrations.conftest import make_batch
@@ -212,12 +215,65 @@ def test_stock_rollout_without_tags_saves_everything_handed_out(args):
     assert {n.producer for n in names_in(ds.queue.storage, TaskState.LEASED)} == {"slime.r1"}
 
 
-def test_groups_neither_trained_nor_added_back_return_to_the_queue(args):
+def _finish(group, rewards, args, seed=0):
+    """slime's rollout finishing every sample of a group (generation, then its reward)."""
+    for k, (s, r) in enumerate(zip(group, rewards, strict=True)):
+        _generate(s, 3, finish="stop", version=0, args=args, seed=seed + k)
+        s.reward = r
+
+
+def test_a_filter_reject_is_recorded_as_consumed_not_served_again(args):
+    """slime's dynamic-sampling filter rejects a finished group: it is dropped with the
+    filter's reason (in the drop audit), never handed out again; a group aborted without
+    --partial-rollout goes back untouched; a finished group slime had no room for is kept
+    and comes back finished (slime does not generate it again)."""
+    args.reward_key = None
+    args.dynamic_sampling_filter_path = (
+        "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std")
     ds = adapter.StrawqDataSource(args)
     ds.begin_rollout(0)
-    a, b = ds.get_samples(2)
-    ds.trained([a])  # b was filtered out by slime's dynamic sampling
-    assert _where(ds, b[0].metadata["strawq"]["task_id"]) == "pending"
+    trained, rejected, aborted, surplus = ds.get_samples(4)
+    ids = [g[0].metadata["strawq"]["task_id"] for g in (trained, rejected, aborted, surplus)]
+    _finish(trained, [1.0, 0.0, 1.0, 0.0], args)
+    _finish(rejected, [1.0] * G, args)  # zero std: check_reward_nonzero_std rejects it
+    _generate(aborted[0], 2, finish="abort", version=0, args=args)
+    _finish(surplus, [0.0, 1.0, 0.0, 0.0], args, seed=7)
+    ds.trained([trained])
+    assert _where(ds, ids[1]) == "dropped"
+    (name,) = [n for n in names_in(ds.queue.storage, TaskState.DROPPED) if n.id == ids[1]]
+    assert name.producer == adapter.FILTERED
+    note = records.decode(ds.queue.storage.read(note_key(ids[1], name.gen, "drop",
+                                                         adapter.FILTERED)))
+    assert "zero_std_1.0" in note.meta["message"]
+    assert note.meta["summary"]["rewards"] == [1.0] * G
+    assert drop_totals(ds.queue.storage) == {adapter.FILTERED: 1}
+    assert _where(ds, ids[2]) == "pending"
+    assert ids[3] in {n.id for n in names_in(ds.queue.storage, TaskState.PARTIAL)}
+    ds.save(0)
+    assert _where(ds, ids[0]) == "dropped"
+    ds.begin_rollout(1)
+    again = ds.get_samples(3)
+    got = [g[0].metadata["strawq"]["task_id"] for g in again]
+    assert ids[1] not in got  # the rejected group is not served again
+    assert got[0] == ids[3]  # the finished surplus first, as slime left it
+    back = again[0]
+    assert [s.status for s in back] == [Sample.Status.COMPLETED] * G
+    assert [s.reward for s in back] == [0.0, 1.0, 0.0, 0.0]
+    assert [s.tokens for s in back] == [s.tokens for s in surplus]
+    assert ids[2] in got
+    assert drop_totals(ds.queue.storage) == {adapter.FILTERED: 1, adapter.TRAINED: 1}
+
+
+def test_groups_neither_trained_nor_added_back_without_a_filter(args):
+    ds = adapter.StrawqDataSource(args)
+    ds.begin_rollout(0)
+    a, b, c = ds.get_samples(3)
+    _finish(a, [1.0, 0.0, 1.0, 0.0], args)
+    _finish(b, [1.0] * G, args)  # no filter: nothing rejects it
+    ds.trained([a])
+    assert b[0].metadata["strawq"]["task_id"] in {
+        n.id for n in names_in(ds.queue.storage, TaskState.PARTIAL)}
+    assert _where(ds, c[0].metadata["strawq"]["task_id"]) == "pending"  # never generated
     ds.save(0)
     assert _where(ds, a[0].metadata["strawq"]["task_id"]) == "dropped"
 
