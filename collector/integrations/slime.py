@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from strawq.collector.integrations.slime_samples import (EXTRA_FIELDS, META, _slime,
                                                          apply_extras, batch_extras,
@@ -46,7 +47,9 @@ from strawq.collector.integrations.slime_samples import (EXTRA_FIELDS, META, _sl
                                                          samples_to_group)
 from strawq.collector.integrations.slime_source import (FILTERED, PRODUCER_PREFIX, TRAINED,
                                                         StrawqDataSource, slime_rollout)
-from strawq.collector.reader import BatchReader
+from strawq.collector.integrations.slime_train import (seq_mean_token_sum_reducer,
+                                                       slime_path_gradients)
+from strawq.collector.reader import Batch, BatchReader
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +145,29 @@ def reward_post_process(args: Any, samples: Sequence[Any]) -> tuple[list[float],
     return raw, adv
 
 
+def check_temperature(batch: Batch, args: Any) -> None:
+    """Refuse a batch sampled at a temperature other than ``--rollout-temperature``.
+
+    slime scores every sample's log-probs at that one temperature; a token sampled at
+    another has an importance ratio ≠ 1 while on-policy, so TIS clips and IcePop masks
+    tokens that are not stale at all. The producers' ``temperature`` (and any per-row
+    ``sampling_params.temperature``) must equal slime's ``--rollout-temperature``.
+    """
+    if batch.temperature is None or not batch.num_samples:
+        return
+    want = float(getattr(args, "rollout_temperature", 1.0))
+    temps = batch.temperature.to(torch.float64)
+    bad = (temps - want).abs() > 1e-6 * max(1.0, want)
+    if bool(bad.any()):
+        found = sorted({round(float(t), 6) for t in temps[bad].tolist()})
+        raise ValueError(
+            f"strawq batch {batch.seq}: {int(bad.sum())} of {batch.num_samples} samples were "
+            f"sampled at temperature {found}, slime's --rollout-temperature is {want}: slime "
+            "scores every sample at that one temperature, so their importance ratios would "
+            "be off while on-policy. Set the producers' temperature (and any per-row "
+            "sampling_params) to --rollout-temperature")
+
+
 def pad_steps(groups: list[list[Any]], args: Any) -> int:
     """Fill the last training step with inert samples; returns how many were added.
 
@@ -215,6 +241,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     if want is not None and len(batch.groups) != int(want):
         log.warning("strawq batch %d has %d groups, slime's --rollout-batch-size is %s: set "
                     "the collector's batch_groups to match", batch.seq, len(batch.groups), want)
+    check_temperature(batch, args)
     samples = batch_to_samples(batch)
     padding = pad_steps(samples, args)
     metrics = {f"strawq/{k}": v for k, v in batch.stats.items()}
@@ -282,7 +309,8 @@ class StrawqBatchSource:
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "EXTRA_FIELDS", "FILTERED", "META", "PRODUCER_PREFIX",
            "REWARD_POST_PROCESS", "TRAINED", "StrawqBatchSource", "check_train_args",
-           "pad_steps", "reward_post_process",
+           "check_temperature", "pad_steps", "reward_post_process", "seq_mean_token_sum_reducer",
+           "slime_path_gradients",
            "StrawqDataSource", "apply_extras", "batch_extras", "batch_to_samples",
            "begin_weight_update_hook", "generate_rollout", "group_to_samples", "run_dir",
            "run_versions", "samples_to_group", "slime_rollout"]

@@ -164,3 +164,14 @@ def test_a_full_batch_is_left_as_it_is():
     assert adapter.pad_steps(groups, slime_args(global_batch_size=8)) == 0
     assert adapter.pad_steps(groups, slime_args(global_batch_size=None)) == 0
     assert all("advantage_scale" not in s.metadata["strawq"] for s in flatten(groups))
+
+
+def test_a_batch_sampled_at_another_temperature_is_refused():
+    b = graded_batch([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0]])
+    b.temperature = torch.full((8,), 0.6)
+    adapter.check_temperature(b, SimpleNamespace(rollout_temperature=0.6))
+    b.temperature[5] = 1.0
+    with pytest.raises(ValueError, match=r"1 of 8 samples were sampled at temperature \[1.0\]"):
+        adapter.check_temperature(b, SimpleNamespace(rollout_temperature=0.6))
+    with pytest.raises(ValueError, match="rollout-temperature is 1.0"):
+        adapter.check_temperature(b, SimpleNamespace())  # slime's default, 1.0
