@@ -168,44 +168,74 @@ def check_temperature(batch: Batch, args: Any) -> None:
             "sampling_params) to --rollout-temperature")
 
 
+def _loss_tokens(s: Any) -> int:
+    """The loss tokens slime counts for a Sample (``_convert_samples_to_train_data``: no
+    mask is all ones; ``remove_sample`` zeroes it)."""
+    if s.remove_sample:
+        return 0
+    return int(sum(s.loss_mask)) if s.loss_mask is not None else int(s.response_length)
+
+
 def pad_steps(groups: list[list[Any]], args: Any) -> int:
-    """Fill the last training step with inert samples; returns how many were added.
+    """Fit the samples to slime's training steps; returns how many padding samples it added.
 
     slime trains a rollout in steps of ``--global-batch-size`` samples, in order, and drops
     the samples of a last, incomplete step (or raises when there is no complete one): a
     batch shorter than expected (groups skipped at read time) would lose samples strawq then
-    acks as trained. The padding samples are copies of the shortest sample with
-    ``remove_sample`` set (slime zeroes their loss masks) and advantage 0. slime divides a
-    step's per-sample means by ``--global-batch-size``, so the real samples of the padded
-    step get ``advantage_scale`` = global batch size / their number: that step's loss is the
-    mean over its real samples, as in a full step. With ``--calculate-per-token-loss`` no
-    scale is set and each padding sample adds 1 to slime's token count (its
-    ``clamp_min(loss_mask.sum(), 1)``).
+    acks as trained. The last step is filled with copies of the shortest sample with
+    ``remove_sample`` set (slime zeroes their loss masks) and advantage 0.
+
+    Then each step's denominators are made the documented ones, through each sample's
+    ``advantage_scale`` (the policy-gradient loss is linear in the advantage):
+
+    * per-sample mean (slime's default): slime divides a step's per-sample means by
+      ``--global-batch-size``, so the real samples of a padded step get scale global
+      batch size / their number — the mean over its real samples, as in a full step;
+    * ``--calculate-per-token-loss``: slime divides a step by Σ max(loss tokens of a
+      sample, 1), so every sample without a loss token (an empty response, every token
+      masked, a padding sample) adds 1; the step's samples get scale (N + k) / N for its N
+      loss tokens and k such samples — the mean over its loss tokens.
+
+    Without ``--global-batch-size`` the batch is one step and nothing is padded.
     """
-    gbs = getattr(args, "global_batch_size", None)
     flat = [s for g in groups for s in g]
-    if not gbs or not flat or len(flat) % int(gbs) == 0:
+    if not flat:
         return 0
-    gbs = int(gbs)
+    gbs = int(getattr(args, "global_batch_size", None) or len(flat))
     tail = len(flat) % gbs
-    if not getattr(args, "calculate_per_token_loss", False):
-        for s in flat[len(flat) - tail:]:
-            s.metadata[META]["advantage_scale"] = gbs / tail
-    template = min(flat, key=lambda s: len(s.tokens))
-    mean_reward = float(np.mean([0.0 if s.reward is None else float(s.reward) for s in flat]))
-    pads = []
-    for k in range(gbs - tail):
-        p = copy.deepcopy(template)
-        p.remove_sample = True
-        p.loss_mask = [0] * int(p.response_length)
-        p.reward = mean_reward  # slime logs raw rewards: the padding leaves their mean as is
-        p.index = -1 - k
-        p.metadata = {META: {"padding": True, "advantage": 0.0,
-                             "versions": list(template.metadata[META]["versions"])}}
-        pads.append(p)
-    groups.append(pads)
-    log.warning("strawq batch: %d samples do not fill slime's steps of --global-batch-size "
-                "%d; %d inert padding samples added to the last step", len(flat), gbs, len(pads))
+    pads: list[Any] = []
+    if tail:
+        template = min(flat, key=lambda s: len(s.tokens))
+        mean_reward = float(np.mean([0.0 if s.reward is None else float(s.reward)
+                                     for s in flat]))
+        for k in range(gbs - tail):
+            p = copy.deepcopy(template)
+            p.remove_sample = True
+            p.loss_mask = [0] * int(p.response_length)
+            p.reward = mean_reward  # slime logs raw rewards: the padding leaves their mean
+            p.index = -1 - k
+            p.metadata = {META: {"padding": True, "advantage": 0.0,
+                                 "versions": list(template.metadata[META]["versions"])}}
+            pads.append(p)
+        log.warning("strawq batch: %d samples do not fill slime's steps of --global-batch-size"
+                    " %d; %d inert padding samples added to the last step", len(flat), gbs,
+                    len(pads))
+    per_token = bool(getattr(args, "calculate_per_token_loss", False))
+    every = flat + pads
+    for start in range(0, len(every), gbs):
+        step = every[start:start + gbs]
+        if per_token:
+            tokens = [_loss_tokens(s) for s in step]
+            n, empty = sum(tokens), sum(1 for t in tokens if t == 0)
+            scale = (n + empty) / n if n and empty else 1.0
+        else:
+            real = sum(1 for s in step if not s.remove_sample)
+            scale = gbs / real if real and real < gbs else 1.0
+        if scale != 1.0:
+            for s in step:
+                s.metadata[META]["advantage_scale"] = scale
+    if pads:
+        groups.append(pads)
     return len(pads)
 
 

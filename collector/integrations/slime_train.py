@@ -251,23 +251,27 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
         batch = reader.load(reader.batches.read_manifest(int(seq)))
     finally:
         reader.close()
-    samples = flatten(batch_to_samples(batch))
-    n = len(samples)
+    from strawq.collector.integrations.slime import pad_steps
+
+    groups = batch_to_samples(batch)
+    n = sum(len(g) for g in groups)
     temps = [float(t) for t in (batch.temperature.tolist() if batch.temperature is not None
                                 else [1.0] * n)] if temperatures is None else list(temperatures)
     args = slime_args(objective, global_batch_size=n)
+    pad_steps(groups, args)  # what generate_rollout does (one step: no padding)
+    samples = flatten(groups)
     data = RolloutManager(args)._convert_samples_to_train_data(samples)
     data_utils.tensorize_rollout_data_for_training(data)
     dev = next((q.device for q in model.parameters()), torch.device("cpu"))
     data["total_lengths"] = [len(t) for t in data["tokens"]]
-    groups: dict[float, list[int]] = {}
+    by_temp: dict[float, list[int]] = {}
     for i, t in enumerate(temps):
-        groups.setdefault(t, []).append(i)
+        by_temp.setdefault(t, []).append(i)
     model.zero_grad(set_to_none=True)
     total = torch.zeros((), device=dev)
     tokens_seen = torch.zeros((), device=dev)
     with single_rank():
-        for temp, idx in groups.items():
+        for temp, idx in by_temp.items():
             a = slime_args(objective, global_batch_size=n, rollout_temperature=temp)
             toks = [data["tokens"][i].to(dev) for i in idx]
             mb: dict[str, Any] = {
@@ -289,12 +293,12 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
             mb["log_probs"] = old["log_probs"]
             loss_mod.compute_advantages_and_returns(a, mb)
             loss, normalizer, _ = loss_mod.loss_function(
-                a, mb, num_microbatches=len(groups), step_global_batch_size=n, logits=logits)
+                a, mb, num_microbatches=len(by_temp), step_global_batch_size=n, logits=logits)
             if a.calculate_per_token_loss:
                 total = total + loss
                 tokens_seen = tokens_seen + normalizer
             else:
-                total = total + loss / len(groups)  # Megatron's schedule: ÷ micro-batches
+                total = total + loss / len(by_temp)  # Megatron's schedule: ÷ micro-batches
     if args.calculate_per_token_loss:
         total = total / tokens_seen  # Megatron scales the gradients by the step's tokens
     total.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated

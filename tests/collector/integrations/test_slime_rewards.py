@@ -159,6 +159,26 @@ def test_a_short_batch_fills_slimes_last_step_and_loses_no_sample(gbs):
     assert np.mean(data["raw_reward"]) == pytest.approx(np.mean(data["raw_reward"][:12]))
 
 
+def test_per_token_steps_count_only_loss_tokens():
+    """--calculate-per-token-loss: slime counts max(loss tokens, 1) per sample; a step with
+    k samples without a loss token (here the padding) is scaled by (N + k) / N."""
+    rewards = [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, None, 0.0], [0.2, 0.4, 0.6, 0.8]]
+    args = slime_args(global_batch_size=8, calculate_per_token_loss=True)
+    groups = adapter.batch_to_samples(graded_batch(rewards))
+    assert adapter.pad_steps(groups, args) == 4
+    flat = flatten(groups)
+    for start in (0, 8):
+        step = flat[start:start + 8]
+        n = sum(sum(s.loss_mask) for s in step if not s.remove_sample)
+        empty = sum(1 for s in step if s.remove_sample or not sum(s.loss_mask))
+        want = (n + empty) / n if empty else 1.0
+        assert all(s.metadata["strawq"].get("advantage_scale", 1.0) == pytest.approx(want)
+                   for s in step)
+    assert flat[8].metadata["strawq"]["advantage_scale"] == pytest.approx(
+        (sum(sum(s.loss_mask) for s in flat[8:12]) + 4) / sum(sum(s.loss_mask)
+                                                              for s in flat[8:12]))
+
+
 def test_a_full_batch_is_left_as_it_is():
     groups = adapter.batch_to_samples(graded_batch([[1.0, 0.0, 0.0, 0.0]] * 2))
     assert adapter.pad_steps(groups, slime_args(global_batch_size=8)) == 0
