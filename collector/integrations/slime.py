@@ -21,7 +21,16 @@ Two ways to run slime on strawq (``docs/slime.md``):
    bracket once slime has written new weights, and the next ``generate_rollout`` closes it
    (the engines have loaded them by then). ``--data-source-path
    strawq.collector.integrations.slime.StrawqBatchSource`` ties slime's ``save``/``load`` to
-   the reader's checkpoint state.
+   the reader's checkpoint state. ``--custom-reward-post-process-path
+   strawq.collector.integrations.slime.reward_post_process`` (required) makes slime train
+   the manifest's advantages, computed within each group; ``pad_steps`` fits a batch to
+   slime's training steps so that no sample is dropped and each step's denominators are
+   the documented ones; ``slime_train.slime_path_gradients`` is this path's gradient for
+   the reference-equivalence check.
+
+Modules: ``slime_samples`` (the Sample mapping both ways), ``slime_source`` (mode 1),
+``slime_train`` (slime's own trainer-side code on strawq's samples), this one (mode 2 and
+the dotted paths slime is given).
 
 The run directory comes from ``args.strawq_run`` (``--custom-config-path`` YAML) or the
 ``STRAWQ_RUN`` environment variable.

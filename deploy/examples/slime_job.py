@@ -38,6 +38,8 @@ MODES: dict[str, list[str]] = {
         # slime trains the manifest's advantages (computed within each group), not its own
         # normalisation of the rewards across the batch
         "--custom-reward-post-process-path", f"{ADAPTER}.reward_post_process",
+        # strawq's documented objective: token-level TIS min(rho, 2) (docs/slime.md)
+        "--use-tis",
     ],
 }
 
