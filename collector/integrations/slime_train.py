@@ -183,19 +183,22 @@ def slime_args(objective: Any = None, **overrides: Any) -> SimpleNamespace:
 
 
 @contextlib.contextmanager
-def single_rank() -> Iterator[None]:
-    """torch.distributed (gloo, world size 1) and Megatron's parallel state (TP = PP = CP =
-    1) for slime's training code, unless they are initialised already; what it starts it
-    tears down."""
+def single_rank(device: Any = "cpu") -> Iterator[None]:
+    """torch.distributed (world size 1: NCCL for a CUDA ``device`` where it is available,
+    else gloo) and Megatron's parallel state (TP = PP = CP = 1) for slime's training code,
+    unless they are initialised already; what it starts it tears down."""
     import torch.distributed as dist
+
+    cuda = str(device).startswith("cuda")
+    backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
 
     ps = _slime("megatron.core.parallel_state")
     started_dist = started_mp = False
     with tempfile.TemporaryDirectory(prefix="strawq-slime-") as tmp:
         try:
             if not dist.is_initialized():
-                dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'pg')}",
-                                        rank=0, world_size=1)
+                dist.init_process_group(backend, rank=0, world_size=1,
+                                        init_method=f"file://{os.path.join(tmp, 'pg')}")
                 started_dist = True
             if not ps.model_parallel_is_initialized():
                 ps.initialize_model_parallel(1, 1)
@@ -270,7 +273,7 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
     model.zero_grad(set_to_none=True)
     total = torch.zeros((), device=dev)
     tokens_seen = torch.zeros((), device=dev)
-    with single_rank():
+    with single_rank(dev):
         for temp, idx in by_temp.items():
             a = slime_args(objective, global_batch_size=n, rollout_temperature=temp)
             toks = [data["tokens"][i].to(dev) for i in idx]
