@@ -44,8 +44,10 @@ _PRODUCER_RE = re.compile(r"slime\.r(\d+)")
 TRAINED = "trained"
 #: reason recorded for groups that slime's dynamic-sampling filter rejected
 FILTERED = "filtered"
-#: statuses of a sample slime finished (it returns them as they are when handed out again)
+#: statuses of a sample slime finished (its dynamic-sampling filter judges the group)
 FINISHED = ("completed", "truncated", "failed")
+#: statuses slime returns as they are when the sample is handed out again
+KEPT_AS_IS = ("completed", "truncated")
 
 
 @dataclass
@@ -157,7 +159,8 @@ class StrawqDataSource:
           invariant 1) — never served again;
         * **finished** and kept by the filter (slime had its batch full before this one
           came back): saved as a partial task that needs no generation, trained by a later
-          rollout;
+          rollout (with a failed sample, which slime would generate again from its
+          output, returned untouched instead);
         * otherwise (aborted without ``--partial-rollout``, or never generated): returned
           to the queue untouched, no attempt spent.
         """
@@ -195,6 +198,9 @@ class StrawqDataSource:
                                 "filter_reason": str(reason), "rewards": rewards})
             log.info("group %s rejected by slime's dynamic-sampling filter (%s): dropped",
                      lease.task_id, reason)
+            return
+        if not all(st in KEPT_AS_IS for st in status):  # slime generates a failed one again
+            self.queue.release(lease)
             return
         g = samples_to_group(lease.task_id, int(lease.task["index"]), group,
                              version=self.queue.current_version())

@@ -267,13 +267,18 @@ def test_a_filter_reject_is_recorded_as_consumed_not_served_again(args):
 def test_groups_neither_trained_nor_added_back_without_a_filter(args):
     ds = adapter.StrawqDataSource(args)
     ds.begin_rollout(0)
-    a, b, c = ds.get_samples(3)
+    a, b, c, d = ds.get_samples(4)
     _finish(a, [1.0, 0.0, 1.0, 0.0], args)
     _finish(b, [1.0] * G, args)  # no filter: nothing rejects it
+    _finish(d, [1.0, 0.0, 1.0, 0.0], args)
+    d[1].status = Sample.Status.FAILED  # slime would generate it again: not kept
     ds.trained([a])
     assert b[0].metadata["strawq"]["task_id"] in {
         n.id for n in names_in(ds.queue.storage, TaskState.PARTIAL)}
     assert _where(ds, c[0].metadata["strawq"]["task_id"]) == "pending"  # never generated
+    assert d[0].metadata["strawq"]["task_id"] not in {
+        n.id for n in names_in(ds.queue.storage, TaskState.PARTIAL)}
+    assert _where(ds, d[0].metadata["strawq"]["task_id"]) == "pending"
     ds.save(0)
     assert _where(ds, a[0].metadata["strawq"]["task_id"]) == "dropped"
 
