@@ -27,8 +27,10 @@ Rules the plugin must keep:
    environment state in the trajectory (tool results), not in the plugin.
 3. **Tools are at-least-once; make them idempotent by key.** A call whose result was
    persisted never runs again. A call in flight when the producer crashed or was stopped
-   runs again with the *same* idempotency key (``key`` argument), so a tool with side
-   effects deduplicates by it.
+   runs again with the *same* idempotency key (``key`` argument) when the trajectory
+   resumes from a saved record, so a tool with side effects deduplicates by it; a
+   trajectory begun afresh (its prefix regenerated, or nothing saved yet) is a new episode
+   with new keys (``Trajectory.gen``).
 
 Budgets (exact across turns): ``max_new_tokens`` bounds the whole response (generated and
 appended tokens); each turn gets ``max_new_tokens - len(response)`` (and the context-length
