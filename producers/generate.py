@@ -27,13 +27,18 @@ Rules the plugin must keep:
    environment state in the trajectory (tool results), not in the plugin.
 3. **Tools are at-least-once; make them idempotent by key.** A call whose result was
    persisted never runs again. A call in flight when the producer crashed or was stopped
-   runs again with the *same* idempotency key (``key`` argument), so a tool with side
-   effects deduplicates by it.
+   runs again with the *same* idempotency key (``key`` argument) when the trajectory
+   resumes from a saved record, so a tool with side effects deduplicates by it; a
+   trajectory begun afresh (its prefix regenerated, or nothing saved yet) is a new episode
+   with new keys (``Trajectory.gen``).
 
 Budgets (exact across turns): ``max_new_tokens`` bounds the whole response (generated and
 appended tokens); each turn gets ``max_new_tokens - len(response)`` (and the context-length
-clamp); an ``append`` that does not fit ends the sample ``truncated``; ``max_turns`` (0:
-unlimited) ends it ``truncated`` before the turn past the limit. Tool calls time out after
+clamp); an ``append`` that does not fit either bound (``max_new_tokens``, or prompt +
+response ≤ ``context_length − 1``) is refused and ends the sample ``truncated``;
+``max_turns`` (0: unlimited) ends it ``truncated`` before the turn past the limit. Ending
+the sample (``finish`` / ``fail``) before the replay has reached the end of the record
+raises :class:`~strawq.producers.trajectory.TrajectoryError`. Tool calls time out after
 ``tool_timeout_s``, are retried ``tool_retries`` times, then ``tool_failure`` decides:
 ``fail_sample`` (recorded as ``failed``, reward None, loss mask 0 — never trained as a
 finished trajectory), ``drop_group`` (the group is dropped as ``tool_error``), or
@@ -116,6 +121,9 @@ class GenerateContext:
         s = run.samples[index]
         self.trajectory: Trajectory = run.trajectories[index]
         self.trajectory.check(s.response_length, s.loss_mask)
+        if self.trajectory.gen is None:  # the generation its tool calls' keys name
+            lease = run.lease
+            self.trajectory.gen = lease.name.resume if lease.has_partial else lease.gen
         self._pos = 0  # replay cursor into trajectory.events
         self._turn_text = ""
 
@@ -175,7 +183,14 @@ class GenerateContext:
 
     def append(self, token_ids: Sequence[int], *, kind: str = "tool") -> None:
         """Append tokens the model did not generate (loss mask 0, log-prob 0, the version of
-        the last generated token). Past the budget the sample ends ``truncated``."""
+        the last generated token).
+
+        An append that does not fit is refused, never cut (appended tokens are exactly what
+        the environment returned): the sample ends ``truncated`` with ``finish_reason``
+        ``{"type": "length", "limit": "append"}`` past ``max_new_tokens``, or ``"limit":
+        "context_length"`` when prompt + response + the tokens would pass
+        ``context_length − 1`` (the longest sequence the engine serves; docs/design.md,
+        invariant 4), as a turn does when its budget is spent."""
         s = self.sample
         ids = np.asarray([int(t) for t in token_ids], dtype=TOKEN_DTYPE)
         e = self._next_recorded("append")
@@ -185,8 +200,11 @@ class GenerateContext:
                                       "record; a generate plugin must be deterministic")
             self._pos += 1
             return
-        if s.response_length + len(ids) > s.params.max_new_tokens:
-            self._end(SampleStatus.TRUNCATED, {"type": "length", "limit": "append"})
+        if len(ids) > self.remaining_budget:
+            over = s.response_length + len(ids) > s.params.max_new_tokens
+            self._end(SampleStatus.TRUNCATED, {
+                "type": "length", "limit": "append" if over else "context_length",
+                "tokens": len(ids)})
         version = int(s.versions[-1]) if len(s.versions) else self._version
         start = s.response_length
         s.response_ids = np.concatenate([s.response_ids, ids])
@@ -215,7 +233,7 @@ class GenerateContext:
         cfg = self._runner.config
         ordinal = len(self.trajectory.tool_calls())
         key = idempotency_key(self._run.task_id, self.index, self.trajectory.epoch, ordinal,
-                              name, args, s.response_ids.tolist())
+                              name, args, s.response_ids.tolist(), gen=self.trajectory.gen)
         error = ""
         t0, started = time.monotonic(), time.time()
         for attempt in range(1, cfg.tool_retries + 2):
@@ -246,8 +264,24 @@ class GenerateContext:
             log.info("sample %s: %s (attempt %d)", s.uid, error, attempt)
         raise SampleFailed(error, policy=cfg.tool_failure)
 
+    def _refuse_end_in_replay(self, what: str) -> None:
+        """Ending the sample before the replay reached the end of the record means the
+        plugin is not deterministic given its trajectory: an aborted turn (the record's
+        open ``gen``) or recorded events would be trained as a trajectory they are not."""
+        if self.replaying:
+            e = self.trajectory.events[self._pos]
+            raise TrajectoryError(
+                f"sample {self.sample.uid}: {what} during the replay, at step {self._pos} of "
+                f"{len(self.trajectory.events)} recorded (next: a {e['op']!r} event"
+                f"{', an aborted turn' if e['op'] == 'gen' and e['end'] is None else ''}); a "
+                "generate plugin must replay its recorded operations before it ends the "
+                "sample")
+
     def finish(self, status: str = "completed", reason: Mapping[str, Any] | None = None) -> None:
-        """End the sample: ``completed`` or ``truncated``."""
+        """End the sample: ``completed`` or ``truncated``. Raises
+        :class:`~strawq.producers.trajectory.TrajectoryError` during the replay (the sample
+        fails: an aborted turn is never trained as complete)."""
+        self._refuse_end_in_replay(f"finish({status!r})")
         st = SampleStatus(status)
         if not st.is_final:
             raise TrajectoryError(f"finish status must be completed or truncated, got {status!r}")
@@ -257,11 +291,16 @@ class GenerateContext:
             s.finish_reason or {"type": "stop" if st is SampleStatus.COMPLETED else "length"})
 
     def fail(self, reason: str) -> None:
-        """End the sample as failed (environment or infrastructure): never trained."""
+        """End the sample as failed (environment or infrastructure): never trained. During
+        the replay it raises :class:`~strawq.producers.trajectory.TrajectoryError` (the
+        sample fails too, with that message)."""
+        self._refuse_end_in_replay(f"fail({reason!r})")
         raise SampleFailed(reason, policy="fail_sample")
 
     def _end(self, status: SampleStatus, reason: dict[str, Any]) -> None:
-        self.finish(status.value, reason)
+        s = self.sample
+        s.status = status
+        s.finish_reason = dict(reason)
         raise _Ended()
 
 

@@ -193,9 +193,10 @@ class GroupRun:
         return f"{self.rid_prefix(producer)}{i}.{self.requests[i]}"
 
     def sample_meta(self, i: int) -> dict[str, Any]:
-        """What a reward function sees besides the task and the response ids."""
+        """What a reward function sees besides the task and the response ids (``text`` is
+        added by ``call_reward`` when the producer's tokenizer decodes the ids)."""
         s = self.samples[i]
-        return {"text": self.texts[i], "status": s.status.value,
+        return {"status": s.status.value,
                 "finish_reason": s.finish_reason, "sample_index": i,
                 "num_segments": s.num_segments, "prompt_ids": s.prompt_ids.tolist(),
                 "min_version": s.min_version(),

@@ -120,7 +120,12 @@ async def call_reward(fn: RewardFn, threads: Offload, task: dict[str, Any],
     """Call a reward (async on the loop, plain on ``threads``) and check its value.
 
     With ``decode``, ``meta['text']`` is the decoded response ids (what the trainer trains
-    on), never the concatenated segment texts; decoding runs on ``threads``."""
+    on: generated turns and appended tokens alike); decoding runs on ``threads``. Without
+    it (no tokenizer, or one that cannot decode) the producer passes no ``text``
+    (``GroupRun.sample_meta``): never the engine's segment texts stitched together, which
+    split characters and merges at every resume and leave out appended tokens. A reward
+    that needs text says so (``math_answer``, ``verl_score``, ``slime_rm`` raise: the
+    sample's reward fails with that message)."""
     if decode is not None:
         meta = {**meta, "text": await threads.call(decode, response_ids)}
     if is_async(fn):

@@ -14,7 +14,8 @@ Sample field         from
 ===================  ====================================================================
 ``prompt``           ``row[prompt_key]`` (text or chat messages; slime's ``input_key``)
 ``tokens``           prompt ids + response ids
-``response``         the response ids decoded by the producer's tokenizer
+``response``         the response ids decoded by the producer's tokenizer (needed: without
+                     one the reward raises, rather than score an empty response)
 ``response_length``  ``len(response_ids)``
 ``label``            ``row[label_key]`` as a string (slime's ``label_key``)
 ``metadata``         ``row[metadata_key]`` (slime's ``metadata_key``) when a mapping
@@ -50,8 +51,13 @@ def _sample_cls() -> Any:
 def make_sample(task: Mapping[str, Any], response_ids: list[int], meta: Mapping[str, Any], *,
                 prompt_key: str = "prompt", label_key: str = "label",
                 metadata_key: str = "metadata", group_size: int = 1) -> Any:
-    """A slime ``Sample`` for one finished strawq sample."""
+    """A slime ``Sample`` for one finished strawq sample. Raises ``ValueError`` without
+    ``meta["text"]`` (a producer without a decoding tokenizer): slime's reward functions
+    read ``Sample.response``."""
     cls = _sample_cls()
+    if meta.get("text") is None:
+        raise ValueError("slime_rm needs the decoded response (slime's Sample.response): "
+                         "configure the producer's tokenizer (ProducerConfig.tokenizer)")
     row = task.get("row", {})
     row = row if isinstance(row, Mapping) else {}
     index = int(task.get("index", 0))
@@ -62,7 +68,7 @@ def make_sample(task: Mapping[str, Any], response_ids: list[int], meta: Mapping[
     prompt_ids = [int(t) for t in meta.get("prompt_ids") or []]
     sample = cls(group_index=index, index=index * group_size + int(meta.get("sample_index") or 0),
                  prompt=row.get(prompt_key, ""), tokens=prompt_ids + [int(t) for t in response_ids],
-                 response=str(meta.get("text") or ""), response_length=len(response_ids),
+                 response=str(meta["text"]), response_length=len(response_ids),
                  label=None if label is None else str(label),
                  metadata=dict(md) if isinstance(md, Mapping) else {})
     sample.status = status

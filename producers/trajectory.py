@@ -12,6 +12,9 @@ ready record (``meta["trajectories"][i]``)::
     {"op": "tool", "key": k, "name": n, "args": {...}, "result": ..., "attempts": a,
      "seconds": t, "started": wall-clock start (time.time())}
 
+and, beside the events, ``epoch`` (fresh-environment restarts) and ``gen`` (the lease
+generation the trajectory started under; both go into the tool calls' idempotency keys).
+
 A ``gen`` event whose ``end`` is None is a turn cut by an abort (weight update, stop): the
 next generation continues it from the saved prefix. A resumed trajectory is *replayed*: the
 generate plugin runs again from the start and every operation that the record already holds
@@ -39,24 +42,33 @@ class TrajectoryError(StrawqError, ValueError):
 
 
 def idempotency_key(task_id: str, sample: int, epoch: int, ordinal: int, name: str,
-                    args: Any, prefix: Sequence[int]) -> str:
+                    args: Any, prefix: Sequence[int], gen: int | None = None) -> str:
     """The key a tool call carries: the same call at the same point of the same trajectory
     gets the same key on every producer and after every crash (so a re-executed call can be
-    deduplicated by the tool); a call after different tokens, or in a fresh environment
-    (``epoch``), gets another one."""
+    deduplicated by the tool); a call after different tokens, in a fresh environment
+    (``epoch``), or in a trajectory started afresh (``gen``: the lease generation the
+    trajectory started under, ``Trajectory.gen``) gets another one. ``gen`` None (a
+    trajectory recorded without one) leaves it out of the key."""
     h = hashlib.blake2b(digest_size=8)
     h.update(json.dumps([name, args], sort_keys=True, default=str).encode())
     h.update(b"|")
     h.update(",".join(str(int(t)) for t in prefix).encode())
-    return f"{task_id}.{sample}.e{epoch}.c{ordinal}.{h.hexdigest()}"
+    g = "" if gen is None else f"g{int(gen)}."
+    return f"{task_id}.{sample}.{g}e{epoch}.c{ordinal}.{h.hexdigest()}"
 
 
 @dataclass
 class Trajectory:
-    """The events of one sample's trajectory; ``epoch`` counts fresh-environment restarts."""
+    """The events of one sample's trajectory; ``epoch`` counts fresh-environment restarts;
+    ``gen`` is the lease generation the trajectory started under (set by the generate
+    context: the generation of the partial it resumes, else the lease's own), so that a
+    trajectory started afresh — its prefix discarded and regenerated, or begun again from
+    the prompt with nothing saved — gets idempotency keys of its own, while every resume
+    of the same record keeps the keys it had."""
 
     events: list[dict[str, Any]] = field(default_factory=list)
     epoch: int = 0
+    gen: int | None = None
 
     # -- derived -----------------------------------------------------------------------
     @property
@@ -99,8 +111,11 @@ class Trajectory:
 
     # -- persistence -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": TRAJECTORY_SCHEMA, "epoch": self.epoch,
-                "events": [dict(e) for e in self.events]}
+        out: dict[str, Any] = {"schema": TRAJECTORY_SCHEMA, "epoch": self.epoch,
+                               "events": [dict(e) for e in self.events]}
+        if self.gen is not None:
+            out["gen"] = self.gen
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, response_len: int = 0) -> Trajectory:
@@ -113,5 +128,6 @@ class Trajectory:
         if data.get("schema") != TRAJECTORY_SCHEMA:
             raise TrajectoryError(f"trajectory schema {data.get('schema')!r} is not supported; "
                                   f"expected {TRAJECTORY_SCHEMA}")
+        gen = data.get("gen")
         return cls(events=[dict(e) for e in data.get("events") or []],
-                   epoch=int(data.get("epoch", 0)))
+                   epoch=int(data.get("epoch", 0)), gen=None if gen is None else int(gen))

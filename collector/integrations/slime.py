@@ -21,7 +21,16 @@ Two ways to run slime on strawq (``docs/slime.md``):
    bracket once slime has written new weights, and the next ``generate_rollout`` closes it
    (the engines have loaded them by then). ``--data-source-path
    strawq.collector.integrations.slime.StrawqBatchSource`` ties slime's ``save``/``load`` to
-   the reader's checkpoint state.
+   the reader's checkpoint state. ``--custom-reward-post-process-path
+   strawq.collector.integrations.slime.reward_post_process`` (required) makes slime train
+   the manifest's advantages, computed within each group; ``pad_steps`` fits a batch to
+   slime's training steps so that no sample is dropped and each step's denominators are
+   the documented ones; ``slime_train.slime_path_gradients`` is this path's gradient for
+   the reference-equivalence check.
+
+Modules: ``slime_samples`` (the Sample mapping both ways), ``slime_source`` (mode 1),
+``slime_train`` (slime's own trainer-side code on strawq's samples), this one (mode 2 and
+the dotted paths slime is given).
 
 The run directory comes from ``args.strawq_run`` (``--custom-config-path`` YAML) or the
 ``STRAWQ_RUN`` environment variable.
@@ -29,536 +38,29 @@ The run directory comes from ``args.strawq_run`` (``--custom-config-path`` YAML)
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
-import re
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
-from strawq.collector.packing import offsets_name
+from strawq.collector.integrations.slime_samples import (EXTRA_FIELDS, META, _slime,
+                                                         apply_extras, batch_extras,
+                                                         batch_to_samples, group_to_samples,
+                                                         run_dir, run_versions,
+                                                         samples_to_group)
+from strawq.collector.integrations.slime_source import (FILTERED, PRODUCER_PREFIX, TRAINED,
+                                                        StrawqDataSource, slime_rollout)
+from strawq.collector.integrations.slime_train import (seq_mean_token_sum_reducer,
+                                                       slime_path_gradients)
 from strawq.collector.reader import Batch, BatchReader
-from strawq.config import QueueConfig
-from strawq.dataset import Dataset
-from strawq import records
-from strawq.errors import CorruptRecord, LeaseLost, NotFound
-from strawq.extras import (ROUTED_EXPERTS, SPECS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS, Extra,
-                           cat_samples, first_placeholder)
-from strawq.feeder import Feeder
-from strawq.groups import SAMPLE_STATUSES, GroupData
-from strawq.names import data_key
-from strawq.queue import Lease, RunQueue
-from strawq.records import Kind
-from strawq.states import TaskState, names_in
-from strawq.storage import open_storage
 
 log = logging.getLogger(__name__)
-
-_INSTALL = ("slime is not installed: install the project's pinned slime source with "
-            "`pip install --no-deps <slime source tarball>` and `pip install httpx pillow "
-            "transformers` (see docs/slime.md)")
-#: producer id prefix of the data source's leases; the suffix is the rollout id
-PRODUCER_PREFIX = "slime.r"
-_PRODUCER_RE = re.compile(r"slime\.r(\d+)")
-#: reason recorded for groups that slime trained (data-source mode)
-TRAINED = "trained"
-#: metadata key that carries strawq's bookkeeping on every Sample handed out
-META = "strawq"
-#: per-token extra columns and the Sample field each maps onto
-EXTRA_FIELDS = {"teacher_logprobs": "teacher_log_probs",
-                "routed_experts": "rollout_routed_experts",
-                "top_p_token_ids": "rollout_top_p_token_ids",
-                "top_p_token_offsets": "rollout_top_p_token_offsets"}
-
-
-def _slime(module: str) -> Any:
-    """Import a slime module, or say how to install slime."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(f"{_INSTALL} ({exc})") from exc
-
-
-def _sample_cls() -> Any:
-    return _slime("slime.utils.types").Sample
-
-
-def run_dir(args: Any) -> str:
-    """``args.strawq_run`` or ``$STRAWQ_RUN``."""
-    path = getattr(args, "strawq_run", None) or os.environ.get("STRAWQ_RUN")
-    if not path:
-        raise ValueError("no strawq run directory: set strawq_run in slime's "
-                         "--custom-config-path YAML, or the STRAWQ_RUN environment variable")
-    return str(path)
-
-
-# -- Sample mapping ---------------------------------------------------------------------------
-def run_versions(versions: Sequence[int]) -> list[str]:
-    """Per-token versions → slime's ``weight_versions`` (one string per run of equal ones)."""
-    out: list[str] = []
-    prev = None
-    for v in versions:
-        if v != prev:
-            out.append(str(int(v)))
-            prev = v
-    return out
-
-
-def apply_extras(sample: Any, extras: Mapping[str, Any]) -> None:
-    """Map per-token extra columns of one sample's response onto its Sample fields.
-
-    ``teacher_logprobs`` [R] → ``teacher_log_probs``; ``routed_experts`` [rows, layers,
-    top-k] → ``rollout_routed_experts``; ``top_p_token_ids`` (flat) and
-    ``top_p_token_offsets`` [R + 1] → ``rollout_top_p_token_ids`` / ``_offsets``. Unknown
-    names go to ``sample.metadata["strawq"]["extras"]``. Lengths are checked by slime's own
-    validation.
-    """
-    import torch
-
-    for name, value in extras.items():
-        field_name = EXTRA_FIELDS.get(name)
-        if field_name is None:
-            sample.metadata.setdefault(META, {}).setdefault("extras", {})[name] = value
-        elif name == "teacher_logprobs":
-            sample.teacher_log_probs = [float(x) for x in np.asarray(value).reshape(-1)]
-        else:
-            setattr(sample, field_name, torch.as_tensor(np.asarray(value), dtype=torch.int32))
-    sample._validate_response_metadata_lengths()
-
-
-def batch_extras(batch: Batch, a: int, b: int, prompt_len: int) -> dict[str, Any]:
-    """Packed sample ``[a, b)``'s extras in ``apply_extras``'s form: ``routed_experts``
-    [len(tokens) − 1, ...] (slime's rows: the last token's routing is not computed),
-    ``teacher_logprobs`` [R], ``top_p_token_ids`` (flat) and ``top_p_token_offsets``
-    [R + 1] over the response."""
-    out: dict[str, Any] = {}
-    r0 = a + prompt_len
-    for name, t in batch.extras.items():
-        spec = SPECS.get(name)
-        if spec is None:
-            continue
-        if spec.ragged:
-            off = batch.extras[offsets_name(name)][r0:b + 1].numpy()
-            out[name] = t[int(off[0]):int(off[-1])].numpy()
-            out[offsets_name(name)] = off - off[0]
-        elif spec.prompt:
-            out[name] = t[a:b - 1].numpy()
-        else:
-            out[name] = t[r0:b].numpy()
-    return out
-
-
-def batch_to_samples(batch: Batch, *, extras: Sequence[Mapping[str, Any]] | None = None
-                     ) -> list[list[Any]]:
-    """A reader ``Batch`` as slime ``Sample`` groups (one list per group, batch order).
-
-    Per sample: ``tokens`` (prompt + response), ``response_length``, ``loss_mask``,
-    ``rollout_log_probs`` (response only), ``weight_versions`` (one string per run of equal
-    token versions), ``reward`` (the raw reward: slime normalises per group itself),
-    ``status``, ``group_index`` (dataset index), ``index`` (dataset index · G + position)
-    and ``metadata["strawq"]`` (task id, batch seq, per-token ``versions``, ``advantage``,
-    ``min_version``). ``extras[i]`` (per sample; default: the batch's own ``Batch.extras``,
-    ``batch_extras``) maps through ``apply_extras``.
-    """
-    sample_cls = _sample_cls()
-    status_cls = sample_cls.Status
-    cu = batch.cu_seqlens.tolist()
-    tokens = batch.tokens.numpy()
-    mask = batch.loss_mask.numpy()
-    lps = batch.rollout_logprobs.numpy()
-    vers = batch.versions.numpy()
-    plens = batch.prompt_lens.tolist()
-    rewards = batch.rewards.tolist()
-    adv = batch.sample_advantages.tolist()
-    minv = batch.sample_min_version.tolist()
-    out: list[list[Any]] = []
-    i = 0
-    for gpos, summ in enumerate(batch.summaries):
-        group = []
-        for j, status in enumerate(summ["status"]):
-            a, b = cu[i], cu[i + 1]
-            r0 = a + plens[i]
-            v = vers[r0:b].tolist()
-            s = sample_cls(
-                group_index=int(summ["index"]), index=int(summ["index"]) * len(
-                    summ["status"]) + j,
-                tokens=tokens[a:b].tolist(), response_length=b - r0,
-                loss_mask=mask[r0:b].tolist(), rollout_log_probs=lps[r0:b].tolist(),
-                weight_versions=run_versions(v),
-                reward=None if summ["rewards"][j] is None else float(rewards[i]),
-                status=status_cls(status if status in SAMPLE_STATUSES else "completed"),
-                metadata={META: {"task_id": summ["task_id"], "seq": batch.seq,
-                                 "group": gpos, "versions": v, "advantage": adv[i],
-                                 "min_version": minv[i]}})
-            if extras is not None:
-                apply_extras(s, extras[i])
-            elif batch.extras:
-                apply_extras(s, batch_extras(batch, a, b, plens[i]))
-            group.append(s)
-            i += 1
-        out.append(group)
-    return out
-
-
-def group_to_samples(task: Mapping[str, Any], prev: GroupData | None, group_size: int, *,
-                     gen: int, label_key: str | None = None,
-                     metadata_key: str | None = None, prompt_key: str = "prompt"
-                     ) -> list[Any]:
-    """The G Samples for a leased task: fresh prompts, or the saved prefixes of a partial.
-
-    A token-id prompt goes to ``tokens`` (slime sends them as ``input_ids``), a string to
-    ``prompt`` (slime tokenises it). A partial sample continues where it stopped: ``tokens``
-    = prompt + prefix, status ``aborted`` (slime asks only for the remaining budget), loss
-    mask, log-probs and rewards as saved; its per-token versions ride along in
-    ``metadata["strawq"]["versions"]`` and come back through ``add_samples``.
-    """
-    sample_cls = _sample_cls()
-    status_cls = sample_cls.Status
-    row = task["row"]
-    index = int(task["index"])
-    prompt = row[prompt_key]
-    label = row.get(label_key) if label_key else row.get("label", row.get("answer"))
-    meta_row = row.get(metadata_key) if metadata_key else row.get("metadata")
-    meta_row = dict(meta_row) if isinstance(meta_row, Mapping) else {}
-    pmeta = dict(prev.meta) if prev is not None else {}
-    texts = pmeta.get("responses") or [""] * group_size
-    samples = []
-    for j in range(group_size):
-        s = sample_cls(group_index=index, index=index * group_size + j,
-                       label=None if label is None else str(label),
-                       metadata={**meta_row, META: {"task_id": task["id"], "gen": gen,
-                                                    "versions": []}})
-        if isinstance(prompt, str):
-            s.prompt = prompt
-        else:
-            s.tokens = [int(t) for t in prompt]
-        if prev is not None and j < prev.num_samples:
-            cols = prev.sample(j)
-            n = int(cols["tokens"].shape[0])
-            status = prev.status[j]
-            if n or status != "pending":
-                s.tokens = prev.prompt_ids.tolist() + cols["tokens"].tolist()
-                s.response_length = n
-                s.loss_mask = cols["loss_mask"].tolist()
-                s.rollout_log_probs = cols["logprobs"].tolist()
-                s.response = str(texts[j]) if j < len(texts) else ""
-                s.status = status_cls(status if status != "pending" else "aborted")
-                s.reward = prev.rewards[j]
-                s.metadata[META]["versions"] = cols["versions"].tolist()
-                s.weight_versions = run_versions(cols["versions"].tolist())
-                for k, v in (pmeta.get("sample_meta") or [{}] * group_size)[j].items():
-                    s.metadata.setdefault(k, v)
-                _restore_extras(s, prev.sample_extras(j))
-        samples.append(s)
-    return samples
-
-
-def _restore_extras(s: Any, extras: Mapping[str, Extra]) -> None:
-    """A saved prefix's extras back onto slime's fields (``rollout_routed_experts``: only
-    when every row but the last is known, ``rollout_top_p_token_*``,
-    ``teacher_log_probs``)."""
-    import torch
-
-    if not s.response_length:
-        return  # nothing generated: slime's first request records them
-    for name, x in extras.items():
-        if name == ROUTED_EXPERTS:
-            if first_placeholder(name, x) == x.rows - 1:  # every row slime keeps is known
-                s.rollout_routed_experts = torch.as_tensor(np.array(x.values[:-1]))
-        elif name == TOP_P_TOKEN_IDS:
-            s.rollout_top_p_token_ids = torch.as_tensor(np.array(x.values), dtype=torch.int32)
-            s.rollout_top_p_token_offsets = torch.as_tensor(x.offsets(), dtype=torch.int32)
-        elif name == TEACHER_LOGPROBS:
-            s.teacher_log_probs = [float(v) for v in x.values]
-
-
-def _sample_extras(s: Any, prompt_len: int, n: int) -> dict[str, Extra]:
-    """slime's per-token fields of one Sample as strawq extras (rows checked; a field that
-    does not line up with the tokens is left out, with an error logged)."""
-    out: dict[str, Extra] = {}
-    total = prompt_len + n
-    routed = getattr(s, "rollout_routed_experts", None)
-    if routed is not None:
-        arr = np.asarray(routed.cpu() if hasattr(routed, "cpu") else routed, dtype=np.int32)
-        if arr.ndim >= 1 and arr.shape[0] == total - 1:
-            fill = np.full((1, *arr.shape[1:]), SPECS[ROUTED_EXPERTS].fill, np.int32)
-            out[ROUTED_EXPERTS] = Extra(np.concatenate([arr, fill]))
-        else:
-            log.error("sample %s: rollout_routed_experts has %s rows, expected %d; not saved",
-                      s.index, arr.shape[:1], total - 1)
-    ids, off = (getattr(s, "rollout_top_p_token_ids", None),
-                getattr(s, "rollout_top_p_token_offsets", None))
-    if ids is not None and off is not None:
-        o = np.asarray(off, dtype=np.int64).reshape(-1)
-        v = np.asarray(ids, dtype=np.int32).reshape(-1)
-        if o.size == n + 1 and o[0] == 0 and o[-1] == v.size and (np.diff(o) >= 0).all():
-            out[TOP_P_TOKEN_IDS] = Extra(v, np.diff(o).astype(np.int32))
-        else:
-            log.error("sample %s: rollout_top_p_token_offsets do not cover its %d response "
-                      "tokens; not saved", s.index, n)
-    teacher = getattr(s, "teacher_log_probs", None)
-    if teacher is not None:
-        t = np.asarray(teacher, dtype=np.float32).reshape(-1)
-        if t.size == n:
-            out[TEACHER_LOGPROBS] = Extra(t)
-        else:
-            log.error("sample %s: teacher_log_probs has %d values for %d response tokens; "
-                      "not saved", s.index, t.size, n)
-    return out
-
-
-def samples_to_group(task_id: str, index: int, samples: Sequence[Any], *,
-                     version: int) -> GroupData | None:
-    """slime's Samples of one group as a strawq group record (None: nothing generated).
-
-    Response tokens beyond the prefix saved before (``metadata["strawq"]["versions"]``) were
-    generated in this hand-out: they get the version of the last ``weight_versions`` entry
-    when it is a number, else ``version``. Invariant 4 is checked by ``GroupData``.
-    """
-    prompt: list[int] | None = None
-    lens, toks, lps, vers, masks, status, rewards, texts, smeta = ([] for _ in range(9))
-    extras: list[dict[str, Extra]] = []
-    for s in samples:
-        n = int(s.response_length)
-        tokens = list(s.tokens)
-        if tokens and prompt is None:
-            prompt = tokens[:len(tokens) - n]
-        extras.append(_sample_extras(s, len(tokens) - n, n) if tokens else {})
-        old = list(s.metadata.get(META, {}).get("versions", []))[:n]
-        wv = s.weight_versions[-1] if s.weight_versions else None
-        new_v = int(wv) if isinstance(wv, str) and wv.lstrip("-").isdigit() else version
-        lens.append(n)
-        toks += tokens[len(tokens) - n:] if n else []
-        lps += list(s.rollout_log_probs) if s.rollout_log_probs is not None else [0.0] * n
-        vers += old + [new_v] * (n - len(old))
-        masks += list(s.loss_mask) if s.loss_mask is not None else [1] * n
-        st = s.status.value
-        status.append(st if st in SAMPLE_STATUSES else "aborted")
-        reward = s.reward
-        rewards.append(float(reward) if isinstance(reward, (int, float)) else None)
-        texts.append(s.response or "")
-        smeta.append({k: v for k, v in s.metadata.items()
-                      if k != META and isinstance(v, (str, int, float, bool))})
-    if prompt is None or (not any(lens) and all(x in ("aborted", "pending") for x in status)):
-        return None
-    return GroupData(task_id=task_id, index=index, prompt_ids=np.asarray(prompt, np.int32),
-                     sample_lens=lens, tokens=np.asarray(toks, np.int32),
-                     logprobs=np.asarray(lps, np.float32), versions=np.asarray(vers, np.int64),
-                     loss_mask=np.asarray(masks, np.uint8), rewards=rewards, status=status,
-                     meta={"responses": texts, "sample_meta": smeta, "source": "slime"},
-                     extras=cat_samples(extras, len(prompt), lens))
-
-
-# -- mode 1: slime generates, strawq keeps the data -------------------------------------------
-@dataclass
-class _Held:
-    lease: Lease
-    rollout: int
-
-
-class StrawqDataSource:
-    """slime's ``DataSource`` over a strawq run (``--data-source-path``).
-
-    Implements slime's abstract ``DataSource`` (``get_samples``, ``add_samples``, ``save``,
-    ``load``, ``__len__``) and registers itself as one. The data source is the run's only
-    feeder and only producer: run no ``strawq collector`` on this run.
-    """
-
-    def __init__(self, args: Any) -> None:
-        _slime("slime.rollout.data_source").DataSource.register(StrawqDataSource)
-        self.args = args
-        self.group_size = int(args.n_samples_per_prompt)
-        self.prompt_key = getattr(args, "input_key", None) or "prompt"
-        path = run_dir(args)
-        os.makedirs(path, exist_ok=True)
-        storage = open_storage(path, writer_id="slime")
-        try:
-            self.queue = RunQueue.open(storage)
-        except NotFound:
-            self.queue = RunQueue.create(storage, QueueConfig(
-                group_size=self.group_size, prompt_key=self.prompt_key,
-                release_batch=max(int(getattr(args, "rollout_batch_size", 64) or 64), 1)))
-        if self.queue.config.group_size != self.group_size:
-            raise ValueError(f"the run at {path} has group_size {self.queue.config.group_size}"
-                             f", slime's --n-samples-per-prompt is {self.group_size}")
-        self.dataset = Dataset(args.prompt_data, prompt_key=self.prompt_key)
-        self.feeder = Feeder(self.queue, self.dataset)
-        self._held: dict[str, _Held] = {}
-        #: rollout the next hand-outs belong to (``begin_rollout``; else last save + 1)
-        self._rollout: int | None = None
-        self._next_tag = 0
-        self._recovered = False
-
-    # -- rollout tagging ---------------------------------------------------------------------
-    def begin_rollout(self, rollout_id: int) -> None:
-        """Hand-outs from now on belong to ``rollout_id`` (``slime_rollout`` calls this)."""
-        self._recover(int(rollout_id) - 1)
-        self._rollout = int(rollout_id)
-        if rollout_id > self.queue.current_version():
-            self.queue.set_version(int(rollout_id))
-
-    def _tag(self) -> int:
-        return self._rollout if self._rollout is not None else self._next_tag
-
-    # -- slime's DataSource API --------------------------------------------------------------
-    def get_samples(self, num_samples: int) -> list[list[Any]]:
-        """``num_samples`` groups: partial tasks first, then fresh prompts from the cursor."""
-        self._recover(self._next_tag - 1)
-        tag = self._tag()
-        producer = f"{PRODUCER_PREFIX}{tag}"
-        leases = self.queue.claim(producer, num_samples)
-        while len(leases) < num_samples and not self.feeder.exhausted:
-            want = num_samples - len(leases)
-            self.feeder.release(max(want, self.queue.config.release_batch))
-            leases += self.queue.claim(producer, want)
-        if not leases and num_samples > 0:
-            raise RuntimeError(f"strawq run {self.queue.storage.describe()}: the dataset is "
-                               "exhausted and no partial or returned task is pending")
-        out = []
-        for lease in leases:
-            prev = self.queue.load_partial(lease)
-            out.append(group_to_samples(
-                lease.task, prev, self.group_size, gen=lease.gen,
-                label_key=getattr(self.args, "label_key", None),
-                metadata_key=getattr(self.args, "metadata_key", None),
-                prompt_key=self.prompt_key))
-            self._held[lease.task_id] = _Held(lease, tag)
-        return out
-
-    def add_samples(self, samples: list[list[Any]]) -> None:
-        """Aborted groups come back: saved as durable partial tasks (or returned untouched
-        when nothing was generated), handed out again before fresh prompts."""
-        for group in samples:
-            held = self._pop(group)
-            if held is None:
-                continue
-            g = samples_to_group(held.lease.task_id, int(held.lease.task["index"]), group,
-                                 version=self.queue.current_version())
-            try:
-                if g is None:
-                    self.queue.release(held.lease)
-                else:
-                    self.queue.yield_partial(held.lease, g)
-            except LeaseLost as exc:
-                log.error("group %s could not be saved: %s", held.lease.task_id, exc)
-
-    def trained(self, samples: Sequence[Sequence[Any]]) -> None:
-        """Mark groups as returned for training (``slime_rollout`` calls this); groups
-        handed out but neither trained nor added back are returned to the queue at once."""
-        keep = {self._task_id(g) for g in samples}
-        for tid in [t for t in self._held if t not in keep]:
-            held = self._held.pop(tid)
-            log.info("group %s was neither trained nor added back (filtered or aborted without "
-                     "--partial-rollout); returned to the queue", tid)
-            try:
-                self.queue.release(held.lease)
-            except LeaseLost as exc:
-                log.error("group %s could not be returned: %s", tid, exc)
-
-    def save(self, rollout_id: int) -> None:
-        """Groups handed out to rollouts ≤ ``rollout_id`` are trained: recorded durably."""
-        rollout_id = int(rollout_id)
-        for tid in [t for t, h in self._held.items() if h.rollout <= rollout_id]:
-            self._consume(self._held.pop(tid).lease, rollout_id)
-        self._next_tag = max(self._next_tag, rollout_id + 1)
-        save_dir = getattr(self.args, "save", None)
-        if save_dir:
-            path = os.path.join(save_dir, f"rollout/strawq_data_source_{rollout_id}.json")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump({"rollout_id": rollout_id, "run": self.queue.storage.describe(),
-                           "next_index": self.feeder.cursor.next_index}, f)
-
-    def load(self, rollout_id: int | None = None) -> None:
-        """Resume after a crash: leases of rollouts ≤ ``rollout_id`` were trained into the
-        checkpoint, later ones go back to the queue (their prefixes kept)."""
-        last = -1 if rollout_id is None else int(rollout_id)
-        self._recovered = False
-        self._recover(last)
-        self._next_tag = last + 1
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    # -- internals ---------------------------------------------------------------------------
-    def _recover(self, last_trained: int) -> None:
-        """Once per process: settle the leases a previous process left (by rollout tag)."""
-        if self._recovered:
-            return
-        self._recovered = True
-        for name in names_in(self.queue.storage, TaskState.LEASED):
-            m = _PRODUCER_RE.fullmatch(name.producer or "")
-            if m is None or name.id in self._held:
-                continue
-            key = f"leased/{name}"
-            try:
-                rec = records.decode(self.queue.storage.read(key), expect=Kind.TASK, name=key)
-            except (NotFound, CorruptRecord) as exc:
-                log.error("cannot settle %s: %s", key, exc)
-                continue
-            lease = Lease(name, rec.meta["task"])
-            try:
-                if int(m[1]) <= last_trained:
-                    self._consume(lease, last_trained)
-                else:
-                    self.queue.release(lease)
-                    log.warning("returned %s (handed out to rollout %s, after the checkpoint "
-                                "of rollout %d) to the queue", name.id, m[1], last_trained)
-            except LeaseLost:
-                continue
-
-    def _consume(self, lease: Lease, rollout_id: int) -> None:
-        try:
-            self.queue.drop(lease, TRAINED, f"trained by slime; checkpoint of rollout "
-                                            f"{rollout_id}",
-                            summary={"rollout": rollout_id, "index": lease.task["index"]})
-        except LeaseLost as exc:
-            log.error("group %s: %s", lease.task_id, exc)
-            return
-        if lease.has_partial:  # the prefix it resumed from is trained: nothing reads it again
-            self.queue.storage.delete(data_key(lease.task_id, lease.name.resume, "partial"))
-
-    @staticmethod
-    def _task_id(group: Sequence[Any]) -> str | None:
-        for s in group:
-            tid = (s.metadata or {}).get(META, {}).get("task_id")
-            if tid:
-                return str(tid)
-        return None
-
-    def _pop(self, group: Sequence[Any]) -> _Held | None:
-        tid = self._task_id(group)
-        held = self._held.pop(tid, None) if tid else None
-        if held is None:
-            log.error("add_samples: a group that this data source did not hand out (task %s)"
-                      "; ignored", tid)
-        return held
-
-
-def slime_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False
-                  ) -> Any:
-    """slime's own SGLang rollout, with the rollout id handed to ``StrawqDataSource``.
-
-    ``--rollout-function-path strawq.collector.integrations.slime.slime_rollout``: tags the
-    hand-outs (exact save/load under ``train_async``), and returns to the queue at once the
-    groups slime neither trained nor added back (dynamic-sampling filters).
-    """
-    train_output = _slime("slime.rollout.base_types").RolloutFnTrainOutput
-    slime_generate = _slime("slime.rollout.sglang_rollout").generate_rollout
-
-    if evaluation or not isinstance(data_source, StrawqDataSource):
-        return slime_generate(args, rollout_id, data_source, evaluation=evaluation)
-    data_source.begin_rollout(rollout_id)
-    out = slime_generate(args, rollout_id, data_source, evaluation=False)
-    samples = out.samples if isinstance(out, train_output) else out
-    data_source.trained(samples)
-    return out
 
 
 # -- mode 2: strawq's producers generate, slime trains ----------------------------------------
@@ -576,20 +78,194 @@ class _ReaderState:
         return cls.readers[path]
 
 
+#: ``--custom-reward-post-process-path`` that ``generate_rollout`` needs
+REWARD_POST_PROCESS = "strawq.collector.integrations.slime.reward_post_process"
+#: slime's advantage estimators whose per-token advantage is the post-processed reward of
+#: the sample (``get_grpo_returns``): the only ones the manifest's advantages can feed
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo")
+_warned_custom: set[str] = set()
+
+
+def check_train_args(args: Any) -> None:
+    """Refuse slime settings under which slime would not train the manifest's advantages.
+
+    The collector computes each sample's advantage within its group (``advantages`` mode,
+    failed samples left out) and the manifest records it. slime's default reward
+    post-processing recomputes advantages from the rewards instead: it reshapes the batch
+    into groups of ``--n-samples-per-prompt`` only when it holds exactly
+    ``--rollout-batch-size`` groups (else it normalises across the whole batch), and a
+    failed sample's reward (``None``) makes it raise. ``reward_post_process`` hands slime
+    the manifest's advantages; it needs an estimator that takes them as they are
+    (``ADVANTAGE_ESTIMATORS``) and no second whitening (``--normalize-advantages``).
+    """
+    path = getattr(args, "custom_reward_post_process_path", None)
+    if path is None:
+        raise ValueError(
+            "strawq's generate_rollout needs --custom-reward-post-process-path "
+            f"{REWARD_POST_PROCESS}: the collector's batch carries each sample's advantage, "
+            "computed within its group (the manifest's); slime's default post-processing "
+            "recomputes them across the whole batch when it holds fewer than "
+            "--rollout-batch-size groups, and raises on a failed sample's reward (None). "
+            "See docs/slime.md")
+    if path != REWARD_POST_PROCESS:
+        if path not in _warned_custom:
+            _warned_custom.add(path)
+            log.warning("--custom-reward-post-process-path %s: it receives strawq's samples "
+                        "(a failed sample has reward None; the manifest's advantage is "
+                        "metadata['strawq']['advantage']); %s ships them as they are",
+                        path, REWARD_POST_PROCESS)
+        return
+    estimator = getattr(args, "advantage_estimator", "grpo")
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"--advantage-estimator {estimator}: {REWARD_POST_PROCESS} ships the manifest's "
+            f"per-sample advantages, which slime uses as they are only with "
+            f"{', '.join(ADVANTAGE_ESTIMATORS)}; choose one of them (the collector's "
+            "`advantages` mode sets how the group normalises)")
+    if getattr(args, "normalize_advantages", False):
+        raise ValueError(
+            "--normalize-advantages whitens the manifest's advantages a second time, across "
+            "the whole batch: drop it (the collector's `advantages` mode sets the "
+            "normalisation, within each group)")
+
+
+def reward_post_process(args: Any, samples: Sequence[Any]) -> tuple[list[float], list[float]]:
+    """``--custom-reward-post-process-path``: the manifest's advantages, as slime's rewards.
+
+    Returns ``(raw_rewards, rewards)`` in ``samples``' order, the contract of slime's
+    ``_post_process_rewards``. ``rewards`` is each sample's advantage from the manifest
+    (``metadata["strawq"]["advantage"]``, times its ``advantage_scale`` in a padded step,
+    ``pad_steps``), which slime's grpo/gspo/cispo estimators put on every response token.
+    ``raw_rewards`` (slime logs them) is the reward, 0 for a failed sample (no reward; its
+    advantage is 0, as the collector recorded it).
+    """
+    check_train_args(args)
+    raw: list[float] = []
+    adv: list[float] = []
+    for k, s in enumerate(samples):
+        meta = (s.metadata or {}).get(META) if isinstance(s.metadata, Mapping) else None
+        if not isinstance(meta, Mapping) or "advantage" not in meta:
+            raise ValueError(
+                f"sample {k} (index {getattr(s, 'index', None)}) carries no strawq advantage "
+                f"(metadata['{META}']['advantage']): {REWARD_POST_PROCESS} serves the samples "
+                "strawq's generate_rollout returns, not others")
+        adv.append(float(meta["advantage"]) * float(meta.get("advantage_scale", 1.0)))
+        raw.append(0.0 if s.reward is None else float(s.reward))
+    return raw, adv
+
+
+def check_temperature(batch: Batch, args: Any) -> None:
+    """Refuse a batch sampled at a temperature other than ``--rollout-temperature``.
+
+    slime scores every sample's log-probs at that one temperature; a token sampled at
+    another has an importance ratio ≠ 1 while on-policy, so TIS clips and IcePop masks
+    tokens that are not stale at all. The producers' ``temperature`` (and any per-row
+    ``sampling_params.temperature``) must equal slime's ``--rollout-temperature``.
+    """
+    if batch.temperature is None or not batch.num_samples:
+        return
+    want = float(getattr(args, "rollout_temperature", 1.0))
+    temps = batch.temperature.to(torch.float64)
+    bad = (temps - want).abs() > 1e-6 * max(1.0, want)
+    if bool(bad.any()):
+        found = sorted({round(float(t), 6) for t in temps[bad].tolist()})
+        raise ValueError(
+            f"strawq batch {batch.seq}: {int(bad.sum())} of {batch.num_samples} samples were "
+            f"sampled at temperature {found}, slime's --rollout-temperature is {want}: slime "
+            "scores every sample at that one temperature, so their importance ratios would "
+            "be off while on-policy. Set the producers' temperature (and any per-row "
+            "sampling_params) to --rollout-temperature")
+
+
+def _loss_tokens(s: Any) -> int:
+    """The loss tokens slime counts for a Sample (``_convert_samples_to_train_data``: no
+    mask is all ones; ``remove_sample`` zeroes it)."""
+    if s.remove_sample:
+        return 0
+    return int(sum(s.loss_mask)) if s.loss_mask is not None else int(s.response_length)
+
+
+def pad_steps(groups: list[list[Any]], args: Any) -> int:
+    """Fit the samples to slime's training steps; returns how many padding samples it added.
+
+    slime trains a rollout in steps of ``--global-batch-size`` samples, in order, and drops
+    the samples of a last, incomplete step (or raises when there is no complete one): a
+    batch shorter than expected (groups skipped at read time) would lose samples strawq then
+    acks as trained. The last step is filled with copies of the shortest sample with
+    ``remove_sample`` set (slime zeroes their loss masks) and advantage 0.
+
+    Then each step's denominators are made the documented ones, through each sample's
+    ``advantage_scale`` (the policy-gradient loss is linear in the advantage):
+
+    * per-sample mean (slime's default): slime divides a step's per-sample means by
+      ``--global-batch-size``, so the real samples of a padded step get scale global
+      batch size / their number — the mean over its real samples, as in a full step;
+    * ``--calculate-per-token-loss``: slime divides a step by Σ max(loss tokens of a
+      sample, 1), so every sample without a loss token (an empty response, every token
+      masked, a padding sample) adds 1; the step's samples get scale (N + k) / N for its N
+      loss tokens and k such samples — the mean over its loss tokens.
+
+    Without ``--global-batch-size`` the batch is one step and nothing is padded.
+    """
+    flat = [s for g in groups for s in g]
+    if not flat:
+        return 0
+    gbs = int(getattr(args, "global_batch_size", None) or len(flat))
+    tail = len(flat) % gbs
+    pads: list[Any] = []
+    if tail:
+        template = min(flat, key=lambda s: len(s.tokens))
+        mean_reward = float(np.mean([0.0 if s.reward is None else float(s.reward)
+                                     for s in flat]))
+        for k in range(gbs - tail):
+            p = copy.deepcopy(template)
+            p.remove_sample = True
+            p.loss_mask = [0] * int(p.response_length)
+            p.reward = mean_reward  # slime logs raw rewards: the padding leaves their mean
+            p.index = -1 - k
+            p.metadata = {META: {"padding": True, "advantage": 0.0,
+                                 "versions": list(template.metadata[META]["versions"])}}
+            pads.append(p)
+        log.warning("strawq batch: %d samples do not fill slime's steps of --global-batch-size"
+                    " %d; %d inert padding samples added to the last step", len(flat), gbs,
+                    len(pads))
+    per_token = bool(getattr(args, "calculate_per_token_loss", False))
+    every = flat + pads
+    for start in range(0, len(every), gbs):
+        step = every[start:start + gbs]
+        if per_token:
+            tokens = [_loss_tokens(s) for s in step]
+            n, empty = sum(tokens), sum(1 for t in tokens if t == 0)
+            scale = (n + empty) / n if n and empty else 1.0
+        else:
+            real = sum(1 for s in step if not s.remove_sample)
+            scale = gbs / real if real and real < gbs else 1.0
+        if scale != 1.0:
+            for s in step:
+                s.metadata[META]["advantage_scale"] = scale
+    if pads:
+        groups.append(pads)
+    return len(pads)
+
+
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False
                      ) -> Any:
     """``--rollout-function-path``: one strawq collector batch as slime Sample groups.
 
-    Closes a weight-update bracket left open by ``begin_weight_update_hook`` (slime's
-    engines have loaded the new weights before it asks for the next rollout), acks the
-    batches of rollouts ≤ ``rollout_id − strawq_ack_lag`` (default 1: slime's synchronous
-    loop; use 2 with ``train_async``), then reads the next batch.
+    Refuses settings under which slime would not train the manifest's advantages
+    (``check_train_args``) before reading anything. Closes a weight-update bracket left open
+    by ``begin_weight_update_hook`` (slime's engines have loaded the new weights before it
+    asks for the next rollout), acks the batches of rollouts ≤ ``rollout_id −
+    strawq_ack_lag`` (default 1: slime's synchronous loop; use 2 with ``train_async``),
+    then reads the next batch; a batch that does not fill slime's last training step is
+    padded (``pad_steps``).
     """
     train_output = _slime("slime.rollout.base_types").RolloutFnTrainOutput
     if evaluation:
         raise NotImplementedError("strawq's rollout function serves training batches; "
                                   "evaluate with slime's --eval-function-path "
                                   "slime.rollout.sglang_rollout.generate_rollout")
+    check_train_args(args)
     path = run_dir(args)
     reader = _ReaderState.reader(path)
     delivered = _ReaderState.delivered[path]
@@ -604,10 +280,13 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     if want is not None and len(batch.groups) != int(want):
         log.warning("strawq batch %d has %d groups, slime's --rollout-batch-size is %s: set "
                     "the collector's batch_groups to match", batch.seq, len(batch.groups), want)
+    check_temperature(batch, args)
+    samples = batch_to_samples(batch)
+    padding = pad_steps(samples, args)
     metrics = {f"strawq/{k}": v for k, v in batch.stats.items()}
     metrics.update({"strawq/batch_seq": batch.seq, "strawq/version": batch.version,
-                    "strawq/skipped": len(batch.skipped)})
-    return train_output(samples=batch_to_samples(batch), metrics=metrics)
+                    "strawq/skipped": len(batch.skipped), "strawq/padding": padding})
+    return train_output(samples=samples, metrics=metrics)
 
 
 def begin_weight_update_hook(args: Any, version_dir: str, rollout_engines: Any) -> None:
@@ -667,6 +346,10 @@ class StrawqBatchSource:
         return 0
 
 
-__all__ = ["StrawqBatchSource", "StrawqDataSource", "apply_extras",
-           "batch_to_samples", "begin_weight_update_hook", "generate_rollout",
-           "group_to_samples", "run_versions", "samples_to_group", "slime_rollout"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "EXTRA_FIELDS", "FILTERED", "META", "PRODUCER_PREFIX",
+           "REWARD_POST_PROCESS", "TRAINED", "StrawqBatchSource", "check_train_args",
+           "check_temperature", "pad_steps", "reward_post_process", "seq_mean_token_sum_reducer",
+           "slime_path_gradients",
+           "StrawqDataSource", "apply_extras", "batch_extras", "batch_to_samples",
+           "begin_weight_update_hook", "generate_rollout", "group_to_samples", "run_dir",
+           "run_versions", "samples_to_group", "slime_rollout"]

@@ -35,6 +35,11 @@ MODES: dict[str, list[str]] = {
         "--rollout-function-path", f"{ADAPTER}.generate_rollout",
         "--eval-function-path", "slime.rollout.sglang_rollout.generate_rollout",
         "--custom-update-weight-post-write-path", f"{ADAPTER}.begin_weight_update_hook",
+        # slime trains the manifest's advantages (computed within each group), not its own
+        # normalisation of the rewards across the batch
+        "--custom-reward-post-process-path", f"{ADAPTER}.reward_post_process",
+        # strawq's documented objective: token-level TIS min(rho, 2) (docs/slime.md)
+        "--use-tis",
     ],
 }
 

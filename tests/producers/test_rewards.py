@@ -76,3 +76,47 @@ def test_reward_contract_rejects_non_float() -> None:
         check_reward_fn(lambda t, r, m: float("nan"), {}, [])
     with pytest.raises(ConfigError, match="finite float"):
         check_reward_fn(lambda t, r, m: "1", {}, [])  # type: ignore[arg-type,return-value]
+
+
+def test_without_a_decoding_tokenizer_the_reward_sees_no_stitched_text() -> None:
+    """The segment texts stitched together are not what the trainer trains (a resume splits
+    characters and merges; appended tokens have no engine text): without a tokenizer that
+    decodes, sample_meta has no text, and a text reward says what is missing."""
+    import asyncio
+
+    from strawq.names import TaskName
+    from strawq.producers.group import GroupRun
+    from strawq.producers.offload import Offload
+    from strawq.producers.plugins import call_reward
+    from strawq.producers.sample import SamplerParams
+    from strawq.queue import Lease
+
+    task = {"id": "i000000000000", "index": 0, "row": {"prompt": [1], "answer": "4"}}
+    lease = Lease(TaskName(key="000000000000.000000000000", id="i000000000000", gen=0,
+                           attempts=1, producer="p"), task)
+    run = GroupRun.fresh(lease, [1], [SamplerParams(max_new_tokens=8)])
+    run.texts[0] = "\\boxed{" + "4}"  # what two segments' texts stitched together read
+    seen: list[dict[str, object]] = []
+
+    def spy(task: dict[str, object], ids: list[int], meta: dict[str, object]) -> float:
+        seen.append(meta)
+        return 0.0
+
+    threads = Offload(1, "rw")
+    asyncio.run(call_reward(spy, threads, task, [1, 2], run.sample_meta(0)))
+    assert "text" not in seen[-1] and seen[-1]["status"] == "pending"
+    asyncio.run(call_reward(spy, threads, task, [1, 2], run.sample_meta(0),
+                            decode=lambda ids: "ab"))
+    assert seen[-1]["text"] == "ab"  # with one: the decoded ids
+    with pytest.raises(ValueError, match="text"):
+        asyncio.run(call_reward(math_answer, threads, task, [1], run.sample_meta(0)))
+
+
+def test_the_slime_reward_adapter_refuses_to_score_without_text() -> None:
+    pytest.importorskip("slime.utils.types", reason="slime not installed (docs/slime.md)")
+    from strawq.producers.reward_slime import make_sample
+
+    task = {"index": 0, "row": {"prompt": "2+2?", "label": "4"}}
+    with pytest.raises(ValueError, match="tokenizer"):
+        make_sample(task, [1, 2], {"status": "completed"})
+    assert make_sample(task, [1, 2], {"text": "4", "status": "completed"}).response == "4"

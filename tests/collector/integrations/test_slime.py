@@ -23,6 +23,9 @@ from strawq.collector.core import Collector
 from strawq.collector.reader import BatchReader
 from strawq.control import Control
 from strawq.dataset import Dataset
+from strawq import records
+from strawq.names import note_key
+from strawq.retention import drop_totals
 from strawq.states import TaskState, names_in
 from tests.collector.helpers import SimProducer, drive, make_run, write_dataset
 from tests.collector.integrations.conftest import make_batch
@@ -35,6 +38,7 @@ from slime.rollout.base_types import RolloutFnTrainOutput, call_rollout_fn  # no
 from slime.rollout.data_source import DataSource  # noqa: E402
 
 from strawq.collector.integrations import slime as adapter  # noqa: E402
+from strawq.collector.integrations.slime_train import RolloutManager, flatten  # noqa: E402
 
 Sample = slime_types.Sample
 pytestmark = pytest.mark.slime
@@ -211,12 +215,70 @@ def test_stock_rollout_without_tags_saves_everything_handed_out(args):
     assert {n.producer for n in names_in(ds.queue.storage, TaskState.LEASED)} == {"slime.r1"}
 
 
-def test_groups_neither_trained_nor_added_back_return_to_the_queue(args):
+def _finish(group, rewards, args, seed=0):
+    """slime's rollout finishing every sample of a group (generation, then its reward)."""
+    for k, (s, r) in enumerate(zip(group, rewards, strict=True)):
+        _generate(s, 3, finish="stop", version=0, args=args, seed=seed + k)
+        s.reward = r
+
+
+def test_a_filter_reject_is_recorded_as_consumed_not_served_again(args):
+    """slime's dynamic-sampling filter rejects a finished group: it is dropped with the
+    filter's reason (in the drop audit), never handed out again; a group aborted without
+    --partial-rollout goes back untouched; a finished group slime had no room for is kept
+    and comes back finished (slime does not generate it again)."""
+    args.reward_key = None
+    args.dynamic_sampling_filter_path = (
+        "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std")
     ds = adapter.StrawqDataSource(args)
     ds.begin_rollout(0)
-    a, b = ds.get_samples(2)
-    ds.trained([a])  # b was filtered out by slime's dynamic sampling
-    assert _where(ds, b[0].metadata["strawq"]["task_id"]) == "pending"
+    trained, rejected, aborted, surplus = ds.get_samples(4)
+    ids = [g[0].metadata["strawq"]["task_id"] for g in (trained, rejected, aborted, surplus)]
+    _finish(trained, [1.0, 0.0, 1.0, 0.0], args)
+    _finish(rejected, [1.0] * G, args)  # zero std: check_reward_nonzero_std rejects it
+    _generate(aborted[0], 2, finish="abort", version=0, args=args)
+    _finish(surplus, [0.0, 1.0, 0.0, 0.0], args, seed=7)
+    ds.trained([trained])
+    assert _where(ds, ids[1]) == "dropped"
+    (name,) = [n for n in names_in(ds.queue.storage, TaskState.DROPPED) if n.id == ids[1]]
+    assert name.producer == adapter.FILTERED
+    note = records.decode(ds.queue.storage.read(note_key(ids[1], name.gen, "drop",
+                                                         adapter.FILTERED)))
+    assert "zero_std_1.0" in note.meta["message"]
+    assert note.meta["summary"]["rewards"] == [1.0] * G
+    assert drop_totals(ds.queue.storage) == {adapter.FILTERED: 1}
+    assert _where(ds, ids[2]) == "pending"
+    assert ids[3] in {n.id for n in names_in(ds.queue.storage, TaskState.PARTIAL)}
+    ds.save(0)
+    assert _where(ds, ids[0]) == "dropped"
+    ds.begin_rollout(1)
+    again = ds.get_samples(3)
+    got = [g[0].metadata["strawq"]["task_id"] for g in again]
+    assert ids[1] not in got  # the rejected group is not served again
+    assert got[0] == ids[3]  # the finished surplus first, as slime left it
+    back = again[0]
+    assert [s.status for s in back] == [Sample.Status.COMPLETED] * G
+    assert [s.reward for s in back] == [0.0, 1.0, 0.0, 0.0]
+    assert [s.tokens for s in back] == [s.tokens for s in surplus]
+    assert ids[2] in got
+    assert drop_totals(ds.queue.storage) == {adapter.FILTERED: 1, adapter.TRAINED: 1}
+
+
+def test_groups_neither_trained_nor_added_back_without_a_filter(args):
+    ds = adapter.StrawqDataSource(args)
+    ds.begin_rollout(0)
+    a, b, c, d = ds.get_samples(4)
+    _finish(a, [1.0, 0.0, 1.0, 0.0], args)
+    _finish(b, [1.0] * G, args)  # no filter: nothing rejects it
+    _finish(d, [1.0, 0.0, 1.0, 0.0], args)
+    d[1].status = Sample.Status.FAILED  # slime would generate it again: not kept
+    ds.trained([a])
+    assert b[0].metadata["strawq"]["task_id"] in {
+        n.id for n in names_in(ds.queue.storage, TaskState.PARTIAL)}
+    assert _where(ds, c[0].metadata["strawq"]["task_id"]) == "pending"  # never generated
+    assert d[0].metadata["strawq"]["task_id"] not in {
+        n.id for n in names_in(ds.queue.storage, TaskState.PARTIAL)}
+    assert _where(ds, d[0].metadata["strawq"]["task_id"]) == "pending"
     ds.save(0)
     assert _where(ds, a[0].metadata["strawq"]["task_id"]) == "dropped"
 
@@ -343,7 +405,7 @@ def world(tmp_path):
 @pytest.mark.timeout(120)
 def test_generate_rollout_returns_the_collector_batch_as_samples(world):
     a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2, save=str(world.tmp / "c"),
-                        load=None)
+                        load=None, custom_reward_post_process_path=adapter.REWARD_POST_PROCESS)
     out = call_rollout_fn(adapter.generate_rollout, a, 0, None, evaluation=False)
     assert isinstance(out, RolloutFnTrainOutput)
     validate_rollout_id_annotated(out.samples)
@@ -364,6 +426,9 @@ def test_generate_rollout_returns_the_collector_batch_as_samples(world):
         assert s.status == Sample.Status.COMPLETED
         assert s.group_index == int(ref.sample_index[i])
         s._validate_response_metadata_lengths()  # slime's own alignment check
+    # slime's own conversion trains the manifest's advantages (its reward post-processing)
+    data = RolloutManager(a)._convert_samples_to_train_data(flatten(out.samples))
+    assert data["rewards"] == pytest.approx(ref.sample_advantages.tolist())
     with pytest.raises(NotImplementedError, match="eval"):
         adapter.generate_rollout(a, 0, None, evaluation=True)
     call_rollout_fn(adapter.generate_rollout, a, 1, None, evaluation=False)
@@ -373,7 +438,8 @@ def test_generate_rollout_returns_the_collector_batch_as_samples(world):
 
 @pytest.mark.timeout(120)
 def test_weight_update_bracket_around_slimes_update(world):
-    a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2, strawq_bracket_timeout_s=30)
+    a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2, strawq_bracket_timeout_s=30,
+                      custom_reward_post_process_path=adapter.REWARD_POST_PROCESS)
     adapter.generate_rollout(a, 0, None)
     stop = threading.Event()
 
@@ -401,7 +467,8 @@ def test_weight_update_bracket_around_slimes_update(world):
 @pytest.mark.timeout(120)
 def test_batch_source_ties_slime_checkpoints_to_the_reader(world):
     a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2,
-                        save=str(world.tmp / "ckpt"), load=str(world.tmp / "ckpt"))
+                        save=str(world.tmp / "ckpt"), load=str(world.tmp / "ckpt"),
+                        custom_reward_post_process_path=adapter.REWARD_POST_PROCESS)
     src = adapter.StrawqBatchSource(a)
     assert isinstance(src, DataSource)
     assert adapter.generate_rollout(a, 0, None).metrics["strawq/batch_seq"] == 1
