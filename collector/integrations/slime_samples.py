@@ -24,9 +24,8 @@ from strawq.groups import SAMPLE_STATUSES, GroupData
 
 log = logging.getLogger(__name__)
 
-_INSTALL = ("slime is not installed: install the project's pinned slime source with "
-            "`pip install --no-deps <slime source tarball>` and `pip install httpx pillow "
-            "transformers` (see docs/slime.md)")
+_INSTALL = ("slime is not installed: install the pinned slime source with "
+            "`make slime SLIME_SRC=pinned` (docs/slime.md, Install)")
 #: metadata key that carries strawq's bookkeeping on every Sample handed out
 META = "strawq"
 #: per-token extra columns and the Sample field each maps onto

@@ -12,6 +12,9 @@ import torch
 from strawq.collector.reader import Batch
 from strawq.names import TaskName
 
+#: why the slime tests skip where slime is missing, and how to install it
+SLIME_MISSING = ("slime not installed: make slime SLIME_SRC=pinned (docs/slime.md, Install)")
+
 
 def make_batch(prompt_lens: Sequence[int], resp_lens: Sequence[int], *, group_size: int = 1,
                seed: int = 0, seq: int = 1) -> Batch:

@@ -28,11 +28,9 @@ from strawq.names import note_key
 from strawq.retention import drop_totals
 from strawq.states import TaskState, names_in
 from tests.collector.helpers import SimProducer, drive, make_run, write_dataset
-from tests.collector.integrations.conftest import make_batch
+from tests.collector.integrations.conftest import SLIME_MISSING, make_batch
 
-slime_types = pytest.importorskip(
-    "slime.utils.types", reason="slime not installed: pip install --no-deps <the pinned slime "
-    "source tarball> && pip install httpx pillow transformers (docs/slime.md)")
+slime_types = pytest.importorskip("slime.utils.types", reason=SLIME_MISSING)
 from slime.observability.rollout_data_utils import validate_rollout_id_annotated  # noqa: E402
 from slime.rollout.base_types import RolloutFnTrainOutput, call_rollout_fn  # noqa: E402
 from slime.rollout.data_source import DataSource  # noqa: E402

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("slime.utils.types", reason="slime not installed: pip install --no-deps "
-                    "<the pinned slime source tarball> && pip install httpx pillow "
-                    "transformers (docs/slime.md)")
+from tests.collector.integrations.conftest import SLIME_MISSING
+
+pytest.importorskip("slime.utils.types", reason=SLIME_MISSING)
 pytest.importorskip("megatron.core", reason="slime's loss code needs megatron-core")
 
 from strawq.batches import BatchStore  # noqa: E402

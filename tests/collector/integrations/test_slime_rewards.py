@@ -16,11 +16,9 @@ import pytest
 import torch
 
 from strawq.collector.ordering import group_advantages
-from tests.collector.integrations.conftest import make_batch
+from tests.collector.integrations.conftest import SLIME_MISSING, make_batch
 
-slime_types = pytest.importorskip(
-    "slime.utils.types", reason="slime not installed: pip install --no-deps <the pinned slime "
-    "source tarball> && pip install httpx pillow transformers (docs/slime.md)")
+slime_types = pytest.importorskip("slime.utils.types", reason=SLIME_MISSING)
 from slime.utils.dp_schedule import build_dp_schedule  # noqa: E402
 
 from strawq.collector.integrations import slime as adapter  # noqa: E402
