@@ -13,10 +13,12 @@ from typing import Literal, get_args
 
 from strawq.config import Config
 from strawq.errors import ConfigError
+from strawq.eta import MODES as ETA_MODES
+from strawq.eta import EtaMode
 
-EtaMode = Literal["train", "regenerate", "drop", "off", "requeue"]
+__all__ = ["ADVANTAGE_MODES", "ETA_MODES", "AdvantageMode", "CollectorConfig", "EtaMode"]
+
 AdvantageMode = Literal["grpo", "grpo_mean_only", "none"]
-ETA_MODES: tuple[str, ...] = get_args(EtaMode)
 ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
 
 
