@@ -395,7 +395,7 @@ class BatchReader:
         self._saving = seq
         return {"format": CHECKPOINT_FORMAT, "batch_seq": seq,
                 "version": self.queue.current_version(),
-                "feeder": read_cursor_state(self.storage)}
+                "feeder": read_cursor_state(self.storage, trained_through=seq)}
 
     def commit(self, state: Mapping[str, Any] | int | None = None) -> int:
         """The checkpoint holding ``state`` (default: the last ``state_dict``) is durable:
