@@ -24,7 +24,7 @@ batch it delivers with the version current then (``strawq.batches.mark_delivered
   (consumed), acked or not;
 * delivered at the current version: being trained on it, its update still to come: it
   counts, acked or not, as one of the ``in_training`` batches T (``T·B`` groups, whether
-  GC collected its entries or not);
+  GC collected its entries or not; at most u of them, the batches one version trains);
 * never delivered: untrained until acked (an ack without a delivery mark is a batch the
   trainer consumed without training it, or a consumer that does not mark deliveries).
 
@@ -88,16 +88,22 @@ class Progress:
 
 
 def progress(version: int, seqs: Iterable[int], acked: Collection[int],
-             delivered: Mapping[int, int], refused: Collection[int] = ()) -> Progress:
+             delivered: Mapping[int, int], refused: Collection[int] = (), *,
+             batches_per_version: int = 1) -> Progress:
     """``Progress`` from the batches present (``seqs``), the acked ones, the delivery marks
-    (batch -> version delivered at, retired batches included) and the refused ones."""
+    (batch -> version delivered at, retired batches included) and the refused ones.
+
+    T is at most ``batches_per_version``: a trainer that trains more batches on one version
+    than that (one that never updates the weights) has no update coming for the others,
+    which are trained on the current version like any delivered batch."""
     present = set(seqs)
     training_all = {s for s, at in delivered.items() if at >= version}
     consumed = frozenset(s for s in present if (s in delivered and delivered[s] < version)
                          or (s not in delivered and s in acked))
     waiting = sum(1 for s in present if s not in delivered and s not in acked
                   and s not in refused)
-    return Progress(len(training_all), waiting, consumed, frozenset(training_all & present))
+    return Progress(min(len(training_all), batches_per_version), waiting, consumed,
+                    frozenset(training_all & present))
 
 
 @dataclass(frozen=True)

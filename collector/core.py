@@ -197,7 +197,8 @@ class Collector:
         seqs, acked = self.batches.batch_seqs()
         marks = delivered(self.storage)  # listed after the acks: none is missed in between
         rep.prefetched = len([s for s in seqs if s not in acked and s not in refused])
-        rep.progress = progress(rep.version, seqs, acked, marks, refused)
+        rep.progress = progress(rep.version, seqs, acked, marks, refused,
+                                batches_per_version=self.config.batches_per_version)
         rep.ahead = rep.progress.ahead
         ready = self._ordered_ready(rep)  # after the progress: eta is judged with it
         # re-queued stale groups left ready after the upstream listing: still count them

@@ -28,7 +28,8 @@ from strawq.collector.fencing import epoch_starts, superseded
 from strawq.collector.metrics import MetricsSink
 from strawq.collector.packing import BufferPool, RecordFile, ShardPacker, group_tokens, shard_groups
 from strawq.collector.resume import CHECKPOINT_FORMAT, read_cursor_state
-from strawq.batches import BatchStore, Manifest, high_water, mark_delivered
+from strawq.batches import (BatchStore, Manifest, forget_delivered_after, high_water,
+                            mark_delivered)
 from strawq.commits import commit as commit_position
 from strawq.commits import committed_seq, hold
 from strawq.epochs import epochs as known_epochs
@@ -425,6 +426,8 @@ class BatchReader:
         self._acked = max(self._acked, seq)
         self._skip_upto = max(self._skip_upto, seq)
         self._delivered = max(self._delivered, seq)
+        if self.rank == 0:  # batches after it are trained again: not in the weights
+            forget_delivered_after(self.storage, seq, acks=self.checkpointed)
         if self.checkpointed:
             if self.rank == 0:
                 commit_position(self.storage, seq)  # a checkpoint being restored is durable

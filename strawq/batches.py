@@ -117,6 +117,21 @@ def forget_delivered(storage: Storage, seq: int) -> None:
             storage.delete(f"{DELIVERED_DIR}/{n}")
 
 
+def forget_delivered_after(storage: Storage, seq: int, *, acks: bool = False) -> int:
+    """A trainer restored from a checkpoint covering batches ``<= seq`` trains every later
+    batch again: their delivery marks go (they count as waiting until delivered again),
+    and with ``acks`` their acks too (a checkpointing reader delivers them again, acked or
+    not, so they are not consumed). Returns how many batches were marked delivered."""
+    later = [s for s in delivered(storage) if s > seq]
+    for s in later:
+        forget_delivered(storage, s)
+    if acks:
+        for n in storage.list(ACK_DIR):
+            if n.isdigit() and int(n) > seq:
+                storage.delete(f"{ACK_DIR}/{n}")
+    return len(later)
+
+
 @dataclass(frozen=True)
 class Manifest:
     seq: int

@@ -7,7 +7,7 @@ wins, a stalled predecessor's never replaces it). A producer that claims a *part
 (prefixes saved at a weight update) reads that policy and the current weight version
 before it spends a token on the prefix (``EtaPolicy.partial_action``):
 
-* ``train``: the prefix is resumed as before, and counted;
+* ``train``: the prefix is resumed, and counted;
 * ``regenerate``: the prefix is discarded and the task goes back to the queue to be
   generated afresh (``RunQueue.regenerate``: a counted attempt, fresh sampling seeds);
 * ``drop``: the task is dropped with reason ``stale_eta``;

@@ -1,7 +1,7 @@
-"""One owner per key family (docs/design.md, invariant 2: every record has one writer's
-spelling): each family's names are built and parsed in one core module, and every "over
-η?" question is ``EtaPolicy.over``. The grep-style tests read the source: a second spelling
-of a key (a raw ``f"dropped/{name}"`` delete, a hand-parsed ``bseq-`` listing) fails them."""
+"""One owner per key family: each family's names are built and parsed in one core module,
+and every "over η?" question is ``EtaPolicy.over``. The grep-style tests read the source:
+a second spelling of a key (a raw ``f"dropped/{name}"`` delete, a hand-parsed ``bseq-``
+listing) fails them."""
 
 from __future__ import annotations
 

@@ -95,16 +95,19 @@ def test_progress_counts_delivery_not_acks():
     # batch 1 delivered at v0 and acked, batch 2 delivered at v0 unacked, batch 3 waiting,
     # batch 4 refused; the current version is 0, then 1
     marks = {1: 0, 2: 0}
-    at0 = progress(0, [1, 2, 3, 4], {1}, marks, refused={4})
+    at0 = progress(0, [1, 2, 3, 4], {1}, marks, refused={4}, batches_per_version=2)
     assert (at0.in_training, at0.waiting, at0.ahead) == (2, 1, 3)
     assert at0.consumed == frozenset() and at0.training == {1, 2}
-    at1 = progress(1, [1, 2, 3, 4], {1}, marks, refused={4})
+    at1 = progress(1, [1, 2, 3, 4], {1}, marks, refused={4}, batches_per_version=2)
     assert (at1.in_training, at1.waiting) == (0, 1) and at1.consumed == {1, 2}
     # no delivery marks at all (a consumer that does not mark): acked is consumed
     legacy = progress(0, [1, 2], {1}, {})
     assert legacy.consumed == {1} and legacy.waiting == 1 and legacy.in_training == 0
     # a retired batch delivered at the current version is still in training
     assert progress(0, [], set(), {7: 0}).in_training == 1
+    # a trainer that never updates: no more than one version's batches wait for an update
+    never = progress(0, [1, 2, 3], {1, 2, 3}, {1: 0, 2: 0, 3: 0}, batches_per_version=1)
+    assert never.in_training == 1 and never.training == {1, 2, 3}
 
 
 def test_admission_keeps_room_for_the_batch_in_training():

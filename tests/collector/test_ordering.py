@@ -40,7 +40,8 @@ def _group(lease: Lease, version: int) -> GroupData:
 def _setup(dataset: Dataset, **cfg: object) -> tuple[RunQueue, Collector]:
     q = RunQueue.create(MemoryStorage(), QueueConfig(release_batch=N, fsync=False))
     base = {"batch_groups": 3, "max_running": N, "max_ready": N, "max_prefetch_batches": 100,
-            "poll_interval_s": 0.0, "gc_interval_s": 0.0, "flush_at_end": False}
+            "poll_interval_s": 0.0, "gc_interval_s": 0.0, "flush_at_end": False,
+            "max_staleness": None}  # the order itself: no admission bound
     base.update(cfg)
     col = Collector(q, dataset, CollectorConfig(**base))  # type: ignore[arg-type]
     col.start(wait=False)
