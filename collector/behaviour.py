@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from strawq.eta import EtaPolicy
+
 log = logging.getLogger(__name__)
 
 DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
@@ -55,12 +57,14 @@ def read_time_staleness(version: int, sample_staleness: np.ndarray,
     ``read_minus_planned`` (versions the batch is read after the one the collector planned
     it for: > 0 means more batches were prefetched or trained in between than it counted).
     """
-    eta = meta.get("max_staleness")
-    if eta is None:  # no bound: nothing to re-check
+    policy = EtaPolicy.from_meta(meta)
+    if not policy.bounded:  # no bound: nothing to re-check
         return np.zeros(sample_staleness.shape, dtype=bool), {}
+    eta = policy.max_staleness
     planned = meta.get("trained_at", meta.get("version", version))
     stats = {"staleness/read_minus_planned": float(version - int(planned))}
-    over = sample_staleness > int(eta)
+    # the one judgement, on each sample's oldest version (version − its staleness)
+    over = policy.over_each(version, version - np.asarray(sample_staleness))
     stats["staleness/over_eta_frac"] = float(over.mean()) if over.size else 0.0
     if over.any():  # expected under eta_mode "train" (kept and counted); a breach otherwise
         log.log(logging.INFO if meta.get("eta_mode") == "train" else logging.WARNING,

@@ -30,6 +30,15 @@ never acks fails the bracket at the deadline with ``BracketTimeout`` naming it. 
 by a crashed trainer is continued by the next ``begin_weight_update`` (same version), or released
 with ``abort_weight_update``.
 
+**After a restore.** A trainer restored from a checkpoint holds the weights of the
+checkpoint's version, while the engines hold the newest version's. ``restore(push, state)``
+is its first weight update: it pushes the restored weights under a new version (versions
+only move forward), so that producers generate on the weights the trainer trains, and
+forgets the delivery marks of the batches after the checkpoint (they are trained again,
+so they are ahead again: ``strawq.collector.admission``). Rollouts from the versions after
+the checkpoint's came from weights no longer in the trainer's lineage: their per-token
+versions understate how far off-policy they are, which the log says.
+
 **Engines on other weights.** Producers note under ``engines/`` every engine they find on
 a version other than the run's (``strawq.producers.engine_versions``) and keep it out of
 rotation. ``engines_needing_weights()`` lists them; ``repair_engines(push_to)`` pushes the
@@ -47,9 +56,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from strawq.batches import forget_delivered_after
 from strawq.collector.errors import BracketError, BracketTimeout
 from strawq.control import Control
 from strawq.engine_weights import EngineWeights, StaleNote
@@ -318,6 +329,36 @@ class WeightUpdateBracket:
             return st.pause_version
         raise BracketError("no weight-update bracket is open: call begin_weight_update() "
                            "first")
+
+    def restore(self, push: Callable[[int], None], state: Mapping[str, Any], *,
+                timeout: float = 300.0) -> BracketReport:
+        """The first weight update of a trainer restored from a checkpoint: push the
+        restored weights to every engine as a new version (``push(version)``, as in
+        ``weight_update``) and forget the delivery marks of the batches after the
+        checkpoint's ``batch_seq``. ``state`` is the checkpoint's reader state
+        (``BatchReader.state_dict()``). Returns the report; ``report.version`` is the
+        version the trainer's next update continues from.
+
+        Call it after ``reader.load_state_dict(state)`` and before the first
+        ``next_batch``; a bracket a dead trainer left open is continued."""
+        seq = int(state.get("batch_seq") or 0)
+        restored = int(state.get("version") or 0)
+        rep = self.begin_weight_update(timeout)
+        push(rep.version)
+        forget_delivered_after(self.queue.storage, seq)
+        before = self.queue.current_version()
+        self.end_weight_update(rep.version)
+        if before > restored:
+            log.warning("restored the weights of version %d (checkpoint after batch %d) as "
+                        "version %d; rollouts of versions %d..%d came from weights the "
+                        "restored trainer no longer has (a discarded stretch of training): "
+                        "they are trained with their importance correction, and their "
+                        "per-token versions understate how far off-policy they are", restored,
+                        seq, rep.version, restored + 1, before)
+        else:
+            log.info("restored the weights of version %d as version %d", restored,
+                     rep.version)
+        return rep
 
     def weight_update(self, push: Callable[[int], None], *, timeout: float = 300.0,
                       version: int | None = None) -> BracketReport:

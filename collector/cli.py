@@ -40,8 +40,8 @@ whose run.meta is unreadable has lost its queue config with it: pass --queue-con
 (the unreadable directory is moved aside to PATH.unreadable-<time>).
 
 Collector config keys (--set KEY=VALUE, or --config FILE): batch_groups, max_staleness
-(null = unbounded), eta_mode (train|regenerate|drop|off), batches_per_version, max_running,
-max_ready, max_prefetch_batches, flush_at_end, advantages (grpo|grpo_mean_only|none),
+(default 1; null = unbounded), eta_mode (train|regenerate|drop|off), batches_per_version,
+max_running, max_ready, max_prefetch_batches, flush_at_end, advantages (grpo|grpo_mean_only|none),
 advantage_eps, poll_interval_s, gc_interval_s, takeover_timeout_s, metrics_interval_s,
 metrics_jsonl, prometheus_port. See docs/collector.md.
 """

@@ -13,10 +13,12 @@ from typing import Literal, get_args
 
 from strawq.config import Config
 from strawq.errors import ConfigError
+from strawq.eta import DEFAULT_MAX_STALENESS, EtaMode
+from strawq.eta import MODES as ETA_MODES
 
-EtaMode = Literal["train", "regenerate", "drop", "off", "requeue"]
+__all__ = ["ADVANTAGE_MODES", "ETA_MODES", "AdvantageMode", "CollectorConfig", "EtaMode"]
+
 AdvantageMode = Literal["grpo", "grpo_mean_only", "none"]
-ETA_MODES: tuple[str, ...] = get_args(EtaMode)
 ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
 
 
@@ -24,31 +26,36 @@ ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
 class CollectorConfig(Config):
     #: B: groups per training batch (one manifest).
     batch_groups: int = 64
-    #: η: maximum staleness in weight versions (current version − a group's minimum token
-    #: version). ``None`` means unbounded (η = ∞): only the slot and backlog bounds apply.
-    max_staleness: int | None = None
-    #: What to do with a ready group that would be trained staler than η (docs/design.md, invariant
-    #: 10; the staleness is projected to the version it is trained at, prefetched batches ahead of
-    #: it counted): ``train`` (the default: keep the work, train it with its per-token importance
-    #: correction, count it in ``collector/stale_trained_total`` and name it in the manifest's
-    #: ``over_eta``), ``regenerate`` (generated again from scratch, with a fresh sampling seed and a
-    #: counted attempt; ``requeue`` is accepted for it), ``drop`` (recorded in ``dropped/`` with
-    #: reason ``stale_eta``), or ``off`` (admission control only, never checked on ready groups).
-    #: Only ``regenerate`` and ``drop`` lose work, and only when configured.
+    #: η: maximum staleness in weight versions (the version a group is trained at − its
+    #: minimum token version). Bounded by default (``strawq.eta.DEFAULT_MAX_STALENESS``,
+    #: 1): the admission window then keeps every group within η, and the rare one that
+    #: still runs past it (a tail longer than η trainer steps) is handled by ``eta_mode``,
+    #: counted and logged. ``None`` means unbounded (η = ∞): only the slot and backlog
+    #: bounds apply, and nothing limits how stale a trained group is.
+    max_staleness: int | None = DEFAULT_MAX_STALENESS
+    #: What to do with a ready group that would be trained staler than η (docs/design.md,
+    #: invariant 10; the staleness is projected to the version it is trained at, prefetched
+    #: batches ahead of it counted): ``train`` (the default: keep the work, train it with its
+    #: per-token importance correction, count it in ``collector/stale_trained_total``, name
+    #: it in the manifest's ``over_eta`` and log a warning), ``regenerate`` (generated again
+    #: from scratch, with a fresh sampling seed and a counted attempt; ``requeue`` is another
+    #: name for it), ``drop`` (recorded in ``dropped/`` with reason ``stale_eta``), or ``off``
+    #: (admission control only, never checked on ready groups). Only ``regenerate`` and
+    #: ``drop`` lose work, and only when configured.
     eta_mode: EtaMode = "train"
     #: Optimizer steps (batches) per weight version; the admission bound scales with it.
     batches_per_version: int = 1
     #: The η admission window in batches (≥ 1, may be fractional): release while
-    #: ``untrained + running < admission_batches·B``. None (the default) is
-    #: ``(η + 1)·batches_per_version``: every admitted group is trained within η versions
-    #: of its first token when a version's batches are acked after its update. A trainer
-    #: that acks each batch as soon as it is trained keeps that guarantee with
-    #: ``η·batches_per_version + 1``; a larger window trades staleness for throughput (a
-    #: group over η is then handled by ``eta_mode`` and counted). Ignored when η is None.
-    #: See ``strawq.collector.admission``.
+    #: ``untrained + running < (admission_batches − T)·B``, T the batches being trained on
+    #: the current version. None (the default) is ``(η + 1)·batches_per_version``: every
+    #: admitted group is trained within η versions of its first token, whatever the order
+    #: in which the trainer updates, checkpoints and acks. A larger window trades staleness
+    #: for throughput (a group over η is then handled by ``eta_mode`` and counted). Ignored
+    #: when η is None. See ``strawq.collector.admission``.
     admission_batches: float | None = None
     #: Bound on running groups (pending + leased + partial). Set it to the producers' total
-    #: group slots K (docs/design.md, "Sizing") plus a small prefetch so no producer waits for work.
+    #: group slots K (docs/design.md, "Sizing") plus a small prefetch so no producer waits
+    #: for work.
     max_running: int = 256
     #: Bound on the ready backlog: the collector releases only while
     #: ``ready + running < max_running + max_ready``.

@@ -5,9 +5,10 @@ Exactly one per run (``strawq.collector.fencing``). One pass of ``Collector.step
 1. ``beat``: check the epoch fence (``FencedOut`` if taken over), advance the heartbeat;
 2. ``LeaseMonitor.scan()``: expire the leases of producers whose counters stopped moving;
 3. GC of acked batches (every ``gc_interval_s``);
-4. scan ``ready/``, order it staleness-first, check the η bound against the version each
-   group will be trained at (prefetched batches ahead counted) and apply ``eta_mode``:
-   ``train`` (default: keep and count), ``regenerate`` or ``drop`` (only when configured);
+4. scan ``ready/``, order it staleness-first, judge each group against η at the version it
+   will be trained at (``trained_at``: the batches ahead of it that the weights do not hold
+   yet, ``strawq.collector.admission.Progress``) and apply ``eta_mode``: ``train``
+   (default: keep, count and warn), ``regenerate`` or ``drop`` (only when configured);
 5. publish batches of B groups while fewer than ``max_prefetch_batches`` are unacked (a
    short last batch once the dataset is exhausted and nothing runs);
 6. admission: release new prompt groups through the ``Feeder`` (``strawq.collector.admission``);
@@ -24,19 +25,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from strawq.collector.admission import AckedGroups, Admission, Depths, admission
+from strawq.collector.admission import (Admission, ConsumedGroups, Depths, Progress,
+                                        admission, progress)
 from strawq.collector.config import CollectorConfig
 from strawq.collector.fencing import EpochFence, SupersededSweep, mark_epoch_start
-from strawq.collector.metrics import MetricsSink
+from strawq.collector.metrics import MetricsSink, dropped_metric
 from strawq.collector.ordering import StalenessOrder, group_advantages
 from strawq.collector.resume import ResumeInfo, open_queue
-from strawq.batches import BatchStore, GcReport
+from strawq.batches import BatchStore, GcReport, delivered, mark_high_water
 from strawq.config import QueueConfig
 from strawq.engine_weights import EngineWeights
-from strawq.eta import regenerate_or_train
 from strawq.dataset import Dataset
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
-from strawq.eta import EtaPolicy, publish_policy
+from strawq.eta import STALE_REASON, EtaPolicy, publish_policy
 from strawq.feeder import Feeder
 from strawq.grantor import LeaseMonitor, ScanResult
 from strawq.groups import staleness
@@ -47,7 +48,6 @@ from strawq.states import depths, upstream_depths
 
 log = logging.getLogger(__name__)
 
-STALE_REASON = "stale_eta"
 #: Seconds between sweeps of ``data/`` (``strawq.retention``) on the collector's clock.
 SWEEP_INTERVAL_S = 30.0
 #: ``dropped/`` entries that trigger a compaction into the drop audit during a run.
@@ -68,7 +68,12 @@ class StepReport:
     stale_trained: list[str] = field(default_factory=list)
     scan: ScanResult | None = None
     gc: GcReport | None = None
+    #: unacked batches (not refused): bounded by ``max_prefetch_batches``
     prefetched: int = 0
+    #: the trainer's position against the current version (``admission.Progress``)
+    progress: Progress = field(default_factory=Progress)
+    #: batches trained before the next one formed: ``progress.ahead`` + formed this pass
+    ahead: int = 0
     exhausted: bool = False
 
     @property
@@ -98,7 +103,7 @@ class Collector:
         self.superseded = SupersededSweep(self.batches)
         self.monitor = LeaseMonitor(queue, clock=clock)
         self.order = StalenessOrder()
-        self.acked = AckedGroups(self.batches)
+        self.consumed = ConsumedGroups(self.batches)
         self.metrics = metrics or MetricsSink(self.config.metrics_jsonl,
                                               self.config.prometheus_port)
         self.feeder: Feeder | None = None
@@ -128,14 +133,18 @@ class Collector:
         col.start(wait=wait, resume=info)
         return col
 
+    @property
+    def policy(self) -> EtaPolicy:
+        """The run's η policy (published for claimers at ``start``)."""
+        return EtaPolicy(self.config.max_staleness, self.config.eta_mode, self.fence.epoch)
+
     def start(self, *, wait: bool = True, resume: ResumeInfo | None = None) -> int:
         """Take the epoch fence, then recover releases and batch commits. Returns the epoch."""
         epoch = self.fence.acquire(wait=wait)
         # before recovering: a stalled predecessor's manifest from here on is refused
         mark_epoch_start(self.storage, epoch, self.batches.next_seq())
         # producers apply it to partial tasks at claim (strawq.eta)
-        publish_policy(self.storage, EtaPolicy(self.config.max_staleness,
-                                               self.config.eta_mode, epoch))
+        publish_policy(self.storage, self.policy)
         self.feeder = Feeder(self.queue, self.dataset)
         self.batches.recover()
         self.resume_info = resume
@@ -147,16 +156,16 @@ class Collector:
         ckpt = resume.checkpoint or {}
         assert self.feeder is not None
         if resume.path == "cursor":
-            self.feeder.load_state_dict(dict(ckpt["feeder"]))
+            again = self.feeder.load_state_dict(dict(ckpt["feeder"]))
+            if again:
+                log.warning("released %d prompts again that were in flight at the checkpoint "
+                            "(released, not trained by it)", again)
         version = int(ckpt.get("version") or 0)
         if version > self.queue.current_version():
             self.queue.set_version(version)
         seq = int(ckpt.get("batch_seq") or 0)
         if seq > 0:  # batch numbers continue after the checkpoint's (names are never reused)
-            try:
-                self.storage.publish(f"collector/bseq-{seq:012d}", b"")
-            except AlreadyExists:
-                pass
+            mark_high_water(self.storage, seq)
 
     def close(self) -> None:
         """Stop cleanly (a successor starts at once) and shut the metrics endpoint."""
@@ -186,12 +195,18 @@ class Collector:
         upstream = upstream_depths(self.storage)  # listed before the ready scan: see depths()
         refused = self.superseded.sweep()  # a stalled predecessor's late manifests
         seqs, acked = self.batches.batch_seqs()
+        marks = delivered(self.storage)  # listed after the acks: none is missed in between
         rep.prefetched = len([s for s in seqs if s not in acked and s not in refused])
-        ready = self._ordered_ready(rep)  # after the prefetch count: eta is judged with it
+        rep.progress = progress(rep.version, seqs, acked, marks, refused,
+                                batches_per_version=self.config.batches_per_version)
+        rep.ahead = rep.progress.ahead
+        ready = self._ordered_ready(rep)  # after the progress: eta is judged with it
         # re-queued stale groups left ready after the upstream listing: still count them
         rep.depths = depths(self.storage, upstream=upstream,
                             ready=len(ready) + len(rep.requeued_stale))
-        rep.depths = self.acked.untrained(rep.depths, seqs, acked)  # acked: consumed
+        rep.depths = self.consumed.untrained(rep.depths, seqs, rep.progress)
+        if rep.gc is not None:
+            self.batches.prune_delivered(rep.version, seqs, acked)
         rep.exhausted = self.feeder.exhausted
         self._form_batches(ready, rep)
         self._admit(rep)
@@ -211,17 +226,21 @@ class Collector:
 
     def trained_at(self, rep: StepReport, position: int) -> int:
         """The version a ready group at ``position`` (staleness-first) is trained at, at the
-        earliest: the current one plus the versions of the batches trained before it (the
-        ``rep.prefetched`` unacked ones and those formed ahead of it now)."""
-        ahead = rep.prefetched + position // self.config.batch_groups
+        earliest: the current one plus the versions of the batches trained before it whose
+        gradient the weights do not hold yet (``rep.ahead``: those of the current version in
+        training, those waiting, those formed ahead of it now), u to a version. What was
+        trained counts, whatever the order of the weight update, the checkpoint and the ack
+        (``strawq.collector.admission``)."""
+        ahead = rep.ahead + position // self.config.batch_groups
         return rep.version + ahead // self.config.batches_per_version
 
     def _ordered_ready(self, rep: StepReport) -> list[TaskName]:
         scanned = self.batches.scan_ready()
         ready = self.order.order(scanned)
-        eta = self.config.max_staleness
-        mode = self.config.eta_mode
-        if eta is None or mode in ("off", "train"):
+        policy = self.policy
+        eta = policy.max_staleness
+        mode = policy.mode
+        if not policy.judges or mode == "train":
             return ready  # ``train``: over-η groups are kept and counted as batches form
         room = max(self.config.max_prefetch_batches - rep.prefetched, 0)
         keep: list[TaskName] = []
@@ -230,17 +249,19 @@ class Collector:
                 keep.append(n)  # not batched in this pass: judged when its batch forms
                 continue
             at = self.trained_at(rep, len(keep))
-            stale = staleness(at, n.version)  # the group's: its minimum version
-            if stale <= eta:
+            action = policy.action(at, n.version, attempts=n.attempts,
+                                   max_attempts=self.queue.config.max_attempts)
+            if action is None:
                 keep.append(n)
                 continue
-            if regenerate_or_train(mode, n.attempts, self.queue.config.max_attempts) == "train":
+            stale = staleness(at, n.version)  # the group's: its minimum version
+            if action == "train":
                 log.info("group %s over eta (staleness %d) has used %d of %d attempts: trained "
                          "with its correction, not regenerated again", n.id, stale, n.attempts,
                          self.queue.config.max_attempts)
                 keep.append(n)  # counted as over-eta trained when its manifest is written
                 continue
-            if mode == "drop":
+            if action == "drop":
                 msg = (f"staleness {stale} > eta {eta} (min version {n.version}, trained at "
                        f"{at}, current {rep.version})")
                 if self.batches.drop_ready(n, STALE_REASON, msg):
@@ -269,20 +290,28 @@ class Collector:
             if not names:
                 continue
             at = self.trained_at(rep, 0)
+            policy = self.policy
             meta: dict[str, Any] = {"epoch": self.fence.epoch, "version": rep.version,
                                     "advantages": cfg.advantages, "owner": self.fence.owner,
-                                    "max_staleness": cfg.max_staleness,
-                                    "eta_mode": cfg.eta_mode, "trained_at": at}
-            if cfg.max_staleness is not None and cfg.eta_mode != "off":
-                over = [n.id for n in names if staleness(at, n.version) > cfg.max_staleness]
+                                    **policy.to_meta(), "trained_at": at}
+            over: list[str] = []
+            if policy.judges:
+                over = [n.id for n in names if policy.over(at, n.version)]
                 meta["over_eta"] = over
                 rep.stale_trained += over
             seq = self._publish(names, summaries, meta)
+            if over:
+                log.warning("batch %d holds %d groups over eta %s (trained at version %d, "
+                            "eta_mode=%s%s): they are trained with their importance "
+                            "correction and named in the manifest's over_eta", seq, len(over),
+                            policy.max_staleness, at, policy.eta_mode,
+                            "" if policy.mode == "train" else ", attempts used up")
             self.order.forget([n.id for n in names])
             rep.published.append(seq)
             if self.batch_budget is not None:
                 self.batch_budget -= 1
             rep.prefetched += 1
+            rep.ahead += 1
             rep.depths = Depths(pending=rep.depths.pending, partial=rep.depths.partial,
                                 leased=rep.depths.leased, ready=rep.depths.ready - len(names),
                                 batched=rep.depths.batched + len(names))
@@ -332,7 +361,8 @@ class Collector:
                                   max_staleness=cfg.max_staleness,
                                   batches_per_version=cfg.batches_per_version,
                                   max_running=cfg.max_running, max_ready=cfg.max_ready,
-                                  window=cfg.admission_batches)
+                                  window=cfg.admission_batches,
+                                  in_training=rep.progress.in_training)
         want = rep.admission.capacity
         if want <= 0 or self.feeder.exhausted:
             return
@@ -381,7 +411,7 @@ class Collector:
             "engines/needing_weights": len(EngineWeights(self.storage).needing()),
         }
         for reason, count in self.dropped_by_reason().items():
-            values[f"dropped/{reason}"] = count
+            values[dropped_metric(reason)] = count
         self.metrics.emit(values)
 
     # -- loop --------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Exactly one collector per run: epochs by exclusive create, a heartbeat counter, takeover.
 
-Records in ``collector/`` (next to the core's ``bseq-<n>`` high-water marks)::
+Records in ``collector/`` (their names are spelled in ``strawq.epochs``)::
 
     epoch-<E>              EPOCH record (owner, host, pid), exclusive create: the claim
     hb-<E>~<counter>       the holder's heartbeat counter (the name is the data)
@@ -32,7 +32,11 @@ from typing import Any
 
 from strawq.collector.errors import CollectorBusy
 from strawq import records
-from strawq.batches import BatchStore, Manifest
+from strawq.batches import BatchStore, Manifest, manifest_key
+from strawq.epochs import DIR as EPOCH_DIR
+from strawq.epochs import (closed_key, closed_name, epoch_key, epoch_starts, epochs,
+                           heartbeat_counter, heartbeat_key, list_names, mark_epoch_start,
+                           prunable)
 from strawq.errors import AlreadyExists, CorruptRecord, FencedOut, NotFound
 from strawq.records import Kind
 from strawq.states import TaskState, key_of, move
@@ -43,14 +47,8 @@ log = logging.getLogger(__name__)
 KEEP_EPOCHS = 2
 
 
-def _epochs(names: list[str]) -> list[int]:
-    return sorted(int(n[6:]) for n in names if n.startswith("epoch-") and n[6:].isdigit())
+__all__ = ["EpochFence", "SupersededSweep", "epoch_starts", "mark_epoch_start", "superseded"]
 
-
-def _hb_counter(names: list[str], epoch: int) -> int:
-    prefix = f"hb-{epoch:012d}~"
-    return max((int(n[len(prefix):]) for n in names
-                if n.startswith(prefix) and n[len(prefix):].isdigit()), default=0)
 
 
 class EpochFence:
@@ -67,7 +65,7 @@ class EpochFence:
         self.sleep = sleep
         self.epoch = 0
         self._counter = 0
-        storage.makedirs("collector")
+        storage.makedirs(EPOCH_DIR)
 
     # -- acquiring -----------------------------------------------------------------------------
     def acquire(self, *, wait: bool = True) -> int:
@@ -76,10 +74,10 @@ class EpochFence:
         With ``wait=False`` a live-looking holder (not closed) is refused at once instead of
         being watched for ``takeover_timeout_s``.
         """
-        names = self.storage.list("collector")
-        epochs = _epochs(names)
-        newest = epochs[-1] if epochs else 0
-        if newest and f"closed-{newest:012d}" not in names:
+        names = list_names(self.storage)
+        known = epochs(names)
+        newest = known[-1] if known else 0
+        if newest and closed_name(newest) not in names:
             if not wait:
                 raise CollectorBusy(
                     f"collector epoch {newest} holds this run and did not close; expected no "
@@ -93,22 +91,22 @@ class EpochFence:
     def _watch(self, epoch: int) -> None:
         """Return once ``epoch``'s heartbeat stayed still for the timeout; else refuse."""
         start = self.clock()
-        first = _hb_counter(self.storage.list("collector"), epoch)
+        first = heartbeat_counter(list_names(self.storage), epoch)
         poll = max(min(self.timeout / 20, 1.0), 0.01)
         log.info("collector epoch %d did not close; watching its heartbeat (at %d) for %.1fs "
                  "before taking over", epoch, first, self.timeout)
         while True:
-            names = self.storage.list("collector")
-            newest = _epochs(names)[-1] if _epochs(names) else 0
+            names = list_names(self.storage)
+            newest = epochs(names)[-1] if epochs(names) else 0
             if newest > epoch:
                 raise CollectorBusy(f"collector epoch {newest} took over this run while we "
                                     "waited; it is the live collector, refusing to start")
-            counter = _hb_counter(names, epoch)
+            counter = heartbeat_counter(names, epoch)
             if counter != first:
                 raise CollectorBusy(
                     f"collector epoch {epoch} is alive (heartbeat moved {first} -> {counter}); "
                     "exactly one collector runs per run: stop it first, or use it")
-            if f"closed-{epoch:012d}" in names:
+            if closed_name(epoch) in names:
                 return
             if self.clock() - start >= self.timeout:
                 log.warning("collector epoch %d was silent for %.1fs (heartbeat %d); taking "
@@ -120,7 +118,7 @@ class EpochFence:
         body = {"epoch": epoch, "owner": self.owner, "host": socket.gethostname(),
                 "pid": os.getpid(), "at": time.time()}
         try:
-            self.storage.publish(f"collector/epoch-{epoch:012d}",
+            self.storage.publish(epoch_key(epoch),
                                  records.encode(Kind.EPOCH, body))
         except AlreadyExists:
             raise CollectorBusy(f"another collector created epoch {epoch} first; it is the "
@@ -133,38 +131,34 @@ class EpochFence:
         return epoch
 
     def _gc(self, epoch: int) -> None:
-        for n in self.storage.list("collector"):
-            head, _, rest = n.partition("-")
-            e = rest.partition("~")[0]
-            if head in ("epoch", "hb", "closed") and e.isdigit() and \
-                    int(e) <= epoch - KEEP_EPOCHS:
-                self.storage.delete(f"collector/{n}")
+        for key in prunable(list_names(self.storage), epoch - KEEP_EPOCHS):
+            self.storage.delete(key)
 
     # -- holding -------------------------------------------------------------------------------
     def check(self, names: list[str] | None = None) -> None:
         """Raise ``FencedOut`` unless this collector still holds the newest epoch."""
         if not self.epoch:
             raise FencedOut("this collector holds no epoch: call acquire() before acting")
-        names = self.storage.list("collector") if names is None else names
-        epochs = _epochs(names)
-        newest = epochs[-1] if epochs else 0
-        if newest != self.epoch or f"closed-{self.epoch:012d}" in names:
+        names = list_names(self.storage) if names is None else names
+        known = epochs(names)
+        newest = known[-1] if known else 0
+        if newest != self.epoch or closed_name(self.epoch) in names:
             raise FencedOut(f"collector epoch {self.epoch} was taken over (newest epoch "
                             f"{newest}); this collector must stop acting on the run")
 
     def beat(self) -> int:
         """Check the fence, then advance the heartbeat counter; returns the counter."""
-        names = self.storage.list("collector")
+        names = list_names(self.storage)
         self.check(names)
-        prev = self._counter or _hb_counter(names, self.epoch)
+        prev = self._counter or heartbeat_counter(names, self.epoch)
         self._counter = prev + 1
         # The name is the data (an empty file): nothing to fsync, as for producers' beats.
         # An fsync here cost every collector pass ~8 ms on a local disk, on the path from
         # an ack to the next release.
-        self.storage.publish(f"collector/hb-{self.epoch:012d}~{self._counter:016d}", b"",
+        self.storage.publish(heartbeat_key(self.epoch, self._counter), b"",
                              sync_dir=False, sync_file=False)
         if prev:
-            self.storage.delete(f"collector/hb-{self.epoch:012d}~{prev:016d}")
+            self.storage.delete(heartbeat_key(self.epoch, prev))
         return self._counter
 
     def close(self) -> None:
@@ -172,7 +166,7 @@ class EpochFence:
         if not self.epoch:
             return
         try:
-            self.storage.publish(f"collector/closed-{self.epoch:012d}", b"")
+            self.storage.publish(closed_key(self.epoch), b"")
         except AlreadyExists:
             pass
         log.info("collector epoch %d closed", self.epoch)
@@ -189,25 +183,6 @@ class EpochFence:
 # collector puts the groups it moved back to ``ready/`` (``sweep_superseded``) and deletes it
 # once none of its groups can still be moved by the stalled writer. Start records are kept
 # (one tiny file per collector start): an old epoch's stalled writer is refused forever.
-
-def mark_epoch_start(storage: Storage, epoch: int, first_seq: int) -> None:
-    """Record that collector ``epoch`` publishes batches from ``first_seq`` on."""
-    try:
-        storage.publish(f"collector/start-{epoch:012d}~{first_seq:012d}", b"")
-    except AlreadyExists:
-        pass
-
-
-def epoch_starts(storage: Storage, names: list[str] | None = None) -> list[tuple[int, int]]:
-    """(epoch, first batch number) of every collector start, oldest epoch first."""
-    out = []
-    for n in storage.list("collector") if names is None else names:
-        if n.startswith("start-"):
-            e, _, f = n[6:].partition("~")
-            if e.isdigit() and f.isdigit():
-                out.append((int(e), int(f)))
-    return sorted(out)
-
 
 def superseded(seq: int, meta: Mapping[str, Any], starts: list[tuple[int, int]]) -> int | None:
     """The newer epoch that supersedes manifest ``seq`` (stamped ``meta['epoch']``), or None.
@@ -282,8 +257,6 @@ class SupersededSweep:
                 live = live or self.storage.exists(key_of(TaskState.READY, name))
             if not live:
                 # no group of it is left where the stalled writer could still move it
-                self.batches._mark_high_water(seq)  # its number is never used again
-                self.storage.delete(f"batches/{seq:012d}")
-                self.storage.delete(f"acked/{seq:012d}")
+                self.batches.retire(seq)  # its number is never used again
                 self._verdict.pop(seq, None)
-        return {s for s in refused if self.storage.exists(f"batches/{s:012d}")}
+        return {s for s in refused if self.storage.exists(manifest_key(s))}

@@ -56,6 +56,12 @@ COUNTERS = frozenset({"trainer/step", "collector/step", "collector/released_tota
 _TAIL_BYTES = 256 * 1024
 
 
+def dropped_metric(reason: str) -> str:
+    """The metric counting groups dropped with ``reason`` over the run (a metric name, not
+    a storage key)."""
+    return f"dropped/{reason}"
+
+
 def prom_name(name: str) -> str:
     base = _PROM_NAME.sub("_", name)
     if base.endswith("_per_s"):

@@ -28,9 +28,12 @@ from strawq.collector.fencing import epoch_starts, superseded
 from strawq.collector.metrics import MetricsSink
 from strawq.collector.packing import BufferPool, RecordFile, ShardPacker, group_tokens, shard_groups
 from strawq.collector.resume import CHECKPOINT_FORMAT, read_cursor_state
-from strawq.batches import BatchStore, Manifest
+from strawq.batches import (BatchStore, Manifest, forget_delivered_after, high_water,
+                            mark_delivered)
 from strawq.commits import commit as commit_position
 from strawq.commits import committed_seq, hold
+from strawq.epochs import epochs as known_epochs
+from strawq.epochs import list_names as list_epoch_names
 from strawq.errors import CorruptRecord, NotFound
 from strawq.groups import decode_group_columns, staleness
 from strawq.names import TaskName, data_key
@@ -180,9 +183,7 @@ class BatchReader:
         if not self.checkpointed or self._replay_after is not None:
             return
         if self.rank == 0:
-            marks = [int(n[5:]) for n in self.storage.list("collector")
-                     if n.startswith("bseq-") and n[5:].isdigit()]
-            hold(self.storage, max(marks, default=0))
+            hold(self.storage, high_water(self.storage))
         pos = committed_seq(self.storage)
         if pos is not None:
             self._replay_after = max(pos, self._skip_upto)
@@ -238,6 +239,8 @@ class BatchReader:
                 self.sleep(pause)
         wait_s = self.clock() - start
         batch = self.load(man)
+        if self.rank == 0:  # from now on it is being trained (strawq.collector.admission)
+            mark_delivered(self.storage, seq, batch.version)
         self._delivered = seq
         now = self.clock()
         step_s = now - self._last_return if self._last_return is not None else None
@@ -248,7 +251,7 @@ class BatchReader:
 
     def _timeout_message(self, timeout: float) -> str:
         d = depths(self.storage)
-        epochs = [n for n in self.storage.list("collector") if n.startswith("epoch-")]
+        epochs = known_epochs(list_epoch_names(self.storage))
         return (f"no batch after {timeout:.1f}s (expected batch > {self._delivered}); queue: "
                 f"pending={d.pending + d.partial} leased={d.leased} ready={d.ready}; "
                 "collector epochs "
@@ -393,7 +396,7 @@ class BatchReader:
         self._saving = seq
         return {"format": CHECKPOINT_FORMAT, "batch_seq": seq,
                 "version": self.queue.current_version(),
-                "feeder": read_cursor_state(self.storage)}
+                "feeder": read_cursor_state(self.storage, trained_through=seq)}
 
     def commit(self, state: Mapping[str, Any] | int | None = None) -> int:
         """The checkpoint holding ``state`` (default: the last ``state_dict``) is durable:
@@ -423,16 +426,17 @@ class BatchReader:
         self._acked = max(self._acked, seq)
         self._skip_upto = max(self._skip_upto, seq)
         self._delivered = max(self._delivered, seq)
+        if self.rank == 0:  # batches after it are trained again: not in the weights
+            forget_delivered_after(self.storage, seq, acks=self.checkpointed)
         if self.checkpointed:
             if self.rank == 0:
                 commit_position(self.storage, seq)  # a checkpoint being restored is durable
-            marks = [int(n[5:]) for n in self.storage.list("collector")
-                     if n.startswith("bseq-") and n[5:].isdigit()]
-            if max(marks, default=0) > seq:
+            retired = high_water(self.storage)
+            if retired > seq:
                 log.error("batches %d..%d after this checkpoint were garbage-collected before "
                           "a checkpoint covering them was committed; they cannot be trained "
                           "again. Restore the newest checkpoint, and call reader.commit() "
-                          "after each save", seq + 1, max(marks))
+                          "after each save", seq + 1, retired)
             self._replay_after = seq
         v = int(state.get("version") or 0)
         if v != self.queue.current_version():

@@ -5,8 +5,10 @@
 * ``queue``  — the run directory holds a readable run: everything on disk wins (pending,
   leased, partial, ready, batched work all survive; the checkpoint only fills in nothing).
 * ``cursor`` — the queue state is missing or unreadable, the checkpoint has a dataset
-  cursor: a warning, a fresh queue, releases resume at the checkpointed index, the weight
-  version and the batch sequence continue from the checkpoint.
+  cursor: a warning, a fresh queue, the prompts that were in flight at the checkpoint
+  (released, not trained by it: the cursor's ``in_flight``) are released again, then
+  releases resume at the checkpointed index; the weight version and the batch sequence
+  continue from the checkpoint.
 * ``fresh``  — no queue state and no cursor in the checkpoint: a warning, start from the
   dataset's beginning.
 * ``new``    — no queue state and no checkpoint at all: a first start (no warning).
@@ -26,10 +28,12 @@ from typing import Any
 
 from strawq.feeder import read_cursor_state as feeder_cursor_state
 from strawq import records
+from strawq.batches import BatchStore
 from strawq.config import QueueConfig
 from strawq.errors import CorruptRecord, NotFound, StorageError
 from strawq.queue import RUN_KEY, RunQueue
 from strawq.records import Kind
+from strawq.states import TaskState, names_in
 from strawq.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
@@ -45,16 +49,58 @@ class ResumeInfo:
     checkpoint: Mapping[str, Any] | None = None
 
 
-def read_cursor_state(storage: Storage) -> dict[str, Any] | None:
-    """The newest cursor in ``Feeder.state_dict()`` form, read-only (no recovery side effects).
+#: states whose tasks were released and are not trained, listed in the direction work flows
+#: (a task that moves on between two listings is seen twice, never missed)
+_IN_FLIGHT = (TaskState.PENDING, TaskState.PARTIAL, TaskState.LEASED, TaskState.READY,
+              TaskState.BATCHED)
 
-    The trainer side uses this: constructing a ``Feeder`` runs its recovery, which only the
-    collector may do.
+
+def read_cursor_state(storage: Storage, trained_through: int | None = None
+                      ) -> dict[str, Any] | None:
+    """The newest cursor in ``Feeder.state_dict()`` form, read-only (no recovery side
+    effects), with ``in_flight``: the dataset indexes of the prompts released before the
+    cursor and not trained by a checkpoint covering batches ``<= trained_through``.
+
+    The trainer side uses this for its checkpoint (``BatchReader.state_dict``); a cursor
+    resume releases ``in_flight`` again before it releases from ``next_index``, so nothing
+    that was in flight is skipped (``Feeder.load_state_dict``). In flight: queued, leased
+    and ready tasks, and the groups of batches after ``trained_through`` (default: the
+    unacked batches). Constructing a ``Feeder`` runs its recovery, which only the collector
+    may do; this reads.
     """
-    state = feeder_cursor_state(storage)
-    if state is None:
+    cursor = feeder_cursor_state(storage)
+    if cursor is None:
         return None
-    return {k: state[k] for k in ("next_index", "seq", "fingerprint")}
+    out = {k: cursor[k] for k in ("next_index", "seq", "fingerprint")}
+    out["in_flight"] = sorted(i for i in in_flight(storage, trained_through)
+                              if i < int(out["next_index"]))
+    return out
+
+
+def in_flight(storage: Storage, trained_through: int | None = None) -> set[int]:
+    """Dataset indexes of released prompts not trained by batches ``<= trained_through``
+    (None: by the acked batches)."""
+    out: set[int] = set()
+    batched: dict[str, int] = {}
+    for state in _IN_FLIGHT:
+        for name in names_in(storage, state):
+            if state is TaskState.BATCHED:
+                batched[str(name)] = name.order
+            else:
+                out.add(name.order)
+    store = BatchStore(RunQueue(storage))
+    seqs, acked = store.batch_seqs()
+    trained: set[str] = set()
+    for seq in seqs:
+        done = seq in acked if trained_through is None else seq <= trained_through
+        if not done:
+            continue
+        try:
+            trained.update(str(n) for n in store.read_manifest(seq).groups)
+        except (NotFound, CorruptRecord):
+            continue  # collected meanwhile (trained), or quarantined (its groups go back)
+    out.update(order for name, order in batched.items() if name not in trained)
+    return out
 
 
 def _queue_is_readable(storage: Storage) -> str | None:
@@ -93,10 +139,15 @@ def open_queue(path: str, *, queue_config: QueueConfig | None = None,
         return queue, ResumeInfo("new", f"new run at {path}", None)
     feeder = checkpoint.get("feeder") if isinstance(checkpoint, Mapping) else None
     if feeder and "next_index" in feeder:
+        again = feeder.get("in_flight")
+        what = (f"the {len(again)} prompts in flight at the checkpoint are released again"
+                if again is not None else
+                "the checkpoint lists no prompts in flight, so prompts released before its "
+                "index and not trained by it are not generated again")
         log.warning("queue state at %s is %s: resuming from the checkpoint's dataset cursor "
-                    "(index %s, version %s, last batch %s); work that was in flight is "
-                    "generated again", path, problem, feeder["next_index"],
-                    checkpoint.get("version"), checkpoint.get("batch_seq"))
+                    "(index %s, version %s, last batch %s); %s", path, problem,
+                    feeder["next_index"], checkpoint.get("version"),
+                    checkpoint.get("batch_seq"), what)
         return queue, ResumeInfo("cursor", f"queue {problem}; cursor from checkpoint",
                                  checkpoint)
     log.warning("queue state at %s is %s and the checkpoint has no dataset cursor: starting "

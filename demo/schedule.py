@@ -17,15 +17,12 @@
   per step): the trainer starts on the first groups that finish instead of waiting for B,
   and groups that finish while a step runs are trained in that same step, on the version
   that generated them (staleness 0). Staleness-first order still holds within the stream.
-* ``flow`` — ``stream`` whose micro-batches are acknowledged as soon as they are trained, with
-  the admission window that keeps η for such a trainer (``η·m + 1`` micro-batches,
-  ``strawq.collector.admission``): room frees one micro-batch at a time, through the step,
-  instead of a whole step's worth at its end. Measured (docs/lab.md): the same staleness as
-  ``stream`` but slower, since ~100 groups are then in flight at every weight update and
-  the bracket pauses and resumes each; a larger window (``admission_batches``) trades
-  staleness for speed. The checkpoint still covers whole steps: an acked micro-batch stays
-  on disk until a commit covers it, and a restarted trainer is delivered the whole step
-  again.
+* ``flow`` — ``stream`` whose micro-batches are acknowledged as soon as they are trained.
+  Admission counts what was trained, not what was acked (``strawq.collector.admission``):
+  a micro-batch delivered on the current version holds its room until the update, so flow
+  gets stream's window, ``(η + 1)·m`` micro-batches, and keeps η the same way. The
+  checkpoint still covers whole steps: an acked micro-batch stays on disk until a commit
+  covers it, and a restarted trainer is delivered the whole step again.
 
 The loop records a timeline (trainer wait / train / weight update intervals) for plots.
 """
@@ -70,8 +67,7 @@ class ScheduleConfig(Config):
     #: stream, flow: micro-batches per step (B must be a multiple)
     micro_batches: int = 4
     #: async, stream, flow: the admission window in micro-batches
-    #: (``CollectorConfig.admission_batches``; None: the mode's own, ``(η + 1)·m`` or, in
-    #: flow, ``η·m + 1``)
+    #: (``CollectorConfig.admission_batches``; None: ``(η + 1)·m``, which keeps η)
     admission_batches: float | None = None
     #: deadline of one next_batch / bracket wait
     timeout_s: float = 600.0
@@ -83,7 +79,8 @@ class ScheduleConfig(Config):
             raise ConfigError("batch_groups, steps and slots must be >= 1")
         if self.max_staleness < 0 or self.oversample < 1:
             raise ConfigError("max_staleness must be >= 0 and oversample >= 1")
-        if self.micro_batches < 1 or self.batch_groups % self.micro_batches:
+        if self.mode in STREAMING and (self.micro_batches < 1
+                                       or self.batch_groups % self.micro_batches):
             raise ConfigError(f"micro_batches ({self.micro_batches}) must be >= 1 and divide "
                               f"batch_groups ({self.batch_groups})")
 
@@ -117,13 +114,11 @@ def collector_config(cfg: ScheduleConfig, **extra: Any) -> CollectorConfig:
         # leaves a batch of claimable work, and the eta bound ((eta + 1)·B groups untrained
         # or running) stays the one that limits staleness.
         running, eta = cfg.slots + b, cfg.max_staleness
-    # eta_mode "train": nothing is regenerated or dropped for staleness (docs/design.md, invariant
-    # 10); a group over eta (a tail longer than eta trainer steps) is trained and counted.
+    # eta_mode "train": nothing is regenerated or dropped for staleness (docs/design.md,
+    # invariant 10); a group over eta (a tail longer than eta trainer steps) is trained and
+    # counted.
+    # None: (eta + 1)·m micro-batches, whatever the ack order (what was trained counts)
     window = cfg.admission_batches if cfg.mode in ("async", *STREAMING) else None
-    if window is None and cfg.mode == "flow" and eta is not None:
-        # acked as trained: the version's trained micro-batches no longer count, and a group
-        # released after j of them has the other m - j and eta·m more ahead of it
-        window = eta * per_step + 1
     return CollectorConfig(batch_groups=b // per_step, batches_per_version=per_step,
                            max_staleness=eta, eta_mode="train", admission_batches=window,
                            max_running=running, max_ready=max(2 * b, running),
@@ -258,10 +253,8 @@ def _one_step(cfg: ScheduleConfig, step: int, version: int, reader: BatchReader,
             reader.ack(b)
         bracket.end_weight_update(version)
     else:
-        # async: acknowledge once the new version is live. The collector forms the next
-        # batch (and judges eta) when this one is acked; acked before the version bump, it
-        # would judge against the old version and the trainer would read the batch one
-        # version later than planned.
+        # async: acknowledge once the new version is live (the η projection does not
+        # depend on it: a delivered batch counts as trained, acked or not)
         bracket.end_weight_update(version)
         for b in batches:
             if not cfg.acks_micro_batches:

@@ -6,13 +6,25 @@ A batch is a MANIFEST record that *references* ready groups (no payload copy). P
 (a group named by a manifest is never offered again: a group enters at most one batch,
 docs/design.md, invariant 1). ``ack`` publishes ``acked/<seq>``; ``gc`` then deletes the payloads,
 the entries and finally the manifest, so a crash mid-GC is simply redone.
+
+This module owns the batch key families; nothing else spells them::
+
+    batches/<seq>            MANIFEST record (``manifest_key``)
+    acked/<seq>              the trainer consumed batch ``seq`` (``ack_key``)
+    delivered/<seq>~<v>      rank 0's reader delivered batch ``seq`` at weight version ``v``
+                             (``mark_delivered``, ``delivered``; the name is the data)
+    collector/bseq-<seq>     the highest batch number whose manifest was retired
+                             (``high_water``, ``mark_high_water``): numbers are never reused
+
+A manifest leaves the run one way, ``BatchStore.retire`` (high-water mark, then manifest and
+ack), or is quarantined (``BatchStore.quarantine_manifest``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,12 +35,101 @@ from strawq.names import TaskName, data_key, requeued_name
 from strawq.queue import RunQueue
 from strawq.records import Kind
 from strawq.states import DIRS, TaskState, delete_trained, move, names_in, queued_state
+from strawq.storage import Storage
 
 S = TaskState
 
 log = logging.getLogger(__name__)
 
 _META_PROBE = 8192
+
+MANIFEST_DIR = "batches"
+ACK_DIR = "acked"
+DELIVERED_DIR = "delivered"
+HIGH_WATER_DIR = "collector"
+_HIGH_WATER_PREFIX = "bseq-"
+
+
+def manifest_key(seq: int) -> str:
+    """``batches/<seq>``: the batch's MANIFEST record."""
+    return f"{MANIFEST_DIR}/{seq:012d}"
+
+
+def ack_key(seq: int) -> str:
+    """``acked/<seq>``: the trainer consumed batch ``seq`` (empty; the name is the data)."""
+    return f"{ACK_DIR}/{seq:012d}"
+
+
+def batch_seqs(storage: Storage) -> tuple[list[int], set[int]]:
+    """(every manifest number present, the acked ones)."""
+    seqs = [int(n) for n in storage.list(MANIFEST_DIR) if n.isdigit()]
+    acked = {int(n) for n in storage.list(ACK_DIR) if n.isdigit()}
+    return seqs, acked
+
+
+def _high_water_marks(names: Iterable[str]) -> list[int]:
+    p = len(_HIGH_WATER_PREFIX)
+    return [int(n[p:]) for n in names if n.startswith(_HIGH_WATER_PREFIX) and n[p:].isdigit()]
+
+
+def high_water(storage: Storage) -> int:
+    """The highest batch number whose manifest was retired (0: none yet)."""
+    return max(_high_water_marks(storage.list(HIGH_WATER_DIR)), default=0)
+
+
+def mark_high_water(storage: Storage, seq: int) -> None:
+    """Record that batch numbers up to ``seq`` are used (never reused); prune lower marks."""
+    try:
+        storage.publish(f"{HIGH_WATER_DIR}/{_HIGH_WATER_PREFIX}{seq:012d}", b"")
+    except AlreadyExists:
+        pass
+    for mark in _high_water_marks(storage.list(HIGH_WATER_DIR)):
+        if mark < seq:
+            storage.delete(f"{HIGH_WATER_DIR}/{_HIGH_WATER_PREFIX}{mark:012d}")
+
+
+def mark_delivered(storage: Storage, seq: int, version: int) -> None:
+    """Rank 0's reader delivered batch ``seq`` while the run announced weight ``version``:
+    from now on the batch is being trained (``delivered``). Idempotent; a batch delivered
+    again (a restored trainer) gets a second mark, and the newest version counts."""
+    storage.makedirs(DELIVERED_DIR)
+    try:
+        storage.publish(f"{DELIVERED_DIR}/{seq:012d}~{version:012d}", b"", sync_file=False)
+    except AlreadyExists:
+        pass
+
+
+def delivered(storage: Storage) -> dict[int, int]:
+    """Batch number -> the newest weight version it was delivered at."""
+    out: dict[int, int] = {}
+    for n in storage.list(DELIVERED_DIR):
+        seq_s, sep, ver_s = n.partition("~")
+        if sep and seq_s.isdigit() and ver_s.isdigit():
+            out[int(seq_s)] = max(out.get(int(seq_s), 0), int(ver_s))
+    return out
+
+
+def forget_delivered(storage: Storage, seq: int) -> None:
+    """Delete every delivery mark of batch ``seq``."""
+    prefix = f"{seq:012d}~"
+    for n in storage.list(DELIVERED_DIR):
+        if n.startswith(prefix):
+            storage.delete(f"{DELIVERED_DIR}/{n}")
+
+
+def forget_delivered_after(storage: Storage, seq: int, *, acks: bool = False) -> int:
+    """A trainer restored from a checkpoint covering batches ``<= seq`` trains every later
+    batch again: their delivery marks go (they count as waiting until delivered again),
+    and with ``acks`` their acks too (a checkpointing reader delivers them again, acked or
+    not, so they are not consumed). Returns how many batches were marked delivered."""
+    later = [s for s in delivered(storage) if s > seq]
+    for s in later:
+        forget_delivered(storage, s)
+    if acks:
+        for n in storage.list(ACK_DIR):
+            if n.isdigit() and int(n) > seq:
+                storage.delete(f"{ACK_DIR}/{n}")
+    return len(later)
 
 
 @dataclass(frozen=True)
@@ -81,7 +182,7 @@ class BatchStore:
         self.storage.sync_dirs([DIRS[S.READY], DIRS[S.LEASED]])
         body = {"seq": seq, "groups": [str(n) for n in names],
                 "summaries": list(summaries or []), "meta": meta or {}, "at": time.time()}
-        self.storage.publish(f"batches/{seq:012d}", records.encode(Kind.MANIFEST, body))
+        self.storage.publish(manifest_key(seq), records.encode(Kind.MANIFEST, body))
         self._move_to_batched(names)
         return Manifest(seq, list(names), list(summaries or []), meta or {})
 
@@ -98,12 +199,10 @@ class BatchStore:
 
     def batch_seqs(self) -> tuple[list[int], set[int]]:
         """(all manifest seqs present, the acked ones)."""
-        seqs = [int(n) for n in self.storage.list("batches") if n.isdigit()]
-        acked = {int(n) for n in self.storage.list("acked") if n.isdigit()}
-        return seqs, acked
+        return batch_seqs(self.storage)
 
     def read_manifest(self, seq: int) -> Manifest:
-        key = f"batches/{seq:012d}"
+        key = manifest_key(seq)
         rec = records.decode(self.storage.read(key), expect=Kind.MANIFEST, name=key)
         m = rec.meta
         return Manifest(m["seq"], [TaskName.parse(n) for n in m["groups"]], m["summaries"],
@@ -127,8 +226,7 @@ class BatchStore:
             except CorruptRecord as exc:
                 log.error("batch manifest %d is corrupt (%s): quarantined; its groups go back "
                           "to ready and may be trained twice", seq, exc)
-                self.queue.quarantine(f"batches/{seq:012d}")
-                self.storage.delete(f"acked/{seq:012d}")
+                self.quarantine_manifest(seq)
                 lost_manifest = True
                 continue
             self._move_to_batched(man.groups)
@@ -146,18 +244,15 @@ class BatchStore:
 
     def next_seq(self) -> int:
         seqs, _ = self.batch_seqs()
-        last = max(seqs, default=0)
-        hint = self.storage.list("collector")
-        marks = [int(n[5:]) for n in hint if n.startswith("bseq-") and n[5:].isdigit()]
-        return max([last, *marks]) + 1
+        return max(max(seqs, default=0), high_water(self.storage)) + 1
 
     def ack(self, seq: int) -> None:
         """The trainer consumed batch ``seq``: its groups become garbage."""
-        if not self.storage.exists(f"batches/{seq:012d}"):
+        if not self.storage.exists(manifest_key(seq)):
             raise NotFound(2, f"batch {seq} has no manifest (never published, or already "
                               "garbage-collected)")
         try:
-            self.storage.publish(f"acked/{seq:012d}", b"")
+            self.storage.publish(ack_key(seq), b"")
         except AlreadyExists:
             pass
 
@@ -210,7 +305,7 @@ class BatchStore:
                 man = self.read_manifest(seq)
             except CorruptRecord as exc:
                 log.error("manifest %s is corrupt (%s); quarantining", seq, exc)
-                self.queue.quarantine(f"batches/{seq:012d}")
+                self.queue.quarantine(manifest_key(seq))
                 continue
             for name in man.groups:
                 self.storage.delete(data_key(name.id, name.gen, "group"))
@@ -218,13 +313,11 @@ class BatchStore:
                     self.storage.delete(data_key(name.id, name.resume, "partial"))
                 delete_trained(self.storage, name)
                 rep.payloads += 1
-            self._mark_high_water(seq)
-            self.storage.delete(f"batches/{seq:012d}")
-            self.storage.delete(f"acked/{seq:012d}")
+            self.retire(seq)
             rep.batches += 1
         for seq in acked - set(seqs):
             # an ack whose manifest GC already removed (a crash between the two deletions)
-            self.storage.delete(f"acked/{seq:012d}")
+            self.storage.delete(ack_key(seq))
         if compact_drops_at is not None:
             from strawq.retention import compact_drops
 
@@ -235,15 +328,27 @@ class BatchStore:
             rep.stale = self._gc_stale_generations()
         return rep
 
-    def _mark_high_water(self, seq: int) -> None:
-        """Remember the highest batch seq before its manifest goes: names are never reused."""
-        try:
-            self.storage.publish(f"collector/bseq-{seq:012d}", b"")
-        except AlreadyExists:
-            pass
-        for n in self.storage.list("collector"):
-            if n.startswith("bseq-") and n[5:].isdigit() and int(n[5:]) < seq:
-                self.storage.delete(f"collector/{n}")
+    def retire(self, seq: int) -> None:
+        """The one way a manifest leaves the run: mark its number used (numbers are never
+        reused), then delete the manifest and its ack. Its groups' entries are the caller's
+        (GC deletes them first; a superseded manifest's went back to ``ready/``). Delivery
+        marks stay until ``prune_delivered`` finds them no longer needed."""
+        mark_high_water(self.storage, seq)
+        self.storage.delete(manifest_key(seq))
+        self.storage.delete(ack_key(seq))
+
+    def quarantine_manifest(self, seq: int) -> None:
+        """Move an unreadable manifest aside (``quarantine/``) and forget its ack."""
+        self.queue.quarantine(manifest_key(seq))
+        self.storage.delete(ack_key(seq))
+
+    def prune_delivered(self, version: int, present: Iterable[int], acked: Iterable[int]) -> None:
+        """Delete delivery marks no projection needs: a batch delivered before ``version``
+        (its gradient is in the weights) that is acked or retired."""
+        live = set(present) - set(acked)
+        for seq, at in delivered(self.storage).items():
+            if at < version and seq not in live:
+                forget_delivered(self.storage, seq)
 
     def _gc_stale_generations(self) -> int:
         """Payloads of fenced generations, and every record of a task no entry names."""

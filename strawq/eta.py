@@ -13,9 +13,11 @@ before it spends a token on the prefix (``EtaPolicy.partial_action``):
 * ``drop``: the task is dropped with reason ``stale_eta``;
 * ``off`` (or no η): nothing.
 
-A prefix is past the bound when ``current version − its oldest token's version > η``: it can
-only be trained staler still. One at or under η now may still be over η when its batch
-forms; the collector's batch-time check (``Collector._ordered_ready``) applies to it then.
+Every "over η?" question — a prefix at claim, a ready group at batch time, a sample at read
+time — is ``EtaPolicy.over(version, min_version)``: ``staleness(version, min_version) > η``
+(``strawq.groups.staleness``). A prefix over η now can only be trained staler still. One
+at or under η now may still be over η when its batch forms; the collector's batch-time
+check (``Collector._ordered_ready``) applies to it then.
 Without a published policy (a run whose collector has not started yet) nothing is checked
 at claim. See ``docs/tuning.md`` §3a.
 """
@@ -24,11 +26,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import numpy as np
 
 from strawq import records
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
+from strawq.groups import staleness
 from strawq.records import Kind
 from strawq.storage import Storage
 
@@ -43,8 +49,14 @@ KEEP = 2
 READ_INTERVAL_S = 5.0
 #: reason of a task dropped, or a note of a prefix discarded, for the η bound
 STALE_REASON = "stale_eta"
-#: the modes a policy may carry (``requeue`` is accepted as another name for ``regenerate``)
-MODES = ("train", "regenerate", "drop", "off", "requeue")
+#: What is done with work over η — the one declaration of the vocabulary:
+#: ``train`` (kept, trained with its correction, counted), ``regenerate`` (generated again
+#: from scratch), ``drop`` (dropped with reason ``stale_eta``), ``off`` (admission only,
+#: never judged); ``requeue`` is accepted as another name of ``regenerate``.
+EtaMode = Literal["train", "regenerate", "drop", "off", "requeue"]
+MODES: tuple[str, ...] = get_args(EtaMode)
+#: η a run gets when its configuration does not say (docs/tuning.md §3a): one version
+DEFAULT_MAX_STALENESS = 1
 
 
 @dataclass(frozen=True)
@@ -64,19 +76,67 @@ class EtaPolicy:
             raise ConfigError(f"max_staleness must be an int >= 0 or None, found "
                               f"{self.max_staleness!r}")
 
+    @property
+    def bounded(self) -> bool:
+        """A bound applies: η is set (work over it is then judged, unless ``off``)."""
+        return self.max_staleness is not None
+
+    @property
+    def judges(self) -> bool:
+        """Work over η gets a verdict (``action``): η is set and the mode is not ``off``."""
+        return self.max_staleness is not None and self.eta_mode != "off"
+
+    @property
+    def mode(self) -> str:
+        """The mode under its one name (``requeue`` reads as ``regenerate``)."""
+        return "regenerate" if self.eta_mode == "requeue" else self.eta_mode
+
+    def over(self, version: int, min_version: int) -> bool:
+        """Is work whose oldest token is ``min_version`` over η when trained at ``version``?
+
+        The one η judgement (False when η is unbounded); ``over_each`` asks it per sample.
+        Whether the answer is acted on is ``judges``."""
+        return bool(self._exceeds(staleness(version, min_version)))
+
+    def over_each(self, version: int, min_versions: np.ndarray) -> np.ndarray:
+        """``over`` for an array of per-sample oldest versions: a bool mask."""
+        return np.asarray(self._exceeds(staleness(version, np.asarray(min_versions))),
+                          dtype=bool)
+
+    def _exceeds(self, stale: Any) -> Any:
+        """``stale > η`` for a staleness or an array of them (all False without a bound)."""
+        if self.max_staleness is None:
+            return np.zeros(np.shape(stale), dtype=bool)
+        return stale > self.max_staleness
+
+    def action(self, version: int, min_version: int, *, attempts: int = 0,
+               max_attempts: int | None = None) -> str | None:
+        """The verdict on work whose oldest token is ``min_version``, trained at ``version``:
+        None (within η, no bound, or ``off``), else ``train``, ``regenerate`` or ``drop``.
+        A task that has used ``max_attempts`` attempts is not regenerated again: it is
+        trained with its correction (``train``), so a prompt whose responses keep running
+        past η cannot cycle for ever (``regenerate_or_train``). The same at claim
+        (producers, on a partial's prefix) and at batch time (the collector)."""
+        if not self.judges or not self.over(version, min_version):
+            return None
+        return regenerate_or_train(self.mode, attempts, max_attempts)
+
     def partial_action(self, version: int, min_version: int, *, attempts: int = 0,
                        max_attempts: int | None = None) -> str | None:
-        """What a claimer does with a prefix whose oldest token is ``min_version`` when the
-        current version is ``version``: None (within η, or no bound), else ``train``,
-        ``regenerate`` or ``drop``. A task that has used ``max_attempts`` attempts is not
-        regenerated again: it is trained with its correction (``train``), so a prompt whose
-        responses keep running past η cannot cycle for ever (``regenerate_or_train``)."""
-        if self.max_staleness is None or self.eta_mode == "off":
-            return None
-        if version - min_version <= self.max_staleness:
-            return None
-        action = "regenerate" if self.eta_mode == "requeue" else self.eta_mode
-        return regenerate_or_train(action, attempts, max_attempts)
+        """``action`` for a claimed partial's prefix (the producers' entry point)."""
+        return self.action(version, min_version, attempts=attempts, max_attempts=max_attempts)
+
+    def to_meta(self) -> dict[str, Any]:
+        """The fields a manifest records (``from_meta`` reads them back)."""
+        return {"max_staleness": self.max_staleness, "eta_mode": self.eta_mode}
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> EtaPolicy:
+        """The policy a manifest (or a published policy record) was judged under; a record
+        without one reads as unbounded."""
+        eta = meta.get("max_staleness")
+        return cls(None if eta is None else int(eta), str(meta.get("eta_mode", "train")),
+                   int(meta.get("epoch", 0) or 0))
 
 
 def regenerate_or_train(action: str, attempts: int, max_attempts: int | None) -> str:
@@ -120,8 +180,7 @@ def read_policy(storage: Storage) -> EtaPolicy | None:
         key = _key(epoch)
         try:
             meta = records.decode(storage.read(key), expect=Kind.STATE, name=key).meta
-            return EtaPolicy(meta.get("max_staleness"), str(meta.get("eta_mode", "train")),
-                             int(meta.get("epoch", epoch)))
+            return EtaPolicy.from_meta({**meta, "epoch": meta.get("epoch", epoch)})
         except NotFound:
             continue  # pruned between the listing and the read: an older one follows
         except (CorruptRecord, ConfigError, TypeError, ValueError) as exc:

@@ -258,8 +258,9 @@ class Feeder:
             self._discard(staging)
             return None
 
-    def _stage_and_commit(self, cur: Cursor, rows: list[tuple[int, Row | BadRow]], n: int,
-                          seq: int, staging: str) -> int | None:
+    def _stage(self, rows: list[tuple[int, Row | BadRow]], staging: str) -> int:
+        """Write ``rows`` as fresh tasks into ``staging/<staging>/`` (bad rows are dropped
+        with a record); returns how many were staged."""
         good = 0
         for index, row in rows:
             task_id = dataset_task_id(index)
@@ -275,6 +276,11 @@ class Feeder:
         # The staging directory exists only once a good row was staged in it.
         self.storage.sync_dirs([f"staging/{staging}"] * bool(good)
                                + ["staging", DIRS[TaskState.DROPPED]])
+        return good
+
+    def _stage_and_commit(self, cur: Cursor, rows: list[tuple[int, Row | BadRow]], n: int,
+                          seq: int, staging: str) -> int | None:
+        good = self._stage(rows, staging)
         end = rows[-1][0] + 1 if rows else cur.next_index
         exhausted = len(rows) < n
         new = Cursor(seq, end, staging if good else None, exhausted, self._reader.fingerprint)
@@ -353,20 +359,55 @@ class Feeder:
         return {"next_index": self.cursor.next_index, "seq": self.cursor.seq,
                 "fingerprint": self._reader.fingerprint}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Start releasing at a checkpointed index (only on an empty, fresh queue).
+    def load_state_dict(self, state: dict[str, Any]) -> int:
+        """Start releasing at a checkpointed index (only on an empty, fresh queue), and
+        release again the prompts the checkpoint lists as in flight (``in_flight``: released
+        before its index, not trained by it; ``strawq.collector.resume.read_cursor_state``).
+        Returns how many were released again.
 
-        ``DatasetMismatch`` if the checkpoint's fingerprint is not this dataset's; a
-        checkpoint taken after a ``switch_dataset`` restores its offset too."""
+        The cursor and the re-released prompts are one commit (``cursor/1`` names their
+        release directory), so a crash leaves both or neither. ``DatasetMismatch`` if the
+        checkpoint's fingerprint is not this dataset's; a checkpoint taken after a
+        ``switch_dataset`` restores its offset too."""
         cur = self.refresh()
+        nxt = int(state["next_index"])
         if not cur.seq:
-            self._reader.adopt(state.get("fingerprint") or {}, int(state["next_index"]))
-        if cur.seq or not self._commit(1, int(state["next_index"]), None, False,
-                                       restored_from_checkpoint=True):
+            self._reader.adopt(state.get("fingerprint") or {}, nxt)
+        again = sorted({int(i) for i in state.get("in_flight") or () if int(i) < nxt})
+        before = [i for i in again if i < self._reader.base]
+        if before:
+            log.warning("%d prompts in flight at the checkpoint come from the dataset before "
+                        "the switch (indexes %d..%d): they are not released again",
+                        len(before), before[0], before[-1])
+            again = [i for i in again if i >= self._reader.base]
+        staging = f"{RELEASE_PREFIX}{1:012d}.{uuid.uuid4().hex[:8]}"
+        good = 0 if cur.seq else self._stage(self._rows_at(again), staging)
+        if cur.seq or not self._commit(1, nxt, staging if good else None, False,
+                                       restored_from_checkpoint=True, released_again=good):
+            if good:
+                self._discard(staging)
             cur = self.refresh()
             raise AlreadyExists(17, f"the queue already has a cursor at index "
                                     f"{cur.next_index}; it wins over a checkpoint")
+        if good:
+            self._promote(self.read_cursor())
+        elif self.storage.exists(f"staging/{staging}"):
+            self.storage.rmdir(f"staging/{staging}")
         self.refresh()
+        return good
+
+    def _rows_at(self, indexes: list[int]) -> list[tuple[int, Row | BadRow]]:
+        """The rows at sorted task ``indexes``, read one contiguous run at a time."""
+        out: list[tuple[int, Row | BadRow]] = []
+        run: list[int] = []
+        for i in [*indexes, -1]:
+            if run and i == run[-1] + 1:
+                run.append(i)
+                continue
+            if run:
+                out += self._reader.read(run[0], len(run))
+            run = [i]
+        return out
 
     def switch_dataset(self, *, start_row: int = 0) -> Cursor:
         """Make this feeder's dataset the run's, on purpose: its row ``start_row`` becomes

@@ -11,7 +11,8 @@ Layout of ``<root>/<run_id>/`` (see ``docs/protocol.md`` for the crash table)::
     leased/<name>~<producer> tasks held by a producer
     ready/<name>~<producer>  finished groups; payload at data/<id>~g<gen>.group
     batched/<name>~<producer> groups referenced by a batch manifest
-    batches/<seq>            MANIFEST records;  acked/<seq>: the trainer consumed it
+    batches/<seq>            MANIFEST records;  acked/<seq>: the trainer consumed it;
+                             delivered/<seq>~<v>: delivered at version v (strawq.batches)
     dropped/<name>~<reason>  dropped with a reason; note at data/<id>~g<gen>.drop.<reason>
     data/<id>~g<gen>.<kind>  immutable payloads: group, partial, drop
     hb/<producer>~<counter>  heartbeat counters (the name is the data)
@@ -48,7 +49,7 @@ from strawq.storage import Storage
 log = logging.getLogger(__name__)
 
 DIRS = ("tmp", "staging", "cursor", *dict.fromkeys(STATE_DIRS.values()), "batches", "acked",
-        "data", "hb", "versions", "quarantine", "collector", "control")
+        "delivered", "data", "hb", "versions", "quarantine", "collector", "control")
 RUN_KEY = "run.meta"
 #: How long a claimer trusts its listing of the top of ``pending/`` (partial and returned
 #: tasks) while it still has cached fresh candidates; its own monotonic clock.

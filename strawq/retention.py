@@ -4,7 +4,8 @@ A run directory holds live records only: work in flight, groups not yet trained,
 is kept on purpose (quarantined records, the drop audit, a few cursors, versions and
 control records). ``BatchStore.gc`` retires acked batches; this module does the rest:
 
-* ``compact_drops`` folds ``dropped/`` entries and their notes into the drop audit,
+* ``compact_drops`` folds ``dropped/`` entries and their notes into the drop audit
+  (DROPPED -> COMPACTED, ``strawq.states``),
   ``audit/drops-<seq>``: immutable segments, each one holding the cumulative counts per
   reason and the drops it took in. A segment is published (exclusive create: a second
   compactor loses) before the entries it names are deleted, and the next compaction first
@@ -32,7 +33,7 @@ from strawq import records
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.names import TaskName, note_key
 from strawq.records import Kind
-from strawq.states import TaskState, entries, names_in
+from strawq.states import TaskState, entries, names_in, retire
 from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -114,9 +115,10 @@ def find_drop(storage: Storage, task_id: str) -> dict[str, Any] | None:
 
 
 def _delete_dropped(storage: Storage, names: Iterable[TaskName]) -> None:
+    """DROPPED -> COMPACTED for drops the audit holds: the note, then the entry."""
     for name in names:
         storage.delete(note_key(name.id, name.gen, "drop", name.producer or ""))
-        storage.delete(f"dropped/{name}")
+        retire(storage, name, TaskState.DROPPED, TaskState.COMPACTED)
 
 
 def _row(storage: Storage, name: TaskName) -> dict[str, Any]:

@@ -14,6 +14,7 @@
     DROPPED ◀── drop, fail or expire after max_attempts (from LEASED); drop for the η bound
                 at claim (LEASED) or at batch time, or a corrupt payload (READY); drop_from
                 (BATCHED); a bad dataset row.
+    DROPPED ─compact─▶ COMPACTED   folded into the drop audit (``strawq.retention``)
 
 The η bound on a partial task is applied by the producer that claims it (``strawq.eta``):
 past η, ``regenerate`` discards the prefix (LEASED → PARTIAL at version 0 without a prefix,
@@ -23,8 +24,10 @@ before a token is spent on it; ``train`` resumes it, counted.
 PENDING and PARTIAL share ``pending/``: the stage letter of a name's key tells them apart
 (``a`` partial, ``b`` returned, ``c`` fresh; see ``strawq.names``). Fresh tasks arrive a whole
 release at a time in ``pending/r-<seq>/`` (one directory rename by the feeder); bad dataset
-rows are published straight into ``dropped/``. TRAINED has no directory: ``gc`` deletes a
-BATCHED entry once the trainer acked its batch.
+rows are published straight into ``dropped/``. TRAINED and COMPACTED have no directory
+(``RETIRED``): ``gc`` deletes a BATCHED entry once the trainer acked its batch, and
+``compact_drops`` deletes a DROPPED entry once the drop audit holds it, each through
+``retire``.
 
 Every other arrow is one atomic rename, made by ``move``, which checks the transition against
 ``TRANSITIONS`` first. Only the holder of a lease — or the grantor, after expiry — moves a
@@ -57,6 +60,8 @@ class TaskState(str, enum.Enum):
     DROPPED = "dropped"
     #: acked and garbage-collected: no directory, the entry is deleted
     TRAINED = "trained"
+    #: a drop folded into the drop audit (``strawq.retention``): no directory either
+    COMPACTED = "compacted"
 
 
 S = TaskState
@@ -66,6 +71,8 @@ DIRS: dict[TaskState, str] = {
     S.PENDING: "pending", S.PARTIAL: "pending", S.LEASED: "leased", S.READY: "ready",
     S.BATCHED: "batched", S.DROPPED: "dropped",
 }
+#: States without a directory: reaching one deletes the entry (``retire``).
+RETIRED = frozenset({S.TRAINED, S.COMPACTED})
 #: Prefix of a release directory inside ``pending/`` (fresh tasks, dataset order).
 RELEASE_PREFIX = "r-"
 
@@ -87,6 +94,8 @@ TRANSITIONS: dict[tuple[TaskState, TaskState], str] = {
     (S.BATCHED, S.READY): "recover, when the manifest naming it is lost (collector)",
     (S.BATCHED, S.DROPPED): "drop_from batched (collector)",
     (S.BATCHED, S.TRAINED): "ack (trainer) then gc (collector): the entry is deleted",
+    (S.DROPPED, S.COMPACTED): "compact_drops (collector GC, strawq gc): the drop audit holds "
+                              "it; the entry is deleted",
 }
 
 
@@ -110,8 +119,8 @@ def queued_state(name: TaskName) -> TaskState:
 
 def key_of(state: TaskState, name: TaskName) -> str:
     """The storage key of ``name`` in ``state`` (queued tasks: the top of ``pending/``)."""
-    if state is S.TRAINED:
-        raise IllegalTransition("a trained task has no entry on disk")
+    if state in RETIRED:
+        raise IllegalTransition(f"a {state.value} task has no entry on disk")
     if state in (S.PENDING, S.PARTIAL) and queued_state(name) is not state:
         raise IllegalTransition(f"{name} cannot be {state.value}: its key's stage letter says "
                                 f"{queued_state(name).value}")
@@ -133,17 +142,27 @@ def move(storage: Storage, name: TaskName, src: TaskState, dst: TaskState,
     that is ``LeaseLost`` or a lost race); ``IllegalTransition`` means a bug.
     """
     check_transition(src, dst)
-    if dst is S.TRAINED:
-        raise IllegalTransition("use delete_trained() to retire a batched entry")
+    if dst in RETIRED:
+        raise IllegalTransition(f"use retire() to move a task to {dst.value}: its entry is "
+                                "deleted")
     dst_key = key_of(dst, name if new is None else new)
     storage.rename(src_key or key_of(src, name), dst_key, sync_dir=sync_dir)
     return dst_key
 
 
+def retire(storage: Storage, name: TaskName, src: TaskState, dst: TaskState) -> None:
+    """``src -> dst`` for a ``dst`` without a directory (``RETIRED``): the entry is deleted
+    (idempotent: deleting a missing entry is a no-op)."""
+    check_transition(src, dst)
+    if dst not in RETIRED:
+        raise IllegalTransition(f"retire() deletes entries; {dst.value} has a directory: "
+                                "use move()")
+    storage.delete(key_of(src, name))
+
+
 def delete_trained(storage: Storage, name: TaskName) -> None:
     """BATCHED -> TRAINED: the entry of a group whose batch was acked is deleted."""
-    check_transition(S.BATCHED, S.TRAINED)
-    storage.delete(key_of(S.BATCHED, name))
+    retire(storage, name, S.BATCHED, S.TRAINED)
 
 
 # -- listings ------------------------------------------------------------------------------
@@ -186,7 +205,7 @@ def entries(storage: Storage, state: TaskState) -> list[tuple[str, TaskName]]:
     """(key, name) of every task in ``state``, in listing order; stray files are skipped."""
     if state in (S.PENDING, S.PARTIAL):
         keys: Iterable[str] = list_queued(storage)
-    elif state is S.TRAINED:
+    elif state in RETIRED:
         return []
     else:
         keys = (f"{DIRS[state]}/{n}" for n in storage.list(DIRS[state]))

@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from strawq.batches import batch_seqs
 from strawq.engine_weights import EngineWeights
 from strawq.feeder import read_cursor_state
 from strawq.groups import staleness
@@ -55,9 +56,8 @@ def run_status(queue: RunQueue) -> RunStatus:
     for state in ("partial", "pending", "ready"):
         if names[state]:
             out.oldest[state] = names[state][0].id
-    seqs = {n for n in st.list("batches") if n.isdigit()}
-    acked = {n for n in st.list("acked") if n.isdigit()}
-    out.batches_unacked = len(seqs - acked)
+    seqs, acked = batch_seqs(st)
+    out.batches_unacked = len(set(seqs) - acked)
     out.quarantined = len(st.list("quarantine"))
     out.stray_files = stray_files(queue)
     out.engines_needing_weights = {

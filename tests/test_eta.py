@@ -130,7 +130,7 @@ def test_the_collector_publishes_its_policy_at_start(storage: Storage,
     assert read_policy(storage) == EtaPolicy(1, "regenerate", epoch=epoch)
     col.close()
     # a successor with another config supersedes it (its epoch is newer)
-    col2 = Collector(RunQueue.open(storage), dataset, CollectorConfig())
+    col2 = Collector(RunQueue.open(storage), dataset, CollectorConfig(max_staleness=None))
     epoch2 = col2.start(wait=False)
     assert epoch2 > epoch
     assert read_policy(storage) == EtaPolicy(None, "train", epoch=epoch2)

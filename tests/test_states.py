@@ -13,9 +13,9 @@ from strawq.groups import staleness
 from strawq.names import (STAGE_FRESH, STAGE_PARTIAL, STAGE_REQUEUED, TaskName, heartbeat_key,
                           parse_heartbeat, queue_key, ready_key, requeued_name)
 from strawq.queue import DIRS as RUN_DIRS
-from strawq.states import (DIRS, TRANSITIONS, Depths, IllegalTransition, TaskState,
-                           check_transition, delete_trained, depths, dropped_by_reason, key_of,
-                           move, names_in, release_dir, upstream_depths)
+from strawq.states import (DIRS, RETIRED, TRANSITIONS, Depths, IllegalTransition, TaskState,
+                           check_transition, depths, dropped_by_reason, key_of,
+                           move, names_in, release_dir, retire, upstream_depths)
 from strawq.storage import MemoryStorage, PosixStorage, Storage
 
 S = TaskState
@@ -52,7 +52,7 @@ def put(storage: Storage, state: TaskState, name: TaskName) -> str:
 
 
 def test_states_have_a_directory_of_the_run_layout() -> None:
-    assert set(DIRS) == set(TaskState) - {S.TRAINED}
+    assert set(DIRS) == set(TaskState) - RETIRED
     assert set(DIRS.values()) <= set(RUN_DIRS)
     assert release_dir(3) == "pending/r-000000000003"
 
@@ -63,8 +63,8 @@ def test_every_legal_transition_is_one_rename(storage: Storage, src: TaskState,
                                               dst: TaskState) -> None:
     name = name_in(src)
     src_key = put(storage, src, name)
-    if dst is S.TRAINED:
-        delete_trained(storage, name)
+    if dst in RETIRED:
+        retire(storage, name, src, dst)
         assert not storage.exists(src_key)
         return
     new = name_in(dst)

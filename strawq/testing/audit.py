@@ -17,6 +17,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from strawq import records
+from strawq.batches import batch_seqs, manifest_key
 from strawq.errors import CorruptRecord, NotFound
 from strawq.groups import GroupData
 from strawq.names import TaskName, data_key, note_key
@@ -175,12 +176,12 @@ def audit_run(storage: Storage) -> Audit:
                                                            name))
     for n in storage.list("data"):
         _decode(storage, f"data/{n}", a)
-    for n in storage.list("batches"):
-        rec = _decode(storage, f"batches/{n}", a, Kind.MANIFEST)
+    seqs, a.acked = batch_seqs(storage)
+    for seq in seqs:
+        rec = _decode(storage, manifest_key(seq), a, Kind.MANIFEST)
         if rec is not None:
             ids = [TaskName.parse(g).id for g in rec.meta["groups"]]
-            a.manifests[int(n)] = ids
-    a.acked = {int(n) for n in storage.list("acked") if n.isdigit()}
+            a.manifests[seq] = ids
     consumed = {tid for seq in a.acked for tid in a.manifests.get(seq, [])}
     for es in a.entries.values():
         for e in es:

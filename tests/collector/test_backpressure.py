@@ -138,4 +138,4 @@ def test_acked_batch_frees_room_before_gc(tmp_path):
     commit(q.storage, published[0])
     col.step()
     assert col.depths().batched == 0
-    assert col.acked.count(*col.batches.batch_seqs()) == 0
+    assert col.consumed.count(*col.batches.batch_seqs()) == 0

@@ -70,8 +70,10 @@ def test_packed_layout_matches_group_records(world):
             assert int(batch.sample_index[s]) == g.index
             s += 1
     assert s == batch.num_samples
+    # the default bound (eta = 1) adds the read-time re-check's figures
     assert set(batch.stats) == {"staleness/mean", "staleness/max",
-                                "staleness/multi_version_frac"}
+                                "staleness/multi_version_frac", "staleness/over_eta_frac",
+                                "staleness/read_minus_planned"}
 
 
 @pytest.mark.timeout(60)

@@ -24,9 +24,10 @@ def test_collector_config_per_mode() -> None:
     base = dict(batch_groups=96, max_staleness=1, slots=48, micro_batches=8)
     c = collector_config(ScheduleConfig(mode="stream", **base))
     assert (c.batch_groups, c.batches_per_version, c.admission_batches) == (12, 8, None)
-    # flow acks each micro-batch as trained: eta·m + 1 micro-batches keeps eta
+    # flow acks each micro-batch as trained; admission counts deliveries, not acks, so the
+    # default window (eta + 1)·m keeps eta for it too
     c = collector_config(ScheduleConfig(mode="flow", **base))
-    assert (c.batch_groups, c.batches_per_version, c.admission_batches) == (12, 8, 9)
+    assert (c.batch_groups, c.batches_per_version, c.admission_batches) == (12, 8, None)
     assert c.max_prefetch_batches == 8 and c.eta_mode == "train"
     c = collector_config(ScheduleConfig(mode="flow", admission_batches=10.5, **base))
     assert c.admission_batches == 10.5
@@ -41,6 +42,14 @@ def test_collector_config_per_mode() -> None:
 def test_flow_needs_micro_batches_that_divide_the_batch() -> None:
     with pytest.raises(ConfigError, match="micro_batches"):
         ScheduleConfig(mode="flow", batch_groups=96, micro_batches=7)
+
+
+def test_micro_batches_bind_only_the_streaming_modes() -> None:
+    # the lab hands every mode one micro-batch count; sync and async read one batch a step
+    for mode in ("sync", "async"):
+        assert ScheduleConfig(mode=mode, batch_groups=12, micro_batches=8).per_step == 1
+    with pytest.raises(ConfigError, match="micro_batches"):
+        ScheduleConfig(mode="stream", batch_groups=12, micro_batches=8)
 
 
 @dataclass

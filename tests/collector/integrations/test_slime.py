@@ -389,7 +389,7 @@ def world(tmp_path):
     ds = Dataset(write_dataset(str(tmp_path / "ds.jsonl"), 24))
     col = Collector(q, ds, CollectorConfig(batch_groups=2, max_running=16, max_ready=16,
                                            max_prefetch_batches=3, poll_interval_s=0,
-                                           gc_interval_s=0))
+                                           gc_interval_s=0, max_staleness=None))
     col.start(wait=False)
     prods = [SimProducer(q, "p0", seed=1, max_new=(1, 9)), SimProducer(q, "p1", seed=2)]
     for _ in range(200):

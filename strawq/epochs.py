@@ -1,0 +1,98 @@
+"""The collector's epoch key family: the one place its names are spelled and parsed.
+
+Records in ``collector/`` (beside the batch high-water marks of ``strawq.batches`` and the
+η policy of ``strawq.eta``)::
+
+    epoch-<E>              EPOCH record (owner, host, pid), exclusive create: the claim
+    hb-<E>~<counter>       the holder's heartbeat counter (the name is the data)
+    closed-<E>             the holder stopped cleanly: a successor need not wait
+    start-<E>~<F>          epoch E publishes batches from number F on (the name is the data)
+
+The protocol over them (who creates which, takeover, fencing) is
+``strawq.collector.fencing``; readers use ``epochs`` and ``epoch_starts`` from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from strawq.errors import AlreadyExists
+from strawq.storage import Storage
+
+DIR = "collector"
+_EPOCH = "epoch-"
+_HB = "hb-"
+_CLOSED = "closed-"
+_START = "start-"
+#: the heads of the per-epoch records a newer epoch garbage-collects (``prunable``)
+_PER_EPOCH = (_EPOCH, _HB, _CLOSED)
+
+
+def epoch_key(epoch: int) -> str:
+    return f"{DIR}/{_EPOCH}{epoch:012d}"
+
+
+def closed_key(epoch: int) -> str:
+    return f"{DIR}/{_CLOSED}{epoch:012d}"
+
+
+def closed_name(epoch: int) -> str:
+    """The listing name of ``closed_key(epoch)`` inside ``collector/``."""
+    return f"{_CLOSED}{epoch:012d}"
+
+
+def heartbeat_key(epoch: int, counter: int) -> str:
+    return f"{DIR}/{_HB}{epoch:012d}~{counter:016d}"
+
+
+def start_key(epoch: int, first_seq: int) -> str:
+    return f"{DIR}/{_START}{epoch:012d}~{first_seq:012d}"
+
+
+def list_names(storage: Storage) -> list[str]:
+    """The listing of ``collector/`` (pass it to the parsers below to list once)."""
+    return storage.list(DIR)
+
+
+def epochs(names: Iterable[str]) -> list[int]:
+    """Every epoch with an EPOCH record, oldest first."""
+    p = len(_EPOCH)
+    return sorted(int(n[p:]) for n in names if n.startswith(_EPOCH) and n[p:].isdigit())
+
+
+def heartbeat_counter(names: Iterable[str], epoch: int) -> int:
+    """The newest heartbeat counter of ``epoch`` (0: none)."""
+    prefix = f"{_HB}{epoch:012d}~"
+    return max((int(n[len(prefix):]) for n in names
+                if n.startswith(prefix) and n[len(prefix):].isdigit()), default=0)
+
+
+def prunable(names: Iterable[str], below_or_at: int) -> list[str]:
+    """Keys of the epoch, heartbeat and closed records of epochs ``<= below_or_at``."""
+    out = []
+    for n in names:
+        for head in _PER_EPOCH:
+            if n.startswith(head):
+                e = n[len(head):].partition("~")[0]
+                if e.isdigit() and int(e) <= below_or_at:
+                    out.append(f"{DIR}/{n}")
+    return out
+
+
+def mark_epoch_start(storage: Storage, epoch: int, first_seq: int) -> None:
+    """Record that collector ``epoch`` publishes batches from ``first_seq`` on."""
+    try:
+        storage.publish(start_key(epoch, first_seq), b"")
+    except AlreadyExists:
+        pass
+
+
+def epoch_starts(storage: Storage, names: list[str] | None = None) -> list[tuple[int, int]]:
+    """(epoch, first batch number) of every collector start, oldest epoch first."""
+    out = []
+    for n in storage.list(DIR) if names is None else names:
+        if n.startswith(_START):
+            e, _, f = n[len(_START):].partition("~")
+            if e.isdigit() and f.isdigit():
+                out.append((int(e), int(f)))
+    return sorted(out)

@@ -1,0 +1,271 @@
+"""One owner per key family: each family's names are built and parsed in one core module,
+and every "over η?" question is ``EtaPolicy.over``. The grep-style tests read the source:
+a second spelling of a key (a raw ``f"dropped/{name}"`` delete, a hand-parsed ``bseq-``
+listing) fails them."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strawq.batches import (BatchStore, ack_key, batch_seqs, delivered, high_water,
+                            manifest_key, mark_delivered, mark_high_water)
+from strawq.epochs import (closed_key, epoch_key, epoch_starts, epochs, heartbeat_counter,
+                           heartbeat_key, list_names, mark_epoch_start, prunable)
+from strawq.eta import MODES, EtaPolicy
+from strawq.names import TaskName
+from strawq.queue import RunQueue
+from strawq.retention import compact_drops, drop_totals
+from strawq.states import (RETIRED, IllegalTransition, TaskState, check_transition, key_of,
+                           move, retire)
+from strawq.storage import MemoryStorage
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the source trees (the linked packages are read at their top-level folders, once)
+TREES = ("strawq", "collector", "producers", "demo")
+LINKS = {"strawq/collector", "strawq/producers", "strawq/demo"}
+
+#: key prefix -> the one module that may spell it at the start of a string
+OWNERS = {
+    "bseq-": "strawq/batches.py",
+    "batches/": "strawq/batches.py",
+    "acked/": "strawq/batches.py",
+    "delivered/": "strawq/batches.py",
+    "epoch-": "strawq/epochs.py",
+    "closed-": "strawq/epochs.py",
+    "start-": "strawq/epochs.py",
+    "hb-": "strawq/epochs.py",
+    "policy-": "strawq/eta.py",
+    "audit/": "strawq/retention.py",
+    "drops-": "strawq/retention.py",
+    "dropped/": "collector/metrics.py",  # the metric name; the entries go through states.py
+}
+
+
+def _sources() -> list[Path]:
+    out = []
+    for tree in TREES:
+        for p in sorted((ROOT / tree).rglob("*.py")):
+            rel = p.relative_to(ROOT).as_posix()
+            if any(rel.startswith(link + "/") for link in LINKS):
+                continue
+            out.append(p)
+    return out
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                ids.add(id(body[0].value))
+    return ids
+
+
+def _string_heads(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every string literal and f-string head in ``path``, docstrings left out."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = _docstrings(tree)
+    inner = {id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr)
+             for v in node.values}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr) and node.values and \
+                isinstance(node.values[0], ast.Constant) and isinstance(node.values[0].value, str):
+            out.append((node.lineno, node.values[0].value))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                id(node) not in skip and id(node) not in inner:
+            out.append((node.lineno, node.value))
+    return out
+
+
+def test_the_scan_sees_the_owners_spellings():
+    """The scan itself can fail: it finds each family in its owner."""
+    found = {prefix: False for prefix in OWNERS}
+    for prefix, owner in OWNERS.items():
+        for _line, text in _string_heads(ROOT / owner):
+            if text.startswith(prefix) or text == prefix.rstrip("/"):
+                found[prefix] = True
+    assert all(found.values()), [p for p, ok in found.items() if not ok]
+
+
+@pytest.mark.parametrize("prefix", sorted(OWNERS))
+def test_each_key_family_is_spelled_by_its_owner_only(prefix: str):
+    owner = OWNERS[prefix]
+    strays = []
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == owner:
+            continue
+        for line, text in _string_heads(path):
+            if text.startswith(prefix):
+                strays.append(f"{rel}:{line}: {text!r}")
+    assert not strays, f"{prefix!r} is spelled outside {owner}: {strays}"
+
+
+def test_the_dropped_directory_is_named_in_the_state_table_only():
+    """``dropped/`` entries are moved and retired through ``strawq.states`` (``key_of``,
+    ``move``, ``retire``): no module builds their keys from the directory name."""
+    strays = []
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in ("strawq/states.py", "collector/metrics.py"):
+            continue
+        for line, text in _string_heads(path):
+            if text.startswith("dropped/"):
+                strays.append(f"{rel}:{line}")
+    assert not strays
+
+
+#: an "over η?" comparison written by hand: a staleness against η
+_HAND_JUDGED = re.compile(
+    r"(<=|>=|<|>)\s*\(?(int\()?(cfg\.|self\.config\.|policy\.|config\.)?(max_staleness|eta)\b"
+    r"|\bstaleness\([^)]*\)\s*(<=|>=|<|>)")
+
+
+def test_over_eta_is_judged_in_one_place():
+    strays = []
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "strawq/eta.py" or rel.startswith("demo/"):
+            continue  # demo/ measures shares of trained staleness for reports
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if _HAND_JUDGED.search(code) and not code.lstrip().startswith(("f\"", "\"", "msg")):
+                strays.append(f"{rel}:{i}: {line.strip()}")
+    assert not strays, strays
+
+
+def test_eta_mode_vocabulary_is_declared_once():
+    from strawq.collector.config import ETA_MODES, CollectorConfig
+
+    assert ETA_MODES is MODES
+    assert CollectorConfig.__dataclass_fields__["eta_mode"].type == "EtaMode"
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "strawq/eta.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"Literal\[\s*\"train\",\s*\"regenerate\"", text), rel
+
+
+# -- behaviour of the owners -----------------------------------------------------------------
+def _queue() -> RunQueue:
+    return RunQueue.create(MemoryStorage())
+
+
+def test_high_water_marks_only_move_up_and_keep_one():
+    st = _queue().storage
+    assert high_water(st) == 0
+    mark_high_water(st, 3)
+    mark_high_water(st, 7)
+    assert high_water(st) == 7
+    assert [n for n in st.list("collector") if "7" in n] and len(
+        [n for n in st.list("collector") if n.endswith(("3", "7")) and n[0] == "b"]) == 1
+
+
+def test_batch_numbers_continue_after_retired_manifests():
+    q = _queue()
+    store = BatchStore(q)
+    store.publish_batch(1, [])
+    store.ack(1)
+    assert batch_seqs(q.storage) == ([1], {1})
+    store.retire(1)
+    assert batch_seqs(q.storage) == ([], set())
+    assert not q.storage.exists(manifest_key(1)) and not q.storage.exists(ack_key(1))
+    assert store.next_seq() == 2
+
+
+def test_delivery_marks_keep_the_newest_version_and_prune():
+    q = _queue()
+    st = q.storage
+    store = BatchStore(q)
+    mark_delivered(st, 4, 2)
+    mark_delivered(st, 4, 5)  # delivered again to a restored trainer
+    mark_delivered(st, 5, 5)
+    assert delivered(st) == {4: 5, 5: 5}
+    store.prune_delivered(6, present=[5], acked=[])  # 5 is unacked: still needed
+    assert delivered(st) == {5: 5}
+    store.prune_delivered(6, present=[5], acked=[5])
+    assert delivered(st) == {}
+
+
+def test_epoch_family_round_trip():
+    st = MemoryStorage()
+    st.makedirs("collector")
+    for e in (1, 2, 3):
+        st.publish(epoch_key(e), b"")
+    st.publish(heartbeat_key(3, 9), b"")
+    st.publish(closed_key(1), b"")
+    mark_epoch_start(st, 3, 12)
+    names = list_names(st)
+    assert epochs(names) == [1, 2, 3]
+    assert heartbeat_counter(names, 3) == 9 and heartbeat_counter(names, 2) == 0
+    assert epoch_starts(st) == [(3, 12)]
+    assert sorted(prunable(names, 1)) == sorted([epoch_key(1), closed_key(1)])
+
+
+def test_compaction_is_a_declared_exit():
+    check_transition(TaskState.DROPPED, TaskState.COMPACTED)
+    assert TaskState.COMPACTED in RETIRED
+    with pytest.raises(IllegalTransition):
+        check_transition(TaskState.READY, TaskState.COMPACTED)
+    st = _queue().storage
+    name = TaskName.parse("b000000000000.000000000003~i000000000003~g0~a1~r-1~bad")
+    with pytest.raises(IllegalTransition):
+        move(st, name, TaskState.DROPPED, TaskState.COMPACTED)
+    st.publish(key_of(TaskState.DROPPED, name), b"x")
+    retire(st, name, TaskState.DROPPED, TaskState.COMPACTED)
+    assert not st.exists(key_of(TaskState.DROPPED, name))
+
+
+def test_compact_drops_retires_through_the_state_table(monkeypatch):
+    q = _queue()
+    st = q.storage
+    name = TaskName.parse("b000000000000.000000000003~i000000000003~g0~a1~r-1~bad")
+    st.publish(key_of(TaskState.DROPPED, name), b"x")
+    calls = []
+    import strawq.retention as retention
+
+    real = retention.retire
+
+    def spy(storage, n, src, dst):  # type: ignore[no-untyped-def]
+        calls.append((n.id, src, dst))
+        real(storage, n, src, dst)
+
+    monkeypatch.setattr(retention, "retire", spy)
+    assert compact_drops(st) == 1
+    assert calls == [("i000000000003", TaskState.DROPPED, TaskState.COMPACTED)]
+    assert drop_totals(st) == {"bad": 1}
+
+
+# -- the one η judgement -----------------------------------------------------------------------
+def test_over_is_the_bound_and_nothing_else():
+    p = EtaPolicy(1, "drop")
+    assert not p.over(5, 4) and p.over(5, 3)
+    assert list(p.over_each(5, np.array([5, 4, 3, 0]))) == [False, False, True, True]
+    unbounded = EtaPolicy(None)
+    assert not unbounded.over(100, 0)
+    assert not unbounded.over_each(9, np.array([0, 1])).any()
+    assert EtaPolicy(1, "off").over(5, 3) and not EtaPolicy(1, "off").judges
+
+
+def test_requeue_is_regenerate_everywhere():
+    old = EtaPolicy(0, "requeue")
+    assert old.mode == "regenerate"
+    assert old.action(3, 0) == "regenerate"
+    # the attempt cap applies under either name
+    assert old.action(3, 0, attempts=3, max_attempts=3) == "train"
+    assert EtaPolicy(0, "regenerate").action(3, 0, attempts=3, max_attempts=3) == "train"
+
+
+def test_policy_round_trips_through_manifest_meta():
+    p = EtaPolicy(2, "drop", 4)
+    back = EtaPolicy.from_meta({**p.to_meta(), "epoch": 4})
+    assert back == p
+    assert EtaPolicy.from_meta({}) == EtaPolicy(None)
