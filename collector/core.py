@@ -234,10 +234,11 @@ class Collector:
             if stale <= eta:
                 keep.append(n)
                 continue
-            if regenerate_or_train(mode, n.attempts, self.queue.config.max_attempts) == "train":
-                log.info("group %s over eta (staleness %d) has used %d of %d attempts: trained "
-                         "with its correction, not regenerated again", n.id, stale, n.attempts,
-                         self.queue.config.max_attempts)
+            if regenerate_or_train(mode, n.regenerations,
+                                   self.queue.config.max_attempts) == "train":
+                log.info("group %s over eta (staleness %d) was regenerated %d times "
+                         "(max_attempts %d): trained with its correction, not regenerated "
+                         "again", n.id, stale, n.regenerations, self.queue.config.max_attempts)
                 keep.append(n)  # counted as over-eta trained when its manifest is written
                 continue
             if mode == "drop":
