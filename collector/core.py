@@ -234,11 +234,13 @@ class Collector:
             if stale <= eta:
                 keep.append(n)
                 continue
-            if regenerate_or_train(mode, n.regenerations,
-                                   self.queue.config.max_attempts) == "train":
-                log.info("group %s over eta (staleness %d) was regenerated %d times "
-                         "(max_attempts %d): trained with its correction, not regenerated "
-                         "again", n.id, stale, n.regenerations, self.queue.config.max_attempts)
+            # the cap counts the group's generations, not its failures (a regeneration
+            # spends no attempt: TaskName.regenerations)
+            generations = n.regenerations + 1
+            if regenerate_or_train(mode, generations, self.queue.config.max_attempts) == "train":
+                log.info("group %s over eta (staleness %d) was generated %d of %d times: trained "
+                         "with its correction, not regenerated again", n.id, stale, generations,
+                         self.queue.config.max_attempts)
                 keep.append(n)  # counted as over-eta trained when its manifest is written
                 continue
             if mode == "drop":

@@ -241,7 +241,9 @@ class GroupRunner:
         with no published policy); ``train`` is resumed here and counted."""
         policy = self.queue.eta_policy()
         action = None if policy is None else policy.partial_action(
-            version, lease.name.version, regenerations=lease.name.regenerations,
+            # the cap on regeneration cycles counts this task's generations, not its
+            # failures (TaskName.regenerations: a regeneration spends no attempt)
+            version, lease.name.version, attempts=lease.name.regenerations + 1,
             max_attempts=self.queue.config.max_attempts)
         if action == "train":
             self.book.bump("partials_over_eta")

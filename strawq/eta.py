@@ -64,29 +64,25 @@ class EtaPolicy:
             raise ConfigError(f"max_staleness must be an int >= 0 or None, found "
                               f"{self.max_staleness!r}")
 
-    def partial_action(self, version: int, min_version: int, *, regenerations: int = 0,
+    def partial_action(self, version: int, min_version: int, *, attempts: int = 0,
                        max_attempts: int | None = None) -> str | None:
         """What a claimer does with a prefix whose oldest token is ``min_version`` when the
         current version is ``version``: None (within η, or no bound), else ``train``,
-        ``regenerate`` or ``drop``. A task already regenerated ``max_attempts - 1`` times is
-        not regenerated again: it is trained with its correction (``train``), so a prompt
-        whose responses keep running past η cannot cycle for ever (``regenerate_or_train``)."""
+        ``regenerate`` or ``drop``. A task that has used ``max_attempts`` attempts is not
+        regenerated again: it is trained with its correction (``train``), so a prompt whose
+        responses keep running past η cannot cycle for ever (``regenerate_or_train``)."""
         if self.max_staleness is None or self.eta_mode == "off":
             return None
         if version - min_version <= self.max_staleness:
             return None
         action = "regenerate" if self.eta_mode == "requeue" else self.eta_mode
-        return regenerate_or_train(action, regenerations, max_attempts)
+        return regenerate_or_train(action, attempts, max_attempts)
 
 
-def regenerate_or_train(action: str, regenerations: int, max_attempts: int | None) -> str:
-    """``regenerate`` until a task has been generated ``max_attempts`` times (regenerated
-    ``max_attempts - 1`` times: ``TaskName.regenerations``), then ``train``: the cap on
-    regeneration cycles, the same at claim (producers) and at batch time (collector). It is
-    counted apart from the failure budget (``TaskName.attempts``): a regeneration never
-    spends it."""
-    if action == "regenerate" and max_attempts is not None and \
-            regenerations + 1 >= max_attempts:
+def regenerate_or_train(action: str, attempts: int, max_attempts: int | None) -> str:
+    """``regenerate`` until a task has used ``max_attempts`` attempts, then ``train``: the
+    cap on regeneration cycles, the same at claim (producers) and at batch time (collector)."""
+    if action == "regenerate" and max_attempts is not None and attempts >= max_attempts:
         return "train"
     return action
 

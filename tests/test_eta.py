@@ -74,10 +74,10 @@ def test_a_partial_past_eta_gets_the_modes_action(mode: str, over: str | None) -
 
 def test_regeneration_stops_at_max_attempts() -> None:
     policy = EtaPolicy(1, "regenerate")
-    for regens, action in ((0, "regenerate"), (1, "regenerate"), (2, "train"), (3, "train")):
-        assert policy.partial_action(3, 1, regenerations=regens, max_attempts=3) == action
+    for attempts, action in ((1, "regenerate"), (2, "regenerate"), (3, "train"), (4, "train")):
+        assert policy.partial_action(3, 1, attempts=attempts, max_attempts=3) == action
     # drop is what the user asked for: not softened by the cap
-    assert EtaPolicy(1, "drop").partial_action(3, 1, regenerations=9, max_attempts=3) == "drop"
+    assert EtaPolicy(1, "drop").partial_action(3, 1, attempts=9, max_attempts=3) == "drop"
 
 
 def test_a_bad_policy_is_refused_by_name() -> None:
