@@ -6,7 +6,7 @@ headers). ``/generate`` goes to the router when one is configured, otherwise rou
 over the worker list (or the subset a caller allows: the version guard's rotation); the
 control calls (:class:`~strawq.producers.sglang_control.EngineControl`: abort, pause,
 weight updates, …) always go to each worker directly, because sglang-router 0.3.x does not
-route them (protocol reference §7). The client speaks the protocol and nothing else: what
+route them (docs/engines.md). The client speaks the protocol and nothing else: what
 a reply means for a sample (budget, version, applying it) is the producer's sample step
 (``strawq.producers.sample_step``).
 
@@ -16,7 +16,7 @@ generated so far) is returned as the segment, marked ``deadline_abort``: the cal
 the tokens and resumes from the longer prefix. Only a request that does not come back
 ``control_timeout_s`` after its abort is a fault (retried from the old prefix).
 
-Aborts are by **exact rid** (SGLang 0.5.23 ignores a rid prefix, protocol reference §2).
+Aborts are by **exact rid** (SGLang 0.5.23 ignores a rid prefix: docs/engines.md).
 The client gives every request a rid; a retried attempt gets its own (``<rid>~retry<n>``),
 and every wire rid in flight is in the caller's ``live`` set (and the client's own record:
 :meth:`SGLangClient.abort_matching`), so an abort can name each one. An aborted reply whose
