@@ -99,7 +99,7 @@ class IdleClient:
     async def close(self) -> None:
         pass
 
-    async def generate_sample(self, sample: Any, *, rid: str | None = None) -> Any:
+    async def generate(self, input_ids: Any, sampling_params: Any, **kw: Any) -> Any:
         raise RuntimeError("an idle producer generated")
 
     async def abort(self, rid: str | None = None, *, url: str | None = None) -> None:
@@ -118,7 +118,8 @@ def idle_rate(run_b: str, mount_b: str, seconds: float, probe: bool
         DirProbe.changed = lambda self: True  # type: ignore[method-assign]
     try:
         p = Producer(ProducerConfig(run_dir=run_b, reward="strawq.producers.rewards.count_task",
-                                    workers=("http://127.0.0.1:9",), slots=4),
+                                    workers=("http://127.0.0.1:9",), slots=4,
+                                    ignore_eos=True),  # no engine to read EOS ids from
                      client=IdleClient())  # type: ignore[arg-type]
 
         async def main() -> tuple[float, dict[str, float]]:

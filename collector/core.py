@@ -249,15 +249,18 @@ class Collector:
                 keep.append(n)  # not batched in this pass: judged when its batch forms
                 continue
             at = self.trained_at(rep, len(keep))
-            action = policy.action(at, n.version, attempts=n.attempts,
+            # the cap counts the group's generations, not its failures (a regeneration
+            # spends no attempt: TaskName.regenerations)
+            generations = n.regenerations + 1
+            action = policy.action(at, n.version, attempts=generations,
                                    max_attempts=self.queue.config.max_attempts)
             if action is None:
                 keep.append(n)
                 continue
             stale = staleness(at, n.version)  # the group's: its minimum version
             if action == "train":
-                log.info("group %s over eta (staleness %d) has used %d of %d attempts: trained "
-                         "with its correction, not regenerated again", n.id, stale, n.attempts,
+                log.info("group %s over eta (staleness %d) was generated %d of %d times: trained "
+                         "with its correction, not regenerated again", n.id, stale, generations,
                          self.queue.config.max_attempts)
                 keep.append(n)  # counted as over-eta trained when its manifest is written
                 continue

@@ -1,14 +1,24 @@
 """What a producer needs from an engine client: the seam where engines are injected.
 
 ``strawq.producers.sglang_client.SGLangClient`` is the implementation for SGLang-protocol
-engines (the real server and the local ones); tests may pass anything with this shape.
+engines (the real server and the local ones); anything with this shape may be injected
+(``Producer(config, client=...)``). The client only speaks the protocol: one ``/generate``
+segment in, one validated :class:`GenerateResult` out. What the reply means for a sample
+(its budget, the reply checks, applying the tokens) is the producer's sample step
+(``strawq.producers.sample_step``), and every client a producer uses is wrapped in its
+weight-version guard (``strawq.producers.engine_versions.GuardedClient``), whatever its
+type.
+
+Optional, looked up with ``getattr``: ``weight_version(url) -> int`` (the guard probes
+engines with it; without it nothing is probed), ``model_info(url) -> dict`` (EOS ids at
+start), ``router_url`` and ``refresh_workers()`` (a router's worker list).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping, MutableSet, Sequence
+from typing import Any, Protocol
 
-from strawq.producers.sample import Sample
 from strawq.producers.sglang_protocol import GenerateResult
 
 
@@ -27,9 +37,13 @@ class EngineClient(Protocol):
     async def close(self) -> None:
         ...
 
-    async def generate_sample(self, sample: Sample, *,
-                              rid: str | None = None) -> GenerateResult | None:
-        """Run or resume ``sample`` for one segment and apply it (None: nothing to send)."""
+    async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
+                       rid: str | None = None, among: Sequence[str] | None = None,
+                       extra: Mapping[str, Any] | None = None,
+                       live: MutableSet[str] | None = None) -> GenerateResult:
+        """One ``/generate`` segment (n=1) under ``rid``, on one of ``among`` (None: any
+        worker). Every wire rid the call sends (a retry's own rid included) is in ``live``
+        while it is in flight, so that an abort can name it exactly."""
         ...
 
     async def abort(self, rid: str | None = None, *, url: str | None = None) -> None:

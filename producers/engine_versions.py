@@ -10,7 +10,8 @@ by a push that failed, or a new worker behind the router. :class:`VersionGuard` 
   sample, so none is stamped, stored or trained as the run's version; the runner re-issues
   the request at once, on an engine still in rotation (the tokens are counted in
   ``stale_tokens_discarded``);
-* **takes the engine out of rotation** for new requests (``SGLangClient`` skips it), and
+* **takes the engine out of rotation** for new requests (:class:`GuardedClient` sends
+  each request only among the engines in rotation), and
 * **writes a note** under ``engines/`` (``strawq.engine_weights``) that the trainer's side
   reads (``WeightUpdateBracket.engines_needing_weights``) to push the run's weights to it
   through its ordinary push path.
@@ -35,6 +36,10 @@ noted for the trainer, but the router keeps routing to them until they are repai
 some replies are discarded and re-issued meanwhile (``stale_replies``). When every engine
 is stale, producers claim nothing and generate nothing (``waiting_for_weights``, one log
 line) until one is back.
+
+**Every client is guarded.** A producer wraps whatever engine client it is given (built
+from its config or injected) in a :class:`GuardedClient`: each ``generate`` goes only to
+engines in rotation and its reply is judged before the sample step sees it.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, MutableSet, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,6 +56,7 @@ from strawq.control import read_state
 from strawq.engine_weights import EngineWeights
 from strawq.errors import StrawqError
 
+from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineError
 from strawq.producers.meter import StatsBook
 from strawq.producers.sglang_protocol import GenerateResult
@@ -282,3 +288,37 @@ class VersionGuard:
         else:
             log.warning("producer %s: an engine holds the run's version %s again; generating",
                         self.producer_id, self.expected)
+
+
+class GuardedClient:
+    """Any :class:`EngineClient`, with the producer's :class:`VersionGuard` on every
+    segment: requests go only to engines in rotation (:class:`NoFreshEngine` when none
+    is), and a reply from weights other than the run's raises :class:`StaleEngine` before
+    it is returned (no token of it is applied)."""
+
+    def __init__(self, inner: EngineClient, guard: VersionGuard) -> None:
+        self.inner = inner
+        self.guard = guard
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return self.inner.worker_urls
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
+                       rid: str | None = None, among: Sequence[str] | None = None,
+                       extra: Mapping[str, Any] | None = None,
+                       live: MutableSet[str] | None = None) -> GenerateResult:
+        urls = self.guard.usable(list(self.inner.worker_urls if among is None else among))
+        result = await self.inner.generate(input_ids, sampling_params, rid=rid, among=urls,
+                                           extra=extra, live=live)
+        await self.guard.check(result)  # raises StaleEngine: no token from the wrong weights
+        return result
+
+    async def abort(self, rid: str | None = None, *, url: str | None = None) -> None:
+        await self.inner.abort(rid=rid, url=url)

@@ -79,6 +79,8 @@ class ProducerStats:
     reward_errors: int = 0
     engine_faults: int = 0
     unexpected_aborts: int = 0
+    #: segments aborted at their deadline (``ClientConfig.generate_timeout_s``), tokens kept
+    segment_deadlines: int = 0
     #: engines on weights other than the run's version (strawq.producers.engine_versions):
     #: replies discarded and their tokens, engines taken out / put back, out now, all out
     stale_replies: int = 0

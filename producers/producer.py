@@ -30,7 +30,12 @@ it claims again once the pause is resumed.
 engine on a version other than the run's (outside a bracket) is discarded and re-issued;
 the engine leaves the rotation, is noted under ``engines/`` for the trainer's repair, and
 comes back when a probe finds it on the run's version. Every engine is probed at start and
-after each bracket; with every engine out, the producer claims nothing.
+after each bracket; with every engine out, the producer claims nothing. The guard wraps
+whatever client the producer runs on (``GuardedClient``), built or injected alike.
+
+**EOS ids** (``strawq.producers.eos``): resolved once at start, from the configuration,
+the engine, the tokenizer or the model's config files; a producer that finds none refuses
+to start (unless ``ignore_eos``).
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirProbe, DirWatch
 from strawq.producers.bracket import EngineAborter, PauseBracket
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineError, EngineProtocolError
-from strawq.producers.engine_versions import VersionGuard
+from strawq.producers.engine_versions import GuardedClient, VersionGuard
+from strawq.producers.eos import resolve_eos_ids
 from strawq.producers.handback import HandBack
 from strawq.producers.heartbeat import Heartbeat
 from strawq.producers.meter import ProducerStats, StatsBook
@@ -103,6 +109,8 @@ class Producer:
         give_up_after_s = max(qc.lease_timeout_s - margin, qc.heartbeat_interval_s)
         self._client = client
         self._owns_client = client is None
+        #: ``_client`` behind the version guard: what the runner generates on
+        self._guarded: GuardedClient | None = None
         pid = self.producer_id
         self._book = StatsBook(ProducerStats(producer_id=pid, node_id=node_id,
                                              slots=config.slots, group_size=self.group_size))
@@ -153,9 +161,11 @@ class Producer:
     # -- public controls (any thread) --------------------------------------------------------
     @property
     def client(self) -> EngineClient:
-        if self._client is None:
+        """The engine client the runner generates on: the configured or injected one,
+        behind this producer's version guard."""
+        if self._client is None or self._guarded is None:
             raise RuntimeError("producer not running: its engine client starts in run()")
-        return self._client
+        return self._guarded
 
     @property
     def slots(self) -> int:
@@ -252,11 +262,14 @@ class Producer:
         self._rewards.start()
         if self._client is None:
             self._client = make_client(self.config)
-        if isinstance(self._client, SGLangClient):
-            self._client.guard = self.guard
+        self._guarded = GuardedClient(self._client, self.guard)
         hb: asyncio.Task[None] | None = None
         try:
             await self.client.start()
+            self.runner.eos_ids = await resolve_eos_ids(
+                self._client, configured=self.config.client.eos_token_ids,
+                tokenizer=self.runner.tokenizer,
+                ignore_eos=self.config.sampler_params().ignore_eos, who=f"producer {pid}")
             await self._check_engine_versions()
             await self._heartbeat.beat_once()  # before the first claim: the grantor sees us
             hb = asyncio.create_task(self._heartbeat.run(self._give_up_leases),
@@ -283,6 +296,7 @@ class Producer:
                 if self._owns_client and self._client is not None:
                     await self._client.close()
                     self._client = None
+                self._guarded = None
                 if fd is not None:
                     self._loop.remove_reader(fd)
                 watch.close()
@@ -300,10 +314,10 @@ class Producer:
         every group while its slots looked busy. An engine unreachable now is left to the
         loop's own retries. Then take out of rotation every engine not on the run's
         version (``VersionGuard.probe_all``)."""
-        probe = getattr(self.client, "weight_version", None)
+        probe = getattr(self._client, "weight_version", None)
         if probe is None:
             return
-        for url in getattr(self.client, "worker_urls", []):
+        for url in getattr(self._client, "worker_urls", []):
             try:
                 await probe(url)
             except EngineProtocolError:

@@ -14,10 +14,20 @@ For each lease the ``GroupRunner`` starts one group task::
                   rejected     -> HandBack.fail(retryable=True)
                   abandoned    -> nothing (heartbeats failed; the grantor re-queues it)
 
-**Live rids.** Every ``/generate`` in flight is recorded in its group's ``live_rids``
-(added before the request is sent, removed when it returned); ``GroupRunner.live_rids()``
-is the producer's full set, so an abort can name exact rids. Aborts themselves still go by
-rid prefix (``strawq.producers.bracket``).
+**Segments.** Each segment is one :func:`~strawq.producers.sample_step.step_sample` on the
+producer's guarded client (budget, payload, reply check, tokens applied). A segment cut
+by its deadline (``ClientConfig.generate_timeout_s``) comes back aborted with its tokens
+and resumes at once from the longer prefix.
+
+**Live rids.** Every wire rid of a ``/generate`` in flight — a client's retry
+(``<rid>~retry<n>``) included — is recorded in its group's ``live_rids`` while it is in
+flight; ``GroupRunner.live_rids()`` is the producer's full set, so an abort (the bracket,
+a stop, a sibling's failure) names each one exactly (``strawq.producers.bracket``).
+
+**A sample's hard failure** (an engine rejection, retries spent) stops its siblings by
+aborting their requests on the engine, not by cancelling them: their replies come back
+with every token generated so far, applied before the group settles (``fail``, or a
+partial when the engine is unreachable).
 
 rids are ``<producer>/<task>.g<gen>/<sample>.<n>``: the ``/`` after each part keeps one
 producer's (or one lease's) prefix from matching another's.
@@ -54,6 +64,7 @@ from strawq.producers.plugins import (FilterFn, RewardFn, call_reward, load_filt
                                       load_tokenizer)
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sample import SampleError, SamplerParams, SampleStatus
+from strawq.producers.sample_step import step_sample
 from strawq.producers.slots import SlotHold, SlotPool
 from strawq.producers.teacher import Teacher
 
@@ -133,6 +144,10 @@ class GroupRunner:
         #: no claims before this time (engine faults back off exponentially)
         self.backoff_until = 0.0
         self._faults_in_row = 0
+        #: the model's EOS ids (``Producer.run`` resolves them at start, strawq.producers.eos)
+        self.eos_ids: frozenset[int] | None = None
+        #: siblings of a failed sample being aborted until they returned
+        self._halting: set[asyncio.Task[None]] = set()
 
     def live_rids(self) -> set[str]:
         """Every rid of this producer's requests in flight now."""
@@ -168,16 +183,30 @@ class GroupRunner:
         for a in list(self.groups.values()):
             if not a.abandoned:
                 a.abandoned = True
-                self.stop_samples(a)
+                self.stop_samples(a, cancel=True)
 
-    def stop_samples(self, a: ActiveGroup, keep: int | None = None) -> None:
-        """Cancel the group's sample tasks (all but ``keep``, the caller) and abort its
-        requests on the engines."""
-        for j, t in a.sample_tasks.items():
-            if j != keep and not t.done():
+    def stop_samples(self, a: ActiveGroup, keep: int | None = None, *,
+                     cancel: bool = False) -> None:
+        """Stop the group's other samples (all but ``keep``, the caller), which must already
+        see the group halted (``a.fault`` / ``a.drop`` / ``a.abandoned`` set).
+
+        Their requests are aborted on the engines until they came back (each reply carries
+        the tokens generated so far, applied to its sample; past ``abort_deadline_s`` the
+        aborter cancels them). ``cancel`` (a lease given up, nothing to persist) cancels the
+        tasks at once instead."""
+        self.pool.wake_all()  # siblings waiting for a trajectory see the halt
+        others = {t for j, t in a.sample_tasks.items() if j != keep and not t.done()}
+        prefix = a.run.rid_prefix(self.producer_id) if a.run is not None else None
+        if cancel or prefix is None:
+            for t in others:
                 t.cancel()
-        if a.run is not None:
-            self.aborter.abort_soon(a.run.rid_prefix(self.producer_id))
+            if prefix is not None:
+                self.aborter.abort_soon(prefix)
+            return
+        task = asyncio.create_task(self.aborter.abort_until_returned(
+            others, prefix, f"a sample of task {a.lease.task_id} failed"))
+        self._halting.add(task)
+        task.add_done_callback(self._halting.discard)
 
     # -- one group -----------------------------------------------------------------------------
     def _params(self, task: dict[str, Any], i: int, gen: int = 0) -> SamplerParams:
@@ -212,7 +241,9 @@ class GroupRunner:
         with no published policy); ``train`` is resumed here and counted."""
         policy = self.queue.eta_policy()
         action = None if policy is None else policy.partial_action(
-            version, lease.name.version, attempts=lease.name.attempts,
+            # the cap on regeneration cycles counts this task's generations, not its
+            # failures (TaskName.regenerations: a regeneration spends no attempt)
+            version, lease.name.version, attempts=lease.name.regenerations + 1,
             max_attempts=self.queue.config.max_attempts)
         if action == "train":
             self.book.bump("partials_over_eta")
@@ -316,15 +347,18 @@ class GroupRunner:
             raise Halted()
         s = run.samples[i]
         failures = 0
+        context_length = self.config.client.context_length
         while not s.is_final:
             self.check_halted(a)
             rid = run.next_rid(self.producer_id, i)
-            a.live_rids.add(rid)
+            a.live_rids.add(rid)  # the client adds each wire rid it sends (retries too)
             if not a.generating:
                 a.generating = True
                 self.book.hop("claim_to_generate", self.clock() - a.claimed_at)
             try:
-                res = await self._client().generate_sample(s, rid=rid)
+                res = await step_sample(self._client(), s, rid=rid,
+                                        context_length=context_length, eos_ids=self.eos_ids,
+                                        live=a.live_rids)
             except StaleEngine:
                 continue  # tokens of the wrong weights discarded; re-issued in rotation
             except NoFreshEngine:  # every engine stale: wait for the trainer's push
@@ -354,7 +388,9 @@ class GroupRunner:
                 continue
             run.texts[i] += res.text
             self.book.bump("tokens_generated", len(res.output_ids))
-            if res.is_abort and not (a.parking or a.abandoned or self._pausing()):
+            if res.deadline_abort:  # cut at the segment deadline: resume from its tokens
+                self.book.bump("segment_deadlines")
+            elif res.is_abort and not self._halted(a):
                 # Aborted by someone else (an operator, an engine-side pause): resume.
                 self.book.bump("unexpected_aborts")
                 await asyncio.sleep(min(0.05 * run.requests[i], 1.0))

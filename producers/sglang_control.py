@@ -1,8 +1,10 @@
-"""Control calls of :class:`~strawq.producers.sglang_client.SGLangClient`, per worker.
+"""The engines' control plane: abort, pause, continue, weight updates, loads, model info.
 
-sglang-router 0.3.x does not route control calls, so every one of them goes to each worker
-URL directly (``_each``), and a failure names every worker that failed. The weight push
-that works on SGLang 0.5.23 is :meth:`ControlCalls.push_weights` (pause with abort, wait
+:class:`EngineControl` is a plain class over a :class:`~strawq.producers.engine_transport.Transport`
+and the list of worker URLs (the engine client owns both and builds one). sglang-router
+0.3.x does not route control calls, so every one of them goes to each worker URL directly
+(``each``), and a failure names every worker that failed. The weight push
+that works on SGLang 0.5.23 is :meth:`EngineControl.push_weights` (pause with abort, wait
 until idle, update, continue): a bare ``update_weights_from_disk`` is refused while
 requests run ("cache was not flushed").
 """
@@ -12,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from strawq.producers.engine_errors import (
     EngineAuthError,
@@ -24,10 +26,8 @@ from strawq.producers.engine_errors import (
     EngineUnavailable,
     WeightUpdateRefused,
 )
+from strawq.producers.engine_transport import Transport
 from strawq.producers.sglang_protocol import parse_version
-
-if TYPE_CHECKING:
-    from strawq.producers.sglang_client import ClientConfig
 
 logger = logging.getLogger(__name__)
 
@@ -35,24 +35,30 @@ T = TypeVar("T")
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class ControlCalls:
-    """The control plane, mixed into :class:`SGLangClient` (which provides the transport)."""
+class EngineControl:
+    """Control calls to every worker (or one ``url``), over the client's transport."""
 
-    config: ClientConfig
+    def __init__(self, transport: Transport, workers: Callable[[], list[str]]) -> None:
+        self.transport = transport
+        self.config = transport.config
+        self._workers = workers
 
     @property
     def worker_urls(self) -> list[str]:
-        raise NotImplementedError
+        return self._workers()
 
     async def _call_raw(self, method: str, base: str, path: str, *, body: Any = None,
                         params: Mapping[str, str] | None = None, timeout_s: float) -> bytes:
-        raise NotImplementedError
+        return await self.transport.call_raw(method, base, path, body=body, params=params,
+                                             timeout_s=timeout_s)
 
     async def _call_json(self, method: str, base: str, path: str, *, body: Any = None,
                          params: Mapping[str, str] | None = None, timeout_s: float) -> Any:
-        raise NotImplementedError
+        return await self.transport.call_json(method, base, path, body=body, params=params,
+                                              timeout_s=timeout_s)
 
-    async def _each(self, url: str | None, fn: Callable[[str], Awaitable[T]]) -> dict[str, T]:
+    async def each(self, url: str | None, fn: Callable[[str], Awaitable[T]]) -> dict[str, T]:
+        """``fn(u)`` on ``url`` or on every worker at once; raises naming each that failed."""
         urls = [url] if url is not None else self.worker_urls
         if not urls:
             raise EngineUnavailable("no workers known; refresh_workers() found none")
@@ -78,8 +84,8 @@ class ControlCalls:
     ) -> None:
         """``/abort_request`` on every worker: one exact rid, or everything (``abort_all``).
 
-        A rid prefix aborts nothing on SGLang 0.5.23; use :meth:`abort_matching` or
-        :meth:`abort_rids` to abort a set of requests.
+        A rid prefix aborts nothing on SGLang 0.5.23; use :meth:`abort_rids` to abort a
+        set of requests.
         """
         if rid is None and not abort_all:
             raise ValueError("abort needs a rid or abort_all=True")
@@ -92,7 +98,27 @@ class ControlCalls:
                 "POST", u, "/abort_request", body=body, timeout_s=self.config.control_timeout_s
             )
 
-        await self._each(url, one)
+        await self.each(url, one)
+
+    async def abort_rids(self, rids: Sequence[str], *, url: str | None = None) -> None:
+        """``/abort_request`` for each exact rid, on every worker (or ``url``).
+
+        SGLang aborts only an exact live rid; an unknown rid is a harmless no-op, so each
+        rid goes to each worker (behind a router the client does not know which one runs
+        it). Raises :class:`EngineError` naming the workers that failed.
+        """
+        if not rids:
+            return
+        if any(not r for r in rids):
+            raise ValueError("abort_rids needs non-empty rids (an empty rid aborts nothing)")
+
+        async def one(u: str) -> None:
+            await asyncio.gather(*(
+                self._call_raw("POST", u, "/abort_request", body={"rid": r, "abort_all": False},
+                               timeout_s=self.config.control_timeout_s)
+                for r in rids))
+
+        await self.each(url, one)
 
     async def pause_generation(
         self, mode: str = "abort", *, url: str | None = None
@@ -109,7 +135,7 @@ class ControlCalls:
                 timeout_s=self.config.control_timeout_s,
             )
 
-        return await self._each(url, one)
+        return await self.each(url, one)
 
     async def continue_generation(self, *, url: str | None = None) -> dict[str, Any]:
         async def one(u: str) -> Any:
@@ -117,7 +143,7 @@ class ControlCalls:
                 "POST", u, "/continue_generation", body={}, timeout_s=self.config.control_timeout_s
             )
 
-        return await self._each(url, one)
+        return await self.each(url, one)
 
     async def update_weights_from_disk(
         self,
@@ -161,7 +187,7 @@ class ControlCalls:
                 )
             return reply
 
-        return await self._each(url, one)
+        return await self.each(url, one)
 
     async def push_weights(
         self,
@@ -202,7 +228,7 @@ class ControlCalls:
                 await self.continue_generation(url=u)
             raise AssertionError("unreachable")  # pragma: no cover
 
-        return await self._each(url, one)
+        return await self.each(url, one)
 
     async def _wait_idle(self, url: str, deadline_s: float, poll_s: float = 0.1) -> None:
         deadline = time.monotonic() + deadline_s
@@ -229,7 +255,7 @@ class ControlCalls:
                 raise EngineError(f"update_weight_version({new_version}) failed: {reply!r}", url=u)
             return reply
 
-        return await self._each(url, one)
+        return await self.each(url, one)
 
     async def flush_cache(
         self, *, url: str | None = None, deadline_s: float = 60.0, poll_s: float = 0.5
@@ -256,7 +282,7 @@ class ControlCalls:
                         ) from None
                     await asyncio.sleep(poll_s)
 
-        await self._each(url, one)
+        await self.each(url, one)
 
     async def loads(self, url: str) -> dict[str, Any]:
         body = await self._call_json(
@@ -327,4 +353,4 @@ class ControlCalls:
                     )
                 await asyncio.sleep(poll_s)
 
-        await self._each(url, one)
+        await self.each(url, one)

@@ -72,6 +72,9 @@ class GenerateResult:
     text: str
     url: str | None
     meta_info: dict[str, Any]
+    #: the client aborted it at the segment deadline (``ClientConfig.generate_timeout_s``);
+    #: its tokens are the segment, the sample resumes from them
+    deadline_abort: bool = False
 
     @property
     def finish_type(self) -> str:

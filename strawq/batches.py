@@ -275,8 +275,9 @@ class BatchStore:
 
     def requeue_ready(self, name: TaskName, *, refund: bool = True) -> bool:
         """Send a too-stale ready group back as fresh work (gen + 1; the attempt counted at
-        its claim is refunded unless ``refund=False``, the collector's ``regenerate``)."""
-        new = requeued_name(name, refund=refund, drop_prefix=True)
+        its claim is refunded; ``refund=False``, the collector's ``regenerate``, counts one
+        regeneration instead of keeping the attempt: a regeneration is not a failure)."""
+        new = requeued_name(name, refund=refund, drop_prefix=True, regenerated=not refund)
         try:
             move(self.storage, name, S.READY, queued_state(new), new)
         except (NotFound, AlreadyExists):

@@ -113,7 +113,8 @@ class EtaPolicy:
                max_attempts: int | None = None) -> str | None:
         """The verdict on work whose oldest token is ``min_version``, trained at ``version``:
         None (within η, no bound, or ``off``), else ``train``, ``regenerate`` or ``drop``.
-        A task that has used ``max_attempts`` attempts is not regenerated again: it is
+        ``attempts`` counts the task's generations (a regeneration spends no failure
+        attempt): one generated ``max_attempts`` times is not regenerated again: it is
         trained with its correction (``train``), so a prompt whose responses keep running
         past η cannot cycle for ever (``regenerate_or_train``). The same at claim
         (producers, on a partial's prefix) and at batch time (the collector)."""

@@ -4,7 +4,7 @@ A task record's *content* never changes after it is published (docs/design.md, i
 changes as it moves — generation, attempts, which partial prefix to resume from, who holds it — is
 carried in its *name*, so every transition is a single atomic rename.
 
-    <key>~<id>~g<gen>~a<attempts>~r<resume>[~<producer>]
+    <key>~<id>~g<gen>~a<attempts>[.<regenerations>]~r<resume>[~<producer>]
 
 * ``key`` orders the queue: ``a<minver:012>.<order:012>`` for partial tasks (oldest
   weight version first), ``b000000000000.<order:012>`` for fresh tasks returned to the
@@ -12,7 +12,11 @@ carried in its *name*, so every transition is a single atomic rename.
   use ``<minver:012>.<order:012>``.
 * ``gen`` is the lease generation: bumped every time the task goes back to the queue, so
   a result from an older generation has nothing left to rename (fencing).
-* ``attempts`` is counted at claim and refunded by ``yield``/``release``.
+* ``attempts`` is counted at claim and refunded by ``yield``/``release`` and by a
+  regeneration: it is the failure budget (``max_attempts``), which only failures spend.
+* ``regenerations`` counts the times the task was sent back past the staleness bound
+  (``eta_mode="regenerate"``, ``strawq.eta``) to be generated afresh; it caps those cycles
+  (``regenerate_or_train``). Written only when non-zero.
 * ``resume`` is the generation whose partial record (``data/<id>~g<resume>.partial``) holds
   the saved prefixes; ``-1`` for none.
 """
@@ -34,7 +38,7 @@ STAGES = STAGE_PARTIAL + STAGE_REQUEUED + STAGE_FRESH
 ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 _NAME_RE = re.compile(
     rf"(?P<key>[{STAGES}]?\d{{12}}\.\d{{12}})~(?P<id>[A-Za-z0-9_.-]+)~g(?P<gen>\d+)"
-    r"~a(?P<att>\d+)~r(?P<res>-1|\d+)(?:~(?P<producer>[A-Za-z0-9_.-]+))?"
+    r"~a(?P<att>\d+)(?:\.(?P<regen>\d+))?~r(?P<res>-1|\d+)(?:~(?P<producer>[A-Za-z0-9_.-]+))?"
 )
 MAX_VERSION = 10**12 - 1
 
@@ -70,9 +74,11 @@ class TaskName:
     attempts: int
     resume: int = -1
     producer: str | None = None
+    regenerations: int = 0
 
     def __str__(self) -> str:
-        base = f"{self.key}~{self.id}~g{self.gen}~a{self.attempts}~r{self.resume}"
+        regen = f".{self.regenerations}" if self.regenerations else ""
+        base = f"{self.key}~{self.id}~g{self.gen}~a{self.attempts}{regen}~r{self.resume}"
         return f"{base}~{self.producer}" if self.producer else base
 
     @classmethod
@@ -81,7 +87,8 @@ class TaskName:
         if m is None:
             raise ConfigError(f"not a task name: {name!r}")
         return cls(key=m["key"], id=m["id"], gen=int(m["gen"]), attempts=int(m["att"]),
-                   resume=int(m["res"]), producer=m["producer"])
+                   resume=int(m["res"]), producer=m["producer"],
+                   regenerations=int(m["regen"] or 0))
 
     @classmethod
     def try_parse(cls, name: str) -> TaskName | None:
@@ -89,7 +96,8 @@ class TaskName:
         if m is None:
             return None
         return cls(key=m["key"], id=m["id"], gen=int(m["gen"]), attempts=int(m["att"]),
-                   resume=int(m["res"]), producer=m["producer"])
+                   resume=int(m["res"]), producer=m["producer"],
+                   regenerations=int(m["regen"] or 0))
 
     @property
     def order(self) -> int:
@@ -103,10 +111,13 @@ class TaskName:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-def requeued_name(name: TaskName, *, refund: bool, drop_prefix: bool = False) -> TaskName:
+def requeued_name(name: TaskName, *, refund: bool, drop_prefix: bool = False,
+                  regenerated: bool = False) -> TaskName:
     """The name a task takes when it goes back to the queue: gen + 1, no holder.
 
     ``refund`` gives back the attempt counted at claim (a release, a yield; not a failure).
+    ``regenerated`` (sent back past the staleness bound) refunds it too and counts one
+    regeneration instead: a regeneration never spends the failure budget.
     A leased task keeps its key, except that a fresh one (stage ``c``, in a release
     directory) moves to stage ``b`` at its dataset order. With ``drop_prefix`` (a ready
     group sent back by the staleness bound, or a claimed partial task past it:
@@ -122,7 +133,9 @@ def requeued_name(name: TaskName, *, refund: bool, drop_prefix: bool = False) ->
     elif key.startswith(STAGE_FRESH):
         key = queue_key(STAGE_REQUEUED, 0, name.order)
     return name.with_(key=key, gen=name.gen + 1, producer=None, resume=resume,
-                      attempts=max(name.attempts - 1, 0) if refund else name.attempts)
+                      attempts=max(name.attempts - 1, 0) if refund or regenerated
+                      else name.attempts,
+                      regenerations=name.regenerations + int(regenerated))
 
 
 def heartbeat_key(producer: str, counter: int) -> str:

@@ -359,14 +359,16 @@ class RunQueue:
         A producer calls this for a partial task past the η bound (``eta_mode="regenerate"``,
         ``strawq.eta``) before spending tokens on it. The semantics of the collector's
         ``regenerate`` of a ready group (``BatchStore.requeue_ready(refund=False)``): gen + 1,
-        the attempt counted at claim kept, no prefix (``resume = -1``, so the next lease draws
+        the attempt counted at claim refunded and one regeneration counted instead (a
+        regeneration is not a failure: ``strawq.names``), no prefix (``resume = -1``, so the
+        next lease draws
         fresh sampling seeds), and a task that had a prefix keeps the partial stage's priority
         at version 0. The fencing rename comes first (a stale holder gets ``LeaseLost`` and
         writes nothing), then a ``fail`` note with the reason, then the superseded partial
         record is deleted.
         """
         validate_id(reason, "reason")
-        new = requeued_name(lease.name, refund=False, drop_prefix=True)
+        new = requeued_name(lease.name, refund=False, drop_prefix=True, regenerated=True)
         moved = self._move_lease(lease, queued_state(new), new)
         try:
             self.write_note(lease.name, "fail", reason, message)

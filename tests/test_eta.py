@@ -16,7 +16,8 @@ from strawq.config import QueueConfig
 from strawq.dataset import Dataset
 from strawq.errors import ConfigError, LeaseLost
 from strawq.eta import (STALE_REASON, EtaPolicy, PolicyCache, publish_policy, read_policy)
-from strawq.names import STAGE_PARTIAL, STAGE_REQUEUED, data_key, note_key, queue_key
+from strawq.names import (STAGE_PARTIAL, STAGE_REQUEUED, TaskName, data_key, note_key,
+                          queue_key)
 from strawq.queue import Lease, RunQueue
 from strawq.records import Kind
 from strawq.states import TaskState
@@ -138,7 +139,7 @@ def test_the_collector_publishes_its_policy_at_start(storage: Storage,
 
 
 # -- RunQueue.regenerate ---------------------------------------------------------------------
-def test_regenerate_discards_the_prefix_counts_the_attempt_and_notes_why(
+def test_regenerate_discards_the_prefix_counts_a_regeneration_and_notes_why(
         storage: Storage, dataset: Dataset) -> None:
     q = _queue(storage, dataset)
     q.set_version(3)
@@ -150,10 +151,11 @@ def test_regenerate_discards_the_prefix_counts_the_attempt_and_notes_why(
     q.regenerate(lease, STALE_REASON, "prefix 2 versions behind")
     state, _key, name = q.locate(lease.task_id)
     # the READY regenerate path's name: partial stage at version 0, no prefix, gen + 1,
-    # the claim's attempt kept
+    # the claim's attempt refunded and a regeneration counted instead
     assert state is TaskState.PARTIAL
     assert name.key == queue_key(STAGE_PARTIAL, 0, lease.name.order)
-    assert (name.gen, name.attempts, name.resume, name.producer) == (2, 1, -1, None)
+    assert (name.gen, name.attempts, name.resume, name.producer) == (2, 0, -1, None)
+    assert name.regenerations == 1
     assert not storage.exists(partial_key)
     note = records.decode(storage.read(note_key(lease.task_id, 1, "fail", STALE_REASON)),
                           expect=Kind.FAIL).meta
@@ -161,7 +163,7 @@ def test_regenerate_discards_the_prefix_counts_the_attempt_and_notes_why(
     # the next lease starts from scratch at a new generation
     (again,) = q.claim("p3", 1)
     assert again.task_id == lease.task_id and not again.has_partial
-    assert (again.gen, again.name.attempts) == (2, 2)
+    assert (again.gen, again.name.attempts, again.name.regenerations) == (2, 1, 1)
     assert q.load_partial(again) is None
     # a stale holder (the first or the second lease) cannot move it any more
     for stale in (first, lease):
@@ -178,7 +180,28 @@ def test_regenerate_of_a_task_without_a_prefix_returns_it_to_pending(
     state, _key, name = q.locate(lease.task_id)
     assert state is TaskState.PENDING
     assert name.key == queue_key(STAGE_REQUEUED, 0, lease.name.order)
-    assert (name.gen, name.attempts, name.resume) == (1, 1, -1)
+    assert (name.gen, name.attempts, name.resume, name.regenerations) == (1, 0, -1, 1)
+
+
+def test_regenerations_do_not_spend_the_failure_budget(
+        storage: Storage, dataset: Dataset) -> None:
+    """A task regenerated ``max_attempts - 1`` times (the cap) still gets its full failure
+    budget: one failure re-queues it, it is not dropped as ``max_attempts``."""
+    q = _queue(storage, dataset)
+    (lease,) = q.claim("p", 1)
+    tid = lease.task_id
+    for _ in range(q.config.max_attempts - 1):
+        q.regenerate(lease, STALE_REASON)
+        (lease,) = q.claim("p", 1)  # requeued work sorts before fresh work
+        assert lease.task_id == tid
+    assert lease.name.regenerations == q.config.max_attempts - 1 and lease.name.attempts == 1
+    q.fail(lease, "engine_rejected", "one real failure")
+    state, _key, name = q.locate(tid)
+    assert state is TaskState.PENDING, "one failure after regenerations dropped the task"
+    assert name.attempts == 1 and name.regenerations == q.config.max_attempts - 1
+    # the name round-trips; one without regenerations keeps the plain layout
+    assert TaskName.parse(str(name)) == name and ".0~" not in str(lease.name.with_(
+        regenerations=0))
 
 
 def test_handback_counts_regenerated_partials(dataset: Dataset) -> None:

@@ -257,10 +257,12 @@ class QueueMachine(RuleBasedStateMachine):
             return self._stale(lease, lambda: self.q.regenerate(lease, "stale_eta"))
         self.q.regenerate(lease, "stale_eta", "past eta")
         t = self.tasks[lease.task_id]
-        # the READY regenerate path's name: version 0, no prefix, gen + 1, attempt kept
+        # the READY regenerate path's name: version 0, no prefix, gen + 1, the attempt
+        # refunded (a regeneration is not a failure)
         t.state, t.holder, t.first_seen = "queued", None, None
         t.stage, t.version = ("a" if t.resume >= 0 else "b"), 0
         t.gen, t.resume, t.prefix = t.gen + 1, -1, None
+        t.attempts = max(t.attempts - 1, 0)
 
     # -- rules: the grantor and the collector ------------------------------------------------
     @rule(dt=st.sampled_from([0.0, 3.0, TIMEOUT / 2, TIMEOUT, TIMEOUT * 3]))

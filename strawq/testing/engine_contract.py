@@ -38,6 +38,7 @@ from strawq.producers.engine_errors import EngineAuthError, WeightUpdateRefused
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
 from strawq.producers.teacher import parse_teacher, teacher_payload
+from strawq.producers.sample_step import step_sample
 
 T = TypeVar("T")
 # Greedy; the seed makes the sim engine reproducible (SGLang ignores it without
@@ -624,11 +625,11 @@ class EngineContract:
         """A sample generated as 3 tokens, then resumed (as after an abort) for 3 more."""
         first = SamplerParams(max_new_tokens=3, **params)
         s = Sample(uid="cx.0", prompt_ids=np.array(t.prompt), params=first, want_extras=want)
-        assert await c.generate_sample(s) is not None
+        assert await step_sample(c, s) is not None
         assert s.response_length == 3
         s.status = SampleStatus.ABORTED  # resume it like a prefix saved at a weight update
         s.params = SamplerParams(max_new_tokens=6, **params)
-        assert await c.generate_sample(s) is not None
+        assert await step_sample(c, s) is not None
         assert s.response_length == 6 and s.status is SampleStatus.TRUNCATED
         return s
 
@@ -691,7 +692,7 @@ class EngineContract:
                 s = Sample(uid="ct.0", prompt_ids=np.array(target.prompt),
                            params=SamplerParams(max_new_tokens=4, temperature=0.0,
                                                 ignore_eos=True))
-                await c.generate_sample(s)
+                await step_sample(c, s)
                 ids, params, extra = teacher_payload(s)
                 first = parse_teacher(await c.generate(ids, params, extra=extra), s)
                 again = parse_teacher(await c.generate(ids, params, extra=extra), s)

@@ -76,7 +76,7 @@ def test_prefetched_batches_count_toward_the_bound(dataset):  # noqa: F811
     assert sorted(rep.dropped_stale) == ["i000000000002", "i000000000003"]
 
 
-def test_regenerate_counts_an_attempt_and_draws_fresh_seeds(dataset):  # noqa: F811
+def test_regenerate_counts_a_regeneration_and_draws_fresh_seeds(dataset):  # noqa: F811
     q, col = _setup(dataset, eta_mode="regenerate")
     col.step()
     leases = {lease.task_id: lease for lease in q.claim("p", N)}
@@ -87,7 +87,9 @@ def test_regenerate_counts_an_attempt_and_draws_fresh_seeds(dataset):  # noqa: F
     rep = col.step()
     assert rep.requeued_stale == ["i000000000000"]
     state, name = q.find("i000000000000")
-    assert state == "pending" and name.gen == 1 and name.attempts == 1  # not refunded
+    # the attempt refunded (a regeneration is not a failure), the regeneration counted
+    assert state == "pending" and name.gen == 1 and name.attempts == 0
+    assert name.regenerations == 1
     assert col.stale_totals["regenerated"] == 1
     # a group generated from scratch at generation 1 samples with other seeds than at 0
     assert sample_seed(7, 0, 3, name.gen) != sample_seed(7, 0, 3)
@@ -96,7 +98,7 @@ def test_regenerate_counts_an_attempt_and_draws_fresh_seeds(dataset):  # noqa: F
 
 def test_regenerate_stops_at_max_attempts_and_trains_the_group(dataset):  # noqa: F811
     # a prompt whose responses keep running past eta must not cycle for ever: once its
-    # attempts are used up the group is kept and trained with its correction, and counted
+    # regenerations reach the cap the group is kept and trained with its correction, and counted
     q, col = _setup(dataset, eta_mode="regenerate")
     col.step()
     max_attempts = q.config.max_attempts
@@ -104,7 +106,7 @@ def test_regenerate_stops_at_max_attempts_and_trains_the_group(dataset):  # noqa
     lease = first["i000000000000"]
     version = 0
     for attempt in range(1, max_attempts + 1):
-        assert lease.name.attempts == attempt
+        assert lease.name.attempts == 1 and lease.name.regenerations == attempt - 1
         q.complete(lease, _group(lease, version))
         version += 2
         q.set_version(version)

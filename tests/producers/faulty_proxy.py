@@ -1,13 +1,16 @@
 """A fault-injecting HTTP proxy in front of a local engine (its own loop, in a thread).
 
 ``mode`` of ``/generate``: ``ok`` (forward), ``500`` (every call fails), ``flaky`` (every
-other call fails with 500), ``hang`` (never answers). Other paths are forwarded, except
-those in ``refuse``, answered 400 ``{"success": false}`` (a refused weight update).
+other call fails with 500), ``first_try_fails`` (a request's first attempt fails with 500,
+its retry — rid ``…~retry<n>`` — is forwarded), ``hang`` (never answers). Other paths are
+forwarded, except those in ``refuse``, answered 400 ``{"success": false}`` (a refused weight
+update).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from typing import Any
 
@@ -54,7 +57,14 @@ class FaultyProxy:
             nonlocal n
             n += 1
             mode = self.mode
-            if mode == "500" or (mode == "flaky" and n % 2 == 0):
+            first_try = False
+            if mode == "first_try_fails":
+                try:
+                    rid = str(json.loads(await request.read()).get("rid", ""))
+                except ValueError:
+                    rid = ""
+                first_try = "~retry" not in rid
+            if mode == "500" or (mode == "flaky" and n % 2 == 0) or first_try:
                 self.calls["500"] += 1
                 await request.read()
                 return web.Response(status=500, text="injected fault")

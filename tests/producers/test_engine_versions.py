@@ -262,7 +262,7 @@ def _new_worker_behind_router(tmp_path: Path, start_router: Callable[[str], Any]
         release(q, run_dir, PHASE)
         await wait_for(lambda: len(versions_by_index(q)) >= 2, 60, "phase 1")
         async with SGLangClient([router.url]) as c:  # a new worker joins on old weights
-            await c._call_raw("POST", router.url, "/workers",
+            await c.transport.call_raw("POST", router.url, "/workers",
                               body={"url": new.url, "worker_type": "regular"}, timeout_s=10)
         release(q, run_dir, PHASE)
         await wait_for(lambda: new.url in bracket.engines_needing_weights(), 60, "the note")

@@ -117,8 +117,10 @@ def test_regenerate_discards_a_stale_prefix_before_resuming_it(tmp_path: Path, e
         # fresh: no prefix, every token generated on the new weights
         assert name.resume == -1 and np.all(g.versions == NEW_VERSION)
         assert g.sample_lens == [400] * 4
-        # the discarded lease counted an attempt: claimed twice after the partial
-        assert (name.gen, name.attempts) == (part.gen + 1, part.attempts + 2)
+        # the discarded lease counted a regeneration, not an attempt (claimed twice after
+        # the partial: the regenerated claim refunded)
+        assert (name.gen, name.attempts) == (part.gen + 1, part.attempts + 1)
+        assert name.regenerations == part.regenerations + 1
         # fresh seeds: drawn for the new generation, not the interrupted one's
         index = int(tid[1:])
         seeds = [p["seed"] for p in g.meta["params"]]

@@ -14,6 +14,7 @@ from strawq.producers.engines.testing import start_engine_subprocess
 from strawq.producers.engines.tiny_model import load_weights, recompute_logprobs
 from strawq.producers.sample import Sample, SamplerParams
 from strawq.producers.sglang_client import SGLangClient
+from strawq.producers.sample_step import step_sample
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -52,7 +53,7 @@ def test_tiny_subprocess_from_init_tiny_dir(tmp_path: Path) -> None:
                 s = Sample.new(
                     "p", [4, 5, 6], SamplerParams(max_new_tokens=20, seed=1, ignore_eos=True)
                 )
-                await c.generate_sample(s)
+                await step_sample(c, s)
                 return s
 
         s = run(go())

@@ -14,6 +14,7 @@ from strawq.extras import ROUTED_EXPERTS
 from strawq.testing.engine_contract import EngineContract, EngineTarget
 from strawq.producers.extras_protocol import ExtrasMismatch
 from strawq.producers.sample import Sample, SamplerParams
+from strawq.producers.sample_step import step_sample
 from tests.sglang_fixtures import RealServer
 
 pytestmark = [pytest.mark.sglang_real, pytest.mark.timeout(300)]
@@ -57,7 +58,7 @@ class TestRealSGLangContract(EngineContract):
                            params=SamplerParams(max_new_tokens=3, ignore_eos=True),
                            want_extras=(ROUTED_EXPERTS,))
                 with pytest.raises(ExtrasMismatch, match="--enable-return-routed-experts"):
-                    await c.generate_sample(s)
+                    await step_sample(c, s)
                 assert s.response_length == 0 and not s.extras
 
         self.run(target, go())

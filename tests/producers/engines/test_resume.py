@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from strawq.producers.engine_errors import EngineProtocolError
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
+from strawq.producers.sample_step import step_sample
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -120,7 +121,7 @@ async def drive(url: str, sample: Sample, context: int | None, max_calls: int = 
         [url], config=ClientConfig(context_length=context, max_retries=0)
     ) as client:
         while not sample.is_final and calls < max_calls:
-            await client.generate_sample(sample)
+            await step_sample(client, sample, context_length=client.config.context_length)
             calls += 1
     return calls
 
@@ -188,11 +189,12 @@ def test_engine_returning_more_than_budget_is_rejected(scripted: AppThread) -> N
 
     async def go() -> None:
         async with SGLangClient([scripted.url], config=ClientConfig(max_retries=0)) as client:
-            await client.generate_sample(sample)  # aborted after 2: fine
+            # aborted after 2: fine
+            await step_sample(client, sample, context_length=client.config.context_length)
             assert sample.status is SampleStatus.ABORTED and sample.response_length == 2
             before = sample.to_dict()
             with pytest.raises(EngineProtocolError, match="budget of 4"):
-                await client.generate_sample(sample)
+                await step_sample(client, sample, context_length=client.config.context_length)
             assert sample.to_dict() == before
 
     run(go(), 30)

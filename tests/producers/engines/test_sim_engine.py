@@ -14,6 +14,7 @@ from strawq.producers.engines.sim_backend import SimConfig, target_length
 from strawq.producers.engines.testing import running_engine
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
+from strawq.producers.sample_step import step_sample
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -68,10 +69,10 @@ def test_abort_and_resume_equals_uninterrupted_across_versions() -> None:
         ):
             params = SamplerParams(max_new_tokens=120, seed=99)
             ref = Sample.new("ref", PROMPT, params)
-            await c.generate_sample(ref)
+            await step_sample(c, ref)
             assert ref.status is SampleStatus.TRUNCATED and ref.response_length == 120
             s = Sample.new("s", PROMPT, params)
-            t = asyncio.create_task(c.generate_sample(s))
+            t = asyncio.create_task(step_sample(c, s))
             await wait_until(lambda: _running(c, url))
             await asyncio.sleep(0.05)
             await c.pause_generation("abort")
@@ -80,7 +81,7 @@ def test_abort_and_resume_equals_uninterrupted_across_versions() -> None:
             k = s.response_length
             await c.update_weights_from_disk("/any/path", weight_version=4)
             await c.continue_generation()
-            await c.generate_sample(s)
+            await step_sample(c, s)
             assert s.response_ids.tolist() == ref.response_ids.tolist()
             assert s.logprobs.tolist() == ref.logprobs.tolist()
             assert s.versions.tolist() == [0] * k + [4] * (120 - k)

@@ -23,6 +23,7 @@ from strawq.producers.engines.testing import EngineThread, running_engine
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
 from strawq.producers.sglang_protocol import RESUMED_TOKENS_KEY, resumed_tokens
+from strawq.producers.sample_step import step_sample
 from tests.sglang_fixtures import RealServer, start_router
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,7 +68,7 @@ def test_a_fresh_prompt_ending_in_the_seeds_token_gets_its_whole_answer() -> Non
     async def go() -> None:
         async with running_engine(OPTS) as url, client(url) as c:
             s = Sample.new("s", prompt, PARAMS)
-            await c.generate_sample(s)
+            await step_sample(c, s)
             assert s.status is SampleStatus.COMPLETED
             assert s.response_ids.tolist() == expected(len(prompt))
 
@@ -85,7 +86,7 @@ def test_a_resumed_answer_continues_exactly_when_the_prompt_ends_in_the_seeds_to
         async with running_engine(OPTS) as url, client(url) as c:
             s = aborted(prompt, ref[:k], [1] * k)
             assert resumed_tokens(s) == k
-            await c.generate_sample(s)
+            await step_sample(c, s)
             assert s.status is SampleStatus.COMPLETED
             assert s.response_ids.tolist() == ref
 
@@ -108,7 +109,7 @@ def test_after_an_appended_token_that_matches_the_next_turn_starts_there() -> No
         async with running_engine(OPTS) as url, client(url) as c:
             s = aborted(prompt, response, mask)
             assert resumed_tokens(s) == 3
-            await c.generate_sample(s)
+            await step_sample(c, s)
             assert s.response_ids.tolist() == turn1 + tool + turn2
 
     run(go())
@@ -125,7 +126,7 @@ def test_a_resume_after_an_eos_ended_turn_starts_at_that_turn() -> None:
     async def go() -> None:
         async with running_engine(OPTS) as url, client(url) as c:
             s = aborted(prompt, turn1 + turn2[:4], [1] * (len(turn1) + 4))
-            await c.generate_sample(s)
+            await step_sample(c, s)
             assert s.response_ids.tolist() == turn1 + turn2
 
     run(go())
@@ -185,7 +186,7 @@ def test_the_real_router_drops_custom_params_so_the_sim_behind_it_falls_back(
     async def go() -> None:
         async with SGLangClient(router_url=router.url, config=ClientConfig(max_retries=0)) as c:
             s = Sample.new("s", prompt, PARAMS)
-            await c.generate_sample(s)
+            await step_sample(c, s)
             full = expected(len(prompt))
             assert s.response_ids.tolist() == full[:-2] + [CFG.eos_token_id]
 

@@ -17,6 +17,7 @@ from strawq.producers.engines.testing import running_engine
 from strawq.producers.engines.tiny_model import TinyConfig, load_weights, recompute_logprobs
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus, mask_offpolicy_prefix
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
+from strawq.producers.sample_step import step_sample
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -87,7 +88,7 @@ def test_complete_with_stop_token_and_text_trim() -> None:
                 PROMPT,
                 SamplerParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(stop_tok,)),
             )
-            await c.generate_sample(sample)
+            await step_sample(c, sample, context_length=c.config.context_length)
             assert sample.status is SampleStatus.COMPLETED and sample.response_ids[-1] == stop_tok
 
     run(go())
@@ -99,7 +100,7 @@ def test_length_truncated_and_greedy_logprobs(weight_dirs: dict[int, Path]) -> N
             s = Sample.new(
                 "t", PROMPT, SamplerParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)
             )
-            r = await c.generate_sample(s)
+            r = await step_sample(c, s, context_length=c.config.context_length)
             assert r is not None and r.finish_reason == {"type": "length", "length": 9}
             return s
 
@@ -130,7 +131,8 @@ def test_abort_running_and_waiting_shapes() -> None:
         async with running_engine(opts(max_running=2)) as url, client_for(url) as c:
             samples = [Sample.new(f"s{i}", PROMPT, SamplerParams(**LONG)) for i in range(3)]
             tasks = [
-                asyncio.create_task(c.generate_sample(s, rid=f"req-{i}"))
+                asyncio.create_task(step_sample(c, s, rid=f"req-{i}",
+                                                context_length=c.config.context_length))
                 for i, s in enumerate(samples)
             ]
             await wait_until(lambda: _counts_are(c, url, (2, 1)))
@@ -190,7 +192,7 @@ def test_pause_abort_update_resume_logprobs_per_version(weight_dirs: dict[int, P
                     max_new_tokens=300, temperature=temperature, top_k=64, seed=7, ignore_eos=True
                 ),
             )
-            t = asyncio.create_task(c.generate_sample(s))
+            t = asyncio.create_task(step_sample(c, s, context_length=c.config.context_length))
             await wait_until(lambda: _counts_are(c, url, (1, 0)))
             await asyncio.sleep(0.05)
             await c.pause_generation("abort")
@@ -202,7 +204,7 @@ def test_pause_abort_update_resume_logprobs_per_version(weight_dirs: dict[int, P
             await c.update_weights_from_disk(str(weight_dirs[1]), weight_version=1)
             assert await c.weight_version(url) == 1
             await c.continue_generation()
-            r2 = await c.generate_sample(s)
+            r2 = await step_sample(c, s, context_length=c.config.context_length)
             assert r2 is not None and r2.finish_reason == {"type": "length", "length": 300 - n_old}
             assert (
                 s.status is SampleStatus.TRUNCATED
@@ -226,7 +228,7 @@ def test_pause_retract_keeps_request_and_reprefills_new_weights(
     async def go() -> Sample:
         async with running_engine(opts(weight_dirs)) as url, client_for(url) as c:
             s = Sample.new("r", PROMPT, SamplerParams(max_new_tokens=200, seed=3, ignore_eos=True))
-            t = asyncio.create_task(c.generate_sample(s))
+            t = asyncio.create_task(step_sample(c, s, context_length=c.config.context_length))
             await wait_until(lambda: _counts_are(c, url, (1, 0)))
             await c.pause_generation("retract")
             assert await load_counts(c, url) == (0, 1)

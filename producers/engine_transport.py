@@ -1,0 +1,302 @@
+"""HTTP to SGLang-protocol engines: one session, bounded retries, authentication.
+
+One :class:`Transport` owns one ``aiohttp.ClientSession`` (one connection pool). Every
+call has a deadline. Faults (refused connections, resets, timeouts, HTTP 5xx, malformed
+JSON) are retried a bounded number of times with exponential backoff and jitter, then
+raised as a typed :class:`~strawq.producers.engine_errors.EngineError` naming the worker
+URL. HTTP 4xx is raised at once as :class:`EngineRequestError` (401/403:
+:class:`EngineAuthError`). Nothing else escapes: a caller that catches ``EngineError``
+catches every engine failure.
+
+Authentication (SGLang ``--api-key`` / ``--admin-api-key``): the API key is sent as
+``Authorization: Bearer`` on every call; the control endpoints that SGLang marks
+admin-optional (abort, pause, continue, weight updates, flush) get the admin key when one
+is configured.
+
+The transport knows URLs and paths, never what a request means: the engine client
+(``strawq.producers.sglang_client``) and the control calls
+(``strawq.producers.sglang_control``) are built over it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+
+from strawq.config import Config
+from strawq.producers.engine_errors import (
+    EngineAuthError,
+    EngineError,
+    EngineProtocolError,
+    EngineRequestError,
+    EngineTimeout,
+    EngineUnavailable,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+#: Endpoints SGLang 0.5.23 marks ADMIN_OPTIONAL: with --admin-api-key they need that key.
+ADMIN_PATHS = frozenset({
+    "/abort_request", "/pause_generation", "/continue_generation", "/update_weights_from_disk",
+    "/update_weights_from_tensor", "/update_weights_from_distributed", "/update_weight_version",
+    "/flush_cache"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientConfig(Config):
+    """Engine client settings. Every wait has a deadline.
+
+    Fields:
+        connect_timeout_s: TCP connect timeout per attempt.
+        generate_timeout_s: the segment deadline. A ``/generate`` still running after it is
+            aborted by its rid on the engine; the aborted reply carries every token
+            generated so far (kept: the sample resumes from the longer prefix). Only an
+            engine that does not answer even the abort within ``control_timeout_s`` is a
+            fault (retried from the old prefix). The default is far above any expected
+            segment: it bounds a stuck request, it does not shape generation.
+        control_timeout_s: total time for one control call attempt (abort, loads, ...),
+            and how long an aborted ``/generate`` may take to come back.
+        weight_update_timeout_s: one ``/update_weights_from_disk`` attempt (it may wait
+            for in-flight requests on an unpaused engine).
+        max_retries: retries after the first attempt for retryable faults.
+        backoff_base_s / backoff_max_s: exponential backoff bounds.
+        jitter: fraction of random extra delay added to each backoff (0..1).
+        pool_limit: maximum simultaneous connections of the pool.
+        context_length: engine context length; resumes clamp their budget to it.
+        default_version: map SGLang's non-numeric ``"default"`` version to this int
+            (None: such a version is an error).
+        api_key: SGLang ``--api-key``; sent as a bearer token on every call.
+        admin_api_key: SGLang ``--admin-api-key``; sent instead on the admin endpoints
+            (abort, pause, continue, weight updates, flush).
+        eos_token_ids: the model's EOS ids; None = resolved from the engine
+            (``/model_info`` ``eos_token_id``), the tokenizer or the model's config files
+            (a producer refuses to start when none of them names one, unless
+            ``ignore_eos``: ``strawq.producers.sample_step.resolve_eos_ids``).
+    """
+
+    connect_timeout_s: float = 5.0
+    generate_timeout_s: float = 3600.0
+    control_timeout_s: float = 30.0
+    weight_update_timeout_s: float = 600.0
+    max_retries: int = 3
+    backoff_base_s: float = 0.2
+    backoff_max_s: float = 5.0
+    jitter: float = 0.5
+    pool_limit: int = 1024
+    context_length: int | None = None
+    default_version: int | None = None
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    eos_token_ids: tuple[int, ...] | None = None
+
+    def validate(self) -> None:
+        for name in (
+            "connect_timeout_s",
+            "generate_timeout_s",
+            "control_timeout_s",
+            "weight_update_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ClientConfig.{name} must be > 0, found {getattr(self, name)!r}")
+        if self.max_retries < 0:
+            raise ValueError(f"ClientConfig.max_retries must be >= 0, found {self.max_retries}")
+        if self.backoff_base_s < 0 or self.backoff_max_s < self.backoff_base_s:
+            raise ValueError("ClientConfig needs 0 <= backoff_base_s <= backoff_max_s")
+        if not 0.0 <= self.jitter <= 1.0:
+            raise ValueError(f"ClientConfig.jitter must be in [0, 1], found {self.jitter}")
+        if self.pool_limit < 1:
+            raise ValueError(f"ClientConfig.pool_limit must be >= 1, found {self.pool_limit}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(
+                f"ClientConfig.context_length must be >= 2, found {self.context_length}"
+            )
+
+
+class Retryable(Exception):
+    """A fault worth retrying; :meth:`Transport.with_retries` unwraps it (it never leaves
+    the engine client)."""
+
+    def __init__(self, error: EngineError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class Transport:
+    """The session, the retries and the auth headers of one engine client."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self._session: aiohttp.ClientSession | None = None
+        self._rng = random.Random()
+
+    async def start(self) -> None:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self.config.pool_limit, limit_per_host=0)
+            self._session = aiohttp.ClientSession(connector=connector)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError(
+                "the engine client is not started; use 'async with SGLangClient(...)' or "
+                "await start()"
+            )
+        return self._session
+
+    # -- retries ----------------------------------------------------------------------------
+    def backoff(self, attempt: int) -> float:
+        base = min(self.config.backoff_max_s, self.config.backoff_base_s * (2.0**attempt))
+        return float(base * (1.0 + self.config.jitter * self._rng.random()))
+
+    async def with_retries(self, op: Callable[[], Awaitable[T]], what: str) -> T:
+        """``op()``, retried on :class:`Retryable` up to ``max_retries`` times."""
+        attempt = 0
+        while True:
+            try:
+                return await op()
+            except Retryable as exc:
+                if attempt >= self.config.max_retries:
+                    raise exc.error from None
+                delay = self.backoff(attempt)
+                logger.warning("%s failed (%s); retry %d/%d in %.2fs", what, exc.error,
+                               attempt + 1, self.config.max_retries, delay)
+                attempt += 1
+                await asyncio.sleep(delay)
+
+    def auth_headers(self, path: str) -> dict[str, str] | None:
+        key = self.config.api_key
+        if path in ADMIN_PATHS and self.config.admin_api_key:
+            key = self.config.admin_api_key
+        return None if key is None else {"Authorization": f"Bearer {key}"}
+
+    # -- one attempt ------------------------------------------------------------------------
+    async def attempt(
+        self,
+        method: str,
+        base: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, str] | None = None,
+        timeout_s: float,
+    ) -> bytes:
+        """One HTTP call; a retryable fault is raised as :class:`Retryable`."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self.config.connect_timeout_s)
+        try:
+            async with self.session.request(
+                method, base + path, json=body, params=params, timeout=timeout,
+                headers=self.auth_headers(path),
+            ) as resp:
+                data = await resp.read()
+                status = resp.status
+        except asyncio.TimeoutError:
+            raise Retryable(
+                EngineTimeout(f"{method} {path} timed out after {timeout_s:.1f}s", url=base)
+            ) from None
+        except aiohttp.ClientConnectorError as exc:
+            raise Retryable(
+                EngineUnavailable(f"{method} {path}: cannot connect ({exc.os_error})", url=base)
+            ) from None
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise Retryable(
+                EngineUnavailable(
+                    f"{method} {path}: connection failed ({type(exc).__name__}: {exc})", url=base
+                )
+            ) from None
+        if status >= 500:
+            raise Retryable(
+                EngineUnavailable(f"{method} {path}: HTTP {status}: {snippet(data)}", url=base)
+            )
+        if status in (401, 403):
+            which = "admin key" if path in ADMIN_PATHS else "API key"
+            raise EngineAuthError(
+                f"{method} {path} refused: HTTP {status}: {_error_message(data)}; check the "
+                f"{which} (ClientConfig.api_key / admin_api_key, SGLang --api-key / "
+                "--admin-api-key)",
+                url=base,
+                status=status,
+            )
+        if status >= 400:
+            raise EngineRequestError(
+                f"{method} {path} rejected: HTTP {status}: {_error_message(data)}",
+                url=base,
+                status=status,
+            )
+        return data
+
+    # -- retried calls ----------------------------------------------------------------------
+    async def call_raw(
+        self,
+        method: str,
+        base: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, str] | None = None,
+        timeout_s: float,
+    ) -> bytes:
+        async def op() -> bytes:
+            return await self.attempt(method, base, path, body=body, params=params,
+                                      timeout_s=timeout_s)
+
+        return await self.with_retries(op, f"{method} {base}{path}")
+
+    async def call_json(
+        self,
+        method: str,
+        base: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, str] | None = None,
+        timeout_s: float,
+    ) -> Any:
+        data = await self.call_raw(method, base, path, body=body, params=params,
+                                   timeout_s=timeout_s)
+        try:
+            return decode_json(data, base, path)
+        except Retryable as exc:  # malformed JSON is not retried, and never escapes
+            raise exc.error from None
+
+
+def snippet(data: bytes, limit: int = 200) -> str:
+    return data[:limit].decode("utf-8", errors="replace")
+
+
+def _error_message(data: bytes) -> str:
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return snippet(data)
+    if isinstance(body, Mapping):
+        err = body.get("error")
+        if isinstance(err, Mapping) and "message" in err:
+            return str(err["message"])
+        if err is not None:
+            return str(err)
+        if "message" in body:
+            return str(body["message"])
+    return snippet(data)
+
+
+def decode_json(data: bytes, url: str, path: str) -> Any:
+    """The JSON body; malformed JSON is a :class:`Retryable` protocol error."""
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise Retryable(
+            EngineProtocolError(f"{path} returned malformed JSON: {snippet(data, 120)!r}", url=url)
+        ) from None

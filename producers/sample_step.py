@@ -1,0 +1,63 @@
+"""The sample step: one segment of one sample, from its budget to its tokens applied.
+
+The producer's runner (``strawq.producers.runner.GroupRunner.generate_turn``) calls
+:func:`step_sample` once per segment; the engine client under it only speaks the protocol::
+
+    budget   Sample.remaining_budget(context_length)   (0: TRUNCATED, no request)
+    payload  resume_input_ids + sampling params with the budget and the resumed prefix
+             (+ the extras' request fields)
+    engine   client.generate(...)   (a GuardedClient: a reply from the wrong weights
+             raises StaleEngine before it reaches this step)
+    check    no more tokens than the budget; an abort that landed on a stop token is final
+    apply    apply_segment(sample, segment_for(result, sample))
+
+The check needs the model's EOS ids: a producer resolves them once, when it starts
+(``strawq.producers.eos.resolve_eos_ids``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, MutableSet
+
+from strawq.producers.engine_client import EngineClient
+from strawq.producers.engine_errors import EngineProtocolError
+from strawq.producers.extras_protocol import extras_payload, segment_for
+from strawq.producers.sample import Sample, SampleError, apply_segment
+from strawq.producers.sglang_protocol import (GenerateResult, finalize_abort_at_stop,
+                                              resumed_tokens, with_resumed_tokens)
+
+
+async def step_sample(client: EngineClient, sample: Sample, *, rid: str | None = None,
+                      context_length: int | None = None,
+                      eos_ids: Iterable[int] | None = None,
+                      live: MutableSet[str] | None = None) -> GenerateResult | None:
+    """Run (or resume) ``sample`` for one segment and apply the reply onto it.
+
+    Sends prompt + generated ids with the remaining budget, and how many of them are the
+    resumed prefix (``custom_params``, which SGLang ignores). With a zero budget the
+    sample becomes TRUNCATED and no request is made (returns None). The reply is checked
+    against the budget before anything is appended; an aborted reply ending on one of
+    ``eos_ids`` or the sample's stop tokens is final (unless ``ignore_eos``). Every wire
+    rid in flight is in ``live`` while it is.
+    """
+    if sample.is_final:
+        raise SampleError(
+            f"sample {sample.uid} is already {sample.status.value}; nothing to generate")
+    budget = sample.remaining_budget(context_length)
+    if budget <= 0:
+        sample.finish_without_request()
+        return None
+    params = with_resumed_tokens(sample.params.to_sglang(max_new_tokens=budget),
+                                 resumed_tokens(sample))
+    result = await client.generate(sample.resume_input_ids(), params, rid=rid,
+                                   extra=extras_payload(sample) or None, live=live)
+    if len(result.output_ids) > budget:
+        raise EngineProtocolError(
+            f"engine returned {len(result.output_ids)} tokens for a budget of {budget} "
+            f"(rid {result.rid}); segment rejected", url=result.url)
+    if eos_ids is not None and result.is_abort and not sample.params.ignore_eos:
+        # (ignore_eos switches off every token-based stop on SGLang 0.5.23)
+        result = finalize_abort_at_stop(result, eos_ids=eos_ids,
+                                        stop_token_ids=sample.params.stop_token_ids)
+    apply_segment(sample, segment_for(result, sample))
+    return result
