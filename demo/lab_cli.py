@@ -46,7 +46,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("micro_batches", int, "stream: micro-batches per step (default 8)"),
     ("flow_micro_batches", int, "flow: micro-batches per step, acked as trained (default 8)"),
     ("admission_batches", float, "async/stream/flow: admission window in micro-batches "
-     "(default: the mode's own; flow eta*m + 1)"),
+     "(default: (eta + 1)·m micro-batches for every mode)"),
     ("step_base_ms", float, "decode step base cost, model ms (default 20)"),
     ("step_per_req_ms", float, "decode step cost per running request of one engine"),
     ("prefill_ms_per_token", float, "prefill cost per input token of one engine"),

@@ -77,9 +77,10 @@ def test_staleness_first_fifo_and_eta_bound(dataset, data, eta, mode):
                 oldest = min((n.version, observed[n.id]) for n in remaining)
                 assert max(keys) <= oldest, "a batch skipped an older ready group"
             for n in man.groups:
-                # past max_attempts a group is trained with its correction, not regenerated
-                # again (``requeue`` is ``regenerate``: the cap applies to both names)
-                if eta is not None and n.attempts < q.config.max_attempts:
+                # generated max_attempts times, a group is trained with its correction, not
+                # regenerated again (``requeue`` is ``regenerate``: the cap applies to both
+                # names; a regeneration spends no failure attempt, so generations count)
+                if eta is not None and n.regenerations + 1 < q.config.max_attempts:
                     assert rep.version - n.version <= eta, "a group staler than eta trained"
             col.batches.ack(seq)
         # the producers: claim what is pending, complete a random subset at random versions
