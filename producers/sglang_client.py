@@ -19,10 +19,10 @@ the tokens and resumes from the longer prefix. Only a request that does not come
 Aborts are by **exact rid** (SGLang 0.5.23 ignores a rid prefix: docs/engines.md).
 The client gives every request a rid; a retried attempt gets its own (``<rid>~retry<n>``),
 and every wire rid in flight is in the caller's ``live`` set (and the client's own record:
-:meth:`SGLangClient.abort_matching`), so an abort can name each one. An aborted reply whose
-last token is a stop token (EOS unless ``ignore_eos``, or a ``stop_token_ids`` entry) is
-reported as finished (``{"type": "stop", ..., "aborted": true}``): the real scheduler
-applies a pending abort before its stop check, so such a reply did reach its end.
+:meth:`SGLangClient.abort_matching`), so an abort can name each one. The client returns the
+engine's reply as it is: an aborted reply that ends on a stop token (the real scheduler
+applies a pending abort before its stop check) is made final by the sample step
+(``strawq.producers.sample_step``), which knows the model's EOS ids.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from strawq.producers.engine_errors import (
     EngineTimeout,
     EngineUnavailable,
 )
-from strawq.producers.eos import eos_ids_from_model_info
 from strawq.producers.engine_transport import (
     ADMIN_PATHS,
     ClientConfig,
@@ -57,14 +56,12 @@ from strawq.producers.sglang_control import EngineControl
 from strawq.producers.sglang_protocol import (
     GenerateResult,
     build_generate_payload,
-    finalize_abort_at_stop,
     parse_generate_body,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADMIN_PATHS", "ClientConfig", "SGLangClient", "WorkerInfo",
-           "eos_ids_from_model_info", "parse_workers"]
+__all__ = ["ADMIN_PATHS", "ClientConfig", "SGLangClient", "WorkerInfo", "parse_workers"]
 
 
 @dataclass(frozen=True)
@@ -131,7 +128,6 @@ class SGLangClient:
         #: the control plane (abort, pause, weight updates, loads, model info), per worker
         self.control = EngineControl(self.transport, lambda: self.worker_urls)
         self._inflight: dict[str, _Inflight] = {}
-        self._eos: dict[str, frozenset[int]] = {}
         #: segments that ran past ``generate_timeout_s`` and were aborted (tokens kept)
         self.deadline_aborts = 0
 
@@ -286,16 +282,7 @@ class SGLangClient:
                 )
             return dataclasses.replace(results[0], deadline_abort=True) if cut else results[0]
 
-        result = await self.transport.with_retries(op, f"/generate rid={rid}")
-        if result.is_abort and len(result.output_ids) and not params.get("ignore_eos"):
-            # (ignore_eos switches off every token-based stop on SGLang 0.5.23)
-            result = finalize_abort_at_stop(
-                result,
-                eos_ids=await self.eos_token_ids(result.url),
-                stop_token_ids=params.get("stop_token_ids") or (),
-                min_new_tokens=int(params.get("min_new_tokens") or 0),
-            )
-        return result
+        return await self.transport.with_retries(op, f"/generate rid={rid}")
 
     async def _post_generate(self, target: str, payload: dict[str, Any], wire_rid: str,
                              deadline: float) -> tuple[bytes, bool]:
@@ -343,33 +330,6 @@ class SGLangClient:
         if rids:
             await self.control.abort_rids(rids, url=url)
         return rids
-
-    async def eos_token_ids(self, url: str | None = None) -> frozenset[int]:
-        """The model's EOS ids: the config's, else ``/model_info`` / the model's config files.
-
-        Cached per worker. Empty when they cannot be found (then an aborted reply ending on
-        EOS stays resumable for a direct caller of :meth:`generate`; a producer resolves
-        the ids at start and refuses to run without them,
-        ``strawq.producers.sample_step.resolve_eos_ids``).
-        """
-        if self.config.eos_token_ids is not None:
-            return frozenset(self.config.eos_token_ids)
-        target = url if url is not None and url != self.router_url else None
-        if target is None:
-            target = self.worker_urls[0] if self.worker_urls else None
-        if target is None:
-            return frozenset()
-        cached = self._eos.get(target)
-        if cached is not None:
-            return cached
-        try:
-            info = await self.control.model_info(target)
-        except EngineError as exc:
-            logger.debug("cannot read /model_info of %s for its EOS ids: %s", target, exc)
-            return frozenset()
-        found = eos_ids_from_model_info(info)
-        self._eos[target] = found
-        return found
 
     async def health_generate(self, url: str, *, timeout_s: float | None = None) -> bool:
         """True when the worker answers ``/health_generate`` with 200 (no retries)."""

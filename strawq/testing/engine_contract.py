@@ -35,8 +35,10 @@ import pytest
 
 from strawq.extras import ROUTED_EXPERTS, TOP_P_TOKEN_IDS
 from strawq.producers.engine_errors import EngineAuthError, WeightUpdateRefused
+from strawq.producers.eos import eos_ids_from_model_info
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
+from strawq.producers.sglang_protocol import finalize_abort_at_stop
 from strawq.producers.teacher import parse_teacher, teacher_payload
 from strawq.producers.sample_step import step_sample
 
@@ -280,7 +282,8 @@ class EngineContract:
                 info = await c.model_info(target.url)
                 assert "weight_version" in info and "model_path" in info
                 await c.weight_version(target.url)  # an integer version
-                assert target.eos_token_id in await c.eos_token_ids(target.url)
+                # the EOS id a producer resolves at start (strawq.producers.eos)
+                assert target.eos_token_id in eos_ids_from_model_info(info)
 
         self.run(target, go())
 
@@ -404,7 +407,7 @@ class EngineContract:
 
     def test_abort_landing_on_stop_token_is_final(self, target: EngineTarget) -> None:
         """A pending abort wins over the stop check: the reply says abort but ends on the
-        stop token; the client reports it finished (``stop`` with ``aborted: true``).
+        stop token, and the sample step makes it final (``stop`` with ``aborted: true``).
 
         On the real server whether an abort lands exactly on a stop token is timing; the
         local engines are stepped until it does. The scenario is tried a few times, and
@@ -445,7 +448,9 @@ class EngineContract:
                     await c.continue_generation()
             landed = 0
             for k, task in tasks.items():
-                r = await task
+                # the engine's reply, made final as the sample step does
+                r = finalize_abort_at_stop(await task, eos_ids={target.eos_token_id},
+                                           stop_token_ids=[ref[k]])
                 ids = r.output_ids.tolist()
                 assert ref[k] not in ids[:-1], "generation went past its stop token"
                 if ids and ids[-1] == ref[k]:
