@@ -47,6 +47,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from strawq.collector.importance import LossTotals
 from strawq.collector.reader import Batch
 from strawq.extras import SPECS
 
@@ -226,6 +227,16 @@ class MicroBatch:
     versions: torch.Tensor
     #: float32 [1, t] the sample's advantage (meaningful where loss_mask is 1)
     advantages: torch.Tensor
+    #: float32 / float32 / int32 [1, t]: the sampling parameters each label was drawn with
+    #: (its sample's recorded temperature, top-p, top-k; 1.0 / 1.0 / −1 over padding):
+    #: score ``labels`` with ``policy_logprobs(logits, labels, temperature)`` so an
+    #: on-policy token has ratio 1
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    #: float32 [1, t]: the trained tokens of each label's sample, over the whole sample (all
+    #: CP ranks): the ``seq_mean_token_mean`` denominator (0 over padding)
+    sample_loss_tokens: torch.Tensor
     #: THD parameters for the model's forward (``megatron.core.packed_seq_params``)
     packed_seq_params: Any
     #: int64 [n]: positions of this micro-batch's samples in the reader's ``Batch``
@@ -235,6 +246,10 @@ class MicroBatch:
     padded_seqlens: torch.Tensor
     #: per-token extras, aligned as declared (``input``: with tokens, ``target``: with labels)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: the whole batch's loss denominators and the ranks gradients are averaged over
+    #: (DP × CP): ``importance.batch_loss(per_token, mb, mode)`` is this micro-batch's share
+    #: of the batch's loss; sum it over the rank's micro-batches
+    totals: LossTotals | None = None
     #: int64 [1, t] position of each token within its sequence, when built by the padded path
     _positions: torch.Tensor | None = None
 
@@ -277,12 +292,10 @@ class MicroBatch:
                       cu_seqlens_kv_padded=mv(psp.cu_seqlens_kv_padded),
                       max_seqlen_q=psp.max_seqlen_q, max_seqlen_kv=psp.max_seqlen_kv)
         return MicroBatch(
-            tokens=mv(self.tokens), labels=mv(self.labels), loss_mask=mv(self.loss_mask),
-            rollout_logprobs=mv(self.rollout_logprobs), versions=mv(self.versions),
-            advantages=mv(self.advantages), packed_seq_params=new_psp,
-            sample_ids=self.sample_ids, seqlens=self.seqlens, padded_seqlens=self.padded_seqlens,
-            extras={k: mv(v) for k, v in self.extras.items()},
-            _positions=None if self._positions is None else mv(self._positions))
+            **{name: mv(getattr(self, name)) for name in COLUMN_NAMES},
+            packed_seq_params=new_psp, sample_ids=self.sample_ids, seqlens=self.seqlens,
+            padded_seqlens=self.padded_seqlens, extras={k: mv(v) for k, v in self.extras.items()},
+            totals=self.totals, _positions=None if self._positions is None else mv(self._positions))
 
 
 @dataclass
@@ -299,7 +312,11 @@ class _Shard:
 #: column name → (fill value past the data, aligned with labels?)
 _COLUMNS: tuple[tuple[str, float, bool], ...] = (
     ("tokens", 0, False), ("labels", 0, True), ("loss_mask", 0, True),
-    ("rollout_logprobs", 0.0, True), ("versions", -1, True), ("advantages", 0.0, True))
+    ("rollout_logprobs", 0.0, True), ("versions", -1, True), ("advantages", 0.0, True),
+    ("temperature", 1.0, True), ("top_p", 1.0, True), ("top_k", -1, True),
+    ("sample_loss_tokens", 0.0, True))
+#: the per-token fields of a ``MicroBatch``
+COLUMN_NAMES = tuple(name for name, _, _ in _COLUMNS)
 
 
 class MegatronBatcher:
@@ -320,6 +337,7 @@ class MegatronBatcher:
         self.pad_token_id = pad_token_id
         self._psp = _packed_seq_params_cls()
         self._rows: dict[int, torch.Tensor] = {}
+        self._totals: LossTotals | None = None
 
     def plan(self, batch: Batch, *, min_micro_batches: int = 1) -> list[tuple[int, int]]:
         """The micro-batches' sample ranges (cheap: lengths only)."""
@@ -358,6 +376,10 @@ class MegatronBatcher:
             raise ValueError("a sample starts with a trained token (no prompt): the next-token "
                              "shift needs every sample to start with a prompt token")
         self._rows = {id(t): t.unsqueeze(0) for t in (*cols.values(), *ext.values())}
+        bt = batch.totals
+        self._totals = LossTotals(total_samples=bt.total_samples,
+                                  total_loss_tokens=bt.total_loss_tokens,
+                                  grad_ranks=bt.grad_ranks * self.layout.cp_size)
         lens = np.diff(cu)
         shard = _Shard(cu=cu, cu32=cu.astype(np.int32), lens=lens,
                        lens_t=torch.from_numpy(lens.astype(np.int32)),
@@ -373,9 +395,24 @@ class MegatronBatcher:
     # -- building ----------------------------------------------------------------------------
     @staticmethod
     def _columns(batch: Batch) -> dict[str, torch.Tensor]:
-        return {"tokens": batch.tokens, "labels": batch.tokens, "loss_mask": batch.loss_mask,
+        """The packed per-token columns, the per-sample ones expanded to the tokens."""
+        n, total = batch.num_samples, batch.num_tokens
+        per_sample = {
+            "temperature": batch.temperature if batch.temperature is not None
+            else torch.ones(n, dtype=torch.float32),
+            "top_p": batch.top_p if batch.top_p is not None
+            else torch.ones(n, dtype=torch.float32),
+            "top_k": batch.top_k if batch.top_k is not None
+            else torch.full((n,), -1, dtype=torch.int32)}
+        sample_of = batch.sample_of_token()
+        counts = torch.zeros(n, dtype=torch.float32).index_add_(
+            0, sample_of, batch.loss_mask.to(torch.float32))
+        cols = {"tokens": batch.tokens, "labels": batch.tokens, "loss_mask": batch.loss_mask,
                 "rollout_logprobs": batch.rollout_logprobs, "versions": batch.versions,
-                "advantages": batch.advantages}
+                "advantages": batch.advantages,
+                **{k: v[sample_of] if total else v[:0] for k, v in per_sample.items()},
+                "sample_loss_tokens": counts[sample_of] if total else counts[:0]}
+        return cols
 
     def _build(self, cols: dict[str, torch.Tensor], ext: dict[str, torch.Tensor],
                align: dict[str, Align], shard: _Shard, a: int, b: int) -> MicroBatch:
@@ -392,7 +429,8 @@ class MegatronBatcher:
                             max_seqlen_q=max_len, max_seqlen_kv=max_len)
             lens_t = shard.lens_t[a:b]
             return MicroBatch(**fields, packed_seq_params=psp, sample_ids=shard.ids_t[a:b],
-                              seqlens=lens_t, padded_seqlens=lens_t, extras=extras)
+                              seqlens=lens_t, padded_seqlens=lens_t, extras=extras,
+                              totals=self._totals)
         lens = shard.lens[a:b]
         plens = _round_up(lens, lay.seq_multiple)
         real = int(plens.sum())
@@ -415,7 +453,7 @@ class MegatronBatcher:
                           sample_ids=torch.arange(a, b, dtype=torch.int64),
                           seqlens=torch.from_numpy(lens.astype(np.int32)),
                           padded_seqlens=torch.from_numpy(plens.astype(np.int32)),
-                          extras=extras, _positions=positions)
+                          extras=extras, totals=self._totals, _positions=positions)
 
     def _all_views(self, cols: dict[str, torch.Tensor], ext: dict[str, torch.Tensor],
                    align: dict[str, Align], shard: _Shard, parts: list[tuple[int, int]]
@@ -460,11 +498,10 @@ class MegatronBatcher:
                           cu_seqlens_q_padded=c, cu_seqlens_kv_padded=c,
                           max_seqlen_q=maxes[i], max_seqlen_kv=maxes[i])
             out.append(MicroBatch(
-                tokens=fields["tokens"][i], labels=fields["labels"][i],
-                loss_mask=fields["loss_mask"][i], rollout_logprobs=fields["rollout_logprobs"][i],
-                versions=fields["versions"][i], advantages=fields["advantages"][i],
+                **{name: fields[name][i] for name in COLUMN_NAMES},
                 packed_seq_params=psp, sample_ids=ids[i], seqlens=lens[i],
-                padded_seqlens=lens[i], extras={n: v[i] for n, v in extras.items()}))
+                padded_seqlens=lens[i], extras={n: v[i] for n, v in extras.items()},
+                totals=self._totals))
         return out
 
     def _views(self, cols: dict[str, torch.Tensor], ext: dict[str, torch.Tensor],
