@@ -101,6 +101,9 @@ class ParallelLayout:
         m = self.pad_multiple
         if self.cp_size == 1 and self.sequence_parallel:
             m = math.lcm(m, self.tp_size)
+        elif self.cp_size > 1 and m > 1:
+            # the tail is one more padded sequence: it must split into 2·CP chunks too
+            m = math.lcm(m, self.seq_multiple)
         return m
 
     @classmethod
@@ -562,8 +565,15 @@ class MegatronBatcher:
         src_in = np.where(ok_in, starts[seq_of] + j - lo, fill_at)
         src_tg = np.where(ok_in & (src_in + 1 + lo < t_len), src_in + 1, fill_at)
         if tail:
-            tail_fill = np.full(tail // cp, fill_at, dtype=np.int64)  # tail only without CP
-            j = np.concatenate([j, np.arange(tail // cp, dtype=np.int64)])
+            # the tail padding sequence, split like the others (chunks r and 2cp-1-r)
+            if cp > 1:
+                c = tail // (2 * cp)
+                j_tail = np.concatenate([np.arange(r * c, (r + 1) * c),
+                                         np.arange((2 * cp - 1 - r) * c, (2 * cp - r) * c)])
+            else:
+                j_tail = np.arange(tail)
+            tail_fill = np.full(j_tail.shape[0], fill_at, dtype=np.int64)
+            j = np.concatenate([j, j_tail.astype(np.int64)])
             src_in = np.concatenate([src_in, tail_fill])
             src_tg = np.concatenate([src_tg, tail_fill])
         idx = {False: torch.from_numpy(src_in), True: torch.from_numpy(src_tg)}
