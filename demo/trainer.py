@@ -109,8 +109,9 @@ class GRPOTrainer:
         w = masked_tis_weights(logp, lo, m, mode=self.is_mode)
         denom = m.sum().clamp(min=1.0)
         # the loss reduction is an explicit option (docs/tuning.md); the default, GRPO's
-        # sequence mean of token means, weighs each sample the same whatever its length
-        loss = -aggregate_loss(w * a * logp, m, self.loss_agg)
+        # sequence mean of token means, weighs each sample the same whatever its length;
+        # over the whole batch's denominators (Batch.totals), as on any number of ranks
+        loss = -aggregate_loss(w * a * logp, m, self.loss_agg, totals=batch.totals)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)

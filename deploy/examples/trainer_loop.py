@@ -17,7 +17,7 @@ import json
 import logging
 import os
 
-from strawq.collector.importance import (DEFAULT_LOSS_AGG, aggregate_loss, masked_tis_weights,
+from strawq.collector.importance import (DEFAULT_LOSS_AGG, batch_loss, masked_tis_weights,
                                          sampling_bias_warning)
 from strawq.collector.reader import Batch, BatchReader
 from strawq.producers.sglang_client import SGLangClient
@@ -35,11 +35,17 @@ def train_step(batch: Batch) -> float:
     sampling_bias_warning(batch.top_p, batch.top_k)  # if you score the full softmax
     logp_new = batch.rollout_logprobs.clone().requires_grad_()   # float32 [T]: your model's
     w = masked_tis_weights(logp_new, batch.rollout_logprobs, batch.loss_mask, mode="tis")
-    # the same reduction as the demo trainer (docs/tuning.md, "Loss aggregation")
-    loss = -aggregate_loss(w * batch.advantages * logp_new, batch.loss_mask, DEFAULT_LOSS_AGG,
-                           batch.cu_seqlens)
+    # the same reduction as the demo trainer (docs/tuning.md, "Loss aggregation"), over the
+    # whole batch's denominators: with several data-parallel ranks, the mean of their
+    # gradients (DDP) is the whole batch's gradient (docs/api.md, "Loss over ranks")
+    loss = -batch_loss(w * batch.advantages * logp_new, batch, DEFAULT_LOSS_AGG)
     loss.backward()
-    return float(loss)
+    return float(loss.detach())
+
+
+def restore_model(checkpoint: str) -> None:
+    """Your model and optimizer restore, from the checkpoint saved with the reader state."""
+    log.info("model restored from %s (placeholder)", checkpoint)
 
 
 def save_weights(weights_dir: str, version: int) -> str:
@@ -83,15 +89,23 @@ def main(argv: list[str] | None = None) -> int:
 
     reader = BatchReader.open(args.run_dir, rank=0, world_size=1,
                               metrics_jsonl=args.metrics_jsonl)
-    if os.path.exists(args.checkpoint):
+    restored = os.path.exists(args.checkpoint)
+    if restored:
         with open(args.checkpoint, encoding="utf-8") as f:
             reader.load_state_dict(json.load(f))
+        restore_model(args.checkpoint)
     # engines producers keep out of rotation (on other weights) get the run's version
     reader.bracket.start_repairs(
         lambda urls, v: push_weights(args.router_url, args.weights_dir, v, urls))
-    if reader.bracket.is_open:  # a previous trainer stopped inside a weight update
-        reader.bracket.weight_update(
+    if restored or reader.bracket.is_open:
+        # The engines run whatever was pushed last: weights trained after this checkpoint
+        # (lost with the crash), or a previous trainer stopped inside a weight update. Put
+        # the restored weights on every engine, under a new version, before training
+        # resumes; rollouts of the lost weights are then older versions, corrected per
+        # token and bounded by the staleness rule like any other.
+        rep = reader.bracket.weight_update(
             lambda v: push_weights(args.router_url, args.weights_dir, v), timeout=600)
+        log.info("restored weights pushed to the engines as version %d", rep.version)
 
     for step in range(args.steps):
         batch = reader.next_batch(timeout=600)

@@ -177,3 +177,38 @@ def test_gloo_ranks_equal_the_reference_at_world_sizes_1_to_4(tmp_path, is_mode,
         _, ref = reference_gradients(run_dir, seq, TinyPolicy(), objective=obj)
         for w in (1, 2, 3, 4):
             assert max_relative_error(got[(w, obj)][1], ref) <= TOL, (w, obj)
+
+
+class _Padded(torch.nn.Module):
+    """``TinyPolicy`` on padded rows ``[S, L]`` (the demo trainer's layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyPolicy()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s, length = tokens.shape
+        cu = torch.arange(0, s * length + 1, max(length, 1))
+        pos = torch.arange(length).repeat(s)
+        return self.inner(tokens.reshape(-1), pos, cu).reshape(s, length, -1)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_demo_trainer_step_is_the_reference(run, tmp_path, mode):
+    """``GRPOTrainer.train_step`` (padded layout, the recorded temperatures, TIS) takes the
+    reference gradient, clipped to norm 1 as it clips."""
+    from strawq.demo.trainer import GRPOTrainer
+
+    run_dir, seq = run
+    (batch,) = _shards(run_dir, seq, 1)
+    model = _Padded()
+    trainer = GRPOTrainer(model=model, workdir=str(tmp_path), engine_urls=[],  # type: ignore[arg-type]
+                          lr=0.0, loss_agg=mode)
+    out = trainer.train_step(batch)
+    got = {k.removeprefix("inner."): g for k, g in gradients(model).items()}
+    loss, ref = reference_gradients(run_dir, seq, TinyPolicy(),
+                                    objective=Objective(aggregation=mode))
+    norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref.values())))
+    clipped = {k: g * min(1.0, 1.0 / (norm + 1e-6)) for k, g in ref.items()}
+    assert out["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    assert max_relative_error(got, clipped) <= TOL

@@ -445,3 +445,54 @@ def test_megatron_cross_entropy_at_the_temperature_is_policy_logprobs(gloo):
     nll = tensor_parallel.vocab_parallel_cross_entropy((logits / t).clone(), labels)
     want = policy_logprobs(logits[:, 0], labels[:, 0], mb.temperature[0])
     assert torch.allclose(-nll[:, 0], want, atol=1e-4)
+
+
+class _PackedTiny(torch.nn.Module):
+    """``TinyPolicy`` behind Megatron's calling convention: ``input_ids`` [1, t] and
+    ``packed_seq_params`` in, logits [t, 1, V] out (CP = 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from strawq.collector.reference import TinyPolicy
+
+        self.inner = TinyPolicy()
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None,
+                packed_seq_params=None):
+        from strawq.collector.reference import positions_from_cu
+
+        cu = packed_seq_params.cu_seqlens_q_padded
+        return self.inner(input_ids[0], positions_from_cu(cu), cu).unsqueeze(1)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+def test_the_example_train_step_gives_the_reference_gradient(gloo, ref_run, mode):
+    """deploy/examples/megatron_trainer_loop.py's own ``train_step`` (Megatron's
+    vocab-parallel cross-entropy at the recorded temperature, ``batch_loss`` per
+    micro-batch, the DP × CP mean) on one rank: the whole batch's reference gradient."""
+    import importlib.util
+    from pathlib import Path
+
+    from strawq.batches import BatchStore
+    from strawq.collector.reader import BatchReader
+    from strawq.collector.reference import (Objective, TinyPolicy, gradients,
+                                            max_relative_error, reference_gradients)
+    from strawq.queue import RunQueue
+    from strawq.storage import open_storage
+
+    path = Path(__file__).resolve().parents[3] / "deploy" / "examples" / \
+        "megatron_trainer_loop.py"
+    spec = importlib.util.spec_from_file_location("megatron_trainer_loop", path)
+    assert spec is not None and spec.loader is not None
+    loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop)
+    run_dir, seq = ref_run
+    q = RunQueue.open(open_storage(run_dir, writer_id="t"))
+    batch = BatchReader(q, checkpointed=False).load(BatchStore(q).read_manifest(seq))
+    model = _PackedTiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    loop.train_step(model, opt, MegatronBatcher(max_tokens_per_gpu=64), batch, mode)
+    got = {k.removeprefix("inner."): g for k, g in gradients(model).items()}
+    _, ref = reference_gradients(run_dir, seq, TinyPolicy(), objective=Objective(
+        aggregation=mode))
+    assert max_relative_error(got, ref) <= 1e-5
