@@ -44,8 +44,8 @@ import torch
 
 from strawq.batches import BatchStore, Manifest
 from strawq.collector.behaviour import sampling_columns
-from strawq.collector.importance import (DEFAULT_LOSS_AGG, LOSS_AGG_MODES, batch_loss,
-                                         masked_tis_weights, policy_logprobs)
+from strawq.collector.importance import (DEFAULT_LOSS_AGG, LOSS_AGG_MODES, aggregate_loss,
+                                         batch_loss, masked_tis_weights, policy_logprobs)
 from strawq.collector.reader import Batch, BatchReader
 from strawq.queue import RunQueue
 from strawq.storage import Storage, open_storage
@@ -142,10 +142,36 @@ class TinyPolicy(torch.nn.Module):
 
 
 def positions_from_cu(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """int64 [T]: each token's position within its sequence."""
+    """int64 [T]: each token's position within its sequence (on ``cu_seqlens``' device)."""
     cu = cu_seqlens.to(torch.int64)
     lens = cu[1:] - cu[:-1]
-    return torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lens)
+    return torch.arange(int(cu[-1]), device=cu.device) - torch.repeat_interleave(cu[:-1], lens)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    for q in model.parameters():
+        return q.device
+    return torch.device("cpu")
+
+
+def _zero_loss(model: torch.nn.Module) -> torch.Tensor:
+    """A zero connected to every parameter (their gradients exist, and are 0)."""
+    return sum((q.sum() * 0.0 for q in model.parameters()),
+               torch.zeros((), device=_device(model)))
+
+
+def batch_to(batch: Batch, device: torch.device | str) -> Batch:
+    """A copy of a reader ``Batch`` with every tensor on ``device``."""
+    import dataclasses
+
+    moved: dict[str, Any] = {}
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        if isinstance(v, torch.Tensor):
+            moved[f.name] = v.to(device)
+        elif f.name == "extras":
+            moved[f.name] = {k: t.to(device) for k, t in v.items()}
+    return dataclasses.replace(batch, **moved)
 
 
 # -- the oracle ------------------------------------------------------------------------------
@@ -173,6 +199,7 @@ def reference_loss(run: RunQueue | Storage | str, manifest: Manifest | int,
     """
     queue = _queue(run)
     man = _manifest(queue, manifest)
+    dev = _device(model)
     sums: list[torch.Tensor] = []
     counts: list[float] = []
     for name, summ in zip(man.groups, man.summaries, strict=True):
@@ -181,35 +208,36 @@ def reference_loss(run: RunQueue | Storage | str, manifest: Manifest | int,
         adv = list(summ.get("advantages") or [])
         if len(adv) != g.num_samples:
             adv = [0.0] * g.num_samples
-        prompt = torch.from_numpy(np.array(g.prompt_ids, dtype=np.int64))
+        prompt = torch.from_numpy(np.array(g.prompt_ids, dtype=np.int64)).to(dev)
         p = int(prompt.shape[0])
         for i in range(g.num_samples):
             s = g.sample(i)
-            resp = torch.from_numpy(np.array(s["tokens"], dtype=np.int64))
+            resp = torch.from_numpy(np.array(s["tokens"], dtype=np.int64)).to(dev)
             r = int(resp.shape[0])
-            mask = torch.from_numpy(np.array(s["loss_mask"], dtype=np.float32))
+            mask = torch.from_numpy(np.array(s["loss_mask"], dtype=np.float32)).to(dev)
             counts.append(float(mask.sum()))
             if r == 0:
-                sums.append(torch.zeros(()))
+                sums.append(torch.zeros((), device=dev))
                 continue
             if p == 0:
                 raise ValueError(f"group {name.id} sample {i} has a response and no prompt: "
                                  "nothing predicts its first token")
             seq = torch.cat([prompt, resp])
             length = p + r
-            logits = model(seq, torch.arange(length), torch.tensor([0, length]))
-            ones = torch.ones(r)
+            logits = model(seq, torch.arange(length, device=dev),
+                           torch.tensor([0, length], device=dev))
+            ones = torch.ones(r, device=dev)
             per = objective.token_loss(
                 logits[p - 1:length - 1], resp,
-                torch.from_numpy(np.array(s["logprobs"], dtype=np.float32)), mask,
-                torch.full((r,), float(adv[i])), ones * float(params["temperature"][i]),
+                torch.from_numpy(np.array(s["logprobs"], dtype=np.float32)).to(dev), mask,
+                ones * float(adv[i]), ones * float(params["temperature"][i]),
                 ones * float(params["top_p"][i]),
-                torch.full((r,), int(params["top_k"][i]), dtype=torch.int64))
+                torch.full((r,), int(params["top_k"][i]), dtype=torch.int64, device=dev))
             sums.append((per * mask).sum())
     if not sums:
-        return sum((q.sum() * 0.0 for q in model.parameters()), torch.zeros(()))
+        return _zero_loss(model)
     total = torch.stack(sums)
-    c = torch.tensor(counts)
+    c = torch.tensor(counts, device=dev)
     mode = objective.aggregation
     if mode == "token_mean":
         return total.sum() / max(float(c.sum()), 1.0)
@@ -246,36 +274,46 @@ def max_relative_error(grads: Mapping[str, torch.Tensor], ref: Mapping[str, torc
         raise ValueError(f"parameters differ: {sorted(set(grads) ^ set(ref))}")
     worst = 0.0
     for n, r in ref.items():
-        d = float((grads[n].double() - r.double()).abs().max()) if r.numel() else 0.0
-        scale = float(r.double().abs().max()) if r.numel() else 0.0
+        g64, r64 = grads[n].detach().cpu().double(), r.detach().cpu().double()
+        d = float((g64 - r64).abs().max()) if r.numel() else 0.0
+        scale = float(r64.abs().max()) if r.numel() else 0.0
         worst = max(worst, d / scale if scale > 0 else d)
     return worst
 
 
 # -- the paths under test --------------------------------------------------------------------
-def reader_loss(model: torch.nn.Module, batch: Batch, objective: Objective = Objective()
-                ) -> torch.Tensor:
+def reader_loss(model: torch.nn.Module, batch: Batch, objective: Objective = Objective(),
+                *, scope: str = "global") -> torch.Tensor:
     """One rank's loss on its reader shard: the documented trainer code.
 
     The model scores the packed shard in one forward; token t's loss (aligned with
     ``batch.tokens``) uses the logits at t − 1 and the sample's recorded sampling
     parameters; ``importance.batch_loss`` reduces it with the whole batch's denominators.
-    An empty shard gives a zero loss connected to every parameter (every rank steps).
+    ``scope="local"`` reduces with the shard's own instead (``aggregate_loss`` without
+    totals), to measure that form's bias across ranks. An empty shard gives a zero loss
+    connected to every parameter (every rank steps).
     """
+    if scope not in ("global", "local"):
+        raise ValueError(f"scope must be 'global' or 'local', got {scope!r}")
     t = batch.num_tokens
     if t < 2:
-        return sum((q.sum() * 0.0 for q in model.parameters()), torch.zeros(()))
+        return _zero_loss(model)
+    dev = _device(model)
+    if batch.tokens.device != dev:
+        batch = batch_to(batch, dev)
     cu = batch.cu_seqlens.to(torch.int64)
     logits = model(batch.tokens, positions_from_cu(cu), cu)
     n = batch.num_samples
-    temp = batch.temperature if batch.temperature is not None else torch.ones(n)
-    top_p = batch.top_p if batch.top_p is not None else torch.ones(n)
-    top_k = batch.top_k if batch.top_k is not None else torch.full((n,), -1)
+    temp = batch.temperature if batch.temperature is not None else torch.ones(n, device=dev)
+    top_p = batch.top_p if batch.top_p is not None else torch.ones(n, device=dev)
+    top_k = batch.top_k if batch.top_k is not None else torch.full((n,), -1, device=dev)
     per = objective.token_loss(
         logits[:-1], batch.tokens[1:], batch.rollout_logprobs[1:], batch.loss_mask[1:],
         batch.advantages[1:], batch.token_column(temp)[1:], batch.token_column(top_p)[1:],
         batch.token_column(top_k)[1:])
     per = torch.cat([per.new_zeros(1), per])  # token 0 is a prompt token: never trained
+    if scope == "local":
+        return aggregate_loss(per, batch.loss_mask, objective.aggregation, batch.cu_seqlens)
     return batch_loss(per, batch, objective.aggregation)
 
 
@@ -290,6 +328,8 @@ def micro_batch_losses(model: torch.nn.Module, cp_parts: Sequence[Any],
     context-parallel attention exchanges them; each rank's loss then takes only its own
     positions. A position held by no rank or by two fails here.
     """
+    dev = _device(model)
+    cp_parts = [mb if mb.tokens.device == dev else mb.to(dev) for mb in cp_parts]
     first = cp_parts[0]
     psp = first.packed_seq_params
     cu_pad = psp.cu_seqlens_q_padded.to(torch.int64)
@@ -297,14 +337,14 @@ def micro_batch_losses(model: torch.nn.Module, cp_parts: Sequence[Any],
     cp = len(cp_parts)
     if cp == 1:
         full_tokens = first.tokens[0]
-        index = [torch.arange(total)]
+        index = [torch.arange(total, device=dev)]
     else:
         plens = cu_pad[1:] - cu_pad[:-1]
         per_rank = plens // cp  # each rank holds 2 chunks of plens / (2 cp)
-        seq_of = torch.repeat_interleave(torch.arange(plens.numel()), per_rank)
-        index = [cu_pad[:-1][seq_of] + mb.position_ids()[0] for mb in cp_parts]
-        full_tokens = torch.full((total,), -1, dtype=first.tokens.dtype)
-        seen = torch.zeros(total, dtype=torch.int64)
+        seq_of = torch.repeat_interleave(torch.arange(plens.numel(), device=dev), per_rank)
+        index = [cu_pad[:-1][seq_of] + mb.position_ids()[0].to(dev) for mb in cp_parts]
+        full_tokens = torch.full((total,), -1, dtype=first.tokens.dtype, device=dev)
+        seen = torch.zeros(total, dtype=torch.int64, device=dev)
         for mb, idx in zip(cp_parts, index, strict=True):
             full_tokens[idx] = mb.tokens[0]
             seen.index_add_(0, idx, torch.ones_like(idx))
@@ -339,7 +379,7 @@ def megatron_gradients(run: RunQueue | Storage | str, manifest: Manifest | int,
     queue = _queue(run)
     man = _manifest(queue, manifest)
     model.zero_grad(set_to_none=True)
-    total = torch.zeros(())
+    total = torch.zeros((), device=_device(model))
     for r in range(dp_size):
         reader = BatchReader(queue, rank=r, world_size=dp_size, checkpointed=False,
                              watch=None, sleep=lambda _s: None)
@@ -354,7 +394,7 @@ def megatron_gradients(run: RunQueue | Storage | str, manifest: Manifest | int,
             for loss in micro_batch_losses(model, parts, objective):
                 total = total + loss
         if not per_cp[0]:  # an empty shard still steps
-            total = total + sum((q.sum() * 0.0 for q in model.parameters()), torch.zeros(()))
+            total = total + _zero_loss(model)
     total.backward()  # type: ignore[no-untyped-call]
     n = dp_size * cp_size
     grads = {k: g / n for k, g in gradients(model).items()}

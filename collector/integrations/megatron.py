@@ -400,21 +400,25 @@ class MegatronBatcher:
     def _columns(batch: Batch) -> dict[str, torch.Tensor]:
         """The packed per-token columns, the per-sample ones expanded to the tokens."""
         n, total = batch.num_samples, batch.num_tokens
-        per_sample = {
+        per_sample: dict[str, torch.Tensor] = {
             "temperature": batch.temperature if batch.temperature is not None
             else torch.ones(n, dtype=torch.float32),
             "top_p": batch.top_p if batch.top_p is not None
             else torch.ones(n, dtype=torch.float32),
             "top_k": batch.top_k if batch.top_k is not None
             else torch.full((n,), -1, dtype=torch.int32)}
-        sample_of = batch.sample_of_token()
-        counts = torch.zeros(n, dtype=torch.float32).index_add_(
-            0, sample_of, batch.loss_mask.to(torch.float32))
+        cu = batch.cu_seqlens.to(torch.int64)
+        lens = cu[1:] - cu[:-1]
+        # trained tokens per sample: differences of the mask's running sum at the boundaries
+        csum = torch.zeros(total + 1, dtype=torch.int64)
+        torch.cumsum(batch.loss_mask, 0, dtype=torch.int64, out=csum[1:])
+        counts = (csum[cu[1:]] - csum[cu[:-1]]).to(torch.float32)
         cols = {"tokens": batch.tokens, "labels": batch.tokens, "loss_mask": batch.loss_mask,
                 "rollout_logprobs": batch.rollout_logprobs, "versions": batch.versions,
                 "advantages": batch.advantages,
-                **{k: v[sample_of] if total else v[:0] for k, v in per_sample.items()},
-                "sample_loss_tokens": counts[sample_of] if total else counts[:0]}
+                **{k: torch.repeat_interleave(v, lens, output_size=total)
+                   for k, v in per_sample.items()},
+                "sample_loss_tokens": torch.repeat_interleave(counts, lens, output_size=total)}
         return cols
 
     def _build(self, cols: dict[str, torch.Tensor], ext: dict[str, torch.Tensor],

@@ -106,25 +106,12 @@ def test_rank_local_normalisation_is_what_the_global_one_fixes(run):
     for b in _shards(run_dir, seq, 4):
         for store, use_totals in ((local, False), (glob, True)):
             model = TinyPolicy()
-            loss = reader_loss(model, b, obj) if use_totals else _local_loss(model, b, obj)
+            loss = reader_loss(model, b, obj, scope="global" if use_totals else "local")
             loss.backward()
             for k, g in gradients(model).items():
                 store[k] = store.get(k, torch.zeros_like(g)) + g / 4
     assert max_relative_error(glob, ref) <= TOL
     assert max_relative_error(local, ref) > 1e-2
-
-
-def _local_loss(model, b, obj):
-    """The same per-token objective reduced over the shard alone (no totals)."""
-    from strawq.collector.reference import positions_from_cu
-
-    cu = b.cu_seqlens.to(torch.int64)
-    logits = model(b.tokens, positions_from_cu(cu), cu)
-    per = obj.token_loss(logits[:-1], b.tokens[1:], b.rollout_logprobs[1:], b.loss_mask[1:],
-                         b.advantages[1:], b.token_column(b.temperature)[1:],
-                         b.token_column(b.top_p)[1:], b.token_column(b.top_k)[1:])
-    per = torch.cat([per.new_zeros(1), per])
-    return aggregate_loss(per, b.loss_mask, obj.aggregation, b.cu_seqlens)
 
 
 def test_token_mean_without_counts_is_refused_across_ranks():
