@@ -7,6 +7,12 @@ checkpoint's ``batch_seq`` is never delivered again (it is acked on the spot if 
 Only rank 0 writes (acks); every rank reads the same manifest and packs only its shard (see
 ``strawq.collector.packing.shard_groups``). Call ``ack`` after the optimizer step — every rank has
 loaded its shard by then, so the collector's GC cannot pull payloads from under a reader.
+
+A shard's loss is its share of the *whole batch's*: ``Batch.totals`` carries the batch's
+sample and trained-token counts (from the manifest, the same on every rank), and
+``strawq.collector.importance.batch_loss`` divides by them, so the DDP mean of the ranks'
+gradients is the single-process gradient of the whole batch (docs/design.md, invariant 11;
+checked against ``strawq.collector.reference``).
 """
 
 from __future__ import annotations

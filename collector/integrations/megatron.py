@@ -29,6 +29,13 @@ What a Megatron-core trainer needs from one data-parallel rank's shard:
   every sequence has ``loss_mask`` 0 (what follows it in the stream is the next sample's
   first prompt token, or padding, and is never trained). ``input`` extras (e.g. routed
   experts, recorded per input position) are not shifted.
+* **the behaviour policy and the loss denominators per label**: ``temperature``, ``top_p``
+  and ``top_k`` are each label's sample's recorded sampling parameters (score at
+  ``temperature``: the engines record tempered log-probs), ``sample_loss_tokens`` its
+  sample's trained tokens over every CP rank, and ``totals`` the whole batch's
+  denominators with DP × CP as the ranks averaged over: ``importance.batch_loss(per_token,
+  mb, mode)`` summed over a rank's micro-batches, gradients averaged over DP × CP, is the
+  single-process gradient of the whole batch (docs/design.md, invariant 11).
 
 Dtypes are the reader's (int32 ids, uint8 mask, float32 log-probs and advantages, int64
 versions): Megatron's embedding and ``vocab_parallel_cross_entropy`` take int32 ids, and
