@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                             f"pad={pad} budget={budget}")
                     add(name, obj, loss, grads)
         for obj in objectives:
+            if obj.truncated or obj.is_mode not in ("tis", "icepop", "icepop_mask"):
+                continue  # the demo trainer scores at the temperature only, with an IS weight
             loss, grads = demo_gradients(run_dir, seq, obj, dev, os.path.join(base, "demo"))
             _, ref = refs[obj]
             norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref.values())))
@@ -227,9 +229,20 @@ def main(argv: list[str] | None = None) -> int:
             add("demo GRPOTrainer (clipped)", obj, loss, grads, clipped)
         slime_fn = slime_hook()
         if slime_fn is not None:
+            done = 0
             for obj in objectives:
-                loss, grads = slime_fn(run_dir, seq, TinyPolicy().to(dev), objective=obj)
-                add("slime", obj, loss, grads)
+                try:
+                    loss, grads = slime_fn(run_dir, seq, TinyPolicy().to(dev), objective=obj)
+                except ValueError as exc:  # an objective slime cannot express
+                    print(f"slime path, {obj}: left out ({exc})", file=sys.stderr)
+                    continue
+                except ImportError as exc:  # slime itself is not installed
+                    print(f"the slime path is left out: {exc}", file=sys.stderr)
+                    break
+                add("slime generate_rollout", obj, loss, grads)
+                done += 1
+            if not done:
+                slime_fn = None
         else:
             print("the slime path is left out: strawq.collector.integrations.slime offers no "
                   "slime_path_gradients(run_dir, seq, model, *, objective)", file=sys.stderr)

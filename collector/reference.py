@@ -275,6 +275,8 @@ def max_relative_error(grads: Mapping[str, torch.Tensor], ref: Mapping[str, torc
     worst = 0.0
     for n, r in ref.items():
         g64, r64 = grads[n].detach().cpu().double(), r.detach().cpu().double()
+        if not (bool(torch.isfinite(g64).all()) and bool(torch.isfinite(r64).all())):
+            return float("inf")  # a non-finite gradient agrees with nothing
         d = float((g64 - r64).abs().max()) if r.numel() else 0.0
         scale = float(r64.abs().max()) if r.numel() else 0.0
         worst = max(worst, d / scale if scale > 0 else d)
@@ -474,7 +476,9 @@ def distributed_gradients(run_dir: str, seq: int, *, world_sizes: Iterable[int] 
 
 # -- a run to check against -------------------------------------------------------------------
 def make_reference_run(path: str, *, groups: int = 12, group_size: int = 4, seed: int = 0,
-                       max_response: int = 60, vocab: int = 64) -> tuple[str, int]:
+                       max_response: int = 60, vocab: int = 64,
+                       policy: torch.nn.Module | None = None,
+                       logprob_noise: float = 0.3) -> tuple[str, int]:
     """Create a run under ``path`` with one published batch of ``groups`` groups; returns
     the run's queue directory and the batch number.
 
@@ -484,7 +488,34 @@ def make_reference_run(path: str, *, groups: int = 12, group_size: int = 4, seed
     tokens), tokens from up to three weight versions, rewards giving non-trivial GRPO
     advantages, and per-sample sampling parameters (temperature 0.6 to 1.2, some with top-k
     and top-p) recorded in ``meta["params"]`` as producers record them.
+
+    Responses are sampled from ``policy`` (default ``TinyPolicy(vocab=vocab)``, the model the
+    checks score with) at each sample's parameters, top-k and top-p cut jointly as SGLang
+    does, so every token is one the truncated behaviour policy can draw; the recorded
+    log-probs are the policy's tempered, untruncated ones (SGLang's convention) plus
+    Gaussian noise of ``logprob_noise`` nats, so the importance weights spread over their
+    clipping and masking ranges as an off-policy batch's do.
     """
+    from strawq.collector.importance import sampling_mask
+
+    gen = policy if policy is not None else TinyPolicy(vocab=vocab)
+    torch_rng = torch.Generator().manual_seed(seed)
+
+    def sample(prompt: list[int], n: int, p: Mapping[str, Any]) -> tuple[list[int], list[float]]:
+        toks = list(prompt)
+        lps: list[float] = []
+        with torch.no_grad():
+            for _ in range(n):
+                x = torch.tensor(toks)
+                logits = gen(x, torch.arange(len(toks)), torch.tensor([0, len(toks)]))[-1]
+                tempered = logits.float() / float(p["temperature"])
+                drop = sampling_mask(tempered, (), top_p=float(p["top_p"]),
+                                     top_k=int(p["top_k"]))
+                cut = tempered if drop is None else tempered.masked_fill(drop, float("-inf"))
+                tok = int(torch.multinomial(cut.softmax(-1), 1, generator=torch_rng))
+                lps.append(float(torch.log_softmax(tempered, -1)[tok]))
+                toks.append(tok)
+        return toks[len(prompt):], lps
     from strawq.collector.config import CollectorConfig
     from strawq.collector.core import Collector
     from strawq.config import QueueConfig
@@ -521,18 +552,25 @@ def make_reference_run(path: str, *, groups: int = 12, group_size: int = 4, seed
             total = int(lens.sum())
             mask = (rng.random(total) > 0.15).astype(np.uint8)
             params = []
-            for _ in range(group_size):
+            for _ in range(group_size):  # per sample
                 truncated = rng.random() < 0.4
                 params.append({"temperature": float(rng.choice([0.6, 0.8, 1.0, 1.2])),
                                "top_p": float(rng.choice([0.7, 0.9])) if truncated else 1.0,
                                "top_k": int(rng.choice([5, 20])) if truncated else -1,
                                "max_new_tokens": int(hi)})
+            prompt = [int(t) for t in lease.task["row"]["prompt"]]
+            toks: list[int] = []
+            lps: list[float] = []
+            for i in range(group_size):
+                t_i, lp_i = sample(prompt, int(lens[i]), params[i])
+                toks += t_i
+                lps += lp_i
+            noisy = np.asarray(lps, np.float64) + rng.normal(0.0, logprob_noise, total)
             grp = GroupData(
                 task_id=lease.task_id, index=int(lease.task["index"]),
-                prompt_ids=np.asarray(lease.task["row"]["prompt"], np.int32),
-                sample_lens=lens.tolist(),
-                tokens=rng.integers(0, vocab, total).astype(np.int32),
-                logprobs=np.log(rng.uniform(0.005, 1.0, total)).astype(np.float32),
+                prompt_ids=np.asarray(prompt, np.int32), sample_lens=lens.tolist(),
+                tokens=np.asarray(toks, np.int32),
+                logprobs=np.minimum(noisy, 0.0).astype(np.float32),
                 versions=rng.integers(0, 3, total).astype(np.int64), loss_mask=mask,
                 rewards=[float(x) for x in rng.random(group_size).round(2)],
                 status=["completed"] * group_size, meta={"params": params})

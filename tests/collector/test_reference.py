@@ -199,3 +199,15 @@ def test_demo_trainer_step_is_the_reference(run, tmp_path, mode):
     clipped = {k: g * min(1.0, 1.0 / (norm + 1e-6)) for k, g in ref.items()}
     assert out["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
     assert max_relative_error(got, clipped) <= TOL
+
+
+def test_truncated_scoring_is_finite_and_nan_never_agrees(run):
+    """The reference batch's tokens are drawn under each sample's joint top-k / top-p cut,
+    so scoring under that truncation is finite; a non-finite gradient never 'agrees'."""
+    run_dir, seq = run
+    loss, grads = reference_gradients(run_dir, seq, TinyPolicy(),
+                                      objective=Objective(truncated=True, is_mode="icepop"))
+    assert math.isfinite(loss)
+    assert max_relative_error(grads, grads) == 0.0
+    bad = {k: torch.full_like(g, float("nan")) for k, g in grads.items()}
+    assert max_relative_error(bad, grads) == math.inf
