@@ -128,7 +128,9 @@ class Batch:
         samples, tokens = self.total_samples, self.total_loss_tokens
         if self.world_size == 1:
             samples = self.num_samples if samples is None else samples
-            tokens = int(self.loss_mask.sum()) if tokens is None else tokens
+            if tokens is None:  # count_nonzero: a uint8 sum() promotes, ~20x slower
+                tokens = int(np.count_nonzero(self.loss_mask.numpy())) \
+                    if self.loss_mask.device.type == "cpu" else int(self.loss_mask.sum())
         elif samples is None:
             raise ValueError(f"batch {self.seq} (rank {self.rank} of {self.world_size}) has no "
                              "total_samples: a shard's loss needs the whole batch's "
