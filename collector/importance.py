@@ -17,8 +17,11 @@ weight update), so the behaviour policy is per token: ``rollout_logprobs[t]`` un
   on-policy token: a rollout at T = 0.6 scored at T = 1 does not give ρ = 1;
 * ``sampling_bias_warning`` one warning when top-p < 1 or top-k > 0 and the caller scores
   with the full distribution (ratios biased by log of the kept mass);
-* ``aggregate_loss``      the loss reduction as an explicit option (``LOSS_AGG_MODES``),
-  the one the demo trainer and the examples call.
+* ``aggregate_loss``      the loss reduction as an explicit option (``LOSS_AGG_MODES``);
+  with ``LossTotals`` (the whole batch's denominators) it is rank-invariant: the mean of
+  the ranks' gradients is the single-process gradient of the whole batch;
+* ``batch_loss``          ``aggregate_loss`` for a reader ``Batch`` or a Megatron
+  ``MicroBatch`` with its global totals: the call the demo trainer and the examples make.
 
 Every weight function returns a tensor of the input's shape and leaves masking by
 ``loss_mask`` to the caller (``* loss_mask`` once, at the end), so they compose.
@@ -28,6 +31,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -115,35 +120,64 @@ def policy_logprobs(logits: torch.Tensor, targets: torch.Tensor,
 
     ``logits`` [..., V], ``targets`` [...]; ``temperature`` / ``top_p`` / ``top_k`` are a
     scalar or broadcast to ``targets`` (a ``Batch``'s per-sample columns expanded to its
-    tokens). Temperature below ``GREEDY_TEMPERATURE`` means greedy: unscaled log-probs. With
-    ``top_k`` (> 0) or ``top_p`` (< 1) the distribution is truncated and renormalised as the
-    engine's sampler does. Match the engine's *recorded* log-probs: SGLang (by default) and
-    the tiny engine record the tempered distribution before truncation, so score those with
-    ``temperature`` only; ratios of truncated rollouts then stay biased by log of the kept
-    mass (``sampling_bias_warning``). Pass ``top_k`` / ``top_p`` to score the truncated
-    behaviour policy exactly, against engines that record truncated log-probs.
+    tokens, or a ``MicroBatch``'s per-token ones). Temperature below ``GREEDY_TEMPERATURE``
+    means greedy: unscaled log-probs. With ``top_k`` (> 0) or ``top_p`` (< 1) the
+    distribution is truncated and renormalised as SGLang's sampler does (``sampling_mask``).
+    Match the engine's *recorded* log-probs: SGLang (by default) and the tiny engine record
+    the tempered distribution before truncation, so score those with ``temperature`` only;
+    ratios of truncated rollouts then stay biased by log of the kept mass
+    (``sampling_bias_warning``). Pass ``top_k`` / ``top_p`` to score the truncated behaviour
+    policy exactly, against engines that record truncated log-probs.
     """
     x = logits.float()
     t = torch.as_tensor(temperature, dtype=x.dtype, device=x.device)
     t = torch.where(t < GREEDY_TEMPERATURE, torch.ones_like(t), t)
     x = x / t.expand(targets.shape).unsqueeze(-1) if t.dim() else x / t
-    if top_k is not None:
-        k = torch.as_tensor(top_k, device=x.device).expand(targets.shape)
-        if bool((k > 0).any()):
-            vocab = x.shape[-1]
-            kk = torch.where(k > 0, k.clamp(max=vocab), torch.full_like(k, vocab))
-            ranked = x.sort(dim=-1, descending=True).values
-            kth = ranked.gather(-1, (kk - 1).unsqueeze(-1).long())
-            x = x.masked_fill(x < kth, float("-inf"))
-    if top_p is not None:
-        p = torch.as_tensor(top_p, dtype=x.dtype, device=x.device).expand(targets.shape)
-        if bool((p < 1).any()):
-            probs, order = x.softmax(-1).sort(dim=-1, descending=True)
-            before = probs.cumsum(-1) - probs  # mass strictly above each token
-            drop_sorted = before >= p.unsqueeze(-1)
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-            x = x.masked_fill(drop, float("-inf"))
+    drop = sampling_mask(x, targets.shape, top_p=top_p, top_k=top_k)
+    if drop is not None:
+        x = x.masked_fill(drop, float("-inf"))
     return torch.log_softmax(x, -1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+def sampling_mask(tempered: torch.Tensor, shape: torch.Size | tuple[int, ...], *,
+                  top_p: torch.Tensor | float | None = None,
+                  top_k: torch.Tensor | int | None = None) -> torch.Tensor | None:
+    """bool [..., V]: the tokens SGLang's sampler can never draw (None when nothing is cut).
+
+    SGLang 0.5.x applies top-k and top-p *jointly* on the tempered distribution
+    (``top_k_top_p_min_p_sampling_from_probs_torch`` in ``sglang/srt/layers/sampler.py``,
+    and flashinfer's ``top_k_top_p_sampling_from_probs(..., filter_apply_order="joint")``
+    on CUDA): the probabilities are sorted once, ``probs_sum = cumsum(probs_sort)`` is taken
+    over the *full* sorted distribution, then the ranks ``>= top_k`` are zeroed and the
+    tokens with ``probs_sum - probs_sort > top_p`` (mass strictly above them over top_p)
+    are zeroed; what is left is renormalised only by the draw. Top-p is therefore *not*
+    computed over the top-k-renormalised probabilities: renormalising first cuts tokens
+    SGLang keeps (which then score −inf and make the loss inf). Ranks, not values, bound
+    top-k (ties at the k-th value are cut by position in the sort, as SGLang's are).
+    """
+    vocab = tempered.shape[-1]
+    k = None
+    if top_k is not None:
+        k = torch.as_tensor(top_k, device=tempered.device).expand(shape)
+        k = torch.where(k > 0, k.clamp(max=vocab), torch.full_like(k, vocab))
+        if not bool((k < vocab).any()):
+            k = None
+    p = None
+    if top_p is not None:
+        p = torch.as_tensor(top_p, dtype=tempered.dtype, device=tempered.device).expand(shape)
+        if not bool((p < 1).any()):
+            p = None
+    if k is None and p is None:
+        return None
+    probs, order = tempered.detach().softmax(-1).sort(dim=-1, descending=True)
+    drop_sorted = torch.zeros_like(probs, dtype=torch.bool)
+    if k is not None:
+        rank = torch.arange(vocab, device=tempered.device)
+        drop_sorted |= rank >= k.unsqueeze(-1)
+    if p is not None:
+        before = probs.cumsum(-1) - probs  # mass strictly above each token, full distribution
+        drop_sorted |= before > p.unsqueeze(-1)
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 
 
 _WARNED: set[str] = set()
@@ -175,17 +209,71 @@ def sampling_bias_warning(top_p: torch.Tensor | float | None,
     return msg
 
 
+@dataclass(frozen=True)
+class LossTotals:
+    """The whole batch's loss denominators, and the ranks its gradients are averaged over.
+
+    With them a rank's loss is its share of the *batch's* loss, whatever the shard holds:
+    ``aggregate_loss(..., totals=)`` returns ``grad_ranks · Σ_shard / global denominator``,
+    so DDP-style averaging (the mean of the ranks' gradients, ``grad_ranks`` of them)
+    reproduces the single-process gradient of the whole batch exactly (docs/design.md,
+    invariant 11). ``Batch.totals`` and ``MicroBatch.totals`` carry them.
+    """
+
+    #: samples in the whole batch (every rank's)
+    total_samples: int
+    #: trained tokens (``loss_mask`` = 1) in the whole batch; None where the manifest does
+    #: not count them (records written without per-sample ``loss_tokens``)
+    total_loss_tokens: int | None
+    #: the ranks whose gradients are averaged: the data-parallel world size (× CP under
+    #: Megatron, whose DDP averages over the DP × CP group)
+    grad_ranks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.grad_ranks < 1:
+            raise ValueError(f"grad_ranks must be >= 1, got {self.grad_ranks}")
+        if self.total_samples < 0:
+            raise ValueError(f"total_samples must be >= 0, got {self.total_samples}")
+
+
 def aggregate_loss(per_token: torch.Tensor, loss_mask: torch.Tensor, mode: str = DEFAULT_LOSS_AGG,
-                   cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                   cu_seqlens: torch.Tensor | None = None, *, totals: LossTotals | None = None,
+                   sample_loss_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce per-token losses to a scalar (``LOSS_AGG_MODES``), masked by ``loss_mask``.
 
-    ``per_token`` and ``loss_mask`` are padded ``[S, L]`` (one sample per row) or flat
-    ``[T]`` with ``cu_seqlens`` [S + 1] (the reader's layout).
+    ``per_token`` and ``loss_mask`` are padded ``[S, L]`` (one sample per row), flat ``[T]``
+    with ``cu_seqlens`` [S + 1] (the reader's layout), or any shape with
+    ``sample_loss_tokens`` (per token: the trained tokens of its sample, the
+    ``MicroBatch`` column; needed by ``seq_mean_token_mean`` only).
+
+    Without ``totals`` the denominators are the input's own (one process holding the whole
+    batch). With ``totals`` (``Batch.totals``, ``MicroBatch.totals``) they are the whole
+    batch's and the result is scaled by ``totals.grad_ranks``: every mode is then
+    rank-invariant by construction — the mean over ranks of their gradients equals the
+    gradient of the whole batch on one process, at any world size and shard balance.
+    ``batch_loss`` makes that call for a ``Batch`` or a ``MicroBatch``.
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss aggregation must be one of {LOSS_AGG_MODES}, got {mode!r}")
     m = loss_mask.to(per_token.dtype)
     x = per_token * m
+    if totals is not None:
+        scale = float(totals.grad_ranks)
+        if mode == "token_mean":
+            if totals.total_loss_tokens is None:
+                if totals.grad_ranks > 1:
+                    raise ValueError(
+                        "token_mean needs the whole batch's trained-token count, and this "
+                        "manifest does not record per-sample loss_tokens (records written by "
+                        "an older producer): use seq_mean_token_mean or seq_mean_token_sum, "
+                        "or train on one rank")
+                return x.sum() / m.sum().clamp(min=1.0)
+            return x.sum() * (scale / max(totals.total_loss_tokens, 1))
+        denom = scale / max(totals.total_samples, 1)
+        if mode == "seq_mean_token_sum":
+            return x.sum() * denom
+        counts = _token_sample_counts(m, cu_seqlens, sample_loss_tokens)
+        return (x / counts.clamp(min=1.0)).sum() * denom
     if mode == "token_mean":
         return x.sum() / m.sum().clamp(min=1.0)
     if cu_seqlens is None:
@@ -194,16 +282,55 @@ def aggregate_loss(per_token: torch.Tensor, loss_mask: torch.Tensor, mode: str =
                              "or flat [T] with cu_seqlens")
         sums, counts = x.sum(-1), m.sum(-1)
     else:
-        cu = cu_seqlens.to(torch.int64)
-        lens = cu[1:] - cu[:-1]
-        sample_of = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-        sums = torch.zeros(lens.numel(), dtype=x.dtype).index_add(0, sample_of, x)
-        counts = torch.zeros(lens.numel(), dtype=x.dtype).index_add(0, sample_of, m)
+        sample_of = _sample_of(cu_seqlens, x.device)
+        n = int(cu_seqlens.numel()) - 1
+        sums = torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, sample_of, x)
+        counts = torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, sample_of, m)
     if sums.numel() == 0:
         return x.sum() * 0.0
     if mode == "seq_mean_token_sum":
         return sums.mean()
     return (sums / counts.clamp(min=1.0)).mean()
+
+
+def _sample_of(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    cu = cu_seqlens.to(torch.int64).to(device)
+    lens = cu[1:] - cu[:-1]
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens)
+
+
+def _token_sample_counts(m: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                         sample_loss_tokens: torch.Tensor | None) -> torch.Tensor:
+    """Per token: the trained tokens of its sample (a tensor of ``m``'s shape)."""
+    if sample_loss_tokens is not None:
+        if sample_loss_tokens.shape != m.shape:
+            raise ValueError(f"sample_loss_tokens has shape {tuple(sample_loss_tokens.shape)}, "
+                             f"the per-token losses {tuple(m.shape)}: expected equal")
+        return sample_loss_tokens.to(m.dtype)
+    if cu_seqlens is not None:
+        sample_of = _sample_of(cu_seqlens, m.device)
+        n = int(cu_seqlens.numel()) - 1
+        counts = torch.zeros(n, dtype=m.dtype, device=m.device).index_add(0, sample_of, m)
+        return counts[sample_of]
+    if m.dim() != 2:
+        raise ValueError(f"loss_mask has shape {tuple(m.shape)}: seq_mean_token_mean needs "
+                         "padded [S, L], flat [T] with cu_seqlens, or sample_loss_tokens")
+    return m.sum(-1, keepdim=True).expand_as(m)
+
+
+def batch_loss(per_token: torch.Tensor, batch: Any, mode: str = DEFAULT_LOSS_AGG) -> torch.Tensor:
+    """The rank's share of the whole batch's loss: the one call for a reader ``Batch``
+    (``per_token`` flat [T]) or a Megatron ``MicroBatch`` (``[1, t]``, labels-aligned).
+
+    Uses the batch's ``loss_mask``, its layout and its global ``totals``; the mean of the
+    ranks' gradients (DDP) is the whole batch's gradient on one process. Over a rank's
+    micro-batches, *sum* the losses (each is already its share of the batch).
+    """
+    totals = batch.totals
+    cu = getattr(batch, "cu_seqlens", None)
+    counts = getattr(batch, "sample_loss_tokens", None)
+    return aggregate_loss(per_token, batch.loss_mask, mode, cu, totals=totals,
+                          sample_loss_tokens=counts)
 
 
 def masked_tis_weights(logp_new: torch.Tensor, logp_rollout: torch.Tensor,

@@ -7,6 +7,12 @@ checkpoint's ``batch_seq`` is never delivered again (it is acked on the spot if 
 Only rank 0 writes (acks); every rank reads the same manifest and packs only its shard (see
 ``strawq.collector.packing.shard_groups``). Call ``ack`` after the optimizer step — every rank has
 loaded its shard by then, so the collector's GC cannot pull payloads from under a reader.
+
+A shard's loss is its share of the *whole batch's*: ``Batch.totals`` carries the batch's
+sample and trained-token counts (from the manifest, the same on every rank), and
+``strawq.collector.importance.batch_loss`` divides by them, so the DDP mean of the ranks'
+gradients is the single-process gradient of the whole batch (docs/design.md, invariant 11;
+checked against ``strawq.collector.reference``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from strawq.collector.behaviour import read_time_staleness, sampling_columns
 from strawq.collector.bracket import BracketReport, WeightUpdateBracket
 from strawq.collector.errors import BatchTimeout
 from strawq.collector.fencing import epoch_starts, superseded
+from strawq.collector.importance import LossTotals
 from strawq.collector.metrics import MetricsSink
 from strawq.collector.packing import BufferPool, RecordFile, ShardPacker, group_tokens, shard_groups
 from strawq.collector.resume import CHECKPOINT_FORMAT, read_cursor_state
@@ -106,14 +113,65 @@ class Batch:
     #: ``teacher_logprobs`` float32 [T], ``top_p_token_ids`` int32 flat with
     #: ``top_p_token_offsets`` int64 [T + 1]; empty when the groups recorded none
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: samples in the whole batch (every rank's shard; from the manifest)
+    total_samples: int | None = None
+    #: trained tokens (loss_mask = 1) in the whole batch, from the manifest's per-sample
+    #: ``loss_tokens``; None when a group was recorded without them
+    total_loss_tokens: int | None = None
 
     @property
     def num_samples(self) -> int:
         return int(self.cu_seqlens.shape[0]) - 1
 
     @property
+    def totals(self) -> LossTotals:
+        """The whole batch's loss denominators, gradients averaged over ``world_size``
+        ranks (``strawq.collector.importance.batch_loss``). On one rank a Batch built
+        without totals counts its own."""
+        samples, tokens = self.total_samples, self.total_loss_tokens
+        if self.world_size == 1:
+            samples = self.num_samples if samples is None else samples
+            if tokens is None:  # count_nonzero: a uint8 sum() promotes, ~20x slower
+                tokens = int(np.count_nonzero(self.loss_mask.numpy())) \
+                    if self.loss_mask.device.type == "cpu" else int(self.loss_mask.sum())
+        elif samples is None:
+            raise ValueError(f"batch {self.seq} (rank {self.rank} of {self.world_size}) has no "
+                             "total_samples: a shard's loss needs the whole batch's "
+                             "denominators; read it with BatchReader")
+        return LossTotals(total_samples=samples, total_loss_tokens=tokens,
+                          grad_ranks=self.world_size)
+
+    def sample_of_token(self) -> torch.Tensor:
+        """int64 [T]: the sample each token belongs to."""
+        cu = self.cu_seqlens.to(torch.int64)
+        return torch.repeat_interleave(torch.arange(self.num_samples), cu[1:] - cu[:-1])
+
+    def token_column(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """A per-sample column [S] (``temperature``, ``top_p``, ``top_k``) on every token [T]."""
+        cu = self.cu_seqlens.to(torch.int64)
+        return torch.repeat_interleave(per_sample, cu[1:] - cu[:-1])
+
+    @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+
+def manifest_totals(summaries: list[dict[str, Any]]) -> tuple[int, int | None]:
+    """Samples and trained tokens of a whole manifest (None: a group without ``loss_tokens``).
+
+    Every rank computes the same figures from the manifest alone (no payload read), so the
+    loss denominators are the batch's, not the shard's (docs/design.md, invariant 11). A
+    group dropped at read time as corrupt stays counted: its share of the loss is missing
+    on every path alike, the rest of the gradient is unchanged.
+    """
+    samples = sum(len(s["sample_lens"]) for s in summaries)
+    tokens = 0
+    for s in summaries:
+        lt = s.get("loss_tokens")
+        if lt is None or len(lt) != len(s["sample_lens"]):
+            return samples, None
+        tokens += int(sum(lt))
+    return samples, tokens
 
 
 class BatchReader:
@@ -303,6 +361,7 @@ class BatchReader:
         over, recheck = read_time_staleness(version, stal, man.meta)
         stats.update(recheck)
         sampling = sampling_columns(summaries)
+        total_samples, total_loss_tokens = manifest_totals(man.summaries)
         return Batch(
             seq=man.seq, rank=self.rank, world_size=self.world_size, version=version,
             tokens=torch.from_numpy(pk.tokens), cu_seqlens=torch.from_numpy(cu),
@@ -318,6 +377,7 @@ class BatchReader:
             summaries=summaries, total_groups=len(man.groups), skipped=skipped, stats=stats,
             bytes_read=nbytes, over_eta=torch.from_numpy(over),
             extras={k: torch.from_numpy(v) for k, v in pk.extras.items()},
+            total_samples=total_samples, total_loss_tokens=total_loss_tokens,
             **{k: torch.from_numpy(v) for k, v in sampling.items()})
 
     def _read_part(self, pk: ShardPacker, keys: list[str], part: range,

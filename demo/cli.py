@@ -57,5 +57,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--fresh", action="store_true", default=None,
                    help="discard a previous run in --workdir and start over")
     p.add_argument("--seed", type=int)
+    p.add_argument("--trainer-device", dest="trainer_device", choices=("cpu", "cuda"),
+                   help="where the GRPO trainer's model trains (default cpu)")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     p.set_defaults(func=cmd_demo)

@@ -76,6 +76,8 @@ class DemoConfig(Config):
     fresh: bool = False
     lease_timeout_s: float = 20.0
     progress: bool = True
+    #: where the GRPO trainer's model trains (``cpu`` or ``cuda``; the engines stay on CPU)
+    trainer_device: str = "cpu"
 
 
 @dataclass
@@ -231,7 +233,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
             run_id="demo", concurrency=cfg.concurrency, engines=cfg.engines),
             group_size=cfg.group_size)
         placement.reconcile()
-        trainer = GRPOTrainer(model, weights, urls, lr=cfg.lr)
+        trainer = GRPOTrainer(model, weights, urls, lr=cfg.lr, device=cfg.trainer_device)
         reader = BatchReader.open(run_dir, metrics_jsonl=os.path.join(work, "metrics.jsonl"))
         bracket = WeightUpdateBracket(reader.queue, lease_timeout_s=cfg.lease_timeout_s,
                                       poll_interval_s=0.02, sleep=_waiter(ctl_watch),

@@ -77,9 +77,16 @@ class GRPOTrainer:
     history: list[dict[str, float]] = field(default_factory=list)
     #: engines the last push failed on (producers find them behind and keep them out)
     failed_engines: list[str] = field(default_factory=list)
+    #: where the model trains (``cpu``, ``cuda``); the weights pushed to the engines are
+    #: saved from it and load on any device
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         torch.manual_seed(0)
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"trainer device {self.device!r}: torch sees no CUDA device here; "
+                             "use device='cpu'")
+        self.model.to(self.device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=self.lr)
         os.makedirs(self.workdir, exist_ok=True)
 
@@ -96,12 +103,13 @@ class GRPOTrainer:
         sampling is warned about in ``train_step`` (its ratios stay biased)."""
         logits = (model or self.model)(tokens[:, :-1])
         temp = batch.temperature
-        t = 1.0 if temp is None else temp[:, None].expand(tokens[:, 1:].shape)
+        t = 1.0 if temp is None else \
+            temp.to(tokens.device)[:, None].expand(tokens[:, 1:].shape)
         return policy_logprobs(logits, tokens[:, 1:], t)
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         t0 = time.perf_counter()
-        tokens, mask, logp_old, adv, _valid = unpack(batch)
+        tokens, mask, logp_old, adv, _valid = (t.to(self.device) for t in unpack(batch))
         self.model.train()
         sampling_bias_warning(batch.top_p, batch.top_k)
         logp = self.logprobs(batch, tokens)
@@ -109,8 +117,9 @@ class GRPOTrainer:
         w = masked_tis_weights(logp, lo, m, mode=self.is_mode)
         denom = m.sum().clamp(min=1.0)
         # the loss reduction is an explicit option (docs/tuning.md); the default, GRPO's
-        # sequence mean of token means, weighs each sample the same whatever its length
-        loss = -aggregate_loss(w * a * logp, m, self.loss_agg)
+        # sequence mean of token means, weighs each sample the same whatever its length;
+        # over the whole batch's denominators (Batch.totals), as on any number of ranks
+        loss = -aggregate_loss(w * a * logp, m, self.loss_agg, totals=batch.totals)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)

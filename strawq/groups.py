@@ -133,6 +133,12 @@ class GroupData:
         off = self.offsets()
         return {name: getattr(self, name)[off[i]:off[i + 1]] for name in TOKEN_COLUMNS}
 
+    def loss_tokens(self) -> list[int]:
+        """Per sample, the tokens its loss mask trains."""
+        off = self.offsets()
+        csum = np.concatenate([[0], np.cumsum(self.loss_mask, dtype=np.int64)])
+        return [int(n) for n in csum[off[1:]] - csum[off[:-1]]]
+
     def min_version(self, default: int = 0) -> int:
         if self.versions.size:
             return int(self.versions.min())
@@ -161,6 +167,9 @@ class GroupData:
             "min_version": self.min_version(),
             "max_version": self.max_version(),
             "num_versions": self.num_versions(),
+            #: per sample, its trained tokens (loss_mask = 1): the whole batch's loss
+            #: denominators come from the manifest without reading every payload
+            "loss_tokens": self.loss_tokens(),
             "meta": self.meta,
             **({"extras": {name: _extra_info(name, x) for name, x in self.extras.items()}}
                if self.extras else {}),

@@ -43,8 +43,15 @@ def test_an_old_record_decodes_as_before_and_a_new_one_without_extras_is_identic
     assert g.tokens.tolist() == [10, 11, 2, 12, 13] and g.sample_lens == [3, 0, 2]
     cols = decode_group_columns(data)
     assert cols.extras == {} and cols.columns["versions"].tolist() == [3, 3, 4, 4, 4]
-    # the new code writes the very same bytes for a group without extras
-    assert b"".join(GroupData(**_cols()).encode()) == data  # type: ignore[arg-type]
+    # the new code writes the same record for a group without extras; its summary adds
+    # each sample's trained-token count (loss_tokens: the batch's loss denominators)
+    new = records.decode(b"".join(GroupData(**_cols()).encode()))  # type: ignore[arg-type]
+    old = records.decode(data)
+    summary = dict(new.meta["group"])
+    assert summary.pop("loss_tokens") == [3, 0, 1]
+    assert summary == old.meta["group"] and bytes(new.payload) == bytes(old.payload)
+    assert {k: v for k, v in new.meta.items() if k != "group"} == \
+        {k: v for k, v in old.meta.items() if k != "group"}
 
 
 @pytest.mark.parametrize("fast", [True, False])

@@ -29,6 +29,13 @@ What a Megatron-core trainer needs from one data-parallel rank's shard:
   every sequence has ``loss_mask`` 0 (what follows it in the stream is the next sample's
   first prompt token, or padding, and is never trained). ``input`` extras (e.g. routed
   experts, recorded per input position) are not shifted.
+* **the behaviour policy and the loss denominators per label**: ``temperature``, ``top_p``
+  and ``top_k`` are each label's sample's recorded sampling parameters (score at
+  ``temperature``: the engines record tempered log-probs), ``sample_loss_tokens`` its
+  sample's trained tokens over every CP rank, and ``totals`` the whole batch's
+  denominators with DP × CP as the ranks averaged over: ``importance.batch_loss(per_token,
+  mb, mode)`` summed over a rank's micro-batches, gradients averaged over DP × CP, is the
+  single-process gradient of the whole batch (docs/design.md, invariant 11).
 
 Dtypes are the reader's (int32 ids, uint8 mask, float32 log-probs and advantages, int64
 versions): Megatron's embedding and ``vocab_parallel_cross_entropy`` take int32 ids, and
@@ -47,6 +54,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from strawq.collector.importance import LossTotals
 from strawq.collector.reader import Batch
 from strawq.extras import SPECS
 
@@ -100,6 +108,9 @@ class ParallelLayout:
         m = self.pad_multiple
         if self.cp_size == 1 and self.sequence_parallel:
             m = math.lcm(m, self.tp_size)
+        elif self.cp_size > 1 and m > 1:
+            # the tail is one more padded sequence: it must split into 2·CP chunks too
+            m = math.lcm(m, self.seq_multiple)
         return m
 
     @classmethod
@@ -235,8 +246,74 @@ class MicroBatch:
     padded_seqlens: torch.Tensor
     #: per-token extras, aligned as declared (``input``: with tokens, ``target``: with labels)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: the whole batch's loss denominators and the ranks gradients are averaged over
+    #: (DP × CP): ``importance.batch_loss(per_token, mb, mode)`` is this micro-batch's share
+    #: of the batch's loss; sum it over the rank's micro-batches
+    totals: LossTotals | None = None
+    #: per sample [n]: its recorded ``temperature``, ``top_p`` (float32), ``top_k`` (int32)
+    #: and ``loss_tokens`` (float32, its trained tokens over the whole sample); the
+    #: per-token properties of the same names expand them
+    sample_columns: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: the CP size it was cut for (each sequence holds padded length ÷ CP positions here)
+    cp_size: int = 1
     #: int64 [1, t] position of each token within its sequence, when built by the padded path
     _positions: torch.Tensor | None = None
+    _expanded: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    # -- per-label sampling parameters and loss denominators (expanded on first use) --------
+    @property
+    def temperature(self) -> torch.Tensor:
+        """float32 [1, t]: the temperature each label was sampled at (its sample's recorded
+        one): score ``labels`` with ``policy_logprobs(logits, labels, temperature)`` (or
+        Megatron's cross-entropy of ``logits / temperature``) so an on-policy token has
+        ratio 1. Meaningful where ``loss_mask`` is 1."""
+        return self._per_token("temperature", 1.0)
+
+    @property
+    def top_p(self) -> torch.Tensor:
+        """float32 [1, t]: each label's sample's recorded top-p (where ``loss_mask`` is 1)."""
+        return self._per_token("top_p", 1.0)
+
+    @property
+    def top_k(self) -> torch.Tensor:
+        """int32 [1, t]: each label's sample's recorded top-k, −1 = all (where
+        ``loss_mask`` is 1)."""
+        return self._per_token("top_k", -1)
+
+    @property
+    def sample_loss_tokens(self) -> torch.Tensor:
+        """float32 [1, t]: the trained tokens of each label's sample over the whole sample
+        (every CP rank's part): the ``seq_mean_token_mean`` denominator of ``batch_loss``."""
+        return self._per_token("loss_tokens", 0.0)
+
+    def token_samples(self) -> torch.Tensor:
+        """int64 [1, t]: each position's sample (an index into ``sample_ids``); −1 over the
+        tail padding. A trained label belongs to its position's sample (every sample starts
+        with a prompt token)."""
+        per = self.padded_seqlens.to(torch.int64) // self.cp_size
+        idx = torch.repeat_interleave(torch.arange(per.numel()), per)
+        if idx.shape[0] < self.num_tokens:
+            idx = torch.cat([idx, torch.full((self.num_tokens - idx.shape[0],), -1,
+                                             dtype=torch.int64)])
+        return idx.view(1, -1)
+
+    def _per_token(self, name: str, fill: float) -> torch.Tensor:
+        got = self._expanded.get(name)
+        if got is not None:
+            return got
+        v = self.sample_columns.get(name)
+        t = self.num_tokens
+        if v is None or v.numel() == 0:
+            dtype = torch.int32 if name == "top_k" else torch.float32
+            out = torch.full((1, t), fill, dtype=dtype, device=self.tokens.device)
+        elif bool((v == v[0]).all()):  # one value for the whole micro-batch: a view
+            out = v[:1].view(1, 1).expand(1, t)
+        else:
+            idx = self.token_samples()[0].to(v.device)
+            out = torch.where(idx >= 0, v[idx.clamp(min=0)],
+                              torch.full((), fill, dtype=v.dtype, device=v.device)).view(1, -1)
+        self._expanded[name] = out
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -276,13 +353,20 @@ class MicroBatch:
                       cu_seqlens_q_padded=mv(psp.cu_seqlens_q_padded),
                       cu_seqlens_kv_padded=mv(psp.cu_seqlens_kv_padded),
                       max_seqlen_q=psp.max_seqlen_q, max_seqlen_kv=psp.max_seqlen_kv)
-        return MicroBatch(
-            tokens=mv(self.tokens), labels=mv(self.labels), loss_mask=mv(self.loss_mask),
-            rollout_logprobs=mv(self.rollout_logprobs), versions=mv(self.versions),
-            advantages=mv(self.advantages), packed_seq_params=new_psp,
-            sample_ids=self.sample_ids, seqlens=self.seqlens, padded_seqlens=self.padded_seqlens,
-            extras={k: mv(v) for k, v in self.extras.items()},
+        return _micro_batch(
+            {name: mv(getattr(self, name)) for name in COLUMN_NAMES},
+            packed_seq_params=new_psp, sample_ids=self.sample_ids, seqlens=self.seqlens,
+            padded_seqlens=self.padded_seqlens, extras={k: mv(v) for k, v in self.extras.items()},
+            totals=self.totals, sample_columns={k: mv(v) for k, v in self.sample_columns.items()},
+            cp_size=self.cp_size,
             _positions=None if self._positions is None else mv(self._positions))
+
+
+def _micro_batch(cols: Mapping[str, torch.Tensor], **kw: Any) -> MicroBatch:
+    """A ``MicroBatch`` from its per-token columns (``COLUMN_NAMES``) and the rest."""
+    return MicroBatch(tokens=cols["tokens"], labels=cols["labels"], loss_mask=cols["loss_mask"],
+                      rollout_logprobs=cols["rollout_logprobs"], versions=cols["versions"],
+                      advantages=cols["advantages"], **kw)
 
 
 @dataclass
@@ -300,6 +384,8 @@ class _Shard:
 _COLUMNS: tuple[tuple[str, float, bool], ...] = (
     ("tokens", 0, False), ("labels", 0, True), ("loss_mask", 0, True),
     ("rollout_logprobs", 0.0, True), ("versions", -1, True), ("advantages", 0.0, True))
+#: the per-token fields of a ``MicroBatch``
+COLUMN_NAMES = tuple(name for name, _, _ in _COLUMNS)
 
 
 class MegatronBatcher:
@@ -320,6 +406,8 @@ class MegatronBatcher:
         self.pad_token_id = pad_token_id
         self._psp = _packed_seq_params_cls()
         self._rows: dict[int, torch.Tensor] = {}
+        self._totals: LossTotals | None = None
+        self._samples: dict[str, torch.Tensor] = {}
 
     def plan(self, batch: Batch, *, min_micro_batches: int = 1) -> list[tuple[int, int]]:
         """The micro-batches' sample ranges (cheap: lengths only)."""
@@ -358,6 +446,11 @@ class MegatronBatcher:
             raise ValueError("a sample starts with a trained token (no prompt): the next-token "
                              "shift needs every sample to start with a prompt token")
         self._rows = {id(t): t.unsqueeze(0) for t in (*cols.values(), *ext.values())}
+        bt = batch.totals
+        self._totals = LossTotals(total_samples=bt.total_samples,
+                                  total_loss_tokens=bt.total_loss_tokens,
+                                  grad_ranks=bt.grad_ranks * self.layout.cp_size)
+        self._samples = self._sample_columns(batch, cu)
         lens = np.diff(cu)
         shard = _Shard(cu=cu, cu32=cu.astype(np.int32), lens=lens,
                        lens_t=torch.from_numpy(lens.astype(np.int32)),
@@ -369,6 +462,7 @@ class MegatronBatcher:
             return [self._build(cols, ext, align, shard, a, b) for a, b in parts]
         finally:
             self._rows = {}
+            self._samples = {}
 
     # -- building ----------------------------------------------------------------------------
     @staticmethod
@@ -376,6 +470,27 @@ class MegatronBatcher:
         return {"tokens": batch.tokens, "labels": batch.tokens, "loss_mask": batch.loss_mask,
                 "rollout_logprobs": batch.rollout_logprobs, "versions": batch.versions,
                 "advantages": batch.advantages}
+
+    @staticmethod
+    def _sample_columns(batch: Batch, cu: np.ndarray) -> dict[str, torch.Tensor]:
+        """Per sample [S]: the recorded sampling parameters and the trained-token count."""
+        n = batch.num_samples
+        mask = batch.loss_mask.numpy()
+        lens = np.diff(cu)
+        if n and mask.shape[0]:
+            starts = np.minimum(cu[:-1], mask.shape[0] - 1)
+            counts = np.add.reduceat(mask, starts, dtype=np.int64)
+            counts[lens == 0] = 0
+        else:
+            counts = np.zeros(n, dtype=np.int64)
+        return {
+            "temperature": batch.temperature if batch.temperature is not None
+            else torch.ones(n, dtype=torch.float32),
+            "top_p": batch.top_p if batch.top_p is not None
+            else torch.ones(n, dtype=torch.float32),
+            "top_k": batch.top_k if batch.top_k is not None
+            else torch.full((n,), -1, dtype=torch.int32),
+            "loss_tokens": torch.from_numpy(counts.astype(np.float32))}
 
     def _build(self, cols: dict[str, torch.Tensor], ext: dict[str, torch.Tensor],
                align: dict[str, Align], shard: _Shard, a: int, b: int) -> MicroBatch:
@@ -391,8 +506,10 @@ class MegatronBatcher:
                             cu_seqlens_q_padded=cu_t, cu_seqlens_kv_padded=cu_t,
                             max_seqlen_q=max_len, max_seqlen_kv=max_len)
             lens_t = shard.lens_t[a:b]
-            return MicroBatch(**fields, packed_seq_params=psp, sample_ids=shard.ids_t[a:b],
-                              seqlens=lens_t, padded_seqlens=lens_t, extras=extras)
+            return _micro_batch(fields, packed_seq_params=psp, sample_ids=shard.ids_t[a:b],
+                              seqlens=lens_t, padded_seqlens=lens_t, extras=extras,
+                              totals=self._totals,
+                              sample_columns={k: v[a:b] for k, v in self._samples.items()})
         lens = shard.lens[a:b]
         plens = _round_up(lens, lay.seq_multiple)
         real = int(plens.sum())
@@ -411,11 +528,13 @@ class MegatronBatcher:
         psp = self._psp(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
                         cu_seqlens_q_padded=pad_t, cu_seqlens_kv_padded=pad_t,
                         max_seqlen_q=max_len, max_seqlen_kv=max_len)
-        return MicroBatch(**fields, packed_seq_params=psp,
+        return _micro_batch(fields, packed_seq_params=psp,
                           sample_ids=torch.arange(a, b, dtype=torch.int64),
                           seqlens=torch.from_numpy(lens.astype(np.int32)),
                           padded_seqlens=torch.from_numpy(plens.astype(np.int32)),
-                          extras=extras, _positions=positions)
+                          extras=extras, totals=self._totals,
+                          sample_columns={k: v[a:b] for k, v in self._samples.items()},
+                          cp_size=lay.cp_size, _positions=positions)
 
     def _all_views(self, cols: dict[str, torch.Tensor], ext: dict[str, torch.Tensor],
                    align: dict[str, Align], shard: _Shard, parts: list[tuple[int, int]]
@@ -452,6 +571,7 @@ class MegatronBatcher:
         maxes = np.maximum.reduceat(shard.lens, starts).tolist()
         lens = torch.split(shard.lens_t, counts.tolist())
         ids = torch.split(shard.ids_t, counts.tolist())
+        per_sample = {n: torch.split(v, counts.tolist()) for n, v in self._samples.items()}
         psp_cls = self._psp
         out = []
         for i in range(k):
@@ -459,12 +579,11 @@ class MegatronBatcher:
             psp = psp_cls(qkv_format="thd", cu_seqlens_q=c, cu_seqlens_kv=c,
                           cu_seqlens_q_padded=c, cu_seqlens_kv_padded=c,
                           max_seqlen_q=maxes[i], max_seqlen_kv=maxes[i])
-            out.append(MicroBatch(
-                tokens=fields["tokens"][i], labels=fields["labels"][i],
-                loss_mask=fields["loss_mask"][i], rollout_logprobs=fields["rollout_logprobs"][i],
-                versions=fields["versions"][i], advantages=fields["advantages"][i],
+            out.append(_micro_batch(
+                {name: fields[name][i] for name in COLUMN_NAMES},
                 packed_seq_params=psp, sample_ids=ids[i], seqlens=lens[i],
-                padded_seqlens=lens[i], extras={n: v[i] for n, v in extras.items()}))
+                padded_seqlens=lens[i], extras={n: v[i] for n, v in extras.items()},
+                totals=self._totals, sample_columns={n: v[i] for n, v in per_sample.items()}))
         return out
 
     def _views(self, cols: dict[str, torch.Tensor], ext: dict[str, torch.Tensor],
@@ -525,8 +644,15 @@ class MegatronBatcher:
         src_in = np.where(ok_in, starts[seq_of] + j - lo, fill_at)
         src_tg = np.where(ok_in & (src_in + 1 + lo < t_len), src_in + 1, fill_at)
         if tail:
-            tail_fill = np.full(tail // cp, fill_at, dtype=np.int64)  # tail only without CP
-            j = np.concatenate([j, np.arange(tail // cp, dtype=np.int64)])
+            # the tail padding sequence, split like the others (chunks r and 2cp-1-r)
+            if cp > 1:
+                c = tail // (2 * cp)
+                j_tail = np.concatenate([np.arange(r * c, (r + 1) * c),
+                                         np.arange((2 * cp - 1 - r) * c, (2 * cp - r) * c)])
+            else:
+                j_tail = np.arange(tail)
+            tail_fill = np.full(j_tail.shape[0], fill_at, dtype=np.int64)
+            j = np.concatenate([j, j_tail.astype(np.int64)])
             src_in = np.concatenate([src_in, tail_fill])
             src_tg = np.concatenate([src_tg, tail_fill])
         idx = {False: torch.from_numpy(src_in), True: torch.from_numpy(src_tg)}

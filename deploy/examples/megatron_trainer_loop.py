@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strawq.collector.importance import masked_tis_weights
+from strawq.collector.importance import (DEFAULT_LOSS_AGG, LOSS_AGG_MODES, batch_loss,
+                                         masked_tis_weights, sampling_bias_warning)
 from strawq.collector.reader import Batch, BatchReader
 
 with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex are missing
@@ -61,37 +62,43 @@ class ToyModel(torch.nn.Module):
 
 
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """log p(labels[t]) per position, ``[1, t]`` (vocab-parallel under TP)."""
+    """log π(labels[t]) per position, ``[1, t]``, at each label's recorded temperature (the
+    engines record ``log_softmax(logits / T)``: scored at T = 1 a T = 0.6 rollout's
+    on-policy tokens get ratios far from 1). Vocab-parallel under TP; logits from the
+    model in float32, divided per position by the micro-batch's ``temperature``."""
     logits = model(input_ids=mb.tokens, position_ids=None, attention_mask=None,
                    packed_seq_params=mb.packed_seq_params)          # [t, 1, V]
     labels = mb.labels.t() % logits.shape[-1]                       # [t, 1], int32 is fine
-    nll = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+    temp = mb.temperature.t().unsqueeze(-1).clamp(min=1e-6)         # [t, 1, 1]
+    nll = tensor_parallel.vocab_parallel_cross_entropy(logits.float() / temp, labels)
     return -nll.t()                                                  # [1, t]
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batcher: MegatronBatcher,
-               batch: Batch) -> float:
+               batch: Batch, loss_agg: str = DEFAULT_LOSS_AGG) -> float:
     """One optimizer step over this rank's shard: micro-batches under the token budget."""
+    sampling_bias_warning(batch.top_p, batch.top_k)  # the engines record untruncated log-probs
     plan = batcher.plan(batch)
     # every DP rank must run as many micro-batches (pipeline schedules need one count)
     n_mb = sync_num_micro_batches(len(plan), ps.get_data_parallel_group())
     mbs = batcher.micro_batches(batch, min_micro_batches=n_mb)
-    # normalise by the trained tokens of the whole step, over every DP and CP rank
-    denom = torch.tensor([float(sum(mb.num_loss_tokens() for mb in mbs))])
-    dist.all_reduce(denom, group=ps.get_data_parallel_group(with_context_parallel=True))
     opt.zero_grad()
     total = 0.0
     for mb in mbs:
         logp = token_logprobs(model, mb)
-        mask = mb.loss_mask.float()
-        w = masked_tis_weights(logp, mb.rollout_logprobs, mask, mode="tis")
-        loss = -(w * mb.advantages * logp).sum() / denom.clamp(min=1.0)
+        w = masked_tis_weights(logp, mb.rollout_logprobs, mb.loss_mask, mode="tis")
+        # this micro-batch's share of the whole batch's loss (global denominators, scaled
+        # for the mean over DP × CP below): summed over micro-batches, not averaged
+        loss = -batch_loss(w * mb.advantages * logp, mb, loss_agg)
         loss.backward()
-        total += float(loss)
-    # gradients: all-reduce over DP (Megatron's DDP wrapper does this for a real model)
+        total += float(loss.detach())
+    # gradients: the mean over DP × CP (Megatron's DDP wrapper does this for a real model)
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    ranks = dist.get_world_size(group)
     for p in model.parameters():
         if p.grad is not None:
-            dist.all_reduce(p.grad, group=ps.get_data_parallel_group(with_context_parallel=True))
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= ranks
     opt.step()
     return total
 
@@ -121,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--checkpoint", default="trainer_state.json")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--loss-agg", default=DEFAULT_LOSS_AGG, choices=LOSS_AGG_MODES,
+                   help="loss reduction over the whole batch (docs/tuning.md)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -145,20 +154,29 @@ def main(argv: list[str] | None = None) -> int:
     reader = BatchReader.open(args.run_dir, rank=dp_rank, world_size=dp_size)
     batcher = MegatronBatcher(ParallelLayout.from_parallel_state(pad_multiple=args.pad_multiple),
                               max_tokens_per_gpu=args.max_tokens_per_gpu)
-    if os.path.exists(args.checkpoint):
+    restored = os.path.exists(args.checkpoint)
+    if restored:
         with open(args.checkpoint, encoding="utf-8") as f:
             reader.load_state_dict(json.load(f))
-    if first and reader.bracket.is_open:  # a previous trainer stopped inside an update
+        # restore your model and optimizer from the checkpoint saved with this state here
+    if first and restored:
+        # the engines run whatever was pushed last (weights trained after this checkpoint,
+        # or an interrupted update): the restored weights go out, under a new version,
+        # before training resumes
+        reader.bracket.restore(push_weights, reader.state_dict())
+    elif first and reader.bracket.is_open:  # a previous trainer died inside an update
         reader.bracket.weight_update(push_weights)
 
     for step in range(args.steps):
         batch = reader.next_batch(timeout=600)
-        loss = train_step(model, opt, batcher, batch)
+        loss = train_step(model, opt, batcher, batch, args.loss_agg)
         reader.ack(batch)  # rank 0 of the DP ranks publishes the ack
-        if first:
+        if first:  # the one order (docs/api.md): step -> ack -> update -> save -> commit
             reader.bracket.weight_update(push_weights)
+            state = reader.state_dict()
             with open(args.checkpoint, "w", encoding="utf-8") as f:
-                json.dump(reader.state_dict(), f)  # save it with the model checkpoint
+                json.dump(state, f)  # save it with the model checkpoint
+            reader.commit(state)
         log.info("step %d batch %d: %d tokens, loss %.4f, %s", step, batch.seq,
                  batch.num_tokens, loss, batch.stats)
     reader.close()

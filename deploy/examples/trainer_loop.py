@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
 
-from strawq.collector.importance import (DEFAULT_LOSS_AGG, aggregate_loss, masked_tis_weights,
+from strawq.collector.importance import (DEFAULT_LOSS_AGG, batch_loss, masked_tis_weights,
                                          sampling_bias_warning)
 from strawq.collector.reader import Batch, BatchReader
 from strawq.producers.sglang_client import SGLangClient
@@ -35,11 +36,17 @@ def train_step(batch: Batch) -> float:
     sampling_bias_warning(batch.top_p, batch.top_k)  # if you score the full softmax
     logp_new = batch.rollout_logprobs.clone().requires_grad_()   # float32 [T]: your model's
     w = masked_tis_weights(logp_new, batch.rollout_logprobs, batch.loss_mask, mode="tis")
-    # the same reduction as the demo trainer (docs/tuning.md, "Loss aggregation")
-    loss = -aggregate_loss(w * batch.advantages * logp_new, batch.loss_mask, DEFAULT_LOSS_AGG,
-                           batch.cu_seqlens)
+    # the same reduction as the demo trainer (docs/tuning.md, "Loss aggregation"), over the
+    # whole batch's denominators: with several data-parallel ranks, the mean of their
+    # gradients (DDP) is the whole batch's gradient (docs/api.md, "Loss over ranks")
+    loss = -batch_loss(w * batch.advantages * logp_new, batch, DEFAULT_LOSS_AGG)
     loss.backward()
-    return float(loss)
+    return float(loss.detach())
+
+
+def restore_model(checkpoint: str) -> None:
+    """Your model and optimizer restore, from the checkpoint saved with the reader state."""
+    log.info("model restored from %s (placeholder)", checkpoint)
 
 
 def save_weights(weights_dir: str, version: int) -> str:
@@ -83,30 +90,41 @@ def main(argv: list[str] | None = None) -> int:
 
     reader = BatchReader.open(args.run_dir, rank=0, world_size=1,
                               metrics_jsonl=args.metrics_jsonl)
-    if os.path.exists(args.checkpoint):
+    restored = os.path.exists(args.checkpoint)
+    if restored:
         with open(args.checkpoint, encoding="utf-8") as f:
             reader.load_state_dict(json.load(f))
+        restore_model(args.checkpoint)
     # engines producers keep out of rotation (on other weights) get the run's version
     reader.bracket.start_repairs(
         lambda urls, v: push_weights(args.router_url, args.weights_dir, v, urls))
-    if reader.bracket.is_open:  # a previous trainer stopped inside a weight update
-        reader.bracket.weight_update(
-            lambda v: push_weights(args.router_url, args.weights_dir, v), timeout=600)
+    push = functools.partial(push_weights, args.router_url, args.weights_dir)
+    if restored:
+        # The engines run whatever was pushed last: weights trained after this checkpoint
+        # (lost with the crash), or a previous trainer stopped inside a weight update. Put
+        # the restored weights on every engine, under a new version, before training
+        # resumes; rollouts of the lost weights are then older versions, corrected per
+        # token and bounded by the staleness rule like any other.
+        rep = reader.bracket.restore(push, reader.state_dict(), timeout=600)
+        log.info("restored weights pushed to the engines as version %d", rep.version)
+    elif reader.bracket.is_open:  # a previous trainer died inside a weight update
+        reader.bracket.weight_update(push, timeout=600)
 
     for step in range(args.steps):
         batch = reader.next_batch(timeout=600)
         loss = train_step(batch)
-        rep = reader.bracket.weight_update(
-            lambda v: push_weights(args.router_url, args.weights_dir, v), timeout=600)
-        # checkpoint before the ack, counting this batch as trained (docs/api.md)
-        state = reader.state_dict(consumed=batch)
+        # the one order (docs/api.md): optimizer step -> ack -> weight update ->
+        # checkpoint (state_dict, save) -> commit
+        reader.ack(batch)
+        rep = reader.bracket.weight_update(push, timeout=600)
+        state = reader.state_dict()
         tmp = f"{args.checkpoint}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, args.checkpoint)
-        reader.ack(batch)
+        reader.commit(state)  # the checkpoint is durable: GC may collect what it covers
         log.info("step %d: batch %d (%d samples, %d tokens), loss %.4f, version %d, "
                  "staleness mean %.2f", step, batch.seq, batch.num_samples, batch.num_tokens,
                  loss, rep.version, batch.stats.get("staleness/mean", 0.0))

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from strawq.batches import BatchStore
-from strawq.collector.importance import masked_tis_weights
+from strawq.collector.importance import batch_loss, masked_tis_weights
 from strawq.collector.reader import BatchReader
 from strawq.queue import RunQueue
 from tests.collector.helpers import SimProducer, make_run, write_dataset
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-LOSS = re.compile(r"^\s*loss = (-\(w \* (\w+)\.advantages.*)$", re.M)
+LOSS = re.compile(r"^\s*loss = (-(?:batch_loss)?\(w \* (\w+)\.advantages.*)$", re.M)
 
 
 def _loss_lines() -> list[tuple[str, str, str]]:
@@ -64,7 +64,7 @@ def test_the_documented_loss_is_finite_on_an_empty_shard(tmp_path: Path, case: s
     logp = torch.zeros(batch.num_tokens, requires_grad=True)
     w = masked_tis_weights(logp, batch.rollout_logprobs, batch.loss_mask, mode="tis")
     for page, line, var in _loss_lines():
-        loss = eval(line, {}, {"w": w, "logp": logp, var: batch})  # noqa: S307 - our docs
+        loss = eval(line, {"batch_loss": batch_loss}, {"w": w, "logp": logp, var: batch})  # noqa: S307
         assert torch.isfinite(loss), f"{page}: {line} is {loss} on an empty shard"
 
 

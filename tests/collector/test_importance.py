@@ -58,19 +58,21 @@ def test_offpolicy_prefix_mask_is_relative_to_each_sample():
 
 def _draw(logits: torch.Tensor, temperature: float, top_k: int = -1,
           top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine side: sample from the truncated tempered distribution, record its logp."""
-    x = logits / temperature
+    """The engine side, as SGLang 0.5.x's torch sampler draws
+    (``top_k_top_p_min_p_sampling_from_probs_torch``): sort the tempered probabilities
+    once, take their cumulative sum over the full distribution, zero the ranks >= top_k and
+    the tokens whose mass above exceeds top_p, draw from what is left. Returns the draws and
+    their log-probs under the truncated, renormalised distribution."""
+    probs = (logits / temperature).softmax(-1)
+    probs_sort, probs_idx = probs.sort(dim=-1, descending=True)
+    probs_sum = torch.cumsum(probs_sort, dim=-1)
     if top_k > 0:
-        kth = x.sort(-1, descending=True).values[..., top_k - 1:top_k]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1:
-        probs, order = x.softmax(-1).sort(-1, descending=True)
-        drop = torch.zeros_like(probs, dtype=torch.bool).scatter(
-            -1, order, (probs.cumsum(-1) - probs) >= top_p)
-        x = x.masked_fill(drop, float("-inf"))
-    logp = torch.log_softmax(x, -1)
-    tok = torch.multinomial(logp.exp(), 1, generator=torch.Generator().manual_seed(0))[:, 0]
-    return tok, logp.gather(-1, tok[:, None])[:, 0]
+        probs_sort[(torch.arange(probs.shape[-1]).view(1, -1) >= top_k).expand_as(probs_sort)] = 0.0
+    probs_sort[(probs_sum - probs_sort) > top_p] = 0.0
+    picked = torch.multinomial(probs_sort, 1, generator=torch.Generator().manual_seed(0))
+    tok = torch.gather(probs_idx, 1, picked)[:, 0]
+    kept = probs_sort / probs_sort.sum(-1, keepdim=True)
+    return tok, torch.log(torch.gather(kept, 1, picked)[:, 0])
 
 
 def test_policy_logprobs_make_on_policy_ratios_one():
@@ -87,6 +89,26 @@ def test_policy_logprobs_make_on_policy_ratios_one():
     assert float((lp - biased).min()) > 0  # log of the kept mass, on every token
     exact = policy_logprobs(logits, tok, 0.8, top_k=5, top_p=0.7)
     assert torch.allclose(exact, lp, atol=1e-5)
+
+
+def test_policy_logprobs_top_k_and_top_p_jointly_as_sglang():
+    """Top-p is cut on the full tempered distribution, not on the top-k-renormalised one:
+    probabilities [0.4, 0.3, 0.2, 0.1] with top-k 2, top-p 0.5 keep tokens 0 and 1 in
+    SGLang (mass above token 1 is 0.4 <= 0.5); renormalising after top-k (0.57, 0.43) cut
+    token 1, a token SGLang samples, to -inf (an inf loss)."""
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    lp = policy_logprobs(logits, torch.tensor([1]), top_k=2, top_p=0.5)
+    assert torch.isfinite(lp).all()
+    assert float(lp[0]) == pytest.approx(math.log(0.3 / 0.7), abs=1e-6)
+    # every token SGLang's sampler draws has a finite log-prob equal to the engine's, over
+    # many rows and parameter pairs
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2000, 40, generator=g) * 2.5
+    for temp, k, p in [(1.0, 3, 0.6), (0.7, 8, 0.5), (1.3, 2, 0.9), (0.6, 20, 0.3)]:
+        tok, want = _draw(logits, temp, top_k=k, top_p=p)
+        got = policy_logprobs(logits, tok, temp, top_k=k, top_p=p)
+        assert torch.isfinite(got).all(), (temp, k, p)
+        assert torch.allclose(got, want, atol=1e-5), (temp, k, p)
 
 
 def test_sampling_bias_warning_once():

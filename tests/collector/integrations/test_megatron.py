@@ -317,3 +317,182 @@ def test_megatron_cross_entropy_takes_the_labels(gloo):
     assert logits.grad is not None and loss.shape == (mb.num_tokens, 1)
     assert torch.allclose(loss.detach()[:, 0], ref, atol=1e-4)
     assert megatron_core.__version__ == "0.16.1"
+
+
+# -- against the single-process reference (docs/design.md, invariant 11) ----------------------
+@pytest.fixture(scope="module")
+def ref_run(tmp_path_factory):
+    from strawq.collector.reference import make_reference_run
+
+    return make_reference_run(str(tmp_path_factory.mktemp("megref")), groups=10, group_size=4,
+                              seed=13, max_response=40)
+
+
+_LAYOUTS = [  # (dp, tp, cp, sequence_parallel, pad_multiple, max_tokens_per_gpu)
+    (1, 1, 1, False, 1, 10_000),   # THD views, one micro-batch
+    (2, 1, 1, False, 1, 48),       # THD views, several micro-batches per rank
+    (1, 2, 1, True, 1, 64),        # sequence parallel: tail padding to TP
+    (2, 1, 1, False, 8, 64),       # a padding multiple of your own
+    (3, 1, 1, False, 128, 200),
+    (1, 1, 2, False, 1, 40),       # the load-balanced CP split
+    (2, 2, 2, True, 1, 64),
+    (2, 1, 2, False, 8, 64),       # CP with a tail padding sequence
+    (1, 1, 3, False, 16, 64),
+    (4, 2, 3, True, 128, 300),
+]
+
+
+@pytest.mark.parametrize("dp,tp,cp,sp,pad,budget", _LAYOUTS)
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
+def test_micro_batches_give_the_reference_gradient(ref_run, dp, tp, cp, sp, pad, budget, mode):
+    """The Megatron path: reader shards over DP, ``MegatronBatcher`` micro-batches (THD
+    ``PackedSeqParams``, padding, CP split) through a model that consumes the packed layout,
+    summed per rank, averaged over DP × CP: the whole batch's gradient on one process."""
+    from strawq.collector.reference import (Objective, TinyPolicy, max_relative_error,
+                                            megatron_gradients, reference_gradients)
+
+    run_dir, seq = ref_run
+    obj = Objective(aggregation=mode)
+    loss, ref = reference_gradients(run_dir, seq, TinyPolicy(), objective=obj)
+    got_loss, got = megatron_gradients(run_dir, seq, TinyPolicy(), dp_size=dp, tp_size=tp,
+                                       cp_size=cp, sequence_parallel=sp, pad_multiple=pad,
+                                       max_tokens_per_gpu=budget, objective=obj)
+    assert got_loss == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    assert max_relative_error(got, ref) <= 1e-5
+
+
+def test_tail_padding_under_cp_splits_into_chunks():
+    """With CP and a padding multiple the tail is a padded sequence like the others: a
+    multiple of 2·CP, cut into the same two chunks per rank (it lost positions before)."""
+    lay = ParallelLayout(cp_size=3, pad_multiple=16)
+    assert lay.tail_multiple == 48
+    batch = make_batch([3, 4], [9, 10])
+    parts = [MegatronBatcher(ParallelLayout(cp_size=3, cp_rank=r, pad_multiple=16),
+                             max_tokens_per_gpu=1000).micro_batches(batch)[0] for r in range(3)]
+    psp = parts[0].packed_seq_params
+    total = int(psp.cu_seqlens_q_padded[-1])
+    assert total % 48 == 0 and sum(mb.num_tokens for mb in parts) == total
+
+
+def test_micro_batch_carries_the_sampling_parameters_per_label(gloo, ref_run):
+    """Each label's temperature / top-p / top-k are its sample's recorded ones."""
+    from strawq.batches import BatchStore
+    from strawq.collector.reader import BatchReader
+    from strawq.queue import RunQueue
+    from strawq.storage import open_storage
+
+    run_dir, seq = ref_run
+    q = RunQueue.open(open_storage(run_dir, writer_id="t"))
+    batch = BatchReader(q, checkpointed=False).load(BatchStore(q).read_manifest(seq))
+    for lay in (ParallelLayout(), ParallelLayout(cp_size=2, cp_rank=1, pad_multiple=8)):
+        for mb in MegatronBatcher(lay, max_tokens_per_gpu=64).micro_batches(batch):
+            m = mb.loss_mask[0].bool()
+            # this rank holds plens / CP tokens of each padded sequence, in order
+            psp = mb.packed_seq_params
+            plens = (psp.cu_seqlens_q_padded[1:] - psp.cu_seqlens_q_padded[:-1]).long()
+            seq_of = torch.repeat_interleave(torch.arange(plens.numel()),
+                                             plens // lay.cp_size)[:mb.num_tokens]
+            sample = mb.sample_ids[seq_of.clamp(max=mb.num_samples - 1)]
+            assert torch.equal(mb.temperature[0][m], batch.temperature[sample][m])
+            assert torch.equal(mb.top_k[0][m], batch.top_k[sample][m])
+            assert torch.equal(mb.top_p[0][m], batch.top_p[sample][m])
+
+
+def test_on_policy_tokens_have_ratio_one_at_the_recorded_temperature(gloo):
+    """Finding 2: a T = 0.6 rollout whose recorded log-probs are the policy's own. Scored at
+    the micro-batch's temperature every trained token has ratio 1 (IcePop keeps all, TIS
+    clips none); scored at T = 1, as the example did, IcePop masks many of them."""
+    from strawq.collector.importance import icepop_mask, importance_ratios, policy_logprobs
+    from strawq.collector.reference import TinyPolicy, positions_from_cu
+
+    batch = make_batch([3, 5, 2, 4], [30, 25, 40, 12])
+    model = TinyPolicy(vocab=64)
+    batch.tokens = batch.tokens % 64
+    n = batch.num_samples
+    batch.temperature = torch.full((n,), 0.6)
+    batch.top_p, batch.top_k = torch.ones(n), torch.full((n,), -1, dtype=torch.int32)
+    cu = batch.cu_seqlens.long()
+    with torch.no_grad():  # the engine's record: log_softmax(logits / 0.6) of each token
+        logits = model(batch.tokens, positions_from_cu(cu), cu)
+        lp = torch.log_softmax(logits[:-1] / 0.6, -1).gather(
+            -1, batch.tokens[1:].long().unsqueeze(-1)).squeeze(-1)
+    batch.rollout_logprobs = torch.cat([torch.zeros(1), lp]) * (batch.loss_mask > 0)
+    for mb in MegatronBatcher(max_tokens_per_gpu=60).micro_batches(batch):
+        with torch.no_grad():
+            lg = model(mb.tokens[0], mb.position_ids()[0],
+                       mb.packed_seq_params.cu_seqlens_q_padded)
+        m = mb.loss_mask[0].bool()
+        at_t = policy_logprobs(lg, mb.labels[0], mb.temperature[0])
+        rho = importance_ratios(at_t, mb.rollout_logprobs[0])[m]
+        assert torch.allclose(rho, torch.ones_like(rho), atol=1e-4)
+        at_1 = policy_logprobs(lg, mb.labels[0])
+        masked = 1 - icepop_mask(importance_ratios(at_1, mb.rollout_logprobs[0]))[m]
+        assert float(masked.mean()) > 0.05
+
+
+def test_megatron_cross_entropy_at_the_temperature_is_policy_logprobs(gloo):
+    """The example's scoring: Megatron's vocab-parallel cross-entropy of logits / T equals
+    ``policy_logprobs`` at the micro-batch's per-token temperature."""
+    from strawq.collector.importance import policy_logprobs
+
+    batch = make_batch([3, 4, 2], [6, 2, 7])
+    batch.temperature = torch.tensor([0.6, 1.0, 0.8])
+    (mb,) = MegatronBatcher(max_tokens_per_gpu=100).micro_batches(batch)
+    vocab = 2000
+    logits = torch.randn(mb.num_tokens, 1, vocab)
+    labels = (mb.labels.t() - 1000).clamp(0, vocab - 1)
+    t = mb.temperature.t().unsqueeze(-1)  # [s, 1, 1]
+    nll = tensor_parallel.vocab_parallel_cross_entropy((logits / t).clone(), labels)
+    want = policy_logprobs(logits[:, 0], labels[:, 0], mb.temperature[0])
+    assert torch.allclose(-nll[:, 0], want, atol=1e-4)
+
+
+class _PackedTiny(torch.nn.Module):
+    """``TinyPolicy`` behind Megatron's calling convention: ``input_ids`` [1, t] and
+    ``packed_seq_params`` in, logits [t, 1, V] out (CP = 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from strawq.collector.reference import TinyPolicy
+
+        self.inner = TinyPolicy()
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None,
+                packed_seq_params=None):
+        from strawq.collector.reference import positions_from_cu
+
+        cu = packed_seq_params.cu_seqlens_q_padded
+        return self.inner(input_ids[0], positions_from_cu(cu), cu).unsqueeze(1)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+def test_the_example_train_step_gives_the_reference_gradient(gloo, ref_run, mode):
+    """deploy/examples/megatron_trainer_loop.py's own ``train_step`` (Megatron's
+    vocab-parallel cross-entropy at the recorded temperature, ``batch_loss`` per
+    micro-batch, the DP × CP mean) on one rank: the whole batch's reference gradient."""
+    import importlib.util
+    from pathlib import Path
+
+    from strawq.batches import BatchStore
+    from strawq.collector.reader import BatchReader
+    from strawq.collector.reference import (Objective, TinyPolicy, gradients,
+                                            max_relative_error, reference_gradients)
+    from strawq.queue import RunQueue
+    from strawq.storage import open_storage
+
+    path = Path(__file__).resolve().parents[3] / "deploy" / "examples" / \
+        "megatron_trainer_loop.py"
+    spec = importlib.util.spec_from_file_location("megatron_trainer_loop", path)
+    assert spec is not None and spec.loader is not None
+    loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop)
+    run_dir, seq = ref_run
+    q = RunQueue.open(open_storage(run_dir, writer_id="t"))
+    batch = BatchReader(q, checkpointed=False).load(BatchStore(q).read_manifest(seq))
+    model = _PackedTiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    loop.train_step(model, opt, MegatronBatcher(max_tokens_per_gpu=64), batch, mode)
+    got = {k.removeprefix("inner."): g for k, g in gradients(model).items()}
+    _, ref = reference_gradients(run_dir, seq, TinyPolicy(), objective=Objective(
+        aggregation=mode))
+    assert max_relative_error(got, ref) <= 1e-5

@@ -1,0 +1,47 @@
+"""The prepared device check (deploy/gpu_check.sh) and the trainer benchmark run their CPU
+path where no GPU is visible: the equivalence bench's last line, the reference tests, and
+the demo with its trainer on the chosen device."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LINE = re.compile(r"^trainer: max relative gradient error vs reference = (\S+) over (\d+) "
+                  r"paths \(world sizes 1-4, megatron(, slime)?\)$", re.M)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_quick_prints_the_figure_within_tolerance():
+    pytest.importorskip("megatron.core", reason="megatron-core not installed")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "trainer.py"), "--quick"],
+                          capture_output=True, text=True, timeout=280, cwd=str(ROOT),
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    m = LINE.search(proc.stdout)
+    assert m is not None, proc.stdout[-2000:]
+    assert float(m.group(1)) <= 1e-5 and int(m.group(2)) >= 6
+    assert "reader/gloo world=4" in proc.stdout and "megatron dp=" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_gpu_check_script_runs_its_cpu_path(tmp_path):
+    pytest.importorskip("megatron.core", reason="megatron-core not installed")
+    pytest.importorskip("ray", reason="the demo needs ray")
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", str(ROOT / "deploy" / "gpu_check.sh"), "--quick", "--out",
+                           str(tmp_path), "--steps", "3"], capture_output=True, text=True,
+                          timeout=880, cwd=str(ROOT), env=env)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-2000:]
+    assert "no CUDA device visible" in out and LINE.search(out) is not None
+    assert re.search(r"gpu_check: demo on cpu: 3 steps, reward \S+ -> \S+", out)
+    assert out.rstrip().endswith("gpu_check: ok")
