@@ -22,7 +22,7 @@ from strawq.config import Config, QueueConfig, load_config
 from strawq.errors import ConfigError
 from strawq.app.run_config import RunConfig
 
-RUN_JSON = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "run.json"
+RUN_JSON = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "run.json"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
