@@ -41,8 +41,7 @@ def _run_json() -> dict[str, Any]:
 
 
 def _placement_config() -> Any:
-    pytest.importorskip("ray")
-    from strawq.producers.placement import PlacementConfig
+    from strawq.producers.placement_config import PlacementConfig
 
     return PlacementConfig
 
@@ -83,7 +82,6 @@ def test_the_example_plugins_resolve() -> None:
 
 def test_run_config_helper_loads_and_prints_sections(capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("ray")
     spec = importlib.util.spec_from_file_location("run_config", DEPLOY / "examples" /
                                                   "run_config.py")
     assert spec is not None and spec.loader is not None

@@ -7,7 +7,7 @@ each value held once (G lives in ``queue.group_size`` and in no other section):
     queue      strawq.config.QueueConfig          -> strawq init --config, --queue-config
     collector  strawq.collector.config.CollectorConfig   -> strawq collector --config
     producer   strawq.producers.producer_config.ProducerConfig   (launch_producers.py)
-    placement  strawq.producers.placement.PlacementConfig        (launch_producers.py)
+    placement  strawq.producers.placement_config.PlacementConfig (launch_producers.py)
 
     python deploy/examples/run_config.py deploy/examples/run.json --check
     python deploy/examples/run_config.py deploy/examples/run.json --section queue > queue.json

@@ -12,7 +12,7 @@ Sections:
     collector  strawq.collector.config.CollectorConfig        strawq collector
     producer   strawq.producers.producer_config.ProducerConfig   (its ``client`` section:
                strawq.producers.sglang_client.ClientConfig)
-    placement  strawq.producers.placement.PlacementConfig     the driver's producer placement
+    placement  strawq.producers.placement_config.PlacementConfig   the driver's placement
 
 **Each value is held once.** G, the samples per prompt group, lives in ``queue.group_size``
 and nowhere else: ``ProducerConfig`` and ``PlacementConfig`` have no such field (a producer
@@ -20,8 +20,10 @@ reads G from the run it joins, ``ProducerPlacement`` from the run or from
 ``RunConfig.group_size``). A file that writes ``group_size`` in the producer or placement
 section is refused with both places named.
 
-This module imports no Ray, torch or HTTP client: ``producer`` and ``placement`` live in
-modules that do, so their classes are imported only when a run config has those sections.
+This module imports no Ray, torch or HTTP client: ``PlacementConfig`` lives in a Ray-free
+module (a run config with placement loads where Ray is not installed), and ``producer``
+lives in a module that imports the HTTP client, so its class is imported only when a run
+config has that section.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from strawq.collector.config import CollectorConfig
 from strawq.config import Config, QueueConfig
 from strawq.errors import ConfigError
 
+from strawq.producers.placement_config import PlacementConfig
+
 if TYPE_CHECKING:
-    from strawq.producers.placement import PlacementConfig
     from strawq.producers.producer_config import ProducerConfig
 
 #: Sections that may not restate a value held elsewhere: section -> (key, where it lives).
@@ -49,7 +52,6 @@ class RunConfig(Config):
 
     _lazy_types: ClassVar[Mapping[str, str]] = {
         "ProducerConfig": "strawq.producers.producer_config:ProducerConfig",
-        "PlacementConfig": "strawq.producers.placement:PlacementConfig",
     }
 
     #: The queue, recorded in ``run.meta`` at ``strawq init``; holds G (``group_size``).

@@ -51,12 +51,6 @@ def _run_json() -> dict[str, Any]:
     return data
 
 
-def _run_json_without_ray_sections() -> dict[str, Any]:
-    raw = _run_json()
-    del raw["placement"]
-    return raw
-
-
 # -- the base --------------------------------------------------------------------------------
 
 def test_unknown_key_is_refused_by_name_listing_the_known_ones() -> None:
@@ -156,7 +150,6 @@ def test_load_config_reads_a_file_and_dotted_overrides(tmp_path: Path) -> None:
 # -- the run config --------------------------------------------------------------------------
 
 def test_run_json_validates_and_round_trips() -> None:
-    pytest.importorskip("ray")
     raw = _run_json()
     run = RunConfig.from_dict(raw)
     assert run.placement is not None and run.producer is not None
@@ -167,7 +160,6 @@ def test_run_json_validates_and_round_trips() -> None:
 
 def test_g_is_held_once_a_second_g_in_a_section_is_an_error_naming_both() -> None:
     """The old hazard: G = 8 for the queue, G = 16 for placement, and 16 silently won."""
-    pytest.importorskip("ray")
     raw = _run_json()
     raw["placement"]["group_size"] = 16
     with pytest.raises(ConfigError, match=r"placement\.group_size = 16 restates "
@@ -182,7 +174,7 @@ def test_g_is_held_once_a_second_g_in_a_section_is_an_error_naming_both() -> Non
                                           r"queue\.group_size = 8"):
         RunConfig.from_dict(raw)
     # built in Python: a second G cannot even be written down
-    from strawq.producers.placement import PlacementConfig
+    from strawq.producers.placement_config import PlacementConfig
     from strawq.producers.producer_config import ProducerConfig
 
     run = RunConfig.from_dict(_run_json())
@@ -200,19 +192,19 @@ def test_g_is_held_once_a_second_g_in_a_section_is_an_error_naming_both() -> Non
 
 
 def test_run_config_errors_name_the_section() -> None:
-    raw = _run_json_without_ray_sections()
+    raw = _run_json()
     raw["producer"]["client"]["max_retry"] = 1
     with pytest.raises(ConfigError, match=r"run config\.producer\.client: unknown key\(s\) "
                                           r"\['max_retry'\]; known keys are \[.*'max_retries'"):
         RunConfig.from_dict(raw)
-    raw = _run_json_without_ray_sections()
+    raw = _run_json()
     raw["queue"]["group_size"] = "8"
     with pytest.raises(ConfigError, match=r"run config\.queue\.group_size: expected int, "
                                           r"found str '8'"):
         RunConfig.from_dict(raw)
     with pytest.raises(ConfigError, match=r"run config: unknown key\(s\) \['trainer'\]"):
-        RunConfig.from_dict(_run_json_without_ray_sections() | {"trainer": {}})
-    raw = _run_json_without_ray_sections()
+        RunConfig.from_dict(_run_json() | {"trainer": {}})
+    raw = _run_json()
     raw["producer"]["lease_margin_s"] = 90.0
     with pytest.raises(ConfigError, match="lease_margin_s .* below queue.lease_timeout_s"):
         RunConfig.from_dict(raw)
@@ -228,8 +220,30 @@ def test_run_config_module_imports_no_ray_torch_or_http() -> None:
     assert out.strip() == "[]"
 
 
+def test_a_run_config_with_placement_loads_without_ray() -> None:
+    """The placement section is checked on any host: with Ray unimportable, run.json (all
+    four sections) loads, and a wrong placement value is still refused by name."""
+    code = ("import json, sys; sys.modules['ray'] = None\n"
+            "from strawq.app.run_config import RunConfig\n"
+            "from strawq.errors import ConfigError\n"
+            f"raw = json.load(open({str(RUN_JSON)!r}))\n"
+            "run = RunConfig.from_dict(raw)\n"
+            "print(run.placement.concurrency, run.placement.engines)\n"
+            "raw['placement']['engines'] = 0\n"
+            "try:\n"
+            "    RunConfig.from_dict(raw)\n"
+            "except ConfigError as exc:\n"
+            "    print(exc)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    placement = _run_json()["placement"]
+    first, second = res.stdout.strip().splitlines()
+    assert first == f"{placement['concurrency']} {placement['engines']}"
+    assert "run config.placement: PlacementConfig.engines must be >= 1, got 0" in second
+
+
 def test_run_config_cli_check_gives_one_line_errors(tmp_path: Path) -> None:
-    pytest.importorskip("ray")
     script = RUN_JSON.parent / "run_config.py"
     ok = subprocess.run([sys.executable, str(script), str(RUN_JSON), "--check"],
                         capture_output=True, text=True, timeout=120)
