@@ -28,8 +28,8 @@ collector's grantor expires the leases of one that dies.
 
 SIGTERM or SIGINT stops it cleanly: every held group is completed or yielded as a partial.
 
-Producer config keys (--set KEY=VALUE, or --config FILE): see docs/producers.md
-(slots, max_new_tokens, temperature, filter, tokenizer, client.*, ...).
+The producer config keys (--set KEY=VALUE, or --config FILE) are listed below; see
+docs/producers.md.
 """
 
 
@@ -104,6 +104,7 @@ def cmd_producer(args: argparse.Namespace) -> int:
 
 def add_parsers(subparsers: Any) -> None:
     from strawq.argtypes import positive_int
+    from strawq.config import add_keys_help
 
     s = subparsers.add_parser(
         "producer", help="run one producer in this process, without Ray (Slurm, systemd)",
@@ -120,8 +121,10 @@ def add_parsers(subparsers: Any) -> None:
                    "p-<host>-<random> per start)")
     s.add_argument("--config", help="JSON file of producer config keys (unknown refused)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override one producer config key, e.g. --set max_new_tokens=512")
+                   help="override one producer config key, e.g. --set max_new_tokens=512 "
+                   "(the keys are listed below)")
     s.add_argument("--max-seconds", type=float, default=None,
                    help="stop (handing back held groups) after this long")
     s.add_argument("--json", action="store_true", help="print the final stats as JSON")
+    add_keys_help(s, "strawq.producers.producer_config:ProducerConfig")
     s.set_defaults(func=cmd_producer)

@@ -18,7 +18,7 @@ from strawq.extras import TEACHER_LOGPROBS, ExtraError, check_names
 from strawq.names import validate_id
 
 from strawq.producers.extras_protocol import GENERATED
-from strawq.producers.sample import SampleError, SamplerParams
+from strawq.producers.sample import SamplerParams
 from strawq.producers.sglang_client import ClientConfig
 
 #: SamplerParams fields a producer config sets and a task row may override
@@ -59,12 +59,18 @@ class ProducerConfig(Config):
     #: free up; at most one group per producer waits like that). False: claim only when a
     #: whole group's G trajectories are free (leaves up to G-1 trajectories idle).
     eager_claim: bool = True
-    #: Sampling defaults; a task row's ``sampling_params`` mapping overrides them.
+    #: Sampling defaults (``SamplerParams``); a task row's ``sampling_params`` overrides
+    #: them. Response budget per sample.
     max_new_tokens: int = 1024
+    #: Sampling temperature (>= 0; below 1e-6 greedy).
     temperature: float = 1.0
+    #: Nucleus sampling mass, in (0, 1].
     top_p: float = 1.0
+    #: Most likely tokens sampled from: -1 (all) or >= 1.
     top_k: int = -1
+    #: Token ids that end a response.
     stop_token_ids: tuple[int, ...] = ()
+    #: Keep generating past EOS (and past ``stop_token_ids``, as SGLang does).
     ignore_eos: bool = False
     #: Base seed: sample i of task index j gets a seed derived from (seed, j, i), the same
     #: on every attempt and resume. None: engine randomness.
@@ -80,8 +86,9 @@ class ProducerConfig(Config):
     generate_args: dict[str, Any] | None = None
     #: Most generated turns per sample (0: unlimited); past it the sample ends truncated.
     max_turns: int = 0
-    #: A tool call's time limit, and its extra tries after a timeout or an error.
+    #: A tool call's time limit.
     tool_timeout_s: float = 60.0
+    #: A tool call's extra tries after a timeout or an error.
     tool_retries: int = 1
     #: After a tool's last try: ``fail_sample`` (recorded failed, never trained),
     #: ``drop_group`` (dropped as ``tool_error``) or ``restart`` (a fresh environment,
@@ -118,8 +125,9 @@ class ProducerConfig(Config):
     #: Pause before claiming again after a group was handed back for an engine fault
     #: (doubles per consecutive fault, capped at 16x).
     engine_backoff_s: float = 0.5
-    #: Threads for queue I/O (claim, complete, yield: fsync-bound) and for reward calls.
+    #: Threads for queue I/O (claim, complete, yield: fsync-bound).
     io_threads: int = 4
+    #: Threads for reward calls.
     reward_threads: int = 2
     #: Fixed producer id (tests); None: ``new_producer_id()``.
     producer_id: str | None = None
@@ -183,7 +191,7 @@ class ProducerConfig(Config):
             data["seed"] = seed
         try:
             return SamplerParams.from_dict(data)
-        except (SampleError, TypeError) as exc:
+        except ConfigError as exc:
             raise ConfigError(f"invalid sampling parameters {data}: {exc}") from exc
 
 

@@ -134,6 +134,61 @@ def test_the_per_class_configs_use_the_one_message() -> None:
         SimConfig(cap_prob=2.0)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Documented(Config):
+    """A class documented both ways.
+
+    Fields:
+        old_style: from the docstring's block,
+            continued on the next line.
+        a / b: one text for two fields.
+    """
+
+    #: From the comment above it,
+    #: over two lines.
+    new_style: int = 1
+    old_style: str = "x"
+    a: float = 0.5
+    b: tuple[int, ...] = ()
+    #: Both: the comment wins.
+    inner: Inner | None = None
+    undocumented: bool = False
+
+
+def test_field_docs_read_comments_and_docstring_blocks() -> None:
+    from strawq.config import field_docs
+
+    docs = field_docs(Documented)
+    assert docs == {"new_style": "From the comment above it, over two lines.",
+                    "old_style": "from the docstring's block, continued on the next line.",
+                    "a": "one text for two fields.", "b": "one text for two fields.",
+                    "inner": "Both: the comment wins."}
+
+
+def test_keys_help_flattens_sections_and_shows_type_default_and_doc() -> None:
+    from strawq.config import config_keys, keys_help
+
+    keys = {k: (t, d) for k, t, d, _ in config_keys(Outer)}
+    assert keys["inner.depth"] == ("int", "1") and keys["maybe.depth"] == ("int", "1")
+    assert keys["mode"] == ("a|b", '"a"') and keys["ids"] == ("list of int", "[]")
+    assert keys["limit"] == ("int or null", "null") and keys["name"] == ("str", "required")
+    text = keys_help(Documented)
+    assert "  new_style: int = 1\n      From the comment above it, over two lines.\n" in text
+    assert text.endswith("\n  undocumented: bool = false")
+
+
+def test_every_key_a_command_line_accepts_is_documented() -> None:
+    """Every config rule says each field is documented where it is declared; for the keys
+    of the run config (and the queue and collector configs the CLIs read) it is checked."""
+    from strawq.config import config_keys
+    from strawq.producers.producer_config import ProducerConfig
+
+    undocumented = [f"{cls.__name__}: {key}"
+                    for cls in (RunConfig, QueueConfig, CollectorConfig, ProducerConfig)
+                    for key, _, _, doc in config_keys(cls) if not doc]
+    assert not undocumented, undocumented
+
+
 def test_load_config_reads_a_file_and_dotted_overrides(tmp_path: Path) -> None:
     path = tmp_path / "q.json"
     path.write_text(json.dumps({"max_attempts": 5}))
