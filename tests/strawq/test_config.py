@@ -108,16 +108,41 @@ def test_to_dict_round_trips_through_json() -> None:
     assert Outer.from_dict(json.loads(json.dumps(data))) == cfg
 
 
-def test_every_config_class_of_the_project_is_a_config() -> None:
-    from strawq.demo.schedule import ScheduleConfig
-    from strawq.producers.engines.sim_backend import SimConfig
-    from strawq.producers.engines.tiny_config import TinyConfig
-    from strawq.producers.producer_config import ProducerConfig
-    from strawq.producers.sglang_client import ClientConfig
+def _config_classes_in_the_source() -> list[tuple[str, str]]:
+    """``(module, class)`` of every class in the package that names ``Config`` as a base."""
+    import ast
 
-    for cls in (QueueConfig, CollectorConfig, ProducerConfig, ClientConfig, TinyConfig,
-                SimConfig, ScheduleConfig, RunConfig):
+    import os
+
+    root = Path(__file__).resolve().parents[2] / "strawq"
+    paths = sorted(Path(d) / f for d, _, files in os.walk(root, followlinks=True)
+                   for f in files if f.endswith(".py"))  # producers/ etc. are links
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        module = ".".join(("strawq", *path.relative_to(root).with_suffix("").parts))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(b, ast.Name) and b.id == "Config" for b in node.bases):
+                found.append((module.removesuffix(".__init__"), node.name))
+    return found
+
+
+def test_every_config_class_of_the_project_is_a_config() -> None:
+    """Each class declared with the ``Config`` base follows its rules: frozen, keyword-only,
+    no ``__post_init__`` or ``from_dict`` of its own (the run config's adds one check)."""
+    import importlib
+
+    found = _config_classes_in_the_source()
+    names = {name for _, name in found}
+    assert {"QueueConfig", "CollectorConfig", "ProducerConfig", "ClientConfig",
+            "PlacementConfig", "SamplerParams", "RunConfig"} <= names, names
+    for module, name in found:
+        cls = getattr(importlib.import_module(module), name)
         assert issubclass(cls, Config), cls
+        params = getattr(cls, "__dataclass_params__", None)
+        assert params is not None and params.frozen, f"{name} is not a frozen dataclass"
+        assert all(f.kw_only for f in dataclasses.fields(cls)), f"{name} is not keyword-only"
         assert "from_dict" not in vars(cls) or cls is RunConfig, cls
         assert "__post_init__" not in vars(cls), cls
 
