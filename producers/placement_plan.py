@@ -238,8 +238,10 @@ class ProducerFleet:
                 return handle
             except (ActorDied, ActorTimeout):
                 pass  # a dead one still registered: make a new one
-        cfg = dataclasses.replace(self.producer_config, slots=slots,
-                                  producer_id=new_producer_id(f"n{node_id[:8]}"))
+        cfg = dataclasses.replace(
+            self.producer_config, budget=dataclasses.replace(self.producer_config.budget,
+                                                             slots=slots),
+            producer_id=new_producer_id(f"n{node_id[:8]}"))
         handle = self.launcher.launch(node_id, cfg)
         pid = handle.start().result(self.settings.call_timeout_s)
         log.info("started producer %s on node %s with %d slots", pid, node_id[:12], slots)

@@ -234,7 +234,8 @@ def parse_overrides(overrides: Sequence[str] | None, *, where: str) -> dict[str,
     """``KEY=VALUE`` items (the CLIs' ``--set``) as a nested mapping.
 
     A value is parsed as JSON when it can be (numbers, booleans, null, lists), else kept as
-    a bare string; a dotted key (``producer.client.max_retries=5``) sets a nested section.
+    a bare string; a dotted key (``producer.engine.client.max_retries=5``) sets a nested
+    section.
     """
     data: dict[str, Any] = {}
     for item in overrides or []:

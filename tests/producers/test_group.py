@@ -10,7 +10,7 @@ from strawq.names import TaskName
 from strawq.queue import Lease
 
 from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import EngineConfig, PluginsConfig, ProducerConfig
 from strawq.producers.sample import (SampleError, SamplerParams, SampleStatus, Segment,
                                      apply_segment)
 
@@ -84,7 +84,11 @@ def test_prompt_and_row_overrides() -> None:
     assert prompt_ids_of(task, "prompt", lambda s: [ord(c) for c in s]) == [97, 98]
     with pytest.raises(TaskError, match="non-empty"):
         prompt_ids_of({"row": {"prompt": []}}, "prompt", None)
-    cfg = ProducerConfig(run_dir="r", reward="a.b", workers=("u",), max_new_tokens=9)
+    cfg = ProducerConfig(
+        run_dir="r",
+        engine=EngineConfig(workers=("u",)),
+        plugins=PluginsConfig(reward="a.b"),
+        sampling=SamplerParams(max_new_tokens=9))
     p = cfg.sampler_params({"max_new_tokens": 3, "temperature": 0.0}, seed=4)
     assert (p.max_new_tokens, p.temperature, p.seed) == (3, 0.0, 4)
     with pytest.raises(ConfigError):

@@ -15,7 +15,7 @@ from strawq.errors import ConfigError, StrawqError
 from strawq.producers.placement_config import PlacementConfig
 from strawq.producers.placement_plan import (ActorDied, ActorTimeout, NodeView, ProducerFleet,
                                              eligible, plan)
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import EngineConfig, PluginsConfig, ProducerConfig
 
 T = TypeVar("T")
 
@@ -43,7 +43,7 @@ class FakeProducer:
     slot_pushes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.slots = self.config.slots
+        self.slots = self.config.budget.slots
 
     def _reply(self, value: T) -> Done[T]:
         if not self.alive:
@@ -110,8 +110,11 @@ HEAD = node(0, cpus=0.0)  # no CPU: never eligible
 def fleet(nodes: list[NodeView], launcher: FakeLauncher | None = None, group_size: int = 4,
           **settings: Any) -> tuple[ProducerFleet, FakeLauncher]:
     launcher = launcher or FakeLauncher()
-    cfg = ProducerConfig(run_dir="unused", reward="tests.producers.plugins_for_tests."
-                         "length_reward", workers=("http://127.0.0.1:9",))
+    cfg = ProducerConfig(
+        run_dir="unused",
+        engine=EngineConfig(workers=("http://127.0.0.1:9",)),
+        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests."
+                         "length_reward"))
     placement = PlacementConfig(**{"run_id": "t", "concurrency": 10, "engines": 2,
                                    "call_timeout_s": 5.0, "stop_timeout_s": 5.0, **settings})
     return ProducerFleet(cfg, placement, launcher, lambda: nodes,

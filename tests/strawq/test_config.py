@@ -273,8 +273,8 @@ def test_g_is_held_once_a_second_g_in_a_section_is_an_error_naming_both() -> Non
 
 def test_run_config_errors_name_the_section() -> None:
     raw = _run_json()
-    raw["producer"]["client"]["max_retry"] = 1
-    with pytest.raises(ConfigError, match=r"run config\.producer\.client: unknown key\(s\) "
+    raw["producer"]["engine"]["client"]["max_retry"] = 1
+    with pytest.raises(ConfigError, match=r"run config\.producer\.engine\.client: unknown key\(s\) "
                                           r"\['max_retry'\]; known keys are \[.*'max_retries'"):
         RunConfig.from_dict(raw)
     raw = _run_json()
@@ -285,8 +285,9 @@ def test_run_config_errors_name_the_section() -> None:
     with pytest.raises(ConfigError, match=r"run config: unknown key\(s\) \['trainer'\]"):
         RunConfig.from_dict(_run_json() | {"trainer": {}})
     raw = _run_json()
-    raw["producer"]["lease_margin_s"] = 90.0
-    with pytest.raises(ConfigError, match="lease_margin_s .* below queue.lease_timeout_s"):
+    raw["producer"]["timing"]["lease_margin_s"] = 90.0
+    with pytest.raises(ConfigError, match=r"producer\.timing\.lease_margin_s \(90\.0\) must be "
+                                          r"below queue\.lease_timeout_s"):
         RunConfig.from_dict(raw)
 
 
