@@ -66,10 +66,11 @@ def _producer(run: str, url: str, ledger: str, pid: str) -> subprocess.Popen[byt
     return subprocess.Popen(
         [sys.executable, "-c", code, "producer", run, "--engine", url, "--reward",
          "strawq.producers.rewards.count_task", "--slots", "2", "--producer-id", pid,
-         "--set", "max_new_tokens=200", "--set", "seed=5",
-         "--set", "generate=strawq.demo.agentic_sim.sim_agent",
-         "--set", f"generate_args={json.dumps(args)}", "--set", "idle_poll_s=0.02",
-         "--set", "control_poll_s=0.02"],
+         "--set", "sampling.max_new_tokens=200", "--set", "sampling.seed=5",
+         "--set", "plugins.generate=strawq.demo.agentic_sim.sim_agent",
+         "--set", f"plugins.generate_args={json.dumps(args)}",
+         "--set", "timing.idle_poll_s=0.02",
+         "--set", "timing.control_poll_s=0.02"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)})
 

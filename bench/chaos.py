@@ -239,7 +239,8 @@ class Chaos:
                                                             f"http://127.0.0.1:{port}")]
         for i in range(2):
             self.procs[f"producer{i}"] = Proc(f"producer{i}", strawq(
-                "producer", self.path(i), *urls, "--slots", "4", "--set", "max_new_tokens=96",
+                "producer", self.path(i), *urls, "--slots", "4",
+                "--set", "sampling.max_new_tokens=96",
                 "--reward", "strawq.producers.rewards.count_task",
                 "-q"), str(self.work / f"producer{i}.log"), producer_id=True)
         self.procs["collector"] = self._collector(0)

@@ -89,10 +89,12 @@ def run_case(workdir: Path, url: str, n_prompts: int, producers: int, c: int, g:
     procs, outs = [], []
     ctx = mp.get_context("spawn")
     for i, slots in enumerate(budget.slots):
-        cfg = {"run_dir": str(run), "reward": "strawq.producers.rewards.count_task",
-               "workers": [url], "slots": slots, "max_new_tokens": max_new,
-               "seed": i, "control_poll_s": 0.2, "idle_poll_s": 0.05,
-               "producer_id": f"bench-w{producers}-{i}", "eager_claim": eager}
+        cfg = {"run_dir": str(run), "producer_id": f"bench-w{producers}-{i}",
+               "engine": {"workers": [url]},
+               "plugins": {"reward": "strawq.producers.rewards.count_task"},
+               "budget": {"slots": slots, "eager_claim": eager},
+               "sampling": {"max_new_tokens": max_new, "seed": i},
+               "timing": {"control_poll_s": 0.2, "idle_poll_s": 0.05}}
         out = str(workdir / f"stats-{producers}-{i}.json")
         p = ctx.Process(target=producer_main, args=(cfg, go, stop, out), daemon=True)
         p.start()
@@ -127,7 +129,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer prompts (CI smoke run)")
     ap.add_argument("--strict-claim", action="store_true",
-                    help="claim only whole groups (ProducerConfig.eager_claim=False)")
+                    help="claim only whole groups (ProducerConfig.budget.eager_claim=False)")
     args = ap.parse_args()
     c, g = 128, 8  # K = 128 // 8 = 16 group slots
     n_prompts = 96 if args.quick else 320

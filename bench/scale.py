@@ -110,16 +110,21 @@ def idle_rate(run_b: str, mount_b: str, seconds: float, probe: bool
               ) -> tuple[float, dict[str, float]]:
     """Metadata ops/s of one idle producer on client B (``probe=False``: list every poll)."""
     from strawq.producers.producer import Producer
-    from strawq.producers.producer_config import ProducerConfig
+    from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                                  ProducerConfig)
+    from strawq.producers.sample import SamplerParams
     from strawq.storage.watch import DirProbe
 
     real = DirProbe.changed
     if not probe:
         DirProbe.changed = lambda self: True  # type: ignore[method-assign]
     try:
-        p = Producer(ProducerConfig(run_dir=run_b, reward="strawq.producers.rewards.count_task",
-                                    workers=("http://127.0.0.1:9",), slots=4,
-                                    ignore_eos=True),  # no engine to read EOS ids from
+        p = Producer(ProducerConfig(
+            run_dir=run_b,
+            engine=EngineConfig(workers=("http://127.0.0.1:9",)),
+            plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
+            budget=BudgetConfig(slots=4),
+            sampling=SamplerParams(ignore_eos=True)),  # no engine to read EOS ids from
                      client=IdleClient())  # type: ignore[arg-type]
 
         async def main() -> tuple[float, dict[str, float]]:

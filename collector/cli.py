@@ -14,6 +14,7 @@ import signal
 from typing import Any
 
 from strawq.argtypes import positive_int
+from strawq.config import add_keys_help
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,8 @@ dataset cursor, weight version and batch number; without it the run starts at ro
 whose run.meta is unreadable has lost its queue config with it: pass --queue-config too
 (the unreadable directory is moved aside to PATH.unreadable-<time>).
 
-Collector config keys (--set KEY=VALUE, or --config FILE): batch_groups, max_staleness
-(default 1; null = unbounded), eta_mode (train|regenerate|drop|off), batches_per_version,
-max_running, max_ready, max_prefetch_batches, flush_at_end, advantages (grpo|grpo_mean_only|none),
-advantage_eps, poll_interval_s, gc_interval_s, takeover_timeout_s, metrics_interval_s,
-metrics_jsonl, prometheus_port. See docs/collector.md.
+The collector config keys (--set KEY=VALUE, or --config FILE) are listed below; see
+docs/collector.md.
 """
 
 
@@ -172,7 +170,8 @@ def add_parsers(subparsers: Any) -> None:
     s.add_argument("dataset", help="JSONL or Parquet prompt dataset (any fsspec URL)")
     s.add_argument("--config", help="JSON file of collector config keys (unknown refused)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override one collector config key, e.g. --set batch_groups=128")
+                   help="override one collector config key, e.g. --set batch_groups=128 "
+                   "(the keys are listed below)")
     s.add_argument("--queue-config", help="JSON file of queue config keys, used only when "
                    "the run has to be created")
     s.add_argument("--checkpoint", help="trainer state JSON (BatchReader.state_dict()) for "
@@ -188,4 +187,5 @@ def add_parsers(subparsers: Any) -> None:
     s.add_argument("--owner", default="collector", help="name recorded in the epoch record")
     s.add_argument("--no-fsync", action="store_true", help="skip fsyncs (throwaway runs)")
     s.add_argument("--json", action="store_true", help="print the final state as JSON")
+    add_keys_help(s, "strawq.collector.config:CollectorConfig")
     s.set_defaults(func=cmd_collector)

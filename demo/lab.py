@@ -43,7 +43,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from strawq.config import Config
+from strawq.config import Config, merge
 from strawq.demo.lab_report import format_table, generated_lengths, length_bias, length_buckets, \
     plot_bias, row_of
 
@@ -359,12 +359,13 @@ def _agent_keys(cfg: LabConfig) -> dict[str, Any]:
     """Producer config keys of the multi-turn case (none for the single-turn one)."""
     if cfg.agent_turns_p <= 0:
         return {}
-    return {"generate": "strawq.demo.agentic_sim.sim_agent",
-            "generate_args": {"turns_p": cfg.agent_turns_p, "max_turns": cfg.agent_max_turns,
-                              "tool_median_s": cfg.tool_median_s,
-                              "tool_sigma": cfg.tool_sigma, "time_scale": cfg.time_scale,
-                              "seed": cfg.seed},
-            "tool_timeout_s": 600.0}
+    return {"plugins": {"generate": "strawq.demo.agentic_sim.sim_agent",
+                        "generate_args": {"turns_p": cfg.agent_turns_p,
+                                          "max_turns": cfg.agent_max_turns,
+                                          "tool_median_s": cfg.tool_median_s,
+                                          "tool_sigma": cfg.tool_sigma,
+                                          "time_scale": cfg.time_scale, "seed": cfg.seed}},
+            "tools": {"timeout_s": 600.0}}
 
 
 def _write_dataset(path: str, n: int, cfg: LabConfig) -> None:
@@ -430,12 +431,14 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
         for _ in range(cfg.sim_processes):
             engines.append(start_engine_subprocess("sim", **cfg.sim_options()))
         urls = [e.url for e in engines]
-        pconfigs = [dict(run_dir=run_dir, reward="strawq.producers.rewards.count_task",
-                         workers=urls, slots=budget.slots[i],
-                         max_new_tokens=cfg.len_cap, seed=cfg.seed,
-                         producer_id=f"lab-{mode}-{i}", control_poll_s=cfg.poll_s,
-                         idle_poll_s=cfg.poll_s, abort_poll_s=0.05, io_threads=4,
-                         reward_threads=1, **_agent_keys(cfg))
+        pconfigs = [merge({"run_dir": run_dir, "producer_id": f"lab-{mode}-{i}",
+                           "engine": {"workers": urls},
+                           "plugins": {"reward": "strawq.producers.rewards.count_task"},
+                           "budget": {"slots": budget.slots[i]},
+                           "sampling": {"max_new_tokens": cfg.len_cap, "seed": cfg.seed},
+                           "timing": {"control_poll_s": cfg.poll_s, "idle_poll_s": cfg.poll_s,
+                                      "abort_poll_s": 0.05},
+                           "threads": {"io": 4, "reward": 1}}, _agent_keys(cfg))
                     for i in range(cfg.producers)]
         collector = Collector.open(run_dir, Dataset(dataset_path), ccfg, queue_config=qcfg,
                                    owner="lab-collector", fsync=cfg.fsync)
@@ -477,7 +480,8 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
         result = ModeResult(mode, row, {"lab": cfg.to_dict(), "schedule": asdict(sched),
                                         "collector": asdict(ccfg),
                                         "sim_process": cfg.sim_options(),
-                                        "producer": pconfigs[0] | {"slots": list(budget.slots)},
+                                        "producer": merge(pconfigs[0], {"budget": {
+                                            "slots": list(budget.slots)}}),
                                         "queue": asdict(qcfg)},
                             [s for r in res.records for s in r.staleness],
                             [r.indices for r in res.records], problems)

@@ -34,7 +34,7 @@ from strawq.demo.schedule import ScheduleConfig, ScheduleResult, StepRecord, col
 from strawq.demo.trainer import GRPOTrainer
 from strawq.producers.engines.testing import EngineProcess, start_engine_subprocess
 from strawq.producers.engines.tiny_model import init_model, load_weights, save_weights
-from strawq.config import Config, QueueConfig
+from strawq.config import Config, QueueConfig, merge
 from strawq.control import Control
 from strawq.dataset import Dataset
 from strawq.errors import StrawqError
@@ -224,11 +224,12 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         col_thread.start()
         cluster = start_local_cluster(cfg.nodes)
         wait_for_nodes(cfg.nodes)
-        task_keys: dict[str, Any] = dict(tools_task.PRODUCER) if cfg.task == "tools" else {
-            "reward": "strawq.producers.rewards.count_task",
-            "max_new_tokens": task.MAX_NEW_TOKENS}
-        pcfg = ProducerConfig(run_dir=run_dir, workers=tuple(urls), temperature=1.0,
-                              seed=cfg.seed, **task_keys)
+        task_keys: dict[str, Any] = tools_task.PRODUCER if cfg.task == "tools" else {
+            "plugins": {"reward": "strawq.producers.rewards.count_task"},
+            "sampling": {"max_new_tokens": task.MAX_NEW_TOKENS}}
+        pcfg = ProducerConfig.from_dict(merge(
+            {"run_dir": run_dir, "engine": {"workers": tuple(urls)},
+             "sampling": {"temperature": 1.0, "seed": cfg.seed}}, task_keys))
         placement = ProducerPlacement(pcfg, PlacementConfig(
             run_id="demo", concurrency=cfg.concurrency, engines=cfg.engines),
             group_size=cfg.group_size)

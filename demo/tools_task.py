@@ -28,10 +28,11 @@ BOS, EOS, CALL, RESULT, ASK = 1, 2, 3, 4, 15
 DIGIT0 = 5
 MAX_NEW_TOKENS = 24
 MAX_CALLS = 2
-#: what the producer needs for this task (``ProducerConfig`` fields)
-PRODUCER = {"generate": "strawq.demo.tools_task.agent",
-            "reward": "strawq.demo.tools_task.reward",
-            "stop_token_ids": (CALL,), "max_new_tokens": MAX_NEW_TOKENS, "max_turns": 4}
+#: what the producer needs for this task (``ProducerConfig`` sections, as a mapping)
+PRODUCER = {"plugins": {"generate": "strawq.demo.tools_task.agent",
+                        "reward": "strawq.demo.tools_task.reward"},
+            "sampling": {"stop_token_ids": (CALL,), "max_new_tokens": MAX_NEW_TOKENS},
+            "tools": {"max_turns": 4}}
 
 
 def digit(tok: int) -> int | None:

@@ -28,9 +28,20 @@ collector's grantor expires the leases of one that dies.
 
 SIGTERM or SIGINT stops it cleanly: every held group is completed or yielded as a partial.
 
-Producer config keys (--set KEY=VALUE, or --config FILE): see docs/producers.md
-(slots, max_new_tokens, temperature, filter, tokenizer, client.*, ...).
+The producer config keys (--set KEY=VALUE, or --config FILE) are listed below; see
+docs/producers.md.
 """
+
+
+def _given(flags: dict[str, Any]) -> dict[str, Any]:
+    """The flags that were given (not None), sections kept only where one key was given."""
+    out: dict[str, Any] = {}
+    for key, value in flags.items():
+        if isinstance(value, dict):
+            value = _given(value) or None
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -49,12 +60,13 @@ def _config(args: argparse.Namespace) -> Any:
         if not isinstance(data, dict):
             raise ConfigError(f"producer config: {args.config} must hold a JSON object")
     data = merge(data, parse_overrides(args.set, where="producer config"))
-    data["run_dir"] = args.path
-    explicit = {"workers": tuple(args.engine) if args.engine else None,
-                "router_url": args.router, "reward": args.reward, "slots": args.slots,
-                "producer_id": args.producer_id}
-    data.update({k: v for k, v in explicit.items() if v is not None})
-    if "reward" not in data:
+    flags = {"run_dir": args.path, "producer_id": args.producer_id,
+             "engine": {"workers": tuple(args.engine) if args.engine else None,
+                        "router_url": args.router},
+             "plugins": {"reward": args.reward}, "budget": {"slots": args.slots}}
+    data = merge(data, _given(flags))
+    plugins = data.get("plugins")
+    if not (isinstance(plugins, dict) and plugins.get("reward")):
         raise ConfigError("producer config: no reward function; pass --reward "
                           "module.function (e.g. strawq.producers.rewards.math_answer)")
     return ProducerConfig.from_dict(data, where="producer config")
@@ -87,7 +99,8 @@ def cmd_producer(args: argparse.Namespace) -> int:
 
     old = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        log.info("producer %s on %s (%d slots)", producer.producer_id, args.path, config.slots)
+        log.info("producer %s on %s (%d slots)", producer.producer_id, args.path,
+                 config.budget.slots)
         asyncio.run(_run())
     finally:
         for s, h in old.items():
@@ -104,6 +117,7 @@ def cmd_producer(args: argparse.Namespace) -> int:
 
 def add_parsers(subparsers: Any) -> None:
     from strawq.argtypes import positive_int
+    from strawq.config import add_keys_help
 
     s = subparsers.add_parser(
         "producer", help="run one producer in this process, without Ray (Slurm, systemd)",
@@ -120,8 +134,11 @@ def add_parsers(subparsers: Any) -> None:
                    "p-<host>-<random> per start)")
     s.add_argument("--config", help="JSON file of producer config keys (unknown refused)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override one producer config key, e.g. --set max_new_tokens=512")
+                   help="override one producer config key, e.g. --set "
+                   "sampling.max_new_tokens=512 "
+                   "(the keys are listed below)")
     s.add_argument("--max-seconds", type=float, default=None,
                    help="stop (handing back held groups) after this long")
     s.add_argument("--json", action="store_true", help="print the final stats as JSON")
+    add_keys_help(s, "strawq.producers.producer_config:ProducerConfig")
     s.set_defaults(func=cmd_producer)

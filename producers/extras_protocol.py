@@ -1,6 +1,6 @@
 """Per-token extras over SGLang 0.5.x's ``/generate``: the request flags and the parsing.
 
-What a sample asks for (``Sample.want_extras``, from ``ProducerConfig.extras``) and where
+What a sample asks for (``Sample.want_extras``, from ``ProducerConfig.record.extras``) and where
 SGLang 0.5.23 answers it (its ``io_struct.GenerateReqInput`` and ``tokenizer_manager``):
 
 ==================  =======================================  ==================================

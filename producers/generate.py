@@ -5,8 +5,8 @@ A generate plugin owns one sample's trajectory. The producer calls it once per s
 the engine turn by turn through it, appends non-generated tokens, calls tools, and ends the
 sample. Single-turn generation is the built-in :func:`single_turn`, the default.
 
-Contract (``ProducerConfig.generate``, a dotted path resolved and checked at start-up; with
-``generate_args`` it names a factory called once with them)::
+Contract (``ProducerConfig.plugins.generate``, a dotted path resolved and checked at
+start-up; with ``generate_args`` it names a factory called once with them)::
 
     async def generate(ctx: GenerateContext) -> None
 
@@ -36,10 +36,11 @@ Budgets (exact across turns): ``max_new_tokens`` bounds the whole response (gene
 appended tokens); each turn gets ``max_new_tokens - len(response)`` (and the context-length
 clamp); an ``append`` that does not fit either bound (``max_new_tokens``, or prompt +
 response ≤ ``context_length − 1``) is refused and ends the sample ``truncated``;
-``max_turns`` (0: unlimited) ends it ``truncated`` before the turn past the limit. Ending
-the sample (``finish`` / ``fail``) before the replay has reached the end of the record
-raises :class:`~strawq.producers.trajectory.TrajectoryError`. Tool calls time out after
-``tool_timeout_s``, are retried ``tool_retries`` times, then ``tool_failure`` decides:
+``tools.max_turns`` (0: unlimited) ends it ``truncated`` before the turn past the limit.
+Ending the sample (``finish`` / ``fail``) before the replay has reached the end of the
+record raises :class:`~strawq.producers.trajectory.TrajectoryError`. Tool calls time out
+after ``tools.timeout_s``, are retried ``tools.retries`` times, then ``tools.on_failure``
+decides:
 ``fail_sample`` (recorded as ``failed``, reward None, loss mask 0 — never trained as a
 finished trajectory), ``drop_group`` (the group is dropped as ``tool_error``), or
 ``restart`` (the sample starts again in a fresh environment: new epoch, new keys).
@@ -73,7 +74,6 @@ log = logging.getLogger(__name__)
 
 GenerateFn = Callable[["GenerateContext"], Awaitable[None]]
 ToolFn = Callable[[Any, str], Any]
-TOOL_FAILURE_POLICIES = ("fail_sample", "drop_group", "restart")
 DEFAULT_GENERATE = "strawq.producers.generate.single_turn"
 
 
@@ -142,7 +142,7 @@ class GenerateContext:
 
     @property
     def remaining_budget(self) -> int:
-        return self.sample.remaining_budget(self._runner.config.client.context_length)
+        return self.sample.remaining_budget(self._runner.config.engine.client.context_length)
 
     def token_ids(self) -> list[int]:
         """Prompt + response so far: the next turn's input."""
@@ -169,7 +169,7 @@ class GenerateContext:
             return Turn([int(t) for t in s.response_ids[e["start"]:e["end"]]], str(e["finish"]),
                         replayed=True)
         if e is None:
-            limit = self._runner.config.max_turns
+            limit = self._runner.config.tools.max_turns
             if limit and self.trajectory.turns >= limit:
                 self._end(SampleStatus.TRUNCATED, {"type": "length", "limit": "max_turns"})
             e = {"op": "gen", "start": s.response_length, "end": None, "finish": None}
@@ -236,18 +236,18 @@ class GenerateContext:
                               name, args, s.response_ids.tolist(), gen=self.trajectory.gen)
         error = ""
         t0, started = time.monotonic(), time.time()
-        for attempt in range(1, cfg.tool_retries + 2):
+        for attempt in range(1, cfg.tools.retries + 2):
             self._runner.check_halted(self._a)
             try:
                 if is_async(fn):
-                    result = await asyncio.wait_for(fn(args, key), cfg.tool_timeout_s)
+                    result = await asyncio.wait_for(fn(args, key), cfg.tools.timeout_s)
                 else:
                     result = await asyncio.wait_for(self._runner.rewards.call(fn, args, key),
-                                                    cfg.tool_timeout_s)
+                                                    cfg.tools.timeout_s)
                     if inspect.isawaitable(result):
-                        result = await asyncio.wait_for(result, cfg.tool_timeout_s)
+                        result = await asyncio.wait_for(result, cfg.tools.timeout_s)
             except TimeoutError:
-                error = f"tool {name!r} timed out after {cfg.tool_timeout_s}s"
+                error = f"tool {name!r} timed out after {cfg.tools.timeout_s}s"
             except Exception as exc:  # noqa: BLE001 - a tool's failure is the sample's
                 error = f"tool {name!r} failed: {type(exc).__name__}: {exc}"[:500]
             else:
@@ -262,7 +262,7 @@ class GenerateContext:
                 return result
             self._runner.book.bump("tool_errors")
             log.info("sample %s: %s (attempt %d)", s.uid, error, attempt)
-        raise SampleFailed(error, policy=cfg.tool_failure)
+        raise SampleFailed(error, policy=cfg.tools.on_failure)
 
     def _refuse_end_in_replay(self, what: str) -> None:
         """Ending the sample before the replay reached the end of the record means the
@@ -325,7 +325,7 @@ def load_generate(path: str | None, args: Mapping[str, Any] | None = None) -> Ge
 async def run_plugin(runner: GroupRunner, a: ActiveGroup, i: int, version: int) -> None:
     """Run the generate plugin on sample ``i`` until it ends or is halted. A failure
     (tool, plugin bug) ends the sample as failed, or drops the group, or restarts the
-    sample in a fresh environment, per ``tool_failure``; :class:`Halted` propagates."""
+    sample in a fresh environment, per ``tools.on_failure``; :class:`Halted` propagates."""
     run = a.run
     if run is None:
         return
@@ -342,7 +342,7 @@ async def run_plugin(runner: GroupRunner, a: ActiveGroup, i: int, version: int) 
         except _Ended:
             return
         except SampleFailed as exc:
-            if exc.policy == "restart" and restarts < runner.config.tool_retries:
+            if exc.policy == "restart" and restarts < runner.config.tools.retries:
                 restarts += 1
                 run.restart_sample(i)
                 log.info("sample %s: restarting in a fresh environment (%s)", s.uid, exc)
@@ -360,5 +360,5 @@ async def run_plugin(runner: GroupRunner, a: ActiveGroup, i: int, version: int) 
 
 
 __all__ = ["DEFAULT_GENERATE", "GenerateContext", "GenerateFn", "Halted",
-           "SampleFailed", "TOOL_FAILURE_POLICIES", "Turn", "load_generate", "run_plugin",
+           "SampleFailed", "Turn", "load_generate", "run_plugin",
            "single_turn"]

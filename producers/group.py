@@ -42,7 +42,7 @@ from strawq.queue import Lease
 from strawq.tokenize import FunctionTokenizer, PromptTokenizer, prompt_ids
 
 from strawq.producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Sample,
-                              SamplerParams, SampleStatus, mask_offpolicy_prefix)
+                              SampleError, SamplerParams, SampleStatus, mask_offpolicy_prefix)
 from strawq.producers.trajectory import Trajectory
 
 class TaskError(StrawqError, ValueError):
@@ -138,7 +138,10 @@ class GroupRun:
             cols = group.sample(i)
             n = int(cols["tokens"].shape[0])
             if i < len(saved_params) and saved_params[i]:
-                params = SamplerParams.from_dict(saved_params[i])
+                try:
+                    params = SamplerParams.from_dict(saved_params[i])
+                except ConfigError as exc:  # a damaged record: the task cannot run
+                    raise SampleError(f"partial of {lease.task_id}: sample {i}: {exc}") from None
             else:
                 params = default_params(i)
                 if params.max_new_tokens < n:

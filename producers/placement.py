@@ -22,17 +22,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from strawq.config import Config
-from strawq.errors import ConfigError
-from strawq.names import validate_id
-
+from strawq.producers.placement_config import PlacementConfig
 from strawq.producers.placement_plan import (ACTOR_PREFIX, ActorDied, ActorTimeout, NodeView,
                                              Plan, ProducerFleet, ReconcileReport, actor_name,
                                              eligible, plan)
@@ -95,53 +91,6 @@ class ProducerActor:
                 log.error("producer %s did not stop within %.0fs", self.producer.producer_id,
                           timeout_s)
         return self.stats()
-
-
-# -- the manager -----------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class PlacementConfig(Config):
-    #: Run id used in actor names (``[A-Za-z0-9_.-]``).
-    run_id: str
-    #: C: concurrent requests per engine.
-    concurrency: int
-    #: E: number of engines.
-    engines: int
-    #: Ray namespace of the named actors (None: the driver's).
-    namespace: str | None = None
-    #: CPUs each producer actor reserves (slime: 1); a node needs at least this many.
-    num_cpus: float = 1.0
-    #: Seconds between reconcile passes of ``start_background``.
-    reconcile_interval_s: float = 5.0
-    #: Deadline of each actor call (start, set_slots, stats).
-    call_timeout_s: float = 60.0
-    #: Deadline of a producer's stop (it parks its groups first).
-    stop_timeout_s: float = 120.0
-
-    def validate(self) -> None:
-        validate_id(self.run_id, "run id")
-        if self.num_cpus < 0:
-            raise ConfigError(f"PlacementConfig.num_cpus must be >= 0, got {self.num_cpus}")
-        for name in ("reconcile_interval_s", "call_timeout_s", "stop_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"PlacementConfig.{name} must be > 0")
-
-
-@dataclass(frozen=True, kw_only=True)
-class FleetSizing:
-    """What the fleet reads: the placement's sizing and deadlines, and the run's G."""
-
-    concurrency: int
-    engines: int
-    group_size: int
-    num_cpus: float
-    call_timeout_s: float
-    stop_timeout_s: float
-
-    @classmethod
-    def of(cls, config: PlacementConfig, group_size: int) -> FleetSizing:
-        return cls(concurrency=config.concurrency, engines=config.engines,
-                   group_size=group_size, num_cpus=config.num_cpus,
-                   call_timeout_s=config.call_timeout_s, stop_timeout_s=config.stop_timeout_s)
 
 
 def run_group_size(run_dir: str) -> int:
@@ -234,6 +183,7 @@ class RayLauncher:
                 time.sleep(0.2)
 
 
+# -- the manager -----------------------------------------------------------------------------
 class ProducerPlacement:
     """Driver-side manager of the producer actors (one per eligible node)."""
 
@@ -244,8 +194,8 @@ class ProducerPlacement:
         self.config = config
         #: G, held once in the run's ``QueueConfig``: read from the run unless given
         self.group_size = run_group_size(producer.run_dir) if group_size is None else group_size
-        self.fleet = ProducerFleet(producer, FleetSizing.of(config, self.group_size),
-                                   RayLauncher(config), nodes)
+        self.fleet = ProducerFleet(producer, config, RayLauncher(config), nodes,
+                                   group_size=self.group_size)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: Exception | None = None

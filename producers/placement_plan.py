@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 from strawq.errors import ConfigError, StrawqError
 
 from strawq.producers.budget import Budget, split_budget
+from strawq.producers.placement_config import PlacementConfig
 from strawq.producers.producer_config import ProducerConfig, new_producer_id
 
 log = logging.getLogger(__name__)
@@ -148,32 +149,18 @@ class ProducerLauncher(Protocol):
         ...
 
 
-class FleetSettings(Protocol):
-    """The sizing and deadlines the fleet reads (``placement.PlacementConfig``)."""
-
-    @property
-    def concurrency(self) -> int: ...
-    @property
-    def engines(self) -> int: ...
-    @property
-    def group_size(self) -> int: ...
-    @property
-    def num_cpus(self) -> float: ...
-    @property
-    def call_timeout_s(self) -> float: ...
-    @property
-    def stop_timeout_s(self) -> float: ...
-
-
 # -- the reconciler -------------------------------------------------------------------------
 class ProducerFleet:
     """One producer per eligible node, kept so by ``reconcile``; thread-safe."""
 
-    def __init__(self, producer: ProducerConfig, settings: FleetSettings,
+    def __init__(self, producer: ProducerConfig, settings: PlacementConfig,
                  launcher: ProducerLauncher, nodes: Callable[[], Sequence[NodeView]], *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 group_size: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.producer_config = producer
+        #: the fleet's sizing (C, E) and deadlines
         self.settings = settings
+        #: G, the run's ``queue.group_size``
+        self.group_size = group_size
         self.launcher = launcher
         #: the cluster's nodes now (listed on each pass, after dead actors are retired)
         self.nodes = nodes
@@ -193,7 +180,7 @@ class ProducerFleet:
             for nid in self._dead_actors():
                 self._retire(nid)
             p = plan(self.nodes(), list(self.handles), min_cpus=s.num_cpus,
-                     concurrency=s.concurrency, engines=s.engines, group_size=s.group_size)
+                     concurrency=s.concurrency, engines=s.engines, group_size=self.group_size)
             rep = ReconcileReport(budget=p.budget, slots=dict(p.slots))
             for nid in p.retire:
                 self._retire(nid)
@@ -251,8 +238,10 @@ class ProducerFleet:
                 return handle
             except (ActorDied, ActorTimeout):
                 pass  # a dead one still registered: make a new one
-        cfg = dataclasses.replace(self.producer_config, slots=slots,
-                                  producer_id=new_producer_id(f"n{node_id[:8]}"))
+        cfg = dataclasses.replace(
+            self.producer_config, budget=dataclasses.replace(self.producer_config.budget,
+                                                             slots=slots),
+            producer_id=new_producer_id(f"n{node_id[:8]}"))
         handle = self.launcher.launch(node_id, cfg)
         pid = handle.start().result(self.settings.call_timeout_s)
         log.info("started producer %s on node %s with %d slots", pid, node_id[:12], slots)

@@ -81,8 +81,9 @@ def open_queue(config: ProducerConfig, producer_id: str) -> RunQueue:
 
 
 def make_client(config: ProducerConfig) -> SGLangClient:
-    """The SGLang client of ``config.workers`` / ``config.router_url``."""
-    return SGLangClient(config.workers, router_url=config.router_url, config=config.client)
+    """The SGLang client of ``config.engine`` (its workers or router, and client settings)."""
+    engine = config.engine
+    return SGLangClient(engine.workers, router_url=engine.router_url, config=engine.client)
 
 
 class Producer:
@@ -105,7 +106,8 @@ class Producer:
         qc = self.queue.config
         self.group_size = qc.group_size  # G is held once, in the run's QueueConfig
         self.lease_timeout_s = qc.lease_timeout_s
-        margin = qc.heartbeat_interval_s if config.lease_margin_s is None else config.lease_margin_s
+        margin = config.timing.lease_margin_s
+        margin = qc.heartbeat_interval_s if margin is None else margin
         give_up_after_s = max(qc.lease_timeout_s - margin, qc.heartbeat_interval_s)
         self._client = client
         self._owns_client = client is None
@@ -113,16 +115,16 @@ class Producer:
         self._guarded: GuardedClient | None = None
         pid = self.producer_id
         self._book = StatsBook(ProducerStats(producer_id=pid, node_id=node_id,
-                                             slots=config.slots, group_size=self.group_size))
-        self._io = Offload(config.io_threads, f"{pid}-io")
-        self._rewards = Offload(config.reward_threads, f"{pid}-reward")
-        self.pool = SlotPool(config.slots, self.group_size, eager=config.eager_claim,
+                                             slots=config.budget.slots, group_size=self.group_size))
+        self._io = Offload(config.threads.io, f"{pid}-io")
+        self._rewards = Offload(config.threads.reward, f"{pid}-reward")
+        self.pool = SlotPool(config.budget.slots, self.group_size, eager=config.budget.eager_claim,
                              clock=clock, kick=self._kick)
         self.handback = HandBack(self.queue, self._io, self._book)
         self._heartbeat = Heartbeat(self.queue, pid, interval_s=qc.heartbeat_interval_s,
                                     give_up_after_s=give_up_after_s, clock=clock)
-        self._aborter = EngineAborter(lambda: self._client, pid, poll_s=config.abort_poll_s,
-                                      deadline_s=config.abort_deadline_s, clock=clock,
+        self._aborter = EngineAborter(lambda: self._client, pid, poll_s=config.timing.abort_poll_s,
+                                      deadline_s=config.timing.abort_deadline_s, clock=clock,
                                       live_rids=lambda: self.runner.live_rids())
         self.runner = GroupRunner(config, producer_id=pid, queue=self.queue,
                                   group_size=self.group_size, client=lambda: self.client,
@@ -130,7 +132,7 @@ class Producer:
                                   io=self._io, rewards=self._rewards, aborter=self._aborter,
                                   pausing=lambda: self._bracket.pausing, clock=clock,
                                   kick=self._kick)
-        self._bracket = PauseBracket(self.control, pid, poll_s=config.control_poll_s,
+        self._bracket = PauseBracket(self.control, pid, poll_s=config.timing.control_poll_s,
                                      clock=clock, io=self._io.call, park=self.runner.park_all,
                                      held=lambda: len(self.runner.groups),
                                      unreturned=lambda: len(self.handback.orphans))
@@ -140,7 +142,7 @@ class Producer:
                                   current_version=self.queue.current_version,
                                   notes=EngineWeights(self.queue.storage), io=self._io.call,
                                   pausing=lambda: self._bracket.pausing, book=self._book,
-                                  probe_s=max(0.2, 5 * config.control_poll_s), clock=clock)
+                                  probe_s=max(0.2, 5 * config.timing.control_poll_s), clock=clock)
         self._stopping = False
         self._last_empty_claim = -math.inf
         self._cpu0 = time.process_time()
@@ -267,7 +269,7 @@ class Producer:
         try:
             await self.client.start()
             self.runner.eos_ids = await resolve_eos_ids(
-                self._client, configured=self.config.client.eos_token_ids,
+                self._client, configured=self.config.engine.client.eos_token_ids,
                 tokenizer=self.runner.tokenizer,
                 ignore_eos=self.config.sampler_params().ignore_eos, who=f"producer {pid}")
             await self._check_engine_versions()
@@ -341,16 +343,16 @@ class Producer:
             self.guard.tick()
             if self._stopping:
                 break
-            timeout = self.config.control_poll_s
+            timeout = self.config.timing.control_poll_s
             n = self._claimable_groups()
-            if n > 0 and self.clock() - self._last_empty_claim >= self.config.idle_poll_s \
+            if n > 0 and self.clock() - self._last_empty_claim >= self.config.timing.idle_poll_s \
                     and (not self._drained or self._work_changed()):
                 leases = await self._io.call(self.queue.claim, self.producer_id, n)
                 for lease in leases:
                     self.runner.start(lease)
                 if len(leases) < n:
                     self._last_empty_claim = self.clock()
-                    timeout = min(timeout, self.config.idle_poll_s)
+                    timeout = min(timeout, self.config.timing.idle_poll_s)
                     # Nothing left to claim (not merely lost races): until pending/ changes,
                     # idle polls stat it instead of listing it.
                     self._drained = not leases and not await self._io.call(

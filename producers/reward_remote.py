@@ -1,7 +1,8 @@
 """A remote reward model over HTTP: one POST per sample, bounded, timed out and retried.
 
-``ProducerConfig(reward="strawq.producers.reward_remote.remote_reward",
-reward_args={"url": "http://rm:8000/score", "concurrency": 32, ...})``. The request body is
+``PluginsConfig(reward="strawq.producers.reward_remote.remote_reward",
+reward_args={"url": "http://rm:8000/score", "concurrency": 32, ...})`` (the producer's
+``plugins`` section). The request body is
 JSON::
 
     {"task_id": ..., "index": ..., "prompt": row[prompt_key], "prompt_ids": [...],
@@ -148,5 +149,5 @@ class RemoteReward:
 
 
 def remote_reward(**kwargs: Any) -> RemoteReward:
-    """Reward factory for ``ProducerConfig.reward_args`` (see ``RemoteReward``)."""
+    """Reward factory for ``ProducerConfig.plugins.reward_args`` (see ``RemoteReward``)."""
     return RemoteReward(**kwargs)

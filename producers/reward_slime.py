@@ -1,8 +1,9 @@
 """Call a slime reward function unchanged: ``--custom-rm-path`` functions, or slime's own
 ``rm_hub.async_rm`` (``--rm-type math``, ``deepscaler``, ``dapo``, ``remote_rm``, ...).
 
-``ProducerConfig(reward="strawq.producers.reward_slime.slime_rm",
-reward_args={"path": "my_pkg.rm.custom_rm", "args": {"rm_type": "math"}})``
+``PluginsConfig(reward="strawq.producers.reward_slime.slime_rm",
+reward_args={"path": "my_pkg.rm.custom_rm", "args": {"rm_type": "math"}})`` (the producer's
+``plugins`` section)
 
 slime calls ``await rm(args, sample)`` with its argparse namespace and a
 ``slime.utils.types.Sample``; this adapter builds both: ``args`` from ``reward_args["args"]``

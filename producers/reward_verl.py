@@ -2,8 +2,9 @@
 
 verl's reward managers call ``compute_score(data_source, solution_str, ground_truth,
 extra_info)`` on the decoded response and take a number, or a mapping with ``score``.
-``ProducerConfig(reward="strawq.producers.reward_verl.verl_score",
-reward_args={"path": "my_pkg.scores.compute_score"})`` does the same from a strawq row in
+``PluginsConfig(reward="strawq.producers.reward_verl.verl_score",
+reward_args={"path": "my_pkg.scores.compute_score"})`` (the producer's ``plugins`` section)
+does the same from a strawq row in
 verl's dataset layout:
 
 * ``data_source``  ← ``row["data_source"]``

@@ -100,7 +100,7 @@ class ActiveGroup:
     final_at: float | None = None
     #: the queue's version when the group was loaded (appended tokens before any turn)
     version: int = 0
-    #: (reason, message): the generate plugin asked to drop the group (``tool_failure``)
+    #: (reason, message): the generate plugin asked to drop the group (``tools.on_failure``)
     drop: tuple[str, str] | None = None
 
 
@@ -118,13 +118,14 @@ class GroupRunner:
         self.queue = queue
         self.group_size = group_size
         self.prompt_key = queue.config.prompt_key
-        self.reward_fn: RewardFn = load_reward(config.reward, config.reward_args)
-        self.filter_fn: FilterFn | None = load_filter(config.filter)
-        self.generate_fn: GenerateFn = load_generate(config.generate, config.generate_args)
-        self.tokenizer = load_tokenizer(config.tokenizer, config.tokenizer_args)
+        self.reward_fn: RewardFn = load_reward(config.plugins.reward, config.plugins.reward_args)
+        self.filter_fn: FilterFn | None = load_filter(config.plugins.filter)
+        self.generate_fn: GenerateFn = load_generate(config.plugins.generate,
+                                                     config.plugins.generate_args)
+        self.tokenizer = load_tokenizer(config.plugins.tokenizer, config.plugins.tokenizer_args)
         #: scores final samples for ``teacher_logprobs`` (``strawq.producers.teacher``)
-        self.teacher = Teacher(config.teacher_url, config.client) if config.teacher_url \
-            else None
+        teacher_url = config.record.teacher_url
+        self.teacher = None if teacher_url is None else Teacher(teacher_url, config.engine.client)
         #: rewards see the decoded response ids, not the segments' texts stitched together
         self.decode: Callable[[list[int]], str] | None = (
             self.tokenizer.decode if self.tokenizer is not None
@@ -212,8 +213,8 @@ class GroupRunner:
     def _params(self, task: dict[str, Any], i: int, gen: int = 0) -> SamplerParams:
         row = task.get("row") if isinstance(task.get("row"), dict) else {}
         overrides = row.get("sampling_params") if isinstance(row, dict) else None
-        seed = None if self.config.seed is None else sample_seed(
-            self.config.seed, int(task.get("index", 0)), i, gen)
+        seed = None if self.config.sampling.seed is None else sample_seed(
+            self.config.sampling.seed, int(task.get("index", 0)), i, gen)
         try:
             return self.config.sampler_params(overrides, seed)
         except StrawqError as exc:
@@ -281,7 +282,7 @@ class GroupRunner:
             try:
                 version, partial, prompt = await self.io.call(self._load, lease)
                 run = self._build(lease, partial, prompt)
-                run.want_extras(self.config.extras, self.config.routed_experts_shape)
+                run.want_extras(self.config.record.extras, self.config.record.routed_experts_shape)
             except _PastEta as past:
                 await self._past_eta(lease, past)
                 return
@@ -347,7 +348,7 @@ class GroupRunner:
             raise Halted()
         s = run.samples[i]
         failures = 0
-        context_length = self.config.client.context_length
+        context_length = self.config.engine.client.context_length
         while not s.is_final:
             self.check_halted(a)
             rid = run.next_rid(self.producer_id, i)
@@ -362,7 +363,7 @@ class GroupRunner:
             except StaleEngine:
                 continue  # tokens of the wrong weights discarded; re-issued in rotation
             except NoFreshEngine:  # every engine stale: wait for the trainer's push
-                await asyncio.sleep(self.config.engine_backoff_s)
+                await asyncio.sleep(self.config.engine.backoff_s)
                 continue
             except ExtrasMismatch as exc:  # misaligned per-token extras: this sample fails
                 self.book.bump("engine_faults")
@@ -370,17 +371,17 @@ class GroupRunner:
             except (EngineError, SampleError) as exc:
                 failures += 1
                 self.book.bump("engine_faults")
-                if isinstance(exc, SampleError) or failures > self.config.sample_retries:
+                if isinstance(exc, SampleError) or failures > self.config.engine.sample_retries:
                     log.warning("task %s sample %d: giving up after %d failures: %s",
                                 run.task_id, i, failures, exc)
                     a.fault = exc
                     self.stop_samples(a, keep=i)
                     raise Halted() from None
                 log.info("task %s sample %d: %s; retry %d/%d", run.task_id, i, exc,
-                         failures, self.config.sample_retries)
+                         failures, self.config.engine.sample_retries)
                 if isinstance(exc, EngineUnavailable):  # maybe still running somewhere
                     self.aborter.abort_soon(rid)
-                await asyncio.sleep(self.config.engine_backoff_s * failures)
+                await asyncio.sleep(self.config.engine.backoff_s * failures)
                 continue
             finally:
                 a.live_rids.discard(rid)
@@ -442,7 +443,7 @@ class GroupRunner:
             return
         if fault is not None:
             self._faults_in_row += 1
-            delay = self.config.engine_backoff_s * min(2 ** (self._faults_in_row - 1), 16)
+            delay = self.config.engine.backoff_s * min(2 ** (self._faults_in_row - 1), 16)
             self.backoff_until = max(self.backoff_until, self.clock() + delay)
             log.warning("task %s handed back as partial after an engine fault: %s "
                         "(claiming again in %.1fs)", run.task_id, fault, delay)
@@ -471,7 +472,7 @@ class GroupRunner:
         self._faults_in_row = 0
         reason, message = self._drop_reason(run)
         group = run.to_group(producer=self.producer_id, version_hint=version, partial=False,
-                             mask_offpolicy=self.config.mask_offpolicy_in_partial_rollout)
+                             mask_offpolicy=self.config.record.mask_offpolicy_in_partial_rollout)
         if reason is not None:
             await self.handback.drop(run.lease, reason, message or f"filter: {reason}",
                                      group.summary())

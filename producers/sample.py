@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from strawq.errors import StrawqError
+from strawq.config import Config
+from strawq.errors import ConfigError, StrawqError
 from strawq.extras import (Extra, ExtraError, cat, check_names, first_placeholder, placeholder,
                            rows_for, spec_of)
 
@@ -84,52 +85,46 @@ _FINISH_TO_STATUS = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class SamplerParams:
+class SamplerParams(Config):
     """Sampling parameters of one sample; constant across its segments.
 
-    Fields:
-        max_new_tokens: total response budget over all segments (>= 0).
-        temperature: >= 0; below 1e-6 the engine samples greedily.
-        top_p: in (0, 1].
-        top_k: -1 (all) or >= 1.
-        stop_token_ids: token ids that end the response (the stop token is kept).
-        seed: ``sampling_seed`` sent to the engine, or None for engine randomness. SGLang
-            0.5.23 ignores it unless the server runs with ``--enable-deterministic-inference``.
-        ignore_eos: keep generating past the model's EOS. On SGLang 0.5.23 it switches off
-            ``stop_token_ids`` too (every token-based stop); the local engines do the same.
+    A config section (``strawq.config.Config``): the producer config holds the defaults,
+    and a task row's ``sampling_params`` mapping overrides any of these keys for that row's
+    samples.
     """
 
-    max_new_tokens: int
+    #: Total response budget over all segments (>= 0).
+    max_new_tokens: int = 1024
+    #: Sampling temperature (>= 0); below 1e-6 the engine samples greedily.
     temperature: float = 1.0
+    #: Nucleus sampling: sample from the most likely tokens whose probabilities add up to
+    #: ``top_p``, in (0, 1] (1: all).
     top_p: float = 1.0
+    #: Sample from the ``top_k`` most likely tokens: -1 (all) or >= 1.
     top_k: int = -1
+    #: Token ids that end the response (the stop token is kept).
     stop_token_ids: tuple[int, ...] = ()
+    #: The engine's ``sampling_seed``, or None for engine randomness (SGLang 0.5.23 ignores
+    #: it unless the server runs with ``--enable-deterministic-inference``). As a producer's
+    #: default it is the base seed: each sample's own seed is derived from it, the task
+    #: index, the sample index and the lease generation.
     seed: int | None = None
+    #: Keep generating past the model's EOS. On SGLang 0.5.23 it switches off
+    #: ``stop_token_ids`` too (every token-based stop); the local engines do the same.
     ignore_eos: bool = False
 
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.max_new_tokens, bool)
-            or not isinstance(self.max_new_tokens, int)
-            or self.max_new_tokens < 0
-        ):
-            raise SampleError(f"max_new_tokens must be an int >= 0, found {self.max_new_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise SampleError(f"temperature must be >= 0, found {self.temperature!r}")
+    def validate(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0, found {self.max_new_tokens!r}")
+        if not self.temperature >= 0.0:  # also refuses NaN
+            raise ConfigError(f"temperature must be >= 0, found {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
-            raise SampleError(f"top_p must be in (0, 1], found {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
-            raise SampleError(f"top_k must be -1 (all) or >= 1, found {self.top_k!r}")
-        ids = tuple(self.stop_token_ids)
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise SampleError(
-                f"stop_token_ids must be non-negative ints, found {self.stop_token_ids!r}"
-            )
-        object.__setattr__(self, "stop_token_ids", ids)
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
-            raise SampleError(f"seed must be an int or None, found {self.seed!r}")
+            raise ConfigError(f"top_p must be in (0, 1], found {self.top_p!r}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ConfigError(f"top_k must be -1 (all) or >= 1, found {self.top_k!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ConfigError(f"stop_token_ids must be non-negative, found "
+                              f"{list(self.stop_token_ids)}")
 
     def to_sglang(self, max_new_tokens: int | None = None) -> dict[str, Any]:
         """The ``sampling_params`` dict for one request, with an optional reduced budget."""
@@ -149,28 +144,6 @@ class SamplerParams:
         if self.ignore_eos:
             out["ignore_eos"] = True
         return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            f.name: (
-                list(getattr(self, f.name)) if f.name == "stop_token_ids" else getattr(self, f.name)
-            )
-            for f in fields(self)
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SamplerParams:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise SampleError(
-                f"unknown SamplerParams keys {sorted(unknown)}; "
-                f"expected a subset of {sorted(known)}"
-            )
-        kwargs = dict(data)
-        if "stop_token_ids" in kwargs:
-            kwargs["stop_token_ids"] = tuple(int(t) for t in kwargs["stop_token_ids"])
-        return cls(**kwargs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -377,7 +350,10 @@ class Sample:
                 f"expected a subset of {sorted(known)}"
             )
         kwargs = {k: v for k, v in data.items() if k != "schema"}
-        kwargs["params"] = SamplerParams.from_dict(data["params"])
+        try:
+            kwargs["params"] = SamplerParams.from_dict(data["params"])
+        except ConfigError as exc:
+            raise SampleError(f"sample record params are invalid: {exc}") from None
         if kwargs.get("finish_reason") is not None:
             kwargs["finish_reason"] = dict(kwargs["finish_reason"])
         kwargs["extra"] = dict(kwargs.get("extra") or {})

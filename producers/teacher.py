@@ -1,6 +1,6 @@
 """Teacher log-probs (on-policy distillation): a teacher engine scores each finished sample.
 
-With ``teacher_logprobs`` in ``ProducerConfig.extras`` and a ``teacher_url``, every final
+With ``teacher_logprobs`` in ``ProducerConfig.record.extras`` and a ``teacher_url``, every final
 sample is sent once, before its reward, to the teacher's ``/generate`` as SGLang 0.5.23
 scores a sequence (slime's ``on_policy_distillation.reward_func`` does the same)::
 

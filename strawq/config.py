@@ -9,24 +9,33 @@ One validation path, run on every construction (``__init__``, ``from_dict``,
 ``float``, ``bool``, ``str``, ``X | None``, ``tuple[X, ...]``, ``Literal[...]``, nested
 sections), then the class's :meth:`Config.validate` checks the value rules. Mappings are
 turned into configs only by :meth:`Config.from_dict`, which refuses unknown keys by name and
-lists the known ones; every field is documented where it is declared.
+lists the known ones; every field is documented where it is declared (a ``#:`` comment
+above it, or an entry of a ``Fields:`` block in the class docstring): :func:`field_docs`
+reads those, and :func:`keys_help` turns them into the key list that ``--help`` shows for
+``--set`` (:func:`add_keys_help`).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
+import inspect
 import json
 import numbers
 import re
 import sys
+import textwrap
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from strawq.errors import ConfigError
+
+if TYPE_CHECKING:
+    import argparse
 
 C = TypeVar("C", bound="Config")
 
@@ -225,7 +234,8 @@ def parse_overrides(overrides: Sequence[str] | None, *, where: str) -> dict[str,
     """``KEY=VALUE`` items (the CLIs' ``--set``) as a nested mapping.
 
     A value is parsed as JSON when it can be (numbers, booleans, null, lists), else kept as
-    a bare string; a dotted key (``producer.client.max_retries=5``) sets a nested section.
+    a bare string; a dotted key (``producer.engine.client.max_retries=5``) sets a nested
+    section.
     """
     data: dict[str, Any] = {}
     for item in overrides or []:
@@ -278,6 +288,163 @@ def load_config(cls: type[C], path: str | None = None,
                               f"{type(data).__name__}")
     data = merge(data, parse_overrides(overrides, where=name))
     return cls.from_dict(data, where=where)
+
+
+# -- field documentation and the generated key list ---------------------------------------
+
+_DOCS: dict[type, dict[str, str]] = {}
+#: An entry of a ``Fields:`` block: ``name: text`` or ``a / b: text`` (shared text).
+_FIELD_ENTRY = re.compile(r"^(\w+(?:\s*/\s*\w+)*):\s*(.*)$")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's documentation, by name: the ``#:`` comment lines just above its
+    declaration, else its entry in a ``Fields:`` block of the class docstring (inherited
+    fields included). A field without either is missing from the result."""
+    if cls in _DOCS:
+        return _DOCS[cls]
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or "__annotations__" not in vars(klass):
+            continue
+        docs.update(_docstring_fields(klass))
+        docs.update(_comment_fields(klass))
+    if dataclasses.is_dataclass(cls):  # fields only, not class variables
+        names = {f.name for f in dataclasses.fields(cls)}
+        docs = {k: v for k, v in docs.items() if k in names}
+    _DOCS[cls] = docs
+    return docs
+
+
+def _comment_fields(klass: type) -> dict[str, str]:
+    try:
+        source = textwrap.dedent(inspect.getsource(klass))
+    except (OSError, TypeError):  # no source (a frozen or generated class)
+        return {}
+    lines = source.splitlines()
+    node = ast.parse(source).body[0]
+    out: dict[str, str] = {}
+    for stmt in getattr(node, "body", []):
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            i, doc = stmt.lineno - 2, list[str]()
+            while i >= 0 and lines[i].strip().startswith("#:"):
+                doc.insert(0, lines[i].strip()[2:].strip())
+                i -= 1
+            if doc:
+                out[stmt.target.id] = " ".join(doc)
+    return out
+
+
+def _docstring_fields(klass: type) -> dict[str, str]:
+    doc = inspect.cleandoc(vars(klass).get("__doc__") or "")
+    lines = doc.splitlines()
+    if "Fields:" not in (line.strip() for line in lines):
+        return {}
+    out: dict[str, str] = {}
+    names: list[str] = []
+    indent = None
+    for line in lines[[line.strip() for line in lines].index("Fields:") + 1:]:
+        if not line.strip():
+            continue
+        here = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = here
+        if here < indent:
+            break
+        match = _FIELD_ENTRY.match(line.strip()) if here == indent else None
+        if match:
+            names = [n.strip() for n in match.group(1).split("/")]
+            for n in names:
+                out[n] = match.group(2)
+        elif names:
+            for n in names:
+                out[n] = f"{out[n]} {line.strip()}".strip()
+    return out
+
+
+def _first_sentence(text: str) -> str:
+    end = re.search(r"(?<!e\.g)(?<!i\.e)(?<!Dr)\.(\s|$)", text)
+    return text[: end.start() + 1] if end else text
+
+
+def _key_type(hint: Any) -> str:
+    """A field's type as the key list shows it: ``a|b`` for a choice, ``list of int``."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "|".join(str(c) for c in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_key_type(a) for a in typing.get_args(hint))
+    if origin is tuple:
+        args = typing.get_args(hint)
+        return f"list of {_key_type(args[0])}" if args else "list"
+    if origin is not None:
+        return _type_name(origin)
+    return "null" if hint is type(None) else _type_name(hint)
+
+
+def _default_text(f: dataclasses.Field[Any]) -> str:
+    if f.default is not dataclasses.MISSING:
+        return json.dumps(_plain(f.default), default=str)
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        return "{...}" if isinstance(value, Config) else json.dumps(_plain(value), default=str)
+    return "required"
+
+
+def config_keys(cls: type[Config], prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """``(key, type, default, doc)`` for every key of ``cls``, sections flattened into
+    dotted keys (``client.max_retries``), in declaration order."""
+    docs = field_docs(cls)
+    out: list[tuple[str, str, str, str]] = []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if not f.init:
+            continue
+        hint = _hint(cls, f.name)
+        section = _section_type(hint)
+        key = f"{prefix}{f.name}"
+        if section is not None:
+            out.extend(config_keys(section, prefix=f"{key}."))
+            continue
+        out.append((key, _key_type(hint), _default_text(f), docs.get(f.name, "")))
+    return out
+
+
+def keys_help(cls: type[Config], *, width: int = 92) -> str:
+    """The keys of ``cls`` as ``--help`` lists them: key, type, default, then the first
+    sentence of the field's documentation."""
+    lines = textwrap.wrap(f"{cls.__name__} keys (--set KEY=VALUE; a dotted KEY reaches into "
+                          f"a section):", width)
+    for key, type_name, default, doc in config_keys(cls):
+        lines.append(f"  {key}: {type_name} = {default}")
+        if doc:
+            lines.extend(textwrap.wrap(_first_sentence(doc), width, initial_indent="      ",
+                                       subsequent_indent="      "))
+    return "\n".join(lines)
+
+
+def _resolve(target: str) -> type[Config]:
+    module, _, attr = target.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    if not (isinstance(cls, type) and issubclass(cls, Config)):
+        raise TypeError(f"{target} is not a Config class")
+    return cls
+
+
+def add_keys_help(parser: argparse.ArgumentParser, target: str | type[Config]) -> None:
+    """Append the key list of a config class (``"module:Class"`` or the class) to
+    ``parser``'s ``--help``; built when the help is shown, so the class's module is imported
+    only then."""
+    plain: Callable[[], str] = parser.format_help
+
+    def format_help() -> str:
+        try:
+            cls = _resolve(target) if isinstance(target, str) else target
+            keys = keys_help(cls)
+        except ImportError as exc:
+            keys = f"(the config keys cannot be listed here: {exc})"
+        return f"{plain().rstrip()}\n\n{keys}\n"
+
+    setattr(parser, "format_help", format_help)  # noqa: B010 - an instance override
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,8 +41,7 @@ def _run_json() -> dict[str, Any]:
 
 
 def _placement_config() -> Any:
-    pytest.importorskip("ray")
-    from strawq.producers.placement import PlacementConfig
+    from strawq.producers.placement_config import PlacementConfig
 
     return PlacementConfig
 
@@ -59,7 +58,7 @@ def test_run_json_sections_build_through_the_real_config_classes() -> None:
     assert queue.group_size == run.group_size
     k = placement.concurrency * placement.engines // run.group_size
     assert collector.max_running >= k
-    assert producer.client.context_length is not None
+    assert producer.engine.client.context_length is not None
     assert isinstance(from_dict(QueueConfig, raw["queue"]), QueueConfig)
     assert isinstance(from_dict(CollectorConfig, raw["collector"]), CollectorConfig)
     assert isinstance(ProducerConfig.from_dict(raw["producer"]), ProducerConfig)
@@ -77,13 +76,12 @@ def test_a_misspelt_key_in_the_example_fails(section: str) -> None:
 
 def test_the_example_plugins_resolve() -> None:
     producer = _run_json()["producer"]
-    load_reward(producer["reward"])
-    load_filter(producer["filter"])
+    load_reward(producer["plugins"]["reward"])
+    load_filter(producer["plugins"]["filter"])
 
 
 def test_run_config_helper_loads_and_prints_sections(capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("ray")
     spec = importlib.util.spec_from_file_location("run_config", DEPLOY / "examples" /
                                                   "run_config.py")
     assert spec is not None and spec.loader is not None
@@ -167,9 +165,10 @@ def test_ray_cluster_config_matches_rays_schema() -> None:
     assert any("mount.sh mount" in c for c in cfg["initialization_commands"])
 
 
-@pytest.mark.parametrize("override", ["producer.slots=\"x\"", "queue.group_size=-1",
+@pytest.mark.parametrize("override", ["producer.budget.slots=\"x\"", "queue.group_size=-1",
                                       "placement.foo=1", "collector=3",
-                                      "producer.client.timeoutz=1", "producer.workers=5"])
+                                      "producer.engine.client.timeoutz=1",
+                                      "producer.engine.workers=5", "producer.slots=2"])
 def test_run_config_check_reports_a_typo_without_a_traceback(override: str) -> None:
     res = subprocess.run([sys.executable, str(DEPLOY / "examples" / "run_config.py"),
                           str(DEPLOY / "examples" / "run.json"), "--set", override, "--check"],

@@ -7,7 +7,7 @@ each value held once (G lives in ``queue.group_size`` and in no other section):
     queue      strawq.config.QueueConfig          -> strawq init --config, --queue-config
     collector  strawq.collector.config.CollectorConfig   -> strawq collector --config
     producer   strawq.producers.producer_config.ProducerConfig   (launch_producers.py)
-    placement  strawq.producers.placement.PlacementConfig        (launch_producers.py)
+    placement  strawq.producers.placement_config.PlacementConfig (launch_producers.py)
 
     python deploy/examples/run_config.py deploy/examples/run.json --check
     python deploy/examples/run_config.py deploy/examples/run.json --section queue > queue.json
@@ -36,6 +36,7 @@ def load(path: str, overrides: Sequence[str] = ()) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from strawq.config import add_keys_help
     from strawq.errors import ConfigError
 
     p = argparse.ArgumentParser(description=__doc__,
@@ -43,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path")
     p.add_argument("--section", choices=SECTIONS, help="print this section as JSON")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one value (repeatable)")
+                   help="override one value (repeatable; the keys are listed below)")
     p.add_argument("--check", action="store_true", help="validate every section, print OK")
+    add_keys_help(p, "strawq.app.run_config:RunConfig")
     args = p.parse_args(argv)
     try:
         cfg = load(args.path, args.set)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from strawq.argtypes import positive_int
+from strawq.config import add_keys_help
 from strawq.errors import StrawqError
 
 DESCRIPTION = """\
@@ -282,10 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path", help="run directory (local path or a shared mount)")
     s.add_argument("--config", help="JSON file with queue config keys (unknown keys refused)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override one config key, e.g. --set max_attempts=5")
+                   help="override one queue config key, e.g. --set max_attempts=5 (the keys "
+                   "are listed below)")
     s.add_argument("--declaration", help="storage declaration to verify with the doctor "
                    "before creating the run (refuses a mount that fails)")
     _add_json(s)
+    add_keys_help(s, "strawq.config:QueueConfig")
     s.set_defaults(func=cmd_init)
 
     s = sub.add_parser("release", help="release prompts from a dataset into the queue",

@@ -3,16 +3,16 @@
 torchtitan's job config is the model: one frozen tree whose sections are the components'
 own config classes, loaded from one file (``run.json``) plus ``--set section.key=value``
 overrides (``strawq.config.load_config``), validated in one pass. A misspelt key or a value
-of the wrong type is one line naming its place (``run config.producer.client: unknown
+of the wrong type is one line naming its place (``run config.producer.engine.client: unknown
 key(s) ['max_retry']; known keys are [...]``).
 
 Sections:
 
     queue      strawq.config.QueueConfig                      strawq init, the run's meta
     collector  strawq.collector.config.CollectorConfig        strawq collector
-    producer   strawq.producers.producer_config.ProducerConfig   (its ``client`` section:
-               strawq.producers.sglang_client.ClientConfig)
-    placement  strawq.producers.placement.PlacementConfig     the driver's producer placement
+    producer   strawq.producers.producer_config.ProducerConfig   (in sections; the engine
+               client is ``producer.engine.client``, a ClientConfig)
+    placement  strawq.producers.placement_config.PlacementConfig   the driver's placement
 
 **Each value is held once.** G, the samples per prompt group, lives in ``queue.group_size``
 and nowhere else: ``ProducerConfig`` and ``PlacementConfig`` have no such field (a producer
@@ -20,8 +20,10 @@ reads G from the run it joins, ``ProducerPlacement`` from the run or from
 ``RunConfig.group_size``). A file that writes ``group_size`` in the producer or placement
 section is refused with both places named.
 
-This module imports no Ray, torch or HTTP client: ``producer`` and ``placement`` live in
-modules that do, so their classes are imported only when a run config has those sections.
+This module imports no Ray, torch or HTTP client: ``PlacementConfig`` lives in a Ray-free
+module (a run config with placement loads where Ray is not installed), and ``producer``
+lives in a module that imports the HTTP client, so its class is imported only when a run
+config has that section.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from strawq.collector.config import CollectorConfig
 from strawq.config import Config, QueueConfig
 from strawq.errors import ConfigError
 
+from strawq.producers.placement_config import PlacementConfig
+
 if TYPE_CHECKING:
-    from strawq.producers.placement import PlacementConfig
     from strawq.producers.producer_config import ProducerConfig
 
 #: Sections that may not restate a value held elsewhere: section -> (key, where it lives).
@@ -49,14 +52,13 @@ class RunConfig(Config):
 
     _lazy_types: ClassVar[Mapping[str, str]] = {
         "ProducerConfig": "strawq.producers.producer_config:ProducerConfig",
-        "PlacementConfig": "strawq.producers.placement:PlacementConfig",
     }
 
     #: The queue, recorded in ``run.meta`` at ``strawq init``; holds G (``group_size``).
     queue: QueueConfig = field(default_factory=QueueConfig)
     #: The global batch collector (admission, staleness bound, batches).
     collector: CollectorConfig = field(default_factory=CollectorConfig)
-    #: The producers (one per node), with their engine client in ``producer.client``;
+    #: The producers (one per node), with their engine client in ``producer.engine.client``;
     #: None on hosts that run no producer.
     producer: ProducerConfig | None = None
     #: Placement of the producer actors and the slot budget K = floor(C*E/G); None when
@@ -92,7 +94,7 @@ class RunConfig(Config):
             raise ConfigError(f"placement: C*E = {p.concurrency}*{p.engines} = "
                               f"{p.concurrency * p.engines} < G = {g} (queue.group_size): not "
                               f"one group fits the engines; raise the concurrency or add engines")
-        if (self.producer is not None and self.producer.lease_margin_s is not None
-                and self.producer.lease_margin_s >= self.queue.lease_timeout_s):
-            raise ConfigError(f"producer.lease_margin_s ({self.producer.lease_margin_s}) must "
-                              f"be below queue.lease_timeout_s ({self.queue.lease_timeout_s})")
+        margin = None if self.producer is None else self.producer.timing.lease_margin_s
+        if margin is not None and margin >= self.queue.lease_timeout_s:
+            raise ConfigError(f"producer.timing.lease_margin_s ({margin}) must be below "
+                              f"queue.lease_timeout_s ({self.queue.lease_timeout_s})")

@@ -8,18 +8,24 @@ In the style of zarr's ``StoreTests`` and fsspec's ``AbstractFixtures``::
 
 Tests that need a capability the backend does not declare (``Capabilities``) are skipped
 with the reason, so a backend can never pass by accident: every ``True`` capability is
-exercised. Hooks a subclass may override:
+exercised. The hooks are abstract: every subclass declares each one (``PosixConformance``
+declares the first three for a ``PosixStorage``), so no hook is decided by the type of the
+store under test:
 
 * ``child_openers(storage)`` — picklable callables that reopen the *same* store in another
-  process (several, e.g. one per mount of a shared filesystem; processes alternate).
-* ``second_view(storage)`` — the same store seen through another client (mount B).
+  process (several, e.g. one per mount of a shared filesystem; processes alternate); empty
+  for a backend without ``multi_process``.
+* ``second_view(storage)`` — the same store seen through another client (mount B), or the
+  same handle where there is no other client.
 * ``inject_raw(storage, key, data)`` — place bytes under a key behind the backend's back
   (dot-files, torn files), as a crash or another tool would.
-* ``make_tiny_storage(tmp_path)`` — a store on a nearly full filesystem, for ENOSPC.
+* ``make_tiny_storage(tmp_path)`` — a store on a nearly full filesystem, for ENOSPC; a
+  backend without one skips with its reason.
 """
 
 from __future__ import annotations
 
+import abc
 import errno
 import functools
 import mmap
@@ -144,9 +150,8 @@ def _thread_race(n: int, op: Callable[[int], object],
     return wins
 
 
-class StorageConformance:
-    """The contract every ``Storage`` backend must meet. Subclass and implement
-    ``make_storage``."""
+class StorageConformance(abc.ABC):
+    """The contract every ``Storage`` backend must meet. Subclass and declare every hook."""
 
     #: processes in the multi-process races
     processes: int = 8
@@ -154,38 +159,28 @@ class StorageConformance:
     race_rounds: int = 20
 
     # -- hooks -------------------------------------------------------------------------------
+    @abc.abstractmethod
     def make_storage(self, tmp_path: Path) -> Storage:
-        raise NotImplementedError("subclasses return a fresh, empty store under tmp_path")
+        """A fresh, empty store under ``tmp_path``."""
 
+    @abc.abstractmethod
     def child_openers(self, storage: Storage) -> Sequence[Callable[[], Storage]]:
-        """Picklable callables reopening ``storage`` in a child process."""
-        if isinstance(storage, PosixStorage):
-            return [functools.partial(PosixStorage, storage.root)]
-        pytest.skip(f"no way to reopen {storage.describe()} in another process; override "
-                    "child_openers")
+        """Picklable callables reopening ``storage`` in a child process; empty where the
+        backend is one process only (its ``multi_process`` capability is False)."""
 
+    @abc.abstractmethod
     def second_view(self, storage: Storage) -> Storage:
-        """The same store through another client; a second handle by default."""
-        if isinstance(storage, PosixStorage):
-            return PosixStorage(storage.root, writer_id="view2")
-        return storage
+        """The same store through another client; ``storage`` itself where there is none."""
 
+    @abc.abstractmethod
     def inject_raw(self, storage: Storage, key: str, data: bytes) -> None:
-        """Write bytes under ``key`` directly (bypassing publish and key validation)."""
-        if not isinstance(storage, PosixStorage):
-            pytest.skip(f"inject_raw not implemented for {storage.describe()}")
-        path = os.path.join(storage.root, key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        if key.endswith("/"):
-            os.makedirs(path, exist_ok=True)
-            return
-        with open(path, "wb") as f:
-            f.write(data)
+        """Write bytes under ``key`` directly (bypassing publish and key validation); a key
+        ending in ``/`` makes a directory."""
 
+    @abc.abstractmethod
     def make_tiny_storage(self, tmp_path: Path) -> Generator[Storage, None, None]:
-        """Yield a store on a filesystem with a few KiB free, or skip."""
-        pytest.skip("this backend offers no tiny filesystem for a real ENOSPC")
-        yield  # pragma: no cover
+        """Yield a store on a filesystem with a few KiB free, or ``pytest.skip`` with the
+        reason the backend has none."""
 
     # -- fixtures ----------------------------------------------------------------------------
     @pytest.fixture
@@ -564,6 +559,9 @@ class StorageConformance:
     def _run_processes(self, storage: Storage, worker: Callable[..., None]
                        ) -> dict[int, list[int]]:
         openers = list(self.child_openers(storage))
+        if not openers:
+            pytest.fail(f"{storage.describe()} declares multi_process, but child_openers "
+                        "returns no way to reopen it in another process")
         ctx = _mp_context()
         barrier = ctx.Barrier(self.processes)
         out = ctx.Queue()
@@ -589,3 +587,36 @@ class StorageConformance:
         assert not errors, errors
         assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
         return results
+
+
+class PosixConformance(StorageConformance):
+    """The hooks for a store that is a ``PosixStorage`` (a local disk, a mount): reopen it
+    from its root, view it through a second handle, write raw files under its root.
+    Subclasses declare ``make_storage`` and ``make_tiny_storage``."""
+
+    @abc.abstractmethod
+    def make_storage(self, tmp_path: Path) -> PosixStorage:
+        """A fresh, empty ``PosixStorage`` under ``tmp_path``."""
+
+    @staticmethod
+    def posix(storage: Storage) -> PosixStorage:
+        """``storage`` as the ``PosixStorage`` that ``make_storage`` returned."""
+        if not isinstance(storage, PosixStorage):
+            raise TypeError(f"PosixConformance needs make_storage to return a PosixStorage, "
+                            f"got {type(storage).__name__}")
+        return storage
+
+    def child_openers(self, storage: Storage) -> Sequence[Callable[[], Storage]]:
+        return [functools.partial(PosixStorage, self.posix(storage).root)]
+
+    def second_view(self, storage: Storage) -> Storage:
+        return PosixStorage(self.posix(storage).root, writer_id="view2")
+
+    def inject_raw(self, storage: Storage, key: str, data: bytes) -> None:
+        path = os.path.join(self.posix(storage).root, key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if key.endswith("/"):
+            os.makedirs(path, exist_ok=True)
+            return
+        with open(path, "wb") as f:
+            f.write(data)

@@ -231,7 +231,8 @@ def bracket_scenario(
     from strawq.storage import PosixStorage
 
     from strawq.producers.producer import Producer
-    from strawq.producers.producer_config import ProducerConfig
+    from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                                  ProducerConfig, SamplerParams, TimingConfig)
     from strawq.producers.sglang_client import ClientConfig, SGLangClient
 
     run_dir = workdir / "run"
@@ -250,10 +251,13 @@ def bracket_scenario(
     cfg = ClientConfig(api_key=server.api_key, admin_api_key=server.admin_api_key,
                        max_retries=1)
     p = Producer(ProducerConfig(
-        run_dir=str(run_dir), reward="strawq.producers.rewards.count_task",
-        workers=() if router_url else (server.url,), router_url=router_url, client=cfg,
-        slots=groups, max_new_tokens=max_new, ignore_eos=True, seed=1,
-        control_poll_s=0.05, idle_poll_s=0.05))
+        run_dir=str(run_dir),
+        engine=EngineConfig(workers=() if router_url else (server.url,), router_url=router_url,
+                            client=cfg),
+        plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
+        sampling=SamplerParams(max_new_tokens=max_new, ignore_eos=True, seed=1),
+        budget=BudgetConfig(slots=groups),
+        timing=TimingConfig(control_poll_s=0.05, idle_poll_s=0.05)))
     latencies: list[float] = []
 
     def ready() -> int:
@@ -330,7 +334,8 @@ def stale_engine_scenario(server: RealServer, workdir: Path, *, groups: int = 2,
     from strawq.storage import PosixStorage
 
     from strawq.producers.producer import Producer
-    from strawq.producers.producer_config import ProducerConfig
+    from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                                  ProducerConfig, SamplerParams, TimingConfig)
     from strawq.producers.sglang_client import ClientConfig, SGLangClient
 
     cfg = ClientConfig(api_key=server.api_key, admin_api_key=server.admin_api_key,
@@ -354,9 +359,12 @@ def stale_engine_scenario(server: RealServer, workdir: Path, *, groups: int = 2,
         for i in range(groups)))
     Feeder(q, Dataset(str(data))).release(groups)
     p = Producer(ProducerConfig(
-        run_dir=str(run_dir), reward="strawq.producers.rewards.count_task",
-        workers=(server.url,), client=cfg, slots=groups, max_new_tokens=max_new,
-        ignore_eos=True, seed=1, control_poll_s=0.05, idle_poll_s=0.05))
+        run_dir=str(run_dir),
+        engine=EngineConfig(workers=(server.url,), client=cfg),
+        plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
+        sampling=SamplerParams(max_new_tokens=max_new, ignore_eos=True, seed=1),
+        budget=BudgetConfig(slots=groups),
+        timing=TimingConfig(control_poll_s=0.05, idle_poll_s=0.05)))
 
     def push_to(urls: list[str], version: int) -> None:
         async def go() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from strawq.config import merge
 from strawq.demo import task as count_task
 from strawq.demo import tools_task
 from strawq.demo.run import DemoConfig, run_demo
@@ -49,8 +50,9 @@ def test_calculator_agent_on_the_tiny_engine(tmp_path: Path) -> None:
     q = make_run(str(run), 0, rows=rows, group_size=4)
     with EngineThread(EngineOptions(kind="tiny", model_path=str(weights), max_running=64,
                                     tiny=count_task.tiny_config(0))) as eng:
-        p = Producer(ProducerConfig(run_dir=str(run), workers=(eng.url,), slots=4, seed=3,
-                                    idle_poll_s=0.02, **tools_task.PRODUCER))
+        p = Producer(ProducerConfig.from_dict(merge(
+            {"run_dir": str(run), "engine": {"workers": (eng.url,)}, "budget": {"slots": 4},
+             "sampling": {"seed": 3}, "timing": {"idle_poll_s": 0.02}}, tools_task.PRODUCER)))
 
         async def body() -> None:
             await wait_for(lambda: len(ids(q, "ready")) + len(ids(q, "dropped")) == 12, 120,

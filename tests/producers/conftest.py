@@ -2,9 +2,11 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+from aiohttp import web
+from tests.producers.engine_helpers import AppThread
 
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
@@ -32,3 +34,18 @@ def sim_engine(module_sim_engine: EngineThread) -> EngineThread:
     with urllib.request.urlopen(req, timeout=30) as resp:
         resp.read()
     return module_sim_engine
+
+
+@pytest.fixture
+def app_server() -> Iterator[Callable[[Callable[[], web.Application]], AppThread]]:
+    """Start throwaway aiohttp servers (scripted engines); all stop at the end of the test."""
+    servers: list[AppThread] = []
+
+    def start(factory: Callable[[], web.Application]) -> AppThread:
+        server = AppThread(factory)
+        servers.append(server)
+        return server
+
+    yield start
+    for s in servers:
+        s.stop()

@@ -19,6 +19,17 @@ from strawq.queue import RunQueue
 from strawq.storage import PosixStorage, Storage
 
 from strawq.producers.producer import Producer
+from strawq.producers.producer_config import ProducerConfig
+
+
+def config_with(base: dict[str, Any], sections: dict[str, Any]) -> ProducerConfig:
+    """``base`` (a producer config as a mapping) with ``sections`` laid over it key by key
+    within each section: ``budget={"slots": 1}`` changes the slots and keeps the rest of
+    ``base["budget"]``; a value inside a section replaces the base's value whole."""
+    data = dict(base)
+    for name, value in sections.items():
+        data[name] = ({**data.get(name, {}), **value} if isinstance(value, dict) else value)
+    return ProducerConfig.from_dict(data)
 
 
 def make_run(path: str, n: int, *, rows: list[dict[str, Any]] | None = None, seed: int = 0,

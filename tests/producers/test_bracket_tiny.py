@@ -18,7 +18,8 @@ from strawq.producers.engines.tiny_config import TinyConfig
 from strawq.producers.engines.tiny_model import (init_model, load_weights, recompute_logprobs,
                                                 save_weights)
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                              ProducerConfig, SamplerParams, TimingConfig)
 from strawq.producers.sglang_client import SGLangClient
 from tests.producers.helpers import ids, make_run, names, ready_groups, run_producers, wait_for
 
@@ -47,11 +48,13 @@ def test_bracket_with_tiny_engine(tmp_path: Path) -> None:
     control = Control(q.storage)
     with EngineThread(EngineOptions(kind="tiny", model_path=str(weights[0]), max_running=16,
                                     tiny=SMALL)) as eng:
-        p = Producer(ProducerConfig(run_dir=str(tmp_path / "run"),
-                                    reward="strawq.producers.rewards.count_task",
-                                    workers=(eng.url,),
-                                    slots=2, max_new_tokens=max_new, ignore_eos=True, seed=1,
-                                    control_poll_s=0.02, idle_poll_s=0.02))
+        p = Producer(ProducerConfig(
+            run_dir=str(tmp_path / "run"),
+            engine=EngineConfig(workers=(eng.url,)),
+            plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
+            sampling=SamplerParams(max_new_tokens=max_new, ignore_eos=True, seed=1),
+            budget=BudgetConfig(slots=2),
+            timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02)))
         acks: list[int] = []
 
         async def body() -> None:

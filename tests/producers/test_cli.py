@@ -26,7 +26,7 @@ def test_a_producer_process_generates_and_hands_back_on_sigterm(tmp_path: Path,
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "producer", str(tmp_path / "run"), "--engine",
          sim_engine.url, "--reward", f"{PLUGINS}.length_reward", "--slots", "2",
-         "--set", "max_new_tokens=64", "--set", "idle_poll_s=0.02", "--json"],
+         "--set", "sampling.max_new_tokens=64", "--set", "timing.idle_poll_s=0.02", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)})
     try:

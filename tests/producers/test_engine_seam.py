@@ -21,7 +21,8 @@ from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.eos import resolve_eos_ids
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                              ProducerConfig, TimingConfig)
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus
 from strawq.producers.sample_step import step_sample
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
@@ -31,6 +32,17 @@ from tests.producers.helpers import ids, make_run, names, ready_groups, run_prod
 pytestmark = pytest.mark.timeout(120)
 
 REWARD = "strawq.producers.rewards.count_task"
+
+
+def _config(run_dir: str, url: str, *, slots: int, sampling: SamplerParams,
+            engine: dict[str, Any] | None = None, timing: dict[str, Any] | None = None
+            ) -> ProducerConfig:
+    """A producer on one engine that polls fast (the tests wait on it)."""
+    return ProducerConfig(
+        run_dir=run_dir, engine=EngineConfig(workers=(url,), **(engine or {})),
+        plugins=PluginsConfig(reward=REWARD), budget=BudgetConfig(slots=slots),
+        sampling=sampling,
+        timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02, **(timing or {})))
 #: 10 ms per token, every response exactly 60 tokens ending on EOS (id 2)
 PACED = SimConfig(step_base_ms=10.0, len_median=60, len_sigma=0.0, len_cap=60, cap_prob=0.0)
 #: 10 ms per token, responses that run to their budget
@@ -74,9 +86,9 @@ def test_an_injected_client_of_any_type_is_version_guarded(tmp_path: Path) -> No
     q = make_run(run_dir, 0, rows=rows(16), group_size=2, release_batch=4)
     sim = SimConfig(time_scale=0.2, len_median=20, len_sigma=0.5, len_cap=60, cap_prob=0.0)
     with EngineThread(EngineOptions(kind="sim", max_running=64, sim=sim)) as eng:
-        cfg = ProducerConfig(run_dir=run_dir, reward=REWARD, workers=(eng.url,), slots=2,
-                             max_new_tokens=40, seed=1, control_poll_s=0.02, idle_poll_s=0.02,
-                             engine_backoff_s=0.05)
+        cfg = _config(run_dir, eng.url, slots=2,
+                      sampling=SamplerParams(max_new_tokens=40, seed=1),
+                      engine={"backoff_s": 0.05})
 
         async def main() -> None:
             async with SGLangClient([eng.url]) as inner:
@@ -129,11 +141,11 @@ def test_producer_finishes_segments_longer_than_the_deadline(tmp_path: Path) -> 
     run_dir = str(tmp_path / "run")
     q = make_run(run_dir, 0, rows=rows(3), group_size=2)
     with EngineThread(EngineOptions(kind="sim", max_running=16, sim=PACED)) as eng:
-        p = Producer(ProducerConfig(run_dir=run_dir, reward=REWARD, workers=(eng.url,),
-                                    slots=3, max_new_tokens=200, seed=1, control_poll_s=0.02,
-                                    idle_poll_s=0.02, sample_retries=0,
-                                    client=ClientConfig(generate_timeout_s=0.15,
-                                                        max_retries=0)))
+        p = Producer(_config(run_dir, eng.url, slots=3,
+                             sampling=SamplerParams(max_new_tokens=200, seed=1),
+                             engine={"sample_retries": 0,
+                                     "client": ClientConfig(generate_timeout_s=0.15,
+                                                            max_retries=0)}))
 
         async def body() -> None:
             await wait_for(lambda: len(ids(q, "ready")) == 3, 90, "every group ready")
@@ -155,12 +167,12 @@ def test_the_bracket_aborts_a_retried_request_by_its_own_rid(tmp_path: Path) -> 
     control = Control(q.storage)
     with EngineThread(EngineOptions(kind="sim", max_running=16, sim=ENDLESS)) as eng, \
             FaultyProxy(eng.url, mode="first_try_fails") as proxy:
-        p = Producer(ProducerConfig(run_dir=run_dir, reward=REWARD, workers=(proxy.url,),
-                                    slots=1, max_new_tokens=1000, ignore_eos=True, seed=1,
-                                    control_poll_s=0.02, idle_poll_s=0.02, abort_poll_s=0.1,
-                                    abort_deadline_s=3.0,
-                                    client=ClientConfig(backoff_base_s=0.01,
-                                                        backoff_max_s=0.02)))
+        p = Producer(_config(run_dir, proxy.url, slots=1,
+                             sampling=SamplerParams(max_new_tokens=1000, ignore_eos=True,
+                                                    seed=1),
+                             engine={"client": ClientConfig(backoff_base_s=0.01,
+                                                            backoff_max_s=0.02)},
+                             timing={"abort_poll_s": 0.1, "abort_deadline_s": 3.0}))
         seen: set[str] = set()
 
         async def body() -> None:
@@ -204,10 +216,10 @@ def test_a_failed_sample_aborts_its_siblings_and_keeps_their_tokens(tmp_path: Pa
     run_dir = str(tmp_path / "run")
     q = make_run(run_dir, 0, rows=rows(1), group_size=3)
     with EngineThread(EngineOptions(kind="sim", max_running=16, sim=ENDLESS)) as eng:
-        cfg = ProducerConfig(run_dir=run_dir, reward=REWARD, workers=(eng.url,), slots=1,
-                             max_new_tokens=1000, ignore_eos=True, seed=1, control_poll_s=0.02,
-                             idle_poll_s=0.02, sample_retries=0, abort_poll_s=0.1,
-                             abort_deadline_s=3.0, engine_backoff_s=30.0)
+        cfg = _config(run_dir, eng.url, slots=1,
+                      sampling=SamplerParams(max_new_tokens=1000, ignore_eos=True, seed=1),
+                      engine={"sample_retries": 0, "backoff_s": 30.0},
+                      timing={"abort_poll_s": 0.1, "abort_deadline_s": 3.0})
 
         async def main() -> FailsSampleZero:
             async with SGLangClient([eng.url]) as inner:
@@ -283,9 +295,8 @@ def test_a_producer_that_cannot_resolve_eos_ids_refuses_to_start(tmp_path: Path)
                 return info
 
         def producer(client: Any, **kw: Any) -> Producer:
-            return Producer(ProducerConfig(run_dir=run_dir, reward=REWARD,
-                                           workers=(eng.url,), slots=1, max_new_tokens=8,
-                                           control_poll_s=0.02, idle_poll_s=0.02, **kw),
+            return Producer(_config(run_dir, eng.url, slots=1,
+                                    sampling=SamplerParams(max_new_tokens=8, **kw)),
                             queue=q, client=client)
 
         async def main() -> None:

@@ -35,7 +35,8 @@ from strawq.producers.engine_versions import NoFreshEngine, StaleEngine, Version
 from strawq.producers.engines.tiny_model import init_model
 from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                              ProducerConfig, SamplerParams, TimingConfig)
 from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.sglang_protocol import GenerateResult
 from tests.producers.faulty_proxy import FaultyProxy
@@ -65,9 +66,13 @@ def release(q: RunQueue, run_dir: str, n: int) -> None:
 
 
 def producer(run_dir: str, workers: tuple[str, ...]) -> Producer:
-    return Producer(ProducerConfig(run_dir=run_dir, reward="strawq.producers.rewards.count_task",
-                                   workers=workers, slots=4, max_new_tokens=40, seed=1,
-                                   control_poll_s=0.02, idle_poll_s=0.02, engine_backoff_s=0.05))
+    return Producer(ProducerConfig(
+        run_dir=run_dir,
+        engine=EngineConfig(workers=workers, backoff_s=0.05),
+        plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
+        sampling=SamplerParams(max_new_tokens=40, seed=1),
+        budget=BudgetConfig(slots=4),
+        timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02)))
 
 
 def versions_by_index(q: RunQueue) -> dict[int, set[int]]:
@@ -248,9 +253,13 @@ def _new_worker_behind_router(tmp_path: Path, start_router: Callable[[str], Any]
     a, new = sim("2"), sim("0")
     router = start_router(a.url)
     bracket = WeightUpdateBracket(q)
-    p = Producer(ProducerConfig(run_dir=run_dir, reward="strawq.producers.rewards.count_task",
-                                router_url=router.url, slots=4, max_new_tokens=40, seed=1,
-                                control_poll_s=0.02, idle_poll_s=0.02, engine_backoff_s=0.05))
+    p = Producer(ProducerConfig(
+        run_dir=run_dir,
+        engine=EngineConfig(router_url=router.url, backoff_s=0.05),
+        plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
+        sampling=SamplerParams(max_new_tokens=40, seed=1),
+        budget=BudgetConfig(slots=4),
+        timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02)))
 
     def push_to(urls: list[str], version: int) -> None:
         async def go() -> None:

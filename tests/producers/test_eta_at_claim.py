@@ -29,7 +29,8 @@ from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.group import sample_seed
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                              ProducerConfig, SamplerParams, TimingConfig)
 from strawq.producers.sglang_client import SGLangClient
 from tests.producers.helpers import ids, make_run, names, ready_groups, run_producers, wait_for
 
@@ -58,9 +59,14 @@ async def _push_version(url: str, version: int) -> None:
 
 
 def _config(run: Path, eng: Any, pid: str) -> ProducerConfig:
-    return ProducerConfig(run_dir=str(run), producer_id=pid, workers=(eng.url,),
-                          reward=f"{PLUGINS}.length_reward", slots=N, max_new_tokens=400,
-                          ignore_eos=True, seed=SEED, control_poll_s=0.02, idle_poll_s=0.02)
+    return ProducerConfig(
+        run_dir=str(run),
+        engine=EngineConfig(workers=(eng.url,)),
+        plugins=PluginsConfig(reward=f"{PLUGINS}.length_reward"),
+        sampling=SamplerParams(max_new_tokens=400, ignore_eos=True, seed=SEED),
+        budget=BudgetConfig(slots=N),
+        timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02),
+        producer_id=pid)
 
 
 def _interrupted_run(tmp_path: Path, kind: str, eng: Any) -> tuple[RunQueue, dict[str, TaskName]]:

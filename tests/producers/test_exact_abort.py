@@ -14,7 +14,8 @@ from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                              ProducerConfig, SamplerParams, TimingConfig)
 from strawq.producers.sglang_client import SGLangClient
 from tests.producers.helpers import ids, make_run, names, ready_groups, run_producers, wait_for
 
@@ -29,12 +30,14 @@ def test_bracket_aborts_by_exact_rid_and_keeps_every_token(tmp_path: Path) -> No
     q = make_run(str(tmp_path / "run"), 0, rows=rows, group_size=g)
     control = Control(q.storage)
     with EngineThread(EngineOptions(kind="sim", max_running=16, sim=SIM)) as eng:
-        p = Producer(ProducerConfig(run_dir=str(tmp_path / "run"),
-                                    reward="strawq.producers.rewards.count_task",
-                                    workers=(eng.url,), slots=n, max_new_tokens=max_new,
-                                    ignore_eos=True, seed=1, control_poll_s=0.02,
-                                    idle_poll_s=0.02, abort_poll_s=0.1,
-                                    abort_deadline_s=30.0))
+        p = Producer(ProducerConfig(
+            run_dir=str(tmp_path / "run"),
+            engine=EngineConfig(workers=(eng.url,)),
+            plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
+            sampling=SamplerParams(max_new_tokens=max_new, ignore_eos=True, seed=1),
+            budget=BudgetConfig(slots=n),
+            timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02, abort_poll_s=0.1,
+                                abort_deadline_s=30.0)))
         took: list[float] = []
 
         async def body() -> None:

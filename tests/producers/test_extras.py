@@ -20,7 +20,8 @@ from strawq.testing.real_sglang import free_port
 from strawq.producers.extras_protocol import ExtrasMismatch, extras_payload, segment_for
 from strawq.producers.group import GroupRun
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                              ProducerConfig, RecordConfig, TimingConfig)
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus, apply_segment
 from strawq.producers.sglang_client import ClientConfig
 from strawq.producers.sglang_protocol import parse_generate_response
@@ -159,15 +160,15 @@ def test_a_partial_keeps_each_samples_extras_and_gives_them_back() -> None:
 
 
 def test_config_lists_only_known_generated_extras() -> None:
-    base = {"run_dir": "r", "reward": "a.b", "workers": ["http://w"]}
-    assert ProducerConfig.from_dict({**base, "extras": ["routed_experts"]}).extras == (
-        "routed_experts",)
+    base = {"run_dir": "r", "plugins": {"reward": "a.b"}, "engine": {"workers": ["http://w"]}}
+    assert ProducerConfig.from_dict({**base, "record": {"extras": ["routed_experts"]}}
+                                    ).record.extras == ("routed_experts",)
     with pytest.raises(ConfigError, match="unknown per-token extra 'experts'"):
-        ProducerConfig.from_dict({**base, "extras": ["experts"]})
+        ProducerConfig.from_dict({**base, "record": {"extras": ["experts"]}})
     with pytest.raises(ConfigError, match="teacher_logprobs in extras needs a teacher_url"):
-        ProducerConfig.from_dict({**base, "extras": ["teacher_logprobs"]})
-    assert ProducerConfig.from_dict({**base, "extras": ["teacher_logprobs"],
-                                     "teacher_url": "http://t"}).teacher_url == "http://t"
+        ProducerConfig.from_dict({**base, "record": {"extras": ["teacher_logprobs"]}})
+    record = {"extras": ["teacher_logprobs"], "teacher_url": "http://t"}
+    assert ProducerConfig.from_dict({**base, "record": record}).record.teacher_url == "http://t"
 
 
 def test_teacher_answers_must_line_up_with_the_response() -> None:
@@ -197,9 +198,13 @@ def test_a_reply_whose_extras_do_not_line_up_fails_its_sample_never_trained(
     misaligned: each sample fails with the engine-protocol error, nothing is trained."""
     q = make_run(str(tmp_path / "run"), 0, rows=[{"prompt": [4, 5]}])
     p = Producer(ProducerConfig(
-        run_dir=str(tmp_path / "run"), reward="tests.producers.plugins_for_tests.length_reward",
-        workers=(sim_engine.url,), slots=1, max_new_tokens=8, control_poll_s=0.02,
-        idle_poll_s=0.02, extras=(ROUTED_EXPERTS,), routed_experts_shape=(3, 3)))
+        run_dir=str(tmp_path / "run"),
+        engine=EngineConfig(workers=(sim_engine.url,)),
+        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests.length_reward"),
+        sampling=SamplerParams(max_new_tokens=8),
+        budget=BudgetConfig(slots=1),
+        record=RecordConfig(extras=(ROUTED_EXPERTS,), routed_experts_shape=(3, 3)),
+        timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02)))
     asyncio.run(run_producers([p], lambda: wait_for(lambda: bool(names(q, "dropped")), 30,
                                                     "dropped")))
     (dropped,) = names(q, "dropped")
@@ -214,11 +219,15 @@ def test_an_unreachable_teacher_fails_the_samples_never_made_up_values(
         tmp_path: Any, sim_engine: Any) -> None:
     q = make_run(str(tmp_path / "run"), 0, rows=[{"prompt": [4, 5]}])
     p = Producer(ProducerConfig(
-        run_dir=str(tmp_path / "run"), reward="tests.producers.plugins_for_tests.length_reward",
-        workers=(sim_engine.url,), slots=1, max_new_tokens=8, control_poll_s=0.02,
-        idle_poll_s=0.02, extras=("teacher_logprobs",),
-        teacher_url=f"http://127.0.0.1:{free_port()}",
-        client=ClientConfig(max_retries=0, connect_timeout_s=2.0)))
+        run_dir=str(tmp_path / "run"),
+        engine=EngineConfig(workers=(sim_engine.url,),
+                            client=ClientConfig(max_retries=0, connect_timeout_s=2.0)),
+        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests.length_reward"),
+        sampling=SamplerParams(max_new_tokens=8),
+        budget=BudgetConfig(slots=1),
+        record=RecordConfig(extras=("teacher_logprobs",),
+                            teacher_url=f"http://127.0.0.1:{free_port()}"),
+        timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02)))
     asyncio.run(run_producers([p], lambda: wait_for(lambda: bool(names(q, "dropped")), 30,
                                                     "dropped")))
     (dropped,) = names(q, "dropped")

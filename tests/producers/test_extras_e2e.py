@@ -30,8 +30,8 @@ from strawq.producers.engines.testing import EngineThread
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sglang_client import SGLangClient
-from tests.producers.helpers import (batch_all_ready, ids, make_run, names, run_producers,
-                                     wait_for)
+from tests.producers.helpers import (batch_all_ready, config_with, ids, make_run, names,
+                                     run_producers, wait_for)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -48,15 +48,17 @@ def sim() -> Iterator[EngineThread]:
         yield eng
 
 
-def _config(run: Path, url: str, **kw: Any) -> ProducerConfig:
+def _config(run: Path, url: str, **sections: Any) -> ProducerConfig:
     base: dict[str, Any] = {
-        "run_dir": str(run), "reward": "tests.producers.plugins_for_tests.length_reward",
-        "workers": (url,), "slots": 2, "max_new_tokens": 80, "ignore_eos": True, "seed": 3,
-        "top_k": TOP_K_SAMPLING, "control_poll_s": 0.02, "idle_poll_s": 0.02,
-        "extras": (ROUTED_EXPERTS, TOP_P_TOKEN_IDS, TEACHER_LOGPROBS), "teacher_url": url,
-        "routed_experts_shape": (LAYERS, TOP_K)}
-    base.update(kw)
-    return ProducerConfig(**base)
+        "run_dir": str(run), "engine": {"workers": (url,)},
+        "plugins": {"reward": "tests.producers.plugins_for_tests.length_reward"},
+        "budget": {"slots": 2},
+        "sampling": {"max_new_tokens": 80, "ignore_eos": True, "seed": 3,
+                     "top_k": TOP_K_SAMPLING},
+        "timing": {"control_poll_s": 0.02, "idle_poll_s": 0.02},
+        "record": {"extras": (ROUTED_EXPERTS, TOP_P_TOKEN_IDS, TEACHER_LOGPROBS),
+                   "teacher_url": url, "routed_experts_shape": (LAYERS, TOP_K)}}
+    return config_with(base, sections)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sglang_client import ClientConfig
 from tests.producers.faulty_proxy import FaultyProxy
-from tests.producers.helpers import ids, make_run, ready_groups, run_producers, wait_for
+from tests.producers.helpers import (config_with, ids, make_run, ready_groups, run_producers,
+                                     wait_for)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -21,13 +22,14 @@ FAST_CLIENT = ClientConfig(generate_timeout_s=1.5, control_timeout_s=1.0, connec
                            max_retries=2, backoff_base_s=0.02, backoff_max_s=0.1)
 
 
-def cfg(run: Path, workers: list[str], **kw: Any) -> ProducerConfig:
-    base: dict[str, Any] = dict(run_dir=str(run), reward="strawq.producers.rewards.count_task",
-                                workers=tuple(workers), slots=3, max_new_tokens=60, seed=3,
-                                client=FAST_CLIENT, control_poll_s=0.02, idle_poll_s=0.02,
-                                engine_backoff_s=0.05, abort_deadline_s=2.0)
-    base.update(kw)
-    return ProducerConfig(**base)
+def cfg(run: Path, workers: list[str], **sections: Any) -> ProducerConfig:
+    base: dict[str, Any] = {
+        "run_dir": str(run), "engine": {"workers": tuple(workers), "client": FAST_CLIENT,
+                                        "backoff_s": 0.05},
+        "plugins": {"reward": "strawq.producers.rewards.count_task"},
+        "budget": {"slots": 3}, "sampling": {"max_new_tokens": 60, "seed": 3},
+        "timing": {"control_poll_s": 0.02, "idle_poll_s": 0.02, "abort_deadline_s": 2.0}}
+    return config_with(base, sections)
 
 
 def check_exactly_once(q: Any, n: int) -> None:
@@ -65,8 +67,8 @@ def test_engine_outage_yields_partials_then_finishes(tmp_path: Path, sim_engine:
     n = 6
     q = make_run(str(tmp_path / "run"), n)
     with FaultyProxy(sim_engine.url, "ok") as proxy:
-        p = Producer(cfg(tmp_path / "run", [proxy.url], max_new_tokens=300, ignore_eos=True,
-                         sample_retries=1))
+        p = Producer(cfg(tmp_path / "run", [proxy.url], engine={"sample_retries": 1},
+                         sampling={"max_new_tokens": 300, "ignore_eos": True}))
 
         async def body() -> None:
             await wait_for(lambda: p.stats().busy_trajectories > 0, 30, "generating")
@@ -92,8 +94,9 @@ def test_failing_heartbeats_stop_work_and_the_grantor_requeues(tmp_path: Path,
 
     n = 4
     q = make_run(str(tmp_path / "run"), n, lease_timeout_s=1.0, heartbeat_interval_s=0.1)
-    kw: dict[str, Any] = dict(max_new_tokens=3000, ignore_eos=True, slots=4,
-                              client=ClientConfig(generate_timeout_s=60.0))
+    kw: dict[str, Any] = {"sampling": {"max_new_tokens": 3000, "ignore_eos": True},
+                          "budget": {"slots": 4},
+                          "engine": {"client": ClientConfig(generate_timeout_s=60.0)}}
     sick = Producer(cfg(tmp_path / "run", [sim_engine.url], **kw))
     healthy = Producer(cfg(tmp_path / "run", [sim_engine.url], **kw))
 

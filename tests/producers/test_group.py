@@ -10,8 +10,9 @@ from strawq.names import TaskName
 from strawq.queue import Lease
 
 from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
-from strawq.producers.producer_config import ProducerConfig
-from strawq.producers.sample import SamplerParams, SampleStatus, Segment, apply_segment
+from strawq.producers.producer_config import EngineConfig, PluginsConfig, ProducerConfig
+from strawq.producers.sample import (SampleError, SamplerParams, SampleStatus, Segment,
+                                     apply_segment)
 
 
 def lease(gen: int = 0, resume: int = -1) -> Lease:
@@ -83,7 +84,11 @@ def test_prompt_and_row_overrides() -> None:
     assert prompt_ids_of(task, "prompt", lambda s: [ord(c) for c in s]) == [97, 98]
     with pytest.raises(TaskError, match="non-empty"):
         prompt_ids_of({"row": {"prompt": []}}, "prompt", None)
-    cfg = ProducerConfig(run_dir="r", reward="a.b", workers=("u",), max_new_tokens=9)
+    cfg = ProducerConfig(
+        run_dir="r",
+        engine=EngineConfig(workers=("u",)),
+        plugins=PluginsConfig(reward="a.b"),
+        sampling=SamplerParams(max_new_tokens=9))
     p = cfg.sampler_params({"max_new_tokens": 3, "temperature": 0.0}, seed=4)
     assert (p.max_new_tokens, p.temperature, p.seed) == (3, 0.0, 4)
     with pytest.raises(ConfigError):
@@ -105,3 +110,15 @@ def test_reconcile_plan() -> None:
         plan(nodes, [], min_cpus=1, concurrency=4, engines=1, group_size=4)
     with pytest.raises(ConfigError, match="no eligible"):
         plan(nodes[2:], [], min_cpus=1, concurrency=4, engines=1, group_size=4)
+
+
+def test_a_partial_with_damaged_sampling_params_is_a_sample_error() -> None:
+    """The runner fails such a task as ``bad_task`` (it catches SampleError): the params'
+    own ConfigError must not escape as another error."""
+    params = [SamplerParams(max_new_tokens=6) for _ in range(2)]
+    run = GroupRun.fresh(lease(), [5, 6], params)
+    apply_segment(run.samples[0], seg([9, 9], 0, "abort"))
+    partial = run.to_group(producer="p-x", version_hint=0, partial=True)
+    partial.meta["params"][0]["top_k"] = 0
+    with pytest.raises(SampleError, match=r"sample 0: .*top_k must be -1"):
+        GroupRun.from_partial(lease(gen=1, resume=0), partial, lambda i: params[i])

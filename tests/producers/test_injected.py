@@ -12,7 +12,8 @@ from strawq.queue import RunQueue
 from strawq.storage.memory import MemoryStorage
 
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                              ProducerConfig, SamplerParams, TimingConfig)
 from strawq.producers.sglang_client import SGLangClient
 from tests.producers.helpers import ids, make_run, ready_groups, run_producers, wait_for
 
@@ -25,10 +26,14 @@ def test_memory_queue_groups_become_ready_exactly_once(tmp_path: Path,
                                                       sim_engine: Any) -> None:
     n = 16
     q = make_run(str(tmp_path), n, storage=MemoryStorage(writer_id="p-mem"))
-    cfg = ProducerConfig(run_dir="unused-with-an-injected-queue", producer_id="p-mem",
-                         workers=(sim_engine.url,),
-                         reward=f"{PLUGINS}.length_reward", slots=2, max_new_tokens=64,
-                         seed=3, control_poll_s=0.02, idle_poll_s=0.02)
+    cfg = ProducerConfig(
+        run_dir="unused-with-an-injected-queue",
+        engine=EngineConfig(workers=(sim_engine.url,)),
+        plugins=PluginsConfig(reward=f"{PLUGINS}.length_reward"),
+        sampling=SamplerParams(max_new_tokens=64, seed=3),
+        budget=BudgetConfig(slots=2),
+        timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02),
+        producer_id="p-mem")
     seen_rids: set[str] = set()
 
     async def main() -> None:
@@ -63,8 +68,10 @@ def test_memory_queue_groups_become_ready_exactly_once(tmp_path: Path,
 
 def test_producer_config_alone_builds_queue_and_client(tmp_path: Path) -> None:
     make_run(str(tmp_path / "run"), 0)
-    cfg = ProducerConfig(run_dir=str(tmp_path / "run"), reward=f"{PLUGINS}.length_reward",
-                         workers=("http://127.0.0.1:9",))
+    cfg = ProducerConfig(
+        run_dir=str(tmp_path / "run"),
+        engine=EngineConfig(workers=("http://127.0.0.1:9",)),
+        plugins=PluginsConfig(reward=f"{PLUGINS}.length_reward"))
     p = Producer.from_config(cfg, node_id="n1")
     assert isinstance(p.queue, RunQueue) and p.queue.storage.writer_id == p.producer_id
     with pytest.raises(RuntimeError, match="starts in run"):

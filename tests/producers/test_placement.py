@@ -25,7 +25,7 @@ from strawq.grantor import LeaseMonitor  # noqa: E402
 from strawq.producers.placement import (PlacementConfig, ProducerPlacement, actor_name,  # noqa: E402
                                  wait_for_nodes)
 from strawq.producers.producer_config import ProducerConfig  # noqa: E402
-from tests.producers.helpers import ids, make_run, names, ready_groups  # noqa: E402
+from tests.producers.helpers import config_with, ids, make_run, names, ready_groups  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 
@@ -47,12 +47,13 @@ def cluster() -> Iterator[Cluster]:
         c.shutdown()
 
 
-def producer_config(run: str, eng: Any, **kw: Any) -> ProducerConfig:
-    base: dict[str, Any] = dict(run_dir=run, reward="strawq.producers.rewards.count_task",
-                                workers=(eng.url,), max_new_tokens=80, seed=5,
-                                control_poll_s=0.05, idle_poll_s=0.05)
-    base.update(kw)
-    return ProducerConfig(**base)
+def producer_config(run: str, eng: Any, **sections: Any) -> ProducerConfig:
+    base: dict[str, Any] = {
+        "run_dir": run, "engine": {"workers": (eng.url,)},
+        "plugins": {"reward": "strawq.producers.rewards.count_task"},
+        "sampling": {"max_new_tokens": 80, "seed": 5},
+        "timing": {"control_poll_s": 0.05, "idle_poll_s": 0.05}}
+    return config_with(base, sections)
 
 
 def until(cond: Any, timeout: float, what: str, poll: float = 0.1) -> None:
@@ -83,8 +84,8 @@ def test_one_producer_per_node_and_kill_mid_generation(
     n = 40
     run = str(tmp_path / "run")
     q = make_run(run, n, lease_timeout_s=1.5, heartbeat_interval_s=0.2)
-    pl = ProducerPlacement(producer_config(run, sim_engine, max_new_tokens=400,
-                                           ignore_eos=True),
+    pl = ProducerPlacement(producer_config(run, sim_engine,
+                                           sampling={"max_new_tokens": 400, "ignore_eos": True}),
                            PlacementConfig(run_id="kill", concurrency=12, engines=1,
                                            num_cpus=0.5))
     try:

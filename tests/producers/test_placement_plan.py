@@ -12,21 +12,12 @@ import pytest
 
 from strawq.errors import ConfigError, StrawqError
 
+from strawq.producers.placement_config import PlacementConfig
 from strawq.producers.placement_plan import (ActorDied, ActorTimeout, NodeView, ProducerFleet,
                                              eligible, plan)
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import EngineConfig, PluginsConfig, ProducerConfig
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Settings:
-    concurrency: int = 10
-    engines: int = 2
-    group_size: int = 4
-    num_cpus: float = 1.0
-    call_timeout_s: float = 5.0
-    stop_timeout_s: float = 5.0
 
 
 class Done(Generic[T]):
@@ -52,7 +43,7 @@ class FakeProducer:
     slot_pushes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.slots = self.config.slots
+        self.slots = self.config.budget.slots
 
     def _reply(self, value: T) -> Done[T]:
         if not self.alive:
@@ -116,12 +107,18 @@ def node(i: int, cpus: float = 1.0, alive: bool = True) -> NodeView:
 HEAD = node(0, cpus=0.0)  # no CPU: never eligible
 
 
-def fleet(nodes: list[NodeView], launcher: FakeLauncher | None = None,
+def fleet(nodes: list[NodeView], launcher: FakeLauncher | None = None, group_size: int = 4,
           **settings: Any) -> tuple[ProducerFleet, FakeLauncher]:
     launcher = launcher or FakeLauncher()
-    cfg = ProducerConfig(run_dir="unused", reward="tests.producers.plugins_for_tests."
-                         "length_reward", workers=("http://127.0.0.1:9",))
-    return ProducerFleet(cfg, Settings(**settings), launcher, lambda: nodes), launcher
+    cfg = ProducerConfig(
+        run_dir="unused",
+        engine=EngineConfig(workers=("http://127.0.0.1:9",)),
+        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests."
+                         "length_reward"))
+    placement = PlacementConfig(**{"run_id": "t", "concurrency": 10, "engines": 2,
+                                   "call_timeout_s": 5.0, "stop_timeout_s": 5.0, **settings})
+    return ProducerFleet(cfg, placement, launcher, lambda: nodes,
+                         group_size=group_size), launcher
 
 
 def test_start_one_per_eligible_node_with_the_divmod_split() -> None:

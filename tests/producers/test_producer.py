@@ -19,10 +19,10 @@ from strawq.queue import RunQueue
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import EngineConfig, PluginsConfig, ProducerConfig
 from strawq.producers.sglang_client import SGLangClient
 from tests.producers.conftest import FAST_SIM
-from tests.producers.helpers import (ids, make_run, names, ready_groups, run_producers,
+from tests.producers.helpers import (config_with, ids, make_run, names, ready_groups, run_producers,
                                      wait_for)
 
 pytestmark = pytest.mark.timeout(90)
@@ -30,12 +30,13 @@ pytestmark = pytest.mark.timeout(90)
 PLUGINS = "tests.producers.plugins_for_tests"
 
 
-def config(run: Path, eng: Any, **kw: Any) -> ProducerConfig:
-    base: dict[str, Any] = {"run_dir": str(run), "reward": f"{PLUGINS}.length_reward",
-                            "workers": (eng.url,), "slots": 3, "max_new_tokens": 64,
-                            "seed": 7, "control_poll_s": 0.02, "idle_poll_s": 0.02}
-    base.update(kw)
-    return ProducerConfig(**base)
+def config(run: Path, eng: Any, **sections: Any) -> ProducerConfig:
+    """A producer of ``run`` on ``eng``; ``sections`` override keys section by section."""
+    base: dict[str, Any] = {"run_dir": str(run), "engine": {"workers": (eng.url,)},
+                            "plugins": {"reward": f"{PLUGINS}.length_reward"},
+                            "budget": {"slots": 3}, "sampling": {"max_new_tokens": 64, "seed": 7},
+                            "timing": {"control_poll_s": 0.02, "idle_poll_s": 0.02}}
+    return config_with(base, sections)
 
 
 def all_settled(q: RunQueue, n: int) -> bool:
@@ -84,7 +85,8 @@ def test_string_prompts_need_a_tokenizer(tmp_path: Path, sim_engine: Any) -> Non
     assert b"tokenizer" in note
 
     q2 = make_run(str(tmp_path / "b"), 0, rows=rows)
-    p2 = Producer(config(tmp_path / "b", sim_engine, tokenizer=f"{PLUGINS}.char_tokenizer"))
+    p2 = Producer(config(tmp_path / "b", sim_engine,
+                         plugins={"tokenizer": f"{PLUGINS}.char_tokenizer"}))
     asyncio.run(run_producers([p2], lambda: wait_for(lambda: all_settled(q2, 2), 30, "ready")))
     assert ids(q2, "ready") == ["i000000000000", "i000000000001"]
     g = ready_groups(q2)["i000000000000"]
@@ -94,7 +96,8 @@ def test_string_prompts_need_a_tokenizer(tmp_path: Path, sim_engine: Any) -> Non
 def test_reward_errors_are_recorded_not_raised(tmp_path: Path, sim_engine: Any) -> None:
     rows = [{"prompt": [4, 5]}, {"prompt": [6, 7], "boom": True}, {"prompt": [8, 9]}]
     q = make_run(str(tmp_path / "run"), 0, rows=rows)
-    p = Producer(config(tmp_path / "run", sim_engine, reward=f"{PLUGINS}.flaky_reward"))
+    p = Producer(config(tmp_path / "run", sim_engine,
+                        plugins={"reward": f"{PLUGINS}.flaky_reward"}))
     asyncio.run(run_producers([p], lambda: wait_for(lambda: all_settled(q, 3), 30, "settled")))
     ready = ready_groups(q)
     assert sorted(ready) == ["i000000000000", "i000000000002"]
@@ -110,9 +113,10 @@ def test_reward_errors_are_recorded_not_raised(tmp_path: Path, sim_engine: Any) 
 def test_filter_drops_and_frees_capacity(tmp_path: Path, sim_engine: Any) -> None:
     n = 10
     q = make_run(str(tmp_path / "run"), n)
-    p = Producer(config(tmp_path / "run", sim_engine, slots=1,
-                        reward=f"{PLUGINS}.constant_reward",
-                        filter="strawq.producers.rewards.zero_variance"))
+    p = Producer(config(tmp_path / "run", sim_engine,
+                        plugins={"reward": f"{PLUGINS}.constant_reward",
+                                 "filter": "strawq.producers.rewards.zero_variance"},
+                        budget={"slots": 1}))
     asyncio.run(run_producers([p], lambda: wait_for(lambda: all_settled(q, n), 30, "dropped")))
     dropped = names(q, "dropped")
     assert len(dropped) == n and {t.producer for t in dropped} == {"zero_variance"}
@@ -123,7 +127,7 @@ def test_filter_drops_and_frees_capacity(tmp_path: Path, sim_engine: Any) -> Non
 
 def test_slots_zero_claims_nothing_until_set(tmp_path: Path, sim_engine: Any) -> None:
     q = make_run(str(tmp_path / "run"), 4)
-    p = Producer(config(tmp_path / "run", sim_engine, slots=0))
+    p = Producer(config(tmp_path / "run", sim_engine, budget={"slots": 0}))
 
     async def body() -> None:
         await asyncio.sleep(0.3)
@@ -151,7 +155,8 @@ def test_stop_yields_partials_that_another_producer_finishes(
     sim_engine = paced_sim  # 0.8 s a group: the stop 50 ms in lands mid-generation
     n = 6
     rows = [{"prompt": [10 + i, 11, 12]} for i in range(n)]
-    kw = {"max_new_tokens": 400, "ignore_eos": True, "slots": 6}
+    kw: dict[str, Any] = {"sampling": {"max_new_tokens": 400, "ignore_eos": True},
+                          "budget": {"slots": 6}}
     # reference: uninterrupted
     qa = make_run(str(tmp_path / "a"), 0, rows=rows)
     pa = Producer(config(tmp_path / "a", sim_engine, **kw))
@@ -185,8 +190,9 @@ def test_bracket_on_sim_engine(tmp_path: Path, paced_sim: EngineThread) -> None:
     prefix is masked, and nothing is lost or duplicated (tokens equal an unpaused run)."""
     n = 8
     rows = [{"prompt": [20 + i, 21]} for i in range(n)]
-    kw = {"max_new_tokens": 300, "ignore_eos": True, "slots": 2,
-          "mask_offpolicy_in_partial_rollout": True}
+    kw: dict[str, Any] = {"sampling": {"max_new_tokens": 300, "ignore_eos": True},
+                          "budget": {"slots": 2},
+                          "record": {"mask_offpolicy_in_partial_rollout": True}}
     q = make_run(str(tmp_path / "run"), 0, rows=rows)
     control = Control(q.storage)
     sim_engine = paced_sim
@@ -221,14 +227,38 @@ def test_bracket_on_sim_engine(tmp_path: Path, paced_sim: EngineThread) -> None:
     assert p.stats().groups_yielded >= 1
 
 
+def test_config_is_in_sections() -> None:
+    """Besides the run directory and the producer id, every key lives in a section that is
+    a config class of its own (validated, documented, ``--set section.key=value``)."""
+    import dataclasses
+
+    from strawq.config import Config
+
+    sections = {f.name for f in dataclasses.fields(ProducerConfig)} - {"run_dir", "producer_id"}
+    assert sections == {"engine", "plugins", "sampling", "budget", "tools", "record", "timing",
+                        "threads"}
+    cfg = ProducerConfig.from_dict({"run_dir": "x", "plugins": {"reward": "a.b"},
+                                    "engine": {"workers": ["u"]}})
+    for name in sections:
+        assert isinstance(getattr(cfg, name), Config), name
+    assert cfg.sampling.max_new_tokens == 1024 and cfg.budget.slots == 1
+
+
 def test_config_rejects_unknown_keys(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="unknown key"):
-        ProducerConfig.from_dict({"run_dir": "x", "reward": "a.b", "workers": ["u"],
-                                  "max_new_token": 3})
-    cfg = ProducerConfig.from_dict({"run_dir": "x", "reward": "a.b", "workers": ["u"],
-                                    "client": {"max_retries": 1}})
-    assert cfg.client.max_retries == 1 and cfg.workers == ("u",)
+    base = {"run_dir": "x", "plugins": {"reward": "a.b"}, "engine": {"workers": ["u"]}}
+    with pytest.raises(ConfigError, match=r"ProducerConfig\.sampling: unknown key\(s\) "
+                                          r"\['max_new_token'\]"):
+        ProducerConfig.from_dict({**base, "sampling": {"max_new_token": 3}})
+    with pytest.raises(ConfigError, match=r"ProducerConfig: unknown key\(s\) "
+                                          r"\['max_new_tokens'\]; known keys are \[.*'sampling'"):
+        ProducerConfig.from_dict({**base, "max_new_tokens": 3})  # a key outside its section
+    cfg = ProducerConfig.from_dict({**base, "engine": {"workers": ["u"],
+                                                       "client": {"max_retries": 1}}})
+    assert cfg.engine.client.max_retries == 1 and cfg.engine.workers == ("u",)
     with pytest.raises(ConfigError, match="workers"):
-        ProducerConfig(run_dir="x", reward="a.b")
+        ProducerConfig(run_dir="x", engine=EngineConfig(),
+                       plugins=PluginsConfig(reward="a.b"))
+    with pytest.raises(ConfigError, match=r"missing required key\(s\) \['engine'\]"):
+        ProducerConfig.from_dict({"run_dir": "x", "plugins": {"reward": "a.b"}})
     with pytest.raises(ConfigError, match="sampling_params"):
         cfg.sampler_params({"temprature": 1.0})

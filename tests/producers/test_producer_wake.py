@@ -18,7 +18,8 @@ from strawq.feeder import Feeder
 from strawq.storage.watch import inotify_available
 
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                              ProducerConfig, SamplerParams, TimingConfig)
 from tests.producers.helpers import ids, make_run, run_producers, wait_for
 
 pytestmark = [pytest.mark.timeout(120),
@@ -30,9 +31,14 @@ HOUR = 3600.0
 def test_new_work_and_a_pause_wake_an_idle_producer(tmp_path: Path, sim_engine: Any) -> None:
     run = tmp_path / "run"
     q = make_run(str(run), 0, rows=[])
-    cfg = ProducerConfig(run_dir=str(run), reward="tests.producers.plugins_for_tests."
-                         "length_reward", workers=(sim_engine.url,), slots=2,
-                         max_new_tokens=32, seed=3, control_poll_s=HOUR, idle_poll_s=HOUR)
+    cfg = ProducerConfig(
+        run_dir=str(run),
+        engine=EngineConfig(workers=(sim_engine.url,)),
+        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests."
+                         "length_reward"),
+        sampling=SamplerParams(max_new_tokens=32, seed=3),
+        budget=BudgetConfig(slots=2),
+        timing=TimingConfig(control_poll_s=HOUR, idle_poll_s=HOUR))
     p = Producer(cfg)
     data = tmp_path / "later.jsonl"
     data.write_text("".join(json.dumps({"prompt": [5, 6, 7]}) + "\n" for _ in range(4)))
@@ -70,9 +76,14 @@ def test_idle_polls_stat_instead_of_listing(tmp_path: Path, sim_engine: Any,
     monkeypatch.setattr(DirProbe, "changed", counting)
     run = tmp_path / "run"
     q = make_run(str(run), 0, rows=[])
-    cfg = ProducerConfig(run_dir=str(run), reward="tests.producers.plugins_for_tests."
-                         "length_reward", workers=(sim_engine.url,), slots=2,
-                         max_new_tokens=32, seed=3, control_poll_s=0.01, idle_poll_s=0.01)
+    cfg = ProducerConfig(
+        run_dir=str(run),
+        engine=EngineConfig(workers=(sim_engine.url,)),
+        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests."
+                         "length_reward"),
+        sampling=SamplerParams(max_new_tokens=32, seed=3),
+        budget=BudgetConfig(slots=2),
+        timing=TimingConfig(control_poll_s=0.01, idle_poll_s=0.01))
     p = Producer(cfg)
     listed = {"pending": 0, "control": 0}
     real_list = p.queue.storage.list

@@ -228,17 +228,21 @@ def test_producer_tokenizes_chat_and_rewards_see_decoded_ids(tmp_path: Any,
     from tests.tokenizer_fixtures import train_chat_tokenizer
 
     from strawq.producers.producer import Producer
-    from strawq.producers.producer_config import ProducerConfig
+    from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                                  ProducerConfig, SamplerParams, TimingConfig)
 
     tok_dir = train_chat_tokenizer(tmp_path / "tok")
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} plus two?"}],
              "chat_template_kwargs": {"enable_thinking": bool(i % 2)}} for i in range(3)]
     q = make_run(str(tmp_path / "run"), 0, rows=rows)
     p = Producer(ProducerConfig(
-        run_dir=str(tmp_path / "run"), reward=f"{PLUGINS}.async_text_length",
-        tokenizer=f"hf:{tok_dir}", tokenizer_args={"local_files_only": True},
-        workers=(sim_engine.url,), slots=2, max_new_tokens=32, seed=3, control_poll_s=0.02,
-        idle_poll_s=0.02))
+        run_dir=str(tmp_path / "run"),
+        engine=EngineConfig(workers=(sim_engine.url,)),
+        plugins=PluginsConfig(reward=f"{PLUGINS}.async_text_length", tokenizer=f"hf:{tok_dir}",
+                              tokenizer_args={"local_files_only": True}),
+        sampling=SamplerParams(max_new_tokens=32, seed=3),
+        budget=BudgetConfig(slots=2),
+        timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02)))
     asyncio.run(run_producers([p], lambda: wait_for(lambda: len(ids(q, "ready")) == 3, 60,
                                                     "ready")))
     tok = HFTokenizer(tok_dir, local_files_only=True)
@@ -254,15 +258,19 @@ def test_a_failed_remote_reward_is_never_trained(tmp_path: Any, sim_engine: Any)
     from tests.producers.helpers import make_run, names, run_producers, wait_for
 
     from strawq.producers.producer import Producer
-    from strawq.producers.producer_config import ProducerConfig
+    from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                                  ProducerConfig, SamplerParams, TimingConfig)
 
     q = make_run(str(tmp_path / "run"), 2)
     p = Producer(ProducerConfig(
-        run_dir=str(tmp_path / "run"), reward="strawq.producers.reward_remote.remote_reward",
-        reward_args={"url": "http://127.0.0.1:9/score", "retries": 1, "backoff_s": 0.0,
-                     "timeout_s": 1.0},
-        workers=(sim_engine.url,), slots=2, max_new_tokens=16, control_poll_s=0.02,
-        idle_poll_s=0.02))
+        run_dir=str(tmp_path / "run"),
+        engine=EngineConfig(workers=(sim_engine.url,)),
+        plugins=PluginsConfig(reward="strawq.producers.reward_remote.remote_reward",
+                              reward_args={"url": "http://127.0.0.1:9/score", "retries": 1,
+                                           "backoff_s": 0.0, "timeout_s": 1.0}),
+        sampling=SamplerParams(max_new_tokens=16),
+        budget=BudgetConfig(slots=2),
+        timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02)))
     asyncio.run(run_producers([p], lambda: wait_for(lambda: len(names(q, "dropped")) == 2, 60,
                                                     "dropped")))
     assert {t.producer for t in names(q, "dropped")} == {"reward_error"}

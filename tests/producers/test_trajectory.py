@@ -25,11 +25,13 @@ from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.generate import load_generate
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import (EngineConfig, PluginsConfig, ProducerConfig,
+                                              ToolsConfig)
 from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.trajectory import Trajectory, TrajectoryError
 from tests.producers.conftest import FAST_SIM
-from tests.producers.helpers import ids, make_run, names, ready_groups, run_producers, wait_for
+from tests.producers.helpers import (config_with, ids, make_run, names, ready_groups,
+                                     run_producers, wait_for)
 from tests.producers.trajectory_plugins import ledger_counts
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,13 +64,14 @@ def check_sample(grp: GroupData, i: int, max_new: int = MAX_NEW) -> Trajectory:
     return t
 
 
-def agent_config(run: Path, url: str, ledger: Path, **kw: Any) -> ProducerConfig:
-    base: dict[str, Any] = dict(
-        run_dir=str(run), reward=REWARD, workers=(url,), slots=3, max_new_tokens=MAX_NEW,
-        seed=7, control_poll_s=0.02, idle_poll_s=0.02, generate=AGENT,
-        generate_args={"ledger": str(ledger), "turns": 4}, tool_timeout_s=30.0)
-    base.update(kw)
-    return ProducerConfig(**base)
+def agent_config(run: Path, url: str, ledger: Path, **sections: Any) -> ProducerConfig:
+    base: dict[str, Any] = {
+        "run_dir": str(run), "engine": {"workers": (url,)},
+        "plugins": {"reward": REWARD, "generate": AGENT,
+                    "generate_args": {"ledger": str(ledger), "turns": 4}},
+        "budget": {"slots": 3}, "sampling": {"max_new_tokens": MAX_NEW, "seed": 7},
+        "timing": {"control_poll_s": 0.02, "idle_poll_s": 0.02}, "tools": {"timeout_s": 30.0}}
+    return config_with(base, sections)
 
 
 def test_generate_plugin_is_checked_at_start_up() -> None:
@@ -81,8 +84,12 @@ def test_generate_plugin_is_checked_at_start_up() -> None:
         load_generate("no_such_module.agent")
     with pytest.raises(ConfigError, match="bad generate_args"):
         load_generate(AGENT, {"nope": 1})
-    with pytest.raises(ConfigError, match="tool_failure"):
-        ProducerConfig(run_dir="r", reward=REWARD, workers=("http://x",), tool_failure="pray")
+    with pytest.raises(ConfigError, match=r"ToolsConfig\.on_failure: expected one of"):
+        ProducerConfig(
+            run_dir="r",
+            engine=EngineConfig(workers=("http://x",)),
+            plugins=PluginsConfig(reward=REWARD),
+            tools=ToolsConfig(on_failure="pray"))  # type: ignore[arg-type]
 
 
 def test_trajectory_record_round_trip_and_checks() -> None:
@@ -109,8 +116,8 @@ def test_multi_turn_across_weight_updates_runs_each_tool_call_once(tmp_path: Pat
     control = Control(q.storage)
     ledger = tmp_path / "ledger"
     p = Producer(agent_config(tmp_path / "run", sim_engine.url, ledger,
-                              generate_args={"ledger": str(ledger), "turns": 4,
-                                             "slow_s": 0.05}))
+                              plugins={"generate_args": {"ledger": str(ledger), "turns": 4,
+                                             "slow_s": 0.05}}))
 
     async def body() -> None:
         async with SGLangClient([sim_engine.url]) as client:
@@ -152,9 +159,10 @@ def test_tool_failure_policies(tmp_path: Path, sim_engine: Any) -> None:
         run = tmp_path / policy
         q = make_run(str(run), 0, rows=rows, group_size=2)
         ledger = tmp_path / f"ledger-{policy}"
-        p = Producer(agent_config(run, sim_engine.url, ledger, tool_failure=policy,
-                                  tool_retries=1, engine_backoff_s=0.01,
-                                  generate_args={"ledger": str(ledger), "fail": "always"}))
+        p = Producer(agent_config(
+            run, sim_engine.url, ledger, engine={"backoff_s": 0.01},
+            plugins={"generate_args": {"ledger": str(ledger), "fail": "always"}},
+            tools={"on_failure": policy, "retries": 1}))
 
         async def body(q: Any = q) -> None:
             await wait_for(lambda: len(ids(q, "ready")) + len(ids(q, "dropped")) == 3, 60,
@@ -181,9 +189,10 @@ def test_tool_failure_policies(tmp_path: Path, sim_engine: Any) -> None:
     run = tmp_path / "restart"
     q = make_run(str(run), 0, rows=rows[:1], group_size=2)
     ledger = tmp_path / "ledger-restart"
-    p = Producer(agent_config(run, sim_engine.url, ledger, tool_failure="restart",
-                              tool_retries=1,
-                              generate_args={"ledger": str(ledger), "fail": "always"}))
+    p = Producer(agent_config(
+        run, sim_engine.url, ledger,
+        plugins={"generate_args": {"ledger": str(ledger), "fail": "always"}},
+        tools={"on_failure": "restart", "retries": 1}))
 
     async def settled() -> None:
         await wait_for(lambda: len(ids(q, "ready")) + len(ids(q, "dropped")) == 1, 60,
@@ -202,8 +211,8 @@ def test_tool_failure_policies(tmp_path: Path, sim_engine: Any) -> None:
     run = tmp_path / "turns"
     q = make_run(str(run), 0, rows=rows, group_size=2)
     ledger = tmp_path / "ledger-turns"
-    p = Producer(agent_config(run, sim_engine.url, ledger, max_turns=2,
-                              generate_args={"ledger": str(ledger), "turns": 9}))
+    p = Producer(agent_config(run, sim_engine.url, ledger, tools={"max_turns": 2},
+                              plugins={"generate_args": {"ledger": str(ledger), "turns": 9}}))
 
     async def wait_ready() -> None:
         await wait_for(lambda: len(ids(q, "ready")) == 3, 60, "all ready")
@@ -223,9 +232,11 @@ def _producer_process(run: Path, url: str, ledger: Path) -> subprocess.Popen[str
     args = {"ledger": str(ledger), "turns": 4, "slow_s": 0.1}
     return subprocess.Popen(
         [sys.executable, "-c", code, "producer", str(run), "--engine", url, "--reward", REWARD,
-         "--slots", "3", "--set", f"max_new_tokens={MAX_NEW}", "--set", "seed=7",
-         "--set", f"generate={AGENT}", "--set", f"generate_args={json.dumps(args)}",
-         "--set", "idle_poll_s=0.02", "--set", "control_poll_s=0.02", "--json"],
+         "--slots", "3", "--set", f"sampling.max_new_tokens={MAX_NEW}", "--set", "sampling.seed=7",
+         "--set", f"plugins.generate={AGENT}",
+         "--set", f"plugins.generate_args={json.dumps(args)}",
+         "--set", "timing.idle_poll_s=0.02", "--set", "timing.control_poll_s=0.02",
+         "--json"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)})
 

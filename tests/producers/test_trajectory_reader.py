@@ -34,8 +34,8 @@ def test_reader_and_importance_sampling_on_multi_turn_samples(tmp_path: Path,
     control = Control(q.storage)
     ledger = tmp_path / "ledger"
     p = Producer(agent_config(run, sim_engine.url, ledger,
-                              generate_args={"ledger": str(ledger), "turns": 3,
-                                             "slow_s": 0.05}))
+                              plugins={"generate_args": {"ledger": str(ledger), "turns": 3,
+                                             "slow_s": 0.05}}))
 
     async def body() -> None:
         await wait_for(lambda: sum(ledger_counts(str(ledger)).values()) >= 2 or

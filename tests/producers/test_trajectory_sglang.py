@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
+                                              ProducerConfig, SamplerParams)
 from strawq.producers.sglang_client import ClientConfig
 from tests.producers.helpers import ids, make_run, ready_groups, run_producers, wait_for
 from tests.producers.test_trajectory import check_sample
@@ -30,11 +31,15 @@ def test_two_turn_chat_with_the_chat_template(tmp_path: Path, sglang_real: Any) 
     q = make_run(str(run), 0, rows=[{"prompt": first}], group_size=2)
     cfg = ClientConfig(api_key=server.api_key, admin_api_key=server.admin_api_key)
     p = Producer(ProducerConfig(
-        run_dir=str(run), reward="tests.producers.plugins_for_tests.length_reward",
-        workers=(server.url,), client=cfg, slots=1, max_new_tokens=96, temperature=0.0,
-        tokenizer=f"hf:{server.model_dir}", tokenizer_args={"local_files_only": True},
-        generate="tests.producers.trajectory_plugins.chat_two_turns",
-        generate_args={"model_dir": server.model_dir, "second": SECOND}))
+        run_dir=str(run),
+        engine=EngineConfig(workers=(server.url,), client=cfg),
+        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests.length_reward",
+                              tokenizer=f"hf:{server.model_dir}",
+                              tokenizer_args={"local_files_only": True},
+                              generate="tests.producers.trajectory_plugins.chat_two_turns",
+                              generate_args={"model_dir": server.model_dir, "second": SECOND}),
+        sampling=SamplerParams(max_new_tokens=96, temperature=0.0),
+        budget=BudgetConfig(slots=1)))
 
     async def body() -> None:
         await wait_for(lambda: len(ids(q, "ready")) == 1, 300, "the chat group ready")

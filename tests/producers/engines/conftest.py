@@ -1,28 +1,10 @@
-"""Fixtures of the engine tests: weight directories and throwaway aiohttp servers."""
+"""Fixtures of the engine tests: tiny-model weight directories."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from aiohttp import web
-
-from tests.producers.engines.engine_helpers import AppThread
-
-
-@pytest.fixture
-def app_server() -> Iterator[Callable[[Callable[[], web.Application]], AppThread]]:
-    servers: list[AppThread] = []
-
-    def start(factory: Callable[[], web.Application]) -> AppThread:
-        server = AppThread(factory)
-        servers.append(server)
-        return server
-
-    yield start
-    for s in servers:
-        s.stop()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.producers.engines.engine_helpers import run
+from tests.producers.engine_helpers import run
 
 from strawq.producers.engines.cli import add_engine_parser, main, options_from_args
 from strawq.producers.engines.testing import start_engine_subprocess

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from tests.producers.engines.engine_helpers import orphan_through_router, run
+from tests.producers.engine_helpers import orphan_through_router, run
 
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from tests.producers.engines.engine_helpers import (load_counts, orphan_through_router, run,
+from tests.producers.engine_helpers import (load_counts, orphan_through_router, run,
                                                     wait_until)
 
 from strawq.producers.engines.launch import EngineOptions

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tests.producers.engines.engine_helpers import run
+from tests.producers.engine_helpers import run
 
 from strawq.producers.engine_errors import EngineRequestError
 from strawq.producers.engines.launch import EngineOptions

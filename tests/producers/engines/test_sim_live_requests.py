@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from tests.producers.engines.engine_helpers import run, wait_until
+from tests.producers.engine_helpers import run, wait_until
 
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from tests.producers.engines.engine_helpers import load_counts, run, wait_until
+from tests.producers.engine_helpers import load_counts, run, wait_until
 
 from strawq.producers.engine_errors import EngineRequestError, EngineTimeout
 from strawq.producers.engines.launch import EngineOptions

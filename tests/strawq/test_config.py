@@ -22,7 +22,7 @@ from strawq.config import Config, QueueConfig, load_config
 from strawq.errors import ConfigError
 from strawq.app.run_config import RunConfig
 
-RUN_JSON = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "run.json"
+RUN_JSON = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "run.json"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,12 +49,6 @@ def _run_json() -> dict[str, Any]:
     with open(RUN_JSON, encoding="utf-8") as f:
         data: dict[str, Any] = json.load(f)
     return data
-
-
-def _run_json_without_ray_sections() -> dict[str, Any]:
-    raw = _run_json()
-    del raw["placement"]
-    return raw
 
 
 # -- the base --------------------------------------------------------------------------------
@@ -114,16 +108,41 @@ def test_to_dict_round_trips_through_json() -> None:
     assert Outer.from_dict(json.loads(json.dumps(data))) == cfg
 
 
-def test_every_config_class_of_the_project_is_a_config() -> None:
-    from strawq.demo.schedule import ScheduleConfig
-    from strawq.producers.engines.sim_backend import SimConfig
-    from strawq.producers.engines.tiny_config import TinyConfig
-    from strawq.producers.producer_config import ProducerConfig
-    from strawq.producers.sglang_client import ClientConfig
+def _config_classes_in_the_source() -> list[tuple[str, str]]:
+    """``(module, class)`` of every class in the package that names ``Config`` as a base."""
+    import ast
 
-    for cls in (QueueConfig, CollectorConfig, ProducerConfig, ClientConfig, TinyConfig,
-                SimConfig, ScheduleConfig, RunConfig):
+    import os
+
+    root = Path(__file__).resolve().parents[2] / "strawq"
+    paths = sorted(Path(d) / f for d, _, files in os.walk(root, followlinks=True)
+                   for f in files if f.endswith(".py"))  # producers/ etc. are links
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        module = ".".join(("strawq", *path.relative_to(root).with_suffix("").parts))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(b, ast.Name) and b.id == "Config" for b in node.bases):
+                found.append((module.removesuffix(".__init__"), node.name))
+    return found
+
+
+def test_every_config_class_of_the_project_is_a_config() -> None:
+    """Each class declared with the ``Config`` base follows its rules: frozen, keyword-only,
+    no ``__post_init__`` or ``from_dict`` of its own (the run config's adds one check)."""
+    import importlib
+
+    found = _config_classes_in_the_source()
+    names = {name for _, name in found}
+    assert {"QueueConfig", "CollectorConfig", "ProducerConfig", "ClientConfig",
+            "PlacementConfig", "SamplerParams", "RunConfig"} <= names, names
+    for module, name in found:
+        cls = getattr(importlib.import_module(module), name)
         assert issubclass(cls, Config), cls
+        params = getattr(cls, "__dataclass_params__", None)
+        assert params is not None and params.frozen, f"{name} is not a frozen dataclass"
+        assert all(f.kw_only for f in dataclasses.fields(cls)), f"{name} is not keyword-only"
         assert "from_dict" not in vars(cls) or cls is RunConfig, cls
         assert "__post_init__" not in vars(cls), cls
 
@@ -138,6 +157,61 @@ def test_the_per_class_configs_use_the_one_message() -> None:
         SimConfig.from_dict({"len_cap": "9"})
     with pytest.raises(ConfigError, match=r"cap_prob must be in \[0, 1\]"):
         SimConfig(cap_prob=2.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Documented(Config):
+    """A class documented both ways.
+
+    Fields:
+        old_style: from the docstring's block,
+            continued on the next line.
+        a / b: one text for two fields.
+    """
+
+    #: From the comment above it,
+    #: over two lines.
+    new_style: int = 1
+    old_style: str = "x"
+    a: float = 0.5
+    b: tuple[int, ...] = ()
+    #: Both: the comment wins.
+    inner: Inner | None = None
+    undocumented: bool = False
+
+
+def test_field_docs_read_comments_and_docstring_blocks() -> None:
+    from strawq.config import field_docs
+
+    docs = field_docs(Documented)
+    assert docs == {"new_style": "From the comment above it, over two lines.",
+                    "old_style": "from the docstring's block, continued on the next line.",
+                    "a": "one text for two fields.", "b": "one text for two fields.",
+                    "inner": "Both: the comment wins."}
+
+
+def test_keys_help_flattens_sections_and_shows_type_default_and_doc() -> None:
+    from strawq.config import config_keys, keys_help
+
+    keys = {k: (t, d) for k, t, d, _ in config_keys(Outer)}
+    assert keys["inner.depth"] == ("int", "1") and keys["maybe.depth"] == ("int", "1")
+    assert keys["mode"] == ("a|b", '"a"') and keys["ids"] == ("list of int", "[]")
+    assert keys["limit"] == ("int or null", "null") and keys["name"] == ("str", "required")
+    text = keys_help(Documented)
+    assert "  new_style: int = 1\n      From the comment above it, over two lines.\n" in text
+    assert text.endswith("\n  undocumented: bool = false")
+
+
+def test_every_key_a_command_line_accepts_is_documented() -> None:
+    """Every config rule says each field is documented where it is declared; for the keys
+    of the run config (and the queue and collector configs the CLIs read) it is checked."""
+    from strawq.config import config_keys
+    from strawq.producers.producer_config import ProducerConfig
+
+    undocumented = [f"{cls.__name__}: {key}"
+                    for cls in (RunConfig, QueueConfig, CollectorConfig, ProducerConfig)
+                    for key, _, _, doc in config_keys(cls) if not doc]
+    assert not undocumented, undocumented
 
 
 def test_load_config_reads_a_file_and_dotted_overrides(tmp_path: Path) -> None:
@@ -156,7 +230,6 @@ def test_load_config_reads_a_file_and_dotted_overrides(tmp_path: Path) -> None:
 # -- the run config --------------------------------------------------------------------------
 
 def test_run_json_validates_and_round_trips() -> None:
-    pytest.importorskip("ray")
     raw = _run_json()
     run = RunConfig.from_dict(raw)
     assert run.placement is not None and run.producer is not None
@@ -167,7 +240,6 @@ def test_run_json_validates_and_round_trips() -> None:
 
 def test_g_is_held_once_a_second_g_in_a_section_is_an_error_naming_both() -> None:
     """The old hazard: G = 8 for the queue, G = 16 for placement, and 16 silently won."""
-    pytest.importorskip("ray")
     raw = _run_json()
     raw["placement"]["group_size"] = 16
     with pytest.raises(ConfigError, match=r"placement\.group_size = 16 restates "
@@ -182,7 +254,7 @@ def test_g_is_held_once_a_second_g_in_a_section_is_an_error_naming_both() -> Non
                                           r"queue\.group_size = 8"):
         RunConfig.from_dict(raw)
     # built in Python: a second G cannot even be written down
-    from strawq.producers.placement import PlacementConfig
+    from strawq.producers.placement_config import PlacementConfig
     from strawq.producers.producer_config import ProducerConfig
 
     run = RunConfig.from_dict(_run_json())
@@ -200,21 +272,22 @@ def test_g_is_held_once_a_second_g_in_a_section_is_an_error_naming_both() -> Non
 
 
 def test_run_config_errors_name_the_section() -> None:
-    raw = _run_json_without_ray_sections()
-    raw["producer"]["client"]["max_retry"] = 1
-    with pytest.raises(ConfigError, match=r"run config\.producer\.client: unknown key\(s\) "
+    raw = _run_json()
+    raw["producer"]["engine"]["client"]["max_retry"] = 1
+    with pytest.raises(ConfigError, match=r"run config\.producer\.engine\.client: unknown key\(s\) "
                                           r"\['max_retry'\]; known keys are \[.*'max_retries'"):
         RunConfig.from_dict(raw)
-    raw = _run_json_without_ray_sections()
+    raw = _run_json()
     raw["queue"]["group_size"] = "8"
     with pytest.raises(ConfigError, match=r"run config\.queue\.group_size: expected int, "
                                           r"found str '8'"):
         RunConfig.from_dict(raw)
     with pytest.raises(ConfigError, match=r"run config: unknown key\(s\) \['trainer'\]"):
-        RunConfig.from_dict(_run_json_without_ray_sections() | {"trainer": {}})
-    raw = _run_json_without_ray_sections()
-    raw["producer"]["lease_margin_s"] = 90.0
-    with pytest.raises(ConfigError, match="lease_margin_s .* below queue.lease_timeout_s"):
+        RunConfig.from_dict(_run_json() | {"trainer": {}})
+    raw = _run_json()
+    raw["producer"]["timing"]["lease_margin_s"] = 90.0
+    with pytest.raises(ConfigError, match=r"producer\.timing\.lease_margin_s \(90\.0\) must be "
+                                          r"below queue\.lease_timeout_s"):
         RunConfig.from_dict(raw)
 
 
@@ -228,8 +301,30 @@ def test_run_config_module_imports_no_ray_torch_or_http() -> None:
     assert out.strip() == "[]"
 
 
+def test_a_run_config_with_placement_loads_without_ray() -> None:
+    """The placement section is checked on any host: with Ray unimportable, run.json (all
+    four sections) loads, and a wrong placement value is still refused by name."""
+    code = ("import json, sys; sys.modules['ray'] = None\n"
+            "from strawq.app.run_config import RunConfig\n"
+            "from strawq.errors import ConfigError\n"
+            f"raw = json.load(open({str(RUN_JSON)!r}))\n"
+            "run = RunConfig.from_dict(raw)\n"
+            "print(run.placement.concurrency, run.placement.engines)\n"
+            "raw['placement']['engines'] = 0\n"
+            "try:\n"
+            "    RunConfig.from_dict(raw)\n"
+            "except ConfigError as exc:\n"
+            "    print(exc)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    placement = _run_json()["placement"]
+    first, second = res.stdout.strip().splitlines()
+    assert first == f"{placement['concurrency']} {placement['engines']}"
+    assert "run config.placement: PlacementConfig.engines must be >= 1, got 0" in second
+
+
 def test_run_config_cli_check_gives_one_line_errors(tmp_path: Path) -> None:
-    pytest.importorskip("ray")
     script = RUN_JSON.parent / "run_config.py"
     ok = subprocess.run([sys.executable, str(script), str(RUN_JSON), "--check"],
                         capture_output=True, text=True, timeout=120)

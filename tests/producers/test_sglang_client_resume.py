@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aiohttp import web
-from tests.producers.engines.engine_helpers import AppThread, run
+from tests.producers.engine_helpers import AppThread, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from tests.producers.engines.engine_helpers import FIXTURES, run
+from tests.producers.engine_helpers import FIXTURES, run
 
 from strawq.errors import StrawqError
 from strawq.producers.engine_errors import (

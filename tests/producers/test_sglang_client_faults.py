@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from tests.producers.engines.engine_helpers import FIXTURES, free_port, load_counts, run, wait_until
+from tests.producers.engine_helpers import FIXTURES, free_port, load_counts, run, wait_until
 
 from strawq.producers.engine_errors import (
     EngineError,

@@ -36,7 +36,7 @@ from strawq.testing.factories import make_partial, prompts
 ROWS: list[Any] = [*prompts(5), "{not json", *prompts(4, start=6)]
 BAD = dataset_task_id(5)
 ALL = {dataset_task_id(i) for i in range(len(ROWS))}
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tid(i: int) -> str:

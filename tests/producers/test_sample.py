@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import msgpack
@@ -9,6 +10,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from strawq.config import Config, field_docs
+from strawq.errors import ConfigError
 
 from strawq.producers.sample import (
     Sample,
@@ -124,13 +128,13 @@ def test_to_dict_roundtrip_msgpack_and_json() -> None:
 
 
 def test_sampler_params_validation() -> None:
-    with pytest.raises(SampleError):
+    with pytest.raises(ConfigError, match="max_new_tokens must be >= 0"):
         SamplerParams(max_new_tokens=-1)
-    with pytest.raises(SampleError):
+    with pytest.raises(ConfigError, match=r"top_p must be in \(0, 1\]"):
         SamplerParams(max_new_tokens=4, top_p=0.0)
-    with pytest.raises(SampleError):
+    with pytest.raises(ConfigError, match="top_k must be -1"):
         SamplerParams(max_new_tokens=4, top_k=0)
-    with pytest.raises(SampleError, match="unknown"):
+    with pytest.raises(ConfigError, match=r"SamplerParams: unknown key\(s\) \['n'\]; known keys"):
         SamplerParams.from_dict({"max_new_tokens": 3, "n": 2})
     sp = SamplerParams(max_new_tokens=5, stop_token_ids=[2], seed=1).to_sglang(max_new_tokens=3)
     assert (
@@ -139,6 +143,33 @@ def test_sampler_params_validation() -> None:
         and sp["stop_token_ids"] == [2]
         and sp["sampling_seed"] == 1
     )
+
+
+def test_sampler_params_follow_the_config_rules() -> None:
+    """A config section like every other: types from the annotations (no bool for an int,
+    no string for a float), keyword-only, every field documented, a JSON round trip."""
+    assert issubclass(SamplerParams, Config) and "from_dict" not in vars(SamplerParams)
+    with pytest.raises(ConfigError, match=r"SamplerParams\.max_new_tokens: expected int, "
+                                          r"found bool True"):
+        SamplerParams(max_new_tokens=True)
+    with pytest.raises(ConfigError, match=r"SamplerParams\.temperature: expected float"):
+        SamplerParams.from_dict({"temperature": "0.7"})
+    with pytest.raises(ConfigError, match=r"SamplerParams\.seed: expected int or None"):
+        SamplerParams.from_dict({"seed": 1.5})
+    with pytest.raises(ConfigError, match="stop_token_ids must be non-negative"):
+        SamplerParams(stop_token_ids=(2, -1))
+    with pytest.raises(TypeError):
+        SamplerParams(8)  # type: ignore[misc]
+    assert set(field_docs(SamplerParams)) == {f.name for f in dataclasses.fields(SamplerParams)}
+    sp = SamplerParams(max_new_tokens=7, stop_token_ids=[3, 4], seed=2, top_k=5)
+    assert sp.stop_token_ids == (3, 4)
+    assert SamplerParams.from_dict(json.loads(json.dumps(sp.to_dict()))) == sp
+
+
+def test_a_record_with_bad_params_is_a_sample_error() -> None:
+    d = new().to_dict()
+    with pytest.raises(SampleError, match="params are invalid.*top_p"):
+        Sample.from_dict({**d, "params": {**d["params"], "top_p": 2.0}})
 
 
 @settings(max_examples=200, deadline=None)

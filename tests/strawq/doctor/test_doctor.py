@@ -34,7 +34,7 @@ from strawq.doctor import (
 from strawq.errors import ConfigError, DoctorFailed
 from tests.juicefs_fixtures import find_juicefs_binary
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 RACES = ("atomic_rename", "exclusive_create", "noreplace_publish")
 
 

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from tests.producers.engines.engine_helpers import FIXTURES, load_fixture
+from tests.producers.engine_helpers import FIXTURES, load_fixture
 
 from strawq.producers.engine_errors import EngineProtocolError
 from strawq.producers.sglang_client import parse_workers
