@@ -77,8 +77,9 @@ async def resolve_eos_ids(client: EngineClient, *, configured: Iterable[int] | N
     raise ConfigError(
         f"{who} cannot find the model's EOS ids ({'; '.join(tried)}). Without them an abort "
         "that lands on EOS would resume past the end of the response. Set "
-        "client.eos_token_ids (e.g. --set client.eos_token_ids=[2]), give a tokenizer "
-        "(tokenizer='hf:<model>'), or set ignore_eos when no token should stop a response")
+        "engine.client.eos_token_ids (e.g. --set engine.client.eos_token_ids=[2]), give a "
+        "tokenizer (--set plugins.tokenizer=hf:<model>), or set sampling.ignore_eos when no "
+        "token should stop a response")
 
 
 def tokenizer_eos_ids(tokenizer: Any) -> frozenset[int]:

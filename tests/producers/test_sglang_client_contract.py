@@ -16,12 +16,15 @@ import pytest
 from aiohttp import web
 from tests.producers.engine_helpers import FIXTURES, run
 
-from strawq.errors import StrawqError
+from strawq.errors import ConfigError, StrawqError
 from strawq.producers.engine_errors import (
     EngineError,
     EngineProtocolError,
     WeightUpdateRefused,
 )
+from strawq.producers.eos import resolve_eos_ids
+from strawq.producers.sample import Sample, SamplerParams, SampleStatus
+from strawq.producers.sample_step import step_sample
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
 from strawq.producers.sglang_protocol import finalize_abort_at_stop, parse_generate_response
 
@@ -96,7 +99,10 @@ def test_aborted_reply_ending_on_eos_is_final() -> None:
     ).is_abort
 
 
-def test_client_applies_eos_from_model_info_and_honours_ignore_eos(app_server: Any) -> None:
+def test_the_sample_step_makes_an_abort_on_eos_final_and_honours_ignore_eos(
+        app_server: Any) -> None:
+    """The client returns the engine's aborted reply as it is; the sample step, with the EOS
+    ids the producer resolved at start, makes an abort that landed on EOS final."""
     body = _aborted_ending_on(2)
 
     async def generate(request: web.Request) -> web.Response:
@@ -111,20 +117,27 @@ def test_client_applies_eos_from_model_info_and_honours_ignore_eos(app_server: A
     plain = app_server(_app({"/generate": generate, "/model_info": model_info}))
     with_eos = app_server(_app({"/generate": generate, "/model_info": model_info_with_eos}))
 
+    async def step(c: SGLangClient, eos: Any, **params: Any) -> Sample:
+        s = Sample.new("s", [1, 2, 3], SamplerParams(max_new_tokens=100, **params))
+        await step_sample(c, s, eos_ids=eos)
+        return s
+
     async def go() -> None:
         async with SGLangClient([with_eos.url], config=ClientConfig(**FAST)) as c:
-            r = await c.generate([1, 2, 3], {"max_new_tokens": 100})
-            assert r.finish_reason == {"type": "stop", "matched": 2, "aborted": True}
-            r = await c.generate([1, 2, 3], {"max_new_tokens": 100, "ignore_eos": True})
-            assert r.is_abort  # ignore_eos: no token stops it, so it stays resumable
+            assert (await c.generate([1, 2, 3], {"max_new_tokens": 100})).is_abort  # as sent
+            eos = await resolve_eos_ids(c, configured=None)
+            assert eos == {2, 7}
+            assert (await step(c, eos)).status is SampleStatus.COMPLETED
+            # ignore_eos: no token stops it, so it stays resumable
+            assert not (await step(c, eos, ignore_eos=True)).is_final
         async with SGLangClient([plain.url], config=ClientConfig(**FAST)) as c:
-            r = await c.generate([1, 2, 3], {"max_new_tokens": 100})
-            assert r.is_abort  # EOS unknown: resumable, with a warning
-            r = await c.generate([1, 2, 3], {"max_new_tokens": 100, "stop_token_ids": [2]})
-            assert r.finish_type == "stop"
-        cfg = ClientConfig(eos_token_ids=(2,), **FAST)
-        async with SGLangClient([plain.url], config=cfg) as c:
-            assert (await c.generate([1, 2, 3], {"max_new_tokens": 100})).finish_type == "stop"
+            with pytest.raises(ConfigError, match="EOS ids"):
+                await resolve_eos_ids(c, configured=None)
+            assert not (await step(c, frozenset())).is_final  # EOS unknown: resumable
+            stopped = await step(c, frozenset(), stop_token_ids=(2,))
+            assert stopped.status is SampleStatus.COMPLETED
+            eos = await resolve_eos_ids(c, configured=(2,))
+            assert (await step(c, eos)).status is SampleStatus.COMPLETED
 
     run(go())
 
