@@ -44,6 +44,7 @@ from strawq.collector.importance import LOSS_AGG_MODES  # noqa: E402
 from strawq.collector.reference import (  # noqa: E402
     Grads,
     Objective,
+    PaddedPolicy,
     TinyPolicy,
     distributed_gradients,
     gradients,
@@ -74,21 +75,6 @@ def slime_hook() -> Callable[..., tuple[float, Grads]] | None:
     return fn if callable(fn) else None
 
 
-class _Padded(torch.nn.Module):
-    """``TinyPolicy`` on padded rows ``[S, L]``: the demo trainer's model interface."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = TinyPolicy()
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        s, length = tokens.shape
-        cu = torch.arange(0, s * length + 1, max(length, 1), device=tokens.device)
-        pos = torch.arange(length, device=tokens.device).repeat(s)
-        out: torch.Tensor = self.inner(tokens.reshape(-1), pos, cu).reshape(s, length, -1)
-        return out
-
-
 def demo_gradients(run_dir: str, seq: int, objective: Objective, device: str,
                    workdir: str) -> tuple[float, Grads]:
     """The demo trainer's step on the whole batch (one rank, learning rate 0): its loss and
@@ -104,7 +90,7 @@ def demo_gradients(run_dir: str, seq: int, objective: Objective, device: str,
     reader = BatchReader(q, checkpointed=False, watch=None, sleep=lambda _s: None)
     batch = batch_to(reader.load(BatchStore(q).read_manifest(seq)), device)
     reader.close()
-    model = _Padded().to(device)
+    model = PaddedPolicy().to(device)
     trainer = GRPOTrainer(model=model, workdir=workdir, engine_urls=[],  # type: ignore[arg-type]
                           lr=0.0, loss_agg=objective.aggregation, is_mode=objective.is_mode)
     with warnings.catch_warnings():

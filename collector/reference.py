@@ -141,6 +141,21 @@ class TinyPolicy(torch.nn.Module):
         return out
 
 
+class PaddedPolicy(torch.nn.Module):
+    """``TinyPolicy`` on padded rows ``[S, L]``: the demo trainer's model interface."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.inner = TinyPolicy(**kwargs)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s, length = tokens.shape
+        cu = torch.arange(0, s * length + 1, max(length, 1), device=tokens.device)
+        pos = torch.arange(length, device=tokens.device).repeat(s)
+        out: torch.Tensor = self.inner(tokens.reshape(-1), pos, cu).reshape(s, length, -1)
+        return out
+
+
 def positions_from_cu(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """int64 [T]: each token's position within its sequence (on ``cu_seqlens``' device)."""
     cu = cu_seqlens.to(torch.int64)

@@ -13,6 +13,7 @@ from strawq.collector.importance import LOSS_AGG_MODES, LossTotals, aggregate_lo
 from strawq.collector.reader import BatchReader
 from strawq.collector.reference import (
     Objective,
+    PaddedPolicy,
     TinyPolicy,
     distributed_gradients,
     gradients,
@@ -166,20 +167,6 @@ def test_gloo_ranks_equal_the_reference_at_world_sizes_1_to_4(tmp_path, is_mode,
             assert max_relative_error(got[(w, obj)][1], ref) <= TOL, (w, obj)
 
 
-class _Padded(torch.nn.Module):
-    """``TinyPolicy`` on padded rows ``[S, L]`` (the demo trainer's layout)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = TinyPolicy()
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        s, length = tokens.shape
-        cu = torch.arange(0, s * length + 1, max(length, 1))
-        pos = torch.arange(length).repeat(s)
-        return self.inner(tokens.reshape(-1), pos, cu).reshape(s, length, -1)
-
-
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_demo_trainer_step_is_the_reference(run, tmp_path, mode):
     """``GRPOTrainer.train_step`` (padded layout, the recorded temperatures, TIS) takes the
@@ -188,7 +175,7 @@ def test_demo_trainer_step_is_the_reference(run, tmp_path, mode):
 
     run_dir, seq = run
     (batch,) = _shards(run_dir, seq, 1)
-    model = _Padded()
+    model = PaddedPolicy()
     trainer = GRPOTrainer(model=model, workdir=str(tmp_path), engine_urls=[],  # type: ignore[arg-type]
                           lr=0.0, loss_agg=mode)
     out = trainer.train_step(batch)

@@ -4,17 +4,16 @@ training code (its sample conversion with ``reward_post_process``, its
 the samples ``generate_rollout`` hands it equal the documented objective's on the same batch
 (docs/design.md, invariant 11).
 
-The reference here is self-contained: it reads every group of the published manifest
-straight from its record and reduces −Σ w·A·log π the documented way (``OBJECTIVE``), one
-sample at a time. Where ``strawq.collector.reference`` is importable, its
-``reference_gradients`` is compared as well.
+The oracle is the project's one reference, ``strawq.collector.reference.reference_gradients``:
+every group of the published manifest read straight from its record, −Σ w·A·log π reduced
+the documented way, one sample at a time, in one process. (The loss values differ: slime's
+surrogate is −w·A·ρ at ρ = 1, the reference's −w·A·log π; the gradients agree.)
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -28,7 +27,8 @@ pytest.importorskip("megatron.core", reason="slime's loss code needs megatron-co
 from strawq.batches import BatchStore  # noqa: E402
 from strawq.collector.config import CollectorConfig  # noqa: E402
 from strawq.collector.core import Collector  # noqa: E402
-from strawq.collector.importance import policy_logprobs  # noqa: E402
+from strawq.collector.reference import (Objective, max_relative_error,  # noqa: E402
+                                        reference_gradients)
 from strawq.collector.integrations.slime import slime_path_gradients  # noqa: E402
 from strawq.collector.integrations.slime_train import slime_args  # noqa: E402
 from strawq.config import QueueConfig  # noqa: E402
@@ -42,13 +42,7 @@ VOCAB = 32
 TOL = 1e-5
 
 
-@dataclass(frozen=True)
-class Obj:
-    """The documented objective's options (``strawq.collector.reference.Objective``)."""
-
-    aggregation: str = "seq_mean_token_mean"
-    is_mode: str = "tis"
-    truncated: bool = False
+Obj = Objective
 
 
 class Policy(torch.nn.Module):
@@ -135,50 +129,13 @@ def make_run(path: str, *, groups: int = 6, group_size: int = 4, seed: int = 0,
     return run_dir, int(max(seqs))
 
 
-def reference(run_dir: str, seq: int, model: torch.nn.Module, obj: Obj
+def reference(run_dir: str, seq: int, model: torch.nn.Module, obj: Objective
               ) -> tuple[float, dict[str, torch.Tensor]]:
-    """The documented objective over the whole batch, from the group records."""
-    q = RunQueue.open(open_storage(run_dir, writer_id="ref"))
-    man = BatchStore(q).read_manifest(seq)
-    sums, counts = [], []
-    for name, summ in zip(man.groups, man.summaries, strict=True):
-        g = q.read_group(name.id, name.gen)
-        params = g.meta["params"]
-        prompt = torch.from_numpy(g.prompt_ids.astype(np.int64))
-        p = prompt.shape[0]
-        for i in range(g.num_samples):
-            s = g.sample(i)
-            resp = torch.from_numpy(s["tokens"].astype(np.int64))
-            r = resp.shape[0]
-            mask = torch.from_numpy(s["loss_mask"].astype(np.float32))
-            counts.append(float(mask.sum()))
-            if r == 0:
-                sums.append(torch.zeros(()))
-                continue
-            seq_t = torch.cat([prompt, resp])
-            logits = model(seq_t, torch.arange(p + r), torch.tensor([0, p + r]))
-            logp = policy_logprobs(logits[p - 1:p + r - 1], resp,
-                                   float(params[i]["temperature"]))
-            rho = torch.exp((logp - torch.from_numpy(s["logprobs"])).clamp(-20, 20)).detach()
-            w = {"tis": rho.clamp(max=2.0), "none": torch.ones_like(rho),
-                 "icepop": rho * ((rho >= 0.5) & (rho <= 5.0))}[obj.is_mode]
-            adv = float(summ["advantages"][i])
-            sums.append((-(w * adv * logp) * mask).sum())
-    total, c = torch.stack(sums), torch.tensor(counts)
-    if obj.aggregation == "token_mean":
-        loss = total.sum() / c.sum().clamp(min=1.0)
-    elif obj.aggregation == "seq_mean_token_sum":
-        loss = total.sum() / len(sums)
-    else:
-        loss = (total / c.clamp(min=1.0)).sum() / len(sums)
-    model.zero_grad(set_to_none=True)
-    loss.backward()
-    return float(loss), {n: q.grad.detach().clone() for n, q in model.named_parameters()}
+    """The oracle: the documented objective on the whole batch, from the group records."""
+    return reference_gradients(run_dir, seq, model, objective=obj)
 
 
-def rel_err(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    return max(float((grads[n] - r).abs().max() / r.abs().max().clamp(min=1e-30))
-               for n, r in ref.items())
+rel_err = max_relative_error
 
 
 @pytest.fixture(scope="module")
@@ -243,15 +200,3 @@ def test_objectives_slime_cannot_express_are_refused(obj: Obj, match: str) -> No
         slime_args(obj)
 
 
-def test_the_shared_reference_agrees_where_it_is_importable(batch_run: tuple[str, int]
-                                                            ) -> None:
-    ref_mod = pytest.importorskip(
-        "strawq.collector.reference",
-        reason="strawq.collector.reference (the trainer side's oracle) is not in this tree")
-    run_dir, seq = batch_run
-    for m in ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum"):
-        obj = ref_mod.Objective(aggregation=m)
-        ref_loss, ref = ref_mod.reference_gradients(run_dir, seq, Policy(), objective=obj)
-        loss, grads = slime_path_gradients(run_dir, seq, Policy(), objective=obj)
-        assert ref_mod.max_relative_error(grads, ref) <= TOL  # (the loss values differ:
-        # slime's surrogate is -w·A·ρ at ρ = 1, the reference's -w·A·log π)
