@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -47,7 +47,8 @@ from strawq.collector.behaviour import sampling_columns
 from strawq.collector.importance import (DEFAULT_LOSS_AGG, LOSS_AGG_MODES, aggregate_loss,
                                          batch_loss, masked_tis_weights, policy_logprobs)
 from strawq.collector.reader import Batch, BatchReader
-from strawq.queue import RunQueue
+from strawq.groups import GroupData
+from strawq.queue import Lease, RunQueue
 from strawq.storage import Storage, open_storage
 
 #: the importance weights the objective can apply (``none``: w = 1, plain policy gradient)
@@ -531,20 +532,60 @@ def make_reference_run(path: str, *, groups: int = 12, group_size: int = 4, seed
                 lps.append(float(torch.log_softmax(tempered, -1)[tok]))
                 toks.append(tok)
         return toks[len(prompt):], lps
+    rng = np.random.default_rng(seed)
+    prompts = [[int(x) for x in rng.integers(0, vocab, int(rng.integers(1, 9)))]
+               for _ in range(groups)]
+
+    def build(lease: Lease) -> GroupData:
+        long_group = rng.random() < 0.2
+        hi = max_response if long_group else max(max_response // 6, 2)
+        lens = rng.integers(0 if not long_group else hi // 2, hi + 1, group_size)
+        total = int(lens.sum())
+        mask = (rng.random(total) > 0.15).astype(np.uint8)
+        params = []
+        for _ in range(group_size):  # per sample
+            truncated = rng.random() < 0.4
+            params.append({"temperature": float(rng.choice([0.6, 0.8, 1.0, 1.2])),
+                           "top_p": float(rng.choice([0.7, 0.9])) if truncated else 1.0,
+                           "top_k": int(rng.choice([5, 20])) if truncated else -1,
+                           "max_new_tokens": int(hi)})
+        prompt = [int(t) for t in lease.task["row"]["prompt"]]
+        toks: list[int] = []
+        lps: list[float] = []
+        for i in range(group_size):
+            t_i, lp_i = sample(prompt, int(lens[i]), params[i])
+            toks += t_i
+            lps += lp_i
+        noisy = np.asarray(lps, np.float64) + rng.normal(0.0, logprob_noise, total)
+        grp = GroupData(
+            task_id=lease.task_id, index=int(lease.task["index"]),
+            prompt_ids=np.asarray(prompt, np.int32), sample_lens=lens.tolist(),
+            tokens=np.asarray(toks, np.int32),
+            logprobs=np.minimum(noisy, 0.0).astype(np.float32),
+            versions=rng.integers(0, 3, total).astype(np.int64), loss_mask=mask,
+            rewards=[float(x) for x in rng.random(group_size).round(2)],
+            status=["completed"] * group_size, meta={"params": params})
+        return grp
+
+    return publish_batch(path, prompts, group_size, build)
+
+
+def publish_batch(path: str, prompts: Sequence[Sequence[int]], group_size: int,
+                  build: Callable[[Lease], GroupData]) -> tuple[str, int]:
+    """A run under ``path`` whose collector publishes one batch of ``len(prompts)`` groups,
+    each ``build(lease)`` for its claimed task (rows ``{"prompt": ids, "i": index}``);
+    returns the run's queue directory and the batch number."""
     from strawq.collector.config import CollectorConfig
     from strawq.collector.core import Collector
     from strawq.config import QueueConfig
     from strawq.dataset import Dataset
-    from strawq.groups import GroupData
 
-    rng = np.random.default_rng(seed)
     os.makedirs(path, exist_ok=True)
     ds = os.path.join(path, "dataset.jsonl")
     with open(ds, "w", encoding="utf-8") as f:
-        for i in range(groups):
-            plen = int(rng.integers(1, 9))
-            f.write(json.dumps({"prompt": [int(x) for x in rng.integers(0, vocab, plen)],
-                                "i": i}) + "\n")
+        for i, prompt in enumerate(prompts):
+            f.write(json.dumps({"prompt": [int(t) for t in prompt], "i": i}) + "\n")
+    groups = len(prompts)
     run_dir = os.path.join(path, "run")
     q = RunQueue.create(open_storage(run_dir, writer_id="setup", fsync=False),
                         QueueConfig(fsync=False, group_size=group_size,
@@ -561,38 +602,10 @@ def make_reference_run(path: str, *, groups: int = 12, group_size: int = 4, seed
             col.step()
             continue
         for lease in leases:
-            long_group = rng.random() < 0.2
-            hi = max_response if long_group else max(max_response // 6, 2)
-            lens = rng.integers(0 if not long_group else hi // 2, hi + 1, group_size)
-            total = int(lens.sum())
-            mask = (rng.random(total) > 0.15).astype(np.uint8)
-            params = []
-            for _ in range(group_size):  # per sample
-                truncated = rng.random() < 0.4
-                params.append({"temperature": float(rng.choice([0.6, 0.8, 1.0, 1.2])),
-                               "top_p": float(rng.choice([0.7, 0.9])) if truncated else 1.0,
-                               "top_k": int(rng.choice([5, 20])) if truncated else -1,
-                               "max_new_tokens": int(hi)})
-            prompt = [int(t) for t in lease.task["row"]["prompt"]]
-            toks: list[int] = []
-            lps: list[float] = []
-            for i in range(group_size):
-                t_i, lp_i = sample(prompt, int(lens[i]), params[i])
-                toks += t_i
-                lps += lp_i
-            noisy = np.asarray(lps, np.float64) + rng.normal(0.0, logprob_noise, total)
-            grp = GroupData(
-                task_id=lease.task_id, index=int(lease.task["index"]),
-                prompt_ids=np.asarray(prompt, np.int32), sample_lens=lens.tolist(),
-                tokens=np.asarray(toks, np.int32),
-                logprobs=np.minimum(noisy, 0.0).astype(np.float32),
-                versions=rng.integers(0, 3, total).astype(np.int64), loss_mask=mask,
-                rewards=[float(x) for x in rng.random(group_size).round(2)],
-                status=["completed"] * group_size, meta={"params": params})
-            q.complete(lease, grp)
+            q.complete(lease, build(lease))
             done += 1
     col.step()
     seqs, _ = BatchStore(q).batch_seqs()
     if not seqs:
-        raise RuntimeError("make_reference_run: the collector published no batch")
+        raise RuntimeError(f"{path}: the collector published no batch")
     return run_dir, int(max(seqs))

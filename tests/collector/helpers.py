@@ -10,9 +10,12 @@ groups span steps and weight versions.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -187,3 +190,16 @@ def drive(collector: Any, producers: list[SimProducer], steps: int) -> None:
         collector.step()
         for p in producers:
             p.step()
+
+
+#: the shipped examples (deploy/examples), loaded by their file as a user runs them
+EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
+
+
+def load_example(name: str) -> ModuleType:
+    """``deploy/examples/<name>.py`` as a module (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

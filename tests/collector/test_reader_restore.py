@@ -4,29 +4,16 @@ training resumes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-from types import ModuleType
 
 from strawq.collector.reference import make_reference_run
+from tests.collector.helpers import load_example
 from strawq.queue import RunQueue
 from strawq.storage import open_storage
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_restore_pushes_the_restored_weights_before_training(tmp_path, monkeypatch):
     run_dir, _ = make_reference_run(str(tmp_path / "r"), groups=2, group_size=2)
-    loop = _load("trainer_loop")
+    loop = load_example("trainer_loop")
     events: list[tuple[str, int]] = []
     monkeypatch.setattr(loop, "push_weights",
                         lambda _router, _dir, v, urls=None: events.append(("push", v)))

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import yaml
@@ -18,27 +17,17 @@ import yaml
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.dataset import Dataset
-from tests.collector.helpers import SimProducer, drive, make_run, write_dataset
+from tests.collector.helpers import (EXAMPLES, SimProducer, drive, load_example, make_run,
+                                     write_dataset)
 
 pytestmark = pytest.mark.slow
-
-EXAMPLES = Path(__file__).resolve().parents[3] / "deploy" / "examples"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 @pytest.mark.slime
 def test_slime_job_flags_are_slimes_and_paths_resolve(tmp_path, capsys):
     pytest.importorskip("slime.utils.misc", reason="slime not installed (docs/slime.md)")
     from slime.utils.misc import load_function
 
-    job = _load("slime_job")
+    job = load_example("slime_job")
     # slime's argument parser imports SGLang; its source is read, not imported
     spec = importlib.util.find_spec("slime.utils.arguments")
     assert spec is not None and spec.origin is not None

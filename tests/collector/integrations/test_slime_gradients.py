@@ -12,8 +12,6 @@ surrogate is −w·A·ρ at ρ = 1, the reference's −w·A·log π; the gradien
 
 from __future__ import annotations
 
-import json
-import os
 
 import numpy as np
 import pytest
@@ -25,16 +23,12 @@ pytest.importorskip("slime.utils.types", reason=SLIME_MISSING)
 pytest.importorskip("megatron.core", reason="slime's loss code needs megatron-core")
 
 from strawq.batches import BatchStore  # noqa: E402
-from strawq.collector.config import CollectorConfig  # noqa: E402
-from strawq.collector.core import Collector  # noqa: E402
 from strawq.collector.reference import (Objective, max_relative_error,  # noqa: E402
-                                        reference_gradients)
+                                        publish_batch, reference_gradients)
 from strawq.collector.integrations.slime import slime_path_gradients  # noqa: E402
 from strawq.collector.integrations.slime_train import slime_args  # noqa: E402
-from strawq.config import QueueConfig  # noqa: E402
-from strawq.dataset import Dataset  # noqa: E402
 from strawq.groups import GroupData  # noqa: E402
-from strawq.queue import RunQueue  # noqa: E402
+from strawq.queue import Lease, RunQueue  # noqa: E402
 from strawq.storage import open_storage  # noqa: E402
 
 pytestmark = [pytest.mark.slime, pytest.mark.timeout(300)]
@@ -79,54 +73,35 @@ def make_run(path: str, *, groups: int = 6, group_size: int = 4, seed: int = 0,
     GRPO advantages, a failed sample, recorded temperatures; every sample has a loss token,
     unless ``empty``: then some responses have none (length 0, or every token masked)."""
     rng = np.random.default_rng(seed)
-    os.makedirs(path, exist_ok=True)
-    ds = os.path.join(path, "ds.jsonl")
-    with open(ds, "w", encoding="utf-8") as f:
-        for i in range(groups):
-            f.write(json.dumps({"prompt": [int(x) for x in rng.integers(0, VOCAB,
-                                                                          rng.integers(1, 6))],
-                                "i": i}) + "\n")
-    run_dir = os.path.join(path, "run")
-    q = RunQueue.create(open_storage(run_dir, writer_id="setup", fsync=False),
-                        QueueConfig(fsync=False, group_size=group_size, release_batch=groups))
-    col = Collector(q, Dataset(ds), CollectorConfig(
-        batch_groups=groups, max_running=groups, max_ready=groups, poll_interval_s=0,
-        gc_interval_s=1e9))
-    col.start(wait=False)
-    col.step()
-    done = 0
-    while done < groups:
-        leases = q.claim("test", groups)
-        if not leases:
-            col.step()
-            continue
-        for lease in leases:
-            hi = 30 if rng.random() < 0.3 else 6
-            lens = rng.integers(0 if empty else 1, hi + 1, group_size)
-            total = int(lens.sum())
-            mask = (rng.random(total) > 0.15).astype(np.uint8)
-            if not empty:  # every sample has a loss token (see the per-token bias test)
-                mask[np.cumsum(lens) - lens] = 1
-            rewards: list[float | None] = [float(x) for x in rng.random(group_size).round(2)]
-            status = ["completed"] * group_size
-            if done == 1:
-                rewards[2], status[2] = None, "failed"
-            grp = GroupData(
-                task_id=lease.task_id, index=int(lease.task["index"]),
-                prompt_ids=np.asarray(lease.task["row"]["prompt"], np.int32),
-                sample_lens=lens.tolist(), tokens=rng.integers(0, VOCAB, total).astype(np.int32),
-                logprobs=np.log(rng.uniform(0.01, 1.0, total)).astype(np.float32),
-                versions=rng.integers(0, 3, total).astype(np.int64),
-                loss_mask=mask, rewards=rewards,
-                status=status, meta={"params": [
-                    {"temperature": float(rng.choice(temperatures)), "max_new_tokens": hi}
-                    for _ in range(group_size)]})
-            q.complete(lease, grp)
-            done += 1
-    col.step()
-    seqs, _ = BatchStore(q).batch_seqs()
-    assert seqs, "the collector published no batch"
-    return run_dir, int(max(seqs))
+    prompts = [[int(x) for x in rng.integers(0, VOCAB, rng.integers(1, 6))]
+               for _ in range(groups)]
+    built = 0
+
+    def build(lease: Lease) -> GroupData:
+        nonlocal built
+        hi = 30 if rng.random() < 0.3 else 6
+        lens = rng.integers(0 if empty else 1, hi + 1, group_size)
+        total = int(lens.sum())
+        mask = (rng.random(total) > 0.15).astype(np.uint8)
+        if not empty:  # every sample has a loss token (see the per-token bias test)
+            mask[np.cumsum(lens) - lens] = 1
+        rewards: list[float | None] = [float(x) for x in rng.random(group_size).round(2)]
+        status = ["completed"] * group_size
+        if built == 1:
+            rewards[2], status[2] = None, "failed"
+        built += 1
+        return GroupData(
+            task_id=lease.task_id, index=int(lease.task["index"]),
+            prompt_ids=np.asarray(lease.task["row"]["prompt"], np.int32),
+            sample_lens=lens.tolist(), tokens=rng.integers(0, VOCAB, total).astype(np.int32),
+            logprobs=np.log(rng.uniform(0.01, 1.0, total)).astype(np.float32),
+            versions=rng.integers(0, 3, total).astype(np.int64),
+            loss_mask=mask, rewards=rewards,
+            status=status, meta={"params": [
+                {"temperature": float(rng.choice(temperatures)), "max_new_tokens": hi}
+                for _ in range(group_size)]})
+
+    return publish_batch(path, prompts, group_size, build)
 
 
 def reference(run_dir: str, seq: int, model: torch.nn.Module, obj: Objective
