@@ -175,3 +175,241 @@ def test_run_config_check_reports_a_typo_without_a_traceback(override: str) -> N
                          capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 1
     assert res.stderr.startswith("error: ") and "Traceback" not in res.stderr
+
+
+# -- the trainer examples, run as a user runs them ---------------------------------------------
+# A real run directory (``strawq init``), local sim engines (``strawq engine serve --kind
+# sim``, optionally behind the mini router ``--kind router``), the collector and one producer
+# as processes (``strawq collector``, ``strawq producer``: no Ray), then the example by its
+# documented command line.
+
+REPO = DEPLOY.parent
+EXAMPLES = DEPLOY / "examples"
+#: trained batches per example run; the Megatron run trains more than the placeholder push
+#: allowed (the producers' engines stayed on version 0: every reply after the first update
+#: was discarded, and the backlog ran out after a few steps)
+STEPS = 3
+MEGATRON_STEPS = 6
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
+
+
+def _strawq(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "strawq", *args], capture_output=True,
+                          text=True, timeout=120, env=_env(), cwd=str(REPO), check=False)
+
+
+def _model_info(url: str) -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/model_info", timeout=30) as resp:
+        info: dict[str, Any] = json.loads(resp.read())
+    return info
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+class LiveRun:
+    """A run with producers live: engines (and a router), the collector, one producer.
+
+    The collector collects nothing itself (``gc_interval_s`` is huge), so what is collected
+    after the run is what ``strawq gc`` collects."""
+
+    def __init__(self, tmp: Path, *, router: bool, engines: int = 2) -> None:
+        from strawq.producers.engines.testing import EngineProcess
+
+        self.tmp = tmp
+        self.run_dir = str(tmp / "run")
+        self.weights = str(tmp / "weights")
+        self.use_router = router
+        self.n_engines = engines
+        self.engines: list[EngineProcess] = []
+        self.router: EngineProcess | None = None
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+
+    def __enter__(self) -> LiveRun:
+        from strawq.producers.engines.testing import start_engine_subprocess
+
+        try:
+            self._start(start_engine_subprocess)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, start_engine: Any) -> None:
+        data = self.tmp / "data.jsonl"
+        data.write_text("".join(json.dumps({"prompt": [5 + i % 7, 6, 7], "count": 3 + i % 5,
+                                            "eos": 2}) + "\n" for i in range(200)))
+        res = _strawq("init", self.run_dir, "--set", "group_size=2", "--set", "fsync=false",
+                      "--set", "lease_timeout_s=10", "--set", "heartbeat_interval_s=0.2",
+                      "--set", "release_batch=8")
+        assert res.returncode == 0, res.stderr
+        for _ in range(self.n_engines):
+            self.engines.append(start_engine("sim", time_scale=0.01, len_median=8,
+                                             len_cap=24, max_running_requests=16))
+        if self.use_router:
+            self.router = start_engine("router", worker_urls=",".join(self.engine_urls))
+        self._spawn("collector", "collector", self.run_dir, str(data),
+                    "--set", "batch_groups=2", "--set", "max_running=4",
+                    "--set", "max_ready=2", "--set", "max_prefetch_batches=1",
+                    "--set", "poll_interval_s=0.02", "--set", "gc_interval_s=1e9")
+        where = (["--router", self.router.url] if self.router is not None else
+                 [a for u in self.engine_urls for a in ("--engine", u)])
+        self._spawn("producer", "producer", self.run_dir, *where, "--reward",
+                    "strawq.producers.rewards.count_task", "--slots", "4",
+                    "--set", "sampling.max_new_tokens=16", "--set", "timing.idle_poll_s=0.02")
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    def endpoints(self) -> list[str]:
+        """The example's flags naming where the weights go."""
+        if self.router is not None:
+            return ["--router-url", self.router.url]
+        return [a for u in self.engine_urls for a in ("--engine-url", u)]
+
+    def _spawn(self, name: str, *args: str) -> None:
+        log = open(self.tmp / f"{name}.log", "w", encoding="utf-8")  # noqa: SIM115
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "strawq", *args], stdout=log, stderr=subprocess.STDOUT,
+            text=True, env=_env(), cwd=str(REPO))
+        log.close()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}.log ---\n{(self.tmp / f'{n}.log').read_text()[-3000:]}"
+                         for n in self.procs)
+
+    def example(self, script: str, *args: str, timeout: float = 240,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """``python deploy/examples/<script> RUN_DIR ARGS...`` (the producers must live on)."""
+        res = subprocess.run([sys.executable, str(EXAMPLES / script), self.run_dir, *args],
+                             capture_output=True, text=True, timeout=timeout,
+                             env={**_env(), **(env or {})}, cwd=str(self.tmp), check=False)
+        for name, proc in self.procs.items():
+            assert proc.poll() is None, f"{name} exited {proc.returncode}\n{self.logs()}"
+        return res
+
+    def stop_producers(self) -> None:
+        """SIGTERM, as systemd or Slurm stop them: each stops cleanly."""
+        import signal
+
+        for name in ("producer", "collector"):
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    def stop(self) -> None:
+        self.stop_producers()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for eng in ([self.router] if self.router else []) + self.engines:
+            eng.stop()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _batch_seqs(run_dir: str) -> tuple[list[int], set[int]]:
+    from strawq.batches import BatchStore
+    from strawq.queue import RunQueue
+    from strawq.storage import open_storage
+
+    seqs, acked = BatchStore(RunQueue.open(open_storage(run_dir, writer_id="test"))).batch_seqs()
+    return sorted(seqs), set(acked)
+
+
+def _assert_engines_on(live: LiveRun, version: int) -> None:
+    for url in live.engine_urls:
+        info = _model_info(url)
+        assert info["weight_version"] == str(version), (url, info)
+        assert info["model_path"] == os.path.join(live.weights, f"v{version:06d}"), (url, info)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainer_loop_through_the_router_commits_and_gc_collects_the_trained_batches(
+        tmp_path: Path) -> None:
+    from strawq.commits import committed_seq
+    from strawq.storage import open_storage
+
+    ckpt = tmp_path / "trainer_state.json"
+    with LiveRun(tmp_path, router=True) as live:
+        res = live.example("trainer_loop.py", *live.endpoints(), "--weights-dir",
+                           live.weights, "--steps", str(STEPS), "--checkpoint", str(ckpt))
+        assert res.returncode == 0, res.stderr[-3000:] + live.logs()
+        _assert_engines_on(live, STEPS)  # every worker the router lists got each version
+        live.stop_producers()
+        assert json.loads(ckpt.read_text())["batch_seq"] == STEPS
+        assert committed_seq(open_storage(live.run_dir, writer_id="test")) == STEPS
+        seqs, acked = _batch_seqs(live.run_dir)
+        assert set(range(1, STEPS + 1)) <= set(seqs) and acked == set(range(1, STEPS + 1))
+        gc = _strawq("gc", live.run_dir, "--json")
+        assert gc.returncode == 0, gc.stderr
+        rep = json.loads(gc.stdout)
+        # every trained batch goes, with its groups' payloads; a prefetched one stays
+        assert rep["batches"] == STEPS and rep["group_payloads"] == 2 * STEPS, rep
+        seqs, acked = _batch_seqs(live.run_dir)
+        assert all(s > STEPS for s in seqs) and not acked
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainer_loop_pushes_to_a_list_of_engine_urls_without_a_router(tmp_path: Path) -> None:
+    ckpt = tmp_path / "trainer_state.json"
+    with LiveRun(tmp_path, router=False) as live:
+        res = live.example("trainer_loop.py", *live.endpoints(), "--weights-dir",
+                           live.weights, "--steps", str(STEPS), "--checkpoint", str(ckpt))
+        assert res.returncode == 0, res.stderr[-3000:] + live.logs()
+        _assert_engines_on(live, STEPS)
+        assert json.loads(ckpt.read_text())["batch_seq"] == STEPS
+        assert f"step {STEPS - 1}: batch {STEPS} " in res.stderr
+
+
+def test_trainer_loop_needs_to_know_where_the_weights_go(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, str(EXAMPLES / "trainer_loop.py"), str(tmp_path),
+                          "--weights-dir", str(tmp_path / "w")], capture_output=True,
+                         text=True, timeout=120, env=_env(), cwd=str(tmp_path), check=False)
+    assert res.returncode == 2 and "--router-url" in res.stderr and "--engine-url" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+@pytest.mark.timeout(400)
+def test_megatron_toy_loop_pushes_real_weights_and_keeps_a_live_run_going(
+        tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core not installed")
+    torch = pytest.importorskip("torch")
+    ckpt = tmp_path / "trainer_state.json"
+    with LiveRun(tmp_path, router=False) as live:
+        res = live.example("megatron_trainer_loop.py", "--toy", *live.endpoints(),
+                           "--weights-dir", live.weights, "--steps", str(MEGATRON_STEPS),
+                           "--max-tokens-per-gpu", "256", "--checkpoint", str(ckpt),
+                           timeout=300, env={"MASTER_PORT": str(_free_port())})
+        assert res.returncode == 0, res.stderr[-3000:] + live.logs()
+        assert f"step {MEGATRON_STEPS - 1} batch {MEGATRON_STEPS}:" in res.stderr
+        # the engines hold the loop's last version: the toy model's own weights
+        _assert_engines_on(live, MEGATRON_STEPS)
+        saved = torch.load(os.path.join(live.weights, f"v{MEGATRON_STEPS:06d}", "model.pt"),
+                           weights_only=True)
+        assert sorted(saved) == ["emb.weight", "out.bias", "out.weight"]
+        assert json.loads(ckpt.read_text())["batch_seq"] == MEGATRON_STEPS

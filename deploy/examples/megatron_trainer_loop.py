@@ -7,15 +7,24 @@ Launch one process per GPU (``torchrun``); each data-parallel rank reads its own
         --router-url http://router:30000 --weights-dir /mnt/jfs/strawq/weights
 
 ``--toy`` runs the same loop on a CPU in one process with a tiny embedding + linear model
-(gloo, TP = CP = 1): the data path, the loss and the acks are the real ones. What you replace
-for a real job: ``--model-provider`` (returns your ``GPTModel``), ``push_weights`` (save and
-load the weights into the engines; see deploy/examples/trainer_loop.py). Docs:
-docs/megatron.md.
+(gloo, TP = CP = 1): the data path, the loss, the acks and the weight push are the real
+ones. Without a router, name every engine (``--engine-url`` once per engine):
+
+    python deploy/examples/megatron_trainer_loop.py RUN_DIR --toy --steps 10 \
+        --engine-url http://127.0.0.1:30001 --weights-dir /tmp/weights
+
+Rank 0 saves each version's weights under ``--weights-dir`` and loads them into every
+engine (``SGLangClient.push_weights``: pause, update, continue), inside the weight-update
+bracket; engines producers found on other weights get the run's version again. What you
+replace for a real job: ``--model-provider`` (returns your ``GPTModel``) and
+``save_weights`` (here the toy model's ``state_dict``; yours gathers the TP/PP shards and
+writes a checkpoint your engines load). Docs: docs/megatron.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import json
 import logging
@@ -30,6 +39,7 @@ import torch.distributed as dist
 from strawq.collector.importance import (DEFAULT_LOSS_AGG, LOSS_AGG_MODES, batch_loss,
                                          masked_tis_weights, sampling_bias_warning)
 from strawq.collector.reader import Batch, BatchReader
+from strawq.producers.sglang_client import SGLangClient
 
 with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex are missing
     warnings.simplefilter("ignore")
@@ -103,10 +113,62 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batcher: Mega
     return total
 
 
-def push_weights(version: int) -> None:
-    """Your hook: save the weights where every engine can read them, load them into every
-    engine (``SGLangClient(router_url=...).push_weights``: pause, update, continue)."""
-    log.info("weights for version %d pushed (placeholder)", version)
+def save_weights(model: torch.nn.Module, weights_dir: str, version: int) -> str:
+    """Your checkpoint writer: a directory every engine can load (on the shared mount).
+    Here the toy model's ``state_dict``; a real job gathers the TP/PP shards first (and
+    converts them to the engine's format, e.g. Hugging Face)."""
+    path = os.path.join(weights_dir, f"v{version:06d}")
+    os.makedirs(path, exist_ok=True)
+    tmp = os.path.join(path, "model.pt.tmp")
+    torch.save(model.state_dict(), tmp)
+    os.replace(tmp, os.path.join(path, "model.pt"))
+    return path
+
+
+class WeightPush:
+    """Rank 0's push path: save the weights of ``version`` and load them into every engine
+    (the workers a router lists, or the ``--engine-url`` list). ``SGLangClient.push_weights``
+    pauses each engine (abort), waits until it is idle, updates and continues."""
+
+    def __init__(self, model: torch.nn.Module, weights_dir: str, *,
+                 router_url: str | None = None, urls: tuple[str, ...] = ()) -> None:
+        self.model = model
+        self.weights_dir = weights_dir
+        self.router_url = router_url
+        self.urls = urls
+
+    def __call__(self, version: int) -> None:
+        """The bracket's push: the current weights become ``version`` on every engine."""
+        self._push(save_weights(self.model, self.weights_dir, version), version, None)
+
+    def repair(self, urls: list[str], version: int) -> None:
+        """Engines producers found on other weights get ``version``'s saved weights."""
+        self._push(os.path.join(self.weights_dir, f"v{version:06d}"), version, urls)
+
+    def _push(self, path: str, version: int, only: list[str] | None) -> None:
+        if not self.urls and self.router_url is None:
+            log.warning("weights for version %d saved at %s, loaded into no engine (no "
+                        "--router-url or --engine-url)", version, path)
+            return
+
+        async def go() -> None:
+            client = (SGLangClient(only) if only else
+                      SGLangClient(self.urls, router_url=None if self.urls else self.router_url))
+            async with client:
+                await client.push_weights(path, weight_version=version)
+
+        asyncio.run(go())
+        log.info("weights for version %d (%s) loaded into the engines", version, path)
+
+
+def save_checkpoint(path: str, state: dict[str, Any]) -> None:
+    """Write the reader state durably (yours: with the model and optimizer checkpoint)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def load_provider(path: str) -> Callable[[], torch.nn.Module]:
@@ -125,12 +187,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pad-multiple", type=int, default=1)
     p.add_argument("--model-provider", default=None, help="dotted path to your GPTModel provider")
     p.add_argument("--toy", action="store_true", help="CPU, one process, a tiny model")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--router-url", help="a router: the weights go to every worker it lists")
+    where.add_argument("--engine-url", action="append", metavar="URL",
+                       help="an engine, without a router (repeat for every engine)")
+    p.add_argument("--weights-dir", default="weights",
+                   help="where each version's weights are saved (a mount every engine reads)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--checkpoint", default="trainer_state.json")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--loss-agg", default=DEFAULT_LOSS_AGG, choices=LOSS_AGG_MODES,
                    help="loss reduction over the whole batch (docs/tuning.md)")
     args = p.parse_args(argv)
+    if not args.toy and args.router_url is None and not args.engine_url:
+        p.error("expected --router-url URL or --engine-url URL (the engines the new weights "
+                "go to); found neither. Only --toy runs without engines")
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -154,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     reader = BatchReader.open(args.run_dir, rank=dp_rank, world_size=dp_size)
     batcher = MegatronBatcher(ParallelLayout.from_parallel_state(pad_multiple=args.pad_multiple),
                               max_tokens_per_gpu=args.max_tokens_per_gpu)
+    push = WeightPush(model, args.weights_dir, router_url=args.router_url,
+                      urls=tuple(args.engine_url or ()))
+    if first:  # engines producers keep out of rotation (on other weights) get the run's version
+        reader.bracket.start_repairs(push.repair)
     restored = os.path.exists(args.checkpoint)
     if restored:
         with open(args.checkpoint, encoding="utf-8") as f:
@@ -163,20 +238,19 @@ def main(argv: list[str] | None = None) -> int:
         # the engines run whatever was pushed last (weights trained after this checkpoint,
         # or an interrupted update): the restored weights go out, under a new version,
         # before training resumes
-        reader.bracket.restore(push_weights, reader.state_dict())
+        reader.bracket.restore(push, reader.state_dict(), timeout=600)
     elif first and reader.bracket.is_open:  # a previous trainer died inside an update
-        reader.bracket.weight_update(push_weights)
+        reader.bracket.weight_update(push, timeout=600)
 
     for step in range(args.steps):
         batch = reader.next_batch(timeout=600)
         loss = train_step(model, opt, batcher, batch, args.loss_agg)
         reader.ack(batch)  # rank 0 of the DP ranks publishes the ack
         if first:  # the one order (docs/api.md): step -> ack -> update -> save -> commit
-            reader.bracket.weight_update(push_weights)
+            reader.bracket.weight_update(push, timeout=600)
             state = reader.state_dict()
-            with open(args.checkpoint, "w", encoding="utf-8") as f:
-                json.dump(state, f)  # save it with the model checkpoint
-            reader.commit(state)
+            save_checkpoint(args.checkpoint, state)
+            reader.commit(state)  # the checkpoint is durable: GC may collect what it covers
         log.info("step %d batch %d: %d tokens, loss %.4f, %s", step, batch.seq,
                  batch.num_tokens, loss, batch.stats)
     reader.close()

@@ -3,6 +3,11 @@
     python deploy/examples/trainer_loop.py RUN_DIR --router-url http://router:30000 \
         --weights-dir /mnt/jfs/strawq/weights --steps 100
 
+or, without a router, every engine by URL (``--engine-url`` once per engine):
+
+    python deploy/examples/trainer_loop.py RUN_DIR --engine-url http://node1:30001 \
+        --engine-url http://node2:30001 --weights-dir /mnt/jfs/strawq/weights --steps 100
+
 Replace ``train_step`` and ``save_weights`` with your model. Everything else is the real
 API: ``BatchReader`` (packed batches, acks, checkpoint state), ``WeightUpdateBracket``
 (pause producers, push weights to every engine, resume) and the importance-sampling
@@ -17,6 +22,7 @@ import functools
 import json
 import logging
 import os
+from dataclasses import dataclass
 
 from strawq.collector.importance import (DEFAULT_LOSS_AGG, batch_loss, masked_tis_weights,
                                          sampling_bias_warning)
@@ -56,30 +62,58 @@ def save_weights(weights_dir: str, version: int) -> str:
     return path
 
 
-def push_weights(router_url: str, weights_dir: str, version: int,
+@dataclass(frozen=True)
+class Engines:
+    """Where the weights go: the workers a router lists, or a plain list of engine URLs."""
+
+    router_url: str | None = None
+    urls: tuple[str, ...] = ()
+
+    def client(self, only: list[str] | None = None) -> SGLangClient:
+        """A client for every engine (``only``: just those URLs). Control calls go to each
+        worker directly: a router lists its workers but does not route weight updates."""
+        if only:
+            return SGLangClient(only)
+        return SGLangClient(self.urls, router_url=None if self.urls else self.router_url)
+
+
+def push_weights(engines: Engines, weights_dir: str, version: int,
                  urls: list[str] | None = None) -> None:
-    """Load version ``version`` into every engine the router lists (control calls are
-    sent to each worker: the router does not route them). ``push_weights`` pauses each
-    engine (abort), waits until it is idle, updates and continues: SGLang refuses to flush
-    its cache while requests run. With ``urls``: only those engines, with the weights
-    already saved for ``version`` (the repair of engines producers found on other
-    weights, docs/operations.md)."""
+    """Load version ``version`` into every engine (those the router lists, or the
+    ``--engine-url`` list). ``push_weights`` pauses each engine (abort), waits until it is
+    idle, updates and continues: SGLang refuses to flush its cache while requests run.
+    With ``urls``: only those engines, with the weights already saved for ``version`` (the
+    repair of engines producers found on other weights, docs/operations.md)."""
     path = (os.path.join(weights_dir, f"v{version:06d}") if urls
             else save_weights(weights_dir, version))
 
     async def push() -> None:
-        async with SGLangClient(urls or (), router_url=None if urls else router_url) as client:
+        async with engines.client(urls) as client:
             await client.push_weights(path, weight_version=version)
 
     asyncio.run(push())
+
+
+def save_checkpoint(path: str, state: dict[str, object]) -> None:
+    """Write the reader state durably (yours: with the model and optimizer state)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
-    p.add_argument("--router-url", required=True)
-    p.add_argument("--weights-dir", required=True)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--router-url", help="a router: the weights go to every worker it lists")
+    where.add_argument("--engine-url", action="append", metavar="URL",
+                       help="an engine, without a router (repeat for every engine)")
+    p.add_argument("--weights-dir", required=True,
+                   help="where each version's weights are saved (a mount every engine reads)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--checkpoint", default="trainer_state.json",
                    help="where the reader state is saved (with your model checkpoint)")
@@ -88,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    engines = Engines(args.router_url, tuple(args.engine_url or ()))
     reader = BatchReader.open(args.run_dir, rank=0, world_size=1,
                               metrics_jsonl=args.metrics_jsonl)
     restored = os.path.exists(args.checkpoint)
@@ -97,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         restore_model(args.checkpoint)
     # engines producers keep out of rotation (on other weights) get the run's version
     reader.bracket.start_repairs(
-        lambda urls, v: push_weights(args.router_url, args.weights_dir, v, urls))
-    push = functools.partial(push_weights, args.router_url, args.weights_dir)
+        lambda urls, v: push_weights(engines, args.weights_dir, v, urls))
+    push = functools.partial(push_weights, engines, args.weights_dir)
     if restored:
         # The engines run whatever was pushed last: weights trained after this checkpoint
         # (lost with the crash), or a previous trainer stopped inside a weight update. Put
@@ -118,12 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         reader.ack(batch)
         rep = reader.bracket.weight_update(push, timeout=600)
         state = reader.state_dict()
-        tmp = f"{args.checkpoint}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, args.checkpoint)
+        save_checkpoint(args.checkpoint, state)
         reader.commit(state)  # the checkpoint is durable: GC may collect what it covers
         log.info("step %d: batch %d (%d samples, %d tokens), loss %.4f, version %d, "
                  "staleness mean %.2f", step, batch.seq, batch.num_samples, batch.num_tokens,
