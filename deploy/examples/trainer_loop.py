@@ -22,7 +22,6 @@ import functools
 import json
 import logging
 import os
-from dataclasses import dataclass
 
 from strawq.collector.importance import (DEFAULT_LOSS_AGG, batch_loss, masked_tis_weights,
                                          sampling_bias_warning)
@@ -62,12 +61,12 @@ def save_weights(weights_dir: str, version: int) -> str:
     return path
 
 
-@dataclass(frozen=True)
 class Engines:
     """Where the weights go: the workers a router lists, or a plain list of engine URLs."""
 
-    router_url: str | None = None
-    urls: tuple[str, ...] = ()
+    def __init__(self, router_url: str | None = None, urls: tuple[str, ...] = ()) -> None:
+        self.router_url = router_url
+        self.urls = urls
 
     def client(self, only: list[str] | None = None) -> SGLangClient:
         """A client for every engine (``only``: just those URLs). Control calls go to each
