@@ -191,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--router-url", help="a router: the weights go to every worker it lists")
     where.add_argument("--engine-url", action="append", metavar="URL",
                        help="an engine, without a router (repeat for every engine)")
-    p.add_argument("--weights-dir", default="weights",
-                   help="where each version's weights are saved (a mount every engine reads)")
+    p.add_argument("--weights-dir", default=None,
+                   help="where each version's weights are saved (a mount every engine reads; "
+                        "default: weights/ next to --checkpoint)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--checkpoint", default="trainer_state.json")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -225,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     reader = BatchReader.open(args.run_dir, rank=dp_rank, world_size=dp_size)
     batcher = MegatronBatcher(ParallelLayout.from_parallel_state(pad_multiple=args.pad_multiple),
                               max_tokens_per_gpu=args.max_tokens_per_gpu)
-    push = WeightPush(model, args.weights_dir, router_url=args.router_url,
+    weights_dir = args.weights_dir or os.path.join(
+        os.path.dirname(os.path.abspath(args.checkpoint)), "weights")
+    push = WeightPush(model, weights_dir, router_url=args.router_url,
                       urls=tuple(args.engine_url or ()))
     if first:  # engines producers keep out of rotation (on other weights) get the run's version
         reader.bracket.start_repairs(push.repair)
