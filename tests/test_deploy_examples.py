@@ -255,9 +255,20 @@ class LiveRun:
                       "--set", "lease_timeout_s=10", "--set", "heartbeat_interval_s=0.2",
                       "--set", "release_batch=8")
         assert res.returncode == 0, res.stderr
-        for _ in range(self.n_engines):
-            self.engines.append(start_engine("sim", time_scale=0.01, len_median=8,
-                                             len_cap=24, max_running_requests=16))
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self.n_engines) as pool:  # they start side by side
+            starts = [pool.submit(start_engine, "sim", time_scale=0.01, len_median=8,
+                                  len_cap=24, max_running_requests=16)
+                      for _ in range(self.n_engines)]
+            errors: list[BaseException] = []
+            for f in starts:  # every started one is kept, to be stopped
+                try:
+                    self.engines.append(f.result())
+                except Exception as exc:  # noqa: BLE001 - raised below, after the others
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
         if self.use_router:
             self.router = start_engine("router", worker_urls=",".join(self.engine_urls))
         self._spawn("collector", "collector", self.run_dir, str(data),
