@@ -393,6 +393,13 @@ def test_trainer_loop_pushes_to_a_list_of_engine_urls_without_a_router(tmp_path:
         _assert_engines_on(live, STEPS)
         assert json.loads(ckpt.read_text())["batch_seq"] == STEPS
         assert f"step {STEPS - 1}: batch {STEPS} " in res.stderr
+        # restarted from its checkpoint: the restored weights go out first, as a new version
+        res = live.example("trainer_loop.py", *live.endpoints(), "--weights-dir",
+                           live.weights, "--steps", "1", "--checkpoint", str(ckpt))
+        assert res.returncode == 0, res.stderr[-3000:] + live.logs()
+        assert f"restored weights pushed to the engines as version {STEPS + 1}" in res.stderr
+        assert f"step 0: batch {STEPS + 1} " in res.stderr
+        _assert_engines_on(live, STEPS + 2)
 
 
 def test_trainer_loop_needs_to_know_where_the_weights_go(tmp_path: Path) -> None:
