@@ -110,9 +110,11 @@ def probe_version(url: str, *, timeout_s: float = PROBE_TIMEOUT_S,
     except urllib.error.HTTPError as exc:
         hint = " (an engine started with --api-key: pass its key)" if exc.code == 401 else ""
         return EngineProbe(url, None, f"HTTP {exc.code} from /model_info{hint}")
-    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+    except (urllib.error.URLError, OSError) as exc:
         why = getattr(exc, "reason", exc)
-        return EngineProbe(url, None, f"no answer within {timeout_s:g}s: {why}")
+        if isinstance(why, TimeoutError):
+            return EngineProbe(url, None, f"no answer within {timeout_s:g}s")
+        return EngineProbe(url, None, f"cannot reach it: {why}")
     except ValueError as exc:
         return EngineProbe(url, None, f"/model_info is not JSON: {exc}")
     value = body.get("weight_version") if isinstance(body, Mapping) else None
