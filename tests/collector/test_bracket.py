@@ -213,6 +213,10 @@ def test_the_bracket_refuses_to_run_on_a_rank_other_than_0(tmp_path, monkeypatch
     that is safe on every rank."""
     q = make_run(str(tmp_path / "run"), lease_timeout_s=LEASE)
     pushed: list[int] = []
+    monkeypatch.setenv("RANK", "2")  # torchrun's rank, for a bracket built without one
+    with pytest.raises(BracketError, match="rank 2"):
+        WeightUpdateBracket(q).weight_update(pushed.append)
+    monkeypatch.delenv("RANK")
     for rank in (1, 3):
         bracket = WeightUpdateBracket(q, rank=rank)
         for call in (bracket.begin_weight_update, bracket.end_weight_update,
@@ -221,9 +225,6 @@ def test_the_bracket_refuses_to_run_on_a_rank_other_than_0(tmp_path, monkeypatch
             with pytest.raises(StrawqError, match=f"rank {rank}: the weight-update bracket "
                                "runs on rank 0 only.*reader.weight_update"):
                 call()
-    monkeypatch.setenv("RANK", "2")  # torchrun's rank, for a bracket built without one
-    with pytest.raises(BracketError, match="rank 2"):
-        WeightUpdateBracket(q).weight_update(pushed.append)
     assert pushed == [] and q.current_version() == 0 and not Control(q.storage).state().paused
     # the same loop on every rank of a world of 4: one version per step, pushed once
     readers = [BatchReader(q, rank=r, world_size=4) for r in range(4)]
