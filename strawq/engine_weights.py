@@ -36,12 +36,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from strawq import records
@@ -131,12 +131,22 @@ def probe_versions(urls: Iterable[str], *, timeout_s: float = PROBE_TIMEOUT_S,
     """Probe every engine at once (URL -> its probe, sorted); the whole call takes about one
     ``timeout_s`` however many engines do not answer."""
     todo = sorted({u.rstrip("/") for u in urls})
-    if not todo:
-        return {}
-    with ThreadPoolExecutor(min(16, len(todo)), thread_name_prefix="strawq-probe") as pool:
-        found = list(pool.map(lambda u: probe_version(u, timeout_s=timeout_s,
-                                                      api_key=api_key), todo))
-    return {p.url: p for p in found}
+    found: dict[str, EngineProbe] = {}
+
+    def one(url: str) -> None:
+        found[url] = probe_version(url, timeout_s=timeout_s, api_key=api_key)
+
+    # one daemon thread per engine: a name lookup that hangs (not bounded by the socket
+    # timeout) is reported, and holds neither this call nor the process's exit
+    threads = [threading.Thread(target=one, args=(u,), daemon=True, name="strawq-probe")
+               for u in todo]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s + 1.0
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return {u: found.get(u) or EngineProbe(u, None, f"no answer within {timeout_s:g}s")
+            for u in todo}
 
 
 class EngineWeights:
