@@ -164,22 +164,27 @@ def settle(state: ControlState, current: int, engines: Mapping[str, EngineProbe]
     if not held:
         if b is None:
             return out("none", current, f"{where}; {found}")
+        asked = found if engines else ("none known: producers register the engines they "
+                                       "use in engine-urls/")
         return out("refuse", current,
-                   f"{where} and no engine answered ({found if engines else 'none known: '}"
-                   f"{'' if engines else 'producers register the engines they use in engine-urls/'}"
-                   f"), so nothing tells whether version {b} reached them: name them "
-                   f"(--engine URL, or WeightUpdateBracket(engine_urls=...)) and try again; if "
-                   f"you know every engine holds version {current}, abort with --force "
-                   "(force=True)")
+                   f"{where} and no engine answered ({asked}), so nothing tells whether "
+                   f"version {b} reached them: name them (--engine URL, or "
+                   f"WeightUpdateBracket(engine_urls=...)) and try again, or abort if you "
+                   f"know every engine still holds version {current}")
     versions = sorted(set(held.values()))
     if len(versions) > 1:
         by = "; ".join(f"version {v}: {', '.join(sorted(u for u in held if held[u] == v))}"
                        for v in versions)
+        if b is None:
+            return out("refuse", current,
+                       f"{where} and the engines disagree ({by}{unheard}): producers keep "
+                       f"those off version {current} out of rotation until the trainer's "
+                       f"repair (WeightUpdateBracket(repair=...)) pushes it to them")
         return out("refuse", current,
                    f"{where} and the engines disagree ({by}{unheard}): bring them to one "
                    f"version first (retry the trainer's update: begin_weight_update "
-                   f"continues the bracket and pushes to every engine; or restart the others "
-                   f"on version {current}'s weights), then settle it again")
+                   f"continues the bracket and pushes to every engine; or put version "
+                   f"{current}'s weights back on the others), then settle it again")
     e = versions[0]
     if b is None:
         if e == current:

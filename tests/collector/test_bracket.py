@@ -330,3 +330,38 @@ def test_repair_clears_the_notes_of_engines_already_on_the_run_version(tmp_path,
     _hold(behind, 3)  # this one missed the push
     bracket.end_weight_update(4)
     assert set(notes.needing()) == {behind.url}
+
+
+def test_settle_decides_by_what_the_engines_hold():
+    from strawq.collector.bracket import settle
+    from strawq.control import ControlState
+    from strawq.engine_weights import EngineProbe
+
+    def on(**versions):
+        return {u: EngineProbe(u, v, None if v is not None else "cannot reach it")
+                for u, v in versions.items()}
+
+    open_4 = ControlState(4, 3, frozenset({"p1"}))  # the run at 3, the bracket for 4 open
+    aborted_4 = ControlState(4, 4, frozenset())
+    closed = ControlState(3, 3, frozenset())
+    cases = [
+        (open_4, on(a=4, b=4), "finish", 4),
+        (open_4, on(a=4, b=None), "finish", 4),  # the unreachable one is named, not waited
+        (open_4, on(a=5, b=5), "finish", 5),  # a push under a later version (version=)
+        (open_4, on(a=3, b=3), "undo", 3),
+        (open_4, on(a=3, b=4), "refuse", 3),
+        (open_4, on(a=None), "refuse", 3),
+        (open_4, {}, "refuse", 3),
+        (open_4, on(a=2, b=2), "refuse", 3),
+        (aborted_4, on(a=4, b=4), "finish", 4),
+        (aborted_4, on(a=3), "none", 3),
+        (closed, on(a=3), "none", 3),
+        (closed, {}, "none", 3),
+        (closed, on(a=2, b=3), "refuse", 3),
+    ]
+    for state, engines, action, version in cases:
+        got = settle(state, 3, engines)
+        assert (got.action, got.version) == (action, version), (state, engines, got.message)
+    msg = settle(open_4, 3, on(a=3, b=4, c=None)).message
+    assert "version 3: a; version 4: b" in msg and "not heard from: c" in msg
+    assert "none known" in settle(open_4, 3, {}).message
