@@ -195,10 +195,9 @@ def settle(state: ControlState, current: int, engines: Mapping[str, EngineProbe]
                    f"producers keep them out of rotation; the trainer's repair "
                    f"(WeightUpdateBracket(repair=...)) pushes version {current} to them")
     if e >= b:
-        done = ("announce it: producers resume on version "
-                f"{e}" if state.paused else f"announce it now: producers take version {e}")
-        return out("finish", e, f"{where}; every engine that answered holds version {e}, "
-                   f"so its weights reached them: {done}{unheard}")
+        return out("finish", e, f"{where}; every engine that answered holds version {e} "
+                   f"(its weights reached them): finishing announces it and producers "
+                   f"{'resume' if state.paused else 'go on'} on it{unheard}")
     if e == current and state.paused:
         return out("undo", current, f"{where}; every engine that answered still holds the "
                    f"run's version {current}, so the push did not reach them: resume without "
@@ -483,10 +482,10 @@ class WeightUpdateBracket:
                      if p.version is not None and p.version >= opened}
             if ahead:
                 raise BracketError(
-                    f"abort of the weight update to version {opened} refused: engines "
-                    f"{_describe(ahead)}, so the new weights reached them; producers resumed "
-                    f"on version {self.queue.current_version()} would keep them out of "
-                    f"rotation. Finish the update instead (finish_weight_update(), or "
+                    f"abort of the weight update to version {opened} refused: the new "
+                    f"weights reached the engines ({_describe(ahead)}), and producers "
+                    f"resumed on version {self.queue.current_version()} would keep them out "
+                    f"of rotation. Finish the update instead (finish_weight_update(), or "
                     f"'strawq bracket finish RUN'), or abort with force=True (--force) once "
                     f"the old weights are back on them")
         self.control.resume(opened)

@@ -93,11 +93,8 @@ def run_bracket(args: argparse.Namespace, open_queue: Callable[..., Any], emit: 
                 f"{current}" if st.paused else
                 f"no weight-update bracket is open (weight version {current})")
         lines = [head, *_engine_lines(found)]
-        if plan.action == "finish":
-            lines.append(f"{plan.message}: run 'strawq bracket finish {args.path}'")
-        elif plan.action == "undo":
-            lines.append(f"{plan.message}: run 'strawq bracket finish {args.path}' (or "
-                         "abort)")
+        if plan.action in ("finish", "undo"):
+            lines.append(f"{plan.message}; run 'strawq bracket finish {args.path}'")
         elif plan.action == "refuse":
             lines.append(plan.message)
         emit(args, payload, "\n".join(lines))

@@ -270,7 +270,7 @@ def test_a_restarted_trainer_finishes_or_undoes_by_what_the_engines_hold(tmp_pat
     assert restarted.is_open
     assert {u: p.version for u, p in restarted.engine_versions().items()} == {
         a.url: 4, b.url: 4}
-    with pytest.raises(BracketError, match="reached them.*finish_weight_update"):
+    with pytest.raises(BracketError, match="weights reached the engines.*finish_weight_update"):
         restarted.abort_weight_update()
     done = restarted.finish_weight_update()
     assert (done.action, done.version) == ("finish", 4)
