@@ -48,22 +48,46 @@ deletes their notes once it returned. With ``repair=`` (or ``start_repairs(push_
 this runs at each ``end_weight_update``, after producers resumed, and every
 ``repair_interval_s`` from a daemon thread (a trainer blocked on ``next_batch`` while every
 engine is stale is not stuck); call it on demand too. A repair never overlaps a bracket.
-Producers put an engine back in rotation when it reports the run's version.
+Producers put an engine back in rotation when it reports the run's version. Before it
+pushes, a repair probes the noted engines: the notes on one that already reports the run's
+version are deleted without a push (``EngineWeights.clear_fixed``), whoever wrote them.
+
+**Finishing or undoing a bracket by what the engines hold.** A trainer that died inside a
+bracket leaves it open; whether its push reached the engines is told by the engines
+themselves (``engine_versions()``: every engine producers registered in ``engine-urls/``,
+plus ``engine_urls=``, asked for ``/model_info``'s ``weight_version`` with a short timeout).
+``finish_weight_update()`` settles the bracket by that answer (``settle``): every engine
+that answered holds the bracket's version: announce it and resume (as ``end_weight_update``);
+every one holds the run's version: resume without a new version (as an abort); engines
+disagree, or none answered: refuse, naming which holds what. ``abort_weight_update()``
+refuses while any engine already holds the bracket's version (producers would resume on
+the old version and keep every such engine out of rotation; ``force=True`` aborts anyway).
+After an abort that should have been a finish (the bracket closed without its version, the
+engines on it), ``finish_weight_update()`` announces that version. ``strawq bracket
+status|finish|abort`` run the same code.
+
+**Rank 0 only.** Opening or closing the bracket on a trainer rank other than 0 raises a
+``BracketError`` (run on every rank it would announce a new version once per rank). The
+rank is the reader's (``BatchReader(rank=...)``), ``WeightUpdateBracket(rank=...)``, else
+the ``RANK`` environment variable torch's launchers set. ``BatchReader.weight_update(push)``
+is the rank-aware call: the whole update on rank 0, nothing on the others.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from strawq.batches import forget_delivered_after
 from strawq.collector.errors import BracketError, BracketTimeout
-from strawq.control import Control
-from strawq.engine_weights import EngineWeights, StaleNote
+from strawq.control import Control, ControlState
+from strawq.engine_weights import (PROBE_TIMEOUT_S, EngineProbe, EngineWeights, StaleNote,
+                                   probe_versions)
 from strawq.grantor import LeaseMonitor
 from strawq.queue import RunQueue
 from strawq.states import TaskState, names_in
@@ -90,6 +114,111 @@ class BracketReport:
     continued: bool = False
 
 
+@dataclass(frozen=True)
+class Settlement:
+    """How a bracket is settled by what the engines hold (``settle``)."""
+
+    #: "finish": announce ``version`` (producers resume on it); "undo": resume without a
+    #: new version (an abort); "none": nothing to settle; "refuse": cannot tell safely
+    action: Literal["finish", "undo", "none", "refuse"]
+    #: the version producers resume on (finish, undo, none); the run's version (refuse)
+    version: int
+    #: the bracket's version: open, or closed by an abort without being announced (None:
+    #: neither)
+    bracket: int | None
+    #: True while the bracket is open (``pause-<v>`` without ``resume-<v>``)
+    open: bool
+    engines: dict[str, EngineProbe]
+    message: str
+
+
+def _describe(engines: Mapping[str, EngineProbe]) -> str:
+    return ", ".join(f"{u} {p.describe()}" for u, p in sorted(engines.items())) or "none"
+
+
+def settle(state: ControlState, current: int, engines: Mapping[str, EngineProbe]
+           ) -> Settlement:
+    """Decide, from ``control/``, the run's version and each engine's probe, how to settle
+    the weight-update bracket: an open one, or one closed by an abort although its version
+    reached the engines. Pure: nothing is read or written."""
+    engines = dict(engines)
+    held = {u: p.version for u, p in engines.items() if p.version is not None}
+    down = {u: p for u, p in engines.items() if p.version is None}
+    if state.paused:
+        b: int | None = state.pause_version
+    elif state.resume_version > current:
+        b = state.resume_version  # resumed without its version: an abort
+    else:
+        b = None
+    where = (f"the weight update to version {b} is open" if state.paused else
+             f"the weight update to version {b} was aborted" if b is not None else
+             f"no weight update is open (the run is at version {current})")
+    found = f"engines: {_describe(engines)}"
+    unheard = (f"; not heard from: {', '.join(sorted(down))} (producers keep an engine on "
+               "other weights out of rotation once it answers)") if down and held else ""
+
+    def out(action: Literal["finish", "undo", "none", "refuse"], version: int,
+            message: str) -> Settlement:
+        return Settlement(action, version, b, state.paused, engines, message)
+
+    if not held:
+        if b is None:
+            return out("none", current, f"{where}; {found}")
+        asked = found if engines else ("none known: producers register the engines they "
+                                       "use in engine-urls/")
+        return out("refuse", current,
+                   f"{where} and no engine answered ({asked}), so nothing tells whether "
+                   f"version {b} reached them: name them (--engine URL, or "
+                   f"WeightUpdateBracket(engine_urls=...)) and try again, or abort if you "
+                   f"know every engine still holds version {current}")
+    versions = sorted(set(held.values()))
+    if len(versions) > 1:
+        by = "; ".join(f"version {v}: {', '.join(sorted(u for u in held if held[u] == v))}"
+                       for v in versions)
+        if b is None:
+            return out("refuse", current,
+                       f"{where} and the engines disagree ({by}{unheard}): producers keep "
+                       f"those off version {current} out of rotation until the trainer's "
+                       f"repair (WeightUpdateBracket(repair=...)) pushes it to them")
+        return out("refuse", current,
+                   f"{where} and the engines disagree ({by}{unheard}): bring them to one "
+                   f"version first (retry the trainer's update: begin_weight_update "
+                   f"continues the bracket and pushes to every engine; or put version "
+                   f"{current}'s weights back on the others), then settle it again")
+    e = versions[0]
+    if b is None:
+        if e == current:
+            return out("none", current, f"{where}; every engine that answered holds it "
+                       f"({found})")
+        return out("refuse", current,
+                   f"{where} but every engine that answered holds version {e} ({found}): "
+                   f"producers keep them out of rotation; the trainer's repair "
+                   f"(WeightUpdateBracket(repair=...)) pushes version {current} to them")
+    if e >= b:
+        return out("finish", e, f"{where}; every engine that answered holds version {e} "
+                   f"(its weights reached them): finishing announces it and producers "
+                   f"{'resume' if state.paused else 'go on'} on it{unheard}")
+    if e == current and state.paused:
+        return out("undo", current, f"{where}; every engine that answered still holds the "
+                   f"run's version {current}, so the push did not reach them: resume without "
+                   f"a new version (an abort){unheard}")
+    if e == current:
+        return out("none", current, f"{where}; every engine that answered holds the run's "
+                   f"version {current} ({found})")
+    return out("refuse", current,
+               f"{where} but every engine that answered holds version {e}, neither the "
+               f"bracket's {b} nor the run's {current} ({found}): push version {current} "
+               f"or {b} to them first")
+
+
+def _env_rank() -> int:
+    """The trainer's rank as torch's launchers give it (``RANK``; 0 when unset)."""
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
 class WeightUpdateBracket:
     """One trainer's bracket. Run it on one rank only (rank 0)."""
 
@@ -97,8 +226,18 @@ class WeightUpdateBracket:
                  lease_timeout_s: float | None = None, poll_interval_s: float = 0.05,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
-                 repair: PushTo | None = None, repair_interval_s: float | None = 5.0) -> None:
+                 repair: PushTo | None = None, repair_interval_s: float | None = 5.0,
+                 rank: int | None = None, engine_urls: Sequence[str] = (),
+                 probe_timeout_s: float = PROBE_TIMEOUT_S, api_key: str | None = None
+                 ) -> None:
         self.queue = queue
+        #: the trainer rank this bracket runs on (only rank 0 may open or close it)
+        self.rank = _env_rank() if rank is None else int(rank)
+        #: engines to probe besides those producers registered (``engine_versions``)
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self.probe_timeout_s = probe_timeout_s
+        #: the engines' ``--api-key``, for the probes
+        self.api_key = api_key
         self.control = Control(queue.storage)
         self.engines = EngineWeights(queue.storage)
         #: the trainer's push path limited to some engines, ``repair(urls, version)``;
@@ -150,6 +289,7 @@ class WeightUpdateBracket:
     # -- the bracket ---------------------------------------------------------------------------
     def begin_weight_update(self, timeout: float = 300.0) -> BracketReport:
         """Pause producers for version v+1 and wait for every live producer's ack."""
+        self._rank0("begin_weight_update")
         if timeout < self.lease_timeout_s:
             log.warning("bracket timeout %.1fs is below the lease timeout %.1fs: a producer "
                         "that died just before the pause fails the bracket instead of being "
@@ -214,6 +354,7 @@ class WeightUpdateBracket:
 
     def end_weight_update(self, version: int | None = None) -> int:
         """Announce ``version`` (default: the bracket's) and resume producers."""
+        self._rank0("end_weight_update")
         opened = self._open_version()
         version = opened if version is None else int(version)
         if version < opened:
@@ -231,6 +372,10 @@ class WeightUpdateBracket:
                           "rotation (retry with repair_engines())", version, exc)
         else:
             need = self.engines_needing_weights()
+            if need:  # the notes on engines that report the version now go
+                fixed = self.engines.clear_fixed(version, probe_versions(
+                    need, timeout_s=self.probe_timeout_s, api_key=self.api_key))
+                need = {u: n for u, n in need.items() if u not in fixed}
             if need:
                 log.warning("engines %s are on weights other than the run's version and out "
                             "of rotation; no repair is configured (WeightUpdateBracket("
@@ -274,6 +419,13 @@ class WeightUpdateBracket:
         if not need:
             return []
         version = self.queue.current_version()
+        # an engine that already reports the run's version needs no push: its notes go
+        fixed = self.engines.clear_fixed(
+            version, probe_versions(need, timeout_s=self.probe_timeout_s,
+                                    api_key=self.api_key))
+        need = {u: n for u, n in need.items() if u not in fixed}
+        if not need:
+            return []
         urls = sorted(need)
         log.warning("pushing the run's version %d to %d engines on other weights: %s",
                     version, len(urls), ", ".join(
@@ -313,13 +465,96 @@ class WeightUpdateBracket:
             self._repairer.join(timeout=60)
             self._repairer = None
 
-    def abort_weight_update(self) -> None:
-        """Resume producers without announcing a new version (the weights did not change)."""
+    def abort_weight_update(self, *, force: bool = False,
+                            engines: Mapping[str, EngineProbe] | None = None) -> None:
+        """Resume producers without announcing a new version (the weights did not change).
+
+        Refused (``BracketError``) while an engine already holds the bracket's version: its
+        weights reached the engines, and producers resumed on the old version would keep
+        every such engine out of rotation; ``finish_weight_update()`` announces it instead.
+        ``force=True`` aborts anyway (after putting the old weights back on them).
+        ``engines``: probes just taken (default: probe now)."""
+        self._rank0("abort_weight_update")
         opened = self._open_version()
+        if not force:
+            found = self.engine_versions() if engines is None else engines
+            ahead = {u: p for u, p in found.items()
+                     if p.version is not None and p.version >= opened}
+            if ahead:
+                raise BracketError(
+                    f"abort of the weight update to version {opened} refused: the new "
+                    f"weights reached the engines ({_describe(ahead)}), and producers "
+                    f"resumed on version {self.queue.current_version()} would keep them out "
+                    f"of rotation. Finish the update instead (finish_weight_update(), or "
+                    f"'strawq bracket finish RUN'), or abort with force=True (--force) once "
+                    f"the old weights are back on them")
         self.control.resume(opened)
         self._open = None
         log.warning("weight update to version %d aborted; producers resume on version %d",
                     opened, self.queue.current_version())
+
+    # -- settling by what the engines hold -------------------------------------------------
+    def engine_versions(self, timeout_s: float | None = None) -> dict[str, EngineProbe]:
+        """Probe every known engine (registered in ``engine-urls/``, noted in ``engines/``,
+        or given as ``engine_urls``) for its weight version; an unreachable one is reported
+        as such after at most ``timeout_s`` (default ``probe_timeout_s``)."""
+        urls = set(self.engines.known()) | set(self.engine_urls)
+        return probe_versions(urls, timeout_s=timeout_s or self.probe_timeout_s,
+                              api_key=self.api_key)
+
+    def settlement(self, engines: Mapping[str, EngineProbe] | None = None) -> Settlement:
+        """How ``finish_weight_update`` would settle the bracket now (``settle``)."""
+        found = self.engine_versions() if engines is None else engines
+        return settle(self.control.state(), self.queue.current_version(), found)
+
+    def finish_weight_update(self, *, if_unknown: Literal["refuse", "end"] = "refuse",
+                             engines: Mapping[str, EngineProbe] | None = None
+                             ) -> Settlement:
+        """Settle an open bracket (one a trainer that died left open, or this trainer's own)
+        by the version the engines hold: announce the bracket's version when every engine
+        that answered holds it, resume without a new version when every one holds the run's;
+        refuse (``BracketError``, naming which holds what) when they disagree or none
+        answered, unless ``if_unknown="end"`` (no engine known or reachable: announce the
+        bracket's version, as ``end_weight_update``). A bracket closed by an abort while the
+        engines hold its version is finished too: its version is announced now. ``engines``:
+        probes just taken (default: probe now)."""
+        self._rank0("finish_weight_update")
+        found = dict(self.engine_versions() if engines is None else engines)
+        plan = settle(self.control.state(), self.queue.current_version(), found)
+        held = any(p.version is not None for p in found.values())
+        if plan.action == "refuse" and plan.open and not held and if_unknown == "end":
+            log.warning("%s; announcing it as the caller asked (if_unknown='end')",
+                        plan.message)
+            assert plan.bracket is not None
+            plan = Settlement("finish", plan.bracket, plan.bracket, True, plan.engines,
+                              f"no engine answered: version {plan.bracket} announced")
+        if plan.action == "refuse":
+            raise BracketError(plan.message)
+        if plan.action == "finish":
+            if plan.open:
+                self.end_weight_update(plan.version)
+            else:
+                self.queue.set_version(plan.version)
+                log.warning("weight version %d announced after its bracket was aborted; "
+                            "producers take it and put the engines back in rotation",
+                            plan.version)
+        elif plan.action == "undo":
+            self.control.resume(self._open_version())
+            self._open = None
+            log.warning("weight update to version %s undone: the engines hold version %d; "
+                        "producers resume on it", plan.bracket, plan.version)
+        self.engines.clear_fixed(self.queue.current_version(), found)
+        return plan
+
+    def _rank0(self, what: str) -> None:
+        if self.rank != 0:
+            raise BracketError(
+                f"{what}() on trainer rank {self.rank}: the weight-update bracket runs on "
+                "rank 0 only (on every rank it would announce a new weight version once per "
+                "rank and step). Call it under 'if rank == 0:', or call "
+                "reader.weight_update(push) on every rank: it runs the update on rank 0 and "
+                "nothing on the others. (The rank is BatchReader(rank=...)'s, "
+                "WeightUpdateBracket(rank=...)'s, else the RANK environment variable.)")
 
     def _open_version(self) -> int:
         if self._open is not None:

@@ -426,8 +426,17 @@ class BatchReader:
     @property
     def bracket(self) -> WeightUpdateBracket:
         if self._bracket is None:
-            self._bracket = WeightUpdateBracket(self.queue, clock=self.clock, sleep=self.sleep)
+            self._bracket = WeightUpdateBracket(self.queue, clock=self.clock, sleep=self.sleep,
+                                                rank=self.rank)
         return self._bracket
+
+    def weight_update(self, push: Callable[[int], None], *, timeout: float = 300.0
+                      ) -> BracketReport | None:
+        """The rank-aware update: on rank 0 ``bracket.weight_update(push)`` (pause, push,
+        resume), on every other rank nothing (None), as ``ack`` does. Call it on every rank."""
+        if self.rank != 0:
+            return None
+        return self.bracket.weight_update(push, timeout=timeout)
 
     def begin_weight_update(self, timeout: float = 300.0) -> BracketReport:
         """Pause producers (see ``strawq.collector.bracket``); rank 0 only."""

@@ -17,9 +17,12 @@ by a push that failed, or a new worker behind the router. :class:`VersionGuard` 
   through its ordinary push path.
 
 A stale engine is probed (``/model_info`` ``weight_version``) every ``probe_s``; once it
-reports the run's version it is back in rotation and this producer's notes on it are
-deleted. At start and after each bracket resumes, every engine is probed: one the push
-missed is found before any request goes to it.
+reports the run's version it is back in rotation and every note on it up to that version is
+deleted, this producer's or not. At start and after each bracket resumes, every engine is
+probed: one the push missed is found before any request goes to it, and the notes on the
+engines found on the run's version are deleted (a producer that died after noting an
+engine leaves a note that the next probe clears, ``EngineWeights.clear_fixed``). Each
+engine probed is registered once in ``engine-urls/``, for ``strawq bracket status``.
 
 **When a mismatch is real.** During a bracket versions legitimately differ (engines are
 updated one by one; a reply may carry tokens of two versions). A mismatch is judged only
@@ -53,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from strawq.control import read_state
-from strawq.engine_weights import EngineWeights
+from strawq.engine_weights import EngineProbe, EngineWeights
 from strawq.errors import StrawqError
 
 from strawq.producers.engine_client import EngineClient
@@ -105,6 +108,8 @@ class VersionGuard:
         self.waiting = False
         self._last_probe = -float("inf")
         self._probing: asyncio.Task[None] | None = None
+        #: engine URLs registered in engine-urls/ by this producer
+        self._registered: set[str] = set()
 
     # -- rotation (the client asks) ---------------------------------------------------------
     def serves(self, url: str) -> bool:
@@ -195,10 +200,10 @@ class VersionGuard:
                     "rotation", self.producer_id, url, run_version)
         if not self.all_stale():
             self._set_waiting(False)
-        try:
-            await self._io(lambda: self.notes.clear(url, writer=self.producer_id))
+        try:  # every note on it up to this version: a dead writer's too
+            await self._io(lambda: self.notes.clear(url, up_to_version=run_version))
         except StrawqError as exc:
-            log.warning("producer %s cannot clear its engines/ notes on %s: %s",
+            log.warning("producer %s cannot clear the engines/ notes on %s: %s",
                         self.producer_id, url, exc)
 
     # -- probing ----------------------------------------------------------------------------
@@ -216,15 +221,40 @@ class VersionGuard:
                 log.warning("producer %s cannot re-read the router's workers: %s",
                             self.producer_id, exc)
         urls = self._worker_urls()
+        await self._register(urls)
         found = await asyncio.gather(*(self._probe(u) for u in urls))
+        fine: dict[str, EngineProbe] = {}
         for url, v in zip(urls, found, strict=True):
             if v is None:
                 continue  # unreachable: the generate path's own retries deal with it
             if v != run_v:
                 await self.mark(url, v, run_v, f"reports version {v}")
             else:
+                fine[url.rstrip("/")] = EngineProbe(url, v)
                 await self.restore(url, run_v)
+        if fine:
+            try:  # notes on engines found fine, whoever wrote them (a dead producer)
+                await self._io(lambda: self.notes.clear_fixed(run_v, fine))
+            except StrawqError as exc:
+                log.warning("producer %s cannot clear engines/ notes: %s", self.producer_id,
+                            exc)
         self._last_probe = self.clock()
+
+    async def _register(self, urls: list[str]) -> None:
+        """Register the engines not yet registered by this producer (``engine-urls/``)."""
+        new = [u for u in urls if u not in self._registered]
+        if not new:
+            return
+
+        def write() -> None:
+            for u in new:
+                self.notes.register(u)
+        try:
+            await self._io(write)
+            self._registered.update(new)
+        except StrawqError as exc:
+            log.warning("producer %s cannot register its engines in engine-urls/: %s",
+                        self.producer_id, exc)
 
     async def probe_stale(self) -> None:
         run_v, paused = await self.refresh()

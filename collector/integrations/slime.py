@@ -255,7 +255,10 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     Refuses settings under which slime would not train the manifest's advantages
     (``check_train_args``) before reading anything. Closes a weight-update bracket left open
     by ``begin_weight_update_hook`` (slime's engines have loaded the new weights before it
-    asks for the next rollout), acks the batches of rollouts ≤ ``rollout_id −
+    asks for the next rollout) by what the engines hold (``finish_weight_update``: their
+    version is announced; engines still on the old version undo the update; engines that
+    disagree raise ``BracketError`` naming each; with no engine known, the bracket's version
+    is announced), acks the batches of rollouts ≤ ``rollout_id −
     strawq_ack_lag`` (default 1: slime's synchronous loop; use 2 with ``train_async``),
     then reads the next batch; a batch that does not fill slime's last training step is
     padded (``pad_steps``).
@@ -269,8 +272,8 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     path = run_dir(args)
     reader = _ReaderState.reader(path)
     delivered = _ReaderState.delivered[path]
-    if reader.bracket.is_open:
-        reader.end_weight_update()
+    if reader.bracket.is_open:  # by what the engines hold: a failed push is not announced
+        reader.bracket.finish_weight_update(if_unknown="end")
     lag = int(getattr(args, "strawq_ack_lag", 1))
     while delivered and delivered[0][0] <= rollout_id - lag:
         reader.ack(delivered.popleft()[1])

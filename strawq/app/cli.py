@@ -208,33 +208,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_bracket(args: argparse.Namespace) -> int:
-    from strawq.control import Control
+    from strawq.app.bracket_cli import run_bracket
 
-    q = _queue(args.path, read_only=args.bracket_command == "status")
-    control = Control(q.storage) if args.bracket_command == "abort" else None
-    st = _control_state(q.storage)
-    payload: dict[str, Any] = {"open": st.paused, "pause_version": st.pause_version,
-                               "resume_version": st.resume_version,
-                               "acked": sorted(st.acks), "current_version":
-                               q.current_version()}
-    if args.bracket_command == "status":
-        text = (f"weight-update bracket for version {st.pause_version} is OPEN: producers are "
-                f"paused (acked: {', '.join(sorted(st.acks)) or 'none'}); if the trainer that "
-                f"opened it is gone, run 'strawq bracket abort {args.path}'"
-                if st.paused else
-                f"no weight-update bracket is open (weight version {q.current_version()})")
-        _emit(args, payload, text)
-        return 0
-    if not st.paused:
-        raise StrawqError(f"no weight-update bracket is open at {args.path} (last pause "
-                          f"{st.pause_version}, last resume {st.resume_version}); nothing "
-                          "to abort")
-    assert control is not None
-    control.resume(st.pause_version)
-    payload.update(open=False, aborted=st.pause_version)
-    _emit(args, payload, f"aborted the weight update to version {st.pause_version}: producers "
-          f"resume on weight version {q.current_version()}")
-    return 0
+    return run_bracket(args, _queue, _emit)
 
 
 def cmd_forget_engine(args: argparse.Namespace) -> int:
@@ -243,21 +219,15 @@ def cmd_forget_engine(args: argparse.Namespace) -> int:
     q = _queue(args.path)
     weights = EngineWeights(q.storage)
     url = args.url.rstrip("/")
-    noted = weights.needing()
-    if url not in noted:
-        raise StrawqError(f"no note says {url} needs weights at {args.path} (noted: "
-                          f"{', '.join(sorted(noted)) or 'none'})")
-    gone = weights.clear(url)
+    known = weights.known()
+    if url not in known:
+        raise StrawqError(f"no note says {url} needs weights and no producer registered it "
+                          f"at {args.path} (known: {', '.join(known) or 'none'})")
+    gone = weights.forget(url)
     _emit(args, {"url": url, "notes_deleted": gone},
           f"forgot {url}: {gone} note(s) deleted; the trainer no longer pushes to it (a "
           "producer that still lists it and finds it behind notes it again)")
     return 0
-
-
-def _control_state(storage: Any) -> Any:
-    from strawq.control import read_state
-
-    return read_state(storage)
 
 
 def _version() -> str:
@@ -343,16 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(s)
     s.set_defaults(func=cmd_gc)
 
-    s = sub.add_parser("bracket", help="show or abort the weight-update bracket",
-                       description="The weight-update bracket pauses every producer while the "
-                       "trainer loads new weights. 'status' shows it; 'abort' releases a "
-                       "bracket whose trainer died or hangs (producers resume on the current "
-                       "weight version; no new version is announced).")
+    from strawq.app import bracket_cli
+
+    s = sub.add_parser("bracket", help="show, finish or abort the weight-update bracket",
+                       description=bracket_cli.DESCRIPTION)
     bsub = s.add_subparsers(dest="bracket_command", metavar="ACTION", required=True)
-    for action, hlp in (("status", "is a bracket open, and who acked it"),
-                        ("abort", "resume producers without a new weight version")):
+    for action, hlp in bracket_cli.ACTIONS:
         b = bsub.add_parser(action, help=hlp, description=hlp)
         b.add_argument("path")
+        bracket_cli.add_bracket_arguments(b, action)
         _add_json(b)
         _add_verbosity(b)
         b.set_defaults(func=cmd_bracket)
@@ -361,8 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Producers note an engine on weights other than the run's "
                        "in RUN/engines/ and the trainer keeps pushing the run's weights to it "
                        "until it catches up (strawq status lists them). For an engine that "
-                       "was removed for good, this deletes its notes: the repairs stop and "
-                       "engines/needing_weights drops.")
+                       "was removed for good, this deletes its notes and its registration "
+                       "(engine-urls/): the repairs stop, engines/needing_weights drops and "
+                       "'strawq bracket status' no longer asks it. Notes on an engine that "
+                       "reports the run's version again are deleted by whoever probes it.")
     s.add_argument("path")
     s.add_argument("url", help="the engine's base URL, as strawq status shows it")
     _add_json(s)

@@ -6,6 +6,10 @@ and runs one pass of each producer that is still "alive" (so nothing here is tim
 
 from __future__ import annotations
 
+import functools
+import json
+import urllib.request
+
 import numpy as np
 import pytest
 
@@ -14,7 +18,10 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.errors import BracketError, BracketTimeout
 from strawq.collector.reader import BatchReader
+from strawq.control import Control
 from strawq.dataset import Dataset
+from strawq.engine_weights import EngineWeights
+from strawq.errors import StrawqError
 from strawq.names import TaskName, data_key
 from tests.collector.helpers import FakeClock, SimProducer, make_run, write_dataset
 
@@ -197,3 +204,164 @@ def test_repair_pushes_the_run_version_to_noted_engines_only_outside_a_bracket(w
     bracket.end_weight_update(4)  # resumes, then repairs what is noted
     assert pushed[-1] == (["http://b"], 4)
     bracket.close()
+
+
+# -- rank 0 only ---------------------------------------------------------------------------------
+def test_the_bracket_refuses_to_run_on_a_rank_other_than_0(tmp_path, monkeypatch):
+    """Run on every rank, the bracket would announce a version per rank and step (ack is a
+    no-op there, the bracket was not): it refuses, and reader.weight_update is the call
+    that is safe on every rank."""
+    q = make_run(str(tmp_path / "run"), lease_timeout_s=LEASE)
+    pushed: list[int] = []
+    monkeypatch.setenv("RANK", "2")  # torchrun's rank, for a bracket built without one
+    with pytest.raises(BracketError, match="rank 2"):
+        WeightUpdateBracket(q).weight_update(pushed.append)
+    monkeypatch.delenv("RANK")
+    for rank in (1, 3):
+        bracket = WeightUpdateBracket(q, rank=rank)
+        for call in (bracket.begin_weight_update, bracket.end_weight_update,
+                     bracket.abort_weight_update, bracket.finish_weight_update,
+                     functools.partial(bracket.weight_update, pushed.append)):
+            with pytest.raises(StrawqError, match=f"rank {rank}: the weight-update bracket "
+                               "runs on rank 0 only.*reader.weight_update"):
+                call()
+    assert pushed == [] and q.current_version() == 0 and not Control(q.storage).state().paused
+    # the same loop on every rank of a world of 4: one version per step, pushed once
+    readers = [BatchReader(q, rank=r, world_size=4) for r in range(4)]
+    for _step in range(2):
+        reports = [r.weight_update(pushed.append, timeout=5) for r in readers]
+        assert [rep is None for rep in reports] == [False, True, True, True]
+    assert pushed == [1, 2] and q.current_version() == 2
+    monkeypatch.setenv("RANK", "0")
+    assert WeightUpdateBracket(q).weight_update(pushed.append).version == 3
+
+
+# -- settled by what the engines hold ------------------------------------------------------------
+@pytest.fixture
+def sims():
+    from strawq.producers.engines.launch import EngineOptions
+    from strawq.producers.engines.testing import EngineThread
+
+    engines = [EngineThread(EngineOptions(kind="sim", weight_version="3")) for _ in range(2)]
+    yield engines
+    for e in engines:
+        e.stop()
+
+
+def _hold(engine, version: int) -> None:
+    """The engine loads version ``version`` (SGLang's ``/update_weight_version``)."""
+    req = urllib.request.Request(f"{engine.url}/update_weight_version", method="POST",
+                                 data=json.dumps({"new_version": str(version)}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert json.loads(resp.read())["success"]
+
+
+def test_a_restarted_trainer_finishes_or_undoes_by_what_the_engines_hold(tmp_path, sims):
+    q = make_run(str(tmp_path / "run"), lease_timeout_s=LEASE)
+    q.set_version(3)
+    a, b = sims
+    for e in sims:
+        EngineWeights(q.storage).register(e.url)  # as the producers do
+    WeightUpdateBracket(q).begin_weight_update(timeout=5)  # version 4; the trainer dies
+    for e in sims:
+        _hold(e, 4)  # ... after its push reached every engine
+    restarted = WeightUpdateBracket(q)
+    assert restarted.is_open
+    assert {u: p.version for u, p in restarted.engine_versions().items()} == {
+        a.url: 4, b.url: 4}
+    with pytest.raises(BracketError, match="weights reached the engines.*finish_weight_update"):
+        restarted.abort_weight_update()
+    done = restarted.finish_weight_update()
+    assert (done.action, done.version) == ("finish", 4)
+    assert q.current_version() == 4 and not restarted.is_open
+    # the next trainer dies before its push: finishing undoes it
+    WeightUpdateBracket(q).begin_weight_update(timeout=5)
+    undone = WeightUpdateBracket(q).finish_weight_update()
+    assert (undone.action, undone.version, undone.bracket) == ("undo", 4, 5)
+    assert q.current_version() == 4 and not Control(q.storage).state().paused
+    # a push that reached one engine of two: neither finished nor undone nor aborted
+    WeightUpdateBracket(q).begin_weight_update(timeout=5)
+    _hold(a, 6)
+    third = WeightUpdateBracket(q)
+    with pytest.raises(BracketError, match=f"version 4: {b.url}; version 6: {a.url}"):
+        third.finish_weight_update()
+    with pytest.raises(BracketError, match=f"{a.url} holds version 6"):
+        third.abort_weight_update()
+    assert third.is_open and q.current_version() == 4
+    _hold(b, 6)  # the retried push reached the other one too
+    assert third.finish_weight_update().version == 6 and q.current_version() == 6
+
+
+def test_finish_without_an_engine_that_answers(tmp_path):
+    q = make_run(str(tmp_path / "run"), lease_timeout_s=LEASE)
+    bracket = WeightUpdateBracket(q, engine_urls=["http://127.0.0.1:9"],
+                                  probe_timeout_s=0.5)
+    bracket.begin_weight_update(timeout=5)
+    with pytest.raises(BracketError, match="no engine answered.*127.0.0.1:9 unreachable"):
+        bracket.finish_weight_update()
+    assert bracket.is_open
+    bracket.abort_weight_update()  # nothing says the new version reached an engine
+    assert not bracket.is_open and q.current_version() == 0
+    bracket.begin_weight_update(timeout=5)
+    assert bracket.finish_weight_update(if_unknown="end").version == 2  # slime's close
+
+
+def test_repair_clears_the_notes_of_engines_already_on_the_run_version(tmp_path, sims):
+    """A note whose engine holds the run's version (fixed by hand, its writer gone) is
+    deleted by the trainer's repair without a push; a note on an engine behind is pushed."""
+    q = make_run(str(tmp_path / "run"), lease_timeout_s=LEASE)
+    q.set_version(3)
+    fine, behind = sims
+    _hold(behind, 2)
+    notes = EngineWeights(q.storage)
+    for e in sims:
+        notes.mark(e.url, writer="p-gone", engine_version=2, run_version=3, reason="r")
+    pushed: list[tuple[list[str], int]] = []
+    bracket = WeightUpdateBracket(q, repair_interval_s=None)
+    assert bracket.repair_engines(lambda urls, v: pushed.append((urls, v))) == [behind.url]
+    assert pushed == [([behind.url], 3)] and not notes.needing()
+    # without a repair, the end of an update still deletes the notes of engines on it
+    for e in sims:
+        notes.mark(e.url, writer="p-gone", engine_version=3, run_version=3, reason="r")
+    bracket.begin_weight_update(timeout=5)
+    for e in sims:
+        _hold(e, 4)
+    _hold(behind, 3)  # this one missed the push
+    bracket.end_weight_update(4)
+    assert set(notes.needing()) == {behind.url}
+
+
+def test_settle_decides_by_what_the_engines_hold():
+    from strawq.collector.bracket import settle
+    from strawq.control import ControlState
+    from strawq.engine_weights import EngineProbe
+
+    def on(**versions):
+        return {u: EngineProbe(u, v, None if v is not None else "cannot reach it")
+                for u, v in versions.items()}
+
+    open_4 = ControlState(4, 3, frozenset({"p1"}))  # the run at 3, the bracket for 4 open
+    aborted_4 = ControlState(4, 4, frozenset())
+    closed = ControlState(3, 3, frozenset())
+    cases = [
+        (open_4, on(a=4, b=4), "finish", 4),
+        (open_4, on(a=4, b=None), "finish", 4),  # the unreachable one is named, not waited
+        (open_4, on(a=5, b=5), "finish", 5),  # a push under a later version (version=)
+        (open_4, on(a=3, b=3), "undo", 3),
+        (open_4, on(a=3, b=4), "refuse", 3),
+        (open_4, on(a=None), "refuse", 3),
+        (open_4, {}, "refuse", 3),
+        (open_4, on(a=2, b=2), "refuse", 3),
+        (aborted_4, on(a=4, b=4), "finish", 4),
+        (aborted_4, on(a=3), "none", 3),
+        (closed, on(a=3), "none", 3),
+        (closed, {}, "none", 3),
+        (closed, on(a=2, b=3), "refuse", 3),
+    ]
+    for state, engines, action, version in cases:
+        got = settle(state, 3, engines)
+        assert (got.action, got.version) == (action, version), (state, engines, got.message)
+    msg = settle(open_4, 3, on(a=3, b=4, c=None)).message
+    assert "version 3: a; version 4: b" in msg and "not heard from: c" in msg
+    assert "none known" in settle(open_4, 3, {}).message

@@ -301,3 +301,83 @@ def test_a_new_worker_on_old_weights_behind_the_real_router(
     """The same behind the real sglang-router 0.3.x (round robin, workers added live)."""
     _new_worker_behind_router(tmp_path, lambda url: start_router(
         sglang_router_cmd, [url], log=tmp_path / "router.log"))
+
+
+def test_a_trainer_dead_after_its_push_is_finished_from_the_command_line(
+        tmp_path: Path) -> None:
+    """The trainer paused for version 4, pushed it to every engine and died: an abort would
+    put the run back on 3 and every producer would keep every engine out of rotation (and
+    generate nothing); ``strawq bracket finish`` announces 4 instead, found from the engines
+    the producer registered, and generation goes on with version-4 tokens only."""
+    from strawq.app import cli
+
+    run_dir = str(tmp_path / "run")
+    q = phased_run(run_dir, 2 * PHASE, 3)
+    a, b = sim("3"), sim("3")
+    p = producer(run_dir, (a.url, b.url))
+    dead = WeightUpdateBracket(q, lease_timeout_s=3.0, poll_interval_s=0.02)
+
+    async def body() -> None:
+        release(q, run_dir, PHASE)
+        await wait_for(lambda: len(versions_by_index(q)) >= PHASE // 2, 60, "phase 1")
+        await asyncio.to_thread(dead.begin_weight_update, 30.0)
+        push = SGLangClient([a.url, b.url])
+        await push.start()
+        try:
+            await push.update_weight_version(4)  # every engine holds 4; the trainer dies
+        finally:
+            await push.close()
+        assert await asyncio.to_thread(cli.main, ["bracket", "abort", run_dir]) == 1
+        assert await asyncio.to_thread(cli.main, ["bracket", "finish", run_dir]) == 0
+        assert set(EngineWeights(q.storage).known()) == {a.url, b.url}  # the producer's
+        release(q, run_dir, PHASE)
+        await wait_for(lambda: len(versions_by_index(q)) == 2 * PHASE, 60, "every group")
+
+    try:
+        asyncio.run(run_producers([p], body))
+    finally:
+        a.stop()
+        b.stop()
+    assert q.current_version() == 4
+    late = {i: v for i, v in versions_by_index(q).items() if i >= PHASE and v != {4}}
+    assert not late, f"groups released after the update without version-4 tokens: {late}"
+    st = p.stats()
+    assert st.engines_marked_stale == 0 and not st.waiting_for_weights
+    assert not EngineWeights(q.storage).notes()
+
+
+def test_a_dead_producers_note_is_cleared_by_the_next_probe_that_finds_the_engine_fine(
+        tmp_path: Path) -> None:
+    """A producer noted an engine and died; the engine was fixed meanwhile. The next
+    producer's probe finds it on the run's version and deletes the note (the metric
+    ``engines/needing_weights`` drops) without any push or ``forget-engine``; a note on
+    an engine still behind stays."""
+    run_dir = str(tmp_path / "run")
+    q = phased_run(run_dir, PHASE, 3)
+    fixed, behind = sim("3"), sim("2")
+    notes = EngineWeights(q.storage)
+    notes.mark(fixed.url, writer="p-dead", engine_version=2, run_version=3, reason="r")
+    notes.mark(behind.url, writer="p-dead", engine_version=2, run_version=3, reason="r")
+    p = producer(run_dir, (fixed.url, behind.url))
+
+    async def body() -> None:
+        release(q, run_dir, PHASE)
+        await wait_for(lambda: set(notes.needing()) == {behind.url}, 30, "the fixed one")
+        assert set(notes.known()) == {fixed.url, behind.url}
+        assert not p.guard.serves(behind.url)
+        # the engine behind is fixed by hand; the producer's probe clears every note on it
+        fixer = SGLangClient([behind.url])
+        await fixer.start()
+        try:
+            await fixer.update_weight_version(3)
+        finally:
+            await fixer.close()
+        await wait_for(lambda: not notes.notes(), 30, "every note cleared")
+        await wait_for(lambda: len(versions_by_index(q)) == PHASE, 60, "every group")
+
+    try:
+        asyncio.run(run_producers([p], body))
+    finally:
+        fixed.stop()
+        behind.stop()
+    assert not notes.needing()

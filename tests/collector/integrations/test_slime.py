@@ -12,6 +12,7 @@ import json
 import os
 import threading
 import time
+import urllib.request
 from types import SimpleNamespace
 
 import numpy as np
@@ -460,6 +461,55 @@ def test_weight_update_bracket_around_slimes_update(world):
     adapter.generate_rollout(a, 1, None)  # the engines have loaded them: bracket closed
     st = Control(world.q.storage).state()
     assert not st.paused and world.q.current_version() == 1
+
+
+def _paused_by_the_hook(world, a) -> None:
+    """slime wrote new weights: the hook pauses strawq's producers (they ack meanwhile)."""
+    stop = threading.Event()
+
+    def producers() -> None:
+        while not stop.is_set():
+            for p in world.prods:
+                p.step()
+            time.sleep(0.01)
+
+    t = threading.Thread(target=producers)
+    t.start()
+    try:
+        adapter.begin_weight_update_hook(a, "/weights/v1", None)
+    finally:
+        stop.set()
+        t.join()
+
+
+@pytest.mark.timeout(120)
+def test_the_next_rollout_closes_the_bracket_by_what_the_engines_hold(world):
+    """slime's push failed (its engine still reports version 0): the next rollout does not
+    announce version 1, which every producer would take and then keep that engine out of
+    rotation on; the update is undone. Once the engine holds it, it is announced."""
+    from strawq.engine_weights import EngineWeights
+    from strawq.producers.engines.launch import EngineOptions
+    from strawq.producers.engines.testing import EngineThread
+
+    a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2, strawq_bracket_timeout_s=30,
+                        custom_reward_post_process_path=adapter.REWARD_POST_PROCESS)
+    engine = EngineThread(EngineOptions(kind="sim", weight_version="0"))
+    try:
+        EngineWeights(world.q.storage).register(engine.url)  # as strawq's producers do
+        adapter.generate_rollout(a, 0, None)
+        _paused_by_the_hook(world, a)
+        adapter.generate_rollout(a, 1, None)  # the engine did not load the new weights
+        st = Control(world.q.storage).state()
+        assert not st.paused and world.q.current_version() == 0
+        _paused_by_the_hook(world, a)  # the next update reaches the engine
+        req = urllib.request.Request(f"{engine.url}/update_weight_version", method="POST",
+                                     data=json.dumps({"new_version": "2"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).close()
+        adapter.generate_rollout(a, 2, None)
+        assert world.q.current_version() == 2
+    finally:
+        engine.stop()
 
 
 @pytest.mark.timeout(120)
