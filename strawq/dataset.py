@@ -29,7 +29,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import msgpack
 import xxhash
 
@@ -131,6 +130,8 @@ class Dataset:
         self.prompt_key = prompt_key
         if fmt is not None and fmt not in FORMATS:
             raise DatasetError(f"unknown dataset format {fmt!r}; expected jsonl or parquet")
+        import fsspec  # on first use: reading a run's cursor needs no filesystem layer
+
         try:
             self._fs, path = fsspec.core.url_to_fs(url)
             self.shards = self._list_shards(url, path.rstrip("/") or path, fmt)
