@@ -69,3 +69,14 @@ def non_negative_float(value: str) -> float:
     if not (math.isfinite(x) and x >= 0):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {value!r}")
     return x
+
+
+def non_negative_int(value: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
+    return n

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from strawq.argtypes import listen_port
 from strawq.producers.engines.launch import KINDS, EngineOptions, start_engine
 from strawq.producers.engines.server import DISCONNECT_POLL_S
 from strawq.producers.engines.sim_backend import SimConfig
@@ -35,7 +36,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
-        "--port", type=int, default=30000, help="0 picks a free port (printed on the ready line)"
+        "--port", type=listen_port, default=30000,
+        help="0-65535; 0 picks a free port (printed on the ready line)"
     )
     p.add_argument(
         "--max-running-requests", type=int, default=None, help="slot limit (tiny 32, sim 256)"
