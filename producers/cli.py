@@ -89,8 +89,8 @@ def derive_slots(args: argparse.Namespace, data: dict[str, Any],
                          "--slots N, or --concurrency C (requests each engine runs at once) "
                          "to derive N = floor(C*E/G) from the --engine URLs and the run's "
                          "group size (or set budget.slots in --config)")
-    engine = data.get("engine") if isinstance(data.get("engine"), dict) else {}
-    workers = engine.get("workers") or ()
+    engine = data.get("engine")
+    workers = (engine.get("workers") if isinstance(engine, dict) else None) or ()
     if not workers or not isinstance(workers, (list, tuple)):
         raise UsageError("--concurrency derives the slots from the --engine URLs; with "
                          "--router (or no --engine) pass --slots N")

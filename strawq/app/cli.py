@@ -526,6 +526,12 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "an end-to-end RL run on this machine (the main job)", extra="all"),
     Subcommand("lab", "strawq.demo.lab_cli", "add_lab_parser",
                "the rollout schedules compared at scale (sim engines)", extra="all"),
+    Subcommand("cluster", "strawq.app.cluster", "add_parsers",
+               "a whole run on this machine from one run config (engines, producers, "
+               "collector)", extra="engines", nested=True,
+               description="'strawq cluster up RUN.json' starts the run, its engines (sim by "
+               "default), a router, the producers and the collector on this machine, from "
+               "one run config (deploy/examples/quickstart.json works as shipped)."),
 )
 
 
