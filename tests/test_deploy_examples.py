@@ -175,3 +175,27 @@ def test_run_config_check_reports_a_typo_without_a_traceback(override: str) -> N
                          capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 1
     assert res.stderr.startswith("error: ") and "Traceback" not in res.stderr
+
+
+def _launch_producers() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "launch_producers_example", DEPLOY / "examples" / "launch_producers.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_launch_producers_never_guesses_between_ray_clusters() -> None:
+    """A second Ray instance on the host makes 'auto' ambiguous: the launcher refuses and
+    lists both instead of joining whichever started last."""
+    choose = _launch_producers().choose_address
+    two = ["10.0.0.1:6379", "10.0.0.1:6380"]
+    with pytest.raises(ConfigError, match=r"2 Ray clusters run on this host \(10\.0\.0\.1:6379, "
+                       r"10\.0\.0\.1:6380\); pass --address"):
+        choose(None, None, two)
+    with pytest.raises(ConfigError, match="no Ray cluster runs on this host"):
+        choose(None, None, [])
+    assert choose("h:1", "h:2", two) == "h:1"  # --address wins, then RAY_ADDRESS
+    assert choose(None, "h:2", two) == "h:2"
+    assert choose(None, None, ["h:3"]) == "h:3"
