@@ -351,25 +351,20 @@ def test_forget_engine_drops_the_notes_of_a_retired_engine(
 # -- global options anywhere, quiet summaries, usage errors --------------------------------
 
 
-@pytest.mark.parametrize("where", ["before", "after"])
-def test_json_before_or_after_the_command(tmp_path: Path, where: str,
+def test_json_before_or_after_the_command(tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     run = str(tmp_path / "run")
     ds = tmp_path / "ds.jsonl"
     ds.write_text(json.dumps({"prompt": [1, 2]}) + "\n")
     for argv in (["init", run], ["release", run, str(ds)], ["status", run], ["gc", run],
                  ["bracket", "status", run], ["-q", "status", run]):
-        full = ["--json", *argv] if where == "before" else [*argv, "--json"]
-        assert cli.main(full) == 0, full
-        json.loads(capsys.readouterr().out)
-
-
-def test_json_on_a_command_that_prints_no_state_is_a_usage_error(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
+        for full in (["--json", *argv], [*argv, "--json"]):
+            assert cli.main(full) == 0, full
+            json.loads(capsys.readouterr().out)
+    with pytest.raises(SystemExit) as exc:  # a command that prints no state: a usage error
         cli.main(["--json", "demo", "--steps", "1"])
     assert exc.value.code == 2
-    assert "--json" in capsys.readouterr().err
+    assert "--json: strawq demo prints no state" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("quiet", [["-q"], ["--quiet"]])
