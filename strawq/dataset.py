@@ -139,6 +139,10 @@ class Dataset:
             raise
         except FileNotFoundError:
             raise DatasetError(f"dataset {url!r} does not exist") from None
+        except OSError as exc:  # in words, with what to do (no "[Errno 13]")
+            from strawq.errors import os_error_text
+
+            raise DatasetError(f"dataset {url!r}: {os_error_text(exc, 'open')}") from exc
         except Exception as exc:
             raise DatasetError(f"cannot open dataset {url!r}: {exc}") from exc
         formats = sorted({s.fmt for s in self.shards})

@@ -74,17 +74,26 @@ _OS_HINTS = {
 }
 
 
-def os_error_text(exc: OSError, doing: str = "use", path: object = None) -> str:
+def os_error_text(exc: OSError, doing: str | None = None, path: object = None) -> str:
     """An ``OSError`` in words, without Python's ``[Errno N]`` prefix: what failed on which
     path, why (the system's reason), and what to do, e.g. ``cannot read /x/run.json: no such
-    file or directory (check the path)``."""
+    file or directory (check the path)``; without ``doing``, ``/x/run.json: no such ...``."""
     import errno as _errno
     import os as _os
 
     where = path if path is not None else exc.filename
-    reason = exc.strerror or (_os.strerror(exc.errno) if exc.errno else "") or \
-        type(exc).__name__
-    reason = reason[:1].lower() + reason[1:]
+    if exc.strerror:
+        reason = exc.strerror
+    elif exc.errno:
+        reason = _os.strerror(exc.errno)
+    else:  # raised by code, not the system: its message is the reason
+        reason = str(exc) or type(exc).__name__
+    if exc.strerror or exc.errno:
+        reason = reason[:1].lower() + reason[1:]
     hint = _OS_HINTS.get(_errno.errorcode.get(exc.errno or -1, ""), "")
-    target = f" {where}" if where is not None else ""
-    return f"cannot {doing}{target}: {reason}" + (f" ({hint})" if hint else "")
+    if doing:
+        head = f"cannot {doing}" + (f" {where}" if where is not None else "")
+    else:
+        head = str(where) if where is not None else ""
+    text = f"{head}: {reason}" if head else reason
+    return text + (f" ({hint})" if hint else "")

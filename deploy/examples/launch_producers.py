@@ -59,7 +59,7 @@ def _local_ray_clusters() -> list[str]:
     try:  # Ray's own discovery of this host's clusters (not a public API: best effort)
         from ray._private.services import find_gcs_addresses
 
-        return sorted(find_gcs_addresses())
+        return sorted(find_gcs_addresses())  # type: ignore[no-untyped-call]
     except Exception:  # noqa: BLE001 - without it, Ray's "auto" decides
         return ["auto"]
 

@@ -147,7 +147,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         opts = options_from_args(args)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from strawq.errors import os_error_text
+
+        why = os_error_text(exc, "read") if isinstance(exc, OSError) else str(exc)
+        print(f"error: {why}", file=sys.stderr)
         return 2
     asyncio.run(_serve(opts, args.host, args.port))
     return 0
