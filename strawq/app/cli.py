@@ -26,8 +26,8 @@ persisted there, and one collector feeds the trainer staleness-first.
 
 
 EPILOG = """\
-Options -q/--quiet and -v/--verbose work before or after the command. Commands that print
-state take --json.
+Options -q/--quiet, -v/--verbose and --json work before or after the command; --json is
+taken by the commands that print state.
 
 Exit status: 0 success; 1 an error (the message says what was expected, what was found and
 what to do next); 2 a usage error (unknown option, bad value); 130 interrupted. A closed
@@ -476,7 +476,16 @@ class Subcommand:
         if self.nested:
             p = sub.add_parser(self.name, help=self.help,
                                description=self.description or self.help)
-            add(p.add_subparsers(dest=f"{self.name}_command", metavar="COMMAND"))
+            actions = p.add_subparsers(dest=f"{self.name}_command", metavar="COMMAND")
+            add(actions)
+            choices = ", ".join(actions.choices)
+
+            def name_one(_args: argparse.Namespace) -> int:  # 'strawq engine' alone
+                p.print_usage(sys.stderr)
+                print(f"strawq {self.name}: error: name a command: {choices}", file=sys.stderr)
+                return 2
+
+            p.set_defaults(func=name_one)
         else:
             add(sub)
 

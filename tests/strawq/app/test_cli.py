@@ -457,3 +457,10 @@ def test_the_named_command_alone_is_imported() -> None:
     assert "strawq.producers.cli" in loaded
     assert not {"strawq.collector.cli", "strawq.demo.cli", "strawq.producers.engines.cli",
                 "strawq.app.cluster"} & loaded
+
+
+@pytest.mark.parametrize("command, actions", [("engine", "serve, init-tiny"), ("cluster", "up")])
+def test_a_command_group_alone_names_its_commands(command: str, actions: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([command]) == 2
+    assert f"strawq {command}: error: name a command: {actions}" in capsys.readouterr().err
