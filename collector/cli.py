@@ -110,13 +110,9 @@ def _prompt_key(args: argparse.Namespace, queue_config: Any) -> str:
 
 
 def _read_json(path: str, what: str) -> Any:
-    from strawq.errors import ConfigError
+    from strawq.config import read_json_file
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{what}: cannot read {path}: {exc}") from exc
+    return read_json_file(path, what=what)
 
 
 def cmd_collector(args: argparse.Namespace) -> int:

@@ -21,18 +21,37 @@ Ctrl-C stops cleanly after the current step; --resume continues where it stopped
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from strawq.argtypes import UsageError
+    from strawq.errors import ConfigError
+
     from strawq.demo.run import DemoConfig, format_summary, run_demo
 
     fields = {f.name for f in dataclasses.fields(DemoConfig)}
-    cfg = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    try:
+        cfg = DemoConfig(**{k: v for k, v in vars(args).items()
+                            if k in fields and v is not None})
+    except ConfigError as exc:
+        raise UsageError(f"{exc} (see strawq demo --help)") from exc
     if not args.verbose:  # the progress bar says what matters; warnings still show
         logging.getLogger().setLevel(logging.WARNING)
     result = run_demo(cfg)
-    print(format_summary(result))
+    if not args.quiet:
+        print(format_summary(result))
     return 0
 
 
+def _at_least_one_float(value: str) -> float:
+    from strawq.argtypes import positive_float
+
+    x = positive_float(value)
+    if x < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value!r}")
+    return x
+
+
 def add_parsers(sub: Any) -> None:
+    from strawq.argtypes import non_negative_int, positive_int
+
     p = sub.add_parser("demo", help="an end-to-end RL run on this machine (the main job)",
                        description=DEMO_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -43,12 +62,15 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--task", choices=("count", "tools"), default=None,
                    help="count: write exactly k tokens (default); tools: arithmetic the model "
                    "delegates to a calculator tool (multi-turn trajectories)")
-    p.add_argument("--steps", type=int, help="training steps (default 60)")
-    p.add_argument("--batch-groups", dest="batch_groups", type=int,
+    p.add_argument("--steps", type=positive_int, help="training steps (default 60)")
+    p.add_argument("--batch-groups", dest="batch_groups", type=positive_int,
                    help="prompt groups per batch B (default 8)")
-    p.add_argument("--group-size", dest="group_size", type=int, help="samples per prompt G")
-    p.add_argument("--max-staleness", dest="max_staleness", type=int, help="async bound η")
-    p.add_argument("--oversample", type=float, help="partial: groups admitted per batch ÷ B")
+    p.add_argument("--group-size", dest="group_size", type=positive_int,
+                   help="samples per prompt G")
+    p.add_argument("--max-staleness", dest="max_staleness", type=non_negative_int,
+                   help="async bound η (>= 0)")
+    p.add_argument("--oversample", type=_at_least_one_float,
+                   help="partial: groups admitted per batch ÷ B (>= 1)")
     p.add_argument("--workdir", help="output directory (default runs/demo)")
     p.add_argument("--run-root", dest="run_root",
                    help="put the queue on this mount (e.g. a JuiceFS mount) instead")

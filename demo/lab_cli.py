@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 from typing import Any
 
@@ -61,20 +60,26 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
+    from strawq.argtypes import UsageError
+    from strawq.config import read_json_object
+    from strawq.errors import ConfigError
+
     from strawq.demo.lab import LabConfig, format_table, run_lab
 
     if not getattr(args, "verbose", False):
         logging.getLogger().setLevel(logging.WARNING)
     data: dict[str, Any] = {}
     if args.config:
-        with open(args.config, encoding="utf-8") as f:
-            loaded = json.load(f)
+        loaded = read_json_object(args.config, what="lab config")
         data.update(loaded.get("config", loaded))  # a lab.json, or a bare LabConfig
     names = {f.name for f in dataclasses.fields(LabConfig)}
     data.update({k: v for k, v in vars(args).items() if k in names and v is not None})
     if args.modes:
         data["modes"] = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    cfg = LabConfig.from_dict(data)
+    try:
+        cfg = LabConfig.from_dict(data)
+    except ConfigError as exc:
+        raise UsageError(f"{exc} (see strawq lab --help)") from exc
     result = run_lab(cfg)
     print(format_table(result))
     print(f"\nwritten: {result.files['json']} and <mode>/timeline.png under {cfg.workdir}")

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -44,21 +45,17 @@ def _given(flags: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _config(args: argparse.Namespace) -> Any:
-    from strawq.config import merge, parse_overrides
+def _config(args: argparse.Namespace, group_size: int | None = None) -> Any:
+    """The producer config from --config, --set and the flags; ``group_size`` (the run's G)
+    derives the slots from --concurrency when they are not given."""
+    from strawq.config import merge, parse_overrides, read_json_object
     from strawq.errors import ConfigError
 
     from strawq.producers.producer_config import ProducerConfig
 
     data: dict[str, Any] = {}
     if args.config:
-        try:
-            with open(args.config, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"producer config: cannot read {args.config}: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError(f"producer config: {args.config} must hold a JSON object")
+        data = read_json_object(args.config, what="producer config")
     data = merge(data, parse_overrides(args.set, where="producer config"))
     flags = {"run_dir": args.path, "producer_id": args.producer_id,
              "engine": {"workers": tuple(args.engine) if args.engine else None,
@@ -69,7 +66,46 @@ def _config(args: argparse.Namespace) -> Any:
     if not (isinstance(plugins, dict) and plugins.get("reward")):
         raise ConfigError("producer config: no reward function; pass --reward "
                           "module.function (e.g. strawq.producers.rewards.math_answer)")
+    budget = data.get("budget")
+    if not (isinstance(budget, dict) and "slots" in budget):
+        slots, how = derive_slots(args, data, group_size)
+        data = merge(data, {"budget": {"slots": slots}})
+        args.slots_chosen = how
     return ProducerConfig.from_dict(data, where="producer config")
+
+
+def derive_slots(args: argparse.Namespace, data: dict[str, Any],
+                 group_size: int | None) -> tuple[int, str]:
+    """This producer's group slots when neither --slots nor ``budget.slots`` gives them:
+    its share of K = floor(C*E/G) for C = --concurrency, E = the --engine URLs, G = the
+    run's group size and W = --producers; a usage error naming the flags otherwise."""
+    from strawq.argtypes import UsageError
+    from strawq.errors import ConfigError
+
+    from strawq.producers.budget import split_budget
+
+    if args.concurrency is None:
+        raise UsageError("how many groups this producer generates at once is not given: pass "
+                         "--slots N, or --concurrency C (requests each engine runs at once) "
+                         "to derive N = floor(C*E/G) from the --engine URLs and the run's "
+                         "group size (or set budget.slots in --config)")
+    engine = data.get("engine")
+    workers = (engine.get("workers") if isinstance(engine, dict) else None) or ()
+    if not workers or not isinstance(workers, (list, tuple)):
+        raise UsageError("--concurrency derives the slots from the --engine URLs; with "
+                         "--router (or no --engine) pass --slots N")
+    if group_size is None:
+        raise UsageError("--concurrency needs the run's group size; pass --slots N")
+    try:
+        budget = split_budget(args.concurrency, len(workers), group_size, args.producers)
+    except ConfigError as exc:
+        raise UsageError(f"--concurrency {args.concurrency}: {exc}") from exc
+    slots = min(budget.slots)
+    k = budget.total
+    how = (f"{slots} group slots: K = floor(C*E/G) = floor({args.concurrency}*{len(workers)}"
+           f"/{group_size}) = {k}" + (f", shared by {args.producers} producers"
+                                      if args.producers > 1 else ""))
+    return slots, how
 
 
 def cmd_producer(args: argparse.Namespace) -> int:
@@ -77,10 +113,15 @@ def cmd_producer(args: argparse.Namespace) -> int:
 
     from strawq.producers.producer import Producer
 
-    config = _config(args)
     if not os.path.isfile(os.path.join(args.path, "run.meta")):
         raise StrawqError(f"{args.path} holds no strawq run (no run.meta); create it with "
                           f"'strawq init {args.path}' or start the collector first")
+    config = _config(args, group_size=_group_size(args.path))
+    if not args.quiet:
+        how = getattr(args, "slots_chosen", None) or (
+            "--slots" if args.slots is not None else "budget.slots of the config")
+        chosen = how if how[0].isdigit() else f"{config.budget.slots} group slots ({how})"
+        print(f"strawq producer: {chosen}", file=sys.stderr)
     producer = Producer(config)
     stopped = threading.Event()
 
@@ -115,6 +156,14 @@ def cmd_producer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _group_size(path: str) -> int:
+    from strawq.queue import RunQueue
+    from strawq.storage import open_storage
+
+    return int(RunQueue.open(open_storage(path, writer_id="cli", read_only=True))
+               .config.group_size)
+
+
 def add_parsers(subparsers: Any) -> None:
     from strawq.argtypes import positive_int
     from strawq.config import add_keys_help
@@ -129,7 +178,15 @@ def add_parsers(subparsers: Any) -> None:
     s.add_argument("--reward", metavar="DOTTED.PATH",
                    help="reward function, e.g. strawq.producers.rewards.math_answer")
     s.add_argument("--slots", type=positive_int, default=None,
-                   help="group slots of this producer (its share of K = floor(C*E/G))")
+                   help="group slots of this producer (its share of K = floor(C*E/G)); "
+                   "or give --concurrency to derive them (one of the two is required, "
+                   "unless budget.slots is in --config)")
+    s.add_argument("--concurrency", type=positive_int, default=None, metavar="C",
+                   help="requests each engine runs at once: the slots are derived as "
+                   "floor(C*E/G) for the E --engine URLs and the run's G (printed at start)")
+    s.add_argument("--producers", type=positive_int, default=1, metavar="W",
+                   help="with --concurrency: producers sharing these engines (each gets "
+                   "floor(K/W) slots; default 1)")
     s.add_argument("--producer-id", default=None, help="fixed producer id (default: a new "
                    "p-<host>-<random> per start)")
     s.add_argument("--config", help="JSON file of producer config keys (unknown refused)")

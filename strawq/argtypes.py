@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import math
+
+from strawq.errors import StrawqError
+
+
+class UsageError(StrawqError):
+    """A value on the command line that cannot be used (the CLI exits 2, as argparse does).
+
+    For values argparse cannot judge alone (a flag whose range depends on another, a config
+    built from several flags); the message says which flag, what was expected and what was
+    found."""
 
 
 def positive_int(value: str) -> int:
@@ -13,4 +24,59 @@ def positive_int(value: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _port(value: str, low: int) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not low <= n <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected a TCP port {low}-65535{' (0 picks a free one)' if low == 0 else ''}, "
+            f"got {value!r}")
+    return n
+
+
+def port(value: str) -> int:
+    """An argparse type: a TCP port to connect to, 1-65535."""
+    return _port(value, 1)
+
+
+def listen_port(value: str) -> int:
+    """An argparse type: a TCP port to listen on, 0-65535 (0: the system picks a free one)."""
+    return _port(value, 0)
+
+
+def positive_float(value: str) -> float:
+    """An argparse type: a finite number > 0 (``inf``, ``nan`` and ``1e400`` are refused)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}") from None
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value!r}")
+    return x
+
+
+def non_negative_float(value: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}") from None
+    if not (math.isfinite(x) and x >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {value!r}")
+    return x
+
+
+def non_negative_int(value: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
     return n

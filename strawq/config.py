@@ -22,6 +22,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import math
 import numbers
 import re
 import sys
@@ -211,6 +212,8 @@ def _check(where: str, value: Any, hint: Any) -> Any:
         ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     elif hint is float:
         ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if ok and not math.isfinite(value):  # JSON's 1e400 is inf; NaN passes every range
+            raise ConfigError(f"{where}: expected a finite number, found {value!r}")
     elif isinstance(hint, type):
         ok = isinstance(value, hint)
     else:
@@ -276,18 +279,36 @@ def load_config(cls: type[C], path: str | None = None,
     name).
     """
     name = where or cls.__name__
-    data: dict[str, Any] = {}
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{name}: cannot read {path}: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError(f"{name}: {path} must hold a JSON object, found "
-                              f"{type(data).__name__}")
+    data: dict[str, Any] = read_json_object(path, what=name) if path else {}
     data = merge(data, parse_overrides(overrides, where=name))
     return cls.from_dict(data, where=where)
+
+
+def read_json_file(path: str, *, what: str) -> Any:
+    """The parsed JSON of ``path``; a :class:`ConfigError` that says in words what is wrong
+    (a missing or unreadable file, or where the JSON breaks) otherwise."""
+    from strawq.errors import os_error_text
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{what}: {os_error_text(exc, 'read', path)}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what}: {path} is not UTF-8 text (byte {exc.start}); expected "
+                          "a JSON file") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what}: {path} is not valid JSON: {exc.msg} at line {exc.lineno}, "
+                          f"column {exc.colno}; fix the file") from exc
+
+
+def read_json_object(path: str, *, what: str) -> dict[str, Any]:
+    """:func:`read_json_file` for a file that must hold one JSON object (a config)."""
+    data = read_json_file(path, what=what)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: {path} must hold a JSON object, found "
+                          f"{type(data).__name__}")
+    return data
 
 
 # -- field documentation and the generated key list ---------------------------------------
@@ -447,6 +468,10 @@ def add_keys_help(parser: argparse.ArgumentParser, target: str | type[Config]) -
     setattr(parser, "format_help", format_help)  # noqa: B010 - an instance override
 
 
+#: The longest duration a config accepts, in seconds (a year): longer ones overflow timers.
+MAX_SECONDS = 365 * 24 * 3600.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class QueueConfig(Config):
     """The queue's settings, recorded in ``run.meta`` when the run is created."""
@@ -472,8 +497,9 @@ class QueueConfig(Config):
     def validate(self) -> None:
         if self.max_attempts < 1:
             raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.lease_timeout_s <= 0:
-            raise ConfigError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
+        if not 0 < self.lease_timeout_s <= MAX_SECONDS:
+            raise ConfigError(f"lease_timeout_s must be > 0 and at most {MAX_SECONDS:.0f} "
+                              f"(a year), got {self.lease_timeout_s}")
         if not 0 < self.heartbeat_interval_s < self.lease_timeout_s:
             raise ConfigError(
                 f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be > 0 and below "

@@ -29,7 +29,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import msgpack
 import xxhash
 
@@ -131,6 +130,8 @@ class Dataset:
         self.prompt_key = prompt_key
         if fmt is not None and fmt not in FORMATS:
             raise DatasetError(f"unknown dataset format {fmt!r}; expected jsonl or parquet")
+        import fsspec  # on first use: reading a run's cursor needs no filesystem layer
+
         try:
             self._fs, path = fsspec.core.url_to_fs(url)
             self.shards = self._list_shards(url, path.rstrip("/") or path, fmt)
@@ -138,6 +139,10 @@ class Dataset:
             raise
         except FileNotFoundError:
             raise DatasetError(f"dataset {url!r} does not exist") from None
+        except OSError as exc:  # in words, with what to do (no "[Errno 13]")
+            from strawq.errors import os_error_text
+
+            raise DatasetError(f"dataset {url!r}: {os_error_text(exc, 'open')}") from exc
         except Exception as exc:
             raise DatasetError(f"cannot open dataset {url!r}: {exc}") from exc
         formats = sorted({s.fmt for s in self.shards})

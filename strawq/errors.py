@@ -57,3 +57,43 @@ class FencedOut(StrawqError, PermissionError):
 
 class DoctorFailed(StrawqError):
     """A mount failed verification; a run must not start on it."""
+
+
+#: What to do about the common ``OSError`` causes, by errno name.
+_OS_HINTS = {
+    "ENOENT": "check the path",
+    "ENOTDIR": "a part of the path is a file, not a directory: check the path",
+    "EISDIR": "expected a file, found a directory: name the file",
+    "EACCES": "check its permissions (or run as a user who may)",
+    "EPERM": "check its permissions (or run as a user who may)",
+    "EROFS": "the filesystem is read-only: choose a writable path",
+    "ENOSPC": "the filesystem is full: free space or choose another path",
+    "EDQUOT": "the disk quota is exceeded: free space or choose another path",
+    "EADDRINUSE": "another process listens there: choose another port (0 picks a free one)",
+    "ECONNREFUSED": "nothing listens there: start it, or check the address",
+}
+
+
+def os_error_text(exc: OSError, doing: str | None = None, path: object = None) -> str:
+    """An ``OSError`` in words, without Python's ``[Errno N]`` prefix: what failed on which
+    path, why (the system's reason), and what to do, e.g. ``cannot read /x/run.json: no such
+    file or directory (check the path)``; without ``doing``, ``/x/run.json: no such ...``."""
+    import errno as _errno
+    import os as _os
+
+    where = path if path is not None else exc.filename
+    if exc.strerror:
+        reason = exc.strerror
+    elif exc.errno:
+        reason = _os.strerror(exc.errno)
+    else:  # raised by code, not the system: its message is the reason
+        reason = str(exc) or type(exc).__name__
+    if exc.strerror or exc.errno:
+        reason = reason[:1].lower() + reason[1:]
+    hint = _OS_HINTS.get(_errno.errorcode.get(exc.errno or -1, ""), "")
+    if doing:
+        head = f"cannot {doing}" + (f" {where}" if where is not None else "")
+    else:
+        head = str(where) if where is not None else ""
+    text = f"{head}: {reason}" if head else reason
+    return text + (f" ({hint})" if hint else "")

@@ -28,15 +28,16 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from strawq import records
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
-from strawq.groups import staleness
+from strawq.staleness import staleness
 from strawq.records import Kind
 from strawq.storage import Storage
+
+if TYPE_CHECKING:  # numpy loads when a per-sample mask is asked for
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +101,16 @@ class EtaPolicy:
 
     def over_each(self, version: int, min_versions: np.ndarray) -> np.ndarray:
         """``over`` for an array of per-sample oldest versions: a bool mask."""
+        import numpy as np
+
         return np.asarray(self._exceeds(staleness(version, np.asarray(min_versions))),
                           dtype=bool)
 
     def _exceeds(self, stale: Any) -> Any:
         """``stale > η`` for a staleness or an array of them (all False without a bound)."""
         if self.max_staleness is None:
+            import numpy as np
+
             return np.zeros(np.shape(stale), dtype=bool)
         return stale > self.max_staleness
 

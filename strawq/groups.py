@@ -18,38 +18,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import pyarrow as pa
 
 from strawq import records
 from strawq.errors import CorruptRecord
 from strawq.extras import Extra, ExtraError, spec_of
 from strawq.records import Kind
+from strawq.staleness import staleness as staleness  # its one definition, re-exported
+
+if TYPE_CHECKING:  # pyarrow loads when a record's tables are read
+    import pyarrow as pa
 
 SAMPLE_STATUSES = ("completed", "truncated", "aborted", "pending", "failed")
 TOKEN_COLUMNS = {"tokens": np.int32, "logprobs": np.float32, "versions": np.int64,
                  "loss_mask": np.uint8}
 _TOKEN_DTYPES = tuple((c, np.dtype(t)) for c, t in TOKEN_COLUMNS.items())
-
-_V = TypeVar("_V", int, np.ndarray)
-
-
-def staleness(current_version: int, min_version: _V) -> _V:
-    """Staleness (docs/design.md, invariant 5): ``current_version`` − the minimum weight version
-    over tokens.
-
-    The one definition. What "the tokens" are is the caller's ``min_version``: a group's
-    minimum over all its samples' tokens (``TaskName.version`` of a ready group, the
-    ``min_version`` of its summary) gives the group's staleness, which orders ready groups
-    and is checked against the η bound; an array of per-sample minima (the reader's
-    ``sample_min_version``) gives per-sample staleness for the ``staleness/*`` metrics.
-    Not clamped: a negative value means the batch was read before the version that stamped
-    its tokens was announced.
-    """
-    return current_version - min_version
-
 
 @dataclass(kw_only=True)
 class GroupData:
@@ -242,6 +227,8 @@ def decode_group_columns(data: bytes | memoryview, *, name: str = "group",
     ``sum(sample_lens)`` long with its dtype, the prompt is int32. ``CorruptRecord`` else.
     The views share ``data``'s memory (and its lifetime).
     """
+    import pyarrow as pa
+
     rec = records.decode(data, expect=expect, name=name, verify=verify)
     if rec.kind not in (Kind.GROUP, Kind.PARTIAL):
         raise CorruptRecord(f"{name}: expected a GROUP or PARTIAL record, found {rec.kind.name}")

@@ -30,14 +30,13 @@ import time
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strawq import records
 from strawq.config import QueueConfig, from_dict, to_dict
 from strawq.eta import EtaPolicy, PolicyCache
 from strawq.errors import (AlreadyExists, ConfigError, CorruptRecord, LeaseLost, NotFound,
                            StorageError, TaskNotFound)
-from strawq.groups import GroupData
 from strawq.names import (STAGE_PARTIAL, TaskName, data_key, heartbeat_key, note_key,
                           parse_heartbeat, queue_key, ready_key, requeued_name, validate_id)
 from strawq.records import Kind
@@ -45,6 +44,9 @@ from strawq.states import DIRS as STATE_DIRS
 from strawq.states import (RELEASE_PREFIX, TaskState, entries, key_of, list_queued, move,
                            queued_state)
 from strawq.storage import Storage
+
+if TYPE_CHECKING:  # groups need numpy: loaded when a group is read (status reads none)
+    from strawq.groups import GroupData
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +296,8 @@ class RunQueue:
             return None
         key = data_key(lease.task_id, lease.name.resume, "partial")
         rec = self._read_record(key, Kind.PARTIAL)
+        from strawq.groups import GroupData
+
         return GroupData.from_record(rec)
 
     def _move_lease(self, lease: Lease, dst: TaskState, new: TaskName) -> str:
@@ -462,6 +466,8 @@ class RunQueue:
         return STATE_DIRS[state], name
 
     def read_group(self, task_id: str, gen: int) -> GroupData:
+        from strawq.groups import GroupData
+
         key = data_key(task_id, gen, "group")
         return GroupData.from_record(self._read_record(key, Kind.GROUP))
 

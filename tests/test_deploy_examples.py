@@ -431,3 +431,26 @@ def test_megatron_toy_loop_pushes_real_weights_and_keeps_a_live_run_going(
                            weights_only=True)
         assert sorted(saved) == ["emb.weight", "out.bias", "out.weight"]
         assert json.loads(ckpt.read_text())["batch_seq"] == MEGATRON_STEPS
+
+def _launch_producers() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "launch_producers_example", DEPLOY / "examples" / "launch_producers.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_launch_producers_never_guesses_between_ray_clusters() -> None:
+    """A second Ray instance on the host makes 'auto' ambiguous: the launcher refuses and
+    lists both instead of joining whichever started last."""
+    choose = _launch_producers().choose_address
+    two = ["10.0.0.1:6379", "10.0.0.1:6380"]
+    with pytest.raises(ConfigError, match=r"2 Ray clusters run on this host \(10\.0\.0\.1:6379, "
+                       r"10\.0\.0\.1:6380\); pass --address"):
+        choose(None, None, two)
+    with pytest.raises(ConfigError, match="no Ray cluster runs on this host"):
+        choose(None, None, [])
+    assert choose("h:1", "h:2", two) == "h:1"  # --address wins, then RAY_ADDRESS
+    assert choose(None, "h:2", two) == "h:2"
+    assert choose(None, None, ["h:3"]) == "h:3"

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from strawq.argtypes import listen_port
 from strawq.producers.engines.launch import KINDS, EngineOptions, start_engine
 from strawq.producers.engines.server import DISCONNECT_POLL_S
 from strawq.producers.engines.sim_backend import SimConfig
@@ -35,7 +36,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
-        "--port", type=int, default=30000, help="0 picks a free port (printed on the ready line)"
+        "--port", type=listen_port, default=30000,
+        help="0-65535; 0 picks a free port (printed on the ready line)"
     )
     p.add_argument(
         "--max-running-requests", type=int, default=None, help="slot limit (tiny 32, sim 256)"
@@ -145,7 +147,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         opts = options_from_args(args)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from strawq.errors import os_error_text
+
+        why = os_error_text(exc, "read") if isinstance(exc, OSError) else str(exc)
+        print(f"error: {why}", file=sys.stderr)
         return 2
     asyncio.run(_serve(opts, args.host, args.port))
     return 0

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from strawq.argtypes import positive_int
+from strawq.argtypes import UsageError, positive_int
 from strawq.config import add_keys_help
-from strawq.errors import StrawqError
+from strawq.errors import StrawqError, os_error_text
 
 DESCRIPTION = """\
 strawq: a durable rollout queue for RL post-training, on a shared filesystem.
@@ -26,8 +26,8 @@ persisted there, and one collector feeds the trainer staleness-first.
 
 
 EPILOG = """\
-Options -q/--quiet and -v/--verbose work before or after the command. Commands that print
-state take --json.
+Options -q/--quiet, -v/--verbose and --json work before or after the command; --json is
+taken by the commands that print state.
 
 Exit status: 0 success; 1 an error (the message says what was expected, what was found and
 what to do next); 2 a usage error (unknown option, bad value); 130 interrupted. A closed
@@ -51,11 +51,13 @@ def _queue(path: str, *, read_only: bool = False) -> Any:
     return RunQueue.open(open_storage(path, writer_id="cli", read_only=read_only))
 
 
-def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
-    """Print ``payload`` as JSON with --json, else ``text`` (nothing with -q and no text)."""
+def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str, *,
+          report: bool = False) -> None:
+    """Print ``payload`` as JSON with --json, else ``text``: a summary, which -q silences,
+    or with ``report`` what the command was asked to show (printed with -q too)."""
     if getattr(args, "json", False):
         print(json.dumps(payload, indent=2, sort_keys=True, default=str))
-    elif text:
+    elif text and (report or not getattr(args, "quiet", False)):
         print(text)
 
 
@@ -138,7 +140,7 @@ def _release_dry_run(args: argparse.Namespace, q: Any, dataset: Any) -> int:
                "would_move_to": p.end, "would_release": p.good, "would_drop": len(p.bad),
                "bad_rows": [{"index": b.index, "message": b.message} for b in p.bad],
                "prompt_kinds": p.kinds, "exhausted": p.exhausted}
-    _emit(args, payload, p.describe())
+    _emit(args, payload, p.describe(), report=True)
     return 0 if p.refused is None else 1
 
 
@@ -239,11 +241,47 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _VersionAction(argparse.Action):
+    """``--version``: the installed version, looked up only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(f"strawq {_version()}")
+        parser.exit()
+
+
+#: Options every command takes, before or after it (none takes a value).
+GLOBAL_OPTIONS = ("-q", "--quiet", "-v", "--verbose", "--json")
+
+
+def command_of(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names: its first word that is not an option (the options before
+    a command take no value), or None."""
+    for word in argv:
+        if word == "--":
+            return None
+        if not word.startswith("-"):
+            return word
+    return None
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``strawq`` parser. With ``argv``, only the command it names is built in full (its
+    module imported); every other command is listed by name and help, so ``strawq --help``
+    shows them all and ``strawq --version`` or ``strawq status`` import nothing they do not
+    use. Without ``argv``, every command is built."""
+    wanted = None if argv is None else command_of(argv)
     p = argparse.ArgumentParser(prog="strawq", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"strawq {_version()}")
+    p.add_argument("--version", action=_VersionAction)
     _add_verbosity(p, top=True)
+    p.add_argument("--json", action="store_true", default=False,
+                   help="machine-readable output (commands that print state)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     s = sub.add_parser("init", help="create a run directory (layout + config)",
@@ -340,8 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_forget_engine)
 
     for entry in SUBCOMMANDS:
-        entry.register(sub)
+        if argv is None or entry.name == wanted:
+            entry.register(sub)
+        else:
+            entry.list_only(sub)
     _verbosity_everywhere(p)
+    _json_everywhere(p)
     return p
 
 
@@ -370,6 +412,19 @@ def _verbosity_everywhere(p: argparse.ArgumentParser) -> None:
                 _verbosity_everywhere(child)
 
 
+def _json_everywhere(p: argparse.ArgumentParser) -> None:
+    """A command's own --json defaults to SUPPRESS (like -q/-v), so ``strawq --json CMD`` is
+    not reset by CMD's parser; the commands that take it are marked (``_takes_json``)."""
+    for action in p._actions:  # noqa: SLF001
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for child in action.choices.values():
+                own = child._option_string_actions.get("--json")  # noqa: SLF001
+                if own is not None:
+                    own.default = argparse.SUPPRESS
+                    child.set_defaults(_takes_json=True)
+                _json_everywhere(child)
+
+
 @dataclass(frozen=True)
 class Subcommand:
     """A command that lives outside the core CLI module (it may need an optional extra)."""
@@ -392,9 +447,29 @@ class Subcommand:
         if self.nested:
             p = sub.add_parser(self.name, help=self.help,
                                description=self.description or self.help)
-            add(p.add_subparsers(dest=f"{self.name}_command", metavar="COMMAND"))
+            actions = p.add_subparsers(dest=f"{self.name}_command", metavar="COMMAND")
+            add(actions)
+            choices = ", ".join(actions.choices)
+
+            def name_one(_args: argparse.Namespace) -> int:  # 'strawq engine' alone
+                p.print_usage(sys.stderr)
+                print(f"strawq {self.name}: error: name a command: {choices}", file=sys.stderr)
+                return 2
+
+            p.set_defaults(func=name_one)
         else:
             add(sub)
+
+    def list_only(self, sub: Any) -> None:
+        """Name the command in ``--help`` without importing its module (argv names another)."""
+        sub.add_parser(self.name, help=self.help, add_help=False)
+
+    def missing_dependency(self, exc: ImportError) -> str:
+        """What to say when the command's code needs a package that is not installed."""
+        hint = (f"pip install 'strawq[{self.extra}]'" if self.extra
+                else "reinstall strawq")
+        name = f"'{exc.name}'" if exc.name else "a package"
+        return f"strawq {self.name} needs {name}, which is not installed; install it with: {hint}"
 
     def _register_missing(self, sub: Any, exc: ImportError) -> None:
         hint = (f"pip install 'strawq[{self.extra}]'" if self.extra
@@ -431,11 +506,18 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "an end-to-end RL run on this machine (the main job)", extra="all"),
     Subcommand("lab", "strawq.demo.lab_cli", "add_lab_parser",
                "the rollout schedules compared at scale (sim engines)", extra="all"),
+    Subcommand("cluster", "strawq.app.cluster", "add_parsers",
+               "a whole run on this machine from one run config (engines, producers, "
+               "collector)", extra="engines", nested=True,
+               description="'strawq cluster up RUN.json' starts the run, its engines (sim by "
+               "default), a router, the producers and the collector on this machine, from "
+               "one run config (deploy/examples/quickstart.json works as shipped)."),
 )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     verbose, quiet = getattr(args, "verbose", False), getattr(args, "quiet", False)
     args.verbose, args.quiet = verbose, quiet
@@ -446,6 +528,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     where = f"strawq {args.command}"
+    if args.json and not getattr(args, "_takes_json", False):
+        parser.exit(2, f"{parser.prog}: error: --json: {where} prints no state to give as "
+                    "JSON (the commands that take it say so in their --help)\n")
     try:
         rc: int = args.func(args)
         sys.stdout.flush()
@@ -456,22 +541,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except UsageError as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return 2
     except StrawqError as exc:
         print(f"{where}: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        path = f" {exc.filename}" if getattr(exc, "filename", None) else ""
-        print(f"{where}: error:{path} {exc.strerror or exc}", file=sys.stderr)
+        print(f"{where}: error: {os_error_text(exc)}", file=sys.stderr)
+        return 1
+    except ImportError as exc:  # a command's optional dependency is not installed
+        entry = next((e for e in SUBCOMMANDS if e.name == args.command), None)
+        if entry is None:
+            return _internal_error(where, exc, verbose)
+        print(f"{where}: error: {entry.missing_dependency(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - the last line of defence: no traceback
-        log.debug("internal error", exc_info=True)
-        print(f"{where}: internal error: {type(exc).__name__}: {exc}"
-              + ("" if verbose else " (rerun with -v for the traceback, and please report "
-                 "it)"), file=sys.stderr)
-        return 1
+        return _internal_error(where, exc, verbose)
+
+
+def _internal_error(where: str, exc: BaseException, verbose: bool) -> int:
+    log.debug("internal error", exc_info=exc)
+    print(f"{where}: internal error: {type(exc).__name__}: {exc}"
+          + ("" if verbose else " (rerun with -v for the traceback, and please report "
+             "it)"), file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -57,9 +57,38 @@ def test_an_engine_on_the_default_weight_version_is_refused_at_start(
     q = make_run(str(tmp_path / "run"), 4)
     with EngineThread(EngineOptions(kind="sim", weight_version="default", sim=FAST_SIM)) as eng:
         rc = main(["producer", str(tmp_path / "run"), "--engine", eng.url, "--reward",
-                   f"{PLUGINS}.length_reward", "--max-seconds", "30"])
+                   f"{PLUGINS}.length_reward", "--max-seconds", "30", "--slots", "1"])
     err = capsys.readouterr().err
     assert rc == 1
     assert "'default' is not an integer" in err and "--weight-version" in err
     assert "Traceback" not in err
     assert len(ids(q, "pending")) == 4 and ids(q, "dropped") == []  # nothing was burnt
+
+
+DEAD = ["--engine", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:10"]
+
+
+def test_the_slots_are_required_or_derived_never_a_silent_default(
+        tmp_path: Path, capsys: Any) -> None:
+    from strawq.app.cli import main
+
+    q = make_run(str(tmp_path / "run"), 4)  # G = 4
+    base = ["producer", str(tmp_path / "run"), *DEAD, "--reward", f"{PLUGINS}.length_reward",
+            "--set", "engine.client.eos_token_ids=[2]", "--max-seconds", "0.3", "--json"]
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "pass --slots N, or --concurrency C" in err and "floor(C*E/G)" in err
+    assert len(ids(q, "pending")) == 4  # nothing was claimed
+    assert main([*base, "--concurrency", "10"]) == 0
+    out, err = capsys.readouterr()
+    assert "5 group slots: K = floor(C*E/G) = floor(10*2/4) = 5" in err
+    assert json.loads(out)["slots"] == 5
+    assert main([*base, "--concurrency", "10", "--producers", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "2 group slots: K = floor(C*E/G) = floor(10*2/4) = 5, shared by 2" in err
+    assert json.loads(out)["slots"] == 2
+    assert main([*base, "--slots", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert "3 group slots (--slots)" in err and json.loads(out)["slots"] == 3
+    assert main([*base, "--concurrency", "1"]) == 2  # C*E < G: not one group fits
+    assert "not enough engine concurrency" in capsys.readouterr().err

@@ -343,3 +343,18 @@ def test_run_config_cli_check_gives_one_line_errors(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "queue.group_size" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_number_must_be_finite(value: float) -> None:
+    """JSON's 1e400 parses as inf and NaN passes every range check: both are refused where
+    the field is declared a float, by name, in one line."""
+    with pytest.raises(ConfigError, match=r"^q\.lease_timeout_s: expected a finite number"):
+        QueueConfig.from_dict({"lease_timeout_s": value}, where="q")
+    with pytest.raises(ConfigError, match="expected a finite number"):
+        load_config(QueueConfig, None, [f"heartbeat_interval_s={json.dumps(value)}"])
+
+
+def test_a_duration_beyond_a_year_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"lease_timeout_s must be > 0 and at most 31536000"):
+        QueueConfig(lease_timeout_s=1e20)

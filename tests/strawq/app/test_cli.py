@@ -276,7 +276,7 @@ def test_producer_command_is_registered_and_runs_without_ray(tmp_path: Path) -> 
     code = ("import sys; sys.modules['ray'] = None; from strawq.app.cli import main; "
             f"sys.exit(main(['producer', {run!r}, '--engine', 'http://127.0.0.1:9', "
             "'--reward', 'strawq.producers.rewards.math_answer', '--max-seconds', '0.5', "
-            "'--set', 'engine.client.eos_token_ids=[2]', '--json']))")
+            "'--set', 'engine.client.eos_token_ids=[2]', '--slots', '1', '--json']))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=False)
     assert res.returncode == 0, res.stderr
@@ -289,7 +289,8 @@ def test_producer_command_refuses_to_start_without_eos_ids(tmp_path: Path) -> No
     run = _run(tmp_path)
     res = subprocess.run(
         [sys.executable, "-m", "strawq", "producer", run, "--engine", "http://127.0.0.1:9",
-         "--reward", "strawq.producers.rewards.math_answer", "--max-seconds", "0.5"],
+         "--reward", "strawq.producers.rewards.math_answer", "--max-seconds", "0.5",
+         "--slots", "1"],
         capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 1, res.stderr
     assert "cannot find the model's EOS ids" in res.stderr
@@ -345,3 +346,121 @@ def test_forget_engine_drops_the_notes_of_a_retired_engine(
     assert json.loads(capsys.readouterr().out) == {"url": "http://10.0.0.7:30000",
                                                    "notes_deleted": 2}
     assert sorted(notes.needing()) == ["http://10.0.0.8:30000"]  # the other engine's kept
+
+
+# -- global options anywhere, quiet summaries, usage errors --------------------------------
+
+
+def test_json_before_or_after_the_command(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    run = str(tmp_path / "run")
+    ds = tmp_path / "ds.jsonl"
+    ds.write_text(json.dumps({"prompt": [1, 2]}) + "\n")
+    for argv in (["init", run], ["release", run, str(ds)], ["status", run], ["gc", run],
+                 ["bracket", "status", run], ["-q", "status", run]):
+        for full in (["--json", *argv], [*argv, "--json"]):
+            assert cli.main(full) == 0, full
+            json.loads(capsys.readouterr().out)
+    with pytest.raises(SystemExit) as exc:  # a command that prints no state: a usage error
+        cli.main(["--json", "demo", "--steps", "1"])
+    assert exc.value.code == 2
+    assert "--json: strawq demo prints no state" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quiet", [["-q"], ["--quiet"]])
+def test_quiet_release_and_gc_print_nothing(tmp_path: Path, quiet: list[str],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    run = _run(tmp_path)
+    ds = tmp_path / "ds.jsonl"
+    ds.write_text(json.dumps({"prompt": [1, 2]}) + "\n")
+    assert cli.main(["release", run, str(ds), *quiet]) == 0
+    assert cli.main([*quiet, "gc", run]) == 0
+    assert capsys.readouterr().out == ""
+    assert cli.main(["status", run, "--json", *quiet]) == 0  # a report: printed with -q
+    assert json.loads(capsys.readouterr().out)["counts"]["pending"] == 1  # it did release
+
+
+@pytest.mark.parametrize("argv", [["engine", "serve", "--kind", "sim", "--port", "99999"],
+                                  ["engine", "serve", "--kind", "sim", "--port", "-1"],
+                                  ["engine", "serve", "--kind", "sim", "--port", "http"]])
+def test_an_engine_port_out_of_range_is_a_usage_error(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "expected a TCP port 0-65535" in err and "internal error" not in err
+
+
+@pytest.mark.parametrize("value", ["1e400", "NaN", "-Infinity"])
+def test_a_non_finite_config_value_is_one_line(tmp_path: Path, value: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    assert cli.main(["init", str(run), "--set", f"lease_timeout_s={value}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "lease_timeout_s: expected a finite number" in err
+    assert not (run / "run.meta").exists()
+
+
+def test_an_unreadable_config_file_is_said_in_words(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.json"
+    assert cli.main(["init", str(tmp_path / "run"), "--config", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot read {missing}: no such file or directory (check the path)" in err
+    assert "Errno" not in err
+    broken = tmp_path / "broken.json"
+    broken.write_text("{\"max_attempts\": 3,,}")
+    assert cli.main(["init", str(tmp_path / "run"), "--config", str(broken)]) == 1
+    err = capsys.readouterr().err
+    assert f"{broken} is not valid JSON" in err and "line 1, column" in err
+    assert cli.main(["init", str(tmp_path / "run"), "--config", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "expected a file, found a directory" in err and "Errno" not in err
+
+
+# -- what a command imports: only what it uses ---------------------------------------------
+
+#: Modules a CLI call that neither generates nor trains must not load.
+HEAVY = ("aiohttp", "numpy", "torch", "pyarrow", "fsspec", "ray", "transformers",
+         "strawq.producers", "strawq.collector", "strawq.demo", "producers", "collector",
+         "demo")
+
+
+def _modules_after(*argvs: list[str]) -> set[str]:
+    code = ("import json, sys\nfrom strawq.app.cli import main\nfor argv in json.loads("
+            "sys.argv[1]):\n    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "sys.stderr.write('MODULES ' + json.dumps(sorted(sys.modules)))\n")
+    res = subprocess.run([sys.executable, "-c", code, json.dumps(list(argvs))],
+                         capture_output=True, text=True, timeout=120, check=False)
+    line = res.stderr.rpartition("MODULES ")[2]
+    assert line, res.stderr
+    return set(json.loads(line))
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["status", "RUN"], ["status", "RUN", "--json"],
+                                  ["--help"]])
+def test_a_plain_command_imports_no_engine_trainer_or_array_code(tmp_path: Path,
+                                                                 argv: list[str]) -> None:
+    run = _run(tmp_path)
+    loaded = _modules_after([run if a == "RUN" else a for a in argv])
+    heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY
+                   or m.startswith(tuple(f"{h}." for h in HEAVY)))
+    assert heavy == [], heavy
+    assert "strawq.app.cli" in loaded
+    if argv == ["--version"]:
+        assert "strawq.queue" not in loaded
+
+
+def test_the_named_command_alone_is_imported() -> None:
+    loaded = _modules_after(["producer", "--help"])
+    assert "strawq.producers.cli" in loaded
+    assert not {"strawq.collector.cli", "strawq.demo.cli", "strawq.producers.engines.cli",
+                "strawq.app.cluster"} & loaded
+
+
+@pytest.mark.parametrize("command, actions", [("engine", "serve, init-tiny"), ("cluster", "up")])
+def test_a_command_group_alone_names_its_commands(command: str, actions: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([command]) == 2
+    assert f"strawq {command}: error: name a command: {actions}" in capsys.readouterr().err

@@ -1,0 +1,266 @@
+"""``strawq cluster up RUN.json``: a whole run on this machine from one run config, no Ray.
+
+It starts, from the sections of one ``RunConfig`` file (``deploy/examples/quickstart.json``
+works as shipped):
+
+* the run (``strawq init`` with the ``queue`` section, at ``producer.run_dir``);
+* ``placement.engines`` local engines (``strawq engine serve``, the ``sim`` timing model by
+  default), each with ``--max-running-requests placement.concurrency``, and a router on the
+  port of ``producer.engine.router_url`` that lists them (the trainer pushes weights there);
+* ``--producers W`` producer processes (``strawq producer``), W = 1 by default, sharing the
+  engines: K = floor(C*E/G) group slots split by ``divmod(K, W)``, printed at start;
+* the collector (``strawq collector``) on ``--dataset`` (default: a generated dataset of the
+  count task, the one the sim engine and ``strawq.producers.rewards.count_task`` score).
+
+Each process logs to ``WORKDIR/logs/<name>.log``; the sections it was given are written to
+``WORKDIR/<section>.json``. It then waits: SIGINT/SIGTERM (or ``--max-seconds``) stops the
+producers first (they hand back their groups), then the collector, the router and the
+engines. A process that exits on its own stops the rest; the exit status says whether
+everything stopped cleanly (0) or one of them failed (1, naming it and its log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+from strawq.argtypes import UsageError, positive_float, positive_int
+from strawq.errors import ConfigError, StrawqError, os_error_text
+
+#: Default sim engine flags: a fast, short-response timing model for one machine.
+SIM_ARGS = "--time-scale 0.05 --len-median 40 --len-cap 200"
+#: Seconds an engine or router gets to print its ready line.
+READY_TIMEOUT_S = 120.0
+#: Seconds a process gets to stop after SIGTERM before it is killed.
+STOP_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Child:
+    """One started process, its log and (for a server) its URL."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: str
+    url: str | None = None
+
+    def tail(self, lines: int = 5) -> str:
+        try:
+            with open(self.log, encoding="utf-8", errors="replace") as f:
+                return " | ".join(line.strip() for line in f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Cluster:
+    """The processes of one local run, in start order (stopped in reverse)."""
+
+    workdir: str
+    children: list[Child] = field(default_factory=list)
+
+    def spawn(self, name: str, argv: Sequence[str]) -> Child:
+        logs = os.path.join(self.workdir, "logs")
+        os.makedirs(logs, exist_ok=True)
+        path = os.path.join(logs, f"{name}.log")
+        out: IO[bytes] = open(path, "wb")  # noqa: SIM115 - the child holds it
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "strawq", *argv], stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        finally:
+            out.close()
+        child = Child(name, proc, path)
+        self.children.append(child)
+        return child
+
+    def wait_ready(self, child: Child, timeout_s: float = READY_TIMEOUT_S) -> str:
+        """The URL on a server's ready line (``STRAWQ_ENGINE_READY <url>``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with open(child.log, encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        if line.startswith("STRAWQ_ENGINE_READY "):
+                            child.url = line.split()[1]
+                            return child.url
+            except OSError:
+                pass
+            if child.proc.poll() is not None:
+                raise StrawqError(f"{child.name} exited with status {child.proc.returncode} "
+                                  f"before it was ready: {child.tail()} (log: {child.log})")
+            if time.monotonic() > deadline:
+                raise StrawqError(f"{child.name} printed no ready line within {timeout_s:.0f} "
+                                  f"s (log: {child.log}); the machine may be overloaded")
+            time.sleep(0.05)
+
+    def exited(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop(self) -> list[Child]:
+        """SIGTERM each process in reverse start order (waiting for each to stop, killing it
+        after ``STOP_TIMEOUT_S``); the ones that failed (killed, or a non-zero status)."""
+        failed: list[Child] = []
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+                try:
+                    child.proc.wait(STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
+                    failed.append(child)
+                    continue
+            if child.proc.returncode not in (0, -signal.SIGTERM):
+                failed.append(child)
+        return failed
+
+
+def count_dataset(path: str, rows: int, *, seed: int = 0, eos: int = 2) -> str:
+    """A JSONL dataset of the count task (write exactly ``count`` tokens, then stop): token id
+    prompts, the one task the sim engine's ids and ``count_task`` score meaningfully."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(rows):
+            prompt = [rng.randrange(3, 250) for _ in range(rng.randrange(3, 9))]
+            f.write(json.dumps({"prompt": prompt, "count": rng.randrange(4, 60),
+                                "eos": eos}) + "\n")
+    return path
+
+
+def _local_port(url: str) -> int:
+    parts = urlsplit(url)
+    if parts.hostname not in ("127.0.0.1", "localhost") or parts.port is None:
+        raise UsageError(f"producer.engine.router_url is {url!r}: cluster up starts the router "
+                         "on this machine, so it must be http://127.0.0.1:PORT")
+    return parts.port
+
+
+def _write(path: str, section: Any) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(section.to_dict(), f, indent=2)
+        f.write("\n")
+    return path
+
+
+def cmd_cluster_up(args: argparse.Namespace) -> int:
+    from strawq.app.run_config import RunConfig
+    from strawq.config import load_config
+    from strawq.producers.budget import split_budget
+    from strawq.queue import RunQueue
+    from strawq.storage import open_storage
+
+    cfg = load_config(RunConfig, args.config, args.set, where="run config")
+    if cfg.producer is None or cfg.placement is None:
+        raise ConfigError(f"{args.config} needs a producer and a placement section (the "
+                          "engines are placement.engines of placement.concurrency "
+                          "requests); deploy/examples/quickstart.json has both")
+    if cfg.producer.engine.router_url is None:
+        raise ConfigError(f"{args.config}: producer.engine.router_url is not set; cluster up "
+                          "starts a router there (e.g. http://127.0.0.1:32000)")
+    router_port = _local_port(cfg.producer.engine.router_url)
+    run_dir = os.path.abspath(cfg.producer.run_dir)
+    workdir = os.path.abspath(args.workdir or os.path.dirname(run_dir))
+    c, e, g = cfg.placement.concurrency, cfg.placement.engines, cfg.group_size
+    budget = split_budget(c, e, g, args.producers)  # ConfigError with the numbers
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        q = RunQueue.create(open_storage(run_dir, writer_id="cli"), cfg.queue)
+        files = {s: _write(os.path.join(workdir, f"{s}.json"), getattr(cfg, s))
+                 for s in ("queue", "collector", "producer")}
+        dataset = args.dataset or count_dataset(os.path.join(workdir, "data.jsonl"),
+                                                args.prompts)
+    except OSError as exc:
+        raise StrawqError(os_error_text(exc, "write")) from exc
+    del q
+    cluster = Cluster(workdir)
+    quiet = args.quiet
+
+    def say(text: str) -> None:
+        if not quiet:
+            print(text, flush=True)
+
+    stop = threading.Event()
+    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    failed: list[Child] = []
+    try:
+        engine_args = ["--max-running-requests", str(c), *args.engine_args.split()]
+        engines = [cluster.spawn(f"engine-{i}", ["engine", "serve", "--kind", args.engine_kind,
+                                                  "--port", "0", *engine_args])
+                   for i in range(e)]
+        urls = [cluster.wait_ready(x) for x in engines]
+        router = cluster.spawn("router", ["engine", "serve", "--kind", "router", "--port",
+                                          str(router_port), "--worker-urls", ",".join(urls)])
+        cluster.wait_ready(router)
+        say(f"run {run_dir}: {e} {args.engine_kind} engines of C = {c} ({', '.join(urls)}), "
+            f"router {cfg.producer.engine.router_url}")
+        for i, slots in enumerate(budget.slots):
+            cluster.spawn(f"producer-{i}", ["producer", run_dir, "--config", files["producer"],
+                                            "--slots", str(slots), "--producer-id",
+                                            f"p-local-{i}"])
+        say(f"{args.producers} producer(s): K = floor(C*E/G) = floor({c}*{e}/{g}) = "
+            f"{budget.total} group slots, split {list(budget.slots)}")
+        cluster.spawn("collector", ["collector", run_dir, dataset, "--config",
+                                    files["collector"], "--queue-config", files["queue"]])
+        say(f"collector on {dataset}; logs in {os.path.join(workdir, 'logs')}\n"
+            f"train:  python deploy/examples/trainer_loop.py {run_dir} --router-url "
+            f"{cfg.producer.engine.router_url} --weights-dir {os.path.join(workdir, 'weights')}"
+            f" --steps 5\nstatus: strawq status {run_dir}\nstop:   Ctrl-C (or SIGTERM)")
+        deadline = None if args.max_seconds is None else time.monotonic() + args.max_seconds
+        gone: Child | None = None
+        while not stop.wait(0.2):
+            gone = cluster.exited()
+            if gone is not None or (deadline is not None and time.monotonic() > deadline):
+                break
+        if gone is not None and gone.proc.returncode != 0:
+            failed.append(gone)
+        elif gone is not None:
+            say(f"{gone.name} finished; stopping the others")
+    finally:
+        say("stopping: producers (they hand back their groups), collector, router, engines")
+        failed += [f for f in cluster.stop() if f not in failed]
+        for s, h in old.items():
+            signal.signal(s, h)
+    if failed:
+        names = "; ".join(f"{f.name} (status {f.proc.returncode}, log {f.log}: {f.tail(2)})"
+                          for f in failed)
+        raise StrawqError(f"not every process stopped cleanly: {names}")
+    say("stopped")
+    return 0
+
+
+def add_parsers(subparsers: Any) -> None:
+    """``strawq cluster up``."""
+    up = subparsers.add_parser(
+        "up", help="start a run, its engines, producers and collector on this machine",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    up.add_argument("config", help="run config JSON (deploy/examples/quickstart.json works "
+                    "as shipped)")
+    up.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one run config value (repeatable)")
+    up.add_argument("--workdir", help="logs, section files and the generated dataset "
+                    "(default: the directory above producer.run_dir)")
+    up.add_argument("--dataset", help="prompt dataset (default: a generated count-task "
+                    "dataset, WORKDIR/data.jsonl)")
+    up.add_argument("--prompts", type=positive_int, default=2000,
+                    help="rows of the generated dataset (default 2000)")
+    up.add_argument("--producers", type=positive_int, default=1, metavar="W",
+                    help="producer processes sharing the engines (default 1)")
+    up.add_argument("--engine-kind", choices=("sim", "tiny"), default="sim",
+                    help="sim: the timing model (default); tiny: a small torch model")
+    up.add_argument("--engine-args", default=SIM_ARGS,
+                    help=f"more flags of strawq engine serve (default: {SIM_ARGS!r})")
+    up.add_argument("--max-seconds", type=positive_float, default=None,
+                    help="stop everything after this long")
+    up.set_defaults(func=cmd_cluster_up)
