@@ -16,6 +16,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from strawq.argtypes import positive_float
 from strawq.engine_weights import PROBE_TIMEOUT_S, EngineProbe, EngineWeights, probe_versions
 from strawq.errors import StrawqError
 
@@ -34,7 +35,7 @@ DESCRIPTION = ("The weight-update bracket pauses every producer while the traine
                "releases it without a new version and refuses when the new weights already "
                "reached an engine.")
 
-Emit = Callable[[argparse.Namespace, dict[str, Any], str], None]
+Emit = Callable[..., None]
 
 
 def add_bracket_arguments(p: argparse.ArgumentParser, action: str) -> None:
@@ -42,7 +43,7 @@ def add_bracket_arguments(p: argparse.ArgumentParser, action: str) -> None:
     p.add_argument("--engine", action="append", default=[], metavar="URL",
                    help="an engine to ask besides those the producers registered "
                    "(repeatable)")
-    p.add_argument("--timeout", type=float, default=PROBE_TIMEOUT_S, metavar="SECONDS",
+    p.add_argument("--timeout", type=positive_float, default=PROBE_TIMEOUT_S, metavar="SECONDS",
                    help=f"how long to wait for each engine's answer (default "
                    f"{PROBE_TIMEOUT_S:g}); all are asked at once")
     p.add_argument("--api-key", default=None, metavar="KEY",
@@ -73,8 +74,6 @@ def run_bracket(args: argparse.Namespace, open_queue: Callable[..., Any], emit: 
     action = args.bracket_command
     q = open_queue(args.path, read_only=action == "status")
     timeout = float(args.timeout)
-    if not timeout > 0:
-        raise StrawqError(f"--timeout must be a positive number of seconds, got {timeout:g}")
     st = read_state(q.storage)
     current = q.current_version()
     extra = [u.rstrip("/") for u in args.engine]
@@ -97,7 +96,7 @@ def run_bracket(args: argparse.Namespace, open_queue: Callable[..., Any], emit: 
             lines.append(f"{plan.message}; run 'strawq bracket finish {args.path}'")
         elif plan.action == "refuse":
             lines.append(plan.message)
-        emit(args, payload, "\n".join(lines))
+        emit(args, payload, "\n".join(lines), report=True)
         return 0
     bracket = WeightUpdateBracket(q, rank=0, engine_urls=extra, probe_timeout_s=timeout,
                                   api_key=args.api_key, repair_interval_s=None)

@@ -176,5 +176,14 @@ def test_status_writes_nothing_and_without_engines_says_so(
     out = capsys.readouterr().out
     assert "no weight-update bracket is open" in out and "engines: none known" in out
     assert sorted(str(p.relative_to(path)) for p in Path(path).rglob("*")) == before
-    assert cli.main(["bracket", "status", path, "--timeout", "0"]) == 1
-    assert "--timeout must be a positive" in capsys.readouterr().err
+
+
+def test_status_is_shown_with_quiet_and_a_bad_timeout_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = run_at(tmp_path, 3, [])
+    assert cli.main(["-q", "bracket", "status", path]) == 0
+    assert "no weight-update bracket is open" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bracket", "status", path, "--timeout", "0"])
+    assert exc.value.code == 2
+    assert "--timeout: expected a finite number > 0" in capsys.readouterr().err
