@@ -468,6 +468,10 @@ class QueueConfig(Config):
     group_size: int = 8
     #: fsync files and directories (turn off only for throwaway benchmarks).
     fsync: bool = True
+    #: Largest share (0..1) of bad rows a release may drop; past it the release is refused,
+    #: nothing is released and the cursor stays (a small release is judged against a whole
+    #: ``release_batch``, and a dataset's first release may not be all bad). 1: never refuse.
+    max_bad_row_share: float = 0.05
 
     def validate(self) -> None:
         if self.max_attempts < 1:
