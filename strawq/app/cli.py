@@ -469,6 +469,8 @@ class Subcommand:
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("doctor", "strawq.app.doctor_cli", "add_doctor_parser",
                "verify a mount gives the guarantees the queue relies on"),
+    Subcommand("requeue", "strawq.app.requeue_cli", "add_parser",
+               "put the tasks dropped with one reason back into the queue"),
     Subcommand("engine", "strawq.producers.engines.cli", "add_engine_parser",
                "local SGLang-compatible engines (tiny, sim, router)", extra="engines",
                nested=True,
