@@ -34,6 +34,10 @@ acked, collecting the acked batches before it exits (or after --max-steps publis
 batches, --max-passes loop passes, or on SIGTERM/SIGINT, closing cleanly so a successor
 starts at once).
 
+A release that would drop more than the run's max_bad_row_share of its rows as bad (rows
+without the run's prompt_key, say) stops the collector with exit status 1 and a message
+naming the cause; nothing is released and the dataset cursor does not move.
+
 Resume: with the queue intact everything on disk survives. If the run directory holds no
 readable queue, --checkpoint (the trainer's BatchReader.state_dict() as JSON) supplies the
 dataset cursor, weight version and batch number; without it the run starts at row 0. A run

@@ -4,7 +4,9 @@ Every way a held group leaves the producer is one ``RunQueue`` call on an I/O th
 ``complete`` (a ready group), ``yield_partial`` (prefixes kept, no attempt spent),
 ``drop`` (filtered, with its reason), ``fail`` (with a reason; retryable or not) and
 ``release`` (back to pending untouched) and ``regenerate`` (a claimed partial past the η
-bound: its prefix discarded, generated afresh). Failures never lose the task:
+bound: its prefix discarded, generated afresh), and ``refuse`` (this producer's own
+configuration cannot run the task: a ``producer_config`` note, the task released untouched
+for a healthy producer, and this one claims nothing more). Failures never lose the task:
 
 * ``LeaseLost`` — the grantor re-leased it (fencing): counted, logged, nothing else to do;
 * any other error (storage trouble) — the lease is kept as an *orphan* and released again
@@ -20,7 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from strawq.errors import LeaseLost
+from strawq.errors import ConfigError, LeaseLost
 from strawq.groups import GroupData
 from strawq.queue import Lease, RunQueue
 
@@ -28,6 +30,24 @@ from strawq.producers.meter import StatsBook
 from strawq.producers.offload import Offload
 
 log = logging.getLogger(__name__)
+
+#: the reason of the note a refused task carries (``HandBack.refuse``)
+REFUSED_REASON = "producer_config"
+
+
+class MisconfiguredProducer(ConfigError):
+    """This producer cannot run a task for a reason of its own configuration, not the
+    task's (no tokenizer for a text or chat prompt, the engine refusing its API key, a
+    reward plugin whose module is missing here). ``key`` names the configuration key to
+    fix. The task is handed back untouched (``HandBack.refuse``) and the producer stops
+    (``Producer.run`` raises this error once every held group is handed back)."""
+
+    def __init__(self, message: str, *, key: str) -> None:
+        super().__init__(f"{message}; fix {key} in this producer's configuration and "
+                         "restart it")
+        #: what is wrong, without the advice
+        self.detail = message
+        self.key = key
 
 
 class HandBack:
@@ -39,6 +59,8 @@ class HandBack:
         self.book = book
         #: leases whose hand-back failed: released again by ``retry_orphans``
         self.orphans: list[Lease] = []
+        #: the first configuration error met (``refuse``): the producer claims nothing more
+        self.refusal: MisconfiguredProducer | None = None
 
     async def complete(self, lease: Lease, group: GroupData) -> None:
         await self._persist("complete", lease, "groups_completed",
@@ -62,6 +84,21 @@ class HandBack:
     async def regenerate(self, lease: Lease, reason: str, message: str) -> None:
         await self._persist("regenerate", lease, "partials_regenerated", lambda: self.io.call(
             self.queue.regenerate, lease, reason, message))
+
+    async def refuse(self, lease: Lease, error: MisconfiguredProducer) -> None:
+        """Hand a task back that this producer's configuration cannot run: a note with
+        reason ``producer_config`` (no attempt spent), then ``release``; from now on the
+        producer claims nothing (``refusal``)."""
+        if self.refusal is None:
+            self.refusal = error
+            log.error("task %s: %s; claiming nothing more", lease.task_id, error)
+        try:
+            await self.io.call(self.queue.write_note, lease.name, "fail", REFUSED_REASON,
+                               str(error)[:500])
+        except Exception as exc:  # noqa: BLE001 - the note is the record of why, not the move
+            log.warning("task %s: its %s note could not be written: %s", lease.task_id,
+                        REFUSED_REASON, exc)
+        await self.release(lease)
 
     async def release(self, lease: Lease) -> None:
         await self._persist("release", lease, "groups_released",

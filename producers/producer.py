@@ -33,6 +33,17 @@ comes back when a probe finds it on the run's version. Every engine is probed at
 after each bracket; with every engine out, the producer claims nothing. The guard wraps
 whatever client the producer runs on (``GuardedClient``), built or injected alike.
 
+**Its own configuration** (``MisconfiguredProducer``, ``strawq.producers.handback``): a
+producer that cannot run a task for a reason of its own configuration (no tokenizer for
+a text or chat prompt, the engine refusing its API key, a reward plugin missing here)
+hands the task back untouched and stops: it claims nothing more, hands back every held
+group as on a stop, and ``run()`` raises the error, which names the key to fix. It stops
+rather than stays up refusing: a stopped producer is seen (its process exits 1, its Ray
+actor fails, ``strawq status`` shows its heartbeat still), while one that idles with a
+moving heartbeat looks healthy; and the fix needs a restart anyway. Before its first
+claim it looks at the first queued task, so a producer that could not run the run's
+prompts refuses at start without claiming one.
+
 **EOS ids** (``strawq.producers.eos``): resolved once at start, from the configuration,
 the engine, the tokenizer or the model's config files; a producer that finds none refuses
 to start (unless ``ignore_eos``).
@@ -46,10 +57,13 @@ import math
 import time
 from collections.abc import Callable
 
+from strawq import records
 from strawq.control import Control
 from strawq.engine_weights import EngineWeights
+from strawq.errors import CorruptRecord, NotFound
 from strawq.names import validate_id
 from strawq.queue import RunQueue
+from strawq.records import Kind
 from strawq.storage import PosixStorage
 from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirProbe, DirWatch
 
@@ -58,7 +72,7 @@ from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineError, EngineProtocolError
 from strawq.producers.engine_versions import GuardedClient, VersionGuard
 from strawq.producers.eos import resolve_eos_ids
-from strawq.producers.handback import HandBack
+from strawq.producers.handback import HandBack, MisconfiguredProducer
 from strawq.producers.heartbeat import Heartbeat
 from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.offload import Offload
@@ -267,6 +281,7 @@ class Producer:
         self._guarded = GuardedClient(self._client, self.guard)
         hb: asyncio.Task[None] | None = None
         try:
+            await self._check_first_task()
             await self.client.start()
             self.runner.eos_ids = await resolve_eos_ids(
                 self._client, configured=self.config.engine.client.eos_token_ids,
@@ -309,6 +324,29 @@ class Producer:
                 self._rewards.shutdown()
                 self.running = False
                 log.info("producer %s stopped: %s", pid, self.stats().to_dict())
+        refusal = self.handback.refusal
+        if refusal is not None:
+            raise MisconfiguredProducer(
+                f"producer {pid} stopped claiming: {refusal.detail} (the task and every "
+                "group it held were handed back to the queue, none dropped)", key=refusal.key)
+
+    async def _check_first_task(self) -> None:
+        """``MisconfiguredProducer`` before any claim when the first queued task is one this
+        producer's configuration cannot run (read only: a task claimed meanwhile, or an
+        unreadable one, is left to the claims)."""
+        keys = await self._io.call(self.queue.list_pending, 1)
+        if not keys:
+            return
+        try:
+            rec = records.decode(await self._io.call(self.queue.storage.read, keys[0]),
+                                 expect=Kind.TASK, name=keys[0])
+        except (NotFound, CorruptRecord):
+            return
+        task = rec.meta.get("task")
+        problem = self.runner.config_problem(task) if isinstance(task, dict) else None
+        if problem is not None:
+            raise MisconfiguredProducer(f"producer {self.producer_id} refuses to start, "
+                                        f"claiming nothing: {problem.detail}", key=problem.key)
 
     async def _check_engine_versions(self) -> None:
         """Refuse to start on an engine whose weight version is not an integer (SGLang's
@@ -333,7 +371,7 @@ class Producer:
         wake = self._wake
         if wake is None:
             raise RuntimeError("the main loop runs only inside run()")
-        while not self._stopping:
+        while not self._stopping and self.handback.refusal is None:
             await self.handback.retry_orphans()
             was_pausing = self._bracket.pausing
             if await self._bracket.poll():
@@ -341,7 +379,7 @@ class Producer:
             if was_pausing and not self._bracket.pausing:
                 await self.guard.probe_all()  # an engine the push missed stays out
             self.guard.tick()
-            if self._stopping:
+            if self._stopping or self.handback.refusal is not None:
                 break
             timeout = self.config.timing.control_poll_s
             n = self._claimable_groups()
@@ -369,7 +407,8 @@ class Producer:
         """Groups to claim now: none while pausing, heartbeats fail, a lease could not be
         handed back, engines back off or every engine is on other weights; else what the
         slot pool allows."""
-        if self._bracket.pausing or self._heartbeat.failing or self.handback.orphans or \
+        if self.handback.refusal is not None or self._bracket.pausing or \
+                self._heartbeat.failing or self.handback.orphans or \
                 self.clock() < self.runner.backoff_until or self.guard.all_stale():
             return 0
         return self.pool.claimable_groups()

@@ -12,6 +12,8 @@ For each lease the ``GroupRunner`` starts one group task::
                   parked       -> HandBack.yield_partial (prefixes kept, no attempt spent)
                   engine gone  -> HandBack.yield_partial + claim back-off
                   rejected     -> HandBack.fail(retryable=True)
+                  misconfigured -> HandBack.refuse: the task back untouched, this
+                                  producer stops (``MisconfiguredProducer``)
                   abandoned    -> nothing (heartbeats failed; the grantor re-queues it)
 
 **Segments.** Each segment is one :func:`~strawq.producers.sample_step.step_sample` on the
@@ -23,6 +25,13 @@ and resumes at once from the longer prefix.
 (``<rid>~retry<n>``) included — is recorded in its group's ``live_rids`` while it is in
 flight; ``GroupRunner.live_rids()`` is the producer's full set, so an abort (the bracket,
 a stop, a sibling's failure) names each one exactly (``strawq.producers.bracket``).
+
+**This producer's configuration, not the task.** A task that the producer cannot run for a
+reason of its own — a text or chat prompt without a tokenizer (or a chat prompt with a
+plain text tokenizer), an engine refusing its API key, a reward plugin raising
+``ConfigError`` or ``ImportError`` — is handed back, never dropped: a misconfigured node
+must not burn the queue faster than the healthy ones generate. A task bad in itself (a
+prompt the tokenizer cannot encode, bad row overrides) still fails for good (``bad_task``).
 
 **A sample's hard failure** (an engine rejection, retries spent) stops its siblings by
 aborting their requests on the engine, not by cancelling them: their replies come back
@@ -42,7 +51,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from strawq.errors import CorruptRecord, NotFound, StrawqError
+from strawq.dataset import prompt_kind
+from strawq.errors import ConfigError, CorruptRecord, NotFound, StrawqError
 from strawq.eta import STALE_REASON
 from strawq.groups import GroupData
 from strawq.names import validate_id
@@ -51,13 +61,13 @@ from strawq.tokenize import FunctionTokenizer
 
 from strawq.producers.bracket import EngineAborter
 from strawq.producers.engine_client import EngineClient
-from strawq.producers.engine_errors import EngineError, EngineUnavailable
+from strawq.producers.engine_errors import EngineAuthError, EngineError, EngineUnavailable
 from strawq.producers.engine_versions import NoFreshEngine, StaleEngine
 from strawq.producers.extras_protocol import ExtrasMismatch
 from strawq.producers.generate import (GenerateFn, Halted, SampleFailed, load_generate,
                                        run_plugin)
 from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
-from strawq.producers.handback import HandBack
+from strawq.producers.handback import HandBack, MisconfiguredProducer
 from strawq.producers.meter import StatsBook
 from strawq.producers.offload import Offload
 from strawq.producers.plugins import (FilterFn, RewardFn, call_reward, load_filter, load_reward,
@@ -235,7 +245,26 @@ class GroupRunner:
             except (NotFound, CorruptRecord) as exc:
                 log.error("task %s: its partial record is unusable (%s); generating the "
                           "group afresh", lease.task_id, exc)
+        problem = self.config_problem(lease.task)
+        if problem is not None:
+            raise problem
         return version, None, prompt_ids_of(lease.task, self.prompt_key, self.tokenizer)
+
+    def config_problem(self, task: dict[str, Any]) -> MisconfiguredProducer | None:
+        """Why this producer's configuration cannot run ``task``'s prompt, or None: a text
+        or chat prompt without a tokenizer, a chat prompt with a text-only one."""
+        row = task.get("row")
+        kind = prompt_kind(row.get(self.prompt_key)) if isinstance(row, dict) else None
+        what = f"task {task.get('id')}: its prompt {self.prompt_key!r} is {kind}"
+        if kind in ("text", "chat") and self.tokenizer is None:
+            return MisconfiguredProducer(f"{what} but this producer has no tokenizer",
+                                         key="plugins.tokenizer (e.g. 'hf:<model dir>')")
+        if kind == "chat" and isinstance(self.tokenizer, FunctionTokenizer):
+            return MisconfiguredProducer(
+                f"{what} but the tokenizer {self.config.plugins.tokenizer} is a plain "
+                "(text) -> ids function with no chat template",
+                key="plugins.tokenizer (a chat tokenizer, e.g. 'hf:<model dir>')")
+        return None
 
     def _eta_action(self, lease: Lease, version: int) -> str | None:
         """The η policy's verdict on a claimed partial (``strawq.eta``): None within η (or
@@ -286,6 +315,9 @@ class GroupRunner:
             except _PastEta as past:
                 await self._past_eta(lease, past)
                 return
+            except MisconfiguredProducer as exc:
+                await self.handback.refuse(lease, exc)
+                return
             except (TaskError, SampleError) as exc:
                 log.error("task %s cannot run: %s", lease.task_id, exc)
                 await self.handback.fail(lease, "bad_task", str(exc), retryable=False)
@@ -334,7 +366,11 @@ class GroupRunner:
             a.final_at = self.clock()
             self.book.bump("samples_finished")
             if i not in run.failures:
-                await self._score(run, i)
+                try:
+                    await self._score(run, i)
+                except MisconfiguredProducer as exc:
+                    a.fault = exc
+                    self.stop_samples(a, keep=i)
         finally:
             if not freed:
                 self.pool.release(a.hold)
@@ -365,6 +401,11 @@ class GroupRunner:
             except NoFreshEngine:  # every engine stale: wait for the trainer's push
                 await asyncio.sleep(self.config.engine.backoff_s)
                 continue
+            except EngineAuthError as exc:  # this producer's key: no task can run on it
+                a.fault = MisconfiguredProducer(f"task {run.task_id}: {exc}",
+                                                key="engine.client.api_key")
+                self.stop_samples(a, keep=i)
+                raise Halted() from None
             except ExtrasMismatch as exc:  # misaligned per-token extras: this sample fails
                 self.book.bump("engine_faults")
                 raise SampleFailed(f"engine protocol error: {exc}") from None
@@ -398,8 +439,10 @@ class GroupRunner:
         return "stop" if s.status is SampleStatus.COMPLETED else "length"
 
     async def _score(self, run: GroupRun, i: int) -> None:
-        """Reward one final sample; an error is recorded on it, never raised. With a
-        teacher, its log-probs first (a failure there fails the sample)."""
+        """Reward one final sample; an error is recorded on it, never raised — except a
+        ``ConfigError`` or ``ImportError`` of the plugin (this producer's configuration or
+        installation): ``MisconfiguredProducer``. With a teacher, its log-probs first (a
+        failure there fails the sample)."""
         if self.teacher is not None and not await self.teacher.score(run, i):
             return
         s = run.samples[i]
@@ -408,6 +451,10 @@ class GroupRunner:
                                                [int(t) for t in s.response_ids],
                                                run.sample_meta(i), self.decode)
             run.reward_errors.pop(i, None)
+        except (ConfigError, ImportError) as exc:
+            raise MisconfiguredProducer(
+                f"task {run.task_id}: the reward plugin {self.config.plugins.reward} cannot "
+                f"run here: {type(exc).__name__}: {exc}", key="plugins.reward") from exc
         except Exception as exc:  # noqa: BLE001 - a plugin's failure is the sample's
             run.rewards[i] = None
             run.reward_errors[i] = f"{type(exc).__name__}: {exc}"[:500]
@@ -424,6 +471,9 @@ class GroupRunner:
             log.warning("task %s abandoned (heartbeats failing); the grantor re-queues it",
                         run.task_id)
             return
+        if isinstance(a.fault, MisconfiguredProducer):
+            await self.handback.refuse(a.lease, a.fault)
+            return
         if a.drop is not None and not a.parking:
             await self.handback.drop(a.lease, a.drop[0], a.drop[1][:500], run.to_group(
                 producer=self.producer_id, version_hint=version, partial=False).summary())
@@ -432,7 +482,11 @@ class GroupRunner:
             for i in range(run.size):
                 if run.rewards[i] is None and i not in run.reward_errors and (
                         i not in run.failures):
-                    await self._score(run, i)
+                    try:
+                        await self._score(run, i)
+                    except MisconfiguredProducer as exc:
+                        await self.handback.refuse(a.lease, exc)
+                        return
             await self._finish(run, version)
             if a.final_at is not None:
                 self.book.hop("final_to_ready", self.clock() - a.final_at)

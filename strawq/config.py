@@ -493,6 +493,10 @@ class QueueConfig(Config):
     group_size: int = 8
     #: fsync files and directories (turn off only for throwaway benchmarks).
     fsync: bool = True
+    #: Largest share (0..1) of bad rows a release may drop; past it the release is refused,
+    #: nothing is released and the cursor stays (a small release is judged against a whole
+    #: ``release_batch``, and a dataset's first release may not be all bad). 1: never refuse.
+    max_bad_row_share: float = 0.05
 
     def validate(self) -> None:
         if self.max_attempts < 1:
@@ -510,3 +514,6 @@ class QueueConfig(Config):
             raise ConfigError(f"group_size must be >= 1, got {self.group_size}")
         if not self.prompt_key:
             raise ConfigError("prompt_key must be a non-empty string")
+        if not 0 <= self.max_bad_row_share <= 1:
+            raise ConfigError(f"max_bad_row_share must be a share between 0 and 1, got "
+                              f"{self.max_bad_row_share}")

@@ -44,8 +44,33 @@ _GLOB_CHARS = "*?["
 
 @dataclass(frozen=True)
 class BadRow:
+    """A row that cannot become a task: its task index, and what is wrong, where."""
+
     index: int
+    #: ``<file> line <n>: <what is wrong>`` (JSONL) or ``<file> row <n>: ...`` (Parquet)
     message: str
+    #: the shard file the row is in
+    shard: str = ""
+    #: its 1-based line in a JSONL file (blank lines counted), or None
+    line: int | None = None
+    #: its 0-based row in a Parquet file, or None
+    row: int | None = None
+    #: what is wrong, in a few words: the refusal of a release groups bad rows by it
+    cause: str = ""
+    #: the keys the row holds, when the prompt key is missing from it
+    keys: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``--json`` output and the drop record say about the row."""
+        out: dict[str, Any] = {"index": self.index, "message": self.message,
+                               "shard": self.shard, "cause": self.cause}
+        if self.line is not None:
+            out["line"] = self.line
+        if self.row is not None:
+            out["row"] = self.row
+        if self.keys:
+            out["keys"] = list(self.keys)
+        return out
 
 
 Row = dict[str, Any]
@@ -82,29 +107,39 @@ def _chat_problem(messages: list[dict[str, Any]]) -> str | None:
 
 
 def _check_row(index: int, row: Any, prompt_key: str, where: str) -> Row | BadRow:
+    """``row`` if it can become a task, else a ``BadRow`` whose message starts with
+    ``where`` (the file and the place in it)."""
+    def bad(cause: str, what: str, keys: tuple[str, ...] = ()) -> BadRow:
+        return BadRow(index, f"{where}: {what}", cause=cause, keys=keys)
+
     if not isinstance(row, dict):
-        return BadRow(index, f"{where}: expected a JSON object, found {type(row).__name__}")
+        return bad("not a JSON object", f"expected a JSON object, found {type(row).__name__}")
     prompt = row.get(prompt_key)
     if isinstance(prompt, str):
         if not prompt:
-            return BadRow(index, f"{where}: {prompt_key!r} is an empty string")
+            return bad(f"{prompt_key!r} is empty", f"{prompt_key!r} is an empty string")
     elif isinstance(prompt, list):
         if not prompt:
-            return BadRow(index, f"{where}: {prompt_key!r} is an empty list")
+            return bad(f"{prompt_key!r} is empty", f"{prompt_key!r} is an empty list")
         if all(isinstance(m, dict) for m in prompt):
             problem = _chat_problem(prompt)
             if problem is not None:
-                return BadRow(index, f"{where}: {prompt_key!r} chat messages: {problem}")
+                return bad(f"{prompt_key!r} has bad chat messages",
+                           f"{prompt_key!r} chat messages: {problem}")
         elif prompt_kind(prompt) is None:
-            return BadRow(index, f"{where}: {prompt_key!r} must be a list of non-negative "
-                                 "token ids or a list of chat messages {role, content}")
+            return bad(f"{prompt_key!r} is not a prompt",
+                       f"{prompt_key!r} must be a list of non-negative token ids or a list of "
+                       "chat messages {role, content}")
     else:
-        return BadRow(index, f"{where}: missing {prompt_key!r} (text, token ids or chat "
-                             f"messages); keys present: {sorted(row)[:10]}")
+        keys = tuple(sorted(str(k) for k in row))
+        what = (f"missing {prompt_key!r}" if prompt_key not in row
+                else f"{prompt_key!r} is a {type(prompt).__name__}")
+        return bad(what, f"{what} (expected text, token ids or chat messages); keys present: "
+                         f"{list(keys[:10])}", keys if prompt_key not in row else ())
     try:
         msgpack.packb(row, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
-        return BadRow(index, f"{where}: row is not serialisable as data: {exc}")
+        return bad("not serialisable", f"row is not serialisable as data: {exc}")
     return row
 
 
@@ -232,18 +267,21 @@ class Dataset:
         def gen(c: _Counted) -> Iterator[tuple[int, Row | BadRow]]:
             index = base
             with self._fs.open(shard.path, "rb") as f:
-                for raw in f:
+                for lineno, raw in enumerate(f, 1):
                     line = raw.strip()
                     if not line:
                         continue  # blank lines are not rows
                     if index >= start:
-                        where = f"{shard.path} row {index}"
+                        where = f"{shard.path} line {lineno}"
                         try:
-                            row = json.loads(line)
+                            got: Row | BadRow = _check_row(index, json.loads(line),
+                                                           self.prompt_key, where)
                         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                            yield index, BadRow(index, f"{where}: invalid JSON: {exc}")
-                        else:
-                            yield index, _check_row(index, row, self.prompt_key, where)
+                            got = BadRow(index, f"{where}: invalid JSON: {exc}",
+                                         cause="invalid JSON")
+                        if isinstance(got, BadRow):
+                            got = dataclasses.replace(got, shard=shard.path, line=lineno)
+                        yield index, got
                     index += 1
                     c.end = index
         return _Counted(gen, base)
@@ -264,9 +302,12 @@ class Dataset:
                     if b + n > start:
                         rows = pf.read_row_group(rg).to_pylist()
                         for i in range(max(0, start - b), len(rows)):
-                            index = b + i
-                            yield index, _check_row(index, rows[i], self.prompt_key,
-                                                    f"{shard.path} row {index}")
+                            index, r = b + i, b + i - base  # r: the row in this file
+                            got = _check_row(index, rows[i], self.prompt_key,
+                                             f"{shard.path} row {r} (0-based)")
+                            if isinstance(got, BadRow):
+                                got = dataclasses.replace(got, shard=shard.path, row=r)
+                            yield index, got
                     b += n
                     c.end = b
         return _Counted(gen, base)
@@ -339,6 +380,61 @@ def mismatch_message(recorded: dict[str, Any], dataset: Dataset, next_index: int
             "Feeder(queue, dataset, check_dataset=False).switch_dataset() (docs/datasets.md)")
 
 
+class BadRowsRefused(DatasetError):
+    """A release would drop more of its rows as bad than the run allows
+    (``QueueConfig.max_bad_row_share``); nothing was released and the cursor did not move."""
+
+    def __init__(self, message: str, bad: Sequence[BadRow], rows: int, next_index: int) -> None:
+        super().__init__(message)
+        self.bad = tuple(bad)
+        self.rows = rows
+        self.next_index = next_index
+
+
+def judge_release(rows: int, bad: Sequence[BadRow], *, max_share: float, window: int,
+                  recent: tuple[int, int] = (0, 0), first: bool = False
+                  ) -> tuple[str | None, tuple[int, int]]:
+    """Whether a release of ``rows`` rows, ``bad`` of them bad, may go ahead.
+
+    Refused (the reason is returned) when the bad rows of the releases in the current window
+    (``recent``: rows and bad rows since the window opened, counted on the cursor), this one
+    included, exceed ``max_share`` of ``max(rows in the window, window)`` — so a small
+    release is judged against a whole batch, not against itself — or when the first release
+    from this dataset (``first``) holds only bad rows. ``max_share >= 1`` never refuses.
+    Returns ``(refusal or None, the window's counts after this release)``; a window that
+    holds ``window`` rows or more starts afresh."""
+    r, b = recent if recent[0] < window else (0, 0)
+    r, b = r + rows, b + len(bad)
+    if bad and max_share < 1 and ((first and len(bad) == rows)
+                                  or b > max_share * max(r, window)):
+        return (f"{len(bad)} of its {rows} rows are bad"
+                + (f" ({b} of the last {r} rows released)" if r > rows else "")
+                + f", over max_bad_row_share={max_share:g}"
+                + (" (and the first release of a dataset may not be all bad)"
+                   if first and len(bad) == rows else "")), (r, b)
+    return None, (r, b)
+
+
+def refusal_message(why: str, bad: Sequence[BadRow], start: int, end: int,
+                    prompt_key: str) -> str:
+    """The one message of a refused release: the causes, where they are, what to do."""
+    causes: dict[str, int] = {}
+    for x in bad:
+        causes[x.cause or "bad row"] = causes.get(x.cause or "bad row", 0) + 1
+    shown = ", ".join(f"{n} {cause}" for cause, n in
+                      sorted(causes.items(), key=lambda kv: -kv[1])[:4])
+    keys = sorted({k for x in bad for k in x.keys})
+    missing = f"missing {prompt_key!r}" in causes
+    lines = (f"refusing to release task indices {start}..{end - 1}: {why}: {shown}"
+             + (f" (keys present in those rows: {keys[:12]})" if keys else "")
+             + (f"; first: {bad[0].message}" if bad else "")
+             + f". Nothing was released; the cursor stays at index {start}. ")
+    fix = ("Fix the dataset, or create the run with the prompt key its rows use "
+           "(strawq init --set prompt_key=KEY)" if missing else "Fix those rows")
+    return (lines + fix + ", or release them anyway, each bad row dropped with reason "
+            "bad_row: strawq release RUN DATASET --max-bad-row-share 1 (docs/datasets.md)")
+
+
 @dataclass(frozen=True)
 class ReleasePreview:
     """What a release of ``count`` rows would do (``strawq release --dry-run``)."""
@@ -350,28 +446,32 @@ class ReleasePreview:
     bad: tuple[BadRow, ...]
     kinds: dict[str, int]
     exhausted: bool
-    #: why the release would be refused (dataset mismatch, cursor exhausted), or None
+    #: why the release would be refused (dataset mismatch, cursor exhausted, too many bad
+    #: rows: ``judge_release``), or None
     refused: str | None = None
 
     def describe(self) -> str:
+        bad = [f"  drop {b.message}" for b in self.bad[:20]]
+        if len(self.bad) > 20:
+            bad.append(f"  ... and {len(self.bad) - 20} more bad rows")
         if self.refused:
-            return f"dry run: would release nothing: {self.refused}"
+            return "\n".join([f"dry run: would release nothing: {self.refused}", *bad])
         lines = [f"dry run: would release {self.good} rows and drop {len(self.bad)} bad rows "
                  f"(indices {self.start}..{self.end - 1}); cursor would move to {self.end}"
                  + (" (dataset exhausted)" if self.exhausted else "")
                  + "; prompts: " + (", ".join(f"{k} {v}" for k, v in sorted(self.kinds.items()))
-                                    or "none")]
-        lines += [f"  drop {b.message}" for b in self.bad[:20]]
-        if len(self.bad) > 20:
-            lines.append(f"  ... and {len(self.bad) - 20} more bad rows")
+                                    or "none"), *bad]
         if self.end == self.start:
             lines.append("  (no rows at the cursor)")
         return "\n".join(lines)
 
 
 def preview(dataset: Dataset, fingerprint: dict[str, Any], next_index: int, exhausted: bool,
-            count: int) -> ReleasePreview:
-    """Validate the rows a release of ``count`` would take; reads only, writes nothing."""
+            count: int, *, max_share: float = 1.0, window: int = 0,
+            recent: tuple[int, int] = (0, 0)) -> ReleasePreview:
+    """Validate the rows a release of ``count`` would take; reads only, writes nothing.
+    ``max_share``, ``window``, ``recent``: the release's judgement of its bad rows
+    (``judge_release``); a release it refuses is reported as ``refused``."""
     reader = DatasetCursorReader(dataset)
     empty = ReleasePreview(count, next_index, next_index, 0, (), {}, exhausted)
     if not fingerprints_match(fingerprint, dataset.fingerprint):
@@ -389,8 +489,12 @@ def preview(dataset: Dataset, fingerprint: dict[str, Any], next_index: int, exha
             kind = prompt_kind(r.get(dataset.prompt_key)) or "?"
             kinds[kind] = kinds.get(kind, 0) + 1
     end = rows[-1][0] + 1 if rows else next_index
+    why, _ = judge_release(len(rows), bad, max_share=max_share, window=window, recent=recent,
+                           first=next_index == reader.base)
+    refused = None if why is None else refusal_message(why, bad, next_index, end,
+                                                       dataset.prompt_key)
     return ReleasePreview(count, next_index, end, len(rows) - len(bad), bad, kinds,
-                          len(rows) < count)
+                          len(rows) < count, refused)
 
 
 class DatasetCursorReader:
@@ -435,7 +539,7 @@ class DatasetCursorReader:
             if self.base:
                 index += self.base
                 if isinstance(row, BadRow):
-                    row = BadRow(index, row.message)
+                    row = dataclasses.replace(row, index=index)
             out.append((index, row))
             if len(out) >= count:
                 break

@@ -3,6 +3,9 @@
 A release of rows ``[start, end)`` is made idempotent by preparing it out of sight and
 committing it with one exclusive create:
 
+0. judge the rows' bad share (``strawq.dataset.judge_release``, ``max_bad_row_share``): a
+   release that would drop too many is refused before anything is written (``BadRowsRefused``:
+   the cursor does not move);
 1. write every task record into ``staging/r-<seq>.<nonce>/`` (fsync'd, not yet visible);
    malformed rows are recorded in ``dropped/`` (exclusive create, so a redo is a no-op);
 2. publish ``cursor/<seq>`` naming ``end`` and the staging directory — the commit point;
@@ -22,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from strawq import records
-from strawq.dataset import (BadRow, Dataset, DatasetCursorReader, DatasetMismatch,
-                            ReleasePreview, Row, fingerprints_match, preview)
-from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.dataset import (BadRow, BadRowsRefused, Dataset, DatasetCursorReader,
+                            DatasetMismatch, ReleasePreview, Row, fingerprints_match,
+                            judge_release, preview, refusal_message)
+from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
 from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
 from strawq.queue import RunQueue
 from strawq.records import Kind
@@ -53,6 +57,8 @@ class Cursor:
     fingerprint: dict[str, Any]
     #: key of a cursor record that failed its checks (recover() repairs it)
     corrupt: str | None = None
+    #: (rows, bad rows) released since the bad-row window opened (``judge_release``)
+    recent: tuple[int, int] = (0, 0)
 
 
 def cursor_name(seq: int, next_index: int) -> str:
@@ -99,6 +105,22 @@ def newest_seq(storage: Storage) -> int:
     return max(seqs, default=0)
 
 
+def _recent(meta: dict[str, Any]) -> tuple[int, int]:
+    """The bad-row window a cursor record carries ((0, 0) for records written before it)."""
+    got = meta.get("recent")
+    if isinstance(got, (list, tuple)) and len(got) == 2 and all(isinstance(x, int) for x in got):
+        return int(got[0]), int(got[1])
+    return 0, 0
+
+
+def check_share(share: float) -> float:
+    """``share`` if it is a valid ``max_bad_row_share`` (0..1), else ``ConfigError``."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+        raise ConfigError(f"max_bad_row_share must be a number from 0 to 1 (a share of the rows "
+                          f"released), got {share!r}")
+    return float(share)
+
+
 def read_cursor_state(storage: Storage) -> dict[str, Any] | None:
     """The newest cursor as ``Feeder.state_dict()``, read-only (no recovery side effects)."""
     cursors = list_cursors(storage, newest_only=True)
@@ -111,6 +133,7 @@ def read_cursor_state(storage: Storage) -> dict[str, Any] | None:
                              name=f"cursor/{name}")
         state["fingerprint"] = rec.meta.get("fingerprint", {})
         state["exhausted"] = bool(rec.meta.get("exhausted", False))
+        state["recent"] = _recent(rec.meta)
     except (CorruptRecord, NotFound) as exc:
         state["error"] = str(exc)
     return state
@@ -127,9 +150,15 @@ class Feeder:
     releases on stale knowledge (docs/design.md, invariant 8).
     """
 
-    def __init__(self, queue: RunQueue, dataset: Dataset, *, check_dataset: bool = True) -> None:
+    def __init__(self, queue: RunQueue, dataset: Dataset, *, check_dataset: bool = True,
+                 max_bad_row_share: float | None = None) -> None:
         """``DatasetMismatch`` if ``dataset`` is not the one the run's cursor counts over, or
-        its prompt key is not the run's (``check_dataset=False``: only to switch_dataset)."""
+        its prompt key is not the run's (``check_dataset=False``: only to switch_dataset).
+        ``max_bad_row_share``: this feeder's bound on the bad rows a release may drop (the
+        run's ``QueueConfig.max_bad_row_share`` by default)."""
+        self.max_bad_row_share = check_share(queue.config.max_bad_row_share
+                                             if max_bad_row_share is None
+                                             else max_bad_row_share)
         if dataset.prompt_key != queue.config.prompt_key:
             raise DatasetMismatch(f"the dataset is read with prompt_key "
                                   f"{dataset.prompt_key!r} but the run's prompt_key is "
@@ -165,7 +194,7 @@ class Feeder:
             return Cursor(seq, nxt, staging, False, {}, corrupt=key)
         m = rec.meta
         return Cursor(m["seq"], m["next_index"], m.get("staging"), m.get("exhausted", False),
-                      m.get("fingerprint", {}))
+                      m.get("fingerprint", {}), recent=_recent(m))
 
     def refresh(self) -> Cursor:
         """Re-read the newest cursor and finish its release (promote, repair a bad record)."""
@@ -230,7 +259,9 @@ class Feeder:
 
         The newest cursor is re-read first, so a release by another writer (an operator's
         ``strawq release``) is seen, never repeated. ``CursorContention`` if other writers
-        won the commit ``MAX_COMMIT_TRIES`` times in a row.
+        won the commit ``MAX_COMMIT_TRIES`` times in a row. ``BadRowsRefused`` if it would
+        drop more bad rows than ``max_bad_row_share`` allows: nothing is written and the
+        cursor stays where it was.
         """
         n = self.queue.config.release_batch if n is None else n
         for _attempt in range(MAX_COMMIT_TRIES):
@@ -247,16 +278,31 @@ class Feeder:
     def _release_after(self, cur: Cursor, n: int) -> int | None:
         """One release after ``cur``; None when another writer won the commit."""
         rows = self._reader.read(cur.next_index, n)
+        recent = self._judge(cur, rows)
         seq = cur.seq + 1
         staging = f"{RELEASE_PREFIX}{seq:012d}.{uuid.uuid4().hex[:8]}"
         try:
-            return self._stage_and_commit(cur, rows, n, seq, staging)
+            return self._stage_and_commit(cur, rows, n, seq, staging, recent)
         except NotFound:
             # A writer that committed ``seq`` first discarded our staging under us.
             log.info("release %d lost its staging to a writer that committed first; "
                      "re-reading the cursor", seq)
             self._discard(staging)
             return None
+
+    def _judge(self, cur: Cursor, rows: list[tuple[int, Row | BadRow]]) -> tuple[int, int]:
+        """The bad-row window after releasing ``rows``; ``BadRowsRefused`` (nothing written
+        yet) when they hold more bad rows than ``max_bad_row_share`` allows."""
+        bad = [r for _, r in rows if isinstance(r, BadRow)]
+        why, recent = judge_release(len(rows), bad, max_share=self.max_bad_row_share,
+                                    window=self.queue.config.release_batch, recent=cur.recent,
+                                    first=cur.next_index == self._reader.base)
+        if why is not None:
+            end = rows[-1][0] + 1
+            raise BadRowsRefused(refusal_message(why, bad, cur.next_index, end,
+                                                 self.dataset.prompt_key),
+                                 bad, len(rows), cur.next_index)
+        return recent
 
     def _stage(self, rows: list[tuple[int, Row | BadRow]], staging: str) -> int:
         """Write ``rows`` as fresh tasks into ``staging/<staging>/`` (bad rows are dropped
@@ -279,12 +325,14 @@ class Feeder:
         return good
 
     def _stage_and_commit(self, cur: Cursor, rows: list[tuple[int, Row | BadRow]], n: int,
-                          seq: int, staging: str) -> int | None:
+                          seq: int, staging: str, recent: tuple[int, int]) -> int | None:
         good = self._stage(rows, staging)
         end = rows[-1][0] + 1 if rows else cur.next_index
         exhausted = len(rows) < n
-        new = Cursor(seq, end, staging if good else None, exhausted, self._reader.fingerprint)
-        won = self._commit(seq, end, new.staging, exhausted, start=cur.next_index)
+        new = Cursor(seq, end, staging if good else None, exhausted, self._reader.fingerprint,
+                     recent=recent)
+        won = self._commit(seq, end, new.staging, exhausted, start=cur.next_index,
+                           recent=list(recent))
         if won and newest_seq(self.storage) > seq and (
                 not good or self.storage.exists(f"staging/{staging}")):
             # We took a number whose record had been garbage-collected: a newer cursor
@@ -330,8 +378,8 @@ class Feeder:
         name = TaskName(key=queue_key(STAGE_FRESH, 0, row.index), id=task_id, gen=0,
                         attempts=0, resume=-1, producer="bad_row")
         body = {"task_id": task_id, "gen": 0, "attempts": 0, "reason": "bad_row",
-                "message": row.message, "at": time.time(), "summary": {"index": row.index}}
-        log.error("dropping dataset row %d: %s", row.index, row.message)
+                "message": row.message, "at": time.time(), "summary": row.to_dict()}
+        log.error("dropping dataset row (task index %d): %s", row.index, row.message)
         # dataset -> DROPPED: the note, then the entry, each by exclusive create
         for key, kind in ((note_key(task_id, 0, "drop", "bad_row"), Kind.DROP),
                           (key_of(TaskState.DROPPED, name), Kind.DROP)):
@@ -426,15 +474,19 @@ class Feeder:
         raise CursorContention(17, "the cursor kept changing while switching datasets")
 
 
-def preview_release(queue: RunQueue, dataset: Dataset, count: int | None = None
-                    ) -> ReleasePreview:
+def preview_release(queue: RunQueue, dataset: Dataset, count: int | None = None, *,
+                    max_bad_row_share: float | None = None) -> ReleasePreview:
     """What ``Feeder(queue, dataset).release(count)`` would release and drop, read-only:
-    the cursor does not move and nothing is written or recovered (``--dry-run``)."""
+    the cursor does not move and nothing is written or recovered (``--dry-run``); a
+    release the bad-row bound would refuse is reported as ``refused``."""
     count = queue.config.release_batch if count is None else count
+    share = check_share(queue.config.max_bad_row_share if max_bad_row_share is None
+                        else max_bad_row_share)
     if dataset.prompt_key != queue.config.prompt_key:
         raise DatasetMismatch(f"the dataset is read with prompt_key {dataset.prompt_key!r} "
                               f"but the run's is {queue.config.prompt_key!r}")
     state = read_cursor_state(queue.storage) or {"next_index": 0, "fingerprint": {},
                                                  "exhausted": False}
     return preview(dataset, state.get("fingerprint") or {}, int(state["next_index"]),
-                   bool(state.get("exhausted")), count)
+                   bool(state.get("exhausted")), count, max_share=share,
+                   window=queue.config.release_batch, recent=state.get("recent") or (0, 0))

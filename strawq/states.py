@@ -15,6 +15,8 @@
                 at claim (LEASED) or at batch time, or a corrupt payload (READY); drop_from
                 (BATCHED); a bad dataset row.
     DROPPED ─compact─▶ COMPACTED   folded into the drop audit (``strawq.retention``)
+    DROPPED ─requeue─▶ PENDING     an operator's ``strawq requeue`` (``strawq.requeue``):
+                                   gen + 1, attempts 0, no prefix; the drop note stays
 
 The η bound on a partial task is applied by the producer that claims it (``strawq.eta``):
 past η, ``regenerate`` discards the prefix (LEASED → PARTIAL at version 0 without a prefix,
@@ -96,6 +98,8 @@ TRANSITIONS: dict[tuple[TaskState, TaskState], str] = {
     (S.BATCHED, S.TRAINED): "ack (trainer) then gc (collector): the entry is deleted",
     (S.DROPPED, S.COMPACTED): "compact_drops (collector GC, strawq gc): the drop audit holds "
                               "it; the entry is deleted",
+    (S.DROPPED, S.PENDING): "requeue_dropped (operator: strawq requeue): a fresh generation, "
+                            "attempts 0, no prefix; the drop note is kept",
 }
 
 

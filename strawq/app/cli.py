@@ -111,16 +111,25 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from strawq.dataset import Dataset
+    from strawq.dataset import BadRowsRefused, Dataset
     from strawq.feeder import Feeder
     from strawq.states import dropped_by_reason
 
     q = _queue(args.path)
+    share = args.max_bad_row_share
     if args.dry_run:
         return _release_dry_run(args, q, Dataset(args.dataset, prompt_key=q.config.prompt_key))
-    feeder = Feeder(q, Dataset(args.dataset, prompt_key=q.config.prompt_key))
+    feeder = Feeder(q, Dataset(args.dataset, prompt_key=q.config.prompt_key),
+                    max_bad_row_share=share)
     bad_before = dropped_by_reason(q.storage).get("bad_row", 0)
-    rows = feeder.release(args.count)
+    try:
+        rows = feeder.release(args.count)
+    except BadRowsRefused as exc:
+        # nothing was released: the rows judged and the cursor, then exit 1 with the message
+        _emit(args, {"refused": str(exc), "rows": exc.rows, "released": 0,
+                     "dropped_bad_rows": 0, "next_index": exc.next_index,
+                     "bad_rows": [b.to_dict() for b in exc.bad]}, "")
+        raise
     bad = max(dropped_by_reason(q.storage).get("bad_row", 0) - bad_before, 0)
     payload = {"rows": rows, "released": rows - bad, "dropped_bad_rows": bad,
                "next_index": feeder.cursor.next_index, "exhausted": feeder.exhausted}
@@ -132,13 +141,24 @@ def cmd_release(args: argparse.Namespace) -> int:
     return 0
 
 
+def _share(value: str) -> float:
+    """An argparse type: a share from 0 to 1 (a usage error otherwise)."""
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0 <= share <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share from 0 to 1, got {value!r}")
+    return share
+
+
 def _release_dry_run(args: argparse.Namespace, q: Any, dataset: Any) -> int:
     from strawq.feeder import preview_release
 
-    p = preview_release(q, dataset, args.count)
+    p = preview_release(q, dataset, args.count, max_bad_row_share=args.max_bad_row_share)
     payload = {"dry_run": True, "refused": p.refused, "next_index": p.start,
                "would_move_to": p.end, "would_release": p.good, "would_drop": len(p.bad),
-               "bad_rows": [{"index": b.index, "message": b.message} for b in p.bad],
+               "bad_rows": [b.to_dict() for b in p.bad],
                "prompt_kinds": p.kinds, "exhausted": p.exhausted}
     _emit(args, payload, p.describe(), report=True)
     return 0 if p.refused is None else 1
@@ -311,6 +331,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true",
                    help="validate the rows and report what would be released and dropped; "
                    "the cursor does not move and nothing is written")
+    s.add_argument("--max-bad-row-share", type=_share, default=None, metavar="SHARE",
+                   help="largest share (0..1) of bad rows this release may drop before it is "
+                   "refused (default: the run's max_bad_row_share, 0.05 unless set at init); "
+                   "1 releases whatever the rows, dropping the bad ones")
     _add_json(s)
     s.set_defaults(func=cmd_release)
 
@@ -491,6 +515,8 @@ class Subcommand:
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("doctor", "strawq.app.doctor_cli", "add_doctor_parser",
                "verify a mount gives the guarantees the queue relies on"),
+    Subcommand("requeue", "strawq.app.requeue_cli", "add_parser",
+               "put the tasks dropped with one reason back into the queue"),
     Subcommand("engine", "strawq.producers.engines.cli", "add_engine_parser",
                "local SGLang-compatible engines (tiny, sim, router)", extra="engines",
                nested=True,

@@ -22,3 +22,9 @@ def flaky_reward(task: dict[str, Any], response_ids: list[int], meta: dict[str, 
 
 def char_tokenizer(text: str) -> list[int]:
     return [3 + (ord(c) % 100) for c in text]
+
+
+def missing_module_reward(task: dict[str, Any], response_ids: list[int],
+                          meta: dict[str, Any]) -> float:
+    """A reward whose backend is not installed on this node."""
+    raise ModuleNotFoundError("No module named 'verifier_backend'")

@@ -13,11 +13,11 @@ import pytest
 
 from strawq.control import Control
 from strawq.errors import ConfigError
-from strawq.names import note_key
 from strawq.queue import RunQueue
 
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.testing import EngineThread
+from strawq.producers.handback import MisconfiguredProducer
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import EngineConfig, PluginsConfig, ProducerConfig
 from strawq.producers.sglang_client import SGLangClient
@@ -77,12 +77,9 @@ def test_string_prompts_need_a_tokenizer(tmp_path: Path, sim_engine: Any) -> Non
     rows = [{"prompt": "hello world"}, {"prompt": [5, 6, 7]}]
     q = make_run(str(tmp_path / "a"), 0, rows=rows)
     p = Producer(config(tmp_path / "a", sim_engine))
-    asyncio.run(run_producers([p], lambda: wait_for(lambda: all_settled(q, 2), 30, "settled")))
-    assert ids(q, "ready") == ["i000000000001"]
-    (dropped,) = names(q, "dropped")
-    assert dropped.id == "i000000000000" and dropped.producer == "bad_task"
-    note = q.storage.read(note_key(dropped.id, dropped.gen, "drop", "bad_task"))
-    assert b"tokenizer" in note
+    with pytest.raises(MisconfiguredProducer, match="refuses to start.*plugins.tokenizer"):
+        asyncio.run(p.run())  # the first task is text: nothing claimed, nothing dropped
+    assert ids(q, "pending") == ["i000000000000", "i000000000001"] and not ids(q, "dropped")
 
     q2 = make_run(str(tmp_path / "b"), 0, rows=rows)
     p2 = Producer(config(tmp_path / "b", sim_engine,

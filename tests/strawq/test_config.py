@@ -358,3 +358,9 @@ def test_a_number_must_be_finite(value: float) -> None:
 def test_a_duration_beyond_a_year_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"lease_timeout_s must be > 0 and at most 31536000"):
         QueueConfig(lease_timeout_s=1e20)
+
+
+@pytest.mark.parametrize("share", [-0.1, 5.0])
+def test_a_bad_row_share_outside_0_to_1_is_refused_at_init(share: float) -> None:
+    with pytest.raises(ConfigError, match="max_bad_row_share must be a share between 0 and 1"):
+        QueueConfig(max_bad_row_share=share)

@@ -102,7 +102,8 @@ class Ctx:
 
 def base(storage: Storage, path: str) -> Ctx:
     q = RunQueue.create(storage, QueueConfig(max_attempts=2, lease_timeout_s=10,
-                                             heartbeat_interval_s=1, release_batch=4))
+                                             heartbeat_interval_s=1, release_batch=4,
+                                             max_bad_row_share=1.0))  # a bad row on purpose
     ds = Dataset(path)
     Feeder(q, ds).release(4)
     return Ctx(q, ds)

@@ -37,7 +37,7 @@ BAD_ROWS: list[Any] = [
 
 def test_bad_dataset_rows_are_dropped_with_reason(storage: Storage, tmp_path: Path,
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    q = make_queue(storage)
+    q = make_queue(storage, max_bad_row_share=1.0)  # drop them all, knowingly
     f = make_feeder(q, tmp_path, BAD_ROWS)
     with caplog.at_level(logging.ERROR):
         assert f.release(10) == len(BAD_ROWS)
@@ -55,7 +55,7 @@ def test_bad_dataset_rows_are_dropped_with_reason(storage: Storage, tmp_path: Pa
     assert "empty string" in messages[3]
     assert "non-negative token ids" in messages[4]
     assert "expected a JSON object" in messages[5]
-    assert all(f"row {i}" in messages[i] for i in bad)
+    assert all(f"data.jsonl line {i + 1}:" in messages[i] for i in bad)
     assert sum("dropping dataset row" in r.message for r in caplog.records) == len(bad)
     assert run_status(q).dropped_by_reason == {"bad_row": len(bad)}
 

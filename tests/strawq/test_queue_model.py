@@ -86,7 +86,8 @@ class QueueMachine(RuleBasedStateMachine):
     def start(self) -> None:
         self.storage = MemoryStorage()
         cfg = QueueConfig(max_attempts=MAX_ATTEMPTS, lease_timeout_s=TIMEOUT,
-                          heartbeat_interval_s=1.0, release_batch=4)
+                          heartbeat_interval_s=1.0, release_batch=4,
+                          max_bad_row_share=1.0)  # bad rows dropped on purpose
         RunQueue.create(self.storage, cfg)
         self.dataset = Dataset(self.dataset_path)
         self.now = 0.0

@@ -85,7 +85,7 @@ def test_claim_moves_a_fresh_task_out_of_its_release_directory(storage: Storage)
 
 
 @pytest.mark.parametrize("src,dst", [(S.PENDING, S.READY), (S.READY, S.LEASED),
-                                     (S.DROPPED, S.PENDING), (S.PARTIAL, S.DROPPED),
+                                     (S.DROPPED, S.READY), (S.PARTIAL, S.DROPPED),
                                      (S.LEASED, S.BATCHED), (S.BATCHED, S.PENDING)],
                          ids=lambda s: s.value)
 def test_an_illegal_transition_raises_and_moves_nothing(storage: Storage, src: TaskState,

@@ -162,7 +162,8 @@ def test_release_counts_dropped_rows_and_refuses_a_negative_count(
     good = [json.dumps({"prompt": [1, 2]})] * 3
     bad = ["{not json", json.dumps({"other": 1})] * 3
     ds.write_text("\n".join(good + bad) + "\n")
-    assert cli.main(["release", run, str(ds), "--count", "9", "--json"]) == 0
+    assert cli.main(["release", run, str(ds), "--count", "9", "--json",
+                     "--max-bad-row-share", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["rows"] == 9 and out["released"] == 3 and out["dropped_bad_rows"] == 6
     with pytest.raises(SystemExit) as exc:
