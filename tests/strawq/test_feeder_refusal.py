@@ -129,5 +129,5 @@ def test_the_cli_release_that_would_drop_8_of_12_rows_exits_1(
     assert cli_main(["release", run, data, "--dry-run"]) == 1
     assert "would release nothing: refusing" in capsys.readouterr().out
     assert preview_release(RunQueue.open(storage), Dataset(data)).refused is not None
-    assert cli_main(["release", run, data, "--max-bad-row-share", "1", "-q"]) == 0
+    assert cli_main(["release", run, data, "--max-bad-row-share", "1"]) == 0
     assert "released 4 of 12 rows (8 bad dropped" in capsys.readouterr().out
