@@ -408,8 +408,11 @@ def actor_step(model: torch.nn.Module, data: Any, config: Any, *, dp_size: int =
             dist.all_reduce(count, op=dist.ReduceOp.SUM, group=dp_group)
         batch_num_tokens = int(count.item())
     tu.assign_non_tensor(td, batch_num_tokens=int(batch_num_tokens), dp_size=int(dp_size))
-    micro, _ = eutils.prepare_micro_batches(data=td, dp_group=dp_group,
-                                            same_micro_num_in_dp=True)
+    # verl makes the micro-batch counts equal across the group (its FSDP collectives need
+    # it) with a tensor on its accelerator platform; on CPU ranks the counts may differ,
+    # which changes no gradient (each micro-batch's loss is its share of the batch's)
+    sync = dp_group if dev.type != "cpu" else None
+    micro, _ = eutils.prepare_micro_batches(data=td, dp_group=sync, same_micro_num_in_dp=True)
     eng = _engine()
     total = torch.zeros((), dtype=torch.float64)
     for mb in micro:
