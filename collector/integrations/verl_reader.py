@@ -238,6 +238,25 @@ def batch_to_dataproto(batch: Batch, *, advantages: bool = True, old_log_probs: 
                                         meta_info=meta)
 
 
+def check_temperature(data: Any, temperature: float) -> None:
+    """Raise ``ValueError`` unless the ``DataProto`` was sampled at ``temperature``: verl
+    0.9.1's trainers set one ``meta_info["temperature"]`` (the config's
+    ``actor_rollout_ref.rollout.temperature``) in ``_update_actor`` and score every sample
+    at it, and ``to_tensordict`` refuses a batch that also carries a per-sample
+    ``temperature`` column. Call it on each batch with the trainer's temperature."""
+    if "temperature" in data.batch.keys():
+        raise ValueError("this DataProto carries per-sample temperatures (batch['temperature'"
+                         "]) and verl's _update_actor sets meta_info['temperature'] as well: "
+                         "sample at one temperature (the producers' sampling config) or "
+                         "override _update_actor so that it does not set it")
+    got = float(data.meta_info.get("temperature", 1.0))
+    if abs(got - float(temperature)) > 1e-6:
+        raise ValueError(f"batch {data.meta_info.get('strawq', {}).get('seq')} was sampled at "
+                         f"temperature {got}, the trainer scores at {temperature} "
+                         "(actor_rollout_ref.rollout.temperature): expected equal; set the "
+                         "producers' temperature or the trainer's to match")
+
+
 def _extra(name: str, t: torch.Tensor, batch: Batch, row: np.ndarray, col: np.ndarray,
            is_resp: np.ndarray, width_p: int, width_r: int) -> dict[str, torch.Tensor]:
     """A per-token extra as a padded tensor (ragged ones are left in the reader Batch)."""
@@ -645,6 +664,7 @@ def hook_parameter_sync(trainer: Any, bracket: BatchReader | WeightUpdateBracket
 
 
 __all__ = ["DATAPROTO_FIELDS", "LOSS_AGG", "StrawqParameterSync", "VERL_MISSING",
-           "actor_step", "batch_to_dataproto", "check_objective", "compute_verl_advantages",
+           "actor_step", "batch_to_dataproto", "check_objective", "check_temperature",
+           "compute_verl_advantages",
            "driver_dataproto", "hook_parameter_sync", "rollout_correction",
            "verl_actor_config", "verl_distributed_gradients", "verl_path_gradients"]

@@ -167,6 +167,11 @@ def test_temperature_modes(run: tuple[str, int]) -> None:
     assert data.meta_info["temperature"] == pytest.approx(0.8)
     assert "temperature" not in data.batch.keys()
     assert "temperature" in vr.batch_to_dataproto(one, temperature="tensor").batch.keys()
+    vr.check_temperature(data, 0.8)
+    with pytest.raises(ValueError, match="sampled at temperature 0.8"):
+        vr.check_temperature(data, 1.0)
+    with pytest.raises(ValueError, match="per-sample temperatures"):
+        vr.check_temperature(vr.batch_to_dataproto(batch), 1.0)
     no_adv = vr.batch_to_dataproto(batch, advantages=False, old_log_probs=False)
     assert "advantages" not in no_adv.batch.keys() and "old_log_probs" not in no_adv.batch.keys()
 
