@@ -280,22 +280,31 @@ def _extra(name: str, t: torch.Tensor, batch: Batch, row: np.ndarray, col: np.nd
 #: strawq's aggregation -> verl's ``actor.loss_agg_mode``
 LOSS_AGG = {"token_mean": "token-mean", "seq_mean_token_sum": "seq-mean-token-sum",
             "seq_mean_token_mean": "seq-mean-token-mean"}
+#: ``bypass``: old_log_probs = the rollout's, REINFORCE with the IS weight in the actor's
+#: loss; ``decoupled``: verl recomputes old_log_probs, the driver computes the IS weights
+#: against the rollout's (``compute_rollout_correction_and_add_to_batch``), the actor's PPO
+#: loss is weighed by them (exact for the first mini-batch of a batch: ratio 1, no clip)
+MODES = ("bypass", "decoupled")
 
 
-def rollout_correction(objective: Any = None) -> dict[str, Any]:
+def rollout_correction(objective: Any = None, *, mode: str = "bypass") -> dict[str, Any]:
     """verl's ``algorithm.rollout_correction`` for strawq's importance weight.
 
     ``tis``: ``rollout_is=token``, threshold 2 (min(ρ, 2)); ``icepop``: threshold
     ``"0.5_5.0"`` (ρ kept in [0.5, 5], 0 outside); ``icepop_mask``: no IS weight and
     ``rollout_rs=token_k1`` at ``"0.2_2.0"`` (token_k1 is −log ρ, so its bounds are those of
-    1/ρ: the tokens with ρ in [0.5, 5] stay in the mask); ``none``: neither. Always
-    ``bypass_mode`` (old_log_probs are the rollout's) with ``loss_type=reinforce``.
+    1/ρ: the tokens with ρ in [0.5, 5] stay in the mask); ``none``: neither.
+    ``mode="bypass"``: ``bypass_mode`` (old_log_probs are the rollout's) with
+    ``loss_type=reinforce``; ``"decoupled"``: verl recomputes old_log_probs and weighs its
+    PPO loss by the weights against the rollout's (``bypass_mode=False``).
     """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     is_mode = getattr(objective, "is_mode", "tis")
     base: dict[str, Any] = dict(rollout_is=None, rollout_is_threshold=None,
                                 rollout_is_batch_normalize=False, rollout_rs=None,
-                                rollout_rs_threshold=None, bypass_mode=True,
-                                loss_type="reinforce")
+                                rollout_rs_threshold=None, bypass_mode=mode == "bypass",
+                                loss_type="reinforce" if mode == "bypass" else "ppo_clip")
     if is_mode == "tis":
         base.update(rollout_is="token", rollout_is_threshold=2.0)
     elif is_mode == "icepop":
@@ -307,7 +316,7 @@ def rollout_correction(objective: Any = None) -> dict[str, Any]:
     return base
 
 
-def check_objective(objective: Any = None) -> None:
+def check_objective(objective: Any = None, *, mode: str = "bypass") -> None:
     """Raise ``ValueError`` for an objective verl's loss code does not compute exactly.
 
     * ``truncated`` scoring: verl's engines score the tempered full softmax; no top-k /
@@ -317,7 +326,15 @@ def check_objective(objective: Any = None) -> None:
       tokens kept, where strawq's is over its loss tokens (``token_mean`` and
       ``seq_mean_token_sum`` are exact: their denominators are the batch's, fixed before the
       mask).
+    * ``icepop_mask`` with ``token_mean`` in the decoupled mode: the driver applies the
+      rejection mask before the actor counts the batch's tokens, so the denominator is the
+      tokens kept.
     """
+    if mode == "decoupled" and getattr(objective, "is_mode", "tis") == "icepop_mask" and \
+            getattr(objective, "aggregation", "seq_mean_token_mean") == "token_mean":
+        raise ValueError("icepop_mask with token_mean has no exact verl equivalent in the "
+                         "decoupled mode: the rejection mask is applied before the actor "
+                         "counts the batch's tokens; use the bypass mode")
     if getattr(objective, "truncated", False):
         raise ValueError("verl scores log-probs at the temperature only (the tempered full "
                          "softmax): an objective scored under the recorded top-k / top-p "
@@ -333,13 +350,15 @@ def check_objective(objective: Any = None) -> None:
 
 
 def verl_actor_config(objective: Any = None, *, batch_samples: int, rollout_n: int = 1,
-                      **overrides: Any) -> Any:
+                      mode: str = "bypass", **overrides: Any) -> Any:
     """verl's ``FSDPActorConfig`` that trains strawq's documented objective on batches of
     ``batch_samples`` samples (one optimizer step per strawq batch: ``ppo_mini_batch_size``
     × ``rollout_n`` = the batch's samples, one epoch; no KL, no entropy term; the policy
-    loss and the rollout correction of ``rollout_correction``). ``overrides`` set other
-    fields (``ppo_max_token_len_per_gpu``, ``use_dynamic_bsz``, ...)."""
-    check_objective(objective)
+    loss and the rollout correction of ``rollout_correction``: ``bypass_mode`` /
+    REINFORCE, or verl's default ``vanilla`` PPO loss in the decoupled ``mode``).
+    ``overrides`` set other fields (``ppo_max_token_len_per_gpu``, ``use_dynamic_bsz``,
+    ...)."""
+    check_objective(objective, mode=mode)
     actor = _verl("verl.workers.config.actor")
     rc_cls = _verl("verl.trainer.config").RolloutCorrectionConfig
     if batch_samples % rollout_n:
@@ -350,9 +369,9 @@ def verl_actor_config(objective: Any = None, *, batch_samples: int, rollout_n: i
         rollout_n=rollout_n, ppo_mini_batch_size=batch_samples // rollout_n, ppo_epochs=1,
         loss_agg_mode=LOSS_AGG[agg], entropy_coeff=0.0, use_kl_loss=False,
         use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16384, shuffle=False,
-        policy_loss=actor.PolicyLossConfig(loss_mode="bypass_mode",
-                                           rollout_correction=rc_cls(
-                                               **rollout_correction(objective))))
+        policy_loss=actor.PolicyLossConfig(
+            loss_mode="bypass_mode" if mode == "bypass" else "vanilla",
+            rollout_correction=rc_cls(**rollout_correction(objective, mode=mode))))
     kw.update(overrides)
     return actor.FSDPActorConfig(**kw)
 
@@ -449,6 +468,29 @@ def actor_step(model: torch.nn.Module, data: Any, config: Any, *, dp_size: int =
     return total, len(micro)
 
 
+def actor_log_probs(model: torch.nn.Module, data: Any) -> torch.Tensor:
+    """float32 [S, R]: the actor's log-probs of the response tokens, as verl's
+    ``compute_log_prob`` returns them for ``old_log_probs`` (forward only; the FSDP engine's
+    input/output preparation, ``no_padding_2_padding``)."""
+    padding = _verl("verl.workers.utils.padding")
+    tu = _verl("verl.utils.tensordict_utils")
+    dev = next((q.device for q in model.parameters()), torch.device("cpu"))
+    td = padding.left_right_2_no_padding(data.to_tensordict())
+    tu.assign_non_tensor(td, calculate_entropy=False, use_remove_padding=True,
+                         use_fused_kernels=False)
+    td = td.to(dev)
+    eng = _engine()
+    with torch.no_grad():
+        inputs, out_args = eng.prepare_model_inputs(micro_batch=td)
+        cu = td["input_ids"].offsets().to(torch.int64)
+        logits = model(inputs["input_ids"][0], inputs["position_ids"][0], cu)
+        outputs = eng.prepare_model_outputs(output=_LMHeadOutput(logits=logits.unsqueeze(0)),
+                                            output_args=out_args, micro_batch=td,
+                                            logits_processor_func=None)
+        out: torch.Tensor = padding.no_padding_2_padding(outputs["log_probs"], td)
+    return out.float().cpu()
+
+
 def _read_batch(run_dir: str, seq: int) -> Batch:
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
@@ -463,14 +505,28 @@ def _read_batch(run_dir: str, seq: int) -> Batch:
 
 
 def driver_dataproto(run_dir: str, seq: int, *, advantages: str = "manifest",
-                     balance_dp: int | None = None) -> Any:
+                     balance_dp: int | None = None, objective: Any = None,
+                     mode: str = "bypass", model: torch.nn.Module | None = None) -> Any:
     """The verl driver's side: batch ``seq`` read whole and converted; ``advantages=
     "verl"`` recomputes them with ``compute_verl_advantages``; ``balance_dp`` reorders the
     rows the way the trainer's ``_balance_batch`` does for that many ranks (verl's
-    ``get_seqlen_balanced_partitions``)."""
+    ``get_seqlen_balanced_partitions``). ``mode="decoupled"``: ``old_log_probs`` from
+    ``model`` (``actor_log_probs``, the weights before the step) and verl's
+    ``compute_rollout_correction_and_add_to_batch`` for ``objective``'s weight."""
     if advantages not in ("manifest", "verl"):
         raise ValueError(f"advantages must be 'manifest' or 'verl', got {advantages!r}")
-    data = batch_to_dataproto(_read_batch(run_dir, seq), advantages=advantages == "manifest")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    data = batch_to_dataproto(_read_batch(run_dir, seq), advantages=advantages == "manifest",
+                              old_log_probs=mode == "bypass")
+    if mode == "decoupled":
+        if model is None:
+            raise ValueError("the decoupled mode recomputes old_log_probs: pass the model")
+        data.batch["old_log_probs"] = actor_log_probs(model, data)
+        helper = _verl("verl.trainer.ppo.rollout_corr_helper")
+        rc = _verl("verl.trainer.config").RolloutCorrectionConfig(
+            **rollout_correction(objective, mode="decoupled"))
+        data, _metrics = helper.compute_rollout_correction_and_add_to_batch(data, rc)
     if advantages == "verl":
         data = compute_verl_advantages(data)
     if balance_dp and balance_dp > 1 and len(data) % balance_dp == 0:
@@ -486,19 +542,24 @@ def driver_dataproto(run_dir: str, seq: int, *, advantages: str = "manifest",
 def verl_path_gradients(run_dir: str, seq: int, model: torch.nn.Module, *,
                         objective: Any = None, dp_size: int = 1,
                         max_token_len_per_gpu: int | None = None,
-                        advantages: str = "manifest") -> tuple[float, dict[str, torch.Tensor]]:
+                        advantages: str = "manifest", mode: str = "bypass"
+                        ) -> tuple[float, dict[str, torch.Tensor]]:
     """(loss, {parameter: gradient}) of batch ``seq`` as a verl actor trains it, on one
     process: the driver's ``DataProto`` (``driver_dataproto``), split over ``dp_size``
     ranks the way verl's dispatch splits it (``DataProto.chunk``), each rank's
-    ``actor_step`` with ``verl_actor_config(objective)`` and the whole batch's token count,
-    and the ranks' gradients averaged (FSDP's mean), as one backward of their mean loss.
-    The model's gradients are cleared first and hold the result afterwards."""
-    data = driver_dataproto(run_dir, seq, advantages=advantages, balance_dp=dp_size)
+    ``actor_step`` with ``verl_actor_config(objective, mode=mode)`` and the whole batch's
+    token count, and the ranks' gradients averaged (FSDP's mean), as one backward of their
+    mean loss. The model's gradients are cleared first and hold the result afterwards.
+    (In the decoupled mode the loss is PPO's surrogate −w·A·ρ at ρ = 1, not the
+    reference's −w·A·log π; the gradients agree.)"""
+    check_objective(objective, mode=mode)
+    data = driver_dataproto(run_dir, seq, advantages=advantages, balance_dp=dp_size,
+                            objective=objective, mode=mode, model=model)
     n = len(data)
     if n % dp_size:
         raise ValueError(f"batch {seq} has {n} samples, not a multiple of dp_size={dp_size}: "
                          "verl's dispatch splits a batch evenly")
-    config = verl_actor_config(objective, batch_samples=n)
+    config = verl_actor_config(objective, batch_samples=n, mode=mode)
     tokens = int(data.batch["response_mask"].sum())
     model.zero_grad(set_to_none=True)
     total = 0.0
@@ -514,10 +575,11 @@ def verl_path_gradients(run_dir: str, seq: int, model: torch.nn.Module, *,
 # -- real data-parallel ranks ----------------------------------------------------------------
 def _rank_main(rank: int, run_dir: str, seq: int, world_sizes: Sequence[int],
                objectives: Sequence[dict[str, Any]], model_kw: dict[str, Any], init: str,
-               size: int, out_dir: str, budget: int | None, advantages: str) -> None:
+               size: int, out_dir: str, budget: int | None, advantages: str,
+               mode: str) -> None:
     """One gloo process, a verl actor rank: for each world size w (ranks < w take part) and
-    objective, its shard's ``actor_step`` (token count all-reduced over the group, micro-batch
-    counts made equal across it), then the gradients all-reduced and divided by w."""
+    objective, its shard's ``actor_step`` (token count all-reduced over the group), then the
+    gradients all-reduced and divided by w."""
     import torch.distributed as dist
 
     from strawq.collector.reference import Objective, TinyPolicy, gradients
@@ -531,10 +593,14 @@ def _rank_main(rank: int, run_dir: str, seq: int, world_sizes: Sequence[int],
             if rank >= w:
                 continue
             data = driver_dataproto(run_dir, seq, advantages=advantages, balance_dp=w)
-            shard = data.chunk(w)[rank]
             for k, obj in enumerate(objectives):
-                config = verl_actor_config(Objective(**obj), batch_samples=len(data))
                 model = TinyPolicy(**model_kw)
+                if mode == "decoupled":  # old_log_probs and IS weights on the driver
+                    data = driver_dataproto(run_dir, seq, advantages=advantages, balance_dp=w,
+                                            objective=Objective(**obj), mode=mode, model=model)
+                shard = data.chunk(w)[rank]
+                config = verl_actor_config(Objective(**obj), batch_samples=len(data),
+                                           mode=mode)
                 loss, _ = actor_step(model, shard, config, dp_size=w, dp_group=group,
                                      max_token_len_per_gpu=budget)
                 lt = loss.to(torch.float64).reshape(1).clone()
@@ -558,7 +624,8 @@ def verl_distributed_gradients(run_dir: str, seq: int, *,
                                objectives: Iterable[Any] = (),
                                model_kw: Mapping[str, Any] | None = None,
                                max_token_len_per_gpu: int | None = None,
-                               advantages: str = "manifest", start_method: str = "spawn"
+                               advantages: str = "manifest", mode: str = "bypass",
+                               start_method: str = "spawn"
                                ) -> dict[tuple[int, Any], tuple[float, dict[str, torch.Tensor]]]:
     """The verl path on real ``torch.distributed`` ranks (gloo, CPU): one job of
     ``max(world_sizes)`` processes runs every world size on a subgroup of the first w ranks
@@ -574,11 +641,11 @@ def verl_distributed_gradients(run_dir: str, seq: int, *,
     if not sizes or sizes[0] < 1:
         raise ValueError(f"world sizes must be >= 1, got {sizes}")
     for o in objs:
-        check_objective(o)
+        check_objective(o, mode=mode)
     with tempfile.TemporaryDirectory(prefix="strawq-verl-") as tmp:
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
         args = (run_dir, seq, sizes, [asdict(o) for o in objs], dict(model_kw or {}), init,
-                sizes[-1], tmp, max_token_len_per_gpu, advantages)
+                sizes[-1], tmp, max_token_len_per_gpu, advantages, mode)
         mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             _rank_main, args=args, nprocs=sizes[-1], join=True, start_method=start_method)
         raw = torch.load(os.path.join(tmp, "grads.pt"))
@@ -663,8 +730,8 @@ def hook_parameter_sync(trainer: Any, bracket: BatchReader | WeightUpdateBracket
     return sync
 
 
-__all__ = ["DATAPROTO_FIELDS", "LOSS_AGG", "StrawqParameterSync", "VERL_MISSING",
-           "actor_step", "batch_to_dataproto", "check_objective", "check_temperature",
-           "compute_verl_advantages",
-           "driver_dataproto", "hook_parameter_sync", "rollout_correction",
-           "verl_actor_config", "verl_distributed_gradients", "verl_path_gradients"]
+__all__ = ["DATAPROTO_FIELDS", "LOSS_AGG", "MODES", "StrawqParameterSync", "VERL_MISSING",
+           "actor_log_probs", "actor_step", "batch_to_dataproto", "check_objective",
+           "check_temperature", "compute_verl_advantages", "driver_dataproto",
+           "hook_parameter_sync", "rollout_correction", "verl_actor_config",
+           "verl_distributed_gradients", "verl_path_gradients"]

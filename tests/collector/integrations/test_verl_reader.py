@@ -220,6 +220,24 @@ def test_gloo_ranks_equal_the_reference(run: tuple[str, int], refs: _Refs) -> No
         assert loss == pytest.approx(refs[obj][0], rel=1e-5)
 
 
+def test_gloo_ranks_in_verls_decoupled_mode(run: tuple[str, int], refs: _Refs) -> None:
+    """verl's default mode: old_log_probs recomputed by the actor before the step, the IS
+    weights against the rollout's computed on the driver
+    (``compute_rollout_correction_and_add_to_batch``), the actor's ``vanilla`` PPO loss
+    weighed by them: at ρ = 1 (the first mini-batch) its gradient is the objective's."""
+    run_dir, seq = run
+    objs = [Objective("token_mean", "icepop"), Objective("seq_mean_token_sum", "icepop_mask")]
+    got = vr.verl_distributed_gradients(run_dir, seq, world_sizes=(1, 2), objectives=objs,
+                                        max_token_len_per_gpu=80, mode="decoupled",
+                                        start_method="fork")
+    for (w, obj), (_loss, grads) in got.items():
+        assert max_relative_error(grads, refs[obj][1]) <= TOL, (w, obj)
+    obj = Objective("seq_mean_token_mean")
+    _, grads = vr.verl_path_gradients(run_dir, seq, TinyPolicy(), objective=obj,
+                                      mode="decoupled", dp_size=2, max_token_len_per_gpu=60)
+    assert max_relative_error(grads, refs[obj][1]) <= TOL
+
+
 def test_verls_own_grpo_advantages_are_the_manifests(run: tuple[str, int], refs: _Refs) -> None:
     run_dir, seq = run
     mine = vr.driver_dataproto(run_dir, seq)
@@ -297,11 +315,15 @@ def test_one_temperature_for_a_mixed_batch_is_caught(run: tuple[str, int], refs:
     assert max_relative_error(_step(run, obj, data=data), refs[obj][1]) > 1e-2
 
 
-def test_objectives_verl_cannot_express_are_refused(run: tuple[str, int]) -> None:
+def test_objectives_verl_cannot_express_are_refused(run: tuple[str, int], refs: _Refs
+                                                     ) -> None:
     with pytest.raises(ValueError, match="temperature only"):
         vr.verl_actor_config(Objective(truncated=True), batch_samples=4)
     with pytest.raises(ValueError, match="no exact verl equivalent"):
         vr.verl_actor_config(Objective("seq_mean_token_mean", "icepop_mask"), batch_samples=4)
+    with pytest.raises(ValueError, match="decoupled mode"):
+        vr.verl_actor_config(Objective("token_mean", "icepop_mask"), batch_samples=4,
+                             mode="decoupled")
     # ...and it does differ: the rejection mask shrinks each sample's token-mean denominator
     obj = Objective("seq_mean_token_mean", "icepop_mask")
     run_dir, seq = run
@@ -312,6 +334,13 @@ def test_objectives_verl_cannot_express_are_refused(run: tuple[str, int]) -> Non
         cfg.policy_loss, rollout_correction=dataclasses.replace(
             cfg.policy_loss.rollout_correction, **vr.rollout_correction(obj))))
     assert max_relative_error(_step(run, obj, data=data, config=forced), ref) > 1e-3
+    # decoupled: the driver's rejection mask shrinks the batch's token count
+    obj = Objective("token_mean", "icepop_mask")
+    data = vr.driver_dataproto(run_dir, seq, objective=obj, mode="decoupled",
+                               model=TinyPolicy())
+    cfg = vr.verl_actor_config(Objective("token_mean"), batch_samples=len(data),
+                               mode="decoupled")
+    assert max_relative_error(_step(run, obj, data=data, config=cfg), refs[obj][1]) > 1e-3
 
 
 # -- the weight-update bracket around verl's parameter sync ----------------------------------
