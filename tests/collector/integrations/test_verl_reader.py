@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,9 +30,11 @@ from strawq.collector.bracket import WeightUpdateBracket  # noqa: E402
 from strawq.collector.integrations import verl_reader as vr  # noqa: E402
 from strawq.collector.reader import Batch, BatchReader  # noqa: E402
 from strawq.collector.reference import (Objective, TinyPolicy, make_reference_run,  # noqa: E402
-                                        max_relative_error, reference_gradients)
+                                        max_relative_error, publish_batch,
+                                        reference_gradients)
 from strawq.control import Control  # noqa: E402
-from strawq.queue import RunQueue  # noqa: E402
+from strawq.groups import GroupData  # noqa: E402
+from strawq.queue import Lease, RunQueue  # noqa: E402
 from strawq.storage import open_storage  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -341,6 +345,76 @@ def test_objectives_verl_cannot_express_are_refused(run: tuple[str, int], refs: 
     cfg = vr.verl_actor_config(Objective("token_mean"), batch_samples=len(data),
                                mode="decoupled")
     assert max_relative_error(_step(run, obj, data=data, config=cfg), refs[obj][1]) > 1e-3
+
+
+# -- the documented trainer ------------------------------------------------------------------
+def _doc_trainer_code() -> str:
+    text = (Path(__file__).resolve().parents[3] / "docs" / "verl.md").read_text("utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    code = [b for b in blocks if "class StrawqTrainer" in b]
+    assert len(code) == 1, "docs/verl.md shows one StrawqTrainer"
+    return str(code[0])
+
+
+def _uniform_run(path: str) -> tuple[str, int]:
+    """Two groups of two samples, all at temperature 0.8."""
+    rng = np.random.default_rng(3)
+    prompts = [[int(x) for x in rng.integers(0, 64, 4)] for _ in range(2)]
+
+    def build(lease: Lease) -> GroupData:
+        return GroupData(
+            task_id=lease.task_id, index=int(lease.task["index"]),
+            prompt_ids=np.asarray(lease.task["row"]["prompt"], np.int32), sample_lens=[3, 5],
+            tokens=rng.integers(0, 64, 8).astype(np.int32),
+            logprobs=np.full(8, -1.0, np.float32), versions=np.zeros(8, np.int64),
+            loss_mask=np.ones(8, np.uint8), rewards=[0.0, 1.0], status=["completed"] * 2,
+            meta={"params": [{"temperature": 0.8, "max_new_tokens": 5}] * 2})
+
+    return publish_batch(path, prompts, 2, build)
+
+
+def test_the_documented_trainer_reads_and_acks(tmp_path: Path) -> None:
+    """The docs' ``StrawqTrainer`` (a Ray actor class over verl's ``FullyAsyncTrainer``):
+    its ``_fit_generate`` hands verl the collector's batch, refuses one sampled at another
+    temperature than the trainer's, and its ``_fit_update_actor`` (verl's, around the actor
+    worker group's update, which needs GPUs and is left out here) acks the batch."""
+    from omegaconf import OmegaConf
+    from verl.protocol import DataProto
+
+    namespace: dict[str, Any] = {}
+    exec(compile(_doc_trainer_code(), "docs/verl.md", "exec"), namespace)  # noqa: S102
+    cls = namespace["StrawqTrainer"].__ray_actor_class__
+    run_dir, seq = _uniform_run(str(tmp_path))
+
+    def trainer(temperature: float) -> Any:
+        t = object.__new__(cls)  # verl's __init__ builds Ray worker groups
+        t.attach_strawq(run_dir)
+        t.timing_raw, t.metrics, t.global_steps = {}, {}, 1
+        t.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {
+            "temperature": temperature}}, "trainer": {"critic_warmup": 0}})
+        return t
+
+    wrong = trainer(1.0)
+    with pytest.raises(ValueError, match="sampled at temperature 0.8"):
+        asyncio.run(wrong._fit_generate())
+    wrong.strawq.close()
+    t = trainer(0.8)  # a new reader: the unacked batch is delivered again
+    data = asyncio.run(t._fit_generate())
+    assert len(data) == 4 and data.meta_info["temperature"] == pytest.approx(0.8)
+    assert data.meta_info["strawq"]["seq"] == seq and "gen" in t.timing_raw
+    q = RunQueue.open(open_storage(run_dir, writer_id="check"))
+    assert seq not in BatchStore(q).batch_seqs()[1]
+    updated: list[int] = []
+
+    def update_actor(batch: Any) -> Any:  # the actor worker group's update (GPUs)
+        updated.append(len(batch))
+        return DataProto(meta_info={"metrics": {}})
+
+    t._update_actor = update_actor
+    t._fit_update_actor(data)
+    assert updated == [4]
+    assert seq in BatchStore(q).batch_seqs()[1]  # acked after the step
+    t.strawq.close()
 
 
 # -- the weight-update bracket around verl's parameter sync ----------------------------------
