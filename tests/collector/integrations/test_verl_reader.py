@@ -160,6 +160,33 @@ def test_dataproto_holds_each_record_in_verls_layout(run: tuple[str, int]) -> No
             assert back[k, 0] == full[k, width_p - 1]
 
 
+def test_extras_line_up_with_their_tokens() -> None:
+    """``routed_experts`` in verl's layout (aligned with ``input_ids``, int16, −1 → 0), other
+    per-token extras response-aligned as ``strawq_<name>``; ragged ones left out."""
+    from tests.collector.integrations.conftest import make_batch
+
+    b = make_batch([2, 3, 1], [4, 0, 2], group_size=3)
+    t = b.num_tokens
+    experts = torch.arange(t * 2 * 3, dtype=torch.int32).reshape(t, 2, 3)
+    experts[-1] = -1
+    teacher = -torch.arange(t, dtype=torch.float32) / 100
+    b.extras = {"routed_experts": experts, "teacher_logprobs": teacher,
+                "top_p_token_ids": torch.zeros(5, dtype=torch.int32),
+                "top_p_token_offsets": torch.zeros(t + 1, dtype=torch.int64)}
+    data = vr.batch_to_dataproto(b)
+    re_, tl = data.batch["routed_experts"], data.batch["strawq_teacher_logprobs"]
+    assert re_.dtype == torch.int16 and re_.shape == (3, 3 + 4, 2, 3)
+    assert "strawq_top_p_token_ids" not in data.batch.keys()
+    cu = b.cu_seqlens.tolist()
+    for i, (p, r) in enumerate([(2, 4), (3, 0), (1, 2)]):
+        seq = torch.arange(cu[i], cu[i + 1])
+        assert torch.equal(re_[i, 3 - p:3 + r], experts[seq].clamp(min=0).to(torch.int16))
+        assert torch.equal(tl[i, :r], teacher[seq[p:]])
+        assert bool((tl[i, r:] == 0).all()) and bool((re_[i, :3 - p] == 0).all())
+    assert data.non_tensor_batch["min_global_steps"].tolist() == [10, 11, 12]
+    assert data.non_tensor_batch["uid"].tolist() == [b.groups[0].id] * 3
+
+
 def test_temperature_modes(run: tuple[str, int]) -> None:
     run_dir, seq = run
     _, batch = _batch(run_dir, seq)
