@@ -12,7 +12,11 @@
      multiples, the CP split) summed per rank and averaged over DP × CP;
    * ``demo``: the demo trainer's ``GRPOTrainer.train_step`` (padded rows, clipped to norm 1);
    * ``slime``: the slime adapters, where ``strawq.collector.integrations.slime`` offers
-     ``slime_path_gradients(run_dir, seq, model, *, objective) -> (loss, grads)``.
+     ``slime_path_gradients(run_dir, seq, model, *, objective) -> (loss, grads)``;
+   * ``verl``: the batch as verl's ``DataProto``, trained by verl's own actor code
+     (``strawq.collector.integrations.verl_reader``: its padding conversion, micro-batches,
+     FSDP engine input/output preparation and ``ppo_loss`` in bypass / REINFORCE mode) on
+     real gloo ranks (world sizes 1, 2, 4; 1-4 in the full form), where verl is installed.
    The error of a path is max over parameters of max |g − g_ref| / max |g_ref|.
 
     python bench/trainer.py [--quick] [--device cuda] [--dir DIR]
@@ -21,7 +25,7 @@
 Megatron layouts. ``--device cuda`` computes the reference, the Megatron and the demo paths
 on the GPU (gloo ranks stay on the CPU). The last line:
 ``trainer: max relative gradient error vs reference = X over N paths (world sizes 1-4,
-megatron[, slime])``; the exit status is 1 when X > 1e-5.
+megatron[, slime][, verl])``; the exit status is 1 when X > 1e-5.
 """
 
 from __future__ import annotations
@@ -73,6 +77,17 @@ def slime_hook() -> Callable[..., tuple[float, Grads]] | None:
         return None
     fn = getattr(slime, "slime_path_gradients", None)
     return fn if callable(fn) else None
+
+
+def verl_hook() -> Callable[..., dict[tuple[int, Objective], tuple[float, Grads]]] | None:
+    """The verl path on gloo ranks, if verl is installed."""
+    try:
+        import verl  # noqa: F401
+
+        from strawq.collector.integrations.verl_reader import verl_distributed_gradients
+    except ImportError:
+        return None
+    return verl_distributed_gradients
 
 
 def demo_gradients(run_dir: str, seq: int, objective: Objective, device: str,
@@ -232,6 +247,28 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("the slime path is left out: strawq.collector.integrations.slime offers no "
                   "slime_path_gradients(run_dir, seq, model, *, objective)", file=sys.stderr)
+        verl_fn = verl_hook()
+        if verl_fn is not None:
+            from strawq.collector.integrations.verl_reader import check_objective
+
+            verl_objs = []
+            for obj in objectives:
+                try:
+                    check_objective(obj)
+                    verl_objs.append(obj)
+                except ValueError as exc:  # an objective verl's loss code cannot express
+                    print(f"verl path, {obj}: left out ({exc})", file=sys.stderr)
+            got = verl_fn(run_dir, seq, world_sizes=(1, 2, 4) if quick else (1, 2, 3, 4),
+                          objectives=verl_objs, max_token_len_per_gpu=64 if quick else 256,
+                          start_method="spawn" if args.spawn else "fork")
+            for (w, obj), (loss, grads) in sorted(got.items(), key=lambda kv: kv[0][0]):
+                add(f"verl actor (bypass/reinforce) gloo world={w}", obj, loss,
+                    {k: g.to(dev) for k, g in grads.items()})
+            if not got:
+                verl_fn = None
+        else:
+            print("the verl path is left out: verl is not installed (pip install "
+                  "'verl==0.9.1', docs/verl.md)", file=sys.stderr)
         bias = rank_local_bias(run_dir, seq, 4, objectives[:3], refs)
     finally:
         if args.dir is None:
@@ -245,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(r[2] for r in rows)
     paths = len({r[0] for r in rows})
     kinds = "world sizes 1-4" + (", megatron" if megatron else "") + \
-        (", slime" if slime_fn is not None else "")
+        (", slime" if slime_fn is not None else "") + (", verl" if verl_fn is not None else "")
     print(f"({len(rows)} comparisons, device {args.device}, "
           f"{time.perf_counter() - t0:.1f} s)")
     print(f"trainer: max relative gradient error vs reference = {worst:.2e} over {paths} "
