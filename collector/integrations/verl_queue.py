@@ -173,6 +173,10 @@ class DurableSampleQueue:
         self._ready: deque[Held] = deque()
         self._leased: deque[tuple[int, Held]] = deque()
         self._ids: set[str] = set()
+        self._inflight: set[int] = set()
+        #: the bytes of samples put by this process and not yet handed out (verl's queue holds
+        #: as much in memory); a restarted queue reads them from their records
+        self._cache: dict[int, bytes] = {}
         self._recent: deque[set[str]] = deque(maxlen=self.keep_commits)
         self._seq = 0
         self._committed_seq = -1
@@ -192,6 +196,7 @@ class DurableSampleQueue:
             self.storage.makedirs(SAMPLES)
             self.storage.makedirs(COMMITTED)
             self._ready.clear()
+            self._cache.clear()
             self._leased.clear()
             self._ids.clear()
             self._recent.clear()
@@ -252,7 +257,7 @@ class DurableSampleQueue:
         epoch: int | None = None
         if sample_id is None:
             sample_id, epoch = sample_identity(blob)
-        with self._lock:
+        with self._lock:  # reserve a sequence number and the id; write outside the lock
             seq = self._seq
             if sample_id is None:
                 sample_id = f"q{seq}"
@@ -260,23 +265,45 @@ class DurableSampleQueue:
             if part in self._ids or any(part in s for s in self._recent):
                 self.duplicates += 1
                 return True
+            self._seq = seq + 1
+            self._inflight.add(seq)
+            self._ids.add(part)
+        key = f"{SAMPLES}/{seq:0{_SEQ}d}~{part}"
+        try:
             body: dict[str, Any] = {"verl": "sample", "sample_id": sample_id, "seq": seq,
                                     "at": time.time(), **(dict(meta) if meta else {})}
             if epoch is not None:
                 body.setdefault("epoch", epoch)
             rec = records.encode(Kind.STATE, body,
                                  {"s": {"b": np.frombuffer(blob, dtype=np.uint8)}})
-            key = f"{SAMPLES}/{seq:0{_SEQ}d}~{part}"
             self.storage.publish(key, rec)
-            self._seq = seq + 1
-            self._ready.append(Held(seq, key, part))
-            self._ids.add(part)
+        except BaseException:
+            with self._lock:
+                self._inflight.discard(seq)
+                self._ids.discard(part)
+            raise
+        with self._lock:
+            self._inflight.discard(seq)
+            self._insert(Held(seq, key, part))
+            self._cache[seq] = blob
             self.produced += 1
             self.bytes_put += sum(len(c) for c in rec)
             full = len(self._ready) > self.max_size
             if full:
                 self._drop(self._ready.popleft(), QUEUE_FULL)
             return not full
+
+    def _insert(self, held: Held) -> None:
+        """Keep ``_ready`` in sequence order (concurrent puts finish in any order)."""
+        i = len(self._ready)
+        while i and self._ready[i - 1].seq > held.seq:
+            i -= 1
+        self._ready.insert(i, held)
+
+    def in_flight(self) -> int:
+        """Puts that have a sequence number and have not returned yet."""
+        with self._lock:
+            return len(self._inflight)
 
     def _drop(self, held: Held, reason: str) -> None:
         """Move a sample to ``dropped/<name>~<reason>``: kept, with its reason, never trained."""
@@ -287,6 +314,7 @@ class DurableSampleQueue:
         except (NotFound, AlreadyExists):
             pass
         self._ids.discard(held.sample_id)
+        self._cache.pop(held.seq, None)
         self.dropped += 1
         log.warning("verl queue full (%d): dropped its oldest sample %s", self.max_size,
                     held.sample_id)
@@ -306,7 +334,14 @@ class DurableSampleQueue:
         """Hand the oldest sample out (leased until a commit covers it); None when empty."""
         with self._lock:
             while self._ready:
+                if self._inflight and min(self._inflight) < self._ready[0].seq:
+                    return None  # an older put is still being written: hand-outs keep order
                 held = self._ready.popleft()
+                cached = self._cache.pop(held.seq, None)
+                if cached is not None:
+                    self.handed += 1
+                    self._leased.append((self.handed, held))
+                    return held, cached
                 try:
                     rec = records.decode(self.storage.read(held.key), expect=Kind.STATE,
                                          name=held.key)
@@ -458,14 +493,17 @@ class StrawqMessageQueue:
     # -- verl's MessageQueue methods ---------------------------------------------------------
     async def put_sample(self, sample: Any, **meta: Any) -> bool:
         cond = self._condition()
-        async with cond:
-            if sample is None:  # verl's end-of-stream signal: in memory only
-                self._sentinels.append(self.q.handed + self.q.size())
+        if sample is None:  # verl's end-of-stream signal: in memory only
+            async with cond:
+                self._sentinels.append(self.q.handed + self.q.size() + self.q.in_flight())
                 cond.notify_all()
-                return True
-            ok = self.q.put(sample, sample_id=meta.pop("sample_id", None), meta=meta)
+            return True
+        # the write (fsync'd file and directory) runs in a thread: concurrent puts overlap
+        ok = await asyncio.to_thread(self.q.put, sample, sample_id=meta.pop("sample_id", None),
+                                     meta=meta)
+        async with cond:
             cond.notify_all()
-            return ok
+        return ok
 
     async def get_sample(self) -> Any | None:
         cond = self._condition()
@@ -478,10 +516,9 @@ class StrawqMessageQueue:
                 if self._sentinels and self._sentinels[0] <= self.q.handed:
                     self._sentinels.popleft()
                     return None, self.q.size()
-                if self.q.size():
-                    got = self.q.get()
-                    if got is not None:
-                        return got[1], self.q.size()
+                got = self.q.get() if self.q.size() else None
+                if got is not None:
+                    return got[1], self.q.size()
                 if not self.running:
                     return None
                 await cond.wait()
