@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import os
 import pickletools
 import re
@@ -104,6 +105,34 @@ def samples_per_version(config: Any) -> int | None:
     if mini is None or trig is None:
         return None
     return int(mini) * int(req) * int(trig)
+
+
+def strawq_settings(config: Any) -> dict[str, Any]:
+    """verl's fully-async staleness settings as strawq's collector settings (docs/verl.md).
+
+    A verl ``RolloutSample`` (one prompt, ``rollout.n`` responses) is one strawq group; the
+    trainer's step (``required_samples`` of them) one batch; ``trigger_parameter_sync_step``
+    steps one weight version. verl's Rollouter stops generating at ``max_required_samples =
+    required_samples · (staleness_threshold + 1) · trigger_parameter_sync_step`` samples in
+    flight or queued: strawq's admission window ``(η + 1) · u · B`` (docs/design.md,
+    "Admission"), with ``admission_batches`` carrying a fractional threshold exactly.
+    """
+    mini = _cfg(config, "actor_rollout_ref.actor.ppo_mini_batch_size")
+    trig = _cfg(config, "async_training.trigger_parameter_sync_step")
+    if mini is None or trig is None:
+        raise ConfigError("strawq_settings: expected actor_rollout_ref.actor.ppo_mini_batch_size "
+                          "and async_training.trigger_parameter_sync_step in the verl config")
+    required = int(mini) * int(_cfg(config, "async_training.require_batches", 1))
+    threshold = float(_cfg(config, "async_training.staleness_threshold", 1))
+    if threshold < 0:
+        raise ConfigError(f"staleness_threshold must be >= 0, found {threshold}")
+    window = (threshold + 1) * int(trig)
+    return {"batch_groups": required, "batches_per_version": int(trig),
+            "admission_batches": window, "max_staleness": math.ceil(threshold),
+            "eta_mode": "train", "group_size": int(_cfg(config, "actor_rollout_ref.rollout.n",
+                                                          1)),
+            "partial_rollout": bool(_cfg(config, "async_training.partial_rollout", True)),
+            "max_queue_size": int(required * window)}
 
 
 def sample_identity(blob: bytes) -> tuple[str | None, int | None]:

@@ -33,6 +33,9 @@ def _needs(name: str, request: pytest.FixtureRequest) -> dict[str, str]:
     if name == "queue_ops" and importlib.util.find_spec("straw") is None:
         pytest.skip("bench/queue_ops.py compares against straw-queue 0.1.6, not installed "
                     "(pip install -e '.[bench]')")
+    if name == "verl_queue" and importlib.util.find_spec("verl") is None:
+        pytest.skip("bench/verl_queue.py compares against verl 0.9.1's MessageQueue, not "
+                    "installed (make install; docs/verl.md)")
     if name == "scale":
         a, b = request.getfixturevalue("juicefs_mounts")
         return {"STRAWQ_JUICEFS_A": a, "STRAWQ_JUICEFS_B": b}

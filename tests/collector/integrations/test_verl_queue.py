@@ -23,7 +23,8 @@ import pytest
 
 from strawq.collector.integrations.verl_partial import PartialStore, Prefix, prompt_key
 from strawq.collector.integrations.verl_queue import (DurableSampleQueue, StrawqMessageQueue,
-                                                      queue_dir, sample_identity)
+                                                      queue_dir, sample_identity,
+                                                      strawq_settings)
 from strawq.errors import ConfigError
 from strawq.storage import PosixStorage
 
@@ -211,12 +212,28 @@ def test_resume_disabled_refuses_an_earlier_runs_queue(tmp_path: Path) -> None:
         StrawqMessageQueue(cfg, 10)
 
 
+@pytest.mark.slow  # imports verl
 def test_sample_identity_reads_a_real_rollout_sample_without_unpickling() -> None:
     pytest.importorskip("verl")
     from tests.collector.integrations.verl_helpers import blob
 
     assert sample_identity(blob(7, epoch=2)) == ("sample_2_7", 2)
     assert sample_identity(b"not a pickle") == (None, None)
+
+
+def test_verls_staleness_settings_are_strawqs_admission_window(tmp_path: Path) -> None:
+    """verl's own bound (the Rollouter's max_required_samples, read from its source formula)
+    equals strawq's window (η + 1)·u·B, fractional thresholds included."""
+    cfg = config(tmp_path, staleness_threshold=0.5, partial_rollout=True)
+    cfg["actor_rollout_ref"]["rollout"] = {"n": 8}
+    s = strawq_settings(cfg)
+    required, trig = 2, 2
+    assert s["max_queue_size"] == int(required * (0.5 + 1) * trig) == 6
+    assert (s["batch_groups"], s["batches_per_version"], s["admission_batches"]) == (2, 2, 3.0)
+    assert (s["max_staleness"], s["group_size"], s["partial_rollout"]) == (1, 8, True)
+    cfg["async_training"]["staleness_threshold"] = -1
+    with pytest.raises(ConfigError, match="staleness_threshold"):
+        strawq_settings(cfg)
 
 
 # -- verl's partial rollout ------------------------------------------------------------------
@@ -237,6 +254,7 @@ def test_a_saved_prefix_is_claimed_once_and_returned_by_recovery(tmp_path: Path)
     assert store.count() == {"partials": 0, "held": 0} and held
 
 
+@pytest.mark.slow  # two processes import verl
 def test_verls_resume_loop_continues_a_prefix_a_killed_process_saved(tmp_path: Path) -> None:
     """verl's FullyAsyncLLMServerClient loop aborts at a parameter sync (the pause file),
     saves the prefix through strawq, and is killed while it waits to resume; the next
