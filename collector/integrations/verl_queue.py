@@ -14,7 +14,7 @@ constructor ``(config, max_queue_size)``, and keeps the samples in a strawq stor
   ``commit(consumed)`` (or, for verl's own trainer, the queue reading verl's checkpoint
   tracker, ``latest_checkpointed_iteration.txt``: version v covers
   v · ppo_mini_batch_size · require_batches · trigger_parameter_sync_step gets) publishes
-  ``committed/<consumed>`` and deletes the samples it covers. A queue that starts again
+  ``commits/<consumed>`` and deletes the samples it covers. A queue that starts again
   hands every sample not covered out again, oldest first; ``rewind()`` does the same for a
   trainer restarted beside a queue that lived on.
 
@@ -57,8 +57,8 @@ from strawq.storage import PosixStorage, Storage, open_storage
 log = logging.getLogger(__name__)
 
 SAMPLES = "samples"
-COMMITTED = "committed"
-DROPPED = "dropped"
+COMMITTED = "commits"
+DROPPED = "drops"
 #: reason of a sample dropped because the queue was full (verl's own overflow rule)
 QUEUE_FULL = "queue_full"
 #: verl's checkpoint tracker, written by the trainer after every checkpoint it saves
@@ -335,7 +335,7 @@ class DurableSampleQueue:
             return len(self._inflight)
 
     def _drop(self, held: Held, reason: str) -> None:
-        """Move a sample to ``dropped/<name>~<reason>``: kept, with its reason, never trained."""
+        """Move a sample to ``drops/<name>~<reason>``: kept, with its reason, never trained."""
         self.storage.makedirs(DROPPED)
         name = held.key.rpartition("/")[2]
         try:
@@ -386,7 +386,7 @@ class DurableSampleQueue:
 
     def commit(self, consumed: int) -> int:
         """A checkpoint covers the first ``consumed`` hand-outs since the run began: publish
-        ``committed/<consumed>``, then delete the samples it covers. Returns how many this
+        ``commits/<consumed>``, then delete the samples it covers. Returns how many this
         call committed (0 when an earlier commit already covered them)."""
         with self._lock:
             if consumed <= self.consumed:

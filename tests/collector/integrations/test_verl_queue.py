@@ -94,7 +94,7 @@ def test_a_full_queue_drops_its_oldest_with_a_reason(tmp_path: Path) -> None:
     q = DurableSampleQueue(str(tmp_path), max_size=2)
     assert q.put(b"0", sample_id="s0") and q.put(b"1", sample_id="s1")
     assert not q.put(b"2", sample_id="s2")
-    assert os.listdir(tmp_path / "dropped") == ["000000000000~s0~queue_full"]
+    assert os.listdir(tmp_path / "drops") == ["000000000000~s0~queue_full"]
     assert drain(DurableSampleQueue(str(tmp_path), max_size=2)) == ["1", "2"]
 
 
@@ -106,7 +106,7 @@ def test_a_torn_or_corrupt_sample_is_dropped_not_handed_out(tmp_path: Path) -> N
         f.seek(-1, os.SEEK_END)
         f.write(b"X")
     assert drain(DurableSampleQueue(str(tmp_path))) == ["good"]
-    assert os.listdir(tmp_path / "dropped") == ["000000000001~s1~corrupt"]
+    assert os.listdir(tmp_path / "drops") == ["000000000001~s1~corrupt"]
 
 
 def test_bad_input_says_what_was_expected(tmp_path: Path) -> None:
