@@ -98,6 +98,7 @@ class Collector:
         self.sleep = sleep
         self.fence = EpochFence(self.storage, owner=owner,
                                 takeover_timeout_s=self.config.takeover_timeout_s,
+                                liveness_timeout_s=queue.config.liveness_s,
                                 clock=clock, sleep=sleep)
         self.batches = BatchStore(queue)
         self.superseded = SupersededSweep(self.batches)

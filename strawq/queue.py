@@ -38,6 +38,7 @@ from strawq.eta import EtaPolicy, PolicyCache
 from strawq.errors import (AlreadyExists, ConfigError, CorruptRecord, LeaseLost, NotFound,
                            StorageError, TaskNotFound)
 from strawq.groups import GroupData
+from strawq.liveness import identity_bytes
 from strawq.names import (STAGE_PARTIAL, TaskName, data_key, heartbeat_key, note_key,
                           parse_heartbeat, queue_key, ready_key, requeued_name, validate_id)
 from strawq.records import Kind
@@ -256,10 +257,11 @@ class RunQueue:
         """Advance the producer's heartbeat counter; the grantor watches it move."""
         validate_id(producer, "producer id")
         prev = self._hb_counter.get(producer)
+        first = prev is None
         if prev is None:
             prev = max((c for p, c in self.heartbeats() if p == producer), default=0)
         counter = prev + 1
-        if prev:
+        if prev and not first:
             # One rename moves the counter: no new file and no unlink (on a shared mount a
             # beat cost a create, a rename, an unlink and their lookups: most of an idle
             # producer's metadata operations).
@@ -270,8 +272,10 @@ class RunQueue:
                 return counter
             except NotFound:
                 pass  # the grantor forgot this producer (or another process beat): anew
-        self.storage.publish(heartbeat_key(producer, counter), b"", sync_dir=False,
-                             sync_file=False)
+        # This process's first beat publishes anew, naming it (``strawq.liveness``): the
+        # renames after it keep the body, so a reader on this host can see it is gone.
+        self.storage.publish(heartbeat_key(producer, counter), identity_bytes(),
+                             sync_dir=False, sync_file=False)
         self._hb_counter[producer] = counter
         if prev:
             self.storage.delete(heartbeat_key(producer, prev))
