@@ -196,8 +196,9 @@ def fleet_lost(work: Path) -> dict[str, Any]:
             if st.paused:
                 break
             # the bracket closed before the kill landed: let it run, try again
-            n = len(updates())
-            _wait(lambda: len(updates()) > n + 1, "weight updates after the restart")
+            seen = len(updates())
+            _wait(lambda seen=seen: len(updates()) > seen + 1,
+                  "weight updates after the restart")
         else:
             raise RuntimeError("fleet phase: no trainer kill landed inside a bracket")
         version = st.pause_version
