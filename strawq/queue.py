@@ -15,7 +15,7 @@ Layout of ``<root>/<run_id>/`` (see ``docs/protocol.md`` for the crash table)::
                              delivered/<seq>~<v>: delivered at version v (strawq.batches)
     dropped/<name>~<reason>  dropped with a reason; note at data/<id>~g<gen>.drop.<reason>
     data/<id>~g<gen>.<kind>  immutable payloads: group, partial, drop
-    hb/<producer>~<counter>  heartbeat counters (the name is the data)
+    hb/<producer>~<counter>  heartbeat counters (the name is the data; the body names the process)
     versions/<v>             the weight version the collector has announced
     quarantine/              records that failed their checks, moved aside
 
