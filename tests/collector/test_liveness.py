@@ -261,3 +261,26 @@ def test_liveness_timeout_is_checked_against_the_lease_timeout() -> None:
         QueueConfig(lease_timeout_s=10, heartbeat_interval_s=1, liveness_timeout_s=11)
     with pytest.raises(ConfigError, match="must be above heartbeat_interval_s"):
         QueueConfig(lease_timeout_s=10, heartbeat_interval_s=2, liveness_timeout_s=2)
+
+
+BEAT_ONCE = r"""
+import sys
+from strawq.queue import RunQueue
+from strawq.storage import open_storage
+RunQueue.open(open_storage(sys.argv[1], writer_id="once", fsync=False)).heartbeat(sys.argv[2])
+"""
+
+
+@pytest.mark.timeout(60)
+def test_heartbeat_names_its_process_and_a_reused_id_names_the_new_one(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    make_run(run, lease_timeout_s=LONG, heartbeat_interval_s=200.0)
+    subprocess.run([sys.executable, "-c", BEAT_ONCE, run, "p"], cwd=REPO, check=True,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    q = RunQueue.open(open_storage(run, writer_id="here", fsync=False))
+    # its process exited: a fresh bracket (no history) judges it dead at once
+    assert WeightUpdateBracket(q).live_producers() == set()
+    # the same id beaten by this process: the file now names this (live) process
+    q.heartbeat("p")
+    q.heartbeat("p")  # later beats are renames: they keep the body
+    assert WeightUpdateBracket(q).live_producers() == {"p"}
