@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -91,7 +91,7 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet_factory(tmp_path: Path) -> Iterator[object]:
+def fleet_factory(tmp_path: Path) -> Iterator[Callable[..., Fleet]]:
     made: list[Fleet] = []
 
     def make(**queue_kw: float) -> Fleet:
@@ -114,7 +114,7 @@ def _bracket(f: Fleet, monitor: bool = True) -> WeightUpdateBracket:
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_bracket_does_not_wait_for_a_killed_producer(fleet_factory):
+def test_bracket_does_not_wait_for_a_killed_producer(fleet_factory: Callable[..., Fleet]) -> None:
     # liveness = lease = 600 s (three heartbeats of 200 s): only the pid check can end it
     f = fleet_factory(heartbeat_interval_s=200.0)
     f.producer("live", 1)
@@ -133,7 +133,8 @@ def test_bracket_does_not_wait_for_a_killed_producer(fleet_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_restarted_trainer_does_not_wait_for_a_producer_that_died_before_it(fleet_factory):
+def test_restarted_trainer_does_not_wait_for_a_producer_that_died_before_it(
+        fleet_factory: Callable[..., Fleet]) -> None:
     f = fleet_factory(heartbeat_interval_s=200.0)
     f.producer("live", 1)
     f.producer("dead", 2)
@@ -153,7 +154,7 @@ def test_restarted_trainer_does_not_wait_for_a_producer_that_died_before_it(flee
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_stopped_producer_is_not_waited_for_keeps_its_leases_and_completes_once(
-        fleet_factory):
+        fleet_factory: Callable[..., Fleet]) -> None:
     # liveness: three heartbeats of 0.3 s (the sim producer beats every pass)
     f = fleet_factory(heartbeat_interval_s=0.3)
     f.producer("live", 1)
