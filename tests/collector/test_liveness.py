@@ -42,8 +42,8 @@ from tests.collector.helpers import make_run, write_dataset
 REPO = Path(__file__).resolve().parents[2]
 PROCS = str(Path(__file__).with_name("procs.py"))
 LONG = 600.0  # the lease and takeover timeouts: a test that finishes did not wait for them
-CFG = CollectorConfig(batch_groups=4, max_running=12, max_ready=200, max_prefetch_batches=200,
-                      poll_interval_s=0, takeover_timeout_s=LONG)
+CFG = CollectorConfig(batch_groups=4, max_running=12, max_ready=4000,
+                      max_prefetch_batches=1000, poll_interval_s=0, takeover_timeout_s=LONG)
 
 
 class Fleet:
@@ -53,7 +53,7 @@ class Fleet:
         self.tmp = tmp
         self.run = str(tmp / "run")
         self.q = make_run(self.run, lease_timeout_s=LONG, **queue_kw)
-        self.ds = Dataset(write_dataset(str(tmp / "ds.jsonl"), 400))
+        self.ds = Dataset(write_dataset(str(tmp / "ds.jsonl"), 4000))
         self.col = Collector(self.q, self.ds, CFG)
         self.col.start(wait=False)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -61,7 +61,13 @@ class Fleet:
     def producer(self, name: str, seed: int) -> None:
         self.procs[name] = subprocess.Popen(
             [sys.executable, PROCS, "producer", self.run, name, "--seed", str(seed)],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def started(self) -> None:
+        """Wait until every producer beat before releasing work (none starts late, when
+        the others took it all)."""
+        wait_until(lambda: {p for p, _c in self.q.heartbeats()} >= set(self.procs), 60,
+                   what="every producer's first heartbeat")
 
     def leases_of(self, name: str) -> set[str]:
         return {TaskName.parse(n).id for n in self.q.storage.list("leased")
@@ -77,6 +83,17 @@ class Fleet:
         p = self.procs[name]
         p.send_signal(signal.SIGKILL)
         p.wait()  # reaped: its pid is gone
+
+    def stop_holding(self, name: str) -> set[str]:
+        """SIGSTOP ``name`` at a moment it holds leases; returns them."""
+        for _ in range(20):  # it may finish them just before the signal lands
+            self.step_until(lambda: self.leases_of(name), f"{name} to hold leases")
+            self.procs[name].send_signal(signal.SIGSTOP)
+            held = self.leases_of(name)
+            if held:
+                return held
+            self.procs[name].send_signal(signal.SIGCONT)
+        raise AssertionError(f"{name} never held a lease when stopped")
 
     def close(self) -> None:
         Path(self.tmp / "stop-producers").touch()
@@ -112,18 +129,16 @@ def _bracket(f: Fleet, monitor: bool = True) -> WeightUpdateBracket:
                                sleep=sleep, poll_interval_s=0.02)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_bracket_does_not_wait_for_a_killed_producer(fleet_factory: Callable[..., Fleet]) -> None:
     # liveness = lease = 600 s (three heartbeats of 200 s): only the pid check can end it
     f = fleet_factory(heartbeat_interval_s=200.0)
     f.producer("live", 1)
     f.producer("dead", 2)
-    f.step_until(lambda: f.leases_of("dead") and f.leases_of("live"),
-                 "both producers to hold leases")
-    f.kill9("dead")
-    held = f.leases_of("dead")
-    assert held
+    f.started()
+    f.step_until(lambda: f.leases_of("live"), "the live producer to hold leases")
+    held = f.stop_holding("dead")
+    f.kill9("dead")  # killed while holding leases
     rep = _bracket(f).weight_update(lambda v: None, timeout=LONG)
     assert rep.acked == {"live"} and set(rep.dead) == {"dead"}
     # its leases stay its own until the lease timeout: the grantor alone expires them
@@ -131,13 +146,13 @@ def test_bracket_does_not_wait_for_a_killed_producer(fleet_factory: Callable[...
     assert f.leases_of("dead") == held
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_restarted_trainer_does_not_wait_for_a_producer_that_died_before_it(
         fleet_factory: Callable[..., Fleet]) -> None:
     f = fleet_factory(heartbeat_interval_s=200.0)
     f.producer("live", 1)
     f.producer("dead", 2)
+    f.started()
     f.step_until(lambda: f.leases_of("dead"), "the producer to hold a lease")
     f.kill9("dead")
     # the previous trainer paused for version 1 and died inside the bracket
@@ -151,7 +166,6 @@ def test_restarted_trainer_does_not_wait_for_a_producer_that_died_before_it(
     assert rep.acked == {"live"} and set(rep.dead) == {"dead"}
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_stopped_producer_is_not_waited_for_keeps_its_leases_and_completes_once(
         fleet_factory: Callable[..., Fleet]) -> None:
@@ -159,16 +173,8 @@ def test_stopped_producer_is_not_waited_for_keeps_its_leases_and_completes_once(
     f = fleet_factory(heartbeat_interval_s=0.3)
     f.producer("live", 1)
     f.producer("slow", 2)
-    held: set[str] = set()
-
-    def stopped_holding() -> bool:
-        f.procs["slow"].send_signal(signal.SIGSTOP)
-        held.update(f.leases_of("slow"))
-        if not held:
-            f.procs["slow"].send_signal(signal.SIGCONT)
-        return bool(held)
-
-    f.step_until(stopped_holding, "the slow producer stopped while holding leases")
+    f.started()
+    held = f.stop_holding("slow")
     rep = _bracket(f).weight_update(lambda v: None, timeout=LONG)
     assert rep.acked == {"live"} and set(rep.dead) == {"slow"}
     assert rep.dead["slow"] >= 0.9  # silent for the liveness timeout, not the lease's
