@@ -64,7 +64,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from chaos_proxy import Proxies, Tally, parse_rid  # noqa: E402 (bench/ is sys.path[0])
+from chaos_fleet import fleet_lost, fleet_trainer  # noqa: E402 (bench/ is sys.path[0])
+from chaos_fleet import line as fleet_line  # noqa: E402
+from chaos_proxy import Proxies, Tally, parse_rid  # noqa: E402
 
 PY = sys.executable
 VICTIMS = ("engine0", "engine1", "producer0", "producer1", "collector", "trainer", "operator")
@@ -545,7 +547,8 @@ class Chaos:
         return rows
 
 
-def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str) -> None:
+def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str,
+           fleet: dict[str, Any] | None = None) -> None:
     print(f"\nchaos run on {fs}: {ch.prompts} prompts, {len(ch.faults)} faults, "
           f"{res['steps']} trainer steps in the final model, {fig['batches']} batch deliveries")
     print(f"tokens: {fig['generated']} returned by engines, {fig['useful']} in the final model")
@@ -589,6 +592,10 @@ def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str) -> None
     else:
         print(f"total-queue check: every row trained once or dropped with a reason "
               f"({len(res['dropped'])} dropped)")
+    if fleet is not None:
+        print(f"fleet time: the restarted trainer's first bracket waited "
+              f"{fleet['trainer_bracket']:.1f}s of its {fleet['trainer']:.1f}s")
+        print(fleet_line(fleet))
     print(f"chaos: faults = {len(ch.faults)}, lost = {len(res['lost'])}, "
           f"duplicated = {len(res['duplicated'])}, "
           f"tokens lost per fault = {fig['tokens_lost_per_fault']:.0f}, "
@@ -597,7 +604,10 @@ def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str) -> None
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--role", choices=["bench", "trainer"], default="bench")
+    ap.add_argument("--role", choices=["bench", "trainer", "fleet-trainer"], default="bench")
+    ap.add_argument("--engine", help="fleet-trainer: the engine it pushes weights to")
+    ap.add_argument("--fleet-only", action="store_true",
+                    help="only the fleet-time phase (seconds lost per failure kind)")
     ap.add_argument("--run")
     ap.add_argument("--ckpt")
     ap.add_argument("--events")
@@ -619,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.role == "trainer":
         return trainer(args.run, args.ckpt, args.events, args.interval, args.step_s, args.done)
+    if args.role == "fleet-trainer":
+        return fleet_trainer(args.run, args.events, args.engine)
     if args.quick:
         args.prompts, args.faults, args.gap = 160, 16, 0.6
     work = Path(args.workdir or f"/tmp/strawq-chaos-{os.getpid()}")
@@ -639,6 +651,12 @@ def main(argv: list[str] | None = None) -> int:
         fs = "JuiceFS (two clients)"
     else:
         run_a = run_b = str(work / "run")
+    if args.fleet_only:
+        fleet = fleet_lost(work / "fleet")
+        print(f"fleet time: the restarted trainer's first bracket waited "
+              f"{fleet['trainer_bracket']:.1f}s of its {fleet['trainer']:.1f}s")
+        print(fleet_line(fleet))
+        return 0
     ch = Chaos(work, run_a, run_b, args.prompts, args.faults, args.gap, args.seed,
                interval=args.interval, step_s=args.step_s, restart_pause=args.restart_pause,
                max_stop=args.max_stop)
@@ -662,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     res = ch.check()
     fig = ch.figures(res)
-    report(ch, res, fig, fs)
+    fleet = fleet_lost(work / "fleet")
+    report(ch, res, fig, fs, fleet)
     return 0 if not (res["lost"] or res["duplicated"] or res["left"]) else 1
 
 

@@ -13,8 +13,9 @@
       waits: every *live*
       producer acked (live =
       heartbeat counter moved
-      within lease_timeout_s,
-      on our monotonic clock)
+      within liveness_s, on our
+      monotonic clock, and not
+      a gone pid on this host)
     push weights to engines
       (update_weights_from_disk)
     end_weight_update(v+1)
@@ -25,8 +26,15 @@
 Liveness is judged the way the grantor judges leases (docs/design.md, invariant 3): from heartbeat
 counters, on this process's monotonic clock, through a ``LeaseMonitor``'s observations — never from
 mtimes. A producer that goes silent during the wait stops being waited for once it has been silent
-for ``lease_timeout_s`` (its leases are the grantor's to expire); a producer that keeps beating but
-never acks fails the bracket at the deadline with ``BracketTimeout`` naming it. A bracket left open
+for the run's liveness timeout (``QueueConfig.liveness_timeout_s``: a few heartbeats, far shorter
+than the lease timeout), or at once when its heartbeat file names a process on this host that is
+gone (``strawq.liveness``); its leases stay the grantor's to expire, after ``lease_timeout_s`` as
+ever. Not waiting for it is safe: an ack is only a promise that a producer generates nothing on
+the old weights, and a producer that was merely stopped and wakes after the push gets its replies
+stamped per token by the engine (a reply of the old version outside a bracket is discarded by its
+``VersionGuard``), and its results still pass the lease fence — a lease that expired meanwhile
+is fenced out, one that did not completes once. A producer that keeps beating but never acks
+fails the bracket at the deadline with ``BracketTimeout`` naming it. A bracket left open
 by a crashed trainer is continued by the next ``begin_weight_update`` (same version), or released
 with ``abort_weight_update``.
 
@@ -88,7 +96,10 @@ from strawq.collector.errors import BracketError, BracketTimeout
 from strawq.control import Control, ControlState
 from strawq.engine_weights import (PROBE_TIMEOUT_S, EngineProbe, EngineWeights, StaleNote,
                                    probe_versions)
+from strawq.errors import StrawqError
 from strawq.grantor import LeaseMonitor
+from strawq.liveness import known_dead, parse_identity
+from strawq.names import heartbeat_key
 from strawq.queue import RunQueue
 from strawq.states import TaskState, names_in
 
@@ -105,7 +116,8 @@ class BracketReport:
     version: int
     #: producers that acknowledged the pause
     acked: frozenset[str]
-    #: producers not waited for: silent for at least the lease timeout (seconds silent)
+    #: producers not waited for: silent for at least the liveness timeout, or a gone
+    #: process on this host (seconds silent)
     dead: dict[str, float] = field(default_factory=dict)
     waited_s: float = 0.0
     #: leases still held by producers that acked (a producer bug: ack means "holds none")
@@ -223,7 +235,8 @@ class WeightUpdateBracket:
     """One trainer's bracket. Run it on one rank only (rank 0)."""
 
     def __init__(self, queue: RunQueue, *, monitor: LeaseMonitor | None = None,
-                 lease_timeout_s: float | None = None, poll_interval_s: float = 0.05,
+                 lease_timeout_s: float | None = None, liveness_timeout_s: float | None = None,
+                 poll_interval_s: float = 0.05,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
                  repair: PushTo | None = None, repair_interval_s: float | None = 5.0,
@@ -253,6 +266,12 @@ class WeightUpdateBracket:
         self.sleep = sleep
         self.poll_interval_s = poll_interval_s
         self.lease_timeout_s = lease_timeout_s or queue.config.lease_timeout_s
+        #: heartbeat silence after which a producer is not waited for (at most the lease
+        #: timeout; the run's ``liveness_timeout_s`` by default)
+        self.liveness_s = min(liveness_timeout_s or queue.config.liveness_s,
+                              self.lease_timeout_s)
+        #: producer -> (counter, identity its heartbeat file names) (``_gone``)
+        self._identities: dict[str, tuple[int, dict[str, Any] | None]] = {}
         # Pass the collector's monitor when it runs in this process: its observations are
         # then the grantor's own. Otherwise a private one: call observe() every step so it
         # knows which producers went silent long ago.
@@ -280,7 +299,24 @@ class WeightUpdateBracket:
         return self.monitor.silence(now)
 
     def live_producers(self) -> set[str]:
-        return {p for p, s in self.observe().items() if s < self.lease_timeout_s}
+        return {p for p, s in self.observe().items()
+                if s < self.liveness_s and not self._gone(p)}
+
+    def _gone(self, producer: str) -> bool:
+        """Whether ``producer``'s heartbeat file, at the counter last seen, names a process
+        on this host that no longer exists (never True for another host's producer)."""
+        counter = self.monitor.counter(producer)
+        if counter is None:
+            return False
+        cached = self._identities.get(producer)
+        if cached is None or cached[0] != counter:
+            try:
+                body = self.queue.storage.read(heartbeat_key(producer, counter))
+            except StrawqError:
+                return False  # moved on (it beats) or unreadable: the silence decides
+            cached = (counter, parse_identity(body))
+            self._identities[producer] = cached
+        return known_dead(cached[1])
 
     @property
     def is_open(self) -> bool:
@@ -290,10 +326,10 @@ class WeightUpdateBracket:
     def begin_weight_update(self, timeout: float = 300.0) -> BracketReport:
         """Pause producers for version v+1 and wait for every live producer's ack."""
         self._rank0("begin_weight_update")
-        if timeout < self.lease_timeout_s:
-            log.warning("bracket timeout %.1fs is below the lease timeout %.1fs: a producer "
-                        "that died just before the pause fails the bracket instead of being "
-                        "judged dead", timeout, self.lease_timeout_s)
+        if timeout < self.liveness_s:
+            log.warning("bracket timeout %.1fs is below the liveness timeout %.1fs: a "
+                        "producer that died just before the pause fails the bracket instead "
+                        "of being judged dead", timeout, self.liveness_s)
         st = self.control.state()
         continued = st.paused
         if continued:
@@ -316,10 +352,12 @@ class WeightUpdateBracket:
             for p, s in silence.items():
                 if p in acks:
                     continue
-                if s >= self.lease_timeout_s:
+                if s >= self.liveness_s or self._gone(p):
                     if p not in dead:
-                        log.warning("producer %s silent for %.1fs: judged dead, not waited "
-                                    "for", p, s)
+                        why = (f"silent for {s:.1f}s" if s >= self.liveness_s else
+                               "its process on this host is gone")
+                        log.warning("producer %s %s: judged dead, not waited for (its leases "
+                                    "expire after the lease timeout)", p, why)
                     dead[p] = s
                 else:
                     missing[p] = s

@@ -74,7 +74,8 @@ class CollectorConfig(Config):
     #: Seconds between GC passes over acked batches.
     gc_interval_s: float = 1.0
     #: Collector heartbeat silence (on the newcomer's monotonic clock) after which a new
-    #: collector takes over with epoch + 1. Must be far above one loop pass.
+    #: collector takes over with epoch + 1 (at once if the holder's process on this host is
+    #: gone). Must be far above one loop pass: the holder beats once per pass.
     takeover_timeout_s: float = 30.0
     #: Write one JSON line of queue metrics per this many seconds (0: every pass).
     metrics_interval_s: float = 10.0

@@ -10,7 +10,10 @@ A newcomer reads the newest epoch E. With no epoch it creates ``epoch-1``. If E 
 creates E+1 at once. Otherwise it watches E's heartbeat counter on *its own* monotonic clock
 (docs/design.md, invariant 3: never mtimes, never two hosts' clocks): the moment the counter moves
 it refuses with ``CollectorBusy``; if the counter stays put for ``takeover_timeout_s`` it creates
-``epoch-<E+1>`` (exclusive, so of two newcomers exactly one wins; the loser refuses). Every
+``epoch-<E+1>`` (exclusive, so of two newcomers exactly one wins; the loser refuses). A holder whose EPOCH record
+names a process on this host (same host, boot and pid namespace) that no longer exists is known
+dead (``strawq.liveness``): the newcomer takes over at once. The wait's length is a guess about
+liveness, never what keeps the run safe: the fencing below holds whatever it is. Every
 collector action first calls ``check()`` (or ``beat()``, which checks): an epoch newer than its own
 means it was taken over, and it raises ``FencedOut``.
 
@@ -24,8 +27,6 @@ publishes is *superseded* — readers refuse it and the successor sweeps it (bel
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -37,7 +38,8 @@ from strawq.epochs import DIR as EPOCH_DIR
 from strawq.epochs import (closed_key, closed_name, epoch_key, epoch_starts, epochs,
                            heartbeat_counter, heartbeat_key, list_names, mark_epoch_start,
                            prunable)
-from strawq.errors import AlreadyExists, CorruptRecord, FencedOut, NotFound
+from strawq.errors import AlreadyExists, CorruptRecord, FencedOut, NotFound, StrawqError
+from strawq.liveness import identity, known_dead
 from strawq.records import Kind
 from strawq.states import TaskState, key_of, move
 from strawq.storage import Storage
@@ -60,6 +62,10 @@ class EpochFence:
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.storage = storage
         self.owner = owner
+        #: heartbeat silence after which a newcomer takes over. Not the run's shorter
+        #: liveness timeout: the holder beats once per pass, and a long pass (a GC or a
+        #: release on a slow mount) must not read as death; a holder known dead is taken
+        #: over at once instead (``holder_gone``)
         self.timeout = takeover_timeout_s
         self.clock = clock
         self.sleep = sleep
@@ -88,10 +94,23 @@ class EpochFence:
             self._watch(newest)
         return self._create(newest + 1)
 
+    def holder_gone(self, epoch: int) -> bool:
+        """Whether ``epoch``'s EPOCH record names a process on this host that is gone."""
+        try:
+            rec = records.decode(self.storage.read(epoch_key(epoch)), expect=Kind.EPOCH)
+        except StrawqError:
+            return False  # unreadable: the heartbeat's silence decides
+        return known_dead(rec.meta)
+
     def _watch(self, epoch: int) -> None:
-        """Return once ``epoch``'s heartbeat stayed still for the timeout; else refuse."""
+        """Return once ``epoch``'s heartbeat stayed still for the timeout, or at once if its
+        holder's process is known gone; else refuse."""
         start = self.clock()
         first = heartbeat_counter(list_names(self.storage), epoch)
+        if self.holder_gone(epoch):
+            log.warning("collector epoch %d: its process (on this host) is gone; taking over "
+                        "without waiting", epoch)
+            return
         poll = max(min(self.timeout / 20, 1.0), 0.01)
         log.info("collector epoch %d did not close; watching its heartbeat (at %d) for %.1fs "
                  "before taking over", epoch, first, self.timeout)
@@ -115,8 +134,7 @@ class EpochFence:
             self.sleep(poll)
 
     def _create(self, epoch: int) -> int:
-        body = {"epoch": epoch, "owner": self.owner, "host": socket.gethostname(),
-                "pid": os.getpid(), "at": time.time()}
+        body = {"epoch": epoch, "owner": self.owner, **identity(), "at": time.time()}
         try:
             self.storage.publish(epoch_key(epoch),
                                  records.encode(Kind.EPOCH, body))

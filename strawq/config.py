@@ -484,6 +484,14 @@ class QueueConfig(Config):
     lease_timeout_s: float = 60.0
     #: Producer heartbeat cadence. Producers stop work at ``lease_timeout_s - margin``.
     heartbeat_interval_s: float = 5.0
+    #: Heartbeat silence after which a producer (or a collector) is judged dead for the
+    #: purpose of *waiting*: a weight-update bracket stops waiting for its ack, and a new
+    #: collector takes over (if ``takeover_timeout_s`` is longer). Its leases still expire
+    #: only after ``lease_timeout_s``. A writer on this host whose pid is gone is judged
+    #: dead at once. None: three heartbeats (``3 * heartbeat_interval_s``), at most
+    #: ``lease_timeout_s``. Must be above ``heartbeat_interval_s`` and at most
+    #: ``lease_timeout_s``.
+    liveness_timeout_s: float | None = None
     #: Prompts released per cursor advance (one cursor record per release).
     release_batch: int = 64
     #: Key of the prompt in a dataset row (a string or a list of token ids).
@@ -508,6 +516,13 @@ class QueueConfig(Config):
             raise ConfigError(
                 f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be > 0 and below "
                 f"lease_timeout_s ({self.lease_timeout_s}); use about a third of it")
+        if self.liveness_timeout_s is not None and not (
+                self.heartbeat_interval_s < self.liveness_timeout_s <= self.lease_timeout_s):
+            raise ConfigError(
+                f"liveness_timeout_s ({self.liveness_timeout_s}) must be above "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) and at most "
+                f"lease_timeout_s ({self.lease_timeout_s}); use a few heartbeats, or leave it "
+                "unset (3 heartbeats)")
         if self.release_batch < 1:
             raise ConfigError(f"release_batch must be >= 1, got {self.release_batch}")
         if self.group_size < 1:
@@ -517,3 +532,10 @@ class QueueConfig(Config):
         if not 0 <= self.max_bad_row_share <= 1:
             raise ConfigError(f"max_bad_row_share must be a share between 0 and 1, got "
                               f"{self.max_bad_row_share}")
+
+    @property
+    def liveness_s(self) -> float:
+        """The liveness timeout in effect (``liveness_timeout_s``, or three heartbeats)."""
+        if self.liveness_timeout_s is not None:
+            return self.liveness_timeout_s
+        return min(3 * self.heartbeat_interval_s, self.lease_timeout_s)

@@ -117,6 +117,11 @@ class LeaseMonitor:
         target.append(name.id)
         return True
 
+    def counter(self, producer: str) -> int | None:
+        """The heartbeat counter last seen of ``producer`` (None: never seen)."""
+        seen = self._seen.get(producer)
+        return None if seen is None else seen[0]
+
     def silence(self, now: float | None = None) -> dict[str, float]:
         """Seconds since each producer's heartbeat counter last moved (grantor's clock)."""
         now = self.clock() if now is None else now

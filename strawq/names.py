@@ -139,7 +139,8 @@ def requeued_name(name: TaskName, *, refund: bool, drop_prefix: bool = False,
 
 
 def heartbeat_key(producer: str, counter: int) -> str:
-    """``hb/<producer>~<counter>``: the name is the data (no content to read)."""
+    """``hb/<producer>~<counter>``: the name is the counter (the body, written by a process's
+    first beat and kept by the renames, names the process: ``strawq.liveness``)."""
     return f"hb/{producer}~{counter:016d}"
 
 

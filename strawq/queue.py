@@ -15,7 +15,7 @@ Layout of ``<root>/<run_id>/`` (see ``docs/protocol.md`` for the crash table)::
                              delivered/<seq>~<v>: delivered at version v (strawq.batches)
     dropped/<name>~<reason>  dropped with a reason; note at data/<id>~g<gen>.drop.<reason>
     data/<id>~g<gen>.<kind>  immutable payloads: group, partial, drop
-    hb/<producer>~<counter>  heartbeat counters (the name is the data)
+    hb/<producer>~<counter>  heartbeat counters (the name is the data; the body names the process)
     versions/<v>             the weight version the collector has announced
     quarantine/              records that failed their checks, moved aside
 
@@ -37,6 +37,7 @@ from strawq.config import QueueConfig, from_dict, to_dict
 from strawq.eta import EtaPolicy, PolicyCache
 from strawq.errors import (AlreadyExists, ConfigError, CorruptRecord, LeaseLost, NotFound,
                            StorageError, TaskNotFound)
+from strawq.liveness import identity_bytes
 from strawq.names import (STAGE_PARTIAL, TaskName, data_key, heartbeat_key, note_key,
                           parse_heartbeat, queue_key, ready_key, requeued_name, validate_id)
 from strawq.records import Kind
@@ -258,10 +259,11 @@ class RunQueue:
         """Advance the producer's heartbeat counter; the grantor watches it move."""
         validate_id(producer, "producer id")
         prev = self._hb_counter.get(producer)
+        first = prev is None
         if prev is None:
             prev = max((c for p, c in self.heartbeats() if p == producer), default=0)
         counter = prev + 1
-        if prev:
+        if prev and not first:
             # One rename moves the counter: no new file and no unlink (on a shared mount a
             # beat cost a create, a rename, an unlink and their lookups: most of an idle
             # producer's metadata operations).
@@ -272,8 +274,10 @@ class RunQueue:
                 return counter
             except NotFound:
                 pass  # the grantor forgot this producer (or another process beat): anew
-        self.storage.publish(heartbeat_key(producer, counter), b"", sync_dir=False,
-                             sync_file=False)
+        # This process's first beat publishes anew, naming it (``strawq.liveness``): the
+        # renames after it keep the body, so a reader on this host can see it is gone.
+        self.storage.publish(heartbeat_key(producer, counter), identity_bytes(),
+                             sync_dir=False, sync_file=False)
         self._hb_counter[producer] = counter
         if prev:
             self.storage.delete(heartbeat_key(producer, prev))

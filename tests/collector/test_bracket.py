@@ -99,10 +99,14 @@ def test_dead_producer_is_not_waited_for_and_its_leases_expire(world):
     bracket = WeightUpdateBracket(q, monitor=col.monitor, clock=clock, sleep=clock.sleep)
     rep = bracket.begin_weight_update(timeout=60)
     assert rep.acked == {"live"} and set(rep.dead) == {"dead"}
-    assert rep.dead["dead"] >= LEASE
+    # not waited for after the liveness timeout, well before its leases expire
+    assert bracket.liveness_s <= rep.dead["dead"] < LEASE
     bracket.end_weight_update()
     clock.hook = None
-    col.step()  # the grantor expires the dead producer's leases
+    col.step()
+    assert {TaskName.parse(n).id for n in _leases_of(q, "dead")} == held  # still its own
+    clock.t += LEASE
+    col.step()  # after the lease timeout the grantor expires the dead producer's leases
     for tid in held:
         state, name = q.find(tid)
         assert state in ("pending", "leased")
@@ -149,6 +153,7 @@ def test_producer_dead_mid_write_of_a_partial(world):
     rep = bracket.weight_update(lambda v: None, timeout=60)
     clock.hook = None
     assert "victim" in rep.dead
+    clock.t += LEASE  # its leases expire after the lease timeout, as ever
     col.step()
     state, name = q.find(w.lease.task_id)
     assert state == "pending" and name.gen == w.lease.gen + 1

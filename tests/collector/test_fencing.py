@@ -51,7 +51,9 @@ def test_takeover_after_silence_fences_the_old_one(run):
     clock = FakeClock()  # nobody beats while the newcomer watches
     second = Collector(q, ds, CFG, clock=clock, sleep=clock.sleep)
     assert second.start() == 2
-    assert clock.t - 1000.0 >= CFG.takeover_timeout_s  # it waited the full timeout
+    # it waited the full takeover timeout, not the run's shorter liveness timeout
+    assert second.fence.timeout == CFG.takeover_timeout_s > q.config.liveness_s
+    assert clock.t - 1000.0 >= second.fence.timeout
     second.step()
     with pytest.raises(FencedOut, match="taken over"):
         first.step()

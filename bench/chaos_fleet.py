@@ -1,0 +1,230 @@
+"""The chaos benchmark's fleet-time phase: seconds the live fleet loses per failure.
+
+A module of ``chaos.py`` (not a benchmark of its own). One run at the queue's default lease
+timeout (60 s) and the collector's default takeover timeout (30 s), heartbeats every 0.5 s;
+a sim engine, two producers, a collector and a trainer (``chaos.py --role fleet-trainer``)
+that runs a weight-update bracket after every batch, pushing to the engine. Then one failure
+of each kind, each ``kill -9`` followed by an immediate restart (as a supervisor would):
+
+* **producer**: the seconds the next bracket kept the live producers paused (its wait);
+* **collector**: the seconds from the kill until the restarted collector holds the run
+  (no new batch meanwhile);
+* **trainer**, killed while its bracket holds the producers paused: the seconds from the
+  kill until the restarted trainer resumed them (its process start included; the part its
+  first bracket waited is printed beside it).
+
+Printed as ``chaos: fleet seconds lost per failure = X (producer Y, collector Z, trainer W)``
+with X the mean of the three.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+CHAOS = str(Path(__file__).with_name("chaos.py"))
+
+
+def _strawq(*args: str) -> list[str]:
+    return [PY, "-m", "strawq", *args]
+
+
+# -- the trainer role ------------------------------------------------------------------------
+
+def fleet_trainer(run: str, events: str, engine: str) -> int:
+    """Train (sleep), ack, then a weight update pushed to ``engine``; log each update."""
+    from strawq.collector.errors import BatchTimeout
+    from strawq.collector.reader import BatchReader
+
+    def log(**ev: Any) -> None:
+        with open(events, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"t": time.time(), "pid": os.getpid(), **ev}) + "\n")
+
+    def push(version: int) -> None:
+        body = json.dumps({"model_path": "fleet", "weight_version": str(version),
+                           "abort_all_requests": False, "flush_cache": True}).encode()
+        req = urllib.request.Request(f"{engine}/update_weights_from_disk", data=body,
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=30).read()
+        time.sleep(0.3)  # a push takes a while: the producers stay paused meanwhile
+
+    reader = BatchReader.open(run)
+    log(event="start")
+    first = True
+    while True:
+        began = time.time()
+        rep = reader.bracket.weight_update(push, timeout=600)
+        log(event="update", began=began, waited=rep.waited_s, dead=sorted(rep.dead),
+            continued=rep.continued, first=first, version=rep.version)
+        first = False
+        try:
+            batch = reader.next_batch(timeout=0.5)
+        except BatchTimeout:
+            continue
+        time.sleep(0.05)  # the optimizer step
+        reader.ack(batch)
+
+
+# -- the phase -------------------------------------------------------------------------------
+
+class _Proc:
+    def __init__(self, argv: list[str], log: str) -> None:
+        self.argv, self.log = argv, log
+        self.p: subprocess.Popen[bytes] | None = None
+
+    def start(self, extra: list[str] | None = None) -> None:
+        with open(self.log, "ab") as out:
+            self.p = subprocess.Popen([*self.argv, *(extra or [])], stdout=out,
+                                      stderr=subprocess.STDOUT, cwd=ROOT,
+                                      start_new_session=True)
+
+    def kill9(self) -> None:
+        assert self.p is not None
+        self.p.send_signal(signal.SIGKILL)
+        self.p.wait()
+
+    def stop(self) -> None:
+        if self.p is not None and self.p.poll() is None:
+            self.p.send_signal(signal.SIGKILL)
+            self.p.wait()
+
+
+def _wait(cond: Any, what: str, deadline_s: float = 300.0) -> float:
+    end = time.time() + deadline_s
+    while time.time() < end:
+        if cond():
+            return time.time()
+        time.sleep(0.02)
+    raise RuntimeError(f"fleet phase: {what} did not happen within {deadline_s:.0f}s")
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def fleet_lost(work: Path) -> dict[str, Any]:
+    """Run the phase in ``work``; returns the seconds lost per failure kind."""
+    from strawq.control import read_state
+    from strawq.epochs import epochs, list_names
+    from strawq.storage import open_storage
+
+    work.mkdir(parents=True, exist_ok=True)
+    run = str(work / "run")
+    dataset = str(work / "prompts.jsonl")
+    with open(dataset, "w", encoding="utf-8") as f:
+        for i in range(20000):
+            f.write(json.dumps({"prompt": [3 + i % 97, 5, 7], "count": 4, "i": i}) + "\n")
+    subprocess.run(_strawq("init", run, "-q", "--set", "group_size=4",
+                           "--set", "heartbeat_interval_s=0.5", "--set", "release_batch=8",
+                           "--set", "max_attempts=50"), check=True, cwd=ROOT)
+    port = _free_port()
+    engine = f"http://127.0.0.1:{port}"
+    procs: list[_Proc] = []
+
+    def proc(argv: list[str], name: str) -> _Proc:
+        procs.append(_Proc(argv, str(work / f"{name}.log")))
+        return procs[-1]
+
+    eng = proc(_strawq("engine", "serve", "--kind", "sim", "--port", str(port),
+                       "--step-base-ms", "4", "--len-median", "8", "--len-cap", "24", "-q"),
+               "engine")
+    producers = [proc(_strawq("producer", run, "--engine", engine, "--slots", "2",
+                              "--set", "sampling.max_new_tokens=24",
+                              "--reward", "strawq.producers.rewards.count_task", "-q"),
+                      f"producer{i}") for i in range(2)]
+    collector = proc(_strawq("collector", run, dataset, "--set", "batch_groups=2",
+                             "--set", "poll_interval_s=0.05",
+                             "--set", "max_prefetch_batches=1", "-q"), "collector")
+    events = str(work / "fleet.events.jsonl")
+    trainer = proc([PY, CHAOS, "--role", "fleet-trainer", "--run", run, "--events", events,
+                    "--engine", engine], "trainer")
+    storage = open_storage(run, writer_id="fleet-bench")
+
+    def updates() -> list[dict[str, Any]]:
+        if not os.path.exists(events):
+            return []
+        with open(events, encoding="utf-8") as f:
+            return [e for e in map(json.loads, f) if e["event"] == "update"]
+
+    out: dict[str, Any] = {}
+    try:
+        eng.start()
+        _wait(lambda: _health(engine), "the engine to start")
+        for i, p in enumerate(producers):
+            p.start(["--producer-id", f"fleet-p{i}.r0"])
+        collector.start()
+        trainer.start()
+        _wait(lambda: len(updates()) >= 4, "four weight updates")
+        # -- producer: the next bracket's wait for the dead one
+        producers[0].kill9()
+        killed = time.time()
+        producers[0].start(["--producer-id", "fleet-p0.r1"])
+        _wait(lambda: any(u["began"] >= killed for u in updates()),
+              "a weight update after the producer kill")
+        after = next(u for u in updates() if u["began"] >= killed)
+        out["producer"] = after["waited"]
+        # -- collector: the kill to the restarted collector holding the run
+        epoch = max(epochs(list_names(storage)))
+        collector.kill9()
+        killed = time.time()
+        collector.start()
+        held = _wait(lambda: max(epochs(list_names(storage))) > epoch,
+                     "the restarted collector to take over")
+        out["collector"] = held - killed
+        n = len(updates())
+        _wait(lambda: len(updates()) > n + 1, "weight updates after the takeover")
+        # -- trainer: killed while its bracket holds the producers paused
+        for _try in range(20):
+            _wait(lambda: read_state(storage).paused, "a bracket to open", 120)
+            trainer.kill9()
+            killed = time.time()
+            st = read_state(storage)
+            trainer.start()
+            if st.paused:
+                break
+            # the bracket closed before the kill landed: let it run, try again
+            seen = len(updates())
+            _wait(lambda seen=seen: len(updates()) > seen + 1,
+                  "weight updates after the restart")
+        else:
+            raise RuntimeError("fleet phase: no trainer kill landed inside a bracket")
+        version = st.pause_version
+        resumed = _wait(lambda: read_state(storage).resume_version >= version,
+                        "the restarted trainer to resume the producers")
+        out["trainer"] = resumed - killed
+        _wait(lambda: any(u["first"] and u["t"] >= killed for u in updates()),
+              "the restarted trainer's first update to be logged")
+        first = next(u for u in updates() if u["first"] and u["t"] >= killed)
+        out["trainer_bracket"] = first["waited"]
+    finally:
+        for p in procs:
+            p.stop()
+    out["mean"] = (out["producer"] + out["collector"] + out["trainer"]) / 3
+    return out
+
+
+def _health(url: str) -> bool:
+    try:
+        urllib.request.urlopen(f"{url}/health", timeout=1)
+    except OSError:
+        return False
+    return True
+
+
+def line(fl: dict[str, Any]) -> str:
+    return (f"chaos: fleet seconds lost per failure = {fl['mean']:.1f} (producer "
+            f"{fl['producer']:.1f}, collector {fl['collector']:.1f}, trainer "
+            f"{fl['trainer']:.1f})")

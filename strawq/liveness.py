@@ -1,0 +1,83 @@
+"""Whether a process is known to be gone: the fast path of the liveness judgements.
+
+A writer whose silence matters (a producer's heartbeat, a collector's epoch) records who it
+is: host name, boot id, pid namespace and pid (``identity()``). Another process on the same
+host, boot and pid namespace can then tell at once that it is gone (``known_dead``): its pid
+no longer exists. Anything else — another host, another container's pid namespace, an
+unreadable or missing record, a pid that exists (perhaps reused) — is *not known dead*, and
+the caller falls back to heartbeat silence. So this path only ever shortens a wait for a
+process that is certainly gone; it never judges a live one dead (a reused pid keeps a dead
+writer looking alive, which only means the silence path decides).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def _boot_id() -> str:
+    try:
+        with open(_BOOT_ID, encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+def identity() -> dict[str, Any]:
+    """This process: ``{"host", "boot", "pidns", "pid"}``."""
+    return {"host": socket.gethostname(), "boot": _boot_id(), "pidns": _pid_namespace(),
+            "pid": os.getpid()}
+
+
+def identity_bytes() -> bytes:
+    """``identity()`` as the small JSON body a heartbeat file carries."""
+    return json.dumps(identity(), separators=(",", ":")).encode()
+
+
+def parse_identity(body: bytes) -> dict[str, Any] | None:
+    """The identity in a heartbeat file's body; None for an empty or foreign body."""
+    if not body:
+        return None
+    try:
+        who = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return who if isinstance(who, dict) else None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, under another user
+        return True
+    return True
+
+
+def known_dead(who: Mapping[str, Any] | None) -> bool:
+    """True only if ``who`` ran on this host, boot and pid namespace and its pid is gone."""
+    if not who:
+        return False
+    pid = who.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    if who.get("host") != socket.gethostname():
+        return False
+    boot, ns = _boot_id(), _pid_namespace()
+    if not boot or not ns or who.get("boot") != boot or who.get("pidns") != ns:
+        return False
+    return not pid_alive(pid)
