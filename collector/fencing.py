@@ -10,8 +10,8 @@ A newcomer reads the newest epoch E. With no epoch it creates ``epoch-1``. If E 
 creates E+1 at once. Otherwise it watches E's heartbeat counter on *its own* monotonic clock
 (docs/design.md, invariant 3: never mtimes, never two hosts' clocks): the moment the counter moves
 it refuses with ``CollectorBusy``; if the counter stays put for ``takeover_timeout_s`` it creates
-``epoch-<E+1>`` (exclusive, so of two newcomers exactly one wins; the loser refuses). A holder whose EPOCH record
-names a process on this host (same host, boot and pid namespace) that no longer exists is known
+``epoch-<E+1>`` (exclusive, so of two newcomers exactly one wins; the loser refuses). A holder
+whose EPOCH record names a process on this host (same host, boot and pid namespace) that no longer exists is known
 dead (``strawq.liveness``): the newcomer takes over at once. The wait's length is a guess about
 liveness, never what keeps the run safe: the fencing below holds whatever it is. Every
 collector action first calls ``check()`` (or ``beat()``, which checks): an epoch newer than its own
