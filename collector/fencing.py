@@ -8,14 +8,14 @@ Records in ``collector/`` (their names are spelled in ``strawq.epochs``)::
 
 A newcomer reads the newest epoch E. With no epoch it creates ``epoch-1``. If E is closed it
 creates E+1 at once. Otherwise it watches E's heartbeat counter on *its own* monotonic clock
-(docs/design.md, invariant 3: never mtimes, never two hosts' clocks): the moment the counter moves
-it refuses with ``CollectorBusy``; if the counter stays put for ``takeover_timeout_s`` it creates
-``epoch-<E+1>`` (exclusive, so of two newcomers exactly one wins; the loser refuses). A holder
-whose EPOCH record names a process on this host (same host, boot and pid namespace) that no longer exists is known
-dead (``strawq.liveness``): the newcomer takes over at once. The wait's length is a guess about
-liveness, never what keeps the run safe: the fencing below holds whatever it is. Every
-collector action first calls ``check()`` (or ``beat()``, which checks): an epoch newer than its own
-means it was taken over, and it raises ``FencedOut``.
+(docs/design.md, invariant 3: never mtimes, never two hosts' clocks): the moment the counter
+moves it refuses with ``CollectorBusy``; if the counter stays put for ``takeover_timeout_s`` it
+creates ``epoch-<E+1>`` (exclusive, so of two newcomers exactly one wins; the loser refuses). A
+holder whose EPOCH record names a process on this host (same host, boot and pid namespace) that
+no longer exists is known dead (``strawq.liveness``): the newcomer takes over at once. The
+wait's length is a guess about liveness, never what keeps the run safe: the fencing below holds
+whatever it is. Every collector action first calls ``check()`` (or ``beat()``, which checks):
+an epoch newer than its own means it was taken over, and it raises ``FencedOut``.
 
 A holder that passes ``check()`` and then stalls for longer than ``takeover_timeout_s``
 before its next write can still write once after a takeover. Every such write is fenced
