@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from strawq.config import Config
+from strawq.errors import os_error_text
 from strawq.producers.engine_errors import (
     EngineAuthError,
     EngineError,
@@ -208,12 +209,14 @@ class Transport:
             ) from None
         except aiohttp.ClientConnectorError as exc:
             raise Retryable(
-                EngineUnavailable(f"{method} {path}: cannot connect ({exc.os_error})", url=base)
+                EngineUnavailable(f"{method} {path}: cannot connect ({_reason(exc.os_error)})",
+                                  url=base)
             ) from None
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise Retryable(
                 EngineUnavailable(
-                    f"{method} {path}: connection failed ({type(exc).__name__}: {exc})", url=base
+                    f"{method} {path}: connection failed ({type(exc).__name__}: {_reason(exc)})",
+                    url=base
                 )
             ) from None
         if status >= 500:
@@ -300,3 +303,8 @@ def decode_json(data: bytes, url: str, path: str) -> Any:
         raise Retryable(
             EngineProtocolError(f"{path} returned malformed JSON: {snippet(data, 120)!r}", url=url)
         ) from None
+
+
+def _reason(exc: BaseException) -> str:
+    """An OS-level failure in words (no ``[Errno N]``), anything else as it reads."""
+    return os_error_text(exc) if isinstance(exc, OSError) and exc.errno else str(exc)

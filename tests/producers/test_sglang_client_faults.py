@@ -87,6 +87,7 @@ def test_connection_refused_names_the_worker() -> None:
     with pytest.raises(EngineUnavailable, match="cannot connect") as info:
         gen(url)
     assert info.value.url == url and url in str(info.value)
+    assert "Errno" not in str(info.value) and "nothing listens there" in str(info.value)
     assert isinstance(info.value, ConnectionError) and isinstance(info.value, EngineError)
 
 
