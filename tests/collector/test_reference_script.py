@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"^trainer: max relative gradient error vs reference = (\S+) over (\d+) "
-                  r"paths \(world sizes 1-4, megatron(, slime)?\)$", re.M)
+                  r"paths \(world sizes 1-4, megatron(, slime)?(, verl)?\)$", re.M)
 
 
 @pytest.mark.slow
