@@ -92,7 +92,9 @@ def cmd_init(args: argparse.Namespace) -> int:
     config = load_config(QueueConfig, args.config, args.set, where="queue config")
     _check_init_target(args.path)
     try:
-        os.makedirs(args.path, exist_ok=True)
+        from strawq.storage.posix import make_dirs
+
+        make_dirs(args.path)  # no access for others (docs/security.md)
     except OSError as exc:
         raise StrawqError(f"cannot create the run directory {args.path}: "
                           f"{exc.strerror or exc}; choose a writable path") from exc
