@@ -320,6 +320,9 @@ def read_json_file(path: str, *, what: str) -> Any:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{what}: {path} is not valid JSON: {exc.msg} at line {exc.lineno}, "
                           f"column {exc.colno}; fix the file") from exc
+    except RecursionError:
+        raise ConfigError(f"{what}: {path} nests JSON too deeply for a config file; fix "
+                          "the file") from None
 
 
 def read_json_object(path: str, *, what: str) -> dict[str, Any]:

@@ -67,15 +67,20 @@ def cursor_name(seq: int, next_index: int) -> str:
     return f"{seq:012d}.{next_index:012d}"
 
 
+def _decimal(text: str) -> bool:
+    """ASCII digits only (``"²".isdigit()`` is true, yet no ``int``)."""
+    return text.isascii() and text.isdigit()
+
+
 def _parse_pair(name: str) -> tuple[int, int] | None:
     seq, dot, nxt = name.partition(".")
-    if dot and seq.isdigit() and nxt.isdigit():
+    if dot and _decimal(seq) and _decimal(nxt):
         return int(seq), int(nxt)
     return None
 
 
 def _seq_dirs(names: list[str]) -> list[int]:
-    return sorted(int(n) for n in names if n.isdigit())
+    return sorted(int(n) for n in names if _decimal(n))
 
 
 def list_cursors(storage: Storage, *, newest_only: bool = False) -> list[tuple[int, int, str]]:
