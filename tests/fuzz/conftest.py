@@ -1,7 +1,8 @@
 """Hypothesis profiles of the decoder fuzz tests (docs/security.md).
 
 ``ci`` (the default) keeps the whole folder to well under a minute; ``STRAWQ_FUZZ_PROFILE=
-long`` runs many more inputs per decoder for a bench run. Failures found are kept as
+long`` runs many more inputs per decoder for a bench run (``STRAWQ_FUZZ_EXAMPLES`` per
+test, default 5000). Failures found are kept as
 ``@example`` cases on the tests, so they run under every profile.
 """
 
@@ -14,5 +15,6 @@ from hypothesis import HealthCheck, settings
 _COMMON = dict(deadline=None, derandomize=False, database=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("ci", max_examples=60, **_COMMON)  # type: ignore[arg-type]
-settings.register_profile("long", max_examples=20_000, **_COMMON)  # type: ignore[arg-type]
+settings.register_profile("long", max_examples=int(os.environ.get("STRAWQ_FUZZ_EXAMPLES", 5000)),
+                          **_COMMON)  # type: ignore[arg-type]
 settings.load_profile(os.environ.get("STRAWQ_FUZZ_PROFILE", "ci"))

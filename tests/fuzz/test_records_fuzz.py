@@ -83,6 +83,7 @@ def test_framed_arbitrary_metadata_and_payload(kind: int, meta: bytes, payload: 
 
 @given(mutations)
 @example(([(31821, 1)], None))  # a flatbuffers error from pyarrow (OSError) escaped
+@example(([(1144, 1)], None))  # ArrowInvalid (a null in a column viewed zero-copy) escaped
 def test_mutated_group_records(m: tuple[list[tuple[int, int]], int | None]) -> None:
     data = _mutate(GROUP, *m)
     for verify in (True, False):
