@@ -236,7 +236,11 @@ class Dataset:
 
     def _shard_len(self, shard: Shard) -> int:
         if shard.fmt == "parquet":
-            return int(self._parquet_meta(shard).num_rows)
+            n = int(self._parquet_meta(shard).num_rows)
+            if n < 0:  # damaged footer metadata
+                raise DatasetError(f"{shard.path}: not a readable Parquet file: its footer "
+                                   f"says {n} rows")
+            return n
         with self._fs.open(shard.path, "rb") as f:
             return sum(1 for raw in f if raw.strip())
 

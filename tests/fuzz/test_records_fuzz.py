@@ -73,6 +73,8 @@ def test_huge_length_fields_are_refused_without_allocating(meta_len: int, payloa
 
 
 @given(st.integers(0, 255), st.binary(max_size=256), st.binary(max_size=256))
+@example(2, b"\xdd\xff\xff\xff\xff", b"")  # msgpack: an array of 2^32-1 items, 0 present
+@example(2, b"\xc6\xff\xff\xff\xff", b"")  # msgpack: a 4 GiB bin, 0 bytes present
 def test_framed_arbitrary_metadata_and_payload(kind: int, meta: bytes, payload: bytes) -> None:
     data = frame(kind, meta, payload)
     rec = clean(records.decode, data)
