@@ -13,9 +13,12 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from strawq import records, retention
-from strawq.batches import decode_manifest
+from strawq.batches import BatchStore, decode_manifest
+from strawq.config import QueueConfig
 from strawq.feeder import read_cursor_state
 from strawq.groups import decode_group, decode_group_columns
+from strawq.names import TaskName, data_key
+from strawq.queue import RunQueue
 from strawq.records import Kind
 from strawq.storage.memory import MemoryStorage
 from strawq.storage.posix import PosixStorage
@@ -53,7 +56,8 @@ mutations = st.tuples(st.lists(st.tuples(st.integers(0, 2**16), st.integers(0, 2
 @given(st.binary(max_size=512), st.booleans())
 @example(b"", True)
 @example(records.MAGIC + b"\x01" * 28, False)
-@example(records.MAGIC + bytes([records.FORMAT_VERSION, 200]) + b"\0" * 26, False)  # ValueError
+@example(records.HEADER.pack(records.MAGIC, records.FORMAT_VERSION, 200, 0, 99, 0, 0, 0),
+         False)  # an unknown kind: ValueError from decode_meta_only
 @example(frame(2, b"\x05"), True)  # metadata not a map
 def test_arbitrary_bytes_as_a_record(data: bytes, verify: bool) -> None:
     clean(records.decode, data, verify=verify)
@@ -155,3 +159,20 @@ def test_drop_audit_segments(meta: dict[str, Any], junk: bytes) -> None:
         audit = clean(retention.latest_audit, s)
         assert not isinstance(audit, Exception)
         clean(retention._read, s, 1)
+
+
+_QUEUE = RunQueue.create(MemoryStorage(), QueueConfig(fsync=False))
+_NAME = TaskName.parse("000000000003.000000000007~t1~g0~a1~r0")
+
+
+@given(st.one_of(mutations.map(lambda m: _mutate(GROUP, *m)),
+                 st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)).map(
+                     lambda lens: header_with(GROUP, meta_len=lens[0], payload_len=lens[1])),
+                 metas.map(lambda m: frame_meta(int(Kind.GROUP), m))))
+@example(header_with(GROUP, meta_len=2**32 - 1))  # read_prefix of 4 GiB was asked for
+@example(frame_meta(int(Kind.GROUP), {"v": records.SCHEMA_VERSION, "group": 5}))
+def test_group_summaries_from_record_headers(data: bytes) -> None:
+    key = data_key(_NAME.id, _NAME.gen, "group")
+    _QUEUE.storage.delete(key)
+    _QUEUE.storage.publish(key, data)
+    clean(BatchStore(_QUEUE).read_summary, _NAME)
