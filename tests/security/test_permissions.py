@@ -59,3 +59,15 @@ def test_makedirs_creates_every_level_without_access_for_others(tmp_path: Path) 
         os.umask(old)
     for rel in ("a", "a/b", "a/b/c"):
         assert stat.S_IMODE(os.stat(tmp_path / rel).st_mode) == 0o770, rel
+
+
+def test_the_config_files_cluster_up_writes_are_owner_only(tmp_path: Path) -> None:
+    from strawq.app.cluster import _write
+    from strawq.producers.engine_transport import ClientConfig
+
+    old = os.umask(0o002)
+    try:
+        path = _write(str(tmp_path / "producer.json"), ClientConfig(api_key="k"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
