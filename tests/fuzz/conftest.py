@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 
 _COMMON = dict(deadline=None, derandomize=False, database=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", max_examples=60, **_COMMON)  # type: ignore[arg-type]
+settings.register_profile("ci", max_examples=100, **_COMMON)  # type: ignore[arg-type]
 settings.register_profile("long", max_examples=int(os.environ.get("STRAWQ_FUZZ_EXAMPLES", 5000)),
                           **_COMMON)  # type: ignore[arg-type]
 settings.load_profile(os.environ.get("STRAWQ_FUZZ_PROFILE", "ci"))

@@ -13,7 +13,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from strawq import records, retention
-from strawq.batches import BatchStore, decode_manifest
+from strawq.batches import (ACK_DIR, DELIVERED_DIR, HIGH_WATER_DIR, MANIFEST_DIR, BatchStore,
+                            batch_seqs, decode_manifest, delivered, high_water)
 from strawq.config import QueueConfig
 from strawq.feeder import read_cursor_state
 from strawq.groups import decode_group, decode_group_columns
@@ -176,3 +177,19 @@ def test_group_summaries_from_record_headers(data: bytes) -> None:
     _QUEUE.storage.delete(key)
     _QUEUE.storage.publish(key, data)
     clean(BatchStore(_QUEUE).read_summary, _NAME)
+
+
+@given(st.lists(st.text(alphabet="0123456789.-bseq²٣x", min_size=1, max_size=16), max_size=5))
+@example(["²"])  # "²".isdigit() yet int("²") raised ValueError
+@example(["bseq-²", "1.²"])
+def test_batch_directory_names(names: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as d:  # names a writer may leave on the mount
+        for sub in (MANIFEST_DIR, ACK_DIR, DELIVERED_DIR, HIGH_WATER_DIR):
+            os.mkdir(os.path.join(d, sub))
+            for n in names:
+                if n not in (".", ".."):
+                    open(os.path.join(d, sub, n), "wb").close()
+        s = PosixStorage(d, read_only=True)
+        clean(batch_seqs, s)
+        clean(high_water, s)
+        clean(delivered, s)
