@@ -290,7 +290,7 @@ class PosixStorage(Storage):
             parts = name.split(".")
             if len(parts) >= 3:
                 h, _, pid = parts[-2].rpartition("-")
-                dead = h == host and pid.isdigit() and not _pid_alive(int(pid))
+                dead = h == host and pid.isascii() and pid.isdigit() and not _pid_alive(int(pid))
             if not dead:
                 try:
                     dead = now - os.stat(path).st_mtime >= grace_s

@@ -12,7 +12,7 @@ import msgpack
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from strawq import records, retention
+from strawq import commits, control, epochs, eta, records, retention
 from strawq.batches import (ACK_DIR, DELIVERED_DIR, HIGH_WATER_DIR, MANIFEST_DIR, BatchStore,
                             batch_seqs, decode_manifest, delivered, high_water)
 from strawq.config import QueueConfig
@@ -193,3 +193,29 @@ def test_batch_directory_names(names: list[str]) -> None:
         clean(batch_seqs, s)
         clean(high_water, s)
         clean(delivered, s)
+
+
+_LISTING_NAMES = st.lists(st.sampled_from(["epoch-", "hb-", "start-", "policy-", "pause-",
+                                           "resume-", "ack-", "closed-", ""]).flatmap(
+    lambda head: st.text(alphabet="0123456789~²٣x-", max_size=14).map(lambda t: head + t)),
+    max_size=6)
+
+
+@given(_LISTING_NAMES)
+@example(["epoch-²", "hb-000000000001~²", "start-²~1", "closed-²"])
+@example(["pause-²", "resume-²", "ack-²~p", "policy-²", "²"])
+def test_names_listed_from_run_directories(names: list[str]) -> None:
+    """Numbers read from file names (``"²".isdigit()`` is true, yet ``int("²")`` fails)."""
+    clean(epochs.epochs, names)
+    clean(epochs.heartbeat_counter, names, 1)
+    clean(epochs.prunable, names, 5)
+    clean(epochs.epoch_starts, MemoryStorage(), names)
+    with tempfile.TemporaryDirectory() as d:  # names a writer may leave on the mount
+        for sub in ("control", "committed", "versions", eta.POLICY_DIR):
+            os.mkdir(os.path.join(d, sub))
+            for n in set(names) - {""}:
+                open(os.path.join(d, sub, n), "wb").close()
+        st_ = PosixStorage(d, read_only=True)
+        clean(control.read_state, st_)
+        clean(commits.committed_seq, st_)
+        clean(eta._epochs, st_)
