@@ -83,6 +83,9 @@ class CollectorConfig(Config):
     metrics_jsonl: str | None = None
     #: Port of the collector's Prometheus endpoint (None: no endpoint; 0: any free port).
     prometheus_port: int | None = None
+    #: Address the Prometheus endpoint binds (127.0.0.1: this machine only; ``0.0.0.0``
+    #: every interface: the metrics are readable by anyone who reaches the port).
+    prometheus_host: str = "127.0.0.1"
 
     def validate(self) -> None:
         if self.batch_groups < 1:

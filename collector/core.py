@@ -105,7 +105,8 @@ class Collector:
         self.order = StalenessOrder()
         self.consumed = ConsumedGroups(self.batches)
         self.metrics = metrics or MetricsSink(self.config.metrics_jsonl,
-                                              self.config.prometheus_port)
+                                              self.config.prometheus_port,
+                                              addr=self.config.prometheus_host)
         self.feeder: Feeder | None = None
         self.resume_info: ResumeInfo | None = None
         self._last_gc = float("-inf")

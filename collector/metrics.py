@@ -118,7 +118,7 @@ class MetricsSink:
     """Appends JSON lines and mirrors numeric values into Prometheus gauges."""
 
     def __init__(self, jsonl_path: str | None = None, prometheus_port: int | None = None,
-                 *, addr: str = "0.0.0.0") -> None:
+                 *, addr: str = "127.0.0.1") -> None:
         self.jsonl_path = jsonl_path
         self._lock = threading.Lock()
         self._registry: Any = None
@@ -159,7 +159,7 @@ class MetricsSink:
         if self.jsonl_path:
             line = json.dumps(dict(values), sort_keys=True, default=str) + "\n"
             with self._lock:
-                fd = os.open(self.jsonl_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                fd = os.open(self.jsonl_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
                 try:
                     os.write(fd, line.encode())
                 finally:

@@ -25,7 +25,7 @@ import json
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
@@ -94,8 +94,8 @@ class ClientConfig(Config):
     pool_limit: int = 1024
     context_length: int | None = None
     default_version: int | None = None
-    api_key: str | None = None
-    admin_api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never in a repr or log
+    admin_api_key: str | None = field(default=None, repr=False)
     eos_token_ids: tuple[int, ...] | None = None
 
     def validate(self) -> None:

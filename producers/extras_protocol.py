@@ -71,7 +71,7 @@ def _int32s(value: Any, what: str, url: str | None) -> np.ndarray:
         return np.frombuffer(raw, dtype="<i4").astype(np.int32)
     try:
         arr = np.asarray(value, dtype=np.int64).reshape(-1)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: past int64
         raise ExtrasMismatch(f"meta_info.{what} must be base64 int32 or a list of ints: "
                              f"{exc}", url=url) from None
     if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):

@@ -30,7 +30,7 @@ from typing import Any
 
 from strawq import records
 from strawq.commits import committed_seq
-from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
 from strawq.names import TaskName, data_key, requeued_name
 from strawq.queue import RunQueue
 from strawq.records import Kind
@@ -62,14 +62,15 @@ def ack_key(seq: int) -> str:
 
 def batch_seqs(storage: Storage) -> tuple[list[int], set[int]]:
     """(every manifest number present, the acked ones)."""
-    seqs = [int(n) for n in storage.list(MANIFEST_DIR) if n.isdigit()]
-    acked = {int(n) for n in storage.list(ACK_DIR) if n.isdigit()}
+    seqs = [int(n) for n in storage.list(MANIFEST_DIR) if n.isascii() and n.isdigit()]
+    acked = {int(n) for n in storage.list(ACK_DIR) if n.isascii() and n.isdigit()}
     return seqs, acked
 
 
 def _high_water_marks(names: Iterable[str]) -> list[int]:
     p = len(_HIGH_WATER_PREFIX)
-    return [int(n[p:]) for n in names if n.startswith(_HIGH_WATER_PREFIX) and n[p:].isdigit()]
+    return [int(n[p:]) for n in names
+            if n.startswith(_HIGH_WATER_PREFIX) and n[p:].isascii() and n[p:].isdigit()]
 
 
 def high_water(storage: Storage) -> int:
@@ -104,7 +105,7 @@ def delivered(storage: Storage) -> dict[int, int]:
     out: dict[int, int] = {}
     for n in storage.list(DELIVERED_DIR):
         seq_s, sep, ver_s = n.partition("~")
-        if sep and seq_s.isdigit() and ver_s.isdigit():
+        if sep and (seq_s + ver_s).isascii() and seq_s.isdigit() and ver_s.isdigit():
             out[int(seq_s)] = max(out.get(int(seq_s), 0), int(ver_s))
     return out
 
@@ -127,7 +128,7 @@ def forget_delivered_after(storage: Storage, seq: int, *, acks: bool = False) ->
         forget_delivered(storage, s)
     if acks:
         for n in storage.list(ACK_DIR):
-            if n.isdigit() and int(n) > seq:
+            if n.isascii() and n.isdigit() and int(n) > seq:
                 storage.delete(f"{ACK_DIR}/{n}")
     return len(later)
 
@@ -138,6 +139,20 @@ class Manifest:
     groups: list[TaskName]
     summaries: list[dict[str, Any]]
     meta: dict[str, Any]
+
+
+def decode_manifest(data: bytes, *, name: str) -> Manifest:
+    """A manifest record; ``CorruptRecord`` for one that does not hold what a manifest does."""
+    m = records.decode(data, expect=Kind.MANIFEST, name=name).meta
+    try:
+        groups = m["groups"]
+        if not isinstance(groups, list) or not all(isinstance(n, str) for n in groups):
+            raise TypeError("groups is not a list of task names")
+        return Manifest(m["seq"], [TaskName.parse(n) for n in groups], m["summaries"],
+                        m["meta"])
+    except (KeyError, TypeError, ConfigError) as exc:
+        raise CorruptRecord(f"{name}: not a valid manifest ({type(exc).__name__}: {exc})") \
+            from exc
 
 
 @dataclass
@@ -167,10 +182,16 @@ class BatchStore:
         head = self.storage.read_prefix(key, _META_PROBE)
         kind, meta, need = records.decode_meta_only(head, name=key)
         if not meta:
+            size = self.storage.size(key)
+            if need > size:  # never read (allocate) what a damaged header claims
+                raise CorruptRecord(f"{key}: header promises {need} bytes of metadata, the "
+                                    f"file has {size} (torn or corrupt)")
             kind, meta, _ = records.decode_meta_only(self.storage.read_prefix(key, need), name=key)
         if kind != Kind.GROUP:
             raise CorruptRecord(f"{key}: expected a GROUP record, found {kind.name}")
-        summary: dict[str, Any] = meta["group"]
+        summary = meta.get("group")
+        if not isinstance(summary, dict):
+            raise CorruptRecord(f"{key}: its metadata holds no group summary")
         return summary
 
     # -- batches -------------------------------------------------------------------------------
@@ -203,10 +224,7 @@ class BatchStore:
 
     def read_manifest(self, seq: int) -> Manifest:
         key = manifest_key(seq)
-        rec = records.decode(self.storage.read(key), expect=Kind.MANIFEST, name=key)
-        m = rec.meta
-        return Manifest(m["seq"], [TaskName.parse(n) for n in m["groups"]], m["summaries"],
-                        m["meta"])
+        return decode_manifest(self.storage.read(key), name=key)
 
     def recover(self) -> list[Manifest]:
         """Finish interrupted batch commits; returns the unacked manifests, oldest first.

@@ -29,7 +29,7 @@ COMMITTED = "committed"
 
 def committed_seq(storage: Storage) -> int | None:
     """The committed batch number; None when no consumer ever committed (ack = trained)."""
-    seqs = [int(n) for n in storage.list(COMMITTED) if n.isdigit()]
+    seqs = [int(n) for n in storage.list(COMMITTED) if n.isascii() and n.isdigit()]
     return max(seqs) if seqs else None
 
 
@@ -48,7 +48,7 @@ def commit(storage: Storage, seq: int) -> int:
     except AlreadyExists:
         pass
     for n in storage.list(COMMITTED):
-        if n.isdigit() and int(n) < seq:
+        if n.isascii() and n.isdigit() and int(n) < seq:
             storage.delete(f"{COMMITTED}/{n}")
     return seq
 

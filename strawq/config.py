@@ -161,6 +161,25 @@ def _type_name(hint: Any) -> str:
     return str(hint).replace("typing.", "")
 
 
+#: Config keys that hold secrets: their values are never shown (errors, dumps, reprs).
+_SECRET_KEY = re.compile(r"(api_key|secret|password)\W*$")
+
+
+def is_secret_key(name: str) -> bool:
+    """Whether a config key (or an error's ``where`` ending in one) names a secret."""
+    return _SECRET_KEY.search(name) is not None
+
+
+def redact(data: Any) -> Any:
+    """``data`` (a config's ``to_dict``) with the values of secret keys replaced."""
+    if isinstance(data, Mapping):
+        return {k: ("<redacted>" if is_secret_key(str(k)) and v is not None else redact(v))
+                for k, v in data.items()}
+    if isinstance(data, list):
+        return [redact(v) for v in data]
+    return data
+
+
 def _check(where: str, value: Any, hint: Any) -> Any:
     """Refuse a value of the wrong type; return it (a list for a tuple field as a tuple).
 
@@ -168,6 +187,7 @@ def _check(where: str, value: Any, hint: Any) -> Any:
     and ``2.5`` no int; an int is a valid float.
     """
     origin = typing.get_origin(hint)
+    shown = "<redacted>" if is_secret_key(where) else repr(value)  # keys never in errors
     if hint is Any:
         return value
     if origin in (typing.Union, types.UnionType):
@@ -178,16 +198,16 @@ def _check(where: str, value: Any, hint: Any) -> Any:
             except ConfigError:
                 continue
         names = " or ".join(_type_name(a) for a in args)
-        raise ConfigError(f"{where}: expected {names}, found {type(value).__name__} {value!r}")
+        raise ConfigError(f"{where}: expected {names}, found {type(value).__name__} {shown}")
     if origin is Literal:
         choices = typing.get_args(hint)
         if not any(value == c and type(value) is type(c) for c in choices):
-            raise ConfigError(f"{where}: expected one of {list(choices)}, found {value!r}")
+            raise ConfigError(f"{where}: expected one of {list(choices)}, found {shown}")
         return value
     if origin is tuple:
         if not isinstance(value, (tuple, list)):
             raise ConfigError(f"{where}: expected a list, found {type(value).__name__} "
-                              f"{value!r}")
+                              f"{shown}")
         args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis:
             items = [_check(f"{where}[{i}]", v, args[0]) for i, v in enumerate(value)]
@@ -202,7 +222,7 @@ def _check(where: str, value: Any, hint: Any) -> Any:
     if origin is not None:  # other generics (dict[...], list[...]): the container only
         if not isinstance(value, origin):
             raise ConfigError(f"{where}: expected {_type_name(hint)}, found "
-                              f"{type(value).__name__} {value!r}")
+                              f"{type(value).__name__} {shown}")
         return value
     if hint is type(None):
         ok = value is None
@@ -213,14 +233,14 @@ def _check(where: str, value: Any, hint: Any) -> Any:
     elif hint is float:
         ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
         if ok and not math.isfinite(value):  # JSON's 1e400 is inf; NaN passes every range
-            raise ConfigError(f"{where}: expected a finite number, found {value!r}")
+            raise ConfigError(f"{where}: expected a finite number, found {shown}")
     elif isinstance(hint, type):
         ok = isinstance(value, hint)
     else:
         ok = True
     if not ok:
         raise ConfigError(f"{where}: expected {_type_name(hint)}, found "
-                          f"{type(value).__name__} {value!r}")
+                          f"{type(value).__name__} {shown}")
     return value
 
 
@@ -300,6 +320,9 @@ def read_json_file(path: str, *, what: str) -> Any:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{what}: {path} is not valid JSON: {exc.msg} at line {exc.lineno}, "
                           f"column {exc.colno}; fix the file") from exc
+    except RecursionError:
+        raise ConfigError(f"{what}: {path} nests JSON too deeply for a config file; fix "
+                          "the file") from None
 
 
 def read_json_object(path: str, *, what: str) -> dict[str, Any]:

@@ -73,7 +73,7 @@ class Control:
         for n in self.storage.list("control"):
             kind, _, rest = n.partition("-")
             v = rest.partition("~")[0]
-            if v.isdigit() and int(v) <= version - KEEP:
+            if v.isascii() and v.isdigit() and int(v) <= version - KEEP:
                 self.storage.delete(f"control/{n}")
 
 
@@ -84,12 +84,12 @@ def read_state(storage: Storage) -> ControlState:
     acks: dict[int, set[str]] = {}
     for n in storage.list("control"):
         kind, _, rest = n.partition("-")
-        if kind == "pause" and rest.isdigit():
+        if kind == "pause" and rest.isascii() and rest.isdigit():
             pause = max(pause, int(rest))
-        elif kind == "resume" and rest.isdigit():
+        elif kind == "resume" and rest.isascii() and rest.isdigit():
             resume = max(resume, int(rest))
         elif kind == "ack":
             v, _, producer = rest.partition("~")
-            if v.isdigit():
+            if v.isascii() and v.isdigit():
                 acks.setdefault(int(v), set()).add(producer)
     return ControlState(pause, resume, frozenset(acks.get(pause, set())))

@@ -236,7 +236,11 @@ class Dataset:
 
     def _shard_len(self, shard: Shard) -> int:
         if shard.fmt == "parquet":
-            return int(self._parquet_meta(shard).num_rows)
+            n = int(self._parquet_meta(shard).num_rows)
+            if n < 0:  # damaged footer metadata
+                raise DatasetError(f"{shard.path}: not a readable Parquet file: its footer "
+                                   f"says {n} rows")
+            return n
         with self._fs.open(shard.path, "rb") as f:
             return sum(1 for raw in f if raw.strip())
 
@@ -300,7 +304,12 @@ class Dataset:
                 for rg in range(pf.num_row_groups):
                     n = pf.metadata.row_group(rg).num_rows
                     if b + n > start:
-                        rows = pf.read_row_group(rg).to_pylist()
+                        try:
+                            rows = pf.read_row_group(rg).to_pylist()
+                        except Exception as exc:  # pyarrow: OSError, ArrowInvalid, ...
+                            raise DatasetError(f"{shard.path}: row group {rg} is not readable "
+                                               f"Parquet ({exc}); fix or replace the file"
+                                               ) from exc
                         for i in range(max(0, start - b), len(rows)):
                             index, r = b + i, b + i - base  # r: the row in this file
                             got = _check_row(index, rows[i], self.prompt_key,

@@ -57,14 +57,16 @@ def list_names(storage: Storage) -> list[str]:
 def epochs(names: Iterable[str]) -> list[int]:
     """Every epoch with an EPOCH record, oldest first."""
     p = len(_EPOCH)
-    return sorted(int(n[p:]) for n in names if n.startswith(_EPOCH) and n[p:].isdigit())
+    return sorted(int(n[p:]) for n in names
+                  if n.startswith(_EPOCH) and n[p:].isascii() and n[p:].isdigit())
 
 
 def heartbeat_counter(names: Iterable[str], epoch: int) -> int:
     """The newest heartbeat counter of ``epoch`` (0: none)."""
     prefix = f"{_HB}{epoch:012d}~"
     return max((int(n[len(prefix):]) for n in names
-                if n.startswith(prefix) and n[len(prefix):].isdigit()), default=0)
+                if n.startswith(prefix) and n[len(prefix):].isascii()
+                and n[len(prefix):].isdigit()), default=0)
 
 
 def prunable(names: Iterable[str], below_or_at: int) -> list[str]:
@@ -74,7 +76,7 @@ def prunable(names: Iterable[str], below_or_at: int) -> list[str]:
         for head in _PER_EPOCH:
             if n.startswith(head):
                 e = n[len(head):].partition("~")[0]
-                if e.isdigit() and int(e) <= below_or_at:
+                if e.isascii() and e.isdigit() and int(e) <= below_or_at:
                     out.append(f"{DIR}/{n}")
     return out
 
@@ -93,6 +95,6 @@ def epoch_starts(storage: Storage, names: list[str] | None = None) -> list[tuple
     for n in storage.list(DIR) if names is None else names:
         if n.startswith(_START):
             e, _, f = n[len(_START):].partition("~")
-            if e.isdigit() and f.isdigit():
+            if (e + f).isascii() and e.isdigit() and f.isdigit():
                 out.append((int(e), int(f)))
     return sorted(out)

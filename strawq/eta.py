@@ -161,7 +161,7 @@ def _epochs(storage: Storage) -> list[int]:
     out = []
     for n in storage.list(POLICY_DIR):
         rest = n[len(POLICY_PREFIX):]
-        if n.startswith(POLICY_PREFIX) and rest.isdigit():
+        if n.startswith(POLICY_PREFIX) and rest.isascii() and rest.isdigit():
             out.append(int(rest))
     return sorted(out)
 

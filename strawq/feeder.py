@@ -67,15 +67,20 @@ def cursor_name(seq: int, next_index: int) -> str:
     return f"{seq:012d}.{next_index:012d}"
 
 
+def _decimal(text: str) -> bool:
+    """ASCII digits only (``"²".isdigit()`` is true, yet no ``int``)."""
+    return text.isascii() and text.isdigit()
+
+
 def _parse_pair(name: str) -> tuple[int, int] | None:
     seq, dot, nxt = name.partition(".")
-    if dot and seq.isdigit() and nxt.isdigit():
+    if dot and _decimal(seq) and _decimal(nxt):
         return int(seq), int(nxt)
     return None
 
 
 def _seq_dirs(names: list[str]) -> list[int]:
-    return sorted(int(n) for n in names if n.isdigit())
+    return sorted(int(n) for n in names if _decimal(n))
 
 
 def list_cursors(storage: Storage, *, newest_only: bool = False) -> list[tuple[int, int, str]]:
@@ -113,6 +118,21 @@ def _recent(meta: dict[str, Any]) -> tuple[int, int]:
     return 0, 0
 
 
+def check_cursor_meta(meta: dict[str, Any], key: str) -> None:
+    """``CorruptRecord`` unless a cursor record's metadata has the fields and types a
+    feeder reads (a record with a valid checksum may still hold anything)."""
+    fp = meta.get("fingerprint", {})
+    problems = [f for f, ok in (
+        ("seq", type(meta.get("seq")) is int and meta["seq"] >= 0),
+        ("next_index", type(meta.get("next_index")) is int and meta["next_index"] >= 0),
+        ("staging", isinstance(meta.get("staging"), (str, type(None)))),
+        ("exhausted", isinstance(meta.get("exhausted", False), bool)),
+        ("fingerprint", isinstance(fp, dict) and type(fp.get("base", 0) or 0) is int),
+    ) if not ok]
+    if problems:
+        raise CorruptRecord(f"{key}: cursor metadata has no valid {', '.join(problems)}")
+
+
 def check_share(share: float) -> float:
     """``share`` if it is a valid ``max_bad_row_share`` (0..1), else ``ConfigError``."""
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
@@ -131,6 +151,7 @@ def read_cursor_state(storage: Storage) -> dict[str, Any] | None:
     try:
         rec = records.decode(storage.read(f"cursor/{name}"), expect=Kind.CURSOR,
                              name=f"cursor/{name}")
+        check_cursor_meta(rec.meta, f"cursor/{name}")
         state["fingerprint"] = rec.meta.get("fingerprint", {})
         state["exhausted"] = bool(rec.meta.get("exhausted", False))
         state["recent"] = _recent(rec.meta)
@@ -182,6 +203,7 @@ class Feeder:
         key = f"cursor/{name}"
         try:
             rec = records.decode(self.storage.read(key), expect=Kind.CURSOR, name=key)
+            check_cursor_meta(rec.meta, key)
         except (CorruptRecord, NotFound) as exc:
             # Publication is atomic, so this is real corruption, not a torn write. The name
             # still says how far the release went; its staging directory is the one whose

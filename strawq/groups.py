@@ -197,6 +197,10 @@ class GroupData:
                        meta=s.get("meta", {}), extras=extras, **cols)
         except (KeyError, TypeError) as exc:
             raise CorruptRecord(f"group record is missing field {exc}") from exc
+        except CorruptRecord:
+            raise
+        except ValueError as exc:  # pyarrow's ArrowInvalid: a column it cannot view
+            raise CorruptRecord(f"group record: a column is not what it must be: {exc}") from exc
 
 
 def decode_group(data: bytes | memoryview, *, name: str = "group") -> GroupData:

@@ -38,7 +38,8 @@ STAGES = STAGE_PARTIAL + STAGE_REQUEUED + STAGE_FRESH
 ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 _NAME_RE = re.compile(
     rf"(?P<key>[{STAGES}]?\d{{12}}\.\d{{12}})~(?P<id>[A-Za-z0-9_.-]+)~g(?P<gen>\d+)"
-    r"~a(?P<att>\d+)(?:\.(?P<regen>\d+))?~r(?P<res>-1|\d+)(?:~(?P<producer>[A-Za-z0-9_.-]+))?"
+    r"~a(?P<att>\d+)(?:\.(?P<regen>\d+))?~r(?P<res>-1|\d+)(?:~(?P<producer>[A-Za-z0-9_.-]+))?",
+    re.ASCII,  # \d: 0-9 only
 )
 MAX_VERSION = 10**12 - 1
 
@@ -147,7 +148,7 @@ def heartbeat_key(producer: str, counter: int) -> str:
 def parse_heartbeat(name: str) -> tuple[str, int] | None:
     """(producer, counter) of a file name in ``hb/``; None for anything else."""
     producer, _, digits = name.rpartition("~")
-    if not (producer and digits.isdigit()):
+    if not (producer and digits.isascii() and digits.isdigit()):  # "²".isdigit()
         return None
     return producer, int(digits)
 

@@ -437,7 +437,7 @@ class RunQueue:
     # -- weight versions ---------------------------------------------------------------------
     def current_version(self) -> int:
         names = self.storage.list("versions")
-        return max((int(n) for n in names if n.isdigit()), default=0)
+        return max((int(n) for n in names if n.isascii() and n.isdigit()), default=0)
 
     def set_version(self, version: int) -> None:
         """Announce weight version ``version`` (monotonic; older announcements are GC'd)."""
@@ -450,7 +450,7 @@ class RunQueue:
         except AlreadyExists:
             pass
         for n in self.storage.list("versions"):
-            if n.isdigit() and int(n) < version:
+            if n.isascii() and n.isdigit() and int(n) < version:
                 self.storage.delete(f"versions/{n}")
 
     # -- lookups ------------------------------------------------------------------------------

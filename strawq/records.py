@@ -104,14 +104,20 @@ def decode_tables(index: Mapping[str, Any], payload: memoryview) -> dict[str, pa
     import pyarrow as pa
 
     out: dict[str, pa.RecordBatch] = {}
-    for name, (off, length) in index.items():
-        if off < 0 or off + length > len(payload):
+    if not isinstance(index, Mapping):
+        raise CorruptRecord(f"the table index must be a map, found {type(index).__name__}")
+    for name, where in index.items():
+        if not (isinstance(where, (list, tuple)) and len(where) == 2
+                and all(type(x) is int for x in where)):
+            raise CorruptRecord(f"table {name!r}: expected [offset, length], found {where!r}")
+        off, length = where
+        if off < 0 or length < 0 or off + length > len(payload):
             raise CorruptRecord(f"table {name!r} at [{off}, {off + length}) lies outside the "
                                 f"{len(payload)}-byte payload")
         try:
             reader = pa.ipc.open_stream(pa.py_buffer(payload[off:off + length]))
             batches = list(reader)
-        except pa.ArrowInvalid as exc:
+        except (pa.ArrowException, OSError) as exc:  # pyarrow raises OSError for bad flatbuffers
             raise CorruptRecord(f"table {name!r} is not a valid Arrow IPC stream: {exc}") from exc
         if len(batches) != 1:
             raise CorruptRecord(f"table {name!r}: expected 1 record batch, found {len(batches)}")
@@ -199,14 +205,20 @@ def decode_meta_only(prefix: bytes, *, name: str = "record") -> tuple[Kind, dict
     magic, fmt, kind, _r, meta_len, _r2, _pl, _d = HEADER.unpack_from(view)
     if magic != MAGIC or fmt != FORMAT_VERSION:
         raise CorruptRecord(f"{name}: bad magic or format version")
+    try:
+        kind_e = Kind(kind)
+    except ValueError:
+        raise CorruptRecord(f"{name}: unknown record kind {kind}") from None
     need = HEADER.size + meta_len
     if len(view) < need:
-        return Kind(kind), {}, need
+        return kind_e, {}, need
     try:
         meta = msgpack.unpackb(view[HEADER.size:need], raw=False, strict_map_key=False)
     except Exception as exc:
         raise CorruptRecord(f"{name}: metadata is not valid msgpack: {exc}") from exc
-    return Kind(kind), meta, need
+    if not isinstance(meta, dict) or not meta:
+        raise CorruptRecord(f"{name}: metadata must be a non-empty map, found {meta!r:.40}")
+    return kind_e, meta, need
 
 
 # -- fast path: one-batch Arrow IPC streams of fixed-width, null-free columns -----------------
@@ -344,6 +356,8 @@ def decode_tables_fast(index: Mapping[str, Any],
                        payload: memoryview) -> dict[str, dict[str, np.ndarray]] | None:
     """``decode_tables`` as numpy column views, or None where ``decode_ipc_columns`` is."""
     out: dict[str, dict[str, np.ndarray]] = {}
+    if not isinstance(index, Mapping):
+        return None  # decode_tables says why
     try:
         for name, (off, length) in index.items():
             if off < 0 or length < 0 or off + length > len(payload):

@@ -75,8 +75,12 @@ def _key(seq: int) -> str:
 def _read(storage: Storage, seq: int) -> DropAudit:
     rec = records.decode(storage.read(_key(seq)), expect=Kind.STATE, name=_key(seq))
     m = rec.meta
-    return DropAudit(seq, dict(m.get("counts", {})), list(m.get("compacted", [])),
-                     list(m.get("drops", [])))
+    counts, compacted, drops = m.get("counts", {}), m.get("compacted", []), m.get("drops", [])
+    if not (isinstance(counts, dict) and isinstance(compacted, list) and isinstance(drops, list)):
+        raise CorruptRecord(f"{_key(seq)}: expected counts (map), compacted and drops (lists), "
+                            f"found {type(counts).__name__}, {type(compacted).__name__}, "
+                            f"{type(drops).__name__}")
+    return DropAudit(seq, dict(counts), list(compacted), list(drops))
 
 
 def latest_audit(storage: Storage) -> DropAudit:

@@ -34,7 +34,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         required=True,
         help="tiny: torch model; sim: timing model; router: mini router",
     )
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--host", default="127.0.0.1",
+        help="address to bind (default 127.0.0.1, this machine only; 0.0.0.0 = every "
+        "interface: set --api-key then)")
     p.add_argument(
         "--port", type=listen_port, default=30000,
         help="0-65535; 0 picks a free port (printed on the ready line)"

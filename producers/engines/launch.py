@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,8 +59,8 @@ class EngineOptions(Config):
     disconnect_poll_s: float = DISCONNECT_POLL_S
     update_wait_timeout_s: float = 600.0
     worker_urls: tuple[str, ...] = ()
-    api_key: str | None = None
-    admin_api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -72,9 +73,19 @@ class EngineOptions(Config):
             raise ValueError("model_path only applies to the tiny engine")
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name to bind) is a loopback one (``""`` is all)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def build_engine_app(opts: EngineOptions) -> web.Application:
     if opts.kind == "router":
-        return build_router_app(list(opts.worker_urls))
+        return build_router_app(list(opts.worker_urls), api_key=opts.api_key)
     backend: Any
     if opts.kind == "tiny":
         from strawq.producers.engines.tiny_backend import TinyBackend  # torch only where needed
@@ -110,6 +121,10 @@ async def start_engine(
 
     Stop it with ``await runner.cleanup()``.
     """
+    if not is_loopback(host) and not opts.api_key:
+        logger.warning("%s engine listening on %s, which is not a loopback address, with no "
+                       "--api-key: anyone who can reach this port can generate, abort requests "
+                       "and load weights (set --api-key, or bind 127.0.0.1)", opts.kind, host)
     app = build_engine_app(opts)
     # The router drops its upstream request when its client goes away, as sglang-router
     # does (its worker then aborts the request); an engine watches its clients itself.

@@ -5,6 +5,10 @@ Only what strawq uses: ``GET /workers`` (the 0.3.x shape), ``POST /workers`` (20
 ``/flush_cache`` fanned out, ``/health`` and ``/health_generate`` answered by the router.
 Control endpoints (abort, pause, weight updates) are deliberately *not* routed (404), as
 in the real router: clients must send them to each worker.
+
+With an API key (``--api-key``, as sglang-router's), every endpoint but ``/health`` needs
+``Authorization: Bearer <key>``; the header is passed on to the workers with ``/generate``
+and ``/flush_cache`` (workers started with the same ``--api-key``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import uuid
 from typing import Any
 
@@ -66,6 +71,11 @@ async def _delete_worker(request: web.Request) -> web.Response:
     return web.json_response({"status": "accepted", "worker_id": wid}, status=202)
 
 
+def _upstream_headers(request: web.Request) -> dict[str, str]:
+    auth = request.headers.get("Authorization")
+    return {"Authorization": auth} if auth else {}
+
+
 async def _generate(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     workers = state["workers"]
@@ -73,10 +83,9 @@ async def _generate(request: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "no workers registered"}}, status=503)
     url = workers[next(state["rr"]) % len(workers)]["url"]
     body = await request.read()
+    headers = {"Content-Type": "application/json", **_upstream_headers(request)}
     try:
-        async with state["session"].post(
-            url + "/generate", data=body, headers={"Content-Type": "application/json"}
-        ) as resp:
+        async with state["session"].post(url + "/generate", data=body, headers=headers) as resp:
             data = await resp.read()
             return web.Response(body=data, status=resp.status, content_type=resp.content_type)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -85,11 +94,12 @@ async def _generate(request: web.Request) -> web.Response:
 
 async def _flush_cache(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
+    headers = _upstream_headers(request)
 
     async def one(url: str) -> int:
         try:
             async with state["session"].post(
-                url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=5)
+                url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=5), headers=headers
             ) as resp:
                 return int(resp.status)
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -106,8 +116,22 @@ async def _ok(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-def build_router_app(worker_urls: list[str]) -> web.Application:
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+def _auth_middleware(api_key: str) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path != "/health":
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token, api_key):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return check
+
+
+def build_router_app(worker_urls: list[str], *, api_key: str | None = None) -> web.Application:
+    middlewares = [_auth_middleware(api_key)] if api_key else []
+    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=middlewares)
     app[STATE_KEY] = {
         "workers": [_worker(u) for u in worker_urls],
         "rr": itertools.count(),

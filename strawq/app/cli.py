@@ -85,14 +85,16 @@ def _check_init_target(path: str) -> None:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from strawq.config import QueueConfig, load_config, to_dict
+    from strawq.config import QueueConfig, load_config, redact, to_dict
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
 
     config = load_config(QueueConfig, args.config, args.set, where="queue config")
     _check_init_target(args.path)
     try:
-        os.makedirs(args.path, exist_ok=True)
+        from strawq.storage.posix import make_dirs
+
+        make_dirs(args.path)  # no access for others (docs/security.md)
     except OSError as exc:
         raise StrawqError(f"cannot create the run directory {args.path}: "
                           f"{exc.strerror or exc}; choose a writable path") from exc
@@ -104,9 +106,10 @@ def cmd_init(args: argparse.Namespace) -> int:
 
         require_healthy(args.path, args.declaration)
     q = RunQueue.create(open_storage(args.path, writer_id="cli"), config)
-    payload = {"path": args.path, "config": to_dict(q.config)}
+    shown = redact(to_dict(q.config))  # no secret in a printed config (docs/security.md)
+    payload = {"path": args.path, "config": shown}
     _emit(args, payload, "" if args.quiet else
-          f"run ready at {args.path}\n" + json.dumps({"config": vars(q.config)}, indent=2))
+          f"run ready at {args.path}\n" + json.dumps({"config": shown}, indent=2))
     return 0
 
 

@@ -148,7 +148,9 @@ def _local_port(url: str) -> int:
 
 
 def _write(path: str, section: Any) -> str:
-    with open(path, "w", encoding="utf-8") as f:
+    # owner-only: a section may hold an engine API key (docs/security.md)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w",
+              encoding="utf-8") as f:
         json.dump(section.to_dict(), f, indent=2)
         f.write("\n")
     return path

@@ -22,6 +22,13 @@ from strawq.storage.base import Capabilities, Storage, validate_key
 
 log = logging.getLogger(__name__)
 
+#: Modes of what a run creates, before the process umask: never any bit for others; the
+#: group gets what the umask leaves it (umask 022/027: ``rwxr-x---`` / ``rw-r-----``;
+#: umask 007 for a run shared by a group of users: ``rwxrwx---`` / ``rw-rw----``).
+#: ``docs/security.md``.
+DIR_MODE = 0o770
+FILE_MODE = 0o660
+
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
 
@@ -127,10 +134,10 @@ class PosixStorage(Storage):
         chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
         try:
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
             except FileNotFoundError:  # the first write to this run: make tmp/ now
-                os.makedirs(os.path.dirname(tmp), exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                make_dirs(os.path.dirname(tmp))
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         except OSError as exc:
             raise translate(exc, f"create temporary file for {key}") from exc
         try:
@@ -148,7 +155,7 @@ class PosixStorage(Storage):
                 self._rename_noreplace(tmp, dst)
             except FileNotFoundError:
                 # The parent directory is missing: create it once and retry.
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                make_dirs(os.path.dirname(dst))
                 self._rename_noreplace(tmp, dst)
         except OSError as exc:
             _unlink_quietly(tmp)
@@ -187,7 +194,7 @@ class PosixStorage(Storage):
                 # as NotFound (which every caller reads as "somebody else won the source").
                 if not os.path.lexists(s) or os.path.isdir(os.path.dirname(d)):
                     raise
-                os.makedirs(os.path.dirname(d), exist_ok=True)
+                make_dirs(os.path.dirname(d))
                 self._rename_noreplace(s, d)
         except OSError as exc:
             # NFS: a retried RENAME whose first attempt succeeded reports ENOENT. Our
@@ -243,7 +250,7 @@ class PosixStorage(Storage):
         self._writable(f"makedirs {directory}")
         path = self._path(directory)
         try:
-            os.makedirs(path, exist_ok=True)
+            make_dirs(path)
         except OSError as exc:
             raise translate(exc, f"makedirs {directory}") from exc
         self._fsync_dir(os.path.dirname(path))
@@ -283,7 +290,7 @@ class PosixStorage(Storage):
             parts = name.split(".")
             if len(parts) >= 3:
                 h, _, pid = parts[-2].rpartition("-")
-                dead = h == host and pid.isdigit() and not _pid_alive(int(pid))
+                dead = h == host and pid.isascii() and pid.isdigit() and not _pid_alive(int(pid))
             if not dead:
                 try:
                     dead = now - os.stat(path).st_mtime >= grace_s
@@ -293,6 +300,25 @@ class PosixStorage(Storage):
                 _unlink_quietly(path)
                 n += 1
         return n
+
+
+def make_dirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)`` with ``DIR_MODE`` for every level it creates."""
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(path))
+        if parent == os.path.abspath(path):
+            raise
+        make_dirs(parent)
+        try:
+            os.mkdir(path, DIR_MODE)
+        except FileExistsError:
+            if not os.path.isdir(path):
+                raise
 
 
 def _host() -> str:

@@ -124,6 +124,7 @@ def test_init_on_an_unwritable_directory_is_a_message(
         raise PermissionError(13, "Permission denied", path)
 
     monkeypatch.setattr(os, "makedirs", denied)
+    monkeypatch.setattr(os, "mkdir", denied)  # the run directory is made level by level
     assert cli.main(["init", str(tmp_path / "new")]) == 1
     err = capsys.readouterr().err
     assert "Permission denied" in err and "writable" in err
