@@ -327,7 +327,9 @@ class GenerateContext:
         the call's result if it took effect, :data:`NOT_APPLIED` if it did not (it runs
         now); without ``reconcile`` the sample fails with the reason recorded. A call still
         running when the producer pauses is left to finish (the pause is acknowledged
-        without waiting for it); its result is applied when the trajectory resumes here."""
+        without waiting for it); its result is applied when the trajectory resumes on this
+        producer (elsewhere the call counts as interrupted). A call on a sample with a
+        registered environment is waited for instead: its effect belongs in the snapshot."""
         s = self.sample
         e = self._next_recorded("tool")
         if e is not None:
@@ -378,12 +380,14 @@ class GenerateContext:
             done, _ = await asyncio.wait({task}, timeout=TOOL_HALT_POLL_S)
             if done:
                 break
-            if self._runner._halted(self._a):
-                if self._a.abandoned:
-                    task.cancel()
-                else:  # it goes on; the resumed trajectory applies its outcome
-                    self._runner.detach(key, task)
-                    self._runner.book.bump("tool_calls_detached")
+            if self._a.abandoned:
+                task.cancel()
+                raise Halted()
+            if self._runner._halted(self._a) and self.index not in self._run.envs:
+                # it goes on; the resumed trajectory applies its outcome (a call on a
+                # registered environment is waited for: its effect belongs in the snapshot)
+                self._runner.detach(key, task)
+                self._runner.book.bump("tool_calls_detached")
                 raise Halted()
         result, attempt = task.result()
         return self._record_tool(key, name, args, result, attempt, t0, started)
