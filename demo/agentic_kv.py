@@ -13,9 +13,9 @@ calls describe; a difference fails the sample (``environment mismatch``) and lea
 Files under ``ledger`` (a test or bench counts them):
 
 * ``exec/<key>.<random>`` — one per execution of the tool (every try, every re-run);
-* ``effect/<key>`` — the call's effect, its result as JSON (an idempotent tool applies a
+* ``effect/<key>.e`` — the call's effect, its result as JSON (an idempotent tool applies a
   key once: a re-run returns the stored result; ``idempotent=False`` applies it blindly,
-  a second effect leaving ``effect/<key>.dup.<random>``);
+  a second effect leaving ``effect/<key>.<random>``);
 * ``gen/<uid>.<start>.<random>`` — one per completed *live* (not replayed) model turn,
   holding its token count: model calls made, and regenerated ones;
 * ``restored/<uid>.<random>`` — one per environment restore.
@@ -91,7 +91,7 @@ def kv_agent(ledger: str, turns: int = 6, tool_s: float = 0.0, restore: str = "s
         raise ValueError(f"kv_agent: restore must be 'snapshot' or 'none', got {restore!r}")
 
     def effect_path(key: str) -> str:
-        return os.path.join(ledger, "effect", key)
+        return os.path.join(ledger, "effect", f"{key}.e")
 
     def reconcile_put(args: Any, key: str) -> Any:
         try:
@@ -121,7 +121,8 @@ def kv_agent(ledger: str, turns: int = 6, tool_s: float = 0.0, restore: str = "s
             try:
                 _touch(effect_path(key), json.dumps(out))
             except FileExistsError:
-                _touch(f"{effect_path(key)}.dup.{uuid.uuid4().hex}", json.dumps(out))
+                _touch(os.path.join(ledger, "effect", f"{key}.{uuid.uuid4().hex}"),
+                       json.dumps(out))
             return out
 
         for t in range(turns):
