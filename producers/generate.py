@@ -233,6 +233,13 @@ class GenerateContext:
             log.warning("task %s: turn checkpoint failed: %s", self._run.task_id, exc)
             return False
 
+    async def _ended(self) -> None:
+        """The sample ended after a live boundary while siblings still run: save it (its
+        last turn would else be lost to a crash before the group is handed back)."""
+        if self._boundary and not self._run.all_final:
+            self._boundary = False
+            await self._save()
+
     # -- operations ----------------------------------------------------------------------
     def _next_recorded(self, op: str) -> dict[str, Any] | None:
         if not self.replaying:
@@ -505,8 +512,10 @@ async def run_plugin(runner: GroupRunner, a: ActiveGroup, i: int, version: int) 
             if not s.is_final:
                 raise SampleFailed("the generate plugin returned without ending the sample "
                                    "(call ctx.finish)")
+            await ctx._ended()
             return
         except _Ended:
+            await ctx._ended()
             return
         except SampleFailed as exc:
             if exc.policy == "restart" and restarts < runner.config.tools.retries:
