@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -255,11 +256,13 @@ def crashes(kills: int, groups: int, turns: int, every_turns: int) -> dict[str, 
     at_persist: dict[str, int] = {}
     sizes: list[int] = []
     done = 0
+    rng = random.Random(every_turns)
     try:
         for k in range(kills):
             before = sum(counts(ledger, "gen").values())
             _wait(lambda: sum(counts(ledger, "gen").values()) >= before + 12 and bool(  # noqa: B023
                 q.storage.list("leased")), 120, "model turns", monitor)
+            time.sleep(rng.uniform(0.0, 0.3))  # a random instant, not just after a turn
             victim = sorted(procs)[k % len(procs)]
             os.kill(procs[victim].pid, signal.SIGKILL)
             procs.pop(victim).wait(timeout=30)
