@@ -114,9 +114,10 @@ def kv_agent(ledger: str, turns: int = 6, tool_s: float = 0.0, restore: str = "s
                     await asyncio.sleep(0.01)
             if tool_s:
                 await asyncio.sleep(tool_s)
+            store.data[str(args["k"])] = int(args["v"])  # a put: applying it again is a no-op
             if idempotent and os.path.exists(effect_path(key)):
+                # a re-run (in flight at a crash): the world outside changes once
                 return dict(json.loads(open(effect_path(key), encoding="utf-8").read()))
-            store.data[str(args["k"])] = int(args["v"])
             out = {"sum": sum(store.data.values()) % 97}
             try:
                 _touch(effect_path(key), json.dumps(out))

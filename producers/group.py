@@ -252,11 +252,18 @@ class GroupRun:
 
     def snapshot_envs(self) -> None:
         """Each unfinished sample's environment snapshot, with the event count it belongs
-        to, into its trajectory (read back by ``GenerateContext`` on resume)."""
+        to, into its trajectory (read back by ``GenerateContext`` on resume). While a
+        sample's tool call runs, the snapshot taken before it stands (the call may be
+        half-applied; on resume it is re-run or reconciled against that state)."""
         for i, env in self.envs.items():
             t = self.trajectories[i]
-            t.env = None if self.samples[i].is_final else {
-                "at": len(t.events), "state": env.snapshot()}
+            if self.samples[i].is_final:
+                t.env = None
+            elif t.inflight is not None and t.env is not None and t.env.get("at") == len(
+                    t.events):
+                continue  # its tool call is running: the state before that call stands
+            else:
+                t.env = {"at": len(t.events), "state": env.snapshot()}
 
     # -- packing ---------------------------------------------------------------------------
     def to_group(self, *, producer: str, version_hint: int, partial: bool,

@@ -171,6 +171,8 @@ class GroupRunner:
             config.plugins.generate or DEFAULT_GENERATE) != DEFAULT_GENERATE
         #: tool calls left running at a pause, by idempotency key (``call_tool``)
         self.detached: dict[str, asyncio.Future[Any]] = {}
+        if self.checkpointing:  # a record's encode imports pyarrow: not inside the first turn
+            import pyarrow  # noqa: F401
 
     def detach(self, key: str, task: asyncio.Future[Any]) -> None:
         """Keep a tool call running past its sample's halt; the oldest finished ones
