@@ -58,7 +58,7 @@ from strawq.groups import GroupData
 from strawq.names import validate_id
 from strawq.queue import Lease, RunQueue
 from strawq.tokenize import FunctionTokenizer
-from strawq.turns import TurnLog
+from strawq.turns import TurnLog, warm_up
 
 from strawq.producers.bracket import EngineAborter
 from strawq.producers.engine_client import EngineClient
@@ -171,8 +171,8 @@ class GroupRunner:
             config.plugins.generate or DEFAULT_GENERATE) != DEFAULT_GENERATE
         #: tool calls left running at a pause, by idempotency key (``call_tool``)
         self.detached: dict[str, asyncio.Future[Any]] = {}
-        if self.checkpointing:  # a record's encode imports pyarrow: not inside the first turn
-            import pyarrow  # noqa: F401
+        if self.checkpointing:  # the first encode loads pyarrow: not inside the first turn
+            warm_up()
 
     def detach(self, key: str, task: asyncio.Future[Any]) -> None:
         """Keep a tool call running past its sample's halt; the oldest finished ones

@@ -101,6 +101,20 @@ def _header(rec: records.Record) -> dict[str, Any]:
     return h
 
 
+def warm_up() -> None:
+    """Encode a tiny group record once: the first encode in a process loads pyarrow's IPC
+    machinery (half a second on a loaded box), which a producer would otherwise pay inside
+    its first turn checkpoint, while its first turns wait undurable."""
+    import numpy as np
+
+    from strawq.groups import GroupData
+
+    z = np.zeros(1)
+    GroupData(task_id="warm-up", index=0, prompt_ids=np.zeros(1), sample_lens=[1], tokens=z,
+              logprobs=z, versions=z, loss_mask=z, rewards=[None], status=["pending"],
+              meta={}).encode(Kind.PARTIAL)
+
+
 class TurnLog:
     """The turn checkpoints of one lease (one task, one generation)."""
 
@@ -222,4 +236,5 @@ class TurnLog:
         self.storage.rmdir(turn_dir(self.name.id))
 
 
-__all__ = ["TURNS_DIR", "Checkpoint", "TurnLog", "TurnStats", "turn_dir", "turn_key"]
+__all__ = ["TURNS_DIR", "Checkpoint", "TurnLog", "TurnStats", "turn_dir", "turn_key",
+           "warm_up"]
