@@ -30,7 +30,11 @@ Rules the plugin must keep:
    runs again with the *same* idempotency key (``key`` argument) when the trajectory
    resumes from a saved record, so a tool with side effects deduplicates by it; a
    trajectory begun afresh (its prefix regenerated, or nothing saved yet) is a new episode
-   with new keys (``Trajectory.gen``).
+   with new keys (``Trajectory.gen``). Records are saved at every turn boundary (turn
+   checkpoints, ``strawq.turns``; ``tools.checkpoint_every_*``); ``call_tool(...,
+   idempotent=False, reconcile=hook)`` journals the call durably before it runs and asks
+   ``hook`` on resume instead of re-running it; ``ctx.environment(env)`` snapshots and
+   restores the sample's environment with every record.
 
 Budgets (exact across turns): ``max_new_tokens`` bounds the whole response (generated and
 appended tokens); each turn gets ``max_new_tokens - len(response)`` (and the context-length
