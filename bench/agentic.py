@@ -164,10 +164,10 @@ def faults(rounds: int, groups: int) -> dict[str, int]:
     counts = ledger_counts(ledger)
     trained: list[str] = []
     for name in q.storage.list("ready"):
-        t = TaskName.try_parse(name)
-        if t is None:
+        tn = TaskName.try_parse(name)
+        if tn is None:
             continue
-        grp = q.read_group(t.id, t.gen)
+        grp = q.read_group(tn.id, tn.gen)
         for i in range(grp.num_samples):
             trajs = grp.meta.get("trajectories")
             c = grp.sample(i)
