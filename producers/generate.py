@@ -30,7 +30,11 @@ Rules the plugin must keep:
    runs again with the *same* idempotency key (``key`` argument) when the trajectory
    resumes from a saved record, so a tool with side effects deduplicates by it; a
    trajectory begun afresh (its prefix regenerated, or nothing saved yet) is a new episode
-   with new keys (``Trajectory.gen``).
+   with new keys (``Trajectory.gen``). Records are saved at every turn boundary (turn
+   checkpoints, ``strawq.turns``; ``tools.checkpoint_every_*``); ``call_tool(...,
+   idempotent=False, reconcile=hook)`` journals the call durably before it runs and asks
+   ``hook`` on resume instead of re-running it; ``ctx.environment(env)`` snapshots and
+   restores the sample's environment with every record.
 
 Budgets (exact across turns): ``max_new_tokens`` bounds the whole response (generated and
 appended tokens); each turn gets ``max_new_tokens - len(response)`` (and the context-length
@@ -54,11 +58,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from strawq.errors import ConfigError, StrawqError
+from strawq.errors import ConfigError, LeaseLost, StrawqError
 
 from strawq.producers.plugins import is_async, resolve_with_args
 from strawq.producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE,
@@ -75,6 +79,29 @@ log = logging.getLogger(__name__)
 GenerateFn = Callable[["GenerateContext"], Awaitable[None]]
 ToolFn = Callable[[Any, str], Any]
 DEFAULT_GENERATE = "strawq.producers.generate.single_turn"
+#: how often a running tool call looks at the producer's halt (a pause, a stop): a call
+#: running then is left to finish on its own (``GroupRunner.detached``)
+TOOL_HALT_POLL_S = 0.02
+
+
+class _NotApplied:
+    def __repr__(self) -> str:
+        return "NOT_APPLIED"
+
+
+#: what a ``reconcile`` hook returns when the interrupted call took no effect (it runs now)
+NOT_APPLIED: Any = _NotApplied()
+
+
+class Environment(Protocol):
+    """What ``GenerateContext.environment`` takes: an environment whose state the producer
+    saves with every partial record and restores when the trajectory resumes. ``rebuild``
+    (optional) rebuilds the state from the trajectory's tool calls instead, when no
+    snapshot of the resumed point exists."""
+
+    def snapshot(self) -> Any: ...
+
+    def restore(self, state: Any) -> None: ...
 
 
 class Halted(BaseException):  # noqa: N818 - a control-flow signal like CancelledError
@@ -126,6 +153,8 @@ class GenerateContext:
             self.trajectory.gen = lease.name.resume if lease.has_partial else lease.gen
         self._pos = 0  # replay cursor into trajectory.events
         self._turn_text = ""
+        self._live = False  # the replay is over and the environment restored
+        self._boundary = False  # a turn boundary passed since the last live operation
 
     # -- what the plugin reads -----------------------------------------------------------
     @property
@@ -147,6 +176,73 @@ class GenerateContext:
     def token_ids(self) -> list[int]:
         """Prompt + response so far: the next turn's input."""
         return self.sample.resume_input_ids()
+
+    def environment(self, env: Environment) -> None:
+        """Register this sample's environment: its ``snapshot()`` is saved with every
+        partial record (turn checkpoints and yields), and when the trajectory resumes, the
+        context calls ``restore(state)`` the moment the replay ends — so the first live
+        operation sees the world as it was at the saved point. Without a snapshot of that
+        point, ``rebuild(tool_events)`` when the environment has one, else the sample fails
+        (its state cannot be brought back). Register it before the first operation."""
+        self._run.envs[self.index] = env
+
+    # -- turn boundaries and the end of the replay -------------------------------------
+    async def _go_live(self) -> None:
+        """Before live work: bring the environment back once (the replay just ended), and
+        save the turn checkpoint a passed boundary asks for."""
+        if not self._live:
+            self._live = True
+            self._restore_env()
+        if self._boundary:
+            self._boundary = False
+            await self._save()
+
+    def _restore_env(self) -> None:
+        env = self._run.envs.get(self.index)
+        t = self.trajectory
+        if env is None or not t.events:
+            return
+        snap = t.env
+        if snap is not None and int(snap.get("at", -1)) == len(t.events):
+            env.restore(snap.get("state"))
+            return
+        rebuild = getattr(env, "rebuild", None)
+        if callable(rebuild):
+            rebuild([dict(e) for e in t.tool_calls()])
+            return
+        raise SampleFailed(
+            f"sample {self.sample.uid}: its environment cannot be restored: the record has "
+            f"{len(t.events)} events but "
+            + ("no environment snapshot" if snap is None else
+               f"a snapshot of event {snap.get('at')}")
+            + " and the environment has no rebuild(tool_events)", policy="fail_sample")
+
+    async def _save(self, *, force: bool = False) -> bool:
+        """A turn checkpoint (``strawq.producers.turn_saver``); fenced: a newer holder of
+        the task stops this group without persisting anything."""
+        saver = self._a.turns
+        if saver is None:
+            return False
+        try:
+            return await saver.boundary(self._run, self._version, force=force)
+        except LeaseLost as exc:
+            log.warning("task %s: %s", self._run.task_id, exc)
+            self._a.abandoned = True
+            self._runner.stop_samples(self._a, keep=self.index, cancel=True)
+            raise Halted() from None
+        except Exception as exc:  # noqa: BLE001 - storage trouble: a missed checkpoint
+            if force:
+                raise SampleFailed(f"the tool-call journal could not be saved: {exc}"
+                                   [:500]) from None
+            log.warning("task %s: turn checkpoint failed: %s", self._run.task_id, exc)
+            return False
+
+    async def _ended(self) -> None:
+        """The sample ended after a live boundary while siblings still run: save it (its
+        last turn would else be lost to a crash before the group is handed back)."""
+        if self._boundary and not self._run.all_final:
+            self._boundary = False
+            await self._save()
 
     # -- operations ----------------------------------------------------------------------
     def _next_recorded(self, op: str) -> dict[str, Any] | None:
@@ -172,13 +268,21 @@ class GenerateContext:
             limit = self._runner.config.tools.max_turns
             if limit and self.trajectory.turns >= limit:
                 self._end(SampleStatus.TRUNCATED, {"type": "length", "limit": "max_turns"})
+        await self._go_live()
+        if e is None:
             e = {"op": "gen", "start": s.response_length, "end": None, "finish": None}
             self.trajectory.events.append(e)
         self._pos = len(self.trajectory.events)
-        finish = await self._runner.generate_turn(self._a, self.index)
+        cap = self._runner.config.tools.max_turn_tokens
+        s.turn_limit = int(e["start"]) + cap if cap else None
+        try:
+            finish = await self._runner.generate_turn(self._a, self.index)
+        finally:
+            s.turn_limit = None
         if s.status is SampleStatus.COMPLETED or s.status is SampleStatus.TRUNCATED:
             s.status = SampleStatus.PENDING  # the turn ended; the plugin ends the sample
         e["end"], e["finish"] = s.response_length, finish
+        self._boundary = True
         return Turn([int(t) for t in s.response_ids[e["start"]:e["end"]]], finish)
 
     def append(self, token_ids: Sequence[int], *, kind: str = "tool") -> None:
@@ -200,6 +304,9 @@ class GenerateContext:
                                       "record; a generate plugin must be deterministic")
             self._pos += 1
             return
+        if not self._live:  # the first live operation: the environment comes back first
+            self._live = True
+            self._restore_env()
         if len(ids) > self.remaining_budget:
             over = s.response_length + len(ids) > s.params.max_new_tokens
             self._end(SampleStatus.TRUNCATED, {
@@ -217,10 +324,23 @@ class GenerateContext:
                                        "end": s.response_length, "kind": str(kind)})
         self._pos = len(self.trajectory.events)
 
-    async def call_tool(self, name: str, args: Any, fn: ToolFn) -> Any:
+    async def call_tool(self, name: str, args: Any, fn: ToolFn, *, idempotent: bool = True,
+                        reconcile: ToolFn | None = None) -> Any:
         """Call ``fn(args, key)`` once for this point of the trajectory (replayed calls
         return the recorded result). Timeouts and errors are retried, then the failure
-        policy applies (:class:`SampleFailed`)."""
+        policy applies (:class:`SampleFailed`).
+
+        The call is journalled: the trajectory's ``inflight`` entry (key, name, args) is
+        set before it runs and replaced by its ``tool`` event when it returns. A call that
+        was in flight when the trajectory was interrupted runs again with the same key —
+        unless ``idempotent=False``: then its journal entry is saved durably before it
+        runs, and on resume ``reconcile(args, key)`` (sync or async) says what happened —
+        the call's result if it took effect, :data:`NOT_APPLIED` if it did not (it runs
+        now); without ``reconcile`` the sample fails with the reason recorded. A call still
+        running when the producer pauses is left to finish (the pause is acknowledged
+        without waiting for it); its result is applied when the trajectory resumes on this
+        producer (elsewhere the call counts as interrupted). A call on a sample with a
+        registered environment is waited for instead: its effect belongs in the snapshot."""
         s = self.sample
         e = self._next_recorded("tool")
         if e is not None:
@@ -230,14 +350,64 @@ class GenerateContext:
             self._pos += 1
             self._runner.book.bump("tool_calls_replayed")
             return e["result"]
-        cfg = self._runner.config
+        await self._go_live()
         ordinal = len(self.trajectory.tool_calls())
         key = idempotency_key(self._run.task_id, self.index, self.trajectory.epoch, ordinal,
                               name, args, s.response_ids.tolist(), gen=self.trajectory.gen)
-        error = ""
+        journal = self.trajectory.inflight
+        interrupted = journal is not None and journal.get("key") == key
         t0, started = time.monotonic(), time.time()
+        detached = self._runner.detached.pop(key, None)
+        if detached is not None and not detached.cancelled():
+            # left running at a pause: its outcome, not a second run
+            result, attempt = await detached
+            return self._record_tool(key, name, args, result, attempt, t0, started)
+        if interrupted and not idempotent:
+            if reconcile is None:
+                raise SampleFailed(
+                    f"tool {name!r} (not idempotent, key {key}) was in flight when the "
+                    "trajectory was interrupted and has no reconcile hook: whether it took "
+                    "effect is unknown, so it is not run again", policy="fail_sample")
+            try:
+                outcome = reconcile(args, key)
+                if inspect.isawaitable(outcome):
+                    outcome = await outcome
+            except Exception as exc:  # noqa: BLE001 - the hook's failure is the sample's
+                raise SampleFailed(f"tool {name!r}: reconcile of the interrupted call {key} "
+                                   f"failed: {type(exc).__name__}: {exc}"[:500]) from None
+            if outcome is not NOT_APPLIED:
+                self._runner.book.bump("tool_calls_reconciled")
+                return self._record_tool(key, name, args, outcome, 0, t0, started,
+                                         reconciled=True)
+        elif interrupted:
+            self._runner.book.bump("tool_calls_rerun")
+        self.trajectory.inflight = {"key": key, "name": name, "args": args,
+                                    "idempotent": bool(idempotent), "started": started}
+        if not idempotent:  # the journal entry is durable before the call can take effect
+            await self._save(force=True)
+        self._runner.check_halted(self._a)
+        task = asyncio.ensure_future(self._attempts(name, args, fn, key))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=TOOL_HALT_POLL_S)
+            if done:
+                break
+            if self._a.abandoned:
+                task.cancel()
+                raise Halted()
+            if self._runner._halted(self._a) and self.index not in self._run.envs:
+                # it goes on; the resumed trajectory applies its outcome (a call on a
+                # registered environment is waited for: its effect belongs in the snapshot)
+                self._runner.detach(key, task)
+                self._runner.book.bump("tool_calls_detached")
+                raise Halted()
+        result, attempt = task.result()
+        return self._record_tool(key, name, args, result, attempt, t0, started)
+
+    async def _attempts(self, name: str, args: Any, fn: ToolFn, key: str) -> tuple[Any, int]:
+        """Run the tool until it succeeds or its tries are spent (``SampleFailed``)."""
+        cfg = self._runner.config
+        error = ""
         for attempt in range(1, cfg.tools.retries + 2):
-            self._runner.check_halted(self._a)
             try:
                 if is_async(fn):
                     result = await asyncio.wait_for(fn(args, key), cfg.tools.timeout_s)
@@ -251,18 +421,26 @@ class GenerateContext:
             except Exception as exc:  # noqa: BLE001 - a tool's failure is the sample's
                 error = f"tool {name!r} failed: {type(exc).__name__}: {exc}"[:500]
             else:
-                seconds = time.monotonic() - t0
-                self._runner.book.bump("tool_calls")
-                self._runner.book.hop("tool", seconds)
-                self.trajectory.events.append({"op": "tool", "key": key, "name": name,
-                                               "args": args, "result": result,
-                                               "attempts": attempt, "seconds": seconds,
-                                               "started": started})
-                self._pos = len(self.trajectory.events)
-                return result
+                return result, attempt
             self._runner.book.bump("tool_errors")
-            log.info("sample %s: %s (attempt %d)", s.uid, error, attempt)
+            log.info("sample %s: %s (attempt %d)", self.sample.uid, error, attempt)
         raise SampleFailed(error, policy=cfg.tools.on_failure)
+
+    def _record_tool(self, key: str, name: str, args: Any, result: Any, attempt: int,
+                     t0: float, started: float, *, reconciled: bool = False) -> Any:
+        seconds = time.monotonic() - t0
+        if not reconciled:
+            self._runner.book.bump("tool_calls")
+            self._runner.book.hop("tool", seconds)
+        ev = {"op": "tool", "key": key, "name": name, "args": args, "result": result,
+              "attempts": attempt, "seconds": seconds, "started": started}
+        if reconciled:
+            ev["reconciled"] = True
+        self.trajectory.events.append(ev)
+        self.trajectory.inflight = None
+        self._pos = len(self.trajectory.events)
+        self._boundary = True
+        return result
 
     def _refuse_end_in_replay(self, what: str) -> None:
         """Ending the sample before the replay reached the end of the record means the
@@ -338,8 +516,10 @@ async def run_plugin(runner: GroupRunner, a: ActiveGroup, i: int, version: int) 
             if not s.is_final:
                 raise SampleFailed("the generate plugin returned without ending the sample "
                                    "(call ctx.finish)")
+            await ctx._ended()
             return
         except _Ended:
+            await ctx._ended()
             return
         except SampleFailed as exc:
             if exc.policy == "restart" and restarts < runner.config.tools.retries:
@@ -359,6 +539,5 @@ async def run_plugin(runner: GroupRunner, a: ActiveGroup, i: int, version: int) 
             return
 
 
-__all__ = ["DEFAULT_GENERATE", "GenerateContext", "GenerateFn", "Halted",
-           "SampleFailed", "Turn", "load_generate", "run_plugin",
-           "single_turn"]
+__all__ = ["DEFAULT_GENERATE", "NOT_APPLIED", "Environment", "GenerateContext", "GenerateFn",
+           "Halted", "SampleFailed", "Turn", "load_generate", "run_plugin", "single_turn"]

@@ -96,6 +96,9 @@ class GroupRun:
     trajectories: list[Trajectory] = field(default_factory=list)
     #: samples that failed (tool or environment): never trained
     failures: dict[int, str] = field(default_factory=dict)
+    #: per sample, its environment's snapshot hooks (``GenerateContext.environment``):
+    #: every partial record (turn checkpoint or yield) holds their snapshots
+    envs: dict[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         g = len(self.samples)
@@ -235,21 +238,41 @@ class GroupRun:
         self.samples[i].routed_experts_shape = s.routed_experts_shape
         self.trajectories[i] = Trajectory(epoch=epoch)
         self.texts[i] = ""
+        self.envs.pop(i, None)
 
     def _trajectories_meta(self) -> list[dict[str, Any]] | None:
         """Per-sample trajectories, or None when each is one plain turn (old layout)."""
         def plain(s: Sample, t: Trajectory) -> bool:
-            return t.epoch == 0 and (not t.events or (
+            return t.epoch == 0 and t.env is None and t.inflight is None and (not t.events or (
                 len(t.events) == 1 and t.events[0]["op"] == "gen"
                 and (t.events[0]["end"] is None or s.is_final)))
         if all(plain(s, t) for s, t in zip(self.samples, self.trajectories, strict=True)):
             return None
         return [t.to_dict() for t in self.trajectories]
 
+    def snapshot_envs(self) -> None:
+        """Each unfinished sample's environment snapshot, with the event count it belongs
+        to, into its trajectory (read back by ``GenerateContext`` on resume). While a
+        sample's tool call runs, the snapshot taken before it stands (the call may be
+        half-applied; on resume it is re-run or reconciled against that state)."""
+        for i, env in self.envs.items():
+            t = self.trajectories[i]
+            if self.samples[i].is_final:
+                t.env = None
+            elif t.inflight is not None and t.env is not None and t.env.get("at") == len(
+                    t.events):
+                continue  # its tool call is running: the state before that call stands
+            else:
+                t.env = {"at": len(t.events), "state": env.snapshot()}
+
     # -- packing ---------------------------------------------------------------------------
     def to_group(self, *, producer: str, version_hint: int, partial: bool,
-                 mask_offpolicy: bool = False) -> GroupData:
-        """Pack the samples as a ready (``partial=False``) or partial group record."""
+                 mask_offpolicy: bool = False, trajectories: bool = False) -> GroupData:
+        """Pack the samples as a ready (``partial=False``) or partial group record
+        (``trajectories``: write them even when each is one plain turn — a turn
+        checkpoint keeps the generation its tool keys name)."""
+        if partial:
+            self.snapshot_envs()
         if mask_offpolicy and not partial:
             for s in self.samples:
                 if len(s.versions):
@@ -272,9 +295,14 @@ class GroupRun:
         }
         if partial:
             meta["texts"] = list(self.texts)
-        trajectories = self._trajectories_meta()
-        if trajectories is not None:
-            meta["trajectories"] = trajectories
+        trajs = ([t.to_dict() for t in self.trajectories] if trajectories
+                 else self._trajectories_meta())
+        if trajs is not None:
+            if not partial:  # environment snapshots and journal entries serve resumes only
+                for t in trajs:
+                    t.pop("env", None)
+                    t.pop("inflight", None)
+            meta["trajectories"] = trajs
         if self.failures:
             meta["failures"] = {str(k): v for k, v in self.failures.items()}
 

@@ -25,6 +25,7 @@ from typing import Any
 from strawq.errors import ConfigError, LeaseLost
 from strawq.groups import GroupData
 from strawq.queue import Lease, RunQueue
+from strawq.turns import TurnLog
 
 from strawq.producers.meter import StatsBook
 from strawq.producers.offload import Offload
@@ -61,6 +62,10 @@ class HandBack:
         self.orphans: list[Lease] = []
         #: the first configuration error met (``refuse``): the producer claims nothing more
         self.refusal: MisconfiguredProducer | None = None
+        #: held leases' turn checkpoints (``strawq.turns``), by lease key: cleared once
+        #: the lease is handed back with its group persisted (kept on a release: the next
+        #: holder resumes from them)
+        self.turn_logs: dict[str, TurnLog] = {}
 
     async def complete(self, lease: Lease, group: GroupData) -> None:
         await self._persist("complete", lease, "groups_completed",
@@ -119,6 +124,13 @@ class HandBack:
             return False
         if counter is not None:
             self.book.bump(counter)
+        turn_log = self.turn_logs.pop(lease.key, None)
+        if turn_log is not None and how != "release":
+            try:
+                await self.io.call(turn_log.clear)
+            except Exception as exc:  # noqa: BLE001 - garbage, not state: the move stands
+                log.warning("task %s: its turn checkpoints could not be removed: %s",
+                            lease.task_id, exc)
         return True
 
     async def retry_orphans(self) -> None:

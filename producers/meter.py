@@ -93,6 +93,14 @@ class ProducerStats:
     tool_calls: int = 0
     tool_calls_replayed: int = 0
     tool_errors: int = 0
+    #: turn checkpoints saved (``strawq.turns``); in-flight tool calls run again with their
+    #: key after a resume / settled by their ``reconcile`` hook; calls left running at a
+    #: pause (their result applied on resume)
+    turn_checkpoints: int = 0
+    turn_checkpoints_loaded: int = 0
+    tool_calls_rerun: int = 0
+    tool_calls_reconciled: int = 0
+    tool_calls_detached: int = 0
     brackets: int = 0
     #: claimed partial tasks past the η bound (``strawq.eta``): resumed anyway
     #: (``eta_mode="train"``) / prefix discarded, generated afresh (``regenerate``); those

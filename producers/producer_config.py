@@ -144,12 +144,37 @@ class ToolsConfig(Config):
     #: ``drop_group`` (dropped as ``tool_error``) or ``restart`` (a fresh environment,
     #: at most ``retries`` times, then fail_sample).
     on_failure: ToolFailure = "fail_sample"
+    #: Most tokens one generated turn may hold (0: only the response budget bounds it);
+    #: a turn at the cap ends with finish ``length`` and the plugin decides what follows.
+    max_turn_tokens: int = 0
+    #: Turn checkpoints (``strawq.turns``, the lease kept): at a turn boundary followed by
+    #: more work, the group is saved once this many boundaries passed since its last save
+    #: (1: every turn; 0: off, unless a token or time cadence below is set). Measured
+    #: (docs/agentic.md): one save is one publish and one delete, a few KB for G = 4.
+    checkpoint_every_turns: int = 1
+    #: ... or once this many tokens were generated or appended since the last save (0: off).
+    checkpoint_every_tokens: int = 0
+    #: ... or once this many seconds passed since the last save (0: off).
+    checkpoint_every_s: float = 0.0
 
     def validate(self) -> None:
         if self.max_turns < 0 or self.retries < 0:
             raise ConfigError(f"ProducerConfig.tools.max_turns and retries must be >= 0, got "
                               f"{self.max_turns}, {self.retries}")
+        if min(self.max_turn_tokens, self.checkpoint_every_turns,
+               self.checkpoint_every_tokens) < 0 or not self.checkpoint_every_s >= 0:
+            raise ConfigError(
+                "ProducerConfig.tools.max_turn_tokens, checkpoint_every_turns, "
+                "checkpoint_every_tokens and checkpoint_every_s must be >= 0, got "
+                f"{self.max_turn_tokens}, {self.checkpoint_every_turns}, "
+                f"{self.checkpoint_every_tokens}, {self.checkpoint_every_s}")
         _positive("ProducerConfig.tools", timeout_s=self.timeout_s)
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether turn checkpoints are saved at all."""
+        return bool(self.checkpoint_every_turns or self.checkpoint_every_tokens
+                    or self.checkpoint_every_s)
 
 
 @dataclass(frozen=True, kw_only=True)

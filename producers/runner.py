@@ -52,20 +52,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strawq.dataset import prompt_kind
-from strawq.errors import ConfigError, CorruptRecord, NotFound, StrawqError
+from strawq.errors import ConfigError, CorruptRecord, LeaseLost, NotFound, StrawqError
 from strawq.eta import STALE_REASON
 from strawq.groups import GroupData
 from strawq.names import validate_id
 from strawq.queue import Lease, RunQueue
 from strawq.tokenize import FunctionTokenizer
+from strawq.turns import TurnLog, warm_up
 
 from strawq.producers.bracket import EngineAborter
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineAuthError, EngineError, EngineUnavailable
 from strawq.producers.engine_versions import NoFreshEngine, StaleEngine
 from strawq.producers.extras_protocol import ExtrasMismatch
-from strawq.producers.generate import (GenerateFn, Halted, SampleFailed, load_generate,
-                                       run_plugin)
+from strawq.producers.generate import (DEFAULT_GENERATE, GenerateFn, Halted, SampleFailed,
+                                       load_generate, run_plugin)
 from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
 from strawq.producers.handback import HandBack, MisconfiguredProducer
 from strawq.producers.meter import StatsBook
@@ -77,8 +78,12 @@ from strawq.producers.sample import SampleError, SamplerParams, SampleStatus
 from strawq.producers.sample_step import step_sample
 from strawq.producers.slots import SlotHold, SlotPool
 from strawq.producers.teacher import Teacher
+from strawq.producers.turn_saver import TurnSaver
 
 log = logging.getLogger(__name__)
+
+#: tool calls left running at a pause that a producer remembers (``GroupRunner.detach``)
+DETACHED_MAX = 1024
 
 
 class _PastEta(Exception):
@@ -112,6 +117,8 @@ class ActiveGroup:
     version: int = 0
     #: (reason, message): the generate plugin asked to drop the group (``tools.on_failure``)
     drop: tuple[str, str] | None = None
+    #: turn checkpoints of this lease (``strawq.producers.turn_saver``), None when off
+    turns: TurnSaver | None = None
 
 
 class GroupRunner:
@@ -159,6 +166,23 @@ class GroupRunner:
         self.eos_ids: frozenset[int] | None = None
         #: siblings of a failed sample being aborted until they returned
         self._halting: set[asyncio.Task[None]] = set()
+        #: turn checkpoints (``strawq.turns``): on for a multi-turn generate plugin
+        self.checkpointing = config.tools.checkpointing and (
+            config.plugins.generate or DEFAULT_GENERATE) != DEFAULT_GENERATE
+        #: tool calls left running at a pause, by idempotency key (``call_tool``)
+        self.detached: dict[str, asyncio.Future[Any]] = {}
+        if self.checkpointing:  # the first encode loads pyarrow: not inside the first turn
+            warm_up()
+
+    def detach(self, key: str, task: asyncio.Future[Any]) -> None:
+        """Keep a tool call running past its sample's halt; the oldest finished ones
+        are forgotten past ``DETACHED_MAX`` (their tasks resumed elsewhere)."""
+        self.detached[key] = task
+        while len(self.detached) > DETACHED_MAX:
+            old = next((k for k, t in self.detached.items() if t.done()), None)
+            if old is None:
+                break
+            self.detached.pop(old)
 
     def live_rids(self) -> set[str]:
         """Every rid of this producer's requests in flight now."""
@@ -230,8 +254,10 @@ class GroupRunner:
         except StrawqError as exc:
             raise TaskError(f"task {task.get('id')}: {exc}") from exc
 
-    def _load(self, lease: Lease) -> tuple[int, GroupData | None, list[int] | None]:
-        """I/O thread: the current version and the saved prefixes, or the prompt ids.
+    def _load(self, lease: Lease, checkpoint: GroupData | None = None
+              ) -> tuple[int, GroupData | None, list[int] | None]:
+        """I/O thread: the current version and the saved prefixes (a turn checkpoint
+        newer than the partial record, else the partial), or the prompt ids.
 
         A partial past the η bound under ``regenerate``/``drop`` raises ``_PastEta`` before
         its prefix is read (``_eta_action``)."""
@@ -240,6 +266,9 @@ class GroupRunner:
             action = self._eta_action(lease, version)
             if action in ("regenerate", "drop"):
                 raise _PastEta(action, version)
+        if checkpoint is not None:
+            return version, checkpoint, None
+        if lease.has_partial:
             try:
                 return version, self.queue.load_partial(lease), None
             except (NotFound, CorruptRecord) as exc:
@@ -305,11 +334,41 @@ class GroupRunner:
         return GroupRun.fresh(lease, prompt, [self._params(lease.task, i, lease.gen)
                                               for i in range(self.group_size)])
 
+    async def _turn_checkpoint(self, a: ActiveGroup) -> GroupData | None:
+        """Fence the task's older holders and load their last turn checkpoint (None when
+        there is none or turn checkpoints are off); ``LeaseLost`` when a newer one holds
+        it."""
+        if not self.checkpointing:
+            return None
+        turn_log = TurnLog(self.queue.storage, a.lease.name)
+        self.handback.turn_logs[a.lease.key] = turn_log
+        a.turns = TurnSaver(turn_log, self.config.tools, self.io, self.book, self.producer_id)
+        try:
+            ck = await self.io.call(turn_log.load)
+        except LeaseLost:
+            raise
+        except Exception as exc:  # noqa: BLE001 - storage trouble: the update-level partial
+            log.warning("task %s: its turn checkpoints cannot be read (%s); resuming from "
+                        "its partial record", a.lease.task_id, exc)
+            return None
+        if ck is None:
+            return None
+        self.book.bump("turn_checkpoints_loaded")
+        log.info("task %s: resuming from the turn checkpoint of generation %d", a.lease.task_id,
+                 ck.gen)
+        return ck.group
+
     async def _run_group(self, a: ActiveGroup) -> None:
         lease = a.lease
         try:
             try:
-                version, partial, prompt = await self.io.call(self._load, lease)
+                try:
+                    checkpoint = await self._turn_checkpoint(a)
+                except LeaseLost as exc:
+                    self.book.bump("leases_lost")
+                    log.warning("task %s: %s", lease.task_id, exc)
+                    return
+                version, partial, prompt = await self.io.call(self._load, lease, checkpoint)
                 run = self._build(lease, partial, prompt)
                 run.want_extras(self.config.record.extras, self.config.record.routed_experts_shape)
             except _PastEta as past:
@@ -338,6 +397,7 @@ class GroupRunner:
         finally:
             self.pool.close(a.hold)
             self.groups.pop(lease.key, None)
+            self.handback.turn_logs.pop(lease.key, None)
             self._kick()
 
     def _halted(self, a: ActiveGroup) -> bool:

@@ -206,6 +206,9 @@ class Sample:
     routed_experts_shape: tuple[int, ...] = ()
     #: per-token extras held, aligned with the tokens (see the module docstring)
     extras: dict[str, Extra] = field(default_factory=dict)
+    #: the current turn's end: the response may not pass this length while it is set (the
+    #: per-turn token cap, ``ToolsConfig.max_turn_tokens``); None: no turn cap
+    turn_limit: int | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = _arr(self.prompt_ids, TOKEN_DTYPE)
@@ -285,6 +288,8 @@ class Sample:
     def remaining_budget(self, context_length: int | None = None) -> int:
         """Tokens the next segment may generate (>= 0); see the module docstring."""
         remaining = self.params.max_new_tokens - self.response_length
+        if self.turn_limit is not None:
+            remaining = min(remaining, self.turn_limit - self.response_length)
         if context_length is not None:
             remaining = min(
                 remaining, context_length - 1 - len(self.prompt_ids) - self.response_length

@@ -13,7 +13,11 @@ ready record (``meta["trajectories"][i]``)::
      "seconds": t, "started": wall-clock start (time.time())}
 
 and, beside the events, ``epoch`` (fresh-environment restarts) and ``gen`` (the lease
-generation the trajectory started under; both go into the tool calls' idempotency keys).
+generation the trajectory started under; both go into the tool calls' idempotency keys),
+``inflight`` (the tool-call journal's open entry: a call started and not yet finished —
+key, name, args, ``idempotent``, ``started``; a resumed trajectory re-runs it with the same
+key, or asks the tool's ``reconcile`` hook when it is not idempotent) and ``env`` (the
+environment's snapshot at the checkpoint, with ``at``: the event count it belongs to).
 
 A ``gen`` event whose ``end`` is None is a turn cut by an abort (weight update, stop): the
 next generation continues it from the saved prefix. A resumed trajectory is *replayed*: the
@@ -69,6 +73,10 @@ class Trajectory:
     events: list[dict[str, Any]] = field(default_factory=list)
     epoch: int = 0
     gen: int | None = None
+    #: the journal's open tool call (started, no result yet), or None
+    inflight: dict[str, Any] | None = None
+    #: {"at": event count, "state": the environment's snapshot}, or None
+    env: dict[str, Any] | None = None
 
     # -- derived -----------------------------------------------------------------------
     @property
@@ -115,6 +123,10 @@ class Trajectory:
                                "events": [dict(e) for e in self.events]}
         if self.gen is not None:
             out["gen"] = self.gen
+        if self.inflight is not None:
+            out["inflight"] = dict(self.inflight)
+        if self.env is not None:
+            out["env"] = dict(self.env)
         return out
 
     @classmethod
@@ -129,5 +141,8 @@ class Trajectory:
             raise TrajectoryError(f"trajectory schema {data.get('schema')!r} is not supported; "
                                   f"expected {TRAJECTORY_SCHEMA}")
         gen = data.get("gen")
+        inflight, env = data.get("inflight"), data.get("env")
         return cls(events=[dict(e) for e in data.get("events") or []],
-                   epoch=int(data.get("epoch", 0)), gen=None if gen is None else int(gen))
+                   epoch=int(data.get("epoch", 0)), gen=None if gen is None else int(gen),
+                   inflight=dict(inflight) if isinstance(inflight, Mapping) else None,
+                   env=dict(env) if isinstance(env, Mapping) else None)

@@ -62,6 +62,11 @@ class Runner:
     def check_halted(self, _a: Any) -> None:
         pass
 
+    def _halted(self, _a: Any) -> bool:
+        return False
+
+    detached: dict[str, Any] = {}
+
     def stop_samples(self, *_: Any, **__: Any) -> None:
         pass
 
@@ -89,7 +94,7 @@ def lease(gen: int = 0, resume: int = -1) -> Lease:
 
 
 def active(run: GroupRun) -> Any:
-    return SimpleNamespace(run=run, drop=None)
+    return SimpleNamespace(run=run, drop=None, turns=None, abandoned=False)
 
 
 def fresh(max_new: int = 100, *, gen: int = 0, resume: int = -1) -> GroupRun:

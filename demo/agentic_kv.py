@@ -1,0 +1,154 @@
+"""A stateful toy agent: its tool writes into a key-value store, so a resumed trajectory
+that does not continue in the same world shows it.
+
+Each turn is followed by a ``put`` tool call (``{"k": "k<t mod 3>", "v": <from the turn's
+tokens>}``) that writes into the sample's ``KV`` environment and returns the store's checksum,
+appended as one token (loss mask 0). The environment is registered with
+``ctx.environment``: its snapshot travels with every partial record and turn checkpoint, and
+a resumed trajectory restores it (``restore="none"`` keeps the fresh, empty store instead: a
+wrong restore). At the end the agent checks the store against the one its recorded tool
+calls describe; a difference fails the sample (``environment mismatch``) and leaves a file
+``<ledger>/mismatch/<uid>``.
+
+Files under ``ledger`` (a test or bench counts them):
+
+* ``exec/<key>.<random>`` — one per execution of the tool (every try, every re-run);
+* ``effect/<key>.e`` — the call's effect, its result as JSON (an idempotent tool applies a
+  key once: a re-run returns the stored result; ``idempotent=False`` applies it blindly,
+  a second effect leaving ``effect/<key>.<random>``);
+* ``gen/<uid>.<start>.<random>`` — one per completed *live* (not replayed) model turn,
+  holding its token count: model calls made, and regenerated ones;
+* ``restored/<uid>.<random>`` — one per environment restore.
+
+``block_at`` (a tool-call ordinal): that call waits for ``<ledger>/go`` before its effect
+(after writing ``<ledger>/started.<key>``), so a test can pause or kill while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from collections import Counter
+from typing import Any
+
+from strawq.producers.generate import NOT_APPLIED, GenerateContext, GenerateFn
+
+TOKEN_BASE = 3
+
+
+def _touch(path: str, content: str = "") -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    try:
+        os.write(fd, content.encode())
+    finally:
+        os.close(fd)
+
+
+def counts(ledger: str, kind: str) -> Counter[str]:
+    """Files per name (the part before the last ``.``) under ``<ledger>/<kind>``."""
+    d = os.path.join(ledger, kind)
+    if not os.path.isdir(d):
+        return Counter()
+    return Counter(n.rsplit(".", 1)[0] for n in os.listdir(d))
+
+
+def live_turn_tokens(ledger: str) -> int:
+    """Tokens of every completed live model turn (``gen/`` markers)."""
+    d = os.path.join(ledger, "gen")
+    if not os.path.isdir(d):
+        return 0
+    total = 0
+    for n in os.listdir(d):
+        with open(os.path.join(d, n), encoding="utf-8") as f:
+            total += int(f.read() or 0)
+    return total
+
+
+class KV:
+    """The environment: a key-value store the ``put`` tool writes into."""
+
+    def __init__(self, ledger: str, uid: str, restore: str) -> None:
+        self.data: dict[str, int] = {}
+        self._ledger, self._uid, self._mode = ledger, uid, restore
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.data)
+
+    def restore(self, state: Any) -> None:
+        _touch(os.path.join(self._ledger, "restored", f"{self._uid}.{uuid.uuid4().hex}"))
+        if self._mode == "snapshot":
+            self.data = {str(k): int(v) for k, v in dict(state or {}).items()}
+
+
+def kv_agent(ledger: str, turns: int = 6, tool_s: float = 0.0, restore: str = "snapshot",
+             env: bool = True, idempotent: bool = True, reconcile: bool = True,
+             block_at: int = -1) -> GenerateFn:
+    """The generate plugin (see the module docstring)."""
+    if restore not in ("snapshot", "none"):
+        raise ValueError(f"kv_agent: restore must be 'snapshot' or 'none', got {restore!r}")
+
+    def effect_path(key: str) -> str:
+        return os.path.join(ledger, "effect", f"{key}.e")
+
+    def reconcile_put(args: Any, key: str) -> Any:
+        try:
+            with open(effect_path(key), encoding="utf-8") as f:
+                return json.loads(f.read())
+        except FileNotFoundError:
+            return NOT_APPLIED
+
+    async def agent(ctx: GenerateContext) -> None:
+        s = ctx.sample
+        store = KV(ledger, s.uid, restore)
+        if env:
+            ctx.environment(store)
+
+        async def put(args: dict[str, Any], key: str) -> dict[str, int]:
+            _touch(os.path.join(ledger, "exec", f"{key}.{uuid.uuid4().hex}"))
+            if int(args["t"]) == block_at:
+                _touch(os.path.join(ledger, f"started.{key}"))
+                while not os.path.exists(os.path.join(ledger, "go")):
+                    await asyncio.sleep(0.01)
+            if tool_s:
+                await asyncio.sleep(tool_s)
+            store.data[str(args["k"])] = int(args["v"])  # a put: applying it again is a no-op
+            if idempotent and os.path.exists(effect_path(key)):
+                # a re-run (in flight at a crash): the world outside changes once
+                return dict(json.loads(open(effect_path(key), encoding="utf-8").read()))
+            out = {"sum": sum(store.data.values()) % 97}
+            try:
+                _touch(effect_path(key), json.dumps(out))
+            except FileExistsError:
+                _touch(os.path.join(ledger, "effect", f"{key}.{uuid.uuid4().hex}"),
+                       json.dumps(out))
+            return out
+
+        for t in range(turns):
+            start = s.response_length
+            turn = await ctx.generate()
+            if not turn.replayed:
+                _touch(os.path.join(ledger, "gen", f"{s.uid}.{start}.{uuid.uuid4().hex}"),
+                       str(len(turn.token_ids)))
+            if t == turns - 1 or ctx.remaining_budget < 2:
+                break
+            args = {"t": t, "k": f"k{t % 3}", "v": int(sum(turn.token_ids)) % 50}
+            out = await ctx.call_tool("put", args, put, idempotent=idempotent,
+                                      reconcile=reconcile_put if reconcile else None)
+            ctx.append([TOKEN_BASE + int(out["sum"]) % 50], kind="tool")
+        if env:
+            want: dict[str, int] = {}
+            for e in ctx.trajectory.tool_calls():
+                want[str(e["args"]["k"])] = int(e["args"]["v"])
+            if store.data != want:
+                _touch(os.path.join(ledger, "mismatch", f"{s.uid}.{uuid.uuid4().hex}"))
+                ctx.fail(f"environment mismatch: the store holds {store.data}, its tool "
+                         f"calls wrote {want}")
+        ctx.finish("completed" if turn.finish == "stop" else "truncated")
+
+    return agent
+
+
+__all__ = ["KV", "counts", "kv_agent", "live_turn_tokens"]
