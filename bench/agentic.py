@@ -102,18 +102,27 @@ def _wait(cond: Any, timeout: float, what: str, monitor: LeaseMonitor | None = N
         time.sleep(0.05)
 
 
-def faults(rounds: int, groups: int) -> dict[str, int]:
-    work = tempfile.mkdtemp(prefix="strawq-agentic-")
+def _released_run(prefix: str, groups: int, *, lease_timeout_s: float, max_attempts: int
+                  ) -> tuple[str, str, str, RunQueue]:
+    """A fresh run (G = 4) with ``groups`` tool prompts released: (work, run, ledger, queue)."""
+    work = tempfile.mkdtemp(prefix=prefix)
     run, ledger = os.path.join(work, "run"), os.path.join(work, "ledger")
     os.makedirs(run)
     q = RunQueue.create(PosixStorage(run, writer_id="setup"),
-                        QueueConfig(group_size=4, lease_timeout_s=3.0, heartbeat_interval_s=0.2,
-                                    release_batch=groups, max_attempts=20))
+                        QueueConfig(group_size=4, lease_timeout_s=lease_timeout_s,
+                                    heartbeat_interval_s=0.2, release_batch=groups,
+                                    max_attempts=max_attempts))
     data = os.path.join(work, "dataset.jsonl")
     with open(data, "w", encoding="utf-8") as f:
         for i in range(groups):
             f.write(json.dumps({"prompt": [5 + i % 50, 9, 11], "count": 3}) + "\n")
     Feeder(q, Dataset(data)).release(groups)
+    return work, run, ledger, q
+
+
+def faults(rounds: int, groups: int) -> dict[str, int]:
+    work, run, ledger, q = _released_run("strawq-agentic-", groups, lease_timeout_s=3.0,
+                                         max_attempts=20)
     control, monitor = Control(q.storage), LeaseMonitor(q)
     eng = start_engine_subprocess("sim", time_scale=0.02, len_median=20, len_cap=60,
                                   max_running_requests=64)
@@ -236,17 +245,8 @@ def crashes(kills: int, groups: int, turns: int, every_turns: int) -> dict[str, 
     """One crash run (see the module docstring, 2.)."""
     from strawq.demo.agentic_kv import counts, live_turn_tokens
 
-    work = tempfile.mkdtemp(prefix="strawq-agentic-kill-")
-    run, ledger = os.path.join(work, "run"), os.path.join(work, "ledger")
-    os.makedirs(run)
-    q = RunQueue.create(PosixStorage(run, writer_id="setup"),
-                        QueueConfig(group_size=4, lease_timeout_s=2.0, heartbeat_interval_s=0.2,
-                                    release_batch=groups, max_attempts=50))
-    data = os.path.join(work, "dataset.jsonl")
-    with open(data, "w", encoding="utf-8") as f:
-        for i in range(groups):
-            f.write(json.dumps({"prompt": [5 + i % 50, 9, 11], "count": 3}) + "\n")
-    Feeder(q, Dataset(data)).release(groups)
+    work, run, ledger, q = _released_run("strawq-agentic-kill-", groups, lease_timeout_s=2.0,
+                                         max_attempts=50)
     monitor = LeaseMonitor(q)
     eng = start_engine_subprocess("sim", time_scale=0.02, len_median=20, len_cap=40,
                                   max_running_requests=64)

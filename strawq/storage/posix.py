@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 from strawq.errors import AlreadyExists, NotFound, StorageError, StorageFull
+from strawq.liveness import pid_alive
 from strawq.storage.base import Capabilities, Storage, validate_key
 
 log = logging.getLogger(__name__)
@@ -290,7 +291,7 @@ class PosixStorage(Storage):
             parts = name.split(".")
             if len(parts) >= 3:
                 h, _, pid = parts[-2].rpartition("-")
-                dead = h == host and pid.isascii() and pid.isdigit() and not _pid_alive(int(pid))
+                dead = h == host and pid.isascii() and pid.isdigit() and not pid_alive(int(pid))
             if not dead:
                 try:
                     dead = now - os.stat(path).st_mtime >= grace_s
@@ -325,16 +326,6 @@ def _host() -> str:
     """This host's name as a temporary-name component (no dots or odd characters)."""
     h = socket.gethostname().split(".")[0]
     return "".join(c if c.isalnum() or c in "_+=" else "_" for c in h)[:40] or "host"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, under another user
-        return True
-    return True
 
 
 def _unlink_quietly(path: str) -> None:
