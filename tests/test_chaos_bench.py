@@ -46,4 +46,5 @@ def test_chaos_bench_tiny(tmp_path: Path) -> None:
                          proc.stdout.strip().splitlines()[-2])
     assert fleet is not None, proc.stdout[-3000:]
     mean, *kinds = (float(x) for x in fleet.groups())
-    assert mean == pytest.approx(sum(kinds) / 3, abs=0.06)
+    # each figure is rounded to 0.1: the kinds' mean is off by up to 0.05, the mean by 0.05
+    assert mean == pytest.approx(sum(kinds) / 3, abs=0.1 + 1e-9)
