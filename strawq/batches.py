@@ -163,6 +163,8 @@ class GcReport:
     tmp: int = 0
     #: dropped entries folded into the drop audit (``strawq.retention``)
     drops: int = 0
+    #: turn checkpoints of tasks that can no longer resume from them (``strawq.retention``)
+    turns: int = 0
     details: list[str] = field(default_factory=list)
 
 
@@ -309,7 +311,8 @@ class BatchStore:
         """Delete consumed batches.
 
         ``sweep`` (or ``full``) also deletes ``data/`` records no live entry needs
-        (``strawq.retention.sweep_payloads``); ``compact_drops_at=N`` folds ``dropped/``
+        (``strawq.retention.sweep_payloads``) and turn checkpoints no task can resume from
+        (``sweep_turns``); ``compact_drops_at=N`` folds ``dropped/``
         into the drop audit once it holds at least N entries (0: always).
         """
         rep = GcReport()
@@ -344,7 +347,10 @@ class BatchStore:
             if dropped and len(dropped) >= compact_drops_at:
                 rep.drops = compact_drops(self.storage)
         if full or sweep:
+            from strawq.retention import sweep_turns
+
             rep.stale = self._gc_stale_generations()
+            rep.turns = sweep_turns(self.storage)
         return rep
 
     def retire(self, seq: int) -> None:

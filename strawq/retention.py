@@ -17,6 +17,12 @@ control records). ``BatchStore.gc`` retires acked batches; this module does the 
   ``data/`` is listed *before* the state directories, so a record whose task is alive at
   the first listing is seen alive at the second (work flows one way; a task that leaves
   every directory in between was trained, and its records are garbage).
+* ``sweep_turns`` removes the turn checkpoints (``strawq.turns``) of tasks that no longer
+  need them: a holder deletes its task's checkpoints when it hands the lease back, but one
+  killed between the hand-back and that deletion leaves them behind. A task keeps its
+  checkpoints while it is pending, partial, leased or dropped (a re-lease, or an operator's
+  ``strawq requeue``, resumes from them); once it is ready, batched or trained its group is
+  persisted elsewhere. ``turns/`` is listed first, for the reason ``data/`` is.
 * ``live_files`` counts files per top-level directory (``bench/queue_ops.py``, tests).
 """
 
@@ -35,6 +41,7 @@ from strawq.names import TaskName, note_key
 from strawq.records import Kind
 from strawq.states import TaskState, entries, names_in, retire
 from strawq.storage import Storage
+from strawq.turns import TURNS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +216,31 @@ def sweep_payloads(storage: Storage) -> int:
         if not keep:
             storage.delete(f"data/{n}")
             removed += 1
+    return removed
+
+
+#: States in which a task may still resume from its turn checkpoints.
+TURN_STATES = (TaskState.PENDING, TaskState.PARTIAL, TaskState.LEASED, TaskState.DROPPED)
+
+
+def sweep_turns(storage: Storage) -> int:
+    """Delete the turn checkpoints of tasks that cannot resume from them (see the module
+    docstring); returns how many records were deleted."""
+    listed = storage.list(TURNS_DIR)  # first: see the module docstring
+    if not listed:
+        return 0
+    resumable = {name.id for state in TURN_STATES for name in names_in(storage, state)}
+    removed = 0
+    for tid in listed:
+        if tid in resumable:
+            continue
+        d = f"{TURNS_DIR}/{tid}"
+        if not storage.is_dir(d):
+            continue  # not a record this module knows: leave it
+        for n in storage.list(d):
+            storage.delete(f"{d}/{n}")
+            removed += 1
+        storage.rmdir(d)
     return removed
 
 

@@ -224,11 +224,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     tmp = sum(q.storage.clean_tmp(w) for w in args.tmp_of or [])
     tmp += q.storage.clean_dead_tmp(grace_s=args.tmp_grace)
     payload = {"batches": rep.batches, "group_payloads": rep.payloads,
-               "stale_records": rep.stale, "drops_compacted": rep.drops, "tmp": tmp}
+               "stale_records": rep.stale, "turn_checkpoints": rep.turns,
+               "drops_compacted": rep.drops, "tmp": tmp}
     _emit(args, payload, "" if args.quiet else
           f"gc: {rep.batches} batches, {rep.payloads} group payloads, {rep.stale} stale or "
-          f"orphaned records, {rep.drops} drops compacted into the audit, {tmp} temporary "
-          "files removed")
+          f"orphaned records, {rep.turns} turn checkpoints, {rep.drops} drops compacted into "
+          f"the audit, {tmp} temporary files removed")
     return 0
 
 

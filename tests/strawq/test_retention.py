@@ -25,11 +25,12 @@ from strawq.status import run_status
 from strawq.storage import PosixStorage
 from strawq.storage.posix import _host
 from strawq.testing import make_group, write_jsonl
+from strawq.turns import TURNS_DIR, TurnLog, turn_dir
 from strawq.testing.factories import make_partial, prompts
 
 #: directories that must be empty once every task was trained or dropped and gc ran
 WORK_DIRS = ("pending", "leased", "ready", "batched", "batches", "acked", "dropped", "data",
-             "staging", "tmp")
+             "staging", "tmp", "turns")
 
 
 def _run(tmp_path: Path, rows: list[object], **cfg: object) -> tuple[RunQueue, Feeder]:
@@ -113,6 +114,30 @@ def test_every_way_out_is_collected_and_drops_stay_countable(
     assert cli_main(["gc", str(tmp_path / "run"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["drops_compacted"] == 0
     assert run_status(q).dropped_by_reason == drops_before
+
+
+def test_turn_checkpoints_left_by_a_killed_holder_go_once_no_task_can_resume_from_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A holder killed after its hand-back, before it deleted its turn checkpoints, leaves
+    them behind: gc removes them once the task is trained, and keeps those of a task still
+    leased (its holder's crash would resume from them) or dropped (``strawq requeue`` would),
+    until its drop is compacted."""
+    q, feeder = _run(tmp_path, prompts(3))
+    feeder.release(3)
+    t = [dataset_task_id(i) for i in range(3)]
+    leases = {lease.task_id: lease for lease in q.claim("p", 3)}
+    for tid in t:
+        TurnLog(q.storage, leases[tid].name).save(make_partial(tid))
+    q.complete(leases[t[0]], make_group(t[0]))  # killed here: no TurnLog.clear
+    q.drop(leases[t[1]], "zero_variance", "all rewards equal")
+    _train_everything(q)  # t[2] stays leased
+    assert BatchStore(q).gc(sweep=True).turns == 1  # t[0]'s: trained
+    assert q.storage.list(TURNS_DIR) == sorted([t[1], t[2]])
+    # the CLI's gc compacts the drop into the audit (no requeue can reach it then)
+    assert cli_main(["gc", str(tmp_path / "run"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["turn_checkpoints"] == 1
+    assert q.storage.list(TURNS_DIR) == [t[2]]
+    assert len(q.storage.list(turn_dir(t[2]))) == 1
 
 
 def test_a_crash_between_audit_and_deletion_neither_loses_nor_double_counts(
