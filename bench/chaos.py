@@ -55,6 +55,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -633,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         return fleet_trainer(args.run, args.events, args.engine)
     if args.quick:
         args.prompts, args.faults, args.gap = 160, 16, 0.6
-    work = Path(args.workdir or f"/tmp/strawq-chaos-{os.getpid()}")
+    work = Path(args.workdir or f"{tempfile.gettempdir()}/strawq-chaos-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     fs = "local disk"

@@ -1,4 +1,4 @@
-"""The chaos benchmark, tiny: real processes, a few kill -9 / SIGSTOP faults, and its own
+"""The chaos benchmark's quick form: real processes, a few kill -9 / SIGSTOP faults, and its own
 total-queue and storage checks must pass (bench/chaos.py exits 1 otherwise); each producer
 kill is reported with its tokens in flight and the tokens regenerated after it; the fleet
 time lost per failure kind is printed beside the crash figures."""
@@ -7,22 +7,18 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
+from tests.conftest import BENCH_QUICK_TIMEOUT_S
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 
-
-@pytest.mark.timeout(330)
-def test_chaos_bench_tiny(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "chaos.py"), "--prompts", "128",
-                           "--faults", "7", "--gap", "0.3", "--workdir", str(tmp_path / "w"),
-                           "--deadline", "150"], capture_output=True, text=True, timeout=320,
-                          cwd=REPO, check=False)
+@pytest.mark.timeout(BENCH_QUICK_TIMEOUT_S + 30)
+def test_chaos_bench_quick(bench_quick: Callable[..., subprocess.CompletedProcess[str]]) -> None:
+    proc = bench_quick("chaos")  # the run tests/bench/test_quick.py checks too
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     m = re.match(r"chaos: faults = (\d+), lost = 0, duplicated = 0, ", last)

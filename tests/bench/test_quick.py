@@ -2,7 +2,8 @@
 
 A benchmark is a ``bench/*.py`` with a ``__main__`` block (``chaos_proxy.py`` is a module of
 ``chaos.py``, not one). Each runs as a user runs it, ``python bench/<name>.py --quick``, in
-its own process, and must exit 0 with ``<name>: ...`` as its last line (``SUMMARY`` names
+its own process (the session's ``bench_quick`` run, which the tests of a benchmark's own
+figures share), and must exit 0 with ``<name>: ...`` as its last line (``SUMMARY`` names
 the exceptions). A benchmark that needs something this machine may lack is skipped saying
 what: ``queue_ops`` the straw-queue anchor (the ``bench`` extra), ``scale`` the two-client
 JuiceFS volume, ``verl_queue`` verl.
@@ -11,12 +12,13 @@ JuiceFS volume, ``verl_queue`` verl.
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import BENCH_QUICK_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
@@ -53,15 +55,12 @@ def test_the_benchmarks_are_found() -> None:
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.juicefs) if n == "scale"
                                   else n for n in benchmarks()])
-def test_quick_form_runs(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+@pytest.mark.timeout(BENCH_QUICK_TIMEOUT_S + 30)
+def test_quick_form_runs(name: str, request: pytest.FixtureRequest,
+                         bench_quick: Callable[..., subprocess.CompletedProcess[str]]) -> None:
     script = BENCH / f"{name}.py"
     assert "--quick" in script.read_text(encoding="utf-8"), f"bench/{name}.py has no --quick"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path),
-           **_needs(name, request)}
-    if name != "scale":
-        env.pop("STRAWQ_JUICEFS_A", None)  # queue_ops would add a JuiceFS row: not quick
-    proc = subprocess.run([sys.executable, str(script), "--quick"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=280, check=False)
+    proc = bench_quick(name, _needs(name, request))
     out = proc.stdout.strip().splitlines()
     assert proc.returncode == 0, (f"bench/{name}.py --quick exited {proc.returncode}\n"
                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

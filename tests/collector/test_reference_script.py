@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import BENCH_QUICK_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"^trainer: max relative gradient error vs reference = (\S+) over (\d+) "
                   r"paths \(world sizes 1-4, megatron(, slime)?(, verl)?\)$", re.M)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_bench_quick_prints_the_figure_within_tolerance():
+@pytest.mark.timeout(BENCH_QUICK_TIMEOUT_S + 30)
+def test_bench_quick_prints_the_figure_within_tolerance(bench_quick):
     pytest.importorskip("megatron.core", reason="megatron-core not installed")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "trainer.py"), "--quick"],
-                          capture_output=True, text=True, timeout=280, cwd=str(ROOT),
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = bench_quick("trainer")  # the run tests/bench/test_quick.py checks too
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     m = LINE.search(proc.stdout)
     assert m is not None, proc.stdout[-2000:]
@@ -33,12 +33,18 @@ def test_bench_quick_prints_the_figure_within_tolerance():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_gpu_check_script_runs_its_cpu_path(tmp_path):
+def test_gpu_check_script_runs_its_cpu_path(tmp_path, bench_quick):
     pytest.importorskip("megatron.core", reason="megatron-core not installed")
     pytest.importorskip("ray", reason="the demo needs ray")
+    # the script's first step is `bench/trainer.py --quick`, which this session ran already
+    # (CUDA_VISIBLE_DEVICES or not, it runs on the CPU here): the script is handed that output
+    bench = bench_quick("trainer")
+    assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
+    (tmp_path / "bench.txt").write_text(bench.stdout, encoding="utf-8")
     env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(["bash", str(ROOT / "deploy" / "gpu_check.sh"), "--quick", "--out",
-                           str(tmp_path), "--steps", "3"], capture_output=True, text=True,
+                           str(tmp_path / "out"), "--steps", "3", "--bench-output",
+                           str(tmp_path / "bench.txt")], capture_output=True, text=True,
                           timeout=880, cwd=str(ROOT), env=env)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-2000:]
