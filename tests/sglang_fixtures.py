@@ -150,8 +150,11 @@ def start_router(
     port = free_port()
     out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(
-        [*cmd, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-         "--log-level", "warn", *extra_args, "--worker-urls", *worker_urls],
+        # its Prometheus exporter gets a port of its own too: the router's default, 29000, is
+        # taken by any other router on the machine, and it then panics at start
+        [*cmd, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+         "--prometheus-port", str(free_port()), "--policy", "round_robin", "--log-level", "warn",
+         *extra_args, "--worker-urls", *worker_urls],
         stdout=out, stderr=subprocess.STDOUT,
     )
     router = RouterProcess(proc, f"http://127.0.0.1:{port}")
