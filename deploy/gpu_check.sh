@@ -11,7 +11,8 @@
 #    --bench-output FILE: the output of that same command, run before on this machine
 #    (the test suite runs it once), is checked and shown instead of running it again.
 # 2. The reference-equivalence tests (tests/collector/test_reference.py, the Megatron
-#    equivalence cases) on the CPU.
+#    equivalence cases) on the CPU. --tests "PYTEST ARGS": another selection (the test
+#    suite, which runs those tests itself, picks one).
 # 3. strawq demo --trainer-device DEVICE for N steps (default 30; 8 with --quick).
 # Ends with one line per check and "gpu_check: ok" (exit 0) or "gpu_check: FAILED" (exit 1).
 set -uo pipefail
@@ -22,15 +23,17 @@ QUICK=""
 STEPS=30
 OUT=""
 BENCH_OUTPUT=""
+TESTS='tests/collector/test_reference.py tests/collector/integrations/test_megatron.py -k "reference or example"'
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK="--quick"; STEPS=8 ;;
     --out) OUT="$2"; shift ;;
     --steps) STEPS="$2"; shift ;;
     --bench-output) BENCH_OUTPUT="$2"; shift ;;
-    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
+    --tests) TESTS="$2"; shift ;;
+    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (expected --quick, --out DIR, --steps N," \
-            "--bench-output FILE)" >&2
+            "--bench-output FILE, --tests ARGS)" >&2
        exit 2 ;;
   esac
   shift
@@ -62,9 +65,7 @@ fi
 cat "$OUT/bench_trainer.txt"
 [ $rc_bench -eq 0 ] || { status=1; tail -20 "$OUT/bench_trainer.err"; }
 
-"$PY" -m pytest -q -p no:cacheprovider tests/collector/test_reference.py \
-  tests/collector/integrations/test_megatron.py -k "reference or example" -m "not slow" \
-  > "$OUT/pytest.txt" 2>&1
+eval "\"\$PY\" -m pytest -q -p no:cacheprovider -m 'not slow' $TESTS" > "$OUT/pytest.txt" 2>&1
 rc_tests=$?
 tail -1 "$OUT/pytest.txt"
 [ $rc_tests -eq 0 ] || { status=1; tail -30 "$OUT/pytest.txt"; }

@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"^trainer: max relative gradient error vs reference = (\S+) over (\d+) "
                   r"paths \(world sizes 1-4, megatron(, slime)?(, verl)?\)$", re.M)
 
+ONE_REFERENCE_TEST = "tests/collector/test_reference.py::test_reference_is_the_objective_by_hand"
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(BENCH_QUICK_TIMEOUT_S + 30)
@@ -37,17 +39,20 @@ def test_gpu_check_script_runs_its_cpu_path(tmp_path, bench_quick):
     pytest.importorskip("megatron.core", reason="megatron-core not installed")
     pytest.importorskip("ray", reason="the demo needs ray")
     # the script's first step is `bench/trainer.py --quick`, which this session ran already
-    # (CUDA_VISIBLE_DEVICES or not, it runs on the CPU here): the script is handed that output
+    # (CUDA_VISIBLE_DEVICES or not, it runs on the CPU here): the script is handed that output;
+    # its second runs the reference tests, which this suite runs itself: one of them here
     bench = bench_quick("trainer")
     assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
     (tmp_path / "bench.txt").write_text(bench.stdout, encoding="utf-8")
     env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(["bash", str(ROOT / "deploy" / "gpu_check.sh"), "--quick", "--out",
                            str(tmp_path / "out"), "--steps", "3", "--bench-output",
-                           str(tmp_path / "bench.txt")], capture_output=True, text=True,
+                           str(tmp_path / "bench.txt"), "--tests", ONE_REFERENCE_TEST],
+                          capture_output=True, text=True,
                           timeout=880, cwd=str(ROOT), env=env)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-2000:]
     assert "no CUDA device visible" in out and LINE.search(out) is not None
     assert re.search(r"gpu_check: demo on cpu: 3 steps, reward \S+ -> \S+", out)
+    assert re.search(r"^1 passed", out, re.M), out[-3000:]
     assert out.rstrip().endswith("gpu_check: ok")
