@@ -3,6 +3,8 @@ total-queue check and a storage check.
 
     python bench/chaos.py [--quick] [--faults F] [--prompts N] [--workdir DIR]
                           [--juicefs DIR]          # the run on a two-client JuiceFS volume
+    python bench/chaos.py --workload agentic [--quick] [--turns T] [--tool-min S]
+                          [--tool-max S]           # trajectories with tools (chaos_agentic.py)
 
 Processes: two sim engines (``strawq engine serve --kind sim``, each behind a counting
 proxy in this process that tallies the completion tokens of every ``/generate`` answer by
@@ -34,6 +36,19 @@ Per victim: faults, recovery (restart or SIGCONT → the trainer's next new batc
 of tasks hit by that victim's faults that were generated and then thrown away, and for the
 trainer the steps lost (trained since its last checkpoint). Tokens an engine generated for
 an answer it never returned (it was killed) are invisible to the proxy: T is a lower bound.
+
+``--workload agentic`` (``bench/chaos_agentic.py`` has the parts): the producers run the
+stateful key-value agent, 10 turns deep (48 prompts, 36 faults by default), each turn
+followed by a ``put`` executed by a tool server process (0.5–5 s a call); the victims are the
+engines, the producers, the tool server, the collector and the trainer. The trainer records
+every trained trajectory; after the total-queue check an oracle checks each against the tool
+server's ledger and the store its calls describe. Last line::
+
+    chaos agentic: faults = F, lost = L, duplicated = D, tool effects applied twice = A,
+    persisted tool calls re-executed = P, environment mismatches = M, tokens lost per fault
+    = T, recovery p50 = R s
+
+(one line; T counts generated tokens only, appended tool tokens are not the engines').
 
 Per producer kill (each producer incarnation runs with its own ``--producer-id``, so every
 rid names it): the tokens it had in flight — generated for the leases it held and had not
@@ -678,7 +693,9 @@ def agentic_report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any]) -> None:
           f"{ch.tool_s[0]:g}-{ch.tool_s[1]:g} s), {a['tool_calls_trained']} tool calls "
           f"trained, {a['executions']} executions, {a['persisted']} calls persisted, "
           f"{a['rerun_in_flight']} in flight at a fault ran again (same key), "
-          f"{a['failed_samples']} samples failed {a['failure_reasons'] or ''}")
+          f"{a['restores']} environments restored, {a['effects_untrained']} effects of "
+          f"calls in no trained trajectory (an episode begun again), {a['failed_samples']} samples failed "
+          f"{a['failure_reasons'] or ''}".rstrip())
     kills = sum(1 for f in ch.faults if f.incarnation)
     redo = a["model_tokens_live"] - a["model_tokens_trained"]
     print(f"agentic: model tokens generated live {a['model_tokens_live']}, in trained "
@@ -729,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--done")
     ap.add_argument("--interval", type=int, default=3)
     ap.add_argument("--step-s", type=float, default=0.1, help="the trainer's step time")
-    ap.add_argument("--quick", action="store_true", help="CI size: 160 prompts, 16 faults")
+    ap.add_argument("--quick", action="store_true", help="CI size: 160 prompts, 16 faults "
+                    "(agentic: 24 prompts, 7 faults, 5 turns, tools 0.05-0.5 s)")
     ap.add_argument("--prompts", type=int, default=400)
     ap.add_argument("--faults", type=int, default=300)
     ap.add_argument("--gap", type=float, default=1.0, help="max seconds between faults")
@@ -762,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
             args.prompts, args.faults, args.gap = 24, 7, 0.6
         elif args.prompts == ap.get_default("prompts") and args.faults == ap.get_default(
                 "faults"):
-            args.prompts, args.faults, args.gap = 32, 21, 2.0
+            args.prompts, args.faults, args.gap = 48, 36, 2.0
     elif agentic:
         ap.error("--workload agentic runs on local disk, without --juicefs or --fleet-only")
     if args.role == "fleet-trainer":

@@ -284,7 +284,11 @@ def oracle(lineage: list[dict[str, Any]], ledger: str,
     twice = sorted(k for k, n in effects.items() if n > 1)
     reexec = sorted(k for k, n in at_persist.items() if execs[k] > n)
     trained = set(trained_calls)
-    return {"trajectories": trajectories, "failed_samples": failed,
+    return {"restores": sum(counts(ledger, "restored").values()),
+            # effects of episodes never trained: a trajectory begun again from its prompt
+            # (nothing of it saved before a fault) calls its tools with new keys
+            "effects_untrained": sum(1 for k in effects if k not in trained),
+            "trajectories": trajectories, "failed_samples": failed,
             "failure_reasons": dict(reasons), "tool_calls_trained": len(trained_calls),
             "executions": sum(execs.values()), "persisted": len(at_persist),
             "effects_twice": twice, "persisted_reexecuted": reexec,
