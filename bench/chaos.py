@@ -694,7 +694,8 @@ def agentic_report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any]) -> None:
           f"trained, {a['executions']} executions, {a['persisted']} calls persisted, "
           f"{a['rerun_in_flight']} in flight at a fault ran again (same key), "
           f"{a['restores']} environments restored, {a['effects_untrained']} effects of "
-          f"calls in no trained trajectory (an episode begun again), {a['failed_samples']} samples failed "
+          f"calls in no trained trajectory (work discarded at a fault), "
+          f"{a['failed_samples']} samples failed "
           f"{a['failure_reasons'] or ''}".rstrip())
     kills = sum(1 for f in ch.faults if f.incarnation)
     redo = a["model_tokens_live"] - a["model_tokens_trained"]
@@ -747,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=int, default=3)
     ap.add_argument("--step-s", type=float, default=0.1, help="the trainer's step time")
     ap.add_argument("--quick", action="store_true", help="CI size: 160 prompts, 16 faults "
-                    "(agentic: 24 prompts, 7 faults, 5 turns, tools 0.05-0.5 s)")
+                    "(agentic: 40 prompts, 7 faults, 5 turns, tools 0.05-0.5 s)")
     ap.add_argument("--prompts", type=int, default=400)
     ap.add_argument("--faults", type=int, default=300)
     ap.add_argument("--gap", type=float, default=1.0, help="max seconds between faults")
@@ -777,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"--tool-max, got {args.turns}, {args.tool_min}, {args.tool_max}")
         if args.quick:
             args.quick = False
-            args.prompts, args.faults, args.gap = 24, 7, 0.6
+            args.prompts, args.faults, args.gap = 40, 7, 0.4
         elif args.prompts == ap.get_default("prompts") and args.faults == ap.get_default(
                 "faults"):
             args.prompts, args.faults, args.gap = 48, 36, 2.0
