@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -96,14 +97,20 @@ class KV:
 
 
 def remote_put(url: str, key: str, args: dict[str, Any], result: dict[str, int],
-               try_s: float, deadline_s: float) -> dict[str, int]:
+               try_s: float, deadline_s: float,
+               stop: threading.Event | None = None) -> dict[str, int]:
     """``POST <url>/put`` until the server answers, always with the same ``key``; a
     ``TimeoutError`` naming the last error once ``deadline_s`` passed (blocking: run it
-    in a thread)."""
+    in a thread). Once ``stop`` is set (the call was abandoned: its sample halted) it is
+    not tried again (``RuntimeError``): a new holder of the trajectory runs the call, and
+    a retry from here could reach the server after that holder persisted its result."""
     body = json.dumps({"key": key, "args": args, "result": result}).encode()
     end = time.monotonic() + deadline_s
     error = "no try"
     while True:
+        if stop is not None and stop.is_set():
+            raise RuntimeError(f"put {key} was abandoned: not tried again "
+                               f"(last error: {error})")
         left = end - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"tool server {url} did not answer put {key} within "
@@ -119,7 +126,7 @@ def remote_put(url: str, key: str, args: dict[str, Any], result: dict[str, int],
             error = f"HTTP {exc.code}"
         except (OSError, ValueError) as exc:  # refused, reset, timed out, a torn answer
             error = f"{type(exc).__name__}: {exc}"
-        time.sleep(min(0.2, max(end - time.monotonic(), 0)))
+        (stop or threading.Event()).wait(min(0.2, max(end - time.monotonic(), 0)))
 
 
 def kv_agent(ledger: str, turns: int = 6, tool_s: float = 0.0, restore: str = "snapshot",
@@ -160,8 +167,14 @@ def kv_agent(ledger: str, turns: int = 6, tool_s: float = 0.0, restore: str = "s
             assert tool_url is not None
             store.data[str(args["k"])] = int(args["v"])  # a put: applying it again is a no-op
             out = {"sum": sum(store.data.values()) % 97}
-            return await asyncio.get_running_loop().run_in_executor(
-                pool(), remote_put, tool_url, key, args, out, tool_try_s, tool_deadline_s)
+            stop = threading.Event()
+            try:
+                return await asyncio.get_running_loop().run_in_executor(
+                    pool(), remote_put, tool_url, key, args, out, tool_try_s,
+                    tool_deadline_s, stop)
+            except BaseException:  # halted, timed out: the thread gives the call up
+                stop.set()
+                raise
 
         async def put(args: dict[str, Any], key: str) -> dict[str, int]:
             _touch(os.path.join(ledger, "exec", f"{key}.{uuid.uuid4().hex}"))

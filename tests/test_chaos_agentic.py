@@ -103,6 +103,35 @@ def test_a_remote_call_keeps_its_key_until_a_server_answers(tmp_path: Path) -> N
         remote_put(f"http://127.0.0.1:{port}", "s.1.g0.e0.c4.k", {}, {}, 0.2, 0.5)
 
 
+def test_an_abandoned_remote_call_is_not_tried_again(tmp_path: Path) -> None:
+    """A call given up by its sample (halted: a new holder runs it) stops retrying, so it
+    cannot reach the server after the new holder persisted the result."""
+    port, ledger = _port(), tmp_path / "ledger"
+    url = f"http://127.0.0.1:{port}"
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            remote_put(url, "s.2.g0.e0.c1.k", {"k": "k1", "v": 4}, {"sum": 4}, 2.0, 60.0, stop)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            errors.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()  # nothing listens: it retries
+    stop.set()
+    caller.join(30)
+    assert not caller.is_alive() and len(errors) == 1
+    assert "abandoned" in str(errors[0])
+    proc = _server(port, ledger)
+    try:
+        remote_put(url, "other.key", {"k": "k0", "v": 1}, {"sum": 1}, 5.0, 60.0)
+        assert counts(str(ledger), "exec") == {"other.key": 1}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def _write(ledger: Path, kind: str, name: str, obj: Any = None) -> None:
     os.makedirs(ledger / kind, exist_ok=True)
     (ledger / kind / name).write_text(json.dumps(obj) if obj is not None else "")
