@@ -428,6 +428,11 @@ class Chaos:
                 proc.signal(signal.SIGCONT)
                 proc.stopped = False
         fault.end = time.time()
+        if self.workload == "agentic":  # beside the ledger's times, for reading a failure
+            with open(self.work / "faults.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps({"victim": victim, "kind": kind, "at": fault.at,
+                                    "end": fault.end, "pid": proc.p.pid if proc.p else None})
+                        + "\n")
         print(f"fault {len(self.faults)}: {kind} {victim} ({fault.end - fault.at:.1f}s)",
               file=sys.stderr, flush=True)
 

@@ -137,7 +137,8 @@ def serve(port: int, ledger: str, lat_min: float, lat_max: float) -> int:
                 self._answer(504, {"error": "the caller's deadline passed: not executed"})
                 return
             _durable(os.path.join(ledger, "exec", f"{key}.{uuid.uuid4().hex}"),
-                     json.dumps({"t": time.time(), "pid": os.getpid()}).encode())
+                     json.dumps({"t": time.time(), "pid": os.getpid(),
+                                 "caller": str(body.get("caller", ""))}).encode())
             with lock:
                 latency = math.exp(rng.uniform(math.log(lat_min), math.log(lat_max)))
             time.sleep(latency)
@@ -182,7 +183,7 @@ def trained_group(grp: Any) -> dict[str, Any]:
 
 # -- persisted calls -------------------------------------------------------------------------
 
-def saved_keys(storage: Any) -> set[str]:
+def saved_keys(storage: Any) -> dict[str, str]:
     """Tool keys in the records a next holder would load now: each task's newest turn
     checkpoint unless a newer generation wrote anything in its directory (a stale holder's
     save, never loaded), and the partial records of pending tasks."""
@@ -193,7 +194,7 @@ def saved_keys(storage: Any) -> set[str]:
     from strawq.records import Kind
     from strawq.turns import TURNS_DIR
 
-    groups: list[Any] = []
+    groups: list[tuple[str, Any]] = []
     for task in storage.list(TURNS_DIR):
         newest: tuple[int, Any] | None = None
         top = -1
@@ -210,7 +211,8 @@ def saved_keys(storage: Any) -> set[str]:
             if rec.kind is Kind.PARTIAL and newest is None:
                 newest = (gen, rec)
         if newest is not None and newest[0] >= top:
-            groups.append(GroupData.from_record(newest[1]))
+            groups.append((f"{TURNS_DIR}/{task} gen {newest[0]}",
+                           GroupData.from_record(newest[1])))
     for d in ("pending", "partial"):
         for n in storage.list(d):
             t = TaskName.try_parse(n.rsplit("/", 1)[-1])
@@ -221,16 +223,17 @@ def saved_keys(storage: Any) -> set[str]:
             except Exception:  # noqa: BLE001 - moved on under us
                 continue
             if rec.kind is Kind.PARTIAL:
-                groups.append(GroupData.from_record(rec))
-    keys: set[str] = set()
-    for grp in groups:
+                groups.append((f"{d}/{n}", GroupData.from_record(rec)))
+    keys: dict[str, str] = {}
+    for where, grp in groups:
         for tr in grp.meta.get("trajectories") or []:
-            keys |= {e["key"] for e in Trajectory.from_dict(tr).tool_calls()}
+            keys.update({e["key"]: where for e in Trajectory.from_dict(tr).tool_calls()})
     return keys
 
 
 class PersistWatch:
-    """Executions of each call at the first scan that found its result saved."""
+    """Executions of each call at the first scan that found its result saved (and when, and
+    in which record: ``<ledger>/persisted.jsonl``)."""
 
     def __init__(self, storage: Any, ledger: str) -> None:
         self.storage, self.ledger = storage, ledger
@@ -239,10 +242,16 @@ class PersistWatch:
     def scan(self) -> None:
         from strawq.demo.agentic_kv import counts
 
-        keys = saved_keys(self.storage) - set(self.at_persist)
+        found = saved_keys(self.storage)
+        keys = set(found) - set(self.at_persist)
         if keys:
             now = counts(self.ledger, "exec")
             self.at_persist.update({k: now[k] for k in keys})
+            with open(os.path.join(self.ledger, "persisted.jsonl"), "a",
+                      encoding="utf-8") as f:
+                for k in sorted(keys):
+                    f.write(json.dumps({"t": time.time(), "key": k, "execs": now[k],
+                                        "in": found[k]}) + "\n")
 
 
 # -- the oracle ------------------------------------------------------------------------------

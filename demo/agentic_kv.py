@@ -104,7 +104,8 @@ def remote_put(url: str, key: str, args: dict[str, Any], result: dict[str, int],
     in a thread). Once ``stop`` is set (the call was abandoned: its sample halted) it is
     not tried again (``RuntimeError``): a new holder of the trajectory runs the call, and
     a retry from here could reach the server after that holder persisted its result."""
-    body = json.dumps({"key": key, "args": args, "result": result}).encode()
+    body = json.dumps({"key": key, "args": args, "result": result,
+                       "caller": f"{os.getpid()}/{threading.get_ident()}"}).encode()
     end = time.monotonic() + deadline_s
     error = "no try"
     while True:
