@@ -3,6 +3,8 @@ total-queue check and a storage check.
 
     python bench/chaos.py [--quick] [--faults F] [--prompts N] [--workdir DIR]
                           [--juicefs DIR]          # the run on a two-client JuiceFS volume
+    python bench/chaos.py --workload agentic [--quick] [--turns T] [--tool-min S]
+                          [--tool-max S]           # trajectories with tools (chaos_agentic.py)
 
 Processes: two sim engines (``strawq engine serve --kind sim``, each behind a counting
 proxy in this process that tallies the completion tokens of every ``/generate`` answer by
@@ -34,6 +36,19 @@ Per victim: faults, recovery (restart or SIGCONT → the trainer's next new batc
 of tasks hit by that victim's faults that were generated and then thrown away, and for the
 trainer the steps lost (trained since its last checkpoint). Tokens an engine generated for
 an answer it never returned (it was killed) are invisible to the proxy: T is a lower bound.
+
+``--workload agentic`` (``bench/chaos_agentic.py`` has the parts): the producers run the
+stateful key-value agent, 10 turns deep (48 prompts, 36 faults by default), each turn
+followed by a ``put`` executed by a tool server process (0.5–5 s a call); the victims are the
+engines, the producers, the tool server, the collector and the trainer. The trainer records
+every trained trajectory; after the total-queue check an oracle checks each against the tool
+server's ledger and the store its calls describe. Last line::
+
+    chaos agentic: faults = F, lost = L, duplicated = D, tool effects applied twice = A,
+    persisted tool calls re-executed = P, environment mismatches = M, tokens lost per fault
+    = T, recovery p50 = R s
+
+(one line; T counts generated tokens only, appended tool tokens are not the engines').
 
 Per producer kill (each producer incarnation runs with its own ``--producer-id``, so every
 rid names it): the tokens it had in flight — generated for the leases it held and had not
@@ -71,6 +86,10 @@ from chaos_proxy import Proxies, Tally, parse_rid  # noqa: E402
 
 PY = sys.executable
 VICTIMS = ("engine0", "engine1", "producer0", "producer1", "collector", "trainer", "operator")
+#: ``--workload agentic`` (bench/chaos_agentic.py): the tool server is a victim, the operator
+#: is not (the dataset is small; its releases and gc stay in the default workload)
+AGENTIC_VICTIMS = ("engine0", "engine1", "producer0", "producer1", "tool", "collector",
+                   "trainer")
 
 
 # -- the trainer role ------------------------------------------------------------------------
@@ -89,7 +108,8 @@ def _write_json_atomic(path: str, obj: Any) -> None:
         os.close(fd)
 
 
-def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done: str) -> int:
+def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done: str,
+            agentic: bool = False) -> int:
     from strawq.collector.errors import BatchTimeout
     from strawq.collector.reader import BatchReader
 
@@ -124,6 +144,12 @@ def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done
         groups = [{"id": g.id, "gen": g.gen,
                    "tokens": int(sum(s["sample_lens"]))}
                   for g, s in zip(batch.groups, batch.summaries, strict=True)]
+        if agentic:  # the trained trajectories, for the oracle (gc removes the records)
+            from chaos_agentic import trained_group
+            for g, name in zip(groups, batch.groups, strict=True):
+                g["agentic"] = trained_group(reader.queue.read_group(name.id, name.gen))
+                g["tokens"] = sum(x["gen_tokens"] for x in g["agentic"]["samples"]
+                                  if x["status"] != "failed")
         time.sleep(step_s)  # the optimizer step
         model.append({"seq": batch.seq, "groups": groups})
         steps += 1
@@ -214,6 +240,14 @@ class Chaos:
     faults: list[Fault] = field(default_factory=list)
     extra_collectors: list[Proc] = field(default_factory=list)
     _cycle: list[str] = field(default_factory=list)
+    #: "default" or "agentic" (turns deep, tool latency [min, max] s)
+    workload: str = "default"
+    turns: int = 10
+    tool_s: tuple[float, float] = (0.5, 5.0)
+
+    @property
+    def victims(self) -> tuple[str, ...]:
+        return AGENTIC_VICTIMS if self.workload == "agentic" else VICTIMS
 
     def path(self, i: int) -> str:
         return self.run_a if i % 2 == 0 else self.run_b
@@ -230,20 +264,23 @@ class Chaos:
                               "--set", "release_batch=8", "--set", "max_attempts=50"),
                        check=True, cwd=ROOT)
         self.engine_ports = [self._free_port() for _ in range(2)]
+        lens = ("12", "30") if self.workload == "agentic" else ("24", "96")
         for i, port in enumerate(self.engine_ports):
             self.procs[f"engine{i}"] = Proc(f"engine{i}", strawq(
                 "engine", "serve", "--kind", "sim", "--port", str(port), "--step-base-ms", "4",
-                "--step-per-req-ms", "0.05", "--len-median", "24", "--len-cap", "96",
+                "--step-per-req-ms", "0.05", "--len-median", lens[0], "--len-cap", lens[1],
                 "--cap-prob", "0.02", "-q"), str(self.work / f"engine{i}.log"))
             self.procs[f"engine{i}"].start()
         self._wait_engines()
         self.proxies = Proxies(self.engine_ports, self.tally)
         urls = [a for port in self.proxies.ports for a in ("--engine",
                                                             f"http://127.0.0.1:{port}")]
+        extra = ["--slots", "4", "--set", "sampling.max_new_tokens=96"]
+        if self.workload == "agentic":
+            extra = self._agentic_setup()
         for i in range(2):
             self.procs[f"producer{i}"] = Proc(f"producer{i}", strawq(
-                "producer", self.path(i), *urls, "--slots", "4",
-                "--set", "sampling.max_new_tokens=96",
+                "producer", self.path(i), *urls, *extra,
                 "--reward", "strawq.producers.rewards.count_task",
                 "-q"), str(self.work / f"producer{i}.log"), producer_id=True)
         self.procs["collector"] = self._collector(0)
@@ -253,12 +290,40 @@ class Chaos:
         self.procs["trainer"] = Proc("trainer", [
             PY, str(Path(__file__).resolve()), "--role", "trainer", "--run", self.path(1),
             "--ckpt", self.ckpt, "--events", self.events, "--interval", str(self.interval),
-            "--step-s", str(self.step_s), "--done", self.done], str(self.work / "trainer.log"))
+            "--step-s", str(self.step_s), "--done", self.done,
+            *(["--workload", "agentic"] if self.workload == "agentic" else [])],
+            str(self.work / "trainer.log"))
         for name in ("producer0", "producer1", "collector", "trainer"):
             self.procs[name].start()
         self.operator_rng = random.Random(self.seed + 1)
         self.procs["operator"] = Proc("operator", [PY, "-c", "pass"],
                                       str(self.work / "operator.log"))
+
+    def _agentic_setup(self) -> list[str]:
+        """Start the tool server; the producers' arguments for the key-value agent."""
+        from chaos_agentic import PersistWatch
+        from strawq.storage import open_storage
+
+        self.ledger = str(self.work / "ledger")
+        port = self._free_port()
+        self.procs["tool"] = Proc("tool", [
+            PY, str(Path(__file__).resolve()), "--role", "tool-server", "--port", str(port),
+            "--ledger", self.ledger, "--tool-min", str(self.tool_s[0]),
+            "--tool-max", str(self.tool_s[1])], str(self.work / "tool.log"))
+        self.procs["tool"].start()
+        self._wait_engines([port])
+        self.watch = PersistWatch(open_storage(self.run_a, writer_id="chaos-watch"),
+                                  self.ledger)
+        # a try outlasts the slowest call plus the longest stop; the agent gives up (the
+        # sample fails with the reason recorded) only after many tries with the same key
+        try_s = self.tool_s[1] + self.max_stop + 1.0
+        deadline = max(20 * try_s, 60.0)
+        args = {"ledger": self.ledger, "turns": self.turns, "tool_url":
+                f"http://127.0.0.1:{port}", "tool_try_s": try_s, "tool_deadline_s": deadline}
+        return ["--slots", "8", "--set", f"sampling.max_new_tokens={self.turns * 40}",
+                "--set", "plugins.generate=strawq.demo.agentic_kv.kv_agent",
+                "--set", f"plugins.generate_args={json.dumps(args)}",
+                "--set", f"tools.timeout_s={deadline + 10}", "--set", "tools.retries=0"]
 
     def _collector(self, n: int) -> Proc:
         return Proc("collector", strawq(
@@ -323,7 +388,7 @@ class Chaos:
 
     def inject(self, rng: random.Random) -> None:
         if not self._cycle:  # every victim once per round, in a random order
-            self._cycle = list(VICTIMS)
+            self._cycle = list(self.victims)
             rng.shuffle(self._cycle)
         victim = self._cycle.pop()
         proc = self.procs[victim]
@@ -364,11 +429,21 @@ class Chaos:
                 proc.signal(signal.SIGCONT)
                 proc.stopped = False
         fault.end = time.time()
+        if self.workload == "agentic":  # beside the ledger's times, for reading a failure
+            with open(self.work / "faults.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps({"victim": victim, "kind": kind, "at": fault.at,
+                                    "end": fault.end, "pid": proc.p.pid if proc.p else None})
+                        + "\n")
         print(f"fault {len(self.faults)}: {kind} {victim} ({fault.end - fault.at:.1f}s)",
               file=sys.stderr, flush=True)
 
     def nemesis(self) -> None:
         rng = random.Random(self.seed + 2)
+        if self.workload == "agentic":  # faults mid-trajectory, not while the fleet starts
+            from strawq.demo.agentic_kv import counts
+            until = time.time() + 120
+            while sum(counts(self.ledger, "exec").values()) < 8 and time.time() < until:
+                time.sleep(0.1)
         next_op = time.time()
         while len(self.faults) < self.faults_target and self.collector_running():
             now = time.time()
@@ -376,6 +451,8 @@ class Chaos:
                 self.operator_tick()
                 next_op = now + 0.7
             self.keep_alive()
+            if self.workload == "agentic":
+                self.watch.scan()
             self.inject(rng)
             time.sleep(rng.uniform(0.2, self.gap))
 
@@ -389,7 +466,9 @@ class Chaos:
     def keep_alive(self) -> None:
         """A process that exited on its own (a fenced collector exits 1; a producer whose
         engines were all down may give up) is started again, except a drained collector."""
-        for name in ("engine0", "engine1", "producer0", "producer1", "trainer"):
+        for name in ("engine0", "engine1", "producer0", "producer1", "trainer", "tool"):
+            if name not in self.procs:
+                continue
             proc = self.procs[name]
             if not proc.alive() and not proc.stopped:
                 proc.restarts += 1
@@ -404,6 +483,8 @@ class Chaos:
         end = time.time() + deadline_s
         while time.time() < end:
             self.keep_alive()
+            if self.workload == "agentic":
+                self.watch.scan()
             col = self.procs["collector"]
             if not col.alive() and col.p is not None and col.p.returncode == 0:
                 break
@@ -449,8 +530,12 @@ class Chaos:
                 key = f"{d}/{n}"
                 left += [f"{key}/{m}" for m in storage.list(key)] if storage.is_dir(key) \
                     else [key]
-        return {"lineage": lineage, "lost": lost, "duplicated": duplicated, "left": left,
-                "dropped": sorted(dropped), "steps": saved["steps"]}
+        res = {"lineage": lineage, "lost": lost, "duplicated": duplicated, "left": left,
+               "dropped": sorted(dropped), "steps": saved["steps"]}
+        if self.workload == "agentic":
+            from chaos_agentic import oracle
+            res["agentic"] = oracle(lineage, self.ledger, self.watch.at_persist)
+        return res
 
     def figures(self, res: dict[str, Any]) -> dict[str, Any]:
         events = [json.loads(line) for line in open(self.events, encoding="utf-8")]
@@ -471,7 +556,7 @@ class Chaos:
             per_task[task].append((t, producer, gen, n))
         by_victim: dict[str, dict[str, Any]] = {
             v: {"faults": 0, "recovery": [], "tokens_lost": 0, "steps_lost": []}
-            for v in VICTIMS}
+            for v in self.victims}
         for f in self.faults:
             row = by_victim[f.victim]
             row["faults"] += 1
@@ -563,7 +648,9 @@ def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str,
         print(f"{v:<10} {row['faults']:>6} {kinds.count('kill9'):>6} "
               f"{kinds.count('sigstop'):>5} {rec:>15} {row['tokens_lost']:>12} {per:>10} "
               f"{steps:>11}")
-    kills = fig["producer_kills"]
+    # (agentic: a killed producer's next lease resumes from its turn checkpoint, not from
+    # the prompt, so what it generates is not a redo; agentic_report gives the redo)
+    kills = fig["producer_kills"] if ch.workload == "default" else []
     if kills:
         print("producer kills: tokens in flight at the kill (answers received + requests "
               "running) vs tokens regenerated by the same tasks' next lease")
@@ -597,15 +684,66 @@ def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str,
         print(f"fleet time: the restarted trainer's first bracket waited "
               f"{fleet['trainer_bracket']:.1f}s of its {fleet['trainer']:.1f}s")
         print(fleet_line(fleet))
+    if ch.workload == "agentic":
+        agentic_report(ch, res, fig)
+        return
     print(f"chaos: faults = {len(ch.faults)}, lost = {len(res['lost'])}, "
           f"duplicated = {len(res['duplicated'])}, "
           f"tokens lost per fault = {fig['tokens_lost_per_fault']:.0f}, "
           f"recovery p50 = {fig['recovery_p50']:.2f} s")
 
 
+def agentic_report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any]) -> None:
+    a = res["agentic"]
+    print(f"agentic: {a['trajectories']} trajectories trained ({ch.turns} turns, tools "
+          f"{ch.tool_s[0]:g}-{ch.tool_s[1]:g} s), {a['tool_calls_trained']} tool calls "
+          f"trained, {a['executions']} executions, {a['persisted']} calls persisted, "
+          f"{a['rerun_in_flight']} in flight at a fault ran again (same key), "
+          f"{a['restores']} environments restored, {a['effects_untrained']} effects of "
+          f"calls in no trained trajectory (work discarded at a fault), "
+          f"{a['failed_samples']} samples failed "
+          f"{a['failure_reasons'] or ''}".rstrip())
+    kills = sum(1 for f in ch.faults if f.incarnation)
+    redo = a["model_tokens_live"] - a["model_tokens_trained"]
+    print(f"agentic: model tokens generated live {a['model_tokens_live']}, in trained "
+          f"trajectories {a['model_tokens_trained']}: regenerated {redo} over {kills} producer "
+          f"kills ({redo / kills if kills else 0:.1f} a kill; turns cut by a fault are in "
+          "neither)")
+    for what in ("effects_twice", "persisted_reexecuted", "world_mismatches"):
+        if a[what]:
+            print(f"agentic check FAILED: {what}: {a[what][:5]}")
+    if a["agent_mismatches"]:
+        print(f"agentic check FAILED: {a['agent_mismatches']} samples found their store "
+              f"wrong (ledger/mismatch)")
+    print(f"chaos agentic: faults = {len(ch.faults)}, lost = {len(res['lost'])}, "
+          f"duplicated = {len(res['duplicated'])}, "
+          f"tool effects applied twice = {len(a['effects_twice'])}, "
+          f"persisted tool calls re-executed = {len(a['persisted_reexecuted'])}, "
+          f"environment mismatches = {a['env_mismatches']}, "
+          f"tokens lost per fault = {fig['tokens_lost_per_fault']:.0f}, "
+          f"recovery p50 = {fig['recovery_p50']:.2f} s")
+
+
+def agentic_bad(res: dict[str, Any]) -> bool:
+    a = res.get("agentic")
+    return a is not None and bool(a["effects_twice"] or a["persisted_reexecuted"]
+                                  or a["env_mismatches"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--role", choices=["bench", "trainer", "fleet-trainer"], default="bench")
+    ap.add_argument("--role", choices=["bench", "trainer", "fleet-trainer", "tool-server"],
+                    default="bench")
+    ap.add_argument("--workload", choices=["default", "agentic"], default="default",
+                    help="agentic: the key-value agent with a tool server (chaos_agentic.py)")
+    ap.add_argument("--turns", type=int, default=None,
+                    help="agentic: turns per trajectory (default 10; --quick 5)")
+    ap.add_argument("--tool-min", type=float, default=None,
+                    help="agentic: shortest tool call, s (default 0.5; --quick 0.05)")
+    ap.add_argument("--tool-max", type=float, default=None,
+                    help="agentic: longest tool call, s (default 5; --quick 0.5)")
+    ap.add_argument("--port", type=int, help="tool-server: its port")
+    ap.add_argument("--ledger", help="tool-server: its ledger directory")
     ap.add_argument("--engine", help="fleet-trainer: the engine it pushes weights to")
     ap.add_argument("--fleet-only", action="store_true",
                     help="only the fleet-time phase (seconds lost per failure kind)")
@@ -615,7 +753,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--done")
     ap.add_argument("--interval", type=int, default=3)
     ap.add_argument("--step-s", type=float, default=0.1, help="the trainer's step time")
-    ap.add_argument("--quick", action="store_true", help="CI size: 160 prompts, 16 faults")
+    ap.add_argument("--quick", action="store_true", help="CI size: 160 prompts, 16 faults "
+                    "(agentic: 40 prompts, 7 faults, 5 turns, tools 0.05-0.5 s)")
     ap.add_argument("--prompts", type=int, default=400)
     ap.add_argument("--faults", type=int, default=300)
     ap.add_argument("--gap", type=float, default=1.0, help="max seconds between faults")
@@ -629,7 +768,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="longest pause between a kill -9 and the restart, seconds")
     args = ap.parse_args(argv)
     if args.role == "trainer":
-        return trainer(args.run, args.ckpt, args.events, args.interval, args.step_s, args.done)
+        return trainer(args.run, args.ckpt, args.events, args.interval, args.step_s, args.done,
+                       agentic=args.workload == "agentic")
+    if args.role == "tool-server":
+        from chaos_agentic import serve
+        return serve(args.port, args.ledger, args.tool_min, args.tool_max)
+    agentic = args.workload == "agentic"
+    if agentic and not args.juicefs and not args.fleet_only:
+        quick = args.quick
+        args.turns = args.turns or (5 if quick else 10)
+        args.tool_min = args.tool_min if args.tool_min is not None else (0.05 if quick else 0.5)
+        args.tool_max = args.tool_max if args.tool_max is not None else (0.5 if quick else 5.0)
+        if not (args.turns >= 2 and 0 < args.tool_min <= args.tool_max):
+            ap.error(f"--workload agentic needs --turns >= 2 and 0 < --tool-min <= "
+                     f"--tool-max, got {args.turns}, {args.tool_min}, {args.tool_max}")
+        if args.quick:
+            args.quick = False
+            args.prompts, args.faults, args.gap = 40, 7, 0.4
+        elif args.prompts == ap.get_default("prompts") and args.faults == ap.get_default(
+                "faults"):
+            args.prompts, args.faults, args.gap = 48, 36, 2.0
+    elif agentic:
+        ap.error("--workload agentic runs on local disk, without --juicefs or --fleet-only")
     if args.role == "fleet-trainer":
         return fleet_trainer(args.run, args.events, args.engine)
     if args.quick:
@@ -660,7 +820,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ch = Chaos(work, run_a, run_b, args.prompts, args.faults, args.gap, args.seed,
                interval=args.interval, step_s=args.step_s, restart_pause=args.restart_pause,
-               max_stop=args.max_stop)
+               max_stop=args.max_stop, workload=args.workload,
+               turns=args.turns or 10, tool_s=(args.tool_min or 0.5, args.tool_max or 5.0))
 
     def _term(_sig: int, _frame: Any) -> None:
         raise KeyboardInterrupt
@@ -681,9 +842,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     res = ch.check()
     fig = ch.figures(res)
-    fleet = fleet_lost(work / "fleet")
-    report(ch, res, fig, fs, fleet)
-    return 0 if not (res["lost"] or res["duplicated"] or res["left"]) else 1
+    report(ch, res, fig, fs, None if agentic else fleet_lost(work / "fleet"))
+    return 0 if not (res["lost"] or res["duplicated"] or res["left"] or agentic_bad(res)) else 1
 
 
 if __name__ == "__main__":

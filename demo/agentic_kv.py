@@ -22,6 +22,14 @@ Files under ``ledger`` (a test or bench counts them):
 
 ``block_at`` (a tool-call ordinal): that call waits for ``<ledger>/go`` before its effect
 (after writing ``<ledger>/started.<key>``), so a test can pause or kill while it runs.
+
+``tool_url``: the ``put`` effect runs in a tool server process instead (``POST <url>/put``
+with the key, the args and the result; ``bench/chaos_agentic.py`` serves it and writes
+``exec/`` and ``effect/`` in its own ledger). The store is still the sample's environment;
+the server is the world outside, which applies a key once. A call the server does not
+answer (killed, stopped, restarting) is tried again with the **same** key every
+``tool_try_s`` at most, until ``tool_deadline_s`` passed: then the tool fails with the last
+error (the context's failure policy applies: ``tools.timeout_s`` must be above it).
 """
 
 from __future__ import annotations
@@ -29,8 +37,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
+import time
+import urllib.error
+import urllib.request
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from strawq.producers.generate import NOT_APPLIED, GenerateContext, GenerateFn
@@ -83,12 +96,57 @@ class KV:
             self.data = {str(k): int(v) for k, v in dict(state or {}).items()}
 
 
+def remote_put(url: str, key: str, args: dict[str, Any], result: dict[str, int],
+               try_s: float, deadline_s: float,
+               stop: threading.Event | None = None) -> dict[str, int]:
+    """``POST <url>/put`` until the server answers, always with the same ``key``; a
+    ``TimeoutError`` naming the last error once ``deadline_s`` passed (blocking: run it
+    in a thread). Once ``stop`` is set (the call was abandoned: its sample halted) it is
+    not tried again (``RuntimeError``): a new holder of the trajectory runs the call, and
+    a retry from here could reach the server after that holder persisted its result."""
+    body = json.dumps({"key": key, "args": args, "result": result,
+                       "caller": f"{os.getpid()}/{threading.get_ident()}"}).encode()
+    end = time.monotonic() + deadline_s
+    error = "no try"
+    while True:
+        if stop is not None and stop.is_set():
+            raise RuntimeError(f"put {key} was abandoned: not tried again "
+                               f"(last error: {error})")
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"tool server {url} did not answer put {key} within "
+                               f"{deadline_s:g}s (last error: {error})")
+        budget = min(try_s, left)
+        req = urllib.request.Request(
+            f"{url}/put", data=body, headers={"Content-Type": "application/json",
+                                               "X-Deadline": str(time.time() + budget)})
+        try:
+            with urllib.request.urlopen(req, timeout=budget) as r:
+                return {str(k): int(v) for k, v in json.load(r).items()}
+        except urllib.error.HTTPError as exc:
+            error = f"HTTP {exc.code}"
+        except (OSError, ValueError) as exc:  # refused, reset, timed out, a torn answer
+            error = f"{type(exc).__name__}: {exc}"
+        (stop or threading.Event()).wait(min(0.2, max(end - time.monotonic(), 0)))
+
+
 def kv_agent(ledger: str, turns: int = 6, tool_s: float = 0.0, restore: str = "snapshot",
              env: bool = True, idempotent: bool = True, reconcile: bool = True,
-             block_at: int = -1) -> GenerateFn:
+             block_at: int = -1, tool_url: str | None = None, tool_try_s: float = 10.0,
+             tool_deadline_s: float = 60.0) -> GenerateFn:
     """The generate plugin (see the module docstring)."""
     if restore not in ("snapshot", "none"):
         raise ValueError(f"kv_agent: restore must be 'snapshot' or 'none', got {restore!r}")
+    if tool_url is not None and not (0 < tool_try_s <= tool_deadline_s):
+        raise ValueError(f"kv_agent: need 0 < tool_try_s <= tool_deadline_s, got "
+                         f"{tool_try_s!r} and {tool_deadline_s!r}")
+
+    threads: list[ThreadPoolExecutor] = []
+
+    def pool() -> ThreadPoolExecutor:  # one thread per call in flight (not the loop's few)
+        if not threads:
+            threads.append(ThreadPoolExecutor(64, thread_name_prefix="kv-tool"))
+        return threads[0]
 
     def effect_path(key: str) -> str:
         return os.path.join(ledger, "effect", f"{key}.e")
@@ -105,6 +163,19 @@ def kv_agent(ledger: str, turns: int = 6, tool_s: float = 0.0, restore: str = "s
         store = KV(ledger, s.uid, restore)
         if env:
             ctx.environment(store)
+
+        async def put_remote(args: dict[str, Any], key: str) -> dict[str, int]:
+            assert tool_url is not None
+            store.data[str(args["k"])] = int(args["v"])  # a put: applying it again is a no-op
+            out = {"sum": sum(store.data.values()) % 97}
+            stop = threading.Event()
+            try:
+                return await asyncio.get_running_loop().run_in_executor(
+                    pool(), remote_put, tool_url, key, args, out, tool_try_s,
+                    tool_deadline_s, stop)
+            except BaseException:  # halted, timed out: the thread gives the call up
+                stop.set()
+                raise
 
         async def put(args: dict[str, Any], key: str) -> dict[str, int]:
             _touch(os.path.join(ledger, "exec", f"{key}.{uuid.uuid4().hex}"))
@@ -135,7 +206,8 @@ def kv_agent(ledger: str, turns: int = 6, tool_s: float = 0.0, restore: str = "s
             if t == turns - 1 or ctx.remaining_budget < 2:
                 break
             args = {"t": t, "k": f"k{t % 3}", "v": int(sum(turn.token_ids)) % 50}
-            out = await ctx.call_tool("put", args, put, idempotent=idempotent,
+            out = await ctx.call_tool("put", args, put if tool_url is None else put_remote,
+                                      idempotent=idempotent,
                                       reconcile=reconcile_put if reconcile else None)
             ctx.append([TOKEN_BASE + int(out["sum"]) % 50], kind="tool")
         if env:
@@ -151,4 +223,4 @@ def kv_agent(ledger: str, turns: int = 6, tool_s: float = 0.0, restore: str = "s
     return agent
 
 
-__all__ = ["KV", "counts", "kv_agent", "live_turn_tokens"]
+__all__ = ["KV", "counts", "kv_agent", "live_turn_tokens", "remote_put"]

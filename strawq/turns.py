@@ -22,13 +22,16 @@ A stale holder's next write lands at or below a record of the newer generation (
 ever steps one past its own last record), so it either hits it and stops, or fills a gap
 below it, where no loader looks: a loader takes the record with the highest ``seq``, and
 the newest generation's latest record is never deleted before a newer one exists. A save
-from an older generation is therefore never used once a newer holder fenced it.
+from an older generation is therefore never used once a newer holder fenced it; and a save
+lists the directory after publishing, so one that filled such a gap fails too (its record
+deleted, ``LeaseLost``) and the stale holder never goes on live past it (a tool call of a
+lease it lost).
 
 Bounded (invariant 6): a holder deletes its previous records after each save, a loader the
 records below the one it loaded, and the producer deletes the task's records once the lease
 is handed back (``TurnLog.clear``). Recovery reads one listing of the task's directory and
 the newest records in it. Every operation is counted (``TurnStats``): a save is one publish
-(create + write + fsync + rename + directory fsync) and one delete.
+(create + write + fsync + rename + directory fsync), one listing and one delete.
 """
 
 from __future__ import annotations
@@ -205,12 +208,31 @@ class TurnLog:
             raise LeaseLost(f"lease {self.name} was fenced by a newer generation")
         group.meta["checkpoint"] = self._header_fields()
         seq = self._publish(group.encode(Kind.PARTIAL), self.last + 1)
+        self._refuse_gap(seq)
         self.stats.saves += 1
         old, self._mine, self._below = self._mine + self._below, [seq], []
         self.last = seq
         for s in old:
             self._delete(s)
         return seq
+
+    def _refuse_gap(self, seq: int) -> None:
+        """``LeaseLost`` (the record just published at ``seq`` deleted) when a newer
+        generation holds a record above it: the save filled a gap below the newer holder's
+        records (its fence is deleted after its first save). The record would never be
+        loaded, but a save that returned would let this stale holder go on live — run a
+        tool call of a lease it lost — until its next save."""
+        for above in (s for s in self._seqs() if s > seq):
+            rec = self._read(above)
+            try:
+                gen = _header(rec)["gen"] if rec is not None else None
+            except CorruptRecord:
+                continue
+            if gen is not None and gen > self.name.gen:
+                self.lost = True
+                self._delete(seq)
+                raise LeaseLost(f"lease {self.name} is fenced: generation {gen} holds task "
+                                f"{self.name.id} (turn checkpoint {above})")
 
     def _delete(self, seq: int) -> None:
         self.stats.deletes += 1

@@ -44,3 +44,27 @@ def test_chaos_bench_quick(bench_quick: Callable[..., subprocess.CompletedProces
     mean, *kinds = (float(x) for x in fleet.groups())
     # each figure is rounded to 0.1: the kinds' mean is off by up to 0.05, the mean by 0.05
     assert mean == pytest.approx(sum(kinds) / 3, abs=0.1 + 1e-9)
+
+
+@pytest.mark.timeout(200)
+def test_chaos_bench_agentic_quick(tmp_path: Path) -> None:
+    """The agentic workload: producers, engines and the tool server killed and stopped
+    mid-trajectory; the oracle's counts must be zero (bench/chaos.py exits 1 otherwise)."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "chaos.py"), "--workload",
+                           "agentic", "--quick", "--workdir", str(tmp_path / "w"),
+                           "--deadline", "120"], capture_output=True, text=True, timeout=190,
+                          cwd=REPO, check=False)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"chaos agentic: faults = (\d+), lost = 0, duplicated = 0, tool effects "
+                     r"applied twice = 0, persisted tool calls re-executed = 0, environment "
+                     r"mismatches = 0, tokens lost per fault = -?\d+, recovery p50 = "
+                     r"(\d+\.\d\d|nan) s", last)
+    assert m is not None and int(m.group(1)) >= 5, last
+    landed = set(re.findall(r"^fault \d+: (?:kill9|sigstop) (producer|engine|tool)", proc.stderr,
+                            re.M))
+    assert landed == {"producer", "engine", "tool"}, proc.stderr[-2000:]
+    # the trained trajectories hold tool calls, every one checked against the ledger
+    calls = re.search(r"^agentic: (\d+) trajectories trained \(5 turns, tools 0\.05-0\.5 s\), "
+                      r"(\d+) tool calls trained", proc.stdout, re.M)
+    assert calls is not None and int(calls.group(1)) > 0 and int(calls.group(2)) > 0

@@ -93,6 +93,26 @@ def test_a_stale_generation_checkpoint_is_never_used(tmp_path: Path) -> None:
     assert [r.kind for r in left] == [Kind.STATE, Kind.STATE]
 
 
+def test_a_stale_holders_save_after_the_new_holder_saved_is_refused(tmp_path: Path) -> None:
+    """A holder stopped past its lease wakes after the new holder saved once (its fence is
+    gone, a gap left below its save): the stale save must fail, not land in the gap and
+    return, or the stale holder goes on live (a tool call of a lost lease)."""
+    st = PosixStorage(str(tmp_path), writer_id="w", fsync=False)
+    g0 = TurnLog(st, _name(0))
+    g0.save(_group("t1", 3))
+    g1 = TurnLog(st, _name(1))
+    assert g1.load() is not None
+    g1.save(_group("t1", 5))  # deletes its fence and generation 0's record
+    with pytest.raises(LeaseLost):
+        g0.save(_group("t1", 7))
+    with pytest.raises(LeaseLost):  # and stays lost
+        g0.save(_group("t1", 9))
+    left = [records.decode(st.read(f"{turn_dir('t1')}/{n}")) for n in st.list(turn_dir("t1"))]
+    assert [r.meta["group"]["meta"]["checkpoint"]["gen"] for r in left] == [1]
+    ck = TurnLog(st, _name(2)).load()
+    assert ck is not None and ck.gen == 1 and ck.group.num_tokens == 5
+
+
 def _mismatches(ledger: Path) -> int:
     return sum(counts(str(ledger), "mismatch").values())
 
