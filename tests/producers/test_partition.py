@@ -7,7 +7,8 @@ partition. The filesystem stays shared, so the producer keeps heartbeating throu
 its leases must not sit on requests that can never return, it must not claim what it
 cannot run, and nothing may be lost or trained twice once the link heals.
 
-Needs root and ``ip netns`` (iproute2); skipped, saying why, without them.
+Needs root and ``ip netns`` (iproute2); skipped, saying why, without them. The router test
+also needs sglang-router (required in CI, ``STRAWQ_REQUIRE_SGLANG=1``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from strawq.producers.engines.testing import start_engine_subprocess
 from strawq.producers.producer import Producer
 from tests.producers.helpers import (config_with, ids, make_run, ready_groups, run_producers,
                                      wait_for)
+from tests.sglang_fixtures import start_router
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -149,3 +151,67 @@ def test_a_producer_cut_off_from_its_engine_hands_back_claims_nothing_and_loses_
     assert st.groups_yielded >= 1 and st.groups_failed == 0
     for grp in ready_groups(q).values():
         assert grp.num_samples == 4
+
+
+def test_an_engine_cut_off_from_the_router_stops_the_producers_claims_until_it_heals(
+        tmp_path: Path, sglang_router_cmd: list[str]) -> None:
+    """The router (here, as the producer) loses its only engine mid-generation: the
+    requests in flight end at the router's ``--request-timeout-secs`` and go back as
+    partials; the router lists the worker unhealthy and answers 503, and the producer,
+    probing the router's worker list, claims nothing until the router finds the worker
+    healthy again; then every task is ready exactly once."""
+    n = 4
+    q = make_run(str(tmp_path / "run"), n, lease_timeout_s=5.0, heartbeat_interval_s=0.2)
+    monitor = LeaseMonitor(q)
+    expired: list[str] = []
+    with engine_namespace("r") as link:
+        eng = start_engine_subprocess(
+            "sim", 0, wrap=["ip", "netns", "exec", link.ns], host=link.engine_ip,
+            time_scale=3.0, len_median=40, len_sigma=0.3, len_cap=60, cap_prob=0.0)
+        router = None
+        try:
+            router = start_router(sglang_router_cmd, [eng.url], log=tmp_path / "router.log",
+                                  extra_args=("--request-timeout-secs", "3",
+                                              "--health-check-interval-secs", "1",
+                                              "--health-check-timeout-secs", "1",
+                                              "--health-failure-threshold", "2",
+                                              "--retry-max-retries", "1"))
+            cfg = config_with({"run_dir": str(tmp_path / "run")}, {
+                "engine": {"router_url": router.url, "sample_retries": 0, "backoff_s": 0.1,
+                           "client": {"connect_timeout_s": 0.5, "control_timeout_s": 1.0,
+                                      "max_retries": 1, "backoff_base_s": 0.05,
+                                      "backoff_max_s": 0.1}},
+                "plugins": {"reward": f"{PLUGINS}.length_reward"},
+                "budget": {"slots": 2}, "sampling": {"max_new_tokens": 64, "seed": 1},
+                "timing": {"control_poll_s": 0.02, "idle_poll_s": 0.02}})
+            p = Producer(cfg)
+
+            def held() -> int:
+                expired.extend(monitor.scan().expired)
+                return len(ids(q, "leased"))
+
+            async def body() -> None:
+                await wait_for(lambda: p.pool.busy > 0 and held() > 0, 30,
+                               "requests in flight")
+                link.cut()
+                await wait_for(lambda: held() == 0 and not p.runner.groups, 40,
+                               "the producer to hand back the groups the router lost")
+                claimed = p.stats().groups_claimed
+                await wait_for(lambda: p.stats().engine_probes_failed >= 2, 40,
+                               "the producer to find no healthy worker behind the router")
+                assert p.stats().groups_claimed == claimed
+                assert held() == 0
+                link.heal()
+                await wait_for(lambda: held() + len(ids(q, "ready")) == n and held() == 0,
+                               60, "every task ready after the link healed")
+
+            asyncio.run(run_producers([p], body))
+        finally:
+            if router is not None:
+                router.stop()
+            eng.stop()
+    ready = ids(q, "ready")
+    assert ready == sorted(set(ready)) and len(ready) == n
+    assert ids(q, "dropped") == [] and ids(q, "pending") == [] and ids(q, "leased") == []
+    assert expired == []
+    assert p.stats().groups_yielded >= 1 and p.stats().groups_failed == 0
