@@ -84,7 +84,7 @@ def test_a_skewed_producers_leases_are_judged_right_and_nothing_is_lost_or_made_
     heartbeat intervals: not one lease expires (none early), every task becomes ready
     once, on its first lease, and on SIGTERM the producer hands back what it holds. (A
     lease of a producer gone silent expires on the grantor's clock whatever the
-    producer's: tests/collector tests the expiry itself.)"""
+    producer's: tests/strawq/test_queue_leases.py tests the expiry itself.)"""
     lib = libfaketime_or_skip()
     assert abs(clock_offset(lib, spec) - offset) < 30  # the skew is real
     n = 12
