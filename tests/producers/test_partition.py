@@ -74,16 +74,17 @@ def engine_namespace(tag: str) -> Iterator[Link]:
     _netns_or_skip()
     pid = os.getpid()
     ns, host_dev, ns_dev = f"sq{tag}{pid}", f"sq{tag}{pid}h"[:15], f"sq{tag}{pid}n"[:15]
-    net = f"10.{200 + pid % 50}.{(pid // 50) % 250}"
+    # a /30 in 198.18.0.0/15, the range set aside for network tests (RFC 2544)
+    net, base = f"198.{18 + pid % 2}.{(pid // 2) % 256}", 4 * ((pid // 512) % 64)
     try:
         _ip("netns", "add", ns)
         _ip("link", "add", host_dev, "type", "veth", "peer", "name", ns_dev, "netns", ns)
-        _ip("addr", "add", f"{net}.1/30", "dev", host_dev)
+        _ip("addr", "add", f"{net}.{base + 1}/30", "dev", host_dev)
         _ip("link", "set", host_dev, "up")
-        _ip("netns", "exec", ns, "ip", "addr", "add", f"{net}.2/30", "dev", ns_dev)
+        _ip("netns", "exec", ns, "ip", "addr", "add", f"{net}.{base + 2}/30", "dev", ns_dev)
         _ip("netns", "exec", ns, "ip", "link", "set", ns_dev, "up")
         _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        yield Link(ns, host_dev, ns_dev, f"{net}.2")
+        yield Link(ns, host_dev, ns_dev, f"{net}.{base + 2}")
     finally:
         subprocess.run(["ip", "link", "del", host_dev], capture_output=True, timeout=30)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
