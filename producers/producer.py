@@ -167,6 +167,8 @@ class Producer:
         self._wake: asyncio.Event | None = None
         self._work_changed: Callable[[], bool] = lambda: True
         self._drained = False
+        #: the engine-fault back-off after which a probe last reached an engine
+        self._probed_after = 0.0
         self.running = False
 
     @classmethod
@@ -385,7 +387,9 @@ class Producer:
                 break
             timeout = self.config.timing.control_poll_s
             n = self._claimable_groups()
-            if n > 0 and self.runner.engine_faults_in_row and not await self._engines_answer():
+            if n > 0 and self.runner.engine_faults_in_row and \
+                    self._probed_after != self.runner.backoff_until and \
+                    not await self._engines_answer():
                 n = 0
             if n > 0 and self.clock() - self._last_empty_claim >= self.config.timing.idle_poll_s \
                     and (not self._drained or self._work_changed()):
@@ -422,6 +426,7 @@ class Producer:
         probe reaches an engine: a producer cut off from its engines (a partition) claims
         nothing it cannot run, and probes at the back-off's pace (doubling, 16x at most)."""
         if await self.guard.reachable():
+            self._probed_after = self.runner.backoff_until  # once per fault, not per pass
             return True
         self._book.bump("engine_probes_failed")
         delay = self.runner.back_off()
