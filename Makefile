@@ -78,6 +78,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	@if [ "$(SGLANG_FIXTURE)" != off ]; then deploy/sglang/cpu_fixture.sh ensure; fi
+	@# libfaketime for the clock-skew tests: installed where this runs as root with apt
+	@command -v faketime >/dev/null 2>&1 || \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get install -y faketime >/dev/null || echo "faketime: apt-get install failed: the clock-skew tests will skip and say why"; \
+	  else echo "faketime: not installed (apt-get install -y faketime as root): the clock-skew tests will skip and say why"; fi
 	@deploy/juicefs/testvol.sh down "$(JFS_DIR)" >/dev/null 2>&1 || true
 	@rm -rf "$(JFS_DIR)"
 	@set -e; \

@@ -13,6 +13,13 @@ Authentication (SGLang ``--api-key`` / ``--admin-api-key``): the API key is sent
 admin-optional (abort, pause, continue, weight updates, flush) get the admin key when one
 is configured.
 
+**A silent peer** (a network partition, a host that froze): every connection keeps TCP
+keep-alive probes running, so one whose peer stops answering is closed by the kernel
+about ``control_timeout_s`` after the peer fell silent, and the call in flight on it (a
+``/generate`` waiting for its reply included) fails as :class:`EngineUnavailable` instead
+of waiting out ``generate_timeout_s``. A peer that is busy but reachable answers the
+probes, however long its reply takes (``keepalive_socket``).
+
 The transport knows URLs and paths, never what a request means: the engine client
 (``strawq.producers.sglang_client``) and the control calls
 (``strawq.producers.sglang_control``) are built over it.
@@ -23,7 +30,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -64,7 +73,10 @@ class ClientConfig(Config):
             fault (retried from the old prefix). The default is far above any expected
             segment: it bounds a stuck request, it does not shape generation.
         control_timeout_s: total time for one control call attempt (abort, loads, ...),
-            and how long an aborted ``/generate`` may take to come back.
+            and how long an aborted ``/generate`` may take to come back; also about how
+            long a connection whose peer stopped answering TCP keep-alive probes stays
+            open, or data sent into it stays unacknowledged (a partition ends a call in
+            flight after about this long, not after the deadline).
         weight_update_timeout_s: one ``/update_weights_from_disk`` attempt (it may wait
             for in-flight requests on an unpaused engine).
         max_retries: retries after the first attempt for retryable faults.
@@ -121,6 +133,31 @@ class ClientConfig(Config):
             )
 
 
+def keepalive_socket(silent_s: float) -> Callable[[Any], socket.socket]:
+    """aiohttp's ``socket_factory``: sockets whose kernel closes the connection once the
+    peer has not answered for about ``silent_s``: keep-alive probes on an idle connection
+    (idle half of it, then three probes over the other half; whole seconds, at least one
+    each), the TCP user timeout on data sent and not acknowledged."""
+    idle = max(1, math.ceil(silent_s / 2))
+    interval = max(1, math.ceil(silent_s / 6))
+
+    def make(addr_info: Any) -> socket.socket:
+        family, kind, proto, _, _ = addr_info
+        sock = socket.socket(family=family, type=kind, proto=proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        # keep-alive bounds a silent peer on an idle connection (a reply awaited), the
+        # user timeout one on a connection with data unacknowledged (a request sent
+        # into the partition)
+        for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval),
+                            ("TCP_KEEPCNT", 3),
+                            ("TCP_USER_TIMEOUT", max(1000, math.ceil(silent_s * 1000)))):
+            opt = getattr(socket, name, None)  # Linux; elsewhere the system's defaults
+            if opt is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+        return sock
+    return make
+
+
 class Retryable(Exception):
     """A fault worth retrying; :meth:`Transport.with_retries` unwraps it (it never leaves
     the engine client)."""
@@ -140,7 +177,9 @@ class Transport:
 
     async def start(self) -> None:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self.config.pool_limit, limit_per_host=0)
+            connector = aiohttp.TCPConnector(
+                limit=self.config.pool_limit, limit_per_host=0,
+                socket_factory=keepalive_socket(self.config.control_timeout_s))
             self._session = aiohttp.ClientSession(connector=connector)
 
     async def close(self) -> None:
@@ -203,7 +242,12 @@ class Transport:
             ) as resp:
                 data = await resp.read()
                 status = resp.status
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError as exc:
+            if getattr(exc, "errno", None) is not None:  # ETIMEDOUT: the kernel gave up
+                raise Retryable(EngineUnavailable(
+                    f"{method} {path}: connection lost, the engine stopped answering "
+                    f"({_reason(exc)}; a network partition or a frozen host)", url=base)
+                ) from None
             raise Retryable(
                 EngineTimeout(f"{method} {path} timed out after {timeout_s:.1f}s", url=base)
             ) from None

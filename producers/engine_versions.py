@@ -240,6 +240,23 @@ class VersionGuard:
                             exc)
         self._last_probe = self.clock()
 
+    async def reachable(self) -> bool:
+        """Whether the generate path answers at all: behind a router, the router lists a
+        healthy worker; else some worker answers its version probe (any version)."""
+        client = self._client()
+        if self._router_url() is not None:
+            try:
+                workers = await asyncio.wait_for(client.refresh_workers(), self.probe_timeout_s)
+            except (EngineError, asyncio.TimeoutError) as exc:
+                log.debug("router probe failed: %s", exc)
+                return False
+            return any(getattr(w, "is_healthy", True) for w in workers)
+        urls = self._worker_urls()
+        if not urls or getattr(client, "weight_version", None) is None:
+            return True  # nothing to probe with: the generate path's retries judge
+        found = await asyncio.gather(*(self._probe(u) for u in urls))
+        return any(v is not None for v in found)
+
     async def _register(self, urls: list[str]) -> None:
         """Register the engines not yet registered by this producer (``engine-urls/``)."""
         new = [u for u in urls if u not in self._registered]

@@ -78,6 +78,8 @@ class ProducerStats:
     tokens_generated: int = 0
     reward_errors: int = 0
     engine_faults: int = 0
+    #: claim-time probes after an engine fault that reached no engine (claimed nothing)
+    engine_probes_failed: int = 0
     unexpected_aborts: int = 0
     #: segments aborted at their deadline (``ClientConfig.generate_timeout_s``), tokens kept
     segment_deadlines: int = 0

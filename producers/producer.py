@@ -30,7 +30,9 @@ it claims again once the pause is resumed.
 engine on a version other than the run's (outside a bracket) is discarded and re-issued;
 the engine leaves the rotation, is noted under ``engines/`` for the trainer's repair, and
 comes back when a probe finds it on the run's version. Every engine is probed at start and
-after each bracket; with every engine out, the producer claims nothing. The guard wraps
+after each bracket; with every engine out, the producer claims nothing. After a group was
+handed back for an engine fault (an engine down, a partition: ``EngineUnavailable``), the
+producer claims again only once a probe reaches an engine. The guard wraps
 whatever client the producer runs on (``GuardedClient``), built or injected alike.
 
 **Its own configuration** (``MisconfiguredProducer``, ``strawq.producers.handback``): a
@@ -165,6 +167,8 @@ class Producer:
         self._wake: asyncio.Event | None = None
         self._work_changed: Callable[[], bool] = lambda: True
         self._drained = False
+        #: the engine-fault back-off after which a probe last reached an engine
+        self._probed_after = 0.0
         self.running = False
 
     @classmethod
@@ -383,6 +387,10 @@ class Producer:
                 break
             timeout = self.config.timing.control_poll_s
             n = self._claimable_groups()
+            if n > 0 and self.runner.engine_faults_in_row and \
+                    self._probed_after != self.runner.backoff_until and \
+                    not await self._engines_answer():
+                n = 0
             if n > 0 and self.clock() - self._last_empty_claim >= self.config.timing.idle_poll_s \
                     and (not self._drained or self._work_changed()):
                 leases = await self._io.call(self.queue.claim, self.producer_id, n)
@@ -412,6 +420,19 @@ class Producer:
                 self.clock() < self.runner.backoff_until or self.guard.all_stale():
             return 0
         return self.pool.claimable_groups()
+
+    async def _engines_answer(self) -> bool:
+        """After a group was handed back for an engine fault, claim again only once a
+        probe reaches an engine: a producer cut off from its engines (a partition) claims
+        nothing it cannot run, and probes at the back-off's pace (doubling, 16x at most)."""
+        if await self.guard.reachable():
+            self._probed_after = self.runner.backoff_until  # once per fault, not per pass
+            return True
+        self._book.bump("engine_probes_failed")
+        delay = self.runner.back_off()
+        log.warning("producer %s: no engine answers; claiming nothing, probing again in "
+                    "%.1fs", self.producer_id, delay)
+        return False
 
     def _give_up_leases(self, silent: float, first: bool) -> None:
         """Heartbeats keep failing: stop work on every lease; the grantor re-queues them."""

@@ -556,13 +556,26 @@ class GroupRunner:
             await self.handback.fail(a.lease, "engine_rejected", str(fault)[:500])
             return
         if fault is not None:
-            self._faults_in_row += 1
-            delay = self.config.engine.backoff_s * min(2 ** (self._faults_in_row - 1), 16)
-            self.backoff_until = max(self.backoff_until, self.clock() + delay)
+            delay = self.back_off()
             log.warning("task %s handed back as partial after an engine fault: %s "
-                        "(claiming again in %.1fs)", run.task_id, fault, delay)
+                        "(claiming again in %.1fs once an engine answers)", run.task_id,
+                        fault, delay)
         group = run.to_group(producer=self.producer_id, version_hint=version, partial=True)
         await self.handback.yield_partial(a.lease, group)
+
+    @property
+    def engine_faults_in_row(self) -> int:
+        """Groups handed back after an engine fault since the last one finished: while
+        above 0 the producer claims only once a probe reaches an engine."""
+        return self._faults_in_row
+
+    def back_off(self) -> float:
+        """One more engine fault in a row: no claims for ``backoff_s`` doubled per fault,
+        at most 16 times; returns the delay."""
+        self._faults_in_row += 1
+        delay: float = self.config.engine.backoff_s * min(2 ** (self._faults_in_row - 1), 16)
+        self.backoff_until = max(self.backoff_until, self.clock() + delay)
+        return delay
 
     def _drop_reason(self, run: GroupRun) -> tuple[str | None, str]:
         """The filter's verdict (a failing filter keeps the group), or ``reward_error``

@@ -75,6 +75,7 @@ def start_engine_subprocess(
     ready_timeout_s: float = 90.0,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    wrap: Sequence[str] = (),
     **opts: Any,
 ) -> EngineProcess:
     """Start ``python -m strawq.producers.engines serve --kind KIND --port PORT``; wait until
@@ -82,9 +83,10 @@ def start_engine_subprocess(
 
     Keyword options become CLI flags (``max_running_requests=4`` → ``--max-running-requests 4``,
     ``model_path=...``, ``time_scale=0.1``, ``weight_version="3"``...). ``port=0`` picks a
-    free port; the URL is read from the engine's ready line.
+    free port; the URL is read from the engine's ready line. ``wrap`` prefixes the command
+    (``["ip", "netns", "exec", NS]``: the engine in another network namespace).
     """
-    cmd = [sys.executable, "-m", "strawq.producers.engines", "serve", "--kind", kind]
+    cmd = [*wrap, sys.executable, "-m", "strawq.producers.engines", "serve", "--kind", kind]
     cmd += ["--port", str(port)]
     for key, value in opts.items():
         if value is not None:

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -233,6 +234,20 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tmp_grace(value: str) -> float:
+    """``--tmp-grace``: a number of seconds, at least ``MIN_TMP_GRACE_S``."""
+    from strawq.storage.posix import MIN_TMP_GRACE_S, tmp_grace_problem
+
+    try:
+        grace = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") \
+            from None
+    if not (math.isfinite(grace) and grace >= MIN_TMP_GRACE_S):
+        raise argparse.ArgumentTypeError(tmp_grace_problem(grace))
+    return grace
+
+
 def cmd_bracket(args: argparse.Namespace) -> int:
     from strawq.app.bracket_cli import run_bracket
 
@@ -373,9 +388,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--tmp-of", action="append", metavar="WRITER",
                    help="also remove every temporary file of WRITER (a producer id) at once, "
                    "which must be known dead")
-    s.add_argument("--tmp-grace", type=float, default=3600.0, metavar="SECONDS",
+    s.add_argument("--tmp-grace", type=_tmp_grace, default=3600.0, metavar="SECONDS",
                    help="a temporary file from another host is abandoned once this old "
-                   "(default 3600); dead writers on this host are found by pid at once")
+                   "(default 3600, at least 900: its mtime may be a skewed host's clock); "
+                   "dead writers on this host are found by pid at once")
     _add_json(s)
     s.set_defaults(func=cmd_gc)
 

@@ -280,8 +280,13 @@ class PosixStorage(Storage):
         (its name carries host and pid). Any other file is removed once it is older than
         ``grace_s`` by its mtime: a publish holds its temporary file for the time of one
         write, so an hour-old one is abandoned whatever the clock skew between hosts
-        (the one place mtimes are trusted, and only to an hour's width).
+        (the one place mtimes are trusted, and only to an hour's width). The mtime of a
+        file written from another host can be that host's clock (JuiceFS clients stamp
+        their own time), so a grace under ``MIN_TMP_GRACE_S`` is refused (``ValueError``):
+        it could take a file still being written on a host whose clock runs behind.
         """
+        if not grace_s >= MIN_TMP_GRACE_S:
+            raise ValueError(tmp_grace_problem(grace_s))
         host, now, n = _host(), time.time(), 0
         for name in self.list(self._tmp):
             path = os.path.join(self.root, self._tmp, name)
@@ -301,6 +306,20 @@ class PosixStorage(Storage):
                 _unlink_quietly(path)
                 n += 1
         return n
+
+
+#: The least age (by mtime) at which a temporary file of another host is judged abandoned:
+#: a clock skew between hosts of up to 10 minutes, plus a slow write.
+MIN_TMP_GRACE_S = 900.0
+
+
+def tmp_grace_problem(grace_s: float) -> str:
+    """Why ``grace_s`` is refused as the temporary-file grace (one line, with what to do)."""
+    return (f"the temporary-file grace must be at least {MIN_TMP_GRACE_S:.0f} s, got "
+            f"{grace_s!r}: a file's mtime may be its writer's clock, and a writer whose "
+            "clock runs 10 minutes behind makes a file it is still writing look 10 minutes "
+            f"old; pass {MIN_TMP_GRACE_S:.0f} or more (the default is 3600), or --tmp-of "
+            "WRITER for a writer known dead")
 
 
 def make_dirs(path: str) -> None:
