@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import BENCH_QUICK_TIMEOUT_S
+from tests.conftest import BENCH_QUICK_TIMEOUT_S, REPO
 
 pytestmark = pytest.mark.slow
 
