@@ -81,7 +81,10 @@ test: $(STAMP)
 	@# libfaketime for the clock-skew tests: installed where this runs as root with apt
 	@command -v faketime >/dev/null 2>&1 || \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    apt-get install -y faketime >/dev/null || echo "faketime: apt-get install failed: the clock-skew tests will skip and say why"; \
+	    { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq faketime >/dev/null 2>&1 || \
+	      { apt-get update -qq >/dev/null 2>&1 && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq faketime >/dev/null; }; } || \
+	      echo "faketime: apt-get install failed: the clock-skew tests will skip and say why"; \
 	  else echo "faketime: not installed (apt-get install -y faketime as root): the clock-skew tests will skip and say why"; fi
 	@deploy/juicefs/testvol.sh down "$(JFS_DIR)" >/dev/null 2>&1 || true
 	@rm -rf "$(JFS_DIR)"
