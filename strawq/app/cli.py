@@ -193,6 +193,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st.stray_files:
         print(f"  stray files (not tasks, ignored): {', '.join(st.stray_files[:5])}"
               + (" ..." if len(st.stray_files) > 5 else ""))
+    if st.disk.get("full"):
+        from strawq.status import full_message
+
+        print(f"  disk full: {st.disk['free_bytes']} bytes free; {full_message(args.path)}")
     if st.engines_needing_weights:
         print(f"  engines needing weights (out of rotation until the trainer pushes version "
               f"{st.current_version}; docs/troubleshooting.md):")
