@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -95,5 +94,5 @@ def test_a_full_disk_pauses_the_collector_and_the_run_resumes_when_space_returns
     assert sorted(trained) == list(range(n))
     assert col.storage_full is None
     assert not q.storage.list("dropped") and q.storage.list("tmp") == []
-    status: Any = run_status(RunQueue.open(open_storage(run, read_only=True)))
+    status = run_status(RunQueue.open(open_storage(run, read_only=True)))
     assert not status.disk["full"]
