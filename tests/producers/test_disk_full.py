@@ -54,3 +54,46 @@ def test_a_full_disk_keeps_finished_groups_and_hands_them_back_when_space_return
     assert all(t.gen == 0 and t.attempts == 1 for t in names(q, "ready"))
     assert p.stats().groups_completed == n and p.stats().groups_released == 0
     assert q.storage.list("tmp") == [], "a failed write left its temporary file"
+
+
+def test_a_full_disk_holds_a_tool_call_until_its_journal_entry_is_saved(
+        small_disk: SmallDisk, sim_engine: Any, tmp_path: Any,  # noqa: F811
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A non-idempotent tool call needs its journal entry on disk before it runs: on a full
+    disk the call waits for space instead of failing its sample (and dropping the group)."""
+    from strawq.demo.agentic_kv import counts
+
+    run = os.path.join(small_disk.path, "run")
+    q = make_run(run, 1, group_size=1, lease_timeout_s=30.0)
+    ledger = str(tmp_path / "ledger")  # the tool's own effects, off the small disk
+    config = config_with({
+        "run_dir": run, "engine": {"workers": (sim_engine.url,)},
+        "plugins": {"reward": "tests.producers.plugins_for_tests.length_reward",
+                    "generate": "strawq.demo.agentic_kv.kv_agent",
+                    "generate_args": {"ledger": ledger, "turns": 3, "env": False,
+                                      "idempotent": False}},
+        "budget": {"slots": 1}, "sampling": {"max_new_tokens": 200, "seed": 3},
+        "timing": {"control_poll_s": 0.02, "idle_poll_s": 0.02},
+        "tools": {"timeout_s": 60.0}}, {})
+    small_disk.fill()
+    p = Producer(config)
+
+    def waiting() -> bool:
+        return any("tool-call journal cannot be saved" in r.getMessage()
+                   for r in caplog.records)
+
+    async def body() -> None:
+        await wait_for(lambda: waiting() or p.stats().groups_released > 0
+                       or p.stats().groups_dropped > 0 or bool(p.handback.orphans), 30,
+                       "the first tool call to meet the full disk")
+        assert not p.handback.orphans and p.stats().groups_dropped == 0, (
+            "the sample failed on the full disk and its group is being dropped")
+        assert waiting(), "the tool call did not wait for its journal entry"
+        assert not counts(ledger, "exec"), "the call ran before its journal entry was saved"
+        small_disk.free()
+        await wait_for(lambda: len(ids(q, "ready")) == 1, 30, "the group ready")
+
+    asyncio.run(run_producers([p], body))
+    assert not ids(q, "dropped") and p.stats().groups_released == 0
+    assert all(n == 1 for n in counts(ledger, "effect").values())
+    assert q.storage.list("tmp") == []
