@@ -578,7 +578,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{where}: error: {exc}", file=sys.stderr)
         return 2
     except StrawqError as exc:
-        print(f"{where}: error: {exc}", file=sys.stderr)
+        # a StorageError carries its whole message as strerror: no "[Errno N]" prefix
+        text = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"{where}: error: {text}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"{where}: error: {os_error_text(exc)}", file=sys.stderr)
