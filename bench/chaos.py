@@ -3,6 +3,7 @@ total-queue check and a storage check.
 
     python bench/chaos.py [--quick] [--faults F] [--prompts N] [--workdir DIR]
                           [--juicefs DIR]          # the run on a two-client JuiceFS volume
+                          [--disk-full]            # the run on a small tmpfs the nemesis fills
     python bench/chaos.py --workload agentic [--quick] [--turns T] [--tool-min S]
                           [--tool-max S]           # trajectories with tools (chaos_agentic.py)
 
@@ -19,6 +20,9 @@ short pause; a collector restart takes over after ``takeover_timeout_s``) or ``S
 for up to 3 s (a collector stopped past the takeover timeout is replaced by a new one, and
 the stopped one must find itself fenced when it wakes). A kill lands at a random instant,
 so some land inside a write (the crash enumerations in ``tests/`` cover each write step).
+With ``--disk-full`` (root: it mounts a tmpfs) the run lives on a size-limited tmpfs, and
+before a quarter of its picks the nemesis fills the disk with a ballast file instead
+(victim ``disk``, kind ``full``) and frees it again after up to ``--max-stop`` seconds.
 
 Checks, after the nemesis stops and the run drains:
 * total queue (Jepsen): every dataset row is trained exactly once in the final model's
@@ -62,6 +66,8 @@ orphaned requests went on generating after it died. Printed per kill and in tota
 from __future__ import annotations
 
 import argparse
+import atexit
+import errno
 import json
 import os
 import random
@@ -249,6 +255,9 @@ class Chaos:
     def victims(self) -> tuple[str, ...]:
         return AGENTIC_VICTIMS if self.workload == "agentic" else VICTIMS
 
+    #: ``--disk-full``: the mount point of the tmpfs the run lives on
+    disk: str | None = None
+
     def path(self, i: int) -> str:
         return self.run_a if i % 2 == 0 else self.run_b
 
@@ -386,7 +395,30 @@ class Chaos:
         op.argv = cmd
         op.start()
 
+    def fill_disk(self, rng: random.Random) -> None:
+        """Fill the run's tmpfs with a ballast file, hold it full, then free it."""
+        assert self.disk is not None
+        fault = Fault("disk", "full", time.time())
+        self.faults.append(fault)
+        ballast = os.path.join(self.disk, "ballast")
+        chunk = b"\0" * (1 << 16)
+        with open(ballast, "ab", buffering=0) as f:
+            try:
+                while True:
+                    f.write(chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+        time.sleep(rng.uniform(0.3, self.max_stop))
+        os.unlink(ballast)
+        fault.end = time.time()
+        print(f"fault {len(self.faults)}: full disk ({fault.end - fault.at:.1f}s)",
+              file=sys.stderr, flush=True)
+
     def inject(self, rng: random.Random) -> None:
+        if self.disk is not None and rng.random() < 0.25:
+            self.fill_disk(rng)
+            return
         if not self._cycle:  # every victim once per round, in a random order
             self._cycle = list(self.victims)
             rng.shuffle(self._cycle)
@@ -558,7 +590,8 @@ class Chaos:
             v: {"faults": 0, "recovery": [], "tokens_lost": 0, "steps_lost": []}
             for v in self.victims}
         for f in self.faults:
-            row = by_victim[f.victim]
+            row = by_victim.setdefault(f.victim, {"faults": 0, "recovery": [],
+                                                  "tokens_lost": 0, "steps_lost": []})
             row["faults"] += 1
             nxt = next((t for t in new_batch_times if t >= f.end), None)
             if nxt is not None:
@@ -762,6 +795,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--juicefs", default=None,
                     help="DIR for a two-client JuiceFS test volume (deploy/juicefs/testvol.sh)")
+    ap.add_argument("--disk-full", action="store_true",
+                    help="the run on a 64 MiB tmpfs that the nemesis fills and frees (root)")
     ap.add_argument("--deadline", type=float, default=600.0)
     ap.add_argument("--max-stop", type=float, default=3.0, help="longest SIGSTOP, seconds")
     ap.add_argument("--restart-pause", type=float, default=0.8,
@@ -798,7 +833,23 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     fs = "local disk"
-    if args.juicefs:
+    disk: str | None = None
+    if args.disk_full and args.juicefs:
+        ap.error("--disk-full puts the run on a tmpfs of its own: drop --juicefs")
+    if args.disk_full:
+        disk = str(work / "disk")
+        os.mkdir(disk)
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", disk],
+                                 capture_output=True, text=True, check=False)
+        if mounted.returncode != 0:
+            print(f"chaos: --disk-full needs to mount a tmpfs (root or CAP_SYS_ADMIN): "
+                  f"{mounted.stderr.strip() or 'mount failed'}", file=sys.stderr)
+            return 1
+        atexit.register(subprocess.run, ["umount", "-l", disk], capture_output=True,
+                        check=False)
+        run_a = run_b = f"{disk}/run"
+        fs = "a 64 MiB tmpfs, filled and freed by the nemesis"
+    elif args.juicefs:
         a, b = f"{args.juicefs}/A", f"{args.juicefs}/B"
         if not (os.path.ismount(a) and os.path.ismount(b)):  # mount it (else: reuse)
             out = subprocess.run(["bash", str(ROOT / "deploy/juicefs/testvol.sh"), "up",
@@ -821,7 +872,8 @@ def main(argv: list[str] | None = None) -> int:
     ch = Chaos(work, run_a, run_b, args.prompts, args.faults, args.gap, args.seed,
                interval=args.interval, step_s=args.step_s, restart_pause=args.restart_pause,
                max_stop=args.max_stop, workload=args.workload,
-               turns=args.turns or 10, tool_s=(args.tool_min or 0.5, args.tool_max or 5.0))
+               turns=args.turns or 10, tool_s=(args.tool_min or 0.5, args.tool_max or 5.0),
+               disk=disk)
 
     def _term(_sig: int, _frame: Any) -> None:
         raise KeyboardInterrupt

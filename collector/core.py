@@ -36,7 +36,7 @@ from strawq.batches import BatchStore, GcReport, delivered, mark_high_water
 from strawq.config import QueueConfig
 from strawq.engine_weights import EngineWeights
 from strawq.dataset import Dataset
-from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.errors import AlreadyExists, CorruptRecord, NotFound, StorageFull
 from strawq.eta import STALE_REASON, EtaPolicy, publish_policy
 from strawq.feeder import Feeder
 from strawq.grantor import LeaseMonitor, ScanResult
@@ -45,6 +45,7 @@ from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
 from strawq.retention import drop_totals
 from strawq.states import depths, upstream_depths
+from strawq.status import full_message
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ SWEEP_INTERVAL_S = 30.0
 #: ``dropped/`` entries that trigger a compaction into the drop audit during a run.
 COMPACT_DROPS_AT = 1000
 CORRUPT_REASON = "corrupt_group"
+#: The longest wait between passes while the disk is full (``Collector.run``).
+FULL_RETRY_MAX_S = 2.0
+#: Seconds between reminders in the log while the disk stays full.
+FULL_REMIND_S = 60.0
 
 
 @dataclass
@@ -120,6 +125,11 @@ class Collector:
         self._totals = {"released": 0, "batches": 0, "expired": 0}
         #: groups over η this incarnation, per policy action (``eta_mode``)
         self.stale_totals = {"trained": 0, "regenerated": 0, "dropped": 0}
+        #: while passes fail on a full disk (ENOSPC, EDQUOT): the one-line message that
+        #: says so (``run`` retries); None otherwise
+        self.storage_full: str | None = None
+        self._full_since = 0.0
+        self._full_logged = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
@@ -434,8 +444,25 @@ class Collector:
         published = 0
         if max_batches is not None:
             self.batch_budget = max_batches
+        wait = self.config.poll_interval_s
         while True:
-            rep = self.step()
+            try:
+                rep = self.step()
+            except StorageFull as exc:
+                steps += 1
+                self._note_full(exc)
+                if (max_steps is not None and steps >= max_steps) or (
+                        should_stop is not None and should_stop()) or (
+                        deadline_s is not None and self.clock() - start >= deadline_s):
+                    raise
+                wait = min(max(2 * wait, 0.05), FULL_RETRY_MAX_S)
+                self.sleep(wait)
+                continue
+            wait = self.config.poll_interval_s
+            if self.storage_full is not None:
+                log.info("collector: space is back after %.0f s; the run goes on",
+                         self.clock() - self._full_since)
+                self.storage_full = None
             steps += 1
             published += len(rep.published)
             if until_drained and rep.drained:
@@ -452,3 +479,18 @@ class Collector:
             if should_stop is not None and should_stop():
                 return rep
             self.sleep(self.config.poll_interval_s)
+
+    def _note_full(self, exc: StorageFull) -> None:
+        """A pass failed on a full disk: say so once, then every ``FULL_REMIND_S``. What the
+        pass wrote before the failure is whole (every write is atomic) and the next pass
+        picks up from the disk: a half-staged release is discarded by the next commit, a
+        manifest that failed was never published."""
+        now = self.clock()
+        root = getattr(self.storage, "root", self.storage.describe())
+        if self.storage_full is None:
+            self._full_since = now
+            self._full_logged = -FULL_REMIND_S
+        self.storage_full = f"collector: {full_message(root)} ({exc.strerror})"
+        if now - self._full_logged >= FULL_REMIND_S:
+            log.error("%s; retrying every %.0f s at most", self.storage_full, FULL_RETRY_MAX_S)
+            self._full_logged = now

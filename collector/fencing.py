@@ -169,12 +169,13 @@ class EpochFence:
         names = list_names(self.storage)
         self.check(names)
         prev = self._counter or heartbeat_counter(names, self.epoch)
-        self._counter = prev + 1
         # The name is the data (an empty file): nothing to fsync, as for producers' beats.
         # An fsync here cost every collector pass ~8 ms on a local disk, on the path from
-        # an ack to the next release.
-        self.storage.publish(heartbeat_key(self.epoch, self._counter), b"",
+        # an ack to the next release. The counter moves only once the beat is written (a
+        # beat that failed, on a full disk, leaves the previous one to be replaced).
+        self.storage.publish(heartbeat_key(self.epoch, prev + 1), b"",
                              sync_dir=False, sync_file=False)
+        self._counter = prev + 1
         if prev:
             self.storage.delete(heartbeat_key(self.epoch, prev))
         return self._counter

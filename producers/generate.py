@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from strawq.errors import ConfigError, LeaseLost, StrawqError
+from strawq.errors import ConfigError, LeaseLost, StorageFull, StrawqError
 
 from strawq.producers.plugins import is_async, resolve_with_args
 from strawq.producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE,
@@ -82,6 +82,8 @@ DEFAULT_GENERATE = "strawq.producers.generate.single_turn"
 #: how often a running tool call looks at the producer's halt (a pause, a stop): a call
 #: running then is left to finish on its own (``GroupRunner.detached``)
 TOOL_HALT_POLL_S = 0.02
+#: the longest wait between tries of a tool-call journal entry that met a full disk
+JOURNAL_FULL_RETRY_MAX_S = 2.0
 
 
 class _NotApplied:
@@ -224,7 +226,12 @@ class GenerateContext:
         if saver is None:
             return False
         try:
-            return await saver.boundary(self._run, self._version, force=force)
+            try:
+                return await saver.boundary(self._run, self._version, force=force)
+            except StorageFull as exc:
+                if not force:
+                    raise
+                return await self._save_when_space(saver, exc)
         except LeaseLost as exc:
             log.warning("task %s: %s", self._run.task_id, exc)
             self._a.abandoned = True
@@ -236,6 +243,26 @@ class GenerateContext:
                                    [:500]) from None
             log.warning("task %s: turn checkpoint failed: %s", self._run.task_id, exc)
             return False
+
+    async def _save_when_space(self, saver: Any, exc: StorageFull) -> bool:
+        """A journal entry that must be durable before its tool call met a full disk: the
+        call waits (backing off up to ``JOURNAL_FULL_RETRY_MAX_S``) until the entry is saved,
+        rather than failing the sample. A producer that gives its leases up meanwhile
+        cancels the wait with the sample."""
+        log.error("task %s: the tool-call journal cannot be saved (%s); the call waits "
+                  "until space returns", self._run.task_id, exc.strerror or exc)
+        wait = 0.05
+        while True:
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, JOURNAL_FULL_RETRY_MAX_S)
+            self._runner.check_halted(self._a)
+            try:
+                saved: bool = await saver.boundary(self._run, self._version, force=True)
+            except StorageFull:
+                continue
+            log.info("task %s: the tool-call journal is saved; the call goes on",
+                     self._run.task_id)
+            return saved
 
     async def _ended(self) -> None:
         """The sample ended after a live boundary while siblings still run: save it (its

@@ -9,6 +9,10 @@ configuration cannot run the task: a ``producer_config`` note, the task released
 for a healthy producer, and this one claims nothing more). Failures never lose the task:
 
 * ``LeaseLost`` — the grantor re-leased it (fencing): counted, logged, nothing else to do;
+* ``StorageFull`` (ENOSPC, EDQUOT: the disk or quota is full) — the lease is kept as an
+  *orphan* with its transition (the finished group stays in memory) and ``retry_orphans``
+  tries that same transition again, backing off up to ``FULL_RETRY_MAX_S``, until space
+  returns: a full disk throws no work away and spends no attempt;
 * any other error (storage trouble) — the lease is kept as an *orphan* and released again
   by ``retry_orphans`` until that succeeds. While orphans exist the producer claims
   nothing and does not acknowledge a pause (an ack would be a lie).
@@ -19,10 +23,12 @@ Counters are bumped only after the transition is persisted (metrics after state)
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from strawq.errors import ConfigError, LeaseLost
+from strawq.errors import ConfigError, LeaseLost, StorageFull
 from strawq.groups import GroupData
 from strawq.queue import Lease, RunQueue
 from strawq.turns import TurnLog
@@ -34,6 +40,22 @@ log = logging.getLogger(__name__)
 
 #: the reason of the note a refused task carries (``HandBack.refuse``)
 REFUSED_REASON = "producer_config"
+#: the first and the longest wait between retries of a hand-back that met a full disk
+FULL_RETRY_MIN_S = 0.05
+FULL_RETRY_MAX_S = 2.0
+
+
+@dataclass
+class _Deferred:
+    """A transition that met a full disk, kept to be retried as it was."""
+
+    how: str
+    counter: str | None
+    call: Callable[[], Awaitable[Any]]
+    on_done: Callable[[], None] | None
+    turn_log: TurnLog | None
+    wait_s: float = FULL_RETRY_MIN_S
+    retry_at: float = 0.0
 
 
 class MisconfiguredProducer(ConfigError):
@@ -66,6 +88,8 @@ class HandBack:
         #: the lease is handed back with its group persisted (kept on a release: the next
         #: holder resumes from them)
         self.turn_logs: dict[str, TurnLog] = {}
+        #: orphans whose transition met a full disk, by lease key: retried as they were
+        self._deferred: dict[str, _Deferred] = {}
 
     async def complete(self, lease: Lease, group: GroupData) -> None:
         await self._persist("complete", lease, "groups_completed",
@@ -77,9 +101,9 @@ class HandBack:
 
     async def drop(self, lease: Lease, reason: str, message: str,
                    summary: dict[str, Any] | None = None) -> None:
-        if await self._persist("drop", lease, None, lambda: self.io.call(
-                self.queue.drop, lease, reason, message, summary)):
-            self.book.count_drop(reason)
+        await self._persist("drop", lease, None, lambda: self.io.call(
+            self.queue.drop, lease, reason, message, summary),
+            on_done=lambda: self.book.count_drop(reason))
 
     async def fail(self, lease: Lease, reason: str, message: str, *,
                    retryable: bool = True) -> None:
@@ -110,7 +134,8 @@ class HandBack:
                             lambda: self.io.call(self.queue.release, lease))
 
     async def _persist(self, how: str, lease: Lease, counter: str | None,
-                       call: Callable[[], Awaitable[Any]]) -> bool:
+                       call: Callable[[], Awaitable[Any]],
+                       on_done: Callable[[], None] | None = None) -> bool:
         """One persisting transition; True when it was persisted."""
         try:
             await call()
@@ -118,24 +143,45 @@ class HandBack:
             self.book.bump("leases_lost")
             log.warning("task %s: %s", lease.task_id, exc)
             return False
+        except StorageFull as exc:
+            # Nothing was published (``publish`` removes its temporary file): keep the
+            # group and try the same transition again once space returns.
+            log.error("task %s: %s failed: %s; the group is kept and handed back once space "
+                      "returns (retrying every %.0f s at most)", lease.task_id, how, exc,
+                      FULL_RETRY_MAX_S)
+            self._deferred[lease.key] = _Deferred(
+                how, counter, call, on_done, self.turn_logs.pop(lease.key, None),
+                retry_at=time.monotonic() + FULL_RETRY_MIN_S)
+            self.orphans.append(lease)
+            return False
         except Exception as exc:  # noqa: BLE001 - storage trouble: keep the lease on books
             log.error("task %s: %s failed (%s); will release it", lease.task_id, how, exc)
             self.orphans.append(lease)
             return False
+        await self._persisted(lease, how, counter, on_done, self.turn_logs.pop(lease.key, None))
+        return True
+
+    async def _persisted(self, lease: Lease, how: str, counter: str | None,
+                         on_done: Callable[[], None] | None, turn_log: TurnLog | None) -> None:
         if counter is not None:
             self.book.bump(counter)
-        turn_log = self.turn_logs.pop(lease.key, None)
+        if on_done is not None:
+            on_done()
         if turn_log is not None and how != "release":
             try:
                 await self.io.call(turn_log.clear)
             except Exception as exc:  # noqa: BLE001 - garbage, not state: the move stands
                 log.warning("task %s: its turn checkpoints could not be removed: %s",
                             lease.task_id, exc)
-        return True
 
     async def retry_orphans(self) -> None:
-        """Release every orphan again; those that fail stay for the next call."""
+        """Release every orphan again (retry the transition of one that met a full disk,
+        when its back-off has passed); those that fail stay for the next call."""
         for lease in list(self.orphans):
+            deferred = self._deferred.get(lease.key)
+            if deferred is not None:
+                await self._retry_deferred(lease, deferred)
+                continue
             try:
                 await self.io.call(self.queue.release, lease)
             except LeaseLost:
@@ -145,3 +191,23 @@ class HandBack:
                 continue
             self.orphans.remove(lease)
             self.book.bump("groups_released")
+
+    async def _retry_deferred(self, lease: Lease, d: _Deferred) -> None:
+        now = time.monotonic()
+        if now < d.retry_at:
+            return
+        try:
+            await d.call()
+        except LeaseLost as exc:
+            self.book.bump("leases_lost")
+            log.warning("task %s: %s", lease.task_id, exc)
+        except Exception as exc:  # noqa: BLE001 - still full, or other storage trouble
+            d.wait_s = min(2 * d.wait_s, FULL_RETRY_MAX_S)
+            d.retry_at = now + d.wait_s
+            log.debug("task %s: %s failed again: %s", lease.task_id, d.how, exc)
+            return
+        else:
+            log.info("task %s: %s went through once space returned", lease.task_id, d.how)
+            await self._persisted(lease, d.how, d.counter, d.on_done, d.turn_log)
+        del self._deferred[lease.key]
+        self.orphans.remove(lease)

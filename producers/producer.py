@@ -62,7 +62,7 @@ from collections.abc import Callable
 from strawq import records
 from strawq.control import Control
 from strawq.engine_weights import EngineWeights
-from strawq.errors import CorruptRecord, NotFound
+from strawq.errors import CorruptRecord, NotFound, StorageError
 from strawq.names import validate_id
 from strawq.queue import RunQueue
 from strawq.records import Kind
@@ -169,6 +169,8 @@ class Producer:
         self._drained = False
         #: the engine-fault back-off after which a probe last reached an engine
         self._probed_after = 0.0
+        #: the run directory failed a claim (a dead mount, a full disk): since when
+        self._unreachable_since: float | None = None
         self.running = False
 
     @classmethod
@@ -393,18 +395,26 @@ class Producer:
                 n = 0
             if n > 0 and self.clock() - self._last_empty_claim >= self.config.timing.idle_poll_s \
                     and (not self._drained or self._work_changed()):
-                leases = await self._io.call(self.queue.claim, self.producer_id, n)
-                for lease in leases:
-                    self.runner.start(lease)
-                if len(leases) < n:
+                try:
+                    leases = await self._io.call(self.queue.claim, self.producer_id, n)
+                    for lease in leases:
+                        self.runner.start(lease)
+                    if len(leases) < n:
+                        self._last_empty_claim = self.clock()
+                        timeout = min(timeout, self.config.timing.idle_poll_s)
+                        # Nothing left to claim (not merely lost races): until pending/
+                        # changes, idle polls stat it instead of listing it.
+                        self._drained = not leases and not await self._io.call(
+                            self.queue.list_pending, 1)
+                    else:
+                        self._unreachable(None)
+                        continue  # claimed all we could: look again at once
+                except StorageError as exc:
+                    self._unreachable(exc)
                     self._last_empty_claim = self.clock()
                     timeout = min(timeout, self.config.timing.idle_poll_s)
-                    # Nothing left to claim (not merely lost races): until pending/ changes,
-                    # idle polls stat it instead of listing it.
-                    self._drained = not leases and not await self._io.call(
-                        self.queue.list_pending, 1)
                 else:
-                    continue  # claimed all we could: look again at once
+                    self._unreachable(None)
             try:
                 await asyncio.wait_for(wake.wait(), timeout)
             except asyncio.TimeoutError:
@@ -433,6 +443,27 @@ class Producer:
         log.warning("producer %s: no engine answers; claiming nothing, probing again in "
                     "%.1fs", self.producer_id, delay)
         return False
+
+    def _unreachable(self, exc: StorageError | None) -> None:
+        """A claim failed on the storage (``exc``; a JuiceFS client that died answers
+        ENOTCONN) or went through again (None): say so once each way. Meanwhile the
+        producer claims only at the idle poll; its heartbeats fail too, so it gives up its
+        leases, which the grantor hands to other producers; it rejoins when the run
+        directory answers again (after a remount at the same path)."""
+        if exc is None:
+            if self._unreachable_since is not None:
+                log.info("producer %s: the run directory answers again after %.0f s; "
+                         "claiming again", self.producer_id,
+                         self.clock() - self._unreachable_since)
+                self._unreachable_since = None
+            return
+        if self._unreachable_since is None:
+            self._unreachable_since = self.clock()
+            log.error("producer %s: cannot claim from %s (%s); claiming nothing until it "
+                      "answers: check its mount (a dead JuiceFS client: remount it at the "
+                      "same path) or its free space; the grantor re-leases what this "
+                      "producer holds once its heartbeats stop", self.producer_id,
+                      self.config.run_dir, exc.strerror or exc)
 
     def _give_up_leases(self, silent: float, first: bool) -> None:
         """Heartbeats keep failing: stop work on every lease; the grantor re-queues them."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -14,6 +15,36 @@ from strawq.queue import RunQueue
 from strawq.retention import drop_totals
 from strawq.names import TaskName
 from strawq.states import DIRS, RELEASE_PREFIX, TaskState, depths, names_in
+from strawq.storage import Storage
+
+#: Free space under which a run's filesystem counts as full: any record write would fail
+#: there (one ordinary record is a few KiB; a group's payload, more).
+FULL_BELOW_BYTES = 64 * 1024
+
+
+def disk_space(storage: Storage) -> dict[str, Any]:
+    """``{"path", "free_bytes", "free_inodes", "full"}`` of the filesystem under a POSIX
+    store (``statvfs``: what an unprivileged writer may still use); ``{}`` for a store with
+    no local path or a filesystem that cannot say."""
+    path = storage.local_path("hb")
+    if path is None:
+        return {}
+    root = os.path.dirname(path)
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return {}
+    free = st.f_bavail * st.f_frsize
+    inodes = st.f_favail if st.f_files else None  # 0 files: the filesystem does not count
+    return {"path": root, "free_bytes": free, "free_inodes": inodes,
+            "full": free < FULL_BELOW_BYTES or inodes == 0}
+
+
+def full_message(path: str) -> str:
+    """The one line every part gives when the disk under a run is full."""
+    return (f"the disk under {path} is full: free space (strawq gc {path} removes trained "
+            "batches and dead writers' temporary files) or raise the quota; nothing was "
+            "lost, and producers and the collector retry and resume by themselves")
 
 
 @dataclass
@@ -33,6 +64,8 @@ class RunStatus:
     #: engines noted as on weights other than the run's (``engines/``): URL -> the newest
     #: note's engine version (None: unreadable), run version, writer and reason
     engines_needing_weights: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the filesystem under the run (``disk_space``): free bytes and inodes, ``full``
+    disk: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,6 +97,7 @@ def run_status(queue: RunQueue) -> RunStatus:
         url: {"engine_version": n.engine_version, "run_version": n.run_version,
               "writer": n.writer, "reason": n.reason}
         for url, n in sorted(EngineWeights(st).needing().items())}
+    out.disk = disk_space(st)
     cursor = read_cursor_state(st)
     if cursor is not None:
         out.cursor = {k: cursor[k] for k in ("seq", "next_index", "exhausted", "error")

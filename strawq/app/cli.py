@@ -194,6 +194,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st.stray_files:
         print(f"  stray files (not tasks, ignored): {', '.join(st.stray_files[:5])}"
               + (" ..." if len(st.stray_files) > 5 else ""))
+    if st.disk.get("full"):
+        from strawq.status import full_message
+
+        print(f"  disk full: {st.disk['free_bytes']} bytes free; {full_message(args.path)}")
     if st.engines_needing_weights:
         print(f"  engines needing weights (out of rotation until the trainer pushes version "
               f"{st.current_version}; docs/troubleshooting.md):")
@@ -591,7 +595,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{where}: error: {exc}", file=sys.stderr)
         return 2
     except StrawqError as exc:
-        print(f"{where}: error: {exc}", file=sys.stderr)
+        # a StorageError carries its whole message as strerror: no "[Errno N]" prefix
+        text = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"{where}: error: {text}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"{where}: error: {os_error_text(exc)}", file=sys.stderr)
