@@ -12,7 +12,11 @@ with the call's idempotency key, its args and its result. Each execution writes,
 ``<ledger>/exec/<key>.<random>`` first, then waits a latency drawn log-uniformly from
 ``[lat_min, lat_max]``, then applies the effect once per key: ``<ledger>/effect/<key>.e``
 (args and result, published by an exclusive link of a synced file); a call with a key that
-already has its effect answers the stored result. A call whose caller's deadline
+already has its effect answers the stored result. Each call carries its task and lease
+generation (``GenerateContext.lease_generation``), a fencing token: the server keeps the
+highest generation it has seen per task (``<ledger>/fence/<task>``, fsync'd) and refuses a
+lower one (409, not executed), so a holder whose lease expired (stopped, then woken) cannot
+run a call after a newer holder called the tool. A call whose caller's deadline
 (``X-Deadline``) has passed before it starts is refused (504) and not executed: a request
 left in the socket of a stopped server is not run when the server wakes.
 
@@ -98,9 +102,31 @@ def read_effect(ledger: str, key: str) -> dict[str, Any] | None:
         return None
 
 
+def _replace_durable(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` durably (a synced temporary file renamed over it)."""
+    tmp = os.path.join(os.path.dirname(os.path.dirname(path)), "tmp", uuid.uuid4().hex)
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def read_fence(ledger: str, task: str) -> int:
+    """The highest lease generation the server has seen call a tool for ``task`` (-1: none)."""
+    try:
+        with open(os.path.join(ledger, "fence", task), encoding="utf-8") as f:
+            return int(f.read() or -1)
+    except FileNotFoundError:
+        return -1
+
+
 def serve(port: int, ledger: str, lat_min: float, lat_max: float) -> int:
     """The tool server (see the module docstring); runs until killed."""
-    for d in ("exec", "effect", "tmp"):
+    for d in ("exec", "effect", "tmp", "fence"):
         os.makedirs(os.path.join(ledger, d), exist_ok=True)
     rng = random.Random()
     lock = threading.Lock()
@@ -127,8 +153,10 @@ def serve(port: int, ledger: str, lat_min: float, lat_max: float) -> int:
             try:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 key, args, result = str(body["key"]), body["args"], body["result"]
+                task, gen = str(body.get("task", "")), int(body.get("gen", -1))
             except (TypeError, ValueError, KeyError) as exc:
-                self._answer(400, {"error": f"expected JSON {{key, args, result}}: {exc}"})
+                self._answer(400, {"error": f"expected JSON {{key, args, result[, task, gen]}}:"
+                                            f" {exc}"})
                 return
             if not KEY_RE.fullmatch(key):
                 self._answer(400, {"error": f"key {key!r} is not [A-Za-z0-9._-]+"})
@@ -136,9 +164,20 @@ def serve(port: int, ledger: str, lat_min: float, lat_max: float) -> int:
             if time.time() > float(self.headers.get("X-Deadline") or math.inf):
                 self._answer(504, {"error": "the caller's deadline passed: not executed"})
                 return
-            _durable(os.path.join(ledger, "exec", f"{key}.{uuid.uuid4().hex}"),
-                     json.dumps({"t": time.time(), "pid": os.getpid(),
-                                 "caller": str(body.get("caller", ""))}).encode())
+            if task and not KEY_RE.fullmatch(task):
+                self._answer(400, {"error": f"task {task!r} is not [A-Za-z0-9._-]+"})
+                return
+            with lock:  # fence check and exec record together: no lower generation slips by
+                seen = read_fence(ledger, task) if task else -1
+                if gen < seen:
+                    self._answer(409, {"error": f"generation {gen} of task {task} is fenced: "
+                                                f"generation {seen} called already"})
+                    return
+                if task and gen > seen:
+                    _replace_durable(os.path.join(ledger, "fence", task), str(gen).encode())
+                _durable(os.path.join(ledger, "exec", f"{key}.{uuid.uuid4().hex}"),
+                         json.dumps({"t": time.time(), "pid": os.getpid(), "gen": gen,
+                                     "caller": str(body.get("caller", ""))}).encode())
             with lock:
                 latency = math.exp(rng.uniform(math.log(lat_min), math.log(lat_max)))
             time.sleep(latency)

@@ -35,6 +35,7 @@ error (the context's failure policy applies: ``tools.timeout_s`` must be above i
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import threading
@@ -96,15 +97,23 @@ class KV:
             self.data = {str(k): int(v) for k, v in dict(state or {}).items()}
 
 
+class Fenced(RuntimeError):
+    """The tool server refused the call: a newer lease of its task called it already."""
+
+
 def remote_put(url: str, key: str, args: dict[str, Any], result: dict[str, int],
                try_s: float, deadline_s: float,
-               stop: threading.Event | None = None) -> dict[str, int]:
+               stop: threading.Event | None = None, *, task: str = "",
+               gen: int = -1) -> dict[str, int]:
     """``POST <url>/put`` until the server answers, always with the same ``key``; a
     ``TimeoutError`` naming the last error once ``deadline_s`` passed (blocking: run it
     in a thread). Once ``stop`` is set (the call was abandoned: its sample halted) it is
     not tried again (``RuntimeError``): a new holder of the trajectory runs the call, and
-    a retry from here could reach the server after that holder persisted its result."""
-    body = json.dumps({"key": key, "args": args, "result": result,
+    a retry from here could reach the server after that holder persisted its result.
+    ``task`` and ``gen`` (the lease generation, ``GenerateContext.lease_generation``) are
+    the call's fencing token: the server refuses (409, :class:`Fenced`, not retried) a call
+    of a generation below one it has seen for the task."""
+    body = json.dumps({"key": key, "args": args, "result": result, "task": task, "gen": gen,
                        "caller": f"{os.getpid()}/{threading.get_ident()}"}).encode()
     end = time.monotonic() + deadline_s
     error = "no try"
@@ -124,6 +133,9 @@ def remote_put(url: str, key: str, args: dict[str, Any], result: dict[str, int],
             with urllib.request.urlopen(req, timeout=budget) as r:
                 return {str(k): int(v) for k, v in json.load(r).items()}
         except urllib.error.HTTPError as exc:
+            if exc.code == 409:
+                raise Fenced(f"put {key}: generation {gen} of task {task} is fenced by the "
+                             "tool server (a newer lease called it)") from None
             error = f"HTTP {exc.code}"
         except (OSError, ValueError) as exc:  # refused, reset, timed out, a torn answer
             error = f"{type(exc).__name__}: {exc}"
@@ -171,8 +183,9 @@ def kv_agent(ledger: str, turns: int = 6, tool_s: float = 0.0, restore: str = "s
             stop = threading.Event()
             try:
                 return await asyncio.get_running_loop().run_in_executor(
-                    pool(), remote_put, tool_url, key, args, out, tool_try_s,
-                    tool_deadline_s, stop)
+                    pool(), functools.partial(remote_put, task=ctx.task_id,
+                                              gen=ctx.lease_generation),
+                    tool_url, key, args, out, tool_try_s, tool_deadline_s, stop)
             except BaseException:  # halted, timed out: the thread gives the call up
                 stop.set()
                 raise
@@ -223,4 +236,4 @@ def kv_agent(ledger: str, turns: int = 6, tool_s: float = 0.0, restore: str = "s
     return agent
 
 
-__all__ = ["KV", "counts", "kv_agent", "live_turn_tokens", "remote_put"]
+__all__ = ["KV", "Fenced", "counts", "kv_agent", "live_turn_tokens", "remote_put"]

@@ -168,6 +168,20 @@ class GenerateContext:
         return self._run.lease.task
 
     @property
+    def lease_generation(self) -> int:
+        """The generation of the lease this context runs under: a *fencing token* for
+        tools with effects outside the producer. A holder whose lease expired (a stopped
+        host, a partition) may run on until its next write finds it fenced; a tool that
+        keeps the highest generation it has seen per task and refuses a lower one never
+        runs a call for a lease that a newer holder took over (``strawq.demo.agentic_kv``
+        with ``tool_url`` sends it; docs/agentic.md, "Tools")."""
+        return int(self._run.lease.gen)
+
+    @property
+    def task_id(self) -> str:
+        return str(self._run.task_id)
+
+    @property
     def replaying(self) -> bool:
         return self._pos < len(self.trajectory.events)
 

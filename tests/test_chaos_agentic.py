@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from strawq.demo.agentic_kv import counts, remote_put
+from strawq.demo.agentic_kv import Fenced, counts, remote_put
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -70,6 +70,36 @@ def test_the_tool_server_applies_a_key_once(served: tuple[str, Path]) -> None:
     assert counts(str(ledger), "exec")["t.0.g0.e0.c0.abc"] == 3
     assert counts(str(ledger), "effect")["t.0.g0.e0.c0.abc"] == 1
     assert len({json.dumps(o) for o in out}) == 1 and out[0]["sum"] in (7, 8)
+
+
+def test_a_call_of_a_lease_a_newer_holder_took_over_is_refused_unexecuted(
+        tmp_path: Path) -> None:
+    """The lease generation is a fencing token: once generation 2 of a task called the tool,
+    generation 1 (a holder whose lease expired, woken after a stop) gets 409 and is not
+    executed, even after the server was killed and restarted (the fence is durable)."""
+    port, ledger = _port(), tmp_path / "ledger"
+    url = f"http://127.0.0.1:{port}"
+    args = {"t": 0, "k": "k0", "v": 1}
+    proc = _server(port, ledger)
+    try:
+        assert remote_put(url, "a.0", args, {"sum": 1}, 5.0, 60.0, task="i7", gen=1) == \
+            {"sum": 1}
+        remote_put(url, "a.1", args, {"sum": 2}, 5.0, 30.0, task="i7", gen=2)
+        proc.kill()
+        proc.wait()
+        proc = _server(port, ledger)
+        with pytest.raises(Fenced):
+            remote_put(url, "a.2", args, {"sum": 3}, 5.0, 60.0, task="i7", gen=1)
+        assert counts(str(ledger), "exec")["a.2"] == 0
+        assert counts(str(ledger), "effect")["a.2"] == 0
+        # other tasks are not fenced by it, and the same generation goes on
+        remote_put(url, "b.0", args, {"sum": 4}, 5.0, 30.0, task="i8", gen=0)
+        remote_put(url, "a.3", args, {"sum": 5}, 5.0, 30.0, task="i7", gen=2)
+        assert counts(str(ledger), "exec")["b.0"] == 1
+        assert counts(str(ledger), "exec")["a.3"] == 1
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_call_whose_caller_gave_up_is_not_executed(served: tuple[str, Path]) -> None:
