@@ -732,6 +732,7 @@ def agentic_report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any]) -> None:
           f"{ch.tool_s[0]:g}-{ch.tool_s[1]:g} s), {a['tool_calls_trained']} tool calls "
           f"trained, {a['executions']} executions, {a['persisted']} calls persisted, "
           f"{a['rerun_in_flight']} in flight at a fault ran again (same key), "
+          f"{a['fenced']} calls of taken-over leases refused by the tool server, "
           f"{a['restores']} environments restored, {a['effects_untrained']} effects of "
           f"calls in no trained trajectory (work discarded at a fault), "
           f"{a['failed_samples']} samples failed "

@@ -15,8 +15,9 @@ with the call's idempotency key, its args and its result. Each execution writes,
 already has its effect answers the stored result. Each call carries its task and lease
 generation (``GenerateContext.lease_generation``), a fencing token: the server keeps the
 highest generation it has seen per task (``<ledger>/fence/<task>``, fsync'd) and refuses a
-lower one (409, not executed), so a holder whose lease expired (stopped, then woken) cannot
-run a call after a newer holder called the tool. A call whose caller's deadline
+lower one (409, not executed; each refusal leaves ``<ledger>/fenced/<key>.<random>``), so
+a holder whose lease expired (stopped, then woken) cannot run a call after a newer holder
+called the tool. A call whose caller's deadline
 (``X-Deadline``) has passed before it starts is refused (504) and not executed: a request
 left in the socket of a stopped server is not run when the server wakes.
 
@@ -126,7 +127,7 @@ def read_fence(ledger: str, task: str) -> int:
 
 def serve(port: int, ledger: str, lat_min: float, lat_max: float) -> int:
     """The tool server (see the module docstring); runs until killed."""
-    for d in ("exec", "effect", "tmp", "fence"):
+    for d in ("exec", "effect", "tmp", "fence", "fenced"):
         os.makedirs(os.path.join(ledger, d), exist_ok=True)
     rng = random.Random()
     lock = threading.Lock()
@@ -170,6 +171,9 @@ def serve(port: int, ledger: str, lat_min: float, lat_max: float) -> int:
             with lock:  # fence check and exec record together: no lower generation slips by
                 seen = read_fence(ledger, task) if task else -1
                 if gen < seen:
+                    _durable(os.path.join(ledger, "fenced", f"{key}.{uuid.uuid4().hex}"),
+                             json.dumps({"t": time.time(), "task": task, "gen": gen,
+                                         "seen": seen}).encode())
                     self._answer(409, {"error": f"generation {gen} of task {task} is fenced: "
                                                 f"generation {seen} called already"})
                     return
@@ -333,6 +337,8 @@ def oracle(lineage: list[dict[str, Any]], ledger: str,
     reexec = sorted(k for k, n in at_persist.items() if execs[k] > n)
     trained = set(trained_calls)
     return {"restores": sum(counts(ledger, "restored").values()),
+            # calls of a lease a newer holder took over, refused by the server unexecuted
+            "fenced": sum(counts(ledger, "fenced").values()),
             # effects of episodes never trained: a trajectory begun again from its prompt
             # (nothing of it saved before a fault) calls its tools with new keys
             "effects_untrained": sum(1 for k in effects if k not in trained),

@@ -92,6 +92,7 @@ def test_a_call_of_a_lease_a_newer_holder_took_over_is_refused_unexecuted(
             remote_put(url, "a.2", args, {"sum": 3}, 5.0, 60.0, task="i7", gen=1)
         assert counts(str(ledger), "exec")["a.2"] == 0
         assert counts(str(ledger), "effect")["a.2"] == 0
+        assert counts(str(ledger), "fenced")["a.2"] == 1  # the refusal is recorded
         # other tasks are not fenced by it, and the same generation goes on
         remote_put(url, "b.0", args, {"sum": 4}, 5.0, 30.0, task="i8", gen=0)
         remote_put(url, "a.3", args, {"sum": 5}, 5.0, 30.0, task="i7", gen=2)
