@@ -64,26 +64,31 @@ def _fsync_dir(d: str) -> None:
         os.close(fd)
 
 
-def _durable(path: str, data: bytes, *, exclusive_link: bool = False) -> bool:
-    """Write ``path`` durably; with ``exclusive_link`` publish it only if it does not exist
-    (False: it did)."""
-    d = os.path.dirname(path)
-    if not exclusive_link:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        _fsync_dir(d)
-        return True
-    tmp = os.path.join(os.path.dirname(d), "tmp", f"{uuid.uuid4().hex}")
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+def _write_synced(path: str, data: bytes) -> None:
+    """Create ``path`` (it must not exist) holding ``data``, fsync'd."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     try:
         os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _tmp_beside(path: str) -> str:
+    """A fresh name in the ledger's ``tmp/`` (``path`` is ``<ledger>/<dir>/<name>``)."""
+    return os.path.join(os.path.dirname(os.path.dirname(path)), "tmp", uuid.uuid4().hex)
+
+
+def _durable(path: str, data: bytes, *, exclusive_link: bool = False) -> bool:
+    """Write ``path`` durably; with ``exclusive_link`` publish it only if it does not exist
+    (False: it did)."""
+    d = os.path.dirname(path)
+    if not exclusive_link:
+        _write_synced(path, data)
+        _fsync_dir(d)
+        return True
+    tmp = _tmp_beside(path)
+    _write_synced(tmp, data)
     try:
         os.link(tmp, path)
     except FileExistsError:
@@ -105,13 +110,8 @@ def read_effect(ledger: str, key: str) -> dict[str, Any] | None:
 
 def _replace_durable(path: str, data: bytes) -> None:
     """Replace ``path`` with ``data`` durably (a synced temporary file renamed over it)."""
-    tmp = os.path.join(os.path.dirname(os.path.dirname(path)), "tmp", uuid.uuid4().hex)
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    tmp = _tmp_beside(path)
+    _write_synced(tmp, data)
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(path))
 

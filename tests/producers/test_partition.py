@@ -17,7 +17,7 @@ import asyncio
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,7 @@ import pytest
 from strawq.grantor import LeaseMonitor
 from strawq.producers.engines.testing import start_engine_subprocess
 from strawq.producers.producer import Producer
+from strawq.queue import RunQueue
 from tests.producers.helpers import (config_with, ids, make_run, ready_groups, run_producers,
                                      wait_for)
 from tests.sglang_fixtures import start_router
@@ -90,6 +91,23 @@ def engine_namespace(tag: str) -> Iterator[Link]:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
+async def _cut_then_heal(p: Producer, q: RunQueue, link: Link, held: Callable[[], int],
+                         n: int, handed_back: str, probed: str) -> None:
+    """Requests in flight, then the link cut: the groups in flight come back as partials
+    (bounded: none held on); partitioned, the producer probes at the back-off's pace and
+    claims nothing; healed, every task ends ready."""
+    await wait_for(lambda: p.pool.busy > 0 and held() > 0, 30, "requests in flight")
+    link.cut()
+    await wait_for(lambda: held() == 0 and not p.runner.groups, 40, handed_back)
+    claimed = p.stats().groups_claimed
+    await wait_for(lambda: p.stats().engine_probes_failed >= 2, 40, probed)
+    assert p.stats().groups_claimed == claimed
+    assert held() == 0
+    link.heal()
+    await wait_for(lambda: held() + len(ids(q, "ready")) == n and held() == 0, 60,
+                   "every task ready after the link healed")
+
+
 def test_a_producer_cut_off_from_its_engine_hands_back_claims_nothing_and_loses_nothing(
         tmp_path: Path) -> None:
     """Cut mid-generation: the requests in flight end after about ``control_timeout_s``
@@ -124,24 +142,9 @@ def test_a_producer_cut_off_from_its_engine_hands_back_claims_nothing_and_loses_
                 scan()
                 return len(ids(q, "leased"))
 
-            async def body() -> None:
-                await wait_for(lambda: p.pool.busy > 0 and held() > 0, 30,
-                               "requests in flight")
-                link.cut()
-                # Bounded: the groups in flight come back as partials, none held on.
-                await wait_for(lambda: held() == 0 and not p.runner.groups, 40,
-                               "the cut-off producer to hand back its leases")
-                claimed = p.stats().groups_claimed
-                # Partitioned: it probes (at the back-off's pace) and claims nothing.
-                await wait_for(lambda: p.stats().engine_probes_failed >= 2, 40,
-                               "the producer to probe the unreachable engine")
-                assert p.stats().groups_claimed == claimed
-                assert held() == 0
-                link.heal()
-                await wait_for(lambda: held() + len(ids(q, "ready")) == n and held() == 0,
-                               60, "every task ready after the link healed")
-
-            asyncio.run(run_producers([p], body))
+            asyncio.run(run_producers([p], lambda: _cut_then_heal(
+                p, q, link, held, n, "the cut-off producer to hand back its leases",
+                "the producer to probe the unreachable engine")))
         finally:
             eng.stop()
     st = p.stats()
@@ -191,22 +194,9 @@ def test_an_engine_cut_off_from_the_router_stops_the_producers_claims_until_it_h
                 expired.extend(monitor.scan().expired)
                 return len(ids(q, "leased"))
 
-            async def body() -> None:
-                await wait_for(lambda: p.pool.busy > 0 and held() > 0, 30,
-                               "requests in flight")
-                link.cut()
-                await wait_for(lambda: held() == 0 and not p.runner.groups, 40,
-                               "the producer to hand back the groups the router lost")
-                claimed = p.stats().groups_claimed
-                await wait_for(lambda: p.stats().engine_probes_failed >= 2, 40,
-                               "the producer to find no healthy worker behind the router")
-                assert p.stats().groups_claimed == claimed
-                assert held() == 0
-                link.heal()
-                await wait_for(lambda: held() + len(ids(q, "ready")) == n and held() == 0,
-                               60, "every task ready after the link healed")
-
-            asyncio.run(run_producers([p], body))
+            asyncio.run(run_producers([p], lambda: _cut_then_heal(
+                p, q, link, held, n, "the producer to hand back the groups the router lost",
+                "the producer to find no healthy worker behind the router")))
         finally:
             if router is not None:
                 router.stop()
