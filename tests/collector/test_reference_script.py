@@ -38,7 +38,7 @@ def test_bench_quick_prints_the_figure_within_tolerance(bench_quick):
 def test_gpu_check_script_runs_its_cpu_path(tmp_path, bench_quick):
     pytest.importorskip("megatron.core", reason="megatron-core not installed")
     pytest.importorskip("ray", reason="the demo needs ray")
-    # the script's first step is `bench/trainer.py --quick`, which this session ran already
+    # the script's first step is `bench/trainer.py --quick`, which this test session ran already
     # (CUDA_VISIBLE_DEVICES or not, it runs on the CPU here): the script is handed that output;
     # its second runs the reference tests, which this suite runs itself: one of them here
     bench = bench_quick("trainer")
