@@ -8,7 +8,9 @@ each client's own counters (``<mount>/.stats``, ``juicefs_meta_ops_total_<op>``)
    ``QueueConfig``: polls every 0.1 s, a heartbeat every 5 s) with free slots and nothing
    to claim, on client B while the run lives on client A, for ``--idle-s`` seconds: its
    metadata operations per second, as shipped (idle polls stat ``pending/`` and
-   ``control/``, list on change) and with a listing of both every poll instead.
+   ``control/``, list on change) and with a listing of both every poll instead; and a
+   trainer rank waiting in ``BatchReader.next_batch`` on that run (it stats ``batches/``
+   at each 20 ms poll and lists on change or once a second; and listing every poll).
 2. **Claim latency vs producers** — one producer process claims tasks one by one on client
    A (p50 / p99) while N simulated idle producers load the same volume through client B
    at N x the idle rate measured in 1 (their real operations: heartbeats, and a look at
@@ -144,6 +146,35 @@ def idle_rate(run_b: str, mount_b: str, seconds: float, probe: bool
         DirProbe.changed = real  # type: ignore[method-assign]
 
 
+def waiting_rank_rate(run_b: str, mount_b: str, seconds: float, probe: bool) -> float:
+    """Metadata ops/s of a trainer rank on client B waiting in ``next_batch`` on a run
+    that publishes nothing (``probe=False``: it lists ``batches/`` at every poll)."""
+    from strawq.collector.errors import BatchTimeout
+    from strawq.collector.reader import BatchReader
+    from strawq.storage.watch import DirProbe
+
+    real = DirProbe.changed
+    if not probe:
+        DirProbe.changed = lambda self: True  # type: ignore[method-assign]
+    try:
+        reader = BatchReader.open(run_b)
+        try:
+            try:
+                reader.next_batch(timeout=0.5)  # opened, replay position read
+            except BatchTimeout:
+                pass
+            before, t0 = meta_ops(mount_b), time.perf_counter()
+            try:
+                reader.next_batch(timeout=seconds)
+            except BatchTimeout:
+                pass
+            return (meta_ops(mount_b) - before) / (time.perf_counter() - t0)
+        finally:
+            reader.close()
+    finally:
+        DirProbe.changed = real  # type: ignore[method-assign]
+
+
 # -- 2. claim latency under N simulated idle producers -----------------------------------------
 def background(run_b: str, n: int, stop: threading.Event, threads: int = 4) -> None:
     """N idle producers' operations on client B: each beats every heartbeat interval and
@@ -265,6 +296,11 @@ def main() -> int:
               f"{QueueConfig().heartbeat_interval_s:.0f} s), client B, {args.idle_s:.0f} s: "
               f"{shipped:.2f} meta ops/s (stat probes; listing every poll: {before:.1f})")
         print(f"  by kind, ops/s: {kinds}; listing every poll: {kinds_before}")
+        waiting = waiting_rank_rate(idle_b, args.mount_b, args.idle_s, probe=True)
+        waiting_before = waiting_rank_rate(idle_b, args.mount_b, args.idle_s, probe=False)
+        print(f"a waiting trainer rank (next_batch, polls 0.02 s), client B, "
+              f"{args.idle_s:.0f} s: {waiting:.1f} meta ops/s (stat probes; listing every "
+              f"poll: {waiting_before:.1f})")
         rows = []
         print(f"{'N':>6} {'background ops/s':>17} {'(wanted)':>9} {'claim p50 ms':>13} "
               f"{'p99 ms':>8}")
@@ -281,6 +317,8 @@ def main() -> int:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump({"idle_ops_s": shipped, "idle_ops_s_listing": before,
+                           "waiting_rank_ops_s": waiting,
+                           "waiting_rank_ops_s_listing": waiting_before,
                            "claims": rows}, f, indent=2)
         base = rows[0]["p99_ms"] if rows else float("nan")
         top = rows[-1] if rows else {"n": 0, "p99_ms": float("nan")}

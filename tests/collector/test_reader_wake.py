@@ -84,3 +84,43 @@ def test_an_injected_sleep_disables_the_watch(two_batches):
     assert reader._watch is None
     w = DirWatch(two_batches.storage, ("batches",), enabled=False)
     assert BatchReader(two_batches, watch=w)._watch is None  # not event-driven: plain poll
+
+
+@pytest.mark.timeout(60)
+def test_a_waiting_rank_lists_batches_only_when_they_changed(two_batches):
+    """Where no event comes (another host's manifest on a shared mount), a waiting rank
+    stats ``batches/`` at each poll and lists it only when it changed (or once a
+    ``LIST_EVERY_S``): a listing every 20 ms cost ~320 metadata operations a second per
+    rank on JuiceFS. A manifest that appears mid-wait is still delivered at the next poll."""
+    q = two_batches
+    st = q.storage
+    hidden = "tmp/hidden-manifest-2"
+    st.rename("batches/000000000002", hidden)
+    clock = FakeClock()
+    listings: list[str] = []
+    real_list = st.list
+
+    def counting_list(prefix: str, *a, **kw):
+        listings.append(prefix)
+        return real_list(prefix, *a, **kw)
+
+    st.list = counting_list  # type: ignore[method-assign]
+    polls: list[float] = []
+
+    def sleep(dt: float) -> None:
+        polls.append(dt)
+        clock.sleep(dt)
+        if len(polls) == 150:  # 3 s into the wait: batch 2 arrives
+            st.rename(hidden, "batches/000000000002")
+
+    reader = BatchReader(q, clock=clock, sleep=sleep, poll_interval_s=0.02)
+    assert reader._watch is None  # the injected sleep: no events, the probe alone
+    reader.ack(reader.next_batch(timeout=1))
+    listings.clear()
+    batch = reader.next_batch(timeout=60)
+    assert batch.seq == 2
+    assert len(polls) == 150  # it waited 3 s of 20 ms polls and saw the manifest at once
+    # 3 s of polls: the first listing, one a second (each twice: a change seen is looked at
+    # again), and the one that found the manifest; not one every poll
+    assert listings.count("batches") <= 2 + 2 * 4 + 2, listings.count("batches")
+    reader.close()
