@@ -81,7 +81,8 @@ def test_calculator_agent_on_the_tiny_engine(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["sync", "partial", "async"])
+# sync runs in test_demo_tools_reward_rises (80 steps); these two interrupt trajectories
+@pytest.mark.parametrize("mode", ["partial", "async"])
 def test_demo_tools_task_end_to_end(mode: str, tmp_path: Path) -> None:
     cfg = DemoConfig(workdir=str(tmp_path / "w"), task="tools", mode=mode, steps=4,
                      prompts=400, progress=False)
