@@ -31,6 +31,7 @@ from typing import Any
 from strawq import records
 from strawq.commits import committed_seq
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
+from strawq.history import record_attempts, trained_rows
 from strawq.names import TaskName, data_key, requeued_name
 from strawq.queue import RunQueue
 from strawq.records import Kind
@@ -322,13 +323,17 @@ class BatchStore:
         done = sorted(s for s in seqs if s in acked and (committed is None or s <= committed))
         if keep_batches:
             done = done[:-keep_batches]
+        manifests = []
         for seq in done:
             try:
-                man = self.read_manifest(seq)
+                manifests.append(self.read_manifest(seq))
             except CorruptRecord as exc:
                 log.error("manifest %s is corrupt (%s); quarantining", seq, exc)
                 self.queue.quarantine(manifest_key(seq))
-                continue
+        if manifests:  # the per-prompt history, before what it describes is deleted
+            record_attempts(self.storage, trained_rows(manifests))
+        for man in manifests:
+            seq = man.seq
             for name in man.groups:
                 self.storage.delete(data_key(name.id, name.gen, "group"))
                 if name.resume >= 0:

@@ -7,6 +7,7 @@ from typing import Any
 from strawq import records
 from strawq.errors import CorruptRecord, NotFound, TaskNotFound
 from strawq.groups import GroupData
+from strawq.history import HISTORY_DIR, history_view
 from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
 from strawq.records import Kind
@@ -23,9 +24,15 @@ def _resolve(queue: RunQueue, key: str) -> str:
 def describe_record(queue: RunQueue, key: str, *, tokens: int = 16) -> dict[str, Any]:
     """A readable view of one record; ``"error"`` is set when it fails its checks.
 
+    ``history`` is the per-prompt history's totals, ``history/<task id>`` one prompt's
+    (``strawq.history``).
+
     A bare task id that is in no state is looked up in the drop audit (a dropped task
     whose entry ``gc`` compacted); ``TaskNotFound`` if it is not there either.
     """
+    if key == HISTORY_DIR or key.startswith(f"{HISTORY_DIR}/"):  # the per-prompt history
+        tid = key.partition("/")[2]
+        return history_view(queue.storage, tid or None)
     if "/" not in key:
         try:
             key = _resolve(queue, key)

@@ -37,6 +37,7 @@ from typing import Any
 
 from strawq import records
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.history import attempt_row, record_attempts
 from strawq.names import TaskName, note_key
 from strawq.records import Kind
 from strawq.states import TaskState, entries, names_in, retire
@@ -161,6 +162,10 @@ def compact_drops(storage: Storage) -> int:
     if not todo:
         return 0
     rows = [_row(storage, n) for n in todo]
+    # the per-prompt history, before the notes go
+    record_attempts(storage, [attempt_row(
+        {"task_id": r["id"], **(r["summary"] if isinstance(r.get("summary"), dict) else {})},
+        gen=r["gen"], status="dropped", reason=r["reason"], at=r.get("at")) for r in rows])
     counts = Counter(audit.counts)
     counts.update(r["reason"] for r in rows)
     segs = _segments(storage)

@@ -372,7 +372,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="show one record, readable",
                        description="Decode and verify one record (task, group, partial, "
                        "manifest, cursor, drop note, drop audit). KEY is a path inside the "
-                       "run, e.g. 'ready/<name>' or 'data/<id>~g0.group', or a task id. "
+                       "run, e.g. 'ready/<name>' or 'data/<id>~g0.group', or a task id; "
+                       "'history' shows the per-prompt history, 'history/<task id>' one "
+                       "prompt's attempts. "
                        "Exits 1 when the record fails its checks.")
     s.add_argument("path")
     s.add_argument("key")

@@ -1,0 +1,313 @@
+"""The per-prompt history: what every attempt at every prompt came to, kept for the run.
+
+The queue is the one place that sees every attempt at a prompt across crashes, restarts
+and epochs; this module keeps a bounded summary of each, so a scheduler (or a person) can
+ask "how long are this prompt's answers, and did its last groups teach anything?".
+
+What is recorded, per attempt (one group, one task generation): its status (``trained``
+or ``dropped`` with the reason), the number of samples, the response tokens spent, their
+lengths (min, mean, max), the rewards' mean and variance (a group whose rewards all agree
+has no advantage to train on), the weight versions that generated it and, when trained,
+the version it was trained at. Samples are never stored: a row is a few dozen numbers.
+
+Where it comes from: ``BatchStore.gc`` records the groups of the batches it retires (their
+manifests hold every summary), and ``compact_drops`` the drops it folds into the drop
+audit. Both record *before* they delete what the rows come from, so a crash in between
+records an attempt twice, never not at all; rows are keyed by (task id, generation), and
+a reader counts each key once.
+
+The layout: ``history/seg-<seq>`` records, immutable, published with an exclusive create
+(a second writer takes the next number). Past ``MAX_SEGMENTS`` they are merged into one
+segment holding per prompt its totals, the newest ``KEEP_ATTEMPTS`` attempts in detail,
+and the generations folded in (for the dedupe above). A merged segment names the segments
+it covers; a reader skips those, so a crash between the merge's publish and the deletion
+of what it covers counts nothing twice. The history is bounded by the dataset's size, not
+the run's length.
+
+Read it with ``load_history(storage)`` (``PromptHistory``) or ``strawq inspect RUN history``
+/ ``strawq inspect RUN history/<task id>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from strawq import records
+from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.records import Kind
+from strawq.storage import Storage
+
+log = logging.getLogger(__name__)
+
+HISTORY_DIR = "history"
+SEGMENT_PREFIX = "seg-"
+#: Segments before they are merged into one.
+MAX_SEGMENTS = 16
+#: Attempts per prompt kept in detail by a merge (the totals are always complete).
+KEEP_ATTEMPTS = 4
+#: Generations per prompt a merge remembers, for counting a re-recorded attempt once.
+KEEP_GENS = 64
+
+
+def _key(seq: int) -> str:
+    return f"{HISTORY_DIR}/{SEGMENT_PREFIX}{seq:012d}"
+
+
+def _segments(storage: Storage) -> list[int]:
+    out = []
+    for n in storage.list(HISTORY_DIR):
+        rest = n[len(SEGMENT_PREFIX):]
+        if n.startswith(SEGMENT_PREFIX) and rest.isdigit():
+            out.append(int(rest))
+    return sorted(out)
+
+
+def _num(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) \
+        and math.isfinite(x) else None
+
+
+def attempt_row(summary: Mapping[str, Any], *, gen: int, status: str,
+                reason: str | None = None, trained_at: int | None = None,
+                at: float | None = None) -> dict[str, Any]:
+    """One attempt's row, from a group summary (``GroupData.summary()``)."""
+    lens = [int(n) for n in summary.get("sample_lens", []) if isinstance(n, int)]
+    rewards = [r for r in (_num(x) for x in summary.get("rewards", [])) if r is not None]
+    mean = sum(rewards) / len(rewards) if rewards else None
+    var = sum((r - mean) ** 2 for r in rewards) / len(rewards) if mean is not None else None
+    row: dict[str, Any] = {
+        "id": str(summary.get("task_id", "")), "gen": int(gen), "status": status,
+        "samples": len(lens), "tokens": sum(lens),
+        "len_min": min(lens, default=0), "len_max": max(lens, default=0),
+        "len_mean": round(sum(lens) / len(lens), 2) if lens else 0.0,
+        "reward_mean": mean, "reward_var": var,
+        "min_version": summary.get("min_version"), "max_version": summary.get("max_version"),
+        "at": _num(at) or time.time(),
+    }
+    if isinstance(summary.get("index"), int):
+        row["index"] = summary["index"]
+    if reason is not None:
+        row["reason"] = reason
+    if trained_at is not None:
+        row["trained_at"] = trained_at
+    return row
+
+
+@dataclass
+class PromptStats:
+    """One prompt's history: totals over every attempt, and its newest attempts."""
+
+    id: str
+    index: int | None = None
+    attempts: int = 0
+    trained: int = 0
+    dropped: int = 0
+    tokens: int = 0
+    #: attempts whose group had two or more rewards, all equal (nothing to learn from)
+    zero_variance: int = 0
+    #: the newest attempts in detail (rows of ``attempt_row``), oldest first
+    last: list[dict[str, Any]] = field(default_factory=list)
+    #: generations counted (the newest ``KEEP_GENS``)
+    gens: list[int] = field(default_factory=list)
+
+    def add(self, row: Mapping[str, Any]) -> bool:
+        """Count one attempt; False if its generation was counted already."""
+        gen = int(row["gen"])
+        if gen in self.gens:
+            return False
+        self.gens = sorted([*self.gens, gen])[-KEEP_GENS:]
+        if self.index is None and isinstance(row.get("index"), int):
+            self.index = row["index"]
+        self.attempts += 1
+        self.trained += row.get("status") == "trained"
+        self.dropped += row.get("status") == "dropped"
+        self.tokens += int(row.get("tokens") or 0)
+        var = row.get("reward_var")
+        if isinstance(var, (int, float)) and int(row.get("samples") or 0) >= 2 and var == 0:
+            self.zero_variance += 1
+        self.last = sorted([*self.last, dict(row)], key=lambda r: r["gen"])[-KEEP_ATTEMPTS:]
+        return True
+
+    @property
+    def mean_length(self) -> float | None:
+        """The mean response length over the attempts kept in detail."""
+        rows = [r for r in self.last if r.get("samples")]
+        n = sum(r["samples"] for r in rows)
+        return sum(r["len_mean"] * r["samples"] for r in rows) / n if n else None
+
+    @property
+    def last_zero_variance(self) -> bool:
+        """The newest attempt's rewards all agreed (all solved, or all failed)."""
+        if not self.last:
+            return False
+        r = self.last[-1]
+        return int(r.get("samples") or 0) >= 2 and r.get("reward_var") == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PromptStats:
+        try:
+            return cls(id=str(d["id"]), index=d.get("index"), attempts=int(d["attempts"]),
+                       trained=int(d["trained"]), dropped=int(d["dropped"]),
+                       tokens=int(d["tokens"]), zero_variance=int(d["zero_variance"]),
+                       last=[dict(r) for r in d.get("last", [])],
+                       gens=[int(g) for g in d.get("gens", [])])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecord(f"history: a prompt's summary is malformed ({exc!r})") from None
+
+
+@dataclass
+class PromptHistory:
+    """The whole run's history: task id -> ``PromptStats``."""
+
+    prompts: dict[str, PromptStats] = field(default_factory=dict)
+    #: segments read (for ``strawq inspect``)
+    segments: int = 0
+
+    @classmethod
+    def open(cls, path: str) -> PromptHistory:
+        """The history of the run at ``path`` (read only)."""
+        from strawq.storage import open_storage
+
+        return load_history(open_storage(path, writer_id="history", read_only=True))
+
+    def get(self, task_id: str) -> PromptStats | None:
+        return self.prompts.get(task_id)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def totals(self) -> dict[str, Any]:
+        p = self.prompts.values()
+        attempts = sum(s.attempts for s in p)
+        return {"prompts": len(self.prompts), "attempts": attempts,
+                "trained": sum(s.trained for s in p), "dropped": sum(s.dropped for s in p),
+                "tokens": sum(s.tokens for s in p),
+                "zero_variance_attempts": sum(s.zero_variance for s in p),
+                "zero_variance_share": round(sum(s.zero_variance for s in p) / attempts, 4)
+                if attempts else 0.0,
+                "segments": self.segments}
+
+    def _fold(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        for row in rows:
+            tid = str(row.get("id", ""))
+            if tid and isinstance(row.get("gen"), int):
+                self.prompts.setdefault(tid, PromptStats(tid)).add(row)
+
+    def _merge(self, stats: PromptStats) -> None:
+        mine = self.prompts.get(stats.id)
+        if mine is None:
+            self.prompts[stats.id] = stats
+            return
+        for row in stats.last:  # (a prompt in two merged segments: a merge raced a write)
+            mine.add(row)
+
+
+def _read(storage: Storage, seq: int) -> dict[str, Any]:
+    rec = records.decode(storage.read(_key(seq)), expect=Kind.STATE, name=_key(seq))
+    m = dict(rec.meta)
+    if not isinstance(m.get("rows", []), list) or not isinstance(m.get("prompts", []), list) \
+            or not isinstance(m.get("covers", []), list):
+        raise CorruptRecord(f"{_key(seq)}: expected rows, prompts and covers (lists)")
+    return m
+
+
+def load_history(storage: Storage) -> PromptHistory:
+    """Every segment folded, oldest first; an unreadable segment is skipped with an error."""
+    segs = _segments(storage)
+    bodies: dict[int, dict[str, Any]] = {}
+    for seq in segs:
+        try:
+            bodies[seq] = _read(storage, seq)
+        except (CorruptRecord, NotFound) as exc:
+            if not isinstance(exc, NotFound):  # (a merge deleted it after the listing)
+                log.error("history segment %s is unreadable (%s); skipping it", _key(seq), exc)
+    covered = {int(c) for b in bodies.values() for c in b.get("covers", [])}
+    hist = PromptHistory()
+    for seq in sorted(bodies):
+        if seq in covered:
+            continue
+        body = bodies[seq]
+        for d in body.get("prompts", []):
+            try:
+                hist._merge(PromptStats.from_dict(d))
+            except CorruptRecord as exc:
+                log.error("%s: %s", _key(seq), exc)
+        hist._fold(body.get("rows", []))
+        hist.segments += 1
+    return hist
+
+
+def _publish(storage: Storage, body: dict[str, Any]) -> int | None:
+    for _ in range(3):
+        seq = max(_segments(storage), default=0) + 1
+        try:
+            storage.publish(_key(seq), records.encode(Kind.STATE, body))
+            return seq
+        except AlreadyExists:
+            continue  # another writer took the number: take the next one
+    log.warning("history: could not publish a segment after 3 tries (a concurrent gc?)")
+    return None
+
+
+def trained_rows(manifests: Iterable[Any]) -> list[dict[str, Any]]:
+    """The rows of the groups in retired batches (``strawq.batches.Manifest``: trained)."""
+    rows = []
+    for man in manifests:
+        at = man.meta.get("trained_at") if isinstance(man.meta, dict) else None
+        for name, summary in zip(man.groups, man.summaries, strict=False):
+            if isinstance(summary, dict):
+                rows.append(attempt_row({"task_id": name.id, **summary}, gen=name.gen,
+                                        status="trained",
+                                        trained_at=at if isinstance(at, int) else None))
+    return rows
+
+
+def record_attempts(storage: Storage, rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Publish one segment of attempt rows (before what they describe is deleted)."""
+    if not rows:
+        return True
+    ok = _publish(storage, {"rows": [dict(r) for r in rows], "at": time.time()}) is not None
+    if ok and len(_segments(storage)) > MAX_SEGMENTS:
+        compact_history(storage)
+    return ok
+
+
+def compact_history(storage: Storage) -> int:
+    """Merge every segment into one; returns how many it covered (0: nothing to merge)."""
+    segs = _segments(storage)
+    if len(segs) < 2:
+        return 0
+    hist = load_history(storage)
+    body = {"prompts": [s.to_dict() for s in hist.prompts.values()], "covers": segs,
+            "merged": True, "at": time.time()}
+    if _publish(storage, body) is None:
+        return 0
+    for seq in segs:
+        storage.delete(_key(seq))
+    return len(segs)
+
+
+def history_view(storage: Storage, task_id: str | None = None) -> dict[str, Any]:
+    """``strawq inspect RUN history`` (totals and the prompts with the most attempts) or
+    ``history/<task id>`` (one prompt)."""
+    hist = load_history(storage)
+    if task_id is not None:
+        stats = hist.get(task_id)
+        if stats is None:
+            raise NotFound(2, f"history/{task_id}: no attempt at {task_id!r} is recorded "
+                              f"(recorded when gc retires its batch or compacts its drop)")
+        return {"key": f"history/{task_id}", "kind": "HISTORY", "prompt": stats.to_dict()}
+    top = sorted(hist.prompts.values(), key=lambda s: (-s.attempts, s.id))[:20]
+    return {"key": HISTORY_DIR, "kind": "HISTORY", "totals": hist.totals(),
+            "most_attempted": [{"id": s.id, "index": s.index, "attempts": s.attempts,
+                                "trained": s.trained, "dropped": s.dropped,
+                                "zero_variance": s.zero_variance,
+                                "mean_length": s.mean_length} for s in top]}
