@@ -59,7 +59,8 @@ def _config(args: argparse.Namespace, group_size: int | None = None) -> Any:
     data = merge(data, parse_overrides(args.set, where="producer config"))
     flags = {"run_dir": args.path, "producer_id": args.producer_id,
              "engine": {"workers": tuple(args.engine) if args.engine else None,
-                        "router_url": args.router},
+                        "router_url": args.router,
+                        "client": {"routing_policy": getattr(args, "routing_policy", None)}},
              "plugins": {"reward": args.reward}, "budget": {"slots": args.slots}}
     data = merge(data, _given(flags))
     plugins = data.get("plugins")
@@ -173,8 +174,13 @@ def add_parsers(subparsers: Any) -> None:
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("path", help="run directory (the same path on every node)")
     s.add_argument("--engine", action="append", metavar="URL",
-                   help="an engine URL (repeat for several; /generate goes round-robin)")
+                   help="an engine URL (repeat for several; see --routing-policy)")
     s.add_argument("--router", metavar="URL", help="an sglang-router URL instead of --engine")
+    s.add_argument("--routing-policy", choices=("round_robin", "cache_aware"), default=None,
+                   help="without --router: how /generate picks an --engine (cache_aware: "
+                   "every request of a task, its G samples, resumes and turns, to the engine "
+                   "that holds its prefix; = engine.client.routing_policy, default "
+                   "round_robin)")
     s.add_argument("--reward", metavar="DOTTED.PATH",
                    help="reward function, e.g. strawq.producers.rewards.math_answer")
     s.add_argument("--slots", type=positive_int, default=None,

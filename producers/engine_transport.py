@@ -60,6 +60,10 @@ ADMIN_PATHS = frozenset({
     "/flush_cache"})
 
 
+#: ``ClientConfig.routing_policy`` values (named as sglang-router's ``--policy``)
+ROUTING_POLICIES = ("round_robin", "cache_aware")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClientConfig(Config):
     """Engine client settings. Every wait has a deadline.
@@ -89,6 +93,14 @@ class ClientConfig(Config):
         api_key: SGLang ``--api-key``; sent as a bearer token on every call.
         admin_api_key: SGLang ``--admin-api-key``; sent instead on the admin endpoints
             (abort, pause, continue, weight updates, flush).
+        routing_policy: how ``/generate`` picks a worker when there is no router
+            (sglang-router's policy names): ``round_robin``, or ``cache_aware`` — every
+            request of one task (a group's G samples, their resumes after an update, every
+            turn of a trajectory) goes to one engine, so it finds the shared prefix in that
+            engine's radix cache. The engine is chosen by rendezvous hashing of the task id
+            over the workers in rotation (a worker leaving moves only its own tasks); a
+            retry goes to the task's next engine. Behind a router, configure the router's
+            own ``--policy cache_aware``.
         eos_token_ids: the model's EOS ids; None = resolved from the engine
             (``/model_info`` ``eos_token_id``), the tokenizer or the model's config files
             (a producer refuses to start when none of them names one, unless
@@ -109,8 +121,12 @@ class ClientConfig(Config):
     api_key: str | None = field(default=None, repr=False)  # never in a repr or log
     admin_api_key: str | None = field(default=None, repr=False)
     eos_token_ids: tuple[int, ...] | None = None
+    routing_policy: str = "round_robin"
 
     def validate(self) -> None:
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"ClientConfig.routing_policy must be one of {ROUTING_POLICIES}, "
+                             f"found {self.routing_policy!r}")
         for name in (
             "connect_timeout_s",
             "generate_timeout_s",

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import uuid
 from collections.abc import Mapping, MutableSet, Sequence
@@ -108,6 +109,27 @@ class _Inflight:
     url: str
 
 
+
+def affinity_key(rid: str) -> str | None:
+    """The task a producer's rid belongs to (``<producer>/<task>.g<gen>/<sample>.<n>``,
+    ``strawq.producers.group.GroupRun.next_rid``), the key ``cache_aware`` routing keeps
+    on one engine; None for a rid of another shape (it goes round-robin)."""
+    parts = rid.split("/")
+    if len(parts) < 3 or not parts[0]:
+        return None
+    task, sep, gen = parts[1].rpartition(".g")
+    return task if sep and task and gen.isdigit() else None
+
+
+def rendezvous(key: str, urls: Sequence[str]) -> list[str]:
+    """``urls`` in the order of ``key``'s rendezvous (highest random weight) hash: the first
+    is its engine, the rest its fall-backs; a worker joining or leaving moves only the keys
+    whose first choice it is."""
+    def weight(url: str) -> int:
+        return int.from_bytes(hashlib.blake2b(f"{key}\0{url}".encode(),
+                                              digest_size=8).digest(), "big")
+    return sorted(urls, key=weight, reverse=True)
+
 class SGLangClient:
     """Async SGLang client. Use as ``async with SGLangClient([...]) as client:``."""
 
@@ -163,12 +185,16 @@ class SGLangClient:
         logger.info("router %s lists %d workers", self.router_url, len(self._workers))
         return list(self._workers)
 
-    def _next_generate_url(self, among: Sequence[str] | None) -> str:
+    def _next_generate_url(self, among: Sequence[str] | None, rid: str = "",
+                           attempt: int = 0) -> str:
         if self.router_url is not None:
             return self.router_url
         urls = self.worker_urls if among is None else list(among)
         if not urls:
             raise EngineUnavailable("no worker to send /generate to (the worker list is empty)")
+        key = affinity_key(rid) if self.config.routing_policy == "cache_aware" else None
+        if key is not None:
+            return rendezvous(key, urls)[attempt % len(urls)]
         url = urls[self._rr % len(urls)]
         self._rr += 1
         return url
@@ -255,7 +281,7 @@ class SGLangClient:
                 # retry gets its own rid, and both stay abortable by exact rid.
                 payload["rid"] = f"{rid}~retry{attempts}"
             attempts += 1
-            target = call.url or self._next_generate_url(call.among)
+            target = call.url or self._next_generate_url(call.among, rid, attempts - 1)
             wire_rid = str(payload["rid"])
             self._inflight[wire_rid] = _Inflight(logical_rid=rid, url=target)
             if call.live is not None:

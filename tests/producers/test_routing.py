@@ -1,0 +1,107 @@
+"""``ClientConfig.routing_policy``: ``cache_aware`` keeps every request of a task on one
+engine (the one that holds its prefix), round-robin spreads them; a retry goes to the
+task's next engine; a worker leaving moves only its own tasks."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+
+import pytest
+from tests.producers.conftest import FAST_SIM
+from tests.producers.engine_helpers import run
+
+from strawq.producers.engine_transport import ClientConfig
+from strawq.producers.engines.launch import EngineOptions
+from strawq.producers.engines.testing import EngineThread
+from strawq.producers.sglang_client import SGLangClient, affinity_key, rendezvous
+
+TASKS = [f"i{i:012d}" for i in range(12)]
+G = 4
+
+
+@pytest.fixture(scope="module")
+def three_engines() -> Iterator[list[str]]:
+    engines = [EngineThread(EngineOptions(kind="sim", max_running=64, sim=FAST_SIM))
+               for _ in range(3)]
+    for e in engines:
+        e.__enter__()
+    try:
+        yield [e.url for e in engines]
+    finally:
+        for e in engines:
+            e.__exit__(None, None, None)
+
+
+def _where(urls: list[str], policy: str) -> dict[str, set[str]]:
+    """Each task's G samples and one resume each: the engines they went to."""
+    async def go() -> dict[str, set[str]]:
+        client = SGLangClient(urls, config=ClientConfig(routing_policy=policy))
+        await client.start()
+        seen: dict[str, set[str]] = defaultdict(set)
+        try:
+            for tid in TASKS:
+                for i in range(G):
+                    for n in (1, 2):  # the first segment, then its resume
+                        res = await client.generate(
+                            [5, 6, 7, 8], {"max_new_tokens": 4, "sampling_seed": i},
+                            rid=f"p0/{tid}.g0/{i}.{n}")
+                        seen[tid].add(res.url)
+        finally:
+            await client.close()
+        return seen
+    return run(go())
+
+
+def test_cache_aware_sends_every_request_of_a_task_to_one_engine(
+        three_engines: list[str]) -> None:
+    seen = _where(three_engines, "cache_aware")
+    assert all(len(where) == 1 for where in seen.values()), seen
+    assert {rendezvous(t, three_engines)[0] for t in TASKS} == \
+        {next(iter(seen[t])) for t in TASKS}
+    assert len({next(iter(w)) for w in seen.values()}) >= 2, "every task on one engine"
+    # the anchor: round-robin scatters a group's siblings over the engines
+    spread = _where(three_engines, "round_robin")
+    assert all(len(where) == 3 for where in spread.values()), spread
+
+
+def test_a_retry_goes_to_the_tasks_next_engine(three_engines: list[str]) -> None:
+    dead = "http://127.0.0.1:9"  # discard port: refused
+    tid = next(t for t in TASKS if rendezvous(t, [dead, *three_engines])[0] == dead)
+    second = rendezvous(tid, [dead, *three_engines])[1]
+
+    async def go() -> str:
+        client = SGLangClient([dead, *three_engines], config=ClientConfig(
+            routing_policy="cache_aware", backoff_base_s=0.0, backoff_max_s=0.0))
+        await client.start()
+        try:
+            res = await client.generate([5, 6, 7], {"max_new_tokens": 2},
+                                        rid=f"p0/{tid}.g3/0.1")
+            return res.url
+        finally:
+            await client.close()
+    assert run(go()) == second
+
+
+def test_rendezvous_moves_only_the_leaving_workers_tasks() -> None:
+    urls = [f"http://10.0.0.{i}:30000" for i in range(8)]
+    keys = [f"i{i:012d}" for i in range(2000)]
+    before = {k: rendezvous(k, urls)[0] for k in keys}
+    after = {k: rendezvous(k, urls[1:])[0] for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == urls[0] for k in moved)
+    share = sum(1 for k in keys if before[k] == urls[0]) / len(keys)
+    assert 0.08 < share < 0.18  # about 1/8 of the tasks per worker
+
+
+def test_the_affinity_key_is_the_task_of_a_producers_rid() -> None:
+    assert affinity_key("p0.r2/i000000000007.g3/1.4") == "i000000000007"
+    assert affinity_key("host-a/task.with.dots.g12/0.1") == "task.with.dots"
+    assert affinity_key("p0/i000000000007.g3/1.4~retry1") == "i000000000007"
+    for rid in ("i000000000007.0.teacher", "p0/i7/0.1", "/x.g1/0", "p0/x.gz/0.1"):
+        assert affinity_key(rid) is None, rid
+
+
+def test_an_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="routing_policy must be one of"):
+        ClientConfig(routing_policy="cache-aware")
