@@ -28,12 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,12 +39,15 @@ import pytest
 from strawq.testing.real_sglang import (
     MODEL_NAME,
     RealServer,
+    RouterProcess,
     default_fixture_home,
     default_tools_dir,
     fixture_problem,
     free_port,
+    get_json,
     make_perturbed_copy,
     start_real_server,
+    start_router,
 )
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
 
@@ -68,17 +68,6 @@ def _unavailable(reason: str) -> None:
     pytest.skip(f"no real SGLang server: {reason}")
 
 
-def _get_json(url: str, key: str | None = None) -> dict[str, object]:
-    req = urllib.request.Request(url)
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        body = json.loads(resp.read())
-    if not isinstance(body, dict):
-        raise ValueError(f"{url} did not return an object")
-    return body
-
-
 @pytest.fixture(scope="session")
 def sglang_real_session() -> Iterator[RealServer]:
     external = os.environ.get("STRAWQ_SGLANG_URL")
@@ -87,7 +76,7 @@ def sglang_real_session() -> Iterator[RealServer]:
         api_key = os.environ.get("STRAWQ_SGLANG_API_KEY") or None
         admin = os.environ.get("STRAWQ_SGLANG_ADMIN_KEY") or None
         try:
-            info = _get_json(url + "/model_info", api_key)
+            info = get_json(url + "/model_info", api_key)
         except (OSError, ValueError) as exc:
             _unavailable(f"STRAWQ_SGLANG_URL={url} does not answer /model_info ({exc})")
         model_dir = Path(str(info["model_path"]))
@@ -116,64 +105,6 @@ def sglang_router_cmd() -> list[str]:
             pytest.fail(f"real router required (STRAWQ_REQUIRE_SGLANG=1) but {reason}")
         pytest.skip(reason)
     return [sys.executable, "-m", "sglang_router.launch_router"]
-
-
-class RouterProcess:
-    def __init__(self, proc: subprocess.Popen[bytes], url: str) -> None:
-        self.proc = proc
-        self.url = url
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
-
-
-def start_router(
-    cmd: list[str],
-    worker_urls: list[str],
-    *,
-    timeout_s: float = 60.0,
-    log: Path | None = None,
-    extra_args: tuple[str, ...] = (),
-    api_key: str | None = None,
-) -> RouterProcess:
-    """Start the real router in front of ``worker_urls``; returns once ``GET /workers`` lists
-    them all. With ``api_key`` the router is started with ``--api-key``: it then wants that
-    key from its clients and sends it to the workers."""
-    if api_key:
-        extra_args = (*extra_args, "--api-key", api_key)
-    port = free_port()
-    out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(
-        # its Prometheus exporter gets a port of its own too: the router's default, 29000, is
-        # taken by any other router on the machine, and it then panics at start
-        [*cmd, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-         "--prometheus-port", str(free_port()), "--policy", "round_robin", "--log-level", "warn",
-         *extra_args, "--worker-urls", *worker_urls],
-        stdout=out, stderr=subprocess.STDOUT,
-    )
-    router = RouterProcess(proc, f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            body = _get_json(router.url + "/workers", api_key)
-            workers = body.get("workers")
-            if isinstance(workers, list) and len(workers) >= len(worker_urls):
-                return router
-        except (OSError, ValueError):
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            router.stop()
-            raise RuntimeError(
-                f"sglang-router did not list {len(worker_urls)} workers within {timeout_s:.0f}s "
-                f"(exit code {proc.poll()})"
-            )
-        time.sleep(0.2)
 
 
 @pytest.fixture

@@ -209,6 +209,78 @@ class BracketResult:
         return self.kept / self.generated if self.generated else float("nan")
 
 
+def get_json(url: str, key: str | None = None) -> dict[str, object]:
+    """GET ``url`` (bearer ``key``), a JSON object or ``ValueError``."""
+    import urllib.request
+
+    req = urllib.request.Request(url)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        body = json.loads(resp.read())
+    if not isinstance(body, dict):
+        raise ValueError(f"{url} did not return an object")
+    return body
+
+
+class RouterProcess:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+
+
+def start_router(
+    cmd: list[str],
+    worker_urls: list[str],
+    *,
+    timeout_s: float = 60.0,
+    log: Path | None = None,
+    extra_args: tuple[str, ...] = (),
+    api_key: str | None = None,
+) -> RouterProcess:
+    """Start the real router in front of ``worker_urls``; returns once ``GET /workers`` lists
+    them all. With ``api_key`` the router is started with ``--api-key``: it then wants that
+    key from its clients and sends it to the workers."""
+    if api_key:
+        extra_args = (*extra_args, "--api-key", api_key)
+    port = free_port()
+    out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(
+        # its Prometheus exporter gets a port of its own too: the router's default, 29000, is
+        # taken by any other router on the machine, and it then panics at start
+        [*cmd, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+         "--prometheus-port", str(free_port()), "--policy", "round_robin", "--log-level", "warn",
+         *extra_args, "--worker-urls", *worker_urls],
+        stdout=out, stderr=subprocess.STDOUT,
+    )
+    router = RouterProcess(proc, f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            body = get_json(router.url + "/workers", api_key)
+            workers = body.get("workers")
+            if isinstance(workers, list) and len(workers) >= len(worker_urls):
+                return router
+        except (OSError, ValueError):
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            router.stop()
+            raise RuntimeError(
+                f"sglang-router did not list {len(worker_urls)} workers within {timeout_s:.0f}s "
+                f"(exit code {proc.poll()})"
+            )
+        time.sleep(0.2)
+
+
 def bracket_scenario(
     server: RealServer,
     workdir: Path,
