@@ -9,7 +9,9 @@ and ``cache_aware`` — both servers' caches are flushed, then N groups run as a
 them: each group a distinct prompt of L tokens, its G samples sent at once, each sample in
 two segments (the second resumes from prompt + the first segment's T tokens, as a sample
 interrupted by a weight update does), every request with a producer's rid
-(``<producer>/<task>.g<gen>/<sample>.<n>``).
+(``<producer>/<task>.g<gen>/<sample>.<n>``). With sglang-router installed, two more rows put
+the real router in front of both servers with its own ``--policy round_robin`` and
+``--policy cache_aware`` (the client then sends everything to the router).
 
 The hit rate is Σ ``cached_tokens`` ÷ Σ ``prompt_tokens`` over the requests whose prefix an
 engine already holds (a group's siblings share the prompt; a resume shares prompt and first
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import random
 import sys
@@ -44,10 +47,11 @@ KINDS = ("siblings", "resumes")
 
 
 async def one_policy(urls: list[str], policy: str, keys: tuple[str | None, str | None],
-                     groups: int, g: int, plen: int, seg: int, seed: int) -> dict[str, Any]:
-    client = SGLangClient(urls, config=ClientConfig(
-        routing_policy=policy, api_key=keys[0], admin_api_key=keys[1],
-        generate_timeout_s=600.0))
+                     groups: int, g: int, plen: int, seg: int, seed: int,
+                     router: str | None = None) -> dict[str, Any]:
+    client = SGLangClient(urls if router is None else (), router_url=router,
+                          config=ClientConfig(routing_policy=policy, api_key=keys[0],
+                                              admin_api_key=keys[1], generate_timeout_s=600.0))
     await client.start()
     rng = random.Random(seed)
     tally = {k: [0, 0] for k in (*KINDS, "first")}
@@ -101,7 +105,7 @@ def main() -> int:
     plen = args.prompt_len or (128 if args.quick else 384)
     if groups < 1 or args.group_size < 2 or plen < 8 or args.segment < 1:
         ap.error("--groups >= 1, --group-size >= 2, --prompt-len >= 8 and --segment >= 1")
-    from strawq.testing.real_sglang import RealServer, start_real_server
+    from strawq.testing.real_sglang import RealServer, start_real_server, start_router
 
     servers: list[RealServer] = []
     external = os.environ.get("STRAWQ_SGLANG_URL")
@@ -131,14 +135,28 @@ def main() -> int:
         print(f"routing: {what}, started in {time.monotonic() - t0:.0f}s; {groups} groups of "
               f"G={args.group_size}, {plen}-token prompts, resumes after {args.segment} tokens")
         res = {}
-        for policy in ("round_robin", "cache_aware"):
-            res[policy] = asyncio.run(one_policy(urls, policy, keys, groups, args.group_size,
-                                                 plen, args.segment, args.seed))
-            r = res[policy]["rate"]
-            spread = ", ".join(f"{n}" for n in res[policy]["engines"].values())
-            print(f"{policy:<12} siblings {r['siblings']:.3f}  resumes {r['resumes']:.3f}  "
+        cases: list[tuple[str, str | None]] = [("round_robin", None), ("cache_aware", None)]
+        if len(servers) >= 2 and importlib.util.find_spec("sglang_router") is not None:
+            cases += [("router round_robin", "round_robin"),
+                      ("router cache_aware", "cache_aware")]
+        for name, router_policy in cases:
+            router = None
+            if router_policy is not None:  # sglang-router's own policy in front of both
+                router = start_router([sys.executable, "-m", "sglang_router.launch_router"],
+                                      urls, api_key=keys[0],
+                                      extra_args=("--policy", router_policy))
+            try:
+                res[name] = asyncio.run(one_policy(
+                    urls, name.split()[-1], keys, groups, args.group_size, plen,
+                    args.segment, args.seed, router=router.url if router else None))
+            finally:
+                if router is not None:
+                    router.stop()
+            r = res[name]["rate"]
+            spread = ", ".join(f"{n}" for n in res[name]["engines"].values())
+            print(f"{name:<19} siblings {r['siblings']:.3f}  resumes {r['resumes']:.3f}  "
                   f"both {r['both']:.3f}  (group's first prefill {r['first']:.3f}; requests "
-                  f"per engine {spread})")
+                  f"per {'router' if router_policy else 'engine'} {spread})")
     finally:
         for s in servers:
             s.stop()
