@@ -6,6 +6,8 @@ total-queue check and a storage check.
                           [--disk-full]            # the run on a small tmpfs the nemesis fills
     python bench/chaos.py --workload agentic [--quick] [--turns T] [--tool-min S]
                           [--tool-max S]           # trajectories with tools (chaos_agentic.py)
+    python bench/chaos.py --workload slime [--quick]     # slime's rollout loop (chaos_slime.py)
+    python bench/chaos.py --workload operator [--quick]  # operator commands (chaos_operator.py)
 
 Processes: two sim engines (``strawq engine serve --kind sim``, each behind a counting
 proxy in this process that tallies the completion tokens of every ``/generate`` answer by
@@ -53,6 +55,23 @@ server's ledger and the store its calls describe. Last line::
     = T, recovery p50 = R s
 
 (one line; T counts generated tokens only, appended tool tokens are not the engines').
+
+``--workload slime`` (``bench/chaos_slime.py``): the trainer is slime's ``train.py`` loop in
+strawq's mode 2 on slime's real objects (``call_rollout_fn(generate_rollout, ...)`` per
+rollout, slime's own sample conversion, a model checkpoint every ``--interval`` rollouts and
+then ``StrawqBatchSource.save``, ``update_weights`` through slime's post-write hook, ``load``
+of the newest model checkpoint's rollout on restart); the model checkpoint carries the
+lineage the total-queue check reads. ``--workload operator`` (``bench/chaos_operator.py``):
+``max_attempts=2`` so that faults cause drops, a trainer that runs a weight-update bracket
+after every step, and an operator running ``strawq requeue`` (the reasons in ``dropped/``),
+``release``, ``status``, ``gc`` and ``bracket status`` beside the faults, and ``bracket
+status`` then ``bracket finish`` (or ``abort``) each time the trainer is killed; each
+command's exit status and output is recorded, and a traceback, an exit without a message or
+a wrong decision fails the run. In both the engines restart on the newest pushed weight
+version and the trainer is not picked while it starts. Last lines::
+
+    chaos slime: faults = F, lost = L, duplicated = D, tokens lost per fault = T, recovery p50 = R s
+    chaos operator: faults = F, lost = L, duplicated = D, tokens lost per fault = T, recovery p50 = R s
 
 Per producer kill (each producer incarnation runs with its own ``--producer-id``, so every
 rid names it): the tokens it had in flight — generated for the leases it held and had not
@@ -442,7 +461,7 @@ class Chaos:
             rng.shuffle(self._cycle)
         victim = self._cycle.pop()
         proc = self.procs[victim]
-        if not proc.alive() or proc.stopped:
+        if not proc.alive() or proc.stopped or self.starting(victim):
             return
         kind = "kill9" if rng.random() < 0.7 else "sigstop"
         fault = Fault(victim, kind, time.time())
@@ -488,6 +507,16 @@ class Chaos:
                         + "\n")
         print(f"fault {len(self.faults)}: {kind} {victim} ({fault.end - fault.at:.1f}s)",
               file=sys.stderr, flush=True)
+
+    def starting(self, victim: str) -> bool:
+        """slime/operator: the trainer is not picked while it starts (slime's imports take
+        10-20 s on a loaded machine: a kill every round would never let it train)."""
+        if victim != "trainer" or self.workload not in ("slime", "operator"):
+            return False
+        if not os.path.exists(self.events):
+            return True
+        starts = Path(self.events).read_text().count('"event": "start"')
+        return starts < self.procs["trainer"].restarts + 1
 
     def nemesis(self) -> None:
         rng = random.Random(self.seed + 2)

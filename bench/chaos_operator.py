@@ -190,7 +190,10 @@ def tick(ch: Any) -> None:
     if op.p is not None and ch.op_commands and ch.op_commands[-1].p is op.p:
         ch.op_commands[-1].collect()
     rng = ch.operator_rng
-    i = rng.randrange(6)
+    if not getattr(ch, "op_cycle", None):  # every command once a round, in a random order
+        ch.op_cycle = list(range(6))
+        rng.shuffle(ch.op_cycle)
+    i = ch.op_cycle.pop()
     path = ch.path(i)
     if i == 0:
         what, argv = "release", _strawq("release", path, ch.dataset, "--count", "4", "-q")
