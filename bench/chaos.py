@@ -62,7 +62,7 @@ rollout, slime's own sample conversion, a model checkpoint every ``--interval`` 
 then ``StrawqBatchSource.save``, ``update_weights`` through slime's post-write hook, ``load``
 of the newest model checkpoint's rollout on restart); the model checkpoint carries the
 lineage the total-queue check reads. ``--workload operator`` (``bench/chaos_operator.py``):
-``max_attempts=2`` so that faults cause drops, a trainer that runs a weight-update bracket
+``max_attempts=1`` so that faults cause drops, a trainer that runs a weight-update bracket
 after every step, and an operator running ``strawq requeue`` (the reasons in ``dropped/``),
 ``release``, ``status``, ``gc`` and ``bracket status`` beside the faults, and ``bracket
 status`` then ``bracket finish`` (or ``abort``) each time the trainer is killed; each
@@ -70,8 +70,10 @@ command's exit status and output is recorded, and a traceback, an exit without a
 a wrong decision fails the run. In both the engines restart on the newest pushed weight
 version and the trainer is not picked while it starts. Last lines::
 
-    chaos slime: faults = F, lost = L, duplicated = D, tokens lost per fault = T, recovery p50 = R s
-    chaos operator: faults = F, lost = L, duplicated = D, tokens lost per fault = T, recovery p50 = R s
+    chaos slime: faults = F, lost = L, duplicated = D, tokens lost per fault = T,
+    recovery p50 = R s
+
+(one line; ``chaos operator: ...`` the same, after a table of the operator's commands).
 
 Per producer kill (each producer incarnation runs with its own ``--producer-id``, so every
 rid names it): the tokens it had in flight — generated for the leases it held and had not
@@ -954,7 +956,7 @@ def main(argv: list[str] | None = None) -> int:
     ch = Chaos(work, run_a, run_b, args.prompts, args.faults, args.gap, args.seed,
                interval=args.interval, step_s=args.step_s, restart_pause=args.restart_pause,
                max_stop=args.max_stop, workload=args.workload,
-               init_set=("max_attempts=2",) if args.workload == "operator" else (),
+               init_set=("max_attempts=1",) if args.workload == "operator" else (),
                turns=args.turns or 10, tool_s=(args.tool_min or 0.5, args.tool_max or 5.0),
                disk=disk)
 

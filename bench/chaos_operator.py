@@ -2,7 +2,7 @@
 commands on a live run while the nemesis strikes.
 
 A module of ``chaos.py`` (not a benchmark of its own). The run is the default workload's
-with ``max_attempts=2``, so that leases the faults cut short (a producer killed or stopped
+with ``max_attempts=1``, so that leases the faults cut short (a producer killed or stopped
 past the lease timeout) spend a task's attempts and drops happen (``lease_expired.max_attempts``
 and the like). The trainer (``chaos.py --role operator-trainer``) is the default one plus a
 weight update after every step (``reader.bracket.weight_update(push)``: the producers pause,
@@ -14,10 +14,14 @@ slime workload, ``chaos_slime.engine_argv``).
 The operator, every 0.7 s (its command is a victim of the nemesis like any process):
 ``strawq release``, ``strawq status --json``, ``strawq gc``, ``strawq bracket status``, and
 ``strawq requeue RUN --reason R --json`` for a reason found in ``dropped/`` (or one that
-has none: a refusal). And when the nemesis kills the trainer, before its restart: ``strawq
+has none: a refusal; while ``dropped/`` holds drops the operator requeues them first, before
+a ``gc`` folds them into the drop audit, where they cannot be requeued). And when the
+nemesis kills the trainer, before its restart: ``strawq
 bracket status``, then ``strawq bracket finish`` (or, one time in four, ``strawq bracket
 abort``) — the settle of a bracket whose trainer died — and the engines are probed right
-after: every engine that answers must hold the run's announced version.
+after: every engine that answers must hold the run's announced version (then the weights an
+engine loads when it restarts are that version's again, as an operator who undid an update
+puts the old weights back).
 
 Each command's exit status and output is recorded. A command is **failed** when its output
 holds a Python traceback, when it exits other than 0, 1 or 2 without having been killed by
@@ -43,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos_slime import engine_argv, push_weights
+from chaos_slime import engine_argv, push_weights, write_atomic
 
 PY = sys.executable
 CHAOS = str(Path(__file__).with_name("chaos.py"))
@@ -166,6 +170,7 @@ def setup(ch: Any) -> None:
     ch.op_dir = ch.work / "operator"
     ch.op_dir.mkdir()
     ch.engine_urls = engines
+    ch.latest = latest
     ch.on_kill = on_kill
 
 
@@ -193,7 +198,8 @@ def tick(ch: Any) -> None:
     if not getattr(ch, "op_cycle", None):  # every command once a round, in a random order
         ch.op_cycle = list(range(6))
         rng.shuffle(ch.op_cycle)
-    i = ch.op_cycle.pop()
+    reasons = _reasons(ch)
+    i = 5 if reasons else ch.op_cycle.pop()  # drops are requeued before a gc folds them
     path = ch.path(i)
     if i == 0:
         what, argv = "release", _strawq("release", path, ch.dataset, "--count", "4", "-q")
@@ -204,7 +210,7 @@ def tick(ch: Any) -> None:
     elif i == 3:
         what, argv = "bracket-status", _strawq("bracket", "status", path)
     else:
-        reasons = _reasons(ch) or ["lease_expired.max_attempts"]
+        reasons = reasons or ["lease_expired.max_attempts"]
         what, argv = "requeue", _strawq("requeue", path, "--reason", rng.choice(reasons),
                                         "--json", "-q")
     cmd = _command(ch, what, argv)
@@ -252,6 +258,9 @@ def on_kill(ch: Any, victim: str) -> None:
     if cmd.rc == 0:
         queue = RunQueue.open(open_storage(ch.run_a, writer_id="chaos-operator"))
         version = str(queue.current_version())
+        # the weights an engine loads when it starts are the announced version's again (an
+        # undo or an abort leaves the bracket's on disk: the operator puts the old ones back)
+        write_atomic(ch.latest, version)
         held = _engine_versions(ch.engine_urls)
         wrong = {u: v for u, v in held.items() if v != version}
         if wrong:
