@@ -861,7 +861,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=int, default=3)
     ap.add_argument("--step-s", type=float, default=0.1, help="the trainer's step time")
     ap.add_argument("--quick", action="store_true", help="CI size: 160 prompts, 16 faults "
-                    "(agentic: 40 prompts, 7 faults, 5 turns, tools 0.05-0.5 s)")
+                    "(agentic: 40 prompts, 7 faults, 5 turns, tools 0.05-0.5 s; slime, "
+                    "operator: 32 prompts, 5 faults)")
     ap.add_argument("--prompts", type=int, default=400)
     ap.add_argument("--faults", type=int, default=300)
     ap.add_argument("--gap", type=float, default=1.0, help="max seconds between faults")
@@ -910,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "fleet-trainer":
         return fleet_trainer(args.run, args.events, args.engine)
     if args.quick and args.workload in ("slime", "operator"):
-        args.prompts, args.faults, args.gap = 64, 8, 0.5
+        args.prompts, args.faults, args.gap = 32, 5, 0.4
     elif args.quick:
         args.prompts, args.faults, args.gap = 160, 16, 0.6
     work = Path(args.workdir or f"{tempfile.gettempdir()}/strawq-chaos-{os.getpid()}")
