@@ -6,6 +6,8 @@ total-queue check and a storage check.
                           [--disk-full]            # the run on a small tmpfs the nemesis fills
     python bench/chaos.py --workload agentic [--quick] [--turns T] [--tool-min S]
                           [--tool-max S]           # trajectories with tools (chaos_agentic.py)
+    python bench/chaos.py --workload slime [--quick]     # slime's rollout loop (chaos_slime.py)
+    python bench/chaos.py --workload operator [--quick]  # operator commands (chaos_operator.py)
 
 Processes: two sim engines (``strawq engine serve --kind sim``, each behind a counting
 proxy in this process that tallies the completion tokens of every ``/generate`` answer by
@@ -54,6 +56,25 @@ server's ledger and the store its calls describe. Last line::
 
 (one line; T counts generated tokens only, appended tool tokens are not the engines').
 
+``--workload slime`` (``bench/chaos_slime.py``): the trainer is slime's ``train.py`` loop in
+strawq's mode 2 on slime's real objects (``call_rollout_fn(generate_rollout, ...)`` per
+rollout, slime's own sample conversion, a model checkpoint every ``--interval`` rollouts and
+then ``StrawqBatchSource.save``, ``update_weights`` through slime's post-write hook, ``load``
+of the newest model checkpoint's rollout on restart); the model checkpoint carries the
+lineage the total-queue check reads. ``--workload operator`` (``bench/chaos_operator.py``):
+``max_attempts=1`` so that faults cause drops, a trainer that runs a weight-update bracket
+after every step, and an operator running ``strawq requeue`` (the reasons in ``dropped/``),
+``release``, ``status``, ``gc`` and ``bracket status`` beside the faults, and ``bracket
+status`` then ``bracket finish`` (or ``abort``) each time the trainer is killed; each
+command's exit status and output is recorded, and a traceback, an exit without a message or
+a wrong decision fails the run. In both the engines restart on the newest pushed weight
+version and the trainer is not picked while it starts. Last lines::
+
+    chaos slime: faults = F, lost = L, duplicated = D, tokens lost per fault = T,
+    recovery p50 = R s
+
+(one line; ``chaos operator: ...`` the same, after a table of the operator's commands).
+
 Per producer kill (each producer incarnation runs with its own ``--producer-id``, so every
 rid names it): the tokens it had in flight — generated for the leases it held and had not
 persisted: the answers it had received, plus the tokens of its requests running on the
@@ -96,6 +117,9 @@ VICTIMS = ("engine0", "engine1", "producer0", "producer1", "collector", "trainer
 #: is not (the dataset is small; its releases and gc stay in the default workload)
 AGENTIC_VICTIMS = ("engine0", "engine1", "producer0", "producer1", "tool", "collector",
                    "trainer")
+#: ``--workload``: slime (bench/chaos_slime.py) and operator (bench/chaos_operator.py) run
+#: the default workload's victims with their own trainer
+WORKLOADS = ("default", "agentic", "slime", "operator")
 
 
 # -- the trainer role ------------------------------------------------------------------------
@@ -250,6 +274,10 @@ class Chaos:
     workload: str = "default"
     turns: int = 10
     tool_s: tuple[float, float] = (0.5, 5.0)
+    #: more ``strawq init --set`` settings (the operator workload's low max_attempts)
+    init_set: tuple[str, ...] = ()
+    #: called after a victim's kill -9, before its restart (the operator workload)
+    on_kill: Any = None
 
     @property
     def victims(self) -> tuple[str, ...]:
@@ -270,7 +298,8 @@ class Chaos:
                                     "count": rng.randrange(4, 40), "i": i}) + "\n")
         subprocess.run(strawq("init", self.run_a, "-q", "--set", "group_size=4",
                               "--set", "lease_timeout_s=2.0", "--set", "heartbeat_interval_s=0.2",
-                              "--set", "release_batch=8", "--set", "max_attempts=50"),
+                              "--set", "release_batch=8", "--set", "max_attempts=50",
+                              *[a for kv in self.init_set for a in ("--set", kv)]),
                        check=True, cwd=ROOT)
         self.engine_ports = [self._free_port() for _ in range(2)]
         lens = ("12", "30") if self.workload == "agentic" else ("24", "96")
@@ -302,6 +331,12 @@ class Chaos:
             "--step-s", str(self.step_s), "--done", self.done,
             *(["--workload", "agentic"] if self.workload == "agentic" else [])],
             str(self.work / "trainer.log"))
+        if self.workload == "slime":
+            from chaos_slime import setup as slime_setup
+            slime_setup(self)
+        elif self.workload == "operator":
+            from chaos_operator import setup as operator_setup
+            operator_setup(self)
         for name in ("producer0", "producer1", "collector", "trainer"):
             self.procs[name].start()
         self.operator_rng = random.Random(self.seed + 1)
@@ -387,6 +422,10 @@ class Chaos:
         op = self.procs["operator"]
         if op.alive() or op.stopped:
             return
+        if self.workload == "operator":
+            from chaos_operator import tick
+            tick(self)
+            return
         i = self.operator_rng.randrange(4)
         cmd = [strawq("release", self.path(i), self.dataset, "--count", "4", "-q"),
                strawq("status", self.path(i), "--json", "-q"),
@@ -424,7 +463,7 @@ class Chaos:
             rng.shuffle(self._cycle)
         victim = self._cycle.pop()
         proc = self.procs[victim]
-        if not proc.alive() or proc.stopped:
+        if not proc.alive() or proc.stopped or self.starting(victim):
             return
         kind = "kill9" if rng.random() < 0.7 else "sigstop"
         fault = Fault(victim, kind, time.time())
@@ -433,6 +472,8 @@ class Chaos:
             proc.signal(signal.SIGKILL)
             assert proc.p is not None
             proc.p.wait()
+            if self.on_kill is not None:
+                self.on_kill(self, victim)
             if proc.producer_id:
                 fault.incarnation, fault.dead_at = proc.incarnation, time.time()
                 fault.running = self.engine_requests(f"{proc.incarnation}/")
@@ -469,12 +510,27 @@ class Chaos:
         print(f"fault {len(self.faults)}: {kind} {victim} ({fault.end - fault.at:.1f}s)",
               file=sys.stderr, flush=True)
 
+    def starting(self, victim: str) -> bool:
+        """slime/operator: the trainer is not picked while it starts (slime's imports take
+        10-20 s on a loaded machine: a kill every round would never let it train)."""
+        if victim != "trainer" or self.workload not in ("slime", "operator"):
+            return False
+        if not os.path.exists(self.events):
+            return True
+        starts = Path(self.events).read_text().count('"event": "start"')
+        return starts < self.procs["trainer"].restarts + 1
+
     def nemesis(self) -> None:
         rng = random.Random(self.seed + 2)
         if self.workload == "agentic":  # faults mid-trajectory, not while the fleet starts
             from strawq.demo.agentic_kv import counts
             until = time.time() + 120
             while sum(counts(self.ledger, "exec").values()) < 8 and time.time() < until:
+                time.sleep(0.1)
+        if self.workload in ("slime", "operator"):  # faults once it trains, not while it
+            until = time.time() + 120               # imports and the fleet starts
+            while not (os.path.exists(self.events) and "batch" in Path(self.events).read_text()
+                       ) and time.time() < until:
                 time.sleep(0.1)
         next_op = time.time()
         while len(self.faults) < self.faults_target and self.collector_running():
@@ -523,6 +579,9 @@ class Chaos:
             time.sleep(0.2)
         else:
             return False
+        if self.workload == "operator":
+            from chaos_operator import before_done
+            before_done(self)
         Path(self.done).touch()
         trainer_proc = self.procs["trainer"]
         assert trainer_proc.p is not None
@@ -537,8 +596,12 @@ class Chaos:
         from strawq.storage import open_storage
         from strawq.testing import audit_run
 
-        with open(self.ckpt, encoding="utf-8") as f:
-            saved = json.load(f)
+        if self.workload == "slime":
+            from chaos_slime import final_model
+            saved = final_model(self.ckpt)
+        else:
+            with open(self.ckpt, encoding="utf-8") as f:
+                saved = json.load(f)
         lineage = [g for step in saved["model"] for g in step["groups"]]
         trained = [g["id"] for g in lineage]
         storage = open_storage(self.run_a, writer_id="chaos")
@@ -720,7 +783,11 @@ def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str,
     if ch.workload == "agentic":
         agentic_report(ch, res, fig)
         return
-    print(f"chaos: faults = {len(ch.faults)}, lost = {len(res['lost'])}, "
+    if ch.workload == "operator":
+        from chaos_operator import operator_report
+        operator_report(ch, res)
+    name = "chaos" if ch.workload == "default" else f"chaos {ch.workload}"
+    print(f"{name}: faults = {len(ch.faults)}, lost = {len(res['lost'])}, "
           f"duplicated = {len(res['duplicated'])}, "
           f"tokens lost per fault = {fig['tokens_lost_per_fault']:.0f}, "
           f"recovery p50 = {fig['recovery_p50']:.2f} s")
@@ -766,10 +833,12 @@ def agentic_bad(res: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--role", choices=["bench", "trainer", "fleet-trainer", "tool-server"],
-                    default="bench")
-    ap.add_argument("--workload", choices=["default", "agentic"], default="default",
-                    help="agentic: the key-value agent with a tool server (chaos_agentic.py)")
+    ap.add_argument("--role", choices=["bench", "trainer", "fleet-trainer", "tool-server",
+                                       "slime-trainer", "operator-trainer"], default="bench")
+    ap.add_argument("--workload", choices=WORKLOADS, default="default",
+                    help="agentic: the key-value agent with a tool server (chaos_agentic.py); "
+                    "slime: slime's rollout loop as the trainer (chaos_slime.py); operator: "
+                    "requeue/release/gc/bracket commands under faults (chaos_operator.py)")
     ap.add_argument("--turns", type=int, default=None,
                     help="agentic: turns per trajectory (default 10; --quick 5)")
     ap.add_argument("--tool-min", type=float, default=None,
@@ -779,6 +848,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, help="tool-server: its port")
     ap.add_argument("--ledger", help="tool-server: its ledger directory")
     ap.add_argument("--engine", help="fleet-trainer: the engine it pushes weights to")
+    ap.add_argument("--engines", help="slime-/operator-trainer: the engines it pushes "
+                    "weights to, comma-separated")
+    ap.add_argument("--latest", help="slime-/operator-trainer: the file naming the newest "
+                    "pushed weight version")
     ap.add_argument("--fleet-only", action="store_true",
                     help="only the fleet-time phase (seconds lost per failure kind)")
     ap.add_argument("--run")
@@ -788,7 +861,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=int, default=3)
     ap.add_argument("--step-s", type=float, default=0.1, help="the trainer's step time")
     ap.add_argument("--quick", action="store_true", help="CI size: 160 prompts, 16 faults "
-                    "(agentic: 40 prompts, 7 faults, 5 turns, tools 0.05-0.5 s)")
+                    "(agentic: 40 prompts, 7 faults, 5 turns, tools 0.05-0.5 s; slime, "
+                    "operator: 32 prompts, 5 faults)")
     ap.add_argument("--prompts", type=int, default=400)
     ap.add_argument("--faults", type=int, default=300)
     ap.add_argument("--gap", type=float, default=1.0, help="max seconds between faults")
@@ -806,6 +880,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "trainer":
         return trainer(args.run, args.ckpt, args.events, args.interval, args.step_s, args.done,
                        agentic=args.workload == "agentic")
+    if args.role == "slime-trainer":
+        from chaos_slime import slime_trainer
+        return slime_trainer(args.run, args.ckpt, args.events, args.interval, args.step_s,
+                             args.done, args.engines.split(","), args.latest)
+    if args.role == "operator-trainer":
+        from chaos_operator import operator_trainer
+        return operator_trainer(args.run, args.ckpt, args.events, args.interval, args.step_s,
+                                args.done, args.engines.split(","), args.latest)
     if args.role == "tool-server":
         from chaos_agentic import serve
         return serve(args.port, args.ledger, args.tool_min, args.tool_max)
@@ -828,7 +910,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--workload agentic runs on local disk, without --juicefs or --fleet-only")
     if args.role == "fleet-trainer":
         return fleet_trainer(args.run, args.events, args.engine)
-    if args.quick:
+    if args.quick and args.workload in ("slime", "operator"):
+        args.prompts, args.faults, args.gap = 32, 5, 0.4
+    elif args.quick:
         args.prompts, args.faults, args.gap = 160, 16, 0.6
     work = Path(args.workdir or f"{tempfile.gettempdir()}/strawq-chaos-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
@@ -873,6 +957,7 @@ def main(argv: list[str] | None = None) -> int:
     ch = Chaos(work, run_a, run_b, args.prompts, args.faults, args.gap, args.seed,
                interval=args.interval, step_s=args.step_s, restart_pause=args.restart_pause,
                max_stop=args.max_stop, workload=args.workload,
+               init_set=("max_attempts=1",) if args.workload == "operator" else (),
                turns=args.turns or 10, tool_s=(args.tool_min or 0.5, args.tool_max or 5.0),
                disk=disk)
 
@@ -895,8 +980,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     res = ch.check()
     fig = ch.figures(res)
-    report(ch, res, fig, fs, None if agentic else fleet_lost(work / "fleet"))
-    return 0 if not (res["lost"] or res["duplicated"] or res["left"] or agentic_bad(res)) else 1
+    report(ch, res, fig, fs, fleet_lost(work / "fleet") if args.workload == "default" else None)
+    return 0 if not (res["lost"] or res["duplicated"] or res["left"] or agentic_bad(res)
+                     or res.get("operator_failures")) else 1
 
 
 if __name__ == "__main__":

@@ -474,12 +474,20 @@ class BatchReader:
         previous one: a trainer saves one checkpoint at a time.) ``consumed`` counts a batch
         trained but not yet acked.
         """
+        state = self.checkpoint_state(consumed)
+        if self._saving is not None and self.rank == 0 and self.checkpointed:
+            commit_position(self.storage, self._saving)
+        self._saving = int(state["batch_seq"])
+        return state
+
+    def checkpoint_state(self, consumed: Batch | int | None = None) -> dict[str, Any]:
+        """What ``state_dict(consumed)`` returns, with no side effect (it commits nothing and
+        starts no checkpoint): for a trainer that records the state of a checkpoint ahead of
+        saving it (slime's data source writes it when the batch is delivered, since slime
+        saves the model before it calls the data source's ``save``)."""
         seq = self._acked
         if consumed is not None:
             seq = max(seq, consumed if isinstance(consumed, int) else consumed.seq)
-        if self._saving is not None and self.rank == 0 and self.checkpointed:
-            commit_position(self.storage, self._saving)
-        self._saving = seq
         return {"format": CHECKPOINT_FORMAT, "batch_seq": seq,
                 "version": self.queue.current_version(),
                 "feeder": read_cursor_state(self.storage, trained_through=seq)}

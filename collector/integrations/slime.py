@@ -279,6 +279,9 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
         reader.ack(delivered.popleft()[1])
     batch = reader.next_batch(timeout=float(getattr(args, "strawq_batch_timeout_s", 600.0)))
     delivered.append((int(rollout_id), batch.seq))
+    root = getattr(args, "save", None)
+    if root:  # before slime trains it, so before any model checkpoint that holds it
+        _write_state(_state_file(root, int(rollout_id)), reader.checkpoint_state(batch.seq))
     want = getattr(args, "rollout_batch_size", None)
     if want is not None and len(batch.groups) != int(want):
         log.warning("strawq batch %d has %d groups, slime's --rollout-batch-size is %s: set "
@@ -304,6 +307,27 @@ def begin_weight_update_hook(args: Any, version_dir: str, rollout_engines: Any) 
     log.info("strawq producers paused for weight version %d (%s)", rep.version, version_dir)
 
 
+def _state_file(root: str, rollout_id: int) -> str:
+    return os.path.join(root, f"rollout/strawq_reader_{rollout_id}.json")
+
+
+def _write_state(path: str, state: Mapping[str, Any]) -> None:
+    """Write a reader state file whole or not at all (a job killed while writing it leaves
+    the previous file, never a torn one)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class StrawqBatchSource:
     """``--data-source-path`` for ``generate_rollout``: slime's ``save``/``load`` carry the
     reader's checkpoint state (the last batch trained), so a restarted job is never given a
@@ -321,24 +345,22 @@ class StrawqBatchSource:
     def add_samples(self, samples: list[list[Any]]) -> None:
         raise NotImplementedError("strawq's producers keep their own partial groups")
 
-    def _file(self, root: str, rollout_id: int) -> str:
-        return os.path.join(root, f"rollout/strawq_reader_{rollout_id}.json")
-
     def save(self, rollout_id: int) -> None:
+        """slime calls it after the model checkpoint of ``rollout_id``: the reader state of
+        that checkpoint (also written when the rollout's batch was delivered, so that a job
+        killed between slime's model checkpoint and this call resumes right)."""
         reader = _ReaderState.reader(self.path)
         seqs = [s for r, s in _ReaderState.delivered[self.path] if r <= int(rollout_id)]
         state = reader.state_dict(consumed=max(seqs) if seqs else None)
         root = getattr(self.args, "save", None)
         if root:
-            os.makedirs(os.path.join(root, "rollout"), exist_ok=True)
-            with open(self._file(root, int(rollout_id)), "w", encoding="utf-8") as f:
-                json.dump(state, f)
+            _write_state(_state_file(root, int(rollout_id)), state)
 
     def load(self, rollout_id: int | None = None) -> None:
         root = getattr(self.args, "load", None)
         if root is None or rollout_id is None:
             return
-        path = self._file(root, int(rollout_id))
+        path = _state_file(root, int(rollout_id))
         if not os.path.exists(path):
             log.info("no strawq reader state at %s", path)
             return

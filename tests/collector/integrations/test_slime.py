@@ -534,6 +534,29 @@ def test_batch_source_ties_slime_checkpoints_to_the_reader(world):
         src2.get_samples(1)
 
 
+@pytest.mark.timeout(120)
+def test_batch_source_resumes_a_job_killed_between_slimes_two_saves(world):
+    """slime's train.py saves the model checkpoint of rollout c, then calls the data
+    source's save(c): a job killed between the two restarts from model checkpoint c
+    (load(c)) and must not be given a batch that checkpoint already trained."""
+    a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2,
+                        save=str(world.tmp / "ckpt"), load=str(world.tmp / "ckpt"),
+                        custom_reward_post_process_path=adapter.REWARD_POST_PROCESS)
+    src = adapter.StrawqBatchSource(a)
+    assert adapter.generate_rollout(a, 0, None).metrics["strawq/batch_seq"] == 1
+    src.save(0)
+    assert adapter.generate_rollout(a, 1, None).metrics["strawq/batch_seq"] == 2
+    # trained; slime's model checkpoint of rollout 1 is written; the job dies before save(1)
+    for r in adapter._ReaderState.readers.values():
+        r.close()
+    adapter._ReaderState.readers.clear()
+    adapter._ReaderState.delivered.clear()
+    adapter.StrawqBatchSource(a).load(1)
+    assert adapter.generate_rollout(a, 2, None).metrics["strawq/batch_seq"] == 3
+    names = os.listdir(os.path.join(a.save, "rollout"))
+    assert not [n for n in names if ".tmp." in n], names  # each state file written whole
+
+
 def test_run_dir_comes_from_args_or_env(monkeypatch):
     monkeypatch.delenv("STRAWQ_RUN", raising=False)
     with pytest.raises(ValueError, match="STRAWQ_RUN"):
