@@ -89,6 +89,11 @@ sys.path.insert(0, str(ROOT))
 from chaos_fleet import fleet_lost, fleet_trainer  # noqa: E402 (bench/ is sys.path[0])
 from chaos_fleet import line as fleet_line  # noqa: E402
 from chaos_proxy import Proxies, Tally, parse_rid  # noqa: E402
+from chaos_versions import VERSIONED  # noqa: E402
+
+#: ``--workload NAME``: the one list of workloads (default: the queue under process faults;
+#: agentic: chaos_agentic.py; stream, flow, regenerate, old-weights: chaos_versions.py)
+WORKLOADS = ("default", "agentic", *VERSIONED)
 
 PY = sys.executable
 VICTIMS = ("engine0", "engine1", "producer0", "producer1", "collector", "trainer", "operator")
@@ -150,6 +155,10 @@ def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done
         groups = [{"id": g.id, "gen": g.gen,
                    "tokens": int(sum(s["sample_lens"]))}
                   for g, s in zip(batch.groups, batch.summaries, strict=True)]
+        from chaos_versions import trained_samples  # the tokens, for the "invented" check
+        for g, name in zip(groups, batch.groups, strict=True):
+            g["samples"] = trained_samples(reader.queue.read_group(name.id, name.gen),
+                                           masked=agentic)
         if agentic:  # the trained trajectories, for the oracle (gc removes the records)
             from chaos_agentic import trained_group
             for g, name in zip(groups, batch.groups, strict=True):
@@ -250,6 +259,8 @@ class Chaos:
     workload: str = "default"
     turns: int = 10
     tool_s: tuple[float, float] = (0.5, 5.0)
+    #: the collector's workload settings (chaos_versions.collector_sets)
+    col_sets: list[str] = field(default_factory=list)
 
     @property
     def victims(self) -> tuple[str, ...]:
@@ -273,6 +284,9 @@ class Chaos:
                               "--set", "release_batch=8", "--set", "max_attempts=50"),
                        check=True, cwd=ROOT)
         self.engine_ports = [self._free_port() for _ in range(2)]
+        if self.workload in VERSIONED:
+            from chaos_versions import collector_sets
+            self.col_sets = collector_sets(self.workload)
         lens = ("12", "30") if self.workload == "agentic" else ("24", "96")
         for i, port in enumerate(self.engine_ports):
             self.procs[f"engine{i}"] = Proc(f"engine{i}", strawq(
@@ -300,7 +314,9 @@ class Chaos:
             PY, str(Path(__file__).resolve()), "--role", "trainer", "--run", self.path(1),
             "--ckpt", self.ckpt, "--events", self.events, "--interval", str(self.interval),
             "--step-s", str(self.step_s), "--done", self.done,
-            *(["--workload", "agentic"] if self.workload == "agentic" else [])],
+            *(["--workload", self.workload] if self.workload != "default" else []),
+            *(["--engine", ",".join(f"http://127.0.0.1:{p}" for p in self.proxies.ports)]
+              if self.workload in VERSIONED else [])],
             str(self.work / "trainer.log"))
         for name in ("producer0", "producer1", "collector", "trainer"):
             self.procs[name].start()
@@ -338,8 +354,8 @@ class Chaos:
         return Proc("collector", strawq(
             "collector", self.path(n), self.dataset, "--set", "batch_groups=4",
             "--set", "takeover_timeout_s=2.0", "--set", "poll_interval_s=0.05",
-            "--set", "gc_interval_s=0.5", "--set", "max_prefetch_batches=2", "-q"),
-            str(self.work / "collector.log"))
+            "--set", "gc_interval_s=0.5", "--set", "max_prefetch_batches=2", *self.col_sets,
+            "-q"), str(self.work / "collector.log"))
 
     @staticmethod
     def _free_port() -> int:
@@ -382,6 +398,14 @@ class Chaos:
             found.update({q["rid"]: int(q["output_tokens"]) for q in body["requests"]
                           if str(q["rid"]).startswith(prefix)})
         return found
+
+    def engine_weights(self, proc: Proc) -> None:
+        """A weight-version workload: a restarted engine comes up on the run's version, or
+        on version 0 (old-weights)."""
+        if self.workload in VERSIONED and proc.name.startswith("engine"):
+            from chaos_versions import engine_version
+            proc.argv = [*proc.argv[:proc.argv.index("-q")], "-q", "--weight-version",
+                         str(engine_version(self.workload, self.run_a))]
 
     def operator_tick(self) -> None:
         op = self.procs["operator"]
@@ -438,6 +462,7 @@ class Chaos:
                 fault.running = self.engine_requests(f"{proc.incarnation}/")
             time.sleep(rng.uniform(0.05, self.restart_pause))
             if victim != "operator":
+                self.engine_weights(proc)
                 proc.restarts += 1
                 if victim == "collector":
                     self.procs["collector"] = proc = self._collector(proc.restarts)
@@ -476,6 +501,11 @@ class Chaos:
             until = time.time() + 120
             while sum(counts(self.ledger, "exec").values()) < 8 and time.time() < until:
                 time.sleep(0.1)
+        if self.workload in VERSIONED:  # faults while the weights advance, not at start
+            until = time.time() + 120
+            while time.time() < until and not (os.path.exists(self.events) and any(
+                    '"push"' in line for line in open(self.events, encoding="utf-8"))):
+                time.sleep(0.1)
         next_op = time.time()
         while len(self.faults) < self.faults_target and self.collector_running():
             now = time.time()
@@ -503,6 +533,7 @@ class Chaos:
                 continue
             proc = self.procs[name]
             if not proc.alive() and not proc.stopped:
+                self.engine_weights(proc)
                 proc.restarts += 1
                 proc.start()
         col = self.procs["collector"]
@@ -564,6 +595,11 @@ class Chaos:
                     else [key]
         res = {"lineage": lineage, "lost": lost, "duplicated": duplicated, "left": left,
                "dropped": sorted(dropped), "steps": saved["steps"]}
+        from chaos_versions import invented  # trained tokens no engine answered
+        with self.tally.lock:
+            outputs = list(self.tally.outputs)
+        res["invented"], res["versions_wrong"], res["invented_checked"] = invented(lineage,
+                                                                                  outputs)
         if self.workload == "agentic":
             from chaos_agentic import oracle
             res["agentic"] = oracle(lineage, self.ledger, self.watch.at_persist)
@@ -717,11 +753,22 @@ def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str,
         print(f"fleet time: the restarted trainer's first bracket waited "
               f"{fleet['trainer_bracket']:.1f}s of its {fleet['trainer']:.1f}s")
         print(fleet_line(fleet))
+    if res["invented"] or res["versions_wrong"]:
+        print(f"invented check FAILED: {len(res['invented'])} trained samples no engine "
+              f"answered, e.g. {res['invented'][:5]}; {len(res['versions_wrong'])} with "
+              f"versions the engines did not stamp, e.g. {res['versions_wrong'][:5]}")
+    else:
+        print(f"invented check: every trained response token of {res['invented_checked']} "
+              f"samples came from an engine's answer")
     if ch.workload == "agentic":
         agentic_report(ch, res, fig)
         return
-    print(f"chaos: faults = {len(ch.faults)}, lost = {len(res['lost'])}, "
-          f"duplicated = {len(res['duplicated'])}, "
+    name = "chaos" if ch.workload == "default" else f"chaos {ch.workload}"
+    if ch.workload in VERSIONED:
+        from chaos_versions import report_lines
+        print("\n".join(report_lines(ch.workload, ch, res)))
+    print(f"{name}: faults = {len(ch.faults)}, lost = {len(res['lost'])}, "
+          f"duplicated = {len(res['duplicated'])}, invented = {len(res['invented'])}, "
           f"tokens lost per fault = {fig['tokens_lost_per_fault']:.0f}, "
           f"recovery p50 = {fig['recovery_p50']:.2f} s")
 
@@ -760,16 +807,19 @@ def agentic_report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any]) -> None:
 
 def agentic_bad(res: dict[str, Any]) -> bool:
     a = res.get("agentic")
-    return a is not None and bool(a["effects_twice"] or a["persisted_reexecuted"]
-                                  or a["env_mismatches"])
+    return bool(res.get("invented") or res.get("versions_wrong")) or (
+        a is not None and bool(a["effects_twice"] or a["persisted_reexecuted"]
+                               or a["env_mismatches"]))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=["bench", "trainer", "fleet-trainer", "tool-server"],
                     default="bench")
-    ap.add_argument("--workload", choices=["default", "agentic"], default="default",
-                    help="agentic: the key-value agent with a tool server (chaos_agentic.py)")
+    ap.add_argument("--workload", choices=WORKLOADS, default="default",
+                    help="agentic: the key-value agent with a tool server (chaos_agentic.py);"
+                    " stream, flow, regenerate, old-weights: the trainer advances the weights "
+                    "(chaos_versions.py)")
     ap.add_argument("--turns", type=int, default=None,
                     help="agentic: turns per trajectory (default 10; --quick 5)")
     ap.add_argument("--tool-min", type=float, default=None,
@@ -778,7 +828,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="agentic: longest tool call, s (default 5; --quick 0.5)")
     ap.add_argument("--port", type=int, help="tool-server: its port")
     ap.add_argument("--ledger", help="tool-server: its ledger directory")
-    ap.add_argument("--engine", help="fleet-trainer: the engine it pushes weights to")
+    ap.add_argument("--engine", help="fleet-trainer: the engine it pushes weights to; "
+                    "trainer: the engines, comma-separated")
     ap.add_argument("--fleet-only", action="store_true",
                     help="only the fleet-time phase (seconds lost per failure kind)")
     ap.add_argument("--run")
@@ -803,6 +854,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-pause", type=float, default=0.8,
                     help="longest pause between a kill -9 and the restart, seconds")
     args = ap.parse_args(argv)
+    if args.role == "trainer" and args.workload in VERSIONED:
+        from chaos_versions import trainer as versions_trainer
+        return versions_trainer(args.run, args.ckpt, args.events, args.interval, args.step_s,
+                                args.done, args.engine.split(","), args.workload)
     if args.role == "trainer":
         return trainer(args.run, args.ckpt, args.events, args.interval, args.step_s, args.done,
                        agentic=args.workload == "agentic")
@@ -828,6 +883,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--workload agentic runs on local disk, without --juicefs or --fleet-only")
     if args.role == "fleet-trainer":
         return fleet_trainer(args.run, args.events, args.engine)
+    if args.workload in VERSIONED and args.step_s == ap.get_default("step_s"):
+        from chaos_versions import SPECS
+        args.step_s = SPECS[args.workload].step_s
+    if args.quick and args.workload in VERSIONED:
+        args.quick = False
+        args.prompts, args.faults, args.gap = 48, 5, 0.5
+        args.step_s = max(args.step_s, 0.25)  # the faults land while it trains
     if args.quick:
         args.prompts, args.faults, args.gap = 160, 16, 0.6
     work = Path(args.workdir or f"{tempfile.gettempdir()}/strawq-chaos-{os.getpid()}")
@@ -895,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     res = ch.check()
     fig = ch.figures(res)
-    report(ch, res, fig, fs, None if agentic else fleet_lost(work / "fleet"))
+    report(ch, res, fig, fs, None if args.workload != "default" else fleet_lost(work / "fleet"))
     return 0 if not (res["lost"] or res["duplicated"] or res["left"] or agentic_bad(res)) else 1
 
 
