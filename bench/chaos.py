@@ -749,10 +749,6 @@ def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str,
     else:
         print(f"total-queue check: every row trained once or dropped with a reason "
               f"({len(res['dropped'])} dropped)")
-    if fleet is not None:
-        print(f"fleet time: the restarted trainer's first bracket waited "
-              f"{fleet['trainer_bracket']:.1f}s of its {fleet['trainer']:.1f}s")
-        print(fleet_line(fleet))
     if res["invented"] or res["versions_wrong"]:
         print(f"invented check FAILED: {len(res['invented'])} trained samples no engine "
               f"answered, e.g. {res['invented'][:5]}; {len(res['versions_wrong'])} with "
@@ -760,6 +756,10 @@ def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str,
     else:
         print(f"invented check: every trained response token of {res['invented_checked']} "
               f"samples came from an engine's answer")
+    if fleet is not None:
+        print(f"fleet time: the restarted trainer's first bracket waited "
+              f"{fleet['trainer_bracket']:.1f}s of its {fleet['trainer']:.1f}s")
+        print(fleet_line(fleet))
     if ch.workload == "agentic":
         agentic_report(ch, res, fig)
         return

@@ -264,25 +264,29 @@ def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done
 Output = tuple[str, int, int, tuple[int, ...], tuple[int, ...], float]
 
 
-def _chains(resp: Sequence[Any], pieces: list[tuple[Any, ...]]) -> bool:
-    """Whether ``resp`` is a concatenation of ``pieces`` (each may be used once or more:
-    identical answers are the same tokens)."""
+def _chains(resp: Sequence[Any], pieces: list[tuple[float, tuple[Any, ...]]]) -> bool:
+    """Whether ``resp`` is a concatenation of ``pieces`` (time, tokens), in the order the
+    engines returned them (a continuation is answered after the answer it continues)."""
     if not resp:
         return True
-    by_first: dict[Any, list[tuple[Any, ...]]] = defaultdict(list)
-    for p in set(pieces):
+    by_first: dict[Any, list[tuple[float, tuple[Any, ...]]]] = defaultdict(list)
+    for t, p in pieces:
         if p:
-            by_first[p[0]].append(p)
-    reach = [False] * (len(resp) + 1)
-    reach[0] = True
+            by_first[p[0]].append((t, p))
+    # per position: the earliest time a chain of answers reaching it ended (earliest is
+    # best: every continuation a later chain can take, it can take too)
+    inf = float("inf")
+    reach = [inf] * (len(resp) + 1)
+    reach[0] = -inf
     for pos in range(len(resp)):
-        if not reach[pos]:
+        if reach[pos] == inf:
             continue
-        for p in by_first.get(resp[pos], ()):
+        for t, p in by_first.get(resp[pos], ()):
             end = pos + len(p)
-            if end <= len(resp) and tuple(resp[pos:end]) == p:
-                reach[end] = True
-    return reach[len(resp)]
+            if end <= len(resp) and reach[pos] < t < reach[end] \
+                    and tuple(resp[pos:end]) == p:
+                reach[end] = t
+    return reach[len(resp)] < inf
 
 
 def invented(lineage: list[dict[str, Any]], outputs: list[Output]
@@ -290,10 +294,10 @@ def invented(lineage: list[dict[str, Any]], outputs: list[Output]
     """Trained samples that are no concatenation of their engines' answers (``invented``),
     those whose tokens are but whose per-token versions are not (``versions wrong``), and
     the samples checked."""
-    answers: dict[tuple[str, int], list[tuple[tuple[int, ...], tuple[int, ...]]]] = \
-        defaultdict(list)
-    for task, i, _gen, ids, vers, _t in outputs:
-        answers[(task, i)].append((ids, vers))
+    answers: dict[tuple[str, int], list[tuple[float, tuple[int, ...], tuple[int, ...]]]] \
+        = defaultdict(list)
+    for task, i, _gen, ids, vers, t in outputs:
+        answers[(task, i)].append((t, ids, vers))
     bad: list[str] = []
     wrong: list[str] = []
     checked = 0
@@ -302,11 +306,11 @@ def invented(lineage: list[dict[str, Any]], outputs: list[Output]
             checked += 1
             mine = answers.get((g["id"], i), [])
             resp = s["t"]
-            if not _chains(resp, [ids for ids, _v in mine]):
+            if not _chains(resp, [(t, ids) for t, ids, _v in mine]):
                 bad.append(f"{g['id']}.g{g['gen']}/{i}")
                 continue
             both = list(zip(resp, expand(s["v"]), strict=True))
-            if not _chains(both, [tuple(zip(ids, v, strict=True)) for ids, v in mine]):
+            if not _chains(both, [(t, tuple(zip(ids, v, strict=True))) for t, ids, v in mine]):
                 wrong.append(f"{g['id']}.g{g['gen']}/{i}")
     return bad, wrong, checked
 
