@@ -6,6 +6,9 @@ total-queue check and a storage check.
                           [--disk-full]            # the run on a small tmpfs the nemesis fills
     python bench/chaos.py --workload agentic [--quick] [--turns T] [--tool-min S]
                           [--tool-max S]           # trajectories with tools (chaos_agentic.py)
+    python bench/chaos.py --workload stream|flow|regenerate|old-weights [--quick]
+                                                   # the trainer advances the weights
+                                                   # (chaos_versions.py)
 
 Processes: two sim engines (``strawq engine serve --kind sim``, each behind a counting
 proxy in this process that tallies the completion tokens of every ``/generate`` answer by
@@ -30,10 +33,16 @@ Checks, after the nemesis stops and the run drains:
   ``duplicated`` must be 0;
 * storage: after ``strawq gc`` only live records remain (no batch, ack, payload, lease,
   staging or task entry).
+* invented (every workload): each trained sample's response tokens are a concatenation, in
+  the order the engines returned them, of ``/generate`` answers the proxies saw for its
+  task and sample (a partial resumed across updates is several answers), and carry the
+  per-token weight versions those answers were stamped with (``versions wrong`` otherwise;
+  the agentic workload checks the model's own tokens, its tool tokens are not the engines').
 
 Figures (printed, and the last line exactly)::
 
-    chaos: faults = F, lost = L, duplicated = D, tokens lost per fault = T, recovery p50 = R s
+    chaos: faults = F, lost = L, duplicated = D, invented = I, tokens lost per fault = T,
+    recovery p50 = R s   (one line)
 
 T = (completion tokens the engines returned − response tokens in the final model) / F.
 Per victim: faults, recovery (restart or SIGCONT → the trainer's next new batch), the tokens
@@ -53,6 +62,25 @@ server's ledger and the store its calls describe. Last line::
     = T, recovery p50 = R s
 
 (one line; T counts generated tokens only, appended tool tokens are not the engines').
+
+``--workload stream|flow|regenerate|old-weights`` (``bench/chaos_versions.py`` has the parts):
+the trainer advances the weights. After each step it acks, runs a weight-update bracket
+that pushes the new version to both engines (``/update_weights_from_disk`` through the
+proxies), and every ``--interval`` steps saves and commits (the documented order); a
+restarted trainer loads its checkpoint and calls ``bracket.restore`` (the engines may hold
+weights trained after it); engines a push missed are noted and repaired by the bracket's
+repair thread (``start_repairs``). ``stream`` and ``flow`` train a step as 2 micro-batches
+(the collector runs ``schedule.collector_config`` of the mode; flow acks each micro-batch
+as trained); ``regenerate`` runs ``eta_mode=regenerate`` with η = 1 and counts the
+regenerations of the trained groups; in ``old-weights`` a killed engine restarts on
+version 0 (in the others on the run's version), the producers' version guard keeps it out
+of rotation and the repair pushes it the run's version, and the trainer steps every 1 s.
+``--quick``: 48 prompts, 5 faults, faults from the first weight update on. Last line::
+
+    chaos WORKLOAD: faults = F, lost = L, duplicated = D, invented = I, tokens lost per
+    fault = T, recovery p50 = R s
+
+(one line; the default workload's last line has ``invented = I`` after ``duplicated``).
 
 Per producer kill (each producer incarnation runs with its own ``--producer-id``, so every
 rid names it): the tokens it had in flight — generated for the leases it held and had not
@@ -399,6 +427,12 @@ class Chaos:
                           if str(q["rid"]).startswith(prefix)})
         return found
 
+    def trainer_up(self, proc: Proc) -> bool:
+        """Whether this trainer process has loaded its checkpoint (its ``start`` event)."""
+        pid = f'"pid": {proc.p.pid if proc.p else -1},'
+        return os.path.exists(self.events) and any(
+            pid in line for line in open(self.events, encoding="utf-8"))
+
     def engine_weights(self, proc: Proc) -> None:
         """A weight-version workload: a restarted engine comes up on the run's version, or
         on version 0 (old-weights)."""
@@ -450,6 +484,8 @@ class Chaos:
         proc = self.procs[victim]
         if not proc.alive() or proc.stopped:
             return
+        if self.workload in VERSIONED and victim == "trainer" and not self.trainer_up(proc):
+            return  # a fault on a trainer still starting (imports) tests nothing new
         kind = "kill9" if rng.random() < 0.7 else "sigstop"
         fault = Fault(victim, kind, time.time())
         self.faults.append(fault)

@@ -193,7 +193,7 @@ def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done
             saved = json.load(f)
         model, steps, state = saved["model"], saved["steps"], saved["strawq"]
         reader.load_state_dict(state)
-    log(event="start", steps=steps)
+    log(event="start", pid=os.getpid(), steps=steps)
     if (os.path.exists(ckpt) or reader.queue.current_version() > 0
             or reader.bracket.is_open):
         # the engines may hold weights trained after the checkpoint (lost with the crash)
