@@ -180,7 +180,7 @@ def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done
                 checkpoint()
                 return 0
             continue
-        groups = [{"id": g.id, "gen": g.gen,
+        groups: list[dict[str, Any]] = [{"id": g.id, "gen": g.gen,
                    "tokens": int(sum(s["sample_lens"]))}
                   for g, s in zip(batch.groups, batch.summaries, strict=True)]
         from chaos_versions import trained_samples  # the tokens, for the "invented" check
