@@ -8,6 +8,9 @@ total-queue check and a storage check.
                           [--tool-max S]           # trajectories with tools (chaos_agentic.py)
     python bench/chaos.py --workload slime [--quick]     # slime's rollout loop (chaos_slime.py)
     python bench/chaos.py --workload operator [--quick]  # operator commands (chaos_operator.py)
+    python bench/chaos.py --workload stream|flow|regenerate|old-weights [--quick]
+                                                   # the trainer advances the weights
+                                                   # (chaos_versions.py)
 
 Processes: two sim engines (``strawq engine serve --kind sim``, each behind a counting
 proxy in this process that tallies the completion tokens of every ``/generate`` answer by
@@ -32,10 +35,16 @@ Checks, after the nemesis stops and the run drains:
   ``duplicated`` must be 0;
 * storage: after ``strawq gc`` only live records remain (no batch, ack, payload, lease,
   staging or task entry).
+* invented (every workload): each trained sample's response tokens are a concatenation, in
+  the order the engines returned them, of ``/generate`` answers the proxies saw for its
+  task and sample (a partial resumed across updates is several answers), and carry the
+  per-token weight versions those answers were stamped with (``versions wrong`` otherwise;
+  the agentic workload checks the model's own tokens, its tool tokens are not the engines').
 
 Figures (printed, and the last line exactly)::
 
-    chaos: faults = F, lost = L, duplicated = D, tokens lost per fault = T, recovery p50 = R s
+    chaos: faults = F, lost = L, duplicated = D, invented = I, tokens lost per fault = T,
+    recovery p50 = R s   (one line)
 
 T = (completion tokens the engines returned − response tokens in the final model) / F.
 Per victim: faults, recovery (restart or SIGCONT → the trainer's next new batch), the tokens
@@ -75,6 +84,25 @@ version and the trainer is not picked while it starts. Last lines::
 
 (one line; ``chaos operator: ...`` the same, after a table of the operator's commands).
 
+``--workload stream|flow|regenerate|old-weights`` (``bench/chaos_versions.py`` has the parts):
+the trainer advances the weights. After each step it acks, runs a weight-update bracket
+that pushes the new version to both engines (``/update_weights_from_disk`` through the
+proxies), and every ``--interval`` steps saves and commits (the documented order); a
+restarted trainer loads its checkpoint and calls ``bracket.restore`` (the engines may hold
+weights trained after it); engines a push missed are noted and repaired by the bracket's
+repair thread (``start_repairs``). ``stream`` and ``flow`` train a step as 2 micro-batches
+(the collector runs ``schedule.collector_config`` of the mode; flow acks each micro-batch
+as trained); ``regenerate`` runs ``eta_mode=regenerate`` with η = 1 and counts the
+regenerations of the trained groups; in ``old-weights`` a killed engine restarts on
+version 0 (in the others on the run's version), the producers' version guard keeps it out
+of rotation and the repair pushes it the run's version, and the trainer steps every 1 s.
+``--quick``: 48 prompts, 5 faults, faults from the first weight update on. Last line::
+
+    chaos WORKLOAD: faults = F, lost = L, duplicated = D, invented = I, tokens lost per
+    fault = T, recovery p50 = R s
+
+(one line; the default workload's last line has ``invented = I`` after ``duplicated``).
+
 Per producer kill (each producer incarnation runs with its own ``--producer-id``, so every
 rid names it): the tokens it had in flight — generated for the leases it held and had not
 persisted: the answers it had received, plus the tokens of its requests running on the
@@ -110,6 +138,13 @@ sys.path.insert(0, str(ROOT))
 from chaos_fleet import fleet_lost, fleet_trainer  # noqa: E402 (bench/ is sys.path[0])
 from chaos_fleet import line as fleet_line  # noqa: E402
 from chaos_proxy import Proxies, Tally, parse_rid  # noqa: E402
+from chaos_versions import VERSIONED  # noqa: E402
+
+#: ``--workload NAME``: the one list of workloads (default: the queue under process faults;
+#: agentic: chaos_agentic.py; slime: chaos_slime.py; operator: chaos_operator.py, both with
+#: the default workload's victims and their own trainer; stream, flow, regenerate,
+#: old-weights: chaos_versions.py)
+WORKLOADS = ("default", "agentic", "slime", "operator", *VERSIONED)
 
 PY = sys.executable
 VICTIMS = ("engine0", "engine1", "producer0", "producer1", "collector", "trainer", "operator")
@@ -117,9 +152,6 @@ VICTIMS = ("engine0", "engine1", "producer0", "producer1", "collector", "trainer
 #: is not (the dataset is small; its releases and gc stay in the default workload)
 AGENTIC_VICTIMS = ("engine0", "engine1", "producer0", "producer1", "tool", "collector",
                    "trainer")
-#: ``--workload``: slime (bench/chaos_slime.py) and operator (bench/chaos_operator.py) run
-#: the default workload's victims with their own trainer
-WORKLOADS = ("default", "agentic", "slime", "operator")
 
 
 # -- the trainer role ------------------------------------------------------------------------
@@ -171,9 +203,13 @@ def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done
                 checkpoint()
                 return 0
             continue
-        groups = [{"id": g.id, "gen": g.gen,
+        groups: list[dict[str, Any]] = [{"id": g.id, "gen": g.gen,
                    "tokens": int(sum(s["sample_lens"]))}
                   for g, s in zip(batch.groups, batch.summaries, strict=True)]
+        from chaos_versions import trained_samples  # the tokens, for the "invented" check
+        for g, name in zip(groups, batch.groups, strict=True):
+            g["samples"] = trained_samples(reader.queue.read_group(name.id, name.gen),
+                                           masked=agentic)
         if agentic:  # the trained trajectories, for the oracle (gc removes the records)
             from chaos_agentic import trained_group
             for g, name in zip(groups, batch.groups, strict=True):
@@ -278,6 +314,8 @@ class Chaos:
     init_set: tuple[str, ...] = ()
     #: called after a victim's kill -9, before its restart (the operator workload)
     on_kill: Any = None
+    #: the collector's workload settings (chaos_versions.collector_sets)
+    col_sets: list[str] = field(default_factory=list)
 
     @property
     def victims(self) -> tuple[str, ...]:
@@ -302,6 +340,9 @@ class Chaos:
                               *[a for kv in self.init_set for a in ("--set", kv)]),
                        check=True, cwd=ROOT)
         self.engine_ports = [self._free_port() for _ in range(2)]
+        if self.workload in VERSIONED:
+            from chaos_versions import collector_sets
+            self.col_sets = collector_sets(self.workload)
         lens = ("12", "30") if self.workload == "agentic" else ("24", "96")
         for i, port in enumerate(self.engine_ports):
             self.procs[f"engine{i}"] = Proc(f"engine{i}", strawq(
@@ -329,7 +370,9 @@ class Chaos:
             PY, str(Path(__file__).resolve()), "--role", "trainer", "--run", self.path(1),
             "--ckpt", self.ckpt, "--events", self.events, "--interval", str(self.interval),
             "--step-s", str(self.step_s), "--done", self.done,
-            *(["--workload", "agentic"] if self.workload == "agentic" else [])],
+            *(["--workload", self.workload] if self.workload != "default" else []),
+            *(["--engine", ",".join(f"http://127.0.0.1:{p}" for p in self.proxies.ports)]
+              if self.workload in VERSIONED else [])],
             str(self.work / "trainer.log"))
         if self.workload == "slime":
             from chaos_slime import setup as slime_setup
@@ -373,8 +416,8 @@ class Chaos:
         return Proc("collector", strawq(
             "collector", self.path(n), self.dataset, "--set", "batch_groups=4",
             "--set", "takeover_timeout_s=2.0", "--set", "poll_interval_s=0.05",
-            "--set", "gc_interval_s=0.5", "--set", "max_prefetch_batches=2", "-q"),
-            str(self.work / "collector.log"))
+            "--set", "gc_interval_s=0.5", "--set", "max_prefetch_batches=2", *self.col_sets,
+            "-q"), str(self.work / "collector.log"))
 
     @staticmethod
     def _free_port() -> int:
@@ -417,6 +460,20 @@ class Chaos:
             found.update({q["rid"]: int(q["output_tokens"]) for q in body["requests"]
                           if str(q["rid"]).startswith(prefix)})
         return found
+
+    def trainer_up(self, proc: Proc) -> bool:
+        """Whether this trainer process has loaded its checkpoint (its ``start`` event)."""
+        pid = f'"pid": {proc.p.pid if proc.p else -1},'
+        return os.path.exists(self.events) and any(
+            pid in line for line in open(self.events, encoding="utf-8"))
+
+    def engine_weights(self, proc: Proc) -> None:
+        """A weight-version workload: a restarted engine comes up on the run's version, or
+        on version 0 (old-weights)."""
+        if self.workload in VERSIONED and proc.name.startswith("engine"):
+            from chaos_versions import engine_version
+            proc.argv = [*proc.argv[:proc.argv.index("-q")], "-q", "--weight-version",
+                         str(engine_version(self.workload, self.run_a))]
 
     def operator_tick(self) -> None:
         op = self.procs["operator"]
@@ -465,6 +522,8 @@ class Chaos:
         proc = self.procs[victim]
         if not proc.alive() or proc.stopped or self.starting(victim):
             return
+        if self.workload in VERSIONED and victim == "trainer" and not self.trainer_up(proc):
+            return  # a fault on a trainer still starting (imports) tests nothing new
         kind = "kill9" if rng.random() < 0.7 else "sigstop"
         fault = Fault(victim, kind, time.time())
         self.faults.append(fault)
@@ -479,6 +538,7 @@ class Chaos:
                 fault.running = self.engine_requests(f"{proc.incarnation}/")
             time.sleep(rng.uniform(0.05, self.restart_pause))
             if victim != "operator":
+                self.engine_weights(proc)
                 proc.restarts += 1
                 if victim == "collector":
                     self.procs["collector"] = proc = self._collector(proc.restarts)
@@ -532,6 +592,11 @@ class Chaos:
             while not (os.path.exists(self.events) and "batch" in Path(self.events).read_text()
                        ) and time.time() < until:
                 time.sleep(0.1)
+        elif self.workload in VERSIONED:  # faults while the weights advance, not at start
+            until = time.time() + 120
+            while time.time() < until and not (os.path.exists(self.events) and any(
+                    '"push"' in line for line in open(self.events, encoding="utf-8"))):
+                time.sleep(0.1)
         next_op = time.time()
         while len(self.faults) < self.faults_target and self.collector_running():
             now = time.time()
@@ -559,6 +624,7 @@ class Chaos:
                 continue
             proc = self.procs[name]
             if not proc.alive() and not proc.stopped:
+                self.engine_weights(proc)
                 proc.restarts += 1
                 proc.start()
         col = self.procs["collector"]
@@ -627,6 +693,11 @@ class Chaos:
                     else [key]
         res = {"lineage": lineage, "lost": lost, "duplicated": duplicated, "left": left,
                "dropped": sorted(dropped), "steps": saved["steps"]}
+        from chaos_versions import invented  # trained tokens no engine answered
+        with self.tally.lock:
+            outputs = list(self.tally.outputs)
+        res["invented"], res["versions_wrong"], res["invented_checked"] = invented(lineage,
+                                                                                  outputs)
         if self.workload == "agentic":
             from chaos_agentic import oracle
             res["agentic"] = oracle(lineage, self.ledger, self.watch.at_persist)
@@ -776,6 +847,13 @@ def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str,
     else:
         print(f"total-queue check: every row trained once or dropped with a reason "
               f"({len(res['dropped'])} dropped)")
+    if res["invented"] or res["versions_wrong"]:
+        print(f"invented check FAILED: {len(res['invented'])} trained samples no engine "
+              f"answered, e.g. {res['invented'][:5]}; {len(res['versions_wrong'])} with "
+              f"versions the engines did not stamp, e.g. {res['versions_wrong'][:5]}")
+    else:
+        print(f"invented check: every trained response token of {res['invented_checked']} "
+              f"samples came from an engine's answer")
     if fleet is not None:
         print(f"fleet time: the restarted trainer's first bracket waited "
               f"{fleet['trainer_bracket']:.1f}s of its {fleet['trainer']:.1f}s")
@@ -787,8 +865,11 @@ def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str,
         from chaos_operator import operator_report
         operator_report(ch, res)
     name = "chaos" if ch.workload == "default" else f"chaos {ch.workload}"
+    if ch.workload in VERSIONED:
+        from chaos_versions import report_lines
+        print("\n".join(report_lines(ch.workload, ch, res)))
     print(f"{name}: faults = {len(ch.faults)}, lost = {len(res['lost'])}, "
-          f"duplicated = {len(res['duplicated'])}, "
+          f"duplicated = {len(res['duplicated'])}, invented = {len(res['invented'])}, "
           f"tokens lost per fault = {fig['tokens_lost_per_fault']:.0f}, "
           f"recovery p50 = {fig['recovery_p50']:.2f} s")
 
@@ -827,8 +908,9 @@ def agentic_report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any]) -> None:
 
 def agentic_bad(res: dict[str, Any]) -> bool:
     a = res.get("agentic")
-    return a is not None and bool(a["effects_twice"] or a["persisted_reexecuted"]
-                                  or a["env_mismatches"])
+    return bool(res.get("invented") or res.get("versions_wrong")) or (
+        a is not None and bool(a["effects_twice"] or a["persisted_reexecuted"]
+                               or a["env_mismatches"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -838,7 +920,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", choices=WORKLOADS, default="default",
                     help="agentic: the key-value agent with a tool server (chaos_agentic.py); "
                     "slime: slime's rollout loop as the trainer (chaos_slime.py); operator: "
-                    "requeue/release/gc/bracket commands under faults (chaos_operator.py)")
+                    "requeue/release/gc/bracket commands under faults (chaos_operator.py); "
+                    "stream, flow, regenerate, old-weights: the trainer advances the weights "
+                    "(chaos_versions.py)")
     ap.add_argument("--turns", type=int, default=None,
                     help="agentic: turns per trajectory (default 10; --quick 5)")
     ap.add_argument("--tool-min", type=float, default=None,
@@ -847,7 +931,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="agentic: longest tool call, s (default 5; --quick 0.5)")
     ap.add_argument("--port", type=int, help="tool-server: its port")
     ap.add_argument("--ledger", help="tool-server: its ledger directory")
-    ap.add_argument("--engine", help="fleet-trainer: the engine it pushes weights to")
+    ap.add_argument("--engine", help="fleet-trainer: the engine it pushes weights to; "
+                    "trainer: the engines, comma-separated")
     ap.add_argument("--engines", help="slime-/operator-trainer: the engines it pushes "
                     "weights to, comma-separated")
     ap.add_argument("--latest", help="slime-/operator-trainer: the file naming the newest "
@@ -877,6 +962,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-pause", type=float, default=0.8,
                     help="longest pause between a kill -9 and the restart, seconds")
     args = ap.parse_args(argv)
+    if args.role == "trainer" and args.workload in VERSIONED:
+        from chaos_versions import trainer as versions_trainer
+        return versions_trainer(args.run, args.ckpt, args.events, args.interval, args.step_s,
+                                args.done, args.engine.split(","), args.workload)
     if args.role == "trainer":
         return trainer(args.run, args.ckpt, args.events, args.interval, args.step_s, args.done,
                        agentic=args.workload == "agentic")
@@ -910,9 +999,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--workload agentic runs on local disk, without --juicefs or --fleet-only")
     if args.role == "fleet-trainer":
         return fleet_trainer(args.run, args.events, args.engine)
+    if args.workload in VERSIONED and args.step_s == ap.get_default("step_s"):
+        from chaos_versions import SPECS
+        args.step_s = SPECS[args.workload].step_s
     if args.quick and args.workload in ("slime", "operator"):
+        args.quick = False
         args.prompts, args.faults, args.gap = 32, 5, 0.4
-    elif args.quick:
+    if args.quick and args.workload in VERSIONED:
+        args.quick = False
+        args.prompts, args.faults, args.gap = 48, 5, 0.5
+        args.step_s = max(args.step_s, 0.25)  # the faults land while it trains
+    if args.quick:
         args.prompts, args.faults, args.gap = 160, 16, 0.6
     work = Path(args.workdir or f"{tempfile.gettempdir()}/strawq-chaos-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)

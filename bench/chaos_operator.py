@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos_slime import engine_argv, push_weights, write_atomic
+from chaos_versions import trained_samples
 
 PY = sys.executable
 CHAOS = str(Path(__file__).with_name("chaos.py"))
@@ -98,7 +99,9 @@ def operator_trainer(run: str, ckpt: str, events: str, interval: int, step_s: fl
                 checkpoint()
                 return 0
             continue
-        groups = [{"id": g.id, "gen": g.gen, "tokens": int(sum(s["sample_lens"]))}
+        groups = [{"id": g.id, "gen": g.gen, "tokens": int(sum(s["sample_lens"])),
+                   # the tokens, for the "invented" check
+                   "samples": trained_samples(reader.queue.read_group(g.id, g.gen))}
                   for g, s in zip(batch.groups, batch.summaries, strict=True)]
         time.sleep(step_s)  # the optimizer step
         model.append({"seq": batch.seq, "groups": groups})

@@ -20,6 +20,30 @@ class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: (time, producer, task id, gen, completion tokens, rid)
     answers: list[tuple[float, str, str, int, int, str]] = field(default_factory=list)
+    #: every answer's output: (task id, sample index, gen, output token ids, the weight
+    #: version of each output token as the engine stamped it, time), for the "invented" check
+    outputs: list[tuple[str, int, int, tuple[int, ...], tuple[int, ...], float]] = field(
+        default_factory=list)
+
+
+def sample_of_rid(rid: str) -> int | None:
+    """The sample index of a rid ``producer/task.gN/<sample>.<request>``."""
+    try:
+        return int(rid.rsplit("/", 1)[1].split(".", 1)[0])
+    except (IndexError, ValueError):
+        return None
+
+
+def token_versions(meta: dict[str, Any], n: int) -> tuple[int, ...]:
+    """Per output token, the weight version of ``meta_info.weight_versions`` (spans)."""
+    out = [-1] * n
+    for span in meta.get("weight_versions") or []:
+        try:
+            v, a, b = int(span["version"]), int(span["start"]), int(span["end"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        out[max(a, 0):min(b, n)] = [v] * (min(b, n) - max(a, 0))
+    return tuple(out)
 
 
 def parse_rid(rid: str) -> tuple[str, str, int] | None:
@@ -119,6 +143,11 @@ class Proxies:
                 n = int(meta.get("completion_tokens") or 0)
                 if who is not None and n:
                     self.tally.answers.append((now, who[0], who[1], who[2], n, str(rid)))
+                ids = out.get("output_ids") if isinstance(out, dict) else None
+                i = sample_of_rid(str(rid))
+                if who is not None and i is not None and isinstance(ids, list) and ids:
+                    self.tally.outputs.append((who[1], i, who[2], tuple(int(t) for t in ids),
+                                               token_versions(meta, len(ids)), now))
 
     def close(self) -> None:
         async def stop() -> None:

@@ -110,6 +110,7 @@ def slime_trainer(run: str, ckpt_dir: str, events: str, interval: int, step_s: f
 
     from strawq.collector.errors import BatchTimeout
     from strawq.collector.integrations import slime as adapter
+    from chaos_versions import runs  # (bench/ is sys.path[0])
     from strawq.collector.integrations.slime_samples import META
     from strawq.collector.integrations.slime_train import RolloutManager, flatten
     from strawq.control import read_state
@@ -164,7 +165,11 @@ def slime_trainer(run: str, ckpt_dir: str, events: str, interval: int, step_s: f
             if meta.get("padding"):
                 continue
             groups.append({"id": meta["task_id"], "gen": -1,
-                           "tokens": int(sum(s.response_length for s in g))})
+                           "tokens": int(sum(s.response_length for s in g)),
+                           # what slime trains, for the "invented" check
+                           "samples": [{"t": list(s.tokens[len(s.tokens) - s.response_length:]),
+                                        "v": runs(list(s.metadata[META]["versions"]))}
+                                       for s in g]})
         seq = int(out.metrics["strawq/batch_seq"])
         time.sleep(step_s)  # the optimizer step
         model.append({"seq": seq, "rollout": rollout_id, "groups": groups})

@@ -1,5 +1,5 @@
 """The chaos benchmark's quick form: real processes, a few kill -9 / SIGSTOP faults, and its own
-total-queue and storage checks must pass (bench/chaos.py exits 1 otherwise); each producer
+total-queue, storage and invented checks must pass (bench/chaos.py exits 1 otherwise); each producer
 kill is reported with its tokens in flight and the tokens regenerated after it; the fleet
 time lost per failure kind is printed beside the crash figures."""
 
@@ -23,7 +23,7 @@ def test_chaos_bench_quick(bench_quick: Callable[..., subprocess.CompletedProces
     proc = bench_quick("chaos")  # the run tests/bench/test_quick.py checks too
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    m = re.match(r"chaos: faults = (\d+), lost = 0, duplicated = 0, ", last)
+    m = re.match(r"chaos: faults = (\d+), lost = 0, duplicated = 0, invented = 0, ", last)
     assert m is not None and int(m.group(1)) >= 3, last
     # every producer kill gets its in-flight vs regenerated figures, and a total
     kills = len(re.findall(r"^fault \d+: kill9 producer\d", proc.stderr, re.M))
@@ -63,6 +63,9 @@ def test_chaos_bench_agentic_quick(tmp_path: Path) -> None:
                      r"mismatches = 0, tokens lost per fault = -?\d+, recovery p50 = "
                      r"(\d+\.\d\d|nan) s", last)
     assert m is not None and int(m.group(1)) >= 5, last
+    # the model's own tokens of every trained trajectory are the engines' answers
+    assert re.search(r"^invented check: every trained response token of [1-9]\d* samples came "
+                     r"from an engine's answer$", proc.stdout, re.M), proc.stdout[-3000:]
     landed = set(re.findall(r"^fault \d+: (?:kill9|sigstop) (producer|engine|tool)", proc.stderr,
                             re.M))
     assert landed == {"producer", "engine", "tool"}, proc.stderr[-2000:]
@@ -70,3 +73,37 @@ def test_chaos_bench_agentic_quick(tmp_path: Path) -> None:
     calls = re.search(r"^agentic: (\d+) trajectories trained \(5 turns, tools 0\.05-0\.5 s\), "
                       r"(\d+) tool calls trained", proc.stdout, re.M)
     assert calls is not None and int(calls.group(1)) > 0 and int(calls.group(2)) > 0
+
+
+@pytest.mark.timeout(240)
+def test_chaos_bench_weight_versions_quick(tmp_path: Path) -> None:
+    """The trainer advances the weights under faults (bench/chaos_versions.py): ``flow``
+    (micro-batches acked as trained, whole-step checkpoints) and ``old-weights`` (killed
+    engines restart on version 0, repair on), side by side; every trained token was an
+    engine's, under the version it was stamped with (bench/chaos.py exits 1 otherwise).
+    ``stream`` and ``regenerate`` run the same code by hand (``--workload NAME --quick``)."""
+    runs = {w: subprocess.Popen([sys.executable, str(REPO / "bench" / "chaos.py"),
+                                 "--workload", w, "--quick", "--workdir", str(tmp_path / w),
+                                 "--deadline", "150"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=REPO)
+            for w in ("flow", "old-weights")}
+    for w, p in runs.items():
+        out, err = p.communicate(timeout=230)
+        assert p.returncode == 0, f"{w}:\n{out[-3000:]}\n{err[-3000:]}"
+        last = out.strip().splitlines()[-1]
+        m = re.fullmatch(rf"chaos {w}: faults = (\d+), lost = 0, duplicated = 0, invented = 0, "
+                         r"tokens lost per fault = -?\d+, recovery p50 = (\d+\.\d\d|nan) s",
+                         last)
+        assert m is not None and int(m.group(1)) >= 3, last
+        # every step pushed a new version (a restore from a checkpoint pushes one more)
+        fig = re.search(rf"^{w}: (\d+) steps, weights advanced to version (\d+) \((\d+) "
+                        r"pushes, \d+ engines missed, (\d+) restores from a checkpoint, .*; "
+                        r"(\d+) samples checked, versions wrong = 0$", out, re.M)
+        assert fig is not None, out[-3000:]
+        steps, version, pushes, restores, checked = (int(x) for x in fig.groups())
+        assert steps > 0 and version >= steps and pushes >= version, fig.group(0)
+        dropped = re.search(r"^total-queue check: every row trained once or dropped with a "
+                            r"reason \((\d+) dropped\)$", out, re.M)
+        assert dropped is not None, out[-3000:]
+        # every trained sample was checked: 48 prompts, groups of 4
+        assert checked == 4 * (48 - int(dropped.group(1))), fig.group(0)
