@@ -71,6 +71,17 @@ def _meta_scheme(meta_url: str) -> str:
     return "redis"  # juicefs treats an address without a scheme as Redis
 
 
+#: metadata URL schemes that name another scheme's engine (``unix://``: Redis on a socket)
+_ENGINE_OF_SCHEME = {"rediss": "redis", "unix": "redis", "postgresql": "postgres",
+                     "sqlite": "sqlite3"}
+
+
+def meta_engine(meta_url: str) -> str:
+    """The metadata engine a JuiceFS metadata URL names: redis, sqlite3, tikv, mysql, ..."""
+    scheme = _meta_scheme(meta_url)
+    return _ENGINE_OF_SCHEME.get(scheme, scheme)
+
+
 def _read_cmdline(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -145,6 +156,7 @@ def juicefs_settings(mount_point: str) -> tuple[JuiceFSSettings, list[str] | Non
 
     common: dict[str, Any] = {
         "meta_scheme": _meta_scheme(meta_url) if meta_url else None,
+        "meta_engine": meta_engine(meta_url) if meta_url else None,
         "meta_url": redact_url(meta_url) if meta_url else None, "subcommand": subcommand}
     if cfg is not None:
         meta = cfg.get("Meta", {}) or {}
@@ -257,6 +269,15 @@ def _juicefs_checks(s: JuiceFSSettings, binary_version: str | None) -> tuple[lis
         checks.append(Check("juicefs_version", Status.PASS, f"client {version}{extra}"))
     else:
         checks.append(Check("juicefs_version", Status.WARN, "client version unknown"))
+    if s.meta_engine is None:
+        checks.append(Check("juicefs_meta_engine", Status.WARN,
+                            "metadata engine unknown: .config does not name it and the "
+                            "juicefs mount process's command line is not readable; run "
+                            "doctor as the mount's user"))
+    else:
+        checks.append(Check("juicefs_meta_engine", Status.PASS,
+                            f"metadata engine {s.meta_engine} ({s.meta_scheme}:// on the "
+                            f"juicefs mount command line) [{s.meta_url}]"))
     if s.meta_scheme is None:
         durability = "metadata engine unknown (the mount's command line is not readable)"
         checks.append(Check("juicefs_durability", Status.WARN, durability))
