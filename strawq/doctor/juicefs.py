@@ -103,9 +103,10 @@ def _juicefs_cmdline(mount_point: str, pid_hint: int | None) -> list[str] | None
         pos, _ = parse_juicefs_cmdline(argv)
         return len(pos) >= 3 and os.path.realpath(pos[-1]) == os.path.realpath(mount_point)
 
-    if pid_hint:
+    if pid_hint:  # the pid the mount's own .config names: its argv may be truncated
         argv = _read_cmdline(pid_hint)
-        if matches(argv):
+        if matches(argv) or (argv and "juicefs" in os.path.basename(argv[0])
+                             and parse_juicefs_cmdline(argv)[0][:1] == ["mount"]):
             return argv
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
@@ -115,6 +116,32 @@ def _juicefs_cmdline(mount_point: str, pid_hint: int | None) -> list[str] | None
         argv = _read_cmdline(pid)
         if matches(argv):
             return argv
+    return None
+
+
+#: where ``juicefs mount`` logs without ``--log``: root's default, then a user's
+_DEFAULT_LOGS = ("/var/log/juicefs.log", os.path.expanduser("~/.juicefs/juicefs.log"))
+_LOG_TAIL_BYTES = 4 << 20
+
+
+def _meta_url_from_log(opts: dict[str, str | bool], pid: int) -> str | None:
+    """The metadata URL the client ``pid`` logged at start (``Meta address: URL``).
+
+    A daemonised ``juicefs mount -d`` rewrites its own command line, truncated to the
+    original's length: a long cache or log path cuts the metadata URL off, while the log
+    line carries it whole."""
+    log = opts.get("--log")
+    pattern = re.compile(rf"juicefs\[{pid}\] <INFO>: Meta address: (\S+)")
+    for path in ((log,) if isinstance(log, str) else _DEFAULT_LOGS):
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - _LOG_TAIL_BYTES))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        found = pattern.findall(text)
+        if found:
+            return str(found[-1])
     return None
 
 
@@ -139,7 +166,13 @@ def juicefs_settings(mount_point: str) -> tuple[JuiceFSSettings, list[str] | Non
     opts: dict[str, str | bool] = {}
     if argv:
         pos, opts = parse_juicefs_cmdline(argv)
-        subcommand, meta_url = pos[0], pos[-2]
+        subcommand = pos[0]
+        meta_url = pos[1] if len(pos) >= 3 else None
+        logged = _meta_url_from_log(opts, pid) if isinstance(pid, int) else None
+        if logged is not None:
+            meta_url = logged
+        elif meta_url is None and len(pos) == 2 and "://" in pos[1]:
+            meta_url = pos[1]  # the URL, its tail cut off with the mount point: scheme kept
 
     def ns(v: Any) -> float | None:
         return float(v) / 1e9 if isinstance(v, (int, float)) else None
