@@ -131,7 +131,9 @@ def idle_rate(run_b: str, mount_b: str, seconds: float, probe: bool
 
         async def main() -> tuple[float, dict[str, float]]:
             task = asyncio.create_task(p.run())
-            await asyncio.sleep(2.0)  # started, first claim done, first heartbeat written
+            # started, first claim done, first heartbeat written; and gone idle (its
+            # heartbeat marked idle, timing.idle_after_s after the claim found nothing)
+            await asyncio.sleep(2.0 + p.config.timing.idle_after_s + 1.0)
             before, t0 = meta_ops_by_kind(mount_b), time.perf_counter()
             await asyncio.sleep(seconds)
             after, dt = meta_ops_by_kind(mount_b), time.perf_counter() - t0
