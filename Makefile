@@ -86,6 +86,14 @@ test: $(STAMP)
 	        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq faketime >/dev/null; }; } || \
 	      echo "faketime: apt-get install failed: the clock-skew tests will skip and say why"; \
 	  else echo "faketime: not installed (apt-get install -y faketime as root): the clock-skew tests will skip and say why"; fi
+	@# redis-server for the JuiceFS tests on Redis metadata (the fixture starts a private one)
+	@command -v redis-server >/dev/null 2>&1 || \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null 2>&1 || \
+	      { apt-get update -qq >/dev/null 2>&1 && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }; } || \
+	      echo "redis-server: apt-get install failed: the JuiceFS-on-Redis tests will skip and say why"; \
+	  else echo "redis-server: not installed (apt-get install -y redis-server as root): the JuiceFS-on-Redis tests will skip and say why"; fi
 	@deploy/juicefs/testvol.sh down "$(JFS_DIR)" >/dev/null 2>&1 || true
 	@rm -rf "$(JFS_DIR)"
 	@set -e; \

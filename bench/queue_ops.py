@@ -26,6 +26,12 @@ payloads, GC on), in windows, to show cost does not grow with history.
     python bench/queue_ops.py            # full: P in 1,4,16; local dir (+ JuiceFS if mounted)
     python bench/queue_ops.py --quick    # CI-sized smoke run
 
+JuiceFS volumes: ``--juicefs`` (default ``$STRAWQ_JUICEFS_A``) and ``--juicefs-redis``
+(default ``$STRAWQ_JUICEFS_REDIS_A``: a volume on Redis metadata, the engine production
+uses, e.g. ``META=redis deploy/juicefs/testvol.sh up DIR``), each row labelled with the
+metadata engine its client names (``strawq doctor``'s reading), and a summary line per
+location before the last line.
+
 The last line is ``queue_ops: strawq/limit = X, strawq/straw = Y, meta ops/group = Z``
 (geometric means over the cases; Z is strawq's mean on JuiceFS, ``n/a`` without it).
 """
@@ -449,6 +455,18 @@ def before_w(rows: list[dict[str, float]]) -> int:
 
 
 # -- main ---------------------------------------------------------------------------------------
+def engine_of(mount: str) -> str:
+    """The metadata engine of the JuiceFS client behind ``mount`` (``unknown`` if unseen)."""
+    from strawq.doctor import find_mount, juicefs_settings
+
+    try:
+        settings, _argv = juicefs_settings(find_mount(mount).mount_point)
+    except OSError:
+        return "unknown"
+    return {"sqlite3": "sqlite"}.get(settings.meta_engine or "", settings.meta_engine
+                                     or "unknown")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -460,6 +478,9 @@ def main() -> int:
     ap.add_argument("--flat", type=int, default=None, help="groups for the flatness run")
     ap.add_argument("--juicefs", default=os.environ.get("STRAWQ_JUICEFS_A"),
                     help="a JuiceFS mount to run on too (default $STRAWQ_JUICEFS_A)")
+    ap.add_argument("--juicefs-redis", default=os.environ.get("STRAWQ_JUICEFS_REDIS_A"),
+                    help="a second JuiceFS mount, on Redis metadata, to run on too "
+                         "(default $STRAWQ_JUICEFS_REDIS_A)")
     ap.add_argument("--flat-only", action="store_true", help="only the flatness run")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
@@ -469,15 +490,16 @@ def main() -> int:
     flat = args.flat if args.flat is not None else (2000 if args.quick else 100_000)
     locations: list[tuple[str, str, str | None]] = [
         ("local", tempfile.mkdtemp(prefix="strawq-bench-"), None)]
-    if args.juicefs and os.path.isdir(args.juicefs):
-        jd = os.path.join(args.juicefs, f"bench-{secrets.token_hex(3)}")
-        os.makedirs(jd)
-        locations.append(("juicefs", jd, args.juicefs))
+    for mount in (args.juicefs, args.juicefs_redis):
+        if mount and os.path.isdir(mount):
+            jd = os.path.join(mount, f"bench-{secrets.token_hex(3)}")
+            os.makedirs(jd)
+            locations.append((f"jfs-{engine_of(mount)}", jd, mount))
     results: list[dict[str, Any]] = []
     print(f"workload: groups of {args.samples} samples x {args.tokens} tokens "
           f"({args.samples * args.tokens * 17 / 2**10:.0f} KiB of columns), {groups} groups "
           f"per case, fsync on", flush=True)
-    hdr = (f"{'fs':<8}{'P':>3} | {'strawq g/s':>11}{'claim p50':>10}{'p99 ms':>8} | "
+    hdr = (f"{'fs':<11}{'P':>3} | {'strawq g/s':>11}{'claim p50':>10}{'p99 ms':>8} | "
            f"{'straw g/s':>10}{'claim p50':>10}{'p99 ms':>8} | {'limit g/s':>10} | "
            f"{'÷limit':>7}{'÷straw':>7} | {'meta ops/group q/s/lim':>22}")
     print(hdr)
@@ -494,13 +516,13 @@ def main() -> int:
                             "ratio": ratio, "of_limit": of_limit})
             ops = " / ".join(f"{x['meta_ops_per_group']:.1f}" for x in (a, b, c)) \
                 if "meta_ops_per_group" in a else "-"
-            print(f"{loc:<8}{p:>3} | {a['groups_s']:>11.1f}{a['claim_p50_ms']:>10.2f}"
+            print(f"{loc:<11}{p:>3} | {a['groups_s']:>11.1f}{a['claim_p50_ms']:>10.2f}"
                   f"{a['claim_p99_ms']:>8.2f} | {b['groups_s']:>10.1f}{b['claim_p50_ms']:>10.2f}"
                   f"{b['claim_p99_ms']:>8.2f} | {c['groups_s']:>10.1f} | {of_limit:>7.2f}"
                   f"{ratio:>7.2f} | {ops:>22}", flush=True)
             if "meta_ops_by_kind" in a:
-                print(f"{'':<12}strawq meta ops per group by kind: {a['meta_ops_by_kind']}")
-                print(f"{'':<12}limit  meta ops per group by kind: {c['meta_ops_by_kind']}")
+                print(f"{'':<15}strawq meta ops per group by kind: {a['meta_ops_by_kind']}")
+                print(f"{'':<15}limit  meta ops per group by kind: {c['meta_ops_by_kind']}")
     flat_rows: list[dict[str, float]] = []
     if flat:
         window = max(flat // 10, 1)
@@ -526,8 +548,14 @@ def main() -> int:
 
     for loc in dict.fromkeys(r["fs"] for r in results):
         rs = [r for r in results if r["fs"] == loc]
+        lops = [r["strawq"]["meta_ops_per_group"] for r in rs
+                if "meta_ops_per_group" in r["strawq"]]
+        lim = [r["limit"]["meta_ops_per_group"] for r in rs
+               if "meta_ops_per_group" in r["limit"]]
+        meta = (f", meta ops/group = {sum(lops) / len(lops):.1f} (the limit's: "
+                f"{sum(lim) / len(lim):.1f})") if lops and lim else ""
         print(f"{loc}: strawq/limit = {gmean([r['of_limit'] for r in rs]):.2f}, "
-              f"strawq/straw = {gmean([r['ratio'] for r in rs]):.2f} (geometric means)")
+              f"strawq/straw = {gmean([r['ratio'] for r in rs]):.2f}{meta} (geometric means)")
     jfs = [r["strawq"]["meta_ops_per_group"] for r in results
            if "meta_ops_per_group" in r["strawq"]]
     ops = f"{sum(jfs) / len(jfs):.1f}" if jfs else "n/a"

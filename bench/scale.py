@@ -1,26 +1,31 @@
 """Scale: what idle producers cost the metadata service, and claim latency as they multiply.
 
 Needs the two-client JuiceFS test volume (``deploy/juicefs/testvol.sh up DIR``; the
-exports ``STRAWQ_JUICEFS_A`` / ``STRAWQ_JUICEFS_B``). Metadata operations are counted from
+exports ``STRAWQ_JUICEFS_A`` / ``STRAWQ_JUICEFS_B``); ``--meta redis`` takes
+``STRAWQ_JUICEFS_REDIS_A`` / ``_B`` instead (``META=redis deploy/juicefs/testvol.sh up
+DIR``: Redis metadata, the engine production uses). The engine is printed as the client
+names it. Metadata operations are counted from
 each client's own counters (``<mount>/.stats``, ``juicefs_meta_ops_total_<op>``).
 
 1. **Idle producer** — one real ``Producer`` (default ``ProducerConfig`` and
-   ``QueueConfig``: polls every 0.1 s, a heartbeat every 5 s) with free slots and nothing
-   to claim, on client B while the run lives on client A, for ``--idle-s`` seconds: its
-   metadata operations per second, as shipped (idle polls stat ``pending/`` and
-   ``control/``, list on change) and with a listing of both every poll instead; and a
+   ``QueueConfig``) with free slots and nothing to claim, gone idle (its heartbeat marked
+   idle, ``pending/`` statted every ``timing.idle_probe_s``), on client B while the run
+   lives on client A, for ``--idle-s`` seconds: its metadata operations per second, net
+   of what client B sends with nothing running (counted first, over the same window), as
+   shipped (list on change) and with a listing at every look instead; and a
    trainer rank waiting in ``BatchReader.next_batch`` on that run (it stats ``batches/``
    at each 20 ms poll and lists on change or once a second; and listing every poll).
 2. **Claim latency vs producers** — one producer process claims tasks one by one on client
    A (p50 / p99) while N simulated idle producers load the same volume through client B
-   at N x the idle rate measured in 1 (their real operations: heartbeats, and a look at
-   ``pending/`` and ``control/`` once per attribute-cache TTL), N in ``--counts``. The
+   at an idle producer's pace (their real operations: a look at ``pending/`` once per
+   ``timing.idle_probe_s``, an idle heartbeat once per lease timeout), N in ``--counts``. The
    achieved background rate is counted, not assumed: where the volume cannot carry N
    producers' load, the row says so.
 3. **Extrapolation** to a 1,000-GPU and a 10,000-GPU job (one producer per 8-GPU node:
    125 and 1,250 producers), from the measured rates.
 
-    python bench/scale.py [--quick] [--idle-s 20] [--counts 1,10,100,1000] [--claims 200]
+    python bench/scale.py [--quick] [--meta sqlite|redis] [--idle-s 20] [--counts 1,10,100]
+                           [--claims 200]
 
 ``--quick`` (the CI size): 2 s idle windows, N in 1,10, 20 claims each; it checks the
 path, its figures are noise.
@@ -89,6 +94,27 @@ def new_run(root: str, tasks: int) -> str:
     return run
 
 
+def engine_of(mount: str) -> str:
+    """The metadata engine of the JuiceFS client behind ``mount`` (``unknown`` if unseen)."""
+    from strawq.doctor import find_mount, juicefs_settings
+
+    try:
+        settings, _argv = juicefs_settings(find_mount(mount).mount_point)
+    except OSError:
+        return "unknown"
+    return settings.meta_engine or "unknown"
+
+
+def client_rate(mount: str, seconds: float) -> tuple[float, dict[str, float]]:
+    """Metadata ops/s the client sends over ``seconds`` with nothing of this bench running."""
+    before, t0 = meta_ops_by_kind(mount), time.perf_counter()
+    time.sleep(seconds)
+    after, dt = meta_ops_by_kind(mount), time.perf_counter() - t0
+    kinds = {k: round((v - before.get(k, 0.0)) / dt, 2) for k, v in after.items()
+             if v - before.get(k, 0.0) > 0}
+    return sum(kinds.values()), kinds
+
+
 # -- 1. an idle producer -------------------------------------------------------------------
 class IdleClient:
     """An engine client that is never asked to generate (the producer has no work)."""
@@ -131,7 +157,9 @@ def idle_rate(run_b: str, mount_b: str, seconds: float, probe: bool
 
         async def main() -> tuple[float, dict[str, float]]:
             task = asyncio.create_task(p.run())
-            await asyncio.sleep(2.0)  # started, first claim done, first heartbeat written
+            # started, first claim done, first heartbeat written; and gone idle (its
+            # heartbeat marked idle, timing.idle_after_s after the claim found nothing)
+            await asyncio.sleep(2.0 + p.config.timing.idle_after_s + 1.0)
             before, t0 = meta_ops_by_kind(mount_b), time.perf_counter()
             await asyncio.sleep(seconds)
             after, dt = meta_ops_by_kind(mount_b), time.perf_counter() - t0
@@ -177,30 +205,33 @@ def waiting_rank_rate(run_b: str, mount_b: str, seconds: float, probe: bool) -> 
 
 # -- 2. claim latency under N simulated idle producers -----------------------------------------
 def background(run_b: str, n: int, stop: threading.Event, threads: int = 4) -> None:
-    """N idle producers' operations on client B: each beats every heartbeat interval and
-    looks at pending/ and control/ once per attribute TTL (listing: each real producer is
-    its own client, so its looks are not served from this client's shared cache)."""
-    hb_s = QueueConfig().heartbeat_interval_s
+    """N idle producers' operations on client B, as an idle producer makes them: each
+    looks at pending/ once per ``timing.idle_probe_s`` and beats (idle-marked) once per
+    lease timeout (a look is a listing here: each real producer is its own client, so its
+    looks are not served from this client's shared attribute cache)."""
+    from strawq.producers.producer_config import TimingConfig
+
+    beat_s, look_s = QueueConfig().lease_timeout_s, TimingConfig().idle_probe_s
     q = RunQueue.open(PosixStorage(run_b, writer_id="sim", fsync=False))
     st = q.storage
     per_thread = [list(range(i, n, threads)) for i in range(threads)]
+    looks_per_beat = max(1, round(beat_s / look_s))
 
     def loop(ids: list[int]) -> None:
         if not ids:
             return
         # events per second for this thread's producers: beats and looks, spread evenly
-        rate = len(ids) * (1 / hb_s + 2 / ATTR_TTL_S)
+        rate = len(ids) * (1 / beat_s + 1 / look_s)
         gap = 1.0 / rate
         k = 0
         nxt = time.perf_counter()
         while not stop.is_set():
             pid = ids[k % len(ids)]
-            r = k % 21  # 1 beat per 20 looks: 1/5 s vs 2 x 1/1 s, per producer
             try:
-                if r == 0:
-                    q.heartbeat(f"sim{pid}")
+                if k % (looks_per_beat + 1) == 0:
+                    q.heartbeat(f"sim{pid}", idle=True)
                 else:
-                    st.list("pending" if r % 2 else "control")
+                    st.list("pending")
             except Exception:  # noqa: BLE001 - overloaded volume: keep loading it
                 pass
             k += 1
@@ -256,8 +287,11 @@ def claim_latency(run_a: str, run_b: str, mount_b: str, n: int, claims: int
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mount-a", default=os.environ.get("STRAWQ_JUICEFS_A"))
-    ap.add_argument("--mount-b", default=os.environ.get("STRAWQ_JUICEFS_B"))
+    ap.add_argument("--meta", choices=("sqlite", "redis"), default="sqlite",
+                    help="which test volume's exports to default to: STRAWQ_JUICEFS_A/B "
+                         "(sqlite) or STRAWQ_JUICEFS_REDIS_A/B (redis)")
+    ap.add_argument("--mount-a", default=None)
+    ap.add_argument("--mount-b", default=None)
     ap.add_argument("--quick", action="store_true",
                     help="CI size: 2 s idle windows, N in 1,10, 20 claims")
     ap.add_argument("--idle-s", type=float, default=None, help="default 20")
@@ -265,13 +299,16 @@ def main() -> int:
     ap.add_argument("--claims", type=int, default=None, help="default 200")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
+    infix = "_REDIS" if args.meta == "redis" else ""
+    args.mount_a = args.mount_a or os.environ.get(f"STRAWQ_JUICEFS{infix}_A")
+    args.mount_b = args.mount_b or os.environ.get(f"STRAWQ_JUICEFS{infix}_B")
     args.idle_s = args.idle_s or (2.0 if args.quick else 20.0)
     args.counts = args.counts or ("1,10" if args.quick else "1,10,100,1000")
     args.claims = args.claims or (20 if args.quick else 200)
     if not (args.mount_a and args.mount_b and os.path.exists(os.path.join(args.mount_a,
                                                                           ".stats"))):
-        print("scale: needs two JuiceFS clients of one volume (STRAWQ_JUICEFS_A/B from "
-              "deploy/juicefs/testvol.sh up DIR)")
+        print(f"scale: needs two JuiceFS clients of one volume (STRAWQ_JUICEFS{infix}_A/B "
+              f"from {'META=redis ' if infix else ''}deploy/juicefs/testvol.sh up DIR)")
         return 2
     name = f"scale-{secrets.token_hex(3)}"
     root_a = os.path.join(args.mount_a, name)
@@ -290,12 +327,25 @@ def main() -> int:
             if os.path.exists(os.path.join(idle_b, "run.meta")):
                 break
             time.sleep(0.1)
-        shipped, kinds = idle_rate(idle_b, args.mount_b, args.idle_s, probe=True)
+        from strawq.producers.producer_config import TimingConfig
+        engine = engine_of(args.mount_b)
+        print(f"volume: JuiceFS on {engine} metadata (client B as the metadata engine "
+              "names it: strawq doctor's reading)")
+        # what client B sends with nothing of ours running (other processes of the host,
+        # the client's own background work): subtracted from the idle producer's rate
+        quiet, quiet_kinds = client_rate(args.mount_b, args.idle_s)
+        raw, kinds = idle_rate(idle_b, args.mount_b, args.idle_s, probe=True)
+        shipped = max(raw - quiet, 0.0)
         before, kinds_before = idle_rate(idle_b, args.mount_b, args.idle_s, probe=False)
-        print(f"idle producer (default config: polls 0.1 s, heartbeat "
-              f"{QueueConfig().heartbeat_interval_s:.0f} s), client B, {args.idle_s:.0f} s: "
-              f"{shipped:.2f} meta ops/s (stat probes; listing every poll: {before:.1f})")
-        print(f"  by kind, ops/s: {kinds}; listing every poll: {kinds_before}")
+        t = TimingConfig()
+        print(f"idle producer (default config: gone idle {t.idle_after_s:g} s after an empty "
+              f"claim, stats pending/ every {t.idle_probe_s:g} s, beats once per lease "
+              f"timeout, {QueueConfig().lease_timeout_s:.0f} s), client B, "
+              f"{args.idle_s:.0f} s: {shipped:.2f} meta ops/s ({raw:.2f} counted, less the "
+              f"client's {quiet:.2f} with nothing running; listing at every look: "
+              f"{max(before - quiet, 0.0):.2f})")
+        print(f"  by kind, ops/s: {kinds}; nothing running: {quiet_kinds}; listing at every "
+              f"look: {kinds_before}")
         waiting = waiting_rank_rate(idle_b, args.mount_b, args.idle_s, probe=True)
         waiting_before = waiting_rank_rate(idle_b, args.mount_b, args.idle_s, probe=False)
         print(f"a waiting trainer rank (next_batch, polls 0.02 s), client B, "
@@ -306,7 +356,8 @@ def main() -> int:
               f"{'p99 ms':>8}")
         for n in counts:
             r = claim_latency(run_a, run_b, args.mount_b, n, args.claims)
-            r["wanted_ops_s"] = n * max(shipped, 1e-9)
+            r["wanted_ops_s"] = n * (1 / QueueConfig().lease_timeout_s
+                                     + 1 / TimingConfig().idle_probe_s)
             rows.append(r)
             print(f"{n:>6} {r['background_ops_s']:>17.0f} {r['wanted_ops_s']:>9.0f} "
                   f"{r['p50_ms']:>13.2f} {r['p99_ms']:>8.2f}", flush=True)
@@ -316,7 +367,8 @@ def main() -> int:
                   f"ops/s (listing every poll: {prods * before:.0f})")
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"idle_ops_s": shipped, "idle_ops_s_listing": before,
+                json.dump({"engine": engine, "idle_ops_s": shipped, "idle_ops_s_counted": raw,
+                       "client_quiet_ops_s": quiet, "idle_ops_s_listing": before,
                            "waiting_rank_ops_s": waiting,
                            "waiting_rank_ops_s_listing": waiting_before,
                            "claims": rows}, f, indent=2)

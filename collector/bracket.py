@@ -99,7 +99,6 @@ from strawq.engine_weights import (PROBE_TIMEOUT_S, EngineProbe, EngineWeights, 
 from strawq.errors import StrawqError
 from strawq.grantor import LeaseMonitor
 from strawq.liveness import known_dead, parse_identity
-from strawq.names import heartbeat_key
 from strawq.queue import RunQueue
 from strawq.states import TaskState, names_in
 
@@ -299,19 +298,24 @@ class WeightUpdateBracket:
         return self.monitor.silence(now)
 
     def live_producers(self) -> set[str]:
-        return {p for p, s in self.observe().items()
-                if s < self.liveness_s and not self._gone(p)}
+        """Producers to wait for: beating within the liveness timeout, not a gone process
+        of this host, and not idle (an idle producer holds no lease, and leaves its idle
+        mark with a beat before it reads ``control/`` and claims: seen here then)."""
+        silence = self.observe()
+        return {p for p, s in silence.items()
+                if s < self.liveness_s and p not in self.monitor.idle and not self._gone(p)}
 
     def _gone(self, producer: str) -> bool:
         """Whether ``producer``'s heartbeat file, at the counter last seen, names a process
         on this host that no longer exists (never True for another host's producer)."""
         counter = self.monitor.counter(producer)
-        if counter is None:
+        key = self.monitor.key(producer)
+        if counter is None or key is None:
             return False
         cached = self._identities.get(producer)
         if cached is None or cached[0] != counter:
             try:
-                body = self.queue.storage.read(heartbeat_key(producer, counter))
+                body = self.queue.storage.read(key)
             except StrawqError:
                 return False  # moved on (it beats) or unreadable: the silence decides
             cached = (counter, parse_identity(body))

@@ -147,14 +147,15 @@ class PauseBracket:
         """``control/`` changed (an inotify wake-up): read it at the next ``poll``."""
         self._last_poll = -math.inf
 
-    async def poll(self) -> bool:
+    async def poll(self, *, force: bool = False) -> bool:
         """Read ``control/`` if ``poll_s`` has passed and act on it; True when this call
-        acknowledged a pause."""
+        acknowledged a pause. ``force``: list it now, whatever the probe says (a stat may
+        be served from an attribute cache up to its TTL old)."""
         now = self.clock()
-        if now - self._last_poll < self.poll_s:
+        if not force and now - self._last_poll < self.poll_s:
             return False
         self._last_poll = now
-        if self.probe is not None and not self.pausing and not self.probe():
+        if not force and self.probe is not None and not self.pausing and not self.probe():
             return False
         try:
             st: ControlState = await self._io(self.control.state)

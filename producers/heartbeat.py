@@ -32,12 +32,19 @@ class Heartbeat:
     """Beats ``queue.heartbeat(producer_id)`` every ``interval_s`` from the event loop."""
 
     def __init__(self, queue: RunQueue, producer_id: str, *, interval_s: float,
-                 give_up_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 give_up_after_s: float, idle_interval_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.queue = queue
         self.producer_id = producer_id
         self.interval_s = interval_s
         self.give_up_after_s = give_up_after_s
+        #: the cadence while idle (``enter_idle``): no lease to keep alive, only presence
+        self.idle_interval_s = idle_interval_s or interval_s
         self.clock = clock
+        #: beats carry the idle mark (``RunQueue.heartbeat(idle=True)``)
+        self.idle = False
+        self._nudge: asyncio.Event | None = None
+        self._rearm = False
         #: True from the deadline until a beat succeeds again (claim nothing meanwhile)
         self.failing = False
         self.last_ok = clock()
@@ -51,33 +58,73 @@ class Heartbeat:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def beat_once(self) -> None:
-        """One beat; a storage failure is logged and leaves ``last_ok`` where it was."""
+    async def beat_once(self) -> bool:
+        """One beat; a storage failure is logged and leaves ``last_ok`` where it was (an
+        idle beat never moves ``last_ok``: it keeps no lease alive). True if it went
+        through."""
         loop = asyncio.get_running_loop()
         started = self.clock()  # a lease is safe for T from *before* its renewal
+        idle = self.idle
         try:
             # queue.heartbeat is looked up per beat: tests swap it for a failing one.
-            await loop.run_in_executor(self._pool, self.queue.heartbeat, self.producer_id)
+            beat = self.queue.heartbeat
+            if idle:
+                await loop.run_in_executor(self._pool, lambda: beat(self.producer_id,
+                                                                    idle=True))
+            else:
+                await loop.run_in_executor(self._pool, beat, self.producer_id)
         except StrawqError as exc:
             log.warning("producer %s: heartbeat failed: %s", self.producer_id, exc)
-            return
-        self.last_ok = started
-        if self.failing:
+            return False
+        if not idle:
+            self.last_ok = started
+        if self.failing and not idle:
             log.info("producer %s: heartbeats succeed again", self.producer_id)
             self.failing = False
+        return True
+
+    def enter_idle(self) -> None:
+        """Beat with the idle mark now, then once per ``idle_interval_s`` (the producer
+        holds no lease and claims nothing until ``leave_idle``)."""
+        self.idle = True
+        self._poke()
+
+    async def leave_idle(self) -> bool:
+        """One beat without the mark, before anything is claimed; then the usual cadence.
+        False (still idle) if the beat failed: the producer claims nothing yet."""
+        self.idle = False
+        if not await self.beat_once():
+            self.idle = True
+            return False
+        self._rearm = True  # just beat: the loop waits a full interval before the next
+        self._poke()
+        return True
+
+    def _poke(self) -> None:
+        if self._nudge is not None:
+            self._nudge.set()
 
     async def run(self, give_up: GiveUp) -> None:
         """Beat until cancelled. A beat slower than the interval is not stacked: the next
         one starts only when it returned, and the deadline is checked meanwhile."""
-        interval = self.interval_s
-        beat: asyncio.Task[None] | None = None
+        nudge = self._nudge = asyncio.Event()
+        beat: asyncio.Task[bool] | None = None
         while True:
             t0 = self.clock()
-            if beat is None or beat.done():
+            interval = self.idle_interval_s if self.idle else self.interval_s
+            if self._rearm:
+                self._rearm = False  # leave_idle just beat
+            elif beat is None or beat.done():
                 beat = asyncio.create_task(self.beat_once())
-            await asyncio.wait({beat}, timeout=interval)
-            self._check_deadline(give_up)
-            await asyncio.sleep(max(0.0, interval - (self.clock() - t0)))
+                await asyncio.wait({beat}, timeout=interval)
+            if not self.idle:  # idle: no lease to give up, and claims wait for leave_idle
+                self._check_deadline(give_up)
+            try:
+                await asyncio.wait_for(nudge.wait(),
+                                       max(0.0, interval - (self.clock() - t0)))
+            except asyncio.TimeoutError:
+                pass
+            nudge.clear()
 
     def _check_deadline(self, give_up: GiveUp) -> None:
         silent = self.clock() - self.last_ok

@@ -138,7 +138,8 @@ class Producer:
                              clock=clock, kick=self._kick)
         self.handback = HandBack(self.queue, self._io, self._book)
         self._heartbeat = Heartbeat(self.queue, pid, interval_s=qc.heartbeat_interval_s,
-                                    give_up_after_s=give_up_after_s, clock=clock)
+                                    give_up_after_s=give_up_after_s,
+                                    idle_interval_s=qc.lease_timeout_s, clock=clock)
         self._aborter = EngineAborter(lambda: self._client, pid, poll_s=config.timing.abort_poll_s,
                                       deadline_s=config.timing.abort_deadline_s, clock=clock,
                                       live_rids=lambda: self.runner.live_rids())
@@ -167,6 +168,8 @@ class Producer:
         self._wake: asyncio.Event | None = None
         self._work_changed: Callable[[], bool] = lambda: True
         self._drained = False
+        #: idle: heartbeat marked idle, control/ unread, pending/ statted every idle_probe_s
+        self._idle = False
         #: the engine-fault back-off after which a probe last reached an engine
         self._probed_after = 0.0
         #: the run directory failed a claim (a dead mount, a full disk): since when
@@ -373,11 +376,50 @@ class Producer:
                             self.producer_id, url, exc)
         await self.guard.probe_all()
 
+    def _may_idle(self) -> bool:
+        """Nothing to claim (pending/ listed empty), no group held or owed back, no pause
+        being obeyed, heartbeats succeeding: the producer may go idle."""
+        return self._drained and not self.runner.groups and not self.handback.orphans and \
+            not self._bracket.pausing and not self._heartbeat.failing and \
+            self.handback.refusal is None
+
+    async def _idle_step(self, wake: asyncio.Event) -> bool:
+        """While idle: wait for a change (this host: inotify at once; another host's
+        release: a stat of pending/ every ``idle_probe_s``). True once the producer left
+        idle (its heartbeat unmarked first, then ``control/`` read afresh: a bracket that
+        paused meanwhile sees it live before it claims anything)."""
+        timing = self.config.timing
+        try:
+            await asyncio.wait_for(wake.wait(), timing.idle_probe_s)
+            woken = True
+        except asyncio.TimeoutError:
+            woken = False
+        wake.clear()
+        if self._stopping:
+            return True
+        if not woken and not self._work_changed():
+            return False
+        if not await self._heartbeat.leave_idle():
+            return False  # claim nothing before a beat without the idle mark went through
+        self._idle = False
+        self._drained = False
+        self._last_empty_claim = -math.inf
+        self._bracket.poll_soon()
+        if await self._bracket.poll(force=True):
+            self._book.bump("brackets")
+        log.debug("producer %s leaves idle", self.producer_id)
+        return True
+
     async def _main_loop(self) -> None:
         wake = self._wake
         if wake is None:
             raise RuntimeError("the main loop runs only inside run()")
+        idle_since: float | None = None
         while not self._stopping and self.handback.refusal is None:
+            if self._idle:
+                if not await self._idle_step(wake):
+                    continue
+                idle_since = None
             await self.handback.retry_orphans()
             was_pausing = self._bracket.pausing
             if await self._bracket.poll():
@@ -415,6 +457,16 @@ class Producer:
                     timeout = min(timeout, self.config.timing.idle_poll_s)
                 else:
                     self._unreachable(None)
+            if self._may_idle():
+                now = self.clock()
+                idle_since = now if idle_since is None else idle_since
+                if now - idle_since >= self.config.timing.idle_after_s:
+                    self._idle = True
+                    self._heartbeat.enter_idle()
+                    log.debug("producer %s is idle", self.producer_id)
+                    continue
+            else:
+                idle_since = None
             try:
                 await asyncio.wait_for(wake.wait(), timeout)
             except asyncio.TimeoutError:

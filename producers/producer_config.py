@@ -223,6 +223,13 @@ class TimingConfig(Config):
     control_poll_s: float = 0.1
     #: Sleep when the queue had nothing to claim, in seconds.
     idle_poll_s: float = 0.1
+    #: Idle (nothing to claim, no lease held) this long, the producer marks its heartbeat
+    #: idle (a bracket no longer waits for it), beats once per lease timeout only, stops
+    #: reading ``control/``, and looks at ``pending/`` every ``idle_probe_s`` instead of
+    #: every ``idle_poll_s`` (a change on this host wakes it at once: inotify).
+    idle_after_s: float = 2.0
+    #: How often an idle producer stats ``pending/`` for another host's release, seconds.
+    idle_probe_s: float = 5.0
     #: Bracket/stop: how long to wait for aborted requests to return before cancelling them.
     abort_deadline_s: float = 30.0
     #: Re-send the rid-prefix abort at this cadence while waiting, in seconds.
@@ -233,7 +240,8 @@ class TimingConfig(Config):
 
     def validate(self) -> None:
         _positive("ProducerConfig.timing", control_poll_s=self.control_poll_s,
-                  idle_poll_s=self.idle_poll_s, abort_deadline_s=self.abort_deadline_s,
+                  idle_poll_s=self.idle_poll_s, idle_after_s=self.idle_after_s,
+                  idle_probe_s=self.idle_probe_s, abort_deadline_s=self.abort_deadline_s,
                   abort_poll_s=self.abort_poll_s)
         if self.lease_margin_s is not None and self.lease_margin_s < 0:
             raise ConfigError(f"ProducerConfig.timing.lease_margin_s must be >= 0, got "

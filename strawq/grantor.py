@@ -43,16 +43,27 @@ class LeaseMonitor:
         self.clock = clock
         self._seen: dict[str, tuple[int, float]] = {}
         self._first_seen: dict[str, float] = {}
+        #: producers whose latest heartbeat is marked idle (no leases, not claiming)
+        self.idle: set[str] = set()
+        self._idle_at: dict[str, bool] = {}
 
     def observe_heartbeats(self, now: float) -> dict[str, int]:
         latest: dict[str, int] = {}
+        idle: dict[str, bool] = {}
         stale: list[str] = []
-        for p, counter in self.queue.heartbeats():
+        for p, counter, is_idle in self.queue.heartbeat_states():
             if p in latest:
-                stale.append(heartbeat_key(p, min(latest[p], counter)))
-            latest[p] = max(latest.get(p, 0), counter)
+                if counter > latest[p]:
+                    stale.append(heartbeat_key(p, latest[p], idle[p]))
+                else:
+                    stale.append(heartbeat_key(p, counter, is_idle))
+                    continue
+            latest[p] = counter
+            idle[p] = is_idle
         for key in stale:  # left by a producer that died between publish and delete
             self.queue.storage.delete(key)
+        self.idle = {p for p, i in idle.items() if i}
+        self._idle_at.update(idle)
         for p, c in latest.items():
             prev = self._seen.get(p)
             if prev is None or prev[0] != c:
@@ -90,8 +101,9 @@ class LeaseMonitor:
         producer that was only paused simply publishes its next counter when it wakes up."""
         for p, (counter, changed) in list(self._seen.items()):
             if p not in holders and now - changed >= 2 * self.timeout:
-                self.queue.storage.delete(heartbeat_key(p, counter))
+                self.queue.storage.delete(heartbeat_key(p, counter, self._idle_at.get(p, False)))
                 del self._seen[p]
+                self._idle_at.pop(p, None)
                 log.info("producer %s departed (silent %.0fs, no leases); its heartbeat "
                          "file is removed", p, now - changed)
 
@@ -116,6 +128,12 @@ class LeaseMonitor:
                     name.id, dst.value)
         target.append(name.id)
         return True
+
+    def key(self, producer: str) -> str | None:
+        """The heartbeat file last seen of ``producer`` (None: never seen)."""
+        seen = self._seen.get(producer)
+        return None if seen is None else heartbeat_key(producer, seen[0],
+                                                       self._idle_at.get(producer, False))
 
     def counter(self, producer: str) -> int | None:
         """The heartbeat counter last seen of ``producer`` (None: never seen)."""

@@ -139,18 +139,34 @@ def requeued_name(name: TaskName, *, refund: bool, drop_prefix: bool = False,
                       regenerations=name.regenerations + int(regenerated))
 
 
-def heartbeat_key(producer: str, counter: int) -> str:
+#: suffix of an idle producer's heartbeat name (``hb/<producer>~<counter>.idle``)
+IDLE_SUFFIX = ".idle"
+
+
+def heartbeat_key(producer: str, counter: int, idle: bool = False) -> str:
     """``hb/<producer>~<counter>``: the name is the counter (the body, written by a process's
-    first beat and kept by the renames, names the process: ``strawq.liveness``)."""
-    return f"hb/{producer}~{counter:016d}"
+    first beat and kept by the renames, names the process: ``strawq.liveness``). An idle
+    producer (no leases, nothing claimable) beats ``hb/<producer>~<counter>.idle``: a
+    weight-update bracket does not wait for its ack (it leaves the mark, with a beat,
+    before it reads ``control/`` and claims again)."""
+    return f"hb/{producer}~{counter:016d}{IDLE_SUFFIX if idle else ''}"
+
+
+def parse_heartbeat_state(name: str) -> tuple[str, int, bool] | None:
+    """(producer, counter, idle) of a file name in ``hb/``; None for anything else."""
+    idle = name.endswith(IDLE_SUFFIX)
+    if idle:
+        name = name[:-len(IDLE_SUFFIX)]
+    producer, _, digits = name.rpartition("~")
+    if not (producer and digits.isascii() and digits.isdigit()):  # "²".isdigit()
+        return None
+    return producer, int(digits), idle
 
 
 def parse_heartbeat(name: str) -> tuple[str, int] | None:
     """(producer, counter) of a file name in ``hb/``; None for anything else."""
-    producer, _, digits = name.rpartition("~")
-    if not (producer and digits.isascii() and digits.isdigit()):  # "²".isdigit()
-        return None
-    return producer, int(digits)
+    hb = parse_heartbeat_state(name)
+    return None if hb is None else hb[:2]
 
 
 def note_key(task_id: str, gen: int, kind: str, reason: str) -> str:

@@ -39,7 +39,7 @@ from strawq.errors import (AlreadyExists, ConfigError, CorruptRecord, LeaseLost,
                            StorageError, TaskNotFound)
 from strawq.liveness import identity_bytes
 from strawq.names import (STAGE_PARTIAL, TaskName, data_key, heartbeat_key, note_key,
-                          parse_heartbeat, queue_key, ready_key, requeued_name, validate_id)
+                          parse_heartbeat_state, queue_key, ready_key, requeued_name, validate_id)
 from strawq.records import Kind
 from strawq.states import DIRS as STATE_DIRS
 from strawq.states import (RELEASE_PREFIX, TaskState, entries, key_of, list_queued, move,
@@ -98,6 +98,7 @@ class RunQueue:
             config = self._load_config()
         self.config = config
         self._hb_counter: dict[str, int] = {}
+        self._hb_idle: dict[str, bool] = {}
         self._fresh: _OrderedSet = _OrderedSet()
         self._contended = False
         self._top_files: list[str] = []
@@ -255,38 +256,49 @@ class RunQueue:
             leases.append(Lease(held, rec.meta["task"]))
         return leases
 
-    def heartbeat(self, producer: str) -> int:
-        """Advance the producer's heartbeat counter; the grantor watches it move."""
+    def heartbeat(self, producer: str, *, idle: bool = False) -> int:
+        """Advance the producer's heartbeat counter; the grantor watches it move. ``idle``:
+        the producer holds no lease and claims nothing until its next non-idle beat, so a
+        weight-update bracket need not wait for its ack (``heartbeat_key``)."""
         validate_id(producer, "producer id")
         prev = self._hb_counter.get(producer)
         first = prev is None
+        was_idle = self._hb_idle.get(producer, False)
         if prev is None:
-            prev = max((c for p, c in self.heartbeats() if p == producer), default=0)
+            prev, was_idle = max(((c, i) for p, c, i in self.heartbeat_states()
+                                  if p == producer), default=(0, False))
         counter = prev + 1
         if prev and not first:
             # One rename moves the counter: no new file and no unlink (on a shared mount a
             # beat cost a create, a rename, an unlink and their lookups: most of an idle
             # producer's metadata operations).
             try:
-                self.storage.rename(heartbeat_key(producer, prev),
-                                    heartbeat_key(producer, counter), sync_dir=False)
+                self.storage.rename(heartbeat_key(producer, prev, was_idle),
+                                    heartbeat_key(producer, counter, idle), sync_dir=False)
                 self._hb_counter[producer] = counter
+                self._hb_idle[producer] = idle
                 return counter
             except NotFound:
                 pass  # the grantor forgot this producer (or another process beat): anew
         # This process's first beat publishes anew, naming it (``strawq.liveness``): the
         # renames after it keep the body, so a reader on this host can see it is gone.
-        self.storage.publish(heartbeat_key(producer, counter), identity_bytes(),
+        self.storage.publish(heartbeat_key(producer, counter, idle), identity_bytes(),
                              sync_dir=False, sync_file=False)
         self._hb_counter[producer] = counter
+        self._hb_idle[producer] = idle
         if prev:
-            self.storage.delete(heartbeat_key(producer, prev))
+            self.storage.delete(heartbeat_key(producer, prev, was_idle))
         return counter
 
     def heartbeats(self) -> Iterator[tuple[str, int]]:
         """(producer, counter) of every heartbeat file (a producer may briefly have two)."""
+        for p, c, _idle in self.heartbeat_states():
+            yield p, c
+
+    def heartbeat_states(self) -> Iterator[tuple[str, int, bool]]:
+        """(producer, counter, idle) of every heartbeat file."""
         for n in self.storage.list("hb"):
-            hb = parse_heartbeat(n)
+            hb = parse_heartbeat_state(n)
             if hb is not None:
                 yield hb
 

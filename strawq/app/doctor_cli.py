@@ -35,7 +35,8 @@ What is checked, and why:
   juicefs_*          for JuiceFS, the client's own settings (.config at the mount root and
                      the mount's command line): a direct mount, no --writeback (durability),
                      --open-cache 0 (close-to-open), no --readdir-cache, metadata TTLs
-                     <= 1 s, the client version, and the metadata engine's durability
+                     <= 1 s, the client version, the metadata engine (redis, sqlite3,
+                     tikv, ...) and its durability
                      (sqlite3: one host only; redis: needs appendfsync always)
   reachable/scratch  the path answers (a dead FUSE daemon gives ENOTCONN) and a scratch
                      directory can be created (read-only or full mounts fail here)
@@ -108,6 +109,9 @@ def render(report: DoctorReport, width: int | None = None) -> str:
     lines.append(f"  filesystem  {report.mount.fs_type} at {report.mount.mount_point} "
                  f"(profile {report.profile})"
                  + (f", client {report.client_version}" if report.client_version else ""))
+    if report.juicefs is not None and report.juicefs.meta_engine:
+        lines.append(f"  metadata    {report.juicefs.meta_engine} engine "
+                     f"({report.juicefs.meta_url})")
     if report.durability_description:
         lines += textwrap.wrap(report.durability_description, width,
                                initial_indent="  durability  ", subsequent_indent=" " * 14)

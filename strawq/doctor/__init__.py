@@ -57,6 +57,7 @@ from strawq.doctor.juicefs import (
     _juicefs_checks as _juicefs_checks,
     _parse_duration as _parse_duration,
     juicefs_settings as juicefs_settings,
+    meta_engine as meta_engine,
     parse_juicefs_cmdline as parse_juicefs_cmdline,
     redact_url as redact_url,
 )

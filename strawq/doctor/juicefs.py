@@ -71,6 +71,17 @@ def _meta_scheme(meta_url: str) -> str:
     return "redis"  # juicefs treats an address without a scheme as Redis
 
 
+#: metadata URL schemes that name another scheme's engine (``unix://``: Redis on a socket)
+_ENGINE_OF_SCHEME = {"rediss": "redis", "unix": "redis", "postgresql": "postgres",
+                     "sqlite": "sqlite3"}
+
+
+def meta_engine(meta_url: str) -> str:
+    """The metadata engine a JuiceFS metadata URL names: redis, sqlite3, tikv, mysql, ..."""
+    scheme = _meta_scheme(meta_url)
+    return _ENGINE_OF_SCHEME.get(scheme, scheme)
+
+
 def _read_cmdline(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -92,9 +103,10 @@ def _juicefs_cmdline(mount_point: str, pid_hint: int | None) -> list[str] | None
         pos, _ = parse_juicefs_cmdline(argv)
         return len(pos) >= 3 and os.path.realpath(pos[-1]) == os.path.realpath(mount_point)
 
-    if pid_hint:
+    if pid_hint:  # the pid the mount's own .config names: its argv may be truncated
         argv = _read_cmdline(pid_hint)
-        if matches(argv):
+        if matches(argv) or (argv and "juicefs" in os.path.basename(argv[0])
+                             and parse_juicefs_cmdline(argv)[0][:1] == ["mount"]):
             return argv
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
@@ -104,6 +116,32 @@ def _juicefs_cmdline(mount_point: str, pid_hint: int | None) -> list[str] | None
         argv = _read_cmdline(pid)
         if matches(argv):
             return argv
+    return None
+
+
+#: where ``juicefs mount`` logs without ``--log``: root's default, then a user's
+_DEFAULT_LOGS = ("/var/log/juicefs.log", os.path.expanduser("~/.juicefs/juicefs.log"))
+_LOG_TAIL_BYTES = 4 << 20
+
+
+def _meta_url_from_log(opts: dict[str, str | bool], pid: int) -> str | None:
+    """The metadata URL the client ``pid`` logged at start (``Meta address: URL``).
+
+    A daemonised ``juicefs mount -d`` rewrites its own command line, truncated to the
+    original's length: a long cache or log path cuts the metadata URL off, while the log
+    line carries it whole."""
+    log = opts.get("--log")
+    pattern = re.compile(rf"juicefs\[{pid}\] <INFO>: Meta address: (\S+)")
+    for path in ((log,) if isinstance(log, str) else _DEFAULT_LOGS):
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - _LOG_TAIL_BYTES))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        found = pattern.findall(text)
+        if found:
+            return str(found[-1])
     return None
 
 
@@ -128,7 +166,13 @@ def juicefs_settings(mount_point: str) -> tuple[JuiceFSSettings, list[str] | Non
     opts: dict[str, str | bool] = {}
     if argv:
         pos, opts = parse_juicefs_cmdline(argv)
-        subcommand, meta_url = pos[0], pos[-2]
+        subcommand = pos[0]
+        meta_url = pos[1] if len(pos) >= 3 else None
+        logged = _meta_url_from_log(opts, pid) if isinstance(pid, int) else None
+        if logged is not None:
+            meta_url = logged
+        elif meta_url is None and len(pos) == 2 and "://" in pos[1]:
+            meta_url = pos[1]  # the URL, its tail cut off with the mount point: scheme kept
 
     def ns(v: Any) -> float | None:
         return float(v) / 1e9 if isinstance(v, (int, float)) else None
@@ -145,6 +189,7 @@ def juicefs_settings(mount_point: str) -> tuple[JuiceFSSettings, list[str] | Non
 
     common: dict[str, Any] = {
         "meta_scheme": _meta_scheme(meta_url) if meta_url else None,
+        "meta_engine": meta_engine(meta_url) if meta_url else None,
         "meta_url": redact_url(meta_url) if meta_url else None, "subcommand": subcommand}
     if cfg is not None:
         meta = cfg.get("Meta", {}) or {}
@@ -257,6 +302,15 @@ def _juicefs_checks(s: JuiceFSSettings, binary_version: str | None) -> tuple[lis
         checks.append(Check("juicefs_version", Status.PASS, f"client {version}{extra}"))
     else:
         checks.append(Check("juicefs_version", Status.WARN, "client version unknown"))
+    if s.meta_engine is None:
+        checks.append(Check("juicefs_meta_engine", Status.WARN,
+                            "metadata engine unknown: .config does not name it and the "
+                            "juicefs mount process's command line is not readable; run "
+                            "doctor as the mount's user"))
+    else:
+        checks.append(Check("juicefs_meta_engine", Status.PASS,
+                            f"metadata engine {s.meta_engine} ({s.meta_scheme}:// on the "
+                            f"juicefs mount command line) [{s.meta_url}]"))
     if s.meta_scheme is None:
         durability = "metadata engine unknown (the mount's command line is not readable)"
         checks.append(Check("juicefs_durability", Status.WARN, durability))

@@ -46,6 +46,7 @@ class JuiceFSSettings:
     source: str  # ".config", "cmdline", or "none"
     version: str | None = None
     meta_scheme: str | None = None
+    meta_engine: str | None = None  # redis, sqlite3, tikv, ... (the scheme's engine)
     meta_url: str | None = None  # password redacted
     subcommand: str | None = None
     writeback: bool | None = None

@@ -297,3 +297,29 @@ def test_heartbeat_names_its_process_and_a_reused_id_names_the_new_one(tmp_path:
     q.heartbeat("p")
     q.heartbeat("p")  # later beats are renames: they keep the body
     assert WeightUpdateBracket(q).live_producers() == {"p"}
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_producer_is_not_waited_for_until_it_beats_unmarked(tmp_path: Path) -> None:
+    """An idle heartbeat (``hb/<p>~<n>.idle``: no lease, claiming nothing) takes the
+    producer out of a bracket's wait; its next plain beat, which it makes before reading
+    ``control/`` and claiming, puts it back. The counter moves through both, so the grantor
+    still sees it beat, and the idle file is the one the bracket reads and the grantor
+    removes."""
+    run = str(tmp_path / "run")
+    make_run(run, lease_timeout_s=LONG, heartbeat_interval_s=200.0)
+    q = RunQueue.open(open_storage(run, writer_id="here", fsync=False))
+    q.heartbeat("p")
+    bracket = WeightUpdateBracket(q)
+    assert bracket.live_producers() == {"p"}
+    q.heartbeat("p", idle=True)
+    assert q.storage.list("hb") == ["p~0000000000000002.idle"]
+    assert list(q.heartbeats()) == [("p", 2)]
+    assert bracket.live_producers() == set()
+    q.heartbeat("p")  # leaving idle: a rename, keeping the body (its process is named)
+    assert q.storage.list("hb") == ["p~0000000000000003"]
+    assert bracket.live_producers() == {"p"}
+    # another process of the same producer id finds the idle file and beats on from it
+    q.heartbeat("p", idle=True)
+    again = RunQueue.open(open_storage(run, writer_id="again", fsync=False))
+    assert again.heartbeat("p") == 5 and again.storage.list("hb") == ["p~0000000000000005"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,69 @@ def test_idle_polls_stat_instead_of_listing(tmp_path: Path, sim_engine: Any,
         assert listed["pending"] <= 6 and listed["control"] <= 6, listed
         Feeder(q, Dataset(str(data))).release(2)  # seen through pending/'s mtime
         await wait_for(lambda: len(ids(q, "ready")) == 2, 60, "released work to be done")
+
+    asyncio.run(run_producers([p], body))
+
+
+def test_an_idle_producer_marks_its_heartbeat_and_looks_rarely(
+        tmp_path: Path, sim_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle (nothing to claim, no lease), a producer marks its heartbeat idle and then,
+    over a window of ~20 of its former polls, beats not at all (once per lease timeout),
+    stats only pending/ (once per ``idle_probe_s``) and reads nothing else: the
+    operations of its polls, counted at the storage and at its probes. Released work (no
+    event: another host's change) still reaches it through the probe."""
+    import strawq.producers.producer as producer_mod
+    from strawq.storage.watch import DirProbe
+
+    monkeypatch.setattr(producer_mod, "DirWatch", _NoEvents)
+    looks = {"probe": 0}
+    real_changed = DirProbe.changed
+
+    def counting(self: DirProbe) -> bool:
+        looks["probe"] += 1
+        return real_changed(self)
+
+    monkeypatch.setattr(DirProbe, "changed", counting)
+    run = tmp_path / "run"
+    q = make_run(str(run), 0, rows=[], lease_timeout_s=30.0, heartbeat_interval_s=0.1)
+    cfg = ProducerConfig(
+        run_dir=str(run),
+        engine=EngineConfig(workers=(sim_engine.url,)),
+        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests."
+                         "length_reward"),
+        sampling=SamplerParams(max_new_tokens=32, seed=3),
+        budget=BudgetConfig(slots=2),
+        timing=TimingConfig(control_poll_s=0.05, idle_poll_s=0.05, idle_after_s=0.2,
+                            idle_probe_s=0.5))
+    p = Producer(cfg)
+    ops: dict[str, int] = {}
+    storage = p.queue.storage
+    def counted(name: str) -> Callable[..., Any]:
+        real = getattr(storage, name)
+
+        def wrap(*a: Any, **kw: Any) -> Any:
+            ops[name] = ops.get(name, 0) + 1
+            return real(*a, **kw)
+        return wrap
+
+    for name in ("list", "rename", "publish", "read", "exists", "delete"):
+        setattr(storage, name, counted(name))
+    data = tmp_path / "later.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [5, 6, 7]}) + "\n" for _ in range(2)))
+
+    async def body() -> None:
+        await wait_for(lambda: any(n.endswith(".idle") for n in q.storage.list("hb")), 30,
+                       "the producer to mark its heartbeat idle")
+        ops.clear()
+        looks["probe"] = 0
+        await asyncio.sleep(1.0)  # the window: ~20 polls of 0.05 s, 10 beats of 0.1 s
+        window = (dict(ops), looks["probe"])
+        assert sum(window[0].values()) <= 2 and window[1] <= 4, window
+        Feeder(q, Dataset(str(data))).release(2)  # seen through pending/'s mtime
+        await wait_for(lambda: len(ids(q, "ready")) == 2, 60, "released work to be done")
+        # it left idle with a plain beat, did the work, and went idle again
+        await wait_for(lambda: any(n.endswith(".idle") for n in q.storage.list("hb")), 30,
+                       "the producer to go idle again")
 
     asyncio.run(run_producers([p], body))
 

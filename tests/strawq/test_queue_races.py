@@ -148,9 +148,9 @@ def test_claim_race_local_directory(tmp_path: Path) -> None:
 
 @pytest.mark.juicefs
 @pytest.mark.timeout(300)
-def test_claim_race_across_two_juicefs_clients(juicefs_dirs: tuple[str, str],
+def test_claim_race_across_two_juicefs_clients(juicefs_engine_dirs: tuple[str, str],
                                                tmp_path: Path) -> None:
-    a, b = (os.path.join(d, "run") for d in juicefs_dirs)
+    a, b = (os.path.join(d, "run") for d in juicefs_engine_dirs)
     expected = _prepare(a, tmp_path)
     _race([a, b], a, expected)
 
@@ -234,7 +234,7 @@ def test_expiry_vs_complete_one_winner_local(tmp_path: Path) -> None:
 
 @pytest.mark.juicefs
 @pytest.mark.timeout(240)
-def test_expiry_vs_complete_one_winner_across_juicefs(juicefs_dirs: tuple[str, str],
+def test_expiry_vs_complete_one_winner_across_juicefs(juicefs_engine_dirs: tuple[str, str],
                                                       tmp_path: Path) -> None:
-    a, b = (os.path.join(d, "run") for d in juicefs_dirs)
+    a, b = (os.path.join(d, "run") for d in juicefs_engine_dirs)
     _expiry_race(a, b, tmp_path, rounds=12)

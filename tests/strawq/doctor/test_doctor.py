@@ -192,6 +192,42 @@ def test_juicefs_cmdline_parsing_and_redaction() -> None:
     assert all("secret" not in c.detail for c in checks)
 
 
+def test_meta_engine_is_named_from_the_metadata_url() -> None:
+    cases = {"redis://u:secret@h:6379/1": "redis", "rediss://h/2": "redis",
+             "unix:///run/redis.sock?db=1": "redis", "h:6379/1": "redis",
+             "sqlite3:///var/jfs/meta.db": "sqlite3", "tikv://pd1:2379,pd2:2379/jfs": "tikv",
+             "postgres://u@h/db": "postgres", "mysql://u@(h:3306)/db": "mysql",
+             "badger:///d": "badger"}
+    assert {url: doctor.meta_engine(url) for url in cases} == cases
+    checks, _ = doctor._juicefs_checks(doctor.JuiceFSSettings(source="none"), None)
+    assert {c.name: c.status for c in checks}["juicefs_meta_engine"] is Status.WARN
+
+
+@pytest.mark.juicefs
+@pytest.mark.timeout(60)
+def test_doctor_names_the_metadata_engine_of_a_real_mount(
+        juicefs_engine_dirs: tuple[str, str], request: pytest.FixtureRequest) -> None:
+    """Read from the live client: its ``.config`` names its pid; a daemonised ``juicefs mount``
+    truncates its own command line (long paths lose the metadata URL), so the URL comes from
+    the client's log line ``juicefs[PID] ... Meta address: URL``. The Redis-backed test
+    volume is ``redis``, the SQLite one ``sqlite3``."""
+    expected = {"sqlite": "sqlite3", "redis": "redis"}[
+        request.node.callspec.params["juicefs_engine_dirs"]]
+    a, _ = juicefs_engine_dirs
+    settings, argv = doctor.juicefs_settings(doctor.find_mount(a).mount_point)
+    assert argv is not None and settings.meta_engine == expected, settings
+    checks, _ = doctor._juicefs_checks(settings, None)
+    engine = {c.name: c for c in checks}["juicefs_meta_engine"]
+    assert engine.status is Status.PASS and f"metadata engine {expected} " in engine.detail
+    from strawq.app.doctor_cli import render
+    report = doctor.DoctorReport(
+        path=a, peer=None, mount=doctor.find_mount(a), profile="juicefs", checks=checks,
+        juicefs=settings, client_version=None, durability_description="", direct_mount=True,
+        started_at="")
+    assert f"metadata    {expected} engine" in render(report)
+    assert json.loads(json.dumps(report.to_dict()))["juicefs"]["meta_engine"] == expected
+
+
 # -- storage declarations ------------------------------------------------------------------
 
 @pytest.mark.timeout(60)

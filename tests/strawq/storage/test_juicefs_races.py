@@ -106,8 +106,8 @@ def _race(target: Any, roots: tuple[str, str], names: list[str]
 
 @pytest.mark.timeout(240)
 def test_rename_claims_each_task_exactly_once_across_clients(
-        juicefs_dirs: tuple[str, str]) -> None:
-    a, b = juicefs_dirs
+        juicefs_engine_dirs: tuple[str, str]) -> None:
+    a, b = juicefs_engine_dirs
     on_a, on_b = PosixStorage(a, writer_id="setup"), PosixStorage(b, writer_id="check")
     tasks = [f"t{i:03d}" for i in range(TASKS)]
     on_a.makedirs("leased")
@@ -131,8 +131,8 @@ def test_rename_claims_each_task_exactly_once_across_clients(
 
 
 @pytest.mark.timeout(240)
-def test_exclusive_publish_has_one_winner_across_clients(juicefs_dirs: tuple[str, str]) -> None:
-    a, b = juicefs_dirs
+def test_exclusive_publish_has_one_winner_across_clients(juicefs_engine_dirs: tuple[str, str]) -> None:
+    a, b = juicefs_engine_dirs
     PosixStorage(a, writer_id="setup").makedirs("results")
     on_b = PosixStorage(b, writer_id="check")
     _wait_listed(on_b, "", {"results"}, 30)
@@ -153,9 +153,9 @@ def test_exclusive_publish_has_one_winner_across_clients(juicefs_dirs: tuple[str
 
 
 @pytest.mark.timeout(120)
-def test_record_published_on_a_reads_back_intact_on_b(juicefs_dirs: tuple[str, str]) -> None:
+def test_record_published_on_a_reads_back_intact_on_b(juicefs_engine_dirs: tuple[str, str]) -> None:
     """Close-to-open: once B can see the name, B reads the whole record (checksum ok)."""
-    a, b = juicefs_dirs
+    a, b = juicefs_engine_dirs
     on_a, on_b = PosixStorage(a, writer_id="a"), PosixStorage(b, writer_id="b")
     rng = np.random.default_rng(7)
     sizes = [0, 1, 1000, 300_000, 1_100_000]  # empty to many 128 KiB FUSE writes
@@ -178,10 +178,10 @@ def test_record_published_on_a_reads_back_intact_on_b(juicefs_dirs: tuple[str, s
 
 
 @pytest.mark.timeout(120)
-def test_stale_cache_never_grants_a_second_claim(juicefs_dirs: tuple[str, str]) -> None:
+def test_stale_cache_never_grants_a_second_claim(juicefs_engine_dirs: tuple[str, str]) -> None:
     """B has just read a task (its kernel caches the name for up to the entry TTL); A claims
     it; B's claim must still lose: rename is decided by the metadata engine, not the cache."""
-    a, b = juicefs_dirs
+    a, b = juicefs_engine_dirs
     on_a, on_b = PosixStorage(a, writer_id="a"), PosixStorage(b, writer_id="b")
     stale = 0
     for i in range(20):
