@@ -261,6 +261,7 @@ class Chaos:
     faults: list[Fault] = field(default_factory=list)
     extra_collectors: list[Proc] = field(default_factory=list)
     _cycle: list[str] = field(default_factory=list)
+    _families: list[str] = field(default_factory=list)
     #: "default" or "agentic" (turns deep, tool latency [min, max] s)
     workload: str = "default"
     turns: int = 10
@@ -535,12 +536,14 @@ class Chaos:
         if self.disk is not None and rng.random() < 0.25:
             self.fill_disk(rng)
             return
-        # each enabled cluster kind as often as the process faults together
-        families = [k for k in CLUSTER_FAULTS if k in self.kinds]
+        # each enabled cluster kind as often as the process faults together: every one once
+        # per round, in a random order
         process = [k for k in PROCESS_FAULTS if k in self.kinds]
-        if process:
-            families.append("process")
-        family = rng.choice(families)
+        if not self._families:
+            self._families = [k for k in CLUSTER_FAULTS if k in self.kinds]
+            self._families += ["process"] if process else []
+            rng.shuffle(self._families)
+        family = self._families.pop()
         if family != "process":
             self.cluster_fault(family, rng)
             return
@@ -1039,6 +1042,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", help="fleet-trainer: the engine it pushes weights to")
     ap.add_argument("--fleet-only", action="store_true",
                     help="only the fleet-time phase (seconds lost per failure kind)")
+    ap.add_argument("--no-fleet", action="store_true",
+                    help="skip the fleet-time phase after the nemesis run")
     ap.add_argument("--run")
     ap.add_argument("--ckpt")
     ap.add_argument("--events")
@@ -1191,7 +1196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     res = ch.check()
     fig = ch.figures(res)
-    report(ch, res, fig, fs, None if agentic else fleet_lost(work / "fleet"))
+    report(ch, res, fig, fs, None if agentic or args.no_fleet else fleet_lost(work / "fleet"))
     if args.summary:
         write_summary(args.summary, args.workload, len(ch.faults), len(res["lost"]),
                       len(res["duplicated"]), fig["tokens_lost_per_fault"], fig["recoveries"])
