@@ -324,6 +324,10 @@ class Chaos:
             host = pns.host_ip if pns is not None else "127.0.0.1"
             urls = [a for port in self.proxies.ports for a in ("--engine",
                                                                 f"http://{host}:{port}")]
+            if pns is not None:  # a cut of seconds outlasts its client's timeouts, as in
+                # tests/producers/test_partition.py: it hands its groups back and probes
+                urls += ["--set", "engine.client.connect_timeout_s=0.5",
+                         "--set", "engine.client.control_timeout_s=1.0"]
             self.procs[name] = Proc(name, strawq(
                 "producer", self.producer_runs.get(name, self.path(i)), *urls, *extra,
                 "--reward", "strawq.producers.rewards.count_task",
