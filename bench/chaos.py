@@ -4,8 +4,10 @@ total-queue check and a storage check.
     python bench/chaos.py [--quick] [--faults F] [--prompts N] [--workdir DIR]
                           [--juicefs DIR]          # the run on a two-client JuiceFS volume
                           [--disk-full]            # the run on a small tmpfs the nemesis fills
+                          [--fault-kinds K,...]    # of kill9,sigstop,jfs-client,partition,skew
     python bench/chaos.py --workload agentic [--quick] [--turns T] [--tool-min S]
                           [--tool-max S]           # trajectories with tools (chaos_agentic.py)
+    python bench/chaos.py --workload all [--quick] ...  # every workload, then the aggregate
 
 Processes: two sim engines (``strawq engine serve --kind sim``, each behind a counting
 proxy in this process that tallies the completion tokens of every ``/generate`` answer by
@@ -23,6 +25,35 @@ so some land inside a write (the crash enumerations in ``tests/`` cover each wri
 With ``--disk-full`` (root: it mounts a tmpfs) the run lives on a size-limited tmpfs, and
 before a quarter of its picks the nemesis fills the disk with a ballast file instead
 (victim ``disk``, kind ``full``) and frees it again after up to ``--max-stop`` seconds.
+
+Cluster faults (``--fault-kinds``, default ``kill9,sigstop``; ``bench/chaos_cluster.py``
+has the parts). Each enabled cluster kind is picked as often as the process faults
+together (every kind once per round, in a random order); the victim is a producer, and
+the nemesis waits for the fault to heal, as for a SIGSTOP:
+
+* ``jfs-client`` (with ``--juicefs``; root): each producer's host opens the run through a
+  JuiceFS client of its own, mounts ``C`` and ``D`` of the test volume beside ``A``
+  (collector, operator) and ``B`` (trainer), so that a dead client takes one producer's
+  host down and nothing else. The ``juicefs mount`` process under the victim is killed
+  with SIGKILL (its supervisor too): the producer's storage calls fail, its heartbeats
+  stop and its leases expire on the grantor's clock (lease timeout 2 s; the mount stays
+  dead 2.5 s to 2.5 + ``--max-stop`` s); then the client is mounted again at the same
+  path with the same options and the producer restarted on it (the host rejoins). The
+  victim's leases at the kill and still held at the remount are counted.
+* ``partition`` (root, iproute2): each producer runs in a network namespace of its own
+  (``ip netns exec``), joined to this one by a veth pair; the engines' proxies listen on
+  the host end's address too (and on loopback). The fault takes the host end of the
+  victim's link down for 1 to 2 × ``--max-stop`` s: its packets vanish unanswered (no
+  reset, no refusal), while the filesystem stays shared and it goes on heartbeating. The
+  producers in namespaces run with the client timeouts of ``tests/producers/test_partition.py``
+  (connect 0.5 s, control 1 s), so a cut of seconds ends their requests in flight. The
+  leases it held at the cut, still held at the heal and claimed during the cut are counted.
+* ``skew`` (libfaketime, ``apt-get install -y faketime``): the victim is stopped (SIGTERM:
+  it hands back what it holds) and started again with libfaketime preloaded and its clocks
+  60 to 600 s ahead or behind, runs so for 2 to 2 + 2 × ``--max-stop`` s, then is restarted
+  on the true clock. Each skewed incarnation has its own producer id, so every rid shows it.
+
+A kind this machine cannot run is refused with its reason in one line (exit 1).
 
 Checks, after the nemesis stops and the run drains:
 * total queue (Jepsen): every dataset row is trained exactly once in the final model's
@@ -61,6 +92,22 @@ engines at the kill (read from the engines' ``/strawq/live_requests`` right afte
 versus the tokens regenerated for the same tasks by their next lease (a killed producer
 leaves no partial, so the redo starts each group from its prompt), and the tokens its
 orphaned requests went on generating after it died. Printed per kill and in total.
+
+Per fault kind: the faults and their recovery p50 (``faults by kind: ...``); the per-victim
+table has a column per enabled cluster kind.
+
+``--workload all`` runs every registered workload (``WORKLOADS``) one after another, each in
+its own workdir (``WORKDIR/NAME/run``; its output in ``WORKDIR/NAME/stdout.txt``), with the
+rest of the command line (``--quick`` shrinks each); each writes its figures to
+``--summary`` (a workload that does not is read from its last line, its recovery p50
+standing for each of its faults). It prints each workload's last line and finally::
+
+    chaos: workloads = W, faults = F, lost = L, duplicated = D, tokens lost per fault = T,
+    recovery p50 = R s
+
+(one line): F, L and D summed, T the mean of the workloads' tokens lost per fault weighted
+by their faults, R the median over every recovery of every workload. It exits 1 when a
+workload failed or anything was lost or duplicated.
 """
 
 from __future__ import annotations
