@@ -93,7 +93,7 @@ def test_chaos_bench_cluster_faults_quick(tmp_path: Path,
         if why is not None:
             pytest.skip(why)
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "chaos.py"), "--juicefs", d,
-                           "--fault-kinds", "jfs-client,partition,skew", "--prompts", "40",
+                           "--fault-kinds", "jfs-client,partition,skew", "--prompts", "80",
                            "--faults", "3", "--max-stop", "1", "--no-fleet", "--workdir",
                            str(tmp_path / "w"), "--deadline", "120"],
                           capture_output=True, text=True, timeout=190, cwd=REPO, check=False)
