@@ -4,6 +4,7 @@ total-queue check and a storage check.
     python bench/chaos.py [--quick] [--faults F] [--prompts N] [--workdir DIR]
                           [--juicefs DIR]          # the run on a two-client JuiceFS volume
                           [--disk-full]            # the run on a small tmpfs the nemesis fills
+                          [--fault-kinds K,...]    # of kill9,sigstop,jfs-client,partition,skew
     python bench/chaos.py --workload agentic [--quick] [--turns T] [--tool-min S]
                           [--tool-max S]           # trajectories with tools (chaos_agentic.py)
     python bench/chaos.py --workload slime [--quick]     # slime's rollout loop (chaos_slime.py)
@@ -11,6 +12,7 @@ total-queue check and a storage check.
     python bench/chaos.py --workload stream|flow|regenerate|old-weights [--quick]
                                                    # the trainer advances the weights
                                                    # (chaos_versions.py)
+    python bench/chaos.py --workload all [--quick] ...  # every workload, then the aggregate
 
 Processes: two sim engines (``strawq engine serve --kind sim``, each behind a counting
 proxy in this process that tallies the completion tokens of every ``/generate`` answer by
@@ -28,6 +30,35 @@ so some land inside a write (the crash enumerations in ``tests/`` cover each wri
 With ``--disk-full`` (root: it mounts a tmpfs) the run lives on a size-limited tmpfs, and
 before a quarter of its picks the nemesis fills the disk with a ballast file instead
 (victim ``disk``, kind ``full``) and frees it again after up to ``--max-stop`` seconds.
+
+Cluster faults (``--fault-kinds``, default ``kill9,sigstop``; ``bench/chaos_cluster.py``
+has the parts). Each enabled cluster kind is picked as often as the process faults
+together (every kind once per round, in a random order); the victim is a producer, and
+the nemesis waits for the fault to heal, as for a SIGSTOP:
+
+* ``jfs-client`` (with ``--juicefs``; root): each producer's host opens the run through a
+  JuiceFS client of its own, mounts ``C`` and ``D`` of the test volume beside ``A``
+  (collector, operator) and ``B`` (trainer), so that a dead client takes one producer's
+  host down and nothing else. The ``juicefs mount`` process under the victim is killed
+  with SIGKILL (its supervisor too): the producer's storage calls fail, its heartbeats
+  stop and its leases expire on the grantor's clock (lease timeout 2 s; the mount stays
+  dead 2.5 s to 2.5 + ``--max-stop`` s); then the client is mounted again at the same
+  path with the same options and the producer restarted on it (the host rejoins). The
+  victim's leases at the kill and still held at the remount are counted.
+* ``partition`` (root, iproute2): each producer runs in a network namespace of its own
+  (``ip netns exec``), joined to this one by a veth pair; the engines' proxies listen on
+  the host end's address too (and on loopback). The fault takes the host end of the
+  victim's link down for 1 to 2 × ``--max-stop`` s: its packets vanish unanswered (no
+  reset, no refusal), while the filesystem stays shared and it goes on heartbeating. The
+  producers in namespaces run with the client timeouts of ``tests/producers/test_partition.py``
+  (connect 0.5 s, control 1 s), so a cut of seconds ends their requests in flight. The
+  leases it held at the cut, still held at the heal and claimed during the cut are counted.
+* ``skew`` (libfaketime, ``apt-get install -y faketime``): the victim is stopped (SIGTERM:
+  it hands back what it holds) and started again with libfaketime preloaded and its clocks
+  60 to 600 s ahead or behind, runs so for 2 to 2 + 2 × ``--max-stop`` s, then is restarted
+  on the true clock. Each skewed incarnation has its own producer id, so every rid shows it.
+
+A kind this machine cannot run is refused with its reason in one line (exit 1).
 
 Checks, after the nemesis stops and the run drains:
 * total queue (Jepsen): every dataset row is trained exactly once in the final model's
@@ -110,6 +141,22 @@ engines at the kill (read from the engines' ``/strawq/live_requests`` right afte
 versus the tokens regenerated for the same tasks by their next lease (a killed producer
 leaves no partial, so the redo starts each group from its prompt), and the tokens its
 orphaned requests went on generating after it died. Printed per kill and in total.
+
+Per fault kind: the faults and their recovery p50 (``faults by kind: ...``); the per-victim
+table has a column per enabled cluster kind.
+
+``--workload all`` runs every registered workload (``WORKLOADS``) one after another, each in
+its own workdir (``WORKDIR/NAME/run``; its output in ``WORKDIR/NAME/stdout.txt``), with the
+rest of the command line (``--quick`` shrinks each); each writes its figures to
+``--summary`` (a workload that does not is read from its last line, its recovery p50
+standing for each of its faults). It prints each workload's last line and finally::
+
+    chaos: workloads = W, faults = F, lost = L, duplicated = D, tokens lost per fault = T,
+    recovery p50 = R s
+
+(one line): F, L and D summed, T the mean of the workloads' tokens lost per fault weighted
+by their faults, R the median over every recovery of every workload. It exits 1 when a
+workload failed or anything was lost or duplicated.
 """
 
 from __future__ import annotations
@@ -120,6 +167,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -143,10 +191,14 @@ from chaos_versions import VERSIONED  # noqa: E402
 #: ``--workload NAME``: the one list of workloads (default: the queue under process faults;
 #: agentic: chaos_agentic.py; slime: chaos_slime.py; operator: chaos_operator.py, both with
 #: the default workload's victims and their own trainer; stream, flow, regenerate,
-#: old-weights: chaos_versions.py)
-WORKLOADS = ("default", "agentic", "slime", "operator", *VERSIONED)
+#: old-weights: chaos_versions.py); ``--workload all`` runs each, one after another
+WORKLOADS: tuple[str, ...] = ("default", "agentic", "slime", "operator", *VERSIONED)
 
 PY = sys.executable
+#: the fault kinds ``--fault-kinds`` chooses from (process faults, then cluster faults)
+PROCESS_FAULTS = ("kill9", "sigstop")
+CLUSTER_FAULTS = ("jfs-client", "partition", "skew")
+FAULT_KINDS = (*PROCESS_FAULTS, *CLUSTER_FAULTS)
 VICTIMS = ("engine0", "engine1", "producer0", "producer1", "collector", "trainer", "operator")
 #: ``--workload agentic`` (bench/chaos_agentic.py): the tool server is a victim, the operator
 #: is not (the dataset is small; its releases and gc stay in the default workload)
@@ -237,6 +289,10 @@ class Proc:
     restarts: int = 0
     #: a producer: ``--producer-id NAME.rK`` per incarnation, so rids name the incarnation
     producer_id: bool = False
+    #: run under this prefix (``ip netns exec NS``: a producer in its network namespace)
+    wrap: list[str] = field(default_factory=list)
+    #: extra environment (a skewed producer: libfaketime's ``LD_PRELOAD`` and ``FAKETIME``)
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def incarnation(self) -> str:
@@ -245,9 +301,10 @@ class Proc:
     def start(self) -> None:
         argv = [*self.argv, "--producer-id", self.incarnation] if self.producer_id \
             else self.argv
-        with open(self.log, "ab") as out:
-            self.p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                      cwd=ROOT, start_new_session=True)
+        env = {**os.environ, **self.env} if self.env else None
+        with open(self.log, "ab") as out:  # (``ip netns exec`` execs: the pid is the command)
+            self.p = subprocess.Popen([*self.wrap, *argv], stdout=out, stderr=subprocess.STDOUT,
+                                      cwd=ROOT, start_new_session=True, env=env)
 
     def alive(self) -> bool:
         return self.p is not None and self.p.poll() is None
@@ -286,6 +343,9 @@ class Fault:
     incarnation: str = ""
     dead_at: float = 0.0
     running: dict[str, int] | None = None
+    #: a jfs-client or partition fault: the victim's leases at the fault and at its heal
+    held_at: set[str] = field(default_factory=set)
+    held_after: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -306,6 +366,7 @@ class Chaos:
     faults: list[Fault] = field(default_factory=list)
     extra_collectors: list[Proc] = field(default_factory=list)
     _cycle: list[str] = field(default_factory=list)
+    _families: list[str] = field(default_factory=list)
     #: "default" or "agentic" (turns deep, tool latency [min, max] s)
     workload: str = "default"
     turns: int = 10
@@ -323,6 +384,16 @@ class Chaos:
 
     #: ``--disk-full``: the mount point of the tmpfs the run lives on
     disk: str | None = None
+    #: ``--fault-kinds``: the kinds the nemesis lands
+    kinds: tuple[str, ...] = PROCESS_FAULTS
+    #: jfs-client: the test volume's directory, and each producer's own mount and run path
+    juicefs: str | None = None
+    producer_mounts: dict[str, str] = field(default_factory=dict)
+    producer_runs: dict[str, str] = field(default_factory=dict)
+    #: partition: each producer's network namespace
+    netns: dict[str, Any] = field(default_factory=dict)
+    #: skew: the clock offset of each skew fault, s
+    offsets: list[int] = field(default_factory=list)
 
     def path(self, i: int) -> str:
         return self.run_a if i % 2 == 0 else self.run_b
@@ -351,17 +422,32 @@ class Chaos:
                 "--cap-prob", "0.02", "-q"), str(self.work / f"engine{i}.log"))
             self.procs[f"engine{i}"].start()
         self._wait_engines()
-        self.proxies = Proxies(self.engine_ports, self.tally)
-        urls = [a for port in self.proxies.ports for a in ("--engine",
-                                                            f"http://127.0.0.1:{port}")]
+        if "partition" in self.kinds:  # each producer in a network namespace of its own
+            from chaos_cluster import Netns
+            for i in range(2):
+                ns = Netns.create(i)
+                atexit.register(ns.delete)
+                self.netns[f"producer{i}"] = ns
+        self.proxies = Proxies(self.engine_ports, self.tally,
+                               hosts=tuple(ns.host_ip for ns in self.netns.values()))
         extra = ["--slots", "4", "--set", "sampling.max_new_tokens=96"]
         if self.workload == "agentic":
             extra = self._agentic_setup()
         for i in range(2):
-            self.procs[f"producer{i}"] = Proc(f"producer{i}", strawq(
-                "producer", self.path(i), *urls, *extra,
+            name = f"producer{i}"
+            pns = self.netns.get(name)
+            host = pns.host_ip if pns is not None else "127.0.0.1"
+            urls = [a for port in self.proxies.ports for a in ("--engine",
+                                                                f"http://{host}:{port}")]
+            if pns is not None:  # a cut of seconds outlasts its client's timeouts, as in
+                # tests/producers/test_partition.py: it hands its groups back and probes
+                urls += ["--set", "engine.client.connect_timeout_s=0.5",
+                         "--set", "engine.client.control_timeout_s=1.0"]
+            self.procs[name] = Proc(name, strawq(
+                "producer", self.producer_runs.get(name, self.path(i)), *urls, *extra,
                 "--reward", "strawq.producers.rewards.count_task",
-                "-q"), str(self.work / f"producer{i}.log"), producer_id=True)
+                "-q"), str(self.work / f"{name}.log"), producer_id=True,
+                wrap=pns.wrap if pns is not None else [])
         self.procs["collector"] = self._collector(0)
         self.ckpt = str(self.work / "trainer.ckpt.json")
         self.events = str(self.work / "trainer.events.jsonl")
@@ -511,9 +597,100 @@ class Chaos:
         print(f"fault {len(self.faults)}: full disk ({fault.end - fault.at:.1f}s)",
               file=sys.stderr, flush=True)
 
+    def held_by(self, incarnation: str) -> set[str]:
+        """The tasks ``leased/`` lists as held by this producer incarnation (read through
+        the collector's client)."""
+        try:
+            names = os.listdir(os.path.join(self.run_a, "leased"))
+        except OSError:
+            return set()
+        from strawq.names import TaskName
+        parsed = (TaskName.try_parse(n) for n in names)
+        return {t.id for t in parsed if t is not None and t.producer == incarnation}
+
+    def cluster_fault(self, kind: str, rng: random.Random) -> None:
+        """A ``jfs-client``, ``partition`` or ``skew`` fault under a producer, landed and
+        healed (the nemesis waits for it, as for a SIGSTOP)."""
+        from chaos_cluster import kill_client, mount_client, mount_dead, skew_env
+        victim = rng.choice([n for n in ("producer0", "producer1")
+                             if self.procs[n].alive() and not self.procs[n].stopped] or [""])
+        if not victim:
+            return
+        proc = self.procs[victim]
+        fault = Fault(victim, kind, time.time())
+        self.faults.append(fault)
+        note = ""
+        if kind == "jfs-client":
+            # the client dies under the producer: its storage calls fail, it can neither
+            # heartbeat nor write, and its leases expire on the grantor's clock (the
+            # collector's, through another client) while the mount is down
+            mnt = self.producer_mounts[victim]
+            fault.held_at = self.held_by(proc.incarnation)
+            kill_client(mnt)
+            until = time.time() + 30
+            while not mount_dead(mnt) and time.time() < until:
+                time.sleep(0.02)
+            time.sleep(rng.uniform(2.5, 2.5 + self.max_stop))  # lease_timeout_s = 2
+            fault.held_after = self.held_by(proc.incarnation)
+            note = f" {len(fault.held_at)} leases held, {len(fault.held_after)} at the remount"
+            assert self.juicefs is not None
+            mount_client(self.juicefs, os.path.basename(mnt))
+            proc.signal(signal.SIGKILL)  # the host rejoins: its producer restarted
+            assert proc.p is not None
+            proc.p.wait()
+            proc.restarts += 1
+            proc.start()
+        elif kind == "partition":
+            ns = self.netns[victim]
+            fault.held_at = self.held_by(proc.incarnation)
+            ns.cut()
+            try:
+                time.sleep(rng.uniform(1.0, 2 * self.max_stop))
+                fault.held_after = self.held_by(proc.incarnation)
+            finally:
+                ns.heal()
+            note = (f" {len(fault.held_at)} leases held, {len(fault.held_after)} at the heal "
+                    f"({len(fault.held_after - fault.held_at)} claimed while cut off)")
+        else:  # skew: restarted with its clock minutes off, a while, then restarted right
+            offset = rng.choice((-1, 1)) * rng.randrange(60, 601)
+            self.offsets.append(offset)
+            note = f" {offset:+d} s"
+            for env in (skew_env(offset), {}):
+                self._terminate(proc)
+                proc.env = env
+                proc.restarts += 1
+                proc.start()
+                if env:
+                    time.sleep(rng.uniform(2.0, 2.0 + 2 * self.max_stop))
+        fault.end = time.time()
+        print(f"fault {len(self.faults)}: {kind} {victim}{note} ({fault.end - fault.at:.1f}s)",
+              file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _terminate(proc: Proc) -> None:
+        """SIGTERM (a producer hands back what it holds), SIGKILL after 15 s."""
+        proc.signal(signal.SIGTERM)
+        assert proc.p is not None
+        try:
+            proc.p.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.signal(signal.SIGKILL)
+            proc.p.wait()
+
     def inject(self, rng: random.Random) -> None:
         if self.disk is not None and rng.random() < 0.25:
             self.fill_disk(rng)
+            return
+        # each enabled cluster kind as often as the process faults together: every one once
+        # per round, in a random order
+        process = [k for k in PROCESS_FAULTS if k in self.kinds]
+        if not self._families:
+            self._families = [k for k in CLUSTER_FAULTS if k in self.kinds]
+            self._families += ["process"] if process else []
+            rng.shuffle(self._families)
+        family = self._families.pop()
+        if family != "process":
+            self.cluster_fault(family, rng)
             return
         if not self._cycle:  # every victim once per round, in a random order
             self._cycle = list(self.victims)
@@ -524,7 +701,8 @@ class Chaos:
             return
         if self.workload in VERSIONED and victim == "trainer" and not self.trainer_up(proc):
             return  # a fault on a trainer still starting (imports) tests nothing new
-        kind = "kill9" if rng.random() < 0.7 else "sigstop"
+        kind = ("kill9" if rng.random() < 0.7 else "sigstop") if len(process) == 2 \
+            else process[0]
         fault = Fault(victim, kind, time.time())
         self.faults.append(fault)
         if kind == "kill9":
@@ -749,7 +927,15 @@ class Chaos:
                                                               0))
         recov = [r for v in by_victim.values() for r in v["recovery"]]
         nf = max(len(self.faults), 1)
-        return {"generated": generated, "useful": useful,
+        by_kind: dict[str, dict[str, Any]] = {}
+        for f in self.faults:
+            k = by_kind.setdefault(f.kind, {"faults": 0, "recovery": []})
+            k["faults"] += 1
+            nxt = next((t for t in new_batch_times if t >= f.end), None)
+            if nxt is not None:
+                k["recovery"].append(nxt - f.end)
+        return {"generated": generated, "useful": useful, "by_kind": by_kind,
+                "recoveries": recov,
                 "tokens_lost_per_fault": (generated - useful) / nf,
                 "recovery_p50": statistics.median(recov) if recov else float("nan"),
                 "by_victim": by_victim, "batches": len(batch_times),
@@ -805,16 +991,36 @@ def report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any], fs: str,
     print(f"\nchaos run on {fs}: {ch.prompts} prompts, {len(ch.faults)} faults, "
           f"{res['steps']} trainer steps in the final model, {fig['batches']} batch deliveries")
     print(f"tokens: {fig['generated']} returned by engines, {fig['useful']} in the final model")
-    print(f"{'victim':<10} {'faults':>6} {'kill9':>6} {'stop':>5} {'recovery p50 s':>15} "
+    cluster = [k for k in CLUSTER_FAULTS if k in ch.kinds]
+    heads = "".join(f" {k:>{len(k)}}" for k in cluster)
+    print(f"{'victim':<10} {'faults':>6} {'kill9':>6} {'stop':>5}{heads} {'recovery p50 s':>15} "
           f"{'tokens lost':>12} {'lost/fault':>10} {'steps lost':>11}")
     for v, row in fig["by_victim"].items():
         kinds = [f.kind for f in ch.faults if f.victim == v]
         rec = f"{statistics.median(row['recovery']):.2f}" if row["recovery"] else "-"
         per = f"{row['tokens_lost'] / row['faults']:.0f}" if row["faults"] else "-"
         steps = (f"{statistics.mean(row['steps_lost']):.1f}" if row["steps_lost"] else "-")
+        cols = "".join(f" {kinds.count(k):>{len(k)}}" for k in cluster)
         print(f"{v:<10} {row['faults']:>6} {kinds.count('kill9'):>6} "
-              f"{kinds.count('sigstop'):>5} {rec:>15} {row['tokens_lost']:>12} {per:>10} "
-              f"{steps:>11}")
+              f"{kinds.count('sigstop'):>5}{cols} {rec:>15} {row['tokens_lost']:>12} "
+              f"{per:>10} {steps:>11}")
+    by_kind = fig["by_kind"]
+    print("faults by kind: " + ", ".join(
+        f"{k} = {by_kind[k]['faults']} (recovery p50 "
+        + (f"{statistics.median(by_kind[k]['recovery']):.2f} s)" if by_kind[k]["recovery"]
+           else "-)") for k in by_kind))
+    for k, at in (("jfs-client", "remount"), ("partition", "heal")):
+        fs_ = [f for f in ch.faults if f.kind == k]
+        if fs_:
+            print(f"{k}: {len(fs_)} faults, the victim's leases: "
+                  f"{sum(len(f.held_at) for f in fs_)} held at the fault, "
+                  f"{sum(len(f.held_after) for f in fs_)} still held at the {at}, "
+                  f"{sum(len(f.held_after - f.held_at) for f in fs_)} claimed during it")
+    if ch.offsets:
+        print(f"skew: {len(ch.offsets)} producer runs with the clock off by "
+              f"{min(ch.offsets):+d} to {max(ch.offsets):+d} s "
+              f"({sum(1 for o in ch.offsets if o > 0)} ahead, "
+              f"{sum(1 for o in ch.offsets if o < 0)} behind)")
     # (agentic: a killed producer's next lease resumes from its turn checkpoint, not from
     # the prompt, so what it generates is not a redo; agentic_report gives the redo)
     kills = fig["producer_kills"] if ch.workload == "default" else []
@@ -906,6 +1112,104 @@ def agentic_report(ch: Chaos, res: dict[str, Any], fig: dict[str, Any]) -> None:
           f"recovery p50 = {fig['recovery_p50']:.2f} s")
 
 
+# -- the aggregate: ``--workload all`` -------------------------------------------------------
+
+#: the last line of any workload: ``chaos[ NAME]: faults = F, lost = L, duplicated = D, ...,
+#: tokens lost per fault = T, recovery p50 = R s``
+LAST_LINE = re.compile(r"^chaos(?: [\w-]+)?: faults = (\d+), lost = (\d+), duplicated = (\d+), "
+                       r".*tokens lost per fault = (-?\d+), recovery p50 = ([\d.]+|nan) s$")
+
+
+def write_summary(path: str, workload: str, faults: int, lost: int, duplicated: int,
+                  tokens_lost_per_fault: float, recoveries: list[float]) -> None:
+    """A workload's figures for ``--workload all`` (``--summary PATH``)."""
+    _write_json_atomic(path, {"workload": workload, "faults": faults, "lost": lost,
+                              "duplicated": duplicated,
+                              "tokens_lost_per_fault": tokens_lost_per_fault,
+                              "recoveries": recoveries})
+
+
+def summary_from_line(workload: str, line: str) -> dict[str, Any] | None:
+    """A workload that wrote no summary: its figures from its last line (its recovery p50
+    then stands for each of its faults' recoveries)."""
+    m = LAST_LINE.match(line.strip())
+    if m is None:
+        return None
+    f, lost, dup, t, r = m.groups()
+    return {"workload": workload, "faults": int(f), "lost": int(lost),
+            "duplicated": int(dup), "tokens_lost_per_fault": float(t),
+            "recoveries": [] if r == "nan" else [float(r)] * int(f)}
+
+
+def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """W workloads, F faults summed, L and D summed, T the fault-weighted mean of the
+    workloads' tokens lost per fault, R the median over every recovery of every workload."""
+    faults = sum(int(r["faults"]) for r in rows)
+    recov = [float(x) for r in rows for x in r["recoveries"]]
+    return {"workloads": len(rows), "faults": faults,
+            "lost": sum(int(r["lost"]) for r in rows),
+            "duplicated": sum(int(r["duplicated"]) for r in rows),
+            "tokens_lost_per_fault": (sum(float(r["tokens_lost_per_fault"]) * int(r["faults"])
+                                          for r in rows) / faults) if faults else 0.0,
+            "recovery_p50": statistics.median(recov) if recov else float("nan")}
+
+
+def aggregate_line(agg: dict[str, Any]) -> str:
+    return (f"chaos: workloads = {agg['workloads']}, faults = {agg['faults']}, "
+            f"lost = {agg['lost']}, duplicated = {agg['duplicated']}, "
+            f"tokens lost per fault = {agg['tokens_lost_per_fault']:.0f}, "
+            f"recovery p50 = {agg['recovery_p50']:.2f} s")
+
+
+def _passthrough(argv: list[str]) -> list[str]:
+    """The command line less ``--workload``, ``--workdir`` and ``--summary`` (each child
+    gets its own)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--workload", "--workdir", "--summary"):
+            skip = True
+            continue
+        if a.split("=", 1)[0] in ("--workload", "--workdir", "--summary"):
+            continue
+        out.append(a)
+    return out
+
+
+def run_all(argv: list[str], work: Path) -> int:
+    """Each registered workload in a workdir of its own, one after another, then the
+    aggregate line."""
+    rows, failed = [], []
+    for w in WORKLOADS:
+        wd = work / w
+        wd.mkdir(parents=True, exist_ok=True)
+        summary = wd / "summary.json"
+        cmd = [PY, str(Path(__file__).resolve()), *_passthrough(argv), "--workload", w,
+               "--workdir", str(wd / "run"), "--summary", str(summary)]
+        print(f"workload {w}: {' '.join(cmd[1:])}", flush=True)
+        with open(wd / "stdout.txt", "w", encoding="utf-8") as out, \
+                open(wd / "stderr.txt", "w", encoding="utf-8") as err:
+            rc = subprocess.run(cmd, stdout=out, stderr=err, cwd=ROOT, check=False).returncode
+        lines = (wd / "stdout.txt").read_text(encoding="utf-8").strip().splitlines()
+        last = lines[-1] if lines else ""
+        errs = (wd / "stderr.txt").read_text(encoding="utf-8").strip().splitlines()
+        print(f"workload {w}: {last or (errs[-1] if errs else '(no output)')}"
+              + (f"  (exit {rc}; logs in {wd})" if rc else ""), flush=True)
+        row = (json.loads(summary.read_text(encoding="utf-8")) if summary.exists()
+               else summary_from_line(w, last))
+        if rc or row is None:
+            failed.append(w)
+        if row is not None:
+            rows.append(row)
+    if failed:
+        print(f"chaos: workloads failed: {', '.join(failed)}", flush=True)
+    print(aggregate_line(aggregate(rows)))
+    agg = aggregate(rows)
+    return 1 if failed or agg["lost"] or agg["duplicated"] else 0
+
+
 def agentic_bad(res: dict[str, Any]) -> bool:
     a = res.get("agentic")
     return bool(res.get("invented") or res.get("versions_wrong")) or (
@@ -917,12 +1221,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=["bench", "trainer", "fleet-trainer", "tool-server",
                                        "slime-trainer", "operator-trainer"], default="bench")
-    ap.add_argument("--workload", choices=WORKLOADS, default="default",
+    ap.add_argument("--workload", choices=[*WORKLOADS, "all"], default="default",
                     help="agentic: the key-value agent with a tool server (chaos_agentic.py); "
                     "slime: slime's rollout loop as the trainer (chaos_slime.py); operator: "
                     "requeue/release/gc/bracket commands under faults (chaos_operator.py); "
                     "stream, flow, regenerate, old-weights: the trainer advances the weights "
-                    "(chaos_versions.py)")
+                    "(chaos_versions.py); all: every workload in turn, each in its own "
+                    "workdir, then the aggregate")
+    ap.add_argument("--fault-kinds", default=",".join(PROCESS_FAULTS),
+                    help="comma-separated, of " + ", ".join(FAULT_KINDS) + " (default "
+                    "kill9,sigstop): jfs-client needs --juicefs, partition and jfs-client root")
+    ap.add_argument("--summary", default=None,
+                    help="write the run's figures to this JSON file (for --workload all)")
     ap.add_argument("--turns", type=int, default=None,
                     help="agentic: turns per trajectory (default 10; --quick 5)")
     ap.add_argument("--tool-min", type=float, default=None,
@@ -939,6 +1249,8 @@ def main(argv: list[str] | None = None) -> int:
                     "pushed weight version")
     ap.add_argument("--fleet-only", action="store_true",
                     help="only the fleet-time phase (seconds lost per failure kind)")
+    ap.add_argument("--no-fleet", action="store_true",
+                    help="skip the fleet-time phase after the nemesis run")
     ap.add_argument("--run")
     ap.add_argument("--ckpt")
     ap.add_argument("--events")
@@ -961,11 +1273,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-stop", type=float, default=3.0, help="longest SIGSTOP, seconds")
     ap.add_argument("--restart-pause", type=float, default=0.8,
                     help="longest pause between a kill -9 and the restart, seconds")
+    raw = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     if args.role == "trainer" and args.workload in VERSIONED:
         from chaos_versions import trainer as versions_trainer
         return versions_trainer(args.run, args.ckpt, args.events, args.interval, args.step_s,
                                 args.done, args.engine.split(","), args.workload)
+    kinds = tuple(k for k in args.fault_kinds.split(",") if k)
+    bad = [k for k in kinds if k not in FAULT_KINDS]
+    if bad or not kinds:
+        ap.error(f"--fault-kinds: expected a comma-separated list of {', '.join(FAULT_KINDS)}, "
+                 f"got {args.fault_kinds!r}")
+    if args.role == "bench" and args.workload == "all":
+        work = Path(args.workdir or f"{tempfile.gettempdir()}/strawq-chaos-all-{os.getpid()}")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        return run_all(raw, work)
+    if args.role == "bench" and not args.fleet_only:
+        from chaos_cluster import jfs_client_unavailable, netns_unavailable, skew_unavailable
+        why = {"jfs-client": lambda: jfs_client_unavailable(args.juicefs),
+               "partition": netns_unavailable, "skew": skew_unavailable}
+        for k in CLUSTER_FAULTS:
+            reason = why[k]() if k in kinds else None
+            if reason is not None:
+                print(f"chaos: --fault-kinds {k}: {reason}", file=sys.stderr)
+                return 1
+        if "partition" in kinds and args.workload == "agentic":
+            ap.error("--fault-kinds partition runs with --workload default (the agentic "
+                     "tool server listens on loopback only)")
+        if args.disk_full and set(kinds) & set(CLUSTER_FAULTS):
+            ap.error("--disk-full runs with the process fault kinds only (kill9,sigstop)")
     if args.role == "trainer":
         return trainer(args.run, args.ckpt, args.events, args.interval, args.step_s, args.done,
                        agentic=args.workload == "agentic")
@@ -1016,6 +1353,9 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     fs = "local disk"
     disk: str | None = None
+    jfs_dir: str | None = None
+    producer_mounts: dict[str, str] = {}
+    producer_runs: dict[str, str] = {}
     if args.disk_full and args.juicefs:
         ap.error("--disk-full puts the run on a tmpfs of its own: drop --juicefs")
     if args.disk_full:
@@ -1043,6 +1383,15 @@ def main(argv: list[str] | None = None) -> int:
         sub = f"chaos-{os.getpid()}"
         run_a, run_b = f"{a}/{sub}", f"{b}/{sub}"
         fs = "JuiceFS (two clients)"
+        if "jfs-client" in kinds:  # each producer's host: a client of its own (C, D)
+            from chaos_cluster import mount_client, umount
+            jfs_dir = os.path.dirname(os.path.realpath(a))
+            for i, name in enumerate(("C", "D")):
+                mnt = mount_client(jfs_dir, name)
+                atexit.register(umount, mnt)
+                producer_mounts[f"producer{i}"] = mnt
+                producer_runs[f"producer{i}"] = f"{mnt}/{sub}"
+            fs = "JuiceFS (four clients: collector A, trainer B, producers C and D)"
     else:
         run_a = run_b = str(work / "run")
     if args.fleet_only:
@@ -1056,7 +1405,8 @@ def main(argv: list[str] | None = None) -> int:
                max_stop=args.max_stop, workload=args.workload,
                init_set=("max_attempts=1",) if args.workload == "operator" else (),
                turns=args.turns or 10, tool_s=(args.tool_min or 0.5, args.tool_max or 5.0),
-               disk=disk)
+               disk=disk, kinds=kinds, juicefs=jfs_dir, producer_mounts=producer_mounts,
+               producer_runs=producer_runs)
 
     def _term(_sig: int, _frame: Any) -> None:
         raise KeyboardInterrupt
@@ -1077,7 +1427,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     res = ch.check()
     fig = ch.figures(res)
-    report(ch, res, fig, fs, fleet_lost(work / "fleet") if args.workload == "default" else None)
+    report(ch, res, fig, fs, fleet_lost(work / "fleet")
+           if args.workload == "default" and not args.no_fleet else None)
+    if args.summary:
+        write_summary(args.summary, args.workload, len(ch.faults), len(res["lost"]),
+                      len(res["duplicated"]), fig["tokens_lost_per_fault"], fig["recoveries"])
     return 0 if not (res["lost"] or res["duplicated"] or res["left"] or agentic_bad(res)
                      or res.get("operator_failures")) else 1
 

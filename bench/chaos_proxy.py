@@ -58,9 +58,12 @@ def parse_rid(rid: str) -> tuple[str, str, int] | None:
 class Proxies:
     """One forwarding proxy per engine (aiohttp, on a thread of this process)."""
 
-    def __init__(self, targets: list[int], tally: Tally) -> None:
+    def __init__(self, targets: list[int], tally: Tally, hosts: tuple[str, ...] = ()) -> None:
         self.targets = targets
         self.tally = tally
+        #: addresses besides loopback to listen on, at the same port (the host ends of the
+        #: producers' network namespaces: ``--fault-kinds partition``)
+        self.hosts = hosts
         self.ports: list[int] = []
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
@@ -86,7 +89,10 @@ class Proxies:
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
-            self.ports.append(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+            bound: int = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self.ports.append(bound)
+            for host in self.hosts:
+                await web.TCPSite(runner, host, bound).start()
 
     def _handler(self, port: int) -> Any:
         from aiohttp import web

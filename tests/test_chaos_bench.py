@@ -5,6 +5,7 @@ time lost per failure kind is printed beside the crash figures."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -107,3 +108,48 @@ def test_chaos_bench_weight_versions_quick(tmp_path: Path) -> None:
         assert dropped is not None, out[-3000:]
         # every trained sample was checked: 48 prompts, groups of 4
         assert checked == 4 * (48 - int(dropped.group(1))), fig.group(0)
+
+
+@pytest.mark.juicefs
+@pytest.mark.timeout(200)
+def test_chaos_bench_cluster_faults_quick(tmp_path: Path,
+                                          juicefs_mounts: tuple[str, str]) -> None:
+    """One fault of each cluster kind (every kind once per round): a producer's JuiceFS
+    client killed and remounted, a producer cut off from the engines in its network
+    namespace and healed, a producer restarted under libfaketime minutes off; each is
+    counted by kind and in the per-victim table, and the checks pass."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from chaos_cluster import jfs_client_unavailable, netns_unavailable, skew_unavailable
+
+    a, b = juicefs_mounts
+    d = os.path.dirname(a)
+    if (os.path.basename(a), b) != ("A", os.path.join(d, "B")):
+        pytest.skip(f"the test volume is not laid out as testvol.sh does (DIR/A, DIR/B): {a}, "
+                    f"{b}")
+    for why in (jfs_client_unavailable(d), netns_unavailable(), skew_unavailable()):
+        if why is not None:
+            pytest.skip(why)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "chaos.py"), "--juicefs", d,
+                           "--fault-kinds", "jfs-client,partition,skew", "--prompts", "80",
+                           "--faults", "3", "--max-stop", "1", "--no-fleet", "--workdir",
+                           str(tmp_path / "w"), "--deadline", "120"],
+                          capture_output=True, text=True, timeout=190, cwd=REPO, check=False)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"chaos: faults = 3, lost = 0, duplicated = 0, invented = 0, tokens "
+                        r"lost per fault = -?\d+, recovery p50 = (\d+\.\d\d|nan) s", last), last
+    landed = re.findall(r"^fault \d+: (jfs-client|partition|skew) producer\d", proc.stderr,
+                        re.M)
+    assert sorted(landed) == ["jfs-client", "partition", "skew"], proc.stderr[-2000:]
+    by_kind = re.search(r"^faults by kind: (.*)$", proc.stdout, re.M)
+    assert by_kind is not None
+    counts = dict(re.findall(r"([\w-]+) = (\d+) \(", by_kind.group(1)))
+    assert counts == {"jfs-client": "1", "partition": "1", "skew": "1"}, by_kind.group(0)
+    # the per-victim table has a column per cluster kind; the producers' rows sum to 3
+    head = re.search(r"^victim +faults +kill9 +stop +jfs-client +partition +skew ", proc.stdout,
+                     re.M)
+    assert head is not None, proc.stdout[-3000:]
+    rows = re.findall(r"^producer\d +(\d+) +0 +0 +(\d+) +(\d+) +(\d+) ", proc.stdout, re.M)
+    assert sum(int(x) for r in rows for x in r[1:]) == 3 == sum(int(r[0]) for r in rows)
+    # the mounts the bench added for the producers' hosts are gone
+    assert not any(os.path.ismount(os.path.join(d, m)) for m in "CD")
