@@ -58,6 +58,8 @@ class Kind(enum.IntEnum):
     ACK = 9
     EPOCH = 10
     STATE = 11
+    #: a rank's packed shard of a batch (``strawq.packed``): raw aligned arrays
+    PACKED = 12
 
 
 def _pad(n: int) -> int:
@@ -126,14 +128,22 @@ def decode_tables(index: Mapping[str, Any], payload: memoryview) -> dict[str, pa
 
 
 def encode(kind: Kind, meta: Mapping[str, Any],
-           tables: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> list[bytes]:
-    """Frame a record; returns buffers to write back to back (see ``Storage.publish``)."""
+           tables: Mapping[str, Mapping[str, np.ndarray]] | None = None, *,
+           blobs: list[bytes | memoryview] | None = None) -> list[bytes | memoryview]:
+    """Frame a record; returns buffers to write back to back (see ``Storage.publish``).
+
+    ``blobs`` (instead of ``tables``): a payload of raw buffers the caller has laid out and
+    described in ``meta`` (``strawq.packed``), written as they are, no copy.
+    """
     meta = dict(meta)
     meta.setdefault("v", SCHEMA_VERSION)
-    chunks: list[bytes] = []
+    chunks: list[bytes | memoryview] = []
     if tables:
-        index, chunks = encode_tables(tables)
+        index, table_chunks = encode_tables(tables)
+        chunks = list(table_chunks)
         meta["tables"] = index
+    elif blobs:
+        chunks = [c for c in blobs if len(c)]
     meta_bytes = msgpack.packb(meta, use_bin_type=True)
     payload_len = sum(len(c) for c in chunks)
     h = xxhash.xxh3_64()

@@ -42,6 +42,7 @@ OWNERS = {
     "policy-": "strawq/eta.py",
     "audit/": "strawq/retention.py",
     "drops-": "strawq/retention.py",
+    "packed/": "strawq/packed.py",
     "dropped/": "collector/metrics.py",  # the metric name; the entries go through states.py
 }
 
