@@ -360,8 +360,9 @@ class BatchReader:
             return None
         key = packed.shard_key(man.seq, tag, ws, self.rank)
         try:
-            buf = read_file(self.storage, key, self._buffers)
-            meta, arrays = packed.decode_shard(buf, name=key, verify=self.verify)
+            buf, digest = read_file(self.storage, key, self._buffers, checksum=self.verify)
+            meta, arrays = packed.decode_shard(buf, name=key, verify=self.verify,
+                                               digest=digest)
             positions = self._check_shard(man, meta, arrays, tag, key)
         except (CorruptRecord, NotFound, ConfigError) as exc:
             self._fallback(man, f"its packed shard is unusable: {exc}")

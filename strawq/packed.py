@@ -102,13 +102,21 @@ def encode_shard(info: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
     return records.encode(Kind.PACKED, {"info": dict(info), "arrays": index}, blobs=blobs)
 
 
-def decode_shard(buf: np.ndarray, *, name: str = "shard", verify: bool = True
-                 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def decode_shard(buf: np.ndarray, *, name: str = "shard", verify: bool = True,
+                 digest: int | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(info, arrays) of a PACKED record held in the uint8 array ``buf`` (exactly the file).
 
-    The arrays are views of ``buf`` (they keep it alive); ``CorruptRecord`` says what does
-    not hold.
+    ``digest``: the xxh3-64 of the record's checksummed ranges (``records.checksummed``),
+    already computed as it was read (checked against the header's instead of hashing
+    again). The arrays are views of
+    ``buf`` (they keep it alive); ``CorruptRecord`` says what does not hold.
     """
+    if verify and digest is not None and buf.shape[0] >= records.HEADER.size:
+        stored = records.HEADER.unpack_from(buf.data)[7]
+        if stored != digest:
+            raise CorruptRecord(f"{name}: checksum mismatch (stored {stored:#018x}, computed "
+                                f"{digest:#018x}); the shard is corrupt")
+        verify = False  # checked: the rest of the framing still is
     rec = records.decode(buf.data, expect=Kind.PACKED, name=name, verify=verify)
     info, index = rec.meta.get("info"), rec.meta.get("arrays")
     if not isinstance(info, dict) or not isinstance(index, list):

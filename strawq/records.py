@@ -158,6 +158,17 @@ def encode(kind: Kind, meta: Mapping[str, Any],
     return [head, *chunks]
 
 
+def checksummed(head: bytes | memoryview, size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two byte ranges of a ``size``-byte record the header's xxh3 covers (its metadata,
+    then its payload; the padding between them is not covered), from its first 32 bytes:
+    for a reader that checksums as it reads. A damaged header gives ranges whose checksum
+    will not match, or that ``decode`` refuses."""
+    _m, _f, _k, _r, meta_len, _r2, payload_len, _d = HEADER.unpack_from(head)
+    meta_end = min(HEADER.size + meta_len, size)
+    start = meta_end + (_pad(meta_end) if payload_len else 0)
+    return (HEADER.size, meta_end), (min(start, size), size)
+
+
 def decode(data: bytes | memoryview, *, expect: Kind | None = None, name: str = "record",
            verify: bool = True) -> Record:
     """Parse and verify a record. ``CorruptRecord`` says what was expected and found."""
