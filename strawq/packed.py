@@ -99,7 +99,7 @@ def encode_shard(info: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
             off += nbytes + pad
     if sys.byteorder != "little":  # pragma: no cover - every supported host is little endian
         raise RuntimeError("packed shards are written on little-endian hosts only")
-    return records.encode(Kind.PACKED, {"info": dict(info), "arrays": index}, blobs=blobs)
+    return records.encode_blobs(Kind.PACKED, {"info": dict(info), "arrays": index}, blobs)
 
 
 def decode_shard(buf: np.ndarray, *, name: str = "shard", verify: bool = True,

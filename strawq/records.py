@@ -128,22 +128,29 @@ def decode_tables(index: Mapping[str, Any], payload: memoryview) -> dict[str, pa
 
 
 def encode(kind: Kind, meta: Mapping[str, Any],
-           tables: Mapping[str, Mapping[str, np.ndarray]] | None = None, *,
-           blobs: list[bytes | memoryview] | None = None) -> list[bytes | memoryview]:
-    """Frame a record; returns buffers to write back to back (see ``Storage.publish``).
-
-    ``blobs`` (instead of ``tables``): a payload of raw buffers the caller has laid out and
-    described in ``meta`` (``strawq.packed``), written as they are, no copy.
-    """
+           tables: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> list[bytes]:
+    """Frame a record; returns buffers to write back to back (see ``Storage.publish``)."""
     meta = dict(meta)
     meta.setdefault("v", SCHEMA_VERSION)
-    chunks: list[bytes | memoryview] = []
+    chunks: list[bytes] = []
     if tables:
-        index, table_chunks = encode_tables(tables)
-        chunks = list(table_chunks)
+        index, chunks = encode_tables(tables)
         meta["tables"] = index
-    elif blobs:
-        chunks = [c for c in blobs if len(c)]
+    return _frame(kind, meta, chunks)
+
+
+def encode_blobs(kind: Kind, meta: Mapping[str, Any],
+                 blobs: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """Frame a record whose payload is raw buffers the caller laid out (64-byte aligned)
+    and described in ``meta`` (``strawq.packed``), written as they are, no copy. Each
+    buffer must be a byte view (``len`` is its size in bytes)."""
+    framed = dict(meta)
+    framed.setdefault("v", SCHEMA_VERSION)
+    return _frame(kind, framed, [c for c in blobs if len(c)])
+
+
+def _frame(kind: Kind, meta: dict[str, Any], chunks: list[Any]) -> list[Any]:
+    """Header + metadata (padded to the payload's alignment) followed by ``chunks``."""
     meta_bytes = msgpack.packb(meta, use_bin_type=True)
     payload_len = sum(len(c) for c in chunks)
     h = xxhash.xxh3_64()
