@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from strawq import packed
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.packing import _allocate, group_tokens, shard_groups
+from strawq.collector.packing import allocate_buffer, group_tokens, shard_groups
 from strawq.collector.reader import BatchReader
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
@@ -153,7 +153,7 @@ def run_case(root: str, *, n: int, g: int, length: int, batch: int, ranks: int, 
     nbytes = sum(os.path.getsize(p) for p in paths)
     sbytes = os.path.getsize(shard)
     # the bare read at its best: one preadv into a reused buffer on huge pages, as the pool's
-    reuse = _allocate(max(sbytes, max(os.path.getsize(p) for p in paths)))
+    reuse = allocate_buffer(max(sbytes, max(os.path.getsize(p) for p in paths)))
     t = alternate({"raw": lambda: [np.fromfile(p, dtype=np.uint8) for p in paths],
                    "load": lambda: reader.load(records),
                    "raw_shard": lambda: np.fromfile(shard, dtype=np.uint8),

@@ -149,7 +149,7 @@ class RecordFile:
 _HUGE = 2 << 20
 
 
-def _allocate(nbytes: int) -> np.ndarray:
+def allocate_buffer(nbytes: int) -> np.ndarray:
     """A uint8 buffer of ``nbytes``; from 2 MiB on an anonymous mapping, 2 MiB aligned and
     advised onto transparent huge pages where the kernel has them (``madvise`` mode).
 
@@ -190,7 +190,7 @@ class BufferPool:
             # the list's reference and getrefcount's argument: nothing else holds it
             if self._bufs[i].nbytes >= nbytes and sys.getrefcount(self._bufs[i]) <= 2:
                 return self._bufs[i]
-        buf = _allocate(nbytes + nbytes // 8)  # room to grow a little
+        buf = allocate_buffer(nbytes + nbytes // 8)  # room to grow a little
         free = [i for i in range(len(self._bufs)) if sys.getrefcount(self._bufs[i]) <= 2]
         if len(self._bufs) >= self.keep and free:
             del self._bufs[free[0]]

@@ -240,3 +240,24 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_store_without_local_paths_reads_its_shard_too(tmp_path):
+    """``Storage.read`` instead of one ``preadv``: the same batch."""
+    from strawq.storage import MemoryStorage
+
+    q, _ = _run(tmp_path, groups=5, max_len=20, pack_ranks=2)
+    mem = MemoryStorage()
+    root = tmp_path / "run"
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            rel = (Path(dirpath) / f).relative_to(root).as_posix()
+            if not rel.startswith("tmp/"):
+                mem.publish(rel, (Path(dirpath) / f).read_bytes())
+    mq = RunQueue.open(mem)
+    man = BatchStore(mq).read_manifest(1)
+    assert mem.local_path("run.meta") is None
+    for r in range(2):
+        got = _load(mq, man, r, 2)
+        assert got.packed
+        _assert_same(got, _load(q, _records(man), r, 2))
