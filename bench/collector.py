@@ -4,11 +4,16 @@
    Feeder, claim, complete; G samples of ~L response tokens each).
 2. Times one collector pass that selects B groups staleness-first out of the N ready and
    publishes the manifest (summaries read from record headers, advantages computed, fsync'd
-   manifest, renames to batched/).
-3. Times ``BatchReader.load`` for rank 0 of 8 (read, xxh3 verify, Arrow decode, packing into
-   torch tensors) against ``numpy.fromfile`` of the same files. Both read warm: the page
-   cache cannot be dropped here, so each is run once to warm up, then the two are timed
-   alternately (same page cache and allocator state) and the medians of R are compared.
+   manifest, renames to batched/), with ``pack_ranks`` = the reader's world size: the pass
+   also reads the batch's records and writes one packed shard per rank (``strawq.packed``);
+   what that costs (seconds, bytes read and written) is printed.
+3. Times ``BatchReader.load`` for rank 0 of 8 on both paths against ``numpy.fromfile`` of
+   the bytes each path reads: from its packed shard (one read into a reused buffer, xxh3,
+   views) against ``numpy.fromfile`` of the shard file, and from the group records (read,
+   xxh3 verify, Arrow decode, packing into torch tensors) against ``numpy.fromfile`` of the
+   same record files. Everything reads warm: the page cache cannot be dropped here, so each
+   is run once to warm up, then the four are timed alternately (same page cache and
+   allocator state) and the medians of R are compared.
 
 Two cases: the standard one (G=8 x ~512 response tokens, ~70 KB records; ``--tokens``) and
 the queue benchmark's groups (G=8 x ~2,048 tokens, ~280 KB records; ``--big-tokens``, built
@@ -16,12 +21,15 @@ with just one batch of ready groups), run first.
 
     python bench/collector.py [--quick] [--dir DIR] [--threads N]
 
-The last line is the standard case: ``collector: reader GB/s ratio vs raw read = X``.
+Each case prints ``collector: reader/raw read = R`` (the packed shard path; the records
+path's ratio beside it); the last line is the standard case's,
+``collector: reader GB/s ratio vs raw read = X``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -35,9 +43,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from strawq import packed
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.packing import group_tokens, shard_groups
+from strawq.collector.packing import allocate_buffer, group_tokens, shard_groups
 from strawq.collector.reader import BatchReader
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
@@ -97,8 +106,9 @@ def alternate(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, fl
 
 
 def run_case(root: str, *, n: int, g: int, length: int, batch: int, ranks: int, repeat: int,
-             threads: int, publish_line: bool) -> float:
-    """Build a run, publish batch 1, compare the reader with numpy.fromfile; the ratio."""
+             threads: int, publish_line: bool) -> tuple[float, float]:
+    """Build a run, publish batch 1 with its rank shards, compare both reader paths with
+    numpy.fromfile of what each reads; (packed shard ratio, records ratio)."""
     ds, t_build = build(root, n, g, length)
     print(f"setup: {n} ready groups (G={g}, ~{length} response tokens/sample) in "
           f"{t_build:.1f}s")
@@ -106,40 +116,101 @@ def run_case(root: str, *, n: int, g: int, length: int, batch: int, ranks: int, 
     q = RunQueue.open(open_storage(run, writer_id="collector", fsync=True))
     col = Collector(q, Dataset(ds), CollectorConfig(
         batch_groups=batch, max_running=16, max_ready=max(n, batch),
-        max_prefetch_batches=1, gc_interval_s=1e9, metrics_interval_s=1e9))
+        max_prefetch_batches=1, gc_interval_s=1e9, metrics_interval_s=1e9,
+        pack_ranks=ranks))
     col.start(wait=False)
     t0 = time.perf_counter()
     rep = col.step()
     t_step = time.perf_counter() - t0
-    if rep.published != [1]:
-        raise SystemExit(f"expected batch 1 to be published, got {rep.published}")
+    if rep.published != [1] or len(rep.packed) != 1:
+        raise SystemExit(f"expected batch 1 to be published and packed, got {rep.published}")
+    pk = rep.packed[0]
     if publish_line:
         t0 = time.perf_counter()
         ordered = col.order.order(col.batches.scan_ready())
         t_scan = time.perf_counter() - t0
         print(f"collector: select + publish {batch} of {n} ready groups: "
-              f"{t_step * 1e3:.1f} ms per pass (fsync on; a later scan+order of the "
-              f"{len(ordered)} left: {t_scan * 1e3:.1f} ms)")
+              f"{(t_step - pk.seconds) * 1e3:.1f} ms per pass (fsync on; a later scan+order "
+              f"of the {len(ordered)} left: {t_scan * 1e3:.1f} ms)")
+    print(f"collector: packing {ranks} rank shards (pack_ranks={ranks}): "
+          f"{pk.seconds * 1e3:.1f} ms per batch, {pk.bytes_read / 1e6:.1f} MB of records "
+          f"read, {pk.bytes_written / 1e6:.1f} MB of shards written (fsync on; "
+          f"{pk.bytes_written / max(pk.bytes_read, 1):.2f}x the records)")
+    # one reader per path, as a trainer runs one: each holds its last batch while it loads
+    # the next, so its two pool buffers are reused (one reader alternating both paths would
+    # hold three batches and allocate fresh pages for every load)
     reader = BatchReader(q, rank=0, world_size=ranks, read_threads=threads)
+    shard_reader = BatchReader(q, rank=0, world_size=ranks, read_threads=threads)
+    unverified = BatchReader(q, rank=0, world_size=ranks, verify=False)  # the xxh3's share
     man = col.batches.read_manifest(1)
+    records = dataclasses.replace(man, meta={k: v for k, v in man.meta.items()
+                                             if k != "packed"})
     mine = shard_groups([group_tokens(s) for s in man.summaries], ranks)[0]
     paths = [q.storage.local_path(data_key(man.groups[i].id, man.groups[i].gen, "group"))
              for i in mine]
+    shard = q.storage.local_path(packed.shard_key(1, man.meta["packed"]["tag"], ranks, 0))
+    assert shard is not None
     nbytes = sum(os.path.getsize(p) for p in paths)
+    sbytes = os.path.getsize(shard)
+    # the bare read at its best: one preadv into a reused buffer on huge pages, as the pool's
+    reuse = allocate_buffer(max(sbytes, max(os.path.getsize(p) for p in paths)))
     t = alternate({"raw": lambda: [np.fromfile(p, dtype=np.uint8) for p in paths],
-                   "load": lambda: reader.load(man)}, repeat)
-    batch_ = reader.load(man)
+                   "load": lambda: reader.load(records),
+                   "raw_shard": lambda: np.fromfile(shard, dtype=np.uint8),
+                   "pread_shard": lambda: pread_into([shard], reuse),
+                   "load_shard": lambda: shard_reader.load(man),
+                   "load_shard_nv": lambda: unverified.load(man)}, repeat)
+    b_rec, b_shard = reader.load(records), shard_reader.load(man)
     reader.close()
-    gb_raw = nbytes / t["raw"] / 1e9
-    gb_load = nbytes / t["load"] / 1e9
-    print(f"reader: rank 0 of {ranks}: {len(mine)} groups, {len(paths)} files, "
-          f"{nbytes / 1e6:.1f} MB ({nbytes / len(paths) / 1e3:.0f} KB/record), "
-          f"{batch_.num_tokens} packed tokens (warm page cache, {threads} read thread(s), "
-          f"median of {repeat}, alternating)")
-    print(f"reader: load into torch {t['load'] * 1e3:.2f} ms = {gb_load:.2f} GB/s; "
-          f"numpy.fromfile {t['raw'] * 1e3:.2f} ms = {gb_raw:.2f} GB/s; "
-          f"ratio {gb_load / gb_raw:.2f}")
-    return gb_load / gb_raw
+    shard_reader.close()
+    unverified.close()
+    if not b_shard.packed or b_rec.packed or not torch_equal(b_rec, b_shard):
+        raise SystemExit("the packed shard's batch differs from the records' batch")
+    ratio_rec = t["raw"] / t["load"]
+    ratio_shard = t["raw_shard"] / t["load_shard"]
+    print(f"reader: rank 0 of {ranks}: {len(mine)} groups, {b_shard.num_tokens} packed tokens "
+          f"(warm page cache, {threads} read thread(s), median of {repeat}, alternating)")
+    print(f"reader: packed shard: 1 file, {sbytes / 1e6:.1f} MB: load into torch "
+          f"{t['load_shard'] * 1e3:.2f} ms = {sbytes / t['load_shard'] / 1e9:.2f} GB/s; "
+          f"numpy.fromfile {t['raw_shard'] * 1e3:.2f} ms = "
+          f"{sbytes / t['raw_shard'] / 1e9:.2f} GB/s; ratio {ratio_shard:.2f} (against "
+          f"os.preadv into a reused buffer, {t['pread_shard'] * 1e3:.2f} ms: "
+          f"{t['pread_shard'] / t['load_shard']:.2f}; without the xxh3 check "
+          f"{t['load_shard_nv'] * 1e3:.2f} ms)")
+    print(f"reader: records: {len(paths)} files, {nbytes / 1e6:.1f} MB "
+          f"({nbytes / len(paths) / 1e3:.0f} KB/record): load into torch "
+          f"{t['load'] * 1e3:.2f} ms = {nbytes / t['load'] / 1e9:.2f} GB/s; "
+          f"numpy.fromfile {t['raw'] * 1e3:.2f} ms = {nbytes / t['raw'] / 1e9:.2f} GB/s; "
+          f"ratio {ratio_rec:.2f}")
+    print(f"reader: the packed shard loads {t['load'] / t['load_shard']:.1f}x faster than "
+          f"the records ({sbytes / nbytes:.2f}x their bytes)")
+    print(f"collector: reader/raw read = {ratio_shard:.2f} (packed shard; from the records "
+          f"{ratio_rec:.2f}), G={g} x ~{length} tokens, {nbytes / len(paths) / 1e3:.0f} KB "
+          "records")
+    return ratio_shard, ratio_rec
+
+
+def pread_into(paths: list[str], buf: np.ndarray) -> int:
+    """The bare read at its best: each file with one ``preadv`` into one reused buffer."""
+    n = 0
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            n += os.preadv(fd, [buf[:os.fstat(fd).st_size].data], 0)
+        finally:
+            os.close(fd)
+    return n
+
+
+def torch_equal(a: object, b: object) -> bool:
+    """Two batches hold the same tensors (the bench's own check of the packed path)."""
+    import torch
+
+    for f in dataclasses.fields(a):  # type: ignore[arg-type]
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor) and not (x.dtype == y.dtype and torch.equal(x, y)):
+            return False
+    return True
 
 
 def main() -> int:
@@ -166,14 +237,14 @@ def main() -> int:
         root = tempfile.mkdtemp(prefix="strawq-bench-", dir=args.dir)
         try:
             print(f"-- case 2: G={g} x ~{args.big_tokens} tokens (the queue benchmark's groups)")
-            ratio_big = run_case(root, n=args.batch, length=args.big_tokens,
-                                 publish_line=False, **common)
+            ratio_big, _ = run_case(root, n=args.batch, length=args.big_tokens,
+                                    publish_line=False, **common)
         finally:
             shutil.rmtree(root, ignore_errors=True)
     root = tempfile.mkdtemp(prefix="strawq-bench-", dir=args.dir)
     try:
         print(f"-- case 1 (standard): G={g} x ~{length} tokens")
-        ratio = run_case(root, n=n, length=length, publish_line=True, **common)
+        ratio, _ = run_case(root, n=n, length=length, publish_line=True, **common)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if ratio_big is not None:

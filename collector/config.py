@@ -86,6 +86,14 @@ class CollectorConfig(Config):
     #: Address the Prometheus endpoint binds (127.0.0.1: this machine only; ``0.0.0.0``
     #: every interface: the metrics are readable by anyone who reaches the port).
     prometheus_host: str = "127.0.0.1"
+    #: The trainer's data-parallel world size W, to pack each batch's W rank shards in the
+    #: collector (``strawq.packed``): before publishing a manifest the collector reads its
+    #: groups' records and writes one PACKED record per rank holding exactly what
+    #: ``BatchReader.load`` would pack, and each rank of a W-rank trainer loads its shard
+    #: with one read. Costs the collector a read of every record of the batch and a write
+    #: of ~1.4x their bytes per batch (docs/benchmarks.md); a reader of another world size
+    #: reads the records as without it. None (the default): no shards.
+    pack_ranks: int | None = None
 
     def validate(self) -> None:
         if self.batch_groups < 1:
@@ -115,6 +123,9 @@ class CollectorConfig(Config):
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.takeover_timeout_s <= 0:
             raise ConfigError(f"takeover_timeout_s must be > 0, got {self.takeover_timeout_s}")
+        if self.pack_ranks is not None and self.pack_ranks < 1:
+            raise ConfigError(f"pack_ranks must be >= 1 (the trainer's data-parallel world "
+                              f"size) or None (no packed shards), got {self.pack_ranks}")
         if self.prometheus_port is not None and not 0 <= self.prometheus_port < 65536:
             raise ConfigError(f"prometheus_port must be in [0, 65535] or None, got "
                               f"{self.prometheus_port}")

@@ -31,6 +31,7 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.fencing import EpochFence, SupersededSweep, mark_epoch_start
 from strawq.collector.metrics import MetricsSink, dropped_metric
 from strawq.collector.ordering import StalenessOrder, group_advantages
+from strawq.collector.packing import BufferPool, PackReport, RecordFile, pack_batch
 from strawq.collector.resume import ResumeInfo, open_queue
 from strawq.batches import BatchStore, GcReport, delivered, mark_high_water
 from strawq.config import QueueConfig
@@ -77,6 +78,8 @@ class StepReport:
     prefetched: int = 0
     #: the trainer's position against the current version (``admission.Progress``)
     progress: Progress = field(default_factory=Progress)
+    #: what packing the published batches' rank shards cost (``pack_ranks``), one per shard set
+    packed: list[PackReport] = field(default_factory=list)
     #: batches trained before the next one formed: ``progress.ahead`` + formed this pass
     ahead: int = 0
     exhausted: bool = False
@@ -116,6 +119,9 @@ class Collector:
         self.resume_info: ResumeInfo | None = None
         self._last_gc = float("-inf")
         self._last_sweep = float("-inf")
+        #: record buffer and shard memory for packing rank shards (``pack_ranks``)
+        self._record_file = RecordFile() if self.config.pack_ranks is not None else None
+        self._pack_buffers = BufferPool(keep=1)
         self._last_metrics = float("-inf")
         self._ready_seen_at_metrics = 0
         self._steps = 0
@@ -313,7 +319,7 @@ class Collector:
                 over = [n.id for n in names if policy.over(at, n.version)]
                 meta["over_eta"] = over
                 rep.stale_trained += over
-            seq = self._publish(names, summaries, meta)
+            seq = self._publish(names, summaries, meta, rep)
             if over:
                 log.warning("batch %d holds %d groups over eta %s (trained at version %d, "
                             "eta_mode=%s%s): they are trained with their importance "
@@ -350,10 +356,18 @@ class Collector:
         return names, summaries
 
     def _publish(self, names: list[TaskName], summaries: list[dict[str, Any]],
-                 meta: dict[str, Any]) -> int:
+                 meta: dict[str, Any], rep: StepReport | None = None) -> int:
         for _attempt in range(3):
             self.fence.check()
             seq = self.batches.next_seq()
+            if self.config.pack_ranks is not None:  # the ranks' shards, before the manifest
+                packing = pack_batch(self.storage, seq, names, summaries,
+                                     self.config.pack_ranks, file=self._record_file,
+                                     pool=self._pack_buffers)
+                meta = {**meta, "packed": packing.meta}
+                if rep is not None:
+                    rep.packed.append(packing)
+                self.fence.check()
             try:
                 self.batches.publish_batch(seq, names, summaries, meta)
             except AlreadyExists:

@@ -14,6 +14,11 @@ per-sample arrays — is computed once per shard from the manifest summaries, ve
 Each payload byte is copied twice (file → buffer, buffer → packed column); the buffer stays
 in cache between the two.
 
+The same packing runs in the collector when it packs rank shards (``pack_batch``,
+``CollectorConfig.pack_ranks``): ``read_groups`` and ``shard_arrays`` give the arrays of a
+rank's ``Batch`` (numpy only: the collector never imports torch), written as one PACKED
+record per rank (``strawq.packed``) that the reader loads with one read (``read_file``).
+
 Per-token extras (``strawq.extras``) are packed like ``logprobs``: ``extras[name]`` is
 ``[T, *row shape]`` over the packed tokens — a prompt extra (routed experts) holds its
 record's rows over the prompt too, a response extra the placeholder value (0) there; a
@@ -25,16 +30,29 @@ for routed experts). A ragged extra (top-p kept ids) is its flat values plus
 from __future__ import annotations
 
 import heapq
+import logging
+import mmap
 import os
 import sys
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import xxhash
 
+from strawq import packed
+from strawq.collector.behaviour import sampling_columns
 from strawq.errors import CorruptRecord, NotFound
 from strawq.extras import Extra, ExtraError, spec_of
+from strawq.groups import decode_group_columns
+from strawq.names import TaskName, data_key
+from strawq import records
+from strawq.records import Kind
 from strawq.storage import Storage
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 64
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -44,6 +62,24 @@ def group_tokens(summary: dict[str, Any]) -> int:
     """Packed tokens of one group: G prompts plus every response."""
     lens = summary["sample_lens"]
     return int(summary["prompt_len"]) * len(lens) + int(sum(lens))
+
+
+def manifest_totals(summaries: Sequence[dict[str, Any]]) -> tuple[int, int | None]:
+    """Samples and trained tokens of a whole manifest (None: a group without ``loss_tokens``).
+
+    Every rank computes the same figures from the manifest alone (no payload read), so the
+    loss denominators are the batch's, not the shard's (docs/design.md, invariant 11). A
+    group dropped at read time as corrupt stays counted: its share of the loss is missing
+    on every path alike, the rest of the gradient is unchanged.
+    """
+    samples = sum(len(s["sample_lens"]) for s in summaries)
+    tokens = 0
+    for s in summaries:
+        lt = s.get("loss_tokens")
+        if lt is None or len(lt) != len(s["sample_lens"]):
+            return samples, None
+        tokens += int(sum(lt))
+    return samples, tokens
 
 
 def shard_groups(token_counts: Sequence[int], world_size: int) -> list[list[int]]:
@@ -109,6 +145,31 @@ class RecordFile:
         return self._buf[:size]
 
 
+#: buffers from this size on are mapped on their own, on transparent huge pages
+_HUGE = 2 << 20
+
+
+def allocate_buffer(nbytes: int) -> np.ndarray:
+    """A uint8 buffer of ``nbytes``; from 2 MiB on an anonymous mapping, 2 MiB aligned and
+    advised onto transparent huge pages where the kernel has them (``madvise`` mode).
+
+    Filling a reused 12 MB buffer with 4 KiB pages read at a third of the speed of
+    ``numpy.fromfile`` into fresh memory here (a TLB miss every 4 KiB on a shared host);
+    on huge pages it reads as fast or faster (bench/collector.py).
+    """
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < _HUGE or advice is None:
+        return np.empty(nbytes, dtype=np.uint8)
+    mm = mmap.mmap(-1, nbytes + _HUGE)
+    try:
+        mm.madvise(advice)
+    except OSError:  # no THP on this kernel: ordinary pages
+        pass
+    whole = np.frombuffer(mm, dtype=np.uint8)
+    skip = -whole.ctypes.data % _HUGE
+    return whole[skip:skip + nbytes]
+
+
 class BufferPool:
     """Reuses the memory of packed shards once nothing references the batch built on it.
 
@@ -129,7 +190,7 @@ class BufferPool:
             # the list's reference and getrefcount's argument: nothing else holds it
             if self._bufs[i].nbytes >= nbytes and sys.getrefcount(self._bufs[i]) <= 2:
                 return self._bufs[i]
-        buf = np.empty(nbytes + nbytes // 8, dtype=np.uint8)  # room to grow a little
+        buf = allocate_buffer(nbytes + nbytes // 8)  # room to grow a little
         free = [i for i in range(len(self._bufs)) if sys.getrefcount(self._bufs[i]) <= 2]
         if len(self._bufs) >= self.keep and free:
             del self._bufs[free[0]]
@@ -364,3 +425,188 @@ class ShardPacker:
             hi[:r_hi.shape[0]] = r_hi
         empty = self.seqlens == self.prompt_lens
         return np.where(empty, hint, lo), ~empty & (hi != lo)
+
+
+# -- a rank's shard, from the records ------------------------------------------------------------
+def read_groups(storage: Storage, pk: ShardPacker, keys: Sequence[str], part: Sequence[int],
+                file: RecordFile, *, verify: bool = True
+                ) -> tuple[int, list[tuple[int, Exception]]]:
+    """Read, verify, decode and pack groups ``part`` of a shard (one thread's share).
+
+    Returns the bytes read and the groups that failed their checks (the caller drops them,
+    or, packing for the trainer in the collector, leaves the shard to the records). Threads
+    write disjoint slots of the packed columns; file reads, xxh3 and the numpy copies
+    release the GIL.
+    """
+    nbytes = 0
+    failed: list[tuple[int, Exception]] = []
+    for k in part:
+        try:
+            data = file.read(storage, keys[k])
+            nbytes += len(data)
+            g = decode_group_columns(data, name=keys[k], expect=Kind.GROUP, verify=verify)
+            pk.check(k, g.prompt, g.summary["sample_lens"], keys[k])
+            if g.extras or pk.extras:
+                pk.check_extras(g.extras, keys[k])
+            pk.add(k, g.prompt, g.columns)
+            if pk.extras:
+                pk.add_extras(k, g.extras)
+        except (CorruptRecord, NotFound, ValueError) as exc:
+            failed.append((k, exc))
+    return nbytes, failed
+
+
+#: ``Batch`` fields of a rank's shard that do not depend on when it is read, in the order a
+#: PACKED record holds them (``extras/<name>`` after them); ``multi_version`` (bool [S]:
+#: a sample's response spans more than one version) feeds the staleness figures
+SHARD_ARRAYS = ("tokens", "cu_seqlens", "loss_mask", "rollout_logprobs", "versions",
+                "advantages", "rewards", "sample_advantages", "prompt_lens", "response_lens",
+                "sample_group", "sample_index", "sample_min_version", "multi_version",
+                "temperature", "top_p", "top_k")
+EXTRA_PREFIX = "extras/"
+
+
+def shard_arrays(pk: ShardPacker, summaries: Sequence[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """Every array of a rank's ``Batch`` that does not depend on the read-time version,
+    from a finished ``ShardPacker`` and the summaries of the groups it holds."""
+    nsamples = pk.seqlens.shape[0]
+    rewards = np.array([0.0 if r is None else r for s in summaries for r in s["rewards"]],
+                       dtype=np.float32)
+    sgroup = np.repeat(np.arange(len(summaries), dtype=np.int64),
+                       [len(s["sample_lens"]) for s in summaries])
+    sindex = np.array([s["index"] for s in summaries], dtype=np.int64)[sgroup] \
+        if summaries else np.empty(0, dtype=np.int64)
+    cu = np.zeros(nsamples + 1, dtype=np.int32)
+    np.cumsum(pk.seqlens, out=cu[1:])
+    out = {"tokens": pk.tokens, "cu_seqlens": cu, "loss_mask": pk.loss_mask,
+           "rollout_logprobs": pk.logprobs, "versions": pk.versions,
+           "advantages": pk.advantages, "rewards": rewards,
+           "sample_advantages": pk.sample_advantages,  # zeros without manifest advantages
+           "prompt_lens": pk.prompt_lens.astype(np.int32),
+           "response_lens": (pk.seqlens - pk.prompt_lens).astype(np.int32),
+           "sample_group": sgroup, "sample_index": sindex,
+           "sample_min_version": pk.min_version, "multi_version": pk.multi_version,
+           **sampling_columns(summaries)}
+    out.update({EXTRA_PREFIX + k: v for k, v in pk.extras.items()})
+    return out
+
+
+#: bytes read per ``preadv`` by ``read_file`` when it checksums as it reads: the xxh3 of
+#: each piece runs while the piece is still in cache
+READ_CHUNK = 1 << 20
+
+
+def read_file(storage: Storage, key: str, pool: BufferPool, *,
+              checksum: bool = False) -> tuple[np.ndarray, int | None]:
+    """The whole of record ``key`` in a pool buffer, 64-byte aligned, and with ``checksum``
+    the xxh3-64 of the ranges its header's checksum covers (``records.checksummed``),
+    streamed over ``READ_CHUNK`` pieces as they are read so the hash reads from cache. The
+    array is exactly the file. Backends without local paths copy ``Storage.read`` into it."""
+    path = storage.local_path(key)
+    if path is None:
+        data = storage.read(key)
+        buf = pool.take(len(data) + _ALIGN)
+        skip = -buf.ctypes.data % _ALIGN
+        out = buf[skip:skip + len(data)]
+        out[:] = np.frombuffer(data, dtype=np.uint8)
+        return out, _digest(out, 0, out.shape[0], None) if checksum else None
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise NotFound(2, f"{key}: missing") from None
+    h = xxhash.xxh3_64() if checksum else None
+    ranges = None
+    try:
+        size = os.fstat(fd).st_size
+        buf = pool.take(size + _ALIGN)
+        skip = -buf.ctypes.data % _ALIGN
+        out = buf[skip:skip + size]
+        got = 0
+        step = READ_CHUNK if h is not None else max(size, 1)
+        while got < size:
+            n = os.preadv(fd, [out[got:min(got + step, size)].data], got)
+            if n == 0:
+                raise CorruptRecord(f"{key}: file shrank to {got} of {size} bytes while read")
+            if h is not None and (ranges is not None or got + n >= records.HEADER.size):
+                ranges = ranges or records.checksummed(out[:records.HEADER.size].data, size)
+                _digest(out, got, got + n, h, ranges)
+            got += n
+    finally:
+        os.close(fd)
+    return out, (h.intdigest() if h is not None else None)
+
+
+def _digest(out: np.ndarray, lo: int, hi: int, h: Any,
+            ranges: tuple[tuple[int, int], ...] | None = None) -> int:
+    """Feed the part of ``out[lo:hi]`` inside the checksummed ``ranges`` to ``h`` (a fresh
+    hash over the whole record's ranges when ``h`` is None); returns the digest so far."""
+    if h is None:
+        h = xxhash.xxh3_64()
+        if out.shape[0] < records.HEADER.size:
+            return int(h.intdigest())
+        ranges = records.checksummed(out[:records.HEADER.size].data, out.shape[0])
+    assert ranges is not None
+    for a, b in ranges:
+        a, b = max(a, lo), min(b, hi)
+        if a < b:
+            h.update(out[a:b].data)
+    return int(h.intdigest())
+
+
+@dataclass
+class PackReport:
+    """What packing one batch's rank shards cost the collector (``pack_batch``)."""
+
+    #: the manifest's ``meta["packed"]``: world size, tag, the ranks whose shard was written
+    meta: dict[str, Any] = field(default_factory=dict)
+    #: bytes of shards written, of group records read, and seconds spent (read, pack, write)
+    bytes_written: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+
+def pack_batch(storage: Storage, seq: int, names: Sequence[TaskName],
+               summaries: Sequence[dict[str, Any]], world_size: int, *,
+               file: RecordFile | None = None, pool: BufferPool | None = None) -> PackReport:
+    """Write batch ``seq``'s shard for each rank of ``world_size`` (``strawq.packed``), as
+    ``BatchReader.load`` would pack it from these records, before the manifest is published.
+
+    A rank whose groups do not all read cleanly gets no shard: its reader reads the records
+    and drops the bad group with its reason, as without packing. The shards' directory is
+    fsync'd once, after the last, so a published manifest never names a shard a power cut
+    could undo.
+    """
+    t0 = time.perf_counter()
+    file = file if file is not None else RecordFile()
+    tag = packed.new_tag()
+    positions = shard_groups([group_tokens(s) for s in summaries], world_size)
+    total_samples, total_loss_tokens = manifest_totals(summaries)
+    rep = PackReport()
+    ranks: list[int] = []
+    for rank, mine in enumerate(positions):
+        mine_summ = [summaries[i] for i in mine]
+        pk = ShardPacker(mine_summ, pool)
+        keys = [data_key(names[i].id, names[i].gen, "group") for i in mine]
+        nbytes, failed = read_groups(storage, pk, keys, range(len(keys)), file)
+        rep.bytes_read += nbytes
+        if failed:
+            log.warning("batch %d: rank %d of %d gets no packed shard: %s (its reader reads "
+                        "the records and drops the group)", seq, rank, world_size,
+                        "; ".join(str(exc) for _, exc in failed[:3]))
+            continue
+        pk.finish()
+        info = {"seq": seq, "tag": tag, "world_size": world_size, "rank": rank,
+                "sharding": packed.SHARDING, "positions": list(mine),
+                "groups": [f"{names[i].id}~g{names[i].gen}" for i in mine],
+                "total_samples": total_samples, "total_loss_tokens": total_loss_tokens,
+                "record_bytes": nbytes}
+        chunks = packed.encode_shard(info, shard_arrays(pk, mine_summ))
+        storage.publish(packed.shard_key(seq, tag, world_size, rank), chunks, sync_dir=False)
+        rep.bytes_written += sum(len(c) for c in chunks)
+        ranks.append(rank)
+        del pk, chunks  # the pool buffer is free for the next rank
+    if ranks:
+        storage.sync_dirs([packed.PACKED_DIR])
+    rep.meta = {"world_size": world_size, "tag": tag, "ranks": ranks}
+    rep.seconds = time.perf_counter() - t0
+    return rep

@@ -27,13 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from strawq.collector.behaviour import read_time_staleness, sampling_columns
+from strawq.collector.behaviour import read_time_staleness
 from strawq.collector.bracket import BracketReport, WeightUpdateBracket
 from strawq.collector.errors import BatchTimeout
 from strawq.collector.fencing import epoch_starts, superseded
 from strawq.collector.importance import LossTotals
 from strawq.collector.metrics import MetricsSink
-from strawq.collector.packing import BufferPool, RecordFile, ShardPacker, group_tokens, shard_groups
+from strawq.collector.packing import (EXTRA_PREFIX, SHARD_ARRAYS, BufferPool, RecordFile,
+                                      ShardPacker, group_tokens, manifest_totals, read_file,
+                                      read_groups, shard_arrays, shard_groups)
 from strawq.collector.resume import CHECKPOINT_FORMAT, read_cursor_state
 from strawq.batches import (BatchStore, Manifest, forget_delivered_after, high_water,
                             mark_delivered)
@@ -41,11 +43,11 @@ from strawq.commits import commit as commit_position
 from strawq.commits import committed_seq, hold
 from strawq.epochs import epochs as known_epochs
 from strawq.epochs import list_names as list_epoch_names
-from strawq.errors import CorruptRecord, NotFound
-from strawq.groups import decode_group_columns, staleness
+from strawq import packed
+from strawq.errors import ConfigError, CorruptRecord, NotFound
+from strawq.groups import staleness
 from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
-from strawq.records import Kind
 from strawq.states import depths
 from strawq.storage import open_storage
 from strawq.storage.watch import DirProbe, DirWatch
@@ -118,6 +120,9 @@ class Batch:
     #: trained tokens (loss_mask = 1) in the whole batch, from the manifest's per-sample
     #: ``loss_tokens``; None when a group was recorded without them
     total_loss_tokens: int | None = None
+    #: read from the collector's packed shard (``CollectorConfig.pack_ranks``; the same
+    #: tensors as from the records, ``bytes_read`` is then the shard's size)
+    packed: bool = False
 
     @property
     def num_samples(self) -> int:
@@ -154,24 +159,6 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
-
-
-def manifest_totals(summaries: list[dict[str, Any]]) -> tuple[int, int | None]:
-    """Samples and trained tokens of a whole manifest (None: a group without ``loss_tokens``).
-
-    Every rank computes the same figures from the manifest alone (no payload read), so the
-    loss denominators are the batch's, not the shard's (docs/design.md, invariant 11). A
-    group dropped at read time as corrupt stays counted: its share of the loss is missing
-    on every path alike, the rest of the gradient is unchanged.
-    """
-    samples = sum(len(s["sample_lens"]) for s in summaries)
-    tokens = 0
-    for s in summaries:
-        lt = s.get("loss_tokens")
-        if lt is None or len(lt) != len(s["sample_lens"]):
-            return samples, None
-        tokens += int(sum(lt))
-    return samples, tokens
 
 
 #: A waiting rank on a mount without change events lists ``batches/`` at least this often
@@ -224,6 +211,8 @@ class BatchReader:
         #: the copies); a buffer is reused only once no batch references it
         self._buffers = BufferPool()
         self._pool: ThreadPoolExecutor | None = None
+        #: a packed shard was not used once already (``_fallback`` logs the first loudly)
+        self._fell_back = False
         # Wait for a new manifest on inotify where this host sees it (the default sleep
         # only: an injected sleep means an injected clock), else a fixed poll (no back-off).
         if watch is None and sleep is time.sleep:
@@ -334,7 +323,89 @@ class BatchReader:
                 "producers claiming work?")
 
     def load(self, man: Manifest) -> Batch:
-        """Pack this rank's shard of a manifest (no waiting, no bookkeeping)."""
+        """This rank's shard of a manifest (no waiting, no bookkeeping): the collector's
+        packed shard when it wrote one for this world size (``CollectorConfig.pack_ranks``),
+        else packed here from the group records."""
+        info = man.meta.get("packed")
+        if isinstance(info, Mapping):
+            batch = self._load_packed(man, info)
+            if batch is not None:
+                return batch
+        return self._load_records(man)
+
+    def _fallback(self, man: Manifest, why: str) -> None:
+        """Log why a packed shard is not used: a warning the first time, then at debug."""
+        level = logging.DEBUG if self._fell_back else logging.WARNING
+        self._fell_back = True
+        log.log(level, "batch %d, rank %d of %d: %s; reading the group records instead "
+                "(further fallbacks are logged at debug level)", man.seq, self.rank,
+                self.world_size, why)
+
+    def _load_packed(self, man: Manifest, info: Mapping[str, Any]) -> Batch | None:
+        """The shard the collector packed for this rank, or None (logged) when there is none
+        for this world size or it does not check out: the records are read instead."""
+        try:
+            tag, ws = str(info["tag"]), int(info["world_size"])
+            ranks = info.get("ranks", ())
+        except (KeyError, TypeError, ValueError):
+            self._fallback(man, f"the manifest's packed entry {dict(info)!r} is not readable")
+            return None
+        if ws != self.world_size:
+            self._fallback(man, f"the collector packed shards for {ws} ranks "
+                           f"(pack_ranks), this trainer runs {self.world_size}")
+            return None
+        if self.rank not in ranks:
+            self._fallback(man, "the collector wrote no shard for this rank (a group of it "
+                           "did not read cleanly)")
+            return None
+        key = packed.shard_key(man.seq, tag, ws, self.rank)
+        try:
+            buf, digest = read_file(self.storage, key, self._buffers, checksum=self.verify)
+            meta, arrays = packed.decode_shard(buf, name=key, verify=self.verify,
+                                               digest=digest)
+            positions = self._check_shard(man, meta, arrays, tag, key)
+        except (CorruptRecord, NotFound, ConfigError) as exc:
+            self._fallback(man, f"its packed shard is unusable: {exc}")
+            return None
+        return self._assemble(man, positions, arrays, version=self.queue.current_version(),
+                              totals=(meta["total_samples"], meta["total_loss_tokens"]),
+                              nbytes=int(buf.shape[0]), skipped=[], from_shard=True)
+
+    def _check_shard(self, man: Manifest, meta: Mapping[str, Any],
+                     arrays: Mapping[str, np.ndarray], tag: str, key: str) -> list[int]:
+        """The shard was packed from this manifest for this rank (else ``CorruptRecord``);
+        returns its manifest positions."""
+        want = {"seq": man.seq, "tag": tag, "world_size": self.world_size, "rank": self.rank,
+                "sharding": packed.SHARDING}
+        got = {k: meta.get(k) for k in want}
+        if got != want:
+            raise CorruptRecord(f"{key}: packed for {got}, this read needs {want}")
+        positions = meta.get("positions")
+        names = meta.get("groups")
+        if not isinstance(positions, list) or not isinstance(names, list) or \
+                len(positions) != len(names) or \
+                not all(type(i) is int and 0 <= i < len(man.groups) for i in positions):
+            raise CorruptRecord(f"{key}: its group positions do not fit the manifest's "
+                                f"{len(man.groups)} groups")
+        for i, name in zip(positions, names, strict=True):
+            g = man.groups[i]
+            if name != f"{g.id}~g{g.gen}":
+                raise CorruptRecord(f"{key}: holds group {name!r} at position {i}, the "
+                                    f"manifest names {g.id}~g{g.gen}")
+        missing = [k for k in SHARD_ARRAYS if k not in arrays]
+        if missing:
+            raise CorruptRecord(f"{key}: lacks the arrays {missing}")
+        total = arrays["cu_seqlens"]
+        if total.ndim != 1 or total.shape[0] < 1 or \
+                int(total[-1]) != arrays["tokens"].shape[0]:
+            raise CorruptRecord(f"{key}: cu_seqlens does not end at the {arrays['tokens'].shape[0]}"
+                                " packed tokens")
+        if "total_samples" not in meta or "total_loss_tokens" not in meta:
+            raise CorruptRecord(f"{key}: lacks the batch totals")
+        return positions
+
+    def _load_records(self, man: Manifest) -> Batch:
+        """Pack this rank's shard from the group records (read, verify, decode, copy)."""
         counts = [group_tokens(s) for s in man.summaries]
         mine = shard_groups(counts, self.world_size)[self.rank]
         version = self.queue.current_version()
@@ -345,9 +416,11 @@ class BatchReader:
             self._pool = ThreadPoolExecutor(len(self._files) - 1,
                                             thread_name_prefix="strawq-reader")
         parts = [range(t, len(keys), nthreads) for t in range(nthreads)]
-        futures = [self._pool.submit(self._read_part, pk, keys, part, self._files[t])
+        futures = [self._pool.submit(read_groups, self.storage, pk, keys, part,
+                                     self._files[t], verify=self.verify)
                    for t, part in enumerate(parts[1:], 1)] if self._pool else []
-        results = [self._read_part(pk, keys, parts[0], self._files[0])]
+        results = [read_groups(self.storage, pk, keys, parts[0], self._files[0],
+                               verify=self.verify)]
         results += [f.result() for f in futures]
         nbytes = sum(n for n, _ in results)
         failed = sorted((k, exc) for _, errs in results for k, exc in errs)
@@ -357,71 +430,35 @@ class BatchReader:
             self._drop_bad(name, keys[k], exc)
             skipped.append(name.id)
         ok = pk.finish().tolist()
-        groups = [man.groups[i] for k, i in enumerate(mine) if ok[k]]
-        summaries = [man.summaries[i] for k, i in enumerate(mine) if ok[k]]
-        nsamples = pk.seqlens.shape[0]
-        rewards = np.array([0.0 if r is None else r for s in summaries for r in s["rewards"]],
-                           dtype=np.float32)
-        sadv = pk.sample_advantages  # zeros for a manifest written without advantages
-        sgroup = np.repeat(np.arange(len(summaries), dtype=np.int64),
-                           [len(s["sample_lens"]) for s in summaries])
-        sindex = np.array([s["index"] for s in summaries], dtype=np.int64)[sgroup] \
-            if summaries else np.empty(0, dtype=np.int64)
-        cu = np.zeros(nsamples + 1, dtype=np.int32)
-        np.cumsum(pk.seqlens, out=cu[1:])
-        resp = (pk.seqlens - pk.prompt_lens).astype(np.int32)
-        stal = staleness(version, pk.min_version)  # per sample: each one's minimum version
+        positions = [i for k, i in enumerate(mine) if ok[k]]
+        arrays = shard_arrays(pk, [man.summaries[i] for i in positions])
+        return self._assemble(man, positions, arrays, version=version,
+                              totals=manifest_totals(man.summaries), nbytes=nbytes,
+                              skipped=skipped)
+
+    def _assemble(self, man: Manifest, positions: list[int], arrays: Mapping[str, np.ndarray],
+                  *, version: int, totals: tuple[int, int | None], nbytes: int,
+                  skipped: list[str], from_shard: bool = False) -> Batch:
+        """The ``Batch`` over a rank's arrays (``packing.shard_arrays``; views, no copy),
+        with what depends on the version it is read at: staleness figures, the η re-check."""
+        t = {k: torch.from_numpy(arrays[k]) for k in SHARD_ARRAYS if k != "multi_version"}
+        min_version = arrays["sample_min_version"]
+        stal = staleness(version, min_version)  # per sample: each one's minimum version
         stats = {"staleness/mean": float(stal.mean()) if stal.size else 0.0,
                  "staleness/max": float(stal.max()) if stal.size else 0.0,
                  "staleness/multi_version_frac":
-                     float(pk.multi_version.mean()) if stal.size else 0.0}
+                     float(arrays["multi_version"].mean()) if stal.size else 0.0}
         over, recheck = read_time_staleness(version, stal, man.meta)
         stats.update(recheck)
-        sampling = sampling_columns(summaries)
-        total_samples, total_loss_tokens = manifest_totals(man.summaries)
+        n = len(EXTRA_PREFIX)
         return Batch(
             seq=man.seq, rank=self.rank, world_size=self.world_size, version=version,
-            tokens=torch.from_numpy(pk.tokens), cu_seqlens=torch.from_numpy(cu),
-            loss_mask=torch.from_numpy(pk.loss_mask),
-            rollout_logprobs=torch.from_numpy(pk.logprobs),
-            versions=torch.from_numpy(pk.versions),
-            advantages=torch.from_numpy(pk.advantages),
-            rewards=torch.from_numpy(rewards), sample_advantages=torch.from_numpy(sadv),
-            prompt_lens=torch.from_numpy(pk.prompt_lens.astype(np.int32)),
-            response_lens=torch.from_numpy(resp), sample_group=torch.from_numpy(sgroup),
-            sample_index=torch.from_numpy(sindex),
-            sample_min_version=torch.from_numpy(pk.min_version), groups=groups,
-            summaries=summaries, total_groups=len(man.groups), skipped=skipped, stats=stats,
-            bytes_read=nbytes, over_eta=torch.from_numpy(over),
-            extras={k: torch.from_numpy(v) for k, v in pk.extras.items()},
-            total_samples=total_samples, total_loss_tokens=total_loss_tokens,
-            **{k: torch.from_numpy(v) for k, v in sampling.items()})
-
-    def _read_part(self, pk: ShardPacker, keys: list[str], part: range,
-                   file: RecordFile) -> tuple[int, list[tuple[int, Exception]]]:
-        """Read, verify, decode and pack groups ``part`` of the shard (one thread's share).
-
-        Returns the bytes read and the groups that failed their checks (dropped by the
-        caller). Threads write disjoint slots of the packed columns; file reads, xxh3 and
-        the numpy copies release the GIL.
-        """
-        nbytes = 0
-        failed: list[tuple[int, Exception]] = []
-        for k in part:
-            try:
-                data = file.read(self.storage, keys[k])
-                nbytes += len(data)
-                g = decode_group_columns(data, name=keys[k], expect=Kind.GROUP,
-                                         verify=self.verify)
-                pk.check(k, g.prompt, g.summary["sample_lens"], keys[k])
-                if g.extras or pk.extras:
-                    pk.check_extras(g.extras, keys[k])
-                pk.add(k, g.prompt, g.columns)
-                if pk.extras:
-                    pk.add_extras(k, g.extras)
-            except (CorruptRecord, NotFound, ValueError) as exc:
-                failed.append((k, exc))
-        return nbytes, failed
+            groups=[man.groups[i] for i in positions],
+            summaries=[man.summaries[i] for i in positions], total_groups=len(man.groups),
+            skipped=skipped, stats=stats, bytes_read=nbytes, over_eta=torch.from_numpy(over),
+            extras={k[n:]: torch.from_numpy(v) for k, v in arrays.items()
+                    if k.startswith(EXTRA_PREFIX)},
+            total_samples=totals[0], total_loss_tokens=totals[1], packed=from_shard, **t)
 
     def _drop_bad(self, name: TaskName, key: str, exc: Exception) -> None:
         """A batched group whose payload fails its checks: quarantine it, drop with a record."""

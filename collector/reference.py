@@ -494,7 +494,8 @@ def distributed_gradients(run_dir: str, seq: int, *, world_sizes: Iterable[int] 
 def make_reference_run(path: str, *, groups: int = 12, group_size: int = 4, seed: int = 0,
                        max_response: int = 60, vocab: int = 64,
                        policy: torch.nn.Module | None = None,
-                       logprob_noise: float = 0.3) -> tuple[str, int]:
+                       logprob_noise: float = 0.3,
+                       pack_ranks: int | None = None) -> tuple[str, int]:
     """Create a run under ``path`` with one published batch of ``groups`` groups; returns
     the run's queue directory and the batch number.
 
@@ -567,14 +568,16 @@ def make_reference_run(path: str, *, groups: int = 12, group_size: int = 4, seed
             status=["completed"] * group_size, meta={"params": params})
         return grp
 
-    return publish_batch(path, prompts, group_size, build)
+    return publish_batch(path, prompts, group_size, build, pack_ranks=pack_ranks)
 
 
 def publish_batch(path: str, prompts: Sequence[Sequence[int]], group_size: int,
-                  build: Callable[[Lease], GroupData]) -> tuple[str, int]:
+                  build: Callable[[Lease], GroupData], *,
+                  pack_ranks: int | None = None) -> tuple[str, int]:
     """A run under ``path`` whose collector publishes one batch of ``len(prompts)`` groups,
     each ``build(lease)`` for its claimed task (rows ``{"prompt": ids, "i": index}``);
-    returns the run's queue directory and the batch number."""
+    returns the run's queue directory and the batch number. ``pack_ranks``: the collector
+    also packs the batch's rank shards for that world size (``CollectorConfig``)."""
     from strawq.collector.config import CollectorConfig
     from strawq.collector.core import Collector
     from strawq.config import QueueConfig
@@ -592,7 +595,7 @@ def publish_batch(path: str, prompts: Sequence[Sequence[int]], group_size: int,
                                     release_batch=max(groups, 1)))
     col = Collector(q, Dataset(ds), CollectorConfig(
         batch_groups=groups, max_running=groups, max_ready=groups, poll_interval_s=0,
-        gc_interval_s=1e9))
+        gc_interval_s=1e9, pack_ranks=pack_ranks))
     col.start(wait=False)
     col.step()
     done = 0

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from strawq import records
+from strawq import packed, records
 from strawq.commits import committed_seq
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
 from strawq.history import record_attempts, trained_rows
@@ -166,6 +166,8 @@ class GcReport:
     drops: int = 0
     #: turn checkpoints of tasks that can no longer resume from them (``strawq.retention``)
     turns: int = 0
+    #: orphaned rank shards deleted (``strawq.packed``)
+    shards: int = 0
     details: list[str] = field(default_factory=list)
 
 
@@ -340,6 +342,7 @@ class BatchStore:
                     self.storage.delete(data_key(name.id, name.resume, "partial"))
                 delete_trained(self.storage, name)
                 rep.payloads += 1
+            packed.delete_named(self.storage, seq, man.meta)  # its rank shards, if packed
             self.retire(seq)
             rep.batches += 1
         for seq in acked - set(seqs):
@@ -356,6 +359,11 @@ class BatchStore:
 
             rep.stale = self._gc_stale_generations()
             rep.turns = sweep_turns(self.storage)
+            # rank shards whose batch has no manifest (a crash between the shards and the
+            # manifest, a lost race for its number, a retired batch). Shards written for a
+            # manifest not yet published by another process (an operator's ``strawq gc``
+            # beside the collector) may go too: their readers then read the records
+            rep.shards = packed.sweep_orphans(self.storage, self.batch_seqs()[0])
         return rep
 
     def retire(self, seq: int) -> None:

@@ -58,6 +58,8 @@ class Kind(enum.IntEnum):
     ACK = 9
     EPOCH = 10
     STATE = 11
+    #: a rank's packed shard of a batch (``strawq.packed``): raw aligned arrays
+    PACKED = 12
 
 
 def _pad(n: int) -> int:
@@ -134,6 +136,21 @@ def encode(kind: Kind, meta: Mapping[str, Any],
     if tables:
         index, chunks = encode_tables(tables)
         meta["tables"] = index
+    return _frame(kind, meta, chunks)
+
+
+def encode_blobs(kind: Kind, meta: Mapping[str, Any],
+                 blobs: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """Frame a record whose payload is raw buffers the caller laid out (64-byte aligned)
+    and described in ``meta`` (``strawq.packed``), written as they are, no copy. Each
+    buffer must be a byte view (``len`` is its size in bytes)."""
+    framed = dict(meta)
+    framed.setdefault("v", SCHEMA_VERSION)
+    return _frame(kind, framed, [c for c in blobs if len(c)])
+
+
+def _frame(kind: Kind, meta: dict[str, Any], chunks: list[Any]) -> list[Any]:
+    """Header + metadata (padded to the payload's alignment) followed by ``chunks``."""
     meta_bytes = msgpack.packb(meta, use_bin_type=True)
     payload_len = sum(len(c) for c in chunks)
     h = xxhash.xxh3_64()
@@ -146,6 +163,17 @@ def encode(kind: Kind, meta: Mapping[str, Any],
     if chunks:
         head += b"\0" * _pad(len(head))
     return [head, *chunks]
+
+
+def checksummed(head: bytes | memoryview, size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two byte ranges of a ``size``-byte record the header's xxh3 covers (its metadata,
+    then its payload; the padding between them is not covered), from its first 32 bytes:
+    for a reader that checksums as it reads. A damaged header gives ranges whose checksum
+    will not match, or that ``decode`` refuses."""
+    _m, _f, _k, _r, meta_len, _r2, payload_len, _d = HEADER.unpack_from(head)
+    meta_end = min(HEADER.size + meta_len, size)
+    start = meta_end + (_pad(meta_end) if payload_len else 0)
+    return (HEADER.size, meta_end), (min(start, size), size)
 
 
 def decode(data: bytes | memoryview, *, expect: Kind | None = None, name: str = "record",

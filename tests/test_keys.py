@@ -43,6 +43,7 @@ OWNERS = {
     "audit/": "strawq/retention.py",
     "drops-": "strawq/retention.py",
     "history/": "strawq/history.py",
+    "packed/": "strawq/packed.py",
     "dropped/": "collector/metrics.py",  # the metric name; the entries go through states.py
 }
 
