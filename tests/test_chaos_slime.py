@@ -30,9 +30,14 @@ def _quick(workload: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 def _last(proc: subprocess.CompletedProcess[str], workload: str) -> int:
     last = proc.stdout.strip().splitlines()[-1]
-    m = re.fullmatch(rf"chaos {workload}: faults = (\d+), lost = 0, duplicated = 0, tokens "
-                     r"lost per fault = -?\d+, recovery p50 = (\d+\.\d\d|nan) s", last)
+    m = re.fullmatch(rf"chaos {workload}: faults = (\d+), lost = 0, duplicated = 0, "
+                     r"invented = 0, tokens lost per fault = -?\d+, "
+                     r"recovery p50 = (\d+\.\d\d|nan) s", last)
     assert m is not None, last
+    # the trainer recorded what it trained, and every token of it was an engine's answer
+    checked = re.search(r"^invented check: every trained response token of (\d+) samples "
+                        r"came from an engine's answer$", proc.stdout, re.M)
+    assert checked is not None and int(checked.group(1)) > 0, proc.stdout[-2000:]
     return int(m.group(1))
 
 
