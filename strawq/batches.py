@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from strawq import packed, records
+from strawq import records
 from strawq.commits import committed_seq
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
 from strawq.history import record_attempts, trained_rows
@@ -342,7 +342,10 @@ class BatchStore:
                     self.storage.delete(data_key(name.id, name.resume, "partial"))
                 delete_trained(self.storage, name)
                 rep.payloads += 1
-            packed.delete_named(self.storage, seq, man.meta)  # its rank shards, if packed
+            if man.meta.get("packed"):  # its rank shards (strawq.packed imports numpy: only
+                from strawq import packed  # when there are shards; status stays light)
+
+                packed.delete_named(self.storage, seq, man.meta)
             self.retire(seq)
             rep.batches += 1
         for seq in acked - set(seqs):
@@ -363,6 +366,8 @@ class BatchStore:
             # manifest, a lost race for its number, a retired batch). Shards written for a
             # manifest not yet published by another process (an operator's ``strawq gc``
             # beside the collector) may go too: their readers then read the records
+            from strawq import packed
+
             rep.shards = packed.sweep_orphans(self.storage, self.batch_seqs()[0])
         return rep
 
