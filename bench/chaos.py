@@ -183,7 +183,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from chaos_fleet import fleet_lost, fleet_trainer  # noqa: E402 (bench/ is sys.path[0])
+from chaos_fleet import fleet_lost, fleet_trainer, write_json_atomic  # noqa: E402 (bench/)
 from chaos_fleet import line as fleet_line  # noqa: E402
 from chaos_proxy import Proxies, Tally, parse_rid  # noqa: E402
 from chaos_versions import VERSIONED  # noqa: E402
@@ -208,20 +208,6 @@ AGENTIC_VICTIMS = ("engine0", "engine1", "producer0", "producer1", "tool", "coll
 
 # -- the trainer role ------------------------------------------------------------------------
 
-def _write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done: str,
             agentic: bool = False) -> int:
     from strawq.collector.errors import BatchTimeout
@@ -243,7 +229,7 @@ def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done
 
     def checkpoint() -> None:
         state = reader.state_dict()
-        _write_json_atomic(ckpt, {"model": model, "steps": steps, "strawq": state})
+        write_json_atomic(ckpt, {"model": model, "steps": steps, "strawq": state})
         reader.commit(state)
         log(event="ckpt", steps=steps, seq=state["batch_seq"])
 
@@ -1123,7 +1109,7 @@ LAST_LINE = re.compile(r"^chaos(?: [\w-]+)?: faults = (\d+), lost = (\d+), dupli
 def write_summary(path: str, workload: str, faults: int, lost: int, duplicated: int,
                   tokens_lost_per_fault: float, recoveries: list[float]) -> None:
     """A workload's figures for ``--workload all`` (``--summary PATH``)."""
-    _write_json_atomic(path, {"workload": workload, "faults": faults, "lost": lost,
+    write_json_atomic(path, {"workload": workload, "faults": faults, "lost": lost,
                               "duplicated": duplicated,
                               "tokens_lost_per_fault": tokens_lost_per_fault,
                               "recoveries": recoveries})

@@ -34,6 +34,26 @@ PY = sys.executable
 CHAOS = str(Path(__file__).with_name("chaos.py"))
 
 
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` durably: a temporary file, fsync, rename, fsync of the
+    directory (a kill at any instant leaves the old file or the new one)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    write_atomic(path, json.dumps(obj))
+
+
 def _strawq(*args: str) -> list[str]:
     return [PY, "-m", "strawq", *args]
 

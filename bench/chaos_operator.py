@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos_slime import engine_argv, push_weights, write_atomic
+from chaos_fleet import write_atomic, write_json_atomic
+from chaos_slime import engine_argv, push_weights
 from chaos_versions import trained_samples
 
 PY = sys.executable
@@ -61,7 +62,6 @@ def operator_trainer(run: str, ckpt: str, events: str, interval: int, step_s: fl
                      done: str, engines: list[str], latest: str) -> int:
     """chaos.py's trainer (train, ack, state_dict, save, commit every ``interval`` steps)
     with a weight update pushed to ``engines`` after every step."""
-    from chaos import _write_json_atomic
 
     from strawq.collector.errors import BatchTimeout
     from strawq.collector.reader import BatchReader
@@ -87,7 +87,7 @@ def operator_trainer(run: str, ckpt: str, events: str, interval: int, step_s: fl
 
     def checkpoint() -> None:
         state = reader.state_dict()
-        _write_json_atomic(ckpt, {"model": model, "steps": steps, "strawq": state})
+        write_json_atomic(ckpt, {"model": model, "steps": steps, "strawq": state})
         reader.commit(state)
         log(event="ckpt", steps=steps, seq=state["batch_seq"])
 

@@ -44,23 +44,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from chaos_fleet import write_atomic  # (bench/ is sys.path[0])
+
 PY = sys.executable
 CHAOS = str(Path(__file__).with_name("chaos.py"))
 TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def final_model(ckpt_dir: str) -> dict[str, Any]:

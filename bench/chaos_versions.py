@@ -46,6 +46,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from chaos_fleet import write_json_atomic  # (bench/ is sys.path[0])
+
 #: the workloads of this module
 VERSIONED = ("stream", "flow", "regenerate", "old-weights")
 
@@ -103,20 +105,6 @@ def engine_version(workload: str, run: str) -> int:
 
 
 # -- the trainer role ------------------------------------------------------------------------
-
-def _write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def runs(versions: Sequence[int]) -> list[list[int]]:
     """Per-token versions as ``[[version, count], ...]``."""
@@ -204,7 +192,7 @@ def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done
 
     def checkpoint() -> None:
         st = reader.state_dict()
-        _write_json_atomic(ckpt, {"model": model, "steps": steps, "strawq": st})
+        write_json_atomic(ckpt, {"model": model, "steps": steps, "strawq": st})
         reader.commit(st)
         log(event="ckpt", steps=steps, seq=st["batch_seq"], version=st["version"])
 
