@@ -131,7 +131,8 @@ def test_rename_claims_each_task_exactly_once_across_clients(
 
 
 @pytest.mark.timeout(240)
-def test_exclusive_publish_has_one_winner_across_clients(juicefs_engine_dirs: tuple[str, str]) -> None:
+def test_exclusive_publish_has_one_winner_across_clients(
+        juicefs_engine_dirs: tuple[str, str]) -> None:
     a, b = juicefs_engine_dirs
     PosixStorage(a, writer_id="setup").makedirs("results")
     on_b = PosixStorage(b, writer_id="check")
