@@ -6,7 +6,8 @@ its own process (the session's ``bench_quick`` run, which the tests of a benchma
 figures share), and must exit 0 with ``<name>: ...`` as its last line (``SUMMARY`` names
 the exceptions). A benchmark that needs something this machine may lack is skipped saying
 what: ``queue_ops`` the straw-queue anchor (the ``bench`` extra), ``scale`` the two-client
-JuiceFS volume, ``verl_queue`` verl, ``routing`` the real SGLang server.
+JuiceFS volume, ``verl_queue`` verl. ``ELSEWHERE`` names the quick forms that run in their
+subject's tests.
 """
 
 from __future__ import annotations
@@ -44,10 +45,6 @@ def _needs(name: str, request: pytest.FixtureRequest) -> dict[str, str]:
     if name == "scale":
         a, b = request.getfixturevalue("juicefs_mounts")
         return {"STRAWQ_JUICEFS_A": a, "STRAWQ_JUICEFS_B": b}
-    if name == "routing":  # the session's real server (skipped, saying why, without one)
-        srv = request.getfixturevalue("sglang_real_session")
-        return {"STRAWQ_SGLANG_URL": srv.url, "STRAWQ_SGLANG_API_KEY": srv.api_key or "",
-                "STRAWQ_SGLANG_ADMIN_KEY": srv.admin_api_key or ""}
     return {}
 
 
@@ -57,10 +54,14 @@ def test_the_benchmarks_are_found() -> None:
     assert "chaos_proxy" not in found, "a module of chaos.py, not a benchmark"
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.juicefs) if n == "scale"
-    else pytest.param(n, marks=pytest.mark.sglang_real) if n == "routing" else n
-    for n in benchmarks()])
+#: quick forms run beside the tests of their subject instead: ``routing`` needs the real
+#: server, which the session starts for the engine tests (an idle real server still costs
+#: CPU, so it is not started any earlier): tests/producers/test_routing.py
+ELSEWHERE = {"routing"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.juicefs) if n == "scale"
+                                  else n for n in benchmarks() if n not in ELSEWHERE])
 @pytest.mark.timeout(BENCH_QUICK_TIMEOUT_S + 30)
 def test_quick_form_runs(name: str, request: pytest.FixtureRequest,
                          bench_quick: Callable[..., subprocess.CompletedProcess[str]]) -> None:

@@ -4,12 +4,15 @@ task's next engine; a worker leaving moves only its own tasks."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from tests.producers.conftest import FAST_SIM
 from tests.producers.engine_helpers import run
+from tests.sglang_fixtures import RealServer
 
 from strawq.producers.engine_transport import ClientConfig
 from strawq.producers.engines.launch import EngineOptions
@@ -105,3 +108,27 @@ def test_the_affinity_key_is_the_task_of_a_producers_rid() -> None:
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="routing_policy must be one of"):
         ClientConfig(routing_policy="cache-aware")
+
+
+@pytest.mark.sglang_real
+@pytest.mark.slow
+def test_the_routing_benchmarks_quick_form_on_the_real_server(
+        sglang_real_session: RealServer,
+        bench_quick: Callable[..., subprocess.CompletedProcess[str]]) -> None:
+    """``bench/routing.py --quick`` (tests/bench/test_quick.py's rule, run here: it needs the
+    real server) measures ``cached_tokens`` per policy and ends on its summary line."""
+    srv = sglang_real_session
+    proc = bench_quick("routing", {"STRAWQ_SGLANG_URL": srv.url,
+                                   "STRAWQ_SGLANG_API_KEY": srv.api_key or "",
+                                   "STRAWQ_SGLANG_ADMIN_KEY": srv.admin_api_key or ""})
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"routing: prefix-cache hit rate on resumes and group siblings = "
+                     r"\d\.\d{3} \(round_robin \d\.\d{3}\)", last)
+    assert m is not None, last
+    # one server under two names, one cache: a resume (prompt + its first segment, sent
+    # after that segment came back) finds its prefix whatever the policy
+    for policy in ("round_robin", "cache_aware"):
+        row = re.search(rf"^{policy} +siblings \d\.\d{{3}}  resumes (\d\.\d{{3}})", proc.stdout,
+                        re.M)
+        assert row is not None and float(row.group(1)) > 0.9, proc.stdout[-2000:]
