@@ -94,15 +94,17 @@ async def one_policy(urls: list[str], policy: str, keys: tuple[str | None, str |
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help="CI size: one server under two URLs, 4 groups of 4, 128-token prompts")
+                    help="CI size: one server under two URLs, 2 groups of 2, 64-token prompts")
     ap.add_argument("--groups", type=int, default=None, help="groups per policy (default 24)")
     ap.add_argument("--group-size", type=int, default=4, help="G (default 4)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 384)")
     ap.add_argument("--segment", type=int, default=8, help="tokens of the first segment")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    groups = args.groups or (4 if args.quick else 24)
-    plen = args.prompt_len or (128 if args.quick else 384)
+    groups = args.groups or (2 if args.quick else 24)
+    plen = args.prompt_len or (64 if args.quick else 384)
+    if args.quick and args.group_size == ap.get_default("group_size"):
+        args.group_size = 2
     if groups < 1 or args.group_size < 2 or plen < 8 or args.segment < 1:
         ap.error("--groups >= 1, --group-size >= 2, --prompt-len >= 8 and --segment >= 1")
     from strawq.testing.real_sglang import RealServer, start_real_server, start_router

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from tests.producers.conftest import FAST_SIM
 from tests.producers.engine_helpers import run
+from tests.conftest import BENCH_QUICK_TIMEOUT_S
 from tests.sglang_fixtures import RealServer
 
 from strawq.producers.engine_transport import ClientConfig
@@ -112,6 +113,7 @@ def test_an_unknown_policy_is_refused() -> None:
 
 @pytest.mark.sglang_real
 @pytest.mark.slow
+@pytest.mark.timeout(BENCH_QUICK_TIMEOUT_S + 30)
 def test_the_routing_benchmarks_quick_form_on_the_real_server(
         sglang_real_session: RealServer,
         bench_quick: Callable[..., subprocess.CompletedProcess[str]]) -> None:
