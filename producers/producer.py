@@ -441,6 +441,12 @@ class Producer:
                     leases = await self._io.call(self.queue.claim, self.producer_id, n)
                     for lease in leases:
                         self.runner.start(lease)
+                    if leases:
+                        # Work was there: list again at the next claim. Claims empty a
+                        # release directory without moving pending/'s own mtime, so a
+                        # producer left "drained" would see the rest only at the probe's
+                        # full listing (a minute later).
+                        self._drained = False
                     if len(leases) < n:
                         self._last_empty_claim = self.clock()
                         timeout = min(timeout, self.config.timing.idle_poll_s)

@@ -170,6 +170,40 @@ def test_an_idle_producer_marks_its_heartbeat_and_looks_rarely(
     asyncio.run(run_producers([p], body))
 
 
+def test_a_release_claimed_one_group_at_a_time_is_all_claimed(
+        tmp_path: Path, sim_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer that found nothing (drained: it stats pending/ instead of listing it)
+    gets a release of five with one slot, so it claims one group at a time. Claiming
+    empties the release directory without moving pending/'s mtime: the producer must
+    list again after every claim that found work, not wait for the probe's full listing
+    a minute later (it once stalled there with work pending)."""
+    import strawq.producers.producer as producer_mod
+
+    monkeypatch.setattr(producer_mod, "DirWatch", _NoEvents)
+    run = tmp_path / "run"
+    q = make_run(str(run), 0, rows=[])
+    cfg = ProducerConfig(
+        run_dir=str(run),
+        engine=EngineConfig(workers=(sim_engine.url,)),
+        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests."
+                         "length_reward"),
+        sampling=SamplerParams(max_new_tokens=8, seed=3),
+        budget=BudgetConfig(slots=1),
+        timing=TimingConfig(control_poll_s=0.01, idle_poll_s=0.01, idle_after_s=HOUR))
+    p = Producer(cfg)
+    data = tmp_path / "later.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [5, 6, 7]}) + "\n" for _ in range(5)))
+
+    async def body() -> None:
+        await wait_for(lambda: p._drained, 30, "the producer to find pending/ empty")
+        Feeder(q, Dataset(str(data))).release(5)
+        await wait_for(lambda: len(ids(q, "ready")) == 5, 30,
+                       "all five groups, claimed one at a time")
+
+    asyncio.run(run_producers([p], body))
+    assert p.stats().groups_claimed == 5
+
+
 class _NoEvents:
     """A DirWatch that never hears anything (a change made on another host)."""
 
