@@ -3,7 +3,7 @@ total-queue check and a storage check.
 
     python bench/chaos.py [--quick] [--faults F] [--prompts N] [--workdir DIR]
                           [--juicefs DIR]          # the run on a two-client JuiceFS volume
-                          [--disk-full]            # the run on a small tmpfs the nemesis fills
+                          [--disk-full]            # a tmpfs (--juicefs: a quota) the nemesis fills
                           [--fault-kinds K,...]    # of kill9,sigstop,jfs-client,partition,skew
     python bench/chaos.py --workload agentic [--quick] [--turns T] [--tool-min S]
                           [--tool-max S]           # trajectories with tools (chaos_agentic.py)
@@ -30,6 +30,9 @@ so some land inside a write (the crash enumerations in ``tests/`` cover each wri
 With ``--disk-full`` (root: it mounts a tmpfs) the run lives on a size-limited tmpfs, and
 before a quarter of its picks the nemesis fills the disk with a ballast file instead
 (victim ``disk``, kind ``full``) and frees it again after up to ``--max-stop`` seconds.
+With ``--disk-full --juicefs`` the full disk is the run's quota on the volume used up
+(``chaos_cluster.VolumeQuota``): held from the quota's setting until every client
+accepts creates again after it is lifted (clients load quotas at their heartbeat).
 
 Cluster faults (``--fault-kinds``, default ``kill9,sigstop``; ``bench/chaos_cluster.py``
 has the parts). Each enabled cluster kind is picked as often as the process faults
@@ -370,6 +373,8 @@ class Chaos:
 
     #: ``--disk-full``: the mount point of the tmpfs the run lives on
     disk: str | None = None
+    #: ``--disk-full --juicefs``: the run's quota on the volume (chaos_cluster.VolumeQuota)
+    quota: Any = None
     #: ``--fault-kinds``: the kinds the nemesis lands
     kinds: tuple[str, ...] = PROCESS_FAULTS
     #: jfs-client: the test volume's directory, and each producer's own mount and run path
@@ -564,7 +569,18 @@ class Chaos:
         op.start()
 
     def fill_disk(self, rng: random.Random) -> None:
-        """Fill the run's tmpfs with a ballast file, hold it full, then free it."""
+        """Fill the run's tmpfs with a ballast file (on JuiceFS: use up the run's quota),
+        hold it full, then free it."""
+        if self.quota is not None:
+            fault = Fault("disk", "full", time.time())
+            self.faults.append(fault)
+            self.quota.fill()
+            time.sleep(rng.uniform(0.3, self.max_stop))
+            self.quota.free()
+            fault.end = time.time()
+            print(f"fault {len(self.faults)}: full volume quota ({fault.end - fault.at:.1f}s)",
+                  file=sys.stderr, flush=True)
+            return
         assert self.disk is not None
         fault = Fault("disk", "full", time.time())
         self.faults.append(fault)
@@ -664,7 +680,7 @@ class Chaos:
             proc.p.wait()
 
     def inject(self, rng: random.Random) -> None:
-        if self.disk is not None and rng.random() < 0.25:
+        if (self.disk is not None or self.quota is not None) and rng.random() < 0.25:
             self.fill_disk(rng)
             return
         # each enabled cluster kind as often as the process faults together: every one once
@@ -1304,7 +1320,7 @@ def main(argv: list[str] | None = None) -> int:
         from chaos_agentic import serve
         return serve(args.port, args.ledger, args.tool_min, args.tool_max)
     agentic = args.workload == "agentic"
-    if agentic and not args.juicefs and not args.fleet_only:
+    if agentic and not args.fleet_only:
         quick = args.quick
         args.turns = args.turns or (5 if quick else 10)
         args.tool_min = args.tool_min if args.tool_min is not None else (0.05 if quick else 0.5)
@@ -1319,7 +1335,7 @@ def main(argv: list[str] | None = None) -> int:
                 "faults"):
             args.prompts, args.faults, args.gap = 48, 36, 2.0
     elif agentic:
-        ap.error("--workload agentic runs on local disk, without --juicefs or --fleet-only")
+        ap.error("--workload agentic has no fleet phase: drop --fleet-only")
     if args.role == "fleet-trainer":
         return fleet_trainer(args.run, args.events, args.engine)
     if args.workload in VERSIONED and args.step_s == ap.get_default("step_s"):
@@ -1342,9 +1358,8 @@ def main(argv: list[str] | None = None) -> int:
     jfs_dir: str | None = None
     producer_mounts: dict[str, str] = {}
     producer_runs: dict[str, str] = {}
-    if args.disk_full and args.juicefs:
-        ap.error("--disk-full puts the run on a tmpfs of its own: drop --juicefs")
-    if args.disk_full:
+    quota = None
+    if args.disk_full and not args.juicefs:
         disk = str(work / "disk")
         os.mkdir(disk)
         mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", disk],
@@ -1369,6 +1384,14 @@ def main(argv: list[str] | None = None) -> int:
         sub = f"chaos-{os.getpid()}"
         run_a, run_b = f"{a}/{sub}", f"{b}/{sub}"
         fs = "JuiceFS (two clients)"
+        if args.disk_full:  # the run one level down: its quota's directory holds the probes
+            from chaos_cluster import VolumeQuota, juicefs_binary
+            if juicefs_binary() is None:
+                ap.error("--disk-full --juicefs needs the juicefs binary on PATH")
+            quota = VolumeQuota(os.path.dirname(os.path.realpath(a)), f"/{sub}",
+                                [f"{a}/{sub}/probe-A", f"{b}/{sub}/probe-B"])
+            run_a, run_b = f"{a}/{sub}/run", f"{b}/{sub}/run"
+            fs = "JuiceFS (two clients), the run's inode quota used up and freed by the nemesis"
         if "jfs-client" in kinds:  # each producer's host: a client of its own (C, D)
             from chaos_cluster import mount_client, umount
             jfs_dir = os.path.dirname(os.path.realpath(a))
@@ -1391,7 +1414,8 @@ def main(argv: list[str] | None = None) -> int:
                max_stop=args.max_stop, workload=args.workload,
                init_set=("max_attempts=1",) if args.workload == "operator" else (),
                turns=args.turns or 10, tool_s=(args.tool_min or 0.5, args.tool_max or 5.0),
-               disk=disk, kinds=kinds, juicefs=jfs_dir, producer_mounts=producer_mounts,
+               disk=disk, quota=quota, kinds=kinds, juicefs=jfs_dir,
+               producer_mounts=producer_mounts,
                producer_runs=producer_runs)
 
     def _term(_sig: int, _frame: Any) -> None:

@@ -206,3 +206,66 @@ def mount_dead(mount: str) -> bool:
 
 def umount(mount: str) -> None:
     subprocess.run(["umount", "-l", mount], capture_output=True, check=False, timeout=60)
+
+
+def volume_meta_url(d: str) -> str:
+    """The metadata URL of the test volume in ``d`` (``testvol.sh``'s ``meta_url``)."""
+    if os.path.exists(os.path.join(d, "redis", "redis.sock")):
+        return f"unix://{d}/redis/redis.sock?db=1"
+    return f"sqlite3://{d}/meta.db"
+
+
+class VolumeQuota:
+    """A full disk on JuiceFS (``--disk-full --juicefs``): the run's directory in the
+    volume gets a hard inode quota below what it already holds (``juicefs quota set
+    --inodes 1 --strict``), so every create under it fails with EDQUOT on every client,
+    while reads, renames and deletes go on, as when a volume's quota is used up; deleting
+    the quota frees it. Clients load quotas at their heartbeat (12 s by default), so
+    ``fill`` returns once a create through each mount in ``probes`` is refused, ``free``
+    once each accepts one again."""
+
+    def __init__(self, volume_dir: str, path: str, probes: list[str]) -> None:
+        self.url, self.path, self.probes = volume_meta_url(volume_dir), path, probes
+        binary = juicefs_binary()
+        assert binary is not None
+        self.binary = binary
+        for d in probes:
+            os.makedirs(d, exist_ok=True)
+
+    def _quota(self, *args: str) -> None:
+        out = subprocess.run([self.binary, "quota", *args, self.url, "--path", self.path],
+                             capture_output=True, text=True, timeout=120, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"juicefs quota {args[0]} failed: {out.stderr.strip()[-300:]}")
+
+    @staticmethod
+    def refused(d: str) -> bool:
+        """Is a create in ``d`` refused for space (ENOSPC/EDQUOT)?"""
+        import errno
+        import uuid
+        p = os.path.join(d, f"probe-{uuid.uuid4().hex[:8]}")
+        try:
+            os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                return True
+            raise
+        os.unlink(p)
+        return False
+
+    def _until(self, full: bool, timeout_s: float) -> None:
+        deadline = time.time() + timeout_s
+        while not all(self.refused(d) == full for d in self.probes):
+            if time.time() > deadline:
+                raise RuntimeError(f"the quota on {self.path} was not "
+                                   f"{'seen' if full else 'lifted'} by every client within "
+                                   f"{timeout_s:.0f}s")
+            time.sleep(0.2)
+
+    def fill(self, timeout_s: float = 90.0) -> None:
+        self._quota("set", "--inodes", "1", "--strict")
+        self._until(True, timeout_s)
+
+    def free(self, timeout_s: float = 90.0) -> None:
+        self._quota("delete")
+        self._until(False, timeout_s)
