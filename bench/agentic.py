@@ -27,8 +27,9 @@ multi-turn case.
     python bench/agentic.py [--quick] [--rounds R] [--groups N] [--steps S] [--skip-lab]
 
 ``--quick`` (the CI size): 2 fault rounds over 12 groups, 2 kills per crash run over 6
-groups, and a lab of 2 one-second steps with 0.2 s tool calls: it checks the path (the
-kills are real); its figures are not the measurement.
+groups, and a lab of 2 one-second steps with 0.2 s tool calls and 3 turns at most, sync
+and async only: it checks the path (the kills are real); its figures are not the
+measurement.
 
 Prints ``agentic: model tokens regenerated per producer kill = X (turn-level) vs Y
 (update-level), tool calls re-executed = 0, environment mismatches = 0`` and, last,
@@ -363,12 +364,14 @@ def lab(quick: bool, steps: int | None = None) -> tuple[str, float]:
                               steps=8, train_step_s=4.0, len_median=30,
                               agent_turns_p=0.5, agent_max_turns=5, tool_median_s=1.0,
                               tool_sigma=1.0, fsync=False, progress=False)
-    if quick:  # the CI size: the path, not the figures (2 steps, 1 s steps, 0.2 s tools)
-        kw.update(steps=2, train_step_s=1.0, tool_median_s=0.2)
+    modes: tuple[str, ...] = ("sync", "partial", "async")
+    if quick:  # the CI size: the path, not the figures (2 steps, 1 s steps, 0.2 s tools,
+        # 3 turns at most; sync and async only: the ratio the last line prints)
+        kw.update(steps=2, train_step_s=1.0, tool_median_s=0.2, agent_max_turns=3)
+        modes = ("sync", "async")
     if steps is not None:
         kw.update(steps=steps)
-    cfg = LabConfig(workdir=tempfile.mkdtemp(prefix="strawq-agentic-lab-"),
-                    modes=("sync", "partial", "async"), **kw)
+    cfg = LabConfig(workdir=tempfile.mkdtemp(prefix="strawq-agentic-lab-"), modes=modes, **kw)
     result = run_lab(cfg)
     ratio = result.ratios().get("async", {}).get("throughput_x", float("nan"))
     return format_table(result), float(ratio)

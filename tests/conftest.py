@@ -22,6 +22,20 @@ except ImportError:  # pragma: no cover - the real-tier fixtures are optional
     pass
 
 REPO = Path(__file__).resolve().parents[1]
+
+#: the fixtures that start the real SGLang server (once a session, then kept up)
+REAL_SERVER_FIXTURES = {"sglang_real", "sglang_real_session"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The real tier's tests run last, in their collected order: the real CPU server,
+    started by the first of them and kept up for the session, polls for work even when
+    idle (most of a core), so nothing else runs beside it."""
+    real = [i for i in items if i.get_closest_marker("sglang_real") is not None
+            or REAL_SERVER_FIXTURES & set(getattr(i, "fixturenames", ()))]
+    if real:
+        chosen = set(map(id, real))
+        items[:] = [i for i in items if id(i) not in chosen] + real
 #: the longest a benchmark's ``--quick`` form may run here
 BENCH_QUICK_TIMEOUT_S = 320
 
