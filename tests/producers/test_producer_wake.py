@@ -29,18 +29,22 @@ pytestmark = [pytest.mark.timeout(120),
 HOUR = 3600.0
 
 
+def _config(run: Path, url: str, timing: TimingConfig, *, max_new_tokens: int = 32,
+            slots: int = 2) -> ProducerConfig:
+    """One sim engine, the length reward, seed 3: only the polls and sizes differ."""
+    return ProducerConfig(
+        run_dir=str(run),
+        engine=EngineConfig(workers=(url,)),
+        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests.length_reward"),
+        sampling=SamplerParams(max_new_tokens=max_new_tokens, seed=3),
+        budget=BudgetConfig(slots=slots),
+        timing=timing)
+
+
 def test_new_work_and_a_pause_wake_an_idle_producer(tmp_path: Path, sim_engine: Any) -> None:
     run = tmp_path / "run"
     q = make_run(str(run), 0, rows=[])
-    cfg = ProducerConfig(
-        run_dir=str(run),
-        engine=EngineConfig(workers=(sim_engine.url,)),
-        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests."
-                         "length_reward"),
-        sampling=SamplerParams(max_new_tokens=32, seed=3),
-        budget=BudgetConfig(slots=2),
-        timing=TimingConfig(control_poll_s=HOUR, idle_poll_s=HOUR))
-    p = Producer(cfg)
+    p = Producer(_config(run, sim_engine.url, TimingConfig(control_poll_s=HOUR, idle_poll_s=HOUR)))
     data = tmp_path / "later.jsonl"
     data.write_text("".join(json.dumps({"prompt": [5, 6, 7]}) + "\n" for _ in range(4)))
 
@@ -77,15 +81,7 @@ def test_idle_polls_stat_instead_of_listing(tmp_path: Path, sim_engine: Any,
     monkeypatch.setattr(DirProbe, "changed", counting)
     run = tmp_path / "run"
     q = make_run(str(run), 0, rows=[])
-    cfg = ProducerConfig(
-        run_dir=str(run),
-        engine=EngineConfig(workers=(sim_engine.url,)),
-        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests."
-                         "length_reward"),
-        sampling=SamplerParams(max_new_tokens=32, seed=3),
-        budget=BudgetConfig(slots=2),
-        timing=TimingConfig(control_poll_s=0.01, idle_poll_s=0.01))
-    p = Producer(cfg)
+    p = Producer(_config(run, sim_engine.url, TimingConfig(control_poll_s=0.01, idle_poll_s=0.01)))
     listed = {"pending": 0, "control": 0}
     real_list = p.queue.storage.list
 
@@ -128,16 +124,8 @@ def test_an_idle_producer_marks_its_heartbeat_and_looks_rarely(
     monkeypatch.setattr(DirProbe, "changed", counting)
     run = tmp_path / "run"
     q = make_run(str(run), 0, rows=[], lease_timeout_s=30.0, heartbeat_interval_s=0.1)
-    cfg = ProducerConfig(
-        run_dir=str(run),
-        engine=EngineConfig(workers=(sim_engine.url,)),
-        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests."
-                         "length_reward"),
-        sampling=SamplerParams(max_new_tokens=32, seed=3),
-        budget=BudgetConfig(slots=2),
-        timing=TimingConfig(control_poll_s=0.05, idle_poll_s=0.05, idle_after_s=0.2,
-                            idle_probe_s=0.5))
-    p = Producer(cfg)
+    p = Producer(_config(run, sim_engine.url, TimingConfig(
+        control_poll_s=0.05, idle_poll_s=0.05, idle_after_s=0.2, idle_probe_s=0.5)))
     ops: dict[str, int] = {}
     storage = p.queue.storage
     def counted(name: str) -> Callable[..., Any]:
@@ -182,15 +170,8 @@ def test_a_release_claimed_one_group_at_a_time_is_all_claimed(
     monkeypatch.setattr(producer_mod, "DirWatch", _NoEvents)
     run = tmp_path / "run"
     q = make_run(str(run), 0, rows=[])
-    cfg = ProducerConfig(
-        run_dir=str(run),
-        engine=EngineConfig(workers=(sim_engine.url,)),
-        plugins=PluginsConfig(reward="tests.producers.plugins_for_tests."
-                         "length_reward"),
-        sampling=SamplerParams(max_new_tokens=8, seed=3),
-        budget=BudgetConfig(slots=1),
-        timing=TimingConfig(control_poll_s=0.01, idle_poll_s=0.01, idle_after_s=HOUR))
-    p = Producer(cfg)
+    p = Producer(_config(run, sim_engine.url, TimingConfig(
+        control_poll_s=0.01, idle_poll_s=0.01, idle_after_s=HOUR), max_new_tokens=8, slots=1))
     data = tmp_path / "later.jsonl"
     data.write_text("".join(json.dumps({"prompt": [5, 6, 7]}) + "\n" for _ in range(5)))
 
