@@ -20,12 +20,14 @@ it can).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import signal
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,8 +243,6 @@ class VolumeQuota:
     @staticmethod
     def refused(d: str) -> bool:
         """Is a create in ``d`` refused for space (ENOSPC/EDQUOT)?"""
-        import errno
-        import uuid
         p = os.path.join(d, f"probe-{uuid.uuid4().hex[:8]}")
         try:
             os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))

@@ -36,6 +36,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if real:
         chosen = set(map(id, real))
         items[:] = [i for i in items if id(i) not in chosen] + real
+
+
 #: the longest a benchmark's ``--quick`` form may run here
 BENCH_QUICK_TIMEOUT_S = 320
 
