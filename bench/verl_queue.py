@@ -129,8 +129,8 @@ def main() -> None:
     # Ray's sockets live under its temp dir, and a socket path has at most 107 bytes: a long
     # TMPDIR (a test's) gets Ray's own default, /tmp/ray, instead
     short = {} if len(tempfile.gettempdir()) < 40 else {"_temp_dir": "/tmp/ray"}
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="error", log_to_driver=False,
-             **short,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="error",
+             log_to_driver=False, **short,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
                  [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                   os.environ.get("PYTHONPATH", "")])}})

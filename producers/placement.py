@@ -16,12 +16,14 @@ implemented here for Ray — and by plain objects in its tests, without a cluste
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import ray
@@ -264,14 +266,39 @@ def wait_for_nodes(count: int, timeout_s: float = 60.0, min_cpus: float = 1.0) -
         time.sleep(0.2)
 
 
+@contextlib.contextmanager
+def _ray_address_file_kept() -> Iterator[None]:
+    """Restore the host's ``ray_current_cluster`` file, or its absence, on exit."""
+    from ray._common.utils import get_ray_address_file
+
+    path = Path(get_ray_address_file(None))
+    try:
+        before: bytes | None = path.read_bytes()
+    except FileNotFoundError:
+        before = None
+    try:
+        yield
+    finally:
+        if before is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(before)
+
+
 class LocalCluster:
     """A Ray cluster of ``nodes`` one-CPU nodes in this machine's processes (demo and lab)."""
 
     def __init__(self, nodes: int) -> None:
         from ray.cluster_utils import Cluster
 
-        self._cluster = Cluster(initialize_head=True,
-                                head_node_args={"num_cpus": 1, "include_dashboard": False})
+        # Ray's test cluster records its address in the host's ``ray_current_cluster``
+        # file, which a later bare ``ray.init()`` on this host joins. This cluster is
+        # private and this driver connects by address, so the file is put back as it was:
+        # a demo killed with -9 would otherwise leave it naming a dead cluster, and the
+        # next ``ray.init(num_cpus=...)`` here would fail.
+        with _ray_address_file_kept():
+            self._cluster = Cluster(initialize_head=True,
+                                    head_node_args={"num_cpus": 1, "include_dashboard": False})
         for _ in range(nodes - 1):
             self._cluster.add_node(num_cpus=1)
         ray.init(address=self._cluster.address, include_dashboard=False, log_to_driver=False,
@@ -282,7 +309,8 @@ class LocalCluster:
         """Disconnect this driver and stop every node."""
         if ray.is_initialized():
             ray.shutdown()
-        self._cluster.shutdown()  # type: ignore[no-untyped-call]
+        with _ray_address_file_kept():  # Ray's shutdown deletes the file, whoever wrote it
+            self._cluster.shutdown()  # type: ignore[no-untyped-call]
 
 
 def start_local_cluster(nodes: int) -> LocalCluster:

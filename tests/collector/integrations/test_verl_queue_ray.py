@@ -33,7 +33,8 @@ REPO = str(Path(__file__).resolve().parents[3])
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="warning",
+    # "local": a fresh instance, whatever Ray cluster another process left on this host
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="warning",
              namespace="strawq-verl-test",
              runtime_env={"env_vars": {"PYTHONPATH": REPO}})
     try:
@@ -89,7 +90,7 @@ line = sys.argv[1]  # the one config entry, as a user passes it to verl on the c
 key, _, value = line.lstrip("+").partition("=")
 user = OmegaConf.from_dotlist([f"{key}={value}"])
 runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(None), user.ray_kwargs.ray_init.runtime_env)
-ray.init(num_cpus=1, include_dashboard=False, logging_level="error",
+ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="error",
          runtime_env=OmegaConf.to_container(runtime_env))
 
 @ray.remote(num_cpus=0)
