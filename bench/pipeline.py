@@ -19,15 +19,21 @@ schedule needs them there, and the ``stretch`` column says whether they were (ne
 yes). The last line is
 exactly::
 
-    pipeline: best async/sync = X, mean staleness = Y, stale drops = Z, trainer wait = W
+    pipeline: best async/sync = X, mean staleness = Y, stale drops = Z, trainer wait = W,
+    of ceiling = F (steady S)
 
-for the best non-sync schedule: among those whose worst case over the cases meets the
-staleness and drop targets, the one with the highest worst-case throughput (if none meets
-them, the highest worst-case throughput). X is its lowest throughput ratio to sync, Y its
-highest mean staleness, Z the groups it dropped or regenerated for staleness over both
-cases, W its highest trainer wait ratio. Targets: X >= 2.77 (AReaL's 2.77x at eta = 4, the
-best anchor), Y <= 1.0, Z = 0. ``--quick`` (the CI size) runs the standard case, sync and
-stream, 2 one-second steps at B=48 and time scale 1: plumbing only, not the figures.
+(one line, wrapped here) for the best non-sync schedule: among those whose worst case over
+the cases meets the staleness and drop targets, the one with the highest worst-case
+throughput (if none meets them, the highest worst-case throughput). X is its lowest
+throughput ratio to sync, Y its highest mean staleness, Z the groups it dropped or
+regenerated for staleness over both cases, W its highest trainer wait ratio, F its lowest
+fraction of the case's ceiling over the whole run and S the same from the first batch on.
+The ceiling is the trainer-bound throughput, the row's trained tokens per step / the train
+step: what a schedule would reach if the trainer never waited and weight updates cost
+nothing (the whole run also pays the pipeline's fill, about one group's latency). Targets:
+X >= 2.77 (AReaL's 2.77x at eta = 4, the best anchor), Y <= 1.0, Z = 0, F >= 0.97.
+``--quick`` (the CI size) runs the standard case, sync and stream, 2 one-second steps at
+B=48 and time scale 1: plumbing only, not the figures.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strawq.demo.lab import LabConfig, LabResult, format_table, run_mode  # noqa: E402
 
-TARGETS = {"x": 2.77, "staleness": 1.0, "stale_actions": 0}
+TARGETS = {"x": 2.77, "staleness": 1.0, "stale_actions": 0, "ceiling": 0.97}
 CASES = {
     "standard": {},
     # a cap worth more than two trainer steps: 384 tokens x 24 ms = 9.2 s > 2 x 4 s
@@ -122,27 +128,34 @@ def main(argv: list[str] | None = None) -> int:
             row = result.modes[m].row
             fig = {"x": ratios[m]["throughput_x"], "staleness": row["staleness_mean"],
                    "stale_actions": row["requeued_stale"] + row["dropped_stale"],
-                   "wait": row["trainer_wait_ratio"], "over_eta": row["stale_trained"]}
+                   "wait": row["trainer_wait_ratio"], "over_eta": row["stale_trained"],
+                   "ceiling": row["ceiling_frac"], "ceiling_steady": row["ceiling_frac_steady"]}
             per_mode[m].append(fig)
             print(f"  {case} {m}: x sync {fig['x']:.2f}, mean staleness "
                   f"{fig['staleness']:.2f} (max {row['staleness_max']}), over-eta groups "
                   f"trained {fig['over_eta']}, regenerated/dropped {fig['stale_actions']}, "
-                  f"trainer wait ratio {fig['wait']:.3f}")
+                  f"trainer wait ratio {fig['wait']:.3f}, of ceiling {fig['ceiling']:.2f} "
+                  f"(steady {fig['ceiling_steady']:.2f}; ceiling "
+                  f"{row['ceiling_tokens_per_s']:.0f} tok/s)")
         print()
     worst = {m: {"x": min(f["x"] for f in fs), "staleness": max(f["staleness"] for f in fs),
                  "stale_actions": sum(f["stale_actions"] for f in fs),
-                 "wait": max(f["wait"] for f in fs)} for m, fs in per_mode.items() if fs}
+                 "wait": max(f["wait"] for f in fs),
+                 "ceiling": min(f["ceiling"] for f in fs),
+                 "ceiling_steady": min(f["ceiling_steady"] for f in fs)}
+             for m, fs in per_mode.items() if fs}
     best = best_of(worst)
     b = worst[best]
     print(f"best schedule: {best} (worst case over {args.cases})")
-    for key, ok in (("x", b["x"] >= TARGETS["x"]),
-                    ("staleness", b["staleness"] <= TARGETS["staleness"]),
-                    ("stale_actions", b["stale_actions"] == TARGETS["stale_actions"])):
-        print(f"  [{'met' if ok else 'MISSED'}] {key} = {b[key]:.2f} (target "
-              f"{'>=' if key == 'x' else '<=' if key == 'staleness' else '=='} "
+    for key, op, ok in (("x", ">=", b["x"] >= TARGETS["x"]),
+                        ("staleness", "<=", b["staleness"] <= TARGETS["staleness"]),
+                        ("stale_actions", "==", b["stale_actions"] == TARGETS["stale_actions"]),
+                        ("ceiling", ">=", b["ceiling"] >= TARGETS["ceiling"])):
+        print(f"  [{'met' if ok else 'MISSED'}] {key} = {b[key]:.2f} (target {op} "
               f"{TARGETS[key]})")
     print(f"pipeline: best async/sync = {b['x']:.2f}, mean staleness = {b['staleness']:.2f}, "
-          f"stale drops = {b['stale_actions']}, trainer wait = {b['wait']:.3f}")
+          f"stale drops = {b['stale_actions']}, trainer wait = {b['wait']:.3f}, "
+          f"of ceiling = {b['ceiling']:.2f} (steady {b['ceiling_steady']:.2f})")
     return 0
 
 

@@ -41,6 +41,10 @@ def _steady_tokens_per_s(res: Any, time_scale: float) -> float:
     return tokens / span if span > 0 else float("nan")
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(b) else float("nan")
+
+
 def row_of(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[str, Any]],
          cpu: dict[str, float], loop: _CollectorLoop, collector: Any) -> dict[str, Any]:
     ts = cfg.time_scale
@@ -58,6 +62,9 @@ def row_of(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[s
     # wall seconds a busy slot spends per generated token ≈ the decode step it saw
     seen_step = busy_traj_s / gen_tokens if gen_tokens else float("nan")
     util = _utilisation(samples, res.started, res.ended)
+    steady = _steady_tokens_per_s(res, ts)
+    ceiling = (tokens / (len(recs) * cfg.train_step_s) if recs and cfg.train_step_s > 0
+               else float("nan"))
     return {
         "mode": mode,
         "steps": len(recs),
@@ -69,7 +76,12 @@ def row_of(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[s
         "trainer_wait_ratio": res.trainer_wait_ratio(),
         # from the first batch's arrival on: the pipeline's fill (warm-up) left out
         "trainer_wait_ratio_steady": _steady_wait(res),
-        "trained_tokens_per_s_steady": _steady_tokens_per_s(res, ts),
+        "trained_tokens_per_s_steady": steady,
+        # the trainer-bound throughput: this run's trained tokens per batch / the train step
+        # (what no schedule can beat: the trainer never waits and updates cost nothing)
+        "ceiling_tokens_per_s": ceiling,
+        "ceiling_frac": _ratio(tokens / model if model > 0 else float("nan"), ceiling),
+        "ceiling_frac_steady": _ratio(steady, ceiling),
         "engine_utilisation": util,
         "rollout_to_train_end_s": model / max(len(recs), 1),
         "step_s": {"wait": sum(r.wait_s for r in recs) / ts / max(len(recs), 1),
@@ -185,6 +197,8 @@ def plot_bias(path: str, cfg: LabConfig, mode: str, bias: dict[str, Any]) -> str
 _COLUMNS = (
     ("trained tok/s", "trained_tokens_per_s", "{:.0f}"),
     ("x sync", "throughput_x", "{:.2f}"),
+    ("of ceiling", "ceiling_frac", "{:.2f}"),
+    ("steady", "ceiling_frac_steady", "{:.2f}"),
     ("wait ratio", "trainer_wait_ratio", "{:.3f}"),
     ("wait steady", "trainer_wait_ratio_steady", "{:.3f}"),
     ("engine util", "engine_utilisation", "{:.2f}"),
@@ -238,6 +252,8 @@ def format_table(result: LabResult) -> str:
     out += ["", f"CPU used by the lab (of {os.cpu_count()} cores): {cpu}",
             "stretch = measured wall per token of a busy slot / modelled decode step "
             "(1 = the box keeps up; above ~1.2 the CPU, not the schedule, is being measured)"]
+    out.append("of ceiling: trained tok/s / (trained tokens per step / train step), over the "
+               "whole run; steady: from the first batch on")
     out.append("wait steady: from the first batch on (the pipeline's fill left out); "
                "over-eta trained: groups over eta kept and trained (eta_mode train); regen / "
                "dropped: groups regenerated or dropped for staleness")

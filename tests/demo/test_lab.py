@@ -53,6 +53,11 @@ def test_lab_tiny_all_modes(tmp_path) -> None:
             assert _finite(r.row[key]), f"{mode}: {key} = {r.row[key]!r}"
         assert 0.0 <= r.row["trainer_wait_ratio"] <= 1.0
         assert 0.0 <= r.row["engine_utilisation"] <= 1.0
+        # the trainer-bound ceiling: no schedule trains faster than one step per train step
+        # (model seconds, like the throughput: a time-scale slip shows as 2.5x here)
+        frac, steady = r.row["ceiling_frac"], r.row["ceiling_frac_steady"]
+        assert 0.0 < frac <= steady <= 1.0 + 1e-6, (mode, frac, steady)
+        assert frac == pytest.approx(cfg.train_step_s / r.row["rollout_to_train_end_s"])
         assert os.path.exists(r.files["timeline"]) and os.path.exists(r.files["bias"])
         assert r.row["bias"]["buckets"] and r.row["bias"]["age_counts"]
         with open(r.files["row"], encoding="utf-8") as f:
