@@ -528,8 +528,27 @@ class QueueConfig(Config):
     #: nothing is released and the cursor stays (a small release is judged against a whole
     #: ``release_batch``, and a dataset's first release may not be all bad). 1: never refuse.
     max_bad_row_share: float = 0.05
+    #: Passes over the dataset (slime's ``--num-epoch``, verl's ``trainer.total_epochs``).
+    #: Each pass releases every row again under new task ids (the run's index space goes
+    #: on, as after a dataset switch); the dataset is exhausted after the last pass.
+    num_epochs: int = 1
+    #: From the second pass on, skip a row whose newest trained group's rewards all agreed
+    #: (no advantage to train on), until ``zero_variance_revisit_epochs`` passes after that
+    #: group (``strawq.prompt_policy``; each skip is recorded in the history).
+    skip_zero_variance: bool = False
+    #: Passes after a zero-variance group at which its row is released again (2: skipped
+    #: by the next pass, back in the one after).
+    zero_variance_revisit_epochs: int = 2
+    #: From the second pass on, stage each release longest-predicted-first (the row's
+    #: newest recorded mean response length; without one, the run's median).
+    longest_first: bool = False
 
     def validate(self) -> None:
+        if self.num_epochs < 1:
+            raise ConfigError(f"num_epochs must be >= 1, got {self.num_epochs}")
+        if self.zero_variance_revisit_epochs < 2:
+            raise ConfigError(f"zero_variance_revisit_epochs must be >= 2 (1 would never "
+                              f"skip), got {self.zero_variance_revisit_epochs}")
         if self.max_attempts < 1:
             raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if not 0 < self.lease_timeout_s <= MAX_SECONDS:

@@ -29,7 +29,9 @@ from strawq.dataset import (BadRow, BadRowsRefused, Dataset, DatasetCursorReader
                             DatasetMismatch, ReleasePreview, Row, fingerprints_match,
                             judge_release, preview, refusal_message)
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
+from strawq.history import PromptHistory, load_history, record_attempts
 from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
+from strawq.prompt_policy import HISTORY_REFRESH_S, Plan, plan_release, skip_rows
 from strawq.queue import RunQueue
 from strawq.records import Kind
 from strawq.states import DIRS, RELEASE_PREFIX, TaskState, key_of, release_dir
@@ -59,6 +61,14 @@ class Cursor:
     corrupt: str | None = None
     #: (rows, bad rows) released since the bad-row window opened (``judge_release``)
     recent: tuple[int, int] = (0, 0)
+    #: the task-index base of every pass over this dataset, oldest first (empty: the first
+    #: pass; ``QueueConfig.num_epochs``)
+    epoch_bases: tuple[int, ...] = ()
+
+    @property
+    def epoch(self) -> int:
+        """The pass over the dataset this cursor is in (0: the first)."""
+        return max(len(self.epoch_bases) - 1, 0)
 
 
 def cursor_name(seq: int, next_index: int) -> str:
@@ -118,6 +128,15 @@ def _recent(meta: dict[str, Any]) -> tuple[int, int]:
     return 0, 0
 
 
+def _int_list(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and all(type(b) is int and b >= 0 for b in x)
+
+
+def _epoch_bases(meta: dict[str, Any]) -> tuple[int, ...]:
+    """The passes' bases a cursor record carries (checked by ``check_cursor_meta``)."""
+    return tuple(meta.get("epoch_bases") or ())
+
+
 def check_cursor_meta(meta: dict[str, Any], key: str) -> None:
     """``CorruptRecord`` unless a cursor record's metadata has the fields and types a
     feeder reads (a record with a valid checksum may still hold anything)."""
@@ -128,6 +147,7 @@ def check_cursor_meta(meta: dict[str, Any], key: str) -> None:
         ("staging", isinstance(meta.get("staging"), (str, type(None)))),
         ("exhausted", isinstance(meta.get("exhausted", False), bool)),
         ("fingerprint", isinstance(fp, dict) and type(fp.get("base", 0) or 0) is int),
+        ("epoch_bases", _int_list(meta.get("epoch_bases") or ())),
     ) if not ok]
     if problems:
         raise CorruptRecord(f"{key}: cursor metadata has no valid {', '.join(problems)}")
@@ -189,6 +209,7 @@ class Feeder:
         self.storage = queue.storage
         self.dataset = dataset
         self._reader = DatasetCursorReader(dataset)
+        self._history_cache: tuple[float, PromptHistory] | None = None
         self.cursor = self.recover()
         if check_dataset:
             self._reader.adopt(self.cursor.fingerprint, self.cursor.next_index)
@@ -216,7 +237,8 @@ class Feeder:
             return Cursor(seq, nxt, staging, False, {}, corrupt=key)
         m = rec.meta
         return Cursor(m["seq"], m["next_index"], m.get("staging"), m.get("exhausted", False),
-                      m.get("fingerprint", {}), recent=_recent(m))
+                      m.get("fingerprint", {}), recent=_recent(m),
+                      epoch_bases=_epoch_bases(m))
 
     def refresh(self) -> Cursor:
         """Re-read the newest cursor and finish its release (promote, repair a bad record)."""
@@ -286,31 +308,85 @@ class Feeder:
         cursor stays where it was.
         """
         n = self.queue.config.release_batch if n is None else n
-        for _attempt in range(MAX_COMMIT_TRIES):
+        released = lost = 0
+        while lost < MAX_COMMIT_TRIES:
             cur = self.refresh()
             self._reader.adopt(cur.fingerprint, cur.next_index)  # never the wrong dataset
-            if n <= 0 or cur.exhausted:
-                return 0
-            got = self._release_after(cur, n)
-            if got is not None:
-                return got
+            if n - released <= 0:
+                return released
+            if cur.exhausted:
+                if not self._epochs_left(cur):
+                    return released
+                if not self._next_epoch(cur):
+                    lost += 1
+                continue
+            got = self._release_after(cur, n - released)
+            if got is None:
+                lost += 1
+                continue
+            rows, skipped = got
+            released += rows - skipped
+            if rows and not skipped:
+                return released
+            # Rows the history skipped were not released: take as many more (a pass whose
+            # groups all agreed would otherwise release nothing). No rows: the pass ended
+            # exactly here, and the next may begin.
         raise CursorContention(17, f"lost the cursor commit {MAX_COMMIT_TRIES} times in a row; "
                                    "other writers keep releasing: retry later")
 
-    def _release_after(self, cur: Cursor, n: int) -> int | None:
-        """One release after ``cur``; None when another writer won the commit."""
+    def _epochs_left(self, cur: Cursor) -> bool:
+        return cur.epoch + 1 < self.queue.config.num_epochs
+
+    def _next_epoch(self, cur: Cursor) -> bool:
+        """Start the next pass over the dataset: its row 0 becomes the next task index (new
+        task ids, as ``switch_dataset`` to the same data). False if the commit was lost."""
+        bases = cur.epoch_bases or (self._reader.base,)
+        self._reader.base = cur.next_index
+        won = self._commit(cur.seq + 1, cur.next_index, None, False,
+                           epoch_bases=[*bases, cur.next_index])
+        if won:
+            log.info("pass %d of %d over %s starts at task index %d", len(bases) + 1,
+                     self.queue.config.num_epochs, self.dataset.url, cur.next_index)
+        return won
+
+    def _release_after(self, cur: Cursor, n: int) -> tuple[int, int] | None:
+        """One release after ``cur``: (rows consumed, rows the history skipped); None when
+        another writer won the commit."""
         rows = self._reader.read(cur.next_index, n)
         recent = self._judge(cur, rows)
         seq = cur.seq + 1
         staging = f"{RELEASE_PREFIX}{seq:012d}.{uuid.uuid4().hex[:8]}"
+        plan = self._plan(cur, rows)
+        if plan.skips:
+            # Before the commit: a crash after it would otherwise leave skips unrecorded (a
+            # redo re-records the same rows, counted once: they are keyed by task id).
+            record_attempts(self.storage, skip_rows(plan.skips))
         try:
-            return self._stage_and_commit(cur, rows, n, seq, staging, recent)
+            got = self._stage_and_commit(cur, rows, n, seq, staging, recent, plan)
         except NotFound:
             # A writer that committed ``seq`` first discarded our staging under us.
             log.info("release %d lost its staging to a writer that committed first; "
                      "re-reading the cursor", seq)
             self._discard(staging)
             return None
+        return None if got is None else (got, len(plan.skips))
+
+    def _plan(self, cur: Cursor, rows: list[tuple[int, Row | BadRow]]) -> Plan:
+        """Which good rows to stage, in which order (``strawq.prompt_policy``)."""
+        cfg = self.queue.config
+        good = [i for i, r in rows if not isinstance(r, BadRow)]
+        on = cfg.skip_zero_variance or cfg.longest_first
+        history = self._history() if on and len(cur.epoch_bases) > 1 else None
+        return plan_release(good, cur.epoch_bases, history,
+                            skip_zero_variance=cfg.skip_zero_variance,
+                            revisit_epochs=cfg.zero_variance_revisit_epochs,
+                            longest_first=cfg.longest_first)
+
+    def _history(self) -> PromptHistory:
+        now = time.monotonic()
+        if self._history_cache is None or now - self._history_cache[0] > HISTORY_REFRESH_S:
+            self._history_cache = (now, load_history(self.storage))
+        return self._history_cache[1]
 
     def _judge(self, cur: Cursor, rows: list[tuple[int, Row | BadRow]]) -> tuple[int, int]:
         """The bad-row window after releasing ``rows``; ``BadRowsRefused`` (nothing written
@@ -326,17 +402,23 @@ class Feeder:
                                  bad, len(rows), cur.next_index)
         return recent
 
-    def _stage(self, rows: list[tuple[int, Row | BadRow]], staging: str) -> int:
+    def _stage(self, rows: list[tuple[int, Row | BadRow]], staging: str,
+               plan: Plan | None = None) -> int:
         """Write ``rows`` as fresh tasks into ``staging/<staging>/`` (bad rows are dropped
-        with a record); returns how many were staged."""
+        with a record); returns how many were staged. ``plan``: stage only its rows, the
+        i-th of its order under the release's i-th order number (claims go in key order)."""
         good = 0
+        skipped = {s.index for s in plan.skips} if plan else set()
+        order = dict(zip(plan.order, sorted(plan.order), strict=True)) if plan else {}
         for index, row in rows:
             task_id = dataset_task_id(index)
             if isinstance(row, BadRow):
                 self._record_bad_row(task_id, row)
                 continue
-            name = TaskName(key=queue_key(STAGE_FRESH, 0, index), id=task_id, gen=0,
-                            attempts=0, resume=-1)
+            if index in skipped:
+                continue
+            name = TaskName(key=queue_key(STAGE_FRESH, 0, order.get(index, index)), id=task_id,
+                            gen=0, attempts=0, resume=-1)
             body = {"task": {"index": index, "id": task_id, "row": row}}
             self.storage.publish(f"staging/{staging}/{name}", records.encode(Kind.TASK, body),
                                  sync_dir=False)
@@ -347,14 +429,18 @@ class Feeder:
         return good
 
     def _stage_and_commit(self, cur: Cursor, rows: list[tuple[int, Row | BadRow]], n: int,
-                          seq: int, staging: str, recent: tuple[int, int]) -> int | None:
-        good = self._stage(rows, staging)
+                          seq: int, staging: str, recent: tuple[int, int], plan: Plan
+                          ) -> int | None:
+        good = self._stage(rows, staging, plan)
         end = rows[-1][0] + 1 if rows else cur.next_index
         exhausted = len(rows) < n
         new = Cursor(seq, end, staging if good else None, exhausted, self._reader.fingerprint,
-                     recent=recent)
+                     recent=recent, epoch_bases=cur.epoch_bases)
+        extra: dict[str, Any] = {"epoch_bases": list(cur.epoch_bases)} if cur.epoch_bases else {}
+        if plan.skips:
+            extra["skipped_zero_variance"] = len(plan.skips)
         won = self._commit(seq, end, new.staging, exhausted, start=cur.next_index,
-                           recent=list(recent))
+                           recent=list(recent), **extra)
         if won and newest_seq(self.storage) > seq and (
                 not good or self.storage.exists(f"staging/{staging}")):
             # We took a number whose record had been garbage-collected: a newer cursor
@@ -422,7 +508,8 @@ class Feeder:
 
     @property
     def exhausted(self) -> bool:
-        return self.cursor.exhausted
+        """The last pass over the dataset has released its last row."""
+        return self.cursor.exhausted and not self._epochs_left(self.cursor)
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor for a trainer checkpoint (resume when the queue state is gone)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -72,6 +73,14 @@ def _num(x: Any) -> float | None:
         and math.isfinite(x) else None
 
 
+def _sum_counts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items()))
+
+
 def attempt_row(summary: Mapping[str, Any], *, gen: int, status: str,
                 reason: str | None = None, trained_at: int | None = None,
                 at: float | None = None) -> dict[str, Any]:
@@ -110,6 +119,10 @@ class PromptStats:
     tokens: int = 0
     #: attempts whose group had two or more rewards, all equal (nothing to learn from)
     zero_variance: int = 0
+    #: releases that skipped this task (``strawq.prompt_policy``: not attempts)
+    skipped: int = 0
+    #: skips by the reward the skipped row's groups agreed on (``"1.0"``: all solved)
+    skipped_rewards: dict[str, int] = field(default_factory=dict)
     #: the newest attempts in detail (rows of ``attempt_row``), oldest first
     last: list[dict[str, Any]] = field(default_factory=list)
     #: generations counted (the newest ``KEEP_GENS``)
@@ -120,6 +133,15 @@ class PromptStats:
         gen = int(row["gen"])
         if gen in self.gens:
             return False
+        if row.get("status") == "skipped":  # a release's decision, not an attempt
+            self.gens = sorted([*self.gens, gen])[-KEEP_GENS:]
+            self.skipped += 1
+            reward = _num(row.get("reward_mean"))
+            key = "unknown" if reward is None else f"{reward:g}"
+            self.skipped_rewards[key] = self.skipped_rewards.get(key, 0) + 1
+            if self.index is None and isinstance(row.get("index"), int):
+                self.index = row["index"]
+            return True
         self.gens = sorted([*self.gens, gen])[-KEEP_GENS:]
         if self.index is None and isinstance(row.get("index"), int):
             self.index = row["index"]
@@ -157,6 +179,9 @@ class PromptStats:
             return cls(id=str(d["id"]), index=d.get("index"), attempts=int(d["attempts"]),
                        trained=int(d["trained"]), dropped=int(d["dropped"]),
                        tokens=int(d["tokens"]), zero_variance=int(d["zero_variance"]),
+                       skipped=int(d.get("skipped", 0)),
+                       skipped_rewards={str(k): int(v) for k, v in
+                                        dict(d.get("skipped_rewards") or {}).items()},
                        last=[dict(r) for r in d.get("last", [])],
                        gens=[int(g) for g in d.get("gens", [])])
         except (KeyError, TypeError, ValueError) as exc:
@@ -170,6 +195,7 @@ class PromptHistory:
     prompts: dict[str, PromptStats] = field(default_factory=dict)
     #: segments read (for ``strawq inspect``)
     segments: int = 0
+    _median: list[float | None] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str) -> PromptHistory:
@@ -184,6 +210,14 @@ class PromptHistory:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def median_length(self) -> float | None:
+        """The median of the prompts' mean response lengths (None: no lengths recorded);
+        computed once per loaded history (``strawq.prompt_policy``'s fallback)."""
+        if not self._median:
+            known = [m for m in (s.mean_length for s in self.prompts.values()) if m is not None]
+            self._median = [statistics.median(known) if known else None]
+        return self._median[0]
+
     def totals(self) -> dict[str, Any]:
         p = self.prompts.values()
         attempts = sum(s.attempts for s in p)
@@ -193,6 +227,8 @@ class PromptHistory:
                 "zero_variance_attempts": sum(s.zero_variance for s in p),
                 "zero_variance_share": round(sum(s.zero_variance for s in p) / attempts, 4)
                 if attempts else 0.0,
+                "skipped": sum(s.skipped for s in p),
+                "skipped_by_reward": _sum_counts(s.skipped_rewards for s in p),
                 "segments": self.segments}
 
     def _fold(self, rows: Iterable[Mapping[str, Any]]) -> None:

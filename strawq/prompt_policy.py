@@ -1,0 +1,132 @@
+"""Which prompts a release takes, and in what order, from the per-prompt history.
+
+Two admission rules, each off by default (``QueueConfig.skip_zero_variance``,
+``QueueConfig.longest_first``), for runs of several passes over the dataset
+(``QueueConfig.num_epochs``). Pass ``e`` of dataset row ``r`` is task index
+``base_e + r``, a new task id each pass (``Feeder``); the history of the same row in earlier
+passes is found under the ids ``base_d + r`` of the earlier passes' bases, newest first.
+
+* **Zero-variance skip.** A row whose newest trained group had two or more rewards, all
+  equal (all solved or all failed: no advantage, nothing to learn), is skipped by the next
+  ``zero_variance_revisit_epochs - 1`` passes and released again after that: a policy that
+  has moved may no longer solve (or fail) it every time. A skip is recorded in the history
+  (status ``skipped``, with the reward the group agreed on) before the release commits, so
+  ``strawq inspect RUN history`` counts what was left out and by which reward: the bias the
+  rule introduces (the trained mix drifts away from the dataset's hard and easy ends) is
+  visible, not silent. A row with no trained group in the history (not yet recorded, or
+  only dropped) is released.
+* **Longest-predicted-first.** Within a release the rows are staged in the order of their
+  predicted response length, longest first (the mean length of their newest recorded
+  attempt; a row with none gets the run's median, over every prompt in the history), so the
+  tail starts early.
+  Producers claim a release directory in key order: the rows keep their task ids and take
+  the release's order numbers in that order.
+
+Both read a history snapshot the feeder refreshes at most every ``HISTORY_REFRESH_S``: a
+release is judged on what gc had recorded by then (a few seconds behind at most).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from strawq.history import PromptHistory, PromptStats
+from strawq.names import dataset_task_id
+
+#: seconds between re-reads of the history by one feeder
+HISTORY_REFRESH_S = 30.0
+
+
+@dataclass(frozen=True)
+class Skip:
+    index: int
+    #: the reward every sample of the newest trained group agreed on
+    reward: float | None
+    #: passes since that group's pass
+    epochs_ago: int
+
+
+@dataclass
+class Plan:
+    """A release's rows in staging order, and the rows it skips."""
+
+    order: list[int] = field(default_factory=list)
+    skips: list[Skip] = field(default_factory=list)
+    #: predicted length per ordered index (None: no history, the median was used)
+    predicted: dict[int, float | None] = field(default_factory=dict)
+
+
+def _newest_trained(stats: PromptStats) -> dict[str, Any] | None:
+    rows = [r for r in stats.last if r.get("status") == "trained"
+            and int(r.get("samples") or 0) >= 2]
+    return rows[-1] if rows else None
+
+
+def earlier_ids(index: int, bases: Sequence[int]) -> list[str]:
+    """Task ids of the same dataset row in earlier passes, newest first. ``bases``: every
+    pass's base, oldest first; the last is the current pass's."""
+    row = index - bases[-1]
+    return [dataset_task_id(b + row) for b in reversed(bases[:-1])]
+
+
+def zero_variance_skip(index: int, bases: Sequence[int], history: PromptHistory,
+                       revisit_epochs: int) -> Skip | None:
+    """The skip of ``index`` by the zero-variance rule, or None to release it."""
+    for ago, tid in enumerate(earlier_ids(index, bases), start=1):
+        stats = history.get(tid)
+        row = _newest_trained(stats) if stats is not None else None
+        if row is None:
+            continue  # skipped, dropped or not recorded in that pass: look further back
+        if row.get("reward_var") == 0 and ago < revisit_epochs:
+            mean = row.get("reward_mean")
+            return Skip(index, float(mean) if isinstance(mean, (int, float)) else None, ago)
+        return None
+    return None
+
+
+def predicted_length(index: int, bases: Sequence[int], history: PromptHistory) -> float | None:
+    """The mean response length of the row's newest recorded attempt, or None."""
+    for tid in earlier_ids(index, bases):
+        stats = history.get(tid)
+        if stats is not None and stats.mean_length is not None:
+            return stats.mean_length
+    return None
+
+
+def plan_release(indexes: Sequence[int], bases: Sequence[int], history: PromptHistory | None,
+                 *, skip_zero_variance: bool, revisit_epochs: int,
+                 longest_first: bool) -> Plan:
+    """The plan for a release of the good rows ``indexes`` (ascending) of the current pass."""
+    plan = Plan()
+    if history is None or len(bases) < 2:
+        plan.order = list(indexes)
+        return plan
+    keep = []
+    for i in indexes:
+        skip = zero_variance_skip(i, bases, history, revisit_epochs) \
+            if skip_zero_variance else None
+        if skip is None:
+            keep.append(i)
+        else:
+            plan.skips.append(skip)
+    if not longest_first:
+        plan.order = keep
+        return plan
+    pred = {i: predicted_length(i, bases, history) for i in keep}
+    fill = history.median_length() or 0.0
+    guess = {i: fill if v is None else v for i, v in pred.items()}
+    plan.order = sorted(keep, key=lambda i: (-guess[i], i))
+    plan.predicted = pred
+    return plan
+
+
+def skip_rows(skips: Sequence[Skip]) -> list[dict[str, Any]]:
+    """History rows recording ``skips`` (generation -1: never a real attempt's)."""
+    now = time.time()
+    return [{"id": dataset_task_id(s.index), "gen": -1, "status": "skipped",
+             "reason": "zero_variance", "index": s.index, "reward_mean": s.reward,
+             "epochs_ago": s.epochs_ago, "samples": 0, "tokens": 0, "at": now}
+            for s in skips]

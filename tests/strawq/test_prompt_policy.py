@@ -1,0 +1,133 @@
+"""Passes over the dataset and history-driven admission (``strawq.prompt_policy``).
+
+A run of ``num_epochs`` passes releases every row once per pass under new task ids; from
+the second pass on, a row whose newest trained group's rewards all agreed can be skipped
+(recorded in the history) and a release can be staged longest-predicted-first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from strawq import history
+from strawq.batches import BatchStore
+from strawq.config import QueueConfig
+from strawq.dataset import Dataset
+from strawq.errors import ConfigError
+from strawq.feeder import Feeder
+from strawq.names import dataset_task_id
+from strawq.queue import RunQueue
+from strawq.storage import PosixStorage
+from strawq.testing import make_group, write_jsonl
+from strawq.testing.factories import prompts
+
+ROWS = 4
+
+
+def _run(tmp_path: Path, **cfg: Any) -> tuple[RunQueue, Feeder]:
+    storage = PosixStorage(str(tmp_path / "run"), writer_id="t", fsync=False)
+    q = RunQueue.create(storage, QueueConfig(fsync=False, lease_timeout_s=10.0,  # type: ignore
+                                             heartbeat_interval_s=1.0, **cfg))
+    return q, Feeder(q, Dataset(write_jsonl(tmp_path / "d.jsonl", prompts(ROWS))))
+
+
+def _rows(q: RunQueue, n: int) -> list[tuple[str, int]]:
+    """Claim ``n`` tasks in claim order: (task id, dataset row index of its body)."""
+    return [(lease.task_id, int(lease.task["row"]["answer"])) for lease in q.claim("p", n)]
+
+
+def _finish(q: RunQueue, rewards: dict[int, list[float]], lens: dict[int, tuple[int, ...]]
+            | None = None) -> None:
+    """Complete every pending task (keyed by dataset row), train it in one batch, gc."""
+    for lease in q.claim("p", 100):
+        r = int(lease.task["row"]["answer"])
+        g = make_group(lease.task_id, lens=(lens or {}).get(r, (3, 5)),
+                       version=q.current_version())
+        g.rewards = list(rewards[r])
+        q.complete(lease, g)
+    bs = BatchStore(q)
+    names = bs.scan_ready()
+    seq = bs.next_seq()
+    bs.publish_batch(seq, names, [bs.read_summary(n) for n in names], {"trained_at": 0})
+    bs.ack(seq)
+    bs.gc()
+
+
+def test_each_pass_releases_every_row_again_under_new_task_ids(tmp_path: Path) -> None:
+    q, feeder = _run(tmp_path, num_epochs=3)
+    got = []
+    while not feeder.exhausted:
+        assert feeder.release(3) > 0
+        got += _rows(q, 10)
+    assert [row for _, row in got] == [0, 1, 2, 3] * 3
+    assert [tid for tid, _ in got] == [dataset_task_id(i) for i in range(3 * ROWS)]
+    assert feeder.release(3) == 0 and feeder.cursor.epoch == 2
+    # a second feeder (the operator's `strawq release`) agrees where the run stands
+    again = Feeder(q, Dataset(str(tmp_path / "d.jsonl")))
+    assert again.exhausted and again.cursor.epoch_bases == (0, ROWS, 2 * ROWS)
+
+
+def test_one_pass_by_default(tmp_path: Path) -> None:
+    q, feeder = _run(tmp_path)
+    assert feeder.release(10) == ROWS
+    assert feeder.exhausted and feeder.release(10) == 0
+
+
+def test_zero_variance_rows_skip_one_pass_recorded_by_reward_then_return(
+        tmp_path: Path) -> None:
+    q, feeder = _run(tmp_path, num_epochs=3, skip_zero_variance=True)
+    assert feeder.release(ROWS) == ROWS
+    # row 0 all solved, row 2 all failed: nothing to learn from either
+    _finish(q, {0: [1.0, 1.0], 1: [0.0, 1.0], 2: [0.0, 0.0], 3: [1.0, 0.0]})
+    # pass 2 skips rows 0 and 2 and releases 1 and 3; the two more asked for come from
+    # pass 3, two passes after the zero-variance groups: row 0 is back
+    assert feeder.release(ROWS) == ROWS
+    ids = [dataset_task_id(i) for i in range(3 * ROWS)]
+    assert _rows(q, 10) == [(ids[5], 1), (ids[7], 3), (ids[8], 0), (ids[9], 1)]
+    h = history.load_history(q.storage)
+    assert h.totals()["skipped"] == 2
+    assert h.totals()["skipped_by_reward"] == {"0": 1, "1": 1}
+    skipped = h.get(ids[ROWS + 0])
+    assert skipped is not None and skipped.skipped == 1 and skipped.attempts == 0
+    assert feeder.release(ROWS) == 2 and feeder.exhausted  # row 2 is back too
+    assert _rows(q, 10) == [(ids[10], 2), (ids[11], 3)]
+
+
+def test_without_the_rule_zero_variance_rows_are_released(tmp_path: Path) -> None:
+    q, feeder = _run(tmp_path, num_epochs=2)
+    feeder.release(ROWS)
+    _finish(q, {0: [1.0, 1.0], 1: [0.0, 1.0], 2: [0.0, 0.0], 3: [1.0, 0.0]})
+    assert feeder.release(ROWS) == ROWS
+    assert [row for _, row in _rows(q, 10)] == [0, 1, 2, 3]  # and in dataset order
+
+
+def test_a_pass_whose_rows_all_agreed_still_releases_what_was_asked(tmp_path: Path) -> None:
+    q, feeder = _run(tmp_path, num_epochs=3, skip_zero_variance=True)
+    feeder.release(ROWS)
+    _finish(q, dict.fromkeys(range(ROWS), [1.0, 1.0]))
+    # pass 2 skips every row; the release goes on into pass 3 (revisit: all back)
+    assert feeder.release(2) == 2
+    assert [row for _, row in _rows(q, 10)] == [0, 1]
+    assert history.load_history(q.storage).totals()["skipped"] == ROWS
+
+
+def test_longest_predicted_first_within_a_release(tmp_path: Path) -> None:
+    q, feeder = _run(tmp_path, num_epochs=2, longest_first=True)
+    feeder.release(3)  # rows 0..2 this pass; row 3 later, with no history by then
+    rewards = {r: [0.0, 1.0] for r in range(ROWS)}
+    _finish(q, rewards, lens={0: (4, 6), 1: (90, 110), 2: (20, 40)})
+    feeder.release(10)  # row 3
+    _rows(q, 10)
+    feeder.release(ROWS)
+    # predicted 100, 30, 5; row 3 has none: the run's median (30) ties row 2, index breaks it
+    assert [row for _, row in _rows(q, 10)] == [1, 2, 3, 0]
+    assert history.load_history(q.storage).median_length() == 30
+
+
+@pytest.mark.parametrize("bad", [{"num_epochs": 0}, {"zero_variance_revisit_epochs": 1}])
+def test_bad_pass_settings_are_refused(bad: dict[str, int]) -> None:
+    with pytest.raises(ConfigError, match=next(iter(bad))):
+        QueueConfig(**bad)  # type: ignore[arg-type]
