@@ -51,6 +51,9 @@ class Audit:
     tmp: list[str] = field(default_factory=list)
     #: reason recorded for each dropped task (from its note)
     drop_reasons: dict[str, str] = field(default_factory=dict)
+    #: task ids a release skipped by the history's rule (``strawq.prompt_policy``): their
+    #: row was accounted for in that pass without a task
+    skipped: set[str] = field(default_factory=set)
 
     def state_of(self, task_id: str) -> str | None:
         e = self.entries.get(task_id, [])
@@ -85,6 +88,10 @@ class Audit:
         trained = set(trained)
         for tid in sorted(released):
             es = self.entries.get(tid, [])
+            if tid in self.skipped:
+                if es:
+                    problems.append(f"skipped {tid} was released too: {[e.key for e in es]}")
+                continue
             if not es and tid not in trained:
                 problems.append(f"lost: {tid} is in no state")
             if len(es) > 1:
@@ -219,6 +226,9 @@ def audit_run(storage: Storage) -> Audit:
             a.cursor_next = max(a.cursor_next, int(rec.meta["next_index"]), nxt)
     a.staging = storage.list("staging")
     a.tmp = storage.list("tmp")
+    from strawq.history import load_history
+
+    a.skipped = {tid for tid, st in load_history(storage).prompts.items() if st.skipped}
     return a
 
 

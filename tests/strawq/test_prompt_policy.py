@@ -20,8 +20,9 @@ from strawq.errors import ConfigError
 from strawq.feeder import Feeder
 from strawq.names import dataset_task_id
 from strawq.queue import RunQueue
-from strawq.storage import PosixStorage
-from strawq.testing import make_group, write_jsonl
+from strawq.storage import MemoryStorage, PosixStorage
+from strawq.testing import audit_run, make_group, write_jsonl
+from strawq.testing.faults import CrashPoint, FaultyStorage
 from strawq.testing.factories import prompts
 
 ROWS = 4
@@ -131,3 +132,37 @@ def test_longest_predicted_first_within_a_release(tmp_path: Path) -> None:
 def test_bad_pass_settings_are_refused(bad: dict[str, int]) -> None:
     with pytest.raises(ConfigError, match=next(iter(bad))):
         QueueConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_a_crash_at_any_step_of_a_skipping_release_loses_and_repeats_nothing(
+        tmp_path: Path) -> None:
+    """Crash enumeration (``FaultyStorage(crash_after=N)``) over a release that starts the
+    second pass and skips: after recovery every row of the pass is released or recorded as
+    skipped, exactly once, and a redo of the release makes the same decision."""
+    path = write_jsonl(tmp_path / "d.jsonl", prompts(ROWS))
+    ids = [dataset_task_id(i) for i in range(2 * ROWS)]
+    crashes = 0
+    for n in range(1, 200):
+        storage = MemoryStorage()
+        q = RunQueue.create(storage, QueueConfig(fsync=False, num_epochs=2,  # type: ignore
+                                                 skip_zero_variance=True, release_batch=ROWS))
+        Feeder(q, Dataset(path)).release(ROWS)
+        _finish(q, {0: [1.0, 1.0], 1: [0.0, 1.0], 2: [0.0, 0.0], 3: [1.0, 0.0]})
+        finished = False
+        try:
+            Feeder(RunQueue(FaultyStorage(storage, crash_after=n), q.config),
+                   Dataset(path)).release(ROWS)
+            finished = True
+        except CrashPoint:
+            crashes += 1
+        again = Feeder(RunQueue.open(storage), Dataset(path))  # recovery, then the rest
+        while not again.exhausted:
+            again.release(ROWS)
+        audit = audit_run(storage)
+        assert audit.check(ids, trained=set(ids[:ROWS])) == [], n
+        assert audit.skipped == {ids[4], ids[6]}, n
+        assert audit.ids("pending") == {ids[5], ids[7]}, n
+        assert history.load_history(storage).totals()["skipped"] == 2, n
+        if finished:
+            break
+    assert crashes >= 5, "the enumeration crashed nowhere"
