@@ -432,6 +432,10 @@ class Collector:
             "collector/released_total": self._totals["released"],
             "collector/batches_total": self._totals["batches"],
             "collector/expired_leases_total": self._totals["expired"],
+            # passes over the dataset (queue.num_epochs) and the rows the history skipped
+            "dataset/pass": self.feeder.cursor.epoch if self.feeder else 0,
+            "collector/skipped_zero_variance_total":
+                self.feeder.skipped_total if self.feeder else 0,
             "collector/stale_trained_total": self.stale_totals["trained"],
             "collector/stale_regenerated_total": self.stale_totals["regenerated"],
             "collector/stale_dropped_total": self.stale_totals["dropped"],

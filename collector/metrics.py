@@ -14,8 +14,10 @@ with ``/`` and ``.`` turned into ``_``):
 * ``collector/groups_per_s`` (groups that became ready per second), ``collector/released``
   (this pass), ``collector/admission_capacity``, ``dropped/<reason>`` (groups dropped per
   reason, over the whole run).
+* ``dataset/pass`` (the pass over the dataset, 0 first: ``queue.num_epochs``).
 * counters: ``trainer/step``, ``collector/step``, ``collector/released_total``,
-  ``collector/batches_total``, ``collector/expired_leases_total``.
+  ``collector/batches_total``, ``collector/expired_leases_total``,
+  ``collector/skipped_zero_variance_total`` (rows the history's rule skipped).
 
 Every JSONL line carries ``time`` (Unix seconds, the writer's wall clock) so lines from the
 collector and the trainer can be put on one time axis.
@@ -51,7 +53,8 @@ _PROM_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 #: Cumulative counts that continue across restarts (see the module docstring).
 COUNTERS = frozenset({"trainer/step", "collector/step", "collector/released_total",
-                      "collector/batches_total", "collector/expired_leases_total"})
+                      "collector/batches_total", "collector/expired_leases_total",
+                      "collector/skipped_zero_variance_total"})
 #: How much of the JSONL file's tail is read to resume the counters.
 _TAIL_BYTES = 256 * 1024
 

@@ -175,6 +175,8 @@ def read_cursor_state(storage: Storage) -> dict[str, Any] | None:
         state["fingerprint"] = rec.meta.get("fingerprint", {})
         state["exhausted"] = bool(rec.meta.get("exhausted", False))
         state["recent"] = _recent(rec.meta)
+        if rec.meta.get("epoch_bases"):
+            state["epoch_bases"] = list(_epoch_bases(rec.meta))
     except (CorruptRecord, NotFound) as exc:
         state["error"] = str(exc)
     return state
@@ -210,6 +212,8 @@ class Feeder:
         self.dataset = dataset
         self._reader = DatasetCursorReader(dataset)
         self._history_cache: tuple[float, PromptHistory] | None = None
+        #: rows this feeder's releases skipped by the history's rule (``prompt_policy``)
+        self.skipped_total = 0
         self.cursor = self.recover()
         if check_dataset:
             self._reader.adopt(self.cursor.fingerprint, self.cursor.next_index)
@@ -369,7 +373,10 @@ class Feeder:
                      "re-reading the cursor", seq)
             self._discard(staging)
             return None
-        return None if got is None else (got, len(plan.skips))
+        if got is None:
+            return None
+        self.skipped_total += len(plan.skips)
+        return got, len(plan.skips)
 
     def _plan(self, cur: Cursor, rows: list[tuple[int, Row | BadRow]]) -> Plan:
         """Which good rows to stage, in which order (``strawq.prompt_policy``)."""
@@ -513,8 +520,11 @@ class Feeder:
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor for a trainer checkpoint (resume when the queue state is gone)."""
-        return {"next_index": self.cursor.next_index, "seq": self.cursor.seq,
-                "fingerprint": self._reader.fingerprint}
+        out = {"next_index": self.cursor.next_index, "seq": self.cursor.seq,
+               "fingerprint": self._reader.fingerprint}
+        if self.cursor.epoch_bases:
+            out["epoch_bases"] = list(self.cursor.epoch_bases)
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> int:
         """Start releasing at a checkpointed index (only on an empty, fresh queue), and
@@ -539,8 +549,14 @@ class Feeder:
             again = [i for i in again if i >= self._reader.base]
         staging = f"{RELEASE_PREFIX}{1:012d}.{uuid.uuid4().hex[:8]}"
         good = 0 if cur.seq else self._stage(self._rows_at(again), staging)
+        bases = state.get("epoch_bases") or []
+        if not _int_list(bases):
+            raise ValueError(f"checkpoint feeder state: epoch_bases must be a list of task "
+                             f"indexes, got {bases!r}")
+        extra: dict[str, Any] = {"epoch_bases": list(bases)} if bases else {}
         if cur.seq or not self._commit(1, nxt, staging if good else None, False,
-                                       restored_from_checkpoint=True, released_again=good):
+                                       restored_from_checkpoint=True, released_again=good,
+                                       **extra):
             if good:
                 self._discard(staging)
             cur = self.refresh()
