@@ -79,10 +79,16 @@ class StrawqDataSource:
         except NotFound:
             self.queue = RunQueue.create(storage, QueueConfig(
                 group_size=self.group_size, prompt_key=self.prompt_key,
-                release_batch=max(int(getattr(args, "rollout_batch_size", 64) or 64), 1)))
+                release_batch=max(int(getattr(args, "rollout_batch_size", 64) or 64), 1),
+                num_epochs=int(getattr(args, "num_epoch", None) or 1)))
         if self.queue.config.group_size != self.group_size:
             raise ValueError(f"the run at {path} has group_size {self.queue.config.group_size}"
                              f", slime's --n-samples-per-prompt is {self.group_size}")
+        epochs = getattr(args, "num_epoch", None)
+        if epochs is not None and int(epochs) != self.queue.config.num_epochs:
+            raise ValueError(f"the run at {path} makes {self.queue.config.num_epochs} passes "
+                             f"over the dataset (queue.num_epochs), slime's --num-epoch is "
+                             f"{epochs}")
         self.dataset = Dataset(args.prompt_data, prompt_key=self.prompt_key)
         self.feeder = Feeder(self.queue, self.dataset)
         self._held: dict[str, _Held] = {}

@@ -98,6 +98,19 @@ def test_fresh_groups_come_from_the_cursor(args):
     assert all(_where(ds, f"i{k:012d}") == "leased" for k in range(3))
 
 
+def test_slimes_num_epoch_makes_the_runs_passes(args):
+    args.num_epoch = 2
+    ds = adapter.StrawqDataSource(args)
+    assert ds.queue.config.num_epochs == 2
+    rows = [json.loads(line) for line in open(args.prompt_data)]
+    groups = ds.get_samples(len(rows) + 2)  # a whole pass, then into the second
+    assert [g[0].tokens for g in groups] == [r["prompt"] for r in rows + rows[:2]]
+    assert groups[-1][0].metadata["strawq"]["task_id"] == f"i{len(rows) + 1:012d}"
+    args.num_epoch = 3  # the same run, restarted with another --num-epoch: refused
+    with pytest.raises(ValueError, match="num-epoch is 3"):
+        adapter.StrawqDataSource(args)
+
+
 def test_aborted_groups_resume_with_prefix_logprobs_versions_and_masks(args):
     ds = adapter.StrawqDataSource(args)
     ds.begin_rollout(0)
