@@ -102,6 +102,11 @@ def run_status(queue: RunQueue) -> RunStatus:
     if cursor is not None:
         out.cursor = {k: cursor[k] for k in ("seq", "next_index", "exhausted", "error")
                       if k in cursor}
+        passes = queue.config.num_epochs
+        if passes > 1:  # the pass it is in (1-based); exhausted only after the last
+            done = max(len(cursor.get("epoch_bases") or ()), 1)
+            out.cursor["pass"] = f"{done}/{passes}"
+            out.cursor["exhausted"] = bool(cursor.get("exhausted")) and done >= passes
     return out
 
 

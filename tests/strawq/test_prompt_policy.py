@@ -20,6 +20,7 @@ from strawq.errors import ConfigError
 from strawq.feeder import Feeder
 from strawq.names import dataset_task_id
 from strawq.queue import RunQueue
+from strawq.status import run_status
 from strawq.storage import MemoryStorage, PosixStorage
 from strawq.testing import audit_run, make_group, write_jsonl
 from strawq.testing.faults import CrashPoint, FaultyStorage
@@ -66,9 +67,19 @@ def test_each_pass_releases_every_row_again_under_new_task_ids(tmp_path: Path) -
     assert [row for _, row in got] == [0, 1, 2, 3] * 3
     assert [tid for tid, _ in got] == [dataset_task_id(i) for i in range(3 * ROWS)]
     assert feeder.release(3) == 0 and feeder.cursor.epoch == 2
+    st = run_status(q)
+    assert st.cursor["pass"] == "3/3" and st.cursor["exhausted"] is True
     # a second feeder (the operator's `strawq release`) agrees where the run stands
     again = Feeder(q, Dataset(str(tmp_path / "d.jsonl")))
     assert again.exhausted and again.cursor.epoch_bases == (0, ROWS, 2 * ROWS)
+
+
+def test_status_says_which_pass_and_is_not_exhausted_between_passes(tmp_path: Path) -> None:
+    q, feeder = _run(tmp_path, num_epochs=2)
+    feeder.release(ROWS + 1)  # the whole first pass: its cursor is at the dataset's end
+    assert feeder.cursor.exhausted and not feeder.exhausted
+    st = run_status(q)
+    assert st.cursor["pass"] == "1/2" and st.cursor["exhausted"] is False
 
 
 def test_one_pass_by_default(tmp_path: Path) -> None:
