@@ -427,8 +427,11 @@ class Feeder:
             name = TaskName(key=queue_key(STAGE_FRESH, 0, order.get(index, index)), id=task_id,
                             gen=0, attempts=0, resume=-1)
             body = {"task": {"index": index, "id": task_id, "row": row}}
+            # In place: nobody reads a staging directory before its rename to pending/,
+            # which comes after every record in it was written, fsync'd and closed (no
+            # temporary file and rename per record: docs/protocol.md §5).
             self.storage.publish(f"staging/{staging}/{name}", records.encode(Kind.TASK, body),
-                                 sync_dir=False)
+                                 sync_dir=False, in_place=True)
             good += 1
         # The staging directory exists only once a good row was staged in it.
         self.storage.sync_dirs([f"staging/{staging}"] * bool(good)
@@ -481,7 +484,7 @@ class Feeder:
         prep = f"staging/{COMMIT_PREFIX}{seq:012d}.{uuid.uuid4().hex[:8]}"
         try:
             self.storage.publish(f"{prep}/{cursor_name(seq, next_index)}",
-                                 records.encode(Kind.CURSOR, meta))
+                                 records.encode(Kind.CURSOR, meta), in_place=True)
             self.storage.rename(prep, f"cursor/{seq:012d}")
         except (AlreadyExists, NotFound):
             # NotFound: a recovering writer discarded our preparation (its number is taken)

@@ -69,7 +69,7 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
-                sync_dir: bool = True, sync_file: bool = True) -> None:
+                sync_dir: bool = True, sync_file: bool = True, in_place: bool = False) -> None:
         """Atomically create ``key`` with ``data``; ``AlreadyExists`` if it exists.
 
         ``data`` may be a sequence of buffers written back to back (no concatenation copy).
@@ -77,6 +77,14 @@ class Storage(abc.ABC):
         before it reports success to anyone (batched directory fsyncs: docs/protocol.md §3,
         "Complete / yield"). With ``sync_file=False`` the content is not fsync'd either: only for
         data whose loss in a power failure is harmless (heartbeat counters).
+
+        ``in_place=True`` writes the file at ``key`` itself (exclusive create, write, fsync,
+        close) with no temporary name and no rename, so the name exists before the content
+        is complete: only for a key inside a private directory that nobody reads until the
+        directory itself is renamed into place (a release being staged, a cursor commit
+        being prepared), after every file in it was closed. A crash can leave a partial
+        file there; such a directory is never committed and is discarded whole. The
+        durability is the same (file fsync; the directory fsync as ``sync_dir`` says).
         """
 
     @abc.abstractmethod

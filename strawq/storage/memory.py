@@ -32,7 +32,7 @@ class MemoryStorage(Storage):
             d = parent(d)
 
     def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
-                sync_dir: bool = True, sync_file: bool = True) -> None:
+                sync_dir: bool = True, sync_file: bool = True, in_place: bool = False) -> None:
         validate_key(key)
         if isinstance(data, (bytes, bytearray, memoryview)):
             blob = bytes(data)

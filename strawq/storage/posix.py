@@ -128,41 +128,58 @@ class PosixStorage(Storage):
                                             f"({self.root}); nothing was written")
 
     def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
-                sync_dir: bool = True, sync_file: bool = True) -> None:
+                sync_dir: bool = True, sync_file: bool = True, in_place: bool = False) -> None:
         self._writable(f"publish {key}")
         dst = self._path(key)
-        tmp = os.path.join(self.root, self._tmp, f"{self._tmp_tag}.{uuid.uuid4().hex}")
         chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
-        try:
+        sync = self._fsync and sync_file
+        if in_place:
+            # No temporary name: the directory is private until it is renamed into place
+            # (``Storage.publish``). Saves the temporary file's create and the rename, and
+            # their lookups, per record.
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
-            except FileNotFoundError:  # the first write to this run: make tmp/ now
-                make_dirs(os.path.dirname(tmp))
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
-        except OSError as exc:
-            raise translate(exc, f"create temporary file for {key}") from exc
-        try:
+                fd = _create_exclusive(dst)
+            except OSError as exc:
+                raise translate(exc, f"publish {key}") from exc
             try:
-                for chunk in chunks:
-                    view = memoryview(chunk).cast("B")
-                    while view:
-                        n = os.write(fd, view)
-                        view = view[n:]
-                if self._fsync and sync_file:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+                self._fill(fd, dst, chunks, sync)
+            except OSError as exc:
+                _unlink_quietly(dst)  # ours: the exclusive create made it
+                raise translate(exc, f"publish {key}") from exc
+        else:
+            tmp = os.path.join(self.root, self._tmp, f"{self._tmp_tag}.{uuid.uuid4().hex}")
             try:
-                self._rename_noreplace(tmp, dst)
-            except FileNotFoundError:
-                # The parent directory is missing: create it once and retry.
-                make_dirs(os.path.dirname(dst))
-                self._rename_noreplace(tmp, dst)
-        except OSError as exc:
-            _unlink_quietly(tmp)
-            raise translate(exc, f"publish {key}") from exc
+                fd = _create_exclusive(tmp)  # the first write to this run makes tmp/
+            except OSError as exc:
+                raise translate(exc, f"create temporary file for {key}") from exc
+            try:
+                self._fill(fd, tmp, chunks, sync)
+                try:
+                    self._rename_noreplace(tmp, dst)
+                except FileNotFoundError:
+                    # The parent directory is missing: create it once and retry.
+                    make_dirs(os.path.dirname(dst))
+                    self._rename_noreplace(tmp, dst)
+            except OSError as exc:
+                _unlink_quietly(tmp)
+                raise translate(exc, f"publish {key}") from exc
         if sync_dir and sync_file:
             self._fsync_dir(os.path.dirname(dst))
+
+    def _fill(self, fd: int, path: str, chunks: Sequence[bytes | bytearray | memoryview],
+              sync: bool) -> None:
+        """Write ``chunks`` to the new file ``fd`` (at ``path``), fsync it if ``sync``, and
+        close it: a file is never given its name, or its directory renamed, while open."""
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def read(self, key: str) -> bytes:
         try:
@@ -339,6 +356,16 @@ def make_dirs(path: str) -> None:
         except FileExistsError:
             if not os.path.isdir(path):
                 raise
+
+
+def _create_exclusive(path: str) -> int:
+    """``open(path, O_CREAT | O_EXCL)`` for writing; a missing parent is made once."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        return os.open(path, flags, FILE_MODE)
+    except FileNotFoundError:
+        make_dirs(os.path.dirname(path))
+        return os.open(path, flags, FILE_MODE)
 
 
 def _host() -> str:

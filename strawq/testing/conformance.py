@@ -298,6 +298,23 @@ class StorageConformance(abc.ABC):
         with pytest.raises(NotFound):  # the source is gone for every client's rename
             storage.rename("vis/a", "vis/c")
 
+    def test_publish_in_place(self, storage: Storage) -> None:
+        """``in_place`` (records in a private staging directory): the same content,
+        exclusivity, parents and durability as a publish, with no temporary file."""
+        storage.publish("stage/r1/a", [b"head", memoryview(b"-tail")], sync_dir=False,
+                        in_place=True)
+        storage.publish("stage/r1/b", b"", in_place=True)
+        assert storage.read("stage/r1/a") == b"head-tail" and storage.read("stage/r1/b") == b""
+        assert storage.list("stage/r1") == ["a", "b"]
+        if storage.capabilities.exclusive_create:
+            with pytest.raises(AlreadyExists):
+                storage.publish("stage/r1/a", b"again", in_place=True)
+            assert storage.read("stage/r1/a") == b"head-tail"
+        assert storage.list("tmp") == [], "an in-place publish uses no temporary file"
+        storage.sync_dirs(["stage/r1", "stage"])
+        storage.rename("stage/r1", "live/r1")
+        assert storage.read("live/r1/a") == b"head-tail"
+
     def test_publish_creates_parents(self, storage: Storage) -> None:
         storage.publish("p/q/r/s", b"deep")
         assert storage.list("p") == ["q"] and storage.list("p/q/r") == ["s"]
@@ -500,6 +517,9 @@ class StorageConformance(abc.ABC):
                 tiny.publish("huge", b"\xff" * (1 << 20))
             assert not tiny.exists("huge")
             assert tiny.list("tmp") == [], "publish left its temporary file behind"
+            with pytest.raises(StorageFull):
+                tiny.publish("stage/huge", b"\xff" * (1 << 20), in_place=True)
+            assert not tiny.exists("stage/huge"), "an in-place publish left its partial file"
             tiny.publish("small", b"fits")
             assert tiny.read("small") == b"fits"
         finally:
@@ -554,6 +574,19 @@ class StorageConformance(abc.ABC):
         assert (True, True) in calls, f"no directory fsync after the rename: {calls}"
         first_dir = calls.index((True, True))
         assert calls.index((False, False)) < first_dir
+        # in place: the file fsync'd (it has its name from the start), then its directory
+        in_place = storage.local_path("dur/p")
+        assert in_place is not None
+        seen: list[tuple[bool, bool]] = []
+
+        def spy_in_place(fd: int) -> None:
+            seen.append((stat.S_ISDIR(os.fstat(fd).st_mode), os.path.exists(in_place)))
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", spy_in_place)
+        storage.publish("dur/p", b"durable", in_place=True)
+        monkeypatch.undo()
+        assert seen == [(False, True), (True, True)], seen
 
     # -- helpers -------------------------------------------------------------------------------
     def _run_processes(self, storage: Storage, worker: Callable[..., None]

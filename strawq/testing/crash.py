@@ -5,8 +5,10 @@
   exactly what a ``kill -9`` there leaves.
 * ``KillInsidePublish(root, n)`` — a ``PosixStorage`` that dies *inside* the ``n``-th
   ``publish``: the temporary file is written, fsync'd and closed, the rename has not
-  happened. It hooks ``PosixStorage._rename_noreplace`` (called by ``publish`` with a source
-  under ``tmp/``), so the library itself needs no test hook.
+  happened; an ``in_place`` publish (a record in a private staging directory) dies with
+  half its bytes written at its key. It hooks ``PosixStorage._rename_noreplace`` (called by
+  ``publish`` with a source under ``tmp/``) and ``PosixStorage._fill``, so the library
+  itself needs no test hook.
 * ``recover(storage, dataset)`` — what a restarted collector does: finish or discard the
   feeder's release, finish batch commits, expire the dead holders' leases (on an injected
   clock), remove the dead writers' temporary files.
@@ -60,7 +62,8 @@ class KillAt(FaultyStorage):
 
 
 class KillInsidePublish(PosixStorage):
-    """``SIGKILL`` inside the ``n``-th publish: temporary file complete, not yet renamed."""
+    """``SIGKILL`` inside the ``n``-th publish: temporary file complete, not yet renamed; or,
+    for an ``in_place`` publish, half its bytes written at its key."""
 
     def __init__(self, root: str, n: int, **kwargs: Any) -> None:
         super().__init__(root, **kwargs)
@@ -68,12 +71,23 @@ class KillInsidePublish(PosixStorage):
         self.publishes = 0
         self._tmp_root = os.path.join(self.root, "tmp") + os.sep
 
+    def _due(self) -> bool:
+        self.publishes += 1
+        return bool(self.kill_at) and self.publishes >= self.kill_at
+
     def _rename_noreplace(self, src: str, dst: str) -> None:
-        if src.startswith(self._tmp_root):
-            self.publishes += 1
-            if self.kill_at and self.publishes >= self.kill_at:
-                _die()
+        if src.startswith(self._tmp_root) and self._due():
+            _die()
         super()._rename_noreplace(src, dst)
+
+    def _fill(self, fd: int, path: str, chunks: Sequence[bytes | bytearray | memoryview],
+              sync: bool) -> None:
+        if not path.startswith(self._tmp_root) and self._due():
+            blob = b"".join(bytes(c) for c in chunks)
+            os.write(fd, blob[:len(blob) // 2])
+            os.fsync(fd)
+            _die()
+        super()._fill(fd, path, chunks, sync)
 
 
 # -- recovery and drain (the parent's side) --------------------------------------------------

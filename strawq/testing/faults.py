@@ -3,7 +3,8 @@
 * ``errors={"publish": (3, errno.ENOSPC)}`` — the 3rd ``publish`` raises that error.
 * ``crash_after=N`` — the N-th mutating operation (publish, rename, delete, rmdir) raises
   ``CrashPoint`` *before* it happens, modelling a process killed right there; the wrapped
-  store keeps exactly what a real crash would leave.
+  store keeps exactly what a real crash would leave. An ``in_place`` publish has a second
+  point, inside it: the file is left at its key with half its bytes.
 * ``phantom_enoent={"rename": 2}`` — the 2nd rename happens but reports ENOENT, as a
   retried NFS RPC can.
 * ``seed``/``error_rate`` — random ``EIO`` on any operation, reproducible per seed.
@@ -61,9 +62,24 @@ class FaultyStorage(Storage):
         self.log.append((op, keys))
 
     def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
-                sync_dir: bool = True, sync_file: bool = True) -> None:
+                sync_dir: bool = True, sync_file: bool = True, in_place: bool = False) -> None:
         self._enter("publish", key)
-        self.inner.publish(key, data, sync_dir=sync_dir, sync_file=sync_file)
+        if in_place:
+            self._inside_in_place(key, data)
+        self.inner.publish(key, data, sync_dir=sync_dir, sync_file=sync_file,
+                           in_place=in_place)
+
+    def _inside_in_place(self, key: str,
+                         data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
+        """One more crash point inside an ``in_place`` publish: the file exists at its key
+        with half its bytes (what a crash mid-write leaves when there is no temporary name)."""
+        self.mutations += 1
+        if self._crash_after is not None and self.mutations >= self._crash_after:
+            blob = (bytes(data) if isinstance(data, (bytes, bytearray, memoryview))
+                    else b"".join(bytes(c) for c in data))
+            self.inner.publish(key, blob[:len(blob) // 2], sync_dir=False, in_place=True)
+            raise CrashPoint(f"simulated crash inside the in-place publish of {key} "
+                             f"(mutation {self.mutations}): a partial file is left")
 
     def read(self, key: str) -> bytes:
         self._enter("read", key)
