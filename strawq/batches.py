@@ -63,9 +63,16 @@ def ack_key(seq: int) -> str:
 
 def batch_seqs(storage: Storage) -> tuple[list[int], set[int]]:
     """(every manifest number present, the acked ones)."""
-    seqs = [int(n) for n in storage.list(MANIFEST_DIR) if n.isascii() and n.isdigit()]
-    acked = {int(n) for n in storage.list(ACK_DIR) if n.isascii() and n.isdigit()}
-    return seqs, acked
+    seqs = _manifest_seqs(storage)
+    return seqs, _acked(storage)
+
+
+def _manifest_seqs(storage: Storage) -> list[int]:
+    return [int(n) for n in storage.list(MANIFEST_DIR) if n.isascii() and n.isdigit()]
+
+
+def _acked(storage: Storage) -> set[int]:
+    return {int(n) for n in storage.list(ACK_DIR) if n.isascii() and n.isdigit()}
 
 
 def _high_water_marks(names: Iterable[str]) -> list[int]:
@@ -319,9 +326,15 @@ class BatchStore:
         into the drop audit once it holds at least N entries (0: always).
         """
         rep = GcReport()
-        seqs, acked = self.batch_seqs()
+        # The acks first: an ack is published only once its manifest exists, so an ack whose
+        # manifest the later listing misses was retired (an orphan, deleted below). Listed
+        # the other way round, a batch published and acked between the two listings looked
+        # like an orphan and lost its ack. Nothing acked: nothing to collect, and neither
+        # ``batches/`` nor ``committed/`` is listed (an idle GC costs one listing).
+        acked = _acked(self.storage)
+        seqs = _manifest_seqs(self.storage) if acked else []
         # acked is consumed; trained (collectable) once a checkpoint covers it (commits.py)
-        committed = committed_seq(self.storage)
+        committed = committed_seq(self.storage) if acked else None
         done = sorted(s for s in seqs if s in acked and (committed is None or s <= committed))
         if keep_batches:
             done = done[:-keep_batches]

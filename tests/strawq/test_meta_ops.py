@@ -9,7 +9,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from strawq.storage import PosixStorage
+from strawq.batches import BatchStore
+from strawq.queue import RunQueue
+from strawq.storage import MemoryStorage, PosixStorage
+from strawq.testing.faults import FaultyStorage
 
 from tests.strawq.queue_helpers import make_feeder, make_queue
 
@@ -50,3 +53,37 @@ def test_a_release_writes_its_task_records_in_place(tmp_path: Path) -> None:
     assert st.ops["create in place"] == 33, st.ops  # 32 task records + the cursor record
     assert len(q.list_pending()) == 32
     assert st.list("staging") == [] and st.list("tmp") == []
+
+
+def test_an_idle_gc_lists_only_the_acks(tmp_path: Path) -> None:
+    """With nothing acked there is nothing to collect: GC lists ``acked/`` and stops, not
+    ``batches/`` and ``committed/`` too (the collector runs it every ``gc_interval_s``)."""
+    st = MemoryStorage()
+    q = make_queue(st)
+    faulty = FaultyStorage(st)
+    BatchStore(RunQueue(faulty, q.config)).gc()
+    assert [k for op, k in faulty.log if op == "list"] == [("acked",)]
+
+
+class _PublishesAndAcksDuringItsListing(FaultyStorage):
+    """Another collector's batch is published and acked while GC lists ``batches/``."""
+
+    def list(self, directory: str) -> list[str]:
+        names = super().list(directory)
+        if directory == "batches":
+            other = BatchStore(RunQueue.open(self.inner))
+            other.publish_batch(9, [])
+            other.ack(9)
+        return names
+
+
+def test_gc_keeps_the_ack_of_a_batch_published_and_acked_while_it_lists(
+        tmp_path: Path) -> None:
+    st = MemoryStorage()
+    q = make_queue(st)
+    bs = BatchStore(q)
+    bs.publish_batch(1, [])
+    bs.ack(1)  # something acked, so GC lists the manifests too
+    BatchStore(RunQueue(_PublishesAndAcksDuringItsListing(st), q.config)).gc()
+    assert st.list("batches") == ["000000000009"]
+    assert st.list("acked") == ["000000000009"], "the new batch's ack was taken for an orphan"
