@@ -100,6 +100,10 @@ class RunQueue:
         self._hb_counter: dict[str, int] = {}
         self._hb_idle: dict[str, bool] = {}
         self._fresh: _OrderedSet = _OrderedSet()
+        #: release directories whose whole listing went into ``_fresh`` and where this
+        #: claimer has lost no race since: a release directory never gains a name, so its
+        #: cached names are all it holds, and it is not listed again
+        self._complete: set[str] = set()
         self._contended = False
         self._top_files: list[str] = []
         self._top_listed_at = float("-inf")
@@ -168,9 +172,13 @@ class RunQueue:
         every claim. Fresh tasks come from a per-process cache of the release directories'
         listings, refilled when it runs low: a claim costs one small listing plus its
         renames, not a listing of every release directory (on JuiceFS a listing of a few
-        hundred names costs milliseconds). Once a claimer has lost a race, it starts at its
-        own offset within the head of the fresh list, so concurrent claimers stop racing for
-        the same first task (dataset order then holds within that small window only).
+        hundred names costs milliseconds). A release directory never gains a name, so one
+        this claimer listed whole is not listed again while its cached names last and no
+        race was lost in it; once they are used up it is removed by ``rmdir`` alone (which
+        refuses a directory that still holds a task, and then it is listed). Once a claimer
+        has lost a race, it starts at its own offset within the head of the fresh list, so
+        concurrent claimers stop racing for the same first task (dataset order then holds
+        within that small window only).
         """
         want = max(4 * n, 16)
         now = time.monotonic()
@@ -185,18 +193,29 @@ class RunQueue:
         self._top_files = files
         dirs = sorted(x for x in top if x.startswith(RELEASE_PREFIX))
         live = set(dirs)
+        self._complete &= live
         fresh = [k for k in self._fresh if k.split("/", 2)[1] in live]
         if len(fresh) < want:
             have = set(fresh)
+            cached = {k.split("/", 2)[1] for k in fresh}
             for d in dirs:
                 if len(fresh) >= want:
                     break
+                if d in self._complete:
+                    if d in cached:
+                        continue  # all its names are cached already
+                    # Every name it held was tried by this claimer: drained, unless a claim
+                    # failed on the way (then rmdir refuses, and it is listed again).
+                    self._complete.discard(d)
+                    if self.storage.rmdir(f"{pending}/{d}"):
+                        continue
                 inside = self.storage.list(f"{pending}/{d}")
                 if not inside:
                     # Drained: safe to remove (rmdir refuses a non-empty directory, and a
                     # release directory is never refilled: each release has a new seq).
                     self.storage.rmdir(f"{pending}/{d}")
                     continue
+                self._complete.add(d)
                 fresh += [k for k in (f"{pending}/{d}/{x}" for x in inside) if k not in have]
         self._fresh = _OrderedSet(fresh)
         window = min(len(fresh), 2 * n + 2)
@@ -228,6 +247,8 @@ class RunQueue:
                            src_key=src, sync_dir=False)
             except NotFound:
                 lost += 1
+                if src.count("/") == 2:  # in a release directory: its listing is stale
+                    self._complete.discard(src.split("/", 2)[1])
                 continue  # another producer won it
             except AlreadyExists:
                 # Not a state the protocol makes: the same task is live twice. Skip it and

@@ -14,7 +14,7 @@ from strawq.queue import RunQueue
 from strawq.storage import MemoryStorage, PosixStorage
 from strawq.testing.faults import FaultyStorage
 
-from tests.strawq.queue_helpers import make_feeder, make_queue
+from tests.strawq.queue_helpers import make_feeder, make_queue, tid
 
 
 class CountingStorage(PosixStorage):
@@ -87,3 +87,38 @@ def test_gc_keeps_the_ack_of_a_batch_published_and_acked_while_it_lists(
     BatchStore(RunQueue(_PublishesAndAcksDuringItsListing(st), q.config)).gc()
     assert st.list("batches") == ["000000000009"]
     assert st.list("acked") == ["000000000009"], "the new batch's ack was taken for an orphan"
+
+
+def test_a_claimer_lists_a_release_directory_once(tmp_path: Path) -> None:
+    """A release directory never gains a name: a claimer that listed it whole claims from
+    that listing to the end and then removes it with ``rmdir`` alone, instead of listing
+    it again at every claim once fewer than 16 cached names were left."""
+    st = CountingStorage(str(tmp_path / "run"))
+    q = make_queue(st, release_batch=32)
+    make_feeder(q, tmp_path, 32).release()
+    (release,) = st.list("pending")
+    st.ops.clear()
+    claimed = [lease.task_id for _ in range(32) for lease in q.claim("p0", 1)]
+    assert claimed == [tid(i) for i in range(32)]
+    assert q.claim("p0", 1) == []
+    assert st.ops[f"list pending/{release}"] == 1, st.ops
+    assert st.list("pending") == [], "the drained release directory is removed"
+
+
+def test_a_claimer_lists_a_release_directory_again_once_it_lost_a_race_there(
+        tmp_path: Path) -> None:
+    st = CountingStorage(str(tmp_path / "run"))
+    q = make_queue(st, release_batch=20)
+    make_feeder(q, tmp_path, 20).release()
+    (release,) = st.list("pending")
+    mine = RunQueue.open(st)
+    assert [lease.task_id for lease in mine.claim("p0", 1)] == [tid(0)]
+    # another claimer takes the next 10 behind this one's back
+    assert len(RunQueue.open(PosixStorage(st.root)).claim("p1", 10)) == 10
+    st.ops.clear()
+    assert [lease.task_id for lease in mine.claim("p0", 1)] == [tid(11)]
+    # the first 10 lost races made the listing stale: the next refill lists it again
+    rest = [lease.task_id for _ in range(8) for lease in mine.claim("p0", 1)]
+    assert sorted(rest) == [tid(i) for i in range(12, 20)]  # (after a lost race, a
+    # claimer starts at its own offset in the head of the list: not quite in order)
+    assert st.ops[f"list pending/{release}"] == 1, st.ops
