@@ -80,6 +80,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--len-sigma", type=float, default=None)
     s.add_argument("--len-cap", type=int, default=None)
     s.add_argument("--cap-prob", type=float, default=None)
+    s.add_argument("--prompt-scale-sigma", type=float, default=None,
+                   help="per-prompt length scale, lognormal of mean 1 (default 0: off)")
     s.add_argument(
         "--time-scale",
         type=float,
@@ -109,6 +111,7 @@ def options_from_args(args: argparse.Namespace) -> EngineOptions:
         "len_cap",
         "cap_prob",
         "time_scale",
+        "prompt_scale_sigma",
     )
     sim_kwargs = _pick(args, sim_keys)
     sim_kwargs.update(_pick(args, ("vocab_size", "context_length")) if args.kind == "sim" else {})

@@ -7,6 +7,12 @@
   capped at ``len_cap``; with probability ``cap_prob`` a response runs to the cap (the
   spike of responses that never stop). The response ends with ``eos_token_id`` at
   ``L`` tokens unless ``max_new_tokens`` comes first.
+* Optionally (``prompt_scale_sigma`` > 0) each prompt has its own length scale: the body
+  of the draw above is multiplied by ``exp(sigma·z - sigma²/2)`` (mean 1), ``z`` a
+  standard normal drawn from a hash of the prompt's tokens (``prompt_scale``), so a few
+  prompts answer much longer than the rest, on every pass over the dataset and across
+  resumes (the scale hashes the original prompt, never the resumed output). The spike at
+  the cap is unchanged. Off by default.
 * Everything is a pure function of the request's seed (``sampling_seed``, else a hash
   of the rid): token ids are ``3 + hash(seed, position) % (vocab - 3)``, log-probs are
   hash-derived values in (-4, 0). A resumed request is recognised by counting the
@@ -35,6 +41,7 @@ from strawq.producers.engines.core import Req
 from strawq.producers.engines.seeding import position_hash, position_uniform
 
 _LEN_SALT = 0x5EED_1E57
+_PROMPT_SALT = 0x9A0_5CA1E
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +59,8 @@ class SimConfig(Config):
     context_length: int = 32768
     eos_token_id: int = 2
     time_scale: float = 1.0
+    #: per-prompt length scale, lognormal of mean 1 with this sigma (0: off)
+    prompt_scale_sigma: float = 0.0
 
     def validate(self) -> None:
         for name in (
@@ -60,6 +69,7 @@ class SimConfig(Config):
             "prefill_ms_per_token",
             "time_scale",
             "len_sigma",
+            "prompt_scale_sigma",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"SimConfig.{name} must be >= 0, found {getattr(self, name)}")
@@ -85,15 +95,31 @@ def sim_logprob(seed: int, position: int) -> float:
     return -4.0 * position_uniform(seed ^ 0xA5A5, position) - 1e-3
 
 
-def target_length(seed: int, cfg: SimConfig) -> int:
-    """The response length this seed stops at (before ``max_new_tokens``)."""
+def _normal(seed: int) -> float:
+    """A standard normal drawn from ``seed`` (Box-Muller)."""
+    u1 = max(position_uniform(seed ^ _LEN_SALT, -2), 1e-12)
+    u2 = position_uniform(seed ^ _LEN_SALT, -3)
+    return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+
+
+def prompt_scale(prompt_ids: Sequence[int], sigma: float) -> float:
+    """The length scale of a prompt: ``exp(sigma·z - sigma²/2)`` (lognormal, mean 1), ``z``
+    a standard normal from a hash of ``prompt_ids``; 1.0 when ``sigma`` is 0."""
+    if sigma <= 0:
+        return 1.0
+    h = zlib.crc32(b"".join(int(t).to_bytes(8, "little", signed=True) for t in prompt_ids))
+    return math.exp(sigma * _normal(h ^ _PROMPT_SALT) - sigma * sigma / 2)
+
+
+def target_length(seed: int, cfg: SimConfig, scale: float = 1.0) -> int:
+    """The response length this seed stops at (before ``max_new_tokens``); ``scale``: the
+    prompt's length scale (``prompt_scale``), applied to the lognormal body, not the spike
+    at the cap."""
     u_cap = position_uniform(seed ^ _LEN_SALT, -1)
     if u_cap < cfg.cap_prob:
         return cfg.len_cap
-    u1 = max(position_uniform(seed ^ _LEN_SALT, -2), 1e-12)
-    u2 = position_uniform(seed ^ _LEN_SALT, -3)
-    z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
-    length = round(math.exp(math.log(cfg.len_median) + cfg.len_sigma * z))
+    x = math.exp(math.log(cfg.len_median) + cfg.len_sigma * _normal(seed))
+    length = round(x * scale) if scale != 1.0 else round(x)
     return max(1, min(cfg.len_cap, length))
 
 
@@ -112,11 +138,11 @@ class SimBackend:
         for req in reqs:
             seq = req.input_ids + req.out_ids
             if req.backend_state is None or "prompt_len" not in req.backend_state:
-                req.backend_state = {
-                    "prompt_len": self.prompt_len(req.input_ids, req.seed,
-                                                  req.params.resumed_tokens),
-                    "target": target_length(req.seed, self.cfg),
-                }
+                n = self.prompt_len(req.input_ids, req.seed, req.params.resumed_tokens)
+                # the prompt's own tokens only: a resumed request's input ends in its output
+                scale = prompt_scale(req.input_ids[:n], self.cfg.prompt_scale_sigma)
+                req.backend_state = {"prompt_len": n,
+                                     "target": target_length(req.seed, self.cfg, scale)}
             self._pending_prefill_ms += self.cfg.prefill_ms_per_token * len(seq)
 
     def prompt_len(self, input_ids: Sequence[int], seed: int, resumed: int | None) -> int:
