@@ -4,6 +4,9 @@
   read from ``\\boxed{...}`` or a trailing ``#### answer`` line.
 * ``count_task`` — the demo's task (see ``demo_task``): emit the target token exactly
   ``k`` times, then stop. Rewarded by how close the response comes.
+* ``difficulty_task`` — the lab's task of fixed difficulty: each response is solved with
+  the row's probability ``p_solve``, decided by a hash of its tokens (all-solved and
+  all-failed rows give groups whose rewards all agree).
 * ``zero_variance`` — the DAPO filter: drop a group whose rewards are all equal (it
   carries no GRPO signal).
 
@@ -14,6 +17,7 @@ reward plugin itself.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from typing import Any
@@ -75,6 +79,29 @@ def count_task(task: dict[str, Any], response_ids: list[int], meta: dict[str, An
     stopped = bool(response_ids) and response_ids[-1] == eos
     length = len(response_ids) - 1 if stopped else len(response_ids)
     return max(0.0, 1.0 - abs(length - k) / max(k, 4))
+
+
+def solve_draw(response_ids: list[int]) -> float:
+    """A uniform number in [0, 1) that is a pure function of the response's tokens."""
+    data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in response_ids)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") / 2.0 ** 64
+
+
+def difficulty_task(task: dict[str, Any], response_ids: list[int],
+                    meta: dict[str, Any]) -> float:
+    """A task of fixed difficulty (``strawq lab``'s history case): 1.0 when the response
+    "solves" the row, with probability ``task['row']['p_solve']``, else 0.0.
+
+    Whether it solves is decided by ``solve_draw(response_ids) < p_solve``, so it is
+    deterministic: the same response always gets the same reward. A row at ``p_solve`` 0
+    (never solved) or 1 (always solved) gives a group whose rewards all agree, on every
+    pass; a row in between agrees only by chance (``p^G + (1 - p)^G``).
+    """
+    row = task.get("row", task)
+    p = float(row["p_solve"])
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"difficulty_task: p_solve must be in [0, 1], got {p}")
+    return 1.0 if solve_draw(response_ids) < p else 0.0
 
 
 def zero_variance(task: dict[str, Any], rewards: list[float]) -> str | None:

@@ -120,3 +120,23 @@ def test_the_slime_reward_adapter_refuses_to_score_without_text() -> None:
     with pytest.raises(ValueError, match="tokenizer"):
         make_sample(task, [1, 2], {"status": "completed"})
     assert make_sample(task, [1, 2], {"text": "4", "status": "completed"}).response == "4"
+
+
+def test_difficulty_task_solves_with_the_rows_probability_by_the_response() -> None:
+    from strawq.producers.rewards import difficulty_task, solve_draw
+
+    responses = [[3 + (i * 31 + k) % 500 for k in range(10)] + [2] for i in range(4000)]
+    for p in (0.0, 1.0):  # never / always solved: every group's rewards agree
+        task = {"row": {"prompt": [5], "p_solve": p}}
+        assert {difficulty_task(task, r, {}) for r in responses} == {p}
+    task = {"row": {"prompt": [5], "p_solve": 0.3}}
+    got = [difficulty_task(task, r, {}) for r in responses]
+    assert set(got) == {0.0, 1.0}
+    assert abs(sum(got) / len(got) - 0.3) < 0.03
+    assert got == [difficulty_task(task, r, {}) for r in responses]  # deterministic
+    assert all(0.0 <= solve_draw(r) < 1.0 for r in responses[:50])
+    assert solve_draw([7, 8]) != solve_draw([8, 7])
+    with pytest.raises(ValueError, match="p_solve"):
+        difficulty_task({"row": {"p_solve": 1.5}}, [3], {})
+    assert check_reward_fn(difficulty_task, task, responses[0]) in (0.0, 1.0)
+    assert load_reward("strawq.producers.rewards.difficulty_task") is difficulty_task
