@@ -40,20 +40,32 @@ import random
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from strawq.config import Config, merge
-from strawq.demo.lab_report import format_table, generated_lengths, length_bias, length_buckets, \
-    plot_bias, row_of
+from strawq.demo.lab_report import format_table, generated_lengths, history_figures, \
+    history_gain, length_bias, length_buckets, plot_bias, row_of
 
-__all__ = ["MODES", "LabConfig", "LabResult", "ModeResult", "format_table",
-           "generated_lengths", "length_bias", "length_buckets", "plot_bias", "row_of", "run_lab",
-           "run_mode"]
+__all__ = ["HISTORY_CASE", "MODES", "REWARDS", "LabConfig", "LabResult", "ModeResult",
+           "format_table", "generated_lengths", "history_figures", "history_gain",
+           "length_bias", "length_buckets", "p_solve_of", "plot_bias", "row_of",
+           "run_history_case", "run_lab", "run_mode"]
 
 log = logging.getLogger(__name__)
 
 MODES = ("sync", "partial", "async", "stream", "flow")
+#: ``LabConfig.reward`` -> the producers' reward plugin
+REWARDS = {"count": "strawq.producers.rewards.count_task",
+           "difficulty": "strawq.producers.rewards.difficulty_task"}
+#: the history case (``run_history_case``, ``bench/pipeline.py --cases history``): the
+#: standard job on a small dataset trained for many passes, 40 % of its rows never or always
+#: solved, a few prompts answering several times longer than the rest
+HISTORY_CASE: dict[str, Any] = {
+    "reward": "difficulty", "never_solved_share": 0.15, "always_solved_share": 0.25,
+    "prompt_scale_sigma": 0.8, "dataset_rows": 384, "num_epochs": 8,
+    "zero_variance_revisit_epochs": 8, "steps": 16,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +122,23 @@ class LabConfig(Config):
     #: tool latency between turns ~ LogNormal(log median, sigma), model seconds
     tool_median_s: float = 1.0
     tool_sigma: float = 1.0
+    # -- the history case (``run_history_case``; the defaults leave every other case as it was)
+    #: the reward: ``count`` (``count_task``) or ``difficulty`` (``difficulty_task``: each
+    #: row has a ``p_solve``, ``never_solved_share`` of the rows at 0, ``always_solved_share``
+    #: at 1, the rest uniform in (0, 1))
+    reward: str = "count"
+    never_solved_share: float = 0.2
+    always_solved_share: float = 0.2
+    #: per-prompt length scale of the sim engines (lognormal of mean 1; 0: off)
+    prompt_scale_sigma: float = 0.0
+    #: dataset rows (0: enough for every step in one pass)
+    dataset_rows: int = 0
+    #: the queue's passes over the dataset and the history's admission rules
+    #: (``QueueConfig``; ``strawq.prompt_policy``)
+    num_epochs: int = 1
+    skip_zero_variance: bool = False
+    zero_variance_revisit_epochs: int = 2
+    longest_first: bool = False
     # -- plumbing ----------------------------------------------------------------------------
     seed: int = 0
     #: fsync queue writes (the production setting; a local disk makes them cheap)
@@ -149,6 +178,36 @@ class LabConfig(Config):
         if self.admission_batches is not None and not 1 <= self.admission_batches < math.inf:
             raise ValueError(f"admission_batches must be >= 1 or None, got "
                              f"{self.admission_batches}")
+        self._validate_history()
+
+    def _validate_history(self) -> None:
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {sorted(REWARDS)}, got {self.reward!r}")
+        a, b = self.never_solved_share, self.always_solved_share
+        if not (0 <= a <= 1 and 0 <= b <= 1 and a + b <= 1):
+            raise ValueError(f"never_solved_share ({a}) and always_solved_share ({b}) must be "
+                             f"shares that sum to at most 1")
+        if self.prompt_scale_sigma < 0 or self.dataset_rows < 0 or self.num_epochs < 1:
+            raise ValueError("prompt_scale_sigma and dataset_rows must be >= 0, num_epochs >= 1")
+        if self.zero_variance_revisit_epochs < 2:
+            raise ValueError("zero_variance_revisit_epochs must be >= 2")
+        if self.dataset_rows and self.expected_supply() < self.steps * self.batch_groups:
+            raise ValueError(
+                f"{self.dataset_rows} rows x {self.num_epochs} passes may supply only "
+                f"~{self.expected_supply():.0f} groups (with the zero-variance skip), fewer than "
+                f"the {self.steps} steps x B = {self.steps * self.batch_groups} the run trains:"
+                f" its last step would wait for groups that never come")
+
+    def expected_supply(self) -> float:
+        """Groups the dataset's passes release: every row in the first pass; with the
+        zero-variance skip, after it only the rows expected to give differing rewards
+        (a row between 0 and 1, uniform, agrees by chance with probability 2/(G+1))."""
+        rows = self.dataset_rows or 0
+        if not self.skip_zero_variance or self.reward != "difficulty":
+            return float(rows * self.num_epochs)
+        between = 1.0 - self.never_solved_share - self.always_solved_share
+        kept = between * (1.0 - 2.0 / (self.group_size + 1))
+        return rows * (1.0 + (self.num_epochs - 1) * kept)
 
     @property
     def engines_per_process(self) -> int:
@@ -167,11 +226,15 @@ class LabConfig(Config):
     def sim_options(self) -> dict[str, Any]:
         """The flags of one sim process (the per-engine timing model, see the module doc)."""
         k = self.engines_per_process
-        return dict(max_running_requests=k * self.concurrency,
-                    step_base_ms=self.step_base_ms, step_per_req_ms=self.step_per_req_ms / k,
-                    prefill_ms_per_token=self.prefill_ms_per_token / k,
-                    len_median=self.len_median, len_sigma=self.len_sigma,
-                    len_cap=self.len_cap, cap_prob=self.cap_prob, time_scale=self.time_scale)
+        opts: dict[str, Any] = dict(
+            max_running_requests=k * self.concurrency, step_base_ms=self.step_base_ms,
+            step_per_req_ms=self.step_per_req_ms / k,
+            prefill_ms_per_token=self.prefill_ms_per_token / k, len_median=self.len_median,
+            len_sigma=self.len_sigma, len_cap=self.len_cap, cap_prob=self.cap_prob,
+            time_scale=self.time_scale)
+        if self.prompt_scale_sigma > 0:
+            opts["prompt_scale_sigma"] = self.prompt_scale_sigma
+        return opts
 
     def model_step_s(self, batch: int | None = None) -> float:
         """Modelled decode step of one engine with ``batch`` running (default C), model s."""
@@ -368,13 +431,28 @@ def _agent_keys(cfg: LabConfig) -> dict[str, Any]:
             "tools": {"timeout_s": 600.0}}
 
 
+def p_solve_of(cfg: LabConfig, n: int) -> list[float]:
+    """The rows' difficulty (``difficulty_task``): ``never_solved_share`` at 0,
+    ``always_solved_share`` at 1, the rest uniform in (0, 1), in a seeded shuffle."""
+    rng = random.Random(cfg.seed + 11)  # its own stream: the prompts stay the same
+    zero = round(cfg.never_solved_share * n)
+    one = round(cfg.always_solved_share * n)
+    out = [0.0] * zero + [1.0] * one + [rng.uniform(0.01, 0.99) for _ in range(n - zero - one)]
+    rng.shuffle(out)
+    return out
+
+
 def _write_dataset(path: str, n: int, cfg: LabConfig) -> None:
     rng = random.Random(cfg.seed)
+    p_solve = p_solve_of(cfg, n) if cfg.reward == "difficulty" else None
     with open(path, "w", encoding="utf-8") as f:
-        for _ in range(n):
+        for i in range(n):
             prompt = [rng.randint(3, 31999) for _ in range(cfg.prompt_len)]
             count = max(1, round(cfg.len_median * math.exp(rng.gauss(0, cfg.len_sigma))))
-            f.write(json.dumps({"prompt": prompt, "count": count, "eos": 2}) + "\n")
+            row: dict[str, Any] = {"prompt": prompt, "count": count, "eos": 2}
+            if p_solve is not None:
+                row["p_solve"] = p_solve[i]
+            f.write(json.dumps(row) + "\n")
 
 
 def schedule_config(cfg: LabConfig, mode: str) -> Any:
@@ -412,11 +490,15 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
     sched = schedule_config(cfg, mode)
     admitted = max(sched.slots, math.ceil(cfg.oversample * cfg.batch_groups),
                    (cfg.max_staleness + 1) * cfg.batch_groups)
-    _write_dataset(dataset_path, (cfg.steps + 4) * admitted + 64, cfg)
+    rows = cfg.dataset_rows or (cfg.steps + 4) * admitted + 64
+    _write_dataset(dataset_path, rows, cfg)
     lease_timeout = 30.0
     qcfg = QueueConfig(group_size=cfg.group_size, lease_timeout_s=lease_timeout,
                        heartbeat_interval_s=lease_timeout / 6, release_batch=64,
-                       fsync=cfg.fsync)
+                       fsync=cfg.fsync, num_epochs=cfg.num_epochs,
+                       skip_zero_variance=cfg.skip_zero_variance,
+                       zero_variance_revisit_epochs=cfg.zero_variance_revisit_epochs,
+                       longest_first=cfg.longest_first)
     RunQueue.create(PosixStorage(run_dir, writer_id="lab", fsync=cfg.fsync), qcfg,
                     meta={"lab": cfg.to_dict(), "mode": mode})
     ccfg = collector_config(sched, poll_interval_s=0.02, metrics_interval_s=5.0,
@@ -433,7 +515,7 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
         urls = [e.url for e in engines]
         pconfigs = [merge({"run_dir": run_dir, "producer_id": f"lab-{mode}-{i}",
                            "engine": {"workers": urls},
-                           "plugins": {"reward": "strawq.producers.rewards.count_task"},
+                           "plugins": {"reward": REWARDS[cfg.reward]},
                            "budget": {"slots": budget.slots[i]},
                            "sampling": {"max_new_tokens": cfg.len_cap, "seed": cfg.seed},
                            "timing": {"control_poll_s": cfg.poll_s, "idle_poll_s": cfg.poll_s,
@@ -474,9 +556,14 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
             raise RuntimeError(f"the lab's collector failed: {loop.error!r}") from loop.error
         stats = producers.finish()
         producers = None
+        if cfg.reward == "difficulty":
+            collector.batches.gc()  # the last acked batches into the history
         problems = audit(run_dir, [r.indices for r in res.records])
         row = row_of(cfg, mode, res, sampler.samples, stats, cpu, loop, collector)
         row["bias"] = length_bias(cfg, res.records)
+        if cfg.reward == "difficulty":
+            row["history"] = history_figures(cfg, run_dir, _p_solve_in(dataset_path),
+                                             row["model_s"])
         result = ModeResult(mode, row, {"lab": cfg.to_dict(), "schedule": asdict(sched),
                                         "collector": asdict(ccfg),
                                         "sim_process": cfg.sim_options(),
@@ -510,6 +597,11 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
             producers.finish(10.0)
         for e in engines:
             e.stop()
+
+
+def _p_solve_in(path: str) -> list[float]:
+    with open(path, encoding="utf-8") as f:
+        return [float(json.loads(line)["p_solve"]) for line in f if line.strip()]
 
 
 def _wait_producers(bracket: Any, producers: _Producers, timeout_s: float = 120.0) -> None:
@@ -580,4 +672,27 @@ def run_lab(cfg: LabConfig) -> LabResult:
                   f, indent=2, default=str)
     result.files["json"] = path
     result.files.update({f"timeline_{m}": r.files["timeline"] for m, r in result.modes.items()})
+    return result
+
+
+def run_history_case(cfg: LabConfig, mode: str = "stream") -> LabResult:
+    """``mode`` twice on the same case, the history's rules off then on (the zero-variance
+    skip and longest-first); rows ``<mode> history off`` / ``on``; writes history.json.
+    ``cfg`` should be a case of several passes with the difficulty reward (``HISTORY_CASE``).
+    """
+    if cfg.reward != "difficulty":
+        raise ValueError("the history case needs reward='difficulty' (see HISTORY_CASE)")
+    os.makedirs(cfg.workdir, exist_ok=True)
+    result = LabResult(cfg)
+    for on in (False, True):
+        row_cfg = replace(cfg, workdir=os.path.join(cfg.workdir, "on" if on else "off"),
+                          skip_zero_variance=on, longest_first=on)
+        result.modes[f"{mode} history {'on' if on else 'off'}"] = run_mode(row_cfg, mode)
+    path = os.path.join(os.path.abspath(cfg.workdir), "history.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"config": cfg.to_dict(), "gain": history_gain(result),
+                   "rows": {m: r.row for m, r in result.modes.items()},
+                   "problems": {m: r.problems for m, r in result.modes.items()}},
+                  f, indent=2, default=str)
+    result.files["json"] = path
     return result

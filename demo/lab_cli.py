@@ -56,6 +56,16 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("cap_prob", float, "share of responses that run to the cap (default 0.03)"),
     ("time_scale", float, "wall seconds per model second (default 1.3)"),
     ("seed", int, "seed of the dataset and of every sample"),
+    ("reward", str, "count (count_task, default) or difficulty (difficulty_task: rows with a "
+     "p_solve)"),
+    ("never_solved_share", float, "difficulty: share of rows at p_solve 0 (default 0.2)"),
+    ("always_solved_share", float, "difficulty: share of rows at p_solve 1 (default 0.2)"),
+    ("prompt_scale_sigma", float, "per-prompt length scale of the sim engines, lognormal of "
+     "mean 1 (default 0: off)"),
+    ("dataset_rows", int, "dataset rows (default: enough for every step in one pass)"),
+    ("num_epochs", int, "passes over the dataset (queue.num_epochs, default 1)"),
+    ("zero_variance_revisit_epochs", int, "passes after a zero-variance group at which its "
+     "row comes back (default 2)"),
 )
 
 
@@ -64,11 +74,12 @@ def cmd_lab(args: argparse.Namespace) -> int:
     from strawq.config import read_json_object
     from strawq.errors import ConfigError
 
-    from strawq.demo.lab import LabConfig, format_table, run_lab
+    from strawq.demo.lab import HISTORY_CASE, LabConfig, format_table, run_history_case, \
+        run_lab
 
     if not getattr(args, "verbose", False):
         logging.getLogger().setLevel(logging.WARNING)
-    data: dict[str, Any] = {}
+    data: dict[str, Any] = dict(HISTORY_CASE) if args.history else {}
     if args.config:
         loaded = read_json_object(args.config, what="lab config")
         data.update(loaded.get("config", loaded))  # a lab.json, or a bare LabConfig
@@ -76,13 +87,20 @@ def cmd_lab(args: argparse.Namespace) -> int:
     data.update({k: v for k, v in vars(args).items() if k in names and v is not None})
     if args.modes:
         data["modes"] = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    elif args.history:
+        data.setdefault("modes", ("stream",))
     try:
         cfg = LabConfig.from_dict(data)
     except ConfigError as exc:
         raise UsageError(f"{exc} (see strawq lab --help)") from exc
-    result = run_lab(cfg)
+    result = run_history_case(cfg, cfg.modes[0]) if args.history else run_lab(cfg)
     print(format_table(result))
     print(f"\nwritten: {result.files['json']} and <mode>/timeline.png under {cfg.workdir}")
+    if args.history:
+        from strawq.demo.lab import history_gain
+
+        print(f"useful tokens per engine-second, history on / off = "
+              f"{history_gain(result)['x']:.2f}")
     return 1 if any(r.problems for r in result.modes.values()) else 0
 
 
@@ -97,6 +115,13 @@ def add_lab_parser(sub: Any) -> None:
                    "LabConfig mapping); flags override it")
     for name, typ, text in _FLAGS:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=typ, help=text)
+    p.add_argument("--skip-zero-variance", dest="skip_zero_variance", action="store_true",
+                   default=None, help="queue.skip_zero_variance (from the second pass on)")
+    p.add_argument("--longest-first", dest="longest_first", action="store_true", default=None,
+                   help="queue.longest_first (from the second pass on)")
+    p.add_argument("--history", action="store_true",
+                   help="the history case (HISTORY_CASE; flags override it): the first of "
+                        "--modes (default stream) with the history's rules off, then on")
     p.add_argument("--no-fsync", dest="fsync", action="store_false", default=None,
                    help="skip fsync on queue writes")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)

@@ -109,12 +109,16 @@ def generated_lengths(cfg: LabConfig, n: int = 20000) -> list[int]:
     """Response lengths the sim engines' timing model generates (its distribution, drawn
     ``n`` times): the reference the trained lengths are compared against."""
     rng = random.Random(cfg.seed + 7)
+    s = cfg.prompt_scale_sigma
     out = []
     for _ in range(n):
         if rng.random() < cfg.cap_prob:
             out.append(cfg.len_cap)
         else:
-            x = round(math.exp(math.log(cfg.len_median) + cfg.len_sigma * rng.gauss(0, 1)))
+            z = cfg.len_sigma * rng.gauss(0, 1)
+            if s > 0:  # the per-prompt scale (``prompt_scale``): lognormal of mean 1
+                z += s * rng.gauss(0, 1) - s * s / 2
+            x = round(math.exp(math.log(cfg.len_median) + z))
             out.append(max(1, min(cfg.len_cap, x)))
     return out
 
@@ -193,6 +197,111 @@ def plot_bias(path: str, cfg: LabConfig, mode: str, bias: dict[str, Any]) -> str
     return path
 
 
+# -- the history case ------------------------------------------------------------------------
+#: difficulty buckets of the trained mix: never solved, in between, always solved
+BUCKETS = ("p=0", "0<p<1", "p=1")
+
+
+def _bucket(p: float) -> str:
+    return BUCKETS[0] if p <= 0 else BUCKETS[2] if p >= 1 else BUCKETS[1]
+
+
+def history_figures(cfg: LabConfig, run_dir: str, p_solve: list[float],
+                    model_s: float) -> dict[str, Any]:
+    """What the run trained, from its per-prompt history (``strawq.history``, read after a
+    final gc): useful tokens (of trained groups whose rewards differ: GRPO signal) per
+    engine-second (E x the run's model seconds), zero-variance groups trained, rows the
+    history skipped, and the trained mix per difficulty bucket against the dataset's.
+
+    ``p_solve``: the dataset's rows' difficulty (row ``i`` of every pass: task index ``i``
+    modulo the dataset's size, as the lab's dataset has no bad rows to skip)."""
+    from strawq.history import load_history
+    from strawq.storage import PosixStorage
+
+    hist = load_history(PosixStorage(run_dir, writer_id="lab-history", fsync=False))
+    n = len(p_solve)
+    groups = zero = 0
+    tokens = useful = 0
+    mix = dict.fromkeys(BUCKETS, 0)
+    passes: dict[int, list[int]] = {}  # pass -> [groups, tokens, useful tokens]
+    for stats in hist.prompts.values():
+        for r in stats.last:
+            if r.get("status") != "trained" or not isinstance(r.get("index"), int):
+                continue
+            index, t = int(r["index"]), int(r.get("tokens") or 0)
+            var = r.get("reward_var")
+            agrees = int(r.get("samples") or 0) >= 2 and var == 0
+            groups += 1
+            tokens += t
+            zero += agrees
+            useful += 0 if agrees else t
+            mix[_bucket(p_solve[index % n])] += 1
+            ps = passes.setdefault(index // n, [0, 0, 0])
+            ps[0], ps[1], ps[2] = ps[0] + 1, ps[1] + t, ps[2] + (0 if agrees else t)
+    data = dict.fromkeys(BUCKETS, 0)
+    for p in p_solve:
+        data[_bucket(p)] += 1
+    trained_share = {b: mix[b] / groups if groups else float("nan") for b in BUCKETS}
+    data_share = {b: data[b] / n if n else float("nan") for b in BUCKETS}
+    engine_s = cfg.engines * model_s
+    totals = hist.totals()
+    return {
+        "trained_groups": groups,
+        "trained_tokens": tokens,
+        "useful_tokens": useful,
+        "useful_share": useful / tokens if tokens else float("nan"),
+        "zero_variance_groups": zero,
+        "zero_variance_share": zero / groups if groups else float("nan"),
+        "skipped": totals["skipped"],
+        "skipped_by_reward": totals["skipped_by_reward"],
+        "engine_s": engine_s,
+        "useful_tokens_per_engine_s": useful / engine_s if engine_s > 0 else float("nan"),
+        "trained_mix": trained_share,
+        "dataset_mix": data_share,
+        # the drift the skip puts on what is trained: the largest share gap of a bucket
+        "mix_drift": max(abs(trained_share[b] - data_share[b]) for b in BUCKETS),
+        "passes": [{"pass": e + 1, "groups": g, "useful_share": u / t if t else float("nan")}
+                   for e, (g, t, u) in sorted(passes.items())],
+    }
+
+
+def history_gain(result: LabResult) -> dict[str, float]:
+    """The history case's figures: useful tokens per engine-second, history on / off
+    (``x``), and the trained mix's drift from the dataset's in each row."""
+    rows = {("on" if m.endswith(" on") else "off"): r.row.get("history", {})
+            for m, r in result.modes.items()}
+    on, off = rows.get("on", {}), rows.get("off", {})
+    nan = float("nan")
+    return {"x": _ratio(on.get("useful_tokens_per_engine_s", nan),
+                        off.get("useful_tokens_per_engine_s", nan)),
+            "useful_share_on": on.get("useful_share", nan),
+            "useful_share_off": off.get("useful_share", nan),
+            "drift_on": on.get("mix_drift", nan), "drift_off": off.get("mix_drift", nan),
+            "zero_variance_groups_on": on.get("zero_variance_groups", nan),
+            "zero_variance_groups_off": off.get("zero_variance_groups", nan)}
+
+
+def format_history(result: LabResult) -> list[str]:
+    """The history block of the table (rows with a ``history`` figure only)."""
+    rows = [(m, r.row["history"]) for m, r in result.modes.items() if "history" in r.row]
+    if not rows:
+        return []
+    width = max(len(m) for m, _ in rows)
+    out = ["", f"history ({result.config.num_epochs} passes over "
+               f"{result.config.dataset_rows or '?'} rows): useful = tokens of trained groups "
+               "whose rewards differ; engine-s = E x model s; mix = trained groups at "
+               f"{' / '.join(BUCKETS)} (dataset in brackets)"]
+    for m, h in rows:
+        mix = " / ".join(f"{h['trained_mix'][b]:.2f} ({h['dataset_mix'][b]:.2f})"
+                         for b in BUCKETS)
+        out.append(f"  {m.rjust(width)}: useful tok/engine-s "
+                   f"{h['useful_tokens_per_engine_s']:.1f}, useful share "
+                   f"{h['useful_share']:.2f}, zero-variance groups trained "
+                   f"{h['zero_variance_groups']} of {h['trained_groups']}, skipped "
+                   f"{h['skipped']}; mix {mix}, drift {h['mix_drift']:.2f}")
+    return out
+
+
 # -- the table -------------------------------------------------------------------------------
 _COLUMNS = (
     ("trained tok/s", "trained_tokens_per_s", "{:.0f}"),
@@ -257,6 +366,7 @@ def format_table(result: LabResult) -> str:
     out.append("wait steady: from the first batch on (the pipeline's fill left out); "
                "over-eta trained: groups over eta kept and trained (eta_mode train); regen / "
                "dropped: groups regenerated or dropped for staleness")
+    out += format_history(result)
     for m, r in result.modes.items():
         if r.problems:
             out.append(f"AUDIT PROBLEMS in {m}: {r.problems[:5]}")

@@ -107,3 +107,55 @@ def test_length_bias_buckets_and_ages() -> None:
     assert abs(sum(b["trained_share"] for b in bias["buckets"]) - 1) < 1e-9
     assert bias["age_counts"] == {"0": 1, "1": 2, "3": 1}
     assert bias["trained_mean_len"] == (5 + 40 + 40 + 9) / 4
+
+
+def test_history_case_tiny_skip_trains_fewer_zero_variance_groups(tmp_path,
+                                                                   monkeypatch) -> None:
+    """The history case (``run_history_case``): a dataset of 8 batches over 4 passes, 40 %
+    of its rows never or always solved. With the rules on, rows whose last group agreed
+    are skipped, so fewer zero-variance groups are trained in the same steps; every trained
+    group is in the history after the final gc.
+
+    The feeder re-reads the history every ``HISTORY_REFRESH_S`` (30 s), longer than this
+    whole run: it is cut to half a second here, so the releases see what gc recorded (the
+    collector runs in this process) and the comparison does not hang on timing."""
+    import strawq.feeder
+    from strawq.demo.lab import history_gain, run_history_case
+
+    monkeypatch.setattr(strawq.feeder, "HISTORY_REFRESH_S", 0.5)
+
+    cfg = LabConfig(workdir=str(tmp_path / "lab"), **{
+        **TINY, "group_size": 8, "train_step_s": 0.8, "steps": 14, "reward": "difficulty",
+        "never_solved_share": 0.2, "always_solved_share": 0.2, "prompt_scale_sigma": 0.8,
+        "dataset_rows": 48, "num_epochs": 4, "zero_variance_revisit_epochs": 4})
+    result = run_history_case(cfg)
+
+    off, on = (result.modes[f"stream history {k}"] for k in ("off", "on"))
+    for r in (off, on):
+        assert r.problems == [], r.problems
+        h = r.row["history"]
+        assert h["trained_groups"] == cfg.steps * cfg.batch_groups
+        assert h["trained_tokens"] == r.row["trained_tokens"]
+        for key in ("useful_tokens_per_engine_s", "useful_share", "mix_drift", "engine_s",
+                    "zero_variance_share"):
+            assert _finite(h[key]), (key, h[key])
+        assert h["engine_s"] == pytest.approx(cfg.engines * r.row["model_s"])
+        assert sum(h["trained_mix"].values()) == pytest.approx(1.0)
+        assert h["dataset_mix"]["p=0"] == pytest.approx(0.2, abs=0.02)
+        assert h["passes"][0]["pass"] == 1
+    assert off.row["history"]["skipped"] == 0
+    assert on.row["history"]["skipped"] > 0
+    assert on.row["history"]["zero_variance_groups"] < off.row["history"]["zero_variance_groups"]
+    gain = history_gain(result)
+    assert _finite(gain["x"]) and gain["x"] > 0
+    assert "useful tok/engine-s" in format_table(result)
+    with open(result.files["json"], encoding="utf-8") as f:
+        assert json.load(f)["gain"]["x"] == pytest.approx(gain["x"])
+
+
+def test_history_case_refuses_a_dataset_too_small_for_its_steps() -> None:
+    with pytest.raises(ValueError, match="never come"):
+        LabConfig(**{**TINY, "steps": 10, "reward": "difficulty", "dataset_rows": 12,
+                     "num_epochs": 3, "skip_zero_variance": True})
+    LabConfig(**{**TINY, "steps": 10, "reward": "difficulty", "dataset_rows": 12,
+                 "num_epochs": 6})  # without the skip, 72 rows cover 60 groups
