@@ -63,8 +63,8 @@ REWARDS = {"count": "strawq.producers.rewards.count_task",
 #: solved, a few prompts answering several times longer than the rest
 HISTORY_CASE: dict[str, Any] = {
     "reward": "difficulty", "never_solved_share": 0.15, "always_solved_share": 0.25,
-    "prompt_scale_sigma": 0.8, "dataset_rows": 384, "num_epochs": 8,
-    "zero_variance_revisit_epochs": 8, "steps": 16,
+    "prompt_scale_sigma": 0.8, "dataset_rows": 384, "num_epochs": 14,
+    "zero_variance_revisit_epochs": 14, "steps": 28,
 }
 
 

@@ -200,10 +200,26 @@ def plot_bias(path: str, cfg: LabConfig, mode: str, bias: dict[str, Any]) -> str
 # -- the history case ------------------------------------------------------------------------
 #: difficulty buckets of the trained mix: never solved, in between, always solved
 BUCKETS = ("p=0", "0<p<1", "p=1")
+#: the learnable rows (0 < p < 1) split by difficulty: the skip also leaves out a row whose
+#: group agreed by chance (likelier near 0 and 1), which tilts what is learned from
+LEARNABLE = ("p<0.25", "0.25-0.75", "p>0.75")
 
 
 def _bucket(p: float) -> str:
     return BUCKETS[0] if p <= 0 else BUCKETS[2] if p >= 1 else BUCKETS[1]
+
+
+def _learnable(p: float) -> str:
+    return LEARNABLE[0] if p < 0.25 else LEARNABLE[2] if p > 0.75 else LEARNABLE[1]
+
+
+def _shares(counts: dict[str, int]) -> dict[str, float]:
+    n = sum(counts.values())
+    return {k: v / n if n else float("nan") for k, v in counts.items()}
+
+
+def _drift(a: dict[str, float], b: dict[str, float]) -> float:
+    return max(abs(a[k] - b[k]) for k in a)
 
 
 def history_figures(cfg: LabConfig, run_dir: str, p_solve: list[float],
@@ -223,6 +239,7 @@ def history_figures(cfg: LabConfig, run_dir: str, p_solve: list[float],
     groups = zero = 0
     tokens = useful = 0
     mix = dict.fromkeys(BUCKETS, 0)
+    learn = dict.fromkeys(LEARNABLE, 0)
     passes: dict[int, list[int]] = {}  # pass -> [groups, tokens, useful tokens]
     for stats in hist.prompts.values():
         for r in stats.last:
@@ -235,14 +252,20 @@ def history_figures(cfg: LabConfig, run_dir: str, p_solve: list[float],
             tokens += t
             zero += agrees
             useful += 0 if agrees else t
-            mix[_bucket(p_solve[index % n])] += 1
+            p = p_solve[index % n]
+            mix[_bucket(p)] += 1
+            if 0 < p < 1:
+                learn[_learnable(p)] += 1
             ps = passes.setdefault(index // n, [0, 0, 0])
             ps[0], ps[1], ps[2] = ps[0] + 1, ps[1] + t, ps[2] + (0 if agrees else t)
     data = dict.fromkeys(BUCKETS, 0)
+    data_learn = dict.fromkeys(LEARNABLE, 0)
     for p in p_solve:
         data[_bucket(p)] += 1
-    trained_share = {b: mix[b] / groups if groups else float("nan") for b in BUCKETS}
-    data_share = {b: data[b] / n if n else float("nan") for b in BUCKETS}
+        if 0 < p < 1:
+            data_learn[_learnable(p)] += 1
+    trained_share, data_share = _shares(mix), _shares(data)
+    learn_share, data_learn_share = _shares(learn), _shares(data_learn)
     engine_s = cfg.engines * model_s
     totals = hist.totals()
     return {
@@ -259,9 +282,17 @@ def history_figures(cfg: LabConfig, run_dir: str, p_solve: list[float],
         "trained_mix": trained_share,
         "dataset_mix": data_share,
         # the drift the skip puts on what is trained: the largest share gap of a bucket
-        "mix_drift": max(abs(trained_share[b] - data_share[b]) for b in BUCKETS),
+        # (p=0 and p=1 are what the skip leaves out on purpose)
+        "mix_drift": _drift(trained_share, data_share),
+        # among the learnable rows only: the tilt of what is learned from
+        "learnable_mix": learn_share,
+        "dataset_learnable_mix": data_learn_share,
+        "learnable_drift": _drift(learn_share, data_learn_share),
         "passes": [{"pass": e + 1, "groups": g, "useful_share": u / t if t else float("nan")}
                    for e, (g, t, u) in sorted(passes.items())],
+        # the passes the history can act on (from the second): useful tokens / trained tokens
+        "useful_share_later": (sum(u for e, (_, _, u) in passes.items() if e > 0)
+                               / max(1, sum(t for e, (_, t, _) in passes.items() if e > 0))),
     }
 
 
@@ -276,7 +307,11 @@ def history_gain(result: LabResult) -> dict[str, float]:
                         off.get("useful_tokens_per_engine_s", nan)),
             "useful_share_on": on.get("useful_share", nan),
             "useful_share_off": off.get("useful_share", nan),
+            "useful_share_later_on": on.get("useful_share_later", nan),
+            "useful_share_later_off": off.get("useful_share_later", nan),
             "drift_on": on.get("mix_drift", nan), "drift_off": off.get("mix_drift", nan),
+            "learnable_drift_on": on.get("learnable_drift", nan),
+            "learnable_drift_off": off.get("learnable_drift", nan),
             "zero_variance_groups_on": on.get("zero_variance_groups", nan),
             "zero_variance_groups_off": off.get("zero_variance_groups", nan)}
 
@@ -290,7 +325,8 @@ def format_history(result: LabResult) -> list[str]:
     out = ["", f"history ({result.config.num_epochs} passes over "
                f"{result.config.dataset_rows or '?'} rows): useful = tokens of trained groups "
                "whose rewards differ; engine-s = E x model s; mix = trained groups at "
-               f"{' / '.join(BUCKETS)} (dataset in brackets)"]
+               f"{' / '.join(BUCKETS)} (dataset in brackets); learnable = the same among "
+               f"0<p<1 at {' / '.join(LEARNABLE)}"]
     for m, h in rows:
         mix = " / ".join(f"{h['trained_mix'][b]:.2f} ({h['dataset_mix'][b]:.2f})"
                          for b in BUCKETS)
@@ -298,7 +334,10 @@ def format_history(result: LabResult) -> list[str]:
                    f"{h['useful_tokens_per_engine_s']:.1f}, useful share "
                    f"{h['useful_share']:.2f}, zero-variance groups trained "
                    f"{h['zero_variance_groups']} of {h['trained_groups']}, skipped "
-                   f"{h['skipped']}; mix {mix}, drift {h['mix_drift']:.2f}")
+                   f"{h['skipped']}; mix {mix}, drift {h['mix_drift']:.2f}; learnable "
+                   + " / ".join(f"{h['learnable_mix'][b]:.2f} ({h['dataset_learnable_mix'][b]:.2f})"
+                                for b in LEARNABLE)
+                   + f", drift {h['learnable_drift']:.2f}")
     return out
 
 

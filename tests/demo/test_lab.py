@@ -137,7 +137,7 @@ def test_history_case_tiny_skip_trains_fewer_zero_variance_groups(tmp_path,
         assert h["trained_groups"] == cfg.steps * cfg.batch_groups
         assert h["trained_tokens"] == r.row["trained_tokens"]
         for key in ("useful_tokens_per_engine_s", "useful_share", "mix_drift", "engine_s",
-                    "zero_variance_share"):
+                    "zero_variance_share", "learnable_drift", "useful_share_later"):
             assert _finite(h[key]), (key, h[key])
         assert h["engine_s"] == pytest.approx(cfg.engines * r.row["model_s"])
         assert sum(h["trained_mix"].values()) == pytest.approx(1.0)
