@@ -1,8 +1,8 @@
 """Benchmark of the rollout pipeline: the lab's schedules on two cases, whole-run figures.
 
     python bench/pipeline.py [--quick] [--workdir DIR] [--steps N] [--sync-steps N]
-                             [--modes sync,stream,flow] [--cases standard,long_tail]
-                             [--time-scale S] [--flow-windows 9,10]
+                             [--modes sync,stream,flow] [--cases standard,long_tail,history]
+                             [--time-scale S] [--flow-windows 9,10] [--history-mode stream]
 
 Two cases (``strawq.demo.lab``, docs/lab.md): ``standard`` = ``LabConfig()`` (48 emulated
 engines x 16 slots, G=16, B=96, a 4 s trainer step, lengths capped at 256 with 3 % at the
@@ -34,6 +34,25 @@ nothing (the whole run also pays the pipeline's fill, about one group's latency)
 X >= 2.77 (AReaL's 2.77x at eta = 4, the best anchor), Y <= 1.0, Z = 0, F >= 0.97.
 ``--quick`` (the CI size) runs the standard case, sync and stream, 2 one-second steps at
 B=48 and time scale 1: plumbing only, not the figures.
+
+The ``history`` case (``strawq.demo.lab.HISTORY_CASE``, docs/lab.md) is the standard job
+on a dataset of 4 batches (384 rows) released for 14 passes, 40 % of its rows never or
+always solved (``difficulty_task``) and a per-prompt length scale (a few prompts answer
+several times longer); it runs ``--history-mode`` (stream) with the history's rules off and
+on (``queue.skip_zero_variance``, never revisited within the run, and ``longest_first``)
+for the case's 28 steps (7 passes' worth without the skip), and prints, as a line of its
+own::
+
+    pipeline: useful tokens per engine-second, history on / off = X
+
+where useful tokens are those of trained groups whose rewards differ, engine-seconds E x
+the run's model seconds. Target X >= 1.5 with the learnable mix (the shares of trained
+groups at 0 < p_solve < 0.25 / 0.25-0.75 / 0.75-1) no further than 0.10 from the
+dataset's in any bucket: the skip leaves the never- and always-solved rows out on purpose
+(their share of the trained mix, reported too, drops by design), but a learnable row whose
+group agreed by chance is left out as well, which tilts what is learned from. Not in
+``--quick`` (tests/demo/test_lab.py runs it tiny). It has no sync row: run alone
+(``--cases history``), its line is the last.
 """
 
 from __future__ import annotations
@@ -47,9 +66,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strawq.demo.lab import LabConfig, LabResult, format_table, run_mode  # noqa: E402
+from strawq.demo.lab import HISTORY_CASE, LabConfig, LabResult, format_table, history_gain, \
+    run_history_case, run_mode  # noqa: E402
 
 TARGETS = {"x": 2.77, "staleness": 1.0, "stale_actions": 0, "ceiling": 0.97}
+#: the history case: useful tokens per engine-second on / off, and the largest share gap
+#: of a learnable difficulty bucket between the trained mix and the dataset's (history on)
+HISTORY_TARGETS = {"x": 1.5, "learnable_drift": 0.10}
 CASES = {
     "standard": {},
     # a cap worth more than two trainer steps: 384 tokens x 24 ms = 9.2 s > 2 x 4 s
@@ -87,13 +110,40 @@ def best_of(worst: dict[str, dict[str, float]]) -> str:
     return max(worst, key=key)
 
 
+def history_case(workdir: str, time_scale: float, mode: str) -> None:
+    """The history case, off and on: its table, the figures and the line of its own."""
+    cfg = replace(LabConfig(workdir=f"{workdir}/history", progress=False),
+                  time_scale=time_scale, **HISTORY_CASE)
+    result = run_history_case(cfg, mode)
+    print(f"== case history ({mode}, {cfg.steps} steps, {cfg.num_epochs} passes over "
+          f"{cfg.dataset_rows} rows; history off, then on) ==")
+    print(format_table(result))
+    g = history_gain(result)
+    for key, op, ok in (("x", ">=", g["x"] >= HISTORY_TARGETS["x"]),
+                        ("learnable_drift", "<=",
+                         g["learnable_drift_on"] <= HISTORY_TARGETS["learnable_drift"])):
+        val = g["x"] if key == "x" else g["learnable_drift_on"]
+        print(f"  [{'met' if ok else 'MISSED'}] {key} = {val:.3f} (target {op} "
+              f"{HISTORY_TARGETS[key]})")
+    print(f"  useful share {g['useful_share_off']:.2f} off, {g['useful_share_on']:.2f} on "
+          f"(from the second pass: {g['useful_share_later_off']:.2f}, "
+          f"{g['useful_share_later_on']:.2f}); zero-variance groups trained "
+          f"{g['zero_variance_groups_off']} off, {g['zero_variance_groups_on']} on; mix drift "
+          f"{g['drift_off']:.2f} off, {g['drift_on']:.2f} on (learnable "
+          f"{g['learnable_drift_off']:.3f}, {g['learnable_drift_on']:.3f})")
+    print(f"pipeline: useful tokens per engine-second, history on / off = {g['x']:.2f}")
+    print()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="runs/bench-pipeline")
     ap.add_argument("--steps", type=int, default=None, help="default 30")
     ap.add_argument("--sync-steps", type=int, default=None, help="default 8")
     ap.add_argument("--modes", default=None, help="default sync,stream,flow")
-    ap.add_argument("--cases", default=None, help="default standard,long_tail")
+    ap.add_argument("--cases", default=None, help="default standard,long_tail,history")
+    ap.add_argument("--history-mode", default="stream",
+                    help="the schedule of the history case (default stream)")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="wall s per model s (default 2.5; raise it until stretch is near 1)")
     ap.add_argument("--flow-windows", default="",
@@ -106,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (2 if quick else 30)
     args.sync_steps = args.sync_steps or (2 if quick else 8)
     args.modes = args.modes or ("sync,stream" if quick else "sync,stream,flow")
-    args.cases = args.cases or ("standard" if quick else "standard,long_tail")
+    args.cases = args.cases or ("standard" if quick else "standard,long_tail,history")
     args.time_scale = args.time_scale or (1.0 if quick else 2.5)
     logging.basicConfig(level=logging.WARNING)
     modes = [m for m in args.modes.split(",") if m]
@@ -115,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--modes must include sync (the baseline)")
     per_mode: dict[str, list[dict[str, float]]] = {m: [] for m in modes if m != "sync"}
     for case in [c for c in args.cases.split(",") if c]:
+        if case == "history":
+            history_case(args.workdir, args.time_scale, args.history_mode)
+            continue
         cfg = replace(LabConfig(workdir=f"{args.workdir}/{case}", progress=False),
                       steps=args.steps, time_scale=args.time_scale, **CASES[case])
         if args.quick:
@@ -144,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                  "ceiling": min(f["ceiling"] for f in fs),
                  "ceiling_steady": min(f["ceiling_steady"] for f in fs)}
              for m, fs in per_mode.items() if fs}
+    if not worst:  # the history case alone: no sync row to compare against
+        return 0
     best = best_of(worst)
     b = worst[best]
     print(f"best schedule: {best} (worst case over {args.cases})")
