@@ -231,7 +231,7 @@ def history_figures(cfg: LabConfig, run_dir: str, p_solve: list[float],
 
     ``p_solve``: the dataset's rows' difficulty (row ``i`` of every pass: task index ``i``
     modulo the dataset's size, as the lab's dataset has no bad rows to skip)."""
-    from strawq.history import load_history
+    from strawq.history import load_history, rewards_agreed
     from strawq.storage import PosixStorage
 
     hist = load_history(PosixStorage(run_dir, writer_id="lab-history", fsync=False))
@@ -246,8 +246,7 @@ def history_figures(cfg: LabConfig, run_dir: str, p_solve: list[float],
             if r.get("status") != "trained" or not isinstance(r.get("index"), int):
                 continue
             index, t = int(r["index"]), int(r.get("tokens") or 0)
-            var = r.get("reward_var")
-            agrees = int(r.get("samples") or 0) >= 2 and var == 0
+            agrees = rewards_agreed(r)
             groups += 1
             tokens += t
             zero += agrees

@@ -81,6 +81,13 @@ def _sum_counts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def rewards_agreed(row: Mapping[str, Any]) -> bool:
+    """An attempt's group had two or more rewards, all equal: all solved or all failed, no
+    advantage to train on (the zero-variance rule's test)."""
+    var = row.get("reward_var")
+    return isinstance(var, (int, float)) and int(row.get("samples") or 0) >= 2 and var == 0
+
+
 def attempt_row(summary: Mapping[str, Any], *, gen: int, status: str,
                 reason: str | None = None, trained_at: int | None = None,
                 at: float | None = None) -> dict[str, Any]:
@@ -149,8 +156,7 @@ class PromptStats:
         self.trained += row.get("status") == "trained"
         self.dropped += row.get("status") == "dropped"
         self.tokens += int(row.get("tokens") or 0)
-        var = row.get("reward_var")
-        if isinstance(var, (int, float)) and int(row.get("samples") or 0) >= 2 and var == 0:
+        if rewards_agreed(row):
             self.zero_variance += 1
         self.last = sorted([*self.last, dict(row)], key=lambda r: r["gen"])[-KEEP_ATTEMPTS:]
         return True
@@ -168,7 +174,7 @@ class PromptStats:
         if not self.last:
             return False
         r = self.last[-1]
-        return int(r.get("samples") or 0) >= 2 and r.get("reward_var") == 0
+        return rewards_agreed(r)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

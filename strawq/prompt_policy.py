@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from strawq.history import PromptHistory, PromptStats
+from strawq.history import PromptHistory, PromptStats, rewards_agreed
 from strawq.names import dataset_task_id
 
 #: seconds between re-reads of the history by one feeder
@@ -80,7 +80,7 @@ def zero_variance_skip(index: int, bases: Sequence[int], history: PromptHistory,
         row = _newest_trained(stats) if stats is not None else None
         if row is None:
             continue  # skipped, dropped or not recorded in that pass: look further back
-        if row.get("reward_var") == 0 and ago < revisit_epochs:
+        if rewards_agreed(row) and ago < revisit_epochs:
             mean = row.get("reward_mean")
             return Skip(index, float(mean) if isinstance(mean, (int, float)) else None, ago)
         return None
