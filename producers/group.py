@@ -293,6 +293,8 @@ class GroupRun:
             "num_segments": [s.num_segments for s in self.samples],
             "reward_errors": {str(k): v for k, v in self.reward_errors.items()},
         }
+        if "source" in self.lease.task:  # the mixture dataset the prompt came from
+            meta["source"] = self.lease.task["source"]
         if partial:
             meta["texts"] = list(self.texts)
         trajs = ([t.to_dict() for t in self.trajectories] if trajectories

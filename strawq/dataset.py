@@ -335,6 +335,10 @@ class Dataset:
     def shard_paths(self) -> Sequence[str]:
         return [s.path for s in self.shards]
 
+    def source_of(self, row: int) -> str | None:
+        """The source dataset of row ``row`` in a mixture (``strawq.mixture``); None here."""
+        return None
+
 
 class _Counted:
     """An iterator over one shard's rows that knows the index after its last row."""

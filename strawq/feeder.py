@@ -426,7 +426,10 @@ class Feeder:
                 continue
             name = TaskName(key=queue_key(STAGE_FRESH, 0, order.get(index, index)), id=task_id,
                             gen=0, attempts=0, resume=-1)
-            body = {"task": {"index": index, "id": task_id, "row": row}}
+            body: dict[str, Any] = {"task": {"index": index, "id": task_id, "row": row}}
+            source = self.dataset.source_of(index - self._reader.base)
+            if source is not None:  # a mixture's row: its dataset's name (strawq.mixture)
+                body["task"]["source"] = source
             # In place: nobody reads a staging directory before its rename to pending/,
             # which comes after every record in it was written, fsync'd and closed (no
             # temporary file and rename per record: docs/protocol.md §5).
@@ -515,6 +518,11 @@ class Feeder:
         for name in self.storage.list("cursor"):  # emptied by a crash mid-GC, or repaired
             if name.isdigit() and int(name) <= seq - KEEP_CURSORS:
                 self.storage.rmdir(f"cursor/{name}")
+
+    @property
+    def base(self) -> int:
+        """The task index of the dataset's row 0 (0 unless the run switched datasets)."""
+        return self._reader.base
 
     @property
     def exhausted(self) -> bool:

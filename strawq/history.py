@@ -107,6 +107,9 @@ def attempt_row(summary: Mapping[str, Any], *, gen: int, status: str,
     }
     if isinstance(summary.get("index"), int):
         row["index"] = summary["index"]
+    source = (summary.get("meta") or {}).get("source")
+    if isinstance(source, str):
+        row["source"] = source
     if reason is not None:
         row["reason"] = reason
     if trained_at is not None:
@@ -130,6 +133,8 @@ class PromptStats:
     skipped: int = 0
     #: skips by the reward the skipped row's groups agreed on (``"1.0"``: all solved)
     skipped_rewards: dict[str, int] = field(default_factory=dict)
+    #: the mixture dataset the prompt comes from (``strawq.mixture``; None: one dataset)
+    source: str | None = None
     #: the newest attempts in detail (rows of ``attempt_row``), oldest first
     last: list[dict[str, Any]] = field(default_factory=list)
     #: generations counted (the newest ``KEEP_GENS``)
@@ -152,6 +157,8 @@ class PromptStats:
         self.gens = sorted([*self.gens, gen])[-KEEP_GENS:]
         if self.index is None and isinstance(row.get("index"), int):
             self.index = row["index"]
+        if self.source is None and isinstance(row.get("source"), str):
+            self.source = row["source"]
         self.attempts += 1
         self.trained += row.get("status") == "trained"
         self.dropped += row.get("status") == "dropped"
@@ -188,6 +195,7 @@ class PromptStats:
                        skipped=int(d.get("skipped", 0)),
                        skipped_rewards={str(k): int(v) for k, v in
                                         dict(d.get("skipped_rewards") or {}).items()},
+                       source=d["source"] if isinstance(d.get("source"), str) else None,
                        last=[dict(r) for r in d.get("last", [])],
                        gens=[int(g) for g in d.get("gens", [])])
         except (KeyError, TypeError, ValueError) as exc:
@@ -235,7 +243,24 @@ class PromptHistory:
                 if attempts else 0.0,
                 "skipped": sum(s.skipped for s in p),
                 "skipped_by_reward": _sum_counts(s.skipped_rewards for s in p),
-                "segments": self.segments}
+                "segments": self.segments,
+                **({"by_source": self.by_source()} if any(s.source for s in p) else {})}
+
+    def by_source(self) -> dict[str, dict[str, int]]:
+        """Per mixture source (``strawq.mixture``): prompts, attempts, trained groups,
+        dropped groups and trained tokens."""
+        out: dict[str, dict[str, int]] = {}
+        for s in self.prompts.values():
+            if s.source is None:
+                continue
+            o = out.setdefault(s.source, {"prompts": 0, "attempts": 0, "trained": 0,
+                                          "dropped": 0, "tokens": 0})
+            o["prompts"] += 1
+            o["attempts"] += s.attempts
+            o["trained"] += s.trained
+            o["dropped"] += s.dropped
+            o["tokens"] += s.tokens
+        return dict(sorted(out.items()))
 
     def _fold(self, rows: Iterable[Mapping[str, Any]]) -> None:
         for row in rows:
