@@ -30,6 +30,7 @@ from strawq.collector.admission import (Admission, ConsumedGroups, Depths, Progr
 from strawq.collector.config import CollectorConfig
 from strawq.collector.fencing import EpochFence, SupersededSweep, mark_epoch_start
 from strawq.collector.metrics import MetricsSink, dropped_metric
+from strawq.collector.mixing import MixtureBook, mixture_book
 from strawq.collector.ordering import StalenessOrder, group_advantages
 from strawq.collector.packing import BufferPool, PackReport, RecordFile, pack_batch
 from strawq.collector.resume import ResumeInfo, open_queue
@@ -72,6 +73,8 @@ class StepReport:
     requeued_stale: list[str] = field(default_factory=list)
     #: groups published although over η (``eta_mode="train"``): kept, trained, counted
     stale_trained: list[str] = field(default_factory=list)
+    #: groups a mixture source's filter dropped as their batch formed (``collector.mixing``)
+    filtered: list[str] = field(default_factory=list)
     scan: ScanResult | None = None
     gc: GcReport | None = None
     #: unacked batches (not refused): bounded by ``max_prefetch_batches``
@@ -116,6 +119,10 @@ class Collector:
                                               self.config.prometheus_port,
                                               addr=self.config.prometheus_host)
         self.feeder: Feeder | None = None
+        #: a mixture's sources: their η, filters, shares and starvation (None: one dataset)
+        self.mixing: MixtureBook | None = mixture_book(
+            dataset, run_max_staleness=self.config.max_staleness,
+            batch_groups=self.config.batch_groups)
         self.resume_info: ResumeInfo | None = None
         self._last_gc = float("-inf")
         self._last_sweep = float("-inf")
@@ -163,6 +170,8 @@ class Collector:
         # producers apply it to partial tasks at claim (strawq.eta)
         publish_policy(self.storage, self.policy)
         self.feeder = Feeder(self.queue, self.dataset)
+        if self.mixing is not None:
+            self.mixing.base = self.feeder.base
         self.batches.recover()
         self.resume_info = resume
         if resume is not None and resume.path in ("cursor", "fresh") and resume.checkpoint:
@@ -251,13 +260,29 @@ class Collector:
         ahead = rep.ahead + position // self.config.batch_groups
         return rep.version + ahead // self.config.batches_per_version
 
+    def _policy_of(self, task_id: str) -> EtaPolicy:
+        """The η policy a task's group is judged by: the run's, with its mixture source's
+        bound when it has one (``strawq.collector.mixing``)."""
+        policy = self.policy
+        if self.mixing is None or not self.mixing.eta:
+            return policy
+        eta = self.mixing.max_staleness(task_id, policy.max_staleness)
+        return policy if eta == policy.max_staleness else EtaPolicy(eta, policy.eta_mode,
+                                                                    policy.epoch)
+
+    @property
+    def _judges(self) -> bool:
+        """Some group may get an η verdict: the run's η or a mixture source's is set."""
+        policy = self.policy
+        return policy.judges or (policy.eta_mode != "off" and self.mixing is not None
+                                 and bool(self.mixing.eta))
+
     def _ordered_ready(self, rep: StepReport) -> list[TaskName]:
         scanned = self.batches.scan_ready()
         ready = self.order.order(scanned)
         policy = self.policy
-        eta = policy.max_staleness
         mode = policy.mode
-        if not policy.judges or mode == "train":
+        if not self._judges or mode == "train":
             return ready  # ``train``: over-η groups are kept and counted as batches form
         room = max(self.config.max_prefetch_batches - rep.prefetched, 0)
         keep: list[TaskName] = []
@@ -269,8 +294,10 @@ class Collector:
             # the cap counts the group's generations, not its failures (a regeneration
             # spends no attempt: TaskName.regenerations)
             generations = n.regenerations + 1
-            action = policy.action(at, n.version, attempts=generations,
-                                   max_attempts=self.queue.config.max_attempts)
+            group_policy = self._policy_of(n.id)
+            eta = group_policy.max_staleness
+            action = group_policy.action(at, n.version, attempts=generations,
+                                         max_attempts=self.queue.config.max_attempts)
             if action is None:
                 keep.append(n)
                 continue
@@ -289,10 +316,12 @@ class Collector:
             elif self.batches.requeue_ready(n, refund=False):  # regenerate: fresh seed
                 rep.requeued_stale.append(n.id)
         self.order.forget(rep.dropped_stale + rep.requeued_stale)
+        if self.mixing is not None:
+            self.mixing.on_stale(rep.dropped_stale + rep.requeued_stale)
         if rep.dropped_stale or rep.requeued_stale:
-            log.warning("eta bound %d at version %d (eta_mode=%s): dropped %d, regenerating %d "
-                        "stale groups", eta, rep.version, mode, len(rep.dropped_stale),
-                        len(rep.requeued_stale))
+            log.warning("eta bound %s at version %d (eta_mode=%s): dropped %d, regenerating %d "
+                        "stale groups", policy.max_staleness, rep.version, mode,
+                        len(rep.dropped_stale), len(rep.requeued_stale))
         return keep
 
     # -- batches -----------------------------------------------------------------------------
@@ -300,26 +329,31 @@ class Collector:
         cfg = self.config
         B = cfg.batch_groups
         while rep.prefetched < cfg.max_prefetch_batches and ready and self.batch_budget != 0:
-            if len(ready) >= B:
-                take, ready = ready[:B], ready[B:]
-            elif rep.exhausted and cfg.flush_at_end and rep.depths.running == 0:
-                take, ready = ready, []
-            else:
+            flush = rep.exhausted and cfg.flush_at_end and rep.depths.running == 0
+            if len(ready) < B and not flush:
                 return
-            names, summaries = self._summaries(take)
-            if not names:
-                continue
+            names: list[TaskName] = []
+            summaries: list[dict[str, Any]] = []
+            while len(names) < B and ready:  # a dropped group's place goes to the next one
+                take, ready = ready[:B - len(names)], ready[B - len(names):]
+                got, sums = self._summaries(take, rep)
+                names += got
+                summaries += sums
+            if not names or (len(names) < B and not flush):
+                return  # too few left once the unreadable and filtered went: they wait
             at = self.trained_at(rep, 0)
             policy = self.policy
             meta: dict[str, Any] = {"epoch": self.fence.epoch, "version": rep.version,
                                     "advantages": cfg.advantages, "owner": self.fence.owner,
                                     **policy.to_meta(), "trained_at": at}
             over: list[str] = []
-            if policy.judges:
-                over = [n.id for n in names if policy.over(at, n.version)]
+            if self._judges:
+                over = [n.id for n in names if self._policy_of(n.id).over(at, n.version)]
                 meta["over_eta"] = over
                 rep.stale_trained += over
             seq = self._publish(names, summaries, meta, rep)
+            if self.mixing is not None:
+                self.mixing.on_trained(names, summaries)
             if over:
                 log.warning("batch %d holds %d groups over eta %s (trained at version %d, "
                             "eta_mode=%s%s): they are trained with their importance "
@@ -336,7 +370,10 @@ class Collector:
                                 leased=rep.depths.leased, ready=rep.depths.ready - len(names),
                                 batched=rep.depths.batched + len(names))
 
-    def _summaries(self, take: list[TaskName]) -> tuple[list[TaskName], list[dict[str, Any]]]:
+    def _summaries(self, take: list[TaskName], rep: StepReport | None = None
+                   ) -> tuple[list[TaskName], list[dict[str, Any]]]:
+        """The summaries of ``take``; an unreadable group is dropped (``corrupt_group``), and
+        so is one its mixture source's filter drops (``strawq.collector.mixing``)."""
         names: list[TaskName] = []
         summaries: list[dict[str, Any]] = []
         for n in take:
@@ -349,6 +386,14 @@ class Collector:
                 self.batches.drop_ready(n, CORRUPT_REASON, str(exc))
                 continue
             s = dict(s)
+            reason = self.mixing.filter(n, s) if self.mixing is not None else None
+            if reason is not None:
+                src = self.mixing.source(n.id) if self.mixing is not None else None
+                if self.batches.drop_ready(n, reason, f"mixture source {src!r} filter: "
+                                                      f"{reason}") and rep is not None:
+                    rep.filtered.append(n.id)
+                self.order.forget([n.id])
+                continue
             s["advantages"] = group_advantages(s.get("rewards", []), self.config.advantages,
                                                self.config.advantage_eps)
             names.append(n)
@@ -444,6 +489,8 @@ class Collector:
         }
         for reason, count in self.dropped_by_reason().items():
             values[dropped_metric(reason)] = count
+        if self.mixing is not None:  # dataset/<source>/...: shares, totals, starvation
+            values.update(self.mixing.metrics())
         self.metrics.emit(values)
 
     # -- loop --------------------------------------------------------------------------------

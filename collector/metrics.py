@@ -15,6 +15,10 @@ with ``/`` and ``.`` turned into ``_``):
   (this pass), ``collector/admission_capacity``, ``dropped/<reason>`` (groups dropped per
   reason, over the whole run).
 * ``dataset/pass`` (the pass over the dataset, 0 first: ``queue.num_epochs``).
+* with a dataset mixture, per dataset ``dataset/<name>/``: ``weight``, ``group_share``,
+  ``token_share`` (the last 8 batches), ``group_share_total``, ``token_share_total``,
+  ``trained_groups_total``, ``trained_tokens_total``, ``filtered_total``, ``stale_total``,
+  ``starved`` and ``starved_reason`` (``strawq.collector.mixing``; this collector's run).
 * counters: ``trainer/step``, ``collector/step``, ``collector/released_total``,
   ``collector/batches_total``, ``collector/expired_leases_total``,
   ``collector/skipped_zero_variance_total`` (rows the history's rule skipped).

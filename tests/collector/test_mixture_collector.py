@@ -1,0 +1,152 @@
+"""The collector with a dataset mixture (``strawq.collector.mixing``): each source's filter
+and staleness bound act on its groups only, every row stays accounted for, and a source
+that loses its share is reported starved with the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector
+from strawq.collector.mixing import MixtureBook
+from strawq.collector.reader import BatchReader
+from strawq.config import QueueConfig
+from strawq.errors import ConfigError
+from strawq.mixture import Mixture, open_dataset
+from strawq.names import TaskName, dataset_task_id
+from strawq.retention import drop_totals
+from tests.collector.helpers import SimProducer
+
+QCFG = QueueConfig(fsync=False, lease_timeout_s=2.0, heartbeat_interval_s=0.2,  # type: ignore
+                   release_batch=8, group_size=4)
+
+
+def drop_every_group(task: dict[str, Any], rewards: list[float]) -> str | None:
+    """A source filter for the test: drops every group it sees, naming its source."""
+    assert task["source"] == "b" and len(rewards) == 4
+    return "filtered_b"
+
+
+def _mixture(tmp: Path, b: dict[str, Any], n: int = 24) -> Mixture:
+    for name in ("a", "b"):
+        with open(tmp / f"{name}.jsonl", "w", encoding="utf-8") as f:
+            for i in range(n):
+                f.write(json.dumps({"prompt": [1 + i % 50, 2, 3]}) + "\n")
+    spec = tmp / "m.mixture.json"
+    spec.write_text(json.dumps({"sources": [{"name": "a", "path": "a.jsonl"},
+                                            {"name": "b", "path": "b.jsonl", **b}]}))
+    m = open_dataset(str(spec))
+    assert isinstance(m, Mixture)
+    return m
+
+
+def _cfg(tmp: Path, **kw: Any) -> CollectorConfig:
+    base: dict[str, Any] = {"batch_groups": 4, "max_running": 8, "max_ready": 8,
+                            "max_prefetch_batches": 2, "max_staleness": None,
+                            "poll_interval_s": 0, "gc_interval_s": 0, "metrics_interval_s": 0,
+                            "takeover_timeout_s": 0.05, "metrics_jsonl": str(tmp / "m.jsonl")}
+    return CollectorConfig(**{**base, **kw})
+
+
+def _drive(col: Collector, prod: SimProducer, reader: BatchReader, *,
+           after_ack: Any = None) -> list[dict[str, Any]]:
+    """Run to the end; the trained groups' summaries, each with its batch's trained_at."""
+    trained: list[dict[str, Any]] = []
+    for _ in range(2000):
+        prod.step()
+        rep = col.step()
+        seqs, acked = col.batches.batch_seqs()
+        if any(s not in acked for s in seqs):
+            b = reader.next_batch(timeout=5)
+            at = col.batches.read_manifest(b.seq).meta["trained_at"]
+            trained += [{**s, "trained_at": at} for s in b.summaries]
+            reader.ack(b)
+            if after_ack is not None:
+                after_ack()
+        if rep.drained:
+            return trained
+    raise AssertionError("the run did not drain")
+
+
+def _last_metrics(tmp: Path) -> dict[str, Any]:
+    lines = (tmp / "m.jsonl").read_text().splitlines()
+    return dict(json.loads(lines[-1]))
+
+
+@pytest.mark.timeout(120)
+def test_a_sources_filter_drops_only_its_groups_and_starves_it_as_filtered(
+        tmp_path: Path) -> None:
+    ds = _mixture(tmp_path, {"filter": "tests.collector.test_mixture_collector.drop_every_group"})
+    col = Collector.open(str(tmp_path / "run"), ds, _cfg(tmp_path), queue_config=QCFG,
+                         fsync=False)
+    reader = BatchReader.open(str(tmp_path / "run"), checkpointed=False)
+    trained = [int(g["index"]) for g in _drive(col, SimProducer(col.queue, "p", slots=8), reader)]
+    assert sorted(trained) == [i for i in range(48) if ds.source_of(i) == "a"]
+    assert drop_totals(col.storage).get("filtered_b") == 24
+    m = _last_metrics(tmp_path)
+    assert m["dataset/a/group_share_total"] == 1.0 and m["dataset/b/trained_groups_total"] == 0
+    assert m["dataset/b/filtered_total"] == 24 and m["dataset/b/weight"] == 0.5
+    assert m["dataset/b/starved"] == 1 and m["dataset/b/starved_reason"] == "filtered"
+    assert m["dataset/a/starved"] == 0
+    reader.close()
+    col.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_sources_tighter_staleness_bound_drops_only_its_stale_groups(tmp_path: Path) -> None:
+    ds = _mixture(tmp_path, {"max_staleness": 0})
+    col = Collector.open(str(tmp_path / "run"), ds,
+                         _cfg(tmp_path, max_staleness=3, eta_mode="drop"), queue_config=QCFG,
+                         fsync=False)
+    reader = BatchReader.open(str(tmp_path / "run"), checkpointed=False)
+    def step_weights() -> None:  # a trainer: one weight version per batch
+        col.queue.set_version(col.queue.current_version() + 1)
+
+    groups = _drive(col, SimProducer(col.queue, "p", slots=8), reader, after_ack=step_weights)
+    by_source = {s: [g for g in groups if ds.source_of(int(g["index"])) == s] for s in "ab"}
+    rows = {s: [i for i in range(48) if ds.source_of(i) == s] for s in "ab"}
+    # a (the run's bound, 3) loses nothing; every b group that would be trained stale is
+    # dropped, and every b group trained was trained fresh (b's bound, 0)
+    assert sorted(int(g["index"]) for g in by_source["a"]) == rows["a"]
+    assert all(g["trained_at"] - g["min_version"] <= 0 for g in by_source["b"])
+    assert any(g["trained_at"] - g["min_version"] > 0 for g in by_source["a"])
+    dropped = drop_totals(col.storage).get("stale_eta", 0)
+    assert dropped > 0 and dropped + len(by_source["b"]) == len(rows["b"])
+    m = _last_metrics(tmp_path)
+    assert m["dataset/b/stale_total"] == dropped
+    if m["dataset/b/starved"]:
+        assert m["dataset/b/starved_reason"] == "stale"
+    reader.close()
+    col.close()
+
+
+def test_a_source_bound_looser_than_the_runs_is_refused(tmp_path: Path) -> None:
+    ds = _mixture(tmp_path, {"max_staleness": 2})
+    with pytest.raises(ConfigError, match="only be tighter"):
+        Collector.open(str(tmp_path / "run"), ds, _cfg(tmp_path, max_staleness=1),
+                       queue_config=QCFG, fsync=False)
+
+
+def test_starvation_needs_a_real_shortfall_and_says_slow_without_losses(tmp_path: Path) -> None:
+    ds = _mixture(tmp_path, {"weight": 1.0})
+    book = MixtureBook(ds, run_max_staleness=None, batch_groups=10)
+
+    def train(sources: str) -> None:
+        idx = {"a": [i for i in range(48) if ds.source_of(i) == "a"],
+               "b": [i for i in range(48) if ds.source_of(i) == "b"]}
+        names = [TaskName(key="k", id=dataset_task_id(idx[s][j % 24]), gen=0, attempts=0,
+                          resume=-1) for j, s in enumerate(sources)]
+        book.on_trained(names, [{"loss_tokens": [5, 5]}] * len(names))
+
+    train("ab" * 5)
+    assert book.starved() == {}  # under STARVATION_MIN_BATCHES of groups: no verdict
+    train("ab" * 4 + "aa")  # 11 of 20 for b's half: within chance
+    assert book.starved() == {}
+    train("a" * 40)  # b's groups stop coming, nothing of b was lost: slow
+    assert book.starved() == {"b": "slow"}
+    m = book.metrics()
+    assert m["dataset/b/starved"] == 1 and m["dataset/a/token_share"] > 0.8
