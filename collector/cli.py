@@ -122,7 +122,7 @@ def _read_json(path: str, what: str) -> Any:
 def cmd_collector(args: argparse.Namespace) -> int:
     from strawq.collector.core import Collector
     from strawq.config import QueueConfig, from_dict
-    from strawq.dataset import Dataset
+    from strawq.mixture import open_dataset
 
     config = _load_config(args)
     queue_config = None
@@ -132,7 +132,7 @@ def cmd_collector(args: argparse.Namespace) -> int:
     checkpoint = _read_json(args.checkpoint, "checkpoint") if args.checkpoint else None
     _check_target(args.path)
     prompt_key = _prompt_key(args, queue_config)
-    col = Collector.open(args.path, Dataset(args.dataset, prompt_key=prompt_key), config,
+    col = Collector.open(args.path, open_dataset(args.dataset, prompt_key=prompt_key), config,
                          queue_config=queue_config, checkpoint=checkpoint,
                          wait=not args.no_wait, fsync=not args.no_fsync, owner=args.owner)
     stop = {"flag": False}
@@ -167,7 +167,8 @@ def add_parsers(subparsers: Any) -> None:
         "collector", help="run the global batch collector (grantor, feeder, batches)",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("path", help="run directory (created if missing)")
-    s.add_argument("dataset", help="JSONL or Parquet prompt dataset (any fsspec URL)")
+    s.add_argument("dataset", help="JSONL or Parquet prompt dataset (any fsspec URL), or a "
+                   "mixture of several: a *.mixture.json file (docs/datasets.md, Mixtures)")
     s.add_argument("--config", help="JSON file of collector config keys (unknown refused)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override one collector config key, e.g. --set batch_groups=128 "

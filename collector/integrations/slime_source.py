@@ -26,7 +26,7 @@ from strawq import records
 from strawq.collector.integrations.slime_samples import (META, _slime, group_to_samples,
                                                          run_dir, samples_to_group)
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
+from strawq.mixture import open_dataset
 from strawq.errors import CorruptRecord, LeaseLost, NotFound
 from strawq.feeder import Feeder
 from strawq.names import data_key
@@ -89,7 +89,7 @@ class StrawqDataSource:
             raise ValueError(f"the run at {path} makes {self.queue.config.num_epochs} passes "
                              f"over the dataset (queue.num_epochs), slime's --num-epoch is "
                              f"{epochs}")
-        self.dataset = Dataset(args.prompt_data, prompt_key=self.prompt_key)
+        self.dataset = open_dataset(args.prompt_data, prompt_key=self.prompt_key)
         self.feeder = Feeder(self.queue, self.dataset)
         self._held: dict[str, _Held] = {}
         #: rollout the next hand-outs belong to (``begin_rollout``; else last save + 1)

@@ -115,15 +115,16 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from strawq.dataset import BadRowsRefused, Dataset
+    from strawq.dataset import BadRowsRefused
+    from strawq.mixture import open_dataset
     from strawq.feeder import Feeder
     from strawq.states import dropped_by_reason
 
     q = _queue(args.path)
     share = args.max_bad_row_share
     if args.dry_run:
-        return _release_dry_run(args, q, Dataset(args.dataset, prompt_key=q.config.prompt_key))
-    feeder = Feeder(q, Dataset(args.dataset, prompt_key=q.config.prompt_key),
+        return _release_dry_run(args, q, open_dataset(args.dataset, prompt_key=q.config.prompt_key))
+    feeder = Feeder(q, open_dataset(args.dataset, prompt_key=q.config.prompt_key),
                     max_bad_row_share=share)
     bad_before = dropped_by_reason(q.storage).get("bad_row", 0)
     try:
@@ -348,7 +349,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                        "parse are dropped with reason bad_row and reported.")
     s.add_argument("path")
     s.add_argument("dataset", help="JSONL or Parquet: a file, a directory or a glob of shards "
-                   "(any fsspec URL)")
+                   "(any fsspec URL), or a mixture of several: a *.mixture.json file "
+                   "(docs/datasets.md, Mixtures)")
     s.add_argument("--count", type=positive_int, default=None,
                    help="rows, >= 1 (default: release_batch)")
     s.add_argument("--dry-run", action="store_true",
