@@ -1,7 +1,7 @@
 """Benchmark of the rollout pipeline: the lab's schedules on two cases, whole-run figures.
 
     python bench/pipeline.py [--quick] [--workdir DIR] [--steps N] [--sync-steps N]
-                             [--modes sync,stream,flow] [--cases standard,long_tail,history]
+                             [--modes sync,stream,flow] [--cases standard,long_tail,history,mixture]
                              [--time-scale S] [--flow-windows 9,10] [--history-mode stream]
 
 Two cases (``strawq.demo.lab``, docs/lab.md): ``standard`` = ``LabConfig()`` (48 emulated
@@ -53,6 +53,18 @@ dataset's in any bucket: the skip leaves the never- and always-solved rows out o
 group agreed by chance is left out as well, which tilts what is learned from. Not in
 ``--quick`` (tests/demo/test_lab.py runs it tiny). It has no sync row: run alone
 (``--cases history``), its line is the last.
+
+The ``mixture`` case (``strawq.demo.lab.MIXTURE_CASE``, docs/datasets.md "Mixtures") is the
+standard job on a mixture of two datasets in equal weights, the second hard (60 % of its
+rows never solved) and filtered in the collector by the DAPO rule (``zero_variance``); it
+runs ``--history-mode`` for 16 steps and prints each dataset's share of the trained groups
+and tokens against its weight, and the datasets the collector called starved, with why::
+
+    pipeline: mixture trained shares (groups / tokens, weight) = easy G / T (W), hard ...;
+    starved: hard (filtered)
+
+The hard dataset's share falls under its weight by construction: the figure checks that
+the signal fires, with the right reason, not a target. In ``--quick`` at B=48 for 2 steps.
 """
 
 from __future__ import annotations
@@ -66,8 +78,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strawq.demo.lab import HISTORY_CASE, LabConfig, LabResult, format_table, history_gain, \
-    run_history_case, run_mode  # noqa: E402
+from strawq.demo.lab import HISTORY_CASE, MIXTURE_CASE, LabConfig, LabResult, format_table, \
+    history_gain, run_history_case, run_mode  # noqa: E402
 
 TARGETS = {"x": 2.77, "staleness": 1.0, "stale_actions": 0, "ceiling": 0.97}
 #: the history case: useful tokens per engine-second on / off, and the largest share gap
@@ -135,15 +147,38 @@ def history_case(workdir: str, time_scale: float, mode: str) -> None:
     print()
 
 
+def mixture_case(workdir: str, time_scale: float, mode: str, steps: int, quick: bool) -> None:
+    """The mixture case: one run of ``mode``, its table and the line of its own."""
+    cfg = replace(LabConfig(workdir=f"{workdir}/mixture", progress=False),
+                  time_scale=time_scale, steps=steps, **MIXTURE_CASE)
+    if quick:
+        cfg = replace(cfg, batch_groups=48, train_step_s=1.0)
+    result = LabResult(cfg)
+    result.modes[mode] = run_mode(cfg, mode)
+    print(f"== case mixture ({mode}, {cfg.steps} steps; "
+          + ", ".join(f"{s} weight {w:g}" for s, w in zip(cfg.mixture_sources,
+                                                          cfg.mixture_weights, strict=True))
+          + ") ==")
+    print(format_table(result))
+    mix = result.modes[mode].row["mixture"]
+    starved = [f"{s} ({f['starved']})" for s, f in mix.items() if f["starved"]]
+    print("pipeline: mixture trained shares (groups / tokens, weight) = "
+          + ", ".join(f"{s} {f['group_share']:.2f} / {f['token_share']:.2f} "
+                      f"({f['weight']:.2f})" for s, f in mix.items())
+          + f"; starved: {', '.join(starved) or 'none'}")
+    print()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="runs/bench-pipeline")
     ap.add_argument("--steps", type=int, default=None, help="default 30")
     ap.add_argument("--sync-steps", type=int, default=None, help="default 8")
     ap.add_argument("--modes", default=None, help="default sync,stream,flow")
-    ap.add_argument("--cases", default=None, help="default standard,long_tail,history")
+    ap.add_argument("--cases", default=None,
+                    help="default standard,long_tail,history,mixture")
     ap.add_argument("--history-mode", default="stream",
-                    help="the schedule of the history case (default stream)")
+                    help="the schedule of the history and mixture cases (default stream)")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="wall s per model s (default 2.5; raise it until stretch is near 1)")
     ap.add_argument("--flow-windows", default="",
@@ -156,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (2 if quick else 30)
     args.sync_steps = args.sync_steps or (2 if quick else 8)
     args.modes = args.modes or ("sync,stream" if quick else "sync,stream,flow")
-    args.cases = args.cases or ("standard" if quick else "standard,long_tail,history")
+    args.cases = args.cases or ("standard,mixture" if quick
+                                else "standard,long_tail,history,mixture")
     args.time_scale = args.time_scale or (1.0 if quick else 2.5)
     logging.basicConfig(level=logging.WARNING)
     modes = [m for m in args.modes.split(",") if m]
@@ -167,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     for case in [c for c in args.cases.split(",") if c]:
         if case == "history":
             history_case(args.workdir, args.time_scale, args.history_mode)
+            continue
+        if case == "mixture":
+            mixture_case(args.workdir, args.time_scale, args.history_mode,
+                         args.steps if quick else 16, quick)
             continue
         cfg = replace(LabConfig(workdir=f"{args.workdir}/{case}", progress=False),
                       steps=args.steps, time_scale=args.time_scale, **CASES[case])
@@ -197,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                  "ceiling": min(f["ceiling"] for f in fs),
                  "ceiling_steady": min(f["ceiling_steady"] for f in fs)}
              for m, fs in per_mode.items() if fs}
-    if not worst:  # the history case alone: no sync row to compare against
+    if not worst:  # the history or mixture case alone: no sync row to compare against
         return 0
     best = best_of(worst)
     b = worst[best]

@@ -47,9 +47,11 @@ from strawq.config import Config, merge
 from strawq.demo.lab_report import format_table, generated_lengths, history_figures, \
     history_gain, length_bias, length_buckets, plot_bias, row_of
 
-__all__ = ["HISTORY_CASE", "MODES", "REWARDS", "LabConfig", "LabResult", "ModeResult",
+__all__ = ["HISTORY_CASE", "MIXTURE_CASE", "MODES", "REWARDS", "LabConfig", "LabResult",
+           "ModeResult",
            "format_table", "generated_lengths", "history_figures", "history_gain",
-           "length_bias", "length_buckets", "p_solve_of", "plot_bias", "row_of",
+           "length_bias", "length_buckets", "mixture_figures", "p_solve_of", "plot_bias",
+           "row_of",
            "run_history_case", "run_lab", "run_mode"]
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,16 @@ REWARDS = {"count": "strawq.producers.rewards.count_task",
 #: the history case (``run_history_case``, ``bench/pipeline.py --cases history``): the
 #: standard job on a small dataset trained for many passes, 40 % of its rows never or always
 #: solved, a few prompts answering several times longer than the rest
+#: the mixture case (``run_mode`` with ``mixture_sources``; ``bench/pipeline.py --cases
+#: mixture``): two datasets in equal weights, the second hard (60 % of its rows never
+#: solved) and filtered by the DAPO rule, so its share of what is trained falls under its
+#: weight and the collector says why
+MIXTURE_CASE: dict[str, Any] = {
+    "reward": "difficulty", "never_solved_share": 0.1, "always_solved_share": 0.1,
+    "mixture_sources": ("easy", "hard"), "mixture_weights": (0.5, 0.5),
+    "mixture_never_solved": (0.1, 0.6),
+    "mixture_filters": ("", "strawq.producers.rewards.zero_variance"),
+}
 HISTORY_CASE: dict[str, Any] = {
     "reward": "difficulty", "never_solved_share": 0.15, "always_solved_share": 0.25,
     "prompt_scale_sigma": 0.8, "dataset_rows": 384, "num_epochs": 14,
@@ -139,6 +151,17 @@ class LabConfig(Config):
     skip_zero_variance: bool = False
     zero_variance_revisit_epochs: int = 2
     longest_first: bool = False
+    # -- the mixture case (``MIXTURE_CASE``; empty: one dataset) ------------------------------
+    #: the mixture's datasets (``strawq.mixture``), each of ``dataset_rows`` rows (or the
+    #: run's) with its own seed
+    mixture_sources: tuple[str, ...] = ()
+    #: their weights (one per source)
+    mixture_weights: tuple[float, ...] = ()
+    #: per source, the share of its rows never solved (``difficulty_task``; the
+    #: always-solved share is ``always_solved_share`` for every source)
+    mixture_never_solved: tuple[float, ...] = ()
+    #: per source, the collector's filter of its groups ("" for none)
+    mixture_filters: tuple[str, ...] = ()
     # -- plumbing ----------------------------------------------------------------------------
     seed: int = 0
     #: fsync queue writes (the production setting; a local disk makes them cheap)
@@ -189,6 +212,12 @@ class LabConfig(Config):
                              f"shares that sum to at most 1")
         if self.prompt_scale_sigma < 0 or self.dataset_rows < 0 or self.num_epochs < 1:
             raise ValueError("prompt_scale_sigma and dataset_rows must be >= 0, num_epochs >= 1")
+        k = len(self.mixture_sources)
+        if any(len(t) not in (0, k) for t in (self.mixture_weights, self.mixture_never_solved,
+                                               self.mixture_filters)) or (
+                k and len(self.mixture_weights) != k):
+            raise ValueError(f"mixture_weights needs one weight per mixture source ({k}), and "
+                             f"mixture_never_solved and mixture_filters one entry each or none")
         if self.zero_variance_revisit_epochs < 2:
             raise ValueError("zero_variance_revisit_epochs must be >= 2")
         if self.dataset_rows and self.expected_supply() < self.steps * self.batch_groups:
@@ -455,6 +484,41 @@ def _write_dataset(path: str, n: int, cfg: LabConfig) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def _write_mixture(work: str, rows: int, cfg: LabConfig) -> str:
+    """The mixture case's datasets (``rows`` each, a seed and a never-solved share of their
+    own) and the mixture file naming them; returns its path."""
+    sources = []
+    for k, name in enumerate(cfg.mixture_sources):
+        never = cfg.mixture_never_solved[k] if cfg.mixture_never_solved else \
+            cfg.never_solved_share
+        _write_dataset(os.path.join(work, f"prompts-{name}.jsonl"), rows,
+                       replace(cfg, seed=cfg.seed + 1000 * (k + 1), never_solved_share=never))
+        src: dict[str, Any] = {"name": name, "path": f"prompts-{name}.jsonl",
+                               "weight": cfg.mixture_weights[k]}
+        if cfg.mixture_filters and cfg.mixture_filters[k]:
+            src["filter"] = cfg.mixture_filters[k]
+        sources.append(src)
+    path = os.path.join(work, "prompts.mixture.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"sources": sources}, f, indent=2)
+    return path
+
+
+def mixture_figures(collector: Any) -> dict[str, dict[str, Any]]:
+    """Per mixture source, over the whole run: weight, trained group and token shares,
+    filtered and stale groups, and whether the collector called it starved (and why)."""
+    book = collector.mixing
+    m = book.metrics()
+    return {s: {"weight": m[f"dataset/{s}/weight"],
+                "group_share": round(m[f"dataset/{s}/group_share_total"], 4),
+                "token_share": round(m[f"dataset/{s}/token_share_total"], 4),
+                "trained_groups": m[f"dataset/{s}/trained_groups_total"],
+                "filtered": m[f"dataset/{s}/filtered_total"],
+                "stale": m[f"dataset/{s}/stale_total"],
+                "starved": m[f"dataset/{s}/starved_reason"] or None}
+            for s in book.names}
+
+
 def schedule_config(cfg: LabConfig, mode: str) -> Any:
     from strawq.demo.schedule import ScheduleConfig
 
@@ -478,7 +542,7 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
     from strawq.producers.budget import split_budget
     from strawq.producers.engines.testing import EngineProcess, start_engine_subprocess
     from strawq.config import QueueConfig
-    from strawq.dataset import Dataset
+    from strawq.mixture import open_dataset
     from strawq.queue import RunQueue
     from strawq.storage import PosixStorage
 
@@ -491,7 +555,10 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
     admitted = max(sched.slots, math.ceil(cfg.oversample * cfg.batch_groups),
                    (cfg.max_staleness + 1) * cfg.batch_groups)
     rows = cfg.dataset_rows or (cfg.steps + 4) * admitted + 64
-    _write_dataset(dataset_path, rows, cfg)
+    if cfg.mixture_sources:
+        dataset_path = _write_mixture(work, rows, cfg)
+    else:
+        _write_dataset(dataset_path, rows, cfg)
     lease_timeout = 30.0
     qcfg = QueueConfig(group_size=cfg.group_size, lease_timeout_s=lease_timeout,
                        heartbeat_interval_s=lease_timeout / 6, release_batch=64,
@@ -522,7 +589,7 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
                                       "abort_poll_s": 0.05},
                            "threads": {"io": 4, "reward": 1}}, _agent_keys(cfg))
                     for i in range(cfg.producers)]
-        collector = Collector.open(run_dir, Dataset(dataset_path), ccfg, queue_config=qcfg,
+        collector = Collector.open(run_dir, open_dataset(dataset_path), ccfg, queue_config=qcfg,
                                    owner="lab-collector", fsync=cfg.fsync)
         # the lab's trainer never restores a checkpoint: an acked batch is trained
         reader = BatchReader.open(run_dir, checkpointed=False)
@@ -561,7 +628,9 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
         problems = audit(run_dir, [r.indices for r in res.records])
         row = row_of(cfg, mode, res, sampler.samples, stats, cpu, loop, collector)
         row["bias"] = length_bias(cfg, res.records)
-        if cfg.reward == "difficulty":
+        if collector.mixing is not None:
+            row["mixture"] = mixture_figures(collector)
+        elif cfg.reward == "difficulty":
             row["history"] = history_figures(cfg, run_dir, _p_solve_in(dataset_path),
                                              row["model_s"])
         result = ModeResult(mode, row, {"lab": cfg.to_dict(), "schedule": asdict(sched),

@@ -340,6 +340,25 @@ def format_history(result: LabResult) -> list[str]:
     return out
 
 
+def format_mixture(result: LabResult) -> list[str]:
+    """The mixture block of the table (rows with a ``mixture`` figure only)."""
+    out: list[str] = []
+    for m, r in result.modes.items():
+        mix = r.row.get("mixture")
+        if not mix:
+            continue
+        if not out:
+            out = ["", "mixture (whole run): per dataset, its weight, its share of the trained "
+                       "groups and tokens, groups its filter dropped or dropped for staleness, "
+                       "and whether the collector called it starved (why)"]
+        out.append(f"  {m}: " + "; ".join(
+            f"{s} weight {f['weight']:.2f}, groups {f['group_share']:.2f}, tokens "
+            f"{f['token_share']:.2f}, filtered {f['filtered']}, stale {f['stale']}"
+            + (f", STARVED ({f['starved']})" if f["starved"] else "")
+            for s, f in mix.items()))
+    return out
+
+
 # -- the table -------------------------------------------------------------------------------
 _COLUMNS = (
     ("trained tok/s", "trained_tokens_per_s", "{:.0f}"),
@@ -405,6 +424,7 @@ def format_table(result: LabResult) -> str:
                "over-eta trained: groups over eta kept and trained (eta_mode train); regen / "
                "dropped: groups regenerated or dropped for staleness")
     out += format_history(result)
+    out += format_mixture(result)
     for m, r in result.modes.items():
         if r.problems:
             out.append(f"AUDIT PROBLEMS in {m}: {r.problems[:5]}")

@@ -159,3 +159,34 @@ def test_history_case_refuses_a_dataset_too_small_for_its_steps() -> None:
                      "num_epochs": 3, "skip_zero_variance": True})
     LabConfig(**{**TINY, "steps": 10, "reward": "difficulty", "dataset_rows": 12,
                  "num_epochs": 6})  # without the skip, 72 rows cover 60 groups
+
+
+def test_mixture_case_tiny_the_filtered_hard_dataset_is_reported_starved(tmp_path) -> None:
+    """The mixture case (``MIXTURE_CASE``): two datasets in equal weights, the hard one's
+    groups filtered by the DAPO rule in the collector. Every trained group comes from the
+    mixture's rows, the shares of each run sum to 1, and the hard dataset, which loses most
+    of its groups to its filter, trains under its weight and is called starved, filtered."""
+    from strawq.demo.lab import MIXTURE_CASE, LabResult, run_mode
+    from strawq.history import PromptHistory
+
+    cfg = LabConfig(workdir=str(tmp_path / "lab"), **{
+        **TINY, "group_size": 8, "steps": 8, "batch_groups": 6, **MIXTURE_CASE,
+        "mixture_never_solved": (0.0, 0.8)})
+    r = run_mode(cfg, "stream")
+    assert r.problems == [], r.problems
+    mix = r.row["mixture"]
+    assert set(mix) == {"easy", "hard"}
+    assert sum(f["group_share"] for f in mix.values()) == pytest.approx(1.0)
+    assert sum(f["token_share"] for f in mix.values()) == pytest.approx(1.0)
+    assert sum(f["trained_groups"] for f in mix.values()) == cfg.steps * cfg.batch_groups
+    assert mix["easy"]["filtered"] == 0 and mix["hard"]["filtered"] > 0
+    assert mix["hard"]["group_share"] < 0.5 - 0.1
+    assert mix["hard"]["starved"] == "filtered" and mix["easy"]["starved"] is None
+    result = LabResult(cfg)
+    result.modes["stream"] = r
+    assert "STARVED (filtered)" in format_table(result)
+    # each trained group's source reached the history through the producer's group record
+    by_source = PromptHistory.open(os.path.join(cfg.workdir, "stream", "run")).totals()[
+        "by_source"]
+    assert {s: by_source[s]["trained"] for s in mix} == {
+        s: f["trained_groups"] for s, f in mix.items()}
