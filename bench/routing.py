@@ -9,16 +9,21 @@ and ``cache_aware`` — both servers' caches are flushed, then N groups run as a
 them: each group a distinct prompt of L tokens, its G samples sent at once, each sample in
 two segments (the second resumes from prompt + the first segment's T tokens, as a sample
 interrupted by a weight update does), every request with a producer's rid
-(``<producer>/<task>.g<gen>/<sample>.<n>``). With sglang-router installed, two more rows put
-the real router in front of both servers with its own ``--policy round_robin`` and
-``--policy cache_aware`` (the client then sends everything to the router).
+(``<producer>/<task>.g<gen>/<sample>.<n>``). The ``cache_aware warm`` row adds the
+producer's ``ClientConfig.warm_prefix``: the group's prompt is prefilled once (a request of
+``max_new_tokens`` 0) before its G samples go, so they find it cached instead of all
+prefilling it side by side. With sglang-router installed, three more rows put the real
+router in front of both servers with its own ``--policy round_robin`` and ``--policy
+cache_aware``, the last with the warm-up too (the client then sends everything to the
+router).
 
 The hit rate is Σ ``cached_tokens`` ÷ Σ ``prompt_tokens`` over the requests whose prefix an
 engine already holds (a group's siblings share the prompt; a resume shares prompt and first
-segment), per kind and together; a group's first prefill is counted apart (nothing can be
-cached for it). Last line::
+segment), per kind and together; a group's first prefill (the warm-up, where there is one)
+is counted apart (nothing can be cached for it). Last line::
 
-    routing: prefix-cache hit rate on resumes and group siblings = H (round_robin R)
+    routing: prefix-cache hit rate on resumes and group siblings = H (warm_prefix; without
+    it C, round_robin R)
 
 ``--quick`` (CI) uses one server, named by ``STRAWQ_SGLANG_URL`` or started here, reached
 under two URLs (127.0.0.1 and localhost): the two "engines" share one cache, so both
@@ -40,6 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from strawq.producers.engine_client import warm_prefix  # noqa: E402
 from strawq.producers.engine_transport import ClientConfig  # noqa: E402
 from strawq.producers.sglang_client import SGLangClient  # noqa: E402
 
@@ -48,7 +54,7 @@ KINDS = ("siblings", "resumes")
 
 async def one_policy(urls: list[str], policy: str, keys: tuple[str | None, str | None],
                      groups: int, g: int, plen: int, seg: int, seed: int,
-                     router: str | None = None) -> dict[str, Any]:
+                     router: str | None = None, warm: bool = False) -> dict[str, Any]:
     client = SGLangClient(urls if router is None else (), router_url=router,
                           config=ClientConfig(routing_policy=policy, api_key=keys[0],
                                               admin_api_key=keys[1], generate_timeout_s=600.0))
@@ -58,7 +64,12 @@ async def one_policy(urls: list[str], policy: str, keys: tuple[str | None, str |
     per_engine: dict[str, int] = {}
     try:
         await client.control.flush_cache()
+        t0 = time.monotonic()
         for gi in range(groups):
+            if gi:  # progress on stderr: CPU servers take tens of seconds a group
+                print(f"  {policy}{' warm' if warm else ''}{' (router)' if router else ''}: "
+                      f"group {gi + 1}/{groups}, {time.monotonic() - t0:.0f}s",
+                      file=sys.stderr, flush=True)
             prompt = [rng.randrange(100, 20000) for _ in range(plen)]
             tid = f"i{gi:012d}"
             params = {"max_new_tokens": seg, "temperature": 1.0, "ignore_eos": True}
@@ -68,11 +79,18 @@ async def one_policy(urls: list[str], policy: str, keys: tuple[str | None, str |
                 return await client.generate(ids, {**params, "sampling_seed": seed + i},
                                              rid=f"bench/{tid}.g0/{i}.{n}")
 
+            warmed = None
+            if warm:  # the producer's ClientConfig.warm_prefix: the prompt prefilled once
+                warmed = await warm_prefix(client, prompt, rid=f"bench/{tid}.g0/warm.0")
             firsts = await asyncio.gather(*(sample(i, prompt, 1) for i in range(g)))
             resumes = await asyncio.gather(*(sample(i, prompt + list(r.output_ids), 2)
                                              for i, r in enumerate(firsts)))
-            # the group's first prefill: the one that found the least cached
-            first = min(range(g), key=lambda i: firsts[i].cached_tokens or 0)
+            # the group's first prefill: the warm-up, else the sample that found the least
+            first = -1 if warmed is not None else min(
+                range(g), key=lambda i: firsts[i].cached_tokens or 0)
+            if warmed is not None:
+                tally["first"][0] += warmed.cached_tokens or 0
+                tally["first"][1] += warmed.prompt_tokens or len(prompt)
             for i, r in enumerate(firsts):
                 kind = "first" if i == first else "siblings"
                 tally[kind][0] += r.cached_tokens or 0
@@ -95,14 +113,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="CI size: one server under two URLs, 2 groups of 2, 64-token prompts")
-    ap.add_argument("--groups", type=int, default=None, help="groups per policy (default 24)")
+    ap.add_argument("--groups", type=int, default=None, help="groups per policy (default 6)")
     ap.add_argument("--group-size", type=int, default=4, help="G (default 4)")
-    ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 384)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 192)")
     ap.add_argument("--segment", type=int, default=8, help="tokens of the first segment")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    groups = args.groups or (2 if args.quick else 24)
-    plen = args.prompt_len or (64 if args.quick else 384)
+    groups = args.groups or (2 if args.quick else 6)
+    plen = args.prompt_len or (64 if args.quick else 192)
     if args.quick and args.group_size == ap.get_default("group_size"):
         args.group_size = 2
     if groups < 1 or args.group_size < 2 or plen < 8 or args.segment < 1:
@@ -137,11 +155,15 @@ def main() -> int:
         print(f"routing: {what}, started in {time.monotonic() - t0:.0f}s; {groups} groups of "
               f"G={args.group_size}, {plen}-token prompts, resumes after {args.segment} tokens")
         res = {}
-        cases: list[tuple[str, str | None]] = [("round_robin", None), ("cache_aware", None)]
+        cases: list[tuple[str, str | None]] = [("round_robin", None), ("cache_aware", None),
+                                               ("cache_aware warm", None)]
         if len(servers) >= 2 and importlib.util.find_spec("sglang_router") is not None:
             cases += [("router round_robin", "round_robin"),
-                      ("router cache_aware", "cache_aware")]
+                      ("router cache_aware", "cache_aware"),
+                      ("router cache_aware warm", "cache_aware")]
         for name, router_policy in cases:
+            warm = name.endswith(" warm")
+            policy = name.removesuffix(" warm").split()[-1]
             router = None
             if router_policy is not None:  # sglang-router's own policy in front of both
                 router = start_router([sys.executable, "-m", "sglang_router.launch_router"],
@@ -149,22 +171,23 @@ def main() -> int:
                                       extra_args=("--policy", router_policy))
             try:
                 res[name] = asyncio.run(one_policy(
-                    urls, name.split()[-1], keys, groups, args.group_size, plen,
-                    args.segment, args.seed, router=router.url if router else None))
+                    urls, policy, keys, groups, args.group_size, plen, args.segment,
+                    args.seed, router=router.url if router else None, warm=warm))
             finally:
                 if router is not None:
                     router.stop()
             r = res[name]["rate"]
             spread = ", ".join(f"{n}" for n in res[name]["engines"].values())
-            print(f"{name:<19} siblings {r['siblings']:.3f}  resumes {r['resumes']:.3f}  "
+            print(f"{name:<24} siblings {r['siblings']:.3f}  resumes {r['resumes']:.3f}  "
                   f"both {r['both']:.3f}  (group's first prefill {r['first']:.3f}; requests "
                   f"per {'router' if router_policy else 'engine'} {spread})")
     finally:
         for s in servers:
             s.stop()
     print(f"routing: prefix-cache hit rate on resumes and group siblings = "
-          f"{res['cache_aware']['rate']['both']:.3f} "
-          f"(round_robin {res['round_robin']['rate']['both']:.3f})")
+          f"{res['cache_aware warm']['rate']['both']:.3f} (warm_prefix; without it "
+          f"{res['cache_aware']['rate']['both']:.3f}, round_robin "
+          f"{res['round_robin']['rate']['both']:.3f})")
     return 0
 
 

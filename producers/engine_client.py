@@ -50,3 +50,12 @@ class EngineClient(Protocol):
         """``/abort_request`` on ``url`` (or every worker) for the exact ``rid`` (SGLang
         0.5.23 ignores a rid that is not an exact live one, so never a prefix)."""
         ...
+
+
+async def warm_prefix(client: EngineClient, input_ids: Sequence[int], *,
+                      rid: str) -> GenerateResult:
+    """Prefill ``input_ids`` into an engine's radix cache and generate nothing
+    (``max_new_tokens`` 0, as SGLang does itself before the copies of an ``n > 1`` request;
+    ``ClientConfig.warm_prefix``). ``rid``: one of the task's, so that ``cache_aware``
+    routing sends it to the engine the task's samples go to."""
+    return await client.generate(input_ids, {"max_new_tokens": 0}, rid=rid)

@@ -101,6 +101,13 @@ class ClientConfig(Config):
             over the workers in rotation (a worker leaving moves only its own tasks); a
             retry goes to the task's next engine. Behind a router, configure the router's
             own ``--policy cache_aware``.
+        warm_prefix: before a fresh group's samples, send its prompt once with
+            ``max_new_tokens`` 0 and wait for it (what SGLang does itself for an ``n > 1``
+            request, which this client sends as n requests): the G samples then find the
+            prompt in the engine's radix cache instead of all prefilling it side by side.
+            It goes where the samples go with ``cache_aware`` (or a router's cache-aware
+            policy); with ``round_robin`` over several engines it mostly misses. Costs one
+            prefill round trip before each fresh group; one that fails is ignored.
         eos_token_ids: the model's EOS ids; None = resolved from the engine
             (``/model_info`` ``eos_token_id``), the tokenizer or the model's config files
             (a producer refuses to start when none of them names one, unless
@@ -122,6 +129,7 @@ class ClientConfig(Config):
     admin_api_key: str | None = field(default=None, repr=False)
     eos_token_ids: tuple[int, ...] | None = None
     routing_policy: str = "round_robin"
+    warm_prefix: bool = False
 
     def validate(self) -> None:
         if self.routing_policy not in ROUTING_POLICIES:

@@ -81,6 +81,8 @@ class ProducerStats:
     #: claim-time probes after an engine fault that reached no engine (claimed nothing)
     engine_probes_failed: int = 0
     unexpected_aborts: int = 0
+    #: fresh groups whose prompt was prefilled once before their samples (``warm_prefix``)
+    prefix_warmups: int = 0
     #: segments aborted at their deadline (``ClientConfig.generate_timeout_s``), tokens kept
     segment_deadlines: int = 0
     #: engines on weights other than the run's version (strawq.producers.engine_versions):

@@ -61,7 +61,7 @@ from strawq.tokenize import FunctionTokenizer
 from strawq.turns import TurnLog, warm_up
 
 from strawq.producers.bracket import EngineAborter
-from strawq.producers.engine_client import EngineClient
+from strawq.producers.engine_client import EngineClient, warm_prefix
 from strawq.producers.engine_errors import EngineAuthError, EngineError, EngineUnavailable
 from strawq.producers.engine_versions import NoFreshEngine, StaleEngine
 from strawq.producers.extras_protocol import ExtrasMismatch
@@ -384,6 +384,10 @@ class GroupRunner:
             a.run, a.version = run, version
             todo = run.unfinished()
             self.pool.set_demand(a.hold, len(todo))  # a partial needs only its unfinished
+            if (self.config.engine.client.warm_prefix and len(todo) > 1
+                    and not (a.parking or a.abandoned)
+                    and all(run.samples[i].response_length == 0 for i in todo)):
+                await self._warm_prefix(run, a.lease.gen)
             if not (a.parking or a.abandoned):
                 for i in todo:
                     a.sample_tasks[i] = asyncio.create_task(self._run_sample(a, i))
@@ -399,6 +403,17 @@ class GroupRunner:
             self.groups.pop(lease.key, None)
             self.handback.turn_logs.pop(lease.key, None)
             self._kick()
+
+    async def _warm_prefix(self, run: GroupRun, gen: int) -> None:
+        """The group's prompt prefilled once before its samples (``ClientConfig.warm_prefix``),
+        under the group's rid prefix, so cache-aware routing sends it where they go."""
+        rid = f"{run.rid_prefix(self.producer_id)}warm.0"
+        try:
+            await warm_prefix(self._client(), run.samples[0].prompt_ids.tolist(), rid=rid)
+            self.book.bump("prefix_warmups")
+        except (EngineError, SampleError, ValueError) as exc:
+            log.info("task %s: prefix warm-up failed (%s); the samples go ahead", run.task_id,
+                     exc)
 
     def _halted(self, a: ActiveGroup) -> bool:
         return (a.parking or a.abandoned or a.fault is not None or a.drop is not None

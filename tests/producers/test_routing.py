@@ -4,10 +4,13 @@ task's next engine; a worker leaving moves only its own tasks."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from tests.producers.conftest import FAST_SIM
@@ -126,11 +129,53 @@ def test_the_routing_benchmarks_quick_form_on_the_real_server(
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     last = proc.stdout.strip().splitlines()[-1]
     m = re.fullmatch(r"routing: prefix-cache hit rate on resumes and group siblings = "
-                     r"\d\.\d{3} \(round_robin \d\.\d{3}\)", last)
+                     r"(\d\.\d{3}) \(warm_prefix; without it \d\.\d{3}, round_robin "
+                     r"\d\.\d{3}\)", last)
     assert m is not None, last
+    # the warm-up reaches the real server as a request of max_new_tokens 0 and caches the
+    # prompt: the G siblings sent after it find it (less the partial last page at most)
+    warm = re.search(r"^cache_aware warm +siblings (\d\.\d{3})", proc.stdout, re.M)
+    assert warm is not None and float(warm.group(1)) > 0.9, proc.stdout[-2000:]
     # one server under two names, one cache: a resume (prompt + its first segment, sent
     # after that segment came back) finds its prefix whatever the policy
     for policy in ("round_robin", "cache_aware"):
         row = re.search(rf"^{policy} +siblings \d\.\d{{3}}  resumes (\d\.\d{{3}})", proc.stdout,
                         re.M)
         assert row is not None and float(row.group(1)) > 0.9, proc.stdout[-2000:]
+
+
+def test_warm_prefix_prefills_each_fresh_groups_prompt_once_before_its_samples(
+        tmp_path: Path, sim_engine: Any) -> None:
+    """``ClientConfig.warm_prefix``: a fresh group's prompt goes to the engine once with
+    ``max_new_tokens`` 0, under the group's rid prefix (so ``cache_aware`` keeps it with
+    the samples), and it comes back before any of the group's samples is sent."""
+    from strawq.producers.producer import Producer
+    from tests.producers.helpers import config_with, ids, make_run, run_producers, wait_for
+
+    sent: list[tuple[str, int]] = []
+
+    class Recording(SGLangClient):
+        async def generate(self, input_ids: Any, sampling_params: Any, **kw: Any) -> Any:
+            sent.append((str(kw.get("rid")), int(dict(sampling_params)["max_new_tokens"])))
+            return await super().generate(input_ids, sampling_params, **kw)
+
+    n = 6
+    q = make_run(str(tmp_path / "run"), n)
+    cfg = config_with({"run_dir": str(tmp_path / "run"), "engine": {"workers": (sim_engine.url,)},
+                       "plugins": {"reward": "tests.producers.plugins_for_tests.length_reward"},
+                       "budget": {"slots": 2}, "sampling": {"max_new_tokens": 16, "seed": 7},
+                       "timing": {"control_poll_s": 0.02, "idle_poll_s": 0.02}},
+                      {"engine": {"client": {"warm_prefix": True,
+                                             "routing_policy": "cache_aware"}}})
+    p = Producer(cfg, client=Recording([sim_engine.url], config=cfg.engine.client))
+
+    async def body() -> None:
+        await wait_for(lambda: len(ids(q, "ready")) == n, 60, "all groups ready")
+
+    asyncio.run(run_producers([p], body))
+    assert p.stats().prefix_warmups == n
+    for tid in ids(q, "ready"):
+        mine = [(rid, m) for rid, m in sent if f"/{tid}.g" in rid]
+        assert mine[0][0].endswith("/warm.0") and mine[0][1] == 0, mine[:3]
+        assert all(m > 0 for _, m in mine[1:]) and len(mine) >= 1 + 4
+        assert affinity_key(mine[0][0]) == tid
