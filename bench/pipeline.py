@@ -3,6 +3,7 @@
     python bench/pipeline.py [--quick] [--workdir DIR] [--steps N] [--sync-steps N]
                              [--modes sync,stream,flow] [--cases standard,long_tail,history,mixture]
                              [--time-scale S] [--flow-windows 9,10] [--history-mode stream]
+                             [--history-rules off,on,skip,longest]
 
 Two cases (``strawq.demo.lab``, docs/lab.md): ``standard`` = ``LabConfig()`` (48 emulated
 engines x 16 slots, G=16, B=96, a 4 s trainer step, lengths capped at 256 with 3 % at the
@@ -46,7 +47,11 @@ own::
     pipeline: useful tokens per engine-second, history on / off = X
 
 where useful tokens are those of trained groups whose rewards differ, engine-seconds E x
-the run's model seconds. Target X >= 1.5 with the learnable mix (the shares of trained
+the run's model seconds. With ``--history-rules`` naming ``skip`` or ``longest``, a row
+runs that rule alone and a line ``pipeline: useful tokens per engine-second, longest-first
+only / off = X`` (or ``zero-variance skip only``) says what it is worth by itself. Target
+X >= 1.5 (both rules)
+with the learnable mix (the shares of trained
 groups at 0 < p_solve < 0.25 / 0.25-0.75 / 0.75-1) no further than 0.10 from the
 dataset's in any bucket: the skip leaves the never- and always-solved rows out on purpose
 (their share of the trained mix, reported too, drops by design), but a learnable row whose
@@ -122,15 +127,27 @@ def best_of(worst: dict[str, dict[str, float]]) -> str:
     return max(worst, key=key)
 
 
-def history_case(workdir: str, time_scale: float, mode: str) -> None:
-    """The history case, off and on: its table, the figures and the line of its own."""
+#: the history case's rows alone, as the line names them
+RULE_NAMES = {"skip": "zero-variance skip only", "longest": "longest-first only"}
+
+
+def history_case(workdir: str, time_scale: float, mode: str,
+                 rules: tuple[str, ...] = ("off", "on")) -> None:
+    """The history case, one row per rule set: its table, the figures, the lines."""
     cfg = replace(LabConfig(workdir=f"{workdir}/history", progress=False),
                   time_scale=time_scale, **HISTORY_CASE)
-    result = run_history_case(cfg, mode)
+    result = run_history_case(cfg, mode, rules)
     print(f"== case history ({mode}, {cfg.steps} steps, {cfg.num_epochs} passes over "
-          f"{cfg.dataset_rows} rows; history off, then on) ==")
+          f"{cfg.dataset_rows} rows; history {', then '.join(rules)}) ==")
     print(format_table(result))
     g = history_gain(result)
+    for rule in rules:
+        if rule in RULE_NAMES:
+            print(f"pipeline: useful tokens per engine-second, {RULE_NAMES[rule]} / off = "
+                  f"{g[f'x_{rule}']:.2f}")
+    if "on" not in rules:
+        print()
+        return
     for key, op, ok in (("x", ">=", g["x"] >= HISTORY_TARGETS["x"]),
                         ("learnable_drift", "<=",
                          g["learnable_drift_on"] <= HISTORY_TARGETS["learnable_drift"])):
@@ -179,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="default standard,long_tail,history,mixture")
     ap.add_argument("--history-mode", default="stream",
                     help="the schedule of the history and mixture cases (default stream)")
+    ap.add_argument("--history-rules", default="off,on",
+                    help="the history case's rows: off (the anchor), on (both rules), skip "
+                         "(the zero-variance skip alone), longest (longest-first alone); "
+                         "default off,on")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="wall s per model s (default 2.5; raise it until stretch is near 1)")
     ap.add_argument("--flow-windows", default="",
@@ -202,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     per_mode: dict[str, list[dict[str, float]]] = {m: [] for m in modes if m != "sync"}
     for case in [c for c in args.cases.split(",") if c]:
         if case == "history":
-            history_case(args.workdir, args.time_scale, args.history_mode)
+            history_case(args.workdir, args.time_scale, args.history_mode,
+                         tuple(r for r in args.history_rules.split(",") if r))
             continue
         if case == "mixture":
             mixture_case(args.workdir, args.time_scale, args.history_mode,

@@ -47,12 +47,10 @@ from strawq.config import Config, merge
 from strawq.demo.lab_report import format_table, generated_lengths, history_figures, \
     history_gain, length_bias, length_buckets, plot_bias, row_of
 
-__all__ = ["HISTORY_CASE", "MIXTURE_CASE", "MODES", "REWARDS", "LabConfig", "LabResult",
-           "ModeResult",
-           "format_table", "generated_lengths", "history_figures", "history_gain",
-           "length_bias", "length_buckets", "mixture_figures", "p_solve_of", "plot_bias",
-           "row_of",
-           "run_history_case", "run_lab", "run_mode"]
+__all__ = ["HISTORY_CASE", "HISTORY_RULES", "MIXTURE_CASE", "MODES", "REWARDS", "LabConfig",
+           "LabResult", "ModeResult", "format_table", "generated_lengths", "history_figures",
+           "history_gain", "length_bias", "length_buckets", "mixture_figures", "p_solve_of",
+           "plot_bias", "row_of", "run_history_case", "run_lab", "run_mode"]
 
 log = logging.getLogger(__name__)
 
@@ -744,19 +742,32 @@ def run_lab(cfg: LabConfig) -> LabResult:
     return result
 
 
-def run_history_case(cfg: LabConfig, mode: str = "stream") -> LabResult:
-    """``mode`` twice on the same case, the history's rules off then on (the zero-variance
-    skip and longest-first); rows ``<mode> history off`` / ``on``; writes history.json.
-    ``cfg`` should be a case of several passes with the difficulty reward (``HISTORY_CASE``).
+#: the history case's rows: the rules each turns on (``QueueConfig.skip_zero_variance``,
+#: ``QueueConfig.longest_first``)
+HISTORY_RULES: dict[str, tuple[bool, bool]] = {
+    "off": (False, False), "on": (True, True), "skip": (True, False), "longest": (False, True)}
+
+
+def run_history_case(cfg: LabConfig, mode: str = "stream",
+                     rules: tuple[str, ...] = ("off", "on")) -> LabResult:
+    """``mode`` once per entry of ``rules`` on the same case (``HISTORY_RULES``: ``off``,
+    ``on`` = both rules, ``skip`` = the zero-variance skip alone, ``longest`` =
+    longest-first alone); rows ``<mode> history <rule>``; writes history.json. ``cfg``
+    should be a case of several passes with the difficulty reward (``HISTORY_CASE``).
     """
     if cfg.reward != "difficulty":
         raise ValueError("the history case needs reward='difficulty' (see HISTORY_CASE)")
+    unknown = [r for r in rules if r not in HISTORY_RULES]
+    if unknown or "off" not in rules:
+        raise ValueError(f"history rules must include 'off' (the anchor) and be some of "
+                         f"{list(HISTORY_RULES)}, got {list(rules)}")
     os.makedirs(cfg.workdir, exist_ok=True)
     result = LabResult(cfg)
-    for on in (False, True):
-        row_cfg = replace(cfg, workdir=os.path.join(cfg.workdir, "on" if on else "off"),
-                          skip_zero_variance=on, longest_first=on)
-        result.modes[f"{mode} history {'on' if on else 'off'}"] = run_mode(row_cfg, mode)
+    for rule in rules:
+        skip, longest = HISTORY_RULES[rule]
+        row_cfg = replace(cfg, workdir=os.path.join(cfg.workdir, rule),
+                          skip_zero_variance=skip, longest_first=longest)
+        result.modes[f"{mode} history {rule}"] = run_mode(row_cfg, mode)
     path = os.path.join(os.path.abspath(cfg.workdir), "history.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"config": cfg.to_dict(), "gain": history_gain(result),

@@ -298,12 +298,15 @@ def history_figures(cfg: LabConfig, run_dir: str, p_solve: list[float],
 def history_gain(result: LabResult) -> dict[str, float]:
     """The history case's figures: useful tokens per engine-second, history on / off
     (``x``), and the trained mix's drift from the dataset's in each row."""
-    rows = {("on" if m.endswith(" on") else "off"): r.row.get("history", {})
-            for m, r in result.modes.items()}
+    rows = {m.rpartition(" ")[2]: r.row.get("history", {}) for m, r in result.modes.items()}
     on, off = rows.get("on", {}), rows.get("off", {})
     nan = float("nan")
-    return {"x": _ratio(on.get("useful_tokens_per_engine_s", nan),
-                        off.get("useful_tokens_per_engine_s", nan)),
+    # each rule alone (rows ``skip``, ``longest``), against the same ``off`` row
+    alone = {f"x_{rule}": _ratio(h.get("useful_tokens_per_engine_s", nan),
+                                 off.get("useful_tokens_per_engine_s", nan))
+             for rule, h in rows.items() if rule not in ("on", "off")}
+    return {**alone, "x": _ratio(on.get("useful_tokens_per_engine_s", nan),
+                                 off.get("useful_tokens_per_engine_s", nan)),
             "useful_share_on": on.get("useful_share", nan),
             "useful_share_off": off.get("useful_share", nan),
             "useful_share_later_on": on.get("useful_share_later", nan),
