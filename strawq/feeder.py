@@ -18,6 +18,7 @@ finishes step 3. No index is ever released twice, and none is skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -253,9 +254,46 @@ class Feeder:
                 self.cursor = cur
                 return cur
             self._promote(cur)
-            if self._commit(cur.seq + 1, cur.next_index, None, False, repaired=cur.corrupt):
+            if self._commit_repair(cur):
                 self.queue.quarantine(cur.corrupt)
         raise CursorContention(17, "the cursor kept changing while this feeder repaired it")
+
+    def _last_intact(self, seq: int) -> Cursor | None:
+        """The newest readable cursor record older than ``seq`` (``KEEP_CURSORS`` are kept)."""
+        for old, _nxt, name in reversed(list_cursors(self.storage)):
+            if old >= seq:
+                continue
+            key = f"cursor/{name}"
+            try:
+                rec = records.decode(self.storage.read(key), expect=Kind.CURSOR, name=key)
+                check_cursor_meta(rec.meta, key)
+            except (CorruptRecord, NotFound):
+                continue
+            m = rec.meta
+            return Cursor(m["seq"], m["next_index"], m.get("staging"),
+                          m.get("exhausted", False), m.get("fingerprint", {}),
+                          recent=_recent(m), epoch_bases=_epoch_bases(m))
+        return None
+
+    def _commit_repair(self, cur: Cursor) -> bool:
+        """Commit a readable cursor in place of the damaged ``cur``: at the index its name
+        gives, with the dataset, the passes and (at the same index) the exhaustion of the
+        newest intact record before it. A release moves the index but keeps the dataset and
+        the passes, so those are what the damaged record held, unless it opened a pass or
+        switched datasets at an unchanged index: then the intact record's state is taken
+        whole, and the pass is opened again (nothing was released under it yet)."""
+        prev = self._last_intact(cur.seq)
+        fp = self._reader.fingerprint
+        exhausted = False
+        extra: dict[str, Any] = {}
+        if prev is not None:
+            fp = prev.fingerprint or fp
+            if prev.epoch_bases:
+                extra["epoch_bases"] = list(prev.epoch_bases)
+            exhausted = prev.exhausted and prev.next_index == cur.next_index
+            self._reader.base = int(fp.get("base", 0) or 0)
+        return self._commit(cur.seq + 1, cur.next_index, None, exhausted, repaired=cur.corrupt,
+                            fingerprint=fp, **extra)
 
     def recover(self) -> Cursor:
         """Finish a committed release and delete abandoned staging. Reads O(in flight).
@@ -623,6 +661,25 @@ def preview_release(queue: RunQueue, dataset: Dataset, count: int | None = None,
                               f"but the run's is {queue.config.prompt_key!r}")
     state = read_cursor_state(queue.storage) or {"next_index": 0, "fingerprint": {},
                                                  "exhausted": False}
-    return preview(dataset, state.get("fingerprint") or {}, int(state["next_index"]),
-                   bool(state.get("exhausted")), count, max_share=share,
-                   window=queue.config.release_batch, recent=state.get("recent") or (0, 0))
+    fp = dict(state.get("fingerprint") or {})
+    exhausted = bool(state.get("exhausted"))
+    nxt = int(state["next_index"])
+    passes = max(len(state.get("epoch_bases") or ()), 1)
+    if exhausted and passes < queue.config.num_epochs:
+        # the pass ended, and the next one starts here (``Feeder._next_epoch``)
+        fp["base"], exhausted, passes = nxt, False, passes + 1
+    judge: dict[str, Any] = {"max_share": share, "window": queue.config.release_batch,
+                             "recent": state.get("recent") or (0, 0)}
+    got = preview(dataset, fp, nxt, exhausted, count, **judge)
+    taken = got.end - got.start
+    if got.refused is None and got.exhausted and taken < count \
+            and passes < queue.config.num_epochs:
+        # the release runs past the end of this pass into the next, as ``release`` does
+        rest = preview(dataset, {**fp, "base": got.end}, got.end, False, count - taken,
+                       **judge)
+        kinds = dict(got.kinds)
+        for k, v in rest.kinds.items():
+            kinds[k] = kinds.get(k, 0) + v
+        got = dataclasses.replace(rest, count=count, start=got.start, good=got.good + rest.good,
+                                  bad=got.bad + rest.bad, kinds=kinds)
+    return got

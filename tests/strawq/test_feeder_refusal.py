@@ -131,3 +131,22 @@ def test_the_cli_release_that_would_drop_8_of_12_rows_exits_1(
     assert preview_release(RunQueue.open(storage), Dataset(data)).refused is not None
     assert cli_main(["release", run, data, "--max-bad-row-share", "1"]) == 0
     assert "released 4 of 12 rows (8 bad dropped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("first", [3, 4])
+def test_a_dry_run_at_the_end_of_a_pass_previews_the_next_pass(tmp_path: Path,
+                                                               first: int) -> None:
+    """With passes left (``queue.num_epochs``), the end of a pass is not the end of the
+    run: a dry run there shows the next pass's rows at the indexes a release would give
+    them, as that release then does. ``first`` 3: the pass's rows were all taken, its end
+    not yet seen; 4: the release that took them found the end (the cursor says
+    exhausted)."""
+    q = _queue(tmp_path, num_epochs=2, release_batch=4)
+    ds = Dataset(write_jsonl(tmp_path / "d.jsonl", [{"prompt": [i + 1]} for i in range(3)]))
+    f = Feeder(q, ds)
+    assert f.release(first) == 3
+    assert f.cursor.exhausted == (first == 4)
+    got = preview_release(q, ds, 2)
+    assert got.refused is None and (got.start, got.end, got.good) == (3, 5, 2), got
+    assert not got.exhausted
+    assert f.release(2) == 2 and f.cursor.next_index == 5

@@ -163,3 +163,33 @@ def test_foreign_file_in_pending_is_ignored_not_claimed(storage: Storage,
     storage.publish("pending/README", b"not a task")
     assert ids(q.claim("p", 5)) == [tid(0)]
     assert storage.exists("pending/README")
+
+
+def _released(storage: Storage) -> list[int]:
+    from strawq.states import TaskState, names_in
+
+    return sorted(int(n.id[1:]) for n in names_in(storage, TaskState.PENDING))
+
+
+@pytest.mark.parametrize("released_before", [6, 4, 8])
+def test_a_corrupt_cursor_in_a_later_pass_is_repaired_with_its_passes(
+        storage: Storage, tmp_path: Path, released_before: int) -> None:
+    """The repair of a damaged newest cursor keeps the run's passes (``epoch_bases``) and
+    the pass's base from the newest intact record: every pass releases each row once, and
+    no pass is added. 6: the damaged record is a release inside pass 2; 4 and 8: the
+    record that starts pass 2 (or 3) at a pass boundary is the damaged one."""
+    q = make_queue(storage, num_epochs=3)
+    f = make_feeder(q, tmp_path, 4)
+    while len(_released(storage)) < released_before:
+        f.release(2)
+    if released_before % 4 == 0:
+        f.release(0)  # only the commit that opens the next pass (no row taken yet)
+    newest = list_cursors(storage)[-1][2]
+    clobber(storage, f"cursor/{newest}", b"")
+    f2 = Feeder(q, f.dataset)
+    while not f2.exhausted:
+        if not f2.release(3):
+            break
+    assert _released(storage) == list(range(12))  # 3 passes of 4 rows, each once
+    assert f2.cursor.epoch_bases == (0, 4, 8) and f2.exhausted
+    assert audit_run(storage).check([tid(i) for i in range(12)]) == []
