@@ -185,6 +185,27 @@ class FakeClock:
             self.hook()
 
 
+def train_until_drained(collector: Any, producer: SimProducer, reader: Any,
+                        on_batch: Any, *, passes: int = 3000) -> bool:
+    """One producer, the collector and a trainer's reader, pass by pass: every published
+    batch is read and handed to ``on_batch(batch)`` before its ack. True once the run has
+    drained; False as soon as ``on_batch`` returns True (stop there, the batch acked);
+    AssertionError if neither happens within ``passes``."""
+    for _ in range(passes):
+        producer.step()
+        rep = collector.step()
+        seqs, acked = collector.batches.batch_seqs()
+        if any(s not in acked for s in seqs):
+            b = reader.next_batch(timeout=5)
+            stop = on_batch(b)
+            reader.ack(b)
+            if stop:
+                return False
+        if rep.drained:
+            return True
+    raise AssertionError("the run did not drain")
+
+
 def drive(collector: Any, producers: list[SimProducer], steps: int) -> None:
     for _ in range(steps):
         collector.step()

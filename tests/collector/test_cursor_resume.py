@@ -16,7 +16,7 @@ from strawq.collector.reader import BatchReader
 from strawq.collector.resume import in_flight
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
-from tests.collector.helpers import SimProducer, drive, write_dataset
+from tests.collector.helpers import SimProducer, drive, train_until_drained, write_dataset
 
 N = 40
 CFG = CollectorConfig(batch_groups=4, max_running=8, max_ready=8, max_prefetch_batches=2,
@@ -65,18 +65,8 @@ def test_cursor_resume_releases_what_was_in_flight(tmp_path, caplog):
     reader2 = BatchReader(col2.queue)
     reader2.load_state_dict(ckpt)
     prod2 = SimProducer(col2.queue, "p1", seed=5, chunk=3)
-    rep = col2.step()
-    for _ in range(2000):
-        prod2.step()
-        rep = col2.step()
-        seqs, acked = col2.batches.batch_seqs()
-        if any(s not in acked for s in seqs):
-            b = reader2.next_batch(timeout=5)
-            trained += _indexes(b)
-            reader2.ack(b)
-        if rep.drained:
-            break
-    assert rep.drained
+    col2.step()
+    assert train_until_drained(col2, prod2, reader2, lambda b: trained.extend(_indexes(b)))
     assert sorted(trained) == list(range(N)), "a prompt was skipped or trained twice"
 
 

@@ -19,7 +19,7 @@ from strawq.errors import ConfigError
 from strawq.mixture import Mixture, open_dataset
 from strawq.names import TaskName, dataset_task_id
 from strawq.retention import drop_totals
-from tests.collector.helpers import SimProducer
+from tests.collector.helpers import SimProducer, train_until_drained
 
 QCFG = QueueConfig(fsync=False, lease_timeout_s=2.0, heartbeat_interval_s=0.2,  # type: ignore
                    release_batch=8, group_size=4)
@@ -53,23 +53,18 @@ def _cfg(tmp: Path, **kw: Any) -> CollectorConfig:
 
 
 def _drive(col: Collector, prod: SimProducer, reader: BatchReader, *,
-           after_ack: Any = None) -> list[dict[str, Any]]:
+           on_trained: Any = None) -> list[dict[str, Any]]:
     """Run to the end; the trained groups' summaries, each with its batch's trained_at."""
     trained: list[dict[str, Any]] = []
-    for _ in range(2000):
-        prod.step()
-        rep = col.step()
-        seqs, acked = col.batches.batch_seqs()
-        if any(s not in acked for s in seqs):
-            b = reader.next_batch(timeout=5)
-            at = col.batches.read_manifest(b.seq).meta["trained_at"]
-            trained += [{**s, "trained_at": at} for s in b.summaries]
-            reader.ack(b)
-            if after_ack is not None:
-                after_ack()
-        if rep.drained:
-            return trained
-    raise AssertionError("the run did not drain")
+
+    def on_batch(b: Any) -> None:
+        at = col.batches.read_manifest(b.seq).meta["trained_at"]
+        trained.extend({**s, "trained_at": at} for s in b.summaries)
+        if on_trained is not None:  # the weights step with the batch it trained
+            on_trained()
+
+    assert train_until_drained(col, prod, reader, on_batch)
+    return trained
 
 
 def _last_metrics(tmp: Path) -> dict[str, Any]:
@@ -106,7 +101,7 @@ def test_a_sources_tighter_staleness_bound_drops_only_its_stale_groups(tmp_path:
     def step_weights() -> None:  # a trainer: one weight version per batch
         col.queue.set_version(col.queue.current_version() + 1)
 
-    groups = _drive(col, SimProducer(col.queue, "p", slots=8), reader, after_ack=step_weights)
+    groups = _drive(col, SimProducer(col.queue, "p", slots=8), reader, on_trained=step_weights)
     by_source = {s: [g for g in groups if ds.source_of(int(g["index"])) == s] for s in "ab"}
     rows = {s: [i for i in range(48) if ds.source_of(i) == s] for s in "ab"}
     # a (the run's bound, 3) loses nothing; every b group that would be trained stale is

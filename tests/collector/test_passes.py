@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ from strawq.collector.core import Collector
 from strawq.collector.reader import BatchReader
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
-from tests.collector.helpers import SimProducer, write_dataset
+from tests.collector.helpers import SimProducer, train_until_drained, write_dataset
 
 N = 6
 PASSES = 3
@@ -34,19 +35,10 @@ def _rows(batch) -> list[int]:  # type: ignore[no-untyped-def]
 def _run(col: Collector, reader: BatchReader, prod: SimProducer, trained: list[int],
          stop_after: int | None = None) -> bool:
     """Drive to the end (True) or until ``stop_after`` rows are trained (False)."""
-    for _ in range(3000):
-        prod.step()
-        rep = col.step()
-        seqs, acked = col.batches.batch_seqs()
-        if any(s not in acked for s in seqs):
-            b = reader.next_batch(timeout=5)
-            trained += _rows(b)
-            reader.ack(b)
-            if stop_after is not None and len(trained) >= stop_after:
-                return False
-        if rep.drained:
-            return True
-    raise AssertionError("the run did not finish")
+    def on_batch(b: Any) -> bool:
+        trained.extend(_rows(b))
+        return stop_after is not None and len(trained) >= stop_after
+    return train_until_drained(col, prod, reader, on_batch)
 
 
 @pytest.mark.timeout(120)
