@@ -170,8 +170,7 @@ class Collector:
         # producers apply it to partial tasks at claim (strawq.eta)
         publish_policy(self.storage, self.policy)
         self.feeder = Feeder(self.queue, self.dataset)
-        if self.mixing is not None:
-            self.mixing.base = self.feeder.base
+        self._note_bases()
         self.batches.recover()
         self.resume_info = resume
         if resume is not None and resume.path in ("cursor", "fresh") and resume.checkpoint:
@@ -192,6 +191,12 @@ class Collector:
         seq = int(ckpt.get("batch_seq") or 0)
         if seq > 0:  # batch numbers continue after the checkpoint's (names are never reused)
             mark_high_water(self.storage, seq)
+
+    def _note_bases(self) -> None:
+        """Tell the mixture's book where each pass's rows start (they move as passes
+        begin: ``Feeder._next_epoch``)."""
+        if self.mixing is not None and self.feeder is not None:
+            self.mixing.bases = self.feeder.cursor.epoch_bases or (self.feeder.base,)
 
     def close(self) -> None:
         """Stop cleanly (a successor starts at once) and shut the metrics endpoint."""
@@ -236,6 +241,7 @@ class Collector:
         rep.exhausted = self.feeder.exhausted
         self._form_batches(ready, rep)
         self._admit(rep)
+        self._note_bases()
         self._steps += 1
         self.stale_totals["trained"] += len(rep.stale_trained)
         self.stale_totals["regenerated"] += len(rep.requeued_stale)

@@ -88,13 +88,15 @@ class MixtureBook:
         self.stale: Counter[str] = Counter()
         #: the sources starved at the last ``starved()``, with the reason
         self.starving: dict[str, str] = {}
-        #: the dataset index of mixture row 0 (``Feeder``: after a switch of datasets)
-        self.base = 0
+        #: the task index of mixture row 0 in each pass over it, oldest first (the
+        #: feeder's cursor: ``epoch_bases``, or the one base of a run of one pass)
+        self.bases: tuple[int, ...] = (0,)
 
     def source(self, task_id: str) -> str | None:
+        """The source of a dataset task: its row in the pass its index falls in."""
         index = task_index(task_id)
-        return None if index is None or index < self.base else \
-            self.mixture.source_of(index - self.base)
+        base = max((b for b in self.bases if index is not None and b <= index), default=None)
+        return None if index is None or base is None else self.mixture.source_of(index - base)
 
     def max_staleness(self, task_id: str, default: int | None) -> int | None:
         """η for this task's group: its source's, else ``default`` (the run's)."""

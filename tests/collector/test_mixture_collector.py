@@ -5,6 +5,7 @@ that loses its share is reported starved with the reason."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,8 @@ def drop_every_group(task: dict[str, Any], rewards: list[float]) -> str | None:
     return "filtered_b"
 
 
-def _mixture(tmp: Path, b: dict[str, Any], n: int = 24) -> Mixture:
-    for name in ("a", "b"):
+def _mixture(tmp: Path, b: dict[str, Any], sizes: tuple[int, int] = (24, 24)) -> Mixture:
+    for name, n in zip("ab", sizes, strict=True):
         with open(tmp / f"{name}.jsonl", "w", encoding="utf-8") as f:
             for i in range(n):
                 f.write(json.dumps({"prompt": [1 + i % 50, 2, 3]}) + "\n")
@@ -75,16 +76,22 @@ def _last_metrics(tmp: Path) -> dict[str, Any]:
 @pytest.mark.timeout(120)
 def test_a_sources_filter_drops_only_its_groups_and_starves_it_as_filtered(
         tmp_path: Path) -> None:
-    ds = _mixture(tmp_path, {"filter": "tests.collector.test_mixture_collector.drop_every_group"})
-    col = Collector.open(str(tmp_path / "run"), ds, _cfg(tmp_path), queue_config=QCFG,
-                         fsync=False)
+    """Over two passes of a mixture of 49 rows (a pass that is no whole number of the
+    interleave's periods, so pass 2's rows are not pass 1's indexes' sources): each pass's
+    groups are judged by their own row's source."""
+    ds = _mixture(tmp_path, {"filter": "tests.collector.test_mixture_collector.drop_every_group"},
+                  sizes=(25, 24))
+    assert len(ds) == 49
+    col = Collector.open(str(tmp_path / "run"), ds, _cfg(tmp_path), queue_config=replace(
+        QCFG, num_epochs=2), fsync=False)
     reader = BatchReader.open(str(tmp_path / "run"), checkpointed=False)
     trained = [int(g["index"]) for g in _drive(col, SimProducer(col.queue, "p", slots=8), reader)]
-    assert sorted(trained) == [i for i in range(48) if ds.source_of(i) == "a"]
-    assert drop_totals(col.storage).get("filtered_b") == 24
+    a_rows = [i for i in range(49) if ds.source_of(i) == "a"]
+    assert sorted(trained) == a_rows + [49 + i for i in a_rows]
+    assert drop_totals(col.storage).get("filtered_b") == 48
     m = _last_metrics(tmp_path)
     assert m["dataset/a/group_share_total"] == 1.0 and m["dataset/b/trained_groups_total"] == 0
-    assert m["dataset/b/filtered_total"] == 24 and m["dataset/b/weight"] == 0.5
+    assert m["dataset/b/filtered_total"] == 48 and m["dataset/b/weight"] == 0.5
     assert m["dataset/b/starved"] == 1 and m["dataset/b/starved_reason"] == "filtered"
     assert m["dataset/a/starved"] == 0
     reader.close()
