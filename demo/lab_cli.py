@@ -74,12 +74,15 @@ def cmd_lab(args: argparse.Namespace) -> int:
     from strawq.config import read_json_object
     from strawq.errors import ConfigError
 
-    from strawq.demo.lab import HISTORY_CASE, LabConfig, format_table, run_history_case, \
-        run_lab
+    from strawq.demo.lab import HISTORY_CASE, MIXTURE_CASE, LabConfig, format_table, \
+        run_history_case, run_lab
 
     if not getattr(args, "verbose", False):
         logging.getLogger().setLevel(logging.WARNING)
-    data: dict[str, Any] = dict(HISTORY_CASE) if args.history else {}
+    if args.history and args.mixture:
+        raise UsageError("--history and --mixture are two cases: run one at a time")
+    data: dict[str, Any] = dict(HISTORY_CASE) if args.history else \
+        dict(MIXTURE_CASE) if args.mixture else {}
     if args.config:
         loaded = read_json_object(args.config, what="lab config")
         data.update(loaded.get("config", loaded))  # a lab.json, or a bare LabConfig
@@ -87,7 +90,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
     data.update({k: v for k, v in vars(args).items() if k in names and v is not None})
     if args.modes:
         data["modes"] = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    elif args.history:
+    elif args.history or args.mixture:
         data.setdefault("modes", ("stream",))
     try:
         cfg = LabConfig.from_dict(data)
@@ -122,6 +125,10 @@ def add_lab_parser(sub: Any) -> None:
     p.add_argument("--history", action="store_true",
                    help="the history case (HISTORY_CASE; flags override it): the first of "
                         "--modes (default stream) with the history's rules off, then on")
+    p.add_argument("--mixture", action="store_true",
+                   help="the mixture case (MIXTURE_CASE; flags override it): two datasets "
+                        "in equal weights, the hard one filtered by the DAPO rule; each "
+                        "dataset's trained share and whether it was starved, and why")
     p.add_argument("--no-fsync", dest="fsync", action="store_false", default=None,
                    help="skip fsync on queue writes")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
