@@ -340,9 +340,16 @@ class Collector:
                 return
             names: list[TaskName] = []
             summaries: list[dict[str, Any]] = []
+            topped_up = False
             while len(names) < B and ready:  # a dropped group's place goes to the next one
                 take, ready = ready[:B - len(names)], ready[B - len(names):]
+                if topped_up and self._judges and self.policy.mode in ("drop", "regenerate"):
+                    # a group taken in a dropped one's place may lie past the groups that
+                    # ``_ordered_ready`` judged: one over η waits for its verdict next pass
+                    at = self.trained_at(rep, 0)
+                    take = [n for n in take if not self._policy_of(n.id).over(at, n.version)]
                 got, sums = self._summaries(take, rep)
+                topped_up = True
                 names += got
                 summaries += sums
             if not names or (len(names) < B and not flush):

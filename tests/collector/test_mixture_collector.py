@@ -152,3 +152,38 @@ def test_starvation_needs_a_real_shortfall_and_says_slow_without_losses(tmp_path
     assert book.starved() == {"b": "slow"}
     m = book.metrics()
     assert m["dataset/b/starved"] == 1 and m["dataset/a/token_share"] > 0.8
+
+
+def drop_a(task: dict[str, Any], rewards: list[float]) -> str | None:
+    return "filtered_a" if task["source"] == "a" else None
+
+
+def test_a_group_taken_in_a_filtered_ones_place_is_judged_by_its_own_bound(
+        tmp_path: Path) -> None:
+    """``eta_mode=drop``: the collector judges η for the groups of the batches it may form
+    this pass; when a filter drops some of them, the groups taken in their place lie past
+    that range. One of those over its own source's bound must not be trained: it waits,
+    and is dropped for η when it is judged."""
+    from strawq.testing import make_group
+
+    _mixture(tmp_path, {"max_staleness": 0})  # the files; a's filter added below
+    spec = json.loads((tmp_path / "m.mixture.json").read_text())
+    spec["sources"][0]["filter"] = "tests.collector.test_mixture_collector.drop_a"
+    (tmp_path / "m.mixture.json").write_text(json.dumps(spec))
+    ds = open_dataset(str(tmp_path / "m.mixture.json"))
+    col = Collector.open(str(tmp_path / "run"), ds,
+                         _cfg(tmp_path, batch_groups=2, max_prefetch_batches=1,
+                              max_staleness=2, eta_mode="drop"),
+                         queue_config=replace(QCFG, group_size=2), fsync=False)
+    col.step()  # releases the first rows: 0 a, 1 b, 2 a, 3 b, ...
+    leases = {int(x.task["index"]): x for x in col.queue.claim("p", 8)}
+    for i in (0, 2, 3, 5):  # a, a, then b, b: ready at version 0, in this order
+        col.queue.complete(leases[i], make_group(leases[i].task_id, i, version=0))
+    col.queue.set_version(1)
+    for _ in range(4):
+        col.step()
+    trained = [n.id for s in col.batches.batch_seqs()[0]
+               for n in col.batches.read_manifest(s).groups]
+    assert trained == []  # b's groups are one version old: over b's bound (0)
+    assert drop_totals(col.storage) == {"filtered_a": 2, "stale_eta": 2}
+    col.close()
