@@ -82,6 +82,7 @@ class MixtureBook:
         self.min_groups = STARVATION_MIN_BATCHES * batch_groups
         #: (source, kind, loss tokens) of the newest events, kind trained / filtered / stale
         self.events: deque[tuple[str, str, int]] = deque()
+        self._trained_in_window = 0
         self.trained_groups: Counter[str] = Counter()
         self.trained_tokens: Counter[str] = Counter()
         self.filtered: Counter[str] = Counter()
@@ -149,10 +150,10 @@ class MixtureBook:
 
     def _event(self, source: str, kind: str, tokens: int) -> None:
         self.events.append((source, kind, tokens))
-        trained = sum(1 for e in self.events if e[1] == "trained")
-        while trained > self.window_groups and self.events:
+        self._trained_in_window += kind == "trained"
+        while self._trained_in_window > self.window_groups and self.events:
             if self.events.popleft()[1] == "trained":
-                trained -= 1
+                self._trained_in_window -= 1
 
     # -- the signal ---------------------------------------------------------------------------
     def window(self) -> dict[str, dict[str, int]]:

@@ -152,6 +152,9 @@ def test_starvation_needs_a_real_shortfall_and_says_slow_without_losses(tmp_path
     assert book.starved() == {"b": "slow"}
     m = book.metrics()
     assert m["dataset/b/starved"] == 1 and m["dataset/a/token_share"] > 0.8
+    train("ab" * 40)  # the window (8 batches of 10) now holds only these: b is back
+    assert book.starved() == {} and len([e for e in book.events if e[1] == "trained"]) == 80
+    assert book.metrics()["dataset/b/group_share"] == 0.5
 
 
 def drop_a(task: dict[str, Any], rewards: list[float]) -> str | None:
