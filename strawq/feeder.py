@@ -138,6 +138,12 @@ def _epoch_bases(meta: dict[str, Any]) -> tuple[int, ...]:
     return tuple(meta.get("epoch_bases") or ())
 
 
+def _cursor_of(m: dict[str, Any]) -> Cursor:
+    """The cursor a checked record's metadata holds (``check_cursor_meta``)."""
+    return Cursor(m["seq"], m["next_index"], m.get("staging"), m.get("exhausted", False),
+                  m.get("fingerprint", {}), recent=_recent(m), epoch_bases=_epoch_bases(m))
+
+
 def check_cursor_meta(meta: dict[str, Any], key: str) -> None:
     """``CorruptRecord`` unless a cursor record's metadata has the fields and types a
     feeder reads (a record with a valid checksum may still hold anything)."""
@@ -240,10 +246,7 @@ class Feeder:
             staging = next((s for s in self.storage.list("staging") if s.startswith(prefix)),
                            None)
             return Cursor(seq, nxt, staging, False, {}, corrupt=key)
-        m = rec.meta
-        return Cursor(m["seq"], m["next_index"], m.get("staging"), m.get("exhausted", False),
-                      m.get("fingerprint", {}), recent=_recent(m),
-                      epoch_bases=_epoch_bases(m))
+        return _cursor_of(rec.meta)
 
     def refresh(self) -> Cursor:
         """Re-read the newest cursor and finish its release (promote, repair a bad record)."""
@@ -269,10 +272,7 @@ class Feeder:
                 check_cursor_meta(rec.meta, key)
             except (CorruptRecord, NotFound):
                 continue
-            m = rec.meta
-            return Cursor(m["seq"], m["next_index"], m.get("staging"),
-                          m.get("exhausted", False), m.get("fingerprint", {}),
-                          recent=_recent(m), epoch_bases=_epoch_bases(m))
+            return _cursor_of(rec.meta)
         return None
 
     def _commit_repair(self, cur: Cursor) -> bool:
