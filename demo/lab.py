@@ -602,6 +602,10 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
                 "driver": time.process_time()}
         sampler = Sampler(urls, period_s=cfg.sample_period_s)
         sampler.start()
+        # exactly the batches the schedule trains: a collector left free publishes up to
+        # max_prefetch_batches more at the end, and the run's figures (the mixture's trained
+        # groups among them) would count groups no trainer took
+        collector.batch_budget = sched.steps * sched.per_step
         loop = _CollectorLoop(collector)
         loop.start()  # the first group is released now: the clock starts here
         bar = _progress(cfg, mode)
@@ -697,8 +701,9 @@ def audit(run_dir: str, trained_per_step: list[list[int]]) -> list[str]:
 
     Every released dataset index is in exactly one place: trained once (by the steps'
     ``sample_index``/summaries, each in an acked manifest unless GC removed it), dropped
-    with a recorded reason, or still queued (pending, partial, ready, or the prefetched
-    next batch). Nothing may stay leased once the producers stopped. Empty = consistent.
+    with a recorded reason, or still queued (pending, partial or ready). The collector
+    publishes exactly the schedule's batches, so none stays unacknowledged, and nothing may
+    stay leased once the producers stopped. Empty = consistent.
     """
     from collections import Counter
 
@@ -715,6 +720,8 @@ def audit(run_dir: str, trained_per_step: list[list[int]]) -> list[str]:
     acked = {t for seq in a.acked for t in a.manifests.get(seq, [])}
     unacked = {t for seq, ids in a.manifests.items() if seq not in a.acked for t in ids}
     problems += [f"trained {t} is in an unacknowledged batch" for t in sorted(trained & unacked)]
+    problems += [f"batch {seq} was published but never trained" for seq in sorted(a.manifests)
+                 if seq not in a.acked]
     problems += [f"{t} is in an acked batch but the trainer never saw it"
                  for t in sorted(acked - trained)]
     problems += [f"{t} is still leased after the producers stopped"
