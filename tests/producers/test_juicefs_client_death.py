@@ -29,7 +29,7 @@ from strawq.producers.sglang_client import ClientConfig
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
 from tests.juicefs_fixtures import TESTVOL, find_juicefs_binary
-from tests.producers.helpers import config_with, ids, make_run, wait_for
+from tests.producers.helpers import config_with, ids, make_run, names, wait_for
 
 pytestmark = [pytest.mark.juicefs, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -150,11 +150,13 @@ def test_a_dead_juicefs_client_hands_its_leases_over_and_its_producer_rejoins(
             await wait_for(lambda: all_ready(first + second) or ta.done(), 60,
                            "A to rejoin and finish")
             assert not ta.done(), f"the producer on A stopped: {ta.exception()}"
-            seen["a_done_after"] = pa.stats().groups_completed
         finally:
             pa.request_stop()
             pb.request_stop()
             await asyncio.wait([ta, tb], timeout=60)
+        # read once A has stopped: a group is ready (its rename done, in an I/O thread)
+        # a moment before its producer counts it, and A's two slots finish together
+        seen["a_done_after"] = pa.stats().groups_completed
         for t in (ta, tb):
             if t.done() and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
@@ -164,5 +166,10 @@ def test_a_dead_juicefs_client_hands_its_leases_over_and_its_producer_rejoins(
     # every group exactly once, nothing left anywhere else
     assert ids(q, "ready") == sorted(f"i{i:012d}" for i in range(first + second))
     assert not ids(q, "pending") and not ids(q, "leased") and not ids(q, "dropped")
-    # the second wave was released after B stopped: A did all of it once remounted
+    # the second wave was released after B stopped: A did all of it once remounted, by the
+    # ready names (each names the producer that completed it) and by A's own count
+    second_ids = {f"i{i:012d}" for i in range(first, first + second)}
+    a_id = pa.stats().producer_id
+    assert {t.id: t.producer for t in names(q, "ready") if t.id in second_ids} == {
+        t: a_id for t in second_ids}
     assert seen["a_done_after"] - seen["a_done_before"] >= second
