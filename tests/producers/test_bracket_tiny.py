@@ -6,11 +6,16 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
 import torch
 
 from strawq.control import Control
+from strawq.groups import GroupData
+from strawq.names import data_key
+from strawq.queue import RunQueue
+from strawq.records import Kind
 
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.testing import EngineThread
@@ -38,9 +43,34 @@ def perturbed(src: Path, dst: Path, seed: int) -> Path:
     return save_weights(model, dst)
 
 
+async def mid_flight(http: aiohttp.ClientSession, url: str, lo: int, hi: int) -> bool:
+    """Whether a request in the engine has generated between ``lo`` and ``hi`` tokens: a pause
+    now lands mid-sample, however slow the machine (a fixed sleep can land before the first
+    token on a loaded one, and the resumed sample then holds one version)."""
+    async with http.get(url + "/strawq/live_requests") as resp:
+        body = await resp.json()
+    return any(lo <= r["output_tokens"] <= hi for r in body["requests"])
+
+
+def mid_sample(q: RunQueue, max_new: int) -> bool:
+    """Whether a parked partial holds a sample begun but unfinished: on resume under the new
+    weights it must span two versions."""
+    for t in names(q, "pending"):
+        if t.resume >= 0:
+            rec = q._read_record(data_key(t.id, t.resume, "partial"), Kind.PARTIAL)
+            if any(0 < n < max_new for n in GroupData.from_record(rec).sample_lens):
+                return True
+    return False
+
+
+#: brackets run: at least two, and more (each on new weights) until one has parked a sample
+#: mid-flight; the producer's reaction to a pause is not bounded in time on a loaded machine
+MIN_BRACKETS, MAX_BRACKETS = 2, 6
+
+
 def test_bracket_with_tiny_engine(tmp_path: Path) -> None:
     weights = {0: save_weights(init_model(SMALL), tmp_path / "w0")}
-    for v in (1, 2):
+    for v in range(1, MAX_BRACKETS + 1):
         weights[v] = perturbed(weights[v - 1], tmp_path / f"w{v}", seed=v)
     n, g, max_new = 8, 2, 96
     rows = [{"prompt": [5 + i, 9, 11 + i], "target": 7, "count": 3} for i in range(n)]
@@ -56,24 +86,33 @@ def test_bracket_with_tiny_engine(tmp_path: Path) -> None:
             budget=BudgetConfig(slots=2),
             timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02)))
         acks: list[int] = []
+        spanning = False
 
         async def body() -> None:
-            async with SGLangClient([eng.url]) as client:
-                for v in (1, 2):
-                    await wait_for(lambda: p.stats().busy_trajectories > 0 or
-                                   len(ids(q, "ready")) == n, 60, "generating")
-                    await asyncio.sleep(0.03)  # a group takes ~0.13 s: land mid-flight
+            async with SGLangClient([eng.url]) as client, aiohttp.ClientSession() as http:
+                nonlocal spanning
+                for v in range(1, MAX_BRACKETS + 1):
+                    if v > MIN_BRACKETS and spanning:
+                        break
+                    loop = asyncio.get_running_loop()
+                    deadline = loop.time() + 60
+                    while not (len(ids(q, "ready")) == n
+                               or await mid_flight(http, eng.url, 2, max_new // 4)):
+                        assert loop.time() < deadline, "no request mid-flight in 60 s"
+                        await asyncio.sleep(0.002)
                     control.pause(v)
                     await wait_for(lambda: p.producer_id in control.state().acks, 60, "ack")
                     assert not names(q, "leased")
                     acks.append(v)
+                    spanning = spanning or mid_sample(q, max_new)
                     await client.update_weights_from_disk(str(weights[v]), weight_version=v)
                     q.set_version(v)
                     control.resume(v)
             await wait_for(lambda: len(ids(q, "ready")) == n, 120, "all ready")
 
         asyncio.run(run_producers([p], body))
-    assert acks == [1, 2]
+    assert acks == list(range(1, len(acks) + 1)) and len(acks) >= MIN_BRACKETS
+    assert spanning, f"none of {len(acks)} pauses parked a sample mid-flight"
     assert ids(q, "ready") == sorted(f"i{i:012d}" for i in range(n))
     models = {v: load_weights(w) for v, w in weights.items()}
     multi = 0
