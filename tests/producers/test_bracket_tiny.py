@@ -16,6 +16,7 @@ from strawq.groups import GroupData
 from strawq.names import data_key
 from strawq.queue import RunQueue
 from strawq.records import Kind
+from strawq.testing.waiting import async_wait_until
 
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.testing import EngineThread
@@ -94,12 +95,12 @@ def test_bracket_with_tiny_engine(tmp_path: Path) -> None:
                 for v in range(1, MAX_BRACKETS + 1):
                     if v > MIN_BRACKETS and spanning:
                         break
-                    loop = asyncio.get_running_loop()
-                    deadline = loop.time() + 60
-                    while not (len(ids(q, "ready")) == n
-                               or await mid_flight(http, eng.url, 2, max_new // 4)):
-                        assert loop.time() < deadline, "no request mid-flight in 60 s"
-                        await asyncio.sleep(0.002)
+                    async def pausable() -> bool:
+                        return (len(ids(q, "ready")) == n
+                                or await mid_flight(http, eng.url, 2, max_new // 4))
+
+                    await async_wait_until(pausable, 60, what="a request mid-flight",
+                                           poll_s=0.002)
                     control.pause(v)
                     await wait_for(lambda: p.producer_id in control.state().acks, 60, "ack")
                     assert not names(q, "leased")
