@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,15 +27,108 @@ REPO = Path(__file__).resolve().parents[1]
 REAL_SERVER_FIXTURES = {"sglang_real", "sglang_real_session"}
 
 
+#: The tiers ``make test-fast`` leaves out. A test that starts an OS process (a CLI, an
+#: engine or server process, a worker, Ray) must carry one of them: the check below fails it
+#: otherwise, so the fast tier stays fast and the markers say what a test costs.
+COSTLY_MARKERS = ("process", "slow", "ray", "juicefs", "sglang_real")
+
+#: xdist groups (``--dist loadgroup``): the tests that share a session resource run on one
+#: worker, so the resource is made once: the real SGLang server, the benchmarks' ``--quick``
+#: runs (``bench_quick``), a Ray cluster's default ports, the private Redis-backed volume.
+GROUP_BY_FIXTURE = {"bench_quick": "bench", "juicefs_redis_mounts": "juicefs-redis",
+                    "juicefs_engine_dirs": "juicefs-redis"}
+
+
+def _group(item: pytest.Item) -> str | None:
+    if item.get_closest_marker("sglang_real") is not None:
+        return "sglang-real"
+    if item.get_closest_marker("ray") is not None:
+        return "ray"
+    names = set(getattr(item, "fixturenames", ()))
+    for fixture, group in GROUP_BY_FIXTURE.items():
+        if fixture in names:
+            return group
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The real tier's tests run last, in their collected order: the real CPU server,
-    started by the first of them and kept up for the session, polls for work even when
-    idle (most of a core), so nothing else runs beside it."""
-    real = [i for i in items if i.get_closest_marker("sglang_real") is not None
-            or REAL_SERVER_FIXTURES & set(getattr(i, "fixturenames", ()))]
+    """Every test that uses the real server is of the real tier (``-m sglang_real`` selects
+    it, ``-m "not sglang_real"`` leaves it out), and the real tier's tests run last, in
+    their collected order: the real CPU server, started by the first of them and kept up
+    for the session, polls for work even when idle (most of a core), so ``make test`` runs
+    them in a pass of their own after the parallel one. Tests that share a session
+    resource get one xdist group."""
+    for item in items:
+        if (REAL_SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
+                and item.get_closest_marker("sglang_real") is None):
+            item.add_marker(pytest.mark.sglang_real)
+        group = _group(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    real = [i for i in items if i.get_closest_marker("sglang_real") is not None]
     if real:
         chosen = set(map(id, real))
         items[:] = [i for i in items if id(i) not in chosen] + real
+
+
+class _Spawns:
+    """Counts the OS processes this (worker) process starts: ``subprocess`` (asyncio's
+    too), ``os.fork`` and ``os.posix_spawn*``, and ``multiprocessing`` under any start
+    method. Installed once per process at configure time."""
+
+    count = 0
+
+    @classmethod
+    def install(cls) -> None:
+        import multiprocessing.process
+
+        def counted(fn: Callable[..., object]) -> Callable[..., object]:
+            def wrapper(*args: object, **kwargs: object) -> object:
+                cls.count += 1
+                return fn(*args, **kwargs)
+            wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+            return wrapper
+
+        subprocess.Popen._execute_child = counted(  # type: ignore[attr-defined]
+            subprocess.Popen._execute_child)  # type: ignore[attr-defined]
+        base = multiprocessing.process.BaseProcess
+        base.start = counted(base.start)  # type: ignore[method-assign]
+        for name in ("fork", "posix_spawn", "posix_spawnp"):
+            if hasattr(os, name):
+                setattr(os, name, counted(getattr(os, name)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _Spawns.install()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    item.stash[_SPAWNS_AT_SETUP] = _Spawns.count
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    outcome = yield
+    started = _Spawns.count - item.stash.get(_SPAWNS_AT_SETUP, _Spawns.count)
+    if not started:
+        return
+    report = os.environ.get("STRAWQ_TIER_REPORT")
+    if report:
+        with open(report, "a", encoding="utf-8") as f:
+            marks = ",".join(m for m in COSTLY_MARKERS if item.get_closest_marker(m))
+            f.write(f"{item.nodeid}\t{started}\t{marks}\n")
+        return
+    if any(item.get_closest_marker(m) for m in COSTLY_MARKERS) or outcome.excinfo:
+        return
+    outcome.force_exception(pytest.fail.Exception(
+        f"this test started {started} OS process(es) but carries none of the markers "
+        f"{', '.join(COSTLY_MARKERS)}: mark it @pytest.mark.process (or the tier it "
+        f"needs), so `make test-fast` leaves it out", pytrace=False))
+
+
+_SPAWNS_AT_SETUP = pytest.StashKey[int]()
 
 
 #: the longest a benchmark's ``--quick`` form may run here
