@@ -1,4 +1,7 @@
-"""``strawq.numbered``: the one spelling of numbered names."""
+"""``strawq.numbered``: the one spelling of numbered names, and the names it spells on disk.
+
+The golden names are a live-run format: a run written before a change must read the same
+after it, so any change to them fails here first."""
 
 from __future__ import annotations
 
@@ -8,7 +11,82 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from strawq import batches, commits, control, epochs, eta, feeder, history, names, packed, queue
+from strawq import requeue, retention, states, turns
 from strawq.numbered import Numbered
+from strawq.storage import MemoryStorage
+
+GOLDEN = {
+    "manifest": (batches.manifest_key(7), "batches/000000000007"),
+    "ack": (batches.ack_key(7), "acked/000000000007"),
+    "delivered": (batches.DELIVERIES.name(4, 5), "000000000004~000000000005"),
+    "high water": (batches.HIGH_WATER.name(3), "bseq-000000000003"),
+    "committed": (commits.COMMITS.name(9), "000000000009"),
+    "pause": (control.PAUSES.name(3), "pause-000000000003"),
+    "control ack": (control.ACKS.name(3, "node-1"), "ack-000000000003~node-1"),
+    "resume": (control.RESUMES.name(3), "resume-000000000003"),
+    "epoch": (epochs.epoch_key(2), "collector/epoch-000000000002"),
+    "closed": (epochs.closed_key(2), "collector/closed-000000000002"),
+    "closed name": (epochs.closed_name(2), "closed-000000000002"),
+    "epoch heartbeat": (epochs.heartbeat_key(3, 9), "collector/hb-000000000003~0000000000000009"),
+    "epoch start": (epochs.start_key(3, 12), "collector/start-000000000003~000000000012"),
+    "policy": (eta.POLICIES.name(4), "policy-000000000004"),
+    "cursor": (feeder.cursor_name(2, 50), "000000000002.000000000050"),
+    "cursor dir": (feeder.CURSOR_DIRS.name(2), "000000000002"),
+    "cursor commit": (feeder.PREPARED.name(2, "abcd1234"), "c-000000000002.abcd1234"),
+    "release": (states.release_dir(3), "pending/r-000000000003"),
+    "release staging": (states.RELEASES.name(3, "abcd1234"), "r-000000000003.abcd1234"),
+    "history": (history.SEGMENTS.name(1), "seg-000000000001"),
+    "drop audit": (retention.SEGMENTS.name(1), "drops-000000000001"),
+    "requeue audit": (requeue._segment_key(2), "audit/drops-000000000002"),
+    "shard": (packed.shard_key(5, "abc123", 2, 1), "packed/000000000005~abc123~w2~r1"),
+    "version": (queue.VERSIONS.name(3), "000000000003"),
+    "turn": (turns.turn_key("t1", 3), "turns/t1/0000000003"),
+    "task id": (names.dataset_task_id(7), "i000000000007"),
+    "queue key": (names.queue_key("a", 3, 10**12 + 5), "a000000000003.000000000005"),
+    "ready key": (names.ready_key(3, 5), "000000000003.000000000005"),
+    "producer heartbeat": (names.heartbeat_key("p", 42), "hb/p~0000000000000042"),
+    "idle heartbeat": (names.heartbeat_key("p", 42, idle=True), "hb/p~0000000000000042.idle"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(GOLDEN))
+def test_golden_names(family: str) -> None:
+    got, want = GOLDEN[family]
+    assert got == want
+
+
+def test_golden_names_as_written_to_storage() -> None:
+    st_ = MemoryStorage()
+    batches.mark_delivered(st_, 4, 5)
+    batches.mark_high_water(st_, 3)
+    commits.commit(st_, 9)
+    c = control.Control(st_)
+    c.pause(3)
+    c.ack(3, "node-1")
+    c.resume(3)
+    q = queue.RunQueue.create(MemoryStorage())
+    q.set_version(3)
+    assert st_.list("delivered") == ["000000000004~000000000005"]
+    assert st_.list("collector") == ["bseq-000000000003"]
+    assert st_.list("committed") == ["000000000009"]
+    assert st_.list("control") == ["ack-000000000003~node-1", "pause-000000000003",
+                                   "resume-000000000003"]
+    assert q.storage.list("versions") == ["000000000003"]
+
+
+def test_the_owners_read_their_names_back() -> None:
+    names_ = ["epoch-000000000002", "hb-000000000002~0000000000000009",
+              "start-000000000002~000000000012", "closed-000000000001", "bseq-000000000005",
+              "policy-000000000002", "tmp.x"]
+    assert epochs.epochs(names_) == [2]
+    assert epochs.heartbeat_counter(names_, 2) == 9
+    assert epochs.epoch_starts(MemoryStorage(), names_) == [(2, 12)]
+    assert names.parse_heartbeat_state("p~0000000000000042.idle") == ("p", 42, True)
+    assert names.parse_heartbeat_state("p~x") is None
+    assert packed.parse_shard_name("000000000005~abc123~w2~r1") == (5, "abc123", 2, 1)
+    assert packed.parse_shard_name("000000000005") is None
+
 
 # -- foreign and odd names -------------------------------------------------------------------
 FAMILIES = [Numbered(), Numbered("bseq-"), Numbered(sep="~"), Numbered("hb-", sep="~",
