@@ -93,7 +93,7 @@ from typing import Any, Literal
 
 from strawq.batches import forget_delivered_after
 from strawq.collector.errors import BracketError, BracketTimeout
-from strawq.control import Control, ControlState
+from strawq.control import ACKS, Control, ControlState
 from strawq.engine_weights import (PROBE_TIMEOUT_S, EngineProbe, EngineWeights, StaleNote,
                                    probe_versions)
 from strawq.errors import StrawqError
@@ -373,7 +373,7 @@ class WeightUpdateBracket:
                     f"weight update to version {version}: producers {sorted(missing)} are "
                     f"alive (heartbeats moved {', '.join(f'{s:.1f}s' for s in missing.values())}"
                     f" ago) but did not acknowledge the pause within {timeout:.1f}s; expected "
-                    f"control/ack-{version:012d}~<producer>. The pause stays open: retry "
+                    f"control/{ACKS.name(version, '<producer>')}. The pause stays open: retry "
                     "begin_weight_update(), or abort_weight_update() to let them carry on",
                     missing)
             self.sleep(self.poll_interval_s)

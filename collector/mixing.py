@@ -35,7 +35,7 @@ from strawq.dataset import Dataset
 from strawq.dotted import resolve
 from strawq.errors import ConfigError
 from strawq.mixture import Mixture
-from strawq.names import TaskName, validate_id
+from strawq.names import TASK_IDS, TaskName, validate_id
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +51,7 @@ FilterFn = Callable[[dict[str, Any], list[float]], "str | None"]
 
 def task_index(task_id: str) -> int | None:
     """The dataset index of a dataset task's id (``i<index>``), None for other ids."""
-    digits = task_id[1:]
-    if task_id.startswith("i") and digits.isascii() and digits.isdigit():
-        return int(digits)
-    return None
+    return TASK_IDS.parse(task_id)
 
 
 class MixtureBook:

@@ -33,6 +33,7 @@ from strawq.commits import committed_seq
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
 from strawq.history import record_attempts, trained_rows
 from strawq.names import TaskName, data_key, requeued_name
+from strawq.numbered import Numbered
 from strawq.queue import RunQueue
 from strawq.records import Kind
 from strawq.states import DIRS, TaskState, delete_trained, move, names_in, queued_state
@@ -49,16 +50,21 @@ ACK_DIR = "acked"
 DELIVERED_DIR = "delivered"
 HIGH_WATER_DIR = "collector"
 _HIGH_WATER_PREFIX = "bseq-"
+#: ``batches/<seq>``, ``acked/<seq>``, ``delivered/<seq>~<v>``, ``collector/bseq-<seq>``
+MANIFESTS = Numbered()
+ACKS = Numbered()
+DELIVERIES = Numbered(sep="~")
+HIGH_WATER = Numbered(_HIGH_WATER_PREFIX)
 
 
 def manifest_key(seq: int) -> str:
     """``batches/<seq>``: the batch's MANIFEST record."""
-    return f"{MANIFEST_DIR}/{seq:012d}"
+    return f"{MANIFEST_DIR}/{MANIFESTS.name(seq)}"
 
 
 def ack_key(seq: int) -> str:
     """``acked/<seq>``: the trainer consumed batch ``seq`` (empty; the name is the data)."""
-    return f"{ACK_DIR}/{seq:012d}"
+    return f"{ACK_DIR}/{ACKS.name(seq)}"
 
 
 def batch_seqs(storage: Storage) -> tuple[list[int], set[int]]:
@@ -68,33 +74,26 @@ def batch_seqs(storage: Storage) -> tuple[list[int], set[int]]:
 
 
 def _manifest_seqs(storage: Storage) -> list[int]:
-    return [int(n) for n in storage.list(MANIFEST_DIR) if n.isascii() and n.isdigit()]
+    return MANIFESTS.numbers(storage.list(MANIFEST_DIR))
 
 
 def _acked(storage: Storage) -> set[int]:
-    return {int(n) for n in storage.list(ACK_DIR) if n.isascii() and n.isdigit()}
-
-
-def _high_water_marks(names: Iterable[str]) -> list[int]:
-    p = len(_HIGH_WATER_PREFIX)
-    return [int(n[p:]) for n in names
-            if n.startswith(_HIGH_WATER_PREFIX) and n[p:].isascii() and n[p:].isdigit()]
+    return set(ACKS.numbers(storage.list(ACK_DIR)))
 
 
 def high_water(storage: Storage) -> int:
     """The highest batch number whose manifest was retired (0: none yet)."""
-    return max(_high_water_marks(storage.list(HIGH_WATER_DIR)), default=0)
+    return HIGH_WATER.newest(storage.list(HIGH_WATER_DIR), 0)
 
 
 def mark_high_water(storage: Storage, seq: int) -> None:
     """Record that batch numbers up to ``seq`` are used (never reused); prune lower marks."""
     try:
-        storage.publish(f"{HIGH_WATER_DIR}/{_HIGH_WATER_PREFIX}{seq:012d}", b"")
+        storage.publish(f"{HIGH_WATER_DIR}/{HIGH_WATER.name(seq)}", b"")
     except AlreadyExists:
         pass
-    for mark in _high_water_marks(storage.list(HIGH_WATER_DIR)):
-        if mark < seq:
-            storage.delete(f"{HIGH_WATER_DIR}/{_HIGH_WATER_PREFIX}{mark:012d}")
+    for mark in HIGH_WATER.below(storage.list(HIGH_WATER_DIR), seq):
+        storage.delete(f"{HIGH_WATER_DIR}/{mark}")
 
 
 def mark_delivered(storage: Storage, seq: int, version: int) -> None:
@@ -103,7 +102,8 @@ def mark_delivered(storage: Storage, seq: int, version: int) -> None:
     again (a restored trainer) gets a second mark, and the newest version counts."""
     storage.makedirs(DELIVERED_DIR)
     try:
-        storage.publish(f"{DELIVERED_DIR}/{seq:012d}~{version:012d}", b"", sync_file=False)
+        storage.publish(f"{DELIVERED_DIR}/{DELIVERIES.name(seq, version)}", b"",
+                        sync_file=False)
     except AlreadyExists:
         pass
 
@@ -111,18 +111,15 @@ def mark_delivered(storage: Storage, seq: int, version: int) -> None:
 def delivered(storage: Storage) -> dict[int, int]:
     """Batch number -> the newest weight version it was delivered at."""
     out: dict[int, int] = {}
-    for n in storage.list(DELIVERED_DIR):
-        seq_s, sep, ver_s = n.partition("~")
-        if sep and (seq_s + ver_s).isascii() and seq_s.isdigit() and ver_s.isdigit():
-            out[int(seq_s)] = max(out.get(int(seq_s), 0), int(ver_s))
+    for seq, version in DELIVERIES.pairs(storage.list(DELIVERED_DIR)):
+        out[seq] = max(out.get(seq, 0), version)
     return out
 
 
 def forget_delivered(storage: Storage, seq: int) -> None:
     """Delete every delivery mark of batch ``seq``."""
-    prefix = f"{seq:012d}~"
     for n in storage.list(DELIVERED_DIR):
-        if n.startswith(prefix):
+        if DELIVERIES.parse(n) == seq:
             storage.delete(f"{DELIVERED_DIR}/{n}")
 
 
@@ -135,8 +132,8 @@ def forget_delivered_after(storage: Storage, seq: int, *, acks: bool = False) ->
     for s in later:
         forget_delivered(storage, s)
     if acks:
-        for n in storage.list(ACK_DIR):
-            if n.isascii() and n.isdigit() and int(n) > seq:
+        for s, n in ACKS.named(storage.list(ACK_DIR)):
+            if s > seq:
                 storage.delete(f"{ACK_DIR}/{n}")
     return len(later)
 

@@ -20,17 +20,18 @@ from __future__ import annotations
 import logging
 
 from strawq.errors import AlreadyExists
+from strawq.numbered import Numbered
 from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
 
 COMMITTED = "committed"
+COMMITS = Numbered()
 
 
 def committed_seq(storage: Storage) -> int | None:
     """The committed batch number; None when no consumer ever committed (ack = trained)."""
-    seqs = [int(n) for n in storage.list(COMMITTED) if n.isascii() and n.isdigit()]
-    return max(seqs) if seqs else None
+    return COMMITS.newest(storage.list(COMMITTED))
 
 
 def commit(storage: Storage, seq: int) -> int:
@@ -44,12 +45,11 @@ def commit(storage: Storage, seq: int) -> int:
     if current is not None and seq <= current:
         return current
     try:
-        storage.publish(f"{COMMITTED}/{seq:012d}", b"")
+        storage.publish(f"{COMMITTED}/{COMMITS.name(seq)}", b"")
     except AlreadyExists:
         pass
-    for n in storage.list(COMMITTED):
-        if n.isascii() and n.isdigit() and int(n) < seq:
-            storage.delete(f"{COMMITTED}/{n}")
+    for n in COMMITS.below(storage.list(COMMITTED), seq):
+        storage.delete(f"{COMMITTED}/{n}")
     return seq
 
 

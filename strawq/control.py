@@ -21,12 +21,17 @@ from dataclasses import dataclass
 from strawq import records
 from strawq.errors import AlreadyExists
 from strawq.names import validate_id
+from strawq.numbered import Numbered
 from strawq.records import Kind
 from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
 
 KEEP = 4
+#: ``control/pause-<v>``, ``control/ack-<v>~<producer>``, ``control/resume-<v>``
+PAUSES = Numbered("pause-")
+ACKS = Numbered("ack-", sep="~")
+RESUMES = Numbered("resume-")
 
 
 @dataclass(frozen=True)
@@ -59,37 +64,28 @@ class Control:
             pass  # idempotent: a retried announcement
 
     def pause(self, version: int, *, reason: str = "weight update") -> None:
-        self._put(f"pause-{version:012d}", {"version": version, "reason": reason})
+        self._put(PAUSES.name(version), {"version": version, "reason": reason})
 
     def ack(self, version: int, producer: str, *, partials: int = 0) -> None:
         validate_id(producer, "producer id")
-        self._put(f"ack-{version:012d}~{producer}", {"version": version, "partials": partials})
+        self._put(ACKS.name(version, producer), {"version": version, "partials": partials})
 
     def resume(self, version: int) -> None:
-        self._put(f"resume-{version:012d}", {"version": version})
+        self._put(RESUMES.name(version), {"version": version})
         self._gc(version)
 
     def _gc(self, version: int) -> None:
-        for n in self.storage.list("control"):
-            kind, _, rest = n.partition("-")
-            v = rest.partition("~")[0]
-            if v.isascii() and v.isdigit() and int(v) <= version - KEEP:
+        names = self.storage.list("control")
+        for family in (PAUSES, ACKS, RESUMES):
+            for n in family.below(names, version - KEEP + 1):
                 self.storage.delete(f"control/{n}")
 
 
 def read_state(storage: Storage) -> ControlState:
     """The bracket's state from the names in ``control/`` (reads only; ``Control()`` would
     create the directory)."""
-    pause = resume = 0
-    acks: dict[int, set[str]] = {}
-    for n in storage.list("control"):
-        kind, _, rest = n.partition("-")
-        if kind == "pause" and rest.isascii() and rest.isdigit():
-            pause = max(pause, int(rest))
-        elif kind == "resume" and rest.isascii() and rest.isdigit():
-            resume = max(resume, int(rest))
-        elif kind == "ack":
-            v, _, producer = rest.partition("~")
-            if v.isascii() and v.isdigit():
-                acks.setdefault(int(v), set()).add(producer)
-    return ControlState(pause, resume, frozenset(acks.get(pause, set())))
+    names = storage.list("control")
+    pause, resume = PAUSES.newest(names, 0), RESUMES.newest(names, 0)
+    acks = frozenset(got[1] for n in names
+                     if (got := ACKS.split(n)) is not None and got[0] == pause)
+    return ControlState(pause, resume, acks)

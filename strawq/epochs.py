@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from strawq.errors import AlreadyExists
+from strawq.numbered import Numbered
 from strawq.storage import Storage
 
 DIR = "collector"
@@ -24,29 +25,33 @@ _EPOCH = "epoch-"
 _HB = "hb-"
 _CLOSED = "closed-"
 _START = "start-"
-#: the heads of the per-epoch records a newer epoch garbage-collects (``prunable``)
-_PER_EPOCH = (_EPOCH, _HB, _CLOSED)
+EPOCHS = Numbered(_EPOCH)
+HEARTBEATS = Numbered(_HB, sep="~", tail_width=16)
+CLOSED = Numbered(_CLOSED)
+STARTS = Numbered(_START, sep="~")
+#: the per-epoch records a newer epoch garbage-collects (``prunable``)
+_PER_EPOCH = (EPOCHS, HEARTBEATS, CLOSED)
 
 
 def epoch_key(epoch: int) -> str:
-    return f"{DIR}/{_EPOCH}{epoch:012d}"
+    return f"{DIR}/{EPOCHS.name(epoch)}"
 
 
 def closed_key(epoch: int) -> str:
-    return f"{DIR}/{_CLOSED}{epoch:012d}"
+    return f"{DIR}/{CLOSED.name(epoch)}"
 
 
 def closed_name(epoch: int) -> str:
     """The listing name of ``closed_key(epoch)`` inside ``collector/``."""
-    return f"{_CLOSED}{epoch:012d}"
+    return CLOSED.name(epoch)
 
 
 def heartbeat_key(epoch: int, counter: int) -> str:
-    return f"{DIR}/{_HB}{epoch:012d}~{counter:016d}"
+    return f"{DIR}/{HEARTBEATS.name(epoch, counter)}"
 
 
 def start_key(epoch: int, first_seq: int) -> str:
-    return f"{DIR}/{_START}{epoch:012d}~{first_seq:012d}"
+    return f"{DIR}/{STARTS.name(epoch, first_seq)}"
 
 
 def list_names(storage: Storage) -> list[str]:
@@ -56,29 +61,19 @@ def list_names(storage: Storage) -> list[str]:
 
 def epochs(names: Iterable[str]) -> list[int]:
     """Every epoch with an EPOCH record, oldest first."""
-    p = len(_EPOCH)
-    return sorted(int(n[p:]) for n in names
-                  if n.startswith(_EPOCH) and n[p:].isascii() and n[p:].isdigit())
+    return EPOCHS.numbers(names)
 
 
 def heartbeat_counter(names: Iterable[str], epoch: int) -> int:
     """The newest heartbeat counter of ``epoch`` (0: none)."""
-    prefix = f"{_HB}{epoch:012d}~"
-    return max((int(n[len(prefix):]) for n in names
-                if n.startswith(prefix) and n[len(prefix):].isascii()
-                and n[len(prefix):].isdigit()), default=0)
+    return max((c for e, c in HEARTBEATS.pairs(names) if e == epoch), default=0)
 
 
 def prunable(names: Iterable[str], below_or_at: int) -> list[str]:
     """Keys of the epoch, heartbeat and closed records of epochs ``<= below_or_at``."""
-    out = []
-    for n in names:
-        for head in _PER_EPOCH:
-            if n.startswith(head):
-                e = n[len(head):].partition("~")[0]
-                if e.isascii() and e.isdigit() and int(e) <= below_or_at:
-                    out.append(f"{DIR}/{n}")
-    return out
+    names = list(names)
+    return [f"{DIR}/{n}" for family in _PER_EPOCH
+            for n in family.below(names, below_or_at + 1)]
 
 
 def mark_epoch_start(storage: Storage, epoch: int, first_seq: int) -> None:
@@ -91,10 +86,6 @@ def mark_epoch_start(storage: Storage, epoch: int, first_seq: int) -> None:
 
 def epoch_starts(storage: Storage, names: list[str] | None = None) -> list[tuple[int, int]]:
     """(epoch, first batch number) of every collector start, oldest epoch first."""
-    out = []
-    for n in storage.list(DIR) if names is None else names:
-        if n.startswith(_START):
-            e, _, f = n[len(_START):].partition("~")
-            if (e + f).isascii() and e.isdigit() and f.isdigit():
-                out.append((int(e), int(f)))
+    out = [pair for n in (storage.list(DIR) if names is None else names)
+           if (pair := STARTS.pair(n)) is not None]
     return sorted(out)

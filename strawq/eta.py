@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from strawq import records
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
+from strawq.numbered import Numbered
 from strawq.staleness import staleness
 from strawq.records import Kind
 from strawq.storage import Storage
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 POLICY_DIR = "collector"
 POLICY_PREFIX = "policy-"
+#: ``collector/policy-<E>``
+POLICIES = Numbered(POLICY_PREFIX)
 #: policy records kept (the newest); older epochs' are deleted by the publisher
 KEEP = 2
 #: seconds a claimer trusts the policy it read (its own monotonic clock): the policy only
@@ -154,16 +157,11 @@ def regenerate_or_train(action: str, attempts: int, max_attempts: int | None) ->
 
 
 def _key(epoch: int) -> str:
-    return f"{POLICY_DIR}/{POLICY_PREFIX}{epoch:012d}"
+    return f"{POLICY_DIR}/{POLICIES.name(epoch)}"
 
 
 def _epochs(storage: Storage) -> list[int]:
-    out = []
-    for n in storage.list(POLICY_DIR):
-        rest = n[len(POLICY_PREFIX):]
-        if n.startswith(POLICY_PREFIX) and rest.isascii() and rest.isdigit():
-            out.append(int(rest))
-    return sorted(out)
+    return POLICIES.numbers(storage.list(POLICY_DIR))
 
 
 def publish_policy(storage: Storage, policy: EtaPolicy) -> None:
@@ -175,8 +173,8 @@ def publish_policy(storage: Storage, policy: EtaPolicy) -> None:
         storage.publish(_key(policy.epoch), records.encode(Kind.STATE, body))
     except AlreadyExists:
         pass  # this epoch's policy stands (a retried start of the same collector)
-    for old in _epochs(storage)[:-KEEP]:
-        storage.delete(_key(old))
+    for old in POLICIES.prune(storage.list(POLICY_DIR), KEEP):
+        storage.delete(f"{POLICY_DIR}/{old}")
 
 
 def read_policy(storage: Storage) -> EtaPolicy | None:

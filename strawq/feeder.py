@@ -32,10 +32,11 @@ from strawq.dataset import (BadRow, BadRowsRefused, Dataset, DatasetCursorReader
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
 from strawq.history import PromptHistory, load_history, record_attempts
 from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
+from strawq.numbered import Numbered
 from strawq.prompt_policy import HISTORY_REFRESH_S, Plan, plan_release, skip_rows
 from strawq.queue import RunQueue
 from strawq.records import Kind
-from strawq.states import DIRS, RELEASE_PREFIX, TaskState, key_of, release_dir
+from strawq.states import DIRS, RELEASES, TaskState, key_of, release_dir
 from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,11 @@ log = logging.getLogger(__name__)
 KEEP_CURSORS = 4
 #: prefix of a cursor commit being prepared in ``staging/`` (renamed to ``cursor/<seq>``)
 COMMIT_PREFIX = "c-"
+#: ``staging/c-<seq>.<nonce>``
+PREPARED = Numbered(COMMIT_PREFIX, sep=".")
+#: ``cursor/<seq>`` (the compare-and-swap directory) and ``<seq>.<next_index>`` in it
+CURSOR_DIRS = Numbered()
+CURSORS = Numbered(sep=".")
 #: how often a writer that keeps losing the cursor commit re-reads before giving up
 MAX_COMMIT_TRIES = 50
 
@@ -75,23 +81,7 @@ class Cursor:
 def cursor_name(seq: int, next_index: int) -> str:
     """``<seq>.<next_index>``: the name alone says where the cursor stands, so a cursor
     record whose content is damaged still tells how far the dataset was released."""
-    return f"{seq:012d}.{next_index:012d}"
-
-
-def _decimal(text: str) -> bool:
-    """ASCII digits only (``"²".isdigit()`` is true, yet no ``int``)."""
-    return text.isascii() and text.isdigit()
-
-
-def _parse_pair(name: str) -> tuple[int, int] | None:
-    seq, dot, nxt = name.partition(".")
-    if dot and _decimal(seq) and _decimal(nxt):
-        return int(seq), int(nxt)
-    return None
-
-
-def _seq_dirs(names: list[str]) -> list[int]:
-    return sorted(int(n) for n in names if _decimal(n))
+    return CURSORS.name(seq, next_index)
 
 
 def list_cursors(storage: Storage, *, newest_only: bool = False) -> list[tuple[int, int, str]]:
@@ -102,12 +92,12 @@ def list_cursors(storage: Storage, *, newest_only: bool = False) -> list[tuple[i
     the release ended. Flat ``cursor/<seq>.<next>`` records of older runs are read too.
     """
     names = storage.list("cursor")
-    out = [(*pair, n) for n in names if (pair := _parse_pair(n)) is not None]
-    seqs = _seq_dirs(names)
-    for seq in reversed(seqs):
-        inner = [(p, f) for f in storage.list(f"cursor/{seq:012d}")
-                 if (p := _parse_pair(f)) is not None and p[0] == seq]
-        out += [(seq, p[1], f"{seq:012d}/{f}") for p, f in inner]
+    out = [(*pair, n) for n in names if (pair := CURSORS.pair(n)) is not None]
+    for seq in reversed(CURSOR_DIRS.numbers(names)):
+        d = CURSOR_DIRS.name(seq)
+        inner = [(p, f) for f in storage.list(f"cursor/{d}")
+                 if (p := CURSORS.pair(f)) is not None and p[0] == seq]
+        out += [(seq, p[1], f"{d}/{f}") for p, f in inner]
         if inner and newest_only:
             break
     out.sort()
@@ -117,8 +107,8 @@ def list_cursors(storage: Storage, *, newest_only: bool = False) -> list[tuple[i
 def newest_seq(storage: Storage) -> int:
     """The highest committed (or claimed) cursor sequence number; 0 for a fresh run."""
     names = storage.list("cursor")
-    seqs = _seq_dirs(names) + [p[0] for n in names if (p := _parse_pair(n)) is not None]
-    return max(seqs, default=0)
+    flat = [seq for seq, _next in CURSORS.pairs(names)]
+    return max([*CURSOR_DIRS.numbers(names), *flat], default=0)
 
 
 def _recent(meta: dict[str, Any]) -> tuple[int, int]:
@@ -242,9 +232,8 @@ class Feeder:
             # name starts with r-<seq>. (recover repairs the cursor).
             log.error("cursor record %s is corrupt (%s); continuing from index %d as its name "
                       "says", key, exc, nxt)
-            prefix = f"{RELEASE_PREFIX}{seq:012d}."
-            staging = next((s for s in self.storage.list("staging") if s.startswith(prefix)),
-                           None)
+            staging = next((s for s in self.storage.list("staging")
+                            if RELEASES.parse(s) == seq), None)
             return Cursor(seq, nxt, staging, False, {}, corrupt=key)
         return _cursor_of(rec.meta)
 
@@ -315,9 +304,9 @@ class Feeder:
         """Delete staging at or below the committed number ``seq`` (its writer lost or died);
         staging for a higher number may be another writer's release in progress: kept."""
         for name in self.storage.list("staging"):
-            seq_s = name[2:].partition(".")[0]
-            if name == keep or (name.startswith((RELEASE_PREFIX, COMMIT_PREFIX))
-                                and seq_s.isdigit() and int(seq_s) > seq):
+            number = RELEASES.parse(name)
+            number = PREPARED.parse(name) if number is None else number
+            if name == keep or (number is not None and number > seq):
                 continue
             log.log(level, "discarding uncommitted release staging/%s", name)
             self._discard(name)
@@ -397,7 +386,7 @@ class Feeder:
         rows = self._reader.read(cur.next_index, n)
         recent = self._judge(cur, rows)
         seq = cur.seq + 1
-        staging = f"{RELEASE_PREFIX}{seq:012d}.{uuid.uuid4().hex[:8]}"
+        staging = RELEASES.name(seq, uuid.uuid4().hex[:8])
         plan = self._plan(cur, rows)
         if plan.skips:
             # Before the commit: a crash after it would otherwise leave skips unrecorded (a
@@ -522,11 +511,11 @@ class Feeder:
         meta = {"seq": seq, "next_index": next_index, "staging": staging,
                 "exhausted": exhausted, "fingerprint": self._reader.fingerprint,
                 "at": time.time(), **extra}
-        prep = f"staging/{COMMIT_PREFIX}{seq:012d}.{uuid.uuid4().hex[:8]}"
+        prep = f"staging/{PREPARED.name(seq, uuid.uuid4().hex[:8])}"
         try:
             self.storage.publish(f"{prep}/{cursor_name(seq, next_index)}",
                                  records.encode(Kind.CURSOR, meta), in_place=True)
-            self.storage.rename(prep, f"cursor/{seq:012d}")
+            self.storage.rename(prep, f"cursor/{CURSOR_DIRS.name(seq)}")
         except (AlreadyExists, NotFound):
             # NotFound: a recovering writer discarded our preparation (its number is taken)
             self._discard(prep.partition("/")[2])
@@ -552,10 +541,10 @@ class Feeder:
             if old <= seq - KEEP_CURSORS:
                 self.storage.delete(f"cursor/{name}")
                 if "/" in name:
-                    self.storage.rmdir(f"cursor/{old:012d}")
-        for name in self.storage.list("cursor"):  # emptied by a crash mid-GC, or repaired
-            if name.isdigit() and int(name) <= seq - KEEP_CURSORS:
-                self.storage.rmdir(f"cursor/{name}")
+                    self.storage.rmdir(f"cursor/{CURSOR_DIRS.name(old)}")
+        # emptied by a crash mid-GC, or repaired
+        for name in CURSOR_DIRS.below(self.storage.list("cursor"), seq - KEEP_CURSORS + 1):
+            self.storage.rmdir(f"cursor/{name}")
 
     @property
     def base(self) -> int:
@@ -596,7 +585,7 @@ class Feeder:
                         "the switch (indexes %d..%d): they are not released again",
                         len(before), before[0], before[-1])
             again = [i for i in again if i >= self._reader.base]
-        staging = f"{RELEASE_PREFIX}{1:012d}.{uuid.uuid4().hex[:8]}"
+        staging = RELEASES.name(1, uuid.uuid4().hex[:8])
         good = 0 if cur.seq else self._stage(self._rows_at(again), staging)
         bases = state.get("epoch_bases") or []
         if not _int_list(bases):

@@ -40,6 +40,7 @@ from typing import Any
 
 from strawq import records
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.numbered import Numbered
 from strawq.records import Kind
 from strawq.storage import Storage
 
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 
 HISTORY_DIR = "history"
 SEGMENT_PREFIX = "seg-"
+#: ``history/seg-<seq>``
+SEGMENTS = Numbered(SEGMENT_PREFIX)
 #: Segments before they are merged into one.
 MAX_SEGMENTS = 16
 #: Attempts per prompt kept in detail by a merge (the totals are always complete).
@@ -56,16 +59,11 @@ KEEP_GENS = 64
 
 
 def _key(seq: int) -> str:
-    return f"{HISTORY_DIR}/{SEGMENT_PREFIX}{seq:012d}"
+    return f"{HISTORY_DIR}/{SEGMENTS.name(seq)}"
 
 
 def _segments(storage: Storage) -> list[int]:
-    out = []
-    for n in storage.list(HISTORY_DIR):
-        rest = n[len(SEGMENT_PREFIX):]
-        if n.startswith(SEGMENT_PREFIX) and rest.isdigit():
-            out.append(int(rest))
-    return sorted(out)
+    return SEGMENTS.numbers(storage.list(HISTORY_DIR))
 
 
 def _num(x: Any) -> float | None:

@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass, replace
 
 from strawq.errors import ConfigError
+from strawq.numbered import Numbered
 
 #: Stage letters of a queued task's key: they sort partial work first, then tasks returned
 #: to the queue, then fresh ones. The only place these letters are spelled.
@@ -42,6 +43,12 @@ _NAME_RE = re.compile(
     re.ASCII,  # \d: 0-9 only
 )
 MAX_VERSION = 10**12 - 1
+#: ``i<index>``: the id of dataset row ``index``'s task
+TASK_IDS = Numbered("i")
+#: ``<version>.<order>``: a queue key after its stage letter (a ready key has none)
+QUEUE_KEYS = Numbered(sep=".")
+#: ``<counter>`` of a heartbeat name ``hb/<producer>~<counter>``
+COUNTERS = Numbered(width=16)
 
 
 def validate_id(value: str, what: str = "task id") -> str:
@@ -52,7 +59,7 @@ def validate_id(value: str, what: str = "task id") -> str:
 
 
 def dataset_task_id(index: int) -> str:
-    return f"i{index:012d}"
+    return TASK_IDS.name(index)
 
 
 def clamp_version(v: int) -> int:
@@ -60,11 +67,11 @@ def clamp_version(v: int) -> int:
 
 
 def queue_key(stage: str, version: int, order: int) -> str:
-    return f"{stage}{clamp_version(version):012d}.{order % 10**12:012d}"
+    return f"{stage}{QUEUE_KEYS.name(clamp_version(version), order % 10**12)}"
 
 
 def ready_key(min_version: int, order: int) -> str:
-    return f"{clamp_version(min_version):012d}.{order % 10**12:012d}"
+    return QUEUE_KEYS.name(clamp_version(min_version), order % 10**12)
 
 
 @dataclass(frozen=True)
@@ -149,7 +156,7 @@ def heartbeat_key(producer: str, counter: int, idle: bool = False) -> str:
     producer (no leases, nothing claimable) beats ``hb/<producer>~<counter>.idle``: a
     weight-update bracket does not wait for its ack (it leaves the mark, with a beat,
     before it reads ``control/`` and claims again)."""
-    return f"hb/{producer}~{counter:016d}{IDLE_SUFFIX if idle else ''}"
+    return f"hb/{producer}~{COUNTERS.name(counter)}{IDLE_SUFFIX if idle else ''}"
 
 
 def parse_heartbeat_state(name: str) -> tuple[str, int, bool] | None:
@@ -158,9 +165,10 @@ def parse_heartbeat_state(name: str) -> tuple[str, int, bool] | None:
     if idle:
         name = name[:-len(IDLE_SUFFIX)]
     producer, _, digits = name.rpartition("~")
-    if not (producer and digits.isascii() and digits.isdigit()):  # "²".isdigit()
+    counter = COUNTERS.parse(digits)
+    if not producer or counter is None:
         return None
-    return producer, int(digits), idle
+    return producer, counter, idle
 
 
 def parse_heartbeat(name: str) -> tuple[str, int] | None:

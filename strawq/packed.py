@@ -39,10 +39,13 @@ import numpy as np
 
 from strawq import records
 from strawq.errors import CorruptRecord
+from strawq.numbered import Numbered
 from strawq.records import Kind
 from strawq.storage import Storage
 
 PACKED_DIR = "packed"
+#: ``packed/<seq>~<tag>~w<W>~r<rank>``
+SHARDS = Numbered(sep="~")
 #: the version of the rank-sharding rule (``strawq.collector.packing.shard_groups``) a
 #: shard was packed with; a reader with another rule reads the records
 SHARDING = 1
@@ -60,20 +63,24 @@ def new_tag() -> str:
 
 def shard_key(seq: int, tag: str, world_size: int, rank: int) -> str:
     """``packed/<seq>~<tag>~w<W>~r<rank>``: rank ``rank`` of ``world_size`` of batch ``seq``."""
-    return f"{PACKED_DIR}/{seq:012d}~{tag}~w{world_size}~r{rank}"
+    return f"{PACKED_DIR}/{SHARDS.name(seq, f'{tag}~w{world_size}~r{rank}')}"
 
 
 def parse_shard_name(name: str) -> tuple[int, str, int, int] | None:
     """(seq, tag, world size, rank) of a name in ``packed/``, None for anything else."""
-    parts = name.split("~")
-    if len(parts) != 4 or not parts[2].startswith("w") or not parts[3].startswith("r"):
+    got = SHARDS.split(name)
+    if got is None:
         return None
-    seq, tag, w, r = parts[0], parts[1], parts[2][1:], parts[3][1:]
-    if not (seq + w + r).isascii() or not (seq.isdigit() and w.isdigit() and r.isdigit()):
+    seq, rest = got
+    parts = rest.split("~")
+    if len(parts) != 3 or not parts[1].startswith("w") or not parts[2].startswith("r"):
+        return None
+    tag, w, r = parts[0], parts[1][1:], parts[2][1:]
+    if not (w + r).isascii() or not (w.isdigit() and r.isdigit()):
         return None
     if not tag.isascii() or not tag.isalnum():
         return None
-    return int(seq), tag, int(w), int(r)
+    return seq, tag, int(w), int(r)
 
 
 def encode_shard(info: Mapping[str, Any], arrays: Mapping[str, np.ndarray]

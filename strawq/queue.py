@@ -40,6 +40,7 @@ from strawq.errors import (AlreadyExists, ConfigError, CorruptRecord, LeaseLost,
 from strawq.liveness import identity_bytes
 from strawq.names import (STAGE_PARTIAL, TaskName, data_key, heartbeat_key, note_key,
                           parse_heartbeat_state, queue_key, ready_key, requeued_name, validate_id)
+from strawq.numbered import Numbered
 from strawq.records import Kind
 from strawq.states import DIRS as STATE_DIRS
 from strawq.states import (RELEASE_PREFIX, TaskState, entries, key_of, list_queued, move,
@@ -54,6 +55,8 @@ log = logging.getLogger(__name__)
 DIRS = ("tmp", "staging", "cursor", *dict.fromkeys(STATE_DIRS.values()), "batches", "acked",
         "delivered", "data", "hb", "versions", "quarantine", "collector", "control")
 RUN_KEY = "run.meta"
+#: ``versions/<v>``: the weight version the collector announced (the name is the data)
+VERSIONS = Numbered()
 #: How long a claimer trusts its listing of the top of ``pending/`` (partial and returned
 #: tasks) while it still has cached fresh candidates; its own monotonic clock.
 TOP_LIST_INTERVAL_S = 0.1
@@ -469,8 +472,7 @@ class RunQueue:
 
     # -- weight versions ---------------------------------------------------------------------
     def current_version(self) -> int:
-        names = self.storage.list("versions")
-        return max((int(n) for n in names if n.isascii() and n.isdigit()), default=0)
+        return VERSIONS.newest(self.storage.list("versions"), 0)
 
     def set_version(self, version: int) -> None:
         """Announce weight version ``version`` (monotonic; older announcements are GC'd)."""
@@ -479,12 +481,11 @@ class RunQueue:
             raise ConfigError(f"weight version must not go back: current {current}, "
                               f"asked {version}")
         try:
-            self.storage.publish(f"versions/{version:012d}", b"")
+            self.storage.publish(f"versions/{VERSIONS.name(version)}", b"")
         except AlreadyExists:
             pass
-        for n in self.storage.list("versions"):
-            if n.isascii() and n.isdigit() and int(n) < version:
-                self.storage.delete(f"versions/{n}")
+        for n in VERSIONS.below(self.storage.list("versions"), version):
+            self.storage.delete(f"versions/{n}")
 
     # -- lookups ------------------------------------------------------------------------------
     def locate(self, task_id: str) -> tuple[TaskState, str, TaskName]:

@@ -41,7 +41,7 @@ from strawq.errors import AlreadyExists, CorruptRecord, NotFound, StrawqError
 from strawq.names import STAGE_REQUEUED, TaskName, queue_key, validate_id
 from strawq.queue import RunQueue
 from strawq.records import Kind
-from strawq.retention import AUDIT_DIR, SEGMENT_PREFIX, latest_audit
+from strawq.retention import AUDIT_DIR, SEGMENTS, latest_audit
 from strawq.states import TaskState, entries, move
 from strawq.storage import Storage
 
@@ -119,7 +119,7 @@ def requeue_dropped(queue: RunQueue, reason: str, *, dry_run: bool = False,
 
 
 def _segment_key(seq: int) -> str:
-    return f"{AUDIT_DIR}/{SEGMENT_PREFIX}{seq:012d}"
+    return f"{AUDIT_DIR}/{SEGMENTS.name(seq)}"
 
 
 def _correct_audit(storage: Storage, moved: list[TaskName], since: int) -> list[str]:

@@ -39,6 +39,7 @@ from strawq import records
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.history import attempt_row, record_attempts
 from strawq.names import TaskName, note_key
+from strawq.numbered import Numbered
 from strawq.records import Kind
 from strawq.states import TaskState, entries, names_in, retire
 from strawq.storage import Storage
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 
 AUDIT_DIR = "audit"
 SEGMENT_PREFIX = "drops-"
+#: ``audit/drops-<seq>``
+SEGMENTS = Numbered(SEGMENT_PREFIX)
 #: Segments before they are merged into one.
 MAX_SEGMENTS = 16
 #: Drops kept in detail (id, reason, message) by a merge; counts are never truncated.
@@ -68,16 +71,11 @@ class DropAudit:
 
 
 def _segments(storage: Storage) -> list[int]:
-    out = []
-    for n in storage.list(AUDIT_DIR):
-        rest = n[len(SEGMENT_PREFIX):]
-        if n.startswith(SEGMENT_PREFIX) and rest.isdigit():
-            out.append(int(rest))
-    return sorted(out)
+    return SEGMENTS.numbers(storage.list(AUDIT_DIR))
 
 
 def _key(seq: int) -> str:
-    return f"{AUDIT_DIR}/{SEGMENT_PREFIX}{seq:012d}"
+    return f"{AUDIT_DIR}/{SEGMENTS.name(seq)}"
 
 
 def _read(storage: Storage, seq: int) -> DropAudit:

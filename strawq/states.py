@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 
 from strawq.errors import StrawqError
 from strawq.names import STAGE_PARTIAL, TaskName
+from strawq.numbered import Numbered
 from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ DIRS: dict[TaskState, str] = {
 RETIRED = frozenset({S.TRAINED, S.COMPACTED})
 #: Prefix of a release directory inside ``pending/`` (fresh tasks, dataset order).
 RELEASE_PREFIX = "r-"
+#: ``pending/r-<seq>``, and ``staging/r-<seq>.<nonce>`` while the feeder prepares it
+RELEASES = Numbered(RELEASE_PREFIX, sep=".")
 
 #: (from, to) -> the operation that performs it, and who may call it.
 TRANSITIONS: dict[tuple[TaskState, TaskState], str] = {
@@ -133,7 +136,7 @@ def key_of(state: TaskState, name: TaskName) -> str:
 
 def release_dir(seq: int) -> str:
     """The directory of release ``seq``'s fresh tasks."""
-    return f"{DIRS[S.PENDING]}/{RELEASE_PREFIX}{seq:012d}"
+    return f"{DIRS[S.PENDING]}/{RELEASES.name(seq)}"
 
 
 def move(storage: Storage, name: TaskName, src: TaskState, dst: TaskState,

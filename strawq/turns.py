@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from strawq import records
 from strawq.errors import AlreadyExists, CorruptRecord, LeaseLost, NotFound
 from strawq.names import TaskName, validate_id
+from strawq.numbered import Numbered
 from strawq.records import Kind
 from strawq.storage import Storage
 
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
 
 TURNS_DIR = "turns"
 SEQ_DIGITS = 10
+#: ``turns/<task_id>/<seq>``
+TURNS = Numbered(width=SEQ_DIGITS)
 
 
 def turn_dir(task_id: str) -> str:
@@ -59,7 +62,7 @@ def turn_dir(task_id: str) -> str:
 
 
 def turn_key(task_id: str, seq: int) -> str:
-    return f"{turn_dir(task_id)}/{seq:0{SEQ_DIGITS}d}"
+    return f"{turn_dir(task_id)}/{TURNS.name(seq)}"
 
 
 @dataclass
@@ -134,7 +137,7 @@ class TurnLog:
     # -- helpers ---------------------------------------------------------------------------
     def _seqs(self) -> list[int]:
         self.stats.lists += 1
-        return sorted(int(n) for n in self.storage.list(turn_dir(self.name.id)) if n.isdigit())
+        return TURNS.numbers(self.storage.list(turn_dir(self.name.id)))
 
     def _read(self, seq: int) -> records.Record | None:
         self.stats.reads += 1

@@ -156,6 +156,65 @@ def test_eta_mode_vocabulary_is_declared_once():
         assert not re.search(r"Literal\[\s*\"train\",\s*\"regenerate\"", text), rel
 
 
+#: the one module that zero-pads numbers into names and reads them back; each family is
+#: declared by its owner (``MANIFESTS = Numbered()`` in ``strawq/batches.py``)
+NUMBERED = "strawq/numbered.py"
+#: core modules that read digits for something other than a numbered name, and what
+DIGITS_READ_ELSEWHERE = {
+    "strawq/packed.py": "the unpadded w<W>~r<rank> after a shard's number",
+    "strawq/retention.py": "the generation of a data/<id>~g<gen> record (strawq.names)",
+    "strawq/storage/posix.py": "the pid of a lock's owner",
+    "strawq/doctor/juicefs.py": "the pids under /proc",
+}
+
+
+def _core() -> list[Path]:
+    """The core's modules (``tests/test_layering.py``: less the testing and app layers)."""
+    return [p for p in _sources() if p.relative_to(ROOT).parts[0] == "strawq"
+            and p.relative_to(ROOT).parts[1] not in ("testing", "app", "__main__.py")]
+
+
+def _zero_padded(path: Path) -> list[int]:
+    """Lines of ``path`` that zero-pad a decimal: ``f"{n:012d}"``, ``f"{n:0{w}d}"``,
+    ``"%05d"``, ``"{:012d}"``, ``.zfill(``."""
+    text = path.read_text(encoding="utf-8")
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FormattedValue) and isinstance(node.format_spec, ast.JoinedStr):
+            spec = "".join(v.value if isinstance(v, ast.Constant) else "9"
+                           for v in node.format_spec.values)
+            if re.fullmatch(r"0\d+d", spec):
+                out.append(node.lineno)
+    out += [i for i, line in enumerate(text.splitlines(), 1)
+            if re.search(r"%0\d+d|\{:0\d+d\}|\.zfill\(", line)]
+    return out
+
+
+def test_numbers_are_padded_by_the_numbered_helper_only():
+    """Numbered names are spelled through ``strawq.numbered.Numbered``: a hand-rolled
+    ``f"{seq:012d}"`` in the core fails here."""
+    found = {p.relative_to(ROOT).as_posix(): _zero_padded(p) for p in _core()}
+    assert found.pop(NUMBERED), "the scan must see the helper's own formats"
+    assert not {rel: lines for rel, lines in found.items() if lines}
+
+
+def test_numbered_names_are_read_by_the_helper_only():
+    """The parse side: no core module checks digits by hand (``name[len(PREFIX):]
+    .isdigit()``) but the ones listed, which read numbers that are not numbered names."""
+    strays = []
+    for path in _core():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == NUMBERED or rel in DIGITS_READ_ELSEWHERE:
+            continue
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if ".isdigit()" in line:
+                strays.append(f"{rel}:{i}: {line.strip()}")
+    assert not strays, strays
+    stale = [rel for rel in DIGITS_READ_ELSEWHERE
+             if ".isdigit()" not in (ROOT / rel).read_text(encoding="utf-8")]
+    assert not stale, f"no longer read digits: drop them from the list: {stale}"
+
+
 # -- behaviour of the owners -----------------------------------------------------------------
 def _queue() -> RunQueue:
     return RunQueue.create(MemoryStorage())
