@@ -29,22 +29,21 @@ import torch
 
 from strawq.collector.behaviour import read_time_staleness
 from strawq.collector.bracket import BracketReport, WeightUpdateBracket
-from strawq.collector.errors import BatchTimeout
-from strawq.collector.fencing import epoch_starts, superseded
 from strawq.collector.importance import LossTotals
 from strawq.collector.metrics import MetricsSink
 from strawq.collector.packing import (EXTRA_PREFIX, SHARD_ARRAYS, BufferPool, RecordFile,
                                       ShardPacker, group_tokens, manifest_totals, read_file,
                                       read_groups, shard_arrays, shard_groups)
-from strawq.collector.resume import CHECKPOINT_FORMAT, read_cursor_state
 from strawq.batches import (BatchStore, Manifest, forget_delivered_after, high_water,
                             mark_delivered)
+from strawq.checkpoint import CHECKPOINT_FORMAT, read_cursor_state
 from strawq.commits import commit as commit_position
 from strawq.commits import committed_seq, hold
+from strawq.epochs import epoch_starts, superseded
 from strawq.epochs import epochs as known_epochs
 from strawq.epochs import list_names as list_epoch_names
 from strawq import packed
-from strawq.errors import ConfigError, CorruptRecord, NotFound
+from strawq.errors import BatchTimeout, ConfigError, CorruptRecord, NotFound
 from strawq.groups import staleness
 from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
