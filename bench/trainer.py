@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from strawq.collector.importance import LOSS_AGG_MODES  # noqa: E402
+from strawq.collector.trainer.importance import LOSS_AGG_MODES  # noqa: E402
 from strawq.collector.reference import (  # noqa: E402
     Grads,
     Objective,
@@ -95,7 +95,7 @@ def demo_gradients(run_dir: str, seq: int, objective: Objective, device: str,
     """The demo trainer's step on the whole batch (one rank, learning rate 0): its loss and
     its gradients (clipped to norm 1, as it clips)."""
     from strawq.batches import BatchStore
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
     from strawq.collector.reference import batch_to
     from strawq.demo.trainer import GRPOTrainer
     from strawq.queue import RunQueue
@@ -120,7 +120,7 @@ def rank_local_bias(run_dir: str, seq: int, world: int, objectives: list[Objecti
     averaged over ``world`` ranks — each sample's weight relative to one process, and the
     gradient error against the reference."""
     from strawq.batches import BatchStore
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
     from strawq.collector.reference import reader_loss
     from strawq.queue import RunQueue
     from strawq.storage import open_storage

@@ -43,7 +43,7 @@ from strawq.records import Kind
 from strawq.storage import Storage
 
 PACKED_DIR = "packed"
-#: the version of the rank-sharding rule (``strawq.collector.packing.shard_groups``) a
+#: the version of the rank-sharding rule (``strawq.collector.trainer.packing.shard_groups``) a
 #: shard was packed with; a reader with another rule reads the records
 SHARDING = 1
 ALIGN = records.ALIGN

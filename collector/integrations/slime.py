@@ -58,7 +58,7 @@ from strawq.collector.integrations.slime_source import (FILTERED, PRODUCER_PREFI
                                                         StrawqDataSource, slime_rollout)
 from strawq.collector.integrations.slime_train import (seq_mean_token_sum_reducer,
                                                        slime_path_gradients)
-from strawq.collector.reader import Batch, BatchReader
+from strawq.collector.trainer.reader import Batch, BatchReader
 
 log = logging.getLogger(__name__)
 

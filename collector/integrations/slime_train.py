@@ -241,7 +241,7 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
     """
     import torch
 
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
 

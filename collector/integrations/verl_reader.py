@@ -52,8 +52,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from strawq.collector.bracket import BracketReport, WeightUpdateBracket
-from strawq.collector.reader import Batch, BatchReader
+from strawq.collector.trainer.bracket import BracketReport, WeightUpdateBracket
+from strawq.collector.trainer.reader import Batch, BatchReader
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from strawq.collector.importance import LOSS_AGG_MODES, LossTotals, aggregate_loss
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.importance import LOSS_AGG_MODES, LossTotals, aggregate_loss
+from strawq.collector.trainer.reader import BatchReader
 from strawq.collector.reference import (
     Objective,
     PaddedPolicy,

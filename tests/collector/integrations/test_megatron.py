@@ -377,7 +377,7 @@ def test_tail_padding_under_cp_splits_into_chunks():
 def test_micro_batch_carries_the_sampling_parameters_per_label(gloo, ref_run):
     """Each label's temperature / top-p / top-k are its sample's recorded ones."""
     from strawq.batches import BatchStore
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
 
@@ -402,7 +402,7 @@ def test_on_policy_tokens_have_ratio_one_at_the_recorded_temperature(gloo):
     """Finding 2: a T = 0.6 rollout whose recorded log-probs are the policy's own. Scored at
     the micro-batch's temperature every trained token has ratio 1 (IcePop keeps all, TIS
     clips none); scored at T = 1, as the example did, IcePop masks many of them."""
-    from strawq.collector.importance import icepop_mask, importance_ratios, policy_logprobs
+    from strawq.collector.trainer.importance import icepop_mask, importance_ratios, policy_logprobs
     from strawq.collector.reference import TinyPolicy, positions_from_cu
 
     batch = make_batch([3, 5, 2, 4], [30, 25, 40, 12])
@@ -433,7 +433,7 @@ def test_on_policy_tokens_have_ratio_one_at_the_recorded_temperature(gloo):
 def test_megatron_cross_entropy_at_the_temperature_is_policy_logprobs(gloo):
     """The example's scoring: Megatron's vocab-parallel cross-entropy of logits / T equals
     ``policy_logprobs`` at the micro-batch's per-token temperature."""
-    from strawq.collector.importance import policy_logprobs
+    from strawq.collector.trainer.importance import policy_logprobs
 
     batch = make_batch([3, 4, 2], [6, 2, 7])
     batch.temperature = torch.tensor([0.6, 1.0, 0.8])
@@ -474,7 +474,7 @@ def test_the_example_train_step_gives_the_reference_gradient(gloo, ref_run, mode
     from pathlib import Path
 
     from strawq.batches import BatchStore
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
     from strawq.collector.reference import (Objective, TinyPolicy, gradients,
                                             max_relative_error, reference_gradients)
     from strawq.queue import RunQueue

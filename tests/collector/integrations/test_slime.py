@@ -21,7 +21,7 @@ import torch
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.reader import BatchReader
 from strawq.control import Control
 from strawq.dataset import Dataset
 from strawq import records

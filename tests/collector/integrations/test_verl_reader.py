@@ -26,9 +26,9 @@ pytest.importorskip("verl", reason="verl not installed: pip install 'verl==0.9.1
                                    "(docs/verl.md)")
 
 from strawq.batches import BatchStore  # noqa: E402
-from strawq.collector.bracket import WeightUpdateBracket  # noqa: E402
+from strawq.collector.trainer.bracket import WeightUpdateBracket  # noqa: E402
 from strawq.collector.integrations import verl_reader as vr  # noqa: E402
-from strawq.collector.reader import Batch, BatchReader  # noqa: E402
+from strawq.collector.trainer.reader import Batch, BatchReader  # noqa: E402
 from strawq.collector.reference import (Objective, TinyPolicy, make_reference_run,  # noqa: E402
                                         max_relative_error, publish_batch,
                                         reference_gradients)
