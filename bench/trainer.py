@@ -11,12 +11,13 @@
    * ``megatron``: ``MegatronBatcher`` micro-batches (THD, sequence-parallel tail, padding
      multiples, the CP split) summed per rank and averaged over DP × CP;
    * ``demo``: the demo trainer's ``GRPOTrainer.train_step`` (padded rows, clipped to norm 1);
-   * ``slime``: the slime adapters, where ``strawq.collector.integrations.slime`` offers
-     ``slime_path_gradients(run_dir, seq, model, *, objective) -> (loss, grads)``;
+   * ``slime``: the slime adapters, where the test harness's ``strawq.testing.slime_train``
+     offers ``slime_path_gradients(run_dir, seq, model, *, objective) -> (loss, grads)``;
    * ``verl``: the batch as verl's ``DataProto``, trained by verl's own actor code
-     (``strawq.collector.integrations.verl_reader``: its padding conversion, micro-batches,
-     FSDP engine input/output preparation and ``ppo_loss`` in bypass / REINFORCE mode) on
-     real gloo ranks (world sizes 1, 2, 4; 1-4 in the full form), where verl is installed.
+     (``strawq.testing.verl_train`` over ``strawq.collector.integrations.verl.reader``:
+     its padding conversion, micro-batches, FSDP engine input/output preparation and
+     ``ppo_loss`` in bypass / REINFORCE mode) on real gloo ranks (world sizes 1, 2, 4; 1-4
+     in the full form), where verl is installed.
    The error of a path is max over parameters of max |g − g_ref| / max |g_ref|.
 
     python bench/trainer.py [--quick] [--device cuda] [--dir DIR]
@@ -70,12 +71,12 @@ LAYOUTS_FULL = [(1, 1, 1, False, 1, 10_000), (2, 1, 1, False, 1, 48), (1, 2, 1, 
 
 
 def slime_hook() -> Callable[..., tuple[float, Grads]] | None:
-    """The slime adapters' path, if the installed adapter module offers it."""
+    """The slime adapters' path, if the installed harness module offers it."""
     try:
-        from strawq.collector.integrations import slime
+        from strawq.testing import slime_train
     except ImportError:
         return None
-    fn = getattr(slime, "slime_path_gradients", None)
+    fn = getattr(slime_train, "slime_path_gradients", None)
     return fn if callable(fn) else None
 
 
@@ -84,7 +85,7 @@ def verl_hook() -> Callable[..., dict[tuple[int, Objective], tuple[float, Grads]
     try:
         import verl  # noqa: F401
 
-        from strawq.collector.integrations.verl_reader import verl_distributed_gradients
+        from strawq.testing.verl_train import verl_distributed_gradients
     except ImportError:
         return None
     return verl_distributed_gradients
@@ -245,11 +246,11 @@ def main(argv: list[str] | None = None) -> int:
             if not done:
                 slime_fn = None
         else:
-            print("the slime path is left out: strawq.collector.integrations.slime offers no "
+            print("the slime path is left out: strawq.testing.slime_train offers no "
                   "slime_path_gradients(run_dir, seq, model, *, objective)", file=sys.stderr)
         verl_fn = verl_hook()
         if verl_fn is not None:
-            from strawq.collector.integrations.verl_reader import check_objective
+            from strawq.collector.integrations.verl.reader import check_objective
 
             verl_objs = []
             for obj in objectives:

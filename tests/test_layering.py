@@ -29,7 +29,7 @@ FOLDERS = {
 UPPER = ("strawq.producers", "strawq.collector", "strawq.demo", "strawq.testing", "strawq.app")
 #: verl's fully-async queue is a Ray actor by verl's design: ``verl_queue.actor_class`` wraps
 #: the durable queue with ``ray.remote`` (one function-level import), nothing else there uses Ray
-RAY_MODULES = {"strawq.producers.placement", "strawq.collector.integrations.verl_queue"}
+RAY_MODULES = {"strawq.producers.placement", "strawq.collector.integrations.verl.queue"}
 
 
 def _modules() -> dict[str, Path]:

@@ -25,8 +25,8 @@ pytest.importorskip("megatron.core", reason="slime's loss code needs megatron-co
 from strawq.batches import BatchStore  # noqa: E402
 from strawq.collector.reference import (Objective, max_relative_error,  # noqa: E402
                                         publish_batch, reference_gradients)
-from strawq.collector.integrations.slime import slime_path_gradients  # noqa: E402
-from strawq.collector.integrations.slime_train import slime_args  # noqa: E402
+from strawq.testing.slime_train import slime_path_gradients  # noqa: E402
+from strawq.testing.slime_train import slime_args  # noqa: E402
 from strawq.groups import GroupData  # noqa: E402
 from strawq.queue import Lease, RunQueue  # noqa: E402
 from strawq.storage import open_storage  # noqa: E402
