@@ -1,6 +1,6 @@
 """Trainer benchmark: every path a user trains on against the single-process reference.
 
-1. Writes a run with one published batch (``strawq.collector.reference.make_reference_run``:
+1. Writes a run with one published batch (``strawq.testing.reference.make_reference_run``:
    mixed response lengths, prompts of 1 to 8 tokens, loss-mask holes, three weight
    versions, per-sample temperature / top-p / top-k).
 2. Computes the whole batch's loss and gradients of ``TinyPolicy`` in one process, straight
@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from strawq.collector.trainer.importance import LOSS_AGG_MODES  # noqa: E402
-from strawq.collector.reference import (  # noqa: E402
+from strawq.testing.reference import (  # noqa: E402
     Grads,
     Objective,
     PaddedPolicy,
@@ -97,7 +97,7 @@ def demo_gradients(run_dir: str, seq: int, objective: Objective, device: str,
     its gradients (clipped to norm 1, as it clips)."""
     from strawq.batches import BatchStore
     from strawq.collector.trainer.reader import BatchReader
-    from strawq.collector.reference import batch_to
+    from strawq.testing.reference import batch_to
     from strawq.demo.trainer import GRPOTrainer
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
@@ -122,7 +122,7 @@ def rank_local_bias(run_dir: str, seq: int, world: int, objectives: list[Objecti
     gradient error against the reference."""
     from strawq.batches import BatchStore
     from strawq.collector.trainer.reader import BatchReader
-    from strawq.collector.reference import reader_loss
+    from strawq.testing.reference import reader_loss
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
 

@@ -13,7 +13,7 @@ A shard's loss is its share of the *whole batch's*: ``Batch.totals`` carries the
 sample and trained-token counts (from the manifest, the same on every rank), and
 ``strawq.collector.trainer.importance.batch_loss`` divides by them, so the DDP mean of the ranks'
 gradients is the single-process gradient of the whole batch (docs/design.md, invariant 11;
-checked against ``strawq.collector.reference``).
+checked against ``strawq.testing.reference``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ slime helpers that import without it. What slime would train from a batch strawq
 slime's Megatron-side ``compute_advantages_and_returns`` and ``loss_function`` (policy
 loss, TIS / IcePop, its reducers and its Megatron scaling) on one process, and returns the
 loss and the parameter gradients: the slime path of the reference-equivalence check
-(docs/design.md, invariant 11; ``strawq.collector.reference``). ``slime_args`` is the
+(docs/design.md, invariant 11; ``strawq.testing.reference``). ``slime_args`` is the
 slime configuration that trains strawq's documented objective.
 
 This is test harness, not adapter: ``strawq.collector.integrations.slime`` never imports it
@@ -112,7 +112,7 @@ _ICEPOP = "slime.backends.megatron_utils.loss.icepop_function"
 
 def slime_args(objective: Any = None, **overrides: Any) -> SimpleNamespace:
     """slime's settings that train strawq's documented objective (``Objective`` of
-    ``strawq.collector.reference``: ``aggregation``, ``is_mode``, ``truncated``).
+    ``strawq.testing.reference``: ``aggregation``, ``is_mode``, ``truncated``).
 
     ``grpo`` with the manifest's advantages (``reward_post_process``), no KL, no entropy
     term, log-probs recomputed by the trainer (not ``--use-rollout-logprobs``), and:

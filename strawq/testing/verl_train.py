@@ -8,7 +8,7 @@ reference-equivalence check (docs/design.md, invariant 11).
 packed-sequence model in place of the FSDP-wrapped transformer, with the actor
 configuration of ``verl_actor_config``; ``driver_dataproto`` is the verl driver's side;
 ``verl_path_gradients`` / ``verl_distributed_gradients`` are this path's loss and
-gradients, compared with ``strawq.collector.reference``'s.
+gradients, compared with ``strawq.testing.reference``'s.
 
 This is test harness, not adapter: ``strawq.collector.integrations.verl`` never imports it.
 verl is imported lazily; a missing verl is an ``ImportError`` saying what to install.
@@ -65,7 +65,7 @@ def actor_step(model: torch.nn.Module, data: Any, config: Any, *, dp_size: int =
     micro-batch the FSDP engine's ``prepare_model_inputs``, the model, its
     ``prepare_model_outputs`` (labels rolled, logits ÷ temperature, ``logprobs_from_logits``)
     and ``ppo_loss`` (the policy loss of ``config``), then ``backward``. ``model`` is the
-    packed-sequence interface of ``strawq.collector.reference``:
+    packed-sequence interface of ``strawq.testing.reference``:
     ``model(tokens [N], positions [N], cu_seqlens [S + 1]) -> logits [N, V]``, standing in
     for the FSDP-wrapped transformer (varlen attention over the packed row). Gradients
     accumulate in the model; averaging them over ranks (FSDP / DDP) is the caller's.
@@ -227,7 +227,7 @@ def _rank_main(rank: int, run_dir: str, seq: int, world_sizes: Sequence[int],
     gradients all-reduced and divided by w."""
     import torch.distributed as dist
 
-    from strawq.collector.reference import Objective, TinyPolicy, gradients
+    from strawq.testing.reference import Objective, TinyPolicy, gradients
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
@@ -275,11 +275,11 @@ def verl_distributed_gradients(run_dir: str, seq: int, *,
     """The verl path on real ``torch.distributed`` ranks (gloo, CPU): one job of
     ``max(world_sizes)`` processes runs every world size on a subgroup of the first w ranks
     and every objective; returns {(w, objective): (loss, averaged gradients of
-    ``TinyPolicy(**model_kw)``)} (``strawq.collector.reference.distributed_gradients`` for
+    ``TinyPolicy(**model_kw)``)} (``strawq.testing.reference.distributed_gradients`` for
     the reader path)."""
     import torch.multiprocessing as mp
 
-    from strawq.collector.reference import Objective
+    from strawq.testing.reference import Objective
 
     sizes = sorted(set(int(w) for w in world_sizes))
     objs = list(objectives) or [Objective()]

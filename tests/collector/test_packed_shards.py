@@ -202,7 +202,7 @@ def test_pack_ranks_is_validated():
 def test_the_reference_gradient_from_the_shards(tmp_path):
     """Invariant 11 on the packed path: the ranks' gradients from their shards, averaged,
     are the single-process reference's."""
-    from strawq.collector.reference import (Objective, TinyPolicy, gradients,
+    from strawq.testing.reference import (Objective, TinyPolicy, gradients,
                                             make_reference_run, max_relative_error,
                                             reader_loss, reference_gradients)
 

@@ -11,7 +11,7 @@ import torch
 
 from strawq.collector.trainer.importance import LOSS_AGG_MODES, LossTotals, aggregate_loss
 from strawq.collector.trainer.reader import BatchReader
-from strawq.collector.reference import (
+from strawq.testing.reference import (
     Objective,
     PaddedPolicy,
     TinyPolicy,

@@ -14,7 +14,7 @@ or left to verl's ``compute_advantage`` over the group index ``uid``), per-token
 ``meta_info`` (``DATAPROTO_FIELDS`` lists every key and its source).
 
 ``verl_actor_config(objective, ...)`` is the verl actor configuration that trains strawq's
-documented objective (``strawq.collector.reference.Objective``) with verl's own loss code:
+documented objective (``strawq.testing.reference.Objective``) with verl's own loss code:
 ``policy_loss.loss_mode=bypass_mode`` with ``rollout_correction.loss_type=reinforce``
 (−w·A·log π, w from the rollout log-probs), ``rollout_is=token`` at threshold 2 (TIS) or
 ``"0.5_5.0"`` (IcePop), ``rollout_rs=token_k1`` for the IcePop mask alone, and the

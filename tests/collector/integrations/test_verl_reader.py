@@ -4,7 +4,7 @@ conversion, micro-batching, the FSDP engine's input/output preparation (labels r
 logits ÷ temperature, ``logprobs_from_logits``), ``ppo_loss`` with
 ``policy_loss.loss_mode=bypass_mode`` / ``loss_type=reinforce`` and verl's rollout
 correction — gives the gradient of the documented objective on the same batch
-(``strawq.collector.reference``; docs/design.md, invariant 11), on one rank and on real gloo
+(``strawq.testing.reference``; docs/design.md, invariant 11), on one rank and on real gloo
 ranks. The failure cases show what each setting guards against: rank-local or wrong
 denominators, a missing loss mask, verl's default PPO loss, the rejection-sampling bound's
 direction, one temperature for a batch sampled at several.
@@ -30,7 +30,7 @@ from strawq.collector.trainer.bracket import WeightUpdateBracket  # noqa: E402
 from strawq.collector.integrations.verl import reader as vr  # noqa: E402
 from strawq.testing import verl_train as vt  # noqa: E402
 from strawq.collector.trainer.reader import Batch, BatchReader  # noqa: E402
-from strawq.collector.reference import (Objective, TinyPolicy, make_reference_run,  # noqa: E402
+from strawq.testing.reference import (Objective, TinyPolicy, make_reference_run,  # noqa: E402
                                         max_relative_error, publish_batch,
                                         reference_gradients)
 from strawq.control import Control  # noqa: E402

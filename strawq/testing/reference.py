@@ -28,6 +28,9 @@ boundary, label or column changes its gradient; ``make_reference_run`` writes a 
 published batch of mixed lengths, temperatures, truncations, loss-mask holes and multi-version
 samples. ``max_relative_error`` is the agreement measure: per parameter, max |g − g_ref| /
 max |g_ref|, the worst parameter.
+
+The oracle is test harness (``strawq.testing``): the trainer library
+(``strawq.collector.trainer``) and the integrations never import it; it imports them.
 """
 
 from __future__ import annotations
