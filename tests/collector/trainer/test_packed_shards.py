@@ -27,7 +27,7 @@ from strawq.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS
 from strawq.queue import RunQueue
 from tests.collector.packed_run import packed_run as _run
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 #: the Batch fields that are tensors (extras compared separately)
 TENSORS = [f.name for f in dataclasses.fields(Batch)
            if f.type in ("torch.Tensor", "torch.Tensor | None")]
