@@ -214,7 +214,7 @@ AGENTIC_VICTIMS = ("engine0", "engine1", "producer0", "producer1", "tool", "coll
 def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done: str,
             agentic: bool = False) -> int:
     from strawq.collector.errors import BatchTimeout
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
 
     def log(**ev: Any) -> None:
         with open(events, "a", encoding="utf-8") as f:

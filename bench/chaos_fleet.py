@@ -63,7 +63,7 @@ def _strawq(*args: str) -> list[str]:
 def fleet_trainer(run: str, events: str, engine: str) -> int:
     """Train (sleep), ack, then a weight update pushed to ``engine``; log each update."""
     from strawq.collector.errors import BatchTimeout
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
 
     def log(**ev: Any) -> None:
         with open(events, "a", encoding="utf-8") as f:

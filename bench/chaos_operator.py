@@ -64,7 +64,7 @@ def operator_trainer(run: str, ckpt: str, events: str, interval: int, step_s: fl
     with a weight update pushed to ``engines`` after every step."""
 
     from strawq.collector.errors import BatchTimeout
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
 
     def log(**ev: Any) -> None:
         with open(events, "a", encoding="utf-8") as f:

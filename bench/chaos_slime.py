@@ -99,8 +99,9 @@ def slime_trainer(run: str, ckpt_dir: str, events: str, interval: int, step_s: f
     from strawq.collector.errors import BatchTimeout
     from strawq.collector.integrations import slime as adapter
     from chaos_versions import runs  # (bench/ is sys.path[0])
-    from strawq.collector.integrations.slime_samples import META
-    from strawq.collector.integrations.slime_train import RolloutManager, flatten
+    from strawq.collector.integrations.slime.adapter import _ReaderState
+    from strawq.collector.integrations.slime.samples import META
+    from strawq.testing.slime_train import RolloutManager, flatten
     from strawq.control import read_state
 
     def log(**ev: Any) -> None:
@@ -115,7 +116,7 @@ def slime_trainer(run: str, ckpt_dir: str, events: str, interval: int, step_s: f
     steps: int = saved["steps"]
     start = int(saved["rollout"]) + 1
     data_source.load(start - 1)  # slime: rollout_manager.load(args.start_rollout_id - 1)
-    reader = adapter._ReaderState.reader(run)
+    reader = _ReaderState.reader(run)
     log(event="start", steps=steps, rollout=start)
 
     def update_weights() -> None:

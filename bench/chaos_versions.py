@@ -136,7 +136,7 @@ def trained_samples(grp: Any, *, masked: bool = False) -> list[dict[str, Any]]:
 def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done: str,
             engines: list[str], workload: str) -> int:
     from strawq.collector.errors import BatchTimeout
-    from strawq.collector.reader import Batch, BatchReader
+    from strawq.collector.trainer.reader import Batch, BatchReader
     from strawq.errors import StrawqError
 
     spec = SPECS[workload]

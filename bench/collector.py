@@ -46,8 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from strawq import packed
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.packing import allocate_buffer, group_tokens, shard_groups
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.packing import allocate_buffer, group_tokens, shard_groups
+from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
 from strawq.feeder import Feeder

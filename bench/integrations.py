@@ -39,7 +39,7 @@ from bench.collector import build  # noqa: E402
 from strawq.collector.config import CollectorConfig  # noqa: E402
 from strawq.collector.core import Collector  # noqa: E402
 from strawq.batches import Manifest  # noqa: E402
-from strawq.collector.reader import BatchReader  # noqa: E402
+from strawq.collector.trainer.reader import BatchReader  # noqa: E402
 from strawq.dataset import Dataset  # noqa: E402
 from strawq.queue import RunQueue  # noqa: E402
 from strawq.storage import open_storage  # noqa: E402

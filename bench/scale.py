@@ -178,7 +178,7 @@ def waiting_rank_rate(run_b: str, mount_b: str, seconds: float, probe: bool) -> 
     """Metadata ops/s of a trainer rank on client B waiting in ``next_batch`` on a run
     that publishes nothing (``probe=False``: it lists ``batches/`` at every poll)."""
     from strawq.collector.errors import BatchTimeout
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
     from strawq.storage.watch import DirProbe
 
     real = DirProbe.changed

@@ -1,6 +1,6 @@
 """Trainer benchmark: every path a user trains on against the single-process reference.
 
-1. Writes a run with one published batch (``strawq.collector.reference.make_reference_run``:
+1. Writes a run with one published batch (``strawq.testing.reference.make_reference_run``:
    mixed response lengths, prompts of 1 to 8 tokens, loss-mask holes, three weight
    versions, per-sample temperature / top-p / top-k).
 2. Computes the whole batch's loss and gradients of ``TinyPolicy`` in one process, straight
@@ -11,12 +11,13 @@
    * ``megatron``: ``MegatronBatcher`` micro-batches (THD, sequence-parallel tail, padding
      multiples, the CP split) summed per rank and averaged over DP × CP;
    * ``demo``: the demo trainer's ``GRPOTrainer.train_step`` (padded rows, clipped to norm 1);
-   * ``slime``: the slime adapters, where ``strawq.collector.integrations.slime`` offers
-     ``slime_path_gradients(run_dir, seq, model, *, objective) -> (loss, grads)``;
+   * ``slime``: the slime adapters, where the test harness's ``strawq.testing.slime_train``
+     offers ``slime_path_gradients(run_dir, seq, model, *, objective) -> (loss, grads)``;
    * ``verl``: the batch as verl's ``DataProto``, trained by verl's own actor code
-     (``strawq.collector.integrations.verl_reader``: its padding conversion, micro-batches,
-     FSDP engine input/output preparation and ``ppo_loss`` in bypass / REINFORCE mode) on
-     real gloo ranks (world sizes 1, 2, 4; 1-4 in the full form), where verl is installed.
+     (``strawq.testing.verl_train`` over ``strawq.collector.integrations.verl.reader``:
+     its padding conversion, micro-batches, FSDP engine input/output preparation and
+     ``ppo_loss`` in bypass / REINFORCE mode) on real gloo ranks (world sizes 1, 2, 4; 1-4
+     in the full form), where verl is installed.
    The error of a path is max over parameters of max |g − g_ref| / max |g_ref|.
 
     python bench/trainer.py [--quick] [--device cuda] [--dir DIR]
@@ -44,8 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from strawq.collector.importance import LOSS_AGG_MODES  # noqa: E402
-from strawq.collector.reference import (  # noqa: E402
+from strawq.collector.trainer.importance import LOSS_AGG_MODES  # noqa: E402
+from strawq.testing.reference import (  # noqa: E402
     Grads,
     Objective,
     PaddedPolicy,
@@ -70,12 +71,12 @@ LAYOUTS_FULL = [(1, 1, 1, False, 1, 10_000), (2, 1, 1, False, 1, 48), (1, 2, 1, 
 
 
 def slime_hook() -> Callable[..., tuple[float, Grads]] | None:
-    """The slime adapters' path, if the installed adapter module offers it."""
+    """The slime adapters' path, if the installed harness module offers it."""
     try:
-        from strawq.collector.integrations import slime
+        from strawq.testing import slime_train
     except ImportError:
         return None
-    fn = getattr(slime, "slime_path_gradients", None)
+    fn = getattr(slime_train, "slime_path_gradients", None)
     return fn if callable(fn) else None
 
 
@@ -84,7 +85,7 @@ def verl_hook() -> Callable[..., dict[tuple[int, Objective], tuple[float, Grads]
     try:
         import verl  # noqa: F401
 
-        from strawq.collector.integrations.verl_reader import verl_distributed_gradients
+        from strawq.testing.verl_train import verl_distributed_gradients
     except ImportError:
         return None
     return verl_distributed_gradients
@@ -95,8 +96,8 @@ def demo_gradients(run_dir: str, seq: int, objective: Objective, device: str,
     """The demo trainer's step on the whole batch (one rank, learning rate 0): its loss and
     its gradients (clipped to norm 1, as it clips)."""
     from strawq.batches import BatchStore
-    from strawq.collector.reader import BatchReader
-    from strawq.collector.reference import batch_to
+    from strawq.collector.trainer.reader import BatchReader
+    from strawq.testing.reference import batch_to
     from strawq.demo.trainer import GRPOTrainer
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
@@ -120,8 +121,8 @@ def rank_local_bias(run_dir: str, seq: int, world: int, objectives: list[Objecti
     averaged over ``world`` ranks — each sample's weight relative to one process, and the
     gradient error against the reference."""
     from strawq.batches import BatchStore
-    from strawq.collector.reader import BatchReader
-    from strawq.collector.reference import reader_loss
+    from strawq.collector.trainer.reader import BatchReader
+    from strawq.testing.reference import reader_loss
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
 
@@ -245,11 +246,11 @@ def main(argv: list[str] | None = None) -> int:
             if not done:
                 slime_fn = None
         else:
-            print("the slime path is left out: strawq.collector.integrations.slime offers no "
+            print("the slime path is left out: strawq.testing.slime_train offers no "
                   "slime_path_gradients(run_dir, seq, model, *, objective)", file=sys.stderr)
         verl_fn = verl_hook()
         if verl_fn is not None:
-            from strawq.collector.integrations.verl_reader import check_objective
+            from strawq.collector.integrations.verl.reader import check_objective
 
             verl_objs = []
             for obj in objectives:

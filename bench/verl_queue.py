@@ -42,7 +42,7 @@ with warnings.catch_warnings():  # verl's imports warn about missing GPU extras
     import ray
     from omegaconf import OmegaConf
 
-    from strawq.collector.integrations.verl_queue import actor_class
+    from strawq.collector.integrations.verl.queue import actor_class
     from tests.collector.integrations.verl_helpers import rollout_sample
 
 

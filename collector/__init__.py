@@ -1,9 +1,20 @@
-"""The global batch collector and the trainer-side reader (see ``docs/collector.md``).
+"""The global batch collector, the trainer-side library and the trainer integrations.
 
-Collector side (no torch): ``Collector``, ``CollectorConfig``, ``EpochFence``,
-``admission``. Trainer side (torch): ``strawq.collector.reader.BatchReader``,
-``strawq.collector.bracket.WeightUpdateBracket``, ``strawq.collector.importance``. The trainer-side
-modules are not imported here, so the collector process never imports torch.
+Three sub-parts (see ``docs/collector.md``, ``docs/architecture.md``):
+
+* the collector process (no torch), the modules directly in this package: ``Collector``
+  (``core``), ``CollectorConfig`` (``config``), ``EpochFence`` (``fencing``),
+  ``admission``, ``ordering``, ``mixing``, ``resume``, ``cli``, ``errors``;
+* ``strawq.collector.trainer`` — the trainer-side library (torch):
+  ``strawq.collector.trainer.reader.BatchReader``,
+  ``strawq.collector.trainer.bracket.WeightUpdateBracket``,
+  ``strawq.collector.trainer.importance``; it never imports the collector process;
+* ``strawq.collector.integrations`` — adapters for other trainers (``slime``, ``verl``,
+  ``megatron``), over the trainer library.
+
+The trainer-side modules are not imported here, so the collector process never imports
+torch. The trainer's errors (``BatchTimeout``, ``BracketTimeout``, ``BracketError``) are
+``strawq.errors``'s, re-exported here.
 """
 
 from __future__ import annotations

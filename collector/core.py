@@ -29,10 +29,10 @@ from strawq.collector.admission import (Admission, ConsumedGroups, Depths, Progr
                                         admission, progress)
 from strawq.collector.config import CollectorConfig
 from strawq.collector.fencing import EpochFence, SupersededSweep, mark_epoch_start
-from strawq.collector.metrics import MetricsSink, dropped_metric
+from strawq.collector.trainer.metrics import MetricsSink, dropped_metric
 from strawq.collector.mixing import MixtureBook, mixture_book
 from strawq.collector.ordering import StalenessOrder, group_advantages
-from strawq.collector.packing import BufferPool, PackReport, RecordFile, pack_batch
+from strawq.collector.trainer.packing import BufferPool, PackReport, RecordFile, pack_batch
 from strawq.collector.resume import ResumeInfo, open_queue
 from strawq.batches import BatchStore, GcReport, delivered, mark_high_water
 from strawq.config import QueueConfig

@@ -2,33 +2,25 @@
 
 A stale collector raises ``strawq.errors.FencedOut`` itself (the queue core's fencing error),
 so callers catch one type for "someone newer took over" wherever it comes from.
+
+The trainer side's errors (``BatchTimeout``, ``BracketTimeout``, ``BracketError``) live in
+the core, ``strawq.errors``, because the trainer library (``strawq.collector.trainer``) never
+imports the collector process; they are re-exported here so that ``from strawq.collector
+import BatchTimeout`` keeps working. They are ``StrawqError``s, not ``CollectorError``s.
 """
 
 from __future__ import annotations
 
-from strawq.errors import StrawqError
+from strawq.errors import BatchTimeout, BracketError, BracketTimeout, StrawqError
 
 
 class CollectorError(StrawqError):
-    """Base class of every error raised by ``collector``."""
+    """Base class of the errors the collector process raises."""
 
 
 class CollectorBusy(CollectorError, RuntimeError):
     """Another collector holds this run and its heartbeat still moves."""
 
 
-class BatchTimeout(CollectorError, TimeoutError):
-    """No batch was published before the caller's deadline."""
-
-
-class BracketTimeout(CollectorError, TimeoutError):
-    """Live producers did not acknowledge a pause before the deadline."""
-
-    def __init__(self, message: str, missing: dict[str, float]) -> None:
-        super().__init__(message)
-        #: producer -> seconds since its heartbeat counter last moved (grantor's clock)
-        self.missing = missing
-
-
-class BracketError(CollectorError, RuntimeError):
-    """The weight-update bracket was used out of order (end without begin, ...)."""
+__all__ = ["BatchTimeout", "BracketError", "BracketTimeout", "CollectorBusy",
+           "CollectorError"]

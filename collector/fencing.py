@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from strawq.collector.errors import CollectorBusy
 from strawq import records
@@ -37,7 +36,7 @@ from strawq.batches import BatchStore, Manifest, manifest_key
 from strawq.epochs import DIR as EPOCH_DIR
 from strawq.epochs import (closed_key, closed_name, epoch_key, epoch_starts, epochs,
                            heartbeat_counter, heartbeat_key, list_names, mark_epoch_start,
-                           prunable)
+                           prunable, superseded)
 from strawq.errors import AlreadyExists, CorruptRecord, FencedOut, NotFound, StrawqError
 from strawq.liveness import identity, known_dead
 from strawq.records import Kind
@@ -201,20 +200,8 @@ class EpochFence:
 # published after that successor listed ``batches/``. Readers never deliver it; the live
 # collector puts the groups it moved back to ``ready/`` (``sweep_superseded``) and deletes it
 # once none of its groups can still be moved by the stalled writer. Start records are kept
-# (one tiny file per collector start): an old epoch's stalled writer is refused forever.
-
-def superseded(seq: int, meta: Mapping[str, Any], starts: list[tuple[int, int]]) -> int | None:
-    """The newer epoch that supersedes manifest ``seq`` (stamped ``meta['epoch']``), or None.
-
-    A manifest without an epoch (written by tools, not by a collector) is never refused.
-    """
-    epoch = meta.get("epoch")
-    if not isinstance(epoch, int):
-        return None
-    for e, first in starts:
-        if e > epoch and first <= seq:
-            return e
-    return None
+# (one tiny file per collector start): an old epoch's stalled writer is refused forever. The
+# verdict is ``strawq.epochs.superseded`` (readers apply it too).
 
 
 class SupersededSweep:

@@ -6,7 +6,8 @@
   leased, partial, ready, batched work all survive; the checkpoint only fills in nothing).
 * ``cursor`` — the queue state is missing or unreadable, the checkpoint has a dataset
   cursor: a warning, a fresh queue, the prompts that were in flight at the checkpoint
-  (released, not trained by it: the cursor's ``in_flight``) are released again, then
+  (released, not trained by it: the cursor's ``in_flight``, written by
+  ``strawq.checkpoint.read_cursor_state``) are released again, then
   releases resume at the checkpointed index; the weight version and the batch sequence
   continue from the checkpoint.
 * ``fresh``  — no queue state and no cursor in the checkpoint: a warning, start from the
@@ -26,19 +27,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from strawq.feeder import read_cursor_state as feeder_cursor_state
 from strawq import records
-from strawq.batches import BatchStore
 from strawq.config import QueueConfig
 from strawq.errors import CorruptRecord, NotFound, StorageError
 from strawq.queue import RUN_KEY, RunQueue
 from strawq.records import Kind
-from strawq.states import TaskState, names_in
 from strawq.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -47,61 +43,6 @@ class ResumeInfo:
     path: str
     message: str
     checkpoint: Mapping[str, Any] | None = None
-
-
-#: states whose tasks were released and are not trained, listed in the direction work flows
-#: (a task that moves on between two listings is seen twice, never missed)
-_IN_FLIGHT = (TaskState.PENDING, TaskState.PARTIAL, TaskState.LEASED, TaskState.READY,
-              TaskState.BATCHED)
-
-
-def read_cursor_state(storage: Storage, trained_through: int | None = None
-                      ) -> dict[str, Any] | None:
-    """The newest cursor in ``Feeder.state_dict()`` form, read-only (no recovery side
-    effects), with ``in_flight``: the dataset indexes of the prompts released before the
-    cursor and not trained by a checkpoint covering batches ``<= trained_through``.
-
-    The trainer side uses this for its checkpoint (``BatchReader.state_dict``); a cursor
-    resume releases ``in_flight`` again before it releases from ``next_index``, so nothing
-    that was in flight is skipped (``Feeder.load_state_dict``). In flight: queued, leased
-    and ready tasks, and the groups of batches after ``trained_through`` (default: the
-    unacked batches). Constructing a ``Feeder`` runs its recovery, which only the collector
-    may do; this reads.
-    """
-    cursor = feeder_cursor_state(storage)
-    if cursor is None:
-        return None
-    keys = ("next_index", "seq", "fingerprint", "epoch_bases")
-    out: dict[str, Any] = {k: cursor[k] for k in keys if k in cursor}
-    out["in_flight"] = sorted(i for i in in_flight(storage, trained_through)
-                              if i < int(out["next_index"]))
-    return out
-
-
-def in_flight(storage: Storage, trained_through: int | None = None) -> set[int]:
-    """Dataset indexes of released prompts not trained by batches ``<= trained_through``
-    (None: by the acked batches)."""
-    out: set[int] = set()
-    batched: dict[str, int] = {}
-    for state in _IN_FLIGHT:
-        for name in names_in(storage, state):
-            if state is TaskState.BATCHED:
-                batched[str(name)] = name.order
-            else:
-                out.add(name.order)
-    store = BatchStore(RunQueue(storage))
-    seqs, acked = store.batch_seqs()
-    trained: set[str] = set()
-    for seq in seqs:
-        done = seq in acked if trained_through is None else seq <= trained_through
-        if not done:
-            continue
-        try:
-            trained.update(str(n) for n in store.read_manifest(seq).groups)
-        except (NotFound, CorruptRecord):
-            continue  # collected meanwhile (trained), or quarantined (its groups go back)
-    out.update(order for name, order in batched.items() if name not in trained)
-    return out
 
 
 def _queue_is_readable(storage: Storage) -> str | None:

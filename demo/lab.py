@@ -530,9 +530,9 @@ def schedule_config(cfg: LabConfig, mode: str) -> Any:
 
 def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
     """One schedule, from a fresh queue to the audit of what it left."""
-    from strawq.collector.bracket import WeightUpdateBracket
+    from strawq.collector.trainer.bracket import WeightUpdateBracket
     from strawq.collector.core import Collector
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
     from strawq.demo import plots
     from strawq.demo.run import Sampler
     from strawq.demo.schedule import collector_config, run_schedule

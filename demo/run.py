@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from strawq.collector.bracket import WeightUpdateBracket
+from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.core import Collector
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.reader import BatchReader
 from strawq.demo import plots, task, tools_task
 from strawq.demo.hops import HopSamples, HopTracer, IdleGaps, idle_gaps
 from strawq.demo.schedule import ScheduleConfig, ScheduleResult, StepRecord, collector_config, \

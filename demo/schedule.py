@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strawq.config import Config
-from strawq.collector.bracket import WeightUpdateBracket
+from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.config import CollectorConfig
-from strawq.collector.reader import Batch, BatchReader
+from strawq.collector.trainer.reader import Batch, BatchReader
 from strawq.demo.trainer import TrainerBackend
 from strawq.errors import ConfigError
 from strawq.groups import staleness

@@ -27,9 +27,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from strawq.collector.importance import (DEFAULT_LOSS_AGG, aggregate_loss, masked_tis_weights,
-                                         policy_logprobs, sampling_bias_warning)
-from strawq.collector.reader import Batch
+from strawq.collector.trainer.importance import (DEFAULT_LOSS_AGG, aggregate_loss,
+                                                 masked_tis_weights, policy_logprobs,
+                                                 sampling_bias_warning)
+from strawq.collector.trainer.reader import Batch
 from strawq.producers.engines.tiny_model import TinyLM, load_weights, save_weights
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class GRPOTrainer:
     engine_urls: list[str]
     lr: float = 1e-3
     is_mode: str = "tis"
-    #: loss reduction (``strawq.collector.importance.LOSS_AGG_MODES``), as the examples
+    #: loss reduction (``strawq.collector.trainer.importance.LOSS_AGG_MODES``), as the examples
     loss_agg: str = DEFAULT_LOSS_AGG
     keep_versions: int = 3
     history: list[dict[str, float]] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """The producer's side of the weight-update bracket, and aborting its requests on engines.
 
-The trainer (``strawq.collector.bracket``) writes ``pause-<v>``, waits for an ack from every live
-producer, swaps the weights and writes ``resume-<v>``. An ack promises that nothing of
+The trainer (``strawq.collector.trainer.bracket``) writes ``pause-<v>``, waits for an ack from
+every live producer, swaps the weights and writes ``resume-<v>``. An ack promises that nothing of
 this producer's still generates with the old weights, so when ``Control.state()`` shows a
 pause this producer has not acknowledged, it stops claiming, aborts its own requests on
 every worker, waits until every in-flight ``/generate`` came back with its tokens (an

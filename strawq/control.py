@@ -1,6 +1,6 @@
 """The weight-update bracket's control channel, on the queue's own filesystem.
 
-The trainer (rank 0, through ``strawq.collector.bracket.WeightUpdateBracket``) announces;
+The trainer (rank 0, through ``strawq.collector.trainer.bracket.WeightUpdateBracket``) announces;
 producers acknowledge; nothing needs a live connection between them, and a restarted party
 reads where the bracket stands::
 

@@ -9,12 +9,14 @@ Records in ``collector/`` (beside the batch high-water marks of ``strawq.batches
     start-<E>~<F>          epoch E publishes batches from number F on (the name is the data)
 
 The protocol over them (who creates which, takeover, fencing) is
-``strawq.collector.fencing``; readers use ``epochs`` and ``epoch_starts`` from here.
+``strawq.collector.fencing``; readers use ``epochs``, ``epoch_starts`` and ``superseded``
+from here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from strawq.errors import AlreadyExists
 from strawq.numbered import Numbered
@@ -89,3 +91,17 @@ def epoch_starts(storage: Storage, names: list[str] | None = None) -> list[tuple
     out = [pair for n in (storage.list(DIR) if names is None else names)
            if (pair := STARTS.pair(n)) is not None]
     return sorted(out)
+
+
+def superseded(seq: int, meta: Mapping[str, Any], starts: list[tuple[int, int]]) -> int | None:
+    """The newer epoch that supersedes manifest ``seq`` (stamped ``meta['epoch']``), or None.
+
+    A manifest without an epoch (written by tools, not by a collector) is never refused.
+    """
+    epoch = meta.get("epoch")
+    if not isinstance(epoch, int):
+        return None
+    for e, first in starts:
+        if e > epoch and first <= seq:
+            return e
+    return None

@@ -59,6 +59,23 @@ class DoctorFailed(StrawqError):
     """A mount failed verification; a run must not start on it."""
 
 
+class BatchTimeout(StrawqError, TimeoutError):
+    """No batch was published before the caller's deadline (the trainer's reader)."""
+
+
+class BracketTimeout(StrawqError, TimeoutError):
+    """Live producers did not acknowledge a pause before the deadline."""
+
+    def __init__(self, message: str, missing: dict[str, float]) -> None:
+        super().__init__(message)
+        #: producer -> seconds since its heartbeat counter last moved (grantor's clock)
+        self.missing = missing
+
+
+class BracketError(StrawqError, RuntimeError):
+    """The weight-update bracket was used out of order (end without begin, ...)."""
+
+
 #: What to do about the common ``OSError`` causes, by errno name.
 _OS_HINTS = {
     "ENOENT": "check the path",

@@ -567,7 +567,7 @@ class Feeder:
     def load_state_dict(self, state: dict[str, Any]) -> int:
         """Start releasing at a checkpointed index (only on an empty, fresh queue), and
         release again the prompts the checkpoint lists as in flight (``in_flight``: released
-        before its index, not trained by it; ``strawq.collector.resume.read_cursor_state``).
+        before its index, not trained by it; ``strawq.checkpoint.read_cursor_state``).
         Returns how many were released again.
 
         The cursor and the re-released prompts are one commit (``cursor/1`` names their

@@ -46,7 +46,7 @@ from strawq.storage import Storage
 PACKED_DIR = "packed"
 #: ``packed/<seq>~<tag>~w<W>~r<rank>``
 SHARDS = Numbered(sep="~")
-#: the version of the rank-sharding rule (``strawq.collector.packing.shard_groups``) a
+#: the version of the rank-sharding rule (``strawq.collector.trainer.packing.shard_groups``) a
 #: shard was packed with; a reader with another rule reads the records
 SHARDING = 1
 ALIGN = records.ALIGN

@@ -1,7 +1,8 @@
 """The import contract: which part of strawq may import which (docs/architecture.md, "Layers").
 
-Every import statement in the package is read from the source (function-level imports too),
-so a lazy import cannot slip past. The layers, bottom to top:
+Every import statement in the package is read from the source (function-level imports and
+``if TYPE_CHECKING:`` imports too), so a lazy import cannot slip past. The layers, bottom to
+top:
 
 * the core (``strawq`` less the packages below): storage, records, states, leases, dataset,
   GC, doctor. Never Ray, torch or HTTP, never the parts above it;
@@ -9,6 +10,21 @@ so a lazy import cannot slip past. The layers, bottom to top:
   (torch on the trainer side): each over the core, neither over the other;
 * ``strawq.demo``, ``strawq.testing``: drivers and harnesses over everything;
 * ``strawq.app``: the composition root (the command line, the run config).
+
+Inside ``strawq.collector``, three sub-parts:
+
+* the collector process (the modules directly in ``strawq.collector``: ``core``,
+  ``admission``, ``ordering``, ``fencing``, ``resume``, ``mixing``, ``cli``, ``config``,
+  ``errors``, and the package itself);
+* ``strawq.collector.trainer``, the trainer-side library: never imports the collector
+  process (what both need lives in the core);
+* ``strawq.collector.integrations`` (slime, verl, Megatron-core): over the trainer library,
+  never over the collector process nor the test harness (``strawq.testing``, which holds
+  their gradient-check paths and the reference oracle).
+
+And no import circles: the module-level import graph (an import of ``a.b.c`` is an edge to
+the longest prefix of it that is a module) has no strongly connected component of more than
+one module, but for the known ones in ``KNOWN_CYCLES``.
 """
 
 from __future__ import annotations
@@ -27,9 +43,9 @@ FOLDERS = {
     ROOT / "demo": "strawq.demo",
 }
 UPPER = ("strawq.producers", "strawq.collector", "strawq.demo", "strawq.testing", "strawq.app")
-#: verl's fully-async queue is a Ray actor by verl's design: ``verl_queue.actor_class`` wraps
+#: verl's fully-async queue is a Ray actor by verl's design: ``verl.queue.actor_class`` wraps
 #: the durable queue with ``ray.remote`` (one function-level import), nothing else there uses Ray
-RAY_MODULES = {"strawq.producers.placement", "strawq.collector.integrations.verl_queue"}
+RAY_MODULES = {"strawq.producers.placement", "strawq.collector.integrations.verl.queue"}
 
 
 def _modules() -> dict[str, Path]:
@@ -98,6 +114,12 @@ def test_the_walk_sees_every_part() -> None:
     assert layers == {"core", *UPPER}
     assert sum(len(v) for v in IMPORTS.values()) > 300
     assert "strawq.states" in IMPORTS["strawq.queue"]
+    parts = {_collector_part(n) for n in MODULES if _under(n, "strawq.collector")}
+    assert parts == {"process", "trainer", "integrations"}
+    assert set(COLLECTOR_PROCESS) <= set(MODULES), set(COLLECTOR_PROCESS) - set(MODULES)
+    assert "strawq.collector.trainer.reader" in GRAPH["strawq.collector.integrations.slime.adapter"]
+    assert "strawq.collector.trainer.packing" in GRAPH["strawq.collector.core"]
+    assert sum(len(v) for v in GRAPH.values()) > 300
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
@@ -108,6 +130,147 @@ def test_layer_imports_only_what_it_may(layer: str) -> None:
         for mod in mods for banned in FORBIDDEN[layer] if _under(mod, banned)
     )
     assert not bad, "\n".join(bad)
+
+
+#: the collector process: every module directly in ``strawq.collector`` (and the package)
+COLLECTOR_PROCESS = tuple(f"strawq.collector.{m}" for m in (
+    "core", "admission", "ordering", "fencing", "resume", "mixing", "cli", "config", "errors"))
+TRAINER = "strawq.collector.trainer"
+INTEGRATIONS = "strawq.collector.integrations"
+
+
+def _collector_part(name: str) -> str:
+    """``trainer``, ``integrations`` or ``process`` for a module under ``strawq.collector``."""
+    for part, prefix in (("trainer", TRAINER), ("integrations", INTEGRATIONS)):
+        if _under(name, prefix):
+            return part
+    return "process"
+
+
+def _process_imports(prefixes: tuple[str, ...], banned_too: tuple[str, ...] = ()) -> list[str]:
+    """Imports of the collector process (anything under ``strawq.collector`` outside the
+    trainer library and the integrations, the package itself included) or of ``banned_too``
+    by the modules under ``prefixes``."""
+    return sorted(
+        f"{name} imports {mod}"
+        for name, mods in IMPORTS.items() if any(_under(name, p) for p in prefixes)
+        for mod in mods
+        if (_under(mod, "strawq.collector") and _collector_part(mod) == "process")
+        or any(_under(mod, b) for b in banned_too))
+
+
+def test_the_trainer_library_never_imports_the_collector_process() -> None:
+    """The trainer side (reader, packing, bracket, importance, behaviour, metrics) sits on
+    the core: ``strawq.epochs``, ``strawq.checkpoint``, ``strawq.errors`` hold what it shares
+    with the collector process."""
+    bad = _process_imports((TRAINER,), ("strawq.collector.integrations",))
+    assert not bad, "\n".join(bad)
+
+
+def test_the_integrations_sit_on_the_trainer_library() -> None:
+    """slime, verl and Megatron-core adapters: never the collector process, never the test
+    harness (their gradient-check paths live there and import them, not the reverse)."""
+    bad = _process_imports((INTEGRATIONS,), ("strawq.testing",))
+    assert not bad, "\n".join(bad)
+
+
+def _target(mod: str) -> str | None:
+    """The module an import of ``mod`` loads: its longest prefix that is a module."""
+    parts = mod.split(".")
+    for k in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:k])
+        if prefix in MODULES:
+            return prefix
+    return None
+
+
+#: module -> the project modules it imports (type-only imports included)
+GRAPH: dict[str, set[str]] = {
+    name: {t for t in map(_target, mods) if t is not None and t != name}
+    for name, mods in IMPORTS.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    comp.append(top)
+                    if top == node:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return sorted(found)
+
+
+def _a_cycle(graph: dict[str, set[str]], comp: list[str]) -> str:
+    """One import circle through ``comp``'s first module, as ``a -> b -> a``."""
+    members, start = set(comp), comp[0]
+    paths = {start: [start]}
+    todo = [start]
+    while todo:  # breadth first: the shortest way back to the start
+        node = todo.pop(0)
+        for nxt in sorted(graph[node] & members):
+            if nxt == start:
+                return " -> ".join([*paths[node], start])
+            if nxt not in paths:
+                paths[nxt] = [*paths[node], nxt]
+                todo.append(nxt)
+    return " <-> ".join(comp)
+
+
+#: Import circles known and accepted, each closed only by an ``if TYPE_CHECKING:`` import
+#: (annotations, never executed): ``generate`` names the runner's types in its protocols,
+#: ``lab_report`` the lab's results. Exactly these: a new circle fails, and so does one of
+#: these once it is gone (take it off the list).
+KNOWN_CYCLES = [
+    ["strawq.demo.lab", "strawq.demo.lab_report"],
+    ["strawq.producers.generate", "strawq.producers.runner"],
+]
+
+
+def test_no_import_circles() -> None:
+    """Modules that import each other (directly or round a longer loop) are one part in two
+    files: an import order that half-initialises one of them, and no layer between them."""
+    found = _cycles(GRAPH)
+    new = [_a_cycle(GRAPH, c) for c in found if c not in KNOWN_CYCLES]
+    assert not new, "import circles:\n" + "\n".join(new)
+    assert found == KNOWN_CYCLES, f"a known circle is gone; update KNOWN_CYCLES: {found}"
+
+
+def test_the_cycle_check_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _a_cycle(graph, ["a", "b", "c"]) == "a -> b -> c -> a"
 
 
 def test_only_placement_imports_ray() -> None:

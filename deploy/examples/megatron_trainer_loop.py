@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strawq.collector.importance import (DEFAULT_LOSS_AGG, LOSS_AGG_MODES, batch_loss,
-                                         masked_tis_weights, sampling_bias_warning)
-from strawq.collector.reader import Batch, BatchReader
+from strawq.collector.trainer.importance import (DEFAULT_LOSS_AGG, LOSS_AGG_MODES, batch_loss,
+                                                 masked_tis_weights, sampling_bias_warning)
+from strawq.collector.trainer.reader import Batch, BatchReader
 from strawq.producers.sglang_client import SGLangClient
 
 with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex are missing

@@ -23,9 +23,9 @@ import json
 import logging
 import os
 
-from strawq.collector.importance import (DEFAULT_LOSS_AGG, batch_loss, masked_tis_weights,
-                                         sampling_bias_warning)
-from strawq.collector.reader import Batch, BatchReader
+from strawq.collector.trainer.importance import (DEFAULT_LOSS_AGG, batch_loss, masked_tis_weights,
+                                                 sampling_bias_warning)
+from strawq.collector.trainer.reader import Batch, BatchReader
 from strawq.producers.sglang_client import SGLangClient
 
 log = logging.getLogger("trainer_loop")
@@ -36,7 +36,7 @@ def train_step(batch: Batch) -> float:
 
     Your model's log-probs must be taken under each sample's sampling transform
     (``batch.temperature``, ``batch.top_k``, ``batch.top_p``: see
-    ``strawq.collector.importance.policy_logprobs``), or on-policy ratios are not 1.
+    ``strawq.collector.trainer.importance.policy_logprobs``), or on-policy ratios are not 1.
     """
     sampling_bias_warning(batch.top_p, batch.top_k)  # if you score the full softmax
     logp_new = batch.rollout_logprobs.clone().requires_grad_()   # float32 [T]: your model's

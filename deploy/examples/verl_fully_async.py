@@ -25,7 +25,7 @@ import sys
 import tempfile
 from typing import Any
 
-HOOK = "strawq.collector.integrations.verl_queue.install"
+HOOK = "strawq.collector.integrations.verl.queue.install"
 #: the one entry that switches verl to the durable queue (and the durable partial rollout)
 SWITCH = f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={HOOK}"
 ENTRY = [sys.executable, "-m", "verl.experimental.fully_async_policy.fully_async_main"]
@@ -43,7 +43,7 @@ def check(directory: str, samples: int = 12) -> dict[str, Any]:
     from verl import DataProto
     from verl.experimental.fully_async_policy.detach_utils import RolloutSample
 
-    from strawq.collector.integrations.verl_queue import StrawqMessageQueue
+    from strawq.collector.integrations.verl.queue import StrawqMessageQueue
 
     ckpt = os.path.join(directory, "ckpt")
     os.makedirs(ckpt, exist_ok=True)

@@ -68,7 +68,7 @@ def _engine_lines(found: dict[str, EngineProbe]) -> list[str]:
 
 def run_bracket(args: argparse.Namespace, open_queue: Callable[..., Any], emit: Emit) -> int:
     """``strawq bracket ACTION``; ``open_queue`` and ``emit`` are the CLI's own."""
-    from strawq.collector.bracket import WeightUpdateBracket, settle
+    from strawq.collector.trainer.bracket import WeightUpdateBracket, settle
     from strawq.control import read_state
 
     action = args.bracket_command

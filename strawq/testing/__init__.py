@@ -8,8 +8,14 @@
 * ``strawq.testing.factories`` — small builders: datasets, groups.
 * ``strawq.testing.crash`` — storage wrappers that ``SIGKILL`` the process at a chosen
   mutating operation (also *inside* ``publish``), and a worker script for kill tests.
+* ``strawq.testing.reference`` — the trainer side's oracle: a published batch's loss and
+  gradients in one process (docs/design.md, invariant 11); ``strawq.testing.slime_train``
+  and ``strawq.testing.verl_train`` — the slime and verl adapters' gradient paths checked
+  against it.
 
-These modules may import pytest; nothing here imports Ray, torch or HTTP clients.
+These modules may import pytest; the oracle modules import torch (slime and verl lazily);
+this package imports only ``audit`` and ``factories``, neither of which imports Ray, torch or
+HTTP clients.
 """
 
 from __future__ import annotations

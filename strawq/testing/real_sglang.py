@@ -397,7 +397,7 @@ def stale_engine_scenario(server: RealServer, workdir: Path, *, groups: int = 2,
     an old ``--weight-version``, or a push it missed): the producer must keep it out of
     rotation and generate nothing, note it in ``engines/``; the trainer's repair (the
     ``push_weights`` of every update, limited to that engine) brings it back."""
-    from strawq.collector.bracket import WeightUpdateBracket
+    from strawq.collector.trainer.bracket import WeightUpdateBracket
     from strawq.config import QueueConfig
     from strawq.dataset import Dataset
     from strawq.feeder import Feeder

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.errors import BatchTimeout
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.reader import BatchReader
 from strawq.dataset import Dataset
 from strawq.queue import RunQueue
 from strawq.storage import open_storage

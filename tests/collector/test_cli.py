@@ -12,7 +12,7 @@ import pytest
 from strawq.app.cli import main as cli_main
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.reader import BatchReader
 from strawq.dataset import Dataset
 from tests.collector.helpers import SimProducer, make_run, write_dataset
 

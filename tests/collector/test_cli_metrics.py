@@ -12,8 +12,8 @@ import pytest
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.metrics import MetricsSink
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.metrics import MetricsSink
+from strawq.collector.trainer.reader import BatchReader
 from strawq.config import from_dict
 from strawq.dataset import Dataset
 from strawq.errors import ConfigError

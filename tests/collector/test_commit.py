@@ -18,7 +18,7 @@ import pytest
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.errors import BatchTimeout
-from strawq.collector.reader import Batch, BatchReader
+from strawq.collector.trainer.reader import Batch, BatchReader
 from strawq.commits import committed_seq
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset

@@ -12,8 +12,8 @@ import pytest
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.reader import BatchReader
-from strawq.collector.resume import in_flight
+from strawq.collector.trainer.reader import BatchReader
+from strawq.checkpoint import in_flight
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
 from tests.collector.helpers import SimProducer, drive, train_until_drained, write_dataset

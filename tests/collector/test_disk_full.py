@@ -15,7 +15,7 @@ import pytest
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.errors import BatchTimeout
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.reader import BatchReader
 from strawq.dataset import Dataset
 from strawq.queue import RunQueue
 from strawq.status import run_status

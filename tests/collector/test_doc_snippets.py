@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from strawq.batches import BatchStore
-from strawq.collector.importance import batch_loss, masked_tis_weights
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.importance import batch_loss, masked_tis_weights
+from strawq.collector.trainer.reader import BatchReader
 from strawq.queue import RunQueue
 from tests.collector.helpers import SimProducer, make_run, write_dataset
 

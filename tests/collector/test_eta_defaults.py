@@ -11,7 +11,7 @@ import pytest
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
 from strawq.eta import DEFAULT_MAX_STALENESS, read_policy

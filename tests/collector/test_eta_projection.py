@@ -14,7 +14,7 @@ import pytest
 from strawq.collector.admission import admission, progress
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
 from strawq.queue import RunQueue
 from strawq.states import Depths

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from strawq.collector.bracket import WeightUpdateBracket
+from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
 from strawq.control import Control
 from strawq.dataset import Dataset

@@ -14,7 +14,7 @@ import pytest
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.mixing import MixtureBook
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
 from strawq.errors import ConfigError
 from strawq.mixture import Mixture, open_dataset

@@ -13,7 +13,7 @@ import pytest
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
 from tests.collector.helpers import SimProducer, train_until_drained, write_dataset

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from strawq.collector.importance import LOSS_AGG_MODES, LossTotals, aggregate_loss
-from strawq.collector.reader import BatchReader
-from strawq.collector.reference import (
+from strawq.collector.trainer.importance import LOSS_AGG_MODES, LossTotals, aggregate_loss
+from strawq.collector.trainer.reader import BatchReader
+from strawq.testing.reference import (
     Objective,
     PaddedPolicy,
     TinyPolicy,

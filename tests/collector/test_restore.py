@@ -9,10 +9,10 @@ import logging
 import pytest
 
 from strawq.batches import delivered
-from strawq.collector.bracket import WeightUpdateBracket
+from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
 from strawq.queue import RunQueue
 from strawq.storage import MemoryStorage
@@ -48,7 +48,7 @@ def test_restore_pushes_the_restored_weights_as_a_new_version(dataset, caplog): 
     restored.load_state_dict(ckpt)
     assert b2.seq not in delivered(q.storage)  # trained again: ahead again
     pushed: list[int] = []
-    with caplog.at_level(logging.WARNING, logger="strawq.collector.bracket"):
+    with caplog.at_level(logging.WARNING, logger="strawq.collector.trainer.bracket"):
         rep = WeightUpdateBracket(q).restore(pushed.append, ckpt)
     assert pushed == [3] and rep.version == 3 and q.current_version() == 3
     assert any("rollouts of versions 2..2" in r.getMessage() for r in caplog.records)

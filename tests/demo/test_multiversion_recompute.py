@@ -18,8 +18,8 @@ import torch
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.importance import importance_ratios, offpolicy_prefix_mask
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.importance import importance_ratios, offpolicy_prefix_mask
+from strawq.collector.trainer.reader import BatchReader
 from strawq.dataset import Dataset
 from strawq.demo.trainer import GRPOTrainer, unpack
 from strawq.groups import GroupData

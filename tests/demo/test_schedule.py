@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from strawq.collector.bracket import WeightUpdateBracket
+from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.core import Collector
-from strawq.collector.reader import Batch, BatchReader
+from strawq.collector.trainer.reader import Batch, BatchReader
 from strawq.commits import commit
 from strawq.dataset import Dataset
 from strawq.demo.schedule import MODES, ScheduleConfig, collector_config, run_schedule

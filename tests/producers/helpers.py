@@ -102,7 +102,7 @@ def batch_all_ready(q: RunQueue, dataset_path: str, n: int) -> Any:
     the reader reads it."""
     from strawq.collector.config import CollectorConfig
     from strawq.collector.core import Collector
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
 
     col = Collector(q, Dataset(dataset_path),
                     CollectorConfig(batch_groups=n, max_running=max(n, 16), max_ready=max(n, 16),

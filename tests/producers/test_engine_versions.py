@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import numpy as np
 import pytest
 
-from strawq.collector.bracket import WeightUpdateBracket
+from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.control import Control
 from strawq.dataset import Dataset
 from strawq.engine_weights import EngineWeights

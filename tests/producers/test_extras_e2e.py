@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from strawq.collector.reader import Batch
+from strawq.collector.trainer.reader import Batch
 from strawq.control import Control
 from strawq.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS
 

@@ -88,7 +88,7 @@ def test_the_serve_command_binds_loopback_by_default() -> None:
 
 def test_the_metrics_exporter_binds_loopback_by_default(tmp_path: Any) -> None:
     pytest.importorskip("prometheus_client")
-    from strawq.collector.metrics import MetricsSink
+    from strawq.collector.trainer.metrics import MetricsSink
 
     sink = MetricsSink(None, 0)
     try:

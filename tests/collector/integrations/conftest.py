@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from strawq.collector.reader import Batch
+from strawq.collector.trainer.reader import Batch
 from strawq.names import TaskName
 
 #: why the slime tests skip where slime is missing, and how to install it

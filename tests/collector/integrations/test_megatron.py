@@ -322,7 +322,7 @@ def test_megatron_cross_entropy_takes_the_labels(gloo):
 # -- against the single-process reference (docs/design.md, invariant 11) ----------------------
 @pytest.fixture(scope="module")
 def ref_run(tmp_path_factory):
-    from strawq.collector.reference import make_reference_run
+    from strawq.testing.reference import make_reference_run
 
     return make_reference_run(str(tmp_path_factory.mktemp("megref")), groups=10, group_size=4,
                               seed=13, max_response=40)
@@ -348,7 +348,7 @@ def test_micro_batches_give_the_reference_gradient(ref_run, dp, tp, cp, sp, pad,
     """The Megatron path: reader shards over DP, ``MegatronBatcher`` micro-batches (THD
     ``PackedSeqParams``, padding, CP split) through a model that consumes the packed layout,
     summed per rank, averaged over DP × CP: the whole batch's gradient on one process."""
-    from strawq.collector.reference import (Objective, TinyPolicy, max_relative_error,
+    from strawq.testing.reference import (Objective, TinyPolicy, max_relative_error,
                                             megatron_gradients, reference_gradients)
 
     run_dir, seq = ref_run
@@ -377,7 +377,7 @@ def test_tail_padding_under_cp_splits_into_chunks():
 def test_micro_batch_carries_the_sampling_parameters_per_label(gloo, ref_run):
     """Each label's temperature / top-p / top-k are its sample's recorded ones."""
     from strawq.batches import BatchStore
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
 
@@ -402,8 +402,8 @@ def test_on_policy_tokens_have_ratio_one_at_the_recorded_temperature(gloo):
     """Finding 2: a T = 0.6 rollout whose recorded log-probs are the policy's own. Scored at
     the micro-batch's temperature every trained token has ratio 1 (IcePop keeps all, TIS
     clips none); scored at T = 1, as the example did, IcePop masks many of them."""
-    from strawq.collector.importance import icepop_mask, importance_ratios, policy_logprobs
-    from strawq.collector.reference import TinyPolicy, positions_from_cu
+    from strawq.collector.trainer.importance import icepop_mask, importance_ratios, policy_logprobs
+    from strawq.testing.reference import TinyPolicy, positions_from_cu
 
     batch = make_batch([3, 5, 2, 4], [30, 25, 40, 12])
     model = TinyPolicy(vocab=64)
@@ -433,7 +433,7 @@ def test_on_policy_tokens_have_ratio_one_at_the_recorded_temperature(gloo):
 def test_megatron_cross_entropy_at_the_temperature_is_policy_logprobs(gloo):
     """The example's scoring: Megatron's vocab-parallel cross-entropy of logits / T equals
     ``policy_logprobs`` at the micro-batch's per-token temperature."""
-    from strawq.collector.importance import policy_logprobs
+    from strawq.collector.trainer.importance import policy_logprobs
 
     batch = make_batch([3, 4, 2], [6, 2, 7])
     batch.temperature = torch.tensor([0.6, 1.0, 0.8])
@@ -453,13 +453,13 @@ class _PackedTiny(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        from strawq.collector.reference import TinyPolicy
+        from strawq.testing.reference import TinyPolicy
 
         self.inner = TinyPolicy()
 
     def forward(self, input_ids, position_ids=None, attention_mask=None,
                 packed_seq_params=None):
-        from strawq.collector.reference import positions_from_cu
+        from strawq.testing.reference import positions_from_cu
 
         cu = packed_seq_params.cu_seqlens_q_padded
         return self.inner(input_ids[0], positions_from_cu(cu), cu).unsqueeze(1)
@@ -474,8 +474,8 @@ def test_the_example_train_step_gives_the_reference_gradient(gloo, ref_run, mode
     from pathlib import Path
 
     from strawq.batches import BatchStore
-    from strawq.collector.reader import BatchReader
-    from strawq.collector.reference import (Objective, TinyPolicy, gradients,
+    from strawq.collector.trainer.reader import BatchReader
+    from strawq.testing.reference import (Objective, TinyPolicy, gradients,
                                             max_relative_error, reference_gradients)
     from strawq.queue import RunQueue
     from strawq.storage import open_storage

@@ -21,7 +21,7 @@ import torch
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.reader import BatchReader
 from strawq.control import Control
 from strawq.dataset import Dataset
 from strawq import records
@@ -37,7 +37,8 @@ from slime.rollout.base_types import RolloutFnTrainOutput, call_rollout_fn  # no
 from slime.rollout.data_source import DataSource  # noqa: E402
 
 from strawq.collector.integrations import slime as adapter  # noqa: E402
-from strawq.collector.integrations.slime_train import RolloutManager, flatten  # noqa: E402
+from strawq.collector.integrations.slime.adapter import _ReaderState  # noqa: E402
+from strawq.testing.slime_train import RolloutManager, flatten  # noqa: E402
 
 Sample = slime_types.Sample
 pytestmark = pytest.mark.slime
@@ -47,10 +48,10 @@ G = 4
 @pytest.fixture(autouse=True)
 def _fresh_readers():
     yield
-    for r in adapter._ReaderState.readers.values():
+    for r in _ReaderState.readers.values():
         r.close()
-    adapter._ReaderState.readers.clear()
-    adapter._ReaderState.delivered.clear()
+    _ReaderState.readers.clear()
+    _ReaderState.delivered.clear()
 
 
 @pytest.fixture
@@ -536,10 +537,10 @@ def test_batch_source_ties_slime_checkpoints_to_the_reader(world):
     src.save(0)
     with open(os.path.join(a.save, "rollout/strawq_reader_0.json")) as f:
         assert json.load(f)["batch_seq"] == 1
-    for r in adapter._ReaderState.readers.values():  # the job dies before acking batch 1
+    for r in _ReaderState.readers.values():  # the job dies before acking batch 1
         r.close()
-    adapter._ReaderState.readers.clear()
-    adapter._ReaderState.delivered.clear()
+    _ReaderState.readers.clear()
+    _ReaderState.delivered.clear()
     src2 = adapter.StrawqBatchSource(a)
     src2.load(0)
     assert adapter.generate_rollout(a, 1, None).metrics["strawq/batch_seq"] == 2
@@ -560,10 +561,10 @@ def test_batch_source_resumes_a_job_killed_between_slimes_two_saves(world):
     src.save(0)
     assert adapter.generate_rollout(a, 1, None).metrics["strawq/batch_seq"] == 2
     # trained; slime's model checkpoint of rollout 1 is written; the job dies before save(1)
-    for r in adapter._ReaderState.readers.values():
+    for r in _ReaderState.readers.values():
         r.close()
-    adapter._ReaderState.readers.clear()
-    adapter._ReaderState.delivered.clear()
+    _ReaderState.readers.clear()
+    _ReaderState.delivered.clear()
     adapter.StrawqBatchSource(a).load(1)
     assert adapter.generate_rollout(a, 2, None).metrics["strawq/batch_seq"] == 3
     names = os.listdir(os.path.join(a.save, "rollout"))

@@ -4,7 +4,7 @@ training code (its sample conversion with ``reward_post_process``, its
 the samples ``generate_rollout`` hands it equal the documented objective's on the same batch
 (docs/design.md, invariant 11).
 
-The oracle is the project's one reference, ``strawq.collector.reference.reference_gradients``:
+The oracle is the project's one reference, ``strawq.testing.reference.reference_gradients``:
 every group of the published manifest read straight from its record, −Σ w·A·log π reduced
 the documented way, one sample at a time, in one process. (The loss values differ: slime's
 surrogate is −w·A·ρ at ρ = 1, the reference's −w·A·log π; the gradients agree.)
@@ -23,10 +23,10 @@ pytest.importorskip("slime.utils.types", reason=SLIME_MISSING)
 pytest.importorskip("megatron.core", reason="slime's loss code needs megatron-core")
 
 from strawq.batches import BatchStore  # noqa: E402
-from strawq.collector.reference import (Objective, max_relative_error,  # noqa: E402
+from strawq.testing.reference import (Objective, max_relative_error,  # noqa: E402
                                         publish_batch, reference_gradients)
-from strawq.collector.integrations.slime import slime_path_gradients  # noqa: E402
-from strawq.collector.integrations.slime_train import slime_args  # noqa: E402
+from strawq.testing.slime_train import slime_path_gradients  # noqa: E402
+from strawq.testing.slime_train import slime_args  # noqa: E402
 from strawq.groups import GroupData  # noqa: E402
 from strawq.queue import Lease, RunQueue  # noqa: E402
 from strawq.storage import open_storage  # noqa: E402

@@ -3,7 +3,7 @@ make of the batches ``generate_rollout`` returns.
 
 The oracle is slime's pinned source: its ``Sample``, its ``RolloutManager``'s
 ``_post_process_rewards`` and ``_convert_samples_to_train_data`` (compiled from slime's
-``ray/rollout.py``, ``strawq.collector.integrations.slime_train``) and its
+``ray/rollout.py``, ``strawq.testing.slime_train``) and its
 ``build_dp_schedule``.
 """
 
@@ -22,7 +22,7 @@ slime_types = pytest.importorskip("slime.utils.types", reason=SLIME_MISSING)
 from slime.utils.dp_schedule import build_dp_schedule  # noqa: E402
 
 from strawq.collector.integrations import slime as adapter  # noqa: E402
-from strawq.collector.integrations.slime_train import RolloutManager, flatten  # noqa: E402
+from strawq.testing.slime_train import RolloutManager, flatten  # noqa: E402
 
 pytestmark = pytest.mark.slime
 G = 4

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from strawq.collector.integrations.verl_partial import PartialStore, Prefix, prompt_key
-from strawq.collector.integrations.verl_queue import (DurableSampleQueue, StrawqMessageQueue,
+from strawq.collector.integrations.verl.partial import PartialStore, Prefix, prompt_key
+from strawq.collector.integrations.verl.queue import (DurableSampleQueue, StrawqMessageQueue,
                                                       queue_dir, sample_identity,
                                                       strawq_settings)
 from strawq.errors import ConfigError
@@ -119,7 +119,7 @@ def test_bad_input_says_what_was_expected(tmp_path: Path) -> None:
 
 PUTTER = """
 import sys
-from strawq.collector.integrations.verl_queue import DurableSampleQueue
+from strawq.collector.integrations.verl.queue import DurableSampleQueue
 q = DurableSampleQueue(sys.argv[1])
 for i in range(100000):
     q.put(b"x" * 4096 + str(i).encode(), sample_id=f"sample_0_{i}")

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("verl")
 ray = pytest.importorskip("ray")
 
-from strawq.collector.integrations.verl_queue import actor_class  # noqa: E402
+from strawq.collector.integrations.verl.queue import actor_class  # noqa: E402
 from tests.collector.integrations import verl_helpers as vh  # noqa: E402
 
 # every Ray worker here imports verl (tens of seconds on a small machine): ray and slow
@@ -111,7 +111,7 @@ def test_the_one_config_line_switches_verls_entry_point(tmp_path: Path) -> None:
     import sys
 
     line = ("+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook="
-            "strawq.collector.integrations.verl_queue.install")
+            "strawq.collector.integrations.verl.queue.install")
     script = tmp_path / "switch.py"
     script.write_text(SWITCH)
     r = subprocess.run([sys.executable, str(script), line], capture_output=True, text=True,

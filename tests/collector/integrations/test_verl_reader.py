@@ -4,7 +4,7 @@ conversion, micro-batching, the FSDP engine's input/output preparation (labels r
 logits ÷ temperature, ``logprobs_from_logits``), ``ppo_loss`` with
 ``policy_loss.loss_mode=bypass_mode`` / ``loss_type=reinforce`` and verl's rollout
 correction — gives the gradient of the documented objective on the same batch
-(``strawq.collector.reference``; docs/design.md, invariant 11), on one rank and on real gloo
+(``strawq.testing.reference``; docs/design.md, invariant 11), on one rank and on real gloo
 ranks. The failure cases show what each setting guards against: rank-local or wrong
 denominators, a missing loss mask, verl's default PPO loss, the rejection-sampling bound's
 direction, one temperature for a batch sampled at several.
@@ -26,10 +26,11 @@ pytest.importorskip("verl", reason="verl not installed: pip install 'verl==0.9.1
                                    "(docs/verl.md)")
 
 from strawq.batches import BatchStore  # noqa: E402
-from strawq.collector.bracket import WeightUpdateBracket  # noqa: E402
-from strawq.collector.integrations import verl_reader as vr  # noqa: E402
-from strawq.collector.reader import Batch, BatchReader  # noqa: E402
-from strawq.collector.reference import (Objective, TinyPolicy, make_reference_run,  # noqa: E402
+from strawq.collector.trainer.bracket import WeightUpdateBracket  # noqa: E402
+from strawq.collector.integrations.verl import reader as vr  # noqa: E402
+from strawq.testing import verl_train as vt  # noqa: E402
+from strawq.collector.trainer.reader import Batch, BatchReader  # noqa: E402
+from strawq.testing.reference import (Objective, TinyPolicy, make_reference_run,  # noqa: E402
                                         max_relative_error, publish_batch,
                                         reference_gradients)
 from strawq.control import Control  # noqa: E402
@@ -87,13 +88,13 @@ def _step(run: tuple[str, int], obj: Objective, *, dp: int = 1, local: bool = Fa
           data: Any = None, config: Any = None) -> dict[str, torch.Tensor]:
     """verl's actor ranks in one process; ``local``: each rank's own token count."""
     run_dir, seq = run
-    data = data if data is not None else vr.driver_dataproto(run_dir, seq, balance_dp=dp)
+    data = data if data is not None else vt.driver_dataproto(run_dir, seq, balance_dp=dp)
     config = config or vr.verl_actor_config(obj, batch_samples=len(data))
     whole = int(data.batch["response_mask"].sum())
     model = TinyPolicy()
     for shard in data.chunk(dp):
         tokens = int(shard.batch["response_mask"].sum()) if local else whole
-        vr.actor_step(model, shard, config, dp_size=dp, batch_num_tokens=tokens,
+        vt.actor_step(model, shard, config, dp_size=dp, batch_num_tokens=tokens,
                       max_token_len_per_gpu=100)
     return {k: q.grad / dp for k, q in model.named_parameters() if q.grad is not None}
 
@@ -220,7 +221,7 @@ def test_verls_loss_on_one_rank_is_the_reference(run: tuple[str, int], refs: _Re
                                                  obj: Objective) -> None:
     run_dir, seq = run
     ref_loss, ref = refs[obj]
-    loss, grads = vr.verl_path_gradients(run_dir, seq, TinyPolicy(), objective=obj,
+    loss, grads = vt.verl_path_gradients(run_dir, seq, TinyPolicy(), objective=obj,
                                          max_token_len_per_gpu=100)
     assert max_relative_error(grads, ref) <= TOL
     assert loss == pytest.approx(ref_loss, rel=1e-5)  # REINFORCE: the same surrogate
@@ -232,7 +233,7 @@ def test_verls_dispatch_over_ranks_in_one_process(run: tuple[str, int], refs: _R
                                                   dp: int) -> None:
     run_dir, seq = run
     for obj in (Objective("token_mean"), Objective("seq_mean_token_mean", "icepop")):
-        _, grads = vr.verl_path_gradients(run_dir, seq, TinyPolicy(), objective=obj,
+        _, grads = vt.verl_path_gradients(run_dir, seq, TinyPolicy(), objective=obj,
                                           dp_size=dp, max_token_len_per_gpu=60)
         assert max_relative_error(grads, refs[obj][1]) <= TOL
 
@@ -243,7 +244,7 @@ def test_gloo_ranks_equal_the_reference(run: tuple[str, int], refs: _Refs) -> No
     run_dir, seq = run
     objs = [Objective("token_mean"), Objective("seq_mean_token_sum", "icepop_mask"),
             Objective("seq_mean_token_mean")]
-    got = vr.verl_distributed_gradients(run_dir, seq, world_sizes=(2, 4), objectives=objs,
+    got = vt.verl_distributed_gradients(run_dir, seq, world_sizes=(2, 4), objectives=objs,
                                         max_token_len_per_gpu=80, start_method="fork")
     assert set(got) == {(w, o) for w in (2, 4) for o in objs}
     for (w, obj), (loss, grads) in got.items():
@@ -258,24 +259,24 @@ def test_gloo_ranks_in_verls_decoupled_mode(run: tuple[str, int], refs: _Refs) -
     weighed by them: at ρ = 1 (the first mini-batch) its gradient is the objective's."""
     run_dir, seq = run
     objs = [Objective("token_mean", "icepop"), Objective("seq_mean_token_sum", "icepop_mask")]
-    got = vr.verl_distributed_gradients(run_dir, seq, world_sizes=(1, 2), objectives=objs,
+    got = vt.verl_distributed_gradients(run_dir, seq, world_sizes=(1, 2), objectives=objs,
                                         max_token_len_per_gpu=80, mode="decoupled",
                                         start_method="fork")
     for (w, obj), (_loss, grads) in got.items():
         assert max_relative_error(grads, refs[obj][1]) <= TOL, (w, obj)
     obj = Objective("seq_mean_token_mean")
-    _, grads = vr.verl_path_gradients(run_dir, seq, TinyPolicy(), objective=obj,
+    _, grads = vt.verl_path_gradients(run_dir, seq, TinyPolicy(), objective=obj,
                                       mode="decoupled", dp_size=2, max_token_len_per_gpu=60)
     assert max_relative_error(grads, refs[obj][1]) <= TOL
 
 
 def test_verls_own_grpo_advantages_are_the_manifests(run: tuple[str, int], refs: _Refs) -> None:
     run_dir, seq = run
-    mine = vr.driver_dataproto(run_dir, seq)
-    theirs = vr.driver_dataproto(run_dir, seq, advantages="verl")
+    mine = vt.driver_dataproto(run_dir, seq)
+    theirs = vt.driver_dataproto(run_dir, seq, advantages="verl")
     assert (mine.batch["advantages"] - theirs.batch["advantages"]).abs().max() <= 1e-5
     obj = Objective("token_mean")
-    _, grads = vr.verl_path_gradients(run_dir, seq, TinyPolicy(), objective=obj,
+    _, grads = vt.verl_path_gradients(run_dir, seq, TinyPolicy(), objective=obj,
                                       advantages="verl")
     assert max_relative_error(grads, refs[obj][1]) <= TOL
 
@@ -292,7 +293,7 @@ def test_a_wrong_sample_denominator_is_caught(run: tuple[str, int], refs: _Refs)
     rollout_n): the per-rank count instead scales the gradient by the world size."""
     obj = Objective("seq_mean_token_sum")
     run_dir, seq = run
-    data = vr.driver_dataproto(run_dir, seq, balance_dp=2)
+    data = vt.driver_dataproto(run_dir, seq, balance_dp=2)
     wrong = vr.verl_actor_config(obj, batch_samples=len(data) // 2)
     grads = _step(run, obj, dp=2, data=data, config=wrong)
     assert max_relative_error(grads, refs[obj][1]) > 0.5
@@ -305,7 +306,7 @@ def test_a_missing_loss_mask_is_caught(run: tuple[str, int], refs: _Refs) -> Non
     response token trains the holes too."""
     run_dir, seq = run
     obj = Objective("token_mean")
-    data = vr.driver_dataproto(run_dir, seq)
+    data = vt.driver_dataproto(run_dir, seq)
     resp = data.batch["attention_mask"][:, data.batch["prompts"].shape[1]:]
     assert bool((resp != data.batch["response_mask"]).any())  # the run has holes
     data.batch["response_mask"] = resp.clone()
@@ -317,7 +318,7 @@ def test_verls_default_ppo_loss_is_not_the_objective(run: tuple[str, int], refs:
     ratio against the rollout policy, not the TIS-weighted policy gradient."""
     run_dir, seq = run
     obj = Objective("token_mean")
-    data = vr.driver_dataproto(run_dir, seq)
+    data = vt.driver_dataproto(run_dir, seq)
     cfg = vr.verl_actor_config(obj, batch_samples=len(data))
     vanilla = dataclasses.replace(cfg, policy_loss=dataclasses.replace(
         cfg.policy_loss, loss_mode="vanilla"))
@@ -329,7 +330,7 @@ def test_the_rejection_bound_is_on_the_inverse_ratio(run: tuple[str, int], refs:
     IcePop bounds written as they read (``"0.5_5.0"``) keep another set of tokens."""
     run_dir, seq = run
     obj = Objective("token_mean", "icepop_mask")
-    data = vr.driver_dataproto(run_dir, seq)
+    data = vt.driver_dataproto(run_dir, seq)
     cfg = vr.verl_actor_config(obj, batch_samples=len(data))
     assert cfg.policy_loss.rollout_correction.rollout_rs_threshold == "0.2_2.0"
     rc = dataclasses.replace(cfg.policy_loss.rollout_correction, rollout_rs_threshold="0.5_5.0")
@@ -341,7 +342,7 @@ def test_the_rejection_bound_is_on_the_inverse_ratio(run: tuple[str, int], refs:
 def test_one_temperature_for_a_mixed_batch_is_caught(run: tuple[str, int], refs: _Refs) -> None:
     run_dir, seq = run
     obj = Objective("token_mean")
-    data = vr.driver_dataproto(run_dir, seq)
+    data = vt.driver_dataproto(run_dir, seq)
     data.batch["temperature"] = torch.ones(len(data))
     assert max_relative_error(_step(run, obj, data=data), refs[obj][1]) > 1e-2
 
@@ -359,7 +360,7 @@ def test_objectives_verl_cannot_express_are_refused(run: tuple[str, int], refs: 
     obj = Objective("seq_mean_token_mean", "icepop_mask")
     run_dir, seq = run
     ref = reference_gradients(run_dir, seq, TinyPolicy(), objective=obj)[1]
-    data = vr.driver_dataproto(run_dir, seq)
+    data = vt.driver_dataproto(run_dir, seq)
     cfg = vr.verl_actor_config(Objective("seq_mean_token_mean"), batch_samples=len(data))
     forced = dataclasses.replace(cfg, policy_loss=dataclasses.replace(
         cfg.policy_loss, rollout_correction=dataclasses.replace(
@@ -367,7 +368,7 @@ def test_objectives_verl_cannot_express_are_refused(run: tuple[str, int], refs: 
     assert max_relative_error(_step(run, obj, data=data, config=forced), ref) > 1e-3
     # decoupled: the driver's rejection mask shrinks the batch's token count
     obj = Objective("token_mean", "icepop_mask")
-    data = vr.driver_dataproto(run_dir, seq, objective=obj, mode="decoupled",
+    data = vt.driver_dataproto(run_dir, seq, objective=obj, mode="decoupled",
                                model=TinyPolicy())
     cfg = vr.verl_actor_config(Objective("token_mean"), batch_samples=len(data),
                                mode="decoupled")

@@ -20,7 +20,7 @@ from typing import Any
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
-from strawq.collector.integrations.verl_client import StrawqFullyAsyncLLMServerClient
+from strawq.collector.integrations.verl.client import StrawqFullyAsyncLLMServerClient
 
 
 def token(prompt: list[int], i: int) -> int:

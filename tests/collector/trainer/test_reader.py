@@ -14,8 +14,8 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.errors import BatchTimeout
 from strawq.collector.ordering import group_advantages
-from strawq.collector.packing import shard_groups
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.packing import shard_groups
+from strawq.collector.trainer.reader import BatchReader
 from strawq.dataset import Dataset
 from strawq.names import TaskName
 from tests.collector.helpers import FakeClock, SimProducer, drive, make_run, write_dataset

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from strawq.collector.packing import ShardPacker, offsets_name
+from strawq.collector.trainer.packing import ShardPacker, offsets_name
 from strawq.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS, Extra
 from strawq.groups import GroupData, decode_group_columns
 

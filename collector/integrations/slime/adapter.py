@@ -25,12 +25,15 @@ Two ways to run slime on strawq (``docs/slime.md``):
    strawq.collector.integrations.slime.reward_post_process`` (required) makes slime train
    the manifest's advantages, computed within each group; ``pad_steps`` fits a batch to
    slime's training steps so that no sample is dropped and each step's denominators are
-   the documented ones; ``slime_train.slime_path_gradients`` is this path's gradient for
-   the reference-equivalence check.
+   the documented ones; ``--custom-pg-loss-reducer-function-path
+   strawq.collector.integrations.slime.seq_mean_token_sum_reducer`` trains strawq's
+   ``seq_mean_token_sum`` aggregation. ``strawq.testing.slime_train.slime_path_gradients``
+   (the test harness) is this path's gradient for the reference-equivalence check.
 
-Modules: ``slime_samples`` (the Sample mapping both ways), ``slime_source`` (mode 1),
-``slime_train`` (slime's own trainer-side code on strawq's samples), this one (mode 2 and
-the dotted paths slime is given).
+Modules of the package ``strawq.collector.integrations.slime``: ``samples`` (the Sample
+mapping both ways), ``source`` (mode 1), ``adapter`` (this one: mode 2 and the reducer).
+The package re-exports every name slime is given, so the dotted paths above
+(``strawq.collector.integrations.slime.<name>``) resolve.
 
 The run directory comes from ``args.strawq_run`` (``--custom-config-path`` YAML) or the
 ``STRAWQ_RUN`` environment variable.
@@ -43,22 +46,14 @@ import json
 import logging
 import os
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from strawq.collector.integrations.slime_samples import (EXTRA_FIELDS, META, _slime,
-                                                         apply_extras, batch_extras,
-                                                         batch_to_samples, group_to_samples,
-                                                         run_dir, run_versions,
-                                                         samples_to_group)
-from strawq.collector.integrations.slime_source import (FILTERED, PRODUCER_PREFIX, TRAINED,
-                                                        StrawqDataSource, slime_rollout)
-from strawq.collector.integrations.slime_train import (seq_mean_token_sum_reducer,
-                                                       slime_path_gradients)
-from strawq.collector.reader import Batch, BatchReader
+from strawq.collector.integrations.slime.samples import (META, _slime, batch_to_samples, run_dir)
+from strawq.collector.trainer.reader import Batch, BatchReader
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +75,8 @@ class _ReaderState:
 
 #: ``--custom-reward-post-process-path`` that ``generate_rollout`` needs
 REWARD_POST_PROCESS = "strawq.collector.integrations.slime.reward_post_process"
+#: ``--custom-pg-loss-reducer-function-path`` for ``seq_mean_token_sum``
+SEQ_MEAN_TOKEN_SUM = "strawq.collector.integrations.slime.seq_mean_token_sum_reducer"
 #: slime's advantage estimators whose per-token advantage is the post-processed reward of
 #: the sample (``get_grpo_returns``): the only ones the manifest's advantages can feed
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo")
@@ -248,6 +245,24 @@ def pad_steps(groups: list[list[Any]], args: Any) -> int:
     return len(pads)
 
 
+def seq_mean_token_sum_reducer(total_lengths: Sequence[int], response_lengths: Sequence[int],
+                               loss_masks: Sequence[Any], calculate_per_token_loss: bool
+                               ) -> Callable[[Any], Any]:
+    """slime's ``--custom-pg-loss-reducer-function-path`` for strawq's
+    ``seq_mean_token_sum``: each sample's masked token sum, summed (slime divides the step
+    by ``--global-batch-size``: the mean over samples of token sums, Dr. GRPO's constant
+    denominator). Context parallelism is not supported by this reducer (cp = 1)."""
+    if calculate_per_token_loss:
+        raise ValueError("seq_mean_token_sum is a per-sample mean: drop "
+                         "--calculate-per-token-loss")
+    lens = [int(n) for n in response_lengths]
+
+    def reduce(x: Any) -> Any:
+        return sum((xi * m).sum() for xi, m in zip(x.split(lens, dim=0), loss_masks,
+                                                    strict=True))
+    return reduce
+
+
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False
                      ) -> Any:
     """``--rollout-function-path``: one strawq collector batch as slime Sample groups.
@@ -371,10 +386,7 @@ class StrawqBatchSource:
         return 0
 
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "EXTRA_FIELDS", "FILTERED", "META", "PRODUCER_PREFIX",
-           "REWARD_POST_PROCESS", "TRAINED", "StrawqBatchSource", "check_train_args",
-           "check_temperature", "pad_steps", "reward_post_process", "seq_mean_token_sum_reducer",
-           "slime_path_gradients",
-           "StrawqDataSource", "apply_extras", "batch_extras", "batch_to_samples",
-           "begin_weight_update_hook", "generate_rollout", "group_to_samples", "run_dir",
-           "run_versions", "samples_to_group", "slime_rollout"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "REWARD_POST_PROCESS", "SEQ_MEAN_TOKEN_SUM",
+           "StrawqBatchSource", "begin_weight_update_hook", "check_temperature",
+           "check_train_args", "generate_rollout", "pad_steps", "reward_post_process",
+           "seq_mean_token_sum_reducer"]

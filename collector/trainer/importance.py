@@ -199,8 +199,8 @@ def sampling_bias_warning(top_p: torch.Tensor | float | None,
         return None
     msg = (f"rollouts were sampled with {' and '.join(causes)}: importance ratios against "
            "full-softmax log-probs are biased by log(kept probability mass) per token; score "
-           "with strawq.collector.importance.policy_logprobs(..., top_p=, top_k=) or sample "
-           "with top_p = 1, top_k = -1")
+           "with strawq.collector.trainer.importance.policy_logprobs(..., top_p=, top_k=) "
+           "or sample with top_p = 1, top_k = -1")
     key = "/".join(causes)
     if key not in _WARNED:
         _WARNED.add(key)

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.packing import RecordFile, ShardPacker
-from strawq.collector.reader import Batch, BatchReader
+from strawq.collector.trainer.packing import RecordFile, ShardPacker
+from strawq.collector.trainer.reader import Batch, BatchReader
 from strawq.dataset import Dataset
 from strawq.groups import GroupData
 from strawq.queue import RunQueue

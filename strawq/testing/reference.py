@@ -28,6 +28,9 @@ boundary, label or column changes its gradient; ``make_reference_run`` writes a 
 published batch of mixed lengths, temperatures, truncations, loss-mask holes and multi-version
 samples. ``max_relative_error`` is the agreement measure: per parameter, max |g − g_ref| /
 max |g_ref|, the worst parameter.
+
+The oracle is test harness (``strawq.testing``): the trainer library
+(``strawq.collector.trainer``) and the integrations never import it; it imports them.
 """
 
 from __future__ import annotations
@@ -43,10 +46,10 @@ import numpy as np
 import torch
 
 from strawq.batches import BatchStore, Manifest
-from strawq.collector.behaviour import sampling_columns
-from strawq.collector.importance import (DEFAULT_LOSS_AGG, LOSS_AGG_MODES, aggregate_loss,
-                                         batch_loss, masked_tis_weights, policy_logprobs)
-from strawq.collector.reader import Batch, BatchReader
+from strawq.collector.trainer.behaviour import sampling_columns
+from strawq.collector.trainer.importance import (DEFAULT_LOSS_AGG, LOSS_AGG_MODES, aggregate_loss,
+                                                 batch_loss, masked_tis_weights, policy_logprobs)
+from strawq.collector.trainer.reader import Batch, BatchReader
 from strawq.groups import GroupData
 from strawq.queue import Lease, RunQueue
 from strawq.storage import Storage, open_storage
@@ -513,7 +516,7 @@ def make_reference_run(path: str, *, groups: int = 12, group_size: int = 4, seed
     Gaussian noise of ``logprob_noise`` nats, so the importance weights spread over their
     clipping and masking ranges as an off-policy batch's do.
     """
-    from strawq.collector.importance import sampling_mask
+    from strawq.collector.trainer.importance import sampling_mask
 
     gen = policy if policy is not None else TinyPolicy(vocab=vocab)
     torch_rng = torch.Generator().manual_seed(seed)

@@ -6,7 +6,7 @@ column) *and* the sampling parameters it was drawn with: temperature, top-p and 
 change the distribution the rollout log-probs are under. Producers record each sample's
 ``SamplerParams`` in the group record's ``meta["params"]`` (constant over its segments: a
 resumed sample keeps its recorded parameters); ``sampling_columns`` turns the summaries of a
-batch into per-sample columns for ``strawq.collector.reader.Batch``. Records without them
+batch into per-sample columns for ``strawq.collector.trainer.reader.Batch``. Records without them
 (older runs, test producers) read as the engine defaults T = 1, top-p = 1, top-k = −1.
 
 ``read_time_staleness`` is the η re-check at read time: the collector judged a batch

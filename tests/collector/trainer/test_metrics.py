@@ -9,7 +9,7 @@ from pathlib import Path
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.metrics import MetricsSink, prom_name
+from strawq.collector.trainer.metrics import MetricsSink, prom_name
 from strawq.dataset import Dataset
 from tests.collector.helpers import make_run, write_dataset
 
@@ -75,7 +75,7 @@ def test_prometheus_names_follow_its_conventions(tmp_path: Path) -> None:
 
 def test_trainer_step_continues_after_a_trainer_restart(tmp_path: Path) -> None:
     from strawq.batches import BatchStore
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
     from strawq.feeder import Feeder
     from tests.collector.helpers import SimProducer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from strawq.collector.packing import BufferPool
+from strawq.collector.trainer.packing import BufferPool
 
 
 def test_a_buffer_is_reused_only_when_free():
@@ -31,7 +31,7 @@ def test_a_buffer_is_reused_only_when_free():
 def test_held_batches_keep_their_values(tmp_path):
     """Two batches alive at once (the trainer holds one while the next is read): the
     second never writes into the first's memory."""
-    from strawq.collector.packing import ShardPacker
+    from strawq.collector.trainer.packing import ShardPacker
 
     def summary(p: int, lens: list[int]) -> dict[str, object]:
         return {"prompt_len": p, "sample_lens": lens, "advantages": [1.0] * len(lens)}

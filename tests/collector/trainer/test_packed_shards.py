@@ -19,15 +19,15 @@ import torch
 from strawq import packed
 from strawq.batches import BatchStore, Manifest
 from strawq.collector.config import CollectorConfig
-from strawq.collector.packing import pack_batch
-from strawq.collector.reader import Batch, BatchReader
+from strawq.collector.trainer.packing import pack_batch
+from strawq.collector.trainer.reader import Batch, BatchReader
 from strawq.commits import commit
 from strawq.errors import ConfigError
 from strawq.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS
 from strawq.queue import RunQueue
 from tests.collector.packed_run import packed_run as _run
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 #: the Batch fields that are tensors (extras compared separately)
 TENSORS = [f.name for f in dataclasses.fields(Batch)
            if f.type in ("torch.Tensor", "torch.Tensor | None")]
@@ -104,7 +104,7 @@ def test_another_world_size_reads_the_records_and_says_so_once(tmp_path, caplog)
     man = BatchStore(q).read_manifest(1)
     reader = BatchReader(q, rank=1, world_size=3, checkpointed=False, watch=None,
                          sleep=lambda _s: None)
-    with caplog.at_level(logging.WARNING, logger="strawq.collector.reader"):
+    with caplog.at_level(logging.WARNING, logger="strawq.collector.trainer.reader"):
         got = [reader.load(man), reader.load(man)]
     reader.close()
     want = _load(q, _records(man), 1, 3)
@@ -134,7 +134,7 @@ def test_a_damaged_shard_falls_back_and_still_equals(tmp_path, caplog, damage):
         other = packed.encode_shard({"seq": 2, "tag": tag, "world_size": 2, "rank": 0},
                                     {"tokens": np.zeros(3, np.int32)})
         Path(path).write_bytes(b"".join(other))
-    with caplog.at_level(logging.WARNING, logger="strawq.collector.reader"):
+    with caplog.at_level(logging.WARNING, logger="strawq.collector.trainer.reader"):
         got = _load(q, man, 0, 2)
     assert not got.packed
     _assert_same(got, _load(q, _records(man), 0, 2))
@@ -202,7 +202,7 @@ def test_pack_ranks_is_validated():
 def test_the_reference_gradient_from_the_shards(tmp_path):
     """Invariant 11 on the packed path: the ranks' gradients from their shards, averaged,
     are the single-process reference's."""
-    from strawq.collector.reference import (Objective, TinyPolicy, gradients,
+    from strawq.testing.reference import (Objective, TinyPolicy, gradients,
                                             make_reference_run, max_relative_error,
                                             reader_loss, reference_gradients)
 

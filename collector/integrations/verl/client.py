@@ -19,8 +19,8 @@ from typing import Any
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
-from strawq.collector.integrations.verl_partial import PartialStore, Prefix, prompt_key
-from strawq.collector.integrations.verl_queue import queue_dir
+from strawq.collector.integrations.verl.partial import PartialStore, Prefix, prompt_key
+from strawq.collector.integrations.verl.config import queue_dir
 from strawq.storage import PosixStorage
 
 log = logging.getLogger(__name__)

@@ -13,11 +13,11 @@ import urllib.request
 import numpy as np
 import pytest
 
-from strawq.collector.bracket import WeightUpdateBracket
+from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.errors import BracketError, BracketTimeout
-from strawq.collector.reader import BatchReader
+from strawq.collector.trainer.reader import BatchReader
 from strawq.control import Control
 from strawq.dataset import Dataset
 from strawq.engine_weights import EngineWeights
@@ -338,7 +338,7 @@ def test_repair_clears_the_notes_of_engines_already_on_the_run_version(tmp_path,
 
 
 def test_settle_decides_by_what_the_engines_hold():
-    from strawq.collector.bracket import settle
+    from strawq.collector.trainer.bracket import settle
     from strawq.control import ControlState
     from strawq.engine_weights import EngineProbe
 

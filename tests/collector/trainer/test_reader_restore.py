@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from strawq.collector.reference import make_reference_run
+from strawq.testing.reference import make_reference_run
 from tests.collector.helpers import load_example
 from strawq.queue import RunQueue
 from strawq.storage import open_storage

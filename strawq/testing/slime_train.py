@@ -11,8 +11,11 @@ slime helpers that import without it. What slime would train from a batch strawq
 slime's Megatron-side ``compute_advantages_and_returns`` and ``loss_function`` (policy
 loss, TIS / IcePop, its reducers and its Megatron scaling) on one process, and returns the
 loss and the parameter gradients: the slime path of the reference-equivalence check
-(docs/design.md, invariant 11; ``strawq.collector.reference``). ``slime_args`` is the
+(docs/design.md, invariant 11; ``strawq.testing.reference``). ``slime_args`` is the
 slime configuration that trains strawq's documented objective.
+
+This is test harness, not adapter: ``strawq.collector.integrations.slime`` never imports it
+(what slime runs is there, ``seq_mean_token_sum_reducer`` included).
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import importlib.util
 import itertools
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from strawq.collector.integrations.slime_samples import _slime, batch_to_samples
+from strawq.collector.integrations.slime import REWARD_POST_PROCESS, SEQ_MEAN_TOKEN_SUM
+from strawq.collector.integrations.slime.samples import _slime, batch_to_samples
 
 #: the methods of slime's ``RolloutManager`` this stand-in carries
 MANAGER_METHODS = ("_post_process_rewards", "_convert_samples_to_train_data")
@@ -103,32 +107,12 @@ def flatten(groups: Sequence[Any]) -> list[Any]:
 
 
 # -- the slime path of the reference equivalence ----------------------------------------------
-#: ``--custom-pg-loss-reducer-function-path`` for ``seq_mean_token_sum``
-SEQ_MEAN_TOKEN_SUM = "strawq.collector.integrations.slime.seq_mean_token_sum_reducer"
 _ICEPOP = "slime.backends.megatron_utils.loss.icepop_function"
-
-
-def seq_mean_token_sum_reducer(total_lengths: Sequence[int], response_lengths: Sequence[int],
-                               loss_masks: Sequence[Any], calculate_per_token_loss: bool
-                               ) -> Callable[[Any], Any]:
-    """slime's ``--custom-pg-loss-reducer-function-path`` for strawq's
-    ``seq_mean_token_sum``: each sample's masked token sum, summed (slime divides the step
-    by ``--global-batch-size``: the mean over samples of token sums, Dr. GRPO's constant
-    denominator). Context parallelism is not supported by this reducer (cp = 1)."""
-    if calculate_per_token_loss:
-        raise ValueError("seq_mean_token_sum is a per-sample mean: drop "
-                         "--calculate-per-token-loss")
-    lens = [int(n) for n in response_lengths]
-
-    def reduce(x: Any) -> Any:
-        return sum((xi * m).sum() for xi, m in zip(x.split(lens, dim=0), loss_masks,
-                                                    strict=True))
-    return reduce
 
 
 def slime_args(objective: Any = None, **overrides: Any) -> SimpleNamespace:
     """slime's settings that train strawq's documented objective (``Objective`` of
-    ``strawq.collector.reference``: ``aggregation``, ``is_mode``, ``truncated``).
+    ``strawq.testing.reference``: ``aggregation``, ``is_mode``, ``truncated``).
 
     ``grpo`` with the manifest's advantages (``reward_post_process``), no KL, no entropy
     term, log-probs recomputed by the trainer (not ``--use-rollout-logprobs``), and:
@@ -161,8 +145,6 @@ def slime_args(objective: Any = None, **overrides: Any) -> SimpleNamespace:
     if is_mode not in tis:
         raise ValueError(f"importance weight {is_mode!r} has no slime equivalent "
                          f"(slime offers {sorted(tis)})")
-    from strawq.collector.integrations.slime import REWARD_POST_PROCESS
-
     args = dict(
         advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True,
         reward_key=None, custom_reward_post_process_path=REWARD_POST_PROCESS,
@@ -241,7 +223,7 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
     """
     import torch
 
-    from strawq.collector.reader import BatchReader
+    from strawq.collector.trainer.reader import BatchReader
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
 
@@ -254,7 +236,7 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
         batch = reader.load(reader.batches.read_manifest(int(seq)))
     finally:
         reader.close()
-    from strawq.collector.integrations.slime import pad_steps
+    from strawq.collector.integrations.slime import pad_steps  # looked up per call
 
     groups = batch_to_samples(batch)
     n = sum(len(g) for g in groups)
@@ -311,5 +293,4 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
 
 
 __all__ = ["MANAGER_METHODS", "RolloutManager", "SEQ_MEAN_TOKEN_SUM", "flatten",
-           "seq_mean_token_sum_reducer",
            "single_rank", "slime_args", "slime_path_gradients"]

@@ -54,8 +54,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from strawq.collector.importance import LossTotals
-from strawq.collector.reader import Batch
+from strawq.collector.trainer.importance import LossTotals
+from strawq.collector.trainer.reader import Batch
 from strawq.extras import SPECS
 
 log = logging.getLogger(__name__)

@@ -5,14 +5,15 @@ an unacked batch is delivered again after a trainer restart; a batch at or below
 checkpoint's ``batch_seq`` is never delivered again (it is acked on the spot if it was not).
 
 Only rank 0 writes (acks); every rank reads the same manifest and packs only its shard (see
-``strawq.collector.packing.shard_groups``). Call ``ack`` after the optimizer step — every rank has
-loaded its shard by then, so the collector's GC cannot pull payloads from under a reader.
+``strawq.collector.trainer.packing.shard_groups``). Call ``ack`` after the optimizer step —
+every rank has loaded its shard by then, so the collector's GC cannot pull payloads from
+under a reader.
 
 A shard's loss is its share of the *whole batch's*: ``Batch.totals`` carries the batch's
 sample and trained-token counts (from the manifest, the same on every rank), and
-``strawq.collector.importance.batch_loss`` divides by them, so the DDP mean of the ranks'
+``strawq.collector.trainer.importance.batch_loss`` divides by them, so the DDP mean of the ranks'
 gradients is the single-process gradient of the whole batch (docs/design.md, invariant 11;
-checked against ``strawq.collector.reference``).
+checked against ``strawq.testing.reference``).
 """
 
 from __future__ import annotations
@@ -27,24 +28,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from strawq.collector.behaviour import read_time_staleness
-from strawq.collector.bracket import BracketReport, WeightUpdateBracket
-from strawq.collector.errors import BatchTimeout
-from strawq.collector.fencing import epoch_starts, superseded
-from strawq.collector.importance import LossTotals
-from strawq.collector.metrics import MetricsSink
-from strawq.collector.packing import (EXTRA_PREFIX, SHARD_ARRAYS, BufferPool, RecordFile,
-                                      ShardPacker, group_tokens, manifest_totals, read_file,
-                                      read_groups, shard_arrays, shard_groups)
-from strawq.collector.resume import CHECKPOINT_FORMAT, read_cursor_state
+from strawq.collector.trainer.behaviour import read_time_staleness
+from strawq.collector.trainer.bracket import BracketReport, WeightUpdateBracket
+from strawq.collector.trainer.importance import LossTotals
+from strawq.collector.trainer.metrics import MetricsSink
+from strawq.collector.trainer.packing import (EXTRA_PREFIX, SHARD_ARRAYS, BufferPool, RecordFile,
+                                              ShardPacker, group_tokens, manifest_totals, read_file,
+                                              read_groups, shard_arrays, shard_groups)
 from strawq.batches import (BatchStore, Manifest, forget_delivered_after, high_water,
                             mark_delivered)
+from strawq.checkpoint import CHECKPOINT_FORMAT, read_cursor_state
 from strawq.commits import commit as commit_position
 from strawq.commits import committed_seq, hold
+from strawq.epochs import epoch_starts, superseded
 from strawq.epochs import epochs as known_epochs
 from strawq.epochs import list_names as list_epoch_names
 from strawq import packed
-from strawq.errors import ConfigError, CorruptRecord, NotFound
+from strawq.errors import BatchTimeout, ConfigError, CorruptRecord, NotFound
 from strawq.groups import staleness
 from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
@@ -102,15 +102,16 @@ class Batch:
     stats: dict[str, float] = field(default_factory=dict)
     #: bytes of group records read for this shard
     bytes_read: int = 0
-    #: per sample, the behaviour policy's sampling parameters (``strawq.collector.behaviour``):
-    #: float32 [S] temperature, float32 [S] top-p, int32 [S] top-k (−1: all)
+    #: per sample, the behaviour policy's sampling parameters
+    #: (``strawq.collector.trainer.behaviour``): float32 [S] temperature, float32 [S] top-p,
+    #: int32 [S] top-k (−1: all)
     temperature: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
     #: bool [S]: staler than the run's η at the version this batch was read at (the
     #: read-time re-check; kept and trained under ``eta_mode="train"``)
     over_eta: torch.Tensor | None = None
-    #: per-token extras (``strawq.extras``, ``collector.packing``): ``routed_experts`` int32
+    #: per-token extras (``strawq.extras``, ``collector.trainer.packing``): ``routed_experts`` int32
     #: [T, layers, top_k] (−1: not computed, e.g. each sample's last position),
     #: ``teacher_logprobs`` float32 [T], ``top_p_token_ids`` int32 flat with
     #: ``top_p_token_offsets`` int64 [T + 1]; empty when the groups recorded none
@@ -131,7 +132,7 @@ class Batch:
     @property
     def totals(self) -> LossTotals:
         """The whole batch's loss denominators, gradients averaged over ``world_size``
-        ranks (``strawq.collector.importance.batch_loss``). On one rank a Batch built
+        ranks (``strawq.collector.trainer.importance.batch_loss``). On one rank a Batch built
         without totals counts its own."""
         samples, tokens = self.total_samples, self.total_loss_tokens
         if self.world_size == 1:
@@ -493,7 +494,7 @@ class BatchReader:
         return self.bracket.weight_update(push, timeout=timeout)
 
     def begin_weight_update(self, timeout: float = 300.0) -> BracketReport:
-        """Pause producers (see ``strawq.collector.bracket``); rank 0 only."""
+        """Pause producers (see ``strawq.collector.trainer.bracket``); rank 0 only."""
         return self.bracket.begin_weight_update(timeout)
 
     def end_weight_update(self, version: int | None = None) -> int:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from strawq.collector.importance import (
+from strawq.collector.trainer.importance import (
     icepop_mask,
     LOSS_AGG_MODES,
     aggregate_loss,

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from strawq.collector.packing import offsets_name
-from strawq.collector.reader import Batch
+from strawq.collector.trainer.packing import offsets_name
+from strawq.collector.trainer.reader import Batch
 from strawq.extras import (ROUTED_EXPERTS, SPECS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS, Extra,
                            cat_samples, first_placeholder)
 from strawq.groups import SAMPLE_STATUSES, GroupData

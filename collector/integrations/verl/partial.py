@@ -16,7 +16,7 @@ format of strawq's own partial tasks) in the queue directory:
 process is alive) returns every ``held/`` prefix to ``partials/``. The key is a digest of the
 prompt's token ids: the samples of one prompt are exchangeable, so any request for the
 prompt may continue any saved prefix of it, and verl's per-request ids (fresh for every
-agent-loop run) need not survive the crash. ``strawq.collector.integrations.verl_client``
+agent-loop run) need not survive the crash. ``strawq.collector.integrations.verl.client``
 is the client that uses it.
 """
 

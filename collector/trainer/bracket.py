@@ -92,11 +92,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from strawq.batches import forget_delivered_after
-from strawq.collector.errors import BracketError, BracketTimeout
 from strawq.control import ACKS, Control, ControlState
 from strawq.engine_weights import (PROBE_TIMEOUT_S, EngineProbe, EngineWeights, StaleNote,
                                    probe_versions)
-from strawq.errors import StrawqError
+from strawq.errors import BracketError, BracketTimeout, StrawqError
 from strawq.grantor import LeaseMonitor
 from strawq.liveness import known_dead, parse_identity
 from strawq.queue import RunQueue

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from strawq import records
+from strawq.collector.integrations.verl.config import _cfg, queue_dir
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
 from strawq.records import Kind
 from strawq.storage import PosixStorage, Storage, open_storage
@@ -63,37 +64,8 @@ DROPPED = "drops"
 QUEUE_FULL = "queue_full"
 #: verl's checkpoint tracker, written by the trainer after every checkpoint it saves
 TRACKER = "latest_checkpointed_iteration.txt"
-#: the config entry that names the queue directory (default: under the checkpoint directory)
-DIR_KEY = "async_training.strawq_queue_dir"
 _SAFE = re.compile(r"[A-Za-z0-9_.-]{1,120}")
 _SEQ = 12
-
-
-def _cfg(config: Any, dotted: str, default: Any = None) -> Any:
-    """``config.a.b`` for an OmegaConf ``DictConfig``, a dict or None."""
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        if isinstance(node, Mapping) or hasattr(node, "get"):
-            node = node.get(part, None)
-        else:
-            node = getattr(node, part, None)
-    return default if node is None else node
-
-
-def queue_dir(config: Any) -> str:
-    """The queue directory a verl config names: ``async_training.strawq_queue_dir``, or
-    ``<trainer.default_local_dir>/strawq_queue`` beside verl's checkpoints."""
-    explicit = _cfg(config, DIR_KEY)
-    if explicit:
-        return os.path.abspath(str(explicit))
-    ckpt = _cfg(config, "trainer.default_local_dir")
-    if not ckpt:
-        raise ConfigError("StrawqMessageQueue: expected async_training.strawq_queue_dir or "
-                          "trainer.default_local_dir in the verl config, found neither; set "
-                          "+async_training.strawq_queue_dir=/path/to/queue")
-    return os.path.join(os.path.abspath(str(ckpt)), "strawq_queue")
 
 
 def samples_per_version(config: Any) -> int | None:
@@ -454,7 +426,7 @@ class StrawqMessageQueue:
 
     Beyond verl's methods: ``commit(consumed)``, ``commit_version(v)``, ``rewind()``,
     ``put_partial``/``get_partial``/``finish_partial`` (``strawq.collector.integrations.
-    verl_partial``). ``clear_queue`` (verl's task runner calls it in a ``finally`` after any
+    verl.partial``). ``clear_queue`` (verl's task runner calls it in a ``finally`` after any
     failure) keeps the durable samples: clearing them would lose exactly what this queue
     exists to keep; ``drop_all()`` is the durable clear.
     """
@@ -487,7 +459,7 @@ class StrawqMessageQueue:
         self._cond: asyncio.Condition | None = None
         self._partials: Any = None
         self._watch_checkpoint()
-        from strawq.collector.integrations.verl_partial import PartialStore
+        from strawq.collector.integrations.verl.partial import PartialStore
 
         self._partials = PartialStore(self.storage)
         self._partials.recover()
@@ -634,7 +606,7 @@ def actor_class(**options: Any) -> Any:
 def install() -> None:
     """Make verl's fully-async entry point create ``StrawqMessageQueue`` (and the durable
     partial-rollout client). Run in every Ray worker by
-    ``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=strawq.collector.integrations.verl_queue.install``,
+    ``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=strawq.collector.integrations.verl.queue.install``,
     or call it before ``fully_async_main.main()`` in a driver that runs the task runner."""
     from verl.experimental.fully_async_policy import fully_async_main, message_queue
 
@@ -642,7 +614,7 @@ def install() -> None:
     for module in (message_queue, fully_async_main):
         setattr(module, "MessageQueue", actor)  # noqa: B010 (mypy: a class name)
     try:
-        from strawq.collector.integrations.verl_client import install_partial_client
+        from strawq.collector.integrations.verl.client import install_partial_client
     except ImportError:  # pragma: no cover - verl without its rollout client
         return
     install_partial_client()

@@ -43,7 +43,7 @@ import numpy as np
 import xxhash
 
 from strawq import packed
-from strawq.collector.behaviour import sampling_columns
+from strawq.collector.trainer.behaviour import sampling_columns
 from strawq.errors import CorruptRecord, NotFound
 from strawq.extras import Extra, ExtraError, spec_of
 from strawq.groups import decode_group_columns

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strawq import records
-from strawq.collector.integrations.slime_samples import (META, _slime, group_to_samples,
+from strawq.collector.integrations.slime.samples import (META, _slime, group_to_samples,
                                                          run_dir, samples_to_group)
 from strawq.config import QueueConfig
 from strawq.mixture import open_dataset
