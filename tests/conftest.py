@@ -57,8 +57,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     their collected order: the real CPU server, started by the first of them and kept up
     for the session, polls for work even when idle (most of a core), so ``make test`` runs
     them in a pass of their own after the parallel one. Tests that share a session
-    resource get one xdist group."""
+    resource get one xdist group. The shipped suites (``strawq.testing``) name their tests
+    that start processes (``STARTS_PROCESSES``): those get the ``process`` marker here."""
     for item in items:
+        harness = getattr(getattr(item, "cls", None), "STARTS_PROCESSES", frozenset())
+        if getattr(item, "originalname", None) in harness:
+            item.add_marker(pytest.mark.process)
         if (REAL_SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
                 and item.get_closest_marker("sglang_real") is None):
             item.add_marker(pytest.mark.sglang_real)
@@ -77,6 +81,8 @@ class _Spawns:
     method. Installed once per process at configure time."""
 
     count = 0
+    #: what the last processes ran (the argv of a subprocess, else the call), for the message
+    last: list[str] = []
 
     @classmethod
     def install(cls) -> None:
@@ -85,6 +91,8 @@ class _Spawns:
         def counted(fn: Callable[..., object]) -> Callable[..., object]:
             def wrapper(*args: object, **kwargs: object) -> object:
                 cls.count += 1
+                what = args[1] if fn.__name__ == "_execute_child" else fn.__qualname__
+                cls.last = [*cls.last[-4:], repr(what)[:160]]
                 return fn(*args, **kwargs)
             wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
             return wrapper
@@ -118,14 +126,15 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     if report:
         with open(report, "a", encoding="utf-8") as f:
             marks = ",".join(m for m in COSTLY_MARKERS if item.get_closest_marker(m))
-            f.write(f"{item.nodeid}\t{started}\t{marks}\n")
+            f.write(f"{item.nodeid}\t{started}\t{marks}\t{' | '.join(_Spawns.last)}\n")
         return
     if any(item.get_closest_marker(m) for m in COSTLY_MARKERS) or outcome.excinfo:
         return
     outcome.force_exception(pytest.fail.Exception(
         f"this test started {started} OS process(es) but carries none of the markers "
         f"{', '.join(COSTLY_MARKERS)}: mark it @pytest.mark.process (or the tier it "
-        f"needs), so `make test-fast` leaves it out", pytrace=False))
+        f"needs), so `make test-fast` leaves it out (the last ones: "
+        f"{'; '.join(_Spawns.last)})", pytrace=False))
 
 
 _SPAWNS_AT_SETUP = pytest.StashKey[int]()

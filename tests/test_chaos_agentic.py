@@ -54,6 +54,7 @@ def served(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         proc.wait()
 
 
+@pytest.mark.process
 def test_the_tool_server_applies_a_key_once(served: tuple[str, Path]) -> None:
     url, ledger = served
     out: list[dict[str, int]] = []
@@ -72,6 +73,7 @@ def test_the_tool_server_applies_a_key_once(served: tuple[str, Path]) -> None:
     assert len({json.dumps(o) for o in out}) == 1 and out[0]["sum"] in (7, 8)
 
 
+@pytest.mark.process
 def test_a_call_of_a_lease_a_newer_holder_took_over_is_refused_unexecuted(
         tmp_path: Path) -> None:
     """The lease generation is a fencing token: once generation 2 of a task called the tool,
@@ -103,6 +105,7 @@ def test_a_call_of_a_lease_a_newer_holder_took_over_is_refused_unexecuted(
         proc.wait()
 
 
+@pytest.mark.process
 def test_a_call_whose_caller_gave_up_is_not_executed(served: tuple[str, Path]) -> None:
     url, ledger = served
     req = urllib.request.Request(f"{url}/put", data=json.dumps(
@@ -114,6 +117,7 @@ def test_a_call_whose_caller_gave_up_is_not_executed(served: tuple[str, Path]) -
     assert counts(str(ledger), "exec")["late.key"] == 0
 
 
+@pytest.mark.process
 def test_a_remote_call_keeps_its_key_until_a_server_answers(tmp_path: Path) -> None:
     port, ledger = _port(), tmp_path / "ledger"
     got: list[Any] = []
@@ -134,6 +138,7 @@ def test_a_remote_call_keeps_its_key_until_a_server_answers(tmp_path: Path) -> N
         remote_put(f"http://127.0.0.1:{port}", "s.1.g0.e0.c4.k", {}, {}, 0.2, 0.5)
 
 
+@pytest.mark.process
 def test_an_abandoned_remote_call_is_not_tried_again(tmp_path: Path) -> None:
     """A call given up by its sample (halted: a new holder runs it) stops retrying, so it
     cannot reach the server after the new holder persisted the result."""

@@ -41,6 +41,7 @@ def _no_python311(tmp_path: Path) -> Path:
     return bin_dir
 
 
+@pytest.mark.process
 def test_the_repository_refers_to_nothing_beside_the_checkout() -> None:
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
                              check=False)
@@ -58,6 +59,7 @@ def test_the_repository_refers_to_nothing_beside_the_checkout() -> None:
             assert marker not in text, f"{rel} refers to {marker!r}, outside the checkout"
 
 
+@pytest.mark.process
 @needs_bash
 def test_status_of_an_empty_cache_says_not_built(tmp_path: Path) -> None:
     res = _run(tmp_path / "cache", "status")
@@ -65,6 +67,7 @@ def test_status_of_an_empty_cache_says_not_built(tmp_path: Path) -> None:
     assert "not built" in res.stdout
 
 
+@pytest.mark.process
 @needs_bash
 def test_without_python_311_ensure_says_why_in_one_line_and_succeeds(tmp_path: Path) -> None:
     res = _run(tmp_path / "cache", "ensure", path_prefix=_no_python311(tmp_path))
@@ -74,6 +77,7 @@ def test_without_python_311_ensure_says_why_in_one_line_and_succeeds(tmp_path: P
     assert "no CPython 3.11" in lines[0] and "skip" in lines[0]
 
 
+@pytest.mark.process
 @needs_bash
 def test_without_python_311_build_refuses(tmp_path: Path) -> None:
     res = _run(tmp_path / "cache", "build", path_prefix=_no_python311(tmp_path))
@@ -82,6 +86,7 @@ def test_without_python_311_build_refuses(tmp_path: Path) -> None:
     assert not (tmp_path / "cache" / "venv").exists()
 
 
+@pytest.mark.process
 @needs_bash
 def test_serve_refuses_an_unbuilt_cache(tmp_path: Path) -> None:
     res = _run(tmp_path / "cache", "serve", "30999")

@@ -102,6 +102,7 @@ def test_declaration_example_loads_through_the_doctor() -> None:
     assert decl["open_cache"] == 0 and decl["readdir_cache"] is False
 
 
+@pytest.mark.process
 @needs_bash
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_shell_script_parses(script: Path) -> None:
@@ -115,6 +116,7 @@ def _mount_sh(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[st
                           env=base | env, capture_output=True, text=True, timeout=30)
 
 
+@pytest.mark.process
 @needs_bash
 def test_mount_script_refuses_to_run_without_meta_url() -> None:
     res = _mount_sh({}, "mount")
@@ -126,6 +128,7 @@ def test_mount_script_refuses_to_run_without_meta_url() -> None:
                                        ("--open-cache 5", "close-to-open"),
                                        ("--readdir-cache", "attr TTL"),
                                        ("--no-bgjob", "background job")])
+@pytest.mark.process
 def test_mount_script_refuses_options_that_break_the_contract(tmp_path: Path, opts: str,
                                                               why: str) -> None:
     res = _mount_sh({"META_URL": f"sqlite3://{tmp_path}/meta.db", "ALLOW_SQLITE": "1",
@@ -135,12 +138,14 @@ def test_mount_script_refuses_options_that_break_the_contract(tmp_path: Path, op
     assert res.returncode == 1 and why in res.stderr, res.stderr
 
 
+@pytest.mark.process
 @needs_bash
 def test_mount_script_refuses_sqlite_for_a_cluster(tmp_path: Path) -> None:
     res = _mount_sh({"META_URL": f"sqlite3://{tmp_path}/meta.db"}, "mount")
     assert res.returncode == 1 and "only one host" in res.stderr
 
 
+@pytest.mark.process
 @needs_bash
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_launch_engines_needs_a_model_path(tmp_path: Path) -> None:
@@ -169,6 +174,7 @@ def test_ray_cluster_config_matches_rays_schema() -> None:
                                       "placement.foo=1", "collector=3",
                                       "producer.engine.client.timeoutz=1",
                                       "producer.engine.workers=5", "producer.slots=2"])
+@pytest.mark.process
 def test_run_config_check_reports_a_typo_without_a_traceback(override: str) -> None:
     res = subprocess.run([sys.executable, str(DEPLOY / "examples" / "run_config.py"),
                           str(DEPLOY / "examples" / "run.json"), "--set", override, "--check"],
@@ -402,6 +408,7 @@ def test_trainer_loop_pushes_to_a_list_of_engine_urls_without_a_router(tmp_path:
         _assert_engines_on(live, STEPS + 2)
 
 
+@pytest.mark.process
 def test_trainer_loop_needs_to_know_where_the_weights_go(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, str(EXAMPLES / "trainer_loop.py"), str(tmp_path),
                           "--weights-dir", str(tmp_path / "w")], capture_output=True,

@@ -6,6 +6,7 @@ listing) fails them."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -69,8 +70,10 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return ids
 
 
+@functools.lru_cache(maxsize=None)
 def _string_heads(path: Path) -> list[tuple[int, str]]:
-    """(line, text) of every string literal and f-string head in ``path``, docstrings left out."""
+    """(line, text) of every string literal and f-string head in ``path``, docstrings left out
+    (read once per file: each family's test scans every source)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     skip = _docstrings(tree)
     inner = {id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr)

@@ -279,6 +279,7 @@ def test_only_placement_imports_ray() -> None:
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.process
 def test_top_level_folders_refuse_a_second_identity() -> None:
     """``import producers`` from the repository root would load a second copy of each module."""
     import subprocess

@@ -37,18 +37,21 @@ def _make_torch(tmp_path: Path, *args: str, torch_present: bool = False) -> tupl
     return (log.read_text() if log.exists() else ""), res.stdout
 
 
+@pytest.mark.process
 def test_by_default_pip_configuration_decides(tmp_path: Path) -> None:
     log, _ = _make_torch(tmp_path)
     assert "install -q torch==" in log
     assert "index-url" not in log
 
 
+@pytest.mark.process
 def test_torch_index_is_added_beside_the_configured_index(tmp_path: Path) -> None:
     log, _ = _make_torch(tmp_path, "TORCH_INDEX=https://example.invalid/whl/cpu")
     assert "--extra-index-url https://example.invalid/whl/cpu" in log
     assert "--index-url" not in log.replace("--extra-index-url", "")
 
 
+@pytest.mark.process
 def test_an_installed_torch_is_kept(tmp_path: Path) -> None:
     log, out = _make_torch(tmp_path, "TORCH_INDEX=https://example.invalid/whl/cpu",
                            torch_present=True)

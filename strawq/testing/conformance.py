@@ -155,6 +155,11 @@ class StorageConformance(abc.ABC):
 
     #: processes in the multi-process races
     processes: int = 8
+    #: the tests that start OS processes (the races; the tiny real filesystem is a mount),
+    #: so a test runner can put them in a slower tier
+    STARTS_PROCESSES = frozenset({"test_publish_exclusive_processes",
+                                  "test_rename_one_winner_processes",
+                                  "test_enospc_real_filesystem_is_storagefull"})
     #: rounds per race
     race_rounds: int = 20
 

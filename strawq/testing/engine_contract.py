@@ -154,6 +154,10 @@ def spawn_generate(url: str, body: Mapping[str, Any],
 class EngineContract:
     """SGLang 0.5.23 behaviour that strawq relies on. Subclasses provide ``target``."""
 
+    #: the tests that start an OS process (a client killed mid-request), so a test runner can
+    #: put them in a slower tier
+    STARTS_PROCESSES = frozenset({"test_a_killed_clients_request_is_aborted"})
+
     # -- plumbing -----------------------------------------------------------------------
     def run(self, target: EngineTarget, coro: Awaitable[T]) -> T:
         async def bounded() -> T:

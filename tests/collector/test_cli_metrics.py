@@ -20,6 +20,7 @@ from strawq.errors import ConfigError
 from tests.collector.helpers import SimProducer, make_run, write_dataset
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_help_explains_the_command():
     res = subprocess.run([sys.executable, "-m", "strawq.app.cli", "collector", "--help"],
@@ -28,6 +29,7 @@ def test_help_explains_the_command():
     assert "staleness-first" in res.stdout and "--checkpoint" in res.stdout
 
 
+@pytest.mark.process
 @pytest.mark.timeout(90)
 def test_cli_runs_until_drained_with_a_producer_and_trainer(tmp_path):
     q = make_run(str(tmp_path / "run"))

@@ -27,6 +27,7 @@ from tests.small_disk import SmallDisk, small_disk  # noqa: F401 - the fixture
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.mark.process
 def test_a_full_disk_pauses_the_collector_and_the_run_resumes_when_space_returns(
         small_disk: SmallDisk, tmp_path: Path) -> None:  # noqa: F811
     n = 8

@@ -105,6 +105,7 @@ def test_old_epochs_are_collected(run):
     assert not [n for n in names if n.startswith("hb-000000000001")]
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_cli_refuses_second_collector_process(run, tmp_path):
     q, ds = run

@@ -131,6 +131,7 @@ def _bracket(f: Fleet, monitor: bool = True) -> WeightUpdateBracket:
                                sleep=sleep, poll_interval_s=0.02)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(90)
 def test_bracket_does_not_wait_for_a_killed_producer(fleet_factory: Callable[..., Fleet]) -> None:
     # liveness = lease = 600 s (three heartbeats of 200 s): only the pid check can end it
@@ -148,6 +149,7 @@ def test_bracket_does_not_wait_for_a_killed_producer(fleet_factory: Callable[...
     assert f.leases_of("dead") == held
 
 
+@pytest.mark.process
 @pytest.mark.timeout(90)
 def test_restarted_trainer_does_not_wait_for_a_producer_that_died_before_it(
         fleet_factory: Callable[..., Fleet]) -> None:
@@ -168,6 +170,7 @@ def test_restarted_trainer_does_not_wait_for_a_producer_that_died_before_it(
     assert rep.acked == {"live"} and set(rep.dead) == {"dead"}
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_stopped_producer_is_not_waited_for_keeps_its_leases_and_completes_once(
         fleet_factory: Callable[..., Fleet]) -> None:
@@ -226,6 +229,7 @@ def _collector_proc(run: str, ds: str) -> subprocess.Popen[str]:
     return p
 
 
+@pytest.mark.process
 @pytest.mark.timeout(90)
 def test_collector_takeover_from_a_killed_holder_is_immediate(tmp_path: Path) -> None:
     run = str(tmp_path / "run")
@@ -239,6 +243,7 @@ def test_collector_takeover_from_a_killed_holder_is_immediate(tmp_path: Path) ->
     assert new.start() == 2  # without watching the 600 s takeover timeout
 
 
+@pytest.mark.process
 @pytest.mark.timeout(90)
 def test_stopped_collector_is_not_judged_dead_and_is_fenced_after_the_takeover_timeout(
         tmp_path: Path) -> None:
@@ -285,6 +290,7 @@ RunQueue.open(open_storage(sys.argv[1], writer_id="once", fsync=False)).heartbea
 """
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_heartbeat_names_its_process_and_a_reused_id_names_the_new_one(tmp_path: Path) -> None:
     run = str(tmp_path / "run")

@@ -126,6 +126,7 @@ def test_token_mean_without_counts_is_refused_across_ranks():
     assert float(one) == pytest.approx(1.0)
 
 
+@pytest.mark.process
 def test_gloo_ranks_equal_the_reference_at_world_sizes_2_and_4(run):
     """The CI check: real torch.distributed ranks (gloo, CPU), DDP-style mean of the
     gradients, every aggregation mode, against the single-process reference."""
@@ -141,6 +142,7 @@ def test_gloo_ranks_equal_the_reference_at_world_sizes_2_and_4(run):
             assert max_relative_error(g_w, ref) <= TOL, (w, obj)
 
 
+@pytest.mark.process
 def test_a_rank_with_an_empty_shard_still_matches(tmp_path):
     """3 groups over 4 ranks: one rank holds nothing and still steps with a zero loss."""
     run_dir, seq = make_reference_run(str(tmp_path), groups=3, group_size=2, seed=5)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 from typing import Any
 
 from tests.producers.helpers import ids, make_run
@@ -17,6 +19,7 @@ PLUGINS = "tests.producers.plugins_for_tests"
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.process
 def test_a_producer_process_generates_and_hands_back_on_sigterm(tmp_path: Path,
                                                                 sim_engine: Any) -> None:
     n = 40

@@ -78,6 +78,7 @@ def skewed_producer(lib: str, spec: str, run: Path, engine_url: str) -> subproce
 
 @pytest.mark.parametrize("spec,offset", [("+600s", 600), ("-600s", -600), ("+0 x0.5", 0)],
                          ids=["ten-minutes-ahead", "ten-minutes-behind", "half-speed"])
+@pytest.mark.process
 def test_a_skewed_producers_leases_are_judged_right_and_nothing_is_lost_or_made_twice(
         tmp_path: Path, sim_engine: Any, spec: str, offset: float) -> None:
     """The grantor scans all along on the true clock, with a lease timeout of 15

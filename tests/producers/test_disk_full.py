@@ -17,6 +17,7 @@ from tests.small_disk import SmallDisk, small_disk  # noqa: F401 - the fixture
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.mark.process
 def test_a_full_disk_keeps_finished_groups_and_hands_them_back_when_space_returns(
         small_disk: SmallDisk, sim_engine: Any) -> None:  # noqa: F811
     n = 6
@@ -56,6 +57,7 @@ def test_a_full_disk_keeps_finished_groups_and_hands_them_back_when_space_return
     assert q.storage.list("tmp") == [], "a failed write left its temporary file"
 
 
+@pytest.mark.process
 def test_a_full_disk_holds_a_tool_call_until_its_journal_entry_is_saved(
         small_disk: SmallDisk, sim_engine: Any, tmp_path: Any,  # noqa: F811
         caplog: pytest.LogCaptureFixture) -> None:

@@ -237,6 +237,7 @@ def test_plan_and_eligibility_are_pure() -> None:
     assert sum(p.slots.values()) == 5
 
 
+@pytest.mark.process
 def test_placement_errors_are_strawq_errors_and_the_plan_needs_no_ray() -> None:
     assert issubclass(ActorDied, StrawqError) and issubclass(ActorDied, RuntimeError)
     assert issubclass(ActorTimeout, StrawqError) and issubclass(ActorTimeout, TimeoutError)

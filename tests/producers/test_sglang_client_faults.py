@@ -149,6 +149,7 @@ def test_garbage_is_never_stored(app_server: Any) -> None:
     assert sample.to_dict() == before
 
 
+@pytest.mark.process
 def test_killed_engine_process_fails_over_then_errors() -> None:
     dead = start_engine_subprocess(
         "sim", step_base_ms=20, len_median=100000, len_cap=100000, cap_prob=1.0

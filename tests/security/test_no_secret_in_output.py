@@ -31,6 +31,7 @@ def _strawq(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
                           cwd=REPO, env=ENV, timeout=90, check=check)
 
 
+@pytest.mark.process
 def test_a_short_run_never_shows_its_keys(tmp_path: Path) -> None:
     run = tmp_path / "run"
     q = make_run(str(run), 8)

@@ -39,6 +39,7 @@ def _init_and_write(path: Path, umask: int) -> None:
     (0o007, 0o770, 0o660),  # a run shared by a group of users
     (0o000, 0o770, 0o660),  # even no umask leaves others out
 ])
+@pytest.mark.process
 def test_init_and_publish_give_others_nothing(tmp_path: Path, umask: int, dir_mode: int,
                                              file_mode: int) -> None:
     run = tmp_path / "new" / "run"  # a missing parent is created the same way

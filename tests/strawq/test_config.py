@@ -291,6 +291,7 @@ def test_run_config_errors_name_the_section() -> None:
         RunConfig.from_dict(raw)
 
 
+@pytest.mark.process
 def test_run_config_module_imports_no_ray_torch_or_http() -> None:
     code = ("import sys, strawq.app.run_config as r; "
             "r.RunConfig.from_dict({'queue': {'group_size': 4}, 'collector': {}}); "
@@ -301,6 +302,7 @@ def test_run_config_module_imports_no_ray_torch_or_http() -> None:
     assert out.strip() == "[]"
 
 
+@pytest.mark.process
 def test_a_run_config_with_placement_loads_without_ray() -> None:
     """The placement section is checked on any host: with Ray unimportable, run.json (all
     four sections) loads, and a wrong placement value is still refused by name."""
@@ -324,6 +326,7 @@ def test_a_run_config_with_placement_loads_without_ray() -> None:
     assert "run config.placement: PlacementConfig.engines must be >= 1, got 0" in second
 
 
+@pytest.mark.process
 def test_run_config_cli_check_gives_one_line_errors(tmp_path: Path) -> None:
     script = RUN_JSON.parent / "run_config.py"
     ok = subprocess.run([sys.executable, str(script), str(RUN_JSON), "--check"],

@@ -389,6 +389,7 @@ def _wait(check: Callable[[], bool], what: str, deadline_s: float = 60.0) -> Non
     wait_until(check, deadline_s, what=what)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_sigstopped_producer_is_fenced_after_expiry(tmp_path: Path) -> None:
     root = str(tmp_path / "run")

@@ -185,6 +185,7 @@ def test_the_runs_prompt_key_wins(tmp_path: Path) -> None:
     assert Feeder(q, Dataset(data, prompt_key="question")).release(1) == 1
 
 
+@pytest.mark.process
 def test_release_dry_run_cli(tmp_path: Path) -> None:
     run = tmp_path / "run"
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": 3}, {"prompt": CHAT}])

@@ -144,6 +144,7 @@ def test_second_collector_after_takeover_cannot_release_on_stale_cursor(
     check_once(storage, q, ds)
 
 
+@pytest.mark.process
 def test_concurrent_writers_in_processes(tmp_path: Path) -> None:
     """Several processes releasing at once on one POSIX run: each row exactly once."""
     import subprocess

@@ -170,6 +170,7 @@ def test_audit_segments_are_merged_and_counts_stay_complete(
     assert retention.find_drop(q.storage, dataset_task_id(9)) is not None
 
 
+@pytest.mark.process
 def test_temporary_files_of_dead_writers_go_without_naming_them(tmp_path: Path) -> None:
     q, _feeder = _run(tmp_path, prompts(1))
     tmp = tmp_path / "run" / "tmp"

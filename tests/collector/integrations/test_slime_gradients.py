@@ -31,7 +31,8 @@ from strawq.groups import GroupData  # noqa: E402
 from strawq.queue import Lease, RunQueue  # noqa: E402
 from strawq.storage import open_storage  # noqa: E402
 
-pytestmark = [pytest.mark.slime, pytest.mark.timeout(300)]
+# slime's loss is torch.compile'd: the first call in a process compiles with g++
+pytestmark = [pytest.mark.slime, pytest.mark.process, pytest.mark.timeout(300)]
 VOCAB = 32
 TOL = 1e-5
 
@@ -121,6 +122,7 @@ def batch_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, int]:
 @pytest.mark.parametrize("obj", [Obj(m, w) for m in ("seq_mean_token_mean", "token_mean",
                                                     "seq_mean_token_sum")
                                  for w in ("tis", "icepop", "none")])
+@pytest.mark.process
 def test_slimes_loss_on_strawqs_samples_is_the_reference(batch_run: tuple[str, int],
                                                           obj: Obj) -> None:
     run_dir, seq = batch_run

@@ -127,6 +127,7 @@ for i in range(100000):
 """
 
 
+@pytest.mark.process
 def test_the_process_holding_the_queue_killed_mid_put_loses_no_returned_put(
         tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", PUTTER, str(tmp_path / "q")],

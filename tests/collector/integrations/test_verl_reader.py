@@ -238,6 +238,7 @@ def test_verls_dispatch_over_ranks_in_one_process(run: tuple[str, int], refs: _R
         assert max_relative_error(grads, refs[obj][1]) <= TOL
 
 
+@pytest.mark.process
 def test_gloo_ranks_equal_the_reference(run: tuple[str, int], refs: _Refs) -> None:
     """Real torch.distributed ranks: verl's token count all-reduced over the group, the
     gradients averaged (FSDP's mean)."""
@@ -252,6 +253,7 @@ def test_gloo_ranks_equal_the_reference(run: tuple[str, int], refs: _Refs) -> No
         assert loss == pytest.approx(refs[obj][0], rel=1e-5)
 
 
+@pytest.mark.process
 def test_gloo_ranks_in_verls_decoupled_mode(run: tuple[str, int], refs: _Refs) -> None:
     """verl's default mode: old_log_probs recomputed by the actor before the step, the IS
     weights against the rollout's computed on the driver

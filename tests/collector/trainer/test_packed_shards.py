@@ -225,6 +225,7 @@ def test_the_reference_gradient_from_the_shards(tmp_path):
     assert max_relative_error(total, ref) <= 1e-5
 
 
+@pytest.mark.process
 def test_the_collector_packs_without_torch(tmp_path):
     """The collector process never imports torch, packing shards included."""
     code = f"""

@@ -36,6 +36,7 @@ def test_parser_builds_options_and_rejects_bad_kind() -> None:
         parser.parse_args(["serve", "--kind", "vllm"])
 
 
+@pytest.mark.process
 def test_tiny_subprocess_from_init_tiny_dir(tmp_path: Path) -> None:
     model_dir = tmp_path / "m"
     assert (

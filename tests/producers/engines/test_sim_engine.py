@@ -162,6 +162,7 @@ async def _counts(c: SGLangClient, url: str, expected: tuple[int, int]) -> bool:
     return await load_counts(c, url) == expected
 
 
+@pytest.mark.process
 def test_router_drops_the_request_of_a_killed_client() -> None:
     """As the real sglang-router does (``test_router_real``): the worker sees its client
     gone and aborts the request."""

@@ -22,7 +22,7 @@ from strawq.storage import PosixStorage
 
 from strawq.producers.engines.testing import EngineProcess, start_engine_subprocess
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,7 @@ def status(path: str, capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.process
 def test_finish_announces_the_version_the_engines_hold_and_abort_refuses(
         tmp_path: Path, engines: list[EngineProcess], capsys: pytest.CaptureFixture[str]
 ) -> None:

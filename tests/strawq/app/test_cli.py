@@ -60,6 +60,7 @@ def test_a_missing_extra_is_a_clear_error_not_a_missing_command(
     assert "Traceback" not in err
 
 
+@pytest.mark.process
 def test_python_dash_m_strawq_runs_the_cli() -> None:
     res = subprocess.run([sys.executable, "-m", "strawq", "--help"], capture_output=True,
                          text=True, timeout=120)
@@ -96,6 +97,7 @@ def _run(tmp_path: Path, name: str = "run", **kw: object) -> str:
     return str(path)
 
 
+@pytest.mark.process
 def test_version_flag() -> None:
     res = _cli("--version")
     assert res.returncode == 0, res.stderr
@@ -148,6 +150,7 @@ def test_init_reopens_its_own_run_and_accepts_an_empty_directory(tmp_path: Path)
     assert cli.main(["init", str(d)]) == 0
 
 
+@pytest.mark.process
 def test_release_of_a_directory_without_datasets_is_a_message(tmp_path: Path) -> None:
     run = _run(tmp_path)
     (tmp_path / "shards").mkdir()
@@ -172,6 +175,7 @@ def test_release_counts_dropped_rows_and_refuses_a_negative_count(
     assert exc.value.code == 2
 
 
+@pytest.mark.process
 def test_status_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
     run = _run(tmp_path)
     r, w = os.pipe()
@@ -273,6 +277,7 @@ def test_bracket_abort_releases_a_stuck_weight_update(
     assert "nothing to abort" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_producer_command_is_registered_and_runs_without_ray(tmp_path: Path) -> None:
     run = _run(tmp_path)
     code = ("import sys; sys.modules['ray'] = None; from strawq.app.cli import main; "
@@ -285,6 +290,7 @@ def test_producer_command_is_registered_and_runs_without_ray(tmp_path: Path) -> 
     assert json.loads(res.stdout)["producer_id"].startswith("p-")
 
 
+@pytest.mark.process
 def test_producer_command_refuses_to_start_without_eos_ids(tmp_path: Path) -> None:
     # no engine answers, no tokenizer, no configured ids: an abort landing on EOS could not
     # be told from one mid-response, so the producer refuses with the ways to fix it
@@ -442,6 +448,7 @@ def _modules_after(*argvs: list[str]) -> set[str]:
 
 @pytest.mark.parametrize("argv", [["--version"], ["status", "RUN"], ["status", "RUN", "--json"],
                                   ["--help"]])
+@pytest.mark.process
 def test_a_plain_command_imports_no_engine_trainer_or_array_code(tmp_path: Path,
                                                                  argv: list[str]) -> None:
     run = _run(tmp_path)
@@ -454,6 +461,7 @@ def test_a_plain_command_imports_no_engine_trainer_or_array_code(tmp_path: Path,
         assert "strawq.queue" not in loaded
 
 
+@pytest.mark.process
 def test_the_named_command_alone_is_imported() -> None:
     loaded = _modules_after(["producer", "--help"])
     assert "strawq.producers.cli" in loaded

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from strawq.queue import RunQueue
 from strawq.storage import open_storage
 from tests.small_disk import SmallDisk, small_disk  # noqa: F401 - the fixture
@@ -19,6 +21,7 @@ def _strawq(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60, check=False)
 
 
+@pytest.mark.process
 def test_release_on_a_full_disk_fails_in_one_line_and_works_once_space_returns(
         small_disk: SmallDisk, tmp_path: Path) -> None:  # noqa: F811
     run = os.path.join(small_disk.path, "run")

@@ -52,6 +52,10 @@ def _show(report: doctor.DoctorReport) -> None:
     sys.stdout.write("\n" + render(report, width=100) + "\n")
 
 
+#: doctor's checks are races of real processes (its probes)
+pytestmark = pytest.mark.process
+
+
 @pytest.fixture(scope="module")
 def local_report() -> Iterator[doctor.DoctorReport]:
     with tempfile.TemporaryDirectory(prefix="strawq-doctor-test-") as d:
