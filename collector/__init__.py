@@ -12,9 +12,10 @@ Three sub-parts (see ``docs/collector.md``, ``docs/architecture.md``):
 * ``strawq.collector.integrations`` — adapters for other trainers (``slime``, ``verl``,
   ``megatron``), over the trainer library.
 
-The trainer-side modules are not imported here, so the collector process never imports
-torch. The trainer's errors (``BatchTimeout``, ``BracketTimeout``, ``BracketError``) are
-``strawq.errors``'s, re-exported here.
+Nothing is imported here until a name is used: the collector process never imports torch
+(the trainer-side modules are not imported here), and the trainer side never loads the
+collector process through this package. The trainer's errors (``BatchTimeout``,
+``BracketTimeout``, ``BracketError``) are ``strawq.errors``'s, re-exported here.
 """
 
 from __future__ import annotations
@@ -26,17 +27,35 @@ if __name__ != "strawq.collector":  # one identity per module: see docs/architec
     )
 
 
-from strawq.collector.admission import Admission, Depths, admission
-from strawq.collector.config import CollectorConfig
-from strawq.collector.core import Collector, StepReport
-from strawq.collector.errors import (
-                              BatchTimeout,
-                              BracketError,
-                              BracketTimeout,
-                              CollectorBusy,
-                              CollectorError,
-)
-from strawq.collector.fencing import EpochFence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from strawq.collector.admission import Admission, Depths
+    from strawq.collector.config import CollectorConfig
+    from strawq.collector.core import Collector, StepReport
+    from strawq.collector.errors import (BatchTimeout, BracketError, BracketTimeout,
+                                         CollectorBusy, CollectorError)
+    from strawq.collector.fencing import EpochFence
+
+#: name -> the module that defines it. Loaded on first use (PEP 562), so importing the
+#: trainer library (``strawq.collector.trainer``) or an integration, which runs this
+#: package's ``__init__`` first, does not load the collector process.
+_EXPORTS = {
+    "Admission": "admission", "Depths": "admission",
+    "CollectorConfig": "config", "Collector": "core", "StepReport": "core",
+    "BatchTimeout": "errors", "BracketError": "errors", "BracketTimeout": "errors",
+    "CollectorBusy": "errors", "CollectorError": "errors", "EpochFence": "fencing",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'strawq.collector' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"strawq.collector.{module}"), name)
+
 
 __all__ = [
     "Admission",
@@ -50,5 +69,4 @@ __all__ = [
     "Depths",
     "EpochFence",
     "StepReport",
-    "admission",
 ]

@@ -174,6 +174,31 @@ def test_the_integrations_sit_on_the_trainer_library() -> None:
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.process
+def test_loading_the_trainer_side_loads_no_collector_process_module() -> None:
+    """What the import statements say, at run time too: a trainer process that imports the
+    reader and every integration runs ``strawq/collector/__init__.py`` first, which must not
+    load the collector process (its exports load on first use)."""
+    import subprocess
+    import sys
+
+    trainer_side = sorted(m for m in MODULES if _under(m, TRAINER) or _under(m, INTEGRATIONS))
+    code = ("import importlib, sys\n"
+            f"for m in {trainer_side!r}:\n"
+            "    try:\n"
+            "        importlib.import_module(m)\n"
+            "    except ImportError as e:\n"  # an adapter whose framework is not installed
+            "        print('skip', m, e, file=sys.stderr)\n"
+            "print('\\n'.join(sorted(sys.modules)))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                       text=True, timeout=240, check=False)
+    assert r.returncode == 0, r.stderr
+    loaded = set(r.stdout.split())
+    assert f"{TRAINER}.reader" in loaded and f"{INTEGRATIONS}.verl.queue" in loaded
+    bad = sorted(loaded & set(COLLECTOR_PROCESS))
+    assert not bad, f"the trainer side loaded the collector process: {bad}"
+
+
 def _target(mod: str) -> str | None:
     """The module an import of ``mod`` loads: its longest prefix that is a module."""
     parts = mod.split(".")
