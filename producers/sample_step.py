@@ -12,19 +12,32 @@ The producer's runner (``strawq.producers.runner.GroupRunner.generate_turn``) ca
     apply    apply_segment(sample, segment_for(result, sample))
 
 The check needs the model's EOS ids: a producer resolves them once, when it starts
-(``strawq.producers.eos.resolve_eos_ids``).
+(``strawq.producers.eos.resolve_eos_ids``). The resumed prefix a request declares is
+:func:`resumed_tokens`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, MutableSet
 
+import numpy as np
+
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineProtocolError
 from strawq.producers.extras_protocol import extras_payload, segment_for
-from strawq.producers.sample import Sample, SampleError, apply_segment
+from strawq.producers.sample import Sample, SampleError, SampleStatus, apply_segment
 from strawq.producers.sglang_protocol import (GenerateResult, finalize_abort_at_stop,
-                                              resumed_tokens, with_resumed_tokens)
+                                              with_resumed_tokens)
+
+
+def resumed_tokens(sample: Sample) -> int:
+    """The prefix a request for ``sample`` resumes: 0 when it starts a turn; after an abort,
+    the trailing response tokens the engine generated (loss mask 1) since the prompt or the
+    last appended (tool) token."""
+    if sample.status is not SampleStatus.ABORTED:
+        return 0
+    appended = np.flatnonzero(sample.loss_mask == 0)
+    return sample.response_length - (int(appended[-1]) + 1 if len(appended) else 0)
 
 
 async def step_sample(client: EngineClient, sample: Sample, *, rid: str | None = None,

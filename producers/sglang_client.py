@@ -52,7 +52,6 @@ from strawq.producers.engine_transport import (
     Transport,
     decode_json,
 )
-from strawq.producers.sample import SamplerParams
 from strawq.producers.sglang_control import EngineControl
 from strawq.producers.sglang_protocol import (
     GenerateResult,
@@ -203,7 +202,7 @@ class SGLangClient:
     async def generate(
         self,
         input_ids: Sequence[int],
-        sampling_params: SamplerParams | Mapping[str, Any],
+        sampling_params: Mapping[str, Any],
         *,
         rid: str | None = None,
         url: str | None = None,
@@ -227,7 +226,7 @@ class SGLangClient:
     async def generate_many(
         self,
         input_ids: Sequence[int],
-        sampling_params: SamplerParams | Mapping[str, Any],
+        sampling_params: Mapping[str, Any],
         *,
         rid: str | None = None,
         url: str | None = None,
@@ -245,11 +244,7 @@ class SGLangClient:
         """
         if len(input_ids) == 0:
             raise ValueError("input_ids is empty; SGLang rejects empty input_ids")
-        params = (
-            sampling_params.to_sglang()
-            if isinstance(sampling_params, SamplerParams)
-            else dict(sampling_params)
-        )
+        params = dict(sampling_params)
         n = params.get("n", 1)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"sampling_params.n must be an int >= 1, found {n!r}")

@@ -57,7 +57,7 @@ async def _generate(url: str, prompts: list[list[int]], weights: dict[int, Path]
                     s = out[gi][si]
                     params = SamplerParams(max_new_tokens=SEGMENT, temperature=temp,
                                            ignore_eos=True, seed=17 * gi + si + v)
-                    r = await c.generate(prompts[gi] + s["tokens"], params,
+                    r = await c.generate(prompts[gi] + s["tokens"], params.to_sglang(),
                                          rid=f"g{gi}s{si}v{v}")
                     assert r.weight_version == v and len(r.output_ids) == SEGMENT
                     s["tokens"] += r.output_ids.tolist()
