@@ -63,7 +63,7 @@ async def one_policy(urls: list[str], policy: str, keys: tuple[str | None, str |
     tally = {k: [0, 0] for k in (*KINDS, "first")}
     per_engine: dict[str, int] = {}
     try:
-        await client.control.flush_cache()
+        await client.flush_cache()
         t0 = time.monotonic()
         for gi in range(groups):
             if gi:  # progress on stderr: CPU servers take tens of seconds a group
