@@ -16,7 +16,7 @@ from typing import Any
 
 from strawq.errors import ConfigError
 
-from strawq.producers.engine_client import EngineClient
+from strawq.producers.engine_client import EngineClient, optional_calls
 from strawq.producers.engine_errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -42,18 +42,18 @@ async def resolve_eos_ids(client: EngineClient, *, configured: Iterable[int] | N
         return frozenset(int(t) for t in configured)
     tried: list[str] = []
     infos: list[tuple[str, Mapping[str, Any]]] = []
-    probe = getattr(client, "model_info", None)
+    probe = optional_calls(client).model
     if probe is None:
-        tried.append("the engine client has no model_info")
+        tried.append("the engine client makes no model_info call")
     else:
         for url in client.worker_urls:
             try:
-                info = await probe(url)
+                reply: Any = await probe.model_info(url)
             except EngineError as exc:
                 tried.append(f"{url}/model_info failed ({exc})")
                 continue
-            if isinstance(info, Mapping):
-                infos.append((url, info))
+            if isinstance(reply, Mapping):
+                infos.append((url, reply))
                 break
     for url, info in infos:
         found = _as_ids(info.get("eos_token_id"))
