@@ -127,6 +127,6 @@ async def warm_prefix(client: EngineClient, input_ids: Sequence[int], *,
                       rid: str) -> GenerateResult:
     """Prefill ``input_ids`` into an engine's radix cache and generate nothing
     (``max_new_tokens`` 0, as SGLang does itself before the copies of an ``n > 1`` request;
-    ``ClientConfig.warm_prefix``). ``rid``: one of the task's, so that ``cache_aware``
+    ``GenerationConfig.warm_prefix``). ``rid``: one of the task's, so that ``cache_aware``
     routing sends it to the engine the task's samples go to."""
     return await client.generate(input_ids, {"max_new_tokens": 0}, rid=rid)

@@ -293,7 +293,7 @@ class Producer:
             await self._check_first_task()
             await self.client.start()
             self.runner.eos_ids = await resolve_eos_ids(
-                self._client, configured=self.config.engine.client.eos_token_ids,
+                self._client, configured=self.config.engine.generation.eos_token_ids,
                 tokenizer=self.runner.tokenizer,
                 ignore_eos=self.config.sampler_params().ignore_eos, who=f"producer {pid}")
             await self._check_engine_versions()

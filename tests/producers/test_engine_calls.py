@@ -1,5 +1,6 @@
-"""The engine seam's declarations: the optional engine calls
-(``strawq.producers.engine_client``)."""
+"""The engine seam's declarations: the optional engine calls (``strawq.producers.engine_client``)
+and the split of the engine settings into the client's (``ClientConfig``) and the sample
+step's (``GenerationConfig``), old keys refused with their new place named."""
 
 from __future__ import annotations
 
@@ -10,14 +11,19 @@ from typing import Any
 
 import pytest
 
+from strawq.config import load_config
 from strawq.engine_weights import EngineWeights
 from strawq.errors import ConfigError
 
+from strawq.app.run_config import RunConfig
 from strawq.producers.engine_client import (ModelInfoProbe, RouterClient, VersionProbe,
                                             optional_calls)
+from strawq.producers.engine_transport import ClientConfig
 from strawq.producers.engine_versions import VersionGuard
 from strawq.producers.eos import resolve_eos_ids
 from strawq.producers.meter import ProducerStats, StatsBook
+from strawq.producers.producer_config import ProducerConfig
+from strawq.producers.sample_step import GenerationConfig
 from strawq.producers.sglang_client import SGLangClient
 from tests.producers.helpers import make_run
 
@@ -98,3 +104,36 @@ def test_a_client_with_a_version_probe_only_is_probed(tmp_path: Path) -> None:
         assert guard.stale == {"http://e1": 3, "http://e2": 3}
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("key,value", [("context_length", 4096), ("eos_token_ids", [2]),
+                                       ("warm_prefix", True)])
+def test_a_sample_step_key_under_the_client_is_refused_naming_its_new_place(
+        key: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_dict({"producer": {"run_dir": "/r", "plugins": {"reward": "m.f"},
+                                          "engine": {"workers": ["http://e1"],
+                                                     "client": {key: value}}}})
+    msg = str(info.value)
+    assert msg.startswith("run config.producer.engine.client:")
+    assert f"'{key}' moved to engine.generation.{key}" in msg and "docs/changes.md" in msg
+    with pytest.raises(ConfigError, match=f"moved to engine.generation.{key}"):
+        load_config(ProducerConfig, None, ["run_dir=/r", "plugins.reward=m.f",
+                                           "engine.workers=[\"http://e1\"]",
+                                           f"engine.client.{key}={value}".lower()])
+    with pytest.raises(TypeError):
+        ClientConfig(**{key: value})
+
+
+def test_the_sample_step_keys_live_in_engine_generation() -> None:
+    cfg = load_config(ProducerConfig, None, [
+        "run_dir=/r", "plugins.reward=m.f", "engine.workers=[\"http://e1\"]",
+        "engine.generation.context_length=4096", "engine.generation.eos_token_ids=[2, 7]",
+        "engine.generation.warm_prefix=true", "engine.client.default_version=0"])
+    assert cfg.engine.generation == GenerationConfig(context_length=4096,
+                                                     eos_token_ids=(2, 7), warm_prefix=True)
+    assert cfg.engine.client.default_version == 0  # read where replies are parsed
+    with pytest.raises(ConfigError, match="context_length must be >= 2"):
+        GenerationConfig(context_length=1)
+    with pytest.raises(ConfigError, match="unknown key"):
+        GenerationConfig.from_dict({"max_retries": 3})
