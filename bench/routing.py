@@ -10,7 +10,7 @@ them: each group a distinct prompt of L tokens, its G samples sent at once, each
 two segments (the second resumes from prompt + the first segment's T tokens, as a sample
 interrupted by a weight update does), every request with a producer's rid
 (``<producer>/<task>.g<gen>/<sample>.<n>``). The ``cache_aware warm`` row adds the
-producer's ``ClientConfig.warm_prefix``: the group's prompt is prefilled once (a request of
+producer's ``GenerationConfig.warm_prefix``: the group's prompt is prefilled once (a request of
 ``max_new_tokens`` 0) before its G samples go, so they find it cached instead of all
 prefilling it side by side. With sglang-router installed, three more rows put the real
 router in front of both servers with its own ``--policy round_robin`` and ``--policy
@@ -63,7 +63,7 @@ async def one_policy(urls: list[str], policy: str, keys: tuple[str | None, str |
     tally = {k: [0, 0] for k in (*KINDS, "first")}
     per_engine: dict[str, int] = {}
     try:
-        await client.control.flush_cache()
+        await client.flush_cache()
         t0 = time.monotonic()
         for gi in range(groups):
             if gi:  # progress on stderr: CPU servers take tens of seconds a group
@@ -80,7 +80,7 @@ async def one_policy(urls: list[str], policy: str, keys: tuple[str | None, str |
                                              rid=f"bench/{tid}.g0/{i}.{n}")
 
             warmed = None
-            if warm:  # the producer's ClientConfig.warm_prefix: the prompt prefilled once
+            if warm:  # the producer's GenerationConfig.warm_prefix: the prompt prefilled once
                 warmed = await warm_prefix(client, prompt, rid=f"bench/{tid}.g0/warm.0")
             firsts = await asyncio.gather(*(sample(i, prompt, 1) for i in range(g)))
             resumes = await asyncio.gather(*(sample(i, prompt + list(r.output_ids), 2)

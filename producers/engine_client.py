@@ -9,15 +9,21 @@ segment in, one validated :class:`GenerateResult` out. What the reply means for 
 weight-version guard (``strawq.producers.engine_versions.GuardedClient``), whatever its
 type.
 
-Optional, looked up with ``getattr``: ``weight_version(url) -> int`` (the guard probes
-engines with it; without it nothing is probed), ``model_info(url) -> dict`` (EOS ids at
-start), ``router_url`` and ``refresh_workers()`` (a router's worker list).
+The optional engine calls are declared too, one protocol each, and a client may make any
+of them (``SGLangClient`` makes all): :class:`VersionProbe` (``weight_version(url)``: the
+guard probes engines with it), :class:`ModelInfoProbe` (``model_info(url)``: EOS ids at
+start), :class:`RouterClient` (``router_url`` and ``refresh_workers()``: a router's worker
+list). :func:`optional_calls` says which ones a client makes; for one it does not, the
+declared behaviour is: no version probe (no engine is probed, the replies' own versions
+are still judged), no EOS ids from the engine (the other sources are tried), no router
+(the worker list is what it is).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableSet, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from strawq.producers.sglang_protocol import GenerateResult
 
@@ -52,10 +58,75 @@ class EngineClient(Protocol):
         ...
 
 
+@runtime_checkable
+class VersionProbe(Protocol):
+    """Optional: reads an engine's weight version (``/model_info`` ``weight_version``)."""
+
+    async def weight_version(self, url: str) -> int:
+        ...
+
+
+@runtime_checkable
+class ModelInfoProbe(Protocol):
+    """Optional: reads an engine's ``/model_info`` (the EOS ids a producer resolves)."""
+
+    async def model_info(self, url: str) -> dict[str, Any]:
+        ...
+
+
+class EngineWorker(Protocol):
+    """One worker as a router lists it."""
+
+    @property
+    def url(self) -> str:
+        ...
+
+    @property
+    def is_healthy(self) -> bool:
+        ...
+
+
+@runtime_checkable
+class RouterClient(Protocol):
+    """Optional: a client behind a router, which can re-read the router's worker list."""
+
+    @property
+    def router_url(self) -> str | None:
+        """The router's URL (None: the client talks to its workers directly)."""
+        ...
+
+    async def refresh_workers(self) -> Sequence[EngineWorker]:
+        """Re-read the router's worker list (``worker_urls`` follows it)."""
+        ...
+
+
+@dataclass(frozen=True)
+class OptionalCalls:
+    """The optional calls one client makes: each is the client itself, or None when it
+    does not make that call (the module docstring says what happens then)."""
+
+    version: VersionProbe | None
+    model: ModelInfoProbe | None
+    router: RouterClient | None
+
+    @property
+    def router_url(self) -> str | None:
+        """The router the client is behind (None: none, or no router calls)."""
+        return None if self.router is None else self.router.router_url
+
+
+def optional_calls(client: object) -> OptionalCalls:
+    """Which of the optional engine calls ``client`` makes (any client, wrapped or not)."""
+    return OptionalCalls(
+        version=client if isinstance(client, VersionProbe) else None,
+        model=client if isinstance(client, ModelInfoProbe) else None,
+        router=client if isinstance(client, RouterClient) else None)
+
+
 async def warm_prefix(client: EngineClient, input_ids: Sequence[int], *,
                       rid: str) -> GenerateResult:
     """Prefill ``input_ids`` into an engine's radix cache and generate nothing
     (``max_new_tokens`` 0, as SGLang does itself before the copies of an ``n > 1`` request;
-    ``ClientConfig.warm_prefix``). ``rid``: one of the task's, so that ``cache_aware``
+    ``GenerationConfig.warm_prefix``). ``rid``: one of the task's, so that ``cache_aware``
     routing sends it to the engine the task's samples go to."""
     return await client.generate(input_ids, {"max_new_tokens": 0}, rid=rid)

@@ -35,7 +35,7 @@ import random
 import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import aiohttp
 
@@ -66,7 +66,10 @@ ROUTING_POLICIES = ("round_robin", "cache_aware")
 
 @dataclass(frozen=True, kw_only=True)
 class ClientConfig(Config):
-    """Engine client settings. Every wait has a deadline.
+    """Engine client settings: timeouts, retries, the pool, keys, routing, the version
+    mapping. Every wait has a deadline. What a reply means for a sample (context length,
+    EOS ids, the prefix warm-up) is the sample step's section
+    (``strawq.producers.sample_step.GenerationConfig``, ``engine.generation``).
 
     Fields:
         connect_timeout_s: TCP connect timeout per attempt.
@@ -87,9 +90,9 @@ class ClientConfig(Config):
         backoff_base_s / backoff_max_s: exponential backoff bounds.
         jitter: fraction of random extra delay added to each backoff (0..1).
         pool_limit: maximum simultaneous connections of the pool.
-        context_length: engine context length; resumes clamp their budget to it.
         default_version: map SGLang's non-numeric ``"default"`` version to this int
-            (None: such a version is an error).
+            (None: such a version is an error). Read where replies are parsed: the
+            client's ``/generate`` and its version probe (``weight_version``).
         api_key: SGLang ``--api-key``; sent as a bearer token on every call.
         admin_api_key: SGLang ``--admin-api-key``; sent instead on the admin endpoints
             (abort, pause, continue, weight updates, flush).
@@ -101,17 +104,6 @@ class ClientConfig(Config):
             over the workers in rotation (a worker leaving moves only its own tasks); a
             retry goes to the task's next engine. Behind a router, configure the router's
             own ``--policy cache_aware``.
-        warm_prefix: before a fresh group's samples, send its prompt once with
-            ``max_new_tokens`` 0 and wait for it (what SGLang does itself for an ``n > 1``
-            request, which this client sends as n requests): the G samples then find the
-            prompt in the engine's radix cache instead of all prefilling it side by side.
-            It goes where the samples go with ``cache_aware`` (or a router's cache-aware
-            policy); with ``round_robin`` over several engines it mostly misses. Costs one
-            prefill round trip before each fresh group; one that fails is ignored.
-        eos_token_ids: the model's EOS ids; None = resolved from the engine
-            (``/model_info`` ``eos_token_id``), the tokenizer or the model's config files
-            (a producer refuses to start when none of them names one, unless
-            ``ignore_eos``: ``strawq.producers.sample_step.resolve_eos_ids``).
     """
 
     connect_timeout_s: float = 5.0
@@ -123,13 +115,16 @@ class ClientConfig(Config):
     backoff_max_s: float = 5.0
     jitter: float = 0.5
     pool_limit: int = 1024
-    context_length: int | None = None
     default_version: int | None = None
     api_key: str | None = field(default=None, repr=False)  # never in a repr or log
     admin_api_key: str | None = field(default=None, repr=False)
-    eos_token_ids: tuple[int, ...] | None = None
     routing_policy: str = "round_robin"
-    warm_prefix: bool = False
+
+    _moved_keys: ClassVar[Mapping[str, str]] = {
+        "context_length": "engine.generation.context_length",
+        "eos_token_ids": "engine.generation.eos_token_ids",
+        "warm_prefix": "engine.generation.warm_prefix",
+    }
 
     def validate(self) -> None:
         if self.routing_policy not in ROUTING_POLICIES:
@@ -151,10 +146,6 @@ class ClientConfig(Config):
             raise ValueError(f"ClientConfig.jitter must be in [0, 1], found {self.jitter}")
         if self.pool_limit < 1:
             raise ValueError(f"ClientConfig.pool_limit must be >= 1, found {self.pool_limit}")
-        if self.context_length is not None and self.context_length < 2:
-            raise ValueError(
-                f"ClientConfig.context_length must be >= 2, found {self.context_length}"
-            )
 
 
 def keepalive_socket(silent_s: float) -> Callable[[Any], socket.socket]:

@@ -59,7 +59,7 @@ from strawq.control import read_state
 from strawq.engine_weights import EngineProbe, EngineWeights
 from strawq.errors import StrawqError
 
-from strawq.producers.engine_client import EngineClient
+from strawq.producers.engine_client import EngineClient, optional_calls
 from strawq.producers.engine_errors import EngineError
 from strawq.producers.meter import StatsBook
 from strawq.producers.sglang_protocol import GenerateResult
@@ -85,7 +85,7 @@ class NoFreshEngine(EngineError):
 class VersionGuard:
     """One producer's view of which engines hold the run's weights."""
 
-    def __init__(self, producer_id: str, *, client: Callable[[], Any],
+    def __init__(self, producer_id: str, *, client: Callable[[], EngineClient | None],
                  current_version: Callable[[], int], notes: EngineWeights,
                  io: Callable[[Callable[[], Any]], Awaitable[Any]],
                  pausing: Callable[[], bool], book: StatsBook,
@@ -213,10 +213,10 @@ class VersionGuard:
         run_v, paused = await self.refresh()
         if paused or self._pausing():
             return
-        client = self._client()
-        if refresh_workers and getattr(client, "router_url", None) is not None:
+        router = optional_calls(self._client()).router
+        if refresh_workers and router is not None and router.router_url is not None:
             try:
-                await asyncio.wait_for(client.refresh_workers(), self.probe_timeout_s)
+                await asyncio.wait_for(router.refresh_workers(), self.probe_timeout_s)
             except (EngineError, asyncio.TimeoutError) as exc:
                 log.warning("producer %s cannot re-read the router's workers: %s",
                             self.producer_id, exc)
@@ -243,16 +243,17 @@ class VersionGuard:
     async def reachable(self) -> bool:
         """Whether the generate path answers at all: behind a router, the router lists a
         healthy worker; else some worker answers its version probe (any version)."""
-        client = self._client()
-        if self._router_url() is not None:
+        calls = optional_calls(self._client())
+        if calls.router is not None and calls.router.router_url is not None:
             try:
-                workers = await asyncio.wait_for(client.refresh_workers(), self.probe_timeout_s)
+                workers = await asyncio.wait_for(calls.router.refresh_workers(),
+                                                 self.probe_timeout_s)
             except (EngineError, asyncio.TimeoutError) as exc:
                 log.debug("router probe failed: %s", exc)
                 return False
-            return any(getattr(w, "is_healthy", True) for w in workers)
+            return any(w.is_healthy for w in workers)
         urls = self._worker_urls()
-        if not urls or getattr(client, "weight_version", None) is None:
+        if not urls or calls.version is None:
             return True  # nothing to probe with: the generate path's retries judge
         found = await asyncio.gather(*(self._probe(u) for u in urls))
         return any(v is not None for v in found)
@@ -303,22 +304,22 @@ class VersionGuard:
             await asyncio.gather(self._probing, return_exceptions=True)
 
     async def _probe(self, url: str) -> int | None:
-        probe = getattr(self._client(), "weight_version", None)
+        probe = optional_calls(self._client()).version
         if probe is None:
-            return None
+            return None  # a client without the version probe: no engine is probed
         try:
-            return int(await asyncio.wait_for(probe(url), self.probe_timeout_s))
+            return int(await asyncio.wait_for(probe.weight_version(url), self.probe_timeout_s))
         except (EngineError, asyncio.TimeoutError) as exc:
             log.debug("probe of %s failed: %s", url, exc)
             return None
 
     # -- helpers ----------------------------------------------------------------------------
     def _worker_urls(self) -> list[str]:
-        return list(getattr(self._client(), "worker_urls", []))
+        client = self._client()
+        return [] if client is None else list(client.worker_urls)
 
     def _router_url(self) -> str | None:
-        url = getattr(self._client(), "router_url", None)
-        return url if isinstance(url, str) else None
+        return optional_calls(self._client()).router_url
 
     def _describe(self) -> str:
         return ", ".join(f"{u} at {v}" for u, v in sorted(self.stale.items())) or "-"

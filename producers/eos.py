@@ -16,7 +16,7 @@ from typing import Any
 
 from strawq.errors import ConfigError
 
-from strawq.producers.engine_client import EngineClient
+from strawq.producers.engine_client import EngineClient, optional_calls
 from strawq.producers.engine_errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ async def resolve_eos_ids(client: EngineClient, *, configured: Iterable[int] | N
                           who: str = "producer") -> frozenset[int]:
     """The model's EOS ids, from the first source that names them.
 
-    1. ``configured`` (``ClientConfig.eos_token_ids``);
+    1. ``configured`` (``GenerationConfig.eos_token_ids``, ``engine.generation``);
     2. the engine: ``/model_info``'s ``eos_token_id`` (strawq's local engines report it;
        SGLang 0.5.23 does not);
     3. the tokenizer plugin: its ``eos_token_id`` / ``eos_token_ids`` (a Hugging Face
@@ -42,18 +42,18 @@ async def resolve_eos_ids(client: EngineClient, *, configured: Iterable[int] | N
         return frozenset(int(t) for t in configured)
     tried: list[str] = []
     infos: list[tuple[str, Mapping[str, Any]]] = []
-    probe = getattr(client, "model_info", None)
+    probe = optional_calls(client).model
     if probe is None:
-        tried.append("the engine client has no model_info")
+        tried.append("the engine client makes no model_info call")
     else:
         for url in client.worker_urls:
             try:
-                info = await probe(url)
+                reply: Any = await probe.model_info(url)
             except EngineError as exc:
                 tried.append(f"{url}/model_info failed ({exc})")
                 continue
-            if isinstance(info, Mapping):
-                infos.append((url, info))
+            if isinstance(reply, Mapping):
+                infos.append((url, reply))
                 break
     for url, info in infos:
         found = _as_ids(info.get("eos_token_id"))
@@ -77,9 +77,9 @@ async def resolve_eos_ids(client: EngineClient, *, configured: Iterable[int] | N
     raise ConfigError(
         f"{who} cannot find the model's EOS ids ({'; '.join(tried)}). Without them an abort "
         "that lands on EOS would resume past the end of the response. Set "
-        "engine.client.eos_token_ids (e.g. --set engine.client.eos_token_ids=[2]), give a "
-        "tokenizer (--set plugins.tokenizer=hf:<model>), or set sampling.ignore_eos when no "
-        "token should stop a response")
+        "engine.generation.eos_token_ids (e.g. --set engine.generation.eos_token_ids=[2]), "
+        "give a tokenizer (--set plugins.tokenizer=hf:<model>), or set sampling.ignore_eos "
+        "when no token should stop a response")
 
 
 def tokenizer_eos_ids(tokenizer: Any) -> frozenset[int]:

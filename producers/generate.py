@@ -187,7 +187,7 @@ class GenerateContext:
 
     @property
     def remaining_budget(self) -> int:
-        return self.sample.remaining_budget(self._runner.config.engine.client.context_length)
+        return self.sample.remaining_budget(self._runner.config.engine.generation.context_length)
 
     def token_ids(self) -> list[int]:
         """Prompt + response so far: the next turn's input."""

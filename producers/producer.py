@@ -70,7 +70,7 @@ from strawq.storage import PosixStorage
 from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirProbe, DirWatch
 
 from strawq.producers.bracket import EngineAborter, PauseBracket
-from strawq.producers.engine_client import EngineClient
+from strawq.producers.engine_client import EngineClient, optional_calls
 from strawq.producers.engine_errors import EngineError, EngineProtocolError
 from strawq.producers.engine_versions import GuardedClient, VersionGuard
 from strawq.producers.eos import resolve_eos_ids
@@ -293,7 +293,7 @@ class Producer:
             await self._check_first_task()
             await self.client.start()
             self.runner.eos_ids = await resolve_eos_ids(
-                self._client, configured=self.config.engine.client.eos_token_ids,
+                self._client, configured=self.config.engine.generation.eos_token_ids,
                 tokenizer=self.runner.tokenizer,
                 ignore_eos=self.config.sampler_params().ignore_eos, who=f"producer {pid}")
             await self._check_engine_versions()
@@ -363,12 +363,12 @@ class Producer:
         every group while its slots looked busy. An engine unreachable now is left to the
         loop's own retries. Then take out of rotation every engine not on the run's
         version (``VersionGuard.probe_all``)."""
-        probe = getattr(self._client, "weight_version", None)
-        if probe is None:
-            return
-        for url in getattr(self._client, "worker_urls", []):
+        probe = optional_calls(self._client).version
+        if probe is None or self._client is None:
+            return  # a client without the version probe: nothing to check
+        for url in self._client.worker_urls:
             try:
-                await probe(url)
+                await probe.weight_version(url)
             except EngineProtocolError:
                 raise
             except EngineError as exc:

@@ -5,7 +5,8 @@ builds the sections from nested mappings; ``--set section.key=value`` reaches on
 
     ProducerConfig   run_dir, producer_id
       engine         where samples are generated: workers, router_url, client (the HTTP
-                     client, ``ClientConfig``), sample_retries, backoff_s
+                     client, ``ClientConfig``), generation (the sample step:
+                     ``GenerationConfig``), sample_retries, backoff_s
       sampling       the sampling defaults (``SamplerParams``); a task row's
                      ``sampling_params`` overrides any of them
       budget         slots (this producer's share of K), eager_claim
@@ -33,11 +34,12 @@ from strawq.names import validate_id
 
 from strawq.producers.extras_protocol import GENERATED
 from strawq.producers.sample import SamplerParams
+from strawq.producers.sample_step import GenerationConfig
 from strawq.producers.sglang_client import ClientConfig
 
-__all__ = ["BudgetConfig", "EngineConfig", "PluginsConfig", "ProducerConfig", "RecordConfig",
-           "SAMPLER_KEYS", "SamplerParams", "TOOL_FAILURES", "ThreadsConfig", "TimingConfig",
-           "ToolFailure", "ToolsConfig", "new_producer_id"]
+__all__ = ["BudgetConfig", "EngineConfig", "GenerationConfig", "PluginsConfig", "ProducerConfig",
+           "RecordConfig", "SAMPLER_KEYS", "SamplerParams", "TOOL_FAILURES", "ThreadsConfig",
+           "TimingConfig", "ToolFailure", "ToolsConfig", "new_producer_id"]
 
 #: What happens to a sample after a tool's last try (``ToolsConfig.on_failure``).
 ToolFailure = Literal["fail_sample", "drop_group", "restart"]
@@ -61,8 +63,10 @@ class EngineConfig(Config):
     workers: tuple[str, ...] = ()
     #: sglang-router URL: ``/generate`` goes there; control calls go to its ``/workers``.
     router_url: str | None = None
-    #: HTTP client settings (timeouts, retries, context length, API keys).
+    #: HTTP client settings (timeouts, retries, pool, API keys, routing).
     client: ClientConfig = field(default_factory=ClientConfig)
+    #: The sample step's settings (context length, EOS ids, prefix warm-up).
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     #: Extra tries of a failed segment (after the client's own retries) before the group
     #: is handed back (engine unreachable: yield as partial; rejected: ``fail``).
     sample_retries: int = 2

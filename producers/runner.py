@@ -384,7 +384,7 @@ class GroupRunner:
             a.run, a.version = run, version
             todo = run.unfinished()
             self.pool.set_demand(a.hold, len(todo))  # a partial needs only its unfinished
-            if (self.config.engine.client.warm_prefix and len(todo) > 1
+            if (self.config.engine.generation.warm_prefix and len(todo) > 1
                     and not (a.parking or a.abandoned)
                     and all(run.samples[i].response_length == 0 for i in todo)):
                 await self._warm_prefix(run, a.lease.gen)
@@ -405,7 +405,7 @@ class GroupRunner:
             self._kick()
 
     async def _warm_prefix(self, run: GroupRun, gen: int) -> None:
-        """The group's prompt prefilled once before its samples (``ClientConfig.warm_prefix``),
+        """The group's prompt prefilled once before its samples (``GenerationConfig.warm_prefix``),
         under the group's rid prefix, so cache-aware routing sends it where they go."""
         rid = f"{run.rid_prefix(self.producer_id)}warm.0"
         try:
@@ -459,7 +459,7 @@ class GroupRunner:
             raise Halted()
         s = run.samples[i]
         failures = 0
-        context_length = self.config.engine.client.context_length
+        context_length = self.config.engine.generation.context_length
         while not s.is_final:
             self.check_halted(a)
             rid = run.next_rid(self.producer_id, i)

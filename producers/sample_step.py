@@ -12,19 +12,67 @@ The producer's runner (``strawq.producers.runner.GroupRunner.generate_turn``) ca
     apply    apply_segment(sample, segment_for(result, sample))
 
 The check needs the model's EOS ids: a producer resolves them once, when it starts
-(``strawq.producers.eos.resolve_eos_ids``).
+(``strawq.producers.eos.resolve_eos_ids``). The step's settings are
+:class:`GenerationConfig` (``ProducerConfig.engine.generation``); the resumed prefix a
+request declares is :func:`resumed_tokens`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, MutableSet
+from dataclasses import dataclass
+
+import numpy as np
+
+from strawq.config import Config
+from strawq.errors import ConfigError
 
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineProtocolError
 from strawq.producers.extras_protocol import extras_payload, segment_for
-from strawq.producers.sample import Sample, SampleError, apply_segment
+from strawq.producers.sample import Sample, SampleError, SampleStatus, apply_segment
 from strawq.producers.sglang_protocol import (GenerateResult, finalize_abort_at_stop,
-                                              resumed_tokens, with_resumed_tokens)
+                                              with_resumed_tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig(Config):
+    """The sample step's settings (``ProducerConfig.engine.generation``): what a reply
+    means for a sample. The engine client's own settings (timeouts, retries, keys, routing)
+    are ``ClientConfig`` (``engine.client``)."""
+
+    #: The engines' context length (SGLang ``--context-length``): a segment's budget is
+    #: clamped so that prompt + response stay below it, and an appended (tool) turn that
+    #: would pass it ends the sample truncated. None: only ``max_new_tokens`` bounds them.
+    context_length: int | None = None
+    #: The model's EOS ids (an aborted reply ending on one is final). None: resolved when
+    #: the producer starts, from the engine (``/model_info`` ``eos_token_id``), the
+    #: tokenizer or the model's config files; a producer refuses to start when none of them
+    #: names one, unless ``ignore_eos`` (``strawq.producers.eos.resolve_eos_ids``).
+    eos_token_ids: tuple[int, ...] | None = None
+    #: Before a fresh group's samples, send its prompt once with ``max_new_tokens`` 0 and
+    #: wait for it (what SGLang does itself for an ``n > 1`` request, which the client sends
+    #: as n requests): the G samples then find the prompt in the engine's radix cache
+    #: instead of all prefilling it side by side. It goes where the samples go with
+    #: ``engine.client.routing_policy`` ``cache_aware`` (or a router's cache-aware policy);
+    #: with ``round_robin`` over several engines it mostly misses. Costs one prefill round
+    #: trip before each fresh group; one that fails is ignored.
+    warm_prefix: bool = False
+
+    def validate(self) -> None:
+        if self.context_length is not None and self.context_length < 2:
+            raise ConfigError(f"GenerationConfig.context_length must be >= 2, found "
+                              f"{self.context_length}")
+
+
+def resumed_tokens(sample: Sample) -> int:
+    """The prefix a request for ``sample`` resumes: 0 when it starts a turn; after an abort,
+    the trailing response tokens the engine generated (loss mask 1) since the prompt or the
+    last appended (tool) token."""
+    if sample.status is not SampleStatus.ABORTED:
+        return 0
+    appended = np.flatnonzero(sample.loss_mask == 0)
+    return sample.response_length - (int(appended[-1]) + 1 if len(appended) else 0)
 
 
 async def step_sample(client: EngineClient, sample: Sample, *, rid: str | None = None,

@@ -52,7 +52,6 @@ from strawq.producers.engine_transport import (
     Transport,
     decode_json,
 )
-from strawq.producers.sample import SamplerParams
 from strawq.producers.sglang_control import EngineControl
 from strawq.producers.sglang_protocol import (
     GenerateResult,
@@ -130,8 +129,12 @@ def rendezvous(key: str, urls: Sequence[str]) -> list[str]:
                                               digest_size=8).digest(), "big")
     return sorted(urls, key=weight, reverse=True)
 
-class SGLangClient:
-    """Async SGLang client. Use as ``async with SGLangClient([...]) as client:``."""
+class SGLangClient(EngineControl):
+    """Async SGLang client. Use as ``async with SGLangClient([...]) as client:``.
+
+    The control calls (abort, pause, weight updates, loads, model info) are inherited from
+    :class:`~strawq.producers.sglang_control.EngineControl`: they go to each worker directly.
+    """
 
     def __init__(
         self,
@@ -147,8 +150,6 @@ class SGLangClient:
         self._workers = [WorkerInfo(url=w.rstrip("/")) for w in workers]
         self._rr = 0
         self.transport = Transport(self.config)
-        #: the control plane (abort, pause, weight updates, loads, model info), per worker
-        self.control = EngineControl(self.transport, lambda: self.worker_urls)
         self._inflight: dict[str, _Inflight] = {}
         #: segments that ran past ``generate_timeout_s`` and were aborted (tokens kept)
         self.deadline_aborts = 0
@@ -203,7 +204,7 @@ class SGLangClient:
     async def generate(
         self,
         input_ids: Sequence[int],
-        sampling_params: SamplerParams | Mapping[str, Any],
+        sampling_params: Mapping[str, Any],
         *,
         rid: str | None = None,
         url: str | None = None,
@@ -227,7 +228,7 @@ class SGLangClient:
     async def generate_many(
         self,
         input_ids: Sequence[int],
-        sampling_params: SamplerParams | Mapping[str, Any],
+        sampling_params: Mapping[str, Any],
         *,
         rid: str | None = None,
         url: str | None = None,
@@ -245,11 +246,7 @@ class SGLangClient:
         """
         if len(input_ids) == 0:
             raise ValueError("input_ids is empty; SGLang rejects empty input_ids")
-        params = (
-            sampling_params.to_sglang()
-            if isinstance(sampling_params, SamplerParams)
-            else dict(sampling_params)
-        )
+        params = dict(sampling_params)
         n = params.get("n", 1)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"sampling_params.n must be an int >= 1, found {n!r}")
@@ -328,7 +325,7 @@ class SGLangClient:
                            "engine; its tokens are kept and the sample resumes from them",
                            wire_rid, deadline)
             try:  # behind a router the worker is unknown: every worker gets the abort
-                await asyncio.wait_for(self.control.abort_rids(
+                await asyncio.wait_for(self.abort_rids(
                     [wire_rid], url=None if target == self.router_url else target), grace)
             except (EngineError, asyncio.TimeoutError) as exc:
                 logger.warning("abort of %s past its deadline failed: %s", wire_rid, exc)
@@ -354,7 +351,7 @@ class SGLangClient:
         starts with ``prefix``; returns the wire rids aborted (empty: nothing was live)."""
         rids = self.inflight_rids(prefix)
         if rids:
-            await self.control.abort_rids(rids, url=url)
+            await self.abort_rids(rids, url=url)
         return rids
 
     async def health_generate(self, url: str, *, timeout_s: float | None = None) -> bool:
@@ -366,61 +363,6 @@ class SGLangClient:
             return True
         except (Retryable, EngineRequestError):
             return False
-
-    # -- the control plane, per worker (``self.control``) --------------------------------
-    async def abort(self, rid: str | None = None, *, abort_all: bool = False,
-                    url: str | None = None) -> None:
-        await self.control.abort(rid, abort_all=abort_all, url=url)
-
-    async def abort_rids(self, rids: Sequence[str], *, url: str | None = None) -> None:
-        await self.control.abort_rids(rids, url=url)
-
-    async def pause_generation(self, mode: str = "abort", *,
-                               url: str | None = None) -> dict[str, Any]:
-        return await self.control.pause_generation(mode, url=url)
-
-    async def continue_generation(self, *, url: str | None = None) -> dict[str, Any]:
-        return await self.control.continue_generation(url=url)
-
-    async def update_weights_from_disk(self, model_path: str, *, weight_version: int,
-                                       abort_all_requests: bool = False,
-                                       flush_cache: bool = True,
-                                       url: str | None = None) -> dict[str, Any]:
-        return await self.control.update_weights_from_disk(
-            model_path, weight_version=weight_version, abort_all_requests=abort_all_requests,
-            flush_cache=flush_cache, url=url)
-
-    async def push_weights(self, model_path: str, *, weight_version: int,
-                           url: str | None = None, retries: int = 2,
-                           idle_deadline_s: float = 30.0) -> dict[str, Any]:
-        return await self.control.push_weights(model_path, weight_version=weight_version,
-                                               url=url, retries=retries,
-                                               idle_deadline_s=idle_deadline_s)
-
-    async def update_weight_version(self, new_version: int, *, abort_all_requests: bool = True,
-                                    url: str | None = None) -> dict[str, Any]:
-        return await self.control.update_weight_version(
-            new_version, abort_all_requests=abort_all_requests, url=url)
-
-    async def flush_cache(self, *, url: str | None = None, deadline_s: float = 60.0,
-                          poll_s: float = 0.5) -> None:
-        await self.control.flush_cache(url=url, deadline_s=deadline_s, poll_s=poll_s)
-
-    async def abort_until_idle(self, *, url: str | None = None, deadline_s: float = 60.0,
-                               poll_s: float = 0.5) -> None:
-        await self.control.abort_until_idle(url=url, deadline_s=deadline_s, poll_s=poll_s)
-
-    async def loads(self, url: str) -> dict[str, Any]:
-        return await self.control.loads(url)
-
-    async def num_requests(self, url: str) -> int:
-        return await self.control.num_requests(url)
-
-    async def model_info(self, url: str) -> dict[str, Any]:
-        return await self.control.model_info(url)
-
-    async def weight_version(self, url: str) -> int:
-        return await self.control.weight_version(url)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The engines' control plane: abort, pause, continue, weight updates, loads, model info.
 
-:class:`EngineControl` is a plain class over a :class:`~strawq.producers.engine_transport.Transport`
-and the list of worker URLs (the engine client owns both and builds one). sglang-router
+:class:`EngineControl` holds the control calls over a
+:class:`~strawq.producers.engine_transport.Transport` and the list of worker URLs; the engine
+client (``strawq.producers.sglang_client.SGLangClient``) owns both and is an
+``EngineControl``, so the calls are the client's own (``client.push_weights(...)``). sglang-router
 0.3.x does not route control calls, so every one of them goes to each worker URL directly
 (``each``), and a failure names every worker that failed. The weight push
 that works on SGLang 0.5.23 is :meth:`EngineControl.push_weights` (pause with abort, wait
@@ -26,7 +28,7 @@ from strawq.producers.engine_errors import (
     EngineUnavailable,
     WeightUpdateRefused,
 )
-from strawq.producers.engine_transport import Transport
+from strawq.producers.engine_transport import ClientConfig, Transport
 from strawq.producers.sglang_protocol import parse_version
 
 logger = logging.getLogger(__name__)
@@ -36,26 +38,20 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class EngineControl:
-    """Control calls to every worker (or one ``url``), over the client's transport."""
+    """Control calls to every worker (or one ``url``), over the client's transport.
 
-    def __init__(self, transport: Transport, workers: Callable[[], list[str]]) -> None:
-        self.transport = transport
-        self.config = transport.config
-        self._workers = workers
+    The engine client's own calls: :class:`~strawq.producers.sglang_client.SGLangClient`
+    is an ``EngineControl`` (``client.push_weights(...)``), and supplies ``transport``,
+    ``config`` and ``worker_urls``.
+    """
+
+    transport: Transport
+    config: ClientConfig
 
     @property
     def worker_urls(self) -> list[str]:
-        return self._workers()
-
-    async def _call_raw(self, method: str, base: str, path: str, *, body: Any = None,
-                        params: Mapping[str, str] | None = None, timeout_s: float) -> bytes:
-        return await self.transport.call_raw(method, base, path, body=body, params=params,
-                                             timeout_s=timeout_s)
-
-    async def _call_json(self, method: str, base: str, path: str, *, body: Any = None,
-                         params: Mapping[str, str] | None = None, timeout_s: float) -> Any:
-        return await self.transport.call_json(method, base, path, body=body, params=params,
-                                              timeout_s=timeout_s)
+        """Every worker's base URL: each control call goes to each one."""
+        raise NotImplementedError
 
     async def each(self, url: str | None, fn: Callable[[str], Awaitable[T]]) -> dict[str, T]:
         """``fn(u)`` on ``url`` or on every worker at once; raises naming each that failed."""
@@ -94,7 +90,7 @@ class EngineControl:
             body["rid"] = rid
 
         async def one(u: str) -> None:
-            await self._call_raw(
+            await self.transport.call_raw(
                 "POST", u, "/abort_request", body=body, timeout_s=self.config.control_timeout_s
             )
 
@@ -114,8 +110,9 @@ class EngineControl:
 
         async def one(u: str) -> None:
             await asyncio.gather(*(
-                self._call_raw("POST", u, "/abort_request", body={"rid": r, "abort_all": False},
-                               timeout_s=self.config.control_timeout_s)
+                self.transport.call_raw("POST", u, "/abort_request",
+                                        body={"rid": r, "abort_all": False},
+                                        timeout_s=self.config.control_timeout_s)
                 for r in rids))
 
         await self.each(url, one)
@@ -127,7 +124,7 @@ class EngineControl:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, found {mode!r}")
 
         async def one(u: str) -> Any:
-            return await self._call_json(
+            return await self.transport.call_json(
                 "POST",
                 u,
                 "/pause_generation",
@@ -139,7 +136,7 @@ class EngineControl:
 
     async def continue_generation(self, *, url: str | None = None) -> dict[str, Any]:
         async def one(u: str) -> Any:
-            return await self._call_json(
+            return await self.transport.call_json(
                 "POST", u, "/continue_generation", body={}, timeout_s=self.config.control_timeout_s
             )
 
@@ -164,7 +161,7 @@ class EngineControl:
 
         async def one(u: str) -> Any:
             try:
-                reply = await self._call_json(
+                reply = await self.transport.call_json(
                     "POST",
                     u,
                     "/update_weights_from_disk",
@@ -244,7 +241,7 @@ class EngineControl:
         body = {"new_version": str(int(new_version)), "abort_all_requests": abort_all_requests}
 
         async def one(u: str) -> Any:
-            reply = await self._call_json(
+            reply = await self.transport.call_json(
                 "POST",
                 u,
                 "/update_weight_version",
@@ -266,7 +263,7 @@ class EngineControl:
             deadline = time.monotonic() + deadline_s
             while True:
                 try:
-                    await self._call_raw(
+                    await self.transport.call_raw(
                         "POST", u, "/flush_cache", timeout_s=self.config.control_timeout_s
                     )
                     return
@@ -285,7 +282,7 @@ class EngineControl:
         await self.each(url, one)
 
     async def loads(self, url: str) -> dict[str, Any]:
-        body = await self._call_json(
+        body = await self.transport.call_json(
             "GET",
             url,
             "/v1/loads",
@@ -312,7 +309,7 @@ class EngineControl:
             ) from None
 
     async def model_info(self, url: str) -> dict[str, Any]:
-        body = await self._call_json(
+        body = await self.transport.call_json(
             "GET", url, "/model_info", timeout_s=self.config.control_timeout_s
         )
         if not isinstance(body, Mapping):
@@ -338,7 +335,7 @@ class EngineControl:
         async def one(u: str) -> None:
             deadline = time.monotonic() + deadline_s
             while True:
-                await self._call_raw(
+                await self.transport.call_raw(
                     "POST",
                     u,
                     "/abort_request",

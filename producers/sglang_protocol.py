@@ -20,14 +20,7 @@ from typing import Any
 import numpy as np
 
 from strawq.producers.engine_errors import EngineProtocolError
-from strawq.producers.sample import (
-    LOGPROB_DTYPE,
-    TOKEN_DTYPE,
-    VERSION_DTYPE,
-    Sample,
-    SampleStatus,
-    Segment,
-)
+from strawq.producers.sample import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Segment
 
 FINISH_TYPES = ("stop", "length", "abort")
 WAITING_ABORT_MESSAGE = "Abort in waiting queue"
@@ -128,16 +121,6 @@ def finalize_abort_at_stop(
 #: ``--enable-custom-logit-processor`` and reads none but its own keys, so the real server
 #: ignores it; strawq's ``sim`` engine uses it to find where the prompt ends exactly.
 RESUMED_TOKENS_KEY = "strawq_resumed_tokens"
-
-
-def resumed_tokens(sample: Sample) -> int:
-    """The prefix a request for ``sample`` resumes: 0 when it starts a turn; after an abort,
-    the trailing response tokens the engine generated (loss mask 1) since the prompt or the
-    last appended (tool) token."""
-    if sample.status is not SampleStatus.ABORTED:
-        return 0
-    appended = np.flatnonzero(sample.loss_mask == 0)
-    return sample.response_length - (int(appended[-1]) + 1 if len(appended) else 0)
 
 
 def with_resumed_tokens(sampling_params: Mapping[str, Any], n: int) -> dict[str, Any]:

@@ -9,7 +9,8 @@ One validation path, run on every construction (``__init__``, ``from_dict``,
 ``float``, ``bool``, ``str``, ``X | None``, ``tuple[X, ...]``, ``Literal[...]``, nested
 sections), then the class's :meth:`Config.validate` checks the value rules. Mappings are
 turned into configs only by :meth:`Config.from_dict`, which refuses unknown keys by name and
-lists the known ones; every field is documented where it is declared (a ``#:`` comment
+lists the known ones (a key that moved to another section is refused naming its new place:
+``Config._moved_keys``); every field is documented where it is declared (a ``#:`` comment
 above it, or an entry of a ``Fields:`` block in the class docstring): :func:`field_docs`
 reads those, and :func:`keys_help` turns them into the key list that ``--help`` shows for
 ``--set`` (:func:`add_keys_help`).
@@ -54,6 +55,9 @@ class Config:
     #: Section types that cannot be imported where the class is defined (the root run
     #: config names sections whose modules import Ray or HTTP clients): resolved on first use.
     _lazy_types: ClassVar[Mapping[str, str]] = {}
+    #: Keys that moved to another section: old key -> its new spelling. ``from_dict``
+    #: refuses an old key with a message naming the new one (docs/changes.md lists them).
+    _moved_keys: ClassVar[Mapping[str, str]] = {}
 
     def __post_init__(self) -> None:
         cls = type(self)
@@ -82,6 +86,11 @@ class Config:
             raise ConfigError(f"{where}: expected a mapping, found {type(data).__name__}")
         fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         unknown = sorted(set(data) - set(fields))
+        moved = [k for k in unknown if k in cls._moved_keys]
+        if moved:
+            raise ConfigError(f"{where}: " + "; ".join(
+                f"{k!r} moved to {cls._moved_keys[k]}" for k in moved)
+                + ": write it there instead (docs/changes.md lists the moved keys)")
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys are "
                               f"{sorted(fields)}")

@@ -58,7 +58,7 @@ def test_run_json_sections_build_through_the_real_config_classes() -> None:
     assert queue.group_size == run.group_size
     k = placement.concurrency * placement.engines // run.group_size
     assert collector.max_running >= k
-    assert producer.engine.client.context_length is not None
+    assert producer.engine.generation.context_length is not None
     assert isinstance(from_dict(QueueConfig, raw["queue"]), QueueConfig)
     assert isinstance(from_dict(CollectorConfig, raw["collector"]), CollectorConfig)
     assert isinstance(ProducerConfig.from_dict(raw["producer"]), ProducerConfig)

@@ -19,7 +19,7 @@
 #   TP_SIZE           GPUs per worker (default 1); worker i gets GPUs i*TP_SIZE ... +TP_SIZE-1
 #   MAX_RUNNING_REQUESTS  C, concurrent requests per worker (default 256); it must match
 #                     PlacementConfig.concurrency, the C of K = floor(C*E/G)
-#   CONTEXT_LENGTH    optional --context-length (set ClientConfig.context_length to the same)
+#   CONTEXT_LENGTH    optional --context-length (set the producer's engine.generation.context_length to the same)
 #   HOST              address the servers bind (default 0.0.0.0)
 #   ADVERTISE_HOST    address other nodes use to reach this one (default: hostname -f)
 #   BASE_PORT         first worker port (default 30001; worker i listens on BASE_PORT+i)

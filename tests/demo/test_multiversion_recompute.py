@@ -45,7 +45,7 @@ async def _generate(url: str, prompts: list[list[int]], weights: dict[int, Path]
     """Each sample: one segment per listed version, prompt + what it generated so far as the
     input (a resumed partial), the engine's log-probs and version stamps recorded."""
     out = [[{"tokens": [], "logprobs": [], "versions": []} for _ in g] for g in PLAN]
-    cfg = ClientConfig(context_length=1024, max_retries=1, backoff_base_s=0.05)
+    cfg = ClientConfig(max_retries=1, backoff_base_s=0.05)
     async with SGLangClient([url], config=cfg) as c:
         for v in VERSIONS:
             if v:
@@ -57,7 +57,7 @@ async def _generate(url: str, prompts: list[list[int]], weights: dict[int, Path]
                     s = out[gi][si]
                     params = SamplerParams(max_new_tokens=SEGMENT, temperature=temp,
                                            ignore_eos=True, seed=17 * gi + si + v)
-                    r = await c.generate(prompts[gi] + s["tokens"], params,
+                    r = await c.generate(prompts[gi] + s["tokens"], params.to_sglang(),
                                          rid=f"g{gi}s{si}v{v}")
                     assert r.weight_version == v and len(r.output_ids) == SEGMENT
                     s["tokens"] += r.output_ids.tolist()

@@ -77,7 +77,7 @@ def test_the_slots_are_required_or_derived_never_a_silent_default(
 
     q = make_run(str(tmp_path / "run"), 4)  # G = 4
     base = ["producer", str(tmp_path / "run"), *DEAD, "--reward", f"{PLUGINS}.length_reward",
-            "--set", "engine.client.eos_token_ids=[2]", "--max-seconds", "0.3", "--json"]
+            "--set", "engine.generation.eos_token_ids=[2]", "--max-seconds", "0.3", "--json"]
     assert main(base) == 2
     err = capsys.readouterr().err
     assert "pass --slots N, or --concurrency C" in err and "floor(C*E/G)" in err

@@ -273,7 +273,7 @@ def test_eos_ids_come_from_config_engine_tokenizer_or_model_files(tmp_path: Path
         with pytest.raises(ConfigError, match="cannot find the model's EOS ids") as info:
             await resolve_eos_ids(sglang_like, configured=None)  # type: ignore[arg-type]
         assert "/only/on/the/engine/host" in str(info.value)
-        assert "client.eos_token_ids" in str(info.value)
+        assert "generation.eos_token_ids" in str(info.value)
         assert await resolve_eos_ids(sglang_like, configured=None,  # type: ignore[arg-type]
                                      ignore_eos=True) == frozenset()
 

@@ -80,7 +80,8 @@ def test_an_engine_refusing_the_api_key_gets_its_tasks_handed_back(tmp_path: Pat
     q = make_run(str(tmp_path / "run"), 3)
     with EngineThread(EngineOptions(kind="sim", sim=FAST_SIM, api_key="right")) as eng:
         p = Producer(config(tmp_path / "run", eng.url,
-                            engine={"client": {"api_key": "wrong", "eos_token_ids": (2,)}}))
+                            engine={"client": {"api_key": "wrong"},
+                                    "generation": {"eos_token_ids": (2,)}}))
         with pytest.raises(MisconfiguredProducer, match="fix engine.client.api_key"):
             asyncio.run(p.run())
     assert not ids(q, "dropped") and not ids(q, "leased") and len(ids(q, "pending")) == 3

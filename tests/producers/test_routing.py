@@ -146,7 +146,7 @@ def test_the_routing_benchmarks_quick_form_on_the_real_server(
 
 def test_warm_prefix_prefills_each_fresh_groups_prompt_once_before_its_samples(
         tmp_path: Path, sim_engine: Any) -> None:
-    """``ClientConfig.warm_prefix``: a fresh group's prompt goes to the engine once with
+    """``GenerationConfig.warm_prefix``: a fresh group's prompt goes to the engine once with
     ``max_new_tokens`` 0, under the group's rid prefix (so ``cache_aware`` keeps it with
     the samples), and it comes back before any of the group's samples is sent."""
     from strawq.producers.producer import Producer
@@ -165,8 +165,8 @@ def test_warm_prefix_prefills_each_fresh_groups_prompt_once_before_its_samples(
                        "plugins": {"reward": "tests.producers.plugins_for_tests.length_reward"},
                        "budget": {"slots": 2}, "sampling": {"max_new_tokens": 16, "seed": 7},
                        "timing": {"control_poll_s": 0.02, "idle_poll_s": 0.02}},
-                      {"engine": {"client": {"warm_prefix": True,
-                                             "routing_policy": "cache_aware"}}})
+                      {"engine": {"generation": {"warm_prefix": True},
+                                  "client": {"routing_policy": "cache_aware"}}})
     p = Producer(cfg, client=Recording([sim_engine.url], config=cfg.engine.client))
 
     async def body() -> None:

@@ -118,10 +118,10 @@ def scripted() -> Any:
 async def drive(url: str, sample: Sample, context: int | None, max_calls: int = 50) -> int:
     calls = 0
     async with SGLangClient(
-        [url], config=ClientConfig(context_length=context, max_retries=0)
+        [url], config=ClientConfig(max_retries=0)
     ) as client:
         while not sample.is_final and calls < max_calls:
-            await step_sample(client, sample, context_length=client.config.context_length)
+            await step_sample(client, sample, context_length=context)
             calls += 1
     return calls
 
@@ -190,11 +190,11 @@ def test_engine_returning_more_than_budget_is_rejected(scripted: AppThread) -> N
     async def go() -> None:
         async with SGLangClient([scripted.url], config=ClientConfig(max_retries=0)) as client:
             # aborted after 2: fine
-            await step_sample(client, sample, context_length=client.config.context_length)
+            await step_sample(client, sample)
             assert sample.status is SampleStatus.ABORTED and sample.response_length == 2
             before = sample.to_dict()
             with pytest.raises(EngineProtocolError, match="budget of 4"):
-                await step_sample(client, sample, context_length=client.config.context_length)
+                await step_sample(client, sample)
             assert sample.to_dict() == before
 
     run(go(), 30)

@@ -15,9 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from strawq.producers.engine_transport import ClientConfig
-from strawq.producers.producer_config import (EngineConfig, PluginsConfig, ProducerConfig,
-                                              ToolsConfig)
+from strawq.producers.producer_config import (EngineConfig, GenerationConfig, PluginsConfig,
+                                              ProducerConfig, ToolsConfig)
 from strawq.names import TaskName
 from strawq.producers.generate import GenerateContext, run_plugin
 from strawq.producers.group import GroupRun
@@ -50,7 +49,7 @@ class Runner:
         self.config = ProducerConfig(
             run_dir="unused",
             engine=EngineConfig(workers=("http://127.0.0.1:9",),
-                                client=ClientConfig(context_length=context_length)),
+                                generation=GenerationConfig(context_length=context_length)),
             plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
             tools=ToolsConfig(retries=0, timeout_s=5.0, on_failure="fail_sample"))
         self.book = _Book()
@@ -74,7 +73,7 @@ class Runner:
         """One scripted turn (its tokens get loss mask 1, version 0), cut to the budget."""
         self.engine_calls += 1
         s = a.run.samples[i]
-        budget = s.remaining_budget(self.config.engine.client.context_length)
+        budget = s.remaining_budget(self.config.engine.generation.context_length)
         if budget == 0:
             s.finish_without_request()
             return "length"

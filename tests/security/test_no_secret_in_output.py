@@ -50,8 +50,9 @@ def test_a_short_run_never_shows_its_keys(tmp_path: Path) -> None:
         assert ready.startswith("STRAWQ_ENGINE_READY"), ready
         url = ready.split()[1]
         config = tmp_path / "producer.json"
-        config.write_text(json.dumps({"engine": {"client": {
-            "api_key": API_KEY, "admin_api_key": ADMIN_KEY, "eos_token_ids": [2]}}}))
+        config.write_text(json.dumps({"engine": {
+            "client": {"api_key": API_KEY, "admin_api_key": ADMIN_KEY},
+            "generation": {"eos_token_ids": [2]}}}))
         producer = subprocess.Popen(
             [sys.executable, "-c", CLI, "-v", "producer", str(run), "--engine", url,
              "--reward", f"{PLUGINS}.length_reward", "--slots", "2", "--config", str(config),

@@ -21,9 +21,9 @@ from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig, sim_token, target_length
 from strawq.producers.engines.testing import EngineThread, running_engine
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus
+from strawq.producers.sample_step import resumed_tokens, step_sample
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
-from strawq.producers.sglang_protocol import RESUMED_TOKENS_KEY, resumed_tokens
-from strawq.producers.sample_step import step_sample
+from strawq.producers.sglang_protocol import RESUMED_TOKENS_KEY
 from tests.sglang_fixtures import RealServer, start_router
 
 pytestmark = pytest.mark.timeout(120)

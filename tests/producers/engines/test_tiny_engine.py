@@ -37,9 +37,13 @@ def opts(weight_dirs: dict[int, Path] | None = None, **kw: Any) -> EngineOptions
     return EngineOptions(**base)
 
 
+#: the engines' context length (``TinyConfig(context_length=1024)``), as a producer sets it
+CONTEXT = 1024
+
+
 def client_for(url: str, **cfg: Any) -> SGLangClient:
     return SGLangClient(
-        [url], config=ClientConfig(context_length=1024, max_retries=1, backoff_base_s=0.05, **cfg)
+        [url], config=ClientConfig(max_retries=1, backoff_base_s=0.05, **cfg)
     )
 
 
@@ -88,7 +92,7 @@ def test_complete_with_stop_token_and_text_trim() -> None:
                 PROMPT,
                 SamplerParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(stop_tok,)),
             )
-            await step_sample(c, sample, context_length=c.config.context_length)
+            await step_sample(c, sample, context_length=CONTEXT)
             assert sample.status is SampleStatus.COMPLETED and sample.response_ids[-1] == stop_tok
 
     run(go())
@@ -100,7 +104,7 @@ def test_length_truncated_and_greedy_logprobs(weight_dirs: dict[int, Path]) -> N
             s = Sample.new(
                 "t", PROMPT, SamplerParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)
             )
-            r = await step_sample(c, s, context_length=c.config.context_length)
+            r = await step_sample(c, s, context_length=CONTEXT)
             assert r is not None and r.finish_reason == {"type": "length", "length": 9}
             return s
 
@@ -132,7 +136,7 @@ def test_abort_running_and_waiting_shapes() -> None:
             samples = [Sample.new(f"s{i}", PROMPT, SamplerParams(**LONG)) for i in range(3)]
             tasks = [
                 asyncio.create_task(step_sample(c, s, rid=f"req-{i}",
-                                                context_length=c.config.context_length))
+                                                context_length=CONTEXT))
                 for i, s in enumerate(samples)
             ]
             await wait_until(lambda: _counts_are(c, url, (2, 1)))
@@ -192,7 +196,7 @@ def test_pause_abort_update_resume_logprobs_per_version(weight_dirs: dict[int, P
                     max_new_tokens=300, temperature=temperature, top_k=64, seed=7, ignore_eos=True
                 ),
             )
-            t = asyncio.create_task(step_sample(c, s, context_length=c.config.context_length))
+            t = asyncio.create_task(step_sample(c, s, context_length=CONTEXT))
             await wait_until(lambda: _counts_are(c, url, (1, 0)))
             await asyncio.sleep(0.05)
             await c.pause_generation("abort")
@@ -204,7 +208,7 @@ def test_pause_abort_update_resume_logprobs_per_version(weight_dirs: dict[int, P
             await c.update_weights_from_disk(str(weight_dirs[1]), weight_version=1)
             assert await c.weight_version(url) == 1
             await c.continue_generation()
-            r2 = await step_sample(c, s, context_length=c.config.context_length)
+            r2 = await step_sample(c, s, context_length=CONTEXT)
             assert r2 is not None and r2.finish_reason == {"type": "length", "length": 300 - n_old}
             assert (
                 s.status is SampleStatus.TRUNCATED
@@ -228,7 +232,7 @@ def test_pause_retract_keeps_request_and_reprefills_new_weights(
     async def go() -> Sample:
         async with running_engine(opts(weight_dirs)) as url, client_for(url) as c:
             s = Sample.new("r", PROMPT, SamplerParams(max_new_tokens=200, seed=3, ignore_eos=True))
-            t = asyncio.create_task(step_sample(c, s, context_length=c.config.context_length))
+            t = asyncio.create_task(step_sample(c, s, context_length=CONTEXT))
             await wait_until(lambda: _counts_are(c, url, (1, 0)))
             await c.pause_generation("retract")
             assert await load_counts(c, url) == (0, 1)

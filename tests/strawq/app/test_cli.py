@@ -283,7 +283,7 @@ def test_producer_command_is_registered_and_runs_without_ray(tmp_path: Path) -> 
     code = ("import sys; sys.modules['ray'] = None; from strawq.app.cli import main; "
             f"sys.exit(main(['producer', {run!r}, '--engine', 'http://127.0.0.1:9', "
             "'--reward', 'strawq.producers.rewards.math_answer', '--max-seconds', '0.5', "
-            "'--set', 'engine.client.eos_token_ids=[2]', '--slots', '1', '--json']))")
+            "'--set', 'engine.generation.eos_token_ids=[2]', '--slots', '1', '--json']))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=False)
     assert res.returncode == 0, res.stderr
@@ -302,7 +302,7 @@ def test_producer_command_refuses_to_start_without_eos_ids(tmp_path: Path) -> No
         capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 1, res.stderr
     assert "cannot find the model's EOS ids" in res.stderr
-    assert "engine.client.eos_token_ids" in res.stderr and "Traceback" not in res.stderr
+    assert "engine.generation.eos_token_ids" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_producer_command_refuses_a_directory_without_a_run(tmp_path: Path,
