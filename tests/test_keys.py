@@ -99,6 +99,7 @@ def test_the_scan_sees_the_owners_spellings():
     assert all(found.values()), [p for p, ok in found.items() if not ok]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix", sorted(OWNERS))
 def test_each_key_family_is_spelled_by_its_owner_only(prefix: str):
     owner = OWNERS[prefix]

@@ -54,6 +54,7 @@ def _setup(dataset: Dataset, **cfg: object) -> tuple[RunQueue, Collector]:
                                  HealthCheck.too_slow])
 @given(data=st.data(), eta=st.one_of(st.none(), st.integers(0, 2)),
        mode=st.sampled_from(["drop", "requeue"]))
+@pytest.mark.slow
 def test_staleness_first_fifo_and_eta_bound(dataset, data, eta, mode):
     q, col = _setup(dataset, max_staleness=eta, eta_mode=mode)
     leases: dict[str, Lease] = {}

@@ -83,6 +83,7 @@ def test_reference_is_the_objective_by_hand(tmp_path):
     assert got == pytest.approx(sum(want) / len(want), rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_batch_carries_the_whole_batchs_denominators(run):
     run_dir, seq = run
     man = BatchStore(_queue(run_dir)).read_manifest(seq)
@@ -169,6 +170,7 @@ def test_gloo_ranks_equal_the_reference_at_world_sizes_1_to_4(tmp_path, is_mode,
             assert max_relative_error(got[(w, obj)][1], ref) <= TOL, (w, obj)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_demo_trainer_step_is_the_reference(run, tmp_path, mode):
     """``GRPOTrainer.train_step`` (padded layout, the recorded temperatures, TIS) takes the

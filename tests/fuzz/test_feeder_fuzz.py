@@ -8,6 +8,7 @@ import os
 import tempfile
 from typing import Any
 
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -41,6 +42,7 @@ fingerprints = st.dictionaries(st.sampled_from(["url", "format", "digest", "size
 @example({"v": records.SCHEMA_VERSION, "seq": 1, "next_index": 2, "fingerprint": [1]}, None)
 @example({"v": records.SCHEMA_VERSION, "seq": 1, "next_index": 2},
          {"format": "jsonl", "digest": "x", "base": "zz"})
+@pytest.mark.slow
 def test_cursor_records_behind_a_valid_checksum(meta: dict[str, Any],
                                                 fingerprint: dict[str, Any] | None) -> None:
     if fingerprint is not None:

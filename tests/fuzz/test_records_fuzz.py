@@ -9,6 +9,7 @@ import tempfile
 from typing import Any
 
 import msgpack
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -120,11 +121,13 @@ def test_group_records_with_hostile_metadata(meta: dict[str, Any], kind: Kind) -
 @given(metas)
 @example({"v": records.SCHEMA_VERSION, "seq": 1, "groups": ["nope"], "summaries": [],
           "meta": {}})
+@pytest.mark.slow
 @example({"v": records.SCHEMA_VERSION, "seq": "1", "groups": 5, "summaries": [], "meta": {}})
 def test_manifests(meta: dict[str, Any]) -> None:
     clean(decode_manifest, frame_meta(int(Kind.MANIFEST), meta), name="batches/x")
 
 
+@pytest.mark.slow
 @given(metas, st.binary(max_size=64))
 @example({"v": records.SCHEMA_VERSION, "recent": "xy"}, b"")
 @example({"v": records.SCHEMA_VERSION, "recent": [1]}, b"")
@@ -149,6 +152,7 @@ def test_cursor_names(names: list[str]) -> None:
         clean(read_cursor_state, PosixStorage(d, read_only=True))
 
 
+@pytest.mark.slow
 @given(metas, st.binary(max_size=64))
 @example({"v": records.SCHEMA_VERSION, "counts": 5}, b"")  # TypeError escaped
 @example({"v": records.SCHEMA_VERSION, "counts": [1, 2]}, b"")
@@ -170,6 +174,7 @@ _NAME = TaskName.parse("000000000003.000000000007~t1~g0~a1~r0")
                  st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)).map(
                      lambda lens: header_with(GROUP, meta_len=lens[0], payload_len=lens[1])),
                  metas.map(lambda m: frame_meta(int(Kind.GROUP), m))))
+@pytest.mark.slow
 @example(header_with(GROUP, meta_len=2**32 - 1))  # read_prefix of 4 GiB was asked for
 @example(frame_meta(int(Kind.GROUP), {"v": records.SCHEMA_VERSION, "group": 5}))
 def test_group_summaries_from_record_headers(data: bytes) -> None:

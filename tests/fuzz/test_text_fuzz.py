@@ -9,6 +9,7 @@ import os
 import tempfile
 from typing import Any
 
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -107,6 +108,7 @@ PARQUET = _parquet_bytes([{"prompt": [1, 2, 3]}, {"prompt": [4]}])
 
 @given(st.lists(st.tuples(st.integers(0, len(PARQUET) - 1), st.integers(0, 255)), max_size=6),
        st.none() | st.integers(0, len(PARQUET)))
+@pytest.mark.slow
 @example([(189, 1)], None)  # a damaged footer's negative row count: ValueError from len()
 @example([(94, 0)], None)  # pyarrow's OSError (corrupt snappy data) escaped the reader
 @example([], 12)

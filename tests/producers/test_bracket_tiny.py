@@ -69,6 +69,7 @@ def mid_sample(q: RunQueue, max_new: int) -> bool:
 MIN_BRACKETS, MAX_BRACKETS = 2, 6
 
 
+@pytest.mark.slow
 def test_bracket_with_tiny_engine(tmp_path: Path) -> None:
     weights = {0: save_weights(init_model(SMALL), tmp_path / "w0")}
     for v in range(1, MAX_BRACKETS + 1):

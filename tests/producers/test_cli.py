@@ -71,6 +71,7 @@ def test_an_engine_on_the_default_weight_version_is_refused_at_start(
 DEAD = ["--engine", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:10"]
 
 
+@pytest.mark.slow
 def test_the_slots_are_required_or_derived_never_a_silent_default(
         tmp_path: Path, capsys: Any) -> None:
     from strawq.app.cli import main

@@ -110,6 +110,7 @@ def test_an_injected_client_of_any_type_is_version_guarded(tmp_path: Path) -> No
 
 
 # -- the segment deadline (issue 21, finding 6) -------------------------------------------------
+@pytest.mark.slow
 def test_a_segment_past_its_deadline_is_aborted_and_keeps_every_token() -> None:
     """60 tokens at 10 ms each against a 0.15 s deadline: each cut keeps its tokens and the
     next segment resumes from them, until the response ends exactly as an uncut one."""

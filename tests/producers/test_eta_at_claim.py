@@ -109,6 +109,7 @@ def _ready(q: RunQueue) -> dict[str, TaskName]:
     return {t.id: t for t in names(q, "ready")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["memory", "posix"])
 def test_regenerate_discards_a_stale_prefix_before_resuming_it(tmp_path: Path, engine: Any,
                                                                kind: str) -> None:
@@ -151,6 +152,7 @@ def test_drop_drops_a_stale_partial_with_its_reason(tmp_path: Path, engine: Any,
     assert st.partials_over_eta == st.partials_regenerated == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["memory", "posix"])
 @pytest.mark.parametrize("mode,counted", [("train", True), ("off", False)])
 def test_train_and_off_resume_a_stale_prefix(tmp_path: Path, engine: Any, kind: str,

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 SIM = SimConfig(step_base_ms=10.0, len_median=10**4, len_cap=10**4, cap_prob=1.0)
 
 
+@pytest.mark.slow
 def test_bracket_aborts_by_exact_rid_and_keeps_every_token(tmp_path: Path) -> None:
     n, g, max_new = 4, 2, 400  # 4 s of decoding: a missed abort shows
     rows = [{"prompt": [5 + i, 9, 11 + i], "target": 7, "count": 3} for i in range(n)]

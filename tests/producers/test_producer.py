@@ -145,6 +145,7 @@ def paced_sim() -> Iterator[EngineThread]:
         yield eng
 
 
+@pytest.mark.slow
 def test_stop_yields_partials_that_another_producer_finishes(
         tmp_path: Path, paced_sim: EngineThread) -> None:
     """Stop mid-generation: held groups go back as partials; a second producer resumes
@@ -182,6 +183,7 @@ def test_stop_yields_partials_that_another_producer_finishes(
         assert np.array_equal(g.logprobs, ref[gid].logprobs)
 
 
+@pytest.mark.slow
 def test_bracket_on_sim_engine(tmp_path: Path, paced_sim: EngineThread) -> None:
     """Pause/ack/resume twice: partials carry prefixes, versions step up, the off-policy
     prefix is masked, and nothing is lost or duplicated (tokens equal an unpaused run)."""

@@ -103,6 +103,7 @@ def test_idle_polls_stat_instead_of_listing(tmp_path: Path, sim_engine: Any,
     asyncio.run(run_producers([p], body))
 
 
+@pytest.mark.slow
 def test_an_idle_producer_marks_its_heartbeat_and_looks_rarely(
         tmp_path: Path, sim_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Idle (nothing to claim, no lease), a producer marks its heartbeat idle and then,

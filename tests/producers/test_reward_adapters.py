@@ -101,6 +101,7 @@ async def serve(server: RewardServer) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
+@pytest.mark.slow
 def test_remote_reward_concurrency_retries_timeout_and_errors() -> None:
     async def body() -> None:
         srv = RewardServer()

@@ -60,6 +60,7 @@ def _where(urls: list[str], policy: str) -> dict[str, set[str]]:
     return run(go())
 
 
+@pytest.mark.slow
 def test_cache_aware_sends_every_request_of_a_task_to_one_engine(
         three_engines: list[str]) -> None:
     seen = _where(three_engines, "cache_aware")

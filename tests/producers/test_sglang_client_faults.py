@@ -125,6 +125,7 @@ def test_retries_are_bounded_then_typed(
     assert len(calls) == attempts
 
 
+@pytest.mark.slow
 def test_hanging_engine_times_out(app_server: Any) -> None:
     """Past the segment deadline the request is aborted; an engine that does not answer
     even then (here it has no /abort_request at all) is a timeout, retried."""

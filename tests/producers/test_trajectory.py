@@ -109,6 +109,7 @@ def test_trajectory_record_round_trip_and_checks() -> None:
     assert old.open_turn() == {"op": "gen", "start": 0, "end": None, "finish": None}
 
 
+@pytest.mark.slow
 def test_multi_turn_across_weight_updates_runs_each_tool_call_once(tmp_path: Path,
                                                                    sim_engine: Any) -> None:
     n, g = 10, 2
@@ -151,6 +152,7 @@ def test_multi_turn_across_weight_updates_runs_each_tool_call_once(tmp_path: Pat
     assert p.stats().tool_calls_replayed > 0, "no persisted tool call was replayed"
 
 
+@pytest.mark.slow
 def test_tool_failure_policies(tmp_path: Path, sim_engine: Any) -> None:
     """fail_sample: failed, reward None, loss mask 0, never trained as finished;
     drop_group: dropped as tool_error; max_turns: truncated at the limit."""

@@ -26,6 +26,7 @@ from tests.producers.trajectory_plugins import ledger_counts
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.slow
 def test_reader_and_importance_sampling_on_multi_turn_samples(tmp_path: Path,
                                                                sim_engine: Any) -> None:
     n, g = 4, 2

@@ -128,6 +128,7 @@ def _config_classes_in_the_source() -> list[tuple[str, str]]:
     return found
 
 
+@pytest.mark.slow
 def test_every_config_class_of_the_project_is_a_config() -> None:
     """Each class declared with the ``Config`` base follows its rules: frozen, keyword-only,
     no ``__post_init__`` or ``from_dict`` of its own (the run config's adds one check)."""

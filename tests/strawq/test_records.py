@@ -44,6 +44,7 @@ def _aligned(data: bytes) -> memoryview:
     return memoryview(buf)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(groups(), st.sampled_from([Kind.GROUP, Kind.PARTIAL]))
 def test_fast_columns_equal_the_general_decoder(grp, kind):
@@ -68,6 +69,7 @@ def test_fast_columns_equal_the_general_decoder(grp, kind):
                 assert np.array_equal(arr, slow[t].column(c).to_numpy())
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(groups(), st.data())
 def test_corrupted_bytes_raise_corrupt_record_as_the_general_decoder_does(grp, data):
@@ -94,6 +96,7 @@ def test_corrupted_bytes_raise_corrupt_record_as_the_general_decoder_does(grp, d
     assert all(np.array_equal(got.columns[c], getattr(ref, c)) for c in TOKEN_COLUMNS)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(groups(), st.data())
 def test_unverified_garbage_never_crashes_the_fast_parser(grp, data):

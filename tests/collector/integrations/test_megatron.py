@@ -342,6 +342,7 @@ _LAYOUTS = [  # (dp, tp, cp, sequence_parallel, pad_multiple, max_tokens_per_gpu
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp,tp,cp,sp,pad,budget", _LAYOUTS)
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
 def test_micro_batches_give_the_reference_gradient(ref_run, dp, tp, cp, sp, pad, budget, mode):
@@ -465,6 +466,7 @@ class _PackedTiny(torch.nn.Module):
         return self.inner(input_ids[0], positions_from_cu(cu), cu).unsqueeze(1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
 def test_the_example_train_step_gives_the_reference_gradient(gloo, ref_run, mode):
     """deploy/examples/megatron_trainer_loop.py's own ``train_step`` (Megatron's

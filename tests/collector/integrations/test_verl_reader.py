@@ -100,6 +100,7 @@ def _step(run: tuple[str, int], obj: Objective, *, dp: int = 1, local: bool = Fa
 
 
 # -- the DataProto ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_dataproto_holds_each_record_in_verls_layout(run: tuple[str, int]) -> None:
     """Every row against its group record read straight from the queue: left-padded prompt,
     right-padded response, the loss mask, the engine's log-probs, per-token versions, the
@@ -188,6 +189,7 @@ def test_extras_line_up_with_their_tokens() -> None:
     assert data.non_tensor_batch["uid"].tolist() == [b.groups[0].id] * 3
 
 
+@pytest.mark.slow
 def test_temperature_modes(run: tuple[str, int]) -> None:
     run_dir, seq = run
     _, batch = _batch(run_dir, seq)
@@ -217,6 +219,7 @@ QUICK = [Objective("token_mean", "icepop_mask"), Objective("seq_mean_token_sum",
 @pytest.mark.parametrize("obj", [pytest.param(o, marks=[] if o in QUICK else
                                               [pytest.mark.slow]) for o in OBJECTIVES],
                          ids=lambda o: f"{o.aggregation}-{o.is_mode}")
+@pytest.mark.slow
 def test_verls_loss_on_one_rank_is_the_reference(run: tuple[str, int], refs: _Refs,
                                                  obj: Objective) -> None:
     run_dir, seq = run
@@ -272,6 +275,7 @@ def test_gloo_ranks_in_verls_decoupled_mode(run: tuple[str, int], refs: _Refs) -
     assert max_relative_error(grads, refs[obj][1]) <= TOL
 
 
+@pytest.mark.slow
 def test_verls_own_grpo_advantages_are_the_manifests(run: tuple[str, int], refs: _Refs) -> None:
     run_dir, seq = run
     mine = vt.driver_dataproto(run_dir, seq)
@@ -284,6 +288,7 @@ def test_verls_own_grpo_advantages_are_the_manifests(run: tuple[str, int], refs:
 
 
 # -- what each setting guards against --------------------------------------------------------
+@pytest.mark.slow
 def test_rank_local_token_counts_are_caught(run: tuple[str, int], refs: _Refs) -> None:
     obj = Objective("token_mean")
     assert max_relative_error(_step(run, obj, dp=4), refs[obj][1]) <= TOL
@@ -349,6 +354,7 @@ def test_one_temperature_for_a_mixed_batch_is_caught(run: tuple[str, int], refs:
     assert max_relative_error(_step(run, obj, data=data), refs[obj][1]) > 1e-2
 
 
+@pytest.mark.slow
 def test_objectives_verl_cannot_express_are_refused(run: tuple[str, int], refs: _Refs
                                                      ) -> None:
     with pytest.raises(ValueError, match="temperature only"):

@@ -65,12 +65,14 @@ def sim_target() -> Iterator[EngineTarget]:
         )
 
 
+@pytest.mark.slow
 class TestTinyContract(EngineContract):
     @pytest.fixture
     def target(self, tiny_target: EngineTarget) -> EngineTarget:
         return tiny_target
 
 
+@pytest.mark.slow
 class TestSimContract(EngineContract):
     @pytest.fixture
     def target(self, sim_target: EngineTarget) -> EngineTarget:

@@ -59,6 +59,7 @@ def test_deterministic_lengths_stop_and_length() -> None:
     run(go())
 
 
+@pytest.mark.slow
 def test_abort_and_resume_equals_uninterrupted_across_versions() -> None:
     async def go() -> None:
         async with (
@@ -94,6 +95,7 @@ async def _running(c: SGLangClient, url: str) -> bool:
     return (await load_counts(c, url))[0] > 0
 
 
+@pytest.mark.slow
 def test_thousand_concurrent_requests_respect_slot_limit() -> None:
     async def go() -> None:
         async with (

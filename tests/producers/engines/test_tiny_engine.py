@@ -184,6 +184,7 @@ def test_abort_by_exact_rid_only() -> None:
     run(go())
 
 
+@pytest.mark.slow
 def test_pause_abort_update_resume_logprobs_per_version(weight_dirs: dict[int, Path]) -> None:
     temperature = 0.8
 
@@ -226,6 +227,7 @@ def test_pause_abort_update_resume_logprobs_per_version(weight_dirs: dict[int, P
     assert s.loss_mask.tolist() == (s.versions == 1).astype(np.uint8).tolist()
 
 
+@pytest.mark.slow
 def test_pause_retract_keeps_request_and_reprefills_new_weights(
     weight_dirs: dict[int, Path],
 ) -> None:
@@ -249,6 +251,7 @@ def test_pause_retract_keeps_request_and_reprefills_new_weights(
     assert_recompute_matches(run(go()), weight_dirs, 1.0)
 
 
+@pytest.mark.slow
 def test_pause_in_place_blocks_new_requests_and_rejects_flush(weight_dirs: dict[int, Path]) -> None:
     async def go() -> None:
         async with running_engine(opts(weight_dirs)) as url, client_for(url) as c:
