@@ -23,6 +23,8 @@ PYTEST_ARGS ?=
 # tier alone, whose CPU server takes most of a core (exit 5, no test selected, is not a
 # failure there). Most tests wait on processes and sockets, so more workers than cores pay.
 TEST_WORKERS ?= 3
+# make test-fast's workers: its tests are short and CPU-bound, so one per core
+FAST_WORKERS ?= 2
 # The test targets write bytecode even where PYTHONDONTWRITEBYTECODE is set: each xdist
 # worker compiles and assertion-rewrites every test module, which the cache saves on the
 # next run (collection 26 s -> 10 s here).
@@ -120,7 +122,7 @@ test: $(STAMP)
 	exit $$rc
 
 test-fast: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -x -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup \
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -x -p no:cacheprovider -n $(FAST_WORKERS) --dist loadgroup \
 	  -m "not slow and not process and not ray and not juicefs and not sglang_real" $(PYTEST_ARGS)
 
 lint: $(STAMP)
