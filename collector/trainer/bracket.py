@@ -1,84 +1,21 @@
 """The weight-update bracket, trainer side: pause producers, push weights, resume.
 
-::
+Rank 0 writes ``control/pause-<v+1>``, waits until every live producer acked (it then holds
+no lease, its interrupted samples parked with their prefixes), pushes the weights to every
+engine, writes ``versions/<v+1>`` and ``control/resume-<v+1>``. The bracket exists so that
+no token is generated on weights other than the version it is stamped with, and none is
+lost at an update (docs/design.md, invariant 9).
 
-    trainer (rank 0)            control/ (shared FS)             producer p (each node)
-    ----------------            --------------------             ----------------------
-    begin_weight_update()
-      pause(v+1) ───────────▶  pause-<v+1>
-                                                    ◀─ poll ──  sees paused, stops claiming,
-                                                                aborts generation, yields
-                                                                partials / completes groups,
-                               ack-<v+1>~p  ◀──────────────── ack(v+1, p); keeps beating
-      waits: every *live*
-      producer acked (live =
-      heartbeat counter moved
-      within liveness_s, on our
-      monotonic clock, and not
-      a gone pid on this host)
-    push weights to engines
-      (update_weights_from_disk)
-    end_weight_update(v+1)
-      set_version(v+1) ──────▶ versions/<v+1>
-      resume(v+1) ───────────▶ resume-<v+1>  ── poll ──▶  reads current_version(), resumes
-                                                           claiming; new tokens carry v+1
+Liveness is judged as the grantor judges leases (invariant 3): heartbeat counters observed
+on this process's monotonic clock through a ``LeaseMonitor``, never file times; a producer
+silent for ``liveness_timeout_s``, or whose process on this host is gone, is not waited for,
+which is safe because its replies are version-stamped and its results lease-fenced. A
+bracket left open by a crashed trainer is continued, settled by what the engines hold
+(``finish_weight_update``) or released (``abort_weight_update``); ``restore`` is a restored
+trainer's first update; ``repair_engines`` pushes the run's version to engines producers
+noted under ``engines/``. Opening or closing a bracket is rank 0 only.
 
-Liveness is judged the way the grantor judges leases (docs/design.md, invariant 3): from heartbeat
-counters, on this process's monotonic clock, through a ``LeaseMonitor``'s observations — never from
-mtimes. A producer that goes silent during the wait stops being waited for once it has been silent
-for the run's liveness timeout (``QueueConfig.liveness_timeout_s``: a few heartbeats, far shorter
-than the lease timeout), or at once when its heartbeat file names a process on this host that is
-gone (``strawq.liveness``); its leases stay the grantor's to expire, after ``lease_timeout_s`` as
-ever. Not waiting for it is safe: an ack is only a promise that a producer generates nothing on
-the old weights, and a producer that was merely stopped and wakes after the push gets its replies
-stamped per token by the engine (a reply of the old version outside a bracket is discarded by its
-``VersionGuard``), and its results still pass the lease fence — a lease that expired meanwhile
-is fenced out, one that did not completes once. A producer that keeps beating but never acks
-fails the bracket at the deadline with ``BracketTimeout`` naming it. A bracket left open
-by a crashed trainer is continued by the next ``begin_weight_update`` (same version), or released
-with ``abort_weight_update``.
-
-**After a restore.** A trainer restored from a checkpoint holds the weights of the
-checkpoint's version, while the engines hold the newest version's. ``restore(push, state)``
-is its first weight update: it pushes the restored weights under a new version (versions
-only move forward), so that producers generate on the weights the trainer trains, and
-forgets the delivery marks of the batches after the checkpoint (they are trained again,
-so they are ahead again: ``strawq.collector.admission``). Rollouts from the versions after
-the checkpoint's came from weights no longer in the trainer's lineage: their per-token
-versions understate how far off-policy they are, which the log says.
-
-**Engines on other weights.** Producers note under ``engines/`` every engine they find on
-a version other than the run's (``strawq.producers.engine_versions``) and keep it out of
-rotation. ``engines_needing_weights()`` lists them; ``repair_engines(push_to)`` pushes the
-run's current version to them through the trainer's own push path
-(``push_to(urls, version)``, the same call as a normal update, limited to those URLs) and
-deletes their notes once it returned. With ``repair=`` (or ``start_repairs(push_to)``)
-this runs at each ``end_weight_update``, after producers resumed, and every
-``repair_interval_s`` from a daemon thread (a trainer blocked on ``next_batch`` while every
-engine is stale is not stuck); call it on demand too. A repair never overlaps a bracket.
-Producers put an engine back in rotation when it reports the run's version. Before it
-pushes, a repair probes the noted engines: the notes on one that already reports the run's
-version are deleted without a push (``EngineWeights.clear_fixed``), whoever wrote them.
-
-**Finishing or undoing a bracket by what the engines hold.** A trainer that died inside a
-bracket leaves it open; whether its push reached the engines is told by the engines
-themselves (``engine_versions()``: every engine producers registered in ``engine-urls/``,
-plus ``engine_urls=``, asked for ``/model_info``'s ``weight_version`` with a short timeout).
-``finish_weight_update()`` settles the bracket by that answer (``settle``): every engine
-that answered holds the bracket's version: announce it and resume (as ``end_weight_update``);
-every one holds the run's version: resume without a new version (as an abort); engines
-disagree, or none answered: refuse, naming which holds what. ``abort_weight_update()``
-refuses while any engine already holds the bracket's version (producers would resume on
-the old version and keep every such engine out of rotation; ``force=True`` aborts anyway).
-After an abort that should have been a finish (the bracket closed without its version, the
-engines on it), ``finish_weight_update()`` announces that version. ``strawq bracket
-status|finish|abort`` run the same code.
-
-**Rank 0 only.** Opening or closing the bracket on a trainer rank other than 0 raises a
-``BracketError`` (run on every rank it would announce a new version once per rank). The
-rank is the reader's (``BatchReader(rank=...)``), ``WeightUpdateBracket(rank=...)``, else
-the ``RANK`` environment variable torch's launchers set. ``BatchReader.weight_update(push)``
-is the rank-aware call: the whole update on rank 0, nothing on the others.
+The protocol in full, with its diagram: docs/collector.md, "The weight-update bracket".
 """
 
 from __future__ import annotations
