@@ -52,6 +52,7 @@ import numpy as np
 from strawq import records
 from strawq.collector.integrations.verl.config import _cfg, queue_dir
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
+from strawq.numbered import Numbered
 from strawq.records import Kind
 from strawq.storage import PosixStorage, Storage, open_storage
 
@@ -65,7 +66,10 @@ QUEUE_FULL = "queue_full"
 #: verl's checkpoint tracker, written by the trainer after every checkpoint it saves
 TRACKER = "latest_checkpointed_iteration.txt"
 _SAFE = re.compile(r"[A-Za-z0-9_.-]{1,120}")
-_SEQ = 12
+#: ``samples/<seq>~<sample id>``: the put order, then the (name-safe) id
+SAMPLE_NAMES = Numbered(sep="~")
+#: ``commits/<consumed>``: how many hand-outs a checkpoint covers
+COMMIT_NAMES = Numbered()
 
 
 def samples_per_version(config: Any) -> int | None:
@@ -201,25 +205,27 @@ class DurableSampleQueue:
             self._leased.clear()
             self._ids.clear()
             self._recent.clear()
-            commits = sorted(self.storage.list(COMMITTED))
+            listing = self.storage.list(COMMITTED)
+            stale = set(COMMIT_NAMES.prune(listing, self.keep_commits))
             last_seq = -1
-            for name in commits[-self.keep_commits:]:
+            for _, name in COMMIT_NAMES.named(listing):
+                if name in stale:
+                    continue
                 meta = self._read_meta(f"{COMMITTED}/{name}")
                 if meta is None:
                     continue
                 self.consumed = max(self.consumed, int(meta["consumed"]))
                 last_seq = max(last_seq, int(meta["seq"]))
                 self._recent.append(set(meta.get("ids", [])))
-            for name in commits[:-self.keep_commits]:
+            for name in sorted(stale):
                 self.storage.delete(f"{COMMITTED}/{name}")
             self.handed = self.consumed
             for name in self.storage.list(SAMPLES):
-                seq_s, _, sid = name.partition("~")
-                try:
-                    seq = int(seq_s)
-                except ValueError:
+                got = SAMPLE_NAMES.split(name)
+                if got is None:
                     log.warning("verl queue: %s/%s is not a sample name; left alone", SAMPLES, name)
                     continue
+                seq, sid = got
                 key = f"{SAMPLES}/{name}"
                 self._seq = max(self._seq, seq + 1)
                 if seq <= last_seq:  # a commit whose deletions a crash interrupted
@@ -269,7 +275,7 @@ class DurableSampleQueue:
             self._seq = seq + 1
             self._inflight.add(seq)
             self._ids.add(part)
-        key = f"{SAMPLES}/{seq:0{_SEQ}d}~{part}"
+        key = f"{SAMPLES}/{SAMPLE_NAMES.name(seq, part)}"
         try:
             body: dict[str, Any] = {"verl": "sample", "sample_id": sample_id, "seq": seq,
                                     "at": time.time(), **(dict(meta) if meta else {})}
@@ -373,7 +379,7 @@ class DurableSampleQueue:
                 n += 1
             last_seq = max([self._committed_seq, *(h.seq for h in covered)])
             ids = [h.sample_id for h in covered]
-            self.storage.publish(f"{COMMITTED}/{consumed:0{_SEQ}d}",
+            self.storage.publish(f"{COMMITTED}/{COMMIT_NAMES.name(consumed)}",
                                  records.encode(Kind.STATE, {"verl": "commit",
                                                              "consumed": consumed,
                                                              "seq": last_seq, "ids": ids,
@@ -385,8 +391,7 @@ class DurableSampleQueue:
             for h in covered:
                 self.storage.delete(h.key)
                 self._ids.discard(h.sample_id)
-            old = sorted(self.storage.list(COMMITTED))[:-self.keep_commits]
-            for name in old:
+            for name in COMMIT_NAMES.prune(self.storage.list(COMMITTED), self.keep_commits):
                 self.storage.delete(f"{COMMITTED}/{name}")
             return len(covered)
 

@@ -65,6 +65,29 @@ def test_uncommitted_gets_are_handed_out_again_in_order(tmp_path: Path) -> None:
     assert drain(again) == [f"s{i}" for i in range(4, 10)]
 
 
+def test_a_stray_file_in_commits_neither_hides_nor_deletes_the_newest_commit(
+        tmp_path: Path) -> None:
+    """``commits/`` holds numbered names only: a file someone left there (a note, a copy)
+    is ignored on restart, never taken for the newest commit or counted for pruning, so
+    the real newest commit is neither skipped nor deleted (its samples would be handed out
+    and trained again)."""
+    q = DurableSampleQueue(str(tmp_path), keep_commits=1)
+    for i in range(4):
+        q.put(f"s{i}".encode(), sample_id=f"s{i}")
+    assert [q.get()[1] for _ in range(2)] == [b"s0", b"s1"]  # type: ignore[index]
+    assert q.commit(2) == 2
+    (tmp_path / "commits" / "notes.txt").write_text("a stray file")
+    (tmp_path / "samples" / "README").write_text("a stray file")
+    again = DurableSampleQueue(str(tmp_path), keep_commits=1)
+    assert (again.consumed, again.size()) == (2, 2)
+    assert sorted(p.name for p in (tmp_path / "commits").iterdir()) == [
+        f"{2:012d}", "notes.txt"]
+    assert again.commit(3) == 1  # the next commit prunes the old one, not the stray file
+    assert sorted(p.name for p in (tmp_path / "commits").iterdir()) == [
+        f"{3:012d}", "notes.txt"]
+    assert drain(again) == ["s3"]
+
+
 def test_a_commit_from_an_earlier_life_covers_the_oldest_samples(tmp_path: Path) -> None:
     """The queue died after handing out 6 and before it saw the checkpoint of 4: the commit
     it reads after the restart covers the 4 oldest samples still on disk."""
