@@ -37,6 +37,9 @@ COSTLY_MARKERS = ("process", "slow", "ray", "juicefs", "sglang_real")
 #: runs (``bench_quick``), a Ray cluster's default ports, the private Redis-backed volume.
 GROUP_BY_FIXTURE = {"bench_quick": "bench", "juicefs_redis_mounts": "juicefs-redis",
                     "juicefs_engine_dirs": "juicefs-redis"}
+#: A benchmark's ``--quick`` run is shared by the tests of that one benchmark: one group per
+#: benchmark (``bench-<name>``: ``test_quick_form_runs[name]`` here, an explicit
+#: ``xdist_group`` on the others), so the benchmarks run side by side, not on one worker.
 
 
 def _group(item: pytest.Item) -> str | None:
@@ -45,6 +48,9 @@ def _group(item: pytest.Item) -> str | None:
     if item.get_closest_marker("ray") is not None:
         return "ray"
     names = set(getattr(item, "fixturenames", ()))
+    callspec = getattr(item, "callspec", None)
+    if "bench_quick" in names and callspec is not None and "name" in callspec.params:
+        return f"bench-{callspec.params['name']}"
     for fixture, group in GROUP_BY_FIXTURE.items():
         if fixture in names:
             return group

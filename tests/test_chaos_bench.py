@@ -19,6 +19,7 @@ from tests.conftest import BENCH_QUICK_TIMEOUT_S, REPO
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.xdist_group("bench-chaos")  # the run test_quick_form_runs[chaos] checks too
 @pytest.mark.timeout(BENCH_QUICK_TIMEOUT_S + 30)
 def test_chaos_bench_quick(bench_quick: Callable[..., subprocess.CompletedProcess[str]]) -> None:
     proc = bench_quick("chaos")  # the run tests/bench/test_quick.py checks too

@@ -21,6 +21,7 @@ LINE = re.compile(r"^trainer: max relative gradient error vs reference = (\S+) o
 ONE_REFERENCE_TEST = "tests/collector/test_reference.py::test_reference_is_the_objective_by_hand"
 
 
+@pytest.mark.xdist_group("bench-trainer")  # the run test_quick_form_runs[trainer] checks
 @pytest.mark.slow
 @pytest.mark.timeout(BENCH_QUICK_TIMEOUT_S + 30)
 def test_bench_quick_prints_the_figure_within_tolerance(bench_quick):
@@ -33,6 +34,7 @@ def test_bench_quick_prints_the_figure_within_tolerance(bench_quick):
     assert "reader/gloo world=4" in proc.stdout and "megatron dp=" in proc.stdout
 
 
+@pytest.mark.xdist_group("bench-trainer")  # the run test_quick_form_runs[trainer] checks
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gpu_check_script_runs_its_cpu_path(tmp_path, bench_quick):
