@@ -14,7 +14,8 @@ For each lease the ``GroupRunner`` starts one group task::
                   rejected     -> HandBack.fail(retryable=True)
                   misconfigured -> HandBack.refuse: the task back untouched, this
                                   producer stops (``MisconfiguredProducer``)
-                  abandoned    -> nothing (heartbeats failed; the grantor re-queues it)
+                  abandoned    -> HandBack.release (heartbeats failed; fenced: if the grantor
+                                  expired it first, the task is pending already)
 
 **Segments.** Each segment is one :func:`~strawq.producers.sample_step.step_sample` on the
 producer's guarded client (budget, payload, reply check, tokens applied). A segment cut
@@ -543,8 +544,12 @@ class GroupRunner:
             return
         if a.abandoned:
             self.book.bump("leases_lost")
-            log.warning("task %s abandoned (heartbeats failing); the grantor re-queues it",
-                        run.task_id)
+            log.warning("task %s abandoned (heartbeats failing); handed back", run.task_id)
+            # Hand it back, fenced by its generation: once this producer's heartbeats move
+            # again, the grantor would keep the lease alive and the task would wait forever.
+            # A release the storage refuses stays an orphan, retried; one the grantor beat
+            # (it expired the lease first) is a lost lease, and the task is pending anyway.
+            await self.handback.release(a.lease)
             return
         if isinstance(a.fault, MisconfiguredProducer):
             await self.handback.refuse(a.lease, a.fault)

@@ -85,6 +85,44 @@ def test_engine_outage_yields_partials_then_finishes(tmp_path: Path, sim_engine:
         assert g.sample_lens == [300] * 4
 
 
+def test_a_producer_whose_heartbeats_come_back_hands_its_abandoned_leases_back(
+        tmp_path: Path, sim_engine: Any) -> None:
+    """Heartbeats fail just long enough for the producer to give its leases up (a stalled
+    event loop does the same), then succeed again: its moving counter keeps those leases
+    alive on the grantor's clock, so unless the producer hands them back, the tasks wait
+    forever. Handed back, the same producer claims and finishes them."""
+    from strawq.grantor import LeaseMonitor
+
+    n = 2
+    q = make_run(str(tmp_path / "run"), n, lease_timeout_s=1.0, heartbeat_interval_s=0.1)
+    p = Producer(cfg(tmp_path / "run", [sim_engine.url],
+                     sampling={"max_new_tokens": 3000, "ignore_eos": True},
+                     budget={"slots": 2},
+                     engine={"client": ClientConfig(generate_timeout_s=60.0)}))
+    beat = p.queue.heartbeat
+
+    def broken(producer: str, **kw: Any) -> int:
+        raise StorageError(5, "injected: heartbeat write failed")
+
+    async def body() -> None:
+        await wait_for(lambda: p.stats().busy_trajectories > 0, 30, "generating")
+        p.queue.heartbeat = broken  # type: ignore[method-assign]
+        await wait_for(lambda: p.stats().leases_lost >= 1, 30, "the leases given up")
+        p.queue.heartbeat = beat  # type: ignore[method-assign]
+        monitor = LeaseMonitor(q)
+        deadline = asyncio.get_running_loop().time() + 90
+        while len(ids(q, "ready")) < n:
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"the abandoned tasks never came back: leased {ids(q, 'leased')}")
+            monitor.scan()
+            await asyncio.sleep(0.05)
+
+    from strawq.errors import StorageError
+
+    asyncio.run(run_producers([p], body))
+    check_exactly_once(q, n)
+
+
 def test_failing_heartbeats_stop_work_and_the_grantor_requeues(tmp_path: Path,
                                                               sim_engine: Any) -> None:
     """Heartbeats start failing: the producer gives its leases up at lease_timeout - margin
