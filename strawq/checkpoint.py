@@ -45,7 +45,7 @@ def read_cursor_state(storage: Storage, trained_through: int | None = None
     cursor = feeder_cursor_state(storage)
     if cursor is None:
         return None
-    keys = ("next_index", "seq", "fingerprint", "epoch_bases")
+    keys = ("next_index", "seq", "fingerprint", "epoch_bases", "epoch_offsets")
     out: dict[str, Any] = {k: cursor[k] for k in keys if k in cursor}
     out["in_flight"] = sorted(i for i in in_flight(storage, trained_through)
                               if i < int(out["next_index"]))

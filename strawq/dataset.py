@@ -339,6 +339,30 @@ class Dataset:
         """The source dataset of row ``row`` in a mixture (``strawq.mixture``); None here."""
         return None
 
+    # -- passes (``strawq.planner``): one source, read whole by every pass --------------------
+    def pass_len(self, offsets: Sequence[int] = ()) -> int:
+        """Rows in a pass that starts each source at ``offsets`` (here: every row)."""
+        return len(self)
+
+    def iter_pass(self, start: int, offsets: Sequence[int] = ()
+                  ) -> Iterator[tuple[int, Row | BadRow]]:
+        """The pass's rows from its row ``start`` to its end."""
+        return self._iter_raw(start)
+
+    def next_offsets(self, offsets: Sequence[int], rows: int) -> tuple[int, ...]:
+        """Where each source starts the pass after one of ``rows`` rows (() : all at 0)."""
+        return ()
+
+    def locate_row(self, row: int, offsets: Sequence[int] = ()) -> tuple[str | None, int]:
+        """(source, row within it) of the pass's row ``row``."""
+        return None, row
+
+    def appearances(self, source: str | None, source_row: int, offsets: Sequence[int],
+                    rows: int) -> list[int]:
+        """The rows of a pass of ``rows`` rows (starting at ``offsets``) that hold
+        ``source_row`` of ``source``, ascending."""
+        return [source_row] if 0 <= source_row < rows else []
+
 
 class _Counted:
     """An iterator over one shard's rows that knows the index after its last row."""
@@ -462,6 +486,9 @@ class ReleasePreview:
     #: why the release would be refused (dataset mismatch, cursor exhausted, too many bad
     #: rows: ``judge_release``), or None
     refused: str | None = None
+    #: per source (a mixture's names; ``dataset`` for one), the rows it would ``release``,
+    #: ``skip`` (the history's rule, ``strawq.prompt_policy``) and drop as ``bad``
+    sources: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         bad = [f"  drop {b.message}" for b in self.bad[:20]]
@@ -476,16 +503,21 @@ class ReleasePreview:
                                     or "none"), *bad]
         if self.end == self.start:
             lines.append("  (no rows at the cursor)")
+        for name, n in self.sources.items():
+            lines.append(f"  {name}: release {n.get('release', 0)}, skip "
+                         f"{n.get('skip', 0)} (history), drop {n.get('bad', 0)} bad")
         return "\n".join(lines)
 
 
 def preview(dataset: Dataset, fingerprint: dict[str, Any], next_index: int, exhausted: bool,
             count: int, *, max_share: float = 1.0, window: int = 0,
-            recent: tuple[int, int] = (0, 0)) -> ReleasePreview:
+            recent: tuple[int, int] = (0, 0), offsets: Sequence[int] = ()) -> ReleasePreview:
     """Validate the rows a release of ``count`` would take; reads only, writes nothing.
     ``max_share``, ``window``, ``recent``: the release's judgement of its bad rows
-    (``judge_release``); a release it refuses is reported as ``refused``."""
+    (``judge_release``); a release it refuses is reported as ``refused``. ``offsets``: where
+    the pass starts each source (``strawq.planner``)."""
     reader = DatasetCursorReader(dataset)
+    reader.offsets = offsets
     empty = ReleasePreview(count, next_index, next_index, 0, (), {}, exhausted)
     if not fingerprints_match(fingerprint, dataset.fingerprint):
         return dataclasses.replace(
@@ -520,6 +552,8 @@ class DatasetCursorReader:
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
         self.base = 0
+        #: where the current pass starts each source (``Dataset.iter_pass``; (): all at 0)
+        self._offsets: tuple[int, ...] = ()
         self._it: Iterator[tuple[int, Row | BadRow]] | None = None
         self._next = -1
 
@@ -527,6 +561,16 @@ class DatasetCursorReader:
     def fingerprint(self) -> dict[str, Any]:
         """What the cursor records: the dataset's fingerprint and the base, when not 0."""
         return {**self.dataset.fingerprint, **({"base": self.base} if self.base else {})}
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return self._offsets
+
+    @offsets.setter
+    def offsets(self, value: Sequence[int]) -> None:
+        if tuple(value) != self._offsets:
+            self._offsets = tuple(value)
+            self._it = None  # the rows of another pass
 
     def adopt(self, recorded: dict[str, Any], next_index: int = 0) -> None:
         """Check a cursor's recorded fingerprint against this dataset and take its base;
@@ -542,7 +586,7 @@ class DatasetCursorReader:
                                f"(index {self.base})")
         row_start = start - self.base
         if self._it is None or self._next != row_start:
-            self._it = self.dataset._iter_raw(row_start)
+            self._it = self.dataset.iter_pass(row_start, self.offsets)
             self._next = row_start
         out: list[tuple[int, Row | BadRow]] = []
         if count <= 0:

@@ -26,14 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from strawq import records
-from strawq.dataset import (BadRow, BadRowsRefused, Dataset, DatasetCursorReader,
+from strawq.dataset import (BadRow, BadRowsRefused, Dataset,
                             DatasetMismatch, ReleasePreview, Row, fingerprints_match,
                             judge_release, preview, refusal_message)
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
-from strawq.history import PromptHistory, load_history, record_attempts
+from strawq.history import record_attempts
 from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
 from strawq.numbered import Numbered
-from strawq.prompt_policy import HISTORY_REFRESH_S, Plan, plan_release, skip_rows
+from strawq.planner import Passes, ReleasePlanner, Rows
+from strawq.prompt_policy import Plan, skip_rows
 from strawq.queue import RunQueue
 from strawq.records import Kind
 from strawq.states import DIRS, RELEASES, TaskState, key_of, release_dir
@@ -71,6 +72,8 @@ class Cursor:
     #: the task-index base of every pass over this dataset, oldest first (empty: the first
     #: pass; ``QueueConfig.num_epochs``)
     epoch_bases: tuple[int, ...] = ()
+    #: per pass, where it starts each mixture source (``strawq.planner``; empty: all at 0)
+    epoch_offsets: tuple[tuple[int, ...], ...] = ()
 
     @property
     def epoch(self) -> int:
@@ -128,10 +131,16 @@ def _epoch_bases(meta: dict[str, Any]) -> tuple[int, ...]:
     return tuple(meta.get("epoch_bases") or ())
 
 
+def _epoch_offsets(meta: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
+    """The passes' source offsets a cursor record carries (``check_cursor_meta``)."""
+    return tuple(tuple(o) for o in meta.get("epoch_offsets") or ())
+
+
 def _cursor_of(m: dict[str, Any]) -> Cursor:
     """The cursor a checked record's metadata holds (``check_cursor_meta``)."""
     return Cursor(m["seq"], m["next_index"], m.get("staging"), m.get("exhausted", False),
-                  m.get("fingerprint", {}), recent=_recent(m), epoch_bases=_epoch_bases(m))
+                  m.get("fingerprint", {}), recent=_recent(m), epoch_bases=_epoch_bases(m),
+                  epoch_offsets=_epoch_offsets(m))
 
 
 def check_cursor_meta(meta: dict[str, Any], key: str) -> None:
@@ -145,6 +154,8 @@ def check_cursor_meta(meta: dict[str, Any], key: str) -> None:
         ("exhausted", isinstance(meta.get("exhausted", False), bool)),
         ("fingerprint", isinstance(fp, dict) and type(fp.get("base", 0) or 0) is int),
         ("epoch_bases", _int_list(meta.get("epoch_bases") or ())),
+        ("epoch_offsets", isinstance(meta.get("epoch_offsets") or [], list)
+         and all(_int_list(o) for o in meta.get("epoch_offsets") or [])),
     ) if not ok]
     if problems:
         raise CorruptRecord(f"{key}: cursor metadata has no valid {', '.join(problems)}")
@@ -172,8 +183,9 @@ def read_cursor_state(storage: Storage) -> dict[str, Any] | None:
         state["fingerprint"] = rec.meta.get("fingerprint", {})
         state["exhausted"] = bool(rec.meta.get("exhausted", False))
         state["recent"] = _recent(rec.meta)
-        if rec.meta.get("epoch_bases"):
-            state["epoch_bases"] = list(_epoch_bases(rec.meta))
+        for key in ("epoch_bases", "epoch_offsets", "unread"):
+            if rec.meta.get(key):
+                state[key] = rec.meta[key]
     except (CorruptRecord, NotFound) as exc:
         state["error"] = str(exc)
     return state
@@ -207,8 +219,9 @@ class Feeder:
         self.queue = queue
         self.storage = queue.storage
         self.dataset = dataset
-        self._reader = DatasetCursorReader(dataset)
-        self._history_cache: tuple[float, PromptHistory] | None = None
+        #: the decisions of every release (``strawq.planner``); this class makes them durable
+        self.planner = ReleasePlanner(dataset, queue.config, queue.storage)
+        self._reader = self.planner.reader
         #: rows this feeder's releases skipped by the history's rule (``prompt_policy``)
         self.skipped_total = 0
         self.cursor = self.recover()
@@ -277,8 +290,7 @@ class Feeder:
         extra: dict[str, Any] = {}
         if prev is not None:
             fp = prev.fingerprint or fp
-            if prev.epoch_bases:
-                extra["epoch_bases"] = list(prev.epoch_bases)
+            extra = self.passes(prev).record()
             exhausted = prev.exhausted and prev.next_index == cur.next_index
             self._reader.base = int(fp.get("base", 0) or 0)
         return self._commit(cur.seq + 1, cur.next_index, None, exhausted, repaired=cur.corrupt,
@@ -365,29 +377,38 @@ class Feeder:
         raise CursorContention(17, f"lost the cursor commit {MAX_COMMIT_TRIES} times in a row; "
                                    "other writers keep releasing: retry later")
 
+    def passes(self, cur: Cursor) -> Passes:
+        """The passes over the dataset ``cur`` records (``strawq.planner``)."""
+        return Passes.of(cur.epoch_bases, cur.epoch_offsets, self._reader.base)
+
     def _epochs_left(self, cur: Cursor) -> bool:
         return cur.epoch + 1 < self.queue.config.num_epochs
 
     def _next_epoch(self, cur: Cursor) -> bool:
-        """Start the next pass over the dataset: its row 0 becomes the next task index (new
-        task ids, as ``switch_dataset`` to the same data). False if the commit was lost."""
-        bases = cur.epoch_bases or (self._reader.base,)
+        """Start the next pass over the dataset at the next task index (new task ids, as
+        ``switch_dataset`` to the same data), each mixture source where the pass before left
+        it (``ReleasePlanner.next_pass``). False if the commit was lost."""
+        nxt = self.planner.next_pass(self.passes(cur), cur.next_index)
+        if nxt is None:
+            return False
         self._reader.base = cur.next_index
-        won = self._commit(cur.seq + 1, cur.next_index, None, False,
-                           epoch_bases=[*bases, cur.next_index])
+        won = self._commit(cur.seq + 1, cur.next_index, None, False, **nxt.record())
         if won:
-            log.info("pass %d of %d over %s starts at task index %d", len(bases) + 1,
-                     self.queue.config.num_epochs, self.dataset.url, cur.next_index)
+            log.info("pass %d of %d over %s starts at task index %d%s", nxt.number + 1,
+                     self.queue.config.num_epochs, self.dataset.url, cur.next_index,
+                     f" (sources at rows {list(nxt.offsets[-1])})" if any(nxt.offsets[-1])
+                     else "")
         return won
 
     def _release_after(self, cur: Cursor, n: int) -> tuple[int, int] | None:
         """One release after ``cur``: (rows consumed, rows the history skipped); None when
         another writer won the commit."""
-        rows = self._reader.read(cur.next_index, n)
+        passes = self.passes(cur)
+        rows = self.planner.read(passes, cur.next_index, n)
         recent = self._judge(cur, rows)
         seq = cur.seq + 1
         staging = RELEASES.name(seq, uuid.uuid4().hex[:8])
-        plan = self._plan(cur, rows)
+        plan = self.planner.plan(passes, rows)
         if plan.skips:
             # Before the commit: a crash after it would otherwise leave skips unrecorded (a
             # redo re-records the same rows, counted once: they are keyed by task id).
@@ -405,23 +426,6 @@ class Feeder:
         self.skipped_total += len(plan.skips)
         return got, len(plan.skips)
 
-    def _plan(self, cur: Cursor, rows: list[tuple[int, Row | BadRow]]) -> Plan:
-        """Which good rows to stage, in which order (``strawq.prompt_policy``)."""
-        cfg = self.queue.config
-        good = [i for i, r in rows if not isinstance(r, BadRow)]
-        on = cfg.skip_zero_variance or cfg.longest_first
-        history = self._history() if on and len(cur.epoch_bases) > 1 else None
-        return plan_release(good, cur.epoch_bases, history,
-                            skip_zero_variance=cfg.skip_zero_variance,
-                            revisit_epochs=cfg.zero_variance_revisit_epochs,
-                            longest_first=cfg.longest_first)
-
-    def _history(self) -> PromptHistory:
-        now = time.monotonic()
-        if self._history_cache is None or now - self._history_cache[0] > HISTORY_REFRESH_S:
-            self._history_cache = (now, load_history(self.storage))
-        return self._history_cache[1]
-
     def _judge(self, cur: Cursor, rows: list[tuple[int, Row | BadRow]]) -> tuple[int, int]:
         """The bad-row window after releasing ``rows``; ``BadRowsRefused`` (nothing written
         yet) when they hold more bad rows than ``max_bad_row_share`` allows."""
@@ -436,8 +440,8 @@ class Feeder:
                                  bad, len(rows), cur.next_index)
         return recent
 
-    def _stage(self, rows: list[tuple[int, Row | BadRow]], staging: str,
-               plan: Plan | None = None) -> int:
+    def _stage(self, rows: Rows, staging: str, passes: Passes, plan: Plan | None = None
+               ) -> int:
         """Write ``rows`` as fresh tasks into ``staging/<staging>/`` (bad rows are dropped
         with a record); returns how many were staged. ``plan``: stage only its rows, the
         i-th of its order under the release's i-th order number (claims go in key order)."""
@@ -453,10 +457,7 @@ class Feeder:
                 continue
             name = TaskName(key=queue_key(STAGE_FRESH, 0, order.get(index, index)), id=task_id,
                             gen=0, attempts=0, resume=-1)
-            body: dict[str, Any] = {"task": {"index": index, "id": task_id, "row": row}}
-            source = self.dataset.source_of(index - self._reader.base)
-            if source is not None:  # a mixture's row: its dataset's name (strawq.mixture)
-                body["task"]["source"] = source
+            body = {"task": self.planner.task(passes, index, row)}
             # In place: nobody reads a staging directory before its rename to pending/,
             # which comes after every record in it was written, fsync'd and closed (no
             # temporary file and rename per record: docs/protocol.md §5).
@@ -468,15 +469,23 @@ class Feeder:
                                + ["staging", DIRS[TaskState.DROPPED]])
         return good
 
-    def _stage_and_commit(self, cur: Cursor, rows: list[tuple[int, Row | BadRow]], n: int,
-                          seq: int, staging: str, recent: tuple[int, int], plan: Plan
-                          ) -> int | None:
-        good = self._stage(rows, staging, plan)
+    def _stage_and_commit(self, cur: Cursor, rows: Rows, n: int, seq: int, staging: str,
+                          recent: tuple[int, int], plan: Plan) -> int | None:
+        passes = self.passes(cur)
+        good = self._stage(rows, staging, passes, plan)
         end = rows[-1][0] + 1 if rows else cur.next_index
         exhausted = len(rows) < n
         new = Cursor(seq, end, staging if good else None, exhausted, self._reader.fingerprint,
-                     recent=recent, epoch_bases=cur.epoch_bases)
-        extra: dict[str, Any] = {"epoch_bases": list(cur.epoch_bases)} if cur.epoch_bases else {}
+                     recent=recent, epoch_bases=cur.epoch_bases,
+                     epoch_offsets=cur.epoch_offsets)
+        extra = passes.record()
+        if exhausted and not self._epochs_left(cur):
+            unread = self.planner.unread(passes, end)
+            if unread:  # the stopping strategy ended the run before these rows
+                extra["unread"] = unread
+                log.warning("the last pass over %s ended before these rows of its sources "
+                            "(stopping_strategy): %s", self.dataset.url,
+                            ", ".join(f"{k} rows {a}..{b - 1}" for k, (a, b) in unread.items()))
         if plan.skips:
             extra["skipped_zero_variance"] = len(plan.skips)
         won = self._commit(seq, end, new.staging, exhausted, start=cur.next_index,
@@ -558,11 +567,9 @@ class Feeder:
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor for a trainer checkpoint (resume when the queue state is gone)."""
-        out = {"next_index": self.cursor.next_index, "seq": self.cursor.seq,
-               "fingerprint": self._reader.fingerprint}
-        if self.cursor.epoch_bases:
-            out["epoch_bases"] = list(self.cursor.epoch_bases)
-        return out
+        return {"next_index": self.cursor.next_index, "seq": self.cursor.seq,
+                "fingerprint": self._reader.fingerprint,
+                **self.passes(self.cursor).record()}
 
     def load_state_dict(self, state: dict[str, Any]) -> int:
         """Start releasing at a checkpointed index (only on an empty, fresh queue), and
@@ -578,23 +585,28 @@ class Feeder:
         nxt = int(state["next_index"])
         if not cur.seq:
             self._reader.adopt(state.get("fingerprint") or {}, nxt)
+        bases, offsets = state.get("epoch_bases") or [], state.get("epoch_offsets") or []
+        if not _int_list(bases) or not isinstance(offsets, list) \
+                or not all(_int_list(o) for o in offsets):
+            raise ValueError(f"checkpoint feeder state: epoch_bases must be a list of task "
+                             f"indexes and epoch_offsets a list of lists of rows, got "
+                             f"{bases!r} and {offsets!r}")
+        passes = Passes.of(bases, offsets, self._reader.base)
         again = sorted({int(i) for i in state.get("in_flight") or () if int(i) < nxt})
-        before = [i for i in again if i < self._reader.base]
+        # In flight from any pass over this dataset is released again, each row read in its
+        # own pass; only the prompts of a dataset before a switch are not.
+        before = [i for i in again if i < passes.bases[0]]
         if before:
             log.warning("%d prompts in flight at the checkpoint come from the dataset before "
                         "the switch (indexes %d..%d): they are not released again",
                         len(before), before[0], before[-1])
-            again = [i for i in again if i >= self._reader.base]
+            again = [i for i in again if i >= passes.bases[0]]
         staging = RELEASES.name(1, uuid.uuid4().hex[:8])
-        good = 0 if cur.seq else self._stage(self._rows_at(again), staging)
-        bases = state.get("epoch_bases") or []
-        if not _int_list(bases):
-            raise ValueError(f"checkpoint feeder state: epoch_bases must be a list of task "
-                             f"indexes, got {bases!r}")
-        extra: dict[str, Any] = {"epoch_bases": list(bases)} if bases else {}
+        good = 0 if cur.seq else self._stage(self.planner.rows_at(passes, again), staging,
+                                             passes)
         if cur.seq or not self._commit(1, nxt, staging if good else None, False,
                                        restored_from_checkpoint=True, released_again=good,
-                                       **extra):
+                                       **passes.record()):
             if good:
                 self._discard(staging)
             cur = self.refresh()
@@ -606,19 +618,6 @@ class Feeder:
             self.storage.rmdir(f"staging/{staging}")
         self.refresh()
         return good
-
-    def _rows_at(self, indexes: list[int]) -> list[tuple[int, Row | BadRow]]:
-        """The rows at sorted task ``indexes``, read one contiguous run at a time."""
-        out: list[tuple[int, Row | BadRow]] = []
-        run: list[int] = []
-        for i in [*indexes, -1]:
-            if run and i == run[-1] + 1:
-                run.append(i)
-                continue
-            if run:
-                out += self._reader.read(run[0], len(run))
-            run = [i]
-        return out
 
     def switch_dataset(self, *, start_row: int = 0) -> Cursor:
         """Make this feeder's dataset the run's, on purpose: its row ``start_row`` becomes
@@ -639,9 +638,9 @@ class Feeder:
 
 def preview_release(queue: RunQueue, dataset: Dataset, count: int | None = None, *,
                     max_bad_row_share: float | None = None) -> ReleasePreview:
-    """What ``Feeder(queue, dataset).release(count)`` would release and drop, read-only:
-    the cursor does not move and nothing is written or recovered (``--dry-run``); a
-    release the bad-row bound would refuse is reported as ``refused``."""
+    """What ``Feeder(queue, dataset).release(count)`` would release, skip and drop, per
+    source, read-only: the cursor does not move and nothing is written or recovered
+    (``--dry-run``); a release the bad-row bound would refuse is reported as ``refused``."""
     count = queue.config.release_batch if count is None else count
     share = check_share(queue.config.max_bad_row_share if max_bad_row_share is None
                         else max_bad_row_share)
@@ -651,24 +650,47 @@ def preview_release(queue: RunQueue, dataset: Dataset, count: int | None = None,
     state = read_cursor_state(queue.storage) or {"next_index": 0, "fingerprint": {},
                                                  "exhausted": False}
     fp = dict(state.get("fingerprint") or {})
+    planner = ReleasePlanner(dataset, queue.config, queue.storage)
     exhausted = bool(state.get("exhausted"))
     nxt = int(state["next_index"])
-    passes = max(len(state.get("epoch_bases") or ()), 1)
-    if exhausted and passes < queue.config.num_epochs:
+    passes = Passes.of(state.get("epoch_bases") or (), state.get("epoch_offsets") or (),
+                       int(fp.get("base", 0) or 0))
+    if exhausted and (opened := planner.next_pass(passes, nxt)) is not None:
         # the pass ended, and the next one starts here (``Feeder._next_epoch``)
-        fp["base"], exhausted, passes = nxt, False, passes + 1
+        fp["base"], exhausted, passes = nxt, False, opened
     judge: dict[str, Any] = {"max_share": share, "window": queue.config.release_batch,
                              "recent": state.get("recent") or (0, 0)}
-    got = preview(dataset, fp, nxt, exhausted, count, **judge)
+    got = preview(dataset, fp, nxt, exhausted, count, offsets=passes.offsets[-1], **judge)
+    segments = [(passes, got.start, got.end)]
     taken = got.end - got.start
     if got.refused is None and got.exhausted and taken < count \
-            and passes < queue.config.num_epochs:
+            and (opened := planner.next_pass(passes, got.end)) is not None:
         # the release runs past the end of this pass into the next, as ``release`` does
         rest = preview(dataset, {**fp, "base": got.end}, got.end, False, count - taken,
-                       **judge)
+                       offsets=opened.offsets[-1], **judge)
         kinds = dict(got.kinds)
         for k, v in rest.kinds.items():
             kinds[k] = kinds.get(k, 0) + v
+        segments.append((opened, rest.start, rest.end))
         got = dataclasses.replace(rest, count=count, start=got.start, good=got.good + rest.good,
                                   bad=got.bad + rest.bad, kinds=kinds)
-    return got
+    if got.refused is not None:
+        return got
+    return dataclasses.replace(got, sources=_by_source(planner, segments))
+
+
+def _by_source(planner: ReleasePlanner, segments: list[tuple[Passes, int, int]]
+               ) -> dict[str, dict[str, int]]:
+    """Per source, the rows the release's ``segments`` (one per pass) would release, skip
+    and drop: the planner's decisions on the rows, as ``Feeder.release`` takes them."""
+    out: dict[str, dict[str, int]] = {}
+    for passes, start, end in segments:
+        rows = planner.read(passes, start, end - start)
+        skipped = {s.index for s in planner.plan(passes, rows).skips}
+        for index, row in rows:
+            name = planner.origin(passes, index).source or "dataset"
+            what = "bad" if isinstance(row, BadRow) else "skip" if index in skipped \
+                else "release"
+            counts = out.setdefault(name, {"release": 0, "skip": 0, "bad": 0})
+            counts[what] += 1
+    return out

@@ -20,6 +20,10 @@ A pass ends as Hugging Face's ``interleave_datasets`` names it (``stopping_strat
 * ``all_exhausted``: when every source has given every row once; a source that runs out
   before starts its rows again (oversampled), so the shares hold to the end of the pass.
 
+Each source carries its own row offset across passes (``Mixture.next_offsets``): the next
+pass starts every source where this one left it, which is how the rows that wait are read
+(``strawq.planner`` keeps the offsets in the cursor; rows above are a pass's rows).
+
 The fingerprint names every source's fingerprint, name and integer weight, and the
 strategy: changing a weight is changing the dataset, refused like any other change unless
 it is switched to on purpose (``Feeder.switch_dataset``).
@@ -253,15 +257,70 @@ class Mixture(Dataset):
                                 for k, n in enumerate(lens))
         return self._len
 
+    # -- passes (``strawq.planner``): each source carries its own offset ---------------------
+    def _offs(self, offsets: Sequence[int]) -> tuple[int, ...]:
+        if not offsets:
+            return (0,) * len(self.sources)
+        if len(offsets) != len(self.sources) or any(o < 0 for o in offsets):
+            raise DatasetError(f"mixture pass offsets {list(offsets)} do not fit its "
+                               f"{len(self.sources)} sources")
+        return tuple(offsets)
+
+    def pass_len(self, offsets: Sequence[int] = ()) -> int:
+        """Rows in a pass that starts source ``k`` at its row ``offsets[k]``:
+        ``first_exhausted`` ends it at the first row a source cannot give without starting
+        over, ``all_exhausted`` once every source gave each of its rows once."""
+        offs = self._offs(offsets)
+        if not any(offs) or self.stopping_strategy == "all_exhausted":
+            return len(self)
+        return min(self.layout.position(k, self._len_of(k) - o) for k, o in enumerate(offs))
+
+    def next_offsets(self, offsets: Sequence[int], rows: int) -> tuple[int, ...]:
+        """Each source's first row in the pass after one of ``rows`` rows: where this one
+        left it (rows a pass did not reach come first in the next), from 0 once it ran out."""
+        offs = self._offs(offsets)
+        return tuple((o + self.layout.count(rows, k)) % (self._len_of(k) or 1)
+                     for k, o in enumerate(offs))
+
+    def locate_row(self, row: int, offsets: Sequence[int] = ()) -> tuple[str | None, int]:
+        k, j = self.layout.locate(row)
+        j += self._offs(offsets)[k]
+        if self.stopping_strategy == "all_exhausted":  # (first_exhausted never wraps)
+            j %= self._len_of(k) or 1
+        return self.sources[k].name, j
+
+    def appearances(self, source: str | None, source_row: int, offsets: Sequence[int],
+                    rows: int) -> list[int]:
+        k = next((i for i, s in enumerate(self.sources) if s.name == source), None)
+        if k is None:
+            return []
+        n = self._len_of(k)
+        first = source_row - self._offs(offsets)[k]
+        if self.stopping_strategy == "all_exhausted":
+            first %= n or 1
+        out = []
+        while first >= 0 and (at := self.layout.position(k, first)) < rows:
+            out.append(at)
+            if self.stopping_strategy != "all_exhausted":
+                break
+            first += n
+        return out
+
     def _iter_raw(self, start: int) -> Iterator[tuple[int, Row | BadRow]]:
-        """Mixture rows from ``start`` to the end of the pass: each source read in order,
-        one open iterator per source."""
+        return self.iter_pass(start)
+
+    def iter_pass(self, start: int, offsets: Sequence[int] = ()
+                  ) -> Iterator[tuple[int, Row | BadRow]]:
+        """Mixture rows from ``start`` to the end of the pass that starts source ``k`` at its
+        row ``offsets[k]``: each source read in order, one open iterator per source."""
+        offs = self._offs(offsets)
         wrap = self.stopping_strategy == "all_exhausted"
-        end = len(self) if wrap else None
+        end = self.pass_len(offs) if wrap else None
         its: dict[int, tuple[Iterator[tuple[int, Row | BadRow]], int]] = {}
         i = start
         while end is None or i < end:
             k, j = self.layout.locate(i)
+            j += offs[k]
             if wrap:
                 j %= self._len_of(k) or 1
             it, at = its.get(k, (None, -1))

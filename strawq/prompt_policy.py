@@ -2,9 +2,10 @@
 
 Two admission rules, each off by default (``QueueConfig.skip_zero_variance``,
 ``QueueConfig.longest_first``), for runs of several passes over the dataset
-(``QueueConfig.num_epochs``). Pass ``e`` of dataset row ``r`` is task index
-``base_e + r``, a new task id each pass (``Feeder``); the history of the same row in earlier
-passes is found under the ids ``base_d + r`` of the earlier passes' bases, newest first.
+(``QueueConfig.num_epochs``). A row is a new task id each pass; the history of the same
+row — the same source and row in it — in earlier passes is found under the ids the release
+planner gives (``strawq.planner.ReleasePlanner.earlier_ids``), newest first. Each earlier
+appearance of the row counts as one pass ago.
 
 * **Zero-variance skip.** A row whose newest trained group had two or more rewards, all
   equal (all solved or all failed: no advantage, nothing to learn), is skipped by the next
@@ -29,7 +30,7 @@ release is judged on what gc had recorded by then (a few seconds behind at most)
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,17 +66,11 @@ def _newest_trained(stats: PromptStats) -> dict[str, Any] | None:
     return rows[-1] if rows else None
 
 
-def earlier_ids(index: int, bases: Sequence[int]) -> list[str]:
-    """Task ids of the same dataset row in earlier passes, newest first. ``bases``: every
-    pass's base, oldest first; the last is the current pass's."""
-    row = index - bases[-1]
-    return [dataset_task_id(b + row) for b in reversed(bases[:-1])]
-
-
-def zero_variance_skip(index: int, bases: Sequence[int], history: PromptHistory,
+def zero_variance_skip(index: int, earlier: Sequence[str], history: PromptHistory,
                        revisit_epochs: int) -> Skip | None:
-    """The skip of ``index`` by the zero-variance rule, or None to release it."""
-    for ago, tid in enumerate(earlier_ids(index, bases), start=1):
+    """The skip of ``index`` by the zero-variance rule, or None to release it. ``earlier``:
+    the task ids of the row's earlier appearances, newest first."""
+    for ago, tid in enumerate(earlier, start=1):
         stats = history.get(tid)
         row = _newest_trained(stats) if stats is not None else None
         if row is None:
@@ -87,26 +82,29 @@ def zero_variance_skip(index: int, bases: Sequence[int], history: PromptHistory,
     return None
 
 
-def predicted_length(index: int, bases: Sequence[int], history: PromptHistory) -> float | None:
+def predicted_length(earlier: Sequence[str], history: PromptHistory) -> float | None:
     """The mean response length of the row's newest recorded attempt, or None."""
-    for tid in earlier_ids(index, bases):
+    for tid in earlier:
         stats = history.get(tid)
         if stats is not None and stats.mean_length is not None:
             return stats.mean_length
     return None
 
 
-def plan_release(indexes: Sequence[int], bases: Sequence[int], history: PromptHistory | None,
-                 *, skip_zero_variance: bool, revisit_epochs: int,
-                 longest_first: bool) -> Plan:
-    """The plan for a release of the good rows ``indexes`` (ascending) of the current pass."""
+def plan_release(indexes: Sequence[int], earlier: Callable[[int], Sequence[str]],
+                 history: PromptHistory | None, *, skip_zero_variance: bool,
+                 revisit_epochs: int, longest_first: bool) -> Plan:
+    """The plan for a release of the good rows ``indexes`` (ascending) of the current pass;
+    ``earlier(index)``: the task ids of the row's earlier appearances, newest first (None
+    history: the first pass, nothing to look up)."""
     plan = Plan()
-    if history is None or len(bases) < 2:
+    if history is None:
         plan.order = list(indexes)
         return plan
+    ids = {i: earlier(i) for i in indexes}
     keep = []
     for i in indexes:
-        skip = zero_variance_skip(i, bases, history, revisit_epochs) \
+        skip = zero_variance_skip(i, ids[i], history, revisit_epochs) \
             if skip_zero_variance else None
         if skip is None:
             keep.append(i)
@@ -115,7 +113,7 @@ def plan_release(indexes: Sequence[int], bases: Sequence[int], history: PromptHi
     if not longest_first:
         plan.order = keep
         return plan
-    pred = {i: predicted_length(i, bases, history) for i in keep}
+    pred = {i: predicted_length(ids[i], history) for i in keep}
     fill = history.median_length() or 0.0
     guess = {i: fill if v is None else v for i, v in pred.items()}
     plan.order = sorted(keep, key=lambda i: (-guess[i], i))

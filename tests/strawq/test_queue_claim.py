@@ -29,7 +29,8 @@ def test_release_puts_rows_in_pending_in_dataset_order(storage: Storage,
     assert all(k.startswith("pending/r-") for k in keys)
     assert f.cursor.next_index == 7 and not f.exhausted
     rec = records.decode(storage.read(keys[2]), expect=Kind.TASK)
-    assert rec.meta["task"] == {"index": 2, "id": tid(2), "row": prompts(10)[2]}
+    assert rec.meta["task"] == {"index": 2, "id": tid(2), "row": prompts(10)[2], "pass": 0,
+                                "source_row": 2}
     audit = audit_run(storage)
     assert audit.check([tid(i) for i in range(7)]) == []
     assert audit.counts()["pending"] == 7
