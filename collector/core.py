@@ -41,6 +41,7 @@ from strawq.dataset import Dataset
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound, StorageFull
 from strawq.eta import STALE_REASON, EtaPolicy, publish_policy
 from strawq.feeder import Feeder
+from strawq.planner import Origin
 from strawq.grantor import LeaseMonitor, ScanResult
 from strawq.groups import staleness
 from strawq.names import TaskName, data_key
@@ -170,7 +171,8 @@ class Collector:
         # producers apply it to partial tasks at claim (strawq.eta)
         publish_policy(self.storage, self.policy)
         self.feeder = Feeder(self.queue, self.dataset)
-        self._note_bases()
+        if self.mixing is not None:
+            self.mixing.origin = self._origin
         self.batches.recover()
         self.resume_info = resume
         if resume is not None and resume.path in ("cursor", "fresh") and resume.checkpoint:
@@ -192,11 +194,14 @@ class Collector:
         if seq > 0:  # batch numbers continue after the checkpoint's (names are never reused)
             mark_high_water(self.storage, seq)
 
-    def _note_bases(self) -> None:
-        """Tell the mixture's book where each pass's rows start (they move as passes
-        begin: ``Feeder._next_epoch``)."""
-        if self.mixing is not None and self.feeder is not None:
-            self.mixing.bases = self.feeder.cursor.epoch_bases or (self.feeder.base,)
+    def _origin(self, index: int) -> Origin | None:
+        """Where task ``index`` comes from, over the feeder's current passes (None for an
+        index before the dataset's first pass: a dataset before a switch)."""
+        feeder = self.feeder
+        if feeder is None:
+            return None
+        passes = feeder.passes(feeder.cursor)
+        return feeder.planner.origin(passes, index) if index >= passes.bases[0] else None
 
     def close(self) -> None:
         """Stop cleanly (a successor starts at once) and shut the metrics endpoint."""
@@ -241,7 +246,6 @@ class Collector:
         rep.exhausted = self.feeder.exhausted
         self._form_batches(ready, rep)
         self._admit(rep)
-        self._note_bases()
         self._steps += 1
         self.stale_totals["trained"] += len(rep.stale_trained)
         self.stale_totals["regenerated"] += len(rep.requeued_stale)

@@ -36,6 +36,7 @@ from strawq.dotted import resolve
 from strawq.errors import ConfigError
 from strawq.mixture import Mixture
 from strawq.names import TASK_IDS, TaskName, validate_id
+from strawq.planner import Origin
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +87,17 @@ class MixtureBook:
         self.stale: Counter[str] = Counter()
         #: the sources starved at the last ``starved()``, with the reason
         self.starving: dict[str, str] = {}
-        #: the task index of mixture row 0 in each pass over it, oldest first (the
-        #: feeder's cursor: ``epoch_bases``, or the one base of a run of one pass)
-        self.bases: tuple[int, ...] = (0,)
+        #: where a task index comes from: the release planner's ``origin`` over the
+        #: feeder's passes (``Collector`` sets it once its feeder exists); until then, a
+        #: run of one pass from task index 0
+        self.origin: Callable[[int], Origin | None] = \
+            lambda index: Origin(0, *mixture.locate_row(index))
 
     def source(self, task_id: str) -> str | None:
-        """The source of a dataset task: its row in the pass its index falls in."""
+        """The source of a dataset task (None: not a dataset task, or not yet known)."""
         index = task_index(task_id)
-        base = max((b for b in self.bases if index is not None and b <= index), default=None)
-        return None if index is None or base is None else self.mixture.source_of(index - base)
+        origin = self.origin(index) if index is not None else None
+        return origin.source if origin is not None else None
 
     def max_staleness(self, task_id: str, default: int | None) -> int | None:
         """η for this task's group: its source's, else ``default`` (the run's)."""
