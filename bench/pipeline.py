@@ -3,7 +3,7 @@
     python bench/pipeline.py [--quick] [--workdir DIR] [--steps N] [--sync-steps N]
                              [--modes sync,stream,flow] [--cases standard,long_tail,history,mixture]
                              [--time-scale S] [--flow-windows 9,10] [--history-mode stream]
-                             [--history-rules off,on,skip,longest]
+                             [--history-rules off,on,skip,longest] [--filter-groups PATH]
 
 Two cases (``strawq.demo.lab``, docs/lab.md): ``standard`` = ``LabConfig()`` (48 emulated
 engines x 16 slots, G=16, B=96, a 4 s trainer step, lengths capped at 256 with 3 % at the
@@ -132,13 +132,16 @@ RULE_NAMES = {"skip": "zero-variance skip only", "longest": "longest-first only"
 
 
 def history_case(workdir: str, time_scale: float, mode: str,
-                 rules: tuple[str, ...] = ("off", "on")) -> None:
-    """The history case, one row per rule set: its table, the figures, the lines."""
+                 rules: tuple[str, ...] = ("off", "on"), group_filter: str = "") -> None:
+    """The history case, one row per rule set: its table, the figures, the lines.
+    ``group_filter``: the producers' group filter in every row (the DAPO rule: the skip
+    must see the groups it drops)."""
     cfg = replace(LabConfig(workdir=f"{workdir}/history", progress=False),
-                  time_scale=time_scale, **HISTORY_CASE)
+                  time_scale=time_scale, group_filter=group_filter, **HISTORY_CASE)
     result = run_history_case(cfg, mode, rules)
     print(f"== case history ({mode}, {cfg.steps} steps, {cfg.num_epochs} passes over "
-          f"{cfg.dataset_rows} rows; history {', then '.join(rules)}) ==")
+          f"{cfg.dataset_rows} rows; history {', then '.join(rules)}"
+          f"{f'; filter {group_filter}' if group_filter else ''}) ==")
     print(format_table(result))
     g = history_gain(result)
     for rule in rules:
@@ -200,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the history case's rows: off (the anchor), on (both rules), skip "
                          "(the zero-variance skip alone), longest (longest-first alone); "
                          "default off,on")
+    ap.add_argument("--filter-groups", default="",
+                    help="the history case's producer group filter, a dotted path (e.g. "
+                         "strawq.producers.rewards.zero_variance, DAPO's rule); default none")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="wall s per model s (default 2.5; raise it until stretch is near 1)")
     ap.add_argument("--flow-windows", default="",
@@ -224,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in [c for c in args.cases.split(",") if c]:
         if case == "history":
             history_case(args.workdir, args.time_scale, args.history_mode,
-                         tuple(r for r in args.history_rules.split(",") if r))
+                         tuple(r for r in args.history_rules.split(",") if r),
+                         args.filter_groups)
             continue
         if case == "mixture":
             mixture_case(args.workdir, args.time_scale, args.history_mode,

@@ -149,6 +149,10 @@ class LabConfig(Config):
     skip_zero_variance: bool = False
     zero_variance_revisit_epochs: int = 2
     longest_first: bool = False
+    #: the producers' group filter (``plugins.filter``, a dotted path; "" for none), e.g.
+    #: the DAPO rule ``strawq.producers.rewards.zero_variance``: the history case with it
+    #: on checks that the skip sees the groups the filter drops
+    group_filter: str = ""
     # -- the mixture case (``MIXTURE_CASE``; empty: one dataset) ------------------------------
     #: the mixture's datasets (``strawq.mixture``), each of ``dataset_rows`` rows (or the
     #: run's) with its own seed
@@ -580,7 +584,9 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
         urls = [e.url for e in engines]
         pconfigs = [merge({"run_dir": run_dir, "producer_id": f"lab-{mode}-{i}",
                            "engine": {"workers": urls},
-                           "plugins": {"reward": REWARDS[cfg.reward]},
+                           "plugins": {"reward": REWARDS[cfg.reward],
+                                       **({"filter": cfg.group_filter}
+                                          if cfg.group_filter else {})},
                            "budget": {"slots": budget.slots[i]},
                            "sampling": {"max_new_tokens": cfg.len_cap, "seed": cfg.seed},
                            "timing": {"control_poll_s": cfg.poll_s, "idle_poll_s": cfg.poll_s,
