@@ -100,8 +100,8 @@ def run_status(queue: RunQueue) -> RunStatus:
     out.disk = disk_space(st)
     cursor = read_cursor_state(st)
     if cursor is not None:
-        out.cursor = {k: cursor[k] for k in ("seq", "next_index", "exhausted", "error")
-                      if k in cursor}
+        out.cursor = {k: cursor[k] for k in ("seq", "next_index", "exhausted", "error",
+                                             "unread") if k in cursor}
         passes = queue.config.num_epochs
         if passes > 1:  # the pass it is in (1-based); exhausted only after the last
             done = max(len(cursor.get("epoch_bases") or ()), 1)

@@ -14,6 +14,7 @@ from strawq.history import record_attempts
 from strawq.mixture import Mixture, open_dataset
 from strawq.queue import RunQueue
 from strawq.states import TaskState, names_in
+from strawq.status import run_status
 from tests.collector.helpers import make_run
 
 
@@ -75,6 +76,7 @@ def test_rows_no_pass_reached_are_named_in_the_last_cursor(tmp_path: Path) -> No
     assert max(t["source_row"] for t in tasks if t["source"] == "big") == 7
     state = read_cursor_state(q.storage)
     assert state is not None and state["unread"] == {"big": [8, 12]}
+    assert run_status(q).cursor["unread"] == {"big": [8, 12]}  # strawq status shows it
 
 
 def test_all_exhausted_rotates_the_rows_a_small_source_repeats(tmp_path: Path) -> None:
