@@ -71,8 +71,9 @@ from strawq.producers.trajectory import Trajectory, TrajectoryError, idempotency
 
 if TYPE_CHECKING:
     from strawq.producers.group import GroupRun
-    from strawq.producers.runner import ActiveGroup, GroupRunner
+    from strawq.producers.producer_config import ToolsConfig
     from strawq.producers.sample import Sample
+    from strawq.producers.turn_saver import TurnSaver
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +135,60 @@ class Turn:
     replayed: bool = False
 
 
+class SampleHost(Protocol):
+    """What a generate context reaches of the producer, for one group: the engine's turns,
+    the group's halt, its turn checkpoints, the tools' settings and thread pool, and the
+    producer's counters — and nothing else of the runner (``GroupRunner.host``)."""
+
+    @property
+    def run(self) -> GroupRun | None: ...
+
+    @property
+    def tools(self) -> ToolsConfig: ...
+
+    @property
+    def context_length(self) -> int | None: ...
+
+    @property
+    def turns(self) -> TurnSaver | None: ...
+
+    @property
+    def abandoned(self) -> bool: ...
+
+    def halted(self) -> bool: ...
+
+    def check_halted(self) -> None:
+        """Raise :class:`Halted` when the group's samples must stop."""
+
+    async def generate_turn(self, i: int) -> str:
+        """Generate sample ``i`` until the engine ends the turn (``stop`` / ``length``)."""
+
+    def lose_lease(self, keep: int) -> None:
+        """A newer holder fenced this one: stop everything, persist nothing."""
+
+    def drop_group(self, reason: str, message: str, keep: int) -> None:
+        """Drop the whole group with ``reason`` once its samples stopped."""
+
+    def take_detached(self, key: str) -> asyncio.Future[Any] | None:
+        """The tool call with idempotency ``key`` left running at a pause, if any."""
+
+    def detach(self, key: str, task: asyncio.Future[Any]) -> None:
+        """Leave a tool call running past its sample's halt."""
+
+    def offload(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        """Run a blocking ``fn(*args)`` off the event loop."""
+
+    def bump(self, counter: str, n: int = 1) -> None: ...
+
+    def hop(self, name: str, seconds: float) -> None: ...
+
+
 class GenerateContext:
     """What a generate plugin sees of the producer for one sample."""
 
-    def __init__(self, runner: GroupRunner, active: ActiveGroup, index: int,
-                 version: int) -> None:
-        self._runner = runner
-        self._a = active
-        run = active.run
+    def __init__(self, host: SampleHost, index: int, version: int) -> None:
+        self._host = host
+        run = host.run
         if run is None:
             raise TrajectoryError("a generate context needs a built group")
         self._run: GroupRun = run
@@ -187,7 +234,7 @@ class GenerateContext:
 
     @property
     def remaining_budget(self) -> int:
-        return self.sample.remaining_budget(self._runner.config.engine.generation.context_length)
+        return self.sample.remaining_budget(self._host.context_length)
 
     def token_ids(self) -> list[int]:
         """Prompt + response so far: the next turn's input."""
@@ -236,7 +283,7 @@ class GenerateContext:
     async def _save(self, *, force: bool = False) -> bool:
         """A turn checkpoint (``strawq.producers.turn_saver``); fenced: a newer holder of
         the task stops this group without persisting anything."""
-        saver = self._a.turns
+        saver = self._host.turns
         if saver is None:
             return False
         try:
@@ -248,8 +295,7 @@ class GenerateContext:
                 return await self._save_when_space(saver, exc)
         except LeaseLost as exc:
             log.warning("task %s: %s", self._run.task_id, exc)
-            self._a.abandoned = True
-            self._runner.stop_samples(self._a, keep=self.index, cancel=True)
+            self._host.lose_lease(keep=self.index)
             raise Halted() from None
         except Exception as exc:  # noqa: BLE001 - storage trouble: a missed checkpoint
             if force:
@@ -269,7 +315,7 @@ class GenerateContext:
         while True:
             await asyncio.sleep(wait)
             wait = min(2 * wait, JOURNAL_FULL_RETRY_MAX_S)
-            self._runner.check_halted(self._a)
+            self._host.check_halted()
             try:
                 saved: bool = await saver.boundary(self._run, self._version, force=True)
             except StorageFull:
@@ -306,7 +352,7 @@ class GenerateContext:
             return Turn([int(t) for t in s.response_ids[e["start"]:e["end"]]], str(e["finish"]),
                         replayed=True)
         if e is None:
-            limit = self._runner.config.tools.max_turns
+            limit = self._host.tools.max_turns
             if limit and self.trajectory.turns >= limit:
                 self._end(SampleStatus.TRUNCATED, {"type": "length", "limit": "max_turns"})
         await self._go_live()
@@ -314,10 +360,10 @@ class GenerateContext:
             e = {"op": "gen", "start": s.response_length, "end": None, "finish": None}
             self.trajectory.events.append(e)
         self._pos = len(self.trajectory.events)
-        cap = self._runner.config.tools.max_turn_tokens
+        cap = self._host.tools.max_turn_tokens
         s.turn_limit = int(e["start"]) + cap if cap else None
         try:
-            finish = await self._runner.generate_turn(self._a, self.index)
+            finish = await self._host.generate_turn(self.index)
         finally:
             s.turn_limit = None
         if s.status is SampleStatus.COMPLETED or s.status is SampleStatus.TRUNCATED:
@@ -389,7 +435,7 @@ class GenerateContext:
                 raise TrajectoryError(f"sample {s.uid}: replayed tool call {name!r} differs "
                                       f"from the recorded {e['name']!r}")
             self._pos += 1
-            self._runner.book.bump("tool_calls_replayed")
+            self._host.bump("tool_calls_replayed")
             return e["result"]
         await self._go_live()
         ordinal = len(self.trajectory.tool_calls())
@@ -398,7 +444,7 @@ class GenerateContext:
         journal = self.trajectory.inflight
         interrupted = journal is not None and journal.get("key") == key
         t0, started = time.monotonic(), time.time()
-        detached = self._runner.detached.pop(key, None)
+        detached = self._host.take_detached(key)
         if detached is not None and not detached.cancelled():
             # left running at a pause: its outcome, not a second run
             result, attempt = await detached
@@ -417,62 +463,62 @@ class GenerateContext:
                 raise SampleFailed(f"tool {name!r}: reconcile of the interrupted call {key} "
                                    f"failed: {type(exc).__name__}: {exc}"[:500]) from None
             if outcome is not NOT_APPLIED:
-                self._runner.book.bump("tool_calls_reconciled")
+                self._host.bump("tool_calls_reconciled")
                 return self._record_tool(key, name, args, outcome, 0, t0, started,
                                          reconciled=True)
         elif interrupted:
-            self._runner.book.bump("tool_calls_rerun")
+            self._host.bump("tool_calls_rerun")
         self.trajectory.inflight = {"key": key, "name": name, "args": args,
                                     "idempotent": bool(idempotent), "started": started}
         if not idempotent:  # the journal entry is durable before the call can take effect
             await self._save(force=True)
-        self._runner.check_halted(self._a)
+        self._host.check_halted()
         task = asyncio.ensure_future(self._attempts(name, args, fn, key))
         while True:
             done, _ = await asyncio.wait({task}, timeout=TOOL_HALT_POLL_S)
             if done:
                 break
-            if self._a.abandoned:
+            if self._host.abandoned:
                 task.cancel()
                 raise Halted()
-            if self._runner._halted(self._a) and self.index not in self._run.envs:
+            if self._host.halted() and self.index not in self._run.envs:
                 # it goes on; the resumed trajectory applies its outcome (a call on a
                 # registered environment is waited for: its effect belongs in the snapshot)
-                self._runner.detach(key, task)
-                self._runner.book.bump("tool_calls_detached")
+                self._host.detach(key, task)
+                self._host.bump("tool_calls_detached")
                 raise Halted()
         result, attempt = task.result()
         return self._record_tool(key, name, args, result, attempt, t0, started)
 
     async def _attempts(self, name: str, args: Any, fn: ToolFn, key: str) -> tuple[Any, int]:
         """Run the tool until it succeeds or its tries are spent (``SampleFailed``)."""
-        cfg = self._runner.config
+        tools = self._host.tools
         error = ""
-        for attempt in range(1, cfg.tools.retries + 2):
+        for attempt in range(1, tools.retries + 2):
             try:
                 if is_async(fn):
-                    result = await asyncio.wait_for(fn(args, key), cfg.tools.timeout_s)
+                    result = await asyncio.wait_for(fn(args, key), tools.timeout_s)
                 else:
-                    result = await asyncio.wait_for(self._runner.rewards.call(fn, args, key),
-                                                    cfg.tools.timeout_s)
+                    result = await asyncio.wait_for(self._host.offload(fn, args, key),
+                                                    tools.timeout_s)
                     if inspect.isawaitable(result):
-                        result = await asyncio.wait_for(result, cfg.tools.timeout_s)
+                        result = await asyncio.wait_for(result, tools.timeout_s)
             except TimeoutError:
-                error = f"tool {name!r} timed out after {cfg.tools.timeout_s}s"
+                error = f"tool {name!r} timed out after {tools.timeout_s}s"
             except Exception as exc:  # noqa: BLE001 - a tool's failure is the sample's
                 error = f"tool {name!r} failed: {type(exc).__name__}: {exc}"[:500]
             else:
                 return result, attempt
-            self._runner.book.bump("tool_errors")
+            self._host.bump("tool_errors")
             log.info("sample %s: %s (attempt %d)", self.sample.uid, error, attempt)
-        raise SampleFailed(error, policy=cfg.tools.on_failure)
+        raise SampleFailed(error, policy=tools.on_failure)
 
     def _record_tool(self, key: str, name: str, args: Any, result: Any, attempt: int,
                      t0: float, started: float, *, reconciled: bool = False) -> Any:
         seconds = time.monotonic() - t0
         if not reconciled:
-            self._runner.book.bump("tool_calls")
-            self._runner.book.hop("tool", seconds)
+            self._host.bump("tool_calls")
+            self._host.hop("tool", seconds)
         ev = {"op": "tool", "key": key, "name": name, "args": args, "result": result,
               "attempts": attempt, "seconds": seconds, "started": started}
         if reconciled:
@@ -541,19 +587,21 @@ def load_generate(path: str | None, args: Mapping[str, Any] | None = None) -> Ge
     return fn
 
 
-async def run_plugin(runner: GroupRunner, a: ActiveGroup, i: int, version: int) -> None:
-    """Run the generate plugin on sample ``i`` until it ends or is halted. A failure
-    (tool, plugin bug) ends the sample as failed, or drops the group, or restarts the
-    sample in a fresh environment, per ``tools.on_failure``; :class:`Halted` propagates."""
-    run = a.run
+async def run_plugin(generate_fn: GenerateFn, host: SampleHost, i: int, version: int
+                     ) -> None:
+    """Run the generate plugin on sample ``i`` of ``host``'s group until it ends or is
+    halted. A failure (tool, plugin bug) ends the sample as failed, or drops the group, or
+    restarts the sample in a fresh environment, per ``tools.on_failure``; :class:`Halted`
+    propagates."""
+    run = host.run
     if run is None:
         return
     restarts = 0
     while True:
-        ctx = GenerateContext(runner, a, i, version)
+        ctx = GenerateContext(host, i, version)
         s = run.samples[i]
         try:
-            await runner.generate_fn(ctx)
+            await generate_fn(ctx)
             if not s.is_final:
                 raise SampleFailed("the generate plugin returned without ending the sample "
                                    "(call ctx.finish)")
@@ -563,14 +611,13 @@ async def run_plugin(runner: GroupRunner, a: ActiveGroup, i: int, version: int) 
             await ctx._ended()
             return
         except SampleFailed as exc:
-            if exc.policy == "restart" and restarts < runner.config.tools.retries:
+            if exc.policy == "restart" and restarts < host.tools.retries:
                 restarts += 1
                 run.restart_sample(i)
                 log.info("sample %s: restarting in a fresh environment (%s)", s.uid, exc)
                 continue
             if exc.policy == "drop_group":
-                a.drop = ("tool_error", str(exc))
-                runner.stop_samples(a, keep=i)
+                host.drop_group("tool_error", str(exc), keep=i)
                 raise Halted() from None
             run.fail_sample(i, str(exc))
             return
@@ -581,4 +628,5 @@ async def run_plugin(runner: GroupRunner, a: ActiveGroup, i: int, version: int) 
 
 
 __all__ = ["DEFAULT_GENERATE", "NOT_APPLIED", "Environment", "GenerateContext", "GenerateFn",
-           "Halted", "SampleFailed", "Turn", "load_generate", "run_plugin", "single_turn"]
+           "Halted", "SampleFailed", "SampleHost", "Turn", "load_generate", "run_plugin",
+           "single_turn"]

@@ -314,8 +314,7 @@ class Producer:
                               pid, len(self.handback.orphans))
             finally:
                 await self.guard.close()
-                if self.runner.teacher is not None:
-                    await self.runner.teacher.close()
+                await self.runner.scorer.close()
                 if hb is not None:
                     hb.cancel()
                     await asyncio.gather(hb, return_exceptions=True)
@@ -352,7 +351,7 @@ class Producer:
         except (NotFound, CorruptRecord):
             return
         task = rec.meta.get("task")
-        problem = self.runner.config_problem(task) if isinstance(task, dict) else None
+        problem = self.runner.loader.config_problem(task) if isinstance(task, dict) else None
         if problem is not None:
             raise MisconfiguredProducer(f"producer {self.producer_id} refuses to start, "
                                         f"claiming nothing: {problem.detail}", key=problem.key)

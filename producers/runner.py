@@ -48,17 +48,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from strawq.dataset import prompt_kind
-from strawq.errors import ConfigError, CorruptRecord, LeaseLost, NotFound, StrawqError
-from strawq.eta import STALE_REASON
+from strawq.errors import LeaseLost
 from strawq.groups import GroupData
-from strawq.names import validate_id
 from strawq.queue import Lease, RunQueue
-from strawq.tokenize import FunctionTokenizer
 from strawq.turns import TurnLog, warm_up
 
 from strawq.producers.bracket import EngineAborter
@@ -68,32 +64,22 @@ from strawq.producers.engine_versions import NoFreshEngine, StaleEngine
 from strawq.producers.extras_protocol import ExtrasMismatch
 from strawq.producers.generate import (DEFAULT_GENERATE, GenerateFn, Halted, SampleFailed,
                                        load_generate, run_plugin)
-from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
+from strawq.producers.group import GroupRun, TaskError
+from strawq.producers.group_load import GroupLoader, PastEta
 from strawq.producers.handback import HandBack, MisconfiguredProducer
 from strawq.producers.meter import StatsBook
 from strawq.producers.offload import Offload
-from strawq.producers.plugins import (FilterFn, RewardFn, call_reward, load_filter, load_reward,
-                                      load_tokenizer)
-from strawq.producers.producer_config import ProducerConfig
-from strawq.producers.sample import SampleError, SamplerParams, SampleStatus
+from strawq.producers.producer_config import ProducerConfig, ToolsConfig
+from strawq.producers.sample import SampleError, SampleStatus
 from strawq.producers.sample_step import step_sample
+from strawq.producers.scoring import GroupScorer
 from strawq.producers.slots import SlotHold, SlotPool
-from strawq.producers.teacher import Teacher
 from strawq.producers.turn_saver import TurnSaver
 
 log = logging.getLogger(__name__)
 
 #: tool calls left running at a pause that a producer remembers (``GroupRunner.detach``)
 DETACHED_MAX = 1024
-
-
-class _PastEta(Exception):
-    """A claimed partial is past the η bound and the policy discards it (not an error)."""
-
-    def __init__(self, action: str, version: int) -> None:
-        super().__init__(action)
-        self.action = action
-        self.version = version
 
 
 @dataclass(eq=False)
@@ -122,6 +108,68 @@ class ActiveGroup:
     turns: TurnSaver | None = None
 
 
+class GroupHost:
+    """One group as its generate plugin's context reaches it (``generate.SampleHost``):
+    the runner's engine turns, halts, tool threads and counters, bound to the group."""
+
+    def __init__(self, runner: GroupRunner, active: ActiveGroup) -> None:
+        self._runner = runner
+        self._a = active
+
+    @property
+    def run(self) -> GroupRun | None:
+        return self._a.run
+
+    @property
+    def tools(self) -> ToolsConfig:
+        return self._runner.config.tools
+
+    @property
+    def context_length(self) -> int | None:
+        return self._runner.config.engine.generation.context_length
+
+    @property
+    def turns(self) -> TurnSaver | None:
+        return self._a.turns
+
+    @property
+    def abandoned(self) -> bool:
+        return self._a.abandoned
+
+    def halted(self) -> bool:
+        return self._runner.halted(self._a)
+
+    def check_halted(self) -> None:
+        if self._runner.halted(self._a):
+            raise Halted()
+
+    async def generate_turn(self, i: int) -> str:
+        return await self._runner.generate_turn(self._a, i)
+
+    def lose_lease(self, keep: int) -> None:
+        self._a.abandoned = True
+        self._runner.stop_samples(self._a, keep=keep, cancel=True)
+
+    def drop_group(self, reason: str, message: str, keep: int) -> None:
+        self._a.drop = (reason, message)
+        self._runner.stop_samples(self._a, keep=keep)
+
+    def take_detached(self, key: str) -> asyncio.Future[Any] | None:
+        return self._runner.detached.pop(key, None)
+
+    def detach(self, key: str, task: asyncio.Future[Any]) -> None:
+        self._runner.detach(key, task)
+
+    def offload(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        return self._runner.rewards.call(fn, *args)
+
+    def bump(self, counter: str, n: int = 1) -> None:
+        self._runner.book.bump(counter, n)
+
+    def hop(self, name: str, seconds: float) -> None:
+        self._runner.book.hop(name, seconds)
+
+
 class GroupRunner:
     """Runs every group its producer holds, on the producer's event loop."""
 
@@ -135,19 +183,13 @@ class GroupRunner:
         self.producer_id = producer_id
         self.queue = queue
         self.group_size = group_size
-        self.prompt_key = queue.config.prompt_key
-        self.reward_fn: RewardFn = load_reward(config.plugins.reward, config.plugins.reward_args)
-        self.filter_fn: FilterFn | None = load_filter(config.plugins.filter)
         self.generate_fn: GenerateFn = load_generate(config.plugins.generate,
                                                      config.plugins.generate_args)
-        self.tokenizer = load_tokenizer(config.plugins.tokenizer, config.plugins.tokenizer_args)
-        #: scores final samples for ``teacher_logprobs`` (``strawq.producers.teacher``)
-        teacher_url = config.record.teacher_url
-        self.teacher = None if teacher_url is None else Teacher(teacher_url, config.engine.client)
-        #: rewards see the decoded response ids, not the segments' texts stitched together
-        self.decode: Callable[[list[int]], str] | None = (
-            self.tokenizer.decode if self.tokenizer is not None
-            and not isinstance(self.tokenizer, FunctionTokenizer) else None)
+        #: the group before its first request: version, prefixes or prompt, η, parameters
+        self.loader = GroupLoader(config, queue=queue, group_size=group_size, book=book)
+        self.tokenizer = self.loader.tokenizer
+        #: after a sample's end: teacher, reward; after the group's: the filter
+        self.scorer = GroupScorer(config, threads=rewards, book=book, tokenizer=self.tokenizer)
         self._client = client
         self.pool = pool
         self.handback = handback
@@ -245,96 +287,6 @@ class GroupRunner:
         task.add_done_callback(self._halting.discard)
 
     # -- one group -----------------------------------------------------------------------------
-    def _params(self, task: dict[str, Any], i: int, gen: int = 0) -> SamplerParams:
-        row = task.get("row") if isinstance(task.get("row"), dict) else {}
-        overrides = row.get("sampling_params") if isinstance(row, dict) else None
-        seed = None if self.config.sampling.seed is None else sample_seed(
-            self.config.sampling.seed, int(task.get("index", 0)), i, gen)
-        try:
-            return self.config.sampler_params(overrides, seed)
-        except StrawqError as exc:
-            raise TaskError(f"task {task.get('id')}: {exc}") from exc
-
-    def _load(self, lease: Lease, checkpoint: GroupData | None = None
-              ) -> tuple[int, GroupData | None, list[int] | None]:
-        """I/O thread: the current version and the saved prefixes (a turn checkpoint
-        newer than the partial record, else the partial), or the prompt ids.
-
-        A partial past the η bound under ``regenerate``/``drop`` raises ``_PastEta`` before
-        its prefix is read (``_eta_action``)."""
-        version = self.queue.current_version()
-        if lease.has_partial:
-            action = self._eta_action(lease, version)
-            if action in ("regenerate", "drop"):
-                raise _PastEta(action, version)
-        if checkpoint is not None:
-            return version, checkpoint, None
-        if lease.has_partial:
-            try:
-                return version, self.queue.load_partial(lease), None
-            except (NotFound, CorruptRecord) as exc:
-                log.error("task %s: its partial record is unusable (%s); generating the "
-                          "group afresh", lease.task_id, exc)
-        problem = self.config_problem(lease.task)
-        if problem is not None:
-            raise problem
-        return version, None, prompt_ids_of(lease.task, self.prompt_key, self.tokenizer)
-
-    def config_problem(self, task: dict[str, Any]) -> MisconfiguredProducer | None:
-        """Why this producer's configuration cannot run ``task``'s prompt, or None: a text
-        or chat prompt without a tokenizer, a chat prompt with a text-only one."""
-        row = task.get("row")
-        kind = prompt_kind(row.get(self.prompt_key)) if isinstance(row, dict) else None
-        what = f"task {task.get('id')}: its prompt {self.prompt_key!r} is {kind}"
-        if kind in ("text", "chat") and self.tokenizer is None:
-            return MisconfiguredProducer(f"{what} but this producer has no tokenizer",
-                                         key="plugins.tokenizer (e.g. 'hf:<model dir>')")
-        if kind == "chat" and isinstance(self.tokenizer, FunctionTokenizer):
-            return MisconfiguredProducer(
-                f"{what} but the tokenizer {self.config.plugins.tokenizer} is a plain "
-                "(text) -> ids function with no chat template",
-                key="plugins.tokenizer (a chat tokenizer, e.g. 'hf:<model dir>')")
-        return None
-
-    def _eta_action(self, lease: Lease, version: int) -> str | None:
-        """The η policy's verdict on a claimed partial (``strawq.eta``): None within η (or
-        with no published policy); ``train`` is resumed here and counted."""
-        policy = self.queue.eta_policy()
-        action = None if policy is None else policy.partial_action(
-            # the cap on regeneration cycles counts this task's generations, not its
-            # failures (TaskName.regenerations: a regeneration spends no attempt)
-            version, lease.name.version, attempts=lease.name.regenerations + 1,
-            max_attempts=self.queue.config.max_attempts)
-        if action == "train":
-            self.book.bump("partials_over_eta")
-            log.info("task %s: its prefix (oldest version %d) is past eta %s at version %d; "
-                     "resumed (eta_mode=train)", lease.task_id, lease.name.version,
-                     policy.max_staleness if policy else None, version)
-        return action
-
-    async def _past_eta(self, lease: Lease, past: _PastEta) -> None:
-        """Hand back a claimed partial past η before a token is spent on it."""
-        policy = self.queue.eta_policy()
-        eta = policy.max_staleness if policy is not None else None
-        behind = past.version - lease.name.version
-        msg = (f"partial prefix at version {lease.name.version} is {behind} versions behind "
-               f"version {past.version}, past eta {eta}")
-        log.info("task %s: %s; %s (eta_mode=%s)", lease.task_id, msg,
-                 "dropped" if past.action == "drop" else "generated afresh", past.action)
-        if past.action == "drop":
-            await self.handback.drop(lease, STALE_REASON, msg)
-        else:
-            await self.handback.regenerate(lease, STALE_REASON, msg)
-
-    def _build(self, lease: Lease, partial: GroupData | None,
-               prompt: list[int] | None) -> GroupRun:
-        if partial is not None:
-            return GroupRun.from_partial(lease, partial, lambda i: self._params(lease.task, i))
-        if prompt is None:
-            raise TaskError(f"task {lease.task_id}: neither a partial nor a prompt to run")
-        return GroupRun.fresh(lease, prompt, [self._params(lease.task, i, lease.gen)
-                                              for i in range(self.group_size)])
-
     async def _turn_checkpoint(self, a: ActiveGroup) -> GroupData | None:
         """Fence the task's older holders and load their last turn checkpoint (None when
         there is none or turn checkpoints are off); ``LeaseLost`` when a newer one holds
@@ -369,11 +321,12 @@ class GroupRunner:
                     self.book.bump("leases_lost")
                     log.warning("task %s: %s", lease.task_id, exc)
                     return
-                version, partial, prompt = await self.io.call(self._load, lease, checkpoint)
-                run = self._build(lease, partial, prompt)
+                version, partial, prompt = await self.io.call(self.loader.load, lease,
+                                                              checkpoint)
+                run = self.loader.build(lease, partial, prompt)
                 run.want_extras(self.config.record.extras, self.config.record.routed_experts_shape)
-            except _PastEta as past:
-                await self._past_eta(lease, past)
+            except PastEta as past:
+                await self.loader.past_eta(lease, past, self.handback)
                 return
             except MisconfiguredProducer as exc:
                 await self.handback.refuse(lease, exc)
@@ -416,25 +369,21 @@ class GroupRunner:
             log.info("task %s: prefix warm-up failed (%s); the samples go ahead", run.task_id,
                      exc)
 
-    def _halted(self, a: ActiveGroup) -> bool:
+    def halted(self, a: ActiveGroup) -> bool:
+        """The group's samples must stop (parked, given up, failed, dropped, pausing)."""
         return (a.parking or a.abandoned or a.fault is not None or a.drop is not None
                 or self._pausing())
-
-    def check_halted(self, a: ActiveGroup) -> None:
-        """Raise :class:`Halted` when the sample must stop (the generate plugin's calls)."""
-        if self._halted(a):
-            raise Halted()
 
     async def _run_sample(self, a: ActiveGroup, i: int) -> None:
         run = a.run
         if run is None:
             return
         freed = False
-        if not await self.pool.acquire(a.hold, lambda: self._halted(a)):
+        if not await self.pool.acquire(a.hold, lambda: self.halted(a)):
             return
         try:
             try:
-                await run_plugin(self, a, i, a.version)
+                await run_plugin(self.generate_fn, GroupHost(self, a), i, a.version)
             except Halted:
                 return
             self.pool.release(a.hold)
@@ -443,7 +392,7 @@ class GroupRunner:
             self.book.bump("samples_finished")
             if i not in run.failures:
                 try:
-                    await self._score(run, i)
+                    await self.scorer.score(run, i)
                 except MisconfiguredProducer as exc:
                     a.fault = exc
                     self.stop_samples(a, keep=i)
@@ -462,7 +411,8 @@ class GroupRunner:
         failures = 0
         context_length = self.config.engine.generation.context_length
         while not s.is_final:
-            self.check_halted(a)
+            if self.halted(a):
+                raise Halted()
             rid = run.next_rid(self.producer_id, i)
             a.live_rids.add(rid)  # the client adds each wire rid it sends (retries too)
             if not a.generating:
@@ -508,34 +458,11 @@ class GroupRunner:
             self.book.bump("tokens_generated", len(res.output_ids))
             if res.deadline_abort:  # cut at the segment deadline: resume from its tokens
                 self.book.bump("segment_deadlines")
-            elif res.is_abort and not self._halted(a):
+            elif res.is_abort and not self.halted(a):
                 # Aborted by someone else (an operator, an engine-side pause): resume.
                 self.book.bump("unexpected_aborts")
                 await asyncio.sleep(min(0.05 * run.requests[i], 1.0))
         return "stop" if s.status is SampleStatus.COMPLETED else "length"
-
-    async def _score(self, run: GroupRun, i: int) -> None:
-        """Reward one final sample; an error is recorded on it, never raised — except a
-        ``ConfigError`` or ``ImportError`` of the plugin (this producer's configuration or
-        installation): ``MisconfiguredProducer``. With a teacher, its log-probs first (a
-        failure there fails the sample)."""
-        if self.teacher is not None and not await self.teacher.score(run, i):
-            return
-        s = run.samples[i]
-        try:
-            run.rewards[i] = await call_reward(self.reward_fn, self.rewards, run.lease.task,
-                                               [int(t) for t in s.response_ids],
-                                               run.sample_meta(i), self.decode)
-            run.reward_errors.pop(i, None)
-        except (ConfigError, ImportError) as exc:
-            raise MisconfiguredProducer(
-                f"task {run.task_id}: the reward plugin {self.config.plugins.reward} cannot "
-                f"run here: {type(exc).__name__}: {exc}", key="plugins.reward") from exc
-        except Exception as exc:  # noqa: BLE001 - a plugin's failure is the sample's
-            run.rewards[i] = None
-            run.reward_errors[i] = f"{type(exc).__name__}: {exc}"[:500]
-            self.book.bump("reward_errors")
-            log.warning("task %s sample %d: reward failed: %s", run.task_id, i, exc)
 
     # -- settling --------------------------------------------------------------------------
     async def _settle(self, a: ActiveGroup, version: int) -> None:
@@ -559,14 +486,11 @@ class GroupRunner:
                 producer=self.producer_id, version_hint=version, partial=False).summary())
             return
         if run.all_final:
-            for i in range(run.size):
-                if run.rewards[i] is None and i not in run.reward_errors and (
-                        i not in run.failures):
-                    try:
-                        await self._score(run, i)
-                    except MisconfiguredProducer as exc:
-                        await self.handback.refuse(a.lease, exc)
-                        return
+            try:
+                await self.scorer.score_missing(run)
+            except MisconfiguredProducer as exc:
+                await self.handback.refuse(a.lease, exc)
+                return
             await self._finish(run, version)
             if a.final_at is not None:
                 self.book.hop("final_to_ready", self.clock() - a.final_at)
@@ -597,27 +521,9 @@ class GroupRunner:
         self.backoff_until = max(self.backoff_until, self.clock() + delay)
         return delay
 
-    def _drop_reason(self, run: GroupRun) -> tuple[str | None, str]:
-        """The filter's verdict (a failing filter keeps the group), or ``reward_error``
-        when no reward succeeded."""
-        reason: str | None = None
-        if self.filter_fn is not None:
-            try:
-                reason = self.filter_fn(run.lease.task, run.rewards_for_filter())
-                if reason is not None:
-                    validate_id(reason, "filter drop reason")
-            except Exception as exc:  # noqa: BLE001 - keep the group, note the failure
-                log.warning("task %s: filter failed (%s); keeping the group", run.task_id, exc)
-                reason = None
-        if reason is None and run.size and not run.rewards_for_filter():
-            if not run.reward_errors:
-                return "sample_failed", "; ".join(sorted(set(run.failures.values())))
-            return "reward_error", "; ".join(sorted(set(run.reward_errors.values())))
-        return reason, ""
-
     async def _finish(self, run: GroupRun, version: int) -> None:
         self._faults_in_row = 0
-        reason, message = self._drop_reason(run)
+        reason, message = self.scorer.drop_reason(run)
         group = run.to_group(producer=self.producer_id, version_hint=version, partial=False,
                              mask_offpolicy=self.config.record.mask_offpolicy_in_partial_rollout)
         if reason is not None:

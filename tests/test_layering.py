@@ -279,7 +279,6 @@ def _a_cycle(graph: dict[str, set[str]], comp: list[str]) -> str:
 #: these once it is gone (take it off the list).
 KNOWN_CYCLES = [
     ["strawq.demo.lab", "strawq.demo.lab_report"],
-    ["strawq.producers.generate", "strawq.producers.runner"],
 ]
 
 

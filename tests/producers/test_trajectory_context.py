@@ -2,82 +2,86 @@
 context length, ending the sample during the replay raises, and tool idempotency keys name
 the lease generation the trajectory started under.
 
-A stand-in runner gives the context what it reads (config, counters, tool threads) and a
-``generate_turn`` that appends scripted tokens the way a segment does.
+A stand-in host (``SampleHost``, all a context reaches of the producer) gives it the tools'
+settings, inline threads and a ``generate_turn`` that appends scripted tokens the way a
+segment does.
 """
 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 
-from strawq.producers.producer_config import (EngineConfig, GenerationConfig, PluginsConfig,
-                                              ProducerConfig, ToolsConfig)
+from strawq.producers.producer_config import ToolsConfig
 from strawq.names import TaskName
-from strawq.producers.generate import GenerateContext, run_plugin
+from strawq.producers.generate import GenerateContext, SampleHost, run_plugin
 from strawq.producers.group import GroupRun
 from strawq.producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE,
                                      SamplerParams, SampleStatus)
 from strawq.producers.trajectory import Trajectory, TrajectoryError, idempotency_key
+from strawq.producers.turn_saver import TurnSaver
 from strawq.queue import Lease
 
 PROMPT = [11, 12, 13, 14, 15]
 
 
-class _Book:
-    def bump(self, *_: Any) -> None:
-        pass
+class Host:
+    """A ``SampleHost`` for one group without a producer: the tools' settings, threads
+    that run inline, and a ``generate_turn`` that appends scripted tokens the way a
+    segment does."""
 
-    def hop(self, *_: Any) -> None:
-        pass
-
-
-class _Threads:
-    async def call(self, fn: Any, *args: Any) -> Any:
-        return fn(*args)
-
-
-class Runner:
-    """What ``GenerateContext`` and ``run_plugin`` use of a ``GroupRunner``."""
-
-    def __init__(self, plugin: Any = None, *, context_length: int | None = None,
+    def __init__(self, run: GroupRun, *, context_length: int | None = None,
                  turns: list[list[int]] | None = None) -> None:
-        self.config = ProducerConfig(
-            run_dir="unused",
-            engine=EngineConfig(workers=("http://127.0.0.1:9",),
-                                generation=GenerationConfig(context_length=context_length)),
-            plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
-            tools=ToolsConfig(retries=0, timeout_s=5.0, on_failure="fail_sample"))
-        self.book = _Book()
-        self.rewards = _Threads()
-        self.generate_fn = plugin
-        self.turns = list(turns or [])
+        self.run = run
+        self.tools = ToolsConfig(retries=0, timeout_s=5.0, on_failure="fail_sample")
+        self.context_length = context_length
+        self.turns: TurnSaver | None = None
+        self.abandoned = False
+        self.scripted = list(turns or [])
         self.engine_calls = 0
+        self.dropped: tuple[str, str] | None = None
+        self.detached: dict[str, asyncio.Future[Any]] = {}
 
-    def check_halted(self, _a: Any) -> None:
-        pass
-
-    def _halted(self, _a: Any) -> bool:
+    def halted(self) -> bool:
         return False
 
-    detached: dict[str, Any] = {}
-
-    def stop_samples(self, *_: Any, **__: Any) -> None:
+    def check_halted(self) -> None:
         pass
 
-    async def generate_turn(self, a: Any, i: int) -> str:
+    def lose_lease(self, keep: int) -> None:
+        self.abandoned = True
+
+    def drop_group(self, reason: str, message: str, keep: int) -> None:
+        self.dropped = (reason, message)
+
+    def take_detached(self, key: str) -> asyncio.Future[Any] | None:
+        return self.detached.pop(key, None)
+
+    def detach(self, key: str, task: asyncio.Future[Any]) -> None:
+        self.detached[key] = task
+
+    async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
+
+    def bump(self, counter: str, n: int = 1) -> None:
+        pass
+
+    def hop(self, name: str, seconds: float) -> None:
+        pass
+
+    async def generate_turn(self, i: int) -> str:
         """One scripted turn (its tokens get loss mask 1, version 0), cut to the budget."""
         self.engine_calls += 1
-        s = a.run.samples[i]
-        budget = s.remaining_budget(self.config.engine.generation.context_length)
+        s = self.run.samples[i]
+        budget = s.remaining_budget(self.context_length)
         if budget == 0:
             s.finish_without_request()
             return "length"
-        ids = np.asarray(self.turns.pop(0)[:budget], dtype=TOKEN_DTYPE)
+        ids = np.asarray(self.scripted.pop(0)[:budget], dtype=TOKEN_DTYPE)
         s.response_ids = np.concatenate([s.response_ids, ids])
         s.logprobs = np.concatenate([s.logprobs, np.full(len(ids), -0.5, LOGPROB_DTYPE)])
         s.versions = np.concatenate([s.versions, np.zeros(len(ids), VERSION_DTYPE)])
@@ -86,14 +90,14 @@ class Runner:
         return "stop"
 
 
+def _host(h: Host) -> SampleHost:
+    return h  # (type-checked: Host is a SampleHost)
+
+
 def lease(gen: int = 0, resume: int = -1) -> Lease:
     name = TaskName(key=f"{0:012d}.{0:012d}", id="i000000000000", gen=gen, attempts=1,
                     resume=resume, producer="p0")
     return Lease(name, {"id": "i000000000000", "index": 0, "row": {"prompt": PROMPT}})
-
-
-def active(run: GroupRun) -> Any:
-    return SimpleNamespace(run=run, drop=None, turns=None, abandoned=False)
 
 
 def fresh(max_new: int = 100, *, gen: int = 0, resume: int = -1) -> GroupRun:
@@ -117,9 +121,9 @@ def test_an_append_respects_the_context_length(n_append: int, fits: bool) -> Non
         await ctx.generate()
         ctx.finish("completed")
 
-    runner = Runner(agent, context_length=20, turns=[[7] * 10, [8] * 10])
     g = fresh()
-    run(run_plugin(runner, active(g), 0, 0))  # type: ignore[arg-type]
+    host = Host(g, context_length=20, turns=[[7] * 10, [8] * 10])
+    run(run_plugin(agent, host, 0, 0))
     s = g.samples[0]
     assert len(PROMPT) + s.response_length <= 20 - 1  # docs/design.md, invariant 4
     g.trajectories[0].check(s.response_length, s.loss_mask)
@@ -131,7 +135,7 @@ def test_an_append_respects_the_context_length(n_append: int, fits: bool) -> Non
         assert s.finish_reason == {"type": "length", "limit": "context_length",
                                    "tokens": n_append}
         assert [e["op"] for e in g.trajectories[0].events] == ["gen"]
-        assert runner.engine_calls == 1
+        assert host.engine_calls == 1
 
 
 def test_the_response_budget_is_still_the_append_limit() -> None:
@@ -141,8 +145,7 @@ def test_the_response_budget_is_still_the_append_limit() -> None:
         ctx.finish("completed")
 
     g = fresh(max_new=12)
-    run(run_plugin(Runner(agent, context_length=1000, turns=[[7] * 10]),  # type: ignore[arg-type]
-                   active(g), 0, 0))
+    run(run_plugin(agent, Host(g, context_length=1000, turns=[[7] * 10]), 0, 0))
     s = g.samples[0]
     assert s.response_length == 10 and s.finish_reason["limit"] == "append"
 
@@ -174,13 +177,13 @@ def test_finish_during_the_replay_raises_and_the_aborted_turn_is_never_complete(
         ctx.finish("completed")                    # but turn 2 was cut by an abort
 
     g = aborted_mid_second_turn()
-    ctx = GenerateContext(Runner(), active(g), 0, 0)  # type: ignore[arg-type]
+    ctx = GenerateContext(Host(g), 0, 0)
     with pytest.raises(TrajectoryError, match="during the replay.*aborted turn"):
         run(early(ctx))
     assert g.samples[0].status is SampleStatus.ABORTED
 
     g = aborted_mid_second_turn()
-    run(run_plugin(Runner(early), active(g), 0, 0))  # type: ignore[arg-type]
+    run(run_plugin(early, Host(g), 0, 0))
     s = g.samples[0]
     assert s.status is not SampleStatus.COMPLETED and 0 in g.failures  # never trained
     assert "during the replay" in g.failures[0]
@@ -192,7 +195,7 @@ def test_fail_during_the_replay_raises() -> None:
         ctx.fail("environment gone")  # the record says a tool call came next
 
     g = aborted_mid_second_turn()
-    ctx = GenerateContext(Runner(), active(g), 0, 0)  # type: ignore[arg-type]
+    ctx = GenerateContext(Host(g), 0, 0)
     with pytest.raises(TrajectoryError, match=r"fail\('environment gone'\) during the replay"):
         run(flaky(ctx))
 
@@ -206,12 +209,12 @@ def test_a_plugin_that_replays_everything_finishes_normally() -> None:
         ctx.finish("completed")
 
     g = aborted_mid_second_turn()
-    runner = Runner(agent, turns=[[8, 8, 2]])
-    run(run_plugin(runner, active(g), 0, 0))  # type: ignore[arg-type]
+    host = Host(g, turns=[[8, 8, 2]])
+    run(run_plugin(agent, host, 0, 0))
     s = g.samples[0]
     assert s.status is SampleStatus.COMPLETED and not g.failures
     assert s.response_ids.tolist() == [7, 7, 7, 100, 101, 8, 8, 8, 8, 2]
-    assert runner.engine_calls == 1
+    assert host.engine_calls == 1
 
 
 # -- finding: idempotency keys and the lease generation -------------------------------------
@@ -222,7 +225,7 @@ def tool_key(g: GroupRun) -> str:
         await ctx.call_tool("reset", {"env": "box"}, lambda a, k: seen.append(k) or "ok")
         ctx.finish("completed")
 
-    run(run_plugin(Runner(agent), active(g), 0, 0))  # type: ignore[arg-type]
+    run(run_plugin(agent, Host(g), 0, 0))
     assert len(seen) == 1 and g.trajectories[0].tool_calls()[0]["key"] == seen[0]
     return seen[0]
 
