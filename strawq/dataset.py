@@ -22,9 +22,11 @@ dataset whose fingerprint differs from the run's (``docs/datasets.md``).
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import logging
 import posixpath
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +40,10 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("jsonl", "parquet")
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+              ".jsonl.gz": "jsonl", ".json.gz": "jsonl", ".ndjson.gz": "jsonl",
               ".parquet": "parquet", ".pq": "parquet"}
+#: the compression an extension ending names (read through fsspec's codec of that name)
+COMPRESSIONS = {".gz": "gzip"}
 _GLOB_CHARS = "*?["
 
 
@@ -77,8 +82,16 @@ Row = dict[str, Any]
 
 
 def format_of(path: str) -> str | None:
-    """The format a shard's extension names, or None."""
-    return EXTENSIONS.get(posixpath.splitext(path)[1].lower())
+    """The format a shard's extension names (``.jsonl.gz`` names JSONL), or None."""
+    stem, ext = posixpath.splitext(path.lower())
+    if ext in COMPRESSIONS:
+        ext = posixpath.splitext(stem)[1] + ext
+    return EXTENSIONS.get(ext)
+
+
+def compression_of(path: str) -> str | None:
+    """The compression a shard's extension names (``"gzip"`` for ``.gz``), or None."""
+    return COMPRESSIONS.get(posixpath.splitext(path.lower())[1])
 
 
 def prompt_kind(prompt: Any) -> str | None:
@@ -147,17 +160,25 @@ def _check_row(index: int, row: Any, prompt_key: str, where: str) -> Row | BadRo
 class Shard:
     path: str  # the filesystem's path
     rel: str  # relative to the dataset's root: what the fingerprint names
-    size: int
+    size: int  # bytes on the filesystem (compressed, for a compressed shard)
     fmt: str
+    #: the codec the file is read through (``"gzip"``: a ``.jsonl.gz`` file), or None
+    compression: str | None = None
+
+
+def _shard(path: str, rel: str, size: int, fmt: str) -> Shard:
+    """A shard; a JSONL file whose name ends in ``.gz`` is read through gzip."""
+    return Shard(path, rel, size, fmt, compression_of(path) if fmt == "jsonl" else None)
 
 
 class Dataset:
     """Sequential-by-cursor reader over JSONL or Parquet shards (any fsspec URL).
 
     ``url`` is one file, a directory (every ``.jsonl/.json/.ndjson/.parquet/.pq`` file
-    below it, hidden and ``_``-prefixed names skipped) or a glob (``data/train-*.parquet``).
-    Shards are read in sorted path order. ``fmt`` forces the format of every shard;
-    otherwise each shard's extension decides, and other extensions (``.csv``) are refused.
+    below it, and the JSONL ones gzip'd as ``.jsonl.gz`` etc., hidden and ``_``-prefixed
+    names skipped) or a glob (``data/train-*.parquet``). Shards are read in sorted path
+    order. ``fmt`` forces the format of every shard; otherwise each shard's extension
+    decides, and other extensions (``.csv``) are refused.
     """
 
     def __init__(self, url: str, *, prompt_key: str = "prompt", fmt: str | None = None) -> None:
@@ -210,7 +231,7 @@ class Dataset:
                         " and Parquet (.parquet, .pq); pass fmt='jsonl' or fmt='parquet' if "
                         "the file is one of those (CSV is not supported: convert it)")
                 rel = posixpath.basename(path)
-                return [Shard(path, rel, int(info.get("size") or 0), sfmt)]
+                return [_shard(path, rel, int(info.get("size") or 0), sfmt)]
             root = path
             found = fs.find(path, detail=True)
         shards = []
@@ -223,7 +244,7 @@ class Dataset:
             sfmt = fmt or format_of(p)
             if sfmt is None:
                 continue
-            shards.append(Shard(p, rel, int(info.get("size") or 0), sfmt))
+            shards.append(_shard(p, rel, int(info.get("size") or 0), sfmt))
         if not shards:
             raise DatasetError(f"dataset {url!r} has no JSONL or Parquet files "
                                f"({', '.join(EXTENSIONS)})")
@@ -241,8 +262,20 @@ class Dataset:
                 raise DatasetError(f"{shard.path}: not a readable Parquet file: its footer "
                                    f"says {n} rows")
             return n
-        with self._fs.open(shard.path, "rb") as f:
-            return sum(1 for raw in f if raw.strip())
+        return sum(1 for raw in self._lines(shard) if raw.strip())
+
+    def _lines(self, shard: Shard) -> Iterator[bytes]:
+        """A JSONL shard's lines, through its codec (a ``.jsonl.gz`` reads as JSONL); a
+        compressed file that cannot be decompressed is a ``DatasetError`` naming it."""
+        try:
+            with self._fs.open(shard.path, "rb", compression=shard.compression) as f:
+                yield from f
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            if shard.compression is None:
+                raise
+            raise DatasetError(f"{shard.path}: not a readable {shard.compression} file "
+                               f"({exc}): a truncated or damaged export? Fix or replace "
+                               "it") from exc
 
     def _parquet_meta(self, shard: Shard) -> Any:
         import pyarrow.parquet as pq
@@ -270,24 +303,23 @@ class Dataset:
     def _iter_jsonl(self, shard: Shard, base: int, start: int) -> _Counted:
         def gen(c: _Counted) -> Iterator[tuple[int, Row | BadRow]]:
             index = base
-            with self._fs.open(shard.path, "rb") as f:
-                for lineno, raw in enumerate(f, 1):
-                    line = raw.strip()
-                    if not line:
-                        continue  # blank lines are not rows
-                    if index >= start:
-                        where = f"{shard.path} line {lineno}"
-                        try:
-                            got: Row | BadRow = _check_row(index, json.loads(line),
-                                                           self.prompt_key, where)
-                        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                            got = BadRow(index, f"{where}: invalid JSON: {exc}",
-                                         cause="invalid JSON")
-                        if isinstance(got, BadRow):
-                            got = dataclasses.replace(got, shard=shard.path, line=lineno)
-                        yield index, got
-                    index += 1
-                    c.end = index
+            for lineno, raw in enumerate(self._lines(shard), 1):
+                line = raw.strip()
+                if not line:
+                    continue  # blank lines are not rows
+                if index >= start:
+                    where = f"{shard.path} line {lineno}"
+                    try:
+                        got: Row | BadRow = _check_row(index, json.loads(line),
+                                                       self.prompt_key, where)
+                    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                        got = BadRow(index, f"{where}: invalid JSON: {exc}",
+                                     cause="invalid JSON")
+                    if isinstance(got, BadRow):
+                        got = dataclasses.replace(got, shard=shard.path, line=lineno)
+                    yield index, got
+                index += 1
+                c.end = index
         return _Counted(gen, base)
 
     def _iter_parquet(self, shard: Shard, base: int, start: int) -> _Counted:

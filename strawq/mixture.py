@@ -204,7 +204,7 @@ class Mixture(Dataset):
         #: each source's share of the mixture's rows, as the layout gives it
         self.weights = {s.name: w / total for s, w in zip(self.sources, self.layout.weights,
                                                           strict=True)}
-        self.shards = [Shard(sh.path, f"{s.name}/{sh.rel}", sh.size, sh.fmt)
+        self.shards = [Shard(sh.path, f"{s.name}/{sh.rel}", sh.size, sh.fmt, sh.compression)
                        for s, d in zip(self.sources, self.datasets, strict=True)
                        for sh in d.shards]
         digest = xxhash.xxh3_64()
