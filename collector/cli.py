@@ -38,6 +38,10 @@ A release that would drop more than the run's max_bad_row_share of its rows as b
 without the run's prompt_key, say) stops the collector with exit status 1 and a message
 naming the cause; nothing is released and the dataset cursor does not move.
 
+A DATASET without rows (an empty file, a Parquet file of 0 rows, a shard set of such files,
+a mixture with such a source), or one the run's cursor does not count over, is refused with
+exit status 1 before anything is written: no run is created (docs/datasets.md).
+
 Resume: with the queue intact everything on disk survives. If the run directory holds no
 readable queue, --checkpoint (the trainer's BatchReader.state_dict() as JSON) supplies the
 dataset cursor, weight version and batch number; without it the run starts at row 0. A run

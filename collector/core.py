@@ -33,11 +33,11 @@ from strawq.collector.trainer.metrics import MetricsSink, dropped_metric
 from strawq.collector.mixing import MixtureBook, mixture_book
 from strawq.collector.ordering import StalenessOrder, group_advantages
 from strawq.collector.trainer.packing import BufferPool, PackReport, RecordFile, pack_batch
-from strawq.collector.resume import ResumeInfo, open_queue
+from strawq.collector.resume import ResumeInfo, open_queue, run_cursor
 from strawq.batches import BatchStore, GcReport, delivered, mark_high_water
 from strawq.config import QueueConfig
 from strawq.engine_weights import EngineWeights
-from strawq.dataset import Dataset
+from strawq.dataset import Dataset, check_binding
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound, StorageFull
 from strawq.eta import STALE_REASON, EtaPolicy, publish_policy
 from strawq.feeder import Feeder
@@ -150,7 +150,12 @@ class Collector:
              queue_config: QueueConfig | None = None,
              checkpoint: Mapping[str, Any] | None = None, wait: bool = True,
              fsync: bool = True, **kwargs: Any) -> Collector:
-        """Open (or create) the run at ``path``, take the fence, recover, apply a resume path."""
+        """Open (or create) the run at ``path``, take the fence, recover, apply a resume path.
+
+        First, before anything is written (no run is created): ``EmptyDataset`` for a
+        dataset without rows, ``DatasetMismatch`` for one the run's cursor does not count
+        over (``strawq.dataset.check_binding``)."""
+        check_binding(dataset, run_cursor(path))
         queue, info = open_queue(path, queue_config=queue_config, checkpoint=checkpoint,
                                  writer_id=kwargs.get("owner", "collector"), fsync=fsync)
         col = cls(queue, dataset, config, **kwargs)

@@ -17,6 +17,9 @@ The *fingerprint* names what the cursor counts over: the shards' paths (relative
 dataset's root), their sizes and the format, digested. It does not depend on the URL, so
 the same files under another mount point match; the feeder refuses to release from a
 dataset whose fingerprint differs from the run's (``docs/datasets.md``).
+
+A dataset that holds no row (a failed export) is refused before it can bind a run
+(``EmptyDataset``), and so is one that is not the run's (``check_binding``).
 """
 
 from __future__ import annotations
@@ -171,6 +174,13 @@ def _shard(path: str, rel: str, size: int, fmt: str) -> Shard:
     return Shard(path, rel, size, fmt, compression_of(path) if fmt == "jsonl" else None)
 
 
+class EmptyDataset(DatasetError):
+    """The dataset holds no row: an empty file, a file of blank lines, a Parquet file of 0
+    rows, a shard set whose every file is one of those, or a mixture with such a source.
+    Refused before it binds a run (its cursor would be committed exhausted at its first
+    row, and the real data refused afterwards as another dataset)."""
+
+
 class Dataset:
     """Sequential-by-cursor reader over JSONL or Parquet shards (any fsspec URL).
 
@@ -276,6 +286,48 @@ class Dataset:
             raise DatasetError(f"{shard.path}: not a readable {shard.compression} file "
                                f"({exc}): a truncated or damaged export? Fix or replace "
                                "it") from exc
+
+    # -- empty datasets ------------------------------------------------------------------------
+    def is_empty(self) -> bool:
+        """Whether the dataset holds no row. Reads each shard only up to its first row (a
+        JSONL file to its first line that is not blank, a Parquet file's footer), so a
+        dataset that has rows costs one line or one footer."""
+        return self.emptiness() is not None
+
+    def emptiness(self) -> str | None:
+        """None when the dataset holds a row; else what is empty, in words: the empty file
+        and how (0 bytes, only blank lines, a Parquet file of 0 rows), or every file of a
+        shard set (``require_rows`` makes it the refusal)."""
+        why: list[str] = []
+        for shard in self.shards:
+            problem = self._shard_emptiness(shard)
+            if problem is None:
+                return None
+            why.append(problem)
+        if len(why) == 1:
+            return why[0]
+        shown = "; ".join(why[:5]) + (f"; and {len(why) - 5} more" if len(why) > 5 else "")
+        return f"all its {len(why)} files are empty: {shown}"
+
+    def _shard_emptiness(self, shard: Shard) -> str | None:
+        """None when ``shard`` holds a row (read up to it), else how it is empty."""
+        if shard.fmt == "parquet":
+            try:
+                n = int(self._parquet_meta(shard).num_rows)
+            except DatasetError:
+                if shard.size == 0:  # no footer to read: a file that was never written
+                    return f"{shard.rel} is empty (0 bytes)"
+                raise
+            return f"{shard.rel} is a Parquet file of 0 rows" if n == 0 else None
+        read = 0
+        for raw in self._lines(shard):
+            if raw.strip():
+                return None
+            read += len(raw)
+        what = "holds only blank lines" if read else "is empty"
+        if shard.compression and shard.size:
+            return f"{shard.rel} {what} once decompressed"
+        return f"{shard.rel} {what}" + ("" if read else " (0 bytes)")
 
     def _parquet_meta(self, shard: Shard) -> Any:
         import pyarrow.parquet as pq
@@ -423,6 +475,31 @@ def mismatch_message(recorded: dict[str, Any], dataset: Dataset, next_index: int
             f"dataset is {_describe(dataset.fingerprint)}). Release from the run's dataset; to "
             "switch datasets on purpose (the new rows continue the run's task indices), call "
             "Feeder(queue, dataset, check_dataset=False).switch_dataset() (docs/datasets.md)")
+
+
+def require_rows(dataset: Dataset) -> None:
+    """``EmptyDataset``, naming the empty file, shard set or mixture source, unless the
+    dataset holds a row (``Dataset.emptiness``: reads up to the first row)."""
+    what = dataset.emptiness()
+    if what is not None:
+        raise EmptyDataset(
+            f"refusing dataset {dataset.url!r}: {what}. A dataset without rows would bind the "
+            "run: its cursor would be committed exhausted at its first row and the real data "
+            "refused afterwards as another dataset. Nothing was written to the run; check the "
+            "export that made it and pass a dataset that holds rows (docs/datasets.md, "
+            "Empty datasets)")
+
+
+def check_binding(dataset: Dataset, cursor: dict[str, Any] | None) -> None:
+    """Refuse, before anything is written to the run, a dataset that must not bind it:
+    ``EmptyDataset`` when it holds no row (``require_rows``); ``DatasetMismatch`` when it is
+    not the dataset the run's cursor counts over (``cursor``: the run's newest cursor as
+    ``strawq.feeder.read_cursor_state`` reads it, None for a run without one)."""
+    require_rows(dataset)
+    recorded = dict((cursor or {}).get("fingerprint") or {})
+    if not fingerprints_match(recorded, dataset.fingerprint):
+        next_index = int((cursor or {}).get("next_index") or 0)
+        raise DatasetMismatch(mismatch_message(recorded, dataset, next_index))
 
 
 class BadRowsRefused(DatasetError):

@@ -28,7 +28,7 @@ from typing import Any
 from strawq import records
 from strawq.dataset import (BadRow, BadRowsRefused, Dataset, DatasetCursorReader,
                             DatasetMismatch, ReleasePreview, Row, fingerprints_match,
-                            judge_release, preview, refusal_message)
+                            judge_release, preview, refusal_message, require_rows)
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
 from strawq.history import PromptHistory, load_history, record_attempts
 from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
@@ -193,7 +193,8 @@ class Feeder:
     def __init__(self, queue: RunQueue, dataset: Dataset, *, check_dataset: bool = True,
                  max_bad_row_share: float | None = None) -> None:
         """``DatasetMismatch`` if ``dataset`` is not the one the run's cursor counts over, or
-        its prompt key is not the run's (``check_dataset=False``: only to switch_dataset).
+        its prompt key is not the run's (``check_dataset=False``: only to switch_dataset);
+        ``EmptyDataset`` if it holds no row (checked before anything is written).
         ``max_bad_row_share``: this feeder's bound on the bad rows a release may drop (the
         run's ``QueueConfig.max_bad_row_share`` by default)."""
         self.max_bad_row_share = check_share(queue.config.max_bad_row_share
@@ -204,6 +205,7 @@ class Feeder:
                                   f"{dataset.prompt_key!r} but the run's prompt_key is "
                                   f"{queue.config.prompt_key!r}; the run's key wins: read the "
                                   f"dataset with prompt_key={queue.config.prompt_key!r}")
+        require_rows(dataset)  # an empty dataset never binds the run (EmptyDataset)
         self.queue = queue
         self.storage = queue.storage
         self.dataset = dataset

@@ -235,6 +235,15 @@ class Mixture(Dataset):
     def source(self, name: str) -> MixtureSource | None:
         return next((s for s in self.sources if s.name == name), None)
 
+    def emptiness(self) -> str | None:
+        """None when every source holds a row; else the first that does not, named (a pass
+        over the mixture needs rows of every source: the first one without ends it)."""
+        for s, d in zip(self.sources, self.datasets, strict=True):
+            what = d.emptiness()
+            if what is not None:
+                return f"its source {s.name!r} ({d.url}) has no rows: {what}"
+        return None
+
     def _len_of(self, k: int) -> int:
         n = self._source_len[k]
         if n is None:

@@ -115,17 +115,20 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from strawq.dataset import BadRowsRefused
+    from strawq.dataset import BadRowsRefused, check_binding, require_rows
     from strawq.mixture import open_dataset
-    from strawq.feeder import Feeder
+    from strawq.feeder import Feeder, read_cursor_state
     from strawq.states import dropped_by_reason
 
     q = _queue(args.path)
     share = args.max_bad_row_share
+    dataset = open_dataset(args.dataset, prompt_key=q.config.prompt_key)
     if args.dry_run:
-        return _release_dry_run(args, q, open_dataset(args.dataset, prompt_key=q.config.prompt_key))
-    feeder = Feeder(q, open_dataset(args.dataset, prompt_key=q.config.prompt_key),
-                    max_bad_row_share=share)
+        require_rows(dataset)
+        return _release_dry_run(args, q, dataset)
+    # an empty dataset, or another one, is refused before anything is written to the run
+    check_binding(dataset, read_cursor_state(q.storage))
+    feeder = Feeder(q, dataset, max_bad_row_share=share)
     bad_before = dropped_by_reason(q.storage).get("bad_row", 0)
     try:
         rows = feeder.release(args.count)

@@ -1,5 +1,6 @@
 """``strawq collector`` stops with exit 1, before dropping anything, when its releases would
-drop the dataset's rows as bad (a run whose prompt_key the rows do not have)."""
+drop the dataset's rows as bad (a run whose prompt_key the rows do not have); it refuses a
+dataset without rows before it writes anything."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from strawq.app.cli import main as cli_main
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector
+from strawq.dataset import Dataset, EmptyDataset
 from strawq.testing import write_jsonl
 from tests.collector.helpers import make_run
 
@@ -34,3 +38,35 @@ def test_a_collector_whose_rows_lack_the_prompt_key_exits_1_with_nothing_dropped
                                                  for i in range(4)])
     assert cli_main(["release", str(run), fixed, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["released"] == 4
+
+
+def _tree(path: Path) -> list[str]:
+    """Every file and directory under ``path``: what a refused start must leave as it was."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_a_collector_refuses_an_empty_dataset_before_it_creates_the_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    empty = tmp_path / "d.jsonl"
+    empty.write_text("\n\n")
+    assert cli_main(["collector", str(run), str(empty), *FAST, "--max-passes", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"strawq collector: error: refusing dataset {str(empty)!r}: d.jsonl "
+                          "holds only blank lines. ")
+    assert "Nothing was written to the run" in err and "Traceback" not in err
+    assert not run.exists()  # no run created
+    with pytest.raises(EmptyDataset, match="holds only blank lines"):
+        Collector.open(str(run), Dataset(str(empty)), CollectorConfig(), fsync=False)
+    assert not run.exists()
+    # an existing run: no epoch taken, no cursor, nothing else
+    make_run(str(run))
+    before = _tree(run)
+    write_jsonl(tmp_path / "math.jsonl", [{"prompt": [1, 2]}] * 4)
+    (tmp_path / "code.jsonl").write_text("")
+    mix = tmp_path / "m.mixture.json"
+    mix.write_text(json.dumps({"sources": [{"name": "math", "path": "math.jsonl"},
+                                           {"name": "code", "path": "code.jsonl"}]}))
+    assert cli_main(["collector", str(run), str(mix), *FAST, "--max-passes", "2"]) == 1
+    assert "its source 'code'" in capsys.readouterr().err
+    assert _tree(run) == before
