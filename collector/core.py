@@ -149,17 +149,18 @@ class Collector:
     def open(cls, path: str, dataset: Dataset, config: CollectorConfig | None = None, *,
              queue_config: QueueConfig | None = None,
              checkpoint: Mapping[str, Any] | None = None, wait: bool = True,
-             fsync: bool = True, **kwargs: Any) -> Collector:
+             fsync: bool = True, dataset_grew: bool = False, **kwargs: Any) -> Collector:
         """Open (or create) the run at ``path``, take the fence, recover, apply a resume path.
 
         First, before anything is written (no run is created): ``EmptyDataset`` for a
         dataset without rows, ``DatasetMismatch`` for one the run's cursor does not count
-        over (``strawq.dataset.check_binding``)."""
-        check_binding(dataset, run_cursor(path))
+        over, unless ``dataset_grew`` (``--dataset-grew``) and it is the run's with rows
+        appended: then the cursor continues over it (``strawq.dataset.check_binding``)."""
+        grew = check_binding(dataset, run_cursor(path), grew=dataset_grew)
         queue, info = open_queue(path, queue_config=queue_config, checkpoint=checkpoint,
                                  writer_id=kwargs.get("owner", "collector"), fsync=fsync)
         col = cls(queue, dataset, config, **kwargs)
-        col.start(wait=wait, resume=info)
+        col.start(wait=wait, resume=info, dataset_grew=grew)
         return col
 
     @property
@@ -167,14 +168,19 @@ class Collector:
         """The run's η policy (published for claimers at ``start``)."""
         return EtaPolicy(self.config.max_staleness, self.config.eta_mode, self.fence.epoch)
 
-    def start(self, *, wait: bool = True, resume: ResumeInfo | None = None) -> int:
-        """Take the epoch fence, then recover releases and batch commits. Returns the epoch."""
+    def start(self, *, wait: bool = True, resume: ResumeInfo | None = None,
+              dataset_grew: bool = False) -> int:
+        """Take the epoch fence, then recover releases and batch commits. Returns the epoch.
+        ``dataset_grew``: the dataset is the run's with rows appended; the cursor continues
+        over it (``Feeder.continue_grown``)."""
         epoch = self.fence.acquire(wait=wait)
         # before recovering: a stalled predecessor's manifest from here on is refused
         mark_epoch_start(self.storage, epoch, self.batches.next_seq())
         # producers apply it to partial tasks at claim (strawq.eta)
         publish_policy(self.storage, self.policy)
-        self.feeder = Feeder(self.queue, self.dataset)
+        self.feeder = Feeder(self.queue, self.dataset, check_dataset=not dataset_grew)
+        if dataset_grew:
+            self.feeder.continue_grown()
         self._note_bases()
         self.batches.recover()
         self.resume_info = resume

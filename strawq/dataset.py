@@ -19,7 +19,8 @@ the same files under another mount point match; the feeder refuses to release fr
 dataset whose fingerprint differs from the run's (``docs/datasets.md``).
 
 A dataset that holds no row (a failed export) is refused before it can bind a run
-(``EmptyDataset``), and so is one that is not the run's (``check_binding``).
+(``EmptyDataset``), and so is one that is not the run's, unless the operator says it is the
+run's dataset with rows appended and its fingerprint agrees (``check_binding``).
 """
 
 from __future__ import annotations
@@ -174,6 +175,14 @@ def _shard(path: str, rel: str, size: int, fmt: str) -> Shard:
     return Shard(path, rel, size, fmt, compression_of(path) if fmt == "jsonl" else None)
 
 
+def _digest(shards: Sequence[tuple[str, int]]) -> str:
+    """The fingerprint's digest of (relative path, size) pairs, in the dataset's order."""
+    digest = xxhash.xxh3_64()
+    for rel, size in shards:
+        digest.update(f"{rel}\0{size}\n".encode())
+    return digest.hexdigest()
+
+
 class EmptyDataset(DatasetError):
     """The dataset holds no row: an empty file, a file of blank lines, a Parquet file of 0
     rows, a shard set whose every file is one of those, or a mixture with such a source.
@@ -216,12 +225,10 @@ class Dataset:
             raise DatasetError(f"dataset {url!r} mixes formats {formats}; keep one format per "
                                "dataset (or pass fmt=)")
         self.fmt = formats[0]
-        digest = xxhash.xxh3_64()
-        for s in self.shards:
-            digest.update(f"{s.rel}\0{s.size}\n".encode())
         self.fingerprint: dict[str, Any] = {
             "url": url, "format": self.fmt, "shards": len(self.shards),
-            "size": sum(s.size for s in self.shards), "digest": digest.hexdigest()}
+            "size": sum(s.size for s in self.shards),
+            "digest": _digest([(s.rel, s.size) for s in self.shards])}
         self._len: int | None = None
 
     def _list_shards(self, url: str, path: str, fmt: str | None) -> list[Shard]:
@@ -469,12 +476,63 @@ def _describe(fp: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+#: the operator's statement that the dataset given is the run's with rows appended
+#: (``strawq release``, ``strawq collector``; ``check_binding(grew=True)``)
+GREW_FLAG = "--dataset-grew"
+
+
+def growth_problem(recorded: dict[str, Any], dataset: Dataset) -> str | None:
+    """None when ``dataset`` may be the dataset the fingerprint ``recorded`` names with rows
+    appended; else why it may not, in words.
+
+    The fingerprint keeps the shards' count, total size and a digest of their names and
+    sizes, so this is told from names and sizes, not contents: the recorded shards must be
+    the first of ``dataset``'s, in its order, each unchanged (same name, same size) but the
+    last, whose size may only have grown; later shards are new. Rows appended anywhere else
+    would renumber rows the run has released. That the first rows are unchanged is the
+    operator's word (``GREW_FLAG``). A mixture cannot be judged (its fingerprint does not
+    keep each source's files), nor a fingerprint written before shards were digested."""
+    if recorded.get("format") == "mixture" or dataset.fmt == "mixture":
+        return ("a mixture's fingerprint does not keep each source's files, so its growth "
+                "cannot be checked")
+    if "digest" not in recorded:
+        return "the run's fingerprint predates shard digests, so growth cannot be checked"
+    if recorded.get("format") != dataset.fmt:
+        return f"its format is {dataset.fmt}, the run's dataset is {recorded.get('format')}"
+    try:
+        n, size = int(recorded["shards"]), int(recorded["size"])
+    except (KeyError, TypeError, ValueError):
+        return "the run's fingerprint has no shard count or size"
+    shards = dataset.shards
+    if not 0 < n <= len(shards):
+        return f"it has {len(shards)} file(s), the run's dataset had {n}"
+    kept = [(s.rel, s.size) for s in shards[:n - 1]]
+    last = size - sum(sz for _, sz in kept)
+    if not 0 <= last <= shards[n - 1].size or _digest(
+            [*kept, (shards[n - 1].rel, last)]) != recorded.get("digest"):
+        return (f"the run's {n} file(s) ({size} bytes) are not its first {n}, unchanged but "
+                "for the last one's appended bytes")
+    return None
+
+
 def mismatch_message(recorded: dict[str, Any], dataset: Dataset, next_index: int) -> str:
-    return (f"refusing to release from {dataset.url!r}: it is not the run's dataset "
+    head = (f"refusing to release from {dataset.url!r}: it is not the run's dataset "
             f"(the cursor, at index {next_index}, counts over {_describe(recorded)}; this "
-            f"dataset is {_describe(dataset.fingerprint)}). Release from the run's dataset; to "
-            "switch datasets on purpose (the new rows continue the run's task indices), call "
-            "Feeder(queue, dataset, check_dataset=False).switch_dataset() (docs/datasets.md)")
+            f"dataset is {_describe(dataset.fingerprint)}). ")
+    problem = growth_problem(recorded, dataset)
+    if problem is None:
+        return head + (
+            "Its files say it is the run's dataset with rows appended (the run's files come "
+            "first, unchanged but for the last one, which grew). If its first rows are the "
+            f"run's, continue the run over the new rows, task ids continuing from index "
+            f"{next_index}: strawq release RUN DATASET {GREW_FLAG} (or strawq collector RUN "
+            f"DATASET {GREW_FLAG}; from Python, Feeder(queue, dataset, check_dataset=False)"
+            ".continue_grown()). Otherwise release from the run's dataset (docs/datasets.md)")
+    return head + (
+        "Release from the run's dataset; to switch datasets on purpose (the new rows continue "
+        "the run's task indices), call Feeder(queue, dataset, check_dataset=False)"
+        f".switch_dataset() (docs/datasets.md). It is not the run's dataset with rows "
+        f"appended, which {GREW_FLAG} would continue: {problem}")
 
 
 def require_rows(dataset: Dataset) -> None:
@@ -490,16 +548,32 @@ def require_rows(dataset: Dataset) -> None:
             "Empty datasets)")
 
 
-def check_binding(dataset: Dataset, cursor: dict[str, Any] | None) -> None:
-    """Refuse, before anything is written to the run, a dataset that must not bind it:
+def check_binding(dataset: Dataset, cursor: dict[str, Any] | None, *,
+                  grew: bool = False) -> bool:
+    """Refuse, before anything is written to the run, a dataset that must not bind it.
+
     ``EmptyDataset`` when it holds no row (``require_rows``); ``DatasetMismatch`` when it is
     not the dataset the run's cursor counts over (``cursor``: the run's newest cursor as
-    ``strawq.feeder.read_cursor_state`` reads it, None for a run without one)."""
+    ``strawq.feeder.read_cursor_state`` reads it, None for a run without one), unless
+    ``grew`` (the operator's ``GREW_FLAG``) and it is that dataset with rows appended
+    (``growth_problem``). Returns True in that case: the caller continues the cursor over
+    it (``Feeder.continue_grown``) before it releases."""
     require_rows(dataset)
     recorded = dict((cursor or {}).get("fingerprint") or {})
-    if not fingerprints_match(recorded, dataset.fingerprint):
-        next_index = int((cursor or {}).get("next_index") or 0)
+    if fingerprints_match(recorded, dataset.fingerprint):
+        return False
+    next_index = int((cursor or {}).get("next_index") or 0)
+    if not grew:
         raise DatasetMismatch(mismatch_message(recorded, dataset, next_index))
+    problem = growth_problem(recorded, dataset)
+    if problem is not None:
+        raise DatasetMismatch(
+            f"refusing to continue {dataset.url!r} as the run's dataset grown ({GREW_FLAG}): "
+            f"{problem} (the cursor, at index {next_index}, counts over "
+            f"{_describe(recorded)}; this dataset is {_describe(dataset.fingerprint)}). "
+            "Release from the run's dataset, or switch datasets on purpose with "
+            "Feeder(queue, dataset, check_dataset=False).switch_dataset() (docs/datasets.md)")
+    return True
 
 
 class BadRowsRefused(DatasetError):
