@@ -38,6 +38,11 @@ A release that would drop more than the run's max_bad_row_share of its rows as b
 without the run's prompt_key, say) stops the collector with exit status 1 and a message
 naming the cause; nothing is released and the dataset cursor does not move.
 
+A DATASET without rows (an empty file, a Parquet file of 0 rows, a shard set of such files,
+a mixture with such a source), or one the run's cursor does not count over, is refused with
+exit status 1 before anything is written: no run is created. A dataset that grew (rows
+appended) is continued with --dataset-grew (docs/datasets.md).
+
 Resume: with the queue intact everything on disk survives. If the run directory holds no
 readable queue, --checkpoint (the trainer's BatchReader.state_dict() as JSON) supplies the
 dataset cursor, weight version and batch number; without it the run starts at row 0. A run
@@ -134,7 +139,8 @@ def cmd_collector(args: argparse.Namespace) -> int:
     prompt_key = _prompt_key(args, queue_config)
     col = Collector.open(args.path, open_dataset(args.dataset, prompt_key=prompt_key), config,
                          queue_config=queue_config, checkpoint=checkpoint,
-                         wait=not args.no_wait, fsync=not args.no_fsync, owner=args.owner)
+                         wait=not args.no_wait, fsync=not args.no_fsync, owner=args.owner,
+                         dataset_grew=args.dataset_grew)
     stop = {"flag": False}
 
     def _stop(signum: int, _frame: Any) -> None:
@@ -185,6 +191,11 @@ def add_parsers(subparsers: Any) -> None:
                    help="stop after N loop passes (each polls the queue once; for tests)")
     s.add_argument("--forever", action="store_true", help="keep running after the dataset "
                    "is exhausted and drained")
+    s.add_argument("--dataset-grew", action="store_true",
+                   help="DATASET is the run's dataset with rows appended (new shards after "
+                   "the run's, or rows added to its last one): continue the cursor over it, "
+                   "task ids continuing, and record it as the run's. Refused when its files' "
+                   "names and sizes say it did not only grow (docs/datasets.md)")
     s.add_argument("--owner", default="collector", help="name recorded in the epoch record")
     s.add_argument("--no-fsync", action="store_true", help="skip fsyncs (throwaway runs)")
     s.add_argument("--json", action="store_true", help="print the final state as JSON")

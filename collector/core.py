@@ -33,11 +33,11 @@ from strawq.collector.trainer.metrics import MetricsSink, dropped_metric
 from strawq.collector.mixing import MixtureBook, mixture_book
 from strawq.collector.ordering import StalenessOrder, group_advantages
 from strawq.collector.trainer.packing import BufferPool, PackReport, RecordFile, pack_batch
-from strawq.collector.resume import ResumeInfo, open_queue
+from strawq.collector.resume import ResumeInfo, open_queue, run_cursor
 from strawq.batches import BatchStore, GcReport, delivered, mark_high_water
 from strawq.config import QueueConfig
 from strawq.engine_weights import EngineWeights
-from strawq.dataset import Dataset
+from strawq.dataset import Dataset, check_binding
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound, StorageFull
 from strawq.eta import STALE_REASON, EtaPolicy, publish_policy
 from strawq.feeder import Feeder
@@ -150,12 +150,18 @@ class Collector:
     def open(cls, path: str, dataset: Dataset, config: CollectorConfig | None = None, *,
              queue_config: QueueConfig | None = None,
              checkpoint: Mapping[str, Any] | None = None, wait: bool = True,
-             fsync: bool = True, **kwargs: Any) -> Collector:
-        """Open (or create) the run at ``path``, take the fence, recover, apply a resume path."""
+             fsync: bool = True, dataset_grew: bool = False, **kwargs: Any) -> Collector:
+        """Open (or create) the run at ``path``, take the fence, recover, apply a resume path.
+
+        First, before anything is written (no run is created): ``EmptyDataset`` for a
+        dataset without rows, ``DatasetMismatch`` for one the run's cursor does not count
+        over, unless ``dataset_grew`` (``--dataset-grew``) and it is the run's with rows
+        appended: then the cursor continues over it (``strawq.dataset.check_binding``)."""
+        grew = check_binding(dataset, run_cursor(path), grew=dataset_grew)
         queue, info = open_queue(path, queue_config=queue_config, checkpoint=checkpoint,
                                  writer_id=kwargs.get("owner", "collector"), fsync=fsync)
         col = cls(queue, dataset, config, **kwargs)
-        col.start(wait=wait, resume=info)
+        col.start(wait=wait, resume=info, dataset_grew=grew)
         return col
 
     @property
@@ -163,14 +169,19 @@ class Collector:
         """The run's η policy (published for claimers at ``start``)."""
         return EtaPolicy(self.config.max_staleness, self.config.eta_mode, self.fence.epoch)
 
-    def start(self, *, wait: bool = True, resume: ResumeInfo | None = None) -> int:
-        """Take the epoch fence, then recover releases and batch commits. Returns the epoch."""
+    def start(self, *, wait: bool = True, resume: ResumeInfo | None = None,
+              dataset_grew: bool = False) -> int:
+        """Take the epoch fence, then recover releases and batch commits. Returns the epoch.
+        ``dataset_grew``: the dataset is the run's with rows appended; the cursor continues
+        over it (``Feeder.continue_grown``)."""
         epoch = self.fence.acquire(wait=wait)
         # before recovering: a stalled predecessor's manifest from here on is refused
         mark_epoch_start(self.storage, epoch, self.batches.next_seq())
         # producers apply it to partial tasks at claim (strawq.eta)
         publish_policy(self.storage, self.policy)
-        self.feeder = Feeder(self.queue, self.dataset)
+        self.feeder = Feeder(self.queue, self.dataset, check_dataset=not dataset_grew)
+        if dataset_grew:
+            self.feeder.continue_grown()
         if self.mixing is not None:
             self.mixing.origin = self._origin
         self.batches.recover()

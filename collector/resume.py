@@ -30,6 +30,7 @@ from typing import Any
 from strawq import records
 from strawq.config import QueueConfig
 from strawq.errors import CorruptRecord, NotFound, StorageError
+from strawq.feeder import read_cursor_state
 from strawq.queue import RUN_KEY, RunQueue
 from strawq.records import Kind
 from strawq.storage import Storage, open_storage
@@ -54,6 +55,18 @@ def _queue_is_readable(storage: Storage) -> str | None:
     except (CorruptRecord, StorageError) as exc:
         return f"unreadable ({exc})"
     return None
+
+
+def run_cursor(path: str) -> dict[str, Any] | None:
+    """The newest dataset cursor of the run at ``path`` (``strawq.feeder.read_cursor_state``),
+    read without writing anything; None when ``path`` holds no readable run (``open_queue``
+    then creates one, with no cursor)."""
+    if not os.path.isdir(path):
+        return None
+    storage = open_storage(path, read_only=True)
+    if _queue_is_readable(storage) is not None:
+        return None
+    return read_cursor_state(storage)
 
 
 def open_queue(path: str, *, queue_config: QueueConfig | None = None,

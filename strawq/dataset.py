@@ -17,14 +17,20 @@ The *fingerprint* names what the cursor counts over: the shards' paths (relative
 dataset's root), their sizes and the format, digested. It does not depend on the URL, so
 the same files under another mount point match; the feeder refuses to release from a
 dataset whose fingerprint differs from the run's (``docs/datasets.md``).
+
+A dataset that holds no row (a failed export) is refused before it can bind a run
+(``EmptyDataset``), and so is one that is not the run's, unless the operator says it is the
+run's dataset with rows appended and its fingerprint agrees (``check_binding``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import logging
 import posixpath
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +44,10 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("jsonl", "parquet")
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+              ".jsonl.gz": "jsonl", ".json.gz": "jsonl", ".ndjson.gz": "jsonl",
               ".parquet": "parquet", ".pq": "parquet"}
+#: the compression an extension ending names (read through fsspec's codec of that name)
+COMPRESSIONS = {".gz": "gzip"}
 _GLOB_CHARS = "*?["
 
 
@@ -77,8 +86,16 @@ Row = dict[str, Any]
 
 
 def format_of(path: str) -> str | None:
-    """The format a shard's extension names, or None."""
-    return EXTENSIONS.get(posixpath.splitext(path)[1].lower())
+    """The format a shard's extension names (``.jsonl.gz`` names JSONL), or None."""
+    stem, ext = posixpath.splitext(path.lower())
+    if ext in COMPRESSIONS:
+        ext = posixpath.splitext(stem)[1] + ext
+    return EXTENSIONS.get(ext)
+
+
+def compression_of(path: str) -> str | None:
+    """The compression a shard's extension names (``"gzip"`` for ``.gz``), or None."""
+    return COMPRESSIONS.get(posixpath.splitext(path.lower())[1])
 
 
 def prompt_kind(prompt: Any) -> str | None:
@@ -147,17 +164,40 @@ def _check_row(index: int, row: Any, prompt_key: str, where: str) -> Row | BadRo
 class Shard:
     path: str  # the filesystem's path
     rel: str  # relative to the dataset's root: what the fingerprint names
-    size: int
+    size: int  # bytes on the filesystem (compressed, for a compressed shard)
     fmt: str
+    #: the codec the file is read through (``"gzip"``: a ``.jsonl.gz`` file), or None
+    compression: str | None = None
+
+
+def _shard(path: str, rel: str, size: int, fmt: str) -> Shard:
+    """A shard; a JSONL file whose name ends in ``.gz`` is read through gzip."""
+    return Shard(path, rel, size, fmt, compression_of(path) if fmt == "jsonl" else None)
+
+
+def _digest(shards: Sequence[tuple[str, int]]) -> str:
+    """The fingerprint's digest of (relative path, size) pairs, in the dataset's order."""
+    digest = xxhash.xxh3_64()
+    for rel, size in shards:
+        digest.update(f"{rel}\0{size}\n".encode())
+    return digest.hexdigest()
+
+
+class EmptyDataset(DatasetError):
+    """The dataset holds no row: an empty file, a file of blank lines, a Parquet file of 0
+    rows, a shard set whose every file is one of those, or a mixture with such a source.
+    Refused before it binds a run (its cursor would be committed exhausted at its first
+    row, and the real data refused afterwards as another dataset)."""
 
 
 class Dataset:
     """Sequential-by-cursor reader over JSONL or Parquet shards (any fsspec URL).
 
     ``url`` is one file, a directory (every ``.jsonl/.json/.ndjson/.parquet/.pq`` file
-    below it, hidden and ``_``-prefixed names skipped) or a glob (``data/train-*.parquet``).
-    Shards are read in sorted path order. ``fmt`` forces the format of every shard;
-    otherwise each shard's extension decides, and other extensions (``.csv``) are refused.
+    below it, and the JSONL ones gzip'd as ``.jsonl.gz`` etc., hidden and ``_``-prefixed
+    names skipped) or a glob (``data/train-*.parquet``). Shards are read in sorted path
+    order. ``fmt`` forces the format of every shard; otherwise each shard's extension
+    decides, and other extensions (``.csv``) are refused.
     """
 
     def __init__(self, url: str, *, prompt_key: str = "prompt", fmt: str | None = None) -> None:
@@ -185,12 +225,10 @@ class Dataset:
             raise DatasetError(f"dataset {url!r} mixes formats {formats}; keep one format per "
                                "dataset (or pass fmt=)")
         self.fmt = formats[0]
-        digest = xxhash.xxh3_64()
-        for s in self.shards:
-            digest.update(f"{s.rel}\0{s.size}\n".encode())
         self.fingerprint: dict[str, Any] = {
             "url": url, "format": self.fmt, "shards": len(self.shards),
-            "size": sum(s.size for s in self.shards), "digest": digest.hexdigest()}
+            "size": sum(s.size for s in self.shards),
+            "digest": _digest([(s.rel, s.size) for s in self.shards])}
         self._len: int | None = None
 
     def _list_shards(self, url: str, path: str, fmt: str | None) -> list[Shard]:
@@ -210,7 +248,7 @@ class Dataset:
                         " and Parquet (.parquet, .pq); pass fmt='jsonl' or fmt='parquet' if "
                         "the file is one of those (CSV is not supported: convert it)")
                 rel = posixpath.basename(path)
-                return [Shard(path, rel, int(info.get("size") or 0), sfmt)]
+                return [_shard(path, rel, int(info.get("size") or 0), sfmt)]
             root = path
             found = fs.find(path, detail=True)
         shards = []
@@ -223,7 +261,7 @@ class Dataset:
             sfmt = fmt or format_of(p)
             if sfmt is None:
                 continue
-            shards.append(Shard(p, rel, int(info.get("size") or 0), sfmt))
+            shards.append(_shard(p, rel, int(info.get("size") or 0), sfmt))
         if not shards:
             raise DatasetError(f"dataset {url!r} has no JSONL or Parquet files "
                                f"({', '.join(EXTENSIONS)})")
@@ -241,8 +279,62 @@ class Dataset:
                 raise DatasetError(f"{shard.path}: not a readable Parquet file: its footer "
                                    f"says {n} rows")
             return n
-        with self._fs.open(shard.path, "rb") as f:
-            return sum(1 for raw in f if raw.strip())
+        return sum(1 for raw in self._lines(shard) if raw.strip())
+
+    def _lines(self, shard: Shard) -> Iterator[bytes]:
+        """A JSONL shard's lines, through its codec (a ``.jsonl.gz`` reads as JSONL); a
+        compressed file that cannot be decompressed is a ``DatasetError`` naming it."""
+        try:
+            with self._fs.open(shard.path, "rb", compression=shard.compression) as f:
+                yield from f
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            if shard.compression is None:
+                raise
+            raise DatasetError(f"{shard.path}: not a readable {shard.compression} file "
+                               f"({exc}): a truncated or damaged export? Fix or replace "
+                               "it") from exc
+
+    # -- empty datasets ------------------------------------------------------------------------
+    def is_empty(self) -> bool:
+        """Whether the dataset holds no row. Reads each shard only up to its first row (a
+        JSONL file to its first line that is not blank, a Parquet file's footer), so a
+        dataset that has rows costs one line or one footer."""
+        return self.emptiness() is not None
+
+    def emptiness(self) -> str | None:
+        """None when the dataset holds a row; else what is empty, in words: the empty file
+        and how (0 bytes, only blank lines, a Parquet file of 0 rows), or every file of a
+        shard set (``require_rows`` makes it the refusal)."""
+        why: list[str] = []
+        for shard in self.shards:
+            problem = self._shard_emptiness(shard)
+            if problem is None:
+                return None
+            why.append(problem)
+        if len(why) == 1:
+            return why[0]
+        shown = "; ".join(why[:5]) + (f"; and {len(why) - 5} more" if len(why) > 5 else "")
+        return f"all its {len(why)} files are empty: {shown}"
+
+    def _shard_emptiness(self, shard: Shard) -> str | None:
+        """None when ``shard`` holds a row (read up to it), else how it is empty."""
+        if shard.fmt == "parquet":
+            try:
+                n = int(self._parquet_meta(shard).num_rows)
+            except DatasetError:
+                if shard.size == 0:  # no footer to read: a file that was never written
+                    return f"{shard.rel} is empty (0 bytes)"
+                raise
+            return f"{shard.rel} is a Parquet file of 0 rows" if n == 0 else None
+        read = 0
+        for raw in self._lines(shard):
+            if raw.strip():
+                return None
+            read += len(raw)
+        what = "holds only blank lines" if read else "is empty"
+        if shard.compression and shard.size:
+            return f"{shard.rel} {what} once decompressed"
+        return f"{shard.rel} {what}" + ("" if read else " (0 bytes)")
 
     def _parquet_meta(self, shard: Shard) -> Any:
         import pyarrow.parquet as pq
@@ -270,24 +362,23 @@ class Dataset:
     def _iter_jsonl(self, shard: Shard, base: int, start: int) -> _Counted:
         def gen(c: _Counted) -> Iterator[tuple[int, Row | BadRow]]:
             index = base
-            with self._fs.open(shard.path, "rb") as f:
-                for lineno, raw in enumerate(f, 1):
-                    line = raw.strip()
-                    if not line:
-                        continue  # blank lines are not rows
-                    if index >= start:
-                        where = f"{shard.path} line {lineno}"
-                        try:
-                            got: Row | BadRow = _check_row(index, json.loads(line),
-                                                           self.prompt_key, where)
-                        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                            got = BadRow(index, f"{where}: invalid JSON: {exc}",
-                                         cause="invalid JSON")
-                        if isinstance(got, BadRow):
-                            got = dataclasses.replace(got, shard=shard.path, line=lineno)
-                        yield index, got
-                    index += 1
-                    c.end = index
+            for lineno, raw in enumerate(self._lines(shard), 1):
+                line = raw.strip()
+                if not line:
+                    continue  # blank lines are not rows
+                if index >= start:
+                    where = f"{shard.path} line {lineno}"
+                    try:
+                        got: Row | BadRow = _check_row(index, json.loads(line),
+                                                       self.prompt_key, where)
+                    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                        got = BadRow(index, f"{where}: invalid JSON: {exc}",
+                                     cause="invalid JSON")
+                    if isinstance(got, BadRow):
+                        got = dataclasses.replace(got, shard=shard.path, line=lineno)
+                    yield index, got
+                index += 1
+                c.end = index
         return _Counted(gen, base)
 
     def _iter_parquet(self, shard: Shard, base: int, start: int) -> _Counted:
@@ -409,12 +500,104 @@ def _describe(fp: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+#: the operator's statement that the dataset given is the run's with rows appended
+#: (``strawq release``, ``strawq collector``; ``check_binding(grew=True)``)
+GREW_FLAG = "--dataset-grew"
+
+
+def growth_problem(recorded: dict[str, Any], dataset: Dataset) -> str | None:
+    """None when ``dataset`` may be the dataset the fingerprint ``recorded`` names with rows
+    appended; else why it may not, in words.
+
+    The fingerprint keeps the shards' count, total size and a digest of their names and
+    sizes, so this is told from names and sizes, not contents: the recorded shards must be
+    the first of ``dataset``'s, in its order, each unchanged (same name, same size) but the
+    last, whose size may only have grown; later shards are new. Rows appended anywhere else
+    would renumber rows the run has released. That the first rows are unchanged is the
+    operator's word (``GREW_FLAG``). A mixture cannot be judged (its fingerprint does not
+    keep each source's files), nor a fingerprint written before shards were digested."""
+    if recorded.get("format") == "mixture" or dataset.fmt == "mixture":
+        return ("a mixture's fingerprint does not keep each source's files, so its growth "
+                "cannot be checked")
+    if "digest" not in recorded:
+        return "the run's fingerprint predates shard digests, so growth cannot be checked"
+    if recorded.get("format") != dataset.fmt:
+        return f"its format is {dataset.fmt}, the run's dataset is {recorded.get('format')}"
+    try:
+        n, size = int(recorded["shards"]), int(recorded["size"])
+    except (KeyError, TypeError, ValueError):
+        return "the run's fingerprint has no shard count or size"
+    shards = dataset.shards
+    if not 0 < n <= len(shards):
+        return f"it has {len(shards)} file(s), the run's dataset had {n}"
+    kept = [(s.rel, s.size) for s in shards[:n - 1]]
+    last = size - sum(sz for _, sz in kept)
+    if not 0 <= last <= shards[n - 1].size or _digest(
+            [*kept, (shards[n - 1].rel, last)]) != recorded.get("digest"):
+        return (f"the run's {n} file(s) ({size} bytes) are not its first {n}, unchanged but "
+                "for the last one's appended bytes")
+    return None
+
+
 def mismatch_message(recorded: dict[str, Any], dataset: Dataset, next_index: int) -> str:
-    return (f"refusing to release from {dataset.url!r}: it is not the run's dataset "
+    head = (f"refusing to release from {dataset.url!r}: it is not the run's dataset "
             f"(the cursor, at index {next_index}, counts over {_describe(recorded)}; this "
-            f"dataset is {_describe(dataset.fingerprint)}). Release from the run's dataset; to "
-            "switch datasets on purpose (the new rows continue the run's task indices), call "
+            f"dataset is {_describe(dataset.fingerprint)}). ")
+    problem = growth_problem(recorded, dataset)
+    if problem is None:
+        return head + (
+            "Its files say it is the run's dataset with rows appended (the run's files come "
+            "first, unchanged but for the last one, which grew). If its first rows are the "
+            f"run's, continue the run over the new rows, task ids continuing from index "
+            f"{next_index}: strawq release RUN DATASET {GREW_FLAG} (or strawq collector RUN "
+            f"DATASET {GREW_FLAG}; from Python, Feeder(queue, dataset, check_dataset=False)"
+            ".continue_grown()). Otherwise release from the run's dataset (docs/datasets.md)")
+    return head + (
+        "Release from the run's dataset; to switch datasets on purpose (the new rows continue "
+        "the run's task indices), call Feeder(queue, dataset, check_dataset=False)"
+        f".switch_dataset() (docs/datasets.md). It is not the run's dataset with rows "
+        f"appended, which {GREW_FLAG} would continue: {problem}")
+
+
+def require_rows(dataset: Dataset) -> None:
+    """``EmptyDataset``, naming the empty file, shard set or mixture source, unless the
+    dataset holds a row (``Dataset.emptiness``: reads up to the first row)."""
+    what = dataset.emptiness()
+    if what is not None:
+        raise EmptyDataset(
+            f"refusing dataset {dataset.url!r}: {what}. A dataset without rows would bind the "
+            "run: its cursor would be committed exhausted at its first row and the real data "
+            "refused afterwards as another dataset. Nothing was written to the run; check the "
+            "export that made it and pass a dataset that holds rows (docs/datasets.md, "
+            "Empty datasets)")
+
+
+def check_binding(dataset: Dataset, cursor: dict[str, Any] | None, *,
+                  grew: bool = False) -> bool:
+    """Refuse, before anything is written to the run, a dataset that must not bind it.
+
+    ``EmptyDataset`` when it holds no row (``require_rows``); ``DatasetMismatch`` when it is
+    not the dataset the run's cursor counts over (``cursor``: the run's newest cursor as
+    ``strawq.feeder.read_cursor_state`` reads it, None for a run without one), unless
+    ``grew`` (the operator's ``GREW_FLAG``) and it is that dataset with rows appended
+    (``growth_problem``). Returns True in that case: the caller continues the cursor over
+    it (``Feeder.continue_grown``) before it releases."""
+    require_rows(dataset)
+    recorded = dict((cursor or {}).get("fingerprint") or {})
+    if fingerprints_match(recorded, dataset.fingerprint):
+        return False
+    next_index = int((cursor or {}).get("next_index") or 0)
+    if not grew:
+        raise DatasetMismatch(mismatch_message(recorded, dataset, next_index))
+    problem = growth_problem(recorded, dataset)
+    if problem is not None:
+        raise DatasetMismatch(
+            f"refusing to continue {dataset.url!r} as the run's dataset grown ({GREW_FLAG}): "
+            f"{problem} (the cursor, at index {next_index}, counts over "
+            f"{_describe(recorded)}; this dataset is {_describe(dataset.fingerprint)}). "
+            "Release from the run's dataset, or switch datasets on purpose with "
             "Feeder(queue, dataset, check_dataset=False).switch_dataset() (docs/datasets.md)")
+    return True
 
 
 class BadRowsRefused(DatasetError):

@@ -28,7 +28,8 @@ from typing import Any
 from strawq import records
 from strawq.dataset import (BadRow, BadRowsRefused, Dataset,
                             DatasetMismatch, ReleasePreview, Row, fingerprints_match,
-                            judge_release, preview, refusal_message)
+                            growth_problem, judge_release, mismatch_message, preview,
+                            refusal_message, require_rows)
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
 from strawq.history import record_attempts
 from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
@@ -205,9 +206,10 @@ class Feeder:
     def __init__(self, queue: RunQueue, dataset: Dataset, *, check_dataset: bool = True,
                  max_bad_row_share: float | None = None) -> None:
         """``DatasetMismatch`` if ``dataset`` is not the one the run's cursor counts over, or
-        its prompt key is not the run's (``check_dataset=False``: only to switch_dataset).
-        ``max_bad_row_share``: this feeder's bound on the bad rows a release may drop (the
-        run's ``QueueConfig.max_bad_row_share`` by default)."""
+        its prompt key is not the run's (``check_dataset=False``: only to switch_dataset or
+        continue_grown); ``EmptyDataset`` if it holds no row (checked before anything is
+        written). ``max_bad_row_share``: this feeder's bound on the bad rows a release may
+        drop (the run's ``QueueConfig.max_bad_row_share`` by default)."""
         self.max_bad_row_share = check_share(queue.config.max_bad_row_share
                                              if max_bad_row_share is None
                                              else max_bad_row_share)
@@ -216,6 +218,7 @@ class Feeder:
                                   f"{dataset.prompt_key!r} but the run's prompt_key is "
                                   f"{queue.config.prompt_key!r}; the run's key wins: read the "
                                   f"dataset with prompt_key={queue.config.prompt_key!r}")
+        require_rows(dataset)  # an empty dataset never binds the run (EmptyDataset)
         self.queue = queue
         self.storage = queue.storage
         self.dataset = dataset
@@ -306,9 +309,10 @@ class Feeder:
         cur = self.refresh()
         self._discard_abandoned(cur.seq, keep=cur.staging)
         if not fingerprints_match(cur.fingerprint, self.dataset.fingerprint):
-            log.warning("the dataset changed since the cursor was written (%s, now %s); "
-                        "continuing from index %d", cur.fingerprint, self.dataset.fingerprint,
-                        cur.next_index)
+            # Nothing is released from it: a release re-checks the fingerprint, and refuses
+            # until the run is switched to it or continues it as grown.
+            log.debug("%s is not the dataset the cursor at index %d counts over",
+                      self.dataset.url, cur.next_index)
         return cur
 
     def _discard_abandoned(self, seq: int, keep: str | None = None,
@@ -634,6 +638,33 @@ class Feeder:
                             self.dataset.url, cur.next_index, start_row)
                 return self.refresh()
         raise CursorContention(17, "the cursor kept changing while switching datasets")
+
+    def continue_grown(self) -> Cursor:
+        """Make this feeder's dataset the run's when it is the run's dataset with rows
+        appended (``strawq.dataset.growth_problem``; ``strawq release --dataset-grew``): the
+        cursor keeps its index, base, passes and bad-row window, is no longer exhausted, and
+        records the grown dataset's fingerprint, so later feeders take it with no flag.
+        ``DatasetMismatch`` if its files say it did not only grow. A no-op for the run's
+        own dataset."""
+        for _ in range(MAX_COMMIT_TRIES):
+            cur = self.refresh()
+            if fingerprints_match(cur.fingerprint, self.dataset.fingerprint):
+                self._reader.adopt(cur.fingerprint, cur.next_index)
+                return cur
+            problem = growth_problem(cur.fingerprint, self.dataset)
+            if problem is not None:
+                raise DatasetMismatch(mismatch_message(cur.fingerprint, self.dataset,
+                                                       cur.next_index))
+            self._reader.base = int(cur.fingerprint.get("base", 0) or 0)
+            extra: dict[str, Any] = ({"epoch_bases": list(cur.epoch_bases)}
+                                     if cur.epoch_bases else {})
+            if self._commit(cur.seq + 1, cur.next_index, None, False,
+                            grew_from=cur.fingerprint, recent=list(cur.recent), **extra):
+                log.warning("the run's dataset grew: continuing over %s from task index %d "
+                            "(the cursor records its new fingerprint)", self.dataset.url,
+                            cur.next_index)
+                return self.refresh()
+        raise CursorContention(17, "the cursor kept changing while continuing a grown dataset")
 
 
 def preview_release(queue: RunQueue, dataset: Dataset, count: int | None = None, *,

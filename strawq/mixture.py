@@ -208,7 +208,7 @@ class Mixture(Dataset):
         #: each source's share of the mixture's rows, as the layout gives it
         self.weights = {s.name: w / total for s, w in zip(self.sources, self.layout.weights,
                                                           strict=True)}
-        self.shards = [Shard(sh.path, f"{s.name}/{sh.rel}", sh.size, sh.fmt)
+        self.shards = [Shard(sh.path, f"{s.name}/{sh.rel}", sh.size, sh.fmt, sh.compression)
                        for s, d in zip(self.sources, self.datasets, strict=True)
                        for sh in d.shards]
         digest = xxhash.xxh3_64()
@@ -238,6 +238,15 @@ class Mixture(Dataset):
 
     def source(self, name: str) -> MixtureSource | None:
         return next((s for s in self.sources if s.name == name), None)
+
+    def emptiness(self) -> str | None:
+        """None when every source holds a row; else the first that does not, named (a pass
+        over the mixture needs rows of every source: the first one without ends it)."""
+        for s, d in zip(self.sources, self.datasets, strict=True):
+            what = d.emptiness()
+            if what is not None:
+                return f"its source {s.name!r} ({d.url}) has no rows: {what}"
+        return None
 
     def _len_of(self, k: int) -> int:
         n = self._source_len[k]

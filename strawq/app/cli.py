@@ -115,17 +115,25 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from strawq.dataset import BadRowsRefused
+    from strawq.dataset import BadRowsRefused, check_binding, require_rows
     from strawq.mixture import open_dataset
-    from strawq.feeder import Feeder
+    from strawq.feeder import Feeder, read_cursor_state
     from strawq.states import dropped_by_reason
 
+    if args.dry_run and args.dataset_grew:
+        raise UsageError("--dry-run previews a release from the dataset the cursor records; "
+                         "--dataset-grew is for a release (without --dry-run)")
     q = _queue(args.path)
     share = args.max_bad_row_share
+    dataset = open_dataset(args.dataset, prompt_key=q.config.prompt_key)
     if args.dry_run:
-        return _release_dry_run(args, q, open_dataset(args.dataset, prompt_key=q.config.prompt_key))
-    feeder = Feeder(q, open_dataset(args.dataset, prompt_key=q.config.prompt_key),
-                    max_bad_row_share=share)
+        require_rows(dataset)
+        return _release_dry_run(args, q, dataset)
+    # an empty dataset, or another one, is refused before anything is written to the run
+    grew = check_binding(dataset, read_cursor_state(q.storage), grew=args.dataset_grew)
+    feeder = Feeder(q, dataset, check_dataset=not grew, max_bad_row_share=share)
+    if grew:
+        feeder.continue_grown()
     bad_before = dropped_by_reason(q.storage).get("bad_row", 0)
     try:
         rows = feeder.release(args.count)
@@ -360,6 +368,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                    help="largest share (0..1) of bad rows this release may drop before it is "
                    "refused (default: the run's max_bad_row_share, 0.05 unless set at init); "
                    "1 releases whatever the rows, dropping the bad ones")
+    s.add_argument("--dataset-grew", action="store_true",
+                   help="DATASET is the run's dataset with rows appended (new shards after "
+                   "the run's, or rows added to its last one): continue the cursor over it, "
+                   "task ids continuing, and record it as the run's. Refused when its files' "
+                   "names and sizes say it did not only grow (docs/datasets.md)")
     _add_json(s)
     s.set_defaults(func=cmd_release)
 

@@ -1,5 +1,7 @@
 """``strawq collector`` stops with exit 1, before dropping anything, when its releases would
-drop the dataset's rows as bad (a run whose prompt_key the rows do not have)."""
+drop the dataset's rows as bad (a run whose prompt_key the rows do not have); it refuses a
+dataset without rows, or one that grew without ``--dataset-grew``, before it writes
+anything."""
 
 from __future__ import annotations
 
@@ -9,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from strawq.app.cli import main as cli_main
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector
+from strawq.dataset import Dataset, DatasetMismatch, EmptyDataset
+from strawq.feeder import read_cursor_state
+from strawq.queue import RunQueue
+from strawq.storage import PosixStorage
 from strawq.testing import write_jsonl
+from strawq.testing.audit import audit_run
 from tests.collector.helpers import make_run
 
 FAST = ["--no-fsync", "--set", "batch_groups=2", "--set", "poll_interval_s=0.01",
@@ -34,3 +43,65 @@ def test_a_collector_whose_rows_lack_the_prompt_key_exits_1_with_nothing_dropped
                                                  for i in range(4)])
     assert cli_main(["release", str(run), fixed, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["released"] == 4
+
+
+def _tree(path: Path) -> list[str]:
+    """Every file and directory under ``path``: what a refused start must leave as it was."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_a_collector_refuses_an_empty_dataset_before_it_creates_the_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    empty = tmp_path / "d.jsonl"
+    empty.write_text("\n\n")
+    assert cli_main(["collector", str(run), str(empty), *FAST, "--max-passes", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"strawq collector: error: refusing dataset {str(empty)!r}: d.jsonl "
+                          "holds only blank lines. ")
+    assert "Nothing was written to the run" in err and "Traceback" not in err
+    assert not run.exists()  # no run created
+    with pytest.raises(EmptyDataset, match="holds only blank lines"):
+        Collector.open(str(run), Dataset(str(empty)), CollectorConfig(), fsync=False)
+    assert not run.exists()
+    # an existing run: no epoch taken, no cursor, nothing else
+    make_run(str(run))
+    before = _tree(run)
+    write_jsonl(tmp_path / "math.jsonl", [{"prompt": [1, 2]}] * 4)
+    (tmp_path / "code.jsonl").write_text("")
+    mix = tmp_path / "m.mixture.json"
+    mix.write_text(json.dumps({"sources": [{"name": "math", "path": "math.jsonl"},
+                                           {"name": "code", "path": "code.jsonl"}]}))
+    assert cli_main(["collector", str(run), str(mix), *FAST, "--max-passes", "2"]) == 1
+    assert "its source 'code'" in capsys.readouterr().err
+    assert _tree(run) == before
+
+
+def test_a_collector_continues_a_grown_dataset_only_with_the_flag(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    make_run(str(run))
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": [1, 2, i]} for i in range(3)])
+    assert cli_main(["release", str(run), data, "--count", "2"]) == 0
+    with open(data, "a", encoding="utf-8") as f:
+        f.writelines(json.dumps({"prompt": [1, 2, i]}) + "\n" for i in range(3, 6))
+    before = _tree(run)
+    capsys.readouterr()
+    assert cli_main(["collector", str(run), data, *FAST, "--max-passes", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "strawq collector: error: refusing to release from" in err
+    assert "--dataset-grew" in err and "Traceback" not in err
+    assert _tree(run) == before  # no epoch taken, nothing released
+    with pytest.raises(DatasetMismatch, match="--dataset-grew"):
+        Collector.open(str(run), Dataset(data), CollectorConfig(), fsync=False)
+    assert _tree(run) == before
+    assert cli_main(["collector", str(run), data, *FAST, "--max-passes", "2",
+                     "--dataset-grew"]) == 0
+    state = read_cursor_state(PosixStorage(str(run)))
+    assert state is not None and state["fingerprint"] == Dataset(data).fingerprint
+    nxt = state["next_index"]
+    assert nxt > 2  # the collector released past the old end, task ids continuing
+    q = RunQueue.open(PosixStorage(str(run)))
+    got = {lease.task_id: lease.task["row"]["prompt"] for lease in q.claim("p", 10)}
+    assert got == {f"i{i:012d}": [1, 2, i] for i in range(nxt)}
+    assert audit_run(q.storage).check([f"i{i:012d}" for i in range(nxt)]) == []
