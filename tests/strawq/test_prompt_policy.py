@@ -108,6 +108,40 @@ def test_zero_variance_rows_skip_one_pass_recorded_by_reward_then_return(
     assert _rows(q, 10) == [(ids[10], 2), (ids[11], 3)]
 
 
+def _settle(q: RunQueue, outcomes: dict[int, tuple[str, list[float | None]]]) -> None:
+    """Every pending task (keyed by dataset row), with 4 samples: ``("trained", rewards)``
+    completes it; ``(reason, rewards)`` drops it with that reason and the group's summary,
+    as a producer's filter does. Then one batch of the completed, and gc (drops compacted:
+    their rows reach the history)."""
+    for lease in q.claim("p", 100):
+        r = int(lease.task["row"]["answer"])
+        how, rewards = outcomes[r]
+        g = make_group(lease.task_id, lens=(3, 3, 3, 3), version=q.current_version())
+        g.rewards = list(rewards)
+        if how == "trained":
+            q.complete(lease, g)
+        else:
+            q.drop(lease, how, f"filter: {how}", summary=g.summary())
+    bs = BatchStore(q)
+    names = bs.scan_ready()
+    seq = bs.next_seq()
+    bs.publish_batch(seq, names, [bs.read_summary(n) for n in names], {"trained_at": 0})
+    bs.ack(seq)
+    bs.gc(compact_drops_at=0)
+
+
+def test_a_group_whose_rewards_failed_is_released_by_the_next_pass(tmp_path: Path) -> None:
+    """Three of four rewards failed (None): the one left agrees with nothing. The group is
+    not a zero-variance group, trained (row 0) or dropped (row 1), and the row comes back."""
+    q, feeder = _run(tmp_path, num_epochs=2, skip_zero_variance=True)
+    assert feeder.release(ROWS) == ROWS
+    _settle(q, {0: ("trained", [1.0, None, None, None]),
+                1: ("reward_error", [0.0, None, 0.0, None]),
+                2: ("trained", [0.0, 0.0, 0.0, 0.0]), 3: ("trained", [1.0, 0.0, 1.0, 0.0])})
+    assert feeder.release(ROWS) == 3 and feeder.exhausted
+    assert [row for _, row in _rows(q, 10)] == [0, 1, 3]
+
+
 def test_without_the_rule_zero_variance_rows_are_released(tmp_path: Path) -> None:
     q, feeder = _run(tmp_path, num_epochs=2)
     feeder.release(ROWS)
