@@ -59,9 +59,15 @@ class Plan:
     predicted: dict[int, float | None] = field(default_factory=dict)
 
 
-def _newest_trained(stats: PromptStats) -> dict[str, Any] | None:
-    rows = [r for r in stats.last if r.get("status") == "trained"
-            and int(r.get("samples") or 0) >= 2]
+def _newest_rewarded(stats: PromptStats) -> dict[str, Any] | None:
+    """The newest attempt whose group of two or more samples got rewards (one valid reward
+    or more), trained or dropped: a group a filter dropped (the ``zero_variance`` filter,
+    a mixture source's) was scored all the same, and its rewards say as much about the row
+    as a trained group's. An attempt without rewards (dropped for η, expired, all its
+    rewards failed) says nothing about them."""
+    rows = [r for r in stats.last if r.get("status") in ("trained", "dropped")
+            and int(r.get("samples") or 0) >= 2
+            and isinstance(r.get("reward_mean"), (int, float))]
     return rows[-1] if rows else None
 
 
@@ -77,7 +83,7 @@ def zero_variance_skip(index: int, bases: Sequence[int], history: PromptHistory,
     """The skip of ``index`` by the zero-variance rule, or None to release it."""
     for ago, tid in enumerate(earlier_ids(index, bases), start=1):
         stats = history.get(tid)
-        row = _newest_trained(stats) if stats is not None else None
+        row = _newest_rewarded(stats) if stats is not None else None
         if row is None:
             continue  # skipped, dropped or not recorded in that pass: look further back
         if rewards_agreed(row) and ago < revisit_epochs:

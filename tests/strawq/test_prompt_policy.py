@@ -19,6 +19,7 @@ from strawq.dataset import Dataset
 from strawq.errors import ConfigError
 from strawq.feeder import Feeder
 from strawq.names import dataset_task_id
+from strawq.prompt_policy import Skip, plan_release, zero_variance_skip
 from strawq.queue import RunQueue
 from strawq.status import run_status
 from strawq.storage import MemoryStorage, PosixStorage
@@ -128,6 +129,31 @@ def _settle(q: RunQueue, outcomes: dict[int, tuple[str, list[float | None]]]) ->
     bs.publish_batch(seq, names, [bs.read_summary(n) for n in names], {"trained_at": 0})
     bs.ack(seq)
     bs.gc(compact_drops_at=0)
+
+
+def test_a_dropped_group_whose_rewards_agreed_is_skipped_by_the_next_pass(
+        tmp_path: Path) -> None:
+    """The DAPO filter drops a group whose rewards all agree (``zero_variance``): that
+    attempt counts like a trained one, or the row is generated and dropped again every
+    pass. A drop without rewards (here ``too_long``, no summary) says nothing about them."""
+    q, feeder = _run(tmp_path, num_epochs=2, skip_zero_variance=True)
+    assert feeder.release(ROWS) == ROWS
+    leases = q.claim("p", 1)  # row 0: dropped without a group summary
+    q.drop(leases[0], "too_long", "over the cap")
+    _settle(q, {1: ("zero_variance", [1.0] * 4), 2: ("trained", [0.0, 1.0, 1.0, 0.0]),
+                3: ("zero_variance", [0.0] * 4)})
+    h = history.load_history(q.storage)
+    ids = [dataset_task_id(i) for i in range(2 * ROWS)]
+    bases = [0, ROWS]
+    assert zero_variance_skip(ROWS + 1, bases, h, 2) == Skip(ROWS + 1, 1.0, 1)
+    assert zero_variance_skip(ROWS + 0, bases, h, 2) is None
+    plan = plan_release(range(ROWS, 2 * ROWS), bases, h, skip_zero_variance=True,
+                        revisit_epochs=2, longest_first=False)
+    assert plan.order == [ROWS + 0, ROWS + 2]
+    # and the feeder, which plans the same from the same history
+    assert feeder.release(ROWS) == 2 and feeder.exhausted
+    assert _rows(q, 10) == [(ids[4], 0), (ids[6], 2)]
+    assert history.load_history(q.storage).totals()["skipped_by_reward"] == {"0": 1, "1": 1}
 
 
 def test_a_group_whose_rewards_failed_is_released_by_the_next_pass(tmp_path: Path) -> None:
