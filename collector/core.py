@@ -43,6 +43,7 @@ from strawq.eta import STALE_REASON, EtaPolicy, publish_policy
 from strawq.feeder import Feeder
 from strawq.grantor import LeaseMonitor, ScanResult
 from strawq.groups import staleness
+from strawq.history import attempt_summary
 from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
 from strawq.retention import drop_totals
@@ -402,8 +403,9 @@ class Collector:
             reason = self.mixing.filter(n, s) if self.mixing is not None else None
             if reason is not None:
                 src = self.mixing.source(n.id) if self.mixing is not None else None
+                # with its rewards: the history's zero-variance rule counts the drop
                 if self.batches.drop_ready(n, reason, f"mixture source {src!r} filter: "
-                                                      f"{reason}") and rep is not None:
+                                           f"{reason}", attempt_summary(s)) and rep is not None:
                     rep.filtered.append(n.id)
                 self.order.forget([n.id])
                 continue

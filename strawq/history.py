@@ -128,6 +128,18 @@ def attempt_row(summary: Mapping[str, Any], *, gen: int, status: str,
     return row
 
 
+def attempt_summary(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``attempt_row`` reads of a group summary, for a drop's note: the drop audit
+    keeps notes in detail, and the rest of a summary (sampling parameters, trajectories)
+    says nothing about the attempt's rewards or lengths."""
+    out = {k: summary[k] for k in ("task_id", "index", "sample_lens", "rewards",
+                                   "min_version", "max_version") if k in summary}
+    source = (summary.get("meta") or {}).get("source")
+    if isinstance(source, str):
+        out["meta"] = {"source": source}
+    return out
+
+
 @dataclass
 class PromptStats:
     """One prompt's history: totals over every attempt, and its newest attempts."""
