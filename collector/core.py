@@ -43,8 +43,9 @@ from strawq.eta import STALE_REASON, EtaPolicy, publish_policy
 from strawq.feeder import Feeder
 from strawq.grantor import LeaseMonitor, ScanResult
 from strawq.groups import staleness
-from strawq.history import attempt_summary
+from strawq.history import attempt_summary, load_history
 from strawq.names import TaskName, data_key
+from strawq.prompt_policy import HISTORY_REFRESH_S
 from strawq.queue import RunQueue
 from strawq.retention import drop_totals
 from strawq.states import depths, upstream_depths
@@ -144,6 +145,9 @@ class Collector:
         self.storage_full: str | None = None
         self._full_since = 0.0
         self._full_logged = 0.0
+        #: the feeder's skips the mixture's book was told of, and when (``_note_skips``)
+        self._skips_noted = 0
+        self._skips_read_at = float("-inf")
 
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
@@ -176,6 +180,8 @@ class Collector:
         self.resume_info = resume
         if resume is not None and resume.path in ("cursor", "fresh") and resume.checkpoint:
             self._apply_checkpoint(resume)
+        if self.mixing is not None:  # skips recorded before this start are not in the window
+            self.mixing.skips_from = self.feeder.cursor.next_index
         return epoch
 
     def _apply_checkpoint(self, resume: ResumeInfo) -> None:
@@ -198,6 +204,21 @@ class Collector:
         begin: ``Feeder._next_epoch``)."""
         if self.mixing is not None and self.feeder is not None:
             self.mixing.bases = self.feeder.cursor.epoch_bases or (self.feeder.base,)
+
+    def _note_skips(self) -> None:
+        """Tell the mixture's book which rows the history's zero-variance rule skipped
+        (their source's starvation reason ``skipped``): read from the history, where each
+        release records its skips, once the feeder skipped more, at most every
+        ``HISTORY_REFRESH_S`` (the feeder's own pace of reading it)."""
+        if self.mixing is None or self.feeder is None \
+                or self.feeder.skipped_total == self._skips_noted:
+            return
+        now = self.clock()
+        if now - self._skips_read_at < HISTORY_REFRESH_S:
+            return
+        self._skips_read_at = now
+        self._skips_noted = self.feeder.skipped_total
+        self.mixing.note_skips(load_history(self.storage))
 
     def close(self) -> None:
         """Stop cleanly (a successor starts at once) and shut the metrics endpoint."""
@@ -243,6 +264,7 @@ class Collector:
         self._form_batches(ready, rep)
         self._admit(rep)
         self._note_bases()
+        self._note_skips()
         self._steps += 1
         self.stale_totals["trained"] += len(rep.stale_trained)
         self.stale_totals["regenerated"] += len(rep.requeued_stale)
