@@ -21,9 +21,9 @@ bound and filter, its share of what is trained, and the starvation signal.
   the history's zero-variance rule left out of the releases do: ``queue.skip_zero_variance``,
   ``strawq.prompt_policy``), else ``slow`` (its groups are still generating: longer
   responses, or a slower engine). The signal does not change what is released: the
-  mixture's rows are released in its weights whatever happens to them, and a row the
-  history's rule skips is not replaced by another row of its source (``docs/datasets.md``,
-  "Mixtures").
+  mixture's rows are released in its weights whatever happens to them, less the rows the
+  history's rule skips, which are not replaced by other rows of their source
+  (``docs/datasets.md``, "Mixtures").
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ What is recorded, per attempt (one group, one task generation): its status (``tr
 or ``dropped`` with the reason), the number of samples, the response tokens spent, their
 lengths (min, mean, max), the rewards' mean and variance and how many of them were valid
 (a group whose rewards all agree has no advantage to train on; one with a failed reward
-did not agree), the weight versions that generated it and, when trained,
-the version it was trained at. Samples are never stored: a row is a few dozen numbers.
+did not agree), the weight versions that generated it and, when trained, the version it
+was trained at. Samples are never stored: a row is a few dozen numbers.
 
 Where it comes from: ``BatchStore.gc`` records the groups of the batches it retires (their
 manifests hold every summary), and ``compact_drops`` the drops it folds into the drop
