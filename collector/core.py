@@ -44,6 +44,7 @@ from strawq.feeder import Feeder
 from strawq.planner import Origin
 from strawq.grantor import LeaseMonitor, ScanResult
 from strawq.groups import staleness
+from strawq.history import attempt_summary
 from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue
 from strawq.retention import drop_totals
@@ -214,6 +215,12 @@ class Collector:
         passes = feeder.passes(feeder.cursor)
         return feeder.planner.origin(passes, index) if index >= passes.bases[0] else None
 
+    def _note_skips(self) -> None:
+        """Tell the mixture's book which rows the history's zero-variance rule skipped in
+        this collector's releases (their source's starvation reason ``skipped``)."""
+        if self.mixing is not None and self.feeder is not None:
+            self.mixing.on_skipped(self.feeder.take_skipped())
+
     def close(self) -> None:
         """Stop cleanly (a successor starts at once) and shut the metrics endpoint."""
         self.fence.close()
@@ -257,6 +264,7 @@ class Collector:
         rep.exhausted = self.feeder.exhausted
         self._form_batches(ready, rep)
         self._admit(rep)
+        self._note_skips()
         self._steps += 1
         self.stale_totals["trained"] += len(rep.stale_trained)
         self.stale_totals["regenerated"] += len(rep.requeued_stale)
@@ -417,8 +425,9 @@ class Collector:
             reason = self.mixing.filter(n, s) if self.mixing is not None else None
             if reason is not None:
                 src = self.mixing.source(n.id) if self.mixing is not None else None
+                # with its rewards: the history's zero-variance rule counts the drop
                 if self.batches.drop_ready(n, reason, f"mixture source {src!r} filter: "
-                                                      f"{reason}") and rep is not None:
+                                           f"{reason}", attempt_summary(s)) and rep is not None:
                     rep.filtered.append(n.id)
                 self.order.forget([n.id])
                 continue

@@ -17,10 +17,13 @@ bound and filter, its share of what is trained, and the starvation signal.
   of that many groups (so a short window or a small weight is not called starved by
   chance), once the window holds ``STARVATION_MIN_BATCHES`` batches. The reason is what
   the source lost in the same window: ``filtered`` (its filter's drops make up at least half
-  the shortfall), else ``stale`` (its η drops and regenerations do), else ``slow`` (its
-  groups are still generating: longer responses, or a slower engine). The signal does not
-  change what is released: the mixture's rows are released in its weights whatever happens
-  to them (``docs/datasets.md``, "Mixtures").
+  the shortfall), else ``stale`` (its η drops and regenerations do), else ``skipped`` (rows
+  the history's zero-variance rule left out of the releases do: ``queue.skip_zero_variance``,
+  ``strawq.prompt_policy``), else ``slow`` (its groups are still generating: longer
+  responses, or a slower engine). The signal does not change what is released: the
+  mixture's rows are released in its weights whatever happens to them, less the rows the
+  history's rule skips, which are not replaced by other rows of their source
+  (``docs/datasets.md``, "Mixtures").
 """
 
 from __future__ import annotations
@@ -79,12 +82,14 @@ class MixtureBook:
         self.window_groups = STARVATION_WINDOW_BATCHES * batch_groups
         self.min_groups = STARVATION_MIN_BATCHES * batch_groups
         #: (source, kind, loss tokens) of the newest events, kind trained / filtered / stale
+        #: / skipped
         self.events: deque[tuple[str, str, int]] = deque()
         self._trained_in_window = 0
         self.trained_groups: Counter[str] = Counter()
         self.trained_tokens: Counter[str] = Counter()
         self.filtered: Counter[str] = Counter()
         self.stale: Counter[str] = Counter()
+        self.skipped: Counter[str] = Counter()
         #: the sources starved at the last ``starved()``, with the reason
         self.starving: dict[str, str] = {}
         #: where a task index comes from: the release planner's ``origin`` over the
@@ -136,6 +141,14 @@ class MixtureBook:
                 self._event(src, "stale", 0)
                 self.stale[src] += 1
 
+    def on_skipped(self, task_ids: Iterable[str]) -> None:
+        """Rows the history's zero-variance rule left out of a release (not generated)."""
+        for tid in task_ids:
+            src = self.source(tid)
+            if src is not None:
+                self._event(src, "skipped", 0)
+                self.skipped[src] += 1
+
     def on_trained(self, names: Iterable[TaskName], summaries: Iterable[Mapping[str, Any]]
                    ) -> None:
         """A published batch's groups."""
@@ -157,8 +170,10 @@ class MixtureBook:
 
     # -- the signal ---------------------------------------------------------------------------
     def window(self) -> dict[str, dict[str, int]]:
-        """Per source, over the window: trained groups, trained tokens, filtered, stale."""
-        out = {n: {"trained": 0, "tokens": 0, "filtered": 0, "stale": 0} for n in self.names}
+        """Per source, over the window: trained groups, trained tokens, filtered, stale,
+        skipped."""
+        out = {n: {"trained": 0, "tokens": 0, "filtered": 0, "stale": 0, "skipped": 0}
+               for n in self.names}
         for src, kind, tokens in self.events:
             row = out[src]
             row[kind] += 1
@@ -167,7 +182,7 @@ class MixtureBook:
         return out
 
     def starved(self) -> dict[str, str]:
-        """The starved sources and why (``filtered``, ``stale`` or ``slow``)."""
+        """The starved sources and why (``filtered``, ``stale``, ``skipped`` or ``slow``)."""
         win = self.window()
         n = sum(r["trained"] for r in win.values())
         out: dict[str, str] = {}
@@ -179,7 +194,8 @@ class MixtureBook:
                 if shortfall <= STARVATION_SIGMAS * math.sqrt(n * w * (1 - w)):
                     continue
                 out[src] = ("filtered" if row["filtered"] >= shortfall / 2 else
-                            "stale" if row["stale"] >= shortfall / 2 else "slow")
+                            "stale" if row["stale"] >= shortfall / 2 else
+                            "skipped" if row["skipped"] >= shortfall / 2 else "slow")
         for src, why in out.items():
             if self.starving.get(src) != why:
                 log.warning("mixture source %r is starved (%s): %d of the last %d trained "
@@ -208,6 +224,7 @@ class MixtureBook:
             out[f"{p}/trained_tokens_total"] = self.trained_tokens[src]
             out[f"{p}/filtered_total"] = self.filtered[src]
             out[f"{p}/stale_total"] = self.stale[src]
+            out[f"{p}/skipped_total"] = self.skipped[src]
             out[f"{p}/starved"] = int(src in starved)
             out[f"{p}/starved_reason"] = starved.get(src, "")
         return out

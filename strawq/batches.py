@@ -284,16 +284,19 @@ class BatchStore:
             pass
 
     # -- staleness bound ----------------------------------------------------------------------
-    def drop_ready(self, name: TaskName, reason: str, message: str = "") -> bool:
+    def drop_ready(self, name: TaskName, reason: str, message: str = "",
+                   summary: dict[str, Any] | None = None) -> bool:
         """Move a ready group to DROPPED (e.g. staler than the bound η)."""
-        return self.drop_from(S.READY, name, reason, message)
+        return self.drop_from(S.READY, name, reason, message, summary)
 
     def drop_from(self, state: TaskState | str, name: TaskName, reason: str,
-                  message: str = "") -> bool:
-        """Drop a READY or BATCHED group with a recorded reason; False if it moved on."""
+                  message: str = "", summary: dict[str, Any] | None = None) -> bool:
+        """Drop a READY or BATCHED group with a recorded reason; False if it moved on.
+        ``summary``: what the group came to, kept in the drop's note (its rewards reach the
+        per-prompt history when the drop is compacted, ``strawq.history``)."""
         if state not in (S.READY, S.BATCHED):
             raise ValueError(f"drop_from: state must be 'ready' or 'batched', got {state!r}")
-        self.queue.write_note(name, "drop", reason, message)
+        self.queue.write_note(name, "drop", reason, message, summary)
         try:
             move(self.storage, name, S(state), S.DROPPED, name.with_(producer=reason))
         except (NotFound, AlreadyExists):

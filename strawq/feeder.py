@@ -227,6 +227,7 @@ class Feeder:
         self._reader = self.planner.reader
         #: rows this feeder's releases skipped by the history's rule (``prompt_policy``)
         self.skipped_total = 0
+        self._skipped: list[str] = []
         self.cursor = self.recover()
         if check_dataset:
             self._reader.adopt(self.cursor.fingerprint, self.cursor.next_index)
@@ -428,7 +429,14 @@ class Feeder:
         if got is None:
             return None
         self.skipped_total += len(plan.skips)
+        self._skipped += [dataset_task_id(s.index) for s in plan.skips]
         return got, len(plan.skips)
+
+    def take_skipped(self) -> list[str]:
+        """The task ids this feeder's releases skipped (the history's rule) since the last
+        call, oldest first."""
+        out, self._skipped = self._skipped, []
+        return out
 
     def _judge(self, cur: Cursor, rows: list[tuple[int, Row | BadRow]]) -> tuple[int, int]:
         """The bad-row window after releasing ``rows``; ``BadRowsRefused`` (nothing written

@@ -6,9 +6,10 @@ ask "how long are this prompt's answers, and did its last groups teach anything?
 
 What is recorded, per attempt (one group, one task generation): its status (``trained``
 or ``dropped`` with the reason), the number of samples, the response tokens spent, their
-lengths (min, mean, max), the rewards' mean and variance (a group whose rewards all agree
-has no advantage to train on), the weight versions that generated it and, when trained,
-the version it was trained at. Samples are never stored: a row is a few dozen numbers.
+lengths (min, mean, max), the rewards' mean and variance and how many of them were valid
+(a group whose rewards all agree has no advantage to train on; one with a failed reward
+did not agree), the weight versions that generated it and, when trained, the version it
+was trained at. Samples are never stored: a row is a few dozen numbers.
 
 Where it comes from: ``BatchStore.gc`` records the groups of the batches it retires (their
 manifests hold every summary), and ``compact_drops`` the drops it folds into the drop
@@ -80,18 +81,28 @@ def _sum_counts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
 
 
 def rewards_agreed(row: Mapping[str, Any]) -> bool:
-    """An attempt's group had two or more rewards, all equal: all solved or all failed, no
-    advantage to train on (the zero-variance rule's test)."""
+    """An attempt's group had two or more samples, every one with a valid reward, all equal:
+    all solved or all failed, no advantage to train on (the zero-variance rule's test).
+
+    A reward that failed (None, missing, not finite: a reward error or a failed sample) is
+    not agreement: a group of 4 with 3 failed rewards did not agree, whatever the fourth.
+    The row says how many rewards were valid (``rewards_valid``); a row recorded before it
+    did cannot say, and is judged on its variance alone (as it was recorded then)."""
     var = row.get("reward_var")
-    return isinstance(var, (int, float)) and int(row.get("samples") or 0) >= 2 and var == 0
+    samples = int(row.get("samples") or 0)
+    if not isinstance(var, (int, float)) or samples < 2 or var != 0:
+        return False
+    if "rewards_valid" not in row:  # an older row: the count was not recorded
+        return True
+    return bool(row["rewards_valid"] == samples)
 
 
 def attempt_row(summary: Mapping[str, Any], *, gen: int, status: str,
                 reason: str | None = None, trained_at: int | None = None,
                 at: float | None = None) -> dict[str, Any]:
     """One attempt's row, from a group summary (``GroupData.summary()``)."""
-    lens = [int(n) for n in summary.get("sample_lens", []) if isinstance(n, int)]
-    rewards = [r for r in (_num(x) for x in summary.get("rewards", [])) if r is not None]
+    lens = [int(n) for n in summary.get("sample_lens") or [] if isinstance(n, int)]
+    rewards = [r for r in (_num(x) for x in summary.get("rewards") or []) if r is not None]
     mean = sum(rewards) / len(rewards) if rewards else None
     var = sum((r - mean) ** 2 for r in rewards) / len(rewards) if mean is not None else None
     row: dict[str, Any] = {
@@ -100,6 +111,8 @@ def attempt_row(summary: Mapping[str, Any], *, gen: int, status: str,
         "len_min": min(lens, default=0), "len_max": max(lens, default=0),
         "len_mean": round(sum(lens) / len(lens), 2) if lens else 0.0,
         "reward_mean": mean, "reward_var": var,
+        # the rewards that are numbers: fewer than ``samples`` when some failed
+        "rewards_valid": len(rewards),
         "min_version": summary.get("min_version"), "max_version": summary.get("max_version"),
         "at": _num(at) or time.time(),
     }
@@ -113,6 +126,18 @@ def attempt_row(summary: Mapping[str, Any], *, gen: int, status: str,
     if trained_at is not None:
         row["trained_at"] = trained_at
     return row
+
+
+def attempt_summary(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``attempt_row`` reads of a group summary, for a drop's note: the drop audit
+    keeps notes in detail, and the rest of a summary (sampling parameters, trajectories)
+    says nothing about the attempt's rewards or lengths."""
+    out = {k: summary[k] for k in ("task_id", "index", "sample_lens", "rewards",
+                                   "min_version", "max_version") if k in summary}
+    source = (summary.get("meta") or {}).get("source")
+    if isinstance(source, str):
+        out["meta"] = {"source": source}
+    return out
 
 
 @dataclass

@@ -7,15 +7,17 @@ row — the same source and row in it — in earlier passes is found under the i
 planner gives (``strawq.planner.ReleasePlanner.earlier_ids``), newest first. Each earlier
 appearance of the row counts as one pass ago.
 
-* **Zero-variance skip.** A row whose newest trained group had two or more rewards, all
-  equal (all solved or all failed: no advantage, nothing to learn), is skipped by the next
+* **Zero-variance skip.** A row whose newest attempt with rewards (a trained group, or one
+  a filter dropped) had two or more samples, every reward valid and all equal (all solved
+  or all failed: no advantage, nothing to learn), is skipped by the next
   ``zero_variance_revisit_epochs - 1`` passes and released again after that: a policy that
   has moved may no longer solve (or fail) it every time. A skip is recorded in the history
   (status ``skipped``, with the reward the group agreed on) before the release commits, so
   ``strawq inspect RUN history`` counts what was left out and by which reward: the bias the
   rule introduces (the trained mix drifts away from the dataset's hard and easy ends) is
-  visible, not silent. A row with no trained group in the history (not yet recorded, or
-  only dropped) is released.
+  visible, not silent. A row with no attempt with rewards in the history (not yet
+  recorded, or dropped before its rewards, e.g. for η) is released. A skipped row is not
+  replaced by another: the skip overrides a mixture's weights.
 * **Longest-predicted-first.** Within a release the rows are staged in the order of their
   predicted response length, longest first (the mean length of their newest recorded
   attempt; a row with none gets the run's median, over every prompt in the history), so the
@@ -44,7 +46,7 @@ HISTORY_REFRESH_S = 30.0
 @dataclass(frozen=True)
 class Skip:
     index: int
-    #: the reward every sample of the newest trained group agreed on
+    #: the reward every sample of the newest attempt with rewards agreed on
     reward: float | None
     #: passes since that group's pass
     epochs_ago: int
@@ -60,9 +62,15 @@ class Plan:
     predicted: dict[int, float | None] = field(default_factory=dict)
 
 
-def _newest_trained(stats: PromptStats) -> dict[str, Any] | None:
-    rows = [r for r in stats.last if r.get("status") == "trained"
-            and int(r.get("samples") or 0) >= 2]
+def _newest_rewarded(stats: PromptStats) -> dict[str, Any] | None:
+    """The newest attempt whose group of two or more samples got rewards (one valid reward
+    or more), trained or dropped: a group a filter dropped (the ``zero_variance`` filter,
+    a mixture source's) was scored all the same, and its rewards say as much about the row
+    as a trained group's. An attempt without rewards (dropped for η, expired, all its
+    rewards failed) says nothing about them."""
+    rows = [r for r in stats.last if r.get("status") in ("trained", "dropped")
+            and int(r.get("samples") or 0) >= 2
+            and isinstance(r.get("reward_mean"), (int, float))]
     return rows[-1] if rows else None
 
 
@@ -72,9 +80,9 @@ def zero_variance_skip(index: int, earlier: Sequence[str], history: PromptHistor
     the task ids of the row's earlier appearances, newest first."""
     for ago, tid in enumerate(earlier, start=1):
         stats = history.get(tid)
-        row = _newest_trained(stats) if stats is not None else None
+        row = _newest_rewarded(stats) if stats is not None else None
         if row is None:
-            continue  # skipped, dropped or not recorded in that pass: look further back
+            continue  # skipped, no rewards or not recorded in that pass: look further back
         if rewards_agreed(row) and ago < revisit_epochs:
             mean = row.get("reward_mean")
             return Skip(index, float(mean) if isinstance(mean, (int, float)) else None, ago)

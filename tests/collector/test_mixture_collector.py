@@ -19,7 +19,9 @@ from strawq.config import QueueConfig
 from strawq.errors import ConfigError
 from strawq.mixture import Mixture, open_dataset
 from strawq.names import TaskName, dataset_task_id
-from strawq.retention import drop_totals
+from strawq.history import load_history
+from strawq.prompt_policy import plan_release
+from strawq.retention import compact_drops, drop_totals
 from tests.collector.helpers import SimProducer, train_until_drained
 
 QCFG = QueueConfig(fsync=False, lease_timeout_s=2.0, heartbeat_interval_s=0.2,  # type: ignore
@@ -190,3 +192,99 @@ def test_a_group_taken_in_a_filtered_ones_place_is_judged_by_its_own_bound(
     assert trained == []  # b's groups are one version old: over b's bound (0)
     assert drop_totals(col.storage) == {"filtered_a": 2, "stale_eta": 2}
     col.close()
+
+
+def test_a_sources_filter_drop_reaches_the_history_with_its_rewards(tmp_path: Path) -> None:
+    """A group a source's filter drops keeps its rewards in the drop's note, so the
+    history's zero-variance rule counts it: b's groups (every reward 1.0) are dropped in
+    pass 1 and the next pass skips b's rows."""
+    from strawq.testing import make_group
+
+    ds = _mixture(tmp_path, {"filter": "tests.collector.test_mixture_collector.drop_every_group"},
+                  sizes=(4, 4))
+    col = Collector.open(str(tmp_path / "run"), ds, _cfg(tmp_path), queue_config=replace(
+        QCFG, num_epochs=2, skip_zero_variance=True), fsync=False)
+    col.step()  # releases pass 1: rows 0 a, 1 b, 2 a, ...
+    for lease in col.queue.claim("p", 8):
+        i = int(lease.task["index"])
+        g = make_group(lease.task_id, i, lens=(2, 2, 2, 2))
+        g.rewards = [1.0] * 4 if ds.source_of(i) == "b" else [0.0, 1.0, 0.0, 1.0]
+        g.meta["source"] = lease.task["source"]  # as a producer's group carries it
+        col.queue.complete(lease, g)
+    col.step()  # one batch of a's four groups; three of b's were taken and dropped on
+    # the way, the fourth waits ready for the next batch
+    assert drop_totals(col.storage) == {"filtered_b": 3}
+    assert compact_drops(col.storage) == 3
+    h = load_history(col.storage)
+    b_rows = [i for i in range(8) if ds.source_of(i) == "b"][:3]
+    for i in b_rows:
+        stats = h.get(dataset_task_id(i))
+        assert stats is not None and stats.source == "b"
+        (row,) = stats.last
+        assert (row["status"], row["reason"], row["reward_mean"], row["rewards_valid"]) == \
+            ("dropped", "filtered_b", 1.0, 4)
+    plan = plan_release(range(8, 16), lambda i: [dataset_task_id(i - 8)], h,
+                        skip_zero_variance=True, revisit_epochs=2,
+                        longest_first=False)
+    assert sorted(s.index - 8 for s in plan.skips) == b_rows
+    col.close()
+
+
+def test_a_source_short_of_rows_the_history_skipped_is_starved_as_skipped(
+        tmp_path: Path) -> None:
+    """The book's verdict: b's groups stop coming because the history's zero-variance rule
+    left its rows out of the releases; the reason is ``skipped``, not ``slow``."""
+    ds = _mixture(tmp_path, {})
+    book = MixtureBook(ds, run_max_staleness=None, batch_groups=10)
+    b_rows = [i for i in range(48) if ds.source_of(i) == "b"]
+    book.on_skipped(dataset_task_id(i) for i in b_rows[:20])
+    a = [TaskName(key="k", id=dataset_task_id(i), gen=0, attempts=0, resume=-1)
+         for i in range(48) if ds.source_of(i) == "a"]
+    book.on_trained((a * 2)[:40], [{"loss_tokens": [5]}] * 40)
+    assert book.starved() == {"b": "skipped"}
+    m = book.metrics()
+    assert m["dataset/b/skipped_total"] == 20 and m["dataset/b/starved_reason"] == "skipped"
+
+
+@pytest.mark.timeout(120)
+def test_the_collector_says_skipped_when_the_history_skips_a_sources_rows(
+        tmp_path: Path) -> None:
+    """Two passes; every group of b agrees (reward 1.0 everywhere), a's do not. The
+    trainer keeps step (η 0: a release waits for what is ahead of it to be trained), so
+    pass 2 is planned on pass 1's whole history: it skips every row of b, and b's shortfall
+    is put down to the skip."""
+    from strawq.testing import make_group
+    from tests.collector.helpers import FakeClock
+
+    ds = _mixture(tmp_path, {}, sizes=(16, 16))
+    clock = FakeClock()
+    col = Collector.open(str(tmp_path / "run"), ds,
+                         _cfg(tmp_path, batch_groups=2, max_staleness=0,
+                              max_prefetch_batches=1),
+                         queue_config=replace(QCFG, num_epochs=2, skip_zero_variance=True),
+                         fsync=False, clock=clock, sleep=clock.sleep)
+    for _ in range(300):
+        rep = col.step()
+        if rep.drained:
+            break
+        version = col.queue.current_version()
+        for lease in col.queue.claim("p", 8):
+            g = make_group(lease.task_id, int(lease.task["index"]), lens=(2, 2, 2, 2),
+                           version=version)
+            g.rewards = [1.0] * 4 if lease.task["source"] == "b" else [0.0, 1.0, 0.0, 1.0]
+            col.queue.complete(lease, g)
+        seqs, acked = col.batches.batch_seqs()
+        for seq in seqs:
+            if seq not in acked:  # the trainer: the batch trained, the weights stepped
+                col.batches.ack(seq)
+                col.queue.set_version(col.queue.current_version() + 1)
+        clock.t += 31.0  # past the pace at which the history is read
+    else:
+        raise AssertionError("the run did not drain")
+    m = _last_metrics(tmp_path)
+    assert m["dataset/b/trained_groups_total"] == 16 and m["dataset/a/trained_groups_total"] == 32
+    assert m["collector/skipped_zero_variance_total"] == 16
+    assert m["dataset/b/starved"] == 1 and m["dataset/b/starved_reason"] == "skipped"
+    assert m["dataset/b/skipped_total"] == 16 and m["dataset/a/skipped_total"] == 0
+    col.close()
+

@@ -171,3 +171,48 @@ def test_a_corrupt_segment_is_skipped_with_an_error(tmp_path: Path,
     s = h.get(tid)
     assert s is not None and s.attempts == 1
     assert "seg-000000000099 is unreadable" in caplog.text
+
+
+def test_failed_rewards_are_not_agreement(tmp_path: Path) -> None:
+    """A reward that failed (None: a reward error or a failed sample; not a finite number)
+    is not agreement: a group of 4 whose one valid reward stands alone, or whose valid
+    rewards are equal beside a failed one, did not agree, trained or dropped. The row says
+    how many rewards were valid."""
+    q, feeder = _run(tmp_path, 3)
+    feeder.release(3)
+    t = [dataset_task_id(i) for i in range(3)]
+    leases = {lease.task_id: lease for lease in q.claim("p", 3)}
+    groups = {tid: make_group(tid, lens=(3, 3, 3, 3)) for tid in t}
+    groups[t[0]].rewards = [1.0, None, None, None]
+    groups[t[1]].rewards = [0.0, 0.0, float("nan"), None]
+    groups[t[2]].rewards = [1.0, 1.0, 1.0, 1.0]
+    q.complete(leases[t[0]], groups[t[0]])
+    q.drop(leases[t[1]], "reward_error", "2 of 4 rewards failed",
+           summary=groups[t[1]].summary())
+    q.complete(leases[t[2]], groups[t[2]])
+    _train(q)
+    assert compact_drops(q.storage) == 1
+    h = history.load_history(q.storage)
+    rows = {tid: s.last[-1] for tid in t if (s := h.get(tid)) is not None}
+    assert [(rows[tid]["samples"], rows[tid]["rewards_valid"], rows[tid]["reward_var"])
+            for tid in t] == [(4, 1, 0.0), (4, 2, 0.0), (4, 4, 0.0)]
+    assert [history.rewards_agreed(rows[tid]) for tid in t] == [False, False, True]
+    assert h.totals()["zero_variance_attempts"] == 1
+
+
+def test_a_row_without_rewards_valid_is_judged_on_its_variance() -> None:
+    """Rows recorded before ``rewards_valid`` cannot say whether a reward failed: they are
+    judged as they were (two or more samples, variance 0). A summary with fewer rewards
+    than samples records the rewards it has."""
+    old = {"samples": 4, "reward_mean": 1.0, "reward_var": 0.0}
+    assert history.rewards_agreed(old)
+    assert history.rewards_agreed({**old, "rewards_valid": 4})
+    assert not history.rewards_agreed({**old, "rewards_valid": 3})
+    assert not history.rewards_agreed({**old, "samples": 1, "rewards_valid": 1})
+    short = history.attempt_row({"task_id": "i0", "sample_lens": [2, 2, 2, 2],
+                                 "rewards": [1.0, 1.0]}, gen=0, status="trained")
+    assert (short["samples"], short["rewards_valid"]) == (4, 2)
+    assert not history.rewards_agreed(short)
+    none = history.attempt_row({"task_id": "i0", "sample_lens": [2, 2], "rewards": None},
+                               gen=0, status="dropped")
+    assert none["rewards_valid"] == 0 and none["reward_mean"] is None

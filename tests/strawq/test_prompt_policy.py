@@ -19,6 +19,7 @@ from strawq.dataset import Dataset
 from strawq.errors import ConfigError
 from strawq.feeder import Feeder
 from strawq.names import dataset_task_id
+from strawq.prompt_policy import Skip, plan_release, zero_variance_skip
 from strawq.queue import RunQueue
 from strawq.status import run_status
 from strawq.storage import MemoryStorage, PosixStorage
@@ -106,6 +107,67 @@ def test_zero_variance_rows_skip_one_pass_recorded_by_reward_then_return(
     assert skipped is not None and skipped.skipped == 1 and skipped.attempts == 0
     assert feeder.release(ROWS) == 2 and feeder.exhausted  # row 2 is back too
     assert _rows(q, 10) == [(ids[10], 2), (ids[11], 3)]
+
+
+def _settle(q: RunQueue, outcomes: dict[int, tuple[str, list[float | None]]]) -> None:
+    """Every pending task (keyed by dataset row), with 4 samples: ``("trained", rewards)``
+    completes it; ``(reason, rewards)`` drops it with that reason and the group's summary,
+    as a producer's filter does. Then one batch of the completed, and gc (drops compacted:
+    their rows reach the history)."""
+    for lease in q.claim("p", 100):
+        r = int(lease.task["row"]["answer"])
+        how, rewards = outcomes[r]
+        g = make_group(lease.task_id, lens=(3, 3, 3, 3), version=q.current_version())
+        g.rewards = list(rewards)
+        if how == "trained":
+            q.complete(lease, g)
+        else:
+            q.drop(lease, how, f"filter: {how}", summary=g.summary())
+    bs = BatchStore(q)
+    names = bs.scan_ready()
+    seq = bs.next_seq()
+    bs.publish_batch(seq, names, [bs.read_summary(n) for n in names], {"trained_at": 0})
+    bs.ack(seq)
+    bs.gc(compact_drops_at=0)
+
+
+def test_a_dropped_group_whose_rewards_agreed_is_skipped_by_the_next_pass(
+        tmp_path: Path) -> None:
+    """The DAPO filter drops a group whose rewards all agree (``zero_variance``): that
+    attempt counts like a trained one, or the row is generated and dropped again every
+    pass. A drop without rewards (here ``too_long``, no summary) says nothing about them."""
+    q, feeder = _run(tmp_path, num_epochs=2, skip_zero_variance=True)
+    assert feeder.release(ROWS) == ROWS
+    leases = q.claim("p", 1)  # row 0: dropped without a group summary
+    q.drop(leases[0], "too_long", "over the cap")
+    _settle(q, {1: ("zero_variance", [1.0] * 4), 2: ("trained", [0.0, 1.0, 1.0, 0.0]),
+                3: ("zero_variance", [0.0] * 4)})
+    h = history.load_history(q.storage)
+    ids = [dataset_task_id(i) for i in range(2 * ROWS)]
+    def earlier(i: int) -> list[str]:  # a plain dataset: the same row one pass before
+        return [ids[i - ROWS]]
+
+    assert zero_variance_skip(ROWS + 1, earlier(ROWS + 1), h, 2) == Skip(ROWS + 1, 1.0, 1)
+    assert zero_variance_skip(ROWS + 0, earlier(ROWS), h, 2) is None
+    plan = plan_release(range(ROWS, 2 * ROWS), earlier, h, skip_zero_variance=True,
+                        revisit_epochs=2, longest_first=False)
+    assert plan.order == [ROWS + 0, ROWS + 2]
+    # and the feeder, which plans the same from the same history
+    assert feeder.release(ROWS) == 2 and feeder.exhausted
+    assert _rows(q, 10) == [(ids[4], 0), (ids[6], 2)]
+    assert history.load_history(q.storage).totals()["skipped_by_reward"] == {"0": 1, "1": 1}
+
+
+def test_a_group_whose_rewards_failed_is_released_by_the_next_pass(tmp_path: Path) -> None:
+    """Three of four rewards failed (None): the one left agrees with nothing. The group is
+    not a zero-variance group, trained (row 0) or dropped (row 1), and the row comes back."""
+    q, feeder = _run(tmp_path, num_epochs=2, skip_zero_variance=True)
+    assert feeder.release(ROWS) == ROWS
+    _settle(q, {0: ("trained", [1.0, None, None, None]),
+                1: ("reward_error", [0.0, None, 0.0, None]),
+                2: ("trained", [0.0, 0.0, 0.0, 0.0]), 3: ("trained", [1.0, 0.0, 1.0, 0.0])})
+    assert feeder.release(ROWS) == 3 and feeder.exhausted
+    assert [row for _, row in _rows(q, 10)] == [0, 1, 3]
 
 
 def test_without_the_rule_zero_variance_rows_are_released(tmp_path: Path) -> None:
