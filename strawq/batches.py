@@ -179,6 +179,8 @@ class BatchStore:
     def __init__(self, queue: RunQueue) -> None:
         self.queue = queue
         self.storage = queue.storage
+        #: ``dropped/`` entries already recorded in the history (``gc``: record_drops)
+        self._drops_recorded: set[str] = set()
 
     # -- ready ---------------------------------------------------------------------------------
     def scan_ready(self) -> list[TaskName]:
@@ -323,7 +325,9 @@ class BatchStore:
         ``sweep`` (or ``full``) also deletes ``data/`` records no live entry needs
         (``strawq.retention.sweep_payloads``) and turn checkpoints no task can resume from
         (``sweep_turns``); ``compact_drops_at=N`` folds ``dropped/``
-        into the drop audit once it holds at least N entries (0: always).
+        into the drop audit once it holds at least N entries (0: always), and till then
+        records its new entries in the per-prompt history (``record_drops``: the history's
+        rules see a dropped group's rewards by the next pass).
         """
         rep = GcReport()
         # The acks first: an ack is published only once its manifest exists, so an ack whose
@@ -365,11 +369,13 @@ class BatchStore:
             # an ack whose manifest GC already removed (a crash between the two deletions)
             self.storage.delete(ack_key(seq))
         if compact_drops_at is not None:
-            from strawq.retention import compact_drops
+            from strawq.retention import compact_drops, record_drops
 
             dropped = self.storage.list(DIRS[S.DROPPED])
             if dropped and len(dropped) >= compact_drops_at:
                 rep.drops = compact_drops(self.storage)
+            elif dropped:
+                record_drops(self.storage, self._drops_recorded)
         if full or sweep:
             from strawq.retention import sweep_turns
 

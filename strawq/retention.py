@@ -150,6 +150,28 @@ def _row(storage: Storage, name: TaskName) -> dict[str, Any]:
     return row
 
 
+def _history_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [attempt_row(
+        {"task_id": r["id"], **(r["summary"] if isinstance(r.get("summary"), dict) else {})},
+        gen=r["gen"], status="dropped", reason=r["reason"], at=r.get("at")) for r in rows]
+
+
+def record_drops(storage: Storage, seen: set[str]) -> int:
+    """Record the ``dropped/`` entries not in ``seen`` in the per-prompt history now, without
+    folding them into the audit (they stay requeueable), so the next pass's history rules
+    see a dropped group's rewards (a filter's ``zero_variance`` drop) before ``compact_drops``
+    runs; ``seen`` (the entries recorded so far) is updated. The compaction records them
+    again later: the history counts each (task id, generation) once."""
+    names = dict(entries(storage, TaskState.DROPPED))
+    live = {str(n) for n in names.values()}
+    seen &= live  # entries compacted or requeued since: forgotten
+    todo = [n for n in names.values() if str(n) not in seen]
+    if not todo or not record_attempts(storage, _history_rows(_row(storage, n) for n in todo)):
+        return 0
+    seen.update(str(n) for n in todo)
+    return len(todo)
+
+
 def compact_drops(storage: Storage) -> int:
     """Fold every ``dropped/`` entry into the audit; returns how many were folded in."""
     audit = latest_audit(storage)
@@ -161,9 +183,7 @@ def compact_drops(storage: Storage) -> int:
         return 0
     rows = [_row(storage, n) for n in todo]
     # the per-prompt history, before the notes go
-    record_attempts(storage, [attempt_row(
-        {"task_id": r["id"], **(r["summary"] if isinstance(r.get("summary"), dict) else {})},
-        gen=r["gen"], status="dropped", reason=r["reason"], at=r.get("at")) for r in rows])
+    record_attempts(storage, _history_rows(rows))
     counts = Counter(audit.counts)
     counts.update(r["reason"] for r in rows)
     segs = _segments(storage)

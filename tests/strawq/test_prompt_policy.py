@@ -21,6 +21,7 @@ from strawq.feeder import Feeder
 from strawq.names import dataset_task_id
 from strawq.prompt_policy import Skip, plan_release, zero_variance_skip
 from strawq.queue import RunQueue
+from strawq.states import TaskState, names_in
 from strawq.status import run_status
 from strawq.storage import MemoryStorage, PosixStorage
 from strawq.testing import audit_run, make_group, write_jsonl
@@ -239,3 +240,27 @@ def test_a_crash_at_any_step_of_a_skipping_release_loses_and_repeats_nothing(
         if finished:
             break
     assert crashes >= 5, "the enumeration crashed nowhere"
+
+
+def test_a_drop_reaches_the_history_at_the_next_gc_and_stays_requeueable(
+        tmp_path: Path) -> None:
+    """A run that drops fewer groups than the compaction threshold: the collector's gc
+    records each new drop in the history at once (the next pass skips its row), while the
+    drop stays in ``dropped/``; compacting it later counts it once."""
+    q, feeder = _run(tmp_path, num_epochs=2, skip_zero_variance=True)
+    assert feeder.release(ROWS) == ROWS
+    for lease in q.claim("p", 100):
+        g = make_group(lease.task_id, lens=(3, 3, 3, 3), version=q.current_version())
+        g.rewards = [1.0] * 4
+        q.drop(lease, "zero_variance", "filter: zero_variance", summary=g.summary())
+    bs = BatchStore(q)
+    bs.gc(compact_drops_at=1000)  # the collector's threshold: nothing is compacted
+    assert len(names_in(q.storage, TaskState.DROPPED)) == ROWS  # still requeueable
+    h = history.load_history(q.storage)
+    assert h.totals()["dropped"] == ROWS and h.totals()["zero_variance_attempts"] == ROWS
+    bs.gc(compact_drops_at=1000)  # seen: not recorded twice
+    bs.gc(compact_drops_at=0)  # compacted now: recorded again, counted once
+    assert history.load_history(q.storage).totals()["dropped"] == ROWS
+    # every row agreed: the next pass skips them all
+    assert feeder.release(ROWS) == 0 and feeder.exhausted
+    assert history.load_history(q.storage).totals()["skipped"] == ROWS
