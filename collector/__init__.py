@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from strawq.collector.admission import Admission, Depths
     from strawq.collector.config import CollectorConfig
-    from strawq.collector.core import Collector, StepReport
+    from strawq.collector.core import Collector
+    from strawq.collector.report import StepReport
     from strawq.collector.errors import (BatchTimeout, BracketError, BracketTimeout,
                                          CollectorBusy, CollectorError)
     from strawq.collector.fencing import EpochFence
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 #: package's ``__init__`` first, does not load the collector process.
 _EXPORTS = {
     "Admission": "admission", "Depths": "admission",
-    "CollectorConfig": "config", "Collector": "core", "StepReport": "core",
+    "CollectorConfig": "config", "Collector": "core", "StepReport": "report",
     "BatchTimeout": "errors", "BracketError": "errors", "BracketTimeout": "errors",
     "CollectorBusy": "errors", "CollectorError": "errors", "EpochFence": "fencing",
 }

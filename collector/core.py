@@ -22,30 +22,28 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from strawq.collector.admission import (Admission, ConsumedGroups, Depths, Progress,
-                                        admission, progress)
+from strawq.collector.admission import (ConsumedGroups, Depths, admission, progress)
 from strawq.collector.config import CollectorConfig
 from strawq.collector.fencing import EpochFence, SupersededSweep, mark_epoch_start
 from strawq.collector.trainer.metrics import MetricsSink, dropped_metric
+from strawq.collector.batching import BatchFormer
+from strawq.collector.eta_judge import EtaJudge
+from strawq.collector.hooks import HookChain
 from strawq.collector.mixing import MixtureBook, mixture_book
-from strawq.collector.ordering import StalenessOrder, group_advantages
-from strawq.collector.trainer.packing import BufferPool, PackReport, RecordFile, pack_batch
+from strawq.collector.report import StepReport
+from strawq.collector.ordering import StalenessOrder
 from strawq.collector.resume import ResumeInfo, open_queue, run_cursor
-from strawq.batches import BatchStore, GcReport, delivered, mark_high_water
+from strawq.batches import BatchStore, delivered, mark_high_water
 from strawq.config import QueueConfig
 from strawq.engine_weights import EngineWeights
 from strawq.dataset import Dataset, check_binding
-from strawq.errors import AlreadyExists, CorruptRecord, NotFound, StorageFull
-from strawq.eta import STALE_REASON, EtaPolicy, publish_policy
+from strawq.errors import StorageFull
+from strawq.eta import EtaPolicy, publish_policy
 from strawq.feeder import Feeder
 from strawq.planner import Origin
-from strawq.grantor import LeaseMonitor, ScanResult
-from strawq.groups import staleness
-from strawq.history import attempt_summary
-from strawq.names import TaskName, data_key
+from strawq.grantor import LeaseMonitor
 from strawq.queue import RunQueue
 from strawq.retention import drop_totals
 from strawq.states import depths, upstream_depths
@@ -57,43 +55,10 @@ log = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 30.0
 #: ``dropped/`` entries that trigger a compaction into the drop audit during a run.
 COMPACT_DROPS_AT = 1000
-CORRUPT_REASON = "corrupt_group"
 #: The longest wait between passes while the disk is full (``Collector.run``).
 FULL_RETRY_MAX_S = 2.0
 #: Seconds between reminders in the log while the disk stays full.
 FULL_REMIND_S = 60.0
-
-
-@dataclass
-class StepReport:
-    version: int = 0
-    depths: Depths = field(default_factory=Depths)
-    admission: Admission | None = None
-    released: int = 0
-    published: list[int] = field(default_factory=list)
-    dropped_stale: list[str] = field(default_factory=list)
-    requeued_stale: list[str] = field(default_factory=list)
-    #: groups published although over η (``eta_mode="train"``): kept, trained, counted
-    stale_trained: list[str] = field(default_factory=list)
-    #: groups a mixture source's filter dropped as their batch formed (``collector.mixing``)
-    filtered: list[str] = field(default_factory=list)
-    scan: ScanResult | None = None
-    gc: GcReport | None = None
-    #: unacked batches (not refused): bounded by ``max_prefetch_batches``
-    prefetched: int = 0
-    #: the trainer's position against the current version (``admission.Progress``)
-    progress: Progress = field(default_factory=Progress)
-    #: what packing the published batches' rank shards cost (``pack_ranks``), one per shard set
-    packed: list[PackReport] = field(default_factory=list)
-    #: batches trained before the next one formed: ``progress.ahead`` + formed this pass
-    ahead: int = 0
-    exhausted: bool = False
-
-    @property
-    def drained(self) -> bool:
-        """Nothing left to do: dataset exhausted, nothing running, ready or unacked."""
-        d = self.depths
-        return self.exhausted and d.running == 0 and d.ready == 0 and self.prefetched == 0
 
 
 class Collector:
@@ -125,17 +90,18 @@ class Collector:
         self.mixing: MixtureBook | None = mixture_book(
             dataset, run_max_staleness=self.config.max_staleness,
             batch_groups=self.config.batch_groups)
+        #: the optional behaviours plugged in (``strawq.collector.hooks``): the mixture's book
+        self.hooks = HookChain([self.mixing] if self.mixing is not None else [])
+        self.judge = EtaJudge(self.config, queue, self.batches, self.order, self.hooks,
+                              lambda: self.policy)
+        self.former = BatchFormer(self.config, queue, self.batches, self.fence, self.order,
+                                  self.judge, self.hooks)
         self.resume_info: ResumeInfo | None = None
         self._last_gc = float("-inf")
         self._last_sweep = float("-inf")
-        #: record buffer and shard memory for packing rank shards (``pack_ranks``)
-        self._record_file = RecordFile() if self.config.pack_ranks is not None else None
-        self._pack_buffers = BufferPool(keep=1)
         self._last_metrics = float("-inf")
         self._ready_seen_at_metrics = 0
         self._steps = 0
-        #: batches this collector may still publish (None: no limit; ``run(max_batches=)``)
-        self.batch_budget: int | None = None
         #: counters of this incarnation (the metrics sink continues them across restarts)
         self._totals = {"released": 0, "batches": 0, "expired": 0}
         #: groups over η this incarnation, per policy action (``eta_mode``)
@@ -164,6 +130,19 @@ class Collector:
         col = cls(queue, dataset, config, **kwargs)
         col.start(wait=wait, resume=info, dataset_grew=grew)
         return col
+
+    @property
+    def batch_budget(self) -> int | None:
+        """Batches this collector may still publish (None: no limit; ``run(max_batches=)``)."""
+        return self.former.budget
+
+    @batch_budget.setter
+    def batch_budget(self, value: int | None) -> None:
+        self.former.budget = value
+
+    def trained_at(self, rep: StepReport, position: int) -> int:
+        """The version a ready group at ``position`` is trained at (``EtaJudge``)."""
+        return self.judge.trained_at(rep, position)
 
     @property
     def policy(self) -> EtaPolicy:
@@ -216,10 +195,10 @@ class Collector:
         return feeder.planner.origin(passes, index) if index >= passes.bases[0] else None
 
     def _note_skips(self) -> None:
-        """Tell the mixture's book which rows the history's zero-variance rule skipped in
-        this collector's releases (their source's starvation reason ``skipped``)."""
-        if self.mixing is not None and self.feeder is not None:
-            self.mixing.on_skipped(self.feeder.take_skipped())
+        """Tell the hooks which rows the history's zero-variance rule skipped in this
+        collector's releases (a mixture source's starvation reason ``skipped``)."""
+        if self.feeder is not None:
+            self.hooks.on_skipped(self.feeder.take_skipped())
 
     def close(self) -> None:
         """Stop cleanly (a successor starts at once) and shut the metrics endpoint."""
@@ -254,7 +233,7 @@ class Collector:
         rep.progress = progress(rep.version, seqs, acked, marks, refused,
                                 batches_per_version=self.config.batches_per_version)
         rep.ahead = rep.progress.ahead
-        ready = self._ordered_ready(rep)  # after the progress: eta is judged with it
+        ready = self.judge.ordered_ready(rep)  # after the progress: eta is judged with it
         # re-queued stale groups left ready after the upstream listing: still count them
         rep.depths = depths(self.storage, upstream=upstream,
                             ready=len(ready) + len(rep.requeued_stale))
@@ -262,7 +241,7 @@ class Collector:
         if rep.gc is not None:
             self.batches.prune_delivered(rep.version, seqs, acked)
         rep.exhausted = self.feeder.exhausted
-        self._form_batches(ready, rep)
+        self.former.form(ready, rep)
         self._admit(rep)
         self._note_skips()
         self._steps += 1
@@ -278,190 +257,6 @@ class Collector:
     def depths(self) -> Depths:
         """Queue depths now (``strawq.states.depths``: listed in the direction work flows)."""
         return depths(self.storage)
-
-    def trained_at(self, rep: StepReport, position: int) -> int:
-        """The version a ready group at ``position`` (staleness-first) is trained at, at the
-        earliest: the current one plus the versions of the batches trained before it whose
-        gradient the weights do not hold yet (``rep.ahead``: those of the current version in
-        training, those waiting, those formed ahead of it now), u to a version. What was
-        trained counts, whatever the order of the weight update, the checkpoint and the ack
-        (``strawq.collector.admission``)."""
-        ahead = rep.ahead + position // self.config.batch_groups
-        return rep.version + ahead // self.config.batches_per_version
-
-    def _policy_of(self, task_id: str) -> EtaPolicy:
-        """The η policy a task's group is judged by: the run's, with its mixture source's
-        bound when it has one (``strawq.collector.mixing``)."""
-        policy = self.policy
-        if self.mixing is None or not self.mixing.eta:
-            return policy
-        eta = self.mixing.max_staleness(task_id, policy.max_staleness)
-        return policy if eta == policy.max_staleness else EtaPolicy(eta, policy.eta_mode,
-                                                                    policy.epoch)
-
-    @property
-    def _judges(self) -> bool:
-        """Some group may get an η verdict: the run's η or a mixture source's is set."""
-        policy = self.policy
-        return policy.judges or (policy.eta_mode != "off" and self.mixing is not None
-                                 and bool(self.mixing.eta))
-
-    def _ordered_ready(self, rep: StepReport) -> list[TaskName]:
-        scanned = self.batches.scan_ready()
-        ready = self.order.order(scanned)
-        policy = self.policy
-        mode = policy.mode
-        if not self._judges or mode == "train":
-            return ready  # ``train``: over-η groups are kept and counted as batches form
-        room = max(self.config.max_prefetch_batches - rep.prefetched, 0)
-        keep: list[TaskName] = []
-        for n in ready:
-            if len(keep) >= room * self.config.batch_groups:
-                keep.append(n)  # not batched in this pass: judged when its batch forms
-                continue
-            at = self.trained_at(rep, len(keep))
-            # the cap counts the group's generations, not its failures (a regeneration
-            # spends no attempt: TaskName.regenerations)
-            generations = n.regenerations + 1
-            group_policy = self._policy_of(n.id)
-            eta = group_policy.max_staleness
-            action = group_policy.action(at, n.version, attempts=generations,
-                                         max_attempts=self.queue.config.max_attempts)
-            if action is None:
-                keep.append(n)
-                continue
-            stale = staleness(at, n.version)  # the group's: its minimum version
-            if action == "train":
-                log.info("group %s over eta (staleness %d) was generated %d of %d times: trained "
-                         "with its correction, not regenerated again", n.id, stale, generations,
-                         self.queue.config.max_attempts)
-                keep.append(n)  # counted as over-eta trained when its manifest is written
-                continue
-            if action == "drop":
-                msg = (f"staleness {stale} > eta {eta} (min version {n.version}, trained at "
-                       f"{at}, current {rep.version})")
-                if self.batches.drop_ready(n, STALE_REASON, msg):
-                    rep.dropped_stale.append(n.id)
-            elif self.batches.requeue_ready(n, refund=False):  # regenerate: fresh seed
-                rep.requeued_stale.append(n.id)
-        self.order.forget(rep.dropped_stale + rep.requeued_stale)
-        if self.mixing is not None:
-            self.mixing.on_stale(rep.dropped_stale + rep.requeued_stale)
-        if rep.dropped_stale or rep.requeued_stale:
-            log.warning("eta bound %s at version %d (eta_mode=%s): dropped %d, regenerating %d "
-                        "stale groups", policy.max_staleness, rep.version, mode,
-                        len(rep.dropped_stale), len(rep.requeued_stale))
-        return keep
-
-    # -- batches -----------------------------------------------------------------------------
-    def _form_batches(self, ready: list[TaskName], rep: StepReport) -> None:
-        cfg = self.config
-        B = cfg.batch_groups
-        while rep.prefetched < cfg.max_prefetch_batches and ready and self.batch_budget != 0:
-            flush = rep.exhausted and cfg.flush_at_end and rep.depths.running == 0
-            if len(ready) < B and not flush:
-                return
-            names: list[TaskName] = []
-            summaries: list[dict[str, Any]] = []
-            topped_up = False
-            while len(names) < B and ready:  # a dropped group's place goes to the next one
-                take, ready = ready[:B - len(names)], ready[B - len(names):]
-                if topped_up and self._judges and self.policy.mode in ("drop", "regenerate"):
-                    # a group taken in a dropped one's place may lie past the groups that
-                    # ``_ordered_ready`` judged: one over η waits for its verdict next pass
-                    at = self.trained_at(rep, 0)
-                    take = [n for n in take if not self._policy_of(n.id).over(at, n.version)]
-                got, sums = self._summaries(take, rep)
-                topped_up = True
-                names += got
-                summaries += sums
-            if not names or (len(names) < B and not flush):
-                return  # too few left once the unreadable and filtered went: they wait
-            at = self.trained_at(rep, 0)
-            policy = self.policy
-            meta: dict[str, Any] = {"epoch": self.fence.epoch, "version": rep.version,
-                                    "advantages": cfg.advantages, "owner": self.fence.owner,
-                                    **policy.to_meta(), "trained_at": at}
-            over: list[str] = []
-            if self._judges:
-                over = [n.id for n in names if self._policy_of(n.id).over(at, n.version)]
-                meta["over_eta"] = over
-                rep.stale_trained += over
-            seq = self._publish(names, summaries, meta, rep)
-            if self.mixing is not None:
-                self.mixing.on_trained(names, summaries)
-            if over:
-                log.warning("batch %d holds %d groups over eta %s (trained at version %d, "
-                            "eta_mode=%s%s): they are trained with their importance "
-                            "correction and named in the manifest's over_eta", seq, len(over),
-                            policy.max_staleness, at, policy.eta_mode,
-                            "" if policy.mode == "train" else ", attempts used up")
-            self.order.forget([n.id for n in names])
-            rep.published.append(seq)
-            if self.batch_budget is not None:
-                self.batch_budget -= 1
-            rep.prefetched += 1
-            rep.ahead += 1
-            rep.depths = Depths(pending=rep.depths.pending, partial=rep.depths.partial,
-                                leased=rep.depths.leased, ready=rep.depths.ready - len(names),
-                                batched=rep.depths.batched + len(names))
-
-    def _summaries(self, take: list[TaskName], rep: StepReport | None = None
-                   ) -> tuple[list[TaskName], list[dict[str, Any]]]:
-        """The summaries of ``take``; an unreadable group is dropped (``corrupt_group``), and
-        so is one its mixture source's filter drops (``strawq.collector.mixing``)."""
-        names: list[TaskName] = []
-        summaries: list[dict[str, Any]] = []
-        for n in take:
-            try:
-                s = self.batches.read_summary(n)
-            except (CorruptRecord, NotFound) as exc:
-                log.error("ready group %s has an unreadable payload (%s); dropping it with "
-                          "reason %s", n.id, exc, CORRUPT_REASON)
-                self.queue.quarantine(data_key(n.id, n.gen, "group"))
-                self.batches.drop_ready(n, CORRUPT_REASON, str(exc))
-                continue
-            s = dict(s)
-            reason = self.mixing.filter(n, s) if self.mixing is not None else None
-            if reason is not None:
-                src = self.mixing.source(n.id) if self.mixing is not None else None
-                # with its rewards: the history's zero-variance rule counts the drop
-                if self.batches.drop_ready(n, reason, f"mixture source {src!r} filter: "
-                                           f"{reason}", attempt_summary(s)) and rep is not None:
-                    rep.filtered.append(n.id)
-                self.order.forget([n.id])
-                continue
-            s["advantages"] = group_advantages(s.get("rewards", []), self.config.advantages,
-                                               self.config.advantage_eps)
-            names.append(n)
-            summaries.append(s)
-        return names, summaries
-
-    def _publish(self, names: list[TaskName], summaries: list[dict[str, Any]],
-                 meta: dict[str, Any], rep: StepReport | None = None) -> int:
-        for _attempt in range(3):
-            self.fence.check()
-            seq = self.batches.next_seq()
-            if self.config.pack_ranks is not None:  # the ranks' shards, before the manifest
-                packing = pack_batch(self.storage, seq, names, summaries,
-                                     self.config.pack_ranks, file=self._record_file,
-                                     pool=self._pack_buffers)
-                meta = {**meta, "packed": packing.meta}
-                if rep is not None:
-                    rep.packed.append(packing)
-                self.fence.check()
-            try:
-                self.batches.publish_batch(seq, names, summaries, meta)
-            except AlreadyExists:
-                log.warning("batch %d already exists (a concurrent collector?); rechecking the "
-                            "fence", seq)
-                continue
-            log.info("published batch %d: %d groups, versions %d..%d", seq, len(names),
-                     names[0].version, names[-1].version)
-            return seq
-        self.fence.check()
-        raise AlreadyExists(17, "could not publish a batch after 3 tries: batches/ keeps "
-                                "changing under this collector; is a second one running?")
 
     # -- admission ---------------------------------------------------------------------------
     def _admit(self, rep: StepReport) -> None:
@@ -526,8 +321,7 @@ class Collector:
         }
         for reason, count in self.dropped_by_reason().items():
             values[dropped_metric(reason)] = count
-        if self.mixing is not None:  # dataset/<source>/...: shares, totals, starvation
-            values.update(self.mixing.metrics())
+        values.update(self.hooks.metrics())  # a mixture's dataset/<source>/...
         self.metrics.emit(values)
 
     # -- loop --------------------------------------------------------------------------------

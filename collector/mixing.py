@@ -39,6 +39,7 @@ from strawq.dotted import resolve
 from strawq.errors import ConfigError
 from strawq.mixture import Mixture
 from strawq.names import TASK_IDS, TaskName, validate_id
+from strawq.collector.hooks import CollectorHooks
 from strawq.planner import Origin
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,9 @@ def task_index(task_id: str) -> int | None:
     return TASK_IDS.parse(task_id)
 
 
-class MixtureBook:
-    """One collector's accounting of a mixture's sources."""
+class MixtureBook(CollectorHooks):
+    """One collector's accounting of a mixture's sources: a collector hook
+    (``strawq.collector.hooks``) for their η, filters, shares and starvation."""
 
     def __init__(self, mixture: Mixture, *, run_max_staleness: int | None,
                  batch_groups: int) -> None:
@@ -110,6 +112,21 @@ class MixtureBook:
         return self.eta.get(src, default) if src is not None else default
 
     # -- filters --------------------------------------------------------------------------
+    # -- the collector's hooks ----------------------------------------------------------------
+    @property
+    def tightens_eta(self) -> bool:
+        return bool(self.eta)
+
+    def eta_of(self, task_id: str, default: int | None) -> int | None:
+        return self.max_staleness(task_id, default)
+
+    def drop_verdict(self, name: TaskName, summary: Mapping[str, Any]
+                     ) -> tuple[str, str] | None:
+        reason = self.filter(name, summary)
+        if reason is None:
+            return None
+        return reason, f"mixture source {self.source(name.id)!r} filter: {reason}"
+
     def filter(self, name: TaskName, summary: Mapping[str, Any]) -> str | None:
         """The drop reason the group's source's filter gives, or None to keep it."""
         src = self.source(name.id)

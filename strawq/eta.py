@@ -17,7 +17,7 @@ Every "over η?" question — a prefix at claim, a ready group at batch time, a 
 time — is ``EtaPolicy.over(version, min_version)``: ``staleness(version, min_version) > η``
 (``strawq.groups.staleness``). A prefix over η now can only be trained staler still. One
 at or under η now may still be over η when its batch forms; the collector's batch-time
-check (``Collector._ordered_ready``) applies to it then.
+check (``EtaJudge.ordered_ready``, ``strawq.collector.eta_judge``) applies to it then.
 Without a published policy (a run whose collector has not started yet) nothing is checked
 at claim. See ``docs/tuning.md`` §3a.
 """

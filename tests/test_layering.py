@@ -118,7 +118,7 @@ def test_the_walk_sees_every_part() -> None:
     assert parts == {"process", "trainer", "integrations"}
     assert set(COLLECTOR_PROCESS) <= set(MODULES), set(COLLECTOR_PROCESS) - set(MODULES)
     assert "strawq.collector.trainer.reader" in GRAPH["strawq.collector.integrations.slime.adapter"]
-    assert "strawq.collector.trainer.packing" in GRAPH["strawq.collector.core"]
+    assert "strawq.collector.trainer.packing" in GRAPH["strawq.collector.batching"]
     assert sum(len(v) for v in GRAPH.values()) > 300
 
 
@@ -134,7 +134,8 @@ def test_layer_imports_only_what_it_may(layer: str) -> None:
 
 #: the collector process: every module directly in ``strawq.collector`` (and the package)
 COLLECTOR_PROCESS = tuple(f"strawq.collector.{m}" for m in (
-    "core", "admission", "ordering", "fencing", "resume", "mixing", "cli", "config", "errors"))
+    "core", "admission", "ordering", "fencing", "resume", "mixing", "cli", "config", "errors",
+    "hooks", "report", "eta_judge", "batching"))
 TRAINER = "strawq.collector.trainer"
 INTEGRATIONS = "strawq.collector.integrations"
 

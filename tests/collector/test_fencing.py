@@ -61,7 +61,7 @@ def test_takeover_after_silence_fences_the_old_one(run):
         first.fence.check()
     # the stale one cannot publish a batch either: _publish checks the fence first
     with pytest.raises(FencedOut):
-        first._publish([], [], {})
+        first.former.publish([], [], {})
 
 
 @pytest.mark.timeout(30)

@@ -36,7 +36,7 @@ def _stall_after_check(first: Collector) -> tuple[list[Any], list[Any]]:
     first.fence.check()
     names = first.batches.scan_ready()[:2]
     assert len(names) == 2
-    return first._summaries(names)
+    return first.former.summaries(names)
 
 
 def _drain(col: Collector, producer: SimProducer, reader: BatchReader) -> list[str]:

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from strawq.collector.config import CollectorConfig
-from strawq.collector.core import STALE_REASON, Collector
+from strawq.collector.core import Collector
+from strawq.eta import STALE_REASON
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
 from strawq.groups import GroupData
