@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from strawq.batches import forget_delivered_after
+from strawq.collector.trainer.engine_repair import EngineRepair, PushTo
 from strawq.control import ACKS, Control, ControlState
 from strawq.engine_weights import (PROBE_TIMEOUT_S, EngineProbe, EngineWeights, StaleNote,
                                    probe_versions)
@@ -39,10 +39,6 @@ from strawq.queue import RunQueue
 from strawq.states import TaskState, names_in
 
 log = logging.getLogger(__name__)
-
-#: the trainer's push path limited to some engines: ``push_to(urls, version)``; returns the
-#: URLs it failed on (None or empty: all took the weights) or raises
-PushTo = Callable[[list[str], int], "Iterable[str] | None"]
 
 
 @dataclass(frozen=True)
@@ -188,15 +184,10 @@ class WeightUpdateBracket:
         self.api_key = api_key
         self.control = Control(queue.storage)
         self.engines = EngineWeights(queue.storage)
-        #: the trainer's push path limited to some engines, ``repair(urls, version)``;
-        #: called at each ``end_weight_update`` for the engines that need weights, and
-        #: every ``repair_interval_s`` by a background thread (None: no thread), so that a
-        #: trainer waiting for a batch while every engine is stale is not stuck
-        self.repair: PushTo | None = None
-        self._repair_lock = threading.Lock()  # a repair push never overlaps a bracket
-        self._stop_repairs = threading.Event()
-        self._repairer: threading.Thread | None = None
-        self._repair_failures: set[str] = set()
+        #: engines on other weights pushed the run's version (``strawq.collector.trainer.
+        #: engine_repair``): at each ``end_weight_update`` and from a background thread
+        self.repairs = EngineRepair(queue, self.engines, lambda: self.is_open,
+                                    probe_timeout_s=probe_timeout_s, api_key=api_key)
         self.clock = clock
         self.sleep = sleep
         self.poll_interval_s = poll_interval_s
@@ -215,16 +206,6 @@ class WeightUpdateBracket:
         self._open: int | None = None
         if repair is not None:
             self.start_repairs(repair, interval_s=repair_interval_s)
-
-    def start_repairs(self, push_to: PushTo, *, interval_s: float | None = 5.0) -> None:
-        """Repair engines on other weights with ``push_to(urls, version)`` after every
-        ``end_weight_update`` and, unless ``interval_s`` is None, every ``interval_s`` from
-        a daemon thread (``reader.bracket.start_repairs(...)`` for the reader's bracket)."""
-        self.repair = push_to
-        if interval_s is not None and self._repairer is None:
-            self._repairer = threading.Thread(target=self._repair_loop, args=(interval_s,),
-                                              daemon=True, name="strawq-engine-repair")
-            self._repairer.start()
 
     # -- liveness ------------------------------------------------------------------------------
     def observe(self) -> dict[str, float]:
@@ -279,7 +260,7 @@ class WeightUpdateBracket:
         else:
             version = max(self.queue.current_version(), st.pause_version,
                           st.resume_version) + 1
-        with self._repair_lock:  # waits for a repair push in progress
+        with self.repairs.lock:  # waits for a repair push in progress
             if not continued:
                 self.control.pause(version)
             self._open = version
@@ -361,7 +342,18 @@ class WeightUpdateBracket:
                             "reach them", ", ".join(sorted(need)))
         return version
 
-    # -- engines on other weights ----------------------------------------------------------------
+    # -- engines on other weights (``EngineRepair``) -------------------------------------------
+    @property
+    def repair(self) -> PushTo | None:
+        """The trainer's push path limited to some engines (None: no repairs)."""
+        return self.repairs.push
+
+    def start_repairs(self, push_to: PushTo, *, interval_s: float | None = 5.0) -> None:
+        """Repair engines on other weights with ``push_to(urls, version)`` after every
+        ``end_weight_update`` and, unless ``interval_s`` is None, every ``interval_s`` from
+        a daemon thread (``reader.bracket.start_repairs(...)`` for the reader's bracket)."""
+        self.repairs.start(push_to, interval_s=interval_s)
+
     def engines_needing_weights(self) -> dict[str, StaleNote]:
         """Engine URL -> the newest note (``engines/``) that it is not on the run's version."""
         return self.engines.needing()
@@ -369,79 +361,16 @@ class WeightUpdateBracket:
     def mark_needing_weights(self, urls: list[str], *, reason: str,
                              engine_version: int | None = None) -> None:
         """Note engines that need the run's weights (e.g. the ones a push failed on)."""
-        v = self.queue.current_version()
-        for url in urls:
-            self.engines.mark(url, writer="trainer", engine_version=engine_version,
-                              run_version=v, reason=reason)
+        self.repairs.mark(urls, reason=reason, engine_version=engine_version)
 
-    def repair_engines(self, push_to: PushTo | None = None
-                       ) -> list[str]:
-        """Push the run's current version to every engine that needs it, through
-        ``push_to(urls, version)`` (default: ``self.repair``); returns the URLs that took them.
-
-        Refused while a bracket is open (the bracket's own push reaches every engine). If
-        ``push_to`` raises, the notes stay and the error propagates."""
-        push = push_to or self.repair
-        if push is None:
-            raise BracketError("repair_engines() needs push_to(urls, version): the trainer's "
-                               "push path limited to some engines")
-        with self._repair_lock:
-            if self.is_open:
-                raise BracketError("repair_engines() while a weight-update bracket is open: "
-                                   "the bracket's push reaches every engine; repair after "
-                                   "end_weight_update()")
-            return self._repair(push)
-
-    def _repair(self, push: PushTo) -> list[str]:
-        need = self.engines_needing_weights()
-        if not need:
-            return []
-        version = self.queue.current_version()
-        # an engine that already reports the run's version needs no push: its notes go
-        fixed = self.engines.clear_fixed(
-            version, probe_versions(need, timeout_s=self.probe_timeout_s,
-                                    api_key=self.api_key))
-        need = {u: n for u, n in need.items() if u not in fixed}
-        if not need:
-            return []
-        urls = sorted(need)
-        log.warning("pushing the run's version %d to %d engines on other weights: %s",
-                    version, len(urls), ", ".join(
-                        f"{u} (at {need[u].engine_version})" for u in urls))
-        failed = set(push(urls, version) or ())
-        done = [u for u in urls if u not in failed]
-        for u in done:
-            self.engines.clear(u, up_to_version=version)
-        if failed - self._repair_failures:  # once per engine, not at every retry
-            log.error("push of version %d failed on %s; they stay out of rotation (a note "
-                      "of an engine retired for good: delete it from engines/)",
-                      version, ", ".join(sorted(failed)))
-        self._repair_failures = (self._repair_failures | failed) - set(done)
-        if done:
-            log.info("engines %s now hold version %d", ", ".join(done), version)
-        return done
-
-    def _repair_loop(self, interval_s: float) -> None:
-        last = ""
-        while not self._stop_repairs.wait(interval_s):
-            try:
-                if not self.is_open and self.engines.needing():
-                    self.repair_engines()
-                last = ""
-            except BracketError:
-                continue  # a bracket opened meanwhile: its push reaches every engine
-            except Exception as exc:  # noqa: BLE001 - keep trying; the notes stay
-                if str(exc) != last:  # once per distinct failure, not every interval
-                    log.error("repairing engines failed: %s; retrying every %.0fs", exc,
-                              interval_s)
-                last = str(exc)
+    def repair_engines(self, push_to: PushTo | None = None) -> list[str]:
+        """Push the run's current version to every engine that needs it (``EngineRepair``);
+        refused while a bracket is open (the bracket's own push reaches every engine)."""
+        return self.repairs.repair(push_to)
 
     def close(self) -> None:
         """Stop the background repairs (the thread is a daemon: it never holds a process)."""
-        self._stop_repairs.set()
-        if self._repairer is not None:
-            self._repairer.join(timeout=60)
-            self._repairer = None
+        self.repairs.close()
 
     def abort_weight_update(self, *, force: bool = False,
                             engines: Mapping[str, EngineProbe] | None = None) -> None:

@@ -1,0 +1,129 @@
+"""Engines on other weights, brought back: the trainer side of the ``engines/`` notes.
+
+A producer that finds an engine on weights other than the run's takes it out of rotation and
+notes it (``strawq.engine_weights``). The trainer's push path limited to some engines,
+``push_to(urls, version)``, repairs them: after each weight update
+(``WeightUpdateBracket.end_weight_update``) and every ``interval_s`` from a daemon thread, so
+that a trainer waiting for a batch while every engine is stale is not stuck. A repair never
+overlaps a bracket (``lock``): the bracket's own push reaches every engine. An engine that
+already reports the run's version needs no push: its notes go.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from strawq.engine_weights import EngineWeights, probe_versions
+from strawq.errors import BracketError
+from strawq.queue import RunQueue
+
+log = logging.getLogger(__name__)
+
+#: the trainer's push path limited to some engines: ``push_to(urls, version)``; returns the
+#: URLs it failed on (None or empty: all took the weights) or raises
+PushTo = Callable[[list[str], int], "Iterable[str] | None"]
+
+
+class EngineRepair:
+    """Pushes the run's version to the engines noted on other weights."""
+
+    def __init__(self, queue: RunQueue, engines: EngineWeights, is_open: Callable[[], bool],
+                 *, probe_timeout_s: float, api_key: str | None = None) -> None:
+        self.queue = queue
+        self.engines = engines
+        self._is_open = is_open
+        self.probe_timeout_s = probe_timeout_s
+        self.api_key = api_key
+        #: the trainer's push path limited to some engines (None: repairs are off)
+        self.push: PushTo | None = None
+        #: held by a repair push, and by a bracket while it opens: they never overlap
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failures: set[str] = set()
+
+    def start(self, push_to: PushTo, *, interval_s: float | None = 5.0) -> None:
+        """Repair with ``push_to`` from now on; every ``interval_s`` from a daemon thread
+        too, unless it is None."""
+        self.push = push_to
+        if interval_s is not None and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, args=(interval_s,),
+                                            daemon=True, name="strawq-engine-repair")
+            self._thread.start()
+
+    def mark(self, urls: list[str], *, reason: str, engine_version: int | None = None) -> None:
+        """Note engines that need the run's weights (e.g. the ones a push failed on)."""
+        v = self.queue.current_version()
+        for url in urls:
+            self.engines.mark(url, writer="trainer", engine_version=engine_version,
+                              run_version=v, reason=reason)
+
+    def repair(self, push_to: PushTo | None = None) -> list[str]:
+        """Push the run's current version to every engine that needs it, through
+        ``push_to(urls, version)`` (default: ``push``); returns the URLs that took it.
+
+        Refused while a bracket is open. If ``push_to`` raises, the notes stay and the error
+        propagates."""
+        push = push_to or self.push
+        if push is None:
+            raise BracketError("repair_engines() needs push_to(urls, version): the trainer's "
+                               "push path limited to some engines")
+        with self.lock:
+            if self._is_open():
+                raise BracketError("repair_engines() while a weight-update bracket is open: "
+                                   "the bracket's push reaches every engine; repair after "
+                                   "end_weight_update()")
+            return self._repair(push)
+
+    def _repair(self, push: PushTo) -> list[str]:
+        need = self.engines.needing()
+        if not need:
+            return []
+        version = self.queue.current_version()
+        # an engine that already reports the run's version needs no push: its notes go
+        fixed = self.engines.clear_fixed(
+            version, probe_versions(need, timeout_s=self.probe_timeout_s,
+                                    api_key=self.api_key))
+        need = {u: n for u, n in need.items() if u not in fixed}
+        if not need:
+            return []
+        urls = sorted(need)
+        log.warning("pushing the run's version %d to %d engines on other weights: %s",
+                    version, len(urls), ", ".join(
+                        f"{u} (at {need[u].engine_version})" for u in urls))
+        failed = set(push(urls, version) or ())
+        done = [u for u in urls if u not in failed]
+        for u in done:
+            self.engines.clear(u, up_to_version=version)
+        if failed - self._failures:  # once per engine, not at every retry
+            log.error("push of version %d failed on %s; they stay out of rotation (a note "
+                      "of an engine retired for good: delete it from engines/)",
+                      version, ", ".join(sorted(failed)))
+        self._failures = (self._failures | failed) - set(done)
+        if done:
+            log.info("engines %s now hold version %d", ", ".join(done), version)
+        return done
+
+    def _loop(self, interval_s: float) -> None:
+        last = ""
+        while not self._stop.wait(interval_s):
+            try:
+                if not self._is_open() and self.engines.needing():
+                    self.repair()
+                last = ""
+            except BracketError:
+                continue  # a bracket opened meanwhile: its push reaches every engine
+            except Exception as exc:  # noqa: BLE001 - keep trying; the notes stay
+                if str(exc) != last:  # once per distinct failure, not every interval
+                    log.error("repairing engines failed: %s; retrying every %.0fs", exc,
+                              interval_s)
+                last = str(exc)
+
+    def close(self) -> None:
+        """Stop the background repairs (the thread is a daemon: it never holds a process)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
