@@ -59,19 +59,17 @@ import math
 import time
 from collections.abc import Callable
 
-from strawq import records
 from strawq.control import Control
 from strawq.engine_weights import EngineWeights
-from strawq.errors import CorruptRecord, NotFound, StorageError
+from strawq.errors import StorageError
 from strawq.names import validate_id
 from strawq.queue import RunQueue
-from strawq.records import Kind
 from strawq.storage import PosixStorage
 from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirProbe, DirWatch
 
+from strawq.producers.claim_gate import ClaimGate, check_engine_versions, check_first_task
 from strawq.producers.bracket import EngineAborter, PauseBracket
-from strawq.producers.engine_client import EngineClient, optional_calls
-from strawq.producers.engine_errors import EngineError, EngineProtocolError
+from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_versions import GuardedClient, VersionGuard
 from strawq.producers.eos import resolve_eos_ids
 from strawq.producers.handback import HandBack, MisconfiguredProducer
@@ -170,10 +168,11 @@ class Producer:
         self._drained = False
         #: idle: heartbeat marked idle, control/ unread, pending/ statted every idle_probe_s
         self._idle = False
-        #: the engine-fault back-off after which a probe last reached an engine
-        self._probed_after = 0.0
-        #: the run directory failed a claim (a dead mount, a full disk): since when
-        self._unreachable_since: float | None = None
+        #: whether, and how many groups, this producer may claim now
+        self.gate = ClaimGate(producer_id=pid, run_dir=config.run_dir, handback=self.handback,
+                              bracket=self._bracket, heartbeat=self._heartbeat,
+                              runner=self.runner, guard=self.guard, pool=self.pool,
+                              book=self._book, clock=clock)
         self.running = False
 
     @classmethod
@@ -290,13 +289,13 @@ class Producer:
         self._guarded = GuardedClient(self._client, self.guard)
         hb: asyncio.Task[None] | None = None
         try:
-            await self._check_first_task()
+            await check_first_task(self.queue, self._io, self.runner.loader, pid)
             await self.client.start()
             self.runner.eos_ids = await resolve_eos_ids(
                 self._client, configured=self.config.engine.generation.eos_token_ids,
                 tokenizer=self.runner.tokenizer,
                 ignore_eos=self.config.sampler_params().ignore_eos, who=f"producer {pid}")
-            await self._check_engine_versions()
+            await check_engine_versions(self._client, self.guard, pid)
             await self._heartbeat.beat_once()  # before the first claim: the grantor sees us
             hb = asyncio.create_task(self._heartbeat.run(self._give_up_leases),
                                      name=f"{pid}-heartbeat")
@@ -337,43 +336,6 @@ class Producer:
             raise MisconfiguredProducer(
                 f"producer {pid} stopped claiming: {refusal.detail} (the task and every "
                 "group it held were handed back to the queue, none dropped)", key=refusal.key)
-
-    async def _check_first_task(self) -> None:
-        """``MisconfiguredProducer`` before any claim when the first queued task is one this
-        producer's configuration cannot run (read only: a task claimed meanwhile, or an
-        unreadable one, is left to the claims)."""
-        keys = await self._io.call(self.queue.list_pending, 1)
-        if not keys:
-            return
-        try:
-            rec = records.decode(await self._io.call(self.queue.storage.read, keys[0]),
-                                 expect=Kind.TASK, name=keys[0])
-        except (NotFound, CorruptRecord):
-            return
-        task = rec.meta.get("task")
-        problem = self.runner.loader.config_problem(task) if isinstance(task, dict) else None
-        if problem is not None:
-            raise MisconfiguredProducer(f"producer {self.producer_id} refuses to start, "
-                                        f"claiming nothing: {problem.detail}", key=problem.key)
-
-    async def _check_engine_versions(self) -> None:
-        """Refuse to start on an engine whose weight version is not an integer (SGLang's
-        ``"default"``): every sample would fault, and the producer would retry, then drop,
-        every group while its slots looked busy. An engine unreachable now is left to the
-        loop's own retries. Then take out of rotation every engine not on the run's
-        version (``VersionGuard.probe_all``)."""
-        probe = optional_calls(self._client).version
-        if probe is None or self._client is None:
-            return  # a client without the version probe: nothing to check
-        for url in self._client.worker_urls:
-            try:
-                await probe.weight_version(url)
-            except EngineProtocolError:
-                raise
-            except EngineError as exc:
-                log.warning("producer %s: could not read the weight version of %s yet: %s",
-                            self.producer_id, url, exc)
-        await self.guard.probe_all()
 
     def _may_idle(self) -> bool:
         """Nothing to claim (pending/ listed empty), no group held or owed back, no pause
@@ -429,11 +391,7 @@ class Producer:
             if self._stopping or self.handback.refusal is not None:
                 break
             timeout = self.config.timing.control_poll_s
-            n = self._claimable_groups()
-            if n > 0 and self.runner.engine_faults_in_row and \
-                    self._probed_after != self.runner.backoff_until and \
-                    not await self._engines_answer():
-                n = 0
+            n = await self.gate.groups()
             if n > 0 and self.clock() - self._last_empty_claim >= self.config.timing.idle_poll_s \
                     and (not self._drained or self._work_changed()):
                 try:
@@ -454,14 +412,14 @@ class Producer:
                         self._drained = not leases and not await self._io.call(
                             self.queue.list_pending, 1)
                     else:
-                        self._unreachable(None)
+                        self.gate.storage_answers(None)
                         continue  # claimed all we could: look again at once
                 except StorageError as exc:
-                    self._unreachable(exc)
+                    self.gate.storage_answers(exc)
                     self._last_empty_claim = self.clock()
                     timeout = min(timeout, self.config.timing.idle_poll_s)
                 else:
-                    self._unreachable(None)
+                    self.gate.storage_answers(None)
             if self._may_idle():
                 now = self.clock()
                 idle_since = now if idle_since is None else idle_since
@@ -477,50 +435,6 @@ class Producer:
             except asyncio.TimeoutError:
                 pass
             wake.clear()
-
-    def _claimable_groups(self) -> int:
-        """Groups to claim now: none while pausing, heartbeats fail, a lease could not be
-        handed back, engines back off or every engine is on other weights; else what the
-        slot pool allows."""
-        if self.handback.refusal is not None or self._bracket.pausing or \
-                self._heartbeat.failing or self.handback.orphans or \
-                self.clock() < self.runner.backoff_until or self.guard.all_stale():
-            return 0
-        return self.pool.claimable_groups()
-
-    async def _engines_answer(self) -> bool:
-        """After a group was handed back for an engine fault, claim again only once a
-        probe reaches an engine: a producer cut off from its engines (a partition) claims
-        nothing it cannot run, and probes at the back-off's pace (doubling, 16x at most)."""
-        if await self.guard.reachable():
-            self._probed_after = self.runner.backoff_until  # once per fault, not per pass
-            return True
-        self._book.bump("engine_probes_failed")
-        delay = self.runner.back_off()
-        log.warning("producer %s: no engine answers; claiming nothing, probing again in "
-                    "%.1fs", self.producer_id, delay)
-        return False
-
-    def _unreachable(self, exc: StorageError | None) -> None:
-        """A claim failed on the storage (``exc``; a JuiceFS client that died answers
-        ENOTCONN) or went through again (None): say so once each way. Meanwhile the
-        producer claims only at the idle poll; its heartbeats fail too, so it gives up its
-        leases, which the grantor hands to other producers; it rejoins when the run
-        directory answers again (after a remount at the same path)."""
-        if exc is None:
-            if self._unreachable_since is not None:
-                log.info("producer %s: the run directory answers again after %.0f s; "
-                         "claiming again", self.producer_id,
-                         self.clock() - self._unreachable_since)
-                self._unreachable_since = None
-            return
-        if self._unreachable_since is None:
-            self._unreachable_since = self.clock()
-            log.error("producer %s: cannot claim from %s (%s); claiming nothing until it "
-                      "answers: check its mount (a dead JuiceFS client: remount it at the "
-                      "same path) or its free space; the grantor re-leases what this "
-                      "producer holds once its heartbeats stop", self.producer_id,
-                      self.config.run_dir, exc.strerror or exc)
 
     def _give_up_leases(self, silent: float, first: bool) -> None:
         """Heartbeats keep failing: stop work on every lease; the grantor re-queues them."""
