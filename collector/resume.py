@@ -30,7 +30,7 @@ from typing import Any
 from strawq import records
 from strawq.config import QueueConfig
 from strawq.errors import CorruptRecord, NotFound, StorageError
-from strawq.feeder import read_cursor_state
+from strawq.cursor import read_cursor_state
 from strawq.queue import RUN_KEY, RunQueue
 from strawq.records import Kind
 from strawq.storage import Storage, open_storage
@@ -58,7 +58,7 @@ def _queue_is_readable(storage: Storage) -> str | None:
 
 
 def run_cursor(path: str) -> dict[str, Any] | None:
-    """The newest dataset cursor of the run at ``path`` (``strawq.feeder.read_cursor_state``),
+    """The newest dataset cursor of the run at ``path`` (``strawq.cursor.read_cursor_state``),
     read without writing anything; None when ``path`` holds no readable run (``open_queue``
     then creates one, with no cursor)."""
     if not os.path.isdir(path):

@@ -44,8 +44,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from strawq import records
 from strawq.batches import BatchStore
+from strawq.cursor import CURSOR_DIR, cursor_at
 from strawq.names import STAGE_FRESH, TaskName
 from strawq.queue import RunQueue
 from strawq.states import RELEASE_PREFIX
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 HOPS = ("release_to_claim", "claim_to_generate", "final_to_ready", "ready_to_batch",
         "batch_due", "batch_to_trainer", "ack_to_release", "bracket_pause", "bracket_resume")
-WATCHED = ("pending", "cursor", "leased", "ready", "batches", "acked", "control")
+WATCHED = ("pending", CURSOR_DIR, "leased", "ready", "batches", "acked", "control")
 
 
 def histogram(values: Sequence[float]) -> dict[str, Any]:
@@ -156,7 +156,7 @@ class HopTracer(threading.Thread):
 
     def _one(self, ev: Event) -> None:
         d, name, t = ev.directory, ev.name, ev.at
-        if d == "cursor":
+        if d == CURSOR_DIR:
             bound = self._cursor_bound(name)
             if bound is not None:
                 bisect.insort(self._bounds, bound)
@@ -188,20 +188,9 @@ class HopTracer(threading.Thread):
             self._control(name, t)
 
     def _cursor_bound(self, name: str) -> tuple[int, int] | None:
-        """(next dataset index, seq) of a new cursor: from its name ``<seq>.<next>`` (flat,
-        or inside a ``cursor/<seq>/`` directory), else from the record's content."""
-        st = self.queue.storage
-        if "." not in name and st.is_dir(f"cursor/{name}"):
-            inner = [n for n in st.list(f"cursor/{name}") if "." in n]
-            if not inner:
-                return None
-            name = f"{name}/{inner[0]}"
-        base = name.rsplit("/", 1)[-1]
-        parts = base.split(".")
-        if len(parts) == 2 and all(p.isdigit() for p in parts):
-            return int(parts[1]), int(parts[0])
-        rec = records.decode(st.read(f"cursor/{name}"), expect=records.Kind.CURSOR, name=name)
-        return int(rec.meta["next_index"]), int(rec.meta["seq"])
+        """(next dataset index, seq) of a new cursor, from its name (``strawq.cursor``)."""
+        at = cursor_at(self.queue.storage, name)
+        return None if at is None else (at[1], at[0])
 
     def _claimed(self, name: str, t: float) -> None:
         n = TaskName.try_parse(name)

@@ -14,7 +14,7 @@ from typing import Any
 
 from strawq.batches import BatchStore
 from strawq.errors import CorruptRecord, NotFound
-from strawq.feeder import read_cursor_state as feeder_cursor_state
+from strawq.cursor import read_cursor_state as feeder_cursor_state
 from strawq.queue import RunQueue
 from strawq.states import TaskState, names_in
 from strawq.storage import Storage

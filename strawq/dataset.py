@@ -578,7 +578,7 @@ def check_binding(dataset: Dataset, cursor: dict[str, Any] | None, *,
 
     ``EmptyDataset`` when it holds no row (``require_rows``); ``DatasetMismatch`` when it is
     not the dataset the run's cursor counts over (``cursor``: the run's newest cursor as
-    ``strawq.feeder.read_cursor_state`` reads it, None for a run without one), unless
+    ``strawq.cursor.read_cursor_state`` reads it, None for a run without one), unless
     ``grew`` (the operator's ``GREW_FLAG``) and it is that dataset with rows appended
     (``growth_problem``). Returns True in that case: the caller continues the cursor over
     it (``Feeder.continue_grown``) before it releases."""

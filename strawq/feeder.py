@@ -22,10 +22,12 @@ import dataclasses
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from strawq import records
+from strawq.cursor import (CURSOR_DIR, CURSOR_DIRS, KEEP_CURSORS, PREPARED, Cursor,
+                           check_cursor_meta, cursor_key, cursor_name, cursor_of, int_list,
+                           list_cursors, newest_seq, read_cursor_state)
 from strawq.dataset import (BadRow, BadRowsRefused, Dataset,
                             DatasetMismatch, ReleasePreview, Row, fingerprints_match,
                             growth_problem, judge_release, mismatch_message, preview,
@@ -33,24 +35,14 @@ from strawq.dataset import (BadRow, BadRowsRefused, Dataset,
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
 from strawq.history import record_attempts
 from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
-from strawq.numbered import Numbered
 from strawq.planner import Passes, ReleasePlanner, Rows
 from strawq.prompt_policy import Plan, skip_rows
 from strawq.queue import RunQueue
 from strawq.records import Kind
 from strawq.states import DIRS, RELEASES, TaskState, key_of, release_dir
-from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
 
-KEEP_CURSORS = 4
-#: prefix of a cursor commit being prepared in ``staging/`` (renamed to ``cursor/<seq>``)
-COMMIT_PREFIX = "c-"
-#: ``staging/c-<seq>.<nonce>``
-PREPARED = Numbered(COMMIT_PREFIX, sep=".")
-#: ``cursor/<seq>`` (the compare-and-swap directory) and ``<seq>.<next_index>`` in it
-CURSOR_DIRS = Numbered()
-CURSORS = Numbered(sep=".")
 #: how often a writer that keeps losing the cursor commit re-reads before giving up
 MAX_COMMIT_TRIES = 50
 
@@ -59,137 +51,12 @@ class CursorContention(AlreadyExists):
     """Another writer kept winning the cursor commit; nothing was released by this one."""
 
 
-@dataclass(frozen=True)
-class Cursor:
-    seq: int
-    next_index: int
-    staging: str | None
-    exhausted: bool
-    fingerprint: dict[str, Any]
-    #: key of a cursor record that failed its checks (recover() repairs it)
-    corrupt: str | None = None
-    #: (rows, bad rows) released since the bad-row window opened (``judge_release``)
-    recent: tuple[int, int] = (0, 0)
-    #: the task-index base of every pass over this dataset, oldest first (empty: the first
-    #: pass; ``QueueConfig.num_epochs``)
-    epoch_bases: tuple[int, ...] = ()
-    #: per pass, where it starts each mixture source (``strawq.planner``; empty: all at 0)
-    epoch_offsets: tuple[tuple[int, ...], ...] = ()
-
-    @property
-    def epoch(self) -> int:
-        """The pass over the dataset this cursor is in (0: the first)."""
-        return max(len(self.epoch_bases) - 1, 0)
-
-
-def cursor_name(seq: int, next_index: int) -> str:
-    """``<seq>.<next_index>``: the name alone says where the cursor stands, so a cursor
-    record whose content is damaged still tells how far the dataset was released."""
-    return CURSORS.name(seq, next_index)
-
-
-def list_cursors(storage: Storage, *, newest_only: bool = False) -> list[tuple[int, int, str]]:
-    """(seq, next_index, path under ``cursor/``) of every cursor record, oldest first.
-
-    A record lives at ``cursor/<seq>/<seq>.<next>``: the directory ``cursor/<seq>`` is the
-    compare-and-swap (one writer wins each sequence number), the file name repeats where
-    the release ended. Flat ``cursor/<seq>.<next>`` records of older runs are read too.
-    """
-    names = storage.list("cursor")
-    out = [(*pair, n) for n in names if (pair := CURSORS.pair(n)) is not None]
-    for seq in reversed(CURSOR_DIRS.numbers(names)):
-        d = CURSOR_DIRS.name(seq)
-        inner = [(p, f) for f in storage.list(f"cursor/{d}")
-                 if (p := CURSORS.pair(f)) is not None and p[0] == seq]
-        out += [(seq, p[1], f"{d}/{f}") for p, f in inner]
-        if inner and newest_only:
-            break
-    out.sort()
-    return out[-1:] if newest_only else out
-
-
-def newest_seq(storage: Storage) -> int:
-    """The highest committed (or claimed) cursor sequence number; 0 for a fresh run."""
-    names = storage.list("cursor")
-    flat = [seq for seq, _next in CURSORS.pairs(names)]
-    return max([*CURSOR_DIRS.numbers(names), *flat], default=0)
-
-
-def _recent(meta: dict[str, Any]) -> tuple[int, int]:
-    """The bad-row window a cursor record carries ((0, 0) for records written before it)."""
-    got = meta.get("recent")
-    if isinstance(got, (list, tuple)) and len(got) == 2 and all(isinstance(x, int) for x in got):
-        return int(got[0]), int(got[1])
-    return 0, 0
-
-
-def _int_list(x: Any) -> bool:
-    return isinstance(x, (list, tuple)) and all(type(b) is int and b >= 0 for b in x)
-
-
-def _epoch_bases(meta: dict[str, Any]) -> tuple[int, ...]:
-    """The passes' bases a cursor record carries (checked by ``check_cursor_meta``)."""
-    return tuple(meta.get("epoch_bases") or ())
-
-
-def _epoch_offsets(meta: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
-    """The passes' source offsets a cursor record carries (``check_cursor_meta``)."""
-    return tuple(tuple(o) for o in meta.get("epoch_offsets") or ())
-
-
-def _cursor_of(m: dict[str, Any]) -> Cursor:
-    """The cursor a checked record's metadata holds (``check_cursor_meta``)."""
-    return Cursor(m["seq"], m["next_index"], m.get("staging"), m.get("exhausted", False),
-                  m.get("fingerprint", {}), recent=_recent(m), epoch_bases=_epoch_bases(m),
-                  epoch_offsets=_epoch_offsets(m))
-
-
-def check_cursor_meta(meta: dict[str, Any], key: str) -> None:
-    """``CorruptRecord`` unless a cursor record's metadata has the fields and types a
-    feeder reads (a record with a valid checksum may still hold anything)."""
-    fp = meta.get("fingerprint", {})
-    problems = [f for f, ok in (
-        ("seq", type(meta.get("seq")) is int and meta["seq"] >= 0),
-        ("next_index", type(meta.get("next_index")) is int and meta["next_index"] >= 0),
-        ("staging", isinstance(meta.get("staging"), (str, type(None)))),
-        ("exhausted", isinstance(meta.get("exhausted", False), bool)),
-        ("fingerprint", isinstance(fp, dict) and type(fp.get("base", 0) or 0) is int),
-        ("epoch_bases", _int_list(meta.get("epoch_bases") or ())),
-        ("epoch_offsets", isinstance(meta.get("epoch_offsets") or [], list)
-         and all(_int_list(o) for o in meta.get("epoch_offsets") or [])),
-    ) if not ok]
-    if problems:
-        raise CorruptRecord(f"{key}: cursor metadata has no valid {', '.join(problems)}")
-
-
 def check_share(share: float) -> float:
     """``share`` if it is a valid ``max_bad_row_share`` (0..1), else ``ConfigError``."""
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
         raise ConfigError(f"max_bad_row_share must be a number from 0 to 1 (a share of the rows "
                           f"released), got {share!r}")
     return float(share)
-
-
-def read_cursor_state(storage: Storage) -> dict[str, Any] | None:
-    """The newest cursor as ``Feeder.state_dict()``, read-only (no recovery side effects)."""
-    cursors = list_cursors(storage, newest_only=True)
-    if not cursors:
-        return None
-    seq, nxt, name = cursors[-1]
-    state: dict[str, Any] = {"seq": seq, "next_index": nxt, "fingerprint": {}, "exhausted": False}
-    try:
-        rec = records.decode(storage.read(f"cursor/{name}"), expect=Kind.CURSOR,
-                             name=f"cursor/{name}")
-        check_cursor_meta(rec.meta, f"cursor/{name}")
-        state["fingerprint"] = rec.meta.get("fingerprint", {})
-        state["exhausted"] = bool(rec.meta.get("exhausted", False))
-        state["recent"] = _recent(rec.meta)
-        for key in ("epoch_bases", "epoch_offsets", "unread"):
-            if rec.meta.get(key):
-                state[key] = rec.meta[key]
-    except (CorruptRecord, NotFound) as exc:
-        state["error"] = str(exc)
-    return state
 
 
 class Feeder:
@@ -239,7 +106,7 @@ class Feeder:
         if not cursors:
             return Cursor(0, 0, None, False, {})
         seq, nxt, name = cursors[-1]
-        key = f"cursor/{name}"
+        key = cursor_key(name)
         try:
             rec = records.decode(self.storage.read(key), expect=Kind.CURSOR, name=key)
             check_cursor_meta(rec.meta, key)
@@ -252,7 +119,7 @@ class Feeder:
             staging = next((s for s in self.storage.list("staging")
                             if RELEASES.parse(s) == seq), None)
             return Cursor(seq, nxt, staging, False, {}, corrupt=key)
-        return _cursor_of(rec.meta)
+        return cursor_of(rec.meta)
 
     def refresh(self) -> Cursor:
         """Re-read the newest cursor and finish its release (promote, repair a bad record)."""
@@ -272,13 +139,13 @@ class Feeder:
         for old, _nxt, name in reversed(list_cursors(self.storage)):
             if old >= seq:
                 continue
-            key = f"cursor/{name}"
+            key = cursor_key(name)
             try:
                 rec = records.decode(self.storage.read(key), expect=Kind.CURSOR, name=key)
                 check_cursor_meta(rec.meta, key)
             except (CorruptRecord, NotFound):
                 continue
-            return _cursor_of(rec.meta)
+            return cursor_of(rec.meta)
         return None
 
     def _commit_repair(self, cur: Cursor) -> bool:
@@ -536,7 +403,7 @@ class Feeder:
         try:
             self.storage.publish(f"{prep}/{cursor_name(seq, next_index)}",
                                  records.encode(Kind.CURSOR, meta), in_place=True)
-            self.storage.rename(prep, f"cursor/{CURSOR_DIRS.name(seq)}")
+            self.storage.rename(prep, cursor_key(CURSOR_DIRS.name(seq)))
         except (AlreadyExists, NotFound):
             # NotFound: a recovering writer discarded our preparation (its number is taken)
             self._discard(prep.partition("/")[2])
@@ -560,12 +427,12 @@ class Feeder:
     def _gc_cursors(self, seq: int) -> None:
         for old, _next, name in list_cursors(self.storage):
             if old <= seq - KEEP_CURSORS:
-                self.storage.delete(f"cursor/{name}")
+                self.storage.delete(cursor_key(name))
                 if "/" in name:
-                    self.storage.rmdir(f"cursor/{CURSOR_DIRS.name(old)}")
+                    self.storage.rmdir(cursor_key(CURSOR_DIRS.name(old)))
         # emptied by a crash mid-GC, or repaired
-        for name in CURSOR_DIRS.below(self.storage.list("cursor"), seq - KEEP_CURSORS + 1):
-            self.storage.rmdir(f"cursor/{name}")
+        for name in CURSOR_DIRS.below(self.storage.list(CURSOR_DIR), seq - KEEP_CURSORS + 1):
+            self.storage.rmdir(cursor_key(name))
 
     @property
     def base(self) -> int:
@@ -598,8 +465,8 @@ class Feeder:
         if not cur.seq:
             self._reader.adopt(state.get("fingerprint") or {}, nxt)
         bases, offsets = state.get("epoch_bases") or [], state.get("epoch_offsets") or []
-        if not _int_list(bases) or not isinstance(offsets, list) \
-                or not all(_int_list(o) for o in offsets):
+        if not int_list(bases) or not isinstance(offsets, list) \
+                or not all(int_list(o) for o in offsets):
             raise ValueError(f"checkpoint feeder state: epoch_bases must be a list of task "
                              f"indexes and epoch_offsets a list of lists of rows, got "
                              f"{bases!r} and {offsets!r}")

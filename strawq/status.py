@@ -9,7 +9,7 @@ from typing import Any
 
 from strawq.batches import batch_seqs
 from strawq.engine_weights import EngineWeights
-from strawq.feeder import read_cursor_state
+from strawq.cursor import read_cursor_state
 from strawq.staleness import staleness
 from strawq.queue import RunQueue
 from strawq.retention import drop_totals

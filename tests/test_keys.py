@@ -44,6 +44,7 @@ OWNERS = {
     "audit/": "strawq/retention.py",
     "drops-": "strawq/retention.py",
     "history/": "strawq/history.py",
+    "cursor/": "strawq/cursor.py",
     "packed/": "strawq/packed.py",
     "dropped/": "collector/trainer/metrics.py",  # the metric name; the entries go through states.py
 }

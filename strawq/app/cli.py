@@ -117,7 +117,8 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_release(args: argparse.Namespace) -> int:
     from strawq.dataset import BadRowsRefused, check_binding, require_rows
     from strawq.mixture import open_dataset
-    from strawq.feeder import Feeder, read_cursor_state
+    from strawq.feeder import Feeder
+    from strawq.cursor import read_cursor_state
     from strawq.states import dropped_by_reason
 
     if args.dry_run and args.dataset_grew:

@@ -217,11 +217,11 @@ def audit_run(storage: Storage) -> Audit:
                                                  e.name.producer or ""), a, Kind.DROP)
                 if note is not None:
                     a.drop_reasons[e.name.id] = str(note.meta.get("reason"))
-    from strawq.feeder import list_cursors
+    from strawq.cursor import cursor_key, list_cursors
 
     for seq, nxt, n in list_cursors(storage):
         a.cursor_seq = max(a.cursor_seq, seq)
-        rec = _decode(storage, f"cursor/{n}", a, Kind.CURSOR)
+        rec = _decode(storage, cursor_key(n), a, Kind.CURSOR)
         if rec is not None:
             a.cursor_next = max(a.cursor_next, int(rec.meta["next_index"]), nxt)
     a.staging = storage.list("staging")

@@ -14,7 +14,7 @@ from strawq.app.cli import main as cli_main
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.dataset import Dataset, DatasetMismatch, EmptyDataset
-from strawq.feeder import read_cursor_state
+from strawq.cursor import read_cursor_state
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
 from strawq.testing import write_jsonl

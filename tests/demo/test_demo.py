@@ -24,7 +24,7 @@ import torch
 
 from strawq.demo.run import CHECKPOINT, DemoConfig, run_demo
 from strawq.producers.engines.tiny_model import load_weights, recompute_logprobs
-from strawq.feeder import read_cursor_state
+from strawq.cursor import read_cursor_state
 from strawq import records
 from strawq.groups import GroupData
 from strawq.names import dataset_task_id

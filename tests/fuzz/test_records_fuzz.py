@@ -17,7 +17,7 @@ from strawq import commits, control, epochs, eta, records, retention
 from strawq.batches import (ACK_DIR, DELIVERED_DIR, HIGH_WATER_DIR, MANIFEST_DIR, BatchStore,
                             batch_seqs, decode_manifest, delivered, high_water)
 from strawq.config import QueueConfig
-from strawq.feeder import read_cursor_state
+from strawq.cursor import read_cursor_state
 from strawq.groups import decode_group, decode_group_columns
 from strawq.names import TaskName, data_key
 from strawq.queue import RunQueue

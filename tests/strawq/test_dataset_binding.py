@@ -21,7 +21,8 @@ from strawq.config import QueueConfig
 from strawq.dataset import (Dataset, DatasetMismatch, EmptyDataset, check_binding,
                             growth_problem)
 from strawq.errors import DatasetError
-from strawq.feeder import Feeder, read_cursor_state
+from strawq.feeder import Feeder
+from strawq.cursor import read_cursor_state
 from strawq.mixture import open_dataset
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage

@@ -16,7 +16,7 @@ from strawq.app.cli import main as cli_main
 from strawq.config import QueueConfig
 from strawq.dataset import BadRow, Dataset
 from strawq.errors import DatasetError
-from strawq.feeder import list_cursors
+from strawq.cursor import list_cursors
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
 from strawq.testing import write_jsonl

@@ -15,7 +15,8 @@ import pytest
 
 from strawq.config import QueueConfig
 from strawq.dataset import Dataset
-from strawq.feeder import Feeder, list_cursors
+from strawq.feeder import Feeder
+from strawq.cursor import list_cursors
 from strawq.names import dataset_task_id
 from strawq.queue import RunQueue
 from strawq.storage import MemoryStorage, PosixStorage, Storage

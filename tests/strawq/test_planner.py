@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 
-from strawq.feeder import Feeder, preview_release, read_cursor_state
+from strawq.feeder import Feeder, preview_release
+from strawq.cursor import read_cursor_state
 from strawq.history import record_attempts
 from strawq.mixture import Mixture, open_dataset
 from strawq.queue import RunQueue

@@ -9,7 +9,8 @@ import pytest
 
 from strawq.batches import BatchStore
 from strawq.errors import CorruptRecord
-from strawq.feeder import Feeder, list_cursors
+from strawq.feeder import Feeder
+from strawq.cursor import list_cursors
 from strawq.names import data_key
 from strawq.queue import RunQueue
 from strawq.status import run_status
