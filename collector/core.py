@@ -38,7 +38,8 @@ from strawq.collector.resume import ResumeInfo, open_queue, run_cursor
 from strawq.batches import BatchStore, delivered, mark_high_water
 from strawq.config import QueueConfig
 from strawq.engine_weights import EngineWeights
-from strawq.dataset import Dataset, check_binding
+from strawq.dataset import Dataset
+from strawq.binding import check_binding
 from strawq.errors import StorageFull
 from strawq.eta import EtaPolicy, publish_policy
 from strawq.feeder import Feeder
@@ -123,7 +124,7 @@ class Collector:
         First, before anything is written (no run is created): ``EmptyDataset`` for a
         dataset without rows, ``DatasetMismatch`` for one the run's cursor does not count
         over, unless ``dataset_grew`` (``--dataset-grew``) and it is the run's with rows
-        appended: then the cursor continues over it (``strawq.dataset.check_binding``)."""
+        appended: then the cursor continues over it (``strawq.binding.check_binding``)."""
         grew = check_binding(dataset, run_cursor(path), grew=dataset_grew)
         queue, info = open_queue(path, queue_config=queue_config, checkpoint=checkpoint,
                                  writer_id=kwargs.get("owner", "collector"), fsync=fsync)

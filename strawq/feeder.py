@@ -3,7 +3,7 @@
 A release of rows ``[start, end)`` is made idempotent by preparing it out of sight and
 committing it with one exclusive create:
 
-0. judge the rows' bad share (``strawq.dataset.judge_release``, ``max_bad_row_share``): a
+0. judge the rows' bad share (``strawq.release_check.judge_release``, ``max_bad_row_share``): a
    release that would drop too many is refused before anything is written (``BadRowsRefused``:
    the cursor does not move);
 1. write every task record into ``staging/r-<seq>.<nonce>/`` (fsync'd, not yet visible);
@@ -28,10 +28,11 @@ from strawq import records
 from strawq.cursor import (CURSOR_DIR, CURSOR_DIRS, KEEP_CURSORS, PREPARED, Cursor,
                            check_cursor_meta, cursor_key, cursor_name, cursor_of, int_list,
                            list_cursors, newest_seq, read_cursor_state)
-from strawq.dataset import (BadRow, BadRowsRefused, Dataset,
-                            DatasetMismatch, ReleasePreview, Row, fingerprints_match,
-                            growth_problem, judge_release, mismatch_message, preview,
-                            refusal_message, require_rows)
+from strawq.dataset import BadRow, Dataset, Row
+from strawq.binding import (DatasetMismatch, fingerprints_match, growth_problem,
+                            mismatch_message, require_rows)
+from strawq.release_check import (BadRowsRefused, ReleasePreview, judge_release, preview,
+                                  refusal_message)
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
 from strawq.history import record_attempts
 from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
@@ -516,7 +517,7 @@ class Feeder:
 
     def continue_grown(self) -> Cursor:
         """Make this feeder's dataset the run's when it is the run's dataset with rows
-        appended (``strawq.dataset.growth_problem``; ``strawq release --dataset-grew``): the
+        appended (``strawq.binding.growth_problem``; ``strawq release --dataset-grew``): the
         cursor keeps its index, base, passes and bad-row window, is no longer exhausted, and
         records the grown dataset's fingerprint, so later feeders take it with no flag.
         ``DatasetMismatch`` if its files say it did not only grow. A no-op for the run's

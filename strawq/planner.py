@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from strawq.config import QueueConfig
-from strawq.dataset import BadRow, Dataset, DatasetCursorReader, Row
+from strawq.dataset import BadRow, Dataset, Row
+from strawq.binding import DatasetCursorReader
 from strawq.errors import DatasetError
 from strawq.history import PromptHistory, load_history
 from strawq.mixture import Mixture

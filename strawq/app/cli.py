@@ -115,7 +115,8 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from strawq.dataset import BadRowsRefused, check_binding, require_rows
+    from strawq.binding import check_binding, require_rows
+    from strawq.release_check import BadRowsRefused
     from strawq.mixture import open_dataset
     from strawq.feeder import Feeder
     from strawq.cursor import read_cursor_state

@@ -13,7 +13,8 @@ import pytest
 from strawq.app.cli import main as cli_main
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.dataset import Dataset, DatasetMismatch, EmptyDataset
+from strawq.dataset import Dataset, EmptyDataset
+from strawq.binding import DatasetMismatch
 from strawq.cursor import read_cursor_state
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage

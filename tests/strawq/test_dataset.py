@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from strawq.config import QueueConfig
-from strawq.dataset import BadRow, Dataset, DatasetMismatch, prompt_kind
+from strawq.dataset import BadRow, Dataset, prompt_kind
+from strawq.binding import DatasetMismatch
 from strawq.errors import DatasetError
 from strawq.feeder import Feeder, preview_release
 from strawq.queue import RunQueue

@@ -18,8 +18,8 @@ import pytest
 
 from strawq.app.cli import main as cli_main
 from strawq.config import QueueConfig
-from strawq.dataset import (Dataset, DatasetMismatch, EmptyDataset, check_binding,
-                            growth_problem)
+from strawq.dataset import Dataset, EmptyDataset
+from strawq.binding import DatasetMismatch, check_binding, growth_problem
 from strawq.errors import DatasetError
 from strawq.feeder import Feeder
 from strawq.cursor import read_cursor_state

@@ -13,7 +13,8 @@ import pytest
 
 from strawq.app.cli import main as cli_main
 from strawq.config import QueueConfig
-from strawq.dataset import BadRow, BadRowsRefused, Dataset
+from strawq.dataset import BadRow, Dataset
+from strawq.release_check import BadRowsRefused
 from strawq.errors import ConfigError
 from strawq.feeder import Feeder, preview_release
 from strawq.queue import RunQueue

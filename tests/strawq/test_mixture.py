@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from strawq.dataset import BadRow, DatasetMismatch
+from strawq.dataset import BadRow
+from strawq.binding import DatasetMismatch
 from strawq.errors import ConfigError
 from strawq.feeder import Feeder
 from strawq.mixture import Layout, Mixture, MixtureSource, integer_weights, load_mixture, \
