@@ -368,8 +368,10 @@ def check_rows(model: ReleaseModel, obs: Observed, *, require_fields: bool = Tru
                ) -> list[str]:
     """Every released task is the model's row at its index, and its body says so
     (``source`` for a mixture's row, ``source_row``, ``pass``). ``require_fields=False``:
-    a body without ``source_row``/``pass`` is accepted."""
+    a body without ``source_row``/``pass`` is accepted (one mismatch per missing field
+    otherwise, however many bodies lack it)."""
     out = []
+    missing: dict[str, list[ModelRow]] = {}
     for index in sorted(obs.released):
         seen = obs.released[index]
         row = model.row_at(index)
@@ -389,10 +391,14 @@ def check_rows(model: ReleaseModel, obs: Observed, *, require_fields: bool = Tru
                        f"{want_source!r}")
         for name, got, want in (("source_row", seen.source_row, row.source_row),
                                 ("pass", seen.pass_no, row.pass_no)):
-            if got is None and not require_fields:
-                continue
-            if got != want:
+            if got is None:
+                missing.setdefault(name, []).append(row)
+            elif got != want:
                 out.append(f"[field] {row}: task[{name!r}] is {got!r}, the model says {want}")
+    if require_fields:
+        for name, rows in missing.items():
+            out.append(f"[field] {len(rows)} released task(s) carry no task[{name!r}] (the "
+                       f"first: {rows[0]})")
     return out
 
 

@@ -164,12 +164,17 @@ def test_checks_name_each_kind_of_mismatch() -> None:
     # a field the body gets wrong; a body without the new fields is accepted on request
     released = dict(good.released)
     released[0] = replace(released[0], source_row=None, pass_no=None)
+    released[1] = replace(released[1], source_row=5, pass_no=None)
     assert check_rows(m, obs(released=released)) == [
-        "[field] pass 0 row 0 (task index 0, big row 0): task['source_row'] is None, the "
+        "[field] pass 0 row 1 (task index 1, small row 0): task['source_row'] is 5, the "
         "model says 0",
-        "[field] pass 0 row 0 (task index 0, big row 0): task['pass'] is None, the model "
-        "says 0"]
-    assert check_rows(m, obs(released=released), require_fields=False) == []
+        "[field] 1 released task(s) carry no task['source_row'] (the first: pass 0 row 0 "
+        "(task index 0, big row 0))",
+        "[field] 2 released task(s) carry no task['pass'] (the first: pass 0 row 0 (task "
+        "index 0, big row 0))"]
+    assert check_rows(m, obs(released=released), require_fields=False) == [
+        "[field] pass 0 row 1 (task index 1, small row 0): task['source_row'] is 5, the "
+        "model says 0"]
     # a row neither released nor skipped
     released = {i: s for i, s in good.released.items() if i != 2}
     assert check_passes(m, obs(released=released)) == [
