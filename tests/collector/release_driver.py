@@ -126,7 +126,7 @@ class Crash:
     #: ``queue`` (a new collector on the same run directory) or ``cursor`` (resume from
     #: the trainer's checkpoint on a deleted run directory)
     path: str
-    #: at the first batch boundary once the cursor reached this task index
+    #: once the cursor reached this task index (the cursor path: at the next batch boundary)
     at: int
     #: cursor path: loop passes between the checkpoint and the crash (work done, then lost)
     after: int = 0
@@ -374,6 +374,8 @@ class _Run:
     model: ReleaseModel
     tick: int = 0
     claims: dict[int, Seen] = field(default_factory=dict)
+    #: the tick of each task's first claim
+    claimed_at: dict[int, int] = field(default_factory=dict)
     #: (tick, task index) of every trained group and every drop (with its reason)
     trained: list[tuple[int, int]] = field(default_factory=list)
     drops: list[tuple[int, int, str]] = field(default_factory=list)
@@ -398,6 +400,7 @@ class _Run:
                                  f"row {old.content[1]} and again as {seen.content[0]} row "
                                  f"{seen.content[1]}")
         self.claims[index] = seen
+        self.claimed_at.setdefault(index, self.tick)
         if self.after_resume is not None:
             self.after_resume.add(index)
 
@@ -474,7 +477,10 @@ class _Run:
                     col.queue.set_version(col.queue.current_version() + 1)
                     boundary = True
                 assert col.feeder is not None
-                if (crash is not None and crashed is None and ckpt is None and boundary
+                # the queue path at any step; the cursor path at a batch boundary (the
+                # trainer's checkpoint)
+                if (crash is not None and crashed is None and ckpt is None
+                        and (boundary or crash.path == "queue")
                         and col.feeder.cursor.next_index >= crash.at):
                     if crash.path == "queue":
                         crashed = "queue"
@@ -526,10 +532,15 @@ class _Run:
 
     def _cursor_crash(self, col: Collector, ds: Dataset, ckpt: _Checkpoint, path: str
                       ) -> tuple[Collector, BatchReader] | None:
-        """The queue state is lost: resume from the checkpoint's cursor. What was trained or
-        dropped after the checkpoint is taken out (the trainer went back to it)."""
+        """The queue state is lost: resume from the checkpoint's cursor. What was released,
+        trained or dropped after the checkpoint is taken out (the trainer went back to it,
+        and the rows are released again or skipped afresh)."""
         col.close()
         shutil.rmtree(path)
+        for index, tick in list(self.claimed_at.items()):
+            if tick > ckpt.tick:
+                del self.claimed_at[index]
+                del self.claims[index]
         self.trained = [(t, i) for t, i in self.trained if t <= ckpt.tick]
         self.drops = [(t, i, r) for t, i, r in self.drops if t <= ckpt.tick]
         self.segment_drops = Counter()

@@ -119,3 +119,13 @@ def test_the_skip_exactly_in_lockstep() -> None:
     _check(Scenario((SourcePlan("a", 4, 1, kinds=kinds),), plain=True, passes=4, skip=True,
                     revisit=2, lockstep=True, batch_groups=1, max_running=1, max_ready=1,
                     prefetch=1, max_staleness=0, release_batch=1))
+
+
+@pytest.mark.timeout(60)
+def test_a_cursor_resume_after_a_longest_first_release() -> None:
+    """Longest-first stages a release's rows under permuted order numbers; the checkpoint's
+    rows in flight are task indexes all the same: the trained ones are not released again,
+    the untrained ones are."""
+    _check(Scenario((SourcePlan("a", 20, 1, kinds=_mixed(20)),), plain=True, passes=2,
+                    longest_first=True, batch_groups=3, max_running=6, max_ready=6,
+                    prefetch=1, release_batch=6, crash=Crash("cursor", 31, after=0)))
