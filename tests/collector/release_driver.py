@@ -126,7 +126,8 @@ class Crash:
     #: ``queue`` (a new collector on the same run directory) or ``cursor`` (resume from
     #: the trainer's checkpoint on a deleted run directory)
     path: str
-    #: once the cursor reached this task index (the cursor path: at the next batch boundary)
+    #: as soon as the cursor reached this task index (the trainer is always between two
+    #: batches in the driver's loop: its checkpoint may be taken at any step)
     at: int
     #: cursor path: loop passes between the checkpoint and the crash (work done, then lost)
     after: int = 0
@@ -254,9 +255,10 @@ def draw_scenario(d: Draw, *, max_rows: int = 15, max_total: int = 60,
     path = d.choice((None, "queue", "cursor"))
     model = scn.model()
     if path is not None and model.end >= 2:
-        if model.num_passes > 1 and d.boolean():  # just after a pass boundary
+        if model.num_passes > 1 and d.integers(0, 3) < 3:  # mostly just after a boundary
             e = d.integers(1, model.num_passes - 1)
-            at = min(model.passes[e].base + d.integers(0, 2), model.end - 1)
+            # inside the pass: the cursor has opened it (at its base it may not have yet)
+            at = min(model.passes[e].base + d.integers(1, 2), model.end - 1)
         else:
             at = d.integers(1, model.end - 1)
         crash = Crash(path, at, after=d.integers(0, 4), close=d.boolean(),
@@ -468,19 +470,16 @@ class _Run:
                         self.dropped(-1 if index is None else index,
                                      reasons.get(tid) or "unknown")
                 seqs, acked = col.batches.batch_seqs()
-                boundary = False
                 if any(s not in acked for s in seqs):
                     b = reader.next_batch(timeout=10)
                     for s in b.summaries:
                         self.trained.append((self.tick, int(s["index"])))
                     reader.ack(b)
                     col.queue.set_version(col.queue.current_version() + 1)
-                    boundary = True
                 assert col.feeder is not None
-                # the queue path at any step; the cursor path at a batch boundary (the
-                # trainer's checkpoint)
+                # the crash (the queue path) or the trainer's checkpoint (the cursor path):
+                # as soon as the cursor reaches the crash's index, between two batches
                 if (crash is not None and crashed is None and ckpt is None
-                        and (boundary or crash.path == "queue")
                         and col.feeder.cursor.next_index >= crash.at):
                     if crash.path == "queue":
                         crashed = "queue"

@@ -37,8 +37,8 @@ T = TypeVar("T")
 
 pytestmark = pytest.mark.slow
 
-#: examples of the combination test (about 0.25 s each here: 30 s in all)
-EXAMPLES = 120
+#: examples of the combination test (about 0.3 s each here: about 30 s in all)
+EXAMPLES = 100
 
 
 class HypothesisDraw:
