@@ -253,8 +253,8 @@ def outcome(model: ReleaseModel, behaviour: Behaviour, row: ModelRow) -> str:
         return ZERO_VARIANCE
     fn = model.sources[row.source].filter
     if fn is not None and not model.plain:
-        task = {"id": f"i{row.index}", "index": row.index, "source": row.name}
-        reason = fn(task, [float(r) for r in rewards if valid(r)])  # type: ignore[arg-type]
+        task: dict[str, Any] = {"id": f"i{row.index}", "index": row.index, "source": row.name}
+        reason = fn(task, [float(r) for r in rewards if r is not None and valid(r)])
         if reason is not None:
             return reason
     return TRAINED
