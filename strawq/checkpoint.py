@@ -14,6 +14,7 @@ from typing import Any
 
 from strawq.batches import BatchStore
 from strawq.errors import CorruptRecord, NotFound
+from strawq.names import TASK_IDS
 from strawq.cursor import read_cursor_state as feeder_cursor_state
 from strawq.queue import RunQueue
 from strawq.states import TaskState, names_in
@@ -59,10 +60,15 @@ def in_flight(storage: Storage, trained_through: int | None = None) -> set[int]:
     batched: dict[str, int] = {}
     for state in _IN_FLIGHT:
         for name in names_in(storage, state):
+            # the task's dataset index is in its id: a name's order number is not it once a
+            # release staged its rows longest-first (``strawq.prompt_policy``)
+            index = TASK_IDS.parse(name.id)
+            if index is None:
+                continue  # not a dataset row
             if state is TaskState.BATCHED:
-                batched[str(name)] = name.order
+                batched[str(name)] = index
             else:
-                out.add(name.order)
+                out.add(index)
     store = BatchStore(RunQueue(storage))
     seqs, acked = store.batch_seqs()
     trained: set[str] = set()

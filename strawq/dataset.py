@@ -431,6 +431,11 @@ class Dataset:
         return None
 
     # -- passes (``strawq.planner``): one source, read whole by every pass --------------------
+    @property
+    def source_count(self) -> int:
+        """The datasets this one interleaves (1; a mixture's sources)."""
+        return 1
+
     def pass_len(self, offsets: Sequence[int] = ()) -> int:
         """Rows in a pass that starts each source at ``offsets`` (here: every row)."""
         return len(self)
@@ -441,8 +446,8 @@ class Dataset:
         return self._iter_raw(start)
 
     def next_offsets(self, offsets: Sequence[int], rows: int) -> tuple[int, ...]:
-        """Where each source starts the pass after one of ``rows`` rows (() : all at 0)."""
-        return ()
+        """Where each source starts the pass after one of ``rows`` rows."""
+        return (0,)
 
     def locate_row(self, row: int, offsets: Sequence[int] = ()) -> tuple[str | None, int]:
         """(source, row within it) of the pass's row ``row``."""

@@ -252,7 +252,8 @@ class Feeder:
 
     def passes(self, cur: Cursor) -> Passes:
         """The passes over the dataset ``cur`` records (``strawq.planner``)."""
-        return Passes.of(cur.epoch_bases, cur.epoch_offsets, self._reader.base)
+        return Passes.of(cur.epoch_bases, cur.epoch_offsets, self._reader.base,
+                         self.dataset.source_count)
 
     def _epochs_left(self, cur: Cursor) -> bool:
         return cur.epoch + 1 < self.queue.config.num_epochs
@@ -471,7 +472,7 @@ class Feeder:
             raise ValueError(f"checkpoint feeder state: epoch_bases must be a list of task "
                              f"indexes and epoch_offsets a list of lists of rows, got "
                              f"{bases!r} and {offsets!r}")
-        passes = Passes.of(bases, offsets, self._reader.base)
+        passes = Passes.of(bases, offsets, self._reader.base, self.dataset.source_count)
         again = sorted({int(i) for i in state.get("in_flight") or () if int(i) < nxt})
         # In flight from any pass over this dataset is released again, each row read in its
         # own pass; only the prompts of a dataset before a switch are not.
@@ -561,7 +562,7 @@ def preview_release(queue: RunQueue, dataset: Dataset, count: int | None = None,
     exhausted = bool(state.get("exhausted"))
     nxt = int(state["next_index"])
     passes = Passes.of(state.get("epoch_bases") or (), state.get("epoch_offsets") or (),
-                       int(fp.get("base", 0) or 0))
+                       int(fp.get("base", 0) or 0), dataset.source_count)
     if exhausted and (opened := planner.next_pass(passes, nxt)) is not None:
         # the pass ended, and the next one starts here (``Feeder._next_epoch``)
         fp["base"], exhausted, passes = nxt, False, opened

@@ -267,6 +267,10 @@ class Mixture(Dataset):
         return self._len
 
     # -- passes (``strawq.planner``): each source carries its own offset ---------------------
+    @property
+    def source_count(self) -> int:
+        return len(self.sources)
+
     def _offs(self, offsets: Sequence[int]) -> tuple[int, ...]:
         if not offsets:
             return (0,) * len(self.sources)

@@ -60,12 +60,13 @@ class Passes:
 
     @classmethod
     def of(cls, epoch_bases: Sequence[int], epoch_offsets: Sequence[Sequence[int]],
-           base: int) -> Passes:
+           base: int, sources: int) -> Passes:
         """From a cursor's ``epoch_bases`` and ``epoch_offsets`` (empty for the first pass,
-        which starts at ``base``; records written before offsets existed: all at 0)."""
+        which starts at ``base``; records written before offsets existed: every one of the
+        dataset's ``sources`` at row 0)."""
         bases = tuple(epoch_bases) or (base,)
-        offs = [tuple(o) for o in epoch_offsets][:len(bases)]
-        return cls(bases, tuple(offs + [()] * (len(bases) - len(offs))))
+        offs = [tuple(o) or (0,) * sources for o in epoch_offsets][:len(bases)]
+        return cls(bases, tuple(offs + [(0,) * sources] * (len(bases) - len(offs))))
 
     @property
     def number(self) -> int:
@@ -89,15 +90,10 @@ class Passes:
         return Passes((*self.bases, base), (*self.offsets, tuple(offsets)))
 
     def record(self) -> dict[str, Any]:
-        """The cursor-record fields (none for a run still in its first pass; no offsets
-        while every pass started every source at row 0)."""
+        """The cursor-record fields (none for a run still in its first pass)."""
         if len(self.bases) < 2:
             return {}
-        out: dict[str, Any] = {"epoch_bases": list(self.bases)}
-        if any(any(o) for o in self.offsets):
-            n = max(len(o) for o in self.offsets)
-            out["epoch_offsets"] = [list(o) or [0] * n for o in self.offsets]
-        return out
+        return {"epoch_bases": list(self.bases), "epoch_offsets": [list(o) for o in self.offsets]}
 
 
 @dataclass(frozen=True)
@@ -194,13 +190,13 @@ class ReleasePlanner:
 
     # -- history rules ---------------------------------------------------------------------------
     def earlier_ids(self, passes: Passes, index: int) -> list[str]:
-        """Task ids of the same source row's earlier appearances, newest first: in earlier
-        passes, wherever the interleave put it, and earlier in this pass (a source that
-        wraps under ``all_exhausted``)."""
+        """Task ids of the same source row's appearances in earlier passes, newest first,
+        wherever the interleave put it (a row that comes up twice in one ``all_exhausted``
+        pass is judged by the passes before, both times)."""
         o = self.origin(passes, index)
         out: list[str] = []
-        for d in range(o.pass_no, -1, -1):
-            rows = index - passes.bases[d] if d == o.pass_no else passes.rows_in(d, index)
+        for d in range(o.pass_no - 1, -1, -1):
+            rows = passes.rows_in(d, index)
             for at in reversed(self.dataset.appearances(o.source, o.row, passes.offsets[d],
                                                         rows)):
                 out.append(dataset_task_id(passes.bases[d] + at))
