@@ -189,17 +189,18 @@ class ReleasePlanner:
         return out
 
     # -- history rules ---------------------------------------------------------------------------
-    def earlier_ids(self, passes: Passes, index: int) -> list[str]:
-        """Task ids of the same source row's appearances in earlier passes, newest first,
-        wherever the interleave put it (a row that comes up twice in one ``all_exhausted``
-        pass is judged by the passes before, both times)."""
+    def earlier_ids(self, passes: Passes, index: int) -> list[list[str]]:
+        """Per earlier pass the same source row came up in, newest first, its task ids there
+        (newest first), wherever the interleave put it: one appearance per pass (a row a
+        wrapping ``all_exhausted`` source gives twice in one pass is one appearance; a pass
+        that did not reach it is none)."""
         o = self.origin(passes, index)
-        out: list[str] = []
+        out: list[list[str]] = []
         for d in range(o.pass_no - 1, -1, -1):
             rows = passes.rows_in(d, index)
-            for at in reversed(self.dataset.appearances(o.source, o.row, passes.offsets[d],
-                                                        rows)):
-                out.append(dataset_task_id(passes.bases[d] + at))
+            ats = self.dataset.appearances(o.source, o.row, passes.offsets[d], rows)
+            if ats:
+                out.append([dataset_task_id(passes.bases[d] + at) for at in reversed(ats)])
         return out
 
     def plan(self, passes: Passes, rows: Rows) -> Plan:

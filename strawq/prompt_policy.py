@@ -74,37 +74,43 @@ def _newest_rewarded(stats: PromptStats) -> dict[str, Any] | None:
     return rows[-1] if rows else None
 
 
-def zero_variance_skip(index: int, earlier: Sequence[str], history: PromptHistory,
+def zero_variance_skip(index: int, earlier: Sequence[Sequence[str]], history: PromptHistory,
                        revisit_epochs: int) -> Skip | None:
     """The skip of ``index`` by the zero-variance rule, or None to release it. ``earlier``:
-    the task ids of the row's earlier appearances, newest first."""
-    for ago, tid in enumerate(earlier, start=1):
-        stats = history.get(tid)
-        row = _newest_rewarded(stats) if stats is not None else None
-        if row is None:
-            continue  # skipped, no rewards or not recorded in that pass: look further back
-        if rewards_agreed(row) and ago < revisit_epochs:
-            mean = row.get("reward_mean")
-            return Skip(index, float(mean) if isinstance(mean, (int, float)) else None, ago)
-        return None
+    per earlier pass the row came up in, newest first, the task ids it had there (newest
+    first: a source that wraps under ``all_exhausted`` gives a row twice in one pass); the
+    pass before is one appearance ago."""
+    for ago, tids in enumerate(earlier, start=1):
+        for tid in tids:
+            stats = history.get(tid)
+            row = _newest_rewarded(stats) if stats is not None else None
+            if row is None:
+                continue  # skipped, no rewards or not recorded: look further back
+            if rewards_agreed(row) and ago < revisit_epochs:
+                mean = row.get("reward_mean")
+                return Skip(index, float(mean) if isinstance(mean, (int, float)) else None,
+                            ago)
+            return None
     return None
 
 
-def predicted_length(earlier: Sequence[str], history: PromptHistory) -> float | None:
+def predicted_length(earlier: Sequence[Sequence[str]], history: PromptHistory
+                     ) -> float | None:
     """The mean response length of the row's newest recorded attempt, or None."""
-    for tid in earlier:
-        stats = history.get(tid)
-        if stats is not None and stats.mean_length is not None:
-            return stats.mean_length
+    for tids in earlier:
+        for tid in tids:
+            stats = history.get(tid)
+            if stats is not None and stats.mean_length is not None:
+                return stats.mean_length
     return None
 
 
-def plan_release(indexes: Sequence[int], earlier: Callable[[int], Sequence[str]],
+def plan_release(indexes: Sequence[int], earlier: Callable[[int], Sequence[Sequence[str]]],
                  history: PromptHistory | None, *, skip_zero_variance: bool,
                  revisit_epochs: int, longest_first: bool) -> Plan:
     """The plan for a release of the good rows ``indexes`` (ascending) of the current pass;
-    ``earlier(index)``: the task ids of the row's earlier appearances, newest first (None
-    history: the first pass, nothing to look up)."""
+    ``earlier(index)``: the task ids of the row in each earlier pass it came up in, newest
+    first (``zero_variance_skip``; None history: the first pass, nothing to look up)."""
     plan = Plan()
     if history is None:
         plan.order = list(indexes)

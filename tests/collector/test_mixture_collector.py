@@ -223,7 +223,7 @@ def test_a_sources_filter_drop_reaches_the_history_with_its_rewards(tmp_path: Pa
         (row,) = stats.last
         assert (row["status"], row["reason"], row["reward_mean"], row["rewards_valid"]) == \
             ("dropped", "filtered_b", 1.0, 4)
-    plan = plan_release(range(8, 16), lambda i: [dataset_task_id(i - 8)], h,
+    plan = plan_release(range(8, 16), lambda i: [[dataset_task_id(i - 8)]], h,
                         skip_zero_variance=True, revisit_epochs=2,
                         longest_first=False)
     assert sorted(s.index - 8 for s in plan.skips) == b_rows

@@ -11,7 +11,7 @@ from typing import Any
 
 from strawq.feeder import Feeder, preview_release
 from strawq.cursor import read_cursor_state
-from strawq.history import record_attempts
+from strawq.history import load_history, record_attempts
 from strawq.mixture import Mixture, open_dataset
 from strawq.queue import RunQueue
 from strawq.states import TaskState, names_in
@@ -168,3 +168,27 @@ def test_a_dry_run_shows_per_source_what_the_release_would_take_and_skip(
     assert "small: release 0, skip 3 (history)" in p.describe()
     f.release(7)
     assert [t["row"]["prompt"] for t in _released(q)] == ["big4", "big5", "big6", "big7"]
+
+
+def test_the_skip_window_counts_passes_not_the_times_a_wrapping_source_repeats_a_row(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    # all_exhausted: the 2-row source gives each of its rows 3 times a pass. Its rows agreed
+    # in pass 0, were skipped in pass 1 (one pass ago), and are still in the window of 3
+    # passes in pass 2 (two passes ago) — counted by repeats, pass 1 alone was 3 "ago".
+    monkeypatch.setattr("strawq.planner.HISTORY_REFRESH_S", -1.0)
+    m = _mix(tmp_path, {"big": 6, "small": 2}, {"big": 1, "small": 1},
+             stopping_strategy="all_exhausted")
+    q = make_run(str(tmp_path / "run"), release_batch=20, num_epochs=3,
+                 skip_zero_variance=True, zero_variance_revisit_epochs=3)
+    f = Feeder(q, m)
+    f.release(20)
+    first = _released(q)
+    assert [t["source_row"] for t in first if t["source"] == "small"] == [0, 1, 0, 1, 0]
+    record_attempts(q.storage, [_agreed(t["id"], t["index"]) for t in first
+                                if t["source"] == "small"])
+    while not f.exhausted:  # passes 1 and 2
+        f.release(20)
+    later = _released(q)
+    assert [(t["pass"], t["source"]) for t in later] == [(1, "big")] * 6 + [(2, "big")] * 6
+    skips = [s for s in load_history(q.storage).prompts.values() if s.skipped]
+    assert len(skips) == 2 * 5

@@ -145,8 +145,8 @@ def test_a_dropped_group_whose_rewards_agreed_is_skipped_by_the_next_pass(
                 3: ("zero_variance", [0.0] * 4)})
     h = history.load_history(q.storage)
     ids = [dataset_task_id(i) for i in range(2 * ROWS)]
-    def earlier(i: int) -> list[str]:  # a plain dataset: the same row one pass before
-        return [ids[i - ROWS]]
+    def earlier(i: int) -> list[list[str]]:  # a plain dataset: the same row one pass before
+        return [[ids[i - ROWS]]]
 
     assert zero_variance_skip(ROWS + 1, earlier(ROWS + 1), h, 2) == Skip(ROWS + 1, 1.0, 1)
     assert zero_variance_skip(ROWS + 0, earlier(ROWS), h, 2) is None
