@@ -136,8 +136,13 @@ def history_case(workdir: str, time_scale: float, mode: str,
     """The history case, one row per rule set: its table, the figures, the lines.
     ``group_filter``: the producers' group filter in every row (the DAPO rule: the skip
     must see the groups it drops)."""
+    case = dict(HISTORY_CASE)
+    if group_filter:
+        # the filter drops about half the groups (the zero-variance ones): twice the passes,
+        # or the run's 28 steps outlast the data, and the skip never revisits within it
+        case["num_epochs"] = case["zero_variance_revisit_epochs"] = 2 * case["num_epochs"]
     cfg = replace(LabConfig(workdir=f"{workdir}/history", progress=False),
-                  time_scale=time_scale, group_filter=group_filter, **HISTORY_CASE)
+                  time_scale=time_scale, group_filter=group_filter, **case)
     result = run_history_case(cfg, mode, rules)
     print(f"== case history ({mode}, {cfg.steps} steps, {cfg.num_epochs} passes over "
           f"{cfg.dataset_rows} rows; history {', then '.join(rules)}"
@@ -205,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                          "default off,on")
     ap.add_argument("--filter-groups", default="",
                     help="the history case's producer group filter, a dotted path (e.g. "
-                         "strawq.producers.rewards.zero_variance, DAPO's rule); default none")
+                         "strawq.producers.rewards.zero_variance, DAPO's rule), with twice "
+                         "the passes (the filter drops about half the groups); default none")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="wall s per model s (default 2.5; raise it until stretch is near 1)")
     ap.add_argument("--flow-windows", default="",

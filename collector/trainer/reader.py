@@ -32,6 +32,7 @@ from strawq.batches import (BatchStore, Manifest, forget_delivered_after, high_w
                             mark_delivered)
 from strawq.checkpoint import CHECKPOINT_FORMAT, read_cursor_state
 from strawq.commits import commit as commit_position
+from strawq.cursor import read_cursor_state as cursor_state
 from strawq.commits import committed_seq, hold
 from strawq.epochs import epoch_starts, superseded
 from strawq.epochs import epochs as known_epochs
@@ -191,12 +192,21 @@ class BatchReader:
 
     def _timeout_message(self, timeout: float) -> str:
         d = depths(self.storage)
+        head = (f"no batch after {timeout:.1f}s (expected batch > {self._delivered}); queue: "
+                f"pending={d.pending + d.partial} leased={d.leased} ready={d.ready}")
+        cursor = cursor_state(self.storage)
+        last_pass = cursor is not None and max(len(cursor.get("epoch_bases") or ()), 1) \
+            >= self.queue.config.num_epochs
+        if cursor is not None and cursor.get("exhausted") and last_pass and not (
+                d.pending or d.partial or d.leased or d.ready):
+            # the last pass is released and nothing is left to generate or batch
+            return (f"{head}. The run has drained: the dataset's last pass is released (cursor "
+                    f"at index {cursor.get('next_index')}) and every group is trained or "
+                    "dropped ('strawq inspect RUN dropped' lists why); no batch is coming. "
+                    "Train fewer steps, or release more (queue.num_epochs, a larger dataset).")
         epochs = known_epochs(list_epoch_names(self.storage))
-        return (f"no batch after {timeout:.1f}s (expected batch > {self._delivered}); queue: "
-                f"pending={d.pending + d.partial} leased={d.leased} ready={d.ready}; "
-                "collector epochs "
-                f"{epochs or 'none'}. Is the collector running ('strawq collector') and are "
-                "producers claiming work?")
+        return (f"{head}; collector epochs {epochs or 'none'}. Is the collector running "
+                "('strawq collector') and are producers claiming work?")
 
     def load(self, man: Manifest) -> Batch:
         """This rank's shard of a manifest (no waiting, no bookkeeping): the collector's

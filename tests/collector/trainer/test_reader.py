@@ -163,3 +163,37 @@ def test_memory_storage_fallback_reads_without_mmap(tmp_path):
     batch = BatchReader(q).next_batch(timeout=1)
     assert len(batch.groups) == 4 and batch.bytes_read > 0
     assert isinstance(batch.groups[0], TaskName)
+
+
+def test_a_drained_run_says_no_batch_is_coming(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The last pass released and every group trained or dropped: a trainer that asks for
+    one more batch is told the run has drained, not to check that the collector runs."""
+    run = str(tmp_path / "run")
+    q = make_run(run, release_batch=4)
+    ds = Dataset(write_dataset(str(tmp_path / "ds.jsonl"), 4))
+    cfg = CollectorConfig(batch_groups=2, max_running=4, max_ready=4, max_prefetch_batches=2,
+                          max_staleness=None, poll_interval_s=0, gc_interval_s=0,
+                          metrics_interval_s=0.0)
+    col = Collector(q, ds, cfg)
+    col.start()
+    reader = BatchReader(q)
+    prod = SimProducer(q, "p0", seed=3)
+    seen = []
+    for _ in range(500):
+        prod.step()
+        rep = col.step()
+        seqs, acked = col.batches.batch_seqs()
+        for s in seqs:
+            if s not in acked:
+                b = reader.next_batch(timeout=5)
+                seen.append(b.seq)
+                reader.ack(b)
+        if rep.drained:
+            break
+    assert seen == [1, 2]
+    clock = FakeClock()
+    late = BatchReader(q, clock=clock, sleep=clock.sleep)
+    late.load_state_dict(reader.state_dict())
+    with pytest.raises(BatchTimeout, match="The run has drained: the dataset's last pass"):
+        late.next_batch(timeout=1)
+    col.close()
