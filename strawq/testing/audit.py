@@ -54,6 +54,9 @@ class Audit:
     #: task ids a release skipped by the history's rule (``strawq.prompt_policy``): their
     #: row was accounted for in that pass without a task
     skipped: set[str] = field(default_factory=set)
+    #: task ids whose drop was folded into the drop audit (``strawq.retention.compact_drops``:
+    #: the entry is deleted, the history records the dropped attempt with its reason)
+    compacted: set[str] = field(default_factory=set)
 
     def state_of(self, task_id: str) -> str | None:
         e = self.entries.get(task_id, [])
@@ -92,7 +95,7 @@ class Audit:
                 if es:
                     problems.append(f"skipped {tid} was released too: {[e.key for e in es]}")
                 continue
-            if not es and tid not in trained:
+            if not es and tid not in trained and tid not in self.compacted:
                 problems.append(f"lost: {tid} is in no state")
             if len(es) > 1:
                 problems.append(f"duplicated: {tid} is in {[e.key for e in es]}")
@@ -228,7 +231,9 @@ def audit_run(storage: Storage) -> Audit:
     a.tmp = storage.list("tmp")
     from strawq.history import load_history
 
-    a.skipped = {tid for tid, st in load_history(storage).prompts.items() if st.skipped}
+    history = load_history(storage)
+    a.skipped = {tid for tid, st in history.prompts.items() if st.skipped}
+    a.compacted = {tid for tid, st in history.prompts.items() if st.dropped}
     return a
 
 

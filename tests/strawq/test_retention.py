@@ -208,3 +208,20 @@ def test_publish_names_its_temporary_file_after_host_and_pid(tmp_path: Path) -> 
         os.rename = real  # type: ignore[assignment]
         posix._renameat2 = saved
     assert seen and seen[0].startswith(f"w1.{_host()}-{os.getpid()}.")
+
+
+def test_the_run_audit_accounts_for_compacted_drops(tmp_path: Path) -> None:
+    """A drop folded into the drop audit has no entry left: the run audit (invariant 1)
+    finds it in the history, with its reason, instead of calling it lost."""
+    from strawq.testing.audit import audit_run
+
+    q, feeder = _run(tmp_path, prompts(3))
+    feeder.release(3)
+    for lease in q.claim("p", 3):
+        q.drop(lease, "filtered", "x")
+    assert retention.compact_drops(q.storage) == 3 and q.storage.list("dropped") == []
+    released = [dataset_task_id(i) for i in range(3)]
+    assert audit_run(q.storage).check(released) == []
+    # a task with neither an entry nor a recorded attempt is still lost
+    assert audit_run(q.storage).check([*released, dataset_task_id(3)]) == [
+        f"lost: {dataset_task_id(3)} is in no state"]
