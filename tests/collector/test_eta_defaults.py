@@ -44,7 +44,7 @@ def test_defaults_keep_trained_staleness_within_eta(tmp_path, order, caplog):
     reader = BatchReader(q, poll_interval_s=0.0)
     stale: list[int] = []
     over = 0
-    with caplog.at_level(logging.WARNING, logger="strawq.collector.core"):
+    with caplog.at_level(logging.WARNING, logger="strawq.collector.batching"):
         for _ in range(400):
             col.step()
             for p in prods:
@@ -69,9 +69,8 @@ def test_defaults_keep_trained_staleness_within_eta(tmp_path, order, caplog):
     assert not [r for r in caplog.records if "over eta" in r.getMessage()]
 
 
-def test_a_group_over_eta_is_not_trained_silently(tmp_path, caplog):
-    """The rare group that still runs past η under the default ``train`` mode is trained
-    with its correction, named in the manifest and logged as a warning."""
+def _ready_one_over_eta(tmp_path: Path) -> tuple[RunQueue, Collector]:
+    """A run at version 3 with two ready groups, of versions 0 (over η = 1) and 3."""
     ds = Dataset(write_dataset(str(tmp_path / "ds.jsonl"), N))
     q = RunQueue.create(MemoryStorage(), QueueConfig(release_batch=N, fsync=False))
     col = Collector(q, ds, CollectorConfig(batch_groups=2, max_running=N, max_ready=N,
@@ -82,12 +81,18 @@ def test_a_group_over_eta_is_not_trained_silently(tmp_path, caplog):
     for i, v in ((0, 0), (1, 3)):
         q.complete(leases[f"i{i:012d}"], _group(leases[f"i{i:012d}"], v))
     q.set_version(3)
-    with caplog.at_level(logging.WARNING, logger="strawq.collector.core"):
+    return q, col
+
+
+def test_a_group_over_eta_is_not_trained_silently(tmp_path, caplog):
+    """The rare group that still runs past η under the default ``train`` mode is trained
+    with its correction, named in the manifest and logged as a warning."""
+    q, col = _ready_one_over_eta(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="strawq.collector.batching"):
         rep = col.step()
     assert rep.stale_trained == ["i000000000000"]
     assert any("over eta 1" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records)
-
 
 
 def test_the_default_mode_trains_past_eta_and_the_reader_shows_by_how_much(
@@ -97,16 +102,7 @@ def test_the_default_mode_trains_past_eta_and_the_reader_shows_by_how_much(
     ``staleness/over_eta_frac`` gives the share of the batch's samples past it. The docs
     say so where they explain ``staleness/max`` (operations' metrics table, the
     quickstart's demo summary), and no longer that it stays within η."""
-    ds = Dataset(write_dataset(str(tmp_path / "ds.jsonl"), N))
-    q = RunQueue.create(MemoryStorage(), QueueConfig(release_batch=N, fsync=False))
-    col = Collector(q, ds, CollectorConfig(batch_groups=2, max_running=N, max_ready=N,
-                                           poll_interval_s=0, gc_interval_s=0))
-    col.start(wait=False)
-    col.step()
-    leases = {x.task_id: x for x in q.claim("p", N)}
-    for i, v in ((0, 0), (1, 3)):
-        q.complete(leases[f"i{i:012d}"], _group(leases[f"i{i:012d}"], v))
-    q.set_version(3)
+    q, col = _ready_one_over_eta(tmp_path)
     assert col.step().stale_trained == ["i000000000000"]
     b = BatchReader(q).next_batch(timeout=5)
     assert col.config.max_staleness == 1 and col.config.eta_mode == "train"  # the defaults
