@@ -116,13 +116,13 @@ def test_history_case_tiny_skip_trains_fewer_zero_variance_groups(tmp_path,
     are skipped, so fewer zero-variance groups are trained in the same steps; every trained
     group is in the history after the final gc.
 
-    The feeder re-reads the history every ``HISTORY_REFRESH_S`` (30 s), longer than this
+    The release planner re-reads the history every ``HISTORY_REFRESH_S`` (30 s), longer than this
     whole run: it is cut to half a second here, so the releases see what gc recorded (the
     collector runs in this process) and the comparison does not hang on timing."""
-    import strawq.feeder
+    import strawq.planner
     from strawq.demo.lab import history_gain, run_history_case
 
-    monkeypatch.setattr(strawq.feeder, "HISTORY_REFRESH_S", 0.5)
+    monkeypatch.setattr(strawq.planner, "HISTORY_REFRESH_S", 0.5)
 
     cfg = LabConfig(workdir=str(tmp_path / "lab"), **{
         **TINY, "group_size": 8, "train_step_s": 0.8, "steps": 14, "reward": "difficulty",

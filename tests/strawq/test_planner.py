@@ -149,7 +149,7 @@ def _agreed(task_id: str, index: int) -> dict[str, Any]:
 
 def test_a_dry_run_shows_per_source_what_the_release_would_take_and_skip(
         tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr("strawq.prompt_policy.HISTORY_REFRESH_S", 0.0)
+    monkeypatch.setattr("strawq.planner.HISTORY_REFRESH_S", 0.0)
     m = _mix(tmp_path, {"big": 12, "small": 3}, {"big": 1, "small": 1})
     q = make_run(str(tmp_path / "run"), release_batch=7, num_epochs=2,
                  skip_zero_variance=True)
