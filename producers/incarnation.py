@@ -10,10 +10,13 @@ for a lease whose heartbeat the new process now moves, and nothing runs twice to
 the predecessor's later complete or yield of such a lease finds it gone (``LeaseLost``) and
 is refused.
 
-A predecessor still alive is fenced: before each claim a producer checks that no newer
-incarnation of its id exists (two stats); once one does it claims nothing more, stops, hands
-back the leases it still holds (any it claimed between its successor's start and its own
-check) and ``Producer.run`` raises ``ProducerSuperseded`` naming the newer process.
+A predecessor still alive is fenced: before each claim, and once per heartbeat interval
+otherwise, a producer checks that no newer incarnation of its id exists (two stats); once one
+does it claims nothing more, stops, hands back the leases it still holds (any it claimed
+between its successor's start and its own check) and ``Producer.run`` raises
+``ProducerSuperseded`` naming the newer process. Until it notices, both processes answer to
+the one id (a pause acknowledged by the old one counts for the id): an id is reused for a
+restart, never for two processes at once.
 """
 
 from __future__ import annotations

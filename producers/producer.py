@@ -179,6 +179,7 @@ class Producer:
         self.incarnation = Incarnation(self.queue, pid)
         #: why a newer incarnation of this id stopped this one (None: it was not)
         self.superseded: str | None = None
+        self._fence_checked = -math.inf
 
     @classmethod
     def from_config(cls, config: ProducerConfig, *, node_id: str | None = None,
@@ -391,6 +392,14 @@ class Producer:
                     continue
                 idle_since = None
             await self.handback.retry_orphans()
+            if self.clock() - self._fence_checked >= self.queue.config.heartbeat_interval_s:
+                # also while it claims nothing (slots full, idle): before it acks a pause
+                # under an id a newer process now holds
+                try:
+                    if await self._fenced():
+                        break
+                except StorageError:
+                    pass  # the claim's check, or the next one, will tell
             was_pausing = self._bracket.pausing
             if await self._bracket.poll():
                 self._book.bump("brackets")
@@ -404,11 +413,7 @@ class Producer:
             if n > 0 and self.clock() - self._last_empty_claim >= self.config.timing.idle_poll_s \
                     and (not self._drained or self._work_changed()):
                 try:
-                    # fenced: a newer process of this id claims from here on
-                    self.superseded = await self._io.call(self.incarnation.superseded)
-                    if self.superseded is not None:
-                        log.error("%s", self.superseded)
-                        self._stopping = True
+                    if await self._fenced():  # a newer process of this id claims from here on
                         break
                     leases = await self._io.call(self.queue.claim, self.producer_id, n)
                     for lease in leases:
@@ -450,6 +455,16 @@ class Producer:
             except asyncio.TimeoutError:
                 pass
             wake.clear()
+
+    async def _fenced(self) -> bool:
+        """Whether a newer incarnation of this id exists; if so, stop (``superseded``)."""
+        self._fence_checked = self.clock()
+        self.superseded = await self._io.call(self.incarnation.superseded)
+        if self.superseded is None:
+            return False
+        log.error("%s", self.superseded)
+        self._stopping = True
+        return True
 
     def _give_up_leases(self, silent: float, first: bool) -> None:
         """Heartbeats keep failing: stop work on every lease; the grantor re-queues them."""
