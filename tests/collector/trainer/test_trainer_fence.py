@@ -148,3 +148,16 @@ def test_two_trainer_processes_on_one_run(tmp_path: Any) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_other_ranks_take_no_epoch_and_are_never_refused(tmp_path: Any) -> None:
+    q = _run_with_batches(tmp_path)
+    holder = TrainerFence(q.storage, beat_interval_s=None)
+    _reader(q, holder).next_batch(timeout=1)
+    other = BatchReader(q, rank=1, world_size=2, watch=None, sleep=lambda _s: None)
+    got = other.next_batch(timeout=1)
+    other.ack(got)
+    other.close()
+    assert other._fence is None and holder.epoch == 1
+    assert [h.epoch for h in [read_trainer_holder(q.storage)] if h] == [1]
