@@ -304,6 +304,8 @@ class BatchReader:
         """The checkpoint holding ``state`` (default: the last ``state_dict``) is durable:
         batches up to its position are trained and may be garbage-collected. Rank 0 writes;
         returns the committed position."""
+        if self.rank == 0:
+            self._writer()  # refused: the checkpoint being saved stays pending
         if isinstance(state, Mapping):
             seq = int(state.get("batch_seq") or 0)
         elif state is not None:
@@ -316,7 +318,6 @@ class BatchReader:
             self._saving = None
         if self.rank != 0:
             return seq
-        self._writer()
         return commit_position(self.storage, seq)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -326,11 +327,11 @@ class BatchReader:
             raise ValueError(f"checkpoint format {state.get('format')!r}, this reader reads "
                              f"{CHECKPOINT_FORMAT}")
         seq = int(state.get("batch_seq") or 0)
+        if self.rank == 0:
+            self._writer()  # refused: nothing of the reader's state moved
         self._acked = max(self._acked, seq)
         self._skip_upto = max(self._skip_upto, seq)
         self._delivered = max(self._delivered, seq)
-        if self.rank == 0:
-            self._writer()
         if self.rank == 0:  # batches after it are trained again: not in the weights
             forget_delivered_after(self.storage, seq, acks=self.checkpointed)
         if self.checkpointed:
