@@ -74,6 +74,7 @@ from strawq.producers.engine_versions import GuardedClient, VersionGuard
 from strawq.producers.eos import resolve_eos_ids
 from strawq.producers.handback import HandBack, MisconfiguredProducer
 from strawq.producers.heartbeat import Heartbeat
+from strawq.producers.incarnation import Incarnation, ProducerSuperseded
 from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.offload import Offload
 from strawq.producers.producer_config import ProducerConfig, new_producer_id
@@ -174,6 +175,11 @@ class Producer:
                               runner=self.runner, guard=self.guard, pool=self.pool,
                               book=self._book, clock=clock)
         self.running = False
+        #: this process's incarnation of its id (``strawq.producers.incarnation``)
+        self.incarnation = Incarnation(self.queue, pid)
+        #: why a newer incarnation of this id stopped this one (None: it was not)
+        self.superseded: str | None = None
+        self._fence_checked = -math.inf
 
     @classmethod
     def from_config(cls, config: ProducerConfig, *, node_id: str | None = None,
@@ -296,6 +302,8 @@ class Producer:
                 tokenizer=self.runner.tokenizer,
                 ignore_eos=self.config.sampler_params().ignore_eos, who=f"producer {pid}")
             await check_engine_versions(self._client, self.guard, pid)
+            # before the first claim: leases under this id are an earlier process's
+            await self._io.call(self.incarnation.begin)
             await self._heartbeat.beat_once()  # before the first claim: the grantor sees us
             hb = asyncio.create_task(self._heartbeat.run(self._give_up_leases),
                                      name=f"{pid}-heartbeat")
@@ -331,6 +339,8 @@ class Producer:
                 self._rewards.shutdown()
                 self.running = False
                 log.info("producer %s stopped: %s", pid, self.stats().to_dict())
+        if self.superseded is not None:
+            raise ProducerSuperseded(self.superseded)
         refusal = self.handback.refusal
         if refusal is not None:
             raise MisconfiguredProducer(
@@ -382,6 +392,14 @@ class Producer:
                     continue
                 idle_since = None
             await self.handback.retry_orphans()
+            if self.clock() - self._fence_checked >= self.queue.config.heartbeat_interval_s:
+                # also while it claims nothing (slots full, idle): before it acks a pause
+                # under an id a newer process now holds
+                try:
+                    if await self._fenced():
+                        break
+                except StorageError:
+                    pass  # the claim's check, or the next one, will tell
             was_pausing = self._bracket.pausing
             if await self._bracket.poll():
                 self._book.bump("brackets")
@@ -395,6 +413,8 @@ class Producer:
             if n > 0 and self.clock() - self._last_empty_claim >= self.config.timing.idle_poll_s \
                     and (not self._drained or self._work_changed()):
                 try:
+                    if await self._fenced():  # a newer process of this id claims from here on
+                        break
                     leases = await self._io.call(self.queue.claim, self.producer_id, n)
                     for lease in leases:
                         self.runner.start(lease)
@@ -435,6 +455,16 @@ class Producer:
             except asyncio.TimeoutError:
                 pass
             wake.clear()
+
+    async def _fenced(self) -> bool:
+        """Whether a newer incarnation of this id exists; if so, stop (``superseded``)."""
+        self._fence_checked = self.clock()
+        self.superseded = await self._io.call(self.incarnation.superseded)
+        if self.superseded is None:
+            return False
+        log.error("%s", self.superseded)
+        self._stopping = True
+        return True
 
     def _give_up_leases(self, silent: float, first: bool) -> None:
         """Heartbeats keep failing: stop work on every lease; the grantor re-queues them."""

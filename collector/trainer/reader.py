@@ -25,6 +25,7 @@ from typing import Any
 
 
 from strawq.collector.trainer.bracket import BracketReport, WeightUpdateBracket
+from strawq.collector.trainer.fence import TrainerFence, shared_fence, unshare_fence
 from strawq.collector.trainer.loading import Batch as Batch
 from strawq.collector.trainer.loading import ShardLoader
 from strawq.collector.trainer.metrics import MetricsSink
@@ -58,7 +59,8 @@ class BatchReader:
                  verify: bool = True, metrics: MetricsSink | None = None,
                  poll_interval_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, read_threads: int = 1,
-                 watch: DirWatch | None = None, checkpointed: bool = True) -> None:
+                 watch: DirWatch | None = None, checkpointed: bool = True,
+                 fence: TrainerFence | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.queue = queue
@@ -87,6 +89,12 @@ class BatchReader:
         self._last_return: float | None = None
         self._steps = 0
         self._bracket: WeightUpdateBracket | None = None
+        #: rank 0's trainer fence (``strawq.collector.trainer.fence``): taken at the first
+        #: write, checked before every write. By default this process's shared one; an
+        #: injected one is the caller's to release
+        self._fence = fence
+        self._shares_fence = fence is None
+        self._fence_users = 0
         #: reads this rank's shard of a manifest (the collector's, or packed from records)
         self.loader = ShardLoader(queue, self.batches, rank=rank, world_size=world_size,
                                   verify=verify, read_threads=read_threads)
@@ -112,6 +120,20 @@ class BatchReader:
         metrics = MetricsSink(metrics_jsonl, prometheus_port) if rank == 0 and (
             metrics_jsonl or prometheus_port is not None) else None
         return cls(queue, rank=rank, world_size=world_size, metrics=metrics, **kwargs)
+
+    # -- fencing (rank 0) ----------------------------------------------------------------------
+    @property
+    def fence(self) -> TrainerFence:
+        """Rank 0's trainer fence (this process's shared one unless one was injected)."""
+        if self._fence is None:
+            self._fence = shared_fence(self.storage)
+            self._fence_users = 1
+        return self._fence
+
+    def _writer(self) -> None:
+        """Before a rank-0 write: hold the run's trainer epoch (taking it at the first write:
+        ``TrainerBusy`` while another trainer lives), or ``FencedOut`` if taken over."""
+        self.fence.acquire()
 
     # -- delivery -----------------------------------------------------------------------------
     def _start_replay(self) -> None:
@@ -147,6 +169,7 @@ class BatchReader:
     def next_batch(self, timeout: float = 600.0) -> Batch:
         """The next batch's shard for this rank; ``BatchTimeout`` after ``timeout`` seconds."""
         if self.rank == 0:
+            self._writer()
             self.bracket.observe()  # producers' liveness history for the next bracket
         start = self.clock()
         look = True  # list now; later, when the probe says batches/ changed
@@ -219,6 +242,7 @@ class BatchReader:
         """Consumption is durable (rank 0 publishes ``acked/<seq>``; other ranks no-op)."""
         seq = batch if isinstance(batch, int) else batch.seq
         if self.rank == 0:
+            self._writer()
             self.batches.ack(seq)
         self._acked = max(self._acked, seq)
 
@@ -227,7 +251,7 @@ class BatchReader:
     def bracket(self) -> WeightUpdateBracket:
         if self._bracket is None:
             self._bracket = WeightUpdateBracket(self.queue, clock=self.clock, sleep=self.sleep,
-                                                rank=self.rank)
+                                                rank=self.rank, fence=self._writer)
         return self._bracket
 
     def weight_update(self, push: Callable[[int], None], *, timeout: float = 300.0
@@ -259,6 +283,7 @@ class BatchReader:
         """
         state = self.checkpoint_state(consumed)
         if self._saving is not None and self.rank == 0 and self.checkpointed:
+            self._writer()
             commit_position(self.storage, self._saving)
         self._saving = int(state["batch_seq"])
         return state
@@ -279,6 +304,8 @@ class BatchReader:
         """The checkpoint holding ``state`` (default: the last ``state_dict``) is durable:
         batches up to its position are trained and may be garbage-collected. Rank 0 writes;
         returns the committed position."""
+        if self.rank == 0:
+            self._writer()  # refused: the checkpoint being saved stays pending
         if isinstance(state, Mapping):
             seq = int(state.get("batch_seq") or 0)
         elif state is not None:
@@ -300,6 +327,8 @@ class BatchReader:
             raise ValueError(f"checkpoint format {state.get('format')!r}, this reader reads "
                              f"{CHECKPOINT_FORMAT}")
         seq = int(state.get("batch_seq") or 0)
+        if self.rank == 0:
+            self._writer()  # refused: nothing of the reader's state moved
         self._acked = max(self._acked, seq)
         self._skip_upto = max(self._skip_upto, seq)
         self._delivered = max(self._delivered, seq)
@@ -338,6 +367,9 @@ class BatchReader:
         self.metrics.emit(values)
 
     def close(self) -> None:
+        if self._fence is not None and self._shares_fence and self._fence_users:
+            self._fence_users = 0
+            unshare_fence(self._fence)  # the last reader of this process releases the run
         if self._watch is not None:
             self._watch.close()
             self._watch = None
