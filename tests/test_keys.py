@@ -46,6 +46,7 @@ OWNERS = {
     "history/": "strawq/history.py",
     "cursor/": "strawq/cursor.py",
     "packed/": "strawq/packed.py",
+    "format/": "strawq/formats.py",
     "dropped/": "collector/trainer/metrics.py",  # the metric name; the entries go through states.py
 }
 

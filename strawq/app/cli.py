@@ -560,6 +560,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "verify a mount gives the guarantees the queue relies on"),
     Subcommand("requeue", "strawq.app.requeue_cli", "add_parser",
                "put the tasks dropped with one reason back into the queue"),
+    Subcommand("upgrade", "strawq.app.upgrade_cli", "add_parser",
+               "raise a run's on-disk format once every part reads it"),
     Subcommand("engine", "strawq.producers.engines.cli", "add_engine_parser",
                "local SGLang-compatible engines (tiny, sim, router)", extra="engines",
                nested=True,
