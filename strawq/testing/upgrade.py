@@ -140,8 +140,9 @@ def _pass(col: Collector, newest: int, producers: list[_Producer], trainer: _Tra
     return drained
 
 
-def _try_upgrade(storage: Storage, target: int) -> bool:
-    with release(2):
+def _try_upgrade(storage: Storage, target: int, newest: int) -> bool:
+    """Whether ``strawq upgrade`` (of release ``newest``) to ``target`` went through."""
+    with release(newest):
         try:
             upgrade(storage, target, live_parts(storage))
             return True
@@ -163,15 +164,17 @@ def _written(storage: Storage, ids: list[str]) -> dict[int, int]:
     return out
 
 
-def rolling_upgrade(path: str, *, n: int = 48, batch: int = 4) -> UpgradeResult:
+def rolling_upgrade(path: str, *, n: int = 48, batch: int = 4,
+                    across_format: bool = True) -> UpgradeResult:
     """Run the rolling upgrade of the module's docstring in the new directory ``path``.
     The process is the new release throughout (the trainer's reader threads read in it);
-    the old parts step inside ``release(1)``."""
-    with release(2):
-        return _rolling_upgrade(path, n, batch)
+    the old parts step inside ``release(1)``. ``across_format=False``: the same restarts
+    with no format change (the new release is the old one; a benchmark's anchor)."""
+    with release(2 if across_format else 1):
+        return _rolling_upgrade(path, n, batch, 2 if across_format else 1)
 
 
-def _rolling_upgrade(path: str, n: int, batch: int) -> UpgradeResult:
+def _rolling_upgrade(path: str, n: int, batch: int, new: int) -> UpgradeResult:
     os.makedirs(path, exist_ok=True)
     run = os.path.join(path, "run")
     data = write_jsonl(os.path.join(path, "data.jsonl"), prompts(n))
@@ -189,30 +192,30 @@ def _rolling_upgrade(path: str, n: int, batch: int) -> UpgradeResult:
             _pass(col, 1, olds, trainer)
     trained = list(trainer.trained)
     # 2. collector and trainer on the new release
-    with _collector(run, data, 2, batch) as col:
-        trainer = _Trainer(run, 2)
-        res.refused += not _try_upgrade(storage, 2)
+    with _collector(run, data, new, batch) as col:
+        trainer = _Trainer(run, new)
+        res.refused += not _try_upgrade(storage, 2, new)
         for _ in range(phase):
-            _pass(col, 2, olds, trainer)
+            _pass(col, new, olds, trainer)
         # 3. producers one by one
         olds[0].stop()
-        mixed = [_Producer(run, "p0", 2), olds[1]]
+        mixed = [_Producer(run, "p0", new), olds[1]]
         for _ in range(phase):
-            _pass(col, 2, mixed, trainer)
-        res.refused += not _try_upgrade(storage, 2)
+            _pass(col, new, mixed, trainer)
+        res.refused += not _try_upgrade(storage, 2, new)
         olds[1].stop()
-        news = [mixed[0], _Producer(run, "p1", 2)]
-        _pass(col, 2, news, trainer)
+        news = [mixed[0], _Producer(run, "p1", new)]
+        _pass(col, new, news, trainer)
         # 4. the upgrade
-        if not _try_upgrade(storage, 2):
+        if new > 1 and not _try_upgrade(storage, 2, new):
             res.problems.append("upgrade refused with every part on the new release")
         for _ in range(20 * n):
-            if _pass(col, 2, news, trainer):
+            if _pass(col, new, news, trainer):
                 break
         else:
             res.problems.append("the run did not drain")
         trained += trainer.trained
-    with release(2):
+    with release(new):
         res.final_format = run_format(storage)
     with release(1):
         try:
@@ -222,7 +225,7 @@ def _rolling_upgrade(path: str, n: int, batch: int) -> UpgradeResult:
     released = [dataset_task_id(i) for i in range(n)]
     res.written = _written(storage, released)
     check = check_total_queue(released, trained)
-    with release(2):
+    with release(new):
         problems = audit_run(storage).check(released, trained=set(trained))
     res.released = len(released)
     res.trained = len(set(trained))
