@@ -301,9 +301,9 @@ def test_compact_drops_retires_through_the_state_table(monkeypatch):
 
     real = retention.retire
 
-    def spy(storage, n, src, dst):  # type: ignore[no-untyped-def]
+    def spy(storage, n, src, dst, **kw):  # type: ignore[no-untyped-def]
         calls.append((n.id, src, dst))
-        real(storage, n, src, dst)
+        real(storage, n, src, dst, **kw)
 
     monkeypatch.setattr(retention, "retire", spy)
     assert compact_drops(st) == 1
