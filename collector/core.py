@@ -48,7 +48,7 @@ from strawq.grantor import LeaseMonitor
 from strawq.queue import RunQueue
 from strawq.retention import drop_totals
 from strawq.states import depths, upstream_depths
-from strawq.status import full_message
+from strawq.status import disk_space, full_message, low_message
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +211,13 @@ class Collector:
         feeder = self.feeder.state_dict() if self.feeder is not None else None
         return {"feeder": feeder, "version": self.queue.current_version()}
 
+    def _warn_low_disk(self) -> None:
+        """Warn while the run's disk is low (``disk_warn_share``), before writes fail."""
+        share = self.config.disk_warn_share
+        disk = disk_space(self.storage, low_share=share) if share > 0 else {}
+        if disk.get("low") and not disk.get("full"):
+            log.warning("%s", low_message(disk["path"], disk))
+
     # -- one pass -----------------------------------------------------------------------------
     def step(self) -> StepReport:
         if self.feeder is None:
@@ -225,6 +232,7 @@ class Collector:
             if sweep:
                 self._last_sweep = now
                 rep.gc.tmp += self.storage.clean_dead_tmp()  # writers found dead, unnamed
+                self._warn_low_disk()
         rep.version = self.queue.current_version()
         upstream = upstream_depths(self.storage)  # listed before the ready scan: see depths()
         refused = self.superseded.sweep()  # a stalled predecessor's late manifests

@@ -43,6 +43,12 @@ class CorruptRecord(StrawqError, ValueError):
     """A record failed its framing, schema-version or checksum checks."""
 
 
+class NewerFormat(StrawqError):
+    """A record (or the run) is in a newer on-disk format than this strawq reads. Not a
+    ``CorruptRecord``: nothing quarantines or drops it; the part stops and is upgraded
+    (``strawq.formats``)."""
+
+
 class ConfigError(StrawqError, ValueError):
     """A configuration value or key is invalid."""
 

@@ -33,7 +33,7 @@ from strawq.binding import (DatasetMismatch, fingerprints_match, growth_problem,
                             mismatch_message, require_rows)
 from strawq.release_check import (BadRowsRefused, ReleasePreview, judge_release, preview,
                                   refusal_message)
-from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
+from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound, StorageError
 from strawq.history import record_attempts
 from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
 from strawq.planner import Passes, ReleasePlanner, Rows
@@ -196,6 +196,13 @@ class Feeder:
             log.log(level, "discarding uncommitted release staging/%s", name)
             self._discard(name)
 
+    def _discard_quietly(self, staging: str) -> None:
+        try:
+            self._discard(staging)
+        except StorageError as exc:
+            log.warning("could not delete the refused release's staging/%s (%s); strawq gc "
+                        "removes it", staging, exc)
+
     def _discard(self, staging: str) -> None:
         for f in self.storage.list(f"staging/{staging}"):
             self.storage.delete(f"staging/{staging}/{f}")
@@ -353,7 +360,11 @@ class Feeder:
     def _stage_and_commit(self, cur: Cursor, rows: Rows, n: int, seq: int, staging: str,
                           recent: tuple[int, int], plan: Plan) -> int | None:
         passes = self.passes(cur)
-        good = self._stage(rows, staging, passes, plan)
+        try:
+            good = self._stage(rows, staging, passes, plan)
+        except StorageError:  # refused (a full disk): what it staged goes, not left behind
+            self._discard_quietly(staging)
+            raise
         end = rows[-1][0] + 1 if rows else cur.next_index
         exhausted = len(rows) < n
         new = Cursor(seq, end, staging if good else None, exhausted, self._reader.fingerprint,

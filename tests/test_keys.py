@@ -50,6 +50,7 @@ OWNERS = {
     "history/": "strawq/history.py",
     "cursor/": "strawq/cursor.py",
     "packed/": "strawq/packed.py",
+    "format/": "strawq/formats.py",
     "dropped/": "collector/trainer/metrics.py",  # the metric name; the entries go through states.py
 }
 
@@ -304,9 +305,9 @@ def test_compact_drops_retires_through_the_state_table(monkeypatch):
 
     real = retention.retire
 
-    def spy(storage, n, src, dst):  # type: ignore[no-untyped-def]
+    def spy(storage, n, src, dst, **kw):  # type: ignore[no-untyped-def]
         calls.append((n.id, src, dst))
-        real(storage, n, src, dst)
+        real(storage, n, src, dst, **kw)
 
     monkeypatch.setattr(retention, "retire", spy)
     assert compact_drops(st) == 1

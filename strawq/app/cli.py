@@ -209,6 +209,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         from strawq.status import full_message
 
         print(f"  disk full: {st.disk['free_bytes']} bytes free; {full_message(args.path)}")
+    elif st.disk.get("low"):
+        from strawq.status import low_message
+
+        print(f"  disk low: {low_message(args.path, st.disk)}")
     if st.engines_needing_weights:
         print(f"  engines needing weights (out of rotation until the trainer pushes version "
               f"{st.current_version}; docs/troubleshooting.md):")
@@ -235,17 +239,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from strawq.batches import BatchStore
 
+    from strawq.retention import sweep_staging
+
     q = _queue(args.path)
-    rep = BatchStore(q).gc(full=args.full, sweep=True, compact_drops_at=0)
+    rep = BatchStore(q).gc(full=args.full, sweep=True, compact_drops_at=0,
+                           keep_drops_days=0 if args.expire else None)
     tmp = sum(q.storage.clean_tmp(w) for w in args.tmp_of or [])
     tmp += q.storage.clean_dead_tmp(grace_s=args.tmp_grace)
+    staged = sweep_staging(q.storage, grace_s=args.tmp_grace)
     payload = {"batches": rep.batches, "group_payloads": rep.payloads,
                "stale_records": rep.stale, "turn_checkpoints": rep.turns,
-               "drops_compacted": rep.drops, "tmp": tmp}
+               "drops_compacted": rep.drops, "drops_expired": rep.expired, "tmp": tmp,
+               "staging": staged}
     _emit(args, payload, "" if args.quiet else
           f"gc: {rep.batches} batches, {rep.payloads} group payloads, {rep.stale} stale or "
           f"orphaned records, {rep.turns} turn checkpoints, {rep.drops} drops compacted into "
-          f"the audit, {tmp} temporary files removed")
+          f"the audit (still requeueable), {rep.expired} expired drops, {tmp} temporary "
+          f"files and {staged} abandoned release records removed")
     return 0
 
 
@@ -402,9 +412,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     s = sub.add_parser("gc", help="delete trained work, orphaned records and dead temp files",
                        description="Garbage-collect acked batches, payloads no live task needs "
                        "(trained, fenced generations, superseded partials), temporary files "
-                       "of dead writers, and fold dropped/ into the drop audit "
-                       "(audit/drops-<seq>, still read by status and inspect). Afterwards the "
-                       "run holds live records only.")
+                       "of dead writers and abandoned release staging, and fold dropped/ "
+                       "into the drop audit (audit/drops-<seq>, still read by status and "
+                       "inspect). A compacted drop's task record is kept in audit/kept/ for "
+                       "7 days, so 'strawq requeue' can still put it back; --expire deletes "
+                       "them now. Afterwards the run holds live records only.")
     s.add_argument("path")
     s.add_argument("--full", action="store_true",
                    help="accepted for compatibility: every gc is full now")
@@ -415,6 +427,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                    help="a temporary file from another host is abandoned once this old "
                    "(default 3600, at least 900: its mtime may be a skewed host's clock); "
                    "dead writers on this host are found by pid at once")
+    s.add_argument("--expire", action="store_true",
+                   help="also delete the kept task records of compacted drops now: they can "
+                   "no longer be requeued (default: after 7 days)")
     _add_json(s)
     s.set_defaults(func=cmd_gc)
 
@@ -560,6 +575,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "verify a mount gives the guarantees the queue relies on"),
     Subcommand("requeue", "strawq.app.requeue_cli", "add_parser",
                "put the tasks dropped with one reason back into the queue"),
+    Subcommand("upgrade", "strawq.app.upgrade_cli", "add_parser",
+               "raise a run's on-disk format once every part reads it"),
     Subcommand("engine", "strawq.producers.engines.cli", "add_engine_parser",
                "local SGLang-compatible engines (tiny, sim, router)", extra="engines",
                nested=True,
