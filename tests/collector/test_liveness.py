@@ -245,6 +245,34 @@ def test_collector_takeover_from_a_killed_holder_is_immediate(tmp_path: Path) ->
 
 @pytest.mark.process
 @pytest.mark.timeout(90)
+def test_collector_takeover_from_a_killed_unreaped_holder_is_immediate(tmp_path: Path) -> None:
+    """A holder killed with -9 that its parent has not reaped yet is a zombie: its pid still
+    answers ``kill(pid, 0)``, but it can never write again, so it is dead (the takeover
+    does not wait the 600 s takeover timeout)."""
+    run = str(tmp_path / "run")
+    make_run(run, lease_timeout_s=LONG, heartbeat_interval_s=200.0)  # liveness 600 s
+    ds = write_dataset(str(tmp_path / "ds.jsonl"), 40)
+    old = _collector_proc(run, ds)
+    try:
+        old.kill()
+        # not reaped: wait (without reaping) until the kernel shows it as a zombie
+        wait_until(lambda: _state(old.pid) == "Z", timeout_s=30, what="the zombie state")
+        q = RunQueue.open(open_storage(run, writer_id="new", fsync=False))
+        new = Collector(q, Dataset(ds), CFG, owner="new")
+        assert new.fence.holder_gone(1)
+        assert new.start() == 2  # without watching the 600 s takeover timeout
+        assert _state(old.pid) == "Z"  # judged dead while still a zombie, not reaped
+    finally:
+        old.wait()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rpartition(b")")[2].split()[0].decode()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(90)
 def test_stopped_collector_is_not_judged_dead_and_is_fenced_after_the_takeover_timeout(
         tmp_path: Path) -> None:
     """A SIGSTOPped holder's pid exists: the fast path never takes over from it; the
