@@ -237,23 +237,23 @@ def test_config_is_in_sections() -> None:
     assert sections == {"engine", "plugins", "sampling", "budget", "tools", "record", "timing",
                         "threads"}
     cfg = ProducerConfig.from_dict({"run_dir": "x", "plugins": {"reward": "a.b"},
-                                    "engine": {"workers": ["u"]}})
+                                    "engine": {"workers": ["http://u:1"]}})
     for name in sections:
         assert isinstance(getattr(cfg, name), Config), name
     assert cfg.sampling.max_new_tokens == 1024 and cfg.budget.slots == 1
 
 
 def test_config_rejects_unknown_keys(tmp_path: Path) -> None:
-    base = {"run_dir": "x", "plugins": {"reward": "a.b"}, "engine": {"workers": ["u"]}}
+    base = {"run_dir": "x", "plugins": {"reward": "a.b"}, "engine": {"workers": ["http://u:1"]}}
     with pytest.raises(ConfigError, match=r"ProducerConfig\.sampling: unknown key\(s\) "
                                           r"\['max_new_token'\]"):
         ProducerConfig.from_dict({**base, "sampling": {"max_new_token": 3}})
     with pytest.raises(ConfigError, match=r"ProducerConfig: unknown key\(s\) "
                                           r"\['max_new_tokens'\]; known keys are \[.*'sampling'"):
         ProducerConfig.from_dict({**base, "max_new_tokens": 3})  # a key outside its section
-    cfg = ProducerConfig.from_dict({**base, "engine": {"workers": ["u"],
+    cfg = ProducerConfig.from_dict({**base, "engine": {"workers": ["http://u:1"],
                                                        "client": {"max_retries": 1}}})
-    assert cfg.engine.client.max_retries == 1 and cfg.engine.workers == ("u",)
+    assert cfg.engine.client.max_retries == 1 and cfg.engine.workers == ("http://u:1",)
     with pytest.raises(ConfigError, match="workers"):
         ProducerConfig(run_dir="x", engine=EngineConfig(),
                        plugins=PluginsConfig(reward="a.b"))
