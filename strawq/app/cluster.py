@@ -25,8 +25,9 @@ without ``budget.slots`` unless the run config sets it: a ``strawq producer --co
 by hand then derives or asks for its slots instead of taking one).
 
 It then waits: SIGINT/SIGTERM (or ``--max-seconds``) stops the producers first (they hand
-back their groups), then the collector, the router and the engines. A process that exits on its own stops the rest; the exit status says whether
-everything stopped cleanly (0) or one of them failed (1, naming it and its log).
+back their groups), then the collector, the router and the engines. A process that exits on
+its own stops the rest; the exit status says whether everything stopped cleanly (0) or one
+of them failed (1, naming it and its log).
 """
 
 from __future__ import annotations
