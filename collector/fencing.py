@@ -127,8 +127,9 @@ class EpochFence:
         start = self.clock()
         first = heartbeat_counter(list_names(self.storage), epoch)
         if self.holder_gone(epoch):
-            log.warning("collector epoch %d: its process (on this host) is gone; taking over "
-                        "without waiting", epoch)
+            # a restart after a crash: normal recovery, not a fault of this collector's
+            log.info("collector epoch %d: its process (on this host) is gone; taking over "
+                     "without waiting", epoch)
             return
         poll = max(min(self.timeout / 20, 1.0), 0.01)
         log.info("collector epoch %d did not close; watching its heartbeat (at %d) for %.1fs "
