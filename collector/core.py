@@ -383,10 +383,11 @@ class Collector:
         ``RunFinished``, producers exit), wait up to ``finish_wait_s`` for a checkpointing
         trainer's last commit, collect every acked batch, return."""
         seqs, acked = self.batches.batch_seqs()
-        last = max(set(seqs) | acked, default=0)
-        self.fence.check()
-        mark_finished(self.storage, last, self.fence.epoch)
         committed = committed_seq(self.storage)
+        # the trainer commits what it acked (a refused manifest is never acked)
+        last = max(acked, default=committed or 0)
+        self.fence.check()
+        mark_finished(self.storage, max([last, *seqs]), self.fence.epoch)
         if committed is not None and committed < last:
             limit = self.config.finish_wait_s
             log.info("collector: every batch acked; waiting up to %.0f s for the trainer's "
