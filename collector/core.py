@@ -40,7 +40,10 @@ from strawq.config import QueueConfig
 from strawq.engine_weights import EngineWeights
 from strawq.dataset import Dataset
 from strawq.binding import check_binding
+from strawq.commits import committed_seq
 from strawq.errors import StorageFull
+from strawq.finished import clear as clear_finished
+from strawq.finished import mark_finished
 from strawq.eta import EtaPolicy, publish_policy
 from strawq.feeder import Feeder
 from strawq.planner import Origin
@@ -160,6 +163,7 @@ class Collector:
         mark_epoch_start(self.storage, epoch, self.batches.next_seq())
         # producers apply it to partial tasks at claim (strawq.eta)
         publish_policy(self.storage, self.policy)
+        clear_finished(self.storage)  # a run continued with more data goes on (re-marked)
         self.feeder = Feeder(self.queue, self.dataset, check_dataset=not dataset_grew)
         if dataset_grew:
             self.feeder.continue_grown()
@@ -371,10 +375,7 @@ class Collector:
             steps += 1
             published += len(rep.published)
             if until_drained and rep.drained:
-                rep.gc = self.batches.gc(sweep=True, compact_drops_at=COMPACT_DROPS_AT)
-                rep.depths = self.depths()
-                log.info("collector: dataset exhausted and every batch acked; stopping")
-                return rep
+                return self._finish(rep)
             if max_steps is not None and steps >= max_steps:
                 return rep
             if max_batches is not None and published >= max_batches:
@@ -384,6 +385,38 @@ class Collector:
             if should_stop is not None and should_stop():
                 return rep
             self.sleep(self.config.poll_interval_s)
+
+    def _finish(self, rep: StepReport) -> StepReport:
+        """The run has drained: publish the ``finished`` record (the trainer's reader raises
+        ``RunFinished``, producers exit), wait up to ``finish_wait_s`` for a checkpointing
+        trainer's last commit, collect every acked batch, return."""
+        seqs, acked = self.batches.batch_seqs()
+        committed = committed_seq(self.storage)
+        # the trainer commits what it acked (a refused manifest is never acked)
+        last = max(acked, default=committed or 0)
+        self.fence.check()
+        mark_finished(self.storage, max([last, *seqs]), self.fence.epoch)
+        if committed is not None and committed < last:
+            limit = self.config.finish_wait_s
+            log.info("collector: every batch acked; waiting up to %.0f s for the trainer's "
+                     "last checkpoint commit (batch %d, committed %d)", limit, last, committed)
+            start = self.clock()
+            while committed is not None and committed < last:
+                if self.clock() - start >= limit:
+                    log.warning(
+                        "collector: the trainer did not commit batch %d within finish_wait_s "
+                        "(%.0f s; committed %d): batches %d-%d stay batched until a commit "
+                        "covers them ('strawq gc RUN' collects them then)",
+                        last, limit, committed, committed + 1, last)
+                    break
+                self.fence.beat()
+                self.sleep(max(self.config.poll_interval_s, 0.05))
+                committed = committed_seq(self.storage)
+        rep.gc = self.batches.gc(sweep=True, compact_drops_at=COMPACT_DROPS_AT)
+        rep.depths = self.depths()
+        log.info("collector: the run has finished (dataset exhausted, every batch acked%s); "
+                 "stopping", "" if committed is None else " and committed")
+        return rep
 
     def _note_full(self, exc: StorageFull) -> None:
         """A pass failed on a full disk: say so once, then every ``FULL_REMIND_S``. What the

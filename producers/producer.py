@@ -61,7 +61,8 @@ from collections.abc import Callable
 
 from strawq.control import Control
 from strawq.engine_weights import EngineWeights
-from strawq.errors import StorageError
+from strawq.errors import StorageError, StrawqError
+from strawq.finished import finished
 from strawq.names import validate_id
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
@@ -338,7 +339,12 @@ class Producer:
                 self._io.shutdown()
                 self._rewards.shutdown()
                 self.running = False
-                log.info("producer %s stopped: %s", pid, self.stats().to_dict())
+                st = self.stats()
+                log.info("producer %s stopped: %d groups claimed, %d completed, %d yielded, "
+                         "%d dropped, %d failed; %d tokens", pid, st.groups_claimed,
+                         st.groups_completed, st.groups_yielded, st.groups_dropped,
+                         st.groups_failed, st.tokens_generated)
+                log.debug("producer %s stats: %s", pid, st.to_dict())
         if self.superseded is not None:
             raise ProducerSuperseded(self.superseded)
         refusal = self.handback.refusal
@@ -369,6 +375,8 @@ class Producer:
         if self._stopping:
             return True
         if not woken and not self._work_changed():
+            if await self._run_finished():
+                return True
             return False
         if not await self._heartbeat.leave_idle():
             return False  # claim nothing before a beat without the idle mark went through
@@ -441,6 +449,8 @@ class Producer:
                 else:
                     self.gate.storage_answers(None)
             if self._may_idle():
+                if await self._run_finished():
+                    break
                 now = self.clock()
                 idle_since = now if idle_since is None else idle_since
                 if now - idle_since >= self.config.timing.idle_after_s:
@@ -463,6 +473,21 @@ class Producer:
         if self.superseded is None:
             return False
         log.error("%s", self.superseded)
+        self._stopping = True
+        return True
+
+    async def _run_finished(self) -> bool:
+        """The run has finished (the collector's ``finished`` record, ``strawq.finished``):
+        nothing will be released again, so the producer stops (``run()`` returns; the CLI
+        exits 0). Asked only while idle or drained: one stat."""
+        try:
+            end = await self._io.call(finished, self.queue.storage)
+        except StrawqError:
+            return False  # unreadable now: asked again at the next idle poll
+        if end is None:
+            return False
+        log.info("producer %s: the run has finished (last batch %s); stopping",
+                 self.producer_id, end.get("last_seq"))
         self._stopping = True
         return True
 

@@ -69,6 +69,12 @@ class BatchTimeout(StrawqError, TimeoutError):
     """No batch was published before the caller's deadline (the trainer's reader)."""
 
 
+class RunFinished(StrawqError):
+    """The run has ended: the dataset's last pass is trained (every batch acked) and no
+    batch is coming (``BatchReader.next_batch``; the ``finished`` record, ``strawq.finished``).
+    A trainer loop stops here: save the last checkpoint, commit it, exit 0."""
+
+
 class BracketTimeout(StrawqError, TimeoutError):
     """Live producers did not acknowledge a pause before the deadline."""
 

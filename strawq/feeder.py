@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from strawq import records
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 
 #: how often a writer that keeps losing the cursor commit re-reads before giving up
 MAX_COMMIT_TRIES = 50
+#: rows staged between two calls of ``Feeder.on_progress``
+PROGRESS_EVERY = 500
 
 
 class CursorContention(AlreadyExists):
@@ -93,6 +96,9 @@ class Feeder:
         #: the decisions of every release (``strawq.planner``); this class makes them durable
         self.planner = ReleasePlanner(dataset, queue.config, queue.storage)
         self._reader = self.planner.reader
+        #: called as ``on_progress(staged, rows)`` every ``PROGRESS_EVERY`` rows a release
+        #: stages (``strawq release`` shows it: a long release is not silent); None: quiet
+        self.on_progress: Callable[[int, int], None] | None = None
         #: rows this feeder's releases skipped by the history's rule (``prompt_policy``)
         self.skipped_total = 0
         self._skipped: list[str] = []
@@ -336,7 +342,9 @@ class Feeder:
         good = 0
         skipped = {s.index for s in plan.skips} if plan else set()
         order = dict(zip(plan.order, sorted(plan.order), strict=True)) if plan else {}
-        for index, row in rows:
+        for done, (index, row) in enumerate(rows):
+            if self.on_progress is not None and done % PROGRESS_EVERY == 0:
+                self.on_progress(done, len(rows))
             task_id = dataset_task_id(index)
             if isinstance(row, BadRow):
                 self._record_bad_row(task_id, row)

@@ -38,7 +38,8 @@ from strawq.commits import committed_seq, hold
 from strawq.epochs import epoch_starts, superseded
 from strawq.epochs import epochs as known_epochs
 from strawq.epochs import list_names as list_epoch_names
-from strawq.errors import BatchTimeout, NotFound
+from strawq.errors import BatchTimeout, NotFound, RunFinished
+from strawq.finished import finished
 from strawq.queue import RunQueue
 from strawq.states import depths
 from strawq.storage import open_storage
@@ -167,12 +168,17 @@ class BatchReader:
         return None
 
     def next_batch(self, timeout: float = 600.0) -> Batch:
-        """The next batch's shard for this rank; ``BatchTimeout`` after ``timeout`` seconds."""
+        """The next batch's shard for this rank; ``BatchTimeout`` after ``timeout`` seconds.
+
+        ``RunFinished`` once the run has ended (the collector's ``finished`` record) and no
+        batch is left for this reader: every batch of the run is delivered. The trainer
+        loop stops there (save and commit the last checkpoint)."""
         if self.rank == 0:
             self._writer()
             self.bracket.observe()  # producers' liveness history for the next bracket
         start = self.clock()
         look = True  # list now; later, when the probe says batches/ changed
+        end_checked = float("-inf")
         while True:
             seq = self._next_seq() if look or self._probe is None or self._probe.changed() \
                 else None
@@ -191,7 +197,11 @@ class BatchReader:
                           "collector)", seq, man.meta.get("epoch"), by)
                 self._refused.add(seq)
                 continue
-            waited = self.clock() - start
+            now = self.clock()
+            if now - end_checked >= LIST_EVERY_S:  # one stat, at most once a second
+                end_checked = now
+                self._check_finished()
+            waited = now - start
             if waited >= timeout:
                 raise BatchTimeout(self._timeout_message(timeout))
             # A fixed interval: a doubling one (it reached 0.5 s) left a manifest published
@@ -212,6 +222,17 @@ class BatchReader:
         self._steps += 1
         self._emit(batch, wait_s, step_s)
         return batch
+
+    def _check_finished(self) -> None:
+        """``RunFinished`` when the run's ``finished`` record is there and, listed after it,
+        no batch is left for this reader (the record is published after the last ack)."""
+        end = finished(self.storage)
+        if end is None or self._next_seq() is not None:
+            return
+        raise RunFinished(
+            f"the run has finished: the dataset's last pass is trained (last batch "
+            f"{end.get('last_seq')}, this reader's last {self._delivered}); no batch is "
+            "coming. Save and commit the last checkpoint and stop the trainer.")
 
     def _timeout_message(self, timeout: float) -> str:
         d = depths(self.storage)

@@ -121,6 +121,7 @@ def cmd_release(args: argparse.Namespace) -> int:
     from strawq.feeder import Feeder
     from strawq.cursor import read_cursor_state
     from strawq.states import dropped_by_reason
+    from strawq.app.progress import Progress
 
     if args.dry_run and args.dataset_grew:
         raise UsageError("--dry-run previews a release from the dataset the cursor records; "
@@ -137,14 +138,18 @@ def cmd_release(args: argparse.Namespace) -> int:
     if grew:
         feeder.continue_grown()
     bad_before = dropped_by_reason(q.storage).get("bad_row", 0)
+    progress = Progress("releasing", None if args.quiet else sys.stderr)
+    feeder.on_progress = progress  # a long release says it is working (strawq.app.progress)
     try:
         rows = feeder.release(args.count)
     except BadRowsRefused as exc:
+        progress.done()
         # nothing was released: the rows judged and the cursor, then exit 1 with the message
         _emit(args, {"refused": str(exc), "rows": exc.rows, "released": 0,
                      "dropped_bad_rows": 0, "next_index": exc.next_index,
                      "bad_rows": [b.to_dict() for b in exc.bad]}, "")
         raise
+    progress.done()
     bad = max(dropped_by_reason(q.storage).get("bad_row", 0) - bad_before, 0)
     payload = {"rows": rows, "released": rows - bad, "dropped_bad_rows": bad,
                "next_index": feeder.cursor.next_index, "exhausted": feeder.exhausted}

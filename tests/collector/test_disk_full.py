@@ -15,7 +15,7 @@ import pytest
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.errors import BatchTimeout
+from strawq.collector.errors import BatchTimeout, RunFinished
 from strawq.collector.trainer.reader import BatchReader
 from strawq.dataset import Dataset
 from strawq.queue import RunQueue
@@ -87,6 +87,9 @@ def test_a_full_disk_pauses_the_collector_and_the_run_resumes_when_space_returns
                 batch = reader.next_batch(timeout=0.5)
             except BatchTimeout:
                 continue
+            except RunFinished:  # the last checkpoint: the finished collector waits for it
+                reader.commit(reader.state_dict())
+                break
             trained += [s["index"] for s in batch.summaries]
             reader.ack(batch)
     finally:
