@@ -127,7 +127,8 @@ class TrainerFence:
         except StrawqError:
             meta = None  # unreadable: the heartbeat's silence decides
         if known_dead(meta):
-            log.warning("trainer epoch %d: its process (on this host) is gone; taking over "
+            # normal restart recovery (the holder crashed): INFO, as for the collector
+            log.info("trainer epoch %d: its process (on this host) is gone; taking over "
                         "without waiting", epoch)
             return
         if not wait:
