@@ -23,9 +23,10 @@ FULL_BELOW_BYTES = 64 * 1024
 
 
 def disk_space(storage: Storage) -> dict[str, Any]:
-    """``{"path", "free_bytes", "free_inodes", "full"}`` of the filesystem under a POSIX
-    store (``statvfs``: what an unprivileged writer may still use); ``{}`` for a store with
-    no local path or a filesystem that cannot say."""
+    """``{"path", "free_bytes", "total_bytes", "free_ratio", "free_inodes", "full"}`` of the
+    filesystem under a POSIX store (``statvfs``: what an unprivileged writer may still use,
+    and its share of the volume); ``{}`` for a store with no local path or a filesystem that
+    cannot say."""
     path = storage.local_path("hb")
     if path is None:
         return {}
@@ -36,8 +37,18 @@ def disk_space(storage: Storage) -> dict[str, Any]:
         return {}
     free = st.f_bavail * st.f_frsize
     inodes = st.f_favail if st.f_files else None  # 0 files: the filesystem does not count
-    return {"path": root, "free_bytes": free, "free_inodes": inodes,
+    total = st.f_blocks * st.f_frsize
+    return {"path": root, "free_bytes": free, "total_bytes": total,
+            "free_ratio": free / total if total else None, "free_inodes": inodes,
             "full": free < FULL_BELOW_BYTES or inodes == 0}
+
+
+def run_label(storage: Storage) -> str:
+    """The run's name in metrics (the ``run`` label): its directory's name."""
+    path = storage.local_path("run.meta")
+    if path is None:
+        return storage.describe()
+    return os.path.basename(os.path.dirname(os.path.abspath(path))) or path
 
 
 def full_message(path: str) -> str:
