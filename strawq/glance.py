@@ -156,7 +156,7 @@ class Party:
     leases: int = 0
 
     def why(self) -> str:
-        """Its state in words: ``dead 9m (process gone)``, ``live (beat 1.2s ago)``."""
+        """Its state in words: ``dead 9m, process gone``, ``live, beat 1.2s ago``."""
         if self.age_s is None:
             age = ""
         elif self.age_exact:
@@ -166,9 +166,9 @@ class Party:
         if self.state == "dead":
             exact = self.age_exact and self.age_s is not None
             head = f"dead {duration(self.age_s)}" if exact else "dead"
-            bits = (["process gone"] if self.gone else []) + ([] if exact or not age else [age])
-            return f"{head} ({', '.join(bits)})" if bits else head
-        return f"{self.state} ({age})" if age else self.state
+            tail = "process gone" if self.gone else ("" if exact else age)
+            return f"{head}, {tail}" if tail else head
+        return f"{self.state}, {age}" if age else self.state
 
 
 def judge(w: Watcher, party: str, *, lease_s: float, liveness_s: float,

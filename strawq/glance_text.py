@@ -100,7 +100,7 @@ def render(g: Glance) -> str:
             out.append(f"    {url}  reports version {have} (noted by {n['writer']}: "
                        f"{n['reason']})")
         out.append(f"  (an engine removed for good: strawq forget-engine {g.path} URL)")
-    if g.watched_s > 0:
+    if g.watched_s >= 0.05:
         out.append(f"  (heartbeats watched for {duration(g.watched_s)})")
     return "\n".join(out)
 
@@ -162,11 +162,11 @@ def list_runs(path: str, runs: list[str]) -> tuple[dict[str, Any], str]:
 
 
 def watch(look: Callable[[], Glance], show: Callable[[Glance], None], interval_s: float,
-          *, sleep: Callable[[float], None] = time.sleep) -> None:
+          *, sleep: Callable[[float], None] | None = None) -> None:
     """Show a fresh look every ``interval_s`` until interrupted (Ctrl-C ends it quietly)."""
     try:
         while True:
             show(look())
-            sleep(interval_s)
+            (sleep or time.sleep)(interval_s)
     except KeyboardInterrupt:
         return
