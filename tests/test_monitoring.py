@@ -70,6 +70,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
             reader.ack(reader.next_batch(timeout=10))
         q.storage.publish("quarantine/x", b"torn")
         Control(q.storage).pause(1)
+        q.heartbeat("p")  # just beat: live when the collector looks
         col.step()
         yield {"collector": _scrape(col.metrics.port), "reader": _scrape(reader.metrics.port
                                                                          if reader.metrics
@@ -158,9 +159,11 @@ def test_exposition_follows_prometheus_conventions(scraped: dict[str, str]) -> N
 def test_liveness_bracket_disk_and_quarantine_are_exported(scraped: dict[str, str]) -> None:
     s = _samples(scraped)
     assert s["strawq_collector_up"].value == 1
-    assert s["strawq_producer_up"].labels["producer"] == "p"
-    assert s["strawq_producer_up"].value == 1 and s["strawq_producers_live"].value == 1
-    assert s["strawq_producer_heartbeat_age_seconds"].value >= 0
+    per = {(f.name, x.labels.get("producer")): x.value for f in _families(scraped["collector"])
+           for x in f.samples}
+    assert per[("strawq_producer_up", "p")] == 1 and s["strawq_producers_live"].value >= 1
+    assert per[("strawq_producer_heartbeat_age_seconds", "p")] >= 0
+    assert s["strawq_producers_known"].value == 2  # p, and the one that claimed and left
     assert s["strawq_bracket_open"].value == 1
     assert s["strawq_bracket_open_seconds"].value >= 0
     assert s["strawq_queue_quarantined"].value == 1
