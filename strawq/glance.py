@@ -74,6 +74,7 @@ class Watcher:
         self.clock = clock
         self.sleep = sleep
         self.seen: dict[str, _Seen] = {}
+        self._gone: dict[str, tuple[tuple[str, int], bool]] = {}
         #: the collector's newest epoch and whether it closed, as last listed
         self.epoch = 0
         self.closed = False
@@ -118,16 +119,22 @@ class Watcher:
         s = self.seen.get(party)
         if s is None:
             return False
+        cached = self._gone.get(party)
+        if cached is not None and cached[0] == (s.key, s.counter):
+            return cached[1]  # read once per beat: a still party is not read again
         try:
             body = self.storage.read(s.key)
         except StrawqError:
             return False  # it moved meanwhile, or unreadable: the silence decides
         if party == COLLECTOR:
             try:
-                return known_dead(records.decode(body, expect=Kind.EPOCH).meta)
+                gone = known_dead(records.decode(body, expect=Kind.EPOCH).meta)
             except StrawqError:
-                return False
-        return known_dead(parse_identity(body))
+                gone = False
+        else:
+            gone = known_dead(parse_identity(body))
+        self._gone[party] = ((s.key, s.counter), gone)
+        return gone
 
     def watch(self, seconds: float, *, poll_s: float = 0.1) -> None:
         """Look until every party that should beat has been seen to move, or ``seconds``."""

@@ -105,6 +105,25 @@ HELP: dict[str, str] = {
     "strawq_staleness_max": "Largest staleness of the last batch's samples.",
     "strawq_staleness_multi_version_frac": "Share of the last batch's samples whose tokens "
                                            "span more than one weight version.",
+    "strawq_batch_seq": "Sequence number of the last batch the trainer read.",
+    "strawq_batch_groups": "Groups in the last batch the trainer read.",
+    "strawq_batch_samples": "Samples in the last batch the trainer read.",
+    "strawq_batch_tokens": "Tokens in the last batch the trainer read.",
+    # a dataset of a mixture (label dataset)
+    "strawq_dataset_weight": "The dataset's weight in the mixture.",
+    "strawq_dataset_group_share": "The dataset's share of the groups trained in the last 8 "
+                                  "batches.",
+    "strawq_dataset_token_share": "The dataset's share of the tokens trained in the last 8 "
+                                  "batches.",
+    "strawq_dataset_group_share_overall": "The dataset's share of the groups trained over "
+                                          "the run.",
+    "strawq_dataset_token_share_overall": "The dataset's share of the tokens trained over "
+                                          "the run.",
+    "strawq_dataset_trained_groups_total": "Groups of the dataset trained over the run.",
+    "strawq_dataset_trained_tokens_total": "Tokens of the dataset trained over the run.",
+    "strawq_dataset_filtered_total": "Groups of the dataset its filter dropped.",
+    "strawq_dataset_stale_total": "Groups of the dataset over its staleness bound.",
+    "strawq_dataset_starved": "1 while the dataset falls short of its weight.",
     # a producer's own endpoint
     "strawq_producer_slots": "Group slots this producer generates at once.",
     "strawq_producer_busy_trajectories": "Samples this producer is generating now.",
