@@ -30,6 +30,7 @@ shown, never acted on). What is stalled, and why, is ``Glance.stalls``.
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -210,9 +211,22 @@ class Bracket:
 def trainer_section(storage: Storage) -> dict[str, Any] | None:
     """The trainer's liveness, when the run records who trains it; None: not known.
 
-    The place for a trainer fence's holder (``read_trainer_holder(storage)``): until a run
-    records one, ``strawq status`` says "trainer: unknown"."""
-    return None
+    The place for a trainer fence's holder: a core module ``strawq.trainer_epochs`` with
+    ``read_trainer_holder(storage)``, when present, is read here; without it, or with no
+    holder recorded, ``strawq status`` says "trainer: unknown"."""
+    try:
+        fence = importlib.import_module("strawq.trainer_epochs")
+    except ImportError:
+        return None
+    read = getattr(fence, "read_trainer_holder", None)
+    holder = read(storage) if callable(read) else None
+    if holder is None:
+        return None
+    describe = getattr(holder, "describe", None)
+    return {"state": "released" if getattr(holder, "released", False) else "holding",
+            "epoch": getattr(holder, "epoch", None),
+            "heartbeat_age_s": getattr(holder, "heartbeat_age_s", None),
+            "detail": str(describe()) if callable(describe) else ""}
 
 
 @dataclass

@@ -234,3 +234,29 @@ def test_a_look_watches_until_every_party_beat_or_the_window_ends(tmp_path: Path
     assert clock.t - start == pytest.approx(2.0)  # "stuck" never beat: the whole window
     assert glance_mod.judge(w2, "stuck", lease_s=10.0, liveness_s=3.0, interval_s=1.0)[0] \
         == "silent"
+
+
+def test_the_trainer_line_reads_a_trainer_fence_when_there_is_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+    from dataclasses import dataclass
+
+    q = _run(tmp_path)
+    w = Watcher(q.storage, clock=FakeClock())
+    assert "  trainer:   unknown" in render(glance(q, "run", w)).splitlines()
+
+    @dataclass
+    class Holder:
+        epoch: int = 2
+        released: bool = False
+        heartbeat_age_s: float | None = 1.0
+
+        def describe(self) -> str:
+            return "trainer epoch 2: host h, pid 7"
+
+    fence = types.ModuleType("strawq.trainer_epochs")
+    fence.read_trainer_holder = lambda storage: Holder()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "strawq.trainer_epochs", fence)
+    g = glance(q, "run", w)
+    assert "  trainer:   holding (trainer epoch 2: host h, pid 7)" in render(g).splitlines()
+    assert g.to_dict()["trainer"]["epoch"] == 2
