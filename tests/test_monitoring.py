@@ -116,6 +116,7 @@ def test_every_rule_is_complete() -> None:
         assert r["annotations"]["summary"] and r["annotations"]["description"], r["alert"]
 
 
+@pytest.mark.process
 def test_promtool_accepts_the_rules() -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
