@@ -116,6 +116,18 @@ def test_every_rule_is_complete() -> None:
         assert r["annotations"]["summary"] and r["annotations"]["description"], r["alert"]
 
 
+def test_the_dashboard_is_well_formed() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    panels = dash["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    for p in panels:
+        assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"]), p["title"]
+        assert {"x", "y", "w", "h"} <= set(p["gridPos"]) and p["gridPos"]["x"] + \
+            p["gridPos"]["w"] <= 24, p["title"]
+    assert "run" in {v["name"] for v in dash["templating"]["list"]}
+    assert all('run=~"$run"' in t["expr"] for p in panels for t in p["targets"])
+
+
 @pytest.mark.process
 def test_promtool_accepts_the_rules() -> None:
     promtool = shutil.which("promtool")

@@ -260,3 +260,24 @@ def test_the_trainer_line_reads_a_trainer_fence_when_there_is_one(
     g = glance(q, "run", w)
     assert "  trainer:   holding (trainer epoch 2: host h, pid 7)" in render(g).splitlines()
     assert g.to_dict()["trainer"]["epoch"] == 2
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_ctrl_c_ends_watch_with_0_and_no_traceback(tmp_path: Path) -> None:
+    import signal
+
+    _run(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "strawq", "status", str(tmp_path / "run"),
+                             "--watch", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().startswith("run ")  # the first redraw is out
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
