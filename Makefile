@@ -115,7 +115,7 @@ test: $(STAMP)
 	fi; \
 	rc=0; export PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; \
 	export PYTHONDONTWRITEBYTECODE=; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not sglang_real" $(PYTEST_ARGS) || rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30 -m "not sglang_real" $(PYTEST_ARGS) || rc=$$?; \
 	r=0; $(PY) -m pytest -q -m sglang_real $(PYTEST_ARGS) || r=$$?; \
 	if [ $$r != 0 ] && [ $$r != 5 ]; then rc=$$r; fi; \
 	deploy/juicefs/testvol.sh down "$(JFS_DIR)" >/dev/null 2>&1 || true; \

@@ -213,7 +213,7 @@ AGENTIC_VICTIMS = ("engine0", "engine1", "producer0", "producer1", "tool", "coll
 
 def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done: str,
             agentic: bool = False) -> int:
-    from strawq.collector.errors import BatchTimeout
+    from strawq.collector.errors import BatchTimeout, RunFinished
     from strawq.collector.trainer.reader import BatchReader
 
     def log(**ev: Any) -> None:
@@ -239,8 +239,10 @@ def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done
     while True:
         try:
             batch = reader.next_batch(timeout=0.5)
-        except BatchTimeout:
-            if os.path.exists(done):
+        except (BatchTimeout, RunFinished) as exc:
+            # the run has finished (every batch acked): the collector waits for the last
+            # commit before it exits, so commit it now rather than at `done`
+            if isinstance(exc, RunFinished) or os.path.exists(done):
                 checkpoint()
                 return 0
             continue

@@ -13,8 +13,20 @@ of each kind, each ``kill -9`` followed by an immediate restart (as a supervisor
   kill until the restarted trainer resumed them (its process start included; the part its
   first bracket waited is printed beside it).
 
-Printed as ``chaos: fleet seconds lost per failure = X (producer Y, collector Z, trainer W)``
-with X the mean of the three.
+Two faults of operators, beside them:
+
+* **two trainers**: a second trainer process started on the run while the first lives (a
+  preempted job requeued while the old one still runs). It must be refused (the trainer
+  fence) having trained nothing; the seconds to its refusal, the batches it trained
+  (duplicated) and the batches the first one trained but could not ack meanwhile (lost).
+* **same producer id**: a producer killed and restarted under the id it had. The seconds
+  until none of the killed process's leases is still held (the new incarnation hands them
+  back), the tasks it held that are in no state (lost), and tasks in two states or two
+  batches (duplicated).
+
+Printed as ``chaos: fleet seconds lost per failure = X (producer Y, collector Z, trainer W);
+two trainers: refused in R s, lost = 0, duplicated = 0; same producer id: leases back in S s,
+lost = 0, duplicated = 0`` with X the mean of the first three.
 """
 
 from __future__ import annotations
@@ -60,10 +72,12 @@ def _strawq(*args: str) -> list[str]:
 
 # -- the trainer role ------------------------------------------------------------------------
 
-def fleet_trainer(run: str, events: str, engine: str) -> int:
+def fleet_trainer(run: str, events: str, engine: str) -> int:  # noqa: C901
     """Train (sleep), ack, then a weight update pushed to ``engine``; log each update."""
     from strawq.collector.errors import BatchTimeout
+    from strawq.collector.trainer.fence import TrainerBusy
     from strawq.collector.trainer.reader import BatchReader
+    from strawq.errors import StrawqError
 
     def log(**ev: Any) -> None:
         with open(events, "a", encoding="utf-8") as f:
@@ -80,18 +94,28 @@ def fleet_trainer(run: str, events: str, engine: str) -> int:
     reader = BatchReader.open(run)
     log(event="start")
     first = True
-    while True:
-        began = time.time()
-        rep = reader.bracket.weight_update(push, timeout=600)
-        log(event="update", began=began, waited=rep.waited_s, dead=sorted(rep.dead),
-            continued=rep.continued, first=first, version=rep.version)
-        first = False
-        try:
-            batch = reader.next_batch(timeout=0.5)
-        except BatchTimeout:
-            continue
-        time.sleep(0.05)  # the optimizer step
-        reader.ack(batch)
+    try:
+        while True:
+            began = time.time()
+            rep = reader.bracket.weight_update(push, timeout=600)
+            log(event="update", began=began, waited=rep.waited_s, dead=sorted(rep.dead),
+                continued=rep.continued, first=first, version=rep.version)
+            first = False
+            try:
+                batch = reader.next_batch(timeout=0.5)
+            except BatchTimeout:
+                continue
+            time.sleep(0.05)  # the optimizer step
+            log(event="train", seq=batch.seq)
+            try:
+                reader.ack(batch)
+            except StrawqError as exc:
+                log(event="ack_refused", seq=batch.seq, error=str(exc))
+                raise
+    except TrainerBusy as exc:  # another trainer holds the run: this one trains nothing
+        log(event="refused", error=str(exc))
+        print(f"fleet trainer refused: {exc}", file=sys.stderr)
+        return 3
 
 
 # -- the phase -------------------------------------------------------------------------------
@@ -139,6 +163,8 @@ def fleet_lost(work: Path) -> dict[str, Any]:
     """Run the phase in ``work``; returns the seconds lost per failure kind."""
     from strawq.control import read_state
     from strawq.epochs import epochs, list_names
+    from strawq.queue import RunQueue
+    from strawq.states import TaskState, names_in
     from strawq.storage import open_storage
 
     work.mkdir(parents=True, exist_ok=True)
@@ -173,11 +199,14 @@ def fleet_lost(work: Path) -> dict[str, Any]:
                     "--engine", engine], "trainer")
     storage = open_storage(run, writer_id="fleet-bench")
 
-    def updates() -> list[dict[str, Any]]:
+    def logged(kind: str) -> list[dict[str, Any]]:
         if not os.path.exists(events):
             return []
         with open(events, encoding="utf-8") as f:
-            return [e for e in map(json.loads, f) if e["event"] == "update"]
+            return [e for e in map(json.loads, f) if e["event"] == kind]
+
+    def updates() -> list[dict[str, Any]]:
+        return logged("update")
 
     out: dict[str, Any] = {}
     try:
@@ -229,11 +258,74 @@ def fleet_lost(work: Path) -> dict[str, Any]:
               "the restarted trainer's first update to be logged")
         first = next(u for u in updates() if u["first"] and u["t"] >= killed)
         out["trainer_bracket"] = first["waited"]
+        # -- two trainers: a second one started while the first lives is refused
+        second = proc([PY, CHAOS, "--role", "fleet-trainer", "--run", run, "--events", events,
+                       "--engine", engine], "trainer2")
+        started = time.time()
+        second.start()
+        assert second.p is not None
+        _wait(lambda: second.p is not None and second.p.poll() is not None,
+              "the second trainer to be refused", 180)
+        refused = [e for e in logged("refused") if e["pid"] == second.p.pid]
+        if not refused:
+            raise RuntimeError(f"fleet phase: the second trainer was not refused (exit "
+                               f"{second.p.returncode}; see {second.log})")
+        out["two_trainers"] = refused[0]["t"] - started
+        out["two_trainers_duplicated"] = sum(e["pid"] == second.p.pid
+                                             for e in logged("train"))
+        out["two_trainers_lost"] = len(logged("ack_refused"))
+        n = len(updates())
+        _wait(lambda: len(updates()) > n + 1, "the first trainer to go on")
+        # -- same producer id: killed, restarted under the id it had
+        queue = RunQueue.open(storage)
+        pid_ = "fleet-p1.r0"
+        _wait(lambda: any(t.producer == pid_ for t in names_in(storage, TaskState.LEASED)),
+              "the producer to hold a lease", 120)
+        producers[1].kill9()
+        killed = time.time()
+        held = {t.id for t in names_in(storage, TaskState.LEASED) if t.producer == pid_}
+        producers[1].start(["--producer-id", pid_])
+
+        def stale() -> set[str]:
+            return {t.id for t in names_in(storage, TaskState.LEASED)
+                    if t.producer == pid_ and t.id in held and t.gen <= gens[t.id]}
+
+        gens = {t.id: t.gen for t in names_in(storage, TaskState.LEASED) if t.id in held}
+        back = _wait(lambda: not stale(), "the killed producer's leases to go back", 120)
+        out["same_id"] = back - killed
+        out["same_id_lost"], out["same_id_duplicated"] = _oracle(queue, held)
     finally:
         for p in procs:
             p.stop()
     out["mean"] = (out["producer"] + out["collector"] + out["trainer"]) / 3
     return out
+
+
+def _oracle(queue: Any, watched: set[str]) -> tuple[int, int]:
+    """(lost, duplicated): tasks of ``watched`` in no state; tasks in two states at once or
+    named by two batches."""
+    from collections import Counter
+
+    from strawq.batches import BatchStore
+    from strawq.errors import StrawqError
+    from strawq.states import TaskState, names_in
+
+    where: Counter[str] = Counter()
+    for state in TaskState:
+        try:
+            where.update(t.id for t in names_in(queue.storage, state))
+        except (StrawqError, ValueError, KeyError):
+            continue  # a state without a directory of names (retired)
+    batches = BatchStore(queue)
+    named: Counter[str] = Counter()
+    for seq in batches.batch_seqs()[0]:
+        try:
+            named.update(str(n.id) for n in batches.read_manifest(seq).groups)
+        except StrawqError:
+            continue
+    lost = sum(1 for t in watched if where[t] == 0)
+    duplicated = sum(1 for n in where.values() if n > 1) + sum(1 for n in named.values() if n > 1)
+    return lost, duplicated
 
 
 def _health(url: str) -> bool:
@@ -247,4 +339,7 @@ def _health(url: str) -> bool:
 def line(fl: dict[str, Any]) -> str:
     return (f"chaos: fleet seconds lost per failure = {fl['mean']:.1f} (producer "
             f"{fl['producer']:.1f}, collector {fl['collector']:.1f}, trainer "
-            f"{fl['trainer']:.1f})")
+            f"{fl['trainer']:.1f}); two trainers: refused in {fl['two_trainers']:.1f} s, "
+            f"lost = {fl['two_trainers_lost']}, duplicated = {fl['two_trainers_duplicated']}; "
+            f"same producer id: leases back in {fl['same_id']:.1f} s, lost = "
+            f"{fl['same_id_lost']}, duplicated = {fl['same_id_duplicated']}")

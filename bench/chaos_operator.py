@@ -63,7 +63,7 @@ def operator_trainer(run: str, ckpt: str, events: str, interval: int, step_s: fl
     """chaos.py's trainer (train, ack, state_dict, save, commit every ``interval`` steps)
     with a weight update pushed to ``engines`` after every step."""
 
-    from strawq.collector.errors import BatchTimeout
+    from strawq.collector.errors import BatchTimeout, RunFinished
     from strawq.collector.trainer.reader import BatchReader
 
     def log(**ev: Any) -> None:
@@ -94,8 +94,10 @@ def operator_trainer(run: str, ckpt: str, events: str, interval: int, step_s: fl
     while True:
         try:
             batch = reader.next_batch(timeout=0.5)
-        except BatchTimeout:
-            if os.path.exists(done):
+        except (BatchTimeout, RunFinished) as exc:
+            # the run has finished (every batch acked): the collector waits for the last
+            # commit before it exits, so commit it now rather than at `done`
+            if isinstance(exc, RunFinished) or os.path.exists(done):
                 checkpoint()
                 return 0
             continue

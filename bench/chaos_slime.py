@@ -96,7 +96,7 @@ def slime_trainer(run: str, ckpt_dir: str, events: str, interval: int, step_s: f
                   done: str, engines: list[str], latest: str) -> int:
     from slime.rollout.base_types import call_rollout_fn
 
-    from strawq.collector.errors import BatchTimeout
+    from strawq.collector.errors import BatchTimeout, RunFinished
     from strawq.collector.integrations import slime as adapter
     from chaos_versions import runs  # (bench/ is sys.path[0])
     from strawq.collector.integrations.slime.adapter import _ReaderState
@@ -140,8 +140,11 @@ def slime_trainer(run: str, ckpt_dir: str, events: str, interval: int, step_s: f
         try:
             out = call_rollout_fn(adapter.generate_rollout, args, rollout_id, data_source,
                                   evaluation=False)
-        except BatchTimeout:
-            if os.path.exists(done):  # the job ends: its last rollouts saved and committed
+        except (BatchTimeout, RunFinished) as exc:
+            # the run has finished (every batch acked): the collector waits for the last
+            # commit before it exits, so commit it now rather than at `done`. The job ends:
+            # its last rollouts saved and committed
+            if isinstance(exc, RunFinished) or os.path.exists(done):
                 if saved_at < rollout_id - 1:
                     save(rollout_id - 1)
                 reader.commit()

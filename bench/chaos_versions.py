@@ -135,7 +135,7 @@ def trained_samples(grp: Any, *, masked: bool = False) -> list[dict[str, Any]]:
 
 def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done: str,
             engines: list[str], workload: str) -> int:
-    from strawq.collector.errors import BatchTimeout
+    from strawq.collector.errors import BatchTimeout, RunFinished
     from strawq.collector.trainer.reader import Batch, BatchReader
     from strawq.errors import StrawqError
 
@@ -210,8 +210,10 @@ def trainer(run: str, ckpt: str, events: str, interval: int, step_s: float, done
     while True:
         try:
             batch = reader.next_batch(timeout=0.5)
-        except BatchTimeout:
-            if os.path.exists(done):
+        except (BatchTimeout, RunFinished) as exc:
+            # the run has finished (every batch acked): the collector waits for the last
+            # commit before it exits, so commit it now rather than at `done`
+            if isinstance(exc, RunFinished) or os.path.exists(done):
                 if step_batches:  # the last, short step
                     for b in step_batches:
                         if spec.mode != "flow":

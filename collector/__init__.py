@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from strawq.collector.core import Collector
     from strawq.collector.report import StepReport
     from strawq.collector.errors import (BatchTimeout, BracketError, BracketTimeout,
-                                         CollectorBusy, CollectorError)
+                                         CollectorBusy, CollectorError, RunFinished)
     from strawq.collector.fencing import EpochFence
 
 #: name -> the module that defines it. Loaded on first use (PEP 562), so importing the
@@ -45,7 +45,8 @@ _EXPORTS = {
     "Admission": "admission", "Depths": "admission",
     "CollectorConfig": "config", "Collector": "core", "StepReport": "report",
     "BatchTimeout": "errors", "BracketError": "errors", "BracketTimeout": "errors",
-    "CollectorBusy": "errors", "CollectorError": "errors", "EpochFence": "fencing",
+    "CollectorBusy": "errors", "CollectorError": "errors", "RunFinished": "errors",
+    "EpochFence": "fencing",
 }
 
 
@@ -69,5 +70,6 @@ __all__ = [
     "CollectorError",
     "Depths",
     "EpochFence",
+    "RunFinished",
     "StepReport",
 ]

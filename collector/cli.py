@@ -24,8 +24,11 @@ leases), the feeder (releases prompts from DATASET under admission control), and
 builder (staleness-first batches of B ready groups, published as manifests the trainer's
 BatchReader reads).
 
-PATH must be a strawq run, or new, or an empty directory: a directory holding other files is
-refused, never turned into a run.
+PATH must be a strawq run ('strawq init PATH --config queue.json' creates one). A path that
+holds no run (a typo'd path, a new or empty directory) is refused with exit status 1 and
+nothing created, unless --create says to create the run there (with --queue-config, or the
+default queue config); a directory holding other files is refused even then, never turned
+into a run.
 
 Exactly one collector runs per run. A second one refuses while the first one's heartbeat
 moves; after takeover_timeout_s of silence it takes over with a higher epoch, and the old
@@ -65,19 +68,25 @@ def _load_config(args: argparse.Namespace) -> Any:
 _RUN_MARKERS = ("run.meta", "pending", "leased", "ready", "batched", "cursor", "data")
 
 
-def _check_target(path: str) -> None:
-    """A new path, an empty directory, or a run: anything else is refused untouched."""
+def _check_target(path: str, *, create: bool = False) -> None:
+    """A run; with ``create`` also a new path or an empty directory: anything else is
+    refused untouched (nothing is created)."""
     from strawq.errors import StrawqError
 
     if os.path.exists(path) and not os.path.isdir(path):
         raise StrawqError(f"{path} is a file; expected a run directory (or a new path)")
-    if not os.path.isdir(path):
-        return
-    names = [n for n in os.listdir(path) if not n.startswith(".") and n != "lost+found"]
+    names = [n for n in os.listdir(path) if not n.startswith(".") and n != "lost+found"] \
+        if os.path.isdir(path) else []
     if names and not any(m in names for m in _RUN_MARKERS):
         shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
         raise StrawqError(f"{path} holds files ({shown}) but no strawq run; refusing to turn "
                           "it into one: pass a new or empty directory, or the run's own path")
+    if not names and not create:
+        what = "an empty directory" if os.path.isdir(path) else "does not exist"
+        raise StrawqError(
+            f"{path} holds no strawq run ({what}); nothing was created. Check the path, or "
+            f"create the run first: 'strawq init {path} --config queue.json' (or pass "
+            "--create to create it here with --queue-config)")
 
 
 def _prompt_key(args: argparse.Namespace, queue_config: Any) -> str:
@@ -135,7 +144,7 @@ def cmd_collector(args: argparse.Namespace) -> int:
         queue_config = from_dict(QueueConfig, _read_json(args.queue_config, "queue config"),
                                  where="queue config")
     checkpoint = _read_json(args.checkpoint, "checkpoint") if args.checkpoint else None
-    _check_target(args.path)
+    _check_target(args.path, create=args.create)
     prompt_key = _prompt_key(args, queue_config)
     col = Collector.open(args.path, open_dataset(args.dataset, prompt_key=prompt_key), config,
                          queue_config=queue_config, checkpoint=checkpoint,
@@ -172,7 +181,7 @@ def add_parsers(subparsers: Any) -> None:
     s = subparsers.add_parser(
         "collector", help="run the global batch collector (grantor, feeder, batches)",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("path", help="run directory (created if missing)")
+    s.add_argument("path", help="run directory (made by 'strawq init'; see --create)")
     s.add_argument("dataset", help="JSONL or Parquet prompt dataset (any fsspec URL), or a "
                    "mixture of several: a *.mixture.json file (docs/datasets.md, Mixtures)")
     s.add_argument("--config", help="JSON file of collector config keys (unknown refused)")
@@ -180,7 +189,10 @@ def add_parsers(subparsers: Any) -> None:
                    help="override one collector config key, e.g. --set batch_groups=128 "
                    "(the keys are listed below)")
     s.add_argument("--queue-config", help="JSON file of queue config keys, used only when "
-                   "the run has to be created")
+                   "the run has to be created (--create) or its run.meta is unreadable")
+    s.add_argument("--create", action="store_true", help="create the run when PATH holds "
+                   "none (a new path or an empty directory); without it such a PATH is "
+                   "refused: 'strawq init' is the usual way to create a run")
     s.add_argument("--checkpoint", help="trainer state JSON (BatchReader.state_dict()) for "
                    "resuming when the queue state is missing")
     s.add_argument("--no-wait", action="store_true", help="refuse at once if another "

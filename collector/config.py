@@ -73,10 +73,18 @@ class CollectorConfig(Config):
     poll_interval_s: float = 0.05
     #: Seconds between GC passes over acked batches.
     gc_interval_s: float = 1.0
+    #: Share of the volume under which the collector warns that the run's disk runs low
+    #: (free space or inodes; checked every sweep, ``SWEEP_INTERVAL_S``): early enough to
+    #: ``strawq gc`` or raise the quota before writes fail. 0: no warning until it is full.
+    disk_warn_share: float = 0.05
     #: Collector heartbeat silence (on the newcomer's monotonic clock) after which a new
     #: collector takes over with epoch + 1 (at once if the holder's process on this host is
     #: gone). Must be far above one loop pass: the holder beats once per pass.
     takeover_timeout_s: float = 30.0
+    #: Once the run has drained (every batch acked), how long ``Collector.run`` waits for
+    #: the trainer's last checkpoint commit before it exits (the batches it would collect
+    #: stay ``batched`` until then), seconds. Only a checkpointing trainer commits.
+    finish_wait_s: float = 600.0
     #: Write one JSON line of queue metrics per this many seconds (0: every pass).
     metrics_interval_s: float = 10.0
     #: JSONL file the collector appends metrics to (None: no file).
@@ -118,9 +126,13 @@ class CollectorConfig(Config):
                               f"{self.max_prefetch_batches}")
         if self.advantage_eps <= 0:
             raise ConfigError(f"advantage_eps must be > 0, got {self.advantage_eps}")
-        for name in ("poll_interval_s", "gc_interval_s", "metrics_interval_s"):
+        for name in ("poll_interval_s", "gc_interval_s", "metrics_interval_s",
+                     "finish_wait_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.disk_warn_share < 1:
+            raise ConfigError(f"disk_warn_share must be in [0, 1) (a share of the volume), "
+                              f"got {self.disk_warn_share}")
         if self.takeover_timeout_s <= 0:
             raise ConfigError(f"takeover_timeout_s must be > 0, got {self.takeover_timeout_s}")
         if self.pack_ranks is not None and self.pack_ranks < 1:

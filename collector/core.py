@@ -41,7 +41,10 @@ from strawq.config import QueueConfig
 from strawq.engine_weights import EngineWeights
 from strawq.dataset import Dataset
 from strawq.binding import check_binding
+from strawq.commits import committed_seq
 from strawq.errors import StorageFull
+from strawq.finished import clear as clear_finished
+from strawq.finished import mark_finished
 from strawq.eta import EtaPolicy, publish_policy
 from strawq.feeder import Feeder
 from strawq.planner import Origin
@@ -49,7 +52,7 @@ from strawq.grantor import LeaseMonitor
 from strawq.queue import RunQueue
 from strawq.retention import drop_totals
 from strawq.states import depths, upstream_depths
-from strawq.status import full_message, run_label
+from strawq.status import disk_space, full_message, low_message, run_label
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +167,7 @@ class Collector:
         mark_epoch_start(self.storage, epoch, self.batches.next_seq())
         # producers apply it to partial tasks at claim (strawq.eta)
         publish_policy(self.storage, self.policy)
+        clear_finished(self.storage)  # a run continued with more data goes on (re-marked)
         self.feeder = Feeder(self.queue, self.dataset, check_dataset=not dataset_grew)
         if dataset_grew:
             self.feeder.continue_grown()
@@ -215,6 +219,13 @@ class Collector:
         feeder = self.feeder.state_dict() if self.feeder is not None else None
         return {"feeder": feeder, "version": self.queue.current_version()}
 
+    def _warn_low_disk(self) -> None:
+        """Warn while the run's disk is low (``disk_warn_share``), before writes fail."""
+        share = self.config.disk_warn_share
+        disk = disk_space(self.storage, low_share=share) if share > 0 else {}
+        if disk.get("low") and not disk.get("full"):
+            log.warning("%s", low_message(disk["path"], disk))
+
     # -- one pass -----------------------------------------------------------------------------
     def step(self) -> StepReport:
         if self.feeder is None:
@@ -229,6 +240,7 @@ class Collector:
             if sweep:
                 self._last_sweep = now
                 rep.gc.tmp += self.storage.clean_dead_tmp()  # writers found dead, unnamed
+                self._warn_low_disk()
         rep.version = self.queue.current_version()
         upstream = upstream_depths(self.storage)  # listed before the ready scan: see depths()
         refused = self.superseded.sweep()  # a stalled predecessor's late manifests
@@ -367,10 +379,7 @@ class Collector:
             steps += 1
             published += len(rep.published)
             if until_drained and rep.drained:
-                rep.gc = self.batches.gc(sweep=True, compact_drops_at=COMPACT_DROPS_AT)
-                rep.depths = self.depths()
-                log.info("collector: dataset exhausted and every batch acked; stopping")
-                return rep
+                return self._finish(rep)
             if max_steps is not None and steps >= max_steps:
                 return rep
             if max_batches is not None and published >= max_batches:
@@ -380,6 +389,38 @@ class Collector:
             if should_stop is not None and should_stop():
                 return rep
             self.sleep(self.config.poll_interval_s)
+
+    def _finish(self, rep: StepReport) -> StepReport:
+        """The run has drained: publish the ``finished`` record (the trainer's reader raises
+        ``RunFinished``, producers exit), wait up to ``finish_wait_s`` for a checkpointing
+        trainer's last commit, collect every acked batch, return."""
+        seqs, acked = self.batches.batch_seqs()
+        committed = committed_seq(self.storage)
+        # the trainer commits what it acked (a refused manifest is never acked)
+        last = max(acked, default=committed or 0)
+        self.fence.check()
+        mark_finished(self.storage, max([last, *seqs]), self.fence.epoch)
+        if committed is not None and committed < last:
+            limit = self.config.finish_wait_s
+            log.info("collector: every batch acked; waiting up to %.0f s for the trainer's "
+                     "last checkpoint commit (batch %d, committed %d)", limit, last, committed)
+            start = self.clock()
+            while committed is not None and committed < last:
+                if self.clock() - start >= limit:
+                    log.warning(
+                        "collector: the trainer did not commit batch %d within finish_wait_s "
+                        "(%.0f s; committed %d): batches %d-%d stay batched until a commit "
+                        "covers them ('strawq gc RUN' collects them then)",
+                        last, limit, committed, committed + 1, last)
+                    break
+                self.fence.beat()
+                self.sleep(max(self.config.poll_interval_s, 0.05))
+                committed = committed_seq(self.storage)
+        rep.gc = self.batches.gc(sweep=True, compact_drops_at=COMPACT_DROPS_AT)
+        rep.depths = self.depths()
+        log.info("collector: the run has finished (dataset exhausted, every batch acked%s); "
+                 "stopping", "" if committed is None else " and committed")
+        return rep
 
     def _note_full(self, exc: StorageFull) -> None:
         """A pass failed on a full disk: say so once, then every ``FULL_REMIND_S``. What the

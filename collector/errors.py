@@ -3,7 +3,8 @@
 A stale collector raises ``strawq.errors.FencedOut`` itself (the queue core's fencing error),
 so callers catch one type for "someone newer took over" wherever it comes from.
 
-The trainer side's errors (``BatchTimeout``, ``BracketTimeout``, ``BracketError``) live in
+The trainer side's errors (``BatchTimeout``, ``RunFinished``, ``BracketTimeout``,
+``BracketError``) live in
 the core, ``strawq.errors``, because the trainer library (``strawq.collector.trainer``) never
 imports the collector process; they are re-exported here so that ``from strawq.collector
 import BatchTimeout`` keeps working. They are ``StrawqError``s, not ``CollectorError``s.
@@ -11,7 +12,7 @@ import BatchTimeout`` keeps working. They are ``StrawqError``s, not ``CollectorE
 
 from __future__ import annotations
 
-from strawq.errors import BatchTimeout, BracketError, BracketTimeout, StrawqError
+from strawq.errors import BatchTimeout, BracketError, BracketTimeout, RunFinished, StrawqError
 
 
 class CollectorError(StrawqError):
@@ -23,4 +24,4 @@ class CollectorBusy(CollectorError, RuntimeError):
 
 
 __all__ = ["BatchTimeout", "BracketError", "BracketTimeout", "CollectorBusy",
-           "CollectorError"]
+           "CollectorError", "RunFinished"]

@@ -52,6 +52,26 @@ __all__ = ["EpochFence", "SupersededSweep", "epoch_starts", "mark_epoch_start", 
 
 
 
+def live_holder(storage: Storage) -> str | None:
+    """The collector that may hold the run now, in words (None: none may). A newest epoch
+    that did not close and whose process is not known gone (``strawq.liveness.known_dead``:
+    a pid on this host that no longer runs, or a zombie) may be alive. Reads only."""
+    names = list_names(storage)
+    known = epochs(names)
+    newest = known[-1] if known else 0
+    if not newest or closed_name(newest) in names:
+        return None
+    try:
+        who = records.decode(storage.read(epoch_key(newest)), expect=Kind.EPOCH).meta
+    except StrawqError:
+        who = {}
+    if known_dead(who):
+        return None
+    where = (f" (owner {who.get('owner', '?')}, pid {who.get('pid', '?')} on "
+             f"{who.get('host', '?')})") if who else ""
+    return f"collector epoch {newest}{where} holds it and did not close"
+
+
 class EpochFence:
     """The fencing token of one collector. Clock and sleep are injected for tests."""
 
@@ -107,8 +127,9 @@ class EpochFence:
         start = self.clock()
         first = heartbeat_counter(list_names(self.storage), epoch)
         if self.holder_gone(epoch):
-            log.warning("collector epoch %d: its process (on this host) is gone; taking over "
-                        "without waiting", epoch)
+            # a restart after a crash: normal recovery, not a fault of this collector's
+            log.info("collector epoch %d: its process (on this host) is gone; taking over "
+                     "without waiting", epoch)
             return
         poll = max(min(self.timeout / 20, 1.0), 0.01)
         log.info("collector epoch %d did not close; watching its heartbeat (at %d) for %.1fs "

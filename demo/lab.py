@@ -453,14 +453,16 @@ def _p_solve_in(path: str) -> list[float]:
         return [float(json.loads(line)["p_solve"]) for line in f if line.strip()]
 
 
-def _wait_producers(bracket: Any, producers: _Producers, timeout_s: float = 120.0) -> None:
-    """Until every producer process has beaten once (its loop is up)."""
+def _wait_producers(bracket: Any, producers: _Producers, timeout_s: float = 300.0) -> None:
+    """Until every producer process has beaten once (its loop is up). An idle producer
+    counts: one that beat and found nothing to claim yet has started (the bracket's
+    ``live_producers`` leaves idle ones out, so waiting on it raced the first release)."""
     deadline = time.monotonic() + timeout_s
     n = len(producers.procs)
-    while len(bracket.live_producers()) < n:
+    while len(started := set(bracket.observe())) < n:
         producers.check_alive()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(bracket.live_producers())} of {n} lab producers "
+            raise TimeoutError(f"only {len(started)} of {n} lab producers "
                                f"started within {timeout_s:.0f}s")
         time.sleep(0.05)
 

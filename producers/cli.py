@@ -180,16 +180,17 @@ def _group_size(path: str) -> int:
 
 
 def add_parsers(subparsers: Any) -> None:
-    from strawq.argtypes import listen_port, positive_int
+    from strawq.argtypes import engine_url, listen_port, positive_int
     from strawq.config import add_keys_help
 
     s = subparsers.add_parser(
         "producer", help="run one producer in this process, without Ray (Slurm, systemd)",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("path", help="run directory (the same path on every node)")
-    s.add_argument("--engine", action="append", metavar="URL",
+    s.add_argument("--engine", action="append", metavar="URL", type=engine_url,
                    help="an engine URL (repeat for several; see --routing-policy)")
-    s.add_argument("--router", metavar="URL", help="an sglang-router URL instead of --engine")
+    s.add_argument("--router", metavar="URL", type=engine_url,
+                   help="an sglang-router URL instead of --engine")
     s.add_argument("--routing-policy", choices=("round_robin", "cache_aware"), default=None,
                    help="without --router: how /generate picks an --engine (cache_aware: "
                    "every request of a task, its G samples, resumes and turns, to the engine "

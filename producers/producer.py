@@ -61,7 +61,8 @@ from collections.abc import Callable
 
 from strawq.control import Control
 from strawq.engine_weights import EngineWeights
-from strawq.errors import StorageError
+from strawq.errors import StorageError, StrawqError
+from strawq.finished import finished
 from strawq.names import validate_id
 from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
@@ -74,6 +75,7 @@ from strawq.producers.engine_versions import GuardedClient, VersionGuard
 from strawq.producers.eos import resolve_eos_ids
 from strawq.producers.handback import HandBack, MisconfiguredProducer
 from strawq.producers.heartbeat import Heartbeat
+from strawq.producers.incarnation import Incarnation, ProducerSuperseded
 from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.offload import Offload
 from strawq.producers.producer_config import ProducerConfig, new_producer_id
@@ -174,6 +176,11 @@ class Producer:
                               runner=self.runner, guard=self.guard, pool=self.pool,
                               book=self._book, clock=clock)
         self.running = False
+        #: this process's incarnation of its id (``strawq.producers.incarnation``)
+        self.incarnation = Incarnation(self.queue, pid)
+        #: why a newer incarnation of this id stopped this one (None: it was not)
+        self.superseded: str | None = None
+        self._fence_checked = -math.inf
 
     @classmethod
     def from_config(cls, config: ProducerConfig, *, node_id: str | None = None,
@@ -298,6 +305,8 @@ class Producer:
                 tokenizer=self.runner.tokenizer,
                 ignore_eos=self.config.sampler_params().ignore_eos, who=f"producer {pid}")
             await check_engine_versions(self._client, self.guard, pid)
+            # before the first claim: leases under this id are an earlier process's
+            await self._io.call(self.incarnation.begin)
             await self._heartbeat.beat_once()  # before the first claim: the grantor sees us
             hb = asyncio.create_task(self._heartbeat.run(self._give_up_leases),
                                      name=f"{pid}-heartbeat")
@@ -332,7 +341,14 @@ class Producer:
                 self._io.shutdown()
                 self._rewards.shutdown()
                 self.running = False
-                log.info("producer %s stopped: %s", pid, self.stats().to_dict())
+                st = self.stats()
+                log.info("producer %s stopped: %d groups claimed, %d completed, %d yielded, "
+                         "%d dropped, %d failed; %d tokens", pid, st.groups_claimed,
+                         st.groups_completed, st.groups_yielded, st.groups_dropped,
+                         st.groups_failed, st.tokens_generated)
+                log.debug("producer %s stats: %s", pid, st.to_dict())
+        if self.superseded is not None:
+            raise ProducerSuperseded(self.superseded)
         refusal = self.handback.refusal
         if refusal is not None:
             raise MisconfiguredProducer(
@@ -361,6 +377,8 @@ class Producer:
         if self._stopping:
             return True
         if not woken and not self._work_changed():
+            if await self._run_finished():
+                return True
             return False
         if not await self._heartbeat.leave_idle():
             return False  # claim nothing before a beat without the idle mark went through
@@ -384,6 +402,14 @@ class Producer:
                     continue
                 idle_since = None
             await self.handback.retry_orphans()
+            if self.clock() - self._fence_checked >= self.queue.config.heartbeat_interval_s:
+                # also while it claims nothing (slots full, idle): before it acks a pause
+                # under an id a newer process now holds
+                try:
+                    if await self._fenced():
+                        break
+                except StorageError:
+                    pass  # the claim's check, or the next one, will tell
             was_pausing = self._bracket.pausing
             if await self._bracket.poll():
                 self._book.bump("brackets")
@@ -397,6 +423,8 @@ class Producer:
             if n > 0 and self.clock() - self._last_empty_claim >= self.config.timing.idle_poll_s \
                     and (not self._drained or self._work_changed()):
                 try:
+                    if await self._fenced():  # a newer process of this id claims from here on
+                        break
                     leases = await self._io.call(self.queue.claim, self.producer_id, n)
                     for lease in leases:
                         self.runner.start(lease)
@@ -423,6 +451,8 @@ class Producer:
                 else:
                     self.gate.storage_answers(None)
             if self._may_idle():
+                if await self._run_finished():
+                    break
                 now = self.clock()
                 idle_since = now if idle_since is None else idle_since
                 if now - idle_since >= self.config.timing.idle_after_s:
@@ -437,6 +467,31 @@ class Producer:
             except asyncio.TimeoutError:
                 pass
             wake.clear()
+
+    async def _fenced(self) -> bool:
+        """Whether a newer incarnation of this id exists; if so, stop (``superseded``)."""
+        self._fence_checked = self.clock()
+        self.superseded = await self._io.call(self.incarnation.superseded)
+        if self.superseded is None:
+            return False
+        log.error("%s", self.superseded)
+        self._stopping = True
+        return True
+
+    async def _run_finished(self) -> bool:
+        """The run has finished (the collector's ``finished`` record, ``strawq.finished``):
+        nothing will be released again, so the producer stops (``run()`` returns; the CLI
+        exits 0). Asked only while idle or drained: one stat."""
+        try:
+            end = await self._io.call(finished, self.queue.storage)
+        except StrawqError:
+            return False  # unreadable now: asked again at the next idle poll
+        if end is None:
+            return False
+        log.info("producer %s: the run has finished (last batch %s); stopping",
+                 self.producer_id, end.get("last_seq"))
+        self._stopping = True
+        return True
 
     def _give_up_leases(self, silent: float, first: bool) -> None:
         """Heartbeats keep failing: stop work on every lease; the grantor re-queues them."""

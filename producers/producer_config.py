@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from strawq.argtypes import url_problem
 from strawq.config import Config
 from strawq.errors import ConfigError
 from strawq.extras import TEACHER_LOGPROBS, ExtraError, check_names
@@ -77,6 +78,12 @@ class EngineConfig(Config):
     def validate(self) -> None:
         if not self.workers and self.router_url is None:
             raise ConfigError("ProducerConfig.engine needs 'workers' URLs or a 'router_url'")
+        for name, url in [*((f"workers[{i}]", w) for i, w in enumerate(self.workers)),
+                          *([("router_url", self.router_url)] if self.router_url is not None
+                            else [])]:
+            problem = url_problem(url)
+            if problem is not None:
+                raise ConfigError(f"ProducerConfig.engine.{name}: {problem}")
         if self.sample_retries < 0:
             raise ConfigError(f"ProducerConfig.engine.sample_retries must be >= 0, got "
                               f"{self.sample_retries}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from urllib.parse import urlsplit
 
 from strawq.errors import StrawqError
 
@@ -80,3 +81,36 @@ def non_negative_int(value: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
     return n
+
+
+def url_problem(value: str) -> str | None:
+    """What is wrong with an engine or router URL (None: usable). It needs an ``http`` or
+    ``https`` scheme, a host and a port in 1-65535 (given or the scheme's); a scheme-less
+    ``localhost:30000`` is read by URL parsers as scheme ``localhost``, so it is refused
+    here, with the spelling that works, rather than fail later as something else."""
+    text = value.strip() if isinstance(value, str) else value
+    if not isinstance(text, str) or not text:
+        return f"expected an engine URL like http://HOST:PORT, got {value!r}"
+    parts = urlsplit(text)
+    if "://" not in text or parts.scheme not in ("http", "https"):
+        hint = f"; did you mean http://{text}?" if "://" not in text else ""
+        return (f"expected an engine URL like http://HOST:PORT (scheme http or https), got "
+                f"{value!r}{hint}")
+    try:
+        port_ = parts.port
+    except ValueError:
+        return f"{value!r} has no valid port (expected 1-65535)"
+    if not parts.hostname:
+        return f"{value!r} names no host (expected http://HOST:PORT)"
+    if port_ == 0:
+        return f"{value!r} has port 0 (expected 1-65535)"
+    return None
+
+
+def engine_url(value: str) -> str:
+    """An argparse type: an engine or router URL (``url_problem``), stripped of a trailing
+    slash."""
+    problem = url_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value.strip().rstrip("/")

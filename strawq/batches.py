@@ -170,6 +170,8 @@ class GcReport:
     drops: int = 0
     #: turn checkpoints of tasks that can no longer resume from them (``strawq.retention``)
     turns: int = 0
+    #: kept task records of compacted drops that expired (``strawq.retention.expire_kept``)
+    expired: int = 0
     #: orphaned rank shards deleted (``strawq.packed``)
     shards: int = 0
     details: list[str] = field(default_factory=list)
@@ -319,7 +321,8 @@ class BatchStore:
 
     # -- garbage collection --------------------------------------------------------------------
     def gc(self, *, full: bool = False, keep_batches: int = 0, sweep: bool = False,
-           compact_drops_at: int | None = None) -> GcReport:
+           compact_drops_at: int | None = None, keep_drops_days: float | None = None
+           ) -> GcReport:
         """Delete consumed batches.
 
         ``sweep`` (or ``full``) also deletes ``data/`` records no live entry needs
@@ -327,7 +330,9 @@ class BatchStore:
         (``sweep_turns``); ``compact_drops_at=N`` folds ``dropped/``
         into the drop audit once it holds at least N entries (0: always), and till then
         records its new entries in the per-prompt history (``record_drops``: the history's
-        rules see a dropped group's rewards by the next pass).
+        rules see a dropped group's rewards by the next pass). With ``compact_drops_at``,
+        the task records of compacted drops kept longer than ``keep_drops_days`` (default
+        ``retention.KEEP_DROPS_DAYS``; 0: all) are deleted: no longer requeueable.
         """
         rep = GcReport()
         # The acks first: an ack is published only once its manifest exists, so an ack whose
@@ -369,13 +374,16 @@ class BatchStore:
             # an ack whose manifest GC already removed (a crash between the two deletions)
             self.storage.delete(ack_key(seq))
         if compact_drops_at is not None:
-            from strawq.retention import compact_drops, record_drops
+            from strawq.retention import (KEEP_DROPS_DAYS, compact_drops, expire_kept,
+                                          record_drops)
 
             dropped = self.storage.list(DIRS[S.DROPPED])
             if dropped and len(dropped) >= compact_drops_at:
                 rep.drops = compact_drops(self.storage)
             elif dropped:
                 record_drops(self.storage, self._drops_recorded)
+            rep.expired = expire_kept(self.storage, keep_days=KEEP_DROPS_DAYS
+                                      if keep_drops_days is None else keep_drops_days)
         if full or sweep:
             from strawq.retention import sweep_turns
 

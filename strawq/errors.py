@@ -43,6 +43,12 @@ class CorruptRecord(StrawqError, ValueError):
     """A record failed its framing, schema-version or checksum checks."""
 
 
+class NewerFormat(StrawqError):
+    """A record (or the run) is in a newer on-disk format than this strawq reads. Not a
+    ``CorruptRecord``: nothing quarantines or drops it; the part stops and is upgraded
+    (``strawq.formats``)."""
+
+
 class ConfigError(StrawqError, ValueError):
     """A configuration value or key is invalid."""
 
@@ -61,6 +67,12 @@ class DoctorFailed(StrawqError):
 
 class BatchTimeout(StrawqError, TimeoutError):
     """No batch was published before the caller's deadline (the trainer's reader)."""
+
+
+class RunFinished(StrawqError):
+    """The run has ended: the dataset's last pass is trained (every batch acked) and no
+    batch is coming (``BatchReader.next_batch``; the ``finished`` record, ``strawq.finished``).
+    A trainer loop stops here: save the last checkpoint, commit it, exit 0."""
 
 
 class BracketTimeout(StrawqError, TimeoutError):

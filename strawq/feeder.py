@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from strawq import records
@@ -33,7 +34,7 @@ from strawq.binding import (DatasetMismatch, fingerprints_match, growth_problem,
                             mismatch_message, require_rows)
 from strawq.release_check import (BadRowsRefused, ReleasePreview, judge_release, preview,
                                   refusal_message)
-from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
+from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound, StorageError
 from strawq.history import record_attempts
 from strawq.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
 from strawq.planner import Passes, ReleasePlanner, Rows
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 
 #: how often a writer that keeps losing the cursor commit re-reads before giving up
 MAX_COMMIT_TRIES = 50
+#: rows staged between two calls of ``Feeder.on_progress``
+PROGRESS_EVERY = 500
 
 
 class CursorContention(AlreadyExists):
@@ -93,6 +96,9 @@ class Feeder:
         #: the decisions of every release (``strawq.planner``); this class makes them durable
         self.planner = ReleasePlanner(dataset, queue.config, queue.storage)
         self._reader = self.planner.reader
+        #: called as ``on_progress(staged, rows)`` every ``PROGRESS_EVERY`` rows a release
+        #: stages (``strawq release`` shows it: a long release is not silent); None: quiet
+        self.on_progress: Callable[[int, int], None] | None = None
         #: rows this feeder's releases skipped by the history's rule (``prompt_policy``)
         self.skipped_total = 0
         self._skipped: list[str] = []
@@ -195,6 +201,13 @@ class Feeder:
                 continue
             log.log(level, "discarding uncommitted release staging/%s", name)
             self._discard(name)
+
+    def _discard_quietly(self, staging: str) -> None:
+        try:
+            self._discard(staging)
+        except StorageError as exc:
+            log.warning("could not delete the refused release's staging/%s (%s); strawq gc "
+                        "removes it", staging, exc)
 
     def _discard(self, staging: str) -> None:
         for f in self.storage.list(f"staging/{staging}"):
@@ -329,7 +342,9 @@ class Feeder:
         good = 0
         skipped = {s.index for s in plan.skips} if plan else set()
         order = dict(zip(plan.order, sorted(plan.order), strict=True)) if plan else {}
-        for index, row in rows:
+        for done, (index, row) in enumerate(rows):
+            if self.on_progress is not None and done % PROGRESS_EVERY == 0:
+                self.on_progress(done, len(rows))
             task_id = dataset_task_id(index)
             if isinstance(row, BadRow):
                 self._record_bad_row(task_id, row)
@@ -353,7 +368,11 @@ class Feeder:
     def _stage_and_commit(self, cur: Cursor, rows: Rows, n: int, seq: int, staging: str,
                           recent: tuple[int, int], plan: Plan) -> int | None:
         passes = self.passes(cur)
-        good = self._stage(rows, staging, passes, plan)
+        try:
+            good = self._stage(rows, staging, passes, plan)
+        except StorageError:  # refused (a full disk): what it staged goes, not left behind
+            self._discard_quietly(staging)
+            raise
         end = rows[-1][0] + 1 if rows else cur.next_index
         exhausted = len(rows) < n
         new = Cursor(seq, end, staging if good else None, exhausted, self._reader.fingerprint,

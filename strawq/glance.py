@@ -30,7 +30,6 @@ shown, never acted on). What is stalled, and why, is ``Glance.stalls``.
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,14 +44,16 @@ from strawq.liveness import known_dead, parse_identity
 from strawq.names import heartbeat_key, parse_heartbeat_state
 from strawq.queue import RunQueue
 from strawq.records import Kind
-from strawq.status import RunStatus, run_status
+from strawq.finished import finished as run_finished
+from strawq.status import LOW_SHARE, RunStatus, run_status
 from strawq.storage import Storage
 
 #: A bracket open this long is a stall even if it waits for nobody dead (a weight update
 #: of a large model takes minutes, not ten).
 BRACKET_STALL_S = 600.0
-#: Free share of the volume under which the disk is reported as nearly full.
-DISK_LOW_RATIO = 0.05
+#: Free share of the volume under which the disk is reported as nearly full (as the
+#: collector's warning, ``strawq.status.LOW_SHARE``).
+DISK_LOW_RATIO = LOW_SHARE
 #: The party ``Watcher`` keys the collector under (producer ids never hold a ``:``).
 COLLECTOR = ":collector"
 
@@ -209,24 +210,16 @@ class Bracket:
 
 
 def trainer_section(storage: Storage) -> dict[str, Any] | None:
-    """The trainer's liveness, when the run records who trains it; None: not known.
+    """The trainer's holder as the trainer fence records it (``strawq.trainer_epochs``);
+    None when no trainer has held the run ("trainer: unknown")."""
+    from strawq.trainer_epochs import read_trainer_holder
 
-    The place for a trainer fence's holder: a core module ``strawq.trainer_epochs`` with
-    ``read_trainer_holder(storage)``, when present, is read here; without it, or with no
-    holder recorded, ``strawq status`` says "trainer: unknown"."""
-    try:
-        fence = importlib.import_module("strawq.trainer_epochs")
-    except ImportError:
-        return None
-    read = getattr(fence, "read_trainer_holder", None)
-    holder = read(storage) if callable(read) else None
+    holder = read_trainer_holder(storage)
     if holder is None:
         return None
-    describe = getattr(holder, "describe", None)
-    return {"state": "released" if getattr(holder, "released", False) else "holding",
-            "epoch": getattr(holder, "epoch", None),
-            "heartbeat_age_s": getattr(holder, "heartbeat_age_s", None),
-            "detail": str(describe()) if callable(describe) else ""}
+    return {"state": "released" if holder.released else "holding", "epoch": holder.epoch,
+            "host": holder.host, "pid": holder.pid,
+            "heartbeat_age_s": holder.heartbeat_age_s, "detail": holder.describe()}
 
 
 @dataclass
@@ -242,6 +235,8 @@ class Glance:
     stalls: list[str] = field(default_factory=list)
     #: seconds the heartbeats were watched for this look
     watched_s: float = 0.0
+    #: the run's "finished" record (``strawq.finished``): it drained; None while it goes on
+    finished: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -255,7 +250,7 @@ class Glance:
                           if self.collector else {"state": "none"})},
             bracket=asdict(self.bracket) if self.bracket else None,
             trainer=self.trainer or {"state": "unknown"}, stalls=list(self.stalls),
-            watched_s=self.watched_s)
+            watched_s=self.watched_s, finished=self.finished)
         return out
 
 
@@ -305,6 +300,10 @@ def glance(queue: RunQueue, path: str, watcher: Watcher, *, sample_s: float = 0.
         g.bracket.waiting = {p.name: p.why() for p in g.producers
                              if p.name not in g.bracket.acked and p.state != "idle"}
     g.trainer = trainer_section(queue.storage)
+    try:
+        g.finished = run_finished(queue.storage)
+    except StrawqError:
+        g.finished = None  # an unreadable record: judged as a run that goes on
     g.stalls = stalls(g, cfg.liveness_s)
     return g
 
@@ -314,6 +313,8 @@ def stalls(g: Glance, liveness_s: float) -> list[str]:
     out: list[str] = []
     st = g.status
     c = st.counts
+    if g.finished is not None:  # drained: parts stopping is the end, not a stall
+        return _disk_stall(st.disk)
     work = sum(c.get(k, 0) for k in ("pending", "partial", "leased", "ready")) > 0 or (
         bool(st.cursor) and not st.cursor.get("exhausted"))
     b = g.bracket
@@ -341,12 +342,15 @@ def stalls(g: Glance, liveness_s: float) -> list[str]:
         out.append(f"collector stopped (epoch {g.collector_epoch} closed) with work left")
     elif col.state == "silent":
         out.append(f"collector {col.why()}")
-    d = st.disk
+    return out + _disk_stall(st.disk)
+
+
+def _disk_stall(d: dict[str, Any]) -> list[str]:
     ratio = d.get("free_ratio")
-    if d.get("full") or (isinstance(ratio, float) and ratio < DISK_LOW_RATIO):
+    if d.get("full") or d.get("low") or (isinstance(ratio, float) and ratio < DISK_LOW_RATIO):
         used = f"{(1 - ratio) * 100:.0f}% full" if isinstance(ratio, float) else "full"
-        out.append(f"disk {used} ({size(int(d.get('free_bytes', 0)))} free)")
-    return out
+        return [f"disk {used} ({size(int(d.get('free_bytes', 0)))} free)"]
+    return []
 
 
 def duration(seconds: float | None) -> str:

@@ -37,9 +37,12 @@ def render(g: Glance) -> str:
     """The lines of ``strawq status`` (no Python structures: words and numbers)."""
     st = g.status
     out = [f"run {g.path}  (weight version {st.current_version})"]
+    if g.finished is not None:
+        out.append(f"  finished: the run drained (last batch {g.finished.get('last_seq', '?')});"
+                   " its parts stop by themselves")
     if g.stalls:
         out += [f"  STALLED: {s}" for s in g.stalls]
-    else:
+    elif g.finished is None:
         out.append("  ok: nothing stalled")
     b = g.bracket
     if b is not None and b.open:
@@ -92,6 +95,10 @@ def render(g: Glance) -> str:
         from strawq.status import full_message
 
         out.append(f"  disk full: {d['free_bytes']} bytes free; {full_message(g.path)}")
+    elif d.get("low"):
+        from strawq.status import low_message
+
+        out.append(f"  disk low: {low_message(g.path, d)}")
     if st.engines_needing_weights:
         out.append("  engines needing weights (out of rotation until the trainer pushes "
                    f"version {st.current_version}; docs/troubleshooting.md):")

@@ -160,7 +160,9 @@ class GroupData:
                if self.extras else {}),
         }
 
-    def encode(self, kind: Kind = Kind.GROUP) -> list[bytes]:
+    def encode(self, kind: Kind = Kind.GROUP, *, run_format: int = 1) -> list[bytes]:
+        """The record, in the schema ``kind`` has in ``run_format`` (the run's format:
+        ``strawq.formats``)."""
         self.validate()
         tables = {
             "prompt": {"ids": self.prompt_ids},
@@ -170,7 +172,7 @@ class GroupData:
             tables[f"x.{name}"] = {"v": x.values.reshape(-1)}
             if x.counts is not None:
                 tables[f"x.{name}.n"] = {"n": x.counts}
-        return records.encode(kind, {"group": self.summary()}, tables)
+        return records.encode(kind, {"group": self.summary()}, tables, run_format=run_format)
 
     @classmethod
     def from_record(cls, rec: records.Record) -> GroupData:

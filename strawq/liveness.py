@@ -18,6 +18,8 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from strawq.records import newest_format
+
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
@@ -37,9 +39,10 @@ def _pid_namespace() -> str:
 
 
 def identity() -> dict[str, Any]:
-    """This process: ``{"host", "boot", "pidns", "pid"}``."""
+    """This process: ``{"host", "boot", "pidns", "pid", "reads"}``; ``reads`` is the newest
+    run format it reads (``strawq.formats``: ``strawq upgrade`` checks it)."""
     return {"host": socket.gethostname(), "boot": _boot_id(), "pidns": _pid_namespace(),
-            "pid": os.getpid()}
+            "pid": os.getpid(), "reads": newest_format()}
 
 
 def identity_bytes() -> bytes:
@@ -58,14 +61,31 @@ def parse_identity(body: bytes) -> dict[str, Any] | None:
     return who if isinstance(who, dict) else None
 
 
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` is a zombie: it exited and only waits for its parent to reap it
+    (``/proc/<pid>/stat`` state ``Z``; ``X``: being reaped). False where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # the command name is in parentheses and may hold spaces or ')': the state follows the last
+    head, _, rest = stat.rpartition(b")")
+    state = rest.split()[:1]
+    return bool(head) and state in ([b"Z"], [b"X"])
+
+
 def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` names a running process. A zombie (a process that exited but was not
+    reaped yet: a collector killed with -9 whose parent has not waited for it) is dead: it
+    can never write again."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:  # EPERM: it exists, under another user
-        return True
-    return True
+        return not _zombie(pid)
+    return not _zombie(pid)
 
 
 def known_dead(who: Mapping[str, Any] | None) -> bool:

@@ -18,6 +18,7 @@ Layout of ``<root>/<run_id>/`` (see ``docs/protocol.md`` for the crash table)::
     hb/<producer>~<counter>  heartbeat counters (the name is the data; the body names the process)
     versions/<v>             the weight version the collector has announced
     quarantine/              records that failed their checks, moved aside
+    format/<n>               the run's on-disk format, raised by ``strawq upgrade`` (strawq.formats)
 
 Every transition is one atomic rename made by ``strawq.states.move``, which also knows
 which directory holds each state.
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from strawq import records
 from strawq.config import QueueConfig, from_dict, to_dict
 from strawq.eta import EtaPolicy, PolicyCache
+from strawq.formats import FormatCache, check_readable
 from strawq.errors import (AlreadyExists, ConfigError, CorruptRecord, LeaseLost, NotFound,
                            StorageError, TaskNotFound)
 from strawq.liveness import identity_bytes
@@ -100,6 +102,8 @@ class RunQueue:
         if config is None:
             config = self._load_config()
         self.config = config
+        #: the run's format, which this queue's writers write (``strawq.formats``)
+        self.formats = FormatCache(storage)
         self._hb_counter: dict[str, int] = {}
         self._hb_idle: dict[str, bool] = {}
         self._fresh: _OrderedSet = _OrderedSet()
@@ -142,6 +146,7 @@ class RunQueue:
         except NotFound:
             raise NotFound(2, f"no strawq run at {self.storage.describe()}: run "
                               "'strawq init' first") from None
+        check_readable(self.storage)
         return from_dict(QueueConfig, rec.meta["config"], where=RUN_KEY)
 
     # -- reading task records ----------------------------------------------------------------
@@ -386,7 +391,7 @@ class RunQueue:
         """Payload first (durable), then the fencing rename; a fenced payload is removed."""
         self._check_group(lease, group)
         payload = data_key(lease.task_id, lease.gen, suffix)
-        self._publish_payload(lease, payload, group.encode(kind))
+        self._publish_payload(lease, payload, group.encode(kind, run_format=self.formats.get()))
         try:
             moved = self._move_lease(lease, dst, new)
         except LeaseLost:

@@ -10,13 +10,17 @@ Layout of every record (little endian)::
     12  u32        reserved (0)
     16  u64        payload_len
     24  u64        xxh3_64 of meta bytes + payload bytes
-    32  meta       msgpack map (schema version under "v")
+    32  meta       msgpack map (schema version under "v": ``schema_of``)
     ..  padding    zeros up to a 64-byte boundary
     P   payload    Arrow IPC streams, one per table, each starting 64-byte aligned
 
 The payload offset is aligned so that a memory-mapped record hands Arrow (and then torch)
 aligned buffers with no copy. Payloads are data, never code: no pickle (docs/design.md, invariant
 7).
+
+A record newer than this strawq reads (a framing version past ``FORMAT_VERSION``, a schema
+version past its kind's in ``newest_format()``) raises ``NewerFormat``, not ``CorruptRecord``:
+it is not quarantined, and the part that met it stops (``strawq.formats``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import xxhash
 
-from strawq.errors import CorruptRecord
+from strawq.errors import CorruptRecord, NewerFormat
 
 if TYPE_CHECKING:  # numpy and pyarrow load on first use: reading metadata needs neither
     import numpy as np
@@ -40,6 +44,9 @@ if TYPE_CHECKING:  # numpy and pyarrow load on first use: reading metadata needs
 
 MAGIC = b"SQRC"
 FORMAT_VERSION = 1
+#: A framing version up to this far past ``FORMAT_VERSION`` is a newer strawq's; further is
+#: a damaged header (the header is not under the checksum).
+NEWER_FRAMING_SPAN = 16
 SCHEMA_VERSION = 1
 HEADER = struct.Struct("<4sBBHIIQQ")
 ALIGN = 64
@@ -60,6 +67,57 @@ class Kind(enum.IntEnum):
     STATE = 11
     #: a rank's packed shard of a batch (``strawq.packed``): raw aligned arrays
     PACKED = 12
+
+
+#: Run format -> schema version per record kind (a kind not named has schema 1). A run
+#: format's schemas are never below the previous format's. ``strawq.testing.formats``
+#: adds a simulated newer format to test upgrades.
+_RUN_FORMATS: dict[int, dict[Kind, int]] = {1: {}}
+
+
+def newest_format() -> int:
+    """The newest run format this strawq reads and can write (``strawq.formats``)."""
+    return max(_RUN_FORMATS)
+
+
+def schema_of(run_format: int, kind: Kind) -> int:
+    """The schema version records of ``kind`` have in run format ``run_format``."""
+    try:
+        return _RUN_FORMATS[run_format].get(kind, SCHEMA_VERSION)
+    except KeyError:
+        raise NewerFormat(f"run format {run_format} is not one this strawq knows (it knows "
+                          f"{sorted(_RUN_FORMATS)}): upgrade this part") from None
+
+
+def reads(kind: Kind) -> int:
+    """The newest schema version of ``kind`` this strawq reads."""
+    return schema_of(newest_format(), kind)
+
+
+def _newer(name: str, kind: Kind, version: int) -> NewerFormat:
+    return NewerFormat(f"{name}: a {kind.name} record of schema version {version}; this strawq "
+                       f"reads {kind.name} records up to version {reads(kind)} (run format "
+                       f"{newest_format()}). It is a newer strawq's record, not a corrupt one: "
+                       "nothing was dropped or moved. Upgrade this part (docs/operations.md, "
+                       "Upgrading a live run)")
+
+
+def _check_schema(name: str, kind: Kind, meta: dict[str, Any]) -> None:
+    v = meta.get("v")
+    if type(v) is not int or v < 1:
+        raise CorruptRecord(f"{name}: schema version {v!r}, expected a positive integer")
+    if v > reads(kind):
+        raise _newer(name, kind, v)
+
+
+def _check_framing(name: str, fmt: int) -> None:
+    if FORMAT_VERSION < fmt <= FORMAT_VERSION + NEWER_FRAMING_SPAN:
+        raise NewerFormat(f"{name}: record framing version {fmt}, this strawq reads "
+                          f"{FORMAT_VERSION}. It is a newer strawq's record, not a corrupt "
+                          "one: nothing was dropped or moved. Upgrade this part "
+                          "(docs/operations.md, Upgrading a live run)")
+    if fmt != FORMAT_VERSION:
+        raise CorruptRecord(f"{name}: format version {fmt}, this strawq reads {FORMAT_VERSION}")
 
 
 def _pad(n: int) -> int:
@@ -128,10 +186,13 @@ def decode_tables(index: Mapping[str, Any], payload: memoryview) -> dict[str, pa
 
 
 def encode(kind: Kind, meta: Mapping[str, Any],
-           tables: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> list[bytes]:
-    """Frame a record; returns buffers to write back to back (see ``Storage.publish``)."""
+           tables: Mapping[str, Mapping[str, np.ndarray]] | None = None, *,
+           run_format: int = 1) -> list[bytes]:
+    """Frame a record; returns buffers to write back to back (see ``Storage.publish``).
+    Its schema version is ``kind``'s in ``run_format`` (the run's, never this strawq's
+    newest: ``strawq.formats``)."""
     meta = dict(meta)
-    meta.setdefault("v", SCHEMA_VERSION)
+    meta.setdefault("v", schema_of(run_format, kind))
     chunks: list[bytes] = []
     if tables:
         index, chunks = encode_tables(tables)
@@ -186,9 +247,7 @@ def decode(data: bytes | memoryview, *, expect: Kind | None = None, name: str = 
     magic, fmt, kind, _r, meta_len, _r2, payload_len, digest = HEADER.unpack_from(view)
     if magic != MAGIC:
         raise CorruptRecord(f"{name}: bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if fmt != FORMAT_VERSION:
-        raise CorruptRecord(f"{name}: format version {fmt}, this strawq reads {FORMAT_VERSION}; "
-                            "upgrade strawq to read it")
+    _check_framing(name, fmt)
     try:
         kind_e = Kind(kind)
     except ValueError:
@@ -215,9 +274,7 @@ def decode(data: bytes | memoryview, *, expect: Kind | None = None, name: str = 
         raise CorruptRecord(f"{name}: metadata is not valid msgpack: {exc}") from exc
     if not isinstance(meta, dict):
         raise CorruptRecord(f"{name}: metadata must be a map, found {type(meta).__name__}")
-    if meta.get("v") != SCHEMA_VERSION:
-        raise CorruptRecord(f"{name}: schema version {meta.get('v')!r}, this strawq reads "
-                            f"{SCHEMA_VERSION}")
+    _check_schema(name, kind_e, meta)
     return Record(kind_e, meta, payload)
 
 
@@ -231,8 +288,9 @@ def decode_meta_only(prefix: bytes, *, name: str = "record") -> tuple[Kind, dict
     if len(view) < HEADER.size:
         raise CorruptRecord(f"{name}: truncated header ({len(view)} bytes)")
     magic, fmt, kind, _r, meta_len, _r2, _pl, _d = HEADER.unpack_from(view)
-    if magic != MAGIC or fmt != FORMAT_VERSION:
+    if magic != MAGIC:
         raise CorruptRecord(f"{name}: bad magic or format version")
+    _check_framing(name, fmt)
     try:
         kind_e = Kind(kind)
     except ValueError:
@@ -246,6 +304,8 @@ def decode_meta_only(prefix: bytes, *, name: str = "record") -> tuple[Kind, dict
         raise CorruptRecord(f"{name}: metadata is not valid msgpack: {exc}") from exc
     if not isinstance(meta, dict) or not meta:
         raise CorruptRecord(f"{name}: metadata must be a non-empty map, found {meta!r:.40}")
+    if type(meta.get("v")) is int and meta["v"] > reads(kind_e):
+        raise _newer(name, kind_e, meta["v"])
     return kind_e, meta, need
 
 

@@ -17,16 +17,22 @@ invariant 1); a second requeue of the same task loses the rename and skips it. P
 claim a requeued task like any returned one; the collector's admission counts it as
 running. The one writer that also removes ``dropped/`` entries is the drop compaction
 (``strawq.retention.compact_drops``): an entry it has already folded into the drop audit
-is gone (its task record with it) and cannot be requeued; one it folds in while it is
+is requeued from the audit's kept records (below); one it folds in while it is
 being requeued is counted by the audit as dropped, so the requeue publishes a correcting
 audit segment that takes it out of the counts again (and keeps the audit's list of
 compacted entries). A compaction that listed the entry before the move but publishes its
 segment only after the requeue's check still counts it: the audit's count of that reason
 is then one high per such task (the task itself is in one state, and trained once).
 Requeue while no compaction runs (``dropped/`` below the collector's ``COMPACT_DROPS_AT``
-entries, no ``strawq gc``) and the counts are exact. Rows that failed validation at
-release (``bad_row``) have no task to run and are refused: fix the rows and release them
-again (docs/datasets.md).
+entries, no ``strawq gc``) and the counts are exact.
+
+A drop the compaction already folded in is still requeued while its task record is kept
+(``audit/kept/``, ``strawq.retention.KEEP_DROPS_DAYS`` days, until ``strawq gc --expire``):
+COMPACTED -> PENDING by the same one rename, then an audit segment takes it out of the
+counts (``requeued``). Once expired, it is gone and counted in ``compacted``.
+
+Rows that failed validation at release (``bad_row``) have no task to run and are refused:
+fix the rows and release them again (docs/datasets.md).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from strawq.errors import AlreadyExists, CorruptRecord, NotFound, StrawqError
 from strawq.names import STAGE_REQUEUED, TaskName, queue_key, validate_id
 from strawq.queue import RunQueue
 from strawq.records import Kind
-from strawq.retention import AUDIT_DIR, SEGMENTS, latest_audit
+from strawq.retention import AUDIT_DIR, SEGMENTS, kept_drops, latest_audit, restore_kept
 from strawq.states import TaskState, entries, move
 from strawq.storage import Storage
 
@@ -65,8 +71,10 @@ class RequeueReport:
     requeued: list[str] = field(default_factory=list)
     #: task ids another mover took first (compacted, or a concurrent requeue)
     skipped: list[str] = field(default_factory=list)
-    #: drops of this reason already folded into the drop audit: gone, not requeued
+    #: drops of this reason folded into the drop audit whose task record expired: gone
     compacted: int = 0
+    #: task ids requeued from the drop audit's kept records (a subset of ``requeued``)
+    from_audit: list[str] = field(default_factory=list)
     #: entries the drop compaction took into the audit while they were requeued (the
     #: audit's counts were corrected)
     corrected: list[str] = field(default_factory=list)
@@ -92,11 +100,14 @@ def requeue_dropped(queue: RunQueue, reason: str, *, dry_run: bool = False,
     storage = queue.storage
     rep = RequeueReport(reason, dry_run=dry_run)
     audit_seq = latest_audit(storage).seq  # before the listing: see _correct_audit
-    rep.compacted = int(latest_audit(storage).counts.get(reason, 0))
     todo = [name for _key, name in entries(storage, TaskState.DROPPED)
             if name.producer == reason][:limit]
+    kept = kept_drops(storage, reason)
+    rep.compacted = max(0, int(latest_audit(storage).counts.get(reason, 0)) - len(kept))
+    kept = kept[:None if limit is None else max(0, limit - len(todo))]
     if dry_run:
-        rep.requeued = [n.id for n in todo]
+        rep.requeued = [n.id for n in todo] + [n.id for _k, n in kept]
+        rep.from_audit = [n.id for _k, n in kept]
         return rep
     moved: list[TaskName] = []
     for name in todo:
@@ -113,9 +124,45 @@ def requeue_dropped(queue: RunQueue, reason: str, *, dry_run: bool = False,
     if moved:
         storage.sync_dirs(["pending", "dropped"])
         rep.corrected = _correct_audit(storage, moved, audit_seq)
+    restored = []
+    for key, name in kept:
+        new = requeued_from_drop(name)
+        queue.write_note(new, NOTE_KIND, reason,
+                         f"requeued from the drop audit ({key}) by strawq requeue")
+        try:
+            restore_kept(storage, key, name, new)
+        except NotFound:  # expired, or requeued by another process, since the listing
+            rep.skipped.append(name.id)
+            continue
+        restored.append(name)
+        rep.requeued.append(name.id)
+        rep.from_audit.append(name.id)
+    if restored:
+        storage.sync_dirs(["pending"])
+        _uncount(storage, restored)
     log.info("requeued %d tasks dropped with reason %s (%d taken by another mover)",
              len(rep.requeued), reason, len(rep.skipped))
     return rep
+
+
+def _uncount(storage: Storage, names: list[TaskName]) -> None:
+    """Publish an audit segment that takes ``names`` (requeued from the kept records) out
+    of the drop counts."""
+    for _attempt in range(10):
+        latest = latest_audit(storage)
+        counts = Counter(latest.counts)
+        counts.subtract(n.producer or "unknown" for n in names)
+        body = {"counts": {k: v for k, v in counts.items() if v > 0},
+                "compacted": latest.compacted, "drops": [], "merged": False,
+                "requeued": [str(n) for n in names], "at": time.time()}
+        try:
+            storage.publish(_segment_key(latest.seq + 1), records.encode(Kind.STATE, body))
+            return
+        except AlreadyExists:  # another compaction first: count again
+            continue
+    log.error("could not publish the drop audit's correction for %d requeued tasks (10 "
+              "compactions raced it); its counts of reason %s stay %d high", len(names),
+              names[0].producer, len(names))
 
 
 def _segment_key(seq: int) -> str:

@@ -11,7 +11,10 @@ control records). ``BatchStore.gc`` retires acked batches; this module does the 
   compactor loses) before the entries it names are deleted, and the next compaction first
   finishes those deletions, so a crash in between neither loses nor double-counts a drop.
   Past ``MAX_SEGMENTS`` the segments are merged into one (the newest ``KEEP_DETAILS``
-  drops stay in detail; the counts are always complete).
+  drops stay in detail; the counts are always complete). A folded entry's task record is
+  not deleted: it moves to ``audit/kept/<day>/`` (the day it was folded in), where
+  ``strawq requeue`` still finds it, for ``KEEP_DROPS_DAYS`` days; ``expire_kept`` (every
+  GC: past the window; ``strawq gc --expire``: all of them) deletes it after that.
 * ``sweep_payloads`` removes ``data/`` records that no live entry needs: payloads and notes
   of trained or compacted tasks, and payloads of generations that were fenced off.
   ``data/`` is listed *before* the state directories, so a record whose task is alive at
@@ -23,12 +26,17 @@ control records). ``BatchStore.gc`` retires acked batches; this module does the 
   checkpoints while it is pending, partial, leased or dropped (a re-lease, or an operator's
   ``strawq requeue``, resumes from them); once it is ready, batched or trained its group is
   persisted elsewhere. ``turns/`` is listed first, for the reason ``data/`` is.
+* ``sweep_staging`` removes release staging (``staging/``) that no release will commit: at
+  or below the newest committed cursor (its writer lost or died, as ``Feeder.recover``
+  does), or older than a grace by its mtime (a release refused or killed before its
+  commit); the newest cursor's own staging (committed, its promotion pending) is kept.
 * ``live_files`` counts files per top-level directory (``bench/queue_ops.py``, tests).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -36,12 +44,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strawq import records
+from strawq.cursor import PREPARED, cursor_key, list_cursors, newest_seq
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.history import attempt_row, record_attempts
 from strawq.names import TaskName, note_key
 from strawq.numbered import Numbered
 from strawq.records import Kind
-from strawq.states import TaskState, entries, names_in, retire
+from strawq.states import RELEASES, TaskState, entries, key_of, move, names_in, retire
 from strawq.storage import Storage
 from strawq.turns import TURNS_DIR
 
@@ -55,6 +64,13 @@ SEGMENTS = Numbered(SEGMENT_PREFIX)
 MAX_SEGMENTS = 16
 #: Drops kept in detail (id, reason, message) by a merge; counts are never truncated.
 KEEP_DETAILS = 10_000
+#: ``audit/kept/<day>/<name>``: the task records of compacted drops, by the day (UTC days
+#: since the epoch) they were folded in, for ``strawq requeue``
+KEPT_DIR = f"{AUDIT_DIR}/kept"
+DAYS = Numbered(width=8)
+#: Days a compacted drop stays requeueable (``strawq gc --expire`` ends it at once).
+KEEP_DROPS_DAYS = 7
+DAY_S = 86_400.0
 #: States whose entries keep a task's records alive, listed in the direction work flows.
 LIVE_STATES = (TaskState.PENDING, TaskState.PARTIAL, TaskState.LEASED, TaskState.READY,
                TaskState.BATCHED, TaskState.DROPPED)
@@ -124,11 +140,59 @@ def find_drop(storage: Storage, task_id: str) -> dict[str, Any] | None:
     return None
 
 
+def _today() -> int:
+    return int(time.time() // DAY_S)
+
+
 def _delete_dropped(storage: Storage, names: Iterable[TaskName]) -> None:
-    """DROPPED -> COMPACTED for drops the audit holds: the note, then the entry."""
+    """DROPPED -> COMPACTED for drops the audit holds: the note goes, the entry (the task
+    record) moves to ``audit/kept/<today>/`` (idempotent: a missing entry is skipped)."""
+    names = list(names)
+    if not names:
+        return
+    day = f"{KEPT_DIR}/{DAYS.name(_today())}"
+    storage.makedirs(day)
     for name in names:
         storage.delete(note_key(name.id, name.gen, "drop", name.producer or ""))
-        retire(storage, name, TaskState.DROPPED, TaskState.COMPACTED)
+        retire(storage, name, TaskState.DROPPED, TaskState.COMPACTED, keep_at=f"{day}/{name}")
+    storage.sync_dirs([day, key_of(TaskState.DROPPED, names[0]).rpartition("/")[0]])
+
+
+def kept_drops(storage: Storage, reason: str | None = None) -> list[tuple[str, TaskName]]:
+    """(key, name) of the compacted drops still kept (of ``reason``), oldest day first."""
+    out: list[tuple[str, TaskName]] = []
+    for day in DAYS.numbers(storage.list(KEPT_DIR)):
+        d = f"{KEPT_DIR}/{DAYS.name(day)}"
+        for n in storage.list(d):
+            name = TaskName.try_parse(n)
+            if name is not None and (reason is None or name.producer == reason):
+                out.append((f"{d}/{n}", name))
+    return out
+
+
+def restore_kept(storage: Storage, key: str, name: TaskName, new: TaskName) -> str:
+    """COMPACTED -> PENDING: a kept task record back into the queue as ``new`` (one rename;
+    ``NotFound`` when another mover or the expiry took it first)."""
+    return move(storage, name, TaskState.COMPACTED, TaskState.PENDING, new, src_key=key,
+                sync_dir=False)
+
+
+def expire_kept(storage: Storage, *, keep_days: float = KEEP_DROPS_DAYS) -> int:
+    """Delete the kept task records folded in more than ``keep_days`` days ago (0: all of
+    them); they can no longer be requeued. Returns how many were deleted."""
+    removed = 0
+    horizon = _today() - keep_days if keep_days > 0 else float("inf")
+    for day in DAYS.numbers(storage.list(KEPT_DIR)):
+        if day >= horizon:
+            continue
+        d = f"{KEPT_DIR}/{DAYS.name(day)}"
+        for n in storage.list(d):
+            storage.delete(f"{d}/{n}")
+            removed += 1
+        storage.rmdir(d)
+    if removed:
+        log.info("%d compacted drops expired: they can no longer be requeued", removed)
+    return removed
 
 
 def _row(storage: Storage, name: TaskName) -> dict[str, Any]:
@@ -264,6 +328,59 @@ def sweep_turns(storage: Storage) -> int:
             storage.delete(f"{d}/{n}")
             removed += 1
         storage.rmdir(d)
+    return removed
+
+
+STAGING_DIR = "staging"
+
+
+def _committed_staging(storage: Storage) -> str | None:
+    """The staging the newest cursor record names (a committed release, maybe not yet
+    promoted); None when it names none or cannot be read (then nothing above the newest
+    number is judged by it)."""
+    newest = list_cursors(storage, newest_only=True)
+    if not newest:
+        return None
+    key = cursor_key(newest[-1][2])
+    try:
+        staging = records.decode(storage.read(key), expect=Kind.CURSOR, name=key).meta.get(
+            "staging")
+    except (CorruptRecord, NotFound):
+        return None
+    return staging if isinstance(staging, str) else None
+
+
+def sweep_staging(storage: Storage, *, grace_s: float = 3600.0) -> int:
+    """Delete abandoned release staging (see the module docstring); returns the files
+    deleted. ``grace_s``: the age past which staging above the newest cursor is abandoned
+    (a release takes seconds to stage)."""
+    listed = storage.list(STAGING_DIR)
+    if not listed:
+        return 0
+    keep = _committed_staging(storage)
+    committed = newest_seq(storage)
+    now, removed = time.time(), 0
+    for name in listed:
+        if name == keep:
+            continue
+        number = RELEASES.parse(name)
+        number = PREPARED.parse(name) if number is None else number
+        d = f"{STAGING_DIR}/{name}"
+        if number is None or number > committed:
+            path = storage.local_path(d)
+            try:
+                old = path is not None and now - os.stat(path).st_mtime >= grace_s
+            except OSError:
+                old = False
+            if not old:
+                continue  # another writer's release in progress, maybe
+        if not storage.is_dir(d):
+            continue
+        for f in storage.list(d):
+            storage.delete(f"{d}/{f}")
+            removed += 1
+        storage.rmdir(d)
+        log.info("removed abandoned release staging %s", d)
     return removed
 
 

@@ -14,7 +14,9 @@
     DROPPED ◀── drop, fail or expire after max_attempts (from LEASED); drop for the η bound
                 at claim (LEASED) or at batch time, or a corrupt payload (READY); drop_from
                 (BATCHED); a bad dataset row.
-    DROPPED ─compact─▶ COMPACTED   folded into the drop audit (``strawq.retention``)
+    DROPPED ─compact─▶ COMPACTED   folded into the drop audit (``strawq.retention``); its
+                                   task record is kept in ``audit/kept/`` for a window
+    COMPACTED ─requeue─▶ PENDING   ``strawq requeue`` of a compacted drop still kept
     DROPPED ─requeue─▶ PENDING     an operator's ``strawq requeue`` (``strawq.requeue``):
                                    gen + 1, attempts 0, no prefix; the drop note stays
 
@@ -27,9 +29,9 @@ PENDING and PARTIAL share ``pending/``: the stage letter of a name's key tells t
 (``a`` partial, ``b`` returned, ``c`` fresh; see ``strawq.names``). Fresh tasks arrive a whole
 release at a time in ``pending/r-<seq>/`` (one directory rename by the feeder); bad dataset
 rows are published straight into ``dropped/``. TRAINED and COMPACTED have no directory
-(``RETIRED``): ``gc`` deletes a BATCHED entry once the trainer acked its batch, and
-``compact_drops`` deletes a DROPPED entry once the drop audit holds it, each through
-``retire``.
+(``RETIRED``): ``gc`` deletes a BATCHED entry once the trainer acked its batch, through
+``retire``, and ``compact_drops`` moves a DROPPED entry out of ``dropped/`` once the drop
+audit holds it (into ``audit/kept/``, which no state listing reads).
 
 Every other arrow is one atomic rename, made by ``move``, which checks the transition against
 ``TRANSITIONS`` first. Only the holder of a lease — or the grantor, after expiry — moves a
@@ -46,7 +48,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from strawq.errors import StrawqError
+from strawq.errors import AlreadyExists, NotFound, StrawqError
 from strawq.names import STAGE_PARTIAL, TaskName
 from strawq.numbered import Numbered
 from strawq.storage import Storage
@@ -100,7 +102,10 @@ TRANSITIONS: dict[tuple[TaskState, TaskState], str] = {
     (S.BATCHED, S.DROPPED): "drop_from batched (collector)",
     (S.BATCHED, S.TRAINED): "ack (trainer) then gc (collector): the entry is deleted",
     (S.DROPPED, S.COMPACTED): "compact_drops (collector GC, strawq gc): the drop audit holds "
-                              "it; the entry is deleted",
+                              "it; the entry moves to audit/kept/ (strawq.retention) until "
+                              "it expires",
+    (S.COMPACTED, S.PENDING): "requeue_dropped of a compacted drop still kept (operator: "
+                              "strawq requeue): as from DROPPED",
     (S.DROPPED, S.PENDING): "requeue_dropped (operator: strawq requeue): a fresh generation, "
                             "attempts 0, no prefix; the drop note is kept",
 }
@@ -157,14 +162,23 @@ def move(storage: Storage, name: TaskName, src: TaskState, dst: TaskState,
     return dst_key
 
 
-def retire(storage: Storage, name: TaskName, src: TaskState, dst: TaskState) -> None:
-    """``src -> dst`` for a ``dst`` without a directory (``RETIRED``): the entry is deleted
-    (idempotent: deleting a missing entry is a no-op)."""
+def retire(storage: Storage, name: TaskName, src: TaskState, dst: TaskState, *,
+           keep_at: str | None = None) -> None:
+    """``src -> dst`` for a ``dst`` without a directory (``RETIRED``): the entry is deleted,
+    or with ``keep_at`` moved there, out of every state listing (a compacted drop's task
+    record, kept for ``strawq requeue``: ``strawq.retention``). Idempotent: a missing entry
+    is a no-op."""
     check_transition(src, dst)
     if dst not in RETIRED:
         raise IllegalTransition(f"retire() deletes entries; {dst.value} has a directory: "
                                 "use move()")
-    storage.delete(key_of(src, name))
+    if keep_at is None:
+        storage.delete(key_of(src, name))
+        return
+    try:
+        storage.rename(key_of(src, name), keep_at, sync_dir=False)
+    except (NotFound, AlreadyExists):
+        pass  # moved (or requeued) by another mover first
 
 
 def delete_trained(storage: Storage, name: TaskName) -> None:

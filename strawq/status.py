@@ -20,13 +20,18 @@ from strawq.storage import Storage
 #: Free space under which a run's filesystem counts as full: any record write would fail
 #: there (one ordinary record is a few KiB; a group's payload, more).
 FULL_BELOW_BYTES = 64 * 1024
+#: Share of the volume under which free space (or free inodes) is *low*: the collector
+#: warns and ``strawq status`` says so while there is still room to act
+#: (``CollectorConfig.disk_warn_share``).
+LOW_SHARE = 0.05
 
 
-def disk_space(storage: Storage) -> dict[str, Any]:
-    """``{"path", "free_bytes", "total_bytes", "free_ratio", "free_inodes", "full"}`` of the
-    filesystem under a POSIX store (``statvfs``: what an unprivileged writer may still use,
-    and its share of the volume); ``{}`` for a store with no local path or a filesystem that
-    cannot say."""
+def disk_space(storage: Storage, *, low_share: float = LOW_SHARE) -> dict[str, Any]:
+    """``{"path", "free_bytes", "total_bytes", "free_ratio", "free_inodes", "full", "low"}``
+    of the filesystem under a POSIX store (``statvfs``: what an unprivileged writer may still
+    use, and its share of the volume); ``{}`` for a store with no local path or a filesystem
+    that cannot say. ``low``: free space or inodes under ``low_share`` of the volume's (or
+    the disk is full)."""
     path = storage.local_path("hb")
     if path is None:
         return {}
@@ -38,9 +43,23 @@ def disk_space(storage: Storage) -> dict[str, Any]:
     free = st.f_bavail * st.f_frsize
     inodes = st.f_favail if st.f_files else None  # 0 files: the filesystem does not count
     total = st.f_blocks * st.f_frsize
+    full = free < FULL_BELOW_BYTES or inodes == 0
+    low = full or free < low_share * total or (
+        inodes is not None and inodes < low_share * st.f_files)
     return {"path": root, "free_bytes": free, "total_bytes": total,
             "free_ratio": free / total if total else None, "free_inodes": inodes,
-            "full": free < FULL_BELOW_BYTES or inodes == 0}
+            "full": full, "low": low}
+
+
+def low_message(path: str, disk: dict[str, Any]) -> str:
+    """The warning while the disk under a run runs low (before it is full)."""
+    free, total = disk.get("free_bytes", 0), disk.get("total_bytes", 0) or 1
+    return (f"the disk under {path} is running low: {free / 2**20:.1f} MiB free "
+            f"({100 * free / total:.1f}% of the volume"
+            + (f", {disk['free_inodes']} inodes" if disk.get("free_inodes") is not None
+               else "") + f"). Act before it is full: strawq gc {path} (trained batches, "
+            f"dead writers' files, abandoned release staging), strawq gc --expire {path} "
+            "(also the compacted drops kept for strawq requeue), or raise the quota")
 
 
 def run_label(storage: Storage) -> str:
@@ -54,8 +73,10 @@ def run_label(storage: Storage) -> str:
 def full_message(path: str) -> str:
     """The one line every part gives when the disk under a run is full."""
     return (f"the disk under {path} is full: free space (strawq gc {path} removes trained "
-            "batches and dead writers' temporary files) or raise the quota; nothing was "
-            "lost, and producers and the collector retry and resume by themselves")
+            "batches, dead writers' temporary files and abandoned release staging; "
+            f"strawq gc --expire {path} also the compacted drops kept for strawq requeue) or "
+            "raise the quota; nothing was lost, and producers and the collector retry and "
+            "resume by themselves")
 
 
 @dataclass

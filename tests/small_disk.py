@@ -44,6 +44,11 @@ class SmallDisk:
     def free(self) -> None:
         os.unlink(self.ballast)
 
+    def shrink_ballast(self, nbytes: int) -> None:
+        """Give ``nbytes`` back: the filesystem is then nearly, not quite, full."""
+        size = os.path.getsize(self.ballast)
+        os.truncate(self.ballast, max(0, size - nbytes))
+
     def free_bytes(self) -> int:
         st = os.statvfs(self.path)
         return st.f_bavail * st.f_frsize

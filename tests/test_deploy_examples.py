@@ -94,6 +94,27 @@ def test_run_config_helper_loads_and_prints_sections(capsys: pytest.CaptureFixtu
     assert json.loads(capsys.readouterr().out) == _run_json()["queue"]
 
 
+def test_the_printed_producer_section_has_no_silent_one_slot_default(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """run.json gives no producer.budget.slots: the printed section leaves the key out, so
+    'strawq producer --config producer.json' derives the slots (--concurrency) or asks for
+    them instead of running one slot; a value the config does give is kept."""
+    spec = importlib.util.spec_from_file_location("run_config", DEPLOY / "examples" /
+                                                  "run_config.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "run_config", mod)
+    spec.loader.exec_module(mod)
+    assert "slots" not in (_run_json()["producer"].get("budget") or {})
+    assert mod.main([str(RUN_JSON), "--section", "producer"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert "slots" not in printed["budget"]
+    assert ProducerConfig.from_dict({**printed, "run_dir": "r"}).budget.slots == 1  # the class
+    assert mod.main([str(RUN_JSON), "--section", "producer", "--set",
+                     "producer.budget.slots=6"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget"]["slots"] == 6
+
+
 def test_declaration_example_loads_through_the_doctor() -> None:
     from strawq.doctor.declaration import load_declaration
 

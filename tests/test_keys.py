@@ -40,12 +40,17 @@ OWNERS = {
     "closed-": "strawq/epochs.py",
     "start-": "strawq/epochs.py",
     "hb-": "strawq/epochs.py",
+    "holder-": "strawq/trainer_epochs.py",
+    "beat-": "strawq/trainer_epochs.py",
+    "released-": "strawq/trainer_epochs.py",
+    "incarnations/": "strawq/incarnations.py",
     "policy-": "strawq/eta.py",
     "audit/": "strawq/retention.py",
     "drops-": "strawq/retention.py",
     "history/": "strawq/history.py",
     "cursor/": "strawq/cursor.py",
     "packed/": "strawq/packed.py",
+    "format/": "strawq/formats.py",
     "dropped/": "collector/trainer/metrics.py",  # the metric name; the entries go through states.py
 }
 
@@ -300,9 +305,9 @@ def test_compact_drops_retires_through_the_state_table(monkeypatch):
 
     real = retention.retire
 
-    def spy(storage, n, src, dst):  # type: ignore[no-untyped-def]
+    def spy(storage, n, src, dst, **kw):  # type: ignore[no-untyped-def]
         calls.append((n.id, src, dst))
-        real(storage, n, src, dst)
+        real(storage, n, src, dst, **kw)
 
     monkeypatch.setattr(retention, "retire", spy)
     assert compact_drops(st) == 1

@@ -172,9 +172,13 @@ class WeightUpdateBracket:
                  sleep: Callable[[float], None] = time.sleep,
                  repair: PushTo | None = None, repair_interval_s: float | None = 5.0,
                  rank: int | None = None, engine_urls: Sequence[str] = (),
-                 probe_timeout_s: float = PROBE_TIMEOUT_S, api_key: str | None = None
-                 ) -> None:
+                 probe_timeout_s: float = PROBE_TIMEOUT_S, api_key: str | None = None,
+                 fence: Callable[[], None] | None = None) -> None:
         self.queue = queue
+        #: called before every bracket write (``BatchReader``'s: the trainer fence, which
+        #: raises ``FencedOut`` once another trainer took the run over); None: unfenced
+        #: (an operator's tool settling a bracket)
+        self.fence = fence
         #: the trainer rank this bracket runs on (only rank 0 may open or close it)
         self.rank = _env_rank() if rank is None else int(rank)
         #: engines to probe besides those producers registered (``engine_versions``)
@@ -462,6 +466,8 @@ class WeightUpdateBracket:
                 "reader.weight_update(push) on every rank: it runs the update on rank 0 and "
                 "nothing on the others. (The rank is BatchReader(rank=...)'s, "
                 "WeightUpdateBracket(rank=...)'s, else the RANK environment variable.)")
+        if self.fence is not None:
+            self.fence()
 
     def _open_version(self) -> int:
         if self._open is not None:

@@ -25,6 +25,7 @@ from typing import Any
 
 
 from strawq.collector.trainer.bracket import BracketReport, WeightUpdateBracket
+from strawq.collector.trainer.fence import TrainerFence, shared_fence, unshare_fence
 from strawq.collector.trainer.loading import Batch as Batch
 from strawq.collector.trainer.loading import ShardLoader
 from strawq.collector.trainer.metrics import MetricsSink
@@ -38,7 +39,8 @@ from strawq.commits import committed_seq, hold
 from strawq.epochs import epoch_starts, superseded
 from strawq.epochs import epochs as known_epochs
 from strawq.epochs import list_names as list_epoch_names
-from strawq.errors import BatchTimeout, NotFound
+from strawq.errors import BatchTimeout, NotFound, RunFinished
+from strawq.finished import finished
 from strawq.queue import RunQueue
 from strawq.states import depths
 from strawq.storage import open_storage
@@ -59,7 +61,8 @@ class BatchReader:
                  verify: bool = True, metrics: MetricsSink | None = None,
                  poll_interval_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, read_threads: int = 1,
-                 watch: DirWatch | None = None, checkpointed: bool = True) -> None:
+                 watch: DirWatch | None = None, checkpointed: bool = True,
+                 fence: TrainerFence | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.queue = queue
@@ -88,6 +91,12 @@ class BatchReader:
         self._last_return: float | None = None
         self._steps = 0
         self._bracket: WeightUpdateBracket | None = None
+        #: rank 0's trainer fence (``strawq.collector.trainer.fence``): taken at the first
+        #: write, checked before every write. By default this process's shared one; an
+        #: injected one is the caller's to release
+        self._fence = fence
+        self._shares_fence = fence is None
+        self._fence_users = 0
         #: reads this rank's shard of a manifest (the collector's, or packed from records)
         self.loader = ShardLoader(queue, self.batches, rank=rank, world_size=world_size,
                                   verify=verify, read_threads=read_threads)
@@ -114,6 +123,20 @@ class BatchReader:
                               labels={"run": run_label(queue.storage)}) if rank == 0 and (
             metrics_jsonl or prometheus_port is not None) else None
         return cls(queue, rank=rank, world_size=world_size, metrics=metrics, **kwargs)
+
+    # -- fencing (rank 0) ----------------------------------------------------------------------
+    @property
+    def fence(self) -> TrainerFence:
+        """Rank 0's trainer fence (this process's shared one unless one was injected)."""
+        if self._fence is None:
+            self._fence = shared_fence(self.storage)
+            self._fence_users = 1
+        return self._fence
+
+    def _writer(self) -> None:
+        """Before a rank-0 write: hold the run's trainer epoch (taking it at the first write:
+        ``TrainerBusy`` while another trainer lives), or ``FencedOut`` if taken over."""
+        self.fence.acquire()
 
     # -- delivery -----------------------------------------------------------------------------
     def _start_replay(self) -> None:
@@ -147,11 +170,17 @@ class BatchReader:
         return None
 
     def next_batch(self, timeout: float = 600.0) -> Batch:
-        """The next batch's shard for this rank; ``BatchTimeout`` after ``timeout`` seconds."""
+        """The next batch's shard for this rank; ``BatchTimeout`` after ``timeout`` seconds.
+
+        ``RunFinished`` once the run has ended (the collector's ``finished`` record) and no
+        batch is left for this reader: every batch of the run is delivered. The trainer
+        loop stops there (save and commit the last checkpoint)."""
         if self.rank == 0:
+            self._writer()
             self.bracket.observe()  # producers' liveness history for the next bracket
         start = self.clock()
         look = True  # list now; later, when the probe says batches/ changed
+        end_checked = float("-inf")
         while True:
             seq = self._next_seq() if look or self._probe is None or self._probe.changed() \
                 else None
@@ -170,7 +199,11 @@ class BatchReader:
                           "collector)", seq, man.meta.get("epoch"), by)
                 self._refused.add(seq)
                 continue
-            waited = self.clock() - start
+            now = self.clock()
+            if now - end_checked >= LIST_EVERY_S:  # one stat, at most once a second
+                end_checked = now
+                self._check_finished()
+            waited = now - start
             if waited >= timeout:
                 raise BatchTimeout(self._timeout_message(timeout))
             # A fixed interval: a doubling one (it reached 0.5 s) left a manifest published
@@ -191,6 +224,17 @@ class BatchReader:
         self._steps += 1
         self._emit(batch, wait_s, step_s)
         return batch
+
+    def _check_finished(self) -> None:
+        """``RunFinished`` when the run's ``finished`` record is there and, listed after it,
+        no batch is left for this reader (the record is published after the last ack)."""
+        end = finished(self.storage)
+        if end is None or self._next_seq() is not None:
+            return
+        raise RunFinished(
+            f"the run has finished: the dataset's last pass is trained (last batch "
+            f"{end.get('last_seq')}, this reader's last {self._delivered}); no batch is "
+            "coming. Save and commit the last checkpoint and stop the trainer.")
 
     def _timeout_message(self, timeout: float) -> str:
         d = depths(self.storage)
@@ -221,6 +265,7 @@ class BatchReader:
         """Consumption is durable (rank 0 publishes ``acked/<seq>``; other ranks no-op)."""
         seq = batch if isinstance(batch, int) else batch.seq
         if self.rank == 0:
+            self._writer()
             self.batches.ack(seq)
         self._acked = max(self._acked, seq)
 
@@ -229,7 +274,7 @@ class BatchReader:
     def bracket(self) -> WeightUpdateBracket:
         if self._bracket is None:
             self._bracket = WeightUpdateBracket(self.queue, clock=self.clock, sleep=self.sleep,
-                                                rank=self.rank)
+                                                rank=self.rank, fence=self._writer)
         return self._bracket
 
     def weight_update(self, push: Callable[[int], None], *, timeout: float = 300.0
@@ -261,6 +306,7 @@ class BatchReader:
         """
         state = self.checkpoint_state(consumed)
         if self._saving is not None and self.rank == 0 and self.checkpointed:
+            self._writer()
             commit_position(self.storage, self._saving)
         self._saving = int(state["batch_seq"])
         return state
@@ -281,6 +327,8 @@ class BatchReader:
         """The checkpoint holding ``state`` (default: the last ``state_dict``) is durable:
         batches up to its position are trained and may be garbage-collected. Rank 0 writes;
         returns the committed position."""
+        if self.rank == 0:
+            self._writer()  # refused: the checkpoint being saved stays pending
         if isinstance(state, Mapping):
             seq = int(state.get("batch_seq") or 0)
         elif state is not None:
@@ -302,6 +350,8 @@ class BatchReader:
             raise ValueError(f"checkpoint format {state.get('format')!r}, this reader reads "
                              f"{CHECKPOINT_FORMAT}")
         seq = int(state.get("batch_seq") or 0)
+        if self.rank == 0:
+            self._writer()  # refused: nothing of the reader's state moved
         self._acked = max(self._acked, seq)
         self._skip_upto = max(self._skip_upto, seq)
         self._delivered = max(self._delivered, seq)
@@ -340,6 +390,9 @@ class BatchReader:
         self.metrics.emit(values)
 
     def close(self) -> None:
+        if self._fence is not None and self._shares_fence and self._fence_users:
+            self._fence_users = 0
+            unshare_fence(self._fence)  # the last reader of this process releases the run
         if self._watch is not None:
             self._watch.close()
             self._watch = None

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from strawq.collector.trainer.importance import (DEFAULT_LOSS_AGG, LOSS_AGG_MODES, batch_loss,
                                                  masked_tis_weights, sampling_bias_warning)
 from strawq.collector.trainer.reader import Batch, BatchReader
+from strawq.errors import RunFinished
 from strawq.producers.sglang_client import SGLangClient
 
 with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex are missing
@@ -246,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         reader.bracket.weight_update(push, timeout=600)
 
     for step in range(args.steps):
-        batch = reader.next_batch(timeout=600)
+        try:
+            batch = reader.next_batch(timeout=600)
+        except RunFinished as end:  # the dataset's last pass is trained: nothing more
+            log.info("step %d: %s", step, end)
+            break
         loss = train_step(model, opt, batcher, batch, args.loss_agg)
         reader.ack(batch)  # rank 0 of the DP ranks publishes the ack
         if first:  # the one order (docs/api.md): step -> ack -> update -> save -> commit

@@ -36,6 +36,7 @@ def load(path: str, overrides: Sequence[str] = ()) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from strawq.app.run_config import slots_explicit
     from strawq.config import add_keys_help
     from strawq.errors import ConfigError
 
@@ -58,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         if section is None:
             print(f"error: {args.path} has no {args.section} section", file=sys.stderr)
             return 1
-        json.dump(section.to_dict(), sys.stdout, indent=2)
+        data = section.to_dict()
+        if args.section == "producer" and not slots_explicit(args.path, args.set):
+            # no silent one-slot default: strawq producer derives or asks for its slots
+            data.get("budget", {}).pop("slots", None)
+        json.dump(data, sys.stdout, indent=2)
         print()
     if args.check or not args.section:
         present = ", ".join(s for s in SECTIONS if getattr(cfg, s) is not None)

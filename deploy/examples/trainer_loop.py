@@ -26,6 +26,7 @@ import os
 from strawq.collector.trainer.importance import (DEFAULT_LOSS_AGG, batch_loss, masked_tis_weights,
                                                  sampling_bias_warning)
 from strawq.collector.trainer.reader import Batch, BatchReader
+from strawq.errors import RunFinished
 from strawq.producers.sglang_client import SGLangClient
 
 log = logging.getLogger("trainer_loop")
@@ -145,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         reader.bracket.weight_update(push, timeout=600)
 
     for step in range(args.steps):
-        batch = reader.next_batch(timeout=600)
+        try:
+            batch = reader.next_batch(timeout=600)
+        except RunFinished as end:  # the dataset's last pass is trained: nothing more
+            log.info("step %d: %s", step, end)
+            break
         loss = train_step(batch)
         # the one order (docs/api.md): optimizer step -> ack -> weight update ->
         # checkpoint (state_dict, save) -> commit

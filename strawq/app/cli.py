@@ -121,6 +121,7 @@ def cmd_release(args: argparse.Namespace) -> int:
     from strawq.feeder import Feeder
     from strawq.cursor import read_cursor_state
     from strawq.states import dropped_by_reason
+    from strawq.app.progress import Progress
 
     if args.dry_run and args.dataset_grew:
         raise UsageError("--dry-run previews a release from the dataset the cursor records; "
@@ -137,14 +138,18 @@ def cmd_release(args: argparse.Namespace) -> int:
     if grew:
         feeder.continue_grown()
     bad_before = dropped_by_reason(q.storage).get("bad_row", 0)
+    progress = Progress("releasing", None if args.quiet else sys.stderr)
+    feeder.on_progress = progress  # a long release says it is working (strawq.app.progress)
     try:
         rows = feeder.release(args.count)
     except BadRowsRefused as exc:
+        progress.done()
         # nothing was released: the rows judged and the cursor, then exit 1 with the message
         _emit(args, {"refused": str(exc), "rows": exc.rows, "released": 0,
                      "dropped_bad_rows": 0, "next_index": exc.next_index,
                      "bad_rows": [b.to_dict() for b in exc.bad]}, "")
         raise
+    progress.done()
     bad = max(dropped_by_reason(q.storage).get("bad_row", 0) - bad_before, 0)
     payload = {"rows": rows, "released": rows - bad, "dropped_bad_rows": bad,
                "next_index": feeder.cursor.next_index, "exhausted": feeder.exhausted}
@@ -228,17 +233,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from strawq.batches import BatchStore
 
+    from strawq.retention import sweep_staging
+
     q = _queue(args.path)
-    rep = BatchStore(q).gc(full=args.full, sweep=True, compact_drops_at=0)
+    rep = BatchStore(q).gc(full=args.full, sweep=True, compact_drops_at=0,
+                           keep_drops_days=0 if args.expire else None)
     tmp = sum(q.storage.clean_tmp(w) for w in args.tmp_of or [])
     tmp += q.storage.clean_dead_tmp(grace_s=args.tmp_grace)
+    staged = sweep_staging(q.storage, grace_s=args.tmp_grace)
     payload = {"batches": rep.batches, "group_payloads": rep.payloads,
                "stale_records": rep.stale, "turn_checkpoints": rep.turns,
-               "drops_compacted": rep.drops, "tmp": tmp}
+               "drops_compacted": rep.drops, "drops_expired": rep.expired, "tmp": tmp,
+               "staging": staged}
     _emit(args, payload, "" if args.quiet else
           f"gc: {rep.batches} batches, {rep.payloads} group payloads, {rep.stale} stale or "
           f"orphaned records, {rep.turns} turn checkpoints, {rep.drops} drops compacted into "
-          f"the audit, {tmp} temporary files removed")
+          f"the audit (still requeueable), {rep.expired} expired drops, {tmp} temporary "
+          f"files and {staged} abandoned release records removed")
     return 0
 
 
@@ -406,9 +417,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     s = sub.add_parser("gc", help="delete trained work, orphaned records and dead temp files",
                        description="Garbage-collect acked batches, payloads no live task needs "
                        "(trained, fenced generations, superseded partials), temporary files "
-                       "of dead writers, and fold dropped/ into the drop audit "
-                       "(audit/drops-<seq>, still read by status and inspect). Afterwards the "
-                       "run holds live records only.")
+                       "of dead writers and abandoned release staging, and fold dropped/ "
+                       "into the drop audit (audit/drops-<seq>, still read by status and "
+                       "inspect). A compacted drop's task record is kept in audit/kept/ for "
+                       "7 days, so 'strawq requeue' can still put it back; --expire deletes "
+                       "them now. Afterwards the run holds live records only.")
     s.add_argument("path")
     s.add_argument("--full", action="store_true",
                    help="accepted for compatibility: every gc is full now")
@@ -419,6 +432,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                    help="a temporary file from another host is abandoned once this old "
                    "(default 3600, at least 900: its mtime may be a skewed host's clock); "
                    "dead writers on this host are found by pid at once")
+    s.add_argument("--expire", action="store_true",
+                   help="also delete the kept task records of compacted drops now: they can "
+                   "no longer be requeued (default: after 7 days)")
     _add_json(s)
     s.set_defaults(func=cmd_gc)
 
@@ -564,6 +580,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "verify a mount gives the guarantees the queue relies on"),
     Subcommand("requeue", "strawq.app.requeue_cli", "add_parser",
                "put the tasks dropped with one reason back into the queue"),
+    Subcommand("upgrade", "strawq.app.upgrade_cli", "add_parser",
+               "raise a run's on-disk format once every part reads it"),
     Subcommand("engine", "strawq.producers.engines.cli", "add_engine_parser",
                "local SGLang-compatible engines (tiny, sim, router)", extra="engines",
                nested=True,

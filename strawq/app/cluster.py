@@ -12,11 +12,22 @@ works as shipped):
 * the collector (``strawq collector``) on ``--dataset`` (default: a generated dataset of the
   count task, the one the sim engine and ``strawq.producers.rewards.count_task`` score).
 
-Each process logs to ``WORKDIR/logs/<name>.log``; the sections it was given are written to
-``WORKDIR/<section>.json``. It then waits: SIGINT/SIGTERM (or ``--max-seconds``) stops the
-producers first (they hand back their groups), then the collector, the router and the
-engines. A process that exits on its own stops the rest; the exit status says whether
-everything stopped cleanly (0) or one of them failed (1, naming it and its log).
+It refuses, before it starts or writes anything (no engine, router or producer started, no
+log touched), a run that a live collector holds (another ``cluster up`` on it, say): a
+collector epoch that did not close and whose process is not known gone.
+
+Each ``cluster up`` on a workdir is one *incarnation* (numbered in ``WORKDIR/logs/incarnation``).
+Each process appends to ``WORKDIR/logs/<name>.log`` after a header line naming the
+incarnation, so a crashed incarnation's log is kept above the restart's; producer ids carry
+the incarnation (``p-local-<i>-<n>``), never reusing a previous incarnation's id. The
+sections it was given are written to ``WORKDIR/<section>.json`` (the producer section
+without ``budget.slots`` unless the run config sets it: a ``strawq producer --config`` run
+by hand then derives or asks for its slots instead of taking one).
+
+It then waits: SIGINT/SIGTERM (or ``--max-seconds``) stops the producers first (they hand
+back their groups), then the collector, the router and the engines. A process that exits on
+its own stops the rest; the exit status says whether everything stopped cleanly (0) or one
+of them failed (1, naming it and its log).
 """
 
 from __future__ import annotations
@@ -54,10 +65,13 @@ class Child:
     proc: subprocess.Popen[bytes]
     log: str
     url: str | None = None
+    #: where this incarnation's output starts in ``log`` (earlier incarnations' above it)
+    offset: int = 0
 
     def tail(self, lines: int = 5) -> str:
         try:
             with open(self.log, encoding="utf-8", errors="replace") as f:
+                f.seek(self.offset)
                 return " | ".join(line.strip() for line in f.readlines()[-lines:])
         except OSError:
             return ""
@@ -69,19 +83,25 @@ class Cluster:
 
     workdir: str
     children: list[Child] = field(default_factory=list)
+    #: this ``cluster up``'s number on the workdir (``next_incarnation``)
+    incarnation: int = 1
 
     def spawn(self, name: str, argv: Sequence[str]) -> Child:
         logs = os.path.join(self.workdir, "logs")
         os.makedirs(logs, exist_ok=True)
         path = os.path.join(logs, f"{name}.log")
-        out: IO[bytes] = open(path, "wb")  # noqa: SIM115 - the child holds it
+        out: IO[bytes] = open(path, "ab")  # noqa: SIM115 - the child holds it
         try:
+            out.write(f"==== strawq cluster up: incarnation {self.incarnation}, {name} started "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')} ====\n".encode())
+            out.flush()
+            offset = out.tell()
             proc = subprocess.Popen([sys.executable, "-m", "strawq", *argv], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         finally:
             out.close()
-        child = Child(name, proc, path)
+        child = Child(name, proc, path, offset=offset)
         self.children.append(child)
         return child
 
@@ -91,6 +111,7 @@ class Cluster:
         while True:
             try:
                 with open(child.log, encoding="utf-8", errors="replace") as f:
+                    f.seek(child.offset)  # this incarnation's lines only
                     for line in f:
                         if line.startswith("STRAWQ_ENGINE_READY "):
                             child.url = line.split()[1]
@@ -147,17 +168,58 @@ def _local_port(url: str) -> int:
     return parts.port
 
 
-def _write(path: str, section: Any) -> str:
+def _write(path: str, section: Any, *, drop: Sequence[tuple[str, str]] = ()) -> str:
     # owner-only: a section may hold an engine API key (docs/security.md)
+    data = section.to_dict()
+    for part, key in drop:
+        if isinstance(data.get(part), dict):
+            data[part].pop(key, None)
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w",
               encoding="utf-8") as f:
-        json.dump(section.to_dict(), f, indent=2)
+        json.dump(data, f, indent=2)
         f.write("\n")
     return path
 
 
+def producer_id(index: int, incarnation: int) -> str:
+    """The id of producer ``index`` of ``cluster up`` incarnation ``incarnation``: never one
+    an earlier incarnation used (its heartbeat and leases may still be on the run)."""
+    return f"p-local-{index}-{incarnation}"
+
+
+def next_incarnation(workdir: str) -> int:
+    """Count this ``cluster up`` on ``workdir``: 1 for the first, then 2, ... (the number is
+    kept in ``WORKDIR/logs/incarnation``)."""
+    logs = os.path.join(workdir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    path = os.path.join(logs, "incarnation")
+    try:
+        with open(path, encoding="utf-8") as f:
+            n = int(f.read().strip() or 0) + 1
+    except (OSError, ValueError):
+        n = 1
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"{n}\n")
+    return n
+
+
+def refuse_live_run(run_dir: str) -> None:
+    """``StrawqError`` if a live collector may hold the run at ``run_dir`` (reads only)."""
+    from strawq.collector.fencing import live_holder
+    from strawq.storage import PosixStorage
+
+    if not os.path.exists(os.path.join(run_dir, "run.meta")):
+        return
+    holder = live_holder(PosixStorage(run_dir))
+    if holder is not None:
+        raise StrawqError(
+            f"the run at {run_dir} is live: {holder}. Nothing was started and no log was "
+            "touched. Stop the cluster that runs it first (Ctrl-C in its 'strawq cluster up', "
+            "or SIGTERM to its collector), or give this one another producer.run_dir")
+
+
 def cmd_cluster_up(args: argparse.Namespace) -> int:
-    from strawq.app.run_config import RunConfig
+    from strawq.app.run_config import RunConfig, slots_explicit
     from strawq.config import load_config
     from strawq.producers.budget import split_budget
     from strawq.queue import RunQueue
@@ -176,17 +238,21 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
     workdir = os.path.abspath(args.workdir or os.path.dirname(run_dir))
     c, e, g = cfg.placement.concurrency, cfg.placement.engines, cfg.group_size
     budget = split_budget(c, e, g, args.producers)  # ConfigError with the numbers
+    refuse_live_run(run_dir)  # before anything is started or written
+    drop = () if slots_explicit(args.config, args.set) else (("budget", "slots"),)
     try:
         os.makedirs(workdir, exist_ok=True)
+        incarnation = next_incarnation(workdir)
         q = RunQueue.create(open_storage(run_dir, writer_id="cli"), cfg.queue)
-        files = {s: _write(os.path.join(workdir, f"{s}.json"), getattr(cfg, s))
+        files = {s: _write(os.path.join(workdir, f"{s}.json"), getattr(cfg, s),
+                           drop=drop if s == "producer" else ())
                  for s in ("queue", "collector", "producer")}
         dataset = args.dataset or count_dataset(os.path.join(workdir, "data.jsonl"),
                                                 args.prompts)
     except OSError as exc:
         raise StrawqError(os_error_text(exc, "write")) from exc
     del q
-    cluster = Cluster(workdir)
+    cluster = Cluster(workdir, incarnation=incarnation)
     quiet = args.quiet
 
     def say(text: str) -> None:
@@ -210,7 +276,7 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
         for i, slots in enumerate(budget.slots):
             cluster.spawn(f"producer-{i}", ["producer", run_dir, "--config", files["producer"],
                                             "--slots", str(slots), "--producer-id",
-                                            f"p-local-{i}"])
+                                            producer_id(i, incarnation)])
         say(f"{args.producers} producer(s): K = floor(C*E/G) = floor({c}*{e}/{g}) = "
             f"{budget.total} group slots, split {list(budget.slots)}")
         cluster.spawn("collector", ["collector", run_dir, dataset, "--config",

@@ -22,7 +22,8 @@ misconfigured producer's drops, an engine outage that spent the attempts of its 
 Safe beside a live collector and producers: each task moves by one atomic rename, so it is in
 exactly one state and is trained at most once. The drop's note is kept and a requeue note
 records the move. Drops already folded into the drop audit (strawq gc, or the collector once
-dropped/ holds 1000 entries) are gone and cannot be requeued; bad_row drops (rows that failed
+dropped/ holds 1000 entries) are requeued too while their task records are kept (7 days,
+until 'strawq gc --expire'); after that they are gone. bad_row drops (rows that failed
 validation at release) have no task to run: fix the rows and release them again.
 
 Exit status: 0 when tasks were requeued (or, with --dry-run, would be); 1 when no dropped task
@@ -44,6 +45,7 @@ def cmd_requeue(args: argparse.Namespace) -> int:
     payload: dict[str, Any] = {"reason": rep.reason, "dry_run": rep.dry_run,
                                "requeued": len(rep.requeued), "task_ids": rep.requeued,
                                "skipped": rep.skipped, "compacted": rep.compacted,
+                               "from_audit": rep.from_audit,
                                "audit_corrected": rep.corrected}
     if not rep.requeued:
         present = dropped_by_reason(queue.storage)
@@ -51,15 +53,18 @@ def cmd_requeue(args: argparse.Namespace) -> int:
             print(json.dumps(payload, indent=2, sort_keys=True))
         raise StrawqError(
             f"no dropped task in {args.path} has reason {args.reason!r}"
-            + (f" ({rep.compacted} were folded into the drop audit and cannot be requeued)"
+            + (f" ({rep.compacted} were folded into the drop audit and expired: they cannot be "
+               "requeued)"
                if rep.compacted else "")
             + "; reasons in dropped/: "
             + (", ".join(f"{k}={v}" for k, v in sorted(present.items())) or "none"))
     verb = "would requeue" if rep.dry_run else "requeued"
     text = (f"{verb} {len(rep.requeued)} tasks dropped with reason {rep.reason}"
             + (f" ({len(rep.skipped)} taken by another mover first)" if rep.skipped else "")
-            + (f"; {rep.compacted} more were folded into the drop audit and cannot be "
-               "requeued" if rep.compacted else ""))
+            + (f" ({len(rep.from_audit)} of them from the drop audit)" if rep.from_audit
+               else "")
+            + (f"; {rep.compacted} more were folded into the drop audit and expired: they "
+               "cannot be requeued" if rep.compacted else ""))
     if getattr(args, "json", False):
         print(json.dumps(payload, indent=2, sort_keys=True))
     elif not getattr(args, "quiet", False):

@@ -28,7 +28,8 @@ config has that section.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -98,3 +99,19 @@ class RunConfig(Config):
         if margin is not None and margin >= self.queue.lease_timeout_s:
             raise ConfigError(f"producer.timing.lease_margin_s ({margin}) must be below "
                               f"queue.lease_timeout_s ({self.queue.lease_timeout_s})")
+
+
+def slots_explicit(config_path: str, overrides: Sequence[str]) -> bool:
+    """Whether the run config file or an override sets ``producer.budget.slots``. A producer
+    section written for ``strawq producer --config`` leaves the key out when not: the
+    producer then derives its slots (``--concurrency``) or asks for them (``--slots``)
+    instead of taking the class default of one slot in silence."""
+    if any(o.split("=", 1)[0].strip() == "producer.budget.slots" for o in overrides):
+        return True
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return False
+    budget = (raw.get("producer") or {}).get("budget") if isinstance(raw, dict) else None
+    return isinstance(budget, dict) and "slots" in budget

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.errors import BatchTimeout
+from strawq.collector.errors import BatchTimeout, RunFinished
 from strawq.collector.trainer.reader import BatchReader
 from strawq.dataset import Dataset
 from strawq.queue import RunQueue
@@ -64,6 +64,10 @@ def run_trainer(args: argparse.Namespace) -> int:
             batch = reader.next_batch(timeout=0.5)
         except BatchTimeout:
             continue
+        except RunFinished:  # commit the last checkpoint (the collector waits for it), stop
+            if latest_checkpoint(args.out) is not None:
+                reader.commit(latest_checkpoint(args.out))
+            return 0
         body = {"seq": batch.seq, "indices": [s["index"] for s in batch.summaries],
                 "skipped": batch.skipped, "state": reader.state_dict(consumed=batch)}
         tmp = os.path.join(args.out, f".tmp-{batch.seq}")

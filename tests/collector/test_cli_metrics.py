@@ -57,6 +57,7 @@ def test_cli_runs_until_drained_with_a_producer_and_trainer(tmp_path):
             b = reader.next_batch(timeout=30)
             got += [s["index"] for s in b.summaries]
             reader.ack(b)
+        reader.commit(b.seq)  # the last checkpoint: the finished collector waits for it
         assert proc.wait(timeout=30) == 0, proc.stderr.read()
     finally:
         stop.set()

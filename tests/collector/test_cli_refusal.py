@@ -56,7 +56,8 @@ def test_a_collector_refuses_an_empty_dataset_before_it_creates_the_run(
     run = tmp_path / "run"
     empty = tmp_path / "d.jsonl"
     empty.write_text("\n\n")
-    assert cli_main(["collector", str(run), str(empty), *FAST, "--max-passes", "2"]) == 1
+    assert cli_main(["collector", str(run), str(empty), *FAST, "--max-passes", "2",
+                     "--create"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"strawq collector: error: refusing dataset {str(empty)!r}: d.jsonl "
                           "holds only blank lines. ")
@@ -106,3 +107,30 @@ def test_a_collector_continues_a_grown_dataset_only_with_the_flag(
     got = {lease.task_id: lease.task["row"]["prompt"] for lease in q.claim("p", 10)}
     assert got == {f"i{i:012d}": [1, 2, i] for i in range(nxt)}
     assert audit_run(q.storage).check([f"i{i:012d}" for i in range(nxt)]) == []
+
+
+def test_a_path_that_holds_no_run_is_refused_with_nothing_created(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A typo'd run path (or an empty directory) is not turned into a new run with the
+    default queue config: exit 1, nothing created, the message names 'strawq init'."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": [1, 2, 3]} for _ in range(4)])
+    typo = tmp_path / "runs" / "r1-typo"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path in (typo, empty):
+        assert cli_main(["collector", str(path), data, *FAST, "--max-passes", "2"]) == 1
+        err = capsys.readouterr().err
+        assert "holds no strawq run" in err and "strawq init" in err and "--create" in err
+        assert "Traceback" not in err
+    assert not typo.exists() and not (tmp_path / "runs").exists()
+    assert list(empty.iterdir()) == []
+
+
+def test_create_makes_the_run_where_none_is(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": [1, 2, 3]} for _ in range(4)])
+    qc = tmp_path / "queue.json"
+    qc.write_text(json.dumps({"group_size": 2}))
+    run = tmp_path / "new"
+    assert cli_main(["collector", str(run), data, *FAST, "--max-passes", "2", "--create",
+                     "--queue-config", str(qc)]) == 0
+    assert RunQueue.open(PosixStorage(str(run))).config.group_size == 2

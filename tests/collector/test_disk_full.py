@@ -4,6 +4,7 @@ group trained exactly once."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.collector.errors import BatchTimeout
+from strawq.collector.errors import BatchTimeout, RunFinished
 from strawq.collector.trainer.reader import BatchReader
 from strawq.dataset import Dataset
 from strawq.queue import RunQueue
@@ -86,6 +87,9 @@ def test_a_full_disk_pauses_the_collector_and_the_run_resumes_when_space_returns
                 batch = reader.next_batch(timeout=0.5)
             except BatchTimeout:
                 continue
+            except RunFinished:  # the last checkpoint: the finished collector waits for it
+                reader.commit(reader.state_dict())
+                break
             trained += [s["index"] for s in batch.summaries]
             reader.ack(batch)
     finally:
@@ -97,3 +101,29 @@ def test_a_full_disk_pauses_the_collector_and_the_run_resumes_when_space_returns
     assert not q.storage.list("dropped") and q.storage.list("tmp") == []
     status = run_status(RunQueue.open(open_storage(run, read_only=True)))
     assert not status.disk["full"]
+
+
+@pytest.mark.process
+def test_a_release_refused_on_a_nearly_full_disk_leaves_nothing_staged_and_warns_early(
+        small_disk: SmallDisk, tmp_path: Path) -> None:  # noqa: F811
+    from strawq.errors import StorageFull
+    from strawq.feeder import Feeder
+    from strawq.status import disk_space
+
+    run = os.path.join(small_disk.path, "run")
+    q = make_run(run, release_batch=64)
+    rows = str(tmp_path / "data.jsonl")
+    with open(rows, "w", encoding="utf-8") as f:  # ~2 KiB task records
+        for i in range(64):
+            f.write(json.dumps({"prompt": list(range(i, i + 400)), "i": i}) + "\n")
+    assert disk_space(q.storage)["low"] is False  # a fresh 2 MiB volume: room to act
+    small_disk.fill()
+    small_disk.shrink_ballast(16 * 1024)  # room for a few task records, not 64
+    assert disk_space(q.storage)["low"]
+    free_before = small_disk.free_bytes()
+    with pytest.raises(StorageFull):
+        Feeder(q, Dataset(rows)).release(64)
+    assert q.storage.list("staging") == []  # what it had staged is gone
+    assert small_disk.free_bytes() >= free_before - 8 * 1024
+    small_disk.free()
+    assert Feeder(q, Dataset(rows)).release(64) == 64  # nothing was lost either

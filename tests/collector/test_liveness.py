@@ -231,7 +231,8 @@ def _collector_proc(run: str, ds: str) -> subprocess.Popen[str]:
 
 @pytest.mark.process
 @pytest.mark.timeout(90)
-def test_collector_takeover_from_a_killed_holder_is_immediate(tmp_path: Path) -> None:
+def test_collector_takeover_from_a_killed_holder_is_immediate(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     run = str(tmp_path / "run")
     make_run(run, lease_timeout_s=LONG, heartbeat_interval_s=200.0)  # liveness 600 s
     ds = write_dataset(str(tmp_path / "ds.jsonl"), 40)
@@ -240,7 +241,39 @@ def test_collector_takeover_from_a_killed_holder_is_immediate(tmp_path: Path) ->
     old.wait()  # reaped: its pid is gone
     q = RunQueue.open(open_storage(run, writer_id="new", fsync=False))
     new = Collector(q, Dataset(ds), CFG, owner="new")
-    assert new.start() == 2  # without watching the 600 s takeover timeout
+    with caplog.at_level("INFO", logger="strawq.collector.fencing"):
+        assert new.start() == 2  # without watching the 600 s takeover timeout
+    # a restart after a crash is normal recovery: said at INFO, not as a warning or error
+    taken = [r for r in caplog.records if "taking over without waiting" in r.getMessage()]
+    assert [r.levelname for r in taken] == ["INFO"]
+
+
+@pytest.mark.process
+@pytest.mark.timeout(90)
+def test_collector_takeover_from_a_killed_unreaped_holder_is_immediate(tmp_path: Path) -> None:
+    """A holder killed with -9 that its parent has not reaped yet is a zombie: its pid still
+    answers ``kill(pid, 0)``, but it can never write again, so it is dead (the takeover
+    does not wait the 600 s takeover timeout)."""
+    run = str(tmp_path / "run")
+    make_run(run, lease_timeout_s=LONG, heartbeat_interval_s=200.0)  # liveness 600 s
+    ds = write_dataset(str(tmp_path / "ds.jsonl"), 40)
+    old = _collector_proc(run, ds)
+    try:
+        old.kill()
+        # not reaped: wait (without reaping) until the kernel shows it as a zombie
+        wait_until(lambda: _state(old.pid) == "Z", timeout_s=30, what="the zombie state")
+        q = RunQueue.open(open_storage(run, writer_id="new", fsync=False))
+        new = Collector(q, Dataset(ds), CFG, owner="new")
+        assert new.fence.holder_gone(1)
+        assert new.start() == 2  # without watching the 600 s takeover timeout
+        assert _state(old.pid) == "Z"  # judged dead while still a zombie, not reaped
+    finally:
+        old.wait()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rpartition(b")")[2].split()[0].decode()
 
 
 @pytest.mark.process

@@ -96,3 +96,19 @@ def test_the_slots_are_required_or_derived_never_a_silent_default(
     assert "3 group slots (--slots)" in err and json.loads(out)["slots"] == 3
     assert main([*base, "--concurrency", "1"]) == 2  # C*E < G: not one group fits
     assert "not enough engine concurrency" in capsys.readouterr().err
+
+
+def test_a_scheme_less_engine_url_is_refused_when_parsed(tmp_path: Path, capsys: Any) -> None:
+    """``--engine localhost:30000`` is a usage error naming the URL (not, later, missing EOS
+    ids or an unreachable engine); nothing is claimed."""
+    from strawq.app.cli import main
+
+    q = make_run(str(tmp_path / "run"), 4)
+    for flag in ("--engine", "--router"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["producer", str(tmp_path / "run"), flag, "localhost:30000", "--slots", "1",
+                  "--reward", f"{PLUGINS}.length_reward", "--max-seconds", "0.3"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "did you mean http://localhost:30000" in err, err
+        assert "Traceback" not in err and "EOS" not in err
+    assert len(ids(q, "pending")) == 4

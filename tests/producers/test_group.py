@@ -86,7 +86,7 @@ def test_prompt_and_row_overrides() -> None:
         prompt_ids_of({"row": {"prompt": []}}, "prompt", None)
     cfg = ProducerConfig(
         run_dir="r",
-        engine=EngineConfig(workers=("u",)),
+        engine=EngineConfig(workers=("http://u:1",)),
         plugins=PluginsConfig(reward="a.b"),
         sampling=SamplerParams(max_new_tokens=9))
     p = cfg.sampler_params({"max_new_tokens": 3, "temperature": 0.0}, seed=4)

@@ -237,23 +237,23 @@ def test_config_is_in_sections() -> None:
     assert sections == {"engine", "plugins", "sampling", "budget", "tools", "record", "timing",
                         "threads"}
     cfg = ProducerConfig.from_dict({"run_dir": "x", "plugins": {"reward": "a.b"},
-                                    "engine": {"workers": ["u"]}})
+                                    "engine": {"workers": ["http://u:1"]}})
     for name in sections:
         assert isinstance(getattr(cfg, name), Config), name
     assert cfg.sampling.max_new_tokens == 1024 and cfg.budget.slots == 1
 
 
 def test_config_rejects_unknown_keys(tmp_path: Path) -> None:
-    base = {"run_dir": "x", "plugins": {"reward": "a.b"}, "engine": {"workers": ["u"]}}
+    base = {"run_dir": "x", "plugins": {"reward": "a.b"}, "engine": {"workers": ["http://u:1"]}}
     with pytest.raises(ConfigError, match=r"ProducerConfig\.sampling: unknown key\(s\) "
                                           r"\['max_new_token'\]"):
         ProducerConfig.from_dict({**base, "sampling": {"max_new_token": 3}})
     with pytest.raises(ConfigError, match=r"ProducerConfig: unknown key\(s\) "
                                           r"\['max_new_tokens'\]; known keys are \[.*'sampling'"):
         ProducerConfig.from_dict({**base, "max_new_tokens": 3})  # a key outside its section
-    cfg = ProducerConfig.from_dict({**base, "engine": {"workers": ["u"],
+    cfg = ProducerConfig.from_dict({**base, "engine": {"workers": ["http://u:1"],
                                                        "client": {"max_retries": 1}}})
-    assert cfg.engine.client.max_retries == 1 and cfg.engine.workers == ("u",)
+    assert cfg.engine.client.max_retries == 1 and cfg.engine.workers == ("http://u:1",)
     with pytest.raises(ConfigError, match="workers"):
         ProducerConfig(run_dir="x", engine=EngineConfig(),
                        plugins=PluginsConfig(reward="a.b"))
@@ -261,3 +261,31 @@ def test_config_rejects_unknown_keys(tmp_path: Path) -> None:
         ProducerConfig.from_dict({"run_dir": "x", "plugins": {"reward": "a.b"}})
     with pytest.raises(ConfigError, match="sampling_params"):
         cfg.sampler_params({"temprature": 1.0})
+
+
+def test_a_producer_stops_by_itself_once_the_run_has_finished(
+        tmp_path: Path, sim_engine: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing is left and the collector published the ``finished`` record: ``run()``
+    returns without ``request_stop`` (the CLI then exits 0). Its stop line at INFO is one
+    short line; the whole stats dict goes to DEBUG."""
+    from strawq.finished import mark_finished
+
+    n = 4
+    q = make_run(str(tmp_path / "run"), n)
+    p = Producer(config(tmp_path / "run", sim_engine, timing={"idle_after_s": 0.1,
+                                                             "idle_probe_s": 0.1}))
+
+    async def body() -> None:
+        task = asyncio.create_task(p.run())
+        await wait_for(lambda: all_settled(q, n), 60, "all groups ready")
+        mark_finished(q.storage, 0, 1)
+        await asyncio.wait_for(task, 60)  # returns by itself: nobody asked it to stop
+
+    with caplog.at_level("INFO", logger="strawq.producers.producer"):
+        asyncio.run(body())
+    infos = [r.getMessage() for r in caplog.records
+             if r.levelname == "INFO" and r.name == "strawq.producers.producer"]
+    assert any("the run has finished" in m for m in infos), infos
+    stopped = [m for m in infos if " stopped: " in m]
+    assert len(stopped) == 1 and len(stopped[0]) < 200, stopped
+    assert f"{n} completed" in stopped[0]

@@ -9,6 +9,7 @@ the doc's text is what status prints for it, line for line (the disk line aside)
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -236,30 +237,33 @@ def test_a_look_watches_until_every_party_beat_or_the_window_ends(tmp_path: Path
         == "silent"
 
 
-def test_the_trainer_line_reads_a_trainer_fence_when_there_is_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import types
-    from dataclasses import dataclass
+def test_the_trainer_line_names_the_trainer_fences_holder(tmp_path: Path) -> None:
+    from strawq.collector.trainer.fence import TrainerFence
 
     q = _run(tmp_path)
     w = Watcher(q.storage, clock=FakeClock())
     assert "  trainer:   unknown" in render(glance(q, "run", w)).splitlines()
-
-    @dataclass
-    class Holder:
-        epoch: int = 2
-        released: bool = False
-        heartbeat_age_s: float | None = 1.0
-
-        def describe(self) -> str:
-            return "trainer epoch 2: host h, pid 7"
-
-    fence = types.ModuleType("strawq.trainer_epochs")
-    fence.read_trainer_holder = lambda storage: Holder()  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "strawq.trainer_epochs", fence)
+    fence = TrainerFence(q.storage, beat_interval_s=None)
+    fence.acquire(wait=False)
     g = glance(q, "run", w)
-    assert "  trainer:   holding (trainer epoch 2: host h, pid 7)" in render(g).splitlines()
-    assert g.to_dict()["trainer"]["epoch"] == 2
+    line = [x for x in render(g).splitlines() if x.startswith("  trainer:")]
+    assert line and line[0].startswith("  trainer:   holding (trainer epoch 1: host ")
+    assert g.to_dict()["trainer"]["epoch"] == 1 and g.to_dict()["trainer"]["pid"] == os.getpid()
+
+
+def test_a_finished_run_is_not_stalled(tmp_path: Path) -> None:
+    from strawq.finished import mark_finished
+
+    q = _run(tmp_path)
+    q.heartbeat("p-1")
+    w = Watcher(q.storage, clock=FakeClock())
+    assert glance(q, "run", w).stalls  # no collector, a silent producer
+    mark_finished(q.storage, 7, 1)
+    g = glance(q, "run", w)
+    assert g.stalls == [] and g.to_dict()["finished"]["last_seq"] == 7
+    text = render(g).splitlines()
+    assert "  finished: the run drained (last batch 7); its parts stop by themselves" in text
+    assert not any(x.startswith("  ok:") or "STALLED" in x for x in text)
 
 
 @pytest.mark.process

@@ -103,7 +103,10 @@ def test_every_way_out_is_collected_and_drops_stay_countable(
     rep = json.loads(capsys.readouterr().out)
     assert rep["drops_compacted"] == 3
     assert _leftovers(q) == {}
-    assert retention.live_files(q.storage)["audit"] == 1
+    # the audit: one segment, and the compacted drops' task records kept for requeue
+    assert retention.live_files(q.storage)["audit"] == 2
+    assert sorted(n.producer for _k, n in retention.kept_drops(q.storage)) == [
+        "bad_row", "engine_error.max_attempts", "zero_variance"]
     # status and inspect still read the compacted drops
     assert run_status(q).dropped_by_reason == drops_before
     assert run_status(q).counts["dropped"] == 3

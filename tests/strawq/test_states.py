@@ -62,6 +62,14 @@ def test_states_have_a_directory_of_the_run_layout() -> None:
 def test_every_legal_transition_is_one_rename(storage: Storage, src: TaskState,
                                               dst: TaskState) -> None:
     name = name_in(src)
+    if src in RETIRED:  # a compacted drop's kept record (strawq.retention), requeued
+        src_key = f"audit/kept/00000001/{name}"
+        storage.publish(src_key, b"x")
+        new = name_in(dst)
+        dst_key = move(storage, name, src, dst, new, src_key=src_key)
+        assert storage.exists(dst_key) and not storage.exists(src_key)
+        assert names_in(storage, dst) == [new]
+        return
     src_key = put(storage, src, name)
     if dst in RETIRED:
         retire(storage, name, src, dst)

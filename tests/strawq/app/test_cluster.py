@@ -70,6 +70,64 @@ def test_cluster_up_runs_the_quickstart_and_stops_cleanly(tmp_path: Path) -> Non
     assert "K = floor(C*E/G) = floor(64*2/8) = 16 group slots" in out
     assert out.rstrip().endswith("stopped") and "Traceback" not in err
     assert {p.name for p in (tmp_path / "logs").iterdir()} == {
-        "engine-0.log", "engine-1.log", "router.log", "producer-0.log", "collector.log"}
+        "engine-0.log", "engine-1.log", "router.log", "producer-0.log", "collector.log",
+        "incarnation"}
     with pytest.raises(OSError):  # the router is gone with the rest
         socket.create_connection(("127.0.0.1", int(router.rsplit(":", 1)[1])), timeout=2)
+
+
+def test_cluster_up_refuses_a_live_run_before_it_starts_anything(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A second ``cluster up`` on a run whose collector is alive starts no engine, router or
+    producer and touches no log: exit 1 naming the live collector."""
+    from strawq.collector.config import CollectorConfig
+    from strawq.collector.core import Collector
+    from strawq.dataset import Dataset
+    from tests.collector.helpers import make_run, write_dataset
+
+    run = tmp_path / "run"
+    q = make_run(str(run))
+    live = Collector(q, Dataset(write_dataset(str(tmp_path / "ds.jsonl"), 4)),
+                     CollectorConfig())
+    live.start(wait=False)  # this process: alive
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "collector.log").write_text("the first cluster's log\n")
+    try:
+        rc = main(["cluster", "up", str(QUICKSTART), "--set", f"producer.run_dir={run}",
+                   "--set", f"producer.engine.router_url=http://127.0.0.1:{_free_port()}",
+                   "--max-seconds", "5", "--quiet"])
+    finally:
+        live.close()
+    err = capsys.readouterr().err
+    assert rc == 1 and "is live: collector epoch 1" in err and "Nothing was started" in err
+    assert sorted(p.name for p in logs.iterdir()) == ["collector.log"]
+    assert (logs / "collector.log").read_text() == "the first cluster's log\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.jsonl", "logs", "run"]
+
+
+@pytest.mark.process
+def test_each_incarnation_appends_to_the_logs_under_its_own_header(tmp_path: Path) -> None:
+    from strawq.app.cluster import Cluster, next_incarnation, producer_id
+
+    firsts = []
+    for _ in range(2):
+        n = next_incarnation(str(tmp_path))
+        cluster = Cluster(str(tmp_path), incarnation=n)
+        child = cluster.spawn("collector", ["--version"])
+        assert child.proc.wait(60) == 0
+        firsts.append(child)
+    text = (tmp_path / "logs" / "collector.log").read_text()
+    assert "incarnation 1, collector started" in text  # the first incarnation's log is kept
+    assert text.index("incarnation 1,") < text.index("incarnation 2,")
+    assert text.count("strawq") >= 4  # both headers and both outputs
+    assert "incarnation" not in firsts[1].tail()  # the tail is this incarnation's output
+    ids = {producer_id(i, n) for n in (1, 2) for i in range(3)}
+    assert len(ids) == 6  # no producer id is reused by a later incarnation
+
+
+def test_the_written_producer_section_has_no_silent_one_slot_default(tmp_path: Path) -> None:
+    from strawq.app.run_config import slots_explicit
+
+    assert not slots_explicit(str(QUICKSTART), [])
+    assert slots_explicit(str(QUICKSTART), ["producer.budget.slots=3"])
