@@ -32,6 +32,7 @@ from strawq.collector.batching import BatchFormer
 from strawq.collector.eta_judge import EtaJudge
 from strawq.collector.hooks import HookChain
 from strawq.collector.mixing import MixtureBook, mixture_book
+from strawq.collector.ops_metrics import OpsMetrics
 from strawq.collector.report import StepReport
 from strawq.collector.ordering import StalenessOrder
 from strawq.collector.resume import ResumeInfo, open_queue, run_cursor
@@ -51,7 +52,7 @@ from strawq.grantor import LeaseMonitor
 from strawq.queue import RunQueue
 from strawq.retention import drop_totals
 from strawq.states import depths, upstream_depths
-from strawq.status import disk_space, full_message, low_message
+from strawq.status import disk_space, full_message, low_message, run_label
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +89,17 @@ class Collector:
         self.consumed = ConsumedGroups(self.batches)
         self.metrics = metrics or MetricsSink(self.config.metrics_jsonl,
                                               self.config.prometheus_port,
-                                              addr=self.config.prometheus_host)
+                                              addr=self.config.prometheus_host,
+                                              labels={"run": run_label(self.storage)})
         self.feeder: Feeder | None = None
         #: a mixture's sources: their η, filters, shares and starvation (None: one dataset)
         self.mixing: MixtureBook | None = mixture_book(
             dataset, run_max_staleness=self.config.max_staleness,
             batch_groups=self.config.batch_groups)
         #: the optional behaviours plugged in (``strawq.collector.hooks``): the mixture's book
-        self.hooks = HookChain([self.mixing] if self.mixing is not None else [])
+        #: and the operator's view (liveness, bracket, disk, quarantine: ``ops_metrics``)
+        self.hooks = HookChain([*([self.mixing] if self.mixing is not None else []),
+                                OpsMetrics(queue, self.monitor, clock=clock)])
         self.judge = EtaJudge(self.config, queue, self.batches, self.order, self.hooks,
                               lambda: self.policy)
         self.former = BatchFormer(self.config, queue, self.batches, self.fence, self.order,

@@ -124,6 +124,18 @@ def cmd_producer(args: argparse.Namespace) -> int:
         chosen = how if how[0].isdigit() else f"{config.budget.slots} group slots ({how})"
         print(f"strawq producer: {chosen}", file=sys.stderr)
     producer = Producer(config)
+    exporter = None
+    if args.prometheus_port is not None:
+        from strawq.producers.metrics import serve_producer_metrics
+        from strawq.status import run_label
+
+        exporter = serve_producer_metrics(lambda: producer.stats().to_dict(),
+                                          run=run_label(producer.queue.storage),
+                                          producer=producer.producer_id,
+                                          port=args.prometheus_port,
+                                          host=args.prometheus_host)
+        print(f"strawq producer: metrics on http://{args.prometheus_host}:{exporter.port}"
+              "/metrics", file=sys.stderr)
     stopped = threading.Event()
 
     def _stop(signum: int, _frame: Any) -> None:
@@ -147,6 +159,8 @@ def cmd_producer(args: argparse.Namespace) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if exporter is not None:
+            exporter.close()
     stats = producer.stats().to_dict()
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True, default=str))
@@ -166,7 +180,7 @@ def _group_size(path: str) -> int:
 
 
 def add_parsers(subparsers: Any) -> None:
-    from strawq.argtypes import engine_url, positive_int
+    from strawq.argtypes import engine_url, listen_port, positive_int
     from strawq.config import add_keys_help
 
     s = subparsers.add_parser(
@@ -204,5 +218,12 @@ def add_parsers(subparsers: Any) -> None:
     s.add_argument("--max-seconds", type=float, default=None,
                    help="stop (handing back held groups) after this long")
     s.add_argument("--json", action="store_true", help="print the final stats as JSON")
+    s.add_argument("--prometheus-port", type=listen_port, default=None, metavar="PORT",
+                   help="serve this producer's metrics for Prometheus on PORT (0: any free "
+                   "port, printed at start), as the collector's prometheus_port and "
+                   "sglang-router's --prometheus-port (docs/operations.md#metrics)")
+    s.add_argument("--prometheus-host", default="127.0.0.1", metavar="HOST",
+                   help="the address the metrics endpoint listens on (default 127.0.0.1; "
+                   "0.0.0.0 for a Prometheus on another host)")
     add_keys_help(s, "strawq.producers.producer_config:ProducerConfig")
     s.set_defaults(func=cmd_producer)

@@ -112,6 +112,9 @@ class ProducerStats:
     partials_over_eta: int = 0
     partials_regenerated: int = 0
     paused: bool = False
+    #: no heartbeat succeeded past its deadline (claims nothing) / beats carry the idle mark
+    heartbeat_failing: bool = False
+    idle: bool = False
     wall_s: float = 0.0
     cpu_s: float = 0.0
     slot_utilisation: float = 0.0

@@ -230,6 +230,8 @@ class Producer:
         s.paused = self._bracket.pausing
         s.engines_stale = len(self.guard.stale)
         s.waiting_for_weights = self.guard.waiting
+        s.heartbeat_failing = self._heartbeat.failing
+        s.idle = self._heartbeat.idle
         s.cpu_s_per_group = s.cpu_s / s.groups_done if s.groups_done else None
         return s
 

@@ -27,10 +27,11 @@ LOW_SHARE = 0.05
 
 
 def disk_space(storage: Storage, *, low_share: float = LOW_SHARE) -> dict[str, Any]:
-    """``{"path", "free_bytes", "total_bytes", "free_inodes", "full", "low"}`` of the
-    filesystem under a POSIX store (``statvfs``: what an unprivileged writer may still use);
-    ``{}`` for a store with no local path or a filesystem that cannot say. ``low``: free
-    space or inodes under ``low_share`` of the volume's (or the disk is full)."""
+    """``{"path", "free_bytes", "total_bytes", "free_ratio", "free_inodes", "full", "low"}``
+    of the filesystem under a POSIX store (``statvfs``: what an unprivileged writer may still
+    use, and its share of the volume); ``{}`` for a store with no local path or a filesystem
+    that cannot say. ``low``: free space or inodes under ``low_share`` of the volume's (or
+    the disk is full)."""
     path = storage.local_path("hb")
     if path is None:
         return {}
@@ -45,7 +46,8 @@ def disk_space(storage: Storage, *, low_share: float = LOW_SHARE) -> dict[str, A
     full = free < FULL_BELOW_BYTES or inodes == 0
     low = full or free < low_share * total or (
         inodes is not None and inodes < low_share * st.f_files)
-    return {"path": root, "free_bytes": free, "total_bytes": total, "free_inodes": inodes,
+    return {"path": root, "free_bytes": free, "total_bytes": total,
+            "free_ratio": free / total if total else None, "free_inodes": inodes,
             "full": full, "low": low}
 
 
@@ -58,6 +60,14 @@ def low_message(path: str, disk: dict[str, Any]) -> str:
                else "") + f"). Act before it is full: strawq gc {path} (trained batches, "
             f"dead writers' files, abandoned release staging), strawq gc --expire {path} "
             "(also the compacted drops kept for strawq requeue), or raise the quota")
+
+
+def run_label(storage: Storage) -> str:
+    """The run's name in metrics (the ``run`` label): its directory's name."""
+    path = storage.local_path("run.meta")
+    if path is None:
+        return storage.describe()
+    return os.path.basename(os.path.dirname(os.path.abspath(path))) or path
 
 
 def full_message(path: str) -> str:

@@ -31,12 +31,10 @@ continue across restarts: a sink reads the newest value of each from the tail of
 file when it opens and adds it to what the new process counts. ``dropped/<reason>`` is
 read from the run itself (``strawq.retention.drop_totals``) and needs no such help.
 
-Prometheus names follow its conventions: ``strawq_`` + the name with ``/`` and ``.`` as
-``_``, seconds spelled out (``trainer/wait_s`` -> ``strawq_trainer_wait_seconds``,
-``collector/groups_per_s`` -> ``strawq_collector_groups_per_second``).
-
-Prometheus uses ``prometheus_client`` (a dependency of Ray, present in the venv); each sink
-has its own registry so several sinks in one process do not collide.
+Prometheus series follow its conventions (``strawq.prom``: counters typed ``counter`` with
+``_total``, keys as labels, a ``run`` label on every series, HELP sentences); each sink has
+its own registry so several sinks in one process do not collide. ``prometheus_client`` (a
+dependency of Ray, present in the venv) is imported only when an endpoint is asked for.
 """
 
 from __future__ import annotations
@@ -44,15 +42,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from strawq.prom import Exposition, prom_name
+
 log = logging.getLogger(__name__)
 
-_PROM_NAME = re.compile(r"[^a-zA-Z0-9_]")
+__all__ = ["COUNTERS", "MetricsSink", "dropped_metric", "prom_name", "resume_counters"]
 
 
 #: Cumulative counts that continue across restarts (see the module docstring).
@@ -67,15 +66,6 @@ def dropped_metric(reason: str) -> str:
     """The metric counting groups dropped with ``reason`` over the run (a metric name, not
     a storage key)."""
     return f"dropped/{reason}"
-
-
-def prom_name(name: str) -> str:
-    base = _PROM_NAME.sub("_", name)
-    if base.endswith("_per_s"):
-        base = base[:-len("_per_s")] + "_per_second"
-    elif base.endswith("_s"):
-        base = base[:-len("_s")] + "_seconds"
-    return "strawq_" + base
 
 
 def _end_torn_line(path: str) -> None:
@@ -122,15 +112,16 @@ def resume_counters(path: str) -> dict[str, float]:
 
 
 class MetricsSink:
-    """Appends JSON lines and mirrors numeric values into Prometheus gauges."""
+    """Appends JSON lines and mirrors numeric values into a Prometheus endpoint.
+
+    ``labels``: constant labels on every series (the collector and the reader give
+    ``{"run": ...}``, ``strawq.status.run_label``)."""
 
     def __init__(self, jsonl_path: str | None = None, prometheus_port: int | None = None,
-                 *, addr: str = "127.0.0.1") -> None:
+                 *, addr: str = "127.0.0.1", labels: Mapping[str, str] | None = None) -> None:
         self.jsonl_path = jsonl_path
         self._lock = threading.Lock()
-        self._registry: Any = None
-        self._gauges: dict[str, Any] = {}
-        self._server: Any = None
+        self.exposition: Exposition | None = None
         self.port: int | None = None
         #: counters' values at the end of the previous incarnation (same JSONL file)
         self.base: dict[str, float] = {}
@@ -139,22 +130,11 @@ class MetricsSink:
             self.base = resume_counters(jsonl_path)
             _end_torn_line(jsonl_path)
         if prometheus_port is not None:
-            self._start_prometheus(prometheus_port, addr)
-
-    def _start_prometheus(self, port: int, addr: str) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
-
-        self._registry = CollectorRegistry()
-        result = start_http_server(port, addr=addr, registry=self._registry)
-        if isinstance(result, tuple):  # prometheus_client >= 0.20 returns (server, thread)
-            self._server = result[0]
-            self.port = int(self._server.server_port)
-        else:
-            self.port = port
-        log.info("metrics: Prometheus endpoint on %s:%s", addr, self.port)
+            self.exposition = Exposition(labels)
+            self.port = self.exposition.serve(prometheus_port, addr)
 
     def emit(self, values: Mapping[str, Any]) -> None:
-        """Write one JSON line (if configured) and update the gauges of numeric values.
+        """Write one JSON line (if configured) and update the endpoint's numeric values.
 
         Adds ``time`` and continues the counters of a previous incarnation.
         """
@@ -171,25 +151,9 @@ class MetricsSink:
                     os.write(fd, line.encode())
                 finally:
                     os.close(fd)
-        if self._registry is not None:
-            self._update_gauges(values)
-
-    def _update_gauges(self, values: Mapping[str, Any]) -> None:
-        from prometheus_client import Gauge
-
-        with self._lock:
-            for name, value in values.items():
-                if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                        or name == "time":
-                    continue
-                g = self._gauges.get(name)
-                if g is None:
-                    g = Gauge(prom_name(name), name, registry=self._registry)
-                    self._gauges[name] = g
-                g.set(float(value))
+        if self.exposition is not None:
+            self.exposition.update(values)
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        if self.exposition is not None:
+            self.exposition.close()

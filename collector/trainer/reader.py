@@ -29,6 +29,7 @@ from strawq.collector.trainer.fence import TrainerFence, shared_fence, unshare_f
 from strawq.collector.trainer.loading import Batch as Batch
 from strawq.collector.trainer.loading import ShardLoader
 from strawq.collector.trainer.metrics import MetricsSink
+from strawq.status import run_label
 from strawq.batches import (BatchStore, Manifest, forget_delivered_after, high_water,
                             mark_delivered)
 from strawq.checkpoint import CHECKPOINT_FORMAT, read_cursor_state
@@ -118,7 +119,8 @@ class BatchReader:
              **kwargs: Any) -> BatchReader:
         """Open the run at ``path``; metrics only on rank 0."""
         queue = RunQueue.open(open_storage(path, writer_id=f"reader{rank}"))
-        metrics = MetricsSink(metrics_jsonl, prometheus_port) if rank == 0 and (
+        metrics = MetricsSink(metrics_jsonl, prometheus_port,
+                              labels={"run": run_label(queue.storage)}) if rank == 0 and (
             metrics_jsonl or prometheus_port is not None) else None
         return cls(queue, rank=rank, world_size=world_size, metrics=metrics, **kwargs)
 

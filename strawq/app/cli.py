@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from strawq.argtypes import UsageError, positive_int
+from strawq.argtypes import UsageError, non_negative_float, positive_float, positive_int
 from strawq.config import add_keys_help
 from strawq.errors import StrawqError, os_error_text
 
@@ -185,46 +185,35 @@ def _release_dry_run(args: argparse.Namespace, q: Any, dataset: Any) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from strawq.status import run_status
+    from strawq.glance import Watcher, default_sample_s, glance
+    from strawq.glance_text import find_runs, list_runs, render, watch
 
-    st = run_status(_queue(args.path, read_only=True))
-    if args.json:
-        print(json.dumps(st.to_dict(), indent=2, sort_keys=True))
+    if os.path.isdir(args.path) and not os.path.exists(os.path.join(args.path, "run.meta")):
+        runs = find_runs(args.path)
+        if runs:
+            payload, text = list_runs(args.path, runs)
+            _emit(args, payload, text, report=True)
+            return 0
+    q = _queue(args.path, read_only=True)
+    watcher = Watcher(q.storage)
+    sample = default_sample_s(q) if args.sample is None else args.sample
+
+    def look() -> Any:
+        return glance(q, args.path, watcher, sample_s=sample)
+
+    def show(g: Any) -> None:
+        if args.json:
+            print(json.dumps(g.to_dict(), indent=None if args.watch else 2, sort_keys=True,
+                             default=str), flush=True)
+            return
+        if args.watch and sys.stdout.isatty():
+            print("\033[H\033[2J", end="")
+        print(render(g), flush=True)
+
+    if args.watch is None:
+        show(look())
         return 0
-    print(f"run {args.path}  (weight version {st.current_version})")
-    print("  tasks:   " + "  ".join(f"{k}={v}" for k, v in st.counts.items()))
-    if st.leases_by_producer or st.heartbeats:
-        print("  producers:")
-        for p in sorted(set(st.leases_by_producer) | set(st.heartbeats)):
-            print(f"    {p:<32} leases={st.leases_by_producer.get(p, 0):<5} "
-                  f"heartbeat={st.heartbeats.get(p, '-')}")
-    if st.dropped_by_reason:
-        print("  dropped: " + "  ".join(f"{k}={v}" for k, v in st.dropped_by_reason.items()))
-    if st.staleness:
-        print("  staleness of ready groups: " + "  ".join(
-            f"{k}={v:.2f}" for k, v in st.staleness.items()))
-    if st.oldest:
-        print("  oldest:  " + "  ".join(f"{k}={v}" for k, v in st.oldest.items()))
-    print(f"  cursor:  {st.cursor or 'none'}   unacked batches: {st.batches_unacked}   "
-          f"quarantined: {st.quarantined}")
-    if st.stray_files:
-        print(f"  stray files (not tasks, ignored): {', '.join(st.stray_files[:5])}"
-              + (" ..." if len(st.stray_files) > 5 else ""))
-    if st.disk.get("full"):
-        from strawq.status import full_message
-
-        print(f"  disk full: {st.disk['free_bytes']} bytes free; {full_message(args.path)}")
-    elif st.disk.get("low"):
-        from strawq.status import low_message
-
-        print(f"  disk low: {low_message(args.path, st.disk)}")
-    if st.engines_needing_weights:
-        print(f"  engines needing weights (out of rotation until the trainer pushes version "
-              f"{st.current_version}; docs/troubleshooting.md):")
-        for url, n in st.engines_needing_weights.items():
-            have = "unreadable" if n["engine_version"] is None else n["engine_version"]
-            print(f"    {url}  reports version {have} (noted by {n['writer']}: {n['reason']})")
-        print(f"  (an engine removed for good: strawq forget-engine {args.path} URL)")
+    watch(look, show, args.watch)
     return 0
 
 
@@ -393,12 +382,23 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     _add_json(s)
     s.set_defaults(func=cmd_release)
 
-    s = sub.add_parser("status", help="tasks per state, leases, producers, staleness",
-                       description="Summarise a run: tasks per state, leases per producer, "
-                       "heartbeat counters, dropped work by reason, staleness, oldest items. "
-                       "Read-only: writes nothing to the run.")
+    s = sub.add_parser("status", help="what is stalled and why; liveness, bracket, tasks",
+                       description="A run at a glance: what is stalled and why, the open "
+                       "weight-update bracket and whom it waits for, each producer's and the "
+                       "collector's liveness (live, idle, silent, dead: from heartbeat "
+                       "counters watched on this host's clock, never file times), disk free, "
+                       "tasks per state, dropped work, staleness, oldest items. On a folder "
+                       "that holds runs, lists them. Read-only: writes nothing to the run "
+                       "(docs/operations.md).")
     s.add_argument("path")
-    _add_json(s)
+    s.add_argument("--watch", type=positive_float, nargs="?", const=2.0, default=None,
+                   metavar="SECONDS", help="redraw every SECONDS (default 2) until Ctrl-C; "
+                   "heartbeat ages grow exact as it watches")
+    s.add_argument("--sample", type=non_negative_float, default=None, metavar="SECONDS",
+                   help="watch heartbeats this long before judging liveness (default: one "
+                   "heartbeat interval and a little, at most 10; it ends sooner once every "
+                   "party beat); 0 judges from one listing")
+    _add_json(s, "everything shown, as JSON (one line per redraw with --watch)")
     s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("inspect", help="show one record, readable",
