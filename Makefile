@@ -105,6 +105,14 @@ test: $(STAMP)
 	        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }; } || \
 	      echo "redis-server: apt-get install failed: the JuiceFS-on-Redis tests will skip and say why"; \
 	  else echo "redis-server: not installed (apt-get install -y redis-server as root): the JuiceFS-on-Redis tests will skip and say why"; fi
+	@# promtool (Debian's prometheus package) checks the shipped alert rules
+	@command -v promtool >/dev/null 2>&1 || \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	      { apt-get update -qq >/dev/null 2>&1 && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; } || \
+	      echo "prometheus: apt-get install failed: the promtool check of the alert rules will skip and say why"; \
+	  else echo "promtool: not installed (apt-get install -y prometheus as root): the alert rules' promtool check will skip and say why"; fi
 	@deploy/juicefs/testvol.sh down "$(JFS_DIR)" >/dev/null 2>&1 || true
 	@rm -rf "$(JFS_DIR)"
 	@set -e; \
