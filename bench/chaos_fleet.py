@@ -23,10 +23,14 @@ Two faults of operators, beside them:
   until none of the killed process's leases is still held (the new incarnation hands them
   back), the tasks it held that are in no state (lost), and tasks in two states or two
   batches (duplicated).
+* **rolling upgrade**: parts restarted one by one onto a release that writes a newer group
+  format, ``strawq upgrade`` refused while an old part lives
+  (``strawq.testing.upgrade.rolling_upgrade``, 24 tasks): tasks lost and duplicated.
 
 Printed as ``chaos: fleet seconds lost per failure = X (producer Y, collector Z, trainer W);
 two trainers: refused in R s, lost = 0, duplicated = 0; same producer id: leases back in S s,
-lost = 0, duplicated = 0`` with X the mean of the first three.
+lost = 0, duplicated = 0; rolling upgrade: lost = 0, duplicated = 0`` with X the mean of the
+first three.
 """
 
 from __future__ import annotations
@@ -298,6 +302,13 @@ def fleet_lost(work: Path) -> dict[str, Any]:
         for p in procs:
             p.stop()
     out["mean"] = (out["producer"] + out["collector"] + out["trainer"]) / 3
+    # -- a rolling upgrade across an on-disk format change (strawq.testing.upgrade: parts
+    # restarted one by one onto a release that writes a newer group format, `strawq
+    # upgrade` refused while an old part lives)
+    from strawq.testing.upgrade import rolling_upgrade
+
+    up = rolling_upgrade(str(work / "upgrade"), n=24)
+    out["upgrade_lost"], out["upgrade_duplicated"] = up.lost, up.duplicated + len(up.problems)
     return out
 
 
@@ -342,4 +353,5 @@ def line(fl: dict[str, Any]) -> str:
             f"{fl['trainer']:.1f}); two trainers: refused in {fl['two_trainers']:.1f} s, "
             f"lost = {fl['two_trainers_lost']}, duplicated = {fl['two_trainers_duplicated']}; "
             f"same producer id: leases back in {fl['same_id']:.1f} s, lost = "
-            f"{fl['same_id_lost']}, duplicated = {fl['same_id_duplicated']}")
+            f"{fl['same_id_lost']}, duplicated = {fl['same_id_duplicated']}; rolling "
+            f"upgrade: lost = {fl['upgrade_lost']}, duplicated = {fl['upgrade_duplicated']}")

@@ -42,11 +42,13 @@ def test_chaos_bench_quick(bench_quick: Callable[..., subprocess.CompletedProces
         assert total is None
     # the fleet time lost per failure of each kind, the line before the last
     # and the operators' faults: a second trainer refused having trained nothing, a producer
-    # restarted under its id whose leases go back, nothing lost or duplicated
+    # restarted under its id whose leases go back, a rolling upgrade across a format change:
+    # nothing lost or duplicated
     fleet = re.fullmatch(r"chaos: fleet seconds lost per failure = (\d+\.\d) \(producer "
                          r"(\d+\.\d), collector (\d+\.\d), trainer (\d+\.\d)\); two "
                          r"trainers: refused in \d+\.\d s, lost = 0, duplicated = 0; same "
-                         r"producer id: leases back in \d+\.\d s, lost = 0, duplicated = 0",
+                         r"producer id: leases back in \d+\.\d s, lost = 0, duplicated = 0; "
+                         r"rolling upgrade: lost = 0, duplicated = 0",
                          proc.stdout.strip().splitlines()[-2])
     assert fleet is not None, proc.stdout[-3000:]
     mean, *kinds = (float(x) for x in fleet.groups())
