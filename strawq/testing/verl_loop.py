@@ -240,7 +240,7 @@ class ActorGroup:
         with torch.no_grad():
             for q in self.model.parameters():
                 if q.grad is not None:
-                    q -= self.lr * q.grad
+                    q.sub_(self.lr * q.grad)
         names = [f"{g.id}:{i}" for g, s in zip(batch.groups, batch.summaries, strict=True)
                  for i in range(len(s["sample_lens"]))]
         self.steps.append({"seq": batch.seq, "weights": before, "grads": grads,
@@ -368,7 +368,7 @@ def make_trainer(cls: Any, config: Any, run_dir: str, group: ActorGroup) -> Any:
 def run_verl_loop(path: str, *, trainer_cls: Any = None, batches: int = 6,
                   batch_groups: int = 3, group_size: int = 4, trigger: int = 2,
                   save_freq: int = 1, before_kill: int = 3, lr: float = 0.05,
-                  objective: Objective = Objective(), kill: bool = True,
+                  objective: Objective | None = None, kill: bool = True,
                   seed: int = 0) -> dict[str, Any]:
     """Publish ``publish_run``'s batches, train ``before_kill`` steps through verl's
     ``fit_step``, kill, restore through verl's ``load_checkpoint`` and run verl's ``fit``
@@ -382,6 +382,7 @@ def run_verl_loop(path: str, *, trainer_cls: Any = None, batches: int = 6,
     from strawq.commits import committed_seq
 
     cls = trainer_cls or strawq_trainer(fat.FullyAsyncTrainer)
+    objective = objective or Objective()
     run_dir, info = publish_run(path, batches=batches, batch_groups=batch_groups,
                                 group_size=group_size, seed=seed)
     ckpt = os.path.join(path, "ckpt")

@@ -313,5 +313,5 @@ def verl_distributed_gradients(run_dir: str, seq: int, *,
             for w in sizes for k, o in enumerate(objs)}
 
 
-__all__ = ["actor_log_probs", "actor_step", "actor_td_step", "driver_dataproto", "verl_distributed_gradients",
-           "verl_path_gradients"]
+__all__ = ["actor_log_probs", "actor_step", "actor_td_step", "driver_dataproto",
+           "verl_distributed_gradients", "verl_path_gradients"]

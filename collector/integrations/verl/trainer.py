@@ -64,6 +64,13 @@ def _steps_done(trainer: Any) -> int:
 class StrawqTrainerMixin:
     """The strawq side of a verl fully-async trainer; first in the bases (see the module)."""
 
+    # verl's trainer attributes this mixin reads (set by verl's ``__init__``)
+    config: Any
+    global_steps: int
+    timing_raw: dict[str, Any]
+    current_param_version: int
+    actor_rollout_wg: Any
+
     strawq: BatchReader | None = None
     strawq_batch: Batch | None = None
     #: seconds ``_fit_generate`` waits for a batch (``BatchTimeout`` after)
@@ -100,11 +107,11 @@ class StrawqTrainerMixin:
             fat = _verl("verl.experimental.fully_async_policy.fully_async_trainer")
             raise fat.TrainingStopException(f"trained the {total} steps asked for")
         marked_timer = _verl("verl.utils.debug").marked_timer
-        with marked_timer("gen", self.timing_raw):  # type: ignore[attr-defined]
+        with marked_timer("gen", self.timing_raw):
             self.strawq_batch = await asyncio.to_thread(reader.next_batch,
                                                         self.strawq_timeout)
         data = batch_to_dataproto(self.strawq_batch, temperature="meta")
-        check_temperature(data, self.config.actor_rollout_ref.rollout.temperature)  # type: ignore[attr-defined]
+        check_temperature(data, self.config.actor_rollout_ref.rollout.temperature)
         return data
 
     def _fit_compute_advantage(self, batch: Any) -> Any:
@@ -121,7 +128,7 @@ class StrawqTrainerMixin:
         """verl's update with the batch's own sample count as the loss denominator."""
         totals = batch.meta_info.get("strawq", {})
         samples = totals.get("total_samples")
-        wg = self.actor_rollout_wg  # type: ignore[has-attr]
+        wg = self.actor_rollout_wg
         if samples is None:
             return super()._update_actor(batch)  # type: ignore[misc]
         self.actor_rollout_wg = _Denominator(wg, int(samples))
@@ -132,23 +139,23 @@ class StrawqTrainerMixin:
 
     def _fit_update_actor(self, batch: Any) -> Any:
         batch = super()._fit_update_actor(batch)  # type: ignore[misc]
-        trained = self.config.trainer.critic_warmup <= self.global_steps  # type: ignore[attr-defined]
+        trained = self.config.trainer.critic_warmup <= self.global_steps
         if trained and self.strawq_batch is not None:
             self._reader().ack(self.strawq_batch)  # the step is taken: ack it
         elif self.strawq_batch is not None:
             log.info("batch %d not trained (critic warmup, step %s): not acked",
-                     self.strawq_batch.seq, self.global_steps)  # type: ignore[attr-defined]
+                     self.strawq_batch.seq, self.global_steps)
         return batch
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _checkpoint_folder(self, version: int) -> str:
-        return os.path.join(str(self.config.trainer.default_local_dir),  # type: ignore[attr-defined]
+        return os.path.join(str(self.config.trainer.default_local_dir),
                             f"global_step_{version}")
 
     def _save_checkpoint(self) -> None:
         reader = self._reader()
         state = reader.state_dict()
-        folder = self._checkpoint_folder(int(self.current_param_version))  # type: ignore[attr-defined]
+        folder = self._checkpoint_folder(int(self.current_param_version))
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, STATE_FILE + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
@@ -163,7 +170,7 @@ class StrawqTrainerMixin:
         version = await super().load_checkpoint()  # type: ignore[misc]
         if not version:
             return version
-        cfg = self.config.trainer  # type: ignore[attr-defined]
+        cfg = self.config.trainer
         folder = str(cfg.resume_from_path) if cfg.resume_mode == "resume_path" else \
             self._checkpoint_folder(int(version))
         if not os.path.isabs(folder):
