@@ -325,7 +325,8 @@ class _Pools:
         return 1
 
 
-def make_trainer(cls: Any, config: Any, run_dir: str, group: ActorGroup) -> Any:
+def make_trainer(cls: Any, config: Any, run_dir: str, group: ActorGroup, *,
+                 after_push: Any = None, timeout: float = 30.0) -> Any:
     """``cls`` built as verl's ``__init__`` leaves a fully-async trainer (its Ray and GPU
     parts as stand-ins), the strawq reader attached, verl's rollouter and manager set."""
     from verl.experimental.fully_async_policy.detach_utils import MetricsAggregator
@@ -360,7 +361,7 @@ def make_trainer(cls: Any, config: Any, run_dir: str, group: ActorGroup) -> Any:
         _dump_executor=None)
     reader = BatchReader.open(run_dir, poll_interval_s=0.01)
     if hasattr(t, "attach_strawq"):
-        t.attach_strawq(reader, timeout=30.0)
+        t.attach_strawq(reader, timeout=timeout, after_push=after_push)
     group.current = lambda: t.strawq_batch
     return t
 

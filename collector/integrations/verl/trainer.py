@@ -38,6 +38,7 @@ import asyncio
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from strawq.collector.integrations.verl.reader import (_verl, batch_to_dataproto,
@@ -73,21 +74,25 @@ class StrawqTrainerMixin:
 
     strawq: BatchReader | None = None
     strawq_batch: Batch | None = None
+    strawq_after_push: Callable[[int], Any] | None = None
     #: seconds ``_fit_generate`` waits for a batch (``BatchTimeout`` after)
     strawq_timeout: float = 3600.0
 
     # -- wiring ----------------------------------------------------------------------------
     def attach_strawq(self, run_dir: str | BatchReader, *, timeout: float | None = None,
+                      after_push: Callable[[int], Any] | None = None,
                       **reader_kwargs: Any) -> None:
         """Read batches of the run at ``run_dir`` (rank 0 of strawq, world size 1). Call it
-        before ``set_rollouter`` and ``load_checkpoint``."""
+        before ``set_rollouter`` and ``load_checkpoint``. ``after_push(version)``: runs
+        inside strawq's bracket after each verl push (``StrawqParameterSync``)."""
+        self.strawq_after_push = after_push
         self.strawq = run_dir if isinstance(run_dir, BatchReader) else \
             BatchReader.open(run_dir, **reader_kwargs)
         self.strawq_batch = None
         if timeout is not None:
             self.strawq_timeout = float(timeout)
         if getattr(self, "checkpoint_manager", None) is not None:
-            hook_parameter_sync(self, self.strawq)
+            hook_parameter_sync(self, self.strawq, after_push=after_push)
 
     def _reader(self) -> BatchReader:
         if self.strawq is None:
@@ -97,7 +102,7 @@ class StrawqTrainerMixin:
 
     async def set_rollouter(self, rollouter: Any) -> None:
         await super().set_rollouter(rollouter)  # type: ignore[misc]  # builds the manager
-        hook_parameter_sync(self, self._reader())
+        hook_parameter_sync(self, self._reader(), after_push=self.strawq_after_push)
 
     # -- one step ----------------------------------------------------------------------------
     async def _fit_generate(self, batch: Any = None) -> Any:
