@@ -90,3 +90,53 @@ def test_the_old_documented_class_trains_twice_after_a_restart(tmp_path: Path) -
     got = run_verl_loop(str(tmp_path), trainer_cls=_old_documented_class(), batches=4,
                         before_kill=3)
     assert got["trained_twice"] > 0
+
+
+def _one_trainer(tmp_path: Path, **trainer: Any) -> tuple[Any, Any, Any]:
+    from verl.experimental.fully_async_policy import fully_async_trainer as fat
+
+    from strawq.collector.integrations.verl.reader import verl_actor_config
+    from strawq.collector.integrations.verl.trainer import strawq_trainer
+    from strawq.testing.reference import Objective, TinyPolicy
+    from strawq.testing.verl_loop import ActorGroup, make_trainer, publish_run, verl_config
+
+    run_dir, _info = publish_run(str(tmp_path), batches=3)
+    config = verl_config(str(tmp_path / "ckpt"), trigger=1, save_freq=1, batch_groups=3,
+                         group_size=4)
+    config.trainer.update(trainer)
+    group = ActorGroup(TinyPolicy(), verl_actor_config(Objective(), batch_samples=12,
+                                                       rollout_n=4), 0.0, lambda: None)
+    return fat, make_trainer(strawq_trainer(fat.FullyAsyncTrainer), config, run_dir, group), \
+        group
+
+
+def test_a_batch_verl_does_not_train_is_not_acked(tmp_path: Path) -> None:
+    """During ``trainer.critic_warmup`` verl skips the actor update: the batch stays
+    unacked (a restart delivers it again)."""
+    from unittest import mock
+
+    from strawq.batches import BatchStore
+    from strawq.testing.verl_loop import _ray_get
+
+    fat, t, group = _one_trainer(tmp_path, critic_warmup=5)
+    with mock.patch.object(fat, "ray", mock.Mock(get=_ray_get)):
+        t.set_total_train_steps(3)
+        t.global_steps = 1
+        asyncio.run(t.fit_step())
+    assert group.steps == [] and t.strawq_batch.seq == 1
+    assert 1 not in BatchStore(t.strawq.queue).batch_seqs()[1]
+    t.strawq.close()
+
+
+def test_a_verl_checkpoint_without_the_readers_state_is_refused(tmp_path: Path) -> None:
+    """A checkpoint this trainer did not save says nothing about which batches it holds."""
+    fat, t, _group = _one_trainer(tmp_path)
+    step = tmp_path / "ckpt" / "global_step_1" / "actor"
+    step.mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("1")
+    import torch
+
+    torch.save({"model": _group.model.state_dict(), "trained": 0}, step / "model.pt")
+    with pytest.raises(ValueError, match="strawq_reader.json"):
+        asyncio.run(t.load_checkpoint())
+    t.strawq.close()
