@@ -482,3 +482,29 @@ def test_launch_producers_never_guesses_between_ray_clusters() -> None:
     assert choose("h:1", "h:2", two) == "h:1"  # --address wins, then RAY_ADDRESS
     assert choose(None, "h:2", two) == "h:2"
     assert choose(None, None, ["h:3"]) == "h:3"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_verl_strawq_trainer_trains_what_the_producers_generate(tmp_path: Path) -> None:
+    """strawq generates, verl trains: verl's ``fit`` with the shipped trainer class (its GPU
+    parts CPU stand-ins) on the batches the producers generate on sim engines; each weight
+    push goes to the engines with strawq's version, which the producers check."""
+    pytest.importorskip("verl")
+    from strawq.commits import committed_seq
+    from strawq.storage import open_storage
+
+    with LiveRun(tmp_path, router=False) as live:
+        urls = [a for u in live.engine_urls for a in ("--engine-url", u)]
+        res = live.example("verl_strawq_trainer.py", *urls, "--weights-dir", live.weights,
+                           "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", str(STEPS),
+                           "--batch-groups", "2", "--group-size", "2", "--cpu-stand-ins")
+        assert res.returncode == 0, res.stderr[-3000:] + live.logs()
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        assert got["steps"] == STEPS and got["samples"] == 2 * 2 * STEPS, got
+        assert got["batches"] == list(range(1, STEPS + 1)) and got["version"] == STEPS
+        _assert_engines_on(live, STEPS)  # every push told the engines strawq's version
+        live.stop_producers()
+        assert committed_seq(open_storage(live.run_dir, writer_id="test")) == STEPS
+        _, acked = _batch_seqs(live.run_dir)
+        assert set(range(1, STEPS + 1)) <= acked

@@ -70,17 +70,32 @@ def actor_step(model: torch.nn.Module, data: Any, config: Any, *, dp_size: int =
     for the FSDP-wrapped transformer (varlen attention over the packed row). Gradients
     accumulate in the model; averaging them over ranks (FSDP / DDP) is the caller's.
     """
+    padding = _verl("verl.workers.utils.padding")
+    td = padding.left_right_2_no_padding(data.to_tensordict())
+    return actor_td_step(model, td, config, dp_size=dp_size, dp_group=dp_group,
+                         batch_num_tokens=batch_num_tokens,
+                         max_token_len_per_gpu=max_token_len_per_gpu,
+                         global_batch_size=int(config.ppo_mini_batch_size * config.rollout_n))
+
+
+def actor_td_step(model: torch.nn.Module, td: Any, config: Any, *, dp_size: int = 1,
+                  dp_group: Any = None, batch_num_tokens: int | None = None,
+                  max_token_len_per_gpu: int | None = None,
+                  global_batch_size: int | None = None) -> tuple[torch.Tensor, int]:
+    """``actor_step`` from the no-padding tensordict verl's trainer sends its actor worker
+    group (``_update_actor``: ``left_right_2_no_padding``, ``global_batch_size`` set):
+    ``global_batch_size`` is the tensordict's unless given."""
     import torch.distributed as dist
 
-    padding = _verl("verl.workers.utils.padding")
     tu = _verl("verl.utils.tensordict_utils")
     eutils = _verl("verl.workers.engine.utils")
     losses = _verl("verl.workers.utils.losses")
     dev = next((q.device for q in model.parameters()), torch.device("cpu"))
-    td = padding.left_right_2_no_padding(data.to_tensordict())
     budget = int(max_token_len_per_gpu or config.ppo_max_token_len_per_gpu)
+    if global_batch_size is None:
+        global_batch_size = int(tu.get(td, "global_batch_size"))
     tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=True,
-                         global_batch_size=int(config.ppo_mini_batch_size * config.rollout_n),
+                         global_batch_size=int(global_batch_size),
                          use_remove_padding=True, use_dynamic_bsz=bool(config.use_dynamic_bsz),
                          max_token_len_per_gpu=budget,
                          micro_batch_size_per_gpu=config.ppo_micro_batch_size_per_gpu,
@@ -298,5 +313,5 @@ def verl_distributed_gradients(run_dir: str, seq: int, *,
             for w in sizes for k, o in enumerate(objs)}
 
 
-__all__ = ["actor_log_probs", "actor_step", "driver_dataproto", "verl_distributed_gradients",
-           "verl_path_gradients"]
+__all__ = ["actor_log_probs", "actor_step", "actor_td_step", "driver_dataproto",
+           "verl_distributed_gradients", "verl_path_gradients"]

@@ -12,8 +12,10 @@ constructor ``(config, max_queue_size)``, and keeps the samples in a strawq stor
 * a get hands the oldest sample out under a lease (held by the queue, in hand-out order);
 * a sample counts as consumed only when a checkpoint of the trainer covers it:
   ``commit(consumed)`` (or, for verl's own trainer, the queue reading verl's checkpoint
-  tracker, ``latest_checkpointed_iteration.txt``: version v covers
-  v · ppo_mini_batch_size · require_batches · trigger_parameter_sync_step gets) publishes
+  tracker, ``latest_checkpointed_iteration.txt``: the checkpoint holds the gets handed out
+  when the queue first sees the tracker move, verl making none between its save and its
+  next step; at least v · ppo_mini_batch_size · require_batches ·
+  trigger_parameter_sync_step at version v) publishes
   ``commits/<consumed>`` and deletes the samples it covers. A queue that starts again
   hands every sample not covered out again, oldest first; ``rewind()`` does the same for a
   trainer restarted beside a queue that lived on.
@@ -192,6 +194,8 @@ class DurableSampleQueue:
         self.dropped = 0
         self.bytes_put = 0
         self.recovered = 0
+        #: verl's checkpoint (tracker number) the newest commit stands for, if known
+        self.version: int | None = None
         self.recover()
 
     # -- recovery --------------------------------------------------------------------------
@@ -215,6 +219,9 @@ class DurableSampleQueue:
                 if meta is None:
                     continue
                 self.consumed = max(self.consumed, int(meta["consumed"]))
+                if meta.get("version") is not None:
+                    self.version = max(self.version if self.version is not None else -1,
+                                       int(meta["version"]))
                 last_seq = max(last_seq, int(meta["seq"]))
                 self._recent.append(set(meta.get("ids", [])))
             for name in sorted(stale):
@@ -362,11 +369,15 @@ class DurableSampleQueue:
                 return held, blob
             return None
 
-    def commit(self, consumed: int) -> int:
+    def commit(self, consumed: int, *, version: int | None = None) -> int:
         """A checkpoint covers the first ``consumed`` hand-outs since the run began: publish
         ``commits/<consumed>``, then delete the samples it covers. Returns how many this
-        call committed (0 when an earlier commit already covered them)."""
+        call committed (0 when an earlier commit already covered them). ``version``: verl's
+        checkpoint (its tracker's number) the commit stands for, kept in the record."""
         with self._lock:
+            if version is not None:
+                self.version = max(self.version if self.version is not None else -1,
+                                   int(version))
             if consumed <= self.consumed:
                 return 0
             covered: list[Held] = []
@@ -383,6 +394,7 @@ class DurableSampleQueue:
                                  records.encode(Kind.STATE, {"verl": "commit",
                                                              "consumed": consumed,
                                                              "seq": last_seq, "ids": ids,
+                                                             "version": self.version,
                                                              "at": time.time()}))
             self.consumed = consumed
             self._committed_seq = last_seq
@@ -463,7 +475,7 @@ class StrawqMessageQueue:
         self._generation = 0
         self._cond: asyncio.Condition | None = None
         self._partials: Any = None
-        self._watch_checkpoint()
+        self._watch_checkpoint(live=False)
         from strawq.collector.integrations.verl.partial import PartialStore
 
         self._partials = PartialStore(self.storage)
@@ -476,8 +488,17 @@ class StrawqMessageQueue:
             self._cond = asyncio.Condition()
         return self._cond
 
-    def _watch_checkpoint(self) -> None:
-        """Commit what verl's newest checkpoint covers (its tracker file, read when it moved)."""
+    def _watch_checkpoint(self, *, live: bool = True) -> None:
+        """Commit what verl's newest checkpoint covers (its tracker file, read when it moved).
+
+        verl's trainer makes no get between its save and the tracker write, nor between the
+        tracker write and its next step's first get: the gets handed out when the queue
+        first sees the tracker move (at a get, a statistics call, ``rewind``, ``clear_queue``
+        or ``shutdown``) are exactly the gets the checkpoint holds, mid-version included
+        (verl's forced save at the end of ``fit``, an expiry save). A queue that starts
+        after the tracker moved unseen (the job died between the tracker write and the
+        queue's next call) commits the version's count, a lower bound: nothing is lost, the
+        gets of a partial version in that checkpoint are handed out again."""
         if not self._tracker_dir or not self._per_version:
             return
         path = os.path.join(str(self._tracker_dir), TRACKER)
@@ -494,7 +515,10 @@ class StrawqMessageQueue:
         except (OSError, ValueError):
             return  # being written; read again at the next call
         self._tracker_seen = seen
-        self.q.commit(version * self._per_version)
+        if self.q.version is not None and version <= self.q.version:
+            return  # this checkpoint is committed already
+        floor = version * self._per_version
+        self.q.commit(max(floor, self.q.handed) if live else floor, version=version)
 
     # -- verl's MessageQueue methods ---------------------------------------------------------
     async def put_sample(self, sample: Any, **meta: Any) -> bool:
@@ -541,6 +565,7 @@ class StrawqMessageQueue:
         return {**self.q.stats(), "pid": os.getpid(), **self._partials.count()}
 
     async def clear_queue(self) -> None:
+        self._watch_checkpoint()  # verl's task runner calls it after fit's forced save
         log.info("clear_queue: the %d samples not handed out stay durable in %s (drop_all() "
                  "deletes them)", self.q.size(), self.path)
 
@@ -548,6 +573,7 @@ class StrawqMessageQueue:
         return self.q.clear()
 
     async def shutdown(self) -> None:
+        self._watch_checkpoint()
         cond = self._condition()
         async with cond:
             self.running = False

@@ -390,7 +390,10 @@ class StrawqParameterSync:
 
     ``bracket``: a rank-0 ``BatchReader`` (its bracket) or a ``WeightUpdateBracket``.
     ``version``: the strawq version to announce, from verl's ``global_steps`` (default: the
-    bracket's next version, which moves one per update). If verl's push raises, the
+    bracket's next version, which moves one per update). ``after_push(version)`` (plain or
+    async) runs after verl's push, before the bracket closes: verl's push sets no weight
+    version on its engines, and strawq's producers require the run's (tell the engines it
+    there, SGLang's ``/update_weight_version``). If verl's push raises, the
     bracket stays open (producers stay paused, nothing generated on half-pushed weights)
     and the error propagates: the next ``update_weights`` continues it, or call
     ``abort_weight_update()``. ``update_weights`` follows verl's calling convention
@@ -399,9 +402,10 @@ class StrawqParameterSync:
 
     def __init__(self, manager: Any, bracket: BatchReader | WeightUpdateBracket, *,
                  timeout: float = 300.0,
-                 version: Callable[[int | None, BracketReport], int | None] | None = None
-                 ) -> None:
+                 version: Callable[[int | None, BracketReport], int | None] | None = None,
+                 after_push: Callable[[int], Any] | None = None) -> None:
         self.manager = manager
+        self.after_push = after_push
         self.bracket = bracket.bracket if isinstance(bracket, BatchReader) else bracket
         self.timeout = timeout
         self.version = version
@@ -419,6 +423,10 @@ class StrawqParameterSync:
         if inspect.isawaitable(result):
             result = await result
         target = self.version(global_steps, rep) if self.version is not None else None
+        if self.after_push is not None:  # e.g. the engines told strawq's version
+            done = self.after_push(rep.version if target is None else int(target))
+            if inspect.isawaitable(done):
+                await done
         self.last_version = self.bracket.end_weight_update(target)
         return result
 

@@ -173,17 +173,18 @@ def _run(coro: Any) -> Any:
 
 
 def test_verls_checkpoint_tracker_commits_what_it_covers(tmp_path: Path) -> None:
-    """Weight version v covers v · ppo_mini_batch_size · require_batches ·
-    trigger_parameter_sync_step gets (here 4 per version)."""
+    """The tracker moves between two of verl's steps: the gets handed out when the queue
+    sees it are the checkpoint's (here version 1 after two steps of 2 gets)."""
     cfg = config(tmp_path)
 
     async def go() -> None:
         mq = StrawqMessageQueue(cfg, 100)
         for i in range(10):
             assert await mq.put_sample(f"s{i}".encode(), sample_id=f"s{i}")
-        got = [(await mq.get_sample())[0] for _ in range(6)]
-        assert got == [f"s{i}".encode() for i in range(6)]
+        got = [(await mq.get_sample())[0] for _ in range(4)]
         (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("1")
+        got += [(await mq.get_sample())[0] for _ in range(2)]  # the next step's gets
+        assert got == [f"s{i}".encode() for i in range(6)]
         s = await mq.get_statistics()
         assert (s["committed"], s["leased"], s["queue_size"]) == (4, 2, 4)
 
@@ -199,6 +200,62 @@ def test_verls_checkpoint_tracker_commits_what_it_covers(tmp_path: Path) -> None
         return out
 
     assert _run(restart()) == [f"s{i}".encode() for i in range(4, 10)]
+
+
+def test_a_checkpoint_verl_forces_mid_version_commits_every_get_it_holds(
+        tmp_path: Path) -> None:
+    """verl's own checkpoint cadence (``_fit_update_local_step``, ``_fit_save_checkpoint``,
+    ``_save_checkpoint``): trigger 2, save_freq 2, three steps of 2 gets, then ``fit``'s
+    forced save lands inside version 2 (it is checkpoint 1 holding 6 gets) and verl's task
+    runner calls ``clear_queue``. The queue commits the 6, not 1 version × 4: after a
+    restart the third step's samples are not handed out (and trained) again."""
+    pytest.importorskip("verl")
+    from omegaconf import OmegaConf
+    from unittest import mock
+    from verl.experimental.fully_async_policy import fully_async_trainer as fat
+
+    from strawq.testing.verl_loop import ActorGroup, Rollouter, _ray_get
+
+    cfg = config(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    t = object.__new__(fat.FullyAsyncTrainer.__ray_actor_class__)
+    t.__dict__.update(
+        config=OmegaConf.create({"trainer": {
+            "default_local_dir": str(ckpt), "default_hdfs_dir": None, "save_freq": 2,
+            "esi_redundant_time": 0}}),
+        current_param_version=0, local_trigger_step=1, trigger_parameter_sync_step=2,
+        last_ckpt_version=0, max_steps_duration=0, timing_raw={}, global_steps=1,
+        use_critic=False, rollouter=Rollouter(),
+        actor_rollout_wg=ActorGroup(torch_module(), None, 0.0, lambda: None))
+
+    async def go() -> list[bytes]:
+        mq = StrawqMessageQueue(cfg, 100)
+        for i in range(10):
+            await mq.put_sample(f"s{i}".encode(), sample_id=f"s{i}")
+        got = []
+        with mock.patch.object(fat, "ray", mock.Mock(get=_ray_get)):
+            for _step in range(3):  # verl's fit_step, as far as the queue and saves go
+                got += [(await mq.get_sample())[0] for _ in range(2)]
+                t._fit_update_local_step()
+                t._fit_save_checkpoint()
+            t._fit_save_checkpoint(force=True)  # the end of verl's fit
+        await mq.clear_queue()  # verl's task runner, in its finally
+        return got
+
+    assert _run(go()) == [f"s{i}".encode() for i in range(6)]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
+
+    async def restart() -> list[bytes]:
+        mq = StrawqMessageQueue(cfg, 100)
+        return [(await mq.get_sample())[0] for _ in range(4)]
+
+    assert _run(restart()) == [f"s{i}".encode() for i in range(6, 10)]
+
+
+def torch_module() -> Any:
+    import torch
+
+    return torch.nn.Linear(1, 1)
 
 
 def test_rewind_hands_leases_out_again_and_ends_stale_waiters(tmp_path: Path) -> None:
