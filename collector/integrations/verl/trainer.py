@@ -12,7 +12,8 @@ batches")::
 
 * ``_fit_generate``: the collector's next batch (``BatchReader`` on the driver, world size
   1: verl dispatches the rows), as verl's ``DataProto`` (``batch_to_dataproto``); past
-  ``total_train_steps`` verl's ``TrainingStopException`` ends ``fit``;
+  ``total_train_steps``, or once the run has finished (``RunFinished``), verl's
+  ``TrainingStopException`` ends ``fit`` (its last sync and forced checkpoint follow);
 * ``_fit_compute_advantage``: verl's (token-level scores, rollout correction, metrics),
   then the manifest's advantages put back: verl's GRPO over ``uid`` would count a failed
   reward as 0 and give a group of one its reward, where the collector leaves a missing
@@ -44,6 +45,7 @@ from typing import Any
 from strawq.collector.integrations.verl.reader import (_verl, batch_to_dataproto,
                                                        check_temperature, hook_parameter_sync)
 from strawq.collector.trainer.reader import Batch, BatchReader
+from strawq.errors import RunFinished
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +115,14 @@ class StrawqTrainerMixin:
             raise fat.TrainingStopException(f"trained the {total} steps asked for")
         marked_timer = _verl("verl.utils.debug").marked_timer
         with marked_timer("gen", self.timing_raw):
-            self.strawq_batch = await asyncio.to_thread(reader.next_batch,
-                                                        self.strawq_timeout)
+            try:
+                self.strawq_batch = await asyncio.to_thread(reader.next_batch,
+                                                            self.strawq_timeout)
+            except RunFinished as end:
+                # the run's data is trained: verl's own end of fit (its last weight sync
+                # and forced checkpoint, which commits)
+                fat = _verl("verl.experimental.fully_async_policy.fully_async_trainer")
+                raise fat.TrainingStopException(f"strawq: {end}") from end
         data = batch_to_dataproto(self.strawq_batch, temperature="meta")
         check_temperature(data, self.config.actor_rollout_ref.rollout.temperature)
         return data

@@ -140,3 +140,19 @@ def test_a_verl_checkpoint_without_the_readers_state_is_refused(tmp_path: Path) 
     with pytest.raises(ValueError, match="strawq_reader.json"):
         asyncio.run(t.load_checkpoint())
     t.strawq.close()
+
+
+def test_the_end_of_the_run_ends_verls_fit(tmp_path: Path) -> None:
+    """Once the run has finished (the collector's ``finished`` record, every batch read),
+    ``_fit_generate`` raises verl's ``TrainingStopException``: verl's ``fit`` ends as at
+    its own end of data, not with an error after the reader's timeout."""
+    from strawq.finished import mark_finished
+
+    fat, t, _group = _one_trainer(tmp_path)
+    for _ in range(3):  # every batch the run published, read and acked
+        t.strawq.ack(t.strawq.next_batch(5.0))
+    mark_finished(t.strawq.queue.storage, 3, 1)
+    t.timing_raw = {}
+    with pytest.raises(fat.TrainingStopException, match="finished"):
+        asyncio.run(t._fit_generate())
+    t.strawq.close()
