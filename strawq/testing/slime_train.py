@@ -242,9 +242,13 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
     n = sum(len(g) for g in groups)
     temps = [float(t) for t in (batch.temperature.tolist() if batch.temperature is not None
                                 else [1.0] * n)] if temperatures is None else list(temperatures)
-    args = slime_args(objective, global_batch_size=n)
-    pad_steps(groups, args)  # what generate_rollout does (one step: no padding)
+    bt = batch.totals
+    gbs = int(bt.total_samples)  # one step: the manifest's samples (skipped groups counted)
+    args = slime_args(objective, global_batch_size=gbs)
+    pad_steps(groups, args, totals=(bt.total_samples, bt.total_loss_tokens))  # as
+    # generate_rollout does: padding only in place of the groups skipped at read time
     samples = flatten(groups)
+    temps += [temps[0] if temps else 1.0] * (len(samples) - n)  # padding: no loss token
     data = RolloutManager(args)._convert_samples_to_train_data(samples)
     data_utils.tensorize_rollout_data_for_training(data)
     dev = next((q.device for q in model.parameters()), torch.device("cpu"))
@@ -257,7 +261,7 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
     tokens_seen = torch.zeros((), device=dev)
     with single_rank(dev):
         for temp, idx in by_temp.items():
-            a = slime_args(objective, global_batch_size=n, rollout_temperature=temp)
+            a = slime_args(objective, global_batch_size=gbs, rollout_temperature=temp)
             toks = [data["tokens"][i].to(dev) for i in idx]
             mb: dict[str, Any] = {
                 "tokens": toks, "unconcat_tokens": toks,
@@ -278,7 +282,8 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
             mb["log_probs"] = old["log_probs"]
             loss_mod.compute_advantages_and_returns(a, mb)
             loss, normalizer, _ = loss_mod.loss_function(
-                a, mb, num_microbatches=len(by_temp), step_global_batch_size=n, logits=logits)
+                a, mb, num_microbatches=len(by_temp), step_global_batch_size=gbs,
+                logits=logits)
             if a.calculate_per_token_loss:
                 total = total + loss
                 tokens_seen = tokens_seen + normalizer
