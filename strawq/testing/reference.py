@@ -35,6 +35,7 @@ The oracle is test harness (``strawq.testing``): the trainer library
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -585,11 +586,14 @@ def make_reference_run(path: str, *, groups: int = 12, group_size: int = 4, seed
 
 def publish_batch(path: str, prompts: Sequence[Sequence[int]], group_size: int,
                   build: Callable[[Lease], GroupData], *,
-                  pack_ranks: int | None = None) -> tuple[str, int]:
+                  pack_ranks: int | None = None,
+                  batch_groups: int | None = None) -> tuple[str, int]:
     """A run under ``path`` whose collector publishes one batch of ``len(prompts)`` groups,
     each ``build(lease)`` for its claimed task (rows ``{"prompt": ids, "i": index}``);
     returns the run's queue directory and the batch number. ``pack_ranks``: the collector
-    also packs the batch's rank shards for that world size (``CollectorConfig``)."""
+    also packs the batch's rank shards for that world size (``CollectorConfig``).
+    ``batch_groups``: publish batches of that many groups instead, all at once (no prefetch
+    or staleness bound; the number returned is the last one's)."""
     from strawq.collector.config import CollectorConfig
     from strawq.collector.core import Collector
     from strawq.config import QueueConfig
@@ -605,9 +609,12 @@ def publish_batch(path: str, prompts: Sequence[Sequence[int]], group_size: int,
     q = RunQueue.create(open_storage(run_dir, writer_id="setup", fsync=False),
                         QueueConfig(fsync=False, group_size=group_size,
                                     release_batch=max(groups, 1)))
-    col = Collector(q, Dataset(ds), CollectorConfig(
-        batch_groups=groups, max_running=groups, max_ready=groups, poll_interval_s=0,
-        gc_interval_s=1e9, pack_ranks=pack_ranks))
+    cfg = CollectorConfig(
+        batch_groups=batch_groups or groups, max_running=groups, max_ready=groups,
+        poll_interval_s=0, gc_interval_s=1e9, pack_ranks=pack_ranks)
+    if batch_groups is not None:  # every batch published at once
+        cfg = dataclasses.replace(cfg, max_prefetch_batches=groups, max_staleness=None)
+    col = Collector(q, Dataset(ds), cfg)
     col.start(wait=False)
     col.step()
     done = 0

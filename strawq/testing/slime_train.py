@@ -34,7 +34,8 @@ from strawq.collector.integrations.slime import REWARD_POST_PROCESS, SEQ_MEAN_TO
 from strawq.collector.integrations.slime.samples import _slime, batch_to_samples
 
 #: the methods of slime's ``RolloutManager`` this stand-in carries
-MANAGER_METHODS = ("_post_process_rewards", "_convert_samples_to_train_data")
+MANAGER_METHODS = ("_post_process_rewards", "_convert_samples_to_train_data",
+                   "_get_rollout_data")
 _compiled: dict[str, Any] = {}
 
 
@@ -64,6 +65,9 @@ def _manager_methods() -> dict[str, Any]:
         "get_source": _slime("slime.utils.data").get_source,
         "validate_rollout_routed_experts_for_replay":
             data_utils.validate_rollout_routed_experts_for_replay,
+        "validate_rollout_id_annotated": data_utils.validate_rollout_id_annotated,
+        "load_debug_rollout_data": data_utils.load_debug_rollout_data,
+        "call_rollout_fn": _slime("slime.rollout.base_types").call_rollout_fn,
         "__name__": "slime.ray.rollout"}
     module = ast.Module(body=[found[m] for m in MANAGER_METHODS], type_ignores=[])
     exec(compile(module, spec.origin, "exec"), namespace)  # noqa: S102 - slime's own source
