@@ -27,7 +27,9 @@ Mode 2 (``"collector"``): the batches are published by strawq's collector before
 reward, a tool-failed sample (tool tokens masked, then a failed status), a group of one
 and a group whose record is corrupted on disk (the reader skips it); each step's gradient
 is compared with ``reference_gradients`` on that step's batch (the corrupt group counted,
-``skip``).
+``skip``). Mode 1 (``"data-source"``): slime's own ``sglang_rollout`` hands out from
+``StrawqDataSource``, its engine calls answered by ``slime_loop_modes.tiny_generate``; it
+has no gradient check (no manifest: slime computes the advantages itself).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 
 from strawq.testing.slime_train import RolloutManager, _manager_methods, slime_args, train_step
 
-MODES = ("collector",)  # "data-source" (slime generates): not yet driven here
+MODES = ("collector", "data-source")
 VOCAB = 48
 
 

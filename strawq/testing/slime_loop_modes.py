@@ -141,7 +141,102 @@ def collector_setup(workdir: str, *, rollouts: int, groups: int, group_size: int
     return CollectorEnv(run_dir, flags, expected, {victim.id})
 
 
-#: the setup of each mode (``run_slime_loop``'s ``mode``)
-SETUPS: dict[str, Callable[..., Any]] = {"collector": collector_setup}
+# -- mode 1: slime generates with its own rollout, strawq keeps the data ---------------------
+async def tiny_generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> Any:
+    """slime's ``--custom-generate-function-path`` standing in for an SGLang engine: a
+    response drawn from the sample's prompt (deterministic per sample index), rollout
+    log-probs, a reward; sample index ≡ 1 (mod 5) fails (tool error: its reward None would
+    make slime's default post-processing raise, so slime's own convention, reward 0 and
+    ``remove_sample``)."""
+    status = type(sample).Status
+    prompt = list(sample.tokens)
+    rng = np.random.default_rng(int(sample.index) + 7)
+    n = int(rng.integers(1, 10))
+    resp = [int(x) for x in rng.integers(0, VOCAB, n)]
+    sample.tokens = prompt + resp
+    sample.response_length = n
+    sample.response = " ".join(map(str, resp))
+    sample.rollout_log_probs = [float(x) for x in np.log(rng.uniform(0.05, 1.0, n))]
+    sample.loss_mask = [1] * n
+    sample.reward = round(float(rng.random()), 2)
+    sample.status = status.COMPLETED
+    if int(sample.index) % 5 == 1:
+        sample.status, sample.reward, sample.remove_sample = status.FAILED, 0.0, True
+    return sample
 
-__all__ = ["CollectorEnv", "SETUPS", "collector_setup"]
+
+@dataclass
+class DataSourceEnv:
+    """Mode 1: slime's ``sglang_rollout`` generates (``tiny_generate``) from
+    ``StrawqDataSource``; the engines' HTTP calls answer no worker."""
+
+    run_dir: str
+    slime_overrides: dict[str, Any]
+    rows: int
+
+    def fresh_process(self) -> None:
+        from strawq.collector.integrations.slime.samples import _slime
+
+        sr = _slime("slime.rollout.sglang_rollout")
+
+        async def no_workers(url: str, *a: Any, **k: Any) -> dict[str, Any]:
+            return {"workers": []}
+
+        async def idle(urls: Any, *a: Any, **k: Any) -> None:
+            return None
+
+        sr.get, sr.abort_servers_until_idle = no_workers, idle
+        sr.load_tokenizer = sr.load_processor = lambda *a, **k: None
+        type(sr.GenerateState)._instances.pop(sr.GenerateState, None)  # a new process
+
+    def update_weights(self, args: Any) -> None:
+        return None
+
+    def reference(self, samples: list[Any], step_ids: list[str | None], model: Any,
+                  objective: Any) -> dict[str, torch.Tensor] | None:
+        return None  # no manifest: slime computed the advantages itself
+
+    def expected_ids(self) -> set[str]:
+        return {f"{i}:{i * int(self.slime_overrides['n_samples_per_prompt']) + k}"
+                for i in range(self.rows)
+                for k in range(int(self.slime_overrides["n_samples_per_prompt"]))}
+
+
+def data_source_setup(workdir: str, *, rollouts: int, groups: int, group_size: int,
+                      seed: int) -> DataSourceEnv:
+    import json
+
+    rng = np.random.default_rng(seed)
+    rows = rollouts * groups
+    ds = os.path.join(workdir, "prompts.jsonl")
+    with open(ds, "w", encoding="utf-8") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"prompt": [int(x) for x in rng.integers(
+                0, VOCAB, int(rng.integers(1, 6)))]}) + "\n")
+    run_dir = os.path.join(workdir, "strawq-run")
+    flags = _slime_flags("data-source")
+    flags.update(
+        strawq_run=run_dir, prompt_data=ds, input_key="prompt", label_key=None,
+        metadata_key=None, n_samples_per_prompt=group_size, rollout_batch_size=groups,
+        over_sampling_batch_size=groups, global_batch_size=groups * group_size, num_epoch=1,
+        rollout_global_dataset=True, load_debug_rollout_data=None,
+        custom_reward_post_process_path=None, use_tis=False,
+        custom_generate_function_path="strawq.testing.slime_loop_modes.tiny_generate",
+        sglang_server_concurrency=8, rollout_num_engines=1, sglang_dp_size=None,
+        rollout_top_p=1.0, rollout_top_k=-1, rollout_max_response_len=16, rollout_stop=None,
+        rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
+        dynamic_sampling_filter_path=None, rollout_sample_filter_path=None,
+        rollout_all_samples_process_path=None, mask_offpolicy_in_partial_rollout=False,
+        group_rm=False, hf_checkpoint=None, sglang_router_ip="127.0.0.1",
+        sglang_router_port=1, use_dynamic_batch_size=False, max_tokens_per_gpu=None,
+        micro_batch_size=1, balance_data=False, balance_by_flops=False,
+        sglang_enable_deterministic_inference=False)
+    return DataSourceEnv(run_dir, flags, rows)
+
+
+#: the setup of each mode (``run_slime_loop``'s ``mode``)
+SETUPS: dict[str, Callable[..., Any]] = {"collector": collector_setup,
+                                         "data-source": data_source_setup}
+
+__all__ = ["CollectorEnv", "DataSourceEnv", "SETUPS", "collector_setup", "data_source_setup",
+           "tiny_generate"]

@@ -31,3 +31,15 @@ def test_strawq_generates_slime_trains_through_slimes_loop(tmp_path: Path) -> No
     assert r["missing"] == 0 and r["unexpected"] == 0
     assert r["index_collisions"] == 0  # a group of one takes no other sample's index
     assert r["max_rel_grad_err"] <= 1e-5
+
+
+def test_slime_generates_through_its_own_rollout_and_loop(tmp_path: Path) -> None:
+    """Mode 1: slime's own ``sglang_rollout`` (its engine calls answered by a stand-in
+    generate function) hands out from ``StrawqDataSource``; the kill leaves rollout 1's
+    groups leased, the restart's ``load(0)`` returns them and they are trained once."""
+    r = run_slime_loop("data-source", str(tmp_path), rollouts=4, kill_after=1)
+    assert r["restarts"] == 1 and r["start_rollout_ids"] == [0, 1]
+    assert r["steps"] == 4
+    assert r["trained_twice"] == 0
+    assert r["missing"] == 0 and r["unexpected"] == 0
+    assert r["index_collisions"] == 0
