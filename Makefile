@@ -83,6 +83,8 @@ slime:
 	fi
 	$(PY) -m pip install -q --no-deps "$(SLIME_REQ)"
 	$(PY) -m pip install -q httpx pillow transformers pylatexenc
+	@# the installed source is the pinned commit's (a content digest: docs/slime.md, Install)
+	$(PY) deploy/slime_digest.py
 
 demo: $(STAMP)
 	$(VENV)/bin/strawq demo --fresh

@@ -172,6 +172,18 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def save_trainer(path: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 state: dict[str, Any]) -> None:
+    """The model, the optimizer and the reader state in one atomic write: a job killed
+    while saving restarts from the previous checkpoint whole, never a model of step k with
+    a reader state of step k − 1 (batch k trained twice) or the reverse (batch k lost).
+    Yours: Megatron's ``save_checkpoint`` with the reader state in its extra state."""
+    tmp = f"{path}.tmp"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "reader": state},
+               tmp)
+    os.replace(tmp, path)
+
+
 def load_provider(path: str) -> Callable[[], torch.nn.Module]:
     mod, _, name = path.replace(":", ".").rpartition(".")
     fn: Callable[[], torch.nn.Module] = getattr(importlib.import_module(mod), name)
@@ -233,11 +245,16 @@ def main(argv: list[str] | None = None) -> int:
                       urls=tuple(args.engine_url or ()))
     if first:  # engines producers keep out of rotation (on other weights) get the run's version
         reader.bracket.start_repairs(push.repair)
-    restored = os.path.exists(args.checkpoint)
-    if restored:
+    trainer_ckpt = f"{args.checkpoint}.trainer.pt"
+    restored = os.path.exists(trainer_ckpt) or os.path.exists(args.checkpoint)
+    if os.path.exists(trainer_ckpt):  # the model, optimizer and reader state of one step
+        saved = torch.load(trainer_ckpt, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        reader.load_state_dict(saved["reader"])
+    elif restored:  # a reader state without a model (written by an older version)
         with open(args.checkpoint, encoding="utf-8") as f:
             reader.load_state_dict(json.load(f))
-        # restore your model and optimizer from the checkpoint saved with this state here
     if first and restored:
         # the engines run whatever was pushed last (weights trained after this checkpoint,
         # or an interrupted update): the restored weights go out, under a new version,
@@ -257,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         if first:  # the one order (docs/api.md): step -> ack -> update -> save -> commit
             reader.bracket.weight_update(push, timeout=600)
             state = reader.state_dict()
-            save_checkpoint(args.checkpoint, state)
+            save_trainer(trainer_ckpt, model, opt, state)
+            save_checkpoint(args.checkpoint, state)  # the reader state alone, readable
             reader.commit(state)  # the checkpoint is durable: GC may collect what it covers
         log.info("step %d batch %d: %d tokens, loss %.4f, %s", step, batch.seq,
                  batch.num_tokens, loss, batch.stats)

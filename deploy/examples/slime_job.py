@@ -4,9 +4,11 @@
     python deploy/examples/slime_job.py data-source --run /mnt/jfs/strawq/runs/r1 \
         --config strawq.yaml -- --prompt-data /data/dapo.jsonl --input-key prompt ...
 
-    # strawq's producers generate (strawq collector + producers running); slime trains
+    # strawq's producers generate, slime trains: also prints the generation side's commands
+    # (strawq collector, strawq producer against slime's router)
     python deploy/examples/slime_job.py collector --run /mnt/jfs/strawq/runs/r1 \
-        --config strawq.yaml -- --rollout-batch-size 64 --n-samples-per-prompt 8 ...
+        --config strawq.yaml --dataset /data/dapo.jsonl --router http://HEAD:3000 \
+        -- --rollout-batch-size 64 --n-samples-per-prompt 8 ...
 
 Writes the ``--custom-config-path`` YAML that carries the run directory (slime sets its
 keys on ``args``) and prints the ``python train.py`` command with the strawq flags added to
@@ -20,28 +22,7 @@ import os
 import shlex
 import sys
 
-ADAPTER = "strawq.collector.integrations.slime"
-
-#: slime flags each mode sets (dotted paths resolved by slime's own ``load_function``)
-MODES: dict[str, list[str]] = {
-    "data-source": [
-        "--data-source-path", f"{ADAPTER}.StrawqDataSource",
-        "--rollout-function-path", f"{ADAPTER}.slime_rollout",
-        # aborted groups come back through add_samples and are kept as partial tasks
-        "--partial-rollout",
-    ],
-    "collector": [
-        "--data-source-path", f"{ADAPTER}.StrawqBatchSource",
-        "--rollout-function-path", f"{ADAPTER}.generate_rollout",
-        "--eval-function-path", "slime.rollout.sglang_rollout.generate_rollout",
-        "--custom-update-weight-post-write-path", f"{ADAPTER}.begin_weight_update_hook",
-        # slime trains the manifest's advantages (computed within each group), not its own
-        # normalisation of the rewards across the batch
-        "--custom-reward-post-process-path", f"{ADAPTER}.reward_post_process",
-        # strawq's documented objective: token-level TIS min(rho, 2) (docs/slime.md)
-        "--use-tis",
-    ],
-}
+from strawq.collector.integrations.slime.flags import MODES
 
 
 def config_yaml(run: str, *, ack_lag: int = 1, batch_timeout_s: float = 600.0,
@@ -58,6 +39,14 @@ def command(mode: str, config_path: str, slime_args: list[str]) -> list[str]:
             "--custom-config-path", config_path]
 
 
+def generation_commands(run: str, dataset: str, router: str) -> list[list[str]]:
+    """Mode 2's generation side: the collector on the dataset, and producers that send
+    their requests to slime's SGLang router (``--sglang-router-ip``/``--sglang-router-port``:
+    the engines whose weights slime updates)."""
+    return [["strawq", "collector", run, dataset],
+            ["strawq", "producer", run, "--router", router]]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest: list[str] = []
@@ -71,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="strawq.yaml")
     p.add_argument("--async-train", action="store_true",
                    help="slime's train_async.py (acks lag two rollouts)")
+    p.add_argument("--dataset", help="collector mode: the prompt dataset (strawq collector)")
+    p.add_argument("--router", help="collector mode: slime's SGLang router URL "
+                   "(http://<--sglang-router-ip>:<--sglang-router-port>) for the producers")
     p.add_argument("--exec", action="store_true", help="run the command (from slime's tree)")
     args = p.parse_args(argv)
     with open(args.config, "w", encoding="utf-8") as f:
@@ -78,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     cmd = command(args.mode, args.config, rest)
     if args.async_train:
         cmd[1] = "train_async.py"
+    if args.mode == "collector" and args.dataset and args.router:
+        for gen in generation_commands(os.path.abspath(args.run), args.dataset, args.router):
+            print(shlex.join(gen))
     print(shlex.join(cmd))
     if args.exec:
         os.execv(cmd[0], cmd)

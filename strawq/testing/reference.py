@@ -35,10 +35,11 @@ The oracle is test harness (``strawq.testing``): the trainer library
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -208,13 +209,17 @@ def _manifest(queue: RunQueue, manifest: Manifest | int) -> Manifest:
 
 
 def reference_loss(run: RunQueue | Storage | str, manifest: Manifest | int,
-                   model: torch.nn.Module, *, objective: Objective = Objective()
-                   ) -> torch.Tensor:
+                   model: torch.nn.Module, *, objective: Objective = Objective(),
+                   skip: Collection[str] = ()) -> torch.Tensor:
     """The whole batch's loss (a scalar with its graph), one sample at a time.
 
     ``run``: the run's ``RunQueue``, its storage, or its directory; ``manifest``: a
     ``Manifest`` or its batch number. Raises ``ValueError`` for a sample with a response
     and no prompt token (nothing predicts its first token).
+
+    ``skip``: ids of groups the reader skipped (a corrupt record): they stay counted in the
+    denominators from the manifest (samples, ``loss_tokens``), as every trainer path counts
+    them (``manifest_totals``), and add no loss.
     """
     queue = _queue(run)
     man = _manifest(queue, manifest)
@@ -222,6 +227,11 @@ def reference_loss(run: RunQueue | Storage | str, manifest: Manifest | int,
     sums: list[torch.Tensor] = []
     counts: list[float] = []
     for name, summ in zip(man.groups, man.summaries, strict=True):
+        if name.id in skip:
+            lt = list(summ.get("loss_tokens") or [0] * len(summ["sample_lens"]))
+            sums += [torch.zeros((), device=dev)] * len(lt)
+            counts += [float(x) for x in lt]
+            continue
         g = queue.read_group(name.id, name.gen)
         params = sampling_columns([g.summary()])
         adv = list(summ.get("advantages") or [])
@@ -253,7 +263,7 @@ def reference_loss(run: RunQueue | Storage | str, manifest: Manifest | int,
                 ones * float(params["top_p"][i]),
                 torch.full((r,), int(params["top_k"][i]), dtype=torch.int64, device=dev))
             sums.append((per * mask).sum())
-    if not sums:
+    if not any(t.requires_grad for t in sums):
         return _zero_loss(model)
     total = torch.stack(sums)
     c = torch.tensor(counts, device=dev)
@@ -272,15 +282,15 @@ def gradients(model: torch.nn.Module) -> Grads:
 
 
 def reference_gradients(run: RunQueue | Storage | str, manifest: Manifest | int,
-                        model: torch.nn.Module, *, objective: Objective = Objective()
-                        ) -> tuple[float, Grads]:
+                        model: torch.nn.Module, *, objective: Objective = Objective(),
+                        skip: Collection[str] = ()) -> tuple[float, Grads]:
     """(loss, {parameter name: gradient}) of the whole batch on one process.
 
     The model's existing gradients are cleared first; the model is left with the
     reference gradients in ``.grad``.
     """
     model.zero_grad(set_to_none=True)
-    loss = reference_loss(run, manifest, model, objective=objective)
+    loss = reference_loss(run, manifest, model, objective=objective, skip=skip)
     loss.backward()  # type: ignore[no-untyped-call]
     return float(loss.detach()), gradients(model)
 
@@ -576,11 +586,14 @@ def make_reference_run(path: str, *, groups: int = 12, group_size: int = 4, seed
 
 def publish_batch(path: str, prompts: Sequence[Sequence[int]], group_size: int,
                   build: Callable[[Lease], GroupData], *,
-                  pack_ranks: int | None = None) -> tuple[str, int]:
+                  pack_ranks: int | None = None,
+                  batch_groups: int | None = None) -> tuple[str, int]:
     """A run under ``path`` whose collector publishes one batch of ``len(prompts)`` groups,
     each ``build(lease)`` for its claimed task (rows ``{"prompt": ids, "i": index}``);
     returns the run's queue directory and the batch number. ``pack_ranks``: the collector
-    also packs the batch's rank shards for that world size (``CollectorConfig``)."""
+    also packs the batch's rank shards for that world size (``CollectorConfig``).
+    ``batch_groups``: publish batches of that many groups instead, all at once (no prefetch
+    or staleness bound; the number returned is the last one's)."""
     from strawq.collector.config import CollectorConfig
     from strawq.collector.core import Collector
     from strawq.config import QueueConfig
@@ -596,9 +609,12 @@ def publish_batch(path: str, prompts: Sequence[Sequence[int]], group_size: int,
     q = RunQueue.create(open_storage(run_dir, writer_id="setup", fsync=False),
                         QueueConfig(fsync=False, group_size=group_size,
                                     release_batch=max(groups, 1)))
-    col = Collector(q, Dataset(ds), CollectorConfig(
-        batch_groups=groups, max_running=groups, max_ready=groups, poll_interval_s=0,
-        gc_interval_s=1e9, pack_ranks=pack_ranks))
+    cfg = CollectorConfig(
+        batch_groups=batch_groups or groups, max_running=groups, max_ready=groups,
+        poll_interval_s=0, gc_interval_s=1e9, pack_ranks=pack_ranks)
+    if batch_groups is not None:  # every batch published at once
+        cfg = dataclasses.replace(cfg, max_prefetch_batches=groups, max_staleness=None)
+    col = Collector(q, Dataset(ds), cfg)
     col.start(wait=False)
     col.step()
     done = 0

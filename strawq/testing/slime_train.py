@@ -34,7 +34,8 @@ from strawq.collector.integrations.slime import REWARD_POST_PROCESS, SEQ_MEAN_TO
 from strawq.collector.integrations.slime.samples import _slime, batch_to_samples
 
 #: the methods of slime's ``RolloutManager`` this stand-in carries
-MANAGER_METHODS = ("_post_process_rewards", "_convert_samples_to_train_data")
+MANAGER_METHODS = ("_post_process_rewards", "_convert_samples_to_train_data",
+                   "_get_rollout_data")
 _compiled: dict[str, Any] = {}
 
 
@@ -64,6 +65,9 @@ def _manager_methods() -> dict[str, Any]:
         "get_source": _slime("slime.utils.data").get_source,
         "validate_rollout_routed_experts_for_replay":
             data_utils.validate_rollout_routed_experts_for_replay,
+        "validate_rollout_id_annotated": data_utils.validate_rollout_id_annotated,
+        "load_debug_rollout_data": data_utils.load_debug_rollout_data,
+        "call_rollout_fn": _slime("slime.rollout.base_types").call_rollout_fn,
         "__name__": "slime.ray.rollout"}
     module = ast.Module(body=[found[m] for m in MANAGER_METHODS], type_ignores=[])
     exec(compile(module, spec.origin, "exec"), namespace)  # noqa: S102 - slime's own source
@@ -227,7 +231,6 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
     from strawq.queue import RunQueue
     from strawq.storage import open_storage
 
-    loss_mod = _slime("slime.backends.megatron_utils.loss")
     data_utils = _slime("slime.observability.rollout_data_utils")
     queue = RunQueue.open(open_storage(run_dir, writer_id="slime-path"))
     reader = BatchReader(queue, rank=0, world_size=1, checkpointed=False, watch=None,
@@ -242,22 +245,50 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
     n = sum(len(g) for g in groups)
     temps = [float(t) for t in (batch.temperature.tolist() if batch.temperature is not None
                                 else [1.0] * n)] if temperatures is None else list(temperatures)
-    args = slime_args(objective, global_batch_size=n)
-    pad_steps(groups, args)  # what generate_rollout does (one step: no padding)
+    bt = batch.totals
+    gbs = int(bt.total_samples)  # one step: the manifest's samples (skipped groups counted)
+    args = slime_args(objective, global_batch_size=gbs)
+    pad_steps(groups, args, totals=(bt.total_samples, bt.total_loss_tokens))  # as
+    # generate_rollout does: padding only in place of the groups skipped at read time
     samples = flatten(groups)
+    temps += [temps[0] if temps else 1.0] * (len(samples) - n)  # padding: no loss token
     data = RolloutManager(args)._convert_samples_to_train_data(samples)
     data_utils.tensorize_rollout_data_for_training(data)
-    dev = next((q.device for q in model.parameters()), torch.device("cpu"))
     data["total_lengths"] = [len(t) for t in data["tokens"]]
+    total = train_step(data, list(range(len(samples))), temps, model, objective=objective,
+                       global_batch_size=gbs)
+    grads = {name: (q.grad.detach().clone() if q.grad is not None else torch.zeros_like(q))
+             for name, q in model.named_parameters()}
+    return total, grads
+
+
+def train_step(data: dict[str, Any], indices: Sequence[int], temperatures: Sequence[float],
+               model: Any, *, objective: Any = None, global_batch_size: int | None = None
+               ) -> float:
+    """One slime training step on the samples ``indices`` of slime's tensorized train data
+    (``_convert_samples_to_train_data`` then ``tensorize_rollout_data_for_training``, with
+    ``total_lengths``): slime's ``compute_advantages_and_returns`` and ``loss_function``
+    (``slime_args(objective)``), one micro-batch per temperature (``temperatures[i]`` is
+    sample i's), the losses scaled the way Megatron's schedule does (÷ micro-batches, or ÷
+    the step's token count with ``--calculate-per-token-loss``), summed before one
+    backward. Returns the loss; the model's gradients are cleared first and hold the
+    step's afterwards."""
+    import torch
+
+    loss_mod = _slime("slime.backends.megatron_utils.loss")
+    gbs = int(global_batch_size or len(indices))
+    dev = next((q.device for q in model.parameters()), torch.device("cpu"))
     by_temp: dict[float, list[int]] = {}
-    for i, t in enumerate(temps):
-        by_temp.setdefault(t, []).append(i)
+    for i in indices:
+        by_temp.setdefault(float(temperatures[i]), []).append(i)
     model.zero_grad(set_to_none=True)
     total = torch.zeros((), device=dev)
     tokens_seen = torch.zeros((), device=dev)
+    per_token = False
     with single_rank(dev):
         for temp, idx in by_temp.items():
-            a = slime_args(objective, global_batch_size=n, rollout_temperature=temp)
+            a = slime_args(objective, global_batch_size=gbs, rollout_temperature=temp)
+            per_token = bool(a.calculate_per_token_loss)
             toks = [data["tokens"][i].to(dev) for i in idx]
             mb: dict[str, Any] = {
                 "tokens": toks, "unconcat_tokens": toks,
@@ -278,19 +309,18 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
             mb["log_probs"] = old["log_probs"]
             loss_mod.compute_advantages_and_returns(a, mb)
             loss, normalizer, _ = loss_mod.loss_function(
-                a, mb, num_microbatches=len(by_temp), step_global_batch_size=n, logits=logits)
-            if a.calculate_per_token_loss:
+                a, mb, num_microbatches=len(by_temp), step_global_batch_size=gbs,
+                logits=logits)
+            if per_token:
                 total = total + loss
                 tokens_seen = tokens_seen + normalizer
             else:
                 total = total + loss / len(by_temp)  # Megatron's schedule: ÷ micro-batches
-    if args.calculate_per_token_loss:
+    if per_token:
         total = total / tokens_seen  # Megatron scales the gradients by the step's tokens
     total.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-    grads = {name: (q.grad.detach().clone() if q.grad is not None else torch.zeros_like(q))
-             for name, q in model.named_parameters()}
-    return float(total.detach()), grads
+    return float(total.detach())
 
 
 __all__ = ["MANAGER_METHODS", "RolloutManager", "SEQ_MEAN_TOKEN_SUM", "flatten",
-           "single_rank", "slime_args", "slime_path_gradients"]
+           "single_rank", "slime_args", "slime_path_gradients", "train_step"]

@@ -182,7 +182,8 @@ def _loss_tokens(s: Any) -> int:
     return int(sum(s.loss_mask)) if s.loss_mask is not None else int(s.response_length)
 
 
-def pad_steps(groups: list[list[Any]], args: Any) -> int:
+def pad_steps(groups: list[list[Any]], args: Any, *,
+              totals: tuple[int, int | None] | None = None) -> int:
     """Fit the samples to slime's training steps; returns how many padding samples it added.
 
     slime trains a rollout in steps of ``--global-batch-size`` samples, in order, and drops
@@ -191,23 +192,34 @@ def pad_steps(groups: list[list[Any]], args: Any) -> int:
     acks as trained. The last step is filled with copies of the shortest sample with
     ``remove_sample`` set (slime zeroes their loss masks) and advantage 0.
 
+    ``totals`` is the manifest's ``(total_samples, total_loss_tokens)`` (``Batch.totals``):
+    the samples of groups skipped at read time (corrupt records) stay counted, as they are
+    on the reader's, Megatron's and verl's paths (``manifest_totals``): their share of the
+    loss is missing, the rest of the gradient unchanged. They are counted in the padded
+    step (as many as it holds padding). Without ``totals`` the samples given are the whole
+    batch.
+
     Then each step's denominators are made the documented ones, through each sample's
     ``advantage_scale`` (the policy-gradient loss is linear in the advantage):
 
     * per-sample mean (slime's default): slime divides a step's per-sample means by
       ``--global-batch-size``, so the real samples of a padded step get scale global
-      batch size / their number — the mean over its real samples, as in a full step;
+      batch size / (their number + the skipped samples counted there) — the mean over the
+      step's samples, as in a full step;
     * ``--calculate-per-token-loss``: slime divides a step by Σ max(loss tokens of a
       sample, 1), so every sample without a loss token (an empty response, every token
-      masked, a padding sample) adds 1; the step's samples get scale (N + k) / N for its N
-      loss tokens and k such samples — the mean over its loss tokens.
+      masked, a padding sample) adds 1; the step's samples get scale (N + k) / (N + s) for
+      its N loss tokens, k such samples and s loss tokens of skipped samples counted there
+      — the mean over the step's loss tokens.
 
-    Without ``--global-batch-size`` the batch is one step and nothing is padded.
+    Without ``--global-batch-size`` the batch is one step (of the manifest's samples).
     """
     flat = [s for g in groups for s in g]
     if not flat:
         return 0
-    gbs = int(getattr(args, "global_batch_size", None) or len(flat))
+    total_samples, total_tokens = totals if totals is not None else (len(flat), None)
+    skipped = max(int(total_samples) - len(flat), 0)
+    gbs = int(getattr(args, "global_batch_size", None) or (len(flat) + skipped))
     tail = len(flat) % gbs
     pads: list[Any] = []
     if tail:
@@ -226,16 +238,23 @@ def pad_steps(groups: list[list[Any]], args: Any) -> int:
         log.warning("strawq batch: %d samples do not fill slime's steps of --global-batch-size"
                     " %d; %d inert padding samples added to the last step", len(flat), gbs,
                     len(pads))
+    counted = min(skipped, len(pads))  # skipped samples standing in the padding
+    real_tokens = sum(_loss_tokens(s) for s in flat)
+    skipped_tokens = (max(int(total_tokens) - real_tokens, 0)
+                      if total_tokens is not None and skipped else 0)
     per_token = bool(getattr(args, "calculate_per_token_loss", False))
     every = flat + pads
     for start in range(0, len(every), gbs):
         step = every[start:start + gbs]
+        here = sum(1 for s in step if s.metadata.get(META, {}).get("padding")
+                   and -1 - int(s.index) < counted)
         if per_token:
             tokens = [_loss_tokens(s) for s in step]
             n, empty = sum(tokens), sum(1 for t in tokens if t == 0)
-            scale = (n + empty) / n if n and empty else 1.0
+            virtual = skipped_tokens * here / skipped if skipped else 0.0
+            scale = (n + empty) / (n + virtual) if n and (empty or virtual) else 1.0
         else:
-            real = sum(1 for s in step if not s.remove_sample)
+            real = sum(1 for s in step if not s.remove_sample) + here
             scale = gbs / real if real and real < gbs else 1.0
         if scale != 1.0:
             for s in step:
@@ -303,7 +322,9 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
                     "the collector's batch_groups to match", batch.seq, len(batch.groups), want)
     check_temperature(batch, args)
     samples = batch_to_samples(batch)
-    padding = pad_steps(samples, args)
+    bt = batch.totals
+    padding = pad_steps(samples, args,
+                        totals=(bt.total_samples, bt.total_loss_tokens))
     metrics = {f"strawq/{k}": v for k, v in batch.stats.items()}
     metrics.update({"strawq/batch_seq": batch.seq, "strawq/version": batch.version,
                     "strawq/skipped": len(batch.skipped), "strawq/padding": padding})

@@ -123,7 +123,8 @@ def batch_to_samples(batch: Batch, *, extras: Sequence[Mapping[str, Any]] | None
     Per sample: ``tokens`` (prompt + response), ``response_length``, ``loss_mask``,
     ``rollout_log_probs`` (response only), ``weight_versions`` (one string per run of equal
     token versions), ``reward`` (the raw reward: slime normalises per group itself),
-    ``status``, ``group_index`` (dataset index), ``index`` (dataset index · G + position)
+    ``status``, ``group_index`` (dataset index), ``index`` (dataset index · G + position,
+    G the batch's largest group)
     and ``metadata["strawq"]`` (task id, batch seq, per-token ``versions``, ``advantage``,
     ``min_version``). ``extras[i]`` (per sample; default: the batch's own ``Batch.extras``,
     ``batch_extras``) maps through ``apply_extras``.
@@ -141,6 +142,9 @@ def batch_to_samples(batch: Batch, *, extras: Sequence[Mapping[str, Any]] | None
     minv = batch.sample_min_version.tolist()
     out: list[list[Any]] = []
     i = 0
+    # G for ``index``: the batch's largest group (the queue's group size unless every group
+    # is short), so that a short group (a group of one) takes no other sample's index
+    width = max((len(summ["status"]) for summ in batch.summaries), default=1)
     for gpos, summ in enumerate(batch.summaries):
         group = []
         for j, status in enumerate(summ["status"]):
@@ -148,8 +152,7 @@ def batch_to_samples(batch: Batch, *, extras: Sequence[Mapping[str, Any]] | None
             r0 = a + plens[i]
             v = vers[r0:b].tolist()
             s = sample_cls(
-                group_index=int(summ["index"]), index=int(summ["index"]) * len(
-                    summ["status"]) + j,
+                group_index=int(summ["index"]), index=int(summ["index"]) * width + j,
                 tokens=tokens[a:b].tolist(), response_length=b - r0,
                 loss_mask=mask[r0:b].tolist(), rollout_log_probs=lps[r0:b].tolist(),
                 weight_versions=run_versions(v),

@@ -161,7 +161,7 @@ def test_samples_without_loss_tokens_leave_the_per_token_mean_exact(tmp_path: ob
     # without the scale: exactly slime's N / (N + k)
     real = adapter.pad_steps
     try:
-        adapter.pad_steps = lambda groups, args: 0  # type: ignore[assignment]
+        adapter.pad_steps = lambda groups, args, **_: 0  # type: ignore[assignment]
         _, ref = reference(run_dir, seq, Policy(), Obj("token_mean"))
         _, grads = slime_path_gradients(run_dir, seq, Policy(), objective=Obj("token_mean"))
     finally:
@@ -177,3 +177,30 @@ def test_objectives_slime_cannot_express_are_refused(obj: Obj, match: str) -> No
         slime_args(obj)
 
 
+
+
+def _corrupt_one_group(run_dir: str, seq: int) -> str:
+    """Overwrite the tail of the batch's second group record; returns its task id."""
+    import os
+
+    q = RunQueue.open(open_storage(run_dir, writer_id="corrupt"))
+    victim = BatchStore(q).read_manifest(seq).groups[1]
+    path = q.storage.local_path(f"data/{victim.id}~g{victim.gen}.group")
+    with open(path, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\xff\xfe\xfd")
+    return victim.id
+
+
+@pytest.mark.parametrize("obj", [Obj(), Obj("token_mean"), Obj("seq_mean_token_sum")])
+def test_a_skipped_corrupt_group_stays_counted_as_on_the_other_paths(
+        tmp_path: object, obj: Objective) -> None:
+    """A group skipped at read time (corrupt record) stays in the manifest's totals: every
+    real sample weighs 1 / total_samples (per token: 1 / total_loss_tokens) on the reader,
+    Megatron and verl paths. slime's padded step weighed it 1 / (the samples read) before
+    the padding counted the manifest's totals."""
+    run_dir, seq = make_run(str(tmp_path), groups=2, group_size=4, seed=7)
+    victim = _corrupt_one_group(run_dir, seq)
+    _, ref = reference_gradients(run_dir, seq, Policy(), objective=obj, skip={victim})
+    _, grads = slime_path_gradients(run_dir, seq, Policy(), objective=obj)
+    assert rel_err(grads, ref) <= TOL
