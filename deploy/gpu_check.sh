@@ -8,6 +8,9 @@
 # 1. bench/trainer.py: every trainer path (reader shards on gloo ranks, world sizes 1-4;
 #    Megatron micro-batches; the demo trainer; slime where offered) against the
 #    single-process reference; the reference, Megatron and demo paths on the device.
+#    Its framework-loops line (verl's fit_step chain with the shipped trainer, slime's loop
+#    in both modes, the Megatron example loop; each killed and restarted) is echoed as a
+#    check of its own.
 #    --bench-output FILE: the output of that same command, run before on this machine
 #    (the test suite runs it once), is checked and shown instead of running it again.
 # 2. The reference-equivalence tests (tests/collector/test_reference.py, the Megatron
@@ -31,7 +34,7 @@ while [ $# -gt 0 ]; do
     --steps) STEPS="$2"; shift ;;
     --bench-output) BENCH_OUTPUT="$2"; shift ;;
     --tests) TESTS="$2"; shift ;;
-    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,21p "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (expected --quick, --out DIR, --steps N," \
             "--bench-output FILE, --tests ARGS)" >&2
        exit 2 ;;
@@ -64,6 +67,10 @@ else
 fi
 cat "$OUT/bench_trainer.txt"
 [ $rc_bench -eq 0 ] || { status=1; tail -20 "$OUT/bench_trainer.err"; }
+# each framework's own loop (verl's fit, slime's train.py, the Megatron example), killed and
+# restarted: its line, or why it is missing
+loops=$(grep '^trainer: framework loops' "$OUT/bench_trainer.txt" || true)
+echo "gpu_check: ${loops:-framework loops: not run (verl, slime or megatron-core missing)}"
 
 eval "\"\$PY\" -m pytest -q -p no:cacheprovider -m 'not slow' $TESTS" > "$OUT/pytest.txt" 2>&1
 rc_tests=$?

@@ -18,6 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"^trainer: max relative gradient error vs reference = (\S+) over (\d+) "
                   r"paths \(world sizes 1-4, megatron(, slime)?(, verl)?\)$", re.M)
 
+#: each framework's own loop, killed and restarted (bench/trainer.py section 4)
+LOOPS = re.compile(r"^trainer: framework loops = verl (\d+), slime (\d+), megatron (\d+) steps; "
+                   r"samples trained twice = (\d+); samples never trained = (\d+); max relative "
+                   r"gradient error vs reference = (\S+)$", re.M)
+
 ONE_REFERENCE_TEST = "tests/collector/test_reference.py::test_reference_is_the_objective_by_hand"
 
 
@@ -32,6 +37,13 @@ def test_bench_quick_prints_the_figure_within_tolerance(bench_quick):
     assert m is not None, proc.stdout[-2000:]
     assert float(m.group(1)) <= 1e-5 and int(m.group(2)) >= 6
     assert "reader/gloo world=4" in proc.stdout and "megatron dp=" in proc.stdout
+    pytest.importorskip("verl", reason="verl not installed: the framework loops line")
+    pytest.importorskip("slime", reason="slime not installed: the framework loops line")
+    loops = LOOPS.search(proc.stdout)
+    assert loops is not None, proc.stdout[-2000:]
+    verl, slime, megatron, twice, never = (int(x) for x in loops.groups()[:5])
+    assert min(verl, slime, megatron) >= 4 and twice == never == 0
+    assert float(loops.group(6)) <= 1e-5
 
 
 @pytest.mark.xdist_group("bench-trainer")  # the run test_quick_form_runs[trainer] checks
@@ -57,4 +69,7 @@ def test_gpu_check_script_runs_its_cpu_path(tmp_path, bench_quick):
     assert "no CUDA device visible" in out and LINE.search(out) is not None
     assert re.search(r"gpu_check: demo on cpu: 3 steps, reward \S+ -> \S+", out)
     assert re.search(r"^1 passed", out, re.M), out[-3000:]
+    assert re.search(r"^gpu_check: trainer: framework loops = verl \d+, slime \d+, megatron \d+ "
+                     r"steps; samples trained twice = 0; samples never trained = 0;", out, re.M) \
+        or "framework loops: not run" in out, out[-3000:]
     assert out.rstrip().endswith("gpu_check: ok")
