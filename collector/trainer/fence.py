@@ -36,6 +36,7 @@ and a bracket's pause and resume records are exclusive creates per version.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -94,6 +95,8 @@ class TrainerFence:
         self._thread: threading.Thread | None = None
         #: readers sharing this fence (``shared_fence``)
         self.users = 0
+        #: the key of this process's shared fences it is filed under (``shared_fence``)
+        self.shared_key: object = None
         storage.makedirs(DIR)
 
     # -- acquiring -----------------------------------------------------------------------------
@@ -245,8 +248,16 @@ _SHARED_LOCK = threading.Lock()
 
 
 def _run_key(storage: Storage) -> object:
+    """The run a shared fence is for: its path and its ``run.meta`` (a run removed and
+    created again at the same path is another run, whose trainer epochs start over)."""
     root = getattr(storage, "root", None)
-    return root if isinstance(root, str) else id(storage)  # the fence keeps storage alive
+    if not isinstance(root, str):
+        return id(storage)  # the fence keeps storage alive
+    try:
+        meta = hashlib.sha256(storage.read("run.meta")).hexdigest()
+    except StrawqError:
+        meta = ""
+    return (root, meta)
 
 
 def shared_fence(storage: Storage) -> TrainerFence:
@@ -256,6 +267,7 @@ def shared_fence(storage: Storage) -> TrainerFence:
         fence = _SHARED.get(key)
         if fence is None or fence.fenced:
             fence = _SHARED[key] = TrainerFence(storage)
+            fence.shared_key = key
         fence.users += 1
         return fence
 
@@ -266,6 +278,6 @@ def unshare_fence(fence: TrainerFence) -> None:
         fence.users -= 1
         if fence.users > 0:
             return
-        if _SHARED.get(_run_key(fence.storage)) is fence:
-            del _SHARED[_run_key(fence.storage)]
+        if _SHARED.get(fence.shared_key) is fence:
+            del _SHARED[fence.shared_key]
     fence.release()

@@ -77,8 +77,18 @@ def test_a_full_disk_holds_a_tool_call_until_its_journal_entry_is_saved(
         "budget": {"slots": 1}, "sampling": {"max_new_tokens": 200, "seed": 3},
         "timing": {"control_poll_s": 0.02, "idle_poll_s": 0.02},
         "tools": {"timeout_s": 60.0}}, {})
-    small_disk.fill()
     p = Producer(config)
+    begin = p.incarnation.begin
+
+    def begin_then_fill() -> list[str]:
+        # the disk fills once the process has recorded its incarnation (a producer started
+        # on a full disk refuses, as a collector does: it cannot record it), before its
+        # first claim
+        out = begin()
+        small_disk.fill()
+        return out
+
+    p.incarnation.begin = begin_then_fill  # type: ignore[method-assign]
 
     def waiting() -> bool:
         return any("tool-call journal cannot be saved" in r.getMessage()

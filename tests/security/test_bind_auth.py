@@ -92,8 +92,8 @@ def test_the_metrics_exporter_binds_loopback_by_default(tmp_path: Any) -> None:
 
     sink = MetricsSink(None, 0)
     try:
-        assert sink._server is not None
-        assert sink._server.server_address[0] == "127.0.0.1"
+        assert sink.exposition is not None and sink.exposition._server is not None
+        assert sink.exposition._server.server_address[0] == "127.0.0.1"
     finally:
         sink.close()
 
