@@ -78,7 +78,7 @@ def end_of_job(run: str) -> int:
     return version
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
@@ -95,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds to wait for a batch, and for the producers to pause")
     p.add_argument("--cpu-stand-ins", action="store_true",
                    help="slime's Megatron and Ray parts as CPU stand-ins (the only mode here)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.cpu_stand_ins:
