@@ -533,7 +533,18 @@ def test_slime_strawq_trainer_trains_what_the_producers_generate(tmp_path: Path)
         assert got["batches"] == list(range(1, STEPS + 1)), got
         assert got["version"] == STEPS + 1, got  # slime updates before its loop, then per rollout
         _assert_engines_on(live, STEPS + 1)
-        live.stop_producers()
         assert committed_seq(open_storage(live.run_dir, writer_id="test")) == STEPS
+        # a second job resumes from slime's checkpoint: the next batches, none again
+        res = live.example("slime_strawq_trainer.py", *urls, "--weights-dir", live.weights,
+                           "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", str(STEPS + 1),
+                           "--batch-groups", "2", "--group-size", "2", "--timeout", "120",
+                           "--cpu-stand-ins")
+        assert res.returncode == 0, res.stderr[-3000:] + live.logs()
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        assert got == {"steps": 1, "samples": 4, "batches": [STEPS + 1],
+                       "version": STEPS + 3}, got
+        _assert_engines_on(live, STEPS + 3)
+        live.stop_producers()
+        assert committed_seq(open_storage(live.run_dir, writer_id="test")) == STEPS + 1
         _, acked = _batch_seqs(live.run_dir)
-        assert set(range(1, STEPS + 1)) <= acked
+        assert set(range(1, STEPS + 2)) <= acked

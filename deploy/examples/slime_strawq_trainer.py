@@ -10,14 +10,11 @@ whose producers generate on the engines this trainer pushes weights to (docs/sli
 The run, its collector and its producers are started first (``strawq init``,
 ``strawq collector``, ``strawq producer --engine URL ...`` with the same engine URLs). This
 script runs the control flow of slime's ``train.py`` with mode 2's flags
-(``strawq.collector.integrations.slime.flags.MODES["collector"]``, loaded by slime's
-``load_function``): the start rollout from slime's checkpoint, the data source's ``load``,
-a first ``update_weights``, then per rollout ``generate`` (strawq's ``generate_rollout``
-through slime's ``RolloutManager``: it settles the last weight update by what the engines
-hold, acks, reads the next batch) → train → the model's checkpoint, then the data source's
-``save`` → ``update_weights`` (the post-write hook opens strawq's bracket, the producers
-pause; the engines load the weights with the bracket's version). At the end it settles the
-last update, acks what it trained and commits its last checkpoint.
+(``strawq.collector.integrations.slime.flags.MODES["collector"]``): per rollout
+``generate`` (strawq's ``generate_rollout``: it settles the last weight update by what the
+engines hold, acks, reads a batch) → train → checkpoint → ``update_weights`` (the post-write
+hook opens strawq's bracket; the engines load the weights with the bracket's version). At
+the end it settles the last update, acks what it trained and commits its last checkpoint.
 
 ``--cpu-stand-ins`` (the only mode this script implements): slime's Megatron actor and Ray
 are the stand-ins of ``strawq.testing.slime_loop`` — a small ``TinyPolicy`` trained with
@@ -26,7 +23,9 @@ slime's ``build_dp_schedule``, ``compute_advantages_and_returns`` and ``loss_fun
 ``--weights-dir`` loaded by every engine with strawq's version (``engine_push.py``, as the
 verl launcher). On GPUs, slime's own ``train.py`` runs with the same flags
 (``slime_job.py collector`` prints its command line): its ``update_weight_from_disk``
-writes the weights, runs the same hook and reloads its engines itself.
+writes the weights, runs the same hook and reloads its engines itself, with slime's own
+version (``--update-weight-start-version`` + 1 per update), which has to be strawq's
+(docs/slime.md, "Mode 2: the processes").
 """
 
 from __future__ import annotations
@@ -112,6 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("error: slime is not installed (docs/slime.md, Install)", file=sys.stderr)
         return 2
+    from strawq.errors import StrawqError
+
+    try:
+        print(json.dumps(train(args)))
+    except (StrawqError, OSError) as exc:  # no run, an engine down, a bracket refused
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """slime's loop from its checkpoint to rollout ``--steps``; what this job trained."""
+    from strawq.errors import RunFinished
     from strawq.testing.slime_loop import _Manager, _sample_id, _Trainer
     from strawq.testing.slime_loop_modes import collector_overrides
     from strawq.testing.slime_train import slime_args
@@ -129,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     update_weights(sargs, push)
     steps, samples, batches = 0, 0, []
     for rollout_id in range(sargs.start_rollout_id, args.steps):
-        data, rollout = manager.generate(rollout_id)
+        try:
+            data, rollout = manager.generate(rollout_id)
+        except RunFinished as end:
+            log.info("the run's data is trained: %s", end)
+            break
         real = [s for s in rollout if _sample_id(s) is not None]
         steps += trainer.train(data, lambda *_: None)
         samples += len(real)
@@ -138,11 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         manager.save(rollout_id)
         log.info("rollout %d: batch %s, weights of version %d", rollout_id, batches[-1],
                  update_weights(sargs, push))
-    version = end_of_job(run)
-    print(json.dumps({"steps": steps, "samples": samples, "batches": batches,
-                      "version": version}))
-    return 0
-
+    return {"steps": steps, "samples": samples, "batches": batches,
+            "version": end_of_job(run)}
 
 if __name__ == "__main__":
     raise SystemExit(main())
