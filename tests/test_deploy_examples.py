@@ -508,3 +508,43 @@ def test_verl_strawq_trainer_trains_what_the_producers_generate(tmp_path: Path) 
         assert committed_seq(open_storage(live.run_dir, writer_id="test")) == STEPS
         _, acked = _batch_seqs(live.run_dir)
         assert set(range(1, STEPS + 1)) <= acked
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_slime_strawq_trainer_trains_what_the_producers_generate(tmp_path: Path) -> None:
+    """strawq generates, slime trains: slime's loop with mode 2's flags (its Megatron and
+    Ray parts CPU stand-ins) on the batches the producers generate on sim engines; each of
+    slime's weight updates (one before the loop, one per rollout) reaches the engines with
+    strawq's version, which the next rollout's ``generate_rollout`` announces."""
+    pytest.importorskip("slime")
+    from strawq.commits import committed_seq
+    from strawq.storage import open_storage
+
+    with LiveRun(tmp_path, router=False) as live:
+        urls = [a for u in live.engine_urls for a in ("--engine-url", u)]
+        res = live.example("slime_strawq_trainer.py", *urls, "--weights-dir", live.weights,
+                           "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", str(STEPS),
+                           "--batch-groups", "2", "--group-size", "2", "--timeout", "120",
+                           "--cpu-stand-ins")
+        assert res.returncode == 0, res.stderr[-3000:] + live.logs()
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        assert got["steps"] == STEPS and got["samples"] == 2 * 2 * STEPS, got
+        assert got["batches"] == list(range(1, STEPS + 1)), got
+        assert got["version"] == STEPS + 1, got  # slime updates before its loop, then per rollout
+        _assert_engines_on(live, STEPS + 1)
+        assert committed_seq(open_storage(live.run_dir, writer_id="test")) == STEPS
+        # a second job resumes from slime's checkpoint: the next batches, none again
+        res = live.example("slime_strawq_trainer.py", *urls, "--weights-dir", live.weights,
+                           "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", str(STEPS + 1),
+                           "--batch-groups", "2", "--group-size", "2", "--timeout", "120",
+                           "--cpu-stand-ins")
+        assert res.returncode == 0, res.stderr[-3000:] + live.logs()
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        assert got == {"steps": 1, "samples": 4, "batches": [STEPS + 1],
+                       "version": STEPS + 3}, got
+        _assert_engines_on(live, STEPS + 3)
+        live.stop_producers()
+        assert committed_seq(open_storage(live.run_dir, writer_id="test")) == STEPS + 1
+        _, acked = _batch_seqs(live.run_dir)
+        assert set(range(1, STEPS + 2)) <= acked

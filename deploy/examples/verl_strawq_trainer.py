@@ -33,29 +33,13 @@ import logging
 import os
 import sys
 import types
-from typing import Any
 from unittest import mock
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from engine_push import engine_version_push  # noqa: E402
+
 log = logging.getLogger("verl_strawq_trainer")
-
-
-def engine_version_push(urls: list[str], weights_dir: str, model: Any) -> Any:
-    """``after_push(version)``: the weights saved for ``version`` and loaded by every
-    engine with that ``weight_version`` (on GPUs verl's push has already moved the weights:
-    only ``/update_weight_version`` is left)."""
-    import torch
-
-    from strawq.producers.sglang_client import SGLangClient
-
-    async def push(version: int) -> None:
-        path = os.path.join(weights_dir, f"v{version:06d}")
-        os.makedirs(path, exist_ok=True)
-        torch.save(model.state_dict(), os.path.join(path, "model.pt"))
-        async with SGLangClient(urls) as client:
-            await client.push_weights(path, weight_version=version)
-        log.info("weights of version %d on %d engines", version, len(urls))
-
-    return push
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,12 +53,12 @@ class _Trainer:
     """Stands in for slime's Megatron train actor: the model, its optimizer step and its
     checkpoint (``latest_checkpointed_iteration.txt`` + the state), loaded at start."""
 
-    def __init__(self, args: Any, ckpt: str, seed: int) -> None:
+    def __init__(self, args: Any, ckpt: str, seed: int, *, vocab: int = VOCAB) -> None:
         from strawq.testing.reference import TinyPolicy
 
         torch.manual_seed(seed)
         self.args, self.ckpt = args, ckpt
-        self.model = TinyPolicy(vocab=VOCAB)
+        self.model = TinyPolicy(vocab=vocab)
         latest = os.path.join(ckpt, "latest_checkpointed_iteration.txt")
         loaded = -1
         if os.path.exists(latest):

@@ -131,14 +131,23 @@ def collector_setup(workdir: str, *, rollouts: int, groups: int, group_size: int
             corrupt_index = int(s["index"])
     if corrupt_index is not None:
         expected -= {x for x in expected if x.startswith(f"{corrupt_index}:")}
+    return CollectorEnv(run_dir, collector_overrides(run_dir, groups, group_size), expected,
+                        {victim.id})
+
+
+def collector_overrides(run_dir: str, groups: int, group_size: int, *,
+                        timeout_s: float = 20.0) -> dict[str, Any]:
+    """slime's ``args`` of mode 2 on the run at ``run_dir`` (the launcher's flags, one
+    optimizer step per rollout of ``groups`` groups of ``group_size``), on top of
+    ``slime_train.slime_args``; ``timeout_s``: the batch and bracket timeouts."""
     flags = _slime_flags("collector")
     flags.update(strawq_run=run_dir, global_batch_size=groups * group_size,
                  rollout_batch_size=groups, n_samples_per_prompt=group_size,
                  rollout_global_dataset=True, load_debug_rollout_data=None,
-                 strawq_batch_timeout_s=20.0, strawq_bracket_timeout_s=20.0,
+                 strawq_batch_timeout_s=timeout_s, strawq_bracket_timeout_s=timeout_s,
                  use_dynamic_batch_size=False, max_tokens_per_gpu=None, micro_batch_size=1,
                  balance_data=False, balance_by_flops=False)
-    return CollectorEnv(run_dir, flags, expected, {victim.id})
+    return flags
 
 
 # -- mode 1: slime generates with its own rollout, strawq keeps the data ---------------------
@@ -238,5 +247,5 @@ def data_source_setup(workdir: str, *, rollouts: int, groups: int, group_size: i
 SETUPS: dict[str, Callable[..., Any]] = {"collector": collector_setup,
                                          "data-source": data_source_setup}
 
-__all__ = ["CollectorEnv", "DataSourceEnv", "SETUPS", "collector_setup", "data_source_setup",
-           "tiny_generate"]
+__all__ = ["CollectorEnv", "DataSourceEnv", "SETUPS", "collector_overrides", "collector_setup",
+           "data_source_setup", "tiny_generate"]

@@ -19,17 +19,24 @@ ROOT = Path(__file__).resolve().parents[3]
 PAGE = ROOT / "docs" / "slime.md"
 
 
-def _commands() -> list[list[str]]:
-    """Every command line of the page's ``bash`` blocks (continuations joined, comments
-    dropped), split as a shell would."""
+def _blocks() -> list[list[list[str]]]:
+    """The command lines of each of the page's ``bash`` blocks (continuations joined,
+    comments dropped), split as a shell would."""
     out = []
     for block in re.findall(r"```bash\n(.*?)```", PAGE.read_text(encoding="utf-8"), re.S):
         text = re.sub(r"\\\n", " ", block)
+        cmds = []
         for line in text.splitlines():
             line = line.split("#", 1)[0].strip()
             if line:
-                out.append(shlex.split(line.replace("...", "")))
+                cmds.append(shlex.split(line.replace("...", "")))
+        out.append(cmds)
     return out
+
+
+def _commands() -> list[list[str]]:
+    """Every command line of the page's ``bash`` blocks."""
+    return [c for block in _blocks() for c in block]
 
 
 def _train_flags(cmd: list[str]) -> dict[str, object]:
@@ -72,8 +79,36 @@ def test_the_launcher_prints_the_pages_generation_side(tmp_path: Path) -> None:
 
     job = load_example("slime_job")
     gen = job.generation_commands("RUN", "DATASET", "http://ROUTER_IP:ROUTER_PORT")
-    page = [c for c in _commands() if c and c[0] == "strawq"]
-    assert gen == page
+    (block,) = [b for b in _blocks() if any("train.py" in c and any(
+        a.endswith("StrawqBatchSource") for a in c) for c in b)]  # mode 2's slime job
+    assert gen == [c for c in block if c and c[0] == "strawq"]
+
+
+def _option(cmd: list[str], flag: str) -> list[str]:
+    return [cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == flag]
+
+
+def _set(cmd: list[str], key: str) -> int:
+    (val,) = [v.split("=", 1)[1] for v in _option(cmd, "--set") if v.startswith(key + "=")]
+    return int(val)
+
+
+def test_the_pages_cpu_launcher_block_parses_and_agrees_with_its_run() -> None:
+    """Mode 2's processes: the launcher's command line parses with the launcher's own
+    parser, its engines are the producers' and its batch shape the run's and collector's."""
+    from tests.collector.integrations.test_examples import load_example
+
+    script = "deploy/examples/slime_strawq_trainer.py"
+    (block,) = [b for b in _blocks() if any(script in c for c in b)]
+    by_name = {c[1]: c for c in block}
+    assert ["strawq", "strawq", "strawq", "python"] == [c[0] for c in block]
+    launcher = by_name[script]
+    args = load_example("slime_strawq_trainer").build_parser().parse_args(launcher[2:])
+    assert args.run_dir == by_name["init"][2] == by_name["collector"][2]
+    assert args.engine_url == _option(by_name["producer"], "--engine")
+    assert args.group_size == _set(by_name["init"], "group_size")
+    assert args.batch_groups == _set(by_name["collector"], "batch_groups")
+    assert args.cpu_stand_ins
 
 
 def _digest_module():  # type: ignore[no-untyped-def]
