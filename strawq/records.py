@@ -110,8 +110,29 @@ def _check_schema(name: str, kind: Kind, meta: dict[str, Any]) -> None:
         raise _newer(name, kind, v)
 
 
-def _check_framing(name: str, fmt: int) -> None:
+def _is_current_but_for_version(view: memoryview) -> bool:
+    """Whether a whole record whose framing version reads newer has this framing's layout
+    and checksum all the same: then only its (unchecksummed) version byte differs, which is
+    damage, not a newer strawq (a newer framing changes the layout or the checksum)."""
+    _m, _f, _k, _r, meta_len, _r2, payload_len, digest = HEADER.unpack_from(view)
+    meta_end = HEADER.size + meta_len
+    payload_start = meta_end + (_pad(meta_end) if payload_len else 0)
+    if payload_start + payload_len != len(view):
+        return False
+    h = xxhash.xxh3_64()
+    h.update(view[HEADER.size:meta_end])
+    h.update(view[payload_start:])
+    return h.intdigest() == digest
+
+
+def _check_framing(name: str, fmt: int, whole: memoryview | None = None) -> None:
+    """``NewerFormat`` for a framing version a newer strawq may write, ``CorruptRecord`` for
+    any other unknown one. ``whole``: the whole record, when the caller has it, to tell a
+    damaged version byte (the rest verifies as this framing) from a newer framing."""
     if FORMAT_VERSION < fmt <= FORMAT_VERSION + NEWER_FRAMING_SPAN:
+        if whole is not None and _is_current_but_for_version(whole):
+            raise CorruptRecord(f"{name}: framing version {fmt} on a record whose layout and "
+                                f"checksum are version {FORMAT_VERSION}'s: a damaged header")
         raise NewerFormat(f"{name}: record framing version {fmt}, this strawq reads "
                           f"{FORMAT_VERSION}. It is a newer strawq's record, not a corrupt "
                           "one: nothing was dropped or moved. Upgrade this part "
@@ -247,7 +268,7 @@ def decode(data: bytes | memoryview, *, expect: Kind | None = None, name: str = 
     magic, fmt, kind, _r, meta_len, _r2, payload_len, digest = HEADER.unpack_from(view)
     if magic != MAGIC:
         raise CorruptRecord(f"{name}: bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-    _check_framing(name, fmt)
+    _check_framing(name, fmt, view)
     try:
         kind_e = Kind(kind)
     except ValueError:

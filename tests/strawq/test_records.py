@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from strawq import records
-from strawq.errors import CorruptRecord
+from strawq.errors import CorruptRecord, NewerFormat
 from strawq.groups import TOKEN_COLUMNS, GroupData, decode_group, decode_group_columns
 from strawq.records import Kind
 
@@ -202,3 +202,17 @@ def test_two_batches_in_one_stream_are_refused():
     assert records.decode_ipc_columns(memoryview(stream)) is None
     good = _record_with({"prompt": prompt, "tokens": tok}, _summary([2], 3))
     assert decode_group_columns(good).columns["tokens"].tolist() == [0, 1]
+
+
+def test_a_damaged_version_byte_is_corrupt_and_a_newer_framing_is_newer() -> None:
+    """The framing version is outside the checksum. A record whose version byte reads newer
+    but whose layout and checksum are this framing's is damaged (quarantined as corrupt);
+    one whose checksum does not verify as this framing's is a newer strawq's (the part
+    stops, nothing dropped)."""
+    raw = bytearray(b"".join(records.encode(Kind.TASK, {"id": "t0"})))
+    raw[4] = records.FORMAT_VERSION + 2  # the version byte, after the 4-byte magic
+    with pytest.raises(CorruptRecord, match="damaged header"):
+        records.decode(bytes(raw))
+    raw[-1] ^= 0xFF  # and the rest no longer verifies as this framing: a newer one's
+    with pytest.raises(NewerFormat, match="framing version 3"):
+        records.decode(bytes(raw))
