@@ -122,7 +122,7 @@ def _is_current_but_for_version(view: memoryview) -> bool:
     h = xxhash.xxh3_64()
     h.update(view[HEADER.size:meta_end])
     h.update(view[payload_start:])
-    return h.intdigest() == digest
+    return bool(h.intdigest() == digest)
 
 
 def _check_framing(name: str, fmt: int, whole: memoryview | None = None) -> None:
