@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_push import engine_version_push  # noqa: E402
+from engine_push import engine_version_push, launcher_parser  # noqa: E402
 
 log = logging.getLogger("slime_strawq_trainer")
 #: the stand-in policy's vocabulary (the engines' token ids)
@@ -78,22 +78,11 @@ def end_of_job(run: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir")
-    p.add_argument("--engine-url", action="append", metavar="URL", required=True,
-                   help="an engine the producers generate on (repeat for every engine)")
-    p.add_argument("--weights-dir", required=True)
-    p.add_argument("--ckpt-dir", required=True, help="slime's --save / --load")
-    p.add_argument("--steps", type=int, default=100, help="slime's --num-rollout")
-    p.add_argument("--batch-groups", type=int, required=True,
-                   help="the collector's batch_groups (slime's --rollout-batch-size)")
-    p.add_argument("--group-size", type=int, required=True,
-                   help="the run's group_size (slime's --n-samples-per-prompt)")
+    p = launcher_parser(__doc__, "slime", ckpt="--save / --load", steps="slime's --num-rollout",
+                        batch="--rollout-batch-size", group="--n-samples-per-prompt",
+                        stand_ins="Megatron and Ray")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for a batch, and for the producers to pause")
-    p.add_argument("--cpu-stand-ins", action="store_true",
-                   help="slime's Megatron and Ray parts as CPU stand-ins (the only mode here)")
     return p
 
 

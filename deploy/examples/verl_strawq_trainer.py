@@ -26,7 +26,6 @@ push (``after_push``) are the same.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -37,29 +36,18 @@ from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_push import engine_version_push  # noqa: E402
+from engine_push import engine_version_push, launcher_parser  # noqa: E402
 
 log = logging.getLogger("verl_strawq_trainer")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir")
-    p.add_argument("--engine-url", action="append", metavar="URL", required=True,
-                   help="an engine the producers generate on (repeat for every engine)")
-    p.add_argument("--weights-dir", required=True)
-    p.add_argument("--ckpt-dir", required=True, help="verl's trainer.default_local_dir")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-groups", type=int, required=True,
-                   help="the collector's batch_groups (verl's ppo_mini_batch_size)")
-    p.add_argument("--group-size", type=int, required=True,
-                   help="the run's group_size (verl's rollout.n)")
+    p = launcher_parser(__doc__, "verl", ckpt="trainer.default_local_dir",
+                        steps="verl's trainer.total_training_steps",
+                        batch="ppo_mini_batch_size", group="rollout.n", stand_ins="GPU and Ray")
     p.add_argument("--trigger", type=int, default=1,
                    help="verl's async_training.trigger_parameter_sync_step")
     p.add_argument("--save-freq", type=int, default=1, help="verl's trainer.save_freq")
-    p.add_argument("--cpu-stand-ins", action="store_true",
-                   help="verl's GPU and Ray parts as CPU stand-ins (the only mode here)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

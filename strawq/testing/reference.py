@@ -584,6 +584,26 @@ def make_reference_run(path: str, *, groups: int = 12, group_size: int = 4, seed
     return publish_batch(path, prompts, group_size, build, pack_ranks=pack_ranks)
 
 
+def complete_groups(col: Any, groups: int, build: Callable[[Lease], GroupData],
+                    producer: str) -> None:
+    """Start ``col`` (a ``Collector``) and complete ``groups`` tasks of its run, each with
+    ``build(lease)``, stepping the collector between claims (it releases and batches)."""
+    col.start(wait=False)
+    col.step()
+    done = 0
+    for _ in range(20 * groups + 1):
+        if done >= groups:
+            return
+        leases = col.queue.claim(producer, groups)
+        if not leases:
+            col.step()
+            continue
+        for lease in leases:
+            col.queue.complete(lease, build(lease))
+            done += 1
+    raise RuntimeError(f"only {done} of {groups} tasks were released to complete")
+
+
 def publish_batch(path: str, prompts: Sequence[Sequence[int]], group_size: int,
                   build: Callable[[Lease], GroupData], *,
                   pack_ranks: int | None = None,
@@ -615,17 +635,7 @@ def publish_batch(path: str, prompts: Sequence[Sequence[int]], group_size: int,
     if batch_groups is not None:  # every batch published at once
         cfg = dataclasses.replace(cfg, max_prefetch_batches=groups, max_staleness=None)
     col = Collector(q, Dataset(ds), cfg)
-    col.start(wait=False)
-    col.step()
-    done = 0
-    while done < groups:
-        leases = q.claim("reference", groups)
-        if not leases:
-            col.step()
-            continue
-        for lease in leases:
-            q.complete(lease, build(lease))
-            done += 1
+    complete_groups(col, groups, build, "reference")
     col.step()
     seqs, _ = BatchStore(q).batch_seqs()
     if not seqs:

@@ -44,8 +44,8 @@ from strawq.batches import BatchStore, Manifest
 from strawq.groups import GroupData
 from strawq.queue import Lease, RunQueue
 from strawq.storage import open_storage
-from strawq.testing.reference import (Objective, TinyPolicy, max_relative_error,
-                                      reference_gradients)
+from strawq.testing.reference import (Objective, TinyPolicy, complete_groups,
+                                      max_relative_error, reference_gradients)
 
 #: dataset index of each special group in ``publish_run``
 FAILED_REWARD, TOOL_FAILED, GROUP_OF_ONE, CORRUPT = 1, 2, 4, 7
@@ -115,19 +115,7 @@ def publish_run(path: str, *, batches: int = 4, batch_groups: int = 3, group_siz
             versions=np.zeros(sum(lens), np.int64), loss_mask=mask, rewards=rewards,
             status=status, meta={"params": [{"temperature": 1.0, "max_new_tokens": 8}] * n})
 
-    col.start(wait=False)
-    col.step()
-    done = 0
-    for _ in range(20 * groups):
-        if done >= groups:
-            break
-        leases = q.claim("verl-loop", groups)
-        if not leases:
-            col.step()
-            continue
-        for lease in leases:
-            q.complete(lease, build(lease))
-            done += 1
+    complete_groups(col, groups, build, "verl-loop")
     for _ in range(batches + 2):
         col.step()
     store = BatchStore(q)
