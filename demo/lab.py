@@ -149,6 +149,7 @@ class _Producers:
         import sys
 
         code = "from strawq.demo.lab import producer_child; producer_child()"
+        self.finished = False
         self.procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, text=True) for _ in configs]
         for p, c in zip(self.procs, configs, strict=True):
@@ -163,8 +164,13 @@ class _Producers:
                                    "see its output above")
 
     def finish(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        """Stop every producer (it parks its groups) and collect its stats."""
+        """Stop every producer (it parks its groups) and collect its stats (once: a later
+        call returns ``[]``)."""
         import subprocess
+
+        if self.finished:
+            return []
+        self.finished = True
 
         for p in self.procs:
             if p.stdin is not None and not p.stdin.closed:
@@ -197,28 +203,6 @@ def _cpu_s(pid: int) -> float:
         return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return float("nan")
-
-
-# -- the collector loop, counting what it re-queues ----------------------------------------------
-class _CollectorLoop(threading.Thread):
-    def __init__(self, collector: Any) -> None:
-        super().__init__(daemon=True, name="strawq-lab-collector")
-        self.collector = collector
-        self.stop_event = threading.Event()
-        self.requeued = 0
-        self.dropped_stale = 0
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            while not self.stop_event.is_set():
-                rep = self.collector.step()
-                self.requeued += len(rep.requeued_stale)
-                self.dropped_stale += len(rep.dropped_stale)
-                self.stop_event.wait(self.collector.config.poll_interval_s)
-        except BaseException as exc:  # noqa: BLE001 - reported by run_mode
-            self.error = exc
-            log.exception("lab collector failed")
 
 
 def _agent_keys(cfg: LabConfig) -> dict[str, Any]:
@@ -306,18 +290,13 @@ def schedule_config(cfg: LabConfig, mode: str) -> Any:
 
 def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
     """One schedule, from a fresh queue to the audit of what it left."""
-    from strawq.collector.trainer.bracket import WeightUpdateBracket
     from strawq.collector.core import Collector
-    from strawq.collector.trainer.reader import BatchReader
-    from strawq.demo import plots
+    from strawq.config import QueueConfig
+    from strawq.demo.assembly import BracketOptions, RunAssembly, producer_plan
     from strawq.demo.run import Sampler
     from strawq.demo.schedule import collector_config, run_schedule
     from strawq.demo.trainer import SleepTrainer
-    from strawq.producers.budget import split_budget
-    from strawq.producers.engines.testing import EngineProcess, start_engine_subprocess
-    from strawq.config import QueueConfig
     from strawq.mixture import open_dataset
-    from strawq.queue import RunQueue
     from strawq.storage import PosixStorage
 
     work = os.path.join(os.path.abspath(cfg.workdir), mode)
@@ -340,52 +319,49 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
                        skip_zero_variance=cfg.skip_zero_variance,
                        zero_variance_revisit_epochs=cfg.zero_variance_revisit_epochs,
                        longest_first=cfg.longest_first)
-    RunQueue.create(PosixStorage(run_dir, writer_id="lab", fsync=cfg.fsync), qcfg,
-                    meta={"lab": cfg.to_dict(), "mode": mode})
     ccfg = collector_config(sched, poll_interval_s=0.02, metrics_interval_s=5.0,
                             metrics_jsonl=os.path.join(work, "collector.jsonl"))
-    budget = split_budget(cfg.concurrency, cfg.engines, cfg.group_size, cfg.producers)
-
-    engines: list[EngineProcess] = []
-    producers: _Producers | None = None
-    loop: _CollectorLoop | None = None
-    sampler: Sampler | None = None
-    try:
-        for _ in range(cfg.sim_processes):
-            engines.append(start_engine_subprocess("sim", **cfg.sim_options()))
-        urls = [e.url for e in engines]
-        pconfigs = [merge({"run_dir": run_dir, "producer_id": f"lab-{mode}-{i}",
+    plan = producer_plan(cfg.concurrency, cfg.engines, cfg.group_size, cfg.producers)
+    with RunAssembly(run_dir) as run:
+        run.create(PosixStorage(run_dir, writer_id="lab", fsync=cfg.fsync), qcfg,
+                   meta={"lab": cfg.to_dict(), "mode": mode})
+        engines = run.engines
+        urls = run.start_engines("sim", cfg.sim_processes, **cfg.sim_options())
+        pconfigs = [merge({"run_dir": run_dir, "producer_id": pid,
                            "engine": {"workers": urls},
                            "plugins": {"reward": REWARDS[cfg.reward],
                                        **({"filter": cfg.group_filter}
                                           if cfg.group_filter else {})},
-                           "budget": {"slots": budget.slots[i]},
+                           "budget": {"slots": slots},
                            "sampling": {"max_new_tokens": cfg.len_cap, "seed": cfg.seed},
                            "timing": {"control_poll_s": cfg.poll_s, "idle_poll_s": cfg.poll_s,
                                       "abort_poll_s": 0.05},
                            "threads": {"io": 4, "reward": 1}}, _agent_keys(cfg))
-                    for i in range(cfg.producers)]
+                    for pid, slots in plan.producers(lambda i: f"lab-{mode}-{i}")]
         collector = Collector.open(run_dir, open_dataset(dataset_path), ccfg, queue_config=qcfg,
                                    owner="lab-collector", fsync=cfg.fsync)
+        run.add("collector", collector.close)
         # the lab's trainer never restores a checkpoint: an acked batch is trained
-        reader = BatchReader.open(run_dir, checkpointed=False)
-        bracket = WeightUpdateBracket(reader.queue, lease_timeout_s=lease_timeout,
-                                      poll_interval_s=0.01)
+        reader = run.open_reader(BracketOptions(lease_timeout_s=lease_timeout,
+                                                poll_interval_s=0.01), checkpointed=False)
+        bracket = reader.bracket
         # one step = per_step trainer calls (stream: micro-batches of one step's time each)
         trainer = SleepTrainer(cfg.train_step_s * cfg.time_scale / sched.per_step, urls)
         producers = _Producers(pconfigs)
+        run.add("producers", lambda: producers.finish(10.0))
         _wait_producers(bracket, producers)
         cpu0 = {"engines": sum(_cpu_s(e.pid) for e in engines),
                 "producers": sum(_cpu_s(p.pid) for p in producers.procs),
                 "driver": time.process_time()}
         sampler = Sampler(urls, period_s=cfg.sample_period_s)
+        run.add("sampler", sampler.stop_event.set)
         sampler.start()
         # exactly the batches the schedule trains: a collector left free publishes up to
         # max_prefetch_batches more at the end, and the run's figures (the mixture's trained
         # groups among them) would count groups no trainer took
         collector.batch_budget = sched.steps * sched.per_step
-        loop = _CollectorLoop(collector)
-        loop.start()  # the first group is released now: the clock starts here
+        # the first group is released now: the clock starts here
+        loop = run.start_collector(collector, name="strawq-lab-collector", close=False)
         bar = _progress(cfg, mode)
         res = run_schedule(sched, reader, bracket, trainer,
                            on_step=(lambda rec: bar.update(1)) if bar is not None else None,
@@ -397,12 +373,10 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
                - cpu0["producers"],
                "driver": time.process_time() - cpu0["driver"]}
         sampler.stop_event.set()
-        loop.stop_event.set()
-        loop.join(30)
+        loop.stop()
         if loop.error is not None:
             raise RuntimeError(f"the lab's collector failed: {loop.error!r}") from loop.error
         stats = producers.finish()
-        producers = None
         if cfg.reward == "difficulty":
             collector.batches.gc()  # the last acked batches into the history
         problems = audit(run_dir, [r.indices for r in res.records])
@@ -417,35 +391,31 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
                                         "collector": asdict(ccfg),
                                         "sim_process": cfg.sim_options(),
                                         "producer": merge(pconfigs[0], {"budget": {
-                                            "slots": list(budget.slots)}}),
+                                            "slots": list(plan.budget.slots)}}),
                                         "queue": asdict(qcfg)},
                             [s for r in res.records for s in r.staleness],
                             [r.indices for r in res.records], problems)
-        result.files["timeline"] = plots.timeline(
-            os.path.join(work, "timeline.png"), res, sampler.samples,
-            title=f"strawq lab ({mode}): E={cfg.engines} engines x C={cfg.concurrency} in "
-                  f"{cfg.sim_processes} sim processes, B={cfg.batch_groups} G={cfg.group_size}"
-                  f" (wall s; model s = wall / {cfg.time_scale:g})")
-        result.files["bias"] = plot_bias(os.path.join(work, "bias.png"), cfg, mode,
-                                         row["bias"])
-        path = os.path.join(work, "row.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({"row": row, "config": result.config, "problems": problems,
-                       "steps": [asdict(r) for r in res.records]}, f, indent=2, default=str)
-        result.files["row"] = path
-        collector.close()
-        reader.close()
+        _write_mode_files(cfg, mode, work, res, sampler.samples, result)
         return result
-    finally:
-        if sampler is not None:
-            sampler.stop_event.set()
-        if loop is not None:
-            loop.stop_event.set()
-            loop.join(30)
-        if producers is not None:
-            producers.finish(10.0)
-        for e in engines:
-            e.stop()
+
+
+def _write_mode_files(cfg: LabConfig, mode: str, work: str, res: Any, samples: Any,
+                      result: ModeResult) -> None:
+    """The mode's timeline and bias plots and its row.json, into ``result.files``."""
+    from strawq.demo import plots
+
+    result.files["timeline"] = plots.timeline(
+        os.path.join(work, "timeline.png"), res, samples,
+        title=f"strawq lab ({mode}): E={cfg.engines} engines x C={cfg.concurrency} in "
+              f"{cfg.sim_processes} sim processes, B={cfg.batch_groups} G={cfg.group_size}"
+              f" (wall s; model s = wall / {cfg.time_scale:g})")
+    result.files["bias"] = plot_bias(os.path.join(work, "bias.png"), cfg, mode,
+                                     result.row["bias"])
+    path = os.path.join(work, "row.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"row": result.row, "config": result.config, "problems": result.problems,
+                   "steps": [asdict(r) for r in res.records]}, f, indent=2, default=str)
+    result.files["row"] = path
 
 
 def _p_solve_in(path: str) -> list[float]:

@@ -9,7 +9,8 @@ import random
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from strawq.demo.lab import LabConfig, LabResult, _CollectorLoop
+    from strawq.demo.assembly import CollectorLoop
+    from strawq.demo.lab import LabConfig, LabResult
 
 
 def _utilisation(samples: Any, t0: float, t1: float) -> float:
@@ -46,7 +47,7 @@ def _ratio(a: float, b: float) -> float:
 
 
 def row_of(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[str, Any]],
-         cpu: dict[str, float], loop: _CollectorLoop, collector: Any) -> dict[str, Any]:
+         cpu: dict[str, float], loop: CollectorLoop, collector: Any) -> dict[str, Any]:
     ts = cfg.time_scale
     recs = res.records
     wall = res.wall_s

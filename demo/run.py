@@ -24,15 +24,14 @@ from typing import Any
 
 import torch
 
-from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.core import Collector
 from strawq.collector.trainer.reader import BatchReader
+from strawq.demo.assembly import BracketOptions, RunAssembly
 from strawq.demo import plots, task, tools_task
 from strawq.demo.hops import HopSamples, HopTracer, IdleGaps, idle_gaps
 from strawq.demo.schedule import ScheduleConfig, ScheduleResult, StepRecord, collector_config, \
     run_schedule
 from strawq.demo.trainer import GRPOTrainer
-from strawq.producers.engines.testing import EngineProcess, start_engine_subprocess
 from strawq.producers.engines.tiny_model import init_model, load_weights, save_weights
 from strawq.config import Config, QueueConfig, merge
 from strawq.control import Control
@@ -162,8 +161,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                            slots=cfg.concurrency * cfg.engines // cfg.group_size)
     qcfg = QueueConfig(group_size=cfg.group_size, lease_timeout_s=cfg.lease_timeout_s,
                        heartbeat_interval_s=cfg.lease_timeout_s / 5, release_batch=32)
-    queue = RunQueue.create(PosixStorage(run_dir, writer_id="demo"), qcfg,
-                            meta={"demo": asdict(cfg)})
+    run = RunAssembly(run_dir)
+    queue = run.create(PosixStorage(run_dir, writer_id="demo"), qcfg, meta={"demo": asdict(cfg)})
 
     # weights: fresh model, or the checkpoint's
     start_step = start_version = 0
@@ -183,14 +182,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     if not os.path.isdir(initial):
         save_weights(model, initial)
 
-    engines: list[EngineProcess] = []
-    placement = None
-    collector: Collector | None = None
     stop = threading.Event()
-    col_thread = None
-    sampler = None
-    tracer: HopTracer | None = None
-    watches: list[DirWatch] = []
     old_handler = signal.getsignal(signal.SIGINT)
 
     def on_sigint(signum: int, frame: Any) -> None:
@@ -199,30 +191,28 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         stop.set()
 
     signal.signal(signal.SIGINT, on_sigint)
-    cluster = None
     try:
-        for _ in range(cfg.engines):
-            engines.append(start_engine_subprocess(
-                "tiny", model_path=initial, max_running_requests=cfg.concurrency,
-                weight_version=str(start_version)))
-        urls = [e.url for e in engines]
+        urls = run.start_engines("tiny", cfg.engines, model_path=initial,
+                                 max_running_requests=cfg.concurrency,
+                                 weight_version=str(start_version))
         tracer = HopTracer(queue)
         tracer.start()
+        run.add("hop tracer", lambda: tracer.stop() if tracer.is_alive() else None)
         # The collector and the bracket wake on the files they wait for (inotify: every
         # process of the demo is on this host) instead of sleeping a poll interval.
         col_watch = _watch(queue, ("ready", "acked", "dropped", "versions", "pending"))
         ctl_watch = _watch(queue, ("control",))
-        watches += [col_watch, ctl_watch]
+        run.add("collector watch", col_watch.close)
+        run.add("control watch", ctl_watch.close)
         # GC at every pass: admission counts acked groups as untrained until GC removes
         # them, so a GC every gc_interval_s (1 s) held each release back by up to that long.
         collector = Collector.open(run_dir, Dataset(dataset_path),
                                    collector_config(sched, gc_interval_s=0.0),
                                    queue_config=qcfg, owner="demo-collector",
                                    sleep=_waiter(col_watch))
-        col_thread = threading.Thread(target=collector.run, kwargs={"should_stop": stop.is_set},
-                                      daemon=True, name="strawq-collector")
-        col_thread.start()
+        run.start_collector(collector, stop_event=stop)
         cluster = start_local_cluster(cfg.nodes)
+        run.add("ray cluster", cluster.shutdown)
         wait_for_nodes(cfg.nodes)
         task_keys: dict[str, Any] = tools_task.PRODUCER if cfg.task == "tools" else {
             "plugins": {"reward": "strawq.producers.rewards.count_task"},
@@ -233,12 +223,15 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         placement = ProducerPlacement(pcfg, PlacementConfig(
             run_id="demo", concurrency=cfg.concurrency, engines=cfg.engines),
             group_size=cfg.group_size)
+        run.add("producers", placement.stop)
         placement.reconcile()
         trainer = GRPOTrainer(model, weights, urls, lr=cfg.lr, device=cfg.trainer_device)
-        reader = BatchReader.open(run_dir, metrics_jsonl=os.path.join(work, "metrics.jsonl"))
-        bracket = WeightUpdateBracket(reader.queue, lease_timeout_s=cfg.lease_timeout_s,
-                                      poll_interval_s=0.02, sleep=_waiter(ctl_watch),
-                                      repair=trainer.repair_engines)
+        reader = run.open_reader(BracketOptions(lease_timeout_s=cfg.lease_timeout_s,
+                                                poll_interval_s=0.02,
+                                                sleep=_waiter(ctl_watch),
+                                                repair=trainer.repair_engines),
+                                 metrics_jsonl=os.path.join(work, "metrics.jsonl"))
+        bracket = reader.bracket
         _trace_returns(reader, tracer)
         if reopen is not None and bracket.is_open:
             log.warning("closing the weight-update bracket a previous run left open "
@@ -248,6 +241,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
             trainer.load_state_dict(ckpt["trainer"])
             reader.load_state_dict(json.loads(ckpt["reader"]))
         sampler = Sampler(urls)
+        run.add("sampler", sampler.stop_event.set)
         sampler.start()
         bar = _progress(cfg, start_step)
         records: list[StepRecord] = []
@@ -318,25 +312,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     finally:
         stop.set()
         signal.signal(signal.SIGINT, old_handler)
-        if sampler is not None:
-            sampler.stop_event.set()
-        if tracer is not None and tracer.is_alive():
-            tracer.stop()
-        for w in watches:
-            w.close()
-        if placement is not None:
-            try:
-                placement.stop()
-            except Exception as exc:  # noqa: BLE001 - shutting down anyway
-                log.warning("stopping producers: %s", exc)
-        if col_thread is not None:
-            col_thread.join(30)
-        if collector is not None:
-            collector.close()  # a clean hand-over: a resumed run takes the fence at once
-        if cluster is not None:
-            cluster.shutdown()
-        for e in engines:
-            e.stop()
+        run.close()  # the last started first: a resumed run takes the fences at once
 
 
 def _watch(queue: RunQueue, dirs: tuple[str, ...]) -> DirWatch:

@@ -25,6 +25,7 @@ from typing import Any
 
 
 from strawq.collector.trainer.bracket import BracketReport, WeightUpdateBracket
+from strawq.collector.trainer.engine_repair import PushTo
 from strawq.collector.trainer.fence import TrainerFence, shared_fence, unshare_fence
 from strawq.collector.trainer.loading import Batch as Batch
 from strawq.collector.trainer.loading import ShardLoader
@@ -270,11 +271,44 @@ class BatchReader:
         self._acked = max(self._acked, seq)
 
     # -- weight updates (rank 0) --------------------------------------------------------------
+    #: the options ``configure_bracket`` built the bracket with (None: not built yet)
+    _bracket_options: dict[str, Any] | None = None
+
     @property
     def bracket(self) -> WeightUpdateBracket:
-        if self._bracket is None:
-            self._bracket = WeightUpdateBracket(self.queue, clock=self.clock, sleep=self.sleep,
-                                                rank=self.rank, fence=self._writer)
+        """This reader's weight-update bracket, the trainer side's one (built at first use:
+        ``configure_bracket`` first to build it with other options)."""
+        return self._bracket if self._bracket is not None else self.configure_bracket()
+
+    def configure_bracket(self, *, lease_timeout_s: float | None = None,
+                          poll_interval_s: float | None = None,
+                          sleep: Callable[[float], None] | None = None,
+                          repair: PushTo | None = None
+                          ) -> WeightUpdateBracket:
+        """Build this reader's bracket with these options (None: the bracket's default, the
+        reader's ``sleep``) and return it; a later call with the same options returns it,
+        one with other options is refused (``ValueError``): one bracket per trainer, so
+        configure it before the first ``next_batch`` or ``bracket`` use."""
+        options: dict[str, Any] = {"lease_timeout_s": lease_timeout_s,
+                                   "poll_interval_s": poll_interval_s, "sleep": sleep,
+                                   "repair": repair}
+        if self._bracket is not None:
+            if options != self._bracket_options:
+                given = {k: v for k, v in options.items() if v is not None}
+                built = {k: v for k, v in (self._bracket_options or {}).items()
+                         if v is not None}
+                raise ValueError(
+                    f"this reader's weight-update bracket is already built with "
+                    f"{built or 'the defaults'}, not {given or 'the defaults'}: a trainer has "
+                    "one bracket; configure it once, before the first next_batch or use of "
+                    "reader.bracket")
+            return self._bracket
+        kwargs: dict[str, Any] = {k: v for k, v in options.items()
+                                  if v is not None and k != "sleep"}
+        self._bracket = WeightUpdateBracket(self.queue, clock=self.clock,
+                                            sleep=sleep or self.sleep, rank=self.rank,
+                                            fence=self._writer, **kwargs)
+        self._bracket_options = options
         return self._bracket
 
     def weight_update(self, push: Callable[[int], None], *, timeout: float = 300.0

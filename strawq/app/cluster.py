@@ -12,6 +12,10 @@ works as shipped):
 * the collector (``strawq collector``) on ``--dataset`` (default: a generated dataset of the
   count task, the one the sim engine and ``strawq.producers.rewards.count_task`` score).
 
+The run folder and the producers' slots come from the one run assembly
+(``strawq.demo.assembly``: ``create_run``, ``producer_plan``), as for ``strawq demo`` and
+``strawq lab``; here each part is a ``strawq`` command of its own, with its log.
+
 It refuses, before it starts or writes anything (no engine, router or producer started, no
 log touched), a run that a live collector holds (another ``cluster up`` on it, say): a
 collector epoch that did not close and whose process is not known gone.
@@ -221,8 +225,7 @@ def refuse_live_run(run_dir: str) -> None:
 def cmd_cluster_up(args: argparse.Namespace) -> int:
     from strawq.app.run_config import RunConfig, slots_explicit
     from strawq.config import load_config
-    from strawq.producers.budget import split_budget
-    from strawq.queue import RunQueue
+    from strawq.demo.assembly import create_run, producer_plan
     from strawq.storage import open_storage
 
     cfg = load_config(RunConfig, args.config, args.set, where="run config")
@@ -237,13 +240,13 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
     run_dir = os.path.abspath(cfg.producer.run_dir)
     workdir = os.path.abspath(args.workdir or os.path.dirname(run_dir))
     c, e, g = cfg.placement.concurrency, cfg.placement.engines, cfg.group_size
-    budget = split_budget(c, e, g, args.producers)  # ConfigError with the numbers
+    plan = producer_plan(c, e, g, args.producers)  # ConfigError with the numbers
     refuse_live_run(run_dir)  # before anything is started or written
     drop = () if slots_explicit(args.config, args.set) else (("budget", "slots"),)
     try:
         os.makedirs(workdir, exist_ok=True)
         incarnation = next_incarnation(workdir)
-        q = RunQueue.create(open_storage(run_dir, writer_id="cli"), cfg.queue)
+        create_run(open_storage(run_dir, writer_id="cli"), cfg.queue)
         files = {s: _write(os.path.join(workdir, f"{s}.json"), getattr(cfg, s),
                            drop=drop if s == "producer" else ())
                  for s in ("queue", "collector", "producer")}
@@ -251,7 +254,6 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
                                                 args.prompts)
     except OSError as exc:
         raise StrawqError(os_error_text(exc, "write")) from exc
-    del q
     cluster = Cluster(workdir, incarnation=incarnation)
     quiet = args.quiet
 
@@ -273,12 +275,11 @@ def cmd_cluster_up(args: argparse.Namespace) -> int:
         cluster.wait_ready(router)
         say(f"run {run_dir}: {e} {args.engine_kind} engines of C = {c} ({', '.join(urls)}), "
             f"router {cfg.producer.engine.router_url}")
-        for i, slots in enumerate(budget.slots):
+        for i, (pid, slots) in enumerate(plan.producers(lambda i: producer_id(i, incarnation))):
             cluster.spawn(f"producer-{i}", ["producer", run_dir, "--config", files["producer"],
-                                            "--slots", str(slots), "--producer-id",
-                                            producer_id(i, incarnation)])
+                                            "--slots", str(slots), "--producer-id", pid])
         say(f"{args.producers} producer(s): K = floor(C*E/G) = floor({c}*{e}/{g}) = "
-            f"{budget.total} group slots, split {list(budget.slots)}")
+            f"{plan.budget.total} group slots, split {list(plan.budget.slots)}")
         cluster.spawn("collector", ["collector", run_dir, dataset, "--config",
                                     files["collector"], "--queue-config", files["queue"]])
         say(f"collector on {dataset}; logs in {os.path.join(workdir, 'logs')}\n"
