@@ -5,7 +5,8 @@ the reader, for ``strawq demo``, ``strawq lab`` and ``strawq cluster up``.
 * ``producer_plan``: the producers' ids and slots, K = floor(C*E/G) group slots split over
   W producers (``strawq.producers.budget.split_budget``);
 * ``RunAssembly``: a run whose parts live in this process or its children (the demo, the
-  lab): engines, the collector in a thread (``CollectorLoop``), the reader and its
+  lab): engines, producer processes (``ProducerProcesses``; the demo places its producers
+  with Ray and adds them), the collector in a thread (``CollectorLoop``), the reader and its
   weight-update bracket (the reader's own: ``BatchReader.configure_bracket``), and any part
   the caller starts (``add``); ``close`` stops them in reverse start order.
 
@@ -15,8 +16,12 @@ incarnations) and stops them itself; it takes the run folder and the plan from h
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,12 +33,13 @@ from strawq.storage import Storage
 
 if TYPE_CHECKING:  # loaded where used: ``strawq cluster up`` needs neither torch nor them
     from strawq.collector.core import Collector
+    from strawq.collector.trainer.bracket import WeightUpdateBracket
     from strawq.collector.trainer.engine_repair import PushTo
     from strawq.collector.trainer.reader import BatchReader
     from strawq.producers.engines.testing import EngineProcess
 
-__all__ = ["BracketOptions", "CollectorLoop", "ProducerPlan", "RunAssembly", "create_run",
-           "producer_plan"]
+__all__ = ["BracketOptions", "CollectorLoop", "ProducerPlan", "ProducerProcesses", "RunAssembly",
+           "create_run", "producer_child", "producer_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +105,108 @@ class CollectorLoop(threading.Thread):
             self.join(timeout_s)
 
 
+# -- producers as plain processes (the lab's: no Ray, no fork) ----------------------------------
+STATS_PREFIX = "STRAWQ_LAB_STATS "
+
+
+def producer_child() -> None:
+    """Child process (``python -c``): one ``Producer`` on its own event loop.
+
+    Reads its ``ProducerConfig`` as one JSON line on stdin; stops when stdin closes; prints
+    its final stats as one line ``STRAWQ_LAB_STATS {json}``.
+    """
+    import asyncio
+    import sys
+
+    from strawq.producers.producer import Producer
+    from strawq.producers.producer_config import ProducerConfig
+
+    logging.basicConfig(level=logging.WARNING)
+    config = json.loads(sys.stdin.readline())
+    producer = Producer(ProducerConfig.from_dict(config), node_id=config.get("producer_id"))
+    stop = threading.Event()
+
+    def watch_stdin() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+
+    async def main() -> None:
+        task = asyncio.create_task(producer.run())
+        while not stop.is_set() and not task.done():
+            await asyncio.sleep(0.05)
+        producer.request_stop()
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        print(STATS_PREFIX + json.dumps(producer.stats().to_dict()), flush=True)
+
+
+class ProducerProcesses:
+    """Producer processes on one host (plain subprocesses: no Ray, no fork), one per
+    config (``producer_child``)."""
+
+    def __init__(self, configs: list[dict[str, Any]]) -> None:
+        code = "from strawq.demo.assembly import producer_child; producer_child()"
+        self.finished = False
+        self.procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True) for _ in configs]
+        for p, c in zip(self.procs, configs, strict=True):
+            assert p.stdin is not None
+            p.stdin.write(json.dumps(c) + "\n")
+            p.stdin.flush()
+
+    def check_alive(self) -> None:
+        for p in self.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"lab producer process {p.pid} exited with {p.returncode}; "
+                                   "see its output above")
+
+    def wait_started(self, bracket: WeightUpdateBracket, timeout_s: float = 300.0) -> None:
+        """Until every producer process has beaten once (its loop is up). An idle producer
+        counts: one that beat and found nothing to claim yet has started (the bracket's
+        ``live_producers`` leaves idle ones out, so waiting on it raced the first release)."""
+        deadline = time.monotonic() + timeout_s
+        n = len(self.procs)
+        while len(started := set(bracket.observe())) < n:
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(started)} of {n} lab producers "
+                                   f"started within {timeout_s:.0f}s")
+            time.sleep(0.05)
+
+    def finish(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Stop every producer (it parks its groups) and collect its stats (once: a later
+        call returns ``[]``)."""
+        if self.finished:
+            return []
+        self.finished = True
+        for p in self.procs:
+            if p.stdin is not None and not p.stdin.closed:
+                p.stdin.close()
+            p.stdin = None  # communicate() must not flush the closed pipe
+        stats = []
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            # read while waiting: the stats line (with its hop samples) can exceed the
+            # pipe's 64 KiB, and a child blocked on a full pipe never exits
+            try:
+                out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # hung: kill it, its leases expire
+                p.kill()
+                out, _ = p.communicate()
+            for line in (out or "").splitlines():
+                if line.startswith(STATS_PREFIX):
+                    try:
+                        stats.append(json.loads(line[len(STATS_PREFIX):]))
+                    except json.JSONDecodeError as exc:
+                        log.error("lab producer %d: unreadable stats line (%s)", p.pid, exc)
+        return stats
+
+
 @dataclass(frozen=True)
 class BracketOptions:
     """``BatchReader.configure_bracket``'s options (None: the bracket's default)."""
@@ -142,6 +250,13 @@ class RunAssembly:
             self.engines.append(engine)
             self.add(f"engine {i}", engine.stop)
         return [e.url for e in self.engines]
+
+    def start_producer_processes(self, configs: list[dict[str, Any]]) -> ProducerProcesses:
+        """One producer process per config (``ProducerProcesses``), started now; ``close``
+        stops them (they park their groups) if nobody ``finish``-ed them before."""
+        procs = ProducerProcesses(configs)
+        self.add("producers", lambda: procs.finish(10.0))
+        return procs
 
     def start_collector(self, collector: Collector, *,
                         stop_event: threading.Event | None = None,

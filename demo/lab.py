@@ -38,7 +38,6 @@ import math
 import os
 import random
 import shutil
-import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -99,100 +98,6 @@ class LabResult:
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
-
-
-# -- producers: one process per emulated node ---------------------------------------------------
-STATS_PREFIX = "STRAWQ_LAB_STATS "
-
-
-def producer_child() -> None:
-    """Child process (``python -c``): one ``Producer`` on its own event loop.
-
-    Reads its ``ProducerConfig`` as one JSON line on stdin; stops when stdin closes; prints
-    its final stats as one line ``STRAWQ_LAB_STATS {json}``.
-    """
-    import asyncio
-    import sys
-
-    from strawq.producers.producer import Producer
-    from strawq.producers.producer_config import ProducerConfig
-
-    logging.basicConfig(level=logging.WARNING)
-    config = json.loads(sys.stdin.readline())
-    producer = Producer(ProducerConfig.from_dict(config), node_id=config.get("producer_id"))
-    stop = threading.Event()
-
-    def watch_stdin() -> None:
-        sys.stdin.read()
-        stop.set()
-
-    threading.Thread(target=watch_stdin, daemon=True).start()
-
-    async def main() -> None:
-        task = asyncio.create_task(producer.run())
-        while not stop.is_set() and not task.done():
-            await asyncio.sleep(0.05)
-        producer.request_stop()
-        await task
-
-    try:
-        asyncio.run(main())
-    finally:
-        print(STATS_PREFIX + json.dumps(producer.stats().to_dict()), flush=True)
-
-
-class _Producers:
-    """The producer processes of one mode (plain subprocesses: no Ray, no fork)."""
-
-    def __init__(self, configs: list[dict[str, Any]]) -> None:
-        import subprocess
-        import sys
-
-        code = "from strawq.demo.lab import producer_child; producer_child()"
-        self.finished = False
-        self.procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True) for _ in configs]
-        for p, c in zip(self.procs, configs, strict=True):
-            assert p.stdin is not None
-            p.stdin.write(json.dumps(c) + "\n")
-            p.stdin.flush()
-
-    def check_alive(self) -> None:
-        for p in self.procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"lab producer process {p.pid} exited with {p.returncode}; "
-                                   "see its output above")
-
-    def finish(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        """Stop every producer (it parks its groups) and collect its stats (once: a later
-        call returns ``[]``)."""
-        import subprocess
-
-        if self.finished:
-            return []
-        self.finished = True
-
-        for p in self.procs:
-            if p.stdin is not None and not p.stdin.closed:
-                p.stdin.close()
-            p.stdin = None  # communicate() must not flush the closed pipe
-        stats = []
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs:
-            # read while waiting: the stats line (with its hop samples) can exceed the
-            # pipe's 64 KiB, and a child blocked on a full pipe never exits
-            try:
-                out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:  # hung: kill it, its leases expire
-                p.kill()
-                out, _ = p.communicate()
-            for line in (out or "").splitlines():
-                if line.startswith(STATS_PREFIX):
-                    try:
-                        stats.append(json.loads(line[len(STATS_PREFIX):]))
-                    except json.JSONDecodeError as exc:
-                        log.error("lab producer %d: unreadable stats line (%s)", p.pid, exc)
-        return stats
 
 
 def _cpu_s(pid: int) -> float:
@@ -347,9 +252,8 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
         bracket = reader.bracket
         # one step = per_step trainer calls (stream: micro-batches of one step's time each)
         trainer = SleepTrainer(cfg.train_step_s * cfg.time_scale / sched.per_step, urls)
-        producers = _Producers(pconfigs)
-        run.add("producers", lambda: producers.finish(10.0))
-        _wait_producers(bracket, producers)
+        producers = run.start_producer_processes(pconfigs)
+        producers.wait_started(bracket)
         cpu0 = {"engines": sum(_cpu_s(e.pid) for e in engines),
                 "producers": sum(_cpu_s(p.pid) for p in producers.procs),
                 "driver": time.process_time()}
@@ -421,20 +325,6 @@ def _write_mode_files(cfg: LabConfig, mode: str, work: str, res: Any, samples: A
 def _p_solve_in(path: str) -> list[float]:
     with open(path, encoding="utf-8") as f:
         return [float(json.loads(line)["p_solve"]) for line in f if line.strip()]
-
-
-def _wait_producers(bracket: Any, producers: _Producers, timeout_s: float = 300.0) -> None:
-    """Until every producer process has beaten once (its loop is up). An idle producer
-    counts: one that beat and found nothing to claim yet has started (the bracket's
-    ``live_producers`` leaves idle ones out, so waiting on it raced the first release)."""
-    deadline = time.monotonic() + timeout_s
-    n = len(producers.procs)
-    while len(started := set(bracket.observe())) < n:
-        producers.check_alive()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(started)} of {n} lab producers "
-                               f"started within {timeout_s:.0f}s")
-        time.sleep(0.05)
 
 
 def _progress(cfg: LabConfig, mode: str) -> Any:
