@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 
 def create_run(storage: Storage, config: QueueConfig,
                meta: Mapping[str, Any] | None = None) -> RunQueue:
-    """The run folder at ``storage`` (a new run, or the same run again: ``RunQueue.create``
-    refuses another run's folder)."""
+    """The run folder at ``storage``: a new run, or the run already there
+    (``RunQueue.create`` is idempotent for the same queue config)."""
     return RunQueue.create(storage, config, meta=dict(meta) if meta is not None else None)
 
 
