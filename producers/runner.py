@@ -17,15 +17,17 @@ For each lease the ``GroupRunner`` starts one group task::
                   abandoned    -> HandBack.release (heartbeats failed; fenced: if the grantor
                                   expired it first, the task is pending already)
 
-**Segments.** Each segment is one :func:`~strawq.producers.sample_step.step_sample` on the
-producer's guarded client (budget, payload, reply check, tokens applied). A segment cut
-by its deadline (``ClientConfig.generate_timeout_s``) comes back aborted with its tokens
-and resumes at once from the longer prefix.
+**Segments** (``strawq.producers.engine_turn``). Each segment is one
+:func:`~strawq.producers.sample_step.step_sample` on the producer's guarded client (budget,
+payload, reply check, tokens applied). A segment cut by its deadline
+(``ClientConfig.generate_timeout_s``) comes back aborted with its tokens and resumes at once
+from the longer prefix.
 
-**Live rids.** Every wire rid of a ``/generate`` in flight — a client's retry
-(``<rid>~retry<n>``) included — is recorded in its group's ``live_rids`` while it is in
-flight; ``GroupRunner.live_rids()`` is the producer's full set, so an abort (the bracket,
-a stop, a sibling's failure) names each one exactly (``strawq.producers.bracket``).
+**Live rids** (``strawq.producers.held``). Every wire rid of a ``/generate`` in flight — a
+client's retry (``<rid>~retry<n>``) included — is recorded in its group's ``live_rids``
+while it is in flight; ``GroupRunner.live_rids()`` is the producer's full set, so an abort
+(the bracket, a stop, a sibling's failure) names each one exactly
+(``strawq.producers.bracket``).
 
 **This producer's configuration, not the task.** A task that the producer cannot run for a
 reason of its own — a text or chat prompt without a tokenizer (or a chat prompt with a
@@ -177,7 +179,9 @@ class GroupRunner:
         self._pausing = pausing
         self.clock = clock
         self._kick = kick
-        self.table = table if table is not None else GroupTable()
+        if table is None:
+            table = halts.table if halts is not None else GroupTable()
+        self.table = table
         #: lease key -> the group working on it
         self.groups: dict[str, ActiveGroup] = self.table.groups
         self.halts = halts if halts is not None else GroupHalts(
