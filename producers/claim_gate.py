@@ -30,7 +30,6 @@ from strawq.producers.offload import Offload
 from strawq.producers.handback import HandBack, MisconfiguredProducer
 from strawq.producers.heartbeat import Heartbeat
 from strawq.producers.meter import StatsBook
-from strawq.producers.runner import GroupRunner
 from strawq.producers.slots import SlotPool
 from strawq.producers.bracket import PauseBracket
 
@@ -78,11 +77,37 @@ async def check_engine_versions(client: EngineClient | None, guard: VersionGuard
     await guard.probe_all()
 
 
+class FaultBackoff:
+    """Engine faults in a row, and the claim back-off they set: ``backoff_s`` doubled per
+    group handed back for an engine fault, at most 16 times; a group finished resets it."""
+
+    def __init__(self, backoff_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.backoff_s = backoff_s
+        self.clock = clock
+        #: no claims before this time
+        self.until = 0.0
+        #: groups handed back after an engine fault since the last one finished: while
+        #: above 0 the producer claims only once a probe reaches an engine
+        self.in_row = 0
+
+    def back_off(self) -> float:
+        """One more engine fault in a row: no claims for ``backoff_s`` doubled per fault,
+        at most 16 times; returns the delay."""
+        self.in_row += 1
+        delay: float = self.backoff_s * min(2 ** (self.in_row - 1), 16)
+        self.until = max(self.until, self.clock() + delay)
+        return delay
+
+    def reset(self) -> None:
+        """A group finished: the engines answer."""
+        self.in_row = 0
+
+
 class ClaimGate:
     """One producer's claim gate (see the module's docstring)."""
 
     def __init__(self, *, producer_id: str, run_dir: str, handback: HandBack,
-                 bracket: PauseBracket, heartbeat: Heartbeat, runner: GroupRunner,
+                 bracket: PauseBracket, heartbeat: Heartbeat, backoff: FaultBackoff,
                  guard: VersionGuard, pool: SlotPool, book: StatsBook,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.producer_id = producer_id
@@ -90,7 +115,7 @@ class ClaimGate:
         self.handback = handback
         self.bracket = bracket
         self.heartbeat = heartbeat
-        self.runner = runner
+        self.backoff = backoff
         self.guard = guard
         self.pool = pool
         self.book = book
@@ -106,11 +131,11 @@ class ClaimGate:
         engine fault until a probe reaches an engine; else what the slot pool allows."""
         if self.handback.refusal is not None or self.bracket.pausing or \
                 self.heartbeat.failing or self.handback.orphans or \
-                self.clock() < self.runner.backoff_until or self.guard.all_stale():
+                self.clock() < self.backoff.until or self.guard.all_stale():
             return 0
         n = self.pool.claimable_groups()
-        if n > 0 and self.runner.engine_faults_in_row and \
-                self._probed_after != self.runner.backoff_until and \
+        if n > 0 and self.backoff.in_row and \
+                self._probed_after != self.backoff.until and \
                 not await self._engines_answer():
             return 0
         return n
@@ -120,10 +145,10 @@ class ClaimGate:
         probe reaches an engine: a producer cut off from its engines (a partition) claims
         nothing it cannot run, and probes at the back-off's pace (doubling, 16x at most)."""
         if await self.guard.reachable():
-            self._probed_after = self.runner.backoff_until  # once per fault, not per pass
+            self._probed_after = self.backoff.until  # once per fault, not per pass
             return True
         self.book.bump("engine_probes_failed")
-        delay = self.runner.back_off()
+        delay = self.backoff.back_off()
         log.warning("producer %s: no engine answers; claiming nothing, probing again in "
                     "%.1fs", self.producer_id, delay)
         return False

@@ -370,3 +370,39 @@ class GuardedClient:
 
     async def abort(self, rid: str | None = None, *, url: str | None = None) -> None:
         await self.inner.abort(rid=rid, url=url)
+
+
+class ClientSlot:
+    """A producer's engine client from ``run()``'s start to its end: the injected one, or
+    one built by ``make`` at the start (and closed at the end); ``guarded`` is it behind
+    the producer's :class:`VersionGuard`, what the runner generates on."""
+
+    def __init__(self, client: EngineClient | None, make: Callable[[], EngineClient]) -> None:
+        self._raw = client
+        self._owned = client is None
+        self._make = make
+        self._guarded: GuardedClient | None = None
+
+    def raw(self) -> EngineClient | None:
+        """The client itself (None while the producer is not running and none was given)."""
+        return self._raw
+
+    def guarded(self) -> EngineClient:
+        """The client behind the version guard (only while the producer runs)."""
+        if self._raw is None or self._guarded is None:
+            raise RuntimeError("producer not running: its engine client starts in run()")
+        return self._guarded
+
+    def open(self, guard: VersionGuard) -> EngineClient:
+        """Build the client if none was given; returns it."""
+        if self._raw is None:
+            self._raw = self._make()
+        self._guarded = GuardedClient(self._raw, guard)
+        return self._raw
+
+    async def close(self) -> None:
+        """Close the client it built (an injected one is its owner's to close)."""
+        if self._owned and self._raw is not None:
+            await self._raw.close()
+            self._raw = None
+        self._guarded = None

@@ -52,76 +52,32 @@ finished trajectory), ``drop_group`` (the group is dropped as ``tool_error``), o
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from strawq.errors import ConfigError, LeaseLost, StorageFull, StrawqError
+from strawq.errors import ConfigError
 
+from strawq.producers.generate_record import (JOURNAL_FULL_RETRY_MAX_S, Ended, Environment,
+                                              Halted, SampleFailed, SampleHost,
+                                              TrajectoryReplay)
+from strawq.producers.generate_tools import NOT_APPLIED, TOOL_HALT_POLL_S, ToolCalls, ToolFn
 from strawq.producers.plugins import is_async, resolve_with_args
 from strawq.producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE,
                                      SampleStatus)
-from strawq.producers.trajectory import Trajectory, TrajectoryError, idempotency_key
+from strawq.producers.trajectory import Trajectory, TrajectoryError
 
 if TYPE_CHECKING:
     from strawq.producers.group import GroupRun
-    from strawq.producers.producer_config import ToolsConfig
     from strawq.producers.sample import Sample
-    from strawq.producers.turn_saver import TurnSaver
 
 log = logging.getLogger(__name__)
 
 GenerateFn = Callable[["GenerateContext"], Awaitable[None]]
-ToolFn = Callable[[Any, str], Any]
 DEFAULT_GENERATE = "strawq.producers.generate.single_turn"
-#: how often a running tool call looks at the producer's halt (a pause, a stop): a call
-#: running then is left to finish on its own (``GroupRunner.detached``)
-TOOL_HALT_POLL_S = 0.02
-#: the longest wait between tries of a tool-call journal entry that met a full disk
-JOURNAL_FULL_RETRY_MAX_S = 2.0
-
-
-class _NotApplied:
-    def __repr__(self) -> str:
-        return "NOT_APPLIED"
-
-
-#: what a ``reconcile`` hook returns when the interrupted call took no effect (it runs now)
-NOT_APPLIED: Any = _NotApplied()
-
-
-class Environment(Protocol):
-    """What ``GenerateContext.environment`` takes: an environment whose state the producer
-    saves with every partial record and restores when the trajectory resumes. ``rebuild``
-    (optional) rebuilds the state from the trajectory's tool calls instead, when no
-    snapshot of the resumed point exists."""
-
-    def snapshot(self) -> Any: ...
-
-    def restore(self, state: Any) -> None: ...
-
-
-class Halted(BaseException):  # noqa: N818 - a control-flow signal like CancelledError
-    """The producer stopped this sample; let it propagate (a ``BaseException`` so that a
-    plugin's ``except Exception`` does not swallow it)."""
-
-
-class SampleFailed(StrawqError, RuntimeError):
-    """The sample cannot finish (tool or environment failure after its retries)."""
-
-    def __init__(self, message: str, *, policy: str = "fail_sample") -> None:
-        super().__init__(message)
-        self.policy = policy
-
-
-class _Ended(Exception):
-    """Internal: the sample ended (budget) inside a context call."""
 
 
 @dataclass(frozen=True)
@@ -135,56 +91,13 @@ class Turn:
     replayed: bool = False
 
 
-class SampleHost(Protocol):
-    """What a generate context reaches of the producer, for one group: the engine's turns,
-    the group's halt, its turn checkpoints, the tools' settings and thread pool, and the
-    producer's counters — and nothing else of the runner (``GroupRunner.host``)."""
-
-    @property
-    def run(self) -> GroupRun | None: ...
-
-    @property
-    def tools(self) -> ToolsConfig: ...
-
-    @property
-    def context_length(self) -> int | None: ...
-
-    @property
-    def turns(self) -> TurnSaver | None: ...
-
-    @property
-    def abandoned(self) -> bool: ...
-
-    def halted(self) -> bool: ...
-
-    def check_halted(self) -> None:
-        """Raise :class:`Halted` when the group's samples must stop."""
-
-    async def generate_turn(self, i: int) -> str:
-        """Generate sample ``i`` until the engine ends the turn (``stop`` / ``length``)."""
-
-    def lose_lease(self, keep: int) -> None:
-        """A newer holder fenced this one: stop everything, persist nothing."""
-
-    def drop_group(self, reason: str, message: str, keep: int) -> None:
-        """Drop the whole group with ``reason`` once its samples stopped."""
-
-    def take_detached(self, key: str) -> asyncio.Future[Any] | None:
-        """The tool call with idempotency ``key`` left running at a pause, if any."""
-
-    def detach(self, key: str, task: asyncio.Future[Any]) -> None:
-        """Leave a tool call running past its sample's halt."""
-
-    def offload(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
-        """Run a blocking ``fn(*args)`` off the event loop."""
-
-    def bump(self, counter: str, n: int = 1) -> None: ...
-
-    def hop(self, name: str, seconds: float) -> None: ...
-
-
 class GenerateContext:
-    """What a generate plugin sees of the producer for one sample."""
+    """What a generate plugin sees of the producer for one sample.
+
+    Its engine turns and appended tokens are here; its replay of the record, environment
+    restore and turn checkpoints are its ``TrajectoryReplay``
+    (``strawq.producers.generate_record``), its tool calls its ``ToolCalls``
+    (``strawq.producers.generate_tools``)."""
 
     def __init__(self, host: SampleHost, index: int, version: int) -> None:
         self._host = host
@@ -194,16 +107,9 @@ class GenerateContext:
         self._run: GroupRun = run
         self.index = index
         self._version = version
-        s = run.samples[index]
-        self.trajectory: Trajectory = run.trajectories[index]
-        self.trajectory.check(s.response_length, s.loss_mask)
-        if self.trajectory.gen is None:  # the generation its tool calls' keys name
-            lease = run.lease
-            self.trajectory.gen = lease.name.resume if lease.has_partial else lease.gen
-        self._pos = 0  # replay cursor into trajectory.events
-        self._turn_text = ""
-        self._live = False  # the replay is over and the environment restored
-        self._boundary = False  # a turn boundary passed since the last live operation
+        self._rec = TrajectoryReplay(host, run, index, version)
+        self.trajectory: Trajectory = self._rec.trajectory
+        self._tools = ToolCalls(host, run, index, self._rec)
 
     # -- what the plugin reads -----------------------------------------------------------
     @property
@@ -230,7 +136,7 @@ class GenerateContext:
 
     @property
     def replaying(self) -> bool:
-        return self._pos < len(self.trajectory.events)
+        return self._rec.replaying
 
     @property
     def remaining_budget(self) -> int:
@@ -249,117 +155,32 @@ class GenerateContext:
         (its state cannot be brought back). Register it before the first operation."""
         self._run.envs[self.index] = env
 
-    # -- turn boundaries and the end of the replay -------------------------------------
-    async def _go_live(self) -> None:
-        """Before live work: bring the environment back once (the replay just ended), and
-        save the turn checkpoint a passed boundary asks for."""
-        if not self._live:
-            self._live = True
-            self._restore_env()
-        if self._boundary:
-            self._boundary = False
-            await self._save()
-
-    def _restore_env(self) -> None:
-        env = self._run.envs.get(self.index)
-        t = self.trajectory
-        if env is None or not t.events:
-            return
-        snap = t.env
-        if snap is not None and int(snap.get("at", -1)) == len(t.events):
-            env.restore(snap.get("state"))
-            return
-        rebuild = getattr(env, "rebuild", None)
-        if callable(rebuild):
-            rebuild([dict(e) for e in t.tool_calls()])
-            return
-        raise SampleFailed(
-            f"sample {self.sample.uid}: its environment cannot be restored: the record has "
-            f"{len(t.events)} events but "
-            + ("no environment snapshot" if snap is None else
-               f"a snapshot of event {snap.get('at')}")
-            + " and the environment has no rebuild(tool_events)", policy="fail_sample")
-
-    async def _save(self, *, force: bool = False) -> bool:
-        """A turn checkpoint (``strawq.producers.turn_saver``); fenced: a newer holder of
-        the task stops this group without persisting anything."""
-        saver = self._host.turns
-        if saver is None:
-            return False
-        try:
-            try:
-                return await saver.boundary(self._run, self._version, force=force)
-            except StorageFull as exc:
-                if not force:
-                    raise
-                return await self._save_when_space(saver, exc)
-        except LeaseLost as exc:
-            log.warning("task %s: %s", self._run.task_id, exc)
-            self._host.lose_lease(keep=self.index)
-            raise Halted() from None
-        except Exception as exc:  # noqa: BLE001 - storage trouble: a missed checkpoint
-            if force:
-                raise SampleFailed(f"the tool-call journal could not be saved: {exc}"
-                                   [:500]) from None
-            log.warning("task %s: turn checkpoint failed: %s", self._run.task_id, exc)
-            return False
-
-    async def _save_when_space(self, saver: Any, exc: StorageFull) -> bool:
-        """A journal entry that must be durable before its tool call met a full disk: the
-        call waits (backing off up to ``JOURNAL_FULL_RETRY_MAX_S``) until the entry is saved,
-        rather than failing the sample. A producer that gives its leases up meanwhile
-        cancels the wait with the sample."""
-        log.error("task %s: the tool-call journal cannot be saved (%s); the call waits "
-                  "until space returns", self._run.task_id, exc.strerror or exc)
-        wait = 0.05
-        while True:
-            await asyncio.sleep(wait)
-            wait = min(2 * wait, JOURNAL_FULL_RETRY_MAX_S)
-            self._host.check_halted()
-            try:
-                saved: bool = await saver.boundary(self._run, self._version, force=True)
-            except StorageFull:
-                continue
-            log.info("task %s: the tool-call journal is saved; the call goes on",
-                     self._run.task_id)
-            return saved
-
     async def _ended(self) -> None:
-        """The sample ended after a live boundary while siblings still run: save it (its
-        last turn would else be lost to a crash before the group is handed back)."""
-        if self._boundary and not self._run.all_final:
-            self._boundary = False
-            await self._save()
+        """The sample ended: save its last turn if siblings still run
+        (``TrajectoryReplay.ended``)."""
+        await self._rec.ended()
 
     # -- operations ----------------------------------------------------------------------
-    def _next_recorded(self, op: str) -> dict[str, Any] | None:
-        if not self.replaying:
-            return None
-        e = self.trajectory.events[self._pos]
-        if e["op"] != op:
-            raise TrajectoryError(f"sample {self.sample.uid}: replay expected a {e['op']!r} "
-                                  f"event at step {self._pos}, the plugin did {op!r}; a "
-                                  "generate plugin must be deterministic given its trajectory")
-        return e
-
     async def generate(self) -> Turn:
         """One turn: generate from prompt + response until the engine stops (stop token or
         budget). Raises :class:`Halted` when the producer stops the sample."""
         s = self.sample
-        e = self._next_recorded("gen")
+        rec = self._rec
+        e = rec.next_recorded("gen")
         if e is not None and e["end"] is not None:
-            self._pos += 1
+            rec.pos += 1
             return Turn([int(t) for t in s.response_ids[e["start"]:e["end"]]], str(e["finish"]),
                         replayed=True)
         if e is None:
             limit = self._host.tools.max_turns
             if limit and self.trajectory.turns >= limit:
                 self._end(SampleStatus.TRUNCATED, {"type": "length", "limit": "max_turns"})
-        await self._go_live()
+        await rec.go_live()
         if e is None:
             e = {"op": "gen", "start": s.response_length, "end": None, "finish": None}
-            self.trajectory.events.append(e)
-        self._pos = len(self.trajectory.events)
+            rec.record(e)
+        else:
+            rec.record()
         cap = self._host.tools.max_turn_tokens
         s.turn_limit = int(e["start"]) + cap if cap else None
         try:
@@ -369,7 +190,7 @@ class GenerateContext:
         if s.status is SampleStatus.COMPLETED or s.status is SampleStatus.TRUNCATED:
             s.status = SampleStatus.PENDING  # the turn ended; the plugin ends the sample
         e["end"], e["finish"] = s.response_length, finish
-        self._boundary = True
+        rec.boundary()
         return Turn([int(t) for t in s.response_ids[e["start"]:e["end"]]], finish)
 
     def append(self, token_ids: Sequence[int], *, kind: str = "tool") -> None:
@@ -384,16 +205,15 @@ class GenerateContext:
         invariant 4), as a turn does when its budget is spent."""
         s = self.sample
         ids = np.asarray([int(t) for t in token_ids], dtype=TOKEN_DTYPE)
-        e = self._next_recorded("append")
+        rec = self._rec
+        e = rec.next_recorded("append")
         if e is not None:
             if not np.array_equal(s.response_ids[e["start"]:e["end"]], ids):
                 raise TrajectoryError(f"sample {s.uid}: replayed append differs from the "
                                       "record; a generate plugin must be deterministic")
-            self._pos += 1
+            rec.pos += 1
             return
-        if not self._live:  # the first live operation: the environment comes back first
-            self._live = True
-            self._restore_env()
+        rec.ensure_live()  # the first live operation: the environment comes back first
         if len(ids) > self.remaining_budget:
             over = s.response_length + len(ids) > s.params.max_new_tokens
             self._end(SampleStatus.TRUNCATED, {
@@ -407,9 +227,8 @@ class GenerateContext:
         s.loss_mask = np.concatenate([s.loss_mask, np.zeros(len(ids), MASK_DTYPE)])
         s.pad_extras(len(ids))
         s.check()
-        self.trajectory.events.append({"op": "append", "start": start,
-                                       "end": s.response_length, "kind": str(kind)})
-        self._pos = len(self.trajectory.events)
+        rec.record({"op": "append", "start": start, "end": s.response_length,
+                    "kind": str(kind)})
 
     async def call_tool(self, name: str, args: Any, fn: ToolFn, *, idempotent: bool = True,
                         reconcile: ToolFn | None = None) -> Any:
@@ -428,125 +247,14 @@ class GenerateContext:
         without waiting for it); its result is applied when the trajectory resumes on this
         producer (elsewhere the call counts as interrupted). A call on a sample with a
         registered environment is waited for instead: its effect belongs in the snapshot."""
-        s = self.sample
-        e = self._next_recorded("tool")
-        if e is not None:
-            if e["name"] != name:
-                raise TrajectoryError(f"sample {s.uid}: replayed tool call {name!r} differs "
-                                      f"from the recorded {e['name']!r}")
-            self._pos += 1
-            self._host.bump("tool_calls_replayed")
-            return e["result"]
-        await self._go_live()
-        ordinal = len(self.trajectory.tool_calls())
-        key = idempotency_key(self._run.task_id, self.index, self.trajectory.epoch, ordinal,
-                              name, args, s.response_ids.tolist(), gen=self.trajectory.gen)
-        journal = self.trajectory.inflight
-        interrupted = journal is not None and journal.get("key") == key
-        t0, started = time.monotonic(), time.time()
-        detached = self._host.take_detached(key)
-        if detached is not None and not detached.cancelled():
-            # left running at a pause: its outcome, not a second run
-            result, attempt = await detached
-            return self._record_tool(key, name, args, result, attempt, t0, started)
-        if interrupted and not idempotent:
-            if reconcile is None:
-                raise SampleFailed(
-                    f"tool {name!r} (not idempotent, key {key}) was in flight when the "
-                    "trajectory was interrupted and has no reconcile hook: whether it took "
-                    "effect is unknown, so it is not run again", policy="fail_sample")
-            try:
-                outcome = reconcile(args, key)
-                if inspect.isawaitable(outcome):
-                    outcome = await outcome
-            except Exception as exc:  # noqa: BLE001 - the hook's failure is the sample's
-                raise SampleFailed(f"tool {name!r}: reconcile of the interrupted call {key} "
-                                   f"failed: {type(exc).__name__}: {exc}"[:500]) from None
-            if outcome is not NOT_APPLIED:
-                self._host.bump("tool_calls_reconciled")
-                return self._record_tool(key, name, args, outcome, 0, t0, started,
-                                         reconciled=True)
-        elif interrupted:
-            self._host.bump("tool_calls_rerun")
-        self.trajectory.inflight = {"key": key, "name": name, "args": args,
-                                    "idempotent": bool(idempotent), "started": started}
-        if not idempotent:  # the journal entry is durable before the call can take effect
-            await self._save(force=True)
-        self._host.check_halted()
-        task = asyncio.ensure_future(self._attempts(name, args, fn, key))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=TOOL_HALT_POLL_S)
-            if done:
-                break
-            if self._host.abandoned:
-                task.cancel()
-                raise Halted()
-            if self._host.halted() and self.index not in self._run.envs:
-                # it goes on; the resumed trajectory applies its outcome (a call on a
-                # registered environment is waited for: its effect belongs in the snapshot)
-                self._host.detach(key, task)
-                self._host.bump("tool_calls_detached")
-                raise Halted()
-        result, attempt = task.result()
-        return self._record_tool(key, name, args, result, attempt, t0, started)
-
-    async def _attempts(self, name: str, args: Any, fn: ToolFn, key: str) -> tuple[Any, int]:
-        """Run the tool until it succeeds or its tries are spent (``SampleFailed``)."""
-        tools = self._host.tools
-        error = ""
-        for attempt in range(1, tools.retries + 2):
-            try:
-                if is_async(fn):
-                    result = await asyncio.wait_for(fn(args, key), tools.timeout_s)
-                else:
-                    result = await asyncio.wait_for(self._host.offload(fn, args, key),
-                                                    tools.timeout_s)
-                    if inspect.isawaitable(result):
-                        result = await asyncio.wait_for(result, tools.timeout_s)
-            except TimeoutError:
-                error = f"tool {name!r} timed out after {tools.timeout_s}s"
-            except Exception as exc:  # noqa: BLE001 - a tool's failure is the sample's
-                error = f"tool {name!r} failed: {type(exc).__name__}: {exc}"[:500]
-            else:
-                return result, attempt
-            self._host.bump("tool_errors")
-            log.info("sample %s: %s (attempt %d)", self.sample.uid, error, attempt)
-        raise SampleFailed(error, policy=tools.on_failure)
-
-    def _record_tool(self, key: str, name: str, args: Any, result: Any, attempt: int,
-                     t0: float, started: float, *, reconciled: bool = False) -> Any:
-        seconds = time.monotonic() - t0
-        if not reconciled:
-            self._host.bump("tool_calls")
-            self._host.hop("tool", seconds)
-        ev = {"op": "tool", "key": key, "name": name, "args": args, "result": result,
-              "attempts": attempt, "seconds": seconds, "started": started}
-        if reconciled:
-            ev["reconciled"] = True
-        self.trajectory.events.append(ev)
-        self.trajectory.inflight = None
-        self._pos = len(self.trajectory.events)
-        self._boundary = True
-        return result
-
-    def _refuse_end_in_replay(self, what: str) -> None:
-        """Ending the sample before the replay reached the end of the record means the
-        plugin is not deterministic given its trajectory: an aborted turn (the record's
-        open ``gen``) or recorded events would be trained as a trajectory they are not."""
-        if self.replaying:
-            e = self.trajectory.events[self._pos]
-            raise TrajectoryError(
-                f"sample {self.sample.uid}: {what} during the replay, at step {self._pos} of "
-                f"{len(self.trajectory.events)} recorded (next: a {e['op']!r} event"
-                f"{', an aborted turn' if e['op'] == 'gen' and e['end'] is None else ''}); a "
-                "generate plugin must replay its recorded operations before it ends the "
-                "sample")
+        return await self._tools.call(name, args, fn, idempotent=idempotent,
+                                      reconcile=reconcile)
 
     def finish(self, status: str = "completed", reason: Mapping[str, Any] | None = None) -> None:
         """End the sample: ``completed`` or ``truncated``. Raises
         :class:`~strawq.producers.trajectory.TrajectoryError` during the replay (the sample
         fails: an aborted turn is never trained as complete)."""
-        self._refuse_end_in_replay(f"finish({status!r})")
+        self._rec.refuse_end_in_replay(f"finish({status!r})")
         st = SampleStatus(status)
         if not st.is_final:
             raise TrajectoryError(f"finish status must be completed or truncated, got {status!r}")
@@ -559,14 +267,14 @@ class GenerateContext:
         """End the sample as failed (environment or infrastructure): never trained. During
         the replay it raises :class:`~strawq.producers.trajectory.TrajectoryError` (the
         sample fails too, with that message)."""
-        self._refuse_end_in_replay(f"fail({reason!r})")
+        self._rec.refuse_end_in_replay(f"fail({reason!r})")
         raise SampleFailed(reason, policy="fail_sample")
 
     def _end(self, status: SampleStatus, reason: dict[str, Any]) -> None:
         s = self.sample
         s.status = status
         s.finish_reason = dict(reason)
-        raise _Ended()
+        raise Ended()
 
 
 async def single_turn(ctx: GenerateContext) -> None:
@@ -607,7 +315,7 @@ async def run_plugin(generate_fn: GenerateFn, host: SampleHost, i: int, version:
                                    "(call ctx.finish)")
             await ctx._ended()
             return
-        except _Ended:
+        except Ended:
             await ctx._ended()
             return
         except SampleFailed as exc:
@@ -627,6 +335,6 @@ async def run_plugin(generate_fn: GenerateFn, host: SampleHost, i: int, version:
             return
 
 
-__all__ = ["DEFAULT_GENERATE", "NOT_APPLIED", "Environment", "GenerateContext", "GenerateFn",
-           "Halted", "SampleFailed", "SampleHost", "Turn", "load_generate", "run_plugin",
-           "single_turn"]
+__all__ = ["DEFAULT_GENERATE", "JOURNAL_FULL_RETRY_MAX_S", "NOT_APPLIED", "TOOL_HALT_POLL_S",
+           "Environment", "GenerateContext", "GenerateFn", "Halted", "SampleFailed",
+           "SampleHost", "ToolFn", "Turn", "load_generate", "run_plugin", "single_turn"]

@@ -22,7 +22,9 @@ restart, never for two processes at once.
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Awaitable, Callable
 
 from strawq.errors import LeaseLost, NotFound, StrawqError
 from strawq.incarnations import begin_incarnation, successor
@@ -86,3 +88,32 @@ class Incarnation:
                 f"{who.get('host', '?')}, pid {who.get('pid', '?')}{since}. It handed back "
                 "this process's leases (their results from here are refused); this process "
                 "stops. Run one process per producer id (omit --producer-id for a fresh one)")
+
+
+class IncarnationFence:
+    """The producer's check that no newer incarnation of its id exists: before each claim,
+    and once per ``interval_s`` otherwise (``due``); ``superseded`` says why it must stop."""
+
+    def __init__(self, incarnation: Incarnation, *,
+                 io: Callable[[Callable[[], str | None]], Awaitable[str | None]],
+                 interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.incarnation = incarnation
+        self._io = io
+        self.interval_s = interval_s
+        self.clock = clock
+        #: why a newer incarnation of this id stopped this one (None: it was not)
+        self.superseded: str | None = None
+        self._checked = -math.inf
+
+    def due(self) -> bool:
+        return self.clock() - self._checked >= self.interval_s
+
+    async def check(self) -> bool:
+        """Whether a newer incarnation of this id exists (``StorageError`` when the
+        storage cannot say)."""
+        self._checked = self.clock()
+        self.superseded = await self._io(self.incarnation.superseded)
+        if self.superseded is None:
+            return False
+        log.error("%s", self.superseded)
+        return True

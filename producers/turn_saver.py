@@ -5,7 +5,8 @@ calls ``boundary`` at every turn boundary (a turn ended, a tool result arrived) 
 the sample's next piece of work, so a sample that ends there saves nothing, and
 ``before_tool`` before a tool that is not idempotent runs (its journal entry must be
 durable before its effect can happen). ``ToolsConfig.checkpoint_every_*`` sets the cadence.
-The record, its fencing and its cleanup are ``strawq.turns``.
+The record, its fencing and its cleanup are ``strawq.turns``. ``TurnCheckpoints`` is the
+runner's part that opens a lease's saver and loads its last checkpoint.
 
 A save snapshots the whole group synchronously on the event loop (``GroupRun.to_group``,
 every sample's trajectory and environment snapshot included), then publishes it on the
@@ -20,9 +21,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from strawq.turns import TurnLog
+from strawq.errors import LeaseLost
+from strawq.turns import TurnLog, warm_up
 
 if TYPE_CHECKING:
+    from strawq.groups import GroupData
+    from strawq.queue import Lease, RunQueue
     from strawq.producers.group import GroupRun
     from strawq.producers.meter import StatsBook
     from strawq.producers.offload import Offload
@@ -90,3 +94,49 @@ class TurnSaver:
 
 
 __all__ = ["TurnSaver"]
+
+
+class TurnCheckpoints:
+    """The runner's turn-checkpoint part: when ``on`` (a multi-turn generate plugin with
+    ``tools.checkpointing``), each lease gets a ``TurnSaver`` and resumes from its last turn
+    checkpoint; ``logs`` (the hand-back's, by lease key) cleans them up with the task."""
+
+    def __init__(self, on: bool, *, queue: RunQueue, tools: ToolsConfig, io: Offload,
+                 book: StatsBook, producer_id: str, logs: dict[str, TurnLog]) -> None:
+        self.on = on
+        self.queue = queue
+        self.tools = tools
+        self.io = io
+        self.book = book
+        self.producer_id = producer_id
+        self.logs = logs
+        if on:  # the first encode loads pyarrow: not inside the first turn
+            warm_up()
+
+    async def open(self, lease: Lease) -> tuple[TurnSaver | None, GroupData | None]:
+        """The lease's saver and its last turn checkpoint (None, None when off; a None
+        checkpoint when there is none or it cannot be read). Fences the task's older
+        holders: ``LeaseLost`` when a newer one holds it."""
+        if not self.on:
+            return None, None
+        turn_log = TurnLog(self.queue.storage, lease.name)
+        self.logs[lease.key] = turn_log
+        saver = TurnSaver(turn_log, self.tools, self.io, self.book, self.producer_id)
+        try:
+            ck = await self.io.call(turn_log.load)
+        except LeaseLost:
+            raise
+        except Exception as exc:  # noqa: BLE001 - storage trouble: the update-level partial
+            log.warning("task %s: its turn checkpoints cannot be read (%s); resuming from "
+                        "its partial record", lease.task_id, exc)
+            return saver, None
+        if ck is None:
+            return saver, None
+        self.book.bump("turn_checkpoints_loaded")
+        log.info("task %s: resuming from the turn checkpoint of generation %d", lease.task_id,
+                 ck.gen)
+        return saver, ck.group
+
+    def close(self, lease: Lease) -> None:
+        """The lease is no longer held."""
+        self.logs.pop(lease.key, None)

@@ -47,7 +47,7 @@ ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
 
 @dataclass(frozen=True, kw_only=True)
 class ReqParams:
-    """Validated sampling parameters of one request (see ``server.parse_sampling_params``)."""
+    """Validated sampling parameters of one request (see ``wire.parse_sampling_params``)."""
 
     max_new_tokens: int = 128
     min_new_tokens: int = 0

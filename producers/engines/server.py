@@ -5,6 +5,10 @@ Endpoints: ``/generate`` (POST/PUT), ``/abort_request``, ``/pause_generation``,
 ``/flush_cache``, ``/v1/loads``, ``/model_info`` (+ ``/get_model_info``), ``/health``,
 ``/health_generate``, ``/ready``; strawq's own ``/strawq/live_requests`` (the requests in
 flight, with their tokens so far). Differences from SGLang are listed in ``docs/engines.md``.
+
+This module is the HTTP side: routes, bodies, authentication, a client gone away. What a
+``/generate`` body means and what its reply holds is ``strawq.producers.engines.wire``
+(its names stay importable from here).
 """
 
 from __future__ import annotations
@@ -13,28 +17,25 @@ import asyncio
 import datetime
 import json
 import logging
-import random
 import secrets
 import time
 import uuid
-from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
 
-from strawq.errors import StrawqError
-from strawq.producers.engines.core import (
-    ABORT_WAITING,
-    EngineCore,
-    Req,
-    ReqParams,
-    UpdateRejected,
-    detokenize,
-)
+from strawq.producers.engines.core import ABORT_WAITING, EngineCore, Req, ReqParams, UpdateRejected
 from strawq.producers.engines.extras import add_extras
-from strawq.producers.engines.extras import check_request as check_extras_request
-from strawq.producers.engines.sim_backend import seed_for_rid
-from strawq.producers.sglang_protocol import RESUMED_TOKENS_KEY
+from strawq.producers.engines.wire import (
+    SAMPLING_KEYS,
+    UNSUPPORTED_NON_DEFAULT,
+    BadRequest,
+    build_response,
+    make_reqs,
+    parse_generate,
+    parse_sampling_params,
+    version_spans,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,210 +50,9 @@ ORPHANS_KEY = web.AppKey("orphans", set)
 #: checks, while a request has no new output, that its HTTP client is still connected
 DISCONNECT_POLL_S = 4.0
 
-SAMPLING_KEYS = (
-    "max_new_tokens",
-    "stop",
-    "stop_token_ids",
-    "stop_regex",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "min_new_tokens",
-    "n",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-    "custom_params",
-    "stream_interval",
-    "logit_bias",
-    "sampling_seed",
-)
-UNSUPPORTED_NON_DEFAULT = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
-    "structural_tag": None,
-    "stop_regex": None,
-    "logit_bias": None,
-}
-
-
-class BadRequest(StrawqError, ValueError):
-    """A request the engine answers with HTTP 400 (the message is the reply's body)."""
-
 
 def error_response(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
-
-
-def _num(sp: Mapping[str, Any], key: str, default: float) -> float:
-    value = sp.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(f"sampling_params.{key} must be a number, found {value!r}")
-    return float(value)
-
-
-def _int(sp: Mapping[str, Any], key: str, default: int) -> int:
-    value = sp.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"sampling_params.{key} must be an integer, found {value!r}")
-    return value
-
-
-def parse_sampling_params(sp: Any) -> tuple[ReqParams, int]:
-    """Validate ``sampling_params`` like SGLang 0.5.23; returns ``(params, n)``."""
-    if sp is None:
-        sp = {}
-    if not isinstance(sp, Mapping):
-        raise BadRequest("sampling_params must be an object")
-    unknown = [k for k in sp if k not in SAMPLING_KEYS]
-    if unknown:
-        raise BadRequest(
-            f"unknown field `{unknown[0]}`, expected one of "
-            f"{', '.join(f'`{k}`' for k in SAMPLING_KEYS)}"
-        )
-    for key, default in UNSUPPORTED_NON_DEFAULT.items():
-        if sp.get(key) is not None and sp.get(key) != default:
-            raise BadRequest(f"sampling_params.{key} is not supported by strawq's local engines")
-    max_new = _int(sp, "max_new_tokens", 128)
-    if max_new < 0:
-        raise BadRequest(f"max_new_tokens must be at least 0, got {max_new}.")
-    temperature = _num(sp, "temperature", 1.0)
-    if temperature < 0:
-        raise BadRequest(f"temperature must be non-negative, got {temperature}.")
-    top_p = _num(sp, "top_p", 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p}.")
-    top_k = _int(sp, "top_k", -1)
-    if top_k == 0 or top_k < -1:
-        raise BadRequest(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
-    min_p = _num(sp, "min_p", 0.0)
-    if not 0.0 <= min_p <= 1.0:
-        raise BadRequest(f"min_p must be in [0, 1], got {min_p}.")
-    min_new = _int(sp, "min_new_tokens", 0)
-    if not 0 <= min_new <= max(max_new, 0):
-        raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens], got {min_new}.")
-    stop_ids = sp.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
-    ):
-        raise BadRequest("stop_token_ids must be a list of integers")
-    stop = sp.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if (
-        not isinstance(stop, list)
-        or not all(isinstance(s, str) and s for s in stop)
-        or len(stop) > 32
-    ):
-        raise BadRequest(
-            "stop must be a non-empty string or a list of at most 32 non-empty strings"
-        )
-    n = _int(sp, "n", 1)
-    if n < 1:
-        raise BadRequest(f"n must be at least 1, got {n}.")
-    seed = sp.get("sampling_seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest(f"sampling_seed must be an integer, found {seed!r}")
-    custom = sp.get("custom_params")
-    if custom is not None and not isinstance(custom, Mapping):
-        raise BadRequest(f"sampling_params.custom_params must be an object, found {custom!r}")
-    resumed = (custom or {}).get(RESUMED_TOKENS_KEY)
-    if resumed is not None and (
-        isinstance(resumed, bool) or not isinstance(resumed, int) or resumed < 0
-    ):
-        raise BadRequest(
-            f"custom_params.{RESUMED_TOKENS_KEY} must be an integer >= 0, found {resumed!r}"
-        )
-    params = ReqParams(
-        max_new_tokens=max_new,
-        min_new_tokens=min_new,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        stop_token_ids=frozenset(stop_ids),
-        stop=tuple(stop),
-        ignore_eos=bool(sp.get("ignore_eos", False)),
-        no_stop_trim=bool(sp.get("no_stop_trim", False)),
-        seed=seed,
-        resumed_tokens=resumed,
-    )
-    return params, n
-
-
-def version_spans(versions: list[str], current: str) -> list[dict[str, Any]]:
-    if not versions:
-        return [{"version": current, "start": 0, "end": 0}]
-    spans: list[dict[str, Any]] = []
-    for i, v in enumerate(versions):
-        if spans and spans[-1]["version"] == v:
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": v, "start": i, "end": i + 1})
-    return spans
-
-
-def build_response(
-    req: Req, core: EngineCore, *, return_logprob: bool, text_in_logprobs: bool, latency: float
-) -> dict[str, Any]:
-    finish = req.finish or {}
-    ids = req.out_ids
-    text_ids = ids
-    if (
-        finish.get("type") == "stop"
-        and not req.params.no_stop_trim
-        and isinstance(finish.get("matched"), int)
-        and ids
-    ):
-        text_ids = ids[:-1]
-    text = detokenize(text_ids)
-    if (
-        finish.get("type") == "stop"
-        and isinstance(finish.get("matched"), str)
-        and not req.params.no_stop_trim
-    ):
-        text = text.removesuffix(finish["matched"])
-    meta: dict[str, Any] = {
-        "id": req.rid,
-        "finish_reason": finish,
-        "prompt_tokens": len(req.input_ids),
-        "weight_version": core.version,
-        "weight_versions": version_spans(req.out_versions, core.version),
-        "completion_tokens": len(ids),
-        "cached_tokens": 0,
-        "cached_tokens_details": None,
-        "num_retractions": req.num_retractions,
-        "reasoning_tokens": 0,
-        "dp_rank": None,
-        "e2e_latency": round(latency, 6),
-    }
-    if finish == ABORT_WAITING:
-        for key in ("prompt_tokens", "cached_tokens", "cached_tokens_details", "num_retractions"):
-            meta.pop(key)
-    if return_logprob:
-        meta["output_token_logprobs"] = [
-            [lp, tok, f" {tok}" if text_in_logprobs else None]
-            for lp, tok in zip(req.out_logprobs, ids, strict=False)
-        ]
-        meta["output_token_logprobs_length"] = len(ids)
-        meta["input_token_logprobs"] = []
-    return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 
 async def _json_body(request: web.Request, *, allow_empty: bool = True) -> dict[str, Any]:
@@ -274,89 +74,12 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     core = request.app[CORE_KEY]
     try:
         body = await _json_body(request, allow_empty=False)
-        given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
-        if len(given) != 1:
-            raise BadRequest(
-                "Either text, input_ids or input_embeds should be provided (exactly one)."
-            )
-        if given[0] != "input_ids":
-            raise BadRequest(
-                f"{given[0]} is not supported by strawq's local engines (no tokenizer); "
-                "send input_ids"
-            )
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by strawq's local engines")
-        if body.get("top_logprobs_num") or body.get("token_ids_logprob") is not None:
-            raise BadRequest(
-                "top_logprobs_num / token_ids_logprob are not supported by strawq's local engines"
-            )
-        inputs = body["input_ids"]
-        batch = isinstance(inputs, list) and bool(inputs) and isinstance(inputs[0], list)
-        prompts = inputs if batch else [inputs]
-        for p in prompts:
-            if not isinstance(p, list) or not p:
-                raise BadRequest("input_ids cannot be empty.")
-            if not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < core.backend.vocab_size
-                for t in p
-            ):
-                raise BadRequest(f"input_ids must be integers in [0, {core.backend.vocab_size})")
-        sps = body.get("sampling_params")
-        sps_list = sps if isinstance(sps, list) else [sps] * len(prompts)
-        if len(sps_list) != len(prompts):
-            raise BadRequest("sampling_params list length must match the batch size")
-        parsed = [parse_sampling_params(sp) for sp in sps_list]
-        ctx = core.backend.context_length
-        for p, (params, _) in zip(prompts, parsed, strict=False):
-            extras_error = check_extras_request(body, len(p), params.temperature,
-                                                params.top_k)
-            if extras_error is not None:
-                raise BadRequest(extras_error)
-            if len(p) >= ctx:
-                raise BadRequest(
-                    f"The input ({len(p)} tokens) is longer than the model's context length "
-                    f"({ctx} tokens)."
-                )
-            if params.resumed_tokens is not None and params.resumed_tokens >= len(p):
-                raise BadRequest(
-                    f"custom_params.{RESUMED_TOKENS_KEY}={params.resumed_tokens} must be less "
-                    f"than the {len(p)} input tokens (the prompt keeps at least one)"
-                )
-            if len(p) + params.max_new_tokens >= ctx:
-                raise BadRequest(
-                    "Requested token count exceeds the model's maximum context length of "
-                    f"{ctx} tokens. You requested a total of {len(p) + params.max_new_tokens} "
-                    f"tokens: {len(p)} tokens from the input messages and "
-                    f"{params.max_new_tokens} tokens for the completion. Please reduce the "
-                    "number of tokens in the input messages or the completion to fit within "
-                    "the limit."
-                )
-        rid = body.get("rid")
-        base = str(rid) if isinstance(rid, str) and rid else uuid.uuid4().hex
-        if isinstance(rid, list):
-            raise BadRequest(
-                "a list of rids is not supported; send one rid (batch sub-requests get "
-                "'{rid}_{i}', n>1 sub-requests random rids)"
-            )
+        g = parse_generate(body, vocab_size=core.backend.vocab_size,
+                           context_length=core.backend.context_length)
     except BadRequest as exc:
         return error_response(str(exc))
-    reqs: list[Req] = []
-    loop = asyncio.get_running_loop()
-    for p, (params, n) in zip(prompts, parsed, strict=False):
-        for _ in range(n):
-            reqs.append(
-                Req(rid="", input_ids=list(p), params=params, seed=0, done=loop.create_future())
-            )
+    reqs = make_reqs(g)
     multi = len(reqs) > 1
-    for i, req in enumerate(reqs):
-        # SGLang 0.5.23: a batch's sub-rids are "{rid}_{i}", but n>1 gives random ones
-        req.rid = (f"{base}_{i}" if batch else uuid.uuid4().hex) if multi else base
-        if req.params.seed is not None:
-            req.seed = req.params.seed + (i if multi else 0)
-        elif isinstance(rid, str) and rid:
-            req.seed = seed_for_rid(req.rid)
-        else:
-            req.seed = random.getrandbits(63)
     started = time.monotonic()
     try:
         if not await _submit_while_connected(request, core, reqs):
@@ -665,3 +388,8 @@ def build_app(
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
     return app
+
+
+__all__ = ["ADMIN_PATHS", "DISCONNECT_POLL_S", "SAMPLING_KEYS", "UNSUPPORTED_NON_DEFAULT",
+           "BadRequest", "auth_allowed", "build_app", "build_response", "client_gone_first",
+           "error_response", "parse_sampling_params", "version_spans"]

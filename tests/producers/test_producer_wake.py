@@ -50,7 +50,7 @@ def test_new_work_and_a_pause_wake_an_idle_producer(tmp_path: Path, sim_engine: 
 
     async def body() -> None:
         # idle: it has looked once, found nothing, and would not look again for an hour
-        await wait_for(lambda: p._last_empty_claim > -math.inf, 30, "the first empty claim")
+        await wait_for(lambda: p._wakeup.last_empty_claim > -math.inf, 30, "the first empty claim")
         Feeder(q, Dataset(str(data))).release(4)
         await wait_for(lambda: len(ids(q, "ready")) == 4, 60, "released work to be done")
         Control(q.storage).pause(1)
@@ -67,10 +67,10 @@ def test_idle_polls_stat_instead_of_listing(tmp_path: Path, sim_engine: Any,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Without events (another host's changes), an idle producer's polls stat pending/
     and control/ and list them only when they changed; new work is still found."""
-    import strawq.producers.producer as producer_mod
+    import strawq.producers.wake as wake_mod
     from strawq.storage.watch import DirProbe
 
-    monkeypatch.setattr(producer_mod, "DirWatch", _NoEvents)
+    monkeypatch.setattr(wake_mod, "DirWatch", _NoEvents)
     probes = {"n": 0}
     real_changed = DirProbe.changed
 
@@ -111,10 +111,10 @@ def test_an_idle_producer_marks_its_heartbeat_and_looks_rarely(
     stats only pending/ (once per ``idle_probe_s``) and reads nothing else: the
     operations of its polls, counted at the storage and at its probes. Released work (no
     event: another host's change) still reaches it through the probe."""
-    import strawq.producers.producer as producer_mod
+    import strawq.producers.wake as wake_mod
     from strawq.storage.watch import DirProbe
 
-    monkeypatch.setattr(producer_mod, "DirWatch", _NoEvents)
+    monkeypatch.setattr(wake_mod, "DirWatch", _NoEvents)
     looks = {"probe": 0}
     real_changed = DirProbe.changed
 
@@ -166,9 +166,9 @@ def test_a_release_claimed_one_group_at_a_time_is_all_claimed(
     empties the release directory without moving pending/'s mtime: the producer must
     list again after every claim that found work, not wait for the probe's full listing
     a minute later (it once stalled there with work pending)."""
-    import strawq.producers.producer as producer_mod
+    import strawq.producers.wake as wake_mod
 
-    monkeypatch.setattr(producer_mod, "DirWatch", _NoEvents)
+    monkeypatch.setattr(wake_mod, "DirWatch", _NoEvents)
     run = tmp_path / "run"
     q = make_run(str(run), 0, rows=[])
     p = Producer(_config(run, sim_engine.url, TimingConfig(
@@ -177,7 +177,7 @@ def test_a_release_claimed_one_group_at_a_time_is_all_claimed(
     data.write_text("".join(json.dumps({"prompt": [5, 6, 7]}) + "\n" for _ in range(5)))
 
     async def body() -> None:
-        await wait_for(lambda: p._drained, 30, "the producer to find pending/ empty")
+        await wait_for(lambda: p._wakeup.drained, 30, "the producer to find pending/ empty")
         Feeder(q, Dataset(str(data))).release(5)
         await wait_for(lambda: len(ids(q, "ready")) == 5, 30,
                        "all five groups, claimed one at a time")
