@@ -41,7 +41,6 @@ from strawq.engine_weights import (PROBE_TIMEOUT_S, EngineProbe, EngineWeights, 
 from strawq.errors import BracketError
 from strawq.grantor import LeaseMonitor
 from strawq.queue import RunQueue
-from strawq.states import TaskState, names_in
 
 log = logging.getLogger(__name__)
 
@@ -171,22 +170,12 @@ class WeightUpdateBracket:
         acks, dead, waited = self.liveness.wait_for_acks(
             self.control, version, timeout, sleep=self.sleep,
             poll_interval_s=self.poll_interval_s)
-        stray = self._stray_leases(acks)
-        if stray:
-            log.error("producers acked the pause but still hold leases %s; they will be "
-                      "expired by the grantor if their holders stop beating", stray)
+        stray = self.liveness.stray_leases(acks)
         log.info("weight update to version %d: %d producers paused (%d dead) in %.2fs",
                  version, len(acks), len(dead), waited)
         return BracketReport(version, frozenset(acks), {p: dead[p] for p in dead
                                                         if p not in acks},
                              waited, stray, continued)
-
-    def _stray_leases(self, acks: frozenset[str]) -> list[str]:
-        out = []
-        for t in names_in(self.queue.storage, TaskState.LEASED):
-            if t.producer in acks:
-                out.append(str(t))
-        return out
 
     def end_weight_update(self, version: int | None = None) -> int:
         """Announce ``version`` (default: the bracket's) and resume producers."""

@@ -19,6 +19,7 @@ from strawq.errors import BracketTimeout, StrawqError
 from strawq.grantor import LeaseMonitor
 from strawq.liveness import known_dead, parse_identity
 from strawq.queue import RunQueue
+from strawq.states import TaskState, names_in
 
 log = logging.getLogger(__name__)
 
@@ -110,3 +111,13 @@ class ProducerLiveness:
                     "begin_weight_update(), or abort_weight_update() to let them carry on",
                     missing)
             sleep(poll_interval_s)
+
+    def stray_leases(self, acks: frozenset[str]) -> list[str]:
+        """Leases still held by producers that acked the pause (a producer bug: an ack means
+        "holds none"); logged as an error, left to the grantor."""
+        out = [str(t) for t in names_in(self.queue.storage, TaskState.LEASED)
+               if t.producer in acks]
+        if out:
+            log.error("producers acked the pause but still hold leases %s; they will be "
+                      "expired by the grantor if their holders stop beating", out)
+        return out
