@@ -370,3 +370,28 @@ def test_settle_decides_by_what_the_engines_hold():
     msg = settle(open_4, 3, on(a=3, b=4, c=None)).message
     assert "version 3: a; version 4: b" in msg and "not heard from: c" in msg
     assert "none known" in settle(open_4, 3, {}).message
+
+
+@pytest.mark.timeout(60)
+def test_a_producer_that_acks_while_holding_leases_is_reported(world, caplog):
+    """An ack means "holds no lease": a producer that acks and keeps its leases (a bug) is
+    not waited for again, and its leases are named in the report and the log."""
+    q, col, clock = world
+    buggy = SimProducer(q, "buggy", seed=3, chunk=2, max_new=(6, 12))
+    _run(col, clock, [buggy], 3)
+    held = sorted(_leases_of(q, "buggy"))
+    assert held
+
+    def hook():  # acks the pause without parking anything
+        state = Control(q.storage).state()
+        if state.paused and "buggy" not in state.acks:
+            Control(q.storage).ack(state.pause_version, "buggy")
+    clock.hook = hook
+    bracket = WeightUpdateBracket(q, monitor=col.monitor, clock=clock, sleep=clock.sleep)
+    with caplog.at_level("ERROR"):
+        rep = bracket.begin_weight_update(timeout=60)
+    clock.hook = None
+    assert rep.acked == {"buggy"}
+    assert sorted(rep.stray_leases) == held
+    assert any("still hold leases" in r.getMessage() for r in caplog.records)
+    bracket.end_weight_update()
