@@ -213,4 +213,4 @@ class BatchReader:
 
 
 def _seq(consumed: Batch | int | None) -> int | None:
-    return consumed.seq if isinstance(consumed, Batch) else consumed
+    return consumed if consumed is None or isinstance(consumed, int) else consumed.seq
