@@ -17,7 +17,8 @@ from strawq.collector.fencing import EpochFence
 from strawq.collector.hooks import CollectorHooks
 from strawq.collector.ordering import StalenessOrder, group_advantages
 from strawq.collector.report import StepReport
-from strawq.collector.trainer.packing import BufferPool, RecordFile, pack_batch
+from strawq.collector.trainer.packing import pack_batch
+from strawq.collector.trainer.record_io import BufferPool, RecordFile
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.history import attempt_summary
 from strawq.names import TaskName, data_key

@@ -4,66 +4,63 @@ Exactly one per run (``strawq.collector.fencing``). One pass of ``Collector.step
 
 1. ``beat``: check the epoch fence (``FencedOut`` if taken over), advance the heartbeat;
 2. ``LeaseMonitor.scan()``: expire the leases of producers whose counters stopped moving;
-3. GC of acked batches (every ``gc_interval_s``);
+3. GC of acked batches (every ``gc_interval_s``) and sweeps (``strawq.collector.upkeep``);
 4. scan ``ready/``, order it staleness-first, judge each group against η at the version it
    will be trained at (``trained_at``: the batches ahead of it that the weights do not hold
    yet, ``strawq.collector.admission.Progress``) and apply ``eta_mode``: ``train``
    (default: keep, count and warn), ``regenerate`` or ``drop`` (only when configured);
 5. publish batches of B groups while fewer than ``max_prefetch_batches`` are unacked (a
    short last batch once the dataset is exhausted and nothing runs);
-6. admission: release new prompt groups through the ``Feeder`` (``strawq.collector.admission``);
-7. metrics (after the state is persisted).
+6. admission: release new prompt groups through the ``Feeder`` (``strawq.collector.admission``,
+   applied by ``strawq.collector.releasing``);
+7. metrics (after the state is persisted: ``strawq.collector.pass_metrics``).
+
+A drained run ends in ``strawq.collector.run_end``; passes that fail on a full disk are
+retried (``strawq.collector.upkeep.FullDisk``).
 
 Everything runs in the caller's thread on an injected clock: tests drive ``step()`` directly.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from strawq.collector.admission import (ConsumedGroups, Depths, admission, progress)
-from strawq.collector.config import CollectorConfig
-from strawq.collector.fencing import EpochFence, SupersededSweep, mark_epoch_start
-from strawq.collector.trainer.metrics import MetricsSink, dropped_metric
+from strawq.collector.admission import ConsumedGroups, Depths, progress
 from strawq.collector.batching import BatchFormer
+from strawq.collector.config import CollectorConfig
 from strawq.collector.eta_judge import EtaJudge
+from strawq.collector.fencing import EpochFence, SupersededSweep, mark_epoch_start
 from strawq.collector.hooks import HookChain
 from strawq.collector.mixing import MixtureBook, mixture_book
 from strawq.collector.ops_metrics import OpsMetrics
-from strawq.collector.report import StepReport
 from strawq.collector.ordering import StalenessOrder
-from strawq.collector.resume import ResumeInfo, open_queue, run_cursor
-from strawq.batches import BatchStore, delivered, mark_high_water
+from strawq.collector.pass_metrics import PassMetrics
+from strawq.collector.releasing import admit
+from strawq.collector.report import StepReport
+from strawq.collector.resume import ResumeInfo, apply_checkpoint, open_queue, run_cursor
+from strawq.collector.run_end import finish_run
+from strawq.collector.trainer.metrics import MetricsSink
+from strawq.collector.upkeep import (COMPACT_DROPS_AT, FULL_REMIND_S, FULL_RETRY_MAX_S,
+                                     SWEEP_INTERVAL_S, FullDisk, GcSchedule)
+from strawq.batches import BatchStore, delivered
 from strawq.config import QueueConfig
-from strawq.engine_weights import EngineWeights
 from strawq.dataset import Dataset
 from strawq.binding import check_binding
-from strawq.commits import committed_seq
 from strawq.errors import StorageFull
 from strawq.finished import clear as clear_finished
-from strawq.finished import mark_finished
 from strawq.eta import EtaPolicy, publish_policy
 from strawq.feeder import Feeder
 from strawq.planner import Origin
 from strawq.grantor import LeaseMonitor
 from strawq.queue import RunQueue
-from strawq.retention import drop_totals
 from strawq.states import depths, upstream_depths
-from strawq.status import disk_space, full_message, low_message, run_label
+from strawq.status import run_label
 
-log = logging.getLogger(__name__)
-
-#: Seconds between sweeps of ``data/`` (``strawq.retention``) on the collector's clock.
-SWEEP_INTERVAL_S = 30.0
-#: ``dropped/`` entries that trigger a compaction into the drop audit during a run.
-COMPACT_DROPS_AT = 1000
-#: The longest wait between passes while the disk is full (``Collector.run``).
-FULL_RETRY_MAX_S = 2.0
-#: Seconds between reminders in the log while the disk stays full.
-FULL_REMIND_S = 60.0
+#: the upkeep's constants, where they were first defined (``strawq.collector.upkeep``)
+__all__ = ["Collector", "COMPACT_DROPS_AT", "FULL_REMIND_S", "FULL_RETRY_MAX_S",
+           "SWEEP_INTERVAL_S"]
 
 
 class Collector:
@@ -105,20 +102,24 @@ class Collector:
         self.former = BatchFormer(self.config, queue, self.batches, self.fence, self.order,
                                   self.judge, self.hooks)
         self.resume_info: ResumeInfo | None = None
-        self._last_gc = float("-inf")
-        self._last_sweep = float("-inf")
-        self._last_metrics = float("-inf")
-        self._ready_seen_at_metrics = 0
-        self._steps = 0
-        #: counters of this incarnation (the metrics sink continues them across restarts)
-        self._totals = {"released": 0, "batches": 0, "expired": 0}
-        #: groups over η this incarnation, per policy action (``eta_mode``)
-        self.stale_totals = {"trained": 0, "regenerated": 0, "dropped": 0}
-        #: while passes fail on a full disk (ENOSPC, EDQUOT): the one-line message that
-        #: says so (``run`` retries); None otherwise
-        self.storage_full: str | None = None
-        self._full_since = 0.0
-        self._full_logged = 0.0
+        #: the parts a pass composes: GC and sweeps on a schedule, a full disk's retries,
+        #: the counters and the metrics line (``upkeep``, ``pass_metrics``)
+        self.gc = GcSchedule(self.config, self.batches)
+        self.full_disk = FullDisk(self.storage, clock)
+        self.pass_metrics = PassMetrics(self.config, self.storage, self.metrics, self.order,
+                                        self.hooks, lambda: self.fence.epoch,
+                                        lambda: self.feeder)
+
+    @property
+    def stale_totals(self) -> dict[str, int]:
+        """Groups over η this incarnation, per policy action (``eta_mode``)."""
+        return self.pass_metrics.stale_totals
+
+    @property
+    def storage_full(self) -> str | None:
+        """While passes fail on a full disk (ENOSPC, EDQUOT): the one-line message that says
+        so (``run`` retries); None otherwise."""
+        return self.full_disk.message
 
     # -- lifecycle ---------------------------------------------------------------------------
     @classmethod
@@ -175,24 +176,9 @@ class Collector:
             self.mixing.origin = self._origin
         self.batches.recover()
         self.resume_info = resume
-        if resume is not None and resume.path in ("cursor", "fresh") and resume.checkpoint:
-            self._apply_checkpoint(resume)
+        if resume is not None:
+            apply_checkpoint(self.queue, self.feeder, resume)
         return epoch
-
-    def _apply_checkpoint(self, resume: ResumeInfo) -> None:
-        ckpt = resume.checkpoint or {}
-        assert self.feeder is not None
-        if resume.path == "cursor":
-            again = self.feeder.load_state_dict(dict(ckpt["feeder"]))
-            if again:
-                log.warning("released %d prompts again that were in flight at the checkpoint "
-                            "(released, not trained by it)", again)
-        version = int(ckpt.get("version") or 0)
-        if version > self.queue.current_version():
-            self.queue.set_version(version)
-        seq = int(ckpt.get("batch_seq") or 0)
-        if seq > 0:  # batch numbers continue after the checkpoint's (names are never reused)
-            mark_high_water(self.storage, seq)
 
     def _origin(self, index: int) -> Origin | None:
         """Where task ``index`` comes from, over the feeder's current passes (None for an
@@ -219,13 +205,6 @@ class Collector:
         feeder = self.feeder.state_dict() if self.feeder is not None else None
         return {"feeder": feeder, "version": self.queue.current_version()}
 
-    def _warn_low_disk(self) -> None:
-        """Warn while the run's disk is low (``disk_warn_share``), before writes fail."""
-        share = self.config.disk_warn_share
-        disk = disk_space(self.storage, low_share=share) if share > 0 else {}
-        if disk.get("low") and not disk.get("full"):
-            log.warning("%s", low_message(disk["path"], disk))
-
     # -- one pass -----------------------------------------------------------------------------
     def step(self) -> StepReport:
         if self.feeder is None:
@@ -233,14 +212,7 @@ class Collector:
         now = self.clock()
         self.fence.beat()
         rep = StepReport(scan=self.monitor.scan())
-        if now - self._last_gc >= self.config.gc_interval_s:
-            sweep = now - self._last_sweep >= max(SWEEP_INTERVAL_S, self.config.gc_interval_s)
-            rep.gc = self.batches.gc(sweep=sweep, compact_drops_at=COMPACT_DROPS_AT)
-            self._last_gc = now
-            if sweep:
-                self._last_sweep = now
-                rep.gc.tmp += self.storage.clean_dead_tmp()  # writers found dead, unnamed
-                self._warn_low_disk()
+        rep.gc = self.gc.due(now)  # acked batches collected, the run swept, when due
         rep.version = self.queue.current_version()
         upstream = upstream_depths(self.storage)  # listed before the ready scan: see depths()
         refused = self.superseded.sweep()  # a stalled predecessor's late manifests
@@ -259,87 +231,20 @@ class Collector:
             self.batches.prune_delivered(rep.version, seqs, acked)
         rep.exhausted = self.feeder.exhausted
         self.former.form(ready, rep)
-        self._admit(rep)
+        admit(rep, self.feeder, self.fence, self.config,
+              release_batch=self.queue.config.release_batch)
         self._note_skips()
-        self._steps += 1
-        self.stale_totals["trained"] += len(rep.stale_trained)
-        self.stale_totals["regenerated"] += len(rep.requeued_stale)
-        self.stale_totals["dropped"] += len(rep.dropped_stale)
-        self._totals["released"] += rep.released
-        self._totals["batches"] += len(rep.published)
-        self._totals["expired"] += len(rep.scan.expired) if rep.scan else 0
-        self._emit_metrics(rep, now)
+        self.pass_metrics.count(rep)
+        self.pass_metrics.emit(rep, now)  # after the state is persisted
         return rep
 
     def depths(self) -> Depths:
         """Queue depths now (``strawq.states.depths``: listed in the direction work flows)."""
         return depths(self.storage)
 
-    # -- admission ---------------------------------------------------------------------------
-    def _admit(self, rep: StepReport) -> None:
-        assert self.feeder is not None
-        cfg = self.config
-        rep.admission = admission(rep.depths, batch_groups=cfg.batch_groups,
-                                  max_staleness=cfg.max_staleness,
-                                  batches_per_version=cfg.batches_per_version,
-                                  max_running=cfg.max_running, max_ready=cfg.max_ready,
-                                  window=cfg.admission_batches,
-                                  in_training=rep.progress.in_training)
-        want = rep.admission.capacity
-        if want <= 0 or self.feeder.exhausted:
-            return
-        self.fence.check()
-        while want > 0 and not self.feeder.exhausted:
-            n = self.feeder.release(min(want, self.queue.config.release_batch))
-            if n == 0:
-                break
-            rep.released += n
-            want -= n
-        rep.exhausted = self.feeder.exhausted
-        rep.depths = Depths(pending=rep.depths.pending + rep.released,
-                            partial=rep.depths.partial, leased=rep.depths.leased,
-                            ready=rep.depths.ready, batched=rep.depths.batched)
-
-    # -- metrics -----------------------------------------------------------------------------
     def dropped_by_reason(self) -> dict[str, int]:
         """Per reason over the whole run: the drop audit's counts plus ``dropped/``."""
-        return drop_totals(self.storage)
-
-    def _emit_metrics(self, rep: StepReport, now: float) -> None:
-        cfg = self.config
-        if now - self._last_metrics < cfg.metrics_interval_s:
-            return
-        elapsed = now - self._last_metrics if self._last_metrics > float("-inf") else 0.0
-        new_ready = self.order.observed_total - self._ready_seen_at_metrics
-        self._ready_seen_at_metrics = self.order.observed_total
-        self._last_metrics = now
-        d = rep.depths
-        values: dict[str, Any] = {
-            "collector/step": self._steps, "collector/epoch": self.fence.epoch,
-            "queue/version": rep.version, "queue/pending": d.pending,
-            "queue/partial": d.partial, "queue/leased": d.leased, "queue/ready": d.ready,
-            "queue/batched": d.batched, "queue/prefetched_batches": rep.prefetched,
-            "collector/released": rep.released,
-            "collector/admission_capacity": rep.admission.capacity if rep.admission else 0,
-            "collector/groups_per_s": new_ready / elapsed if elapsed > 0 else 0.0,
-            "collector/expired_leases": len(rep.scan.expired) if rep.scan else 0,
-            "collector/released_total": self._totals["released"],
-            "collector/batches_total": self._totals["batches"],
-            "collector/expired_leases_total": self._totals["expired"],
-            # passes over the dataset (queue.num_epochs) and the rows the history skipped
-            "dataset/pass": self.feeder.cursor.epoch if self.feeder else 0,
-            "collector/skipped_zero_variance_total":
-                self.feeder.skipped_total if self.feeder else 0,
-            "collector/stale_trained_total": self.stale_totals["trained"],
-            "collector/stale_regenerated_total": self.stale_totals["regenerated"],
-            "collector/stale_dropped_total": self.stale_totals["dropped"],
-            # engines noted on weights other than the run's (engines/): out of rotation
-            "engines/needing_weights": len(EngineWeights(self.storage).needing()),
-        }
-        for reason, count in self.dropped_by_reason().items():
-            values[dropped_metric(reason)] = count
-        values.update(self.hooks.metrics())  # a mixture's dataset/<source>/...
-        self.metrics.emit(values)
+        return self.pass_metrics.dropped_by_reason()
 
     # -- loop --------------------------------------------------------------------------------
     def run(self, *, max_steps: int | None = None, until_drained: bool = False,
@@ -363,7 +268,7 @@ class Collector:
                 rep = self.step()
             except StorageFull as exc:
                 steps += 1
-                self._note_full(exc)
+                self.full_disk.note(exc)
                 if (max_steps is not None and steps >= max_steps) or (
                         should_stop is not None and should_stop()) or (
                         deadline_s is not None and self.clock() - start >= deadline_s):
@@ -372,14 +277,12 @@ class Collector:
                 self.sleep(wait)
                 continue
             wait = self.config.poll_interval_s
-            if self.storage_full is not None:
-                log.info("collector: space is back after %.0f s; the run goes on",
-                         self.clock() - self._full_since)
-                self.storage_full = None
+            self.full_disk.passed()
             steps += 1
             published += len(rep.published)
             if until_drained and rep.drained:
-                return self._finish(rep)
+                return finish_run(rep, batches=self.batches, gc=self.gc, fence=self.fence,
+                                  config=self.config, clock=self.clock, sleep=self.sleep)
             if max_steps is not None and steps >= max_steps:
                 return rep
             if max_batches is not None and published >= max_batches:
@@ -389,50 +292,3 @@ class Collector:
             if should_stop is not None and should_stop():
                 return rep
             self.sleep(self.config.poll_interval_s)
-
-    def _finish(self, rep: StepReport) -> StepReport:
-        """The run has drained: publish the ``finished`` record (the trainer's reader raises
-        ``RunFinished``, producers exit), wait up to ``finish_wait_s`` for a checkpointing
-        trainer's last commit, collect every acked batch, return."""
-        seqs, acked = self.batches.batch_seqs()
-        committed = committed_seq(self.storage)
-        # the trainer commits what it acked (a refused manifest is never acked)
-        last = max(acked, default=committed or 0)
-        self.fence.check()
-        mark_finished(self.storage, max([last, *seqs]), self.fence.epoch)
-        if committed is not None and committed < last:
-            limit = self.config.finish_wait_s
-            log.info("collector: every batch acked; waiting up to %.0f s for the trainer's "
-                     "last checkpoint commit (batch %d, committed %d)", limit, last, committed)
-            start = self.clock()
-            while committed is not None and committed < last:
-                if self.clock() - start >= limit:
-                    log.warning(
-                        "collector: the trainer did not commit batch %d within finish_wait_s "
-                        "(%.0f s; committed %d): batches %d-%d stay batched until a commit "
-                        "covers them ('strawq gc RUN' collects them then)",
-                        last, limit, committed, committed + 1, last)
-                    break
-                self.fence.beat()
-                self.sleep(max(self.config.poll_interval_s, 0.05))
-                committed = committed_seq(self.storage)
-        rep.gc = self.batches.gc(sweep=True, compact_drops_at=COMPACT_DROPS_AT)
-        rep.depths = self.depths()
-        log.info("collector: the run has finished (dataset exhausted, every batch acked%s); "
-                 "stopping", "" if committed is None else " and committed")
-        return rep
-
-    def _note_full(self, exc: StorageFull) -> None:
-        """A pass failed on a full disk: say so once, then every ``FULL_REMIND_S``. What the
-        pass wrote before the failure is whole (every write is atomic) and the next pass
-        picks up from the disk: a half-staged release is discarded by the next commit, a
-        manifest that failed was never published."""
-        now = self.clock()
-        root = getattr(self.storage, "root", self.storage.describe())
-        if self.storage_full is None:
-            self._full_since = now
-            self._full_logged = -FULL_REMIND_S
-        self.storage_full = f"collector: {full_message(root)} ({exc.strerror})"
-        if now - self._full_logged >= FULL_REMIND_S:
-            log.error("%s; retrying every %.0f s at most", self.storage_full, FULL_RETRY_MAX_S)
-            self._full_logged = now

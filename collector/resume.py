@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from strawq import records
+from strawq.batches import mark_high_water
 from strawq.config import QueueConfig
 from strawq.errors import CorruptRecord, NotFound, StorageError
+from strawq.feeder import Feeder
 from strawq.cursor import read_cursor_state
 from strawq.queue import RUN_KEY, RunQueue
 from strawq.records import Kind
@@ -108,3 +110,24 @@ def open_queue(path: str, *, queue_config: QueueConfig | None = None,
     log.warning("queue state at %s is %s and the checkpoint has no dataset cursor: starting "
                 "from the dataset's beginning", path, problem)
     return queue, ResumeInfo("fresh", f"queue {problem}; no cursor in checkpoint", checkpoint)
+
+
+def apply_checkpoint(queue: RunQueue, feeder: Feeder, resume: ResumeInfo) -> None:
+    """Apply the checkpoint of a ``cursor`` or ``fresh`` resume to a collector just started:
+    the feeder's cursor (``cursor`` only: the prompts in flight at it are released again),
+    the weight version, and the batch numbers (they continue after the checkpoint's: names
+    are never reused)."""
+    if resume.path not in ("cursor", "fresh") or not resume.checkpoint:
+        return
+    ckpt = resume.checkpoint
+    if resume.path == "cursor":
+        again = feeder.load_state_dict(dict(ckpt["feeder"]))
+        if again:
+            log.warning("released %d prompts again that were in flight at the checkpoint "
+                        "(released, not trained by it)", again)
+    version = int(ckpt.get("version") or 0)
+    if version > queue.current_version():
+        queue.set_version(version)
+    seq = int(ckpt.get("batch_seq") or 0)
+    if seq > 0:
+        mark_high_water(queue.storage, seq)

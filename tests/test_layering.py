@@ -135,7 +135,8 @@ def test_layer_imports_only_what_it_may(layer: str) -> None:
 #: the collector process: every module directly in ``strawq.collector`` (and the package)
 COLLECTOR_PROCESS = tuple(f"strawq.collector.{m}" for m in (
     "core", "admission", "ordering", "fencing", "resume", "mixing", "cli", "config", "errors",
-    "hooks", "report", "eta_judge", "batching"))
+    "hooks", "report", "eta_judge", "batching", "ops_metrics", "upkeep", "pass_metrics",
+    "releasing", "run_end"))
 TRAINER = "strawq.collector.trainer"
 INTEGRATIONS = "strawq.collector.integrations"
 

@@ -2,8 +2,9 @@
 
 * ``strawq.collector.trainer.reader`` — ``BatchReader`` (this rank's shard of each published
   batch, acks, commits, the checkpoint state) and ``Batch``;
-* ``strawq.collector.trainer.packing`` — rank sharding, record reads and shard packing (the
-  collector process packs the rank shards with it too);
+* ``strawq.collector.trainer.packing`` — rank sharding and shard packing, over the record
+  reads of ``strawq.collector.trainer.record_io`` (the collector process packs the rank
+  shards with them too);
 * ``strawq.collector.trainer.bracket`` — ``WeightUpdateBracket``, the weight-update bracket;
 * ``strawq.collector.trainer.importance`` — token-level importance sampling and the loss
   aggregations (``LossTotals``, ``aggregate_loss``, ``batch_loss``);

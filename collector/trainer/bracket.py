@@ -9,11 +9,13 @@ lost at an update (docs/design.md, invariant 9).
 Liveness is judged as the grantor judges leases (invariant 3): heartbeat counters observed
 on this process's monotonic clock through a ``LeaseMonitor``, never file times; a producer
 silent for ``liveness_timeout_s``, or whose process on this host is gone, is not waited for,
-which is safe because its replies are version-stamped and its results lease-fenced. A
-bracket left open by a crashed trainer is continued, settled by what the engines hold
-(``finish_weight_update``) or released (``abort_weight_update``); ``restore`` is a restored
-trainer's first update; ``repair_engines`` pushes the run's version to engines producers
-noted under ``engines/``. Opening or closing a bracket is rank 0 only.
+which is safe because its replies are version-stamped and its results lease-fenced
+(``strawq.collector.trainer.pause_acks``). A bracket left open by a crashed trainer is
+continued, settled by what the engines hold (``finish_weight_update``, deciding by
+``strawq.collector.trainer.settlement.settle``) or released (``abort_weight_update``);
+``restore`` is a restored trainer's first update; ``repair_engines`` pushes the run's version
+to engines producers noted under ``engines/`` (``strawq.collector.trainer.engine_repair``).
+Opening or closing a bracket is rank 0 only.
 
 The protocol in full, with its diagram: docs/collector.md, "The weight-update bracket".
 """
@@ -29,14 +31,16 @@ from typing import Any, Literal
 
 from strawq.batches import forget_delivered_after
 from strawq.collector.trainer.engine_repair import EngineRepair, PushTo
-from strawq.control import ACKS, Control, ControlState
+from strawq.collector.trainer.pause_acks import ProducerLiveness
+from strawq.collector.trainer.settlement import Settlement as Settlement
+from strawq.collector.trainer.settlement import describe_engines
+from strawq.collector.trainer.settlement import settle as settle
+from strawq.control import Control
 from strawq.engine_weights import (PROBE_TIMEOUT_S, EngineProbe, EngineWeights, StaleNote,
                                    probe_versions)
-from strawq.errors import BracketError, BracketTimeout, StrawqError
+from strawq.errors import BracketError
 from strawq.grantor import LeaseMonitor
-from strawq.liveness import known_dead, parse_identity
 from strawq.queue import RunQueue
-from strawq.states import TaskState, names_in
 
 log = logging.getLogger(__name__)
 
@@ -57,101 +61,12 @@ class BracketReport:
     continued: bool = False
 
 
-@dataclass(frozen=True)
-class Settlement:
-    """How a bracket is settled by what the engines hold (``settle``)."""
-
-    #: "finish": announce ``version`` (producers resume on it); "undo": resume without a
-    #: new version (an abort); "none": nothing to settle; "refuse": cannot tell safely
-    action: Literal["finish", "undo", "none", "refuse"]
-    #: the version producers resume on (finish, undo, none); the run's version (refuse)
-    version: int
-    #: the bracket's version: open, or closed by an abort without being announced (None:
-    #: neither)
-    bracket: int | None
-    #: True while the bracket is open (``pause-<v>`` without ``resume-<v>``)
-    open: bool
-    engines: dict[str, EngineProbe]
-    message: str
-
-
-def _describe(engines: Mapping[str, EngineProbe]) -> str:
-    return ", ".join(f"{u} {p.describe()}" for u, p in sorted(engines.items())) or "none"
-
-
-def settle(state: ControlState, current: int, engines: Mapping[str, EngineProbe]
-           ) -> Settlement:
-    """Decide, from ``control/``, the run's version and each engine's probe, how to settle
-    the weight-update bracket: an open one, or one closed by an abort although its version
-    reached the engines. Pure: nothing is read or written."""
-    engines = dict(engines)
-    held = {u: p.version for u, p in engines.items() if p.version is not None}
-    down = {u: p for u, p in engines.items() if p.version is None}
-    if state.paused:
-        b: int | None = state.pause_version
-    elif state.resume_version > current:
-        b = state.resume_version  # resumed without its version: an abort
-    else:
-        b = None
-    where = (f"the weight update to version {b} is open" if state.paused else
-             f"the weight update to version {b} was aborted" if b is not None else
-             f"no weight update is open (the run is at version {current})")
-    found = f"engines: {_describe(engines)}"
-    unheard = (f"; not heard from: {', '.join(sorted(down))} (producers keep an engine on "
-               "other weights out of rotation once it answers)") if down and held else ""
-
-    def out(action: Literal["finish", "undo", "none", "refuse"], version: int,
-            message: str) -> Settlement:
-        return Settlement(action, version, b, state.paused, engines, message)
-
-    if not held:
-        if b is None:
-            return out("none", current, f"{where}; {found}")
-        asked = found if engines else ("none known: producers register the engines they "
-                                       "use in engine-urls/")
-        return out("refuse", current,
-                   f"{where} and no engine answered ({asked}), so nothing tells whether "
-                   f"version {b} reached them: name them (--engine URL, or "
-                   f"WeightUpdateBracket(engine_urls=...)) and try again, or abort if you "
-                   f"know every engine still holds version {current}")
-    versions = sorted(set(held.values()))
-    if len(versions) > 1:
-        by = "; ".join(f"version {v}: {', '.join(sorted(u for u in held if held[u] == v))}"
-                       for v in versions)
-        if b is None:
-            return out("refuse", current,
-                       f"{where} and the engines disagree ({by}{unheard}): producers keep "
-                       f"those off version {current} out of rotation until the trainer's "
-                       f"repair (WeightUpdateBracket(repair=...)) pushes it to them")
-        return out("refuse", current,
-                   f"{where} and the engines disagree ({by}{unheard}): bring them to one "
-                   f"version first (retry the trainer's update: begin_weight_update "
-                   f"continues the bracket and pushes to every engine; or put version "
-                   f"{current}'s weights back on the others), then settle it again")
-    e = versions[0]
-    if b is None:
-        if e == current:
-            return out("none", current, f"{where}; every engine that answered holds it "
-                       f"({found})")
-        return out("refuse", current,
-                   f"{where} but every engine that answered holds version {e} ({found}): "
-                   f"producers keep them out of rotation; the trainer's repair "
-                   f"(WeightUpdateBracket(repair=...)) pushes version {current} to them")
-    if e >= b:
-        return out("finish", e, f"{where}; every engine that answered holds version {e} "
-                   f"(its weights reached them): finishing announces it and producers "
-                   f"{'resume' if state.paused else 'go on'} on it{unheard}")
-    if e == current and state.paused:
-        return out("undo", current, f"{where}; every engine that answered still holds the "
-                   f"run's version {current}, so the push did not reach them: resume without "
-                   f"a new version (an abort){unheard}")
-    if e == current:
-        return out("none", current, f"{where}; every engine that answered holds the run's "
-                   f"version {current} ({found})")
-    return out("refuse", current,
-               f"{where} but every engine that answered holds version {e}, neither the "
-               f"bracket's {b} nor the run's {current} ({found}): push version {current} "
-               f"or {b} to them first")
+_RANK0_ONLY = (
+    "{what}() on trainer rank {rank}: the weight-update bracket runs on rank 0 only (on "
+    "every rank it would announce a new weight version once per rank and step). Call it "
+    "under 'if rank == 0:', or call reader.weight_update(push) on every rank: it runs the "
+    "update on rank 0 and nothing on the others. (The rank is BatchReader(rank=...)'s, "
+    "WeightUpdateBracket(rank=...)'s, else the RANK environment variable.)")
 
 
 def _env_rank() -> int:
@@ -195,53 +110,37 @@ class WeightUpdateBracket:
         self.clock = clock
         self.sleep = sleep
         self.poll_interval_s = poll_interval_s
-        self.lease_timeout_s = lease_timeout_s or queue.config.lease_timeout_s
-        #: heartbeat silence after which a producer is not waited for (at most the lease
-        #: timeout; the run's ``liveness_timeout_s`` by default)
-        self.liveness_s = min(liveness_timeout_s or queue.config.liveness_s,
-                              self.lease_timeout_s)
-        #: producer -> (counter, identity its heartbeat file names) (``_gone``)
-        self._identities: dict[str, tuple[int, dict[str, Any] | None]] = {}
-        # Pass the collector's monitor when it runs in this process: its observations are
-        # then the grantor's own. Otherwise a private one: call observe() every step so it
-        # knows which producers went silent long ago.
-        self.monitor = monitor or LeaseMonitor(queue, lease_timeout_s=self.lease_timeout_s,
-                                               clock=clock)
+        #: which producers the bracket waits for, and the wait for their acks
+        #: (``strawq.collector.trainer.pause_acks``)
+        self.liveness = ProducerLiveness(queue, monitor=monitor, lease_timeout_s=lease_timeout_s,
+                                         liveness_timeout_s=liveness_timeout_s, clock=clock)
         self._open: int | None = None
         if repair is not None:
             self.start_repairs(repair, interval_s=repair_interval_s)
 
-    # -- liveness ------------------------------------------------------------------------------
+    # -- liveness (``ProducerLiveness``) -------------------------------------------------------
+    @property
+    def monitor(self) -> LeaseMonitor:
+        return self.liveness.monitor
+
+    @property
+    def lease_timeout_s(self) -> float:
+        return self.liveness.lease_timeout_s
+
+    @property
+    def liveness_s(self) -> float:
+        """Heartbeat silence after which a producer is not waited for."""
+        return self.liveness.liveness_s
+
     def observe(self) -> dict[str, float]:
         """Read heartbeat counters now; returns producer -> seconds since its counter moved."""
-        now = self.clock()
-        self.monitor.observe_heartbeats(now)
-        return self.monitor.silence(now)
+        return self.liveness.observe()
 
     def live_producers(self) -> set[str]:
         """Producers to wait for: beating within the liveness timeout, not a gone process
         of this host, and not idle (an idle producer holds no lease, and leaves its idle
         mark with a beat before it reads ``control/`` and claims: seen here then)."""
-        silence = self.observe()
-        return {p for p, s in silence.items()
-                if s < self.liveness_s and p not in self.monitor.idle and not self._gone(p)}
-
-    def _gone(self, producer: str) -> bool:
-        """Whether ``producer``'s heartbeat file, at the counter last seen, names a process
-        on this host that no longer exists (never True for another host's producer)."""
-        counter = self.monitor.counter(producer)
-        key = self.monitor.key(producer)
-        if counter is None or key is None:
-            return False
-        cached = self._identities.get(producer)
-        if cached is None or cached[0] != counter:
-            try:
-                body = self.queue.storage.read(key)
-            except StrawqError:
-                return False  # moved on (it beats) or unreadable: the silence decides
-            cached = (counter, parse_identity(body))
-            self._identities[producer] = cached
-        return known_dead(cached[1])
+        return self.liveness.live_producers()
 
     @property
     def is_open(self) -> bool:
@@ -268,52 +167,15 @@ class WeightUpdateBracket:
             if not continued:
                 self.control.pause(version)
             self._open = version
-        start = self.clock()
-        dead: dict[str, float] = {}
-        while True:
-            silence = self.observe()
-            acks = self.control.state().acks
-            missing = {}
-            for p, s in silence.items():
-                if p in acks:
-                    continue
-                if s >= self.liveness_s or self._gone(p):
-                    if p not in dead:
-                        why = (f"silent for {s:.1f}s" if s >= self.liveness_s else
-                               "its process on this host is gone")
-                        log.warning("producer %s %s: judged dead, not waited for (its leases "
-                                    "expire after the lease timeout)", p, why)
-                    dead[p] = s
-                else:
-                    missing[p] = s
-            waited = self.clock() - start
-            if not missing:
-                break
-            if waited >= timeout:
-                raise BracketTimeout(
-                    f"weight update to version {version}: producers {sorted(missing)} are "
-                    f"alive (heartbeats moved {', '.join(f'{s:.1f}s' for s in missing.values())}"
-                    f" ago) but did not acknowledge the pause within {timeout:.1f}s; expected "
-                    f"control/{ACKS.name(version, '<producer>')}. The pause stays open: retry "
-                    "begin_weight_update(), or abort_weight_update() to let them carry on",
-                    missing)
-            self.sleep(self.poll_interval_s)
-        stray = self._stray_leases(acks)
-        if stray:
-            log.error("producers acked the pause but still hold leases %s; they will be "
-                      "expired by the grantor if their holders stop beating", stray)
+        acks, dead, waited = self.liveness.wait_for_acks(
+            self.control, version, timeout, sleep=self.sleep,
+            poll_interval_s=self.poll_interval_s)
+        stray = self.liveness.stray_leases(acks)
         log.info("weight update to version %d: %d producers paused (%d dead) in %.2fs",
                  version, len(acks), len(dead), waited)
         return BracketReport(version, frozenset(acks), {p: dead[p] for p in dead
                                                         if p not in acks},
                              waited, stray, continued)
-
-    def _stray_leases(self, acks: frozenset[str]) -> list[str]:
-        out = []
-        for t in names_in(self.queue.storage, TaskState.LEASED):
-            if t.producer in acks:
-                out.append(str(t))
-        return out
 
     def end_weight_update(self, version: int | None = None) -> int:
         """Announce ``version`` (default: the bracket's) and resume producers."""
@@ -327,23 +189,7 @@ class WeightUpdateBracket:
         self.control.resume(version)
         self._open = None
         log.info("weight version %d is live; producers resume", version)
-        if self.repair is not None:
-            try:
-                self.repair_engines()
-            except Exception as exc:  # noqa: BLE001 - the update itself succeeded
-                log.error("repairing engines after version %d failed: %s; they stay out of "
-                          "rotation (retry with repair_engines())", version, exc)
-        else:
-            need = self.engines_needing_weights()
-            if need:  # the notes on engines that report the version now go
-                fixed = self.engines.clear_fixed(version, probe_versions(
-                    need, timeout_s=self.probe_timeout_s, api_key=self.api_key))
-                need = {u: n for u, n in need.items() if u not in fixed}
-            if need:
-                log.warning("engines %s are on weights other than the run's version and out "
-                            "of rotation; no repair is configured (WeightUpdateBracket("
-                            "repair=...) or start_repairs()): the next update's push may "
-                            "reach them", ", ".join(sorted(need)))
+        self.repairs.after_update(version)  # engines on other weights (EngineRepair)
         return version
 
     # -- engines on other weights (``EngineRepair``) -------------------------------------------
@@ -394,7 +240,7 @@ class WeightUpdateBracket:
             if ahead:
                 raise BracketError(
                     f"abort of the weight update to version {opened} refused: the new "
-                    f"weights reached the engines ({_describe(ahead)}), and producers "
+                    f"weights reached the engines ({describe_engines(ahead)}), and producers "
                     f"resumed on version {self.queue.current_version()} would keep them out "
                     f"of rotation. Finish the update instead (finish_weight_update(), or "
                     f"'strawq bracket finish RUN'), or abort with force=True (--force) once "
@@ -459,13 +305,7 @@ class WeightUpdateBracket:
 
     def _rank0(self, what: str) -> None:
         if self.rank != 0:
-            raise BracketError(
-                f"{what}() on trainer rank {self.rank}: the weight-update bracket runs on "
-                "rank 0 only (on every rank it would announce a new weight version once per "
-                "rank and step). Call it under 'if rank == 0:', or call "
-                "reader.weight_update(push) on every rank: it runs the update on rank 0 and "
-                "nothing on the others. (The rank is BatchReader(rank=...)'s, "
-                "WeightUpdateBracket(rank=...)'s, else the RANK environment variable.)")
+            raise BracketError(_RANK0_ONLY.format(what=what, rank=self.rank))
         if self.fence is not None:
             self.fence()
 

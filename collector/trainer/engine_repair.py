@@ -77,6 +77,28 @@ class EngineRepair:
                                    "end_weight_update()")
             return self._repair(push)
 
+    def after_update(self, version: int) -> None:
+        """A bracket announced ``version``: repair the engines on other weights; with no
+        repair configured, drop the notes of those that report it now and warn about the
+        rest (the next update's push may reach them)."""
+        if self.push is not None:
+            try:
+                self.repair()
+            except Exception as exc:  # noqa: BLE001 - the update itself succeeded
+                log.error("repairing engines after version %d failed: %s; they stay out of "
+                          "rotation (retry with repair_engines())", version, exc)
+            return
+        need = self.engines.needing()
+        if need:  # the notes on engines that report the version now go
+            fixed = self.engines.clear_fixed(version, probe_versions(
+                need, timeout_s=self.probe_timeout_s, api_key=self.api_key))
+            need = {u: n for u, n in need.items() if u not in fixed}
+        if need:
+            log.warning("engines %s are on weights other than the run's version and out "
+                        "of rotation; no repair is configured (WeightUpdateBracket("
+                        "repair=...) or start_repairs()): the next update's push may "
+                        "reach them", ", ".join(sorted(need)))
+
     def _repair(self, push: PushTo) -> list[str]:
         need = self.engines.needing()
         if not need:

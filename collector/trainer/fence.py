@@ -60,7 +60,7 @@ TAKEOVER_TIMEOUT_S = 60.0
 BEAT_INTERVAL_S = 5.0
 KEEP_EPOCHS = 2
 
-__all__ = ["TrainerBusy", "TrainerFence", "TrainerHolder", "read_trainer_holder",
+__all__ = ["FenceUse", "TrainerBusy", "TrainerFence", "TrainerHolder", "read_trainer_holder",
            "shared_fence", "unshare_fence"]
 
 
@@ -281,3 +281,33 @@ def unshare_fence(fence: TrainerFence) -> None:
         if _SHARED.get(fence.shared_key) is fence:
             del _SHARED[fence.shared_key]
     fence.release()
+
+
+class FenceUse:
+    """A rank-0 reader's use of the trainer fence: this process's shared one, taken at the
+    first write (``shared_fence``) and given back at ``close`` (``unshare_fence``: the last
+    user of the process releases the run), or an injected one (the caller's to release)."""
+
+    def __init__(self, storage: Storage, fence: TrainerFence | None = None) -> None:
+        self.storage = storage
+        #: the fence in use (None until the first write, unless one was injected)
+        self.taken = fence
+        self._shared = fence is None
+        self._users = 0
+
+    @property
+    def fence(self) -> TrainerFence:
+        if self.taken is None:
+            self.taken = shared_fence(self.storage)
+            self._users = 1
+        return self.taken
+
+    def acquire(self) -> None:
+        """Hold the run's trainer epoch (taking it at the first write: ``TrainerBusy`` while
+        another trainer lives), or ``FencedOut`` if taken over."""
+        self.fence.acquire()
+
+    def close(self) -> None:
+        if self.taken is not None and self._shared and self._users:
+            self._users = 0
+            unshare_fence(self.taken)

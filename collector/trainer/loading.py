@@ -21,9 +21,10 @@ from strawq import packed
 from strawq.batches import BatchStore, Manifest
 from strawq.collector.trainer.behaviour import read_time_staleness
 from strawq.collector.trainer.importance import LossTotals
-from strawq.collector.trainer.packing import (EXTRA_PREFIX, SHARD_ARRAYS, BufferPool, RecordFile,
-                                              ShardPacker, group_tokens, manifest_totals, read_file,
-                                              read_groups, shard_arrays, shard_groups)
+from strawq.collector.trainer.packing import (EXTRA_PREFIX, SHARD_ARRAYS, ShardPacker,
+                                              group_tokens, manifest_totals, read_groups,
+                                              shard_arrays, shard_groups)
+from strawq.collector.trainer.record_io import BufferPool, RecordFile, read_file
 from strawq.errors import ConfigError, CorruptRecord, NotFound
 from strawq.groups import staleness
 from strawq.names import TaskName, data_key

@@ -93,7 +93,7 @@ def test_stalled_collectors_late_manifest_is_refused(run: Any,
     for batch in early:
         reader.ack(batch)
     trained += _drain(second, producer, reader)
-    assert seq in reader._refused, "the superseded manifest was delivered"
+    assert seq in reader.positions.refused, "the superseded manifest was delivered"
     assert len(trained) == len(set(trained)), f"trained twice: {sorted(trained)}"
     audit = audit_run(q.storage)
     done = set(trained) | audit.ids("dropped")

@@ -211,6 +211,22 @@ def test_repair_pushes_the_run_version_to_noted_engines_only_outside_a_bracket(w
     bracket.close()
 
 
+def test_without_a_repair_an_update_warns_about_engines_still_on_other_weights(world, caplog):
+    """No repair configured: at the end of an update the engines noted on other weights are
+    probed; one that does not answer keeps its note and is named in a warning."""
+    q, _col, clock = world
+    url = "http://127.0.0.1:9"  # nothing listens: the probe is refused at once
+    bracket = WeightUpdateBracket(q, clock=clock, sleep=clock.sleep, probe_timeout_s=1.0)
+    bracket.engines.mark(url, writer="p1", engine_version=0, run_version=0, reason="r")
+    bracket.begin_weight_update(timeout=5)
+    with caplog.at_level("WARNING"):
+        assert bracket.end_weight_update() == 1
+    warned = [r.getMessage() for r in caplog.records if "no repair is configured" in
+              r.getMessage()]
+    assert len(warned) == 1 and url in warned[0]
+    assert set(bracket.engines_needing_weights()) == {url}
+
+
 # -- rank 0 only ---------------------------------------------------------------------------------
 def test_the_bracket_refuses_to_run_on_a_rank_other_than_0(tmp_path, monkeypatch):
     """Run on every rank, the bracket would announce a version per rank and step (ack is a
@@ -370,3 +386,28 @@ def test_settle_decides_by_what_the_engines_hold():
     msg = settle(open_4, 3, on(a=3, b=4, c=None)).message
     assert "version 3: a; version 4: b" in msg and "not heard from: c" in msg
     assert "none known" in settle(open_4, 3, {}).message
+
+
+@pytest.mark.timeout(60)
+def test_a_producer_that_acks_while_holding_leases_is_reported(world, caplog):
+    """An ack means "holds no lease": a producer that acks and keeps its leases (a bug) is
+    not waited for again, and its leases are named in the report and the log."""
+    q, col, clock = world
+    buggy = SimProducer(q, "buggy", seed=3, chunk=2, max_new=(6, 12))
+    _run(col, clock, [buggy], 3)
+    held = sorted(_leases_of(q, "buggy"))
+    assert held
+
+    def hook():  # acks the pause without parking anything
+        state = Control(q.storage).state()
+        if state.paused and "buggy" not in state.acks:
+            Control(q.storage).ack(state.pause_version, "buggy")
+    clock.hook = hook
+    bracket = WeightUpdateBracket(q, monitor=col.monitor, clock=clock, sleep=clock.sleep)
+    with caplog.at_level("ERROR"):
+        rep = bracket.begin_weight_update(timeout=60)
+    clock.hook = None
+    assert rep.acked == {"buggy"}
+    assert sorted(rep.stray_leases) == held
+    assert any("still hold leases" in r.getMessage() for r in caplog.records)
+    bracket.end_weight_update()

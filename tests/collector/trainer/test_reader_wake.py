@@ -66,7 +66,7 @@ def test_reader_wakes_on_a_new_manifest(two_batches):
     hidden = "tmp/hidden-manifest-2"
     st.rename("batches/000000000002", hidden)  # batch 2 appears later, from another thread
     reader = BatchReader(q, poll_interval_s=3600.0)
-    assert reader._watch is not None and reader._watch.event_driven
+    assert reader.waiter.watch is not None and reader.waiter.watch.event_driven
     reader.ack(reader.next_batch(timeout=5))
     t = threading.Timer(0.1, st.rename, args=(hidden, "batches/000000000002"))
     t.start()
@@ -81,9 +81,9 @@ def test_reader_wakes_on_a_new_manifest(two_batches):
 def test_an_injected_sleep_disables_the_watch(two_batches):
     clock = FakeClock()
     reader = BatchReader(two_batches, clock=clock, sleep=clock.sleep)
-    assert reader._watch is None
+    assert reader.waiter.watch is None
     w = DirWatch(two_batches.storage, ("batches",), enabled=False)
-    assert BatchReader(two_batches, watch=w)._watch is None  # not event-driven: plain poll
+    assert BatchReader(two_batches, watch=w).waiter.watch is None  # not event-driven: plain poll
 
 
 @pytest.mark.timeout(60)
@@ -114,7 +114,7 @@ def test_a_waiting_rank_lists_batches_only_when_they_changed(two_batches):
             st.rename(hidden, "batches/000000000002")
 
     reader = BatchReader(q, clock=clock, sleep=sleep, poll_interval_s=0.02)
-    assert reader._watch is None  # the injected sleep: no events, the probe alone
+    assert reader.waiter.watch is None  # the injected sleep: no events, the probe alone
     reader.ack(reader.next_batch(timeout=1))
     listings.clear()
     batch = reader.next_batch(timeout=60)

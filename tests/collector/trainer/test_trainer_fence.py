@@ -159,5 +159,5 @@ def test_other_ranks_take_no_epoch_and_are_never_refused(tmp_path: Any) -> None:
     got = other.next_batch(timeout=1)
     other.ack(got)
     other.close()
-    assert other._fence is None and holder.epoch == 1
+    assert other.fence_use.taken is None and holder.epoch == 1
     assert [h.epoch for h in [read_trainer_holder(q.storage)] if h] == [1]
