@@ -11,6 +11,8 @@
                         │                PARTIAL ◀─requeue───┘ │
                         └───────requeue (η bound, gen+1)───────┘
 
+    TRAINED ◀── retire_lease (from LEASED): the lease holder's framework trained the group
+                itself and its checkpoint holds it (slime's data source).
     DROPPED ◀── drop, fail or expire after max_attempts (from LEASED); drop for the η bound
                 at claim (LEASED) or at batch time, or a corrupt payload (READY); drop_from
                 (BATCHED); a bad dataset row.
@@ -19,6 +21,15 @@
     COMPACTED ─requeue─▶ PENDING   ``strawq requeue`` of a compacted drop still kept
     DROPPED ─requeue─▶ PENDING     an operator's ``strawq requeue`` (``strawq.requeue``):
                                    gen + 1, attempts 0, no prefix; the drop note stays
+
+LEASED → TRAINED is for a framework that trains the groups it was handed itself, without
+``ready/`` and batches (slime's data source, ``strawq.collector.integrations.slime``): the
+lease holder retires its lease once the framework's checkpoint holds the group
+(``retire_lease``: fenced — a lease no longer at its key is ``NotFound``, the holder's
+``LeaseLost`` — and the deletion fsync'd). An older strawq recorded such groups as DROPPED
+with reason ``trained`` (``LEGACY_TRAINED``): those entries still count as trained, never
+as dropped: no DROPPED listing returns them, so status, the drop audit and ``strawq
+requeue`` leave them alone.
 
 The η bound on a partial task is applied by the producer that claims it (``strawq.eta``):
 past η, ``regenerate`` discards the prefix (LEASED → PARTIAL at version 0 without a prefix,
@@ -78,6 +89,9 @@ DIRS: dict[TaskState, str] = {
 }
 #: States without a directory: reaching one deletes the entry (``retire``).
 RETIRED = frozenset({S.TRAINED, S.COMPACTED})
+#: The reason an older strawq recorded for a group a framework trained itself (LEASED ->
+#: DROPPED, before LEASED -> TRAINED existed): such an entry is trained, not dropped.
+LEGACY_TRAINED = "trained"
 #: Prefix of a release directory inside ``pending/`` (fresh tasks, dataset order).
 RELEASE_PREFIX = "r-"
 #: ``pending/r-<seq>``, and ``staging/r-<seq>.<nonce>`` while the feeder prepares it
@@ -101,6 +115,9 @@ TRANSITIONS: dict[tuple[TaskState, TaskState], str] = {
     (S.BATCHED, S.READY): "recover, when the manifest naming it is lost (collector)",
     (S.BATCHED, S.DROPPED): "drop_from batched (collector)",
     (S.BATCHED, S.TRAINED): "ack (trainer) then gc (collector): the entry is deleted",
+    (S.LEASED, S.TRAINED): "retire_lease (lease holder: a framework that trained the group "
+                           "itself, slime's data source, once its checkpoint holds it): the "
+                           "entry is deleted, fenced and fsync'd",
     (S.DROPPED, S.COMPACTED): "compact_drops (collector GC, strawq gc): the drop audit holds "
                               "it; the entry moves to audit/kept/ (strawq.retention) until "
                               "it expires",
@@ -167,11 +184,15 @@ def retire(storage: Storage, name: TaskName, src: TaskState, dst: TaskState, *,
     """``src -> dst`` for a ``dst`` without a directory (``RETIRED``): the entry is deleted,
     or with ``keep_at`` moved there, out of every state listing (a compacted drop's task
     record, kept for ``strawq requeue``: ``strawq.retention``). Idempotent: a missing entry
-    is a no-op."""
+    is a no-op — but for a lease (LEASED -> TRAINED, ``retire_lease``), where it is
+    ``NotFound``: the lease is no longer the caller's."""
     check_transition(src, dst)
     if dst not in RETIRED:
         raise IllegalTransition(f"retire() deletes entries; {dst.value} has a directory: "
                                 "use move()")
+    if src is S.LEASED:  # a lease: fenced, not idempotent-silent
+        retire_lease(storage, name)
+        return
     if keep_at is None:
         storage.delete(key_of(src, name))
         return
@@ -179,6 +200,23 @@ def retire(storage: Storage, name: TaskName, src: TaskState, dst: TaskState, *,
         storage.rename(key_of(src, name), keep_at, sync_dir=False)
     except (NotFound, AlreadyExists):
         pass  # moved (or requeued) by another mover first
+
+
+def retire_lease(storage: Storage, name: TaskName, *, sync_dir: bool = True) -> None:
+    """LEASED -> TRAINED by the lease holder: its group was trained by the framework that
+    holds it (slime's data source), so the lease entry is deleted.
+
+    Fenced like every LEASED move: only the holder's name is at ``leased/<name>`` (an
+    expired lease was renamed away, gen + 1), so a missing entry is ``NotFound`` — the
+    holder's ``LeaseLost`` — never a silent success. Durable when it returns: ``leased/``
+    is fsync'd (``sync_dir=False``: the caller syncs it once after several). Idempotent:
+    a retried call changes nothing (it finds the entry gone); a crash before the deletion
+    leaves the lease, which the holder's recovery retires again.
+    """
+    check_transition(S.LEASED, S.TRAINED)
+    storage.delete(key_of(S.LEASED, name), missing_ok=False)
+    if sync_dir:
+        storage.sync_dirs([DIRS[S.LEASED]])
 
 
 def delete_trained(storage: Storage, name: TaskName) -> None:
@@ -223,7 +261,8 @@ def list_queued(storage: Storage, limit: int | None = None) -> list[str]:
 
 
 def entries(storage: Storage, state: TaskState) -> list[tuple[str, TaskName]]:
-    """(key, name) of every task in ``state``, in listing order; stray files are skipped."""
+    """(key, name) of every task in ``state``, in listing order; stray files are skipped,
+    and so are an older run's trained groups in ``dropped/`` (``LEGACY_TRAINED``)."""
     if state in (S.PENDING, S.PARTIAL):
         keys: Iterable[str] = list_queued(storage)
     elif state in RETIRED:
@@ -233,8 +272,9 @@ def entries(storage: Storage, state: TaskState) -> list[tuple[str, TaskName]]:
     out = []
     for key in keys:
         name = _parse(storage, key)
-        if name is not None and (state not in (S.PENDING, S.PARTIAL)
-                                 or queued_state(name) is state):
+        if name is None or (state is S.DROPPED and name.producer == LEGACY_TRAINED):
+            continue  # a stray file; an older run's trained group (LEGACY_TRAINED)
+        if state not in (S.PENDING, S.PARTIAL) or queued_state(name) is state:
             out.append((key, name))
     return out
 
