@@ -48,6 +48,12 @@ Every other arrow is one atomic rename, made by ``move``, which checks the trans
 ``TRANSITIONS`` first. Only the holder of a lease — or the grantor, after expiry — moves a
 LEASED task; a stale holder finds its file gone and gets ``LeaseLost``.
 
+An adapter whose records are not tasks declares its store here too (``Store``, ``STORES``):
+verl's durable queue (``VERL_SAMPLES``: a sample READY, handed out BATCHED, committed
+TRAINED, or DROPPED) and its saved prefixes (``VERL_PREFIXES``: PARTIAL, held LEASED): each
+store's directories, its legal moves, and ``move`` / ``retire`` checked against them, so no
+key family or move is defined only inside an adapter.
+
 ``depths`` counts tasks per state from directory listings, in the direction work flows, so a
 task that moves on between two listings is counted twice, never zero times.
 """
@@ -331,3 +337,118 @@ def depths(storage: Storage, *, upstream: Depths | None = None,
     up = upstream_depths(storage) if upstream is None else upstream
     n_ready = len(names_in(storage, S.READY)) if ready is None else ready
     return replace(up, ready=n_ready, batched=len(names_in(storage, S.BATCHED)))
+
+
+# -- adapters' stores, declared here -------------------------------------------------------
+@dataclass(frozen=True)
+class Store:
+    """An adapter's own records, declared in the core's table: the directory each state's
+    records live in and the legal moves between states, checked the way ``TRANSITIONS``
+    is. A state without a directory here is an exit: reaching it deletes the record.
+
+    The names inside a store's directories are the adapter's (its own numbering); their
+    directories, the moves and where each record goes are spelled here only.
+    """
+
+    name: str
+    dirs: dict[TaskState, str]
+    transitions: dict[tuple[TaskState, TaskState], str]
+    #: the store's other directories: records in no state (a verl queue's commits)
+    others: tuple[str, ...] = ()
+
+    def check(self, src: TaskState, dst: TaskState) -> str:
+        """The operation for ``src -> dst`` in this store; ``IllegalTransition`` if none."""
+        try:
+            return self.transitions[(src, dst)]
+        except KeyError:
+            raise IllegalTransition(f"illegal move in the {self.name} store: {src.value} -> "
+                                    f"{dst.value}; the legal ones are declared in "
+                                    "strawq.states") from None
+
+    def directories(self) -> list[str]:
+        """Every directory of the store, each once."""
+        return list(dict.fromkeys([*self.dirs.values(), *self.others]))
+
+    def dir_of(self, state: TaskState) -> str:
+        if state not in self.dirs:
+            raise IllegalTransition(f"a {state.value} record of the {self.name} store has "
+                                    "no entry on disk")
+        return self.dirs[state]
+
+    def key(self, state: TaskState, name: str) -> str:
+        """The storage key of record ``name`` in ``state``."""
+        return f"{self.dir_of(state)}/{name}"
+
+    def other_key(self, directory: str, name: str) -> str:
+        """The key of ``name`` in one of the store's other directories."""
+        if directory not in self.others:
+            raise IllegalTransition(f"{directory!r} is not a directory of the {self.name} "
+                                    "store")
+        return f"{directory}/{name}"
+
+    def move(self, storage: Storage, name: str, src: TaskState, dst: TaskState,
+             new: str | None = None, *, sync_dir: bool = True) -> str:
+        """``src -> dst``: one atomic rename (``NotFound``: another mover won). Returns the
+        new key."""
+        self.check(src, dst)
+        if dst not in self.dirs:
+            raise IllegalTransition(f"use retire() to move a {self.name} record to "
+                                    f"{dst.value}: it is deleted")
+        dst_key = self.key(dst, name if new is None else new)
+        storage.rename(self.key(src, name), dst_key, sync_dir=sync_dir)
+        return dst_key
+
+    def retire(self, storage: Storage, name: str, src: TaskState, dst: TaskState) -> None:
+        """``src -> dst`` for a ``dst`` without a directory here: the record is deleted.
+        Idempotent: a missing record is a no-op."""
+        self.check(src, dst)
+        if dst in self.dirs:
+            raise IllegalTransition(f"{dst.value} records of the {self.name} store have a "
+                                    "directory: use move()")
+        storage.delete(self.key(src, name))
+
+
+#: verl's durable ``MessageQueue`` (``strawq.collector.integrations.verl.samples``): a verl
+#: ``RolloutSample`` is a finished group (READY) in ``samples/<seq>~<id>``; handed out to
+#: verl's trainer it is BATCHED, its record left where it is (the hand-out is held in memory
+#: and re-derived from ``samples/`` and the newest commit at a restart); a checkpoint's
+#: ``commits/<n>`` covers it, TRAINED, and the record is deleted.
+VERL_SAMPLES = Store(
+    name="verl sample",
+    dirs={S.READY: "samples", S.BATCHED: "samples", S.DROPPED: "drops"},
+    transitions={
+        (S.READY, S.BATCHED): "get (the queue): handed out to verl's trainer, in put order; "
+                              "no file operation (the record stays in samples/)",
+        (S.BATCHED, S.READY): "rewind, or a restart of the queue: every hand-out no commit "
+                              "covers is handed out again, oldest first",
+        (S.BATCHED, S.TRAINED): "commit(consumed) (a trainer checkpoint holds it): "
+                                "commits/<n> is published first, then the record deleted",
+        (S.READY, S.TRAINED): "commit of hand-outs of an earlier life of the queue, and "
+                              "recovery finishing a commit's deletions",
+        (S.READY, S.DROPPED): "put past max_queue_size (the oldest not handed out: "
+                              "queue_full), an unreadable record (corrupt), drop_all "
+                              "(cleared): renamed to drops/<name>~<reason>",
+    },
+    others=("commits",))
+
+#: verl's partial rollout (``strawq.collector.integrations.verl.partial``): the prefix of
+#: a request aborted at a parameter sync, a PARTIAL record in ``partials/<key>~<n>`` until
+#: a request for the same prompt claims it (LEASED, in ``held/``); the request's finish
+#: retires it: its tokens are in the sample verl puts, READY in ``VERL_SAMPLES``.
+VERL_PREFIXES = Store(
+    name="verl prefix",
+    dirs={S.PARTIAL: "partials", S.LEASED: "held"},
+    transitions={
+        (S.PARTIAL, S.LEASED): "claim (a rollout request for the prompt): rename "
+                               "partials/ -> held/, one winner",
+        (S.LEASED, S.PARTIAL): "release (the request failed), recover (the queue starts: no "
+                               "rollout process is alive)",
+        (S.LEASED, S.LEASED): "save (the holder, aborted again): the new record is "
+                              "published first, then the one it replaces deleted",
+        (S.LEASED, S.READY): "finish (the holder): the request finished, its tokens are in "
+                             "the sample verl puts; the record is deleted",
+        (S.LEASED, S.DROPPED): "claim of an unreadable record: deleted, logged",
+    })
+
+#: The adapters' stores, each declared above.
+STORES = (VERL_SAMPLES, VERL_PREFIXES)
