@@ -35,7 +35,7 @@ from strawq.feeder import Feeder
 from strawq.names import data_key
 from strawq.queue import Lease, RunQueue
 from strawq.records import Kind
-from strawq.states import DIRS, LEGACY_TRAINED, TaskState, names_in, retire_lease
+from strawq.states import DIRS, LEGACY_TRAINED, TaskState, key_of, names_in, retire_lease
 from strawq.storage import open_storage
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class StrawqDataSource:
             m = _PRODUCER_RE.fullmatch(name.producer or "")
             if m is None or name.id in self._held:
                 continue
-            key = f"leased/{name}"
+            key = key_of(TaskState.LEASED, name)
             try:
                 rec = records.decode(self.queue.storage.read(key), expect=Kind.TASK, name=key)
             except (NotFound, CorruptRecord) as exc:
