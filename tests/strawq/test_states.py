@@ -209,3 +209,32 @@ def test_an_older_runs_trained_drops_are_in_no_dropped_listing(storage: Storage)
     put(storage, S.DROPPED, bad)
     assert names_in(storage, S.DROPPED) == [bad]
     assert dropped_by_reason(storage) == {"some_reason": 1}
+
+
+def test_an_older_runs_trained_drops_are_no_drops_for_the_audit_or_requeue(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without slime installed too: the drop audit's count of an older run's ``trained``
+    reason is left out of the totals and ``strawq requeue --reason trained`` refuses."""
+    from strawq.errors import StrawqError
+    from strawq.queue import RunQueue
+    from strawq.requeue import requeue_dropped
+    from strawq.retention import compact_drops, drop_totals, latest_audit
+    from strawq.status import run_status
+
+    q = RunQueue.create(MemoryStorage())
+    bad = name_in(S.DROPPED, order=9)
+    put(q.storage, S.DROPPED, bad)
+    put(q.storage, S.DROPPED, name_in(S.DROPPED, order=4).with_(producer=LEGACY_TRAINED))
+    assert compact_drops(q.storage) == 1  # the trained entry is not a drop to fold in
+    assert latest_audit(q.storage).counts == {"some_reason": 1}
+    put(q.storage, S.DROPPED, name_in(S.DROPPED, order=5).with_(producer=LEGACY_TRAINED))
+    with monkeypatch.context() as m:  # an older strawq's compaction folded two in
+        import strawq.states as states
+
+        m.setattr(states, "LEGACY_TRAINED", "not-a-reason", raising=False)
+        assert compact_drops(q.storage) == 2
+    assert latest_audit(q.storage).counts == {"some_reason": 1, LEGACY_TRAINED: 2}
+    assert drop_totals(q.storage) == {"some_reason": 1}
+    assert run_status(q).counts["dropped"] == 1
+    with pytest.raises(StrawqError, match="train them twice"):
+        requeue_dropped(q, LEGACY_TRAINED)
