@@ -48,7 +48,7 @@ from strawq.names import STAGE_REQUEUED, TaskName, queue_key, validate_id
 from strawq.queue import RunQueue
 from strawq.records import Kind
 from strawq.retention import AUDIT_DIR, SEGMENTS, kept_drops, latest_audit, restore_kept
-from strawq.states import TaskState, entries, move
+from strawq.states import LEGACY_TRAINED, TaskState, entries, move
 from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,11 @@ log = logging.getLogger(__name__)
 #: Drops that have no task record to run again (``Feeder`` publishes them straight into
 #: ``dropped/``).
 NOT_REQUEUABLE = {"bad_row": "rows that failed validation at release have no task to run: "
-                             "fix the rows and release them again (docs/datasets.md)"}
+                             "fix the rows and release them again (docs/datasets.md)",
+                  LEGACY_TRAINED: "an older strawq recorded the groups a framework trained "
+                                  "itself (slime's data source) as dropped with this reason: "
+                                  "they are trained, and requeueing them would train them "
+                                  "twice"}
 #: The kind of the note a requeue writes (``data/<id>~g<gen>.requeue.<reason>``).
 NOTE_KIND = "requeue"
 

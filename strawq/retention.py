@@ -50,7 +50,8 @@ from strawq.history import attempt_row, record_attempts
 from strawq.names import TaskName, note_key
 from strawq.numbered import Numbered
 from strawq.records import Kind
-from strawq.states import RELEASES, TaskState, entries, key_of, move, names_in, retire
+from strawq.states import (LEGACY_TRAINED, RELEASES, TaskState, entries, key_of, move,
+                           names_in, retire)
 from strawq.storage import Storage
 from strawq.turns import TURNS_DIR
 
@@ -121,6 +122,7 @@ def drop_totals(storage: Storage) -> dict[str, int]:
     audit = latest_audit(storage)
     done = set(audit.compacted)
     out = Counter(audit.counts)
+    out.pop(LEGACY_TRAINED, None)  # an older run's trained groups, compacted: not drops
     for name in names_in(storage, TaskState.DROPPED):
         if str(name) not in done:
             out[name.producer or "unknown"] += 1

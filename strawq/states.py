@@ -11,6 +11,8 @@
                         │                PARTIAL ◀─requeue───┘ │
                         └───────requeue (η bound, gen+1)───────┘
 
+    TRAINED ◀── retire_lease (from LEASED): the lease holder's framework trained the group
+                itself and its checkpoint holds it (slime's data source).
     DROPPED ◀── drop, fail or expire after max_attempts (from LEASED); drop for the η bound
                 at claim (LEASED) or at batch time, or a corrupt payload (READY); drop_from
                 (BATCHED); a bad dataset row.
@@ -19,6 +21,15 @@
     COMPACTED ─requeue─▶ PENDING   ``strawq requeue`` of a compacted drop still kept
     DROPPED ─requeue─▶ PENDING     an operator's ``strawq requeue`` (``strawq.requeue``):
                                    gen + 1, attempts 0, no prefix; the drop note stays
+
+LEASED → TRAINED is for a framework that trains the groups it was handed itself, without
+``ready/`` and batches (slime's data source, ``strawq.collector.integrations.slime``): the
+lease holder retires its lease once the framework's checkpoint holds the group
+(``retire_lease``: fenced — a lease no longer at its key is ``NotFound``, the holder's
+``LeaseLost`` — and the deletion fsync'd). An older strawq recorded such groups as DROPPED
+with reason ``trained`` (``LEGACY_TRAINED``): those entries still count as trained, never
+as dropped: no DROPPED listing returns them, so status, the drop audit and ``strawq
+requeue`` leave them alone.
 
 The η bound on a partial task is applied by the producer that claims it (``strawq.eta``):
 past η, ``regenerate`` discards the prefix (LEASED → PARTIAL at version 0 without a prefix,
@@ -36,6 +47,12 @@ audit holds it (into ``audit/kept/``, which no state listing reads).
 Every other arrow is one atomic rename, made by ``move``, which checks the transition against
 ``TRANSITIONS`` first. Only the holder of a lease — or the grantor, after expiry — moves a
 LEASED task; a stale holder finds its file gone and gets ``LeaseLost``.
+
+An adapter whose records are not tasks declares its store here too (``Store``, ``STORES``):
+verl's durable queue (``VERL_SAMPLES``: a sample READY, handed out BATCHED, committed
+TRAINED, or DROPPED) and its saved prefixes (``VERL_PREFIXES``: PARTIAL, held LEASED): each
+store's directories, its legal moves, and ``move`` / ``retire`` checked against them, so no
+key family or move is defined only inside an adapter.
 
 ``depths`` counts tasks per state from directory listings, in the direction work flows, so a
 task that moves on between two listings is counted twice, never zero times.
@@ -78,6 +95,9 @@ DIRS: dict[TaskState, str] = {
 }
 #: States without a directory: reaching one deletes the entry (``retire``).
 RETIRED = frozenset({S.TRAINED, S.COMPACTED})
+#: The reason an older strawq recorded for a group a framework trained itself (LEASED ->
+#: DROPPED, before LEASED -> TRAINED existed): such an entry is trained, not dropped.
+LEGACY_TRAINED = "trained"
 #: Prefix of a release directory inside ``pending/`` (fresh tasks, dataset order).
 RELEASE_PREFIX = "r-"
 #: ``pending/r-<seq>``, and ``staging/r-<seq>.<nonce>`` while the feeder prepares it
@@ -101,6 +121,9 @@ TRANSITIONS: dict[tuple[TaskState, TaskState], str] = {
     (S.BATCHED, S.READY): "recover, when the manifest naming it is lost (collector)",
     (S.BATCHED, S.DROPPED): "drop_from batched (collector)",
     (S.BATCHED, S.TRAINED): "ack (trainer) then gc (collector): the entry is deleted",
+    (S.LEASED, S.TRAINED): "retire_lease (lease holder: a framework that trained the group "
+                           "itself, slime's data source, once its checkpoint holds it): the "
+                           "entry is deleted, fenced and fsync'd",
     (S.DROPPED, S.COMPACTED): "compact_drops (collector GC, strawq gc): the drop audit holds "
                               "it; the entry moves to audit/kept/ (strawq.retention) until "
                               "it expires",
@@ -167,11 +190,15 @@ def retire(storage: Storage, name: TaskName, src: TaskState, dst: TaskState, *,
     """``src -> dst`` for a ``dst`` without a directory (``RETIRED``): the entry is deleted,
     or with ``keep_at`` moved there, out of every state listing (a compacted drop's task
     record, kept for ``strawq requeue``: ``strawq.retention``). Idempotent: a missing entry
-    is a no-op."""
+    is a no-op — but for a lease (LEASED -> TRAINED, ``retire_lease``), where it is
+    ``NotFound``: the lease is no longer the caller's."""
     check_transition(src, dst)
     if dst not in RETIRED:
         raise IllegalTransition(f"retire() deletes entries; {dst.value} has a directory: "
                                 "use move()")
+    if src is S.LEASED:  # a lease: fenced, not idempotent-silent
+        retire_lease(storage, name)
+        return
     if keep_at is None:
         storage.delete(key_of(src, name))
         return
@@ -179,6 +206,23 @@ def retire(storage: Storage, name: TaskName, src: TaskState, dst: TaskState, *,
         storage.rename(key_of(src, name), keep_at, sync_dir=False)
     except (NotFound, AlreadyExists):
         pass  # moved (or requeued) by another mover first
+
+
+def retire_lease(storage: Storage, name: TaskName, *, sync_dir: bool = True) -> None:
+    """LEASED -> TRAINED by the lease holder: its group was trained by the framework that
+    holds it (slime's data source), so the lease entry is deleted.
+
+    Fenced like every LEASED move: only the holder's name is at ``leased/<name>`` (an
+    expired lease was renamed away, gen + 1), so a missing entry is ``NotFound`` — the
+    holder's ``LeaseLost`` — never a silent success. Durable when it returns: ``leased/``
+    is fsync'd (``sync_dir=False``: the caller syncs it once after several). Idempotent:
+    a retried call changes nothing (it finds the entry gone); a crash before the deletion
+    leaves the lease, which the holder's recovery retires again.
+    """
+    check_transition(S.LEASED, S.TRAINED)
+    storage.delete(key_of(S.LEASED, name), missing_ok=False)
+    if sync_dir:
+        storage.sync_dirs([DIRS[S.LEASED]])
 
 
 def delete_trained(storage: Storage, name: TaskName) -> None:
@@ -223,7 +267,8 @@ def list_queued(storage: Storage, limit: int | None = None) -> list[str]:
 
 
 def entries(storage: Storage, state: TaskState) -> list[tuple[str, TaskName]]:
-    """(key, name) of every task in ``state``, in listing order; stray files are skipped."""
+    """(key, name) of every task in ``state``, in listing order; stray files are skipped,
+    and so are an older run's trained groups in ``dropped/`` (``LEGACY_TRAINED``)."""
     if state in (S.PENDING, S.PARTIAL):
         keys: Iterable[str] = list_queued(storage)
     elif state in RETIRED:
@@ -233,8 +278,9 @@ def entries(storage: Storage, state: TaskState) -> list[tuple[str, TaskName]]:
     out = []
     for key in keys:
         name = _parse(storage, key)
-        if name is not None and (state not in (S.PENDING, S.PARTIAL)
-                                 or queued_state(name) is state):
+        if name is None or (state is S.DROPPED and name.producer == LEGACY_TRAINED):
+            continue  # a stray file; an older run's trained group (LEGACY_TRAINED)
+        if state not in (S.PENDING, S.PARTIAL) or queued_state(name) is state:
             out.append((key, name))
     return out
 
@@ -291,3 +337,118 @@ def depths(storage: Storage, *, upstream: Depths | None = None,
     up = upstream_depths(storage) if upstream is None else upstream
     n_ready = len(names_in(storage, S.READY)) if ready is None else ready
     return replace(up, ready=n_ready, batched=len(names_in(storage, S.BATCHED)))
+
+
+# -- adapters' stores, declared here -------------------------------------------------------
+@dataclass(frozen=True)
+class Store:
+    """An adapter's own records, declared in the core's table: the directory each state's
+    records live in and the legal moves between states, checked the way ``TRANSITIONS``
+    is. A state without a directory here is an exit: reaching it deletes the record.
+
+    The names inside a store's directories are the adapter's (its own numbering); their
+    directories, the moves and where each record goes are spelled here only.
+    """
+
+    name: str
+    dirs: dict[TaskState, str]
+    transitions: dict[tuple[TaskState, TaskState], str]
+    #: the store's other directories: records in no state (a verl queue's commits)
+    others: tuple[str, ...] = ()
+
+    def check(self, src: TaskState, dst: TaskState) -> str:
+        """The operation for ``src -> dst`` in this store; ``IllegalTransition`` if none."""
+        try:
+            return self.transitions[(src, dst)]
+        except KeyError:
+            raise IllegalTransition(f"illegal move in the {self.name} store: {src.value} -> "
+                                    f"{dst.value}; the legal ones are declared in "
+                                    "strawq.states") from None
+
+    def directories(self) -> list[str]:
+        """Every directory of the store, each once."""
+        return list(dict.fromkeys([*self.dirs.values(), *self.others]))
+
+    def dir_of(self, state: TaskState) -> str:
+        if state not in self.dirs:
+            raise IllegalTransition(f"a {state.value} record of the {self.name} store has "
+                                    "no entry on disk")
+        return self.dirs[state]
+
+    def key(self, state: TaskState, name: str) -> str:
+        """The storage key of record ``name`` in ``state``."""
+        return f"{self.dir_of(state)}/{name}"
+
+    def other_key(self, directory: str, name: str) -> str:
+        """The key of ``name`` in one of the store's other directories."""
+        if directory not in self.others:
+            raise IllegalTransition(f"{directory!r} is not a directory of the {self.name} "
+                                    "store")
+        return f"{directory}/{name}"
+
+    def move(self, storage: Storage, name: str, src: TaskState, dst: TaskState,
+             new: str | None = None, *, sync_dir: bool = True) -> str:
+        """``src -> dst``: one atomic rename (``NotFound``: another mover won). Returns the
+        new key."""
+        self.check(src, dst)
+        if dst not in self.dirs:
+            raise IllegalTransition(f"use retire() to move a {self.name} record to "
+                                    f"{dst.value}: it is deleted")
+        dst_key = self.key(dst, name if new is None else new)
+        storage.rename(self.key(src, name), dst_key, sync_dir=sync_dir)
+        return dst_key
+
+    def retire(self, storage: Storage, name: str, src: TaskState, dst: TaskState) -> None:
+        """``src -> dst`` for a ``dst`` without a directory here: the record is deleted.
+        Idempotent: a missing record is a no-op."""
+        self.check(src, dst)
+        if dst in self.dirs:
+            raise IllegalTransition(f"{dst.value} records of the {self.name} store have a "
+                                    "directory: use move()")
+        storage.delete(self.key(src, name))
+
+
+#: verl's durable ``MessageQueue`` (``strawq.collector.integrations.verl.samples``): a verl
+#: ``RolloutSample`` is a finished group (READY) in ``samples/<seq>~<id>``; handed out to
+#: verl's trainer it is BATCHED, its record left where it is (the hand-out is held in memory
+#: and re-derived from ``samples/`` and the newest commit at a restart); a checkpoint's
+#: ``commits/<n>`` covers it, TRAINED, and the record is deleted.
+VERL_SAMPLES = Store(
+    name="verl sample",
+    dirs={S.READY: "samples", S.BATCHED: "samples", S.DROPPED: "drops"},
+    transitions={
+        (S.READY, S.BATCHED): "get (the queue): handed out to verl's trainer, in put order; "
+                              "no file operation (the record stays in samples/)",
+        (S.BATCHED, S.READY): "rewind, or a restart of the queue: every hand-out no commit "
+                              "covers is handed out again, oldest first",
+        (S.BATCHED, S.TRAINED): "commit(consumed) (a trainer checkpoint holds it): "
+                                "commits/<n> is published first, then the record deleted",
+        (S.READY, S.TRAINED): "commit of hand-outs of an earlier life of the queue, and "
+                              "recovery finishing a commit's deletions",
+        (S.READY, S.DROPPED): "put past max_queue_size (the oldest not handed out: "
+                              "queue_full), an unreadable record (corrupt), drop_all "
+                              "(cleared): renamed to drops/<name>~<reason>",
+    },
+    others=("commits",))
+
+#: verl's partial rollout (``strawq.collector.integrations.verl.partial``): the prefix of
+#: a request aborted at a parameter sync, a PARTIAL record in ``partials/<key>~<n>`` until
+#: a request for the same prompt claims it (LEASED, in ``held/``); the request's finish
+#: retires it: its tokens are in the sample verl puts, READY in ``VERL_SAMPLES``.
+VERL_PREFIXES = Store(
+    name="verl prefix",
+    dirs={S.PARTIAL: "partials", S.LEASED: "held"},
+    transitions={
+        (S.PARTIAL, S.LEASED): "claim (a rollout request for the prompt): rename "
+                               "partials/ -> held/, one winner",
+        (S.LEASED, S.PARTIAL): "release (the request failed), recover (the queue starts: no "
+                               "rollout process is alive)",
+        (S.LEASED, S.LEASED): "save (the holder, aborted again): the new record is "
+                              "published first, then the one it replaces deleted",
+        (S.LEASED, S.READY): "finish (the holder): the request finished, its tokens are in "
+                             "the sample verl puts; the record is deleted",
+        (S.LEASED, S.DROPPED): "claim of an unreadable record: deleted, logged",
+    })
+
+#: The adapters' stores, each declared above.
+STORES = (VERL_SAMPLES, VERL_PREFIXES)

@@ -52,7 +52,15 @@ OWNERS = {
     "packed/": "strawq/packed.py",
     "format/": "strawq/formats.py",
     "dropped/": "collector/trainer/metrics.py",  # the metric name; the entries go through states.py
+    # the adapters' stores (``strawq.states.STORES``): verl's queue directory
+    "samples/": "strawq/states.py",
+    "commits/": "strawq/states.py",
+    "drops/": "strawq/states.py",
+    "partials/": "strawq/states.py",
+    "held/": "strawq/states.py",
 }
+#: the adapters whose records live in a store declared in ``strawq.states``
+STORE_USERS = ("collector/integrations/verl",)
 
 
 def _sources() -> list[Path]:
@@ -132,6 +140,61 @@ def test_the_dropped_directory_is_named_in_the_state_table_only():
             if text.startswith("dropped/"):
                 strays.append(f"{rel}:{line}")
     assert not strays
+
+
+def _joined_keys(path: Path) -> list[tuple[int, str]]:
+    """(line, source) of every f-string of ``path`` that joins a directory value to a name
+    (``f"{SAMPLES}/{name}"``): a key built outside its store."""
+    text = path.read_text(encoding="utf-8")
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.JoinedStr) and len(node.values) >= 2 and \
+                isinstance(node.values[0], ast.FormattedValue) and \
+                isinstance(node.values[1], ast.Constant) and \
+                str(node.values[1].value).startswith("/"):
+            out.append((node.lineno, ast.get_source_segment(text, node) or ""))
+    return out
+
+
+def test_the_joined_key_scan_sees_the_stores_own():
+    assert _joined_keys(ROOT / "strawq/states.py")
+
+
+def test_adapter_stores_build_their_keys_through_the_state_table():
+    """The verl queue's records (samples, commits, drops, prefixes) are keyed and moved by
+    ``strawq.states.VERL_SAMPLES`` / ``VERL_PREFIXES``: no verl module joins a directory
+    and a name itself, and every directory it names is a declared store's."""
+    from strawq.states import STORES
+
+    strays = []
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(STORE_USERS):
+            strays += [f"{rel}:{line}: {src}" for line, src in _joined_keys(path)]
+    assert not strays, strays
+    declared = {d for store in STORES for d in store.directories()}
+    assert {p.rstrip("/") for p, owner in OWNERS.items() if owner == "strawq/states.py"} \
+        == declared
+
+
+def test_every_store_move_is_declared():
+    from strawq.states import STORES, VERL_PREFIXES, VERL_SAMPLES
+
+    st = MemoryStorage()
+    for store in STORES:
+        for (src, dst), what in store.transitions.items():
+            assert store.check(src, dst) == what
+    VERL_SAMPLES.retire(st, "000000000001~s1", TaskState.BATCHED, TaskState.TRAINED)
+    st.publish(VERL_SAMPLES.key(TaskState.READY, "000000000002~s2"), b"x")
+    moved = VERL_SAMPLES.move(st, "000000000002~s2", TaskState.READY, TaskState.DROPPED,
+                              "000000000002~s2~queue_full")
+    assert moved == "drops/000000000002~s2~queue_full"
+    with pytest.raises(IllegalTransition):
+        VERL_SAMPLES.move(st, "x", TaskState.DROPPED, TaskState.READY)
+    with pytest.raises(IllegalTransition):  # a prefix has no BATCHED state
+        VERL_PREFIXES.check(TaskState.LEASED, TaskState.BATCHED)
+    with pytest.raises(IllegalTransition):
+        VERL_PREFIXES.move(st, "p~1", TaskState.LEASED, TaskState.READY)  # an exit: retire
 
 
 #: an "over η?" comparison written by hand: a staleness against η

@@ -13,9 +13,11 @@ from strawq.groups import staleness
 from strawq.names import (STAGE_FRESH, STAGE_PARTIAL, STAGE_REQUEUED, TaskName, heartbeat_key,
                           parse_heartbeat, queue_key, ready_key, requeued_name)
 from strawq.queue import DIRS as RUN_DIRS
-from strawq.states import (DIRS, RETIRED, TRANSITIONS, Depths, IllegalTransition, TaskState,
+from strawq.states import (DIRS, LEGACY_TRAINED, RETIRED, TRANSITIONS, Depths,
+                           IllegalTransition, TaskState,
                            check_transition, depths, dropped_by_reason, key_of,
-                           move, names_in, release_dir, retire, upstream_depths)
+                           move, names_in, release_dir, retire, retire_lease,
+                           upstream_depths)
 from strawq.storage import MemoryStorage, PosixStorage, Storage
 
 S = TaskState
@@ -175,3 +177,64 @@ def test_heartbeat_names_round_trip() -> None:
 def test_staleness_is_current_minus_minimum_version() -> None:
     assert staleness(7, 4) == 3
     assert staleness(7, np.array([7, 5, 8])).tolist() == [0, 2, -1]
+
+
+def test_a_lease_is_retired_as_trained_by_its_holder_only(storage: Storage) -> None:
+    """LEASED -> TRAINED: the holder's entry is deleted; a lease no longer at its key (it
+    expired and was re-queued under gen + 1) is NotFound, and the re-queued task stays."""
+    held = name_in(S.LEASED)
+    put(storage, S.LEASED, held)
+    assert check_transition(S.LEASED, S.TRAINED).startswith("retire_lease")
+    with pytest.raises(IllegalTransition, match="retire"):
+        move(storage, held, S.LEASED, S.TRAINED)
+    retire_lease(storage, held)
+    assert names_in(storage, S.LEASED) == []
+    with pytest.raises(NotFound):  # retried: nothing left to retire, and it says so
+        retire_lease(storage, held)
+    stale = name_in(S.LEASED, order=8)
+    put(storage, S.LEASED, stale)
+    requeued = requeued_name(stale, refund=False)
+    move(storage, stale, S.LEASED, S.PENDING, requeued)  # the grantor's expiry
+    with pytest.raises(NotFound):
+        retire(storage, stale, S.LEASED, S.TRAINED)
+    assert names_in(storage, S.PENDING) == [requeued]
+
+
+def test_an_older_runs_trained_drops_are_in_no_dropped_listing(storage: Storage) -> None:
+    """An older strawq recorded groups a framework trained as dropped with reason
+    ``trained``: they count as trained, so no DROPPED listing returns them."""
+    trained = name_in(S.DROPPED).with_(producer=LEGACY_TRAINED)
+    bad = name_in(S.DROPPED, order=9)
+    put(storage, S.DROPPED, trained)
+    put(storage, S.DROPPED, bad)
+    assert names_in(storage, S.DROPPED) == [bad]
+    assert dropped_by_reason(storage) == {"some_reason": 1}
+
+
+def test_an_older_runs_trained_drops_are_no_drops_for_the_audit_or_requeue(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without slime installed too: the drop audit's count of an older run's ``trained``
+    reason is left out of the totals and ``strawq requeue --reason trained`` refuses."""
+    from strawq.errors import StrawqError
+    from strawq.queue import RunQueue
+    from strawq.requeue import requeue_dropped
+    from strawq.retention import compact_drops, drop_totals, latest_audit
+    from strawq.status import run_status
+
+    q = RunQueue.create(MemoryStorage())
+    bad = name_in(S.DROPPED, order=9)
+    put(q.storage, S.DROPPED, bad)
+    put(q.storage, S.DROPPED, name_in(S.DROPPED, order=4).with_(producer=LEGACY_TRAINED))
+    assert compact_drops(q.storage) == 1  # the trained entry is not a drop to fold in
+    assert latest_audit(q.storage).counts == {"some_reason": 1}
+    put(q.storage, S.DROPPED, name_in(S.DROPPED, order=5).with_(producer=LEGACY_TRAINED))
+    with monkeypatch.context() as m:  # an older strawq's compaction folded two in
+        import strawq.states as states
+
+        m.setattr(states, "LEGACY_TRAINED", "not-a-reason", raising=False)
+        assert compact_drops(q.storage) == 2
+    assert latest_audit(q.storage).counts == {"some_reason": 1, LEGACY_TRAINED: 2}
+    assert drop_totals(q.storage) == {"some_reason": 1}
+    assert run_status(q).counts["dropped"] == 1
+    with pytest.raises(StrawqError, match="train them twice"):
+        requeue_dropped(q, LEGACY_TRAINED)

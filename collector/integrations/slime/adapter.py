@@ -10,7 +10,7 @@ Two ways to run slime on strawq (``docs/slime.md``):
    tokens, log-probs, per-token versions, loss masks) and handed out again first; a group
    handed out is leased under the producer id ``slime.r<rollout_id>``, so the lease's *name*
    says which rollout it went to. ``save(c)`` records every group handed out to a rollout
-   ≤ c as trained (dropped with reason ``trained``); ``load(c)`` after a crash does the same
+   ≤ c as trained (its lease retired, LEASED → TRAINED); ``load(c)`` after a crash does the same
    for leases of rollouts ≤ c (the checkpoint holds them) and returns later ones to the
    queue, prefixes kept. Nothing lost, nothing trained twice.
 2. **strawq's producers generate, slime trains** — ``--rollout-function-path

@@ -7,9 +7,12 @@ slime aborts (``--partial-rollout``) are saved as durable partial tasks (prefix 
 log-probs, per-token versions, loss masks) and handed out again first; a group handed out is
 leased under the producer id ``slime.r<rollout_id>``, so the lease's *name* says which
 rollout it went to. ``save(c)`` records every group handed out to a rollout ≤ c as trained
-(dropped with reason ``trained``); ``load(c)`` after a crash does the same for leases of
-rollouts ≤ c (the checkpoint holds them) and returns later ones to the queue, prefixes kept.
-Nothing lost, nothing trained twice (``docs/slime.md``).
+(LEASED → TRAINED: the lease is retired, ``strawq.states.retire_lease``; nothing lands in
+``dropped/``); ``load(c)`` after a crash does the same for leases of rollouts ≤ c (the
+checkpoint holds them) and returns later ones to the queue, prefixes kept. Nothing lost,
+nothing trained twice (``docs/slime.md``). A run an older strawq wrote holds its trained
+groups in ``dropped/`` with reason ``trained``: they still count as trained
+(``strawq.states.LEGACY_TRAINED``), never served again.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from strawq.feeder import Feeder
 from strawq.names import data_key
 from strawq.queue import Lease, RunQueue
 from strawq.records import Kind
-from strawq.states import TaskState, names_in
+from strawq.states import DIRS, LEGACY_TRAINED, TaskState, key_of, names_in, retire_lease
 from strawq.storage import open_storage
 
 log = logging.getLogger(__name__)
@@ -40,8 +43,9 @@ log = logging.getLogger(__name__)
 #: producer id prefix of the data source's leases; the suffix is the rollout id
 PRODUCER_PREFIX = "slime.r"
 _PRODUCER_RE = re.compile(r"slime\.r(\d+)")
-#: reason recorded for groups that slime trained (data-source mode)
-TRAINED = "trained"
+#: what an older strawq recorded as the drop reason of groups slime trained; they are
+#: retired now (LEASED -> TRAINED) and such old entries count as trained
+TRAINED = LEGACY_TRAINED
 #: reason recorded for groups that slime's dynamic-sampling filter rejected
 FILTERED = "filtered"
 #: statuses of a sample slime finished (its dynamic-sampling filter judges the group)
@@ -222,6 +226,7 @@ class StrawqDataSource:
         rollout_id = int(rollout_id)
         for tid in [t for t, h in self._held.items() if h.rollout <= rollout_id]:
             self._consume(self._held.pop(tid).lease, rollout_id)
+        self.queue.storage.sync_dirs([DIRS[TaskState.LEASED]])  # the retirements, durable
         self._next_tag = max(self._next_tag, rollout_id + 1)
         save_dir = getattr(self.args, "save", None)
         if save_dir:
@@ -252,7 +257,7 @@ class StrawqDataSource:
             m = _PRODUCER_RE.fullmatch(name.producer or "")
             if m is None or name.id in self._held:
                 continue
-            key = f"leased/{name}"
+            key = key_of(TaskState.LEASED, name)
             try:
                 rec = records.decode(self.queue.storage.read(key), expect=Kind.TASK, name=key)
             except (NotFound, CorruptRecord) as exc:
@@ -268,19 +273,31 @@ class StrawqDataSource:
                                 "of rollout %d) to the queue", name.id, m[1], last_trained)
             except LeaseLost:
                 continue
+        self.queue.storage.sync_dirs([DIRS[TaskState.LEASED]])
 
     def _consume(self, lease: Lease, rollout_id: int) -> None:
+        """The group is trained (its rollout ≤ ``rollout_id``, whose checkpoint holds it):
+        LEASED -> TRAINED, the lease retired (fsync'd by the caller, once per save); the
+        prefix it resumed from is read by nobody again."""
         try:
-            self._drop(lease, TRAINED, f"trained by slime; checkpoint of rollout {rollout_id}",
-                       summary={"rollout": rollout_id, "index": lease.task["index"]})
-        except LeaseLost as exc:
-            log.error("group %s: %s", lease.task_id, exc)
+            retire_lease(self.queue.storage, lease.name, sync_dir=False)
+        except NotFound:
+            log.error("group %s: lease %s is no longer held (it expired and was re-queued, "
+                      "or was retired already); not recorded as trained by rollout %d",
+                      lease.task_id, lease.name, rollout_id)
+            return
+        log.debug("group %s (index %s) trained by slime: checkpoint of rollout %d",
+                  lease.task_id, lease.task["index"], rollout_id)
+        self._forget_prefix(lease)
 
     def _drop(self, lease: Lease, reason: str, message: str,
               summary: dict[str, Any]) -> None:
         """Record a group as consumed; the prefix it resumed from is read by nobody."""
         self.queue.drop(lease, reason, message, summary=summary)
-        if lease.has_partial:  # the prefix it resumed from is trained: nothing reads it again
+        self._forget_prefix(lease)
+
+    def _forget_prefix(self, lease: Lease) -> None:
+        if lease.has_partial:  # the prefix it resumed from is consumed: nothing reads it again
             self.queue.storage.delete(data_key(lease.task_id, lease.name.resume, "partial"))
 
     @staticmethod

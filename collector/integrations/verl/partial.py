@@ -5,7 +5,8 @@ sync and its ``FullyAsyncLLMServerClient`` resumes them from the tokens generate
 memory: a crash of the rollout process loses every prefix. ``PartialStore`` keeps each
 aborted prefix (prompt, response tokens, log-probs, the weight version of every token) as a
 strawq PARTIAL record (``strawq.groups.GroupData``, one sample, status ``aborted``: the
-format of strawq's own partial tasks) in the queue directory:
+format of strawq's own partial tasks) in the queue directory; its directories and moves are
+declared in the core's table (``strawq.states.VERL_PREFIXES``):
 
 * ``held/<key>~<n>``: the prefix of a request a live rollout process is resuming; replaced at
   each abort (new record first, then the old one deleted);
@@ -35,12 +36,15 @@ from strawq import records
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.groups import GroupData
 from strawq.records import Kind
+from strawq.states import VERL_PREFIXES, TaskState
 from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
 
-PARTIALS = "partials"
-HELD = "held"
+S = TaskState
+#: the store's directories (``strawq.states.VERL_PREFIXES``): saved, and held by a request
+PARTIALS = VERL_PREFIXES.dir_of(S.PARTIAL)
+HELD = VERL_PREFIXES.dir_of(S.LEASED)
 
 
 def prompt_key(prompt_ids: Sequence[int] | np.ndarray) -> str:
@@ -92,24 +96,26 @@ class PartialStore:
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
-        storage.makedirs(PARTIALS)
-        storage.makedirs(HELD)
+        for directory in VERL_PREFIXES.directories():
+            storage.makedirs(directory)
 
-    def _publish(self, directory: str, key: str, prefix: Prefix) -> str:
+    def _publish(self, state: TaskState, key: str, prefix: Prefix) -> str:
         handle = f"{key}~{uuid.uuid4().hex[:12]}"
-        self.storage.publish(f"{directory}/{handle}", prefix.to_group(key).encode(Kind.PARTIAL))
+        self.storage.publish(VERL_PREFIXES.key(state, handle),
+                             prefix.to_group(key).encode(Kind.PARTIAL))
         return handle
 
     def save(self, key: str, prefix: Prefix, *, replaces: str | None = None) -> str:
         """Keep ``prefix`` held by the caller (durable on return); delete the one it replaces."""
-        handle = self._publish(HELD, key, prefix)
+        VERL_PREFIXES.check(S.LEASED, S.LEASED)
+        handle = self._publish(S.LEASED, key, prefix)
         if replaces:
-            self.storage.delete(f"{HELD}/{replaces}")
+            self.storage.delete(VERL_PREFIXES.key(S.LEASED, replaces))
         return handle
 
     def put(self, key: str, prefix: Prefix) -> str:
         """Keep ``prefix`` for the next request of its prompt to claim."""
-        return self._publish(PARTIALS, key, prefix)
+        return self._publish(S.PARTIAL, key, prefix)
 
     def claim(self, key: str) -> tuple[str, Prefix] | None:
         """Take a saved prefix of ``key`` (held by the caller from now on), or None."""
@@ -117,29 +123,28 @@ class PartialStore:
             if not name.startswith(key + "~"):
                 continue
             try:
-                self.storage.rename(f"{PARTIALS}/{name}", f"{HELD}/{name}")
+                held = VERL_PREFIXES.move(self.storage, name, S.PARTIAL, S.LEASED)
             except (NotFound, AlreadyExists):
                 continue  # another request won it
             try:
-                rec = records.decode(self.storage.read(f"{HELD}/{name}"), expect=Kind.PARTIAL,
-                                     name=name)
+                rec = records.decode(self.storage.read(held), expect=Kind.PARTIAL, name=name)
                 return name, Prefix.from_group(GroupData.from_record(rec))
             except (CorruptRecord, NotFound) as exc:
                 log.error("verl partial %s unreadable (%s): dropped", name, exc)
-                self.storage.delete(f"{HELD}/{name}")
+                VERL_PREFIXES.retire(self.storage, name, S.LEASED, S.DROPPED)
         return None
 
     def release(self, handle: str) -> None:
         """Give a held prefix back (its request failed; the next one may continue it)."""
         try:
-            self.storage.rename(f"{HELD}/{handle}", f"{PARTIALS}/{handle}")
+            VERL_PREFIXES.move(self.storage, handle, S.LEASED, S.PARTIAL)
         except (NotFound, AlreadyExists):
             pass
 
     def finish(self, handle: str | None) -> None:
         """The request finished: its prefix is part of a sample now."""
         if handle:
-            self.storage.delete(f"{HELD}/{handle}")
+            VERL_PREFIXES.retire(self.storage, handle, S.LEASED, S.READY)
 
     def recover(self) -> int:
         """Return every held prefix to ``partials/`` (no rollout process is alive)."""

@@ -27,7 +27,13 @@ from strawq.dataset import Dataset
 from strawq import records
 from strawq.names import note_key
 from strawq.retention import drop_totals
-from strawq.states import TaskState, names_in
+from strawq.errors import StrawqError, TaskNotFound
+from strawq.names import requeued_name
+from strawq.requeue import requeue_dropped
+from strawq.retention import compact_drops, latest_audit
+from strawq.states import move
+from strawq.status import run_status
+from strawq.states import DIRS, TaskState, names_in
 from tests.collector.helpers import SimProducer, drive, make_run, write_dataset
 from tests.collector.integrations.conftest import SLIME_MISSING, make_batch
 
@@ -74,7 +80,11 @@ def _generate(sample, n: int, *, finish: str, version: int, args, seed: int = 0)
 
 
 def _where(ds, task_id: str) -> str:
-    return ds.queue.find(task_id)[0]
+    """The directory of a released task now; "trained" when it is in none (retired)."""
+    try:
+        return ds.queue.find(task_id)[0]
+    except TaskNotFound:
+        return "trained"
 
 
 # -- mode 1: StrawqDataSource ------------------------------------------------------------------
@@ -163,10 +173,8 @@ def test_save_records_trained_groups_and_load_resumes_after_a_crash(args):
     ds.begin_rollout(0)
     trained0 = [g[0].metadata["strawq"]["task_id"] for g in ds.get_samples(2)]
     ds.save(0)
-    assert all(_where(ds, t) == "dropped" for t in trained0)
+    assert all(_where(ds, t) == "trained" for t in trained0)
     assert os.path.exists(os.path.join(args.save, "rollout/strawq_data_source_0.json"))
-    assert adapter.TRAINED in {n.producer for n in names_in(ds.queue.storage,
-                                                             TaskState.DROPPED)}
     ds.begin_rollout(1)
     ga, gb = ds.get_samples(2)
     _generate(ga[0], 3, finish="abort", version=1, args=args)
@@ -190,7 +198,81 @@ def test_save_records_trained_groups_and_load_resumes_after_a_crash(args):
         for n in names_in(ds2.queue.storage, state):
             assert n.id not in seen
             seen[n.id] = state
-    assert sorted(seen) == sorted({*trained0, *ids} | set(seen))
+    assert not set(trained0) & set(seen)  # trained: in no state
+    assert set(ids) <= set(seen)
+
+
+def test_save_retires_the_trained_leases_nothing_lands_in_dropped(args):
+    """LEASED -> TRAINED: after slime's save, dropped/ is empty, no drop note is written,
+    and neither the status nor the drop audit counts a drop."""
+    ds = adapter.StrawqDataSource(args)
+    ds.begin_rollout(0)
+    ids = [g[0].metadata["strawq"]["task_id"] for g in ds.get_samples(3)]
+    ds.save(0)
+    st = ds.queue.storage
+    assert st.list(DIRS[TaskState.DROPPED]) == []
+    assert not [k for k in st.list("data") if ".drop." in k]
+    assert not names_in(st, TaskState.LEASED)
+    assert drop_totals(st) == {}
+    status = run_status(ds.queue)
+    assert status.counts["dropped"] == 0 and status.dropped_by_reason == {}
+    assert all(_where(ds, t) == "trained" for t in ids)
+
+
+def test_a_lease_lost_before_save_is_not_recorded_as_trained(args, caplog):
+    """Fenced: a lease the grantor expired (renamed away, gen + 1) is not retired by the
+    old holder's save; the re-queued task stays queued."""
+    ds = adapter.StrawqDataSource(args)
+    ds.begin_rollout(0)
+    (g,) = ds.get_samples(1)
+    tid = g[0].metadata["strawq"]["task_id"]
+    (name,) = names_in(ds.queue.storage, TaskState.LEASED)
+    new = requeued_name(name, refund=False)
+    move(ds.queue.storage, name, TaskState.LEASED, TaskState.PENDING, new)  # expiry
+    ds.save(0)
+    assert _where(ds, tid) == "pending"
+    assert "no longer held" in caplog.text
+
+
+def test_an_older_runs_trained_drops_still_count_as_trained(args, monkeypatch):
+    """A run an older strawq wrote: groups slime trained sit in dropped/ with reason
+    ``trained`` (one of them already folded into the drop audit). They are not served again,
+    not counted as drops, and ``strawq requeue --reason trained`` refuses them."""
+    ds = adapter.StrawqDataSource(args)
+    ds.begin_rollout(0)
+    old = [g[0].metadata["strawq"]["task_id"] for g in ds.get_samples(3)]
+    leases = [h.lease for h in ds._held.values()]
+    ds._held.clear()
+
+    queue = ds.queue
+
+    def old_save(lease):  # what save() did before LEASED -> TRAINED existed
+        queue.drop(lease, "trained", "trained by slime; checkpoint of rollout 0",
+                      summary={"rollout": 0, "index": lease.task["index"]})
+
+    st = ds.queue.storage
+    for lease in leases[:2]:
+        old_save(lease)
+    with monkeypatch.context() as m:  # an older compaction folded those two in
+        import strawq.states as states
+
+        m.setattr(states, "LEGACY_TRAINED", "not-a-reason", raising=False)
+        assert compact_drops(st) == 2
+    assert latest_audit(st).counts == {"trained": 2}
+    old_save(leases[2])
+    assert len(st.list(DIRS[TaskState.DROPPED])) == 1
+    del ds
+
+    ds2 = adapter.StrawqDataSource(args)
+    ds2.load(0)
+    ds2.begin_rollout(1)
+    got = [g[0].metadata["strawq"]["task_id"] for g in ds2.get_samples(3)]
+    assert not set(old) & set(got)  # never served again
+    assert drop_totals(st) == {}
+    assert run_status(ds2.queue).counts["dropped"] == 0
+    assert all(_where(ds2, t) == "trained" for t in old)
+    with pytest.raises(StrawqError, match="train them twice"):
+        requeue_dropped(ds2.queue, "trained")
 
 
 def test_a_trained_partial_leaves_no_prefix_payload(args):
@@ -205,7 +287,7 @@ def test_a_trained_partial_leaves_no_prefix_payload(args):
     before = {k for k in ds.queue.storage.list("data") if k.endswith(".partial")}
     assert len(before) == 1
     ds.save(1)
-    assert _where(ds, "i000000000000") == "dropped"
+    assert _where(ds, "i000000000000") == "trained"
     assert not [k for k in ds.queue.storage.list("data") if k.endswith(".partial")]
 
 
@@ -216,14 +298,15 @@ def test_load_of_a_later_checkpoint_counts_its_leases_as_trained(args):
     del ds  # crash after the model checkpoint of rollout 3, before the data source's save
     ds2 = adapter.StrawqDataSource(args)
     ds2.load(3)
-    assert _where(ds2, tid) == "dropped"
+    assert _where(ds2, tid) == "trained"
+    assert not ds2.queue.storage.list(DIRS[TaskState.DROPPED])
 
 
 def test_stock_rollout_without_tags_saves_everything_handed_out(args):
     ds = adapter.StrawqDataSource(args)
     first = [g[0].metadata["strawq"]["task_id"] for g in ds.get_samples(2)]
     ds.save(0)
-    assert all(_where(ds, t) == "dropped" for t in first)
+    assert all(_where(ds, t) == "trained" for t in first)
     ds.get_samples(1)
     assert {n.producer for n in names_in(ds.queue.storage, TaskState.LEASED)} == {"slime.r1"}
 
@@ -263,7 +346,7 @@ def test_a_filter_reject_is_recorded_as_consumed_not_served_again(args):
     assert _where(ds, ids[2]) == "pending"
     assert ids[3] in {n.id for n in names_in(ds.queue.storage, TaskState.PARTIAL)}
     ds.save(0)
-    assert _where(ds, ids[0]) == "dropped"
+    assert _where(ds, ids[0]) == "trained"
     ds.begin_rollout(1)
     again = ds.get_samples(3)
     got = [g[0].metadata["strawq"]["task_id"] for g in again]
@@ -274,7 +357,7 @@ def test_a_filter_reject_is_recorded_as_consumed_not_served_again(args):
     assert [s.reward for s in back] == [0.0, 1.0, 0.0, 0.0]
     assert [s.tokens for s in back] == [s.tokens for s in surplus]
     assert ids[2] in got
-    assert drop_totals(ds.queue.storage) == {adapter.FILTERED: 1, adapter.TRAINED: 1}
+    assert drop_totals(ds.queue.storage) == {adapter.FILTERED: 1}  # trained is no drop
 
 
 def test_groups_neither_trained_nor_added_back_without_a_filter(args):
@@ -293,7 +376,7 @@ def test_groups_neither_trained_nor_added_back_without_a_filter(args):
         n.id for n in names_in(ds.queue.storage, TaskState.PARTIAL)}
     assert _where(ds, d[0].metadata["strawq"]["task_id"]) == "pending"
     ds.save(0)
-    assert _where(ds, a[0].metadata["strawq"]["task_id"]) == "dropped"
+    assert _where(ds, a[0].metadata["strawq"]["task_id"]) == "trained"
 
 
 def test_samples_to_group_refuses_misaligned_samples(args):

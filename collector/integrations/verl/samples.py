@@ -1,0 +1,391 @@
+"""The durable FIFO under verl's queue: ``DurableSampleQueue`` (``docs/verl.md``).
+
+Its records and their moves are declared in the core's table (``strawq.states.VERL_SAMPLES``):
+
+* a put is durable when it returns: one record (strawq's framing, ``strawq.records``:
+  msgpack metadata, an Arrow column of the sample's bytes, a checksum) published through
+  ``strawq.storage`` (temporary file, fsync, rename without replacing, directory fsync) as
+  ``samples/<seq>~<sample id>`` — READY;
+* a get hands the oldest sample out under a lease held in memory, in hand-out order —
+  BATCHED, the record left in place;
+* ``commit(consumed)``: a checkpoint of the trainer covers the first ``consumed``
+  hand-outs: ``commits/<consumed>`` is published, then the records it covers are deleted
+  — TRAINED;
+* a put past ``max_size`` (the oldest not handed out), an unreadable record, ``clear`` —
+  DROPPED, renamed to ``drops/<name>~<reason>``.
+
+Hand-outs follow put order, so "the first n hand-outs" is always "the n oldest samples not
+yet committed", and a commit needs no lease records: a restart (``recover``) re-derives
+every lease from the samples still on disk. A put whose sample id is already held (on disk,
+or committed in one of the last ``keep_commits`` commits) is a duplicate: accepted, not
+stored, counted. The sample's bytes are stored as they come and never unpickled here
+(docs/design.md, invariant 7); its id and epoch are read from the pickle's opcodes without
+executing it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pickletools
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from strawq import records
+from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
+from strawq.numbered import Numbered
+from strawq.records import Kind
+from strawq.states import VERL_SAMPLES, TaskState
+from strawq.storage import Storage, open_storage
+
+log = logging.getLogger(__name__)
+
+S = TaskState
+#: reason of a sample dropped because the queue was full (verl's own overflow rule)
+QUEUE_FULL = "queue_full"
+_SAFE = re.compile(r"[A-Za-z0-9_.-]{1,120}")
+#: ``samples/<seq>~<sample id>``: the put order, then the (name-safe) id
+SAMPLE_NAMES = Numbered(sep="~")
+#: ``commits/<consumed>``: how many hand-outs a checkpoint covers
+COMMIT_NAMES = Numbered()
+#: the store's directories (``strawq.states.VERL_SAMPLES``)
+SAMPLES = VERL_SAMPLES.dir_of(S.READY)
+COMMITTED = VERL_SAMPLES.others[0]
+
+
+def sample_identity(blob: bytes) -> tuple[str | None, int | None]:
+    """``(sample_id, epoch)`` of a pickled verl ``RolloutSample``, read from the pickle's
+    opcodes (nothing is executed); ``(None, None)`` for bytes that are not one.
+
+    The dataclass's state is pickled after its ``full_batch``, so the last ``'sample_id'``
+    key followed by a string is the sample's own (a key of that name inside the batch comes
+    earlier).
+    """
+    sid: str | None = None
+    epoch: int | None = None
+    want: str | None = None
+    try:
+        for op, arg, _pos in pickletools.genops(blob):
+            if op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                continue
+            if want is not None:
+                if want == "sample_id" and isinstance(arg, str):
+                    sid = arg
+                elif want == "epoch" and isinstance(arg, int) and not isinstance(arg, bool):
+                    epoch = arg
+                want = None
+                continue
+            if isinstance(arg, str) and arg in ("sample_id", "epoch"):
+                want = arg
+    except Exception:  # not a pickle: pickletools raises several unrelated types
+        return None, None
+    return sid, epoch
+
+
+def _name_part(sample_id: str) -> str:
+    """A sample id as a file-name component: as it is when safe, else a digest of it."""
+    if _SAFE.fullmatch(sample_id):
+        return sample_id
+    return "h" + hashlib.blake2b(sample_id.encode(), digest_size=10).hexdigest()
+
+
+@dataclass(frozen=True)
+class Held:
+    """A sample the queue holds: its sequence number, record key and sample id."""
+
+    seq: int
+    key: str
+    sample_id: str
+
+    @property
+    def name(self) -> str:
+        """The record's name in ``samples/``."""
+        return self.key.rpartition("/")[2]
+
+
+class DurableSampleQueue:
+    """The durable FIFO under ``StrawqMessageQueue`` (synchronous; one writer: the queue).
+
+    ``put`` → ``samples/<seq>~<id>`` (durable on return); ``get`` hands the oldest out and
+    keeps it leased; ``commit(n)`` marks the first ``n`` hand-outs since the run began as
+    trained; a new instance on the same directory (``recover``, run by the constructor)
+    hands out again every sample no commit covers.
+    """
+
+    def __init__(self, storage: Storage | str, *, max_size: int = 1000, keep_commits: int = 8,
+                 fsync: bool = True) -> None:
+        if isinstance(storage, str):
+            storage = open_storage(storage, writer_id="verlq", fsync=fsync)
+        if max_size < 1:
+            raise ConfigError(f"max_queue_size must be at least 1, found {max_size}")
+        self.storage = storage
+        self.max_size = int(max_size)
+        self.keep_commits = max(1, int(keep_commits))
+        self._lock = threading.RLock()
+        self._ready: deque[Held] = deque()
+        self._leased: deque[tuple[int, Held]] = deque()
+        self._ids: set[str] = set()
+        self._inflight: set[int] = set()
+        #: the bytes of samples put by this process and not yet handed out (verl's queue holds
+        #: as much in memory); a restarted queue reads them from their records
+        self._cache: dict[int, bytes] = {}
+        self._recent: deque[set[str]] = deque(maxlen=self.keep_commits)
+        self._seq = 0
+        self._committed_seq = -1
+        self.handed = 0
+        self.consumed = 0
+        self.produced = 0
+        self.duplicates = 0
+        self.dropped = 0
+        self.bytes_put = 0
+        self.recovered = 0
+        #: verl's checkpoint (tracker number) the newest commit stands for, if known
+        self.version: int | None = None
+        self.recover()
+
+    # -- recovery --------------------------------------------------------------------------
+    def recover(self) -> int:
+        """Read the directory: the newest commit, then every sample it does not cover."""
+        with self._lock:
+            self.storage.makedirs(SAMPLES)
+            self.storage.makedirs(COMMITTED)  # drops/ is made by the first drop
+            self._ready.clear()
+            self._cache.clear()
+            self._leased.clear()
+            self._ids.clear()
+            self._recent.clear()
+            listing = self.storage.list(COMMITTED)
+            stale = set(COMMIT_NAMES.prune(listing, self.keep_commits))
+            last_seq = -1
+            for _, name in COMMIT_NAMES.named(listing):
+                if name in stale:
+                    continue
+                meta = self._read_meta(VERL_SAMPLES.other_key(COMMITTED, name))
+                if meta is None:
+                    continue
+                self.consumed = max(self.consumed, int(meta["consumed"]))
+                if meta.get("version") is not None:
+                    self.version = max(self.version if self.version is not None else -1,
+                                       int(meta["version"]))
+                last_seq = max(last_seq, int(meta["seq"]))
+                self._recent.append(set(meta.get("ids", [])))
+            for name in sorted(stale):
+                self.storage.delete(VERL_SAMPLES.other_key(COMMITTED, name))
+            self.handed = self.consumed
+            for name in self.storage.list(SAMPLES):
+                got = SAMPLE_NAMES.split(name)
+                if got is None:
+                    log.warning("verl queue: %s/%s is not a sample name; left alone", SAMPLES, name)
+                    continue
+                seq, sid = got
+                key = VERL_SAMPLES.key(S.READY, name)
+                self._seq = max(self._seq, seq + 1)
+                if seq <= last_seq:  # a commit whose deletions a crash interrupted
+                    VERL_SAMPLES.retire(self.storage, name, S.READY, S.TRAINED)
+                    continue
+                self._ready.append(Held(seq, key, sid))
+                self._ids.add(sid)
+            self._seq = max(self._seq, last_seq + 1)
+            self._committed_seq = last_seq
+            self.recovered = len(self._ready)
+            return self.recovered
+
+    def _read_meta(self, key: str) -> dict[str, Any] | None:
+        try:
+            return records.decode(self.storage.read(key), expect=Kind.STATE, name=key).meta
+        except (CorruptRecord, NotFound) as exc:
+            log.warning("verl queue: %s unreadable (%s); skipped", key, exc)
+            return None
+
+    # -- producer side ---------------------------------------------------------------------
+    def is_held(self, sample_id: str) -> bool:
+        """Whether ``sample_id`` is on disk or in one of the recent commits."""
+        part = _name_part(sample_id)
+        with self._lock:
+            return part in self._ids or any(part in s for s in self._recent)
+
+    def put(self, blob: bytes, *, sample_id: str | None = None,
+            meta: Mapping[str, Any] | None = None) -> bool:
+        """Store one sample durably. Returns False when the queue was full and its oldest
+        sample not yet handed out was dropped (verl's ``put_sample`` contract); a duplicate
+        sample id returns True and stores nothing."""
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise TypeError(f"a verl queue sample is bytes (ray.cloudpickle.dumps of a "
+                            f"RolloutSample), found {type(blob).__name__}")
+        blob = bytes(blob)
+        epoch: int | None = None
+        if sample_id is None:
+            sample_id, epoch = sample_identity(blob)
+        with self._lock:  # reserve a sequence number and the id; write outside the lock
+            seq = self._seq
+            if sample_id is None:
+                sample_id = f"q{seq}"
+            part = _name_part(sample_id)
+            if part in self._ids or any(part in s for s in self._recent):
+                self.duplicates += 1
+                return True
+            self._seq = seq + 1
+            self._inflight.add(seq)
+            self._ids.add(part)
+        key = VERL_SAMPLES.key(S.READY, SAMPLE_NAMES.name(seq, part))
+        try:
+            body: dict[str, Any] = {"verl": "sample", "sample_id": sample_id, "seq": seq,
+                                    "at": time.time(), **(dict(meta) if meta else {})}
+            if epoch is not None:
+                body.setdefault("epoch", epoch)
+            rec = records.encode(Kind.STATE, body,
+                                 {"s": {"b": np.frombuffer(blob, dtype=np.uint8)}})
+            self.storage.publish(key, rec)
+        except BaseException:
+            with self._lock:
+                self._inflight.discard(seq)
+                self._ids.discard(part)
+            raise
+        with self._lock:
+            self._inflight.discard(seq)
+            self._insert(Held(seq, key, part))
+            self._cache[seq] = blob
+            self.produced += 1
+            self.bytes_put += sum(len(c) for c in rec)
+            full = len(self._ready) > self.max_size
+            if full:
+                self._drop(self._ready.popleft(), QUEUE_FULL)
+            return not full
+
+    def _insert(self, held: Held) -> None:
+        """Keep ``_ready`` in sequence order (concurrent puts finish in any order)."""
+        i = len(self._ready)
+        while i and self._ready[i - 1].seq > held.seq:
+            i -= 1
+        self._ready.insert(i, held)
+
+    def in_flight(self) -> int:
+        """Puts that have a sequence number and have not returned yet."""
+        with self._lock:
+            return len(self._inflight)
+
+    def _drop(self, held: Held, reason: str) -> None:
+        """Move a sample to ``drops/<name>~<reason>``: kept, with its reason, never trained."""
+        self.storage.makedirs(VERL_SAMPLES.dir_of(S.DROPPED))
+        try:
+            VERL_SAMPLES.move(self.storage, held.name, S.READY, S.DROPPED,
+                              f"{held.name}~{reason}")
+        except (NotFound, AlreadyExists):
+            pass
+        self._ids.discard(held.sample_id)
+        self._cache.pop(held.seq, None)
+        self.dropped += 1
+        log.warning("verl queue full (%d): dropped its oldest sample %s", self.max_size,
+                    held.sample_id)
+
+    # -- consumer side ---------------------------------------------------------------------
+    def size(self) -> int:
+        """Samples not yet handed out (verl's ``get_queue_size``)."""
+        with self._lock:
+            return len(self._ready)
+
+    def leased(self) -> int:
+        """Samples handed out and not yet covered by a commit."""
+        with self._lock:
+            return len(self._leased)
+
+    def get(self) -> tuple[Held, bytes] | None:
+        """Hand the oldest sample out (leased until a commit covers it); None when empty."""
+        with self._lock:
+            while self._ready:
+                if self._inflight and min(self._inflight) < self._ready[0].seq:
+                    return None  # an older put is still being written: hand-outs keep order
+                held = self._ready.popleft()
+                cached = self._cache.pop(held.seq, None)
+                if cached is not None:
+                    self.handed += 1
+                    self._leased.append((self.handed, held))
+                    return held, cached
+                try:
+                    rec = records.decode(self.storage.read(held.key), expect=Kind.STATE,
+                                         name=held.key)
+                    blob = rec.tables()["s"].column("b").to_numpy().tobytes()
+                except (CorruptRecord, NotFound, KeyError) as exc:
+                    log.error("verl queue: sample %s unreadable (%s): dropped", held.key, exc)
+                    self._drop(held, "corrupt")
+                    continue
+                self.handed += 1
+                self._leased.append((self.handed, held))
+                return held, blob
+            return None
+
+    def commit(self, consumed: int, *, version: int | None = None) -> int:
+        """A checkpoint covers the first ``consumed`` hand-outs since the run began: publish
+        ``commits/<consumed>``, then delete the samples it covers. Returns how many this
+        call committed (0 when an earlier commit already covered them). ``version``: verl's
+        checkpoint (its tracker's number) the commit stands for, kept in the record."""
+        with self._lock:
+            if version is not None:
+                self.version = max(self.version if self.version is not None else -1,
+                                   int(version))
+            if consumed <= self.consumed:
+                return 0
+            covered: list[Held] = []
+            while self._leased and self._leased[0][0] <= consumed:
+                covered.append(self._leased.popleft()[1])
+            # hand-outs of an earlier life of the queue: the oldest samples, in order
+            n_leased = len(covered)
+            n = self.consumed + n_leased
+            while n < consumed and self._ready and not self._leased:
+                covered.append(self._ready.popleft())
+                n += 1
+            last_seq = max([self._committed_seq, *(h.seq for h in covered)])
+            ids = [h.sample_id for h in covered]
+            self.storage.publish(VERL_SAMPLES.other_key(COMMITTED, COMMIT_NAMES.name(consumed)),
+                                 records.encode(Kind.STATE, {"verl": "commit",
+                                                             "consumed": consumed,
+                                                             "seq": last_seq, "ids": ids,
+                                                             "version": self.version,
+                                                             "at": time.time()}))
+            self.consumed = consumed
+            self._committed_seq = last_seq
+            self.handed = max(self.handed, consumed)
+            self._recent.append(set(ids))
+            for i, h in enumerate(covered):  # this life's hand-outs, then an earlier one's
+                VERL_SAMPLES.retire(self.storage, h.name,
+                                    S.BATCHED if i < n_leased else S.READY, S.TRAINED)
+                self._ids.discard(h.sample_id)
+            for name in COMMIT_NAMES.prune(self.storage.list(COMMITTED), self.keep_commits):
+                self.storage.delete(VERL_SAMPLES.other_key(COMMITTED, name))
+            return len(covered)
+
+    def rewind(self) -> int:
+        """Return every lease no commit covers to the front, oldest first (a trainer restored
+        from its checkpoint beside a queue that lived on). Returns how many."""
+        with self._lock:
+            n = len(self._leased)
+            for _, held in reversed(self._leased):
+                self._ready.appendleft(held)
+            self._leased.clear()
+            self.handed = self.consumed
+            return n
+
+    def clear(self) -> int:
+        """Forget the samples not yet handed out, durably (they are dropped with reason
+        ``cleared``). Not what verl's ``clear_queue`` does here: see ``StrawqMessageQueue``."""
+        with self._lock:
+            n = len(self._ready)
+            while self._ready:
+                self._drop(self._ready.popleft(), "cleared")
+            return n
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"queue_size": len(self._ready), "total_produced": self.produced,
+                    "total_consumed": self.handed, "dropped_samples": self.dropped,
+                    "max_queue_size": self.max_size, "leased": len(self._leased),
+                    "committed": self.consumed, "duplicates": self.duplicates,
+                    "recovered": self.recovered, "bytes_put": self.bytes_put,
+                    "dir": self.storage.describe()}
