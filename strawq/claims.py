@@ -23,7 +23,7 @@ from strawq.states import DIRS as STATE_DIRS
 from strawq.states import RELEASE_PREFIX, TaskState, key_of, move, queued_state
 from strawq.storage import Storage
 
-log = logging.getLogger("strawq.queue")
+log = logging.getLogger(__name__)
 
 #: How long a claimer trusts its listing of the top of ``pending/`` (partial and returned
 #: tasks) while it still has cached fresh candidates; its own monotonic clock.

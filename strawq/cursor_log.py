@@ -30,7 +30,7 @@ from strawq.records import Kind
 from strawq.states import RELEASES, release_dir
 from strawq.storage import Storage
 
-log = logging.getLogger("strawq.feeder")
+log = logging.getLogger(__name__)
 
 #: how often a writer that keeps losing the cursor commit re-reads before giving up
 MAX_COMMIT_TRIES = 50

@@ -23,7 +23,7 @@ from strawq.records import Kind
 from strawq.states import DIRS, TaskState, key_of
 from strawq.storage import Storage
 
-log = logging.getLogger("strawq.feeder")
+log = logging.getLogger(__name__)
 
 #: rows staged between two calls of ``Feeder.on_progress``
 PROGRESS_EVERY = 500

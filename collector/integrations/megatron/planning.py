@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-log = logging.getLogger("strawq.collector.integrations.megatron.adapter")
+log = logging.getLogger(__name__)
 
 _INSTALL = ("Megatron-core is not installed: pip install 'strawq[megatron]' (megatron-core==0.16.1;"
             " it uses the torch already installed)")
