@@ -128,12 +128,6 @@ class Feeder:
                       self.dataset.url, cur.next_index)
         return cur
 
-    def _stage(self, rows: Rows, staging: str, passes: Passes, plan: Plan | None = None
-               ) -> int:
-        """``strawq.release_stage.stage_rows`` for this feeder: how many rows were staged."""
-        return stage_rows(self.storage, self.planner, rows, staging, passes, plan,
-                          self.on_progress)
-
     # -- release -----------------------------------------------------------------------------
     def release(self, n: int | None = None) -> int:
         """Release up to ``n`` more prompts (``release_batch`` by default); returns count.
@@ -245,7 +239,8 @@ class Feeder:
                           recent: tuple[int, int], plan: Plan) -> int | None:
         passes = self.passes(cur)
         try:
-            good = self._stage(rows, staging, passes, plan)
+            good = stage_rows(self.storage, self.planner, rows, staging, passes, plan,
+                              self.on_progress)
         except StorageError:  # refused (a full disk): what it staged goes, not left behind
             self.cursor_log.discard_quietly(staging)
             raise
@@ -318,8 +313,9 @@ class Feeder:
             self._reader.adopt(state.get("fingerprint") or {}, nxt)
         passes, again = self.cursor_log.checkpoint_rows(state)
         staging = RELEASES.name(1, uuid.uuid4().hex[:8])
-        good = 0 if cur.seq else self._stage(self.planner.rows_at(passes, again), staging,
-                                             passes)
+        good = 0 if cur.seq else stage_rows(self.storage, self.planner,
+                                            self.planner.rows_at(passes, again), staging,
+                                            passes, on_progress=self.on_progress)
         if cur.seq or not self.cursor_log.commit(1, nxt, staging if good else None, False,
                                        restored_from_checkpoint=True, released_again=good,
                                        **passes.record()):
