@@ -1,6 +1,7 @@
 """The release planner: which rows a release takes, from which source, in what order, and
 where each pass over the dataset starts — decided here, once; the feeder makes the
-decisions durable (``strawq.feeder``: staging, the cursor's compare-and-swap, promotion).
+decisions durable (``strawq.feeder``, ``strawq.release_stage``: staging; ``strawq.cursor_log``:
+the cursor's compare-and-swap, promotion).
 
 **Passes.** Pass ``e`` over the run's dataset starts at task index ``bases[e]``, and row
 ``r`` of the pass is task index ``bases[e] + r`` (a new task id each pass). A plain dataset

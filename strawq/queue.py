@@ -28,25 +28,23 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from strawq import records
+from strawq.claims import TOP_LIST_INTERVAL_S, Claimer, Lease
 from strawq.config import QueueConfig, from_dict, to_dict
 from strawq.eta import EtaPolicy, PolicyCache
 from strawq.formats import FormatCache, check_readable
 from strawq.errors import (AlreadyExists, ConfigError, CorruptRecord, LeaseLost, NotFound,
                            StorageError, TaskNotFound)
-from strawq.liveness import identity_bytes
-from strawq.names import (STAGE_PARTIAL, TaskName, data_key, heartbeat_key, note_key,
-                          parse_heartbeat_state, queue_key, ready_key, requeued_name, validate_id)
+from strawq.heartbeats import HeartbeatWriter, heartbeat_states
+from strawq.names import (STAGE_PARTIAL, TaskName, data_key, note_key, queue_key, ready_key,
+                          requeued_name, validate_id)
 from strawq.numbered import Numbered
 from strawq.records import Kind
 from strawq.states import DIRS as STATE_DIRS
-from strawq.states import (RELEASE_PREFIX, TaskState, entries, key_of, list_queued, move,
-                           queued_state)
+from strawq.states import TaskState, entries, list_queued, move, queued_state
 from strawq.storage import Storage
 
 if TYPE_CHECKING:  # groups need numpy: loaded when a group is read (status reads none)
@@ -54,46 +52,13 @@ if TYPE_CHECKING:  # groups need numpy: loaded when a group is read (status read
 
 log = logging.getLogger(__name__)
 
+__all__ = ["DIRS", "RUN_KEY", "TOP_LIST_INTERVAL_S", "VERSIONS", "Lease", "RunQueue"]
+
 DIRS = ("tmp", "staging", "cursor", *dict.fromkeys(STATE_DIRS.values()), "batches", "acked",
         "delivered", "data", "hb", "versions", "quarantine", "collector", "control")
 RUN_KEY = "run.meta"
 #: ``versions/<v>``: the weight version the collector announced (the name is the data)
 VERSIONS = Numbered()
-#: How long a claimer trusts its listing of the top of ``pending/`` (partial and returned
-#: tasks) while it still has cached fresh candidates; its own monotonic clock.
-TOP_LIST_INTERVAL_S = 0.1
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A claimed task: what a producer needs to work on it and to hand it back."""
-
-    name: TaskName
-    task: dict[str, Any]
-
-    @property
-    def task_id(self) -> str:
-        return self.name.id
-
-    @property
-    def gen(self) -> int:
-        return self.name.gen
-
-    @property
-    def producer(self) -> str:
-        if self.name.producer is None:  # pragma: no cover - leases always carry one
-            raise ValueError("lease without a producer")
-        return self.name.producer
-
-    @property
-    def key(self) -> str:
-        return key_of(TaskState.LEASED, self.name)
-
-    @property
-    def has_partial(self) -> bool:
-        return self.name.resume >= 0
-
-
 class RunQueue:
     """One run's queue on a store. Safe to use from many processes and hosts at once."""
 
@@ -104,16 +69,9 @@ class RunQueue:
         self.config = config
         #: the run's format, which this queue's writers write (``strawq.formats``)
         self.formats = FormatCache(storage)
-        self._hb_counter: dict[str, int] = {}
-        self._hb_idle: dict[str, bool] = {}
-        self._fresh: _OrderedSet = _OrderedSet()
-        #: release directories whose whole listing went into ``_fresh`` and where this
-        #: claimer has lost no race since: a release directory never gains a name, so its
-        #: cached names are all it holds, and it is not listed again
-        self._complete: set[str] = set()
-        self._contended = False
-        self._top_files: list[str] = []
-        self._top_listed_at = float("-inf")
+        #: this process's claims and their candidate cache (``strawq.claims``)
+        self._claimer = Claimer(storage, self._read_record, self.quarantine)
+        self._heartbeats = HeartbeatWriter(storage)
         self._policy: PolicyCache | None = None
 
     # -- run lifecycle ---------------------------------------------------------------------
@@ -173,151 +131,17 @@ class RunQueue:
         """Pending keys in claim order: partial, then returned, then fresh by release."""
         return list_queued(self.storage, limit)
 
-    def _candidates(self, producer: str, n: int) -> list[str]:
-        """Claim candidates in priority order.
-
-        Partial and returned tasks sit at the top of ``pending/`` (few) and are listed on
-        every claim. Fresh tasks come from a per-process cache of the release directories'
-        listings, refilled when it runs low: a claim costs one small listing plus its
-        renames, not a listing of every release directory (on JuiceFS a listing of a few
-        hundred names costs milliseconds). A release directory never gains a name, so one
-        this claimer listed whole is not listed again while its cached names last and no
-        race was lost in it; once they are used up it is removed by ``rmdir`` alone (which
-        refuses a directory that still holds a task, and then it is listed). Once a claimer
-        has lost a race, it starts at its own offset within the head of the fresh list, so
-        concurrent claimers stop racing for the same first task (dataset order then holds
-        within that small window only).
-        """
-        want = max(4 * n, 16)
-        now = time.monotonic()
-        if len(self._fresh) >= want and now - self._top_listed_at < TOP_LIST_INTERVAL_S:
-            # Fresh work is cached and the top was listed a moment ago: a partial task that
-            # appeared since waits at most TOP_LIST_INTERVAL_S for its priority.
-            return self._top_files + list(self._fresh)
-        pending = STATE_DIRS[TaskState.PENDING]
-        top = self.storage.list(pending)
-        self._top_listed_at = now
-        files = [f"{pending}/{x}" for x in top if not x.startswith(RELEASE_PREFIX)]
-        self._top_files = files
-        dirs = sorted(x for x in top if x.startswith(RELEASE_PREFIX))
-        live = set(dirs)
-        self._complete &= live
-        fresh = [k for k in self._fresh if k.split("/", 2)[1] in live]
-        if len(fresh) < want:
-            have = set(fresh)
-            cached = {k.split("/", 2)[1] for k in fresh}
-            for d in dirs:
-                if len(fresh) >= want:
-                    break
-                if d in self._complete:
-                    if d in cached:
-                        continue  # all its names are cached already
-                    # Every name it held was tried by this claimer: drained, unless a claim
-                    # failed on the way (then rmdir refuses, and it is listed again).
-                    self._complete.discard(d)
-                    if self.storage.rmdir(f"{pending}/{d}"):
-                        continue
-                inside = self.storage.list(f"{pending}/{d}")
-                if not inside:
-                    # Drained: safe to remove (rmdir refuses a non-empty directory, and a
-                    # release directory is never refilled: each release has a new seq).
-                    self.storage.rmdir(f"{pending}/{d}")
-                    continue
-                self._complete.add(d)
-                fresh += [k for k in (f"{pending}/{d}/{x}" for x in inside) if k not in have]
-        self._fresh = _OrderedSet(fresh)
-        window = min(len(fresh), 2 * n + 2)
-        if window > 1 and self._contended:
-            off = zlib.crc32(producer.encode()) % window
-            fresh = fresh[off:window] + fresh[:off] + fresh[window:]
-        return files + fresh
-
     def claim(self, producer: str, n: int = 1) -> list[Lease]:
-        """Lease up to ``n`` tasks in priority order. Exactly one claimer wins each task."""
-        validate_id(producer, "producer id")
-        if n <= 0:
-            return []
-        won: list[tuple[str, TaskName]] = []
-        lost = 0
-        for src in self._candidates(producer, n):
-            if len(won) >= n:
-                break
-            self._fresh.discard(src)
-            if src in self._top_files:
-                self._top_files.remove(src)
-            name = TaskName.try_parse(src.rsplit("/", 1)[1])
-            if name is None:
-                log.warning("ignoring a foreign file in the queue: %s", src)
-                continue
-            held = name.with_(attempts=name.attempts + 1, producer=producer)
-            try:
-                dst = move(self.storage, name, queued_state(name), TaskState.LEASED, held,
-                           src_key=src, sync_dir=False)
-            except NotFound:
-                lost += 1
-                if src.count("/") == 2:  # in a release directory: its listing is stale
-                    self._complete.discard(src.split("/", 2)[1])
-                continue  # another producer won it
-            except AlreadyExists:
-                # Not a state the protocol makes: the same task is live twice. Skip it and
-                # move this copy aside (its twin runs); never take the producer down.
-                log.error("claim of %s: %s is already held, so this task is live twice (a "
-                          "second copy at %s); skipping it and moving the copy to "
-                          "quarantine/ for inspection", name.id, key_of(TaskState.LEASED,
-                                                                        held), src)
-                self.quarantine(src)
-                continue
-            won.append((dst, held))
-        self._contended = lost > 0
-        # No directory fsync: a claim lost to a power failure puts the task back in pending,
-        # which only means it runs again (execution is at-least-once).
-        leases = []
-        for dst, held in won:
-            try:
-                rec = self._read_record(dst, Kind.TASK)
-            except CorruptRecord as exc:
-                log.error("claimed task %s has a corrupt record (%s); quarantined", held.id, exc)
-                continue
-            except NotFound:
-                log.error("claimed task %s is gone from %s before it was read (moved by "
-                          "someone else); skipping it", held.id, dst)
-                continue
-            leases.append(Lease(held, rec.meta["task"]))
-        return leases
+        """Lease up to ``n`` tasks in priority order. Exactly one claimer wins each task
+        (``strawq.claims``)."""
+        return self._claimer.claim(producer, n)
 
     def heartbeat(self, producer: str, *, idle: bool = False) -> int:
         """Advance the producer's heartbeat counter; the grantor watches it move. ``idle``:
         the producer holds no lease and claims nothing until its next non-idle beat, so a
-        weight-update bracket need not wait for its ack (``heartbeat_key``)."""
-        validate_id(producer, "producer id")
-        prev = self._hb_counter.get(producer)
-        first = prev is None
-        was_idle = self._hb_idle.get(producer, False)
-        if prev is None:
-            prev, was_idle = max(((c, i) for p, c, i in self.heartbeat_states()
-                                  if p == producer), default=(0, False))
-        counter = prev + 1
-        if prev and not first:
-            # One rename moves the counter: no new file and no unlink (on a shared mount a
-            # beat cost a create, a rename, an unlink and their lookups: most of an idle
-            # producer's metadata operations).
-            try:
-                self.storage.rename(heartbeat_key(producer, prev, was_idle),
-                                    heartbeat_key(producer, counter, idle), sync_dir=False)
-                self._hb_counter[producer] = counter
-                self._hb_idle[producer] = idle
-                return counter
-            except NotFound:
-                pass  # the grantor forgot this producer (or another process beat): anew
-        # This process's first beat publishes anew, naming it (``strawq.liveness``): the
-        # renames after it keep the body, so a reader on this host can see it is gone.
-        self.storage.publish(heartbeat_key(producer, counter, idle), identity_bytes(),
-                             sync_dir=False, sync_file=False)
-        self._hb_counter[producer] = counter
-        self._hb_idle[producer] = idle
-        if prev:
-            self.storage.delete(heartbeat_key(producer, prev, was_idle))
-        return counter
+        weight-update bracket need not wait for its ack (``heartbeat_key``;
+        ``strawq.heartbeats``)."""
+        return self._heartbeats.beat(producer, idle=idle)
 
     def heartbeats(self) -> Iterator[tuple[str, int]]:
         """(producer, counter) of every heartbeat file (a producer may briefly have two)."""
@@ -326,10 +150,7 @@ class RunQueue:
 
     def heartbeat_states(self) -> Iterator[tuple[str, int, bool]]:
         """(producer, counter, idle) of every heartbeat file."""
-        for n in self.storage.list("hb"):
-            hb = parse_heartbeat_state(n)
-            if hb is not None:
-                yield hb
+        yield from heartbeat_states(self.storage)
 
     def still_held(self, lease: Lease) -> bool:
         """Whether the lease file is still ours (a hint: only the final rename fences)."""
@@ -351,7 +172,7 @@ class RunQueue:
         The collector fsyncs ``ready/`` before a manifest names a group (``publish_batch``).
         """
         if dst in (TaskState.PENDING, TaskState.PARTIAL):
-            self._top_listed_at = float("-inf")  # our own handback: list the top next time
+            self._claimer.list_top_next()  # our own handback: list the top next time
         try:
             return move(self.storage, lease.name, TaskState.LEASED, dst, new, sync_dir=False)
         except NotFound:
@@ -513,16 +334,3 @@ class RunQueue:
 
         key = data_key(task_id, gen, "group")
         return GroupData.from_record(self._read_record(key, Kind.GROUP))
-
-
-class _OrderedSet(dict[str, None]):
-    """Insertion-ordered set of keys (the fresh-task cache)."""
-
-    def __init__(self, keys: Iterable[str] = ()) -> None:
-        super().__init__((k, None) for k in keys)
-
-    def discard(self, key: str) -> None:
-        self.pop(key, None)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self.keys()))

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strawq import batches, commits, control, epochs, eta, feeder, history, names, packed, queue
+from strawq import batches, commits, control, cursor, epochs, eta, history, names, packed, queue
 from strawq import requeue, retention, states, turns
 from strawq.numbered import Numbered
 from strawq.storage import MemoryStorage
@@ -31,9 +31,9 @@ GOLDEN = {
     "epoch heartbeat": (epochs.heartbeat_key(3, 9), "collector/hb-000000000003~0000000000000009"),
     "epoch start": (epochs.start_key(3, 12), "collector/start-000000000003~000000000012"),
     "policy": (eta.POLICIES.name(4), "policy-000000000004"),
-    "cursor": (feeder.cursor_name(2, 50), "000000000002.000000000050"),
-    "cursor dir": (feeder.CURSOR_DIRS.name(2), "000000000002"),
-    "cursor commit": (feeder.PREPARED.name(2, "abcd1234"), "c-000000000002.abcd1234"),
+    "cursor": (cursor.cursor_name(2, 50), "000000000002.000000000050"),
+    "cursor dir": (cursor.CURSOR_DIRS.name(2), "000000000002"),
+    "cursor commit": (cursor.PREPARED.name(2, "abcd1234"), "c-000000000002.abcd1234"),
     "release": (states.release_dir(3), "pending/r-000000000003"),
     "release staging": (states.RELEASES.name(3, "abcd1234"), "r-000000000003.abcd1234"),
     "history": (history.SEGMENTS.name(1), "seg-000000000001"),

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from strawq.app import cli
+from strawq.app import cli, parser
 
 
 def test_every_registered_command_is_listed(capsys: pytest.CaptureFixture[str]) -> None:
@@ -254,7 +254,7 @@ def test_an_unexpected_exception_is_a_message(tmp_path: Path, monkeypatch: pytes
     def boom(_args: object) -> int:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(cli, "cmd_status", boom)
+    monkeypatch.setattr(parser, "cmd_status", boom)  # what the parser dispatches to
     assert cli.main(["status", _run(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "internal error: RuntimeError: boom" in err and "Traceback" not in err
