@@ -79,4 +79,3 @@ class EngineContract(GenerateContract, AbortContract, WeightContract):
                 await full.abort_rids(["nothing"])
 
         self.run(target, go())
-

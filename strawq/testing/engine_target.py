@@ -177,4 +177,3 @@ class ContractPlumbing:
             s.post(t.url + path, json=body, headers=t.headers(admin)) as r,
         ):
             return r.status, await r.read()
-
