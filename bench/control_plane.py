@@ -166,13 +166,14 @@ class Counter:
         self.mix: dict[str, int] = {}
 
     def measure(self, kind: str, name: str, fn: Callable[[Any], object],
-                items: Sequence[Any], threads: int = 8) -> list[Any]:
+                items: Sequence[Any], threads: int = 8,
+                made: Callable[[list[Any]], int] = len) -> list[Any]:
         before, t0 = commandstats(self.sock), time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
             out = list(pool.map(fn, items))
         dt = time.perf_counter() - t0
         d = delta(commandstats(self.sock), before)
-        op = Op(kind, name, len(items), max(sum(d.values()) - self.quiet_per_s * dt, 0.0), d)
+        op = Op(kind, name, made(out), max(sum(d.values()) - self.quiet_per_s * dt, 0.0), d)
         self.ops.append(op)
         for k, v in d.items():
             self.mix[k] = self.mix.get(k, 0) + v
@@ -248,10 +249,14 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
               for i in pids}
 
     def claim(i: int) -> Lease:
-        got = queues[i].claim(f"p{i}", 1)
-        if not got:
-            raise RuntimeError(f"producer p{i} found nothing to claim")
-        return got[0]
+        # a claim that lost every race comes back empty; a producer claims again (counted:
+        # contention is part of a claim's cost)
+        for _ in range(50):
+            got = queues[i].claim(f"p{i}", 1)
+            if got:
+                return got[0]
+            time.sleep(0.01)
+        raise RuntimeError(f"producer p{i} found nothing to claim 50 times")
 
     counter.measure("producer", "heartbeat", lambda i: queues[i].heartbeat(f"p{i}"), pids)
     leases = dict(zip(pids, counter.measure("producer", "claim", claim, pids), strict=True))
@@ -281,9 +286,8 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
         bs.publish_batch(bs.next_seq(), names)
         return len(names)
 
-    batched = counter.measure("collector", "batch (scan, read, publish)", batch, [0],
-                              threads=1)[0]
-    counter.ops[-1].made = batched  # per group batched
+    counter.measure("collector", "batch, per group (list, read, publish)", batch, [0], threads=1,
+                    made=lambda out: out[0])  # per group batched
     # the trainer ranks: one shared queue per process here; a rank's own reader state
     q_b = RunQueue.open(PosixStorage(os.path.join(root_b, "run"), writer_id="reader"))
     ranks = run.spread(run.ranks)
@@ -304,8 +308,8 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
         return seq
 
     seqs = counter.measure("rank", "delivery (list, manifest, shard)", deliver, ranks)
-    counter.measure("collector", "ack (rank 0) and gc", lambda _i: (bs.ack(seqs[0]), bs.gc()),
-                    [0], threads=1)
+    counter.measure("collector", "ack (rank 0) and gc, per step",
+                    lambda _i: (bs.ack(seqs[0]), bs.gc()), [0], threads=1)
     counter.measure("rank", "wait: list batches/, acked/", lambda r: readers[r]._next_seq(),
                     ranks)
     counter.measure("rank", "wait: end-of-run check", lambda r: readers[r]._check_finished(),
@@ -326,8 +330,8 @@ def demand(c: Counter, run: Run) -> dict[str, float]:
         "producer": run.producers / run.heartbeat_s * c.cost("heartbeat")
         + g * (c.cost("claim") + c.cost("complete")),
         "collector": g / run.release_batch * c.cost("release (per 64 tasks)")
-        + g * c.cost("batch (scan, read, publish)")
-        + c.cost("ack (rank 0) and gc") / run.step_s,
+        + g * c.cost("batch, per group (list, read, publish)")
+        + c.cost("ack (rank 0) and gc, per step") / run.step_s,
         "rank": run.ranks / run.list_every_s * (c.cost("wait: list batches/, acked/")
                                                 + c.cost("wait: end-of-run check"))
         + run.rank_nodes / run.attr_ttl_s * c.cost("wait: node probe (stat)")
