@@ -327,7 +327,9 @@ def main() -> int:
     cp.add_argument("--ranks", type=int, default=None,
                     help="trainer ranks waiting for batches (default: one per GPU)")
     cp.add_argument("--slots", type=int, default=24, help="groups in flight per producer")
-    cp.add_argument("--batch-groups", type=int, default=2048, help="groups per step")
+    cp.add_argument("--batch-groups", type=int, default=None,
+                    help="groups per step (default 2048 at 10,000 GPUs, in proportion to "
+                         "--gpus otherwise)")
     cp.add_argument("--step-s", type=float, default=60.0,
                     help="seconds per training step; a weight update after each")
     cp.add_argument("--handback-share", type=float, default=0.25,
@@ -440,7 +442,8 @@ def control_plane(args: argparse.Namespace) -> int:
 
     gpus = args.gpus or (80 if args.quick else 10_000)
     run = Run(gpus=gpus, gpus_per_node=args.gpus_per_node, ranks=args.ranks or gpus,
-              slots=args.slots, batch_groups=args.batch_groups, step_s=args.step_s,
+              slots=args.slots, step_s=args.step_s,
+              batch_groups=args.batch_groups or max(1, round(2048 * gpus / 10_000)),
               handback_share=args.handback_share, burst_window_s=args.burst_window_s,
               pending_depth=args.pending_depth or (64 if args.quick else 1024),
               sample=(0 if args.quick else 100) if args.sample is None else args.sample)
