@@ -60,6 +60,7 @@ import multiprocessing as mp
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -352,6 +353,22 @@ def main() -> int:
                          "batches/, as the reader does today)")
     args = ap.parse_args()
     if args.control_plane:
+        bad = [f"--{k.replace('_', '-')} {v}" for k, v, ok in (
+            ("gpus", args.gpus, args.gpus is None or args.gpus >= args.gpus_per_node),
+            ("gpus_per_node", args.gpus_per_node, args.gpus_per_node >= 1),
+            ("ranks", args.ranks, args.ranks is None or args.ranks >= 1),
+            ("slots", args.slots, args.slots >= 1),
+            ("batch_groups", args.batch_groups, args.batch_groups is None
+             or args.batch_groups >= 1),
+            ("step_s", args.step_s, args.step_s > 0),
+            ("handback_share", args.handback_share, 0 <= args.handback_share <= 1),
+            ("burst_window_s", args.burst_window_s, args.burst_window_s > 0),
+            ("pending_depth", args.pending_depth, args.pending_depth is None
+             or args.pending_depth >= 0),
+            ("sample", args.sample, args.sample is None or args.sample >= 0)) if not ok]
+        if bad:
+            ap.error(f"out of range: {', '.join(bad)} (GPUs at least one node's, counts and "
+                     "seconds positive, --handback-share within 0..1)")
         return control_plane(args)
     infix = "_REDIS" if args.meta == "redis" else ""
     args.mount_a = args.mount_a or os.environ.get(f"STRAWQ_JUICEFS{infix}_A")
@@ -458,6 +475,9 @@ def control_plane(args: argparse.Namespace) -> int:
     except Unavailable as e:
         print(f"scale: the control-plane run needs a Redis-backed JuiceFS volume: {e}")
         return 2
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        print(f"scale: the control-plane run failed: {type(e).__name__}: {e}")
+        return 1
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2, default=str)
