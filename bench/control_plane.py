@@ -163,7 +163,6 @@ class Counter:
         after = commandstats(sock)
         self.quiet_per_s = sum(delta(after, before).values()) / (time.perf_counter() - t0)
         self.ops: list[Op] = []
-        self.mix: dict[str, int] = {}
 
     def measure(self, kind: str, name: str, fn: Callable[[Any], object],
                 items: Sequence[Any], threads: int = 8,
@@ -175,8 +174,6 @@ class Counter:
         d = delta(commandstats(self.sock), before)
         op = Op(kind, name, made(out), max(sum(d.values()) - self.quiet_per_s * dt, 0.0), d)
         self.ops.append(op)
-        for k, v in d.items():
-            self.mix[k] = self.mix.get(k, 0) + v
         top = sorted(d.items(), key=lambda kv: -kv[1])[:3]
         mix = ", ".join(f"{k} {v / op.made:.1f}" for k, v in top) if op.made else ""
         print(f"  {kind:<9} {name:<34} {op.made:>6} in {dt:6.1f} s: {op.per_op:7.1f} "
@@ -323,36 +320,64 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
     return counter, demand(counter, run)
 
 
-def demand(c: Counter, run: Run) -> dict[str, float]:
-    """Steady ops/s by client kind, and the ops of one update's burst."""
+#: client kind of each operation's steady term
+KIND = {"heartbeat": "producer", "claim": "producer", "complete": "producer",
+        "release (per 64 tasks)": "collector", "batch, per group (list, read, publish)":
+        "collector", "ack (rank 0) and gc, per step": "collector",
+        "wait: list batches/, acked/": "rank", "wait: end-of-run check": "rank",
+        "wait: node probe (stat)": "rank", "delivery (list, manifest, shard)": "rank"}
+
+
+def steady_rates(run: Run) -> dict[str, float]:
+    """Each steady operation's rate per second in the real run."""
     g = run.groups_per_s
-    steady = {
-        "producer": run.producers / run.heartbeat_s * c.cost("heartbeat")
-        + g * (c.cost("claim") + c.cost("complete")),
-        "collector": g / run.release_batch * c.cost("release (per 64 tasks)")
-        + g * c.cost("batch, per group (list, read, publish)")
-        + c.cost("ack (rank 0) and gc, per step") / run.step_s,
-        "rank": run.ranks / run.list_every_s * (c.cost("wait: list batches/, acked/")
-                                                + c.cost("wait: end-of-run check"))
-        + run.rank_nodes / run.attr_ttl_s * c.cost("wait: node probe (stat)")
-        + run.ranks / run.step_s * c.cost("delivery (list, manifest, shard)"),
-    }
+    return {"heartbeat": run.producers / run.heartbeat_s, "claim": g, "complete": g,
+            "release (per 64 tasks)": g / run.release_batch,
+            "batch, per group (list, read, publish)": g,
+            "ack (rank 0) and gc, per step": 1 / run.step_s,
+            "wait: list batches/, acked/": run.ranks / run.list_every_s,
+            "wait: end-of-run check": run.ranks / run.list_every_s,
+            "wait: node probe (stat)": run.rank_nodes / run.attr_ttl_s,
+            "delivery (list, manifest, shard)": run.ranks / run.step_s}
+
+
+def burst_counts(run: Run) -> dict[str, float]:
+    """Each operation's count at one weight update."""
     saved = run.in_flight * (1 - run.handback_share)
     handed = run.in_flight * run.handback_share
-    burst = saved * (c.cost("save partial") + c.cost("resume: claim")
-                     + c.cost("resume: load partial")) \
-        + handed * (c.cost("hand back") + c.cost("hand back: claim again"))
+    return {"save partial": saved, "resume: claim": saved, "resume: load partial": saved,
+            "hand back": handed, "hand back: claim again": handed}
+
+
+def demand(c: Counter, run: Run) -> dict[str, float]:
+    """Steady ops/s by client kind, and the ops of one update's burst."""
+    steady = dict.fromkeys(("producer", "collector", "rank"), 0.0)
+    for name, rate in steady_rates(run).items():
+        steady[KIND[name]] += rate * c.cost(name)
+    burst = sum(n * c.cost(name) for name, n in burst_counts(run).items())
     return {**{f"steady_{k}": v for k, v in steady.items()},
             "steady": sum(steady.values()), "burst": burst}
+
+
+def demand_mix(c: Counter, run: Run) -> dict[str, int]:
+    """The run's steady command mix: each operation's commands weighted by its rate."""
+    mix: dict[str, float] = {}
+    for name, rate in steady_rates(run).items():
+        op = next(o for o in c.ops if o.name == name)
+        for cmd, n in op.mix.items():
+            mix[cmd] = mix.get(cmd, 0.0) + rate * n / max(op.made, 1)
+    return {k: round(v) for k, v in mix.items() if round(v) > 0}
 
 
 def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dict[str, Any]:
     counter, d = measure(vol, run, quiet_s)
     assert vol.sock is not None
-    cap, rates = capacity(vol.sock, counter.mix, requests=capacity_requests)
-    top = sorted(counter.mix.items(), key=lambda kv: -kv[1])[:8]
-    total = sum(counter.mix.values()) or 1
-    print("observed command mix: " + ", ".join(f"{k} {v / total:.0%}" for k, v in top))
+    mix = demand_mix(counter, run)
+    cap, rates = capacity(vol.sock, mix, requests=capacity_requests)
+    top = sorted(mix.items(), key=lambda kv: -kv[1])[:8]
+    total = sum(mix.values()) or 1
+    print("observed command mix, weighted by each operation's rate: "
+          + ", ".join(f"{k} {v / total:.0%}" for k, v in top))
     print("redis-benchmark on this machine (50 clients): "
           + ", ".join(f"{k} {v:,.0f}/s" for k, v in rates.items()))
     print(f"demand at {run.gpus:,} GPUs ({run.producers:,} producers, {run.ranks:,} ranks on "
@@ -374,4 +399,5 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
           f"per update burst; metadata server capacity = {cap:.0f} ops/s; share = "
           f"{d['steady'] / cap:.3f} (burst {burst_share:.3f} over {run.burst_window_s:g} s)")
     return {"run": run.__dict__, "ops": [o.__dict__ for o in counter.ops], "demand": d,
-            "capacity_ops_s": cap, "capacity_by_command": rates, "volumes_needed": volumes}
+            "capacity_ops_s": cap, "capacity_by_command": rates, "steady_mix": mix,
+            "volumes_needed": volumes}
