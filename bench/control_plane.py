@@ -58,7 +58,8 @@ TTL (1 s), so that look is counted once per node per TTL (``node probe``).
 Counted the same way per operation: a Redis command is one call in ``INFO commandstats``,
 the commands JuiceFS's Lua scripts run inside the server included (each is work the
 server does); the capacity it is compared with is ``redis-benchmark``'s commands a second
-on the same server, command by command in the observed mix.
+on the same server, command by command in the run's steady mix (each operation's commands
+weighted by its rate in the run), combined by the mix's weights.
 """
 
 from __future__ import annotations
