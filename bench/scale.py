@@ -31,11 +31,11 @@ volume (``META=redis deploy/juicefs/testvol.sh``, a private ``redis-server`` on 
 socket, no attribute or entry cache unless ``--meta-cache default``), has producers,
 collector and trainer ranks make their real operations, counts each operation's Redis
 commands (``INFO commandstats``), multiplies by each operation's rate at ``--gpus``,
-measures the server's capacity with ``redis-benchmark`` on the observed command mix, and
+measures the server's capacity with ``redis-benchmark`` on the run's steady command mix, and
 ends on ``scale: 10k-GPU control plane = A ops/s steady, B ops per update burst; metadata
 server capacity = C ops/s; share = A/C (burst B/D/C over D s)``, saying how many volumes a
 run must be sharded across to stay under 20 % of each. ``--quick``: 80 GPUs' clients, every
-one counted (about 40 s). ``--trainer-watch`` names how ranks wait (``per-rank``, the
+one counted (under a minute). ``--trainer-watch`` names how ranks wait (``per-rank``, the
 reader today): the slot for a lever that changes it.
 
     python bench/scale.py --control-plane [--quick] [--gpus 10000] [--ranks N]
@@ -462,7 +462,8 @@ def control_plane(args: argparse.Namespace) -> int:
               slots=args.slots, step_s=args.step_s,
               batch_groups=args.batch_groups or max(1, round(2048 * gpus / 10_000)),
               handback_share=args.handback_share, burst_window_s=args.burst_window_s,
-              pending_depth=args.pending_depth or (64 if args.quick else 1024),
+              pending_depth=(64 if args.quick else 1024) if args.pending_depth is None
+              else args.pending_depth,
               sample=(0 if args.quick else 100) if args.sample is None else args.sample)
     try:
         with test_volume("redis", meta_cache=args.meta_cache) as vol:
