@@ -30,7 +30,13 @@ JuiceFS volumes: ``--juicefs`` (default ``$STRAWQ_JUICEFS_A``) and ``--juicefs-r
 (default ``$STRAWQ_JUICEFS_REDIS_A``: a volume on Redis metadata, the engine production
 uses, e.g. ``META=redis deploy/juicefs/testvol.sh up DIR``), each row labelled with the
 metadata engine its client names (``strawq doctor``'s reading), and a summary line per
-location before the last line.
+location before the last line. ``--up`` brings both volumes up for the run itself (fresh,
+in a temporary directory, taken down at the end) and on the Redis one also counts what
+reached the server (``INFO commandstats``, commands per group, Lua scripts' inner calls
+included) beside the client's counters: local disk, SQLite and Redis metadata in one run,
+each with its limit measured in the same run.
+
+    python bench/queue_ops.py --up --flat 0   # local, JuiceFS on SQLite, JuiceFS on Redis
 
 The last line is ``queue_ops: strawq/limit = X, strawq/straw = Y, meta ops/group = Z``
 (geometric means over the cases; Z is strawq's mean on JuiceFS, ``n/a`` without it).
@@ -49,6 +55,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +71,9 @@ from strawq.groups import GroupData  # noqa: E402
 from strawq.queue import RunQueue  # noqa: E402
 from strawq.records import Kind, decode  # noqa: E402
 from strawq.storage import PosixStorage  # noqa: E402
+
+from redis_meta import Unavailable, commandstats, test_volume  # noqa: E402
+from redis_meta import delta as calls_delta  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
@@ -289,11 +299,23 @@ def meta_ops(mount: str | None) -> dict[str, float]:
     return out
 
 
+#: the Redis server behind a mount this run brought up (``--up``): its own command count
+REDIS_SOCKS: dict[str, str] = {}
+
+
+def redis_calls(mount: str | None) -> dict[str, int]:
+    sock = REDIS_SOCKS.get(mount or "")
+    return commandstats(sock) if sock else {}
+
+
 def counted(mount: str | None, fn: Any, *args: Any) -> dict[str, Any]:
-    """Run one case; add its metadata operations per group (JuiceFS only)."""
-    before = meta_ops(mount)
+    """Run one case; add its metadata operations per group (JuiceFS only), and the Redis
+    commands per group where this run started the volume's server."""
+    before, calls = meta_ops(mount), redis_calls(mount)
     res = dict(fn(*args))
     after = meta_ops(mount)
+    if calls:
+        res["redis_cmds_per_group"] = sum(calls_delta(redis_calls(mount), calls).values()) / args[2]
     if before or after:
         groups = args[2]
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -481,9 +503,30 @@ def main() -> int:
     ap.add_argument("--juicefs-redis", default=os.environ.get("STRAWQ_JUICEFS_REDIS_A"),
                     help="a second JuiceFS mount, on Redis metadata, to run on too "
                          "(default $STRAWQ_JUICEFS_REDIS_A)")
+    ap.add_argument("--up", action="store_true",
+                    help="bring both JuiceFS test volumes up for this run (SQLite and "
+                         "Redis metadata, deploy/juicefs/testvol.sh) instead of using "
+                         "--juicefs / --juicefs-redis; on Redis also count the server's "
+                         "commands per group")
     ap.add_argument("--flat-only", action="store_true", help="only the flatness run")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
+    if not args.up:
+        return run_all(args)
+    with ExitStack() as stack:
+        try:
+            sqlite = stack.enter_context(test_volume("sqlite"))
+            redis = stack.enter_context(test_volume("redis"))
+        except Unavailable as e:
+            print(f"queue_ops: --up needs both JuiceFS test volumes: {e}")
+            return 2
+        assert redis.sock is not None
+        args.juicefs, args.juicefs_redis = sqlite.a, redis.a
+        REDIS_SOCKS[redis.a] = redis.sock
+        return run_all(args)
+
+
+def run_all(args: argparse.Namespace) -> int:
     producers = [int(x) for x in (args.producers or ("1,4" if args.quick else "1,4,16"))
                  .split(",")]
     groups = args.groups or (64 if args.quick else 512)
@@ -520,6 +563,10 @@ def main() -> int:
                   f"{a['claim_p99_ms']:>8.2f} | {b['groups_s']:>10.1f}{b['claim_p50_ms']:>10.2f}"
                   f"{b['claim_p99_ms']:>8.2f} | {c['groups_s']:>10.1f} | {of_limit:>7.2f}"
                   f"{ratio:>7.2f} | {ops:>22}", flush=True)
+            if "redis_cmds_per_group" in a:
+                print(f"{'':<15}Redis commands per group (the server's count) strawq / straw "
+                      f"/ limit: " + " / ".join(f"{x['redis_cmds_per_group']:.1f}"
+                                                for x in (a, b, c)))
             if "meta_ops_by_kind" in a:
                 print(f"{'':<15}strawq meta ops per group by kind: {a['meta_ops_by_kind']}")
                 print(f"{'':<15}limit  meta ops per group by kind: {c['meta_ops_by_kind']}")
@@ -554,6 +601,11 @@ def main() -> int:
                if "meta_ops_per_group" in r["limit"]]
         meta = (f", meta ops/group = {sum(lops) / len(lops):.1f} (the limit's: "
                 f"{sum(lim) / len(lim):.1f})") if lops and lim else ""
+        cmds = [(r["strawq"]["redis_cmds_per_group"], r["limit"]["redis_cmds_per_group"])
+                for r in rs if "redis_cmds_per_group" in r["strawq"]]
+        if cmds:
+            meta += (f", Redis commands/group = {sum(q for q, _ in cmds) / len(cmds):.1f} "
+                     f"(the limit's: {sum(x for _, x in cmds) / len(cmds):.1f})")
         print(f"{loc}: strawq/limit = {gmean([r['of_limit'] for r in rs]):.2f}, "
               f"strawq/straw = {gmean([r['ratio'] for r in rs]):.2f}{meta} (geometric means)")
     jfs = [r["strawq"]["meta_ops_per_group"] for r in results

@@ -24,6 +24,24 @@ each client's own counters (``<mount>/.stats``, ``juicefs_meta_ops_total_<op>``)
 3. **Extrapolation** to a 1,000-GPU and a 10,000-GPU job (one producer per 8-GPU node:
    125 and 1,250 producers), from the measured rates.
 
+``--control-plane`` instead counts a whole run's control plane at its metadata server
+(``bench/control_plane.py`` has the counts and rates assumed per client kind, and why Redis
+commands per logical operation is what is measured): it brings up its own Redis-backed
+volume (``META=redis deploy/juicefs/testvol.sh``, a private ``redis-server`` on a unix
+socket, no attribute or entry cache unless ``--meta-cache default``), has producers,
+collector and trainer ranks make their real operations, counts each operation's Redis
+commands (``INFO commandstats``), multiplies by each operation's rate at ``--gpus``,
+measures the server's capacity with ``redis-benchmark`` on the run's steady command mix, and
+ends on ``scale: 10k-GPU control plane = A ops/s steady, B ops per update burst; metadata
+server capacity = C ops/s; share = A/C (burst B/D/C over D s)``, saying how many volumes a
+run must be sharded across to stay under 20 % of each. ``--quick``: 80 GPUs' clients, every
+one counted (under a minute). ``--trainer-watch`` names how ranks wait (``per-rank``, the
+reader today): the slot for a lever that changes it.
+
+    python bench/scale.py --control-plane [--quick] [--gpus 10000] [--ranks N]
+                           [--slots 24] [--batch-groups 2048] [--step-s 60]
+                           [--meta-cache zero|default] [--sample 100]
+
     python bench/scale.py [--quick] [--meta sqlite|redis] [--idle-s 20] [--counts 1,10,100]
                            [--claims 200]
 
@@ -42,6 +60,7 @@ import multiprocessing as mp
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -298,7 +317,59 @@ def main() -> int:
     ap.add_argument("--counts", default=None, help="default 1,10,100,1000")
     ap.add_argument("--claims", type=int, default=None, help="default 200")
     ap.add_argument("--json", help="write results here")
+    cp = ap.add_argument_group(
+        "control plane (--control-plane): every client of a large run, counted at a "
+        "Redis metadata server this bench starts")
+    cp.add_argument("--control-plane", action="store_true",
+                    help="count the control plane of a --gpus run instead (brings its own "
+                         "Redis-backed volume up: needs juicefs, /dev/fuse, redis-server)")
+    cp.add_argument("--gpus", type=int, default=None, help="default 10000 (--quick: 80)")
+    cp.add_argument("--gpus-per-node", type=int, default=8, help="one producer per node")
+    cp.add_argument("--ranks", type=int, default=None,
+                    help="trainer ranks waiting for batches (default: one per GPU)")
+    cp.add_argument("--slots", type=int, default=24, help="groups in flight per producer")
+    cp.add_argument("--batch-groups", type=int, default=None,
+                    help="groups per step (default 2048 at 10,000 GPUs, in proportion to "
+                         "--gpus otherwise)")
+    cp.add_argument("--step-s", type=float, default=60.0,
+                    help="seconds per training step; a weight update after each")
+    cp.add_argument("--handback-share", type=float, default=0.25,
+                    help="share of the groups in flight handed back at an update (the rest "
+                         "are saved as partials and resumed)")
+    cp.add_argument("--burst-window-s", type=float, default=10.0,
+                    help="seconds an update's saves and resumes spread over")
+    cp.add_argument("--pending-depth", type=int, default=None,
+                    help="tasks waiting in pending/ as producers claim (default 1024, "
+                         "--quick: 64)")
+    cp.add_argument("--sample", type=int, default=None,
+                    help="identities of each kind whose operations are counted, spread over "
+                         "all of them (default 100; --quick: every one; 0: every one)")
+    cp.add_argument("--meta-cache", choices=("zero", "default"), default="zero",
+                    help="the volume's kernel caches: zero (every call reaches the server, "
+                         "as on a node whose cache has expired: the upper bound) or default "
+                         "(1 s TTLs, shared by every simulated client: the lower bound)")
+    cp.add_argument("--trainer-watch", choices=("per-rank",), default="per-rank",
+                    help="how trainer ranks wait for batches: per-rank (each rank polls "
+                         "batches/, as the reader does today)")
     args = ap.parse_args()
+    if args.control_plane:
+        bad = [f"--{k.replace('_', '-')} {v}" for k, v, ok in (
+            ("gpus", args.gpus, args.gpus is None or args.gpus >= args.gpus_per_node),
+            ("gpus_per_node", args.gpus_per_node, args.gpus_per_node >= 1),
+            ("ranks", args.ranks, args.ranks is None or args.ranks >= 1),
+            ("slots", args.slots, args.slots >= 1),
+            ("batch_groups", args.batch_groups, args.batch_groups is None
+             or args.batch_groups >= 1),
+            ("step_s", args.step_s, args.step_s > 0),
+            ("handback_share", args.handback_share, 0 <= args.handback_share <= 1),
+            ("burst_window_s", args.burst_window_s, args.burst_window_s > 0),
+            ("pending_depth", args.pending_depth, args.pending_depth is None
+             or args.pending_depth >= 0),
+            ("sample", args.sample, args.sample is None or args.sample >= 0)) if not ok]
+        if bad:
+            ap.error(f"out of range: {', '.join(bad)} (GPUs at least one node's, counts and "
+                     "seconds positive, --handback-share within 0..1)")
+        return control_plane(args)
     infix = "_REDIS" if args.meta == "redis" else ""
     args.mount_a = args.mount_a or os.environ.get(f"STRAWQ_JUICEFS{infix}_A")
     args.mount_b = args.mount_b or os.environ.get(f"STRAWQ_JUICEFS{infix}_B")
@@ -379,6 +450,38 @@ def main() -> int:
     finally:
         shutil.rmtree(root_a, ignore_errors=True)
         shutil.rmtree(os.path.join(args.mount_a, name + "-idle"), ignore_errors=True)
+    return 0
+
+
+def control_plane(args: argparse.Namespace) -> int:
+    from control_plane import Run, report
+    from redis_meta import Unavailable, test_volume
+
+    gpus = args.gpus or (80 if args.quick else 10_000)
+    run = Run(gpus=gpus, gpus_per_node=args.gpus_per_node, ranks=args.ranks or gpus,
+              slots=args.slots, step_s=args.step_s,
+              batch_groups=args.batch_groups or max(1, round(2048 * gpus / 10_000)),
+              handback_share=args.handback_share, burst_window_s=args.burst_window_s,
+              pending_depth=(64 if args.quick else 1024) if args.pending_depth is None
+              else args.pending_depth,
+              sample=(0 if args.quick else 100) if args.sample is None else args.sample)
+    try:
+        with test_volume("redis", meta_cache=args.meta_cache) as vol:
+            caches = ("no attribute or entry cache" if args.meta_cache == "zero" else
+                      "1 s attribute and entry caches")
+            print(f"volume: JuiceFS on a private redis-server ({vol.sock}), two clients, "
+                  f"{caches}", flush=True)
+            out = report(vol, run, quiet_s=2.0 if args.quick else 10.0,
+                         capacity_requests=5_000 if args.quick else 100_000)
+    except Unavailable as e:
+        print(f"scale: the control-plane run needs a Redis-backed JuiceFS volume: {e}")
+        return 2
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        print(f"scale: the control-plane run failed: {type(e).__name__}: {e}")
+        return 1
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2, default=str)
     return 0
 
 

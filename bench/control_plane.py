@@ -1,0 +1,404 @@
+"""The control plane of a large run, counted at the metadata server (``bench/scale.py
+--control-plane``).
+
+The run's clients make their own real operations, with the project's own queue, batch and
+reader code, against a Redis-backed JuiceFS volume brought up for the run (client A: the
+collector; client B: producers and trainer ranks); what reaches the metadata server is
+counted with Redis's own ``INFO commandstats``.
+
+**Counts and rates assumed** (``Run``; each a flag of ``scale.py``), for 10,000 GPUs:
+
+- producers: one per 8-GPU node, 1,250, each with 24 group slots (30,000 groups in
+  flight); each heartbeats every ``heartbeat_interval_s`` (5 s); together they claim and
+  complete the run's groups, 2,048 a step of 60 s (34 groups/s: one claim and one
+  completion per group).
+- weight update after every step: of the 30,000 groups in flight, 75 % are saved as
+  partials (``yield_partial``) and resumed (a claim and ``load_partial``), 25 % handed back
+  (``release``) and claimed again; the burst is spread over 10 s.
+- the collector: releases tasks 64 at a time as they are claimed, batches every group
+  (lists ``ready/``, reads each group's summary, publishes the manifest, moves the groups),
+  acks and garbage-collects once a step.
+- trainer ranks: 10,000 (one per GPU: a colocated trainer, every rank reading), 8 per
+  node, all waiting all the time (an upper bound: a rank training is not polling): each
+  lists ``batches/`` and ``acked/`` once a second and checks for the run's end once a
+  second (``BatchReader.next_batch`` today); its stat of ``batches/`` every 20 ms reaches
+  the server once per node per attribute-cache TTL (1 s); at each step each rank lists,
+  reads the manifest and loads its shard.
+
+**Why Redis commands per logical operation is what is measured.** A 10,000-GPU control
+plane makes tens of thousands of filesystem calls a second; a 2-core machine cannot make
+them in real time (the driver here reaches about 2,000-4,000 Redis commands a second). So
+time is scaled per operation with the count kept in the rates: identities of each kind
+(producers ``p<i>`` with their own queue handle, trainer ranks with their own reader,
+numbered in the full world size, rank nodes) make each of their real operations once, as
+fast as the machine goes (8 threads), and the server's command count over that round,
+less what the idle clients send over the same time, divided by the operations made, is
+that operation's cost. The cost of an operation does not depend on how many clients make
+it (it depends on the directories it lists, kept at their real sizes where they matter:
+``pending/`` at ``pending_depth``); so ``--sample`` identities per kind, spread over the
+whole population (100 by default, every one with ``--sample 0``), are counted, and those
+costs times each operation's rate in the real run (``Run`` below, every rate a flag) are
+the run's demand. What this leaves out: retries of contended transactions at full
+concurrency (8 threads here, not 11,250 clients), and at an update the partial and
+returned tasks at the top of ``pending/`` number the sample, not the 30,000 of the real
+run (a resuming claim lists them: the real burst is larger than counted).
+
+**Caches.** Every simulated node shares this machine's one kernel and one JuiceFS client,
+where a real node has its own. So the volume is mounted with no attribute or entry cache
+(``STRAWQ_JUICEFS_META_CACHE=zero``, ``--meta-cache zero``, the default): every call a
+client makes reaches the server, as if no node shared a cache with another: an upper
+bound, since a real node with the default 1 s caches answers repeated path lookups within
+one operation, and its ranks' lookups within a second, from its own kernel.
+``--meta-cache default`` mounts with the 1 s caches instead, shared here by every simulated
+client: the lower bound (caching no real node has). The one call whose caching is
+modelled either way is the waiting rank's stat of ``batches/`` at each 20 ms poll: a
+node's kernel answers its ranks' stats from its attribute cache, one getattr per node per
+TTL (1 s), so that look is counted once per node per TTL (``node probe``).
+
+Counted the same way per operation: a Redis command is one call in ``INFO commandstats``,
+the commands JuiceFS's Lua scripts run inside the server included (each is work the
+server does); the capacity it is compared with is ``redis-benchmark``'s commands a second
+on the same server, command by command in the run's steady mix (each operation's commands
+weighted by its rate in the run), combined by the mix's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from strawq.batches import BatchStore
+from strawq.config import QueueConfig
+from strawq.dataset import Dataset
+from strawq.feeder import Feeder
+from strawq.groups import GroupData
+from strawq.queue import Lease, RunQueue
+from strawq.storage import PosixStorage
+
+from redis_meta import Volume, capacity, commandstats, delta
+
+
+@dataclass(frozen=True)
+class Run:
+    """The run whose control plane is counted: counts and rates (flags of scale.py)."""
+
+    gpus: int = 10_000
+    gpus_per_node: int = 8
+    #: trainer ranks that wait for batches (default: every GPU, a colocated trainer)
+    ranks: int = 10_000
+    #: group slots in flight per producer (30,000 groups in flight at 1,250 producers)
+    slots: int = 24
+    #: groups per batch and seconds per training step (a weight update after each step)
+    batch_groups: int = 2048
+    step_s: float = 60.0
+    #: of the groups in flight at an update, the share handed back with nothing generated
+    #: (the rest are saved as partials and resumed)
+    handback_share: float = 0.25
+    #: the seconds an update's saves and resumes spread over
+    burst_window_s: float = 10.0
+    #: released tasks waiting in pending/ when producers claim (the collector admits about
+    #: a batch ahead): a claim lists pending/, so its cost grows with this depth
+    pending_depth: int = 1024
+    #: the identities of each kind whose operations are counted (spread over the whole
+    #: population, ranks numbered in the full world size); 0: every one
+    sample: int = 0
+    heartbeat_s: float = QueueConfig().heartbeat_interval_s
+    release_batch: int = QueueConfig().release_batch
+    attr_ttl_s: float = 1.0
+    #: a waiting rank lists batches/ (and acked/) at least this often, and checks for the
+    #: run's end as often (strawq.collector.trainer.reader.LIST_EVERY_S)
+    list_every_s: float = 1.0
+
+    @property
+    def producers(self) -> int:
+        return self.gpus // self.gpus_per_node
+
+    @property
+    def rank_nodes(self) -> int:
+        return math.ceil(self.ranks / self.gpus_per_node)
+
+    @property
+    def groups_per_s(self) -> float:
+        return self.batch_groups / self.step_s
+
+    def spread(self, n: int) -> list[int]:
+        """The counted identities among ``n``: every one, or ``sample`` spread evenly."""
+        k = n if not self.sample or self.sample >= n else self.sample
+        return [i * n // k for i in range(k)]
+
+    @property
+    def in_flight(self) -> int:
+        return self.producers * self.slots
+
+
+@dataclass
+class Op:
+    kind: str
+    name: str
+    made: int = 0
+    commands: float = 0.0
+    mix: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def per_op(self) -> float:
+        return self.commands / self.made if self.made else 0.0
+
+
+class Counter:
+    """Redis commands per logical operation, net of the idle clients' own traffic."""
+
+    def __init__(self, sock: str, quiet_s: float) -> None:
+        self.sock = sock
+        before, t0 = commandstats(sock), time.perf_counter()
+        time.sleep(quiet_s)
+        after = commandstats(sock)
+        self.quiet_per_s = sum(delta(after, before).values()) / (time.perf_counter() - t0)
+        self.ops: list[Op] = []
+
+    def measure(self, kind: str, name: str, fn: Callable[[Any], object],
+                items: Sequence[Any], threads: int = 8,
+                made: Callable[[list[Any]], int] = len) -> list[Any]:
+        before, t0 = commandstats(self.sock), time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            out = list(pool.map(fn, items))
+        dt = time.perf_counter() - t0
+        d = delta(commandstats(self.sock), before)
+        op = Op(kind, name, made(out), max(sum(d.values()) - self.quiet_per_s * dt, 0.0), d)
+        self.ops.append(op)
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:3]
+        mix = ", ".join(f"{k} {v / op.made:.1f}" for k, v in top) if op.made else ""
+        print(f"  {kind:<9} {name:<34} {op.made:>6} in {dt:6.1f} s: {op.per_op:7.1f} "
+              f"Redis commands each ({mix})", flush=True)
+        return out
+
+    def cost(self, name: str) -> float:
+        return next(o.per_op for o in self.ops if o.name == name)
+
+
+def group_of(lease: Lease, samples: int = 16, tokens: int = 64) -> GroupData:
+    n = samples * tokens
+    return GroupData(task_id=lease.task_id, index=lease.task["index"], prompt_ids=[1, 2, 3],
+                     sample_lens=[tokens] * samples, rewards=[1.0] * samples,
+                     status=["completed"] * samples,
+                     tokens=np.ones(n, dtype=np.int32), logprobs=np.zeros(n, dtype=np.float32),
+                     versions=np.zeros(n, dtype=np.int64), loss_mask=np.ones(n, dtype=np.uint8))
+
+
+def wait_for(path: str, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} did not appear on client B within {seconds:.0f} s")
+        time.sleep(0.05)
+
+
+def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, float]]:
+    """Every client's operations once, counted; returns the counter and the demand."""
+    from strawq.collector.trainer.reader import BatchReader
+    from strawq.storage.watch import DirProbe
+
+    assert vol.sock is not None
+    name = f"cp-{secrets.token_hex(3)}"
+    root_a, root_b = os.path.join(vol.a, name), os.path.join(vol.b, name)
+    os.makedirs(root_a)
+    pids = run.spread(run.producers)
+    tasks = len(pids) * 4 + run.pending_depth + 2 * run.release_batch
+    ds = os.path.join(root_a, "ds.jsonl")
+    with open(ds, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"prompt": [1, 2, 3], "i": i}) + "\n" for i in range(tasks))
+    q_a = RunQueue.create(PosixStorage(os.path.join(root_a, "run"), writer_id="collector"),
+                          QueueConfig(lease_timeout_s=3600, heartbeat_interval_s=run.heartbeat_s))
+    feeder = Feeder(q_a, Dataset(ds))
+    wait_for(os.path.join(root_b, "run", "run.meta"))
+    print(f"setup: run on client A, {run.producers} producers and {run.ranks} trainer ranks "
+          f"on client B", flush=True)
+    counter = Counter(vol.sock, quiet_s)
+    print(f"  idle clients: {counter.quiet_per_s:.1f} Redis commands/s (subtracted)")
+    released = [0]
+
+    def release(_i: int) -> int:
+        n = feeder.release()
+        released[0] += n
+        return n
+
+    claimed = [0]
+
+    def top_up(claims: int) -> None:
+        """pending/ holds ``pending_depth`` tasks beyond the next ``claims`` (uncounted)."""
+        while released[0] < claimed[0] + claims + run.pending_depth and release(0):
+            pass
+        claimed[0] += claims
+
+    releases = max(1, math.ceil((run.pending_depth + len(pids)) / run.release_batch))
+    counter.measure("collector", "release (per 64 tasks)", release,
+                    range(min(releases, 4 if run.sample else releases)), threads=1)
+    top_up(len(pids))
+    queues = {i: RunQueue.open(PosixStorage(os.path.join(root_b, "run"), writer_id=f"p{i}"))
+              for i in pids}
+
+    def claim(i: int) -> Lease:
+        # a claim that lost every race comes back empty; a producer claims again (counted:
+        # contention is part of a claim's cost)
+        for _ in range(50):
+            got = queues[i].claim(f"p{i}", 1)
+            if got:
+                return got[0]
+            time.sleep(0.01)
+        raise RuntimeError(f"producer p{i} found nothing to claim 50 times")
+
+    counter.measure("producer", "heartbeat", lambda i: queues[i].heartbeat(f"p{i}"), pids)
+    leases = dict(zip(pids, counter.measure("producer", "claim", claim, pids), strict=True))
+    counter.measure("producer", "complete", lambda i: queues[i].complete(leases[i],
+                                                                        group_of(leases[i])),
+                    pids)
+    # the update: a group in flight saved as a partial and resumed, or handed back
+    top_up(len(pids))
+    held = {i: claim(i) for i in pids}
+    counter.measure("update", "save partial", lambda i: queues[i].yield_partial(
+        held[i], group_of(held[i], tokens=32)), pids)
+    resumed = dict(zip(pids, counter.measure("update", "resume: claim", claim, pids), strict=True))
+    counter.measure("update", "resume: load partial",
+                    lambda i: queues[i].load_partial(resumed[i]), pids)
+    counter.measure("update", "hand back", lambda i: queues[i].release(resumed[i]), pids)
+    counter.measure("update", "hand back: claim again", claim, pids)  # the returned ones
+    # the collector's batch of every completed group (cost per group)
+    bs = BatchStore(q_a)
+    wait_s = time.monotonic() + 30
+    while len(bs.scan_ready()) < len(pids) and time.monotonic() < wait_s:
+        time.sleep(0.1)
+
+    def batch(_i: int) -> int:
+        names = bs.scan_ready()
+        for n in names:
+            bs.read_summary(n)
+        bs.publish_batch(bs.next_seq(), names)
+        return len(names)
+
+    counter.measure("collector", "batch, per group (list, read, publish)", batch, [0], threads=1,
+                    made=lambda out: out[0])  # per group batched
+    # the trainer ranks: one shared queue per process here; a rank's own reader state
+    q_b = RunQueue.open(PosixStorage(os.path.join(root_b, "run"), writer_id="reader"))
+    ranks = run.spread(run.ranks)
+    readers = {r: BatchReader(q_b, rank=r, world_size=run.ranks,
+                              sleep=lambda s: time.sleep(s), checkpointed=False)
+               for r in ranks}
+    wait_s = time.monotonic() + 30
+    while readers[ranks[0]]._next_seq() is None and time.monotonic() < wait_s:
+        time.sleep(0.1)
+
+    def deliver(r: int) -> int:
+        rd = readers[r]
+        seq = rd._next_seq()
+        if seq is None:
+            raise RuntimeError(f"rank {r} sees no batch")
+        rd.load(rd.batches.read_manifest(seq))
+        rd._delivered = seq
+        return seq
+
+    seqs = counter.measure("rank", "delivery (list, manifest, shard)", deliver, ranks)
+    counter.measure("collector", "ack (rank 0) and gc, per step",
+                    lambda _i: (bs.ack(seqs[0]), bs.gc()), [0], threads=1)
+    counter.measure("rank", "wait: list batches/, acked/", lambda r: readers[r]._next_seq(),
+                    ranks)
+    counter.measure("rank", "wait: end-of-run check", lambda r: readers[r]._check_finished(),
+                    ranks)
+    nodes = run.spread(run.rank_nodes)
+    probes = {n: DirProbe(q_b.storage, ("batches",)) for n in nodes}
+    for p in probes.values():  # opened (the descriptor each node's ranks stat)
+        p.changed()
+    counter.measure("rank", "wait: node probe (stat)", lambda n: probes[n].changed(), nodes)
+    shutil.rmtree(root_a, ignore_errors=True)
+    return counter, demand(counter, run)
+
+
+#: client kind of each operation's steady term
+KIND = {"heartbeat": "producer", "claim": "producer", "complete": "producer",
+        "release (per 64 tasks)": "collector", "batch, per group (list, read, publish)":
+        "collector", "ack (rank 0) and gc, per step": "collector",
+        "wait: list batches/, acked/": "rank", "wait: end-of-run check": "rank",
+        "wait: node probe (stat)": "rank", "delivery (list, manifest, shard)": "rank"}
+
+
+def steady_rates(run: Run) -> dict[str, float]:
+    """Each steady operation's rate per second in the real run."""
+    g = run.groups_per_s
+    return {"heartbeat": run.producers / run.heartbeat_s, "claim": g, "complete": g,
+            "release (per 64 tasks)": g / run.release_batch,
+            "batch, per group (list, read, publish)": g,
+            "ack (rank 0) and gc, per step": 1 / run.step_s,
+            "wait: list batches/, acked/": run.ranks / run.list_every_s,
+            "wait: end-of-run check": run.ranks / run.list_every_s,
+            "wait: node probe (stat)": run.rank_nodes / run.attr_ttl_s,
+            "delivery (list, manifest, shard)": run.ranks / run.step_s}
+
+
+def burst_counts(run: Run) -> dict[str, float]:
+    """Each operation's count at one weight update."""
+    saved = run.in_flight * (1 - run.handback_share)
+    handed = run.in_flight * run.handback_share
+    return {"save partial": saved, "resume: claim": saved, "resume: load partial": saved,
+            "hand back": handed, "hand back: claim again": handed}
+
+
+def demand(c: Counter, run: Run) -> dict[str, float]:
+    """Steady ops/s by client kind, and the ops of one update's burst."""
+    steady = dict.fromkeys(("producer", "collector", "rank"), 0.0)
+    for name, rate in steady_rates(run).items():
+        steady[KIND[name]] += rate * c.cost(name)
+    burst = sum(n * c.cost(name) for name, n in burst_counts(run).items())
+    return {**{f"steady_{k}": v for k, v in steady.items()},
+            "steady": sum(steady.values()), "burst": burst}
+
+
+def demand_mix(c: Counter, run: Run) -> dict[str, int]:
+    """The run's steady command mix: each operation's commands weighted by its rate."""
+    mix: dict[str, float] = {}
+    for name, rate in steady_rates(run).items():
+        op = next(o for o in c.ops if o.name == name)
+        for cmd, n in op.mix.items():
+            mix[cmd] = mix.get(cmd, 0.0) + rate * n / max(op.made, 1)
+    return {k: round(v) for k, v in mix.items() if round(v) > 0}
+
+
+def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dict[str, Any]:
+    counter, d = measure(vol, run, quiet_s)
+    assert vol.sock is not None
+    mix = demand_mix(counter, run)
+    cap, rates = capacity(vol.sock, mix, requests=capacity_requests)
+    top = sorted(mix.items(), key=lambda kv: -kv[1])[:8]
+    total = sum(mix.values()) or 1
+    print("observed command mix, weighted by each operation's rate: "
+          + ", ".join(f"{k} {v / total:.0%}" for k, v in top))
+    print("redis-benchmark on this machine (50 clients): "
+          + ", ".join(f"{k} {v:,.0f}/s" for k, v in rates.items()))
+    print(f"demand at {run.gpus:,} GPUs ({run.producers:,} producers, {run.ranks:,} ranks on "
+          f"{run.rank_nodes:,} nodes, {run.groups_per_s:.1f} groups/s, an update every "
+          f"{run.step_s:g} s with {run.in_flight:,} groups in flight):")
+    for kind in ("producer", "collector", "rank"):
+        v = d[f"steady_{kind}"]
+        print(f"  {kind:<10} {v:>10,.0f} ops/s steady ({v / cap:.1%} of the server)")
+    burst_share = d["burst"] / run.burst_window_s / cap
+    print(f"  update burst {d['burst']:,.0f} ops = {d['burst'] / cap:.1f} s of the whole server; "
+          f"over {run.burst_window_s:g} s: {burst_share:.1%} on top of the steady load; "
+          f"averaged over the step: {d['burst'] / run.step_s:,.0f} ops/s")
+    worst = max(d["steady"] / cap, d["steady"] / cap + burst_share)
+    volumes = max(1, math.ceil(worst / 0.2))
+    print(f"  one volume carries it within the 20 % target: "
+          f"{'yes' if volumes == 1 else f'no: shard across {volumes} volumes'}")
+    size = f"{run.gpus // 1000}k" if run.gpus % 1000 == 0 else str(run.gpus)
+    print(f"scale: {size}-GPU control plane = {d['steady']:.0f} ops/s steady, {d['burst']:.0f} ops "
+          f"per update burst; metadata server capacity = {cap:.0f} ops/s; share = "
+          f"{d['steady'] / cap:.3f} (burst {burst_share:.3f} over {run.burst_window_s:g} s)")
+    return {"run": run.__dict__, "ops": [o.__dict__ for o in counter.ops], "demand": d,
+            "capacity_ops_s": cap, "capacity_by_command": rates, "steady_mix": mix,
+            "volumes_needed": volumes}

@@ -1,0 +1,63 @@
+"""``bench/scale.py --control-plane --quick``: the control plane counted at a Redis server.
+
+The bench brings its own Redis-backed JuiceFS volume up (``deploy/juicefs/testvol.sh``,
+``META=redis``), so it needs the juicefs client, ``/dev/fuse``, and ``redis-server``,
+``redis-cli`` and ``redis-benchmark``. Without them the test skips saying which; with
+``STRAWQ_REQUIRE_REDIS=1`` or ``STRAWQ_REQUIRE_JUICEFS=1`` it fails instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.juicefs_fixtures import find_juicefs_binary
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow, pytest.mark.juicefs]
+
+LINE = re.compile(
+    r"^scale: (?P<gpus>\w+)-GPU control plane = (?P<a>[\d.]+) ops/s steady, (?P<b>[\d.]+) ops per "
+    r"update burst; metadata server capacity = (?P<c>[\d.]+) ops/s; share = (?P<share>[\d.]+) "
+    r"\(burst (?P<burst>[\d.]+) over (?P<d>[\d.]+) s\)$")
+
+
+def _lacking() -> str | None:
+    if find_juicefs_binary() is None:
+        return "no juicefs binary"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    for tool in ("redis-server", "redis-cli", "redis-benchmark"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    return None
+
+
+def test_the_line_has_its_shape_and_positive_figures(tmp_path: Path) -> None:
+    why = _lacking()
+    if why:
+        if "1" in (os.environ.get("STRAWQ_REQUIRE_REDIS"),
+                   os.environ.get("STRAWQ_REQUIRE_JUICEFS")):
+            pytest.fail(f"a Redis-backed JuiceFS volume is required but {why}")
+        pytest.skip(f"bench/scale.py --control-plane needs a Redis-backed JuiceFS volume: "
+                    f"{why}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "scale.py"), "--control-plane",
+                           "--quick"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    out = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n" \
+                                 f"{proc.stderr[-3000:]}"
+    m = LINE.match(out[-1]) if out else None
+    assert m, f"not the control-plane line: {out[-3:]}"
+    assert m["gpus"] == "80", "--quick counts an 80-GPU run's clients"
+    a, b, c = float(m["a"]), float(m["b"]), float(m["c"])
+    assert a > 0 and b > 0 and c > 0, out[-1]
+    assert float(m["share"]) == pytest.approx(a / c, rel=0.01, abs=0.001)
