@@ -19,7 +19,7 @@ multi-turn case.
    tokens of a turn cut by the kill are in neither), per kill. Tool calls re-executed:
    calls whose result was saved (in a checkpoint or partial at the kill) that ran again.
    Environment mismatches: samples whose store disagreed with their recorded calls after
-   a resume. The save cost per turn: bytes and storage operations of ``strawq.turns``
+   a resume. The save cost per turn: bytes and storage operations of ``strawq.tasks.turns``
    (each publish is a create, a write, an fsync, a rename and a directory fsync).
 3. **Schedules.** ``strawq lab`` on a multi-turn case (``agent_turns_p`` > 0), modes sync,
    partial and async: the lab's table and async/sync trained-token throughput.
@@ -55,19 +55,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from strawq.config import QueueConfig  # noqa: E402
-from strawq.control import Control  # noqa: E402
-from strawq.dataset import Dataset  # noqa: E402
+from strawq.data.dataset import Dataset  # noqa: E402
+from strawq.data.feeder import Feeder  # noqa: E402
 from strawq.demo.agentic_sim import ledger_counts  # noqa: E402
-from strawq.feeder import Feeder  # noqa: E402
-from strawq.grantor import LeaseMonitor  # noqa: E402
-from strawq.groups import GroupData  # noqa: E402
-from strawq.names import TaskName, data_key  # noqa: E402
+from strawq.ondisk.groups import GroupData  # noqa: E402
+from strawq.ondisk.names import TaskName, data_key  # noqa: E402
+from strawq.ondisk.records import Kind  # noqa: E402
 from strawq.producers.engines.testing import start_engine_subprocess  # noqa: E402
 from strawq.producers.sglang_client import SGLangClient  # noqa: E402
 from strawq.producers.trajectory import Trajectory  # noqa: E402
-from strawq.queue import RunQueue  # noqa: E402
-from strawq.records import Kind  # noqa: E402
 from strawq.storage import PosixStorage  # noqa: E402
+from strawq.tasks.grantor import LeaseMonitor  # noqa: E402
+from strawq.tasks.queue import RunQueue  # noqa: E402
+from strawq.weights.control import Control  # noqa: E402
 
 
 def _names(q: RunQueue, state: str) -> list[TaskName]:
@@ -213,8 +213,8 @@ def _kv_producer(run: str, url: str, ledger: str, pid: str, turns: int,
 
 def _saved(q: RunQueue) -> tuple[set[str], list[int]]:
     """Tool keys in every turn checkpoint and partial record now, and the checkpoints' sizes."""
-    from strawq import records
-    from strawq.turns import TURNS_DIR
+    from strawq.ondisk import records
+    from strawq.tasks.turns import TURNS_DIR
 
     keys: set[str] = set()
     sizes: list[int] = []
@@ -315,11 +315,11 @@ def crashes(kills: int, groups: int, turns: int, every_turns: int) -> dict[str, 
 def save_cost(samples: int = 4, turns: int = 10, saves: int = 40) -> dict[str, Any]:
     """What one turn checkpoint costs on a local fsync'd store: a group of ``samples``
     samples ``turns`` turns deep (40 generated + 1 appended token a turn, trajectories
-    with tool events), saved ``saves`` times through ``strawq.turns.TurnLog``."""
+    with tool events), saved ``saves`` times through ``strawq.tasks.turns.TurnLog``."""
     import numpy as np
 
-    from strawq.names import TaskName as Name
-    from strawq.turns import TurnLog
+    from strawq.ondisk.names import TaskName as Name
+    from strawq.tasks.turns import TurnLog
 
     work = tempfile.mkdtemp(prefix="strawq-agentic-save-")
     st = PosixStorage(work, writer_id="bench", fsync=True)

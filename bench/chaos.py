@@ -468,6 +468,7 @@ class Chaos:
     def _agentic_setup(self) -> list[str]:
         """Start the tool server; the producers' arguments for the key-value agent."""
         from chaos_agentic import PersistWatch
+
         from strawq.storage import open_storage
 
         self.ledger = str(self.work / "ledger")
@@ -608,7 +609,7 @@ class Chaos:
             names = os.listdir(os.path.join(self.run_a, "leased"))
         except OSError:
             return set()
-        from strawq.names import TaskName
+        from strawq.ondisk.names import TaskName
         parsed = (TaskName.try_parse(n) for n in names)
         return {t.id for t in parsed if t is not None and t.producer == incarnation}
 
@@ -854,7 +855,7 @@ class Chaos:
         trained = [g["id"] for g in lineage]
         storage = open_storage(self.run_a, writer_id="chaos")
         audit = audit_run(storage)
-        from strawq.retention import find_drop
+        from strawq.delivery.retention import find_drop
 
         rows = {f"i{i:012d}" for i in range(self.prompts)}
         counts: dict[str, int] = defaultdict(int)

@@ -230,12 +230,12 @@ def saved_keys(storage: Any) -> dict[str, str]:
     """Tool keys in the records a next holder would load now: each task's newest turn
     checkpoint unless a newer generation wrote anything in its directory (a stale holder's
     save, never loaded), and the partial records of pending tasks."""
-    from strawq import records
-    from strawq.groups import GroupData
-    from strawq.names import TaskName, data_key
+    from strawq.ondisk import records
+    from strawq.ondisk.groups import GroupData
+    from strawq.ondisk.names import TaskName, data_key
+    from strawq.ondisk.records import Kind
     from strawq.producers.trajectory import Trajectory
-    from strawq.records import Kind
-    from strawq.turns import TURNS_DIR
+    from strawq.tasks.turns import TURNS_DIR
 
     groups: list[tuple[str, Any]] = []
     for task in storage.list(TURNS_DIR):

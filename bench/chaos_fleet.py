@@ -165,11 +165,11 @@ def _free_port() -> int:
 
 def fleet_lost(work: Path) -> dict[str, Any]:
     """Run the phase in ``work``; returns the seconds lost per failure kind."""
-    from strawq.control import read_state
-    from strawq.epochs import epochs, list_names
-    from strawq.queue import RunQueue
-    from strawq.states import TaskState, names_in
     from strawq.storage import open_storage
+    from strawq.tasks.epochs import epochs, list_names
+    from strawq.tasks.queue import RunQueue
+    from strawq.tasks.states import TaskState, names_in
+    from strawq.weights.control import read_state
 
     work.mkdir(parents=True, exist_ok=True)
     run = str(work / "run")
@@ -317,9 +317,9 @@ def _oracle(queue: Any, watched: set[str]) -> tuple[int, int]:
     named by two batches."""
     from collections import Counter
 
-    from strawq.batches import BatchStore
+    from strawq.delivery.batches import BatchStore
     from strawq.errors import StrawqError
-    from strawq.states import TaskState, names_in
+    from strawq.tasks.states import TaskState, names_in
 
     where: Counter[str] = Counter()
     for state in TaskState:

@@ -188,8 +188,8 @@ def _command(ch: Any, what: str, argv: list[str]) -> Command:
 
 def _reasons(ch: Any) -> list[str]:
     """The drop reasons in ``dropped/`` now (the operator reads them off the run)."""
-    from strawq.states import TaskState, names_in
     from strawq.storage import open_storage
+    from strawq.tasks.states import TaskState, names_in
     storage = open_storage(ch.run_a, writer_id="chaos-operator")
     return sorted({n.producer or "" for n in names_in(storage, TaskState.DROPPED)} - {""})
 
@@ -252,8 +252,8 @@ def on_kill(ch: Any, victim: str) -> None:
     """The trainer was killed (maybe inside its bracket): settle the bracket by hand."""
     if victim != "trainer":
         return
-    from strawq.queue import RunQueue
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
 
     path = ch.path(ch.operator_rng.randrange(2))
     _run(ch, "bracket-status", _strawq("bracket", "status", path, "--json"))
@@ -275,8 +275,8 @@ def on_kill(ch: Any, victim: str) -> None:
 def before_done(ch: Any, deadline_s: float = 120.0) -> None:
     """The operator's last command is done; tasks it requeued after the collector drained
     get a collector again (as an operator would start one)."""
-    from strawq.states import TaskState, names_in
     from strawq.storage import open_storage
+    from strawq.tasks.states import TaskState, names_in
 
     op = ch.procs["operator"]
     if op.stopped:

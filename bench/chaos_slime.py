@@ -94,15 +94,15 @@ def engine_argv(argv: list[str], latest: str) -> list[str]:
 
 def slime_trainer(run: str, ckpt_dir: str, events: str, interval: int, step_s: float,
                   done: str, engines: list[str], latest: str) -> int:
+    from chaos_versions import runs  # (bench/ is sys.path[0])
     from slime.rollout.base_types import call_rollout_fn
 
     from strawq.collector.errors import BatchTimeout, RunFinished
     from strawq.collector.integrations import slime as adapter
-    from chaos_versions import runs  # (bench/ is sys.path[0])
     from strawq.collector.integrations.slime.adapter import _ReaderState
     from strawq.collector.integrations.slime.samples import META
     from strawq.testing.slime_train import RolloutManager, flatten
-    from strawq.control import read_state
+    from strawq.weights.control import read_state
 
     def log(**ev: Any) -> None:
         with open(events, "a", encoding="utf-8") as f:

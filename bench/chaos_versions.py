@@ -98,8 +98,8 @@ def engine_version(workload: str, run: str) -> int:
     """The version a restarted engine comes up on: 0 (old-weights) or the run's."""
     if SPECS[workload].old_weights:
         return 0
-    from strawq.queue import RunQueue
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
 
     return RunQueue.open(open_storage(run, writer_id="chaos-engines")).current_version()
 

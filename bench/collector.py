@@ -5,7 +5,7 @@
 2. Times one collector pass that selects B groups staleness-first out of the N ready and
    publishes the manifest (summaries read from record headers, advantages computed, fsync'd
    manifest, renames to batched/), with ``pack_ranks`` = the reader's world size: the pass
-   also reads the batch's records and writes one packed shard per rank (``strawq.packed``);
+   also reads the batch's records and writes one packed shard per rank (``strawq.delivery.packed``);
    what that costs (seconds, bytes read and written) is printed.
 3. Times ``BatchReader.load`` for rank 0 of 8 on both paths against ``numpy.fromfile`` of
    the bytes each path reads: from its packed shard (one read into a reused buffer, xxh3,
@@ -43,18 +43,18 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from strawq import packed
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.packing import allocate_buffer, group_tokens, shard_groups
 from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
-from strawq.feeder import Feeder
-from strawq.groups import GroupData
-from strawq.names import data_key
-from strawq.queue import RunQueue
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.delivery import packed
+from strawq.ondisk.groups import GroupData
+from strawq.ondisk.names import data_key
 from strawq.storage import open_storage
+from strawq.tasks.queue import RunQueue
 
 
 def build(root: str, n: int, g: int, length: int, seed: int = 0) -> tuple[str, float]:

@@ -76,16 +76,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from strawq.batches import BatchStore
-from strawq.config import QueueConfig
-from strawq.dataset import Dataset
-from strawq.feeder import Feeder
-from strawq.groups import GroupData
-from strawq.queue import Lease, RunQueue
-from strawq.storage import PosixStorage
-
 from redis_meta import Volume, capacity, commandstats, delta
+
+from strawq.config import QueueConfig
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.delivery.batches import BatchStore
+from strawq.ondisk.groups import GroupData
+from strawq.storage import PosixStorage
+from strawq.tasks.queue import Lease, RunQueue
 
 
 @dataclass(frozen=True)

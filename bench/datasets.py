@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from strawq.binding import DatasetCursorReader  # noqa: E402
-from strawq.dataset import BadRow, Dataset  # noqa: E402
+from strawq.data.binding import DatasetCursorReader  # noqa: E402
+from strawq.data.dataset import BadRow, Dataset  # noqa: E402
 
 WORDS = ("the a of to and solve find value number sum product prove integer triangle "
          "circle area prime answer step each total how many").split()

@@ -38,11 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.collector import build  # noqa: E402
 from strawq.collector.config import CollectorConfig  # noqa: E402
 from strawq.collector.core import Collector  # noqa: E402
-from strawq.batches import Manifest  # noqa: E402
 from strawq.collector.trainer.reader import BatchReader  # noqa: E402
-from strawq.dataset import Dataset  # noqa: E402
-from strawq.queue import RunQueue  # noqa: E402
+from strawq.data.dataset import Dataset  # noqa: E402
+from strawq.delivery.batches import Manifest  # noqa: E402
 from strawq.storage import open_storage  # noqa: E402
+from strawq.tasks.queue import RunQueue  # noqa: E402
 
 with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex are missing
     warnings.simplefilter("ignore")

@@ -31,14 +31,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from strawq.config import QueueConfig  # noqa: E402
+from strawq.data.dataset import Dataset  # noqa: E402
+from strawq.data.feeder import Feeder  # noqa: E402
 from strawq.producers.budget import split_budget  # noqa: E402
 from strawq.producers.engines.testing import start_engine_subprocess  # noqa: E402
-from strawq.config import QueueConfig  # noqa: E402
-from strawq.dataset import Dataset  # noqa: E402
-from strawq.feeder import Feeder  # noqa: E402
-from strawq.queue import RunQueue  # noqa: E402
-from strawq.states import TaskState, names_in  # noqa: E402
 from strawq.storage import PosixStorage  # noqa: E402
+from strawq.tasks.queue import RunQueue  # noqa: E402
+from strawq.tasks.states import TaskState, names_in  # noqa: E402
 
 
 def producer_main(cfg: dict[str, Any], go: str, stop: str, out: str) -> None:

@@ -63,17 +63,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from strawq.batches import BatchStore  # noqa: E402
-from strawq.config import QueueConfig  # noqa: E402
-from strawq.dataset import Dataset  # noqa: E402
-from strawq.feeder import Feeder  # noqa: E402
-from strawq.groups import GroupData  # noqa: E402
-from strawq.queue import RunQueue  # noqa: E402
-from strawq.records import Kind, decode  # noqa: E402
-from strawq.storage import PosixStorage  # noqa: E402
-
 from redis_meta import Unavailable, commandstats, test_volume  # noqa: E402
 from redis_meta import delta as calls_delta  # noqa: E402
+
+from strawq.config import QueueConfig  # noqa: E402
+from strawq.data.dataset import Dataset  # noqa: E402
+from strawq.data.feeder import Feeder  # noqa: E402
+from strawq.delivery.batches import BatchStore  # noqa: E402
+from strawq.ondisk.groups import GroupData  # noqa: E402
+from strawq.ondisk.records import Kind, decode  # noqa: E402
+from strawq.storage import PosixStorage  # noqa: E402
+from strawq.tasks.queue import RunQueue  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
@@ -460,7 +460,7 @@ WORK_DIRS = ("pending", "leased", "ready", "batched", "batches", "acked", "dropp
 
 def report_live_files(q: RunQueue) -> dict[str, int]:
     """Files per directory after a plain gc; every group was trained, so work dirs are 0."""
-    from strawq.retention import live_files
+    from strawq.delivery.retention import live_files
 
     BatchStore(q).gc(sweep=True, compact_drops_at=0)
     q.storage.clean_dead_tmp()

@@ -70,10 +70,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strawq.config import QueueConfig  # noqa: E402
-from strawq.dataset import Dataset  # noqa: E402
-from strawq.feeder import Feeder  # noqa: E402
-from strawq.queue import RunQueue  # noqa: E402
+from strawq.data.dataset import Dataset  # noqa: E402
+from strawq.data.feeder import Feeder  # noqa: E402
 from strawq.storage import PosixStorage  # noqa: E402
+from strawq.tasks.queue import RunQueue  # noqa: E402
 
 #: JuiceFS's default attribute-cache TTL (the test volume's): a stat is served from the
 #: kernel within it, so a polling client costs at most one getattr per directory per TTL
@@ -157,8 +157,12 @@ def idle_rate(run_b: str, mount_b: str, seconds: float, probe: bool
               ) -> tuple[float, dict[str, float]]:
     """Metadata ops/s of one idle producer on client B (``probe=False``: list every poll)."""
     from strawq.producers.producer import Producer
-    from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
-                                                  ProducerConfig)
+    from strawq.producers.producer_config import (
+        BudgetConfig,
+        EngineConfig,
+        PluginsConfig,
+        ProducerConfig,
+    )
     from strawq.producers.sample import SamplerParams
     from strawq.storage.watch import DirProbe
 

@@ -106,12 +106,12 @@ def demo_gradients(run_dir: str, seq: int, objective: Objective, device: str,
                    workdir: str) -> tuple[float, Grads]:
     """The demo trainer's step on the whole batch (one rank, learning rate 0): its loss and
     its gradients (clipped to norm 1, as it clips)."""
-    from strawq.batches import BatchStore
     from strawq.collector.trainer.reader import BatchReader
-    from strawq.testing.reference import batch_to
+    from strawq.delivery.batches import BatchStore
     from strawq.demo.trainer import GRPOTrainer
-    from strawq.queue import RunQueue
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
+    from strawq.testing.reference import batch_to
 
     q = RunQueue.open(open_storage(run_dir, writer_id="bench"))
     reader = BatchReader(q, checkpointed=False, watch=None, sleep=lambda _s: None)
@@ -131,11 +131,11 @@ def rank_local_bias(run_dir: str, seq: int, world: int, objectives: list[Objecti
     """For information: the shard's own denominators (``aggregate_loss`` without totals)
     averaged over ``world`` ranks — each sample's weight relative to one process, and the
     gradient error against the reference."""
-    from strawq.batches import BatchStore
     from strawq.collector.trainer.reader import BatchReader
-    from strawq.testing.reference import reader_loss
-    from strawq.queue import RunQueue
+    from strawq.delivery.batches import BatchStore
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
+    from strawq.testing.reference import reader_loss
 
     q = RunQueue.open(open_storage(run_dir, writer_id="bench"))
     man = BatchStore(q).read_manifest(seq)

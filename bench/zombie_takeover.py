@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 def _holder(run: str, dataset: str, takeover_s: float) -> subprocess.Popen[bytes]:
     """A collector process that holds ``run`` (epoch record written) and keeps running."""
-    from strawq.epochs import epochs, list_names
     from strawq.storage import open_storage
+    from strawq.tasks.epochs import epochs, list_names
 
     storage = open_storage(run, writer_id="bench")
     before = epochs(list_names(storage))
@@ -74,7 +74,7 @@ def _takeover_s(run: str, dataset: str, takeover_s: float) -> float:
     """Seconds until a new collector holds the run."""
     from strawq.collector.config import CollectorConfig
     from strawq.collector.core import Collector
-    from strawq.dataset import Dataset
+    from strawq.data.dataset import Dataset
 
     start = time.monotonic()
     col = Collector.open(run, Dataset(dataset), CollectorConfig(takeover_timeout_s=takeover_s),
@@ -86,8 +86,8 @@ def _takeover_s(run: str, dataset: str, takeover_s: float) -> float:
 
 def measure(work: Path, takeover_s: float) -> dict[str, Any]:
     from strawq.config import QueueConfig
-    from strawq.queue import RunQueue
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
 
     run, dataset = str(work / "run"), str(work / "d.jsonl")
     with open(dataset, "w", encoding="utf-8") as f:

@@ -15,7 +15,7 @@ Groups a filter drops leave both counts at once, so their capacity is free again
 **What was trained counts, not when it was acked.** A batch's groups stop counting as
 untrained when the weights hold their gradient, whatever the order in which the trainer
 updates the weights, saves its checkpoint and acks (``Progress``). Rank 0's reader marks every
-batch it delivers with the version current then (``strawq.batches.mark_delivered``):
+batch it delivers with the version current then (``strawq.delivery.batches.mark_delivered``):
 
 * delivered at a version *older* than the current one: trained into the current weights
   (consumed), acked or not;
@@ -39,7 +39,7 @@ A window below it holds less work in flight (fewer groups interrupted by each we
 
 **Consumed is trained for admission.** A consumed batch's groups stay in ``batched/`` until
 GC collects them, which waits for a commit when the trainer checkpoints
-(``strawq.commits``). ``ConsumedGroups`` takes them out of *untrained*: otherwise a trainer
+(``strawq.delivery.commits``). ``ConsumedGroups`` takes them out of *untrained*: otherwise a trainer
 that commits once every N steps would free no room until the commit, and a GC interval
 would hold every release back by up to that long.
 
@@ -57,10 +57,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from strawq.errors import CorruptRecord, NotFound
-from strawq.states import Depths
+from strawq.tasks.states import Depths
 
 if TYPE_CHECKING:
-    from strawq.batches import BatchStore
+    from strawq.delivery.batches import BatchStore
 
 __all__ = ["Admission", "ConsumedGroups", "Depths", "Progress", "admission", "progress"]
 
@@ -137,7 +137,7 @@ def admission(depths: Depths, *, batch_groups: int, max_staleness: int | None,
 
 
 class ConsumedGroups:
-    """Groups of consumed batches GC has not collected yet (``strawq.batches.BatchStore``).
+    """Groups of consumed batches GC has not collected yet (``strawq.delivery.batches.BatchStore``).
 
     ``untrained(depths, seqs, progress)`` is ``depths`` with the groups of consumed and
     in-training batches out of ``batched`` (in-training ones are counted as T·B by

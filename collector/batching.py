@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from strawq.batches import BatchStore
 from strawq.collector.admission import Depths
 from strawq.collector.config import CollectorConfig
 from strawq.collector.eta_judge import EtaJudge
@@ -19,10 +18,11 @@ from strawq.collector.ordering import StalenessOrder, group_advantages
 from strawq.collector.report import StepReport
 from strawq.collector.trainer.packing import pack_batch
 from strawq.collector.trainer.record_io import BufferPool, RecordFile
+from strawq.data.history import attempt_summary
+from strawq.delivery.batches import BatchStore
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
-from strawq.history import attempt_summary
-from strawq.names import TaskName, data_key
-from strawq.queue import RunQueue
+from strawq.ondisk.names import TaskName, data_key
+from strawq.tasks.queue import RunQueue
 
 log = logging.getLogger(__name__)
 

@@ -95,8 +95,8 @@ def _prompt_key(args: argparse.Namespace, queue_config: Any) -> str:
     needs --queue-config."""
     from strawq.config import QueueConfig
     from strawq.errors import ConfigError, CorruptRecord, NotFound, StrawqError
-    from strawq.queue import RunQueue
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
 
     fallback = str(queue_config.prompt_key) if queue_config is not None else \
         QueueConfig().prompt_key
@@ -136,7 +136,7 @@ def _read_json(path: str, what: str) -> Any:
 def cmd_collector(args: argparse.Namespace) -> int:
     from strawq.collector.core import Collector
     from strawq.config import QueueConfig, from_dict
-    from strawq.mixture import open_dataset
+    from strawq.data.mixture import open_dataset
 
     config = _load_config(args)
     queue_config = None

@@ -13,8 +13,8 @@ from typing import Literal, get_args
 
 from strawq.config import Config
 from strawq.errors import ConfigError
-from strawq.eta import DEFAULT_MAX_STALENESS, EtaMode
-from strawq.eta import MODES as ETA_MODES
+from strawq.tasks.eta import DEFAULT_MAX_STALENESS, EtaMode
+from strawq.tasks.eta import MODES as ETA_MODES
 
 __all__ = ["ADVANTAGE_MODES", "ETA_MODES", "AdvantageMode", "CollectorConfig", "EtaMode"]
 
@@ -27,7 +27,7 @@ class CollectorConfig(Config):
     #: B: groups per training batch (one manifest).
     batch_groups: int = 64
     #: η: maximum staleness in weight versions (the version a group is trained at − its
-    #: minimum token version). Bounded by default (``strawq.eta.DEFAULT_MAX_STALENESS``,
+    #: minimum token version). Bounded by default (``strawq.tasks.eta.DEFAULT_MAX_STALENESS``,
     #: 1): the admission window then keeps every group within η, and the rare one that
     #: still runs past it (a tail longer than η trainer steps) is handled by ``eta_mode``,
     #: counted and logged. ``None`` means unbounded (η = ∞): only the slot and backlog
@@ -95,7 +95,7 @@ class CollectorConfig(Config):
     #: every interface: the metrics are readable by anyone who reaches the port).
     prometheus_host: str = "127.0.0.1"
     #: The trainer's data-parallel world size W, to pack each batch's W rank shards in the
-    #: collector (``strawq.packed``): before publishing a manifest the collector reads its
+    #: collector (``strawq.delivery.packed``): before publishing a manifest the collector reads its
     #: groups' records and writes one PACKED record per rank holding exactly what
     #: ``BatchReader.load`` would pack, and each rank of a W-rank trainer loads its shard
     #: with one read. Costs the collector a read of every record of the batch and a write

@@ -42,21 +42,27 @@ from strawq.collector.report import StepReport
 from strawq.collector.resume import ResumeInfo, apply_checkpoint, open_queue, run_cursor
 from strawq.collector.run_end import finish_run
 from strawq.collector.trainer.metrics import MetricsSink
-from strawq.collector.upkeep import (COMPACT_DROPS_AT, FULL_REMIND_S, FULL_RETRY_MAX_S,
-                                     SWEEP_INTERVAL_S, FullDisk, GcSchedule)
-from strawq.batches import BatchStore, delivered
+from strawq.collector.upkeep import (
+    COMPACT_DROPS_AT,
+    FULL_REMIND_S,
+    FULL_RETRY_MAX_S,
+    SWEEP_INTERVAL_S,
+    FullDisk,
+    GcSchedule,
+)
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
-from strawq.binding import check_binding
+from strawq.data.binding import check_binding
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.data.planner import Origin
+from strawq.delivery.batches import BatchStore, delivered
 from strawq.errors import StorageFull
-from strawq.finished import clear as clear_finished
-from strawq.eta import EtaPolicy, publish_policy
-from strawq.feeder import Feeder
-from strawq.planner import Origin
-from strawq.grantor import LeaseMonitor
-from strawq.queue import RunQueue
-from strawq.states import depths, upstream_depths
-from strawq.status import run_label
+from strawq.tasks.eta import EtaPolicy, publish_policy
+from strawq.tasks.finished import clear as clear_finished
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.tasks.queue import RunQueue
+from strawq.tasks.states import depths, upstream_depths
+from strawq.views.status import run_label
 
 #: the upkeep's constants, where they were first defined (``strawq.collector.upkeep``)
 __all__ = ["Collector", "COMPACT_DROPS_AT", "FULL_REMIND_S", "FULL_RETRY_MAX_S",
@@ -132,7 +138,7 @@ class Collector:
         First, before anything is written (no run is created): ``EmptyDataset`` for a
         dataset without rows, ``DatasetMismatch`` for one the run's cursor does not count
         over, unless ``dataset_grew`` (``--dataset-grew``) and it is the run's with rows
-        appended: then the cursor continues over it (``strawq.binding.check_binding``)."""
+        appended: then the cursor continues over it (``strawq.data.binding.check_binding``)."""
         grew = check_binding(dataset, run_cursor(path), grew=dataset_grew)
         queue, info = open_queue(path, queue_config=queue_config, checkpoint=checkpoint,
                                  writer_id=kwargs.get("owner", "collector"), fsync=fsync)
@@ -166,7 +172,7 @@ class Collector:
         epoch = self.fence.acquire(wait=wait)
         # before recovering: a stalled predecessor's manifest from here on is refused
         mark_epoch_start(self.storage, epoch, self.batches.next_seq())
-        # producers apply it to partial tasks at claim (strawq.eta)
+        # producers apply it to partial tasks at claim (strawq.tasks.eta)
         publish_policy(self.storage, self.policy)
         clear_finished(self.storage)  # a run continued with more data goes on (re-marked)
         self.feeder = Feeder(self.queue, self.dataset, check_dataset=not dataset_grew)
@@ -239,7 +245,7 @@ class Collector:
         return rep
 
     def depths(self) -> Depths:
-        """Queue depths now (``strawq.states.depths``: listed in the direction work flows)."""
+        """Queue depths now (``strawq.tasks.states.depths``: listed in the direction work flows)."""
         return depths(self.storage)
 
     def dropped_by_reason(self) -> dict[str, int]:

@@ -9,15 +9,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from strawq.batches import BatchStore
 from strawq.collector.config import CollectorConfig
 from strawq.collector.hooks import CollectorHooks
 from strawq.collector.ordering import StalenessOrder
 from strawq.collector.report import StepReport
-from strawq.eta import STALE_REASON, EtaPolicy
-from strawq.groups import staleness
-from strawq.names import TaskName
-from strawq.queue import RunQueue
+from strawq.delivery.batches import BatchStore
+from strawq.ondisk.groups import staleness
+from strawq.ondisk.names import TaskName
+from strawq.tasks.eta import STALE_REASON, EtaPolicy
+from strawq.tasks.queue import RunQueue
 
 log = logging.getLogger(__name__)
 

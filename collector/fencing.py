@@ -1,6 +1,6 @@
 """Exactly one collector per run: epochs by exclusive create, a heartbeat counter, takeover.
 
-Records in ``collector/`` (their names are spelled in ``strawq.epochs``)::
+Records in ``collector/`` (their names are spelled in ``strawq.tasks.epochs``)::
 
     epoch-<E>              EPOCH record (owner, host, pid), exclusive create: the claim
     hb-<E>~<counter>       the holder's heartbeat counter (the name is the data)
@@ -20,7 +20,7 @@ an epoch newer than its own means it was taken over, and it raises ``FencedOut``
 A holder that passes ``check()`` and then stalls for longer than ``takeover_timeout_s``
 before its next write can still write once after a takeover. Every such write is fenced
 at the resource: a cursor commit is a compare-and-swap that a stale writer loses
-(``strawq.feeder``), every group move is a rename with one winner, and a manifest it
+(``strawq.data.feeder``), every group move is a rename with one winner, and a manifest it
 publishes is *superseded* — readers refuse it and the successor sweeps it (below).
 """
 
@@ -31,17 +31,27 @@ import time
 from collections.abc import Callable
 
 from strawq.collector.errors import CollectorBusy
-from strawq import records
-from strawq.batches import BatchStore, Manifest, manifest_key
-from strawq.epochs import DIR as EPOCH_DIR
-from strawq.epochs import (closed_key, closed_name, epoch_key, epoch_starts, epochs,
-                           heartbeat_counter, heartbeat_key, list_names, mark_epoch_start,
-                           prunable, superseded)
+from strawq.delivery.batches import BatchStore, Manifest, manifest_key
 from strawq.errors import AlreadyExists, CorruptRecord, FencedOut, NotFound, StrawqError
 from strawq.liveness import identity, known_dead
-from strawq.records import Kind
-from strawq.states import TaskState, key_of, move
+from strawq.ondisk import records
+from strawq.ondisk.records import Kind
 from strawq.storage import Storage
+from strawq.tasks.epochs import DIR as EPOCH_DIR
+from strawq.tasks.epochs import (
+    closed_key,
+    closed_name,
+    epoch_key,
+    epoch_starts,
+    epochs,
+    heartbeat_counter,
+    heartbeat_key,
+    list_names,
+    mark_epoch_start,
+    prunable,
+    superseded,
+)
+from strawq.tasks.states import TaskState, key_of, move
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +232,7 @@ class EpochFence:
 # collector puts the groups it moved back to ``ready/`` (``sweep_superseded``) and deletes it
 # once none of its groups can still be moved by the stalled writer. Start records are kept
 # (one tiny file per collector start): an old epoch's stalled writer is refused forever. The
-# verdict is ``strawq.epochs.superseded`` (readers apply it too).
+# verdict is ``strawq.tasks.epochs.superseded`` (readers apply it too).
 
 
 class SupersededSweep:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from strawq.names import TaskName
+from strawq.ondisk.names import TaskName
 
 
 class CollectorHooks:

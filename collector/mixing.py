@@ -1,4 +1,4 @@
-"""The collector's side of a dataset mixture (``strawq.mixture``): each source's staleness
+"""The collector's side of a dataset mixture (``strawq.data.mixture``): each source's staleness
 bound and filter, its share of what is trained, and the starvation signal.
 
 * **Staleness.** A group of source ``s`` is judged against ``s``'s ``max_staleness`` (the
@@ -19,7 +19,7 @@ bound and filter, its share of what is trained, and the starvation signal.
   the source lost in the same window: ``filtered`` (its filter's drops make up at least half
   the shortfall), else ``stale`` (its η drops and regenerations do), else ``skipped`` (rows
   the history's zero-variance rule left out of the releases do: ``queue.skip_zero_variance``,
-  ``strawq.prompt_policy``), else ``slow`` (its groups are still generating: longer
+  ``strawq.data.prompt_policy``), else ``slow`` (its groups are still generating: longer
   responses, or a slower engine). The signal does not change what is released: the
   mixture's rows are released in its weights whatever happens to them, less the rows the
   history's rule skips, which are not replaced by other rows of their source
@@ -34,13 +34,13 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from strawq.dataset import Dataset
+from strawq.collector.hooks import CollectorHooks
+from strawq.data.dataset import Dataset
+from strawq.data.mixture import Mixture
+from strawq.data.planner import Origin
 from strawq.dotted import resolve
 from strawq.errors import ConfigError
-from strawq.mixture import Mixture
-from strawq.names import TASK_IDS, TaskName, validate_id
-from strawq.collector.hooks import CollectorHooks
-from strawq.planner import Origin
+from strawq.ondisk.names import TASK_IDS, TaskName, validate_id
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 A hook (``strawq.collector.hooks``: its ``metrics()`` joins every metrics line) over what the
 collector already holds: the grantor's heartbeat silences (its own monotonic clock, the one
 that expires leases: docs/design.md, invariant 3), the bracket's state in ``control/``, the
-filesystem under the run and ``quarantine/``. Names (``strawq.prom`` turns them into series):
+filesystem under the run and ``quarantine/``. Names (``strawq.views.prom`` turns them into series):
 
 * ``collector/up`` (1), ``producers/known``, ``producers/live``;
 * per producer ``producer/<id>/heartbeat_age_s``, ``producer/<id>/up`` (0 once silent for the
@@ -20,10 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 from strawq.collector.hooks import CollectorHooks
-from strawq.control import read_state
-from strawq.grantor import LeaseMonitor
-from strawq.queue import RunQueue
-from strawq.status import disk_space
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.tasks.queue import RunQueue
+from strawq.views.status import disk_space
+from strawq.weights.control import read_state
 
 
 class OpsMetrics(CollectorHooks):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from strawq.names import TaskName
+from strawq.ondisk.names import TaskName
 
 
 class StalenessOrder:

@@ -3,7 +3,7 @@
 ``PassMetrics.count(rep)`` adds a pass to this incarnation's counters (released, batches,
 expired leases, groups over η per ``eta_mode`` action); ``emit(rep, now)`` writes the line:
 queue depths, admission, throughput, the counters, the drops per reason over the whole run
-(``strawq.retention.drop_totals``), engines out of rotation, and every hook's values
+(``strawq.delivery.retention.drop_totals``), engines out of rotation, and every hook's values
 (``CollectorHooks.metrics``: the operator's view, a mixture's sources).
 """
 
@@ -17,10 +17,10 @@ from strawq.collector.hooks import CollectorHooks
 from strawq.collector.ordering import StalenessOrder
 from strawq.collector.report import StepReport
 from strawq.collector.trainer.metrics import MetricsSink, dropped_metric
-from strawq.engine_weights import EngineWeights
-from strawq.feeder import Feeder
-from strawq.retention import drop_totals
+from strawq.data.feeder import Feeder
+from strawq.delivery.retention import drop_totals
 from strawq.storage import Storage
+from strawq.weights.engine_weights import EngineWeights
 
 
 class PassMetrics:

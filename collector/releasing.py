@@ -11,7 +11,7 @@ from strawq.collector.admission import Depths, admission
 from strawq.collector.config import CollectorConfig
 from strawq.collector.fencing import EpochFence
 from strawq.collector.report import StepReport
-from strawq.feeder import Feeder
+from strawq.data.feeder import Feeder
 
 
 def admit(rep: StepReport, feeder: Feeder, fence: EpochFence, config: CollectorConfig, *,

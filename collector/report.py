@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from strawq.batches import GcReport
 from strawq.collector.admission import Admission, Depths, Progress
 from strawq.collector.trainer.packing import PackReport
-from strawq.grantor import ScanResult
+from strawq.delivery.batches import GcReport
+from strawq.tasks.grantor import ScanResult
 
 
 @dataclass

@@ -7,7 +7,7 @@
 * ``cursor`` — the queue state is missing or unreadable, the checkpoint has a dataset
   cursor: a warning, a fresh queue, the prompts that were in flight at the checkpoint
   (released, not trained by it: the cursor's ``in_flight``, written by
-  ``strawq.checkpoint.read_cursor_state``) are released again, then
+  ``strawq.delivery.checkpoint.read_cursor_state``) are released again, then
   releases resume at the checkpointed index; the weight version and the batch sequence
   continue from the checkpoint.
 * ``fresh``  — no queue state and no cursor in the checkpoint: a warning, start from the
@@ -27,15 +27,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from strawq import records
-from strawq.batches import mark_high_water
 from strawq.config import QueueConfig
+from strawq.data.cursor import read_cursor_state
+from strawq.data.feeder import Feeder
+from strawq.delivery.batches import mark_high_water
 from strawq.errors import CorruptRecord, NotFound, StorageError
-from strawq.feeder import Feeder
-from strawq.cursor import read_cursor_state
-from strawq.queue import RUN_KEY, RunQueue
-from strawq.records import Kind
+from strawq.ondisk import records
+from strawq.ondisk.records import Kind
 from strawq.storage import Storage, open_storage
+from strawq.tasks.queue import RUN_KEY, RunQueue
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def _queue_is_readable(storage: Storage) -> str | None:
 
 
 def run_cursor(path: str) -> dict[str, Any] | None:
-    """The newest dataset cursor of the run at ``path`` (``strawq.cursor.read_cursor_state``),
+    """The newest dataset cursor of the run at ``path`` (``strawq.data.cursor.read_cursor_state``),
     read without writing anything; None when ``path`` holds no readable run (``open_queue``
     then creates one, with no cursor)."""
     if not os.path.isdir(path):

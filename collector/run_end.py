@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from strawq.batches import BatchStore
 from strawq.collector.config import CollectorConfig
 from strawq.collector.fencing import EpochFence
 from strawq.collector.report import StepReport
 from strawq.collector.upkeep import GcSchedule
-from strawq.commits import committed_seq
-from strawq.finished import mark_finished
-from strawq.states import depths
+from strawq.delivery.batches import BatchStore
+from strawq.delivery.commits import committed_seq
+from strawq.tasks.finished import mark_finished
+from strawq.tasks.states import depths
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 and passes that fail on a full disk.
 
 ``GcSchedule.due(now)`` collects acked batches every ``gc_interval_s`` (``BatchStore.gc``)
-and, at most every ``SWEEP_INTERVAL_S``, sweeps ``data/`` (``strawq.retention``), dead
+and, at most every ``SWEEP_INTERVAL_S``, sweeps ``data/`` (``strawq.delivery.retention``), dead
 writers' temporary files, and warns while the disk is low (``disk_warn_share``).
 ``FullDisk`` holds the one-line message while passes fail on ENOSPC or EDQUOT
 (``Collector.run`` retries): said once, then every ``FULL_REMIND_S``.
@@ -13,15 +13,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from strawq.batches import BatchStore, GcReport
 from strawq.collector.config import CollectorConfig
+from strawq.delivery.batches import BatchStore, GcReport
 from strawq.errors import StorageFull
-from strawq.status import disk_space, full_message, low_message
 from strawq.storage import Storage
+from strawq.views.status import disk_space, full_message, low_message
 
 log = logging.getLogger(__name__)
 
-#: Seconds between sweeps of ``data/`` (``strawq.retention``) on the collector's clock.
+#: Seconds between sweeps of ``data/`` (``strawq.delivery.retention``) on the collector's clock.
 SWEEP_INTERVAL_S = 30.0
 #: ``dropped/`` entries that trigger a compaction into the drop audit during a run.
 COMPACT_DROPS_AT = 1000

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from strawq.config import QueueConfig
 from strawq.producers.budget import Budget, split_budget
-from strawq.queue import RunQueue
 from strawq.storage import Storage
+from strawq.tasks.queue import RunQueue
 
 if TYPE_CHECKING:  # loaded where used: ``strawq cluster up`` needs neither torch nor them
     from strawq.collector.core import Collector

@@ -44,12 +44,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from strawq.batches import BatchStore
-from strawq.cursor import CURSOR_DIR, cursor_at
-from strawq.names import STAGE_FRESH, TaskName
-from strawq.queue import RunQueue
-from strawq.states import RELEASE_PREFIX
+from strawq.data.cursor import CURSOR_DIR, cursor_at
+from strawq.delivery.batches import BatchStore
+from strawq.ondisk.names import STAGE_FRESH, TaskName
 from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirWatch, Event
+from strawq.tasks.queue import RunQueue
+from strawq.tasks.states import RELEASE_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class HopTracer(threading.Thread):
             self._control(name, t)
 
     def _cursor_bound(self, name: str) -> tuple[int, int] | None:
-        """(next dataset index, seq) of a new cursor, from its name (``strawq.cursor``)."""
+        """(next dataset index, seq) of a new cursor, from its name (``strawq.data.cursor``)."""
         at = cursor_at(self.queue.storage, name)
         return None if at is None else (at[1], at[0])
 

@@ -44,8 +44,16 @@ from typing import Any
 
 from strawq.config import merge
 from strawq.demo.lab_config import HISTORY_CASE, MIXTURE_CASE, MODES, REWARDS, LabConfig
-from strawq.demo.lab_report import format_table, generated_lengths, history_figures, \
-    history_gain, length_bias, length_buckets, plot_bias, row_of
+from strawq.demo.lab_report import (
+    format_table,
+    generated_lengths,
+    history_figures,
+    history_gain,
+    length_bias,
+    length_buckets,
+    plot_bias,
+    row_of,
+)
 
 __all__ = ["HISTORY_CASE", "HISTORY_RULES", "MIXTURE_CASE", "MODES", "REWARDS", "LabConfig",
            "LabResult", "ModeResult", "format_table", "generated_lengths", "history_figures",
@@ -197,11 +205,11 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
     """One schedule, from a fresh queue to the audit of what it left."""
     from strawq.collector.core import Collector
     from strawq.config import QueueConfig
+    from strawq.data.mixture import open_dataset
     from strawq.demo.assembly import BracketOptions, RunAssembly, producer_plan
     from strawq.demo.run import Sampler
     from strawq.demo.schedule import collector_config, run_schedule
     from strawq.demo.trainer import SleepTrainer
-    from strawq.mixture import open_dataset
     from strawq.storage import PosixStorage
 
     work = os.path.join(os.path.abspath(cfg.workdir), mode)
@@ -347,7 +355,7 @@ def audit(run_dir: str, trained_per_step: list[list[int]]) -> list[str]:
     """
     from collections import Counter
 
-    from strawq.names import dataset_task_id
+    from strawq.ondisk.names import dataset_task_id
     from strawq.storage import PosixStorage
     from strawq.testing.audit import audit_run
 

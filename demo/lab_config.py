@@ -101,7 +101,7 @@ class LabConfig(Config):
     #: dataset rows (0: enough for every step in one pass)
     dataset_rows: int = 0
     #: the queue's passes over the dataset and the history's admission rules
-    #: (``QueueConfig``; ``strawq.prompt_policy``)
+    #: (``QueueConfig``; ``strawq.data.prompt_policy``)
     num_epochs: int = 1
     skip_zero_variance: bool = False
     zero_variance_revisit_epochs: int = 2
@@ -111,7 +111,7 @@ class LabConfig(Config):
     #: on checks that the skip sees the groups the filter drops
     group_filter: str = ""
     # -- the mixture case (``MIXTURE_CASE``; empty: one dataset) ------------------------------
-    #: the mixture's datasets (``strawq.mixture``), each of ``dataset_rows`` rows (or the
+    #: the mixture's datasets (``strawq.data.mixture``), each of ``dataset_rows`` rows (or the
     #: run's) with its own seed
     mixture_sources: tuple[str, ...] = ()
     #: their weights (one per source)

@@ -225,14 +225,14 @@ def _drift(a: dict[str, float], b: dict[str, float]) -> float:
 
 def history_figures(cfg: LabConfig, run_dir: str, p_solve: list[float],
                     model_s: float) -> dict[str, Any]:
-    """What the run trained, from its per-prompt history (``strawq.history``, read after a
+    """What the run trained, from its per-prompt history (``strawq.data.history``, read after a
     final gc): useful tokens (of trained groups whose rewards differ: GRPO signal) per
     engine-second (E x the run's model seconds), zero-variance groups trained, rows the
     history skipped, and the trained mix per difficulty bucket against the dataset's.
 
     ``p_solve``: the dataset's rows' difficulty (row ``i`` of every pass: task index ``i``
     modulo the dataset's size, as the lab's dataset has no bad rows to skip)."""
-    from strawq.history import load_history, rewards_agreed
+    from strawq.data.history import load_history, rewards_agreed
     from strawq.storage import PosixStorage
 
     hist = load_history(PosixStorage(run_dir, writer_id="lab-history", fsync=False))

@@ -18,28 +18,33 @@ import signal
 import threading
 import time
 import urllib.parse
-from dataclasses import asdict, dataclass, field
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from strawq.collector.core import Collector
 from strawq.collector.trainer.reader import BatchReader
-from strawq.demo.assembly import BracketOptions, RunAssembly
-from strawq.demo import plots, task, tools_task
-from strawq.demo.hops import HopSamples, HopTracer, IdleGaps, idle_gaps
-from strawq.demo.schedule import ScheduleConfig, ScheduleResult, StepRecord, collector_config, \
-    run_schedule
-from strawq.demo.trainer import GRPOTrainer
-from strawq.producers.engines.tiny_model import init_model, load_weights, save_weights
 from strawq.config import Config, QueueConfig, merge
-from strawq.control import Control
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
+from strawq.demo import plots, task, tools_task
+from strawq.demo.assembly import BracketOptions, RunAssembly
+from strawq.demo.hops import HopSamples, HopTracer, IdleGaps, idle_gaps
+from strawq.demo.schedule import (
+    ScheduleConfig,
+    ScheduleResult,
+    StepRecord,
+    collector_config,
+    run_schedule,
+)
+from strawq.demo.trainer import GRPOTrainer
 from strawq.errors import StrawqError
-from strawq.queue import RunQueue
+from strawq.producers.engines.tiny_model import init_model, load_weights, save_weights
 from strawq.storage import PosixStorage
 from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirWatch
+from strawq.tasks.queue import RunQueue
+from strawq.weights.control import Control
 
 log = logging.getLogger(__name__)
 

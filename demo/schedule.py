@@ -36,13 +36,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from strawq.config import Config
-from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.config import CollectorConfig
+from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.trainer.reader import Batch, BatchReader
+from strawq.config import Config
 from strawq.demo.trainer import TrainerBackend
 from strawq.errors import ConfigError
-from strawq.groups import staleness
+from strawq.ondisk.groups import staleness
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,10 @@ import math
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from strawq.control import Control, ControlState
 from strawq.errors import StrawqError
-
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineError
+from strawq.weights.control import Control, ControlState
 
 log = logging.getLogger(__name__)
 

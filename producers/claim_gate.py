@@ -17,21 +17,20 @@ import logging
 import time
 from collections.abc import Callable
 
-from strawq import records
 from strawq.errors import CorruptRecord, NotFound, StorageError
-from strawq.queue import RunQueue
-from strawq.records import Kind
-
+from strawq.ondisk import records
+from strawq.ondisk.records import Kind
+from strawq.producers.bracket import PauseBracket
 from strawq.producers.engine_client import EngineClient, optional_calls
 from strawq.producers.engine_errors import EngineError, EngineProtocolError
 from strawq.producers.engine_versions import VersionGuard
 from strawq.producers.group_load import GroupLoader
-from strawq.producers.offload import Offload
 from strawq.producers.handback import HandBack, MisconfiguredProducer
 from strawq.producers.heartbeat import Heartbeat
 from strawq.producers.meter import StatsBook
+from strawq.producers.offload import Offload
 from strawq.producers.slots import SlotPool
-from strawq.producers.bracket import PauseBracket
+from strawq.tasks.queue import RunQueue
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,6 @@ def _config(args: argparse.Namespace, group_size: int | None = None) -> Any:
     derives the slots from --concurrency when they are not given."""
     from strawq.config import merge, parse_overrides, read_json_object
     from strawq.errors import ConfigError
-
     from strawq.producers.producer_config import ProducerConfig
 
     data: dict[str, Any] = {}
@@ -82,7 +81,6 @@ def derive_slots(args: argparse.Namespace, data: dict[str, Any],
     run's group size and W = --producers; a usage error naming the flags otherwise."""
     from strawq.argtypes import UsageError
     from strawq.errors import ConfigError
-
     from strawq.producers.budget import split_budget
 
     if args.concurrency is None:
@@ -111,7 +109,6 @@ def derive_slots(args: argparse.Namespace, data: dict[str, Any],
 
 def cmd_producer(args: argparse.Namespace) -> int:
     from strawq.errors import StrawqError
-
     from strawq.producers.producer import Producer
 
     if not os.path.isfile(os.path.join(args.path, "run.meta")):
@@ -127,7 +124,7 @@ def cmd_producer(args: argparse.Namespace) -> int:
     exporter = None
     if args.prometheus_port is not None:
         from strawq.producers.metrics import serve_producer_metrics
-        from strawq.status import run_label
+        from strawq.views.status import run_label
 
         exporter = serve_producer_metrics(lambda: producer.stats().to_dict(),
                                           run=run_label(producer.queue.storage),
@@ -172,8 +169,8 @@ def cmd_producer(args: argparse.Namespace) -> int:
 
 
 def _group_size(path: str) -> int:
-    from strawq.queue import RunQueue
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
 
     return int(RunQueue.open(open_storage(path, writer_id="cli", read_only=True))
                .config.group_size)

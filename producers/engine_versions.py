@@ -12,7 +12,7 @@ by a push that failed, or a new worker behind the router. :class:`VersionGuard` 
   ``stale_tokens_discarded``);
 * **takes the engine out of rotation** for new requests (:class:`GuardedClient` sends
   each request only among the engines in rotation), and
-* **writes a note** under ``engines/`` (``strawq.engine_weights``) that the trainer's side
+* **writes a note** under ``engines/`` (``strawq.weights.engine_weights``) that the trainer's side
   reads (``WeightUpdateBracket.engines_needing_weights``) to push the run's weights to it
   through its ordinary push path.
 
@@ -55,14 +55,13 @@ from typing import Any
 
 import numpy as np
 
-from strawq.control import read_state
-from strawq.engine_weights import EngineProbe, EngineWeights
 from strawq.errors import StrawqError
-
 from strawq.producers.engine_client import EngineClient, optional_calls
 from strawq.producers.engine_errors import EngineError
 from strawq.producers.meter import StatsBook
 from strawq.producers.sglang_protocol import GenerateResult
+from strawq.weights.control import read_state
+from strawq.weights.engine_weights import EngineProbe, EngineWeights
 
 log = logging.getLogger(__name__)
 

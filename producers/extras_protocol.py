@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from strawq.extras import ROUTED_EXPERTS, TOP_P_TOKEN_IDS, Extra
+from strawq.ondisk.extras import ROUTED_EXPERTS, TOP_P_TOKEN_IDS, Extra
 from strawq.producers.engine_errors import EngineProtocolError
 from strawq.producers.sample import Sample, Segment
 from strawq.producers.sglang_protocol import GenerateResult

@@ -31,7 +31,7 @@ Rules the plugin must keep:
    resumes from a saved record, so a tool with side effects deduplicates by it; a
    trajectory begun afresh (its prefix regenerated, or nothing saved yet) is a new episode
    with new keys (``Trajectory.gen``). Records are saved at every turn boundary (turn
-   checkpoints, ``strawq.turns``; ``tools.checkpoint_every_*``); ``call_tool(...,
+   checkpoints, ``strawq.tasks.turns``; ``tools.checkpoint_every_*``); ``call_tool(...,
    idempotent=False, reconcile=hook)`` journals the call durably before it runs and asks
    ``hook`` on resume instead of re-running it; ``ctx.environment(env)`` snapshots and
    restores the sample's environment with every record.

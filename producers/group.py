@@ -21,7 +21,7 @@ What a group record's ``meta`` holds (besides ``version_hint``)::
     failures        {sample index: message} for samples that failed (tool/environment):
                     status ``failed``, reward None, loss mask 0
 
-Per-token extras (``strawq.extras``) go to ``GroupData.extras``: each sample's rows, or
+Per-token extras (``strawq.ondisk.extras``) go to ``GroupData.extras``: each sample's rows, or
 placeholder rows for a sample that holds none of an extra another sample holds; a partial's
 extras are its prefixes' rows, and ``from_partial`` gives them back to the samples.
 """
@@ -35,15 +35,24 @@ from typing import Any
 
 import numpy as np
 
+from strawq.data.tokenize import FunctionTokenizer, PromptTokenizer, prompt_ids
 from strawq.errors import ConfigError, DatasetError, StrawqError
-from strawq.extras import Extra, cat_samples
-from strawq.groups import GroupData
-from strawq.queue import Lease
-from strawq.tokenize import FunctionTokenizer, PromptTokenizer, prompt_ids
-
-from strawq.producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Sample,
-                              SampleError, SamplerParams, SampleStatus, mask_offpolicy_prefix)
+from strawq.ondisk.extras import Extra, cat_samples
+from strawq.ondisk.groups import GroupData
+from strawq.producers.sample import (
+    LOGPROB_DTYPE,
+    MASK_DTYPE,
+    TOKEN_DTYPE,
+    VERSION_DTYPE,
+    Sample,
+    SampleError,
+    SamplerParams,
+    SampleStatus,
+    mask_offpolicy_prefix,
+)
 from strawq.producers.trajectory import Trajectory
+from strawq.tasks.queue import Lease
+
 
 class TaskError(StrawqError, ValueError):
     """The task itself cannot be run (bad prompt, bad row overrides): fail it for good."""
@@ -66,7 +75,7 @@ def sample_seed(base: int, index: int, i: int, gen: int = 0) -> int:
 def prompt_ids_of(task: Mapping[str, Any], prompt_key: str,
                   tokenizer: PromptTokenizer | Callable[[str], list[int]] | None) -> list[int]:
     """The prompt's token ids: a list in the row, or text / chat messages through the
-    tokenizer plugin (``strawq.tokenize``); a plain function tokenizes text only."""
+    tokenizer plugin (``strawq.data.tokenize``); a plain function tokenizes text only."""
     row = task.get("row", {})
     if tokenizer is not None and not isinstance(tokenizer, PromptTokenizer):
         tokenizer = FunctionTokenizer(tokenizer)

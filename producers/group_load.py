@@ -3,7 +3,7 @@
 request (``strawq.producers.runner``).
 
 A partial past the η bound is judged here, before a token is spent on it (the policy the
-collector published, ``strawq.eta``): ``regenerate`` and ``drop`` raise :class:`PastEta`
+collector published, ``strawq.tasks.eta``): ``regenerate`` and ``drop`` raise :class:`PastEta`
 and ``past_eta`` hands it back; ``train`` resumes it and counts it. A prompt this
 producer's configuration cannot run (no tokenizer for text, a plain tokenizer for chat) is
 ``MisconfiguredProducer``: handed back untouched, never dropped.
@@ -14,19 +14,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from strawq.dataset import prompt_kind
+from strawq.data.dataset import prompt_kind
+from strawq.data.tokenize import FunctionTokenizer
 from strawq.errors import CorruptRecord, NotFound, StrawqError
-from strawq.eta import STALE_REASON
-from strawq.groups import GroupData
-from strawq.queue import Lease, RunQueue
-from strawq.tokenize import FunctionTokenizer
-
+from strawq.ondisk.groups import GroupData
 from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
 from strawq.producers.handback import HandBack, MisconfiguredProducer
 from strawq.producers.meter import StatsBook
 from strawq.producers.plugins import load_tokenizer
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sample import SamplerParams
+from strawq.tasks.eta import STALE_REASON
+from strawq.tasks.queue import Lease, RunQueue
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +103,7 @@ class GroupLoader:
         return None
 
     def eta_action(self, lease: Lease, version: int) -> str | None:
-        """The η policy's verdict on a claimed partial (``strawq.eta``): None within η (or
+        """The η policy's verdict on a claimed partial (``strawq.tasks.eta``): None within η (or
         with no published policy); ``train`` is resumed here and counted."""
         policy = self.queue.eta_policy()
         action = None if policy is None else policy.partial_action(

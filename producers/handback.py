@@ -29,12 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from strawq.errors import ConfigError, LeaseLost, StorageFull
-from strawq.groups import GroupData
-from strawq.queue import Lease, RunQueue
-from strawq.turns import TurnLog
-
+from strawq.ondisk.groups import GroupData
 from strawq.producers.meter import StatsBook
 from strawq.producers.offload import Offload
+from strawq.tasks.queue import Lease, RunQueue
+from strawq.tasks.turns import TurnLog
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class HandBack:
         self.orphans: list[Lease] = []
         #: the first configuration error met (``refuse``): the producer claims nothing more
         self.refusal: MisconfiguredProducer | None = None
-        #: held leases' turn checkpoints (``strawq.turns``), by lease key: cleared once
+        #: held leases' turn checkpoints (``strawq.tasks.turns``), by lease key: cleared once
         #: the lease is handed back with its group persisted (kept on a release: the next
         #: holder resumes from them)
         self.turn_logs: dict[str, TurnLog] = {}

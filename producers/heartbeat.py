@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from strawq.errors import StrawqError
-from strawq.queue import RunQueue
+from strawq.tasks.queue import RunQueue
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from strawq.queue import Lease
-
 from strawq.producers.bracket import EngineAborter
 from strawq.producers.group import GroupRun
 from strawq.producers.meter import StatsBook
 from strawq.producers.slots import SlotHold, SlotPool
 from strawq.producers.turn_saver import TurnSaver
+from strawq.tasks.queue import Lease
 
 
 @dataclass(eq=False)

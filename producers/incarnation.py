@@ -1,6 +1,6 @@
 """A producer process's incarnation: unique even when an operator reuses a producer id.
 
-At start a producer takes the next incarnation number of its id (``strawq.incarnations``,
+At start a producer takes the next incarnation number of its id (``strawq.tasks.incarnations``,
 an exclusive create) and, before it claims anything, hands back every lease still held under
 its id: those are its predecessor's (a process of the same id that was killed, or still
 runs), since this process has claimed nothing yet. Each goes back to the queue the way an
@@ -27,9 +27,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 from strawq.errors import LeaseLost, NotFound, StrawqError
-from strawq.incarnations import begin_incarnation, successor
-from strawq.queue import Lease, RunQueue
-from strawq.states import TaskState, names_in
+from strawq.tasks.incarnations import begin_incarnation, successor
+from strawq.tasks.queue import Lease, RunQueue
+from strawq.tasks.states import TaskState, names_in
 
 log = logging.getLogger(__name__)
 

@@ -97,7 +97,7 @@ class ProducerStats:
     tool_calls: int = 0
     tool_calls_replayed: int = 0
     tool_errors: int = 0
-    #: turn checkpoints saved (``strawq.turns``); in-flight tool calls run again with their
+    #: turn checkpoints saved (``strawq.tasks.turns``); in-flight tool calls run again with their
     #: key after a resume / settled by their ``reconcile`` hook; calls left running at a
     #: pause (their result applied on resume)
     turn_checkpoints: int = 0
@@ -106,7 +106,7 @@ class ProducerStats:
     tool_calls_reconciled: int = 0
     tool_calls_detached: int = 0
     brackets: int = 0
-    #: claimed partial tasks past the η bound (``strawq.eta``): resumed anyway
+    #: claimed partial tasks past the η bound (``strawq.tasks.eta``): resumed anyway
     #: (``eta_mode="train"``) / prefix discarded, generated afresh (``regenerate``); those
     #: dropped (``drop``) are in ``drop_reasons["stale_eta"]``
     partials_over_eta: int = 0

@@ -1,6 +1,6 @@
 """A producer's own Prometheus endpoint (``strawq producer --prometheus-port``).
 
-Series read from ``Producer.stats()`` at each scrape, named by ``strawq.prom`` with the
+Series read from ``Producer.stats()`` at each scrape, named by ``strawq.views.prom`` with the
 constant labels ``run`` and ``producer``: each count of ``ProducerStats`` is a counter
 ``strawq_producer_<count>_total`` (``tokens_generated`` as SGLang names it,
 ``strawq_producer_generation_tokens_total``); the present-tense values are gauges
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from strawq.prom import Exposition
+from strawq.views.prom import Exposition
 
 #: ``ProducerStats`` fields that are a value now, not a count.
 GAUGES = frozenset({"slots", "group_size", "busy_trajectories", "engines_stale", "paused",

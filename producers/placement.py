@@ -31,9 +31,18 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from strawq.producers.placement_config import PlacementConfig
-from strawq.producers.placement_plan import (ACTOR_PREFIX, ActorDied, ActorTimeout, NodeView,
-                                             Plan, ProducerFleet, ReconcileReport, actor_name,
-                                             eligible, plan)
+from strawq.producers.placement_plan import (
+    ACTOR_PREFIX,
+    ActorDied,
+    ActorTimeout,
+    NodeView,
+    Plan,
+    ProducerFleet,
+    ReconcileReport,
+    actor_name,
+    eligible,
+    plan,
+)
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig, new_producer_id
 
@@ -97,8 +106,8 @@ class ProducerActor:
 
 def run_group_size(run_dir: str) -> int:
     """G of the run at ``run_dir`` (its ``QueueConfig``, recorded in ``run.meta``)."""
-    from strawq.queue import RunQueue
     from strawq.storage import PosixStorage
+    from strawq.tasks.queue import RunQueue
 
     return RunQueue.open(PosixStorage(run_dir)).config.group_size
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from strawq.config import Config
 from strawq.errors import ConfigError
-from strawq.names import validate_id
+from strawq.ondisk.names import validate_id
 
 
 @dataclass(frozen=True, kw_only=True)

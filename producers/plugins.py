@@ -10,7 +10,7 @@ Contracts::
     reward(task: dict, response_ids: list[int], sample_meta: dict) -> float   # or async def
     filter(task: dict, rewards: list[float]) -> str | None   # a drop reason, or None to keep
     tokenizer: "hf:<dir or name>", or a dotted path to (text) -> list[int], or to an object /
-               class with encode_prompt(prompt, row) and decode(ids) (strawq.tokenize)
+               class with encode_prompt(prompt, row) and decode(ids) (strawq.data.tokenize)
 
 With ``reward_args`` the reward path names a *factory*: it is called once with those keyword
 arguments and returns the reward function (``strawq.producers.reward_remote.remote_reward``,
@@ -26,11 +26,10 @@ import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from strawq.data.tokenize import FunctionTokenizer, HFTokenizer, PromptTokenizer
 from strawq.dotted import import_attr as import_attr  # re-exported: the plugins' API
 from strawq.dotted import resolve as resolve
 from strawq.errors import ConfigError
-from strawq.tokenize import FunctionTokenizer, HFTokenizer, PromptTokenizer
-
 from strawq.producers.offload import Offload
 
 RewardFn = Callable[[dict[str, Any], list[int], dict[str, Any]], "float | Awaitable[float]"]
@@ -150,7 +149,7 @@ def check_reward_fn(fn: RewardFn, task: dict[str, Any], response_ids: list[int],
 
 def check_filter_fn(fn: FilterFn, task: dict[str, Any], rewards: list[float]) -> str | None:
     """Call a filter once and check it returns None or a valid reason string."""
-    from strawq.names import validate_id
+    from strawq.ondisk.names import validate_id
 
     out = fn(task, rewards)
     if out is not None:

@@ -65,16 +65,15 @@ import logging
 import time
 from collections.abc import Callable
 
-from strawq.control import Control
-from strawq.engine_weights import EngineWeights
 from strawq.errors import StorageError
-from strawq.names import validate_id
-from strawq.queue import RunQueue
-from strawq.storage import PosixStorage
-
-from strawq.producers.claim_gate import (ClaimGate, FaultBackoff, check_engine_versions,
-                                         check_first_task)
+from strawq.ondisk.names import validate_id
 from strawq.producers.bracket import EngineAborter, PauseBracket
+from strawq.producers.claim_gate import (
+    ClaimGate,
+    FaultBackoff,
+    check_engine_versions,
+    check_first_task,
+)
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_versions import ClientSlot, VersionGuard
 from strawq.producers.eos import resolve_eos_ids
@@ -89,6 +88,10 @@ from strawq.producers.runner import GroupRunner
 from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.slots import SlotPool
 from strawq.producers.wake import Claims, Wakeup, run_finished
+from strawq.storage import PosixStorage
+from strawq.tasks.queue import RunQueue
+from strawq.weights.control import Control
+from strawq.weights.engine_weights import EngineWeights
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +402,7 @@ class Producer:
         return False
 
     async def _run_finished(self) -> bool:
-        """The run has finished (the collector's ``finished`` record, ``strawq.finished``):
+        """The run has finished (the collector's ``finished`` record, ``strawq.tasks.finished``):
         nothing will be released again, so the producer stops (``run()`` returns; the CLI
         exits 0). Asked only while idle or drained: one stat."""
         end = await run_finished(self._io.call, self.queue.storage)

@@ -30,9 +30,8 @@ from typing import Any, Literal, get_args
 from strawq.argtypes import url_problem
 from strawq.config import Config
 from strawq.errors import ConfigError
-from strawq.extras import TEACHER_LOGPROBS, ExtraError, check_names
-from strawq.names import validate_id
-
+from strawq.ondisk.extras import TEACHER_LOGPROBS, ExtraError, check_names
+from strawq.ondisk.names import validate_id
 from strawq.producers.extras_protocol import GENERATED
 from strawq.producers.sample import SamplerParams
 from strawq.producers.sample_step import GenerationConfig
@@ -122,7 +121,7 @@ class PluginsConfig(Config):
     #: Tokenizer for text and chat prompts, and for decoding responses for rewards:
     #: ``hf:<model dir or hub name>`` (a Hugging Face tokenizer and its chat template), or a
     #: dotted path to a ``(text) -> list[int]`` function (text only) or a tokenizer object
-    #: (``strawq.tokenize``). Without one a text or chat prompt fails its task
+    #: (``strawq.data.tokenize``). Without one a text or chat prompt fails its task
     #: (non-retryable) with a message saying so.
     tokenizer: str | None = None
     #: Keyword arguments for the tokenizer (``hf:``: ``gguf_file``, ``chat_template``,
@@ -158,7 +157,7 @@ class ToolsConfig(Config):
     #: Most tokens one generated turn may hold (0: only the response budget bounds it);
     #: a turn at the cap ends with finish ``length`` and the plugin decides what follows.
     max_turn_tokens: int = 0
-    #: Turn checkpoints (``strawq.turns``, the lease kept): at a turn boundary followed by
+    #: Turn checkpoints (``strawq.tasks.turns``, the lease kept): at a turn boundary followed by
     #: more work, the group is saved once this many boundaries passed since its last save
     #: (1: every turn; 0: off, unless a token or time cadence below is set). Measured
     #: (docs/agentic.md): one save is one publish and one delete, a few KB for G = 4.
@@ -192,7 +191,7 @@ class ToolsConfig(Config):
 class RecordConfig(Config):
     """What each sample records besides its tokens, log-probs and versions."""
 
-    #: Per-token extras to record with every sample (``strawq.extras``, docs/slime.md):
+    #: Per-token extras to record with every sample (``strawq.ondisk.extras``, docs/slime.md):
     #: ``routed_experts`` (asks ``return_routed_experts``; the server needs
     #: ``--enable-return-routed-experts`` and an MoE model), ``top_p_token_ids`` (asks
     #: ``return_sampling_mask``), ``teacher_logprobs`` (a ``teacher_url`` scores each

@@ -4,7 +4,7 @@ For each lease the ``GroupRunner`` starts one group task::
 
     load (I/O thread): current version, saved partial or prompt ids
       (a partial past the η bound: HandBack.regenerate | HandBack.drop, per the policy the
-       collector published, strawq.eta; under ``train`` it is resumed and counted)
+       collector published, strawq.tasks.eta; under ``train`` it is resumed and counted)
       -> GroupRun (fresh G samples, or rebuilt from the partial)
       -> one sample task per unfinished sample: acquire a trajectory (SlotPool),
          generate segment by segment until final, release it, reward it
@@ -54,15 +54,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from strawq.errors import LeaseLost
-from strawq.queue import Lease, RunQueue
-
 from strawq.producers.bracket import EngineAborter
 from strawq.producers.claim_gate import FaultBackoff
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineUnavailable
 from strawq.producers.engine_turn import EngineTurns
-from strawq.producers.generate import (DEFAULT_GENERATE, GenerateFn, Halted, load_generate,
-                                       run_plugin)
+from strawq.producers.generate import (
+    DEFAULT_GENERATE,
+    GenerateFn,
+    Halted,
+    load_generate,
+    run_plugin,
+)
 from strawq.producers.group import GroupRun, TaskError
 from strawq.producers.group_load import GroupLoader, PastEta
 from strawq.producers.handback import HandBack, MisconfiguredProducer
@@ -74,6 +77,7 @@ from strawq.producers.sample import SampleError
 from strawq.producers.scoring import GroupScorer
 from strawq.producers.slots import SlotPool
 from strawq.producers.turn_saver import TurnCheckpoints, TurnSaver
+from strawq.tasks.queue import Lease, RunQueue
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +195,7 @@ class GroupRunner:
                                                                         clock)
         self.turns = EngineTurns(config.engine, producer_id=producer_id, client=client,
                                  halts=self.halts, book=book, clock=clock)
-        #: turn checkpoints (``strawq.turns``): on for a multi-turn generate plugin
+        #: turn checkpoints (``strawq.tasks.turns``): on for a multi-turn generate plugin
         self.checkpoints = TurnCheckpoints(
             config.tools.checkpointing
             and (config.plugins.generate or DEFAULT_GENERATE) != DEFAULT_GENERATE,

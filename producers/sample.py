@@ -15,7 +15,7 @@ Budget arithmetic for a resume (see ``docs/engines.md``)::
 
 (SGLang rejects a request whose ``input + max_new_tokens >= context_length``.)
 
-**Per-token extras** (``strawq.extras``): a sample that asks for extras
+**Per-token extras** (``strawq.ondisk.extras``): a sample that asks for extras
 (``Sample.want_extras``) gets their rows with each segment and keeps them aligned with its
 tokens: a response extra has one row per response token, a prompt extra (routed experts)
 one row per position of prompt + response, the last a placeholder until the next segment
@@ -35,8 +35,16 @@ import numpy as np
 
 from strawq.config import Config
 from strawq.errors import ConfigError, StrawqError
-from strawq.extras import (Extra, ExtraError, cat, check_names, first_placeholder, placeholder,
-                           rows_for, spec_of)
+from strawq.ondisk.extras import (
+    Extra,
+    ExtraError,
+    cat,
+    check_names,
+    first_placeholder,
+    placeholder,
+    rows_for,
+    spec_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +208,7 @@ class Sample:
     num_segments: int = 0
     reward: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    #: per-token extras asked of the engine (``strawq.extras`` names)
+    #: per-token extras asked of the engine (``strawq.ondisk.extras`` names)
     want_extras: tuple[str, ...] = ()
     #: row shape of ``routed_experts`` ([layers, top_k]); empty: one flat row per position
     routed_experts_shape: tuple[int, ...] = ()

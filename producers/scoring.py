@@ -13,10 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from strawq.data.tokenize import FunctionTokenizer, PromptTokenizer
 from strawq.errors import ConfigError
-from strawq.names import validate_id
-from strawq.tokenize import FunctionTokenizer, PromptTokenizer
-
+from strawq.ondisk.names import validate_id
 from strawq.producers.group import GroupRun
 from strawq.producers.handback import MisconfiguredProducer
 from strawq.producers.meter import StatsBook

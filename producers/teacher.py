@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from strawq.extras import TEACHER_LOGPROBS, Extra
+from strawq.ondisk.extras import TEACHER_LOGPROBS, Extra
 from strawq.producers.engine_errors import EngineError
 from strawq.producers.extras_protocol import ExtrasMismatch
 from strawq.producers.group import GroupRun

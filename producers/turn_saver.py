@@ -5,7 +5,7 @@ calls ``boundary`` at every turn boundary (a turn ended, a tool result arrived) 
 the sample's next piece of work, so a sample that ends there saves nothing, and
 ``before_tool`` before a tool that is not idempotent runs (its journal entry must be
 durable before its effect can happen). ``ToolsConfig.checkpoint_every_*`` sets the cadence.
-The record, its fencing and its cleanup are ``strawq.turns``. ``TurnCheckpoints`` is the
+The record, its fencing and its cleanup are ``strawq.tasks.turns``. ``TurnCheckpoints`` is the
 runner's part that opens a lease's saver and loads its last checkpoint.
 
 A save snapshots the whole group synchronously on the event loop (``GroupRun.to_group``,
@@ -22,15 +22,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from strawq.errors import LeaseLost
-from strawq.turns import TurnLog, warm_up
+from strawq.tasks.turns import TurnLog, warm_up
 
 if TYPE_CHECKING:
-    from strawq.groups import GroupData
-    from strawq.queue import Lease, RunQueue
+    from strawq.ondisk.groups import GroupData
     from strawq.producers.group import GroupRun
     from strawq.producers.meter import StatsBook
     from strawq.producers.offload import Offload
     from strawq.producers.producer_config import ToolsConfig
+    from strawq.tasks.queue import Lease, RunQueue
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ reads ``control/`` afresh, so a bracket that paused meanwhile is seen before any
 ``Claims`` makes the claims and keeps that state: a short claim marks the time (the next
 listing waits an idle poll), an empty one with ``pending/`` empty marks it drained.
 
-A run that has finished (the collector's ``finished`` record, ``strawq.finished``) releases
+A run that has finished (the collector's ``finished`` record, ``strawq.tasks.finished``) releases
 nothing again: an idle or drained producer that sees it stops (``run_finished``).
 """
 
@@ -27,17 +27,16 @@ import math
 from collections.abc import Awaitable, Callable
 
 from strawq.errors import StorageError, StrawqError
-from strawq.finished import finished
-from strawq.queue import Lease, RunQueue
-from strawq.storage import Storage
-from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirProbe, DirWatch
-
 from strawq.producers.bracket import PauseBracket
 from strawq.producers.claim_gate import ClaimGate
 from strawq.producers.heartbeat import Heartbeat
 from strawq.producers.meter import StatsBook
 from strawq.producers.offload import Offload
 from strawq.producers.producer_config import TimingConfig
+from strawq.storage import Storage
+from strawq.storage.watch import IN_CREATE, IN_MOVED_TO, DirProbe, DirWatch
+from strawq.tasks.finished import finished
+from strawq.tasks.queue import Lease, RunQueue
 
 log = logging.getLogger(__name__)
 

@@ -543,7 +543,7 @@ class QueueConfig(Config):
     num_epochs: int = 1
     #: From the second pass on, skip a row whose newest trained group's rewards all agreed
     #: (no advantage to train on), until ``zero_variance_revisit_epochs`` passes after that
-    #: group (``strawq.prompt_policy``; each skip is recorded in the history).
+    #: group (``strawq.data.prompt_policy``; each skip is recorded in the history).
     skip_zero_variance: bool = False
     #: Passes after a zero-variance group at which its row is released again (2: skipped
     #: by the next pass, back in the one after).

@@ -46,7 +46,7 @@ class CorruptRecord(StrawqError, ValueError):
 class NewerFormat(StrawqError):
     """A record (or the run) is in a newer on-disk format than this strawq reads. Not a
     ``CorruptRecord``: nothing quarantines or drops it; the part stops and is upgraded
-    (``strawq.formats``)."""
+    (``strawq.tasks.formats``)."""
 
 
 class ConfigError(StrawqError, ValueError):
@@ -71,8 +71,9 @@ class BatchTimeout(StrawqError, TimeoutError):
 
 class RunFinished(StrawqError):
     """The run has ended: the dataset's last pass is trained (every batch acked) and no
-    batch is coming (``BatchReader.next_batch``; the ``finished`` record, ``strawq.finished``).
-    A trainer loop stops here: save the last checkpoint, commit it, exit 0."""
+    batch is coming (``BatchReader.next_batch``; the ``finished`` record,
+    ``strawq.tasks.finished``). A trainer loop stops here: save the last checkpoint, commit
+    it, exit 0."""
 
 
 class BracketTimeout(StrawqError, TimeoutError):

@@ -18,7 +18,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from strawq.records import newest_format
+from strawq.ondisk.records import newest_format
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
@@ -40,7 +40,7 @@ def _pid_namespace() -> str:
 
 def identity() -> dict[str, Any]:
     """This process: ``{"host", "boot", "pidns", "pid", "reads"}``; ``reads`` is the newest
-    run format it reads (``strawq.formats``: ``strawq upgrade`` checks it)."""
+    run format it reads (``strawq.tasks.formats``: ``strawq upgrade`` checks it)."""
     return {"host": socket.gethostname(), "boot": _boot_id(), "pidns": _pid_namespace(),
             "pid": os.getpid(), "reads": newest_format()}
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
+from strawq.app.run_config import RunConfig
 from strawq.collector.config import CollectorConfig
-from strawq.producers.plugins import load_filter, load_reward
-from strawq.producers.producer_config import ProducerConfig
 from strawq.config import QueueConfig, from_dict
 from strawq.errors import ConfigError
-from strawq.app.run_config import RunConfig
+from strawq.producers.plugins import load_filter, load_reward
+from strawq.producers.producer_config import ProducerConfig
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 RUN_JSON = DEPLOY / "examples" / "run.json"
@@ -367,9 +367,9 @@ class LiveRun:
 
 
 def _batch_seqs(run_dir: str) -> tuple[list[int], set[int]]:
-    from strawq.batches import BatchStore
-    from strawq.queue import RunQueue
+    from strawq.delivery.batches import BatchStore
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
 
     seqs, acked = BatchStore(RunQueue.open(open_storage(run_dir, writer_id="test"))).batch_seqs()
     return sorted(seqs), set(acked)
@@ -386,7 +386,7 @@ def _assert_engines_on(live: LiveRun, version: int) -> None:
 @pytest.mark.timeout(300)
 def test_trainer_loop_through_the_router_commits_and_gc_collects_the_trained_batches(
         tmp_path: Path) -> None:
-    from strawq.commits import committed_seq
+    from strawq.delivery.commits import committed_seq
     from strawq.storage import open_storage
 
     ckpt = tmp_path / "trainer_state.json"
@@ -491,7 +491,7 @@ def test_verl_strawq_trainer_trains_what_the_producers_generate(tmp_path: Path) 
     parts CPU stand-ins) on the batches the producers generate on sim engines; each weight
     push goes to the engines with strawq's version, which the producers check."""
     pytest.importorskip("verl")
-    from strawq.commits import committed_seq
+    from strawq.delivery.commits import committed_seq
     from strawq.storage import open_storage
 
     with LiveRun(tmp_path, router=False) as live:
@@ -518,7 +518,7 @@ def test_slime_strawq_trainer_trains_what_the_producers_generate(tmp_path: Path)
     slime's weight updates (one before the loop, one per rollout) reaches the engines with
     strawq's version, which the next rollout's ``generate_rollout`` announces."""
     pytest.importorskip("slime")
-    from strawq.commits import committed_seq
+    from strawq.delivery.commits import committed_seq
     from strawq.storage import open_storage
 
     with LiveRun(tmp_path, router=False) as live:

@@ -13,17 +13,41 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strawq.batches import (BatchStore, ack_key, batch_seqs, delivered, high_water,
-                            manifest_key, mark_delivered, mark_high_water)
-from strawq.epochs import (closed_key, epoch_key, epoch_starts, epochs, heartbeat_counter,
-                           heartbeat_key, list_names, mark_epoch_start, prunable)
-from strawq.eta import MODES, EtaPolicy
-from strawq.names import TaskName
-from strawq.queue import RunQueue
-from strawq.retention import compact_drops, drop_totals
-from strawq.states import (RETIRED, IllegalTransition, TaskState, check_transition, key_of,
-                           move, retire)
+from strawq.delivery.batches import (
+    BatchStore,
+    ack_key,
+    batch_seqs,
+    delivered,
+    high_water,
+    manifest_key,
+    mark_delivered,
+    mark_high_water,
+)
+from strawq.delivery.retention import compact_drops, drop_totals
+from strawq.ondisk.names import TaskName
 from strawq.storage import MemoryStorage
+from strawq.tasks.epochs import (
+    closed_key,
+    epoch_key,
+    epoch_starts,
+    epochs,
+    heartbeat_counter,
+    heartbeat_key,
+    list_names,
+    mark_epoch_start,
+    prunable,
+)
+from strawq.tasks.eta import MODES, EtaPolicy
+from strawq.tasks.queue import RunQueue
+from strawq.tasks.states import (
+    RETIRED,
+    IllegalTransition,
+    TaskState,
+    check_transition,
+    key_of,
+    move,
+    retire,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the source trees (the linked packages are read at their top-level folders, once)
@@ -32,34 +56,34 @@ LINKS = {"strawq/collector", "strawq/producers", "strawq/demo"}
 
 #: key prefix -> the one module that may spell it at the start of a string
 OWNERS = {
-    "bseq-": "strawq/batches.py",
-    "batches/": "strawq/batches.py",
-    "acked/": "strawq/batches.py",
-    "delivered/": "strawq/batches.py",
-    "epoch-": "strawq/epochs.py",
-    "closed-": "strawq/epochs.py",
-    "start-": "strawq/epochs.py",
-    "hb-": "strawq/epochs.py",
-    "holder-": "strawq/trainer_epochs.py",
-    "beat-": "strawq/trainer_epochs.py",
-    "released-": "strawq/trainer_epochs.py",
-    "incarnations/": "strawq/incarnations.py",
-    "policy-": "strawq/eta.py",
-    "audit/": "strawq/retention.py",
-    "drops-": "strawq/retention.py",
-    "history/": "strawq/history.py",
-    "cursor/": "strawq/cursor.py",
-    "packed/": "strawq/packed.py",
-    "format/": "strawq/formats.py",
+    "bseq-": "strawq/delivery/batches.py",
+    "batches/": "strawq/delivery/batches.py",
+    "acked/": "strawq/delivery/batches.py",
+    "delivered/": "strawq/delivery/batches.py",
+    "epoch-": "strawq/tasks/epochs.py",
+    "closed-": "strawq/tasks/epochs.py",
+    "start-": "strawq/tasks/epochs.py",
+    "hb-": "strawq/tasks/epochs.py",
+    "holder-": "strawq/tasks/trainer_epochs.py",
+    "beat-": "strawq/tasks/trainer_epochs.py",
+    "released-": "strawq/tasks/trainer_epochs.py",
+    "incarnations/": "strawq/tasks/incarnations.py",
+    "policy-": "strawq/tasks/eta.py",
+    "audit/": "strawq/delivery/retention.py",
+    "drops-": "strawq/delivery/retention.py",
+    "history/": "strawq/data/history.py",
+    "cursor/": "strawq/data/cursor.py",
+    "packed/": "strawq/delivery/packed.py",
+    "format/": "strawq/tasks/formats.py",
     "dropped/": "collector/trainer/metrics.py",  # the metric name; the entries go through states.py
-    # the adapters' stores (``strawq.states.STORES``): verl's queue directory
-    "samples/": "strawq/states.py",
-    "commits/": "strawq/states.py",
-    "drops/": "strawq/states.py",
-    "partials/": "strawq/states.py",
-    "held/": "strawq/states.py",
+    # the adapters' stores (``strawq.tasks.states.STORES``): verl's queue directory
+    "samples/": "strawq/tasks/states.py",
+    "commits/": "strawq/tasks/states.py",
+    "drops/": "strawq/tasks/states.py",
+    "partials/": "strawq/tasks/states.py",
+    "held/": "strawq/tasks/states.py",
 }
-#: the adapters whose records live in a store declared in ``strawq.states``
+#: the adapters whose records live in a store declared in ``strawq.tasks.states``
 STORE_USERS = ("collector/integrations/verl",)
 
 
@@ -129,12 +153,12 @@ def test_each_key_family_is_spelled_by_its_owner_only(prefix: str):
 
 
 def test_the_dropped_directory_is_named_in_the_state_table_only():
-    """``dropped/`` entries are moved and retired through ``strawq.states`` (``key_of``,
+    """``dropped/`` entries are moved and retired through ``strawq.tasks.states`` (``key_of``,
     ``move``, ``retire``): no module builds their keys from the directory name."""
     strays = []
     for path in _sources():
         rel = path.relative_to(ROOT).as_posix()
-        if rel in ("strawq/states.py", "collector/trainer/metrics.py"):
+        if rel in ("strawq/tasks/states.py", "collector/trainer/metrics.py"):
             continue
         for line, text in _string_heads(path):
             if text.startswith("dropped/"):
@@ -157,14 +181,14 @@ def _joined_keys(path: Path) -> list[tuple[int, str]]:
 
 
 def test_the_joined_key_scan_sees_the_stores_own():
-    assert _joined_keys(ROOT / "strawq/states.py")
+    assert _joined_keys(ROOT / "strawq/tasks/states.py")
 
 
 def test_adapter_stores_build_their_keys_through_the_state_table():
     """The verl queue's records (samples, commits, drops, prefixes) are keyed and moved by
-    ``strawq.states.VERL_SAMPLES`` / ``VERL_PREFIXES``: no verl module joins a directory
+    ``strawq.tasks.states.VERL_SAMPLES`` / ``VERL_PREFIXES``: no verl module joins a directory
     and a name itself, and every directory it names is a declared store's."""
-    from strawq.states import STORES
+    from strawq.tasks.states import STORES
 
     strays = []
     for path in _sources():
@@ -173,12 +197,12 @@ def test_adapter_stores_build_their_keys_through_the_state_table():
             strays += [f"{rel}:{line}: {src}" for line, src in _joined_keys(path)]
     assert not strays, strays
     declared = {d for store in STORES for d in store.directories()}
-    assert {p.rstrip("/") for p, owner in OWNERS.items() if owner == "strawq/states.py"} \
+    assert {p.rstrip("/") for p, owner in OWNERS.items() if owner == "strawq/tasks/states.py"} \
         == declared
 
 
 def test_every_store_move_is_declared():
-    from strawq.states import STORES, VERL_PREFIXES, VERL_SAMPLES
+    from strawq.tasks.states import STORES, VERL_PREFIXES, VERL_SAMPLES
 
     st = MemoryStorage()
     for store in STORES:
@@ -207,7 +231,7 @@ def test_over_eta_is_judged_in_one_place():
     strays = []
     for path in _sources():
         rel = path.relative_to(ROOT).as_posix()
-        if rel == "strawq/eta.py" or rel.startswith("demo/"):
+        if rel == "strawq/tasks/eta.py" or rel.startswith("demo/"):
             continue  # demo/ measures shares of trained staleness for reports
         for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             code = line.split("#", 1)[0]
@@ -223,19 +247,20 @@ def test_eta_mode_vocabulary_is_declared_once():
     assert CollectorConfig.__dataclass_fields__["eta_mode"].type == "EtaMode"
     for path in _sources():
         rel = path.relative_to(ROOT).as_posix()
-        if rel == "strawq/eta.py":
+        if rel == "strawq/tasks/eta.py":
             continue
         text = path.read_text(encoding="utf-8")
         assert not re.search(r"Literal\[\s*\"train\",\s*\"regenerate\"", text), rel
 
 
 #: the one module that zero-pads numbers into names and reads them back; each family is
-#: declared by its owner (``MANIFESTS = Numbered()`` in ``strawq/batches.py``)
-NUMBERED = "strawq/numbered.py"
+#: declared by its owner (``MANIFESTS = Numbered()`` in ``strawq/delivery/batches.py``)
+NUMBERED = "strawq/ondisk/numbered.py"
 #: core modules that read digits for something other than a numbered name, and what
 DIGITS_READ_ELSEWHERE = {
-    "strawq/packed.py": "the unpadded w<W>~r<rank> after a shard's number",
-    "strawq/retention.py": "the generation of a data/<id>~g<gen> record (strawq.names)",
+    "strawq/delivery/packed.py": "the unpadded w<W>~r<rank> after a shard's number",
+    "strawq/delivery/retention.py": "the generation of a data/<id>~g<gen> record"
+                                    " (strawq.ondisk.names)",
     "strawq/storage/posix.py": "the pid of a lock's owner",
     "strawq/doctor/juicefs.py": "the pids under /proc",
 }
@@ -264,7 +289,7 @@ def _zero_padded(path: Path) -> list[int]:
 
 
 def test_numbers_are_padded_by_the_numbered_helper_only():
-    """Numbered names are spelled through ``strawq.numbered.Numbered``: a hand-rolled
+    """Numbered names are spelled through ``strawq.ondisk.numbered.Numbered``: a hand-rolled
     ``f"{seq:012d}"`` in the core fails here."""
     found = {p.relative_to(ROOT).as_posix(): _zero_padded(p) for p in _core()}
     assert found.pop(NUMBERED), "the scan must see the helper's own formats"
@@ -364,7 +389,7 @@ def test_compact_drops_retires_through_the_state_table(monkeypatch):
     name = TaskName.parse("b000000000000.000000000003~i000000000003~g0~a1~r-1~bad")
     st.publish(key_of(TaskState.DROPPED, name), b"x")
     calls = []
-    import strawq.retention as retention
+    import strawq.delivery.retention as retention
 
     real = retention.retire
 

@@ -113,7 +113,7 @@ def test_the_walk_sees_every_part() -> None:
     layers = {_layer(n) for n in MODULES}
     assert layers == {"core", *UPPER}
     assert sum(len(v) for v in IMPORTS.values()) > 300
-    assert "strawq.states" in IMPORTS["strawq.queue"]
+    assert "strawq.tasks.states" in IMPORTS["strawq.tasks.queue"]
     parts = {_collector_part(n) for n in MODULES if _under(n, "strawq.collector")}
     assert parts == {"process", "trainer", "integrations"}
     assert set(COLLECTOR_PROCESS) <= set(MODULES), set(COLLECTOR_PROCESS) - set(MODULES)
@@ -163,8 +163,8 @@ def _process_imports(prefixes: tuple[str, ...], banned_too: tuple[str, ...] = ()
 
 def test_the_trainer_library_never_imports_the_collector_process() -> None:
     """The trainer side (reader, packing, bracket, importance, behaviour, metrics) sits on
-    the core: ``strawq.epochs``, ``strawq.checkpoint``, ``strawq.errors`` hold what it shares
-    with the collector process."""
+    the core: ``strawq.tasks.epochs``, ``strawq.delivery.checkpoint``, ``strawq.errors`` hold
+    what it shares with the collector process."""
     bad = _process_imports((TRAINER,), ("strawq.collector.integrations",))
     assert not bad, "\n".join(bad)
 
@@ -316,3 +316,53 @@ def test_top_level_folders_refuse_a_second_identity() -> None:
                            capture_output=True, text=True)
         assert r.returncode != 0, pkg
         assert f"strawq.{pkg}" in r.stderr, r.stderr
+
+
+#: The core's parts, bottom to top (docs/architecture.md, "Layers"): each imports only the
+#: parts before it. A top-level module (``strawq.errors``, ``strawq.config``, ...) is a part
+#: of its own; ``strawq.liveness`` sits below storage (the POSIX backend asks whether a pid is
+#: alive).
+CORE_PARTS = (
+    "strawq.errors",
+    "strawq.config",
+    "strawq.argtypes",
+    "strawq.dotted",
+    "strawq.ondisk",
+    "strawq.liveness",
+    "strawq.storage",
+    "strawq.doctor",
+    "strawq.tasks",
+    "strawq.data",
+    "strawq.delivery",
+    "strawq.weights",
+    "strawq.views",
+)
+
+
+def _core_part(name: str) -> int | None:
+    """The index in ``CORE_PARTS`` of the part that holds core module ``name``."""
+    for i, part in enumerate(CORE_PARTS):
+        if _under(name, part):
+            return i
+    return None
+
+
+def test_every_core_module_is_in_a_part() -> None:
+    loose = sorted(n for n in MODULES
+                   if _layer(n) == "core" and n != "strawq" and _core_part(n) is None)
+    assert not loose, f"core modules in no part of CORE_PARTS: {loose}"
+
+
+def test_the_core_parts_import_only_the_parts_below() -> None:
+    bad = []
+    for name, targets in GRAPH.items():
+        mine = _core_part(name)
+        if _layer(name) != "core" or mine is None:
+            continue
+        for t in targets:
+            theirs = _core_part(t)
+            if theirs is not None and theirs > mine:
+                bad.append(f"{name} ({CORE_PARTS[mine]}) imports {t} ({CORE_PARTS[theirs]})")
+    assert not bad, "\n".join(sorted(bad))
+    assert any(_core_part(t) == CORE_PARTS.index("strawq.ondisk")
+               for t in GRAPH["strawq.tasks.queue"])

@@ -24,10 +24,10 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.metrics import MetricsSink
 from strawq.collector.trainer.reader import BatchReader
-from strawq.control import Control
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from strawq.producers.meter import ProducerStats
 from strawq.producers.metrics import serve_producer_metrics
+from strawq.weights.control import Control
 from tests.collector.helpers import SimProducer, make_run, write_dataset
 
 parser = pytest.importorskip("prometheus_client.parser")

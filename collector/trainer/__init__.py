@@ -16,7 +16,7 @@
 The library sits on the core only: it never imports the collector process
 (``strawq.collector.core``, ``admission``, ``ordering``, ``fencing``, ``resume``,
 ``mixing``, ``cli``, ``config``, ``errors``); what both sides need lives in the core
-(``strawq.epochs``, ``strawq.checkpoint``, ``strawq.errors``). The integrations
+(``strawq.tasks.epochs``, ``strawq.delivery.checkpoint``, ``strawq.errors``). The integrations
 (``strawq.collector.integrations``) sit on it. Nothing is imported here: the collector
 process imports ``packing`` and ``metrics`` from this package and must not import torch,
 which ``reader`` and ``importance`` do. Import the modules by their full names.

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from strawq.eta import EtaPolicy
+from strawq.tasks.eta import EtaPolicy
 
 log = logging.getLogger(__name__)
 

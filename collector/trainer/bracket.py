@@ -29,18 +29,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from strawq.batches import forget_delivered_after
 from strawq.collector.trainer.engine_repair import EngineRepair, PushTo
 from strawq.collector.trainer.pause_acks import ProducerLiveness
 from strawq.collector.trainer.settlement import Settlement as Settlement
 from strawq.collector.trainer.settlement import describe_engines
 from strawq.collector.trainer.settlement import settle as settle
-from strawq.control import Control
-from strawq.engine_weights import (PROBE_TIMEOUT_S, EngineProbe, EngineWeights, StaleNote,
-                                   probe_versions)
+from strawq.delivery.batches import forget_delivered_after
 from strawq.errors import BracketError
-from strawq.grantor import LeaseMonitor
-from strawq.queue import RunQueue
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.tasks.queue import RunQueue
+from strawq.weights.control import Control
+from strawq.weights.engine_weights import (
+    PROBE_TIMEOUT_S,
+    EngineProbe,
+    EngineWeights,
+    StaleNote,
+    probe_versions,
+)
 
 log = logging.getLogger(__name__)
 

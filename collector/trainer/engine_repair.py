@@ -1,7 +1,7 @@
 """Engines on other weights, brought back: the trainer side of the ``engines/`` notes.
 
 A producer that finds an engine on weights other than the run's takes it out of rotation and
-notes it (``strawq.engine_weights``). The trainer's push path limited to some engines,
+notes it (``strawq.weights.engine_weights``). The trainer's push path limited to some engines,
 ``push_to(urls, version)``, repairs them: after each weight update
 (``WeightUpdateBracket.end_weight_update``) and every ``interval_s`` from a daemon thread, so
 that a trainer waiting for a batch while every engine is stale is not stuck. A repair never
@@ -15,9 +15,9 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
-from strawq.engine_weights import EngineWeights, probe_versions
 from strawq.errors import BracketError
-from strawq.queue import RunQueue
+from strawq.tasks.queue import RunQueue
+from strawq.weights.engine_weights import EngineWeights, probe_versions
 
 log = logging.getLogger(__name__)
 

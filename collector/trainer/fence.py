@@ -2,7 +2,7 @@
 
 The trainer decides what is trained (acks, commits, the weight-update bracket), so it is
 fenced as the collector is (docs/design.md, invariant 8). Its records are in ``trainer/``
-(spelled in ``strawq.trainer_epochs``)::
+(spelled in ``strawq.tasks.trainer_epochs``)::
 
     holder-<E>          EPOCH record (host, boot, pid namespace, pid, wall time), exclusive
                         create: the claim
@@ -43,14 +43,24 @@ import time
 import weakref
 from collections.abc import Callable
 
-from strawq import records
 from strawq.errors import AlreadyExists, FencedOut, StrawqError
 from strawq.liveness import identity, known_dead
-from strawq.records import Kind
+from strawq.ondisk import records
+from strawq.ondisk.records import Kind
 from strawq.storage import Storage
-from strawq.trainer_epochs import (DIR, TrainerHolder, beat_counter, beat_key, holder_key,
-                                   list_names, prunable, read_trainer_holder, released_key,
-                                   released_name, trainer_epochs)
+from strawq.tasks.trainer_epochs import (
+    DIR,
+    TrainerHolder,
+    beat_counter,
+    beat_key,
+    holder_key,
+    list_names,
+    prunable,
+    read_trainer_holder,
+    released_key,
+    released_name,
+    trainer_epochs,
+)
 
 log = logging.getLogger(__name__)
 

@@ -17,18 +17,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from strawq import packed
-from strawq.batches import BatchStore, Manifest
 from strawq.collector.trainer.behaviour import read_time_staleness
 from strawq.collector.trainer.importance import LossTotals
-from strawq.collector.trainer.packing import (EXTRA_PREFIX, SHARD_ARRAYS, ShardPacker,
-                                              group_tokens, manifest_totals, read_groups,
-                                              shard_arrays, shard_groups)
+from strawq.collector.trainer.packing import (
+    EXTRA_PREFIX,
+    SHARD_ARRAYS,
+    ShardPacker,
+    group_tokens,
+    manifest_totals,
+    read_groups,
+    shard_arrays,
+    shard_groups,
+)
 from strawq.collector.trainer.record_io import BufferPool, RecordFile, read_file
+from strawq.delivery import packed
+from strawq.delivery.batches import BatchStore, Manifest
 from strawq.errors import ConfigError, CorruptRecord, NotFound
-from strawq.groups import staleness
-from strawq.names import TaskName, data_key
-from strawq.queue import RunQueue
+from strawq.ondisk.groups import staleness
+from strawq.ondisk.names import TaskName, data_key
+from strawq.tasks.queue import RunQueue
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +96,9 @@ class Batch:
     #: bool [S]: staler than the run's η at the version this batch was read at (the
     #: read-time re-check; kept and trained under ``eta_mode="train"``)
     over_eta: torch.Tensor | None = None
-    #: per-token extras (``strawq.extras``, ``collector.trainer.packing``): ``routed_experts`` int32
-    #: [T, layers, top_k] (−1: not computed, e.g. each sample's last position),
-    #: ``teacher_logprobs`` float32 [T], ``top_p_token_ids`` int32 flat with
+    #: per-token extras (``strawq.ondisk.extras``, ``collector.trainer.packing``):
+    #: ``routed_experts`` int32 [T, layers, top_k] (−1: not computed, e.g. each sample's
+    #: last position), ``teacher_logprobs`` float32 [T], ``top_p_token_ids`` int32 flat with
     #: ``top_p_token_offsets`` int64 [T + 1]; empty when the groups recorded none
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     #: samples in the whole batch (every rank's shard; from the manifest)

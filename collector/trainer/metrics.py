@@ -5,7 +5,7 @@ with ``/`` and ``.`` turned into ``_``):
 
 * ``staleness/mean``, ``staleness/max``, ``staleness/multi_version_frac`` — over the samples
   of one batch: staleness = current version − the sample's minimum token version
-  (``strawq.groups.staleness``, per sample);
+  (``strawq.ondisk.groups.staleness``, per sample);
   multi-version = the sample's response tokens carry more than one version.
 * ``trainer/wait_ratio`` — time spent waiting in ``next_batch`` ÷ step time (from one
   ``next_batch`` return to the next).
@@ -29,9 +29,9 @@ collector and the trainer can be put on one time axis.
 Counters (``COUNTERS``: ``trainer/step``, ``collector/step`` and the ``*_total`` names)
 continue across restarts: a sink reads the newest value of each from the tail of its JSONL
 file when it opens and adds it to what the new process counts. ``dropped/<reason>`` is
-read from the run itself (``strawq.retention.drop_totals``) and needs no such help.
+read from the run itself (``strawq.delivery.retention.drop_totals``) and needs no such help.
 
-Prometheus series follow its conventions (``strawq.prom``: counters typed ``counter`` with
+Prometheus series follow its conventions (``strawq.views.prom``: counters typed ``counter`` with
 ``_total``, keys as labels, a ``run`` label on every series, HELP sentences); each sink has
 its own registry so several sinks in one process do not collide. ``prometheus_client`` (a
 dependency of Ray, present in the venv) is imported only when an endpoint is asked for.
@@ -47,7 +47,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from strawq.prom import Exposition, prom_name
+from strawq.views.prom import Exposition, prom_name
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class MetricsSink:
     """Appends JSON lines and mirrors numeric values into a Prometheus endpoint.
 
     ``labels``: constant labels on every series (the collector and the reader give
-    ``{"run": ...}``, ``strawq.status.run_label``)."""
+    ``{"run": ...}``, ``strawq.views.status.run_label``)."""
 
     def __init__(self, jsonl_path: str | None = None, prometheus_port: int | None = None,
                  *, addr: str = "127.0.0.1", labels: Mapping[str, str] | None = None) -> None:

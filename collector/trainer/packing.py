@@ -8,7 +8,7 @@ generated); over the response part: the recorded values.
 The hot path, per group record: one ``preadv`` of the whole file into a reused, 64-byte
 aligned buffer (``RecordFile``, ``strawq.collector.trainer.record_io``), xxh3 over it, the
 Arrow IPC streams read as numpy views
-(``strawq.groups.decode_group_columns``: cached schemas, no pyarrow objects), and one
+(``strawq.ondisk.groups.decode_group_columns``: cached schemas, no pyarrow objects), and one
 slice copy per sample and column into the packed output (``ShardPacker.add``), prompts
 included. Everything that does not depend on the payload — the layout of the output, the
 per-sample arrays — is computed once per shard from the manifest summaries, vectorised.
@@ -18,10 +18,10 @@ in cache between the two.
 The same packing runs in the collector when it packs rank shards (``pack_batch``,
 ``CollectorConfig.pack_ranks``): ``read_groups`` and ``shard_arrays`` give the arrays of a
 rank's ``Batch`` (numpy only: the collector never imports torch), written as one PACKED
-record per rank (``strawq.packed``) that the reader loads with one read
+record per rank (``strawq.delivery.packed``) that the reader loads with one read
 (``record_io.read_file``).
 
-Per-token extras (``strawq.extras``) are packed like ``logprobs``: ``extras[name]`` is
+Per-token extras (``strawq.ondisk.extras``) are packed like ``logprobs``: ``extras[name]`` is
 ``[T, *row shape]`` over the packed tokens — a prompt extra (routed experts) holds its
 record's rows over the prompt too, a response extra the placeholder value (0) there; a
 group recorded without an extra another group of the shard has gets placeholder rows (−1
@@ -40,19 +40,20 @@ from typing import Any
 
 import numpy as np
 
-from strawq import packed
 from strawq.collector.trainer.behaviour import sampling_columns
-from strawq.errors import CorruptRecord, NotFound
-from strawq.extras import Extra, ExtraError, spec_of
-from strawq.groups import decode_group_columns
-from strawq.names import TaskName, data_key
 from strawq.collector.trainer.record_io import ALIGN as _ALIGN
-from strawq.collector.trainer.record_io import BufferPool, RecordFile
+
 # the record reads' names, where they were first defined
 from strawq.collector.trainer.record_io import READ_CHUNK as READ_CHUNK
+from strawq.collector.trainer.record_io import BufferPool, RecordFile
 from strawq.collector.trainer.record_io import allocate_buffer as allocate_buffer
 from strawq.collector.trainer.record_io import read_file as read_file
-from strawq.records import Kind
+from strawq.delivery import packed
+from strawq.errors import CorruptRecord, NotFound
+from strawq.ondisk.extras import Extra, ExtraError, spec_of
+from strawq.ondisk.groups import decode_group_columns
+from strawq.ondisk.names import TaskName, data_key
+from strawq.ondisk.records import Kind
 from strawq.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -408,7 +409,7 @@ class PackReport:
 def pack_batch(storage: Storage, seq: int, names: Sequence[TaskName],
                summaries: Sequence[dict[str, Any]], world_size: int, *,
                file: RecordFile | None = None, pool: BufferPool | None = None) -> PackReport:
-    """Write batch ``seq``'s shard for each rank of ``world_size`` (``strawq.packed``), as
+    """Write batch ``seq``'s shard for each rank of ``world_size`` (``strawq.delivery.packed``), as
     ``BatchReader.load`` would pack it from these records, before the manifest is published.
 
     A rank whose groups do not all read cleanly gets no shard: its reader reads the records

@@ -14,12 +14,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from strawq.control import ACKS, Control
 from strawq.errors import BracketTimeout, StrawqError
-from strawq.grantor import LeaseMonitor
 from strawq.liveness import known_dead, parse_identity
-from strawq.queue import RunQueue
-from strawq.states import TaskState, names_in
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.tasks.queue import RunQueue
+from strawq.tasks.states import TaskState, names_in
+from strawq.weights.control import ACKS, Control
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from strawq.batches import BatchStore, forget_delivered_after, high_water
-from strawq.checkpoint import CHECKPOINT_FORMAT, read_cursor_state
-from strawq.commits import commit as commit_position
-from strawq.commits import committed_seq, hold
-from strawq.queue import RunQueue
+from strawq.delivery.batches import BatchStore, forget_delivered_after, high_water
+from strawq.delivery.checkpoint import CHECKPOINT_FORMAT, read_cursor_state
+from strawq.delivery.commits import commit as commit_position
+from strawq.delivery.commits import committed_seq, hold
+from strawq.tasks.queue import RunQueue
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-
 from strawq.collector.trainer.bracket import BracketReport, WeightUpdateBracket
 from strawq.collector.trainer.engine_repair import PushTo
 from strawq.collector.trainer.fence import FenceUse, TrainerFence
@@ -33,11 +32,11 @@ from strawq.collector.trainer.positions import ReaderPositions
 from strawq.collector.trainer.reader_metrics import ReaderMetrics
 from strawq.collector.trainer.waiting import LIST_EVERY_S as LIST_EVERY_S
 from strawq.collector.trainer.waiting import ManifestWait
-from strawq.status import run_label
-from strawq.batches import BatchStore, Manifest, mark_delivered
-from strawq.queue import RunQueue
+from strawq.delivery.batches import BatchStore, Manifest, mark_delivered
 from strawq.storage import open_storage
 from strawq.storage.watch import DirWatch
+from strawq.tasks.queue import RunQueue
+from strawq.views.status import run_label
 
 
 class BatchReader:

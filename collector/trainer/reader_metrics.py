@@ -12,8 +12,8 @@ from typing import Any
 
 from strawq.collector.trainer.loading import Batch
 from strawq.collector.trainer.metrics import MetricsSink
-from strawq.states import depths
 from strawq.storage import Storage
+from strawq.tasks.states import depths
 
 
 class ReaderMetrics:

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from strawq import records
 from strawq.errors import CorruptRecord, NotFound
+from strawq.ondisk import records
 from strawq.storage import Storage
 
 #: the alignment of every buffer and packed column (a cache line)

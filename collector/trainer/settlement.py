@@ -2,7 +2,7 @@
 
 A bracket a trainer left open (it died inside it), or one closed by an abort although its
 version reached the engines, is settled by probing every known engine for its weight version
-(``strawq.engine_weights.probe_versions``): ``settle`` decides, purely, whether to announce
+(``strawq.weights.engine_weights.probe_versions``): ``settle`` decides, purely, whether to announce
 the bracket's version (every engine that answered holds it), resume without a new version
 (every one still holds the run's), do nothing, or refuse (they disagree, or none answered),
 with a message that names which engine holds what. ``WeightUpdateBracket.settlement`` and
@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from strawq.control import ControlState
-from strawq.engine_weights import EngineProbe
+from strawq.weights.control import ControlState
+from strawq.weights.engine_weights import EngineProbe
 
 
 @dataclass(frozen=True)

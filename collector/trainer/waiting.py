@@ -16,16 +16,16 @@ import logging
 import time
 from collections.abc import Callable
 
-from strawq.batches import BatchStore, Manifest
-from strawq.cursor import read_cursor_state as cursor_state
-from strawq.epochs import epoch_starts, superseded
-from strawq.epochs import epochs as known_epochs
-from strawq.epochs import list_names as list_epoch_names
+from strawq.data.cursor import read_cursor_state as cursor_state
+from strawq.delivery.batches import BatchStore, Manifest
 from strawq.errors import BatchTimeout, NotFound, RunFinished
-from strawq.finished import finished
-from strawq.queue import RunQueue
-from strawq.states import depths
 from strawq.storage.watch import DirProbe, DirWatch
+from strawq.tasks.epochs import epoch_starts, superseded
+from strawq.tasks.epochs import epochs as known_epochs
+from strawq.tasks.epochs import list_names as list_epoch_names
+from strawq.tasks.finished import finished
+from strawq.tasks.queue import RunQueue
+from strawq.tasks.states import depths
 
 log = logging.getLogger(__name__)
 

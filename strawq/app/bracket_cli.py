@@ -17,8 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 from strawq.argtypes import positive_float
-from strawq.engine_weights import PROBE_TIMEOUT_S, EngineProbe, EngineWeights, probe_versions
 from strawq.errors import StrawqError
+from strawq.weights.engine_weights import (
+    PROBE_TIMEOUT_S,
+    EngineProbe,
+    EngineWeights,
+    probe_versions,
+)
 
 #: the actions, in the order ``strawq bracket --help`` lists them
 ACTIONS: tuple[tuple[str, str], ...] = (
@@ -69,7 +74,7 @@ def _engine_lines(found: dict[str, EngineProbe]) -> list[str]:
 def run_bracket(args: argparse.Namespace, open_queue: Callable[..., Any], emit: Emit) -> int:
     """``strawq bracket ACTION``; ``open_queue`` and ``emit`` are the CLI's own."""
     from strawq.collector.trainer.bracket import WeightUpdateBracket, settle
-    from strawq.control import read_state
+    from strawq.weights.control import read_state
 
     action = args.bracket_command
     q = open_queue(args.path, read_only=action == "status")

@@ -19,8 +19,8 @@ from strawq.errors import StrawqError
 
 def open_queue(path: str, *, read_only: bool = False) -> Any:
     """Open an existing run; ``read_only``: nothing in ``path`` is created or changed."""
-    from strawq.queue import RunQueue
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
 
     if not os.path.isdir(path):
         what = "is a file, not" if os.path.exists(path) else "is not"
@@ -44,7 +44,7 @@ _IGNORABLE = ("lost+found",)
 
 
 def _check_init_target(path: str) -> None:
-    from strawq.queue import RUN_KEY
+    from strawq.tasks.queue import RUN_KEY
 
     if os.path.exists(path) and not os.path.isdir(path):
         raise StrawqError(f"{path} is a file; expected a new or empty directory for the run")
@@ -64,8 +64,8 @@ def _check_init_target(path: str) -> None:
 
 def cmd_init(args: argparse.Namespace) -> int:
     from strawq.config import QueueConfig, load_config, redact, to_dict
-    from strawq.queue import RunQueue
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
 
     config = load_config(QueueConfig, args.config, args.set, where="queue config")
     _check_init_target(args.path)
@@ -92,13 +92,13 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from strawq.binding import check_binding, require_rows
-    from strawq.release_check import BadRowsRefused
-    from strawq.mixture import open_dataset
-    from strawq.feeder import Feeder
-    from strawq.cursor import read_cursor_state
-    from strawq.states import dropped_by_reason
     from strawq.app.progress import Progress
+    from strawq.data.binding import check_binding, require_rows
+    from strawq.data.cursor import read_cursor_state
+    from strawq.data.feeder import Feeder
+    from strawq.data.mixture import open_dataset
+    from strawq.data.release_check import BadRowsRefused
+    from strawq.tasks.states import dropped_by_reason
 
     if args.dry_run and args.dataset_grew:
         raise UsageError("--dry-run previews a release from the dataset the cursor records; "
@@ -139,7 +139,7 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 
 def _release_dry_run(args: argparse.Namespace, q: Any, dataset: Any) -> int:
-    from strawq.feeder import preview_release
+    from strawq.data.feeder import preview_release
 
     p = preview_release(q, dataset, args.count, max_bad_row_share=args.max_bad_row_share)
     payload = {"dry_run": True, "refused": p.refused, "next_index": p.start,
@@ -151,8 +151,8 @@ def _release_dry_run(args: argparse.Namespace, q: Any, dataset: Any) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from strawq.glance import Watcher, default_sample_s, glance
-    from strawq.glance_text import find_runs, list_runs, render, watch
+    from strawq.views.glance import Watcher, default_sample_s, glance
+    from strawq.views.glance_text import find_runs, list_runs, render, watch
 
     if os.path.isdir(args.path) and not os.path.exists(os.path.join(args.path, "run.meta")):
         runs = find_runs(args.path)
@@ -184,7 +184,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from strawq.inspect import describe_record
+    from strawq.views.inspect import describe_record
 
     q = open_queue(args.path, read_only=True)
     out = describe_record(q, args.key, tokens=args.tokens)
@@ -197,9 +197,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from strawq.batches import BatchStore
-
-    from strawq.retention import sweep_staging
+    from strawq.delivery.batches import BatchStore
+    from strawq.delivery.retention import sweep_staging
 
     q = open_queue(args.path)
     rep = BatchStore(q).gc(full=args.full, sweep=True, compact_drops_at=0,
@@ -226,7 +225,7 @@ def cmd_bracket(args: argparse.Namespace) -> int:
 
 
 def cmd_forget_engine(args: argparse.Namespace) -> int:
-    from strawq.engine_weights import EngineWeights
+    from strawq.weights.engine_weights import EngineWeights
 
     q = open_queue(args.path)
     weights = EngineWeights(q.storage)

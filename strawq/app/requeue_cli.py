@@ -1,6 +1,7 @@
 """``strawq requeue RUN --reason R``: put the tasks dropped with one reason back into the queue.
 
-The command parses its arguments and calls ``strawq.requeue.requeue_dropped``; nothing else.
+The command parses its arguments and calls ``strawq.delivery.requeue.requeue_dropped``;
+nothing else.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ has the reason, or the reason cannot be requeued.
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
-    from strawq.queue import RunQueue
-    from strawq.requeue import requeue_dropped
-    from strawq.states import dropped_by_reason
+    from strawq.delivery.requeue import requeue_dropped
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
+    from strawq.tasks.states import dropped_by_reason
 
     if not os.path.isdir(args.path):
         raise StrawqError(f"{args.path} is not a run directory; expected the path of a run "

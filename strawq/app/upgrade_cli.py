@@ -1,6 +1,6 @@
-"""``strawq upgrade RUN``: raise a run's on-disk format (``strawq.formats``).
+"""``strawq upgrade RUN``: raise a run's on-disk format (``strawq.tasks.formats``).
 
-The command parses its arguments and calls ``strawq.formats.upgrade``; nothing else.
+The command parses its arguments and calls ``strawq.tasks.formats.upgrade``; nothing else.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ Exit status: 0 when the run is at FORMAT (raised now, or already); 1 when refuse
 
 
 def cmd_upgrade(args: argparse.Namespace) -> int:
-    from strawq.formats import live_parts, newest, run_format, upgrade
-    from strawq.queue import RunQueue
     from strawq.storage import open_storage
+    from strawq.tasks.formats import live_parts, newest, run_format, upgrade
+    from strawq.tasks.queue import RunQueue
 
     if not os.path.isdir(args.path):
         raise StrawqError(f"{args.path} is not a run directory; expected the path of a run "

@@ -16,12 +16,12 @@ from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from strawq import records
-from strawq.batches import batch_seqs, manifest_key
+from strawq.delivery.batches import batch_seqs, manifest_key
 from strawq.errors import CorruptRecord, NotFound
-from strawq.groups import GroupData
-from strawq.names import TaskName, data_key, note_key
-from strawq.records import Kind
+from strawq.ondisk import records
+from strawq.ondisk.groups import GroupData
+from strawq.ondisk.names import TaskName, data_key, note_key
+from strawq.ondisk.records import Kind
 from strawq.storage import Storage
 
 #: Where a task can be. "quarantined" is reported, never silent (docs/design.md, invariant 2).
@@ -51,11 +51,12 @@ class Audit:
     tmp: list[str] = field(default_factory=list)
     #: reason recorded for each dropped task (from its note)
     drop_reasons: dict[str, str] = field(default_factory=dict)
-    #: task ids a release skipped by the history's rule (``strawq.prompt_policy``): their
+    #: task ids a release skipped by the history's rule (``strawq.data.prompt_policy``): their
     #: row was accounted for in that pass without a task
     skipped: set[str] = field(default_factory=set)
-    #: task ids whose drop was folded into the drop audit (``strawq.retention.compact_drops``:
-    #: the entry is deleted, the history records the dropped attempt with its reason)
+    #: task ids whose drop was folded into the drop audit
+    #: (``strawq.delivery.retention.compact_drops``: the entry is deleted, the history records the
+    #: dropped attempt with its reason)
     compacted: set[str] = field(default_factory=set)
 
     def state_of(self, task_id: str) -> str | None:
@@ -220,7 +221,7 @@ def audit_run(storage: Storage) -> Audit:
                                                  e.name.producer or ""), a, Kind.DROP)
                 if note is not None:
                     a.drop_reasons[e.name.id] = str(note.meta.get("reason"))
-    from strawq.cursor import cursor_key, list_cursors
+    from strawq.data.cursor import cursor_key, list_cursors
 
     for seq, nxt, n in list_cursors(storage):
         a.cursor_seq = max(a.cursor_seq, seq)
@@ -229,7 +230,7 @@ def audit_run(storage: Storage) -> Audit:
             a.cursor_next = max(a.cursor_next, int(rec.meta["next_index"]), nxt)
     a.staging = storage.list("staging")
     a.tmp = storage.list("tmp")
-    from strawq.history import load_history
+    from strawq.data.history import load_history
 
     history = load_history(storage)
     a.skipped = {tid for tid, st in history.prompts.items() if st.skipped}

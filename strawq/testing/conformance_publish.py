@@ -14,13 +14,19 @@ import threading
 import numpy as np
 import pytest
 
-from strawq import records
 from strawq.errors import AlreadyExists, NotFound
-from strawq.groups import GroupData, decode_group
-from strawq.records import Kind
+from strawq.ondisk import records
+from strawq.ondisk.groups import GroupData, decode_group
+from strawq.ondisk.records import Kind
 from strawq.storage import Capabilities, Storage
-from strawq.testing.conformance_hooks import (DEADLINE_S, ConformanceHooks,
-                                              eventually, publish_worker, require, thread_race)
+from strawq.testing.conformance_hooks import (
+    DEADLINE_S,
+    ConformanceHooks,
+    eventually,
+    publish_worker,
+    require,
+    thread_race,
+)
 
 
 class PublishConformance(ConformanceHooks):

@@ -30,14 +30,14 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from strawq.batches import BatchStore
-from strawq.dataset import Dataset
-from strawq.feeder import Feeder
-from strawq.grantor import LeaseMonitor
-from strawq.queue import RunQueue
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.delivery.batches import BatchStore
 from strawq.storage import PosixStorage, Storage
-from strawq.testing.faults import FaultyStorage
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.tasks.queue import RunQueue
 from strawq.testing.factories import make_group, make_partial
+from strawq.testing.faults import FaultyStorage
 
 _MUTATING = ("publish", "rename", "delete", "rmdir")
 

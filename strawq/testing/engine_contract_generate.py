@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from strawq.extras import ROUTED_EXPERTS, TOP_P_TOKEN_IDS
+from strawq.ondisk.extras import ROUTED_EXPERTS, TOP_P_TOKEN_IDS
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus
 from strawq.producers.sample_step import step_sample
 from strawq.producers.sglang_client import SGLangClient

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from strawq.groups import GroupData
+from strawq.ondisk.groups import GroupData
 
 
 def write_jsonl(path: str | os.PathLike[str], rows: Iterable[Any]) -> str:

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from strawq import records
-from strawq.records import Kind
+from strawq.ondisk import records
+from strawq.ondisk.records import Kind
 
 #: the simulated format: the group record at schema version 2
 FORMAT_2: dict[Kind, int] = {Kind.GROUP: 2}

@@ -296,16 +296,21 @@ def bracket_scenario(
     """A producer across ``brackets`` weight updates; version v loads the perturbed
     weights for odd v and the original ones for even v (each a real change)."""
     from strawq.config import QueueConfig
-    from strawq.control import Control
-    from strawq.dataset import Dataset
-    from strawq.feeder import Feeder
-    from strawq.queue import RunQueue
-    from strawq.storage import PosixStorage
-
+    from strawq.data.dataset import Dataset
+    from strawq.data.feeder import Feeder
     from strawq.producers.producer import Producer
-    from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
-                                                  ProducerConfig, SamplerParams, TimingConfig)
+    from strawq.producers.producer_config import (
+        BudgetConfig,
+        EngineConfig,
+        PluginsConfig,
+        ProducerConfig,
+        SamplerParams,
+        TimingConfig,
+    )
     from strawq.producers.sglang_client import ClientConfig, SGLangClient
+    from strawq.storage import PosixStorage
+    from strawq.tasks.queue import RunQueue
+    from strawq.weights.control import Control
 
     run_dir = workdir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -364,7 +369,7 @@ def bracket_scenario(
             await _stop(p, task)
 
     asyncio.run(main())
-    from strawq.names import TaskName
+    from strawq.ondisk.names import TaskName
 
     found: dict[str, Any] = {}
     for name in q.storage.list("ready"):
@@ -399,16 +404,21 @@ def stale_engine_scenario(server: RealServer, workdir: Path, *, groups: int = 2,
     ``push_weights`` of every update, limited to that engine) brings it back."""
     from strawq.collector.trainer.bracket import WeightUpdateBracket
     from strawq.config import QueueConfig
-    from strawq.dataset import Dataset
-    from strawq.feeder import Feeder
-    from strawq.names import TaskName
-    from strawq.queue import RunQueue
-    from strawq.storage import PosixStorage
-
+    from strawq.data.dataset import Dataset
+    from strawq.data.feeder import Feeder
+    from strawq.ondisk.names import TaskName
     from strawq.producers.producer import Producer
-    from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
-                                                  ProducerConfig, SamplerParams, TimingConfig)
+    from strawq.producers.producer_config import (
+        BudgetConfig,
+        EngineConfig,
+        PluginsConfig,
+        ProducerConfig,
+        SamplerParams,
+        TimingConfig,
+    )
     from strawq.producers.sglang_client import ClientConfig, SGLangClient
+    from strawq.storage import PosixStorage
+    from strawq.tasks.queue import RunQueue
 
     cfg = ClientConfig(api_key=server.api_key, admin_api_key=server.admin_api_key,
                        max_retries=1)

@@ -49,15 +49,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from strawq.batches import BatchStore, Manifest
 from strawq.collector.trainer.behaviour import sampling_columns
 from strawq.collector.trainer.importance import aggregate_loss, batch_loss
 from strawq.collector.trainer.reader import Batch, BatchReader
-from strawq.queue import RunQueue
+from strawq.delivery.batches import BatchStore, Manifest
 from strawq.storage import Storage, open_storage
-from strawq.testing.reference_model import (DEFAULT_OBJECTIVE, IS_MODES, Grads, Objective,
-                                            PaddedPolicy, TinyPolicy, batch_to, device_of,
-                                            positions_from_cu, zero_loss)
+from strawq.tasks.queue import RunQueue
+from strawq.testing.reference_model import (
+    DEFAULT_OBJECTIVE,
+    IS_MODES,
+    Grads,
+    Objective,
+    PaddedPolicy,
+    TinyPolicy,
+    batch_to,
+    device_of,
+    positions_from_cu,
+    zero_loss,
+)
 from strawq.testing.reference_run import complete_groups, make_reference_run, publish_batch
 
 __all__ = ["DEFAULT_OBJECTIVE", "IS_MODES", "Grads", "Objective", "PaddedPolicy", "TinyPolicy",

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from strawq.batches import BatchStore
-from strawq.groups import GroupData
-from strawq.queue import Lease, RunQueue
+from strawq.delivery.batches import BatchStore
+from strawq.ondisk.groups import GroupData
 from strawq.storage import open_storage
+from strawq.tasks.queue import Lease, RunQueue
 from strawq.testing.reference_model import TinyPolicy
 
 
@@ -136,7 +136,7 @@ def publish_batch(path: str, prompts: Sequence[Sequence[int]], group_size: int,
     from strawq.collector.config import CollectorConfig
     from strawq.collector.core import Collector
     from strawq.config import QueueConfig
-    from strawq.dataset import Dataset
+    from strawq.data.dataset import Dataset
 
     os.makedirs(path, exist_ok=True)
     ds = os.path.join(path, "dataset.jsonl")

@@ -56,7 +56,7 @@ class Observed:
     dropped: dict[int, list[str]] = field(default_factory=dict)
     #: task indexes the history recorded as skipped
     skipped: set[int] = field(default_factory=set)
-    #: the newest cursor record at the end (``strawq.feeder.read_cursor_state``)
+    #: the newest cursor record at the end (``strawq.data.feeder.read_cursor_state``)
     cursor: Mapping[str, Any] | None = None
     #: bad-row drops the final queue state counts (None: not looked at)
     bad_dropped: int | None = None

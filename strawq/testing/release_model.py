@@ -1,15 +1,15 @@
 """The release model: which rows a run releases, pass by pass, written out plainly.
 
 This module is the executable statement of what the feeder releases from a dataset over
-several passes (``QueueConfig.num_epochs``), from a mixture (``strawq.mixture``), with the
+several passes (``QueueConfig.num_epochs``), from a mixture (``strawq.data.mixture``), with the
 zero-variance skip (``QueueConfig.skip_zero_variance``) and after a resume
 (docs/datasets.md, "What is released: the model"). It is an oracle: it computes the answer
 the slow, obvious way and never imports the feeder, so a run can be checked row by row
 against it (``tests/collector/test_release_combinations.py``, ``bench/planner.py``).
 
 **The passes.** A dataset is K sources (a plain dataset: one source, weight 1). Source k
-has ``L_k`` rows and an integer weight ``w_k`` (``strawq.mixture.integer_weights``); the
-interleave is ``strawq.mixture.Layout`` (the pattern is the spec, reused here). Pass e
+has ``L_k`` rows and an integer weight ``w_k`` (``strawq.data.mixture.integer_weights``); the
+interleave is ``strawq.data.mixture.Layout`` (the pattern is the spec, reused here). Pass e
 starts each source at its own offset ``o_k(e)``, ``o_k(0) = 0``: mixture row r of the pass
 is source ``k, j = layout.locate(r)``, that source's row ``(o_k(e) + j) mod L_k``, task
 index ``base_e + r``. The pass holds ``N_e`` rows:

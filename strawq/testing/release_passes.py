@@ -10,8 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from strawq.mixture import Layout, integer_weights
-
+from strawq.data.mixture import Layout, integer_weights
 
 #: ``filter(task, rewards) -> reason | None``: a mixture source's filter
 #: (``strawq.collector.mixing``: ``task`` holds ``id``, ``index`` and ``source``; the
@@ -27,7 +26,7 @@ class Source:
     name: str
     #: L_k: its rows, bad ones included
     rows: int
-    #: its weight (made integer by ``strawq.mixture.integer_weights``, as the mixture does)
+    #: its weight (made integer by ``strawq.data.mixture.integer_weights``, as the mixture does)
     weight: float = 1.0
     #: its rows that cannot become a task (never released)
     bad: frozenset[int] = frozenset()

@@ -76,10 +76,10 @@ def _load_function() -> Any:
 
 def collector_setup(workdir: str, *, rollouts: int, groups: int, group_size: int,
                     seed: int) -> CollectorEnv:
-    from strawq.batches import BatchStore
-    from strawq.groups import GroupData
-    from strawq.queue import Lease, RunQueue
+    from strawq.delivery.batches import BatchStore
+    from strawq.ondisk.groups import GroupData
     from strawq.storage import open_storage
+    from strawq.tasks.queue import Lease, RunQueue
     from strawq.testing.reference import publish_batch
 
     rng = np.random.default_rng(seed)

@@ -228,8 +228,8 @@ def slime_path_gradients(run_dir: str, seq: int, model: Any, *, objective: Any =
     import torch
 
     from strawq.collector.trainer.reader import BatchReader
-    from strawq.queue import RunQueue
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
 
     data_utils = _slime("slime.observability.rollout_data_utils")
     queue = RunQueue.open(open_storage(run_dir, writer_id="slime-path"))

@@ -25,17 +25,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from strawq import records
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from strawq.errors import LeaseLost, NewerFormat
-from strawq.formats import UpgradeRefused, live_parts, run_format, upgrade
-from strawq.names import data_key, dataset_task_id
-from strawq.queue import RunQueue
+from strawq.ondisk import records
+from strawq.ondisk.names import data_key, dataset_task_id
 from strawq.storage import Storage, open_storage
+from strawq.tasks.formats import UpgradeRefused, live_parts, run_format, upgrade
+from strawq.tasks.queue import RunQueue
 from strawq.testing.audit import audit_run, check_total_queue
 from strawq.testing.factories import make_group, prompts, write_jsonl
 from strawq.testing.formats import release
@@ -91,7 +91,7 @@ class _Producer:
         """Leave the run: its heartbeat goes (what the collector does for a departed one)."""
         for producer, counter, idle in list(self.queue.heartbeat_states()):
             if producer == self.name:
-                from strawq.names import heartbeat_key
+                from strawq.ondisk.names import heartbeat_key
 
                 self.queue.storage.delete(heartbeat_key(producer, counter, idle))
 

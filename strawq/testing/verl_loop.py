@@ -40,12 +40,17 @@ from unittest import mock
 import numpy as np
 import torch
 
-from strawq.batches import BatchStore, Manifest
-from strawq.groups import GroupData
-from strawq.queue import Lease, RunQueue
+from strawq.delivery.batches import BatchStore, Manifest
+from strawq.ondisk.groups import GroupData
 from strawq.storage import open_storage
-from strawq.testing.reference import (Objective, TinyPolicy, complete_groups,
-                                      max_relative_error, reference_gradients)
+from strawq.tasks.queue import Lease, RunQueue
+from strawq.testing.reference import (
+    Objective,
+    TinyPolicy,
+    complete_groups,
+    max_relative_error,
+    reference_gradients,
+)
 
 #: dataset index of each special group in ``publish_run``
 FAILED_REWARD, TOOL_FAILED, GROUP_OF_ONE, CORRUPT = 1, 2, 4, 7
@@ -62,7 +67,7 @@ def publish_run(path: str, *, batches: int = 4, batch_groups: int = 3, group_siz
     from strawq.collector.config import CollectorConfig
     from strawq.collector.core import Collector
     from strawq.config import QueueConfig
-    from strawq.dataset import Dataset
+    from strawq.data.dataset import Dataset
 
     groups = batches * batch_groups
     rng = np.random.default_rng(seed)
@@ -368,7 +373,7 @@ def run_verl_loop(path: str, *, trainer_cls: Any = None, batches: int = 6,
 
     from strawq.collector.integrations.verl.reader import verl_actor_config
     from strawq.collector.integrations.verl.trainer import strawq_trainer
-    from strawq.commits import committed_seq
+    from strawq.delivery.commits import committed_seq
 
     cls = trainer_cls or strawq_trainer(fat.FullyAsyncTrainer)
     objective = objective or Objective()

@@ -25,10 +25,15 @@ from typing import Any
 
 import torch
 
-from strawq.collector.integrations.verl.reader import (MODES, _verl, batch_to_dataproto,
-                                                       check_objective,
-                                                       compute_verl_advantages,
-                                                       rollout_correction, verl_actor_config)
+from strawq.collector.integrations.verl.reader import (
+    MODES,
+    _verl,
+    batch_to_dataproto,
+    check_objective,
+    compute_verl_advantages,
+    rollout_correction,
+    verl_actor_config,
+)
 from strawq.collector.trainer.reader import Batch, BatchReader
 
 
@@ -152,8 +157,8 @@ def actor_log_probs(model: torch.nn.Module, data: Any) -> torch.Tensor:
 
 
 def _read_batch(run_dir: str, seq: int) -> Batch:
-    from strawq.queue import RunQueue
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
 
     queue = RunQueue.open(open_storage(run_dir, writer_id="verl-path"))
     reader = BatchReader(queue, rank=0, world_size=1, checkpointed=False, watch=None,

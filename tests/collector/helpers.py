@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 
 from strawq.config import QueueConfig
-from strawq.control import Control
 from strawq.errors import LeaseLost
-from strawq.groups import GroupData
-from strawq.queue import Lease, RunQueue
+from strawq.ondisk.groups import GroupData
 from strawq.storage import open_storage
+from strawq.tasks.queue import Lease, RunQueue
+from strawq.weights.control import Control
 
 
 def write_dataset(path: str, n: int, *, seed: int = 0) -> str:

@@ -9,10 +9,10 @@ import numpy as np
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.dataset import Dataset
-from strawq.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS, Extra
-from strawq.groups import GroupData
-from strawq.queue import Lease, RunQueue
+from strawq.data.dataset import Dataset
+from strawq.ondisk.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS, Extra
+from strawq.ondisk.groups import GroupData
+from strawq.tasks.queue import Lease, RunQueue
 from tests.collector.helpers import make_run, write_dataset
 
 

@@ -24,9 +24,9 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.errors import BatchTimeout, RunFinished
 from strawq.collector.trainer.reader import BatchReader
-from strawq.dataset import Dataset
-from strawq.queue import RunQueue
+from strawq.data.dataset import Dataset
 from strawq.storage import open_storage
+from strawq.tasks.queue import RunQueue
 from tests.collector.helpers import SimProducer
 
 CONFIG = {"batch_groups": 4, "max_running": 8, "max_ready": 8, "max_prefetch_batches": 2,

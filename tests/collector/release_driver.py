@@ -46,19 +46,28 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import read_cursor_state
+from strawq.data.history import load_history
+from strawq.data.mixture import open_dataset
+from strawq.delivery.retention import drop_totals
 from strawq.errors import LeaseLost
-from strawq.feeder import read_cursor_state
-from strawq.groups import GroupData
-from strawq.history import load_history
-from strawq.mixture import open_dataset
-from strawq.names import TASK_IDS
-from strawq.queue import Lease, RunQueue
-from strawq.retention import drop_totals
-from strawq.states import TaskState, names_in
-from strawq.testing.release_model import (ZERO_VARIANCE, Behaviour, ModelRow, Observed,
-                                          ReleaseModel, Resume, Seen, Source, agreeing,
-                                          check_run)
+from strawq.ondisk.groups import GroupData
+from strawq.ondisk.names import TASK_IDS
+from strawq.tasks.queue import Lease, RunQueue
+from strawq.tasks.states import TaskState, names_in
+from strawq.testing.release_model import (
+    ZERO_VARIANCE,
+    Behaviour,
+    ModelRow,
+    Observed,
+    ReleaseModel,
+    Resume,
+    Seen,
+    Source,
+    agreeing,
+    check_run,
+)
 from tests.collector.helpers import SimProducer, _Work
 from tests.collector.release_filters import FILTERS
 

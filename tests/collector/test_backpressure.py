@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from strawq.collector.admission import Depths, admission
-from strawq.commits import commit
-from strawq.errors import ConfigError
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
+from strawq.delivery.commits import commit
+from strawq.errors import ConfigError
 from tests.collector.helpers import SimProducer, make_run, write_dataset
 
 

@@ -13,7 +13,7 @@ from strawq.app.cli import main as cli_main
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.reader import BatchReader
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from tests.collector.helpers import SimProducer, make_run, write_dataset
 
 FAST = ["--no-fsync", "--set", "batch_groups=2", "--set", "poll_interval_s=0.01",

@@ -15,7 +15,7 @@ from strawq.collector.core import Collector
 from strawq.collector.trainer.metrics import MetricsSink
 from strawq.collector.trainer.reader import BatchReader
 from strawq.config import from_dict
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from strawq.errors import ConfigError
 from tests.collector.helpers import SimProducer, make_run, write_dataset
 

@@ -13,11 +13,11 @@ import pytest
 from strawq.app.cli import main as cli_main
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.dataset import Dataset, EmptyDataset
-from strawq.binding import DatasetMismatch
-from strawq.cursor import read_cursor_state
-from strawq.queue import RunQueue
+from strawq.data.binding import DatasetMismatch
+from strawq.data.cursor import read_cursor_state
+from strawq.data.dataset import Dataset, EmptyDataset
 from strawq.storage import PosixStorage
+from strawq.tasks.queue import RunQueue
 from strawq.testing import write_jsonl
 from strawq.testing.audit import audit_run
 from tests.collector.helpers import make_run

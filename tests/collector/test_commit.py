@@ -19,11 +19,11 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.errors import BatchTimeout
 from strawq.collector.trainer.reader import Batch, BatchReader
-from strawq.commits import committed_seq
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
-from strawq.queue import RunQueue
+from strawq.data.dataset import Dataset
+from strawq.delivery.commits import committed_seq
 from strawq.storage import MemoryStorage
+from strawq.tasks.queue import RunQueue
 from tests.collector.helpers import SimProducer, write_dataset
 
 ROWS = 24

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from strawq.names import TaskName
+from strawq.ondisk.names import TaskName
 from tests.collector.helpers import make_run, write_dataset
 
 pytestmark = pytest.mark.slow

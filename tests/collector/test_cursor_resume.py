@@ -13,9 +13,9 @@ import pytest
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.reader import BatchReader
-from strawq.checkpoint import in_flight
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
+from strawq.delivery.checkpoint import in_flight
 from tests.collector.helpers import SimProducer, drive, train_until_drained, write_dataset
 
 N = 40

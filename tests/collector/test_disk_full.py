@@ -17,11 +17,11 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.errors import BatchTimeout, RunFinished
 from strawq.collector.trainer.reader import BatchReader
-from strawq.dataset import Dataset
-from strawq.queue import RunQueue
-from strawq.status import run_status
+from strawq.data.dataset import Dataset
 from strawq.storage import open_storage
+from strawq.tasks.queue import RunQueue
 from strawq.testing.waiting import wait_until
+from strawq.views.status import run_status
 from tests.collector.helpers import SimProducer, make_run, write_dataset
 from tests.small_disk import SmallDisk, small_disk  # noqa: F401 - the fixture
 
@@ -106,9 +106,9 @@ def test_a_full_disk_pauses_the_collector_and_the_run_resumes_when_space_returns
 @pytest.mark.process
 def test_a_release_refused_on_a_nearly_full_disk_leaves_nothing_staged_and_warns_early(
         small_disk: SmallDisk, tmp_path: Path) -> None:  # noqa: F811
+    from strawq.data.feeder import Feeder
     from strawq.errors import StorageFull
-    from strawq.feeder import Feeder
-    from strawq.status import disk_space
+    from strawq.views.status import disk_space
 
     run = os.path.join(small_disk.path, "run")
     q = make_run(run, release_batch=64)

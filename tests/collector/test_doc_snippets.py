@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from strawq.batches import BatchStore
 from strawq.collector.trainer.importance import batch_loss, masked_tis_weights
 from strawq.collector.trainer.reader import BatchReader
-from strawq.queue import RunQueue
+from strawq.delivery.batches import BatchStore
+from strawq.tasks.queue import RunQueue
 from tests.collector.helpers import SimProducer, make_run, write_dataset
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -27,8 +27,8 @@ def _loss_lines() -> list[tuple[str, str, str]]:
 
 
 def _three_group_batch(tmp_path: Path) -> RunQueue:
-    from strawq.dataset import Dataset
-    from strawq.feeder import Feeder
+    from strawq.data.dataset import Dataset
+    from strawq.data.feeder import Feeder
 
     q = make_run(str(tmp_path / "run"))
     Feeder(q, Dataset(write_dataset(str(tmp_path / "ds.jsonl"), 3))).release(3)

@@ -14,10 +14,10 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
-from strawq.eta import DEFAULT_MAX_STALENESS, read_policy
-from strawq.queue import RunQueue
+from strawq.data.dataset import Dataset
 from strawq.storage import MemoryStorage
+from strawq.tasks.eta import DEFAULT_MAX_STALENESS, read_policy
+from strawq.tasks.queue import RunQueue
 from tests.collector.helpers import SimProducer, make_run, write_dataset
 from tests.collector.test_ordering import N, _group
 

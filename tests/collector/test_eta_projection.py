@@ -16,9 +16,9 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
-from strawq.queue import RunQueue
-from strawq.states import Depths
 from strawq.storage import MemoryStorage
+from strawq.tasks.queue import RunQueue
+from strawq.tasks.states import Depths
 from tests.collector.test_ordering import N, _group, dataset  # noqa: F401 - fixture
 
 #: every order a trainer may use after the optimizer step; ``ckpt`` commits nothing here

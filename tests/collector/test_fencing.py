@@ -12,7 +12,7 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.errors import CollectorBusy
 from strawq.collector.fencing import EpochFence
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from strawq.errors import FencedOut
 from tests.collector.helpers import FakeClock, make_run, write_dataset
 

@@ -16,7 +16,7 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.errors import BatchTimeout
 from strawq.collector.trainer.reader import BatchReader
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from strawq.testing import audit_run
 from tests.collector.helpers import FakeClock, SimProducer, make_run, write_dataset
 

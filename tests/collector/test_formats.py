@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from strawq import records
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.dataset import Dataset
-from strawq.names import data_key
-from strawq.queue import RunQueue
-from strawq.records import Kind
+from strawq.data.dataset import Dataset
+from strawq.ondisk import records
+from strawq.ondisk.names import data_key
+from strawq.ondisk.records import Kind
 from strawq.storage import open_storage
+from strawq.tasks.queue import RunQueue
 from tests.collector.helpers import make_run, write_dataset
 
 
@@ -74,7 +74,7 @@ def test_a_newer_format_group_stops_the_collector_and_keeps_the_group(tmp_path: 
 
 def test_an_old_part_refuses_a_run_at_a_newer_format(tmp_path: Path) -> None:
     from strawq.errors import NewerFormat
-    from strawq.formats import upgrade
+    from strawq.tasks.formats import upgrade
     from strawq.testing.formats import release
 
     run = str(tmp_path / "run")
@@ -89,7 +89,7 @@ def test_an_old_part_refuses_a_run_at_a_newer_format(tmp_path: Path) -> None:
 
 
 def test_upgrade_is_refused_while_an_old_part_is_live_and_names_it(tmp_path: Path) -> None:
-    from strawq.formats import UpgradeRefused, live_parts, run_format, upgrade
+    from strawq.tasks.formats import UpgradeRefused, live_parts, run_format, upgrade
     from strawq.testing.formats import release
 
     run = str(tmp_path / "run")
@@ -109,7 +109,7 @@ def test_upgrade_is_refused_while_an_old_part_is_live_and_names_it(tmp_path: Pat
 
 
 def test_writers_write_the_runs_format_not_their_newest(tmp_path: Path) -> None:
-    from strawq.formats import upgrade
+    from strawq.tasks.formats import upgrade
     from strawq.testing.factories import make_group
     from strawq.testing.formats import release
 

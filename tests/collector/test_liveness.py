@@ -16,7 +16,6 @@ Real processes: producers (``tests/collector/procs.py producer``) and collectors
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import signal
 import subprocess
@@ -27,18 +26,18 @@ from pathlib import Path
 
 import pytest
 
-from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
+from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
-from strawq.control import Control
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from strawq.errors import ConfigError
-from strawq.names import TaskName
-from strawq.queue import RunQueue
+from strawq.ondisk.names import TaskName
 from strawq.storage import open_storage
+from strawq.tasks.queue import RunQueue
 from strawq.testing.waiting import wait_until
+from strawq.weights.control import Control
 from tests.collector.helpers import make_run, write_dataset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -205,7 +204,7 @@ COLLECTOR = r"""
 import sys
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from strawq.errors import FencedOut
 col = Collector.open(sys.argv[1], Dataset(sys.argv[2]), CollectorConfig(
     batch_groups=4, max_running=8, max_ready=8, poll_interval_s=0.01,
@@ -317,7 +316,7 @@ def test_liveness_timeout_is_checked_against_the_lease_timeout() -> None:
 
 BEAT_ONCE = r"""
 import sys
-from strawq.queue import RunQueue
+from strawq.tasks.queue import RunQueue
 from strawq.storage import open_storage
 RunQueue.open(open_storage(sys.argv[1], writer_id="once", fsync=False)).heartbeat(sys.argv[2])
 """

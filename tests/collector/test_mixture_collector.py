@@ -16,12 +16,12 @@ from strawq.collector.core import Collector
 from strawq.collector.mixing import MixtureBook
 from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
+from strawq.data.history import load_history
+from strawq.data.mixture import Mixture, open_dataset
+from strawq.data.prompt_policy import plan_release
+from strawq.delivery.retention import compact_drops, drop_totals
 from strawq.errors import ConfigError
-from strawq.mixture import Mixture, open_dataset
-from strawq.names import TaskName, dataset_task_id
-from strawq.history import load_history
-from strawq.prompt_policy import plan_release
-from strawq.retention import compact_drops, drop_totals
+from strawq.ondisk.names import TaskName, dataset_task_id
 from tests.collector.helpers import SimProducer, train_until_drained
 
 QCFG = QueueConfig(fsync=False, lease_timeout_s=2.0, heartbeat_interval_s=0.2,  # type: ignore

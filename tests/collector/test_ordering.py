@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.eta import STALE_REASON
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
-from strawq.groups import GroupData
-from strawq.names import TaskName
-from strawq.queue import Lease, RunQueue
+from strawq.data.dataset import Dataset
+from strawq.ondisk.groups import GroupData
+from strawq.ondisk.names import TaskName
 from strawq.storage import MemoryStorage
+from strawq.tasks.eta import STALE_REASON
+from strawq.tasks.queue import Lease, RunQueue
 from tests.collector.helpers import write_dataset
 
 N = 24

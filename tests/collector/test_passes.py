@@ -15,7 +15,7 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from tests.collector.helpers import SimProducer, train_until_drained, write_dataset
 
 N = 6

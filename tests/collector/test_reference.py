@@ -11,6 +11,9 @@ import torch
 
 from strawq.collector.trainer.importance import LOSS_AGG_MODES, LossTotals, aggregate_loss
 from strawq.collector.trainer.reader import BatchReader
+from strawq.delivery.batches import BatchStore
+from strawq.storage import open_storage
+from strawq.tasks.queue import RunQueue
 from strawq.testing.reference import (
     Objective,
     PaddedPolicy,
@@ -23,9 +26,6 @@ from strawq.testing.reference import (
     reference_gradients,
     reference_loss,
 )
-from strawq.batches import BatchStore
-from strawq.queue import RunQueue
-from strawq.storage import open_storage
 
 TOL = 1e-5
 

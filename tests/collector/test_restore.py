@@ -8,14 +8,14 @@ import logging
 
 import pytest
 
-from strawq.batches import delivered
-from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
+from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
-from strawq.queue import RunQueue
+from strawq.delivery.batches import delivered
 from strawq.storage import MemoryStorage
+from strawq.tasks.queue import RunQueue
 from tests.collector.test_ordering import N, _group, dataset  # noqa: F401 - fixture
 
 

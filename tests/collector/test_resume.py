@@ -12,7 +12,7 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.reader import BatchReader
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from tests.collector.helpers import SimProducer, drive, write_dataset
 
 CFG = CollectorConfig(batch_groups=4, max_running=8, max_ready=8, max_prefetch_batches=1,

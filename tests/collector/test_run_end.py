@@ -11,13 +11,18 @@ import pytest
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.reader import BatchReader
-from strawq.commits import committed_seq
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
+from strawq.delivery.commits import committed_seq
 from strawq.errors import RunFinished
-from strawq.finished import finished
-from strawq.states import depths
-from tests.collector.helpers import FakeClock, SimProducer, make_run, train_until_drained, \
-    write_dataset
+from strawq.tasks.finished import finished
+from strawq.tasks.states import depths
+from tests.collector.helpers import (
+    FakeClock,
+    SimProducer,
+    make_run,
+    train_until_drained,
+    write_dataset,
+)
 
 CFG = CollectorConfig(batch_groups=2, max_running=8, max_ready=8, poll_interval_s=0.0,
                       gc_interval_s=0.0)

@@ -11,8 +11,8 @@ from strawq.collector.core import Collector
 from strawq.config import QueueConfig
 from strawq.errors import ConfigError
 from strawq.producers.group import sample_seed
-from strawq.queue import RunQueue
 from strawq.storage import MemoryStorage
+from strawq.tasks.queue import RunQueue
 from tests.collector.test_ordering import N, _group, dataset  # noqa: F401 - fixture
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from strawq.batches import BatchStore, GcReport
 from strawq.collector.config import CollectorConfig
 from strawq.collector.upkeep import FULL_REMIND_S, SWEEP_INTERVAL_S, FullDisk, GcSchedule
+from strawq.delivery.batches import BatchStore, GcReport
 from strawq.errors import StorageFull
 from strawq.storage import Storage
 

@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 import torch
 
+from strawq.data.cursor import read_cursor_state
 from strawq.demo.run import CHECKPOINT, DemoConfig, run_demo
+from strawq.ondisk import records
+from strawq.ondisk.groups import GroupData
+from strawq.ondisk.names import dataset_task_id
 from strawq.producers.engines.tiny_model import load_weights, recompute_logprobs
-from strawq.cursor import read_cursor_state
-from strawq import records
-from strawq.groups import GroupData
-from strawq.names import dataset_task_id
-from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
+from strawq.tasks.queue import RunQueue
 from strawq.testing.audit import audit_run
 
 REPO = Path(__file__).resolve().parents[2]

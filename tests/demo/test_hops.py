@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from strawq import records
 from strawq.config import QueueConfig
 from strawq.demo.hops import HopTracer, histogram, idle_gaps
-from strawq.names import queue_key
-from strawq.queue import RunQueue
+from strawq.ondisk import records
+from strawq.ondisk.names import queue_key
 from strawq.storage import PosixStorage
 from strawq.storage.watch import IN_MOVED_TO, Event
+from strawq.tasks.queue import RunQueue
 
 
 def ev(d: str, name: str, t: float) -> Event:

@@ -119,10 +119,10 @@ def test_history_case_tiny_skip_trains_fewer_zero_variance_groups(tmp_path,
     The release planner re-reads the history every ``HISTORY_REFRESH_S`` (30 s), longer than this
     whole run: it is cut to half a second here, so the releases see what gc recorded (the
     collector runs in this process) and the comparison does not hang on timing."""
-    import strawq.planner
+    import strawq.data.planner
     from strawq.demo.lab import history_gain, run_history_case
 
-    monkeypatch.setattr(strawq.planner, "HISTORY_REFRESH_S", 0.5)
+    monkeypatch.setattr(strawq.data.planner, "HISTORY_REFRESH_S", 0.5)
 
     cfg = LabConfig(workdir=str(tmp_path / "lab"), **{
         **TINY, "group_size": 8, "train_step_s": 0.8, "steps": 14, "reward": "difficulty",
@@ -166,8 +166,8 @@ def test_mixture_case_tiny_the_filtered_hard_dataset_is_reported_starved(tmp_pat
     groups filtered by the DAPO rule in the collector. Every trained group comes from the
     mixture's rows, the shares of each run sum to 1, and the hard dataset, which loses most
     of its groups to its filter, trains under its weight and is called starved, filtered."""
+    from strawq.data.history import PromptHistory
     from strawq.demo.lab import MIXTURE_CASE, LabResult, run_mode
-    from strawq.history import PromptHistory
 
     cfg = LabConfig(workdir=str(tmp_path / "lab"), **{
         **TINY, "group_size": 8, "steps": 8, "batch_groups": 6, **MIXTURE_CASE,

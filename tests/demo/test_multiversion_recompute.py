@@ -20,13 +20,12 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.importance import importance_ratios, offpolicy_prefix_mask
 from strawq.collector.trainer.reader import BatchReader
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from strawq.demo.trainer import GRPOTrainer, unpack
-from strawq.groups import GroupData
+from strawq.ondisk.groups import GroupData
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.testing import running_engine
-from strawq.producers.engines.tiny_model import (TinyConfig, init_model, load_weights,
-                                                 save_weights)
+from strawq.producers.engines.tiny_model import TinyConfig, init_model, load_weights, save_weights
 from strawq.producers.sample import SamplerParams
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
 from tests.collector.helpers import make_run, write_dataset

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.core import Collector
+from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.trainer.reader import Batch, BatchReader
-from strawq.commits import commit
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
+from strawq.delivery.commits import commit
 from strawq.demo.schedule import MODES, ScheduleConfig, collector_config, run_schedule
 from strawq.demo.trainer import SleepTrainer
 from strawq.errors import ConfigError

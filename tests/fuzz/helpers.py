@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 import msgpack
 import xxhash
 
-from strawq import records
 from strawq.errors import StrawqError
+from strawq.ondisk import records
 
 T = TypeVar("T")
 

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from strawq import records
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
-from strawq.feeder import Feeder, preview_release
-from strawq.queue import RunQueue
-from strawq.records import Kind
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder, preview_release
+from strawq.ondisk import records
+from strawq.ondisk.records import Kind
 from strawq.storage.memory import MemoryStorage
+from strawq.tasks.queue import RunQueue
 from tests.fuzz.helpers import clean, frame_meta
 from tests.fuzz.test_records_fuzz import values
 

@@ -13,18 +13,30 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from strawq import commits, control, epochs, eta, records, retention
-from strawq.batches import (ACK_DIR, DELIVERED_DIR, HIGH_WATER_DIR, MANIFEST_DIR, BatchStore,
-                            batch_seqs, decode_manifest, delivered, high_water)
 from strawq.config import QueueConfig
-from strawq.cursor import read_cursor_state
-from strawq.groups import decode_group, decode_group_columns
-from strawq.names import TaskName, data_key
-from strawq.queue import RunQueue
-from strawq.records import Kind
+from strawq.data.cursor import read_cursor_state
+from strawq.delivery import commits, retention
+from strawq.delivery.batches import (
+    ACK_DIR,
+    DELIVERED_DIR,
+    HIGH_WATER_DIR,
+    MANIFEST_DIR,
+    BatchStore,
+    batch_seqs,
+    decode_manifest,
+    delivered,
+    high_water,
+)
+from strawq.ondisk import records
+from strawq.ondisk.groups import decode_group, decode_group_columns
+from strawq.ondisk.names import TaskName, data_key
+from strawq.ondisk.records import Kind
 from strawq.storage.memory import MemoryStorage
 from strawq.storage.posix import PosixStorage
+from strawq.tasks import epochs, eta
+from strawq.tasks.queue import RunQueue
 from strawq.testing.factories import make_group
+from strawq.weights import control
 from tests.fuzz.helpers import clean, frame, frame_meta, header_with
 
 # msgpack-able values a hostile writer may put in a record's metadata

@@ -14,8 +14,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from strawq.config import QueueConfig, from_dict, load_config
-from strawq.dataset import BadRow, Dataset
-from strawq.names import TaskName, parse_heartbeat
+from strawq.data.dataset import BadRow, Dataset
+from strawq.ondisk.names import TaskName, parse_heartbeat
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sglang_protocol import parse_generate_body
 from tests.fuzz.helpers import clean

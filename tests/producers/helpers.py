@@ -10,16 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from strawq.testing.waiting import async_wait_until
 from strawq.config import QueueConfig
-from strawq.feeder import Feeder
-from strawq.dataset import Dataset
-from strawq.names import TaskName
-from strawq.queue import RunQueue
-from strawq.storage import PosixStorage, Storage
-
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.ondisk.names import TaskName
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
+from strawq.storage import PosixStorage, Storage
+from strawq.tasks.queue import RunQueue
+from strawq.testing.waiting import async_wait_until
 
 
 def config_with(base: dict[str, Any], sections: dict[str, Any]) -> ProducerConfig:

@@ -11,22 +11,31 @@ import numpy as np
 import pytest
 import torch
 
-from strawq.control import Control
-from strawq.groups import GroupData
-from strawq.names import data_key
-from strawq.queue import RunQueue
-from strawq.records import Kind
-from strawq.testing.waiting import async_wait_until
-
+from strawq.ondisk.groups import GroupData
+from strawq.ondisk.names import data_key
+from strawq.ondisk.records import Kind
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.engines.tiny_config import TinyConfig
-from strawq.producers.engines.tiny_model import (init_model, load_weights, recompute_logprobs,
-                                                save_weights)
+from strawq.producers.engines.tiny_model import (
+    init_model,
+    load_weights,
+    recompute_logprobs,
+    save_weights,
+)
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
-                                              ProducerConfig, SamplerParams, TimingConfig)
+from strawq.producers.producer_config import (
+    BudgetConfig,
+    EngineConfig,
+    PluginsConfig,
+    ProducerConfig,
+    SamplerParams,
+    TimingConfig,
+)
 from strawq.producers.sglang_client import SGLangClient
+from strawq.tasks.queue import RunQueue
+from strawq.testing.waiting import async_wait_until
+from strawq.weights.control import Control
 from tests.producers.helpers import ids, make_run, names, ready_groups, run_producers, wait_for
 
 pytestmark = pytest.mark.timeout(180)

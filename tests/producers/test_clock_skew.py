@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from strawq.grantor import LeaseMonitor
+from strawq.tasks.grantor import LeaseMonitor
 from strawq.testing.waiting import wait_until
 from tests.producers.helpers import ids, make_run, names
 

@@ -11,13 +11,15 @@ from typing import Any
 
 import pytest
 
-from strawq.config import load_config
-from strawq.engine_weights import EngineWeights
-from strawq.errors import ConfigError
-
 from strawq.app.run_config import RunConfig
-from strawq.producers.engine_client import (ModelInfoProbe, RouterClient, VersionProbe,
-                                            optional_calls)
+from strawq.config import load_config
+from strawq.errors import ConfigError
+from strawq.producers.engine_client import (
+    ModelInfoProbe,
+    RouterClient,
+    VersionProbe,
+    optional_calls,
+)
 from strawq.producers.engine_transport import ClientConfig
 from strawq.producers.engine_versions import VersionGuard
 from strawq.producers.eos import resolve_eos_ids
@@ -25,6 +27,7 @@ from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sample_step import GenerationConfig
 from strawq.producers.sglang_client import SGLangClient
+from strawq.weights.engine_weights import EngineWeights
 from tests.producers.helpers import make_run
 
 

@@ -11,21 +11,25 @@ from typing import Any
 import numpy as np
 import pytest
 
-from strawq.control import Control
 from strawq.errors import ConfigError
-from strawq.queue import Lease
-
 from strawq.producers.engine_errors import EngineUnavailable
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.eos import resolve_eos_ids
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
-                                              ProducerConfig, TimingConfig)
+from strawq.producers.producer_config import (
+    BudgetConfig,
+    EngineConfig,
+    PluginsConfig,
+    ProducerConfig,
+    TimingConfig,
+)
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus
 from strawq.producers.sample_step import step_sample
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
+from strawq.tasks.queue import Lease
+from strawq.weights.control import Control
 from tests.producers.faulty_proxy import FaultyProxy
 from tests.producers.helpers import ids, make_run, names, ready_groups, run_producers, wait_for
 

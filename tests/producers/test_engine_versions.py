@@ -20,25 +20,30 @@ import numpy as np
 import pytest
 
 from strawq.collector.trainer.bracket import WeightUpdateBracket
-from strawq.control import Control
-from strawq.dataset import Dataset
-from strawq.engine_weights import EngineWeights
-from strawq.feeder import Feeder
-from strawq.queue import RunQueue
-
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
 from strawq.demo.trainer import GRPOTrainer
+from strawq.producers.engine_versions import NoFreshEngine, StaleEngine, VersionGuard
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.engines.tiny_config import TinyConfig
-from strawq.producers.engine_versions import NoFreshEngine, StaleEngine, VersionGuard
 from strawq.producers.engines.tiny_model import init_model
 from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
-                                              ProducerConfig, SamplerParams, TimingConfig)
+from strawq.producers.producer_config import (
+    BudgetConfig,
+    EngineConfig,
+    PluginsConfig,
+    ProducerConfig,
+    SamplerParams,
+    TimingConfig,
+)
 from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.sglang_protocol import GenerateResult
+from strawq.tasks.queue import RunQueue
+from strawq.weights.control import Control
+from strawq.weights.engine_weights import EngineWeights
 from tests.producers.faulty_proxy import FaultyProxy
 from tests.producers.helpers import make_run, ready_groups, run_producers, wait_for
 from tests.sglang_fixtures import start_router

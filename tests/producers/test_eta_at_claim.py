@@ -18,20 +18,25 @@ import pytest
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.dataset import Dataset
-from strawq.eta import STALE_REASON
-from strawq.names import STAGE_PARTIAL, TaskName, data_key, note_key
-from strawq.queue import RunQueue
-from strawq.storage import MemoryStorage, PosixStorage
-
+from strawq.data.dataset import Dataset
+from strawq.ondisk.names import STAGE_PARTIAL, TaskName, data_key, note_key
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.group import sample_seed
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
-                                              ProducerConfig, SamplerParams, TimingConfig)
+from strawq.producers.producer_config import (
+    BudgetConfig,
+    EngineConfig,
+    PluginsConfig,
+    ProducerConfig,
+    SamplerParams,
+    TimingConfig,
+)
 from strawq.producers.sglang_client import SGLangClient
+from strawq.storage import MemoryStorage, PosixStorage
+from strawq.tasks.eta import STALE_REASON
+from strawq.tasks.queue import RunQueue
 from tests.producers.helpers import ids, make_run, names, ready_groups, run_producers, wait_for
 
 pytestmark = pytest.mark.timeout(120)

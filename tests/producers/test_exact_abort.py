@@ -9,14 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from strawq.control import Control
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
-                                              ProducerConfig, SamplerParams, TimingConfig)
+from strawq.producers.producer_config import (
+    BudgetConfig,
+    EngineConfig,
+    PluginsConfig,
+    ProducerConfig,
+    SamplerParams,
+    TimingConfig,
+)
 from strawq.producers.sglang_client import SGLangClient
+from strawq.weights.control import Control
 from tests.producers.helpers import ids, make_run, names, ready_groups, run_producers, wait_for
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,23 +9,28 @@ from typing import Any
 import numpy as np
 import pytest
 
-from strawq import records
 from strawq.errors import ConfigError
-from strawq.extras import ROUTED_EXPERTS, TOP_P_TOKEN_IDS
-from strawq.groups import decode_group
-from strawq.names import TaskName, note_key
-from strawq.queue import Lease
-
-from strawq.testing.real_sglang import free_port
+from strawq.ondisk import records
+from strawq.ondisk.extras import ROUTED_EXPERTS, TOP_P_TOKEN_IDS
+from strawq.ondisk.groups import decode_group
+from strawq.ondisk.names import TaskName, note_key
 from strawq.producers.extras_protocol import ExtrasMismatch, extras_payload, segment_for
 from strawq.producers.group import GroupRun
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
-                                              ProducerConfig, RecordConfig, TimingConfig)
+from strawq.producers.producer_config import (
+    BudgetConfig,
+    EngineConfig,
+    PluginsConfig,
+    ProducerConfig,
+    RecordConfig,
+    TimingConfig,
+)
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus, apply_segment
 from strawq.producers.sglang_client import ClientConfig
 from strawq.producers.sglang_protocol import parse_generate_response
 from strawq.producers.teacher import parse_teacher, teacher_payload
+from strawq.tasks.queue import Lease
+from strawq.testing.real_sglang import free_port
 from tests.producers.helpers import make_run, names, run_producers, wait_for
 
 P = [5, 6, 7]

@@ -19,19 +19,30 @@ import numpy as np
 import pytest
 
 from strawq.collector.trainer.reader import Batch
-from strawq.control import Control
-from strawq.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS
-
-from strawq.producers.engines.extras import (LAYERS, TOP_K, kept_ids, routed_experts_row,
-                                             teacher_logprob)
+from strawq.ondisk.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS
+from strawq.producers.engines.extras import (
+    LAYERS,
+    TOP_K,
+    kept_ids,
+    routed_experts_row,
+    teacher_logprob,
+)
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sglang_client import SGLangClient
-from tests.producers.helpers import (batch_all_ready, config_with, ids, make_run, names,
-                                     run_producers, wait_for)
+from strawq.weights.control import Control
+from tests.producers.helpers import (
+    batch_all_ready,
+    config_with,
+    ids,
+    make_run,
+    names,
+    run_producers,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 

@@ -13,8 +13,14 @@ from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sglang_client import ClientConfig
 from tests.producers.faulty_proxy import FaultyProxy
-from tests.producers.helpers import (config_with, ids, make_run, ready_groups, run_producers,
-                                     wait_for)
+from tests.producers.helpers import (
+    config_with,
+    ids,
+    make_run,
+    ready_groups,
+    run_producers,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -91,7 +97,7 @@ def test_a_producer_whose_heartbeats_come_back_hands_its_abandoned_leases_back(
     event loop does the same), then succeed again: its moving counter keeps those leases
     alive on the grantor's clock, so unless the producer hands them back, the tasks wait
     forever. Handed back, the same producer claims and finishes them."""
-    from strawq.grantor import LeaseMonitor
+    from strawq.tasks.grantor import LeaseMonitor
 
     n = 2
     q = make_run(str(tmp_path / "run"), n, lease_timeout_s=1.0, heartbeat_interval_s=0.1)
@@ -128,7 +134,7 @@ def test_failing_heartbeats_stop_work_and_the_grantor_requeues(tmp_path: Path,
     """Heartbeats start failing: the producer gives its leases up at lease_timeout - margin
     and claims nothing; the grantor expires them; a healthy producer finishes the work."""
     from strawq.errors import StorageError
-    from strawq.grantor import LeaseMonitor
+    from strawq.tasks.grantor import LeaseMonitor
 
     n = 4
     q = make_run(str(tmp_path / "run"), n, lease_timeout_s=1.0, heartbeat_interval_s=0.1)

@@ -6,13 +6,11 @@ import numpy as np
 import pytest
 
 from strawq.errors import ConfigError
-from strawq.names import TaskName
-from strawq.queue import Lease
-
+from strawq.ondisk.names import TaskName
 from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
 from strawq.producers.producer_config import EngineConfig, PluginsConfig, ProducerConfig
-from strawq.producers.sample import (SampleError, SamplerParams, SampleStatus, Segment,
-                                     apply_segment)
+from strawq.producers.sample import SampleError, SamplerParams, SampleStatus, Segment, apply_segment
+from strawq.tasks.queue import Lease
 
 
 def lease(gen: int = 0, resume: int = -1) -> Lease:

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from strawq.grantor import LeaseMonitor
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
+from strawq.tasks.grantor import LeaseMonitor
 from tests.producers.helpers import config_with, ids, make_run, ready_groups, wait_for
 
 pytestmark = [pytest.mark.timeout(120)]

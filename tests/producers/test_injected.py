@@ -8,13 +8,18 @@ from typing import Any
 
 import pytest
 
-from strawq.queue import RunQueue
-from strawq.storage.memory import MemoryStorage
-
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
-                                              ProducerConfig, SamplerParams, TimingConfig)
+from strawq.producers.producer_config import (
+    BudgetConfig,
+    EngineConfig,
+    PluginsConfig,
+    ProducerConfig,
+    SamplerParams,
+    TimingConfig,
+)
 from strawq.producers.sglang_client import SGLangClient
+from strawq.storage.memory import MemoryStorage
+from strawq.tasks.queue import RunQueue
 from tests.producers.helpers import ids, make_run, ready_groups, run_producers, wait_for
 
 pytestmark = pytest.mark.timeout(90)

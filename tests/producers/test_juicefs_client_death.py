@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 
-from strawq.dataset import Dataset
-from strawq.feeder import Feeder
-from strawq.grantor import LeaseMonitor
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
 from strawq.producers.producer import Producer
 from strawq.producers.sglang_client import ClientConfig
-from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.tasks.queue import RunQueue
 from tests.juicefs_fixtures import TESTVOL, find_juicefs_binary
 from tests.producers.helpers import config_with, ids, make_run, names, wait_for
 

@@ -24,12 +24,18 @@ from pathlib import Path
 
 import pytest
 
-from strawq.grantor import LeaseMonitor
 from strawq.producers.engines.testing import start_engine_subprocess
 from strawq.producers.producer import Producer
-from strawq.queue import RunQueue
-from tests.producers.helpers import (config_with, ids, make_run, ready_groups, run_producers,
-                                     wait_for)
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.tasks.queue import RunQueue
+from tests.producers.helpers import (
+    config_with,
+    ids,
+    make_run,
+    ready_groups,
+    run_producers,
+    wait_for,
+)
 from tests.sglang_fixtures import start_router
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]

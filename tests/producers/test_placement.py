@@ -20,11 +20,14 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from strawq.errors import ConfigError  # noqa: E402
-from strawq.grantor import LeaseMonitor  # noqa: E402
-
-from strawq.producers.placement import (PlacementConfig, ProducerPlacement, actor_name,  # noqa: E402
-                                 wait_for_nodes)
+from strawq.producers.placement import (  # noqa: E402
+    PlacementConfig,
+    ProducerPlacement,
+    actor_name,
+    wait_for_nodes,
+)
 from strawq.producers.producer_config import ProducerConfig  # noqa: E402
+from strawq.tasks.grantor import LeaseMonitor  # noqa: E402
 from tests.producers.helpers import config_with, ids, make_run, names, ready_groups  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]

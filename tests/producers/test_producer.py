@@ -11,19 +11,25 @@ from typing import Any
 import numpy as np
 import pytest
 
-from strawq.control import Control
 from strawq.errors import ConfigError
-from strawq.queue import RunQueue
-
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.handback import MisconfiguredProducer
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import EngineConfig, PluginsConfig, ProducerConfig
 from strawq.producers.sglang_client import SGLangClient
+from strawq.tasks.queue import RunQueue
+from strawq.weights.control import Control
 from tests.producers.conftest import FAST_SIM
-from tests.producers.helpers import (config_with, ids, make_run, names, ready_groups, run_producers,
-                                     wait_for)
+from tests.producers.helpers import (
+    config_with,
+    ids,
+    make_run,
+    names,
+    ready_groups,
+    run_producers,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -268,7 +274,7 @@ def test_a_producer_stops_by_itself_once_the_run_has_finished(
     """Nothing is left and the collector published the ``finished`` record: ``run()``
     returns without ``request_stop`` (the CLI then exits 0). Its stop line at INFO is one
     short line; the whole stats dict goes to DEBUG."""
-    from strawq.finished import mark_finished
+    from strawq.tasks.finished import mark_finished
 
     n = 4
     q = make_run(str(tmp_path / "run"), n)

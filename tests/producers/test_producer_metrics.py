@@ -18,7 +18,7 @@ import pytest
 
 from strawq.producers.meter import ProducerStats
 from strawq.producers.metrics import producer_values
-from strawq.prom import series
+from strawq.views.prom import series
 from tests.producers.helpers import ids, make_run
 
 parser = pytest.importorskip("prometheus_client.parser")

@@ -10,14 +10,13 @@ from typing import Any
 
 import pytest
 
-from strawq.queue import Lease
-
 from strawq.producers.claim_gate import FaultBackoff
 from strawq.producers.engine_versions import ClientSlot
 from strawq.producers.held import ActiveGroup, GroupTable
 from strawq.producers.producer import Producer
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sglang_protocol import GenerateResult
+from strawq.tasks.queue import Lease
 from tests.producers.helpers import make_run
 
 

@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 
-from strawq import records
-from strawq.names import note_key
-
+from strawq.ondisk import records
+from strawq.ondisk.names import note_key
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.handback import REFUSED_REASON, MisconfiguredProducer

@@ -13,14 +13,19 @@ from typing import Any
 
 import pytest
 
-from strawq.control import Control
-from strawq.dataset import Dataset
-from strawq.feeder import Feeder
-from strawq.storage.watch import inotify_available
-
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
-                                              ProducerConfig, SamplerParams, TimingConfig)
+from strawq.producers.producer_config import (
+    BudgetConfig,
+    EngineConfig,
+    PluginsConfig,
+    ProducerConfig,
+    SamplerParams,
+    TimingConfig,
+)
+from strawq.storage.watch import inotify_available
+from strawq.weights.control import Control
 from tests.producers.helpers import ids, make_run, run_producers, wait_for
 
 pytestmark = [pytest.mark.timeout(120),

@@ -18,7 +18,7 @@ import pytest
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.reader import BatchReader
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from strawq.testing.real_sglang import BracketResult, RealServer, bracket_scenario
 from tests.sglang_fixtures import start_router
 

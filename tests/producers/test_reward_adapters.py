@@ -14,7 +14,6 @@ aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
 from strawq.errors import ConfigError  # noqa: E402
-
 from strawq.producers.offload import Offload  # noqa: E402
 from strawq.producers.plugins import call_reward, check_reward_fn, load_reward  # noqa: E402
 from strawq.producers.reward_remote import RemoteReward, RemoteRewardError  # noqa: E402
@@ -224,13 +223,18 @@ def test_reward_threads_do_not_block_async_rewards() -> None:
 def test_producer_tokenizes_chat_and_rewards_see_decoded_ids(tmp_path: Any,
                                                               sim_engine: Any) -> None:
     pytest.importorskip("transformers")
-    from strawq.tokenize import HFTokenizer
-    from tests.producers.helpers import make_run, ready_groups, run_producers, wait_for, ids
-    from tests.tokenizer_fixtures import train_chat_tokenizer
-
+    from strawq.data.tokenize import HFTokenizer
     from strawq.producers.producer import Producer
-    from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
-                                                  ProducerConfig, SamplerParams, TimingConfig)
+    from strawq.producers.producer_config import (
+        BudgetConfig,
+        EngineConfig,
+        PluginsConfig,
+        ProducerConfig,
+        SamplerParams,
+        TimingConfig,
+    )
+    from tests.producers.helpers import ids, make_run, ready_groups, run_producers, wait_for
+    from tests.tokenizer_fixtures import train_chat_tokenizer
 
     tok_dir = train_chat_tokenizer(tmp_path / "tok")
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} plus two?"}],
@@ -256,11 +260,16 @@ def test_producer_tokenizes_chat_and_rewards_see_decoded_ids(tmp_path: Any,
 
 
 def test_a_failed_remote_reward_is_never_trained(tmp_path: Any, sim_engine: Any) -> None:
-    from tests.producers.helpers import make_run, names, run_producers, wait_for
-
     from strawq.producers.producer import Producer
-    from strawq.producers.producer_config import (BudgetConfig, EngineConfig, PluginsConfig,
-                                                  ProducerConfig, SamplerParams, TimingConfig)
+    from strawq.producers.producer_config import (
+        BudgetConfig,
+        EngineConfig,
+        PluginsConfig,
+        ProducerConfig,
+        SamplerParams,
+        TimingConfig,
+    )
+    from tests.producers.helpers import make_run, names, run_producers, wait_for
 
     q = make_run(str(tmp_path / "run"), 2)
     p = Producer(ProducerConfig(

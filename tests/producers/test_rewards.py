@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from strawq.producers.plugins import check_filter_fn, check_reward_fn, load_filter, load_reward
-from strawq.producers.rewards import (answers_match, count_task, extract_answer, math_answer,
-                               zero_variance)
 from strawq.errors import ConfigError
+from strawq.producers.plugins import check_filter_fn, check_reward_fn, load_filter, load_reward
+from strawq.producers.rewards import (
+    answers_match,
+    count_task,
+    extract_answer,
+    math_answer,
+    zero_variance,
+)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -84,12 +89,12 @@ def test_without_a_decoding_tokenizer_the_reward_sees_no_stitched_text() -> None
     decodes, sample_meta has no text, and a text reward says what is missing."""
     import asyncio
 
-    from strawq.names import TaskName
+    from strawq.ondisk.names import TaskName
     from strawq.producers.group import GroupRun
     from strawq.producers.offload import Offload
     from strawq.producers.plugins import call_reward
     from strawq.producers.sample import SamplerParams
-    from strawq.queue import Lease
+    from strawq.tasks.queue import Lease
 
     task = {"id": "i000000000000", "index": 0, "row": {"prompt": [1], "answer": "4"}}
     lease = Lease(TaskName(key="000000000000.000000000000", id="i000000000000", gen=0,

@@ -16,22 +16,33 @@ from typing import Any
 import numpy as np
 import pytest
 
-from strawq.testing.waiting import wait_until
-from strawq.control import Control
 from strawq.errors import ConfigError
-from strawq.grantor import LeaseMonitor
-from strawq.groups import GroupData
+from strawq.ondisk.groups import GroupData
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.generate import load_generate
 from strawq.producers.producer import Producer
-from strawq.producers.producer_config import (EngineConfig, PluginsConfig, ProducerConfig,
-                                              ToolsConfig)
+from strawq.producers.producer_config import (
+    EngineConfig,
+    PluginsConfig,
+    ProducerConfig,
+    ToolsConfig,
+)
 from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.trajectory import Trajectory, TrajectoryError
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.testing.waiting import wait_until
+from strawq.weights.control import Control
 from tests.producers.conftest import FAST_SIM
-from tests.producers.helpers import (config_with, ids, make_run, names, ready_groups,
-                                     run_producers, wait_for)
+from tests.producers.helpers import (
+    config_with,
+    ids,
+    make_run,
+    names,
+    ready_groups,
+    run_producers,
+    wait_for,
+)
 from tests.producers.trajectory_plugins import ledger_counts
 
 pytestmark = pytest.mark.timeout(300)
@@ -310,8 +321,8 @@ def _kill_9_scenario(tmp_path: Path, sim_engine: Any) -> None:
 
 
 def _read_partial(q: Any, t: Any) -> GroupData:
-    from strawq.names import data_key
-    from strawq.records import Kind
+    from strawq.ondisk.names import data_key
+    from strawq.ondisk.records import Kind
 
     rec = q._read_record(data_key(t.id, t.resume, "partial"), Kind.PARTIAL)
     return GroupData.from_record(rec)

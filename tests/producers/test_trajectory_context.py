@@ -16,15 +16,21 @@ from typing import Any
 import numpy as np
 import pytest
 
-from strawq.producers.producer_config import ToolsConfig
-from strawq.names import TaskName
+from strawq.ondisk.names import TaskName
 from strawq.producers.generate import GenerateContext, SampleHost, run_plugin
 from strawq.producers.group import GroupRun
-from strawq.producers.sample import (LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE,
-                                     SamplerParams, SampleStatus)
+from strawq.producers.producer_config import ToolsConfig
+from strawq.producers.sample import (
+    LOGPROB_DTYPE,
+    MASK_DTYPE,
+    TOKEN_DTYPE,
+    VERSION_DTYPE,
+    SamplerParams,
+    SampleStatus,
+)
 from strawq.producers.trajectory import Trajectory, TrajectoryError, idempotency_key
 from strawq.producers.turn_saver import TurnSaver
-from strawq.queue import Lease
+from strawq.tasks.queue import Lease
 
 PROMPT = [11, 12, 13, 14, 15]
 

@@ -12,14 +12,23 @@ import numpy as np
 import pytest
 import torch
 
-from strawq.collector.trainer.importance import (aggregate_loss, masked_tis_weights,
-                                                 offpolicy_prefix_mask)
-from strawq.control import Control
+from strawq.collector.trainer.importance import (
+    aggregate_loss,
+    masked_tis_weights,
+    offpolicy_prefix_mask,
+)
 from strawq.producers.producer import Producer
 from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.trajectory import Trajectory
-from tests.producers.helpers import (batch_all_ready, ids, make_run, ready_groups, run_producers,
-                                     wait_for)
+from strawq.weights.control import Control
+from tests.producers.helpers import (
+    batch_all_ready,
+    ids,
+    make_run,
+    ready_groups,
+    run_producers,
+    wait_for,
+)
 from tests.producers.test_trajectory import agent_config
 from tests.producers.trajectory_plugins import ledger_counts
 

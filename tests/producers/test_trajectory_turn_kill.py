@@ -15,16 +15,16 @@ from typing import Any
 
 import pytest
 
-from strawq import records
 from strawq.demo.agentic_kv import counts
-from strawq.grantor import LeaseMonitor
-from strawq.groups import GroupData
+from strawq.ondisk import records
+from strawq.ondisk.groups import GroupData
+from strawq.ondisk.records import Kind
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.trajectory import Trajectory
-from strawq.records import Kind
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.tasks.turns import TURNS_DIR
 from strawq.testing.waiting import wait_until
-from strawq.turns import TURNS_DIR
 from tests.producers.conftest import FAST_SIM
 from tests.producers.helpers import ids, make_run, names, ready_groups
 

@@ -13,20 +13,26 @@ from typing import Any
 import numpy as np
 import pytest
 
-from strawq import records
-from strawq.control import Control
 from strawq.demo.agentic_kv import counts
 from strawq.errors import LeaseLost
-from strawq.groups import GroupData
-from strawq.names import TaskName
+from strawq.ondisk import records
+from strawq.ondisk.groups import GroupData
+from strawq.ondisk.names import TaskName
+from strawq.ondisk.records import Kind
 from strawq.producers.producer import Producer
 from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.trajectory import Trajectory
-from strawq.records import Kind
 from strawq.storage import PosixStorage
-from strawq.turns import TurnLog, turn_dir
-from tests.producers.helpers import (config_with, ids, make_run, ready_groups, run_producers,
-                                     wait_for)
+from strawq.tasks.turns import TurnLog, turn_dir
+from strawq.weights.control import Control
+from tests.producers.helpers import (
+    config_with,
+    ids,
+    make_run,
+    ready_groups,
+    run_producers,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
-from strawq.feeder import Feeder
-from strawq.names import dataset_task_id
-from strawq.queue import Lease, RunQueue
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.ondisk.names import dataset_task_id
 from strawq.storage import Storage
+from strawq.tasks.queue import Lease, RunQueue
 from strawq.testing import write_jsonl
 from strawq.testing.factories import prompts
 

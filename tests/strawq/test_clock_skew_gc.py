@@ -16,8 +16,8 @@ import pytest
 
 from strawq.app.cli import main as cli_main
 from strawq.config import QueueConfig
-from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
+from strawq.tasks.queue import RunQueue
 
 
 def _run_with_foreign_tmp(tmp_path: Path) -> tuple[RunQueue, dict[str, Path]]:

@@ -6,8 +6,8 @@ bracket nor close a newer one."""
 
 from __future__ import annotations
 
-from strawq.control import Control
 from strawq.storage import MemoryStorage
+from strawq.weights.control import Control
 
 
 def test_a_stale_writer_cannot_reopen_a_closed_bracket() -> None:

@@ -17,22 +17,22 @@ from typing import Any
 
 import pytest
 
-from strawq.testing.waiting import wait_until
-from strawq.batches import BatchStore
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.delivery.batches import BatchStore
+from strawq.delivery.retention import drop_totals
 from strawq.errors import CorruptRecord, LeaseLost
-from strawq.feeder import Feeder
-from strawq.grantor import LeaseMonitor
-from strawq.names import data_key, dataset_task_id
-from strawq.records import decode
-from strawq.queue import Lease, RunQueue
-from strawq.retention import drop_totals
+from strawq.ondisk.names import data_key, dataset_task_id
+from strawq.ondisk.records import decode
 from strawq.storage import MemoryStorage, PosixStorage, Storage
-from strawq.testing.faults import CrashPoint, FaultyStorage
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.tasks.queue import Lease, RunQueue
 from strawq.testing import audit_run, check_total_queue, make_group, write_jsonl
 from strawq.testing.crash import drain, read_log, recover
 from strawq.testing.factories import make_partial, prompts
+from strawq.testing.faults import CrashPoint, FaultyStorage
+from strawq.testing.waiting import wait_until
 
 ROWS: list[Any] = [*prompts(5), "{not json", *prompts(4, start=6)]
 BAD = dataset_task_id(5)
@@ -364,7 +364,7 @@ def test_kill_9_inside_publish_after_temp_file_written(tmp_path: Path) -> None:
 PAUSED_PRODUCER = r"""
 import os, sys, time
 from strawq.errors import CorruptRecord, LeaseLost
-from strawq.queue import RunQueue
+from strawq.tasks.queue import RunQueue
 from strawq.storage import PosixStorage
 from strawq.testing import make_group
 

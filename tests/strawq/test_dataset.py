@@ -15,12 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from strawq.config import QueueConfig
-from strawq.dataset import BadRow, Dataset, prompt_kind
-from strawq.binding import DatasetMismatch
+from strawq.data.binding import DatasetMismatch
+from strawq.data.dataset import BadRow, Dataset, prompt_kind
+from strawq.data.feeder import Feeder, preview_release
 from strawq.errors import DatasetError
-from strawq.feeder import Feeder, preview_release
-from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
+from strawq.tasks.queue import RunQueue
 from strawq.testing.audit import audit_run
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]

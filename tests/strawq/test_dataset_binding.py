@@ -18,14 +18,14 @@ import pytest
 
 from strawq.app.cli import main as cli_main
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset, EmptyDataset
-from strawq.binding import DatasetMismatch, check_binding, growth_problem
+from strawq.data.binding import DatasetMismatch, check_binding, growth_problem
+from strawq.data.cursor import read_cursor_state
+from strawq.data.dataset import Dataset, EmptyDataset
+from strawq.data.feeder import Feeder
+from strawq.data.mixture import open_dataset
 from strawq.errors import DatasetError
-from strawq.feeder import Feeder
-from strawq.cursor import read_cursor_state
-from strawq.mixture import open_dataset
-from strawq.queue import RunQueue
 from strawq.storage import PosixStorage
+from strawq.tasks.queue import RunQueue
 from strawq.testing import write_jsonl
 from strawq.testing.audit import audit_run
 

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from strawq import records
 from strawq.app.cli import main as cli_main
 from strawq.config import QueueConfig
-from strawq.dataset import BadRow, Dataset
+from strawq.data.cursor import list_cursors
+from strawq.data.dataset import BadRow, Dataset
 from strawq.errors import DatasetError
-from strawq.cursor import list_cursors
-from strawq.queue import RunQueue
+from strawq.ondisk import records
 from strawq.storage import PosixStorage
+from strawq.tasks.queue import RunQueue
 from strawq.testing import write_jsonl
 
 

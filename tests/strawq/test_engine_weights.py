@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from strawq.engine_weights import (ENGINES_DIR, EngineProbe, EngineWeights, probe_version,
-                                   probe_versions, url_key)
 from strawq.errors import StrawqError
 from strawq.storage import MemoryStorage
+from strawq.weights.engine_weights import (
+    ENGINES_DIR,
+    EngineProbe,
+    EngineWeights,
+    probe_version,
+    probe_versions,
+    url_key,
+)
 
 
 def test_notes_by_engine_and_who_clears_them() -> None:

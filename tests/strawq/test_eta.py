@@ -9,25 +9,30 @@ from pathlib import Path
 
 import pytest
 
-from strawq import records
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from strawq.errors import ConfigError, LeaseLost
-from strawq.eta import (STALE_REASON, EtaPolicy, PolicyCache, publish_policy, read_policy)
-from strawq.names import (STAGE_PARTIAL, STAGE_REQUEUED, TaskName, data_key, note_key,
-                          queue_key)
-from strawq.queue import Lease, RunQueue
-from strawq.records import Kind
-from strawq.states import TaskState
-from strawq.storage import MemoryStorage, PosixStorage, Storage
-from strawq.testing import write_jsonl
-from strawq.testing.factories import make_partial, prompts
-
+from strawq.ondisk import records
+from strawq.ondisk.names import (
+    STAGE_PARTIAL,
+    STAGE_REQUEUED,
+    TaskName,
+    data_key,
+    note_key,
+    queue_key,
+)
+from strawq.ondisk.records import Kind
 from strawq.producers.handback import HandBack
 from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.offload import Offload
+from strawq.storage import MemoryStorage, PosixStorage, Storage
+from strawq.tasks.eta import STALE_REASON, EtaPolicy, PolicyCache, publish_policy, read_policy
+from strawq.tasks.queue import Lease, RunQueue
+from strawq.tasks.states import TaskState
+from strawq.testing import write_jsonl
+from strawq.testing.factories import make_partial, prompts
 
 N = 4
 
@@ -45,7 +50,7 @@ def dataset(tmp_path: Path) -> Dataset:
 
 
 def _queue(storage: Storage, dataset: Dataset) -> RunQueue:
-    from strawq.feeder import Feeder
+    from strawq.data.feeder import Feeder
     q = RunQueue.create(storage, QueueConfig(release_batch=N, fsync=False))
     Feeder(q, dataset).release(N)
     return q
@@ -106,7 +111,7 @@ def test_an_unreadable_policy_means_no_check_with_a_warning(
     storage.makedirs("collector")
     storage.publish("collector/policy-000000000001",
                     records.encode(Kind.STATE, {"max_staleness": 1, "eta_mode": "dorp"}))
-    with caplog.at_level(logging.WARNING, logger="strawq.eta"):
+    with caplog.at_level(logging.WARNING, logger="strawq.tasks.eta"):
         assert read_policy(storage) is None
     assert "not checked against η at claim" in caplog.text and "dorp" in caplog.text
 

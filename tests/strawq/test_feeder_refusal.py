@@ -13,12 +13,12 @@ import pytest
 
 from strawq.app.cli import main as cli_main
 from strawq.config import QueueConfig
-from strawq.dataset import BadRow, Dataset
-from strawq.release_check import BadRowsRefused
+from strawq.data.dataset import BadRow, Dataset
+from strawq.data.feeder import Feeder, preview_release
+from strawq.data.release_check import BadRowsRefused
 from strawq.errors import ConfigError
-from strawq.feeder import Feeder, preview_release
-from strawq.queue import RunQueue
 from strawq.storage import PosixStorage, Storage
+from strawq.tasks.queue import RunQueue
 from strawq.testing import audit_run, write_jsonl
 from tests.strawq.queue_helpers import tid
 

@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
-from strawq.feeder import Feeder
-from strawq.cursor import list_cursors
-from strawq.names import dataset_task_id
-from strawq.queue import RunQueue
+from strawq.data.cursor import list_cursors
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.ondisk.names import dataset_task_id
 from strawq.storage import MemoryStorage, PosixStorage, Storage
-from strawq.testing.faults import CrashPoint, FaultyStorage
+from strawq.tasks.queue import RunQueue
 from strawq.testing import audit_run, make_group, write_jsonl
 from strawq.testing.crash import drain
 from strawq.testing.factories import prompts
+from strawq.testing.faults import CrashPoint, FaultyStorage
 
 N = 40
 
@@ -154,8 +154,8 @@ def test_concurrent_writers_in_processes(tmp_path: Path) -> None:
     storage = PosixStorage(root)
     q, ds = setup(storage, tmp_path, rows=200)
     code = ("import sys\n"
-            "from strawq.dataset import Dataset\nfrom strawq.feeder import Feeder\n"
-            "from strawq.queue import RunQueue\nfrom strawq.storage import PosixStorage\n"
+            "from strawq.data.dataset import Dataset\nfrom strawq.data.feeder import Feeder\n"
+            "from strawq.tasks.queue import RunQueue\nfrom strawq.storage import PosixStorage\n"
             "f = Feeder(RunQueue.open(PosixStorage(sys.argv[1], writer_id=sys.argv[3])), "
             "Dataset(sys.argv[2]))\n"
             "while f.release(3): pass\n")

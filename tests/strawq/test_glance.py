@@ -20,15 +20,15 @@ from typing import Any
 
 import pytest
 
-from strawq import glance as glance_mod
 from strawq.app import cli
 from strawq.collector.fencing import EpochFence
 from strawq.config import QueueConfig
-from strawq.control import Control
-from strawq.glance import Watcher, glance
-from strawq.glance_text import render
-from strawq.queue import RunQueue
 from strawq.storage import open_storage
+from strawq.tasks.queue import RunQueue
+from strawq.views import glance as glance_mod
+from strawq.views.glance import Watcher, glance
+from strawq.views.glance_text import render
+from strawq.weights.control import Control
 from tests.strawq.queue_helpers import FakeClock, make_feeder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ SHOWN_PATH = "/runs/exp1"
 
 _CHILD = textwrap.dedent("""
     import sys
-    from strawq.queue import RunQueue
+    from strawq.tasks.queue import RunQueue
     from strawq.storage import open_storage
     q = RunQueue.open(open_storage(sys.argv[1], writer_id="p-3", fsync=False))
     q.heartbeat("p-3")
@@ -151,7 +151,7 @@ def test_no_live_producer_a_dead_collector_and_a_full_disk_are_stalls(
     w = Watcher(q.storage, clock=clock)
     w.look()
     clock.advance(30.0)  # nobody beat for 30s: past the 10s lease timeout
-    monkeypatch.setattr("strawq.status.disk_space", lambda _st: {
+    monkeypatch.setattr("strawq.views.status.disk_space", lambda _st: {
         "path": "/x", "free_bytes": 3 * 2**30, "total_bytes": 100 * 2**30,
         "free_ratio": 0.03, "free_inodes": 10, "full": False})
     g = glance(q, "run", w)
@@ -205,7 +205,7 @@ def test_watch_redraws_until_ctrl_c_and_exits_0(
         if len(naps) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("strawq.glance_text.time.sleep", nap)
+    monkeypatch.setattr("strawq.views.glance_text.time.sleep", nap)
     assert cli.main(["status", str(tmp_path / "run"), "--watch", "0.5", "--sample", "0"]) == 0
     captured = capsys.readouterr()
     assert captured.out.count("(weight version") == 2 and naps == [0.5, 0.5]
@@ -252,7 +252,7 @@ def test_the_trainer_line_names_the_trainer_fences_holder(tmp_path: Path) -> Non
 
 
 def test_a_finished_run_is_not_stalled(tmp_path: Path) -> None:
-    from strawq.finished import mark_finished
+    from strawq.tasks.finished import mark_finished
 
     q = _run(tmp_path)
     q.heartbeat("p-1")

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from strawq import records
 from strawq.errors import CorruptRecord
-from strawq.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS, Extra
-from strawq.groups import TOKEN_COLUMNS, GroupData, decode_group, decode_group_columns
-from strawq.records import Kind
+from strawq.ondisk import records
+from strawq.ondisk.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS, Extra
+from strawq.ondisk.groups import TOKEN_COLUMNS, GroupData, decode_group, decode_group_columns
+from strawq.ondisk.records import Kind
 
 #: written by the code before extras existed (a GROUP record, three samples, no extras)
 OLD = Path(__file__).parent / "fixtures" / "group_without_extras.rec"

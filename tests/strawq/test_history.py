@@ -1,4 +1,4 @@
-"""The per-prompt history (``strawq.history``): every trained or dropped attempt recorded
+"""The per-prompt history (``strawq.data.history``): every trained or dropped attempt recorded
 once, from what gc retires, bounded by merges, and readable with ``strawq inspect``."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from strawq import history
 from strawq.app.cli import main as cli_main
-from strawq.batches import BatchStore
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
-from strawq.feeder import Feeder
-from strawq.names import dataset_task_id
-from strawq.queue import RunQueue
-from strawq.retention import compact_drops
+from strawq.data import history
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.delivery.batches import BatchStore
+from strawq.delivery.retention import compact_drops
+from strawq.ondisk.names import dataset_task_id
 from strawq.storage import PosixStorage
+from strawq.tasks.queue import RunQueue
 from strawq.testing import make_group, write_jsonl
 from strawq.testing.factories import prompts
 

@@ -9,11 +9,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from strawq.batches import BatchStore
-from strawq.queue import RunQueue
+from strawq.delivery.batches import BatchStore
 from strawq.storage import MemoryStorage, PosixStorage
+from strawq.tasks.queue import RunQueue
 from strawq.testing.faults import FaultyStorage
-
 from tests.strawq.queue_helpers import make_feeder, make_queue, tid
 
 

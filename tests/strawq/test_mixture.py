@@ -1,4 +1,4 @@
-"""Dataset mixtures (``strawq.mixture``): the interleave's exact shares, reading from any
+"""Dataset mixtures (``strawq.data.mixture``): the interleave's exact shares, reading from any
 row, the stopping strategies, the fingerprint that refuses a changed weight, and the feeder
 naming each task's source."""
 
@@ -11,13 +11,20 @@ from typing import Any
 
 import pytest
 
-from strawq.dataset import BadRow
-from strawq.binding import DatasetMismatch
+from strawq.data.binding import DatasetMismatch
+from strawq.data.dataset import BadRow
+from strawq.data.feeder import Feeder
+from strawq.data.mixture import (
+    Layout,
+    Mixture,
+    MixtureSource,
+    integer_weights,
+    load_mixture,
+    open_dataset,
+    pattern_of,
+)
 from strawq.errors import ConfigError
-from strawq.feeder import Feeder
-from strawq.mixture import Layout, Mixture, MixtureSource, integer_weights, load_mixture, \
-    open_dataset, pattern_of
-from strawq.states import TaskState, names_in
+from strawq.tasks.states import TaskState, names_in
 from tests.collector.helpers import make_run
 
 

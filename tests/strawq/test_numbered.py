@@ -1,4 +1,4 @@
-"""``strawq.numbered``: the one spelling of numbered names, and the names it spells on disk.
+"""``strawq.ondisk.numbered``: the one spelling of numbered names, and the names it spells on disk.
 
 The golden names are a live-run format: a run written before a change must read the same
 after it, so any change to them fails here first."""
@@ -11,10 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strawq import batches, commits, control, cursor, epochs, eta, history, names, packed, queue
-from strawq import requeue, retention, states, turns
-from strawq.numbered import Numbered
+from strawq.data import cursor, history
+from strawq.delivery import batches, commits, packed, requeue, retention
+from strawq.ondisk import names
+from strawq.ondisk.numbered import Numbered
 from strawq.storage import MemoryStorage
+from strawq.tasks import epochs, eta, queue, states, turns
+from strawq.weights import control
 
 GOLDEN = {
     "manifest": (batches.manifest_key(7), "batches/000000000007"),

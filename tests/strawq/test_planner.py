@@ -1,4 +1,4 @@
-"""The release planner (``strawq.planner``): each mixture source carries its own offset
+"""The release planner (``strawq.data.planner``): each mixture source carries its own offset
 across passes, a cursor resume releases again what was in flight in any pass, the rows no
 pass reached are named, and every task says where it comes from."""
 
@@ -8,14 +8,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-
-from strawq.feeder import Feeder, preview_release
-from strawq.cursor import read_cursor_state
-from strawq.history import load_history, record_attempts
-from strawq.mixture import Mixture, open_dataset
-from strawq.queue import RunQueue
-from strawq.states import TaskState, names_in
-from strawq.status import run_status
+from strawq.data.cursor import read_cursor_state
+from strawq.data.feeder import Feeder, preview_release
+from strawq.data.history import load_history, record_attempts
+from strawq.data.mixture import Mixture, open_dataset
+from strawq.tasks.queue import RunQueue
+from strawq.tasks.states import TaskState, names_in
+from strawq.views.status import run_status
 from tests.collector.helpers import make_run
 
 
@@ -99,7 +98,7 @@ def test_a_cursor_resume_after_a_pass_boundary_releases_the_last_pass_in_flight(
     # "dataset before the switch" and never released again.
     ds_path = tmp_path / "ds.jsonl"
     ds_path.write_text("".join(json.dumps({"prompt": f"r{i}"}) + "\n" for i in range(10)))
-    from strawq.dataset import Dataset
+    from strawq.data.dataset import Dataset
 
     ds = Dataset(str(ds_path))
     q = make_run(str(tmp_path / "run"), release_batch=4, num_epochs=2)
@@ -149,7 +148,7 @@ def _agreed(task_id: str, index: int) -> dict[str, Any]:
 
 def test_a_dry_run_shows_per_source_what_the_release_would_take_and_skip(
         tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr("strawq.planner.HISTORY_REFRESH_S", 0.0)
+    monkeypatch.setattr("strawq.data.planner.HISTORY_REFRESH_S", 0.0)
     m = _mix(tmp_path, {"big": 12, "small": 3}, {"big": 1, "small": 1})
     q = make_run(str(tmp_path / "run"), release_batch=7, num_epochs=2,
                  skip_zero_variance=True)
@@ -175,7 +174,7 @@ def test_the_skip_window_counts_passes_not_the_times_a_wrapping_source_repeats_a
     # all_exhausted: the 2-row source gives each of its rows 3 times a pass. Its rows agreed
     # in pass 0, were skipped in pass 1 (one pass ago), and are still in the window of 3
     # passes in pass 2 (two passes ago) — counted by repeats, pass 1 alone was 3 "ago".
-    monkeypatch.setattr("strawq.planner.HISTORY_REFRESH_S", -1.0)
+    monkeypatch.setattr("strawq.data.planner.HISTORY_REFRESH_S", -1.0)
     m = _mix(tmp_path, {"big": 6, "small": 2}, {"big": 1, "small": 1},
              stopping_strategy="all_exhausted")
     q = make_run(str(tmp_path / "run"), release_batch=20, num_epochs=3,

@@ -1,10 +1,10 @@
-"""``strawq.prom``: metric names to Prometheus series by its conventions."""
+"""``strawq.views.prom``: metric names to Prometheus series by its conventions."""
 
 from __future__ import annotations
 
 import pytest
 
-from strawq.prom import Exposition, Series, series
+from strawq.views.prom import Exposition, Series, series
 
 parser = pytest.importorskip("prometheus_client.parser")
 

@@ -1,4 +1,4 @@
-"""Passes over the dataset and history-driven admission (``strawq.prompt_policy``).
+"""Passes over the dataset and history-driven admission (``strawq.data.prompt_policy``).
 
 A run of ``num_epochs`` passes releases every row once per pass under new task ids; from
 the second pass on, a row whose newest trained group's rewards all agreed can be skipped
@@ -12,21 +12,21 @@ from typing import Any
 
 import pytest
 
-from strawq import history
-from strawq.batches import BatchStore
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
+from strawq.data import history
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.data.prompt_policy import Skip, plan_release, zero_variance_skip
+from strawq.delivery.batches import BatchStore
 from strawq.errors import ConfigError
-from strawq.feeder import Feeder
-from strawq.names import dataset_task_id
-from strawq.prompt_policy import Skip, plan_release, zero_variance_skip
-from strawq.queue import RunQueue
-from strawq.states import TaskState, names_in
-from strawq.status import run_status
+from strawq.ondisk.names import dataset_task_id
 from strawq.storage import MemoryStorage, PosixStorage
+from strawq.tasks.queue import RunQueue
+from strawq.tasks.states import TaskState, names_in
 from strawq.testing import audit_run, make_group, write_jsonl
-from strawq.testing.faults import CrashPoint, FaultyStorage
 from strawq.testing.factories import prompts
+from strawq.testing.faults import CrashPoint, FaultyStorage
+from strawq.views.status import run_status
 
 ROWS = 4
 

@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from strawq import records
-from strawq.batches import BatchStore
-from strawq.control import Control
+from strawq.delivery.batches import BatchStore
 from strawq.errors import ConfigError, NotFound, TaskNotFound
-from strawq.names import data_key
-from strawq.queue import RunQueue
-from strawq.records import Kind
-from strawq.status import run_status
+from strawq.ondisk import records
+from strawq.ondisk.names import data_key
+from strawq.ondisk.records import Kind
 from strawq.storage import Storage
+from strawq.tasks.queue import RunQueue
 from strawq.testing import audit_run, make_group
 from strawq.testing.factories import make_partial
+from strawq.views.status import run_status
+from strawq.weights.control import Control
 from tests.strawq.queue_helpers import make_feeder, make_queue, tid
 
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from strawq import records
 from strawq.errors import ConfigError, LeaseLost
-from strawq.names import TaskName, note_key
-from strawq.records import Kind
-from strawq.status import run_status
+from strawq.ondisk import records
+from strawq.ondisk.names import TaskName, note_key
+from strawq.ondisk.records import Kind
 from strawq.storage import Storage
 from strawq.testing import audit_run
 from strawq.testing.factories import make_partial, prompts
+from strawq.views.status import run_status
 from tests.strawq.queue_helpers import ids, make_feeder, make_queue, tid
 
 

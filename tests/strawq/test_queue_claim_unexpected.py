@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
-from strawq.feeder import Feeder
-from strawq.queue import RunQueue
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
 from strawq.storage import MemoryStorage, PosixStorage, Storage
+from strawq.tasks.queue import RunQueue
 from strawq.testing import write_jsonl
 from strawq.testing.factories import prompts
 

@@ -3,15 +3,14 @@ open explained."""
 
 from __future__ import annotations
 
-
 import pytest
 
-from strawq import records
 from strawq.config import QueueConfig, from_dict
 from strawq.errors import ConfigError, NotFound
-from strawq.queue import RunQueue
-from strawq.records import Kind
+from strawq.ondisk import records
+from strawq.ondisk.records import Kind
 from strawq.storage import Storage
+from strawq.tasks.queue import RunQueue
 from tests.strawq.queue_helpers import make_queue
 
 

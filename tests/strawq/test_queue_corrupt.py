@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from strawq.batches import BatchStore
+from strawq.data.cursor import list_cursors
+from strawq.data.feeder import Feeder
+from strawq.delivery.batches import BatchStore
 from strawq.errors import CorruptRecord
-from strawq.feeder import Feeder
-from strawq.cursor import list_cursors
-from strawq.names import data_key
-from strawq.queue import RunQueue
-from strawq.status import run_status
+from strawq.ondisk.names import data_key
 from strawq.storage import Storage
+from strawq.tasks.queue import RunQueue
 from strawq.testing import audit_run, make_group
 from strawq.testing.factories import make_partial
+from strawq.views.status import run_status
 from tests.strawq.queue_helpers import clobber, ids, make_feeder, make_queue, tid
 
 
@@ -167,7 +167,7 @@ def test_foreign_file_in_pending_is_ignored_not_claimed(storage: Storage,
 
 
 def _released(storage: Storage) -> list[int]:
-    from strawq.states import TaskState, names_in
+    from strawq.tasks.states import TaskState, names_in
 
     return sorted(int(n.id[1:]) for n in names_in(storage, TaskState.PENDING))
 

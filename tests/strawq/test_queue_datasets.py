@@ -11,17 +11,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from strawq import records
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
 from strawq.errors import DatasetError
-from strawq.feeder import Feeder
-from strawq.names import note_key
-from strawq.status import run_status
+from strawq.ondisk import records
+from strawq.ondisk.names import note_key
 from strawq.storage import MemoryStorage, Storage
 from strawq.testing import audit_run, write_jsonl
 from strawq.testing.factories import prompts
+from strawq.views.status import run_status
 from tests.strawq.queue_helpers import make_feeder, make_queue, tid
-
 
 BAD_ROWS: list[Any] = [
     {"prompt": "good 0"},

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from strawq.config import QueueConfig
-from strawq.names import heartbeat_key
-from strawq.queue import RunQueue
+from strawq.ondisk.names import heartbeat_key
 from strawq.storage import MemoryStorage, PosixStorage
+from strawq.tasks.queue import RunQueue
 
 
 class Counting:

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from strawq.errors import LeaseLost
-from strawq.grantor import LeaseMonitor
-from strawq.names import data_key
-from strawq.queue import RunQueue
+from strawq.ondisk.names import data_key
 from strawq.storage import MemoryStorage, PosixStorage, Storage
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.tasks.queue import RunQueue
 from strawq.testing import audit_run, make_group
 from strawq.testing.factories import make_partial
 from tests.strawq.queue_helpers import FakeClock, make_feeder, make_queue, tid

@@ -24,16 +24,16 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from strawq.batches import BatchStore
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.delivery.batches import BatchStore
 from strawq.errors import AlreadyExists, LeaseLost
-from strawq.feeder import Feeder
-from strawq.grantor import LeaseMonitor
-from strawq.groups import GroupData
-from strawq.names import dataset_task_id
-from strawq.queue import Lease, RunQueue
+from strawq.ondisk.groups import GroupData
+from strawq.ondisk.names import dataset_task_id
 from strawq.storage import MemoryStorage
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.tasks.queue import Lease, RunQueue
 from strawq.testing import audit_run, make_group, write_jsonl
 from strawq.testing.factories import make_partial, prompts
 

@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
 from strawq.errors import LeaseLost, StrawqError
-from strawq.feeder import Feeder
-from strawq.grantor import LeaseMonitor
-from strawq.names import TaskName, data_key, dataset_task_id
-from strawq.queue import Lease, RunQueue
+from strawq.ondisk.names import TaskName, data_key, dataset_task_id
 from strawq.storage import PosixStorage
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.tasks.queue import Lease, RunQueue
 from strawq.testing import audit_run, check_total_queue, make_group, write_jsonl
 from strawq.testing.factories import make_partial, prompts
 

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strawq import records
 from strawq.errors import CorruptRecord, NewerFormat
-from strawq.groups import TOKEN_COLUMNS, GroupData, decode_group, decode_group_columns
-from strawq.records import Kind
+from strawq.ondisk import records
+from strawq.ondisk.groups import TOKEN_COLUMNS, GroupData, decode_group, decode_group_columns
+from strawq.ondisk.records import Kind
 
 
 @st.composite

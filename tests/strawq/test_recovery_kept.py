@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from strawq import retention
 from strawq.app.cli import main as cli_main
-from strawq.batches import BatchStore
+from strawq.delivery import retention
+from strawq.delivery.batches import BatchStore
+from strawq.delivery.requeue import requeue_dropped
+from strawq.delivery.retention import compact_drops, drop_totals
 from strawq.errors import StorageFull
-from strawq.queue import RunQueue
-from strawq.requeue import requeue_dropped
-from strawq.retention import compact_drops, drop_totals
-from strawq.states import TaskState, names_in
-from strawq.status import disk_space
 from strawq.storage import PosixStorage
+from strawq.tasks.queue import RunQueue
+from strawq.tasks.states import TaskState, names_in
 from strawq.testing import audit_run
 from strawq.testing.faults import FaultyStorage
+from strawq.views.status import disk_space
 from tests.strawq.queue_helpers import make_feeder, make_queue, tid
 
 
@@ -131,7 +131,7 @@ def test_the_collector_warns_while_the_disk_runs_low(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from strawq.collector.config import CollectorConfig
     from strawq.collector.core import Collector
-    from strawq.dataset import Dataset
+    from strawq.data.dataset import Dataset
     from strawq.testing import write_jsonl
     from strawq.testing.factories import prompts
 

@@ -1,5 +1,5 @@
-"""``strawq.requeue``: dropped tasks of one reason back into the queue, as fresh generations,
-with their history kept, beside a live run and a racing drop compaction."""
+"""``strawq.delivery.requeue``: dropped tasks of one reason back into the queue, as fresh
+generations, with their history kept, beside a live run and a racing drop compaction."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from strawq import records
+from strawq.delivery.requeue import requeue_dropped
+from strawq.delivery.retention import compact_drops, drop_totals
 from strawq.errors import LeaseLost, StrawqError
-from strawq.names import note_key
-from strawq.queue import RunQueue
-from strawq.requeue import requeue_dropped
-from strawq.retention import compact_drops, drop_totals
-from strawq.states import TaskState, names_in
+from strawq.ondisk import records
+from strawq.ondisk.names import note_key
 from strawq.storage import MemoryStorage, Storage
+from strawq.tasks.queue import RunQueue
+from strawq.tasks.states import TaskState, names_in
 from strawq.testing import audit_run, make_group
 from strawq.testing.faults import FaultyStorage
 from tests.strawq.queue_helpers import make_feeder, make_queue, tid

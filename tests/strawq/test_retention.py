@@ -11,22 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from strawq import retention
-from strawq.batches import BatchStore
 from strawq.app.cli import main as cli_main
 from strawq.config import QueueConfig
-from strawq.dataset import Dataset
-from strawq.feeder import Feeder
-from strawq.grantor import LeaseMonitor
-from strawq.inspect import describe_record
-from strawq.names import data_key, dataset_task_id
-from strawq.queue import RunQueue
-from strawq.status import run_status
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.delivery import retention
+from strawq.delivery.batches import BatchStore
+from strawq.ondisk.names import data_key, dataset_task_id
 from strawq.storage import PosixStorage
 from strawq.storage.posix import _host
+from strawq.tasks.grantor import LeaseMonitor
+from strawq.tasks.queue import RunQueue
+from strawq.tasks.turns import TURNS_DIR, TurnLog, turn_dir
 from strawq.testing import make_group, write_jsonl
-from strawq.turns import TURNS_DIR, TurnLog, turn_dir
 from strawq.testing.factories import make_partial, prompts
+from strawq.views.inspect import describe_record
+from strawq.views.status import run_status
 
 #: directories that must be empty once every task was trained or dropped and gc ran
 WORK_DIRS = ("pending", "leased", "ready", "batched", "batches", "acked", "dropped", "data",

@@ -9,16 +9,39 @@ import numpy as np
 import pytest
 
 from strawq.errors import NotFound
-from strawq.groups import staleness
-from strawq.names import (STAGE_FRESH, STAGE_PARTIAL, STAGE_REQUEUED, TaskName, heartbeat_key,
-                          parse_heartbeat, queue_key, ready_key, requeued_name)
-from strawq.queue import DIRS as RUN_DIRS
-from strawq.states import (DIRS, LEGACY_TRAINED, RETIRED, TRANSITIONS, Depths,
-                           IllegalTransition, TaskState,
-                           check_transition, depths, dropped_by_reason, key_of,
-                           move, names_in, release_dir, retire, retire_lease,
-                           upstream_depths)
+from strawq.ondisk.groups import staleness
+from strawq.ondisk.names import (
+    STAGE_FRESH,
+    STAGE_PARTIAL,
+    STAGE_REQUEUED,
+    TaskName,
+    heartbeat_key,
+    parse_heartbeat,
+    queue_key,
+    ready_key,
+    requeued_name,
+)
 from strawq.storage import MemoryStorage, PosixStorage, Storage
+from strawq.tasks.queue import DIRS as RUN_DIRS
+from strawq.tasks.states import (
+    DIRS,
+    LEGACY_TRAINED,
+    RETIRED,
+    TRANSITIONS,
+    Depths,
+    IllegalTransition,
+    TaskState,
+    check_transition,
+    depths,
+    dropped_by_reason,
+    key_of,
+    move,
+    names_in,
+    release_dir,
+    retire,
+    retire_lease,
+    upstream_depths,
+)
 
 S = TaskState
 
@@ -64,7 +87,7 @@ def test_states_have_a_directory_of_the_run_layout() -> None:
 def test_every_legal_transition_is_one_rename(storage: Storage, src: TaskState,
                                               dst: TaskState) -> None:
     name = name_in(src)
-    if src in RETIRED:  # a compacted drop's kept record (strawq.retention), requeued
+    if src in RETIRED:  # a compacted drop's kept record (strawq.delivery.retention), requeued
         src_key = f"audit/kept/00000001/{name}"
         storage.publish(src_key, b"x")
         new = name_in(dst)
@@ -136,7 +159,7 @@ def test_depths_count_each_state_and_skip_stray_files(storage: Storage,
     for junk in ("pending/junk.txt", "leased/junk.txt", "ready/junk.txt", "dropped/junk.txt"):
         storage.publish(junk, b"not a task")
     want = Depths(pending=2, partial=1, leased=1, ready=1, batched=1)
-    with caplog.at_level(logging.WARNING, logger="strawq.states"):
+    with caplog.at_level(logging.WARNING, logger="strawq.tasks.states"):
         assert depths(storage) == want
         assert depths(storage) == want
     warned = [r.getMessage() for r in caplog.records if "junk.txt" in r.getMessage()]
@@ -215,11 +238,11 @@ def test_an_older_runs_trained_drops_are_no_drops_for_the_audit_or_requeue(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Without slime installed too: the drop audit's count of an older run's ``trained``
     reason is left out of the totals and ``strawq requeue --reason trained`` refuses."""
+    from strawq.delivery.requeue import requeue_dropped
+    from strawq.delivery.retention import compact_drops, drop_totals, latest_audit
     from strawq.errors import StrawqError
-    from strawq.queue import RunQueue
-    from strawq.requeue import requeue_dropped
-    from strawq.retention import compact_drops, drop_totals, latest_audit
-    from strawq.status import run_status
+    from strawq.tasks.queue import RunQueue
+    from strawq.views.status import run_status
 
     q = RunQueue.create(MemoryStorage())
     bad = name_in(S.DROPPED, order=9)
@@ -229,7 +252,7 @@ def test_an_older_runs_trained_drops_are_no_drops_for_the_audit_or_requeue(
     assert latest_audit(q.storage).counts == {"some_reason": 1}
     put(q.storage, S.DROPPED, name_in(S.DROPPED, order=5).with_(producer=LEGACY_TRAINED))
     with monkeypatch.context() as m:  # an older strawq's compaction folded two in
-        import strawq.states as states
+        import strawq.tasks.states as states
 
         m.setattr(states, "LEGACY_TRAINED", "not-a-reason", raising=False)
         assert compact_drops(q.storage) == 2

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from strawq.data.tokenize import FunctionTokenizer, HFTokenizer, prompt_ids
 from strawq.errors import ConfigError, DatasetError
-from strawq.tokenize import FunctionTokenizer, HFTokenizer, prompt_ids
 from tests.tokenizer_fixtures import smollm2_gguf, train_chat_tokenizer
 
 pytest.importorskip("transformers")

@@ -55,16 +55,17 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from strawq.collector.integrations.megatron.micro_batch import (COLUMN_NAMES, Align,
-                                                                 MicroBatch)
-from strawq.collector.integrations.megatron.planning import (ParallelLayout,
-                                                             packed_seq_params_cls,
-                                                             plan_micro_batches,
-                                                             sync_num_micro_batches)
+from strawq.collector.integrations.megatron.micro_batch import COLUMN_NAMES, Align, MicroBatch
+from strawq.collector.integrations.megatron.planning import (
+    ParallelLayout,
+    packed_seq_params_cls,
+    plan_micro_batches,
+    sync_num_micro_batches,
+)
 from strawq.collector.integrations.megatron.thd import ShardPacker
 from strawq.collector.trainer.importance import LossTotals
 from strawq.collector.trainer.reader import Batch
-from strawq.extras import SPECS
+from strawq.ondisk.extras import SPECS
 
 __all__ = ["COLUMN_NAMES", "Align", "MegatronBatcher", "MicroBatch", "ParallelLayout",
            "plan_micro_batches", "sync_num_micro_batches"]

@@ -18,9 +18,16 @@ import numpy as np
 
 from strawq.collector.trainer.packing import offsets_name
 from strawq.collector.trainer.reader import Batch
-from strawq.extras import (ROUTED_EXPERTS, SPECS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS, Extra,
-                           cat_samples, first_placeholder)
-from strawq.groups import SAMPLE_STATUSES, GroupData
+from strawq.ondisk.extras import (
+    ROUTED_EXPERTS,
+    SPECS,
+    TEACHER_LOGPROBS,
+    TOP_P_TOKEN_IDS,
+    Extra,
+    cat_samples,
+    first_placeholder,
+)
+from strawq.ondisk.groups import SAMPLE_STATUSES, GroupData
 
 log = logging.getLogger(__name__)
 

@@ -7,12 +7,12 @@ slime aborts (``--partial-rollout``) are saved as durable partial tasks (prefix 
 log-probs, per-token versions, loss masks) and handed out again first; a group handed out is
 leased under the producer id ``slime.r<rollout_id>``, so the lease's *name* says which
 rollout it went to. ``save(c)`` records every group handed out to a rollout ≤ c as trained
-(LEASED → TRAINED: the lease is retired, ``strawq.states.retire_lease``; nothing lands in
+(LEASED → TRAINED: the lease is retired, ``strawq.tasks.states.retire_lease``; nothing lands in
 ``dropped/``); ``load(c)`` after a crash does the same for leases of rollouts ≤ c (the
 checkpoint holds them) and returns later ones to the queue, prefixes kept. Nothing lost,
 nothing trained twice (``docs/slime.md``). A run an older strawq wrote holds its trained
 groups in ``dropped/`` with reason ``trained``: they still count as trained
-(``strawq.states.LEGACY_TRAINED``), never served again.
+(``strawq.tasks.states.LEGACY_TRAINED``), never served again.
 """
 
 from __future__ import annotations
@@ -25,18 +25,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from strawq import records
-from strawq.collector.integrations.slime.samples import (META, _slime, group_to_samples,
-                                                         run_dir, samples_to_group)
+from strawq.collector.integrations.slime.samples import (
+    META,
+    _slime,
+    group_to_samples,
+    run_dir,
+    samples_to_group,
+)
 from strawq.config import QueueConfig
-from strawq.mixture import open_dataset
+from strawq.data.feeder import Feeder
+from strawq.data.mixture import open_dataset
 from strawq.errors import CorruptRecord, LeaseLost, NotFound
-from strawq.feeder import Feeder
-from strawq.names import data_key
-from strawq.queue import Lease, RunQueue
-from strawq.records import Kind
-from strawq.states import DIRS, LEGACY_TRAINED, TaskState, key_of, names_in, retire_lease
+from strawq.ondisk import records
+from strawq.ondisk.names import data_key
+from strawq.ondisk.records import Kind
 from strawq.storage import open_storage
+from strawq.tasks.queue import Lease, RunQueue
+from strawq.tasks.states import DIRS, LEGACY_TRAINED, TaskState, key_of, names_in, retire_lease
 
 log = logging.getLogger(__name__)
 

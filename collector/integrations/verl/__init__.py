@@ -3,7 +3,7 @@
 * ``queue`` — ``StrawqMessageQueue``: verl's fully-async ``MessageQueue``, durable
   (``install`` is the one-line switch in verl's Ray workers);
 * ``samples`` — ``DurableSampleQueue``: the durable FIFO under ``StrawqMessageQueue`` (its
-  records and moves declared in the core's table, ``strawq.states.VERL_SAMPLES``);
+  records and moves declared in the core's table, ``strawq.tasks.states.VERL_SAMPLES``);
 * ``partial`` — ``PartialStore``: verl's partial rollout, durable (saved prefixes);
 * ``client`` — ``StrawqFullyAsyncLLMServerClient``: verl's resuming rollout client over
   ``PartialStore`` (imports verl at its top);

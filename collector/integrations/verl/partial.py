@@ -4,9 +4,9 @@ verl (``async_training.partial_rollout: True``) aborts in-flight requests at eve
 sync and its ``FullyAsyncLLMServerClient`` resumes them from the tokens generated so far, in
 memory: a crash of the rollout process loses every prefix. ``PartialStore`` keeps each
 aborted prefix (prompt, response tokens, log-probs, the weight version of every token) as a
-strawq PARTIAL record (``strawq.groups.GroupData``, one sample, status ``aborted``: the
+strawq PARTIAL record (``strawq.ondisk.groups.GroupData``, one sample, status ``aborted``: the
 format of strawq's own partial tasks) in the queue directory; its directories and moves are
-declared in the core's table (``strawq.states.VERL_PREFIXES``):
+declared in the core's table (``strawq.tasks.states.VERL_PREFIXES``):
 
 * ``held/<key>~<n>``: the prefix of a request a live rollout process is resuming; replaced at
   each abort (new record first, then the old one deleted);
@@ -32,17 +32,17 @@ from typing import Any
 
 import numpy as np
 
-from strawq import records
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
-from strawq.groups import GroupData
-from strawq.records import Kind
-from strawq.states import VERL_PREFIXES, TaskState
+from strawq.ondisk import records
+from strawq.ondisk.groups import GroupData
+from strawq.ondisk.records import Kind
 from strawq.storage import Storage
+from strawq.tasks.states import VERL_PREFIXES, TaskState
 
 log = logging.getLogger(__name__)
 
 S = TaskState
-#: the store's directories (``strawq.states.VERL_PREFIXES``): saved, and held by a request
+#: the store's directories (``strawq.tasks.states.VERL_PREFIXES``): saved, and held by a request
 PARTIALS = VERL_PREFIXES.dir_of(S.PARTIAL)
 HELD = VERL_PREFIXES.dir_of(S.LEASED)
 

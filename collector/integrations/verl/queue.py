@@ -19,7 +19,7 @@ constructor ``(config, max_queue_size)``, and keeps the samples in a strawq stor
 
 The durable FIFO is ``DurableSampleQueue`` (``strawq.collector.integrations.verl.samples``),
 the prefixes of aborted requests ``PartialStore`` (``...verl.partial``); the directories and
-moves of both are declared in the core's table (``strawq.states.VERL_SAMPLES``,
+moves of both are declared in the core's table (``strawq.tasks.states.VERL_SAMPLES``,
 ``VERL_PREFIXES``). This module is verl's side: its settings, its ``MessageQueue`` methods,
 its checkpoint tracker.
 

@@ -1,8 +1,8 @@
 """The durable FIFO under verl's queue: ``DurableSampleQueue`` (``docs/verl.md``).
 
-Its records and their moves are declared in the core's table (``strawq.states.VERL_SAMPLES``):
+Its records and their moves are declared in the core's table (``strawq.tasks.states.VERL_SAMPLES``):
 
-* a put is durable when it returns: one record (strawq's framing, ``strawq.records``:
+* a put is durable when it returns: one record (strawq's framing, ``strawq.ondisk.records``:
   msgpack metadata, an Arrow column of the sample's bytes, a checksum) published through
   ``strawq.storage`` (temporary file, fsync, rename without replacing, directory fsync) as
   ``samples/<seq>~<sample id>`` — READY;
@@ -38,12 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from strawq import records
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
-from strawq.numbered import Numbered
-from strawq.records import Kind
-from strawq.states import VERL_SAMPLES, TaskState
+from strawq.ondisk import records
+from strawq.ondisk.numbered import Numbered
+from strawq.ondisk.records import Kind
 from strawq.storage import Storage, open_storage
+from strawq.tasks.states import VERL_SAMPLES, TaskState
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ _SAFE = re.compile(r"[A-Za-z0-9_.-]{1,120}")
 SAMPLE_NAMES = Numbered(sep="~")
 #: ``commits/<consumed>``: how many hand-outs a checkpoint covers
 COMMIT_NAMES = Numbered()
-#: the store's directories (``strawq.states.VERL_SAMPLES``)
+#: the store's directories (``strawq.tasks.states.VERL_SAMPLES``)
 SAMPLES = VERL_SAMPLES.dir_of(S.READY)
 COMMITTED = VERL_SAMPLES.others[0]
 

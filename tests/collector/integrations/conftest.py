@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from strawq.collector.trainer.reader import Batch
-from strawq.names import TaskName
+from strawq.ondisk.names import TaskName
 
 #: why the slime tests skip where slime is missing, and how to install it
 SLIME_MISSING = ("slime not installed: make slime SLIME_SRC=pinned (docs/slime.md, Install)")

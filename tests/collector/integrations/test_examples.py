@@ -16,9 +16,15 @@ import yaml
 
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
-from strawq.dataset import Dataset
-from tests.collector.helpers import (EXAMPLES, SimProducer, drive, load_example, make_run,
-                                     write_dataset)
+from strawq.data.dataset import Dataset
+from tests.collector.helpers import (
+    EXAMPLES,
+    SimProducer,
+    drive,
+    load_example,
+    make_run,
+    write_dataset,
+)
 
 pytestmark = pytest.mark.slow
 

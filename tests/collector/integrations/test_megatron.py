@@ -349,8 +349,13 @@ def test_micro_batches_give_the_reference_gradient(ref_run, dp, tp, cp, sp, pad,
     """The Megatron path: reader shards over DP, ``MegatronBatcher`` micro-batches (THD
     ``PackedSeqParams``, padding, CP split) through a model that consumes the packed layout,
     summed per rank, averaged over DP × CP: the whole batch's gradient on one process."""
-    from strawq.testing.reference import (Objective, TinyPolicy, max_relative_error,
-                                            megatron_gradients, reference_gradients)
+    from strawq.testing.reference import (
+        Objective,
+        TinyPolicy,
+        max_relative_error,
+        megatron_gradients,
+        reference_gradients,
+    )
 
     run_dir, seq = ref_run
     obj = Objective(aggregation=mode)
@@ -377,10 +382,10 @@ def test_tail_padding_under_cp_splits_into_chunks():
 
 def test_micro_batch_carries_the_sampling_parameters_per_label(gloo, ref_run):
     """Each label's temperature / top-p / top-k are its sample's recorded ones."""
-    from strawq.batches import BatchStore
     from strawq.collector.trainer.reader import BatchReader
-    from strawq.queue import RunQueue
+    from strawq.delivery.batches import BatchStore
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
 
     run_dir, seq = ref_run
     q = RunQueue.open(open_storage(run_dir, writer_id="t"))
@@ -475,12 +480,17 @@ def test_the_example_train_step_gives_the_reference_gradient(gloo, ref_run, mode
     import importlib.util
     from pathlib import Path
 
-    from strawq.batches import BatchStore
     from strawq.collector.trainer.reader import BatchReader
-    from strawq.testing.reference import (Objective, TinyPolicy, gradients,
-                                            max_relative_error, reference_gradients)
-    from strawq.queue import RunQueue
+    from strawq.delivery.batches import BatchStore
     from strawq.storage import open_storage
+    from strawq.tasks.queue import RunQueue
+    from strawq.testing.reference import (
+        Objective,
+        TinyPolicy,
+        gradients,
+        max_relative_error,
+        reference_gradients,
+    )
 
     path = Path(__file__).resolve().parents[3] / "deploy" / "examples" / \
         "megatron_trainer_loop.py"

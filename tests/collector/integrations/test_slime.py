@@ -22,18 +22,15 @@ import torch
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.reader import BatchReader
-from strawq.control import Control
-from strawq.dataset import Dataset
-from strawq import records
-from strawq.names import note_key
-from strawq.retention import drop_totals
+from strawq.data.dataset import Dataset
+from strawq.delivery.requeue import requeue_dropped
+from strawq.delivery.retention import compact_drops, drop_totals, latest_audit
 from strawq.errors import StrawqError, TaskNotFound
-from strawq.names import requeued_name
-from strawq.requeue import requeue_dropped
-from strawq.retention import compact_drops, latest_audit
-from strawq.states import move
-from strawq.status import run_status
-from strawq.states import DIRS, TaskState, names_in
+from strawq.ondisk import records
+from strawq.ondisk.names import note_key, requeued_name
+from strawq.tasks.states import DIRS, TaskState, move, names_in
+from strawq.views.status import run_status
+from strawq.weights.control import Control
 from tests.collector.helpers import SimProducer, drive, make_run, write_dataset
 from tests.collector.integrations.conftest import SLIME_MISSING, make_batch
 
@@ -254,7 +251,7 @@ def test_an_older_runs_trained_drops_still_count_as_trained(args, monkeypatch):
     for lease in leases[:2]:
         old_save(lease)
     with monkeypatch.context() as m:  # an older compaction folded those two in
-        import strawq.states as states
+        import strawq.tasks.states as states
 
         m.setattr(states, "LEGACY_TRAINED", "not-a-reason", raising=False)
         assert compact_drops(st) == 2
@@ -584,9 +581,9 @@ def test_the_next_rollout_closes_the_bracket_by_what_the_engines_hold(world):
     """slime's push failed (its engine still reports version 0): the next rollout does not
     announce version 1, which every producer would take and then keep that engine out of
     rotation on; the update is undone. Once the engine holds it, it is announced."""
-    from strawq.engine_weights import EngineWeights
     from strawq.producers.engines.launch import EngineOptions
     from strawq.producers.engines.testing import EngineThread
+    from strawq.weights.engine_weights import EngineWeights
 
     a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2, strawq_bracket_timeout_s=30,
                         custom_reward_post_process_path=adapter.REWARD_POST_PROCESS)

@@ -12,7 +12,6 @@ surrogate is −w·A·ρ at ρ = 1, the reference's −w·A·log π; the gradien
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
@@ -22,14 +21,20 @@ from tests.collector.integrations.conftest import SLIME_MISSING
 pytest.importorskip("slime.utils.types", reason=SLIME_MISSING)
 pytest.importorskip("megatron.core", reason="slime's loss code needs megatron-core")
 
-from strawq.batches import BatchStore  # noqa: E402
-from strawq.testing.reference import (Objective, max_relative_error,  # noqa: E402
-                                        publish_batch, reference_gradients)
-from strawq.testing.slime_train import slime_path_gradients  # noqa: E402
-from strawq.testing.slime_train import slime_args  # noqa: E402
-from strawq.groups import GroupData  # noqa: E402
-from strawq.queue import Lease, RunQueue  # noqa: E402
+from strawq.delivery.batches import BatchStore  # noqa: E402
+from strawq.ondisk.groups import GroupData  # noqa: E402
 from strawq.storage import open_storage  # noqa: E402
+from strawq.tasks.queue import Lease, RunQueue  # noqa: E402
+from strawq.testing.reference import (  # noqa: E402
+    Objective,
+    max_relative_error,
+    publish_batch,
+    reference_gradients,
+)
+from strawq.testing.slime_train import (
+    slime_args,  # noqa: E402
+    slime_path_gradients,  # noqa: E402
+)
 
 # slime's loss is torch.compile'd: the first call in a process compiles with g++
 pytestmark = [pytest.mark.slime, pytest.mark.process, pytest.mark.timeout(300)]

@@ -15,8 +15,7 @@ import pytest
 pytest.importorskip("verl", reason="verl not installed: pip install 'verl==0.9.1' "
                                    "(docs/verl.md)")
 
-from strawq.collector.integrations.verl.reader import (batch_to_dataproto,  # noqa: E402
-                                                       check_temperature)
+from strawq.collector.integrations.verl.reader import batch_to_dataproto, check_temperature  # noqa: E402
 from strawq.collector.integrations.verl.trainer import STATE_FILE  # noqa: E402
 from strawq.collector.trainer.reader import BatchReader  # noqa: E402
 from strawq.testing.verl_loop import run_verl_loop  # noqa: E402
@@ -43,7 +42,8 @@ def _old_documented_class() -> type:
             if self.current_param_version * self.trigger_parameter_sync_step + \
                     self.local_trigger_step - 1 >= self.total_train_steps:
                 from verl.experimental.fully_async_policy.fully_async_trainer import (
-                    TrainingStopException)
+                    TrainingStopException,
+                )
                 raise TrainingStopException("done")  # the test's end of the stream
             with marked_timer("gen", self.timing_raw):
                 self.strawq_batch = await asyncio.to_thread(self.strawq.next_batch, 30.0)
@@ -115,7 +115,7 @@ def test_a_batch_verl_does_not_train_is_not_acked(tmp_path: Path) -> None:
     unacked (a restart delivers it again)."""
     from unittest import mock
 
-    from strawq.batches import BatchStore
+    from strawq.delivery.batches import BatchStore
     from strawq.testing.verl_loop import _ray_get
 
     fat, t, group = _one_trainer(tmp_path, critic_warmup=5)
@@ -146,7 +146,7 @@ def test_the_end_of_the_run_ends_verls_fit(tmp_path: Path) -> None:
     """Once the run has finished (the collector's ``finished`` record, every batch read),
     ``_fit_generate`` raises verl's ``TrainingStopException``: verl's ``fit`` ends as at
     its own end of data, not with an error after the reader's timeout."""
-    from strawq.finished import mark_finished
+    from strawq.tasks.finished import mark_finished
 
     fat, t, _group = _one_trainer(tmp_path)
     for _ in range(3):  # every batch the run published, read and acked

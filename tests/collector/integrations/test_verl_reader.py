@@ -25,18 +25,23 @@ import torch
 pytest.importorskip("verl", reason="verl not installed: pip install 'verl==0.9.1' "
                                    "(docs/verl.md)")
 
-from strawq.batches import BatchStore  # noqa: E402
-from strawq.collector.trainer.bracket import WeightUpdateBracket  # noqa: E402
 from strawq.collector.integrations.verl import reader as vr  # noqa: E402
-from strawq.testing import verl_train as vt  # noqa: E402
+from strawq.collector.trainer.bracket import WeightUpdateBracket  # noqa: E402
 from strawq.collector.trainer.reader import Batch, BatchReader  # noqa: E402
-from strawq.testing.reference import (Objective, TinyPolicy, make_reference_run,  # noqa: E402
-                                        max_relative_error, publish_batch,
-                                        reference_gradients)
-from strawq.control import Control  # noqa: E402
-from strawq.groups import GroupData  # noqa: E402
-from strawq.queue import Lease, RunQueue  # noqa: E402
+from strawq.delivery.batches import BatchStore  # noqa: E402
+from strawq.ondisk.groups import GroupData  # noqa: E402
 from strawq.storage import open_storage  # noqa: E402
+from strawq.tasks.queue import Lease, RunQueue  # noqa: E402
+from strawq.testing import verl_train as vt  # noqa: E402
+from strawq.testing.reference import (  # noqa: E402
+    Objective,
+    TinyPolicy,
+    make_reference_run,
+    max_relative_error,
+    publish_batch,
+    reference_gradients,
+)
+from strawq.weights.control import Control  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 TOL = 1e-6

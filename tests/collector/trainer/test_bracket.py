@@ -13,16 +13,16 @@ import urllib.request
 import numpy as np
 import pytest
 
-from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.errors import BracketError, BracketTimeout
+from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.trainer.reader import BatchReader
-from strawq.control import Control
-from strawq.dataset import Dataset
-from strawq.engine_weights import EngineWeights
+from strawq.data.dataset import Dataset
 from strawq.errors import StrawqError
-from strawq.names import TaskName, data_key
+from strawq.ondisk.names import TaskName, data_key
+from strawq.weights.control import Control
+from strawq.weights.engine_weights import EngineWeights
 from tests.collector.helpers import FakeClock, SimProducer, make_run, write_dataset
 
 LEASE = 2.0
@@ -355,8 +355,8 @@ def test_repair_clears_the_notes_of_engines_already_on_the_run_version(tmp_path,
 
 def test_settle_decides_by_what_the_engines_hold():
     from strawq.collector.trainer.bracket import settle
-    from strawq.control import ControlState
-    from strawq.engine_weights import EngineProbe
+    from strawq.weights.control import ControlState
+    from strawq.weights.engine_weights import EngineProbe
 
     def on(**versions):
         return {u: EngineProbe(u, v, None if v is not None else "cannot reach it")

@@ -10,7 +10,7 @@ from pathlib import Path
 from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.metrics import MetricsSink, prom_name
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from tests.collector.helpers import make_run, write_dataset
 
 
@@ -74,9 +74,9 @@ def test_prometheus_names_follow_its_conventions(tmp_path: Path) -> None:
 
 
 def test_trainer_step_continues_after_a_trainer_restart(tmp_path: Path) -> None:
-    from strawq.batches import BatchStore
     from strawq.collector.trainer.reader import BatchReader
-    from strawq.feeder import Feeder
+    from strawq.data.feeder import Feeder
+    from strawq.delivery.batches import BatchStore
     from tests.collector.helpers import SimProducer
 
     q = make_run(str(tmp_path / "run"))
@@ -97,7 +97,7 @@ def test_trainer_step_continues_after_a_trainer_restart(tmp_path: Path) -> None:
 
 
 def test_collector_reports_engines_needing_weights(tmp_path: Path) -> None:
-    from strawq.engine_weights import EngineWeights
+    from strawq.weights.engine_weights import EngineWeights
 
     q = make_run(str(tmp_path / "run"))
     ds = Dataset(write_dataset(str(tmp_path / "ds.jsonl"), 4))

@@ -1,4 +1,4 @@
-"""Rank shards packed by the collector (``CollectorConfig.pack_ranks``, ``strawq.packed``):
+"""Rank shards packed by the collector (``CollectorConfig.pack_ranks``, ``strawq.delivery.packed``):
 a rank's ``load`` from its shard equals the load from the records tensor by tensor; every
 shard that does not fit (world size, corrupt, torn, missing) falls back to the records;
 shards leave with their batch, and a crash's orphans are swept."""
@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from strawq import packed
-from strawq.batches import BatchStore, Manifest
 from strawq.collector.config import CollectorConfig
 from strawq.collector.trainer.packing import pack_batch
 from strawq.collector.trainer.reader import Batch, BatchReader
-from strawq.commits import commit
+from strawq.delivery import packed
+from strawq.delivery.batches import BatchStore, Manifest
+from strawq.delivery.commits import commit
 from strawq.errors import ConfigError
-from strawq.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS
-from strawq.queue import RunQueue
+from strawq.ondisk.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS
+from strawq.tasks.queue import RunQueue
 from tests.collector.packed_run import packed_run as _run
 
 REPO = Path(__file__).resolve().parents[3]
@@ -202,9 +202,15 @@ def test_pack_ranks_is_validated():
 def test_the_reference_gradient_from_the_shards(tmp_path):
     """Invariant 11 on the packed path: the ranks' gradients from their shards, averaged,
     are the single-process reference's."""
-    from strawq.testing.reference import (Objective, TinyPolicy, gradients,
-                                            make_reference_run, max_relative_error,
-                                            reader_loss, reference_gradients)
+    from strawq.testing.reference import (
+        Objective,
+        TinyPolicy,
+        gradients,
+        make_reference_run,
+        max_relative_error,
+        reader_loss,
+        reference_gradients,
+    )
 
     run_dir, seq = make_reference_run(str(tmp_path), groups=5, group_size=2, seed=4,
                                       max_response=16, pack_ranks=3)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from strawq.collector.trainer.packing import ShardPacker, offsets_name
-from strawq.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS, Extra
-from strawq.groups import GroupData, decode_group_columns
+from strawq.ondisk.extras import ROUTED_EXPERTS, TEACHER_LOGPROBS, TOP_P_TOKEN_IDS, Extra
+from strawq.ondisk.groups import GroupData, decode_group_columns
 
 TOP_P_OFFSETS = offsets_name(TOP_P_TOKEN_IDS)
 

@@ -16,8 +16,8 @@ from strawq.collector.errors import BatchTimeout
 from strawq.collector.ordering import group_advantages
 from strawq.collector.trainer.packing import shard_groups
 from strawq.collector.trainer.reader import BatchReader
-from strawq.dataset import Dataset
-from strawq.names import TaskName
+from strawq.data.dataset import Dataset
+from strawq.ondisk.names import TaskName
 from tests.collector.helpers import FakeClock, SimProducer, drive, make_run, write_dataset
 
 
@@ -151,8 +151,8 @@ def test_ack_then_commit_then_gc_and_checkpoint_skips(world):
 @pytest.mark.timeout(60)
 def test_memory_storage_fallback_reads_without_mmap(tmp_path):
     from strawq.config import QueueConfig
-    from strawq.queue import RunQueue
     from strawq.storage import MemoryStorage
+    from strawq.tasks.queue import RunQueue
 
     q = RunQueue.create(MemoryStorage(), QueueConfig(fsync=False, release_batch=4))
     ds = Dataset(write_dataset(str(tmp_path / "ds.jsonl"), 4))

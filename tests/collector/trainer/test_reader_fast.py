@@ -15,9 +15,9 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.packing import RecordFile, ShardPacker
 from strawq.collector.trainer.reader import Batch, BatchReader
-from strawq.dataset import Dataset
-from strawq.groups import GroupData
-from strawq.queue import RunQueue
+from strawq.data.dataset import Dataset
+from strawq.ondisk.groups import GroupData
+from strawq.tasks.queue import RunQueue
 from tests.collector.helpers import make_run, write_dataset
 
 

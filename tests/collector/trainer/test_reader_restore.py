@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 
+from strawq.storage import open_storage
+from strawq.tasks.queue import RunQueue
 from strawq.testing.reference import make_reference_run
 from tests.collector.helpers import load_example
-from strawq.queue import RunQueue
-from strawq.storage import open_storage
+
 
 def test_restore_pushes_the_restored_weights_before_training(tmp_path, monkeypatch):
     run_dir, _ = make_reference_run(str(tmp_path / "r"), groups=2, group_size=2)

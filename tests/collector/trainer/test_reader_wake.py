@@ -16,7 +16,7 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.errors import BatchTimeout
 from strawq.collector.trainer.reader import BatchReader
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
 from strawq.storage.watch import DirWatch, inotify_available
 from tests.collector.helpers import FakeClock, SimProducer, drive, make_run, write_dataset
 

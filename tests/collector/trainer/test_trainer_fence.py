@@ -18,11 +18,11 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.core import Collector
 from strawq.collector.trainer.fence import TrainerBusy, TrainerFence, read_trainer_holder
 from strawq.collector.trainer.reader import BatchReader
-from strawq.batches import BatchStore, delivered
-from strawq.commits import committed_seq
-from strawq.dataset import Dataset
+from strawq.data.dataset import Dataset
+from strawq.delivery.batches import BatchStore, delivered
+from strawq.delivery.commits import committed_seq
 from strawq.errors import FencedOut
-from strawq.queue import RunQueue
+from strawq.tasks.queue import RunQueue
 from tests.collector.helpers import FakeClock, SimProducer, drive, make_run, write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(

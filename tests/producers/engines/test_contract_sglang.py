@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strawq.extras import ROUTED_EXPERTS
-from strawq.testing.engine_contract import EngineContract, EngineTarget
+from strawq.ondisk.extras import ROUTED_EXPERTS
 from strawq.producers.extras_protocol import ExtrasMismatch
 from strawq.producers.sample import Sample, SamplerParams
 from strawq.producers.sample_step import step_sample
+from strawq.testing.engine_contract import EngineContract, EngineTarget
 from tests.sglang_fixtures import RealServer
 
 pytestmark = [pytest.mark.sglang_real, pytest.mark.timeout(300)]

@@ -15,12 +15,11 @@ import pytest
 
 from strawq.app import cli
 from strawq.config import QueueConfig
-from strawq.control import Control, read_state
-from strawq.engine_weights import EngineWeights
-from strawq.queue import RunQueue
-from strawq.storage import PosixStorage
-
 from strawq.producers.engines.testing import EngineProcess, start_engine_subprocess
+from strawq.storage import PosixStorage
+from strawq.tasks.queue import RunQueue
+from strawq.weights.control import Control, read_state
+from strawq.weights.engine_weights import EngineWeights
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 

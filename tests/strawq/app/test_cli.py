@@ -76,9 +76,9 @@ import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from strawq.config import QueueConfig  # noqa: E402
-from strawq.control import Control  # noqa: E402
-from strawq.queue import RunQueue  # noqa: E402
 from strawq.storage import PosixStorage  # noqa: E402
+from strawq.tasks.queue import RunQueue  # noqa: E402
+from strawq.weights.control import Control  # noqa: E402
 
 
 def _cli(*argv: str, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
@@ -315,7 +315,7 @@ def test_producer_command_refuses_a_directory_without_a_run(tmp_path: Path,
 
 def test_status_names_the_engines_needing_weights(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from strawq.engine_weights import EngineWeights
+    from strawq.weights.engine_weights import EngineWeights
 
     run = Path(_run(tmp_path))
     assert cli.main(["status", str(run), "--json"]) == 0
@@ -334,7 +334,7 @@ def test_status_names_the_engines_needing_weights(
 
 def test_forget_engine_drops_the_notes_of_a_retired_engine(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from strawq.engine_weights import EngineWeights
+    from strawq.weights.engine_weights import EngineWeights
 
     run = Path(_run(tmp_path))
     q = RunQueue.open(PosixStorage(str(run), writer_id="p", fsync=False))
@@ -458,7 +458,7 @@ def test_a_plain_command_imports_no_engine_trainer_or_array_code(tmp_path: Path,
     assert heavy == [], heavy
     assert "strawq.app.cli" in loaded
     if argv == ["--version"]:
-        assert "strawq.queue" not in loaded
+        assert "strawq.tasks.queue" not in loaded
 
 
 @pytest.mark.process

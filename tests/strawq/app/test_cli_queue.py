@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from strawq.batches import BatchStore
 from strawq.app.cli import main as cli_main
-from strawq.names import data_key
-from strawq.queue import RunQueue
+from strawq.delivery.batches import BatchStore
+from strawq.ondisk.names import data_key
 from strawq.storage import PosixStorage
+from strawq.tasks.queue import RunQueue
 from strawq.testing import make_group, write_jsonl
 from strawq.testing.factories import prompts
 from tests.strawq.queue_helpers import clobber, tid

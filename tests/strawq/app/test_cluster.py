@@ -82,7 +82,7 @@ def test_cluster_up_refuses_a_live_run_before_it_starts_anything(
     producer and touches no log: exit 1 naming the live collector."""
     from strawq.collector.config import CollectorConfig
     from strawq.collector.core import Collector
-    from strawq.dataset import Dataset
+    from strawq.data.dataset import Dataset
     from tests.collector.helpers import make_run, write_dataset
 
     run = tmp_path / "run"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from strawq.queue import RunQueue
 from strawq.storage import open_storage
+from strawq.tasks.queue import RunQueue
 from tests.small_disk import SmallDisk, small_disk  # noqa: F401 - the fixture
 
 

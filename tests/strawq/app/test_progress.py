@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from strawq.app.progress import Progress
-from strawq.dataset import Dataset
-from strawq.feeder import PROGRESS_EVERY, Feeder
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import PROGRESS_EVERY, Feeder
 from tests.collector.helpers import make_run
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from strawq.app.cli import main as cli_main
-from strawq.queue import RunQueue
-from strawq.states import TaskState, names_in
 from strawq.storage import PosixStorage
+from strawq.tasks.queue import RunQueue
+from strawq.tasks.states import TaskState, names_in
 from tests.strawq.queue_helpers import make_feeder, make_queue, tid
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from strawq.errors import StorageFull
-from strawq.records import Kind, decode, encode
+from strawq.ondisk.records import Kind, decode, encode
 from strawq.storage import PosixStorage
 
 REPO = Path(__file__).resolve().parents[3]

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from strawq.testing.waiting import wait_until
 from strawq.errors import AlreadyExists, NotFound
-from strawq.records import Kind, decode, encode
+from strawq.ondisk.records import Kind, decode, encode
 from strawq.storage import PosixStorage
+from strawq.testing.waiting import wait_until
 
 pytestmark = [pytest.mark.juicefs]
 

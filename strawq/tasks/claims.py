@@ -1,0 +1,211 @@
+"""Claiming tasks: the one rename per task that exactly one claimer wins, and the
+per-process cache of candidates that keeps a claim cheap on a shared mount.
+
+Claim order: partial tasks, then returned ones (both at the top of ``pending/``), then fresh
+ones by release (``pending/r-<seq>/``), in dataset order (``strawq.tasks.states.list_queued``
+states it without a cache). ``RunQueue.claim`` is this module's ``Claimer.claim``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.ondisk import records
+from strawq.ondisk.names import TaskName, validate_id
+from strawq.ondisk.records import Kind
+from strawq.storage import Storage
+from strawq.tasks.states import DIRS as STATE_DIRS
+from strawq.tasks.states import RELEASE_PREFIX, TaskState, key_of, move, queued_state
+
+log = logging.getLogger(__name__)
+
+#: How long a claimer trusts its listing of the top of ``pending/`` (partial and returned
+#: tasks) while it still has cached fresh candidates; its own monotonic clock.
+TOP_LIST_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A claimed task: what a producer needs to work on it and to hand it back."""
+
+    name: TaskName
+    task: dict[str, Any]
+
+    @property
+    def task_id(self) -> str:
+        return self.name.id
+
+    @property
+    def gen(self) -> int:
+        return self.name.gen
+
+    @property
+    def producer(self) -> str:
+        if self.name.producer is None:  # pragma: no cover - leases always carry one
+            raise ValueError("lease without a producer")
+        return self.name.producer
+
+    @property
+    def key(self) -> str:
+        return key_of(TaskState.LEASED, self.name)
+
+    @property
+    def has_partial(self) -> bool:
+        return self.name.resume >= 0
+
+
+
+class Claimer:
+    """One process's claims on one run: ``claim`` and the candidate cache it keeps.
+    ``read_record`` reads a claimed task's record (quarantining a corrupt one),
+    ``quarantine`` moves a bad record aside (``RunQueue``'s own)."""
+
+    def __init__(self, storage: Storage, read_record: Callable[[str, Kind], records.Record],
+                 quarantine: Callable[[str], object]) -> None:
+        self.storage = storage
+        self._read_record = read_record
+        self._quarantine = quarantine
+        self._fresh: _OrderedSet = _OrderedSet()
+        #: release directories whose whole listing went into ``_fresh`` and where this
+        #: claimer has lost no race since: a release directory never gains a name, so its
+        #: cached names are all it holds, and it is not listed again
+        self._complete: set[str] = set()
+        self._contended = False
+        self._top_files: list[str] = []
+        self._top_listed_at = float("-inf")
+
+    def list_top_next(self) -> None:
+        """List the top of ``pending/`` at the next claim (this process handed a task back
+        there)."""
+        self._top_listed_at = float("-inf")
+
+    def candidates(self, producer: str, n: int) -> list[str]:
+        """Claim candidates in priority order.
+
+        Partial and returned tasks sit at the top of ``pending/`` (few) and are listed on
+        every claim. Fresh tasks come from a per-process cache of the release directories'
+        listings, refilled when it runs low: a claim costs one small listing plus its
+        renames, not a listing of every release directory (on JuiceFS a listing of a few
+        hundred names costs milliseconds). A release directory never gains a name, so one
+        this claimer listed whole is not listed again while its cached names last and no
+        race was lost in it; once they are used up it is removed by ``rmdir`` alone (which
+        refuses a directory that still holds a task, and then it is listed). Once a claimer
+        has lost a race, it starts at its own offset within the head of the fresh list, so
+        concurrent claimers stop racing for the same first task (dataset order then holds
+        within that small window only).
+        """
+        want = max(4 * n, 16)
+        now = time.monotonic()
+        if len(self._fresh) >= want and now - self._top_listed_at < TOP_LIST_INTERVAL_S:
+            # Fresh work is cached and the top was listed a moment ago: a partial task that
+            # appeared since waits at most TOP_LIST_INTERVAL_S for its priority.
+            return self._top_files + list(self._fresh)
+        pending = STATE_DIRS[TaskState.PENDING]
+        top = self.storage.list(pending)
+        self._top_listed_at = now
+        files = [f"{pending}/{x}" for x in top if not x.startswith(RELEASE_PREFIX)]
+        self._top_files = files
+        dirs = sorted(x for x in top if x.startswith(RELEASE_PREFIX))
+        live = set(dirs)
+        self._complete &= live
+        fresh = [k for k in self._fresh if k.split("/", 2)[1] in live]
+        if len(fresh) < want:
+            have = set(fresh)
+            cached = {k.split("/", 2)[1] for k in fresh}
+            for d in dirs:
+                if len(fresh) >= want:
+                    break
+                if d in self._complete:
+                    if d in cached:
+                        continue  # all its names are cached already
+                    # Every name it held was tried by this claimer: drained, unless a claim
+                    # failed on the way (then rmdir refuses, and it is listed again).
+                    self._complete.discard(d)
+                    if self.storage.rmdir(f"{pending}/{d}"):
+                        continue
+                inside = self.storage.list(f"{pending}/{d}")
+                if not inside:
+                    # Drained: safe to remove (rmdir refuses a non-empty directory, and a
+                    # release directory is never refilled: each release has a new seq).
+                    self.storage.rmdir(f"{pending}/{d}")
+                    continue
+                self._complete.add(d)
+                fresh += [k for k in (f"{pending}/{d}/{x}" for x in inside) if k not in have]
+        self._fresh = _OrderedSet(fresh)
+        window = min(len(fresh), 2 * n + 2)
+        if window > 1 and self._contended:
+            off = zlib.crc32(producer.encode()) % window
+            fresh = fresh[off:window] + fresh[:off] + fresh[window:]
+        return files + fresh
+
+    def claim(self, producer: str, n: int = 1) -> list[Lease]:
+        """Lease up to ``n`` tasks in priority order. Exactly one claimer wins each task."""
+        validate_id(producer, "producer id")
+        if n <= 0:
+            return []
+        won: list[tuple[str, TaskName]] = []
+        lost = 0
+        for src in self.candidates(producer, n):
+            if len(won) >= n:
+                break
+            self._fresh.discard(src)
+            if src in self._top_files:
+                self._top_files.remove(src)
+            name = TaskName.try_parse(src.rsplit("/", 1)[1])
+            if name is None:
+                log.warning("ignoring a foreign file in the queue: %s", src)
+                continue
+            held = name.with_(attempts=name.attempts + 1, producer=producer)
+            try:
+                dst = move(self.storage, name, queued_state(name), TaskState.LEASED, held,
+                           src_key=src, sync_dir=False)
+            except NotFound:
+                lost += 1
+                if src.count("/") == 2:  # in a release directory: its listing is stale
+                    self._complete.discard(src.split("/", 2)[1])
+                continue  # another producer won it
+            except AlreadyExists:
+                # Not a state the protocol makes: the same task is live twice. Skip it and
+                # move this copy aside (its twin runs); never take the producer down.
+                log.error("claim of %s: %s is already held, so this task is live twice (a "
+                          "second copy at %s); skipping it and moving the copy to "
+                          "quarantine/ for inspection", name.id, key_of(TaskState.LEASED,
+                                                                        held), src)
+                self._quarantine(src)
+                continue
+            won.append((dst, held))
+        self._contended = lost > 0
+        # No directory fsync: a claim lost to a power failure puts the task back in pending,
+        # which only means it runs again (execution is at-least-once).
+        leases = []
+        for dst, held in won:
+            try:
+                rec = self._read_record(dst, Kind.TASK)
+            except CorruptRecord as exc:
+                log.error("claimed task %s has a corrupt record (%s); quarantined", held.id, exc)
+                continue
+            except NotFound:
+                log.error("claimed task %s is gone from %s before it was read (moved by "
+                          "someone else); skipping it", held.id, dst)
+                continue
+            leases.append(Lease(held, rec.meta["task"]))
+        return leases
+
+
+class _OrderedSet(dict[str, None]):
+    """Insertion-ordered set of keys (the fresh-task cache)."""
+
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        super().__init__((k, None) for k in keys)
+
+    def discard(self, key: str) -> None:
+        self.pop(key, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.keys()))
