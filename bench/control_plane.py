@@ -292,24 +292,25 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
                               sleep=lambda s: time.sleep(s), checkpointed=False)
                for r in ranks}
     wait_s = time.monotonic() + 30
-    while readers[ranks[0]]._next_seq() is None and time.monotonic() < wait_s:
+    while readers[ranks[0]].positions.next_seq() is None and time.monotonic() < wait_s:
         time.sleep(0.1)
 
     def deliver(r: int) -> int:
         rd = readers[r]
-        seq = rd._next_seq()
+        seq = rd.positions.next_seq()
         if seq is None:
             raise RuntimeError(f"rank {r} sees no batch")
         rd.load(rd.batches.read_manifest(seq))
-        rd._delivered = seq
+        rd.positions.delivered = seq
         return seq
 
     seqs = counter.measure("rank", "delivery (list, manifest, shard)", deliver, ranks)
     counter.measure("collector", "ack (rank 0) and gc, per step",
                     lambda _i: (bs.ack(seqs[0]), bs.gc()), [0], threads=1)
-    counter.measure("rank", "wait: list batches/, acked/", lambda r: readers[r]._next_seq(),
-                    ranks)
-    counter.measure("rank", "wait: end-of-run check", lambda r: readers[r]._check_finished(),
+    counter.measure("rank", "wait: list batches/, acked/",
+                    lambda r: readers[r].positions.next_seq(), ranks)
+    counter.measure("rank", "wait: end-of-run check",
+                    lambda r: readers[r].waiter.check_finished(),
                     ranks)
     nodes = run.spread(run.rank_nodes)
     probes = {n: DirProbe(q_b.storage, ("batches",)) for n in nodes}
