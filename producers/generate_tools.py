@@ -55,22 +55,8 @@ class ToolCalls:
         self._rec = rec
 
     async def call(self, name: str, args: Any, fn: ToolFn, *, idempotent: bool = True,
-                        reconcile: ToolFn | None = None) -> Any:
-        """Call ``fn(args, key)`` once for this point of the trajectory (replayed calls
-        return the recorded result). Timeouts and errors are retried, then the failure
-        policy applies (:class:`SampleFailed`).
-
-        The call is journalled: the trajectory's ``inflight`` entry (key, name, args) is
-        set before it runs and replaced by its ``tool`` event when it returns. A call that
-        was in flight when the trajectory was interrupted runs again with the same key —
-        unless ``idempotent=False``: then its journal entry is saved durably before it
-        runs, and on resume ``reconcile(args, key)`` (sync or async) says what happened —
-        the call's result if it took effect, :data:`NOT_APPLIED` if it did not (it runs
-        now); without ``reconcile`` the sample fails with the reason recorded. A call still
-        running when the producer pauses is left to finish (the pause is acknowledged
-        without waiting for it); its result is applied when the trajectory resumes on this
-        producer (elsewhere the call counts as interrupted). A call on a sample with a
-        registered environment is waited for instead: its effect belongs in the snapshot."""
+                   reconcile: ToolFn | None = None) -> Any:
+        """``GenerateContext.call_tool``: the journalled, replayed, retried tool call."""
         s = self._rec.sample
         e = self._rec.next_recorded("tool")
         if e is not None:
