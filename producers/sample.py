@@ -217,6 +217,11 @@ class Sample:
     #: the current turn's end: the response may not pass this length while it is set (the
     #: per-turn token cap, ``ToolsConfig.max_turn_tokens``); None: no turn cap
     turn_limit: int | None = None
+    #: the segment in flight, as much of it as the engine has streamed so far, shaped as
+    #: the abort reply that would end it now (``finish_reason`` type ``abort``); None while
+    #: no segment streams. Not part of the sample's record: :func:`received` applies it to
+    #: a copy, which is what a crash right now could keep.
+    streamed: Segment | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_ids = _arr(self.prompt_ids, TOKEN_DTYPE)
@@ -378,6 +383,18 @@ class Sample:
         except (ExtraError, ValueError, TypeError) as exc:
             raise SampleError(f"sample record extras are invalid: {exc}") from None
         return cls(**kwargs)
+
+
+def received(sample: Sample) -> Sample:
+    """A copy of ``sample`` holding every token the producer has received: its applied
+    segments and, when a segment is streaming (``Sample.streamed``), that segment's tokens
+    so far as an aborted (resumable) segment. The copy's ``streamed`` is None; ``sample``
+    is untouched."""
+    copy = Sample.from_dict(sample.to_dict())
+    seg = sample.streamed
+    if seg is not None and len(seg.token_ids) and not copy.is_final:
+        apply_segment(copy, seg)
+    return copy
 
 
 def apply_segment(sample: Sample, segment: Segment) -> int:

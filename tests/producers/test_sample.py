@@ -22,6 +22,7 @@ from strawq.producers.sample import (
     Segment,
     apply_segment,
     mask_offpolicy_prefix,
+    received,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,6 +54,18 @@ def test_apply_segments_statuses_and_alignment() -> None:
     assert s.loss_mask.tolist() == [1, 1, 1, 1] and len(s.logprobs) == 4
     with pytest.raises(SampleError, match="already completed"):
         apply_segment(s, seg([9]))
+
+
+def test_received_applies_the_streamed_segment_to_a_copy_only() -> None:
+    s = new()
+    apply_segment(s, seg([5, 6], "abort", 0))
+    assert received(s).response_ids.tolist() == [5, 6]  # nothing streaming: the same tokens
+    s.streamed = seg([7, 8, 9], "abort", 1)
+    got = received(s)
+    assert got.response_ids.tolist() == [5, 6, 7, 8, 9] and got.versions.tolist() == [0, 0, 1, 1, 1]
+    assert got.status is SampleStatus.ABORTED and got.streamed is None
+    assert s.response_ids.tolist() == [5, 6] and s.streamed is not None  # the original is untouched
+    assert "streamed" not in s.to_dict()
 
 
 def test_overrun_is_rejected_and_sample_untouched() -> None:
