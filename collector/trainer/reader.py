@@ -14,6 +14,11 @@ sample and trained-token counts (from the manifest, the same on every rank), and
 ``strawq.collector.trainer.importance.batch_loss`` divides by them, so the DDP mean of the ranks'
 gradients is the single-process gradient of the whole batch (docs/design.md, invariant 11;
 checked against ``strawq.testing.reference``).
+
+Waiting: each rank watches ``batches/`` itself, unless the trainer passes its process group
+(``process_group=``, on by default then; ``one_rank_watches=False`` turns it off): the
+group's rank 0 then watches and the others hear the next batch, the run's end or the
+watcher's error from it over that group (``strawq.collector.trainer.rank_watch``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from strawq.collector.trainer.loading import Batch as Batch
 from strawq.collector.trainer.loading import ShardLoader
 from strawq.collector.trainer.metrics import MetricsSink
 from strawq.collector.trainer.positions import ReaderPositions
+from strawq.collector.trainer.rank_watch import RankWatch
 from strawq.collector.trainer.reader_metrics import ReaderMetrics
 from strawq.collector.trainer.waiting import LIST_EVERY_S as LIST_EVERY_S
 from strawq.collector.trainer.waiting import ManifestWait
@@ -47,9 +53,14 @@ class BatchReader:
                  poll_interval_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, read_threads: int = 1,
                  watch: DirWatch | None = None, checkpointed: bool = True,
-                 fence: TrainerFence | None = None) -> None:
+                 fence: TrainerFence | None = None, process_group: Any = None,
+                 one_rank_watches: bool | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if one_rank_watches and process_group is None:
+            raise ValueError("one_rank_watches=True needs the trainer's process group "
+                             "(process_group=..., torch.distributed.group.WORLD for the "
+                             "default one): the other ranks hear the next batch over it")
         self.queue = queue
         self.storage = queue.storage
         self.batches = BatchStore(queue)
@@ -77,6 +88,19 @@ class BatchReader:
                                    poll_interval_s=poll_interval_s, clock=clock, sleep=sleep,
                                    watch=watch)
         self.step_metrics = ReaderMetrics(self.storage, clock)
+        #: with a process group (on unless ``one_rank_watches=False``): its rank 0 watches
+        #: ``batches/`` and the others hear the next batch from it (``rank_watch``); None:
+        #: this rank watches for itself (one rank, or no group given)
+        self.rank_watch: RankWatch | None = None
+        if process_group is not None and one_rank_watches is not False:
+            rw = RankWatch(process_group)
+            if rw.watcher != (rank == 0):
+                raise ValueError(
+                    f"BatchReader(rank={rank}, process_group=...): this process is rank "
+                    f"{rw.group_rank} of that group; the reader's rank 0 (the one that writes) "
+                    "must be the group's rank 0, which watches batches/: pass the "
+                    "data-parallel group whose ranks are the readers' ranks")
+            self.rank_watch = rw if rw.size > 1 else None
 
     @classmethod
     def open(cls, path: str, *, rank: int = 0, world_size: int = 1,
@@ -125,11 +149,16 @@ class BatchReader:
         ``RunFinished`` once the run has ended (the collector's ``finished`` record) and no
         batch is left for this reader: every batch of the run is delivered. The trainer
         loop stops there (save and commit the last checkpoint)."""
-        if self.rank == 0:
-            self._writer()
-            self.bracket.observe()  # producers' liveness history for the next bracket
         start = self.clock()
-        seq, man = self.waiter.next_manifest(timeout)
+        rw = self.rank_watch
+        if rw is None:
+            self._before_wait()
+            seq, man = self.waiter.next_manifest(timeout)
+        elif rw.watcher:
+            seq, man = rw.watch(self._before_wait, self.waiter.next_manifest,
+                                self.waiter.timeout_message, timeout, self.clock)
+        else:
+            seq, man = rw.hear()
         wait_s = self.clock() - start
         batch = self.load(man)
         if self.rank == 0:  # from now on it is being trained (strawq.collector.admission)
@@ -137,6 +166,11 @@ class BatchReader:
         self.positions.delivered = seq
         self.step_metrics.delivered(batch, wait_s, self.metrics)
         return batch
+
+    def _before_wait(self) -> None:
+        if self.rank == 0:
+            self._writer()
+            self.bracket.observe()  # producers' liveness history for the next bracket
 
     def load(self, man: Manifest) -> Batch:
         """This rank's shard of a manifest (no waiting, no bookkeeping): the collector's
