@@ -23,7 +23,9 @@ counted with Redis's own ``INFO commandstats``.
   lists ``batches/`` and ``acked/`` once a second and checks for the run's end once a
   second (``BatchReader.next_batch`` today); its stat of ``batches/`` every 20 ms reaches
   the server once per node per attribute-cache TTL (1 s); at each step each rank lists,
-  reads the manifest and loads its shard.
+  reads the manifest and loads its shard. With ``--trainer-watch rank0``
+  (``BatchReader(process_group=...)``) one rank (one trainer, one group) waits so, and the
+  others, hearing the manifest over the group, only load their shard.
 
 **Why Redis commands per logical operation is what is measured.** A 10,000-GPU control
 plane makes tens of thousands of filesystem calls a second; a 2-core machine cannot make
@@ -72,7 +74,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -117,6 +119,19 @@ class Run:
     #: a waiting rank lists batches/ (and acked/) at least this often, and checks for the
     #: run's end as often (strawq.collector.trainer.reader.LIST_EVERY_S)
     list_every_s: float = 1.0
+    #: how trainer ranks wait: "per-rank" (each rank watches batches/) or "rank0" (one rank
+    #: of the trainer's process group watches, the others hear over the group:
+    #: ``BatchReader(process_group=...)``)
+    trainer_watch: str = "per-rank"
+
+    @property
+    def watchers(self) -> int:
+        """Ranks that watch batches/ while they wait."""
+        return 1 if self.trainer_watch == "rank0" else self.ranks
+
+    @property
+    def watcher_nodes(self) -> int:
+        return 1 if self.trainer_watch == "rank0" else self.rank_nodes
 
     @property
     def producers(self) -> int:
@@ -305,6 +320,9 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
         return seq
 
     seqs = counter.measure("rank", "delivery (list, manifest, shard)", deliver, ranks)
+    # one watcher: the others get the manifest over the process group, and load their shard
+    heard = readers[ranks[0]].batches.read_manifest(seqs[0])
+    counter.measure("rank", "delivery, heard (shard)", lambda r: readers[r].load(heard), ranks)
     counter.measure("collector", "ack (rank 0) and gc, per step",
                     lambda _i: (bs.ack(seqs[0]), bs.gc()), [0], threads=1)
     counter.measure("rank", "wait: list batches/, acked/",
@@ -326,7 +344,8 @@ KIND = {"heartbeat": "producer", "claim": "producer", "complete": "producer",
         "release (per 64 tasks)": "collector", "batch, per group (list, read, publish)":
         "collector", "ack (rank 0) and gc, per step": "collector",
         "wait: list batches/, acked/": "rank", "wait: end-of-run check": "rank",
-        "wait: node probe (stat)": "rank", "delivery (list, manifest, shard)": "rank"}
+        "wait: node probe (stat)": "rank", "delivery (list, manifest, shard)": "rank",
+        "delivery, heard (shard)": "rank"}
 
 
 def steady_rates(run: Run) -> dict[str, float]:
@@ -336,10 +355,11 @@ def steady_rates(run: Run) -> dict[str, float]:
             "release (per 64 tasks)": g / run.release_batch,
             "batch, per group (list, read, publish)": g,
             "ack (rank 0) and gc, per step": 1 / run.step_s,
-            "wait: list batches/, acked/": run.ranks / run.list_every_s,
-            "wait: end-of-run check": run.ranks / run.list_every_s,
-            "wait: node probe (stat)": run.rank_nodes / run.attr_ttl_s,
-            "delivery (list, manifest, shard)": run.ranks / run.step_s}
+            "wait: list batches/, acked/": run.watchers / run.list_every_s,
+            "wait: end-of-run check": run.watchers / run.list_every_s,
+            "wait: node probe (stat)": run.watcher_nodes / run.attr_ttl_s,
+            "delivery (list, manifest, shard)": run.watchers / run.step_s,
+            "delivery, heard (shard)": (run.ranks - run.watchers) / run.step_s}
 
 
 def burst_counts(run: Run) -> dict[str, float]:
@@ -391,6 +411,14 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
     print(f"  update burst {d['burst']:,.0f} ops = {d['burst'] / cap:.1f} s of the whole server; "
           f"over {run.burst_window_s:g} s: {burst_share:.1%} on top of the steady load; "
           f"averaged over the step: {d['burst'] / run.step_s:,.0f} ops/s")
+    if run.trainer_watch != "per-rank":
+        before = demand(counter, replace(run, trainer_watch="per-rank"))
+        print(f"  before (every rank watches batches/): rank {before['steady_rank']:,.0f} ops/s, "
+              f"all {before['steady']:,.0f} ops/s steady ({before['steady'] / cap:.1%} of the "
+              f"server, ranks {before['steady_rank'] / before['steady']:.0%} of it); now "
+              f"{run.trainer_watch}: rank {d['steady_rank']:,.0f} ops/s, all "
+              f"{d['steady']:,.0f} ops/s ({d['steady'] / cap:.1%}, ranks "
+              f"{d['steady_rank'] / d['steady']:.0%} of it)")
     worst = max(d["steady"] / cap, d["steady"] / cap + burst_share)
     volumes = max(1, math.ceil(worst / 0.2))
     print(f"  one volume carries it within the 20 % target: "

@@ -35,8 +35,10 @@ measures the server's capacity with ``redis-benchmark`` on the run's steady comm
 ends on ``scale: 10k-GPU control plane = A ops/s steady, B ops per update burst; metadata
 server capacity = C ops/s; share = A/C (burst B/D/C over D s)``, saying how many volumes a
 run must be sharded across to stay under 20 % of each. ``--quick``: 80 GPUs' clients, every
-one counted (under a minute). ``--trainer-watch`` names how ranks wait (``per-rank``, the
-reader today): the slot for a lever that changes it.
+one counted (under a minute). ``--trainer-watch`` names how ranks wait: ``per-rank`` (every
+rank watches ``batches/``) or ``rank0`` (``BatchReader(process_group=...)``: one rank
+watches, the others hear over the process group and load only their shard; the per-rank
+figures from the same counts are printed beside it).
 
     python bench/scale.py --control-plane [--quick] [--gpus 10000] [--ranks N]
                            [--slots 24] [--batch-groups 2048] [--step-s 60]
@@ -352,9 +354,12 @@ def main() -> int:
                     help="the volume's kernel caches: zero (every call reaches the server, "
                          "as on a node whose cache has expired: the upper bound) or default "
                          "(1 s TTLs, shared by every simulated client: the lower bound)")
-    cp.add_argument("--trainer-watch", choices=("per-rank",), default="per-rank",
+    cp.add_argument("--trainer-watch", choices=("per-rank", "rank0"), default="per-rank",
                     help="how trainer ranks wait for batches: per-rank (each rank polls "
-                         "batches/, as the reader does today)")
+                         "batches/: a reader without a process group) or rank0 (the group's "
+                         "rank 0 watches, the others hear over the group: "
+                         "BatchReader(process_group=...)); rank0 prints per-rank's figures "
+                         "beside its own, from the same counts")
     args = ap.parse_args()
     if args.control_plane:
         bad = [f"--{k.replace('_', '-')} {v}" for k, v, ok in (
@@ -468,7 +473,8 @@ def control_plane(args: argparse.Namespace) -> int:
               handback_share=args.handback_share, burst_window_s=args.burst_window_s,
               pending_depth=(64 if args.quick else 1024) if args.pending_depth is None
               else args.pending_depth,
-              sample=(0 if args.quick else 100) if args.sample is None else args.sample)
+              sample=(0 if args.quick else 100) if args.sample is None else args.sample,
+              trainer_watch=args.trainer_watch)
     try:
         with test_volume("redis", meta_cache=args.meta_cache) as vol:
             caches = ("no attribute or entry cache" if args.meta_cache == "zero" else
