@@ -32,10 +32,12 @@ it where verl's ``fully_async_main`` looks for ``MessageQueue`` (run in every Ra
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from strawq.collector.integrations.verl.config import _cfg, queue_dir
@@ -50,6 +52,8 @@ __all__ = ["QUEUE_FULL", "DurableSampleQueue", "Held", "StrawqMessageQueue", "TR
            "actor_class", "install", "queue_dir", "sample_identity", "samples_per_version",
            "strawq_settings"]
 
+#: threads writing puts at once (verl's queue actor runs 20 calls at once by default)
+PUT_THREADS = 32
 #: verl's checkpoint tracker, written by the trainer after every checkpoint it saves
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -131,6 +135,7 @@ class StrawqMessageQueue:
         self._generation = 0
         self._cond: asyncio.Condition | None = None
         self._partials: Any = None
+        self._writers = ThreadPoolExecutor(PUT_THREADS, thread_name_prefix="verlq-put")
         self._watch_checkpoint(live=False)
         from strawq.collector.integrations.verl.partial import PartialStore
 
@@ -184,9 +189,12 @@ class StrawqMessageQueue:
                 self._sentinels.append(self.q.handed + self.q.size() + self.q.in_flight())
                 cond.notify_all()
             return True
-        # the write (fsync'd file and directory) runs in a thread: concurrent puts overlap
-        ok = await asyncio.to_thread(self.q.put, sample, sample_id=meta.pop("sample_id", None),
-                                     meta=meta)
+        # the write runs in a thread of the queue's own: concurrent puts overlap their file
+        # fsyncs and share the directory's (group commit, ``DurableSampleQueue.put``); as
+        # many threads as verl's actor runs calls at once, not the loop's default few
+        put = functools.partial(self.q.put, sample, sample_id=meta.pop("sample_id", None),
+                                meta=meta)
+        ok = await asyncio.get_running_loop().run_in_executor(self._writers, put)
         async with cond:
             cond.notify_all()
         return ok

@@ -4,8 +4,9 @@ Its records and their moves are declared in the core's table (``strawq.tasks.sta
 
 * a put is durable when it returns: one record (strawq's framing, ``strawq.ondisk.records``:
   msgpack metadata, an Arrow column of the sample's bytes, a checksum) published through
-  ``strawq.storage`` (temporary file, fsync, rename without replacing, directory fsync) as
-  ``samples/<seq>~<sample id>`` — READY;
+  ``strawq.storage`` (temporary file, fsync, rename without replacing) as
+  ``samples/<seq>~<sample id>``, then the directory fsync'd — one fsync shared by the puts
+  running at once (``group_sync.DirSync``: group commit) — READY;
 * a get hands the oldest sample out under a lease held in memory, in hand-out order —
   BATCHED, the record left in place;
 * ``commit(consumed)``: a checkpoint of the trainer covers the first ``consumed``
@@ -38,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from strawq.collector.integrations.verl.group_sync import DirSync
 from strawq.errors import AlreadyExists, ConfigError, CorruptRecord, NotFound
 from strawq.ondisk import records
 from strawq.ondisk.numbered import Numbered
@@ -129,6 +131,8 @@ class DurableSampleQueue:
         self.max_size = int(max_size)
         self.keep_commits = max(1, int(keep_commits))
         self._lock = threading.RLock()
+        #: the group-committed fsync of ``samples/`` that every put waits for
+        self._dir_sync = DirSync(lambda: self.storage.sync_dirs([SAMPLES]))
         self._ready: deque[Held] = deque()
         self._leased: deque[tuple[int, Held]] = deque()
         self._ids: set[str] = set()
@@ -242,7 +246,10 @@ class DurableSampleQueue:
                 body.setdefault("epoch", epoch)
             rec = records.encode(Kind.STATE, body,
                                  {"s": {"b": np.frombuffer(blob, dtype=np.uint8)}})
-            self.storage.publish(key, rec)
+            # the file is fsync'd here; the directory entry by a fsync shared with the puts
+            # running beside this one (group commit): durable when this returns, as before
+            self.storage.publish(key, rec, sync_dir=False)
+            self._dir_sync.wait()
         except BaseException:
             with self._lock:
                 self._inflight.discard(seq)
@@ -388,4 +395,5 @@ class DurableSampleQueue:
                     "max_queue_size": self.max_size, "leased": len(self._leased),
                     "committed": self.consumed, "duplicates": self.duplicates,
                     "recovered": self.recovered, "bytes_put": self.bytes_put,
+                    "dir_syncs": self._dir_sync.syncs,
                     "dir": self.storage.describe()}
