@@ -149,10 +149,11 @@ class BatchReader:
         ``RunFinished`` once the run has ended (the collector's ``finished`` record) and no
         batch is left for this reader: every batch of the run is delivered. The trainer
         loop stops there (save and commit the last checkpoint)."""
-        start = self.clock()
         rw = self.rank_watch
         if rw is None:
             self._before_wait()
+        start = self.clock()
+        if rw is None:
             seq, man = self.waiter.next_manifest(timeout)
         elif rw.watcher:
             seq, man = rw.watch(self._before_wait, self.waiter.next_manifest,
