@@ -25,7 +25,6 @@ from strawq.data.dataset import Dataset
 from strawq.storage import PosixStorage
 from tests.collector.helpers import SimProducer, drive, make_run, write_dataset
 
-pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(240)]
 
 WORLD = 3
 BATCHES = 2
@@ -154,6 +153,9 @@ def _held_back(run_dir: str) -> str:
     return path
 
 
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_ranks_hear_the_batches_per_rank_polling_gives_and_only_rank_0_waits_on_storage(
         runs: tuple[str, str], tmp_path: Path) -> None:
     plain, watched = runs
@@ -186,3 +188,18 @@ def test_one_rank_watching_needs_a_group_and_torch_distributed_set_up(tmp_path: 
         BatchReader(q, one_rank_watches=True)
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         BatchReader(q, process_group=object())
+
+
+def test_the_watchers_exception_is_raised_alike_on_the_other_ranks() -> None:
+    """strawq's own exceptions cross as their class and message; another kind, or one that
+    cannot be rebuilt from its message, as ``WatcherFailed`` naming it."""
+    from strawq.collector.trainer.rank_watch import WatcherFailed, _portable, _rebuild
+    from strawq.errors import BracketTimeout, FencedOut, RunFinished
+
+    for exc in (RunFinished("the run has finished"), FencedOut("taken over by epoch 3")):
+        got = _rebuild(_portable(exc), str(exc))
+        assert type(got) is type(exc) and str(got) == str(exc)
+    for exc in (KeyError("x"), BracketTimeout("late", {"p0": 1.0})):
+        got = _rebuild(_portable(exc), str(exc))
+        assert isinstance(got, WatcherFailed)
+        assert type(exc).__qualname__ in str(got)
