@@ -88,23 +88,28 @@ class Claimer:
     def candidates(self, producer: str, n: int) -> list[str]:
         """Claim candidates in priority order.
 
-        Partial and returned tasks sit at the top of ``pending/`` (few) and are listed on
-        every claim. Fresh tasks come from a per-process cache of the release directories'
-        listings, refilled when it runs low: a claim costs one small listing plus its
-        renames, not a listing of every release directory (on JuiceFS a listing of a few
-        hundred names costs milliseconds). A release directory never gains a name, so one
-        this claimer listed whole is not listed again while its cached names last and no
-        race was lost in it; once they are used up it is removed by ``rmdir`` alone (which
-        refuses a directory that still holds a task, and then it is listed). Once a claimer
-        has lost a race, it starts at its own offset within the head of the fresh list, so
-        concurrent claimers stop racing for the same first task (dataset order then holds
-        within that small window only).
+        Partial and returned tasks sit at the top of ``pending/`` (few), listed at a claim
+        unless this claimer listed it less than ``TOP_LIST_INTERVAL_S`` ago and still has
+        cached fresh names enough for the claim. Fresh tasks come from a per-process cache
+        of the release directories' listings, refilled when it runs low: a claim costs one
+        small listing plus its renames, not a listing of every release directory (on JuiceFS
+        a listing of a few hundred names costs milliseconds). A release directory never
+        gains a name, so one this claimer listed whole is not listed again while its cached
+        names last and no race was lost in it; once they are used up it is removed by
+        ``rmdir`` alone (which refuses a directory that still holds a task, and then it is
+        listed). Once a claimer has lost a race, it starts at its own offset within the head
+        of the fresh list, so concurrent claimers stop racing for the same first task
+        (dataset order then holds within that small window only).
         """
         want = max(4 * n, 16)
         now = time.monotonic()
-        if len(self._fresh) >= want and now - self._top_listed_at < TOP_LIST_INTERVAL_S:
-            # Fresh work is cached and the top was listed a moment ago: a partial task that
-            # appeared since waits at most TOP_LIST_INTERVAL_S for its priority.
+        enough = want if self._contended else n
+        if len(self._fresh) >= enough and now - self._top_listed_at < TOP_LIST_INTERVAL_S:
+            # Enough fresh work for this claim is cached and the top was listed a moment
+            # ago: a partial task, or a new release, that appeared since waits at most
+            # TOP_LIST_INTERVAL_S for its turn. (The cache is refilled towards ``want`` at
+            # the next listing; a release is never claimed ahead of older cached names.)
+            # After a lost race the cache is known stale: refilled unless it is full.
             return self._top_files + list(self._fresh)
         pending = STATE_DIRS[TaskState.PENDING]
         top = self.storage.list(pending)
