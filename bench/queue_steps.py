@@ -14,8 +14,10 @@ charged to the step and the storage call that sent it.
     python bench/queue_steps.py --up             # bring the SQLite-backed test volume up
     python bench/queue_steps.py --quick          # CI-sized
 
-The last line is ``queue_steps: <location> = X meta ops/group (storage calls Y/group)``
-per location.
+The same for the limit (``bench/queue_ops.py``'s bare durable protocol: publish each
+record, list once, read and delete each), the anchor. The last line is ``queue_steps: local
+X storage calls/group, the limit's Y, ratio X/Y`` and, on JuiceFS, the same in metadata
+operations.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from queue_ops import make_columns, meta_ops, write_dataset  # noqa: E402
+from queue_ops import limit_record, make_columns, meta_ops, write_dataset  # noqa: E402
 from redis_meta import Unavailable, test_volume  # noqa: E402
 
 from strawq.config import QueueConfig  # noqa: E402
@@ -42,6 +44,7 @@ from strawq.data.dataset import Dataset  # noqa: E402
 from strawq.data.feeder import Feeder  # noqa: E402
 from strawq.delivery.batches import BatchStore  # noqa: E402
 from strawq.ondisk.groups import GroupData  # noqa: E402
+from strawq.ondisk.records import Kind, decode  # noqa: E402
 from strawq.storage import PosixStorage  # noqa: E402
 from strawq.tasks.queue import RunQueue  # noqa: E402
 
@@ -148,12 +151,39 @@ def life(base: str, mount: str | None, groups: int, samples: int, tokens: int
     return st
 
 
-def report(loc: str, st: StepStorage, groups: int) -> tuple[float, float]:
+LIMIT_STEPS = ("limit publish", "limit list", "limit read", "limit delete")
+
+
+def limit_life(base: str, mount: str | None, groups: int, samples: int, tokens: int
+               ) -> StepStorage:
+    """The bare durable protocol on the same records (``bench/queue_ops.py``'s limit):
+    publish each (temporary file, fsync, rename, directory fsync), one listing, then read and
+    delete each."""
+    root = os.path.join(base, f"limit-{secrets.token_hex(3)}")
+    st = StepStorage(root, mount, writer_id="c")
+    st.makedirs("ready")
+    cols = make_columns(samples, tokens, 0)
+    with st.at("limit publish"):
+        for i in range(groups):
+            st.publish(f"ready/g{i:012d}", limit_record(0, i, samples, tokens, cols))
+    with st.at("limit list"):
+        names = st.list("ready")
+    for name in names:
+        with st.at("limit read"):
+            decode(st.read(f"ready/{name}"), expect=Kind.GROUP, name=name)
+        with st.at("limit delete"):
+            st.delete(f"ready/{name}")
+    shutil.rmtree(root, ignore_errors=True)
+    return st
+
+
+def report(loc: str, st: StepStorage, groups: int, steps: Sequence[str] = STEPS
+           ) -> tuple[float, float]:
     """Print one location's table; return (meta ops, storage calls) per group."""
     total_meta = total_calls = 0.0
     print(f"\n{loc}: per group ({groups} groups, one release, one batch)")
     print(f"{'step':<16}{'calls':>7}{'meta':>7}  detail (storage call: metadata ops by kind)")
-    for step in STEPS:
+    for step in steps:
         calls = st.calls.get(step, Counter())
         meta = st.meta.get(step, Counter())
         nc, nm = sum(calls.values()) / groups, sum(meta.values()) / groups
@@ -203,8 +233,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for loc, base, mount in locations:
             st = life(base, mount, groups, args.samples, tokens)
             meta, calls = report(loc, st, groups)
+            lim = limit_life(base, mount, groups, args.samples, tokens)
+            lmeta, lcalls = report(f"{loc}, the limit", lim, groups, LIMIT_STEPS)
             shutil.rmtree(base, ignore_errors=True)
-            lines.append(f"{loc} = {meta:.1f} meta ops/group (storage calls {calls:.1f}/group)")
+            what = (f"{meta:.1f} meta ops/group, the limit's {lmeta:.1f}, "
+                    f"ratio {meta / lmeta:.2f}" if lmeta else
+                    f"{calls:.1f} storage calls/group, the limit's {lcalls:.1f}, "
+                    f"ratio {calls / lcalls:.2f}")
+            lines.append(f"{loc} {what}")
         print("queue_steps: " + ", ".join(lines))
     return 0
 
