@@ -123,10 +123,16 @@ class Claimer:
         dirs = sorted(x for x in top if x.startswith(RELEASE_PREFIX))
         live = set(dirs)
         self._complete &= live
-        # A release directory where this claimer lost a race (no longer ``_complete``) is
-        # listed again: its cached names are stale, and others claim in the same order.
-        fresh = [k for k in self._fresh if (d := k.split("/", 2)[1]) in live
-                 and (d in self._complete or not self._contended)]
+        fresh = [k for k in self._fresh if k.split("/", 2)[1] in live]
+        if self._contended:
+            # A release directory where this claimer lost a race (no longer ``_complete``)
+            # is listed again, and its cached names kept only where still there: others
+            # claim in the same order, so the names after a lost one are likely gone too.
+            for d in sorted({k.split("/", 2)[1] for k in fresh} - self._complete):
+                inside = set(self.storage.list(f"{pending}/{d}"))
+                fresh = [k for k in fresh
+                         if k.split("/", 2)[1] != d or k.rsplit("/", 1)[1] in inside]
+                self._complete.add(d)
         if len(fresh) < want:
             have = set(fresh)
             cached = {k.split("/", 2)[1] for k in fresh}
