@@ -129,9 +129,9 @@ class Claimer:
             # is listed again, and its cached names kept only where still there: others
             # claim in the same order, so the names after a lost one are likely gone too.
             for d in sorted({k.split("/", 2)[1] for k in fresh} - self._complete):
-                inside = set(self.storage.list(f"{pending}/{d}"))
+                still = set(self.storage.list(f"{pending}/{d}"))
                 fresh = [k for k in fresh
-                         if k.split("/", 2)[1] != d or k.rsplit("/", 1)[1] in inside]
+                         if k.split("/", 2)[1] != d or k.rsplit("/", 1)[1] in still]
                 self._complete.add(d)
         if len(fresh) < want:
             have = set(fresh)
