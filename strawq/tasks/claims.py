@@ -77,6 +77,9 @@ class Claimer:
         #: cached names are all it holds, and it is not listed again
         self._complete: set[str] = set()
         self._contended = False
+        #: races lost at the last claim, halved at each claim that lost none: how far past
+        #: the head of the fresh list this claimer starts (``_spread_out``)
+        self._spread = 0
         self._top_files: list[str] = []
         self._top_listed_at = float("-inf")
 
@@ -88,24 +91,30 @@ class Claimer:
     def candidates(self, producer: str, n: int) -> list[str]:
         """Claim candidates in priority order.
 
-        Partial and returned tasks sit at the top of ``pending/`` (few) and are listed on
-        every claim. Fresh tasks come from a per-process cache of the release directories'
-        listings, refilled when it runs low: a claim costs one small listing plus its
-        renames, not a listing of every release directory (on JuiceFS a listing of a few
-        hundred names costs milliseconds). A release directory never gains a name, so one
-        this claimer listed whole is not listed again while its cached names last and no
-        race was lost in it; once they are used up it is removed by ``rmdir`` alone (which
-        refuses a directory that still holds a task, and then it is listed). Once a claimer
-        has lost a race, it starts at its own offset within the head of the fresh list, so
-        concurrent claimers stop racing for the same first task (dataset order then holds
-        within that small window only).
+        Partial and returned tasks sit at the top of ``pending/`` (few), listed at a claim
+        unless this claimer listed it less than ``TOP_LIST_INTERVAL_S`` ago and still has
+        cached fresh names enough for the claim. Fresh tasks come from a per-process cache
+        of the release directories' listings, refilled when it runs low: a claim costs one
+        small listing plus its renames, not a listing of every release directory (on JuiceFS
+        a listing of a few hundred names costs milliseconds). A release directory never
+        gains a name, so one this claimer listed whole is not listed again while its cached
+        names last and no race was lost in it; once they are used up it is removed by
+        ``rmdir`` alone (which refuses a directory that still holds a task, and then it is
+        listed). Once a claimer has lost races, it starts at its own offset within a head of
+        the fresh list as wide as its contention (``_spread_out``), so concurrent claimers
+        stop racing for the same first tasks (dataset order then holds within that window
+        only).
         """
         want = max(4 * n, 16)
         now = time.monotonic()
-        if len(self._fresh) >= want and now - self._top_listed_at < TOP_LIST_INTERVAL_S:
-            # Fresh work is cached and the top was listed a moment ago: a partial task that
-            # appeared since waits at most TOP_LIST_INTERVAL_S for its priority.
-            return self._top_files + list(self._fresh)
+        if (not self._contended and len(self._fresh) >= n
+                and now - self._top_listed_at < TOP_LIST_INTERVAL_S):
+            # Enough fresh work for this claim is cached and the top was listed a moment
+            # ago: a partial task, or a new release, that appeared since waits at most
+            # TOP_LIST_INTERVAL_S for its turn. (The cache is refilled towards ``want`` at
+            # the next listing; a release is never claimed ahead of older cached names.)
+            # After a lost race the cache is known stale: listed again (below).
+            return self._top_files + self._spread_out(producer, n, list(self._fresh))
         pending = STATE_DIRS[TaskState.PENDING]
         top = self.storage.list(pending)
         self._top_listed_at = now
@@ -115,6 +124,15 @@ class Claimer:
         live = set(dirs)
         self._complete &= live
         fresh = [k for k in self._fresh if k.split("/", 2)[1] in live]
+        if self._contended:
+            # A release directory where this claimer lost a race (no longer ``_complete``)
+            # is listed again, and its cached names kept only where still there: others
+            # claim in the same order, so the names after a lost one are likely gone too.
+            for d in sorted({k.split("/", 2)[1] for k in fresh} - self._complete):
+                still = set(self.storage.list(f"{pending}/{d}"))
+                fresh = [k for k in fresh
+                         if k.split("/", 2)[1] != d or k.rsplit("/", 1)[1] in still]
+                self._complete.add(d)
         if len(fresh) < want:
             have = set(fresh)
             cached = {k.split("/", 2)[1] for k in fresh}
@@ -138,11 +156,19 @@ class Claimer:
                 self._complete.add(d)
                 fresh += [k for k in (f"{pending}/{d}/{x}" for x in inside) if k not in have]
         self._fresh = _OrderedSet(fresh)
-        window = min(len(fresh), 2 * n + 2)
-        if window > 1 and self._contended:
-            off = zlib.crc32(producer.encode()) % window
-            fresh = fresh[off:window] + fresh[:off] + fresh[window:]
-        return files + fresh
+        return files + self._spread_out(producer, n, fresh)
+
+    def _spread_out(self, producer: str, n: int, fresh: list[str]) -> list[str]:
+        """``fresh`` rotated to start at this claimer's own offset within its head, while it
+        has lost races lately: ``2n + 2`` names times one more than the races it lost at
+        its last claim (halved at each claim that lost none). Claimers that raced for the
+        same names spread over a head as wide as their contention, instead of walking the
+        same four names one lost race after another."""
+        window = min(len(fresh), (2 * n + 2) * (1 + self._spread))
+        if window <= 1 or not self._spread:
+            return fresh
+        off = zlib.crc32(producer.encode()) % window
+        return fresh[off:window] + fresh[:off] + fresh[window:]
 
     def claim(self, producer: str, n: int = 1) -> list[Lease]:
         """Lease up to ``n`` tasks in priority order. Exactly one claimer wins each task."""
@@ -181,6 +207,7 @@ class Claimer:
                 continue
             won.append((dst, held))
         self._contended = lost > 0
+        self._spread = max(lost, self._spread // 2)
         # No directory fsync: a claim lost to a power failure puts the task back in pending,
         # which only means it runs again (execution is at-least-once).
         leases = []

@@ -51,6 +51,17 @@ MAX_ATTEMPTS = 3
 
 
 @pytest.fixture(scope="module", autouse=True)
+def _list_the_top_at_every_claim() -> Any:
+    """The model checks exact priority order at every claim, so the claimer lists the top of
+    ``pending/`` at every claim here (as it did while it held fewer than 16 cached names,
+    which with 14 rows was always). A task handed back by another process waits at most
+    ``TOP_LIST_INTERVAL_S`` for its priority: ``tests/strawq/test_meta_ops.py``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("strawq.tasks.claims.TOP_LIST_INTERVAL_S", 0.0)
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
 def _dataset_file() -> Any:
     d = tempfile.mkdtemp(prefix="strawq-model-")
     rows: list[Any] = [("{bad json" if i in BAD_ROWS else prompts(1, start=i)[0])
