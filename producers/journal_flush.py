@@ -16,8 +16,9 @@ the I/O thread; what it covered counts as durable only once the publish returned
 **A park** (a weight update, a stop: ``HandBack.yield_partial`` of a parking group) asks
 ``park_point``: the group's state is made durable by one record shared by every group
 parked at once (the first asks after one turn of the loop, so the others settled by then
-are in it), and the lease is yielded by the rename alone (``RunQueue.yield_journaled``)
-instead of one ``.partial`` per group. Should the record fail, the group is yielded with
+are in it; its entries are full, so each next holder reads that one record), and the
+lease is yielded by the rename alone (``RunQueue.yield_journaled``) instead of one
+``.partial`` per group. Should the record fail, the group is yielded with
 its ``.partial`` as before.
 
 **A resume** (``load_prefix``): a claimed task whose resume generation has no ``.partial``
@@ -158,14 +159,15 @@ class JournalFlush:
         return [a for k, a in live.items() if a.run is not None and k not in self._done]
 
     def unflushed_tokens(self) -> int:
-        """Tokens received by held groups that no durable record holds yet."""
-        total = 0
+        """The most tokens one held sequence received that no durable record holds yet
+        (the window bounds what each sequence may lose)."""
+        most = 0
         for a in self._groups():
             curs = self._cursors.get(a.lease.key, {})
             for i, s in enumerate(a.run.samples if a.run is not None else []):
                 c = curs.get(i)
-                total += max(0, _now_len(s) - (c.n if c is not None else 0))
-        return total
+                most = max(most, _now_len(s) - (c.n if c is not None else 0))
+        return most
 
     def due(self) -> bool:
         new = self.unflushed_tokens()
@@ -225,12 +227,15 @@ class JournalFlush:
             entry["size"] = run.size
         return entry, new
 
-    async def flush(self, *, full: bool = False) -> bool:
+    async def flush(self, *, full: bool = False, unless: ActiveGroup | None = None) -> bool:
         """Write one record of every held group's news; True once it is durable (or there
-        was nothing to write)."""
+        was nothing to write, or ``unless``'s state is durable already: a record another
+        parking group wrote while this one waited covers it)."""
         if self.log is None:
             return False
         async with self._lock:
+            if unless is not None and self._covered(unless):
+                return True
             full = full or self.log.full_due()
             entries, marks = [], {}
             for a in self._groups():
@@ -275,7 +280,8 @@ class JournalFlush:
             return None
         if not self._covered(a):
             await asyncio.sleep(0)  # the groups parked with it settle: one record for all
-            if not self._covered(a) and not await self.flush():
+            # full entries: each next holder reads this one record, not the windows before
+            if not self._covered(a) and not await self.flush(full=True, unless=a):
                 return None
             if not self._covered(a):
                 return None

@@ -101,12 +101,13 @@ def test_the_newest_full_entry_bounds_what_a_writer_keeps(tmp_path: Path,
     assert _lens(q, "p2") == [40, 0]
 
 
-@pytest.mark.parametrize("crash_at", [1, 2, 3])
+@pytest.mark.parametrize("crash_at", [1, 2, 3, 4])
 def test_a_crash_at_each_step_of_a_park_leaves_a_durable_prefix(tmp_path: Path,
                                                                crash_at: int) -> None:
-    """A window is durable (5 tokens); the park then writes one record (8 tokens) and
-    renames the lease. Killed before the record: the next holder resumes 5 tokens; before
-    the rename: 8 (the lease expires); after: 8, from the queued name."""
+    """A window is durable (5 tokens); the park then writes one record of full entries (8
+    tokens), deletes the window it supersedes and renames the lease. Killed before the
+    record: the next holder resumes 5 tokens; before the delete or the rename: 8 (the
+    lease expires); after: 8, from the queued name."""
     inner = MemoryStorage()
     run_with_tasks(inner, tmp_path, 1)
     faulty = FaultyStorage(inner)
@@ -146,8 +147,8 @@ def test_a_crash_at_each_step_of_a_park_leaves_a_durable_prefix(tmp_path: Path,
     if crashed:
         assert names_in(inner, TaskState.LEASED)  # still held: the grantor expires it
         _expire(q2)
-    want = {1: [5, 0], 2: [8, 0], 3: [8, 0]}[crash_at]
-    assert crashed == (crash_at < 3)
+    want = {1: [5, 0], 2: [8, 0], 3: [8, 0], 4: [8, 0]}[crash_at]
+    assert crashed == (crash_at < 4)
     assert _lens(q2, "p2") == want
 
 
