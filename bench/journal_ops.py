@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({args.groups} groups x G={args.g}, {args.tok_s:g} tok/s a sample)")
     print(f"park+resume, journal: {jr['park']} + {jr['resume']}")
     print(f"park+resume, partials: {pr['park']} + {pr['resume']}")
-    print(f"journal: extra storage calls per producer-second = {steady:.2f} "
+    print(f"journal_ops: extra storage calls per producer-second = {steady:.2f} "
           f"(window {args.every_tokens} tok / {args.every_s:g} s); park+resume calls per "
           f"group = {park_j:.2f} (partials: {park_p:.2f}, ratio {park_j / park_p:.2f}); "
           f"publishes per group at a park = {pub_j:.3f} (partials: {pub_p:.3f})")
