@@ -96,34 +96,56 @@ def _now_status(s: Sample) -> str:
     return SampleStatus.ABORTED.value if _streaming(s) else s.status.value
 
 
-def _sample_entry(r: Sample, i: int, cur: _Cursor | None, reward: float | None,
+def _cols(s: Sample, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The per-token columns of ``received(s)`` from ``start`` on, without copying what
+    lies before ``start`` (a long sequence is not copied whole each window)."""
+    seg = s.streamed if _streaming(s) else None
+    cols = [s.response_ids[start:], s.logprobs[start:], s.versions[start:],
+            s.loss_mask[start:]]
+    if seg is None:
+        return cols[0], cols[1], cols[2], cols[3]
+    skip = max(0, start - s.response_length)
+    add = [np.asarray(seg.token_ids)[skip:], np.asarray(seg.logprobs)[skip:],
+           np.asarray(seg.versions)[skip:], np.ones(len(seg.token_ids) - skip, MASK_DTYPE)]
+    t, lp, v, m = (np.concatenate([c, x]) for c, x in zip(cols, add, strict=True))
+    return t, lp, v, m
+
+
+def _sample_entry(s: Sample, i: int, cur: _Cursor | None, reward: float | None,
                   whole: bool) -> tuple[dict[str, Any] | None, _Cursor]:
-    """Sample ``i``'s part of an entry (None: nothing new) and its new cursor."""
-    n = r.response_length
+    """Sample ``i``'s part of an entry (what ``received(s)`` gained since ``cur``; None:
+    nothing new) and its new cursor."""
+    seg = s.streamed if _streaming(s) else None
+    if seg is not None and (s.extras or seg.extras):
+        s, seg = received(s), None  # extras: the whole copy (rows are placed per kind)
+    n = _now_len(s)
     if cur is not None and (cur.n > n):
         whole = True  # restarted from its prompt
     start = 0 if whole or cur is None else cur.n
-    new = _Cursor(n, r.status.value, reward)
-    for name, x in r.extras.items():
+    new = _Cursor(n, _now_status(s), reward)
+    for name, x in s.extras.items():
         new.stable[name] = min(first_placeholder(name, x), x.rows)
     if (not whole and cur is not None and start == n and cur.status == new.status
             and cur.reward == reward):
         return None, new
     extras = {}
-    for name, x in r.extras.items():
+    for name, x in s.extras.items():
         keep = 0 if start == 0 or cur is None else min(cur.stable.get(name, 0), x.rows)
         extras[name] = {"keep": keep, "x": x.take(keep, x.rows).to_dict()}
+    tokens, logprobs, versions, mask = _cols(s, start)
+    finish = seg.finish_reason if seg is not None else s.finish_reason
     out: dict[str, Any] = {
         "i": i, "start": start,
-        "tokens": r.response_ids[start:].astype(TOKEN_DTYPE).tobytes(),
-        "logprobs": r.logprobs[start:].astype(LOGPROB_DTYPE).tobytes(),
-        "versions": r.versions[start:].astype(VERSION_DTYPE).tobytes(),
-        "mask": r.loss_mask[start:].astype(MASK_DTYPE).tobytes(),
-        "status": r.status.value,
-        "finish": None if r.finish_reason is None else dict(r.finish_reason),
-        "segments": r.num_segments, "reward": reward, "extras": extras}
+        "tokens": tokens.astype(TOKEN_DTYPE).tobytes(),
+        "logprobs": logprobs.astype(LOGPROB_DTYPE).tobytes(),
+        "versions": versions.astype(VERSION_DTYPE).tobytes(),
+        "mask": mask.astype(MASK_DTYPE).tobytes(),
+        "status": new.status,
+        "finish": None if finish is None else dict(finish),
+        "segments": s.num_segments + (1 if seg is not None else 0), "reward": reward,
+        "extras": extras}
     if start == 0:
-        out["params"] = r.params.to_dict()
+        out["params"] = s.params.to_dict()
     return out, new
 
 
@@ -206,14 +228,15 @@ class JournalFlush:
         samples, new = [], {}
         mins = []
         for i, s in enumerate(run.samples):
-            r = received(s) if _streaming(s) else s
-            reward = run.rewards[i] if r.is_final else None
-            part, new[i] = _sample_entry(r, i, None if curs is None else curs.get(i), reward,
+            reward = run.rewards[i] if s.is_final else None
+            part, new[i] = _sample_entry(s, i, None if curs is None else curs.get(i), reward,
                                          whole or i in run.failures)
             if part is not None:
                 samples.append(part)
-            if len(r.versions):
-                mins.append(int(r.versions.min()))
+            if len(s.versions):
+                mins.append(int(s.versions.min()))
+            if _streaming(s) and s.streamed is not None:
+                mins.append(int(np.asarray(s.streamed.versions).min()))
         if not samples:
             return None, new
         entry: dict[str, Any] = {

@@ -226,3 +226,53 @@ def test_nothing_new_writes_no_record(tmp_path: Path) -> None:
 
     asyncio.run(go())
     io2.shutdown()
+
+
+def test_a_prompt_extra_resumes_row_for_row_across_deltas(tmp_path: Path) -> None:
+    """``routed_experts`` has a row per position of prompt + response, its last a
+    placeholder until the next segment fills it: a delta replaces the rows from the first
+    placeholder on, and the rebuilt sample holds exactly the received rows."""
+    from strawq.ondisk.extras import ROUTED_EXPERTS, Extra
+    from strawq.producers.sample import Segment, apply_segment
+
+    storage = MemoryStorage()
+    q = run_with_tasks(storage, tmp_path, 1)
+    table = GroupTable()
+    (a,) = hold(q, table, "p1", 1)
+    j, io, _ = flusher(q, table, "p1")
+    run = a.run
+    assert run is not None
+    s = run.samples[0]
+    p = len(s.prompt_ids)
+
+    def seg(n: int, start: int) -> Segment:
+        ids = np.arange(n, dtype=np.int32) + 500
+        rows = p + s.response_length + n - 1 - start
+        return Segment(token_ids=ids, logprobs=np.zeros(n, np.float32),
+                       versions=np.zeros(n, np.int64), finish_reason={"type": "abort"},
+                       extras={ROUTED_EXPERTS: Extra(np.arange(rows * 2, dtype=np.int32)
+                                                     .reshape(rows, 2) + 10 * start)},
+                       extras_start=start)
+
+    async def go() -> None:
+        io.start()
+        apply_segment(s, seg(5, 0))
+        await j.flush()
+        apply_segment(s, seg(3, s.extras_start(ROUTED_EXPERTS)))
+        await j.flush()
+        io.shutdown()
+
+    asyncio.run(go())
+    entries = [e for k in reversed(record_keys(storage, "p1")) for e in _entries(storage, k)]
+    delta = entries[-1]["samples"][0]  # type: ignore[index]
+    assert not entries[-1]["full"] and delta["extras"][ROUTED_EXPERTS]["keep"] == p + 4
+    from strawq.tasks.journal import load_chain
+
+    from strawq.producers.journal_flush import rebuild
+
+    chain = load_chain(storage, "p1", a.lease.task_id, a.lease.gen)
+    assert chain is not None
+    got = GroupRun.from_partial(a.lease, rebuild(a.lease, chain, _params, "p1"), _params)
+    x, y = got.samples[0].extras[ROUTED_EXPERTS], s.extras[ROUTED_EXPERTS]
+    np.testing.assert_array_equal(x.values, y.values)
+    _same(run, got)
