@@ -213,7 +213,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                "staging": staged}
     emit(args, payload, "" if args.quiet else
           f"gc: {rep.batches} batches, {rep.payloads} group payloads, {rep.stale} stale or "
-          f"orphaned records, {rep.turns} turn checkpoints, {rep.journal} journal records, {rep.drops} drops compacted into "
+          f"orphaned records, {rep.turns} turn checkpoints, {rep.journal} journal records, "
+          f"{rep.drops} drops compacted into "
           f"the audit (still requeueable), {rep.expired} expired drops, {tmp} temporary "
           f"files and {staged} abandoned release records removed")
     return 0
