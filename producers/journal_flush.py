@@ -15,8 +15,8 @@ the I/O thread; what it covered counts as durable only once the publish returned
 
 **A park** (a weight update, a stop: ``HandBack.yield_partial`` of a parking group) asks
 ``park_point``: the group's state is made durable by one record shared by every group
-parked at once (the first asks after one turn of the loop, so the others settled by then
-are in it; its entries are full, so each next holder reads that one record), and the
+parked at once (the first waits, ``PARK_GATHER_S`` at most, until every other parking group
+asked too; its entries are full, so each next holder reads that one record), and the
 lease is yielded by the rename alone (``RunQueue.yield_journaled``) instead of one
 ``.partial`` per group. Should the record fail, the group is yielded with
 its ``.partial`` as before.
@@ -69,6 +69,9 @@ log = logging.getLogger(__name__)
 
 #: how often the flusher looks at the held groups, at most, in seconds
 TICK_S = 0.05
+#: how long a park waits for the other parking groups to settle before its one record
+PARK_GATHER_S = 1.0
+PARK_POLL_S = 0.005
 
 
 @dataclass
@@ -167,6 +170,8 @@ class JournalFlush:
         self._cursors: dict[str, dict[int, _Cursor]] = {}
         #: leases handed back: never journaled again
         self._done: set[str] = set()
+        #: parking leases that asked for their park point (``park_point``)
+        self._parked: set[str] = set()
         self._flushed_at = clock()
         self._lock = asyncio.Lock()
 
@@ -302,7 +307,8 @@ class JournalFlush:
         if self.log is None or a is None or a.run is None or not a.parking:
             return None
         if not self._covered(a):
-            await asyncio.sleep(0)  # the groups parked with it settle: one record for all
+            self._parked.add(lease.key)
+            await self._others_parked()  # one record for every group parked with it
             # full entries: each next holder reads this one record, not the windows before
             if not self._covered(a) and not await self.flush(full=True, unless=a):
                 return None
@@ -311,10 +317,25 @@ class JournalFlush:
         vs = [int(s.versions.min()) for s in a.run.samples if len(s.versions)]
         return min(vs) if vs else int(a.version)
 
+    async def _others_parked(self) -> None:
+        """Wait (at most ``PARK_GATHER_S``) until every other parking group has asked for
+        its park point or left: their samples return from their aborts and their rewards
+        settle at different moments."""
+        deadline = time.monotonic() + PARK_GATHER_S  # real time: a test's clock may stand
+        while time.monotonic() < deadline:
+            waiting = [k for k, g in self.table.groups.items()
+                       if g.parking and g.run is not None and k not in self._parked
+                       and k not in self._done]
+            if not waiting:
+                break
+            await asyncio.sleep(PARK_POLL_S)
+        await asyncio.sleep(0)
+
     async def handed_back(self, lease: Lease, *, keep: bool) -> None:
         """The lease left this producer; ``keep``: its entries are its resume point (yielded
         into the journal, or the lease was lost: the grantor may have pointed at them)."""
         self._done.add(lease.key)
+        self._parked.discard(lease.key)
         if self._cursors.pop(lease.key, None) is not None:
             await self._supersede([(lease.task_id, lease.gen)], keep=keep)
 

@@ -98,3 +98,44 @@ def test_a_producer_killed_mid_group_resumes_from_its_journal(tmp_path: Path,
     for tid, group in ready_groups(q).items():  # not one token generated again
         for i, toks in enumerate(got[tid]):
             np.testing.assert_array_equal(group.sample(i)["tokens"], toks)
+
+
+def test_a_weight_update_parks_every_group_into_one_journal_record(tmp_path: Path,
+                                                                 sim_engine: Any) -> None:
+    """A pause parks the held groups with the journal on: no ``.partial`` is written, each
+    queued name names the producer's journal, and after the update every group resumes from
+    it and is ready once."""
+    from strawq.weights.control import Control
+    from tests.producers.helpers import run_producers, wait_for
+
+    n = 6
+    run = tmp_path / "run"
+    q = make_run(str(run), n, lease_timeout_s=5.0, heartbeat_interval_s=0.1)
+    control = Control(q.storage)
+    p = Producer(cfg(run, [sim_engine.url], budget={"slots": 3},
+                     sampling={"max_new_tokens": 3000, "ignore_eos": True, "seed": 3},
+                     timing={"control_poll_s": 0.02, "idle_poll_s": 0.02,
+                             "abort_deadline_s": 2.0, "journal_every_tokens": 0,
+                             "journal_every_s": 60.0}))  # no window before the park
+    seen: dict[str, Any] = {}
+
+    async def body() -> None:
+        await wait_for(lambda: p.stats().busy_trajectories > 0, 30, "generating")
+        before = p.stats().journal_records
+        control.pause(1)
+        await wait_for(lambda: p.producer_id in control.state().acks, 30, "ack")
+        parked = [t for t in names(q, "pending") if t.resume >= 0]
+        seen["parked"] = parked
+        seen["records"] = p.stats().journal_records - before
+        seen["partials"] = [k for k in q.storage.list("data") if k.endswith(".partial")]
+        control.resume(1)  # the same weights: the park is the point here
+        await wait_for(lambda: len(ids(q, "ready")) == n, 60, "all ready")
+
+    asyncio.run(run_producers([p], body))
+    assert seen["parked"], "the pause found no group in flight"
+    assert all(t.producer == p.producer_id for t in seen["parked"])
+    assert seen["partials"] == [] and seen["records"] == 1
+    st = p.stats()
+    assert st.groups_yielded_journal == len(seen["parked"])
+    assert st.journal_resumes >= len(seen["parked"])
+    check_exactly_once(q, n)
