@@ -133,9 +133,10 @@ class JournalLog:
                ) -> int:
         """Publish one record holding ``entries`` (durable when this returns: written,
         fsync'd, renamed into place, directory fsync'd); returns its number."""
+        laid, blobs = _lay_out(entries)
         body = {**(meta or {}), "writer": self.writer, "incarnation": self.incarnation,
-                "entries": entries}
-        chunks = records.encode(Kind.JOURNAL, body)
+                "entries": laid}
+        chunks = records.encode_blobs(Kind.JOURNAL, body, blobs)
         while True:
             n = self.next
             try:
@@ -185,22 +186,91 @@ class JournalLog:
         return sorted(self._written)
 
 
+# -- the record's layout: what to find in the metadata, the columns in the payload -----------
+
+#: an entry's byte fields, and a sample part's: in the payload, the metadata holding
+#: ``[offset, length]``, so the metadata alone says which leases a record holds
+ENTRY_BLOBS = ("prompt",)
+PART_BLOBS = ("tokens", "logprobs", "versions", "mask")
+#: bytes read first for the metadata alone (more when the header says so)
+META_PREFIX = 16384
+
+
+def _lay_out(entries: list[dict[str, Any]]
+             ) -> tuple[list[dict[str, Any]], list[bytes | memoryview]]:
+    blobs: list[bytes | memoryview] = []
+    at = 0
+
+    def put(b: Any) -> list[int]:
+        nonlocal at
+        data = bytes(b)
+        blobs.append(data)
+        at += len(data)
+        return [at - len(data), len(data)]
+
+    laid = []
+    for e in entries:
+        e2 = {k: (put(v) if k in ENTRY_BLOBS else v) for k, v in e.items()}
+        e2["samples"] = [{k: (put(v) if k in PART_BLOBS else v) for k, v in part.items()}
+                         for part in e["samples"]]
+        laid.append(e2)
+    return laid, [b for b in blobs if b]
+
+
+def _fill(entries: list[dict[str, Any]], payload: memoryview, key: str) -> None:
+    def get(ref: Any) -> bytes:
+        if not (isinstance(ref, list) and len(ref) == 2 and all(isinstance(x, int) for x in ref)
+                and 0 <= ref[0] and ref[0] + ref[1] <= len(payload)):
+            raise CorruptRecord(f"{key}: a journal column reference {ref!r:.40} is not "
+                                f"[offset, length] within its {len(payload)}-byte payload")
+        return bytes(payload[ref[0]:ref[0] + ref[1]])
+
+    for e in entries:
+        for k in ENTRY_BLOBS:
+            if k in e:
+                e[k] = get(e[k])
+        for part in e["samples"]:
+            for k in PART_BLOBS:
+                if k in part:
+                    part[k] = get(part[k])
+
+
 # -- reading ----------------------------------------------------------------------------------
 
-def _read(storage: Storage, key: str, quarantine: Callable[[str], object] | None,
-          ) -> list[dict[str, Any]] | None:
-    """A record's entries; None when it is gone or corrupt (quarantined)."""
+def _read(storage: Storage, key: str, quarantine: Callable[[str], object] | None, *,
+          meta_only: bool = False) -> list[dict[str, Any]] | None:
+    """A record's entries; None when it is gone or corrupt (quarantined). ``meta_only``:
+    their metadata, the columns left as references, from a prefix of the file (no checksum
+    of the payload, nothing quarantined: what a caller decides from it, a reader checks)."""
     try:
-        rec = records.decode(storage.read(key), expect=Kind.JOURNAL, name=key)
-        return _entries(rec, key)
+        if meta_only:
+            kind, meta, need = records.decode_meta_only(storage.read_prefix(key, META_PREFIX),
+                                                        name=key)
+            if not meta:  # more metadata than the first read held
+                kind, meta, need = records.decode_meta_only(storage.read_prefix(key, need),
+                                                            name=key)
+            if kind is not Kind.JOURNAL or not meta:
+                raise CorruptRecord(f"{key}: not a whole journal record's metadata")
+            return _entries(records.Record(kind, meta), key)
+        return read_entries(storage, key)
     except NotFound:
         return None
     except CorruptRecord as exc:
+        if meta_only:
+            return None
         log.error("journal record %s is corrupt (%s); quarantined, the prefix falls back to "
                   "the entries before it", key, exc)
         if quarantine is not None:
             quarantine(key)
         return None
+
+
+def read_entries(storage: Storage, key: str) -> list[dict[str, Any]]:
+    """The entries of one record, columns as bytes (``CorruptRecord``, ``NotFound``)."""
+    rec = records.decode(storage.read(key), expect=Kind.JOURNAL, name=key)
+    entries = _entries(rec, key)
+    _fill(entries, rec.payload, key)
+    return entries
 
 
 def record_keys(storage: Storage, writer: str) -> list[str]:
@@ -217,6 +287,10 @@ def load_chain(storage: Storage, writer: str, task: str, gen: int, *,
     vanished record are dropped: they may build on what it held). None: no full entry."""
     newer: list[dict[str, Any]] = []
     for key in record_keys(storage, writer):
+        heads = _read(storage, key, None, meta_only=True)
+        if heads is not None and not any(e["task"] == task and int(e["gen"]) == gen
+                                         for e in heads):
+            continue  # its metadata says it holds nothing of this lease: not read whole
         entries = _read(storage, key, quarantine)
         if entries is None:
             newer = []  # a gap: nothing newer than it can be applied
@@ -238,7 +312,7 @@ def journaled(storage: Storage, writer: str,
     reads it for the writer of each lease it expires."""
     out: dict[LeaseKey, int] = {}
     for key in record_keys(storage, writer):
-        for e in _read(storage, key, quarantine) or []:
+        for e in _read(storage, key, quarantine, meta_only=True) or []:
             k = (e["task"], int(e["gen"]))
             if e.get("full") and k not in out:
                 mv = e.get("min_version")
@@ -256,7 +330,7 @@ def find_writer(storage: Storage, task: str, gen: int) -> str | None:
     for w in writers(storage):
         for key in record_keys(storage, w):
             if any(e["task"] == task and int(e["gen"]) == gen and e.get("full")
-                   for e in _read(storage, key, None) or []):
+                   for e in _read(storage, key, None, meta_only=True) or []):
                 return w
     return None
 
@@ -290,9 +364,9 @@ def sweep_journal(storage: Storage, quarantine: Callable[[str], object] | None =
     removed = 0
     for w, keys in listed.items():
         for key in keys:
-            entries = _read(storage, key, quarantine)
+            entries = _read(storage, key, quarantine, meta_only=True)
             if entries is None:
-                continue
+                continue  # unreadable metadata: a reader quarantines it
             if any((e["task"], int(e["gen"]), w) in need or (e["task"], int(e["gen"]), None)
                    in need for e in entries):
                 continue
@@ -303,5 +377,5 @@ def sweep_journal(storage: Storage, quarantine: Callable[[str], object] | None =
 
 
 __all__ = ["FULL_EVERY", "JOURNAL_DIR", "JournalLog", "JournalStats", "find_writer",
-           "journal_dir", "journal_key", "journaled", "load_chain", "record_keys",
+           "journal_dir", "journal_key", "journaled", "load_chain", "read_entries", "record_keys",
            "sweep_journal", "writers"]

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from strawq.ondisk import records
-from strawq.ondisk.records import Kind
 from strawq.producers.group import GroupRun
 from strawq.producers.handback import HandBack
 from strawq.producers.held import GroupTable
@@ -18,7 +17,7 @@ from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.offload import Offload
 from strawq.producers.sample import SamplerParams, received
 from strawq.storage import MemoryStorage, Storage
-from strawq.tasks.journal import JOURNAL_DIR, journal_dir, record_keys
+from strawq.tasks.journal import JOURNAL_DIR, journal_dir, read_entries, record_keys
 from tests.producers.journal_helpers import (
     flusher,
     generate,
@@ -28,11 +27,8 @@ from tests.producers.journal_helpers import (
 )
 
 
-def _entries(storage: Storage, key: str) -> list[dict[str, object]]:
-    rec = records.decode(storage.read(key), expect=Kind.JOURNAL)
-    entries = rec.meta["entries"]
-    assert isinstance(entries, list)
-    return entries
+def _entries(storage: Storage, key: str) -> list[dict[str, Any]]:
+    return read_entries(storage, key)
 
 
 def _params(i: int) -> SamplerParams:

@@ -14,7 +14,7 @@ from strawq.producers.handback import HandBack
 from strawq.producers.held import GroupTable
 from strawq.producers.journal_flush import load_prefix
 from strawq.producers.sample import SamplerParams
-from strawq.storage import MemoryStorage
+from strawq.storage import MemoryStorage, PosixStorage
 from strawq.tasks import journal
 from strawq.tasks.grantor import LeaseMonitor
 from strawq.tasks.journal import load_chain, record_keys, sweep_journal
@@ -180,3 +180,34 @@ def test_gc_keeps_what_a_live_task_resumes_from_and_sweeps_the_rest(tmp_path: Pa
         s.response_length + 1 for s in resumed.samples)))
     assert sweep_journal(storage) == 1
     assert storage.list("journal") == []
+
+
+def test_gc_and_the_grantor_read_only_the_records_metadata(tmp_path: Path) -> None:
+    """The columns lie in the payload: deciding which leases a record holds reads a prefix
+    of it (gc every pass, the grantor at each expiry), never the tokens."""
+    storage = PosixStorage(str(tmp_path / "run"))
+    q = run_with_tasks(storage, tmp_path, 1)
+    table = GroupTable()
+    (a,) = hold(q, table, "p1", 1)
+    j, io, _ = flusher(q, table, "p1")
+    run = a.run
+    assert run is not None
+
+    async def go() -> None:
+        io.start()
+        generate(run.samples[0], 4000)
+        await j.flush()
+        io.shutdown()
+
+    asyncio.run(go())
+    whole = storage.read
+    read: list[str] = []
+
+    def counting(key: str) -> bytes:
+        read.append(key)
+        return whole(key)
+
+    storage.read = counting  # type: ignore[method-assign]
+    assert journal.journaled(storage, "p1") == {(a.lease.task_id, a.lease.gen): 0}
+    assert sweep_journal(storage) == 0
+    assert not [k for k in read if k.startswith("journal/")]
