@@ -287,10 +287,6 @@ def load_chain(storage: Storage, writer: str, task: str, gen: int, *,
     vanished record are dropped: they may build on what it held). None: no full entry."""
     newer: list[dict[str, Any]] = []
     for key in record_keys(storage, writer):
-        heads = _read(storage, key, None, meta_only=True)
-        if heads is not None and not any(e["task"] == task and int(e["gen"]) == gen
-                                         for e in heads):
-            continue  # its metadata says it holds nothing of this lease: not read whole
         entries = _read(storage, key, quarantine)
         if entries is None:
             newer = []  # a gap: nothing newer than it can be applied
