@@ -20,10 +20,11 @@ from strawq.errors import CorruptRecord, NotFound, StrawqError
 from strawq.ondisk.groups import GroupData
 from strawq.producers.group import GroupRun, TaskError, prompt_ids_of, sample_seed
 from strawq.producers.handback import HandBack, MisconfiguredProducer
+from strawq.producers.journal_flush import load_prefix
 from strawq.producers.meter import StatsBook
 from strawq.producers.plugins import load_tokenizer
 from strawq.producers.producer_config import ProducerConfig
-from strawq.producers.sample import SamplerParams
+from strawq.producers.sample import SampleError, SamplerParams
 from strawq.tasks.eta import STALE_REASON
 from strawq.tasks.queue import Lease, RunQueue
 
@@ -76,11 +77,22 @@ class GroupLoader:
         if checkpoint is not None:
             return version, checkpoint, None
         if lease.has_partial:
+            problem: Exception | None = None
+            if lease.journal is None:  # else the prefix is in its writer's journal
+                try:
+                    return version, self.queue.load_partial(lease), None
+                except (NotFound, CorruptRecord) as exc:
+                    problem = exc
             try:
-                return version, self.queue.load_partial(lease), None
-            except (NotFound, CorruptRecord) as exc:
-                log.error("task %s: its partial record is unusable (%s); generating the "
-                          "group afresh", lease.task_id, exc)
+                prefix = load_prefix(self.queue, lease, lambda i: self.params(lease.task, i))
+            except (CorruptRecord, SampleError) as exc:
+                prefix, problem = None, exc
+            if prefix is not None:
+                self.book.bump("journal_resumes")
+                return version, prefix, None
+            log.error("task %s: no usable prefix of generation %d (%s); generating the "
+                      "group afresh", lease.task_id, lease.name.resume,
+                      problem or "its journal holds none")
         problem = self.config_problem(lease.task)
         if problem is not None:
             raise problem

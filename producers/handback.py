@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strawq.errors import ConfigError, LeaseLost, StorageFull
 from strawq.ondisk.groups import GroupData
@@ -34,6 +34,9 @@ from strawq.producers.meter import StatsBook
 from strawq.producers.offload import Offload
 from strawq.tasks.queue import Lease, RunQueue
 from strawq.tasks.turns import TurnLog
+
+if TYPE_CHECKING:
+    from strawq.producers.journal_flush import JournalFlush
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +92,23 @@ class HandBack:
         self.turn_logs: dict[str, TurnLog] = {}
         #: orphans whose transition met a full disk, by lease key: retried as they were
         self._deferred: dict[str, _Deferred] = {}
+        #: the in-flight journal (``strawq.producers.journal_flush``), None when off: a park
+        #: yields into it, and each hand-back supersedes the lease's entries
+        self.journal: JournalFlush | None = None
 
     async def complete(self, lease: Lease, group: GroupData) -> None:
         await self._persist("complete", lease, "groups_completed",
                             lambda: self.io.call(self.queue.complete, lease, group))
 
     async def yield_partial(self, lease: Lease, group: GroupData) -> None:
+        if self.journal is not None:  # a park: yielded into the journal, no .partial
+            min_version = await self.journal.park_point(lease)
+            if min_version is not None:
+                if await self._persist("yield_journal", lease, "groups_yielded",
+                                       lambda: self.io.call(self.queue.yield_journaled, lease,
+                                                            min_version)):
+                    self.book.bump("groups_yielded_journal")
+                return
         await self._persist("yield", lease, "groups_yielded",
                             lambda: self.io.call(self.queue.yield_partial, lease, group))
 
@@ -141,6 +155,7 @@ class HandBack:
         except LeaseLost as exc:
             self.book.bump("leases_lost")
             log.warning("task %s: %s", lease.task_id, exc)
+            await self._journal_done(lease, keep=True)  # the grantor may resume from it
             return False
         except StorageFull as exc:
             # Nothing was published (``publish`` removes its temporary file): keep the
@@ -162,6 +177,7 @@ class HandBack:
 
     async def _persisted(self, lease: Lease, how: str, counter: str | None,
                          on_done: Callable[[], None] | None, turn_log: TurnLog | None) -> None:
+        await self._journal_done(lease, keep=how == "yield_journal")
         if counter is not None:
             self.book.bump(counter)
         if on_done is not None:
@@ -172,6 +188,10 @@ class HandBack:
             except Exception as exc:  # noqa: BLE001 - garbage, not state: the move stands
                 log.warning("task %s: its turn checkpoints could not be removed: %s",
                             lease.task_id, exc)
+
+    async def _journal_done(self, lease: Lease, *, keep: bool) -> None:
+        if self.journal is not None:
+            await self.journal.handed_back(lease, keep=keep)
 
     async def retry_orphans(self) -> None:
         """Release every orphan again (retry the transition of one that met a full disk,
@@ -184,10 +204,12 @@ class HandBack:
             try:
                 await self.io.call(self.queue.release, lease)
             except LeaseLost:
-                pass
+                await self._journal_done(lease, keep=True)
             except Exception as exc:  # noqa: BLE001
                 log.warning("release of %s failed again: %s", lease.task_id, exc)
                 continue
+            else:
+                await self._journal_done(lease, keep=False)
             self.orphans.remove(lease)
             self.book.bump("groups_released")
 

@@ -102,6 +102,11 @@ class ProducerStats:
     #: pause (their result applied on resume)
     turn_checkpoints: int = 0
     turn_checkpoints_loaded: int = 0
+    #: in-flight journal (``strawq.producers.journal_flush``): records written, groups
+    #: yielded into it at a park, groups resumed from a journal prefix
+    journal_records: int = 0
+    groups_yielded_journal: int = 0
+    journal_resumes: int = 0
     tool_calls_rerun: int = 0
     tool_calls_reconciled: int = 0
     tool_calls_detached: int = 0

@@ -81,6 +81,7 @@ from strawq.producers.handback import HandBack, MisconfiguredProducer
 from strawq.producers.heartbeat import Heartbeat
 from strawq.producers.held import GroupHalts, GroupTable
 from strawq.producers.incarnation import Incarnation, IncarnationFence, ProducerSuperseded
+from strawq.producers.journal_flush import JournalFlush
 from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.offload import Offload
 from strawq.producers.producer_config import ProducerConfig, new_producer_id
@@ -193,6 +194,14 @@ class Producer:
                                   pausing=lambda: bracket.pausing, clock=clock,
                                   kick=self._wakeup.kick, table=table, halts=halts,
                                   backoff=backoff)
+        #: the in-flight journal (``strawq.producers.journal_flush``): None when off (or
+        #: when turn checkpoints hold a multi-turn plugin's state)
+        self.journal: JournalFlush | None = None
+        if timing.journaling and not self.runner.checkpointing:
+            self.journal = handback.journal = JournalFlush(
+                timing, table=table, queue=self.queue, io=self._io, book=book,
+                producer_id=pid, clock=clock)
+        self._journal_task: asyncio.Task[None] | None = None
         #: whether, and how many groups, this producer may claim now
         self.gate = ClaimGate(producer_id=pid, run_dir=config.run_dir, handback=handback,
                               bracket=bracket, heartbeat=self._heartbeat, backoff=backoff,
@@ -295,6 +304,10 @@ class Producer:
             await check_engine_versions(raw, self.guard, pid)
             # before the first claim: leases under this id are an earlier process's
             await self._io.call(self.incarnation.begin)
+            if self.journal is not None:
+                self.journal.open(self.incarnation.number)
+                self._journal_task = asyncio.create_task(self.journal.run(),
+                                                         name=f"{pid}-journal")
             await self._heartbeat.beat_once()  # before the first claim: the grantor sees us
             hb = asyncio.create_task(self._heartbeat.run(self._give_up_leases),
                                      name=f"{pid}-heartbeat")
@@ -324,9 +337,10 @@ class Producer:
         """The end of ``run()``: every part it started stopped, in order."""
         await self.guard.close()
         await self.runner.scorer.close()
-        if hb is not None:
-            hb.cancel()
-            await asyncio.gather(hb, return_exceptions=True)
+        for t in (hb, self._journal_task):
+            if t is not None:
+                t.cancel()
+                await asyncio.gather(t, return_exceptions=True)
         await self._slot.close()
         self._wakeup.close()
         self._heartbeat.close()

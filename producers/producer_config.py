@@ -247,8 +247,24 @@ class TimingConfig(Config):
     #: Stop work on leases once no heartbeat succeeded for ``lease_timeout_s - margin``
     #: (None: one heartbeat interval).
     lease_margin_s: float | None = None
+    #: The in-flight journal (``strawq.producers.journal_flush``): every held sequence's
+    #: received tokens are made durable in one record per producer once this many new
+    #: tokens arrived since the last record (0: no token trigger) ...
+    journal_every_tokens: int = 0
+    #: ... or once this many seconds passed with new tokens (0: no time trigger). Both 0
+    #: (the default): no journal; a crash loses what arrived since the last save.
+    journal_every_s: float = 0.0
+
+    @property
+    def journaling(self) -> bool:
+        """Whether the producer keeps an in-flight journal."""
+        return bool(self.journal_every_tokens or self.journal_every_s)
 
     def validate(self) -> None:
+        if self.journal_every_tokens < 0 or not self.journal_every_s >= 0:
+            raise ConfigError("ProducerConfig.timing.journal_every_tokens and journal_every_s "
+                              f"must be >= 0 (0: off), got {self.journal_every_tokens}, "
+                              f"{self.journal_every_s}")
         _positive("ProducerConfig.timing", control_poll_s=self.control_poll_s,
                   idle_poll_s=self.idle_poll_s, idle_after_s=self.idle_after_s,
                   idle_probe_s=self.idle_probe_s, abort_deadline_s=self.abort_deadline_s,

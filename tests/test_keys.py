@@ -74,6 +74,7 @@ OWNERS = {
     "history/": "strawq/data/history.py",
     "cursor/": "strawq/data/cursor.py",
     "packed/": "strawq/delivery/packed.py",
+    "journal/": "strawq/tasks/journal.py",
     "format/": "strawq/tasks/formats.py",
     "dropped/": "collector/trainer/metrics.py",  # the metric name; the entries go through states.py
     # the adapters' stores (``strawq.tasks.states.STORES``): verl's queue directory

@@ -208,11 +208,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     staged = sweep_staging(q.storage, grace_s=args.tmp_grace)
     payload = {"batches": rep.batches, "group_payloads": rep.payloads,
                "stale_records": rep.stale, "turn_checkpoints": rep.turns,
+               "journal_records": rep.journal,
                "drops_compacted": rep.drops, "drops_expired": rep.expired, "tmp": tmp,
                "staging": staged}
     emit(args, payload, "" if args.quiet else
           f"gc: {rep.batches} batches, {rep.payloads} group payloads, {rep.stale} stale or "
-          f"orphaned records, {rep.turns} turn checkpoints, {rep.drops} drops compacted into "
+          f"orphaned records, {rep.turns} turn checkpoints, {rep.journal} journal records, "
+          f"{rep.drops} drops compacted into "
           f"the audit (still requeueable), {rep.expired} expired drops, {tmp} temporary "
           f"files and {staged} abandoned release records removed")
     return 0

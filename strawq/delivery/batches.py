@@ -170,6 +170,8 @@ class GcReport:
     drops: int = 0
     #: turn checkpoints of tasks that can no longer resume from them (``strawq.delivery.retention``)
     turns: int = 0
+    #: journal records no live task needs (``strawq.tasks.journal.sweep_journal``)
+    journal: int = 0
     #: kept task records of compacted drops that expired (``strawq.delivery.retention.expire_kept``)
     expired: int = 0
     #: orphaned rank shards deleted (``strawq.delivery.packed``)
@@ -393,6 +395,9 @@ class BatchStore:
 
             rep.stale = self._gc_stale_generations()
             rep.turns = sweep_turns(self.storage)
+            from strawq.tasks.journal import sweep_journal
+
+            rep.journal = sweep_journal(self.storage)
             # rank shards whose batch has no manifest (a crash between the shards and the
             # manifest, a lost race for its number, a retired batch). Shards written for a
             # manifest not yet published by another process (an operator's ``strawq gc``

@@ -67,6 +67,8 @@ class Kind(enum.IntEnum):
     STATE = 11
     #: a rank's packed shard of a batch (``strawq.delivery.packed``): raw aligned arrays
     PACKED = 12
+    #: one window of a producer's in-flight journal (``strawq.tasks.journal``)
+    JOURNAL = 13
 
 
 #: Run format -> schema version per record kind (a kind not named has schema 1). A run

@@ -36,6 +36,10 @@ class Lease:
 
     name: TaskName
     task: dict[str, Any]
+    #: the producer whose journal holds the prefix of the resume generation (the holder
+    #: slot of the queued name it was claimed from: ``strawq.tasks.journal``); None: the
+    #: prefix, if any, is the resume generation's ``.partial``
+    journal: str | None = None
 
     @property
     def task_id(self) -> str:
@@ -175,7 +179,7 @@ class Claimer:
         validate_id(producer, "producer id")
         if n <= 0:
             return []
-        won: list[tuple[str, TaskName]] = []
+        won: list[tuple[str, TaskName, str | None]] = []
         lost = 0
         for src in self.candidates(producer, n):
             if len(won) >= n:
@@ -205,13 +209,13 @@ class Claimer:
                                                                         held), src)
                 self._quarantine(src)
                 continue
-            won.append((dst, held))
+            won.append((dst, held, name.producer if name.resume >= 0 else None))
         self._contended = lost > 0
         self._spread = max(lost, self._spread // 2)
         # No directory fsync: a claim lost to a power failure puts the task back in pending,
         # which only means it runs again (execution is at-least-once).
         leases = []
-        for dst, held in won:
+        for dst, held, journal in won:
             try:
                 rec = self._read_record(dst, Kind.TASK)
             except CorruptRecord as exc:
@@ -221,7 +225,7 @@ class Claimer:
                 log.error("claimed task %s is gone from %s before it was read (moved by "
                           "someone else); skipping it", held.id, dst)
                 continue
-            leases.append(Lease(held, rec.meta["task"]))
+            leases.append(Lease(held, rec.meta["task"], journal))
         return leases
 
 

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from strawq.errors import AlreadyExists, NotFound
-from strawq.ondisk.names import TaskName, heartbeat_key, requeued_name
+from strawq.ondisk.names import STAGE_PARTIAL, TaskName, heartbeat_key, queue_key, requeued_name
+from strawq.tasks.journal import journaled
 from strawq.tasks.queue import RunQueue
 from strawq.tasks.states import TaskState, move, names_in, queued_state
 
@@ -46,6 +47,8 @@ class LeaseMonitor:
         #: producers whose latest heartbeat is marked idle (no leases, not claiming)
         self.idle: set[str] = set()
         self._idle_at: dict[str, bool] = {}
+        #: per scan: the leases each expiring holder's journal holds (``_journaled_name``)
+        self._journals: dict[str, dict[tuple[str, int], int]] = {}
 
     def observe_heartbeats(self, now: float) -> dict[str, int]:
         latest: dict[str, int] = {}
@@ -73,6 +76,7 @@ class LeaseMonitor:
     def scan(self) -> ScanResult:
         """One pass: observe heartbeats, expire silent producers' leases."""
         now = self.clock()
+        self._journals = {}
         res = ScanResult(producers=self.observe_heartbeats(now))
         res.silence = {p: now - t for p, (_c, t) in self._seen.items()}
         leased = [(n, n.producer) for n in names_in(self.queue.storage, TaskState.LEASED)
@@ -117,7 +121,7 @@ class LeaseMonitor:
             dst = TaskState.DROPPED
             target = res.dropped
         else:
-            new = requeued_name(name, refund=False)
+            new = self._journaled_name(name) or requeued_name(name, refund=False)
             dst = queued_state(new)
             target = res.expired
         try:  # not fsync'd: lost in a power cut, the lease simply expires again
@@ -128,6 +132,29 @@ class LeaseMonitor:
                     name.id, dst.value)
         target.append(name.id)
         return True
+
+    def _journaled_name(self, name: TaskName) -> TaskName | None:
+        """The queued name of an expiring lease whose holder journaled it
+        (``strawq.tasks.journal``): resume from the expired generation, the holder slot
+        naming the journal's writer; None when its journal holds no full entry of it (one
+        listing of the writer's records per scan, and their reads: expiry is rare)."""
+        writer = name.producer
+        if writer is None:
+            return None
+        if writer not in self._journals:
+            try:
+                self._journals[writer] = journaled(self.queue.storage, writer,
+                                                   self.queue.quarantine)
+            except Exception as exc:  # noqa: BLE001 - unreadable: expire as before
+                log.warning("journal of %s unreadable (%s); its leases expire without it",
+                            writer, exc)
+                self._journals[writer] = {}
+        min_version = self._journals[writer].get((name.id, name.gen))
+        if min_version is None:
+            return None
+        return requeued_name(name, refund=False).with_(
+            key=queue_key(STAGE_PARTIAL, min_version, name.order), resume=name.gen,
+            producer=writer)
 
     def key(self, producer: str) -> str | None:
         """The heartbeat file last seen of ``producer`` (None: never seen)."""

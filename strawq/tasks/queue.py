@@ -223,6 +223,20 @@ class RunQueue:
             producer=None)
         return self._persist(lease, group, Kind.PARTIAL, "partial", TaskState.PARTIAL, name)
 
+    def yield_journaled(self, lease: Lease, min_version: int) -> str:
+        """Return the task as PARTIAL whose prefix is this holder's journal (a park's
+        group commit, ``strawq.tasks.journal``): no payload, only the fencing rename to
+        ``pending/a<minver>…~g<gen+1>~…~r<gen>~<holder>`` (no attempt spent). The caller made
+        the lease's journal entries durable first. ``LeaseLost`` if fenced."""
+        name = lease.name.with_(
+            key=queue_key(STAGE_PARTIAL, min_version, lease.name.order),
+            gen=lease.gen + 1, attempts=max(lease.name.attempts - 1, 0), resume=lease.gen,
+            producer=lease.producer)
+        moved = self._move_lease(lease, TaskState.PARTIAL, name)
+        if lease.has_partial:  # superseded: the journal's first entry holds the prefix
+            self.storage.delete(data_key(lease.task_id, lease.name.resume, "partial"))
+        return moved
+
     def _persist(self, lease: Lease, group: GroupData, kind: Kind, suffix: str,
                  dst: TaskState, new: TaskName) -> str:
         """Payload first (durable), then the fencing rename; a fenced payload is removed."""

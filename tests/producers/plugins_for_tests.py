@@ -28,3 +28,11 @@ def missing_module_reward(task: dict[str, Any], response_ids: list[int],
                           meta: dict[str, Any]) -> float:
     """A reward whose backend is not installed on this node."""
     raise ModuleNotFoundError("No module named 'verifier_backend'")
+
+
+def stuck_reward(task: dict[str, Any], response_ids: list[int], meta: dict[str, Any]) -> float:
+    """A verifier that never answers in time: its samples stay final, unrewarded."""
+    import time
+
+    time.sleep(600)
+    return 0.0

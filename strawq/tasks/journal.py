@@ -1,0 +1,377 @@
+"""The in-flight journal: every held sequence's received tokens, group-committed per producer.
+
+A producer that journals writes, once per window (``timing.journal_every_tokens`` /
+``journal_every_s``), ONE record holding an *entry* for every group it holds whose
+received tokens moved since its last record: what became durable-worthy since then. Not
+one write per sequence: the cost is one publish per producer per window, whatever the
+number of sequences. The record is a JOURNAL record (``strawq.ondisk.records``); an entry is
+plain msgpack data (arrays as little-endian bytes), never code.
+
+Layout (this module owns the key family; ``tests/test_keys.py``)::
+
+    journal/<writer>/<incarnation>~<n>       n: the writer incarnation's record number
+
+An entry names its lease, ``(task, gen)``, and is either *full* (every sample of the group
+from its first token, and the prompt: it rebuilds the group from the task record alone) or
+a *delta* (per changed sample, the columns appended since the previous entry of that lease
+and the sample's new status). A lease's first entry is full, so a journal never depends on
+a ``.partial`` or on another holder's journal; every ``FULL_EVERY`` records the writer
+writes full entries for every group it holds, after which its older records hold nothing
+still needed and are deleted (the journal stays proportional to the work in flight:
+docs/design.md, invariant 6).
+
+**The resume point.** A lease's journal prefix is the newest full entry of ``(task, gen)``
+followed by its deltas, up to the newest intact record: a record that fails its checks is
+quarantined and the deltas newer than it are not applied (the prefix falls back to the
+entries before it). It is found by the existing name: ``~r<resume>`` names the generation
+whose prefix the next holder resumes from; the ``.partial`` of that generation if it exists,
+else this journal. A task whose prefix is in a journal is queued as
+``pending/a<minver>.<order>~<id>~g<gen+1>~a<att>~r<gen>~<writer>``: the holder slot of a
+queued name carries the journal's writer (the claimer reads it before its claim renames the
+holder slot to its own id; ``Lease.journal``). Two steps write such a name: the grantor's
+expiry of a lease whose writer journaled it (``journaled``), and a park's yield
+(``RunQueue.yield_journaled``). A queued name whose resume generation has neither a
+``.partial`` nor a writer (a claimer of a journaled prefix that died before its own first
+record) is found by ``find_writer``, which reads every writer's records: rare, and bounded
+by what is in flight.
+
+Fencing is a partial's: an entry is used only for the ``(task, gen)`` the name's resume
+generation names, and a result of an older generation is fenced by the lease rename as
+ever. A record is never rewritten (exclusive create at a new number).
+
+**Garbage.** The writer deletes a record once every entry in it is superseded: its lease was
+handed back (complete, ``.partial`` yield, drop, fail, release) or a newer full entry of the
+same lease is durable. Entries whose lease was yielded into the journal (a park) stay: the
+next holder resumes from them. ``sweep_journal`` (``strawq gc``, the collector's gc pass)
+deletes every record no live task name needs (a dead writer's, a parked lease's once its
+next holder handed it back).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from strawq.errors import AlreadyExists, CorruptRecord, NotFound
+from strawq.ondisk import records
+from strawq.ondisk.names import TaskName, validate_id
+from strawq.ondisk.numbered import Numbered
+from strawq.ondisk.records import Kind
+from strawq.storage import Storage
+from strawq.tasks.states import TaskState, names_in
+
+log = logging.getLogger(__name__)
+
+JOURNAL_DIR = "journal"
+#: ``<incarnation>~<n>`` inside ``journal/<writer>/``
+RECORDS = Numbered(sep="~")
+#: a writer's every ``FULL_EVERY``-th record holds full entries of every group it holds
+FULL_EVERY = 32
+#: states whose task names may still need a journal entry (the resume point, or the holder)
+LIVE = (TaskState.PENDING, TaskState.PARTIAL, TaskState.LEASED)
+
+LeaseKey = tuple[str, int]
+
+
+def journal_dir(writer: str) -> str:
+    validate_id(writer, "producer id")
+    return f"{JOURNAL_DIR}/{writer}"
+
+
+def journal_key(writer: str, incarnation: int, n: int) -> str:
+    return f"{journal_dir(writer)}/{RECORDS.name(incarnation, n)}"
+
+
+def _entries(rec: records.Record, key: str) -> list[dict[str, Any]]:
+    entries = rec.meta.get("entries")
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("task"), str)
+            and isinstance(e.get("gen"), int) and isinstance(e.get("samples"), list)
+            for e in entries):
+        raise CorruptRecord(f"{key}: a journal record needs a list of entries, each with a "
+                            "task, a gen and its samples")
+    return entries
+
+
+@dataclass
+class JournalStats:
+    """Storage operations and bytes of one writer's journal."""
+
+    records: int = 0
+    entries: int = 0
+    bytes: int = 0
+    deletes: int = 0
+    conflicts: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {k: int(getattr(self, k)) for k in self.__dataclass_fields__}
+
+
+@dataclass
+class _Written:
+    """What one published record holds that is still needed."""
+
+    live: set[LeaseKey] = field(default_factory=set)
+    #: entries of leases yielded into the journal: left for ``sweep_journal``
+    kept: bool = False
+
+
+class JournalLog:
+    """The writer side: one producer incarnation's records."""
+
+    def __init__(self, storage: Storage, writer: str, incarnation: int) -> None:
+        self.storage = storage
+        self.writer = validate_id(writer, "producer id")
+        self.incarnation = int(incarnation)
+        self.stats = JournalStats()
+        self.next = 0
+        self._written: dict[int, _Written] = {}
+
+    def append(self, entries: list[dict[str, Any]], meta: Mapping[str, Any] | None = None,
+               ) -> int:
+        """Publish one record holding ``entries`` (durable when this returns: written,
+        fsync'd, renamed into place, directory fsync'd); returns its number."""
+        laid, blobs = _lay_out(entries)
+        body = {**(meta or {}), "writer": self.writer, "incarnation": self.incarnation,
+                "entries": laid}
+        chunks = records.encode_blobs(Kind.JOURNAL, body, blobs)
+        while True:
+            n = self.next
+            try:
+                self.storage.publish(journal_key(self.writer, self.incarnation, n), chunks)
+            except AlreadyExists:  # not made by the protocol (one process per incarnation)
+                self.stats.conflicts += 1
+                self.next += 1
+                continue
+            self.next = n + 1
+            break
+        self.stats.records += 1
+        self.stats.entries += len(entries)
+        self.stats.bytes += sum(len(c) for c in chunks)
+        self._written[n] = _Written({(e["task"], int(e["gen"])) for e in entries})
+        return n
+
+    def full_due(self) -> bool:
+        """Whether the next record should hold full entries of every held group."""
+        return self.next > 0 and self.next % FULL_EVERY == 0
+
+    def superseded(self, keys: Iterable[LeaseKey], *, before: int | None = None,
+                   keep: bool = False) -> int:
+        """The entries of these leases (in records numbered below ``before``, or all) are
+        no longer needed by this writer; ``keep``: they are a parked lease's resume point,
+        left for ``sweep_journal``. Deletes every record left with nothing needed; returns
+        how many."""
+        keys = set(keys)
+        gone = 0
+        for n, w in sorted(self._written.items()):
+            if before is not None and n >= before:
+                continue
+            hit = w.live & keys
+            if not hit:
+                continue
+            w.live -= hit
+            w.kept = w.kept or keep
+            if not w.live:
+                del self._written[n]
+                if not w.kept:
+                    self.storage.delete(journal_key(self.writer, self.incarnation, n))
+                    self.stats.deletes += 1
+                    gone += 1
+        return gone
+
+    def held_records(self) -> list[int]:
+        """Numbers of the records this writer still tracks (tests, metrics)."""
+        return sorted(self._written)
+
+
+# -- the record's layout: what to find in the metadata, the columns in the payload -----------
+
+#: an entry's byte fields, and a sample part's: in the payload, the metadata holding
+#: ``[offset, length]``, so the metadata alone says which leases a record holds
+ENTRY_BLOBS = ("prompt",)
+PART_BLOBS = ("tokens", "logprobs", "versions", "mask")
+#: bytes read first for the metadata alone (more when the header says so)
+META_PREFIX = 16384
+
+
+def _lay_out(entries: list[dict[str, Any]]
+             ) -> tuple[list[dict[str, Any]], list[bytes | memoryview]]:
+    blobs: list[bytes | memoryview] = []
+    at = 0
+
+    def put(b: Any) -> list[int]:
+        nonlocal at
+        data = bytes(b)
+        blobs.append(data)
+        at += len(data)
+        return [at - len(data), len(data)]
+
+    laid = []
+    for e in entries:
+        e2 = {k: (put(v) if k in ENTRY_BLOBS else v) for k, v in e.items()}
+        e2["samples"] = [{k: (put(v) if k in PART_BLOBS else v) for k, v in part.items()}
+                         for part in e["samples"]]
+        laid.append(e2)
+    return laid, [b for b in blobs if b]
+
+
+def _fill(entries: list[dict[str, Any]], payload: memoryview, key: str) -> None:
+    def get(ref: Any) -> bytes:
+        if not (isinstance(ref, list) and len(ref) == 2 and all(isinstance(x, int) for x in ref)
+                and 0 <= ref[0] and ref[0] + ref[1] <= len(payload)):
+            raise CorruptRecord(f"{key}: a journal column reference {ref!r:.40} is not "
+                                f"[offset, length] within its {len(payload)}-byte payload")
+        return bytes(payload[ref[0]:ref[0] + ref[1]])
+
+    for e in entries:
+        for k in ENTRY_BLOBS:
+            if k in e:
+                e[k] = get(e[k])
+        for part in e["samples"]:
+            for k in PART_BLOBS:
+                if k in part:
+                    part[k] = get(part[k])
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+def _read(storage: Storage, key: str, quarantine: Callable[[str], object] | None, *,
+          meta_only: bool = False) -> list[dict[str, Any]] | None:
+    """A record's entries; None when it is gone or corrupt (quarantined). ``meta_only``:
+    their metadata, the columns left as references, from a prefix of the file (no checksum
+    of the payload, nothing quarantined: what a caller decides from it, a reader checks)."""
+    try:
+        if meta_only:
+            kind, meta, need = records.decode_meta_only(storage.read_prefix(key, META_PREFIX),
+                                                        name=key)
+            if not meta:  # more metadata than the first read held
+                kind, meta, need = records.decode_meta_only(storage.read_prefix(key, need),
+                                                            name=key)
+            if kind is not Kind.JOURNAL or not meta:
+                raise CorruptRecord(f"{key}: not a whole journal record's metadata")
+            return _entries(records.Record(kind, meta), key)
+        return read_entries(storage, key)
+    except NotFound:
+        return None
+    except CorruptRecord as exc:
+        if meta_only:
+            return None
+        log.error("journal record %s is corrupt (%s); quarantined, the prefix falls back to "
+                  "the entries before it", key, exc)
+        if quarantine is not None:
+            quarantine(key)
+        return None
+
+
+def read_entries(storage: Storage, key: str) -> list[dict[str, Any]]:
+    """The entries of one record, columns as bytes (``CorruptRecord``, ``NotFound``)."""
+    rec = records.decode(storage.read(key), expect=Kind.JOURNAL, name=key)
+    entries = _entries(rec, key)
+    _fill(entries, rec.payload, key)
+    return entries
+
+
+def record_keys(storage: Storage, writer: str) -> list[str]:
+    """The writer's records, newest first."""
+    d = journal_dir(writer)
+    return [f"{d}/{RECORDS.name(i, n)}" for i, n in reversed(RECORDS.pairs(storage.list(d)))]
+
+
+def load_chain(storage: Storage, writer: str, task: str, gen: int, *,
+               quarantine: Callable[[str], object] | None = None,
+               ) -> list[dict[str, Any]] | None:
+    """The journal prefix of lease ``(task, gen)``: its newest full entry followed by its
+    deltas, oldest first, up to the newest intact record (deltas newer than a corrupt or
+    vanished record are dropped: they may build on what it held). None: no full entry."""
+    newer: list[dict[str, Any]] = []
+    for key in record_keys(storage, writer):
+        entries = _read(storage, key, quarantine)
+        if entries is None:
+            newer = []  # a gap: nothing newer than it can be applied
+            continue
+        mine = [e for e in entries if e["task"] == task and int(e["gen"]) == gen]
+        if not mine:
+            continue
+        e = mine[-1]
+        if e.get("full"):
+            return [e, *reversed(newer)]
+        newer.append(e)
+    return None
+
+
+def journaled(storage: Storage, writer: str,
+              quarantine: Callable[[str], object] | None = None) -> dict[LeaseKey, int]:
+    """Every lease with a full entry in ``writer``'s records, and the oldest weight
+    version of its newest entry (the queue key's version: staleness first). The grantor
+    reads it for the writer of each lease it expires."""
+    out: dict[LeaseKey, int] = {}
+    for key in record_keys(storage, writer):
+        for e in _read(storage, key, quarantine, meta_only=True) or []:
+            k = (e["task"], int(e["gen"]))
+            if e.get("full") and k not in out:
+                mv = e.get("min_version")
+                out[k] = int(mv) if isinstance(mv, int) else 0
+    return out
+
+
+def writers(storage: Storage) -> list[str]:
+    return [w for w in storage.list(JOURNAL_DIR) if storage.is_dir(f"{JOURNAL_DIR}/{w}")]
+
+
+def find_writer(storage: Storage, task: str, gen: int) -> str | None:
+    """The writer whose records hold a full entry of ``(task, gen)`` (reads every writer's
+    records: only for a queued name that lost its writer, see the module docstring)."""
+    for w in writers(storage):
+        for key in record_keys(storage, w):
+            if any(e["task"] == task and int(e["gen"]) == gen and e.get("full")
+                   for e in _read(storage, key, None, meta_only=True) or []):
+                return w
+    return None
+
+
+# -- garbage ----------------------------------------------------------------------------------
+
+def _needed(names: Iterable[TaskName], state: TaskState) -> set[tuple[str, int, str | None]]:
+    """(task, gen, writer) triples live names need: a lease's own entries (its holder
+    writes them), and every resume generation (writer None: any writer's)."""
+    out: set[tuple[str, int, str | None]] = set()
+    for n in names:
+        if state is TaskState.LEASED and n.producer is not None:
+            out.add((n.id, n.gen, n.producer))
+        if n.resume >= 0:
+            out.add((n.id, n.resume, None))
+    return out
+
+
+def sweep_journal(storage: Storage, quarantine: Callable[[str], object] | None = None) -> int:
+    """Delete every journal record no live task name needs, and empty writer directories;
+    returns how many records were deleted. The journal is listed *before* the state
+    directories, and those twice (a task moving between two listings of one pass is seen
+    in the other), so a record whose lease is alive at the first listing is kept."""
+    listed = {w: record_keys(storage, w) for w in writers(storage)}
+    if not listed:
+        return 0
+    need: set[tuple[str, int, str | None]] = set()
+    for _ in range(2):
+        for state in LIVE:
+            need |= _needed(names_in(storage, state), state)
+    removed = 0
+    for w, keys in listed.items():
+        for key in keys:
+            entries = _read(storage, key, quarantine, meta_only=True)
+            if entries is None:
+                continue  # unreadable metadata: a reader quarantines it
+            if any((e["task"], int(e["gen"]), w) in need or (e["task"], int(e["gen"]), None)
+                   in need for e in entries):
+                continue
+            storage.delete(key)
+            removed += 1
+        storage.rmdir(journal_dir(w))
+    return removed
+
+
+__all__ = ["FULL_EVERY", "JOURNAL_DIR", "JournalLog", "JournalStats", "find_writer",
+           "journal_dir", "journal_key", "journaled", "load_chain", "read_entries", "record_keys",
+           "sweep_journal", "writers"]
