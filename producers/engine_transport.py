@@ -129,8 +129,8 @@ class ClientConfig(Config):
     api_key: str | None = field(default=None, repr=False)  # never in a repr or log
     admin_api_key: str | None = field(default=None, repr=False)
     routing_policy: str = "round_robin"
-    stream: bool = False
-    stream_interval: int = 64
+    stream: bool = True
+    stream_interval: int = 256
 
     _moved_keys: ClassVar[Mapping[str, str]] = {
         "context_length": "engine.generation.context_length",
@@ -275,12 +275,14 @@ class Transport:
         body: Any,
         timeout_s: float,
         on_line: Callable[[bytes], None],
-    ) -> None:
-        """One POST whose 2xx reply is read line by line as it arrives (a streamed
-        ``/generate``: ``on_line`` gets each line, and may raise to end the call); the
-        faults are those of :meth:`attempt`, a connection that breaks mid-reply included."""
-        await self._request("POST", base, path, body=body, params=None, timeout_s=timeout_s,
-                            on_line=on_line)
+    ) -> bytes:
+        """One POST whose 2xx ``text/event-stream`` reply is read line by line as it
+        arrives (a streamed ``/generate``: ``on_line`` gets each line, and may raise to end
+        the call; returns b""); a reply of another type (a server that does not stream) is
+        returned whole. The faults are those of :meth:`attempt`, a connection that breaks
+        mid-reply included."""
+        return await self._request("POST", base, path, body=body, params=None,
+                                   timeout_s=timeout_s, on_line=on_line)
 
     async def _request(
         self,
@@ -300,7 +302,7 @@ class Transport:
                 headers=self.auth_headers(path),
             ) as resp:
                 status = resp.status
-                if on_line is None or status >= 300:
+                if on_line is None or status >= 300 or resp.content_type != "text/event-stream":
                     data = await resp.read()
                 else:
                     data = b""

@@ -312,23 +312,27 @@ class SGLangClient(EngineControl):
                 self._inflight.pop(wire_rid, None)
                 if call.live is not None:
                     call.live.discard(wire_rid)
-            body = decode_json(data, target, "/generate")
-            try:
-                results = parse_generate_body(
-                    body, url=target, default_version=self.config.default_version
-                )
-            except EngineProtocolError as exc:
-                raise Retryable(exc) from None
-            if len(results) != 1:
-                raise Retryable(
-                    EngineProtocolError(
-                        f"expected one /generate result for rid {wire_rid}, found {len(results)}",
-                        url=target,
-                    )
-                )
-            return dataclasses.replace(results[0], deadline_abort=True) if cut else results[0]
+            result = self._one(decode_json(data, target, "/generate"), target, wire_rid)
+            return dataclasses.replace(result, deadline_abort=True) if cut else result
 
         return await self.transport.with_retries(op, f"/generate rid={rid}")
+
+    def _one(self, body: Any, target: str, wire_rid: str) -> GenerateResult:
+        """The one result of a whole ``/generate`` reply (a protocol fault: Retryable)."""
+        try:
+            results = parse_generate_body(
+                body, url=target, default_version=self.config.default_version
+            )
+        except EngineProtocolError as exc:
+            raise Retryable(exc) from None
+        if len(results) != 1:
+            raise Retryable(
+                EngineProtocolError(
+                    f"expected one /generate result for rid {wire_rid}, found {len(results)}",
+                    url=target,
+                )
+            )
+        return results[0]
 
     async def _stream_generate(
         self, target: str, payload: dict[str, Any], wire_rid: str, deadline: float,
@@ -349,9 +353,12 @@ class SGLangClient(EngineControl):
             return reader.last is not None and len(reader.last.output_ids) > 0
 
         try:
-            _, cut = await self._deadline(target, wire_rid, deadline, self.transport.attempt_stream(
+            whole, cut = await self._deadline(target, wire_rid, deadline,
+                                              self.transport.attempt_stream(
                 target, "/generate", body=payload, on_line=line,
                 timeout_s=deadline + 2 * self.config.control_timeout_s + 1.0))
+            if whole:  # a server that does not stream answered the whole reply
+                return self._one(decode_json(whole, target, "/generate"), target, wire_rid), cut
             return reader.result(), cut
         except Retryable as exc:
             if received():
