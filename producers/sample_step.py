@@ -16,9 +16,10 @@ which checks it as the reply (budget, the stop rule, extras) and holds it as
 ``Sample.streamed``: the segment so far, shaped as the abort that would end it now (what
 ``strawq.producers.sample.received`` applies to a copy). The last chunk is applied as an
 unstreamed reply is, and ``streamed`` cleared. When the engine or the connection dies
-mid-segment (``EngineUnavailable`` / ``EngineTimeout``), what arrived is applied as an
-aborted segment (:func:`keep_received`) before the fault goes up: the turn's retry resumes
-from the longer prefix, on another engine, and only the tokens not received are lost.
+mid-segment (``EngineUnavailable`` / ``EngineTimeout``), or the step is cancelled, what
+arrived is applied as an aborted segment (:func:`keep_received`) before the fault goes
+up: the turn's retry resumes from the longer prefix, on another engine, and only the
+tokens not received are lost.
 
 The check needs the model's EOS ids: a producer resolves them once, when it starts
 (``strawq.producers.eos.resolve_eos_ids``). The step's settings are
@@ -28,6 +29,7 @@ request declares is :func:`resumed_tokens`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterable, MutableSet
 from dataclasses import dataclass
@@ -125,8 +127,10 @@ async def step_sample(client: EngineClient, sample: Sample, *, rid: str | None =
         result = await client.generate(sample.resume_input_ids(), params, rid=rid,
                                        extra=extras_payload(sample) or None, live=live,
                                        **chunks)
-    except (EngineUnavailable, EngineTimeout):
-        keep_received(sample)  # the engine or the connection died: keep what arrived
+    except (EngineUnavailable, EngineTimeout, asyncio.CancelledError):
+        # the engine or the connection died, or the step was cancelled (a halt that did
+        # not wait for the reply): keep what arrived
+        keep_received(sample)
         raise
     finally:
         sample.streamed = None

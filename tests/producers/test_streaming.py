@@ -160,6 +160,26 @@ def test_streamed_segment_is_held_while_it_runs_and_applied_as_unstreamed(
     assert {kind for _, kind in held} == {"abort"}
 
 
+def test_a_step_cancelled_mid_stream_keeps_what_arrived(sim_engine: str) -> None:
+    async def go() -> Sample:
+        s = Sample.new("c.0", [11, 22, 33], SamplerParams(max_new_tokens=5000,
+                                                          ignore_eos=True, seed=5))
+        cfg = ClientConfig(stream=True, stream_interval=4, max_retries=0)
+        async with SGLangClient([sim_engine], config=cfg) as c:
+            task = asyncio.create_task(step_sample(c, s, rid="c/c.g0/0.1"))
+            while s.streamed is None or len(s.streamed.token_ids) < 20:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await c.abort_rids(["c/c.g0/0.1"])
+        return s
+
+    s = asyncio.run(go())
+    assert s.status is SampleStatus.ABORTED and s.streamed is None
+    assert s.response_length >= 20 and s.num_segments == 1
+    assert len(s.logprobs) == len(s.versions) == s.response_length
+
+
 # -- an engine killed mid-segment -----------------------------------------------------------
 async def _live(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     async with http.get(url + "/strawq/live_requests") as r:
