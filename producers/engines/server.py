@@ -138,10 +138,12 @@ async def _stream_generate(request: web.Request, core: EngineCore, body: dict[st
     sent = 0
     try:
         while not task.done():
-            if stream_due(req, sent):
-                await resp.write(stream_event(_reply(req, core, body, started)))
-                sent = len(req.out_ids)
             req.progress.clear()
+            if stream_due(req, sent):
+                n, chunk = len(req.out_ids), _reply(req, core, body, started)
+                await resp.write(stream_event(chunk))
+                sent = n
+                continue  # tokens may have come while it was written
             tick = asyncio.ensure_future(req.progress.wait())
             await asyncio.wait({task, tick}, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
             tick.cancel()
