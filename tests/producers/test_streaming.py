@@ -160,6 +160,29 @@ def test_streamed_segment_is_held_while_it_runs_and_applied_as_unstreamed(
     assert {kind for _, kind in held} == {"abort"}
 
 
+def test_the_local_router_passes_a_stream_on_chunk_by_chunk(sim_engine: str) -> None:
+    """A chunk reaches the client through the router while its request still runs on the
+    worker (a router that waited for the whole reply would hand none before the end)."""
+    with EngineThread(EngineOptions(kind="router", worker_urls=(sim_engine,))) as router:
+        async def go() -> tuple[list[int], int, Any]:
+            held: list[int] = []
+            cfg = ClientConfig(stream=True, stream_interval=5, max_retries=0)
+            async with SGLangClient([], router_url=router.url, config=cfg) as c, \
+                    aiohttp.ClientSession() as http:
+                task = asyncio.create_task(c.generate(
+                    [11, 22], {"max_new_tokens": 3000, "ignore_eos": True}, rid="rt-1",
+                    on_chunk=lambda ch: held.append(len(ch.output_ids))))
+                while not held and not task.done():
+                    await asyncio.sleep(0.01)
+                running = len((await _live(http, sim_engine))["requests"])
+                await c.abort_rids(["rt-1"], url=sim_engine)
+                return held, running, await task
+
+        held, running, r = asyncio.run(go())
+    assert held and held[0] == 1 and running == 1
+    assert r.is_abort and len(r.output_ids) >= held[-1]
+
+
 def test_a_step_cancelled_mid_stream_keeps_what_arrived(sim_engine: str) -> None:
     async def go() -> Sample:
         s = Sample.new("c.0", [11, 22, 33], SamplerParams(max_new_tokens=5000,
