@@ -129,7 +129,7 @@ class ClientConfig(Config):
     api_key: str | None = field(default=None, repr=False)  # never in a repr or log
     admin_api_key: str | None = field(default=None, repr=False)
     routing_policy: str = "round_robin"
-    stream: bool = True
+    stream: bool = False
     stream_interval: int = 256
 
     _moved_keys: ClassVar[Mapping[str, str]] = {

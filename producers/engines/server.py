@@ -137,7 +137,7 @@ async def _stream_generate(request: web.Request, core: EngineCore, body: dict[st
     poll = request.app[INFO_KEY]["disconnect_poll_s"]
     sent = 0
     try:
-        while not task.done():
+        while req.finish is None and not task.done():  # the chunks before the last
             req.progress.clear()
             if stream_due(req, sent):
                 n, chunk = len(req.out_ids), _reply(req, core, body, started)
@@ -149,6 +149,7 @@ async def _stream_generate(request: web.Request, core: EngineCore, body: dict[st
             tick.cancel()
             if request.transport is None or request.transport.is_closing():
                 raise ConnectionResetError("the client closed the connection")
+        await asyncio.wait({task})  # ends with the request (the last chunk goes once)
         exc = task.exception()
         if exc is not None:
             await resp.write(stream_event({"error": {

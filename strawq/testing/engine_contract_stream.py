@@ -100,7 +100,10 @@ class StreamContract(ContractPlumbing):
             sp = {**GREEDY, "max_new_tokens": 7, "stream_interval": 3}
             _, events = await self._stream(
                 target, {"input_ids": list(target.prompt), "sampling_params": sp})
-            sizes = [len(json.loads(e)["output_ids"]) for e in events[:-1]]
+            chunks = [json.loads(e) for e in events[:-1]]
+            sizes = [len(c["output_ids"]) for c in chunks]
+            finished = [c["meta_info"]["finish_reason"] is not None for c in chunks]
+            assert finished == [False] * (len(chunks) - 1) + [True]  # one last chunk
             assert sizes[0] == 1 and sizes[-1] == 7
             steps = np.diff(sizes[:-1])
             assert (steps >= 3).all(), sizes  # a chunk each 3 tokens at least
