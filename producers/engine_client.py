@@ -21,7 +21,9 @@ are still judged), no EOS ids from the engine (the other sources are tried), no 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableSet, Sequence
+import inspect
+
+from collections.abc import Callable, Mapping, MutableSet, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,10 +48,15 @@ class EngineClient(Protocol):
     async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
                        rid: str | None = None, among: Sequence[str] | None = None,
                        extra: Mapping[str, Any] | None = None,
-                       live: MutableSet[str] | None = None) -> GenerateResult:
+                       live: MutableSet[str] | None = None,
+                       on_chunk: Callable[[GenerateResult], None] | None = None
+                       ) -> GenerateResult:
         """One ``/generate`` segment (n=1) under ``rid``, on one of ``among`` (None: any
         worker). Every wire rid the call sends (a retry's own rid included) is in ``live``
-        while it is in flight, so that an abort can name it exactly."""
+        while it is in flight, so that an abort can name it exactly. A client that streams
+        passes each chunk before the last to ``on_chunk`` (the reply so far, shaped as an
+        abort: ``GenerateResult.streaming``); one that does not never calls it. A fault
+        after chunks with tokens arrived is raised, not retried from the old prefix."""
         ...
 
     async def abort(self, rid: str | None = None, *, url: str | None = None) -> None:
@@ -121,6 +128,20 @@ def optional_calls(client: object) -> OptionalCalls:
         version=client if isinstance(client, VersionProbe) else None,
         model=client if isinstance(client, ModelInfoProbe) else None,
         router=client if isinstance(client, RouterClient) else None)
+
+
+def takes_chunks(client: object) -> bool:
+    """Whether ``client.generate`` takes ``on_chunk`` (a client written before streamed
+    replies may not: it is called without it, and its segments are not held as they run)."""
+    gen = getattr(client, "generate", None)
+    if gen is None:
+        return False
+    try:
+        params = inspect.signature(gen).parameters
+    except (TypeError, ValueError):
+        return False
+    return "on_chunk" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                       for p in params.values())
 
 
 async def warm_prefix(client: EngineClient, input_ids: Sequence[int], *,

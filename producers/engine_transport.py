@@ -104,6 +104,16 @@ class ClientConfig(Config):
             over the workers in rotation (a worker leaving moves only its own tasks); a
             retry goes to the task's next engine. Behind a router, configure the router's
             own ``--policy cache_aware``.
+        stream: send ``/generate`` with ``"stream": true`` (SGLang's field) and read the
+            reply chunk by chunk: the producer holds every token as it arrives
+            (``Sample.streamed``), and an engine or connection that dies mid-segment
+            costs only the tokens not yet received (the sample resumes from the rest on
+            another engine). False: one reply per segment; a segment cut by a fault is
+            lost and generated again.
+        stream_interval: tokens per streamed chunk (SGLang's per-request
+            ``sampling_params.stream_interval``; the first token comes at once): what a
+            dying engine may cost at most. SGLang's chunks are cumulative (the whole reply
+            so far), so the bytes sent grow as n²/(2·interval) for an n-token segment.
     """
 
     connect_timeout_s: float = 5.0
@@ -119,6 +129,8 @@ class ClientConfig(Config):
     api_key: str | None = field(default=None, repr=False)  # never in a repr or log
     admin_api_key: str | None = field(default=None, repr=False)
     routing_policy: str = "round_robin"
+    stream: bool = False
+    stream_interval: int = 256
 
     _moved_keys: ClassVar[Mapping[str, str]] = {
         "context_length": "engine.generation.context_length",
@@ -144,6 +156,9 @@ class ClientConfig(Config):
             raise ValueError("ClientConfig needs 0 <= backoff_base_s <= backoff_max_s")
         if not 0.0 <= self.jitter <= 1.0:
             raise ValueError(f"ClientConfig.jitter must be in [0, 1], found {self.jitter}")
+        if self.stream_interval < 1:
+            raise ValueError(f"ClientConfig.stream_interval must be >= 1, found "
+                             f"{self.stream_interval}")
         if self.pool_limit < 1:
             raise ValueError(f"ClientConfig.pool_limit must be >= 1, found {self.pool_limit}")
 
@@ -249,14 +264,50 @@ class Transport:
         timeout_s: float,
     ) -> bytes:
         """One HTTP call; a retryable fault is raised as :class:`Retryable`."""
+        return await self._request(method, base, path, body=body, params=params,
+                                   timeout_s=timeout_s, on_line=None)
+
+    async def attempt_stream(
+        self,
+        base: str,
+        path: str,
+        *,
+        body: Any,
+        timeout_s: float,
+        on_line: Callable[[bytes], None],
+    ) -> bytes:
+        """One POST whose 2xx ``text/event-stream`` reply is read line by line as it
+        arrives (a streamed ``/generate``: ``on_line`` gets each line, and may raise to end
+        the call; returns b""); a reply of another type (a server that does not stream) is
+        returned whole. The faults are those of :meth:`attempt`, a connection that breaks
+        mid-reply included."""
+        return await self._request("POST", base, path, body=body, params=None,
+                                   timeout_s=timeout_s, on_line=on_line)
+
+    async def _request(
+        self,
+        method: str,
+        base: str,
+        path: str,
+        *,
+        body: Any,
+        params: Mapping[str, str] | None,
+        timeout_s: float,
+        on_line: Callable[[bytes], None] | None,
+    ) -> bytes:
         timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self.config.connect_timeout_s)
         try:
             async with self.session.request(
                 method, base + path, json=body, params=params, timeout=timeout,
                 headers=self.auth_headers(path),
             ) as resp:
-                data = await resp.read()
                 status = resp.status
+                if on_line is None or status >= 300 or resp.content_type != "text/event-stream":
+                    data = await resp.read()
+                else:
+                    data = b""
+                    async for line in resp.content:
+                        on_line(line)
         except asyncio.TimeoutError as exc:
             if getattr(exc, "errno", None) is not None:  # ETIMEDOUT: the kernel gave up
                 raise Retryable(EngineUnavailable(

@@ -5,7 +5,9 @@
 payload, reply check, tokens applied), its wire rids recorded in the group's ``live_rids``
 while in flight. A reply from stale weights is re-issued; with every engine stale the turn
 waits for the trainer's push; an engine fault is retried ``engine.sample_retries`` times
-(backing off), then the sample's group is halted (``GroupHalts.stop_samples``). A segment
+(backing off), then the sample's group is halted (``GroupHalts.stop_samples``). With a
+streaming client, the tokens a faulted segment streamed are already applied
+(``sample_step.keep_received``): the retry resumes from them on another engine. A segment
 cut by its deadline resumes at once from the longer prefix.
 
 Prefix warming (``GenerationConfig.warm_prefix``) is here too: the group's prompt
@@ -82,6 +84,7 @@ class EngineTurns:
             if not a.generating:
                 a.generating = True
                 self.book.hop("claim_to_generate", self.clock() - a.claimed_at)
+            held = s.response_length
             try:
                 res = await step_sample(self._client(), s, rid=rid,
                                         context_length=engine.generation.context_length,
@@ -102,6 +105,11 @@ class EngineTurns:
             except (EngineError, SampleError) as exc:
                 failures += 1
                 self.book.bump("engine_faults")
+                kept = s.response_length - held  # streamed before the fault: kept
+                if kept > 0:
+                    self.book.bump("tokens_generated", kept)
+                    log.info("task %s sample %d: %d streamed tokens kept; it resumes from "
+                             "them", run.task_id, i, kept)
                 if isinstance(exc, SampleError) or failures > engine.sample_retries:
                     log.warning("task %s sample %d: giving up after %d failures: %s",
                                 run.task_id, i, failures, exc)

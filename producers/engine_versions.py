@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from strawq.errors import StrawqError
-from strawq.producers.engine_client import EngineClient, optional_calls
+from strawq.producers.engine_client import EngineClient, optional_calls, takes_chunks
 from strawq.producers.engine_errors import EngineError
 from strawq.producers.meter import StatsBook
 from strawq.producers.sglang_protocol import GenerateResult
@@ -129,6 +129,14 @@ class VersionGuard:
         return bool(urls) and all(u in self.stale for u in urls)
 
     # -- judging a reply (the client calls it before applying any token) --------------------
+    def fresh(self, result: GenerateResult) -> bool:
+        """True when every token of ``result`` is of the version the guard expects (no
+        I/O: what a streamed chunk needs before the producer holds its tokens)."""
+        versions = np.asarray(result.versions)
+        exp = self.expected
+        return exp is not None and result.weight_version == exp and (
+            not len(versions) or int(versions.min()) == exp == int(versions.max()))
+
     async def check(self, result: GenerateResult) -> None:
         """Return when ``result`` may be applied; raise :class:`StaleEngine` when its tokens
         come from weights other than the run's version outside a bracket."""
@@ -360,10 +368,16 @@ class GuardedClient:
     async def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
                        rid: str | None = None, among: Sequence[str] | None = None,
                        extra: Mapping[str, Any] | None = None,
-                       live: MutableSet[str] | None = None) -> GenerateResult:
+                       live: MutableSet[str] | None = None,
+                       on_chunk: Callable[[GenerateResult], None] | None = None
+                       ) -> GenerateResult:
         urls = self.guard.usable(list(self.inner.worker_urls if among is None else among))
+        kw: dict[str, Any] = {}
+        if on_chunk is not None and takes_chunks(self.inner):
+            # only chunks all of the run's version get through
+            kw["on_chunk"] = lambda chunk: on_chunk(chunk) if self.guard.fresh(chunk) else None
         result = await self.inner.generate(input_ids, sampling_params, rid=rid, among=urls,
-                                           extra=extra, live=live)
+                                           extra=extra, live=live, **kw)
         await self.guard.check(result)  # raises StaleEngine: no token from the wrong weights
         return result
 

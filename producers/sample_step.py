@@ -11,6 +11,16 @@ The producer's runner (``strawq.producers.runner.GroupRunner.generate_turn``) ca
     check    no more tokens than the budget; an abort that landed on a stop token is final
     apply    apply_segment(sample, segment_for(result, sample))
 
+A streaming client (``ClientConfig.stream``) hands each chunk before the last to the step,
+which checks it as the reply (budget, the stop rule, extras) and holds it as
+``Sample.streamed``: the segment so far, shaped as the abort that would end it now (what
+``strawq.producers.sample.received`` applies to a copy). The last chunk is applied as an
+unstreamed reply is, and ``streamed`` cleared. When the engine or the connection dies
+mid-segment (``EngineUnavailable`` / ``EngineTimeout``), or the step is cancelled, what
+arrived is applied as an aborted segment (:func:`keep_received`) before the fault goes
+up: the turn's retry resumes from the longer prefix, on another engine, and only the
+tokens not received are lost.
+
 The check needs the model's EOS ids: a producer resolves them once, when it starts
 (``strawq.producers.eos.resolve_eos_ids``). The step's settings are
 :class:`GenerationConfig` (``ProducerConfig.engine.generation``); the resumed prefix a
@@ -19,20 +29,25 @@ request declares is :func:`resumed_tokens`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableSet
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, MutableSet
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from strawq.config import Config
 from strawq.errors import ConfigError
 
-from strawq.producers.engine_client import EngineClient
-from strawq.producers.engine_errors import EngineProtocolError
-from strawq.producers.extras_protocol import extras_payload, segment_for
+from strawq.producers.engine_client import EngineClient, takes_chunks
+from strawq.producers.engine_errors import EngineProtocolError, EngineTimeout, EngineUnavailable
+from strawq.producers.extras_protocol import ExtrasMismatch, extras_payload, segment_for
 from strawq.producers.sample import Sample, SampleError, SampleStatus, apply_segment
 from strawq.producers.sglang_protocol import (GenerateResult, finalize_abort_at_stop,
                                               with_resumed_tokens)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,15 +112,58 @@ async def step_sample(client: EngineClient, sample: Sample, *, rid: str | None =
         return None
     params = with_resumed_tokens(sample.params.to_sglang(max_new_tokens=budget),
                                  resumed_tokens(sample))
-    result = await client.generate(sample.resume_input_ids(), params, rid=rid,
-                                   extra=extras_payload(sample) or None, live=live)
+    stop = _stop_rule(sample, eos_ids)
+
+    def on_chunk(chunk: GenerateResult) -> None:
+        # a streamed chunk: the reply so far, checked as the reply is, held on the sample
+        _check_budget(chunk, budget)
+        try:
+            sample.streamed = segment_for(stop(chunk), sample)
+        except ExtrasMismatch:
+            pass  # extras not (yet) aligned with the tokens: the last chunk held stays
+
+    try:
+        chunks: dict[str, Any] = {"on_chunk": on_chunk} if takes_chunks(client) else {}
+        result = await client.generate(sample.resume_input_ids(), params, rid=rid,
+                                       extra=extras_payload(sample) or None, live=live,
+                                       **chunks)
+    except (EngineUnavailable, EngineTimeout, asyncio.CancelledError):
+        # the engine or the connection died, or the step was cancelled (a halt that did
+        # not wait for the reply): keep what arrived
+        keep_received(sample)
+        raise
+    finally:
+        sample.streamed = None
+    _check_budget(result, budget)
+    apply_segment(sample, segment_for(stop(result), sample))
+    return result
+
+
+def keep_received(sample: Sample) -> int:
+    """Apply the tokens a segment streamed before it was cut (``Sample.streamed``, an
+    aborted segment; final when it ends on a stop token) and clear it; returns how many
+    were applied. The next segment resumes from them."""
+    seg, sample.streamed = sample.streamed, None
+    if seg is None or not len(seg.token_ids) or sample.is_final:
+        return 0
+    n = apply_segment(sample, seg)
+    log.info("sample %s: segment cut after %d streamed tokens; they are kept", sample.uid, n)
+    return n
+
+
+def _check_budget(result: GenerateResult, budget: int) -> None:
     if len(result.output_ids) > budget:
         raise EngineProtocolError(
             f"engine returned {len(result.output_ids)} tokens for a budget of {budget} "
             f"(rid {result.rid}); segment rejected", url=result.url)
-    if eos_ids is not None and result.is_abort and not sample.params.ignore_eos:
-        # (ignore_eos switches off every token-based stop on SGLang 0.5.23)
-        result = finalize_abort_at_stop(result, eos_ids=eos_ids,
-                                        stop_token_ids=sample.params.stop_token_ids)
-    apply_segment(sample, segment_for(result, sample))
-    return result
+
+
+def _stop_rule(sample: Sample, eos_ids: Iterable[int] | None
+               ) -> Callable[[GenerateResult], GenerateResult]:
+    """An aborted reply ending on one of ``eos_ids`` or the sample's stop tokens is final
+    (not with ``ignore_eos``, which switches off every token-based stop on SGLang 0.5.23)."""
+    if eos_ids is None or sample.params.ignore_eos:
+        return lambda r: r
+    eos = frozenset(int(t) for t in eos_ids)
+    return lambda r: finalize_abort_at_stop(r, eos_ids=eos,
+                                            stop_token_ids=sample.params.stop_token_ids)

@@ -16,6 +16,13 @@ generated so far) is returned as the segment, marked ``deadline_abort``: the cal
 the tokens and resumes from the longer prefix. Only a request that does not come back
 ``control_timeout_s`` after its abort is a fault (retried from the old prefix).
 
+**Streaming** (``ClientConfig.stream``): ``/generate`` is sent with ``"stream": true``
+and read as it arrives (``strawq.producers.sglang_protocol.StreamReader``: SSE, cumulative
+chunks, each checked as a whole reply); the caller's ``on_chunk`` gets every chunk before
+the last, and the last is the reply, the same as unstreamed. A fault after tokens arrived
+is not retried by the client (a retry from the old prefix would drop them): it is raised,
+and the sample step keeps what arrived and resumes from there.
+
 Aborts are by **exact rid** (SGLang 0.5.23 ignores a rid prefix: docs/engines.md).
 The client gives every request a rid; a retried attempt gets its own (``<rid>~retry<n>``),
 and every wire rid in flight is in the caller's ``live`` set (and the client's own record:
@@ -32,9 +39,9 @@ import dataclasses
 import hashlib
 import logging
 import uuid
-from collections.abc import Mapping, MutableSet, Sequence
+from collections.abc import Awaitable, Callable, Mapping, MutableSet, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from typing_extensions import Self
 
@@ -55,11 +62,13 @@ from strawq.producers.engine_transport import (
 from strawq.producers.sglang_control import EngineControl
 from strawq.producers.sglang_protocol import (
     GenerateResult,
+    StreamReader,
     build_generate_payload,
     parse_generate_body,
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 __all__ = ["ADMIN_PATHS", "ClientConfig", "SGLangClient", "WorkerInfo", "parse_workers"]
 
@@ -212,13 +221,15 @@ class SGLangClient(EngineControl):
         timeout_s: float | None = None,
         extra: Mapping[str, Any] | None = None,
         live: MutableSet[str] | None = None,
+        on_chunk: Callable[[GenerateResult], None] | None = None,
     ) -> GenerateResult:
         """One ``/generate`` call (n=1). Retries go to the next worker when ``url`` is None
         (round-robin over ``among`` when given, else every worker); each wire rid in flight
-        is in ``live`` while it is."""
+        is in ``live`` while it is. With ``ClientConfig.stream`` the reply is streamed and
+        ``on_chunk`` gets each non-final chunk (the reply so far, abort-shaped)."""
         results = await self.generate_many(
             input_ids, sampling_params, rid=rid, url=url, among=among, timeout_s=timeout_s,
-            extra=extra, live=live)
+            extra=extra, live=live, on_chunk=on_chunk)
         if len(results) != 1:
             raise EngineProtocolError(
                 f"expected one /generate result, found {len(results)}", url=results[0].url
@@ -236,6 +247,7 @@ class SGLangClient(EngineControl):
         timeout_s: float | None = None,
         extra: Mapping[str, Any] | None = None,
         live: MutableSet[str] | None = None,
+        on_chunk: Callable[[GenerateResult], None] | None = None,
     ) -> list[GenerateResult]:
         """``/generate`` returning every result; ``n>1`` becomes n abortable requests.
 
@@ -251,7 +263,8 @@ class SGLangClient(EngineControl):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"sampling_params.n must be an int >= 1, found {n!r}")
         base = rid if rid is not None else uuid.uuid4().hex
-        one = _Call(url=url, among=among, timeout_s=timeout_s, extra=extra, live=live)
+        one = _Call(url=url, among=among, timeout_s=timeout_s, extra=extra, live=live,
+                    on_chunk=on_chunk)
         if n == 1:
             return [await self._generate_one(input_ids, params, base, one)]
         single = {k: v for k, v in params.items() if k != "n"}
@@ -267,7 +280,11 @@ class SGLangClient(EngineControl):
     async def _generate_one(
         self, input_ids: Sequence[int], params: dict[str, Any], rid: str, call: _Call
     ) -> GenerateResult:
-        payload = build_generate_payload(input_ids, params, rid=rid, extra=call.extra)
+        stream = self.config.stream
+        if stream and self.config.stream_interval > 1:
+            params = {"stream_interval": self.config.stream_interval, **params}
+        payload = build_generate_payload(input_ids, params, rid=rid, extra=call.extra,
+                                         stream=stream)
         deadline = call.timeout_s or self.config.generate_timeout_s
         attempts = 0
 
@@ -284,37 +301,89 @@ class SGLangClient(EngineControl):
             if call.live is not None:
                 call.live.add(wire_rid)
             try:
-                data, cut = await self._post_generate(target, payload, wire_rid, deadline)
+                if stream:
+                    result, cut = await self._stream_generate(target, payload, wire_rid,
+                                                              deadline, call.on_chunk)
+                    return dataclasses.replace(result, deadline_abort=True) if cut else result
+                data, cut = await self._deadline(target, wire_rid, deadline, self.transport.attempt(
+                    "POST", target, "/generate", body=payload,
+                    timeout_s=deadline + 2 * self.config.control_timeout_s + 1.0))
             finally:
                 self._inflight.pop(wire_rid, None)
                 if call.live is not None:
                     call.live.discard(wire_rid)
-            body = decode_json(data, target, "/generate")
-            try:
-                results = parse_generate_body(
-                    body, url=target, default_version=self.config.default_version
-                )
-            except EngineProtocolError as exc:
-                raise Retryable(exc) from None
-            if len(results) != 1:
-                raise Retryable(
-                    EngineProtocolError(
-                        f"expected one /generate result for rid {wire_rid}, found {len(results)}",
-                        url=target,
-                    )
-                )
-            return dataclasses.replace(results[0], deadline_abort=True) if cut else results[0]
+            result = self._one(decode_json(data, target, "/generate"), target, wire_rid)
+            return dataclasses.replace(result, deadline_abort=True) if cut else result
 
         return await self.transport.with_retries(op, f"/generate rid={rid}")
 
-    async def _post_generate(self, target: str, payload: dict[str, Any], wire_rid: str,
-                             deadline: float) -> tuple[bytes, bool]:
-        """POST ``payload``; past ``deadline`` abort ``wire_rid`` and take the aborted reply
-        (its tokens are the segment). Returns the body and whether the deadline cut it."""
+    def _one(self, body: Any, target: str, wire_rid: str) -> GenerateResult:
+        """The one result of a whole ``/generate`` reply (a protocol fault: Retryable)."""
+        try:
+            results = parse_generate_body(
+                body, url=target, default_version=self.config.default_version
+            )
+        except EngineProtocolError as exc:
+            raise Retryable(exc) from None
+        if len(results) != 1:
+            raise Retryable(
+                EngineProtocolError(
+                    f"expected one /generate result for rid {wire_rid}, found {len(results)}",
+                    url=target,
+                )
+            )
+        return results[0]
+
+    async def _stream_generate(
+        self, target: str, payload: dict[str, Any], wire_rid: str, deadline: float,
+        on_chunk: Callable[[GenerateResult], None] | None,
+    ) -> tuple[GenerateResult, bool]:
+        """One streamed ``/generate`` attempt: each chunk so far goes to ``on_chunk``.
+        A fault after a chunk with tokens is raised as it is, not retried here: a retry
+        from the old prefix would throw those tokens away; the caller keeps them (the
+        sample step applies what it received) and resumes from the longer prefix."""
+        reader = StreamReader(url=target, default_version=self.config.default_version)
+
+        def line(raw: bytes) -> None:
+            chunk = reader.feed(raw)
+            if chunk is not None and on_chunk is not None and reader.holdable(chunk):
+                on_chunk(chunk)
+
+        def received() -> bool:
+            return reader.last is not None and len(reader.last.output_ids) > 0
+
+        try:
+            whole, cut = await self._deadline(target, wire_rid, deadline,
+                                              self.transport.attempt_stream(
+                target, "/generate", body=payload, on_line=line,
+                timeout_s=deadline + 2 * self.config.control_timeout_s + 1.0))
+            if whole:  # a server that does not stream answered the whole reply
+                return self._one(decode_json(whole, target, "/generate"), target, wire_rid), cut
+            return reader.result(), cut
+        except Retryable as exc:
+            if received():
+                raise exc.error from None
+            raise
+        except EngineUnavailable:  # the stream ended before its final chunk
+            if received():
+                raise
+            raise Retryable(EngineUnavailable(
+                "/generate stream ended before its first chunk", url=target)) from None
+        except EngineRequestError:
+            raise
+        except EngineProtocolError as exc:
+            if received():
+                raise
+            raise Retryable(exc) from None
+
+    async def _deadline(self, target: str, wire_rid: str, deadline: float,
+                        work: Awaitable[T]) -> tuple[T, bool]:
+        """Run the ``/generate`` call ``work``; past ``deadline`` abort ``wire_rid`` and take
+        the aborted reply (its tokens are the segment). Returns what ``work`` returned and
+        whether the deadline cut it."""
         grace = self.config.control_timeout_s
         # the HTTP bound outlasts the deadline, the abort and the wait for its reply
-        post = asyncio.ensure_future(self.transport.attempt(
-            "POST", target, "/generate", body=payload, timeout_s=deadline + 2 * grace + 1.0))
+        post = asyncio.ensure_future(work)
         try:
             done, _ = await asyncio.wait({post}, timeout=deadline)
             if post in done:
@@ -374,3 +443,4 @@ class _Call:
     timeout_s: float | None
     extra: Mapping[str, Any] | None
     live: MutableSet[str] | None
+    on_chunk: Callable[[GenerateResult], None] | None = None

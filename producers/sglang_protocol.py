@@ -12,6 +12,7 @@ the caller maps it with ``default_version``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,11 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from strawq.producers.engine_errors import EngineProtocolError
+from strawq.producers.engine_errors import (EngineProtocolError, EngineRequestError,
+                                             EngineUnavailable)
 from strawq.producers.sample import LOGPROB_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Segment
 
 FINISH_TYPES = ("stop", "length", "abort")
 WAITING_ABORT_MESSAGE = "Abort in waiting queue"
+#: the finish a non-final stream chunk is given: the abort reply that would end the request
+#: with the tokens received so far (the request itself still runs on the engine)
+STREAMED_SO_FAR: dict[str, Any] = {"type": "abort", "message": "Streamed so far"}
 
 
 def parse_version(value: Any, *, url: str | None = None, default_version: int | None = None) -> int:
@@ -68,6 +73,9 @@ class GenerateResult:
     #: the client aborted it at the segment deadline (``ClientConfig.generate_timeout_s``);
     #: its tokens are the segment, the sample resumes from them
     deadline_abort: bool = False
+    #: a non-final chunk of a streamed reply: the tokens so far, its finish the
+    #: abort-shaped :data:`STREAMED_SO_FAR` (the request still runs)
+    streaming: bool = False
 
     @property
     def finish_type(self) -> str:
@@ -136,12 +144,15 @@ def build_generate_payload(
     *,
     rid: str | None = None,
     extra: Mapping[str, Any] | None = None,
+    stream: bool = False,
 ) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "input_ids": [int(t) for t in input_ids],
         "sampling_params": dict(sampling_params),
         "return_logprob": True,
     }
+    if stream:
+        payload["stream"] = True
     if rid is not None:
         payload["rid"] = rid
     if extra:
@@ -162,7 +173,9 @@ def _int_field(meta: Mapping[str, Any], key: str, url: str | None, *, required: 
     return value
 
 
-def _parse_finish(value: Any, url: str | None) -> dict[str, Any]:
+def _parse_finish(value: Any, url: str | None, *, chunk: bool = False) -> dict[str, Any]:
+    if value is None and chunk:
+        return dict(STREAMED_SO_FAR)
     if not isinstance(value, Mapping):
         raise EngineProtocolError(
             f"meta_info.finish_reason must be a dict with 'type' in {FINISH_TYPES}, found "
@@ -211,9 +224,15 @@ def _parse_spans(spans: Any, n: int, url: str | None, default_version: int | Non
 
 
 def parse_generate_response(
-    body: Any, *, url: str | None = None, default_version: int | None = None
+    body: Any, *, url: str | None = None, default_version: int | None = None,
+    chunk: bool = False,
 ) -> GenerateResult:
-    """Validate one ``/generate`` response object (already JSON-decoded)."""
+    """Validate one ``/generate`` response object (already JSON-decoded).
+
+    ``chunk``: the object is one chunk of a streamed reply (``"stream": true``); a
+    non-final chunk's ``finish_reason`` is null and it is returned shaped as the abort
+    reply that would end the request now (:data:`STREAMED_SO_FAR`, ``streaming`` set).
+    Everything else is checked as in a whole reply."""
     if not isinstance(body, Mapping):
         raise EngineProtocolError(
             f"/generate response must be a JSON object, found {type(body).__name__}", url=url
@@ -275,7 +294,7 @@ def parse_generate_response(
         raise EngineProtocolError(
             f"completion_tokens={completion} but output_ids has {n} tokens", url=url
         )
-    finish = _parse_finish(meta.get("finish_reason"), url)
+    finish = _parse_finish(meta.get("finish_reason"), url, chunk=chunk)
     if "weight_version" not in meta:
         raise EngineProtocolError("meta_info.weight_version is missing", url=url)
     version = parse_version(meta["weight_version"], url=url, default_version=default_version)
@@ -305,6 +324,7 @@ def parse_generate_response(
         text=text if isinstance(text, str) else "",
         url=url,
         meta_info=dict(meta),
+        streaming=chunk and meta.get("finish_reason") is None,
     )
 
 
@@ -318,3 +338,93 @@ def parse_generate_body(
     return [
         parse_generate_response(item, url=url, default_version=default_version) for item in items
     ]
+
+
+class StreamReader:
+    """The chunks of one streamed ``/generate`` reply (``"stream": true``), line by line.
+
+    SGLang 0.5.23 answers ``text/event-stream``: one ``data: {json}`` event per chunk,
+    then ``data: [DONE]``. Without ``--incremental-streaming-output`` (its default) every
+    chunk is **cumulative**: the whole reply so far (``output_ids``, the log-probs, the
+    weight-version spans, ``completion_tokens``), its ``finish_reason`` null until the last
+    one. Each chunk is checked as a whole reply (:func:`parse_generate_response`) and must
+    extend the one before (an incremental server breaks that: a clear error). An error
+    raised on the server after the headers comes as a ``data: {"error": {...}}`` event.
+    The per-token ``weight_versions`` spans come with the last chunk only: a chunk before
+    it stamps its new tokens with its ``weight_version`` (:meth:`holdable` is False once
+    that changed during the stream).
+    """
+
+    def __init__(self, *, url: str | None = None, default_version: int | None = None) -> None:
+        self.url = url
+        self.default_version = default_version
+        #: the newest chunk (None: none yet)
+        self.last: GenerateResult | None = None
+        #: ``data: [DONE]`` was read
+        self.done = False
+        #: the weight version changed mid-stream: the chunks' stamps are unsure before the
+        #: last (which carries the spans)
+        self.unsure = False
+
+    def feed(self, line: bytes | str) -> GenerateResult | None:
+        """One line of the stream; returns the chunk it completes (None: framing only)."""
+        text = (line.decode("utf-8", "replace") if isinstance(line, bytes) else line).strip()
+        if not text or text.startswith(":") or not text.startswith("data:"):
+            return None  # blank separator, SSE comment, or a field strawq does not use
+        data = text[len("data:"):].strip()
+        if data == "[DONE]":
+            self.done = True
+            return None
+        if self.done:
+            raise EngineProtocolError("stream chunk after data: [DONE]", url=self.url)
+        if self.last is not None and not self.last.streaming:
+            raise EngineProtocolError("stream chunk after the final one", url=self.url)
+        try:
+            body = json.loads(data)
+        except ValueError as exc:
+            raise EngineProtocolError(f"stream chunk is not JSON ({exc}): {data[:120]!r}",
+                                      url=self.url) from None
+        if isinstance(body, Mapping) and "error" in body and "meta_info" not in body:
+            err = body["error"]
+            message = err.get("message") if isinstance(err, Mapping) else err
+            code = err.get("code") if isinstance(err, Mapping) else None
+            raise EngineRequestError(f"/generate stream ended with an error: {message}",
+                                     url=self.url, status=code if isinstance(code, int) else 400)
+        chunk = parse_generate_response(body, url=self.url, chunk=True,
+                                        default_version=self.default_version)
+        prev = self.last
+        if prev is not None:
+            n = len(prev.output_ids)
+            if (len(chunk.output_ids) < n
+                    or not np.array_equal(chunk.output_ids[:n], prev.output_ids)
+                    or not np.array_equal(chunk.logprobs[:n], prev.logprobs)):
+                raise EngineProtocolError(
+                    f"stream chunk of {len(chunk.output_ids)} tokens does not extend the one "
+                    f"before ({n} tokens): strawq reads cumulative chunks; start SGLang "
+                    "without --incremental-streaming-output", url=self.url)
+        if chunk.streaming and "weight_versions" not in chunk.meta_info:
+            # SGLang 0.5.23 sends the per-token spans with the last chunk only; before it,
+            # the tokens already received keep their stamps, the new ones get the chunk's
+            # version, and a version that changed makes the stamps unsure until the last
+            if prev is not None:
+                new = len(chunk.output_ids) - len(prev.output_ids)
+                chunk = dataclasses.replace(chunk, versions=np.concatenate(
+                    [prev.versions, np.full(new, chunk.weight_version, VERSION_DTYPE)]))
+                if chunk.weight_version != prev.weight_version:
+                    self.unsure = True
+        self.last = chunk
+        return chunk
+
+    def holdable(self, chunk: GenerateResult) -> bool:
+        """Whether the producer may hold ``chunk`` as received: a chunk before the last,
+        every token's version known (none changed during the stream)."""
+        return chunk.streaming and not self.unsure
+
+    def result(self) -> GenerateResult:
+        """The final chunk: the reply. :class:`EngineUnavailable` when the stream ended
+        before it (the connection closed, the engine died): :attr:`last` holds what came."""
+        if self.last is None or self.last.streaming:
+            got = 0 if self.last is None else len(self.last.output_ids)
+            raise EngineUnavailable(f"/generate stream ended before its final chunk "
+                                    f"({got} tokens received)", url=self.url)
+        return self.last

@@ -62,6 +62,8 @@ class ReqParams:
     seed: int | None = None
     #: trailing input tokens that are the request's resumed prefix (custom_params), if sent
     resumed_tokens: int | None = None
+    #: a streamed request's chunk interval in tokens (``stream_interval``; None: every token)
+    stream_interval: int | None = None
 
 
 @dataclass(eq=False)
@@ -83,6 +85,8 @@ class Req:
     num_retractions: int = 0
     created: float = field(default_factory=time.monotonic)
     backend_state: Any = None
+    #: set at each new token and at the end (a streamed request's reader clears it)
+    progress: asyncio.Event | None = None
 
     @property
     def seq_len(self) -> int:
@@ -251,6 +255,8 @@ class EngineCore:
             req.out_logprobs.append(float(logprob))
             req.out_versions.append(version)
             self.generated_tokens += 1
+            if req.progress is not None:
+                req.progress.set()
             if req.abort_requested:  # a pending abort wins over EOS / stop / length
                 self._finish(req, dict(ABORT_RUNNING))
                 continue
@@ -293,6 +299,8 @@ class EngineCore:
         self.abort_sent.discard(req.rid)
         if not req.done.done():
             req.done.set_result(None)
+        if req.progress is not None:
+            req.progress.set()
         if not self.live:
             self._idle.set()
 

@@ -1,8 +1,9 @@
 """A minimal stand-in for sglang-router 0.3.x: worker registry and round-robin ``/generate``.
 
 Only what strawq uses: ``GET /workers`` (the 0.3.x shape), ``POST /workers`` (202),
-``DELETE /workers/{id}``, ``/generate`` forwarded round-robin with the body unchanged,
-``/flush_cache`` fanned out, ``/health`` and ``/health_generate`` answered by the router.
+``DELETE /workers/{id}``, ``/generate`` forwarded round-robin with the body unchanged (a
+streamed reply passed on chunk by chunk), ``/flush_cache`` fanned out, ``/health`` and
+``/health_generate`` answered by the router.
 Control endpoints (abort, pause, weight updates) are deliberately *not* routed (404), as
 in the real router: clients must send them to each worker.
 
@@ -76,7 +77,7 @@ def _upstream_headers(request: web.Request) -> dict[str, str]:
     return {"Authorization": auth} if auth else {}
 
 
-async def _generate(request: web.Request) -> web.Response:
+async def _generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     workers = state["workers"]
     if not workers:
@@ -84,11 +85,24 @@ async def _generate(request: web.Request) -> web.Response:
     url = workers[next(state["rr"]) % len(workers)]["url"]
     body = await request.read()
     headers = {"Content-Type": "application/json", **_upstream_headers(request)}
+    out: web.StreamResponse | None = None
     try:
         async with state["session"].post(url + "/generate", data=body, headers=headers) as resp:
-            data = await resp.read()
-            return web.Response(body=data, status=resp.status, content_type=resp.content_type)
+            if resp.status != 200 or resp.content_type != "text/event-stream":
+                data = await resp.read()
+                return web.Response(body=data, status=resp.status,
+                                    content_type=resp.content_type)
+            # a streamed reply: each chunk passed on as it comes (the worker's own framing)
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                              "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            async for data in resp.content.iter_any():
+                await out.write(data)
+            await out.write_eof()
+            return out
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        if out is not None:  # the headers went out: the client sees the stream end early
+            return out
         return web.json_response({"error": {"message": f"worker {url} failed: {exc}"}}, status=502)
 
 

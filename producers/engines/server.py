@@ -32,6 +32,8 @@ from strawq.producers.engines.wire import (
     BadRequest,
     build_response,
     make_reqs,
+    stream_due,
+    stream_event,
     parse_generate,
     parse_sampling_params,
     version_spans,
@@ -81,6 +83,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     reqs = make_reqs(g)
     multi = len(reqs) > 1
     started = time.monotonic()
+    if body.get("stream"):
+        return await _stream_generate(request, core, body, reqs[0])
     try:
         if not await _submit_while_connected(request, core, reqs):
             return web.Response(status=499)  # nobody reads it: the client is gone
@@ -102,6 +106,78 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             add_extras(o["meta_info"], body, r.input_ids, r.out_ids, r.out_logprobs,
                        core.backend.vocab_size, r.params.temperature, r.params.top_k)
     return web.json_response(out if multi else out[0])
+
+
+def _reply(req: Req, core: EngineCore, body: dict[str, Any], started: float) -> dict[str, Any]:
+    out = build_response(req, core, return_logprob=bool(body.get("return_logprob")),
+                         text_in_logprobs=bool(body.get("return_text_in_logprobs")),
+                         latency=time.monotonic() - started)
+    if req.finish is None:  # a chunk before the last: SGLang 0.5.23 sends no spans
+        for key in ("weight_versions", "e2e_latency"):
+            out["meta_info"].pop(key, None)
+    elif req.finish != ABORT_WAITING:  # per-token extras
+        add_extras(out["meta_info"], body, req.input_ids, req.out_ids, req.out_logprobs,
+                   core.backend.vocab_size, req.params.temperature, req.params.top_k)
+    return out
+
+
+async def _stream_generate(request: web.Request, core: EngineCore, body: dict[str, Any],
+                           req: Req) -> web.StreamResponse:
+    """``/generate`` with ``"stream": true``, framed as SGLang 0.5.23 frames it: an SSE
+    ``data: {json}`` event per chunk, each the whole reply so far (cumulative ids,
+    log-probs, version spans; ``finish_reason`` null until the last), then
+    ``data: [DONE]``. A request that fails after the headers ends with an ``error`` event.
+    A client gone away (a write fails, or the connection closed) gets its request aborted."""
+    started = time.monotonic()
+    req.progress = asyncio.Event()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    task = asyncio.ensure_future(core.submit([req]))
+    poll = request.app[INFO_KEY]["disconnect_poll_s"]
+    sent = 0
+    try:
+        while req.finish is None and not task.done():  # the chunks before the last
+            req.progress.clear()
+            if stream_due(req, sent):
+                n, chunk = len(req.out_ids), _reply(req, core, body, started)
+                await resp.write(stream_event(chunk))
+                sent = n
+                continue  # tokens may have come while it was written
+            tick = asyncio.ensure_future(req.progress.wait())
+            await asyncio.wait({task, tick}, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
+            tick.cancel()
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the client closed the connection")
+        await asyncio.wait({task})  # ends with the request (the last chunk goes once)
+        exc = task.exception()
+        if exc is not None:
+            await resp.write(stream_event({"error": {
+                "message": str(exc), "type": "invalid_request_error", "code": 400,
+                "retryable": False}}))
+        else:
+            await resp.write(stream_event(_reply(req, core, body, started)))
+        await resp.write(stream_event(None))
+        await resp.write_eof()
+    except ConnectionError:
+        _orphan(request, core, req, task)
+    except asyncio.CancelledError:
+        _orphan(request, core, req, task)
+        raise
+    return resp
+
+
+def _orphan(request: web.Request, core: EngineCore, req: Req, task: asyncio.Future[Any]) -> None:
+    """A streamed request whose client went away: abort it, keep its task till it ends."""
+    if task.done():
+        _ignore_result(task)
+        return
+    logger.info("client of streamed %s went away; aborting it", req.rid)
+    core.abort(req.rid)
+    orphans = request.app[ORPHANS_KEY]
+    orphans.add(task)
+    task.add_done_callback(orphans.discard)
+    task.add_done_callback(_ignore_result)
 
 
 async def _submit_while_connected(request: web.Request, core: EngineCore,

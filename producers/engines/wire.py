@@ -10,6 +10,7 @@ bad request is a :class:`BadRequest`, which the server answers with status 400.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import uuid
 from collections.abc import Mapping
@@ -135,6 +136,11 @@ def parse_sampling_params(sp: Any) -> tuple[ReqParams, int]:
     n = _int(sp, "n", 1)
     if n < 1:
         raise BadRequest(f"n must be at least 1, got {n}.")
+    interval = sp.get("stream_interval")
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int)
+                                 or interval < 1):
+        raise BadRequest(f"sampling_params.stream_interval must be an integer >= 1, found "
+                         f"{interval!r}")
     seed = sp.get("sampling_seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest(f"sampling_seed must be an integer, found {seed!r}")
@@ -161,6 +167,7 @@ def parse_sampling_params(sp: Any) -> tuple[ReqParams, int]:
         no_stop_trim=bool(sp.get("no_stop_trim", False)),
         seed=seed,
         resumed_tokens=resumed,
+        stream_interval=interval,
     )
     return params, n
 
@@ -175,6 +182,22 @@ def version_spans(versions: list[str], current: str) -> list[dict[str, Any]]:
         else:
             spans.append({"version": v, "start": i, "end": i + 1})
     return spans
+
+
+def stream_due(req: Req, sent: int) -> bool:
+    """Whether a streamed request's next chunk is due, ``sent`` tokens having gone out: as
+    SGLang 0.5.23's output streamer, the first token at once, then each time at least
+    ``stream_interval`` tokens are unsent (the last chunk goes at the end regardless)."""
+    unsent = len(req.out_ids) - sent
+    interval = req.params.stream_interval or 1
+    return unsent > 0 and (interval == 1 or unsent >= interval or sent == 0)
+
+
+def stream_event(body: Mapping[str, Any] | None) -> bytes:
+    """One SSE event as SGLang 0.5.23 frames it (``None``: the closing ``[DONE]``)."""
+    if body is None:
+        return b"data: [DONE]\n\n"
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
 def build_response(
@@ -199,7 +222,7 @@ def build_response(
         text = text.removesuffix(finish["matched"])
     meta: dict[str, Any] = {
         "id": req.rid,
-        "finish_reason": finish,
+        "finish_reason": req.finish,  # null in a stream chunk before the last
         "prompt_tokens": len(req.input_ids),
         "weight_version": core.version,
         "weight_versions": version_spans(req.out_versions, core.version),
@@ -246,8 +269,6 @@ def parse_generate(body: dict[str, Any], *, vocab_size: int, context_length: int
             f"{given[0]} is not supported by strawq's local engines (no tokenizer); "
             "send input_ids"
         )
-    if body.get("stream"):
-        raise BadRequest("stream=true is not supported by strawq's local engines")
     if body.get("top_logprobs_num") or body.get("token_ids_logprob") is not None:
         raise BadRequest(
             "top_logprobs_num / token_ids_logprob are not supported by strawq's local engines"
@@ -269,6 +290,9 @@ def parse_generate(body: dict[str, Any], *, vocab_size: int, context_length: int
     parsed = [parse_sampling_params(sp) for sp in sps_list]
     for p, (params, _) in zip(prompts, parsed, strict=False):
         check_fits(body, p, params, context_length)
+    if body.get("stream") and (batch or any(n > 1 for _, n in parsed)):
+        raise BadRequest("stream=true with a batch or n > 1 is not supported by strawq's "
+                         "local engines; stream one request at a time")
     rid = body.get("rid")
     if isinstance(rid, list):
         raise BadRequest(

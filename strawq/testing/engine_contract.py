@@ -25,17 +25,19 @@ from strawq.producers.engine_errors import EngineAuthError
 from strawq.producers.eos import eos_ids_from_model_info
 from strawq.testing.engine_contract_aborts import AbortContract
 from strawq.testing.engine_contract_generate import GenerateContract
+from strawq.testing.engine_contract_stream import StreamContract
 from strawq.testing.engine_contract_weights import WeightContract
 from strawq.testing.engine_target import GREEDY, EngineTarget, spawn_generate
 
 __all__ = ["GREEDY", "EngineContract", "EngineTarget", "spawn_generate"]
 
 
-class EngineContract(GenerateContract, AbortContract, WeightContract):
+class EngineContract(GenerateContract, StreamContract, AbortContract, WeightContract):
     """SGLang 0.5.23 behaviour that strawq relies on. Subclasses provide ``target``.
 
-    The areas are mixins (``engine_contract_generate``, ``engine_contract_aborts``,
-    ``engine_contract_weights``); the control calls (load, model info, keys) are here."""
+    The areas are mixins (``engine_contract_generate``, ``engine_contract_stream``,
+    ``engine_contract_aborts``, ``engine_contract_weights``); the control calls (load,
+    model info, keys) are here."""
 
     #: the tests that start an OS process (a client killed mid-request), so a test runner can
     #: put them in a slower tier
