@@ -28,3 +28,11 @@ def missing_module_reward(task: dict[str, Any], response_ids: list[int],
                           meta: dict[str, Any]) -> float:
     """A reward whose backend is not installed on this node."""
     raise ModuleNotFoundError("No module named 'verifier_backend'")
+
+
+def hanging_reward(task: dict[str, Any], response_ids: list[int], meta: dict[str, Any]) -> float:
+    """A verifier that never answers (an hour): a group waiting for it cannot complete."""
+    import time
+
+    time.sleep(3600)
+    return 0.0
