@@ -195,7 +195,8 @@ from chaos_versions import VERSIONED  # noqa: E402
 #: agentic: chaos_agentic.py; slime: chaos_slime.py; operator: chaos_operator.py, both with
 #: the default workload's victims and their own trainer; stream, flow, regenerate,
 #: old-weights: chaos_versions.py); ``--workload all`` runs each, one after another
-WORKLOADS: tuple[str, ...] = ("default", "agentic", "slime", "operator", *VERSIONED)
+WORKLOADS: tuple[str, ...] = ("default", "agentic", "slime", "operator", *VERSIONED,
+                               "longgen")
 
 PY = sys.executable
 #: the fault kinds ``--fault-kinds`` chooses from (process faults, then cluster faults)
@@ -371,6 +372,9 @@ class Chaos:
 
     @property
     def victims(self) -> tuple[str, ...]:
+        if self.workload == "longgen":
+            from chaos_longgen import VICTIMS as LONGGEN_VICTIMS
+            return LONGGEN_VICTIMS
         return AGENTIC_VICTIMS if self.workload == "agentic" else VICTIMS
 
     #: ``--disk-full``: the mount point of the tmpfs the run lives on
@@ -408,11 +412,15 @@ class Chaos:
             from chaos_versions import collector_sets
             self.col_sets = collector_sets(self.workload)
         lens = ("12", "30") if self.workload == "agentic" else ("24", "96")
+        pace = ["--step-base-ms", "4", "--step-per-req-ms", "0.05", "--len-median", lens[0],
+                "--len-cap", lens[1], "--cap-prob", "0.02"]
+        if self.workload == "longgen":
+            from chaos_longgen import ENGINE_ARGS
+            pace = ENGINE_ARGS
         for i, port in enumerate(self.engine_ports):
             self.procs[f"engine{i}"] = Proc(f"engine{i}", strawq(
-                "engine", "serve", "--kind", "sim", "--port", str(port), "--step-base-ms", "4",
-                "--step-per-req-ms", "0.05", "--len-median", lens[0], "--len-cap", lens[1],
-                "--cap-prob", "0.02", "-q"), str(self.work / f"engine{i}.log"))
+                "engine", "serve", "--kind", "sim", "--port", str(port), *pace, "-q"),
+                str(self.work / f"engine{i}.log"))
             self.procs[f"engine{i}"].start()
         self._wait_engines()
         if "partition" in self.kinds:  # each producer in a network namespace of its own
@@ -426,6 +434,9 @@ class Chaos:
         extra = ["--slots", "4", "--set", "sampling.max_new_tokens=96"]
         if self.workload == "agentic":
             extra = self._agentic_setup()
+        elif self.workload == "longgen":
+            from chaos_longgen import PRODUCER_ARGS
+            extra = PRODUCER_ARGS
         for i in range(2):
             name = f"producer{i}"
             pns = self.netns.get(name)
@@ -683,6 +694,10 @@ class Chaos:
             proc.p.wait()
 
     def inject(self, rng: random.Random) -> None:
+        if self.workload == "longgen":
+            from chaos_longgen import inject
+            inject(self, rng)
+            return
         if (self.disk is not None or self.quota is not None) and rng.random() < 0.25:
             self.fill_disk(rng)
             return
@@ -775,6 +790,9 @@ class Chaos:
             while not (os.path.exists(self.events) and "batch" in Path(self.events).read_text()
                        ) and time.time() < until:
                 time.sleep(0.1)
+        elif self.workload == "longgen":  # faults while long responses generate
+            from chaos_longgen import wait_generating
+            wait_generating(self)
         elif self.workload in VERSIONED:  # faults while the weights advance, not at start
             until = time.time() + 120
             while time.time() < until and not (os.path.exists(self.events) and any(
@@ -1351,6 +1369,9 @@ def main(argv: list[str] | None = None) -> int:
         args.quick = False
         args.prompts, args.faults, args.gap = 48, 5, 0.5
         args.step_s = max(args.step_s, 0.25)  # the faults land while it trains
+    if args.workload == "longgen":  # long responses: fewer prompts, a round of each fault
+        args.prompts, args.faults, args.gap = (16, 8, 2.5) if args.quick else (64, 24, 3.0)
+        args.quick = False
     if args.quick:
         args.prompts, args.faults, args.gap = 160, 16, 0.6
     work = Path(args.workdir or f"{tempfile.gettempdir()}/strawq-chaos-{os.getpid()}")
@@ -1442,11 +1463,20 @@ def main(argv: list[str] | None = None) -> int:
     fig = ch.figures(res)
     report(ch, res, fig, fs, fleet_lost(work / "fleet")
            if args.workload == "default" and not args.no_fleet else None)
+    longgen_bad: list[str] = []
+    if args.workload == "longgen":
+        import chaos_longgen
+        lg = chaos_longgen.figures(ch)
+        chaos_longgen.report(lg)
+        longgen_bad = chaos_longgen.bad(lg)
+        for why in longgen_bad:
+            print(f"chaos longgen: {why}")
+        print(chaos_longgen.line(lg))
     if args.summary:
         write_summary(args.summary, args.workload, len(ch.faults), len(res["lost"]),
                       len(res["duplicated"]), fig["tokens_lost_per_fault"], fig["recoveries"])
     return 0 if not (res["lost"] or res["duplicated"] or res["left"] or agentic_bad(res)
-                     or res.get("operator_failures")) else 1
+                     or res.get("operator_failures") or longgen_bad) else 1
 
 
 if __name__ == "__main__":
