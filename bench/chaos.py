@@ -12,6 +12,8 @@ total-queue check and a storage check.
     python bench/chaos.py --workload stream|flow|regenerate|old-weights [--quick]
                                                    # the trainer advances the weights
                                                    # (chaos_versions.py)
+    python bench/chaos.py --workload longgen [--quick]  # long generations: the token RPO
+                                                   # of every fault (chaos_longgen.py)
     python bench/chaos.py --workload all [--quick] ...  # every workload, then the aggregate
 
 Processes: two sim engines (``strawq engine serve --kind sim``, each behind a counting
@@ -147,6 +149,18 @@ orphaned requests went on generating after it died. Printed per kill and in tota
 
 Per fault kind: the faults and their recovery p50 (``faults by kind: ...``); the per-victim
 table has a column per enabled cluster kind.
+
+``--workload longgen`` (``bench/chaos_longgen.py`` has the parts and the definitions): responses
+of thousands of tokens at a 30 ms/token pace run 10x faster; node ``i`` is producer ``i`` and
+engine ``i`` (each producer generates on both engines); the nemesis lands kill -9 of each
+engine, each producer, each node (its producer and engine together) and the collector, and a
+SIGTERM to a producer, once per round each. Per fault the engines' live requests are read
+just before the signal; the token RPO of each sequence is what it had generated then less
+what the next request for its sample resumes with. ``--quick``: 16 prompts, 8 faults. It
+prints the default workload's figures, a row per fault, and ends with::
+
+    chaos: token RPO p50 = A, p99 = B tokens (C s); tokens regenerated per fault = D
+    (before: E); drain kept = 100 %; extra meta ops per producer-second = F   (one line)
 
 ``--workload all`` runs every registered workload (``WORKLOADS``) one after another, each in
 its own workdir (``WORKDIR/NAME/run``; its output in ``WORKDIR/NAME/stdout.txt``), with the
@@ -1249,7 +1263,9 @@ def main(argv: list[str] | None = None) -> int:
                     "slime: slime's rollout loop as the trainer (chaos_slime.py); operator: "
                     "requeue/release/gc/bracket commands under faults (chaos_operator.py); "
                     "stream, flow, regenerate, old-weights: the trainer advances the weights "
-                    "(chaos_versions.py); all: every workload in turn, each in its own "
+                    "(chaos_versions.py); longgen: responses of thousands of tokens, the "
+                    "token RPO of every fault (chaos_longgen.py); all: every workload in turn, "
+                    "each in its own "
                     "workdir, then the aggregate")
     ap.add_argument("--fault-kinds", default=",".join(PROCESS_FAULTS),
                     help="comma-separated, of " + ", ".join(FAULT_KINDS) + " (default "
@@ -1321,6 +1337,10 @@ def main(argv: list[str] | None = None) -> int:
             if reason is not None:
                 print(f"chaos: --fault-kinds {k}: {reason}", file=sys.stderr)
                 return 1
+        if args.workload == "longgen" and (set(kinds) & set(CLUSTER_FAULTS) or args.disk_full):
+            ap.error("--workload longgen lands its own faults (kill -9 of producers, engines, "
+                     "nodes and the collector, and a SIGTERM drain): drop --fault-kinds and "
+                     "--disk-full")
         if "partition" in kinds and args.workload == "agentic":
             ap.error("--fault-kinds partition runs with --workload default (the agentic "
                      "tool server listens on loopback only)")
@@ -1370,7 +1390,11 @@ def main(argv: list[str] | None = None) -> int:
         args.prompts, args.faults, args.gap = 48, 5, 0.5
         args.step_s = max(args.step_s, 0.25)  # the faults land while it trains
     if args.workload == "longgen":  # long responses: fewer prompts, a round of each fault
-        args.prompts, args.faults, args.gap = (16, 8, 2.5) if args.quick else (64, 24, 3.0)
+        if args.quick:
+            args.prompts, args.faults, args.gap = 16, 8, 2.5
+        elif args.prompts == ap.get_default("prompts") and args.faults == ap.get_default(
+                "faults"):
+            args.prompts, args.faults, args.gap = 64, 24, 3.0
         args.quick = False
     if args.quick:
         args.prompts, args.faults, args.gap = 160, 16, 0.6
