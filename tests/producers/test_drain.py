@@ -208,3 +208,32 @@ def test_a_drain_that_cannot_end_exits_3_at_the_grace_period_and_keeps_the_run_s
     assert "grace period" in err and "Traceback" not in err
     held = ids(q, "leased")  # not handed back: the grantor expires them
     assert held and sorted(held + ids(q, "pending")) == ["i000000000000", "i000000000001"]
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_the_demos_producer_process_drains_on_sigterm(tmp_path: Path, paced_engine: Any) -> None:
+    """``ProducerProcesses.terminate``: the demo's producer process drains like
+    ``strawq producer`` (every generated token saved in its partials, exit 0)."""
+    from strawq.demo.assembly import ProducerProcesses
+
+    run = tmp_path / "run"
+    q = make_run(str(run), 2, group_size=2, release_batch=2)
+    procs = ProducerProcesses([{
+        "run_dir": str(run), "producer_id": "lab-0", "engine": {"workers": [paced_engine.url]},
+        "plugins": {"reward": f"{PLUGINS}.length_reward"}, "budget": {"slots": 2},
+        "sampling": {"max_new_tokens": 2000}, "timing": {"grace_period_s": 20.0}}])
+    child = procs.procs[0]
+    try:
+        wait_until(child, lambda: (lambda live: len(live) == 4 and
+                                   all(r["output_tokens"] >= 50 for r in live))(
+            engine_state(paced_engine.url)["requests"]), "4 sequences 50 tokens deep")
+        procs.terminate(0)
+        assert child.wait(60) == 0
+        (stats,) = procs.finish()
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert stats["groups_yielded"] == 2 and ids(q, "leased") == []
+    assert sum(g.num_tokens for g in partials(q).values()) == \
+        engine_state(paced_engine.url)["generated_tokens"]
