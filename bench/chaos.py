@@ -13,7 +13,7 @@ total-queue check and a storage check.
                                                    # the trainer advances the weights
                                                    # (chaos_versions.py)
     python bench/chaos.py --workload longgen [--quick]  # long generations: the token RPO
-                                                   # of every fault (chaos_longgen.py)
+                          [--producer-set K=V] [--before D]  # of every fault (chaos_longgen.py)
     python bench/chaos.py --workload all [--quick] ...  # every workload, then the aggregate
 
 Processes: two sim engines (``strawq engine serve --kind sim``, each behind a counting
@@ -383,6 +383,8 @@ class Chaos:
     on_kill: Any = None
     #: the collector's workload settings (chaos_versions.collector_sets)
     col_sets: list[str] = field(default_factory=list)
+    #: ``--producer-set``: more ``--set KEY=VALUE`` for every producer (longgen)
+    producer_sets: tuple[str, ...] = ()
 
     @property
     def victims(self) -> tuple[str, ...]:
@@ -450,7 +452,7 @@ class Chaos:
             extra = self._agentic_setup()
         elif self.workload == "longgen":
             from chaos_longgen import PRODUCER_ARGS
-            extra = PRODUCER_ARGS
+            extra = [*PRODUCER_ARGS, *(a for kv in self.producer_sets for a in ("--set", kv))]
         for i in range(2):
             name = f"producer{i}"
             pns = self.netns.get(name)
@@ -1267,6 +1269,12 @@ def main(argv: list[str] | None = None) -> int:
                     "token RPO of every fault (chaos_longgen.py); all: every workload in turn, "
                     "each in its own "
                     "workdir, then the aggregate")
+    ap.add_argument("--producer-set", action="append", metavar="KEY=VALUE",
+                    help="longgen: one more producer config key for every producer (e.g. the "
+                    "in-flight journal's keys, to measure it against --before)")
+    ap.add_argument("--before", type=float, default=None, metavar="D",
+                    help="longgen: the tokens regenerated per fault of the same workload "
+                    "without the journal, printed as 'before' (default: this run's own)")
     ap.add_argument("--fault-kinds", default=",".join(PROCESS_FAULTS),
                     help="comma-separated, of " + ", ".join(FAULT_KINDS) + " (default "
                     "kill9,sigstop): jfs-client needs --juicefs, partition and jfs-client root")
@@ -1337,6 +1345,8 @@ def main(argv: list[str] | None = None) -> int:
             if reason is not None:
                 print(f"chaos: --fault-kinds {k}: {reason}", file=sys.stderr)
                 return 1
+        if args.workload != "longgen" and (args.producer_set or args.before is not None):
+            ap.error("--producer-set and --before go with --workload longgen")
         if args.workload == "longgen" and (set(kinds) & set(CLUSTER_FAULTS) or args.disk_full):
             ap.error("--workload longgen lands its own faults (kill -9 of producers, engines, "
                      "nodes and the collector, and a SIGTERM drain): drop --fault-kinds and "
@@ -1464,7 +1474,7 @@ def main(argv: list[str] | None = None) -> int:
                turns=args.turns or 10, tool_s=(args.tool_min or 0.5, args.tool_max or 5.0),
                disk=disk, quota=quota, kinds=kinds, juicefs=jfs_dir,
                producer_mounts=producer_mounts,
-               producer_runs=producer_runs)
+               producer_runs=producer_runs, producer_sets=tuple(args.producer_set or ()))
 
     def _term(_sig: int, _frame: Any) -> None:
         raise KeyboardInterrupt
@@ -1495,7 +1505,7 @@ def main(argv: list[str] | None = None) -> int:
         longgen_bad = chaos_longgen.bad(lg)
         for why in longgen_bad:
             print(f"chaos longgen: {why}")
-        print(chaos_longgen.line(lg))
+        print(chaos_longgen.line(lg, before=args.before))
     if args.summary:
         write_summary(args.summary, args.workload, len(ch.faults), len(res["lost"]),
                       len(res["duplicated"]), fig["tokens_lost_per_fault"], fig["recoveries"])

@@ -33,9 +33,11 @@ Last line::
     chaos: token RPO p50 = A, p99 = B tokens (C s); tokens regenerated per fault = D
     (before: E); drain kept = 100 %; extra meta ops per producer-second = F   (one line)
 
-E is the same workload without the per-producer token journal; while the producer has no
-journal (no ``journal`` producer config key) the workload runs only that mode and E = D, and
-F is 0 (no metadata operation beyond today's hand-backs).
+E is the same workload without the per-producer token journal: ``--before E`` gives it, from
+a run without the journal, when this run turns the journal on with ``--producer-set
+KEY=VALUE`` (any producer config key, passed to every producer); without ``--before``, E is
+this run's own D. F counts metadata operations beyond today's hand-backs; while the producer
+has no journal it is 0.
 """
 
 from __future__ import annotations
