@@ -237,3 +237,41 @@ def test_the_demos_producer_process_drains_on_sigterm(tmp_path: Path, paced_engi
     assert stats["groups_yielded"] == 2 and ids(q, "leased") == []
     assert sum(g.num_tokens for g in partials(q).values()) == \
         engine_state(paced_engine.url)["generated_tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_an_agentic_drain_with_tool_calls_in_flight_keeps_every_generated_token(
+        tmp_path: Path, paced_engine: Any) -> None:
+    """Trajectories with a slow tool call after each turn: SIGTERM while calls run (they are
+    left to finish, the sample halts at once) and others generate. Every model token the
+    engine generated is in the partials (tool tokens are not the engine's: loss mask 0), the
+    producer exits 0, and the next producer finishes every trajectory generating nothing
+    twice."""
+    run = tmp_path / "run"
+    ledger = tmp_path / "ledger"
+    q = make_run(str(run), 4, group_size=2, release_batch=4)
+    agent = ["--set", "plugins.generate=tests.producers.trajectory_plugins.tool_agent",
+             "--set", "plugins.generate_args=" + json.dumps(
+                 {"ledger": str(ledger), "turns": 2, "slow_s": 3.0}),
+             "--set", "tools.timeout_s=30"]
+    first = producer(run, paced_engine.url, "--grace-period", "20", *agent)
+    wait_until(first, lambda: ledger.is_dir() and any(ledger.iterdir()) and bool(
+        engine_state(paced_engine.url)["requests"]), "a tool call running beside generations")
+    _, err = stop(first, signal.SIGTERM, 50)
+    assert first.returncode == 0, err
+    generated = engine_state(paced_engine.url)["generated_tokens"]
+    saved = partials(q)
+    assert saved and sum(int(g.loss_mask.sum()) for g in saved.values()) + sum(
+        int(g.loss_mask.sum()) for g in ready_of(q).values()) == generated > 0
+
+    second = producer(run, paced_engine.url, *agent)
+    wait_until(second, lambda: len(ids(q, "ready")) == 4, "4 ready groups")
+    _, err = stop(second, signal.SIGTERM, 50)
+    assert second.returncode == 0, err
+    assert engine_state(paced_engine.url)["generated_tokens"] == \
+        sum(int(g.loss_mask.sum()) for g in ready_of(q).values())
+
+
+def ready_of(q: RunQueue) -> dict[str, Any]:
+    return {t.id: q.read_group(t.id, t.gen) for t in names(q, "ready")}
