@@ -258,8 +258,9 @@ def test_an_agentic_drain_with_tool_calls_in_flight_keeps_every_generated_token(
     first = producer(run, paced_engine.url, "--grace-period", "20", *agent)
     wait_until(first, lambda: ledger.is_dir() and any(ledger.iterdir()) and bool(
         engine_state(paced_engine.url)["requests"]), "a tool call running beside generations")
-    _, err = stop(first, signal.SIGTERM, 50)
+    out, err = stop(first, signal.SIGTERM, 50)
     assert first.returncode == 0, err
+    assert json.loads(out)["tool_calls_detached"] >= 1  # a call was running at the drain
     generated = engine_state(paced_engine.url)["generated_tokens"]
     saved = partials(q)
     assert saved and sum(int(g.loss_mask.sum()) for g in saved.values()) + sum(
