@@ -12,6 +12,8 @@ total-queue check and a storage check.
     python bench/chaos.py --workload stream|flow|regenerate|old-weights [--quick]
                                                    # the trainer advances the weights
                                                    # (chaos_versions.py)
+    python bench/chaos.py --workload longgen [--quick]  # long generations: the token RPO
+                          [--producer-set K=V] [--before D]  # of every fault (chaos_longgen.py)
     python bench/chaos.py --workload all [--quick] ...  # every workload, then the aggregate
 
 Processes: two sim engines (``strawq engine serve --kind sim``, each behind a counting
@@ -148,6 +150,18 @@ orphaned requests went on generating after it died. Printed per kill and in tota
 Per fault kind: the faults and their recovery p50 (``faults by kind: ...``); the per-victim
 table has a column per enabled cluster kind.
 
+``--workload longgen`` (``bench/chaos_longgen.py`` has the parts and the definitions): responses
+of thousands of tokens at a 30 ms/token pace run 10x faster; node ``i`` is producer ``i`` and
+engine ``i`` (each producer generates on both engines); the nemesis lands kill -9 of each
+engine, each producer, each node (its producer and engine together) and the collector, and a
+SIGTERM to a producer, once per round each. Per fault the engines' live requests are read
+just before the signal; the token RPO of each sequence is what it had generated then less
+what the next request for its sample resumes with. ``--quick``: 16 prompts, 8 faults. It
+prints the default workload's figures, a row per fault, and ends with::
+
+    chaos: token RPO p50 = A, p99 = B tokens (C s); tokens regenerated per fault = D
+    (before: E); drain kept = 100 %; extra meta ops per producer-second = F   (one line)
+
 ``--workload all`` runs every registered workload (``WORKLOADS``) one after another, each in
 its own workdir (``WORKDIR/NAME/run``; its output in ``WORKDIR/NAME/stdout.txt``), with the
 rest of the command line (``--quick`` shrinks each); each writes its figures to
@@ -195,7 +209,8 @@ from chaos_versions import VERSIONED  # noqa: E402
 #: agentic: chaos_agentic.py; slime: chaos_slime.py; operator: chaos_operator.py, both with
 #: the default workload's victims and their own trainer; stream, flow, regenerate,
 #: old-weights: chaos_versions.py); ``--workload all`` runs each, one after another
-WORKLOADS: tuple[str, ...] = ("default", "agentic", "slime", "operator", *VERSIONED)
+WORKLOADS: tuple[str, ...] = ("default", "agentic", "slime", "operator", *VERSIONED,
+                               "longgen")
 
 PY = sys.executable
 #: the fault kinds ``--fault-kinds`` chooses from (process faults, then cluster faults)
@@ -368,9 +383,14 @@ class Chaos:
     on_kill: Any = None
     #: the collector's workload settings (chaos_versions.collector_sets)
     col_sets: list[str] = field(default_factory=list)
+    #: ``--producer-set``: more ``--set KEY=VALUE`` for every producer (longgen)
+    producer_sets: tuple[str, ...] = ()
 
     @property
     def victims(self) -> tuple[str, ...]:
+        if self.workload == "longgen":
+            from chaos_longgen import VICTIMS as LONGGEN_VICTIMS
+            return LONGGEN_VICTIMS
         return AGENTIC_VICTIMS if self.workload == "agentic" else VICTIMS
 
     #: ``--disk-full``: the mount point of the tmpfs the run lives on
@@ -408,11 +428,15 @@ class Chaos:
             from chaos_versions import collector_sets
             self.col_sets = collector_sets(self.workload)
         lens = ("12", "30") if self.workload == "agentic" else ("24", "96")
+        pace = ["--step-base-ms", "4", "--step-per-req-ms", "0.05", "--len-median", lens[0],
+                "--len-cap", lens[1], "--cap-prob", "0.02"]
+        if self.workload == "longgen":
+            from chaos_longgen import ENGINE_ARGS
+            pace = ENGINE_ARGS
         for i, port in enumerate(self.engine_ports):
             self.procs[f"engine{i}"] = Proc(f"engine{i}", strawq(
-                "engine", "serve", "--kind", "sim", "--port", str(port), "--step-base-ms", "4",
-                "--step-per-req-ms", "0.05", "--len-median", lens[0], "--len-cap", lens[1],
-                "--cap-prob", "0.02", "-q"), str(self.work / f"engine{i}.log"))
+                "engine", "serve", "--kind", "sim", "--port", str(port), *pace, "-q"),
+                str(self.work / f"engine{i}.log"))
             self.procs[f"engine{i}"].start()
         self._wait_engines()
         if "partition" in self.kinds:  # each producer in a network namespace of its own
@@ -426,6 +450,9 @@ class Chaos:
         extra = ["--slots", "4", "--set", "sampling.max_new_tokens=96"]
         if self.workload == "agentic":
             extra = self._agentic_setup()
+        elif self.workload == "longgen":
+            from chaos_longgen import PRODUCER_ARGS
+            extra = [*PRODUCER_ARGS, *(a for kv in self.producer_sets for a in ("--set", kv))]
         for i in range(2):
             name = f"producer{i}"
             pns = self.netns.get(name)
@@ -683,6 +710,10 @@ class Chaos:
             proc.p.wait()
 
     def inject(self, rng: random.Random) -> None:
+        if self.workload == "longgen":
+            from chaos_longgen import inject
+            inject(self, rng)
+            return
         if (self.disk is not None or self.quota is not None) and rng.random() < 0.25:
             self.fill_disk(rng)
             return
@@ -775,6 +806,9 @@ class Chaos:
             while not (os.path.exists(self.events) and "batch" in Path(self.events).read_text()
                        ) and time.time() < until:
                 time.sleep(0.1)
+        elif self.workload == "longgen":  # faults while long responses generate
+            from chaos_longgen import wait_generating
+            wait_generating(self)
         elif self.workload in VERSIONED:  # faults while the weights advance, not at start
             until = time.time() + 120
             while time.time() < until and not (os.path.exists(self.events) and any(
@@ -1231,8 +1265,16 @@ def main(argv: list[str] | None = None) -> int:
                     "slime: slime's rollout loop as the trainer (chaos_slime.py); operator: "
                     "requeue/release/gc/bracket commands under faults (chaos_operator.py); "
                     "stream, flow, regenerate, old-weights: the trainer advances the weights "
-                    "(chaos_versions.py); all: every workload in turn, each in its own "
+                    "(chaos_versions.py); longgen: responses of thousands of tokens, the "
+                    "token RPO of every fault (chaos_longgen.py); all: every workload in turn, "
+                    "each in its own "
                     "workdir, then the aggregate")
+    ap.add_argument("--producer-set", action="append", metavar="KEY=VALUE",
+                    help="longgen: one more producer config key for every producer (e.g. the "
+                    "in-flight journal's keys, to measure it against --before)")
+    ap.add_argument("--before", type=float, default=None, metavar="D",
+                    help="longgen: the tokens regenerated per fault of the same workload "
+                    "without the journal, printed as 'before' (default: this run's own)")
     ap.add_argument("--fault-kinds", default=",".join(PROCESS_FAULTS),
                     help="comma-separated, of " + ", ".join(FAULT_KINDS) + " (default "
                     "kill9,sigstop): jfs-client needs --juicefs, partition and jfs-client root")
@@ -1303,6 +1345,12 @@ def main(argv: list[str] | None = None) -> int:
             if reason is not None:
                 print(f"chaos: --fault-kinds {k}: {reason}", file=sys.stderr)
                 return 1
+        if args.workload != "longgen" and (args.producer_set or args.before is not None):
+            ap.error("--producer-set and --before go with --workload longgen")
+        if args.workload == "longgen" and (set(kinds) & set(CLUSTER_FAULTS) or args.disk_full):
+            ap.error("--workload longgen lands its own faults (kill -9 of producers, engines, "
+                     "nodes and the collector, and a SIGTERM drain): drop --fault-kinds and "
+                     "--disk-full")
         if "partition" in kinds and args.workload == "agentic":
             ap.error("--fault-kinds partition runs with --workload default (the agentic "
                      "tool server listens on loopback only)")
@@ -1351,6 +1399,13 @@ def main(argv: list[str] | None = None) -> int:
         args.quick = False
         args.prompts, args.faults, args.gap = 48, 5, 0.5
         args.step_s = max(args.step_s, 0.25)  # the faults land while it trains
+    if args.workload == "longgen":  # long responses: fewer prompts, a round of each fault
+        if args.quick:
+            args.prompts, args.faults, args.gap = 16, 8, 2.5
+        elif args.prompts == ap.get_default("prompts") and args.faults == ap.get_default(
+                "faults"):
+            args.prompts, args.faults, args.gap = 64, 24, 3.0
+        args.quick = False
     if args.quick:
         args.prompts, args.faults, args.gap = 160, 16, 0.6
     work = Path(args.workdir or f"{tempfile.gettempdir()}/strawq-chaos-{os.getpid()}")
@@ -1419,7 +1474,7 @@ def main(argv: list[str] | None = None) -> int:
                turns=args.turns or 10, tool_s=(args.tool_min or 0.5, args.tool_max or 5.0),
                disk=disk, quota=quota, kinds=kinds, juicefs=jfs_dir,
                producer_mounts=producer_mounts,
-               producer_runs=producer_runs)
+               producer_runs=producer_runs, producer_sets=tuple(args.producer_set or ()))
 
     def _term(_sig: int, _frame: Any) -> None:
         raise KeyboardInterrupt
@@ -1442,11 +1497,20 @@ def main(argv: list[str] | None = None) -> int:
     fig = ch.figures(res)
     report(ch, res, fig, fs, fleet_lost(work / "fleet")
            if args.workload == "default" and not args.no_fleet else None)
+    longgen_bad: list[str] = []
+    if args.workload == "longgen":
+        import chaos_longgen
+        lg = chaos_longgen.figures(ch)
+        chaos_longgen.report(lg)
+        longgen_bad = chaos_longgen.bad(lg)
+        for why in longgen_bad:
+            print(f"chaos longgen: {why}")
+        print(chaos_longgen.line(lg, before=args.before))
     if args.summary:
         write_summary(args.summary, args.workload, len(ch.faults), len(res["lost"]),
                       len(res["duplicated"]), fig["tokens_lost_per_fault"], fig["recoveries"])
     return 0 if not (res["lost"] or res["duplicated"] or res["left"] or agentic_bad(res)
-                     or res.get("operator_failures")) else 1
+                     or res.get("operator_failures") or longgen_bad) else 1
 
 
 if __name__ == "__main__":

@@ -24,6 +24,21 @@ class Tally:
     #: version of each output token as the engine stamped it, time), for the "invented" check
     outputs: list[tuple[str, int, int, tuple[int, ...], tuple[int, ...], float]] = field(
         default_factory=list)
+    #: every ``/generate`` request as it arrived: (time, rid, the resumed prefix it declares
+    #: in ``custom_params.strawq_resumed_tokens``), for the token RPO (chaos_longgen.py)
+    requests: list[tuple[float, str, int]] = field(default_factory=list)
+    #: each answered rid's finish reason type (``stop``, ``length``, ``abort``)
+    finishes: dict[str, str] = field(default_factory=dict)
+
+
+def resumed_tokens(body: dict[str, Any]) -> int:
+    """The resumed prefix a ``/generate`` body declares (0: a fresh sample)."""
+    params = body.get("sampling_params")
+    custom = params.get("custom_params") if isinstance(params, dict) else None
+    try:
+        return int(custom.get("strawq_resumed_tokens") or 0) if isinstance(custom, dict) else 0
+    except (TypeError, ValueError):
+        return 0
 
 
 def sample_of_rid(rid: str) -> int | None:
@@ -107,6 +122,8 @@ class Proxies:
 
         async def handle(request: web.Request) -> web.StreamResponse:
             body = await request.read()
+            if request.path == "/generate":
+                self._note_request(body)
             call = asyncio.ensure_future(forward(request, body))
             try:
                 if request.path == "/generate" and await client_gone_first(request, call):
@@ -133,6 +150,16 @@ class Proxies:
                                          json={"rid": rid}) as r:
                 await r.read()
 
+    def _note_request(self, req: bytes) -> None:
+        try:
+            rq = json.loads(req)
+        except ValueError:
+            return
+        if not isinstance(rq, dict) or not isinstance(rq.get("rid"), str):
+            return
+        with self.tally.lock:
+            self.tally.requests.append((time.time(), rq["rid"], resumed_tokens(rq)))
+
     def _count(self, req: bytes, resp: bytes) -> None:
         try:
             rq, rs = json.loads(req), json.loads(resp)
@@ -147,6 +174,9 @@ class Proxies:
                 who = parse_rid(str(rid))
                 meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
                 n = int(meta.get("completion_tokens") or 0)
+                finish = meta.get("finish_reason")
+                if isinstance(finish, dict) and who is not None:
+                    self.tally.finishes[str(rid)] = str(finish.get("type"))
                 if who is not None and n:
                     self.tally.answers.append((now, who[0], who[1], who[2], n, str(rid)))
                 ids = out.get("output_ids") if isinstance(out, dict) else None

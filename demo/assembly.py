@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import subprocess
 import sys
 import threading
@@ -112,19 +113,25 @@ STATS_PREFIX = "STRAWQ_LAB_STATS "
 def producer_child() -> None:
     """Child process (``python -c``): one ``Producer`` on its own event loop.
 
-    Reads its ``ProducerConfig`` as one JSON line on stdin; stops when stdin closes; prints
-    its final stats as one line ``STRAWQ_LAB_STATS {json}``.
+    Reads its ``ProducerConfig`` as one JSON line on stdin; drains when stdin closes or on
+    SIGTERM / SIGINT, as ``strawq producer`` does (``strawq.producers.drain``: within
+    ``timing.grace_period_s``, else exit 3); prints its final stats as one line
+    ``STRAWQ_LAB_STATS {json}``.
     """
     import asyncio
     import sys
 
+    from strawq.producers.drain import Drain
     from strawq.producers.producer import Producer
     from strawq.producers.producer_config import ProducerConfig
 
     logging.basicConfig(level=logging.WARNING)
     config = json.loads(sys.stdin.readline())
-    producer = Producer(ProducerConfig.from_dict(config), node_id=config.get("producer_id"))
+    cfg = ProducerConfig.from_dict(config)
+    producer = Producer(cfg, node_id=config.get("producer_id"))
     stop = threading.Event()
+    drain = Drain(producer.request_stop, cfg.timing.grace_period_s,
+                  who=f"producer {producer.producer_id}")
 
     def watch_stdin() -> None:
         sys.stdin.read()
@@ -134,13 +141,18 @@ def producer_child() -> None:
 
     async def main() -> None:
         task = asyncio.create_task(producer.run())
-        while not stop.is_set() and not task.done():
+        while not stop.is_set() and not task.done() and drain.began_at is None:
             await asyncio.sleep(0.05)
-        producer.request_stop()
+        if not task.done():
+            drain.begin("stdin closed")  # nothing when a signal began it
         await task
 
     try:
-        asyncio.run(main())
+        with drain.signals():
+            try:
+                asyncio.run(main())
+            finally:
+                drain.finish()
     finally:
         print(STATS_PREFIX + json.dumps(producer.stats().to_dict()), flush=True)
 
@@ -177,6 +189,12 @@ class ProducerProcesses:
                 raise TimeoutError(f"only {len(started)} of {n} lab producers "
                                    f"started within {timeout_s:.0f}s")
             time.sleep(0.05)
+
+    def terminate(self, i: int) -> None:
+        """SIGTERM to producer ``i`` (a preemption): it drains (``producer_child``)."""
+        p = self.procs[i]
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
 
     def finish(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
         """Stop every producer (it parks its groups) and collect its stats (once: a later

@@ -91,10 +91,12 @@ class EngineAborter:
         task.add_done_callback(self._background.discard)
 
     async def abort_until_returned(self, pending: set[asyncio.Task[None]], prefix: str,
-                                   why: str) -> None:
+                                   why: str, *, deadline_s: float | None = None) -> None:
         """Abort ``prefix`` on every worker until the ``pending`` tasks (generate calls) all
-        returned; past ``deadline_s`` they are cancelled and their last segment is lost."""
-        deadline = self.clock() + self.deadline_s
+        returned; past ``deadline_s`` (default: the aborter's) they are cancelled and their
+        last segment is lost."""
+        wait_s = self.deadline_s if deadline_s is None else deadline_s
+        deadline = self.clock() + wait_s
         while pending:
             await self.abort_prefix(prefix)
             left = deadline - self.clock()
@@ -104,7 +106,7 @@ class EngineAborter:
                             "after the abort; cancelling them: their samples resume from "
                             "their last applied segment, the tokens of this one are lost",
                             self.producer_id, why, len(pending),
-                            ", ".join(self.matching(prefix)[:8]) or "-", self.deadline_s)
+                            ", ".join(self.matching(prefix)[:8]) or "-", wait_s)
                 for t in pending:
                     t.cancel()
                 await asyncio.wait(pending, timeout=5.0)

@@ -13,9 +13,7 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -27,7 +25,13 @@ given by --router), and persists ready and partial groups. Start one per node (e
 'srun --ntasks-per-node=1 strawq producer ...' under Slurm, or a systemd unit); the
 collector's grantor expires the leases of one that dies.
 
-SIGTERM or SIGINT stops it cleanly: every held group is completed or yielded as a partial.
+SIGTERM or SIGINT drains it: every request in flight is aborted and its tokens kept, every
+held group is completed or yielded as a partial, and it exits 0, all within the grace period
+(--grace-period, timing.grace_period_s, 30 s by default; set Kubernetes'
+terminationGracePeriodSeconds or Slurm's KillWait above it). A drain still running at the
+end of the grace period exits 3 (what was handed back is kept; the other leases expire and
+resume from their last saved partial). A second SIGINT exits 130 at once; a second SIGTERM
+is ignored.
 
 The producer config keys (--set KEY=VALUE, or --config FILE) are listed below; see
 docs/producers.md.
@@ -60,7 +64,8 @@ def _config(args: argparse.Namespace, group_size: int | None = None) -> Any:
              "engine": {"workers": tuple(args.engine) if args.engine else None,
                         "router_url": args.router,
                         "client": {"routing_policy": getattr(args, "routing_policy", None)}},
-             "plugins": {"reward": args.reward}, "budget": {"slots": args.slots}}
+             "plugins": {"reward": args.reward}, "budget": {"slots": args.slots},
+             "timing": {"grace_period_s": getattr(args, "grace_period", None)}}
     data = merge(data, _given(flags))
     plugins = data.get("plugins")
     if not (isinstance(plugins, dict) and plugins.get("reward")):
@@ -109,6 +114,7 @@ def derive_slots(args: argparse.Namespace, data: dict[str, Any],
 
 def cmd_producer(args: argparse.Namespace) -> int:
     from strawq.errors import StrawqError
+    from strawq.producers.drain import Drain
     from strawq.producers.producer import Producer
 
     if not os.path.isfile(os.path.join(args.path, "run.meta")):
@@ -133,29 +139,26 @@ def cmd_producer(args: argparse.Namespace) -> int:
                                           host=args.prometheus_host)
         print(f"strawq producer: metrics on http://{args.prometheus_host}:{exporter.port}"
               "/metrics", file=sys.stderr)
-    stopped = threading.Event()
-
-    def _stop(signum: int, _frame: Any) -> None:
-        log.info("signal %d: handing back held groups and stopping", signum)
-        stopped.set()
-        producer.request_stop()
+    drain = Drain(producer.request_stop, config.timing.grace_period_s,
+                  who=f"producer {producer.producer_id}")
 
     async def _run() -> None:
         task = asyncio.ensure_future(producer.run())
         if args.max_seconds is not None:
             done, _ = await asyncio.wait({task}, timeout=args.max_seconds)
             if not done:
-                producer.request_stop()
+                drain.begin("--max-seconds")
         await task
 
-    old = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        log.info("producer %s on %s (%d slots)", producer.producer_id, args.path,
-                 config.budget.slots)
-        asyncio.run(_run())
+        with drain.signals():
+            log.info("producer %s on %s (%d slots)", producer.producer_id, args.path,
+                     config.budget.slots)
+            try:
+                asyncio.run(_run())
+            finally:
+                drain.finish()
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
         if exporter is not None:
             exporter.close()
     stats = producer.stats().to_dict()
@@ -177,7 +180,7 @@ def _group_size(path: str) -> int:
 
 
 def add_parsers(subparsers: Any) -> None:
-    from strawq.argtypes import engine_url, listen_port, positive_int
+    from strawq.argtypes import engine_url, listen_port, positive_float, positive_int
     from strawq.config import add_keys_help
 
     s = subparsers.add_parser(
@@ -214,6 +217,11 @@ def add_parsers(subparsers: Any) -> None:
                    "(the keys are listed below)")
     s.add_argument("--max-seconds", type=float, default=None,
                    help="stop (handing back held groups) after this long")
+    s.add_argument("--grace-period", type=positive_float, default=None, metavar="SECONDS",
+                   help="SIGTERM/SIGINT: drain (abort the requests in flight keeping their "
+                   "tokens, hand back every held group) within this long, else exit 3 "
+                   "(= timing.grace_period_s, default 30; keep Kubernetes' "
+                   "terminationGracePeriodSeconds or Slurm's KillWait above it)")
     s.add_argument("--json", action="store_true", help="print the final stats as JSON")
     s.add_argument("--prometheus-port", type=listen_port, default=None, metavar="PORT",
                    help="serve this producer's metrics for Prometheus on PORT (0: any free "

@@ -77,8 +77,10 @@ class GroupHalts:
         #: siblings of a failed sample being aborted until they returned
         self._halting: set[asyncio.Task[None]] = set()
 
-    async def park_all(self, why: str) -> int:
-        """Stop every held group and hand it back; returns how many were yielded."""
+    async def park_all(self, why: str, *, deadline_s: float | None = None) -> int:
+        """Stop every held group and hand it back; returns how many were yielded.
+        ``deadline_s``: how long the aborted requests may take to come back (default: the
+        aborter's ``abort_deadline_s``; a stop passes its share of the grace period)."""
         actives = list(self.table.groups.values())
         if not actives:
             return 0
@@ -87,7 +89,8 @@ class GroupHalts:
             a.parking = True
         self.pool.wake_all()
         pending = {t for a in actives for t in a.sample_tasks.values() if not t.done()}
-        await self.aborter.abort_until_returned(pending, f"{self.producer_id}/", why)
+        await self.aborter.abort_until_returned(pending, f"{self.producer_id}/", why,
+                                                deadline_s=deadline_s)
         await asyncio.gather(*(a.task for a in actives if a.task is not None),
                              return_exceptions=True)
         return self.book.get("groups_yielded") - before

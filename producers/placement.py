@@ -92,8 +92,13 @@ class ProducerActor:
         d["pid"] = os.getpid()
         return d
 
-    async def stop(self, timeout_s: float = 120.0) -> dict[str, Any]:
-        """Park every held group (yield partials), stop, and return the final stats."""
+    async def stop(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Drain: abort every request in flight keeping its tokens, park every held group
+        (yield partials), stop, and return the final stats; wait at most ``timeout_s``
+        (default: ``timing.grace_period_s``; past it the actor is left running, and
+        killing it is a kill: its leases expire)."""
+        if timeout_s is None:
+            timeout_s = self.producer.config.timing.grace_period_s
         if self._task is not None and not self._task.done():
             self.producer.request_stop()
             try:

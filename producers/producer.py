@@ -248,6 +248,14 @@ class Producer:
             raise ValueError(f"slots must be an int >= 0, got {n!r}")
         call_in_loop(self._loop, lambda: self.pool.set_slots(n))
 
+    @property
+    def stop_abort_s(self) -> float:
+        """How long a stop waits for its aborted requests to come back with their tokens:
+        ``timing.abort_deadline_s``, at most half of ``timing.grace_period_s`` (the other
+        half is the hand-back's)."""
+        timing = self.config.timing
+        return min(timing.abort_deadline_s, timing.grace_period_s / 2)
+
     def request_stop(self) -> None:
         """Ask ``run()`` to park every held group and return."""
         def stop() -> None:
@@ -317,7 +325,7 @@ class Producer:
             await self._main_loop()
         finally:
             try:
-                await self.runner.park_all("stop")
+                await self.runner.halts.park_all("stop", deadline_s=self.stop_abort_s)
                 await self.handback.retry_orphans()
                 if self.handback.orphans:
                     log.error("producer %s stops holding %d leases it could not hand back; "

@@ -244,6 +244,13 @@ class TimingConfig(Config):
     abort_deadline_s: float = 30.0
     #: Re-send the rid-prefix abort at this cadence while waiting, in seconds.
     abort_poll_s: float = 0.5
+    #: Stop (SIGTERM, SIGINT, ``--max-seconds``): the whole drain — abort the requests in
+    #: flight, apply their partial outputs, hand back every held group — ends within this
+    #: many seconds (Kubernetes' ``terminationGracePeriodSeconds``, kubectl's
+    #: ``--grace-period``); the aborted requests get at most half of it. A process drain
+    #: past it exits 3 (``strawq.producers.drain``). Keep the orchestrator's own grace above
+    #: it.
+    grace_period_s: float = 30.0
     #: Stop work on leases once no heartbeat succeeded for ``lease_timeout_s - margin``
     #: (None: one heartbeat interval).
     lease_margin_s: float | None = None
@@ -268,7 +275,7 @@ class TimingConfig(Config):
         _positive("ProducerConfig.timing", control_poll_s=self.control_poll_s,
                   idle_poll_s=self.idle_poll_s, idle_after_s=self.idle_after_s,
                   idle_probe_s=self.idle_probe_s, abort_deadline_s=self.abort_deadline_s,
-                  abort_poll_s=self.abort_poll_s)
+                  abort_poll_s=self.abort_poll_s, grace_period_s=self.grace_period_s)
         if self.lease_margin_s is not None and self.lease_margin_s < 0:
             raise ConfigError(f"ProducerConfig.timing.lease_margin_s must be >= 0, got "
                               f"{self.lease_margin_s}")

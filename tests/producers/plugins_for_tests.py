@@ -36,3 +36,11 @@ def stuck_reward(task: dict[str, Any], response_ids: list[int], meta: dict[str, 
 
     time.sleep(600)
     return 0.0
+
+
+def hanging_reward(task: dict[str, Any], response_ids: list[int], meta: dict[str, Any]) -> float:
+    """A verifier that never answers (an hour): a group waiting for it cannot complete."""
+    import time
+
+    time.sleep(3600)
+    return 0.0
