@@ -230,12 +230,17 @@ class EngineWeights:
 
     def clear_fixed(self, run_version: int, probes: Mapping[str, EngineProbe]) -> list[str]:
         """Delete the notes (every writer's, up to ``run_version``) on each engine whose
-        probe reports ``run_version``: it holds the run's weights, whoever noted it and
-        whether or not that writer still runs. Returns the URLs cleared."""
+        probe reports ``run_version`` and which is attested at it (or the version has no
+        fingerprint: ``strawq.weights.fingerprint``): it holds the run's weights, whoever
+        noted it and whether or not that writer still runs. Returns the URLs cleared."""
+        from strawq.weights.fingerprint import Fingerprints  # it builds on this module
+
+        attested = Fingerprints(self.storage)
         cleared = []
         for url in sorted(self.needing()):
             p = probes.get(url)
             if p is not None and p.version == run_version and \
+                    attested.attested(url, run_version) is True and \
                     self.clear(url, up_to_version=run_version):
                 cleared.append(url)
         if cleared:
