@@ -39,7 +39,6 @@ from strawq.errors import BracketError
 from strawq.tasks.grantor import LeaseMonitor
 from strawq.tasks.queue import RunQueue
 from strawq.weights.control import Control
-from strawq.weights.fingerprint import READ_TIMEOUT_S, Fingerprint, Fingerprints
 from strawq.weights.engine_weights import (
     PROBE_TIMEOUT_S,
     EngineProbe,
@@ -47,6 +46,7 @@ from strawq.weights.engine_weights import (
     StaleNote,
     probe_versions,
 )
+from strawq.weights.fingerprint import READ_TIMEOUT_S, Fingerprint, Fingerprints
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ class WeightUpdateBracket:
                  rank: int | None = None, engine_urls: Sequence[str] = (),
                  probe_timeout_s: float = PROBE_TIMEOUT_S, api_key: str | None = None,
                  fence: Callable[[], None] | None = None, attest: bool = True,
-                 attest_timeout_s: float = READ_TIMEOUT_S) -> None:
+                 attest_timeout_s: float = READ_TIMEOUT_S,
+                 admin_api_key: str | None = None) -> None:
         self.queue = queue
         #: check every engine against a published fingerprint before resuming producers
         #: (``publish_fingerprint``; a version without one is not checked)
@@ -117,7 +118,8 @@ class WeightUpdateBracket:
         #: engine_repair``): at each ``end_weight_update`` and from a background thread
         self.repairs = EngineRepair(queue, self.engines, lambda: self.is_open,
                                     probe_timeout_s=probe_timeout_s, api_key=api_key,
-                                    attest_timeout_s=attest_timeout_s)
+                                    attest_timeout_s=attest_timeout_s,
+                                    admin_api_key=admin_api_key)
         self.clock = clock
         self.sleep = sleep
         self.poll_interval_s = poll_interval_s

@@ -39,7 +39,8 @@ class EngineRepair:
 
     def __init__(self, queue: RunQueue, engines: EngineWeights, is_open: Callable[[], bool],
                  *, probe_timeout_s: float, api_key: str | None = None,
-                 attest_timeout_s: float = READ_TIMEOUT_S) -> None:
+                 attest_timeout_s: float = READ_TIMEOUT_S,
+                 admin_api_key: str | None = None) -> None:
         self.queue = queue
         self.engines = engines
         self._is_open = is_open
@@ -54,6 +55,8 @@ class EngineRepair:
         self._failures: set[str] = set()
         self.fingerprints = Fingerprints(queue.storage)
         self.attest_timeout_s = attest_timeout_s
+        #: ``/get_weights_by_name`` is an admin call on SGLang (``--admin-api-key``)
+        self.attest_api_key = admin_api_key or api_key
         #: engines checked / failed, seconds of the last round of checks (trainer metrics)
         self.attest_checks = 0
         self.attest_failures = 0
@@ -122,7 +125,7 @@ class EngineRepair:
         if not urls:
             return {}
         found = attest_all(self.queue.storage, urls, version,
-                           timeout_s=self.attest_timeout_s, api_key=self.api_key)
+                           timeout_s=self.attest_timeout_s, api_key=self.attest_api_key)
         if not found:
             return {}
         self.attest_checks += len(found)

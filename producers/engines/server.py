@@ -323,6 +323,7 @@ ADMIN_PATHS = frozenset(
         "/update_weights_from_disk",
         "/update_weight_version",
         "/flush_cache",
+        "/get_weights_by_name",
     }
 )
 
