@@ -40,6 +40,14 @@ some replies are discarded and re-issued meanwhile (``stale_replies``). When eve
 is stale, producers claim nothing and generate nothing (``waiting_for_weights``, one log
 line) until one is back.
 
+**Attestation** (``strawq.weights.fingerprint``). A label is what the pusher declared, not
+what the engine loaded. When the trainer published a fingerprint for the run's version, an
+engine is on that version only if it reports it *and* its newest check (``attested/``) at
+it passed: a probe that finds it failed or unchecked marks it (reason "failed attestation"
+/ "not attested") and it stays out until a repair push passes the check; a reply on the
+run's version from an engine marked out or failed is refused like a stale one (its tokens
+are never applied: ``attestation_refused_replies``, ``attestation_refused_tokens``).
+
 **Every client is guarded.** A producer wraps whatever engine client it is given (built
 from its config or injected) in a :class:`GuardedClient`: each ``generate`` goes only to
 engines in rotation and its reply is judged before the sample step sees it.

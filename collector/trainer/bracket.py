@@ -46,7 +46,7 @@ from strawq.weights.engine_weights import (
     StaleNote,
     probe_versions,
 )
-from strawq.weights.fingerprint import READ_TIMEOUT_S, Fingerprint, Fingerprints
+from strawq.weights.fingerprint import READ_TIMEOUT_S, Fingerprint, Fingerprints, may_clear
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +319,8 @@ class WeightUpdateBracket:
             self._open = None
             log.warning("weight update to version %s undone: the engines hold version %d; "
                         "producers resume on it", plan.bracket, plan.version)
-        self.engines.clear_fixed(self.queue.current_version(), found)
+        v = self.queue.current_version()
+        self.engines.clear_fixed(v, found, may_clear(self.queue.storage, v))
         return plan
 
     def _rank0(self, what: str) -> None:

@@ -25,7 +25,13 @@ from collections.abc import Callable, Iterable
 from strawq.errors import BracketError
 from strawq.tasks.queue import RunQueue
 from strawq.weights.engine_weights import EngineWeights, probe_versions
-from strawq.weights.fingerprint import READ_TIMEOUT_S, Fingerprints, Verdict, attest_all
+from strawq.weights.fingerprint import (
+    READ_TIMEOUT_S,
+    Fingerprints,
+    Verdict,
+    attest_all,
+    may_clear,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +115,8 @@ class EngineRepair:
         need = self.engines.needing()
         if need:  # the notes on engines that report the version now go
             fixed = self.engines.clear_fixed(version, probe_versions(
-                need, timeout_s=self.probe_timeout_s, api_key=self.api_key))
+                need, timeout_s=self.probe_timeout_s, api_key=self.api_key),
+                may_clear(self.queue.storage, version))
             need = {u: n for u, n in need.items() if u not in fixed}
         if need:
             log.warning("engines %s are on weights other than the run's version and out "
@@ -155,7 +162,7 @@ class EngineRepair:
                     reason="on the run's version, not yet checked")
         # an engine that already holds the run's version (attested) needs no push: its
         # notes go
-        fixed = self.engines.clear_fixed(version, probes)
+        fixed = self.engines.clear_fixed(version, probes, may_clear(self.queue.storage, version))
         need = {u: n for u, n in need.items() if u not in fixed}
         if not need:
             return []

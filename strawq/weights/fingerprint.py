@@ -52,7 +52,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,8 @@ FINGERPRINTS_DIR = "fingerprints"
 ATTESTED_DIR = "attested"
 #: ``fingerprints/<v>``
 FINGERPRINTS = Numbered()
+#: ``attested/<v>~<url key>~<nonce>``
+VERDICTS = Numbered(sep="~")
 #: fingerprints (and attestation records) kept behind the newest version
 KEEP = 4
 DTYPES = ("bfloat16", "float16", "float32")
@@ -297,10 +299,8 @@ class Fingerprints:
         names = self.storage.list(FINGERPRINTS_DIR)
         for n in FINGERPRINTS.below(names, int(version) - KEEP + 1):
             self.storage.delete(f"{FINGERPRINTS_DIR}/{n}")
-        for n in self.storage.list(ATTESTED_DIR):
-            v = _attested_version(n)
-            if v is not None and v < int(version) - KEEP + 1:
-                self.storage.delete(f"{ATTESTED_DIR}/{n}")
+        for n in VERDICTS.below(self.storage.list(ATTESTED_DIR), int(version) - KEEP + 1):
+            self.storage.delete(f"{ATTESTED_DIR}/{n}")
 
     def get(self, version: int) -> Fingerprint | None:
         key = f"{FINGERPRINTS_DIR}/{FINGERPRINTS.name(int(version))}"
@@ -316,7 +316,7 @@ class Fingerprints:
     def record(self, v: Verdict) -> str:
         """Write one verdict (a fresh name: never rewritten); returns its name."""
         self.storage.makedirs(ATTESTED_DIR)
-        name = f"{int(v.version)}~{url_key(v.url)}~{uuid.uuid4().hex[:12]}"
+        name = VERDICTS.name(int(v.version), f"{url_key(v.url)}~{uuid.uuid4().hex[:12]}")
         self.storage.publish(f"{ATTESTED_DIR}/{name}", records.encode(Kind.STATE, {
             "url": v.url, "version": v.version, "ok": v.ok, "found": v.found,
             "expected": v.expected, "error": (v.error or "")[:500], "seconds": v.seconds,
@@ -326,9 +326,9 @@ class Fingerprints:
     def verdicts(self, version: int) -> dict[str, Verdict]:
         """Engine URL -> its newest verdict at ``version``."""
         out: dict[str, Verdict] = {}
-        prefix = f"{int(version)}~"
         for name in self.storage.list(ATTESTED_DIR):
-            if not name.startswith(prefix):
+            got = VERDICTS.split(name)
+            if got is None or got[0] != int(version):
                 continue
             key = f"{ATTESTED_DIR}/{name}"
             try:
@@ -355,9 +355,14 @@ class Fingerprints:
         return None if got is None else got.ok
 
 
-def _attested_version(name: str) -> int | None:
-    head = name.split("~", 1)[0]
-    return int(head) if head.isdigit() else None
+def may_clear(storage: Storage, version: int) -> Callable[[str], bool]:
+    """url -> whether its notes may go at ``version`` (``EngineWeights.clear_fixed``): the
+    version has no fingerprint, or the engine's newest verdict is ok (read once)."""
+    book = Fingerprints(storage)
+    if book.get(version) is None:
+        return lambda url: True
+    ok = {u for u, v in book.verdicts(version).items() if v.ok}
+    return lambda url: url.rstrip("/") in ok
 
 
 def attest_all(storage: Storage, urls: Iterable[str], version: int, *,
