@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from strawq.collector.config import CollectorConfig
+from strawq.collector.core import Collector
 from strawq.collector.trainer.bracket import WeightUpdateBracket
+from strawq.collector.trainer.reader import BatchReader
+from strawq.data.dataset import Dataset
 from strawq.demo.trainer import GRPOTrainer
 from strawq.producers.engine_versions import StaleEngine, VersionGuard
 from strawq.producers.engines.launch import EngineOptions
@@ -23,6 +27,7 @@ from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.engines.tiny_model import init_model
 from strawq.storage import MemoryStorage
+from strawq.tasks.queue import RunQueue
 from strawq.weights.engine_weights import EngineWeights
 from strawq.weights.fingerprint import Fingerprints, Verdict, fingerprint_of
 from tests.producers.helpers import run_producers, wait_for
@@ -106,8 +111,36 @@ def test_wrong_checkpoint_under_the_right_label_generates_nothing_until_repaired
     assert not late, f"groups released after the update with other versions: {late}"
     st = p.stats()
     assert st.engines_marked_stale == 1 and st.engines_restored == 1
+    # through the collector and the reader: every group is trained, and every token of a
+    # group released after the update is version 1's, generated on attested weights
+    trained = _train_all(q, run_dir, 3 * PHASE)
+    assert sorted(trained) == list(range(3 * PHASE))
+    assert all(trained[i] == {1} for i in range(PHASE, 3 * PHASE))
     m = bracket.attestation_metrics()
     assert m["attest/failures_total"] == 1 and m["attest/checks_total"] >= 3
+
+
+def _train_all(q: RunQueue, run_dir: str, n: int) -> dict[int, set[int]]:
+    """Batch every ready group (the collector) and read the batches (the trainer's reader);
+    returns dataset index -> the versions of its trained response tokens."""
+    col = Collector(q, Dataset(f"{run_dir}/dataset.jsonl"), CollectorConfig(
+        batch_groups=PHASE, max_running=n, max_ready=n, poll_interval_s=0, gc_interval_s=1e9))
+    col.start(wait=False)
+    reader = BatchReader(q, rank=0, world_size=1)
+    out: dict[int, set[int]] = {}
+    try:
+        for _ in range(n // PHASE):
+            col.step()
+            batch = reader.next_batch(timeout=30)
+            cu = batch.cu_seqlens.tolist()
+            for i, idx in enumerate(batch.sample_index.tolist()):
+                span = batch.versions[cu[i]:cu[i + 1]]
+                out.setdefault(int(idx), set()).update(int(v) for v in span[span >= 0])
+            reader.ack(batch)
+    finally:
+        reader.close()
+        col.close()
+    return out
 
 
 class _Client:
