@@ -22,8 +22,10 @@ from strawq.data.dataset import Dataset
 from strawq.demo.trainer import GRPOTrainer
 from strawq.producers.engine_versions import StaleEngine, VersionGuard
 from strawq.producers.engines.launch import EngineOptions
+from strawq.producers.engines.sim_backend import sim_weights
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.meter import ProducerStats, StatsBook
+from strawq.producers.metrics import producer_values
 from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.engines.tiny_model import init_model
 from strawq.storage import MemoryStorage
@@ -38,6 +40,7 @@ from tests.producers.test_engine_versions import (
     phased_run,
     producer,
     release,
+    sim,
     versions_by_index,
 )
 
@@ -179,4 +182,32 @@ def test_a_reply_on_the_run_version_from_an_engine_that_failed_is_refused() -> N
     asyncio.run(main())
     assert counts.attestation_refused_replies == 2
     assert counts.attestation_refused_tokens == 5
+    assert producer_values(counts.to_dict())["producer/attestation_refused_replies_total"] == 2
     assert EngineWeights(st).needing()["http://e1"].reason.startswith("failed attestation")
+
+
+def test_a_joining_engine_is_checked_before_its_notes_go_and_only_a_failing_one_is_pushed(
+        tmp_path: Path) -> None:
+    q = phased_run(str(tmp_path / "run"), 0, 1)
+    Fingerprints(q.storage).publish(1, fingerprint_of(sim_weights("/w/v1"), dtype="float32"))
+    right, wrong = sim("1"), sim("1")  # both claim version 1; only one loaded its weights
+    notes = EngineWeights(q.storage)
+    pushed: list[list[str]] = []
+
+    def push_to(urls: list[str], version: int) -> None:
+        pushed.append(urls)
+        for u in urls:
+            asyncio.run(push(u, "/w/v1", version))
+
+    try:
+        asyncio.run(push(right.url, "/w/v1", 1))
+        for e in (right, wrong):  # as a producer notes an engine it found unchecked
+            notes.mark(e.url, writer="p1", engine_version=1, run_version=1,
+                       reason="not attested at version 1")
+        assert WeightUpdateBracket(q).repair_engines(push_to) == [wrong.url]
+    finally:
+        right.stop()
+        wrong.stop()
+    assert pushed == [[wrong.url]]  # the right one passed its check: no push
+    verdicts = Fingerprints(q.storage).verdicts(1)
+    assert verdicts[right.url].ok and verdicts[wrong.url].ok and not notes.notes()

@@ -84,7 +84,9 @@ def test_get_weights_by_name_on_sglang_0_5_23(sglang_real: RealServer) -> None:
     fp_master = fingerprint_of({k: v.float() for k, v in w.items()})  # type: ignore[union-attr]
     assert fp_master.digest == fp.digest  # fp32 master weights, cast as the engine holds them
 
+    t0 = time.monotonic()
     _push(s, s.perturbed_dir, 0)
+    print(f"attestation: the push it follows took {time.monotonic() - t0:.2f}s")
     try:
         after = read_parameter(s.url, PERTURBED_TENSOR, 3, api_key=key)
         assert not np.array_equal(after, norm)
