@@ -203,7 +203,7 @@ class WeightUpdateBracket:
         # ``version``, every engine is checked before producers resume; one that fails is
         # noted and never in their rotation at this version
         if self.attest_engines:
-            self.repairs.attest(self.engine_versions().keys(), version,
+            self.repairs.attest(set(self.engines.known()) | set(self.engine_urls), version,
                                 reason="after the bracket's push")
         self.control.resume(version)
         self._open = None

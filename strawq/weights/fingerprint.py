@@ -53,6 +53,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,9 @@ ROWS = 1
 MAX_NUMEL = 4_000_000
 #: seconds one read of one parameter may take
 READ_TIMEOUT_S = 30.0
+
+#: engines checked at once
+PARALLEL = 32
 
 _LAYER = re.compile(r"\.(\d+)\.")
 
@@ -368,15 +372,18 @@ def may_clear(storage: Storage, version: int) -> Callable[[str], bool]:
 def attest_all(storage: Storage, urls: Iterable[str], version: int, *,
                timeout_s: float = READ_TIMEOUT_S,
                api_key: str | None = None) -> dict[str, Verdict]:
-    """Check every engine in ``urls`` against version ``version``'s fingerprint and record
-    each verdict; {} when the version has none (attestation off for it)."""
+    """Check every engine in ``urls`` against version ``version``'s fingerprint (all at
+    once: one thread per engine, at most ``PARALLEL``) and record each verdict; {} when the
+    version has none (attestation off for it)."""
     book = Fingerprints(storage)
     fp = book.get(version)
-    if fp is None:
+    todo = sorted({u.rstrip("/") for u in urls})
+    if fp is None or not todo:
         return {}
-    out = {}
-    for url in sorted({u.rstrip("/") for u in urls}):
-        v = attest(url, version, fp, timeout_s=timeout_s, api_key=api_key)
+    with ThreadPoolExecutor(max_workers=min(PARALLEL, len(todo)),
+                            thread_name_prefix="strawq-attest") as pool:
+        found = list(pool.map(lambda u: attest(u, version, fp, timeout_s=timeout_s,
+                                               api_key=api_key), todo))
+    for v in found:
         book.record(v)
-        out[url] = v
-    return out
+    return {v.url: v for v in found}
