@@ -40,6 +40,14 @@ some replies are discarded and re-issued meanwhile (``stale_replies``). When eve
 is stale, producers claim nothing and generate nothing (``waiting_for_weights``, one log
 line) until one is back.
 
+**Attestation** (``strawq.weights.fingerprint``). A label is what the pusher declared, not
+what the engine loaded. When the trainer published a fingerprint for the run's version, an
+engine is on that version only if it reports it *and* its newest check (``attested/``) at
+it passed: a probe that finds it failed or unchecked marks it (reason "failed attestation"
+/ "not attested") and it stays out until a repair push passes the check; a reply on the
+run's version from an engine marked out or failed is refused like a stale one (its tokens
+are never applied: ``attestation_refused_replies``, ``attestation_refused_tokens``).
+
 **Every client is guarded.** A producer wraps whatever engine client it is given (built
 from its config or injected) in a :class:`GuardedClient`: each ``generate`` goes only to
 engines in rotation and its reply is judged before the sample step sees it.
@@ -62,6 +70,7 @@ from strawq.producers.meter import StatsBook
 from strawq.producers.sglang_protocol import GenerateResult
 from strawq.weights.control import read_state
 from strawq.weights.engine_weights import EngineProbe, EngineWeights
+from strawq.weights.fingerprint import Fingerprints
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +118,8 @@ class VersionGuard:
         self._probing: asyncio.Task[None] | None = None
         #: engine URLs registered in engine-urls/ by this producer
         self._registered: set[str] = set()
+        #: the trainer's fingerprints and its verdicts on the engines (``attested/``)
+        self.attestations = Fingerprints(notes.storage)
 
     # -- rotation (the client asks) ---------------------------------------------------------
     def serves(self, url: str) -> bool:
@@ -142,16 +153,17 @@ class VersionGuard:
         come from weights other than the run's version outside a bracket."""
         versions = np.asarray(result.versions)
         exp = self.expected
-        if exp is not None and result.weight_version == exp and (
-                not len(versions) or (int(versions.min()) == exp == int(versions.max()))):
+        if exp is not None and result.weight_version == exp and result.url not in self.stale \
+                and (not len(versions) or (int(versions.min()) == exp == int(versions.max()))):
             return
         run_v, paused = await self.refresh()
         if paused or self._pausing():
             return  # a bracket is open: versions legitimately differ; stamps stay honest
+        n = len(result.output_ids)
         if result.weight_version == run_v and (
                 not len(versions) or bool((versions == run_v).all())):
+            await self._check_attested(result, run_v, n)
             return
-        n = len(result.output_ids)
         self.book.bump("stale_replies")
         self.book.bump("stale_tokens_discarded", n)
         found = sorted({int(v) for v in versions.tolist()} | {result.weight_version})
@@ -169,6 +181,35 @@ class VersionGuard:
             f"reply {result.rid} carries weight version(s) {found} but the run is at version "
             f"{run_v}: its {n} tokens are discarded and the request goes to another engine",
             url=result.url, engine_version=result.weight_version, run_version=run_v, tokens=n)
+
+    async def _check_attested(self, result: GenerateResult, run_v: int, n: int) -> None:
+        """A reply on the run's version from an engine that failed attestation (or has no
+        verdict at a version with a fingerprint) is refused like a stale one: its tokens
+        came from weights other than the ones the version names."""
+        url = result.url
+        if url is None or (self._router_url() is not None and url == self._router_url()):
+            return  # behind a router: the workers' probes judge (probe_all)
+        verdict = await self._io(lambda: self.attestations.attested(url, run_v))
+        if verdict is True:
+            return
+        self.book.bump("attestation_refused_replies")
+        self.book.bump("attestation_refused_tokens", n)
+        why = "failed attestation" if verdict is False else "not attested"
+        await self.mark(url, run_v, run_v, f"{why} at version {run_v}")
+        raise StaleEngine(
+            f"reply {result.rid} from {url}, which {why} at version {run_v} (its weights "
+            f"are not the ones version {run_v} names): its {n} tokens are refused and the "
+            "request goes to another engine",
+            url=url, engine_version=run_v, run_version=run_v, tokens=n)
+
+    async def _verdicts(self, run_v: int) -> Callable[[str], bool | None]:
+        """url -> whether it may serve ``run_v`` (``Fingerprints.attested``), read once."""
+        def read() -> tuple[bool, dict[str, bool]]:
+            has = self.attestations.get(run_v) is not None
+            return has, ({u: v.ok for u, v in self.attestations.verdicts(run_v).items()}
+                         if has else {})
+        has, found = await self._io(read)
+        return lambda url: True if not has else found.get(url.rstrip("/"))
 
     async def refresh(self) -> tuple[int, bool]:
         """Re-read the run's version and whether a bracket is open (off the event loop)."""
@@ -230,12 +271,16 @@ class VersionGuard:
         urls = self._worker_urls()
         await self._register(urls)
         found = await asyncio.gather(*(self._probe(u) for u in urls))
+        attested = await self._verdicts(run_v)
         fine: dict[str, EngineProbe] = {}
         for url, v in zip(urls, found, strict=True):
             if v is None:
                 continue  # unreachable: the generate path's own retries deal with it
             if v != run_v:
                 await self.mark(url, v, run_v, f"reports version {v}")
+            elif (ok := attested(url)) is not True:
+                await self.mark(url, v, run_v, ("failed attestation" if ok is False else
+                                                "not attested") + f" at version {v}")
             else:
                 fine[url.rstrip("/")] = EngineProbe(url, v)
                 await self.restore(url, run_v)
@@ -285,9 +330,10 @@ class VersionGuard:
         run_v, paused = await self.refresh()
         if paused or self._pausing():
             return
+        attested = await self._verdicts(run_v)
         for url in list(self.stale):
             v = await self._probe(url)
-            if v == run_v:
+            if v == run_v and attested(url) is True:
                 await self.restore(url, run_v)
             elif v is not None:
                 self.stale[url] = v

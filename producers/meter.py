@@ -93,6 +93,10 @@ class ProducerStats:
     engines_restored: int = 0
     engines_stale: int = 0
     waiting_for_weights: bool = False
+    #: replies on the run's version from an engine that failed attestation (or has no
+    #: verdict yet): refused and re-issued, and their tokens (strawq.weights.fingerprint)
+    attestation_refused_replies: int = 0
+    attestation_refused_tokens: int = 0
     #: tool calls executed / returned from the record on a replay / failed tries
     tool_calls: int = 0
     tool_calls_replayed: int = 0

@@ -76,6 +76,8 @@ OWNERS = {
     "packed/": "strawq/delivery/packed.py",
     "journal/": "strawq/tasks/journal.py",
     "format/": "strawq/tasks/formats.py",
+    "fingerprints/": "strawq/weights/fingerprint.py",
+    "attested/": "strawq/weights/fingerprint.py",
     "dropped/": "collector/trainer/metrics.py",  # the metric name; the entries go through states.py
     # the adapters' stores (``strawq.tasks.states.STORES``): verl's queue directory
     "samples/": "strawq/tasks/states.py",

@@ -46,6 +46,7 @@ from strawq.weights.engine_weights import (
     StaleNote,
     probe_versions,
 )
+from strawq.weights.fingerprint import READ_TIMEOUT_S, Fingerprint, Fingerprints, may_clear
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,13 @@ class WeightUpdateBracket:
                  repair: PushTo | None = None, repair_interval_s: float | None = 5.0,
                  rank: int | None = None, engine_urls: Sequence[str] = (),
                  probe_timeout_s: float = PROBE_TIMEOUT_S, api_key: str | None = None,
-                 fence: Callable[[], None] | None = None) -> None:
+                 fence: Callable[[], None] | None = None, attest: bool = True,
+                 attest_timeout_s: float = READ_TIMEOUT_S,
+                 admin_api_key: str | None = None) -> None:
         self.queue = queue
+        #: check every engine against a published fingerprint before resuming producers
+        #: (``publish_fingerprint``; a version without one is not checked)
+        self.attest_engines = attest
         #: called before every bracket write (``BatchReader``'s: the trainer fence, which
         #: raises ``FencedOut`` once another trainer took the run over); None: unfenced
         #: (an operator's tool settling a bracket)
@@ -111,7 +117,9 @@ class WeightUpdateBracket:
         #: engines on other weights pushed the run's version (``strawq.collector.trainer.
         #: engine_repair``): at each ``end_weight_update`` and from a background thread
         self.repairs = EngineRepair(queue, self.engines, lambda: self.is_open,
-                                    probe_timeout_s=probe_timeout_s, api_key=api_key)
+                                    probe_timeout_s=probe_timeout_s, api_key=api_key,
+                                    attest_timeout_s=attest_timeout_s,
+                                    admin_api_key=admin_api_key)
         self.clock = clock
         self.sleep = sleep
         self.poll_interval_s = poll_interval_s
@@ -191,6 +199,12 @@ class WeightUpdateBracket:
             raise BracketError(f"end_weight_update({version}): the open bracket installs "
                                f"version {opened}; expected a version >= {opened}")
         self.queue.set_version(version)
+        # attestation (``strawq.weights.fingerprint``): with a fingerprint published for
+        # ``version``, every engine is checked before producers resume; one that fails is
+        # noted and never in their rotation at this version
+        if self.attest_engines:
+            self.repairs.attest(set(self.engines.known()) | set(self.engine_urls), version,
+                                reason="after the bracket's push")
         self.control.resume(version)
         self._open = None
         log.info("weight version %d is live; producers resume", version)
@@ -305,7 +319,8 @@ class WeightUpdateBracket:
             self._open = None
             log.warning("weight update to version %s undone: the engines hold version %d; "
                         "producers resume on it", plan.bracket, plan.version)
-        self.engines.clear_fixed(self.queue.current_version(), found)
+        v = self.queue.current_version()
+        self.engines.clear_fixed(v, found, may_clear(self.queue.storage, v))
         return plan
 
     def _rank0(self, what: str) -> None:
@@ -353,15 +368,35 @@ class WeightUpdateBracket:
                      rep.version)
         return rep
 
+    # -- attestation (``strawq.weights.fingerprint``) ------------------------------------------
+    def publish_fingerprint(self, version: int, fingerprint: Fingerprint) -> None:
+        """Record the fingerprint of the weights published as ``version``
+        (``fingerprint_of(weights)``): from then on every engine that claims ``version`` is
+        checked against it before producers use it. Call it before ``end_weight_update``."""
+        self._rank0("publish_fingerprint")
+        if self.attest_engines:
+            Fingerprints(self.queue.storage).publish(version, fingerprint)
+
+    def attestation_metrics(self) -> dict[str, float]:
+        """The trainer's attestation counters, for ``MetricsSink.emit``."""
+        r = self.repairs
+        return {"attest/checks_total": r.attest_checks,
+                "attest/failures_total": r.attest_failures, "attest/last_s": r.attest_last_s}
+
     def weight_update(self, push: Callable[[int], None], *, timeout: float = 300.0,
-                      version: int | None = None) -> BracketReport:
-        """``begin``, ``push(version)`` (load the new weights into every engine), ``end``.
+                      version: int | None = None,
+                      fingerprint: Fingerprint | None = None) -> BracketReport:
+        """``begin``, ``push(version)`` (load the new weights into every engine), ``end``;
+        with ``fingerprint`` (of the pushed weights), every engine is checked against it
+        before producers resume (``publish_fingerprint``).
 
         If ``push`` raises, the bracket stays open (producers stay paused) and the error
         propagates: retry, or call ``abort_weight_update()``.
         """
         rep = self.begin_weight_update(timeout)
         target = rep.version if version is None else version
+        if fingerprint is not None:
+            self.publish_fingerprint(target, fingerprint)
         push(target)
         self.end_weight_update(target)
         return rep

@@ -7,6 +7,13 @@ notes it (``strawq.weights.engine_weights``). The trainer's push path limited to
 that a trainer waiting for a batch while every engine is stale is not stuck. A repair never
 overlaps a bracket (``lock``): the bracket's own push reaches every engine. An engine that
 already reports the run's version needs no push: its notes go.
+
+**Attestation** (``strawq.weights.fingerprint``). When the run's version has a fingerprint,
+"reports the run's version" is not enough: an engine is checked (its parameter slices read
+back and compared) before its notes go, after every push to it, and every engine after the
+bracket's push (:meth:`EngineRepair.attest`, called by ``end_weight_update`` before it
+resumes producers). An engine that fails is noted (``engines/``, reason "failed
+attestation") and stays out of the producers' rotation until a push makes it pass.
 """
 
 from __future__ import annotations
@@ -18,6 +25,13 @@ from collections.abc import Callable, Iterable
 from strawq.errors import BracketError
 from strawq.tasks.queue import RunQueue
 from strawq.weights.engine_weights import EngineWeights, probe_versions
+from strawq.weights.fingerprint import (
+    READ_TIMEOUT_S,
+    Fingerprints,
+    Verdict,
+    attest_all,
+    may_clear,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +44,9 @@ class EngineRepair:
     """Pushes the run's version to the engines noted on other weights."""
 
     def __init__(self, queue: RunQueue, engines: EngineWeights, is_open: Callable[[], bool],
-                 *, probe_timeout_s: float, api_key: str | None = None) -> None:
+                 *, probe_timeout_s: float, api_key: str | None = None,
+                 attest_timeout_s: float = READ_TIMEOUT_S,
+                 admin_api_key: str | None = None) -> None:
         self.queue = queue
         self.engines = engines
         self._is_open = is_open
@@ -43,6 +59,14 @@ class EngineRepair:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failures: set[str] = set()
+        self.fingerprints = Fingerprints(queue.storage)
+        self.attest_timeout_s = attest_timeout_s
+        #: ``/get_weights_by_name`` is an admin call on SGLang (``--admin-api-key``)
+        self.attest_api_key = admin_api_key or api_key
+        #: engines checked / failed, seconds of the last round of checks (trainer metrics)
+        self.attest_checks = 0
+        self.attest_failures = 0
+        self.attest_last_s = 0.0
 
     def start(self, push_to: PushTo, *, interval_s: float | None = 5.0) -> None:
         """Repair with ``push_to`` from now on; every ``interval_s`` from a daemon thread
@@ -91,7 +115,8 @@ class EngineRepair:
         need = self.engines.needing()
         if need:  # the notes on engines that report the version now go
             fixed = self.engines.clear_fixed(version, probe_versions(
-                need, timeout_s=self.probe_timeout_s, api_key=self.api_key))
+                need, timeout_s=self.probe_timeout_s, api_key=self.api_key),
+                may_clear(self.queue.storage, version))
             need = {u: n for u, n in need.items() if u not in fixed}
         if need:
             log.warning("engines %s are on weights other than the run's version and out "
@@ -99,15 +124,45 @@ class EngineRepair:
                         "repair=...) or start_repairs()): the next update's push may "
                         "reach them", ", ".join(sorted(need)))
 
+    def attest(self, urls: Iterable[str], version: int, *,
+               reason: str = "after its push") -> dict[str, Verdict]:
+        """Check each engine against ``version``'s fingerprint (none: {}), record the
+        verdicts, note those that fail (``engines/``) and return every verdict."""
+        urls = sorted(set(urls))
+        if not urls:
+            return {}
+        found = attest_all(self.queue.storage, urls, version,
+                           timeout_s=self.attest_timeout_s, api_key=self.attest_api_key)
+        if not found:
+            return {}
+        self.attest_checks += len(found)
+        self.attest_last_s = sum(v.seconds for v in found.values())
+        bad = [v for v in found.values() if not v.ok]
+        self.attest_failures += len(bad)
+        for v in bad:
+            log.error("%s (%s): out of rotation, noted for a repair push", v.describe(),
+                      reason)
+            self.engines.mark(v.url, writer="trainer", engine_version=version,
+                              run_version=version, reason=f"failed attestation: "
+                              f"{v.error or 'fingerprint ' + str(v.found)}")
+        log.info("attestation at version %d: %d of %d engines match (%.2fs)", version,
+                 len(found) - len(bad), len(found), self.attest_last_s)
+        return found
+
     def _repair(self, push: PushTo) -> list[str]:
         need = self.engines.needing()
         if not need:
             return []
         version = self.queue.current_version()
-        # an engine that already reports the run's version needs no push: its notes go
-        fixed = self.engines.clear_fixed(
-            version, probe_versions(need, timeout_s=self.probe_timeout_s,
-                                    api_key=self.api_key))
+        probes = probe_versions(need, timeout_s=self.probe_timeout_s, api_key=self.api_key)
+        # an engine on the run's version with no verdict yet (it joined, or was noted before
+        # the check) is checked now; one that fails gets the push
+        self.attest([u for u, p in probes.items() if p.version == version and
+                     self.fingerprints.attested(u, version) is None], version,
+                    reason="on the run's version, not yet checked")
+        # an engine that already holds the run's version (attested) needs no push: its
+        # notes go
+        fixed = self.engines.clear_fixed(version, probes, may_clear(self.queue.storage, version))
         need = {u: n for u, n in need.items() if u not in fixed}
         if not need:
             return []
@@ -117,6 +172,10 @@ class EngineRepair:
                         f"{u} (at {need[u].engine_version})" for u in urls))
         failed = set(push(urls, version) or ())
         done = [u for u in urls if u not in failed]
+        verdicts = self.attest(done, version)
+        refused = {u for u in done if u in verdicts and not verdicts[u].ok}
+        done = [u for u in done if u not in refused]
+        failed |= refused
         for u in done:
             self.engines.clear(u, up_to_version=version)
         if failed - self._failures:  # once per engine, not at every retry

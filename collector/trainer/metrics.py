@@ -21,7 +21,10 @@ with ``/`` and ``.`` turned into ``_``):
   ``starved`` and ``starved_reason`` (``strawq.collector.mixing``; this collector's run).
 * counters: ``trainer/step``, ``collector/step``, ``collector/released_total``,
   ``collector/batches_total``, ``collector/expired_leases_total``,
-  ``collector/skipped_zero_variance_total`` (rows the history's rule skipped).
+  ``collector/skipped_zero_variance_total`` (rows the history's rule skipped),
+  ``attest/checks_total``, ``attest/failures_total`` (engines checked against a published
+  fingerprint, and those that failed: ``WeightUpdateBracket.attestation_metrics``, with
+  ``attest/last_s``, the seconds of the last round of checks).
 
 Every JSONL line carries ``time`` (Unix seconds, the writer's wall clock) so lines from the
 collector and the trainer can be put on one time axis.
@@ -57,7 +60,8 @@ __all__ = ["COUNTERS", "MetricsSink", "dropped_metric", "prom_name", "resume_cou
 #: Cumulative counts that continue across restarts (see the module docstring).
 COUNTERS = frozenset({"trainer/step", "collector/step", "collector/released_total",
                       "collector/batches_total", "collector/expired_leases_total",
-                      "collector/skipped_zero_variance_total"})
+                      "collector/skipped_zero_variance_total", "attest/checks_total",
+                      "attest/failures_total"})
 #: How much of the JSONL file's tail is read to resume the counters.
 _TAIL_BYTES = 256 * 1024
 

@@ -337,6 +337,22 @@ async def handle_model_info(request: web.Request) -> web.Response:
     return web.json_response(info)
 
 
+async def handle_weights_by_name(request: web.Request) -> web.Response:
+    """SGLang 0.5.23's ``/get_weights_by_name``: the first ``truncate_size`` rows of a
+    parameter (a 1-D one: values) as float32 lists; 400 when the engine has no such
+    parameter (the backend's ``weights_by_name``)."""
+    try:
+        body = await _json_body(request, allow_empty=False)
+        rows = int(body.get("truncate_size", 100))
+    except (BadRequest, TypeError, ValueError) as exc:
+        return error_response(str(exc))
+    getter = getattr(request.app[CORE_KEY].backend, "weights_by_name", None)
+    found = None if getter is None else getter(str(body.get("name", "")), rows)
+    if found is None:
+        return error_response("Get parameter by name failed")
+    return web.json_response(found)
+
+
 async def handle_live_requests(request: web.Request) -> web.Response:
     """strawq's own: every request in the engine now, with the tokens generated so far."""
     core = request.app[CORE_KEY]
@@ -383,6 +399,7 @@ ADMIN_PATHS = frozenset(
         "/update_weights_from_disk",
         "/update_weight_version",
         "/flush_cache",
+        "/get_weights_by_name",
     }
 )
 
@@ -450,6 +467,7 @@ def build_app(
     r.add_get("/v1/loads", handle_loads)
     r.add_get("/model_info", handle_model_info)
     r.add_get("/get_model_info", handle_model_info)
+    r.add_route("*", "/get_weights_by_name", handle_weights_by_name)
     r.add_get("/health", handle_health)
     r.add_get("/strawq/live_requests", handle_live_requests)
     r.add_get("/health_generate", handle_health_generate)

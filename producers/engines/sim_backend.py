@@ -198,5 +198,24 @@ class SimBackend:
             "sim": {f.name: getattr(self.cfg, f.name) for f in fields(self.cfg)},
         }
 
+    def weights_by_name(self, name: str, truncate_size: int) -> list[float] | None:
+        """The timing model's one parameter, ``sim.weights``: values derived from the
+        weights path it loaded last (:func:`sim_weights`), so that attestation tells two
+        paths apart; None for any other name."""
+        values = sim_weights(self.model_path).get(name)
+        return None if values is None else values[: max(0, truncate_size)]
+
     async def close(self) -> None:
         return None
+
+
+#: the values of ``sim.weights``
+SIM_WEIGHT_VALUES = 8
+
+
+def sim_weights(path: str) -> dict[str, list[float]]:
+    """The ``sim`` engine's weights after loading ``path`` (name -> values), for the
+    trainer's side of attestation (``strawq.weights.fingerprint.fingerprint_of``)."""
+    seed = zlib.crc32(path.encode())
+    return {"sim.weights": [position_uniform(seed, i) - 0.5
+                            for i in range(SIM_WEIGHT_VALUES)]}

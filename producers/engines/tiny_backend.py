@@ -146,6 +146,15 @@ class TinyBackend:
         self.model = model
         self.model_path = path
 
+    def weights_by_name(self, name: str, truncate_size: int) -> list[Any] | None:
+        """The first ``truncate_size`` rows of parameter ``name`` (its ``state_dict`` name)
+        as float32 lists, as SGLang's ``/get_weights_by_name``; None: no such parameter."""
+        param = dict(self.model.named_parameters()).get(name)
+        if param is None:
+            return None
+        values: list[Any] = param.detach().float()[: max(0, truncate_size)].tolist()
+        return values
+
     def model_info(self) -> dict[str, Any]:
         return {
             "model_type": "strawq-tiny",

@@ -41,7 +41,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound, StrawqError
@@ -228,14 +228,18 @@ class EngineWeights:
         self.storage.delete(f"{KNOWN_DIR}/{url_key(url)}")
         return gone
 
-    def clear_fixed(self, run_version: int, probes: Mapping[str, EngineProbe]) -> list[str]:
+    def clear_fixed(self, run_version: int, probes: Mapping[str, EngineProbe],
+                    may_clear: Callable[[str], bool] | None = None) -> list[str]:
         """Delete the notes (every writer's, up to ``run_version``) on each engine whose
-        probe reports ``run_version``: it holds the run's weights, whoever noted it and
-        whether or not that writer still runs. Returns the URLs cleared."""
+        probe reports ``run_version`` (and, with ``may_clear``, for which it says True:
+        attestation's verdict, ``strawq.weights.fingerprint.may_clear``): it
+        holds the run's weights, whoever noted it and whether or not that writer still
+        runs. Returns the URLs cleared."""
         cleared = []
         for url in sorted(self.needing()):
             p = probes.get(url)
             if p is not None and p.version == run_version and \
+                    (may_clear is None or may_clear(url)) and \
                     self.clear(url, up_to_version=run_version):
                 cleared.append(url)
         if cleared:
