@@ -40,6 +40,15 @@ some replies are discarded and re-issued meanwhile (``stale_replies``). When eve
 is stale, producers claim nothing and generate nothing (``waiting_for_weights``, one log
 line) until one is back.
 
+**Rolling weight updates** (``strawq.producers.rolling``): when the run's version was
+published for engines to pull (``weights/manifest-<v>``), an engine may lag it by the
+manifest's ``max_lag`` versions and still serve (``lag``): a reply whose every token is of a
+version in ``[run - lag, run]`` is applied with its exact per-token stamps. The guard keeps
+each engine's version as last seen (``versions``); an engine loading new weights is out of
+rotation (``loading``) until it reports them. A partial resumes on an engine of its own
+newest token's version while one is in rotation and within the lag, else on an engine of
+the run's version (``route``; the sample step says what it resumes, ``resuming``).
+
 **Every client is guarded.** A producer wraps whatever engine client it is given (built
 from its config or injected) in a :class:`GuardedClient`: each ``generate`` goes only to
 engines in rotation and its reply is judged before the sample step sees it.
@@ -48,9 +57,11 @@ engines in rotation and its reply is judged before the sample step sees it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableSet, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableSet, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,6 +75,22 @@ from strawq.weights.control import read_state
 from strawq.weights.engine_weights import EngineProbe, EngineWeights
 
 log = logging.getLogger(__name__)
+
+
+#: the segment being generated resumes a prefix: (its newest token's version, its tokens)
+RESUMING: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "strawq_resuming", default=None)
+
+
+@contextlib.contextmanager
+def resuming(versions: Sequence[int] | np.ndarray) -> Iterator[None]:
+    """Within it, a ``generate`` resumes a prefix whose per-token versions are ``versions``
+    (routing by version, ``VersionGuard.route``); nothing for an empty prefix."""
+    token = RESUMING.set((int(versions[-1]), len(versions)) if len(versions) else None)
+    try:
+        yield
+    finally:
+        RESUMING.reset(token)
 
 
 class StaleEngine(EngineError):
@@ -109,14 +136,43 @@ class VersionGuard:
         self._probing: asyncio.Task[None] | None = None
         #: engine URLs registered in engine-urls/ by this producer
         self._registered: set[str] = set()
+        #: rolling updates: versions an engine may lag the run's (None: none, the bracket)
+        self.lag: int | None = None
+        #: engine URL -> the weight version it last reported (a reply or a probe)
+        self.versions: dict[str, int] = {}
+        #: engines loading new weights now: out of rotation (``strawq.producers.rolling``)
+        self.loading: set[str] = set()
+
+    def fits(self, version: int, run_version: int | None = None) -> bool:
+        """Whether an engine on ``version`` may serve: the run's version, or (rolling) at
+        most ``lag`` versions behind it."""
+        run_v = self.expected if run_version is None else run_version
+        if run_v is None:
+            return False
+        lo = run_v - (self.lag or 0)
+        return lo <= int(version) <= run_v
+
+    def route(self, urls: list[str]) -> list[str]:
+        """Rolling: the engines a resumed segment should go to among ``urls`` (those of its
+        prefix's newest version while that version may serve, else those of the run's
+        version, else all); ``urls`` otherwise."""
+        pref = RESUMING.get()
+        if self.lag is None or pref is None or self.expected is None:
+            return urls
+        if self.fits(pref[0]):
+            same = [u for u in urls if self.versions.get(u) == pref[0]]
+            if same:
+                return same
+        newest = [u for u in urls if self.versions.get(u) == self.expected]
+        return newest or urls
 
     # -- rotation (the client asks) ---------------------------------------------------------
     def serves(self, url: str) -> bool:
-        return url not in self.stale
+        return url not in self.stale and url not in self.loading
 
     def usable(self, urls: list[str]) -> list[str]:
         """``urls`` still in rotation; :class:`NoFreshEngine` when none is."""
-        ok = [u for u in urls if u not in self.stale]
+        ok = [u for u in urls if u not in self.stale and u not in self.loading]
         if urls and not ok:
             self._set_waiting(True)
             raise NoFreshEngine(
@@ -133,15 +189,14 @@ class VersionGuard:
         """Return when ``result`` may be applied; raise :class:`StaleEngine` when its tokens
         come from weights other than the run's version outside a bracket."""
         versions = np.asarray(result.versions)
-        exp = self.expected
-        if exp is not None and result.weight_version == exp and (
-                not len(versions) or (int(versions.min()) == exp == int(versions.max()))):
+        if result.url is not None:
+            self.versions[result.url] = int(result.weight_version)
+        if self._fits_all(result.weight_version, versions):
             return
         run_v, paused = await self.refresh()
         if paused or self._pausing():
             return  # a bracket is open: versions legitimately differ; stamps stay honest
-        if result.weight_version == run_v and (
-                not len(versions) or bool((versions == run_v).all())):
+        if self._fits_all(result.weight_version, versions):
             return
         n = len(result.output_ids)
         self.book.bump("stale_replies")
@@ -161,6 +216,11 @@ class VersionGuard:
             f"reply {result.rid} carries weight version(s) {found} but the run is at version "
             f"{run_v}: its {n} tokens are discarded and the request goes to another engine",
             url=result.url, engine_version=result.weight_version, run_version=run_v, tokens=n)
+
+    def _fits_all(self, weight_version: int, versions: np.ndarray) -> bool:
+        return self.fits(weight_version) and (
+            not len(versions) or (self.fits(int(versions.min()))
+                                  and self.fits(int(versions.max()))))
 
     async def refresh(self) -> tuple[int, bool]:
         """Re-read the run's version and whether a bracket is open (off the event loop)."""
@@ -226,10 +286,12 @@ class VersionGuard:
         for url, v in zip(urls, found, strict=True):
             if v is None:
                 continue  # unreachable: the generate path's own retries deal with it
-            if v != run_v:
+            self.versions[url] = v
+            if v != run_v and not self.fits(v, run_v):
                 await self.mark(url, v, run_v, f"reports version {v}")
             else:
-                fine[url.rstrip("/")] = EngineProbe(url, v)
+                if v == run_v:
+                    fine[url.rstrip("/")] = EngineProbe(url, v)
                 await self.restore(url, run_v)
         if fine:
             try:  # notes on engines found fine, whoever wrote them (a dead producer)
@@ -279,7 +341,9 @@ class VersionGuard:
             return
         for url in list(self.stale):
             v = await self._probe(url)
-            if v == run_v:
+            if v is not None:
+                self.versions[url] = v
+            if v is not None and self.fits(v, run_v):
                 await self.restore(url, run_v)
             elif v is not None:
                 self.stale[url] = v
@@ -301,6 +365,22 @@ class VersionGuard:
         if self._probing is not None:
             self._probing.cancel()
             await asyncio.gather(self._probing, return_exceptions=True)
+
+    async def probe(self, url: str) -> int | None:
+        """``url``'s weight version now (None: unreadable), kept in ``versions``."""
+        v = await self._probe(url)
+        if v is not None:
+            self.versions[url] = v
+        return v
+
+    async def loaded(self, url: str, version: int) -> None:
+        """``url`` reports ``version`` after loading it (a rolling update): back in
+        rotation if it may serve."""
+        self.versions[url] = int(version)
+        if self.expected is not None and self.fits(version):
+            await self.restore(url, self.expected)
+            if not self.all_stale():
+                self._set_waiting(False)
 
     async def _probe(self, url: str) -> int | None:
         probe = optional_calls(self._client()).version
@@ -361,10 +441,17 @@ class GuardedClient:
                        rid: str | None = None, among: Sequence[str] | None = None,
                        extra: Mapping[str, Any] | None = None,
                        live: MutableSet[str] | None = None) -> GenerateResult:
-        urls = self.guard.usable(list(self.inner.worker_urls if among is None else among))
+        urls = self.guard.route(
+            self.guard.usable(list(self.inner.worker_urls if among is None else among)))
         result = await self.inner.generate(input_ids, sampling_params, rid=rid, among=urls,
                                            extra=extra, live=live)
         await self.guard.check(result)  # raises StaleEngine: no token from the wrong weights
+        pref = RESUMING.get()
+        if pref is not None and self.guard.lag is not None:
+            self.guard.book.bump("resumed_tokens", pref[1])
+            if int(result.weight_version) != pref[0]:
+                # the prefix was sampled on other weights than the engine it resumes on
+                self.guard.book.bump("resumed_tokens_other_version", pref[1])
         return result
 
     async def abort(self, rid: str | None = None, *, url: str | None = None) -> None:

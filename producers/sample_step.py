@@ -29,6 +29,7 @@ from strawq.errors import ConfigError
 
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineProtocolError
+from strawq.producers.engine_versions import resuming
 from strawq.producers.extras_protocol import extras_payload, segment_for
 from strawq.producers.sample import Sample, SampleError, SampleStatus, apply_segment
 from strawq.producers.sglang_protocol import (GenerateResult, finalize_abort_at_stop,
@@ -97,8 +98,9 @@ async def step_sample(client: EngineClient, sample: Sample, *, rid: str | None =
         return None
     params = with_resumed_tokens(sample.params.to_sglang(max_new_tokens=budget),
                                  resumed_tokens(sample))
-    result = await client.generate(sample.resume_input_ids(), params, rid=rid,
-                                   extra=extras_payload(sample) or None, live=live)
+    with resuming(sample.versions):  # routed by its prefix's version (rolling updates)
+        result = await client.generate(sample.resume_input_ids(), params, rid=rid,
+                                       extra=extras_payload(sample) or None, live=live)
     if len(result.output_ids) > budget:
         raise EngineProtocolError(
             f"engine returned {len(result.output_ids)} tokens for a budget of {budget} "
