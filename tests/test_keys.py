@@ -75,6 +75,8 @@ OWNERS = {
     "cursor/": "strawq/data/cursor.py",
     "packed/": "strawq/delivery/packed.py",
     "format/": "strawq/tasks/formats.py",
+    "manifest-": "strawq/weights/publish.py",  # weights/manifest-<v>: a published version
+    "wave-": "strawq/weights/publish.py",  # weights/wave-<v>~<k>: a wave slot
     "dropped/": "collector/trainer/metrics.py",  # the metric name; the entries go through states.py
     # the adapters' stores (``strawq.tasks.states.STORES``): verl's queue directory
     "samples/": "strawq/tasks/states.py",
