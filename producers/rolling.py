@@ -21,7 +21,8 @@ then for that engine only:
    bracket's push, on one engine);
 4. reads the version back (``/model_info``); on the published one, calls ``after_load``
    (the hook for checks after an engine loaded version v) and puts the engine back in
-   rotation; releases the slot.
+   rotation; releases the slot. An ``after_load`` that raises keeps the engine out of
+   rotation (``refused``) and the next step loads it again.
 
 The rest of the fleet keeps generating meanwhile. An engine found on a version too old to
 serve (a new or restarted engine) is out of rotation until it loaded the newest version
@@ -82,6 +83,8 @@ class RollingPull:
         self.manifest: Manifest | None = None
         #: engine URL -> its load in progress
         self.pulls: dict[str, asyncio.Task[None]] = {}
+        #: engines whose ``after_load`` check raised: out of rotation, loaded again
+        self.refused: dict[str, int] = {}
         #: seconds each finished load held its engine out of rotation
         self.pause_s: list[float] = []
         self._verified: set[int] = set()
@@ -136,7 +139,7 @@ class RollingPull:
             v = self.guard.versions.get(url)
             if v is None:
                 v = await self.guard.probe(url)
-            if v is not None and v >= m.version:
+            if v is not None and v >= m.version and url not in self.refused:
                 continue
             try:
                 slot = await self._io(functools.partial(self.store.claim_slot, m,
@@ -175,7 +178,13 @@ class RollingPull:
                 raise EngineError(f"engine reports version {v} after loading {m.version}",
                                   url=url)
             if self.after_load is not None:
-                await self.after_load(url, m.version)
+                try:
+                    await self.after_load(url, m.version)
+                except Exception as exc:  # noqa: BLE001 - any refusal keeps the engine out
+                    self.refused[url] = m.version
+                    raise EngineError(f"refused after loading version {m.version}: {exc}",
+                                      url=url) from exc
+            self.refused.pop(url, None)
             held = self.clock() - t0
             self.pause_s.append(held)
             self.book.bump("rolling_loads")
@@ -188,7 +197,8 @@ class RollingPull:
             log.warning("producer %s: engine %s did not load version %d: %s; retried at a "
                         "later step", self.producer_id, url, m.version, exc)
         finally:
-            self.guard.loading.discard(url)
+            if url not in self.refused:
+                self.guard.loading.discard(url)  # back in rotation
             self.pulls.pop(url, None)
             try:
                 await self._io(lambda: self.store.release_slot(m.version, slot))

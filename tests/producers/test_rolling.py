@@ -276,3 +276,70 @@ def test_an_engine_behind_the_lag_loads_the_newest_version_before_it_takes_work(
             e.stop()
     assert {v for s in _versions(q) for v in s} == {2}
     assert p.stats().rolling_loads == 2 and p.stats().tokens_generated > 0
+
+
+class _Loader:
+    """Two engines that load what they are told (no generation)."""
+
+    router_url = None
+
+    def __init__(self) -> None:
+        self.worker_urls = ["http://e1", "http://e2"]
+        self.at = {u: 0 for u in self.worker_urls}
+        self.loads: list[tuple[str, int]] = []
+
+    async def weight_version(self, url: str) -> int:
+        return self.at[url]
+
+    async def push_weights(self, model_path: str, *, weight_version: int,
+                           url: str | None = None) -> dict[str, Any]:
+        assert url is not None
+        self.loads.append((url, weight_version))
+        self.at[url] = weight_version
+        return {url: {"success": True}}
+
+
+def test_the_hook_after_a_load_keeps_a_refused_engine_out_until_it_passes(
+        tmp_path: Path) -> None:
+    from strawq.producers.rolling import RollingPull
+
+    q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
+    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=1, max_lag=1)
+    bracket.publish_weights(lambda v: weights(tmp_path, v))
+    client = _Loader()
+    book = StatsBook(ProducerStats())
+
+    async def io(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    guard = VersionGuard("p1", client=lambda: client, current_version=q.current_version,
+                         notes=EngineWeights(q.storage), io=io, pausing=lambda: False,
+                         book=book)
+    checks: list[tuple[str, int]] = []
+
+    async def after_load(url: str, version: int) -> None:
+        checks.append((url, version))
+        if url == "http://e2" and len(checks) == 2:
+            raise ValueError("fingerprint mismatch")
+
+    pull = RollingPull("p1", store=WeightStore(q.storage), client=lambda: client, guard=guard,
+                       io=io, book=book, clock=lambda: 0.0, poll_s=0.0, after_load=after_load)
+
+    async def settle() -> None:
+        await pull.step()
+        await asyncio.gather(*pull.pulls.values())
+
+    async def main() -> None:
+        await settle()  # the wave of one: e1 only
+        assert client.loads == [("http://e1", 1)] and guard.lag == 1
+        await settle()  # e2, refused by the hook: out of rotation
+        assert client.loads[-1] == ("http://e2", 1) and "http://e2" in guard.loading
+        assert guard.usable(list(client.worker_urls)) == ["http://e1"]
+        await settle()  # loaded again, passes: back in rotation
+        assert client.loads[-1] == ("http://e2", 1) and not guard.loading
+        await settle()  # nothing left to load
+        assert len(client.loads) == 3 and WeightStore(q.storage).slots(1) == []
+
+    asyncio.run(main())
+    st = book.snapshot()
+    assert st.rolling_loads == 2 and st.rolling_load_failures == 1
