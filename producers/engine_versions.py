@@ -142,6 +142,10 @@ class VersionGuard:
         self.versions: dict[str, int] = {}
         #: engines loading new weights now: out of rotation (``strawq.producers.rolling``)
         self.loading: set[str] = set()
+        #: reads the lag the run's version was published with (None: not published), off
+        #: the event loop at each ``refresh``: a reply from an engine not yet updated to a
+        #: version published a moment ago is judged by it, not as a stale engine's
+        self.lag_reader: Callable[[int], int | None] | None = None
 
     def fits(self, version: int, run_version: int | None = None) -> bool:
         """Whether an engine on ``version`` may serve: the run's version, or (rolling) at
@@ -224,10 +228,13 @@ class VersionGuard:
 
     async def refresh(self) -> tuple[int, bool]:
         """Re-read the run's version and whether a bracket is open (off the event loop)."""
-        def read() -> tuple[int, bool]:
-            return self._current_version(), read_state(self.notes.storage).paused
-        run_v, paused = await self._io(read)
+        def read() -> tuple[int, bool, int | None]:
+            v = self._current_version()
+            lag = self.lag if self.lag_reader is None else self.lag_reader(v)
+            return v, read_state(self.notes.storage).paused, lag
+        run_v, paused, lag = await self._io(read)
         self.expected = int(run_v)
+        self.lag = lag
         return self.expected, bool(paused)
 
     # -- marking and restoring --------------------------------------------------------------

@@ -91,6 +91,12 @@ class RollingPull:
         self._refused: set[int] = set()
         self._last = -math.inf
         self._step: asyncio.Task[None] | None = None
+        guard.lag_reader = self.lag_of
+
+    def lag_of(self, run_version: int) -> int | None:
+        """The lag ``run_version`` was published with (None: it was not; blocking I/O)."""
+        m = self.store.newest()
+        return m.max_lag if m is not None and m.version == run_version else None
 
     async def start(self) -> None:
         """Delete the wave slots an earlier process of this id held."""
@@ -118,15 +124,13 @@ class RollingPull:
         slot is free."""
         try:
             m = await self._io(self.store.newest)
-            run_v, paused = await self.guard.refresh()
+            run_v, paused = await self.guard.refresh()  # sets the guard's lag (lag_of)
         except StrawqError as exc:
             log.warning("producer %s cannot read weights/: %s", self.producer_id, exc)
             return
         if m is None or m.version != run_v or paused:
-            self.guard.lag = None  # not published (a bracket): the run's version only
-            self.manifest = None
+            self.manifest = None  # not published (a bracket): the run's version only
             return
-        self.guard.lag = m.max_lag
         self.manifest = m
         if not await self._verify(m):
             return

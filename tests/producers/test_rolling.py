@@ -343,3 +343,33 @@ def test_the_hook_after_a_load_keeps_a_refused_engine_out_until_it_passes(
     asyncio.run(main())
     st = book.snapshot()
     assert st.rolling_loads == 2 and st.rolling_load_failures == 1
+
+
+def test_a_reply_from_the_old_version_just_after_a_publish_is_applied(tmp_path: Path) -> None:
+    """The trainer published version 1 a moment ago and no pull step ran yet: an engine's
+    reply on version 0 is within the published lag, not a stale engine's."""
+    from strawq.producers.rolling import RollingPull
+
+    q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
+    client = _Loader()
+    book = StatsBook(ProducerStats())
+
+    async def io(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    notes = EngineWeights(q.storage)
+    guard = VersionGuard("p1", client=lambda: client, current_version=q.current_version,
+                         notes=notes, io=io, pausing=lambda: False, book=book)
+    RollingPull("p1", store=WeightStore(q.storage), client=lambda: client, guard=guard,
+                io=io, book=book, clock=lambda: 0.0, poll_s=0.0)
+
+    async def main() -> None:
+        await guard.check(_reply(0, [0, 0], "http://e1"))
+        WeightUpdateBracket(q, weight_update="rolling", wave=1, max_lag=1).publish_weights(
+            lambda v: weights(tmp_path, v))
+        await guard.check(_reply(1, [1], "http://e2"))  # an engine already on 1
+        await guard.check(_reply(0, [0, 0], "http://e1"))  # no pull step ran since
+        assert guard.lag == 1 and not guard.stale and not notes.notes()
+
+    asyncio.run(main())
+    assert book.snapshot().stale_replies == 0
