@@ -149,6 +149,19 @@ def rolling_line(rows: list[tuple[dict[str, Any], dict[str, Any]]], eta: int) ->
             f"(steady {min(r['ceiling_frac_steady'] for r in roll):.2f})")
 
 
+def rolling_detail(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
+    """What resuming cost, rolling / global: the share of resumed prefix tokens prefilled
+    again, the tokens resumed on an engine of another version, over-η groups trained."""
+    roll = [r for r, _ in rows]
+    glob = [g for _, g in rows]
+    return (f"  rolling/global: resumed tokens prefilled again = "
+            f"{max(r['resumed_prefilled_share'] for r in roll):.2f} / "
+            f"{max(g['resumed_prefilled_share'] for g in glob):.2f}, resumed on another "
+            f"version = {sum(r['resumed_other_version_tokens'] for r in roll)} tokens, "
+            f"over-η trained = {sum(r['stale_trained'] for r in roll)} / "
+            f"{sum(g['stale_trained'] for g in glob)}")
+
+
 def best_of(worst: dict[str, dict[str, float]]) -> str:
     """The best schedule: the fastest of those that meet the staleness and drop targets,
     else the fastest."""
@@ -307,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
     for rows in pairs.values():
         if rows:
+            print(rolling_detail(rows))
             print(rolling_line(rows, LabConfig().max_staleness))
     worst = {m: {"x": min(f["x"] for f in fs), "staleness": max(f["staleness"] for f in fs),
                  "stale_actions": sum(f["stale_actions"] for f in fs),

@@ -97,6 +97,11 @@ def row_of(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[s
             if cfg.weight_update == "rolling" else
             cfg.engines * sum(r.update_s for r in recs) / ts / len(recs)) if recs else 0.0,
         "weight_update": cfg.weight_update,
+        "resumed_prefilled_share": _ratio(
+            sum(p.get("resumed_tokens_prefilled", 0) for p in stats),
+            sum(p.get("resumed_tokens", 0) for p in stats)),
+        "resumed_other_version_tokens": sum(p.get("resumed_tokens_other_version", 0)
+                                            for p in stats),
         "staleness_mean": sum(stal) / len(stal) if stal else float("nan"),
         "staleness_max": max(stal) if stal else 0,
         "multi_version_share": multi / samples_n if samples_n else float("nan"),

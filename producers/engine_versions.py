@@ -454,8 +454,12 @@ class GuardedClient:
                                            extra=extra, live=live)
         await self.guard.check(result)  # raises StaleEngine: no token from the wrong weights
         pref = RESUMING.get()
-        if pref is not None and self.guard.lag is not None:
+        if pref is not None:  # what resuming cost: prefix tokens prefilled again
             self.guard.book.bump("resumed_tokens", pref[1])
+            if result.prompt_tokens is not None:
+                cached = int(result.cached_tokens or 0)
+                self.guard.book.bump("resumed_tokens_prefilled", min(
+                    pref[1], max(0, int(result.prompt_tokens) - cached)))
             if int(result.weight_version) != pref[0]:
                 # the prefix was sampled on other weights than the engine it resumes on
                 self.guard.book.bump("resumed_tokens_other_version", pref[1])
