@@ -108,34 +108,15 @@ class NoFreshEngine(EngineError):
     """Every engine is out of rotation (on weights other than the run's version)."""
 
 
-class VersionGuard:
-    """One producer's view of which engines hold the run's weights."""
+class VersionWindow:
+    """Which engine versions may serve, and where a resumed segment goes (rolling weight
+    updates, ``strawq.producers.rolling``); the bracket mode's window is the run's version
+    alone. Part of :class:`VersionGuard`."""
 
-    def __init__(self, producer_id: str, *, client: Callable[[], EngineClient | None],
-                 current_version: Callable[[], int], notes: EngineWeights,
-                 io: Callable[[Callable[[], Any]], Awaitable[Any]],
-                 pausing: Callable[[], bool], book: StatsBook,
-                 probe_s: float = 0.5, probe_timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.producer_id = producer_id
-        self._client = client
-        self._current_version = current_version
-        self.notes = notes
-        self._io = io
-        self._pausing = pausing
-        self.book = book
-        self.probe_s = probe_s
-        self.probe_timeout_s = probe_timeout_s
-        self.clock = clock
-        #: the run's version as last read (None: not read yet)
-        self.expected: int | None = None
-        #: engine URL -> the version it reported (None: unreadable) while out of rotation
-        self.stale: dict[str, int | None] = {}
-        self.waiting = False
-        self._last_probe = -float("inf")
-        self._probing: asyncio.Task[None] | None = None
-        #: engine URLs registered in engine-urls/ by this producer
-        self._registered: set[str] = set()
+    #: the run's version as last read (None: not read yet)
+    expected: int | None
+
+    def __init__(self) -> None:
         #: rolling updates: versions an engine may lag the run's (None: none, the bracket)
         self.lag: int | None = None
         #: engine URL -> the weight version it last reported (a reply or a probe)
@@ -169,6 +150,42 @@ class VersionGuard:
                 return same
         newest = [u for u in urls if self.versions.get(u) == self.expected]
         return newest or urls
+
+    def _fits_all(self, weight_version: int, versions: np.ndarray) -> bool:
+        return self.fits(weight_version) and (
+            not len(versions) or (self.fits(int(versions.min()))
+                                  and self.fits(int(versions.max()))))
+
+
+class VersionGuard(VersionWindow):
+    """One producer's view of which engines hold the run's weights."""
+
+    def __init__(self, producer_id: str, *, client: Callable[[], EngineClient | None],
+                 current_version: Callable[[], int], notes: EngineWeights,
+                 io: Callable[[Callable[[], Any]], Awaitable[Any]],
+                 pausing: Callable[[], bool], book: StatsBook,
+                 probe_s: float = 0.5, probe_timeout_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.producer_id = producer_id
+        self._client = client
+        self._current_version = current_version
+        self.notes = notes
+        self._io = io
+        self._pausing = pausing
+        self.book = book
+        self.probe_s = probe_s
+        self.probe_timeout_s = probe_timeout_s
+        self.clock = clock
+        #: the run's version as last read (None: not read yet)
+        self.expected: int | None = None
+        #: engine URL -> the version it reported (None: unreadable) while out of rotation
+        self.stale: dict[str, int | None] = {}
+        self.waiting = False
+        self._last_probe = -float("inf")
+        self._probing: asyncio.Task[None] | None = None
+        #: engine URLs registered in engine-urls/ by this producer
+        self._registered: set[str] = set()
+        VersionWindow.__init__(self)
 
     # -- rotation (the client asks) ---------------------------------------------------------
     def serves(self, url: str) -> bool:
@@ -220,11 +237,6 @@ class VersionGuard:
             f"reply {result.rid} carries weight version(s) {found} but the run is at version "
             f"{run_v}: its {n} tokens are discarded and the request goes to another engine",
             url=result.url, engine_version=result.weight_version, run_version=run_v, tokens=n)
-
-    def _fits_all(self, weight_version: int, versions: np.ndarray) -> bool:
-        return self.fits(weight_version) and (
-            not len(versions) or (self.fits(int(versions.min()))
-                                  and self.fits(int(versions.max()))))
 
     async def refresh(self) -> tuple[int, bool]:
         """Re-read the run's version and whether a bracket is open (off the event loop)."""

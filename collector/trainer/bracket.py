@@ -46,7 +46,7 @@ from strawq.weights.engine_weights import (
     StaleNote,
     probe_versions,
 )
-from strawq.weights.publish import MODES, Manifest, WeightStore, wave_width
+from strawq.weights.publish import Manifest, WeightStore, check_mode, wave_width
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +100,7 @@ class WeightUpdateBracket:
                  fence: Callable[[], None] | None = None,
                  weight_update: str = "bracket", wave: float = 0.25, max_lag: int = 1
                  ) -> None:
-        if weight_update not in MODES:
-            raise ValueError(f"weight_update must be one of {MODES}, got {weight_update!r}")
-        wave_width(wave, 1)  # refuses a wave <= 0
-        if max_lag < 0:
-            raise ValueError(f"max_lag must be >= 0, got {max_lag}")
+        check_mode(weight_update, wave, max_lag)
         self.queue = queue
         #: ``"bracket"``: pause every producer, push, resume; ``"rolling"``: publish the
         #: weights once and return (``publish_weights``), engines pull them in waves
@@ -407,18 +403,8 @@ class WeightUpdateBracket:
         if target <= self.queue.current_version():
             raise BracketError(f"publish_weights({target}): the run is at version "
                                f"{self.queue.current_version()} already")
-        t0 = self.clock()
-        path = write(target)
-        if path is None:
-            raise BracketError("publish_weights: write(version) must return the directory "
-                               "it wrote the weights to (the rolling mode loads them from "
-                               "there)")
         fleet = len(set(self.engines.known()) | set(self.engine_urls))
-        m = self.weights.publish(target, path, wave=wave_width(self.wave, fleet),
-                                 max_lag=self.max_lag, write_s=self.clock() - t0)
-        self.queue.set_version(target)
-        waited = self.clock() - t0
-        log.info("weight version %d published (%s, %d files, %.1f MB) in %.2fs; engines "
-                 "load it %d at a time", target, m.path, m.files, m.bytes / 1e6, waited,
-                 m.wave)
+        m, waited = self.weights.publish_version(
+            target, write, announce=self.queue.set_version, wave=wave_width(self.wave, fleet),
+            max_lag=self.max_lag, clock=self.clock)
         return BracketReport(target, frozenset(), {}, waited, [], False, published=m)

@@ -35,8 +35,10 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound, StrawqError
 from strawq.ondisk import records
@@ -117,6 +119,15 @@ def wave_width(wave: float, fleet: int) -> int:
     return max(1, math.floor(wave * max(fleet, 1)))
 
 
+def check_mode(weight_update: str, wave: float, max_lag: int) -> None:
+    """Refuse (``ValueError``) a weight-update mode, wave or lag that cannot work."""
+    if weight_update not in MODES:
+        raise ValueError(f"weight_update must be one of {MODES}, got {weight_update!r}")
+    wave_width(wave, 1)  # refuses a wave <= 0
+    if max_lag < 0:
+        raise ValueError(f"max_lag must be >= 0, got {max_lag}")
+
+
 class WeightStore:
     """The manifests and wave slots under ``weights/`` on the run's storage."""
 
@@ -152,6 +163,24 @@ class WeightStore:
             return there
         self._gc(version)
         return m
+
+    def publish_version(self, version: int, write: Callable[[int], Any], *,
+                        announce: Callable[[int], None], wave: int, max_lag: int,
+                        clock: Callable[[], float]) -> tuple[Manifest, float]:
+        """``write(version)`` (returns the weights' directory, complete), the manifest,
+        then ``announce(version)``; returns the manifest and the seconds it all took."""
+        t0 = clock()
+        path = write(version)
+        if path is None:
+            raise WeightsConflict("write(version) must return the directory it wrote the "
+                                  "weights to (the rolling mode loads them from there)")
+        m = self.publish(version, path, wave=wave, max_lag=max_lag, write_s=clock() - t0)
+        announce(version)
+        waited = clock() - t0
+        log.info("weight version %d published (%s, %d files, %.1f MB) in %.2fs; engines "
+                 "load it %d at a time", version, m.path, m.files, m.bytes / 1e6, waited,
+                 m.wave)
+        return m, waited
 
     def manifest(self, version: int) -> Manifest | None:
         key = f"{WEIGHTS_DIR}/{MANIFESTS.name(version)}"
