@@ -8,7 +8,9 @@ Real tier (marker ``sglang_real``): skipped with the reason without the CPU fixt
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -79,3 +81,70 @@ def test_two_engines_on_two_versions_and_a_prefix_resumed_on_its_own(
         asyncio.run(main())
     finally:
         local.stop()
+
+
+def test_a_producer_loads_a_published_version_into_the_real_server_in_its_wave(
+        sglang_real: RealServer, tmp_path: Path) -> None:
+    """A producer on the real server and a local engine, a wave of one: version 1 is
+    published (the fixture's model directory), each engine loads it in turn while the other
+    generates; every token is stamped 0 or 1, and the real server reports 1 at the end."""
+    from strawq.collector.trainer.bracket import WeightUpdateBracket
+    from strawq.config import QueueConfig
+    from strawq.data.dataset import Dataset
+    from strawq.data.feeder import Feeder
+    from strawq.producers.producer import Producer
+    from strawq.producers.producer_config import (
+        BudgetConfig,
+        EngineConfig,
+        PluginsConfig,
+        ProducerConfig,
+        SamplerParams,
+        TimingConfig,
+    )
+    from strawq.storage import PosixStorage
+    from strawq.tasks.queue import RunQueue
+    from tests.producers.helpers import ready_groups, run_producers, wait_for
+
+    local = EngineThread(EngineOptions(kind="sim", max_running=8, weight_version="0",
+                                       sim=SimConfig(time_scale=0.5, len_median=8)))
+    cfg = ClientConfig(api_key=sglang_real.api_key, admin_api_key=sglang_real.admin_api_key,
+                       max_retries=1)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    q = RunQueue.create(PosixStorage(str(run_dir), writer_id="setup", fsync=False),
+                        QueueConfig(fsync=False, lease_timeout_s=30.0, heartbeat_interval_s=0.2,
+                                    group_size=2, release_batch=4))
+    data = run_dir / "dataset.jsonl"
+    data.write_text("".join(json.dumps({"prompt": PROMPTS[i % 2], "target": 7, "count": 3})
+                            + "\n" for i in range(4)))
+    p = Producer(ProducerConfig(
+        run_dir=str(run_dir), engine=EngineConfig(workers=(sglang_real.url, local.url),
+                                                  client=cfg, backoff_s=0.05),
+        plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
+        sampling=SamplerParams(max_new_tokens=12, ignore_eos=True, seed=1),
+        budget=BudgetConfig(slots=2),
+        timing=TimingConfig(control_poll_s=0.05, idle_poll_s=0.05)))
+    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=1, max_lag=1)
+
+    async def body() -> None:
+        Feeder(q, Dataset(str(data))).release(2)
+        await wait_for(lambda: p.stats().tokens_generated > 0, 200, "generation under way")
+        await asyncio.to_thread(bracket.weight_update, lambda v: sglang_real.model_dir)
+        Feeder(q, Dataset(str(data))).release(2)
+        await wait_for(lambda: p.stats().rolling_loads == 2, 200, "both engines loaded")
+        await wait_for(lambda: len(ready_groups(q)) == 4, 200, "every group")
+
+    try:
+        asyncio.run(run_producers([p], body))
+    finally:
+        local.stop()
+    assert p.guard.versions == {sglang_real.url: 1, local.url: 1}
+    found = set()
+    for grp in ready_groups(q).values():
+        for i in range(len(grp.sample_lens)):
+            vers = np.asarray(grp.sample(i)["versions"]).tolist()
+            assert vers == sorted(vers)
+            found |= set(vers)
+    assert found <= {0, 1}
+    st = p.stats()
+    assert st.brackets == 0 and st.stale_replies == 0 and st.rolling_load_failures == 0
