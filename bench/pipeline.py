@@ -36,6 +36,18 @@ X >= 2.77 (AReaL's 2.77x at eta = 4, the best anchor), Y <= 1.0, Z = 0, F >= 0.9
 ``--quick`` (the CI size) runs the standard case, sync and stream, 2 one-second steps at
 B=48 and time scale 1: plumbing only, not the figures.
 
+A row ``stream+rolling`` runs ``stream`` with the rolling weight update (published once,
+the sim engines load it a quarter of the fleet at a time, an engine may lag by η) instead of
+the global bracket; with ``stream`` among the rows too, a line before the best schedule's
+compares them, worst case over the cases::
+
+    pipeline: rolling/global trainer wait per update = A / B s, fleet pause = C / D
+    engine-s, max staleness = S (η = 1), dropped = 0, of ceiling = F (steady G)
+
+(model seconds; the global bracket's fleet pause is every engine for the whole update, the
+rolling one each engine's time out of rotation for its load; the sim engines load weights
+at once, so it measures the protocol's cost, not a real load).
+
 The ``history`` case (``strawq.demo.lab.HISTORY_CASE``, docs/lab.md) is the standard job
 on a dataset of 4 batches (384 rows) released for 14 passes, 40 % of its rows never or
 always solved (``difficulty_task``) and a per-prompt length scale (a few prompts answer
@@ -80,6 +92,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -98,21 +111,55 @@ CASES = {
 
 
 def run_case(cfg: LabConfig, modes: list[str], sync_steps: int) -> LabResult:
-    """Every row of ``modes``: ``mode[/m][@W]``, e.g. ``stream/8`` (8 micro-batches a step),
-    ``flow@10`` (an admission window of 10 micro-batches)."""
+    """Every row of ``modes``: ``mode[/m][@W][+rolling]``, e.g. ``stream/8`` (8 micro-batches
+    a step), ``flow@10`` (an admission window of 10 micro-batches), ``stream+rolling`` (the
+    rolling weight update instead of the global bracket)."""
     result = LabResult(cfg)
     for name in modes:
-        spec, _, window = name.partition("@")
+        base, _, update = name.partition("+")
+        spec, _, window = base.partition("@")
         mode, _, micro = spec.partition("/")
         steps = min(sync_steps, cfg.steps) if mode == "sync" else cfg.steps
         row_cfg = replace(cfg, steps=steps, admission_batches=float(window) if window else None,
-                          workdir=os.path.join(cfg.workdir, name.replace("/", "-"))
-                          if window or micro else cfg.workdir)
+                          weight_update=update or "bracket",
+                          workdir=os.path.join(cfg.workdir, name.replace("/", "-")
+                                               .replace("+", "-"))
+                          if window or micro or update else cfg.workdir)
         if micro:
             key = "flow_micro_batches" if mode == "flow" else "micro_batches"
             row_cfg = replace(row_cfg, **{key: int(micro)})
         result.modes[name] = run_mode(row_cfg, mode)
     return result
+
+
+def rolling_line(rows: list[tuple[dict[str, Any], dict[str, Any]]], eta: int) -> str:
+    """The rolling update against the global bracket, worst case over the cases: per update
+    the trainer's wait and the fleet's paused engine-seconds (model seconds), the rolling
+    row's max staleness, groups dropped or regenerated, of ceiling."""
+    roll = [r for r, _ in rows]
+    glob = [g for _, g in rows]
+    dropped = sum(r["requeued_stale"] + r["dropped_stale"] for r in roll)
+    return (f"pipeline: rolling/global trainer wait per update = "
+            f"{max(r['update_wait_s'] for r in roll):.3f} / "
+            f"{max(g['update_wait_s'] for g in glob):.3f} s, fleet pause = "
+            f"{max(r['fleet_pause_engine_s'] for r in roll):.2f} / "
+            f"{max(g['fleet_pause_engine_s'] for g in glob):.2f} engine-s, max staleness = "
+            f"{max(r['staleness_max'] for r in roll)} (η = {eta}), dropped = {dropped}, "
+            f"of ceiling = {min(r['ceiling_frac'] for r in roll):.2f} "
+            f"(steady {min(r['ceiling_frac_steady'] for r in roll):.2f})")
+
+
+def rolling_detail(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
+    """What resuming cost, rolling / global: the share of resumed prefix tokens prefilled
+    again, the tokens resumed on an engine of another version, over-η groups trained."""
+    roll = [r for r, _ in rows]
+    glob = [g for _, g in rows]
+    return (f"  rolling/global: resumed tokens prefilled again = "
+            f"{max(r['resumed_prefilled_share'] for r in roll):.2f} / "
+            f"{max(g['resumed_prefilled_share'] for g in glob):.2f}, resumed on another "
+            f"version = {sum(r['resumed_other_version_tokens'] for r in roll)} tokens, "
+            f"over-η trained = {sum(r['stale_trained'] for r in roll)} / "
+            f"{sum(g['stale_trained'] for g in glob)}")
 
 
 def best_of(worst: dict[str, dict[str, float]]) -> str:
@@ -233,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     if "sync" not in modes:
         ap.error("--modes must include sync (the baseline)")
     per_mode: dict[str, list[dict[str, float]]] = {m: [] for m in modes if m != "sync"}
+    #: rolling row -> per case (its row, the same schedule's row with the global bracket)
+    pairs: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {
+        m: [] for m in modes if m.endswith("+rolling") and m.partition("+")[0] in modes}
     for case in [c for c in args.cases.split(",") if c]:
         if case == "history":
             history_case(args.workdir, args.time_scale, args.history_mode,
@@ -265,7 +315,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"trainer wait ratio {fig['wait']:.3f}, of ceiling {fig['ceiling']:.2f} "
                   f"(steady {fig['ceiling_steady']:.2f}; ceiling "
                   f"{row['ceiling_tokens_per_s']:.0f} tok/s)")
+        for m in pairs:
+            pairs[m].append((result.modes[m].row, result.modes[m.partition("+")[0]].row))
         print()
+    for rows in pairs.values():
+        if rows:
+            print(rolling_detail(rows))
+            print(rolling_line(rows, LabConfig().max_staleness))
     worst = {m: {"x": min(f["x"] for f in fs), "staleness": max(f["staleness"] for f in fs),
                  "stale_actions": sum(f["stale_actions"] for f in fs),
                  "wait": max(f["wait"] for f in fs),

@@ -258,8 +258,13 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
         reader = run.open_reader(BracketOptions(lease_timeout_s=lease_timeout,
                                                 poll_interval_s=0.01), checkpointed=False)
         bracket = reader.bracket
+        if cfg.weight_update == "rolling":  # publish once; engines load in waves, lag <= η
+            bracket.mode, bracket.wave = "rolling", cfg.rolling_wave
+            bracket.max_lag = cfg.max_staleness
+            bracket.engine_urls = list(urls)
         # one step = per_step trainer calls (stream: micro-batches of one step's time each)
-        trainer = SleepTrainer(cfg.train_step_s * cfg.time_scale / sched.per_step, urls)
+        trainer = SleepTrainer(cfg.train_step_s * cfg.time_scale / sched.per_step, urls,
+                               weights_dir=os.path.join(work, "weights"))
         producers = run.start_producer_processes(pconfigs)
         producers.wait_started(bracket)
         cpu0 = {"engines": sum(_cpu_s(e.pid) for e in engines),

@@ -130,8 +130,16 @@ class LabConfig(Config):
     #: engine load sampling period, wall seconds
     sample_period_s: float = 0.1
     progress: bool = True
+    #: the weight update: ``bracket`` (pause every producer, push every engine) or
+    #: ``rolling`` (publish once, engines load it ``rolling_wave`` at a time, lag ≤ η)
+    weight_update: str = "bracket"
+    #: rolling: engines that load at once (>= 1 a count, below 1 a share of the fleet)
+    rolling_wave: float = 0.25
 
     def validate(self) -> None:
+        if self.weight_update not in ("bracket", "rolling"):
+            raise ValueError(f"weight_update must be bracket or rolling, got "
+                             f"{self.weight_update!r}")
         for m in self.modes:
             if m not in MODES:
                 raise ValueError(f"unknown mode {m!r}; expected some of {MODES}")

@@ -88,6 +88,20 @@ def row_of(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[s
         "step_s": {"wait": sum(r.wait_s for r in recs) / ts / max(len(recs), 1),
                    "train": sum(r.train_s for r in recs) / ts / max(len(recs), 1),
                    "update": sum(r.update_s for r in recs) / ts / max(len(recs), 1)},
+        # per weight update, model seconds: the trainer's wait, and the engine-seconds the
+        # fleet stood still (the bracket: every engine, the whole update; rolling: each
+        # engine while it was out of rotation for its load)
+        "update_wait_s": (sum(r.update_s for r in recs) / ts / len(recs)) if recs else 0.0,
+        "fleet_pause_engine_s": (
+            (sum(p.get("rolling_pause_ms", 0) for p in stats) / 1000.0 / ts / len(recs))
+            if cfg.weight_update == "rolling" else
+            cfg.engines * sum(r.update_s for r in recs) / ts / len(recs)) if recs else 0.0,
+        "weight_update": cfg.weight_update,
+        "resumed_prefilled_share": _ratio(
+            sum(p.get("resumed_tokens_prefilled", 0) for p in stats),
+            sum(p.get("resumed_tokens", 0) for p in stats)),
+        "resumed_other_version_tokens": sum(p.get("resumed_tokens_other_version", 0)
+                                            for p in stats),
         "staleness_mean": sum(stal) / len(stal) if stal else float("nan"),
         "staleness_max": max(stal) if stal else 0,
         "multi_version_share": multi / samples_n if samples_n else float("nan"),

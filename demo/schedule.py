@@ -239,6 +239,21 @@ def _one_step(cfg: ScheduleConfig, step: int, version: int, reader: BatchReader,
         if cfg.acks_micro_batches:  # frees its admission room now; a commit covers it later
             reader.ack(batch)
     t3 = clock()
+    if not pause_while_training and bracket.mode == "rolling":
+        # the rolling update: publish once and go on; engines load it in waves
+        version = bracket.publish_weights(trainer.write_weights).version
+        sizes = [b.num_samples for b in batches]
+        rec = StepRecord(step, version, wait, train, 0.0, _merge(metrics, sizes), stal,
+                         sorted(idx), lengths)
+        if checkpoint is not None:
+            checkpoint(rec, batches[-1])
+        for b in batches:
+            if not cfg.acks_micro_batches:
+                reader.ack(b)
+        t4 = clock()
+        res.intervals.append(Interval("update", t3, t4))
+        rec.update_s = t4 - t3
+        return rec
     if not pause_while_training:
         bracket.begin_weight_update(timeout=cfg.timeout_s)
     version += 1

@@ -43,6 +43,11 @@ class TrainerBackend(Protocol):
 
     def repair_engines(self, urls: list[str], version: int) -> list[str]: ...
 
+    def write_weights(self, version: int) -> str:
+        """The rolling update's write: version ``version``'s weights to a directory every
+        engine reads; returns it."""
+        ...
+
 
 def unpack(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                   torch.Tensor]:
@@ -157,6 +162,9 @@ class GRPOTrainer:
                 shutil.rmtree(os.path.join(self.workdir, name), ignore_errors=True)
         return path
 
+    def write_weights(self, version: int) -> str:
+        return self.save(version)
+
     def push_weights(self, version: int) -> None:
         path = self.save(version)
         self.failed_engines = _push_all(self.engine_urls, path, version)
@@ -214,6 +222,8 @@ class SleepTrainer:
     step_s: float
     engine_urls: list[str]
     history: list[dict[str, float]] = field(default_factory=list)
+    #: where ``write_weights`` writes (the rolling mode's published versions)
+    weights_dir: str | None = None
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         time.sleep(self.step_s)
@@ -228,6 +238,17 @@ class SleepTrainer:
 
     def push_weights(self, version: int) -> None:
         self.repair_engines(self.engine_urls, version)
+
+    def write_weights(self, version: int) -> str:
+        """The rolling mode's write: a small stand-in for version ``version``'s weights
+        (the sim engines load any directory); returns the directory."""
+        if self.weights_dir is None:
+            raise RuntimeError("SleepTrainer(weights_dir=...) is needed to write weights")
+        path = os.path.join(self.weights_dir, f"v{version:06d}")
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "weights.bin"), "wb") as f:
+            f.write(version.to_bytes(8, "little"))
+        return path
 
     def repair_engines(self, urls: list[str], version: int) -> list[str]:
         from strawq.producers.sglang_client import SGLangClient

@@ -48,6 +48,15 @@ it passed: a probe that finds it failed or unchecked marks it (reason "failed at
 run's version from an engine marked out or failed is refused like a stale one (its tokens
 are never applied: ``attestation_refused_replies``, ``attestation_refused_tokens``).
 
+**Rolling weight updates** (``strawq.producers.rolling``): when the run's version was
+published for engines to pull (``weights/manifest-<v>``), an engine may lag it by the
+manifest's ``max_lag`` versions and still serve (``lag``): a reply whose every token is of a
+version in ``[run - lag, run]`` is applied with its exact per-token stamps. The guard keeps
+each engine's version as last seen (``versions``); an engine loading new weights is out of
+rotation (``loading``) until it reports them. A partial resumes on an engine of its own
+newest token's version while one is in rotation and within the lag, else on an engine of
+the run's version (``route``; the sample step says what it resumes, ``resuming``).
+
 **Every client is guarded.** A producer wraps whatever engine client it is given (built
 from its config or injected) in a :class:`GuardedClient`: each ``generate`` goes only to
 engines in rotation and its reply is judged before the sample step sees it.
@@ -56,9 +65,11 @@ engines in rotation and its reply is judged before the sample step sees it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableSet, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableSet, Sequence
 from typing import Any
 
 import numpy as np
@@ -73,6 +84,22 @@ from strawq.weights.engine_weights import EngineProbe, EngineWeights
 from strawq.weights.fingerprint import Fingerprints
 
 log = logging.getLogger(__name__)
+
+
+#: the segment being generated resumes a prefix: (its newest token's version, its tokens)
+RESUMING: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "strawq_resuming", default=None)
+
+
+@contextlib.contextmanager
+def resuming(versions: Sequence[int] | np.ndarray) -> Iterator[None]:
+    """Within it, a ``generate`` resumes a prefix whose per-token versions are ``versions``
+    (routing by version, ``VersionGuard.route``); nothing for an empty prefix."""
+    token = RESUMING.set((int(versions[-1]), len(versions)) if len(versions) else None)
+    try:
+        yield
+    finally:
+        RESUMING.reset(token)
 
 
 class StaleEngine(EngineError):
@@ -90,7 +117,56 @@ class NoFreshEngine(EngineError):
     """Every engine is out of rotation (on weights other than the run's version)."""
 
 
-class VersionGuard:
+class VersionWindow:
+    """Which engine versions may serve, and where a resumed segment goes (rolling weight
+    updates, ``strawq.producers.rolling``); the bracket mode's window is the run's version
+    alone. Part of :class:`VersionGuard`."""
+
+    #: the run's version as last read (None: not read yet)
+    expected: int | None
+
+    def __init__(self) -> None:
+        #: rolling updates: versions an engine may lag the run's (None: none, the bracket)
+        self.lag: int | None = None
+        #: engine URL -> the weight version it last reported (a reply or a probe)
+        self.versions: dict[str, int] = {}
+        #: engines loading new weights now: out of rotation (``strawq.producers.rolling``)
+        self.loading: set[str] = set()
+        #: reads the lag the run's version was published with (None: not published), off
+        #: the event loop at each ``refresh``: a reply from an engine not yet updated to a
+        #: version published a moment ago is judged by it, not as a stale engine's
+        self.lag_reader: Callable[[int], int | None] | None = None
+
+    def fits(self, version: int, run_version: int | None = None) -> bool:
+        """Whether an engine on ``version`` may serve: the run's version, or (rolling) at
+        most ``lag`` versions behind it."""
+        run_v = self.expected if run_version is None else run_version
+        if run_v is None:
+            return False
+        lo = run_v - (self.lag or 0)
+        return lo <= int(version) <= run_v
+
+    def route(self, urls: list[str]) -> list[str]:
+        """Rolling: the engines a resumed segment should go to among ``urls`` (those of its
+        prefix's newest version while that version may serve, else those of the run's
+        version, else all); ``urls`` otherwise."""
+        pref = RESUMING.get()
+        if self.lag is None or pref is None or self.expected is None:
+            return urls
+        if self.fits(pref[0]):
+            same = [u for u in urls if self.versions.get(u) == pref[0]]
+            if same:
+                return same
+        newest = [u for u in urls if self.versions.get(u) == self.expected]
+        return newest or urls
+
+    def _fits_all(self, weight_version: int, versions: np.ndarray) -> bool:
+        return self.fits(weight_version) and (
+            not len(versions) or (self.fits(int(versions.min()))
+                                  and self.fits(int(versions.max()))))
+
+
+class VersionGuard(VersionWindow):
     """One producer's view of which engines hold the run's weights."""
 
     def __init__(self, producer_id: str, *, client: Callable[[], EngineClient | None],
@@ -120,14 +196,15 @@ class VersionGuard:
         self._registered: set[str] = set()
         #: the trainer's fingerprints and its verdicts on the engines (``attested/``)
         self.attestations = Fingerprints(notes.storage)
+        VersionWindow.__init__(self)
 
     # -- rotation (the client asks) ---------------------------------------------------------
     def serves(self, url: str) -> bool:
-        return url not in self.stale
+        return url not in self.stale and url not in self.loading
 
     def usable(self, urls: list[str]) -> list[str]:
         """``urls`` still in rotation; :class:`NoFreshEngine` when none is."""
-        ok = [u for u in urls if u not in self.stale]
+        ok = [u for u in urls if u not in self.stale and u not in self.loading]
         if urls and not ok:
             self._set_waiting(True)
             raise NoFreshEngine(
@@ -152,9 +229,14 @@ class VersionGuard:
         """Return when ``result`` may be applied; raise :class:`StaleEngine` when its tokens
         come from weights other than the run's version outside a bracket."""
         versions = np.asarray(result.versions)
+        if result.url is not None:
+            self.versions[result.url] = int(result.weight_version)
         exp = self.expected
         if exp is not None and result.weight_version == exp and result.url not in self.stale \
                 and (not len(versions) or (int(versions.min()) == exp == int(versions.max()))):
+            return
+        if self._fits_all(result.weight_version, versions) and (
+                exp is None or result.weight_version != exp):
             return
         run_v, paused = await self.refresh()
         if paused or self._pausing():
@@ -163,6 +245,8 @@ class VersionGuard:
         if result.weight_version == run_v and (
                 not len(versions) or bool((versions == run_v).all())):
             await self._check_attested(result, run_v, n)
+            return
+        if self._fits_all(result.weight_version, versions):
             return
         self.book.bump("stale_replies")
         self.book.bump("stale_tokens_discarded", n)
@@ -213,10 +297,13 @@ class VersionGuard:
 
     async def refresh(self) -> tuple[int, bool]:
         """Re-read the run's version and whether a bracket is open (off the event loop)."""
-        def read() -> tuple[int, bool]:
-            return self._current_version(), read_state(self.notes.storage).paused
-        run_v, paused = await self._io(read)
+        def read() -> tuple[int, bool, int | None]:
+            v = self._current_version()
+            lag = self.lag if self.lag_reader is None else self.lag_reader(v)
+            return v, read_state(self.notes.storage).paused, lag
+        run_v, paused, lag = await self._io(read)
         self.expected = int(run_v)
+        self.lag = lag
         return self.expected, bool(paused)
 
     # -- marking and restoring --------------------------------------------------------------
@@ -276,13 +363,15 @@ class VersionGuard:
         for url, v in zip(urls, found, strict=True):
             if v is None:
                 continue  # unreachable: the generate path's own retries deal with it
-            if v != run_v:
+            self.versions[url] = v
+            if v != run_v and not self.fits(v, run_v):
                 await self.mark(url, v, run_v, f"reports version {v}")
             elif (ok := attested(url)) is not True:
                 await self.mark(url, v, run_v, ("failed attestation" if ok is False else
                                                 "not attested") + f" at version {v}")
             else:
-                fine[url.rstrip("/")] = EngineProbe(url, v)
+                if v == run_v:
+                    fine[url.rstrip("/")] = EngineProbe(url, v)
                 await self.restore(url, run_v)
         if fine:
             try:  # notes on engines found fine, whoever wrote them (a dead producer)
@@ -333,7 +422,9 @@ class VersionGuard:
         attested = await self._verdicts(run_v)
         for url in list(self.stale):
             v = await self._probe(url)
-            if v == run_v and attested(url) is True:
+            if v is not None:
+                self.versions[url] = v
+            if v is not None and self.fits(v, run_v) and (v != run_v or attested(url) is True):
                 await self.restore(url, run_v)
             elif v is not None:
                 self.stale[url] = v
@@ -355,6 +446,22 @@ class VersionGuard:
         if self._probing is not None:
             self._probing.cancel()
             await asyncio.gather(self._probing, return_exceptions=True)
+
+    async def probe(self, url: str) -> int | None:
+        """``url``'s weight version now (None: unreadable), kept in ``versions``."""
+        v = await self._probe(url)
+        if v is not None:
+            self.versions[url] = v
+        return v
+
+    async def loaded(self, url: str, version: int) -> None:
+        """``url`` reports ``version`` after loading it (a rolling update): back in
+        rotation if it may serve."""
+        self.versions[url] = int(version)
+        if self.expected is not None and self.fits(version):
+            await self.restore(url, self.expected)
+            if not self.all_stale():
+                self._set_waiting(False)
 
     async def _probe(self, url: str) -> int | None:
         probe = optional_calls(self._client()).version
@@ -417,7 +524,8 @@ class GuardedClient:
                        live: MutableSet[str] | None = None,
                        on_chunk: Callable[[GenerateResult], None] | None = None
                        ) -> GenerateResult:
-        urls = self.guard.usable(list(self.inner.worker_urls if among is None else among))
+        urls = self.guard.route(
+            self.guard.usable(list(self.inner.worker_urls if among is None else among)))
         kw: dict[str, Any] = {}
         if on_chunk is not None and takes_chunks(self.inner):
             # only chunks all of the run's version get through
@@ -425,6 +533,16 @@ class GuardedClient:
         result = await self.inner.generate(input_ids, sampling_params, rid=rid, among=urls,
                                            extra=extra, live=live, **kw)
         await self.guard.check(result)  # raises StaleEngine: no token from the wrong weights
+        pref = RESUMING.get()
+        if pref is not None:  # what resuming cost: prefix tokens prefilled again
+            self.guard.book.bump("resumed_tokens", pref[1])
+            if result.prompt_tokens is not None:
+                cached = int(result.cached_tokens or 0)
+                self.guard.book.bump("resumed_tokens_prefilled", min(
+                    pref[1], max(0, int(result.prompt_tokens) - cached)))
+            if int(result.weight_version) != pref[0]:
+                # the prefix was sampled on other weights than the engine it resumes on
+                self.guard.book.bump("resumed_tokens_other_version", pref[1])
         return result
 
     async def abort(self, rid: str | None = None, *, url: str | None = None) -> None:

@@ -91,6 +91,16 @@ class ProducerStats:
     stale_tokens_discarded: int = 0
     engines_marked_stale: int = 0
     engines_restored: int = 0
+    #: rolling updates (``strawq.producers.rolling``): engine loads this producer drove,
+    #: their failures, the engine-milliseconds they held an engine out of rotation, the
+    #: resumed prefix tokens (any mode), those the engine prefilled again (not in its prefix
+    #: cache), and those resumed on an engine of another version
+    rolling_loads: int = 0
+    rolling_load_failures: int = 0
+    rolling_pause_ms: int = 0
+    resumed_tokens: int = 0
+    resumed_tokens_prefilled: int = 0
+    resumed_tokens_other_version: int = 0
     engines_stale: int = 0
     waiting_for_weights: bool = False
     #: replies on the run's version from an engine that failed attestation (or has no

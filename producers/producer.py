@@ -76,6 +76,7 @@ from strawq.producers.claim_gate import (
 )
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_versions import ClientSlot, VersionGuard
+from strawq.producers.rolling import RollingPull
 from strawq.producers.eos import resolve_eos_ids
 from strawq.producers.handback import HandBack, MisconfiguredProducer
 from strawq.producers.heartbeat import Heartbeat
@@ -93,6 +94,7 @@ from strawq.storage import PosixStorage
 from strawq.tasks.queue import RunQueue
 from strawq.weights.control import Control
 from strawq.weights.engine_weights import EngineWeights
+from strawq.weights.publish import WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +188,11 @@ class Producer:
                                   notes=EngineWeights(self.queue.storage), io=self._io.call,
                                   pausing=lambda: bracket.pausing, book=book,
                                   probe_s=max(0.2, 5 * timing.control_poll_s), clock=clock)
+        #: rolling weight updates: this producer's engines pull published versions in waves
+        #: (``rolling.after_load``: the hook after an engine loaded a version)
+        self.rolling = RollingPull(pid, store=WeightStore(self.queue.storage),
+                                   client=self._slot.raw, guard=self.guard, io=self._io.call,
+                                   book=book, clock=clock, poll_s=timing.control_poll_s)
         backoff = FaultBackoff(config.engine.backoff_s, clock)
         self.runner = GroupRunner(config, producer_id=pid, queue=self.queue,
                                   group_size=self.group_size, client=self._slot.guarded,
@@ -310,6 +317,7 @@ class Producer:
                 tokenizer=self.runner.tokenizer,
                 ignore_eos=self.config.sampler_params().ignore_eos, who=f"producer {pid}")
             await check_engine_versions(raw, self.guard, pid)
+            await self.rolling.start()
             # before the first claim: leases under this id are an earlier process's
             await self._io.call(self.incarnation.begin)
             if self.journal is not None:
@@ -343,6 +351,7 @@ class Producer:
 
     async def _close(self, hb: asyncio.Task[None] | None) -> None:
         """The end of ``run()``: every part it started stopped, in order."""
+        await self.rolling.close()
         await self.guard.close()
         await self.runner.scorer.close()
         for t in (hb, self._journal_task):
@@ -393,6 +402,7 @@ class Producer:
             if was_pausing and not self._bracket.pausing:
                 await self.guard.probe_all()  # an engine the push missed stays out
             self.guard.tick()
+            self.rolling.tick()
             if self._stopping or self.handback.refusal is not None:
                 break
             timeout = timing.control_poll_s

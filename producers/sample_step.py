@@ -43,6 +43,7 @@ from strawq.errors import ConfigError
 from strawq.producers.engine_client import EngineClient, takes_chunks
 from strawq.producers.engine_errors import EngineProtocolError, EngineTimeout, EngineUnavailable
 from strawq.producers.extras_protocol import ExtrasMismatch, extras_payload, segment_for
+from strawq.producers.engine_versions import resuming
 from strawq.producers.sample import Sample, SampleError, SampleStatus, apply_segment
 from strawq.producers.sglang_protocol import (GenerateResult, finalize_abort_at_stop,
                                               with_resumed_tokens)
@@ -124,9 +125,10 @@ async def step_sample(client: EngineClient, sample: Sample, *, rid: str | None =
 
     try:
         chunks: dict[str, Any] = {"on_chunk": on_chunk} if takes_chunks(client) else {}
-        result = await client.generate(sample.resume_input_ids(), params, rid=rid,
-                                       extra=extras_payload(sample) or None, live=live,
-                                       **chunks)
+        with resuming(sample.versions):  # routed by its prefix's version (rolling updates)
+            result = await client.generate(sample.resume_input_ids(), params, rid=rid,
+                                           extra=extras_payload(sample) or None, live=live,
+                                           **chunks)
     except (EngineUnavailable, EngineTimeout, asyncio.CancelledError):
         # the engine or the connection died, or the step was cancelled (a halt that did
         # not wait for the reply): keep what arrived

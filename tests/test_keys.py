@@ -78,6 +78,8 @@ OWNERS = {
     "format/": "strawq/tasks/formats.py",
     "fingerprints/": "strawq/weights/fingerprint.py",
     "attested/": "strawq/weights/fingerprint.py",
+    "manifest-": "strawq/weights/publish.py",  # weights/manifest-<v>: a published version
+    "wave-": "strawq/weights/publish.py",  # weights/wave-<v>~<k>: a wave slot
     "dropped/": "collector/trainer/metrics.py",  # the metric name; the entries go through states.py
     # the adapters' stores (``strawq.tasks.states.STORES``): verl's queue directory
     "samples/": "strawq/tasks/states.py",

@@ -47,6 +47,7 @@ from strawq.weights.engine_weights import (
     probe_versions,
 )
 from strawq.weights.fingerprint import READ_TIMEOUT_S, Fingerprint, Fingerprints, may_clear
+from strawq.weights.publish import Manifest, WeightStore, check_mode, wave_width
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ class BracketReport:
     stray_leases: list[str] = field(default_factory=list)
     #: True when this call continued a bracket a previous trainer left open
     continued: bool = False
+    #: the rolling mode's manifest (None: a bracket); ``waited_s`` is then the seconds the
+    #: trainer spent writing and publishing the weights, all it waits for
+    published: Manifest | None = None
 
 
 _RANK0_ONLY = (
@@ -96,11 +100,22 @@ class WeightUpdateBracket:
                  probe_timeout_s: float = PROBE_TIMEOUT_S, api_key: str | None = None,
                  fence: Callable[[], None] | None = None, attest: bool = True,
                  attest_timeout_s: float = READ_TIMEOUT_S,
-                 admin_api_key: str | None = None) -> None:
+                 admin_api_key: str | None = None,
+                 weight_update: str = "bracket", wave: float = 0.25, max_lag: int = 1
+                 ) -> None:
+        check_mode(weight_update, wave, max_lag)
         self.queue = queue
         #: check every engine against a published fingerprint before resuming producers
         #: (``publish_fingerprint``; a version without one is not checked)
         self.attest_engines = attest
+        #: ``"bracket"``: pause every producer, push, resume; ``"rolling"``: publish the
+        #: weights once and return (``publish_weights``), engines pull them in waves
+        self.mode = weight_update
+        #: rolling: engines that may load a version at once (>= 1 a count, < 1 a share of
+        #: the known engines), and versions an engine may lag the newest and still serve
+        self.wave = wave
+        self.max_lag = int(max_lag)
+        self.weights = WeightStore(queue.storage)
         #: called before every bracket write (``BatchReader``'s: the trainer fence, which
         #: raises ``FencedOut`` once another trainer took the run over); None: unfenced
         #: (an operator's tool settling a bracket)
@@ -383,7 +398,7 @@ class WeightUpdateBracket:
         return {"attest/checks_total": r.attest_checks,
                 "attest/failures_total": r.attest_failures, "attest/last_s": r.attest_last_s}
 
-    def weight_update(self, push: Callable[[int], None], *, timeout: float = 300.0,
+    def weight_update(self, push: Callable[[int], Any], *, timeout: float = 300.0,
                       version: int | None = None,
                       fingerprint: Fingerprint | None = None) -> BracketReport:
         """``begin``, ``push(version)`` (load the new weights into every engine), ``end``;
@@ -392,7 +407,12 @@ class WeightUpdateBracket:
 
         If ``push`` raises, the bracket stays open (producers stay paused) and the error
         propagates: retry, or call ``abort_weight_update()``.
+
+        In the rolling mode ``push(version)`` writes the weights to a directory every
+        engine can read and returns its path; ``publish_weights`` publishes it.
         """
+        if self.mode == "rolling":
+            return self.publish_weights(push, version=version)
         rep = self.begin_weight_update(timeout)
         target = rep.version if version is None else version
         if fingerprint is not None:
@@ -400,3 +420,26 @@ class WeightUpdateBracket:
         push(target)
         self.end_weight_update(target)
         return rep
+
+    def publish_weights(self, write: Callable[[int], Any], *,
+                        version: int | None = None) -> BracketReport:
+        """The rolling mode's update: ``write(v)`` writes version v's weights (complete,
+        to storage every engine reads) and returns their directory; its manifest is
+        published under ``weights/`` and version v announced. Nothing is paused and no
+        engine waited for: producers load v into their engines in waves
+        (``strawq.producers.rolling``). Refused while a bracket is open."""
+        self._rank0("publish_weights")
+        st = self.control.state()
+        if self._open is not None or st.paused:
+            raise BracketError(f"publish_weights: the weight-update bracket for version "
+                               f"{st.pause_version} is open; finish or abort it first")
+        target = max(self.queue.current_version(), st.resume_version) + 1 \
+            if version is None else int(version)
+        if target <= self.queue.current_version():
+            raise BracketError(f"publish_weights({target}): the run is at version "
+                               f"{self.queue.current_version()} already")
+        fleet = len(set(self.engines.known()) | set(self.engine_urls))
+        m, waited = self.weights.publish_version(
+            target, write, announce=self.queue.set_version, wave=wave_width(self.wave, fleet),
+            max_lag=self.max_lag, clock=self.clock)
+        return BracketReport(target, frozenset(), {}, waited, [], False, published=m)

@@ -1,0 +1,216 @@
+"""Rolling weight updates, producer side: load the published version into this producer's
+engines in waves, one engine at a time per wave slot.
+
+The trainer publishes version v once (``weights/manifest-<v>``, ``strawq.weights.publish``)
+and announces it; nothing is paused. Each producer, on its loop, reads the newest manifest
+and, for each of its engines on an older version, claims a slot of v's wave (an exclusive
+create; at most ``wave`` engines of the whole fleet load v at once, with no coordinator),
+then for that engine only:
+
+1. takes it out of rotation for new requests (``VersionGuard.loading``);
+2. ``pause_generation`` in mode ``abort``: its requests come back aborted, each with every
+   token it generated (stamped with the old version), and resume at once from their
+   prefix on an engine still in rotation (of their own version while one serves and the
+   lag allows, else of the run's: ``VersionGuard.route``); mode ``in_place`` would keep
+   them on the engine, but SGLang refuses an update with a flushed cache while requests
+   are held (docs/protocol.md), and ``retract`` re-queues them inside the engine, which
+   then continues them on the new weights after a re-prefill: ``abort`` hands them back
+   to the producer, which may resume them on their own version elsewhere;
+3. waits until the engine is idle, ``update_weights_from_disk`` with the version label,
+   ``continue_generation`` (``EngineControl.push_weights``, the same steps as the
+   bracket's push, on one engine);
+4. reads the version back (``/model_info``); on the published one, calls ``after_load``
+   (the hook for checks after an engine loaded version v) and puts the engine back in
+   rotation; releases the slot. An ``after_load`` that raises keeps the engine out of
+   rotation (``refused``) and the next step loads it again.
+
+The rest of the fleet keeps generating meanwhile. An engine found on a version too old to
+serve (a new or restarted engine) is out of rotation until it loaded the newest version
+(the guard's probes; it is pulled like any other). While the run's version was not
+published (the bracket mode, or a bracket after a rolling update), this does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, runtime_checkable
+
+from strawq.errors import StrawqError
+from strawq.producers.engine_client import EngineClient
+from strawq.producers.engine_errors import EngineError
+from strawq.producers.engine_versions import VersionGuard
+from strawq.producers.meter import StatsBook
+from strawq.weights.publish import Manifest, WeightsConflict, WeightStore
+
+log = logging.getLogger(__name__)
+
+#: ``after_load(url, version)``: called once an engine reports the version it loaded
+AfterLoad = Callable[[str, int], Awaitable[None]]
+
+
+@runtime_checkable
+class WeightLoader(Protocol):
+    """A client that loads weights into one engine (``EngineControl.push_weights``)."""
+
+    async def push_weights(self, model_path: str, *, weight_version: int,
+                           url: str | None = None) -> dict[str, Any]:
+        ...
+
+
+class RollingPull:
+    """One producer's engines, brought to the newest published version a wave at a time."""
+
+    def __init__(self, producer_id: str, *, store: WeightStore,
+                 client: Callable[[], EngineClient | None], guard: VersionGuard,
+                 io: Callable[[Callable[[], Any]], Awaitable[Any]], book: StatsBook,
+                 clock: Callable[[], float], poll_s: float,
+                 after_load: AfterLoad | None = None) -> None:
+        self.producer_id = producer_id
+        self.store = store
+        self._client = client
+        self.guard = guard
+        self._io = io
+        self.book = book
+        self.clock = clock
+        self.poll_s = poll_s
+        #: the hook after an engine loaded version v (attestation checks hang here)
+        self.after_load = after_load
+        #: the newest manifest read (None: the run's version was not published)
+        self.manifest: Manifest | None = None
+        #: engine URL -> its load in progress
+        self.pulls: dict[str, asyncio.Task[None]] = {}
+        #: engines whose ``after_load`` check raised: out of rotation, loaded again
+        self.refused: dict[str, int] = {}
+        #: seconds each finished load held its engine out of rotation
+        self.pause_s: list[float] = []
+        self._verified: set[int] = set()
+        self._refused: set[int] = set()
+        self._last = -math.inf
+        self._step: asyncio.Task[None] | None = None
+        guard.lag_reader = self.lag_of
+
+    def lag_of(self, run_version: int) -> int | None:
+        """The lag ``run_version`` was published with (None: it was not; blocking I/O)."""
+        m = self.store.newest()
+        return m.max_lag if m is not None and m.version == run_version else None
+
+    async def start(self) -> None:
+        """Delete the wave slots an earlier process of this id held."""
+        try:
+            gone = await self._io(lambda: self.store.release_mine(self.producer_id))
+        except StrawqError as exc:
+            log.warning("producer %s cannot read weights/: %s", self.producer_id, exc)
+            return
+        if gone:
+            log.warning("producer %s: released %d wave slots an earlier process of this id "
+                        "held", self.producer_id, gone)
+
+    def tick(self) -> None:
+        """From the producer's loop: a step every ``poll_s`` (in a task: the loop never
+        waits on a load)."""
+        if self.clock() - self._last < self.poll_s:
+            return
+        if self._step is not None and not self._step.done():
+            return
+        self._last = self.clock()
+        self._step = asyncio.create_task(self.step())
+
+    async def step(self) -> None:
+        """Read the newest manifest; start a load on each engine behind it while a wave
+        slot is free."""
+        try:
+            m = await self._io(self.store.newest)
+            run_v, paused = await self.guard.refresh()  # sets the guard's lag (lag_of)
+        except StrawqError as exc:
+            log.warning("producer %s cannot read weights/: %s", self.producer_id, exc)
+            return
+        if m is None or m.version != run_v or paused:
+            self.manifest = None  # not published (a bracket): the run's version only
+            return
+        self.manifest = m
+        if not await self._verify(m):
+            return
+        client = self._client()
+        if client is None or not isinstance(client, WeightLoader):
+            return
+        for url in list(client.worker_urls):
+            if url in self.pulls:
+                continue
+            v = self.guard.versions.get(url)
+            if v is None:
+                v = await self.guard.probe(url)
+            if v is not None and v >= m.version and url not in self.refused:
+                continue
+            try:
+                slot = await self._io(functools.partial(self.store.claim_slot, m,
+                                                        self.producer_id, url))
+            except StrawqError as exc:
+                log.warning("producer %s cannot claim a wave slot: %s", self.producer_id, exc)
+                return
+            if slot is None:
+                return  # the wave is full: the next step tries again
+            self.pulls[url] = asyncio.create_task(self.pull(client, url, m, slot))
+
+    async def _verify(self, m: Manifest) -> bool:
+        """Check the published weights against their manifest once per version."""
+        if m.version in self._verified:
+            return True
+        if m.version in self._refused:
+            return False
+        try:
+            await self._io(lambda: self.store.verify(m))
+        except (WeightsConflict, OSError) as exc:
+            self._refused.add(m.version)
+            log.error("producer %s: version %d is not loaded: %s", self.producer_id,
+                      m.version, exc)
+            return False
+        self._verified.add(m.version)
+        return True
+
+    async def pull(self, client: WeightLoader, url: str, m: Manifest, slot: int) -> None:
+        """Load ``m`` into the engine at ``url`` (holding wave slot ``slot``)."""
+        self.guard.loading.add(url)
+        t0 = self.clock()
+        try:
+            await client.push_weights(m.path, weight_version=m.version, url=url)
+            v = await self.guard.probe(url)
+            if v != m.version:
+                raise EngineError(f"engine reports version {v} after loading {m.version}",
+                                  url=url)
+            if self.after_load is not None:
+                try:
+                    await self.after_load(url, m.version)
+                except Exception as exc:  # noqa: BLE001 - any refusal keeps the engine out
+                    self.refused[url] = m.version
+                    raise EngineError(f"refused after loading version {m.version}: {exc}",
+                                      url=url) from exc
+            self.refused.pop(url, None)
+            held = self.clock() - t0
+            self.pause_s.append(held)
+            self.book.bump("rolling_loads")
+            self.book.bump("rolling_pause_ms", int(held * 1000))
+            log.info("producer %s: engine %s loaded version %d in %.2fs (wave slot %d)",
+                     self.producer_id, url, m.version, held, slot)
+            await self.guard.loaded(url, m.version)
+        except (EngineError, StrawqError) as exc:
+            self.book.bump("rolling_load_failures")
+            log.warning("producer %s: engine %s did not load version %d: %s; retried at a "
+                        "later step", self.producer_id, url, m.version, exc)
+        finally:
+            if url not in self.refused:
+                self.guard.loading.discard(url)  # back in rotation
+            self.pulls.pop(url, None)
+            try:
+                await self._io(lambda: self.store.release_slot(m.version, slot))
+            except StrawqError as exc:
+                log.warning("producer %s cannot release wave slot %d of version %d: %s",
+                            self.producer_id, slot, m.version, exc)
+
+    async def close(self) -> None:
+        """Wait for the loads in progress (each ends with its engine continued)."""
+        tasks = [t for t in (self._step, *self.pulls.values()) if t is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,277 @@
+"""Rolling weight updates: version v published once, engines pull it in waves.
+
+The simple mode of a weight update is the global bracket (``strawq.weights.control``): every
+producer paused, every engine pushed at once. In the rolling mode the trainer writes the
+weights of version v once to a directory every engine can read, publishes a manifest for it
+here and returns; nothing is paused for it. Producers load it into their engines themselves,
+a few at a time, and route by the version each engine holds
+(``strawq.producers.rolling``)::
+
+    weights/manifest-<v>            trainer: version v's weights are at <path>; checksum over
+                                    its files; how many engines may load at once (``wave``),
+                                    how many versions an engine may lag (``max_lag``)
+    weights/wave-<v>~<k>            a producer: slot k of version v's wave is mine, loading
+                                    <url> (exclusive create; deleted after the load)
+
+A manifest is written once under its version (an exclusive create: a second trainer
+publishing the same version with other weights loses, ``WeightsConflict``), through the
+record framing (schema version and checksum, invariant 2), after the weights themselves are
+complete on disk: a manifest names weights that are there, and its checksum (sha256 over
+the directory's file names and bytes) lets a loader refuse a copy that changed since. The
+trainer announces version v (``versions/``) only after the manifest is in place.
+
+A wave slot is claimed by creating ``wave-<v>~<k>`` for some ``k < wave``; at most ``wave``
+engines of the fleet load version v at once, whoever drives them, with no coordinator. A
+producer that dies holding a slot leaves it until it restarts under the same id (it deletes
+its own slots at start) or until the slots of v are collected (``KEEP`` versions later):
+version v's wave is one slot narrower meanwhile, and every newer version has slots of its
+own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from strawq.errors import AlreadyExists, CorruptRecord, NotFound, StrawqError
+from strawq.ondisk import records
+from strawq.ondisk.names import validate_id
+from strawq.ondisk.numbered import Numbered
+from strawq.ondisk.records import Kind
+from strawq.storage import Storage
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_DIR = "weights"
+#: ``weights/manifest-<v>``, ``weights/wave-<v>~<k>``
+MANIFESTS = Numbered("manifest-")
+WAVES = Numbered("wave-", sep="~", tail_width=4)
+#: manifests (and their wave slots) kept below the newest
+KEEP = 4
+#: the two modes of a weight update (``WeightUpdateBracket(weight_update=...)``)
+MODES = ("bracket", "rolling")
+
+
+class WeightsConflict(StrawqError):
+    """A version published twice with different weights, or weights that changed on disk
+    since their manifest was written."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Version ``version``'s weights, as the trainer published them."""
+
+    version: int
+    #: the directory engines load (``update_weights_from_disk``'s ``model_path``)
+    path: str
+    #: sha256 over the directory's relative file names and bytes (``checksum_dir``)
+    checksum: str
+    files: int
+    bytes: int
+    #: engines of the fleet that may load this version at once
+    wave: int
+    #: versions an engine may lag this one and still serve (0: none)
+    max_lag: int
+    #: the trainer's seconds to write the weights and publish them
+    write_s: float
+    at: float
+
+    def to_meta(self) -> dict[str, object]:
+        return {"version": self.version, "path": self.path, "checksum": self.checksum,
+                "files": self.files, "bytes": self.bytes, "wave": self.wave,
+                "max_lag": self.max_lag, "write_s": self.write_s, "at": self.at}
+
+
+def checksum_dir(path: str | Path) -> tuple[str, int, int]:
+    """(sha256 hex, files, bytes) over every regular file under ``path``, by sorted relative
+    name; a single file is checksummed by itself."""
+    root = Path(path)
+    if not root.exists():
+        raise WeightsConflict(f"weights {root} do not exist")
+    h = hashlib.sha256()
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    total = 0
+    for p in files:
+        rel = p.relative_to(root).as_posix() if root.is_dir() else p.name
+        h.update(rel.encode() + b"\0")
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+                total += len(chunk)
+        h.update(b"\0")
+    return h.hexdigest(), len(files), total
+
+
+def wave_width(wave: float, fleet: int) -> int:
+    """Engines that may load at once: ``wave`` >= 1 is a count, below 1 a share of ``fleet``
+    (at least one engine)."""
+    if not wave > 0:
+        raise ValueError(f"wave must be > 0 (a count, or a share of the fleet), got {wave}")
+    if wave >= 1:
+        return int(wave)
+    return max(1, math.floor(wave * max(fleet, 1)))
+
+
+def check_mode(weight_update: str, wave: float, max_lag: int) -> None:
+    """Refuse (``ValueError``) a weight-update mode, wave or lag that cannot work."""
+    if weight_update not in MODES:
+        raise ValueError(f"weight_update must be one of {MODES}, got {weight_update!r}")
+    wave_width(wave, 1)  # refuses a wave <= 0
+    if max_lag < 0:
+        raise ValueError(f"max_lag must be >= 0, got {max_lag}")
+
+
+class WeightStore:
+    """The manifests and wave slots under ``weights/`` on the run's storage."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    # -- manifests (the trainer writes, everyone reads) ----------------------------------------
+    def publish(self, version: int, path: str | Path, *, wave: int, max_lag: int,
+                write_s: float = 0.0) -> Manifest:
+        """Write version ``version``'s manifest for the weights at ``path`` (complete on
+        disk). Publishing the same weights again is a no-op; other weights under a version
+        already published raise ``WeightsConflict``."""
+        if version < 1:
+            raise ValueError(f"a published version is >= 1, got {version}")
+        if wave < 1 or max_lag < 0:
+            raise ValueError(f"wave >= 1 and max_lag >= 0, got {wave} and {max_lag}")
+        checksum, files, size = checksum_dir(path)
+        m = Manifest(int(version), os.fspath(Path(path).resolve()), checksum, files, size,
+                     int(wave), int(max_lag), float(write_s), time.time())
+        self.storage.makedirs(WEIGHTS_DIR)
+        try:
+            self.storage.publish(f"{WEIGHTS_DIR}/{MANIFESTS.name(version)}",
+                                 records.encode(Kind.STATE, m.to_meta()))
+        except AlreadyExists:
+            there = self.manifest(version)
+            if there is None or there.checksum != checksum:
+                raise WeightsConflict(
+                    f"weight version {version} is already published "
+                    f"({there.path if there else 'unreadable'}, checksum "
+                    f"{there.checksum[:12] if there else '?'}); these weights ({path}, "
+                    f"checksum {checksum[:12]}) differ: publish them as a new version"
+                ) from None
+            return there
+        self._gc(version)
+        return m
+
+    def publish_version(self, version: int, write: Callable[[int], Any], *,
+                        announce: Callable[[int], None], wave: int, max_lag: int,
+                        clock: Callable[[], float]) -> tuple[Manifest, float]:
+        """``write(version)`` (returns the weights' directory, complete), the manifest,
+        then ``announce(version)``; returns the manifest and the seconds it all took."""
+        t0 = clock()
+        path = write(version)
+        if path is None:
+            raise WeightsConflict("write(version) must return the directory it wrote the "
+                                  "weights to (the rolling mode loads them from there)")
+        m = self.publish(version, path, wave=wave, max_lag=max_lag, write_s=clock() - t0)
+        announce(version)
+        waited = clock() - t0
+        log.info("weight version %d published (%s, %d files, %.1f MB) in %.2fs; engines "
+                 "load it %d at a time", version, m.path, m.files, m.bytes / 1e6, waited,
+                 m.wave)
+        return m, waited
+
+    def manifest(self, version: int) -> Manifest | None:
+        key = f"{WEIGHTS_DIR}/{MANIFESTS.name(version)}"
+        try:
+            meta = records.decode(self.storage.read(key), expect=Kind.STATE, name=key).meta
+            return Manifest(int(meta["version"]), str(meta["path"]), str(meta["checksum"]),
+                            int(meta["files"]), int(meta["bytes"]), int(meta["wave"]),
+                            int(meta["max_lag"]), float(meta.get("write_s", 0.0)),
+                            float(meta["at"]))
+        except NotFound:
+            return None
+        except (CorruptRecord, KeyError, TypeError, ValueError) as exc:
+            log.warning("%s is unreadable (%s); skipping it", key, exc)
+            return None
+
+    def newest(self) -> Manifest | None:
+        """The newest readable manifest (None: nothing published, the bracket mode)."""
+        for v in reversed(MANIFESTS.numbers(self.storage.list(WEIGHTS_DIR))):
+            m = self.manifest(v)
+            if m is not None:
+                return m
+        return None
+
+    @staticmethod
+    def verify(m: Manifest) -> None:
+        """Raise ``WeightsConflict`` unless the weights at ``m.path`` still match ``m``."""
+        checksum, _, _ = checksum_dir(m.path)
+        if checksum != m.checksum:
+            raise WeightsConflict(f"the weights of version {m.version} at {m.path} changed "
+                                  f"since they were published (checksum {checksum[:12]}, "
+                                  f"manifest {m.checksum[:12]}); not loading them")
+
+    # -- wave slots (producers) ----------------------------------------------------------------
+    def claim_slot(self, m: Manifest, holder: str, url: str) -> int | None:
+        """Claim a free slot of version ``m.version``'s wave for loading ``url``; the slot
+        number, or None when all ``m.wave`` are held (or ``url`` is being loaded already)."""
+        validate_id(holder, "producer id")
+        self.storage.makedirs(WEIGHTS_DIR)
+        held = self.slots(m.version)
+        if url.rstrip("/") in {u for _, _, u in held}:
+            return None
+        taken = {k for k, _, _ in held}
+        for k in range(m.wave):
+            if k in taken:
+                continue
+            try:
+                self.storage.publish(
+                    f"{WEIGHTS_DIR}/{WAVES.name(m.version, k)}",
+                    records.encode(Kind.STATE, {"holder": holder, "url": url.rstrip("/"),
+                                                "at": time.time()}))
+                return k
+            except AlreadyExists:
+                continue  # another producer took it meanwhile: try the next
+        return None
+
+    def slots(self, version: int) -> list[tuple[int, str, str]]:
+        """(slot, holder, url) of the wave slots held for ``version``."""
+        out = []
+        for name in self.storage.list(WEIGHTS_DIR):
+            got = WAVES.pair(name)
+            if got is None or got[0] != version:
+                continue
+            key = f"{WEIGHTS_DIR}/{name}"
+            try:
+                meta = records.decode(self.storage.read(key), expect=Kind.STATE, name=key).meta
+                out.append((got[1], str(meta["holder"]), str(meta["url"])))
+            except NotFound:
+                continue
+            except (CorruptRecord, KeyError, TypeError, ValueError) as exc:
+                log.warning("%s is unreadable (%s): its slot stays taken", key, exc)
+                out.append((got[1], "?", "?"))
+        return sorted(out)
+
+    def release_slot(self, version: int, slot: int) -> None:
+        self.storage.delete(f"{WEIGHTS_DIR}/{WAVES.name(version, slot)}")
+
+    def release_mine(self, holder: str) -> int:
+        """Delete every slot ``holder`` holds (a producer restarted under its id holds none
+        of its predecessor's); returns how many."""
+        gone = 0
+        for name in self.storage.list(WEIGHTS_DIR):
+            got = WAVES.pair(name)
+            if got is None:
+                continue
+            if any(h == holder for k, h, _ in self.slots(got[0]) if k == got[1]):
+                self.release_slot(*got)
+                gone += 1
+        return gone
+
+    def _gc(self, version: int) -> None:
+        names = self.storage.list(WEIGHTS_DIR)
+        for family in (MANIFESTS, WAVES):
+            for n in family.below(names, version - KEEP + 1):
+                self.storage.delete(f"{WEIGHTS_DIR}/{n}")

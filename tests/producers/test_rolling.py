@@ -1,0 +1,375 @@
+"""Rolling weight updates: the trainer publishes version v once and returns; producers load it
+into their engines a wave at a time; replies from an engine within the lag are applied with
+their exact stamps; a resumed prefix goes to an engine of its own version."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from strawq.collector.trainer.bracket import WeightUpdateBracket
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.producers.engine_versions import StaleEngine, VersionGuard, resuming
+from strawq.producers.engines.launch import EngineOptions
+from strawq.producers.engines.sim_backend import SimConfig
+from strawq.producers.engines.testing import EngineThread
+from strawq.producers.meter import ProducerStats, StatsBook
+from strawq.producers.producer import Producer
+from strawq.producers.producer_config import (
+    BudgetConfig,
+    EngineConfig,
+    PluginsConfig,
+    ProducerConfig,
+    SamplerParams,
+    TimingConfig,
+)
+from strawq.producers.sglang_protocol import GenerateResult
+from strawq.storage import MemoryStorage
+from strawq.tasks.queue import RunQueue
+from strawq.weights.control import read_state
+from strawq.weights.engine_weights import EngineWeights
+from strawq.weights.publish import WeightsConflict, WeightStore, checksum_dir, wave_width
+from tests.producers.helpers import make_run, ready_groups, run_producers, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+SIM = SimConfig(time_scale=0.2, len_median=20, len_sigma=0.5, len_cap=60, cap_prob=0.0)
+
+
+def weights(tmp: Path, version: int, body: bytes | None = None) -> str:
+    d = tmp / f"w{version}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "model.bin").write_bytes(body if body is not None else bytes([version]) * 64)
+    (d / "config.json").write_text("{}")
+    return str(d)
+
+
+# -- the store -----------------------------------------------------------------------------------
+def test_a_manifest_is_written_once_per_version(tmp_path: Path) -> None:
+    store = WeightStore(MemoryStorage())
+    assert store.newest() is None
+    m = store.publish(1, weights(tmp_path, 1), wave=2, max_lag=1)
+    assert store.newest() == m and m.files == 2 and m.bytes == 66
+    assert store.publish(1, weights(tmp_path, 1), wave=2, max_lag=1) == m  # a retry: no-op
+    other = weights(tmp_path / "other", 1, b"different")
+    with pytest.raises(WeightsConflict, match="already published"):
+        store.publish(1, other, wave=2, max_lag=1)
+    store.verify(m)
+    Path(m.path, "model.bin").write_bytes(b"changed since")
+    with pytest.raises(WeightsConflict, match="changed since"):
+        store.verify(m)
+    with pytest.raises(WeightsConflict, match="do not exist"):
+        checksum_dir(tmp_path / "nowhere")
+
+
+def test_a_wave_holds_at_most_its_width(tmp_path: Path) -> None:
+    store = WeightStore(MemoryStorage())
+    m = store.publish(3, weights(tmp_path, 3), wave=2, max_lag=1)
+    assert store.claim_slot(m, "p1", "http://a") == 0
+    assert store.claim_slot(m, "p1", "http://a") is None  # that engine is loading already
+    assert store.claim_slot(m, "p2", "http://b") == 1
+    assert store.claim_slot(m, "p2", "http://c") is None  # the wave is full
+    store.release_slot(3, 0)
+    assert store.claim_slot(m, "p2", "http://c") == 0
+    assert store.release_mine("p2") == 2 and store.slots(3) == []
+
+
+def test_old_manifests_and_their_slots_are_collected(tmp_path: Path) -> None:
+    store = WeightStore(MemoryStorage())
+    first = store.publish(1, weights(tmp_path, 1), wave=1, max_lag=1)
+    assert store.claim_slot(first, "dead", "http://a") == 0
+    for v in range(2, 7):
+        store.publish(v, weights(tmp_path, v), wave=1, max_lag=1)
+    assert store.manifest(1) is None and store.slots(1) == []
+    assert store.manifest(3) is not None and store.newest() == store.manifest(6)
+
+
+def test_wave_width() -> None:
+    assert wave_width(0.25, 8) == 2 and wave_width(0.25, 2) == 1 and wave_width(3, 8) == 3
+    with pytest.raises(ValueError):
+        wave_width(0, 8)
+
+
+# -- the trainer ---------------------------------------------------------------------------------
+def test_publishing_pauses_nobody_and_announces_the_version(tmp_path: Path) -> None:
+    q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
+    with pytest.raises(ValueError, match="weight_update"):
+        WeightUpdateBracket(q, weight_update="rollin")
+    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=0.5, max_lag=1,
+                                  engine_urls=["http://a", "http://b", "http://c", "http://d"],
+                                  sleep=lambda s: pytest.fail("the rolling update waited"))
+    rep = bracket.weight_update(lambda v: weights(tmp_path, v))
+    assert rep.version == 1 and q.current_version() == 1 and not rep.acked
+    assert rep.published is not None and rep.published.wave == 2
+    assert not read_state(q.storage).paused and not q.storage.list("control")
+    assert WeightStore(q.storage).newest() == rep.published
+    assert bracket.publish_weights(lambda v: weights(tmp_path, v)).version == 2
+    with pytest.raises(Exception, match="must return the directory"):
+        bracket.publish_weights(lambda v: None)
+
+
+# -- the guard -----------------------------------------------------------------------------------
+class _Client:
+    worker_urls = ["http://e1", "http://e2"]
+    router_url = None
+    versions = {"http://e1": 5, "http://e2": 6}
+
+    async def weight_version(self, url: str) -> int:
+        return self.versions[url]
+
+
+def _reply(version: int, spans: list[int], url: str) -> GenerateResult:
+    n = len(spans)
+    return GenerateResult(rid="r", output_ids=np.arange(n, dtype=np.int32),
+                          logprobs=np.zeros(n, np.float32), versions=np.asarray(spans, np.int64),
+                          finish_reason={"type": "length"}, weight_version=version,
+                          completion_tokens=n, prompt_tokens=1, cached_tokens=0,
+                          num_retractions=0, text="", url=url, meta_info={})
+
+
+def test_an_engine_within_the_lag_serves_and_resumes_route_by_version(tmp_path: Path) -> None:
+    q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
+    q.set_version(6)
+    book = StatsBook(ProducerStats())
+
+    async def io(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    guard = VersionGuard("p1", client=_Client, current_version=q.current_version,
+                         notes=EngineWeights(q.storage), io=io, pausing=lambda: False,
+                         book=book)
+
+    async def main() -> None:
+        with pytest.raises(StaleEngine):  # the bracket mode: the run's version only
+            await guard.check(_reply(5, [5, 5], "http://e1"))
+        guard.stale.clear()
+        guard.lag = 1  # rolling, one version of lag
+        await guard.check(_reply(5, [5, 5], "http://e1"))
+        await guard.check(_reply(6, [6], "http://e2"))
+        with pytest.raises(StaleEngine):  # two behind: out
+            await guard.check(_reply(4, [4], "http://e1"))
+        guard.stale.clear()
+        guard.versions.update({"http://e1": 5, "http://e2": 6})
+        urls = list(_Client.worker_urls)
+        assert guard.route(urls) == urls  # a fresh sample: any engine
+        with resuming(np.array([5, 5, 5])):
+            assert guard.route(urls) == ["http://e1"]  # its own version
+        guard.lag = 0
+        with resuming(np.array([5, 5, 5])):
+            assert guard.route(urls) == ["http://e2"]  # its version may no longer serve
+        guard.lag = 1
+        guard.loading.add("http://e1")
+        assert guard.usable(urls) == ["http://e2"]  # loading: out of rotation
+
+    asyncio.run(main())
+
+
+# -- end to end on the local engines -------------------------------------------------------------
+def _run(run_dir: str, n: int) -> RunQueue:
+    q = make_run(run_dir, 0, rows=[], group_size=2, release_batch=n)
+    with open(os.path.join(run_dir, "dataset.jsonl"), "w", encoding="utf-8") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": [5 + i % 50, 9, 11], "target": 7, "count": 3}) + "\n")
+    return q
+
+
+def _producer(run_dir: str, workers: tuple[str, ...]) -> Producer:
+    return Producer(ProducerConfig(
+        run_dir=run_dir,
+        engine=EngineConfig(workers=workers, backoff_s=0.05),
+        plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
+        sampling=SamplerParams(max_new_tokens=60, seed=1),
+        budget=BudgetConfig(slots=6),
+        timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02)))
+
+
+def _versions(q: RunQueue) -> list[list[int]]:
+    out = []
+    for grp in ready_groups(q).values():
+        for i in range(len(grp.sample_lens)):
+            out.append(np.asarray(grp.sample(i)["versions"]).tolist())
+    return out
+
+
+def _count_concurrent_loads(p: Producer) -> list[int]:
+    """[now, most] engines of ``p`` loading at once (wrapping its pull)."""
+    seen = [0, 0]
+    pull = p.rolling.pull
+
+    async def counted(*args: Any) -> None:
+        seen[0] += 1
+        seen[1] = max(seen[1], seen[0])
+        try:
+            await pull(*args)
+        finally:
+            seen[0] -= 1
+    p.rolling.pull = counted  # type: ignore[method-assign]
+    return seen
+
+
+def test_engines_load_a_published_version_one_wave_at_a_time(tmp_path: Path) -> None:
+    """Three engines, a wave of one: the fleet never pauses at once, every engine ends on
+    the new version, no reply is discarded, and per-token versions only go up."""
+    run_dir = str(tmp_path / "run")
+    n = 24
+    q = _run(run_dir, n)
+    engines = [EngineThread(EngineOptions(kind="sim", max_running=64, weight_version="0",
+                                          sim=SIM)) for _ in range(3)]
+    p = _producer(run_dir, tuple(e.url for e in engines))
+    seen = _count_concurrent_loads(p)
+    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=1, max_lag=1,
+                                  sleep=lambda s: pytest.fail("the rolling update waited"))
+
+    async def body() -> None:
+        Feeder(q, Dataset(os.path.join(run_dir, "dataset.jsonl"))).release(n // 2)
+        await wait_for(lambda: p.stats().tokens_generated > 50, 60, "generation under way")
+        await asyncio.to_thread(bracket.weight_update, lambda v: weights(tmp_path, v))
+        Feeder(q, Dataset(os.path.join(run_dir, "dataset.jsonl"))).release(n // 2)
+        await wait_for(lambda: p.stats().rolling_loads == 3, 60, "every engine loaded")
+        await wait_for(lambda: len(ready_groups(q)) == n, 60, "every group")
+
+    try:
+        asyncio.run(run_producers([p], body))
+    finally:
+        for e in engines:
+            e.stop()
+    st = p.stats()
+    assert seen[1] == 1, f"{seen[1]} engines loaded at once with a wave of one"
+    assert st.brackets == 0 and st.stale_replies == 0 and st.rolling_load_failures == 0
+    assert st.groups_dropped == 0
+    assert set(p.guard.versions.values()) == {1}
+    spans = _versions(q)
+    assert {v for s in spans for v in s} <= {0, 1}
+    assert all(s == sorted(s) for s in spans), "a token older than the one before it"
+    assert WeightStore(q.storage).slots(1) == []  # every slot released
+
+
+def test_an_engine_behind_the_lag_loads_the_newest_version_before_it_takes_work(
+        tmp_path: Path) -> None:
+    """Engines started on version 0 while the run's version 2 was published with no lag:
+    they are out of rotation until they loaded it, so every trained token is of version 2."""
+    run_dir = str(tmp_path / "run")
+    n = 8
+    q = _run(run_dir, n)
+    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=2, max_lag=0)
+    bracket.publish_weights(lambda v: weights(tmp_path, v), version=2)
+    engines = [EngineThread(EngineOptions(kind="sim", max_running=64, weight_version="0",
+                                          sim=SIM)) for _ in range(2)]
+    p = _producer(run_dir, tuple(e.url for e in engines))
+
+    async def body() -> None:
+        Feeder(q, Dataset(os.path.join(run_dir, "dataset.jsonl"))).release(n)
+        await wait_for(lambda: len(ready_groups(q)) == n, 60, "every group")
+
+    try:
+        asyncio.run(run_producers([p], body))
+    finally:
+        for e in engines:
+            e.stop()
+    assert {v for s in _versions(q) for v in s} == {2}
+    assert p.stats().rolling_loads == 2 and p.stats().tokens_generated > 0
+
+
+class _Loader:
+    """Two engines that load what they are told (no generation)."""
+
+    router_url = None
+
+    def __init__(self) -> None:
+        self.worker_urls = ["http://e1", "http://e2"]
+        self.at = {u: 0 for u in self.worker_urls}
+        self.loads: list[tuple[str, int]] = []
+
+    async def weight_version(self, url: str) -> int:
+        return self.at[url]
+
+    async def push_weights(self, model_path: str, *, weight_version: int,
+                           url: str | None = None) -> dict[str, Any]:
+        assert url is not None
+        self.loads.append((url, weight_version))
+        self.at[url] = weight_version
+        return {url: {"success": True}}
+
+
+def test_the_hook_after_a_load_keeps_a_refused_engine_out_until_it_passes(
+        tmp_path: Path) -> None:
+    from strawq.producers.rolling import RollingPull
+
+    q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
+    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=1, max_lag=1)
+    bracket.publish_weights(lambda v: weights(tmp_path, v))
+    client = _Loader()
+    book = StatsBook(ProducerStats())
+
+    async def io(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    guard = VersionGuard("p1", client=lambda: client, current_version=q.current_version,
+                         notes=EngineWeights(q.storage), io=io, pausing=lambda: False,
+                         book=book)
+    checks: list[tuple[str, int]] = []
+
+    async def after_load(url: str, version: int) -> None:
+        checks.append((url, version))
+        if url == "http://e2" and len(checks) == 2:
+            raise ValueError("fingerprint mismatch")
+
+    pull = RollingPull("p1", store=WeightStore(q.storage), client=lambda: client, guard=guard,
+                       io=io, book=book, clock=lambda: 0.0, poll_s=0.0, after_load=after_load)
+
+    async def settle() -> None:
+        await pull.step()
+        await asyncio.gather(*pull.pulls.values())
+
+    async def main() -> None:
+        await settle()  # the wave of one: e1 only
+        assert client.loads == [("http://e1", 1)] and guard.lag == 1
+        await settle()  # e2, refused by the hook: out of rotation
+        assert client.loads[-1] == ("http://e2", 1) and "http://e2" in guard.loading
+        assert guard.usable(list(client.worker_urls)) == ["http://e1"]
+        await settle()  # loaded again, passes: back in rotation
+        assert client.loads[-1] == ("http://e2", 1) and not guard.loading
+        await settle()  # nothing left to load
+        assert len(client.loads) == 3 and WeightStore(q.storage).slots(1) == []
+
+    asyncio.run(main())
+    st = book.snapshot()
+    assert st.rolling_loads == 2 and st.rolling_load_failures == 1
+
+
+def test_a_reply_from_the_old_version_just_after_a_publish_is_applied(tmp_path: Path) -> None:
+    """The trainer published version 1 a moment ago and no pull step ran yet: an engine's
+    reply on version 0 is within the published lag, not a stale engine's."""
+    from strawq.producers.rolling import RollingPull
+
+    q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
+    client = _Loader()
+    book = StatsBook(ProducerStats())
+
+    async def io(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    notes = EngineWeights(q.storage)
+    guard = VersionGuard("p1", client=lambda: client, current_version=q.current_version,
+                         notes=notes, io=io, pausing=lambda: False, book=book)
+    RollingPull("p1", store=WeightStore(q.storage), client=lambda: client, guard=guard,
+                io=io, book=book, clock=lambda: 0.0, poll_s=0.0)
+
+    async def main() -> None:
+        await guard.check(_reply(0, [0, 0], "http://e1"))
+        WeightUpdateBracket(q, weight_update="rolling", wave=1, max_lag=1).publish_weights(
+            lambda v: weights(tmp_path, v))
+        await guard.check(_reply(1, [1], "http://e2"))  # an engine already on 1
+        await guard.check(_reply(0, [0, 0], "http://e1"))  # no pull step ran since
+        assert guard.lag == 1 and not guard.stale and not notes.notes()
+
+    asyncio.run(main())
+    assert book.snapshot().stale_replies == 0
