@@ -259,8 +259,8 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
                                                 poll_interval_s=0.01), checkpointed=False)
         bracket = reader.bracket
         if cfg.weight_update == "rolling":  # publish once; engines load in waves, lag <= η
-            bracket.mode, bracket.wave = "rolling", cfg.rolling_wave
-            bracket.max_lag = cfg.max_staleness
+            bracket.publisher.mode, bracket.publisher.wave = "rolling", cfg.rolling_wave
+            bracket.publisher.max_lag = cfg.max_staleness
             bracket.engine_urls = list(urls)
         # one step = per_step trainer calls (stream: micro-batches of one step's time each)
         trainer = SleepTrainer(cfg.train_step_s * cfg.time_scale / sched.per_step, urls,

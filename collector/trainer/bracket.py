@@ -29,10 +29,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from strawq.collector.trainer.bracket_publish import UpdatePublisher
 from strawq.collector.trainer.engine_repair import EngineRepair, PushTo
 from strawq.collector.trainer.pause_acks import ProducerLiveness
 from strawq.collector.trainer.settlement import Settlement as Settlement
-from strawq.collector.trainer.settlement import describe_engines
+from strawq.collector.trainer.settlement import abort_checked, finish
 from strawq.collector.trainer.settlement import settle as settle
 from strawq.delivery.batches import forget_delivered_after
 from strawq.errors import BracketError
@@ -46,8 +47,8 @@ from strawq.weights.engine_weights import (
     StaleNote,
     probe_versions,
 )
-from strawq.weights.fingerprint import READ_TIMEOUT_S, Fingerprint, Fingerprints, may_clear
-from strawq.weights.publish import Manifest, WeightStore, check_mode, wave_width
+from strawq.weights.fingerprint import READ_TIMEOUT_S, Fingerprint
+from strawq.weights.publish import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -103,19 +104,10 @@ class WeightUpdateBracket:
                  admin_api_key: str | None = None,
                  weight_update: str = "bracket", wave: float = 0.25, max_lag: int = 1
                  ) -> None:
-        check_mode(weight_update, wave, max_lag)
         self.queue = queue
-        #: check every engine against a published fingerprint before resuming producers
-        #: (``publish_fingerprint``; a version without one is not checked)
-        self.attest_engines = attest
-        #: ``"bracket"``: pause every producer, push, resume; ``"rolling"``: publish the
-        #: weights once and return (``publish_weights``), engines pull them in waves
-        self.mode = weight_update
-        #: rolling: engines that may load a version at once (>= 1 a count, < 1 a share of
-        #: the known engines), and versions an engine may lag the newest and still serve
-        self.wave = wave
-        self.max_lag = int(max_lag)
-        self.weights = WeightStore(queue.storage)
+        #: the update's mode, rolling settings and attestation fingerprints
+        self.publisher = UpdatePublisher(queue, mode=weight_update, wave=wave,
+                                         max_lag=max_lag, attest=attest)
         #: called before every bracket write (``BatchReader``'s: the trainer fence, which
         #: raises ``FencedOut`` once another trainer took the run over); None: unfenced
         #: (an operator's tool settling a bracket)
@@ -217,7 +209,7 @@ class WeightUpdateBracket:
         # attestation (``strawq.weights.fingerprint``): with a fingerprint published for
         # ``version``, every engine is checked before producers resume; one that fails is
         # noted and never in their rotation at this version
-        if self.attest_engines:
+        if self.publisher.attest:
             self.repairs.attest(set(self.engines.known()) | set(self.engine_urls), version,
                                 reason="after the bracket's push")
         self.control.resume(version)
@@ -266,23 +258,7 @@ class WeightUpdateBracket:
         ``force=True`` aborts anyway (after putting the old weights back on them).
         ``engines``: probes just taken (default: probe now)."""
         self._rank0("abort_weight_update")
-        opened = self._open_version()
-        if not force:
-            found = self.engine_versions() if engines is None else engines
-            ahead = {u: p for u, p in found.items()
-                     if p.version is not None and p.version >= opened}
-            if ahead:
-                raise BracketError(
-                    f"abort of the weight update to version {opened} refused: the new "
-                    f"weights reached the engines ({describe_engines(ahead)}), and producers "
-                    f"resumed on version {self.queue.current_version()} would keep them out "
-                    f"of rotation. Finish the update instead (finish_weight_update(), or "
-                    f"'strawq bracket finish RUN'), or abort with force=True (--force) once "
-                    f"the old weights are back on them")
-        self.control.resume(opened)
-        self._open = None
-        log.warning("weight update to version %d aborted; producers resume on version %d",
-                    opened, self.queue.current_version())
+        abort_checked(self, force=force, engines=engines)
 
     # -- settling by what the engines hold -------------------------------------------------
     def engine_versions(self, timeout_s: float | None = None) -> dict[str, EngineProbe]:
@@ -310,33 +286,7 @@ class WeightUpdateBracket:
         engines hold its version is finished too: its version is announced now. ``engines``:
         probes just taken (default: probe now)."""
         self._rank0("finish_weight_update")
-        found = dict(self.engine_versions() if engines is None else engines)
-        plan = settle(self.control.state(), self.queue.current_version(), found)
-        held = any(p.version is not None for p in found.values())
-        if plan.action == "refuse" and plan.open and not held and if_unknown == "end":
-            log.warning("%s; announcing it as the caller asked (if_unknown='end')",
-                        plan.message)
-            assert plan.bracket is not None
-            plan = Settlement("finish", plan.bracket, plan.bracket, True, plan.engines,
-                              f"no engine answered: version {plan.bracket} announced")
-        if plan.action == "refuse":
-            raise BracketError(plan.message)
-        if plan.action == "finish":
-            if plan.open:
-                self.end_weight_update(plan.version)
-            else:
-                self.queue.set_version(plan.version)
-                log.warning("weight version %d announced after its bracket was aborted; "
-                            "producers take it and put the engines back in rotation",
-                            plan.version)
-        elif plan.action == "undo":
-            self.control.resume(self._open_version())
-            self._open = None
-            log.warning("weight update to version %s undone: the engines hold version %d; "
-                        "producers resume on it", plan.bracket, plan.version)
-        v = self.queue.current_version()
-        self.engines.clear_fixed(v, found, may_clear(self.queue.storage, v))
-        return plan
+        return finish(self, if_unknown=if_unknown, engines=engines)
 
     def _rank0(self, what: str) -> None:
         if self.rank != 0:
@@ -383,14 +333,17 @@ class WeightUpdateBracket:
                      rep.version)
         return rep
 
-    # -- attestation (``strawq.weights.fingerprint``) ------------------------------------------
+    # -- what an update publishes (``UpdatePublisher``) ---------------------------------------
+    @property
+    def mode(self) -> str:
+        return self.publisher.mode
+
     def publish_fingerprint(self, version: int, fingerprint: Fingerprint) -> None:
         """Record the fingerprint of the weights published as ``version``
         (``fingerprint_of(weights)``): from then on every engine that claims ``version`` is
         checked against it before producers use it. Call it before ``end_weight_update``."""
         self._rank0("publish_fingerprint")
-        if self.attest_engines:
-            Fingerprints(self.queue.storage).publish(version, fingerprint)
+        self.publisher.fingerprint(version, fingerprint)
 
     def attestation_metrics(self) -> dict[str, float]:
         """The trainer's attestation counters, for ``MetricsSink.emit``."""
@@ -429,17 +382,8 @@ class WeightUpdateBracket:
         engine waited for: producers load v into their engines in waves
         (``strawq.producers.rolling``). Refused while a bracket is open."""
         self._rank0("publish_weights")
-        st = self.control.state()
-        if self._open is not None or st.paused:
-            raise BracketError(f"publish_weights: the weight-update bracket for version "
-                               f"{st.pause_version} is open; finish or abort it first")
-        target = max(self.queue.current_version(), st.resume_version) + 1 \
-            if version is None else int(version)
-        if target <= self.queue.current_version():
-            raise BracketError(f"publish_weights({target}): the run is at version "
-                               f"{self.queue.current_version()} already")
         fleet = len(set(self.engines.known()) | set(self.engine_urls))
-        m, waited = self.weights.publish_version(
-            target, write, announce=self.queue.set_version, wave=wave_width(self.wave, fleet),
-            max_lag=self.max_lag, clock=self.clock)
+        target, m, waited = self.publisher.rolling(
+            write, version=version, open_version=self._open, control=self.control,
+            fleet=fleet, clock=self.clock)
         return BracketReport(target, frozenset(), {}, waited, [], False, published=m)

@@ -11,12 +11,37 @@ with a message that names which engine holds what. ``WeightUpdateBracket.settlem
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from strawq.weights.control import ControlState
+from strawq.errors import BracketError
 from strawq.weights.engine_weights import EngineProbe
+from strawq.weights.fingerprint import may_clear
+
+if TYPE_CHECKING:
+    from strawq.tasks.queue import RunQueue
+    from strawq.weights.control import Control
+    from strawq.weights.engine_weights import EngineWeights
+
+
+class _Bracket(Protocol):
+    """What settling needs of a ``WeightUpdateBracket``."""
+
+    queue: RunQueue
+    control: Control
+    engines: EngineWeights
+    _open: int | None
+
+    def _open_version(self) -> int: ...
+
+    def engine_versions(self, timeout_s: float | None = None) -> dict[str, EngineProbe]: ...
+
+    def end_weight_update(self, version: int | None = None) -> int: ...
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -114,3 +139,60 @@ def settle(state: ControlState, current: int, engines: Mapping[str, EngineProbe]
                f"{where} but every engine that answered holds version {e}, neither the "
                f"bracket's {b} nor the run's {current} ({found}): push version {current} "
                f"or {b} to them first")
+
+
+def abort_checked(b: _Bracket, *, force: bool,
+                  engines: Mapping[str, EngineProbe] | None) -> None:
+    """``WeightUpdateBracket.abort_weight_update``: resume producers on the old version,
+    refused while an engine holds the bracket's version (unless ``force``)."""
+    opened = b._open_version()
+    if not force:
+        found = b.engine_versions() if engines is None else engines
+        ahead = {u: p for u, p in found.items()
+                 if p.version is not None and p.version >= opened}
+        if ahead:
+            raise BracketError(
+                f"abort of the weight update to version {opened} refused: the new "
+                f"weights reached the engines ({describe_engines(ahead)}), and producers "
+                f"resumed on version {b.queue.current_version()} would keep them out "
+                f"of rotation. Finish the update instead (finish_weight_update(), or "
+                f"'strawq bracket finish RUN'), or abort with force=True (--force) once "
+                f"the old weights are back on them")
+    b.control.resume(opened)
+    b._open = None
+    log.warning("weight update to version %d aborted; producers resume on version %d",
+                opened, b.queue.current_version())
+
+
+def finish(b: _Bracket, *, if_unknown: Literal["refuse", "end"],
+           engines: Mapping[str, EngineProbe] | None) -> Settlement:
+    """``WeightUpdateBracket.finish_weight_update``: settle an open bracket by the version
+    the engines hold (``settle``)."""
+    found = dict(b.engine_versions() if engines is None else engines)
+    plan = settle(b.control.state(), b.queue.current_version(), found)
+    held = any(p.version is not None for p in found.values())
+    if plan.action == "refuse" and plan.open and not held and if_unknown == "end":
+        log.warning("%s; announcing it as the caller asked (if_unknown='end')",
+                    plan.message)
+        assert plan.bracket is not None
+        plan = Settlement("finish", plan.bracket, plan.bracket, True, plan.engines,
+                          f"no engine answered: version {plan.bracket} announced")
+    if plan.action == "refuse":
+        raise BracketError(plan.message)
+    if plan.action == "finish":
+        if plan.open:
+            b.end_weight_update(plan.version)
+        else:
+            b.queue.set_version(plan.version)
+            log.warning("weight version %d announced after its bracket was aborted; "
+                        "producers take it and put the engines back in rotation",
+                        plan.version)
+    elif plan.action == "undo":
+        b.control.resume(b._open_version())
+        b._open = None
+        log.warning("weight update to version %s undone: the engines hold version %d; "
+                    "producers resume on it", plan.bracket, plan.version)
+    v = b.queue.current_version()
+    b.engines.clear_fixed(v, found, may_clear(b.queue.storage, v))
+    return plan
+
