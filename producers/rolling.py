@@ -44,7 +44,9 @@ from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_errors import EngineError
 from strawq.producers.engine_versions import VersionGuard
 from strawq.producers.meter import StatsBook
-from strawq.weights.publish import Manifest, WeightsConflict, WeightStore
+from strawq.storage.watch import DirProbe
+from strawq.tasks.queue import VERSIONS_DIR
+from strawq.weights.publish import WEIGHTS_DIR, Manifest, WeightsConflict, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,14 @@ class RollingPull:
         self._refused: set[int] = set()
         self._last = -math.inf
         self._step: asyncio.Task[None] | None = None
+        #: a stat of ``weights/`` and ``versions/`` between steps: the manifest and the run's
+        #: version are read only when one changed (or every ``full_every_s``), or while
+        #: engines are behind; a run in the bracket mode costs a producer no listing per
+        #: poll, only a read per update
+        self._probe = DirProbe(store.storage, (WEIGHTS_DIR, VERSIONS_DIR), full_every_s=30.0,
+                               clock=clock)
+        #: the manifest version every engine of this producer holds (nothing to pull)
+        self._settled: int | None = None
         guard.lag_reader = self.lag_of
 
     def lag_of(self, run_version: int) -> int | None:
@@ -122,6 +132,9 @@ class RollingPull:
     async def step(self) -> None:
         """Read the newest manifest; start a load on each engine behind it while a wave
         slot is free."""
+        m = self.manifest
+        if (m is None or self._settled == m.version) and not self._probe.changed():
+            return
         try:
             m = await self._io(self.store.newest)
             run_v, paused = await self.guard.refresh()  # sets the guard's lag (lag_of)
@@ -137,6 +150,7 @@ class RollingPull:
         client = self._client()
         if client is None or not isinstance(client, WeightLoader):
             return
+        behind = bool(self.pulls)
         for url in list(client.worker_urls):
             if url in self.pulls:
                 continue
@@ -145,6 +159,7 @@ class RollingPull:
                 v = await self.guard.probe(url)
             if v is not None and v >= m.version and url not in self.refused:
                 continue
+            behind = True
             try:
                 slot = await self._io(functools.partial(self.store.claim_slot, m,
                                                         self.producer_id, url))
@@ -154,6 +169,7 @@ class RollingPull:
             if slot is None:
                 return  # the wave is full: the next step tries again
             self.pulls[url] = asyncio.create_task(self.pull(client, url, m, slot))
+        self._settled = None if behind else m.version
 
     async def _verify(self, m: Manifest) -> bool:
         """Check the published weights against their manifest once per version."""

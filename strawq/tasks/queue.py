@@ -68,13 +68,16 @@ if TYPE_CHECKING:  # groups need numpy: loaded when a group is read (status read
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DIRS", "RUN_KEY", "TOP_LIST_INTERVAL_S", "VERSIONS", "Lease", "RunQueue"]
+__all__ = ["DIRS", "RUN_KEY", "TOP_LIST_INTERVAL_S", "VERSIONS", "VERSIONS_DIR", "Lease",
+           "RunQueue"]
 
 DIRS = ("tmp", "staging", "cursor", *dict.fromkeys(STATE_DIRS.values()), "batches", "acked",
         "delivered", "data", "hb", "versions", "quarantine", "collector", "control")
 RUN_KEY = "run.meta"
 #: ``versions/<v>``: the weight version the collector announced (the name is the data)
 VERSIONS = Numbered()
+#: where the run's weight versions are announced (``versions/<v>``)
+VERSIONS_DIR = "versions"
 class RunQueue:
     """One run's queue on a store. Safe to use from many processes and hosts at once."""
 
@@ -328,7 +331,7 @@ class RunQueue:
 
     # -- weight versions ---------------------------------------------------------------------
     def current_version(self) -> int:
-        return VERSIONS.newest(self.storage.list("versions"), 0)
+        return VERSIONS.newest(self.storage.list(VERSIONS_DIR), 0)
 
     def set_version(self, version: int) -> None:
         """Announce weight version ``version`` (monotonic; older announcements are GC'd)."""
