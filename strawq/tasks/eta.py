@@ -161,7 +161,8 @@ class EtaPolicy:
         """The policy a manifest (or a published policy record) was judged under; a record
         without one reads as unbounded."""
         eta = meta.get("max_staleness")
-        return cls(None if eta is None else int(eta), str(meta.get("eta_mode", "train")),
+        return cls(None if eta is None else int(eta),
+                   str(meta.get("eta_mode", DEFAULT_ETA_MODE)),
                    int(meta.get("epoch", 0) or 0))
 
 
