@@ -86,6 +86,7 @@ def test_no_trained_token_is_older_than_eta_and_nothing_is_dropped(tmp_path, see
     assert len(r["trained"]) == len(set(r["trained"])), "a group was trained twice"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_soft_mode_trains_over_eta_on_the_same_schedules(tmp_path):
     """The schedules above are hard ones: ``train`` trains groups over η on them, counted."""
