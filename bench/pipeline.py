@@ -4,6 +4,7 @@
                              [--modes sync,stream,flow] [--cases standard,long_tail,history,mixture]
                              [--time-scale S] [--flow-windows 9,10] [--history-mode stream]
                              [--history-rules off,on,skip,longest] [--filter-groups PATH]
+                             [--eta-mode hard|train]
 
 Two cases (``strawq.demo.lab``, docs/lab.md): ``standard`` = ``LabConfig()`` (48 emulated
 engines x 16 slots, G=16, B=96, a 4 s trainer step, lengths capped at 256 with 3 % at the
@@ -33,8 +34,13 @@ The ceiling is the trainer-bound throughput, the row's trained tokens per step /
 step: what a schedule would reach if the trainer never waited and weight updates cost
 nothing (the whole run also pays the pipeline's fill, about one group's latency). Targets:
 X >= 2.77 (AReaL's 2.77x at eta = 4, the best anchor), Y <= 1.0, Z = 0, F >= 0.97.
-``--quick`` (the CI size) runs the standard case, sync and stream, 2 one-second steps at
-B=48 and time scale 1: plumbing only, not the figures.
+``--eta-mode`` says what η means (``CollectorConfig.eta_mode``): ``hard``, the default (a
+batch waits for the groups due by its version: nothing trained over η, the tail paid as
+trainer wait), or ``train`` (soft: over-η groups trained and counted); each case's line per
+schedule names it, with the max staleness, the over-η groups trained, the groups dropped or
+regenerated and the trainer wait ratio. ``--quick`` (the CI size) runs the standard case,
+sync and stream, 2 one-second steps at B=48 and time scale 1: plumbing only, not the
+figures.
 
 A row ``stream+rolling`` runs ``stream`` with the rolling weight update (published once,
 the sim engines load it a quarter of the fleet at a time, an engine may lag by η) instead of
@@ -263,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="wall s per model s (default 2.5; raise it until stretch is near 1)")
     ap.add_argument("--flow-windows", default="",
                     help="extra flow rows, one per admission window in micro-batches")
+    ap.add_argument("--eta-mode", default="hard", choices=("hard", "train"),
+                    help="what eta means: hard (default: a batch waits for the groups due by "
+                         "its version) or train (soft: over-eta groups trained and counted)")
     ap.add_argument("--quick", action="store_true",
                     help="plumbing only: the standard case, sync and stream, 2 steps of 1 s, "
                          "B=48, time scale 1")
@@ -294,12 +303,14 @@ def main(argv: list[str] | None = None) -> int:
                          args.steps if quick else 16, quick)
             continue
         cfg = replace(LabConfig(workdir=f"{args.workdir}/{case}", progress=False),
-                      steps=args.steps, time_scale=args.time_scale, **CASES[case])
+                      steps=args.steps, time_scale=args.time_scale, eta_mode=args.eta_mode,
+                      **CASES[case])
         if args.quick:
             cfg = replace(cfg, batch_groups=48, train_step_s=1.0)
         result = run_case(cfg, modes, args.sync_steps)
         print(f"== case {case} (sync: {min(args.sync_steps, cfg.steps)} steps; others: "
-              f"{cfg.steps} steps; whole-run figures) ==")
+              f"{cfg.steps} steps; eta = {cfg.max_staleness}, eta_mode {cfg.eta_mode}; "
+              f"whole-run figures) ==")
         print(format_table(result))
         ratios = result.ratios()
         for m in per_mode:
@@ -309,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                    "wait": row["trainer_wait_ratio"], "over_eta": row["stale_trained"],
                    "ceiling": row["ceiling_frac"], "ceiling_steady": row["ceiling_frac_steady"]}
             per_mode[m].append(fig)
-            print(f"  {case} {m}: x sync {fig['x']:.2f}, mean staleness "
+            print(f"  {case} {m} ({cfg.eta_mode}): x sync {fig['x']:.2f}, mean staleness "
                   f"{fig['staleness']:.2f} (max {row['staleness_max']}), over-eta groups "
                   f"trained {fig['over_eta']}, regenerated/dropped {fig['stale_actions']}, "
                   f"trainer wait ratio {fig['wait']:.3f}, of ceiling {fig['ceiling']:.2f} "

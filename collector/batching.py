@@ -1,7 +1,8 @@
-"""Forming and publishing batches: B ready groups in staleness-first order, their
-summaries (an unreadable group dropped, a hook's verdict applied: a mixture source's
-filter), the advantages, the η verdicts of the manifest, the rank shards (``pack_ranks``)
-and the manifest, fenced by the collector's epoch.
+"""Forming and publishing batches: B ready groups in staleness-first order (under a hard
+η, due groups first, or the batch held back until they are ready:
+``strawq.collector.deadlines``), their summaries (an unreadable group dropped, a hook's
+verdict applied: a mixture source's filter), the advantages, the η verdicts of the
+manifest, the rank shards (``pack_ranks``) and the manifest, fenced by the collector's epoch.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ class BatchFormer:
             flush = rep.exhausted and cfg.flush_at_end and rep.depths.running == 0
             if len(ready) < B and not flush:
                 return
+            if self.judge.hard:  # η is a hard bound: due groups first, or wait for them
+                plan = self.judge.deadlines.plan(ready, version=rep.version, ahead=rep.ahead,
+                                                 running=self.judge.running)
+                if plan.hold:
+                    log.debug("batch held back: %d groups due by version %d are still "
+                              "running (%d due are ready)", plan.due_running,
+                              plan.trained_at, plan.due_ready)
+                    return
+                ready = plan.ready
             names: list[TaskName] = []
             summaries: list[dict[str, Any]] = []
             topped_up = False
@@ -93,7 +103,7 @@ class BatchFormer:
                             "eta_mode=%s%s): they are trained with their importance "
                             "correction and named in the manifest's over_eta", seq, len(over),
                             policy.max_staleness, at, policy.eta_mode,
-                            "" if policy.mode == "train" else ", attempts used up")
+                            "" if policy.mode in ("train", "hard") else ", attempts used up")
             self.order.forget([n.id for n in names])
             rep.published.append(seq)
             if self.budget is not None:

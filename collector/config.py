@@ -13,7 +13,7 @@ from typing import Literal, get_args
 
 from strawq.config import Config
 from strawq.errors import ConfigError
-from strawq.tasks.eta import DEFAULT_MAX_STALENESS, EtaMode
+from strawq.tasks.eta import DEFAULT_ETA_MODE, DEFAULT_MAX_STALENESS, EtaMode
 from strawq.tasks.eta import MODES as ETA_MODES
 
 __all__ = ["ADVANTAGE_MODES", "ETA_MODES", "AdvantageMode", "CollectorConfig", "EtaMode"]
@@ -35,14 +35,19 @@ class CollectorConfig(Config):
     max_staleness: int | None = DEFAULT_MAX_STALENESS
     #: What to do with a ready group that would be trained staler than η (docs/design.md,
     #: invariant 10; the staleness is projected to the version it is trained at, prefetched
-    #: batches ahead of it counted): ``train`` (the default: keep the work, train it with its
-    #: per-token importance correction, count it in ``collector/stale_trained_total``, name
-    #: it in the manifest's ``over_eta`` and log a warning), ``regenerate`` (generated again
-    #: from scratch, with a fresh sampling seed and a counted attempt; ``requeue`` is another
-    #: name for it), ``drop`` (recorded in ``dropped/`` with reason ``stale_eta``), or ``off``
-    #: (admission control only, never checked on ready groups). Only ``regenerate`` and
-    #: ``drop`` lose work, and only when configured.
-    eta_mode: EtaMode = "train"
+    #: batches ahead of it counted): ``hard`` (the default: η is a hard bound — a batch is
+    #: held back until every group that would otherwise miss η is in it, so the trainer
+    #: waits for the tail instead of training it late, ``strawq.collector.deadlines``;
+    #: nothing is dropped or regenerated; a group the hold still cannot place in time, with
+    #: a window above (η + 1)·u or after a restart, is trained and counted as under
+    #: ``train``), ``train`` (soft: keep the work, train it with its per-token importance
+    #: correction, count it in ``collector/stale_trained_total``, name it in the manifest's
+    #: ``over_eta`` and log a warning), ``regenerate`` (generated again from scratch, with a
+    #: fresh sampling seed and a counted attempt; ``requeue`` is another name for it),
+    #: ``drop`` (recorded in ``dropped/`` with reason ``stale_eta``), or ``off`` (admission
+    #: control only, never checked on ready groups). Only ``regenerate`` and ``drop`` lose
+    #: work, and only when configured.
+    eta_mode: EtaMode = DEFAULT_ETA_MODE
     #: Optimizer steps (batches) per weight version; the admission bound scales with it.
     batches_per_version: int = 1
     #: The η admission window in batches (≥ 1, may be fractional): release while

@@ -1,7 +1,10 @@
 """The collector's η judgement of ready groups: the version each would be trained at, the
 bound it is judged by (the run's, or a hook's: a mixture source's), and what ``eta_mode``
 does with one over it — keep it and count it (``train``), ``drop`` it or ``regenerate`` it.
-``Collector.step`` asks it for the ready groups in order before batches form.
+``Collector.step`` asks it for the ready groups in order before batches form. Under a hard
+η (``eta_mode="hard"``, the default) nothing is dropped or regenerated: its planner
+(``strawq.collector.deadlines``) holds a batch back until the groups due by its version are
+in it, and the running tasks it plans with are listed here, before ``ready/`` is scanned.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import logging
 from collections.abc import Callable
 
 from strawq.collector.config import CollectorConfig
+from strawq.collector.deadlines import DeadlinePlanner
 from strawq.collector.hooks import CollectorHooks
 from strawq.collector.ordering import StalenessOrder
 from strawq.collector.report import StepReport
@@ -34,6 +38,12 @@ class EtaJudge:
         self.order = order
         self.hooks = hooks
         self._policy = policy
+        #: the hard bound's batch plan, and the running tasks' oldest versions it plans
+        #: with this pass (listed by ``ordered_ready`` when the bound is hard)
+        self.deadlines = DeadlinePlanner(queue.storage, self.policy_of,
+                                         batch_groups=config.batch_groups,
+                                         batches_per_version=config.batches_per_version)
+        self.running: dict[str, int] | None = None
 
     @property
     def policy(self) -> EtaPolicy:
@@ -66,14 +76,25 @@ class EtaJudge:
         policy = self.policy
         return policy.judges or (policy.eta_mode != "off" and self.hooks.tightens_eta)
 
+    @property
+    def hard(self) -> bool:
+        """η is a hard bound for some group: the mode is ``hard`` and η is set, the run's
+        or a hook's (a mixture source's)."""
+        policy = self.policy
+        return policy.eta_mode == "hard" and (policy.bounded or self.hooks.tightens_eta)
+
     def ordered_ready(self, rep: StepReport) -> list[TaskName]:
         """The ready groups staleness-first, less those η drops or regenerates now."""
+        hard = self.hard
+        # a hard bound plans with the running tasks, listed before ready/ (one that
+        # completes in between is then seen in one listing or the other)
+        self.running = self.deadlines.running_oldest(rep.version) if hard else None
         scanned = self.batches.scan_ready()
         ready = self.order.order(scanned)
         policy = self.policy
         mode = policy.mode
-        if not self.judges or mode == "train":
-            return ready  # ``train``: over-η groups are kept and counted as batches form
+        if not self.judges or mode in ("train", "hard"):
+            return ready  # kept: over-η groups (``train``) are trained and counted
         room = max(self.config.max_prefetch_batches - rep.prefetched, 0)
         keep: list[TaskName] = []
         for n in ready:

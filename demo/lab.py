@@ -194,8 +194,8 @@ def schedule_config(cfg: LabConfig, mode: str) -> Any:
     from strawq.demo.schedule import ScheduleConfig
 
     return ScheduleConfig(mode=mode, batch_groups=cfg.batch_groups, steps=cfg.steps,
-                          max_staleness=cfg.max_staleness, oversample=cfg.oversample,
-                          slots=cfg.group_slots,
+                          max_staleness=cfg.max_staleness, eta_mode=cfg.eta_mode,
+                          oversample=cfg.oversample, slots=cfg.group_slots,
                           micro_batches=cfg.flow_micro_batches if mode == "flow"
                           else cfg.micro_batches,
                           admission_batches=cfg.admission_batches, timeout_s=600.0)

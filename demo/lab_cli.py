@@ -41,6 +41,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("steps", int, "training steps per mode (default 8)"),
     ("train_step_s", float, "trainer step time, model seconds (default 4.0)"),
     ("max_staleness", int, "async/stream admission staleness bound eta (default 1)"),
+    ("eta_mode", str, "hard (default: a batch waits for the groups due by its version) or "
+     "train (soft: over-eta groups trained and counted)"),
     ("oversample", float, "partial: groups admitted per step / B (default 1.5)"),
     ("micro_batches", int, "stream: micro-batches per step (default 8)"),
     ("flow_micro_batches", int, "flow: micro-batches per step, acked as trained (default 8)"),

@@ -60,8 +60,12 @@ class LabConfig(Config):
     steps: int = 8
     #: trainer step time, model seconds
     train_step_s: float = 4.0
-    #: async, stream: staleness bound η of admission (over-η groups are trained and counted)
+    #: async, stream: staleness bound η of admission
     max_staleness: int = 1
+    #: what η means (``CollectorConfig.eta_mode``): ``hard`` (the default: a batch waits for
+    #: the groups due by its version; the trainer pays the tail) or ``train`` (soft: over-η
+    #: groups trained with their correction and counted)
+    eta_mode: str = "hard"
     #: stream: micro-batches per step (B/m complete groups each, trained as they are ready)
     micro_batches: int = 8
     #: partial: groups admitted per step ÷ B
@@ -159,6 +163,8 @@ class LabConfig(Config):
             raise ValueError("train_step_s and time_scale must be > 0")
         if self.max_staleness < 0 or self.oversample < 1:
             raise ValueError("max_staleness must be >= 0 and oversample >= 1")
+        if self.eta_mode not in ("hard", "train"):
+            raise ValueError(f"eta_mode must be hard or train, got {self.eta_mode!r}")
         per_step: dict[str, int] = {"stream": self.micro_batches,
                                     "flow": self.flow_micro_batches}
         for mode, k in per_step.items():

@@ -43,6 +43,7 @@ from strawq.config import Config
 from strawq.demo.trainer import TrainerBackend
 from strawq.errors import ConfigError
 from strawq.ondisk.groups import staleness
+from strawq.tasks.eta import DEFAULT_ETA_MODE, MODES as ETA_MODES
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class ScheduleConfig(Config):
     steps: int = 20
     #: async: staleness bound η in versions
     max_staleness: int = 1
+    #: what η means (``CollectorConfig.eta_mode``): ``hard`` (the default: a batch waits for
+    #: the groups due by its version) or ``train`` (soft: over-η groups trained and counted)
+    eta_mode: str = DEFAULT_ETA_MODE
     #: partial: groups admitted per batch (≥ 1)
     oversample: float = 1.5
     #: total producer group slots K (caps running groups)
@@ -79,6 +83,9 @@ class ScheduleConfig(Config):
             raise ConfigError("batch_groups, steps and slots must be >= 1")
         if self.max_staleness < 0 or self.oversample < 1:
             raise ConfigError("max_staleness must be >= 0 and oversample >= 1")
+        if self.eta_mode not in ETA_MODES:
+            raise ConfigError(f"eta_mode must be one of {list(ETA_MODES)}, got "
+                              f"{self.eta_mode!r}")
         if self.mode in STREAMING and (self.micro_batches < 1
                                        or self.batch_groups % self.micro_batches):
             raise ConfigError(f"micro_batches ({self.micro_batches}) must be >= 1 and divide "
@@ -114,13 +121,15 @@ def collector_config(cfg: ScheduleConfig, **extra: Any) -> CollectorConfig:
         # leaves a batch of claimable work, and the eta bound ((eta + 1)·B groups untrained
         # or running) stays the one that limits staleness.
         running, eta = cfg.slots + b, cfg.max_staleness
-    # eta_mode "train": nothing is regenerated or dropped for staleness (docs/design.md,
-    # invariant 10); a group over eta (a tail longer than eta trainer steps) is trained and
-    # counted.
+    # eta_mode "hard" (the default): a batch waits for the groups due by its version, so the
+    # trainer waits for a tail longer than eta trainer steps instead of training it late;
+    # "train": such a group is trained and counted. Neither regenerates or drops anything
+    # for staleness (docs/design.md, invariant 10).
     # None: (eta + 1)·m micro-batches, whatever the ack order (what was trained counts)
     window = cfg.admission_batches if cfg.mode in ("async", *STREAMING) else None
     return CollectorConfig(batch_groups=b // per_step, batches_per_version=per_step,
-                           max_staleness=eta, eta_mode="train", admission_batches=window,
+                           max_staleness=eta, eta_mode=cfg.eta_mode,  # type: ignore[arg-type]
+                           admission_batches=window,
                            max_running=running, max_ready=max(2 * b, running),
                            max_prefetch_batches=per_step, **extra)
 

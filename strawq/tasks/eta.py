@@ -7,7 +7,8 @@ wins, a stalled predecessor's never replaces it). A producer that claims a *part
 (prefixes saved at a weight update) reads that policy and the current weight version
 before it spends a token on the prefix (``EtaPolicy.partial_action``):
 
-* ``train``: the prefix is resumed, and counted;
+* ``hard`` (the default) and ``train``: the prefix is resumed, and counted (under ``hard``
+  the collector's schedule keeps such prefixes from arising: ``strawq.collector.deadlines``);
 * ``regenerate``: the prefix is discarded and the task goes back to the queue to be
   generated afresh (``RunQueue.regenerate``: a counted attempt, fresh sampling seeds);
 * ``drop``: the task is dropped with reason ``stale_eta``;
@@ -54,11 +55,18 @@ READ_INTERVAL_S = 5.0
 #: reason of a task dropped, or a note of a prefix discarded, for the η bound
 STALE_REASON = "stale_eta"
 #: What is done with work over η — the one declaration of the vocabulary:
-#: ``train`` (kept, trained with its correction, counted), ``regenerate`` (generated again
+#: ``hard`` (the default: the collector holds a batch back until every group that would
+#: otherwise miss η is in it, ``strawq.collector.deadlines``; nothing is dropped or
+#: regenerated, and a group the hold still could not place in time — a window above
+#: (η + 1)·u, a restart — is trained with its correction and counted, as under ``train``),
+#: ``train`` (soft: kept, trained with its correction, counted), ``regenerate`` (generated again
 #: from scratch), ``drop`` (dropped with reason ``stale_eta``), ``off`` (admission only,
 #: never judged); ``requeue`` is accepted as another name of ``regenerate``.
-EtaMode = Literal["train", "regenerate", "drop", "off", "requeue"]
+EtaMode = Literal["hard", "train", "regenerate", "drop", "off", "requeue"]
 MODES: tuple[str, ...] = get_args(EtaMode)
+#: ``eta_mode`` a run gets when its configuration does not say (docs/changes.md: it was
+#: ``train`` before)
+DEFAULT_ETA_MODE: EtaMode = "hard"
 #: η a run gets when its configuration does not say (docs/tuning.md §3a): one version
 DEFAULT_MAX_STALENESS = 1
 
@@ -68,7 +76,7 @@ class EtaPolicy:
     """η (None: unbounded) and what to do with work past it."""
 
     max_staleness: int | None
-    eta_mode: str = "train"
+    eta_mode: str = DEFAULT_ETA_MODE
     epoch: int = 0
 
     def __post_init__(self) -> None:
@@ -89,6 +97,12 @@ class EtaPolicy:
     def judges(self) -> bool:
         """Work over η gets a verdict (``action``): η is set and the mode is not ``off``."""
         return self.max_staleness is not None and self.eta_mode != "off"
+
+    @property
+    def hard(self) -> bool:
+        """η is a hard bound: the collector plans batches so that no group misses it
+        (``strawq.collector.deadlines``); η is set and the mode is ``hard``."""
+        return self.max_staleness is not None and self.eta_mode == "hard"
 
     @property
     def mode(self) -> str:
@@ -120,7 +134,8 @@ class EtaPolicy:
     def action(self, version: int, min_version: int, *, attempts: int = 0,
                max_attempts: int | None = None) -> str | None:
         """The verdict on work whose oldest token is ``min_version``, trained at ``version``:
-        None (within η, no bound, or ``off``), else ``train``, ``regenerate`` or ``drop``.
+        None (within η, no bound, or ``off``), else ``train``, ``regenerate`` or ``drop``
+        (``hard``: ``train``, the work the schedule could not finish in time is kept).
         ``attempts`` counts the task's generations (a regeneration spends no failure
         attempt): one generated ``max_attempts`` times is not regenerated again: it is
         trained with its correction (``train``), so a prompt whose responses keep running
@@ -128,6 +143,8 @@ class EtaPolicy:
         (producers, on a partial's prefix) and at batch time (the collector)."""
         if not self.judges or not self.over(version, min_version):
             return None
+        if self.mode == "hard":
+            return "train"
         return regenerate_or_train(self.mode, attempts, max_attempts)
 
     def partial_action(self, version: int, min_version: int, *, attempts: int = 0,
@@ -144,7 +161,8 @@ class EtaPolicy:
         """The policy a manifest (or a published policy record) was judged under; a record
         without one reads as unbounded."""
         eta = meta.get("max_staleness")
-        return cls(None if eta is None else int(eta), str(meta.get("eta_mode", "train")),
+        return cls(None if eta is None else int(eta),
+                   str(meta.get("eta_mode", DEFAULT_ETA_MODE)),
                    int(meta.get("epoch", 0) or 0))
 
 

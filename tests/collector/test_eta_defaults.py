@@ -25,7 +25,7 @@ from tests.collector.test_ordering import N, _group
 def test_the_default_bound_is_published():
     cfg = CollectorConfig()
     assert cfg.max_staleness == DEFAULT_MAX_STALENESS == 1
-    assert cfg.eta_mode == "train" and cfg.admission_batches is None
+    assert cfg.eta_mode == "hard" and cfg.admission_batches is None
 
 
 @pytest.mark.timeout(120)
@@ -70,11 +70,13 @@ def test_defaults_keep_trained_staleness_within_eta(tmp_path, order, caplog):
 
 
 def _ready_one_over_eta(tmp_path: Path) -> tuple[RunQueue, Collector]:
-    """A run at version 3 with two ready groups, of versions 0 (over η = 1) and 3."""
+    """A run at version 3 with two ready groups, of versions 0 (over η = 1) and 3, under the
+    soft mode (the hard one holds the batch for the groups still leased since version 0)."""
     ds = Dataset(write_dataset(str(tmp_path / "ds.jsonl"), N))
     q = RunQueue.create(MemoryStorage(), QueueConfig(release_batch=N, fsync=False))
     col = Collector(q, ds, CollectorConfig(batch_groups=2, max_running=N, max_ready=N,
-                                           poll_interval_s=0, gc_interval_s=0))
+                                           poll_interval_s=0, gc_interval_s=0,
+                                           eta_mode="train"))
     col.start(wait=False)
     col.step()
     leases = {x.task_id: x for x in q.claim("p", N)}
@@ -85,8 +87,8 @@ def _ready_one_over_eta(tmp_path: Path) -> tuple[RunQueue, Collector]:
 
 
 def test_a_group_over_eta_is_not_trained_silently(tmp_path, caplog):
-    """The rare group that still runs past η under the default ``train`` mode is trained
-    with its correction, named in the manifest and logged as a warning."""
+    """A group that runs past η under the soft ``train`` mode is trained with its
+    correction, named in the manifest and logged as a warning."""
     q, col = _ready_one_over_eta(tmp_path)
     with caplog.at_level(logging.WARNING, logger="strawq.collector.batching"):
         rep = col.step()
@@ -97,7 +99,8 @@ def test_a_group_over_eta_is_not_trained_silently(tmp_path, caplog):
 
 def test_the_default_mode_trains_past_eta_and_the_reader_shows_by_how_much(
         tmp_path: Path) -> None:
-    """η bounds what admission releases, not what ``eta_mode=train`` trains: a group that
+    """Under the soft mode (``eta_mode=train``; the default is ``hard``) η bounds what
+    admission releases, not what is trained: a group that
     ran past η is trained, the reader's ``staleness/max`` is over η and
     ``staleness/over_eta_frac`` gives the share of the batch's samples past it. The docs
     say so where they explain ``staleness/max`` (operations' metrics table, the
@@ -105,7 +108,7 @@ def test_the_default_mode_trains_past_eta_and_the_reader_shows_by_how_much(
     q, col = _ready_one_over_eta(tmp_path)
     assert col.step().stale_trained == ["i000000000000"]
     b = BatchReader(q).next_batch(timeout=5)
-    assert col.config.max_staleness == 1 and col.config.eta_mode == "train"  # the defaults
+    assert col.config.max_staleness == 1 and col.config.eta_mode == "train"
     assert b.stats["staleness/max"] == 3.0
     assert b.stats["staleness/over_eta_frac"] == 0.5  # 2 of the batch's 4 samples
     docs = Path(__file__).resolve().parents[2] / "docs"

@@ -28,8 +28,10 @@ def _setup(ds, **cfg: object) -> tuple[RunQueue, Collector]:
 
 
 def test_default_policy_keeps_and_counts(dataset):  # noqa: F811
-    assert CollectorConfig().eta_mode == "train"
-    q, col = _setup(dataset)
+    """``train`` (the soft mode; the default is ``hard``, tests/collector/test_hard_eta.py)
+    keeps a group over η, trains it and counts it."""
+    assert CollectorConfig().eta_mode == "hard"
+    q, col = _setup(dataset, eta_mode="train")
     col.step()
     leases = {lease.task_id: lease for lease in q.claim("p", N)}
     q.complete(leases["i000000000000"], _group(leases["i000000000000"], 0))

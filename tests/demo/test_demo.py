@@ -90,8 +90,10 @@ def test_demo_modes_end_to_end(mode: str, tmp_path: Path) -> None:
     assert os.path.getsize(result.files["timeline"]) > 10_000
     assert all(np.isfinite(r.metrics["loss"]) for r in result.schedule.records)
     if mode == "async":
-        # eta_mode "train": a group whose tail outlasts eta versions is trained, not dropped,
-        # and flagged: every sample over eta is one the reader counted as over eta
+        # the default eta_mode, hard: no trained token is more than eta versions old (a
+        # batch waits for the groups due by its version), and nothing is dropped for it
+        assert max(result.staleness) <= cfg.max_staleness == 1
+        # every sample over eta (none here) is one the reader counted as over eta
         for rec in result.schedule.records:
             over = sum(s > cfg.max_staleness for s in rec.staleness) / len(rec.staleness)
             assert over == pytest.approx(rec.metrics.get("staleness/over_eta_frac", 0.0)), rec

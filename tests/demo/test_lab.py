@@ -77,6 +77,9 @@ def test_lab_tiny_all_modes(tmp_path) -> None:
         r = result.modes[mode]
         over = sum(1 for s in r.staleness if s > cfg.max_staleness)
         assert over <= r.row["stale_trained"] * cfg.group_size, mode
+        # the default eta_mode is hard: the schedule finishes the tail in time instead
+        assert cfg.eta_mode == "hard" and max(r.staleness) <= cfg.max_staleness, mode
+        assert r.row["stale_trained"] == 0, mode
     assert max(result.modes["partial"].staleness) <= cfg.steps  # unbounded (APRIL)
     ratios = result.ratios()
     assert set(ratios) == set(MODES)

@@ -139,7 +139,7 @@ def test_the_collector_publishes_its_policy_at_start(storage: Storage,
     col2 = Collector(RunQueue.open(storage), dataset, CollectorConfig(max_staleness=None))
     epoch2 = col2.start(wait=False)
     assert epoch2 > epoch
-    assert read_policy(storage) == EtaPolicy(None, "train", epoch=epoch2)
+    assert read_policy(storage) == EtaPolicy(None, "hard", epoch=epoch2)  # the default mode
     col2.close()
 
 
