@@ -28,7 +28,7 @@ def test_collector_config_per_mode() -> None:
     # default window (eta + 1)·m keeps eta for it too
     c = collector_config(ScheduleConfig(mode="flow", **base))
     assert (c.batch_groups, c.batches_per_version, c.admission_batches) == (12, 8, None)
-    assert c.max_prefetch_batches == 8 and c.eta_mode == "train"
+    assert c.max_prefetch_batches == 8 and c.eta_mode == "hard"  # the default: eta a hard bound
     c = collector_config(ScheduleConfig(mode="flow", admission_batches=10.5, **base))
     assert c.admission_batches == 10.5
     c = collector_config(ScheduleConfig(mode="async", **base))
