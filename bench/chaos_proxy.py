@@ -62,8 +62,14 @@ def sample_of_rid(rid: str) -> int | None:
 
 
 def token_versions(meta: dict[str, Any], n: int) -> tuple[int, ...]:
-    """Per output token, the weight version of ``meta_info.weight_versions`` (spans)."""
+    """Per output token, the weight version of ``meta_info.weight_versions`` (spans); a
+    streamed chunk before the last has no spans: its ``weight_version`` for every token."""
     out = [-1] * n
+    if not meta.get("weight_versions"):
+        try:
+            return (int(meta["weight_version"]),) * n
+        except (KeyError, TypeError, ValueError):
+            return tuple(out)
     for span in meta.get("weight_versions") or []:
         try:
             v, a, b = int(span["version"]), int(span["start"]), int(span["end"])
@@ -81,6 +87,9 @@ class LastEvent:
         self.buf = b""
         #: the last complete ``data:`` event's JSON (None: none yet)
         self.last: bytes | None = None
+        #: the ones before it (each a cumulative reply so far: what a client that was cut
+        #: off, or journaled it, may have kept)
+        self.earlier: list[bytes] = []
 
     def feed(self, data: bytes) -> None:
         self.buf += data
@@ -89,6 +98,8 @@ class LastEvent:
             payload = b"\n".join(line[5:].strip() for line in event.split(b"\n")
                                   if line.startswith(b"data:"))
             if payload and payload != b"[DONE]":
+                if self.last is not None:
+                    self.earlier.append(self.last)
                 self.last = payload
 
 
@@ -204,6 +215,8 @@ class Proxies:
         except Exception:  # noqa: BLE001 - the engine died: the client sees the stream end
             if out is None:
                 return web.Response(status=502, text="engine unreachable")
+        for earlier in last.earlier:
+            self._count(body, earlier, answer=False)
         if last.last is not None:
             self._count(body, last.last)
         return out
@@ -231,7 +244,9 @@ class Proxies:
         with self.tally.lock:
             self.tally.requests.append((time.time(), rq["rid"], resumed_tokens(rq)))
 
-    def _count(self, req: bytes, resp: bytes) -> None:
+    def _count(self, req: bytes, resp: bytes, *, answer: bool = True) -> None:
+        """Tally one reply (``answer`` False: a streamed chunk before the last, kept among
+        the outputs only: a client may resume from any chunk it received)."""
         try:
             rq, rs = json.loads(req), json.loads(resp)
         except ValueError:
@@ -246,9 +261,9 @@ class Proxies:
                 meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
                 n = int(meta.get("completion_tokens") or 0)
                 finish = meta.get("finish_reason")
-                if isinstance(finish, dict) and who is not None:
+                if isinstance(finish, dict) and who is not None and answer:
                     self.tally.finishes[str(rid)] = str(finish.get("type"))
-                if who is not None and n:
+                if who is not None and n and answer:
                     self.tally.answers.append((now, who[0], who[1], who[2], n, str(rid)))
                 ids = out.get("output_ids") if isinstance(out, dict) else None
                 i = sample_of_rid(str(rid))

@@ -21,7 +21,7 @@ RID = "p.r0/t7.g2/1.0"
 
 def chunk(ids: list[int], finish: dict[str, Any] | None) -> bytes:
     body = {"output_ids": ids, "meta_info": {"id": RID, "completion_tokens": len(ids),
-                                             "finish_reason": finish}}
+                                             "finish_reason": finish, "weight_version": "3"}}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
@@ -45,7 +45,8 @@ def _free_port() -> int:
 def test_a_streamed_reply_passes_through_chunk_by_chunk_and_is_counted() -> None:
     """The client reads the first chunk while the engine still holds back the rest (a proxy
     that read the whole reply first would never hand it on: the engine waits for the
-    client's go-ahead), then the aborted last chunk is counted with every token."""
+    client's go-ahead), then the aborted last chunk is counted with every token; each chunk
+    is an output (with its ``weight_version``: no spans before the last)."""
     from aiohttp import web
 
     port = _free_port()
@@ -98,7 +99,9 @@ def test_a_streamed_reply_passes_through_chunk_by_chunk_and_is_counted() -> None
         with tally.lock:
             assert [(a[1], a[2], a[3], a[4]) for a in tally.answers] == [("p.r0", "t7", 2, 6)]
             assert tally.finishes == {RID: "abort"}
-            assert [o[3] for o in tally.outputs] == [(1, 2, 3, 4, 5, 6)]
+            # every chunk is an output a client may have kept; only the last is an answer
+            assert [o[3] for o in tally.outputs] == [(1, 2, 3), (1, 2, 3, 4, 5, 6)]
+            assert [o[4] for o in tally.outputs] == [(3,) * 3, (3,) * 6]
             assert [r[1] for r in tally.requests] == [RID]
     finally:
         proxies.close()
