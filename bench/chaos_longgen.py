@@ -42,7 +42,8 @@ costs ``META_OPS_PER_RECORD`` of them (the create of its temporary file, the ren
 place, and its unlink once superseded; lookups and fsyncs not counted), and the records are
 counted from their numbers (``journal/<writer>/<incarnation>~<n>``: n counts from 0 in each
 incarnation, so an incarnation has published its highest n seen + 1); without the journal
-there are none and F is 0.
+there are none and F is 0. F is per second of the scaled run: tokens arrive ``1 /
+TIME_SCALE`` times as fast as at the real pace, and so does a token-triggered record.
 """
 
 from __future__ import annotations
