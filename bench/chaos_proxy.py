@@ -167,7 +167,8 @@ class Proxies:
             if request.path == "/generate":
                 self._note_request(body)
                 if streamed(body):
-                    return await self._stream(request, port, body)
+                    out: web.StreamResponse = await self._stream(request, port, body)
+                    return out
             call = asyncio.ensure_future(forward(request, body))
             try:
                 if request.path == "/generate" and await client_gone_first(request, call):
