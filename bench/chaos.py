@@ -1503,8 +1503,8 @@ def main(argv: list[str] | None = None) -> int:
         lg = chaos_longgen.figures(ch)
         chaos_longgen.report(lg)
         longgen_bad = chaos_longgen.bad(lg)
-        for why in longgen_bad:
-            print(f"chaos longgen: {why}")
+        for reason in longgen_bad:
+            print(f"chaos longgen: {reason}")
         print(chaos_longgen.line(lg, before=args.before))
     if args.summary:
         write_summary(args.summary, args.workload, len(ch.faults), len(res["lost"]),

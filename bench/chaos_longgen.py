@@ -36,8 +36,14 @@ Last line::
 E is the same workload without the per-producer token journal: ``--before E`` gives it, from
 a run without the journal, when this run turns the journal on with ``--producer-set
 KEY=VALUE`` (any producer config key, passed to every producer); without ``--before``, E is
-this run's own D. F counts metadata operations beyond today's hand-backs; while the producer
-has no journal it is 0.
+this run's own D. F is the metadata operations the producers' in-flight journal adds, per
+second a producer is alive (``JournalWatch``): every journal record a producer publishes
+costs ``META_OPS_PER_RECORD`` of them (the create of its temporary file, the rename into
+place, and its unlink once superseded; lookups and fsyncs not counted), and the records are
+counted from their numbers (``journal/<writer>/<incarnation>~<n>``: n counts from 0 in each
+incarnation, so an incarnation has published its highest n seen + 1); without the journal
+there are none and F is 0. F is per second of the scaled run: tokens arrive ``1 /
+TIME_SCALE`` times as fast as at the real pace, and so does a token-triggered record.
 """
 
 from __future__ import annotations
@@ -46,8 +52,10 @@ import json
 import math
 import random
 import signal
+import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -63,6 +71,12 @@ LEN_MEDIAN = 1500
 LEN_CAP = 4096
 #: seconds a SIGTERMed producer has to drain (``--grace-period``)
 GRACE_S = 10.0
+
+#: the metadata operations of one journal record (``strawq.tasks.journal.JournalLog``): the
+#: create of its temporary file and its rename into place (``Storage.publish``), its unlink
+META_OPS_PER_RECORD = 3
+#: seconds between two listings of the journal by ``JournalWatch``
+WATCH_S = 0.5
 
 VICTIMS = ("engine0", "engine1", "producer0", "producer1", "node0", "node1", "collector",
            "sigterm")
@@ -109,8 +123,61 @@ def snapshot(ch: Any, names: list[str]) -> dict[str, int]:
     return out
 
 
+class JournalWatch:
+    """Counts the journal records the producers publish and the seconds they are alive, by
+    listing ``<run>/journal/`` every ``WATCH_S`` (a thread of the bench, not a producer)."""
+
+    def __init__(self, ch: Any) -> None:
+        self.ch = ch
+        self.root = os.path.join(ch.run_a, "journal")
+        #: (writer, incarnation) -> the highest record number seen
+        self.highest: dict[tuple[str, int], int] = {}
+        self.producer_s = 0.0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            self.scan()
+            now = time.monotonic()
+            alive = sum(1 for name in ("producer0", "producer1")
+                        if name in self.ch.procs and self.ch.procs[name].alive())
+            self.producer_s += alive * (now - last)
+            last = now
+            if self.stopped.wait(WATCH_S):
+                return
+
+    def scan(self) -> None:
+        from strawq.tasks.journal import RECORDS
+
+        try:
+            writers = os.listdir(self.root)
+        except OSError:
+            return
+        for w in writers:
+            try:
+                names = os.listdir(os.path.join(self.root, w))
+            except OSError:
+                continue
+            for inc, n in RECORDS.pairs(names):
+                if n > self.highest.get((w, inc), -1):
+                    self.highest[(w, inc)] = n
+
+    def stop(self) -> dict[str, float]:
+        self.stopped.set()
+        self.thread.join(10)
+        self.scan()
+        records = sum(n + 1 for n in self.highest.values())
+        ops = records * META_OPS_PER_RECORD
+        return {"records": records, "producer_s": self.producer_s,
+                "meta_ops_per_producer_s": ops / self.producer_s if self.producer_s else 0.0}
+
+
 def wait_generating(ch: Any, timeout_s: float = 180.0) -> None:
     """Until both producers have sequences running on the engines (the fleet has started)."""
+    ch.journal_watch = JournalWatch(ch)
     until = time.time() + timeout_s
     while time.time() < until:
         live = snapshot(ch, ["engine0", "engine1"])
@@ -240,12 +307,16 @@ def figures(ch: Any) -> dict[str, Any]:
         finishes = dict(ch.tally.finishes)
     fig = token_rpo(ch.faults, requests, answers, finishes)
     fig["drains"] = list(getattr(ch, "drains", []))
+    watch = getattr(ch, "journal_watch", None)
+    fig["journal"] = watch.stop() if watch is not None else {
+        "records": 0, "producer_s": 0.0, "meta_ops_per_producer_s": 0.0}
     return fig
 
 
-def line(fig: dict[str, Any], before: float | None = None, meta_ops: float = 0.0) -> str:
-    """The workload's last line (``before``: the run without the journal; None: this run's
-    own figure, the only mode while the producer has no journal)."""
+def line(fig: dict[str, Any], before: float | None = None) -> str:
+    """The workload's last line (``before``: D of the run without the journal; None: this
+    run's own D)."""
+    meta_ops = float(fig.get("journal", {}).get("meta_ops_per_producer_s", 0.0))
     p99_s = fig["p99"] * PACE_MS / 1000.0
     d = fig["regenerated_per_fault"]
     e = d if before is None else before
@@ -267,6 +338,10 @@ def report(fig: dict[str, Any]) -> None:
         print(f"drain: exit {d['rc']} after {d['s']:.1f} s (grace {GRACE_S:.0f} s)")
     print(f"sequences hit by kill -9: {len(fig['rpo'])}; drained tokens: "
           f"{fig['drain_tokens']}")
+    j = fig.get("journal")
+    if j is not None:
+        print(f"journal: {j['records']} records in {j['producer_s']:.0f} producer-seconds, "
+              f"{META_OPS_PER_RECORD} metadata ops each")
 
 
 def bad(fig: dict[str, Any]) -> list[str]:

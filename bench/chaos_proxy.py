@@ -1,7 +1,10 @@
 """The chaos benchmark's counting proxy: one forwarding proxy per engine, tallying the
 completion tokens of every ``/generate`` answer by producer, task and lease generation
 (parsed from the rid ``producer/task.gN/...``). A proxy stands where sglang-router would:
-the request of a client that went away is aborted on its engine (see ``_abort``)."""
+the request of a client that went away is aborted on its engine (see ``_abort``). A streamed
+reply (``"stream": true``, ``text/event-stream``) is passed on event by event as it arrives
+and counted from its last ``data:`` chunk (SGLang's chunks are cumulative: the last is the
+whole reply; an aborted stream's last chunk carries every token so far: ``LastEvent``)."""
 
 from __future__ import annotations
 
@@ -31,6 +34,15 @@ class Tally:
     finishes: dict[str, str] = field(default_factory=dict)
 
 
+def streamed(body: bytes) -> bool:
+    """Whether a ``/generate`` body asks for a streamed reply (``"stream": true``)."""
+    try:
+        rq = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(rq, dict) and rq.get("stream") is True
+
+
 def resumed_tokens(body: dict[str, Any]) -> int:
     """The resumed prefix a ``/generate`` body declares (0: a fresh sample)."""
     params = body.get("sampling_params")
@@ -50,8 +62,14 @@ def sample_of_rid(rid: str) -> int | None:
 
 
 def token_versions(meta: dict[str, Any], n: int) -> tuple[int, ...]:
-    """Per output token, the weight version of ``meta_info.weight_versions`` (spans)."""
+    """Per output token, the weight version of ``meta_info.weight_versions`` (spans); a
+    streamed chunk before the last has no spans: its ``weight_version`` for every token."""
     out = [-1] * n
+    if not meta.get("weight_versions"):
+        try:
+            return (int(meta["weight_version"]),) * n
+        except (KeyError, TypeError, ValueError):
+            return tuple(out)
     for span in meta.get("weight_versions") or []:
         try:
             v, a, b = int(span["version"]), int(span["start"]), int(span["end"])
@@ -59,6 +77,30 @@ def token_versions(meta: dict[str, Any], n: int) -> tuple[int, ...]:
             continue
         out[max(a, 0):min(b, n)] = [v] * (min(b, n) - max(a, 0))
     return tuple(out)
+
+
+class LastEvent:
+    """The newest ``data:`` payload of an SSE stream fed in arbitrary pieces (``[DONE]``
+    and comments skipped): what a streamed reply is counted from."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        #: the last complete ``data:`` event's JSON (None: none yet)
+        self.last: bytes | None = None
+        #: the ones before it (each a cumulative reply so far: what a client that was cut
+        #: off, or journaled it, may have kept)
+        self.earlier: list[bytes] = []
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        *events, self.buf = self.buf.replace(b"\r\n", b"\n").split(b"\n\n")
+        for event in events:
+            payload = b"\n".join(line[5:].strip() for line in event.split(b"\n")
+                                  if line.startswith(b"data:"))
+            if payload and payload != b"[DONE]":
+                if self.last is not None:
+                    self.earlier.append(self.last)
+                self.last = payload
 
 
 def parse_rid(rid: str) -> tuple[str, str, int] | None:
@@ -124,6 +166,9 @@ class Proxies:
             body = await request.read()
             if request.path == "/generate":
                 self._note_request(body)
+                if streamed(body):
+                    out: web.StreamResponse = await self._stream(request, port, body)
+                    return out
             call = asyncio.ensure_future(forward(request, body))
             try:
                 if request.path == "/generate" and await client_gone_first(request, call):
@@ -136,6 +181,46 @@ class Proxies:
                 self._count(body, data)
             return web.Response(status=status, body=data, content_type=ctype.split(";")[0])
         return handle
+
+    async def _stream(self, request: Any, port: int, body: bytes) -> Any:
+        """A streamed ``/generate``: each piece passed on as it comes; a client gone away
+        gets its request aborted (the stream goes on to its aborted last chunk, counted)."""
+        from aiohttp import web
+
+        last = LastEvent()
+        out: web.StreamResponse | None = None
+        client_gone = False
+        try:
+            async with self.session.post(f"http://127.0.0.1:{port}/generate", data=body,
+                                         headers={"Content-Type": "application/json"}) as r:
+                if r.status != 200 or r.content_type != "text/event-stream":
+                    data = await r.read()
+                    if r.status == 200:
+                        self._count(body, data)
+                    return web.Response(status=r.status, body=data,
+                                        content_type=r.content_type)
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                  "Cache-Control": "no-cache"})
+                await out.prepare(request)
+                async for piece in r.content.iter_any():
+                    last.feed(piece)
+                    if client_gone:
+                        continue
+                    try:
+                        await out.write(piece)
+                    except (ConnectionError, RuntimeError):
+                        client_gone = True
+                        await self._abort(port, body)
+                if not client_gone:
+                    await out.write_eof()
+        except Exception:  # noqa: BLE001 - the engine died: the client sees the stream end
+            if out is None:
+                return web.Response(status=502, text="engine unreachable")
+        for earlier in last.earlier:
+            self._count(body, earlier, answer=False)
+        if last.last is not None:
+            self._count(body, last.last)
+        return out
 
     async def _abort(self, port: int, body: bytes) -> None:
         """The client went away: what sglang-router and SGLang do between them (the router
@@ -160,7 +245,9 @@ class Proxies:
         with self.tally.lock:
             self.tally.requests.append((time.time(), rq["rid"], resumed_tokens(rq)))
 
-    def _count(self, req: bytes, resp: bytes) -> None:
+    def _count(self, req: bytes, resp: bytes, *, answer: bool = True) -> None:
+        """Tally one reply (``answer`` False: a streamed chunk before the last, kept among
+        the outputs only: a client may resume from any chunk it received)."""
         try:
             rq, rs = json.loads(req), json.loads(resp)
         except ValueError:
@@ -175,9 +262,9 @@ class Proxies:
                 meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
                 n = int(meta.get("completion_tokens") or 0)
                 finish = meta.get("finish_reason")
-                if isinstance(finish, dict) and who is not None:
+                if isinstance(finish, dict) and who is not None and answer:
                     self.tally.finishes[str(rid)] = str(finish.get("type"))
-                if who is not None and n:
+                if who is not None and n and answer:
                     self.tally.answers.append((now, who[0], who[1], who[2], n, str(rid)))
                 ids = out.get("output_ids") if isinstance(out, dict) else None
                 i = sample_of_rid(str(rid))

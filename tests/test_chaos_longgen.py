@@ -58,3 +58,34 @@ def test_a_drain_keeps_what_the_next_holder_resumes_with() -> None:
     assert token_rpo(faults, short, answers, finishes)["drain_kept"] == \
         100.0 * (20 + 52) / 87  # type: ignore[arg-type]
     assert line(fig).endswith("drain kept = 100 %; extra meta ops per producer-second = 0.00")
+
+
+def test_the_journal_watch_counts_records_from_their_numbers(tmp_path: Path) -> None:
+    """F's count: an incarnation has published its highest record number + 1, even when the
+    superseded ones are already deleted; a name that is not a record is not counted."""
+    from chaos_longgen import META_OPS_PER_RECORD, JournalWatch
+
+    from strawq.tasks.journal import RECORDS
+
+    for writer, inc, numbers in (("producer0.r0", 1, [7, 9]), ("producer0.r1", 1, [0]),
+                                 ("producer1.r0", 2, [4])):
+        d = tmp_path / "journal" / writer
+        d.mkdir(parents=True)
+        for n in numbers:
+            (d / RECORDS.name(inc, n)).write_bytes(b"x")
+    (tmp_path / "journal" / "producer1.r0" / "tmp.abc").write_bytes(b"x")
+
+    @dataclass
+    class P:
+        def alive(self) -> bool:
+            return True
+
+    @dataclass
+    class Ch:
+        run_a: str
+        procs: dict[str, P]
+
+    watch = JournalWatch(Ch(str(tmp_path), {"producer0": P(), "producer1": P()}))
+    got = watch.stop()
+    assert got["records"] == 10 + 1 + 5
+    assert META_OPS_PER_RECORD == 3
