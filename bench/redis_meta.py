@@ -126,7 +126,7 @@ FORMS: dict[str, list[str]] = {
     "hdel": ["HDEL", "h:__rand_int__", "f"],
     "hgetall": ["HGETALL", "h:__rand_int__"],
     "hscan": ["HSCAN", "h:__rand_int__", "0"],
-    "hincrby": ["HINCRBY", "h:__rand_int__", "f", "1"],
+    "hincrby": ["HINCRBY", "h:__rand_int__", "n", "1"],  # not "f": HSET writes text there
     "incrby": ["INCRBY", "n:__rand_int__", "1"],
     "incr": ["INCR", "n:__rand_int__"],
     "del": ["DEL", "k:__rand_int__"],

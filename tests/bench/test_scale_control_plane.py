@@ -61,3 +61,15 @@ def test_the_line_has_its_shape_and_positive_figures(tmp_path: Path) -> None:
     a, b, c = float(m["a"]), float(m["b"]), float(m["c"])
     assert a > 0 and b > 0 and c > 0, out[-1]
     assert float(m["share"]) == pytest.approx(a / c, rel=0.01, abs=0.001)
+
+
+def test_the_capacity_forms_never_increment_a_field_another_form_sets_to_text() -> None:
+    """``redis-benchmark`` runs the forms one after another on one database: HINCRBY on the
+    field HSET wrote "v" into fails ("hash value is not an integer") whenever the observed
+    mix holds both."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from redis_meta import FORMS
+
+    text_fields = {tuple(f[1:3]) for f in FORMS.values() if f[0] == "HSET"}
+    counters = {tuple(f[1:3]) for f in FORMS.values() if f[0] == "HINCRBY"}
+    assert counters and not counters & text_fields, (counters, text_fields)
