@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from strawq.config import QueueConfig
 from strawq.data.cursor import read_cursor_state
 from strawq.delivery import commits, retention
+from strawq.errors import NewerFormat
 from strawq.delivery.batches import (
     ACK_DIR,
     DELIVERED_DIR,
@@ -143,11 +144,15 @@ def test_manifests(meta: dict[str, Any]) -> None:
 @given(metas, st.binary(max_size=64))
 @example({"v": records.SCHEMA_VERSION, "recent": "xy"}, b"")
 @example({"v": records.SCHEMA_VERSION, "recent": [1]}, b"")
+@example({"v": records.reads(Kind.CURSOR) + 1}, b"")  # a newer strawq's cursor
 def test_cursor_records(meta: dict[str, Any], junk: bytes) -> None:
     for data in (frame_meta(int(Kind.CURSOR), meta), junk):
         s = MemoryStorage()
         s.publish("cursor/000000000001.000000000005", data)
         state = clean(read_cursor_state, s)
+        if isinstance(state, NewerFormat):  # refused loudly, never skipped as corrupt
+            assert data is not junk and meta["v"] > records.reads(Kind.CURSOR)
+            continue
         assert not isinstance(state, Exception) and state is not None
         assert state["next_index"] == 5
 
@@ -169,11 +174,15 @@ def test_cursor_names(names: list[str]) -> None:
 @example({"v": records.SCHEMA_VERSION, "counts": 5}, b"")  # TypeError escaped
 @example({"v": records.SCHEMA_VERSION, "counts": [1, 2]}, b"")
 @example({"v": records.SCHEMA_VERSION, "drops": 3}, b"")
+@example({"v": records.reads(Kind.STATE) + 1}, b"")  # a newer strawq's segment
 def test_drop_audit_segments(meta: dict[str, Any], junk: bytes) -> None:
     for data in (frame_meta(int(Kind.STATE), meta), junk):
         s = MemoryStorage()
         s.publish(retention._key(1), data)
         audit = clean(retention.latest_audit, s)
+        if isinstance(audit, NewerFormat):  # refused loudly, never skipped as corrupt
+            assert data is not junk and meta["v"] > records.reads(Kind.STATE)
+            continue
         assert not isinstance(audit, Exception)
         clean(retention._read, s, 1)
 
