@@ -144,6 +144,12 @@ class TrainerFence:
             log.info("trainer epoch %d: its process (on this host) is gone; taking over "
                         "without waiting", epoch)
             return
+        if _this_process(meta) and not _held_here(self.storage, epoch):
+            # a reader of this very process dropped without close(): its fence was collected
+            # and beats no more, and no live fence here holds the epoch
+            log.info("trainer epoch %d: held by this process through a reader dropped "
+                     "without close(); taking over without waiting", epoch)
+            return
         if not wait:
             raise self._busy(epoch, "it did not release the run (started with wait=False, "
                              "its heartbeat was not watched)")
@@ -176,6 +182,7 @@ class TrainerFence:
         except AlreadyExists:
             raise self._busy(epoch, "it took the run first") from None
         self.epoch = epoch
+        _HOLDING.add(self)
         for key in prunable(list_names(self.storage), epoch - KEEP_EPOCHS):
             self.storage.delete(key)
         self.beat()
@@ -232,6 +239,25 @@ class TrainerFence:
         except AlreadyExists:
             pass
         log.info("trainer epoch %d released the run", self.epoch)
+
+
+#: every fence of this process that took an epoch (weakly: a dropped one leaves)
+_HOLDING: weakref.WeakSet[TrainerFence] = weakref.WeakSet()
+
+
+def _this_process(who: dict[str, object] | None) -> bool:
+    """Whether an epoch record names this very process (host, boot, pid namespace, pid)."""
+    if not who:
+        return False
+    me = identity()
+    return all(who.get(k) == me[k] for k in ("host", "boot", "pidns", "pid"))
+
+
+def _held_here(storage: Storage, epoch: int) -> bool:
+    """Whether a live fence of this process holds ``epoch`` of the run of ``storage``."""
+    run = _run_key(storage)
+    return any(f.epoch == epoch and not f.fenced and _run_key(f.storage) == run
+               for f in list(_HOLDING))
 
 
 def _beat_loop(ref: weakref.ref[TrainerFence], stop: threading.Event, interval: float) -> None:

@@ -161,3 +161,27 @@ def test_other_ranks_take_no_epoch_and_are_never_refused(tmp_path: Any) -> None:
     other.close()
     assert other.fence_use.taken is None and holder.epoch == 1
     assert [h.epoch for h in [read_trainer_holder(q.storage)] if h] == [1]
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_dropped_without_close_is_succeeded_at_once_in_its_process(
+        tmp_path: Any) -> None:
+    """A restart inside one process (a notebook, a trainer that rebuilds its reader after an
+    error) that dropped the old reader without ``close()``: the epoch names this process and
+    no live fence here holds it, so the new reader takes over without watching a heartbeat
+    that can never move (it waited the whole takeover timeout before)."""
+    import gc
+
+    q = _run_with_batches(tmp_path)
+    first = BatchReader(q, watch=None, sleep=lambda _s: None)  # the process's shared fence
+    first.next_batch(timeout=1)
+    del first
+    gc.collect()
+    clock = FakeClock()
+    nxt = TrainerFence(q.storage, beat_interval_s=None, clock=clock, sleep=clock.sleep)
+    assert nxt.acquire() == 2 and clock.t == 1000.0  # no wait
+    # a fence of this process that is still alive is still watched: a second one is refused
+    watch = FakeClock(hook=nxt.beat)
+    live = TrainerFence(q.storage, beat_interval_s=None, clock=watch, sleep=watch.sleep)
+    with pytest.raises(TrainerBusy, match="heartbeat moved"):
+        live.acquire()
