@@ -1433,8 +1433,18 @@ def main(argv: list[str] | None = None) -> int:
     elif args.juicefs:
         a, b = f"{args.juicefs}/A", f"{args.juicefs}/B"
         if not (os.path.ismount(a) and os.path.ismount(b)):  # mount it (else: reuse)
-            out = subprocess.run(["bash", str(ROOT / "deploy/juicefs/testvol.sh"), "up",
-                                  args.juicefs], capture_output=True, text=True, check=True)
+            vol = ["bash", str(ROOT / "deploy/juicefs/testvol.sh")]
+            out = subprocess.run([*vol, "up", args.juicefs], capture_output=True, text=True,
+                                 check=False)
+            if out.returncode != 0:
+                print(f"chaos: could not mount the JuiceFS test volume at {args.juicefs} "
+                      f"(deploy/juicefs/testvol.sh up): {out.stderr.strip() or out.stdout.strip()}"
+                      "\n(the juicefs binary: put it on PATH or set JUICEFS=/path/to/juicefs)",
+                      file=sys.stderr)
+                return 1
+            # this run mounted it, so this run unmounts it (a volume found mounted is left up)
+            atexit.register(subprocess.run, [*vol, "down", args.juicefs], capture_output=True,
+                            check=False)
             env = dict(word.split("=", 1) for line in out.stdout.splitlines()
                        for word in line.removeprefix("export ").split() if "=" in word)
             a = env["STRAWQ_JUICEFS_A"].strip("'\"")

@@ -188,3 +188,18 @@ def test_chaos_bench_cluster_faults_quick(tmp_path: Path,
     assert sum(int(x) for r in rows for x in r[1:]) == 3 == sum(int(r[0]) for r in rows)
     # the mounts the bench added for the producers' hosts are gone
     assert not any(os.path.ismount(os.path.join(d, m)) for m in "CD")
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_juicefs_binary_is_a_clear_refusal(tmp_path: Path) -> None:
+    """``--juicefs`` where the volume cannot be mounted: one line saying why, exit 1, no
+    traceback (it raised CalledProcessError)."""
+    env = {**os.environ, "JUICEFS": str(tmp_path / "no-such-juicefs")}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "chaos.py"), "--quick",
+                           "--juicefs", str(tmp_path / "vol"), "--workdir", str(tmp_path / "w")],
+                          capture_output=True, text=True, timeout=110, cwd=REPO, env=env,
+                          check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "could not mount the JuiceFS test volume" in proc.stderr
+    assert "no-such-juicefs" in proc.stderr
