@@ -240,7 +240,8 @@ class PosixStorage(Storage):
         the metadata server: a heartbeat's rename by path cost two walks of it). Anything
         but success falls back to ``rename`` by path, which decides and reports: a gone
         directory (removed, or replaced by another of its name) is then found again, and
-        the NFS retry rule applies."""
+        the NFS retry rule applies. A directory moved away whole (the protocol never moves
+        ``hb/``) keeps the renames of a handle that holds it."""
         if "/" in src or "/" in dst:
             raise ValueError(f"rename_within {directory}: {src!r} and {dst!r} must be names "
                              f"inside it, not paths")
