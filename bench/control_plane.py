@@ -9,8 +9,11 @@ counted with Redis's own ``INFO commandstats``.
 **Counts and rates assumed** (``Run``; each a flag of ``scale.py``), for 10,000 GPUs:
 
 - producers: one per 8-GPU node, 1,250, each with 24 group slots (30,000 groups in
-  flight); each heartbeats every ``heartbeat_interval_s`` (5 s); together they claim and
-  complete the run's groups, 2,048 a step of 60 s (34 groups/s: one claim and one
+  flight); each heartbeats every ``heartbeat_interval_s`` (5 s): the steady beat, one
+  rename within ``hb/``, counted after each producer's first two (a process's first beat
+  lists ``hb/`` and publishes its file, its second opens ``hb/``: counted apart, once per
+  process, not a steady rate); together they
+  claim and complete the run's groups, 2,048 a step of 60 s (34 groups/s: one claim and one
   completion per group).
 - weight update after every step: of the 30,000 groups in flight, 75 % are saved as
   partials (``yield_partial``) and resumed (a claim and ``load_partial``), 25 % handed back
@@ -270,6 +273,13 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
             time.sleep(0.01)
         raise RuntimeError(f"producer p{i} found nothing to claim 50 times")
 
+    # A process's first beat lists hb/ and publishes its file anew, its second opens the
+    # descriptor of hb/ its renames go through (once per process each, not in the rates);
+    # every beat after them is one rename within hb/: the steady cost.
+    counter.measure("producer", "heartbeat: a process's first", lambda i: queues[i].heartbeat(
+        f"p{i}"), pids)
+    counter.measure("producer", "heartbeat: its second (opens hb/)",
+                    lambda i: queues[i].heartbeat(f"p{i}"), pids)
     counter.measure("producer", "heartbeat", lambda i: queues[i].heartbeat(f"p{i}"), pids)
     leases = dict(zip(pids, counter.measure("producer", "claim", claim, pids), strict=True))
     counter.measure("producer", "complete", lambda i: queues[i].complete(leases[i],

@@ -103,6 +103,17 @@ class Storage(abc.ABC):
         exists. Directories are renamed the same way.
         """
 
+    def rename_within(self, directory: str, src: str, dst: str) -> None:
+        """``rename(directory/src, directory/dst, sync_dir=False)``: a move between two names
+        of one directory, made often (a heartbeat). A backend may resolve ``directory`` once
+        per handle and name only ``src`` and ``dst`` at each call (``PosixStorage``: a held
+        descriptor, so a shared mount does not look every path component up again); the
+        outcomes are ``rename``'s."""
+        if "/" in src or "/" in dst:
+            raise ValueError(f"rename_within {directory}: {src!r} and {dst!r} must be names "
+                             f"inside it, not paths")
+        self.rename(f"{directory}/{src}", f"{directory}/{dst}", sync_dir=False)
+
     @abc.abstractmethod
     def list(self, directory: str) -> list[str]:
         """Sorted names directly inside ``directory`` ([] if it does not exist)."""

@@ -13,8 +13,10 @@ import errno
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterable, Sequence
 
 from strawq.errors import AlreadyExists, NotFound, StorageError, StorageFull
@@ -32,6 +34,8 @@ FILE_MODE = 0o660
 
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
+#: a descriptor that only names a directory (no open sent to the filesystem); 0 elsewhere
+_O_PATH = getattr(os, "O_PATH", 0)
 
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
@@ -76,6 +80,8 @@ class PosixStorage(Storage):
         # Temporary names say which process wrote them (``<writer>.<host>-<pid>.<uuid>``),
         # so a dead writer's leftovers are found without the operator naming it.
         self._tmp_tag = f"{self.writer_id}.{_host()}-{os.getpid()}"
+        #: directories held open for ``rename_within``
+        self._dirs = _HeldDirs()
 
     # -- paths ---------------------------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -227,6 +233,28 @@ class PosixStorage(Storage):
             if os.path.dirname(s) != os.path.dirname(d):
                 self._fsync_dir(os.path.dirname(s))
 
+    def rename_within(self, directory: str, src: str, dst: str) -> None:
+        """``renameat2`` of two names relative to a descriptor of ``directory`` held by this
+        handle: the kernel looks up the two names only, not every component of the path
+        again (on a shared mount with short or no entry caches, each is a round trip to
+        the metadata server: a heartbeat's rename by path cost two walks of it). Anything
+        but success falls back to ``rename`` by path, which decides and reports: a gone
+        directory (removed, or replaced by another of its name) is then found again, and
+        the NFS retry rule applies. A directory moved away whole (the protocol never moves
+        ``hb/``) keeps the renames of a handle that holds it."""
+        if "/" in src or "/" in dst:
+            raise ValueError(f"rename_within {directory}: {src!r} and {dst!r} must be names "
+                             f"inside it, not paths")
+        self._writable(f"rename {directory}/{src} -> {directory}/{dst}")
+        validate_key(f"{directory}/{src}")
+        validate_key(f"{directory}/{dst}")
+        fd = self._dirs.held(self._path(directory)) if self._noreplace_ok else None
+        if fd is not None and _renameat2 is not None:
+            if _renameat2(fd, os.fsencode(src), fd, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+                return
+            self._dirs.recheck(self._path(directory))
+        self.rename(f"{directory}/{src}", f"{directory}/{dst}", sync_dir=False)
+
     def list(self, directory: str) -> list[str]:
         path = self._path(directory) if directory else self.root
         try:
@@ -323,6 +351,57 @@ class PosixStorage(Storage):
                 _unlink_quietly(path)
                 n += 1
         return n
+
+
+class _HeldDirs:
+    """Descriptors (``O_PATH``) of directories a handle renames within, opened at first use
+    and closed when the handle goes."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._retired: list[int] = []
+        self._lock = threading.Lock()
+        weakref.finalize(self, _close_all, self._fds, self._retired)
+
+    def held(self, path: str) -> int | None:
+        """The descriptor of ``path``, opened now if not held; None if it cannot be opened
+        (the caller falls back to paths, which report why)."""
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                try:
+                    fd = os.open(path, _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                except OSError:
+                    return None
+                self._fds[path] = fd
+            return fd
+
+    def recheck(self, path: str) -> None:
+        """After a failed call: drop the descriptor if ``path`` is no longer the directory it
+        holds (removed, or replaced by another of its name), so the next call opens it
+        again. A dropped descriptor stays open until the handle goes: another thread may be
+        using it now, and a closed number could be reused by an unrelated file."""
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                return
+            try:
+                held, now = os.fstat(fd), os.stat(path)
+                same = (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+            except OSError:
+                same = False
+            if not same:
+                self._retired.append(self._fds.pop(path))
+
+
+def _close_all(fds: dict[str, int], retired: list[int]) -> None:
+    for fd in [*fds.values(), *retired]:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+    retired.clear()
 
 
 #: The least age (by mtime) at which a temporary file of another host is judged abandoned:

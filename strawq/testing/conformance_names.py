@@ -1,5 +1,5 @@
 """The storage conformance suite, the namespace: rename (one winner, never a replace),
-list, delete, rmdir, makedirs, directory syncs.
+rename within a directory, list, delete, rmdir, makedirs, directory syncs.
 
 One area of ``strawq.testing.conformance.StorageConformance``.
 """
@@ -53,6 +53,29 @@ class NamespaceConformance(ConformanceHooks):
         assert isinstance(info.value, FileExistsError)
         assert storage.read("r/dst") == b"old"
         assert storage.read("r/src") == b"new"
+
+    def test_rename_within_is_rename_between_two_names(self, storage: Storage) -> None:
+        """``rename_within(dir, a, b)``: ``rename``'s outcomes, call after call (a backend
+        may hold the directory open between calls)."""
+        storage.publish("w/a", b"body")
+        storage.rename_within("w", "a", "b")
+        storage.rename_within("w", "b", "c")
+        assert storage.list("w") == ["c"] and storage.read("w/c") == b"body"
+        with pytest.raises(NotFound):
+            storage.rename_within("w", "a", "d")
+        storage.publish("w/e", b"other")
+        if storage.capabilities.atomic_rename:
+            with pytest.raises(AlreadyExists):
+                storage.rename_within("w", "c", "e")
+        assert storage.read("w/c") == b"body" and storage.read("w/e") == b"other"
+        with pytest.raises(ValueError):
+            storage.rename_within("w", "c", "../x")
+        storage.delete("w/c")
+        storage.delete("w/e")
+        storage.rmdir("w")  # a directory of the name made again: renames within it
+        storage.publish("w/f", b"anew")
+        storage.rename_within("w", "f", "g")
+        assert storage.list("w") == ["g"] and storage.read("w/g") == b"anew"
 
     def test_rename_one_winner_threads(self, storage: Storage) -> None:
         require(storage, "atomic_rename")
