@@ -7,7 +7,9 @@ manifest leaves nothing a loader sees."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,11 +18,21 @@ import pytest
 import torch
 
 from strawq.collector.trainer.bracket import WeightUpdateBracket
+from strawq.ondisk import records
+from strawq.ondisk.records import Kind
 from strawq.producers.engine_versions import VersionGuard
 from strawq.producers.engines.launch import EngineOptions
+from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.engines.tiny_model import init_model, save_weights
 from strawq.producers.meter import ProducerStats, StatsBook
+from strawq.producers.producer import Producer
+from strawq.producers.producer_config import (
+    EngineConfig,
+    PluginsConfig,
+    ProducerConfig,
+    TimingConfig,
+)
 from strawq.producers.rolling import RollingPull
 from strawq.producers.sglang_client import SGLangClient
 from strawq.tasks.queue import RunQueue
@@ -28,7 +40,7 @@ from strawq.weights.delta import BaseUnavailable, DeltaRefused
 from strawq.weights.engine_weights import EngineWeights
 from strawq.weights.fingerprint import attest, engine_fingerprint, fingerprint_of
 from strawq.weights.publish import WeightStore, checksum_dir
-from tests.producers.helpers import make_run
+from tests.producers.helpers import make_run, run_producers, wait_for
 from tests.producers.test_engine_versions import TINY
 
 pytestmark = pytest.mark.timeout(120)
@@ -251,8 +263,6 @@ def test_a_missing_or_changed_base_is_refused_and_the_engine_stays(
         why = DeltaRefused
     else:  # another version 1 under the same name: its checksum is not the one named
         key = "weights/manifest-000000000001"
-        from strawq.ondisk import records
-        from strawq.ondisk.records import Kind
         meta = {**m1.to_meta(), "checksum": "0" * 64}
         q.storage.delete(key)
         q.storage.publish(key, records.encode(Kind.STATE, meta))
@@ -335,3 +345,42 @@ def test_a_crash_between_the_delta_and_its_manifest_leaves_nothing_a_loader_sees
                                                  for m in store.kept())
     asyncio.run(settle(pull))
     assert [v for _, v, _ in client.loads] == [3]
+
+
+def test_a_producer_loads_a_delta_from_its_weights_cache_dir(tmp_path: Path) -> None:
+    """A producer's engines (local sim engines) load version 2, a delta, from the directory
+    the producer built under ``engine.weights_cache_dir``; version 1, full, from where it
+    was published."""
+    q, bracket = rolling(tmp_path)
+    sim = SimConfig(time_scale=0.2, len_median=20, len_sigma=0.5, len_cap=60, cap_prob=0.0)
+    engines = [EngineThread(EngineOptions(kind="sim", max_running=8, weight_version="0",
+                                          sim=sim)) for _ in range(2)]
+    cache = tmp_path / "node-cache"
+    p = Producer(ProducerConfig(
+        run_dir=str(tmp_path / "run"),
+        engine=EngineConfig(workers=tuple(e.url for e in engines), backoff_s=0.05,
+                            weights_cache_dir=str(cache)),
+        plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
+        timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02)))
+
+    def loaded(url: str) -> str:
+        with urllib.request.urlopen(f"{url}/model_info", timeout=5) as r:
+            return str(json.loads(r.read())["model_path"])
+
+    async def body() -> None:
+        m1 = bracket.publish_weights(lambda v: shards(tmp_path, v, **BASE)).published
+        await wait_for(lambda: p.stats().rolling_loads == 2, 30, "version 1 loaded")
+        assert m1 is not None and {loaded(e.url) for e in engines} == {m1.path}
+        m2 = bracket.publish_weights(
+            lambda v: shards(tmp_path, v, **{**BASE, "a.safetensors": b"2" * 4000})).published
+        assert m2 is not None and m2.is_delta
+        await wait_for(lambda: p.stats().rolling_loads == 4, 30, "version 2 loaded")
+        paths = {loaded(e.url) for e in engines}
+        assert len(paths) == 1 and paths.pop().startswith(str(cache))
+
+    try:
+        asyncio.run(run_producers([p], body))
+    finally:
+        for e in engines:
+            e.stop()
+    assert p.stats().rolling_load_failures == 0
