@@ -205,13 +205,14 @@ class RollingPull:
 
     def _prepare(self, m: Manifest) -> str:
         """Blocking: the directory the engines load ``m`` from, verified."""
-        self.store.verify(m)
+        if not m.is_delta:
+            self.store.verify(m)
+            return m.path
         path = self.store.materialize(m, self.cache_dir)
-        if m.is_delta:
-            prune(self.cache_dir, m.version - 1)  # keeps this build and its base's
-            log.info("producer %s: version %d built from version %d and its delta (%.1f "
-                     "of %.1f MB) in %s", self.producer_id, m.version, m.base,
-                     m.written / 1e6, m.bytes / 1e6, path)
+        prune(self.cache_dir, m.version - 1)  # keeps this build and its base's
+        log.info("producer %s: version %d built from version %d and its delta (%.1f of "
+                 "%.1f MB) in %s", self.producer_id, m.version, m.base, m.written / 1e6,
+                 m.bytes / 1e6, path)
         return path
 
     async def pull(self, client: WeightLoader, url: str, m: Manifest, slot: int) -> None:

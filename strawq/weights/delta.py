@@ -214,24 +214,32 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def build(version: int, *, listing: Listing, checksum: str, delta_dir: str | Path,
-          delta_checksum: str | None, base_dir: str | Path, cache: str | Path) -> str:
+          delta_checksum: str | None, base_dir: str | Path, cache: str | Path,
+          check: bool = True) -> str:
     """Build version ``version`` in ``cache`` from the base's files at ``base_dir`` and the
     delta's at ``delta_dir``; returns the directory, whose checksum equals ``checksum`` (or
-    raises ``DeltaRefused`` and leaves nothing)."""
+    raises ``DeltaRefused`` and leaves nothing). A new build is always checked; one already
+    in ``cache`` only with ``check`` (a base needs none: what a version takes of its base
+    is checked with the version's own build)."""
     root = Path(cache)
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"v{version}-{checksum[:16]}"
     if target.is_dir():
+        if not check:
+            return os.fspath(target)
         got, _ = scan(target)
         if got == checksum:
             return os.fspath(target)
         shutil.rmtree(target, ignore_errors=True)  # a build that changed since: again
     delta = Path(delta_dir)
-    got_delta, _ = scan(delta)
-    if delta_checksum is not None and got_delta != delta_checksum:
-        raise DeltaRefused(f"the delta of version {version} at {delta} changed since it was "
-                           f"published (checksum {got_delta[:12]}, manifest "
-                           f"{delta_checksum[:12]})")
+    if not delta.is_dir():
+        raise BaseUnavailable(f"the delta of version {version} ({delta}) is gone")
+    if check and delta_checksum is not None:
+        got_delta, _ = scan(delta)
+        if got_delta != delta_checksum:
+            raise DeltaRefused(f"the delta of version {version} at {delta} changed since it "
+                               f"was published (checksum {got_delta[:12]}, manifest "
+                               f"{delta_checksum[:12]})")
     base = Path(base_dir)
     tmp = root / f".v{version}-{uuid.uuid4().hex[:12]}.tmp"
     try:

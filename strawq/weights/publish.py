@@ -263,12 +263,14 @@ class WeightStore:
                                   f"since they were published (checksum {checksum[:12]}, "
                                   f"manifest {want[:12]}); not loading them")
 
-    def materialize(self, m: Manifest, cache: str | Path) -> str:
+    def materialize(self, m: Manifest, cache: str | Path, *, check: bool = True) -> str:
         """The directory an engine loads version ``m`` from: a full version's published
         directory; a delta's base plus its files, built and verified in ``cache`` (this
         node's local disk; ``strawq.weights.delta.build``). Raises ``BaseUnavailable`` when
         the base's manifest is gone or names other weights than the delta was computed
-        against, ``DeltaRefused`` when the build does not match ``m``: nothing is loaded."""
+        against, ``DeltaRefused`` when the build does not match ``m``: nothing is loaded.
+        A full version is not read here (``verify`` checks it); ``check=False`` (for a
+        base) takes a build already in ``cache`` unread."""
         if m.base is None:
             return m.path
         base = self.manifest(m.base)
@@ -280,9 +282,10 @@ class WeightStore:
                 f"version {m.version} is a delta against version {m.base} with checksum "
                 f"{str(m.base_checksum)[:12]}, but version {m.base}'s manifest has "
                 f"{base.checksum[:12]}")
-        base_dir = self.materialize(base, cache)
+        base_dir = self.materialize(base, cache, check=False)
         return build(m.version, listing=m.listing, checksum=m.checksum, delta_dir=m.path,
-                     delta_checksum=m.delta_checksum, base_dir=base_dir, cache=cache)
+                     delta_checksum=m.delta_checksum, base_dir=base_dir, cache=cache,
+                     check=check)
 
     # -- wave slots (producers) ----------------------------------------------------------------
     def claim_slot(self, m: Manifest, holder: str, url: str) -> int | None:

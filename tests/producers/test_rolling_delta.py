@@ -384,3 +384,21 @@ def test_a_producer_loads_a_delta_from_its_weights_cache_dir(tmp_path: Path) -> 
         for e in engines:
             e.stop()
     assert p.stats().rolling_load_failures == 0
+
+
+def test_a_changed_local_build_of_the_base_is_refused_not_loaded(tmp_path: Path) -> None:
+    q, bracket = _three_versions(tmp_path)
+    store = WeightStore(q.storage)
+    m2 = store.manifest(2)
+    assert m2 is not None
+    built2 = store.materialize(m2, tmp_path / "node")
+    inherited = Path(built2, "b.safetensors")  # version 3 takes it from version 2
+    inherited.unlink()
+    inherited.write_bytes(b"x" * 4000)
+    bracket.publish_weights(
+        lambda v: shards(tmp_path, v, **{**BASE, "a.safetensors": b"3" * 4000}))
+    m3 = store.manifest(3)
+    assert m3 is not None and m3.base == 2
+    with pytest.raises(DeltaRefused, match="checksum"):
+        store.materialize(m3, tmp_path / "node")
+    assert sorted(n for n in os.listdir(tmp_path / "node")) == [os.path.basename(built2)]
