@@ -9,7 +9,8 @@ full version) or only the files whose bytes differ from its base's (a delta: the
 the newest version published before it). Every manifest lists each file of its version
 with its sha256 and size (``Manifest.listing``), so the next delta is computed from the base
 manifest alone, without reading the base's files again; a delta's manifest names its base,
-the base manifest's checksum and the delta directory's own checksum (``delta_checksum``);
+the base manifest's checksum and the delta directory's own checksum (``delta_checksum``,
+over its files' names, sha256 and sizes: ``digest_listing``);
 its ``checksum`` is the whole version's, as a full publish of the same weights has it.
 
 A chain stays bounded: a version is a delta only while its base is at most
@@ -94,6 +95,21 @@ def scan(path: str | Path) -> tuple[str, dict[str, tuple[str, int]]]:
     return whole.hexdigest(), listing
 
 
+def digest_listing(listing: Listing) -> str:
+    """sha256 over a listing's sorted (name, file sha256, size): a delta directory's
+    checksum, computed from the digests ``scan`` already took (no second read)."""
+    h = hashlib.sha256()
+    for rel in sorted(listing):
+        sha, size = listing[rel]
+        h.update(f"{rel}\0{sha}\0{int(size)}\n".encode())
+    return h.hexdigest()
+
+
+def delta_checksum_of(path: str | Path) -> str:
+    """The checksum of the delta directory at ``path`` (``digest_listing`` of its files)."""
+    return digest_listing(scan(path)[1])
+
+
 @dataclass(frozen=True)
 class Staged:
     """Version ``version`` copied into the publish directory, ready for its manifest."""
@@ -153,8 +169,8 @@ def stage(version: int, written: str | Path, publish_dir: str | Path, *,
                            "weights files")
     checksum, listing = scan(src)
     total = sum(n for _, n in listing.values())
-    use = [rel for rel in listing]
-    delta = base is not None and base.listing and base.chain < max_delta_chain
+    use = list(listing)
+    delta = base is not None and bool(base.listing) and base.chain < max_delta_chain
     if delta:
         assert base is not None
         changed = [rel for rel, got in listing.items() if tuple(base.listing.get(rel, ())) != got]
@@ -182,9 +198,9 @@ def stage(version: int, written: str | Path, publish_dir: str | Path, *,
         return Staged(version, os.fspath(final.resolve()), checksum, listing,
                       written=written_bytes)
     assert base is not None
-    delta_checksum, _ = scan(final)
     return Staged(version, os.fspath(final.resolve()), checksum, listing, base.version,
-                  base.checksum, delta_checksum, base.chain + 1, written_bytes)
+                  base.checksum, digest_listing({r: listing[r] for r in use}),
+                  base.chain + 1, written_bytes)
 
 
 def sweep(publish_dir: str | Path, named: Iterable[str]) -> int:
@@ -235,7 +251,7 @@ def build(version: int, *, listing: Listing, checksum: str, delta_dir: str | Pat
     if not delta.is_dir():
         raise BaseUnavailable(f"the delta of version {version} ({delta}) is gone")
     if check and delta_checksum is not None:
-        got_delta, _ = scan(delta)
+        got_delta = delta_checksum_of(delta)
         if got_delta != delta_checksum:
             raise DeltaRefused(f"the delta of version {version} at {delta} changed since it "
                                f"was published (checksum {got_delta[:12]}, manifest "

@@ -47,7 +47,15 @@ from strawq.ondisk.names import validate_id
 from strawq.ondisk.numbered import Numbered
 from strawq.ondisk.records import Kind
 from strawq.storage import Storage
-from strawq.weights.delta import BaseInfo, BaseUnavailable, DeltaRefused, Staged, build, scan
+from strawq.weights.delta import (
+    BaseInfo,
+    BaseUnavailable,
+    DeltaRefused,
+    Staged,
+    build,
+    delta_checksum_of,
+    scan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +265,8 @@ class WeightStore:
         """Raise ``WeightsConflict`` unless the weights at ``m.path`` still match ``m`` (a
         delta: its own files, ``m.delta_checksum``)."""
         want = m.delta_checksum if m.delta_checksum is not None else m.checksum
-        checksum, _, _ = checksum_dir(m.path)
+        checksum = delta_checksum_of(m.path) if m.delta_checksum is not None else \
+            checksum_dir(m.path)[0]
         if checksum != want:
             raise WeightsConflict(f"the weights of version {m.version} at {m.path} changed "
                                   f"since they were published (checksum {checksum[:12]}, "

@@ -36,7 +36,7 @@ from strawq.producers.producer_config import (
 from strawq.producers.rolling import RollingPull
 from strawq.producers.sglang_client import SGLangClient
 from strawq.tasks.queue import RunQueue
-from strawq.weights.delta import BaseUnavailable, DeltaRefused
+from strawq.weights.delta import BaseUnavailable, DeltaRefused, delta_checksum_of
 from strawq.weights.engine_weights import EngineWeights
 from strawq.weights.fingerprint import attest, engine_fingerprint, fingerprint_of
 from strawq.weights.publish import WeightStore, checksum_dir
@@ -83,7 +83,7 @@ def test_a_delta_publish_writes_only_the_changed_files_and_names_its_base(
     assert m2 is not None and m2.is_delta and (m2.base, m2.chain) == (1, 1)
     assert m2.base_checksum == m1.checksum
     assert os.listdir(m2.path) == ["b.safetensors"] and m2.written == 4000
-    assert m2.delta_checksum == checksum_dir(m2.path)[0]
+    assert m2.delta_checksum == delta_checksum_of(m2.path)
     assert m2.checksum == checksum_dir(w2)[0]  # the whole version's, as a full publish's
     assert WeightStore(q.storage).newest() == m2 and q.current_version() == 2
     # a file removed and one added: the delta holds the new one, the listing drops the old
