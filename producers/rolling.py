@@ -102,9 +102,10 @@ class RollingPull:
         self.pause_s: list[float] = []
         #: version -> the directory its engines load (a delta's: built in ``cache_dir``)
         self._verified: dict[int, str] = {}
-        #: where this producer builds delta versions (its node's local disk)
-        self.cache_dir = cache_dir or os.path.join(tempfile.gettempdir(),
-                                                   f"strawq-weights-{producer_id}")
+        #: where this producer builds delta versions (its node's local disk): a directory
+        #: of its own, which producers sharing ``cache_dir`` never touch
+        self.cache_dir = os.path.join(cache_dir or tempfile.gettempdir(),
+                                      f"strawq-weights-{producer_id}")
         self._refused: set[int] = set()
         self._last = -math.inf
         self._step: asyncio.Task[None] | None = None

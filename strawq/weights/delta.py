@@ -282,14 +282,17 @@ def build(version: int, *, listing: Listing, checksum: str, delta_dir: str | Pat
 
 
 def prune(cache: str | Path, keep_from: int) -> int:
-    """Delete the local builds of versions below ``keep_from``; returns how many."""
+    """Delete the local builds of versions below ``keep_from``, and every unfinished build
+    (``cache`` is one producer's, which builds one version at a time: call it between
+    builds); returns how many."""
     root = Path(cache)
     if not root.is_dir():
         return 0
     gone = 0
     for p in root.iterdir():
         got = _BUILT.match(p.name)
-        if got is not None and int(got.group(1)) < keep_from:
+        unfinished = p.name.startswith(".v") and p.name.endswith(".tmp")
+        if unfinished or (got is not None and int(got.group(1)) < keep_from):
             shutil.rmtree(p, ignore_errors=True)
             gone += 1
     return gone

@@ -274,7 +274,8 @@ def test_a_missing_or_changed_base_is_refused_and_the_engine_stays(
     pull = puller(q, client, tmp_path / "node")
     asyncio.run(settle(pull))
     assert client.loads == [] and client.at["http://e1"] == 1  # stays on its version
-    node = tmp_path / "node"
+    node = Path(pull.cache_dir)
+    assert node.parent == tmp_path / "node"  # the producer's own directory under it
     assert not node.exists() or not os.listdir(node)  # no partial build left
     # the next version loads (here a delta against 2, which is refused too, unless full)
     bracket.publisher.max_delta_chain = 0
@@ -402,3 +403,13 @@ def test_a_changed_local_build_of_the_base_is_refused_not_loaded(tmp_path: Path)
     with pytest.raises(DeltaRefused, match="checksum"):
         store.materialize(m3, tmp_path / "node")
     assert sorted(n for n in os.listdir(tmp_path / "node")) == [os.path.basename(built2)]
+
+
+def test_a_producer_prunes_its_older_builds_and_unfinished_ones(tmp_path: Path) -> None:
+    from strawq.weights.delta import prune
+
+    for name in ("v1-" + "a" * 16, "v2-" + "b" * 16, "v3-" + "c" * 16, ".v3-0123.tmp",
+                 "other"):
+        (tmp_path / name).mkdir()
+    assert prune(tmp_path, 2) == 2
+    assert sorted(os.listdir(tmp_path)) == ["other", "v2-" + "b" * 16, "v3-" + "c" * 16]
