@@ -195,6 +195,8 @@ class WeightStore:
         if wave < 1 or max_lag < 0:
             raise ValueError(f"wave >= 1 and max_lag >= 0, got {wave} and {max_lag}")
         if staged is None:
+            if not Path(path).exists():
+                raise WeightsConflict(f"weights {path} do not exist")
             checksum, listing = scan(path)
             staged = Staged(int(version), os.fspath(Path(path).resolve()), checksum, listing,
                             written=sum(n for _, n in listing.values()))

@@ -36,10 +36,10 @@ from strawq.producers.producer_config import (
 from strawq.producers.rolling import RollingPull
 from strawq.producers.sglang_client import SGLangClient
 from strawq.tasks.queue import RunQueue
-from strawq.weights.delta import BaseUnavailable, DeltaRefused, delta_checksum_of
+from strawq.weights.delta import BaseUnavailable, DeltaRefused, delta_checksum_of, prune
 from strawq.weights.engine_weights import EngineWeights
 from strawq.weights.fingerprint import attest, engine_fingerprint, fingerprint_of
-from strawq.weights.publish import WeightStore, checksum_dir
+from strawq.weights.publish import WeightsConflict, WeightStore, checksum_dir
 from tests.producers.helpers import make_run, run_producers, wait_for
 from tests.producers.test_engine_versions import TINY
 
@@ -406,10 +406,17 @@ def test_a_changed_local_build_of_the_base_is_refused_not_loaded(tmp_path: Path)
 
 
 def test_a_producer_prunes_its_older_builds_and_unfinished_ones(tmp_path: Path) -> None:
-    from strawq.weights.delta import prune
-
     for name in ("v1-" + "a" * 16, "v2-" + "b" * 16, "v3-" + "c" * 16, ".v3-0123.tmp",
                  "other"):
         (tmp_path / name).mkdir()
     assert prune(tmp_path, 2) == 2
     assert sorted(os.listdir(tmp_path)) == ["other", "v2-" + "b" * 16, "v3-" + "c" * 16]
+
+
+def test_weights_that_do_not_exist_are_refused_as_a_conflict(tmp_path: Path) -> None:
+    q, bracket = rolling(tmp_path)
+    with pytest.raises(WeightsConflict, match="do not exist"):
+        WeightStore(q.storage).publish(1, tmp_path / "nowhere", wave=1, max_lag=1)
+    with pytest.raises(DeltaRefused, match="not a directory"):
+        bracket.publish_weights(lambda v: str(tmp_path / "nowhere"))
+    assert q.current_version() == 0 and WeightStore(q.storage).newest() is None
