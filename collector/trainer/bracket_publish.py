@@ -12,8 +12,8 @@ from typing import Any
 from strawq.errors import BracketError
 from strawq.tasks.queue import RunQueue
 from strawq.weights.control import Control
-from strawq.weights.fingerprint import Fingerprint, Fingerprints
 from strawq.weights.delta import MAX_DELTA_CHAIN, Staged, stage, sweep
+from strawq.weights.fingerprint import Fingerprint, Fingerprints
 from strawq.weights.publish import Manifest, WeightStore, check_mode, wave_width
 
 
