@@ -20,6 +20,13 @@ complete on disk: a manifest names weights that are there, and its checksum (sha
 the directory's file names and bytes) lets a loader refuse a copy that changed since. The
 trainer announces version v (``versions/``) only after the manifest is in place.
 
+A manifest also lists each file's sha256 and size. With a publish directory the version
+may be a delta against the version before it (``strawq.weights.delta``): its directory
+holds only the files that changed, and the manifest names the base, the base manifest's
+checksum and the delta's own; ``checksum`` stays the whole version's. A producer builds it
+on its local disk (``WeightStore.materialize``); collection keeps every base a kept delta
+needs.
+
 A wave slot is claimed by creating ``wave-<v>~<k>`` for some ``k < wave``; at most ``wave``
 engines of the fleet load version v at once, whoever drives them, with no coordinator. A
 producer that dies holding a slot leaves it until it restarts under the same id (it deletes
