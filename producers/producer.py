@@ -192,7 +192,8 @@ class Producer:
         #: (``rolling.after_load``: the hook after an engine loaded a version)
         self.rolling = RollingPull(pid, store=WeightStore(self.queue.storage),
                                    client=self._slot.raw, guard=self.guard, io=self._io.call,
-                                   book=book, clock=clock, poll_s=timing.control_poll_s)
+                                   book=book, clock=clock, poll_s=timing.control_poll_s,
+                                   cache_dir=config.engine.weights_cache_dir)
         backoff = FaultBackoff(config.engine.backoff_s, clock)
         self.runner = GroupRunner(config, producer_id=pid, queue=self.queue,
                                   group_size=self.group_size, client=self._slot.guarded,

@@ -73,6 +73,11 @@ class EngineConfig(Config):
     #: Pause before claiming again after a group was handed back for an engine fault
     #: (doubles per consecutive fault, capped at 16x).
     backoff_s: float = 0.5
+    #: A directory on this node's local disk (which the engines read) where the rolling
+    #: mode builds the versions published as a delta against a base
+    #: (``strawq.weights.delta``), each producer in ``strawq-weights-<producer id>`` under
+    #: it; None: the system's temporary directory.
+    weights_cache_dir: str | None = None
 
     def validate(self) -> None:
         if not self.workers and self.router_url is None:

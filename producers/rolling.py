@@ -24,6 +24,14 @@ then for that engine only:
    rotation; releases the slot. An ``after_load`` that raises keeps the engine out of
    rotation (``refused``) and the next step loads it again.
 
+A version published as a delta against a base (``strawq.weights.delta``) is built once per
+producer on its node's local disk (``cache_dir``: the base's files, from this producer's
+own build of it or the published full version, plus the delta's), checked against the
+manifest's checksum, and that directory is what its engines load. A delta that cannot be
+built into exactly its manifest's weights (its base collected or changed, its files
+changed) is refused: the engines stay on their versions, and load the next version
+published (the next full one at the latest).
+
 The rest of the fleet keeps generating meanwhile. An engine found on a version too old to
 serve (a new or restarted engine) is out of rotation until it loaded the newest version
 (the guard's probes; it is pulled like any other). While the run's version was not
@@ -36,6 +44,8 @@ import asyncio
 import functools
 import logging
 import math
+import os
+import tempfile
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,7 +56,8 @@ from strawq.producers.engine_versions import VersionGuard
 from strawq.producers.meter import StatsBook
 from strawq.storage.watch import DirProbe
 from strawq.tasks.queue import VERSIONS_DIR
-from strawq.weights.publish import WEIGHTS_DIR, Manifest, WeightsConflict, WeightStore
+from strawq.weights.delta import DeltaRefused, prune
+from strawq.weights.publish import WEIGHTS_DIR, Manifest, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +81,7 @@ class RollingPull:
                  client: Callable[[], EngineClient | None], guard: VersionGuard,
                  io: Callable[[Callable[[], Any]], Awaitable[Any]], book: StatsBook,
                  clock: Callable[[], float], poll_s: float,
-                 after_load: AfterLoad | None = None) -> None:
+                 after_load: AfterLoad | None = None, cache_dir: str | None = None) -> None:
         self.producer_id = producer_id
         self.store = store
         self._client = client
@@ -89,7 +100,12 @@ class RollingPull:
         self.refused: dict[str, int] = {}
         #: seconds each finished load held its engine out of rotation
         self.pause_s: list[float] = []
-        self._verified: set[int] = set()
+        #: version -> the directory its engines load (a delta's: built in ``cache_dir``)
+        self._verified: dict[int, str] = {}
+        #: where this producer builds delta versions (its node's local disk): a directory
+        #: of its own, which producers sharing ``cache_dir`` never touch
+        self.cache_dir = os.path.join(cache_dir or tempfile.gettempdir(),
+                                      f"strawq-weights-{producer_id}")
         self._refused: set[int] = set()
         self._last = -math.inf
         self._step: asyncio.Task[None] | None = None
@@ -172,27 +188,41 @@ class RollingPull:
         self._settled = None if behind else m.version
 
     async def _verify(self, m: Manifest) -> bool:
-        """Check the published weights against their manifest once per version."""
+        """Check the published weights against their manifest once per version (a delta:
+        build it on the local disk and check what was built)."""
         if m.version in self._verified:
             return True
         if m.version in self._refused:
             return False
         try:
-            await self._io(lambda: self.store.verify(m))
-        except (WeightsConflict, OSError) as exc:
+            path = await self._io(functools.partial(self._prepare, m))
+        except (DeltaRefused, OSError) as exc:
             self._refused.add(m.version)
             log.error("producer %s: version %d is not loaded: %s", self.producer_id,
                       m.version, exc)
             return False
-        self._verified.add(m.version)
+        self._verified[m.version] = path
         return True
+
+    def _prepare(self, m: Manifest) -> str:
+        """Blocking: the directory the engines load ``m`` from, verified."""
+        if not m.is_delta:
+            self.store.verify(m)
+            return m.path
+        path = self.store.materialize(m, self.cache_dir)
+        prune(self.cache_dir, m.version - 1)  # keeps this build and its base's
+        log.info("producer %s: version %d built from version %d and its delta (%.1f of "
+                 "%.1f MB) in %s", self.producer_id, m.version, m.base, m.written / 1e6,
+                 m.bytes / 1e6, path)
+        return path
 
     async def pull(self, client: WeightLoader, url: str, m: Manifest, slot: int) -> None:
         """Load ``m`` into the engine at ``url`` (holding wave slot ``slot``)."""
         self.guard.loading.add(url)
         t0 = self.clock()
         try:
-            await client.push_weights(m.path, weight_version=m.version, url=url)
+            await client.push_weights(self._verified.get(m.version, m.path),
+                                      weight_version=m.version, url=url)
             v = await self.guard.probe(url)
             if v != m.version:
                 raise EngineError(f"engine reports version {v} after loading {m.version}",

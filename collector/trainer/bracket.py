@@ -40,6 +40,7 @@ from strawq.errors import BracketError
 from strawq.tasks.grantor import LeaseMonitor
 from strawq.tasks.queue import RunQueue
 from strawq.weights.control import Control
+from strawq.weights.delta import MAX_DELTA_CHAIN
 from strawq.weights.engine_weights import (
     PROBE_TIMEOUT_S,
     EngineProbe,
@@ -102,12 +103,15 @@ class WeightUpdateBracket:
                  fence: Callable[[], None] | None = None, attest: bool = True,
                  attest_timeout_s: float = READ_TIMEOUT_S,
                  admin_api_key: str | None = None,
-                 weight_update: str = "bracket", wave: float = 0.25, max_lag: int = 1
+                 weight_update: str = "bracket", wave: float = 0.25, max_lag: int = 1,
+                 max_delta_chain: int = MAX_DELTA_CHAIN, publish_dir: str | None = None
                  ) -> None:
         self.queue = queue
         #: the update's mode, rolling settings and attestation fingerprints
         self.publisher = UpdatePublisher(queue, mode=weight_update, wave=wave,
-                                         max_lag=max_lag, attest=attest)
+                                         max_lag=max_lag, attest=attest,
+                                         publish_dir=publish_dir,
+                                         max_delta_chain=max_delta_chain)
         #: called before every bracket write (``BatchReader``'s: the trainer fence, which
         #: raises ``FencedOut`` once another trainer took the run over); None: unfenced
         #: (an operator's tool settling a bracket)
@@ -376,14 +380,12 @@ class WeightUpdateBracket:
 
     def publish_weights(self, write: Callable[[int], Any], *,
                         version: int | None = None) -> BracketReport:
-        """The rolling mode's update: ``write(v)`` writes version v's weights (complete,
-        to storage every engine reads) and returns their directory; its manifest is
-        published under ``weights/`` and version v announced. Nothing is paused and no
-        engine waited for: producers load v into their engines in waves
-        (``strawq.producers.rolling``). Refused while a bracket is open."""
+        """The rolling mode's update: ``write(v)`` writes version v's weights (complete)
+        and returns their directory; published (with ``publish_dir``: copied there, whole
+        or as a delta) under ``weights/``, v announced. Nothing is paused, no engine waited
+        for: producers load v in waves (``strawq.producers.rolling``). Refused in a bracket."""
         self._rank0("publish_weights")
-        fleet = len(set(self.engines.known()) | set(self.engine_urls))
         target, m, waited = self.publisher.rolling(
             write, version=version, open_version=self._open, control=self.control,
-            fleet=fleet, clock=self.clock)
+            fleet=len(set(self.engines.known()) | set(self.engine_urls)), clock=self.clock)
         return BracketReport(target, frozenset(), {}, waited, [], False, published=m)

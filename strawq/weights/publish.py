@@ -20,6 +20,13 @@ complete on disk: a manifest names weights that are there, and its checksum (sha
 the directory's file names and bytes) lets a loader refuse a copy that changed since. The
 trainer announces version v (``versions/``) only after the manifest is in place.
 
+A manifest also lists each file's sha256 and size. With a publish directory the version
+may be a delta against the version before it (``strawq.weights.delta``): its directory
+holds only the files that changed, and the manifest names the base, the base manifest's
+checksum and the delta's own; ``checksum`` stays the whole version's. A producer builds it
+on its local disk (``WeightStore.materialize``); collection keeps every base a kept delta
+needs.
+
 A wave slot is claimed by creating ``wave-<v>~<k>`` for some ``k < wave``; at most ``wave``
 engines of the fleet load version v at once, whoever drives them, with no coordinator. A
 producer that dies holding a slot leaves it until it restarts under the same id (it deletes
@@ -36,16 +43,26 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from strawq.errors import AlreadyExists, CorruptRecord, NotFound, StrawqError
+from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.ondisk import records
 from strawq.ondisk.names import validate_id
 from strawq.ondisk.numbered import Numbered
 from strawq.ondisk.records import Kind
 from strawq.storage import Storage
+from strawq.weights.delta import (
+    BaseInfo,
+    BaseUnavailable,
+    DeltaRefused,
+    Staged,
+    build,
+    delta_checksum_of,
+    scan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +76,7 @@ KEEP = 4
 MODES = ("bracket", "rolling")
 
 
-class WeightsConflict(StrawqError):
+class WeightsConflict(DeltaRefused):
     """A version published twice with different weights, or weights that changed on disk
     since their manifest was written."""
 
@@ -82,11 +99,50 @@ class Manifest:
     #: the trainer's seconds to write the weights and publish them
     write_s: float
     at: float
+    #: each file of the version: sha256 and bytes (empty in a manifest written before
+    #: deltas existed: no delta is computed against it)
+    listing: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    #: a delta (``strawq.weights.delta``): ``path`` holds only the files that differ from
+    #: version ``base``'s, whose manifest's checksum is ``base_checksum``; ``delta_checksum``
+    #: is ``path``'s own; ``chain`` counts deltas since the last full version (0: full)
+    base: int | None = None
+    base_checksum: str | None = None
+    delta_checksum: str | None = None
+    chain: int = 0
+    #: bytes the trainer wrote to ``path`` for this version (a delta: its files only)
+    written: int = 0
+
+    @property
+    def is_delta(self) -> bool:
+        return self.base is not None
 
     def to_meta(self) -> dict[str, object]:
-        return {"version": self.version, "path": self.path, "checksum": self.checksum,
-                "files": self.files, "bytes": self.bytes, "wave": self.wave,
-                "max_lag": self.max_lag, "write_s": self.write_s, "at": self.at}
+        meta: dict[str, object] = {
+            "version": self.version, "path": self.path, "checksum": self.checksum,
+            "files": self.files, "bytes": self.bytes, "wave": self.wave,
+            "max_lag": self.max_lag, "write_s": self.write_s, "at": self.at,
+            "listing": {k: list(v) for k, v in self.listing.items()},
+            "written": self.written}
+        if self.base is not None:
+            meta.update(base=self.base, base_checksum=self.base_checksum,
+                        delta_checksum=self.delta_checksum, chain=self.chain)
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> Manifest:
+        base = meta.get("base")
+        listing = meta.get("listing") or {}
+        return cls(int(meta["version"]), str(meta["path"]), str(meta["checksum"]),
+                   int(meta["files"]), int(meta["bytes"]), int(meta["wave"]),
+                   int(meta["max_lag"]), float(meta.get("write_s", 0.0)), float(meta["at"]),
+                   {str(k): (str(v[0]), int(v[1])) for k, v in listing.items()},
+                   None if base is None else int(base),
+                   None if base is None else str(meta["base_checksum"]),
+                   None if base is None else str(meta["delta_checksum"]),
+                   int(meta.get("chain", 0)), int(meta.get("written", meta["bytes"])))
+
+    def as_base(self) -> BaseInfo:
+        return BaseInfo(self.version, self.checksum, self.listing, self.chain)
 
 
 def checksum_dir(path: str | Path) -> tuple[str, int, int]:
@@ -136,17 +192,26 @@ class WeightStore:
 
     # -- manifests (the trainer writes, everyone reads) ----------------------------------------
     def publish(self, version: int, path: str | Path, *, wave: int, max_lag: int,
-                write_s: float = 0.0) -> Manifest:
+                write_s: float = 0.0, staged: Staged | None = None) -> Manifest:
         """Write version ``version``'s manifest for the weights at ``path`` (complete on
-        disk). Publishing the same weights again is a no-op; other weights under a version
-        already published raise ``WeightsConflict``."""
+        disk; ``staged``: copied into a publish directory, whole or as a delta,
+        ``strawq.weights.delta.stage``). Publishing the same weights again is a no-op;
+        other weights under a version already published raise ``WeightsConflict``."""
         if version < 1:
             raise ValueError(f"a published version is >= 1, got {version}")
         if wave < 1 or max_lag < 0:
             raise ValueError(f"wave >= 1 and max_lag >= 0, got {wave} and {max_lag}")
-        checksum, files, size = checksum_dir(path)
-        m = Manifest(int(version), os.fspath(Path(path).resolve()), checksum, files, size,
-                     int(wave), int(max_lag), float(write_s), time.time())
+        if staged is None:
+            if not Path(path).exists():
+                raise WeightsConflict(f"weights {path} do not exist")
+            checksum, listing = scan(path)
+            staged = Staged(int(version), os.fspath(Path(path).resolve()), checksum, listing,
+                            written=sum(n for _, n in listing.values()))
+        checksum, listing = staged.checksum, staged.listing
+        m = Manifest(int(version), staged.path, checksum, len(listing),
+                     sum(n for _, n in listing.values()), int(wave), int(max_lag),
+                     float(write_s), time.time(), listing, staged.base, staged.base_checksum,
+                     staged.delta_checksum, staged.chain, staged.written)
         self.storage.makedirs(WEIGHTS_DIR)
         try:
             self.storage.publish(f"{WEIGHTS_DIR}/{MANIFESTS.name(version)}",
@@ -174,25 +239,25 @@ class WeightStore:
         if path is None:
             raise WeightsConflict("write(version) must return the directory it wrote the "
                                   "weights to (the rolling mode loads them from there)")
-        m = self.publish(version, path, wave=wave, max_lag=max_lag, write_s=clock() - t0)
+        staged = path if isinstance(path, Staged) else None
+        m = self.publish(version, staged.path if staged else path, wave=wave,
+                         max_lag=max_lag, write_s=clock() - t0, staged=staged)
         announce(version)
         waited = clock() - t0
-        log.info("weight version %d published (%s, %d files, %.1f MB) in %.2fs; engines "
-                 "load it %d at a time", version, m.path, m.files, m.bytes / 1e6, waited,
-                 m.wave)
+        log.info("weight version %d published (%s, %d files, %.1f MB%s) in %.2fs; engines "
+                 "load it %d at a time", version, m.path, m.files, m.bytes / 1e6,
+                 f", a delta against version {m.base}: {m.written / 1e6:.1f} MB written"
+                 if m.is_delta else "", waited, m.wave)
         return m, waited
 
     def manifest(self, version: int) -> Manifest | None:
         key = f"{WEIGHTS_DIR}/{MANIFESTS.name(version)}"
         try:
             meta = records.decode(self.storage.read(key), expect=Kind.STATE, name=key).meta
-            return Manifest(int(meta["version"]), str(meta["path"]), str(meta["checksum"]),
-                            int(meta["files"]), int(meta["bytes"]), int(meta["wave"]),
-                            int(meta["max_lag"]), float(meta.get("write_s", 0.0)),
-                            float(meta["at"]))
+            return Manifest.from_meta(meta)
         except NotFound:
             return None
-        except (CorruptRecord, KeyError, TypeError, ValueError) as exc:
+        except (CorruptRecord, KeyError, TypeError, ValueError, IndexError) as exc:
             log.warning("%s is unreadable (%s); skipping it", key, exc)
             return None
 
@@ -206,12 +271,39 @@ class WeightStore:
 
     @staticmethod
     def verify(m: Manifest) -> None:
-        """Raise ``WeightsConflict`` unless the weights at ``m.path`` still match ``m``."""
-        checksum, _, _ = checksum_dir(m.path)
-        if checksum != m.checksum:
+        """Raise ``WeightsConflict`` unless the weights at ``m.path`` still match ``m`` (a
+        delta: its own files, ``m.delta_checksum``)."""
+        want = m.delta_checksum if m.delta_checksum is not None else m.checksum
+        checksum = delta_checksum_of(m.path) if m.delta_checksum is not None else \
+            checksum_dir(m.path)[0]
+        if checksum != want:
             raise WeightsConflict(f"the weights of version {m.version} at {m.path} changed "
                                   f"since they were published (checksum {checksum[:12]}, "
-                                  f"manifest {m.checksum[:12]}); not loading them")
+                                  f"manifest {want[:12]}); not loading them")
+
+    def materialize(self, m: Manifest, cache: str | Path, *, check: bool = True) -> str:
+        """The directory an engine loads version ``m`` from: a full version's published
+        directory; a delta's base plus its files, built and verified in ``cache`` (this
+        node's local disk; ``strawq.weights.delta.build``). Raises ``BaseUnavailable`` when
+        the base's manifest is gone or names other weights than the delta was computed
+        against, ``DeltaRefused`` when the build does not match ``m``: nothing is loaded.
+        A full version is not read here (``verify`` checks it); ``check=False`` (for a
+        base) takes a build already in ``cache`` unread."""
+        if m.base is None:
+            return m.path
+        base = self.manifest(m.base)
+        if base is None:
+            raise BaseUnavailable(f"version {m.version} is a delta against version {m.base}, "
+                                  "whose manifest is gone (collected or unreadable)")
+        if base.checksum != m.base_checksum:
+            raise BaseUnavailable(
+                f"version {m.version} is a delta against version {m.base} with checksum "
+                f"{str(m.base_checksum)[:12]}, but version {m.base}'s manifest has "
+                f"{base.checksum[:12]}")
+        base_dir = self.materialize(base, cache, check=False)
+        return build(m.version, listing=m.listing, checksum=m.checksum, delta_dir=m.path,
+                     delta_checksum=m.delta_checksum, base_dir=base_dir, cache=cache,
+                     check=check)
 
     # -- wave slots (producers) ----------------------------------------------------------------
     def claim_slot(self, m: Manifest, holder: str, url: str) -> int | None:
@@ -270,8 +362,31 @@ class WeightStore:
                 gone += 1
         return gone
 
+    def kept(self) -> list[Manifest]:
+        """The readable manifests (after a publish's collection: the newest ``KEEP`` and
+        the bases their deltas need)."""
+        out = []
+        for v in MANIFESTS.numbers(self.storage.list(WEIGHTS_DIR)):
+            m = self.manifest(v)
+            if m is not None:
+                out.append(m)
+        return out
+
     def _gc(self, version: int) -> None:
+        """Collect manifests (and their wave slots) below the newest ``KEEP``, except the
+        bases a kept delta needs, down its chain to its full version."""
         names = self.storage.list(WEIGHTS_DIR)
-        for family in (MANIFESTS, WAVES):
-            for n in family.below(names, version - KEEP + 1):
+        cut = version - KEEP + 1
+        needed: set[int] = set()
+        for v in MANIFESTS.numbers(names):
+            if v < cut:
+                continue
+            m = self.manifest(v)
+            while m is not None and m.base is not None and m.base not in needed:
+                needed.add(m.base)
+                m = self.manifest(m.base)
+        for n in MANIFESTS.below(names, cut):
+            if MANIFESTS.parse(n) not in needed:
                 self.storage.delete(f"{WEIGHTS_DIR}/{n}")
+        for n in WAVES.below(names, cut):
+            self.storage.delete(f"{WEIGHTS_DIR}/{n}")
