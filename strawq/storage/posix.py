@@ -13,15 +13,17 @@ import errno
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
-from strawq.errors import AlreadyExists, NotFound, StorageError, StorageFull
+from strawq.errors import AlreadyExists, NotFound, StorageError, StorageFull, StrawqError
 from strawq.liveness import pid_alive
-from strawq.storage.base import Capabilities, Storage, validate_key
+from strawq.storage.base import Capabilities, Storage, parent, validate_key
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,14 @@ _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
 #: a descriptor that only names a directory (no open sent to the filesystem); 0 elsewhere
 _O_PATH = getattr(os, "O_PATH", 0)
+#: errnos after which a call relative to the held root is made again at the path, if the
+#: descriptor is no longer the root's directory: the first attempt cannot have happened
+#: (``PosixStorage._attempt``)
+_RETRY = frozenset({errno.ENOENT, errno.ENOTCONN, errno.ESTALE, errno.EBADF})
+#: the same for calls that change nothing: EIO too
+_RETRY_READS = _RETRY | {errno.EIO}
+
+_T = TypeVar("_T")
 
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
@@ -58,7 +68,16 @@ def translate(exc: OSError, what: str) -> Exception:
 
 
 class PosixStorage(Storage):
-    """A store rooted at a directory of a POSIX filesystem."""
+    """A store rooted at a directory of a POSIX filesystem.
+
+    Every call names its key relative to a descriptor of the root that the handle holds
+    (``dir_fd=``, ``renameat2``), so the kernel resolves the key's own components only,
+    never the root's path again: on a shared mount whose entry caches have expired, each
+    component is a round trip to the metadata server. The handle is bound to the *path*
+    all the same: a call that fails in a way a stale descriptor explains is checked
+    against the path and, if the descriptor no longer is the directory there, made again
+    once (``_HeldDirs``). A forked child inherits the descriptors (``O_PATH``: no offset,
+    no lock; each process checks and replaces its own)."""
 
     def __init__(self, root: str, *, writer_id: str | None = None, fsync: bool = True,
                  tmp_dir: str = "tmp", nfs_retry_rule: bool = False,
@@ -80,8 +99,8 @@ class PosixStorage(Storage):
         # Temporary names say which process wrote them (``<writer>.<host>-<pid>.<uuid>``),
         # so a dead writer's leftovers are found without the operator naming it.
         self._tmp_tag = f"{self.writer_id}.{_host()}-{os.getpid()}"
-        #: directories held open for ``rename_within``
-        self._dirs = _HeldDirs()
+        #: the root's descriptor, and those of directories renamed within (``rename_within``)
+        self._dirs = _HeldDirs(self.root)
 
     # -- paths ---------------------------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -93,27 +112,63 @@ class PosixStorage(Storage):
     def describe(self) -> str:
         return f"posix:{self.root}"
 
+    # -- the held root ---------------------------------------------------------------------
+    def _at(self, op: Callable[[_At], _T], *, reads: bool = False) -> _T:
+        """``op``'s result (``_attempt``)."""
+        return self._attempt(op, reads=reads)[0]
+
+    def _attempt(self, op: Callable[[_At], _T], *, reads: bool = False) -> tuple[_T, _At]:
+        """``op`` relative to the held root; once more if it failed as a stale root fails.
+
+        The retry is safe for every call: it happens only on an errno that says the first
+        attempt did nothing (ENOENT: the name, or a directory on the way, was not there —
+        a removed root holds nothing and refuses creates, so no call acts there; ENOTCONN:
+        the FUSE connection was gone before the request was sent, an in-flight one gets
+        ECONNABORTED instead; ESTALE: the server did not know the handle; EBADF), and only
+        when the held descriptor is no longer the directory at the root's path. EIO may
+        come after the request took effect, so only reads are retried on it. A call whose
+        steps all succeeded is never made again, whatever follows (a directory fsync after
+        a rename raises the package's errors, which are not retried)."""
+        at = self._dirs.root_at()
+        try:
+            return op(at), at
+        except StrawqError:
+            raise
+        except OSError as exc:
+            retry = _RETRY_READS if reads else _RETRY
+            if at.fd is None or exc.errno not in retry or not self._dirs.stale():
+                raise
+        at = self._dirs.root_at()
+        return op(at), at
+
     # -- primitives ----------------------------------------------------------------------
-    def _fsync_dir(self, path: str) -> None:
+    def _fsync_dir(self, at: _At, directory: str) -> None:
+        """fsync ``directory`` (a key, or '' for the root), opened relative to ``at``."""
         if not self._fsync:
             return
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            fd = os.open(at.p(directory), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC,
+                         dir_fd=at.fd)
         except OSError as exc:
-            raise translate(exc, f"open directory {path} for fsync") from exc
+            raise translate(exc, f"open directory {self._shown(directory)} for fsync") from exc
         try:
             os.fsync(fd)
         except OSError as exc:
             # EINVAL: the filesystem cannot fsync directories; nothing more to do there.
             if exc.errno != errno.EINVAL:
-                raise translate(exc, f"fsync directory {path}") from exc
+                raise translate(exc, f"fsync directory {self._shown(directory)}") from exc
         finally:
             os.close(fd)
 
-    def _rename_noreplace(self, src: str, dst: str) -> None:
+    def _shown(self, key: str) -> str:
+        return os.path.join(self.root, key) if key else self.root
+
+    def _rename_noreplace(self, at: _At, src: str, dst: str) -> None:
+        """Rename key ``src`` to key ``dst`` (relative to ``at``) without replacing."""
+        s, d = at.p(src), at.p(dst)
         if self._noreplace_ok and _renameat2 is not None:
-            rc = _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst),
-                            _RENAME_NOREPLACE)
+            fd = _AT_FDCWD if at.fd is None else at.fd
+            rc = _renameat2(fd, os.fsencode(s), fd, os.fsencode(d), _RENAME_NOREPLACE)
             if rc == 0:
                 return
             code = ctypes.get_errno()
@@ -121,12 +176,12 @@ class PosixStorage(Storage):
                 log.warning("RENAME_NOREPLACE unsupported under %s; using rename()", self.root)
                 self._noreplace_ok = False
             else:
-                raise OSError(code, os.strerror(code), src)
+                raise OSError(code, os.strerror(code), s)
         # Fallback: destinations are unique by construction, so a check is enough to catch
         # bugs; the atomicity that matters (one winner per source) is rename's own.
-        if os.path.lexists(dst):
-            raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
-        os.rename(src, dst)
+        if _lexists(at, dst):
+            raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), d)
+        os.rename(s, d, src_dir_fd=at.fd, dst_dir_fd=at.fd)
 
     def _writable(self, what: str) -> None:
         if self.read_only:
@@ -136,45 +191,51 @@ class PosixStorage(Storage):
     def publish(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview], *,
                 sync_dir: bool = True, sync_file: bool = True, in_place: bool = False) -> None:
         self._writable(f"publish {key}")
-        dst = self._path(key)
+        validate_key(key)
         chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
         sync = self._fsync and sync_file
-        if in_place:
-            # No temporary name: the directory is private until it is renamed into place
-            # (``Storage.publish``). Saves the temporary file's create and the rename, and
-            # their lookups, per record.
-            try:
-                fd = _create_exclusive(dst)
-            except OSError as exc:
-                raise translate(exc, f"publish {key}") from exc
-            try:
-                self._fill(fd, dst, chunks, sync)
-            except OSError as exc:
-                _unlink_quietly(dst)  # ours: the exclusive create made it
-                raise translate(exc, f"publish {key}") from exc
-        else:
-            tmp = os.path.join(self.root, self._tmp, f"{self._tmp_tag}.{uuid.uuid4().hex}")
-            try:
-                fd = _create_exclusive(tmp)  # the first write to this run makes tmp/
-            except OSError as exc:
-                raise translate(exc, f"create temporary file for {key}") from exc
-            try:
-                self._fill(fd, tmp, chunks, sync)
-                try:
-                    self._rename_noreplace(tmp, dst)
-                except FileNotFoundError:
-                    # The parent directory is missing: create it once and retry.
-                    make_dirs(os.path.dirname(dst))
-                    self._rename_noreplace(tmp, dst)
-            except OSError as exc:
-                _unlink_quietly(tmp)
-                raise translate(exc, f"publish {key}") from exc
+        write = self._write_in_place if in_place else self._write_and_rename
+        try:
+            _, at = self._attempt(lambda a: write(a, key, chunks, sync))
+        except StrawqError:
+            raise
+        except OSError as exc:
+            raise translate(exc, f"publish {key}") from exc
         if sync_dir and sync_file:
-            self._fsync_dir(os.path.dirname(dst))
+            # the directory the file was renamed into, through the same descriptor
+            self._fsync_dir(at, parent(key))
 
-    def _fill(self, fd: int, path: str, chunks: Sequence[bytes | bytearray | memoryview],
+    def _write_in_place(self, at: _At, key: str, chunks: Sequence[bytes | memoryview],
+                        sync: bool) -> None:
+        # No temporary name: the directory is private until it is renamed into place
+        # (``Storage.publish``). Saves the temporary file's create and the rename, and
+        # their lookups, per record.
+        fd = _create_exclusive(at, key)
+        try:
+            self._fill(fd, key, chunks, sync)
+        except OSError:
+            _unlink_quietly(at, key)  # ours: the exclusive create made it
+            raise
+
+    def _write_and_rename(self, at: _At, key: str, chunks: Sequence[bytes | memoryview],
+                          sync: bool) -> None:
+        tmp = f"{self._tmp}/{self._tmp_tag}.{uuid.uuid4().hex}"
+        fd = _create_exclusive(at, tmp)  # the first write to this run makes tmp/
+        try:
+            self._fill(fd, tmp, chunks, sync)
+            try:
+                self._rename_noreplace(at, tmp, key)
+            except FileNotFoundError:
+                # The parent directory is missing: create it once and retry.
+                make_dirs(at.p(parent(key)), dir_fd=at.fd)
+                self._rename_noreplace(at, tmp, key)
+        except OSError:
+            _unlink_quietly(at, tmp)
+            raise
+
+    def _fill(self, fd: int, key: str, chunks: Sequence[bytes | bytearray | memoryview],
               sync: bool) -> None:
-        """Write ``chunks`` to the new file ``fd`` (at ``path``), fsync it if ``sync``, and
+        """Write ``chunks`` to the new file ``fd`` (at ``key``), fsync it if ``sync``, and
         close it: a file is never given its name, or its directory renamed, while open."""
         try:
             for chunk in chunks:
@@ -188,77 +249,85 @@ class PosixStorage(Storage):
             os.close(fd)
 
     def read(self, key: str) -> bytes:
+        validate_key(key)
         try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
+            return self._at(lambda at: _read(at, key, -1), reads=True)
         except OSError as exc:
             raise translate(exc, f"read {key}") from exc
 
     def read_prefix(self, key: str, size: int) -> bytes:
+        validate_key(key)
         try:
-            with open(self._path(key), "rb") as f:
-                return f.read(size)
+            return self._at(lambda at: _read(at, key, size), reads=True)
         except OSError as exc:
             raise translate(exc, f"read {key}") from exc
 
     def size(self, key: str) -> int:
+        validate_key(key)
         try:
-            return os.stat(self._path(key)).st_size
+            return self._at(lambda at: os.stat(at.p(key), dir_fd=at.fd).st_size, reads=True)
         except OSError as exc:
             raise translate(exc, f"stat {key}") from exc
 
     def rename(self, src: str, dst: str, *, sync_dir: bool = True) -> None:
         self._writable(f"rename {src} -> {dst}")
-        s, d = self._path(src), self._path(dst)
+        validate_key(src)
+        validate_key(dst)
+        try:
+            _, at = self._attempt(lambda a: self._rename_at(a, src, dst))
+        except OSError as exc:
+            raise translate(exc, f"rename {src} -> {dst}") from exc
+        if sync_dir:
+            self._fsync_dir(at, parent(dst))
+            if parent(src) != parent(dst):
+                self._fsync_dir(at, parent(src))
+
+    def _rename_at(self, at: _At, src: str, dst: str) -> None:
         try:
             try:
-                self._rename_noreplace(s, d)
+                self._rename_noreplace(at, src, dst)
             except FileNotFoundError:
                 # Like publish: a missing destination directory is created, never reported
                 # as NotFound (which every caller reads as "somebody else won the source").
-                if not os.path.lexists(s) or os.path.isdir(os.path.dirname(d)):
+                if not _lexists(at, src) or _isdir(at, parent(dst)):
                     raise
-                make_dirs(os.path.dirname(d))
-                self._rename_noreplace(s, d)
+                make_dirs(at.p(parent(dst)), dir_fd=at.fd)
+                self._rename_noreplace(at, src, dst)
         except OSError as exc:
             # NFS: a retried RENAME whose first attempt succeeded reports ENOENT. Our
             # destinations are unique to the caller, so an existing one means we won.
-            if (self._nfs_retry_rule and exc.errno == errno.ENOENT and os.path.lexists(d)
-                    and not os.path.lexists(s)):
+            if (self._nfs_retry_rule and exc.errno == errno.ENOENT and _lexists(at, dst)
+                    and not _lexists(at, src)):
                 log.debug("rename %s -> %s reported ENOENT but the destination exists", src, dst)
             else:
-                raise translate(exc, f"rename {src} -> {dst}") from exc
-        if sync_dir:
-            self._fsync_dir(os.path.dirname(d))
-            if os.path.dirname(s) != os.path.dirname(d):
-                self._fsync_dir(os.path.dirname(s))
+                raise
 
     def rename_within(self, directory: str, src: str, dst: str) -> None:
         """``renameat2`` of two names relative to a descriptor of ``directory`` held by this
-        handle: the kernel looks up the two names only, not every component of the path
-        again (on a shared mount with short or no entry caches, each is a round trip to
-        the metadata server: a heartbeat's rename by path cost two walks of it). Anything
-        but success falls back to ``rename`` by path, which decides and reports: a gone
-        directory (removed, or replaced by another of its name) is then found again, and
-        the NFS retry rule applies. A directory moved away whole (the protocol never moves
-        ``hb/``) keeps the renames of a handle that holds it."""
+        handle (opened relative to the root's): the kernel looks up the two names only (a
+        heartbeat). Anything but success falls back to ``rename``, which decides and
+        reports; before it, a descriptor that is no longer the directory at its key (the
+        directory, or the root, removed or replaced) is dropped, to be opened again at
+        the next call. A directory moved away whole (the protocol never moves ``hb/``)
+        keeps the renames of a handle that holds it until one fails there."""
         if "/" in src or "/" in dst:
             raise ValueError(f"rename_within {directory}: {src!r} and {dst!r} must be names "
                              f"inside it, not paths")
         self._writable(f"rename {directory}/{src} -> {directory}/{dst}")
         validate_key(f"{directory}/{src}")
         validate_key(f"{directory}/{dst}")
-        fd = self._dirs.held(self._path(directory)) if self._noreplace_ok else None
+        fd = self._dirs.held(directory) if self._noreplace_ok else None
         if fd is not None and _renameat2 is not None:
             if _renameat2(fd, os.fsencode(src), fd, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
                 return
-            self._dirs.recheck(self._path(directory))
+            self._dirs.stale(directory)
         self.rename(f"{directory}/{src}", f"{directory}/{dst}", sync_dir=False)
 
     def list(self, directory: str) -> list[str]:
-        path = self._path(directory) if directory else self.root
+        if directory:
+            validate_key(directory)
         try:
-            names = os.listdir(path)
+            names = self._at(lambda at: _listdir(at, directory), reads=True)
         except FileNotFoundError:
             return []
         except OSError as exc:
@@ -267,8 +336,9 @@ class PosixStorage(Storage):
 
     def delete(self, key: str, *, missing_ok: bool = True) -> None:
         self._writable(f"delete {key}")
+        validate_key(key)
         try:
-            os.unlink(self._path(key))
+            self._at(lambda at: os.unlink(at.p(key), dir_fd=at.fd))
         except FileNotFoundError:
             if not missing_ok:
                 raise NotFound(errno.ENOENT, f"delete {key}: no such key") from None
@@ -278,8 +348,9 @@ class PosixStorage(Storage):
     def rmdir(self, directory: str) -> bool:
         if self.read_only:
             return False  # only ever tidying: a reader leaves it to the next writer
+        validate_key(directory)
         try:
-            os.rmdir(self._path(directory))
+            self._at(lambda at: os.rmdir(at.p(directory), dir_fd=at.fd))
         except OSError as exc:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
                 return False
@@ -287,23 +358,43 @@ class PosixStorage(Storage):
         return True
 
     def exists(self, key: str) -> bool:
-        return os.path.lexists(self._path(key))
+        validate_key(key)
+        try:
+            self._at(lambda at: os.stat(at.p(key), dir_fd=at.fd, follow_symlinks=False),
+                     reads=True)
+        except (OSError, ValueError):
+            return False
+        return True
 
     def is_dir(self, key: str) -> bool:
-        return os.path.isdir(self._path(key))
+        validate_key(key)
+        try:
+            st = self._at(lambda at: os.stat(at.p(key), dir_fd=at.fd), reads=True)
+        except (OSError, ValueError):
+            return False
+        return stat.S_ISDIR(st.st_mode)
 
     def makedirs(self, directory: str) -> None:
         self._writable(f"makedirs {directory}")
-        path = self._path(directory)
+        validate_key(directory)
         try:
-            make_dirs(path)
+            _, at = self._attempt(lambda a: make_dirs(a.p(directory), dir_fd=a.fd))
         except OSError as exc:
             raise translate(exc, f"makedirs {directory}") from exc
-        self._fsync_dir(os.path.dirname(path))
+        self._fsync_dir(at, parent(directory))
 
     def sync_dirs(self, directories: Iterable[str]) -> None:
+        at = self._dirs.root_at()
         for d in dict.fromkeys(directories):
-            self._fsync_dir(self._path(d) if d else self.root)
+            if d:
+                validate_key(d)
+            try:
+                self._fsync_dir(at, d)
+            except NotFound:
+                if at.fd is None or not self._dirs.stale():
+                    raise
+                at = self._dirs.root_at()  # fsync is idempotent: again, at the path
+                self._fsync_dir(at, d)
 
     def clean_tmp(self, writer_prefix: str) -> int:
         """Remove temporary files of writers whose ids start with ``writer_prefix``.
@@ -312,9 +403,10 @@ class PosixStorage(Storage):
         whose lease the grantor expired): a live writer's temporary file is in use.
         """
         n = 0
+        at = self._dirs.root_at()
         for name in self.list(self._tmp):
             if name.startswith(writer_prefix + "."):
-                _unlink_quietly(os.path.join(self.root, self._tmp, name))
+                _unlink_quietly(at, f"{self._tmp}/{name}")
                 n += 1
         return n
 
@@ -333,8 +425,9 @@ class PosixStorage(Storage):
         if not grace_s >= MIN_TMP_GRACE_S:
             raise ValueError(tmp_grace_problem(grace_s))
         host, now, n = _host(), time.time(), 0
+        at = self._dirs.root_at()
         for name in self.list(self._tmp):
-            path = os.path.join(self.root, self._tmp, name)
+            key = f"{self._tmp}/{name}"
             if name.startswith(self._tmp_tag + "."):
                 continue  # our own, possibly in flight in another thread
             dead = False
@@ -344,54 +437,102 @@ class PosixStorage(Storage):
                 dead = h == host and pid.isascii() and pid.isdigit() and not pid_alive(int(pid))
             if not dead:
                 try:
-                    dead = now - os.stat(path).st_mtime >= grace_s
+                    dead = now - os.stat(at.p(key), dir_fd=at.fd).st_mtime >= grace_s
                 except OSError:
                     continue
             if dead:
-                _unlink_quietly(path)
+                _unlink_quietly(at, key)
                 n += 1
         return n
 
 
-class _HeldDirs:
-    """Descriptors (``O_PATH``) of directories a handle renames within, opened at first use
-    and closed when the handle goes."""
+class _At:
+    """Where a call's keys are resolved: relative to the held root descriptor ``fd``, or
+    (no descriptor: the root does not exist yet, or cannot be opened) as absolute paths."""
 
-    def __init__(self) -> None:
+    __slots__ = ("fd", "_root")
+
+    def __init__(self, fd: int | None, root: str) -> None:
+        self.fd = fd
+        self._root = root
+
+    def p(self, key: str) -> str:
+        """``key`` ('' for the root itself) as the path to hand the kernel with ``fd``."""
+        if self.fd is not None:
+            return key or "."
+        return os.path.join(self._root, key) if key else self._root
+
+
+class _HeldDirs:
+    """The descriptors (``O_PATH``) a handle holds: its root's (key ''), opened at the first
+    call, and those of directories it renames within, opened relative to the root's; all
+    closed when the handle goes."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
         self._fds: dict[str, int] = {}
         self._retired: list[int] = []
         self._lock = threading.Lock()
         weakref.finalize(self, _close_all, self._fds, self._retired)
 
-    def held(self, path: str) -> int | None:
-        """The descriptor of ``path``, opened now if not held; None if it cannot be opened
-        (the caller falls back to paths, which report why)."""
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                try:
-                    fd = os.open(path, _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-                except OSError:
-                    return None
-                self._fds[path] = fd
-            return fd
+    def root_at(self) -> _At:
+        return _At(self.held(""), self.root)
 
-    def recheck(self, path: str) -> None:
-        """After a failed call: drop the descriptor if ``path`` is no longer the directory it
-        holds (removed, or replaced by another of its name), so the next call opens it
-        again. A dropped descriptor stays open until the handle goes: another thread may be
-        using it now, and a closed number could be reused by an unrelated file."""
+    def held(self, key: str) -> int | None:
+        """The descriptor of directory ``key`` ('' the root), opened now if not held; None
+        if it cannot be opened (the caller goes by path, which reports why)."""
         with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                return
-            try:
-                held, now = os.fstat(fd), os.stat(path)
-                same = (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
-            except OSError:
-                same = False
-            if not same:
-                self._retired.append(self._fds.pop(path))
+            return self._held(key)
+
+    def _held(self, key: str) -> int | None:
+        fd = self._fds.get(key)
+        if fd is not None:
+            return fd
+        flags = _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+        try:
+            if not key:
+                fd = os.open(self.root, flags)
+            else:
+                root = self._held("")
+                if root is None:
+                    return None
+                fd = os.open(key, flags, dir_fd=root)
+        except OSError:
+            return None
+        self._fds[key] = fd
+        return fd
+
+    def stale(self, key: str = "") -> bool:
+        """After a call through held descriptors failed: whether the root's (and, for a
+        ``key``, that directory's) is no longer the directory at its path: removed (a
+        removed directory keeps its inode, with no links, until its last descriptor goes),
+        replaced by another of its name, or on a mount that went away. Such descriptors
+        are dropped (every one, when it is the root's: they were opened through it), so
+        the next call opens the path again. A dropped descriptor stays open until the
+        handle goes: another thread may be using it now, and a closed number could be
+        reused by an unrelated file."""
+        with self._lock:
+            root = self._fds.get("")
+            if root is None:
+                return False
+            if not _same(root, None, self.root):
+                self._retired.extend(self._fds.values())
+                self._fds.clear()
+                return True
+            fd = self._fds.get(key) if key else None
+            if fd is None or _same(fd, root, key):
+                return False
+            self._retired.append(self._fds.pop(key))
+            return True
+
+
+def _same(fd: int, dir_fd: int | None, path: str) -> bool:
+    """Whether descriptor ``fd`` is the directory at ``path`` (relative to ``dir_fd``)."""
+    try:
+        held, now = os.fstat(fd), os.stat(path, dir_fd=dir_fd)
+    except OSError:
+        return False
+    return held.st_nlink > 0 and (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
 
 
 def _close_all(fds: dict[str, int], retired: list[int]) -> None:
@@ -402,6 +543,38 @@ def _close_all(fds: dict[str, int], retired: list[int]) -> None:
             pass
     fds.clear()
     retired.clear()
+
+
+def _read(at: _At, key: str, size: int) -> bytes:
+    """The content of ``key`` (at most ``size`` bytes; -1: all)."""
+    fd = os.open(at.p(key), os.O_RDONLY | os.O_CLOEXEC, dir_fd=at.fd)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(size)
+
+
+def _listdir(at: _At, directory: str) -> list[str]:
+    """The names in ``directory``, opened relative to ``at`` (an ``O_PATH`` descriptor
+    cannot be read)."""
+    fd = os.open(at.p(directory), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=at.fd)
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
+def _lexists(at: _At, key: str) -> bool:
+    try:
+        os.stat(at.p(key), dir_fd=at.fd, follow_symlinks=False)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _isdir(at: _At, key: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(at.p(key), dir_fd=at.fd).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 #: The least age (by mtime) at which a temporary file of another host is judged abandoned:
@@ -418,33 +591,39 @@ def tmp_grace_problem(grace_s: float) -> str:
             "WRITER for a writer known dead")
 
 
-def make_dirs(path: str) -> None:
-    """``os.makedirs(path, exist_ok=True)`` with ``DIR_MODE`` for every level it creates."""
+def make_dirs(path: str, *, dir_fd: int | None = None) -> None:
+    """``os.makedirs(path, exist_ok=True)`` with ``DIR_MODE`` for every level it creates;
+    with ``dir_fd``, ``path`` is relative to that directory, which is not created."""
     try:
-        os.mkdir(path, DIR_MODE)
+        os.mkdir(path, DIR_MODE, dir_fd=dir_fd)
     except FileExistsError:
-        if not os.path.isdir(path):
+        if not _isdir(_At(dir_fd, ""), path):
             raise
     except FileNotFoundError:
-        parent = os.path.dirname(os.path.abspath(path))
-        if parent == os.path.abspath(path):
-            raise
-        make_dirs(parent)
+        if dir_fd is None:
+            up = os.path.dirname(os.path.abspath(path))
+            if up == os.path.abspath(path):
+                raise
+        else:
+            up = os.path.dirname(path)
+            if not up or up == ".":
+                raise  # the directory the path is relative to is gone
+        make_dirs(up, dir_fd=dir_fd)
         try:
-            os.mkdir(path, DIR_MODE)
+            os.mkdir(path, DIR_MODE, dir_fd=dir_fd)
         except FileExistsError:
-            if not os.path.isdir(path):
+            if not _isdir(_At(dir_fd, ""), path):
                 raise
 
 
-def _create_exclusive(path: str) -> int:
-    """``open(path, O_CREAT | O_EXCL)`` for writing; a missing parent is made once."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+def _create_exclusive(at: _At, key: str) -> int:
+    """``open(key, O_CREAT | O_EXCL)`` for writing; a missing parent is made once."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
-        return os.open(path, flags, FILE_MODE)
+        return os.open(at.p(key), flags, FILE_MODE, dir_fd=at.fd)
     except FileNotFoundError:
-        make_dirs(os.path.dirname(path))
-        return os.open(path, flags, FILE_MODE)
+        make_dirs(at.p(parent(key)), dir_fd=at.fd)
+        return os.open(at.p(key), flags, FILE_MODE, dir_fd=at.fd)
 
 
 def _host() -> str:
@@ -453,8 +632,8 @@ def _host() -> str:
     return "".join(c if c.isalnum() or c in "_+=" else "_" for c in h)[:40] or "host"
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(at: _At, key: str) -> None:
     try:
-        os.unlink(path)
+        os.unlink(at.p(key), dir_fd=at.fd)
     except OSError:
         pass

@@ -69,25 +69,25 @@ class KillInsidePublish(PosixStorage):
         super().__init__(root, **kwargs)
         self.kill_at = n
         self.publishes = 0
-        self._tmp_root = os.path.join(self.root, "tmp") + os.sep
+        self._tmp_root = "tmp/"  # keys under it: temporary files
 
     def _due(self) -> bool:
         self.publishes += 1
         return bool(self.kill_at) and self.publishes >= self.kill_at
 
-    def _rename_noreplace(self, src: str, dst: str) -> None:
+    def _rename_noreplace(self, at: Any, src: str, dst: str) -> None:
         if src.startswith(self._tmp_root) and self._due():
             _die()
-        super()._rename_noreplace(src, dst)
+        super()._rename_noreplace(at, src, dst)
 
-    def _fill(self, fd: int, path: str, chunks: Sequence[bytes | bytearray | memoryview],
+    def _fill(self, fd: int, key: str, chunks: Sequence[bytes | bytearray | memoryview],
               sync: bool) -> None:
-        if not path.startswith(self._tmp_root) and self._due():
+        if not key.startswith(self._tmp_root) and self._due():
             blob = b"".join(bytes(c) for c in chunks)
             os.write(fd, blob[:len(blob) // 2])
             os.fsync(fd)
             _die()
-        super()._fill(fd, path, chunks, sync)
+        super()._fill(fd, key, chunks, sync)
 
 
 # -- recovery and drain (the parent's side) --------------------------------------------------

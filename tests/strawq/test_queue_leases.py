@@ -77,11 +77,11 @@ class _PausedPublish(PosixStorage):
 
     before_rename: Any = None
 
-    def _rename_noreplace(self, src: str, dst: str) -> None:
+    def _rename_noreplace(self, at: Any, src: str, dst: str) -> None:
         hook, self.before_rename = self.before_rename, None
-        if hook is not None and "/tmp/" in src:
+        if hook is not None and src.startswith("tmp/"):
             hook()
-        super()._rename_noreplace(src, dst)
+        super()._rename_noreplace(at, src, dst)
 
 
 def test_holder_expired_mid_publish_gets_lease_lost(tmp_path: Path) -> None:

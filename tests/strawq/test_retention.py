@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -196,9 +197,9 @@ def test_publish_names_its_temporary_file_after_host_and_pid(tmp_path: Path) -> 
     seen: list[str] = []
     real = os.rename
 
-    def spy(src: str, dst: str) -> None:
+    def spy(src: str, dst: str, **kw: Any) -> None:
         seen.append(os.path.basename(src))
-        real(src, dst)
+        real(src, dst, **kw)
 
     import strawq.storage.posix as posix
 
