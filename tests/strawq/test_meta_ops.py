@@ -4,7 +4,6 @@ metadata service, so these tests count them on a local directory and pin the one
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,19 +21,19 @@ class CountingStorage(PosixStorage):
     def __init__(self, root: str, **kwargs: Any) -> None:
         super().__init__(root, **kwargs)
         self.ops: Counter[str] = Counter()
-        self._tmp_root = os.path.join(self.root, "tmp") + os.sep
+        self._tmp_root = "tmp/"  # keys under it: temporary files
 
-    def _rename_noreplace(self, src: str, dst: str) -> None:
+    def _rename_noreplace(self, at: Any, src: str, dst: str) -> None:
         self.ops["rename"] += 1
-        super()._rename_noreplace(src, dst)
+        super()._rename_noreplace(at, src, dst)
 
     def list(self, directory: str) -> list[str]:
         self.ops[f"list {directory}"] += 1
         return super().list(directory)
 
-    def _fill(self, fd: int, path: str, chunks: Any, sync: bool) -> None:
-        self.ops["create tmp" if path.startswith(self._tmp_root) else "create in place"] += 1
-        super()._fill(fd, path, chunks, sync)
+    def _fill(self, fd: int, key: str, chunks: Any, sync: bool) -> None:
+        self.ops["create tmp" if key.startswith(self._tmp_root) else "create in place"] += 1
+        super()._fill(fd, key, chunks, sync)
 
 
 def test_a_release_writes_its_task_records_in_place(tmp_path: Path) -> None:
