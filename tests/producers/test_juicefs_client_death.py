@@ -28,6 +28,7 @@ from strawq.producers.sglang_client import ClientConfig
 from strawq.storage import PosixStorage
 from strawq.tasks.grantor import LeaseMonitor
 from strawq.tasks.queue import RunQueue
+from strawq.testing.conformance_hooks import eventually
 from tests.juicefs_fixtures import TESTVOL, find_juicefs_binary
 from tests.producers.helpers import config_with, ids, make_run, names, wait_for
 
@@ -173,3 +174,26 @@ def test_a_dead_juicefs_client_hands_its_leases_over_and_its_producer_rejoins(
     assert {t.id: t.producer for t in names(q, "ready") if t.id in second_ids} == {
         t: a_id for t in second_ids}
     assert seen["a_done_after"] - seen["a_done_before"] >= second
+
+
+def test_a_store_handle_outlives_its_juicefs_client(own_volume: tuple[str, str, str]) -> None:
+    """A ``PosixStorage`` handle holds a descriptor of its run root on the mount; when the
+    client is killed every call fails (ENOTCONN: the request is never sent), and once the
+    client is mounted again at the same path the same handle's calls work again: the held
+    descriptor, of the dead connection, is found stale and the path opened again."""
+    d, mount_a, mount_b = own_volume
+    st = PosixStorage(os.path.join(mount_a, "run"))
+    st.publish("a/one", b"1")
+    held = st._dirs.held("")
+    assert held is not None
+    kill_client(mount_a)
+    assert eventually(lambda: not answers(mount_a)), "the killed client's mount still answers"
+    with pytest.raises(OSError):
+        st.read("a/one")
+    remount(d, "A")
+    assert st.read("a/one") == b"1"  # the stale descriptor dropped, the path opened again
+    assert st._dirs.held("") != held
+    st.publish("a/two", b"2")
+    st.rename("a/two", "a/three")
+    assert st.list("a") == ["one", "three"]
+    assert PosixStorage(os.path.join(mount_b, "run")).read("a/three") == b"2"
