@@ -14,16 +14,15 @@ import logging
 import os
 import socket
 import stat
-import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from strawq.errors import AlreadyExists, NotFound, StorageError, StorageFull, StrawqError
 from strawq.liveness import pid_alive
 from strawq.storage.base import Capabilities, Storage, parent, validate_key
+from strawq.storage.held import At, HeldDirs, isdir, lexists, list_at, read_at
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +35,6 @@ FILE_MODE = 0o660
 
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
-#: a descriptor that only names a directory (no open sent to the filesystem); 0 elsewhere
-_O_PATH = getattr(os, "O_PATH", 0)
 #: errnos after which a call relative to the held root is made again at the path, if the
 #: descriptor is no longer the root's directory: the first attempt cannot have happened
 #: (``PosixStorage._attempt``)
@@ -76,8 +73,8 @@ class PosixStorage(Storage):
     component is a round trip to the metadata server. The handle is bound to the *path*
     all the same: a call that fails in a way a stale descriptor explains is checked
     against the path and, if the descriptor no longer is the directory there, made again
-    once (``_HeldDirs``). A forked child inherits the descriptors (``O_PATH``: no offset,
-    no lock; each process checks and replaces its own)."""
+    once (``strawq.storage.held``). A forked child inherits the descriptors (``O_PATH``: no
+    offset, no lock to share; each process checks and replaces its own)."""
 
     def __init__(self, root: str, *, writer_id: str | None = None, fsync: bool = True,
                  tmp_dir: str = "tmp", nfs_retry_rule: bool = False,
@@ -100,7 +97,7 @@ class PosixStorage(Storage):
         # so a dead writer's leftovers are found without the operator naming it.
         self._tmp_tag = f"{self.writer_id}.{_host()}-{os.getpid()}"
         #: the root's descriptor, and those of directories renamed within (``rename_within``)
-        self._dirs = _HeldDirs(self.root)
+        self._dirs = HeldDirs(self.root)
 
     # -- paths ---------------------------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -113,11 +110,11 @@ class PosixStorage(Storage):
         return f"posix:{self.root}"
 
     # -- the held root ---------------------------------------------------------------------
-    def _at(self, op: Callable[[_At], _T], *, reads: bool = False) -> _T:
+    def _at(self, op: Callable[[At], _T], *, reads: bool = False) -> _T:
         """``op``'s result (``_attempt``)."""
         return self._attempt(op, reads=reads)[0]
 
-    def _attempt(self, op: Callable[[_At], _T], *, reads: bool = False) -> tuple[_T, _At]:
+    def _attempt(self, op: Callable[[At], _T], *, reads: bool = False) -> tuple[_T, At]:
         """``op`` relative to the held root; once more if it failed as a stale root fails.
 
         The retry is safe for every call: it happens only on an errno that says the first
@@ -142,7 +139,7 @@ class PosixStorage(Storage):
         return op(at), at
 
     # -- primitives ----------------------------------------------------------------------
-    def _fsync_dir(self, at: _At, directory: str) -> None:
+    def _fsync_dir(self, at: At, directory: str) -> None:
         """fsync ``directory`` (a key, or '' for the root), opened relative to ``at``."""
         if not self._fsync:
             return
@@ -163,7 +160,7 @@ class PosixStorage(Storage):
     def _shown(self, key: str) -> str:
         return os.path.join(self.root, key) if key else self.root
 
-    def _rename_noreplace(self, at: _At, src: str, dst: str) -> None:
+    def _rename_noreplace(self, at: At, src: str, dst: str) -> None:
         """Rename key ``src`` to key ``dst`` (relative to ``at``) without replacing."""
         s, d = at.p(src), at.p(dst)
         if self._noreplace_ok and _renameat2 is not None:
@@ -179,7 +176,7 @@ class PosixStorage(Storage):
                 raise OSError(code, os.strerror(code), s)
         # Fallback: destinations are unique by construction, so a check is enough to catch
         # bugs; the atomicity that matters (one winner per source) is rename's own.
-        if _lexists(at, dst):
+        if lexists(at, dst):
             raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), d)
         os.rename(s, d, src_dir_fd=at.fd, dst_dir_fd=at.fd)
 
@@ -205,7 +202,7 @@ class PosixStorage(Storage):
             # the directory the file was renamed into, through the same descriptor
             self._fsync_dir(at, parent(key))
 
-    def _write_in_place(self, at: _At, key: str, chunks: Sequence[bytes | memoryview],
+    def _write_in_place(self, at: At, key: str, chunks: Sequence[bytes | memoryview],
                         sync: bool) -> None:
         # No temporary name: the directory is private until it is renamed into place
         # (``Storage.publish``). Saves the temporary file's create and the rename, and
@@ -217,7 +214,7 @@ class PosixStorage(Storage):
             _unlink_quietly(at, key)  # ours: the exclusive create made it
             raise
 
-    def _write_and_rename(self, at: _At, key: str, chunks: Sequence[bytes | memoryview],
+    def _write_and_rename(self, at: At, key: str, chunks: Sequence[bytes | memoryview],
                           sync: bool) -> None:
         tmp = f"{self._tmp}/{self._tmp_tag}.{uuid.uuid4().hex}"
         fd = _create_exclusive(at, tmp)  # the first write to this run makes tmp/
@@ -251,14 +248,14 @@ class PosixStorage(Storage):
     def read(self, key: str) -> bytes:
         validate_key(key)
         try:
-            return self._at(lambda at: _read(at, key, -1), reads=True)
+            return self._at(lambda at: read_at(at, key, -1), reads=True)
         except OSError as exc:
             raise translate(exc, f"read {key}") from exc
 
     def read_prefix(self, key: str, size: int) -> bytes:
         validate_key(key)
         try:
-            return self._at(lambda at: _read(at, key, size), reads=True)
+            return self._at(lambda at: read_at(at, key, size), reads=True)
         except OSError as exc:
             raise translate(exc, f"read {key}") from exc
 
@@ -282,22 +279,22 @@ class PosixStorage(Storage):
             if parent(src) != parent(dst):
                 self._fsync_dir(at, parent(src))
 
-    def _rename_at(self, at: _At, src: str, dst: str) -> None:
+    def _rename_at(self, at: At, src: str, dst: str) -> None:
         try:
             try:
                 self._rename_noreplace(at, src, dst)
             except FileNotFoundError:
                 # Like publish: a missing destination directory is created, never reported
                 # as NotFound (which every caller reads as "somebody else won the source").
-                if not _lexists(at, src) or _isdir(at, parent(dst)):
+                if not lexists(at, src) or isdir(at, parent(dst)):
                     raise
                 make_dirs(at.p(parent(dst)), dir_fd=at.fd)
                 self._rename_noreplace(at, src, dst)
         except OSError as exc:
             # NFS: a retried RENAME whose first attempt succeeded reports ENOENT. Our
             # destinations are unique to the caller, so an existing one means we won.
-            if (self._nfs_retry_rule and exc.errno == errno.ENOENT and _lexists(at, dst)
-                    and not _lexists(at, src)):
+            if (self._nfs_retry_rule and exc.errno == errno.ENOENT and lexists(at, dst)
+                    and not lexists(at, src)):
                 log.debug("rename %s -> %s reported ENOENT but the destination exists", src, dst)
             else:
                 raise
@@ -327,7 +324,7 @@ class PosixStorage(Storage):
         if directory:
             validate_key(directory)
         try:
-            names = self._at(lambda at: _listdir(at, directory), reads=True)
+            names = self._at(lambda at: list_at(at, directory), reads=True)
         except FileNotFoundError:
             return []
         except OSError as exc:
@@ -446,137 +443,6 @@ class PosixStorage(Storage):
         return n
 
 
-class _At:
-    """Where a call's keys are resolved: relative to the held root descriptor ``fd``, or
-    (no descriptor: the root does not exist yet, or cannot be opened) as absolute paths."""
-
-    __slots__ = ("fd", "_root")
-
-    def __init__(self, fd: int | None, root: str) -> None:
-        self.fd = fd
-        self._root = root
-
-    def p(self, key: str) -> str:
-        """``key`` ('' for the root itself) as the path to hand the kernel with ``fd``."""
-        if self.fd is not None:
-            return key or "."
-        return os.path.join(self._root, key) if key else self._root
-
-
-class _HeldDirs:
-    """The descriptors (``O_PATH``) a handle holds: its root's (key ''), opened at the first
-    call, and those of directories it renames within, opened relative to the root's; all
-    closed when the handle goes."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self._fds: dict[str, int] = {}
-        self._retired: list[int] = []
-        self._lock = threading.Lock()
-        weakref.finalize(self, _close_all, self._fds, self._retired)
-
-    def root_at(self) -> _At:
-        return _At(self.held(""), self.root)
-
-    def held(self, key: str) -> int | None:
-        """The descriptor of directory ``key`` ('' the root), opened now if not held; None
-        if it cannot be opened (the caller goes by path, which reports why)."""
-        with self._lock:
-            return self._held(key)
-
-    def _held(self, key: str) -> int | None:
-        fd = self._fds.get(key)
-        if fd is not None:
-            return fd
-        flags = _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
-        try:
-            if not key:
-                fd = os.open(self.root, flags)
-            else:
-                root = self._held("")
-                if root is None:
-                    return None
-                fd = os.open(key, flags, dir_fd=root)
-        except OSError:
-            return None
-        self._fds[key] = fd
-        return fd
-
-    def stale(self, key: str = "") -> bool:
-        """After a call through held descriptors failed: whether the root's (and, for a
-        ``key``, that directory's) is no longer the directory at its path: removed (a
-        removed directory keeps its inode, with no links, until its last descriptor goes),
-        replaced by another of its name, or on a mount that went away. Such descriptors
-        are dropped (every one, when it is the root's: they were opened through it), so
-        the next call opens the path again. A dropped descriptor stays open until the
-        handle goes: another thread may be using it now, and a closed number could be
-        reused by an unrelated file."""
-        with self._lock:
-            root = self._fds.get("")
-            if root is None:
-                return False
-            if not _same(root, None, self.root):
-                self._retired.extend(self._fds.values())
-                self._fds.clear()
-                return True
-            fd = self._fds.get(key) if key else None
-            if fd is None or _same(fd, root, key):
-                return False
-            self._retired.append(self._fds.pop(key))
-            return True
-
-
-def _same(fd: int, dir_fd: int | None, path: str) -> bool:
-    """Whether descriptor ``fd`` is the directory at ``path`` (relative to ``dir_fd``)."""
-    try:
-        held, now = os.fstat(fd), os.stat(path, dir_fd=dir_fd)
-    except OSError:
-        return False
-    return held.st_nlink > 0 and (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
-
-
-def _close_all(fds: dict[str, int], retired: list[int]) -> None:
-    for fd in [*fds.values(), *retired]:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    fds.clear()
-    retired.clear()
-
-
-def _read(at: _At, key: str, size: int) -> bytes:
-    """The content of ``key`` (at most ``size`` bytes; -1: all)."""
-    fd = os.open(at.p(key), os.O_RDONLY | os.O_CLOEXEC, dir_fd=at.fd)
-    with os.fdopen(fd, "rb") as f:
-        return f.read(size)
-
-
-def _listdir(at: _At, directory: str) -> list[str]:
-    """The names in ``directory``, opened relative to ``at`` (an ``O_PATH`` descriptor
-    cannot be read)."""
-    fd = os.open(at.p(directory), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=at.fd)
-    try:
-        return os.listdir(fd)
-    finally:
-        os.close(fd)
-
-
-def _lexists(at: _At, key: str) -> bool:
-    try:
-        os.stat(at.p(key), dir_fd=at.fd, follow_symlinks=False)
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def _isdir(at: _At, key: str) -> bool:
-    try:
-        return stat.S_ISDIR(os.stat(at.p(key), dir_fd=at.fd).st_mode)
-    except (OSError, ValueError):
-        return False
-
-
 #: The least age (by mtime) at which a temporary file of another host is judged abandoned:
 #: a clock skew between hosts of up to 10 minutes, plus a slow write.
 MIN_TMP_GRACE_S = 900.0
@@ -597,7 +463,7 @@ def make_dirs(path: str, *, dir_fd: int | None = None) -> None:
     try:
         os.mkdir(path, DIR_MODE, dir_fd=dir_fd)
     except FileExistsError:
-        if not _isdir(_At(dir_fd, ""), path):
+        if not isdir(At(dir_fd, ""), path):
             raise
     except FileNotFoundError:
         if dir_fd is None:
@@ -612,11 +478,11 @@ def make_dirs(path: str, *, dir_fd: int | None = None) -> None:
         try:
             os.mkdir(path, DIR_MODE, dir_fd=dir_fd)
         except FileExistsError:
-            if not _isdir(_At(dir_fd, ""), path):
+            if not isdir(At(dir_fd, ""), path):
                 raise
 
 
-def _create_exclusive(at: _At, key: str) -> int:
+def _create_exclusive(at: At, key: str) -> int:
     """``open(key, O_CREAT | O_EXCL)`` for writing; a missing parent is made once."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
@@ -632,7 +498,7 @@ def _host() -> str:
     return "".join(c if c.isalnum() or c in "_+=" else "_" for c in h)[:40] or "host"
 
 
-def _unlink_quietly(at: _At, key: str) -> None:
+def _unlink_quietly(at: At, key: str) -> None:
     try:
         os.unlink(at.p(key), dir_fd=at.fd)
     except OSError:

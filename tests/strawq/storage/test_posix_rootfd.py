@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import strawq.storage.held as held_mod
 import strawq.storage.posix as posix_mod
 from strawq.errors import NotFound
 from strawq.storage import PosixStorage
@@ -31,7 +32,7 @@ _PATH_CALLS = {"open": ((0,), ("dir_fd",)), "stat": ((0,), ("dir_fd",)),
 
 
 class KernelPaths:
-    """Stands for ``os`` inside ``strawq.storage.posix`` and records each path the store
+    """Stands for ``os`` inside ``strawq.storage.posix`` and ``.held`` and records each path the store
     hands the kernel, with whether it was relative to a descriptor (``renameat2`` too)."""
 
     def __init__(self) -> None:
@@ -71,6 +72,7 @@ class KernelPaths:
 def kernel(monkeypatch: pytest.MonkeyPatch) -> KernelPaths:
     rec = KernelPaths()
     monkeypatch.setattr(posix_mod, "os", rec)
+    monkeypatch.setattr(held_mod, "os", rec)
     real = posix_mod._renameat2
     assert real is not None
     monkeypatch.setattr(posix_mod, "_renameat2", rec.record_renameat2(real))
