@@ -387,10 +387,10 @@ class PosixStorage(Storage):
                 validate_key(d)
             try:
                 self._fsync_dir(at, d)
-            except NotFound:
-                if at.fd is None or not self._dirs.stale():
+            except OSError as exc:
+                if at.fd is None or exc.errno not in _RETRY_READS or not self._dirs.stale():
                     raise
-                at = self._dirs.root_at()  # fsync is idempotent: again, at the path
+                at = self._dirs.root_at()  # an fsync may be made twice: again, at the path
                 self._fsync_dir(at, d)
 
     def clean_tmp(self, writer_prefix: str) -> int:

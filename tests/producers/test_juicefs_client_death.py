@@ -186,11 +186,14 @@ def test_a_store_handle_outlives_its_juicefs_client(own_volume: tuple[str, str, 
     st.publish("a/one", b"1")
     held = st._dirs.held("")
     assert held is not None
+    syncer = PosixStorage(os.path.join(mount_a, "run"))
+    syncer.sync_dirs(["a"])  # holds its descriptor too; its first call after is an fsync
     kill_client(mount_a)
     assert eventually(lambda: not answers(mount_a)), "the killed client's mount still answers"
     with pytest.raises(OSError):
         st.read("a/one")
     remount(d, "A")
+    syncer.sync_dirs(["a"])
     assert st.read("a/one") == b"1"  # the stale descriptor dropped, the path opened again
     assert st._dirs.held("") != held
     st.publish("a/two", b"2")
