@@ -32,8 +32,9 @@ _PATH_CALLS = {"open": ((0,), ("dir_fd",)), "stat": ((0,), ("dir_fd",)),
 
 
 class KernelPaths:
-    """Stands for ``os`` inside ``strawq.storage.posix`` and ``.held`` and records each path the store
-    hands the kernel, with whether it was relative to a descriptor (``renameat2`` too)."""
+    """Stands for ``os`` inside ``strawq.storage.posix`` and ``.held`` and records each path
+    the store hands the kernel, with whether it was relative to a descriptor (``renameat2``
+    too)."""
 
     def __init__(self) -> None:
         self.paths: list[tuple[str, str, bool]] = []  # (call, path, relative to a descriptor)
