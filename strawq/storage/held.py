@@ -12,8 +12,11 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 import weakref
 
+#: how long a check that the held root is the directory at the root's path holds (``stale``)
+PATH_CHECK_S = 1.0
 #: a descriptor that only names a directory (no open sent to the filesystem); 0 elsewhere
 O_PATH = getattr(os, "O_PATH", 0)
 
@@ -45,6 +48,8 @@ class HeldDirs:
         self._fds: dict[str, int] = {}
         self._retired: list[int] = []
         self._lock = threading.Lock()
+        #: when the held root was last found to be the directory at the path (monotonic)
+        self._path_checked = float("-inf")
         weakref.finalize(self, _close_all, self._fds, self._retired)
 
     def root_at(self) -> At:
@@ -87,7 +92,7 @@ class HeldDirs:
             root = self._fds.get("")
             if root is None:
                 return False
-            if not same(root, None, self.root):
+            if not self._root_is_the_path(root):
                 self._retired.extend(self._fds.values())
                 self._fds.clear()
                 return True
@@ -96,6 +101,28 @@ class HeldDirs:
                 return False
             self._retired.append(self._fds.pop(key))
             return True
+
+
+    def _root_is_the_path(self, root: int) -> bool:
+        """Whether the held root is still the directory at the root's path. A removed root
+        (its last link gone: a run deleted, perhaps made again) is seen by ``fstat`` of the
+        descriptor alone, every time; the comparison with the path — a ``stat`` that walks
+        every component from the mount root, the cost the descriptor saves — runs at most
+        once per ``PATH_CHECK_S``: most failing calls are answers (a name not there), and
+        a root replaced while it stays linked (moved away whole, which strawq never does)
+        is caught within that time."""
+        try:
+            if os.fstat(root).st_nlink == 0:
+                return False
+        except OSError:
+            return False
+        now = time.monotonic()
+        if now - self._path_checked < PATH_CHECK_S:
+            return True
+        if not same(root, None, self.root):
+            return False
+        self._path_checked = now
+        return True
 
 
 def same(fd: int, dir_fd: int | None, path: str) -> bool:

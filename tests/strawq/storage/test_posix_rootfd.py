@@ -239,3 +239,28 @@ def test_a_forked_child_uses_the_inherited_descriptor(tmp_path: Path) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert st.read("a/child") == b"c"
+
+
+def test_names_not_there_walk_the_run_path_at_most_once_a_second(
+        tmp_path: Path, kernel: KernelPaths, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Most failing calls are answers (a control record not published yet, a lost claim
+    race): each checks the held root with ``fstat`` (a removed root has no links), and
+    compares it with the path — a walk of every component from the filesystem's root, the
+    cost the descriptor saves — at most once per ``PATH_CHECK_S`` (before: at every one)."""
+    st = PosixStorage(str(tmp_path / "run"))
+    st.publish("control/k", b"x")
+    clock = [1000.0]
+    monkeypatch.setattr(held_mod.time, "monotonic", lambda: clock[0])
+    assert st.exists("control/k")  # the root's descriptor is open
+    kernel.take()
+    for _ in range(20):
+        assert not st.exists("control/pause-000000000007")
+    absolute = [p for p in kernel.take() if not p[2]]
+    assert len(absolute) == 1, absolute  # one walk of the run's path for 20 answers
+    clock[0] += held_mod.PATH_CHECK_S
+    assert not st.exists("control/pause-000000000007")
+    assert len([p for p in kernel.take() if not p[2]]) == 1  # checked again after a second
+    # a root removed and made again is still found at once: its descriptor has no links
+    shutil.rmtree(tmp_path / "run")
+    PosixStorage(str(tmp_path / "run")).publish("control/k", b"y")
+    assert st.read("control/k") == b"y"
