@@ -8,7 +8,8 @@ carried in its *name*, so every transition is a single atomic rename.
 
 * ``key`` orders the queue: ``a<minver:012>.<order:012>`` for partial tasks (oldest
   weight version first), ``b000000000000.<order:012>`` for fresh tasks returned to the
-  queue, ``c000000000000.<order:012>`` for fresh tasks in a release directory. Ready groups
+  queue, ``c<rank:012>.<order:012>`` for fresh tasks in a release directory (``rank``: 0,
+  or the claim rank of a release staged by predicted length, ``fresh_key``). Ready groups
   use ``<minver:012>.<order:012>``.
 * ``gen`` is the lease generation: bumped every time the task goes back to the queue, so
   a result from an older generation has nothing left to rename (fencing).
@@ -68,6 +69,23 @@ def clamp_version(v: int) -> int:
 
 def queue_key(stage: str, version: int, order: int) -> str:
     return f"{stage}{QUEUE_KEYS.name(clamp_version(version), order % 10**12)}"
+
+
+def fresh_key(order: int, predicted: float | None = None) -> str:
+    """A fresh task's key in its release directory. ``predicted``: its predicted response
+    length in tokens (a release staged longest-predicted-first, ``queue.longest_first``),
+    stored as the claim rank ``MAX_VERSION − length`` in the version slot, so keys sort
+    longest first across releases too (``claim_rank``); None: rank 0, dataset order (a fresh
+    task has no token yet, so the slot holds no version)."""
+    rank = 0 if predicted is None else \
+        MAX_VERSION - min(max(int(round(predicted)), 0), MAX_VERSION - 1)
+    return queue_key(STAGE_FRESH, rank, order)
+
+
+def claim_rank(name: TaskName) -> int:
+    """A fresh task's claim rank (``fresh_key``; smaller first, 0 for dataset order);
+    0 for any other key."""
+    return name.version if name.key.startswith(STAGE_FRESH) else 0
 
 
 def ready_key(min_version: int, order: int) -> str:
