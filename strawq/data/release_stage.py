@@ -51,7 +51,8 @@ def stage_rows(storage: Storage, planner: ReleasePlanner, rows: Rows, staging: s
         if index in skipped:
             continue
         name = TaskName(key=fresh_key(order.get(index, index),
-                                      plan.ranked.get(index) if plan else None),
+                                      plan.ranked.get(index) if plan else None,
+                                      plan.version if plan else 0),
                         id=task_id, gen=0, attempts=0, resume=-1)
         body = {"task": planner.task(passes, index, row)}
         # In place: nobody reads a staging directory before its rename to pending/,

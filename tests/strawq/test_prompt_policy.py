@@ -216,6 +216,22 @@ def test_the_longest_predicted_prompt_of_a_later_release_is_claimed_first(
     assert got == [3, 2, 1, 0]
 
 
+def test_a_release_of_an_earlier_version_is_claimed_before_a_longer_later_one(
+        tmp_path: Path) -> None:
+    """The claim rank starts with the release's weight version: a fresh task is bounded by
+    the version it was released at, so what is left of an earlier version's release is due
+    earlier and goes first, however long a later release's prediction."""
+    q, feeder = _run(tmp_path, num_epochs=2, longest_first=True)
+    feeder.release(ROWS)
+    _finish(q, {r: [0.0, 1.0] for r in range(ROWS)},
+            lens={0: (4, 6), 1: (9, 11), 2: (20, 40), 3: (300, 340)})
+    feeder.release(3)  # rows 0..2 at version v
+    q.set_version(q.current_version() + 1)
+    feeder.release(1)  # row 3, the longest predicted, at v + 1
+    got = [row for _ in range(ROWS) for _, row in _rows(q, 1)]
+    assert got == [2, 1, 0, 3]
+
+
 def test_partial_and_returned_tasks_keep_their_priority_over_ranked_fresh_ones(
         tmp_path: Path) -> None:
     """A task handed back (and a partial) is older work: it is claimed before the fresh
