@@ -7,9 +7,9 @@ states it without a cache). A release staged longest-predicted-first
 (``queue.longest_first``, ``strawq.data.prompt_policy``) gives each fresh task a claim rank
 in its key (``strawq.ondisk.names.fresh_key``): the fresh tasks a claimer has listed are
 claimed by rank — the release's weight version (an earlier one is due earlier), then the
-longest predicted first, whatever release holds them (``by_rank``) —, and
-a claimer that has seen a rank lists ``RANKED_LOOKAHEAD`` names ahead instead of a few, so
-a long prompt of a later release does not wait behind the short ones of earlier releases.
+longest predicted first, whatever release holds them (``by_rank``) —, and a claimer that
+has seen a rank lists ``RANKED_LOOKAHEAD`` names ahead instead of a few, so a long prompt
+of a later release does not wait behind the short ones of earlier releases.
 Partial and returned tasks keep their priority (they are the oldest work). ``RunQueue.claim``
 is this module's ``Claimer.claim``.
 """
@@ -43,9 +43,9 @@ RANKED_LOOKAHEAD = 256
 
 
 def by_rank(keys: list[str]) -> tuple[list[str], bool]:
-    """Fresh candidate keys in claim order: by claim rank (``claim_rank``: release version,
-    then the longest predicted first), ties — every name of an unranked release — in the order given
-    (release, then dataset order); and whether any name had a rank."""
+    """Fresh candidate keys in claim order: by claim rank (``claim_rank``: release
+    version, then the longest predicted first), ties — every name of an unranked release —
+    in the order given (release, then dataset order); and whether any name had a rank."""
     ranks = {}
     for k in keys:
         name = TaskName.try_parse(k.rsplit("/", 1)[1])
