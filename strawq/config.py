@@ -549,7 +549,10 @@ class QueueConfig(Config):
     #: by the next pass, back in the one after).
     zero_variance_revisit_epochs: int = 2
     #: From the second pass on, stage each release longest-predicted-first (the row's
-    #: newest recorded mean response length; without one, the run's median).
+    #: newest recorded mean response length; without one, the run's median), and give each
+    #: task that claim rank: producers claim by it across releases (``strawq.tasks.claims``).
+    #: Off by default: under hard η on the lab it measured within noise of off (a group's
+    #: tail is mostly a response at the cap by chance, docs/design.md).
     longest_first: bool = False
 
     def validate(self) -> None:

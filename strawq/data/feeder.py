@@ -197,6 +197,8 @@ class Feeder:
         seq = cur.seq + 1
         staging = RELEASES.name(seq, uuid.uuid4().hex[:8])
         plan = self.planner.plan(passes, rows)
+        if plan.ranked:  # claim ranks start with the version (``fresh_key``)
+            plan.version = self.queue.current_version()
         if plan.skips:
             # Before the commit: a crash after it would otherwise leave skips unrecorded (a
             # redo re-records the same rows, counted once: they are keyed by task id).

@@ -22,8 +22,13 @@ appearance of the row counts as one pass ago.
   predicted response length, longest first (the mean length of their newest recorded
   attempt; a row with none gets the run's median, over every prompt in the history), so the
   tail starts early.
-  Producers claim a release directory in key order: the rows keep their task ids and take
-  the release's order numbers in that order.
+  The rows keep their task ids and take the release's order numbers in that order, and each
+  task's key carries its release's weight version and the length it was ranked by (its
+  claim rank, ``strawq.ondisk.names.fresh_key``): producers claim the fresh tasks they see
+  by release version, then longest predicted first across releases, not only within one
+  (``strawq.tasks.claims``). The version comes first because the collector bounds a fresh
+  task's oldest token by the version it was released at (``strawq.collector.deadlines``):
+  a task left from an earlier version is due earlier, whatever its length.
 
 Both read a history snapshot the feeder refreshes at most every ``HISTORY_REFRESH_S``: a
 release is judged on what gc had recorded by then (a few seconds behind at most).
@@ -60,6 +65,12 @@ class Plan:
     skips: list[Skip] = field(default_factory=list)
     #: predicted length per ordered index (None: no history, the median was used)
     predicted: dict[int, float | None] = field(default_factory=dict)
+    #: the length each ordered index was ranked by (its prediction, or the median): its
+    #: task's claim rank (``strawq.ondisk.names.fresh_key``); empty: dataset order
+    ranked: dict[int, float] = field(default_factory=dict)
+    #: the weight version the release is made at (its claim ranks' first part; the feeder
+    #: reads it for a ranked release)
+    version: int = 0
 
 
 def _newest_rewarded(stats: PromptStats) -> dict[str, Any] | None:
@@ -132,6 +143,7 @@ def plan_release(indexes: Sequence[int], earlier: Callable[[int], Sequence[Seque
     guess = {i: fill if v is None else v for i, v in pred.items()}
     plan.order = sorted(keep, key=lambda i: (-guess[i], i))
     plan.predicted = pred
+    plan.ranked = guess
     return plan
 
 

@@ -18,7 +18,8 @@ from strawq.data.planner import Passes, ReleasePlanner, Rows
 from strawq.data.prompt_policy import Plan
 from strawq.errors import AlreadyExists
 from strawq.ondisk import records
-from strawq.ondisk.names import STAGE_FRESH, TaskName, dataset_task_id, note_key, queue_key
+from strawq.ondisk.names import STAGE_FRESH, TaskName, dataset_task_id, fresh_key, note_key, \
+    queue_key
 from strawq.ondisk.records import Kind
 from strawq.storage import Storage
 from strawq.tasks.states import DIRS, TaskState, key_of
@@ -34,7 +35,8 @@ def stage_rows(storage: Storage, planner: ReleasePlanner, rows: Rows, staging: s
                on_progress: Callable[[int, int], None] | None = None) -> int:
     """Write ``rows`` as fresh tasks into ``staging/<staging>/`` (bad rows are dropped
     with a record); returns how many were staged. ``plan``: stage only its rows, the
-    i-th of its order under the release's i-th order number (claims go in key order).
+    i-th of its order under the release's i-th order number (claims go in key order), with
+    the length it was ranked by as its claim rank (``fresh_key``).
     ``on_progress(staged, rows)`` every ``PROGRESS_EVERY`` rows."""
     good = 0
     skipped = {s.index for s in plan.skips} if plan else set()
@@ -48,8 +50,10 @@ def stage_rows(storage: Storage, planner: ReleasePlanner, rows: Rows, staging: s
             continue
         if index in skipped:
             continue
-        name = TaskName(key=queue_key(STAGE_FRESH, 0, order.get(index, index)), id=task_id,
-                        gen=0, attempts=0, resume=-1)
+        name = TaskName(key=fresh_key(order.get(index, index),
+                                      plan.ranked.get(index) if plan else None,
+                                      plan.version if plan else 0),
+                        id=task_id, gen=0, attempts=0, resume=-1)
         body = {"task": planner.task(passes, index, row)}
         # In place: nobody reads a staging directory before its rename to pending/,
         # which comes after every record in it was written, fsync'd and closed (no

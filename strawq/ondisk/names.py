@@ -8,7 +8,9 @@ carried in its *name*, so every transition is a single atomic rename.
 
 * ``key`` orders the queue: ``a<minver:012>.<order:012>`` for partial tasks (oldest
   weight version first), ``b000000000000.<order:012>`` for fresh tasks returned to the
-  queue, ``c000000000000.<order:012>`` for fresh tasks in a release directory. Ready groups
+  queue, ``c<rank:012>.<order:012>`` for fresh tasks in a release directory (``rank``: 0,
+  or the claim rank of a release staged by predicted length: its release version, then
+  the longest predicted first, ``fresh_key``). Ready groups
   use ``<minver:012>.<order:012>``.
 * ``gen`` is the lease generation: bumped every time the task goes back to the queue, so
   a result from an older generation has nothing left to rename (fencing).
@@ -68,6 +70,31 @@ def clamp_version(v: int) -> int:
 
 def queue_key(stage: str, version: int, order: int) -> str:
     return f"{stage}{QUEUE_KEYS.name(clamp_version(version), order % 10**12)}"
+
+
+#: A claim rank's length digits: lengths up to ``RANK_LENGTHS − 2`` tokens are told apart
+RANK_LENGTHS = 10**6
+
+
+def fresh_key(order: int, predicted: float | None = None, version: int = 0) -> str:
+    """A fresh task's key in its release directory. ``predicted``: its predicted response
+    length in tokens (a release staged longest-predicted-first, ``queue.longest_first``),
+    released at weight ``version``: the key's version slot holds the claim rank
+    ``version·RANK_LENGTHS + (RANK_LENGTHS − 1 − length)``, so keys sort by release version
+    (the collector bounds a fresh task's oldest token by it: the earlier deadline first),
+    then longest predicted first, across releases too (``claim_rank``). None: rank 0,
+    dataset order (a fresh task has no token yet, so the slot holds no version)."""
+    if predicted is None:
+        return queue_key(STAGE_FRESH, 0, order)
+    length = min(max(int(round(predicted)), 0), RANK_LENGTHS - 2)
+    v = min(max(int(version), 0), MAX_VERSION // RANK_LENGTHS - 1)
+    return queue_key(STAGE_FRESH, v * RANK_LENGTHS + RANK_LENGTHS - 1 - length, order)
+
+
+def claim_rank(name: TaskName) -> int:
+    """A fresh task's claim rank (``fresh_key``; smaller first, 0 for dataset order);
+    0 for any other key."""
+    return name.version if name.key.startswith(STAGE_FRESH) else 0
 
 
 def ready_key(min_version: int, order: int) -> str:

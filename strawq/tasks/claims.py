@@ -3,7 +3,15 @@ per-process cache of candidates that keeps a claim cheap on a shared mount.
 
 Claim order: partial tasks, then returned ones (both at the top of ``pending/``), then fresh
 ones by release (``pending/r-<seq>/``), in dataset order (``strawq.tasks.states.list_queued``
-states it without a cache). ``RunQueue.claim`` is this module's ``Claimer.claim``.
+states it without a cache). A release staged longest-predicted-first
+(``queue.longest_first``, ``strawq.data.prompt_policy``) gives each fresh task a claim rank
+in its key (``strawq.ondisk.names.fresh_key``): the fresh tasks a claimer has listed are
+claimed by rank — the release's weight version (an earlier one is due earlier), then the
+longest predicted first, whatever release holds them (``by_rank``) —, and a claimer that
+has seen a rank lists ``RANKED_LOOKAHEAD`` names ahead instead of a few, so a long prompt
+of a later release does not wait behind the short ones of earlier releases.
+Partial and returned tasks keep their priority (they are the oldest work). ``RunQueue.claim``
+is this module's ``Claimer.claim``.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from typing import Any
 
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.ondisk import records
-from strawq.ondisk.names import TaskName, validate_id
+from strawq.ondisk.names import TaskName, claim_rank, validate_id
 from strawq.ondisk.records import Kind
 from strawq.storage import Storage
 from strawq.tasks.states import DIRS as STATE_DIRS
@@ -28,6 +36,23 @@ log = logging.getLogger(__name__)
 #: How long a claimer trusts its listing of the top of ``pending/`` (partial and returned
 #: tasks) while it still has cached fresh candidates; its own monotonic clock.
 TOP_LIST_INTERVAL_S = 0.1
+#: Fresh names a claimer caches once it has seen a claim rank (a release staged by
+#: predicted length): enough to see past the first release directories, each listed once
+#: while its names last (without ranks: ``max(4n, 16)``, dataset order needs no more).
+RANKED_LOOKAHEAD = 256
+
+
+def by_rank(keys: list[str]) -> tuple[list[str], bool]:
+    """Fresh candidate keys in claim order: by claim rank (``claim_rank``: release
+    version, then the longest predicted first), ties — every name of an unranked release —
+    in the order given (release, then dataset order); and whether any name had a rank."""
+    ranks = {}
+    for k in keys:
+        name = TaskName.try_parse(k.rsplit("/", 1)[1])
+        ranks[k] = claim_rank(name) if name is not None else 0
+    if not any(ranks.values()):
+        return keys, False
+    return sorted(keys, key=ranks.__getitem__), True
 
 
 @dataclass(frozen=True)
@@ -86,6 +111,8 @@ class Claimer:
         self._spread = 0
         self._top_files: list[str] = []
         self._top_listed_at = float("-inf")
+        #: this claimer has listed a fresh task with a claim rank (``by_rank``)
+        self._ranked = False
 
     def list_top_next(self) -> None:
         """List the top of ``pending/`` at the next claim (this process handed a task back
@@ -109,7 +136,7 @@ class Claimer:
         stop racing for the same first tasks (dataset order then holds within that window
         only).
         """
-        want = max(4 * n, 16)
+        want = max(4 * n, RANKED_LOOKAHEAD if self._ranked else 16)
         now = time.monotonic()
         if (not self._contended and len(self._fresh) >= n
                 and now - self._top_listed_at < TOP_LIST_INTERVAL_S):
@@ -159,6 +186,8 @@ class Claimer:
                     continue
                 self._complete.add(d)
                 fresh += [k for k in (f"{pending}/{d}/{x}" for x in inside) if k not in have]
+        fresh, ranked = by_rank(fresh)
+        self._ranked = self._ranked or ranked
         self._fresh = _OrderedSet(fresh)
         return files + self._spread_out(producer, n, fresh)
 

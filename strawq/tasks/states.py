@@ -248,7 +248,9 @@ def _parse(storage: Storage, key: str) -> TaskName | None:
 
 
 def list_queued(storage: Storage, limit: int | None = None) -> list[str]:
-    """Keys in ``pending/`` in claim order: partial, returned, then fresh by release.
+    """Keys in ``pending/`` in claim order: partial, returned, then fresh by release (in
+    listing order: a claimer takes the fresh tasks of ranked releases by their claim rank,
+    ``strawq.tasks.claims.by_rank``).
 
     A drained release directory is removed on the way, so listings stay proportional to
     work in flight: rmdir refuses a non-empty directory, and a release directory is never

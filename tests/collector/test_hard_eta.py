@@ -23,12 +23,13 @@ from tests.collector.helpers import SimProducer, write_dataset
 
 
 def _run(tmp_path, seed: int, *, eta: int, u: int, eta_mode: str | None = None,
-         versions: int = 12) -> dict[str, object]:
-    """One random schedule; returns the trained staleness per sample and the run's counts."""
+         versions: int = 12, rows: int = 400, **queue_kw: object) -> dict[str, object]:
+    """One random schedule; returns the trained staleness per sample and the run's counts.
+    ``queue_kw``: more ``QueueConfig`` (passes, the history's rules)."""
     rng = np.random.default_rng(seed)
     q = RunQueue.create(MemoryStorage(), QueueConfig(release_batch=8, group_size=4,
-                                                     fsync=False))
-    ds = Dataset(write_dataset(str(tmp_path / f"ds{seed}.jsonl"), 400, seed=seed))
+                                                     fsync=False, **queue_kw))  # type: ignore
+    ds = Dataset(write_dataset(str(tmp_path / f"ds{seed}.jsonl"), rows, seed=seed))
     kw: dict[str, object] = {"batch_groups": 3, "batches_per_version": u, "max_staleness": eta,
                              "max_running": 12, "max_ready": 12, "poll_interval_s": 0,
                              "gc_interval_s": 0, "metrics_interval_s": 1e9,
@@ -70,7 +71,8 @@ def _run(tmp_path, seed: int, *, eta: int, u: int, eta_mode: str | None = None,
         if q.current_version() >= versions:
             break
     return {"version": q.current_version(), "stale": stale, "trained": trained,
-            "dropped": q.storage.list("dropped"), "totals": col.stale_totals}
+            "dropped": q.storage.list("dropped"), "totals": col.stale_totals,
+            "ranked": q._claimer._ranked}  # claimed by predicted length (claim ranks seen)
 
 
 @pytest.mark.timeout(300)
@@ -79,6 +81,23 @@ def test_no_trained_token_is_older_than_eta_and_nothing_is_dropped(tmp_path, see
     rng = np.random.default_rng(1000 + seed)
     eta, u = int(rng.integers(0, 3)), int(rng.integers(1, 3))
     r = _run(tmp_path, seed, eta=eta, u=u)  # every η setting but the bound is the default
+    assert r["version"] >= 12, f"the run trained {r['version']} versions: it stalled"
+    assert max(r["stale"]) <= eta, f"trained staleness up to {max(r['stale'])} > eta {eta}"
+    assert r["dropped"] == [] and r["totals"] == {"trained": 0, "regenerated": 0,
+                                                  "dropped": 0}
+    assert len(r["trained"]) == len(set(r["trained"])), "a group was trained twice"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", range(3))
+def test_the_bound_holds_when_producers_claim_longest_predicted_first(tmp_path, seed):
+    """The same schedules on a 12-row dataset released for many passes with
+    ``longest_first``: from the second pass on, fresh tasks carry claim ranks and are
+    claimed by predicted length across releases; the bound still holds, nothing dropped."""
+    rng = np.random.default_rng(2000 + seed)
+    eta, u = int(rng.integers(0, 3)), int(rng.integers(1, 3))
+    r = _run(tmp_path, seed, eta=eta, u=u, rows=12, num_epochs=40, longest_first=True)
+    assert r["ranked"], "no release was ranked by predicted length"
     assert r["version"] >= 12, f"the run trained {r['version']} versions: it stalled"
     assert max(r["stale"]) <= eta, f"trained staleness up to {max(r['stale'])} > eta {eta}"
     assert r["dropped"] == [] and r["totals"] == {"trained": 0, "regenerated": 0,

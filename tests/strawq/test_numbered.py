@@ -47,6 +47,11 @@ GOLDEN = {
     "turn": (turns.turn_key("t1", 3), "turns/t1/0000000003"),
     "task id": (names.dataset_task_id(7), "i000000000007"),
     "queue key": (names.queue_key("a", 3, 10**12 + 5), "a000000000003.000000000005"),
+    "fresh key": (names.fresh_key(5), "c000000000000.000000000005"),
+    # claim rank: release version 2, then 999999 − 300 predicted tokens (longest first)
+    "ranked fresh key": (names.fresh_key(5, 300.4, version=2), "c000002999699.000000000005"),
+    # a prediction past the rank's digits is the longest it can tell: rank 1, never 0
+    "longest ranked key": (names.fresh_key(5, 5e9), "c000000000001.000000000005"),
     "ready key": (names.ready_key(3, 5), "000000000003.000000000005"),
     "producer heartbeat": (names.heartbeat_key("p", 42), "hb/p~0000000000000042"),
     "idle heartbeat": (names.heartbeat_key("p", 42, idle=True), "hb/p~0000000000000042.idle"),

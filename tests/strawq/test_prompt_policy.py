@@ -202,6 +202,51 @@ def test_longest_predicted_first_within_a_release(tmp_path: Path) -> None:
     assert history.load_history(q.storage).median_length() == 30
 
 
+def test_the_longest_predicted_prompt_of_a_later_release_is_claimed_first(
+        tmp_path: Path) -> None:
+    """Claim order by predicted length across releases: the second pass releases the short
+    rows first and the long one in a release of its own after them; a producer claiming
+    them one at a time starts the long one first (in release order it would start last)."""
+    q, feeder = _run(tmp_path, num_epochs=2, longest_first=True)
+    feeder.release(ROWS)
+    _finish(q, {r: [0.0, 1.0] for r in range(ROWS)},
+            lens={0: (4, 6), 1: (9, 11), 2: (20, 40), 3: (300, 340)})
+    assert feeder.release(3) == 3 and feeder.release(1) == 1  # rows 0..2, then row 3
+    got = [row for _ in range(ROWS) for _, row in _rows(q, 1)]
+    assert got == [3, 2, 1, 0]
+
+
+def test_a_release_of_an_earlier_version_is_claimed_before_a_longer_later_one(
+        tmp_path: Path) -> None:
+    """The claim rank starts with the release's weight version: a fresh task is bounded by
+    the version it was released at, so what is left of an earlier version's release is due
+    earlier and goes first, however long a later release's prediction."""
+    q, feeder = _run(tmp_path, num_epochs=2, longest_first=True)
+    feeder.release(ROWS)
+    _finish(q, {r: [0.0, 1.0] for r in range(ROWS)},
+            lens={0: (4, 6), 1: (9, 11), 2: (20, 40), 3: (300, 340)})
+    feeder.release(3)  # rows 0..2 at version v
+    q.set_version(q.current_version() + 1)
+    feeder.release(1)  # row 3, the longest predicted, at v + 1
+    got = [row for _ in range(ROWS) for _, row in _rows(q, 1)]
+    assert got == [2, 1, 0, 3]
+
+
+def test_partial_and_returned_tasks_keep_their_priority_over_ranked_fresh_ones(
+        tmp_path: Path) -> None:
+    """A task handed back (and a partial) is older work: it is claimed before the fresh
+    tasks of a ranked release, however long their prediction."""
+    q, feeder = _run(tmp_path, num_epochs=2, longest_first=True)
+    feeder.release(ROWS)
+    _finish(q, {r: [0.0, 1.0] for r in range(ROWS)}, lens={3: (300, 340)})
+    feeder.release(2)  # rows 0, 1
+    (first,) = q.claim("p", 1)
+    q.release(first)  # back to the top of pending/ (stage b)
+    feeder.release(2)  # rows 2, 3: row 3 the longest predicted
+    got = [row for _ in range(ROWS) for _, row in _rows(q, 1)]
+    assert got[0] == int(first.task["row"]["answer"]) and got[1] == 3
+
+
 @pytest.mark.parametrize("bad", [{"num_epochs": 0}, {"zero_variance_revisit_epochs": 1}])
 def test_bad_pass_settings_are_refused(bad: dict[str, int]) -> None:
     with pytest.raises(ConfigError, match=next(iter(bad))):
