@@ -52,7 +52,12 @@ class AppThread:
         asyncio.set_event_loop(self._loop)
         self._loop.run_until_complete(self._start())
         self._loop.run_forever()
-        self._loop.run_until_complete(self._runner.cleanup())
+        # bounded: a client that left a connection open can keep aiohttp's graceful cleanup
+        # waiting (a teardown once waited out the whole join below in the parallel suite)
+        try:
+            self._loop.run_until_complete(asyncio.wait_for(self._runner.cleanup(), 5))
+        except TimeoutError:
+            pass
 
     async def _start(self) -> None:
         self._runner = web.AppRunner(self._factory(), access_log=None, shutdown_timeout=0.5)
