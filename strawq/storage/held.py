@@ -79,7 +79,7 @@ class HeldDirs:
         self._fds[key] = fd
         return fd
 
-    def stale(self, key: str = "") -> bool:
+    def stale(self, key: str = "", *, answer: bool = False) -> bool:
         """After a call through held descriptors failed: whether the root's (and, for a
         ``key``, that directory's) is no longer the directory at its path: removed (a
         removed directory keeps its inode, with no links, until its last descriptor goes),
@@ -87,12 +87,16 @@ class HeldDirs:
         are dropped (every one, when it is the root's: they were opened through it), so
         the next call opens the path again. A dropped descriptor stays open until the
         handle goes: another thread may be using it now, and a closed number could be
-        reused by an unrelated file."""
+        reused by an unrelated file. ``answer``: the call failed with ENOENT, which is most
+        often the answer itself (a name not there), so the path is compared at most once
+        per ``PATH_CHECK_S``; any other errno (ENOTCONN, ESTALE, EBADF, EIO: a descriptor
+        of a mount that went away may still ``fstat`` from the attribute cache) compares
+        it every time."""
         with self._lock:
             root = self._fds.get("")
             if root is None:
                 return False
-            if not self._root_is_the_path(root):
+            if not self._root_is_the_path(root, answer):
                 self._retired.extend(self._fds.values())
                 self._fds.clear()
                 return True
@@ -102,22 +106,21 @@ class HeldDirs:
             self._retired.append(self._fds.pop(key))
             return True
 
-
-    def _root_is_the_path(self, root: int) -> bool:
+    def _root_is_the_path(self, root: int, answer: bool) -> bool:
         """Whether the held root is still the directory at the root's path. A removed root
         (its last link gone: a run deleted, perhaps made again) is seen by ``fstat`` of the
         descriptor alone, every time; the comparison with the path — a ``stat`` that walks
         every component from the mount root, the cost the descriptor saves — runs at most
-        once per ``PATH_CHECK_S``: most failing calls are answers (a name not there), and
-        a root replaced while it stays linked (moved away whole, which strawq never does)
-        is caught within that time."""
+        once per ``PATH_CHECK_S`` after an ``answer`` (most failing calls are a name not
+        there; a root replaced while it stays linked, moved away whole, which strawq never
+        does, is caught within that time), and after any other failure every time."""
         try:
             if os.fstat(root).st_nlink == 0:
                 return False
         except OSError:
             return False
         now = time.monotonic()
-        if now - self._path_checked < PATH_CHECK_S:
+        if answer and now - self._path_checked < PATH_CHECK_S:
             return True
         if not same(root, None, self.root):
             return False

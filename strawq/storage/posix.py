@@ -133,7 +133,8 @@ class PosixStorage(Storage):
             raise
         except OSError as exc:
             retry = _RETRY_READS if reads else _RETRY
-            if at.fd is None or exc.errno not in retry or not self._dirs.stale():
+            if (at.fd is None or exc.errno not in retry
+                    or not self._dirs.stale(answer=exc.errno == errno.ENOENT)):
                 raise
         at = self._dirs.root_at()
         return op(at), at
@@ -317,7 +318,7 @@ class PosixStorage(Storage):
         if fd is not None and _renameat2 is not None:
             if _renameat2(fd, os.fsencode(src), fd, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
                 return
-            self._dirs.stale(directory)
+            self._dirs.stale(directory, answer=ctypes.get_errno() == errno.ENOENT)
         self.rename(f"{directory}/{src}", f"{directory}/{dst}", sync_dir=False)
 
     def list(self, directory: str) -> list[str]:
@@ -388,7 +389,8 @@ class PosixStorage(Storage):
             try:
                 self._fsync_dir(at, d)
             except OSError as exc:
-                if at.fd is None or exc.errno not in _RETRY_READS or not self._dirs.stale():
+                if (at.fd is None or exc.errno not in _RETRY_READS
+                        or not self._dirs.stale(answer=exc.errno == errno.ENOENT)):
                     raise
                 at = self._dirs.root_at()  # an fsync may be made twice: again, at the path
                 self._fsync_dir(at, d)
