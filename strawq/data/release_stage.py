@@ -41,7 +41,7 @@ def stage_rows(storage: Storage, planner: ReleasePlanner, rows: Rows, staging: s
     the length it was ranked by as its claim rank (``fresh_key``).
     ``on_progress(staged, rows)`` every ``PROGRESS_EVERY`` rows. ``chunk`` > 1
     (``queue.release_chunk``): the tasks go into chunk directories of ``chunk`` tasks each
-    (``stage_chunk``), a last one of a single task on its own."""
+    (``stage_chunk``), the last one with what is left."""
     good = 0
     held: list[tuple[TaskName, dict[str, Any]]] = []
     chunks: list[str] = []
@@ -73,12 +73,9 @@ def stage_rows(storage: Storage, planner: ReleasePlanner, rows: Rows, staging: s
         # temporary file and rename per record: docs/protocol.md §5).
         storage.publish(f"staging/{staging}/{name}", records.encode(Kind.TASK, body),
                         sync_dir=False, in_place=True)
-    if len(held) > 1:
+    if held:  # the last chunk, smaller: every task of the release is in a chunk, whose
+        # names sort in dataset order (a task of its own would sort before them all)
         chunks.append(stage_chunk(storage, staging, len(chunks), held))
-    elif held:
-        name, body = held[0]
-        storage.publish(f"staging/{staging}/{name}", records.encode(Kind.TASK, body),
-                        sync_dir=False, in_place=True)
     # The staging directory exists only once a good row was staged in it.
     storage.sync_dirs(chunks + [f"staging/{staging}"] * bool(good)
                       + ["staging", DIRS[TaskState.DROPPED]])

@@ -216,6 +216,8 @@ class Claimer:
             return []
         won: list[tuple[str, TaskName, str | None]] = []
         chunks: list[Lease] = []
+        #: claim order: an index into ``won``, or a lease of a chunk
+        order: list[int | Lease] = []
         lost = 0
         todo = self.candidates(producer, n)
         while todo and len(won) + len(chunks) < n:
@@ -233,6 +235,7 @@ class Claimer:
                         lost += 1
                         self._complete.discard(src.split("/", 2)[1])
                     chunks += got or []
+                    order += got or []
                     continue
                 # More tasks than wanted: its tasks, one by one, where it stood.
                 inside = queued_chunk_keys(self.storage, src)
@@ -263,13 +266,18 @@ class Claimer:
                                                                         held), src)
                 self._quarantine(src)
                 continue
+            order.append(len(won))
             won.append((dst, held, name.producer if name.resume >= 0 else None))
         self._contended = lost > 0
         self._spread = max(lost, self._spread // 2)
         # No directory fsync: a claim lost to a power failure puts the task back in pending,
         # which only means it runs again (execution is at-least-once).
         leases = []
-        for dst, held, journal in won:
+        for i in order:
+            if isinstance(i, Lease):
+                leases.append(i)
+                continue
+            dst, held, journal = won[i]
             try:
                 rec = self._read_record(dst, Kind.TASK)
             except CorruptRecord as exc:
@@ -280,7 +288,7 @@ class Claimer:
                           "someone else); skipping it", held.id, dst)
                 continue
             leases.append(Lease(held, rec.meta["task"], journal))
-        return leases + chunks
+        return leases
 
     def _claim_chunk(self, src: str, chunk: ChunkName) -> list[Lease] | None:
         """Lease a whole chunk directory: one rename into ``leased/`` under a name naming
