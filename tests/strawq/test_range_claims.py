@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from strawq.errors import ConfigError, LeaseLost
-from strawq.ondisk.names import CHUNK_ROWS, ChunkName, data_key
+from strawq.data.release_stage import stage_chunk
+from strawq.delivery.retention import sweep_staging
+from strawq.ondisk.names import CHUNK_ROWS, ChunkName, TaskName, data_key, fresh_key
 from strawq.storage import MemoryStorage, PosixStorage, Storage
 from strawq.tasks.grantor import LeaseMonitor
 from strawq.tasks.queue import Lease, RunQueue
@@ -273,3 +275,13 @@ def test_release_chunk_is_checked() -> None:
         make_queue(MemoryStorage(), release_chunk=0)
     with pytest.raises(ConfigError, match="longest_first"):
         make_queue(MemoryStorage(), release_chunk=4, longest_first=True)
+
+
+def test_gc_removes_an_abandoned_staging_with_chunk_directories(tmp_path: Path) -> None:
+    storage = PosixStorage(str(tmp_path / "run"), fsync=False)
+    make_queue(storage, release_chunk=K)
+    tasks = [(TaskName(key=fresh_key(i), id=tid(i), gen=0, attempts=0), {"task": {"index": i}})
+             for i in range(2)]
+    stage_chunk(storage, "r-000000000005.abcd1234", 0, tasks)  # a release never committed
+    assert sweep_staging(storage, grace_s=0) == 3  # two tasks and the rows record
+    assert storage.list("staging") == []
