@@ -270,6 +270,24 @@ def test_an_incarnation_hands_back_its_predecessors_chunk(storage: Storage,
     check_each_once(storage, again, K)
 
 
+def test_an_incarnation_removes_the_empty_chunk_its_predecessor_left(
+        storage: Storage, tmp_path: Path) -> None:
+    """The holder died after its last task's rename, before the chunk's rmdir."""
+    q = chunked(storage, tmp_path, rows=2)
+    leases = q.claim("p1", K)
+    # each task: its payload, its rename, an rmdir of the chunk (this handle did not claim
+    # it, so it tries each time): dies before the last rmdir
+    dying = RunQueue(FaultyStorage(storage, crash_after=3 * len(leases)), q.config)
+    with pytest.raises(CrashPoint):
+        for lease in leases:
+            complete(dying, lease)
+    (held,) = storage.list("leased")
+    assert storage.list(f"leased/{held}") == [], "every task left: the empty chunk stays"
+    assert Incarnation(RunQueue.open(storage), "p1").begin() == []
+    assert storage.list("leased") == []
+    check_each_once(storage, q, 2)
+
+
 def test_release_chunk_is_checked() -> None:
     with pytest.raises(ConfigError, match="release_chunk"):
         make_queue(MemoryStorage(), release_chunk=0)
