@@ -8,7 +8,10 @@ Layout of ``<root>/<run_id>/`` (see ``docs/protocol.md`` for the crash table)::
     cursor/<seq>             CURSOR records: the dataset cursor (latest wins)
     pending/<name>           partial (stage a) and returned (stage b) tasks
     pending/r-<seq>/<name>   fresh tasks of release <seq> (stage c), dataset order
+    pending/r-<seq>/k-<j>~n<k>/  a chunk of k fresh tasks (``release_chunk``): their records
+                             and ``rows``, all k rows in one record
     leased/<name>~<producer> tasks held by a producer
+    leased/k-<seq>.<j>~n<k>~<producer>/<name>  a chunk held whole (range claims)
     ready/<name>~<producer>  finished groups; payload at data/<id>~g<gen>.group
     batched/<name>~<producer> groups referenced by a batch manifest
     batches/<seq>            MANIFEST records;  acked/<seq>: the trainer consumed it;
