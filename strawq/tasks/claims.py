@@ -12,6 +12,11 @@ has seen a rank lists ``RANKED_LOOKAHEAD`` names ahead instead of a few, so a lo
 of a later release does not wait behind the short ones of earlier releases.
 Partial and returned tasks keep their priority (they are the oldest work). ``RunQueue.claim``
 is this module's ``Claimer.claim``.
+
+Range claims (``queue.release_chunk`` > 1, docs/protocol.md §5): a release directory then
+holds chunk directories of fresh tasks. A claim that still wants at least a chunk's size
+leases it whole by one rename into ``leased/`` (``_claim_chunk``); a smaller one takes its
+tasks one by one, as any fresh task.
 """
 
 from __future__ import annotations

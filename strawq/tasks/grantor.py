@@ -7,6 +7,10 @@ its own clock. A lease expires when its producer's counter has not moved for
 lease). Expiry is a rename of the lease file — the same atomic step a completing producer
 needs — so exactly one of "complete" and "expire" wins, and the loser is fenced.
 
+A chunk held whole (range claims, ``queue.release_chunk``) is judged by its directory's name
+(its holder), without listing it; expiring it lists it and expires each task in it by the
+same rename as a lease of its own, so each task still has exactly one winner.
+
 The clock is injected so tests (and the Hypothesis model) can drive it.
 """
 
