@@ -11,12 +11,14 @@ whole, then the first resumes; for every k until the first finishes untouched.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
 from strawq.errors import ConfigError, LeaseLost
 from strawq.data.release_stage import stage_chunk
+from strawq.delivery.batches import BatchStore
 from strawq.delivery.retention import sweep_staging
 from strawq.ondisk.names import CHUNK_ROWS, ChunkName, TaskName, data_key, fresh_key
 from strawq.storage import MemoryStorage, PosixStorage, Storage
@@ -303,3 +305,28 @@ def test_gc_removes_an_abandoned_staging_with_chunk_directories(tmp_path: Path) 
     stage_chunk(storage, "r-000000000005.abcd1234", 0, tasks)  # a release never committed
     assert sweep_staging(storage, grace_s=0) == 3  # two tasks and the rows record
     assert storage.list("staging") == []
+
+
+class _Syncs(MemoryStorage):
+    """Records the directories fsync'd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.synced: list[str] = []
+
+    def sync_dirs(self, directories: Iterable[str]) -> None:
+        self.synced += list(directories)
+
+
+def test_a_batch_fsyncs_the_held_chunks_a_task_left(tmp_path: Path) -> None:
+    """A rename out of a chunk changes the chunk's directory: made durable before a
+    manifest names the group, as ``leased/`` is for a lease of its own."""
+    storage = _Syncs()
+    q = chunked(storage, tmp_path, rows=K)
+    leases = q.claim("p1", K)
+    complete(q, leases[0])
+    (held,) = storage.list("leased")
+    bs = BatchStore(q)
+    storage.synced.clear()
+    bs.publish_batch(bs.next_seq(), bs.scan_ready())
+    assert f"leased/{held}" in storage.synced and "ready" in storage.synced
