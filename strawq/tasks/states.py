@@ -434,8 +434,9 @@ def count_leased(storage: Storage) -> int:
     too little, as with a task counted twice) — one listing, no chunk listed."""
     listed = storage.list(DIRS[S.LEASED])
     chunks = held_chunks(storage, listed)
-    singles = sum(1 for n in listed if not (n.startswith(CHUNK_PREFIX) and any(
-        n == str(c) for c in chunks)) and _parse(storage, f"{DIRS[S.LEASED]}/{n}") is not None)
+    held = {str(c) for c in chunks}
+    singles = sum(1 for n in listed
+                  if n not in held and _parse(storage, f"{DIRS[S.LEASED]}/{n}") is not None)
     return singles + sum(c.size for c in chunks)
 
 
