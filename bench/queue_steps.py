@@ -13,6 +13,9 @@ charged to the step and the storage call that sent it.
     python bench/queue_steps.py --juicefs MOUNT  # on a JuiceFS mount too
     python bench/queue_steps.py --up             # bring the SQLite-backed test volume up
     python bench/queue_steps.py --quick          # CI-sized
+    python bench/queue_steps.py --release-chunk 16  # range claims: chunks of 16, claimed 16
+                                                    # at a time (a producer with 16 free slots)
+    python bench/queue_steps.py --claim 16          # one file per task, claims of 16
 
 The same for the limit (``bench/queue_ops.py``'s bare durable protocol: publish each
 record, list once, read and delete each), the anchor. The last line is ``queue_steps: local
@@ -105,15 +108,17 @@ STEPS = ("release", "claim", "heartbeat", "complete", "collector scan", "collect
          "batch", "ack", "gc")
 
 
-def life(base: str, mount: str | None, groups: int, samples: int, tokens: int
-         ) -> StepStorage:
-    """One release of ``groups`` tasks through claim, complete, batch, ack and GC."""
+def life(base: str, mount: str | None, groups: int, samples: int, tokens: int,
+         chunk: int = 1, claim: int = 1) -> StepStorage:
+    """One release of ``groups`` tasks through claim, complete, batch, ack and GC.
+    ``chunk``: ``queue.release_chunk``; ``claim``: tasks each claim asks for."""
     root = os.path.join(base, f"steps-{secrets.token_hex(3)}")
     os.makedirs(root)
     ds = os.path.join(root, "ds.jsonl")
     write_dataset(ds, groups)
     st = StepStorage(os.path.join(root, "run"), mount, writer_id="c")
-    cfg = QueueConfig(release_batch=groups, lease_timeout_s=600, heartbeat_interval_s=10)
+    cfg = QueueConfig(release_batch=groups, lease_timeout_s=600, heartbeat_interval_s=10,
+                      release_chunk=chunk)
     q = RunQueue.create(st, cfg)
     feeder = Feeder(q, Dataset(ds))
     cols = make_columns(samples, tokens, 0)
@@ -123,9 +128,14 @@ def life(base: str, mount: str | None, groups: int, samples: int, tokens: int
         released = feeder.release()
     if released != groups:
         raise RuntimeError(f"released {released} of {groups}")
+    held: list[Any] = []
     for i in range(groups):
-        with st.at("claim"):
-            (lease,) = q.claim("p0", 1)
+        if not held:
+            with st.at("claim"):
+                held = q.claim("p0", claim)
+            if not held:
+                raise RuntimeError(f"nothing to claim after {i} of {groups}")
+        lease = held.pop(0)
         if i % 16 == 0:
             with st.at("heartbeat"):
                 q.heartbeat("p0")
@@ -213,7 +223,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="a JuiceFS mount to count on too (default $STRAWQ_JUICEFS_A)")
     ap.add_argument("--up", action="store_true",
                     help="bring the SQLite-backed test volume up for this run")
+    ap.add_argument("--release-chunk", type=int, default=1, metavar="K",
+                    help="queue.release_chunk (range claims; default 1: a file per task)")
+    ap.add_argument("--claim", type=int, default=None, metavar="N",
+                    help="tasks each claim asks for (a producer's free slots; default: "
+                         "--release-chunk)")
     args = ap.parse_args(argv)
+    if args.release_chunk < 1:
+        ap.error(f"--release-chunk must be >= 1, got {args.release_chunk}")
+    claim = args.release_chunk if args.claim is None else args.claim
+    if claim < 1:
+        ap.error(f"--claim must be >= 1, got {claim}")
     groups = args.groups or (16 if args.quick else 64)
     tokens = 16 if args.quick else args.tokens
     with ExitStack() as stack:
@@ -231,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             locations.append(("jfs", jd, args.juicefs))
         lines = []
         for loc, base, mount in locations:
-            st = life(base, mount, groups, args.samples, tokens)
+            st = life(base, mount, groups, args.samples, tokens, args.release_chunk, claim)
             meta, calls = report(loc, st, groups)
             lim = limit_life(base, mount, groups, args.samples, tokens)
             lmeta, lcalls = report(f"{loc}, the limit", lim, groups, LIMIT_STEPS)
@@ -240,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"ratio {meta / lmeta:.2f}" if lmeta else
                     f"{calls:.1f} storage calls/group, the limit's {lcalls:.1f}, "
                     f"ratio {calls / lcalls:.2f}")
-            lines.append(f"{loc} {what}")
+            lines.append(f"{loc} {what} (release_chunk {args.release_chunk}, claims of "
+                         f"{claim})")
         print("queue_steps: " + ", ".join(lines))
     return 0
 

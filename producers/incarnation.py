@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from strawq.errors import LeaseLost, NotFound, StrawqError
 from strawq.tasks.incarnations import begin_incarnation, successor
 from strawq.tasks.queue import Lease, RunQueue
-from strawq.tasks.states import TaskState, names_in
+from strawq.tasks.states import TaskState, chunk_key, drop_drained_chunk, held_chunks, names_in
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,12 @@ class Incarnation:
             except (LeaseLost, NotFound):
                 continue  # the predecessor finished or handed it back first
             back.append(name.id)
+        # Chunks (range claims) of the predecessor left empty (it died between its last
+        # task's rename and the directory's removal): removed now.
+        for chunk in held_chunks(self.queue.storage):
+            if chunk.producer == self.producer_id:
+                key = chunk_key(chunk)
+                drop_drained_chunk(self.queue.storage, key, self.queue.storage.list(key))
         if back:
             log.warning("producer %s (incarnation %d): handed back %d leases its earlier "
                         "process held: %s", self.producer_id, self.number, len(back),

@@ -554,6 +554,11 @@ class QueueConfig(Config):
     #: Off by default: under hard η on the lab it measured within noise of off (a group's
     #: tail is mostly a response at the cap by chance, docs/design.md).
     longest_first: bool = False
+    #: Tasks per chunk directory of a release (range claims, docs/protocol.md §5): a
+    #: producer with that many free slots leases a whole chunk by one rename and reads its
+    #: rows once; each task still leaves its chunk by its own rename (fencing unchanged).
+    #: 1: one file per task, the layout of every earlier run.
+    release_chunk: int = 1
 
     def validate(self) -> None:
         if self.num_epochs < 1:
@@ -579,6 +584,13 @@ class QueueConfig(Config):
                 "unset (3 heartbeats)")
         if self.release_batch < 1:
             raise ConfigError(f"release_batch must be >= 1, got {self.release_batch}")
+        if self.release_chunk < 1:
+            raise ConfigError(f"release_chunk must be >= 1 (1: one file per task), got "
+                              f"{self.release_chunk}")
+        if self.release_chunk > 1 and self.longest_first:
+            raise ConfigError("release_chunk > 1 does not combine with longest_first: a "
+                              "chunk is claimed whole, in release order, not by claim rank; "
+                              "set one of them only")
         if self.group_size < 1:
             raise ConfigError(f"group_size must be >= 1, got {self.group_size}")
         if not self.prompt_key:

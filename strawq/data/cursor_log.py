@@ -40,6 +40,7 @@ from strawq.data.cursor import (
 )
 from strawq.data.planner import Passes
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound, StorageError
+from strawq.ondisk.names import CHUNK_PREFIX
 from strawq.ondisk import records
 from strawq.ondisk.records import Kind
 from strawq.storage import Storage
@@ -273,7 +274,12 @@ class CursorLog:
                         "removes it", staging, exc)
 
     def discard(self, staging: str) -> None:
-        """Delete ``staging/<staging>/`` and what is in it."""
+        """Delete ``staging/<staging>/`` and what is in it (its chunk directories too)."""
         for f in self.storage.list(f"staging/{staging}"):
+            if f.startswith(CHUNK_PREFIX) and self.storage.is_dir(f"staging/{staging}/{f}"):
+                for g in self.storage.list(f"staging/{staging}/{f}"):
+                    self.storage.delete(f"staging/{staging}/{f}/{g}")
+                self.storage.rmdir(f"staging/{staging}/{f}")
+                continue
             self.storage.delete(f"staging/{staging}/{f}")
         self.storage.rmdir(f"staging/{staging}")

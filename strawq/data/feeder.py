@@ -242,7 +242,7 @@ class Feeder:
         passes = self.passes(cur)
         try:
             good = stage_rows(self.storage, self.planner, rows, staging, passes, plan,
-                              self.on_progress)
+                              self.on_progress, chunk=self.queue.config.release_chunk)
         except StorageError:  # refused (a full disk): what it staged goes, not left behind
             self.cursor_log.discard_quietly(staging)
             raise
@@ -317,7 +317,8 @@ class Feeder:
         staging = RELEASES.name(1, uuid.uuid4().hex[:8])
         good = 0 if cur.seq else stage_rows(self.storage, self.planner,
                                             self.planner.rows_at(passes, again), staging,
-                                            passes, on_progress=self.on_progress)
+                                            passes, on_progress=self.on_progress,
+                                            chunk=self.queue.config.release_chunk)
         if cur.seq or not self.cursor_log.commit(1, nxt, staging if good else None, False,
                                        restored_from_checkpoint=True, released_again=good,
                                        **passes.record()):

@@ -12,14 +12,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from strawq.data.dataset import BadRow
 from strawq.data.planner import Passes, ReleasePlanner, Rows
 from strawq.data.prompt_policy import Plan
 from strawq.errors import AlreadyExists
 from strawq.ondisk import records
-from strawq.ondisk.names import STAGE_FRESH, TaskName, dataset_task_id, fresh_key, note_key, \
-    queue_key
+from strawq.ondisk.names import CHUNK_ROWS, STAGE_FRESH, ChunkName, TaskName, dataset_task_id, \
+    fresh_key, note_key, queue_key
 from strawq.ondisk.records import Kind
 from strawq.storage import Storage
 from strawq.tasks.states import DIRS, TaskState, key_of
@@ -32,13 +33,18 @@ PROGRESS_EVERY = 500
 
 def stage_rows(storage: Storage, planner: ReleasePlanner, rows: Rows, staging: str,
                passes: Passes, plan: Plan | None = None,
-               on_progress: Callable[[int, int], None] | None = None) -> int:
+               on_progress: Callable[[int, int], None] | None = None, *,
+               chunk: int = 1) -> int:
     """Write ``rows`` as fresh tasks into ``staging/<staging>/`` (bad rows are dropped
     with a record); returns how many were staged. ``plan``: stage only its rows, the
     i-th of its order under the release's i-th order number (claims go in key order), with
     the length it was ranked by as its claim rank (``fresh_key``).
-    ``on_progress(staged, rows)`` every ``PROGRESS_EVERY`` rows."""
+    ``on_progress(staged, rows)`` every ``PROGRESS_EVERY`` rows. ``chunk`` > 1
+    (``queue.release_chunk``): the tasks go into chunk directories of ``chunk`` tasks each
+    (``stage_chunk``), the last one with what is left."""
     good = 0
+    held: list[tuple[TaskName, dict[str, Any]]] = []
+    chunks: list[str] = []
     skipped = {s.index for s in plan.skips} if plan else set()
     order = dict(zip(plan.order, sorted(plan.order), strict=True)) if plan else {}
     for done, (index, row) in enumerate(rows):
@@ -55,16 +61,43 @@ def stage_rows(storage: Storage, planner: ReleasePlanner, rows: Rows, staging: s
                                       plan.version if plan else 0),
                         id=task_id, gen=0, attempts=0, resume=-1)
         body = {"task": planner.task(passes, index, row)}
+        good += 1
+        if chunk > 1:
+            held.append((name, body))
+            if len(held) == chunk:
+                chunks.append(stage_chunk(storage, staging, len(chunks), held))
+                held = []
+            continue
         # In place: nobody reads a staging directory before its rename to pending/,
         # which comes after every record in it was written, fsync'd and closed (no
         # temporary file and rename per record: docs/protocol.md §5).
         storage.publish(f"staging/{staging}/{name}", records.encode(Kind.TASK, body),
                         sync_dir=False, in_place=True)
-        good += 1
+    if held:  # the last chunk, smaller: every task of the release is in a chunk, whose
+        # names sort in dataset order (a task of its own would sort before them all)
+        chunks.append(stage_chunk(storage, staging, len(chunks), held))
     # The staging directory exists only once a good row was staged in it.
-    storage.sync_dirs([f"staging/{staging}"] * bool(good)
+    storage.sync_dirs(chunks + [f"staging/{staging}"] * bool(good)
                       + ["staging", DIRS[TaskState.DROPPED]])
     return good
+
+
+def stage_chunk(storage: Storage, staging: str, index: int,
+                tasks: list[tuple[TaskName, dict[str, Any]]]) -> str:
+    """Write one chunk directory of a release (a range claim, ``queue.release_chunk``):
+    ``staging/<staging>/k-<index>~n<k>/`` holding each task's record under its queued name
+    — an ordinary task wherever it goes once it leaves the chunk — and ``CHUNK_ROWS``, every
+    row in one record, which a claim of the whole chunk reads once. In place, like every
+    record of a staging directory (its rename publishes them); returns the directory, which
+    the caller fsyncs."""
+    directory = f"staging/{staging}/{ChunkName(0, index, len(tasks)).queued()}"
+    for name, body in tasks:
+        storage.publish(f"{directory}/{name}", records.encode(Kind.TASK, body),
+                        sync_dir=False, in_place=True)
+    rows = {"rows": {str(name): body["task"] for name, body in tasks}}
+    storage.publish(f"{directory}/{CHUNK_ROWS}", records.encode(Kind.TASK, rows),
+                    sync_dir=False, in_place=True)
+    return directory
 
 
 def record_bad_row(storage: Storage, task_id: str, row: BadRow) -> None:

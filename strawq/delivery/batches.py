@@ -37,7 +37,8 @@ from strawq.ondisk.numbered import Numbered
 from strawq.ondisk.records import Kind
 from strawq.storage import Storage
 from strawq.tasks.queue import RunQueue
-from strawq.tasks.states import DIRS, TaskState, delete_trained, move, names_in, queued_state
+from strawq.tasks.states import DIRS, TaskState, chunk_key, delete_trained, held_chunks, move, \
+    names_in, queued_state
 
 S = TaskState
 
@@ -214,8 +215,15 @@ class BatchStore:
                       summaries: Sequence[dict[str, Any]] | None = None,
                       meta: dict[str, Any] | None = None) -> Manifest:
         """Commit a batch (exclusive create of the manifest), then move its groups."""
-        # producers' renames, made durable
+        # producers' renames, made durable: both sides (a task leased in a chunk, range
+        # claims, leaves its chunk's directory: those of the held chunks, from one listing)
         self.storage.sync_dirs([DIRS[S.READY], DIRS[S.LEASED]])
+        if self.queue.config.release_chunk > 1:
+            for c in held_chunks(self.storage):
+                try:
+                    self.storage.sync_dirs([chunk_key(c)])
+                except FileNotFoundError:  # NotFound too
+                    pass  # removed since the listing: its last task left it
         body = {"seq": seq, "groups": [str(n) for n in names],
                 "summaries": list(summaries or []), "meta": meta or {}, "at": time.time()}
         self.storage.publish(manifest_key(seq), records.encode(Kind.MANIFEST, body))

@@ -387,6 +387,12 @@ def sweep_staging(storage: Storage, *, grace_s: float = 3600.0) -> int:
         if not storage.is_dir(d):
             continue
         for f in storage.list(d):
+            if storage.is_dir(f"{d}/{f}"):  # a chunk directory (queue.release_chunk)
+                for g in storage.list(f"{d}/{f}"):
+                    storage.delete(f"{d}/{f}/{g}")
+                    removed += 1
+                storage.rmdir(f"{d}/{f}")
+                continue
             storage.delete(f"{d}/{f}")
             removed += 1
         storage.rmdir(d)
@@ -395,7 +401,8 @@ def sweep_staging(storage: Storage, *, grace_s: float = 3600.0) -> int:
 
 
 def live_files(storage: Storage) -> dict[str, int]:
-    """Files per top-level directory of the run (release directories count their tasks)."""
+    """Files per top-level directory of the run (release directories count their tasks; a
+    chunk directory, ``queue.release_chunk``, counts as one)."""
     out: dict[str, int] = {}
     for top in storage.list(""):
         if not storage.is_dir(top):

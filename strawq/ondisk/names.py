@@ -26,7 +26,7 @@ carried in its *name*, so every transition is a single atomic rename.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from strawq.errors import ConfigError
 from strawq.ondisk.numbered import Numbered
@@ -110,6 +110,10 @@ class TaskName:
     resume: int = -1
     producer: str | None = None
     regenerations: int = 0
+    #: where a task leased in a chunk lies inside ``leased/``: ``<chunk>/<entry>`` (a
+    #: range claim, ``ChunkName``); None for a lease of its own, and for every other state.
+    #: Not part of the name: ``with_`` drops it unless given.
+    chunk: str | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         regen = f".{self.regenerations}" if self.regenerations else ""
@@ -143,7 +147,72 @@ class TaskName:
         return int(self.key.rsplit(".", 1)[0].lstrip(STAGES) or 0)
 
     def with_(self, **changes: object) -> TaskName:
+        changes.setdefault("chunk", None)  # a new name is a move: it leaves the chunk
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+#: Prefix of a chunk directory (a range claim, ``release_chunk > 1``): ``k-<j>~n<size>``
+#: inside a release directory, ``k-<seq>.<j>~n<size>~<producer>`` in ``leased/``.
+CHUNK_PREFIX = "k-"
+#: ``k-<j>`` (in ``pending/r-<seq>/``) and ``k-<seq>.<j>`` (in ``leased/``)
+CHUNKS = Numbered(CHUNK_PREFIX, sep=".")
+#: The record of a chunk's task rows, inside its directory (never a task name)
+CHUNK_ROWS = "rows"
+_CHUNK_RE = re.compile(
+    r"(?P<head>k-\d+(?:\.\d+)?)~n(?P<size>\d+)(?:~(?P<producer>[A-Za-z0-9_.-]+))?", re.ASCII)
+
+
+@dataclass(frozen=True)
+class ChunkName:
+    """A chunk directory: ``size`` fresh tasks of release ``seq`` released together
+    (``release_chunk``), claimed whole by one rename (docs/protocol.md §5, range claims).
+
+    Queued in ``pending/r-<seq>/k-<index>~n<size>``; held, ``leased/k-<seq>.<index>~n<size>
+    ~<producer>``. Inside: one entry per task, each today's task record under its queued name
+    (so a task that leaves the chunk is an ordinary task wherever it goes), and the record
+    of all the rows (``CHUNK_ROWS``), which a claim of the whole chunk reads once.
+    ``size`` is what was released: an upper bound of what it holds (single tasks may have
+    been claimed out of it, or have left it)."""
+
+    seq: int
+    index: int
+    size: int
+    producer: str | None = None
+
+    def queued(self) -> str:
+        """The name inside its release directory."""
+        return f"{CHUNKS.name(self.index)}~n{self.size}"
+
+    def __str__(self) -> str:
+        """The name in ``leased/`` (held), else in its release directory (queued)."""
+        if self.producer is None:
+            return self.queued()
+        return f"{CHUNKS.name(self.seq, self.index)}~n{self.size}~{self.producer}"
+
+    @classmethod
+    def try_parse(cls, name: str, seq: int | None = None) -> ChunkName | None:
+        """A chunk directory's name: held (``seq`` None) or queued in release ``seq``."""
+        m = _CHUNK_RE.fullmatch(name)
+        if m is None:
+            return None
+        if seq is None:
+            pair = CHUNKS.pair(m["head"])
+            if pair is None or m["producer"] is None:
+                return None
+            return cls(pair[0], pair[1], int(m["size"]), m["producer"])
+        index = CHUNKS.parse(m["head"])
+        if index is None or "." in m["head"] or m["producer"] is not None:
+            return None
+        return cls(seq, index, int(m["size"]))
+
+    def held_by(self, producer: str) -> ChunkName:
+        return replace(self, producer=producer)
+
+    def task(self, entry: TaskName) -> TaskName:
+        """The lease of ``entry`` (its queued name) in this held chunk: the claim's attempt
+        counted, the holder named, where it lies recorded (``TaskName.chunk``)."""
+        return replace(entry, attempts=entry.attempts + 1, producer=self.producer,
+                       chunk=f"{self}/{entry}")
 
 
 def requeued_name(name: TaskName, *, refund: bool, drop_prefix: bool = False,

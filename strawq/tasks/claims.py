@@ -12,6 +12,11 @@ has seen a rank lists ``RANKED_LOOKAHEAD`` names ahead instead of a few, so a lo
 of a later release does not wait behind the short ones of earlier releases.
 Partial and returned tasks keep their priority (they are the oldest work). ``RunQueue.claim``
 is this module's ``Claimer.claim``.
+
+Range claims (``queue.release_chunk`` > 1, docs/protocol.md §5): a release directory then
+holds chunk directories of fresh tasks. A claim that still wants at least a chunk's size
+leases it whole by one rename into ``leased/`` (``_claim_chunk``); a smaller one takes its
+tasks one by one, as any fresh task.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ from typing import Any
 
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.ondisk import records
-from strawq.ondisk.names import TaskName, claim_rank, validate_id
+from strawq.ondisk.names import CHUNK_PREFIX, CHUNK_ROWS, ChunkName, TaskName, claim_rank, \
+    validate_id
 from strawq.ondisk.records import Kind
 from strawq.storage import Storage
 from strawq.tasks.states import DIRS as STATE_DIRS
-from strawq.tasks.states import RELEASE_PREFIX, TaskState, key_of, move, queued_state
+from strawq.tasks.states import RELEASE_PREFIX, RELEASES, TaskState, chunk_key, chunk_leases, \
+    key_of, move, queued_chunk_keys, queued_state
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +169,7 @@ class Claimer:
             for d in sorted({k.split("/", 2)[1] for k in fresh} - self._complete):
                 still = set(self.storage.list(f"{pending}/{d}"))
                 fresh = [k for k in fresh
-                         if k.split("/", 2)[1] != d or k.rsplit("/", 1)[1] in still]
+                         if k.split("/", 2)[1] != d or k.split("/")[2] in still]
                 self._complete.add(d)
         if len(fresh) < want:
             have = set(fresh)
@@ -204,19 +211,45 @@ class Claimer:
         return fresh[off:window] + fresh[:off] + fresh[window:]
 
     def claim(self, producer: str, n: int = 1) -> list[Lease]:
-        """Lease up to ``n`` tasks in priority order. Exactly one claimer wins each task."""
+        """Lease up to ``n`` tasks in priority order. Exactly one claimer wins each task.
+
+        A chunk directory of a release (``queue.release_chunk``) is leased whole by one
+        rename when it holds no more tasks than the claim still wants (``_claim_chunk``);
+        else its tasks are candidates one by one, claimed as any other fresh task."""
         validate_id(producer, "producer id")
         if n <= 0:
             return []
         won: list[tuple[str, TaskName, str | None]] = []
+        chunks: list[Lease] = []
+        #: claim order: an index into ``won``, or a lease of a chunk
+        order: list[int | Lease] = []
         lost = 0
-        for src in self.candidates(producer, n):
-            if len(won) >= n:
-                break
-            self._fresh.discard(src)
+        todo = self.candidates(producer, n)
+        while todo and len(won) + len(chunks) < n:
+            src = todo.pop(0)
             if src in self._top_files:
                 self._top_files.remove(src)
-            name = TaskName.try_parse(src.rsplit("/", 1)[1])
+            last = src.rsplit("/", 1)[1]
+            chunk = (ChunkName.try_parse(last, RELEASES.parse(src.split("/")[1]))
+                     if src.count("/") == 2 and last.startswith(CHUNK_PREFIX) else None)
+            if chunk is not None:
+                if chunk.size <= n - len(won) - len(chunks):
+                    self._fresh.discard(src)
+                    got = self._claim_chunk(src, chunk.held_by(producer))
+                    if got is None:
+                        lost += 1
+                        self._complete.discard(src.split("/", 2)[1])
+                    chunks += got or []
+                    order += got or []
+                    continue
+                # More tasks than wanted: its tasks, one by one, where it stood.
+                inside = queued_chunk_keys(self.storage, src)
+                self._fresh = _OrderedSet(
+                    x for k in self._fresh for x in (inside if k == src else [k]))
+                todo = inside + todo
+                continue
+            self._fresh.discard(src)
+            name = TaskName.try_parse(last)
             if name is None:
                 log.warning("ignoring a foreign file in the queue: %s", src)
                 continue
@@ -226,7 +259,7 @@ class Claimer:
                            src_key=src, sync_dir=False)
             except NotFound:
                 lost += 1
-                if src.count("/") == 2:  # in a release directory: its listing is stale
+                if src.count("/") >= 2:  # in a release directory: its listing is stale
                     self._complete.discard(src.split("/", 2)[1])
                 continue  # another producer won it
             except AlreadyExists:
@@ -238,13 +271,18 @@ class Claimer:
                                                                         held), src)
                 self._quarantine(src)
                 continue
+            order.append(len(won))
             won.append((dst, held, name.producer if name.resume >= 0 else None))
         self._contended = lost > 0
         self._spread = max(lost, self._spread // 2)
         # No directory fsync: a claim lost to a power failure puts the task back in pending,
         # which only means it runs again (execution is at-least-once).
         leases = []
-        for dst, held, journal in won:
+        for i in order:
+            if isinstance(i, Lease):
+                leases.append(i)
+                continue
+            dst, held, journal = won[i]
             try:
                 rec = self._read_record(dst, Kind.TASK)
             except CorruptRecord as exc:
@@ -255,6 +293,48 @@ class Claimer:
                           "someone else); skipping it", held.id, dst)
                 continue
             leases.append(Lease(held, rec.meta["task"], journal))
+        return leases
+
+    def _claim_chunk(self, src: str, chunk: ChunkName) -> list[Lease] | None:
+        """Lease a whole chunk directory: one rename into ``leased/`` under a name naming
+        the holder (None: another claimer won it), then one listing of it — what it holds
+        now: tasks claimed out of it one by one before are gone — and one read of its rows
+        record, deleted once read (no one reads it again). Each task then leaves the chunk
+        by the rename of its own entry, fenced as any lease (``TaskName.chunk``)."""
+        dst = chunk_key(chunk)
+        try:
+            self.storage.rename(src, dst, sync_dir=False)
+        except NotFound:
+            return None
+        except AlreadyExists:  # not a state the protocol makes: leave the chunk queued
+            log.error("claim of chunk %s: %s exists already; leaving it queued", src, dst)
+            return []
+        listed = self.storage.list(dst)
+        names = chunk_leases(self.storage, chunk, listed)
+        rows: dict[str, Any] = {}
+        if names:
+            try:
+                rows = self._read_record(f"{dst}/{CHUNK_ROWS}", Kind.TASK).meta["rows"]
+            except (CorruptRecord, NotFound) as exc:
+                log.error("chunk %s: its rows record is unreadable (%s); reading each "
+                          "task's own record", dst, exc)
+        leases = []
+        for held in names:
+            entry = held.chunk.rsplit("/", 1)[1] if held.chunk else ""
+            task = rows.get(entry)
+            if task is None:
+                try:
+                    task = self._read_record(key_of(TaskState.LEASED, held), Kind.TASK
+                                             ).meta["task"]
+                except (CorruptRecord, NotFound) as exc:
+                    log.error("claimed task %s of chunk %s is unreadable (%s); skipping it",
+                              held.id, dst, exc)
+                    continue
+            leases.append(Lease(held, task))
+        if CHUNK_ROWS in listed:
+            self.storage.delete(f"{dst}/{CHUNK_ROWS}")
+        if not names:
+            self.storage.rmdir(dst)  # drained before it was claimed
         return leases
 
 

@@ -7,6 +7,10 @@ its own clock. A lease expires when its producer's counter has not moved for
 lease). Expiry is a rename of the lease file — the same atomic step a completing producer
 needs — so exactly one of "complete" and "expire" wins, and the loser is fenced.
 
+A chunk held whole (range claims, ``queue.release_chunk``) is judged by its directory's name
+(its holder), without listing it; expiring it lists it and expires each task in it by the
+same rename as a lease of its own, so each task still has exactly one winner.
+
 The clock is injected so tests (and the Hypothesis model) can drive it.
 """
 
@@ -18,10 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from strawq.errors import AlreadyExists, NotFound
-from strawq.ondisk.names import STAGE_PARTIAL, TaskName, heartbeat_key, queue_key, requeued_name
+from strawq.ondisk.names import STAGE_PARTIAL, ChunkName, TaskName, heartbeat_key, queue_key, \
+    requeued_name
 from strawq.tasks.journal import journaled
 from strawq.tasks.queue import RunQueue
-from strawq.tasks.states import TaskState, move, names_in, queued_state
+from strawq.tasks.states import DIRS, TaskState, chunk_key, chunk_leases, drop_drained_chunk, \
+    held_chunks, move, queued_state
 
 log = logging.getLogger(__name__)
 
@@ -79,23 +85,33 @@ class LeaseMonitor:
         self._journals = {}
         res = ScanResult(producers=self.observe_heartbeats(now))
         res.silence = {p: now - t for p, (_c, t) in self._seen.items()}
-        leased = [(n, n.producer) for n in names_in(self.queue.storage, TaskState.LEASED)
-                  if n.producer is not None]
-        live = {str(n) for n, _p in leased}
+        listed = self.queue.storage.list(DIRS[TaskState.LEASED])
+        leased = [(n, n.producer) for x in listed
+                  if (n := TaskName.try_parse(x)) is not None and n.producer is not None]
+        # A chunk (a range claim) is judged by its name alone: its holder; it is listed
+        # only to expire it, so a pass costs one listing however many chunks are held.
+        chunks = held_chunks(self.queue.storage, listed)
+        live = {str(n) for n, _p in leased} | {str(c) for c in chunks}
         for gone in [k for k in self._first_seen if k not in live]:
             del self._first_seen[gone]
         holders: set[str] = set()
-        for name, producer in leased:
+        units: list[tuple[str, str, TaskName | ChunkName, int]] = [
+            (str(n), p, n, 1) for n, p in leased]
+        units += [(str(c), c.producer, c, c.size) for c in chunks if c.producer is not None]
+        for unit, producer, what, size in units:
             holders.add(producer)
-            res.leases += 1
-            first = self._first_seen.setdefault(str(name), now)
+            res.leases += size  # a chunk: what it was released with (an upper bound)
+            first = self._first_seen.setdefault(unit, now)
             beat = self._seen.get(producer)
             last_alive = max(first, beat[1]) if beat else first
             if now - last_alive >= self.timeout:
                 # Its temporary files are left alone: on a shared mount the grantor cannot
                 # know whether a write is still in flight (`strawq gc` removes them once their
                 # writer is found dead: by pid on its host, else by age).
-                self._expire(name, res)
+                if isinstance(what, ChunkName):
+                    self._expire_chunk(what, res)
+                else:
+                    self._expire(what, res)
         self._forget_departed(now, holders)
         return res
 
@@ -110,6 +126,18 @@ class LeaseMonitor:
                 self._idle_at.pop(p, None)
                 log.info("producer %s departed (silent %.0fs, no leases); its heartbeat "
                          "file is removed", p, now - changed)
+
+    def _expire_chunk(self, chunk: ChunkName, res: ScanResult) -> None:
+        """Expire a held chunk: list it, expire each task still in it as a lease of its own
+        (the same rename, so a holder completing one at the same time wins it or is fenced;
+        a journaled one goes back partial, ``_journaled_name``), then remove the chunk's
+        rows record and the directory (rmdir refuses it while a task is still in it: the
+        next pass, or the holder, removes it)."""
+        storage = self.queue.storage
+        listed = storage.list(chunk_key(chunk))
+        for name in chunk_leases(storage, chunk, listed):
+            self._expire(name, res)
+        drop_drained_chunk(storage, chunk_key(chunk), storage.list(chunk_key(chunk)))
 
     def _expire(self, name: TaskName, res: ScanResult) -> bool:
         q = self.queue

@@ -8,7 +8,10 @@ Layout of ``<root>/<run_id>/`` (see ``docs/protocol.md`` for the crash table)::
     cursor/<seq>             CURSOR records: the dataset cursor (latest wins)
     pending/<name>           partial (stage a) and returned (stage b) tasks
     pending/r-<seq>/<name>   fresh tasks of release <seq> (stage c), dataset order
+    pending/r-<seq>/k-<j>~n<k>/  a chunk of k fresh tasks (``release_chunk``): their records
+                             and ``rows``, all k rows in one record
     leased/<name>~<producer> tasks held by a producer
+    leased/k-<seq>.<j>~n<k>~<producer>/<name>  a chunk held whole (range claims)
     ready/<name>~<producer>  finished groups; payload at data/<id>~g<gen>.group
     batched/<name>~<producer> groups referenced by a batch manifest
     batches/<seq>            MANIFEST records;  acked/<seq>: the trainer consumed it;
@@ -92,6 +95,8 @@ class RunQueue:
         self._claimer = Claimer(storage, self._read_record, self.quarantine)
         self._heartbeats = HeartbeatWriter(storage)
         self._policy: PolicyCache | None = None
+        #: held chunk directory -> the leases this process claimed from it still in it
+        self._in_chunks: dict[str, int] = {}
 
     # -- run lifecycle ---------------------------------------------------------------------
     @classmethod
@@ -153,7 +158,28 @@ class RunQueue:
     def claim(self, producer: str, n: int = 1) -> list[Lease]:
         """Lease up to ``n`` tasks in priority order. Exactly one claimer wins each task
         (``strawq.tasks.claims``)."""
-        return self._claimer.claim(producer, n)
+        leases = self._claimer.claim(producer, n)
+        for lease in leases:
+            if lease.name.chunk is not None:
+                d = lease.name.chunk.split("/", 1)[0]
+                self._in_chunks[d] = self._in_chunks.get(d, 0) + 1
+        return leases
+
+    def _left_chunk(self, name: TaskName) -> None:
+        """A lease of a chunk left it (or was found gone): once no lease this process took
+        from the chunk is left in it, the directory is removed (rmdir refuses one that still
+        holds a task: a lease the grantor is expiring, or this process lost track of). A
+        lease from a chunk this process did not claim (an earlier incarnation's) tries it
+        each time."""
+        if name.chunk is None:
+            return
+        d = name.chunk.split("/", 1)[0]
+        left = self._in_chunks.get(d, 1) - 1
+        if left > 0:
+            self._in_chunks[d] = left
+            return
+        self._in_chunks.pop(d, None)
+        self.storage.rmdir(f"{STATE_DIRS[TaskState.LEASED]}/{d}")
 
     def heartbeat(self, producer: str, *, idle: bool = False) -> int:
         """Advance the producer's heartbeat counter; the grantor watches it move. ``idle``:
@@ -193,11 +219,14 @@ class RunQueue:
         if dst in (TaskState.PENDING, TaskState.PARTIAL):
             self._claimer.list_top_next()  # our own handback: list the top next time
         try:
-            return move(self.storage, lease.name, TaskState.LEASED, dst, new, sync_dir=False)
+            moved = move(self.storage, lease.name, TaskState.LEASED, dst, new, sync_dir=False)
         except NotFound:
+            self._left_chunk(lease.name)
             raise LeaseLost(f"lease {lease.name} is no longer held by {lease.producer}: it "
                             "expired and was re-queued (or the task was dropped); its result "
                             "is discarded") from None
+        self._left_chunk(lease.name)
+        return moved
 
     def _publish_payload(self, lease: Lease, key: str, chunks: list[bytes]) -> None:
         """Publish a lease's payload; a failure on a lease no longer held is ``LeaseLost``."""

@@ -66,7 +66,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from strawq.errors import AlreadyExists, NotFound, StrawqError
-from strawq.ondisk.names import STAGE_PARTIAL, TaskName
+from strawq.ondisk.names import CHUNK_PREFIX, CHUNK_ROWS, STAGE_PARTIAL, ChunkName, TaskName
 from strawq.ondisk.numbered import Numbered
 from strawq.storage import Storage
 
@@ -161,7 +161,14 @@ def key_of(state: TaskState, name: TaskName) -> str:
     if state in (S.PENDING, S.PARTIAL) and queued_state(name) is not state:
         raise IllegalTransition(f"{name} cannot be {state.value}: its key's stage letter says "
                                 f"{queued_state(name).value}")
+    if state is S.LEASED and name.chunk is not None:
+        return f"{DIRS[state]}/{name.chunk}"  # leased in a chunk (a range claim)
     return f"{DIRS[state]}/{name}"
+
+
+def chunk_key(chunk: ChunkName) -> str:
+    """The directory of a held chunk in ``leased/`` (a range claim)."""
+    return f"{DIRS[S.LEASED]}/{chunk}"
 
 
 def release_dir(seq: int) -> str:
@@ -222,8 +229,15 @@ def retire_lease(storage: Storage, name: TaskName, *, sync_dir: bool = True) -> 
     leaves the lease, which the holder's recovery retires again.
     """
     check_transition(S.LEASED, S.TRAINED)
-    storage.delete(key_of(S.LEASED, name), missing_ok=False)
-    if sync_dir:
+    key = key_of(S.LEASED, name)
+    storage.delete(key, missing_ok=False)
+    if name.chunk is not None:
+        # Leased in a chunk: its directory is fsync'd here (the caller's batched fsync is of
+        # leased/), then removed once it holds no task (rmdir refuses it before).
+        directory = key.rsplit("/", 1)[0]
+        storage.sync_dirs([directory])
+        drop_drained_chunk(storage, directory, storage.list(directory))
+    elif sync_dir:
         storage.sync_dirs([DIRS[S.LEASED]])
 
 
@@ -250,15 +264,24 @@ def _parse(storage: Storage, key: str) -> TaskName | None:
 def list_queued(storage: Storage, limit: int | None = None) -> list[str]:
     """Keys in ``pending/`` in claim order: partial, returned, then fresh by release (in
     listing order: a claimer takes the fresh tasks of ranked releases by their claim rank,
-    ``strawq.tasks.claims.by_rank``).
+    ``strawq.tasks.claims.by_rank``); the tasks of a chunk directory (``release_chunk``)
+    where it lies in its release.
 
     A drained release directory is removed on the way, so listings stay proportional to
     work in flight: rmdir refuses a non-empty directory, and a release directory is never
-    refilled (every release gets a new sequence number).
+    refilled (every release gets a new sequence number). So is a drained chunk directory
+    (``drop_drained_chunk``).
     """
+    return _queued(storage, limit, expand=True)[0]
+
+
+def _queued(storage: Storage, limit: int | None, *, expand: bool) -> tuple[list[str], int]:
+    """``list_queued``'s keys; with ``expand=False`` a chunk directory is not listed but
+    counted by the size its name gives (an upper bound), returned second."""
     top = DIRS[S.PENDING]
     listed = storage.list(top)
     out = [f"{top}/{n}" for n in listed if not n.startswith(RELEASE_PREFIX)]
+    unlisted = 0
     for d in (n for n in listed if n.startswith(RELEASE_PREFIX)):
         if limit is not None and len(out) >= limit:
             break
@@ -266,8 +289,63 @@ def list_queued(storage: Storage, limit: int | None = None) -> list[str]:
         if not inside:
             storage.rmdir(f"{top}/{d}")
             continue
-        out += [f"{top}/{d}/{n}" for n in inside]
-    return out if limit is None else out[:limit]
+        seq = RELEASES.parse(d)
+        for n in inside:
+            chunk = ChunkName.try_parse(n, seq) if n.startswith(CHUNK_PREFIX) else None
+            if chunk is None:
+                out.append(f"{top}/{d}/{n}")
+            elif not expand:
+                unlisted += chunk.size
+            else:
+                out += queued_chunk_keys(storage, f"{top}/{d}/{n}")
+    return (out if limit is None else out[:limit]), unlisted
+
+
+def queued_chunk_keys(storage: Storage, directory: str) -> list[str]:
+    """The task keys in a queued chunk directory (``pending/r-<seq>/k-<j>~n<k>``); one
+    drained of its tasks (claimed one by one) is removed (``drop_drained_chunk``)."""
+    inside = storage.list(directory)
+    keys = [f"{directory}/{n}" for n in inside if n != CHUNK_ROWS]
+    if not keys:
+        drop_drained_chunk(storage, directory, inside)
+    return keys
+
+
+def drop_drained_chunk(storage: Storage, directory: str, listed: list[str]) -> bool:
+    """Remove a chunk directory whose listing ``listed`` holds no task: its rows record,
+    then the directory. Safe at any time: no step adds a task to a chunk, so a listing
+    without one stays without (a concurrent claim of the whole chunk renamed it: then the
+    deletion finds nothing, and the claimer removes it)."""
+    if any(n != CHUNK_ROWS for n in listed):
+        return False
+    if CHUNK_ROWS in listed:
+        storage.delete(f"{directory}/{CHUNK_ROWS}")
+    return storage.rmdir(directory)
+
+
+def held_chunks(storage: Storage, listed: Iterable[str] | None = None) -> list[ChunkName]:
+    """The chunk directories in ``leased/`` (range claims), from its listing: no chunk is
+    listed (what they hold: ``chunk_leases``)."""
+    if listed is None:
+        listed = storage.list(DIRS[S.LEASED])
+    return [c for n in listed
+            if n.startswith(CHUNK_PREFIX) and (c := ChunkName.try_parse(n)) is not None]
+
+
+def chunk_leases(storage: Storage, chunk: ChunkName,
+                 listed: list[str] | None = None) -> list[TaskName]:
+    """The leases a held chunk still holds (one listing of it, or ``listed``); each
+    name's ``chunk`` says where it lies."""
+    if listed is None:
+        listed = storage.list(chunk_key(chunk))
+    out = []
+    for n in listed:
+        if n == CHUNK_ROWS:
+            continue
+        entry = _parse(storage, f"{chunk_key(chunk)}/{n}")
+        if entry is not None:
+            out.append(chunk.task(entry))
+    return out
 
 
 def entries(storage: Storage, state: TaskState) -> list[tuple[str, TaskName]]:
@@ -277,6 +355,8 @@ def entries(storage: Storage, state: TaskState) -> list[tuple[str, TaskName]]:
         keys: Iterable[str] = list_queued(storage)
     elif state in RETIRED:
         return []
+    elif state is S.LEASED:
+        return _leased_entries(storage)
     else:
         keys = (f"{DIRS[state]}/{n}" for n in storage.list(DIRS[state]))
     out = []
@@ -286,6 +366,23 @@ def entries(storage: Storage, state: TaskState) -> list[tuple[str, TaskName]]:
             continue  # a stray file; an older run's trained group (LEGACY_TRAINED)
         if state not in (S.PENDING, S.PARTIAL) or queued_state(name) is state:
             out.append((key, name))
+    return out
+
+
+def _leased_entries(storage: Storage) -> list[tuple[str, TaskName]]:
+    """LEASED entries: the leases of their own, then each held chunk's (one listing per
+    chunk: for readers off the hot path; the grantor lists a chunk only to expire it)."""
+    top = DIRS[S.LEASED]
+    listed = storage.list(top)
+    out = []
+    for n in listed:
+        if n.startswith(CHUNK_PREFIX) and ChunkName.try_parse(n) is not None:
+            continue
+        name = _parse(storage, f"{top}/{n}")
+        if name is not None:
+            out.append((f"{top}/{n}", name))
+    for chunk in held_chunks(storage, listed):
+        out += [(key_of(S.LEASED, t), t) for t in chunk_leases(storage, chunk)]
     return out
 
 
@@ -324,10 +421,23 @@ class Depths:
 
 def upstream_depths(storage: Storage) -> Depths:
     """PENDING, PARTIAL and LEASED: what flows into ``ready/``, listed in that order."""
-    queued = [name for key in list_queued(storage) if (name := _parse(storage, key)) is not None]
+    keys, in_chunks = _queued(storage, None, expand=False)
+    queued = [name for key in keys if (name := _parse(storage, key)) is not None]
     partial = sum(1 for n in queued if queued_state(n) is S.PARTIAL)
-    return Depths(pending=len(queued) - partial, partial=partial,
-                  leased=len(names_in(storage, S.LEASED)))
+    return Depths(pending=len(queued) - partial + in_chunks, partial=partial,
+                  leased=count_leased(storage))
+
+
+def count_leased(storage: Storage) -> int:
+    """Tasks in ``leased/``, a held chunk counted by the size its name gives (an upper
+    bound: some of its tasks may have left it; admission errs on the side of releasing
+    too little, as with a task counted twice) — one listing, no chunk listed."""
+    listed = storage.list(DIRS[S.LEASED])
+    chunks = held_chunks(storage, listed)
+    held = {str(c) for c in chunks}
+    singles = sum(1 for n in listed
+                  if n not in held and _parse(storage, f"{DIRS[S.LEASED]}/{n}") is not None)
+    return singles + sum(c.size for c in chunks)
 
 
 def depths(storage: Storage, *, upstream: Depths | None = None,

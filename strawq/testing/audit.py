@@ -20,9 +20,10 @@ from strawq.delivery.batches import batch_seqs, manifest_key
 from strawq.errors import CorruptRecord, NotFound
 from strawq.ondisk import records
 from strawq.ondisk.groups import GroupData
-from strawq.ondisk.names import TaskName, data_key, note_key
+from strawq.ondisk.names import CHUNK_ROWS, ChunkName, TaskName, data_key, note_key
 from strawq.ondisk.records import Kind
 from strawq.storage import Storage
+from strawq.tasks.states import RELEASES
 
 #: Where a task can be. "quarantined" is reported, never silent (docs/design.md, invariant 2).
 STATES = ("pending", "partial", "leased", "ready", "batched", "dropped", "quarantined")
@@ -162,21 +163,39 @@ def audit_run(storage: Storage) -> Audit:
     if storage.exists("run.meta"):
         _decode(storage, "run.meta", a, Kind.RUN)
 
-    def add(state: str, key: str) -> None:
+    def add(state: str, key: str, chunk: ChunkName | None = None) -> None:
         name = TaskName.try_parse(key.rsplit("/", 1)[1])
         if name is None:
             a.corrupt.append((key, "not a task name"))
             return
+        if chunk is not None:  # leased in a held chunk: the holder is in the chunk's name
+            name = chunk.task(name)
         a.entries.setdefault(name.id, []).append(Entry(state, key, name))
+
+    def chunk_keys(directory: str) -> list[str]:
+        """The task keys in a chunk directory (range claims); its rows record decoded."""
+        listed = storage.list(directory)
+        if CHUNK_ROWS in listed:
+            _decode(storage, f"{directory}/{CHUNK_ROWS}", a, Kind.TASK)
+        return [f"{directory}/{m}" for m in listed if m != CHUNK_ROWS]
 
     for n in storage.list("pending"):
         if n.startswith("r-"):
             for m in storage.list(f"pending/{n}"):
+                if ChunkName.try_parse(m, RELEASES.parse(n)) is not None:
+                    for key in chunk_keys(f"pending/{n}/{m}"):
+                        add("pending", key)
+                    continue
                 add("pending", f"pending/{n}/{m}")
         else:
             add("partial" if n.startswith("a") else "pending", f"pending/{n}")
     for state in ("leased", "ready", "batched", "dropped"):
         for n in storage.list(state):
+            held = ChunkName.try_parse(n) if state == "leased" else None
+            if held is not None:
+                for key in chunk_keys(f"leased/{n}"):
+                    add(state, key, held)
+                continue
             add(state, f"{state}/{n}")
     for n in storage.list("quarantine"):
         a.quarantined.append(n)

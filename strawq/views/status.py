@@ -10,11 +10,11 @@ from typing import Any
 from strawq.data.cursor import read_cursor_state
 from strawq.delivery.batches import batch_seqs
 from strawq.delivery.retention import drop_totals
-from strawq.ondisk.names import TaskName
+from strawq.ondisk.names import ChunkName, TaskName
 from strawq.ondisk.staleness import staleness
 from strawq.storage import Storage
 from strawq.tasks.queue import RunQueue
-from strawq.tasks.states import DIRS, RELEASE_PREFIX, TaskState, depths, names_in
+from strawq.tasks.states import DIRS, RELEASE_PREFIX, RELEASES, TaskState, depths, names_in
 from strawq.weights.engine_weights import EngineWeights
 
 #: Free space under which a run's filesystem counts as full: any record write would fail
@@ -151,7 +151,11 @@ def stray_files(queue: RunQueue, limit: int = 100) -> list[str]:
         for n in st.list(d):
             key = f"{d}/{n}"
             if d == DIRS[TaskState.PENDING] and n.startswith(RELEASE_PREFIX) and st.is_dir(key):
-                out += [f"{key}/{m}" for m in st.list(key) if TaskName.try_parse(m) is None]
+                seq = RELEASES.parse(n)
+                out += [f"{key}/{m}" for m in st.list(key) if TaskName.try_parse(m) is None
+                        and ChunkName.try_parse(m, seq) is None]  # a chunk: range claims
+            elif d == DIRS[TaskState.LEASED] and ChunkName.try_parse(n) is not None:
+                continue  # a held chunk (range claims)
             elif TaskName.try_parse(n) is None:
                 out.append(key)
             if len(out) >= limit:

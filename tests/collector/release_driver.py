@@ -166,6 +166,8 @@ class Scenario:
     release_batch: int = 4
     crash: Crash | None = None
     seed: int = 0
+    #: ``queue.release_chunk``: tasks per chunk directory (range claims); 1 a file per task
+    release_chunk: int = 1
 
     def model(self) -> ReleaseModel:
         return ReleaseModel(
@@ -208,6 +210,8 @@ class Scenario:
                      f"B={self.batch_groups} running={self.max_running} ready={self.max_ready} "
                      f"prefetch={self.prefetch} eta={self.max_staleness} "
                      f"release={self.release_batch}")
+        if self.release_chunk > 1:
+            parts.append(f"chunk={self.release_chunk}")
         if self.crash is not None:
             c = self.crash
             parts.append(f"crash {c.path} at {c.at}" + (
@@ -246,6 +250,8 @@ def draw_scenario(d: Draw, *, max_rows: int = 15, max_total: int = 60,
         sizing = {"batch_groups": b, "max_running": d.integers(b, 6),
                   "max_ready": d.integers(b, 6), "prefetch": d.integers(1, 2),
                   "max_staleness": d.choice((None, 1, 2)), "release_batch": d.integers(1, 6)}
+    # range claims (release_chunk > 1) do not combine with longest_first (a config error)
+    sizing["release_chunk"] = 1 if longest else d.choice((1, 2, 3))
     scn = Scenario(tuple(plans), plain, stopping, passes, skip, revisit, longest, zv,
                    group_size, lockstep, **sizing)
     while True:
@@ -448,7 +454,7 @@ class _Run:
                            release_batch=s.release_batch, group_size=s.group_size,
                            num_epochs=s.passes, skip_zero_variance=s.skip,
                            zero_variance_revisit_epochs=s.revisit,
-                           longest_first=s.longest_first,
+                           longest_first=s.longest_first, release_chunk=s.release_chunk,
                            max_bad_row_share=1.0 if any(p.bad for p in s.sources) else 0.05)
         return ccfg, qcfg
 

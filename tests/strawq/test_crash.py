@@ -101,9 +101,10 @@ class Ctx:
     feeder: Feeder | None = None
 
 
-def base(storage: Storage, path: str) -> Ctx:
+def base(storage: Storage, path: str, chunk: int = 1) -> Ctx:
     q = RunQueue.create(storage, QueueConfig(max_attempts=2, lease_timeout_s=10,
                                              heartbeat_interval_s=1, release_batch=4,
+                                             release_chunk=chunk,
                                              max_bad_row_share=1.0))  # a bad row on purpose
     ds = Dataset(path)
     Feeder(q, ds).release(4)
@@ -228,14 +229,16 @@ SCENARIOS: dict[str, tuple[Callable[[Ctx], Ctx], Callable[[RunQueue, Ctx], None]
 
 @pytest.mark.parametrize("backend", ["memory", "posix"])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_every_crash_point_recovers(scenario: str, backend: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunk", [1, 3])  # 3: range claims (a claim of 3 takes a chunk)
+def test_every_crash_point_recovers(scenario: str, backend: str, chunk: int,
+                                    tmp_path: Path) -> None:
     setup, op = SCENARIOS[scenario]
     path = write_jsonl(tmp_path / "data.jsonl", ROWS)
     crashes = 0
     for n in range(1, 200):
         inner: Storage = (MemoryStorage() if backend == "memory" else
                           PosixStorage(str(tmp_path / f"run{n}"), fsync=False))
-        ctx = setup(base(inner, path))
+        ctx = setup(base(inner, path, chunk))
         faulty = FaultyStorage(inner, crash_after=n)
         finished = False
         try:

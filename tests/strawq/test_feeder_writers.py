@@ -35,9 +35,10 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
     return PosixStorage(str(tmp_path / "run"), fsync=False)
 
 
-def setup(storage: Storage, tmp_path: Path, rows: int = N) -> tuple[RunQueue, Dataset]:
+def setup(storage: Storage, tmp_path: Path, rows: int = N,
+          chunk: int = 1) -> tuple[RunQueue, Dataset]:
     q = RunQueue.create(storage, QueueConfig(release_batch=4, lease_timeout_s=10,
-                                             heartbeat_interval_s=1))
+                                             heartbeat_interval_s=1, release_chunk=chunk))
     return q, Dataset(write_jsonl(tmp_path / "data.jsonl", prompts(rows)))
 
 
@@ -96,11 +97,12 @@ def test_cli_release_still_pending_does_not_strand_the_collectors_rows(
 # Every interleaving of two writers' releases, at the granularity of storage operations:
 # writer A runs until its k-th mutation, then B runs a whole release, then A finishes.
 @pytest.mark.parametrize("a_first", [True, False])
-def test_every_interleaving_of_two_writers(tmp_path: Path, a_first: bool) -> None:
+@pytest.mark.parametrize("chunk", [1, 3])  # 3: chunk directories in staging (range claims)
+def test_every_interleaving_of_two_writers(tmp_path: Path, a_first: bool, chunk: int) -> None:
     seen = 0
     for k in itertools.count(1):
         storage = MemoryStorage()
-        q, ds = setup(storage, tmp_path)
+        q, ds = setup(storage, tmp_path, chunk=chunk)
         a = Feeder(q, ds)
         b = Feeder(RunQueue.open(storage), ds)
         a.release(4)

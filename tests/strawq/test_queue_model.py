@@ -93,11 +93,13 @@ class MTask:
 class QueueMachine(RuleBasedStateMachine):
     dataset_path: str = ""
 
-    @initialize()
-    def start(self) -> None:
+    @initialize(chunk=st.sampled_from([1, 2, 3]))
+    def start(self, chunk: int) -> None:
+        """``chunk``: the run's ``release_chunk`` (1: a file per task; more: range claims,
+        a claim of at least a chunk's size leasing it whole)."""
         self.storage = MemoryStorage()
         cfg = QueueConfig(max_attempts=MAX_ATTEMPTS, lease_timeout_s=TIMEOUT,
-                          heartbeat_interval_s=1.0, release_batch=4,
+                          heartbeat_interval_s=1.0, release_batch=4, release_chunk=chunk,
                           max_bad_row_share=1.0)  # bad rows dropped on purpose
         RunQueue.create(self.storage, cfg)
         self.dataset = Dataset(self.dataset_path)
