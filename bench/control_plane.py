@@ -23,10 +23,13 @@ counted with Redis's own ``INFO commandstats``.
   acks and garbage-collects once a step.
 - the in-flight journal (``--journal-every-s W``; 0, the default: off, the figures above
   unchanged): each producer writes one journal record a window (``JournalLog.append``, the
-  real writer: 24 held groups x G = 16, deltas of ``W * journal_tok_s`` tokens a sequence)
-  and deletes one superseded record a window, a steady producer term at ``producers / W``
-  each; at the update a parked group is yielded into the journal (one full record per
-  producer for its 24 groups, ``RunQueue.yield_journaled`` per group) instead of a
+  real writer: 24 held groups x G = 16, deltas of ``W * journal_tok_s`` tokens a sequence),
+  a steady producer term at ``producers / W``: ``--journal-format records`` publishes a
+  file a window and deletes one superseded a window; ``segments`` (the writer's choice on a
+  store that can append) appends the window to the open segment, and every
+  ``FULL_EVERY``-th window publishes a new segment and deletes the superseded one; at the
+  update a parked group is yielded into the journal (one full record per producer for its
+  24 groups, ``RunQueue.yield_journaled`` per group) instead of a
   ``.partial``, and its resume reads the journal prefix (``load_chain``: the writer's
   listing and its records) instead of the ``.partial``. The figures without the journal
   are printed beside, from the same counts.
@@ -98,7 +101,7 @@ from strawq.data.feeder import Feeder
 from strawq.delivery.batches import BatchStore
 from strawq.ondisk.groups import GroupData
 from strawq.storage import PosixStorage
-from strawq.tasks.journal import JournalLog, load_chain
+from strawq.tasks.journal import FULL_EVERY, JournalLog, load_chain
 from strawq.tasks.queue import Lease, RunQueue
 
 #: a journaling producer's group size (G) in the window record
@@ -144,6 +147,10 @@ class Run:
     #: tokens a sequence)
     journal_every_s: float = 0.0
     journal_tok_s: float = 30.0
+    #: "records": a file published per window and deleted once superseded (a store that
+    #: cannot append); "segments": each window appended to the writer's open segment, a
+    #: new segment and a delete every FULL_EVERY windows
+    journal_format: str = "segments"
 
     @property
     def watchers(self) -> int:
@@ -396,26 +403,36 @@ def journal(counter: Counter, run: Run, queues: dict[int, RunQueue], pids: list[
     """The journal's operations: a window's record and a superseded record's delete (each
     producer's own ``JournalLog``), and the park into the journal with its resume."""
     delta = max(1, round(run.journal_every_s * run.journal_tok_s))
-    logs = {i: JournalLog(queues[i].storage, f"p{i}", 1) for i in pids}
+    seg = run.journal_format == "segments"
+    logs = {i: JournalLog(queues[i].storage, f"p{i}", 1, segments=seg) for i in pids}
     fake = [(f"held{k}", 0) for k in range(run.slots)]
+
+    def window(i: int, *, full: bool = False) -> int:
+        start = 0 if full else delta
+        return logs[i].append([journal_entry(t, g, start=start, tokens=delta) for t, g in fake],
+                              full=full)
+
     for i in pids:  # each lease's first entry is full (not counted: once per lease)
-        logs[i].append([journal_entry(t, g, start=0, tokens=delta) for t, g in fake])
-    last = dict(zip(pids, counter.measure(
-        "producer", "journal: window record", lambda i: logs[i].append(
-            [journal_entry(t, g, start=delta, tokens=delta) for t, g in fake]), pids),
-        strict=True))
+        window(i, full=True)
+    counter.measure("producer", "journal: window record", window, pids)
+    if seg:  # every FULL_EVERY-th record starts a segment (full entries: the same size here)
+        last = dict(zip(pids, counter.measure("producer", "journal: new segment",
+                                              lambda i: window(i, full=True), pids),
+                        strict=True))
+    else:
+        last = {i: logs[i].next - 1 for i in pids}
+    # the record (or segment) the newest full one superseded
     counter.measure("producer", "journal: delete superseded",
-                    lambda i: logs[i].superseded(fake, before=last[i]), pids,
-                    made=sum)
+                    lambda i: logs[i].superseded(fake, before=last[i]), pids, made=sum)
     # the update: a producer's held groups parked at once, one full record for all of
     # them, each lease yielded by the rename alone; the next holder reads the prefix
     top_up(len(pids))
     held = {i: claim(i) for i in pids}
-    parks = {i: JournalLog(queues[i].storage, f"p{i}", 2) for i in pids}
+    parks = {i: JournalLog(queues[i].storage, f"p{i}", 2, segments=seg) for i in pids}
     tokens = max(1, round(run.step_s / 2 * run.journal_tok_s))  # half a step, on average
     counter.measure("update", "park: journal record (per producer)", lambda i: parks[i].append(
         [journal_entry(held[i].task_id, held[i].gen, start=0, tokens=tokens)]
-        + [journal_entry(t, g, start=0, tokens=tokens) for t, g in fake[1:]]), pids)
+        + [journal_entry(t, g, start=0, tokens=tokens) for t, g in fake[1:]], full=True), pids)
     counter.measure("update", "park: yield into the journal", lambda i: queues[i].yield_journaled(
         held[i], 0), pids)
     resumed = dict(zip(pids, counter.measure("update", "resume from journal: claim", claim,
@@ -441,15 +458,22 @@ KIND = {"heartbeat": "producer", "claim": "producer", "complete": "producer",
         "wait: list batches/, acked/": "rank", "wait: end-of-run check": "rank",
         "wait: node probe (stat)": "rank", "delivery (list, manifest, shard)": "rank",
         "delivery, heard (shard)": "rank", "journal: window record": "producer",
-        "journal: delete superseded": "producer"}
+        "journal: delete superseded": "producer", "journal: new segment": "producer"}
 
 
 def steady_rates(run: Run) -> dict[str, float]:
     """Each steady operation's rate per second in the real run."""
     g = run.groups_per_s
-    journal = ({"journal: window record": run.producers / run.journal_every_s,
-                "journal: delete superseded": run.producers / run.journal_every_s}
-               if run.journal_every_s else {})
+    journal: dict[str, float] = {}
+    if run.journal_every_s:
+        windows = run.producers / run.journal_every_s
+        if run.journal_format == "segments":
+            journal = {"journal: window record": windows * (1 - 1 / FULL_EVERY),
+                       "journal: new segment": windows / FULL_EVERY,
+                       "journal: delete superseded": windows / FULL_EVERY}
+        else:
+            journal = {"journal: window record": windows,
+                       "journal: delete superseded": windows}
     return {**journal, "heartbeat": run.producers / run.heartbeat_s, "claim": g, "complete": g,
             "release (per 64 tasks)": g / run.release_batch,
             "batch, per group (list, read, publish)": g,
@@ -525,12 +549,14 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
               f"{d['steady_rank'] / d['steady']:.0%} of it)")
     if run.journal_every_s:
         off = demand(counter, replace(run, journal_every_s=0.0))
-        window = counter.cost("journal: window record") + counter.cost(
-            "journal: delete superseded")
         w = run.journal_every_s
-        print(f"  journal every {w:g} s: {window:,.1f} Redis commands a window per producer "
-              f"(record {counter.cost('journal: window record'):,.1f}, delete "
-              f"{counter.cost('journal: delete superseded'):,.1f}) = {window / w:,.1f} per "
+        per_window = {k: r * w / run.producers for k, r in steady_rates(run).items()
+                      if k.startswith("journal:")}
+        window = sum(n * counter.cost(k) for k, n in per_window.items())
+        parts = ", ".join(f"{k[len('journal: '):]} {counter.cost(k):,.1f} x {n:.3g}"
+                          for k, n in per_window.items())
+        print(f"  journal every {w:g} s ({run.journal_format}): {window:,.1f} Redis commands a "
+              f"window per producer ({parts}) = {window / w:,.1f} per "
               f"producer-second; producers {off['steady_producer']:,.0f} -> "
               f"{d['steady_producer']:,.0f} ops/s; all steady {off['steady']:,.0f} -> "
               f"{d['steady']:,.0f} ops/s ({off['steady'] / cap:.1%} -> {d['steady'] / cap:.1%} "
@@ -541,8 +567,9 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
           f"{'yes' if volumes == 1 else f'no: shard across {volumes} volumes'}")
     size = f"{run.gpus // 1000}k" if run.gpus % 1000 == 0 else str(run.gpus)
     if run.journal_every_s:
-        print(f"journal: {run.journal_every_s:g} s window = {window:.1f} Redis commands a "
-              f"window per producer, {window / run.journal_every_s:.1f} per producer-second; "
+        print(f"journal: {run.journal_every_s:g} s window ({run.journal_format}) = "
+              f"{window:.1f} Redis commands a window per producer, "
+              f"{window / run.journal_every_s:.1f} per producer-second; "
               f"steady share {off['steady'] / cap:.3f} without, {d['steady'] / cap:.3f} with")
     print(f"scale: {size}-GPU control plane = {d['steady']:.0f} ops/s steady, {d['burst']:.0f} ops "
           f"per update burst; metadata server capacity = {cap:.0f} ops/s; share = "

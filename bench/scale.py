@@ -43,7 +43,8 @@ figures from the same counts are printed beside it).
     python bench/scale.py --control-plane [--quick] [--gpus 10000] [--ranks N]
                            [--slots 24] [--batch-groups 2048] [--step-s 60]
                            [--meta-cache zero|default] [--sample 100]
-                           [--journal-every-s 2] [--journal-tok-s 30]
+                           [--journal-every-s 2] [--journal-format segments|records]
+                           [--journal-tok-s 30]
 
     python bench/scale.py [--quick] [--meta sqlite|redis] [--idle-s 20] [--counts 1,10,100]
                            [--claims 200]
@@ -366,6 +367,10 @@ def main() -> int:
                          "default): each producer's window record and superseded delete as a "
                          "steady term, the park into the journal at the update; the figures "
                          "without it are printed beside")
+    cp.add_argument("--journal-format", choices=("segments", "records"), default="segments",
+                    help="segments: each window appended to the writer's open segment (what a "
+                         "store that can append gets); records: a file published per window "
+                         "and deleted once superseded")
     cp.add_argument("--journal-tok-s", type=float, default=30.0,
                     help="tokens a second each held sequence receives (a window's delta)")
     args = ap.parse_args()
@@ -485,7 +490,7 @@ def control_plane(args: argparse.Namespace) -> int:
               else args.pending_depth,
               sample=(0 if args.quick else 100) if args.sample is None else args.sample,
               trainer_watch=args.trainer_watch, journal_every_s=args.journal_every_s,
-              journal_tok_s=args.journal_tok_s)
+              journal_tok_s=args.journal_tok_s, journal_format=args.journal_format)
     try:
         with test_volume("redis", meta_cache=args.meta_cache) as vol:
             caches = ("no attribute or entry cache" if args.meta_cache == "zero" else
