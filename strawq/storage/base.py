@@ -102,6 +102,12 @@ class Storage(abc.ABC):
     def read_prefix(self, key: str, size: int) -> bytes:
         """At most the first ``size`` bytes of ``key``."""
 
+    def read_range(self, key: str, offset: int, size: int) -> bytes:
+        """At most ``size`` bytes of ``key`` from byte ``offset`` (fewer at its end, none
+        past it); ``NotFound`` if absent. The base reads the whole file; a backend may read
+        only the range (``PosixStorage``: ``pread``)."""
+        return self.read(key)[offset:offset + size]
+
     @abc.abstractmethod
     def rename(self, src: str, dst: str, *, sync_dir: bool = True) -> None:
         """Atomically move ``src`` to ``dst``.

@@ -65,6 +65,9 @@ class MemoryStorage(Storage):
     def read_prefix(self, key: str, size: int) -> bytes:
         return self.read(key)[:size]
 
+    def read_range(self, key: str, offset: int, size: int) -> bytes:
+        return self.read(key)[offset:offset + size]
+
     def rename(self, src: str, dst: str, *, sync_dir: bool = True) -> None:
         validate_key(src)
         validate_key(dst)

@@ -293,6 +293,29 @@ class PosixStorage(Storage):
         except OSError as exc:
             raise translate(exc, f"read {key}") from exc
 
+    def read_range(self, key: str, offset: int, size: int) -> bytes:
+        validate_key(key)
+
+        def pread(at: At) -> bytes:
+            fd = os.open(at.p(key), os.O_RDONLY | os.O_CLOEXEC, dir_fd=at.fd)
+            try:
+                out: list[bytes] = []
+                got = 0
+                while got < size:
+                    b = os.pread(fd, size - got, offset + got)
+                    if not b:
+                        break
+                    out.append(b)
+                    got += len(b)
+                return b"".join(out)
+            finally:
+                os.close(fd)
+
+        try:
+            return self._at(pread, reads=True)
+        except OSError as exc:
+            raise translate(exc, f"read {key}") from exc
+
     def size(self, key: str) -> int:
         validate_key(key)
         try:

@@ -408,11 +408,49 @@ def _records_of(storage: Storage, key: str, meta_only: bool) -> list[list[dict[s
         if kind is not Kind.JOURNAL or not meta:
             raise CorruptRecord(f"{key}: not a whole journal record's metadata")
         return [_entries(records.Record(kind, meta), key)]
+    if meta_only:
+        return _segment_meta(storage, key)
     bodies, torn = unframe(storage.read(key), key)
     if torn:
         log.debug("journal segment %s ends in %d bytes of a torn frame (a crash mid-append, "
                   "or an append in progress): read up to it", key, torn)
     return [_decode(b, key, meta_only) for b in reversed(bodies)]
+
+
+def _segment_meta(storage: Storage, key: str) -> list[list[dict[str, Any]]]:
+    """The metadata of each record in segment ``key``, newest first, from each frame's
+    header and the first bytes of its record (``read_range``: never the columns). A frame
+    that runs past the file's size, or the last one unreadable, is a torn tail; a damaged
+    header before it is ``CorruptRecord``. No checksum of the bodies: what a caller decides
+    from it, a reader checks."""
+    size = storage.size(key)
+    out: list[list[dict[str, Any]]] = []
+    pos = 0
+    while pos + FRAME.size <= size:
+        head = storage.read_range(key, pos, FRAME.size + META_PREFIX)
+        if len(head) < FRAME.size or not any(head[:FRAME.size]):
+            break  # shorter than its size said (a racing truncation) or a zero-filled tail
+        magic, length, _, crc = FRAME.unpack_from(head)
+        if magic != FRAME_MAGIC or zlib.crc32(head[:FRAME.size - 4]) != crc:
+            raise CorruptRecord(f"{key}: the frame header at byte {pos} is damaged")
+        end = pos + FRAME.size + length
+        if end > size:
+            break  # a torn tail
+        try:
+            kind, meta, need = records.decode_meta_only(head[FRAME.size:FRAME.size + length],
+                                                        name=key)
+            if not meta:  # more metadata than the first read held
+                kind, meta, need = records.decode_meta_only(
+                    storage.read_range(key, pos + FRAME.size, min(need, length)), name=key)
+            if kind is not Kind.JOURNAL or not meta:
+                raise CorruptRecord(f"{key}: not a whole journal record's metadata at {pos}")
+            out.append(_entries(records.Record(kind, meta), key))
+        except CorruptRecord:
+            if end == size:
+                break  # the last frame: a tail whose bytes never landed
+            raise
+        pos = end
+    return list(reversed(out))
 
 
 def _read(storage: Storage, key: str, quarantine: Callable[[str], object] | None, *,

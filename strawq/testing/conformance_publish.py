@@ -164,6 +164,15 @@ class PublishConformance(ConformanceHooks):
         storage.publish("p/q/r/s", b"deep")
         assert storage.list("p") == ["q"] and storage.list("p/q/r") == ["s"]
 
+    def test_read_range(self, storage: Storage) -> None:
+        storage.publish("rr/a", b"0123456789")
+        assert storage.read_range("rr/a", 0, 4) == b"0123"
+        assert storage.read_range("rr/a", 3, 4) == b"3456"
+        assert storage.read_range("rr/a", 8, 10) == b"89"  # fewer at the end
+        assert storage.read_range("rr/a", 10, 4) == b"" and storage.read_range("rr/a", 99, 1) == b""
+        with pytest.raises(NotFound):
+            storage.read_range("rr/none", 0, 1)
+
     # -- append (``Capabilities.append``) ------------------------------------------------------
     def test_append_adds_at_the_end(self, storage: Storage) -> None:
         require(storage, "append")

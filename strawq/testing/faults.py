@@ -105,6 +105,10 @@ class FaultyStorage(Storage):
         self._enter("read", key)
         return self.inner.read_prefix(key, size)
 
+    def read_range(self, key: str, offset: int, size: int) -> bytes:
+        self._enter("read", key)
+        return self.inner.read_range(key, offset, size)
+
     def rename(self, src: str, dst: str, *, sync_dir: bool = True) -> None:
         self._enter("rename", src, dst)
         self.inner.rename(src, dst, sync_dir=sync_dir)

@@ -264,3 +264,51 @@ def test_superseded_segments_are_deleted_and_gc_spares_the_open_one(
     assert len(record_keys(storage, "p1")) == 2  # the holder's own, and the newest
     _expire(q)
     assert _lens(q, "p2") == [40, 0]
+
+
+def test_gc_and_the_grantor_read_a_segments_metadata_not_its_columns(tmp_path: Path) -> None:
+    """Which leases a segment holds is read frame by frame from each header and its
+    record's first bytes (``read_range``), never the tokens nor the whole file; a torn
+    tail is left out, at every cut of the last frame."""
+    storage = PosixStorage(str(tmp_path / "run"))
+    q = run_with_tasks(storage, tmp_path, 2)
+    table = GroupTable()
+    a, b = hold(q, table, "p1", 2)
+    j, io, _ = flusher(q, table, "p1", segments=True)
+    assert a.run is not None and b.run is not None
+    _windows(j, [a.run.samples[0]], io, (3000, 3000, 3000))
+    del table.groups[a.lease.key]
+    j2, io2, _ = flusher(q, table, "p1", incarnation=2, segments=True)
+    _windows(j2, [b.run.samples[0]], io2, (10,))  # a newer segment: gc may sweep the older
+    whole, ranged = storage.read, storage.read_range
+    read: list[str] = []
+    got = [0]
+
+    def counting(key: str) -> bytes:
+        read.append(key)
+        return whole(key)
+
+    def counting_range(key: str, offset: int, size: int) -> bytes:
+        out = ranged(key, offset, size)
+        got[0] += len(out)
+        return out
+
+    storage.read = counting  # type: ignore[method-assign]
+    storage.read_range = counting_range  # type: ignore[method-assign]
+    ka, kb = (a.lease.task_id, a.lease.gen), (b.lease.task_id, b.lease.gen)
+    assert journal.journaled(storage, "p1") == {ka: 0, kb: 0}
+    assert sweep_journal(storage) == 0  # both leases are held
+    assert not [k for k in read if k.startswith("journal/")]
+    old = record_keys(storage, "p1")[1]
+    # journaled: 1 + 3 frames, the sweep: the older segment's 3 (the newest is spared)
+    assert got[0] <= 7 * (journal.FRAME.size + journal.META_PREFIX)
+    assert got[0] < storage.size(old), "less than one whole segment, for two reads of both"
+    storage.read = whole  # type: ignore[method-assign]
+    data = whole(old)
+    bodies, _ = unframe(data, old)
+    last = len(data) - len(bodies[-1]) - journal.FRAME.size
+    for cut in (last, last + 1, last + journal.FRAME.size, last + journal.FRAME.size + 50,
+                len(data) - 1):
+        clobber(storage, old, data[:cut])
+        assert len(journal._segment_meta(storage, old)) == 2, cut
+
