@@ -26,8 +26,9 @@ counted with Redis's own ``INFO commandstats``.
   real writer: 24 held groups x G = 16, deltas of ``W * journal_tok_s`` tokens a sequence),
   a steady producer term at ``producers / W``: ``--journal-format records`` publishes a
   file a window and deletes one superseded a window; ``segments`` (the writer's choice on a
-  store that can append) appends the window to the open segment, and every
-  ``FULL_EVERY``-th window publishes a new segment and deletes the superseded one; at the
+  store that can append) appends the window to the open segment (held open: a write and an
+  fsync; its first append opens it), and every ``FULL_EVERY``-th window publishes a new
+  segment and deletes the superseded one; at the
   update a parked group is yielded into the journal (one full record per producer for its
   24 groups, ``RunQueue.yield_journaled`` per group) instead of a
   ``.partial``, and its resume reads the journal prefix (``load_chain``: the writer's
@@ -414,6 +415,8 @@ def journal(counter: Counter, run: Run, queues: dict[int, RunQueue], pids: list[
 
     for i in pids:  # each lease's first entry is full (not counted: once per lease)
         window(i, full=True)
+    if seg:  # a segment's first append opens it (held open for the appends after it)
+        counter.measure("producer", "journal: first append (opens)", window, pids)
     counter.measure("producer", "journal: window record", window, pids)
     if seg:  # every FULL_EVERY-th record starts a segment (full entries: the same size here)
         last = dict(zip(pids, counter.measure("producer", "journal: new segment",
@@ -458,7 +461,8 @@ KIND = {"heartbeat": "producer", "claim": "producer", "complete": "producer",
         "wait: list batches/, acked/": "rank", "wait: end-of-run check": "rank",
         "wait: node probe (stat)": "rank", "delivery (list, manifest, shard)": "rank",
         "delivery, heard (shard)": "rank", "journal: window record": "producer",
-        "journal: delete superseded": "producer", "journal: new segment": "producer"}
+        "journal: delete superseded": "producer", "journal: new segment": "producer",
+        "journal: first append (opens)": "producer"}
 
 
 def steady_rates(run: Run) -> dict[str, float]:
@@ -468,7 +472,8 @@ def steady_rates(run: Run) -> dict[str, float]:
     if run.journal_every_s:
         windows = run.producers / run.journal_every_s
         if run.journal_format == "segments":
-            journal = {"journal: window record": windows * (1 - 1 / FULL_EVERY),
+            journal = {"journal: window record": windows * (1 - 2 / FULL_EVERY),
+                       "journal: first append (opens)": windows / FULL_EVERY,
                        "journal: new segment": windows / FULL_EVERY,
                        "journal: delete superseded": windows / FULL_EVERY}
         else:
