@@ -180,6 +180,8 @@ class JournalFlush:
 
     def open(self, incarnation: int) -> None:
         """Start this incarnation's records (after ``Incarnation.begin``)."""
+        if self.log is not None:
+            self.log.close()  # a previous incarnation's open segment: appended to no more
         self.log = JournalLog(self.queue.storage, self.producer_id, incarnation,
                               segments=self.segments)
 

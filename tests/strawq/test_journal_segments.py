@@ -312,3 +312,12 @@ def test_gc_and_the_grantor_read_a_segments_metadata_not_its_columns(tmp_path: P
         clobber(storage, old, data[:cut])
         assert len(journal._segment_meta(storage, old)) == 2, cut
 
+
+
+def test_a_new_incarnation_lets_go_of_the_previous_open_segment(tmp_path: Path) -> None:
+    storage = PosixStorage(str(tmp_path / "run"))
+    q, j, _ = _one_writer(storage, tmp_path, (5, 3))
+    assert j.log is not None and j.log.open_segment is not None
+    assert list(storage._appending) == record_keys(storage, "p1")  # held between appends
+    j.open(2)
+    assert storage._appending == {}
