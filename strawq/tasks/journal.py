@@ -65,9 +65,10 @@ handed back (complete, ``.partial`` yield, drop, fail, release) or a newer full 
 same lease is durable. Entries whose lease was yielded into the journal (a park) stay: the
 next holder resumes from them. ``sweep_journal`` (``strawq gc``, the collector's gc pass)
 deletes every record and segment no live task name needs (a dead writer's, a parked
-lease's once its next holder handed it back), except each writer's newest segment: its
-writer may still append to it (it is deleted by its writer once superseded, or swept once
-the writer's next segment exists).
+lease's once its next holder handed it back), except the newest segment of a writer with a
+heartbeat file: it may still append to it (a departed writer's, whose heartbeat the
+grantor deleted, is swept as any). The writer deletes its open segment itself once nothing
+in it is needed; its next record, every entry a first one and so full, starts a new one.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ from strawq.ondisk.names import TaskName, validate_id
 from strawq.ondisk.numbered import Numbered
 from strawq.ondisk.records import Kind
 from strawq.storage import Storage
+from strawq.tasks.heartbeats import heartbeat_states
 from strawq.tasks.states import TaskState, names_in
 
 log = logging.getLogger(__name__)
@@ -308,13 +310,19 @@ class JournalLog:
         return gone
 
     def _drop_unit(self, unit: int) -> int:
-        """Delete file ``unit`` if none of its records holds a needed or kept entry and it
-        is not the open segment; 1 if deleted."""
-        if unit == self.open_segment or unit in self._unit.values():
+        """Delete file ``unit`` if none of its records holds a needed or kept entry; 1 if
+        deleted. The open segment too: no held lease then has an entry anywhere (a full
+        record starts every segment), so the next record, all first entries, starts a new
+        one."""
+        if unit in self._unit.values():
             return 0
         if unit in self._kept_units:
-            self._kept_units.discard(unit)
+            if unit != self.open_segment:
+                self._kept_units.discard(unit)
             return 0
+        if unit == self.open_segment:
+            self.storage.end_append(self._key(unit))
+            self.open_segment = None
         self.storage.delete(self._key(unit))
         self.stats.deletes += 1
         return 1
@@ -566,13 +574,17 @@ def sweep_journal(storage: Storage, quarantine: Callable[[str], object] | None =
     listed = {w: record_keys(storage, w) for w in writers(storage)}
     if not listed:
         return 0
+    beating = {p for p, _, _ in heartbeat_states(storage)}  # listed after the journal
     need: set[tuple[str, int, str | None]] = set()
     for _ in range(2):
         for state in LIVE:
             need |= _needed(names_in(storage, state), state)
     removed = 0
     for w, keys in listed.items():
-        newest_segment = next((k for k in keys if is_segment(k)), None)
+        # a writer with a heartbeat may still append to its newest segment (a lease it
+        # claimed after the listings); one without (departed: silent two lease timeouts,
+        # holding no lease, its heartbeat deleted by the grantor) appends to none
+        newest_segment = next((k for k in keys if is_segment(k)), None) if w in beating else None
         for key in keys:
             if key == newest_segment:
                 continue  # its writer may still append to it

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from strawq.producers.handback import HandBack
 from strawq.producers.held import GroupTable
+from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.journal_flush import JournalFlush, load_prefix
 from strawq.producers.sample import SamplerParams
 from strawq.storage import Capabilities, MemoryStorage, PosixStorage, Storage
@@ -231,7 +233,7 @@ def test_record_files_of_an_older_incarnation_read_beside_segments(tmp_path: Pat
     assert sorted([_lens(q, "p2"), _lens(q, "p3")]) == [[6, 0], [8, 0]]  # type: ignore[type-var]
 
 
-def test_superseded_segments_are_deleted_and_gc_spares_the_open_one(
+def test_superseded_segments_are_deleted_and_gc_spares_a_live_writers_newest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(journal, "FULL_EVERY", 4)
     storage = MemoryStorage()
@@ -254,17 +256,59 @@ def test_superseded_segments_are_deleted_and_gc_spares_the_open_one(
     asyncio.run(go())
     assert max(held) == 1  # a full record starts a segment and supersedes the one before
     assert j.log is not None and j.log.stats.segments == 5 and j.log.stats.deletes == 4
-    # gc: the writer's newest segment is never swept (its writer may append to it), an
-    # older one nobody needs is
-    log2 = JournalLog(storage, "p1", 9, segments=True)
-    log2.append([{"task": "gone", "gen": 0, "full": True, "samples": []}], full=True)
-    log3 = JournalLog(storage, "p1", 10, segments=True)
-    log3.append([{"task": "gone2", "gen": 0, "full": True, "samples": []}], full=True)
+
+    # gc: a beating writer's newest segment is never swept (it may append to it a lease it
+    # claims after the listings), an older one nobody needs is; a writer without a
+    # heartbeat (departed) appends to none
+    def segment(inc: int, task: str) -> None:
+        JournalLog(storage, "p1", inc, segments=True).append(
+            [{"task": task, "gen": 0, "full": True, "samples": []}], full=True)
+
+    segment(9, "gone")
+    segment(10, "gone2")
+    q.heartbeat("p1")
     assert sweep_journal(storage) == 1  # incarnation 9's: nothing live needs "gone"
     assert len(record_keys(storage, "p1")) == 2  # the holder's own, and the newest
+    for name in storage.list("hb"):
+        storage.delete(f"hb/{name}")  # the grantor's "departed"
+    assert sweep_journal(storage) == 1  # incarnation 10's too now
+    assert len(record_keys(storage, "p1")) == 1  # the holder's own: its lease is live
     _expire(q)
     assert _lens(q, "p2") == [40, 0]
 
+
+def test_a_writer_whose_leases_all_went_back_deletes_its_open_segment(tmp_path: Path
+                                                                      ) -> None:
+    storage = MemoryStorage()
+    q = run_with_tasks(storage, tmp_path, 3)
+    table = GroupTable()
+    g1, g2, g3 = hold(q, table, "p1", 3)
+    del table.groups[g3.lease.key]
+    j, io, _ = flusher(q, table, "p1", segments=True)
+    hb = HandBack(q, io, StatsBook(ProducerStats(producer_id="p1")))
+    hb.journal = j
+
+    async def go() -> None:
+        io.start()
+        for a in (g1, g2):
+            assert a.run is not None
+            generate(a.run.samples[0], 4)
+        assert await j.flush()
+        await hb.release(g1.lease)
+        assert len(record_keys(storage, "p1")) == 1  # g2's entry is still needed
+        await hb.release(g2.lease)
+        assert record_keys(storage, "p1") == []  # the open segment too
+        table.groups[g3.lease.key] = g3
+        assert g3.run is not None
+        generate(g3.run.samples[0], 6)
+        assert await j.flush()  # a new segment, its first record's entries all full
+        io.shutdown()
+
+    asyncio.run(go())
+    (key,) = record_keys(storage, "p1")
+    assert is_segment(key)
+    chain = load_chain(storage, "p1", g3.lease.task_id, g3.lease.gen)
+    assert chain is not None and [e["full"] for e in chain] == [True]
 
 def test_gc_and_the_grantor_read_a_segments_metadata_not_its_columns(tmp_path: Path) -> None:
     """Which leases a segment holds is read frame by frame from each header and its
