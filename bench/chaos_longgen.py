@@ -365,7 +365,8 @@ def report(fig: dict[str, Any]) -> None:
     j = fig.get("journal")
     if j is not None:
         print(f"journal: {j['records']} records in {j['producer_s']:.0f} producer-seconds, "
-              f"{META_OPS_PER_RECORD} metadata ops each")
+              f"{j.get('meta_ops', 0)} metadata ops ({META_OPS_PER_RECORD} a record file or "
+              f"segment, {META_OPS_PER_APPEND} an append)")
 
 
 def bad(fig: dict[str, Any]) -> list[str]:
