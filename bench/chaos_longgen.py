@@ -41,8 +41,12 @@ second a producer is alive (``JournalWatch``): every journal record a producer p
 costs ``META_OPS_PER_RECORD`` of them (the create of its temporary file, the rename into
 place, and its unlink once superseded; lookups and fsyncs not counted), and the records are
 counted from their numbers (``journal/<writer>/<incarnation>~<n>``: n counts from 0 in each
-incarnation, so an incarnation has published its highest n seen + 1); without the journal
-there are none and F is 0. F is per second of the scaled run: tokens arrive ``1 /
+incarnation, so an incarnation has published its highest n seen + 1). A writer that
+appends to segments (``<incarnation>~s<n>``: records n, n+1, ... framed in one file)
+publishes each segment as a record (``META_OPS_PER_RECORD``) and appends each of its other
+records (``META_OPS_PER_APPEND``: the write's commit at the fsync); its highest number is
+the newest segment's n plus its intact frames, less one. Without the journal there are
+none and F is 0. F is per second of the scaled run: tokens arrive ``1 /
 TIME_SCALE`` times as fast as at the real pace, and so does a token-triggered record.
 """
 
@@ -75,6 +79,8 @@ GRACE_S = 10.0
 #: the metadata operations of one journal record (``strawq.tasks.journal.JournalLog``): the
 #: create of its temporary file and its rename into place (``Storage.publish``), its unlink
 META_OPS_PER_RECORD = 3
+#: the metadata operations of a record appended to an open segment (``Storage.append``)
+META_OPS_PER_APPEND = 1
 #: seconds between two listings of the journal by ``JournalWatch``
 WATCH_S = 0.5
 
@@ -132,6 +138,8 @@ class JournalWatch:
         self.root = os.path.join(ch.run_a, "journal")
         #: (writer, incarnation) -> the highest record number seen
         self.highest: dict[tuple[str, int], int] = {}
+        #: (writer, incarnation) -> the first record numbers of the segments seen
+        self.segments: dict[tuple[str, int], set[int]] = {}
         self.producer_s = 0.0
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -150,7 +158,8 @@ class JournalWatch:
                 return
 
     def scan(self) -> None:
-        from strawq.tasks.journal import RECORDS
+        from strawq.errors import CorruptRecord
+        from strawq.tasks.journal import RECORDS, SEGMENTS, unframe
 
         try:
             writers = os.listdir(self.root)
@@ -164,14 +173,29 @@ class JournalWatch:
             for inc, n in RECORDS.pairs(names):
                 if n > self.highest.get((w, inc), -1):
                     self.highest[(w, inc)] = n
+            for inc, n in SEGMENTS.pairs(names):
+                self.segments.setdefault((w, inc), set()).add(n)
+                if n < max(self.segments[(w, inc)]):
+                    continue  # an older segment: its writer appends to it no more
+                try:
+                    with open(os.path.join(self.root, w, SEGMENTS.name(inc, n)), "rb") as f:
+                        frames = len(unframe(f.read(), SEGMENTS.name(inc, n))[0])
+                except (OSError, CorruptRecord):
+                    continue
+                if n + frames - 1 > self.highest.get((w, inc), -1):
+                    self.highest[(w, inc)] = n + frames - 1
 
     def stop(self) -> dict[str, float]:
         self.stopped.set()
         self.thread.join(10)
         self.scan()
         records = sum(n + 1 for n in self.highest.values())
-        ops = records * META_OPS_PER_RECORD
-        return {"records": records, "producer_s": self.producer_s,
+        ops = 0
+        for key, n in self.highest.items():
+            segs = len(self.segments.get(key, ()))  # 0: a record file each
+            ops += (segs * META_OPS_PER_RECORD
+                    + (n + 1 - segs) * (META_OPS_PER_APPEND if segs else META_OPS_PER_RECORD))
+        return {"records": records, "meta_ops": ops, "producer_s": self.producer_s,
                 "meta_ops_per_producer_s": ops / self.producer_s if self.producer_s else 0.0}
 
 
@@ -309,7 +333,7 @@ def figures(ch: Any) -> dict[str, Any]:
     fig["drains"] = list(getattr(ch, "drains", []))
     watch = getattr(ch, "journal_watch", None)
     fig["journal"] = watch.stop() if watch is not None else {
-        "records": 0, "producer_s": 0.0, "meta_ops_per_producer_s": 0.0}
+        "records": 0, "meta_ops": 0, "producer_s": 0.0, "meta_ops_per_producer_s": 0.0}
     return fig
 
 
@@ -341,7 +365,8 @@ def report(fig: dict[str, Any]) -> None:
     j = fig.get("journal")
     if j is not None:
         print(f"journal: {j['records']} records in {j['producer_s']:.0f} producer-seconds, "
-              f"{META_OPS_PER_RECORD} metadata ops each")
+              f"{j.get('meta_ops', 0)} metadata ops ({META_OPS_PER_RECORD} a record file or "
+              f"segment, {META_OPS_PER_APPEND} an append)")
 
 
 def bad(fig: dict[str, Any]) -> list[str]:

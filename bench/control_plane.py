@@ -21,6 +21,19 @@ counted with Redis's own ``INFO commandstats``.
 - the collector: releases tasks 64 at a time as they are claimed, batches every group
   (lists ``ready/``, reads each group's summary, publishes the manifest, moves the groups),
   acks and garbage-collects once a step.
+- the in-flight journal (``--journal-every-s W``; 0, the default: off, the figures above
+  unchanged): each producer writes one journal record a window (``JournalLog.append``, the
+  real writer: 24 held groups x G = 16, deltas of ``W * journal_tok_s`` tokens a sequence),
+  a steady producer term at ``producers / W``: ``--journal-format records`` publishes a
+  file a window and deletes one superseded a window; ``segments`` (the writer's choice on a
+  store that can append) appends the window to the open segment (held open: a write and an
+  fsync; its first append opens it), and every ``FULL_EVERY``-th window publishes a new
+  segment and deletes the superseded one; at the
+  update a parked group is yielded into the journal (one full record per producer for its
+  24 groups, ``RunQueue.yield_journaled`` per group) instead of a
+  ``.partial``, and its resume reads the journal prefix (``load_chain``: the writer's
+  listing and its records) instead of the ``.partial``. The figures without the journal
+  are printed beside, from the same counts.
 - trainer ranks: 10,000 (one per GPU: a colocated trainer, every rank reading), 8 per
   node, all waiting all the time (an upper bound: a rank training is not polling): each
   lists ``batches/`` and ``acked/`` once a second and checks for the run's end once a
@@ -89,7 +102,11 @@ from strawq.data.feeder import Feeder
 from strawq.delivery.batches import BatchStore
 from strawq.ondisk.groups import GroupData
 from strawq.storage import PosixStorage
+from strawq.tasks.journal import FULL_EVERY, JournalLog, load_chain
 from strawq.tasks.queue import Lease, RunQueue
+
+#: a journaling producer's group size (G) in the window record
+JOURNAL_G = 16
 
 
 @dataclass(frozen=True)
@@ -126,6 +143,15 @@ class Run:
     #: of the trainer's process group watches, the others hear over the group:
     #: ``BatchReader(process_group=...)``)
     trainer_watch: str = "per-rank"
+    #: the in-flight journal's window in seconds (0: no journal), and the tokens a second
+    #: each held sequence receives (a window's delta is ``journal_every_s * journal_tok_s``
+    #: tokens a sequence)
+    journal_every_s: float = 0.0
+    journal_tok_s: float = 30.0
+    #: "records": a file published per window and deleted once superseded (a store that
+    #: cannot append); "segments": each window appended to the writer's open segment, a
+    #: new segment and a delete every FULL_EVERY windows
+    journal_format: str = "segments"
 
     @property
     def watchers(self) -> int:
@@ -211,6 +237,27 @@ def group_of(lease: Lease, samples: int = 16, tokens: int = 64) -> GroupData:
                      versions=np.zeros(n, dtype=np.int64), loss_mask=np.ones(n, dtype=np.uint8))
 
 
+def journal_entry(task: str, gen: int, *, start: int, tokens: int,
+                  g: int = JOURNAL_G) -> dict[str, Any]:
+    """One lease's journal entry as ``JournalFlush`` writes it: per sample the columns of
+    ``tokens`` tokens from ``start`` (a delta; ``start`` 0 and the prompt: a full entry)."""
+    def part(i: int) -> dict[str, Any]:
+        return {"i": i, "start": start, "tokens": np.ones(tokens, np.int32).tobytes(),
+                "logprobs": np.zeros(tokens, np.float32).tobytes(),
+                "versions": np.zeros(tokens, np.int64).tobytes(),
+                "mask": np.ones(tokens, np.uint8).tobytes(), "status": "aborted",
+                "finish": None, "segments": 1, "reward": None, "extras": {},
+                **({"params": {"max_new_tokens": 4096, "seed": i}} if start == 0 else {})}
+
+    e: dict[str, Any] = {"task": task, "gen": gen, "full": start == 0, "min_version": 0,
+                         "version_hint": 0, "samples": [part(i) for i in range(g)],
+                         "reward_errors": {}, "failures": {}}
+    if start == 0:
+        e["prompt"] = np.array([1, 2, 3], np.int32).tobytes()
+        e["size"] = g
+    return e
+
+
 def wait_for(path: str, seconds: float = 30.0) -> None:
     deadline = time.monotonic() + seconds
     while not os.path.exists(path):
@@ -229,7 +276,8 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
     root_a, root_b = os.path.join(vol.a, name), os.path.join(vol.b, name)
     os.makedirs(root_a)
     pids = run.spread(run.producers)
-    tasks = len(pids) * 4 + run.pending_depth + 2 * run.release_batch
+    tasks = (len(pids) * (6 if run.journal_every_s else 4) + run.pending_depth
+             + 2 * run.release_batch)
     ds = os.path.join(root_a, "ds.jsonl")
     with open(ds, "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"prompt": [1, 2, 3], "i": i}) + "\n" for i in range(tasks))
@@ -295,6 +343,8 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
                     lambda i: queues[i].load_partial(resumed[i]), pids)
     counter.measure("update", "hand back", lambda i: queues[i].release(resumed[i]), pids)
     counter.measure("update", "hand back: claim again", claim, pids)  # the returned ones
+    if run.journal_every_s:
+        journal(counter, run, queues, pids, claim, top_up)
     # the collector's batch of every completed group (cost per group)
     bs = BatchStore(q_a)
     wait_s = time.monotonic() + 30
@@ -349,19 +399,87 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
     return counter, demand(counter, run)
 
 
+def journal(counter: Counter, run: Run, queues: dict[int, RunQueue], pids: list[int],
+            claim: Callable[[int], Lease], top_up: Callable[[int], None]) -> None:
+    """The journal's operations: a window's record and a superseded record's delete (each
+    producer's own ``JournalLog``), and the park into the journal with its resume."""
+    delta = max(1, round(run.journal_every_s * run.journal_tok_s))
+    seg = run.journal_format == "segments"
+    logs = {i: JournalLog(queues[i].storage, f"p{i}", 1, segments=seg) for i in pids}
+    fake = [(f"held{k}", 0) for k in range(run.slots)]
+
+    def window(i: int, *, full: bool = False) -> int:
+        start = 0 if full else delta
+        return logs[i].append([journal_entry(t, g, start=start, tokens=delta) for t, g in fake],
+                              full=full)
+
+    for i in pids:  # each lease's first entry is full (not counted: once per lease)
+        window(i, full=True)
+    if seg:  # a segment's first append opens it (held open for the appends after it)
+        counter.measure("producer", "journal: first append (opens)", window, pids)
+    counter.measure("producer", "journal: window record", window, pids)
+    if seg:  # every FULL_EVERY-th record starts a segment (full entries: the same size here)
+        last = dict(zip(pids, counter.measure("producer", "journal: new segment",
+                                              lambda i: window(i, full=True), pids),
+                        strict=True))
+    else:
+        last = {i: logs[i].next - 1 for i in pids}
+    # the record (or segment) the newest full one superseded
+    counter.measure("producer", "journal: delete superseded",
+                    lambda i: logs[i].superseded(fake, before=last[i]), pids, made=sum)
+    # the update: a producer's held groups parked at once, one full record for all of
+    # them, each lease yielded by the rename alone; the next holder reads the prefix
+    top_up(len(pids))
+    held = {i: claim(i) for i in pids}
+    parks = {i: JournalLog(queues[i].storage, f"p{i}", 2, segments=seg) for i in pids}
+    tokens = max(1, round(run.step_s / 2 * run.journal_tok_s))  # half a step, on average
+    counter.measure("update", "park: journal record (per producer)", lambda i: parks[i].append(
+        [journal_entry(held[i].task_id, held[i].gen, start=0, tokens=tokens)]
+        + [journal_entry(t, g, start=0, tokens=tokens) for t, g in fake[1:]], full=True), pids)
+    counter.measure("update", "park: yield into the journal", lambda i: queues[i].yield_journaled(
+        held[i], 0), pids)
+    resumed = dict(zip(pids, counter.measure("update", "resume from journal: claim", claim,
+                                             pids), strict=True))
+
+    def load(i: int) -> int:
+        lease = resumed[i]
+        if lease.journal is None:
+            raise RuntimeError(f"producer p{i} claimed {lease.name}, not a journaled prefix")
+        chain = load_chain(queues[i].storage, lease.journal, lease.task_id, lease.name.resume,
+                           quarantine=queues[i].quarantine)
+        if not chain:
+            raise RuntimeError(f"no journal prefix for {lease.name}")
+        return len(chain)
+
+    counter.measure("update", "resume from journal: load prefix", load, pids)
+
+
 #: client kind of each operation's steady term
 KIND = {"heartbeat": "producer", "claim": "producer", "complete": "producer",
         "release (per 64 tasks)": "collector", "batch, per group (list, read, publish)":
         "collector", "ack (rank 0) and gc, per step": "collector",
         "wait: list batches/, acked/": "rank", "wait: end-of-run check": "rank",
         "wait: node probe (stat)": "rank", "delivery (list, manifest, shard)": "rank",
-        "delivery, heard (shard)": "rank"}
+        "delivery, heard (shard)": "rank", "journal: window record": "producer",
+        "journal: delete superseded": "producer", "journal: new segment": "producer",
+        "journal: first append (opens)": "producer"}
 
 
 def steady_rates(run: Run) -> dict[str, float]:
     """Each steady operation's rate per second in the real run."""
     g = run.groups_per_s
-    return {"heartbeat": run.producers / run.heartbeat_s, "claim": g, "complete": g,
+    journal: dict[str, float] = {}
+    if run.journal_every_s:
+        windows = run.producers / run.journal_every_s
+        if run.journal_format == "segments":
+            journal = {"journal: window record": windows * (1 - 2 / FULL_EVERY),
+                       "journal: first append (opens)": windows / FULL_EVERY,
+                       "journal: new segment": windows / FULL_EVERY,
+                       "journal: delete superseded": windows / FULL_EVERY}
+        else:
+            journal = {"journal: window record": windows,
+                       "journal: delete superseded": windows}
+    return {**journal, "heartbeat": run.producers / run.heartbeat_s, "claim": g, "complete": g,
             "release (per 64 tasks)": g / run.release_batch,
             "batch, per group (list, read, publish)": g,
             "ack (rank 0) and gc, per step": 1 / run.step_s,
@@ -376,6 +494,11 @@ def burst_counts(run: Run) -> dict[str, float]:
     """Each operation's count at one weight update."""
     saved = run.in_flight * (1 - run.handback_share)
     handed = run.in_flight * run.handback_share
+    if run.journal_every_s:
+        return {"park: journal record (per producer)": run.producers,
+                "park: yield into the journal": saved, "resume from journal: claim": saved,
+                "resume from journal: load prefix": saved, "hand back": handed,
+                "hand back: claim again": handed}
     return {"save partial": saved, "resume: claim": saved, "resume: load partial": saved,
             "hand back": handed, "hand back: claim again": handed}
 
@@ -429,11 +552,30 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
               f"{run.trainer_watch}: rank {d['steady_rank']:,.0f} ops/s, all "
               f"{d['steady']:,.0f} ops/s ({d['steady'] / cap:.1%}, ranks "
               f"{d['steady_rank'] / d['steady']:.0%} of it)")
+    if run.journal_every_s:
+        off = demand(counter, replace(run, journal_every_s=0.0))
+        w = run.journal_every_s
+        per_window = {k: r * w / run.producers for k, r in steady_rates(run).items()
+                      if k.startswith("journal:")}
+        window = sum(n * counter.cost(k) for k, n in per_window.items())
+        parts = ", ".join(f"{k[len('journal: '):]} {counter.cost(k):,.1f} x {n:.3g}"
+                          for k, n in per_window.items())
+        print(f"  journal every {w:g} s ({run.journal_format}): {window:,.1f} Redis commands a "
+              f"window per producer ({parts}) = {window / w:,.1f} per "
+              f"producer-second; producers {off['steady_producer']:,.0f} -> "
+              f"{d['steady_producer']:,.0f} ops/s; all steady {off['steady']:,.0f} -> "
+              f"{d['steady']:,.0f} ops/s ({off['steady'] / cap:.1%} -> {d['steady'] / cap:.1%} "
+              f"of the server); update burst {off['burst']:,.0f} -> {d['burst']:,.0f} ops")
     worst = max(d["steady"] / cap, d["steady"] / cap + burst_share)
     volumes = max(1, math.ceil(worst / 0.2))
     print(f"  one volume carries it within the 20 % target: "
           f"{'yes' if volumes == 1 else f'no: shard across {volumes} volumes'}")
     size = f"{run.gpus // 1000}k" if run.gpus % 1000 == 0 else str(run.gpus)
+    if run.journal_every_s:
+        print(f"journal: {run.journal_every_s:g} s window ({run.journal_format}) = "
+              f"{window:.1f} Redis commands a window per producer, "
+              f"{window / run.journal_every_s:.1f} per producer-second; "
+              f"steady share {off['steady'] / cap:.3f} without, {d['steady'] / cap:.3f} with")
     print(f"scale: {size}-GPU control plane = {d['steady']:.0f} ops/s steady, {d['burst']:.0f} ops "
           f"per update burst; metadata server capacity = {cap:.0f} ops/s; share = "
           f"{d['steady'] / cap:.3f} (burst {burst_share:.3f} over {run.burst_window_s:g} s)")

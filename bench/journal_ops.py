@@ -4,14 +4,16 @@ while generating, and per group at a park, against the same run's ``.partial`` s
 A producer holding ``--groups`` groups of G samples receives tokens at ``--tok-s`` tokens a
 second per sample (time is simulated: the flusher's clock is stepped, the records are real
 files on a local disk); its journal writes a record per window (``--every-tokens`` /
-``--every-s``). Then every held group is parked, once with the journal (one record, the
-leases renamed) and once with a ``.partial`` per group (the anchor, the same run), and
-resumed by another producer. Storage calls are counted at the ``Storage`` interface (a
-publish is one create + write + fsync + rename + directory fsync; on JuiceFS each call
-becomes the metadata operations of docs/protocol.md §5).
+``--every-s``), appended to its open segment or a file each (``--format``). Then every
+held group is parked, once with the journal (one record, the leases renamed) and once with
+a ``.partial`` per group (the anchor, the same run), and resumed by another producer.
+Storage calls are counted at the ``Storage`` interface (a publish is one create + write +
+fsync + rename + directory fsync, an append a write + fsync of a file held open; on
+JuiceFS each call becomes the metadata operations of docs/protocol.md §5).
 
     python bench/journal_ops.py            # 24 groups x G=16, 60 s simulated
     python bench/journal_ops.py --quick    # 4 groups x G=4, 10 s simulated
+    python bench/journal_ops.py --format records   # a file per window, not segments
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from strawq.tasks.queue import RunQueue  # noqa: E402
 from strawq.testing.faults import FaultyStorage  # noqa: E402
 from tests.producers.journal_helpers import flusher, hold, run_with_tasks, stream  # noqa: E402
 
-OPS = ("publish", "rename", "delete", "read", "list")
+OPS = ("publish", "append", "rename", "delete", "read", "list")
 
 
 class Clock:
@@ -63,7 +65,8 @@ def one(args: argparse.Namespace, root: Path, journal: bool) -> dict[str, Any]:
     q = RunQueue(f)
     table = GroupTable()
     groups = hold(q, table, "p1", args.groups)
-    j, io, book = flusher(q, table, "p1", tokens=args.every_tokens, seconds=args.every_s)
+    j, io, book = flusher(q, table, "p1", tokens=args.every_tokens, seconds=args.every_s,
+                          segments=args.format == "segments")
     clock = Clock()
     j.clock = clock
     j._flushed_at = 0.0
@@ -115,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tok-s", type=float, default=30.0)
     p.add_argument("--every-tokens", type=int, default=256)
     p.add_argument("--every-s", type=float, default=2.0)
+    p.add_argument("--format", choices=("records", "segments"), default="segments",
+                   help="segments: each window appended to the open segment (a store that "
+                        "can append); records: a file published per window")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     park_p = (sum(pr["park"].values()) + sum(pr["resume"].values())) / args.groups
     pub_j = (jr["park"]["publish"]) / args.groups
     pub_p = (pr["park"]["publish"]) / args.groups
-    print(f"steady: {jr['steady']} over {args.seconds:.0f} s "
+    print(f"steady ({args.format}): {jr['steady']} over {args.seconds:.0f} s "
           f"({args.groups} groups x G={args.g}, {args.tok_s:g} tok/s a sample)")
     print(f"park+resume, journal: {jr['park']} + {jr['resume']}")
     print(f"park+resume, partials: {pr['park']} + {pr['resume']}")

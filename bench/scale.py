@@ -43,6 +43,8 @@ figures from the same counts are printed beside it).
     python bench/scale.py --control-plane [--quick] [--gpus 10000] [--ranks N]
                            [--slots 24] [--batch-groups 2048] [--step-s 60]
                            [--meta-cache zero|default] [--sample 100]
+                           [--journal-every-s 2] [--journal-format segments|records]
+                           [--journal-tok-s 30]
 
     python bench/scale.py [--quick] [--meta sqlite|redis] [--idle-s 20] [--counts 1,10,100]
                            [--claims 200]
@@ -360,6 +362,17 @@ def main() -> int:
                          "rank 0 watches, the others hear over the group: "
                          "BatchReader(process_group=...)); rank0 prints per-rank's figures "
                          "beside its own, from the same counts")
+    cp.add_argument("--journal-every-s", type=float, default=0.0,
+                    help="the in-flight journal's window in seconds (0: no journal, the "
+                         "default): each producer's window record and superseded delete as a "
+                         "steady term, the park into the journal at the update; the figures "
+                         "without it are printed beside")
+    cp.add_argument("--journal-format", choices=("segments", "records"), default="segments",
+                    help="segments: each window appended to the writer's open segment (what a "
+                         "store that can append gets); records: a file published per window "
+                         "and deleted once superseded")
+    cp.add_argument("--journal-tok-s", type=float, default=30.0,
+                    help="tokens a second each held sequence receives (a window's delta)")
     args = ap.parse_args()
     if args.control_plane:
         bad = [f"--{k.replace('_', '-')} {v}" for k, v, ok in (
@@ -374,7 +387,9 @@ def main() -> int:
             ("burst_window_s", args.burst_window_s, args.burst_window_s > 0),
             ("pending_depth", args.pending_depth, args.pending_depth is None
              or args.pending_depth >= 0),
-            ("sample", args.sample, args.sample is None or args.sample >= 0)) if not ok]
+            ("sample", args.sample, args.sample is None or args.sample >= 0),
+            ("journal_every_s", args.journal_every_s, args.journal_every_s >= 0),
+            ("journal_tok_s", args.journal_tok_s, args.journal_tok_s > 0)) if not ok]
         if bad:
             ap.error(f"out of range: {', '.join(bad)} (GPUs at least one node's, counts and "
                      "seconds positive, --handback-share within 0..1)")
@@ -474,7 +489,8 @@ def control_plane(args: argparse.Namespace) -> int:
               pending_depth=(64 if args.quick else 1024) if args.pending_depth is None
               else args.pending_depth,
               sample=(0 if args.quick else 100) if args.sample is None else args.sample,
-              trainer_watch=args.trainer_watch)
+              trainer_watch=args.trainer_watch, journal_every_s=args.journal_every_s,
+              journal_tok_s=args.journal_tok_s, journal_format=args.journal_format)
     try:
         with test_volume("redis", meta_cache=args.meta_cache) as vol:
             caches = ("no attribute or entry cache" if args.meta_cache == "zero" else

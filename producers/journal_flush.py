@@ -157,7 +157,8 @@ class JournalFlush:
 
     def __init__(self, timing: TimingConfig, *, table: GroupTable, queue: RunQueue,
                  io: Offload, book: StatsBook, producer_id: str,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 segments: bool | None = None) -> None:
         self.every_tokens = timing.journal_every_tokens
         self.every_s = timing.journal_every_s
         self.table = table
@@ -166,6 +167,8 @@ class JournalFlush:
         self.book = book
         self.producer_id = producer_id
         self.clock = clock
+        #: records appended to segments (None: where the store can append), or a file each
+        self.segments = segments
         self.log: JournalLog | None = None
         self._cursors: dict[str, dict[int, _Cursor]] = {}
         #: leases handed back: never journaled again
@@ -177,7 +180,10 @@ class JournalFlush:
 
     def open(self, incarnation: int) -> None:
         """Start this incarnation's records (after ``Incarnation.begin``)."""
-        self.log = JournalLog(self.queue.storage, self.producer_id, incarnation)
+        if self.log is not None:
+            self.log.close()  # a previous incarnation's open segment: appended to no more
+        self.log = JournalLog(self.queue.storage, self.producer_id, incarnation,
+                              segments=self.segments)
 
     # -- when -------------------------------------------------------------------------------
     def _groups(self) -> list[ActiveGroup]:
@@ -275,7 +281,8 @@ class JournalFlush:
             if not entries:
                 return True
             try:
-                seq = await self.io.call(self.log.append, entries)
+                writer = self.log
+                seq = await self.io.call(lambda: writer.append(entries, full=full))
             except Exception as exc:  # noqa: BLE001 - the journal is a bound, not the state
                 log.warning("producer %s: journal record failed (%s); its tokens wait for "
                             "the next one", self.producer_id, exc)

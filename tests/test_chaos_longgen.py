@@ -89,3 +89,34 @@ def test_the_journal_watch_counts_records_from_their_numbers(tmp_path: Path) -> 
     got = watch.stop()
     assert got["records"] == 10 + 1 + 5
     assert META_OPS_PER_RECORD == 3
+    assert got["meta_ops"] == 16 * 3
+
+
+def test_the_journal_watch_counts_a_segments_frames(tmp_path: Path) -> None:
+    """A writer appending to segments: its highest number is the newest segment's first
+    plus its intact frames less one (a torn tail not counted); each segment costs a
+    record's operations, each other record an append's."""
+    from chaos_longgen import META_OPS_PER_APPEND, META_OPS_PER_RECORD, JournalWatch
+
+    from strawq.tasks.journal import SEGMENTS, frame
+
+    d = tmp_path / "journal" / "producer0.r0"
+    d.mkdir(parents=True)
+    (d / SEGMENTS.name(3, 0)).write_bytes(b"".join(frame([b"r"]) * 32))  # superseded
+    whole = b"".join(b"".join(frame([b"r%d" % i])) for i in range(5))
+    (d / SEGMENTS.name(3, 32)).write_bytes(whole + whole[:7])  # five frames, a torn tail
+
+    @dataclass
+    class P:
+        def alive(self) -> bool:
+            return True
+
+    @dataclass
+    class Ch:
+        run_a: str
+        procs: dict[str, P]
+
+    watch = JournalWatch(Ch(str(tmp_path), {"producer0": P(), "producer1": P()}))
+    got = watch.stop()
+    assert got["records"] == 32 + 5
+    assert got["meta_ops"] == 2 * META_OPS_PER_RECORD + 35 * META_OPS_PER_APPEND

@@ -11,6 +11,11 @@ The only primitives the queue relies on are:
 * ``rename(src, dst)`` — atomic, exactly one winner when several callers move the same
   ``src``; never replaces ``dst``. This is what claims, completes and fences.
 * ``list(dir)`` — names directly inside a directory, dot-files skipped (NFS silly renames).
+
+One more, optional (``Capabilities.append``): ``append(key, data)`` adds bytes at the end of
+a file its one writer owns and fsyncs them (the in-flight journal's segments,
+``strawq.tasks.journal``); a crash mid-append can leave a prefix of them at the end, which
+the appended data's own framing finds.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class Capabilities:
     multi_process: bool = True
     #: ``local_path`` gives a real path that can be memory-mapped.
     mmap: bool = True
+    #: ``append`` adds bytes at the end of an existing file, durable when it returns.
+    append: bool = False
 
 
 class Storage(abc.ABC):
@@ -95,6 +102,12 @@ class Storage(abc.ABC):
     def read_prefix(self, key: str, size: int) -> bytes:
         """At most the first ``size`` bytes of ``key``."""
 
+    def read_range(self, key: str, offset: int, size: int) -> bytes:
+        """At most ``size`` bytes of ``key`` from byte ``offset`` (fewer at its end, none
+        past it); ``NotFound`` if absent. The base reads the whole file; a backend may read
+        only the range (``PosixStorage``: ``pread``)."""
+        return self.read(key)[offset:offset + size]
+
     @abc.abstractmethod
     def rename(self, src: str, dst: str, *, sync_dir: bool = True) -> None:
         """Atomically move ``src`` to ``dst``.
@@ -113,6 +126,26 @@ class Storage(abc.ABC):
             raise ValueError(f"rename_within {directory}: {src!r} and {dst!r} must be names "
                              f"inside it, not paths")
         self.rename(f"{directory}/{src}", f"{directory}/{dst}", sync_dir=False)
+
+    def append(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
+        """Add ``data`` at the end of the existing file ``key`` and fsync it (durable when
+        this returns, as far as the store is: ``Capabilities.durable``); ``NotFound`` if
+        ``key`` is absent.
+
+        Only for a file exactly one writer appends to (a journal segment of its writer
+        incarnation), made with ``publish`` (so a reader never sees it without its first
+        bytes). A crash or an error mid-append can leave any prefix of ``data`` at the end:
+        what is appended must be framed so that a reader finds such a torn tail
+        (``strawq.tasks.journal``); after an error the writer appends to that file no more.
+        A backend may hold the file open between appends (``end_append`` closes it). A
+        backend without the capability (``Capabilities.append`` False) raises
+        ``NotImplementedError``: its callers keep a file per record instead."""
+        raise NotImplementedError(f"{self.describe()} cannot append to {key}")
+
+    def end_append(self, key: str) -> None:
+        """The writer appends to ``key`` no more: a file held open between appends is closed
+        (nothing else changes; ``delete`` of the key does the same)."""
+        return None
 
     @abc.abstractmethod
     def list(self, directory: str) -> list[str]:

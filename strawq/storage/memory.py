@@ -17,7 +17,7 @@ from strawq.storage.base import Capabilities, Storage, parent, validate_key
 class MemoryStorage(Storage):
     """A dict of keys to bytes plus a set of directories, guarded by one lock."""
 
-    capabilities = Capabilities(durable=False, multi_process=False, mmap=False)
+    capabilities = Capabilities(durable=False, multi_process=False, mmap=False, append=True)
 
     def __init__(self, *, writer_id: str = "mem") -> None:
         self.writer_id = writer_id
@@ -44,6 +44,17 @@ class MemoryStorage(Storage):
             self._ensure_parents(key)
             self._files[key] = blob
 
+    def append(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
+        validate_key(key)
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            blob = bytes(data)
+        else:
+            blob = b"".join(bytes(c) for c in data)
+        with self._lock:
+            if key not in self._files:
+                raise NotFound(errno.ENOENT, f"append {key}: no such key")
+            self._files[key] += blob
+
     def read(self, key: str) -> bytes:
         with self._lock:
             try:
@@ -53,6 +64,9 @@ class MemoryStorage(Storage):
 
     def read_prefix(self, key: str, size: int) -> bytes:
         return self.read(key)[:size]
+
+    def read_range(self, key: str, offset: int, size: int) -> bytes:
+        return self.read(key)[offset:offset + size]
 
     def rename(self, src: str, dst: str, *, sync_dir: bool = True) -> None:
         validate_key(src)

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -90,7 +91,7 @@ class PosixStorage(Storage):
         # NFS only: a retried RENAME whose first attempt succeeded reports ENOENT. Off by
         # default: elsewhere ENOENT with the destination present means another mover won.
         self._nfs_retry_rule = nfs_retry_rule
-        self.capabilities = Capabilities(durable=fsync)
+        self.capabilities = Capabilities(durable=fsync, append=True)
         # ``tmp/`` is made by the first publish, not here: opening a store to read it
         # (``strawq status``, a trainer's reader) must not write to the directory.
         # Temporary names say which process wrote them (``<writer>.<host>-<pid>.<uuid>``),
@@ -98,6 +99,10 @@ class PosixStorage(Storage):
         self._tmp_tag = f"{self.writer_id}.{_host()}-{os.getpid()}"
         #: the root's descriptor, and those of directories renamed within (``rename_within``)
         self._dirs = HeldDirs(self.root)
+        #: files ``append`` holds open between appends (a journal segment: each window's
+        #: append is a write and an fsync, no lookup or open), closed by ``end_append``
+        self._appending: dict[str, int] = {}
+        self._append_lock = threading.Lock()
 
     # -- paths ---------------------------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -246,6 +251,34 @@ class PosixStorage(Storage):
         finally:
             os.close(fd)
 
+    def append(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
+        self._writable(f"append {key}")
+        validate_key(key)
+        chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        with self._append_lock:
+            fd = self._appending.pop(key, None)
+            try:
+                if fd is None:
+                    fd = self._at(lambda at: os.open(at.p(key), os.O_WRONLY | os.O_APPEND
+                                                     | os.O_CLOEXEC, dir_fd=at.fd))
+                for chunk in chunks:
+                    view = memoryview(chunk).cast("B")
+                    while view:
+                        view = view[os.write(fd, view):]
+                if self._fsync:
+                    os.fsync(fd)
+            except OSError as exc:
+                if fd is not None:
+                    os.close(fd)  # the writer appends to this file no more (a torn tail)
+                raise translate(exc, f"append {key}") from exc
+            self._appending[key] = fd
+
+    def end_append(self, key: str) -> None:
+        with self._append_lock:
+            fd = self._appending.pop(key, None)
+        if fd is not None:
+            os.close(fd)
+
     def read(self, key: str) -> bytes:
         validate_key(key)
         try:
@@ -257,6 +290,29 @@ class PosixStorage(Storage):
         validate_key(key)
         try:
             return self._at(lambda at: read_at(at, key, size), reads=True)
+        except OSError as exc:
+            raise translate(exc, f"read {key}") from exc
+
+    def read_range(self, key: str, offset: int, size: int) -> bytes:
+        validate_key(key)
+
+        def pread(at: At) -> bytes:
+            fd = os.open(at.p(key), os.O_RDONLY | os.O_CLOEXEC, dir_fd=at.fd)
+            try:
+                out: list[bytes] = []
+                got = 0
+                while got < size:
+                    b = os.pread(fd, size - got, offset + got)
+                    if not b:
+                        break
+                    out.append(b)
+                    got += len(b)
+                return b"".join(out)
+            finally:
+                os.close(fd)
+
+        try:
+            return self._at(pread, reads=True)
         except OSError as exc:
             raise translate(exc, f"read {key}") from exc
 
@@ -335,6 +391,8 @@ class PosixStorage(Storage):
     def delete(self, key: str, *, missing_ok: bool = True) -> None:
         self._writable(f"delete {key}")
         validate_key(key)
+        if self._appending:
+            self.end_append(key)
         try:
             self._at(lambda at: os.unlink(at.p(key), dir_fd=at.fd))
         except FileNotFoundError:

@@ -10,6 +10,27 @@ plain msgpack data (arrays as little-endian bytes), never code.
 Layout (this module owns the key family; ``tests/test_keys.py``)::
 
     journal/<writer>/<incarnation>~<n>       n: the writer incarnation's record number
+    journal/<writer>/<incarnation>~s<n>      a segment: records n, n+1, ... appended
+
+**Segments.** On a store that can append (``Capabilities.append``: POSIX, memory) a writer
+does not publish a file per record: it appends each record, framed (``frame``: a header
+with the length and checksums, the record encoding inside), to its open *segment* and
+fsyncs it: no create, rename or delete per window. A segment is created by ``publish``
+holding its first frame (a reader never sees it empty) and starts at every *full* record
+(every ``FULL_EVERY``-th, a park's, the first after a failed append), so a lease's chain
+never spans two segments, and every segment but the open one is final. The older segments
+are deleted once superseded, as records are. A reader stops at a torn or short tail frame
+(a crash mid-append, or a read racing an append) without quarantining the segment; a frame
+that fails its checks before an intact one is corruption: the segment is quarantined as a
+record is. Record files (a store that cannot append, or a run upgraded mid-flight) stay
+readable beside segments; both are ordered by ``(incarnation, n)``.
+
+Fencing of a segment: its name carries the writer and its incarnation, its creating
+``publish`` is exclusive (a name taken is skipped, as a record's), and only the
+``JournalLog`` that created it appends to it (one process per incarnation, as for
+records); readers never write to it (a quarantine renames it aside). A park's record
+starts a new segment, so the next holder, on another client, reads a file created after
+the park began, never one whose attributes its kernel may have cached while it grew.
 
 An entry names its lease, ``(task, gen)``, and is either *full* (every sample of the group
 from its first token, and the prompt: it rebuilds the group from the task record alone) or
@@ -43,16 +64,23 @@ ever. A record is never rewritten (exclusive create at a new number).
 handed back (complete, ``.partial`` yield, drop, fail, release) or a newer full entry of the
 same lease is durable. Entries whose lease was yielded into the journal (a park) stay: the
 next holder resumes from them. ``sweep_journal`` (``strawq gc``, the collector's gc pass)
-deletes every record no live task name needs (a dead writer's, a parked lease's once its
-next holder handed it back).
+deletes every record and segment no live task name needs (a dead writer's, a parked
+lease's once its next holder handed it back), except the newest segment of a writer with a
+heartbeat file: it may still append to it (a departed writer's, whose heartbeat the
+grantor deleted, is swept as any). The writer deletes its open segment itself once nothing
+in it is needed; its next record, every entry a first one and so full, starts a new one.
 """
 
 from __future__ import annotations
 
 import logging
+import struct
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import xxhash
 
 from strawq.errors import AlreadyExists, CorruptRecord, NotFound
 from strawq.ondisk import records
@@ -60,6 +88,7 @@ from strawq.ondisk.names import TaskName, validate_id
 from strawq.ondisk.numbered import Numbered
 from strawq.ondisk.records import Kind
 from strawq.storage import Storage
+from strawq.tasks.heartbeats import heartbeat_states
 from strawq.tasks.states import TaskState, names_in
 
 log = logging.getLogger(__name__)
@@ -67,6 +96,12 @@ log = logging.getLogger(__name__)
 JOURNAL_DIR = "journal"
 #: ``<incarnation>~<n>`` inside ``journal/<writer>/``
 RECORDS = Numbered(sep="~")
+#: ``<incarnation>~s<n>``: a segment whose first record is number ``n``
+SEGMENTS = Numbered(sep="~s")
+#: a frame's header: magic, the body's length, the body's xxh3_64, the CRC-32 of the
+#: header's first 20 bytes
+FRAME = struct.Struct("<4sQQI")
+FRAME_MAGIC = b"SQJF"
 #: a writer's every ``FULL_EVERY``-th record holds full entries of every group it holds
 FULL_EVERY = 32
 #: states whose task names may still need a journal entry (the resume point, or the holder)
@@ -82,6 +117,55 @@ def journal_dir(writer: str) -> str:
 
 def journal_key(writer: str, incarnation: int, n: int) -> str:
     return f"{journal_dir(writer)}/{RECORDS.name(incarnation, n)}"
+
+
+def segment_key(writer: str, incarnation: int, n: int) -> str:
+    return f"{journal_dir(writer)}/{SEGMENTS.name(incarnation, n)}"
+
+
+def is_segment(key: str) -> bool:
+    return SEGMENTS.pair(key.rpartition("/")[2]) is not None
+
+
+def frame(chunks: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """A record's chunks framed for a segment: the header, then the chunks."""
+    h = xxhash.xxh3_64()
+    size = 0
+    for c in chunks:
+        h.update(c)
+        size += len(memoryview(c).cast("B"))
+    head = FRAME.pack(FRAME_MAGIC, size, h.intdigest(), 0)[:-4]
+    return [head + struct.pack("<I", zlib.crc32(head)), *chunks]
+
+
+def unframe(data: bytes | memoryview, key: str) -> tuple[list[memoryview], int]:
+    """The intact frames' bodies of a segment, oldest first, and the bytes of a torn tail
+    after them (0: none). A tail is torn when it is shorter than a header, its header is
+    intact but its body runs past the end, its bytes are all zero (a size extended whose
+    data never landed), or it is the last frame and its body fails the checksum; any other
+    frame that fails its checks is ``CorruptRecord``: an intact frame may follow it."""
+    view = memoryview(data).cast("B")
+    out: list[memoryview] = []
+    pos = 0
+    while pos < len(view):
+        rest = len(view) - pos
+        if rest < FRAME.size or not any(view[pos:]):
+            return out, rest
+        magic, size, digest, crc = FRAME.unpack_from(view, pos)
+        if magic != FRAME_MAGIC or zlib.crc32(view[pos:pos + FRAME.size - 4]) != crc:
+            raise CorruptRecord(f"{key}: the frame header at byte {pos} is damaged")
+        end = pos + FRAME.size + size
+        if end > len(view):
+            return out, rest
+        body = view[pos + FRAME.size:end]
+        if xxhash.xxh3_64_intdigest(body) != digest:
+            if end == len(view):
+                return out, rest
+            raise CorruptRecord(f"{key}: the frame at byte {pos} fails its checksum, and "
+                                "an intact frame may follow it")
+        out.append(body)
+        pos = end
+    return out, 0
 
 
 def _entries(rec: records.Record, key: str) -> list[dict[str, Any]]:
@@ -104,6 +188,9 @@ class JournalStats:
     bytes: int = 0
     deletes: int = 0
     conflicts: int = 0
+    #: segments created (``publish``) and records appended to an open one
+    segments: int = 0
+    appends: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return {k: int(getattr(self, k)) for k in self.__dataclass_fields__}
@@ -119,50 +206,91 @@ class _Written:
 
 
 class JournalLog:
-    """The writer side: one producer incarnation's records."""
+    """The writer side: one producer incarnation's records (in segments on a store that
+    can append, else a file each: ``segments``)."""
 
-    def __init__(self, storage: Storage, writer: str, incarnation: int) -> None:
+    def __init__(self, storage: Storage, writer: str, incarnation: int, *,
+                 segments: bool | None = None) -> None:
         self.storage = storage
         self.writer = validate_id(writer, "producer id")
         self.incarnation = int(incarnation)
+        self.segments = storage.capabilities.append if segments is None else bool(segments)
         self.stats = JournalStats()
         self.next = 0
         self._written: dict[int, _Written] = {}
+        #: the open segment (its first record's number), None: none yet (or record files)
+        self.open_segment: int | None = None
+        #: an append failed: its segment may end in a torn frame; the next record is full
+        #: and starts a new segment
+        self._broken = False
+        #: record number -> its file's number (the record's own, or its segment's)
+        self._unit: dict[int, int] = {}
+        #: files holding a kept entry (left for ``sweep_journal``)
+        self._kept_units: set[int] = set()
+
+    def _key(self, unit: int) -> str:
+        return (segment_key if self.segments else journal_key)(self.writer, self.incarnation,
+                                                                unit)
 
     def append(self, entries: list[dict[str, Any]], meta: Mapping[str, Any] | None = None,
-               ) -> int:
-        """Publish one record holding ``entries`` (durable when this returns: written,
-        fsync'd, renamed into place, directory fsync'd); returns its number."""
+               *, full: bool = False) -> int:
+        """Make one record holding ``entries`` durable (written, fsync'd: a file published
+        into place and its directory fsync'd, or a frame appended to the open segment);
+        returns its number. ``full``: every held group's entry is full (a segment starts
+        here)."""
         laid, blobs = _lay_out(entries)
         body = {**(meta or {}), "writer": self.writer, "incarnation": self.incarnation,
                 "entries": laid}
         chunks = records.encode_blobs(Kind.JOURNAL, body, blobs)
+        if self.segments:
+            chunks = frame(chunks)
         while True:
             n = self.next
+            roll = self.segments and (self.open_segment is None or full or self._broken)
             try:
-                self.storage.publish(journal_key(self.writer, self.incarnation, n), chunks)
+                if roll or not self.segments:
+                    self.storage.publish(self._key(n), chunks)
+                else:
+                    assert self.open_segment is not None
+                    try:
+                        self.storage.append(self._key(self.open_segment), chunks)
+                    except BaseException:
+                        self._broken = True  # a torn tail may end it: never append again
+                        raise
             except AlreadyExists:  # not made by the protocol (one process per incarnation)
                 self.stats.conflicts += 1
                 self.next += 1
                 continue
             self.next = n + 1
             break
+        unit = n
+        if roll:
+            old, self.open_segment, self._broken = self.open_segment, n, False
+            self.stats.segments += 1
+            if old is not None:
+                self.storage.end_append(self._key(old))
+                self._drop_unit(old)
+        elif self.segments:
+            assert self.open_segment is not None
+            unit = self.open_segment
+            self.stats.appends += 1
         self.stats.records += 1
         self.stats.entries += len(entries)
-        self.stats.bytes += sum(len(c) for c in chunks)
+        self.stats.bytes += sum(len(memoryview(c).cast("B")) for c in chunks)
         self._written[n] = _Written({(e["task"], int(e["gen"])) for e in entries})
+        self._unit[n] = unit
         return n
 
     def full_due(self) -> bool:
         """Whether the next record should hold full entries of every held group."""
-        return self.next > 0 and self.next % FULL_EVERY == 0
+        return self._broken or (self.next > 0 and self.next % FULL_EVERY == 0)
 
     def superseded(self, keys: Iterable[LeaseKey], *, before: int | None = None,
                    keep: bool = False) -> int:
         """The entries of these leases (in records numbered below ``before``, or all) are
         no longer needed by this writer; ``keep``: they are a parked lease's resume point,
-        left for ``sweep_journal``. Deletes every record left with nothing needed; returns
-        how many."""
+        left for ``sweep_journal``. Deletes every record file, and every segment but the
+        open one, left with nothing needed; returns how many files."""
         keys = set(keys)
         gone = 0
         for n, w in sorted(self._written.items()):
@@ -175,11 +303,34 @@ class JournalLog:
             w.kept = w.kept or keep
             if not w.live:
                 del self._written[n]
-                if not w.kept:
-                    self.storage.delete(journal_key(self.writer, self.incarnation, n))
-                    self.stats.deletes += 1
-                    gone += 1
+                unit = self._unit.pop(n)
+                if w.kept:
+                    self._kept_units.add(unit)
+                gone += self._drop_unit(unit)
         return gone
+
+    def _drop_unit(self, unit: int) -> int:
+        """Delete file ``unit`` if none of its records holds a needed or kept entry; 1 if
+        deleted. The open segment too: no held lease then has an entry anywhere (a full
+        record starts every segment), so the next record, all first entries, starts a new
+        one."""
+        if unit in self._unit.values():
+            return 0
+        if unit in self._kept_units:
+            if unit != self.open_segment:
+                self._kept_units.discard(unit)
+            return 0
+        if unit == self.open_segment:
+            self.storage.end_append(self._key(unit))
+            self.open_segment = None
+        self.storage.delete(self._key(unit))
+        self.stats.deletes += 1
+        return 1
+
+    def close(self) -> None:
+        """No more records: the open segment is no longer held open."""
+        if self.open_segment is not None:
+            self.storage.end_append(self._key(self.open_segment))
 
     def held_records(self) -> list[int]:
         """Numbers of the records this writer still tracks (tests, metrics)."""
@@ -237,22 +388,87 @@ def _fill(entries: list[dict[str, Any]], payload: memoryview, key: str) -> None:
 
 # -- reading ----------------------------------------------------------------------------------
 
-def _read(storage: Storage, key: str, quarantine: Callable[[str], object] | None, *,
-          meta_only: bool = False) -> list[dict[str, Any]] | None:
-    """A record's entries; None when it is gone or corrupt (quarantined). ``meta_only``:
-    their metadata, the columns left as references, from a prefix of the file (no checksum
-    of the payload, nothing quarantined: what a caller decides from it, a reader checks)."""
-    try:
-        if meta_only:
-            kind, meta, need = records.decode_meta_only(storage.read_prefix(key, META_PREFIX),
+def _decode(body: bytes | memoryview, key: str, meta_only: bool) -> list[dict[str, Any]]:
+    if meta_only:
+        kind, meta, _ = records.decode_meta_only(bytes(body[:META_PREFIX]), name=key)
+        if not meta:
+            kind, meta, _ = records.decode_meta_only(bytes(body), name=key)
+        if kind is not Kind.JOURNAL or not meta:
+            raise CorruptRecord(f"{key}: not a whole journal record's metadata")
+        return _entries(records.Record(kind, meta), key)
+    rec = records.decode(body, expect=Kind.JOURNAL, name=key)
+    entries = _entries(rec, key)
+    _fill(entries, rec.payload, key)
+    return entries
+
+
+def _records_of(storage: Storage, key: str, meta_only: bool) -> list[list[dict[str, Any]]]:
+    """The entries of each record in file ``key``, newest first (``CorruptRecord``,
+    ``NotFound``): a record file's one, or a segment's intact frames before a torn tail."""
+    if not is_segment(key):
+        if not meta_only:
+            return [_decode(storage.read(key), key, False)]
+        kind, meta, need = records.decode_meta_only(storage.read_prefix(key, META_PREFIX),
+                                                    name=key)
+        if not meta:  # more metadata than the first read held
+            kind, meta, need = records.decode_meta_only(storage.read_prefix(key, need),
+                                                        name=key)
+        if kind is not Kind.JOURNAL or not meta:
+            raise CorruptRecord(f"{key}: not a whole journal record's metadata")
+        return [_entries(records.Record(kind, meta), key)]
+    if meta_only:
+        return _segment_meta(storage, key)
+    bodies, torn = unframe(storage.read(key), key)
+    if torn:
+        log.debug("journal segment %s ends in %d bytes of a torn frame (a crash mid-append, "
+                  "or an append in progress): read up to it", key, torn)
+    return [_decode(b, key, meta_only) for b in reversed(bodies)]
+
+
+def _segment_meta(storage: Storage, key: str) -> list[list[dict[str, Any]]]:
+    """The metadata of each record in segment ``key``, newest first, from each frame's
+    header and the first bytes of its record (``read_range``: never the columns). A frame
+    that runs past the file's size, or the last one unreadable, is a torn tail; a damaged
+    header before it is ``CorruptRecord``. No checksum of the bodies: what a caller decides
+    from it, a reader checks."""
+    size = storage.size(key)
+    out: list[list[dict[str, Any]]] = []
+    pos = 0
+    while pos + FRAME.size <= size:
+        head = storage.read_range(key, pos, FRAME.size + META_PREFIX)
+        if len(head) < FRAME.size or not any(head[:FRAME.size]):
+            break  # shorter than its size said (a racing truncation) or a zero-filled tail
+        magic, length, _, crc = FRAME.unpack_from(head)
+        if magic != FRAME_MAGIC or zlib.crc32(head[:FRAME.size - 4]) != crc:
+            raise CorruptRecord(f"{key}: the frame header at byte {pos} is damaged")
+        end = pos + FRAME.size + length
+        if end > size:
+            break  # a torn tail
+        try:
+            kind, meta, need = records.decode_meta_only(head[FRAME.size:FRAME.size + length],
                                                         name=key)
             if not meta:  # more metadata than the first read held
-                kind, meta, need = records.decode_meta_only(storage.read_prefix(key, need),
-                                                            name=key)
+                kind, meta, need = records.decode_meta_only(
+                    storage.read_range(key, pos + FRAME.size, min(need, length)), name=key)
             if kind is not Kind.JOURNAL or not meta:
-                raise CorruptRecord(f"{key}: not a whole journal record's metadata")
-            return _entries(records.Record(kind, meta), key)
-        return read_entries(storage, key)
+                raise CorruptRecord(f"{key}: not a whole journal record's metadata at {pos}")
+            out.append(_entries(records.Record(kind, meta), key))
+        except CorruptRecord:
+            if end == size:
+                break  # the last frame: a tail whose bytes never landed
+            raise
+        pos = end
+    return list(reversed(out))
+
+
+def _read(storage: Storage, key: str, quarantine: Callable[[str], object] | None, *,
+          meta_only: bool = False) -> list[list[dict[str, Any]]] | None:
+    """The entries of each record in file ``key``, newest first; None when it is gone or
+    corrupt (quarantined). ``meta_only``: their metadata, the columns left as references
+    (a record file's prefix alone; no checksum of the payload, nothing quarantined: what a
+    caller decides from it, a reader checks)."""
+    try:
+        return _records_of(storage, key, meta_only)
     except NotFound:
         return None
     except CorruptRecord as exc:
@@ -266,17 +482,18 @@ def _read(storage: Storage, key: str, quarantine: Callable[[str], object] | None
 
 
 def read_entries(storage: Storage, key: str) -> list[dict[str, Any]]:
-    """The entries of one record, columns as bytes (``CorruptRecord``, ``NotFound``)."""
-    rec = records.decode(storage.read(key), expect=Kind.JOURNAL, name=key)
-    entries = _entries(rec, key)
-    _fill(entries, rec.payload, key)
-    return entries
+    """The entries of one record file, or of every intact record of a segment oldest
+    first, columns as bytes (``CorruptRecord``, ``NotFound``)."""
+    return [e for rec in reversed(_records_of(storage, key, False)) for e in rec]
 
 
 def record_keys(storage: Storage, writer: str) -> list[str]:
-    """The writer's records, newest first."""
+    """The writer's record files and segments, newest first (by incarnation and number)."""
     d = journal_dir(writer)
-    return [f"{d}/{RECORDS.name(i, n)}" for i, n in reversed(RECORDS.pairs(storage.list(d)))]
+    names = storage.list(d)
+    found = [((i, n), f"{d}/{RECORDS.name(i, n)}") for i, n in RECORDS.pairs(names)]
+    found += [((i, n), f"{d}/{SEGMENTS.name(i, n)}") for i, n in SEGMENTS.pairs(names)]
+    return [k for _, k in sorted(found, reverse=True)]
 
 
 def load_chain(storage: Storage, writer: str, task: str, gen: int, *,
@@ -287,17 +504,18 @@ def load_chain(storage: Storage, writer: str, task: str, gen: int, *,
     vanished record are dropped: they may build on what it held). None: no full entry."""
     newer: list[dict[str, Any]] = []
     for key in record_keys(storage, writer):
-        entries = _read(storage, key, quarantine)
-        if entries is None:
+        recs = _read(storage, key, quarantine)
+        if recs is None:
             newer = []  # a gap: nothing newer than it can be applied
             continue
-        mine = [e for e in entries if e["task"] == task and int(e["gen"]) == gen]
-        if not mine:
-            continue
-        e = mine[-1]
-        if e.get("full"):
-            return [e, *reversed(newer)]
-        newer.append(e)
+        for entries in recs:
+            mine = [e for e in entries if e["task"] == task and int(e["gen"]) == gen]
+            if not mine:
+                continue
+            e = mine[-1]
+            if e.get("full"):
+                return [e, *reversed(newer)]
+            newer.append(e)
     return None
 
 
@@ -308,11 +526,12 @@ def journaled(storage: Storage, writer: str,
     reads it for the writer of each lease it expires."""
     out: dict[LeaseKey, int] = {}
     for key in record_keys(storage, writer):
-        for e in _read(storage, key, quarantine, meta_only=True) or []:
-            k = (e["task"], int(e["gen"]))
-            if e.get("full") and k not in out:
-                mv = e.get("min_version")
-                out[k] = int(mv) if isinstance(mv, int) else 0
+        for entries in _read(storage, key, quarantine, meta_only=True) or []:
+            for e in entries:
+                k = (e["task"], int(e["gen"]))
+                if e.get("full") and k not in out:
+                    mv = e.get("min_version")
+                    out[k] = int(mv) if isinstance(mv, int) else 0
     return out
 
 
@@ -326,7 +545,8 @@ def find_writer(storage: Storage, task: str, gen: int) -> str | None:
     for w in writers(storage):
         for key in record_keys(storage, w):
             if any(e["task"] == task and int(e["gen"]) == gen and e.get("full")
-                   for e in _read(storage, key, None, meta_only=True) or []):
+                   for entries in _read(storage, key, None, meta_only=True) or []
+                   for e in entries):
                 return w
     return None
 
@@ -346,25 +566,33 @@ def _needed(names: Iterable[TaskName], state: TaskState) -> set[tuple[str, int, 
 
 
 def sweep_journal(storage: Storage, quarantine: Callable[[str], object] | None = None) -> int:
-    """Delete every journal record no live task name needs, and empty writer directories;
-    returns how many records were deleted. The journal is listed *before* the state
+    """Delete every journal record file and segment no live task name needs (never a
+    writer's newest segment: its writer may still append to it), and empty writer
+    directories; returns how many files were deleted. The journal is listed *before* the state
     directories, and those twice (a task moving between two listings of one pass is seen
     in the other), so a record whose lease is alive at the first listing is kept."""
     listed = {w: record_keys(storage, w) for w in writers(storage)}
     if not listed:
         return 0
+    beating = {p for p, _, _ in heartbeat_states(storage)}  # listed after the journal
     need: set[tuple[str, int, str | None]] = set()
     for _ in range(2):
         for state in LIVE:
             need |= _needed(names_in(storage, state), state)
     removed = 0
     for w, keys in listed.items():
+        # a writer with a heartbeat may still append to its newest segment (a lease it
+        # claimed after the listings); one without (departed: silent two lease timeouts,
+        # holding no lease, its heartbeat deleted by the grantor) appends to none
+        newest_segment = next((k for k in keys if is_segment(k)), None) if w in beating else None
         for key in keys:
-            entries = _read(storage, key, quarantine, meta_only=True)
-            if entries is None:
+            if key == newest_segment:
+                continue  # its writer may still append to it
+            recs = _read(storage, key, quarantine, meta_only=True)
+            if recs is None:
                 continue  # unreadable metadata: a reader quarantines it
             if any((e["task"], int(e["gen"]), w) in need or (e["task"], int(e["gen"]), None)
-                   in need for e in entries):
+                   in need for entries in recs for e in entries):
                 continue
             storage.delete(key)
             removed += 1
@@ -372,6 +600,6 @@ def sweep_journal(storage: Storage, quarantine: Callable[[str], object] | None =
     return removed
 
 
-__all__ = ["FULL_EVERY", "JOURNAL_DIR", "JournalLog", "JournalStats", "find_writer",
-           "journal_dir", "journal_key", "journaled", "load_chain", "read_entries", "record_keys",
-           "sweep_journal", "writers"]
+__all__ = ["FULL_EVERY", "JOURNAL_DIR", "JournalLog", "JournalStats", "find_writer", "frame",
+           "is_segment", "journal_dir", "journal_key", "journaled", "load_chain", "read_entries",
+           "record_keys", "segment_key", "sweep_journal", "unframe", "writers"]

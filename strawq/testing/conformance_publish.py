@@ -164,6 +164,51 @@ class PublishConformance(ConformanceHooks):
         storage.publish("p/q/r/s", b"deep")
         assert storage.list("p") == ["q"] and storage.list("p/q/r") == ["s"]
 
+    def test_read_range(self, storage: Storage) -> None:
+        storage.publish("rr/a", b"0123456789")
+        assert storage.read_range("rr/a", 0, 4) == b"0123"
+        assert storage.read_range("rr/a", 3, 4) == b"3456"
+        assert storage.read_range("rr/a", 8, 10) == b"89"  # fewer at the end
+        assert storage.read_range("rr/a", 10, 4) == b"" and storage.read_range("rr/a", 99, 1) == b""
+        with pytest.raises(NotFound):
+            storage.read_range("rr/none", 0, 1)
+
+    # -- append (``Capabilities.append``) ------------------------------------------------------
+    def test_append_adds_at_the_end(self, storage: Storage) -> None:
+        require(storage, "append")
+        storage.publish("seg/a", b"first")
+        storage.append("seg/a", b"-second")
+        storage.append("seg/a", [b"-th", memoryview(b"ird"), b""])
+        assert storage.read("seg/a") == b"first-second-third"
+        storage.end_append("seg/a")
+        storage.append("seg/a", b"!")  # reopened after end_append
+        assert storage.read("seg/a") == b"first-second-third!"
+        storage.end_append("seg/a")
+        storage.end_append("seg/a")  # twice: nothing held, nothing to do
+
+    def test_append_to_missing_or_deleted_is_notfound(self, storage: Storage) -> None:
+        require(storage, "append")
+        with pytest.raises(NotFound):
+            storage.append("seg/none", b"x")
+        assert not storage.exists("seg/none"), "an append never creates its file"
+        storage.publish("seg/b", b"x")
+        storage.append("seg/b", b"y")
+        storage.delete("seg/b")  # a file held open for appends is let go of
+        with pytest.raises(NotFound):
+            storage.append("seg/b", b"z")
+        assert not storage.exists("seg/b")
+
+    def test_append_visible_to_second_view(self, storage: Storage) -> None:
+        """What an append made durable, another client reads (a resume on another node)."""
+        require(storage, "append")
+        view = self.second_view(storage)
+        storage.publish("seg/c", b"a" * 3000)
+        assert eventually(lambda: view.exists("seg/c"))
+        assert view.read("seg/c") == b"a" * 3000
+        storage.append("seg/c", b"b" * 3000)
+        assert eventually(lambda: view.read("seg/c") == b"a" * 3000 + b"b" * 3000)
+        storage.end_append("seg/c")
+
     # -- read ----------------------------------------------------------------------------------
     def test_read_missing_is_notfound(self, storage: Storage) -> None:
         with pytest.raises(NotFound) as info:

@@ -5,6 +5,8 @@
   ``CrashPoint`` *before* it happens, modelling a process killed right there; the wrapped
   store keeps exactly what a real crash would leave. An ``in_place`` publish has a second
   point, inside it: the file is left at its key with half its bytes.
+* ``append`` is mutating too, with a second crash point inside it: half the appended bytes
+  reach the file (a torn tail), then ``CrashPoint``.
 * ``phantom_enoent={"rename": 2}`` — the 2nd rename happens but reports ENOENT, as a
   retried NFS RPC can.
 * ``seed``/``error_rate`` — random ``EIO`` on any operation, reproducible per seed.
@@ -21,7 +23,7 @@ from strawq.errors import NotFound
 from strawq.storage.base import Storage
 from strawq.storage.posix import translate
 
-_MUTATING = ("publish", "rename", "delete", "rmdir")
+_MUTATING = ("publish", "rename", "delete", "rmdir", "append")
 
 
 class CrashPoint(BaseException):
@@ -81,6 +83,20 @@ class FaultyStorage(Storage):
             raise CrashPoint(f"simulated crash inside the in-place publish of {key} "
                              f"(mutation {self.mutations}): a partial file is left")
 
+    def append(self, key: str, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
+        self._enter("append", key)
+        blob = (bytes(data) if isinstance(data, (bytes, bytearray, memoryview))
+                else b"".join(bytes(c) for c in data))
+        self.mutations += 1  # the point inside: half the bytes are at the end
+        if self._crash_after is not None and self.mutations >= self._crash_after:
+            self.inner.append(key, blob[:len(blob) // 2])
+            raise CrashPoint(f"simulated crash inside the append to {key} (mutation "
+                             f"{self.mutations}): a torn tail is left")
+        self.inner.append(key, blob)
+
+    def end_append(self, key: str) -> None:
+        self.inner.end_append(key)
+
     def read(self, key: str) -> bytes:
         self._enter("read", key)
         return self.inner.read(key)
@@ -88,6 +104,10 @@ class FaultyStorage(Storage):
     def read_prefix(self, key: str, size: int) -> bytes:
         self._enter("read", key)
         return self.inner.read_prefix(key, size)
+
+    def read_range(self, key: str, offset: int, size: int) -> bytes:
+        self._enter("read", key)
+        return self.inner.read_range(key, offset, size)
 
     def rename(self, src: str, dst: str, *, sync_dir: bool = True) -> None:
         self._enter("rename", src, dst)

@@ -73,3 +73,33 @@ def test_the_capacity_forms_never_increment_a_field_another_form_sets_to_text() 
     text_fields = {tuple(f[1:3]) for f in FORMS.values() if f[0] == "HSET"}
     counters = {tuple(f[1:3]) for f in FORMS.values() if f[0] == "HINCRBY"}
     assert counters and not counters & text_fields, (counters, text_fields)
+
+
+JOURNAL_LINE = re.compile(
+    r"^journal: (?P<w>[\d.]+) s window \((?P<fmt>\w+)\) = (?P<cmds>[\d.]+) Redis commands a "
+    r"window per producer, (?P<per_s>[\d.]+) per producer-second; steady share "
+    r"(?P<off>[\d.]+) without, (?P<on>[\d.]+) with$")
+
+
+def test_the_journal_line_has_its_shape_and_adds_to_the_steady_share(tmp_path: Path) -> None:
+    why = _lacking()
+    if why:
+        if "1" in (os.environ.get("STRAWQ_REQUIRE_REDIS"),
+                   os.environ.get("STRAWQ_REQUIRE_JUICEFS")):
+            pytest.fail(f"a Redis-backed JuiceFS volume is required but {why}")
+        pytest.skip(f"bench/scale.py --control-plane needs a Redis-backed JuiceFS volume: "
+                    f"{why}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "scale.py"), "--control-plane",
+                           "--quick", "--journal-every-s", "2"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    out = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n" \
+                                 f"{proc.stderr[-3000:]}"
+    assert LINE.match(out[-1]), out[-3:]
+    m = next((m for line in out if (m := JOURNAL_LINE.match(line))), None)
+    assert m, f"no journal line: {out[-4:]}"
+    assert m["fmt"] == "segments" and float(m["w"]) == 2
+    assert float(m["cmds"]) > 0
+    assert float(m["per_s"]) == pytest.approx(float(m["cmds"]) / 2, rel=0.01, abs=0.05)
+    assert float(m["on"]) > float(m["off"]) > 0

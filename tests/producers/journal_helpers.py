@@ -61,11 +61,16 @@ def stream(s: Sample, n: int, *, version: int = 0) -> None:
 
 
 def flusher(q: RunQueue, table: GroupTable, producer: str, *, incarnation: int = 1,
-            tokens: int = 64, seconds: float = 0.0) -> tuple[JournalFlush, Offload,
-                                                            StatsBook]:
+            tokens: int = 64, seconds: float = 0.0, segments: bool | None = None,
+            ) -> tuple[JournalFlush, Offload, StatsBook]:
+    """A journal writer of ``producer``'s held groups; ``segments``: None, as the store
+    can (what a producer does: segments on memory and POSIX stores), False: a record file
+    per window (a store that cannot append, or a run written before segments), True:
+    segments."""
     io = Offload(1, f"{producer}-io")
     book = StatsBook(ProducerStats(producer_id=producer))
     j = JournalFlush(TimingConfig(journal_every_tokens=tokens, journal_every_s=seconds),
-                     table=table, queue=q, io=io, book=book, producer_id=producer)
+                     table=table, queue=q, io=io, book=book, producer_id=producer,
+                     segments=segments)
     j.open(incarnation)
     return j, io, book

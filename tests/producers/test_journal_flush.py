@@ -48,7 +48,7 @@ def test_one_record_per_window_holds_a_delta_of_every_held_group(tmp_path: Path)
     q = run_with_tasks(storage, tmp_path, 3)
     table = GroupTable()
     groups = hold(q, table, "p1", 3)
-    j, io, _book = flusher(q, table, "p1", tokens=5)
+    j, io, _book = flusher(q, table, "p1", tokens=5, segments=False)
 
     async def go() -> None:
         io.start()

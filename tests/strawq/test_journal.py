@@ -49,7 +49,7 @@ def test_a_corrupt_record_is_quarantined_and_the_prefix_falls_back(tmp_path: Pat
     q = run_with_tasks(storage, tmp_path, 1)
     table = GroupTable()
     (a,) = hold(q, table, "p1", 1)
-    j, io, _ = flusher(q, table, "p1")
+    j, io, _ = flusher(q, table, "p1", segments=False)
     run = a.run
     assert run is not None
 
@@ -82,7 +82,7 @@ def test_the_newest_full_entry_bounds_what_a_writer_keeps(tmp_path: Path,
     q = run_with_tasks(storage, tmp_path, 1)
     table = GroupTable()
     (a,) = hold(q, table, "p1", 1)
-    j, io, _ = flusher(q, table, "p1")
+    j, io, _ = flusher(q, table, "p1", segments=False)
     run = a.run
     assert run is not None
     held = []
@@ -189,7 +189,7 @@ def test_gc_and_the_grantor_read_only_the_records_metadata(tmp_path: Path) -> No
     q = run_with_tasks(storage, tmp_path, 1)
     table = GroupTable()
     (a,) = hold(q, table, "p1", 1)
-    j, io, _ = flusher(q, table, "p1")
+    j, io, _ = flusher(q, table, "p1", segments=False)
     run = a.run
     assert run is not None
 
