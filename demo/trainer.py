@@ -17,6 +17,7 @@ producers found on other weights (``engines/``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -248,6 +249,10 @@ class SleepTrainer:
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "weights.bin"), "wb") as f:
             f.write(version.to_bytes(8, "little"))
+        # a file every version shares, as a checkpoint's config: a version published as a
+        # delta (``publish_dir``) copies only ``weights.bin``
+        with open(os.path.join(path, "config.json"), "w") as f:
+            f.write(json.dumps({"model": "sim", "pad": "x" * 64}))
         return path
 
     def repair_engines(self, urls: list[str], version: int) -> list[str]:
