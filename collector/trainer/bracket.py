@@ -366,9 +366,14 @@ class WeightUpdateBracket:
         propagates: retry, or call ``abort_weight_update()``.
 
         In the rolling mode ``push(version)`` writes the weights to a directory every
-        engine can read and returns its path; ``publish_weights`` publishes it.
+        engine can read and returns its path; ``publish_weights`` publishes it. That mode
+        attests no engine: a ``fingerprint`` is not published (a warning says so).
         """
         if self.mode == "rolling":
+            if fingerprint is not None:
+                log.warning("weight_update(fingerprint=...) in the rolling mode: engines "
+                            "load versions in waves and are not attested; the fingerprint "
+                            "is not published")
             return self.publish_weights(push, version=version)
         rep = self.begin_weight_update(timeout)
         target = rep.version if version is None else version
