@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from strawq.config import QueueConfig
@@ -233,6 +233,13 @@ class BracketOptions:
     poll_interval_s: float | None = None
     sleep: Callable[[float], None] | None = None
     repair: PushTo | None = None
+    #: the update's mode and its rolling and delta settings
+    weight_update: str | None = None
+    wave: float | None = None
+    max_lag: int | None = None
+    publish_dir: str | None = None
+    max_delta_chain: int | None = None
+    engine_urls: tuple[str, ...] | None = None
 
 
 class RunAssembly:
@@ -298,9 +305,7 @@ class RunAssembly:
 
         reader = BatchReader.open(self.run_dir, **options)
         b = bracket or BracketOptions()
-        reader.configure_bracket(lease_timeout_s=b.lease_timeout_s,
-                                 poll_interval_s=b.poll_interval_s, sleep=b.sleep,
-                                 repair=b.repair)
+        reader.configure_bracket(**{f.name: getattr(b, f.name) for f in fields(b)})
         self.add("reader", reader.close)
         self.reader = reader
         return reader

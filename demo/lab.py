@@ -201,6 +201,19 @@ def schedule_config(cfg: LabConfig, mode: str) -> Any:
                           admission_batches=cfg.admission_batches, timeout_s=600.0)
 
 
+def _rolling_options(cfg: LabConfig, mode: str, urls: list[str]) -> dict[str, Any]:
+    """The bracket's options of the rolling update (publish once; engines load in waves,
+    lag <= η), with ``publish_dir`` copied there whole or as deltas; {}: the bracket."""
+    if cfg.weight_update != "rolling":
+        return {}
+    out: dict[str, Any] = {"weight_update": "rolling", "wave": cfg.rolling_wave,
+                           "max_lag": cfg.max_staleness, "engine_urls": tuple(urls)}
+    if cfg.publish_dir:
+        out.update(publish_dir=os.path.join(os.path.abspath(cfg.publish_dir), mode),
+                   max_delta_chain=cfg.max_delta_chain)
+    return out
+
+
 def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
     """One schedule, from a fresh queue to the audit of what it left."""
     from strawq.collector.core import Collector
@@ -240,8 +253,11 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
                    meta={"lab": cfg.to_dict(), "mode": mode})
         engines = run.engines
         urls = run.start_engines("sim", cfg.sim_processes, **cfg.sim_options())
+        # a delta version is built on the producer's disk (here: under the mode's folder)
+        cache = {"weights_cache_dir": os.path.join(work, "weights-cache")} \
+            if cfg.weight_update == "rolling" and cfg.publish_dir else {}
         pconfigs = [merge({"run_dir": run_dir, "producer_id": pid,
-                           "engine": {"workers": urls},
+                           "engine": {"workers": urls, **cache},
                            "plugins": {"reward": REWARDS[cfg.reward],
                                        **({"filter": cfg.group_filter}
                                           if cfg.group_filter else {})},
@@ -256,12 +272,10 @@ def run_mode(cfg: LabConfig, mode: str) -> ModeResult:
         run.add("collector", collector.close)
         # the lab's trainer never restores a checkpoint: an acked batch is trained
         reader = run.open_reader(BracketOptions(lease_timeout_s=lease_timeout,
-                                                poll_interval_s=0.01), checkpointed=False)
+                                                poll_interval_s=0.01,
+                                                **_rolling_options(cfg, mode, urls)),
+                                 checkpointed=False)
         bracket = reader.bracket
-        if cfg.weight_update == "rolling":  # publish once; engines load in waves, lag <= η
-            bracket.publisher.mode, bracket.publisher.wave = "rolling", cfg.rolling_wave
-            bracket.publisher.max_lag = cfg.max_staleness
-            bracket.engine_urls = list(urls)
         # one step = per_step trainer calls (stream: micro-batches of one step's time each)
         trainer = SleepTrainer(cfg.train_step_s * cfg.time_scale / sched.per_step, urls,
                                weights_dir=os.path.join(work, "weights"))

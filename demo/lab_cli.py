@@ -68,6 +68,14 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("num_epochs", int, "passes over the dataset (queue.num_epochs, default 1)"),
     ("zero_variance_revisit_epochs", int, "passes after a zero-variance group at which its "
      "row comes back (default 2)"),
+    ("weight_update", str, "bracket (default: pause every producer, push every engine) or "
+     "rolling (publish once, engines load it in waves, lag <= eta)"),
+    ("rolling_wave", float, "rolling: engines that load at once, a count (>= 1) or a share "
+     "of the fleet (default 0.25)"),
+    ("publish_dir", str, "rolling: a directory every engine reads, where each version is "
+     "copied whole or as a delta (default: none, the trainer's directory published full)"),
+    ("max_delta_chain", int, "rolling with --publish-dir: deltas in a row before a full "
+     "version (default 3; 0: always full)"),
 )
 
 

@@ -139,11 +139,19 @@ class LabConfig(Config):
     weight_update: str = "bracket"
     #: rolling: engines that load at once (>= 1 a count, below 1 a share of the fleet)
     rolling_wave: float = 0.25
+    #: rolling: a directory every engine reads, where each version is copied whole or as a
+    #: delta against the one before (``<publish_dir>/<mode>``; the producers build a delta
+    #: under ``<mode>/weights-cache``); "": the trainer's own directory is published, full
+    publish_dir: str = ""
+    #: rolling with ``publish_dir``: deltas in a row before a full version (0: always full)
+    max_delta_chain: int = 3
 
     def validate(self) -> None:
         if self.weight_update not in ("bracket", "rolling"):
             raise ValueError(f"weight_update must be bracket or rolling, got "
                              f"{self.weight_update!r}")
+        if self.max_delta_chain < 0:
+            raise ValueError(f"max_delta_chain must be >= 0, got {self.max_delta_chain}")
         for m in self.modes:
             if m not in MODES:
                 raise ValueError(f"unknown mode {m!r}; expected some of {MODES}")

@@ -4,7 +4,8 @@ A local Ray cluster with two nodes, a run directory (local disk, or a JuiceFS mo
 tiny engines (real torch models behind SGLang's HTTP protocol), one producer actor per
 node, the collector (grantor + feeder) in a thread, and a GRPO trainer that consumes
 batches through the reader API and pushes new weights through the weight-update bracket
-after every step.
+after every step, with their fingerprint: every engine is attested before producers resume
+(the summary's ``attest/checks`` and ``attest/failures``).
 """
 
 from __future__ import annotations
@@ -234,7 +235,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         reader = run.open_reader(BracketOptions(lease_timeout_s=cfg.lease_timeout_s,
                                                 poll_interval_s=0.02,
                                                 sleep=_waiter(ctl_watch),
-                                                repair=trainer.repair_engines),
+                                                repair=trainer.repair_engines,
+                                                engine_urls=tuple(urls)),
                                  metrics_jsonl=os.path.join(work, "metrics.jsonl"))
         bracket = reader.bracket
         _trace_returns(reader, tracer)
@@ -299,6 +301,10 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                             [s for r in records for s in r.staleness],
                             list(trained))
         result.summary = _summary(cfg, res, stats, collector)
+        # attestation: each update's engines checked against the pushed weights' fingerprint
+        attested = bracket.attestation_metrics()
+        result.summary["attest/checks"] = int(attested["attest/checks_total"])
+        result.summary["attest/failures"] = int(attested["attest/failures_total"])
         waits = [(iv.start, iv.end) for iv in res.intervals if iv.what == "wait"]
         result.hops = hops
         result.gaps = idle_gaps(waits, sampler.samples.series, threshold_s=IDLE_GAP_S)
@@ -307,6 +313,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         if reader.metrics is not None:  # the histograms in the run's metrics too
             reader.metrics.emit({f"hop/{h}/{k}": v for h, st in result.summary["hops"].items()
                                  for k, v in st.items()})
+            reader.metrics.emit(attested)
         if spans:  # a timeline row: tool calls in flight (of trained groups)
             sampler.samples.series["tools"] = tools_task.tool_series(
                 spans, time.time() - time.monotonic(), scale=cfg.group_size * cfg.batch_groups)

@@ -25,6 +25,9 @@
   covers it, and a restarted trainer is delivered the whole step again.
 
 The loop records a timeline (trainer wait / train / weight update intervals) for plots.
+When the trainer gives the fingerprint of the weights it pushed (``fingerprint()``), the
+bracket's update publishes it for the new version: every engine is attested before
+producers resume (``strawq.weights.fingerprint``). The rolling update publishes none.
 """
 
 from __future__ import annotations
@@ -267,6 +270,9 @@ def _one_step(cfg: ScheduleConfig, step: int, version: int, reader: BatchReader,
         bracket.begin_weight_update(timeout=cfg.timeout_s)
     version += 1
     trainer.push_weights(version)
+    fp = trainer.fingerprint()
+    if fp is not None:  # end_weight_update attests every engine against it
+        bracket.publish_fingerprint(version, fp)
     sizes = [b.num_samples for b in batches]
     rec = StepRecord(step, version, wait, train, 0.0, _merge(metrics, sizes), stal, sorted(idx),
                      lengths)

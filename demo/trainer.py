@@ -9,14 +9,17 @@ means) with the collector's GRPO group-normalised advantages; ``log pi_theta`` i
 at each sample's recorded temperature (``GRPOTrainer.logprobs``).
 ``push_weights`` saves the weights to a new directory and loads them into every engine;
 an engine the push fails on is logged and left out (``failed_engines``) unless every engine
-failed. ``repair_engines(urls, version)`` is the same push of an already saved version,
-limited to ``urls``: what ``WeightUpdateBracket(repair=...)`` calls for the engines that
-producers found on other weights (``engines/``).
+failed. ``fingerprint()`` is then the fingerprint of the weights pushed (published for their
+version by the schedule: every engine is attested before producers resume).
+``repair_engines(urls, version)`` is the same push of an already saved version, limited to
+``urls``: what ``WeightUpdateBracket(repair=...)`` calls for the engines that producers
+found on other weights (``engines/``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -32,6 +35,7 @@ from strawq.collector.trainer.importance import (DEFAULT_LOSS_AGG, aggregate_los
                                                  sampling_bias_warning)
 from strawq.collector.trainer.reader import Batch
 from strawq.producers.engines.tiny_model import TinyLM, load_weights, save_weights
+from strawq.weights.fingerprint import Fingerprint, fingerprint_of
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,12 @@ class TrainerBackend(Protocol):
     def write_weights(self, version: int) -> str:
         """The rolling update's write: version ``version``'s weights to a directory every
         engine reads; returns it."""
+        ...
+
+    def fingerprint(self) -> Fingerprint | None:
+        """The fingerprint of the weights ``push_weights`` just pushed
+        (``strawq.weights.fingerprint.fingerprint_of``), published for their version so
+        every engine is attested before producers resume; None: no attestation."""
         ...
 
 
@@ -169,6 +179,11 @@ class GRPOTrainer:
         path = self.save(version)
         self.failed_engines = _push_all(self.engine_urls, path, version)
 
+    def fingerprint(self) -> Fingerprint:
+        """Of the model's parameters as the tiny engines serve them (by their parameter
+        names, float32: the engines hold what ``save`` wrote)."""
+        return fingerprint_of(dict(self.model.named_parameters()), dtype="float32")
+
     def repair_engines(self, urls: list[str], version: int) -> list[str]:
         """Push the saved weights of ``version`` to ``urls`` (engines on other weights);
         returns the URLs that failed again."""
@@ -239,6 +254,10 @@ class SleepTrainer:
     def push_weights(self, version: int) -> None:
         self.repair_engines(self.engine_urls, version)
 
+    def fingerprint(self) -> Fingerprint | None:
+        """None: a sleeping trainer moves the engines' version labels, not their weights."""
+        return None
+
     def write_weights(self, version: int) -> str:
         """The rolling mode's write: a small stand-in for version ``version``'s weights
         (the sim engines load any directory); returns the directory."""
@@ -248,6 +267,10 @@ class SleepTrainer:
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "weights.bin"), "wb") as f:
             f.write(version.to_bytes(8, "little"))
+        # a file every version shares, as a checkpoint's config: a version published as a
+        # delta (``publish_dir``) copies only ``weights.bin``
+        with open(os.path.join(path, "config.json"), "w") as f:
+            f.write(json.dumps({"model": "sim", "pad": "x" * 64}))
         return path
 
     def repair_engines(self, urls: list[str], version: int) -> list[str]:

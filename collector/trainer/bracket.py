@@ -360,15 +360,14 @@ class WeightUpdateBracket:
                       fingerprint: Fingerprint | None = None) -> BracketReport:
         """``begin``, ``push(version)`` (load the new weights into every engine), ``end``;
         with ``fingerprint`` (of the pushed weights), every engine is checked against it
-        before producers resume (``publish_fingerprint``).
-
-        If ``push`` raises, the bracket stays open (producers stay paused) and the error
-        propagates: retry, or call ``abort_weight_update()``.
-
-        In the rolling mode ``push(version)`` writes the weights to a directory every
-        engine can read and returns its path; ``publish_weights`` publishes it.
+        before producers resume (``publish_fingerprint``). If ``push`` raises, the bracket
+        stays open (producers stay paused) and the error propagates: retry, or call
+        ``abort_weight_update()``. In the rolling mode ``push(version)`` writes the weights
+        where every engine reads them and returns the path; ``publish_weights`` publishes
+        it, and no fingerprint (``UpdatePublisher.unattested``).
         """
         if self.mode == "rolling":
+            self.publisher.unattested(fingerprint)
             return self.publish_weights(push, version=version)
         rep = self.begin_weight_update(timeout)
         target = rep.version if version is None else version

@@ -5,6 +5,7 @@ against (``strawq.weights.fingerprint``). ``WeightUpdateBracket`` composes one
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +16,8 @@ from strawq.weights.control import Control
 from strawq.weights.delta import MAX_DELTA_CHAIN, Staged, stage, sweep
 from strawq.weights.fingerprint import Fingerprint, Fingerprints
 from strawq.weights.publish import Manifest, WeightStore, check_mode, wave_width
+
+log = logging.getLogger(__name__)
 
 
 class UpdatePublisher:
@@ -51,6 +54,15 @@ class UpdatePublisher:
         """Record the fingerprint of the weights published as ``version``."""
         if self.attest:
             Fingerprints(self.queue.storage).publish(version, fingerprint)
+
+    def unattested(self, fingerprint: Fingerprint | None) -> None:
+        """The rolling mode attests no engine (they load versions in waves): a fingerprint
+        given to its update is not published (every engine on the version would be held
+        out of rotation, unchecked); a warning says so."""
+        if fingerprint is not None:
+            log.warning("weight_update(fingerprint=...) in the rolling mode: engines load "
+                        "versions in waves and are not attested; the fingerprint is not "
+                        "published")
 
     def rolling(self, write: Callable[[int], Any], *, version: int | None, open_version:
                 int | None, control: Control, fleet: int,

@@ -24,7 +24,7 @@ watcher's error from it over that group (``strawq.collector.trainer.rank_watch``
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from strawq.collector.trainer.bracket import BracketReport, WeightUpdateBracket
@@ -43,6 +43,7 @@ from strawq.storage import open_storage
 from strawq.storage.watch import DirWatch
 from strawq.tasks.queue import RunQueue
 from strawq.views.status import run_label
+from strawq.weights.fingerprint import Fingerprint
 
 
 class BatchReader:
@@ -197,15 +198,29 @@ class BatchReader:
     def configure_bracket(self, *, lease_timeout_s: float | None = None,
                           poll_interval_s: float | None = None,
                           sleep: Callable[[float], None] | None = None,
-                          repair: PushTo | None = None
+                          repair: PushTo | None = None, weight_update: str | None = None,
+                          wave: float | None = None, max_lag: int | None = None,
+                          publish_dir: str | None = None, max_delta_chain: int | None = None,
+                          engine_urls: Sequence[str] | None = None
                           ) -> WeightUpdateBracket:
         """Build this reader's bracket with these options (None: the bracket's default, the
         reader's ``sleep``) and return it; a later call with the same options returns it,
         one with other options is refused (``ValueError``): one bracket per trainer, so
-        configure it before the first ``next_batch`` or ``bracket`` use."""
+        configure it before the first ``next_batch`` or ``bracket`` use.
+
+        ``weight_update`` (``"bracket"`` or ``"rolling"``), ``wave``, ``max_lag``: the
+        update's mode and the rolling mode's settings; ``publish_dir``, ``max_delta_chain``:
+        where the rolling mode copies each version, whole or as a delta, and how many deltas
+        in a row; ``engine_urls``: engines besides those producers registered (probed, and
+        counted in the rolling wave's share). As ``WeightUpdateBracket``'s."""
         options: dict[str, Any] = {"lease_timeout_s": lease_timeout_s,
                                    "poll_interval_s": poll_interval_s, "sleep": sleep,
-                                   "repair": repair}
+                                   "repair": repair, "weight_update": weight_update,
+                                   "wave": wave, "max_lag": max_lag,
+                                   "publish_dir": publish_dir,
+                                   "max_delta_chain": max_delta_chain,
+                                   "engine_urls": None if engine_urls is None
+                                   else tuple(engine_urls)}
         if self._bracket is not None:
             if options != self._bracket_options:
                 given = {k: v for k, v in options.items() if v is not None}
@@ -225,13 +240,15 @@ class BatchReader:
         self._bracket_options = options
         return self._bracket
 
-    def weight_update(self, push: Callable[[int], None], *, timeout: float = 300.0
-                      ) -> BracketReport | None:
-        """The rank-aware update: on rank 0 ``bracket.weight_update(push)`` (pause, push,
-        resume), on every other rank nothing (None), as ``ack`` does. Call it on every rank."""
+    def weight_update(self, push: Callable[[int], Any], *, timeout: float = 300.0,
+                      fingerprint: Fingerprint | None = None) -> BracketReport | None:
+        """The rank-aware update: on rank 0 ``bracket.weight_update(push, fingerprint=...)``
+        (pause, push, resume; with ``fingerprint``, of the pushed weights, every engine is
+        checked against it before producers resume), on every other rank nothing (None), as
+        ``ack`` does. Call it on every rank (the fingerprint matters on rank 0 only)."""
         if self.rank != 0:
             return None
-        return self.bracket.weight_update(push, timeout=timeout)
+        return self.bracket.weight_update(push, timeout=timeout, fingerprint=fingerprint)
 
     def begin_weight_update(self, timeout: float = 300.0) -> BracketReport:
         """Pause producers (see ``strawq.collector.trainer.bracket``); rank 0 only."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -39,6 +40,7 @@ from typing import Any
 from strawq.config import Config
 from strawq.producers.engines.core import Req
 from strawq.producers.engines.seeding import position_hash, position_uniform
+from strawq.weights.publish import checksum_dir
 
 _LEN_SALT = 0x5EED_1E57
 _PROMPT_SALT = 0x9A0_5CA1E
@@ -132,6 +134,8 @@ class SimBackend:
         self.context_length = cfg.context_length
         self.eos_token_id = cfg.eos_token_id
         self.model_path = "sim"
+        #: the values ``weights_by_name`` serves: those of what it loaded last
+        self._weights = sim_weights(self.model_path)
         self._pending_prefill_ms = 0.0
 
     async def prefill(self, reqs: Sequence[Req]) -> None:
@@ -186,6 +190,9 @@ class SimBackend:
         """Nothing to free; the per-request state is kept so a retracted request resumes."""
 
     async def load_weights(self, path: str) -> None:
+        """Take ``path`` as the weights: their values follow its content (read once, in a
+        thread), or the path itself when nothing is there (:func:`sim_weights`)."""
+        self._weights = await asyncio.to_thread(sim_weights, path)
         self.model_path = path
 
     def model_info(self) -> dict[str, Any]:
@@ -200,9 +207,10 @@ class SimBackend:
 
     def weights_by_name(self, name: str, truncate_size: int) -> list[float] | None:
         """The timing model's one parameter, ``sim.weights``: values derived from the
-        weights path it loaded last (:func:`sim_weights`), so that attestation tells two
-        paths apart; None for any other name."""
-        values = sim_weights(self.model_path).get(name)
+        weights it loaded last (:func:`sim_weights`: their content), so that attestation
+        tells two versions apart and a version's delta build from its full copy not; None
+        for any other name."""
+        values = self._weights.get(name)
         return None if values is None else values[: max(0, truncate_size)]
 
     async def close(self) -> None:
@@ -215,7 +223,17 @@ SIM_WEIGHT_VALUES = 8
 
 def sim_weights(path: str) -> dict[str, list[float]]:
     """The ``sim`` engine's weights after loading ``path`` (name -> values), for the
-    trainer's side of attestation (``strawq.weights.fingerprint.fingerprint_of``)."""
-    seed = zlib.crc32(path.encode())
+    trainer's side of attestation (``strawq.weights.fingerprint.fingerprint_of``).
+
+    Where ``path`` exists they follow what it holds (the checksum of its files, names and
+    bytes: ``strawq.weights.publish.checksum_dir``), not where it is: the directory a
+    trainer wrote, the full copy a rolling update published and a delta version a producer
+    built from its base give the same weights, and other content under the same path other
+    weights. A path with nothing there (the sim engine loads any path; ``"sim"``, its
+    start) gives values derived from the path itself. Reads every file once."""
+    if os.path.exists(path):
+        seed = int(checksum_dir(path)[0][:16], 16)
+    else:
+        seed = zlib.crc32(path.encode())
     return {"sim.weights": [position_uniform(seed, i) - 0.5
                             for i in range(SIM_WEIGHT_VALUES)]}

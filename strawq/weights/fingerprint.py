@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -55,6 +56,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -214,6 +216,81 @@ def fingerprint_of(weights: Mapping[str, Any], *, dtype: str = "bfloat16",
     if missing:
         raise ValueError(f"slices name parameters the weights do not hold: {missing[:5]}")
     parts = [(s, cast(_as_array(weights[s.name][:s.rows]), dtype)) for s in slices]
+    return Fingerprint(digest(parts), tuple(slices), dtype)
+
+
+#: safetensors dtypes a checkpoint's slices are read in (others are left out of the plan)
+_SAFETENSORS: dict[str, np.dtype[Any]] = {
+    "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
+    "F64": np.dtype("<f8")}
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """One tensor of a safetensors file: where its bytes start, its dtype and shape."""
+
+    file: Path
+    start: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def first_rows(self, rows: int) -> np.ndarray:
+        """Its first ``rows`` rows (a 1-D tensor: values) as float32."""
+        dt = _SAFETENSORS[self.dtype]
+        n = min(rows, self.shape[0])
+        per_row = int(np.prod(self.shape[1:], dtype=np.int64))
+        with open(self.file, "rb") as f:
+            f.seek(self.start)
+            raw = f.read(n * per_row * dt.itemsize)
+        a = np.frombuffer(raw, dtype=dt)
+        if self.dtype == "BF16":
+            a = (a.astype(np.uint32) << 16).view(np.float32)
+        return a.astype(np.float32).reshape((n, *self.shape[1:]))
+
+
+def _checkpoint_tensors(path: str | Path) -> dict[str, _Stored]:
+    """Every tensor of the safetensors checkpoint at ``path`` (a directory of
+    ``*.safetensors`` shards, or one file), from the files' headers alone."""
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(f"{root}: no safetensors checkpoint there (a directory of "
+                         "*.safetensors files, or one such file)")
+    out: dict[str, _Stored] = {}
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            for name, entry in header.items():
+                if name == "__metadata__" or entry["dtype"] not in _SAFETENSORS:
+                    continue
+                out[name] = _Stored(f, 8 + n + int(entry["data_offsets"][0]), entry["dtype"],
+                                    tuple(int(d) for d in entry["shape"]))
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{f}: not a readable safetensors file ({exc})") from None
+    return out
+
+
+def fingerprint_of_checkpoint(path: str | Path, *, dtype: str = "bfloat16",
+                              slices: Sequence[Slice] | None = None, rows: int = ROWS,
+                              max_numel: int = MAX_NUMEL) -> Fingerprint:
+    """:func:`fingerprint_of` the weights of a Hugging Face safetensors checkpoint (the
+    directory an engine loads with ``update_weights_from_disk``, or one file): the same
+    digest as of its state dict, read from the files' headers and each slice's first rows
+    only (a few KB whatever the model's size). Tensors of other dtypes than F32, F16, BF16
+    and F64 are left out."""
+    stored = _checkpoint_tensors(path)
+    if slices is None:
+        slices = plan_slices({n: t.shape for n, t in stored.items()}, rows=rows,
+                             max_numel=max_numel)
+    if not slices:
+        raise ValueError(f"{path}: no parameter to fingerprint (every one is over max_numel "
+                         "or of another dtype?)")
+    missing = [s.name for s in slices if s.name not in stored]
+    if missing:
+        raise ValueError(f"slices name parameters the checkpoint does not hold: {missing[:5]}")
+    parts = [(s, cast(stored[s.name].first_rows(s.rows), dtype)) for s in slices]
     return Fingerprint(digest(parts), tuple(slices), dtype)
 
 

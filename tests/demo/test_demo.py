@@ -89,6 +89,9 @@ def test_demo_modes_end_to_end(mode: str, tmp_path: Path) -> None:
     assert len(result.schedule.records) == 6
     assert os.path.getsize(result.files["timeline"]) > 10_000
     assert all(np.isfinite(r.metrics["loss"]) for r in result.schedule.records)
+    # every update published its weights' fingerprint and every engine passed its check
+    assert result.summary["attest/checks"] >= 6 * cfg.engines
+    assert result.summary["attest/failures"] == 0
     if mode == "async":
         # the default eta_mode, hard: no trained token is more than eta versions old (a
         # batch waits for the groups due by its version), and nothing is dropped for it

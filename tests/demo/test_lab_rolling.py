@@ -39,3 +39,24 @@ def test_lab_stream_with_the_rolling_update(tmp_path) -> None:
     assert not os.listdir(run / "control")
     assert any(n.startswith("manifest-") for n in os.listdir(run / "weights"))
     assert row["fleet_pause_engine_s"] > 0  # engines were loaded, one at a time
+
+
+def test_lab_rolling_publishes_deltas_under_publish_dir(tmp_path) -> None:
+    """``publish_dir`` and ``max_delta_chain`` reach the reader's bracket: each version is
+    copied under ``<publish_dir>/<mode>``, a delta while the chain allows, and the
+    producers build the deltas under the mode's ``weights-cache``."""
+    from strawq.storage import PosixStorage
+    from strawq.weights.publish import WeightStore
+
+    cfg = LabConfig(workdir=str(tmp_path / "lab"), modes=("stream",),
+                    **{**TINY, "weight_update": "rolling", "rolling_wave": 1,
+                       "publish_dir": str(tmp_path / "published"), "max_delta_chain": 8})
+    r = run_mode(cfg, "stream")
+    assert r.problems == []
+    run = tmp_path / "lab" / "stream" / "run"
+    kept = WeightStore(PosixStorage(str(run), writer_id="t")).kept()
+    assert kept and all(os.path.dirname(m.path) == str(tmp_path / "published" / "stream")
+                        for m in kept)
+    assert any(m.is_delta for m in kept)  # only weights.bin was copied for those
+    assert any(n.startswith("strawq-weights-")
+               for n in os.listdir(tmp_path / "lab" / "stream" / "weights-cache"))

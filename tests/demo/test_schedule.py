@@ -14,9 +14,12 @@ from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.collector.trainer.reader import Batch, BatchReader
 from strawq.data.dataset import Dataset
 from strawq.delivery.commits import commit
-from strawq.demo.schedule import MODES, ScheduleConfig, collector_config, run_schedule
+from strawq.demo.schedule import (MODES, ScheduleConfig, ScheduleResult, collector_config,
+                                  run_schedule)
 from strawq.demo.trainer import SleepTrainer
 from strawq.errors import ConfigError
+from strawq.tasks.queue import RunQueue
+from strawq.weights.fingerprint import Fingerprint, Fingerprints, fingerprint_of
 from tests.collector.helpers import SimProducer, make_run, write_dataset
 
 
@@ -69,7 +72,10 @@ class _AckRecorder(SleepTrainer):
         pass  # no engines
 
 
-def _run(tmp_path, mode: str) -> list[tuple[int, set[int]]]:
+def _schedule(tmp_path, mode: str, trainer_cls: type[_AckRecorder] = _AckRecorder
+              ) -> tuple[ScheduleResult, _AckRecorder, RunQueue]:
+    """Two steps of ``mode`` (two micro-batches each where it streams) on the real queue,
+    collector, bracket and reader, with the in-process producer."""
     q = make_run(str(tmp_path / mode))
     ds = Dataset(write_dataset(str(tmp_path / f"{mode}.jsonl"), 200))
     sched = ScheduleConfig(mode=mode, batch_groups=4, steps=2, max_staleness=1, slots=4,
@@ -90,14 +96,18 @@ def _run(tmp_path, mode: str) -> list[tuple[int, set[int]]]:
     thread.start()
     reader = BatchReader(q, checkpointed=False, poll_interval_s=0.005)
     bracket = WeightUpdateBracket(q, lease_timeout_s=30, poll_interval_s=0.005)
-    trainer = _AckRecorder(0.0, [], reader=reader)
+    trainer = trainer_cls(0.0, [], reader=reader)
     try:
         res = run_schedule(sched, reader, bracket, trainer)
     finally:
         stop.set()
         thread.join(10)
     assert [r.version for r in res.records] == [1, 2]
-    return trainer.seen
+    return res, trainer, q
+
+
+def _run(tmp_path, mode: str) -> list[tuple[int, set[int]]]:
+    return _schedule(tmp_path, mode)[1].seen
 
 
 @pytest.mark.timeout(120)
@@ -111,3 +121,29 @@ def test_flow_acks_each_micro_batch_stream_acks_the_step(tmp_path) -> None:
     assert len(stream) == 4
     assert stream[0][0] not in stream[1][1]  # stream: acked with the step, after its update
     assert stream[0][0] in stream[2][1]  # ... so before the next step's first micro-batch
+
+
+@dataclass
+class _Fingerprinted(_AckRecorder):
+    """A trainer whose pushed weights have a fingerprint (one per version pushed)."""
+
+    pushed: list[int] = field(default_factory=list)
+
+    def push_weights(self, version: int) -> None:
+        self.pushed.append(version)  # no engines: none to attest
+
+    def fingerprint(self) -> Fingerprint | None:
+        return fingerprint_of({"w": [float(self.pushed[-1])]}, dtype="float32")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_each_pushed_version_publishes_the_trainers_fingerprint(tmp_path, mode) -> None:
+    """The schedule publishes ``trainer.fingerprint()`` for every version it pushes: the
+    bracket attests the engines against it (issue 39)."""
+    _, trainer, q = _schedule(tmp_path, mode, _Fingerprinted)
+    assert isinstance(trainer, _Fingerprinted) and trainer.pushed == [1, 2]
+    book = Fingerprints(q.storage)
+    for v in (1, 2):
+        fp = book.get(v)
+        assert fp is not None and fp == fingerprint_of({"w": [float(v)]}, dtype="float32")

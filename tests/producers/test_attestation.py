@@ -31,7 +31,7 @@ from strawq.producers.engines.tiny_model import init_model
 from strawq.storage import MemoryStorage
 from strawq.tasks.queue import RunQueue
 from strawq.weights.engine_weights import EngineWeights
-from strawq.weights.fingerprint import Fingerprints, Verdict, fingerprint_of
+from strawq.weights.fingerprint import Fingerprints, Verdict, attest, fingerprint_of
 from tests.producers.helpers import run_producers, wait_for
 from tests.producers.test_engine_versions import (
     PHASE,
@@ -211,3 +211,23 @@ def test_a_joining_engine_is_checked_before_its_notes_go_and_only_a_failing_one_
     assert pushed == [[wrong.url]]  # the right one passed its check: no push
     verdicts = Fingerprints(q.storage).verdicts(1)
     assert verdicts[right.url].ok and verdicts[wrong.url].ok and not notes.notes()
+
+
+def test_the_demo_trainers_fingerprint_attests_the_engines_it_pushed_to(
+        tmp_path: Path) -> None:
+    """``GRPOTrainer.fingerprint()`` (what the demo's schedule publishes after each push) is
+    what a tiny engine serves once ``push_weights`` loaded the trainer's weights, and not
+    what it served before (issue 39)."""
+    trainer = GRPOTrainer(init_model(TINY), str(tmp_path / "weights"), [])
+    engine = tiny(trainer.save(0), "0")
+    trainer.engine_urls = [engine.url]
+    try:
+        with torch.no_grad():  # a training step: the next version's weights differ
+            for prm in trainer.model.parameters():
+                prm.add_(0.01)
+        fp = trainer.fingerprint()
+        assert not attest(engine.url, 1, fp).ok  # still version 0's weights
+        trainer.push_weights(1)
+        assert attest(engine.url, 1, fp).ok
+    finally:
+        engine.stop()

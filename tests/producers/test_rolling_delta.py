@@ -22,7 +22,7 @@ from strawq.ondisk import records
 from strawq.ondisk.records import Kind
 from strawq.producers.engine_versions import VersionGuard
 from strawq.producers.engines.launch import EngineOptions
-from strawq.producers.engines.sim_backend import SimConfig
+from strawq.producers.engines.sim_backend import SimConfig, sim_weights
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.engines.tiny_model import init_model, save_weights
 from strawq.producers.meter import ProducerStats, StatsBook
@@ -38,7 +38,7 @@ from strawq.producers.sglang_client import SGLangClient
 from strawq.tasks.queue import RunQueue
 from strawq.weights.delta import BaseUnavailable, DeltaRefused, delta_checksum_of, prune
 from strawq.weights.engine_weights import EngineWeights
-from strawq.weights.fingerprint import attest, engine_fingerprint, fingerprint_of
+from strawq.weights.fingerprint import attest, attest_all, engine_fingerprint, fingerprint_of
 from strawq.weights.publish import WeightsConflict, WeightStore, checksum_dir
 from tests.producers.helpers import make_run, run_producers, wait_for
 from tests.producers.test_engine_versions import TINY
@@ -234,6 +234,64 @@ def test_an_engine_loads_base_plus_delta_and_serves_exactly_the_versions_weights
     finally:
         delta_engine.stop()
         full_engine.stop()
+
+
+def test_a_sim_engine_attests_the_version_a_delta_assembles_to(tmp_path: Path) -> None:
+    """The sim engine's weights follow the content it loaded, not its path: an engine that
+    pulled version 2 as a delta (built on the producer's disk) passes the fingerprint the
+    trainer took of the directory it wrote, and so does one that loaded the full copy."""
+    q, bracket = rolling(tmp_path)
+    bracket.publish_weights(lambda v: shards(tmp_path, v, **BASE))
+    w2 = shards(tmp_path, 2, **{**BASE, "a.safetensors": b"2" * 4000})
+    m2 = bracket.publish_weights(lambda v: w2).published
+    assert m2 is not None and m2.is_delta
+    fp = fingerprint_of(sim_weights(w2), dtype="float32")  # the trainer's, of what it wrote
+    bracket.publish_fingerprint(2, fp)
+    delta_engine = EngineThread(EngineOptions(kind="sim", weight_version="1"))
+    full_engine = EngineThread(EngineOptions(kind="sim", weight_version="1"))
+    try:
+        assert not attest(delta_engine.url, 2, fp).ok  # not loaded yet
+
+        async def main() -> str:
+            async with SGLangClient([delta_engine.url]) as client:
+                pull = puller(q, client, tmp_path / "node")
+                await settle(pull)
+                return pull._verified[2]
+
+        built = asyncio.run(main())
+        assert built.startswith(str(tmp_path / "node"))  # the delta's build, not w2
+        asyncio.run(_push(full_engine.url, w2, 2))
+        assert attest(delta_engine.url, 2, fp).ok and attest(full_engine.url, 2, fp).ok
+        # the bracket's check records it, as after any push
+        verdicts = attest_all(q.storage, [delta_engine.url], 2)
+        assert verdicts[delta_engine.url].ok
+    finally:
+        delta_engine.stop()
+        full_engine.stop()
+
+
+def test_a_sim_engine_on_other_content_under_the_right_label_is_refused(
+        tmp_path: Path) -> None:
+    """The same path and version label, other bytes (a stale directory rewritten, a wrong
+    checkpoint): the engine's fingerprint is not the published one."""
+    w2 = shards(tmp_path, 2, **BASE)
+    fp = fingerprint_of(sim_weights(w2), dtype="float32")
+    Path(w2, "a.safetensors").write_bytes(b"x" * 4000)  # what the engine finds there
+    engine = EngineThread(EngineOptions(kind="sim", weight_version="1"))
+    try:
+        asyncio.run(_push(engine.url, w2, 2))
+        v = attest(engine.url, 2, fp)
+        assert not v.ok and v.found is not None and v.found != fp.digest
+        Path(w2, "a.safetensors").write_bytes(b"a" * 4000)  # the right bytes, loaded again
+        asyncio.run(_push(engine.url, w2, 2))
+        assert attest(engine.url, 2, fp).ok
+    finally:
+        engine.stop()
+
+
+async def _push(url: str, path: str, version: int) -> None:
+    async with SGLangClient([url]) as c:
+        await c.push_weights(path, weight_version=version, url=url)
 
 
 def _three_versions(tmp: Path) -> tuple[RunQueue, WeightUpdateBracket]:

@@ -24,6 +24,7 @@ from strawq.weights.fingerprint import (
     cast,
     engine_fingerprint,
     fingerprint_of,
+    fingerprint_of_checkpoint,
     plan_slices,
     read_parameter,
 )
@@ -122,3 +123,46 @@ def test_an_unreachable_engine_fails_saying_why() -> None:
     fp = fingerprint_of({"x": np.arange(3.0)}, dtype="float32")
     v = attest("http://127.0.0.1:9", 1, fp, timeout_s=1.0)
     assert not v.ok and v.found is None and "cannot reach" in (v.error or "")
+
+
+def _state_dict(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    out = {f"model.layers.{i}.mlp.down_proj.weight": torch.randn(6, 4, generator=g)
+           for i in range(3)}
+    out["model.norm.weight"] = torch.randn(4, generator=g)
+    out["lm_head.weight"] = torch.randn(10, 4, generator=g)
+    return {k: v.to(dtype) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_safetensors_checkpoint_fingerprints_as_its_state_dict(tmp_path, dtype) -> None:
+    """``fingerprint_of_checkpoint`` (the headers and the slices' first rows only, sharded
+    or not) gives the digest ``fingerprint_of`` gives the state dict it holds."""
+    st = pytest.importorskip("safetensors.torch")
+    w = _state_dict(dtype)
+    names = sorted(w)
+    st.save_file({n: w[n] for n in names[:2]}, str(tmp_path / "model-00001-of-00002.safetensors"),
+                 metadata={"format": "pt"})
+    st.save_file({n: w[n] for n in names[2:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    for rows in (1, 3):
+        fp = fingerprint_of_checkpoint(tmp_path, rows=rows)
+        assert fp == fingerprint_of(w, rows=rows)
+        assert fp.dtype == "bfloat16" and len(fp.slices) == 4  # layers 0 and 2, norm, head
+    assert fingerprint_of_checkpoint(tmp_path, dtype="float32") == fingerprint_of(
+        w, dtype="float32")
+    one = tmp_path / "one"
+    one.mkdir()
+    st.save_file(w, str(one / "model.safetensors"))  # one file, passed as the file itself
+    assert fingerprint_of_checkpoint(one / "model.safetensors") == fingerprint_of(w)
+    w["lm_head.weight"][0, 0] += 1.0  # a change in a slice's first row: another digest
+    st.save_file(w, str(one / "model.safetensors"))
+    assert fingerprint_of_checkpoint(one) != fingerprint_of_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_that_is_not_one_is_refused_clearly(tmp_path) -> None:
+    with pytest.raises(ValueError, match="no safetensors checkpoint"):
+        fingerprint_of_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        fingerprint_of_checkpoint(tmp_path)

@@ -333,14 +333,30 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
 
 def begin_weight_update_hook(args: Any, version_dir: str, rollout_engines: Any) -> None:
     """``--custom-update-weight-post-write-path``: pause strawq's producers (trainer rank 0)
-    after slime wrote the new weights and before the engines read them."""
+    after slime wrote the new weights and before the engines read them.
+
+    With ``strawq_attest`` (a ``--custom-config-path`` key) the fingerprint of the
+    checkpoint slime wrote (``fingerprint_of_checkpoint(version_dir)``, cast to
+    ``strawq_attest_dtype``, default ``bfloat16``) is published for the bracket's version:
+    the next ``generate_rollout`` closes the bracket only after every engine was checked
+    against it (``strawq.weights.fingerprint``). A ``version_dir`` that holds no readable
+    checkpoint raises ``ValueError`` before producers are paused."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
+    fp = None
+    if getattr(args, "strawq_attest", False):
+        from strawq.weights.fingerprint import fingerprint_of_checkpoint
+
+        fp = fingerprint_of_checkpoint(
+            version_dir, dtype=str(getattr(args, "strawq_attest_dtype", "bfloat16")))
     reader = _ReaderState.reader(run_dir(args))
     rep = reader.begin_weight_update(float(getattr(args, "strawq_bracket_timeout_s", 300.0)))
-    log.info("strawq producers paused for weight version %d (%s)", rep.version, version_dir)
+    if fp is not None:
+        reader.bracket.publish_fingerprint(rep.version, fp)
+    log.info("strawq producers paused for weight version %d (%s)%s", rep.version, version_dir,
+             "; its fingerprint published" if fp is not None else "")
 
 
 def _state_file(root: str, rollout_id: int) -> str:

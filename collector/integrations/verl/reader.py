@@ -398,14 +398,22 @@ class StrawqParameterSync:
     and the error propagates: the next ``update_weights`` continues it, or call
     ``abort_weight_update()``. ``update_weights`` follows verl's calling convention
     (``auto_await``): ``await`` it in a coroutine, or call it plainly.
+
+    ``fingerprint(version)`` (plain or async; attestation, ``strawq.weights.fingerprint``)
+    returns the fingerprint of the weights just pushed (``fingerprint_of`` of the actor's
+    Hugging Face state dict, or ``fingerprint_of_checkpoint`` of a checkpoint of them), or
+    None: it is published for the version before the bracket closes, and every engine is
+    checked against it before producers resume.
     """
 
     def __init__(self, manager: Any, bracket: BatchReader | WeightUpdateBracket, *,
                  timeout: float = 300.0,
                  version: Callable[[int | None, BracketReport], int | None] | None = None,
-                 after_push: Callable[[int], Any] | None = None) -> None:
+                 after_push: Callable[[int], Any] | None = None,
+                 fingerprint: Callable[[int], Any] | None = None) -> None:
         self.manager = manager
         self.after_push = after_push
+        self.fingerprint = fingerprint
         self.bracket = bracket.bracket if isinstance(bracket, BatchReader) else bracket
         self.timeout = timeout
         self.version = version
@@ -423,10 +431,17 @@ class StrawqParameterSync:
         if inspect.isawaitable(result):
             result = await result
         target = self.version(global_steps, rep) if self.version is not None else None
+        announced = rep.version if target is None else int(target)
         if self.after_push is not None:  # e.g. the engines told strawq's version
-            done = self.after_push(rep.version if target is None else int(target))
+            done = self.after_push(announced)
             if inspect.isawaitable(done):
                 await done
+        if self.fingerprint is not None:  # engines attested against it by the end
+            fp = self.fingerprint(announced)
+            if inspect.isawaitable(fp):
+                fp = await fp
+            if fp is not None:
+                self.bracket.publish_fingerprint(announced, fp)
         self.last_version = self.bracket.end_weight_update(target)
         return result
 

@@ -77,24 +77,29 @@ class StrawqTrainerMixin:
     strawq: BatchReader | None = None
     strawq_batch: Batch | None = None
     strawq_after_push: Callable[[int], Any] | None = None
+    strawq_fingerprint: Callable[[int], Any] | None = None
     #: seconds ``_fit_generate`` waits for a batch (``BatchTimeout`` after)
     strawq_timeout: float = 3600.0
 
     # -- wiring ----------------------------------------------------------------------------
     def attach_strawq(self, run_dir: str | BatchReader, *, timeout: float | None = None,
                       after_push: Callable[[int], Any] | None = None,
+                      fingerprint: Callable[[int], Any] | None = None,
                       **reader_kwargs: Any) -> None:
         """Read batches of the run at ``run_dir`` (rank 0 of strawq, world size 1). Call it
         before ``set_rollouter`` and ``load_checkpoint``. ``after_push(version)``: runs
-        inside strawq's bracket after each verl push (``StrawqParameterSync``)."""
+        inside strawq's bracket after each verl push; ``fingerprint(version)``: the pushed
+        weights' fingerprint, published for attestation (both ``StrawqParameterSync``)."""
         self.strawq_after_push = after_push
+        self.strawq_fingerprint = fingerprint
         self.strawq = run_dir if isinstance(run_dir, BatchReader) else \
             BatchReader.open(run_dir, **reader_kwargs)
         self.strawq_batch = None
         if timeout is not None:
             self.strawq_timeout = float(timeout)
         if getattr(self, "checkpoint_manager", None) is not None:
-            hook_parameter_sync(self, self.strawq, after_push=after_push)
+            hook_parameter_sync(self, self.strawq, after_push=after_push,
+                                fingerprint=fingerprint)
 
     def _reader(self) -> BatchReader:
         if self.strawq is None:
@@ -104,7 +109,8 @@ class StrawqTrainerMixin:
 
     async def set_rollouter(self, rollouter: Any) -> None:
         await super().set_rollouter(rollouter)  # type: ignore[misc]  # builds the manager
-        hook_parameter_sync(self, self._reader(), after_push=self.strawq_after_push)
+        hook_parameter_sync(self, self._reader(), after_push=self.strawq_after_push,
+                            fingerprint=self.strawq_fingerprint)
 
     # -- one step ----------------------------------------------------------------------------
     async def _fit_generate(self, batch: Any = None) -> Any:

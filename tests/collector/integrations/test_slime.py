@@ -557,7 +557,7 @@ def test_weight_update_bracket_around_slimes_update(world):
     assert not st.paused and world.q.current_version() == 1
 
 
-def _paused_by_the_hook(world, a) -> None:
+def _paused_by_the_hook(world, a, version_dir: str = "/weights/v1") -> None:
     """slime wrote new weights: the hook pauses strawq's producers (they ack meanwhile)."""
     stop = threading.Event()
 
@@ -570,10 +570,79 @@ def _paused_by_the_hook(world, a) -> None:
     t = threading.Thread(target=producers)
     t.start()
     try:
-        adapter.begin_weight_update_hook(a, "/weights/v1", None)
+        adapter.begin_weight_update_hook(a, version_dir, None)
     finally:
         stop.set()
         t.join()
+
+
+@pytest.mark.timeout(120)
+def test_with_strawq_attest_the_hook_publishes_the_checkpoints_fingerprint(world):
+    """``strawq_attest``: the hook publishes the fingerprint of the checkpoint slime wrote,
+    and the next rollout closes the bracket after every engine was checked against it: the
+    engine that loaded it passes; one that loaded other weights under the label fails
+    (issue 39). A directory with no checkpoint is refused before producers are paused."""
+    import asyncio
+
+    st = pytest.importorskip("safetensors.torch")
+    from strawq.producers.engines.launch import EngineOptions
+    from strawq.producers.engines.testing import EngineThread
+    from strawq.producers.engines.tiny_config import TinyConfig
+    from strawq.producers.engines.tiny_model import init_model, save_weights
+    from strawq.producers.sglang_client import SGLangClient
+    from strawq.weights.engine_weights import EngineWeights
+    from strawq.weights.fingerprint import Fingerprints
+
+    tiny = TinyConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2,
+                      intermediate_size=32, context_length=64, seed=4)
+    model = init_model(tiny)
+
+    def checkpoint(name: str) -> str:
+        """What slime writes for a disk update (here also the tiny engine's own format)."""
+        d = world.tmp / name
+        save_weights(model, d)
+        st.save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
+                     str(d / "model.safetensors"))
+        return str(d)
+
+    def load(path: str, version: int) -> None:
+        async def go() -> None:
+            async with SGLangClient([engine.url]) as c:
+                await c.push_weights(path, weight_version=version, url=engine.url)
+        asyncio.run(go())
+
+    v0 = checkpoint("v0")
+    a = SimpleNamespace(strawq_run=world.run, rollout_batch_size=2, strawq_bracket_timeout_s=30,
+                        custom_reward_post_process_path=adapter.REWARD_POST_PROCESS,
+                        strawq_attest=True, strawq_attest_dtype="float32")
+    engine = EngineThread(EngineOptions(kind="tiny", max_running=4, weight_version="0",
+                                        model_path=v0, tiny=tiny))
+    try:
+        EngineWeights(world.q.storage).register(engine.url)  # as strawq's producers do
+        adapter.generate_rollout(a, 0, None)
+        with pytest.raises(ValueError, match="no safetensors checkpoint"):
+            adapter.begin_weight_update_hook(a, str(world.tmp / "empty"), None)
+        assert not Control(world.q.storage).state().paused
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        v1 = checkpoint("v1")
+        _paused_by_the_hook(world, a, v1)
+        book = Fingerprints(world.q.storage)
+        assert book.get(1) is not None
+        load(v1, 1)  # slime's engines load what it wrote
+        adapter.generate_rollout(a, 1, None)
+        assert world.q.current_version() == 1 and book.verdicts(1)[engine.url].ok
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        _paused_by_the_hook(world, a, checkpoint("v2"))
+        load(v1, 2)  # the wrong directory under the right label
+        adapter.generate_rollout(a, 2, None)
+        assert world.q.current_version() == 2 and not book.verdicts(2)[engine.url].ok
+        assert engine.url in EngineWeights(world.q.storage).needing()
+    finally:
+        engine.stop()
 
 
 @pytest.mark.timeout(120)

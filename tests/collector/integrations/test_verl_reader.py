@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import re
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -521,6 +523,64 @@ def test_a_failed_push_keeps_producers_paused(run: tuple[str, int]) -> None:
     sync.update_weights(global_steps=2)  # continues the open bracket, same version
     assert sync.manager.seen[-1][1:3] == (True, v0 + 1)
     assert q.current_version() == v0 + 1 and not Control(q.storage).state().paused
+
+
+def test_parameter_sync_publishes_the_pushed_weights_fingerprint(run: tuple[str, int]) -> None:
+    """``fingerprint(version)`` (plain or async) is published for the version before the
+    bracket closes, and the engines are checked against it (issue 39)."""
+    from strawq.producers.engines.launch import EngineOptions
+    from strawq.producers.engines.sim_backend import sim_weights
+    from strawq.producers.engines.testing import EngineThread
+    from strawq.weights.fingerprint import Fingerprints, fingerprint_of
+
+    q = _queue(run)
+    v0 = q.current_version()
+    engine = EngineThread(EngineOptions(kind="sim", weight_version=str(v0)))
+    try:
+        bracket = WeightUpdateBracket(q, sleep=lambda _s: None, engine_urls=[engine.url])
+        right = fingerprint_of(sim_weights("sim"), dtype="float32")  # what the engine holds
+        wrong = fingerprint_of(sim_weights("/other"), dtype="float32")
+        asked: list[int] = []
+
+        def label(v: int) -> None:  # verl's push sets no version: tell the engine
+            req = urllib.request.Request(f"{engine.url}/update_weight_version", method="POST",
+                                         data=json.dumps({"new_version": str(v)}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            urllib.request.urlopen(req, timeout=5).read()
+
+        def plain(v: int) -> Any:
+            asked.append(v)
+            return right
+
+        sync = vr.StrawqParameterSync(Manager(q), bracket, after_push=label, fingerprint=plain)
+        sync.update_weights(global_steps=1)
+        book = Fingerprints(q.storage)
+        assert asked == [v0 + 1] and book.get(v0 + 1) == right
+        assert book.verdicts(v0 + 1)[engine.url].ok
+
+        async def later(v: int) -> Any:
+            return wrong
+
+        sync.fingerprint = later
+        sync.update_weights(global_steps=2)
+        assert book.get(v0 + 2) == wrong and not book.verdicts(v0 + 2)[engine.url].ok
+    finally:
+        engine.stop()
+
+
+def test_attach_strawq_passes_the_fingerprint_on(run: tuple[str, int]) -> None:
+    from strawq.collector.integrations.verl.trainer import StrawqTrainerMixin
+
+    q = _queue(run)
+    t = type("T", (StrawqTrainerMixin,), {})()
+    t.checkpoint_manager = Manager(q)
+
+    def fingerprint(version: int) -> None:
+        return None
+
+    t.attach_strawq(BatchReader(q), fingerprint=fingerprint)
+    sync = t.checkpoint_manager
+    assert isinstance(sync, vr.StrawqParameterSync) and sync.fingerprint is fingerprint
 
 
 def test_hooking_before_the_manager_exists_is_refused() -> None:
