@@ -22,7 +22,8 @@ then for that engine only:
 4. reads the version back (``/model_info``); on the published one, calls ``after_load``
    (the hook for checks after an engine loaded version v) and puts the engine back in
    rotation; releases the slot. An ``after_load`` that raises keeps the engine out of
-   rotation (``refused``) and the next step loads it again.
+   rotation (``refused``, and marked stale in the guard and ``engines/``, as the bracket
+   mode marks an engine that failed its check) and the next step loads it again.
 
 **Attestation** (``strawq.weights.fingerprint``). A producer's ``after_load`` is
 :func:`attestation`: when the trainer published a fingerprint for v (it does so before v's
@@ -140,6 +141,9 @@ class RollingPull:
         self.cache_dir = os.path.join(cache_dir or tempfile.gettempdir(),
                                       f"strawq-weights-{producer_id}")
         self._refused: set[int] = set()
+        #: engine URL -> the version it loaded here and passed ``after_load`` at (a step
+        #: that read ``attested/`` before that verdict was written does not load it again)
+        self._passed: dict[str, int] = {}
         self._last = -math.inf
         self._step: asyncio.Task[None] | None = None
         #: a stat of ``weights/`` and ``versions/`` between steps: the manifest and the run's
@@ -212,7 +216,7 @@ class RollingPull:
             if v is None:
                 v = await self.guard.probe(url)
             if v is not None and v >= m.version and url not in self.refused and (
-                    v != m.version or attested(url) is True):
+                    v != m.version or self._passed.get(url) == v or attested(url) is True):
                 continue
             behind = True
             try:
@@ -271,9 +275,14 @@ class RollingPull:
                     await self.after_load(url, m.version)
                 except Exception as exc:  # noqa: BLE001 - any refusal keeps the engine out
                     self.refused[url] = m.version
+                    # out of rotation and noted (engines/) as in the bracket mode: a reply
+                    # it might still send at this version is refused (VersionGuard.check)
+                    await self.guard.mark(url, m.version, m.version,
+                                          f"refused after loading version {m.version}: {exc}")
                     raise EngineError(f"refused after loading version {m.version}: {exc}",
                                       url=url) from exc
             self.refused.pop(url, None)
+            self._passed[url] = m.version
             held = self.clock() - t0
             self.pause_s.append(held)
             self.book.bump("rolling_loads")
