@@ -194,8 +194,10 @@ class Producer:
         self.rolling = RollingPull(pid, store=WeightStore(self.queue.storage),
                                    client=self._slot.raw, guard=self.guard, io=self._io.call,
                                    book=book, clock=clock, poll_s=timing.control_poll_s,
-                                   after_load=attestation(self.queue.storage, self._io.call,
-                                                          api_key=config.engine.client.api_key),
+                                   after_load=attestation(
+                                       self.queue.storage, self._io.call,
+                                       api_key=config.engine.client.admin_api_key
+                                       or config.engine.client.api_key),
                                    cache_dir=config.engine.weights_cache_dir)
         backoff = FaultBackoff(config.engine.backoff_s, clock)
         self.runner = GroupRunner(config, producer_id=pid, queue=self.queue,

@@ -364,8 +364,7 @@ class WeightUpdateBracket:
         stays open (producers stay paused) and the error propagates: retry, or call
         ``abort_weight_update()``. In the rolling mode ``push(version)`` writes the weights
         where every engine reads them and returns the path; ``publish_weights`` publishes
-        it, the fingerprint first (each engine is checked against it after it loaded the
-        version, ``strawq.producers.rolling``).
+        it (the fingerprint first: engines are attested after their load).
         """
         if self.mode == "rolling":
             return self.publish_weights(push, version=version, fingerprint=fingerprint)
@@ -383,9 +382,7 @@ class WeightUpdateBracket:
         and returns their directory; published (with ``publish_dir``: copied there, whole
         or as a delta) under ``weights/``, v announced. Nothing is paused, no engine waited
         for: producers load v in waves (``strawq.producers.rolling``). Refused in a bracket.
-        With ``fingerprint`` (of the weights ``write`` writes), ``fingerprints/<v>`` is
-        published before anything else of v: each engine is checked against it after it
-        loaded v, and serves v only if it matches."""
+        ``fingerprint``: published first, engines are attested after their load."""
         self._rank0("publish_weights")
         target, m, waited = self.publisher.rolling(
             write, version=version, open_version=self._open, control=self.control,
