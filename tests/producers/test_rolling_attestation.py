@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +19,26 @@ import pytest
 from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.data.dataset import Dataset
 from strawq.data.feeder import Feeder
+from strawq.producers.engine_versions import StaleEngine, VersionGuard
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import sim_weights
 from strawq.producers.engines.testing import EngineThread
+from strawq.producers.meter import ProducerStats, StatsBook
+from strawq.producers.rolling import RollingPull
 from strawq.producers.sglang_client import SGLangClient
 from strawq.weights.engine_weights import EngineWeights
-from strawq.weights.fingerprint import Fingerprints, fingerprint_of
+from strawq.weights.fingerprint import Fingerprints, Verdict, fingerprint_of
 from strawq.weights.publish import WeightStore
-from tests.producers.helpers import ready_groups, run_producers, wait_for
-from tests.producers.test_rolling import SIM, _producer, _run, _versions, weights
+from tests.producers.helpers import make_run, ready_groups, run_producers, wait_for
+from tests.producers.test_rolling import (
+    SIM,
+    _Loader,
+    _producer,
+    _reply,
+    _run,
+    _versions,
+    weights,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -137,3 +149,86 @@ def test_every_engine_that_loads_the_published_weights_attests_ok(
     assert set(p.guard.versions.values()) == {1}
     assert st.groups_dropped == 0 and st.stale_replies == 0
     assert any(1 in s for s in _versions(q))
+
+
+def _guarded_puller(tmp_path: Path, at: int, after_load: Any = None) -> tuple[Any, ...]:
+    """A run at version 1 published with a fingerprint, two fake engines labelled ``at``,
+    and a producer's guard and puller over them."""
+    q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
+    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=2, max_lag=1)
+    fp = fingerprint_of(sim_weights(weights(tmp_path, 1)), dtype="float32")
+    bracket.weight_update(lambda v: weights(tmp_path, v), fingerprint=fp)
+    client = _Loader()
+    client.at = {u: at for u in client.worker_urls}
+    book = StatsBook(ProducerStats())
+
+    async def io(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    guard = VersionGuard("p1", client=lambda: client, current_version=q.current_version,
+                         notes=EngineWeights(q.storage), io=io, pausing=lambda: False,
+                         book=book)
+    pull = RollingPull("p1", store=WeightStore(q.storage), client=lambda: client, guard=guard,
+                       io=io, book=book, clock=lambda: 0.0, poll_s=0.0, after_load=after_load)
+    return q, fp, client, guard, pull
+
+
+def test_an_engine_found_on_the_version_without_a_passing_verdict_is_loaded_again(
+        tmp_path: Path) -> None:
+    """A producer (re)started while its engines already report version 1: the one with a
+    passing verdict at 1 stays; the one without (its check never recorded) is loaded again
+    and checked, never put to work on the label alone."""
+    checked: list[str] = []
+
+    async def after_load(url: str, version: int) -> None:
+        checked.append(url)
+
+    q, fp, client, guard, pull = _guarded_puller(tmp_path, 1, after_load)
+    book = Fingerprints(q.storage)
+    book.record(Verdict("http://e1", 1, True, fp.digest, fp.digest))
+
+    async def main() -> None:
+        await pull.step()
+        await asyncio.gather(*pull.pulls.values())
+        await pull.step()
+        assert not pull.pulls
+
+    asyncio.run(main())
+    assert client.loads == [("http://e2", 1)] and checked == ["http://e2"]
+
+
+def test_a_reply_from_an_engine_refused_after_its_rolling_load_is_refused(
+        tmp_path: Path) -> None:
+    """The check after the load failed: the engine is marked in the guard (and engines/),
+    so a reply it sends on the version it claims is refused, its tokens regenerated."""
+    async def after_load(url: str, version: int) -> None:
+        if url == "http://e2":
+            raise ValueError("fingerprint mismatch")
+
+    q, _, client, guard, pull = _guarded_puller(tmp_path, 0, after_load)
+
+    async def main() -> None:
+        await pull.step()
+        await asyncio.gather(*pull.pulls.values())
+        assert "http://e2" in guard.stale and "http://e2" in guard.loading
+        await guard.check(_reply(1, [1, 1], "http://e1"))  # attested: applied
+        with pytest.raises(StaleEngine, match="failed attestation|not attested"):
+            await guard.check(_reply(1, [1, 1], "http://e2"))
+
+    asyncio.run(main())
+    assert "http://e2" in EngineWeights(q.storage).needing()
+
+
+def test_a_probe_does_not_mark_an_engine_within_the_lag_as_not_attested(
+        tmp_path: Path) -> None:
+    """Version 1 has a fingerprint; an engine still on version 0 (within the lag, not yet
+    pulled) serves on: the check at version 1 is for engines that report version 1."""
+    q, fp, client, guard, _ = _guarded_puller(tmp_path, 0)
+    client.at["http://e1"] = 1
+    Fingerprints(q.storage).record(Verdict("http://e1", 1, True, fp.digest, fp.digest))
+
+    async def main() -> None:
+        await guard.probe_all()
+        assert guard.stale == {} and guard.lag == 1
+
+    asyncio.run(main())
