@@ -286,7 +286,7 @@ class VersionGuard(VersionWindow):
             "request goes to another engine",
             url=url, engine_version=run_v, run_version=run_v, tokens=n)
 
-    async def _verdicts(self, run_v: int) -> Callable[[str], bool | None]:
+    async def verdicts(self, run_v: int) -> Callable[[str], bool | None]:
         """url -> whether it may serve ``run_v`` (``Fingerprints.attested``), read once."""
         def read() -> tuple[bool, dict[str, bool]]:
             has = self.attestations.get(run_v) is not None
@@ -358,7 +358,7 @@ class VersionGuard(VersionWindow):
         urls = self._worker_urls()
         await self._register(urls)
         found = await asyncio.gather(*(self._probe(u) for u in urls))
-        attested = await self._verdicts(run_v)
+        attested = await self.verdicts(run_v)
         fine: dict[str, EngineProbe] = {}
         for url, v in zip(urls, found, strict=True):
             if v is None:
@@ -366,7 +366,7 @@ class VersionGuard(VersionWindow):
             self.versions[url] = v
             if v != run_v and not self.fits(v, run_v):
                 await self.mark(url, v, run_v, f"reports version {v}")
-            elif (ok := attested(url)) is not True:
+            elif v == run_v and (ok := attested(url)) is not True:
                 await self.mark(url, v, run_v, ("failed attestation" if ok is False else
                                                 "not attested") + f" at version {v}")
             else:
@@ -419,7 +419,7 @@ class VersionGuard(VersionWindow):
         run_v, paused = await self.refresh()
         if paused or self._pausing():
             return
-        attested = await self._verdicts(run_v)
+        attested = await self.verdicts(run_v)
         for url in list(self.stale):
             v = await self._probe(url)
             if v is not None:

@@ -76,7 +76,7 @@ from strawq.producers.claim_gate import (
 )
 from strawq.producers.engine_client import EngineClient
 from strawq.producers.engine_versions import ClientSlot, VersionGuard
-from strawq.producers.rolling import RollingPull
+from strawq.producers.rolling import RollingPull, attestation
 from strawq.producers.eos import resolve_eos_ids
 from strawq.producers.handback import HandBack, MisconfiguredProducer
 from strawq.producers.heartbeat import Heartbeat
@@ -188,11 +188,16 @@ class Producer:
                                   notes=EngineWeights(self.queue.storage), io=self._io.call,
                                   pausing=lambda: bracket.pausing, book=book,
                                   probe_s=max(0.2, 5 * timing.control_poll_s), clock=clock)
-        #: rolling weight updates: this producer's engines pull published versions in waves
-        #: (``rolling.after_load``: the hook after an engine loaded a version)
+        #: rolling weight updates: this producer's engines pull published versions in waves;
+        #: after each load the engine is attested against the version's fingerprint (when
+        #: the trainer published one) before it serves
         self.rolling = RollingPull(pid, store=WeightStore(self.queue.storage),
                                    client=self._slot.raw, guard=self.guard, io=self._io.call,
                                    book=book, clock=clock, poll_s=timing.control_poll_s,
+                                   after_load=attestation(
+                                       self.queue.storage, self._io.call,
+                                       api_key=config.engine.client.admin_api_key
+                                       or config.engine.client.api_key),
                                    cache_dir=config.engine.weights_cache_dir)
         backoff = FaultBackoff(config.engine.backoff_s, clock)
         self.runner = GroupRunner(config, producer_id=pid, queue=self.queue,

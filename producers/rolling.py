@@ -22,7 +22,17 @@ then for that engine only:
 4. reads the version back (``/model_info``); on the published one, calls ``after_load``
    (the hook for checks after an engine loaded version v) and puts the engine back in
    rotation; releases the slot. An ``after_load`` that raises keeps the engine out of
-   rotation (``refused``) and the next step loads it again.
+   rotation (``refused``, and marked stale in the guard and ``engines/``, as the bracket
+   mode marks an engine that failed its check) and the next step loads it again.
+
+**Attestation** (``strawq.weights.fingerprint``). A producer's ``after_load`` is
+:func:`attestation`: when the trainer published a fingerprint for v (it does so before v's
+manifest, so an engine never loads v before it exists), the engine's slices are read back
+(off the event loop, on the producer's io executor), the verdict is recorded
+(``attested/``), and a mismatch raises: the engine stays out of rotation, serves no token
+at v, and is loaded again at the next step. An engine found on v without a passing verdict
+at v (a producer restarted after the load, a check that could not be recorded) is loaded
+again like one behind. No fingerprint for v: no check, as in the bracket mode.
 
 A version published as a delta against a base (``strawq.weights.delta``) is built once per
 producer on its node's local disk (``cache_dir``: the base's files, from this producer's
@@ -56,13 +66,37 @@ from strawq.producers.engine_versions import VersionGuard
 from strawq.producers.meter import StatsBook
 from strawq.storage.watch import DirProbe
 from strawq.tasks.queue import VERSIONS_DIR
+from strawq.storage import Storage
 from strawq.weights.delta import DeltaRefused, prune
+from strawq.weights.fingerprint import READ_TIMEOUT_S, AttestationError, Fingerprints, attest
 from strawq.weights.publish import WEIGHTS_DIR, Manifest, WeightStore
 
 log = logging.getLogger(__name__)
 
 #: ``after_load(url, version)``: called once an engine reports the version it loaded
 AfterLoad = Callable[[str, int], Awaitable[None]]
+
+
+def attestation(storage: Storage, io: Callable[[Callable[[], Any]], Awaitable[Any]], *,
+                timeout_s: float = READ_TIMEOUT_S, api_key: str | None = None) -> AfterLoad:
+    """The ``after_load`` that checks an engine against the fingerprint of the version it
+    loaded (none published: no check), records the verdict and raises
+    :class:`AttestationError` on a mismatch (or an engine that cannot be read). Every
+    blocking read runs through ``io``."""
+    book = Fingerprints(storage)
+
+    async def after_load(url: str, version: int) -> None:
+        fp = await io(lambda: book.get(version))
+        if fp is None:
+            return
+        verdict = await io(functools.partial(attest, url, version, fp, timeout_s=timeout_s,
+                                             api_key=api_key))
+        await io(lambda: book.record(verdict))
+        if not verdict.ok:
+            raise AttestationError(verdict.describe())
+        log.info("%s (after its rolling load, %.2fs)", verdict.describe(), verdict.seconds)
+
+    return after_load
 
 
 @runtime_checkable
@@ -107,6 +141,9 @@ class RollingPull:
         self.cache_dir = os.path.join(cache_dir or tempfile.gettempdir(),
                                       f"strawq-weights-{producer_id}")
         self._refused: set[int] = set()
+        #: engine URL -> the version it loaded here and passed ``after_load`` at (a step
+        #: that read ``attested/`` before that verdict was written does not load it again)
+        self._passed: dict[str, int] = {}
         self._last = -math.inf
         self._step: asyncio.Task[None] | None = None
         #: a stat of ``weights/`` and ``versions/`` between steps: the manifest and the run's
@@ -167,13 +204,19 @@ class RollingPull:
         if client is None or not isinstance(client, WeightLoader):
             return
         behind = bool(self.pulls)
+        try:  # url -> whether it may serve m.version (no fingerprint: True)
+            attested = await self.guard.verdicts(m.version)
+        except StrawqError as exc:
+            log.warning("producer %s cannot read attested/: %s", self.producer_id, exc)
+            return
         for url in list(client.worker_urls):
             if url in self.pulls:
                 continue
             v = self.guard.versions.get(url)
             if v is None:
                 v = await self.guard.probe(url)
-            if v is not None and v >= m.version and url not in self.refused:
+            if v is not None and v >= m.version and url not in self.refused and (
+                    v != m.version or self._passed.get(url) == v or attested(url) is True):
                 continue
             behind = True
             try:
@@ -232,9 +275,14 @@ class RollingPull:
                     await self.after_load(url, m.version)
                 except Exception as exc:  # noqa: BLE001 - any refusal keeps the engine out
                     self.refused[url] = m.version
+                    # out of rotation and noted (engines/) as in the bracket mode: a reply
+                    # it might still send at this version is refused (VersionGuard.check)
+                    await self.guard.mark(url, m.version, m.version,
+                                          f"refused after loading version {m.version}: {exc}")
                     raise EngineError(f"refused after loading version {m.version}: {exc}",
                                       url=url) from exc
             self.refused.pop(url, None)
+            self._passed[url] = m.version
             held = self.clock() - t0
             self.pause_s.append(held)
             self.book.bump("rolling_loads")

@@ -364,11 +364,10 @@ class WeightUpdateBracket:
         stays open (producers stay paused) and the error propagates: retry, or call
         ``abort_weight_update()``. In the rolling mode ``push(version)`` writes the weights
         where every engine reads them and returns the path; ``publish_weights`` publishes
-        it, and no fingerprint (``UpdatePublisher.unattested``).
+        it (the fingerprint first: engines are attested after their load).
         """
         if self.mode == "rolling":
-            self.publisher.unattested(fingerprint)
-            return self.publish_weights(push, version=version)
+            return self.publish_weights(push, version=version, fingerprint=fingerprint)
         rep = self.begin_weight_update(timeout)
         target = rep.version if version is None else version
         if fingerprint is not None:
@@ -377,14 +376,16 @@ class WeightUpdateBracket:
         self.end_weight_update(target)
         return rep
 
-    def publish_weights(self, write: Callable[[int], Any], *,
-                        version: int | None = None) -> BracketReport:
+    def publish_weights(self, write: Callable[[int], Any], *, version: int | None = None,
+                        fingerprint: Fingerprint | None = None) -> BracketReport:
         """The rolling mode's update: ``write(v)`` writes version v's weights (complete)
         and returns their directory; published (with ``publish_dir``: copied there, whole
         or as a delta) under ``weights/``, v announced. Nothing is paused, no engine waited
-        for: producers load v in waves (``strawq.producers.rolling``). Refused in a bracket."""
+        for: producers load v in waves (``strawq.producers.rolling``). Refused in a bracket.
+        ``fingerprint``: published first, engines are attested after their load."""
         self._rank0("publish_weights")
         target, m, waited = self.publisher.rolling(
             write, version=version, open_version=self._open, control=self.control,
-            fleet=len(set(self.engines.known()) | set(self.engine_urls)), clock=self.clock)
+            fleet=len(set(self.engines.known()) | set(self.engine_urls)), clock=self.clock,
+            fingerprint=fingerprint)
         return BracketReport(target, frozenset(), {}, waited, [], False, published=m)

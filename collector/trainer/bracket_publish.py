@@ -55,21 +55,18 @@ class UpdatePublisher:
         if self.attest:
             Fingerprints(self.queue.storage).publish(version, fingerprint)
 
-    def unattested(self, fingerprint: Fingerprint | None) -> None:
-        """The rolling mode attests no engine (they load versions in waves): a fingerprint
-        given to its update is not published (every engine on the version would be held
-        out of rotation, unchecked); a warning says so."""
-        if fingerprint is not None:
-            log.warning("weight_update(fingerprint=...) in the rolling mode: engines load "
-                        "versions in waves and are not attested; the fingerprint is not "
-                        "published")
-
     def rolling(self, write: Callable[[int], Any], *, version: int | None, open_version:
                 int | None, control: Control, fleet: int,
-                clock: Callable[[], float] = time.monotonic) -> tuple[int, Manifest, float]:
+                clock: Callable[[], float] = time.monotonic,
+                fingerprint: Fingerprint | None = None) -> tuple[int, Manifest, float]:
         """The rolling mode's update: ``write(v)`` writes version v's weights and returns
         their directory; the manifest is published and v announced. Refused while a bracket
-        is open. Returns (v, manifest, seconds spent)."""
+        is open. Returns (v, manifest, seconds spent).
+
+        With ``fingerprint`` (and ``attest``), it is recorded as v's first, before
+        ``write(v)`` and so before the manifest that lets engines load v: an engine can
+        load v only once v's fingerprint exists, and is checked against it
+        (``strawq.producers.rolling``)."""
         st = control.state()
         if open_version is not None or st.paused:
             raise BracketError(f"publish_weights: the weight-update bracket for version "
@@ -79,6 +76,8 @@ class UpdatePublisher:
         if target <= now:
             raise BracketError(f"publish_weights({target}): the run is at version {now} "
                                "already")
+        if fingerprint is not None:
+            self.fingerprint(target, fingerprint)
         m, waited = self.weights.publish_version(
             target, self._staging(write), announce=self.queue.set_version,
             wave=wave_width(self.wave, fleet), max_lag=self.max_lag, clock=clock)

@@ -161,3 +161,63 @@ def test_wrong_checkpoint_under_the_run_label_is_refused_and_repaired(
     assert not bracket.engines_needing_weights()
     st = p.stats()
     assert st.engines_marked_stale == 1 and st.engines_restored == 1
+
+
+def test_rolling_a_wrong_checkpoint_under_the_label_is_refused_the_right_one_attests(
+        sglang_real: RealServer, tmp_path: Path) -> None:
+    """The rolling mode: version 1 publishes the perturbed checkpoint with the fingerprint of
+    the right one (the wrong weights under the right label); the producer loads it, the
+    check fails, the engine stays out and generates nothing. Version 2, the right weights:
+    the check passes and the groups are generated on it."""
+    s, groups = sglang_real, 2
+    cfg = ClientConfig(api_key=s.api_key, admin_api_key=s.admin_api_key, max_retries=1)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    q = RunQueue.create(PosixStorage(str(run_dir), writer_id="setup", fsync=False),
+                        QueueConfig(fsync=False, lease_timeout_s=30.0,
+                                    heartbeat_interval_s=0.2, group_size=2,
+                                    release_batch=groups))
+    data = run_dir / "dataset.jsonl"
+    data.write_text("".join(json.dumps({"prompt": PROMPTS[i % 2], "target": 7, "count": 3})
+                            + "\n" for i in range(groups)))
+    fp = fingerprint_of(_weights(s.model_dir))
+    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=1, max_lag=0,
+                                  engine_urls=[s.url], api_key=s.api_key,
+                                  admin_api_key=s.admin_api_key)
+    bracket.weight_update(lambda v: s.perturbed_dir, fingerprint=fp)
+    Feeder(q, Dataset(str(data))).release(groups)
+    p = Producer(ProducerConfig(
+        run_dir=str(run_dir), engine=EngineConfig(workers=(s.url,), client=cfg),
+        plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
+        sampling=SamplerParams(max_new_tokens=16, ignore_eos=True, seed=1),
+        budget=BudgetConfig(slots=groups),
+        timing=TimingConfig(control_poll_s=0.05, idle_poll_s=0.05)))
+    seen: dict[str, int] = {}
+
+    async def main() -> None:
+        task = asyncio.create_task(p.run())
+        try:
+            deadline = time.monotonic() + 300
+            while p.stats().rolling_load_failures < 1:
+                assert time.monotonic() < deadline, "the wrong checkpoint was never refused"
+                await asyncio.sleep(0.05)
+            seen["ready"] = len(q.storage.list("ready"))
+            seen["generated"] = p.stats().tokens_generated
+            await asyncio.to_thread(bracket.weight_update, lambda v: s.model_dir,
+                                    fingerprint=fp)
+            deadline = time.monotonic() + 300
+            while len(q.storage.list("ready")) < groups:
+                assert time.monotonic() < deadline, "groups not ready on the right weights"
+                await asyncio.sleep(0.1)
+        finally:
+            p.request_stop()
+            await asyncio.wait([task], timeout=60)
+
+    try:
+        asyncio.run(main())
+    finally:
+        _push(s, s.model_dir, 0)
+    assert seen == {"ready": 0, "generated": 0}, f"generated on the wrong weights: {seen}"
+    assert Fingerprints(q.storage).verdicts(1)[s.url].ok is False
+    assert Fingerprints(q.storage).verdicts(2)[s.url].ok
+    assert p.stats().rolling_loads >= 1

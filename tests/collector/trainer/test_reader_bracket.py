@@ -95,11 +95,10 @@ def test_configure_bracket_takes_the_rolling_and_delta_settings_once(tmp_path: P
     assert q.current_version() == 3
 
 
-def test_a_fingerprint_in_the_rolling_mode_is_not_published_and_says_so(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The rolling mode attests no engine (they load in waves): a fingerprint given to its
-    update would hold every engine on the new version out of rotation, unchecked. It is
-    not published, and the trainer is told."""
+def test_a_fingerprint_in_the_rolling_mode_is_published_for_its_version(
+        tmp_path: Path) -> None:
+    """The rolling mode publishes the fingerprint given to its update as the version's
+    (before the manifest: producers check each engine against it after its load)."""
     q = make_run(str(tmp_path / "run"), group_size=2)
     reader = BatchReader(q)
     reader.configure_bracket(weight_update="rolling", wave=1)
@@ -107,12 +106,9 @@ def test_a_fingerprint_in_the_rolling_mode_is_not_published_and_says_so(
     d.mkdir()
     (d / "model.bin").write_bytes(b"1")
     fp = fingerprint_of(sim_weights(str(d)), dtype="float32")
-    with caplog.at_level("WARNING"):
-        rep = reader.weight_update(lambda v: str(d), fingerprint=fp)
+    rep = reader.weight_update(lambda v: str(d), fingerprint=fp)
     assert rep is not None and rep.published is not None and q.current_version() == 1
-    assert Fingerprints(q.storage).get(1) is None
-    assert any("rolling mode" in r.getMessage() and "not published" in r.getMessage()
-               for r in caplog.records)
+    assert Fingerprints(q.storage).get(1) == fp
 
 
 def test_configure_bracket_refuses_bad_rolling_settings(tmp_path: Path) -> None:
