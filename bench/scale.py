@@ -44,7 +44,11 @@ figures from the same counts are printed beside it).
                            [--slots 24] [--batch-groups 2048] [--step-s 60]
                            [--meta-cache zero|default] [--sample 100]
                            [--journal-every-s 2] [--journal-format segments|records]
-                           [--journal-tok-s 30]
+                           [--journal-tok-s 30] [--release-chunk K]
+
+``--release-chunk K``: the collector releases in chunks of K (``queue.release_chunk``);
+producers claim as many tasks as they have free slots, which free one at a time as groups
+finish, so the model's steady claims want 1 task (taken out of a chunk).
 
     python bench/scale.py [--quick] [--meta sqlite|redis] [--idle-s 20] [--counts 1,10,100]
                            [--claims 200]
