@@ -104,6 +104,7 @@ from strawq.ondisk.groups import GroupData
 from strawq.storage import PosixStorage
 from strawq.tasks.journal import FULL_EVERY, JournalLog, load_chain
 from strawq.tasks.queue import Lease, RunQueue
+from strawq.ondisk.names import CHUNK_PREFIX
 
 #: a journaling producer's group size (G) in the window record
 JOURNAL_G = 16
@@ -152,6 +153,14 @@ class Run:
     #: cannot append); "segments": each window appended to the writer's open segment, a
     #: new segment and a delete every FULL_EVERY windows
     journal_format: str = "segments"
+    #: the collector's ``queue.release_chunk`` (``--release-chunk``): 1, one task per file;
+    #: K > 1, each release stages chunks of K tasks. Producers still claim one task per
+    #: claim in the steady state: a producer claims as many tasks as it has free slots, and
+    #: its slots free one at a time as its groups finish, so a steady claim wants 1 task
+    #: and takes one task out of a chunk (a chunk is leased whole only by a claim that
+    #: wants at least K; the update's claims take partials and handed-back tasks, which are
+    #: single files)
+    release_chunk: int = 1
 
     @property
     def watchers(self) -> int:
@@ -282,7 +291,8 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
     with open(ds, "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"prompt": [1, 2, 3], "i": i}) + "\n" for i in range(tasks))
     q_a = RunQueue.create(PosixStorage(os.path.join(root_a, "run"), writer_id="collector"),
-                          QueueConfig(lease_timeout_s=3600, heartbeat_interval_s=run.heartbeat_s))
+                          QueueConfig(lease_timeout_s=3600, heartbeat_interval_s=run.heartbeat_s,
+                                      release_chunk=run.release_chunk))
     feeder = Feeder(q_a, Dataset(ds))
     wait_for(os.path.join(root_b, "run", "run.meta"))
     print(f"setup: run on client A, {run.producers} producers and {run.ranks} trainer ranks "
@@ -308,6 +318,13 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
     counter.measure("collector", "release (per 64 tasks)", release,
                     range(min(releases, 4 if run.sample else releases)), threads=1)
     top_up(len(pids))
+    if run.release_chunk > 1:
+        pending = os.path.join(root_a, "run", "pending")
+        staged = sum(n.startswith(CHUNK_PREFIX) for r in os.listdir(pending)
+                     if os.path.isdir(os.path.join(pending, r))
+                     for n in os.listdir(os.path.join(pending, r)))
+        print(f"  release_chunk = {run.release_chunk}: {staged} chunk directories staged in "
+              f"pending/; steady claims want 1 task (slots free one at a time)", flush=True)
     queues = {i: RunQueue.open(PosixStorage(os.path.join(root_b, "run"), writer_id=f"p{i}"))
               for i in pids}
 

@@ -38,7 +38,8 @@ each with its limit measured in the same run.
 
     python bench/queue_ops.py --up --flat 0   # local, JuiceFS on SQLite, JuiceFS on Redis
 
-The last line is ``queue_ops: strawq/limit = X, strawq/straw = Y, meta ops/group = Z``
+The last line is ``queue_ops: strawq/limit = X, strawq/straw = Y, meta ops/group = Z,
+release_chunk = K, chunk leases = N``
 (geometric means over the cases; Z is strawq's mean on JuiceFS, ``n/a`` without it).
 """
 
@@ -120,29 +121,30 @@ class Workers:
 
 # -- strawq -----------------------------------------------------------------------------------
 def strawq_worker(root: str, pid: int, start_at: float, samples: int, tokens: int,
-                  out: Any) -> None:
+                  out: Any, batch: int = 1) -> None:
     q = RunQueue.open(PosixStorage(root, writer_id=f"p{pid}"))
     cols = make_columns(samples, tokens, pid)
     lat: list[float] = []
-    done = 0
+    done = chunked = 0
     while time.time() < start_at:
         time.sleep(0.001)
     producer = f"p{pid}"
     while True:
         t0 = time.perf_counter()
-        leases = q.claim(producer, 1)
+        leases = q.claim(producer, batch)
         lat.append(time.perf_counter() - t0)
         if not leases:
             break
-        lease = leases[0]
-        g = GroupData(task_id=lease.task_id, index=lease.task["index"], prompt_ids=[1, 2, 3],
-                      sample_lens=[tokens] * samples, rewards=[1.0] * samples,
-                      status=["completed"] * samples, **cols)
-        q.complete(lease, g)
-        done += 1
-        if done % 16 == 0:
-            q.heartbeat(producer)
-    out.put({"claims": lat, "done": done})
+        for lease in leases:
+            chunked += lease.name.chunk is not None
+            g = GroupData(task_id=lease.task_id, index=lease.task["index"],
+                          prompt_ids=[1, 2, 3], sample_lens=[tokens] * samples,
+                          rewards=[1.0] * samples, status=["completed"] * samples, **cols)
+            q.complete(lease, g)
+            done += 1
+            if done % 16 == 0:
+                q.heartbeat(producer)
+    out.put({"claims": lat, "done": done, "chunked": chunked})
 
 
 #: how often the bench's collector garbage-collects: the collector's own default
@@ -193,7 +195,7 @@ def write_dataset(path: str, n: int) -> None:
             f.write(json.dumps({"prompt": [1, 2, 3], "i": i}) + "\n")
 
 
-def new_run(base: str, tag: str, groups: int, release_batch: int
+def new_run(base: str, tag: str, groups: int, release_batch: int, release_chunk: int = 1
             ) -> tuple[str, RunQueue, Feeder]:
     """A fresh run with a dataset of ``groups`` prompts (leases long enough to never expire)."""
     root = os.path.join(base, f"{tag}-{secrets.token_hex(3)}")
@@ -201,18 +203,23 @@ def new_run(base: str, tag: str, groups: int, release_batch: int
     ds = os.path.join(root, "ds.jsonl")
     write_dataset(ds, groups)
     q = RunQueue.create(PosixStorage(os.path.join(root, "run"), writer_id="c"),
-                        QueueConfig(release_batch=release_batch, lease_timeout_s=600,
+                        QueueConfig(release_batch=release_batch, release_chunk=release_chunk,
+                                    lease_timeout_s=600,
                                     heartbeat_interval_s=10))
     return root, q, Feeder(q, Dataset(ds))
 
 
-def run_strawq(base: str, producers: int, groups: int, samples: int, tokens: int
-               ) -> dict[str, float]:
-    root, q, feeder = new_run(base, f"strawq-{producers}", groups, 64)
+def run_strawq(base: str, producers: int, groups: int, samples: int, tokens: int,
+               release_chunk: int = 1) -> dict[str, float]:
+    """``release_chunk`` K: the release stages chunks of K tasks and each producer claims K
+    tasks at a time (a claim that wants a whole chunk takes it by one rename); K = 1 is one
+    task per claim, as before."""
+    root, q, feeder = new_run(base, f"strawq-{producers}", groups, 64, release_chunk)
     while feeder.release():  # release directories of 64, as a collector would
         pass
     with Workers(strawq_worker, producers,
-                 lambda i, at, out: (os.path.join(root, "run"), i, at, samples, tokens, out)) as w:
+                 lambda i, at, out: (os.path.join(root, "run"), i, at, samples, tokens, out,
+                                     release_chunk)) as w:
         t0 = time.perf_counter()
         collected, nbytes = strawq_collect(q, groups)
         elapsed = time.perf_counter() - t0
@@ -223,7 +230,8 @@ def run_strawq(base: str, producers: int, groups: int, samples: int, tokens: int
         raise RuntimeError(f"strawq lost or duplicated work: {collected} collected, "
                            f"{sum(s['done'] for s in stats)} completed, {groups} released")
     return {"groups_s": groups / elapsed, "claim_p50_ms": pct(claims, 0.5) * 1e3,
-            "claim_p99_ms": pct(claims, 0.99) * 1e3, "mib_s": nbytes / elapsed / 2**20}
+            "claim_p99_ms": pct(claims, 0.99) * 1e3, "mib_s": nbytes / elapsed / 2**20,
+            "chunked": float(sum(s["chunked"] for s in stats))}
 
 
 # -- the limit: the bare durable protocol -------------------------------------------------------
@@ -519,7 +527,13 @@ def main() -> int:
                          "gc_interval_s; before, the bench ran one every 0.05 s)")
     ap.add_argument("--flat-only", action="store_true", help="only the flatness run")
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--release-chunk", type=int, default=1, metavar="K",
+                    help="strawq releases in chunks of K tasks (queue.release_chunk) and each "
+                         "producer claims K tasks per claim, so a claim takes a whole chunk "
+                         "by one rename; default 1: one task per claim")
     args = ap.parse_args()
+    if args.release_chunk < 1:
+        ap.error(f"--release-chunk must be >= 1, got {args.release_chunk}")
     GC_INTERVAL_S = args.gc_interval
     if not args.up:
         return run_all(args)
@@ -560,7 +574,7 @@ def run_all(args: argparse.Namespace) -> int:
     for loc, base, mount in ([] if args.flat_only else locations):
         for p in producers:
             case = (base, p, groups, args.samples, args.tokens)
-            a = counted(mount, run_strawq, *case)
+            a = counted(mount, run_strawq, *case, args.release_chunk)
             b = counted(mount, run_straw, *case)
             c = counted(mount, run_limit, *case)
             ratio = a["groups_s"] / b["groups_s"]
@@ -623,7 +637,8 @@ def run_all(args: argparse.Namespace) -> int:
     ops = f"{sum(jfs) / len(jfs):.1f}" if jfs else "n/a"
     print(f"queue_ops: strawq/limit = {gmean([r['of_limit'] for r in results]):.2f}, "
           f"strawq/straw = {gmean([r['ratio'] for r in results]):.2f}, "
-          f"meta ops/group = {ops}")
+          f"meta ops/group = {ops}, release_chunk = {args.release_chunk}, chunk leases = "
+          f"{int(sum(r['strawq']['chunked'] for r in results))}")
     return 0
 
 

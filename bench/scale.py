@@ -44,7 +44,11 @@ figures from the same counts are printed beside it).
                            [--slots 24] [--batch-groups 2048] [--step-s 60]
                            [--meta-cache zero|default] [--sample 100]
                            [--journal-every-s 2] [--journal-format segments|records]
-                           [--journal-tok-s 30]
+                           [--journal-tok-s 30] [--release-chunk K]
+
+``--release-chunk K``: the collector releases in chunks of K (``queue.release_chunk``);
+producers claim as many tasks as they have free slots, which free one at a time as groups
+finish, so the model's steady claims want 1 task (taken out of a chunk).
 
     python bench/scale.py [--quick] [--meta sqlite|redis] [--idle-s 20] [--counts 1,10,100]
                            [--claims 200]
@@ -373,7 +377,14 @@ def main() -> int:
                          "and deleted once superseded")
     cp.add_argument("--journal-tok-s", type=float, default=30.0,
                     help="tokens a second each held sequence receives (a window's delta)")
+    cp.add_argument("--release-chunk", type=int, default=1, metavar="K",
+                    help="the collector releases in chunks of K tasks (queue.release_chunk); "
+                         "the model's producers claim as many tasks as they have free slots, "
+                         "which free one at a time as groups finish: steady claims want 1 "
+                         "task, taken out of a chunk (default 1: one task per file)")
     args = ap.parse_args()
+    if args.release_chunk < 1:
+        ap.error(f"--release-chunk must be >= 1, got {args.release_chunk}")
     if args.control_plane:
         bad = [f"--{k.replace('_', '-')} {v}" for k, v, ok in (
             ("gpus", args.gpus, args.gpus is None or args.gpus >= args.gpus_per_node),
@@ -490,7 +501,8 @@ def control_plane(args: argparse.Namespace) -> int:
               else args.pending_depth,
               sample=(0 if args.quick else 100) if args.sample is None else args.sample,
               trainer_watch=args.trainer_watch, journal_every_s=args.journal_every_s,
-              journal_tok_s=args.journal_tok_s, journal_format=args.journal_format)
+              journal_tok_s=args.journal_tok_s, journal_format=args.journal_format,
+              release_chunk=args.release_chunk)
     try:
         with test_volume("redis", meta_cache=args.meta_cache) as vol:
             caches = ("no attribute or entry cache" if args.meta_cache == "zero" else

@@ -103,3 +103,28 @@ def test_the_journal_line_has_its_shape_and_adds_to_the_steady_share(tmp_path: P
     assert float(m["cmds"]) > 0
     assert float(m["per_s"]) == pytest.approx(float(m["cmds"]) / 2, rel=0.01, abs=0.05)
     assert float(m["on"]) > float(m["off"]) > 0
+
+
+CHUNK_LINE = re.compile(r"^  release_chunk = (?P<k>\d+): (?P<staged>\d+) chunk directories staged")
+
+
+def test_release_chunk_stages_chunks_and_still_prints_the_line(tmp_path: Path) -> None:
+    """``--release-chunk 4``: the collector's releases stage chunk directories (issue 40)."""
+    why = _lacking()
+    if why:
+        if "1" in (os.environ.get("STRAWQ_REQUIRE_REDIS"),
+                   os.environ.get("STRAWQ_REQUIRE_JUICEFS")):
+            pytest.fail(f"a Redis-backed JuiceFS volume is required but {why}")
+        pytest.skip(f"bench/scale.py --control-plane needs a Redis-backed JuiceFS volume: "
+                    f"{why}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "scale.py"), "--control-plane",
+                           "--quick", "--release-chunk", "4"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    out = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n" \
+                                 f"{proc.stderr[-3000:]}"
+    assert LINE.match(out[-1]), out[-3:]
+    m = next((m for line in out if (m := CHUNK_LINE.match(line))), None)
+    assert m, f"no release_chunk line: {out[:8]}"
+    assert int(m["k"]) == 4 and int(m["staged"]) > 0, m.group(0)
