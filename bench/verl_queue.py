@@ -14,6 +14,11 @@
    verl's queue comes back empty; strawq's hands all K out again.
 
     python bench/verl_queue.py [--quick] [--samples S] [--n N] [--tokens L] [--crash K]
+                               [--no-fsync]
+
+``--no-fsync``: strawq's queue made with ``fsync=False`` (its records survive the actor's
+death, not the machine's): the most any batching of fsyncs could gain, which tells whether a
+put's cost is its fsync or the actor's CPU.
 
 ``--quick`` (the CI size): 60 samples, 20 in the crash; it checks the path, its ratio is
 noise. The machine this runs on may be shared: the figures move with its load.
@@ -121,6 +126,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024, help="response tokens")
     ap.add_argument("--crash", type=int, default=200, help="samples held at the crash")
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--no-fsync", action="store_true",
+                    help="strawq's queue without fsync (an upper bound for fsync batching)")
     ap.add_argument("--dir", default=None, help="where the strawq queues live (a temp dir)")
     a = ap.parse_args()
     if a.quick:
@@ -145,9 +152,12 @@ def main() -> None:
         cfg = OmegaConf.create({"trainer": {"default_local_dir": os.path.join(root, "ckpt"),
                                             "resume_mode": "auto"}})
         strawq_cls = actor_class(num_cpus=0)
+        sync = {"fsync": False} if a.no_fsync else {}
+        if a.no_fsync:
+            print("strawq queue without fsync: durable against its actor's death only")
         results = {}
         for name, make in (("verl MessageQueue", lambda: verl_cls.remote(cfg, 100000)),
-                           ("strawq queue", lambda: strawq_cls.remote(cfg, 100000))):
+                           ("strawq queue", lambda: strawq_cls.remote(cfg, 100000, **sync))):
             results[name] = r = run_stream(make(), blobs, a.concurrency)
             per = r["bytes_put"] / a.samples if r["bytes_put"] else size
             print(f"{name:18s} puts/s {a.samples / r['put_s']:8.0f}   gets/s "
@@ -156,7 +166,7 @@ def main() -> None:
             shutil.rmtree(os.path.join(root, "ckpt"), ignore_errors=True)
         through = {k: a.samples / (r["put_s"] + r["get_s"]) for k, r in results.items()}
         lost_verl = crash(lambda: verl_cls.remote(cfg, 100000), blobs[:a.crash])
-        lost_strawq = crash(lambda: strawq_cls.remote(cfg, 100000), blobs[:a.crash])
+        lost_strawq = crash(lambda: strawq_cls.remote(cfg, 100000, **sync), blobs[:a.crash])
         print(f"crash with {a.crash} samples queued: verl's queue lost {lost_verl}, "
               f"strawq's lost {lost_strawq}")
         ratio = through["strawq queue"] / through["verl MessageQueue"]

@@ -27,6 +27,7 @@ executing it.
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import pickletools
 import re
@@ -70,11 +71,34 @@ def sample_identity(blob: bytes) -> tuple[str | None, int | None]:
     key followed by a string is the sample's own (a key of that name inside the batch comes
     earlier).
     """
+    # verl's pickle ends with the dataclass's state: scanning from the last ``'sample_id'``
+    # key reads a dozen opcodes instead of the whole pickle (~0.6 ms of the actor's CPU per
+    # put, issue 40). Trusted only when that tail parses to the pickle's own final STOP and
+    # yields both fields; anything else is read from the start, as before.
+    at = blob.rfind(_SID_OP)
+    if at > 0 and blob.endswith(b"."):
+        sid, epoch, stop = _scan(blob, at)
+        if sid is not None and epoch is not None and stop == len(blob) - 1:
+            return sid, epoch
+    sid, epoch, _ = _scan(blob, 0)
+    return sid, epoch
+
+
+#: ``SHORT_BINUNICODE 'sample_id'``: the key as pickle protocols 4 and 5 write it
+_SID_OP = b"\x8c\x09sample_id"
+
+
+def _scan(blob: bytes, start: int) -> tuple[str | None, int | None, int]:
+    """``(sample_id, epoch, position of STOP)`` read from the opcodes at ``start`` on;
+    ``(None, None, -1)`` when they are not a pickle's."""
     sid: str | None = None
     epoch: int | None = None
     want: str | None = None
+    stop = -1
     try:
-        for op, arg, _pos in pickletools.genops(blob):
+        for op, arg, pos in pickletools.genops(io.BytesIO(memoryview(blob)[start:])):
+            if op.name == "STOP":
+                stop = start + int(pos or 0)
             if op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
                 continue
             if want is not None:
@@ -87,8 +111,8 @@ def sample_identity(blob: bytes) -> tuple[str | None, int | None]:
             if isinstance(arg, str) and arg in ("sample_id", "epoch"):
                 want = arg
     except Exception:  # not a pickle: pickletools raises several unrelated types
-        return None, None
-    return sid, epoch
+        return None, None, -1
+    return sid, epoch, stop
 
 
 def _name_part(sample_id: str) -> str:

@@ -302,6 +302,34 @@ def test_sample_identity_reads_a_real_rollout_sample_without_unpickling() -> Non
     assert sample_identity(b"not a pickle") == (None, None)
 
 
+@pytest.mark.slow  # imports verl
+def test_sample_identity_reads_only_the_pickles_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put's identity costs the actor a dozen opcodes, not the whole pickle (issue 40)."""
+    pytest.importorskip("verl")
+    import pickle
+    import pickletools
+
+    from strawq.collector.integrations.verl import samples as samples_mod
+    from tests.collector.integrations.verl_helpers import blob
+
+    real = pickletools.genops
+    seen: list[int] = []
+
+    def counting(data: Any) -> Any:
+        for item in real(data):
+            seen.append(1)
+            yield item
+
+    monkeypatch.setattr(samples_mod.pickletools, "genops", counting)
+    sample = blob(7, epoch=2)
+    assert sample_identity(sample) == ("sample_2_7", 2)
+    assert 0 < len(seen) < 30, len(seen)
+    # a key's bytes inside a payload after the real key: read from the start, as before
+    tricky = pickle.dumps({"sample_id": "a", "epoch": 1, "z": b"\x8c\x09sample_id\x8c\x01b"},
+                          protocol=5)
+    assert sample_identity(tricky) == ("a", 1)
+
+
 def test_verls_staleness_settings_are_strawqs_admission_window(tmp_path: Path) -> None:
     """verl's own bound (the Rollouter's max_required_samples, read from its source formula)
     equals strawq's window (η + 1)·u·B, fractional thresholds included."""
