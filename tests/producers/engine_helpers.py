@@ -53,11 +53,13 @@ class AppThread:
         self._loop.run_until_complete(self._start())
         self._loop.run_forever()
         # bounded: a client that left a connection open can keep aiohttp's graceful cleanup
-        # waiting (a teardown once waited out the whole join below in the parallel suite)
-        try:
-            self._loop.run_until_complete(asyncio.wait_for(self._runner.cleanup(), 5))
-        except TimeoutError:
-            pass
+        # waiting (a teardown once waited out the whole join below in the parallel suite).
+        # ``asyncio.wait`` returns at its timeout; ``wait_for`` would then wait for the
+        # cancelled cleanup to finish, which is the very wait being bounded
+        cleanup = self._loop.create_task(self._runner.cleanup())
+        self._loop.run_until_complete(asyncio.wait({cleanup}, timeout=5))
+        if not cleanup.done():
+            cleanup.cancel()  # not awaited: the daemon thread ends, the port goes with it
 
     async def _start(self) -> None:
         self._runner = web.AppRunner(self._factory(), access_log=None, shutdown_timeout=0.5)
