@@ -40,7 +40,9 @@ def _lacking() -> str | None:
     return None
 
 
-def test_the_line_has_its_shape_and_positive_figures(tmp_path: Path) -> None:
+def _run_quick(tmp_path: Path, *flags: str) -> list[str]:
+    """``bench/scale.py --control-plane --quick FLAGS``'s output lines (a skip without a
+    Redis-backed JuiceFS volume, a failure where CI requires one); asserts exit 0."""
     why = _lacking()
     if why:
         if "1" in (os.environ.get("STRAWQ_REQUIRE_REDIS"),
@@ -50,11 +52,16 @@ def test_the_line_has_its_shape_and_positive_figures(tmp_path: Path) -> None:
                     f"{why}")
     env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "scale.py"), "--control-plane",
-                           "--quick"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
+                           "--quick", *flags], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
     out = proc.stdout.strip().splitlines()
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n" \
                                  f"{proc.stderr[-3000:]}"
+    return out
+
+
+def test_the_line_has_its_shape_and_positive_figures(tmp_path: Path) -> None:
+    out = _run_quick(tmp_path)
     m = LINE.match(out[-1]) if out else None
     assert m, f"not the control-plane line: {out[-3:]}"
     assert m["gpus"] == "80", "--quick counts an 80-GPU run's clients"
@@ -82,20 +89,7 @@ JOURNAL_LINE = re.compile(
 
 
 def test_the_journal_line_has_its_shape_and_adds_to_the_steady_share(tmp_path: Path) -> None:
-    why = _lacking()
-    if why:
-        if "1" in (os.environ.get("STRAWQ_REQUIRE_REDIS"),
-                   os.environ.get("STRAWQ_REQUIRE_JUICEFS")):
-            pytest.fail(f"a Redis-backed JuiceFS volume is required but {why}")
-        pytest.skip(f"bench/scale.py --control-plane needs a Redis-backed JuiceFS volume: "
-                    f"{why}")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "scale.py"), "--control-plane",
-                           "--quick", "--journal-every-s", "2"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
-    out = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n" \
-                                 f"{proc.stderr[-3000:]}"
+    out = _run_quick(tmp_path, "--journal-every-s", "2")
     assert LINE.match(out[-1]), out[-3:]
     m = next((m for line in out if (m := JOURNAL_LINE.match(line))), None)
     assert m, f"no journal line: {out[-4:]}"
@@ -110,20 +104,7 @@ CHUNK_LINE = re.compile(r"^  release_chunk = (?P<k>\d+): (?P<staged>\d+) chunk d
 
 def test_release_chunk_stages_chunks_and_still_prints_the_line(tmp_path: Path) -> None:
     """``--release-chunk 4``: the collector's releases stage chunk directories (issue 40)."""
-    why = _lacking()
-    if why:
-        if "1" in (os.environ.get("STRAWQ_REQUIRE_REDIS"),
-                   os.environ.get("STRAWQ_REQUIRE_JUICEFS")):
-            pytest.fail(f"a Redis-backed JuiceFS volume is required but {why}")
-        pytest.skip(f"bench/scale.py --control-plane needs a Redis-backed JuiceFS volume: "
-                    f"{why}")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "scale.py"), "--control-plane",
-                           "--quick", "--release-chunk", "4"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
-    out = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n" \
-                                 f"{proc.stderr[-3000:]}"
+    out = _run_quick(tmp_path, "--release-chunk", "4")
     assert LINE.match(out[-1]), out[-3:]
     m = next((m for line in out if (m := CHUNK_LINE.match(line))), None)
     assert m, f"no release_chunk line: {out[:8]}"
