@@ -63,6 +63,16 @@ def _push(server: RealServer, path: str, version: int) -> None:
     asyncio.run(go())
 
 
+def _producer(server: RealServer, run_dir: Path, cfg: ClientConfig, groups: int) -> Producer:
+    """A producer on ``server`` alone, ``groups`` slots, the count task's reward."""
+    return Producer(ProducerConfig(
+        run_dir=str(run_dir), engine=EngineConfig(workers=(server.url,), client=cfg),
+        plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
+        sampling=SamplerParams(max_new_tokens=16, ignore_eos=True, seed=1),
+        budget=BudgetConfig(slots=groups),
+        timing=TimingConfig(control_poll_s=0.05, idle_poll_s=0.05)))
+
+
 def test_get_weights_by_name_on_sglang_0_5_23(sglang_real: RealServer) -> None:
     s, key = sglang_real, sglang_real.admin_api_key or sglang_real.api_key
     w = _weights(s.model_dir)
@@ -126,12 +136,7 @@ def test_wrong_checkpoint_under_the_run_label_is_refused_and_repaired(
         assert Fingerprints(q.storage).verdicts(1)[s.url].ok is False
         assert s.url in bracket.engines_needing_weights()
         Feeder(q, Dataset(str(data))).release(groups)
-        p = Producer(ProducerConfig(
-            run_dir=str(run_dir), engine=EngineConfig(workers=(s.url,), client=cfg),
-            plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
-            sampling=SamplerParams(max_new_tokens=16, ignore_eos=True, seed=1),
-            budget=BudgetConfig(slots=groups),
-            timing=TimingConfig(control_poll_s=0.05, idle_poll_s=0.05)))
+        p = _producer(s, run_dir, cfg, groups)
         seen: dict[str, int] = {}
 
         async def main() -> None:
@@ -186,12 +191,7 @@ def test_rolling_a_wrong_checkpoint_under_the_label_is_refused_the_right_one_att
                                   admin_api_key=s.admin_api_key)
     bracket.weight_update(lambda v: s.perturbed_dir, fingerprint=fp)
     Feeder(q, Dataset(str(data))).release(groups)
-    p = Producer(ProducerConfig(
-        run_dir=str(run_dir), engine=EngineConfig(workers=(s.url,), client=cfg),
-        plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
-        sampling=SamplerParams(max_new_tokens=16, ignore_eos=True, seed=1),
-        budget=BudgetConfig(slots=groups),
-        timing=TimingConfig(control_poll_s=0.05, idle_poll_s=0.05)))
+    p = _producer(s, run_dir, cfg, groups)
     seen: dict[str, int] = {}
 
     async def main() -> None:
