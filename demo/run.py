@@ -305,6 +305,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         attested = bracket.attestation_metrics()
         result.summary["attest/checks"] = int(attested["attest/checks_total"])
         result.summary["attest/failures"] = int(attested["attest/failures_total"])
+        result.summary["attest/unreachable"] = int(attested["attest/unreachable_total"])
         waits = [(iv.start, iv.end) for iv in res.intervals if iv.what == "wait"]
         result.hops = hops
         result.gaps = idle_gaps(waits, sampler.samples.series, threshold_s=IDLE_GAP_S)

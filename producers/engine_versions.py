@@ -287,10 +287,13 @@ class VersionGuard(VersionWindow):
             url=url, engine_version=run_v, run_version=run_v, tokens=n)
 
     async def verdicts(self, run_v: int) -> Callable[[str], bool | None]:
-        """url -> whether it may serve ``run_v`` (``Fingerprints.attested``), read once."""
+        """url -> whether it may serve ``run_v`` (``Fingerprints.attested``), read once, for
+        this producer's engines (its workers and the ones out of rotation) only."""
+        mine = set(self._worker_urls()) | set(self.stale)
+
         def read() -> tuple[bool, dict[str, bool]]:
             has = self.attestations.get(run_v) is not None
-            return has, ({u: v.ok for u, v in self.attestations.verdicts(run_v).items()}
+            return has, ({u: v.ok for u, v in self.attestations.verdicts(run_v, mine).items()}
                          if has else {})
         has, found = await self._io(read)
         return lambda url: True if not has else found.get(url.rstrip("/"))

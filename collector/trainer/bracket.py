@@ -353,7 +353,9 @@ class WeightUpdateBracket:
         """The trainer's attestation counters, for ``MetricsSink.emit``."""
         r = self.repairs
         return {"attest/checks_total": r.attest_checks,
-                "attest/failures_total": r.attest_failures, "attest/last_s": r.attest_last_s}
+                "attest/failures_total": r.attest_failures,
+                "attest/unreachable_total": r.attest_unreachable,
+                "attest/last_s": r.attest_last_s}
 
     def weight_update(self, push: Callable[[int], Any], *, timeout: float = 300.0,
                       version: int | None = None,

@@ -14,6 +14,12 @@ back and compared) before its notes go, after every push to it, and every engine
 bracket's push (:meth:`EngineRepair.attest`, called by ``end_weight_update`` before it
 resumes producers). An engine that fails is noted (``engines/``, reason "failed
 attestation") and stays out of the producers' rotation until a push makes it pass.
+
+**Engines that do not answer** (a previous incarnation's engines after a restart on new
+ports, a node that is gone) are neither checked nor pushed to: each is noted once (it stays
+out of rotation) and skipped while it stays silent; a repair probes it at each round and
+pushes the run's weights once it answers again. It counts in ``attest/unreachable_total``,
+not as a failed attestation. ``strawq forget-engine`` retires one for good.
 """
 
 from __future__ import annotations
@@ -66,7 +72,10 @@ class EngineRepair:
         #: engines checked / failed, seconds of the last round of checks (trainer metrics)
         self.attest_checks = 0
         self.attest_failures = 0
+        self.attest_unreachable = 0
         self.attest_last_s = 0.0
+        #: engines seen silent and not heard from since (logged once, not at every round)
+        self._silent: set[str] = set()
 
     def start(self, push_to: PushTo, *, interval_s: float | None = 5.0) -> None:
         """Repair with ``push_to`` from now on; every ``interval_s`` from a daemon thread
@@ -127,7 +136,8 @@ class EngineRepair:
     def attest(self, urls: Iterable[str], version: int, *,
                reason: str = "after its push") -> dict[str, Verdict]:
         """Check each engine against ``version``'s fingerprint (none: {}), record the
-        verdicts, note those that fail (``engines/``) and return every verdict."""
+        verdicts, note those that fail or do not answer (``engines/``) and return every
+        verdict (``reachable=False``: it did not answer; no verdict on its weights)."""
         urls = sorted(set(urls))
         if not urls:
             return {}
@@ -135,9 +145,10 @@ class EngineRepair:
                            timeout_s=self.attest_timeout_s, api_key=self.attest_api_key)
         if not found:
             return {}
-        self.attest_checks += len(found)
+        checked = [v for v in found.values() if v.reachable]
+        self.attest_checks += len(checked)
         self.attest_last_s = sum(v.seconds for v in found.values())
-        bad = [v for v in found.values() if not v.ok]
+        bad = [v for v in checked if not v.ok]
         self.attest_failures += len(bad)
         for v in bad:
             log.error("%s (%s): out of rotation, noted for a repair push", v.describe(),
@@ -145,9 +156,27 @@ class EngineRepair:
             self.engines.mark(v.url, writer="trainer", engine_version=version,
                               run_version=version, reason=f"failed attestation: "
                               f"{v.error or 'fingerprint ' + str(v.found)}")
-        log.info("attestation at version %d: %d of %d engines match (%.2fs)", version,
-                 len(found) - len(bad), len(found), self.attest_last_s)
+        self._note_silent([v.url for v in found.values() if not v.reachable],
+                          {v.url: v.error or "" for v in found.values()}, version)
+        log.info("attestation at version %d: %d of %d engines match, %d did not answer "
+                 "(%.2fs)", version, len(checked) - len(bad), len(found),
+                 len(found) - len(checked), self.attest_last_s)
         return found
+
+    def _note_silent(self, urls: list[str], why: dict[str, str], version: int) -> None:
+        """Engines that did not answer: counted, noted once (out of rotation until a
+        repair reaches them), logged once until they answer again."""
+        self.attest_unreachable += len(urls)
+        noted = self.engines.needing() if urls else {}
+        for url in urls:
+            if url not in noted:
+                self.engines.mark(url, writer="trainer", engine_version=None,
+                                  run_version=version, reason=f"unreachable: {why[url]}"[:500])
+            if url not in self._silent:
+                log.warning("%s does not answer (%s): out of rotation until it answers "
+                            "again; a repair pushes the run's weights then (an engine retired "
+                            "for good: strawq forget-engine)", url, why.get(url))
+        self._silent |= set(urls)
 
     def _repair(self, push: PushTo) -> list[str]:
         need = self.engines.needing()
@@ -164,6 +193,15 @@ class EngineRepair:
         # notes go
         fixed = self.engines.clear_fixed(version, probes, may_clear(self.queue.storage, version))
         need = {u: n for u, n in need.items() if u not in fixed}
+        # an engine that does not answer cannot take a push (each try would wait out the
+        # push path's retries at every round): skipped until a probe reaches it
+        silent = [u for u in need if not probes[u].reachable]
+        self._silent -= {u for u, p in probes.items() if p.reachable}
+        if silent:
+            log.debug("skipping %d engines that do not answer: %s", len(silent),
+                      ", ".join(silent))
+            self._silent |= set(silent)
+            need = {u: n for u, n in need.items() if u not in silent}
         if not need:
             return []
         urls = sorted(need)

@@ -24,7 +24,8 @@ with ``/`` and ``.`` turned into ``_``):
   ``collector/skipped_zero_variance_total`` (rows the history's rule skipped),
   ``attest/checks_total``, ``attest/failures_total`` (engines checked against a published
   fingerprint, and those that failed: ``WeightUpdateBracket.attestation_metrics``, with
-  ``attest/last_s``, the seconds of the last round of checks).
+  ``attest/last_s``, the seconds of the last round of checks), ``attest/unreachable_total``
+  (engines that did not answer a check: not checked, out of rotation).
 
 Every JSONL line carries ``time`` (Unix seconds, the writer's wall clock) so lines from the
 collector and the trainer can be put on one time axis.
@@ -61,7 +62,7 @@ __all__ = ["COUNTERS", "MetricsSink", "dropped_metric", "prom_name", "resume_cou
 COUNTERS = frozenset({"trainer/step", "collector/step", "collector/released_total",
                       "collector/batches_total", "collector/expired_leases_total",
                       "collector/skipped_zero_variance_total", "attest/checks_total",
-                      "attest/failures_total"})
+                      "attest/failures_total", "attest/unreachable_total"})
 #: How much of the JSONL file's tail is read to resume the counters.
 _TAIL_BYTES = 256 * 1024
 

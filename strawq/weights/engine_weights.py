@@ -86,6 +86,8 @@ class EngineProbe:
     #: the weight version it reports (None: it could not be read; ``error`` says why)
     version: int | None
     error: str | None = None
+    #: False: it did not answer at all (refused, reset, timed out); a push cannot reach it
+    reachable: bool = True
 
     def describe(self) -> str:
         return f"holds version {self.version}" if self.version is not None else \
@@ -113,8 +115,8 @@ def probe_version(url: str, *, timeout_s: float = PROBE_TIMEOUT_S,
     except (urllib.error.URLError, OSError) as exc:
         why = getattr(exc, "reason", exc)
         if isinstance(why, TimeoutError):
-            return EngineProbe(url, None, f"no answer within {timeout_s:g}s")
-        return EngineProbe(url, None, f"cannot reach it: {why}")
+            return EngineProbe(url, None, f"no answer within {timeout_s:g}s", False)
+        return EngineProbe(url, None, f"cannot reach it: {why}", False)
     except ValueError as exc:
         return EngineProbe(url, None, f"/model_info is not JSON: {exc}")
     value = body.get("weight_version") if isinstance(body, Mapping) else None
@@ -145,7 +147,7 @@ def probe_versions(urls: Iterable[str], *, timeout_s: float = PROBE_TIMEOUT_S,
     deadline = time.monotonic() + timeout_s + 1.0
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-    return {u: found.get(u) or EngineProbe(u, None, f"no answer within {timeout_s:g}s")
+    return {u: found.get(u) or EngineProbe(u, None, f"no answer within {timeout_s:g}s", False)
             for u in todo}
 
 

@@ -95,6 +95,11 @@ class AttestationError(StrawqError):
     reply of the wrong shape)."""
 
 
+class EngineUnreachable(AttestationError):
+    """The engine did not answer at all (refused, reset, timed out): nothing is known of
+    the weights it holds, so it neither passes nor fails a check."""
+
+
 @dataclass(frozen=True)
 class Slice:
     """The first ``rows`` rows of parameter ``name``."""
@@ -135,8 +140,12 @@ class Verdict:
     error: str | None = None
     seconds: float = 0.0
     at: float = 0.0
+    #: False: the engine did not answer (no verdict on its weights; never recorded)
+    reachable: bool = True
 
     def describe(self) -> str:
+        if not self.reachable:
+            return f"{self.url} could not be checked at version {self.version}: {self.error}"
         if self.ok:
             return f"{self.url} attested at version {self.version}"
         why = self.error or f"fingerprint {self.found} != published {self.expected}"
@@ -316,8 +325,8 @@ def read_parameter(url: str, name: str, rows: int, *, timeout_s: float = READ_TI
         raise AttestationError(f"{url}: /get_weights_by_name {name!r} answered HTTP "
                                f"{exc.code} ({detail.strip()})") from None
     except (urllib.error.URLError, OSError) as exc:
-        raise AttestationError(f"{url}: /get_weights_by_name {name!r}: cannot reach it "
-                               f"({getattr(exc, 'reason', exc)})") from None
+        raise EngineUnreachable(f"{url}: /get_weights_by_name {name!r}: cannot reach it "
+                                f"({getattr(exc, 'reason', exc)})") from None
     except ValueError as exc:
         raise AttestationError(f"{url}: /get_weights_by_name {name!r} is not JSON: "
                                f"{exc}") from None
@@ -344,15 +353,18 @@ def engine_fingerprint(url: str, fp: Fingerprint, *, timeout_s: float = READ_TIM
 def attest(url: str, version: int, fp: Fingerprint, *, timeout_s: float = READ_TIMEOUT_S,
            api_key: str | None = None) -> Verdict:
     """Compare the engine's fingerprint with ``fp`` (published for ``version``); never
-    raises: an engine that cannot be read fails, saying why."""
+    raises: an engine whose parameters cannot be read fails, saying why; one that does not
+    answer at all is ``reachable=False`` (and not ok)."""
     t0 = time.monotonic()
+    reachable = True
     try:
         found: str | None = engine_fingerprint(url, fp, timeout_s=timeout_s, api_key=api_key)
         error = None
     except AttestationError as exc:
         found, error = None, str(exc)
+        reachable = not isinstance(exc, EngineUnreachable)
     return Verdict(url.rstrip("/"), int(version), found == fp.digest, found, fp.digest, error,
-                   time.monotonic() - t0, time.time())
+                   time.monotonic() - t0, time.time(), reachable)
 
 
 # -- the records -----------------------------------------------------------------------------
@@ -404,12 +416,18 @@ class Fingerprints:
             "at": v.at or time.time()}))
         return name
 
-    def verdicts(self, version: int) -> dict[str, Verdict]:
-        """Engine URL -> its newest verdict at ``version``."""
+    def verdicts(self, version: int,
+                 urls: Iterable[str] | None = None) -> dict[str, Verdict]:
+        """Engine URL -> its newest verdict at ``version``; with ``urls``, of those engines
+        only (one listing, and reads of their records alone: a producer asks for its own
+        engines, not for every verdict of a 10,000-GPU fleet's)."""
+        keys = None if urls is None else {url_key(u) for u in urls}
         out: dict[str, Verdict] = {}
         for name in self.storage.list(ATTESTED_DIR):
             got = VERDICTS.split(name)
             if got is None or got[0] != int(version):
+                continue
+            if keys is not None and got[1].split("~", 1)[0] not in keys:
                 continue
             key = f"{ATTESTED_DIR}/{name}"
             try:
@@ -432,7 +450,7 @@ class Fingerprints:
         None when the version has a fingerprint and the engine no verdict yet."""
         if self.get(version) is None:
             return True
-        got = self.verdicts(version).get(url.rstrip("/"))
+        got = self.verdicts(version, [url]).get(url.rstrip("/"))
         return None if got is None else got.ok
 
 
@@ -451,7 +469,9 @@ def attest_all(storage: Storage, urls: Iterable[str], version: int, *,
                api_key: str | None = None) -> dict[str, Verdict]:
     """Check every engine in ``urls`` against version ``version``'s fingerprint (all at
     once: one thread per engine, at most ``PARALLEL``) and record each verdict; {} when the
-    version has none (attestation off for it)."""
+    version has none (attestation off for it). An engine that did not answer is returned
+    (``reachable=False``) but not recorded: it is no verdict on its weights, and a dead
+    engine would otherwise add a record at every check."""
     book = Fingerprints(storage)
     fp = book.get(version)
     todo = sorted({u.rstrip("/") for u in urls})
@@ -462,5 +482,6 @@ def attest_all(storage: Storage, urls: Iterable[str], version: int, *,
         found = list(pool.map(lambda u: attest(u, version, fp, timeout_s=timeout_s,
                                                api_key=api_key), todo))
     for v in found:
-        book.record(v)
+        if v.reachable:
+            book.record(v)
     return {v.url: v for v in found}

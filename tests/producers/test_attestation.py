@@ -38,6 +38,7 @@ from tests.producers.test_engine_versions import (
     TINY,
     _reply,
     phased_run,
+    port_of,
     producer,
     release,
     sim,
@@ -47,9 +48,9 @@ from tests.producers.test_engine_versions import (
 pytestmark = pytest.mark.timeout(180)
 
 
-def tiny(path: str, version: str) -> EngineThread:
+def tiny(path: str, version: str, port: int = 0) -> EngineThread:
     return EngineThread(EngineOptions(kind="tiny", max_running=16, weight_version=version,
-                                      model_path=path, tiny=TINY))
+                                      model_path=path, tiny=TINY), port=port)
 
 
 def generated_tokens(url: str) -> int:
@@ -231,3 +232,55 @@ def test_the_demo_trainers_fingerprint_attests_the_engines_it_pushed_to(
         assert attest(engine.url, 1, fp).ok
     finally:
         engine.stop()
+
+
+def test_an_engine_that_does_not_answer_is_skipped_not_failed_nor_pushed_to(
+        tmp_path: Path) -> None:
+    """A resumed run knows its killed incarnation's engines (``engine-urls/``) though they
+    are gone. Before: each update failed their attestation and the repair pushed to them,
+    waiting out the push path's retries, at every update. Now: not checked, noted once,
+    never pushed to while they do not answer, counted apart; one that answers again is
+    pushed the run's weights and checked."""
+    run_dir = str(tmp_path / "run")
+    q = phased_run(run_dir, PHASE, 0)
+    trainer = GRPOTrainer(init_model(TINY), str(tmp_path / "weights"), [])
+    v0 = trainer.save(0)
+    live, gone = tiny(v0, "0"), tiny(v0, "0")
+    gone.stop()  # its URL refuses connections from now on
+    notes = EngineWeights(q.storage)
+    assert notes.register(gone.url)  # a producer of the previous incarnation used it
+    pushed: list[list[str]] = []
+
+    def push_to(urls: list[str], version: int) -> list[str]:
+        pushed.append(list(urls))
+        return trainer.repair_engines(urls, version)
+
+    bracket = WeightUpdateBracket(q, lease_timeout_s=3.0, poll_interval_s=0.02,
+                                  engine_urls=[live.url], repair=push_to,
+                                  repair_interval_s=None)
+    try:
+        for version in (1, 2):
+            with torch.no_grad():
+                trainer.model.norm.weight.mul_(1.05)
+            bracket.begin_weight_update(30.0)
+            bracket.publish_fingerprint(version, trainer.fingerprint())
+            asyncio.run(push(live.url, trainer.save(version), version))
+            bracket.end_weight_update(version)
+            verdicts = Fingerprints(q.storage).verdicts(version)
+            assert set(verdicts) == {live.url} and verdicts[live.url].ok
+            assert gone.url in bracket.engines_needing_weights()
+        assert all(gone.url not in urls for urls in pushed), pushed
+        m = bracket.attestation_metrics()
+        assert (m["attest/checks_total"], m["attest/failures_total"],
+                m["attest/unreachable_total"]) == (2, 0, 2)
+        assert len([n for n in notes.notes() if n.url == gone.url]) == 1  # noted once
+        back = tiny(v0, "0", port=port_of(gone.url))  # restarted on its old weights
+        try:
+            assert bracket.repair_engines() == [gone.url] and pushed[-1] == [gone.url]
+            assert Fingerprints(q.storage).verdicts(2)[gone.url].ok
+            assert not bracket.engines_needing_weights()
+        finally:
+            back.stop()
+    finally:
+        bracket.close()
+        live.stop()

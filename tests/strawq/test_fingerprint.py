@@ -123,6 +123,35 @@ def test_an_unreachable_engine_fails_saying_why() -> None:
     fp = fingerprint_of({"x": np.arange(3.0)}, dtype="float32")
     v = attest("http://127.0.0.1:9", 1, fp, timeout_s=1.0)
     assert not v.ok and v.found is None and "cannot reach" in (v.error or "")
+    assert not v.reachable  # no verdict on its weights: attest_all does not record it
+
+
+def test_verdicts_of_some_engines_read_only_their_records() -> None:
+    """A producer asks for its own engines' verdicts: reading every engine's record of the
+    version was O(fleet) reads per producer at every step of a rolling update."""
+    reads: list[str] = []
+
+    class Reads(MemoryStorage):
+        def read(self, key: str) -> bytes:
+            reads.append(key)
+            return super().read(key)
+
+    book = Fingerprints(Reads())
+    fp = fingerprint_of({"x": np.arange(4.0)}, dtype="float32")
+    book.publish(2, fp)
+    fleet = [f"http://10.0.{i}.1:30000" for i in range(40)]
+    for i, url in enumerate(fleet):
+        book.record(Verdict(url, 2, i % 3 != 0, fp.digest, fp.digest, at=1.0))
+    book.record(Verdict(fleet[3], 2, True, fp.digest, fp.digest, at=2.0))  # repaired
+    reads.clear()
+    mine = book.verdicts(2, [fleet[3], fleet[4] + "/"])
+    assert {u: v.ok for u, v in mine.items()} == {fleet[3]: True, fleet[4]: True}
+    assert len(reads) == 3, reads  # fleet[3]'s two records and fleet[4]'s one
+    everyone = book.verdicts(2)
+    assert len(everyone) == 40 and not everyone[fleet[0]].ok
+    reads.clear()
+    assert book.attested(fleet[6], 2) is False and book.attested(fleet[7], 2) is True
+    assert sum(k.startswith("attested/") for k in reads) == 2
 
 
 def _state_dict(dtype: torch.dtype) -> dict[str, torch.Tensor]:

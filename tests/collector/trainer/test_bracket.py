@@ -24,6 +24,7 @@ from strawq.ondisk.names import TaskName, data_key
 from strawq.weights.control import Control
 from strawq.weights.engine_weights import EngineWeights
 from tests.collector.helpers import FakeClock, SimProducer, make_run, write_dataset
+from tests.producers.test_engine_versions import sim
 
 LEASE = 2.0
 
@@ -189,26 +190,32 @@ def test_repair_pushes_the_run_version_to_noted_engines_only_outside_a_bracket(w
     q, _col, clock = world
     q.set_version(3)
     pushed: list[tuple[list[str], int]] = []
+    a, b = sim("1"), sim("1")  # engines that answer, on another version
+    silent = "http://127.0.0.1:9"  # nothing listens: noted, never pushed to
 
     def push_to(urls, version):
         pushed.append((list(urls), version))
-        return ["http://b"]  # b refused again: its note stays
+        return [b.url]  # b refused again: its note stays
 
     bracket = WeightUpdateBracket(q, clock=clock, sleep=clock.sleep, repair=push_to,
-                                  repair_interval_s=None)
-    assert bracket.repair_engines() == [] and pushed == []  # nothing noted: no push
-    bracket.engines.mark("http://a", writer="p1", engine_version=1, run_version=3, reason="r")
-    bracket.mark_needing_weights(["http://b"], reason="push failed")
-    assert set(bracket.engines_needing_weights()) == {"http://a", "http://b"}
-    assert bracket.repair_engines() == ["http://a"]
-    assert pushed == [(["http://a", "http://b"], 3)]
-    assert set(bracket.engines_needing_weights()) == {"http://b"}
-    bracket.control.pause(4)  # a bracket: its own push reaches every engine
-    with pytest.raises(BracketError, match="bracket is open"):
-        bracket.repair_engines()
-    bracket.end_weight_update(4)  # resumes, then repairs what is noted
-    assert pushed[-1] == (["http://b"], 4)
-    bracket.close()
+                                  repair_interval_s=None, probe_timeout_s=2.0)
+    try:
+        assert bracket.repair_engines() == [] and pushed == []  # nothing noted: no push
+        bracket.engines.mark(a.url, writer="p1", engine_version=1, run_version=3, reason="r")
+        bracket.mark_needing_weights([b.url, silent], reason="push failed")
+        assert set(bracket.engines_needing_weights()) == {a.url, b.url, silent}
+        assert bracket.repair_engines() == [a.url]
+        assert pushed == [(sorted([a.url, b.url]), 3)]
+        assert set(bracket.engines_needing_weights()) == {b.url, silent}
+        bracket.control.pause(4)  # a bracket: its own push reaches every engine
+        with pytest.raises(BracketError, match="bracket is open"):
+            bracket.repair_engines()
+        bracket.end_weight_update(4)  # resumes, then repairs what is noted
+        assert pushed[-1] == ([b.url], 4)
+    finally:
+        bracket.close()
+        a.stop()
+        b.stop()
 
 
 def test_without_a_repair_an_update_warns_about_engines_still_on_other_weights(world, caplog):
