@@ -23,7 +23,13 @@ then for that engine only:
    (the hook for checks after an engine loaded version v) and puts the engine back in
    rotation; releases the slot. An ``after_load`` that raises keeps the engine out of
    rotation (``refused``, and marked stale in the guard and ``engines/``, as the bracket
-   mode marks an engine that failed its check) and the next step loads it again.
+   mode marks an engine that failed its check) and a later step loads it again.
+
+A load that failed (refused by ``after_load``, an error, another version read back) is
+tried again after a backoff: ``RETRY_MIN_S`` (or ``poll_s``, if longer) after the first
+failure at that version, doubling to at most ``RETRY_MAX_S``; a newer published version is
+tried at once. An engine that keeps loading wrong weights costs a load a minute, not one
+per poll.
 
 **Attestation** (``strawq.weights.fingerprint``). A producer's ``after_load`` is
 :func:`attestation`: when the trainer published a fingerprint for v (it does so before v's
@@ -72,6 +78,11 @@ from strawq.weights.fingerprint import READ_TIMEOUT_S, AttestationError, Fingerp
 from strawq.weights.publish import WEIGHTS_DIR, Manifest, WeightStore
 
 log = logging.getLogger(__name__)
+
+#: seconds before an engine whose load failed is tried again at the same version (the first
+#: time; doubling after each failure, to at most ``RETRY_MAX_S``)
+RETRY_MIN_S = 1.0
+RETRY_MAX_S = 60.0
 
 #: ``after_load(url, version)``: called once an engine reports the version it loaded
 AfterLoad = Callable[[str, int], Awaitable[None]]
@@ -141,6 +152,8 @@ class RollingPull:
         self.cache_dir = os.path.join(cache_dir or tempfile.gettempdir(),
                                       f"strawq-weights-{producer_id}")
         self._refused: set[int] = set()
+        #: engine URL -> (version, failed loads at it, clock before which it is not tried)
+        self.backoff: dict[str, tuple[int, int, float]] = {}
         #: engine URL -> the version it loaded here and passed ``after_load`` at (a step
         #: that read ``attested/`` before that verdict was written does not load it again)
         self._passed: dict[str, int] = {}
@@ -219,6 +232,9 @@ class RollingPull:
                     v != m.version or self._passed.get(url) == v or attested(url) is True):
                 continue
             behind = True
+            wait = self.backoff.get(url)
+            if wait is not None and wait[0] == m.version and self.clock() < wait[2]:
+                continue  # failed at this version: tried again after its backoff
             try:
                 slot = await self._io(functools.partial(self.store.claim_slot, m,
                                                         self.producer_id, url))
@@ -282,6 +298,7 @@ class RollingPull:
                     raise EngineError(f"refused after loading version {m.version}: {exc}",
                                       url=url) from exc
             self.refused.pop(url, None)
+            self.backoff.pop(url, None)
             self._passed[url] = m.version
             held = self.clock() - t0
             self.pause_s.append(held)
@@ -292,8 +309,13 @@ class RollingPull:
             await self.guard.loaded(url, m.version)
         except (EngineError, StrawqError) as exc:
             self.book.bump("rolling_load_failures")
-            log.warning("producer %s: engine %s did not load version %d: %s; retried at a "
-                        "later step", self.producer_id, url, m.version, exc)
+            last = self.backoff.get(url)
+            n = (last[1] if last is not None and last[0] == m.version else 0) + 1
+            delay = min(RETRY_MAX_S, max(RETRY_MIN_S, self.poll_s) * 2 ** (n - 1))
+            self.backoff[url] = (m.version, n, self.clock() + delay)
+            log.warning("producer %s: engine %s did not load version %d: %s; tried again in "
+                        "%.1fs (failure %d at this version)", self.producer_id, url,
+                        m.version, exc, delay, n)
         finally:
             if url not in self.refused:
                 self.guard.loading.discard(url)  # back in rotation

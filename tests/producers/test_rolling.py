@@ -301,7 +301,7 @@ class _Loader:
 
 def test_the_hook_after_a_load_keeps_a_refused_engine_out_until_it_passes(
         tmp_path: Path) -> None:
-    from strawq.producers.rolling import RollingPull
+    from strawq.producers.rolling import RETRY_MIN_S, RollingPull
 
     q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
     bracket = WeightUpdateBracket(q, weight_update="rolling", wave=1, max_lag=1)
@@ -322,8 +322,10 @@ def test_the_hook_after_a_load_keeps_a_refused_engine_out_until_it_passes(
         if url == "http://e2" and len(checks) == 2:
             raise ValueError("fingerprint mismatch")
 
+    now = [0.0]
     pull = RollingPull("p1", store=WeightStore(q.storage), client=lambda: client, guard=guard,
-                       io=io, book=book, clock=lambda: 0.0, poll_s=0.0, after_load=after_load)
+                       io=io, book=book, clock=lambda: now[0], poll_s=0.0,
+                       after_load=after_load)
 
     async def settle() -> None:
         await pull.step()
@@ -335,6 +337,9 @@ def test_the_hook_after_a_load_keeps_a_refused_engine_out_until_it_passes(
         await settle()  # e2, refused by the hook: out of rotation
         assert client.loads[-1] == ("http://e2", 1) and "http://e2" in guard.loading
         assert guard.usable(list(client.worker_urls)) == ["http://e1"]
+        await settle()  # within its backoff: not loaded again yet
+        assert len(client.loads) == 2 and pull.backoff["http://e2"][:2] == (1, 1)
+        now[0] += RETRY_MIN_S
         await settle()  # loaded again, passes: back in rotation
         assert client.loads[-1] == ("http://e2", 1) and not guard.loading
         await settle()  # nothing left to load
@@ -343,6 +348,59 @@ def test_the_hook_after_a_load_keeps_a_refused_engine_out_until_it_passes(
     asyncio.run(main())
     st = book.snapshot()
     assert st.rolling_loads == 2 and st.rolling_load_failures == 1
+    assert not pull.backoff
+
+
+def test_an_engine_refused_at_every_load_is_tried_again_after_a_doubling_backoff(
+        tmp_path: Path) -> None:
+    """Before: an engine that kept loading the wrong weights was loaded again at every poll
+    (each a pause, a load and a check). Now at 1, 2, 4, ... s, at most a minute apart; a
+    newer version is tried at once."""
+    from strawq.producers.rolling import RETRY_MAX_S, RETRY_MIN_S, RollingPull
+
+    q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
+    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=2, max_lag=1)
+    bracket.publish_weights(lambda v: weights(tmp_path, v))
+    client = _Loader()
+    book = StatsBook(ProducerStats())
+
+    async def io(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    guard = VersionGuard("p1", client=lambda: client, current_version=q.current_version,
+                         notes=EngineWeights(q.storage), io=io, pausing=lambda: False,
+                         book=book)
+
+    async def after_load(url: str, version: int) -> None:
+        if url == "http://e2":
+            raise ValueError("fingerprint mismatch")
+
+    now = [0.0]
+    pull = RollingPull("p1", store=WeightStore(q.storage), client=lambda: client, guard=guard,
+                       io=io, book=book, clock=lambda: now[0], poll_s=0.25,
+                       after_load=after_load)
+    tried: list[tuple[float, int]] = []
+
+    async def main() -> None:
+        while now[0] < 300:  # five minutes of polls every 0.25 s
+            n = len(client.loads)
+            await pull.step()
+            await asyncio.gather(*pull.pulls.values())
+            tried.extend((now[0], v) for u, v in client.loads[n:] if u == "http://e2")
+            if now[0] == 200:
+                bracket.publish_weights(lambda v: weights(tmp_path, v))  # version 2
+            now[0] += 0.25
+
+    asyncio.run(main())
+    at1 = [t for t, v in tried if v == 1]
+    gaps = [b - a for a, b in zip(at1, at1[1:], strict=False)]
+    assert gaps[:6] == [RETRY_MIN_S * 2 ** i for i in range(6)], gaps
+    assert max(gaps) == RETRY_MAX_S and at1[-1] < 200
+    at2 = [t for t, v in tried if v == 2]
+    assert at2[0] == 200.25 and at2[1] - at2[0] == RETRY_MIN_S  # a new version: at once
+    assert "http://e2" in guard.loading and guard.usable(["http://e1", "http://e2"]) == [
+        "http://e1"]
+    assert book.snapshot().rolling_load_failures == len(tried) < 20
 
 
 def test_a_reply_from_the_old_version_just_after_a_publish_is_applied(tmp_path: Path) -> None:
