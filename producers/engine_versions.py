@@ -86,8 +86,9 @@ from strawq.weights.fingerprint import Fingerprints
 log = logging.getLogger(__name__)
 
 
-#: the segment being generated resumes a prefix: (its newest token's version, its tokens)
-RESUMING: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+#: the segment being generated resumes a prefix: (its newest token's version, its tokens,
+#: its oldest token's version)
+RESUMING: contextvars.ContextVar[tuple[int, int, int] | None] = contextvars.ContextVar(
     "strawq_resuming", default=None)
 
 
@@ -95,7 +96,8 @@ RESUMING: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVa
 def resuming(versions: Sequence[int] | np.ndarray) -> Iterator[None]:
     """Within it, a ``generate`` resumes a prefix whose per-token versions are ``versions``
     (routing by version, ``VersionGuard.route``); nothing for an empty prefix."""
-    token = RESUMING.set((int(versions[-1]), len(versions)) if len(versions) else None)
+    token = RESUMING.set((int(versions[-1]), len(versions), int(min(versions)))
+                         if len(versions) else None)
     try:
         yield
     finally:
@@ -136,6 +138,10 @@ class VersionWindow:
         #: the event loop at each ``refresh``: a reply from an engine not yet updated to a
         #: version published a moment ago is judged by it, not as a stale engine's
         self.lag_reader: Callable[[int], int | None] | None = None
+        #: the collector's η as last read (None: unbounded, or none published)
+        self.eta: int | None = None
+        #: reads it (``RunQueue.eta_policy``), off the event loop at each ``refresh``
+        self.eta_reader: Callable[[], int | None] | None = None
 
     def fits(self, version: int, run_version: int | None = None) -> bool:
         """Whether an engine on ``version`` may serve: the run's version, or (rolling) at
@@ -147,17 +153,31 @@ class VersionWindow:
         return lo <= int(version) <= run_v
 
     def route(self, urls: list[str]) -> list[str]:
-        """Rolling: the engines a resumed segment should go to among ``urls`` (those of its
-        prefix's newest version while that version may serve, else those of the run's
-        version, else all); ``urls`` otherwise."""
+        """Rolling: the engines a segment should go to among ``urls``: a resumed one to
+        those of its prefix's newest version while that version may serve, else to those
+        of the run's version, else all; a fresh one (no prefix) to those of the run's
+        version while one is in rotation, else all. ``urls`` otherwise (the bracket).
+
+        A resumed segment goes to its own version only while η allows it: its oldest token
+        is recent enough to be trained a version from now (``oldest + η > run``; always
+        without a known η). A lagging engine is one its producer will load the new version
+        into soon (its wave), which aborts what runs there: a due partial sent to it is
+        parked again, and again, past its deadline.
+
+        A fresh segment on a lagging engine would start a group with tokens older than the
+        version it was released at: under η = 1 such a group is due before it can finish.
+        Both were trained over η under ``eta_mode="hard"`` before (the lab's
+        ``stream+rolling``: 21 groups in 4 steps, staleness up to 3)."""
         pref = RESUMING.get()
-        if self.lag is None or pref is None or self.expected is None:
+        if self.lag is None or self.expected is None:
             return urls
-        if self.fits(pref[0]):
+        newest = [u for u in urls if self.versions.get(u) == self.expected]
+        if pref is None:
+            return newest or urls
+        if self.fits(pref[0]) and (self.eta is None or pref[2] + self.eta > self.expected):
             same = [u for u in urls if self.versions.get(u) == pref[0]]
             if same:
                 return same
-        newest = [u for u in urls if self.versions.get(u) == self.expected]
         return newest or urls
 
     def _fits_all(self, weight_version: int, versions: np.ndarray) -> bool:
@@ -300,13 +320,15 @@ class VersionGuard(VersionWindow):
 
     async def refresh(self) -> tuple[int, bool]:
         """Re-read the run's version and whether a bracket is open (off the event loop)."""
-        def read() -> tuple[int, bool, int | None]:
+        def read() -> tuple[int, bool, int | None, int | None]:
             v = self._current_version()
             lag = self.lag if self.lag_reader is None else self.lag_reader(v)
-            return v, read_state(self.notes.storage).paused, lag
-        run_v, paused, lag = await self._io(read)
+            eta = self.eta if self.eta_reader is None else self.eta_reader()
+            return v, read_state(self.notes.storage).paused, lag, eta
+        run_v, paused, lag, eta = await self._io(read)
         self.expected = int(run_v)
         self.lag = lag
+        self.eta = eta
         return self.expected, bool(paused)
 
     # -- marking and restoring --------------------------------------------------------------

@@ -188,6 +188,7 @@ class Producer:
                                   notes=EngineWeights(self.queue.storage), io=self._io.call,
                                   pausing=lambda: bracket.pausing, book=book,
                                   probe_s=max(0.2, 5 * timing.control_poll_s), clock=clock)
+        self.guard.eta_reader = self._eta
         #: rolling weight updates: this producer's engines pull published versions in waves;
         #: after each load the engine is attested against the version's fingerprint (when
         #: the trainer published one) before it serves
@@ -376,6 +377,12 @@ class Producer:
                  st.groups_completed, st.groups_yielded, st.groups_dropped,
                  st.groups_failed, st.tokens_generated)
         log.debug("producer %s stats: %s", self.producer_id, st.to_dict())
+
+    def _eta(self) -> int | None:
+        """The collector's η (blocking; re-read every few seconds): the rolling route's
+        bound on resuming a partial on a lagging engine."""
+        policy = self.queue.eta_policy()
+        return None if policy is None else policy.max_staleness
 
     def _may_idle(self) -> bool:
         """Nothing to claim (pending/ listed empty), no group held or owed back, no pause

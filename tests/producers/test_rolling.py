@@ -159,9 +159,21 @@ def test_an_engine_within_the_lag_serves_and_resumes_route_by_version(tmp_path: 
         guard.stale.clear()
         guard.versions.update({"http://e1": 5, "http://e2": 6})
         urls = list(_Client.worker_urls)
-        assert guard.route(urls) == urls  # a fresh sample: any engine
+        # a fresh sample: the run's version (on e1 it would start a group with tokens older
+        # than its release; it was "any engine" before)
+        assert guard.route(urls) == ["http://e2"]
         with resuming(np.array([5, 5, 5])):
-            assert guard.route(urls) == ["http://e1"]  # its own version
+            assert guard.route(urls) == ["http://e1"]  # its own version (no η known)
+        guard.eta = 2
+        with resuming(np.array([5, 5, 5])):  # 5 + 2 > 6: trained a version from now is
+            assert guard.route(urls) == ["http://e1"]  # still within η
+        guard.eta = 1
+        with resuming(np.array([5, 5, 5])):  # due now: not to an engine about to be loaded
+            assert guard.route(urls) == ["http://e2"]
+        guard.eta = 2
+        with resuming(np.array([4, 5, 5])):  # its oldest token decides: 4 + 2 == 6
+            assert guard.route(urls) == ["http://e2"]
+        guard.eta = None
         guard.lag = 0
         with resuming(np.array([5, 5, 5])):
             assert guard.route(urls) == ["http://e2"]  # its version may no longer serve
