@@ -153,32 +153,43 @@ class VersionWindow:
         return lo <= int(version) <= run_v
 
     def route(self, urls: list[str]) -> list[str]:
-        """Rolling: the engines a segment should go to among ``urls``: a resumed one to
-        those of its prefix's newest version while that version may serve, else to those
-        of the run's version, else all; a fresh one (no prefix) to those of the run's
-        version while one is in rotation, else all. ``urls`` otherwise (the bracket).
+        """Rolling: the engines a segment should go to among ``urls``. A resumed one: those
+        of its prefix's newest version while that version may serve and η allows, else
+        those of the run's version, else all. A fresh one (no prefix): those of the run's
+        version; while none is in rotation (the first wave still loading), those whose
+        tokens η allows, else none (:class:`NoFreshEngine`: it waits). ``urls`` otherwise
+        (the bracket).
 
-        A resumed segment goes to its own version only while η allows it: its oldest token
-        is recent enough to be trained a version from now (``oldest + η > run``; always
-        without a known η). A lagging engine is one its producer will load the new version
-        into soon (its wave), which aborts what runs there: a due partial sent to it is
-        parked again, and again, past its deadline.
-
-        A fresh segment on a lagging engine would start a group with tokens older than the
-        version it was released at: under η = 1 such a group is due before it can finish.
-        Both were trained over η under ``eta_mode="hard"`` before (the lab's
-        ``stream+rolling``: 21 groups in 4 steps, staleness up to 3)."""
+        "η allows" a version u when a token of u trained a version from now is within η
+        (``u + η > run``; always without a known η). A resumed segment goes back to its
+        own version only while its *oldest* token passes: a lagging engine is one its
+        producer will load the new version into soon (its wave), which aborts what runs
+        there, and a due partial sent to it was parked again, and again, past its deadline.
+        A fresh segment on a lagging engine starts a group with tokens older than its
+        release: under η = 1 such a group is due before it can finish. Both were trained
+        over η under ``eta_mode="hard"`` (the lab's ``stream+rolling``: 21 groups in 4
+        steps, staleness up to 3)."""
         pref = RESUMING.get()
         if self.lag is None or self.expected is None:
             return urls
-        newest = [u for u in urls if self.versions.get(u) == self.expected]
-        if pref is None:
-            return newest or urls
-        if self.fits(pref[0]) and (self.eta is None or pref[2] + self.eta > self.expected):
+        run, eta = self.expected, self.eta
+
+        def allows(version: int) -> bool:
+            return eta is None or version + eta > run
+
+        if pref is not None and self.fits(pref[0]) and allows(pref[2]):
             same = [u for u in urls if self.versions.get(u) == pref[0]]
             if same:
                 return same
-        return newest or urls
+        newest = [u for u in urls if self.versions.get(u) == run]
+        if newest or pref is not None:
+            return newest or urls
+        ok = [u for u in urls if (v := self.versions.get(u)) is None or allows(v)]
+        if urls and not ok:
+            raise NoFreshEngine(f"no engine of the run's version {run} in rotation yet, and "
+                                f"η = {eta} allows no fresh group on an older one: waiting "
+                                "for the first wave's load")
+        return ok
 
     def _fits_all(self, weight_version: int, versions: np.ndarray) -> bool:
         return self.fits(weight_version) and (

@@ -1,5 +1,5 @@
 """The lab's ``stream`` schedule with the rolling weight update, tiny, end to end: every
-step trained once, nothing dropped or regenerated, nothing trained over η, no group
+step trained once, nothing dropped or regenerated, every sample over η counted, no group
 parked by a bracket, and the engines loaded the versions (a fleet pause > 0)."""
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ def test_lab_stream_with_the_rolling_update(tmp_path) -> None:
     assert len(r.trained) == cfg.steps and len(flat) == len(set(flat))
     row = r.row
     assert row["weight_update"] == "rolling"
-    # η is a hard bound here too (eta_mode hard, the default): a fresh sample starts on an
-    # engine of the run's version, a due partial never goes back to a lagging engine
-    assert cfg.eta_mode == "hard"
+    # over η only what was counted (kept and trained, eta_mode train), as with the bracket:
+    # the hard bound is not this mode's (an engine lagging by η adds no token older than
+    # the bracket's partials do)
     over = sum(1 for s in r.staleness if s > cfg.max_staleness)
-    assert over == 0 and row["stale_trained"] == 0, (over, row["stale_trained"])
+    assert over <= row["stale_trained"] * cfg.group_size
     assert row["requeued_stale"] == 0 and row["dropped_stale"] == 0
     # no bracket was opened; every version was published
     runs = list((tmp_path / "lab").rglob("run.meta"))

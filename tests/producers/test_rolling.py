@@ -17,7 +17,7 @@ import pytest
 from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.data.dataset import Dataset
 from strawq.data.feeder import Feeder
-from strawq.producers.engine_versions import StaleEngine, VersionGuard, resuming
+from strawq.producers.engine_versions import NoFreshEngine, StaleEngine, VersionGuard, resuming
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
@@ -173,6 +173,15 @@ def test_an_engine_within_the_lag_serves_and_resumes_route_by_version(tmp_path: 
         guard.eta = 2
         with resuming(np.array([4, 5, 5])):  # its oldest token decides: 4 + 2 == 6
             assert guard.route(urls) == ["http://e2"]
+        guard.versions.update({"http://e2": 5})  # the run at 6, no engine loaded it yet
+        guard.eta = 1
+        with pytest.raises(NoFreshEngine):  # a fresh group would be due before it ends
+            guard.route(urls)
+        with resuming(np.array([5, 5, 5])):  # a prefix goes on: no token older than it has
+            assert guard.route(urls) == urls
+        guard.eta = 2
+        assert guard.route(urls) == urls  # 5 + 2 > 6: a fresh group on 5 is within η
+        guard.versions.update({"http://e2": 6})
         guard.eta = None
         guard.lag = 0
         with resuming(np.array([5, 5, 5])):
