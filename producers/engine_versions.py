@@ -143,6 +143,12 @@ class VersionWindow:
         #: reads it (``RunQueue.eta_policy``), off the event loop at each ``refresh``
         self.eta_reader: Callable[[], int | None] | None = None
 
+    def saw_version(self, version: int) -> None:
+        """The run's version as a group load read it (at or after the group's release):
+        routing never goes by an older view of the run than the newest seen."""
+        if self.expected is None or int(version) > self.expected:
+            self.expected = int(version)
+
     def fits(self, version: int, run_version: int | None = None) -> bool:
         """Whether an engine on ``version`` may serve: the run's version, or (rolling) at
         most ``lag`` versions behind it."""

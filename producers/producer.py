@@ -208,6 +208,7 @@ class Producer:
                                   pausing=lambda: bracket.pausing, clock=clock,
                                   kick=self._wakeup.kick, table=table, halts=halts,
                                   backoff=backoff)
+        self.runner.saw_version = self.guard.saw_version
         #: the in-flight journal (``strawq.producers.journal_flush``): None when off (or
         #: when turn checkpoints hold a multi-turn plugin's state)
         self.journal: JournalFlush | None = None

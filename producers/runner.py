@@ -171,6 +171,9 @@ class GroupRunner:
                                                      config.plugins.generate_args)
         #: the group before its first request: version, prefixes or prompt, η, parameters
         self.loader = GroupLoader(config, queue=queue, group_size=group_size, book=book)
+        #: told the run's version each group load read (the guard: never route a group
+        #: released at a version by an older view of the run)
+        self.saw_version: Callable[[int], None] | None = None
         self.tokenizer = self.loader.tokenizer
         #: after a sample's end: teacher, reward; after the group's: the filter
         self.scorer = GroupScorer(config, threads=rewards, book=book, tokenizer=self.tokenizer)
@@ -303,6 +306,8 @@ class GroupRunner:
                 await self.handback.fail(lease, "bad_task", str(exc), retryable=False)
                 return
             a.run, a.version = run, version
+            if self.saw_version is not None:
+                self.saw_version(version)
             todo = run.unfinished()
             self.pool.set_demand(a.hold, len(todo))  # a partial needs only its unfinished
             if not (a.parking or a.abandoned):

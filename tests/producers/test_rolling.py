@@ -183,6 +183,14 @@ def test_an_engine_within_the_lag_serves_and_resumes_route_by_version(tmp_path: 
         assert guard.route(urls) == urls  # 5 + 2 > 6: a fresh group on 5 is within η
         guard.versions.update({"http://e2": 6})
         guard.eta = None
+        # a group load read version 7 (released at 7 at most) before the guard's refresh:
+        # routing goes by the newest view (its view of 6 would send it to e2, on 6)
+        guard.versions.update({"http://e1": 7})
+        guard.saw_version(7)
+        guard.saw_version(5)  # an older read never moves it back
+        assert guard.expected == 7 and guard.route(urls) == ["http://e1"]
+        guard.expected = 6
+        guard.versions.update({"http://e1": 5})
         guard.lag = 0
         with resuming(np.array([5, 5, 5])):
             assert guard.route(urls) == ["http://e2"]  # its version may no longer serve
