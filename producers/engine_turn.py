@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from strawq.producers.engine_client import EngineClient, warm_prefix
 from strawq.producers.engine_errors import EngineAuthError, EngineError, EngineUnavailable
-from strawq.producers.engine_versions import NoFreshEngine, StaleEngine
+from strawq.producers.engine_versions import NoFreshEngine, StaleEngine, born_at
 from strawq.producers.extras_protocol import ExtrasMismatch
 from strawq.producers.generate import Halted, SampleFailed
 from strawq.producers.group import GroupRun
@@ -86,9 +86,10 @@ class EngineTurns:
                 self.book.hop("claim_to_generate", self.clock() - a.claimed_at)
             held = s.response_length
             try:
-                res = await step_sample(self._client(), s, rid=rid,
-                                        context_length=engine.generation.context_length,
-                                        eos_ids=self.eos_ids, live=a.live_rids)
+                with born_at(a.version):  # a fresh segment: no token older than its group
+                    res = await step_sample(self._client(), s, rid=rid,
+                                            context_length=engine.generation.context_length,
+                                            eos_ids=self.eos_ids, live=a.live_rids)
             except StaleEngine:
                 continue  # tokens of the wrong weights discarded; re-issued in rotation
             except NoFreshEngine:  # every engine stale: wait for the trainer's push

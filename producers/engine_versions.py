@@ -92,6 +92,22 @@ RESUMING: contextvars.ContextVar[tuple[int, int, int] | None] = contextvars.Cont
     "strawq_resuming", default=None)
 
 
+#: the group of the segment being generated was loaded at this run version (a fresh
+#: segment's tokens must be no older: the collector's bound on a fresh group)
+BORN: contextvars.ContextVar[int | None] = contextvars.ContextVar("strawq_born", default=None)
+
+
+@contextlib.contextmanager
+def born_at(version: int | None) -> Iterator[None]:
+    """Within it, a fresh segment (no prefix) belongs to a group whose load read the run's
+    ``version``: in the rolling mode a reply with an older token is refused."""
+    token = BORN.set(None if version is None else int(version))
+    try:
+        yield
+    finally:
+        BORN.reset(token)
+
+
 @contextlib.contextmanager
 def resuming(versions: Sequence[int] | np.ndarray) -> Iterator[None]:
     """Within it, a ``generate`` resumes a prefix whose per-token versions are ``versions``
@@ -234,6 +250,28 @@ class VersionGuard(VersionWindow):
         #: the trainer's fingerprints and its verdicts on the engines (``attested/``)
         self.attestations = Fingerprints(notes.storage)
         VersionWindow.__init__(self)
+
+    def check_born(self, result: GenerateResult) -> None:
+        """Rolling, with a known η: refuse a fresh segment's reply with a token η does not
+        allow against its group's load (``oldest + η <= loaded``; an engine that lagged
+        while the route's view of the run was older): applied, it would start a group due
+        before it could finish. Counted in ``stale_replies`` and
+        ``stale_tokens_discarded``; the engine is not marked (it may serve prefixes)."""
+        born = BORN.get()
+        if self.lag is None or born is None or self.eta is None:
+            return
+        versions = np.asarray(result.versions)
+        oldest = int(versions.min()) if len(versions) else int(result.weight_version)
+        if oldest + self.eta > born:  # as ``route`` allows: trained a version on, within η
+            return
+        n = len(result.output_ids)
+        self.book.bump("stale_replies")
+        self.book.bump("stale_tokens_discarded", n)
+        raise StaleEngine(
+            f"reply {result.rid} starts a group loaded at version {born} with tokens of "
+            f"version {oldest} (a lagging engine): its {n} tokens are discarded and the "
+            "request goes to an engine of the run's version",
+            url=result.url, engine_version=result.weight_version, run_version=born, tokens=n)
 
     # -- rotation (the client asks) ---------------------------------------------------------
     def serves(self, url: str) -> bool:
@@ -576,6 +614,8 @@ class GuardedClient:
                                            extra=extra, live=live, **kw)
         await self.guard.check(result)  # raises StaleEngine: no token from the wrong weights
         pref = RESUMING.get()
+        if pref is None:
+            self.guard.check_born(result)
         if pref is not None:  # what resuming cost: prefix tokens prefilled again
             self.guard.book.bump("resumed_tokens", pref[1])
             if result.prompt_tokens is not None:

@@ -351,11 +351,7 @@ class WeightUpdateBracket:
 
     def attestation_metrics(self) -> dict[str, float]:
         """The trainer's attestation counters, for ``MetricsSink.emit``."""
-        r = self.repairs
-        return {"attest/checks_total": r.attest_checks,
-                "attest/failures_total": r.attest_failures,
-                "attest/unreachable_total": r.attest_unreachable,
-                "attest/last_s": r.attest_last_s}
+        return self.repairs.metrics()
 
     def weight_update(self, push: Callable[[int], Any], *, timeout: float = 300.0,
                       version: int | None = None,

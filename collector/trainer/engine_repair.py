@@ -77,6 +77,13 @@ class EngineRepair:
         #: engines seen silent and not heard from since (logged once, not at every round)
         self._silent: set[str] = set()
 
+    def metrics(self) -> dict[str, float]:
+        """The attestation counters (``attest/...``), for ``MetricsSink.emit``."""
+        return {"attest/checks_total": self.attest_checks,
+                "attest/failures_total": self.attest_failures,
+                "attest/unreachable_total": self.attest_unreachable,
+                "attest/last_s": self.attest_last_s}
+
     def start(self, push_to: PushTo, *, interval_s: float | None = 5.0) -> None:
         """Repair with ``push_to`` from now on; every ``interval_s`` from a daemon thread
         too, unless it is None."""

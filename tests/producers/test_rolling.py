@@ -17,7 +17,13 @@ import pytest
 from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.data.dataset import Dataset
 from strawq.data.feeder import Feeder
-from strawq.producers.engine_versions import NoFreshEngine, StaleEngine, VersionGuard, resuming
+from strawq.producers.engine_versions import (
+    NoFreshEngine,
+    StaleEngine,
+    VersionGuard,
+    born_at,
+    resuming,
+)
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
@@ -191,6 +197,19 @@ def test_an_engine_within_the_lag_serves_and_resumes_route_by_version(tmp_path: 
         assert guard.expected == 7 and guard.route(urls) == ["http://e1"]
         guard.expected = 6
         guard.versions.update({"http://e1": 5})
+        # a fresh segment of a group loaded at 6 answered by a lagging engine (a route by an
+        # older view): refused, not applied; the engine stays in rotation for prefixes
+        with born_at(6):
+            guard.check_born(_reply(5, [5, 5], "http://e1"))  # η unknown: as the route
+            guard.eta = 1
+            with pytest.raises(StaleEngine, match="loaded at version 6"):
+                guard.check_born(_reply(5, [5, 5], "http://e1"))
+            guard.check_born(_reply(6, [6, 6], "http://e2"))
+            guard.eta = 2
+            guard.check_born(_reply(5, [5, 5], "http://e1"))  # 5 + 2 > 6: within η
+            guard.eta = None
+        guard.check_born(_reply(5, [5, 5], "http://e1"))  # a group of no known load
+        assert guard.serves("http://e1")
         guard.lag = 0
         with resuming(np.array([5, 5, 5])):
             assert guard.route(urls) == ["http://e2"]  # its version may no longer serve
