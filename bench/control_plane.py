@@ -17,7 +17,16 @@ counted with Redis's own ``INFO commandstats``.
   completion per group).
 - weight update after every step: of the 30,000 groups in flight, 75 % are saved as
   partials (``yield_partial``) and resumed (a claim and ``load_partial``), 25 % handed back
-  (``release``) and claimed again; the burst is spread over 10 s.
+  (``release``) and claimed again; the burst is spread over 10 s. Each producer takes its
+  slots back in one claim of its whole slot budget (``refill``: what the producer does
+  after a resume), counted as such: a claim of ``slots`` tasks from a top of ``pending/``
+  holding every sampled producer's parked tasks; the burst with claims of one task each
+  (the model before) is printed beside. The refill's tasks are the parked ones, single
+  files at the top of ``pending/``: no chunk holds them (``--release-chunk``), so chunks
+  gain nothing there.
+- a producer's start: it fills its slots in one claim of ``slots`` fresh tasks (whole
+  chunks where ``release_chunk`` > 1), once per producer and run: printed apart, not in
+  the steady or the burst figures.
 - the collector: releases tasks 64 at a time as they are claimed, batches every group
   (lists ``ready/``, reads each group's summary, publishes the manifest, moves the groups),
   acks and garbage-collects once a step.
@@ -100,6 +109,7 @@ from strawq.config import QueueConfig
 from strawq.data.dataset import Dataset
 from strawq.data.feeder import Feeder
 from strawq.delivery.batches import BatchStore
+from strawq.errors import LeaseLost
 from strawq.ondisk.groups import GroupData
 from strawq.storage import PosixStorage
 from strawq.tasks.journal import FULL_EVERY, JournalLog, load_chain
@@ -158,8 +168,8 @@ class Run:
     #: claim in the steady state: a producer claims as many tasks as it has free slots, and
     #: its slots free one at a time as its groups finish, so a steady claim wants 1 task
     #: and takes one task out of a chunk (a chunk is leased whole only by a claim that
-    #: wants at least K; the update's claims take partials and handed-back tasks, which are
-    #: single files)
+    #: wants at least K: a producer's start fill, ``refill``; the update's refill takes
+    #: partials and handed-back tasks, which are single files)
     release_chunk: int = 1
 
     @property
@@ -285,7 +295,7 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
     root_a, root_b = os.path.join(vol.a, name), os.path.join(vol.b, name)
     os.makedirs(root_a)
     pids = run.spread(run.producers)
-    tasks = (len(pids) * (6 if run.journal_every_s else 4) + run.pending_depth
+    tasks = (len(pids) * ((6 if run.journal_every_s else 4) + run.slots) + run.pending_depth
              + 2 * run.release_batch)
     ds = os.path.join(root_a, "ds.jsonl")
     with open(ds, "w", encoding="utf-8") as f:
@@ -362,6 +372,7 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
     counter.measure("update", "hand back: claim again", claim, pids)  # the returned ones
     if run.journal_every_s:
         journal(counter, run, queues, pids, claim, top_up)
+    refill(counter, run, queues, pids, top_up)
     # the collector's batch of every completed group (cost per group)
     bs = BatchStore(q_a)
     wait_s = time.monotonic() + 30
@@ -471,6 +482,62 @@ def journal(counter: Counter, run: Run, queues: dict[int, RunQueue], pids: list[
     counter.measure("update", "resume from journal: load prefix", load, pids)
 
 
+def refill(counter: Counter, run: Run, queues: dict[int, RunQueue], pids: list[int],
+           top_up: Callable[[int], None]) -> None:
+    """A producer's refills, each one claim of its whole slot budget (``run.slots`` tasks,
+    as the producer asks for every free slot in one claim): at its start, from fresh tasks
+    (whole chunks where ``release_chunk`` > 1), and after an update, from the tasks every
+    producer parked (75 % partials, 25 % handed back: single files at the top of
+    ``pending/``, which no chunk holds). A claim that comes back short (lost races) is
+    followed by another for the rest, counted with it. The parks themselves are counted
+    above (``save partial``, ``hand back``), not again here."""
+    s = run.slots
+
+    def fill(i: int) -> list[Lease]:
+        got: list[Lease] = []
+        for _ in range(50):
+            got += queues[i].claim(f"p{i}", s - len(got))
+            if len(got) == s:
+                return got
+            time.sleep(0.01)
+        raise RuntimeError(f"producer p{i} claimed {len(got)} of its {s} slots 50 times")
+
+    top_up(len(pids) * s)
+    held = dict(zip(pids, counter.measure("start", f"fill: claim {s} tasks at once", fill,
+                                          pids), strict=True))
+    chunked = sum(lease.name.chunk is not None for got in held.values() for lease in got)
+    saved = round(s * (1 - run.handback_share))
+
+    def park(i: int) -> int:
+        """The producer's parks; returns its leases found lost (``LeaseLost``)."""
+        lost = 0
+        for k, lease in enumerate(held[i]):
+            try:
+                if k < saved:
+                    queues[i].yield_partial(lease, group_of(lease, tokens=32))
+                else:
+                    queues[i].release(lease)
+            except LeaseLost:
+                lost += 1
+        return lost
+
+    with ThreadPoolExecutor(8) as pool:
+        lost = sum(pool.map(park, pids))
+    ids = [lease.task_id for got in held.values() for lease in got]
+    if lost or len(set(ids)) < len(ids):
+        # A claim taking a task out of a chunk by its path can race the rename of the whole
+        # chunk: its rename resolved the chunk directory before that moved, and moves the
+        # task out of the chunk another claimer now holds, which then finds the lease lost
+        # (fenced: one result; the loser's work is wasted).
+        print(f"  start fill: {len(ids) - len(set(ids))} tasks leased twice (a single claim "
+              f"out of a chunk racing its whole-chunk claim), {lost} leases found lost at "
+              f"the park", flush=True)
+    again = counter.measure("update", f"refill: claim {s} tasks at once", fill, pids)
+    print(f"  refill: {chunked} of {len(pids) * s} tasks at the start fill leased inside a "
+          f"whole chunk, {sum(x.name.chunk is not None for got in again for x in got)} at the "
+          f"update's refill (parked tasks are single files)", flush=True)
+
+
 #: client kind of each operation's steady term
 KIND = {"heartbeat": "producer", "claim": "producer", "complete": "producer",
         "release (per 64 tasks)": "collector", "batch, per group (list, read, publish)":
@@ -507,27 +574,49 @@ def steady_rates(run: Run) -> dict[str, float]:
             "delivery, heard (shard)": (run.ranks - run.watchers) / run.step_s}
 
 
-def burst_counts(run: Run) -> dict[str, float]:
-    """Each operation's count at one weight update."""
+def fill_op(run: Run) -> str:
+    """The start's claim of a producer's whole slot budget (counted per producer)."""
+    return f"fill: claim {run.slots} tasks at once"
+
+
+def refill_op(run: Run) -> str:
+    """The update's refill claim of a producer's whole slot budget (per producer)."""
+    return f"refill: claim {run.slots} tasks at once"
+
+
+def burst_counts(run: Run, *, refill: bool = True) -> dict[str, float]:
+    """Each operation's count at one weight update. ``refill``: each producer takes its
+    parked slots back in one claim of its slot budget (what the producer does); else in
+    claims of one task each (the model before refills were counted)."""
     saved = run.in_flight * (1 - run.handback_share)
     handed = run.in_flight * run.handback_share
     if run.journal_every_s:
-        return {"park: journal record (per producer)": run.producers,
-                "park: yield into the journal": saved, "resume from journal: claim": saved,
-                "resume from journal: load prefix": saved, "hand back": handed,
-                "hand back: claim again": handed}
-    return {"save partial": saved, "resume: claim": saved, "resume: load partial": saved,
-            "hand back": handed, "hand back: claim again": handed}
+        counts = {"park: journal record (per producer)": run.producers,
+                  "park: yield into the journal": saved, "resume from journal: claim": saved,
+                  "resume from journal: load prefix": saved, "hand back": handed,
+                  "hand back: claim again": handed}
+    else:
+        counts = {"save partial": saved, "resume: claim": saved, "resume: load partial": saved,
+                  "hand back": handed, "hand back: claim again": handed}
+    if refill:
+        for single in ("resume: claim", "resume from journal: claim", "hand back: claim again"):
+            counts.pop(single, None)
+        counts[refill_op(run)] = run.producers
+    return counts
 
 
 def demand(c: Counter, run: Run) -> dict[str, float]:
-    """Steady ops/s by client kind, and the ops of one update's burst."""
+    """Steady ops/s by client kind; the ops of one update's burst, with its refill claims
+    (``burst``) and with claims of one task each (``burst_single``); and the ops of the
+    run's start, every producer filling its slots in one claim (``start``)."""
     steady = dict.fromkeys(("producer", "collector", "rank"), 0.0)
     for name, rate in steady_rates(run).items():
         steady[KIND[name]] += rate * c.cost(name)
     burst = sum(n * c.cost(name) for name, n in burst_counts(run).items())
+    single = sum(n * c.cost(name) for name, n in burst_counts(run, refill=False).items())
     return {**{f"steady_{k}": v for k, v in steady.items()},
-            "steady": sum(steady.values()), "burst": burst}
+            "steady": sum(steady.values()), "burst": burst, "burst_single": single,
+            "start": run.producers * c.cost(fill_op(run))}
 
 
 def demand_mix(c: Counter, run: Run) -> dict[str, int]:
@@ -583,6 +672,16 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
               f"{d['steady_producer']:,.0f} ops/s; all steady {off['steady']:,.0f} -> "
               f"{d['steady']:,.0f} ops/s ({off['steady'] / cap:.1%} -> {d['steady'] / cap:.1%} "
               f"of the server); update burst {off['burst']:,.0f} -> {d['burst']:,.0f} ops")
+    per_task = {"fill": counter.cost(fill_op(run)) / run.slots,
+                "refill": counter.cost(refill_op(run)) / run.slots}
+    resume = "resume from journal: claim" if run.journal_every_s else "resume: claim"
+    single = ((1 - run.handback_share) * counter.cost(resume)
+              + run.handback_share * counter.cost("hand back: claim again"))
+    print(f"  refills (one claim of a producer's {run.slots} slots): at the start "
+          f"{per_task['fill']:,.1f} Redis commands a task, {d['start']:,.0f} ops for every "
+          f"producer's first fill ({d['start'] / cap:.1f} s of the server, once a run); at "
+          f"an update {per_task['refill']:,.1f} a task against {single:,.1f} in claims of "
+          f"one, update burst {d['burst_single']:,.0f} -> {d['burst']:,.0f} ops")
     worst = max(d["steady"] / cap, d["steady"] / cap + burst_share)
     volumes = max(1, math.ceil(worst / 0.2))
     print(f"  one volume carries it within the 20 % target: "
@@ -593,6 +692,10 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
               f"{window:.1f} Redis commands a window per producer, "
               f"{window / run.journal_every_s:.1f} per producer-second; "
               f"steady share {off['steady'] / cap:.3f} without, {d['steady'] / cap:.3f} with")
+    print(f"refill: release_chunk = {run.release_chunk}, start fill = {per_task['fill']:.1f} "
+          f"Redis commands a task, update refill = {per_task['refill']:.1f} a task (claims "
+          f"of one: {single:.1f}); update burst {d['burst']:.0f} ops (claims of one: "
+          f"{d['burst_single']:.0f})")
     print(f"scale: {size}-GPU control plane = {d['steady']:.0f} ops/s steady, {d['burst']:.0f} ops "
           f"per update burst; metadata server capacity = {cap:.0f} ops/s; share = "
           f"{d['steady'] / cap:.3f} (burst {burst_share:.3f} over {run.burst_window_s:g} s)")

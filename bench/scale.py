@@ -48,7 +48,12 @@ figures from the same counts are printed beside it).
 
 ``--release-chunk K``: the collector releases in chunks of K (``queue.release_chunk``);
 producers claim as many tasks as they have free slots, which free one at a time as groups
-finish, so the model's steady claims want 1 task (taken out of a chunk).
+finish, so the model's steady claims want 1 task (taken out of a chunk). Refills are one
+claim of a producer's whole slot budget: its start's fill (whole chunks where K > 1) and
+its refill after each update (the parked tasks, single files; the burst counts these
+claims); a line ``refill: release_chunk = K, start fill = F Redis commands a task, update
+refill = R a task (claims of one: S); update burst B ops (claims of one: B1)`` says what
+they cost.
 
     python bench/scale.py [--quick] [--meta sqlite|redis] [--idle-s 20] [--counts 1,10,100]
                            [--claims 200]

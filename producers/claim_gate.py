@@ -6,6 +6,14 @@ probe reaches one: a producer cut off from its engines claims nothing it cannot 
 while every engine is on other weights; else what its slot pool allows. A claim that fails
 on the storage (a dead mount, a full disk) is said once, and so is its recovery.
 
+No claim either while a group it claimed is still loading its record: until then the group
+demands a whole group's trajectories, and a resumed partial needs only its unfinished
+samples. So a refill after a weight update — every slot claimed at once, mostly partials —
+is followed by one claim of what the loaded partials left free, not by a claim of one
+group as each partial loads (with ``queue.release_chunk`` = k, a claim of at least k takes
+whole chunks). The wait is the loads' own (on the I/O threads the claims use too), and no
+trajectory the pool has free is held back longer than that.
+
 Before the first claim, two checks refuse a producer that could only burn the queue: a
 first queued task its configuration cannot run (``check_first_task``), and an engine whose
 weight version is not an integer (``check_engine_versions``).
@@ -108,6 +116,7 @@ class ClaimGate:
     def __init__(self, *, producer_id: str, run_dir: str, handback: HandBack,
                  bracket: PauseBracket, heartbeat: Heartbeat, backoff: FaultBackoff,
                  guard: VersionGuard, pool: SlotPool, book: StatsBook,
+                 loading: Callable[[], int] = lambda: 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.producer_id = producer_id
         self.run_dir = run_dir
@@ -118,6 +127,8 @@ class ClaimGate:
         self.guard = guard
         self.pool = pool
         self.book = book
+        #: groups claimed whose record is still loading (``GroupTable.loading``)
+        self.loading = loading
         self.clock = clock
         #: the engine-fault back-off after which a probe last reached an engine
         self._probed_after = 0.0
@@ -127,12 +138,15 @@ class ClaimGate:
     async def groups(self) -> int:
         """Groups to claim now: none while pausing, heartbeats fail, a lease could not be
         handed back, engines back off or every engine is on other weights, or after an
-        engine fault until a probe reaches an engine; else what the slot pool allows."""
+        engine fault until a probe reaches an engine, or while a claimed group is still
+        loading; else what the slot pool allows."""
         if self.handback.refusal is not None or self.bracket.pausing or \
                 self.heartbeat.failing or self.handback.orphans or \
                 self.clock() < self.backoff.until or self.guard.all_stale():
             return 0
         n = self.pool.claimable_groups()
+        if n > 0 and self.loading():
+            return 0  # claimed groups still loading: their demand is not known yet
         if n > 0 and self.backoff.in_row and \
                 self._probed_after != self.backoff.until and \
                 not await self._engines_answer():

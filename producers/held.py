@@ -48,6 +48,9 @@ class ActiveGroup:
     drop: tuple[str, str] | None = None
     #: turn checkpoints of this lease (``strawq.producers.turn_saver``), None when off
     turns: TurnSaver | None = None
+    #: its demand is known: its record loaded (a resumed partial then demands only its
+    #: unfinished samples); until then it demands a whole group (``GroupTable.loading``)
+    loaded: bool = False
 
 
 class GroupTable:
@@ -62,6 +65,10 @@ class GroupTable:
     def live_rids(self) -> set[str]:
         """Every rid of this producer's requests in flight now."""
         return {rid for a in self.groups.values() for rid in a.live_rids}
+
+    def loading(self) -> int:
+        """Groups claimed whose demand is not known yet (their record is loading)."""
+        return sum(not a.loaded for a in self.groups.values())
 
 
 class GroupHalts:

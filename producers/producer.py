@@ -220,7 +220,8 @@ class Producer:
         #: whether, and how many groups, this producer may claim now
         self.gate = ClaimGate(producer_id=pid, run_dir=config.run_dir, handback=handback,
                               bracket=bracket, heartbeat=self._heartbeat, backoff=backoff,
-                              guard=self.guard, pool=self.pool, book=book, clock=clock)
+                              guard=self.guard, pool=self.pool, book=book,
+                              loading=table.loading, clock=clock)
         #: this process's incarnation of its id (``strawq.producers.incarnation``)
         self.incarnation = Incarnation(self.queue, pid)
         self._fence = IncarnationFence(self.incarnation, io=self._io.call,

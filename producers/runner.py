@@ -310,6 +310,9 @@ class GroupRunner:
                 self.saw_version(version)
             todo = run.unfinished()
             self.pool.set_demand(a.hold, len(todo))  # a partial needs only its unfinished
+            a.loaded = True
+            if not self.table.loading() and self.pool.claimable_groups():
+                self._kick()  # the last of a claim's groups loaded: claim what they left free
             if not (a.parking or a.abandoned):
                 await self.turns.warm(run, todo)
             if not (a.parking or a.abandoned):

@@ -31,7 +31,9 @@ def test_the_journal_is_a_steady_producer_term_and_the_park_replaces_the_partial
     run = cp.Run(gpus=10_000, journal_every_s=2.0, journal_format=fmt)
     off = cp.Run(gpus=10_000)
     costs = {name: 10.0 + i for i, name in enumerate(
-        [*cp.steady_rates(run), *cp.burst_counts(run), *cp.burst_counts(off)])}
+        [*cp.steady_rates(run), *cp.burst_counts(run), *cp.burst_counts(off),
+         *cp.burst_counts(run, refill=False), *cp.burst_counts(off, refill=False),
+         cp.fill_op(run)])}
     counter = cp.Counter.__new__(cp.Counter)
     counter.ops = [cp.Op("x", name, 1, c) for name, c in costs.items()]
     rates = cp.steady_rates(run)
@@ -55,3 +57,28 @@ def test_the_journal_is_a_steady_producer_term_and_the_park_replaces_the_partial
     assert "save partial" not in burst and "resume: load partial" not in burst
     assert burst["park: journal record (per producer)"] == run.producers
     assert burst["park: yield into the journal"] == run.in_flight * (1 - run.handback_share)
+
+
+def test_the_update_burst_counts_one_refill_claim_per_producer() -> None:
+    """Counted without a server: at an update each producer takes its slots back in one
+    claim of its slot budget (issue 40), which replaces the claims of one task each in the
+    burst; those are kept beside (``burst_single``), and every producer's first fill is
+    counted apart (``start``)."""
+    cp: Any = _control_plane()
+    run = cp.Run(gpus=10_000)
+    single = cp.burst_counts(run, refill=False)
+    costs = {name: 10.0 + i for i, name in enumerate(
+        [*cp.steady_rates(run), *single, cp.refill_op(run), cp.fill_op(run)])}
+    counter = cp.Counter.__new__(cp.Counter)
+    counter.ops = [cp.Op("x", name, 1, c) for name, c in costs.items()]
+    burst = cp.burst_counts(run)
+    assert "resume: claim" not in burst and "hand back: claim again" not in burst
+    assert burst[cp.refill_op(run)] == run.producers == 1_250
+    assert cp.refill_op(run) == "refill: claim 24 tasks at once"
+    saved, handed = run.in_flight * 0.75, run.in_flight * 0.25
+    assert single["resume: claim"] == saved and single["hand back: claim again"] == handed
+    d = cp.demand(counter, run)
+    claims_of_one = saved * costs["resume: claim"] + handed * costs["hand back: claim again"]
+    assert d["burst_single"] - d["burst"] == pytest.approx(
+        claims_of_one - run.producers * costs[cp.refill_op(run)])
+    assert d["start"] == pytest.approx(run.producers * costs[cp.fill_op(run)])

@@ -60,6 +60,22 @@ def _run_quick(tmp_path: Path, *flags: str) -> list[str]:
     return out
 
 
+REFILL_LINE = re.compile(
+    r"^refill: release_chunk = (?P<k>\d+), start fill = (?P<fill>[\d.]+) Redis commands a task, "
+    r"update refill = (?P<refill>[\d.]+) a task \(claims of one: (?P<single>[\d.]+)\); update "
+    r"burst (?P<burst>\d+) ops \(claims of one: (?P<burst_single>\d+)\)$")
+FILLED = re.compile(r"^  refill: (?P<chunked>\d+) of (?P<tasks>\d+) tasks at the start fill "
+                    r"leased inside a whole chunk, (?P<again>\d+) at the update's refill")
+
+
+def refill_lines(out: list[str]) -> tuple[re.Match[str], re.Match[str]]:
+    """The refill summary line and the count of chunk leases at the refills (issue 40)."""
+    summary = [m for m in map(REFILL_LINE.match, out) if m]
+    filled = [m for m in map(FILLED.match, out) if m]
+    assert summary and filled, f"no refill lines: {out[-8:]}"
+    return summary[0], filled[0]
+
+
 def test_the_line_has_its_shape_and_positive_figures(tmp_path: Path) -> None:
     out = _run_quick(tmp_path)
     m = LINE.match(out[-1]) if out else None
@@ -68,6 +84,13 @@ def test_the_line_has_its_shape_and_positive_figures(tmp_path: Path) -> None:
     a, b, c = float(m["a"]), float(m["b"]), float(m["c"])
     assert a > 0 and b > 0 and c > 0, out[-1]
     assert float(m["share"]) == pytest.approx(a / c, rel=0.01, abs=0.001)
+    # every producer's refills, each one claim of its slot budget: the burst counts them
+    r, filled = refill_lines(out)
+    assert int(r["k"]) == 1 and int(filled["chunked"]) == 0 and int(filled["again"]) == 0
+    assert int(filled["tasks"]) == 10 * 24, "10 producers fill 24 slots each"
+    assert float(r["fill"]) > 0 and float(r["refill"]) > 0 and float(r["single"]) > 0
+    assert int(r["burst"]) == pytest.approx(b, abs=1), "the line's burst is the refill's"
+    assert int(r["burst_single"]) > 0
 
 
 def test_the_capacity_forms_never_increment_a_field_another_form_sets_to_text() -> None:
@@ -109,3 +132,6 @@ def test_release_chunk_stages_chunks_and_still_prints_the_line(tmp_path: Path) -
     m = next((m for line in out if (m := CHUNK_LINE.match(line))), None)
     assert m, f"no release_chunk line: {out[:8]}"
     assert int(m["k"]) == 4 and int(m["staged"]) > 0, m.group(0)
+    # the start's fill (24 tasks a claim) takes whole chunks
+    r, filled = refill_lines(out)
+    assert int(r["k"]) == 4 and int(filled["chunked"]) > 0, filled.group(0)
