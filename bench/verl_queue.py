@@ -8,7 +8,9 @@
    flight, as the Rollouter's sample tasks put), then S gets one at a time (as the Trainer
    takes them): puts per second, gets per second, the p99 latency of a get, and bytes per
    sample (the pickle; for strawq the record it writes, framing and checksum included).
-   Throughput is S / (put time + get time).
+   Throughput is S / (put time + get time). Also the actor process's CPU per put (user and
+   system, all its threads, read with ``getrusage`` in the actor before and after the puts):
+   less moved by the machine's load than a rate, it says what a put costs the actor.
 3. Crash: K samples put into each queue, its actor's process killed with SIGKILL, a new actor
    made the way verl's task runner makes it (same config): the samples it still has.
    verl's queue comes back empty; strawq's hands all K out again.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -47,12 +50,19 @@ with warnings.catch_warnings():  # verl's imports warn about missing GPU extras
     import ray
     from omegaconf import OmegaConf
 
-    from strawq.collector.integrations.verl.queue import actor_class
+    from strawq.collector.integrations.verl.queue import StrawqMessageQueue
     from tests.collector.integrations.verl_helpers import rollout_sample
 
 
+async def _cpu(self: Any) -> tuple[float, float]:
+    """The actor process's CPU seconds so far, user and system (all its threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
+
+
 def verl_actor() -> Any:
-    """verl's own ``MessageQueue`` as a Ray actor, plus a ``pid`` method to kill it by."""
+    """verl's own ``MessageQueue`` as a Ray actor, plus a ``pid`` method to kill it by and a
+    ``cpu`` method to read its CPU by."""
     from verl.experimental.fully_async_policy.message_queue import MessageQueue
 
     cls = MessageQueue.__ray_metadata__.modified_class
@@ -61,7 +71,13 @@ def verl_actor() -> Any:
         return os.getpid()
 
     return ray.remote(num_cpus=0, max_concurrency=20)(
-        type("VerlMessageQueue", (cls,), {"pid": pid}))
+        type("VerlMessageQueue", (cls,), {"pid": pid, "cpu": _cpu}))
+
+
+def strawq_actor() -> Any:
+    """``actor_class`` (verl's options, no CPU reserved) with the same ``cpu`` method."""
+    return ray.remote(num_cpus=0, max_concurrency=20)(
+        type("StrawqMessageQueue", (StrawqMessageQueue,), {"cpu": _cpu}))
 
 
 def p99(xs: list[float]) -> float:
@@ -82,9 +98,11 @@ def run_stream(actor: Any, blobs: list[bytes], concurrency: int) -> dict[str, fl
             async with sem:
                 await client.put_sample(sample=b)
 
+        c0 = await asyncio.wrap_future(actor.cpu.remote().future())
         t0 = time.perf_counter()
         await asyncio.gather(*(put(b) for b in blobs))
         t_put = time.perf_counter() - t0
+        c1 = await asyncio.wrap_future(actor.cpu.remote().future())
         lat: list[float] = []
         t0 = time.perf_counter()
         for _ in blobs:
@@ -95,6 +113,8 @@ def run_stream(actor: Any, blobs: list[bytes], concurrency: int) -> dict[str, fl
         t_get = time.perf_counter() - t0
         stats = await client.get_statistics()
         return {"put_s": t_put, "get_s": t_get, "p99_ms": 1000 * p99(lat),
+                "put_usr_ms": 1000 * (c1[0] - c0[0]) / len(blobs),
+                "put_sys_ms": 1000 * (c1[1] - c0[1]) / len(blobs),
                 "bytes_put": float(stats.get("bytes_put", 0))}
 
     return asyncio.run(go())
@@ -151,7 +171,7 @@ def main() -> None:
         verl_cls = verl_actor()
         cfg = OmegaConf.create({"trainer": {"default_local_dir": os.path.join(root, "ckpt"),
                                             "resume_mode": "auto"}})
-        strawq_cls = actor_class(num_cpus=0)
+        strawq_cls = strawq_actor()
         sync = {"fsync": False} if a.no_fsync else {}
         if a.no_fsync:
             print("strawq queue without fsync: durable against its actor's death only")
@@ -163,6 +183,8 @@ def main() -> None:
             print(f"{name:18s} puts/s {a.samples / r['put_s']:8.0f}   gets/s "
                   f"{a.samples / r['get_s']:8.0f}   p99 get {r['p99_ms']:6.2f} ms   "
                   f"bytes/sample {per:9.0f}" + ("" if r["bytes_put"] else " (in memory)"))
+            print(f"{'':18s} the actor's CPU per put: user {r['put_usr_ms']:.2f} ms, system "
+                  f"{r['put_sys_ms']:.2f} ms")
             shutil.rmtree(os.path.join(root, "ckpt"), ignore_errors=True)
         through = {k: a.samples / (r["put_s"] + r["get_s"]) for k, r in results.items()}
         lost_verl = crash(lambda: verl_cls.remote(cfg, 100000), blobs[:a.crash])

@@ -168,7 +168,7 @@ def encode_tables(tables: Mapping[str, Mapping[str, np.ndarray]]) -> tuple[dict[
     chunks: list[bytes] = []
     offset = 0
     for name, columns in tables.items():
-        batch = pa.RecordBatch.from_pydict({k: pa.array(np.ascontiguousarray(v))
+        batch = pa.RecordBatch.from_pydict({k: _column(np.ascontiguousarray(v))
                                             for k, v in columns.items()})
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, batch.schema) as writer:
@@ -181,6 +181,20 @@ def encode_tables(tables: Mapping[str, Mapping[str, np.ndarray]]) -> tuple[dict[
             chunks.append(b"\0" * pad)
         offset += len(buf) + pad
     return index, chunks
+
+
+def _column(v: np.ndarray) -> pa.Array:
+    """A numpy column as an Arrow array. A flat integer or float column (the bytes of a
+    verl sample, token ids) is wrapped without a copy and without ``pa.array``, whose
+    first call in a process imports pandas (~0.3-0.8 s, issue 40); the array, and the IPC
+    bytes written from it, are the ones ``pa.array`` makes. Any other column goes through
+    ``pa.array``."""
+    import pyarrow as pa
+
+    if v.ndim == 1 and v.dtype.kind in "iuf" and v.dtype.isnative:
+        return pa.Array.from_buffers(pa.from_numpy_dtype(v.dtype), len(v),
+                                     [None, pa.py_buffer(v)])
+    return pa.array(v)
 
 
 def decode_tables(index: Mapping[str, Any], payload: memoryview) -> dict[str, pa.RecordBatch]:

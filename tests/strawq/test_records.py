@@ -216,3 +216,31 @@ def test_a_damaged_version_byte_is_corrupt_and_a_newer_framing_is_newer() -> Non
     raw[-1] ^= 0xFF  # and the rest no longer verifies as this framing: a newer one's
     with pytest.raises(NewerFormat, match="framing version 3"):
         records.decode(bytes(raw))
+
+
+@pytest.mark.process
+def test_a_record_with_a_table_is_encoded_without_importing_pandas() -> None:
+    # pa.array's first call imports pandas (~0.3-0.8 s): a verl queue's first put paid it
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np\n"
+            "from strawq.ondisk import records\n"
+            "records.encode(records.Kind.STATE, {}, {'s': {'b': np.zeros(9, np.uint8)}})\n"
+            "print('pandas' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("dtype", ["u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "f2", "f4",
+                                   "f8", "?"])
+def test_table_bytes_are_the_ones_pa_array_writes(dtype: str) -> None:
+    for column in (np.arange(37).astype(dtype), np.arange(37).astype(dtype)[::3],
+                   np.zeros(0, dtype)):
+        _, chunks = records.encode_tables({"t": {"c": column}})
+        batch = pa.RecordBatch.from_pydict({"c": pa.array(np.ascontiguousarray(column))})
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        assert chunks[0] == sink.getvalue().to_pybytes()

@@ -32,17 +32,17 @@ it where verl's ``fully_async_main`` looks for ``MessageQueue`` (run in every Ra
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import os
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from strawq.collector.integrations.verl.config import _cfg, queue_dir
 from strawq.collector.integrations.verl.samples import (QUEUE_FULL, SAMPLES, DurableSampleQueue,
-                                                        Held, sample_identity)
+                                                        Held, Pending, sample_identity)
 from strawq.errors import ConfigError
 from strawq.storage import PosixStorage
 
@@ -52,8 +52,9 @@ __all__ = ["QUEUE_FULL", "DurableSampleQueue", "Held", "StrawqMessageQueue", "TR
            "actor_class", "install", "queue_dir", "sample_identity", "samples_per_version",
            "strawq_settings"]
 
-#: threads writing puts at once (verl's queue actor runs 20 calls at once by default)
-PUT_THREADS = 32
+#: threads writing puts: each takes every put waiting, writes them one by one (file, fsync,
+#: rename) and fsyncs the directory once for them; the threads' file fsyncs overlap
+WRITERS = 4
 #: verl's checkpoint tracker, written by the trainer after every checkpoint it saves
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -135,7 +136,12 @@ class StrawqMessageQueue:
         self._generation = 0
         self._cond: asyncio.Condition | None = None
         self._partials: Any = None
-        self._writers = ThreadPoolExecutor(PUT_THREADS, thread_name_prefix="verlq-put")
+        #: puts begun and waiting for a writer thread, and the writer threads at work
+        self._batch: list[tuple[Pending, asyncio.Future[bool]]] = []
+        self._batch_lock = threading.Lock()
+        self._writing = 0
+        self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="verlq-write")
+        self._notifiers: set[asyncio.Task[None]] = set()
         self._watch_checkpoint(live=False)
         from strawq.collector.integrations.verl.partial import PartialStore
 
@@ -189,15 +195,72 @@ class StrawqMessageQueue:
                 self._sentinels.append(self.q.handed + self.q.size() + self.q.in_flight())
                 cond.notify_all()
             return True
-        # the write runs in a thread of the queue's own: concurrent puts overlap their file
-        # fsyncs and share the directory's (group commit, ``DurableSampleQueue.put``); as
-        # many threads as verl's actor runs calls at once, not the loop's default few
-        put = functools.partial(self.q.put, sample, sample_id=meta.pop("sample_id", None),
-                                meta=meta)
-        ok = await asyncio.get_running_loop().run_in_executor(self._writers, put)
+        # The record is encoded here, in the loop (no I/O); a writer thread takes every put
+        # waiting, writes them in put order and fsyncs the directory once for them (group
+        # commit, shared with the other writers): a thread hop per batch, not per put, and
+        # at most WRITERS file fsyncs at once. A put returns when its batch is durable.
+        pending = self.q.begin(sample, sample_id=meta.pop("sample_id", None), meta=meta)
+        if pending is None:
+            return True  # a duplicate: stored already
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[bool] = loop.create_future()
+        with self._batch_lock:
+            self._batch.append((pending, done))
+            start = self._writing < WRITERS
+            self._writing += start
+        if start:
+            try:
+                loop.run_in_executor(self._writers, self._write_batches, loop)
+            except BaseException as exc:  # no writer could start: every put waiting fails
+                with self._batch_lock:
+                    batch, self._batch = self._batch, []
+                    self._writing -= 1
+                self._settle(batch, [exc] * len(batch))
+                raise
+        return await done
+
+    def _write_batches(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A writer thread: write the puts waiting, hand them back to the loop, again until
+        none waits."""
+        while True:
+            with self._batch_lock:
+                batch, self._batch = self._batch, []
+                if not batch:
+                    self._writing -= 1
+                    return
+            try:
+                errors = self.q.write([p for p, _ in batch])
+            except BaseException as exc:  # noqa: BLE001 (every put of the batch fails with it)
+                errors = [exc] * len(batch)
+            try:
+                loop.call_soon_threadsafe(self._settle, batch, errors)
+            except RuntimeError:  # the loop is closed: no caller is left to answer
+                with self._batch_lock:
+                    self._writing -= 1
+                return
+
+    def _settle(self, batch: list[tuple[Pending, asyncio.Future[bool]]],
+                errors: list[BaseException | None]) -> None:
+        """In the loop: the batch's durable puts join the queue (even one whose caller was
+        cancelled: its record is on disk), the others give their reservation back; then the
+        waiting gets are woken."""
+        for (pending, done), error in zip(batch, errors, strict=True):
+            if error is None:
+                ok = self.q.finish(pending)
+                if not done.done():
+                    done.set_result(ok)
+            else:
+                self.q.abort(pending)
+                if not done.done():
+                    done.set_exception(error)
+        task = asyncio.get_running_loop().create_task(self._notify())
+        self._notifiers.add(task)
+        task.add_done_callback(self._notifiers.discard)
+
+    async def _notify(self) -> None:
+        cond = self._condition()
         async with cond:
             cond.notify_all()
-        return ok
 
     async def get_sample(self) -> Any | None:
         cond = self._condition()

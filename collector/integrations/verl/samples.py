@@ -6,7 +6,9 @@ Its records and their moves are declared in the core's table (``strawq.tasks.sta
   msgpack metadata, an Arrow column of the sample's bytes, a checksum) published through
   ``strawq.storage`` (temporary file, fsync, rename without replacing) as
   ``samples/<seq>~<sample id>``, then the directory fsync'd — one fsync shared by the puts
-  running at once (``group_sync.DirSync``: group commit) — READY;
+  running at once (``group_sync.DirSync``: group commit) — READY; ``put`` in one call, or
+  in steps (``begin``: id, sequence number and record, no I/O; ``write``: a batch made
+  durable; ``finish`` or ``abort``) for a caller that batches;
 * a get hands the oldest sample out under a lease held in memory, in hand-out order —
   BATCHED, the record left in place;
 * ``commit(consumed)``: a checkpoint of the trainer covers the first ``consumed``
@@ -34,7 +36,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +124,18 @@ def _name_part(sample_id: str) -> str:
     return "h" + hashlib.blake2b(sample_id.encode(), digest_size=10).hexdigest()
 
 
+@dataclass
+class Pending:
+    """A put begun (``DurableSampleQueue.begin``): its sequence number and name reserved,
+    its record encoded, not yet durable."""
+
+    seq: int
+    part: str
+    key: str
+    record: list[bytes]
+    blob: bytes
+
+
 @dataclass(frozen=True)
 class Held:
     """A sample the queue holds: its sequence number, record key and sample id."""
@@ -173,6 +187,8 @@ class DurableSampleQueue:
         self.duplicates = 0
         self.dropped = 0
         self.bytes_put = 0
+        #: ``write`` calls: the puts' trips to storage (a put alone is one)
+        self.batches = 0
         self.recovered = 0
         #: verl's checkpoint (tracker number) the newest commit stands for, if known
         self.version: int | None = None
@@ -243,7 +259,26 @@ class DurableSampleQueue:
             meta: Mapping[str, Any] | None = None) -> bool:
         """Store one sample durably. Returns False when the queue was full and its oldest
         sample not yet handed out was dropped (verl's ``put_sample`` contract); a duplicate
-        sample id returns True and stores nothing."""
+        sample id returns True and stores nothing. (``begin``, ``write`` and ``finish`` in
+        one call: the thread that calls it writes.)"""
+        pending = self.begin(blob, sample_id=sample_id, meta=meta)
+        if pending is None:
+            return True
+        try:
+            error = self.write([pending])[0]
+            if error is not None:
+                raise error
+        except BaseException:
+            self.abort(pending)
+            raise
+        return self.finish(pending)
+
+    def begin(self, blob: bytes, *, sample_id: str | None = None,
+              meta: Mapping[str, Any] | None = None) -> Pending | None:
+        """A put's first step, no I/O: read the sample's id, reserve its sequence number
+        and id (hand-outs wait for it from now on), encode its record. None for a duplicate
+        (counted; nothing to write). Every ``Pending`` returned must reach ``finish`` (after
+        ``write`` made it durable) or ``abort``."""
         if not isinstance(blob, (bytes, bytearray, memoryview)):
             raise TypeError(f"a verl queue sample is bytes (ray.cloudpickle.dumps of a "
                             f"RolloutSample), found {type(blob).__name__}")
@@ -258,37 +293,66 @@ class DurableSampleQueue:
             part = _name_part(sample_id)
             if part in self._ids or any(part in s for s in self._recent):
                 self.duplicates += 1
-                return True
+                return None
             self._seq = seq + 1
             self._inflight.add(seq)
             self._ids.add(part)
-        key = VERL_SAMPLES.key(S.READY, SAMPLE_NAMES.name(seq, part))
+        pending = Pending(seq, part, VERL_SAMPLES.key(S.READY, SAMPLE_NAMES.name(seq, part)),
+                          [], blob)
         try:
             body: dict[str, Any] = {"verl": "sample", "sample_id": sample_id, "seq": seq,
                                     "at": time.time(), **(dict(meta) if meta else {})}
             if epoch is not None:
                 body.setdefault("epoch", epoch)
-            rec = records.encode(Kind.STATE, body,
-                                 {"s": {"b": np.frombuffer(blob, dtype=np.uint8)}})
-            # the file is fsync'd here; the directory entry by a fsync shared with the puts
-            # running beside this one (group commit): durable when this returns, as before
-            self.storage.publish(key, rec, sync_dir=False)
-            self._dir_sync.wait()
+            pending.record = records.encode(Kind.STATE, body,
+                                            {"s": {"b": np.frombuffer(blob, dtype=np.uint8)}})
         except BaseException:
-            with self._lock:
-                self._inflight.discard(seq)
-                self._ids.discard(part)
+            self.abort(pending)
             raise
+        return pending
+
+    def write(self, pending: Sequence[Pending]) -> list[BaseException | None]:
+        """Make begun puts durable, in the order given: each record published (temporary
+        file, fsync, rename: ``Storage.publish``), then the directory fsync'd once for them
+        all — shared with the puts other threads write at the same time (group commit,
+        ``group_sync.DirSync``). Returns, for each, None when it is durable or the error
+        that kept it from being so (one failed publish fails only its own put). Thread-safe;
+        it takes no lock of the queue's, so hand-outs go on while it runs."""
+        errors: list[BaseException | None] = [None] * len(pending)
+        for i, p in enumerate(pending):
+            try:
+                self.storage.publish(p.key, p.record, sync_dir=False)
+            except Exception as exc:  # noqa: BLE001 (handed to that put's caller)
+                errors[i] = exc
+        if any(e is None for e in errors):
+            try:
+                self._dir_sync.wait()
+            except Exception as exc:  # noqa: BLE001 (every put it would have covered fails)
+                errors = [e if e is not None else exc for e in errors]
         with self._lock:
-            self._inflight.discard(seq)
-            self._insert(Held(seq, key, part))
-            self._cache[seq] = blob
+            self.batches += 1
+        return errors
+
+    def finish(self, pending: Pending) -> bool:
+        """A put ``write`` made durable joins the queue, in sequence order. Returns False
+        when the queue was full and its oldest sample not yet handed out was dropped."""
+        with self._lock:
+            self._inflight.discard(pending.seq)
+            self._insert(Held(pending.seq, pending.key, pending.part))
+            self._cache[pending.seq] = pending.blob
             self.produced += 1
-            self.bytes_put += sum(len(c) for c in rec)
+            self.bytes_put += sum(len(c) for c in pending.record)
             full = len(self._ready) > self.max_size
             if full:
                 self._drop(self._ready.popleft(), QUEUE_FULL)
             return not full
+
+    def abort(self, pending: Pending) -> None:
+        """A begun put that was not made durable: its reservation goes (hand-outs stop
+        waiting for it; its id may be put again)."""
+        with self._lock:
+            self._inflight.discard(pending.seq)
+            self._ids.discard(pending.part)
 
     def _insert(self, held: Held) -> None:
         """Keep ``_ready`` in sequence order (concurrent puts finish in any order)."""
@@ -419,5 +483,5 @@ class DurableSampleQueue:
                     "max_queue_size": self.max_size, "leased": len(self._leased),
                     "committed": self.consumed, "duplicates": self.duplicates,
                     "recovered": self.recovered, "bytes_put": self.bytes_put,
-                    "dir_syncs": self._dir_sync.syncs,
+                    "dir_syncs": self._dir_sync.syncs, "write_batches": self.batches,
                     "dir": self.storage.describe()}

@@ -6,17 +6,20 @@ SIGKILL while many puts run at once.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from strawq.collector.integrations.verl.group_sync import DirSync
-from strawq.collector.integrations.verl.queue import DurableSampleQueue
+from strawq.collector.integrations.verl.queue import (WRITERS, DurableSampleQueue,
+                                                      StrawqMessageQueue)
 
 REPO = str(Path(__file__).resolve().parents[3])
 
@@ -143,3 +146,76 @@ def test_killed_while_sixteen_puts_run_it_loses_no_returned_put_and_duplicates_n
     for w in range(16):  # each writer's puts in its order, no gap before its last held
         mine = [int(s.split("_")[1]) for s in ids if s.startswith(f"w{w}_")]
         assert mine == list(range(len(mine)))
+
+
+def _publishes(q: DurableSampleQueue, fail: str | None = None) -> list[tuple[str, str]]:
+    """Record (thread name, key) of each publish of ``q``'s storage; a key containing
+    ``fail`` raises OSError instead."""
+    seen: list[tuple[str, str]] = []
+    publish = q.storage.publish
+
+    def spy(key: str, data: Any, **kw: Any) -> None:
+        seen.append((threading.current_thread().name, key))
+        if fail is not None and fail in key:
+            raise OSError(28, "No space left on device")
+        publish(key, data, **kw)
+
+    q.storage.publish = spy  # type: ignore[method-assign]
+    return seen
+
+
+def test_concurrent_put_samples_reach_storage_in_batches_from_few_threads(
+        tmp_path: Path) -> None:
+    mq = StrawqMessageQueue(None, 1000, path=str(tmp_path / "q"))
+    seen = _publishes(mq.q)
+
+    async def main() -> list[bool]:
+        return await asyncio.gather(*(mq.put_sample(f"s{i}".encode(), sample_id=f"s{i}")
+                                      for i in range(32)))
+
+    assert asyncio.run(main()) == [True] * 32
+    stats = mq.q.stats()
+    # one thread hop and one trip to storage per batch of waiting puts, not one per put
+    assert stats["write_batches"] < 32
+    assert len({thread for thread, _ in seen}) <= WRITERS
+    assert stats["dir_syncs"] <= stats["write_batches"]
+    again = DurableSampleQueue(str(tmp_path / "q"))
+    assert [got[0].sample_id for got in iter(again.get, None)] == [f"s{i}" for i in range(32)]
+
+
+def test_a_put_whose_write_fails_fails_alone_and_hand_outs_go_on(tmp_path: Path) -> None:
+    mq = StrawqMessageQueue(None, 1000, path=str(tmp_path / "q"))
+    _publishes(mq.q, fail="~s3")
+
+    async def main() -> list[Any]:
+        got = await asyncio.gather(*(mq.put_sample(f"s{i}".encode(), sample_id=f"s{i}")
+                                     for i in range(8)), return_exceptions=True)
+        out = [await mq.get_sample() for _ in range(7)]
+        return [got, [o[0] for o in out]]
+
+    got, handed = asyncio.run(main())
+    assert isinstance(got[3], OSError) and [g for i, g in enumerate(got) if i != 3] == [True] * 7
+    assert handed == [f"s{i}".encode() for i in range(8) if i != 3]
+    assert not mq.q.is_held("s3")  # its id is free again: verl may put it again
+
+
+def test_a_cancelled_put_whose_record_was_written_joins_the_queue(tmp_path: Path) -> None:
+    mq = StrawqMessageQueue(None, 1000, path=str(tmp_path / "q"))
+    gate = threading.Event()
+    publish = mq.q.storage.publish
+
+    def slow(key: str, data: Any, **kw: Any) -> None:
+        gate.wait(30)
+        publish(key, data, **kw)
+
+    mq.q.storage.publish = slow  # type: ignore[method-assign]
+
+    async def main() -> list[Any]:
+        put = asyncio.ensure_future(mq.put_sample(b"a", sample_id="a"))
+        await asyncio.sleep(0)  # the put has begun: its write waits at the gate
+        put.cancel()
+        gate.set()
+        later = await mq.put_sample(b"b", sample_id="b")
+        return [later, (await mq.get_sample())[0], (await mq.get_sample())[0]]
+
+    assert asyncio.run(main()) == [True, b"a", b"b"]  # not stuck behind a put that ended
