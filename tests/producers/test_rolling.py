@@ -347,14 +347,19 @@ class _Loader:
         return {url: {"success": True}}
 
 
-def test_the_hook_after_a_load_keeps_a_refused_engine_out_until_it_passes(
-        tmp_path: Path) -> None:
-    from strawq.producers.rolling import RETRY_MIN_S, RollingPull
+def loader_pull(tmp_path: Path, *, wave: int, after_load: Any = None,
+                clock: Callable[[], float] = lambda: 0.0, poll_s: float = 0.0,
+                fingerprint: Any = None, at: int = 0) -> tuple[Any, ...]:
+    """A run with version 1 published (rolling, ``wave`` engines at once, with
+    ``fingerprint``), two fake engines labelled ``at`` and a producer's guard and puller
+    over them: (queue, bracket, client, book, guard, pull)."""
+    from strawq.producers.rolling import RollingPull
 
     q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
-    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=1, max_lag=1)
-    bracket.publish_weights(lambda v: weights(tmp_path, v))
+    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=wave, max_lag=1)
+    bracket.weight_update(lambda v: weights(tmp_path, v), fingerprint=fingerprint)
     client = _Loader()
+    client.at = {u: at for u in client.worker_urls}
     book = StatsBook(ProducerStats())
 
     async def io(fn: Callable[[], Any]) -> Any:
@@ -363,6 +368,15 @@ def test_the_hook_after_a_load_keeps_a_refused_engine_out_until_it_passes(
     guard = VersionGuard("p1", client=lambda: client, current_version=q.current_version,
                          notes=EngineWeights(q.storage), io=io, pausing=lambda: False,
                          book=book)
+    pull = RollingPull("p1", store=WeightStore(q.storage), client=lambda: client, guard=guard,
+                       io=io, book=book, clock=clock, poll_s=poll_s, after_load=after_load)
+    return q, bracket, client, book, guard, pull
+
+
+def test_the_hook_after_a_load_keeps_a_refused_engine_out_until_it_passes(
+        tmp_path: Path) -> None:
+    from strawq.producers.rolling import RETRY_MIN_S
+
     checks: list[tuple[str, int]] = []
 
     async def after_load(url: str, version: int) -> None:
@@ -371,9 +385,8 @@ def test_the_hook_after_a_load_keeps_a_refused_engine_out_until_it_passes(
             raise ValueError("fingerprint mismatch")
 
     now = [0.0]
-    pull = RollingPull("p1", store=WeightStore(q.storage), client=lambda: client, guard=guard,
-                       io=io, book=book, clock=lambda: now[0], poll_s=0.0,
-                       after_load=after_load)
+    q, _b, client, book, guard, pull = loader_pull(tmp_path, wave=1, after_load=after_load,
+                                                   clock=lambda: now[0])
 
     async def settle() -> None:
         await pull.step()
@@ -404,29 +417,15 @@ def test_an_engine_refused_at_every_load_is_tried_again_after_a_doubling_backoff
     """Before: an engine that kept loading the wrong weights was loaded again at every poll
     (each a pause, a load and a check). Now at 1, 2, 4, ... s, at most a minute apart; a
     newer version is tried at once."""
-    from strawq.producers.rolling import RETRY_MAX_S, RETRY_MIN_S, RollingPull
-
-    q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
-    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=2, max_lag=1)
-    bracket.publish_weights(lambda v: weights(tmp_path, v))
-    client = _Loader()
-    book = StatsBook(ProducerStats())
-
-    async def io(fn: Callable[[], Any]) -> Any:
-        return fn()
-
-    guard = VersionGuard("p1", client=lambda: client, current_version=q.current_version,
-                         notes=EngineWeights(q.storage), io=io, pausing=lambda: False,
-                         book=book)
+    from strawq.producers.rolling import RETRY_MAX_S, RETRY_MIN_S
 
     async def after_load(url: str, version: int) -> None:
         if url == "http://e2":
             raise ValueError("fingerprint mismatch")
 
     now = [0.0]
-    pull = RollingPull("p1", store=WeightStore(q.storage), client=lambda: client, guard=guard,
-                       io=io, book=book, clock=lambda: now[0], poll_s=0.25,
-                       after_load=after_load)
+    q, bracket, client, book, guard, pull = loader_pull(
+        tmp_path, wave=2, after_load=after_load, clock=lambda: now[0], poll_s=0.25)
     tried: list[tuple[float, int]] = []
 
     async def main() -> None:

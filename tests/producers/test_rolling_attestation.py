@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +18,18 @@ import pytest
 from strawq.collector.trainer.bracket import WeightUpdateBracket
 from strawq.data.dataset import Dataset
 from strawq.data.feeder import Feeder
-from strawq.producers.engine_versions import StaleEngine, VersionGuard
+from strawq.producers.engine_versions import StaleEngine
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import sim_weights
 from strawq.producers.engines.testing import EngineThread
-from strawq.producers.meter import ProducerStats, StatsBook
-from strawq.producers.rolling import RollingPull
 from strawq.producers.sglang_client import SGLangClient
 from strawq.weights.engine_weights import EngineWeights
 from strawq.weights.fingerprint import Fingerprints, Verdict, fingerprint_of
 from strawq.weights.publish import WeightStore
-from tests.producers.helpers import make_run, ready_groups, run_producers, wait_for
+from tests.producers.helpers import ready_groups, run_producers, wait_for
 from tests.producers.test_rolling import (
     SIM,
-    _Loader,
+    loader_pull,
     _producer,
     _reply,
     _run,
@@ -154,22 +151,9 @@ def test_every_engine_that_loads_the_published_weights_attests_ok(
 def _guarded_puller(tmp_path: Path, at: int, after_load: Any = None) -> tuple[Any, ...]:
     """A run at version 1 published with a fingerprint, two fake engines labelled ``at``,
     and a producer's guard and puller over them."""
-    q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
-    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=2, max_lag=1)
     fp = fingerprint_of(sim_weights(weights(tmp_path, 1)), dtype="float32")
-    bracket.weight_update(lambda v: weights(tmp_path, v), fingerprint=fp)
-    client = _Loader()
-    client.at = {u: at for u in client.worker_urls}
-    book = StatsBook(ProducerStats())
-
-    async def io(fn: Callable[[], Any]) -> Any:
-        return fn()
-
-    guard = VersionGuard("p1", client=lambda: client, current_version=q.current_version,
-                         notes=EngineWeights(q.storage), io=io, pausing=lambda: False,
-                         book=book)
-    pull = RollingPull("p1", store=WeightStore(q.storage), client=lambda: client, guard=guard,
-                       io=io, book=book, clock=lambda: 0.0, poll_s=0.0, after_load=after_load)
+    q, _b, client, _book, guard, pull = loader_pull(tmp_path, wave=2, after_load=after_load,
+                                                     fingerprint=fp, at=at)
     return q, fp, client, guard, pull
 
 
