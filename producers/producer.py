@@ -91,6 +91,7 @@ from strawq.producers.sglang_client import SGLangClient
 from strawq.producers.slots import SlotPool
 from strawq.producers.wake import Claims, Wakeup, run_finished
 from strawq.storage import PosixStorage
+from strawq.tasks.eta import PolicyCache
 from strawq.tasks.queue import RunQueue
 from strawq.weights.control import Control
 from strawq.weights.engine_weights import EngineWeights
@@ -188,6 +189,9 @@ class Producer:
                                   notes=EngineWeights(self.queue.storage), io=self._io.call,
                                   pausing=lambda: bracket.pausing, book=book,
                                   probe_s=max(0.2, 5 * timing.control_poll_s), clock=clock)
+        # a cache of its own: the guard's first read (before a collector published its
+        # policy) must not hold a None in the claim-time check's cache (RunQueue.eta_policy)
+        self._eta_policy = PolicyCache(self.queue.storage)
         self.guard.eta_reader = self._eta
         #: rolling weight updates: this producer's engines pull published versions in waves;
         #: after each load the engine is attested against the version's fingerprint (when
@@ -383,7 +387,7 @@ class Producer:
     def _eta(self) -> int | None:
         """The collector's η (blocking; re-read every few seconds): the rolling route's
         bound on resuming a partial on a lagging engine."""
-        policy = self.queue.eta_policy()
+        policy = self._eta_policy.get()
         return None if policy is None else policy.max_staleness
 
     def _may_idle(self) -> bool:
