@@ -9,9 +9,12 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from strawq.producers.group_load import GroupLoader
+from strawq.producers.handback import HandBack
 from strawq.producers.held import GroupTable
 from strawq.producers.journal_flush import JournalFlush
 from strawq.producers.offload import Offload
+from strawq.producers.producer_config import EngineConfig, PluginsConfig, ProducerConfig
 from strawq.storage import PosixStorage, Storage
 from strawq.tasks import journal
 from strawq.tasks.journal import JournalReader, load_chain, record_keys, unframe
@@ -161,3 +164,42 @@ def test_a_kept_reader_sees_a_torn_tail_completed_and_one_that_a_frame_followed(
     assert reader.chain("p1", *lease_b, quarantine=q.quarantine) is None
     assert record_keys(storage, "p1") == [] and storage.list("quarantine")
     assert reader._scans == {} and reader._bodies == {}  # nothing kept of a corrupt file
+
+
+def test_a_producer_reads_a_parks_record_once_for_all_the_groups_it_resumes(
+        tmp_path: Path) -> None:
+    """Four groups parked into one record; another producer's loader resumes all four and
+    reads that segment once (before: whole, at each of the four claims)."""
+    storage = PosixStorage(str(tmp_path / "run"))
+    q = run_with_tasks(storage, tmp_path, 4, group_size=G)
+    table = GroupTable()
+    groups = hold(q, table, "p1", 4)
+    j, io, book = flusher(q, table, "p1", segments=True)
+    hb = HandBack(q, io, book)
+    hb.journal = j
+
+    async def park() -> None:
+        io.start()
+        for a in groups:
+            assert a.run is not None
+            for s in a.run.samples:
+                generate(s, 1500)
+            a.parking = True
+        await asyncio.gather(*(hb.yield_partial(a.lease, a.run.to_group(
+            producer="p1", version_hint=0, partial=True)) for a in groups if a.run))
+        io.shutdown()
+
+    asyncio.run(park())
+    (key,) = record_keys(storage, "p1")
+    size = storage.size(key)
+    config = ProducerConfig(run_dir=str(tmp_path / "run"),
+                            engine=EngineConfig(workers=("http://127.0.0.1:9",)),
+                            plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"))
+    loader = GroupLoader(config, queue=q, group_size=G, book=book)
+    counted = Counted(storage)
+    for lease in q.claim("p2", 4):
+        assert lease.journal == "p1"
+        _, group, _ = loader.load(lease)
+        assert group is not None and group.sample_lens == [1500] * G
+    calls, got = counted.take()
+    assert got <= size + HEAD and calls <= 4 + 3, (calls, got, size)
