@@ -272,3 +272,28 @@ def test_a_prompt_extra_resumes_row_for_row_across_deltas(tmp_path: Path) -> Non
     x, y = got.samples[0].extras[ROUTED_EXPERTS], s.extras[ROUTED_EXPERTS]
     np.testing.assert_array_equal(x.values, y.values)
     _same(run, got)
+
+
+def test_a_producer_journals_by_default_every_4_s_and_both_keys_0_turn_it_off(
+        tmp_path: Path) -> None:
+    """The default window is time-only (a record at most every 4 s whatever the decode
+    speed); both keys 0: no journal, a park writes a ``.partial`` per group."""
+    from strawq.producers.producer import Producer
+    from strawq.producers.producer_config import (
+        EngineConfig,
+        PluginsConfig,
+        ProducerConfig,
+        TimingConfig,
+    )
+    from tests.producers.helpers import make_run
+
+    make_run(str(tmp_path / "run"), 0, rows=[{"prompt": [4, 5]}])
+
+    def producer(timing: TimingConfig) -> Producer:
+        return Producer(ProducerConfig(
+            run_dir=str(tmp_path / "run"), engine=EngineConfig(workers=("http://127.0.0.1:9",)),
+            plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"), timing=timing))
+
+    on = producer(TimingConfig())
+    assert on.journal is not None and on.journal.every_s == 4.0 and on.journal.every_tokens == 0
+    assert producer(TimingConfig(journal_every_s=0.0)).journal is None
