@@ -428,8 +428,9 @@ def _records_of(storage: Storage, key: str, meta_only: bool) -> list[list[dict[s
 
 
 def _segment_meta(storage: Storage, key: str) -> list[list[dict[str, Any]]]:
-    """The metadata of each record in segment ``key``, newest first, from each frame's
-    header and the first bytes of its record (``read_range``: never the columns). A frame
+    """The entries of each record in segment ``key``, newest first, their ``SCANNED_KEYS``
+    alone, from each frame's header and the first bytes of its record (``read_range``:
+    never the columns). A frame
     that runs past the file's size, or the last one unreadable, is a torn tail; a damaged
     header before it is ``CorruptRecord``. No checksum of the bodies beyond those read with
     their header: what a caller decides from it, a reader checks (``JournalReader``)."""
@@ -441,8 +442,9 @@ def _read(storage: Storage, key: str, quarantine: Callable[[str], object] | None
           ) -> list[list[dict[str, Any]]] | None:
     """The entries of each record in file ``key``, newest first; None when it is gone or
     corrupt (quarantined). ``meta_only``: their metadata, the columns left as references
-    (a record file's prefix alone; no checksum of the payload, nothing quarantined: what a
-    caller decides from it, a reader checks)."""
+    (a record file's prefix alone; of a segment's entries, their ``SCANNED_KEYS``, through
+    ``reader`` if given; no checksum of the payload, nothing quarantined: what a caller
+    decides from it, a reader checks)."""
     try:
         if meta_only and reader is not None and is_segment(key):
             return reader.segment_meta(key)
@@ -465,13 +467,16 @@ def _read(storage: Storage, key: str, quarantine: Callable[[str], object] | None
 SCANNED_SEGMENTS = 64
 #: bytes of verified frame bodies a ``JournalReader`` keeps (the oldest used dropped first)
 BODY_CACHE_BYTES = 64 << 20
+#: what a reader keeps of each entry of a scanned frame (which lease, whether full, its
+#: oldest version): the rest of the metadata is read again with the body when needed
+SCANNED_KEYS = ("task", "gen", "full", "min_version")
 
 
 @dataclass(frozen=True)
 class _Frame:
-    """One frame of a segment: where it is, and its record's metadata (the columns left as
-    references; not checked against the body's checksum, which a reader of the columns
-    checks)."""
+    """One frame of a segment: where it is, and of its record's metadata each entry's
+    ``SCANNED_KEYS`` (not checked against the body's checksum, which a reader of the
+    columns checks)."""
 
     pos: int
     length: int
@@ -546,7 +551,9 @@ class JournalReader:
     def prune(self, writer: str, keys: Iterable[str]) -> None:
         """Forget the segments of ``writer`` no longer listed."""
         live, d = set(keys), journal_dir(writer) + "/"
-        for key in [k for k in list(self._scans) if k.startswith(d) and k not in live]:
+        with self._lock:
+            gone = [k for k in self._scans if k.startswith(d) and k not in live]
+        for key in gone:
             self.forget(key)
 
     # -- scanning ------------------------------------------------------------------------------
@@ -563,6 +570,7 @@ class JournalReader:
         try:
             size = self.storage.size(key)
             if size < scan.end:  # not the file scanned (never by the protocol): from its start
+                self.forget(key)
                 scan = _Scan()
             frames, end = self._scan(key, scan, size)
         except (NotFound, CorruptRecord):
@@ -604,7 +612,9 @@ class JournalReader:
                         name=key)
                 if kind is not Kind.JOURNAL or not meta:
                     raise CorruptRecord(f"{key}: not a whole journal record's metadata at {pos}")
-                frames.append(_Frame(pos, length, _entries(records.Record(kind, meta), key)))
+                frames.append(_Frame(pos, length, [
+                    {k: e[k] for k in SCANNED_KEYS if k in e}
+                    for e in _entries(records.Record(kind, meta), key)]))
             except CorruptRecord:
                 if end == size:
                     break  # the last frame: a tail whose bytes never landed
@@ -615,7 +625,8 @@ class JournalReader:
         return tuple(frames), pos
 
     def segment_meta(self, key: str) -> list[list[dict[str, Any]]]:
-        """The metadata of each record in segment ``key``, newest first (``frames``)."""
+        """Each record's entries in segment ``key``, newest first, their ``SCANNED_KEYS``
+        alone (``frames``)."""
         return [f.entries for f in reversed(self.frames(key)[0])]
 
     # -- a lease's prefix ----------------------------------------------------------------------

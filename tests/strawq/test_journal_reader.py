@@ -153,6 +153,11 @@ def test_a_kept_reader_sees_a_torn_tail_completed_and_one_that_a_frame_followed(
     clobber(storage, key, whole)  # its append finished
     chain = reader.chain("p1", *lease_b, quarantine=q.quarantine)
     assert chain is not None and len(chain) == 4
+    clobber(storage, key, whole[:last])  # shorter than what it found: not the file it read
+    chain = reader.chain("p1", *lease_b, quarantine=q.quarantine)
+    assert chain is not None and len(chain) == 3
+    assert all(pos < last for _, pos in reader._bodies)  # nothing kept of the other file
+    clobber(storage, key, whole)
     damaged = bytearray(whole)
     damaged[-10] ^= 0xFF  # inside the last frame's columns: a tail whose bytes never landed
     reader = JournalReader(storage)
