@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,13 @@ def test_a_small_run_ends_and_every_process_exits_0(tmp_path: Path) -> None:
         procs["trainer"] = subprocess.Popen(
             [sys.executable, "-c", TRAINER, run],
             stdout=logs["trainer"], stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
-        codes = {name: p.wait(timeout=200) for name, p in procs.items()}
+        codes: dict[str, int | None] = {}
+        deadline = time.monotonic() + 200
+        for name, p in procs.items():
+            try:
+                codes[name] = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[name] = None  # still running: named below with every log's tail
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -95,7 +102,8 @@ def test_a_small_run_ends_and_every_process_exits_0(tmp_path: Path) -> None:
         for f in logs.values():
             f.close()
     text = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in logs}
-    assert codes == {"producer": 0, "collector": 0, "trainer": 0}, (codes, text)
+    assert codes == {"producer": 0, "collector": 0, "trainer": 0}, \
+        (codes, {name: t[-3000:] for name, t in text.items()})
     assert "FINISHED 6" in text["trainer"], text["trainer"]  # 12 prompts, 2 per batch
     assert "the run has finished" in text["collector"], text["collector"]
     assert "the run has finished" in text["producer"], text["producer"]
