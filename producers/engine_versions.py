@@ -616,7 +616,7 @@ class GuardedClient:
         pref = RESUMING.get()
         if pref is None:
             self.guard.check_born(result)
-        if pref is not None:  # what resuming cost: prefix tokens prefilled again
+        else:  # what resuming cost: prefix tokens prefilled again
             self.guard.book.bump("resumed_tokens", pref[1])
             if result.prompt_tokens is not None:
                 cached = int(result.cached_tokens or 0)
