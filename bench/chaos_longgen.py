@@ -34,9 +34,10 @@ Last line::
     (before: E); drain kept = 100 %; extra meta ops per producer-second = F   (one line)
 
 E is the same workload without the per-producer token journal: ``--before E`` gives it, from
-a run without the journal, when this run turns the journal on with ``--producer-set
-KEY=VALUE`` (any producer config key, passed to every producer); without ``--before``, E is
-this run's own D. F is the metadata operations the producers' in-flight journal adds, per
+a run without the journal (``--producer-set timing.journal_every_s=0``: the journal is on by
+default, a 4 s window), when this run sets the journal with ``--producer-set KEY=VALUE`` (any
+producer config key, passed to every producer); without ``--before``, E is this run's own
+D. F is the metadata operations the producers' in-flight journal adds, per
 second a producer is alive (``JournalWatch``): every journal record a producer publishes
 costs ``META_OPS_PER_RECORD`` of them (the create of its temporary file, the rename into
 place, and its unlink once superseded; lookups and fsyncs not counted), and the records are

@@ -33,11 +33,40 @@ from strawq.producers.held import GroupTable  # noqa: E402
 from strawq.producers.journal_flush import load_prefix  # noqa: E402
 from strawq.producers.sample import SamplerParams  # noqa: E402
 from strawq.storage import PosixStorage  # noqa: E402
+from strawq.tasks.journal import JournalReader  # noqa: E402
 from strawq.tasks.queue import RunQueue  # noqa: E402
 from strawq.testing.faults import FaultyStorage  # noqa: E402
 from tests.producers.journal_helpers import flusher, hold, run_with_tasks, stream  # noqa: E402
 
 OPS = ("publish", "append", "rename", "delete", "read", "list")
+
+
+class ReadBytes:
+    """The bytes the reads of ``storage`` returned, and its ``size`` calls (a stat: not a
+    ``FaultyStorage`` count)."""
+
+    def __init__(self, storage: FaultyStorage) -> None:
+        self.bytes = 0
+        self.sizes = 0
+        for name in ("read", "read_prefix", "read_range"):
+            self._wrap(storage, name)
+        inner_size = storage.size
+
+        def size(key: str) -> int:
+            self.sizes += 1
+            return inner_size(key)
+
+        storage.size = size  # type: ignore[method-assign]
+
+    def _wrap(self, storage: FaultyStorage, name: str) -> None:
+        inner = getattr(storage, name)
+
+        def counted(*args: Any) -> bytes:
+            out: bytes = inner(*args)
+            self.bytes += len(out)
+            return out
+
+        setattr(storage, name, counted)
 
 
 class Clock:
@@ -97,12 +126,16 @@ def one(args: argparse.Namespace, root: Path, journal: bool) -> dict[str, Any]:
         out["park"] = _delta(before, _calls(f))
         before = _calls(f)
         q2 = RunQueue(f)
+        reader = JournalReader(f)  # the claiming producer's, kept between its claims
+        counted = ReadBytes(f)
         for lease in q2.claim("p2", args.groups):
             if lease.journal is None:
                 q2.load_partial(lease)
             else:
-                load_prefix(q2, lease, lambda i: SamplerParams(max_new_tokens=10**9))
+                load_prefix(q2, lease, lambda i: SamplerParams(max_new_tokens=10**9),
+                            reader=reader)
         out["resume"] = _delta(before, _calls(f))
+        out["resume_bytes"], out["resume_sizes"] = counted.bytes, counted.sizes
         out["records"] = book.get("journal_records")
         io.shutdown()
 
@@ -141,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
           f"(window {args.every_tokens} tok / {args.every_s:g} s); park+resume calls per "
           f"group = {park_j:.2f} (partials: {park_p:.2f}, ratio {park_j / park_p:.2f}); "
           f"publishes per group at a park = {pub_j:.3f} (partials: {pub_p:.3f})")
+    print(f"journal_ops: resume reads per claim = {jr['resume']['read'] / args.groups:.2f} "
+          f"reads + {jr['resume_sizes'] / args.groups:.2f} stats, "
+          f"{jr['resume_bytes'] / args.groups / 1024:.1f} KiB (partials: "
+          f"{pr['resume']['read'] / args.groups:.2f} reads, "
+          f"{pr['resume_bytes'] / args.groups / 1024:.1f} KiB)")
     return 0
 
 

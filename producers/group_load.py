@@ -26,6 +26,7 @@ from strawq.producers.plugins import load_tokenizer
 from strawq.producers.producer_config import ProducerConfig
 from strawq.producers.sample import SampleError, SamplerParams
 from strawq.tasks.eta import STALE_REASON
+from strawq.tasks.journal import JournalReader
 from strawq.tasks.queue import Lease, RunQueue
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class GroupLoader:
         self.book = book
         self.prompt_key = queue.config.prompt_key
         self.tokenizer = load_tokenizer(config.plugins.tokenizer, config.plugins.tokenizer_args)
+        #: the journals' segments read for earlier claims (``load_prefix``)
+        self.journal_reader = JournalReader(queue.storage)
 
     def params(self, task: dict[str, Any], i: int, gen: int = 0) -> SamplerParams:
         row = task.get("row") if isinstance(task.get("row"), dict) else {}
@@ -84,7 +87,8 @@ class GroupLoader:
                 except (NotFound, CorruptRecord) as exc:
                     problem = exc
             try:
-                prefix = load_prefix(self.queue, lease, lambda i: self.params(lease.task, i))
+                prefix = load_prefix(self.queue, lease, lambda i: self.params(lease.task, i),
+                                     reader=self.journal_reader)
             except (CorruptRecord, SampleError) as exc:
                 prefix, problem = None, exc
             if prefix is not None:

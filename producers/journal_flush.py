@@ -23,7 +23,9 @@ its ``.partial`` as before.
 
 **A resume** (``load_prefix``): a claimed task whose resume generation has no ``.partial``
 rebuilds its group from the journal prefix (``strawq.tasks.journal.load_chain``) and goes on
-exactly as from a partial (``GroupRun.from_partial``).
+exactly as from a partial (``GroupRun.from_partial``). The producer keeps one
+``JournalReader``: a segment it read for one claim is read for the next from where it
+ended, and a claim reads only the frames that hold its lease.
 
 The journal holds the engine-generated path: a multi-turn generate plugin's trajectories
 and environment snapshots are the turn checkpoints' (``strawq.tasks.turns``), so a producer
@@ -55,7 +57,7 @@ from strawq.producers.sample import (
     SampleStatus,
     received,
 )
-from strawq.tasks.journal import JournalLog, LeaseKey, find_writer, load_chain
+from strawq.tasks.journal import JournalLog, JournalReader, LeaseKey, find_writer, load_chain
 
 if TYPE_CHECKING:
     from strawq.ondisk.groups import GroupData
@@ -424,16 +426,19 @@ def rebuild(lease: Lease, chain: list[dict[str, Any]],
 
 
 def load_prefix(queue: RunQueue, lease: Lease,
-                default_params: Callable[[int], SamplerParams]) -> GroupData | None:
+                default_params: Callable[[int], SamplerParams], *,
+                reader: JournalReader | None = None) -> GroupData | None:
     """I/O thread: the group of a claimed task's journal prefix (its resume generation's),
-    or None when no journal holds one."""
+    or None when no journal holds one. ``reader``: the producer's, kept between claims, so
+    a segment read for an earlier claim is read again only from where it ended."""
     if not lease.has_partial:
         return None
     r = lease.name.resume
     writer = lease.journal or find_writer(queue.storage, lease.task_id, r)
     if writer is None:
         return None
-    chain = load_chain(queue.storage, writer, lease.task_id, r, quarantine=queue.quarantine)
+    chain = load_chain(queue.storage, writer, lease.task_id, r, quarantine=queue.quarantine,
+                       reader=reader)
     if chain is None:
         return None
     return rebuild(lease, chain, default_params, writer)

@@ -261,11 +261,14 @@ class TimingConfig(Config):
     lease_margin_s: float | None = None
     #: The in-flight journal (``strawq.producers.journal_flush``): every held sequence's
     #: received tokens are made durable in one record per producer once this many new
-    #: tokens arrived since the last record (0: no token trigger) ...
+    #: tokens arrived since the last record (0, the default: no token trigger) ...
     journal_every_tokens: int = 0
-    #: ... or once this many seconds passed with new tokens (0: no time trigger). Both 0
-    #: (the default): no journal; a crash loses what arrived since the last save.
-    journal_every_s: float = 0.0
+    #: ... or once this many seconds passed with new tokens (0: no time trigger). The
+    #: default, 4 s and no token trigger, is at most one record per producer per 4 s
+    #: whatever the decode speed: what fits the control plane's metadata budget at 10,000
+    #: GPUs (docs/benchmarks.md, "The in-flight journal"). Both 0: no journal; a crash
+    #: loses what arrived since the last save.
+    journal_every_s: float = 4.0
 
     @property
     def journaling(self) -> bool:

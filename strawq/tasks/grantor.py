@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from strawq.errors import AlreadyExists, NotFound
 from strawq.ondisk.names import STAGE_PARTIAL, ChunkName, TaskName, heartbeat_key, queue_key, \
     requeued_name
-from strawq.tasks.journal import journaled
+from strawq.tasks.journal import JournalReader, journaled
 from strawq.tasks.queue import RunQueue
 from strawq.tasks.states import DIRS, TaskState, chunk_key, chunk_leases, drop_drained_chunk, \
     held_chunks, move, queued_state
@@ -55,6 +55,8 @@ class LeaseMonitor:
         self._idle_at: dict[str, bool] = {}
         #: per scan: the leases each expiring holder's journal holds (``_journaled_name``)
         self._journals: dict[str, dict[tuple[str, int], int]] = {}
+        #: the writers' segments scanned so far: a later scan reads only their new frames
+        self._journal_reader = JournalReader(queue.storage)
 
     def observe_heartbeats(self, now: float) -> dict[str, int]:
         latest: dict[str, int] = {}
@@ -172,7 +174,8 @@ class LeaseMonitor:
         if writer not in self._journals:
             try:
                 self._journals[writer] = journaled(self.queue.storage, writer,
-                                                   self.queue.quarantine)
+                                                   self.queue.quarantine,
+                                                   reader=self._journal_reader)
             except Exception as exc:  # noqa: BLE001 - unreadable: expire as before
                 log.warning("journal of %s unreadable (%s); its leases expire without it",
                             writer, exc)

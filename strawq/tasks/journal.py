@@ -75,7 +75,9 @@ from __future__ import annotations
 
 import logging
 import struct
+import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -426,48 +428,26 @@ def _records_of(storage: Storage, key: str, meta_only: bool) -> list[list[dict[s
 
 
 def _segment_meta(storage: Storage, key: str) -> list[list[dict[str, Any]]]:
-    """The metadata of each record in segment ``key``, newest first, from each frame's
-    header and the first bytes of its record (``read_range``: never the columns). A frame
+    """The entries of each record in segment ``key``, newest first, their ``SCANNED_KEYS``
+    alone, from each frame's header and the first bytes of its record (``read_range``:
+    never the columns). A frame
     that runs past the file's size, or the last one unreadable, is a torn tail; a damaged
-    header before it is ``CorruptRecord``. No checksum of the bodies: what a caller decides
-    from it, a reader checks."""
-    size = storage.size(key)
-    out: list[list[dict[str, Any]]] = []
-    pos = 0
-    while pos + FRAME.size <= size:
-        head = storage.read_range(key, pos, FRAME.size + META_PREFIX)
-        if len(head) < FRAME.size or not any(head[:FRAME.size]):
-            break  # shorter than its size said (a racing truncation) or a zero-filled tail
-        magic, length, _, crc = FRAME.unpack_from(head)
-        if magic != FRAME_MAGIC or zlib.crc32(head[:FRAME.size - 4]) != crc:
-            raise CorruptRecord(f"{key}: the frame header at byte {pos} is damaged")
-        end = pos + FRAME.size + length
-        if end > size:
-            break  # a torn tail
-        try:
-            kind, meta, need = records.decode_meta_only(head[FRAME.size:FRAME.size + length],
-                                                        name=key)
-            if not meta:  # more metadata than the first read held
-                kind, meta, need = records.decode_meta_only(
-                    storage.read_range(key, pos + FRAME.size, min(need, length)), name=key)
-            if kind is not Kind.JOURNAL or not meta:
-                raise CorruptRecord(f"{key}: not a whole journal record's metadata at {pos}")
-            out.append(_entries(records.Record(kind, meta), key))
-        except CorruptRecord:
-            if end == size:
-                break  # the last frame: a tail whose bytes never landed
-            raise
-        pos = end
-    return list(reversed(out))
+    header before it is ``CorruptRecord``. No checksum of the bodies beyond those read with
+    their header: what a caller decides from it, a reader checks (``JournalReader``)."""
+    return JournalReader(storage).segment_meta(key)
 
 
 def _read(storage: Storage, key: str, quarantine: Callable[[str], object] | None, *,
-          meta_only: bool = False) -> list[list[dict[str, Any]]] | None:
+          meta_only: bool = False, reader: JournalReader | None = None,
+          ) -> list[list[dict[str, Any]]] | None:
     """The entries of each record in file ``key``, newest first; None when it is gone or
     corrupt (quarantined). ``meta_only``: their metadata, the columns left as references
-    (a record file's prefix alone; no checksum of the payload, nothing quarantined: what a
-    caller decides from it, a reader checks)."""
+    (a record file's prefix alone; of a segment's entries, their ``SCANNED_KEYS``, through
+    ``reader`` if given; no checksum of the payload, nothing quarantined: what a caller
+    decides from it, a reader checks)."""
     try:
+        if meta_only and reader is not None and is_segment(key):
+            return reader.segment_meta(key)
         return _records_of(storage, key, meta_only)
     except NotFound:
         return None
@@ -479,6 +459,263 @@ def _read(storage: Storage, key: str, quarantine: Callable[[str], object] | None
         if quarantine is not None:
             quarantine(key)
         return None
+
+
+# -- reading segments by offset ---------------------------------------------------------------
+
+#: segments whose frames a ``JournalReader`` remembers (the oldest used forgotten first)
+SCANNED_SEGMENTS = 64
+#: bytes of verified frame bodies a ``JournalReader`` keeps (the oldest used dropped first)
+BODY_CACHE_BYTES = 64 << 20
+#: what a reader keeps of each entry of a scanned frame (which lease, whether full, its
+#: oldest version): the rest of the metadata is read again with the body when needed
+SCANNED_KEYS = ("task", "gen", "full", "min_version")
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """One frame of a segment: where it is, and of its record's metadata each entry's
+    ``SCANNED_KEYS`` (not checked against the body's checksum, which a reader of the
+    columns checks)."""
+
+    pos: int
+    length: int
+    entries: list[dict[str, Any]]
+
+    @property
+    def end(self) -> int:
+        return self.pos + FRAME.size + self.length
+
+    def holds(self, lease: LeaseKey) -> tuple[bool, bool]:
+        """Whether this record has an entry of ``lease``, and whether its last one is full."""
+        mine = [e for e in self.entries if e["task"] == lease[0] and int(e["gen"]) == lease[1]]
+        return bool(mine), bool(mine and mine[-1].get("full"))
+
+
+@dataclass(frozen=True)
+class _Scan:
+    """What a reader found in one segment: its whole frames, oldest first, and the byte
+    after the last of them (where the next scan starts)."""
+
+    frames: tuple[_Frame, ...] = ()
+    end: int = 0
+
+
+class JournalReader:
+    """Reads a writer's journal by offset: each segment is scanned frame by frame (the
+    header and its record's first bytes: the metadata), and what was found is remembered,
+    so that reading a segment again reads only the frames appended since (a ``size`` and
+    a header each); a lease's prefix reads the bodies of only the frames that hold it,
+    from its newest full entry on (contiguous ones in one ``read_range``), each checked
+    against its checksum, and keeps them (``BODY_CACHE_BYTES``) for the next lease resumed
+    from the same frame. A segment's frames are never rewritten (a writer only appends),
+    so what a scan found stays true while the file exists; one that shrank is not the
+    file scanned and is scanned again. Safe to share between threads."""
+
+    def __init__(self, storage: Storage, *, body_cache_bytes: int = BODY_CACHE_BYTES) -> None:
+        self.storage = storage
+        self.body_cache_bytes = body_cache_bytes
+        self._lock = threading.Lock()
+        self._scans: OrderedDict[str, _Scan] = OrderedDict()
+        self._bodies: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._body_bytes = 0
+
+    # -- the cache -----------------------------------------------------------------------------
+
+    def forget(self, key: str) -> None:
+        """Drop what is known of segment ``key`` (gone, quarantined, or found corrupt)."""
+        with self._lock:
+            self._scans.pop(key, None)
+            for k in [k for k in self._bodies if k[0] == key]:
+                self._body_bytes -= len(self._bodies.pop(k))
+
+    def _keep_body(self, key: str, pos: int, body: bytes) -> None:
+        if len(body) > self.body_cache_bytes:
+            return
+        with self._lock:
+            if (key, pos) in self._bodies:
+                return
+            self._bodies[(key, pos)] = body
+            self._body_bytes += len(body)
+            while self._body_bytes > self.body_cache_bytes:
+                _, old = self._bodies.popitem(last=False)
+                self._body_bytes -= len(old)
+
+    def _body(self, key: str, pos: int) -> bytes | None:
+        with self._lock:
+            body = self._bodies.get((key, pos))
+            if body is not None:
+                self._bodies.move_to_end((key, pos))
+            return body
+
+    def prune(self, writer: str, keys: Iterable[str]) -> None:
+        """Forget the segments of ``writer`` no longer listed."""
+        live, d = set(keys), journal_dir(writer) + "/"
+        with self._lock:
+            gone = [k for k in self._scans if k.startswith(d) and k not in live]
+        for key in gone:
+            self.forget(key)
+
+    # -- scanning ------------------------------------------------------------------------------
+
+    def frames(self, key: str) -> tuple[tuple[_Frame, ...], int]:
+        """The whole frames of segment ``key``, oldest first, and its size: those found
+        before, then the frames after them (each header and its record's first bytes,
+        ``read_range``). A frame that runs past the file's size, or the last one whose
+        metadata or (read with it) body is unreadable, is a torn tail: left out, and
+        looked at again by the next call. ``NotFound``; ``CorruptRecord``: a damaged
+        header, or metadata, before an intact frame."""
+        with self._lock:
+            scan = self._scans.get(key, _Scan())
+        try:
+            size = self.storage.size(key)
+            if size < scan.end:  # not the file scanned (never by the protocol): from its start
+                self.forget(key)
+                scan = _Scan()
+            frames, end = self._scan(key, scan, size)
+        except (NotFound, CorruptRecord):
+            self.forget(key)
+            raise
+        with self._lock:
+            old = self._scans.get(key)
+            if old is None or old.end <= end:  # a racing scan of the same file found less
+                self._scans[key] = _Scan(frames, end)
+            self._scans.move_to_end(key)
+            while len(self._scans) > SCANNED_SEGMENTS:
+                self._scans.popitem(last=False)
+        return frames, size
+
+    def _scan(self, key: str, scan: _Scan, size: int) -> tuple[tuple[_Frame, ...], int]:
+        frames = list(scan.frames)
+        pos = scan.end
+        while pos + FRAME.size <= size:
+            head = self.storage.read_range(key, pos, FRAME.size + META_PREFIX)
+            if len(head) < FRAME.size or not any(head[:FRAME.size]):
+                break  # shorter than its size said (a racing truncation) or a zero-filled tail
+            magic, length, digest, crc = FRAME.unpack_from(head)
+            if magic != FRAME_MAGIC or zlib.crc32(head[:FRAME.size - 4]) != crc:
+                raise CorruptRecord(f"{key}: the frame header at byte {pos} is damaged")
+            end = pos + FRAME.size + length
+            if end > size:
+                break  # a torn tail
+            body = head[FRAME.size:FRAME.size + length]
+            whole = len(body) == length  # read with its header: checked now
+            if whole and xxhash.xxh3_64_intdigest(body) != digest:
+                if end == size:
+                    break  # the last frame: a tail whose bytes never landed
+                whole = False  # a reader of its columns finds it corrupt
+            try:
+                kind, meta, need = records.decode_meta_only(body, name=key)
+                if not meta:  # more metadata than the first read held
+                    kind, meta, need = records.decode_meta_only(
+                        self.storage.read_range(key, pos + FRAME.size, min(need, length)),
+                        name=key)
+                if kind is not Kind.JOURNAL or not meta:
+                    raise CorruptRecord(f"{key}: not a whole journal record's metadata at {pos}")
+                frames.append(_Frame(pos, length, [
+                    {k: e[k] for k in SCANNED_KEYS if k in e}
+                    for e in _entries(records.Record(kind, meta), key)]))
+            except CorruptRecord:
+                if end == size:
+                    break  # the last frame: a tail whose bytes never landed
+                raise
+            if whole:
+                self._keep_body(key, pos, bytes(body))
+            pos = end
+        return tuple(frames), pos
+
+    def segment_meta(self, key: str) -> list[list[dict[str, Any]]]:
+        """Each record's entries in segment ``key``, newest first, their ``SCANNED_KEYS``
+        alone (``frames``)."""
+        return [f.entries for f in reversed(self.frames(key)[0])]
+
+    # -- a lease's prefix ----------------------------------------------------------------------
+
+    def _lease_records(self, key: str, lease: LeaseKey) -> list[list[dict[str, Any]]]:
+        """The entries, columns as bytes, of the records of segment ``key`` a lease's
+        prefix needs, newest first: those holding an entry of it, down to the newest with
+        a full one (all of them when none is full). Only those frames' bodies are read,
+        contiguous ones at once, each checked; the last one of the file failing its
+        checksum is a torn tail (left out). ``NotFound``, ``CorruptRecord``."""
+        frames, size = self.frames(key)
+        wanted: list[_Frame] = []
+        for f in reversed(frames):
+            has, full = f.holds(lease)
+            if has:
+                wanted.append(f)
+                if full:
+                    break
+        bodies: dict[int, bytes] = {}
+        missing: list[_Frame] = []
+        for f in sorted(wanted, key=lambda f: f.pos):
+            cached = self._body(key, f.pos)
+            if cached is not None:
+                bodies[f.pos] = cached
+            else:
+                missing.append(f)
+        runs: list[list[_Frame]] = []
+        for f in missing:
+            if runs and runs[-1][-1].end == f.pos:
+                runs[-1].append(f)
+            else:
+                runs.append([f])
+        for run in runs:
+            data = memoryview(self.storage.read_range(key, run[0].pos, run[-1].end - run[0].pos))
+            for f in run:
+                at = f.pos - run[0].pos
+                body = data[at + FRAME.size:at + FRAME.size + f.length]
+                digest = FRAME.unpack_from(data, at)[2] if at + FRAME.size <= len(data) else None
+                if len(body) == f.length and xxhash.xxh3_64_intdigest(body) == digest:
+                    bodies[f.pos] = bytes(body)
+                    self._keep_body(key, f.pos, bodies[f.pos])
+                elif f.end == size and f is frames[-1]:
+                    log.debug("journal segment %s ends in a torn frame at byte %d (a crash "
+                              "mid-append, or an append in progress): read up to it", key, f.pos)
+                else:
+                    raise CorruptRecord(f"{key}: the frame at byte {f.pos} fails its checksum, "
+                                        "and an intact frame may follow it")
+        return [_decode(bodies[f.pos], key, False) for f in wanted if f.pos in bodies]
+
+    def chain(self, writer: str, task: str, gen: int, *,
+              quarantine: Callable[[str], object] | None = None) -> list[dict[str, Any]] | None:
+        """``load_chain`` through this reader: the segments read by offset and only the
+        frames the prefix of ``(task, gen)`` needs (a record file is read whole, as ever)."""
+        keys = record_keys(self.storage, writer)
+        self.prune(writer, keys)
+        newer: list[dict[str, Any]] = []
+        for key in keys:
+            if is_segment(key):
+                recs = self._segment_records(key, (task, gen), quarantine)
+            else:
+                recs = _read(self.storage, key, quarantine)
+            if recs is None:
+                newer = []  # a gap: nothing newer than it can be applied
+                continue
+            for entries in recs:
+                mine = [e for e in entries if e["task"] == task and int(e["gen"]) == gen]
+                if not mine:
+                    continue
+                e = mine[-1]
+                if e.get("full"):
+                    return [e, *reversed(newer)]
+                newer.append(e)
+        return None
+
+    def _segment_records(self, key: str, lease: LeaseKey,
+                         quarantine: Callable[[str], object] | None
+                         ) -> list[list[dict[str, Any]]] | None:
+        try:
+            return self._lease_records(key, lease)
+        except NotFound:
+            self.forget(key)
+            return None
+        except CorruptRecord as exc:
+            self.forget(key)
+            log.error("journal record %s is corrupt (%s); quarantined, the prefix falls back "
+                      "to the entries before it", key, exc)
+            if quarantine is not None:
+                quarantine(key)
+            return None
 
 
 def read_entries(storage: Storage, key: str) -> list[dict[str, Any]]:
@@ -498,35 +735,28 @@ def record_keys(storage: Storage, writer: str) -> list[str]:
 
 def load_chain(storage: Storage, writer: str, task: str, gen: int, *,
                quarantine: Callable[[str], object] | None = None,
-               ) -> list[dict[str, Any]] | None:
+               reader: JournalReader | None = None) -> list[dict[str, Any]] | None:
     """The journal prefix of lease ``(task, gen)``: its newest full entry followed by its
     deltas, oldest first, up to the newest intact record (deltas newer than a corrupt or
-    vanished record are dropped: they may build on what it held). None: no full entry."""
-    newer: list[dict[str, Any]] = []
-    for key in record_keys(storage, writer):
-        recs = _read(storage, key, quarantine)
-        if recs is None:
-            newer = []  # a gap: nothing newer than it can be applied
-            continue
-        for entries in recs:
-            mine = [e for e in entries if e["task"] == task and int(e["gen"]) == gen]
-            if not mine:
-                continue
-            e = mine[-1]
-            if e.get("full"):
-                return [e, *reversed(newer)]
-            newer.append(e)
-    return None
+    vanished record are dropped: they may build on what it held). None: no full entry.
+    Segments are read by ``reader`` (one kept between calls reads only what was appended
+    since; without one, a reader for this call): only the frames that hold the lease."""
+    return (reader or JournalReader(storage)).chain(writer, task, gen, quarantine=quarantine)
 
 
 def journaled(storage: Storage, writer: str,
-              quarantine: Callable[[str], object] | None = None) -> dict[LeaseKey, int]:
+              quarantine: Callable[[str], object] | None = None, *,
+              reader: JournalReader | None = None) -> dict[LeaseKey, int]:
     """Every lease with a full entry in ``writer``'s records, and the oldest weight
     version of its newest entry (the queue key's version: staleness first). The grantor
-    reads it for the writer of each lease it expires."""
+    reads it for the writer of each lease it expires (``reader``: its segments' frames
+    scanned before are not read again)."""
     out: dict[LeaseKey, int] = {}
-    for key in record_keys(storage, writer):
-        for entries in _read(storage, key, quarantine, meta_only=True) or []:
+    keys = record_keys(storage, writer)
+    if reader is not None:
+        reader.prune(writer, keys)
+    for key in keys:
+        for entries in _read(storage, key, quarantine, meta_only=True, reader=reader) or []:
             for e in entries:
                 k = (e["task"], int(e["gen"]))
                 if e.get("full") and k not in out:
@@ -600,6 +830,7 @@ def sweep_journal(storage: Storage, quarantine: Callable[[str], object] | None =
     return removed
 
 
-__all__ = ["FULL_EVERY", "JOURNAL_DIR", "JournalLog", "JournalStats", "find_writer", "frame",
+__all__ = ["FULL_EVERY", "JOURNAL_DIR", "JournalLog", "JournalReader", "JournalStats",
+           "find_writer", "frame",
            "is_segment", "journal_dir", "journal_key", "journaled", "load_chain", "read_entries",
            "record_keys", "segment_key", "sweep_journal", "unframe", "writers"]

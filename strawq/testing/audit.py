@@ -23,6 +23,7 @@ from strawq.ondisk.groups import GroupData
 from strawq.ondisk.names import CHUNK_ROWS, ChunkName, TaskName, data_key, note_key
 from strawq.ondisk.records import Kind
 from strawq.storage import Storage
+from strawq.tasks.journal import find_writer, journaled
 from strawq.tasks.states import RELEASES
 
 #: Where a task can be. "quarantined" is reported, never silent (docs/design.md, invariant 2).
@@ -213,6 +214,19 @@ def audit_run(storage: Storage) -> Audit:
             ids = [TaskName.parse(g).id for g in rec.meta["groups"]]
             a.manifests[seq] = ids
     consumed = {tid for seq in a.acked for tid in a.manifests.get(seq, [])}
+    in_journal: dict[str, dict[tuple[str, int], int]] = {}
+
+    def journal_holds(e: Entry) -> bool:
+        """Whether a journal holds the prefix of ``e``'s resume generation: its queued
+        name's writer's (the holder slot), or, for a lease (its slot names its holder, not
+        the writer it resumed from), any writer's (``strawq.tasks.journal``)."""
+        if e.state in ("pending", "partial") and e.name.producer is not None:
+            w = e.name.producer
+            if w not in in_journal:
+                in_journal[w] = journaled(storage, w)
+            return (e.name.id, e.name.resume) in in_journal[w]
+        return find_writer(storage, e.name.id, e.name.resume) is not None
+
     for es in a.entries.values():
         for e in es:
             if e.state == "quarantined":
@@ -221,8 +235,9 @@ def audit_run(storage: Storage) -> Audit:
             if rec is None:
                 continue
             if e.state in ("pending", "partial", "leased") and e.name.resume >= 0:
-                _decode(storage, data_key(e.name.id, e.name.resume, "partial"), a,
-                        Kind.PARTIAL)
+                pkey = data_key(e.name.id, e.name.resume, "partial")
+                if storage.exists(pkey) or not journal_holds(e):  # a park into the journal
+                    _decode(storage, pkey, a, Kind.PARTIAL)
             if e.state == "ready" or (e.state == "batched" and e.name.id not in consumed):
                 # an acked batch's payloads may already be garbage-collected
                 gkey = data_key(e.name.id, e.name.gen, "group")

@@ -8,12 +8,15 @@ import numpy as np
 
 from strawq.producers.group import GroupRun
 from strawq.producers.held import ActiveGroup, GroupTable
-from strawq.producers.journal_flush import JournalFlush
+from strawq.ondisk.groups import GroupData
+from strawq.ondisk.names import TaskName
+from strawq.producers.journal_flush import JournalFlush, load_prefix
 from strawq.producers.meter import ProducerStats, StatsBook
 from strawq.producers.offload import Offload
 from strawq.producers.producer_config import TimingConfig
 from strawq.producers.sample import Sample, SamplerParams, Segment, apply_segment
 from strawq.storage import Storage
+from strawq.tasks.claims import Lease
 from strawq.tasks.queue import RunQueue
 from tests.strawq.queue_helpers import make_feeder, make_queue
 
@@ -74,3 +77,15 @@ def flusher(q: RunQueue, table: GroupTable, producer: str, *, incarnation: int =
                      segments=segments)
     j.open(incarnation)
     return j, io, book
+
+
+def saved_prefix(q: RunQueue, t: TaskName) -> GroupData | None:
+    """The prefix queued partial task ``t`` resumes from: its ``.partial``, or, when its
+    name's holder slot names a journal's writer (a park yielded into the journal, the
+    default), that journal's prefix."""
+    if t.resume < 0:
+        return None
+    if t.producer is None:
+        return q.load_partial(Lease(t, {}))
+    return load_prefix(q, Lease(t, {}, t.producer),
+                       lambda i: SamplerParams(max_new_tokens=10**9))

@@ -11,9 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from strawq.ondisk.groups import GroupData
-from strawq.ondisk.names import data_key
-from strawq.ondisk.records import Kind
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.engines.tiny_config import TinyConfig
@@ -37,6 +34,7 @@ from strawq.tasks.queue import RunQueue
 from strawq.testing.waiting import async_wait_until
 from strawq.weights.control import Control
 from tests.producers.helpers import ids, make_run, names, ready_groups, run_producers, wait_for
+from tests.producers.journal_helpers import saved_prefix
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -67,8 +65,9 @@ def mid_sample(q: RunQueue, max_new: int) -> bool:
     weights it must span two versions."""
     for t in names(q, "pending"):
         if t.resume >= 0:
-            rec = q._read_record(data_key(t.id, t.resume, "partial"), Kind.PARTIAL)
-            if any(0 < n < max_new for n in GroupData.from_record(rec).sample_lens):
+            group = saved_prefix(q, t)  # its .partial, or the journal it was parked into
+            assert group is not None, f"task {t} has no saved prefix"
+            if any(0 < n < max_new for n in group.sample_lens):
                 return True
     return False
 

@@ -22,6 +22,7 @@ import pytest
 from strawq.producers.drain import EXIT_DRAIN_OVERRUN, EXIT_INTERRUPTED, Drain
 from strawq.tasks.queue import Lease, RunQueue
 from tests.producers.helpers import ids, make_run, names
+from tests.producers.journal_helpers import saved_prefix
 
 PLUGINS = "tests.producers.plugins_for_tests"
 REPO = Path(__file__).resolve().parents[2]
@@ -131,7 +132,7 @@ def partials(q: RunQueue) -> dict[str, Any]:
     out = {}
     for t in names(q, "pending"):
         if Lease(t, {}).has_partial:
-            g = q.load_partial(Lease(t, {}))
+            g = saved_prefix(q, t)  # its .partial, or the journal it was parked into
             assert g is not None
             out[t.id] = g
     return out

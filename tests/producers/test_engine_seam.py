@@ -28,10 +28,10 @@ from strawq.producers.producer_config import (
 from strawq.producers.sample import Sample, SamplerParams, SampleStatus
 from strawq.producers.sample_step import step_sample
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
-from strawq.tasks.queue import Lease
 from strawq.weights.control import Control
 from tests.producers.faulty_proxy import FaultyProxy
 from tests.producers.helpers import ids, make_run, names, ready_groups, run_producers, wait_for
+from tests.producers.journal_helpers import saved_prefix
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,10 +75,11 @@ def versions_of(q: Any) -> set[int]:
 
 
 def saved_partial(q: Any) -> Any:
-    """The saved prefixes of the run's one task (handed back as a partial)."""
+    """The saved prefixes of the run's one task (handed back as a partial: its ``.partial``
+    or the journal it was parked into)."""
     (t,) = names(q, "pending")
-    group = q.load_partial(Lease(t, {}))
-    assert group is not None, f"task {t} has no partial record"
+    group = saved_prefix(q, t)
+    assert group is not None, f"task {t} has no saved prefix"
     return group
 
 

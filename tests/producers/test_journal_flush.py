@@ -272,3 +272,64 @@ def test_a_prompt_extra_resumes_row_for_row_across_deltas(tmp_path: Path) -> Non
     x, y = got.samples[0].extras[ROUTED_EXPERTS], s.extras[ROUTED_EXPERTS]
     np.testing.assert_array_equal(x.values, y.values)
     _same(run, got)
+
+
+def test_a_producer_journals_by_default_every_4_s_and_both_keys_0_turn_it_off(
+        tmp_path: Path) -> None:
+    """The default window is time-only (a record at most every 4 s whatever the decode
+    speed); both keys 0: no journal, a park writes a ``.partial`` per group."""
+    from strawq.producers.producer import Producer
+    from strawq.producers.producer_config import (
+        EngineConfig,
+        PluginsConfig,
+        ProducerConfig,
+        TimingConfig,
+    )
+    from tests.producers.helpers import make_run
+
+    make_run(str(tmp_path / "run"), 0, rows=[{"prompt": [4, 5]}])
+
+    def producer(timing: TimingConfig) -> Producer:
+        return Producer(ProducerConfig(
+            run_dir=str(tmp_path / "run"), engine=EngineConfig(workers=("http://127.0.0.1:9",)),
+            plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"), timing=timing))
+
+    on = producer(TimingConfig())
+    assert on.journal is not None and on.journal.every_s == 4.0 and on.journal.every_tokens == 0
+    assert producer(TimingConfig(journal_every_s=0.0)).journal is None
+
+
+def test_the_audit_finds_a_parked_prefix_in_the_journal_and_misses_it_once_gone(
+        tmp_path: Path) -> None:
+    """``strawq.testing.audit``: a group parked into the journal has no ``.partial``; its
+    prefix is its writer's journal (queued, and once claimed); without either it is
+    reported missing."""
+    from strawq.testing.audit import audit_run
+
+    storage = MemoryStorage()
+    q = run_with_tasks(storage, tmp_path, 2)
+    table = GroupTable()
+    groups = hold(q, table, "p1", 2)
+    j, io, book = flusher(q, table, "p1")
+    hb = HandBack(q, io, book)
+    hb.journal = j
+
+    async def park() -> None:
+        io.start()
+        for a in groups:
+            assert a.run is not None
+            generate(a.run.samples[0], 5)
+            a.parking = True
+        await asyncio.gather(*(hb.yield_partial(a.lease, a.run.to_group(
+            producer="p1", version_hint=0, partial=True)) for a in groups if a.run))
+        io.shutdown()
+
+    asyncio.run(park())
+    released = {a.lease.task_id for a in groups}
+    assert audit_run(storage).check(released) == []
+    q.claim("p2", 1)  # one leased (its slot names p2), one still queued
+    assert audit_run(storage).check(released) == []
+    for key in record_keys(storage, "p1"):
+        storage.delete(key)
+    problems = audit_run(storage).check(released)
+    assert len(problems) == 2 and all(p.endswith(".partial: missing") for p in problems)
