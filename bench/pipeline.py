@@ -39,8 +39,9 @@ batch waits for the groups due by its version: nothing trained over η, the tail
 trainer wait), or ``train`` (soft: over-η groups trained and counted); each case's line per
 schedule names it, with the max staleness, the over-η groups trained, the groups dropped or
 regenerated and the trainer wait ratio. ``--quick`` (the CI size) runs the standard case,
-sync and stream, 2 one-second steps at B=48 and time scale 1: plumbing only, not the
-figures.
+sync, stream and stream+rolling, 2 one-second steps at B=48 and time scale 1: plumbing
+only, not the figures (CI checks the rolling line's structural facts: max staleness <= η,
+nothing dropped).
 
 A row ``stream+rolling`` runs ``stream`` with the rolling weight update (published once,
 the sim engines load it a quarter of the fleet at a time, an engine may lag by η) instead of
@@ -252,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="runs/bench-pipeline")
     ap.add_argument("--steps", type=int, default=None, help="default 30")
     ap.add_argument("--sync-steps", type=int, default=None, help="default 8")
-    ap.add_argument("--modes", default=None, help="default sync,stream,flow")
+    ap.add_argument("--modes", default=None,
+                    help="default sync,stream,flow (--quick: sync,stream,stream+rolling)")
     ap.add_argument("--cases", default=None,
                     help="default standard,long_tail,history,mixture")
     ap.add_argument("--history-mode", default="stream",
@@ -273,13 +275,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="what eta means: hard (default: a batch waits for the groups due by "
                          "its version) or train (soft: over-eta groups trained and counted)")
     ap.add_argument("--quick", action="store_true",
-                    help="plumbing only: the standard case, sync and stream, 2 steps of 1 s, "
-                         "B=48, time scale 1")
+                    help="plumbing only: the standard case, sync, stream and "
+                         "stream+rolling, 2 steps of 1 s, B=48, time scale 1")
     args = ap.parse_args(argv)
     quick = args.quick
     args.steps = args.steps or (2 if quick else 30)
     args.sync_steps = args.sync_steps or (2 if quick else 8)
-    args.modes = args.modes or ("sync,stream" if quick else "sync,stream,flow")
+    args.modes = args.modes or ("sync,stream,stream+rolling" if quick else "sync,stream,flow")
     args.cases = args.cases or ("standard,mixture" if quick
                                 else "standard,long_tail,history,mixture")
     args.time_scale = args.time_scale or (1.0 if quick else 2.5)
