@@ -53,7 +53,17 @@ compares them, worst case over the cases::
 
 (model seconds; the global bracket's fleet pause is every engine for the whole update, the
 rolling one each engine's time out of rotation for its load; the sim engines load weights
-at once, so it measures the protocol's cost, not a real load).
+at once, so it measures the protocol's cost, not a real load). Before it, a line for the
+issue's target "trainer wait per update <= the time to write the weights once",
+for the rolling row with the highest ratio::
+
+    pipeline: rolling trainer wait per update = A s; weights written once = W s (A/W = r)
+
+W is the mean ``write_s`` of the run's published versions (each manifest's: the trainer's
+seconds in ``write(v)``, the weights written once), model seconds like A. The wait
+includes the write, so r >= 1: r - 1 is what the update costs the trainer beyond writing
+the weights once (the manifest, the announce, acknowledging the step's batches). The sim
+trainer writes a few bytes, so here r is large; with a real checkpoint W is seconds.
 
 The ``history`` case (``strawq.demo.lab.HISTORY_CASE``, docs/lab.md) is the standard job
 on a dataset of 4 batches (384 rows) released for 14 passes, 40 % of its rows never or
@@ -167,6 +177,20 @@ def rolling_detail(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
             f"version = {sum(r['resumed_other_version_tokens'] for r in roll)} tokens, "
             f"over-η trained = {sum(r['stale_trained'] for r in roll)} / "
             f"{sum(g['stale_trained'] for g in glob)}")
+
+
+def write_line(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
+    """The rolling update's trainer wait per update against the time to write the weights
+    once (the mean ``write_s`` of the run's manifests), the case with the highest ratio;
+    the wait includes the write, so the ratio is at least 1 and the rest is publishing."""
+    def ratio(r: dict[str, Any]) -> float:
+        w = r["weights_write_s"]
+        return r["update_wait_s"] / w if w > 0 else float("inf")
+
+    r = max((r for r, _ in rows), key=ratio)
+    return (f"pipeline: rolling trainer wait per update = {r['update_wait_s']:.4g} s; "
+            f"weights written once = {r['weights_write_s']:.4g} s "
+            f"(A/W = {ratio(r):.2f})")
 
 
 def best_of(worst: dict[str, dict[str, float]]) -> str:
@@ -334,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows in pairs.values():
         if rows:
             print(rolling_detail(rows))
+            print(write_line(rows))
             print(rolling_line(rows, LabConfig().max_staleness))
     worst = {m: {"x": min(f["x"] for f in fs), "staleness": max(f["staleness"] for f in fs),
                  "stale_actions": sum(f["stale_actions"] for f in fs),

@@ -22,6 +22,10 @@ ROLLING = re.compile(
     rf"of ceiling = {NUM} \(steady {NUM}\)$", re.M)
 
 
+WRITE = re.compile(rf"^pipeline: rolling trainer wait per update = {NUM} s; weights written "
+                   rf"once = {NUM} s \(A/W = {NUM}\)$", re.M)
+
+
 @pytest.mark.xdist_group("bench-pipeline")  # the run test_quick_form_runs[pipeline] checks too
 @pytest.mark.timeout(BENCH_QUICK_TIMEOUT_S + 30)
 def test_the_quick_form_prints_the_rolling_line_within_eta_with_nothing_dropped(
@@ -35,3 +39,9 @@ def test_the_quick_form_prints_the_rolling_line_within_eta_with_nothing_dropped(
     assert eta == 1
     assert staleness <= eta, found[0]
     assert dropped == 0, found[0]
+    # the time to write the weights once, from the run's manifests: recorded (> 0), and
+    # inside the trainer's wait for the update (one clock), so A/W >= 1
+    writes = WRITE.findall(out)
+    assert len(writes) == 1, out[-3000:]
+    wait, write, ratio = (float(x) for x in writes[0])
+    assert write > 0 and wait >= write and ratio >= 1.0, writes[0]
