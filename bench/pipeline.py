@@ -53,8 +53,15 @@ compares them, worst case over the cases::
 
 (model seconds; the global bracket's fleet pause is every engine for the whole update, the
 rolling one each engine's time out of rotation for its load; the sim engines load weights
-at once, so it measures the protocol's cost, not a real load). Before it, a line for the
-issue's target "trainer wait per update <= the time to write the weights once",
+at once, so it measures the protocol's cost, not a real load). Before it, two lines: what
+resuming cost per update, rolling / global, worst case over the cases (the run's totals
+divided by its updates, one a step: resumed prefix tokens, those prefilled again, those
+resumed on an engine of another version; not a per-update measurement)::
+
+      rolling/global per update (run totals / updates): resumed R / R' tokens, prefilled
+      again P / P', resumed on another version O / O' tokens
+
+and the issue's target "trainer wait per update <= the time to write the weights once",
 for the rolling row with the highest ratio::
 
     pipeline: rolling trainer wait per update = A s; weights written once = W s (A/W = r)
@@ -177,6 +184,29 @@ def rolling_detail(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
             f"version = {sum(r['resumed_other_version_tokens'] for r in roll)} tokens, "
             f"over-η trained = {sum(r['stale_trained'] for r in roll)} / "
             f"{sum(g['stale_trained'] for g in glob)}")
+
+
+def per_update(row: dict[str, Any], key: str) -> float:
+    """A run total of ``row`` per weight update (the total / the row's updates, one a step)."""
+    n = row.get("updates", 0)
+    return float(row[key]) / n if n else float("nan")
+
+
+def rolling_per_update(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
+    """What resuming cost per weight update, rolling / global, worst case over the cases: the
+    run's totals divided by its updates (one a step), not a per-update measurement."""
+    roll = [r for r, _ in rows]
+    glob = [g for _, g in rows]
+
+    def worst(side: list[dict[str, Any]], key: str) -> float:
+        return max(per_update(r, key) for r in side)
+
+    return (f"  rolling/global per update (run totals / updates): resumed "
+            f"{worst(roll, 'resumed_tokens'):.1f} / {worst(glob, 'resumed_tokens'):.1f} "
+            f"tokens, prefilled again {worst(roll, 'resumed_tokens_prefilled'):.1f} / "
+            f"{worst(glob, 'resumed_tokens_prefilled'):.1f}, resumed on another version "
+            f"{worst(roll, 'resumed_other_version_tokens'):.1f} / "
+            f"{worst(glob, 'resumed_other_version_tokens'):.1f} tokens")
 
 
 def write_line(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
@@ -358,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows in pairs.values():
         if rows:
             print(rolling_detail(rows))
+            print(rolling_per_update(rows))
             print(write_line(rows))
             print(rolling_line(rows, LabConfig().max_staleness))
     worst = {m: {"x": min(f["x"] for f in fs), "staleness": max(f["staleness"] for f in fs),

@@ -104,6 +104,8 @@ def row_of(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[s
         "weights_write_s": (sum(writes) / ts / len(writes)) if writes else float("nan"),
         # weight updates in the run (one per step): the per-update figures' divisor
         "updates": len(recs),
+        "resumed_tokens": sum(p.get("resumed_tokens", 0) for p in stats),
+        "resumed_tokens_prefilled": sum(p.get("resumed_tokens_prefilled", 0) for p in stats),
         "resumed_prefilled_share": _ratio(
             sum(p.get("resumed_tokens_prefilled", 0) for p in stats),
             sum(p.get("resumed_tokens", 0) for p in stats)),
