@@ -39,8 +39,9 @@ batch waits for the groups due by its version: nothing trained over η, the tail
 trainer wait), or ``train`` (soft: over-η groups trained and counted); each case's line per
 schedule names it, with the max staleness, the over-η groups trained, the groups dropped or
 regenerated and the trainer wait ratio. ``--quick`` (the CI size) runs the standard case,
-sync and stream, 2 one-second steps at B=48 and time scale 1: plumbing only, not the
-figures.
+sync, stream and stream+rolling, 2 one-second steps at B=48 and time scale 1: plumbing
+only, not the figures (CI checks the rolling line's structural facts: max staleness <= η,
+nothing dropped).
 
 A row ``stream+rolling`` runs ``stream`` with the rolling weight update (published once,
 the sim engines load it a quarter of the fleet at a time, an engine may lag by η) instead of
@@ -52,7 +53,24 @@ compares them, worst case over the cases::
 
 (model seconds; the global bracket's fleet pause is every engine for the whole update, the
 rolling one each engine's time out of rotation for its load; the sim engines load weights
-at once, so it measures the protocol's cost, not a real load).
+at once, so it measures the protocol's cost, not a real load). Before it, two lines: what
+resuming cost per update, rolling / global, worst case over the cases (the run's totals
+divided by its updates, one a step: resumed prefix tokens, those prefilled again, those
+resumed on an engine of another version; not a per-update measurement)::
+
+      rolling/global per update (run totals / updates): resumed R / R' tokens, prefilled
+      again P / P', resumed on another version O / O' tokens
+
+and the issue's target "trainer wait per update <= the time to write the weights once",
+for the rolling row with the highest ratio::
+
+    pipeline: rolling trainer wait per update = A s; weights written once = W s (A/W = r)
+
+W is the mean ``write_s`` of the run's published versions (each manifest's: the trainer's
+seconds in ``write(v)``, the weights written once), model seconds like A. The wait
+includes the write, so r >= 1: r - 1 is what the update costs the trainer beyond writing
+the weights once (the manifest, the announce, acknowledging the step's batches). The sim
+trainer writes a few bytes, so here r is large; with a real checkpoint W is seconds.
 
 The ``history`` case (``strawq.demo.lab.HISTORY_CASE``, docs/lab.md) is the standard job
 on a dataset of 4 batches (384 rows) released for 14 passes, 40 % of its rows never or
@@ -168,6 +186,43 @@ def rolling_detail(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
             f"{sum(g['stale_trained'] for g in glob)}")
 
 
+def per_update(row: dict[str, Any], key: str) -> float:
+    """A run total of ``row`` per weight update (the total / the row's updates, one a step)."""
+    n = row.get("updates", 0)
+    return float(row[key]) / n if n else float("nan")
+
+
+def rolling_per_update(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
+    """What resuming cost per weight update, rolling / global, worst case over the cases: the
+    run's totals divided by its updates (one a step), not a per-update measurement."""
+    roll = [r for r, _ in rows]
+    glob = [g for _, g in rows]
+
+    def worst(side: list[dict[str, Any]], key: str) -> float:
+        return max(per_update(r, key) for r in side)
+
+    return (f"  rolling/global per update (run totals / updates): resumed "
+            f"{worst(roll, 'resumed_tokens'):.1f} / {worst(glob, 'resumed_tokens'):.1f} "
+            f"tokens, prefilled again {worst(roll, 'resumed_tokens_prefilled'):.1f} / "
+            f"{worst(glob, 'resumed_tokens_prefilled'):.1f}, resumed on another version "
+            f"{worst(roll, 'resumed_other_version_tokens'):.1f} / "
+            f"{worst(glob, 'resumed_other_version_tokens'):.1f} tokens")
+
+
+def write_line(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
+    """The rolling update's trainer wait per update against the time to write the weights
+    once (the mean ``write_s`` of the run's manifests), the case with the highest ratio;
+    the wait includes the write, so the ratio is at least 1 and the rest is publishing."""
+    def ratio(r: dict[str, Any]) -> float:
+        w = r["weights_write_s"]
+        return r["update_wait_s"] / w if w > 0 else float("inf")
+
+    r = max((r for r, _ in rows), key=ratio)
+    return (f"pipeline: rolling trainer wait per update = {r['update_wait_s']:.4g} s; "
+            f"weights written once = {r['weights_write_s']:.4g} s "
+            f"(A/W = {ratio(r):.2f})")
+
+
 def best_of(worst: dict[str, dict[str, float]]) -> str:
     """The best schedule: the fastest of those that meet the staleness and drop targets,
     else the fastest."""
@@ -252,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="runs/bench-pipeline")
     ap.add_argument("--steps", type=int, default=None, help="default 30")
     ap.add_argument("--sync-steps", type=int, default=None, help="default 8")
-    ap.add_argument("--modes", default=None, help="default sync,stream,flow")
+    ap.add_argument("--modes", default=None,
+                    help="default sync,stream,flow (--quick: sync,stream,stream+rolling)")
     ap.add_argument("--cases", default=None,
                     help="default standard,long_tail,history,mixture")
     ap.add_argument("--history-mode", default="stream",
@@ -273,13 +329,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="what eta means: hard (default: a batch waits for the groups due by "
                          "its version) or train (soft: over-eta groups trained and counted)")
     ap.add_argument("--quick", action="store_true",
-                    help="plumbing only: the standard case, sync and stream, 2 steps of 1 s, "
-                         "B=48, time scale 1")
+                    help="plumbing only: the standard case, sync, stream and "
+                         "stream+rolling, 2 steps of 1 s, B=48, time scale 1")
     args = ap.parse_args(argv)
     quick = args.quick
     args.steps = args.steps or (2 if quick else 30)
     args.sync_steps = args.sync_steps or (2 if quick else 8)
-    args.modes = args.modes or ("sync,stream" if quick else "sync,stream,flow")
+    args.modes = args.modes or ("sync,stream,stream+rolling" if quick else "sync,stream,flow")
     args.cases = args.cases or ("standard,mixture" if quick
                                 else "standard,long_tail,history,mixture")
     args.time_scale = args.time_scale or (1.0 if quick else 2.5)
@@ -332,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     for rows in pairs.values():
         if rows:
             print(rolling_detail(rows))
+            print(rolling_per_update(rows))
+            print(write_line(rows))
             print(rolling_line(rows, LabConfig().max_staleness))
     worst = {m: {"x": min(f["x"] for f in fs), "staleness": max(f["staleness"] for f in fs),
                  "stale_actions": sum(f["stale_actions"] for f in fs),

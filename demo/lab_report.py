@@ -55,6 +55,7 @@ def row_of(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[s
     tokens = sum(r.metrics.get("tokens", 0.0) for r in recs)
     samples_n = sum(len(r.staleness) for r in recs)
     stal = [s for r in recs for s in r.staleness]
+    writes = [r.write_s for r in recs if r.write_s is not None]
     multi = sum(r.metrics.get("staleness/multi_version_frac", 0.0) * len(r.staleness)
                 for r in recs)
     gen_tokens = sum(p.get("tokens_generated", 0) for p in stats)
@@ -97,6 +98,14 @@ def row_of(cfg: LabConfig, mode: str, res: Any, samples: Any, stats: list[dict[s
             if cfg.weight_update == "rolling" else
             cfg.engines * sum(r.update_s for r in recs) / ts / len(recs)) if recs else 0.0,
         "weight_update": cfg.weight_update,
+        # the rolling update: per published version, the trainer's seconds to write the
+        # weights once (its manifest's write_s), mean over the run (model seconds); nan:
+        # the global bracket publishes none
+        "weights_write_s": (sum(writes) / ts / len(writes)) if writes else float("nan"),
+        # weight updates in the run (one per step): the per-update figures' divisor
+        "updates": len(recs),
+        "resumed_tokens": sum(p.get("resumed_tokens", 0) for p in stats),
+        "resumed_tokens_prefilled": sum(p.get("resumed_tokens_prefilled", 0) for p in stats),
         "resumed_prefilled_share": _ratio(
             sum(p.get("resumed_tokens_prefilled", 0) for p in stats),
             sum(p.get("resumed_tokens", 0) for p in stats)),

@@ -158,6 +158,9 @@ class StepRecord:
     indices: list[int] = field(default_factory=list)
     #: per sample: response length (tokens), aligned with ``staleness``
     lengths: list[int] = field(default_factory=list)
+    #: the rolling update: the seconds the trainer took to write this step's weights once
+    #: (its manifest's ``write_s``; None: the global bracket)
+    write_s: float | None = None
 
 
 @dataclass
@@ -253,10 +256,12 @@ def _one_step(cfg: ScheduleConfig, step: int, version: int, reader: BatchReader,
     t3 = clock()
     if not pause_while_training and bracket.mode == "rolling":
         # the rolling update: publish once and go on; engines load it in waves
-        version = bracket.publish_weights(trainer.write_weights).version
+        rep = bracket.publish_weights(trainer.write_weights)
+        version = rep.version
         sizes = [b.num_samples for b in batches]
         rec = StepRecord(step, version, wait, train, 0.0, _merge(metrics, sizes), stal,
-                         sorted(idx), lengths)
+                         sorted(idx), lengths,
+                         write_s=rep.published.write_s if rep.published is not None else None)
         if checkpoint is not None:
             checkpoint(rec, batches[-1])
         for b in batches:

@@ -96,7 +96,8 @@ class Manifest:
     wave: int
     #: versions an engine may lag this one and still serve (0: none)
     max_lag: int
-    #: the trainer's seconds to write the weights and publish them
+    #: the trainer's seconds to write the weights (``publish_version``: ``write(v)``, with a
+    #: publish directory the copy into it; not the manifest's own write, nor the announce)
     write_s: float
     at: float
     #: each file of the version: sha256 and bytes (empty in a manifest written before

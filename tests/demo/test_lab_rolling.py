@@ -39,6 +39,10 @@ def test_lab_stream_with_the_rolling_update(tmp_path) -> None:
     assert not os.listdir(run / "control")
     assert any(n.startswith("manifest-") for n in os.listdir(run / "weights"))
     assert row["fleet_pause_engine_s"] > 0  # engines were loaded, one at a time
+    # every version's write was recorded (its manifest's write_s), one update a step; the
+    # trainer's wait for an update includes that write (one clock)
+    assert row["updates"] == cfg.steps
+    assert 0 < row["weights_write_s"] <= row["update_wait_s"]
 
 
 def test_lab_rolling_publishes_deltas_under_publish_dir(tmp_path) -> None:

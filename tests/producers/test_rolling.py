@@ -5,6 +5,7 @@ their exact stamps; a resumed prefix goes to an engine of its own version."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -218,6 +219,61 @@ def test_an_engine_within_the_lag_serves_and_resumes_route_by_version(tmp_path: 
         assert guard.usable(urls) == ["http://e2"]  # loading: out of rotation
 
     asyncio.run(main())
+
+
+class _Resumer(_Client):
+    """Two engines, e1 on 5 and e2 on 6, each with a prefix cache of ``cached[url]`` tokens;
+    ``generate`` answers on the first engine of ``among``, one token of its version."""
+
+    cached = {"http://e1": 6, "http://e2": 3}
+
+    async def generate(self, input_ids: Any, sampling_params: Any, *, rid: Any = None,
+                       among: Any = None, extra: Any = None, live: Any = None) -> GenerateResult:
+        url = list(among)[0]
+        return dataclasses.replace(_reply(self.versions[url], [self.versions[url]], url),
+                                   prompt_tokens=len(input_ids),
+                                   cached_tokens=self.cached[url])
+
+
+def test_a_resumed_prefix_counts_the_tokens_its_engine_prefilled_again(tmp_path: Path) -> None:
+    """A prefix of 5 tokens (version 5) after a 3-token prompt: on e1, its own version, 6 of
+    the 8 prompt tokens were cached, so 2 of the prefix were prefilled again; due at η = 1 it
+    goes to e2 (version 6), which cached the prompt only: all 5 prefilled again, and 5 tokens
+    resumed on another version's engine. A fresh segment counts nothing."""
+    from strawq.producers.engine_versions import GuardedClient
+
+    q = make_run(str(tmp_path / "run"), 0, rows=[], group_size=2)
+    q.set_version(6)
+    book = StatsBook(ProducerStats())
+    inner = _Resumer()
+
+    async def io(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    guard = VersionGuard("p1", client=lambda: inner, current_version=q.current_version,
+                         notes=EngineWeights(q.storage), io=io, pausing=lambda: False,
+                         book=book)
+    guard.lag = 1
+    guard.expected = 6
+    guard.versions.update(_Client.versions)
+    client = GuardedClient(inner, guard)  # type: ignore[arg-type]
+    prompt, prefix = [1, 2, 3], [7] * 5
+
+    async def main() -> None:
+        with resuming(np.array([5] * 5)):
+            assert (await client.generate(prompt + prefix, {})).url == "http://e1"
+        st = book.snapshot()
+        assert (st.resumed_tokens, st.resumed_tokens_prefilled,
+                st.resumed_tokens_other_version) == (5, 2, 0)
+        guard.eta = 1
+        with resuming(np.array([5] * 5)):
+            assert (await client.generate(prompt + prefix, {})).url == "http://e2"
+        await client.generate(prompt, {})  # a fresh segment: no prefix, nothing counted
+
+    asyncio.run(main())
+    st = book.snapshot()
+    assert (st.resumed_tokens, st.resumed_tokens_prefilled,
+            st.resumed_tokens_other_version) == (10, 7, 5)
 
 
 # -- end to end on the local engines -------------------------------------------------------------
