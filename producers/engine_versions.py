@@ -393,7 +393,8 @@ class VersionGuard(VersionWindow):
         as is every reply of an engine in ``joining`` behind the run's version (one sent
         before it was found, or aborted by its load)."""
         url = result.url
-        if url is None or (self._router_url() is not None and url == self._router_url()):
+        if url is None or (self._router_url() is not None and url == self._router_url()) \
+                or not self._loads():
             return
         if url not in self.joining and (url in self.loading or self._ended_at.get(url, 0) > sent):
             return  # a lagging engine's reply aborted by its load: its version before it
@@ -608,8 +609,14 @@ class VersionGuard(VersionWindow):
         """A probe found ``url`` on ``version``: kept, and judged new or restarted."""
         before = self.versions.get(url)
         self.versions[url] = int(version)
-        if url != self._router_url():
+        if url != self._router_url() and self._loads():
             self.joins(url, int(version), before)
+
+    def _loads(self) -> bool:
+        """Whether the client can load weights into one engine (``push_weights``, what the
+        rolling pull loads a joining engine with): without it no engine is held out to
+        join, as none could be loaded."""
+        return callable(getattr(self._client(), "push_weights", None))
 
     async def loaded(self, url: str, version: int) -> None:
         """``url`` reports ``version`` after loading it (a rolling update): back in

@@ -171,7 +171,7 @@ def test_a_partial_parked_by_a_producer_resumes_on_the_real_engine_of_its_versio
     real server loads 1 in its turn.
 
     The second engine is the local one, not a second real server: a start of the fixture's
-    server took 51 s and 140 s on the loaded 2-core machine this was written on (3.6 GB
+    server took 51 s to 140 s on the loaded 2-core machine this was written on (3.6 GB
     each), the whole of the real tier's budget of about a minute for this check; the local
     engine speaks the same HTTP protocol (the contract suite holds it to the real
     server's)."""
