@@ -53,9 +53,14 @@ published for engines to pull (``weights/manifest-<v>``), an engine may lag it b
 manifest's ``max_lag`` versions and still serve (``lag``): a reply whose every token is of a
 version in ``[run - lag, run]`` is applied with its exact per-token stamps. The guard keeps
 each engine's version as last seen (``versions``); an engine loading new weights is out of
-rotation (``loading``) until it reports them. A partial resumes on an engine of its own
-newest token's version while one is in rotation and within the lag, else on an engine of
-the run's version (``route``; the sample step says what it resumes, ``resuming``).
+rotation (``loading``) until it reports them. The lag is for engines already in rotation: a
+new engine (first probed by this producer) or a restarted one (its version went back, seen by
+a probe or by a reply older than the engine's version with no load of it since the request
+was sent) behind the run's version is out of rotation (``joining``) until its producer loaded
+the newest into it, and every reply of it meanwhile is discarded like a stale one. A
+partial resumes on an engine of its own newest token's version while one is in rotation and
+within the lag, else on an engine of the run's version (``route``; the sample step says what
+it resumes, ``resuming``).
 
 **Every client is guarded.** A producer wraps whatever engine client it is given (built
 from its config or injected) in a :class:`GuardedClient`: each ``generate`` goes only to
@@ -150,6 +155,14 @@ class VersionWindow:
         self.versions: dict[str, int] = {}
         #: engines loading new weights now: out of rotation (``strawq.producers.rolling``)
         self.loading: set[str] = set()
+        #: engines new to this producer (first seen) or restarted (their version went
+        #: back) on a version older than the run's published one: out of rotation until
+        #: they loaded the newest (``joins``; ``loaded`` puts them back)
+        self.joining: set[str] = set()
+        #: loads ended so far, and the count at each engine's last one (``load_ended``): a
+        #: reply sent before its engine's load may carry the version it had before
+        self.loads_ended = 0
+        self._ended_at: dict[str, int] = {}
         #: reads the lag the run's version was published with (None: not published), off
         #: the event loop at each ``refresh``: a reply from an engine not yet updated to a
         #: version published a moment ago is judged by it, not as a stale engine's
@@ -164,6 +177,31 @@ class VersionWindow:
         routing never goes by an older view of the run than the newest seen."""
         if self.expected is None or int(version) > self.expected:
             self.expected = int(version)
+
+    def joins(self, url: str, version: int, before: int | None) -> bool:
+        """Rolling: whether ``url``, found on ``version`` and last seen on ``before`` (None:
+        never), is a new or restarted engine behind the run's version, which then joins
+        ``joining`` (out of rotation until it loaded the newest). Found on the run's
+        version (or outside the rolling mode) it leaves ``joining``."""
+        if self.lag is None or self.expected is None or version >= self.expected:
+            self.joining.discard(url)
+            return False
+        if url in self.joining:
+            return True
+        if before is not None and version >= before:
+            return False  # in rotation before, lagging within the lag: serves as it was
+        self.joining.add(url)
+        log.warning("engine %s is %s on version %d, behind the run's published version %d: "
+                    "out of rotation until it loaded it", url,
+                    "new" if before is None else f"restarted (it was on {before})", version,
+                    self.expected)
+        return True
+
+    def load_ended(self, url: str) -> None:
+        """A load into ``url`` ended (loaded or not): a reply sent before it may carry the
+        version ``url`` had before."""
+        self.loads_ended += 1
+        self._ended_at[url] = self.loads_ended
 
     def fits(self, version: int, run_version: int | None = None) -> bool:
         """Whether an engine on ``version`` may serve: the run's version, or (rolling) at
@@ -275,11 +313,11 @@ class VersionGuard(VersionWindow):
 
     # -- rotation (the client asks) ---------------------------------------------------------
     def serves(self, url: str) -> bool:
-        return url not in self.stale and url not in self.loading
+        return url not in self.stale and url not in self.loading and url not in self.joining
 
     def usable(self, urls: list[str]) -> list[str]:
         """``urls`` still in rotation; :class:`NoFreshEngine` when none is."""
-        ok = [u for u in urls if u not in self.stale and u not in self.loading]
+        ok = [u for u in urls if self.serves(u)]
         if urls and not ok:
             self._set_waiting(True)
             raise NoFreshEngine(
@@ -300,12 +338,18 @@ class VersionGuard(VersionWindow):
         return exp is not None and result.weight_version == exp and (
             not len(versions) or int(versions.min()) == exp == int(versions.max()))
 
-    async def check(self, result: GenerateResult) -> None:
+    async def check(self, result: GenerateResult, *, sent: int | None = None) -> None:
         """Return when ``result`` may be applied; raise :class:`StaleEngine` when its tokens
-        come from weights other than the run's version outside a bracket."""
+        come from weights other than the run's version outside a bracket, or (rolling) from
+        an engine that restarted on an older version than it had (``sent``: the count of
+        loads ended when the request was sent, ``loads_ended``)."""
         versions = np.asarray(result.versions)
         if result.url is not None:
+            before = self.versions.get(result.url)
             self.versions[result.url] = int(result.weight_version)
+            if sent is not None and (result.url in self.joining or (
+                    before is not None and result.weight_version < before)):
+                self._check_restarted(result, before, sent)
         exp = self.expected
         if exp is not None and result.weight_version == exp and result.url not in self.stale \
                 and (not len(versions) or (int(versions.min()) == exp == int(versions.max()))):
@@ -340,6 +384,32 @@ class VersionGuard(VersionWindow):
             f"reply {result.rid} carries weight version(s) {found} but the run is at version "
             f"{run_v}: its {n} tokens are discarded and the request goes to another engine",
             url=result.url, engine_version=result.weight_version, run_version=run_v, tokens=n)
+
+    def _check_restarted(self, result: GenerateResult, before: int | None, sent: int) -> None:
+        """Rolling: a reply on an older version than its engine had, with no load of that
+        engine since the request was sent (an aborted reply of a load carries the version
+        before it): the engine restarted. It joins ``joining`` and the reply is discarded
+        (its tokens, of a version older than the engine served, would follow newer ones),
+        as is every reply of an engine in ``joining`` behind the run's version (one sent
+        before it was found, or aborted by its load)."""
+        url = result.url
+        if url is None or (self._router_url() is not None and url == self._router_url()) \
+                or not self._loads():
+            return
+        if url not in self.joining and (url in self.loading or self._ended_at.get(url, 0) > sent):
+            return  # a lagging engine's reply aborted by its load: its version before it
+        if not self.joins(url, int(result.weight_version), before):
+            return
+        n = len(result.output_ids)
+        self.book.bump("stale_replies")
+        self.book.bump("stale_tokens_discarded", n)
+        raise StaleEngine(
+            f"reply {result.rid} from {url}, a restarted or new engine on version "
+            f"{result.weight_version} (it was on {before}): its {n} tokens are discarded and "
+            "the request goes to another engine; the engine loads the newest version before "
+            "it serves",
+            url=url, engine_version=result.weight_version, run_version=self.expected or 0,
+            tokens=n)
 
     async def _check_attested(self, result: GenerateResult, run_v: int, n: int) -> None:
         """A reply on the run's version from an engine that failed attestation (or has no
@@ -443,7 +513,7 @@ class VersionGuard(VersionWindow):
         for url, v in zip(urls, found, strict=True):
             if v is None:
                 continue  # unreachable: the generate path's own retries deal with it
-            self.versions[url] = v
+            self._seen(url, v)
             if v != run_v and not self.fits(v, run_v):
                 await self.mark(url, v, run_v, f"reports version {v}")
             elif v == run_v and (ok := attested(url)) is not True:
@@ -503,7 +573,7 @@ class VersionGuard(VersionWindow):
         for url in list(self.stale):
             v = await self._probe(url)
             if v is not None:
-                self.versions[url] = v
+                self._seen(url, v)
             if v is not None and self.fits(v, run_v) and (v != run_v or attested(url) is True):
                 await self.restore(url, run_v)
             elif v is not None:
@@ -528,16 +598,31 @@ class VersionGuard(VersionWindow):
             await asyncio.gather(self._probing, return_exceptions=True)
 
     async def probe(self, url: str) -> int | None:
-        """``url``'s weight version now (None: unreadable), kept in ``versions``."""
+        """``url``'s weight version now (None: unreadable), kept in ``versions`` (a new or
+        restarted engine behind the run's version joins ``joining``)."""
         v = await self._probe(url)
         if v is not None:
-            self.versions[url] = v
+            self._seen(url, v)
         return v
+
+    def _seen(self, url: str, version: int) -> None:
+        """A probe found ``url`` on ``version``: kept, and judged new or restarted."""
+        before = self.versions.get(url)
+        self.versions[url] = int(version)
+        if url != self._router_url() and self._loads():
+            self.joins(url, int(version), before)
+
+    def _loads(self) -> bool:
+        """Whether the client can load weights into one engine (``push_weights``, what the
+        rolling pull loads a joining engine with): without it no engine is held out to
+        join, as none could be loaded."""
+        return callable(getattr(self._client(), "push_weights", None))
 
     async def loaded(self, url: str, version: int) -> None:
         """``url`` reports ``version`` after loading it (a rolling update): back in
-        rotation if it may serve."""
+        rotation if it may serve (a new or restarted engine: it loaded the newest)."""
         self.versions[url] = int(version)
+        self.joining.discard(url)
         if self.expected is not None and self.fits(version):
             await self.restore(url, self.expected)
             if not self.all_stale():
@@ -562,7 +647,10 @@ class VersionGuard(VersionWindow):
         return optional_calls(self._client()).router_url
 
     def _describe(self) -> str:
-        return ", ".join(f"{u} at {v}" for u, v in sorted(self.stale.items())) or "-"
+        out = [f"{u} at {v}" for u, v in sorted(self.stale.items())]
+        out += [f"{u} at {self.versions.get(u)} (joining)" for u in sorted(self.joining)
+                if u not in self.stale]
+        return ", ".join(out) or "-"
 
     def _set_waiting(self, on: bool) -> None:
         if on == self.waiting:
@@ -610,9 +698,11 @@ class GuardedClient:
         if on_chunk is not None and takes_chunks(self.inner):
             # only chunks all of the run's version get through
             kw["on_chunk"] = lambda chunk: on_chunk(chunk) if self.guard.fresh(chunk) else None
+        sent = self.guard.loads_ended
         result = await self.inner.generate(input_ids, sampling_params, rid=rid, among=urls,
                                            extra=extra, live=live, **kw)
-        await self.guard.check(result)  # raises StaleEngine: no token from the wrong weights
+        # raises StaleEngine: no token from the wrong weights
+        await self.guard.check(result, sent=sent)
         pref = RESUMING.get()
         if pref is None:
             self.guard.check_born(result)

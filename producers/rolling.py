@@ -49,9 +49,12 @@ changed) is refused: the engines stay on their versions, and load the next versi
 published (the next full one at the latest).
 
 The rest of the fleet keeps generating meanwhile. An engine found on a version too old to
-serve (a new or restarted engine) is out of rotation until it loaded the newest version
-(the guard's probes; it is pulled like any other). While the run's version was not
-published (the bracket mode, or a bracket after a rolling update), this does nothing.
+serve is out of rotation until it loaded the newest version (the guard's probes; it is pulled
+like any other), and so is a new or restarted engine behind the run's version even within the
+lag (``VersionGuard.joining``: it joins by loading the newest, in a wave slot like any other;
+a step runs while one waits, even when every engine had been settled). While the run's
+version was not published (the bracket mode, or a bracket after a rolling update), this does
+nothing.
 """
 
 from __future__ import annotations
@@ -199,7 +202,8 @@ class RollingPull:
         """Read the newest manifest; start a load on each engine behind it while a wave
         slot is free."""
         m = self.manifest
-        if (m is None or self._settled == m.version) and not self._probe.changed():
+        if (m is None or self._settled == m.version) and not self.guard.joining \
+                and not self._probe.changed():
             return
         try:
             m = await self._io(self.store.newest)
@@ -319,6 +323,7 @@ class RollingPull:
         finally:
             if url not in self.refused:
                 self.guard.loading.discard(url)  # back in rotation
+            self.guard.load_ended(url)
             self.pulls.pop(url, None)
             try:
                 await self._io(lambda: self.store.release_slot(m.version, slot))

@@ -382,6 +382,117 @@ def test_an_engine_behind_the_lag_loads_the_newest_version_before_it_takes_work(
     assert p.stats().rolling_loads == 2 and p.stats().tokens_generated > 0
 
 
+def test_a_new_engine_within_the_lag_loads_the_newest_version_before_it_takes_work(
+        tmp_path: Path) -> None:
+    """Engines started on version 0 while the run's version 1 was published with a lag of
+    one: 0 is within the lag, but the engines are new to the producer, so each is out of
+    rotation until it loaded 1 (a wave of one: one at a time). Before, both served at once
+    on 0 while the first one loaded, and tokens of version 0 were trained."""
+    run_dir = str(tmp_path / "run")
+    n = 8
+    q = _run(run_dir, n)
+    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=1, max_lag=1)
+    bracket.publish_weights(lambda v: weights(tmp_path, v), version=1)
+    engines = [EngineThread(EngineOptions(kind="sim", max_running=64, weight_version="0",
+                                          sim=SIM)) for _ in range(2)]
+    p = _producer(run_dir, tuple(e.url for e in engines))
+
+    async def body() -> None:
+        Feeder(q, Dataset(os.path.join(run_dir, "dataset.jsonl"))).release(n)
+        await wait_for(lambda: len(ready_groups(q)) == n, 60, "every group")
+
+    try:
+        asyncio.run(run_producers([p], body))
+    finally:
+        for e in engines:
+            e.stop()
+    assert {v for s in _versions(q) for v in s} == {1}
+    st = p.stats()
+    assert st.rolling_loads == 2 and st.tokens_generated > 0 and st.groups_dropped == 0
+    assert not p.guard.joining
+
+
+def test_a_restarted_engine_loads_the_newest_version_before_it_takes_work(
+        tmp_path: Path) -> None:
+    """Two engines on the run's published version 1 (lag one); one restarts on version 0
+    (an old checkpoint) between two batches of work. Its first reply after the restart
+    shows a version older than the one it had: discarded (re-issued on the other engine),
+    and the engine is out of rotation until it loaded 1 again. Before, it stayed in
+    rotation on 0 (within the lag; every engine had been settled on 1, so it was not even
+    loaded again) and its tokens of version 0 were trained in groups released at 1."""
+    run_dir = str(tmp_path / "run")
+    n = 16
+    q = _run(run_dir, n)
+    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=1, max_lag=1)
+    bracket.publish_weights(lambda v: weights(tmp_path, v), version=1)
+    engines = [EngineThread(EngineOptions(kind="sim", max_running=64, weight_version="1",
+                                          sim=SIM)) for _ in range(2)]
+    p = _producer(run_dir, tuple(e.url for e in engines))
+    feeder = Feeder(q, Dataset(os.path.join(run_dir, "dataset.jsonl")))
+
+    async def body() -> None:
+        feeder.release(n // 2)
+        await wait_for(lambda: len(ready_groups(q)) == n // 2, 60, "the first half")
+        assert p.stats().rolling_loads == 0 and not p.guard.joining
+        port = int(engines[1].url.rsplit(":", 1)[1])
+        await asyncio.to_thread(engines[1].stop)
+        engines[1] = await asyncio.to_thread(lambda: EngineThread(
+            EngineOptions(kind="sim", max_running=64, weight_version="0", sim=SIM),
+            port=port))
+        feeder.release(n // 2)
+        await wait_for(lambda: len(ready_groups(q)) == n, 60, "every group")
+
+    try:
+        asyncio.run(run_producers([p], body))
+    finally:
+        for e in engines:
+            e.stop()
+    assert {v for s in _versions(q) for v in s} == {1}
+    st = p.stats()
+    assert st.rolling_loads == 1 and st.groups_dropped == 0
+    assert p.guard.versions[engines[1].url] == 1 and not p.guard.joining
+
+
+def test_only_a_new_or_restarted_engine_behind_the_run_is_held_out(tmp_path: Path) -> None:
+    """The guard: an engine in rotation that lags within the lag (the run moved on; its
+    wave has not come) keeps serving; one first seen behind the run's published version,
+    or seen going back, is held out until it loaded; a reply carrying the version an
+    engine had before a load that ended after the request was sent is no restart."""
+    q, bracket, client, book, guard, pull = loader_pull(tmp_path, wave=1, at=1)
+    urls = list(client.worker_urls)
+
+    async def main() -> None:
+        await guard.probe_all()  # both on the run's version 1: in rotation
+        assert guard.usable(urls) == urls and not guard.joining
+        bracket.publish_weights(lambda v: weights(tmp_path, v))  # version 2, lag 1
+        await guard.refresh()
+        await guard.probe_all()  # in rotation on 1, one behind: they keep serving
+        assert guard.usable(urls) == urls and not guard.joining
+        await guard.check(_reply(1, [1, 1], "http://e1"), sent=guard.loads_ended)
+        client.worker_urls.append("http://e3")  # a new engine on 1
+        client.at["http://e3"] = 1
+        await guard.probe_all()
+        assert guard.joining == {"http://e3"} and guard.usable(
+            client.worker_urls) == ["http://e1", "http://e2"]
+        # e2 restarts on 0: its reply is discarded and it is held out too
+        with pytest.raises(StaleEngine, match="restart"):
+            await guard.check(_reply(0, [0, 0], "http://e2"), sent=guard.loads_ended)
+        assert guard.joining == {"http://e2", "http://e3"}
+        assert guard.usable(client.worker_urls) == ["http://e1"]
+        # the wave of one loads them one by one (a step each); e1 too, in its turn
+        for _ in range(3):
+            await pull.step()
+            await asyncio.gather(*pull.pulls.values())
+        assert sorted(client.loads) == [("http://e1", 2), ("http://e2", 2), ("http://e3", 2)]
+        assert not guard.joining and guard.usable(client.worker_urls) == client.worker_urls
+        # a reply sent before e1's load, carrying its version before it: not a restart
+        await guard.check(_reply(1, [1], "http://e1"), sent=0)
+        assert not guard.joining
+
+    asyncio.run(main())
+    assert book.snapshot().stale_replies == 1
+
+
 class _Loader:
     """Two engines that load what they are told (no generation)."""
 
