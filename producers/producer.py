@@ -220,6 +220,10 @@ class Producer:
             self.journal = handback.journal = JournalFlush(
                 timing, table=table, queue=self.queue, io=self._io, book=book,
                 producer_id=pid, clock=clock)
+            if not config.engine.client.stream:
+                log.info("producer %s: the journal holds what arrived; unstreamed, a segment's "
+                         "tokens arrive when it ends (engine.client.stream=true makes them "
+                         "durable within the window: docs/producers.md)", pid)
         self._journal_task: asyncio.Task[None] | None = None
         #: whether, and how many groups, this producer may claim now
         self.gate = ClaimGate(producer_id=pid, run_dir=config.run_dir, handback=handback,
