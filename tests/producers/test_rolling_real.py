@@ -179,9 +179,6 @@ def test_a_partial_parked_by_a_producer_resumes_on_the_real_engine_of_its_versio
     from strawq.config import QueueConfig
     from strawq.data.dataset import Dataset
     from strawq.data.feeder import Feeder
-    from strawq.ondisk.groups import GroupData
-    from strawq.ondisk.names import data_key
-    from strawq.ondisk.records import Kind
     from strawq.producers.producer import Producer
     from strawq.producers.producer_config import (
         BudgetConfig,
@@ -194,6 +191,7 @@ def test_a_partial_parked_by_a_producer_resumes_on_the_real_engine_of_its_versio
     from strawq.storage import PosixStorage
     from strawq.tasks.queue import RunQueue
     from tests.producers.helpers import names, ready_groups, run_producers, wait_for
+    from tests.producers.journal_helpers import saved_prefix
 
     local = EngineThread(EngineOptions(kind="sim", max_running=8, weight_version="0",
                                        sim=SimConfig(time_scale=0.5, len_median=8)))
@@ -224,8 +222,8 @@ def test_a_partial_parked_by_a_producer_resumes_on_the_real_engine_of_its_versio
         tasks = [t for t in names(q, "pending") if t.resume is not None]
         assert len(tasks) == 1, tasks
         t = tasks[0]
-        grp = GroupData.from_record(q._read_record(data_key(t.id, t.resume, "partial"),
-                                                   Kind.PARTIAL))
+        grp = saved_prefix(q, t)  # its .partial, or the journal's prefix it was parked into
+        assert grp is not None, t
         return [np.asarray(grp.sample(i)["versions"]).tolist()
                 for i in range(len(grp.sample_lens))]
 
