@@ -154,7 +154,10 @@ def test_demo_resumes_after_kill_9_and_its_reward_rises(tmp_path: Path) -> None:
     # the resumed incarnation went on learning from where the killed one stopped
     rewards = [r["metrics"]["reward/mean"] for r in summary["steps"]]
     assert len(rewards) == steps - killed_at
-    first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+    # the reward of this small policy dips for a few steps now and then (0.7 -> 0.3 -> 0.7
+    # within eight steps in runs that pass): the later half of the resumed run, not its last
+    # five steps, is held against its first five
+    first, last = np.mean(rewards[:5]), np.mean(rewards[len(rewards) // 2:])
     # what a failure needs to be understood (it failed twice on loaded CI machines): every
     # step's reward and staleness, and the run's attestation and drop counts
     seen = {"killed_at": killed_at, "rewards": [round(r, 3) for r in rewards],
@@ -162,4 +165,4 @@ def test_demo_resumes_after_kill_9_and_its_reward_rises(tmp_path: Path) -> None:
             **{k: v for k, v in summary["summary"].items()
                if k.startswith(("attest/", "dropped", "tokens_generated", "staleness/"))}}
     assert last > first + 0.1, \
-        f"reward did not rise: first 5 steps {first:.3f}, last {last:.3f}: {seen}"
+        f"reward did not rise: first 5 steps {first:.3f}, later half {last:.3f}: {seen}"
