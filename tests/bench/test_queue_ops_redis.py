@@ -27,7 +27,7 @@ from tests.conftest import BENCH_QUICK_TIMEOUT_S
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "queue_ops.py"
 
-pytestmark = [pytest.mark.slow, pytest.mark.juicefs]
+pytestmark = pytest.mark.slow
 
 NUM = r"(\d+(?:\.\d+)?)"
 LOCATION = re.compile(
@@ -50,6 +50,7 @@ def redis_socket(mount: str) -> str:
     return url[len("unix://"):].partition("?")[0]
 
 
+@pytest.mark.juicefs
 @pytest.mark.timeout(BENCH_QUICK_TIMEOUT_S + 30)
 def test_queue_ops_quick_on_redis_backed_juicefs(juicefs_redis_mounts: tuple[str, str],
                                                  tmp_path: Path) -> None:
@@ -97,3 +98,22 @@ def test_queue_ops_quick_on_redis_backed_juicefs(juicefs_redis_mounts: tuple[str
             assert by_kind and all(v > 0 for v in by_kind.values()), (system, by_kind)
             # every group is written and renamed into place, on the volume's engine
             assert {"Rename", "Write"} <= set(by_kind), (system, by_kind)
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    # (no JuiceFS volume needed: a directory stands in where the check comes before use)
+    (["--redis-sock", "{tmp}/no.sock"], "--redis-sock needs --juicefs-redis"),
+    (["--redis-sock", "{tmp}/no.sock", "--up"], "--up counts the server it brings up"),
+    (["--redis-sock", "{tmp}/no.sock", "--juicefs-redis", "{tmp}/absent"], "not a directory"),
+    (["--redis-sock", "{tmp}/no.sock", "--juicefs-redis", "{tmp}"],
+     "no Redis server answers there"),
+])
+def test_redis_sock_bad_input_is_a_usage_error(tmp_path: Path, args: list[str],
+                                               said: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRAWQ_JUICEFS")}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", *(a.format(tmp=tmp_path) for a in args)],
+        cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=120, check=False)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
