@@ -34,9 +34,11 @@ location before the last line. ``--up`` brings both volumes up for the run itsel
 in a temporary directory, taken down at the end) and on the Redis one also counts what
 reached the server (``INFO commandstats``, commands per group, Lua scripts' inner calls
 included) beside the client's counters: local disk, SQLite and Redis metadata in one run,
-each with its limit measured in the same run.
+each with its limit measured in the same run. On a Redis volume already mounted,
+``--redis-sock SOCK`` (the server's unix socket) counts the server's commands the same way.
 
     python bench/queue_ops.py --up --flat 0   # local, JuiceFS on SQLite, JuiceFS on Redis
+    python bench/queue_ops.py --quick --juicefs-redis DIR/A --redis-sock DIR/redis/redis.sock
 
 The last line is ``queue_ops: strawq/limit = X, strawq/straw = Y, meta ops/group = Z,
 release_chunk = K, chunk leases = N``
@@ -52,6 +54,7 @@ import multiprocessing as mp
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -517,6 +520,10 @@ def main() -> int:
     ap.add_argument("--juicefs-redis", default=os.environ.get("STRAWQ_JUICEFS_REDIS_A"),
                     help="a second JuiceFS mount, on Redis metadata, to run on too "
                          "(default $STRAWQ_JUICEFS_REDIS_A)")
+    ap.add_argument("--redis-sock", metavar="SOCK",
+                    help="the unix socket of the Redis server behind --juicefs-redis: count "
+                         "what reached that server too (INFO commandstats, commands per "
+                         "group), as --up does for the volume it brings up")
     ap.add_argument("--up", action="store_true",
                     help="bring both JuiceFS test volumes up for this run (SQLite and "
                          "Redis metadata, deploy/juicefs/testvol.sh) instead of using "
@@ -535,6 +542,23 @@ def main() -> int:
     if args.release_chunk < 1:
         ap.error(f"--release-chunk must be >= 1, got {args.release_chunk}")
     GC_INTERVAL_S = args.gc_interval
+    if args.redis_sock is not None:
+        if args.up:
+            ap.error("--redis-sock names the server of --juicefs-redis; --up counts the "
+                     "server it brings up itself")
+        if not args.juicefs_redis:
+            ap.error("--redis-sock needs --juicefs-redis (or $STRAWQ_JUICEFS_REDIS_A): the "
+                     "Redis-backed mount whose server it is")
+        if not os.path.isdir(args.juicefs_redis):
+            ap.error(f"--juicefs-redis {args.juicefs_redis}: not a directory (is the volume "
+                     "mounted?)")
+        try:
+            commandstats(args.redis_sock)
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stdout", None) or getattr(e, "stderr", None) or e
+            ap.error(f"--redis-sock {args.redis_sock}: no Redis server answers there "
+                     f"({str(detail).strip()})")
+        REDIS_SOCKS[args.juicefs_redis] = args.redis_sock
     if not args.up:
         return run_all(args)
     with ExitStack() as stack:

@@ -165,8 +165,9 @@ def bench_quick(tmp_path_factory: pytest.TempPathFactory
             cwd = tmp_path_factory.mktemp(f"bench-{name}")
             env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(cwd),
                    **(extra_env or {})}
-            if name != "scale":
-                env.pop("STRAWQ_JUICEFS_A", None)  # queue_ops would add a JuiceFS row
+            if name != "scale":  # queue_ops would add a JuiceFS row
+                env.pop("STRAWQ_JUICEFS_A", None)
+                env.pop("STRAWQ_JUICEFS_REDIS_A", None)  # (tests/bench/test_queue_ops_redis.py)
             runs[name] = subprocess.run(
                 [sys.executable, str(REPO / "bench" / f"{name}.py"), "--quick"], cwd=cwd,
                 env=env, capture_output=True, text=True, timeout=BENCH_QUICK_TIMEOUT_S,
