@@ -691,7 +691,7 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
         print(f"journal: {run.journal_every_s:g} s window ({run.journal_format}) = "
               f"{window:.1f} Redis commands a window per producer, "
               f"{window / run.journal_every_s:.1f} per producer-second; "
-              f"steady share {off['steady'] / cap:.3f} without, {d['steady'] / cap:.3f} with")
+              f"steady share {off['steady'] / cap:.5f} without, {d['steady'] / cap:.5f} with")
     print(f"refill: release_chunk = {run.release_chunk}, start fill = {per_task['fill']:.1f} "
           f"Redis commands a task, update refill = {per_task['refill']:.1f} a task (claims "
           f"of one: {single:.1f}); update burst {d['burst']:.0f} ops (claims of one: "
