@@ -356,15 +356,15 @@ def test_engines_load_a_published_version_one_wave_at_a_time(tmp_path: Path) -> 
     assert WeightStore(q.storage).slots(1) == []  # every slot released
 
 
-def test_an_engine_behind_the_lag_loads_the_newest_version_before_it_takes_work(
-        tmp_path: Path) -> None:
-    """Engines started on version 0 while the run's version 2 was published with no lag:
-    they are out of rotation until they loaded it, so every trained token is of version 2."""
+def _from_version_0(tmp_path: Path, *, version: int, wave: int,
+                    max_lag: int) -> tuple[RunQueue, Producer]:
+    """A run whose ``version`` was published (rolling, ``wave``, ``max_lag``) before its
+    producer starts on two sim engines at version 0; run until its 8 groups are ready."""
     run_dir = str(tmp_path / "run")
     n = 8
     q = _run(run_dir, n)
-    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=2, max_lag=0)
-    bracket.publish_weights(lambda v: weights(tmp_path, v), version=2)
+    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=wave, max_lag=max_lag)
+    bracket.publish_weights(lambda v: weights(tmp_path, v), version=version)
     engines = [EngineThread(EngineOptions(kind="sim", max_running=64, weight_version="0",
                                           sim=SIM)) for _ in range(2)]
     p = _producer(run_dir, tuple(e.url for e in engines))
@@ -378,6 +378,14 @@ def test_an_engine_behind_the_lag_loads_the_newest_version_before_it_takes_work(
     finally:
         for e in engines:
             e.stop()
+    return q, p
+
+
+def test_an_engine_behind_the_lag_loads_the_newest_version_before_it_takes_work(
+        tmp_path: Path) -> None:
+    """Engines started on version 0 while the run's version 2 was published with no lag:
+    they are out of rotation until they loaded it, so every trained token is of version 2."""
+    q, p = _from_version_0(tmp_path, version=2, wave=2, max_lag=0)
     assert {v for s in _versions(q) for v in s} == {2}
     assert p.stats().rolling_loads == 2 and p.stats().tokens_generated > 0
 
@@ -388,24 +396,7 @@ def test_a_new_engine_within_the_lag_loads_the_newest_version_before_it_takes_wo
     one: 0 is within the lag, but the engines are new to the producer, so each is out of
     rotation until it loaded 1 (a wave of one: one at a time). Before, both served at once
     on 0 while the first one loaded, and tokens of version 0 were trained."""
-    run_dir = str(tmp_path / "run")
-    n = 8
-    q = _run(run_dir, n)
-    bracket = WeightUpdateBracket(q, weight_update="rolling", wave=1, max_lag=1)
-    bracket.publish_weights(lambda v: weights(tmp_path, v), version=1)
-    engines = [EngineThread(EngineOptions(kind="sim", max_running=64, weight_version="0",
-                                          sim=SIM)) for _ in range(2)]
-    p = _producer(run_dir, tuple(e.url for e in engines))
-
-    async def body() -> None:
-        Feeder(q, Dataset(os.path.join(run_dir, "dataset.jsonl"))).release(n)
-        await wait_for(lambda: len(ready_groups(q)) == n, 60, "every group")
-
-    try:
-        asyncio.run(run_producers([p], body))
-    finally:
-        for e in engines:
-            e.stop()
+    q, p = _from_version_0(tmp_path, version=1, wave=1, max_lag=1)
     assert {v for s in _versions(q) for v in s} == {1}
     st = p.stats()
     assert st.rolling_loads == 2 and st.tokens_generated > 0 and st.groups_dropped == 0
