@@ -302,14 +302,9 @@ class VersionGuard(VersionWindow):
         oldest = int(versions.min()) if len(versions) else int(result.weight_version)
         if oldest + self.eta > born:  # as ``route`` allows: trained a version on, within η
             return
-        n = len(result.output_ids)
-        self.book.bump("stale_replies")
-        self.book.bump("stale_tokens_discarded", n)
-        raise StaleEngine(
-            f"reply {result.rid} starts a group loaded at version {born} with tokens of "
-            f"version {oldest} (a lagging engine): its {n} tokens are discarded and the "
-            "request goes to an engine of the run's version",
-            url=result.url, engine_version=result.weight_version, run_version=born, tokens=n)
+        raise self._discarded(
+            result, f"starts a group loaded at version {born} with tokens of version {oldest} "
+            "(a lagging engine)", "the request goes to an engine of the run's version", born)
 
     # -- rotation (the client asks) ---------------------------------------------------------
     def serves(self, url: str) -> bool:
@@ -400,16 +395,20 @@ class VersionGuard(VersionWindow):
             return  # a lagging engine's reply aborted by its load: its version before it
         if not self.joins(url, int(result.weight_version), before):
             return
+        raise self._discarded(
+            result, f"from {url}, a restarted or new engine on version {result.weight_version} "
+            f"(it was on {before})", "the request goes to another engine; the engine loads "
+            "the newest version before it serves", self.expected or 0)
+
+    def _discarded(self, result: GenerateResult, what: str, then: str,
+                   run_version: int) -> StaleEngine:
+        """Count ``result`` discarded as stale; the error that sends its request elsewhere."""
         n = len(result.output_ids)
         self.book.bump("stale_replies")
         self.book.bump("stale_tokens_discarded", n)
-        raise StaleEngine(
-            f"reply {result.rid} from {url}, a restarted or new engine on version "
-            f"{result.weight_version} (it was on {before}): its {n} tokens are discarded and "
-            "the request goes to another engine; the engine loads the newest version before "
-            "it serves",
-            url=url, engine_version=result.weight_version, run_version=self.expected or 0,
-            tokens=n)
+        return StaleEngine(f"reply {result.rid} {what}: its {n} tokens are discarded and {then}",
+                           url=result.url, engine_version=result.weight_version,
+                           run_version=run_version, tokens=n)
 
     async def _check_attested(self, result: GenerateResult, run_v: int, n: int) -> None:
         """A reply on the run's version from an engine that failed attestation (or has no
