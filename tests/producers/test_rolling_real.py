@@ -16,15 +16,31 @@ from typing import Any
 import numpy as np
 import pytest
 
+from strawq.collector.trainer.bracket import WeightUpdateBracket
+from strawq.config import QueueConfig
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
 from strawq.producers.engine_versions import GuardedClient, VersionGuard, resuming
 from strawq.producers.engines.launch import EngineOptions
 from strawq.producers.engines.sim_backend import SimConfig
 from strawq.producers.engines.testing import EngineThread
 from strawq.producers.meter import ProducerStats, StatsBook
+from strawq.producers.producer import Producer
+from strawq.producers.producer_config import (
+    BudgetConfig,
+    EngineConfig,
+    PluginsConfig,
+    ProducerConfig,
+    SamplerParams,
+    TimingConfig,
+)
 from strawq.producers.sglang_client import ClientConfig, SGLangClient
-from strawq.storage import MemoryStorage
+from strawq.storage import MemoryStorage, PosixStorage
+from strawq.tasks.queue import RunQueue
 from strawq.testing.real_sglang import PROMPTS, RealServer
 from strawq.weights.engine_weights import EngineWeights
+from tests.producers.helpers import names, ready_groups, run_producers, wait_for
+from tests.producers.journal_helpers import saved_prefix
 
 pytestmark = [pytest.mark.sglang_real, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -97,22 +113,6 @@ def test_a_producer_loads_a_published_version_into_the_real_server_in_its_wave(
     """A producer on the real server and a local engine, a wave of one: version 1 is
     published (the fixture's model directory), each engine loads it in turn while the other
     generates; every token is stamped 0 or 1, and the real server reports 1 at the end."""
-    from strawq.collector.trainer.bracket import WeightUpdateBracket
-    from strawq.config import QueueConfig
-    from strawq.data.dataset import Dataset
-    from strawq.data.feeder import Feeder
-    from strawq.producers.producer import Producer
-    from strawq.producers.producer_config import (
-        BudgetConfig,
-        EngineConfig,
-        PluginsConfig,
-        ProducerConfig,
-        SamplerParams,
-        TimingConfig,
-    )
-    from strawq.storage import PosixStorage
-    from strawq.tasks.queue import RunQueue
-    from tests.producers.helpers import ready_groups, run_producers, wait_for
 
     local = EngineThread(EngineOptions(kind="sim", max_running=8, weight_version="0",
                                        sim=SimConfig(time_scale=0.5, len_median=8)))
@@ -175,23 +175,6 @@ def test_a_partial_parked_by_a_producer_resumes_on_the_real_engine_of_its_versio
     each), the whole of the real tier's budget of about a minute for this check; the local
     engine speaks the same HTTP protocol (the contract suite holds it to the real
     server's)."""
-    from strawq.collector.trainer.bracket import WeightUpdateBracket
-    from strawq.config import QueueConfig
-    from strawq.data.dataset import Dataset
-    from strawq.data.feeder import Feeder
-    from strawq.producers.producer import Producer
-    from strawq.producers.producer_config import (
-        BudgetConfig,
-        EngineConfig,
-        PluginsConfig,
-        ProducerConfig,
-        SamplerParams,
-        TimingConfig,
-    )
-    from strawq.storage import PosixStorage
-    from strawq.tasks.queue import RunQueue
-    from tests.producers.helpers import names, ready_groups, run_producers, wait_for
-    from tests.producers.journal_helpers import saved_prefix
 
     local = EngineThread(EngineOptions(kind="sim", max_running=8, weight_version="0",
                                        sim=SimConfig(time_scale=0.5, len_median=8)))
