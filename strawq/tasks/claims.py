@@ -14,9 +14,9 @@ Partial and returned tasks keep their priority (they are the oldest work). ``Run
 is this module's ``Claimer.claim``.
 
 Range claims (``queue.release_chunk`` > 1, docs/protocol.md §5): a release directory then
-holds chunk directories of fresh tasks. A claim that still wants at least a chunk's size
-leases it whole by one rename into ``leased/`` (``_claim_chunk``); a smaller one takes its
-tasks one by one, as any fresh task.
+holds chunk directories of fresh tasks. A claim leases a chunk whole by one rename into
+``leased/`` (``_claim_chunk``); what it holds past the claim's size is given back
+(``RunQueue.claim``), never taken out of the queued chunk by its path.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from strawq.ondisk.records import Kind
 from strawq.storage import Storage
 from strawq.tasks.states import DIRS as STATE_DIRS
 from strawq.tasks.states import RELEASE_PREFIX, RELEASES, TaskState, chunk_key, chunk_leases, \
-    key_of, move, queued_chunk_keys, queued_state
+    key_of, move, queued_state
 
 log = logging.getLogger(__name__)
 
@@ -214,8 +214,9 @@ class Claimer:
         """Lease up to ``n`` tasks in priority order. Exactly one claimer wins each task.
 
         A chunk directory of a release (``queue.release_chunk``) is leased whole by one
-        rename when it holds no more tasks than the claim still wants (``_claim_chunk``);
-        else its tasks are candidates one by one, claimed as any other fresh task."""
+        rename (``_claim_chunk``), even when it holds more tasks than the claim still
+        wants: then more than ``n`` leases are returned, and ``RunQueue.claim`` gives the
+        ones past ``n`` back."""
         validate_id(producer, "producer id")
         if n <= 0:
             return []
@@ -233,20 +234,18 @@ class Claimer:
             chunk = (ChunkName.try_parse(last, RELEASES.parse(src.split("/")[1]))
                      if src.count("/") == 2 and last.startswith(CHUNK_PREFIX) else None)
             if chunk is not None:
-                if chunk.size <= n - len(won) - len(chunks):
-                    self._fresh.discard(src)
-                    got = self._claim_chunk(src, chunk.held_by(producer))
-                    if got is None:
-                        lost += 1
-                        self._complete.discard(src.split("/", 2)[1])
-                    chunks += got or []
-                    order += got or []
-                    continue
-                # More tasks than wanted: its tasks, one by one, where it stood.
-                inside = queued_chunk_keys(self.storage, src)
-                self._fresh = _OrderedSet(
-                    x for k in self._fresh for x in (inside if k == src else [k]))
-                todo = inside + todo
+                # Leased whole, by one rename, even when it holds more tasks than the claim
+                # still wants (the caller gives those back: ``RunQueue.claim``). A task is
+                # never taken out of a queued chunk by its path: such a rename could resolve
+                # the chunk's directory just before another claimer renamed the whole chunk,
+                # and move the task out of the chunk that claimer then held and had listed.
+                self._fresh.discard(src)
+                got = self._claim_chunk(src, chunk.held_by(producer))
+                if got is None:
+                    lost += 1
+                    self._complete.discard(src.split("/", 2)[1])
+                chunks += got or []
+                order += got or []
                 continue
             self._fresh.discard(src)
             name = TaskName.try_parse(last)

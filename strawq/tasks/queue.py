@@ -157,13 +157,20 @@ class RunQueue:
 
     def claim(self, producer: str, n: int = 1) -> list[Lease]:
         """Lease up to ``n`` tasks in priority order. Exactly one claimer wins each task
-        (``strawq.tasks.claims``)."""
+        (``strawq.tasks.claims``). A chunk of a range release is leased whole; the tasks it
+        held past ``n`` are released at once (gen + 1, no attempt spent: returned tasks,
+        claimed first by the next claims)."""
         leases = self._claimer.claim(producer, n)
         for lease in leases:
             if lease.name.chunk is not None:
                 d = lease.name.chunk.split("/", 1)[0]
                 self._in_chunks[d] = self._in_chunks.get(d, 0) + 1
-        return leases
+        for extra in leases[n:]:  # a chunk's tasks past the claim's size: given back
+            try:
+                self.release(extra)
+            except LeaseLost:
+                pass  # expired meanwhile (a claimer paused a lease timeout): re-queued
+        return leases[:n]
 
     def _left_chunk(self, name: TaskName) -> None:
         """A lease of a chunk left it (or was found gone): once no lease this process took

@@ -30,10 +30,11 @@ from strawq.data.feeder import Feeder
 from strawq.delivery.batches import BatchStore
 from strawq.errors import AlreadyExists, LeaseLost
 from strawq.ondisk.groups import GroupData
-from strawq.ondisk.names import dataset_task_id
+from strawq.ondisk.names import CHUNK_PREFIX, TaskName, dataset_task_id
 from strawq.storage import MemoryStorage
 from strawq.tasks.grantor import LeaseMonitor
 from strawq.tasks.queue import Lease, RunQueue
+from strawq.tasks.states import RELEASE_PREFIX, queued_chunk_keys
 from strawq.testing import audit_run, make_group, write_jsonl
 from strawq.testing.factories import make_partial, prompts
 
@@ -162,9 +163,23 @@ class QueueMachine(RuleBasedStateMachine):
 
     @rule(producer=st.sampled_from(PRODUCERS), n=st.integers(1, 3))
     def claim(self, producer: str, n: int) -> None:
-        expected = self.queued_order()[:n]
+        # a chunk of fresh tasks (range claims) is leased whole; its tasks past the claim's
+        # size are given back at once: returned tasks (gen + 1, no attempt spent)
+        chunk_of = {TaskName.parse(key.rsplit("/", 1)[1]).id: chunk
+                    for r in self.storage.list("pending") if r.startswith(RELEASE_PREFIX)
+                    for k in self.storage.list(f"pending/{r}") if k.startswith(CHUNK_PREFIX)
+                    for chunk in [f"pending/{r}/{k}"]
+                    for key in queued_chunk_keys(self.storage, chunk)}
+        order = self.queued_order()
+        expected, given_back = order[:n], []
+        last = expected[-1] if expected else None
+        if last is not None and last.id in chunk_of:
+            given_back = [t for t in order[n:] if chunk_of.get(t.id) == chunk_of[last.id]]
         leases = self.q.claim(producer, n)
         assert [lease.task_id for lease in leases] == [t.id for t in expected]
+        for t in given_back:
+            t.attempts += 1  # the claim's rename, refunded by the release
+            self.requeue(t, refund=True)
         for lease, t in zip(leases, expected, strict=False):
             t.state, t.holder, t.attempts = "leased", producer, t.attempts + 1
             assert (lease.gen, lease.name.attempts, lease.name.resume) == \

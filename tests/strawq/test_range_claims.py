@@ -1,7 +1,7 @@
 """Range claims (``queue.release_chunk``, docs/protocol.md §5): a release stages chunk
-directories of k tasks, a claim of at least a chunk's size leases it whole by one rename,
-and each task leaves it by its own rename — so expiry and completion still race task by
-task, with exactly one winner, and a stale holder is fenced.
+directories of k tasks, a claim leases a chunk whole by one rename (and gives back what it
+held past its size), and each task leaves it by its own rename — so expiry and completion
+still race task by task, with exactly one winner, and a stale holder is fenced.
 
 The interleaving tests follow tests/strawq/test_feeder_writers.py: one party runs on a
 ``FaultyStorage`` that stops it before its k-th mutation (a paused process), the other runs
@@ -113,29 +113,58 @@ def test_a_claim_of_a_chunks_size_leases_it_in_one_rename(storage: Storage,
     check_each_once(storage, q, 8)
 
 
-def test_a_smaller_claim_takes_single_tasks_out_of_a_chunk(storage: Storage,
-                                                           tmp_path: Path) -> None:
+def test_a_smaller_claim_leases_the_whole_chunk_and_gives_the_rest_back(
+        storage: Storage, tmp_path: Path) -> None:
     q = chunked(storage, tmp_path, rows=K)
     (one,) = q.claim("p1", 1)
-    assert one.task_id == tid(0) and one.name.chunk is None
-    assert storage.list("leased") == [str(one.name)], "an ordinary lease of its own"
-    # a claim of the chunk's size still takes the rest of it whole, in one rename
+    assert one.task_id == tid(0) and one.name.chunk is not None
+    # the chunk's other tasks are back in pending/ as returned tasks: gen 1, no attempt spent
+    back = names_in(storage, TaskState.PENDING)
+    assert sorted(n.id for n in back) == [tid(i) for i in range(1, K)]
+    assert all(n.chunk is None and n.gen == 1 and n.attempts == 0 for n in back), back
     rest = RunQueue.open(storage).claim("p2", K)  # another process
     assert ids(rest) == [tid(i) for i in range(1, K)]
-    assert all(lease.name.chunk is not None for lease in rest)
-    for lease in [one, *rest]:
+    complete(q, one)
+    # its chunk directory went with it (the last task out); the rest are ordinary leases
+    assert sorted(storage.list("leased")) == sorted(str(lease.name) for lease in rest)
+    for lease in rest:
         complete(q, lease)
     check_each_once(storage, q, K)
 
 
-def test_a_chunk_drained_by_single_claims_is_removed(storage: Storage,
+def test_no_claim_moves_a_task_out_of_a_queued_chunk(tmp_path: Path) -> None:
+    """A rename out of a queued chunk by the task's path can resolve the chunk's directory
+    just before another claimer renames the whole chunk, and then move the task out of the
+    chunk that claimer holds and has listed: the task leased twice (docs/protocol.md §5).
+    So every claim leases a chunk whole, whatever its size; the renames a claim makes never
+    have a source inside a chunk in pending/."""
+    storage = MemoryStorage()
+    q = chunked(storage, tmp_path, rows=2 * K)
+    sources: list[str] = []
+    rename = storage.rename
+
+    def watched(src: str, dst: str, **kw: object) -> None:
+        sources.append(src)
+        rename(src, dst, **kw)  # type: ignore[arg-type]
+
+    storage.rename = watched  # type: ignore[method-assign]
+    leases = [lease for n in (1, 2, 1, K) for lease in q.claim("p1", n)]
+    inside = [src for src in sources if src.startswith("pending/") and src.count("/") >= 3]
+    assert inside == [], inside
+    assert sorted(lease.task_id for lease in leases) == [tid(i) for i in range(2 * K)]
+    for lease in leases:
+        complete(q, lease)
+    check_each_once(storage, q, 2 * K)
+
+
+def test_a_chunk_claimed_by_single_claims_is_drained(storage: Storage,
                                                      tmp_path: Path) -> None:
     q = chunked(storage, tmp_path, rows=K)
     leases = [lease for _ in range(K) for lease in q.claim("p1", 1)]
-    assert ids(leases) == [tid(i) for i in range(K)]
+    assert sorted(ids(leases)) == [tid(i) for i in range(K)]
     assert q.claim("p1", 1) == []
     q.list_pending()
-    assert storage.list("pending") == [], "a drained chunk (its rows only) is removed"
+    assert storage.list("pending") == [], "a drained release directory is removed"
 
 
 def _expiry_setup(storage: Storage, tmp_path: Path) -> tuple[RunQueue, list[Lease],
