@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from strawq.producers.group import GroupRun
+from strawq.producers.handback import HandBack
 from strawq.producers.held import ActiveGroup, GroupTable
 from strawq.ondisk.groups import GroupData
 from strawq.ondisk.names import TaskName
@@ -77,6 +78,19 @@ def flusher(q: RunQueue, table: GroupTable, producer: str, *, incarnation: int =
                      segments=segments)
     j.open(incarnation)
     return j, io, book
+
+
+def parking(q: RunQueue, producer: str, n: int, *, segments: bool | None = None
+            ) -> tuple[GroupTable, list[ActiveGroup], JournalFlush, Offload, StatsBook,
+                       HandBack]:
+    """``n`` groups held by ``producer``, its journal writer and a hand-back that parks
+    into that journal (what a producer's park does)."""
+    table = GroupTable()
+    groups = hold(q, table, producer, n)
+    j, io, book = flusher(q, table, producer, segments=segments)
+    hb = HandBack(q, io, book)
+    hb.journal = j
+    return table, groups, j, io, book, hb
 
 
 def saved_prefix(q: RunQueue, t: TaskName) -> GroupData | None:

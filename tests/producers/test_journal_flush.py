@@ -22,6 +22,7 @@ from tests.producers.journal_helpers import (
     flusher,
     generate,
     hold,
+    parking,
     run_with_tasks,
     stream,
 )
@@ -139,11 +140,7 @@ def test_a_park_yields_every_group_into_one_record_and_writes_no_partial(tmp_pat
                                                                         ) -> None:
     storage = MemoryStorage()
     q = run_with_tasks(storage, tmp_path, 4)
-    table = GroupTable()
-    groups = hold(q, table, "p1", 4)
-    j, io, book = flusher(q, table, "p1")
-    hb = HandBack(q, io, book)
-    hb.journal = j
+    table, groups, j, io, book, hb = parking(q, "p1", 4)
     publishes: list[str] = []
     inner = storage.publish
 
@@ -308,11 +305,7 @@ def test_the_audit_finds_a_parked_prefix_in_the_journal_and_misses_it_once_gone(
 
     storage = MemoryStorage()
     q = run_with_tasks(storage, tmp_path, 2)
-    table = GroupTable()
-    groups = hold(q, table, "p1", 2)
-    j, io, book = flusher(q, table, "p1")
-    hb = HandBack(q, io, book)
-    hb.journal = j
+    table, groups, j, io, book, hb = parking(q, "p1", 2)
 
     async def park() -> None:
         io.start()

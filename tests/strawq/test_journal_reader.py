@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from strawq.producers.group_load import GroupLoader
-from strawq.producers.handback import HandBack
 from strawq.producers.held import GroupTable
 from strawq.producers.journal_flush import JournalFlush
 from strawq.producers.offload import Offload
@@ -19,7 +18,13 @@ from strawq.storage import PosixStorage, Storage
 from strawq.tasks import journal
 from strawq.tasks.journal import JournalReader, load_chain, record_keys, unframe
 from strawq.tasks.queue import RunQueue
-from tests.producers.journal_helpers import flusher, generate, hold, run_with_tasks
+from tests.producers.journal_helpers import (
+    flusher,
+    generate,
+    hold,
+    parking,
+    run_with_tasks,
+)
 from tests.strawq.queue_helpers import clobber
 
 #: bytes a scan reads of a frame it does not need: its header and its record's first bytes
@@ -177,11 +182,7 @@ def test_a_producer_reads_a_parks_record_once_for_all_the_groups_it_resumes(
     reads that segment once (before: whole, at each of the four claims)."""
     storage = PosixStorage(str(tmp_path / "run"))
     q = run_with_tasks(storage, tmp_path, 4, group_size=G)
-    table = GroupTable()
-    groups = hold(q, table, "p1", 4)
-    j, io, book = flusher(q, table, "p1", segments=True)
-    hb = HandBack(q, io, book)
-    hb.journal = j
+    table, groups, j, io, book, hb = parking(q, "p1", 4, segments=True)
 
     async def park() -> None:
         io.start()
