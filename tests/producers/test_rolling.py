@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -285,6 +285,17 @@ def _run(run_dir: str, n: int) -> RunQueue:
     return q
 
 
+def _run_on(p: Producer, engines: list[EngineThread],
+            body: Callable[[], Awaitable[None]]) -> None:
+    """Run producer ``p`` while ``body`` drives the run; stop ``engines`` (the list as it
+    is then: a body may replace one) whatever happens."""
+    try:
+        asyncio.run(run_producers([p], body))
+    finally:
+        for e in engines:
+            e.stop()
+
+
 def _producer(run_dir: str, workers: tuple[str, ...]) -> Producer:
     return Producer(ProducerConfig(
         run_dir=run_dir,
@@ -340,11 +351,7 @@ def test_engines_load_a_published_version_one_wave_at_a_time(tmp_path: Path) -> 
         await wait_for(lambda: p.stats().rolling_loads == 3, 60, "every engine loaded")
         await wait_for(lambda: len(ready_groups(q)) == n, 60, "every group")
 
-    try:
-        asyncio.run(run_producers([p], body))
-    finally:
-        for e in engines:
-            e.stop()
+    _run_on(p, engines, body)
     st = p.stats()
     assert seen[1] == 1, f"{seen[1]} engines loaded at once with a wave of one"
     assert st.brackets == 0 and st.stale_replies == 0 and st.rolling_load_failures == 0
@@ -373,11 +380,7 @@ def _from_version_0(tmp_path: Path, *, version: int, wave: int,
         Feeder(q, Dataset(os.path.join(run_dir, "dataset.jsonl"))).release(n)
         await wait_for(lambda: len(ready_groups(q)) == n, 60, "every group")
 
-    try:
-        asyncio.run(run_producers([p], body))
-    finally:
-        for e in engines:
-            e.stop()
+    _run_on(p, engines, body)
     return q, p
 
 
@@ -433,11 +436,7 @@ def test_a_restarted_engine_loads_the_newest_version_before_it_takes_work(
         feeder.release(n // 2)
         await wait_for(lambda: len(ready_groups(q)) == n, 60, "every group")
 
-    try:
-        asyncio.run(run_producers([p], body))
-    finally:
-        for e in engines:
-            e.stop()
+    _run_on(p, engines, body)
     assert {v for s in _versions(q) for v in s} == {1}
     st = p.stats()
     assert st.rolling_loads == 1 and st.groups_dropped == 0
