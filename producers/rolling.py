@@ -65,6 +65,7 @@ import logging
 import math
 import os
 import tempfile
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -86,6 +87,14 @@ log = logging.getLogger(__name__)
 #: time; doubling after each failure, to at most ``RETRY_MAX_S``)
 RETRY_MIN_S = 1.0
 RETRY_MAX_S = 60.0
+#: seconds between a behind producer's looks for a free wave slot (each producer's own
+#: multiple of it, 0.5-1.5x, so the fleet's looks spread out): a look is one listing of
+#: ``weights/``. A full step (the manifest, the run's version, the verdicts) runs only
+#: when ``versions/`` moved, one of its own loads ended, a backoff ran out, or
+#: ``FULL_STEP_S`` passed: every 0.1 s poll of 1,250 producers re-reading all of it while
+#: a rolling update waits on its wave would be more than one metadata server serves
+WAVE_RETRY_S = 2.0
+FULL_STEP_S = 30.0
 
 #: ``after_load(url, version)``: called once an engine reports the version it loaded
 AfterLoad = Callable[[str, int], Awaitable[None]]
@@ -170,6 +179,17 @@ class RollingPull:
                                clock=clock)
         #: the manifest version every engine of this producer holds (nothing to pull)
         self._settled: int | None = None
+        #: while behind: a look at ``versions/`` alone (a new version announced), the
+        #: engines waiting for a wave slot, what makes the next full step due at once (one
+        #: of this producer's loads ended), when the next look for a slot is due, and when
+        #: the last full step ran (``tick``)
+        self._vprobe = DirProbe(store.storage, (VERSIONS_DIR,), full_every_s=FULL_STEP_S,
+                                clock=clock)
+        self._waiting: list[str] = []
+        self._wake = False
+        self._look_at = -math.inf
+        self._full_at = -math.inf
+        self._spread = 0.5 + (zlib.crc32(producer_id.encode()) % 1000) / 1000
         guard.lag_reader = self.lag_of
 
     def lag_of(self, run_version: int) -> int | None:
@@ -190,13 +210,54 @@ class RollingPull:
 
     def tick(self) -> None:
         """From the producer's loop: a step every ``poll_s`` (in a task: the loop never
-        waits on a load)."""
-        if self.clock() - self._last < self.poll_s:
+        waits on a load). While this producer is behind, a full step only when something
+        it reads may have changed, and between them a look for a free wave slot every
+        ``WAVE_RETRY_S`` (its own multiple) for the engines the wave had no slot for."""
+        now = self.clock()
+        if now - self._last < self.poll_s:
             return
         if self._step is not None and not self._step.done():
             return
-        self._last = self.clock()
-        self._step = asyncio.create_task(self.step())
+        m = self.manifest
+        if m is None or self._settled == m.version or self._full_due(now):
+            self._last = now
+            self._step = asyncio.create_task(self.step())
+        elif self._waiting and now >= self._look_at:
+            self._last = now
+            self._step = asyncio.create_task(self.look_for_slots(m))
+
+    def _full_due(self, now: float) -> bool:
+        """Behind: whether a full step is due (see ``tick``)."""
+        if self._wake or now - self._full_at >= FULL_STEP_S:
+            return True
+        if any(v == self.manifest.version and now >= at  # type: ignore[union-attr]
+               for v, _n, at in self.backoff.values()):
+            return True
+        return self._vprobe.changed()
+
+    async def look_for_slots(self, m: Manifest) -> None:
+        """Claim a wave slot for each engine that found the wave full, from one listing of
+        ``weights/`` (names only: ``WeightStore.claim_slot(check_url=False)``, as every
+        claim here: this producer's own loads are in ``pulls``, and its predecessor's
+        slots were released at ``start``)."""
+        self._look_at = self.clock() + WAVE_RETRY_S * self._spread
+        client = self._client()
+        if client is None or not isinstance(client, WeightLoader):
+            return
+        waiting, self._waiting = self._waiting, []
+        for i, url in enumerate(waiting):
+            if url in self.pulls:
+                continue
+            try:
+                slot = await self._io(functools.partial(
+                    self.store.claim_slot, m, self.producer_id, url, check_url=False))
+            except StrawqError as exc:
+                log.warning("producer %s cannot claim a wave slot: %s", self.producer_id, exc)
+                slot = None
+            if slot is None:
+                self._waiting = waiting[i:]
+                return
+            self.pulls[url] = asyncio.create_task(self.pull(client, url, m, slot))
 
     async def step(self) -> None:
         """Read the newest manifest; start a load on each engine behind it while a wave
@@ -205,6 +266,9 @@ class RollingPull:
         if (m is None or self._settled == m.version) and not self.guard.joining \
                 and not self._probe.changed():
             return
+        self._wake = False
+        self._full_at = self.clock()
+        self._waiting = []
         try:
             m = await self._io(self.store.newest)
             run_v, paused = await self.guard.refresh()  # sets the guard's lag (lag_of)
@@ -239,14 +303,19 @@ class RollingPull:
             wait = self.backoff.get(url)
             if wait is not None and wait[0] == m.version and self.clock() < wait[2]:
                 continue  # failed at this version: tried again after its backoff
+            if self._waiting:
+                self._waiting.append(url)  # the wave was full for an engine before it
+                continue
             try:
-                slot = await self._io(functools.partial(self.store.claim_slot, m,
-                                                        self.producer_id, url))
+                slot = await self._io(functools.partial(
+                    self.store.claim_slot, m, self.producer_id, url, check_url=False))
             except StrawqError as exc:
                 log.warning("producer %s cannot claim a wave slot: %s", self.producer_id, exc)
                 return
-            if slot is None:
-                return  # the wave is full: the next step tries again
+            if slot is None:  # the wave is full: looked for again (``look_for_slots``)
+                self._waiting.append(url)
+                self._look_at = self.clock() + WAVE_RETRY_S * self._spread
+                continue
             self.pulls[url] = asyncio.create_task(self.pull(client, url, m, slot))
         self._settled = None if behind else m.version
 
@@ -325,6 +394,7 @@ class RollingPull:
                 self.guard.loading.discard(url)  # back in rotation
             self.guard.load_ended(url)
             self.pulls.pop(url, None)
+            self._wake = True  # the next tick steps in full (its slot is free now)
             try:
                 await self._io(lambda: self.store.release_slot(m.version, slot))
             except StrawqError as exc:

@@ -42,6 +42,7 @@ import logging
 import math
 import os
 import time
+import zlib
 from collections.abc import Callable
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -307,18 +308,27 @@ class WeightStore:
                      check=check)
 
     # -- wave slots (producers) ----------------------------------------------------------------
-    def claim_slot(self, m: Manifest, holder: str, url: str) -> int | None:
+    def claim_slot(self, m: Manifest, holder: str, url: str, *,
+                   check_url: bool = True) -> int | None:
         """Claim a free slot of version ``m.version``'s wave for loading ``url``; the slot
-        number, or None when all ``m.wave`` are held (or ``url`` is being loaded already)."""
+        number, or None when all ``m.wave`` are held (or ``url`` is being loaded already).
+
+        One listing of ``weights/``; a full wave is known from its names alone. With a
+        slot free, ``check_url`` reads the held slots' records to refuse an engine being
+        loaded already; ``check_url=False`` reads none (a caller that knows its own loads:
+        ``RollingPull``). The free slots are tried from an offset of the holder's own, so
+        producers that saw the same free slots do not all race for the first."""
         validate_id(holder, "producer id")
         self.storage.makedirs(WEIGHTS_DIR)
-        held = self.slots(m.version)
-        if url.rstrip("/") in {u for _, _, u in held}:
+        taken = {k for v, k in self._slot_names(self.storage.list(WEIGHTS_DIR))
+                 if v == m.version}
+        free = [k for k in range(m.wave) if k not in taken]
+        if not free:
             return None
-        taken = {k for k, _, _ in held}
-        for k in range(m.wave):
-            if k in taken:
-                continue
+        if check_url and url.rstrip("/") in {u for _, _, u in self.slots(m.version)}:
+            return None
+        off = zlib.crc32(f"{holder} {url}".encode()) % len(free)
+        for k in free[off:] + free[:off]:
             try:
                 self.storage.publish(
                     f"{WEIGHTS_DIR}/{WAVES.name(m.version, k)}",
@@ -328,6 +338,11 @@ class WeightStore:
             except AlreadyExists:
                 continue  # another producer took it meanwhile: try the next
         return None
+
+    @staticmethod
+    def _slot_names(listing: list[str]) -> list[tuple[int, int]]:
+        """(version, slot) of each wave slot's name in a listing of ``weights/``."""
+        return [got for got in map(WAVES.pair, listing) if got is not None]
 
     def slots(self, version: int) -> list[tuple[int, str, str]]:
         """(slot, holder, url) of the wave slots held for ``version``."""
