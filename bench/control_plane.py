@@ -103,6 +103,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+from control_plane_rolling import measure_rolling, rolling_counts, shape
 from redis_meta import Volume, capacity, commandstats, delta
 
 from strawq.config import QueueConfig
@@ -171,6 +172,18 @@ class Run:
     #: wants at least K: a producer's start fill, ``refill``; the update's refill takes
     #: partials and handed-back tasks, which are single files)
     release_chunk: int = 1
+    #: how weights are updated (``--update``): "bracket" (every producer parks its groups:
+    #: the update burst above) or "rolling" (nothing parked: engines load in waves, the
+    #: update's operations are the producers' steps and the slots,
+    #: ``bench/control_plane_rolling.py``); both are counted, this names the one in the
+    #: last line
+    update: str = "bracket"
+    #: engines per producer (a node's GPUs over the engines' tensor-parallel size), the
+    #: rolling wave (a count, or a share of the engines below 1: the trainer's default
+    #: 0.25) and the seconds one engine's load takes
+    engines_per_node: int = 8
+    wave: float = 0.25
+    load_s: float = 30.0
 
     @property
     def watchers(self) -> int:
@@ -423,6 +436,7 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
     for p in probes.values():  # opened (the descriptor each node's ranks stat)
         p.changed()
     counter.measure("rank", "wait: node probe (stat)", lambda n: probes[n].changed(), nodes)
+    measure_rolling(counter, run, q_a, root_b, pids)
     shutil.rmtree(root_a, ignore_errors=True)
     return counter, demand(counter, run)
 
@@ -613,9 +627,11 @@ def demand(c: Counter, run: Run) -> dict[str, float]:
         steady[KIND[name]] += rate * c.cost(name)
     burst = sum(n * c.cost(name) for name, n in burst_counts(run).items())
     single = sum(n * c.cost(name) for name, n in burst_counts(run, refill=False).items())
+    rolling = {when: sum(n * c.cost(name) for name, n in rolling_counts(
+        run, before=when == "rolling_before").items()) for when in ("rolling", "rolling_before")}
     return {**{f"steady_{k}": v for k, v in steady.items()},
             "steady": sum(steady.values()), "burst": burst, "burst_single": single,
-            "start": run.producers * c.cost(fill_op(run))}
+            "start": run.producers * c.cost(fill_op(run)), **rolling}
 
 
 def demand_mix(c: Counter, run: Run) -> dict[str, int]:
@@ -681,6 +697,19 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
           f"producer's first fill ({d['start'] / cap:.1f} s of the server, once a run); at "
           f"an update {per_task['refill']:,.1f} a task against {single:,.1f} in claims of "
           f"one, update burst {d['burst_single']:,.0f} -> {d['burst']:,.0f} ops")
+    roll = shape(run)
+    costs = ", ".join(f"{name[len('rolling: '):]} {counter.cost(name):,.1f}"
+                      for name in rolling_counts(run, before=True) | rolling_counts(run))
+    rolling_share = d["rolling"] / roll.seconds / cap
+    print(f"  rolling update instead ({roll.engines:,} engines in waves of {roll.wave:,}, "
+          f"{run.load_s:g} s a load: {roll.seconds:,.0f} s): {d['rolling']:,.0f} ops "
+          f"({d['rolling'] / roll.seconds:,.0f} ops/s, {rolling_share:.1%} on top of the "
+          f"steady load); before, with a full step at every poll: {d['rolling_before']:,.0f} "
+          f"ops ({d['rolling_before'] / roll.seconds:,.0f} ops/s); Redis commands: {costs}")
+    if run.update == "rolling":
+        burst, burst_s, burst_share = d["rolling"], roll.seconds, rolling_share
+    else:
+        burst, burst_s = d["burst"], run.burst_window_s
     worst = max(d["steady"] / cap, d["steady"] / cap + burst_share)
     volumes = max(1, math.ceil(worst / 0.2))
     print(f"  one volume carries it within the 20 % target: "
@@ -695,9 +724,13 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
           f"Redis commands a task, update refill = {per_task['refill']:.1f} a task (claims "
           f"of one: {single:.1f}); update burst {d['burst']:.0f} ops (claims of one: "
           f"{d['burst_single']:.0f})")
-    print(f"scale: {size}-GPU control plane = {d['steady']:.0f} ops/s steady, {d['burst']:.0f} ops "
+    print(f"rolling: {roll.engines} engines, wave {roll.wave}, {roll.seconds:.0f} s = "
+          f"{d['rolling']:.0f} ops a rolling update ({d['rolling_before']:.0f} with a full "
+          f"step at every poll); share {rolling_share:.5f} over the update "
+          f"({d['rolling_before'] / roll.seconds / cap:.5f} before)")
+    print(f"scale: {size}-GPU control plane = {d['steady']:.0f} ops/s steady, {burst:.0f} ops "
           f"per update burst; metadata server capacity = {cap:.0f} ops/s; share = "
-          f"{d['steady'] / cap:.3f} (burst {burst_share:.3f} over {run.burst_window_s:g} s)")
+          f"{d['steady'] / cap:.3f} (burst {burst_share:.3f} over {burst_s:g} s)")
     return {"run": run.__dict__, "ops": [o.__dict__ for o in counter.ops], "demand": d,
             "capacity_ops_s": cap, "capacity_by_command": rates, "steady_mix": mix,
             "volumes_needed": volumes}

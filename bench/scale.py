@@ -45,6 +45,13 @@ figures from the same counts are printed beside it).
                            [--meta-cache zero|default] [--sample 100]
                            [--journal-every-s 2] [--journal-format segments|records]
                            [--journal-tok-s 30] [--release-chunk K]
+                           [--update bracket|rolling] [--engines-per-node 8] [--wave 0.25]
+                           [--load-s 30]
+
+A rolling weight update (``bench/control_plane_rolling.py``: nothing parked, engines load in
+waves) is counted beside the bracket's burst in every run: a line ``rolling: E engines, wave
+W, T s = N ops a rolling update (B with a full step at every poll); share S over the update
+(S0 before)``; ``--update rolling`` makes it the last line's burst (over the update's T s).
 
 ``--release-chunk K``: the collector releases in chunks of K (``queue.release_chunk``);
 producers claim as many tasks as they have free slots, which free one at a time as groups
@@ -387,6 +394,17 @@ def main() -> int:
                          "the model's producers claim as many tasks as they have free slots, "
                          "which free one at a time as groups finish: steady claims want 1 "
                          "task, taken out of a chunk (default 1: one task per file)")
+    cp.add_argument("--update", choices=("bracket", "rolling"), default="bracket",
+                    help="the weight update the last line's burst is of: bracket (every "
+                         "producer parks its groups) or rolling (engines load in waves; "
+                         "bench/control_plane_rolling.py); both are counted and printed")
+    cp.add_argument("--engines-per-node", type=int, default=8,
+                    help="engines per producer, for the rolling update (default 8)")
+    cp.add_argument("--wave", type=float, default=0.25,
+                    help="the rolling wave: engines loading at once, a count, or a share of "
+                         "the engines below 1 (default 0.25, the trainer's)")
+    cp.add_argument("--load-s", type=float, default=30.0,
+                    help="seconds one engine's load takes, for the rolling update (default 30)")
     args = ap.parse_args()
     if args.release_chunk < 1:
         ap.error(f"--release-chunk must be >= 1, got {args.release_chunk}")
@@ -396,6 +414,9 @@ def main() -> int:
             ("gpus_per_node", args.gpus_per_node, args.gpus_per_node >= 1),
             ("ranks", args.ranks, args.ranks is None or args.ranks >= 1),
             ("slots", args.slots, args.slots >= 1),
+            ("engines_per_node", args.engines_per_node, args.engines_per_node >= 1),
+            ("wave", args.wave, args.wave > 0),
+            ("load_s", args.load_s, args.load_s > 0),
             ("batch_groups", args.batch_groups, args.batch_groups is None
              or args.batch_groups >= 1),
             ("step_s", args.step_s, args.step_s > 0),
@@ -507,7 +528,8 @@ def control_plane(args: argparse.Namespace) -> int:
               sample=(0 if args.quick else 100) if args.sample is None else args.sample,
               trainer_watch=args.trainer_watch, journal_every_s=args.journal_every_s,
               journal_tok_s=args.journal_tok_s, journal_format=args.journal_format,
-              release_chunk=args.release_chunk)
+              release_chunk=args.release_chunk, update=args.update,
+              engines_per_node=args.engines_per_node, wave=args.wave, load_s=args.load_s)
     try:
         with test_volume("redis", meta_cache=args.meta_cache) as vol:
             caches = ("no attribute or entry cache" if args.meta_cache == "zero" else

@@ -122,6 +122,33 @@ def test_the_journal_line_has_its_shape_and_adds_to_the_steady_share(tmp_path: P
     assert float(m["on"]) > float(m["off"]) > 0
 
 
+ROLLING_LINE = re.compile(
+    r"^rolling: (?P<engines>\d+) engines, wave (?P<wave>\d+), (?P<s>\d+) s = (?P<ops>\d+) ops a "
+    r"rolling update \((?P<before>\d+) with a full step at every poll\); share "
+    r"(?P<share>[\d.]+) over the update \((?P<share0>[\d.]+) before\)$")
+
+
+def rolling_line(out: list[str]) -> re.Match[str]:
+    m = next((m for line in out if (m := ROLLING_LINE.match(line))), None)
+    assert m, f"no rolling line: {out[-4:]}"
+    return m
+
+
+def test_a_rolling_update_is_counted_and_its_waiting_producers_no_longer_poll_in_full(
+        tmp_path: Path) -> None:
+    """``--update rolling``: the last line's burst is the rolling update's operations over
+    its length. Producers behind waiting for a wave slot once made a full step at every
+    0.1 s poll, reading every held slot's record; they look for a slot every 2 s now."""
+    out = _run_quick(tmp_path, "--update", "rolling", "--trainer-watch", "rank0")
+    m, r = LINE.match(out[-1]), rolling_line(out)
+    assert m, out[-3:]
+    # 10 producers x 8 engines, a wave of a quarter of them, 4 waves of 30 s loads
+    assert (int(r["engines"]), int(r["wave"]), int(r["s"])) == (80, 20, 120), r.group(0)
+    assert int(m["b"]) == int(r["ops"]) and float(m["d"]) == 120
+    assert 0 < int(r["ops"]) * 10 < int(r["before"]), r.group(0)
+    assert 0 < float(r["share"]) < float(r["share0"])
+
+
 CHUNK_LINE = re.compile(r"^  release_chunk = (?P<k>\d+): (?P<staged>\d+) chunk directories staged")
 
 
