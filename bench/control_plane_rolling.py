@@ -12,11 +12,12 @@ version (they are never loaded: a load is the engine's, not the metadata server'
 
 - **full step**: a producer's step reading everything (the newest manifest, the run's
   version and lag, ``control/``, the version's verdicts, a claim attempt for an engine
-  behind, here finding the wave full); made once when the producer sees the version, once
-  after each of its loads ends, and every ``FULL_STEP_S`` (twice: the probe looks again
-  after a change);
+  behind, here finding the wave full); made when the producer sees the version (and once
+  more at its first look at ``versions/``), every ``FULL_STEP_S`` while behind, and once
+  its last load ended;
 - **look**: one look for a free slot (``RollingPull.look_for_slots``, a listing of
-  ``weights/``), every ``WAVE_RETRY_S`` while an engine waits;
+  ``weights/``), after ``WAVE_RETRY_S`` while an engine waits, the wait doubling to
+  ``WAVE_RETRY_MAX_S``, and when one of the producer's own loads ends;
 - **claim and release a slot**: once per engine (with slots free);
 - **read every slot (before)**: what a claim read before the names alone were used
   (``WeightStore.slots``: the listing and every held slot's record), which the step made at
@@ -71,17 +72,35 @@ def shape(run: Run) -> Rolling:
     return Rolling(engines, wave, seconds, seconds * e / (e + 1))
 
 
+def looks(seconds: float) -> int:
+    """Looks for a slot a producer makes waiting ``seconds`` (the mean producer's spread,
+    1x): after ``WAVE_RETRY_S``, the wait doubling after each to ``WAVE_RETRY_MAX_S``."""
+    from strawq.producers.rolling import WAVE_RETRY_MAX_S, WAVE_RETRY_S
+
+    n, t, wait = 0, 0.0, WAVE_RETRY_S
+    while t + wait <= seconds:
+        t += wait
+        n += 1
+        wait = min(2 * wait, WAVE_RETRY_MAX_S)
+    return n
+
+
 def rolling_counts(run: Run, *, before: bool = False) -> dict[str, float]:
-    """Each operation's count at one rolling update (``before``: the step at every poll)."""
+    """Each operation's count at one rolling update (``before``: the step at every poll).
+    Now, per producer: a full step when it sees the version, one more at its first look at
+    ``versions/``, one every ``FULL_STEP_S`` while behind and one when its last load ends
+    (a producer waiting 100 s on a wave held full made 5); a look at each of its loads' ends and
+    on the doubling wait (``looks``); a slot per engine."""
     from strawq.producers.producer_config import TimingConfig
-    from strawq.producers.rolling import FULL_STEP_S, WAVE_RETRY_S
+    from strawq.producers.rolling import FULL_STEP_S
 
     r = shape(run)
     if before:
         polls = run.producers * r.behind_s / TimingConfig().control_poll_s
         return {FULL: polls, SLOTS: polls, CLAIM: r.engines}
-    full = run.producers * (1 + run.engines_per_node + 2 * r.behind_s / FULL_STEP_S)
-    return {FULL: full, LOOK: run.producers * r.behind_s / WAVE_RETRY_S, CLAIM: r.engines}
+    full = run.producers * (3 + r.behind_s / FULL_STEP_S)
+    look = run.producers * (run.engines_per_node + looks(r.behind_s))
+    return {FULL: full, LOOK: look, CLAIM: r.engines}
 
 
 class _Behind:

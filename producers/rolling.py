@@ -87,13 +87,17 @@ log = logging.getLogger(__name__)
 #: time; doubling after each failure, to at most ``RETRY_MAX_S``)
 RETRY_MIN_S = 1.0
 RETRY_MAX_S = 60.0
-#: seconds between a behind producer's looks for a free wave slot (each producer's own
-#: multiple of it, 0.5-1.5x, so the fleet's looks spread out): a look is one listing of
-#: ``weights/``. A full step (the manifest, the run's version, the verdicts) runs only
-#: when ``versions/`` moved, one of its own loads ended, a backoff ran out, or
-#: ``FULL_STEP_S`` passed: every 0.1 s poll of 1,250 producers re-reading all of it while
-#: a rolling update waits on its wave would be more than one metadata server serves
-WAVE_RETRY_S = 2.0
+#: seconds before a behind producer's first look for a free wave slot, doubling after each
+#: look that found the wave full up to ``WAVE_RETRY_MAX_S`` (each producer its own multiple,
+#: 0.5-1.5x, so the fleet's looks spread out; one of its own loads ending looks at once): a
+#: look is one listing of ``weights/``. Among many waiting producers a freed slot is still
+#: found within a fraction of a second (someone looks); the fleet's looks fall as the wait
+#: goes on. A full step (the manifest, the run's version, the verdicts) runs only when
+#: ``versions/`` moved, a backoff ran out, nothing is left to wait for, or ``FULL_STEP_S``
+#: passed: every 0.1 s poll of 1,250 producers re-reading all of it while a rolling
+#: update waits on its wave would be more than one metadata server serves
+WAVE_RETRY_S = 0.5
+WAVE_RETRY_MAX_S = 16.0
 FULL_STEP_S = 30.0
 
 #: ``after_load(url, version)``: called once an engine reports the version it loaded
@@ -183,18 +187,21 @@ class RollingPull:
         #: engines waiting for a wave slot, what makes the next full step due at once (one
         #: of this producer's loads ended), when the next look for a slot is due, and when
         #: the last full step ran (``tick``)
-        self._vprobe = DirProbe(store.storage, (VERSIONS_DIR,), full_every_s=FULL_STEP_S,
+        self._vprobe = DirProbe(store.storage, (VERSIONS_DIR,), full_every_s=math.inf,
                                 clock=clock)
         self._waiting: list[str] = []
         self._wake = False
         self._look_at = -math.inf
+        self._look_wait = WAVE_RETRY_S
+        #: the manifest this step read (``lag_of`` reuses it within the step)
+        self._fresh: tuple[Manifest | None] | None = None
         self._full_at = -math.inf
         self._spread = 0.5 + (zlib.crc32(producer_id.encode()) % 1000) / 1000
         guard.lag_reader = self.lag_of
 
     def lag_of(self, run_version: int) -> int | None:
         """The lag ``run_version`` was published with (None: it was not; blocking I/O)."""
-        m = self.store.newest()
+        m = self._fresh[0] if self._fresh is not None else self.store.newest()
         return m.max_lag if m is not None and m.version == run_version else None
 
     async def start(self) -> None:
@@ -240,7 +247,8 @@ class RollingPull:
         ``weights/`` (names only: ``WeightStore.claim_slot(check_url=False)``, as every
         claim here: this producer's own loads are in ``pulls``, and its predecessor's
         slots were released at ``start``)."""
-        self._look_at = self.clock() + WAVE_RETRY_S * self._spread
+        self._look_at = self.clock() + self._look_wait * self._spread
+        self._look_wait = min(2 * self._look_wait, WAVE_RETRY_MAX_S)
         client = self._client()
         if client is None or not isinstance(client, WeightLoader):
             return
@@ -257,6 +265,7 @@ class RollingPull:
             if slot is None:
                 self._waiting = waiting[i:]
                 return
+            self._look_wait = WAVE_RETRY_S
             self.pulls[url] = asyncio.create_task(self.pull(client, url, m, slot))
 
     async def step(self) -> None:
@@ -271,10 +280,13 @@ class RollingPull:
         self._waiting = []
         try:
             m = await self._io(self.store.newest)
+            self._fresh = (m,)
             run_v, paused = await self.guard.refresh()  # sets the guard's lag (lag_of)
         except StrawqError as exc:
+            self._fresh = None
             log.warning("producer %s cannot read weights/: %s", self.producer_id, exc)
             return
+        self._fresh = None
         if m is None or m.version != run_v or paused:
             self.manifest = None  # not published (a bracket): the run's version only
             return
@@ -314,7 +326,7 @@ class RollingPull:
                 return
             if slot is None:  # the wave is full: looked for again (``look_for_slots``)
                 self._waiting.append(url)
-                self._look_at = self.clock() + WAVE_RETRY_S * self._spread
+                self._look_at = self.clock() + self._look_wait * self._spread
                 continue
             self.pulls[url] = asyncio.create_task(self.pull(client, url, m, slot))
         self._settled = None if behind else m.version
@@ -394,7 +406,11 @@ class RollingPull:
                 self.guard.loading.discard(url)  # back in rotation
             self.guard.load_ended(url)
             self.pulls.pop(url, None)
-            self._wake = True  # the next tick steps in full (its slot is free now)
+            if self._waiting:  # its slot is free now: an engine waiting looks at once
+                self._look_at = -math.inf
+                self._look_wait = WAVE_RETRY_S
+            else:  # the next tick steps in full (anything left to load, or settled)
+                self._wake = True
             try:
                 await self._io(lambda: self.store.release_slot(m.version, slot))
             except StrawqError as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -644,9 +645,9 @@ def test_a_producer_waiting_for_a_wave_slot_looks_for_one_without_rereading_the_
     0.1 s poll (the manifest twice, the run's version, control/, the verdicts, and every
     held slot's record): 585 storage calls in 10 s here, per producer, for the whole of a
     rolling update. Now one listing of ``weights/`` every ``WAVE_RETRY_S`` (its own
-    multiple), and a full step only when something it reads may have changed; a slot that
-    frees is still taken within one look."""
-    from strawq.producers.rolling import WAVE_RETRY_S
+    multiple), doubling to ``WAVE_RETRY_MAX_S``, and a full step only when something it
+    reads may have changed; a slot that frees is still taken within one look."""
+    from strawq.producers.rolling import WAVE_RETRY_MAX_S, WAVE_RETRY_S
 
     now = [0.0]
     q, _b, client, _book, _guard, pull = loader_pull(tmp_path, wave=1, clock=lambda: now[0],
@@ -680,11 +681,16 @@ def test_a_producer_waiting_for_a_wave_slot_looks_for_one_without_rereading_the_
         waiting = list(calls)
         slot_reads = [c for c in waiting if c.startswith("read weights/wave-")]
         assert not slot_reads, slot_reads
-        # a listing a look, and a full step (8 calls) at most every FULL_STEP_S and once
-        # after it: far from 600 polls' full steps
-        assert len(waiting) <= 60 / (WAVE_RETRY_S * 0.5) + 6 * 8, waiting
+        # a listing a look (the wait doubling from WAVE_RETRY_S, five times at most before
+        # it reaches WAVE_RETRY_MAX_S), and a full step (8 calls) at most every FULL_STEP_S
+        # and once after it: far from 600 polls' full steps
+        # a full step reads the manifest once (the lag is read from it, not a second time)
+        full_steps = sum(c == "list versions" for c in waiting)
+        assert sum(c.startswith("read weights/manifest-") for c in waiting) == full_steps
+        doubling = math.ceil(math.log2(WAVE_RETRY_MAX_S / WAVE_RETRY_S))
+        assert len(waiting) <= doubling + 60 / (WAVE_RETRY_MAX_S * 0.5) + 6 * 8, waiting
         store.release_slot(1, 0)
-        await run_until(60.0 + 1.5 * WAVE_RETRY_S + 0.2)
+        await run_until(60.0 + 1.5 * WAVE_RETRY_MAX_S + 0.2)
         await asyncio.gather(*pull.pulls.values())
         assert client.loads[:1] == [("http://e1", 1)]
 
