@@ -296,7 +296,8 @@ class DurableSampleQueue:
             seq, tail = got
             part, _, rest = tail.partition("~")
             out.add((seq, part))
-            top = int(part) if rest.startswith(BATCH_MARK + "~") and part.isdigit() else seq
+            batch = rest.startswith(BATCH_MARK + "~") and part.isascii() and part.isdigit()
+            top = int(part) if batch else seq
             self._seq = max(self._seq, top + 1)
         return out
 
@@ -311,7 +312,7 @@ class DurableSampleQueue:
             VERL_SAMPLES.retire(self.storage, name, S.READY, S.TRAINED)
             return []
         try:
-            members = self._read_index(key, self.storage.read_prefix(key, 1 << 16), first, last)
+            members = self._read_index(key, self.storage.read_prefix(key, 1 << 14), first, last)
         except (CorruptRecord, NotFound) as exc:
             self._set_aside(key, exc)
             return []
@@ -448,8 +449,11 @@ class DurableSampleQueue:
         if not pending:
             return errors
         try:
-            if len(pending) == 1:
-                key, data = pending[0].key, pending[0].record
+            if len(pending) == 1:  # its own file, the layout a batch of one gains nothing on
+                p = pending[0]
+                p.key = VERL_SAMPLES.key(S.READY, SAMPLE_NAMES.name(p.seq, p.part))
+                p.span = None
+                key, data = p.key, p.record
             else:
                 key, data = self._batch(pending)
             self.storage.publish(key, data, sync_dir=False)
