@@ -444,7 +444,8 @@ class DurableSampleQueue:
         threads write at the same time (group commit, ``group_sync.DirSync``). Returns, for
         each, None when it is durable or the error that kept it from being so (a failed
         publish fails every put of its file). Thread-safe; it takes the queue's lock only
-        to count, so hand-outs go on while it runs."""
+        to count and to register a batch file's samples (before any of them can be
+        committed), so hand-outs go on while it runs."""
         errors: list[BaseException | None] = [None] * len(pending)
         if not pending:
             return errors
