@@ -10,13 +10,15 @@
    sample (the pickle; for strawq the record it writes, framing and checksum included).
    Throughput is S / (put time + get time). Also the actor process's CPU per put (user and
    system, all its threads, read with ``getrusage`` in the actor before and after the puts):
-   less moved by the machine's load than a rate, it says what a put costs the actor.
+   less moved by the machine's load than a rate, it says what a put costs the actor; and,
+   for strawq, the mean puts per file written (its writers put each batch of waiting puts
+   in one file).
 3. Crash: K samples put into each queue, its actor's process killed with SIGKILL, a new actor
    made the way verl's task runner makes it (same config): the samples it still has.
    verl's queue comes back empty; strawq's hands all K out again.
 
     python bench/verl_queue.py [--quick] [--samples S] [--n N] [--tokens L] [--crash K]
-                               [--no-fsync]
+                               [--no-fsync] [--writers W]
 
 ``--no-fsync``: strawq's queue made with ``fsync=False`` (its records survive the actor's
 death, not the machine's): the most any batching of fsyncs could gain, which tells whether a
@@ -74,10 +76,12 @@ def verl_actor() -> Any:
         type("VerlMessageQueue", (cls,), {"pid": pid, "cpu": _cpu}))
 
 
-def strawq_actor() -> Any:
-    """``actor_class`` (verl's options, no CPU reserved) with the same ``cpu`` method."""
+def strawq_actor(writers: int | None = None) -> Any:
+    """``actor_class`` (verl's options, no CPU reserved) with the same ``cpu`` method (and
+    ``writers`` writer threads, when given)."""
+    extra = {} if writers is None else {"writers": writers}
     return ray.remote(num_cpus=0, max_concurrency=20)(
-        type("StrawqMessageQueue", (StrawqMessageQueue,), {"cpu": _cpu}))
+        type("StrawqMessageQueue", (StrawqMessageQueue,), {"cpu": _cpu, **extra}))
 
 
 def p99(xs: list[float]) -> float:
@@ -115,7 +119,8 @@ def run_stream(actor: Any, blobs: list[bytes], concurrency: int) -> dict[str, fl
         return {"put_s": t_put, "get_s": t_get, "p99_ms": 1000 * p99(lat),
                 "put_usr_ms": 1000 * (c1[0] - c0[0]) / len(blobs),
                 "put_sys_ms": 1000 * (c1[1] - c0[1]) / len(blobs),
-                "bytes_put": float(stats.get("bytes_put", 0))}
+                "bytes_put": float(stats.get("bytes_put", 0)),
+                "files": float(stats.get("files_written", 0))}
 
     return asyncio.run(go())
 
@@ -148,6 +153,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--no-fsync", action="store_true",
                     help="strawq's queue without fsync (an upper bound for fsync batching)")
+    ap.add_argument("--writers", type=int, default=None,
+                    help="strawq's writer threads (default: the queue's WRITERS)")
     ap.add_argument("--dir", default=None, help="where the strawq queues live (a temp dir)")
     a = ap.parse_args()
     if a.quick:
@@ -171,7 +178,7 @@ def main() -> None:
         verl_cls = verl_actor()
         cfg = OmegaConf.create({"trainer": {"default_local_dir": os.path.join(root, "ckpt"),
                                             "resume_mode": "auto"}})
-        strawq_cls = strawq_actor()
+        strawq_cls = strawq_actor(a.writers)
         sync = {"fsync": False} if a.no_fsync else {}
         if a.no_fsync:
             print("strawq queue without fsync: durable against its actor's death only")
@@ -184,7 +191,8 @@ def main() -> None:
                   f"{a.samples / r['get_s']:8.0f}   p99 get {r['p99_ms']:6.2f} ms   "
                   f"bytes/sample {per:9.0f}" + ("" if r["bytes_put"] else " (in memory)"))
             print(f"{'':18s} the actor's CPU per put: user {r['put_usr_ms']:.2f} ms, system "
-                  f"{r['put_sys_ms']:.2f} ms")
+                  f"{r['put_sys_ms']:.2f} ms" + (f"; puts per file {a.samples / r['files']:.2f}"
+                                                 if r["files"] else ""))
             shutil.rmtree(os.path.join(root, "ckpt"), ignore_errors=True)
         through = {k: a.samples / (r["put_s"] + r["get_s"]) for k, r in results.items()}
         lost_verl = crash(lambda: verl_cls.remote(cfg, 100000), blobs[:a.crash])

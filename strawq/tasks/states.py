@@ -523,7 +523,8 @@ class Store:
 
 
 #: verl's durable ``MessageQueue`` (``strawq.collector.integrations.verl.samples``): a verl
-#: ``RolloutSample`` is a finished group (READY) in ``samples/<seq>~<id>``; handed out to
+#: ``RolloutSample`` is a finished group (READY) in ``samples/<seq>~<id>``, or one of a batch
+#: file's, ``samples/<first seq>~<last seq>~batch`` (the puts of one write); handed out to
 #: verl's trainer it is BATCHED, its record left where it is (the hand-out is held in memory
 #: and re-derived from ``samples/`` and the newest commit at a restart); a checkpoint's
 #: ``commits/<n>`` covers it, TRAINED, and the record is deleted.
@@ -536,12 +537,15 @@ VERL_SAMPLES = Store(
         (S.BATCHED, S.READY): "rewind, or a restart of the queue: every hand-out no commit "
                               "covers is handed out again, oldest first",
         (S.BATCHED, S.TRAINED): "commit(consumed) (a trainer checkpoint holds it): "
-                                "commits/<n> is published first, then the record deleted",
+                                "commits/<n> is published first, then the record deleted "
+                                "(a batch file: once every sample in it is gone)",
         (S.READY, S.TRAINED): "commit of hand-outs of an earlier life of the queue, and "
                               "recovery finishing a commit's deletions",
         (S.READY, S.DROPPED): "put past max_queue_size (the oldest not handed out: "
                               "queue_full), an unreadable record (corrupt), drop_all "
-                              "(cleared): renamed to drops/<name>~<reason>",
+                              "(cleared): renamed to drops/<name>~<reason> (a sample in a "
+                              "batch file: copied to drops/<seq>~<id>~<reason>; an "
+                              "unreadable batch file: renamed whole)",
     },
     others=("commits",))
 

@@ -5,7 +5,8 @@ verl's fully-async policy puts every finished ``RolloutSample`` (pickled by the 
 the actor's deque dies with it. ``StrawqMessageQueue`` has the same methods and the same
 constructor ``(config, max_queue_size)``, and keeps the samples in a strawq storage directory:
 
-* a put is durable when it returns (``samples/<seq>~<sample id>``);
+* a put is durable when it returns (``samples/<seq>~<sample id>``, or with the other puts
+  of its batch in ``samples/<first seq>~<last seq>~batch``);
 * a get hands the oldest sample out under a lease (held by the queue, in hand-out order);
 * a sample counts as consumed only when a checkpoint of the trainer covers it:
   ``commit(consumed)`` (or, for verl's own trainer, the queue reading verl's checkpoint
@@ -52,9 +53,11 @@ __all__ = ["QUEUE_FULL", "DurableSampleQueue", "Held", "StrawqMessageQueue", "TR
            "actor_class", "install", "queue_dir", "sample_identity", "samples_per_version",
            "strawq_settings"]
 
-#: threads writing puts: each takes every put waiting, writes them one by one (file, fsync,
-#: rename) and fsyncs the directory once for them; the threads' file fsyncs overlap
-WRITERS = 4
+#: threads writing puts: each takes every put waiting, writes them as one batch file (file,
+#: fsync, rename) and fsyncs the directory once for them. One: while it writes, the puts that
+#: arrive wait and go into its next file together (group commit; a slower fsync makes larger
+#: batches), and a put costs the actor least (docs/benchmarks.md, "verl queue")
+WRITERS = 1
 #: verl's checkpoint tracker, written by the trainer after every checkpoint it saves
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -109,6 +112,9 @@ class StrawqMessageQueue:
     exists to keep; ``drop_all()`` is the durable clear.
     """
 
+    #: writer threads (``WRITERS``; a subclass may set its own)
+    writers = WRITERS
+
     def __init__(self, config: Any = None, max_queue_size: int | None = 1000, *,
                  path: str | None = None, fsync: bool = True) -> None:
         if max_queue_size is None:
@@ -140,7 +146,7 @@ class StrawqMessageQueue:
         self._batch: list[tuple[Pending, asyncio.Future[bool]]] = []
         self._batch_lock = threading.Lock()
         self._writing = 0
-        self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="verlq-write")
+        self._writers = ThreadPoolExecutor(self.writers, thread_name_prefix="verlq-write")
         self._notifiers: set[asyncio.Task[None]] = set()
         self._watch_checkpoint(live=False)
         from strawq.collector.integrations.verl.partial import PartialStore
@@ -196,9 +202,10 @@ class StrawqMessageQueue:
                 cond.notify_all()
             return True
         # The record is encoded here, in the loop (no I/O); a writer thread takes every put
-        # waiting, writes them in put order and fsyncs the directory once for them (group
-        # commit, shared with the other writers): a thread hop per batch, not per put, and
-        # at most WRITERS file fsyncs at once. A put returns when its batch is durable.
+        # waiting, writes them as one batch file and fsyncs the directory once for them (group
+        # commit, shared with the other writers): a thread hop, a file and its fsync per
+        # batch, not per put, and at most ``writers`` file fsyncs at once. A put returns
+        # when its batch is durable.
         pending = self.q.begin(sample, sample_id=meta.pop("sample_id", None), meta=meta)
         if pending is None:
             return True  # a duplicate: stored already
@@ -206,7 +213,7 @@ class StrawqMessageQueue:
         done: asyncio.Future[bool] = loop.create_future()
         with self._batch_lock:
             self._batch.append((pending, done))
-            start = self._writing < WRITERS
+            start = self._writing < self.writers
             self._writing += start
         if start:
             try:

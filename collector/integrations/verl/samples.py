@@ -4,18 +4,26 @@ Its records and their moves are declared in the core's table (``strawq.tasks.sta
 
 * a put is durable when it returns: one record (strawq's framing, ``strawq.ondisk.records``:
   msgpack metadata, an Arrow column of the sample's bytes, a checksum) published through
-  ``strawq.storage`` (temporary file, fsync, rename without replacing) as
-  ``samples/<seq>~<sample id>``, then the directory fsync'd — one fsync shared by the puts
-  running at once (``group_sync.DirSync``: group commit) — READY; ``put`` in one call, or
-  in steps (``begin``: id, sequence number and record, no I/O; ``write``: a batch made
-  durable; ``finish`` or ``abort``) for a caller that batches;
+  ``strawq.storage`` (temporary file, fsync, rename without replacing), then the directory
+  fsync'd — one fsync shared by the puts running at once (``group_sync.DirSync``: group
+  commit) — READY. A put written alone is its own file, ``samples/<seq>~<sample id>``; the
+  puts of one ``write`` (a caller that batches: ``begin``: id, sequence number and record,
+  no I/O; ``write``: a batch made durable; ``finish`` or ``abort``) share ONE batch file,
+  ``samples/<first seq>~<last seq>~batch``: an index record (each sample's sequence number,
+  id, offset and size), then the samples' records back to back, each 64-byte aligned — one
+  create, write, fsync and rename for the whole batch;
 * a get hands the oldest sample out under a lease held in memory, in hand-out order —
-  BATCHED, the record left in place;
+  BATCHED, the record left in place (a batch file not in the cache is read once, and its
+  samples not yet handed out are kept in memory until their turn);
 * ``commit(consumed)``: a checkpoint of the trainer covers the first ``consumed``
   hand-outs: ``commits/<consumed>`` is published, then the records it covers are deleted
-  — TRAINED;
+  — TRAINED; a batch file is deleted once every sample in it is trained or dropped (a
+  partly committed one stays; a restart skips its samples the newest commit covers);
 * a put past ``max_size`` (the oldest not handed out), an unreadable record, ``clear`` —
-  DROPPED, renamed to ``drops/<name>~<reason>``.
+  DROPPED: a sample's own file is renamed to ``drops/<name>~<reason>``; a sample inside a
+  batch file is copied there, ``drops/<seq>~<sample id>~<reason>`` (its record's bytes),
+  and a restart does not hand out a batch's sample that ``drops/`` names; an unreadable
+  batch file is renamed to ``drops/<name>~corrupt`` whole, its samples dropped.
 
 Hand-outs follow put order, so "the first n hand-outs" is always "the n oldest samples not
 yet committed", and a commit needs no lease records: a restart (``recover``) re-derives
@@ -58,6 +66,9 @@ QUEUE_FULL = "queue_full"
 _SAFE = re.compile(r"[A-Za-z0-9_.-]{1,120}")
 #: ``samples/<seq>~<sample id>``: the put order, then the (name-safe) id
 SAMPLE_NAMES = Numbered(sep="~")
+#: ``samples/<first seq>~<last seq>~batch``: a batch file's tail (a ``~`` no sample id
+#: holds, so no id is taken for it); sorted with the single files by its first seq
+BATCH_MARK = "batch"
 #: ``commits/<consumed>``: how many hand-outs a checkpoint covers
 COMMIT_NAMES = Numbered()
 #: the store's directories (``strawq.tasks.states.VERL_SAMPLES``)
@@ -117,6 +128,22 @@ def _scan(blob: bytes, start: int) -> tuple[str | None, int | None, int]:
     return sid, epoch, stop
 
 
+def batch_name(first: int, last: int) -> str:
+    """The name of a batch file holding sequence numbers ``first`` to ``last``."""
+    return SAMPLE_NAMES.name(first, f"{last:0{SAMPLE_NAMES.tail_width}d}~{BATCH_MARK}")
+
+
+def batch_range(name: str) -> tuple[int, int] | None:
+    """``(first seq, last seq)`` of a batch file's name, None for any other name."""
+    got = SAMPLE_NAMES.split(name)
+    if got is None:
+        return None
+    last, _, mark = got[1].partition("~")
+    if mark != BATCH_MARK or not (last.isascii() and last.isdigit()):
+        return None
+    return got[0], int(last)
+
+
 def _name_part(sample_id: str) -> str:
     """A sample id as a file-name component: as it is when safe, else a digest of it."""
     if _SAFE.fullmatch(sample_id):
@@ -134,6 +161,8 @@ class Pending:
     key: str
     record: list[bytes]
     blob: bytes
+    #: set by ``write`` when the put went into a batch file: (offset, size) of its record
+    span: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -143,17 +172,20 @@ class Held:
     seq: int
     key: str
     sample_id: str
+    #: a sample inside a batch file (``key``): (offset, size) of its record there
+    span: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:
-        """The record's name in ``samples/``."""
+        """The name in ``samples/`` of the file that holds the record."""
         return self.key.rpartition("/")[2]
 
 
 class DurableSampleQueue:
     """The durable FIFO under ``StrawqMessageQueue`` (synchronous; one writer: the queue).
 
-    ``put`` → ``samples/<seq>~<id>`` (durable on return); ``get`` hands the oldest out and
+    ``put`` → ``samples/<seq>~<id>``, ``write`` of many → one batch file (durable on
+    return); ``get`` hands the oldest out and
     keeps it leased; ``commit(n)`` marks the first ``n`` hand-outs since the run began as
     trained; a new instance on the same directory (``recover``, run by the constructor)
     hands out again every sample no commit covers.
@@ -178,6 +210,9 @@ class DurableSampleQueue:
         #: the bytes of samples put by this process and not yet handed out (verl's queue holds
         #: as much in memory); a restarted queue reads them from their records
         self._cache: dict[int, bytes] = {}
+        #: batch file key -> its samples not yet trained nor dropped (the file is deleted
+        #: when none is left)
+        self._batches: dict[str, set[int]] = {}
         self._recent: deque[set[str]] = deque(maxlen=self.keep_commits)
         self._seq = 0
         self._committed_seq = -1
@@ -189,6 +224,8 @@ class DurableSampleQueue:
         self.bytes_put = 0
         #: ``write`` calls: the puts' trips to storage (a put alone is one)
         self.batches = 0
+        #: files ``write`` published (a batch file, or a put's own file)
+        self.files = 0
         self.recovered = 0
         #: verl's checkpoint (tracker number) the newest commit stands for, if known
         self.version: int | None = None
@@ -202,6 +239,7 @@ class DurableSampleQueue:
             self.storage.makedirs(COMMITTED)  # drops/ is made by the first drop
             self._ready.clear()
             self._cache.clear()
+            self._batches.clear()
             self._leased.clear()
             self._ids.clear()
             self._recent.clear()
@@ -223,7 +261,12 @@ class DurableSampleQueue:
             for name in sorted(stale):
                 self.storage.delete(VERL_SAMPLES.other_key(COMMITTED, name))
             self.handed = self.consumed
+            dropped = self._dropped_samples()
+            ready: list[Held] = []
             for name in self.storage.list(SAMPLES):
+                if batch_range(name) is not None:
+                    ready += self._recover_batch(name, last_seq, dropped)
+                    continue
                 got = SAMPLE_NAMES.split(name)
                 if got is None:
                     log.warning("verl queue: %s/%s is not a sample name; left alone", SAMPLES, name)
@@ -234,12 +277,95 @@ class DurableSampleQueue:
                 if seq <= last_seq:  # a commit whose deletions a crash interrupted
                     VERL_SAMPLES.retire(self.storage, name, S.READY, S.TRAINED)
                     continue
-                self._ready.append(Held(seq, key, sid))
+                ready.append(Held(seq, key, sid))
                 self._ids.add(sid)
+            self._ready.extend(sorted(ready, key=lambda h: h.seq))
             self._seq = max(self._seq, last_seq + 1)
             self._committed_seq = last_seq
             self.recovered = len(self._ready)
             return self.recovered
+
+    def _dropped_samples(self) -> set[tuple[int, str]]:
+        """``(seq, id)`` of the samples ``drops/`` names (a sample dropped out of a batch
+        file is still in it); no sequence number of theirs is given out again."""
+        out: set[tuple[int, str]] = set()
+        for name in self.storage.list(VERL_SAMPLES.dir_of(S.DROPPED)):
+            got = SAMPLE_NAMES.split(name)
+            if got is None:
+                continue
+            seq, tail = got
+            part, _, rest = tail.partition("~")
+            out.add((seq, part))
+            batch = rest.startswith(BATCH_MARK + "~") and part.isascii() and part.isdigit()
+            top = int(part) if batch else seq
+            self._seq = max(self._seq, top + 1)
+        return out
+
+    def _recover_batch(self, name: str, last_seq: int,
+                       dropped: set[tuple[int, str]]) -> list[Held]:
+        """The samples of batch file ``name`` no commit covers and ``drops/`` does not name;
+        the file is deleted when none is left, set aside when its index is unreadable."""
+        first, last = batch_range(name) or (0, -1)
+        key = VERL_SAMPLES.key(S.READY, name)
+        self._seq = max(self._seq, last + 1)
+        if last <= last_seq:  # a commit whose deletions a crash interrupted
+            VERL_SAMPLES.retire(self.storage, name, S.READY, S.TRAINED)
+            return []
+        try:
+            members = self._read_index(key, self.storage.read_prefix(key, 1 << 14), first, last)
+        except (CorruptRecord, NotFound) as exc:
+            self._set_aside(key, exc)
+            return []
+        held = [Held(seq, key, part, span) for seq, part, span in members
+                if seq > last_seq and (seq, part) not in dropped]
+        if not held:  # every sample trained or dropped: a deletion a crash interrupted
+            self.storage.delete(key)
+            return []
+        self._batches[key] = {h.seq for h in held}
+        self._ids.update(h.sample_id for h in held)
+        return held
+
+    def _read_index(self, key: str, data: bytes, first: int,
+                    last: int) -> list[tuple[int, str, tuple[int, int]]]:
+        """``(seq, id, (offset, size))`` of each sample of a batch file, from its index (the
+        record at its start; ``data``: at least the index's bytes, re-read when short)."""
+        _, _, need = records.decode_meta_only(data, name=key)
+        if len(data) < need:
+            data = self.storage.read_prefix(key, need)
+        meta = records.decode(memoryview(data)[:need], expect=Kind.STATE, name=key).meta
+        body = need + (-need % records.ALIGN)
+        try:
+            seqs, parts = [int(x) for x in meta["seqs"]], [str(x) for x in meta["ids"]]
+            spans = [(body + int(o), int(n)) for o, n in zip(meta["offsets"], meta["sizes"],
+                                                               strict=True)]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecord(f"{key}: not a batch index ({exc})") from None
+        if (meta.get("verl") != "batch" or not seqs
+                or len({len(seqs), len(parts), len(spans)}) != 1
+                or (min(seqs), max(seqs)) != (first, last)):
+            raise CorruptRecord(f"{key}: its index does not match its name")
+        return list(zip(seqs, parts, spans, strict=True))
+
+    def _set_aside(self, key: str, exc: BaseException) -> None:
+        """An unreadable batch file: renamed to ``drops/<name>~corrupt``, its samples not
+        handed out dropped (the bytes of those handed out in this life are with the trainer)."""
+        name = key.rpartition("/")[2]
+        gone = [h for h in self._ready if h.key == key]
+        if gone:
+            self._ready = deque(h for h in self._ready if h.key != key)
+        for h in gone:
+            self._ids.discard(h.sample_id)
+            self._cache.pop(h.seq, None)
+        self._batches.pop(key, None)
+        self.dropped += len(gone)
+        self.storage.makedirs(VERL_SAMPLES.dir_of(S.DROPPED))
+        try:
+            VERL_SAMPLES.move(self.storage, name, S.READY, S.DROPPED, f"{name}~corrupt")
+        except (NotFound, AlreadyExists):
+            pass
+        log.error("verl queue: batch file %s unreadable (%s): set aside in %s/, its %d "
+                  "samples not handed out dropped", key, exc,
+                  VERL_SAMPLES.dir_of(S.DROPPED), len(gone))
 
     def _read_meta(self, key: str) -> dict[str, Any] | None:
         try:
@@ -312,33 +438,71 @@ class DurableSampleQueue:
         return pending
 
     def write(self, pending: Sequence[Pending]) -> list[BaseException | None]:
-        """Make begun puts durable, in the order given: each record published (temporary
-        file, fsync, rename: ``Storage.publish``), then the directory fsync'd once for them
-        all — shared with the puts other threads write at the same time (group commit,
-        ``group_sync.DirSync``). Returns, for each, None when it is durable or the error
-        that kept it from being so (one failed publish fails only its own put). Thread-safe;
-        it takes no lock of the queue's, so hand-outs go on while it runs."""
+        """Make begun puts durable: one put alone as its own file, more as ONE batch file
+        (``_batch``); either published whole (temporary file, fsync, rename:
+        ``Storage.publish``), then the directory fsync'd — shared with the puts other
+        threads write at the same time (group commit, ``group_sync.DirSync``). Returns, for
+        each, None when it is durable or the error that kept it from being so (a failed
+        publish fails every put of its file). Thread-safe; it takes the queue's lock only
+        to count and to register a batch file's samples (before any of them can be
+        committed), so hand-outs go on while it runs."""
         errors: list[BaseException | None] = [None] * len(pending)
-        for i, p in enumerate(pending):
-            try:
-                self.storage.publish(p.key, p.record, sync_dir=False)
-            except Exception as exc:  # noqa: BLE001 (handed to that put's caller)
-                errors[i] = exc
-        if any(e is None for e in errors):
+        if not pending:
+            return errors
+        try:
+            if len(pending) == 1:  # its own file, the layout a batch of one gains nothing on
+                p = pending[0]
+                p.key = VERL_SAMPLES.key(S.READY, SAMPLE_NAMES.name(p.seq, p.part))
+                p.span = None
+                key, data = p.key, p.record
+            else:
+                key, data = self._batch(pending)
+            self.storage.publish(key, data, sync_dir=False)
+        except Exception as exc:  # noqa: BLE001 (handed to the callers of the file's puts)
+            errors = [exc] * len(pending)
+        else:
+            with self._lock:
+                self.files += 1
+                if len(pending) > 1:  # before any ``finish``: no commit deletes it early
+                    self._batches[key] = {p.seq for p in pending}
             try:
                 self._dir_sync.wait()
             except Exception as exc:  # noqa: BLE001 (every put it would have covered fails)
-                errors = [e if e is not None else exc for e in errors]
+                errors = [exc] * len(pending)
         with self._lock:
             self.batches += 1
         return errors
+
+    def _batch(self, pending: Sequence[Pending]) -> tuple[str, list[bytes]]:
+        """A batch file's key and bytes: its index record (padded to 64 bytes), then each
+        put's record, 64-byte aligned; sets each put's ``key`` and ``span``."""
+        offsets: list[int] = []
+        sizes: list[int] = []
+        body: list[bytes] = []
+        at = 0
+        for p in pending:
+            size = sum(len(c) for c in p.record)
+            pad = -size % records.ALIGN
+            offsets.append(at)
+            sizes.append(size)
+            body += [*p.record, b"\0" * pad] if pad else p.record
+            at += size + pad
+        seqs = [p.seq for p in pending]
+        head = b"".join(records.encode(Kind.STATE, {
+            "verl": "batch", "seqs": seqs, "ids": [p.part for p in pending],
+            "offsets": offsets, "sizes": sizes, "at": time.time()}))
+        head += b"\0" * (-len(head) % records.ALIGN)
+        key = VERL_SAMPLES.key(S.READY, batch_name(min(seqs), max(seqs)))
+        for p, o, n in zip(pending, offsets, sizes, strict=True):
+            p.key, p.span = key, (len(head) + o, n)
+        return key, [head, *body]
 
     def finish(self, pending: Pending) -> bool:
         """A put ``write`` made durable joins the queue, in sequence order. Returns False
         when the queue was full and its oldest sample not yet handed out was dropped."""
         with self._lock:
             self._inflight.discard(pending.seq)
-            self._insert(Held(pending.seq, pending.key, pending.part))
+            self._insert(Held(pending.seq, pending.key, pending.part, pending.span))
             self._cache[pending.seq] = pending.blob
             self.produced += 1
             self.bytes_put += sum(len(c) for c in pending.record)
@@ -353,6 +517,12 @@ class DurableSampleQueue:
         with self._lock:
             self._inflight.discard(pending.seq)
             self._ids.discard(pending.part)
+            if pending.span is not None:  # its batch file may be on disk: left as it is
+                live = self._batches.get(pending.key)
+                if live is not None:
+                    live.discard(pending.seq)
+                    if not live:
+                        del self._batches[pending.key]
 
     def _insert(self, held: Held) -> None:
         """Keep ``_ready`` in sequence order (concurrent puts finish in any order)."""
@@ -367,18 +537,60 @@ class DurableSampleQueue:
             return len(self._inflight)
 
     def _drop(self, held: Held, reason: str) -> None:
-        """Move a sample to ``drops/<name>~<reason>``: kept, with its reason, never trained."""
-        self.storage.makedirs(VERL_SAMPLES.dir_of(S.DROPPED))
-        try:
-            VERL_SAMPLES.move(self.storage, held.name, S.READY, S.DROPPED,
-                              f"{held.name}~{reason}")
-        except (NotFound, AlreadyExists):
-            pass
+        """Set a sample aside in ``drops/<seq>~<id>~<reason>``: kept, with its reason, never
+        trained. Its own file is renamed there; a sample in a batch file is copied there
+        (its record's bytes), which is what keeps a restart from handing it out again."""
+        drops = VERL_SAMPLES.dir_of(S.DROPPED)
+        self.storage.makedirs(drops)
+        if held.span is None:
+            try:
+                VERL_SAMPLES.move(self.storage, held.name, S.READY, S.DROPPED,
+                                  f"{held.name}~{reason}")
+            except (NotFound, AlreadyExists):
+                pass
+        else:
+            VERL_SAMPLES.check(S.READY, S.DROPPED)
+            offset, size = held.span
+            try:
+                record: bytes | list[bytes] = self.storage.read_range(held.key, offset, size)
+            except NotFound:
+                record = b""
+            if len(record) != size:  # its batch file is gone or short: the drop alone
+                record = records.encode(Kind.STATE, {"verl": "drop", "seq": held.seq,
+                                                     "sample_id": held.sample_id,
+                                                     "batch": held.name, "reason": reason})
+            name = f"{SAMPLE_NAMES.name(held.seq, held.sample_id)}~{reason}"
+            try:
+                self.storage.publish(VERL_SAMPLES.key(S.DROPPED, name), record)
+            except AlreadyExists:
+                pass
+            self._leave_batch(held)
         self._ids.discard(held.sample_id)
         self._cache.pop(held.seq, None)
         self.dropped += 1
-        log.warning("verl queue full (%d): dropped its oldest sample %s", self.max_size,
-                    held.sample_id)
+        log.warning("verl queue: dropped sample %s (%s)", held.sample_id, reason)
+
+    def _leave_batch(self, held: Held) -> bool:
+        """A sample of a batch file is trained or dropped: True when it was the file's last,
+        which the caller deletes (``_retire``) or this does (a drop)."""
+        live = self._batches.get(held.key)
+        if live is None:
+            return False
+        live.discard(held.seq)
+        if live:
+            return False
+        del self._batches[held.key]
+        self.storage.delete(held.key)
+        return True
+
+    def _retire(self, held: Held, src: TaskState) -> None:
+        """A sample a commit covers: its own file deleted; a batch file once its last
+        sample is gone."""
+        if held.span is None:
+            VERL_SAMPLES.retire(self.storage, held.name, src, S.TRAINED)
+        else:
+            VERL_SAMPLES.check(src, S.TRAINED)
+            self._leave_batch(held)
 
     # -- consumer side ---------------------------------------------------------------------
     def size(self) -> int:
@@ -399,6 +611,13 @@ class DurableSampleQueue:
                     return None  # an older put is still being written: hand-outs keep order
                 held = self._ready.popleft()
                 cached = self._cache.pop(held.seq, None)
+                if cached is None and held.span is not None:
+                    try:
+                        cached = self._load_batch(held)
+                    except (CorruptRecord, NotFound, KeyError) as exc:
+                        self._ready.appendleft(held)
+                        self._set_aside(held.key, exc)
+                        continue
                 if cached is not None:
                     self.handed += 1
                     self._leased.append((self.handed, held))
@@ -415,6 +634,29 @@ class DurableSampleQueue:
                 self._leased.append((self.handed, held))
                 return held, blob
             return None
+
+    def _load_batch(self, held: Held) -> bytes:
+        """Read ``held``'s batch file once: its bytes, and those of the file's other samples
+        not handed out yet, kept in the cache until their turn."""
+        data = self.storage.read(held.key)
+        first, last = batch_range(held.name) or (0, -1)
+        want = {h.seq for h in self._ready if h.key == held.key} | {held.seq}
+        out: bytes | None = None
+        view = memoryview(data)
+        for seq, part, (offset, size) in self._read_index(held.key, data, first, last):
+            if seq not in want or (seq != held.seq and seq in self._cache):
+                continue
+            rec = records.decode(view[offset:offset + size], expect=Kind.STATE, name=held.key)
+            if rec.meta.get("seq") != seq:
+                raise CorruptRecord(f"{held.key}: sample {part} at the place of seq {seq}")
+            blob = rec.tables()["s"].column("b").to_numpy().tobytes()
+            if seq == held.seq:
+                out = blob
+            else:
+                self._cache[seq] = blob
+        if out is None:
+            raise CorruptRecord(f"{held.key}: its index does not hold seq {held.seq}")
+        return out
 
     def commit(self, consumed: int, *, version: int | None = None) -> int:
         """A checkpoint covers the first ``consumed`` hand-outs since the run began: publish
@@ -449,8 +691,7 @@ class DurableSampleQueue:
             self.handed = max(self.handed, consumed)
             self._recent.append(set(ids))
             for i, h in enumerate(covered):  # this life's hand-outs, then an earlier one's
-                VERL_SAMPLES.retire(self.storage, h.name,
-                                    S.BATCHED if i < n_leased else S.READY, S.TRAINED)
+                self._retire(h, S.BATCHED if i < n_leased else S.READY)
                 self._ids.discard(h.sample_id)
             for name in COMMIT_NAMES.prune(self.storage.list(COMMITTED), self.keep_commits):
                 self.storage.delete(VERL_SAMPLES.other_key(COMMITTED, name))
@@ -484,4 +725,5 @@ class DurableSampleQueue:
                     "committed": self.consumed, "duplicates": self.duplicates,
                     "recovered": self.recovered, "bytes_put": self.bytes_put,
                     "dir_syncs": self._dir_sync.syncs, "write_batches": self.batches,
+                    "files_written": self.files,
                     "dir": self.storage.describe()}

@@ -20,6 +20,7 @@ import pytest
 from strawq.collector.integrations.verl.group_sync import DirSync
 from strawq.collector.integrations.verl.queue import (WRITERS, DurableSampleQueue,
                                                       StrawqMessageQueue)
+from strawq.ondisk import records
 
 REPO = str(Path(__file__).resolve().parents[3])
 
@@ -148,15 +149,23 @@ def test_killed_while_sixteen_puts_run_it_loses_no_returned_put_and_duplicates_n
         assert mine == list(range(len(mine)))
 
 
-def _publishes(q: DurableSampleQueue, fail: str | None = None) -> list[tuple[str, str]]:
-    """Record (thread name, key) of each publish of ``q``'s storage; a key containing
-    ``fail`` raises OSError instead."""
-    seen: list[tuple[str, str]] = []
+def _ids_in(data: Any) -> list[str]:
+    """The sample ids a published record or batch file holds (from its first record)."""
+    head = bytes(data[0]) if isinstance(data, (list, tuple)) else bytes(data)
+    _, meta, _ = records.decode_meta_only(head)
+    return list(meta["ids"]) if meta.get("verl") == "batch" else [meta["sample_id"]]
+
+
+def _publishes(q: DurableSampleQueue, fail: str | None = None) -> list[tuple[str, list[str]]]:
+    """Record (thread name, sample ids) of each publish of ``q``'s storage; a file holding
+    sample ``fail`` raises OSError instead."""
+    seen: list[tuple[str, list[str]]] = []
     publish = q.storage.publish
 
     def spy(key: str, data: Any, **kw: Any) -> None:
-        seen.append((threading.current_thread().name, key))
-        if fail is not None and fail in key:
+        ids = _ids_in(data)
+        seen.append((threading.current_thread().name, ids))
+        if fail is not None and fail in ids:
             raise OSError(28, "No space left on device")
         publish(key, data, **kw)
 
@@ -175,28 +184,37 @@ def test_concurrent_put_samples_reach_storage_in_batches_from_few_threads(
 
     assert asyncio.run(main()) == [True] * 32
     stats = mq.q.stats()
-    # one thread hop and one trip to storage per batch of waiting puts, not one per put
+    # one thread hop, one file and one trip to storage per batch of waiting puts
     assert stats["write_batches"] < 32
+    assert stats["files_written"] == len(seen) == stats["write_batches"]
+    assert len(os.listdir(tmp_path / "q" / "samples")) == len(seen) < 32
+    assert sorted(i for _, ids in seen for i in ids) == sorted(f"s{i}" for i in range(32))
     assert len({thread for thread, _ in seen}) <= WRITERS
     assert stats["dir_syncs"] <= stats["write_batches"]
     again = DurableSampleQueue(str(tmp_path / "q"))
     assert [got[0].sample_id for got in iter(again.get, None)] == [f"s{i}" for i in range(32)]
 
 
-def test_a_put_whose_write_fails_fails_alone_and_hand_outs_go_on(tmp_path: Path) -> None:
+def test_a_put_whose_write_fails_fails_with_its_file_alone_and_hand_outs_go_on(
+        tmp_path: Path) -> None:
     mq = StrawqMessageQueue(None, 1000, path=str(tmp_path / "q"))
-    _publishes(mq.q, fail="~s3")
+    seen = _publishes(mq.q, fail="s3")
 
     async def main() -> list[Any]:
         got = await asyncio.gather(*(mq.put_sample(f"s{i}".encode(), sample_id=f"s{i}")
                                      for i in range(8)), return_exceptions=True)
-        out = [await mq.get_sample() for _ in range(7)]
-        return [got, [o[0] for o in out]]
+        out = []
+        while mq.q.size():
+            out.append((await mq.get_sample())[0])
+        return [got, out]
 
     got, handed = asyncio.run(main())
-    assert isinstance(got[3], OSError) and [g for i, g in enumerate(got) if i != 3] == [True] * 7
-    assert handed == [f"s{i}".encode() for i in range(8) if i != 3]
-    assert not mq.q.is_held("s3")  # its id is free again: verl may put it again
+    failed = next(ids for _, ids in seen if "s3" in ids)  # the puts of the file holding s3
+    assert all(isinstance(got[i], OSError) for i in range(8) if f"s{i}" in failed)
+    assert [g for i, g in enumerate(got) if f"s{i}" not in failed] == [True] * (8 - len(failed))
+    assert handed == [f"s{i}".encode() for i in range(8) if f"s{i}" not in failed]
+    for i in failed:  # their ids are free again: verl may put them again
+        assert not mq.q.is_held(i)
 
 
 def test_a_cancelled_put_whose_record_was_written_joins_the_queue(tmp_path: Path) -> None:

@@ -25,8 +25,12 @@ from strawq.collector.integrations.verl.partial import PartialStore, Prefix, pro
 from strawq.collector.integrations.verl.queue import (DurableSampleQueue, StrawqMessageQueue,
                                                       queue_dir, sample_identity,
                                                       strawq_settings)
+from strawq.collector.integrations.verl.samples import batch_name
 from strawq.errors import ConfigError
+from strawq.ondisk import records
+from strawq.ondisk.records import Kind
 from strawq.storage import PosixStorage
+from strawq.testing.faults import CrashPoint, FaultyStorage
 
 REPO = str(Path(__file__).resolve().parents[3])
 
@@ -397,3 +401,194 @@ def test_verls_resume_loop_continues_a_prefix_a_killed_process_saved(tmp_path: P
     assert out["extra"] == {"min_global_steps": 3, "max_global_steps": 4,
                             "token_versions": [3, 3, 3, 4, 4, 4, 4, 4]}
     assert store.count() == {"partials": 0, "held": 0}
+
+
+# -- batch files: the puts of one write in one file (issue 40) --------------------------------
+def _write(q: DurableSampleQueue, ids: list[str]) -> list[bool]:
+    """``ids`` put as one batch (``begin`` each, one ``write``, ``finish`` each)."""
+    pending = [q.begin(i.encode(), sample_id=i) for i in ids]
+    assert all(p is not None for p in pending)
+    assert q.write([p for p in pending if p is not None]) == [None] * len(ids)
+    return [q.finish(p) for p in pending if p is not None]
+
+
+def _samples(path: Path) -> list[str]:
+    return sorted(p.name for p in (path / "samples").iterdir())
+
+
+def test_a_batch_of_puts_is_one_file_and_durable_when_write_returns(tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    pending = [q.begin(f"s{i}".encode(), sample_id=f"s{i}") for i in range(5)]
+    assert q.write([p for p in pending if p is not None]) == [None] * 5
+    assert _samples(tmp_path) == [batch_name(0, 4)]  # one create, fsync, rename for all
+    assert q.stats()["files_written"] == 1
+    # durable before finish: a queue started on the directory now holds all five
+    again = DurableSampleQueue(str(tmp_path))
+    assert drain(again) == [f"s{i}" for i in range(5)]
+    assert again.put(b"again", sample_id="s3") and again.duplicates == 1  # ids in the file
+    assert again.put(b"new", sample_id="s5") and again.size() == 1
+    assert drain(again) == ["new"] and not again.is_held("s6")
+
+
+def test_hand_outs_follow_put_order_across_batches_singles_and_restarts(tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    assert q.put(b"s0", sample_id="s0")  # a put alone: its own file, the old layout
+    _write(q, ["s1", "s2", "s3"])
+    assert q.put(b"s4", sample_id="s4")
+    _write(q, ["s5", "s6"])
+    assert _samples(tmp_path) == ["000000000000~s0", batch_name(1, 3), "000000000004~s4",
+                                  batch_name(5, 6)]
+    assert [q.get()[1] for _ in range(3)] == [b"s0", b"s1", b"s2"]  # type: ignore[index]
+    assert q.commit(2) == 2
+    again = DurableSampleQueue(str(tmp_path))
+    assert again.size() == 5
+    assert [again.get()[1] for _ in range(2)] == [b"s2", b"s3"]  # type: ignore[index]
+    _write(again, ["s7", "s8"])  # numbered after everything on disk
+    assert _samples(tmp_path)[-1] == batch_name(7, 8)
+    third = DurableSampleQueue(str(tmp_path))
+    assert drain(third) == [f"s{i}" for i in range(2, 9)]
+
+
+def test_a_batch_file_is_read_once_after_a_restart(tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    _write(q, [f"s{i}" for i in range(6)])
+    again = DurableSampleQueue(str(tmp_path))
+    reads: list[str] = []
+    read = again.storage.read
+
+    def counting(key: str) -> bytes:
+        reads.append(key)
+        return read(key)
+
+    again.storage.read = counting  # type: ignore[method-assign]
+    assert drain(again) == [f"s{i}" for i in range(6)]
+    assert reads == [f"samples/{batch_name(0, 5)}"]
+
+
+def test_a_partly_committed_batch_stays_until_its_last_sample_is_trained(
+        tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    _write(q, ["s0", "s1", "s2", "s3"])
+    assert q.put(b"s4", sample_id="s4")
+    assert [q.get()[1] for _ in range(3)] == [b"s0", b"s1", b"s2"]  # type: ignore[index]
+    assert q.commit(2) == 2
+    assert _samples(tmp_path) == [batch_name(0, 3), "000000000004~s4"]
+    again = DurableSampleQueue(str(tmp_path))  # its covered samples are not handed out
+    assert (again.consumed, again.size()) == (2, 3)
+    assert [again.get()[1] for _ in range(2)] == [b"s2", b"s3"]  # type: ignore[index]
+    assert again.commit(3) == 1
+    assert _samples(tmp_path) == [batch_name(0, 3), "000000000004~s4"]
+    assert again.commit(4) == 1  # its last sample: the file goes
+    assert _samples(tmp_path) == ["000000000004~s4"]
+    assert drain(DurableSampleQueue(str(tmp_path))) == ["s4"]
+
+
+def test_a_commit_whose_deletion_a_crash_interrupted_is_finished_by_recovery(
+        tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    _write(q, ["s0", "s1"])
+    _write(q, ["s2", "s3"])
+    q.put(b"s4", sample_id="s4")
+    for _ in range(3):
+        q.get()
+    q.storage.delete = lambda key, **kw: None  # type: ignore[method-assign]
+    assert q.commit(3) == 3  # commits/3 published, then the deletions "crash"
+    assert _samples(tmp_path) == [batch_name(0, 1), batch_name(2, 3), "000000000004~s4"]
+    again = DurableSampleQueue(str(tmp_path))
+    assert _samples(tmp_path) == [batch_name(2, 3), "000000000004~s4"]
+    assert drain(again) == ["s3", "s4"]
+
+
+def test_a_sample_dropped_out_of_a_batch_stays_dropped_after_a_restart(tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path), max_size=3)
+    _write(q, ["s0", "s1", "s2"])
+    assert not q.put(b"s3", sample_id="s3")  # full: the oldest, inside the batch, goes
+    assert os.listdir(tmp_path / "drops") == ["000000000000~s0~queue_full"]
+    kept = (tmp_path / "drops" / "000000000000~s0~queue_full").read_bytes()
+    rec = records.decode(kept, expect=Kind.STATE)
+    assert rec.tables()["s"].column("b").to_numpy().tobytes() == b"s0"  # its bytes are kept
+    assert rec.meta["sample_id"] == "s0"
+    assert batch_name(0, 2) in _samples(tmp_path)  # the batch file holds s1 and s2 still
+    again = DurableSampleQueue(str(tmp_path), max_size=3)
+    assert not again.is_held("s0")
+    assert drain(again) == ["s1", "s2", "s3"]
+    again.commit(3)
+    assert _samples(tmp_path) == []
+
+
+def test_a_batch_whose_samples_all_dropped_is_deleted_and_its_numbers_not_reused(
+        tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    _write(q, ["s0", "s1"])
+    assert q.clear() == 2
+    assert _samples(tmp_path) == []
+    assert sorted(os.listdir(tmp_path / "drops")) == ["000000000000~s0~cleared",
+                                                      "000000000001~s1~cleared"]
+    again = DurableSampleQueue(str(tmp_path))
+    _write(again, ["s0", "s1"])  # put again: new numbers, not hidden by the old drops
+    assert _samples(tmp_path) == [batch_name(2, 3)]
+    assert drain(DurableSampleQueue(str(tmp_path))) == ["s0", "s1"]
+
+
+def _damage(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at, os.SEEK_SET if at >= 0 else os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("where", ["a sample", "the index"])
+def test_a_corrupt_batch_file_drops_every_sample_in_it(tmp_path: Path, where: str,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    q.put(b"first", sample_id="s0")
+    _write(q, ["s1", "s2", "s3"])
+    q.put(b"last", sample_id="s4")
+    _damage(tmp_path / "samples" / batch_name(1, 3), -1 if where == "a sample" else 40)
+    again = DurableSampleQueue(str(tmp_path))
+    assert drain(again) == ["first", "last"]
+    assert os.listdir(tmp_path / "drops") == [f"{batch_name(1, 3)}~corrupt"]
+    assert "unreadable" in caplog.text
+    assert not again.is_held("s2")
+    assert drain(DurableSampleQueue(str(tmp_path))) == ["first", "last"]
+
+
+def test_a_crash_at_any_storage_step_of_batched_puts_loses_no_returned_put(
+        tmp_path: Path) -> None:
+    """Batches, a drop out of a batch, commits and restarts, crashed before each mutating
+    storage operation in turn: a queue started again holds every put that returned and no
+    commit covers or drop took, in put order, once."""
+    n = 1
+    while True:
+        root = tmp_path / f"c{n}"
+        q = DurableSampleQueue(FaultyStorage(PosixStorage(str(root), writer_id="verlq"),
+                                             crash_after=n), max_size=2)
+        returned: list[str] = []
+        handed: list[str] = []
+        commits = [0]  # the commits made, the last one perhaps cut short by the crash
+        try:
+            for b in range(4):
+                ids = [f"b{b}_{i}" for i in range(3)]
+                _write(q, ids)
+                returned += ids
+                handed += [q.get()[0].sample_id for _ in range(2)]  # type: ignore[index]
+                commits.append(len(handed) - 1)
+                q.commit(commits[-1])
+        except CrashPoint:
+            pass
+        else:
+            break
+        again = DurableSampleQueue(str(root), max_size=2)
+        assert again.consumed in commits[-2:], (n, again.consumed, commits)
+        committed = handed[:again.consumed]
+        held = [got[0].sample_id for got in iter(again.get, None)]
+        drops = {name.split("~")[1] for name in os.listdir(root / "drops")} \
+            if (root / "drops").exists() else set()
+        assert len(held) == len(set(held)), (n, held)
+        assert not set(held) & set(committed), (n, held)
+        assert not set(held) & drops, (n, held)
+        assert set(returned) - set(committed) - drops <= set(held), (n, held)
+        assert held == sorted(held, key=lambda s: (int(s[1]), int(s.split("_")[1])))
+        n += 1
+    assert n > 12  # every step of the sequence was a crash point once
