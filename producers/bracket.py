@@ -7,7 +7,9 @@ pause this producer has not acknowledged, it stops claiming, aborts its own requ
 every worker, waits until every in-flight ``/generate`` came back with its tokens (an
 aborted reply carries all of them), completes the groups whose samples are all final,
 yields the others as partial groups, then ``Control.ack``s. It resumes claiming when
-``resume-<v>`` appears.
+``resume-<v>`` appears. With ``timing.hold_through_pause`` it yields nothing: the unfinished
+groups keep their leases, their state made durable in one journal record
+(``GroupHalts.hold_all``), and the ack counts them (``held``); they continue at the resume.
 
 Aborts name **exact rids**: SGLang 0.5.23 drops an ``/abort_request`` whose rid is not an
 exact live rid, so a prefix aborts nothing. The runner records every rid in flight
@@ -184,9 +186,10 @@ class PauseBracket:
                         "not acknowledging the pause yet", self.producer_id,
                         self._unreturned())
             return False
+        held = self._held()  # groups kept through the pause (``hold_all``), else 0
         await self._io(lambda: self.control.ack(version, self.producer_id,
-                                                 partials=partials))
+                                                 partials=partials, held=held))
         self.acked_version = version
-        log.info("producer %s acknowledged pause %d (%d partial groups)",
-                 self.producer_id, version, partials)
+        log.info("producer %s acknowledged pause %d (%d partial groups, %d held)",
+                 self.producer_id, version, partials, held)
         return True
