@@ -70,6 +70,9 @@ class GroupTable:
 
     def __init__(self) -> None:
         self.groups: dict[str, ActiveGroup] = {}
+        #: the last pause held the groups (``GroupHalts.hold_all``): a lease whose claim
+        #: was in flight at the pause is held too (``GroupRunner.start``)
+        self.holding = False
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -100,6 +103,7 @@ class GroupHalts:
         """Stop every held group and hand it back; returns how many were yielded.
         ``deadline_s``: how long the aborted requests may take to come back (default: the
         aborter's ``abort_deadline_s``; a stop passes its share of the grace period)."""
+        self.table.holding = False
         actives = list(self.table.groups.values())
         if not actives:
             return 0
@@ -124,6 +128,7 @@ class GroupHalts:
         their tasks for the resume (``ActiveGroup.held``). ``durable`` then makes every held
         group's received state durable (one journal record); should it fail, every group
         is parked instead (the ack must not promise state that is only in memory)."""
+        self.table.holding = True
         actives = list(self.table.groups.values())
         if not actives:
             return 0

@@ -251,6 +251,8 @@ class GroupRunner:
 
     def start(self, lease: Lease) -> ActiveGroup:
         a = ActiveGroup(lease, claimed_at=self.clock())
+        # claimed as a pause that holds the groups began: held as they are
+        a.holding = self.table.holding and self._pausing()
         self.groups[lease.key] = a
         self.pool.set_demand(a.hold, self.group_size)
         self.book.bump("groups_claimed")

@@ -216,3 +216,33 @@ def test_a_held_group_past_eta_after_the_update_is_handled_as_a_claimed_partial(
     st = p.stats()
     assert st.drop_reasons.get(STALE_REASON) == n
     assert st.groups_yielded == 0 and not ids(q, "ready")
+
+
+@pytest.mark.slow
+def test_a_stop_during_a_held_pause_parks_the_held_groups(tmp_path: Path,
+                                                         sim_engine: Any) -> None:
+    """A stop keeps today's behaviour: the held groups are parked into the journal (one
+    rename each, no ``.partial``) and the producer holds no lease."""
+    n = 6
+    run = tmp_path / "run"
+    q = make_run(str(run), n, lease_timeout_s=5.0, heartbeat_interval_s=0.1)
+    control = Control(q.storage)
+    p = Producer(cfg(run, [sim_engine.url], **HOLD))
+    seen: dict[str, Any] = {}
+
+    async def body() -> None:
+        await wait_for(lambda: p.stats().busy_trajectories > 0, 30, "generating")
+        control.pause(1)
+        await wait_for(lambda: p.producer_id in control.state().acks, 30, "ack")
+        seen["held"] = _held_tokens(p)  # the stop comes before the resume
+
+    asyncio.run(run_producers([p], body))
+    held = seen["held"]
+    assert held
+    assert not names(q, "leased")
+    parked = {t.id: t for t in names(q, "pending") if t.resume >= 0}
+    assert sorted(parked) == sorted(held)
+    assert all(t.producer == p.producer_id for t in parked.values())
+    assert not [k for k in q.storage.list("data") if k.endswith(".partial")]
+    st = p.stats()
+    assert st.groups_held == len(held) and st.groups_yielded_journal == len(held)
