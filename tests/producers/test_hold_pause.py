@@ -50,10 +50,21 @@ def _held_tokens(p: Producer) -> dict[str, list[np.ndarray]]:
             for a in p.runner.groups.values() if a.run is not None}
 
 
-def test_hold_through_pause_needs_the_journal() -> None:
+def test_hold_through_pause_needs_the_journal(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="hold_through_pause needs the in-flight journal"):
         TimingConfig(hold_through_pause=True, journal_every_s=0.0, journal_every_tokens=0)
     assert not TimingConfig().hold_through_pause  # off by default
+    run = tmp_path / "run"
+    make_run(str(run), 1)
+    turns = {"plugins": {"reward": "strawq.producers.rewards.count_task",
+                         "generate": "tests.producers.trajectory_plugins.tool_agent",
+                         "generate_args": {"ledger": str(tmp_path / "ledger")}},
+             "tools": {"checkpoint_every_turns": 1}}
+    # turn checkpoints keep no journal: refused, not a park in disguise
+    with pytest.raises(ConfigError, match="turn checkpoints"):
+        Producer(cfg(run, ["http://127.0.0.1:1"], timing={"hold_through_pause": True},
+                     **turns))
+    assert Producer(cfg(run, ["http://127.0.0.1:1"], **turns)).journal is None
 
 
 @pytest.mark.slow
