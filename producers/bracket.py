@@ -122,14 +122,15 @@ class PauseBracket:
     The producer supplies what the bracket cannot know: how to read ``control/`` off the
     event loop (``io``), how to park its groups (``park``, returns the partials yielded),
     and how many groups it holds and leases it failed to hand back (``held``,
-    ``unreturned``; an ack with unreturned leases would be a lie, so it waits).
+    ``unreturned``; an ack with unreturned leases would be a lie, so it waits), and how many
+    it keeps through the pause, durable in its journal (``kept``: the ack's ``held``).
     """
 
     def __init__(self, control: Control, producer_id: str, *, poll_s: float,
                  clock: Callable[[], float],
                  io: Callable[[Callable[[], Any]], Awaitable[Any]],
                  park: Callable[[str], Awaitable[int]], held: Callable[[], int],
-                 unreturned: Callable[[], int]) -> None:
+                 unreturned: Callable[[], int], kept: Callable[[], int] = lambda: 0) -> None:
         self.control = control
         self.producer_id = producer_id
         self.poll_s = poll_s
@@ -138,6 +139,8 @@ class PauseBracket:
         self._park = park
         self._held = held
         self._unreturned = unreturned
+        #: leases kept through the pause, their state durable (``GroupHalts.hold_all``)
+        self._kept = kept
         #: a pause is seen and not yet resumed: claim nothing, start no generation
         self.pausing = False
         self.acked_version = 0
@@ -186,7 +189,7 @@ class PauseBracket:
                         "not acknowledging the pause yet", self.producer_id,
                         self._unreturned())
             return False
-        held = self._held()  # groups kept through the pause (``hold_all``), else 0
+        held = self._kept()  # groups kept through the pause (``hold_all``), else 0
         await self._io(lambda: self.control.ack(version, self.producer_id,
                                                  partials=partials, held=held))
         self.acked_version = version

@@ -81,6 +81,10 @@ class GroupTable:
         """Every rid of this producer's requests in flight now."""
         return {rid for a in self.groups.values() for rid in a.live_rids}
 
+    def held(self) -> int:
+        """Groups waiting for a pause's resume with their leases (``GroupHalts.hold_all``)."""
+        return sum(a.held for a in self.groups.values())
+
     def loading(self) -> int:
         """Groups claimed whose demand is not known yet (their record is loading)."""
         return sum(not a.loaded for a in self.groups.values())
@@ -137,12 +141,13 @@ class GroupHalts:
         self.pool.wake_all()
         pending = {t for a in actives for t in a.sample_tasks.values() if not t.done()}
         await self.aborter.abort_until_returned(pending, f"{self.producer_id}/", why)
-        # every group settled (it left the table) or waits for the resume
-        while any(not (a.held or a.parking or a.abandoned or a.task is None or a.task.done())
-                  for a in self.table.groups.values()):
+        # every group settled (it left the table), waits for the resume, or went on already
+        # (the pause was resumed without this ack: the trainer judged this producer dead)
+        while any(not (a.held or not a.holding or a.parking or a.abandoned or a.task is None
+                       or a.task.done()) for a in self.table.groups.values()):
             await asyncio.sleep(HOLD_POLL_S)
         if await durable():
-            self.book.bump("groups_held", sum(a.held for a in self.table.groups.values()))
+            self.book.bump("groups_held", self.table.held())
             return 0
         log.warning("producer %s: the held groups' journal record failed; parking them",
                     self.producer_id)
