@@ -324,9 +324,7 @@ class GroupRunner:
                     return  # handed back: past the η bound after the update
                 if a.parking or a.abandoned:
                     break
-                todo = run.unfinished()
-                self.pool.set_demand(a.hold, len(todo))
-                await self._run_samples(a, todo)
+                await self._run_samples(a, run.unfinished())
             await self._settle(a, a.version)
         except Exception:  # noqa: BLE001 - a bug must not kill the loop or lose the task
             log.exception("producer %s: unexpected error on task %s", self.producer_id,
@@ -355,6 +353,11 @@ class GroupRunner:
         """Wait, lease and state kept, until the pause is resumed (or the group is parked or
         given up: False is never returned for those, the caller settles them); then apply
         the η bound as a claim of its prefix would. False: it was handed back (past η)."""
+        run = a.run
+        assert run is not None
+        # its unfinished samples keep their trajectories' place: no claim after the resume
+        # takes the slots it holds (its samples released them as they stopped)
+        self.pool.set_demand(a.hold, len(run.unfinished()))
         a.held = True
         try:
             while self._pausing() and not (a.parking or a.abandoned):
@@ -364,8 +367,6 @@ class GroupRunner:
         a.holding = False
         if a.parking or a.abandoned:
             return True
-        run = a.run
-        assert run is not None
         version = await self.io.call(self.queue.current_version)
         oldest = run.oldest_version()
         if oldest is not None:

@@ -89,6 +89,9 @@ def test_a_held_bracket_yields_nothing_and_continues_the_groups(tmp_path: Path,
                                 if t.producer == p.producer_id)
         seen["held"] = _held_tokens(p)
         seen["ack_held"] = control.held(1, p.producer_id)
+        # the held groups keep their slots: what their unfinished samples need is demanded
+        seen["demand"] = (p.pool.demand, sum(len(a.run.unfinished())
+                                             for a in p.runner.groups.values() if a.run))
         await _push_version(sim_engine.url, 1)
         q.set_version(1)
         control.resume(1)
@@ -101,6 +104,8 @@ def test_a_held_bracket_yields_nothing_and_continues_the_groups(tmp_path: Path,
     assert seen["records"] == 1  # one journal record for every held group
     assert seen["leased"] == sorted(held)  # the leases kept through the pause
     assert seen["ack_held"] == len(held)
+    demand, unfinished = seen["demand"]
+    assert unfinished > 0 and demand == unfinished
     st = p.stats()
     assert st.groups_yielded == 0 and st.groups_yielded_journal == 0
     assert st.groups_held == len(held) and st.journal_resumes == 0
