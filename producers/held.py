@@ -73,6 +73,8 @@ class GroupTable:
         #: the last pause held the groups (``GroupHalts.hold_all``): a lease whose claim
         #: was in flight at the pause is held too (``GroupRunner.start``)
         self.holding = False
+        #: pauses that held the groups so far (the held groups of one read its version once)
+        self.holds = 0
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -133,6 +135,7 @@ class GroupHalts:
         group's received state durable (one journal record); should it fail, every group
         is parked instead (the ack must not promise state that is only in memory)."""
         self.table.holding = True
+        self.table.holds += 1
         actives = list(self.table.groups.values())
         if not actives:
             return 0

@@ -206,6 +206,9 @@ class GroupRunner:
             logs=handback.turn_logs)
         #: tool calls left running at a pause, by idempotency key (``call_tool``)
         self.detached: dict[str, asyncio.Future[Any]] = {}
+        #: the run's version read at the resume of a pause that held the groups, by its
+        #: number (``GroupTable.holds``): one read for every group it held
+        self._resume_reads: dict[int, asyncio.Task[int]] = {}
 
     @property
     def checkpointing(self) -> bool:
@@ -358,6 +361,7 @@ class GroupRunner:
         # its unfinished samples keep their trajectories' place: no claim after the resume
         # takes the slots it holds (its samples released them as they stopped)
         self.pool.set_demand(a.hold, len(run.unfinished()))
+        pause = self.table.holds
         a.held = True
         try:
             while self._pausing() and not (a.parking or a.abandoned):
@@ -367,7 +371,7 @@ class GroupRunner:
         a.holding = False
         if a.parking or a.abandoned:
             return True
-        version = await self.io.call(self.queue.current_version)
+        version = await self._version_after(pause)
         oldest = run.oldest_version()
         if oldest is not None:
             action = await self.io.call(self.loader.eta_action, a.lease, version, oldest)
@@ -379,6 +383,15 @@ class GroupRunner:
         if self.saw_version is not None:
             self.saw_version(version)
         return True
+
+    async def _version_after(self, pause: int) -> int:
+        """The run's version once pause number ``pause`` was resumed: read once for every
+        group it held."""
+        task = self._resume_reads.get(pause)
+        if task is None:
+            task = asyncio.ensure_future(self.io.call(self.queue.current_version))
+            self._resume_reads = {pause: task}  # an older pause's read is not needed again
+        return await asyncio.shield(task)
 
     async def _run_sample(self, a: ActiveGroup, i: int) -> None:
         run = a.run
