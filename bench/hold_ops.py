@@ -1,16 +1,17 @@
 """What one bracket weight update costs a real producer in storage calls, its groups parked
 (the default) against held through the pause (``timing.hold_through_pause``).
 
-A producer holding ``--slots`` groups of G = 16 generates on an in-process sim engine with
-the in-flight journal on (4 s window); once every group has tokens the trainer's pause is
-written, and the storage calls the producer makes are counted at the ``Storage`` interface
-(``FaultyStorage``) from the pause to its ack, and from the resume until every slot is
-generating again (the parked groups claimed back and their prefixes loaded, or the held
-ones going on). Every call is counted, its polls (``control/``, ``pending/``) included;
-the background over 2 s of generating before the pause is printed beside.
+A producer holding ``--slots`` groups of ``--g`` samples (24 x 16) generates on an
+in-process sim engine with the in-flight journal on (4 s window); once every group has
+tokens the trainer's pause is written, and the storage calls the producer makes are
+counted at the ``Storage`` interface (``FaultyStorage``) from the pause to its ack, and
+from the resume until every slot is generating again (the parked groups claimed back and
+their prefixes loaded, or the held ones going on). Every call is counted, its polls
+(``control/``, ``pending/``) included; the background over 2 s of generating before the
+pause is printed beside.
 
-    python bench/hold_ops.py              # 24 groups
-    python bench/hold_ops.py --slots 8
+    python bench/hold_ops.py              # 24 groups x G=16
+    python bench/hold_ops.py --quick      # 4 groups x G=4
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ def _delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: b[k] - a[k] for k in OPS}
 
 
-def one(url: str, root: Path, slots: int, hold: bool) -> dict[str, Any]:
+def one(url: str, root: Path, slots: int, g: int, hold: bool) -> dict[str, Any]:
     run = root / ("hold" if hold else "park")
     make_run(str(run), slots * 8, lease_timeout_s=30.0, heartbeat_interval_s=5.0,
-             group_size=16)
+             group_size=g)
     f = FaultyStorage(PosixStorage(str(run), writer_id="p1", fsync=False))
     control = Control(PosixStorage(str(run), writer_id="trainer", fsync=False))
     p = Producer(cfg(run, [url], budget={"slots": slots},
@@ -89,18 +90,22 @@ def one(url: str, root: Path, slots: int, hold: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--slots", type=int, default=24)
+    ap.add_argument("--g", type=int, default=16)
+    ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.slots, args.g = 4, 4
     got = {}
     with EngineThread(EngineOptions(kind="sim", max_running=1024, sim=SIM)) as eng, \
             tempfile.TemporaryDirectory() as tmp:
         for hold in (False, True):
-            got[hold] = r = one(eng.url, Path(tmp), args.slots, hold)
+            got[hold] = r = one(eng.url, Path(tmp), args.slots, args.g, hold)
             print(f"{'held' if hold else 'parked'}: pause->ack {r['pause']}, resume->running "
                   f"{r['resume']} ({r['yielded']} yielded, {r['held']} held; background "
                   f"{r['background_2s']} in 2 s)")
     total = {h: sum(r["pause"].values()) + sum(r["resume"].values()) for h, r in got.items()}
     print(f"hold_ops: storage calls per update per producer holding {args.slots} groups x "
-          f"G=16 (polls included): held = {total[True]} (pause->ack "
+          f"G={args.g} (polls included): held = {total[True]} (pause->ack "
           f"{sum(got[True]['pause'].values())}), parked = {total[False]} (pause->ack "
           f"{sum(got[False]['pause'].values())})")
     return 0
