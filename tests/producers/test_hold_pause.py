@@ -262,3 +262,39 @@ def test_a_stop_during_a_held_pause_parks_the_held_groups(tmp_path: Path,
     assert not [k for k in q.storage.list("data") if k.endswith(".partial")]
     st = p.stats()
     assert st.groups_held == len(held) and st.groups_yielded_journal == len(held)
+
+
+@pytest.mark.slow
+def test_a_held_pause_whose_record_fails_parks_the_groups_before_it_acks(
+        tmp_path: Path, sim_engine: Any) -> None:
+    """The ack must not promise state held in memory only: when the journal record fails,
+    every group is parked (here into ``.partial`` saves: the journal fails them too) and the
+    ack counts no held lease."""
+    n = 6
+    run = tmp_path / "run"
+    q = make_run(str(run), n, lease_timeout_s=5.0, heartbeat_interval_s=0.1)
+    control = Control(q.storage)
+    p = Producer(cfg(run, [sim_engine.url], **HOLD))
+    assert p.journal is not None
+
+    async def failing(**_kw: Any) -> bool:
+        return False
+
+    p.journal.flush = failing  # type: ignore[method-assign]
+    seen: dict[str, Any] = {}
+
+    async def body() -> None:
+        await wait_for(lambda: p.stats().busy_trajectories > 0, 30, "generating")
+        control.pause(1)
+        await wait_for(lambda: p.producer_id in control.state().acks, 30, "ack")
+        seen["leased"] = [t for t in names(q, "leased") if t.producer == p.producer_id]
+        seen["partials"] = [k for k in q.storage.list("data") if k.endswith(".partial")]
+        seen["ack_held"] = control.held(1, p.producer_id)
+        control.resume(1)
+        await wait_for(lambda: len(ids(q, "ready")) == n, 60, "all ready")
+
+    asyncio.run(run_producers([p], body))
+    assert seen["leased"] == [] and seen["ack_held"] == 0
+    assert seen["partials"] and p.stats().groups_yielded == len(seen["partials"])
+    assert p.stats().groups_held == 0
+    check_exactly_once(q, n)
