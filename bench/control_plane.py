@@ -42,7 +42,9 @@ counted with Redis's own ``INFO commandstats``.
   24 groups, ``RunQueue.yield_journaled`` per group) instead of a
   ``.partial``, and its resume reads the journal prefix (``load_chain``: the writer's
   listing and its records) instead of the ``.partial``. The figures without the journal
-  are printed beside, from the same counts.
+  are printed beside, from the same counts, and the burst of a pause that holds the groups
+  (``Run.hold``, ``timing.hold_through_pause``: one window record per producer, nothing
+  yielded, claimed or loaded).
 - trainer ranks: 10,000 (one per GPU: a colocated trainer, every rank reading), 8 per
   node, all waiting all the time (an upper bound: a rank training is not polling): each
   lists ``batches/`` and ``acked/`` once a second and checks for the run's end once a
@@ -184,6 +186,10 @@ class Run:
     engines_per_node: int = 8
     wave: float = 0.25
     load_s: float = 30.0
+    #: with the journal on: every producer holds its groups through the pause
+    #: (``timing.hold_through_pause``): the burst is one window record per producer, the
+    #: resume nothing; the report prints it beside the park either way
+    hold: bool = False
 
     @property
     def watchers(self) -> int:
@@ -603,6 +609,10 @@ def burst_counts(run: Run, *, refill: bool = True) -> dict[str, float]:
     claims of one task each (the model before refills were counted)."""
     saved = run.in_flight * (1 - run.handback_share)
     handed = run.in_flight * run.handback_share
+    if run.journal_every_s and run.hold:
+        # held through the pause: one record (the producer's next window) per producer; no
+        # group yielded, handed back, claimed or loaded again
+        return {"journal: window record": run.producers}
     if run.journal_every_s:
         counts = {"park: journal record (per producer)": run.producers,
                   "park: yield into the journal": saved, "resume from journal: claim": saved,
@@ -687,6 +697,10 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
               f"{d['steady_producer']:,.0f} ops/s; all steady {off['steady']:,.0f} -> "
               f"{d['steady']:,.0f} ops/s ({off['steady'] / cap:.1%} -> {d['steady'] / cap:.1%} "
               f"of the server); update burst {off['burst']:,.0f} -> {d['burst']:,.0f} ops")
+        held = demand(counter, replace(run, hold=True))["burst"]
+        parked = demand(counter, replace(run, hold=False))["burst"]
+        print(f"  held through the pause instead (timing.hold_through_pause): update burst "
+              f"{parked:,.0f} -> {held:,.0f} ops (one window record per producer)")
     per_task = {"fill": counter.cost(fill_op(run)) / run.slots,
                 "refill": counter.cost(refill_op(run)) / run.slots}
     resume = "resume from journal: claim" if run.journal_every_s else "resume: claim"

@@ -6,7 +6,9 @@ second per sample (time is simulated: the flusher's clock is stepped, the record
 files on a local disk); its journal writes a record per window (``--every-tokens`` /
 ``--every-s``), appended to its open segment or a file each (``--format``). Then every
 held group is parked, once with the journal (one record, the leases renamed) and once with
-a ``.partial`` per group (the anchor, the same run), and resumed by another producer.
+a ``.partial`` per group (the anchor, the same run), and resumed by another producer; and
+once held through the pause (``timing.hold_through_pause``: ``GroupHalts.hold_all``, one
+record, no lease renamed, nothing to resume).
 Storage calls are counted at the ``Storage`` interface (a publish is one create + write +
 fsync + rename + directory fsync, an append a write + fsync of a file held open; on
 JuiceFS each call becomes the metadata operations of docs/protocol.md §5).
@@ -14,6 +16,7 @@ JuiceFS each call becomes the metadata operations of docs/protocol.md §5).
     python bench/journal_ops.py            # 24 groups x G=16, 60 s simulated
     python bench/journal_ops.py --quick    # 4 groups x G=4, 10 s simulated
     python bench/journal_ops.py --format records   # a file per window, not segments
+    python bench/journal_ops.py --hold     # also a pause that holds the groups
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from strawq.producers.bracket import EngineAborter  # noqa: E402
 from strawq.producers.handback import HandBack  # noqa: E402
-from strawq.producers.held import GroupTable  # noqa: E402
+from strawq.producers.held import GroupHalts, GroupTable  # noqa: E402
 from strawq.producers.journal_flush import load_prefix  # noqa: E402
 from strawq.producers.sample import SamplerParams  # noqa: E402
+from strawq.producers.slots import SlotPool  # noqa: E402
 from strawq.storage import PosixStorage  # noqa: E402
 from strawq.tasks.journal import JournalReader  # noqa: E402
 from strawq.tasks.queue import RunQueue  # noqa: E402
@@ -85,11 +90,14 @@ def _delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: b[k] - a[k] for k in OPS}
 
 
-def one(args: argparse.Namespace, root: Path, journal: bool) -> dict[str, Any]:
-    inner = PosixStorage(str(root / ("j" if journal else "p")), fsync=False)
-    (root / ("dj" if journal else "dp")).mkdir()
-    run_with_tasks(inner, root / ("dj" if journal else "dp"), args.groups,
-                   group_size=args.g)
+def one(args: argparse.Namespace, root: Path, journal: bool, *, held: bool = False
+        ) -> dict[str, Any]:
+    """One arm: ``journal`` (a park into the journal, else ``.partial`` saves); ``held``
+    (with ``journal``): the pause holds the groups instead of parking them."""
+    arm = "h" if held else "j" if journal else "p"
+    inner = PosixStorage(str(root / arm), fsync=False)
+    (root / f"d{arm}").mkdir()
+    run_with_tasks(inner, root / f"d{arm}", args.groups, group_size=args.g)
     f = FaultyStorage(inner)
     q = RunQueue(f)
     table = GroupTable()
@@ -119,6 +127,19 @@ def one(args: argparse.Namespace, root: Path, journal: bool) -> dict[str, Any]:
                 await j.flush()
         out["steady"] = _delta(start, _calls(f))
         before = _calls(f)
+        if held:  # what a holding producer's pause writes; its resume reads nothing
+            halts = GroupHalts(table, producer_id="p1",
+                               pool=SlotPool(args.groups, args.g, eager=True, clock=clock),
+                               aborter=EngineAborter(lambda: None, "p1", poll_s=0.5,
+                                                     deadline_s=1.0, clock=clock),
+                               book=book)
+            assert await halts.hold_all("pause", durable=j.flush) == 0
+            out["park"] = _delta(before, _calls(f))
+            out["resume"] = _delta(before, before)
+            out["resume_bytes"], out["resume_sizes"] = 0, 0
+            out["records"] = book.get("journal_records")
+            io.shutdown()
+            return
         for a in groups:
             a.parking = True
         await asyncio.gather(*(hb.yield_partial(a.lease, a.run.to_group(
@@ -154,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=("records", "segments"), default="segments",
                    help="segments: each window appended to the open segment (a store that "
                         "can append); records: a file published per window")
+    p.add_argument("--hold", action="store_true",
+                   help="also count a pause that holds the groups (timing.hold_through_pause)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
@@ -161,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         jr = one(args, Path(tmp), True)
         pr = one(args, Path(tmp), False)
+        hr = one(args, Path(tmp), True, held=True) if args.hold else None
     steady = sum(jr["steady"].values()) / args.seconds
     park_j = (sum(jr["park"].values()) + sum(jr["resume"].values())) / args.groups
     park_p = (sum(pr["park"].values()) + sum(pr["resume"].values())) / args.groups
@@ -179,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{jr['resume_bytes'] / args.groups / 1024:.1f} KiB (partials: "
           f"{pr['resume']['read'] / args.groups:.2f} reads, "
           f"{pr['resume_bytes'] / args.groups / 1024:.1f} KiB)")
+    if hr is not None:
+        update_h = sum(hr["park"].values()) + sum(hr["resume"].values())
+        update_j = sum(jr["park"].values()) + sum(jr["resume"].values())
+        print(f"pause+resume, held: {hr['park']} + {hr['resume']}")
+        print(f"journal_ops: calls per update per producer holding {args.groups} groups: "
+              f"held = {update_h} (parked into the journal: {update_j}, partials: "
+              f"{sum(pr['park'].values()) + sum(pr['resume'].values())})")
     return 0
 
 

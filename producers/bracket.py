@@ -7,7 +7,9 @@ pause this producer has not acknowledged, it stops claiming, aborts its own requ
 every worker, waits until every in-flight ``/generate`` came back with its tokens (an
 aborted reply carries all of them), completes the groups whose samples are all final,
 yields the others as partial groups, then ``Control.ack``s. It resumes claiming when
-``resume-<v>`` appears.
+``resume-<v>`` appears. With ``timing.hold_through_pause`` it yields nothing: the unfinished
+groups keep their leases, their state made durable in one journal record
+(``GroupHalts.hold_all``), and the ack counts them (``held``); they continue at the resume.
 
 Aborts name **exact rids**: SGLang 0.5.23 drops an ``/abort_request`` whose rid is not an
 exact live rid, so a prefix aborts nothing. The runner records every rid in flight
@@ -120,14 +122,15 @@ class PauseBracket:
     The producer supplies what the bracket cannot know: how to read ``control/`` off the
     event loop (``io``), how to park its groups (``park``, returns the partials yielded),
     and how many groups it holds and leases it failed to hand back (``held``,
-    ``unreturned``; an ack with unreturned leases would be a lie, so it waits).
+    ``unreturned``; an ack with unreturned leases would be a lie, so it waits), and how many
+    it keeps through the pause, durable in its journal (``kept``: the ack's ``held``).
     """
 
     def __init__(self, control: Control, producer_id: str, *, poll_s: float,
                  clock: Callable[[], float],
                  io: Callable[[Callable[[], Any]], Awaitable[Any]],
                  park: Callable[[str], Awaitable[int]], held: Callable[[], int],
-                 unreturned: Callable[[], int]) -> None:
+                 unreturned: Callable[[], int], kept: Callable[[], int] = lambda: 0) -> None:
         self.control = control
         self.producer_id = producer_id
         self.poll_s = poll_s
@@ -136,6 +139,8 @@ class PauseBracket:
         self._park = park
         self._held = held
         self._unreturned = unreturned
+        #: leases kept through the pause, their state durable (``GroupHalts.hold_all``)
+        self._kept = kept
         #: a pause is seen and not yet resumed: claim nothing, start no generation
         self.pausing = False
         self.acked_version = 0
@@ -184,9 +189,10 @@ class PauseBracket:
                         "not acknowledging the pause yet", self.producer_id,
                         self._unreturned())
             return False
+        held = self._kept()  # groups kept through the pause (``hold_all``), else 0
         await self._io(lambda: self.control.ack(version, self.producer_id,
-                                                 partials=partials))
+                                                 partials=partials, held=held))
         self.acked_version = version
-        log.info("producer %s acknowledged pause %d (%d partial groups)",
-                 self.producer_id, version, partials)
+        log.info("producer %s acknowledged pause %d (%d partial groups, %d held)",
+                 self.producer_id, version, partials, held)
         return True

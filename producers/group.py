@@ -199,6 +199,11 @@ class GroupRun:
     def unfinished(self) -> list[int]:
         return [i for i, s in enumerate(self.samples) if not s.is_final]
 
+    def oldest_version(self) -> int | None:
+        """The oldest weight version of a token it holds (None: no token yet)."""
+        vs = [int(s.versions.min()) for s in self.samples if len(s.versions)]
+        return min(vs) if vs else None
+
     def rid_prefix(self, producer: str) -> str:
         """Prefix of every rid of this lease: aborting it touches nothing else."""
         return f"{producer}/{self.task_id}.g{self.lease.gen}/"

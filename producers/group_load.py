@@ -118,28 +118,34 @@ class GroupLoader:
                 key="plugins.tokenizer (a chat tokenizer, e.g. 'hf:<model dir>')")
         return None
 
-    def eta_action(self, lease: Lease, version: int) -> str | None:
+    def eta_action(self, lease: Lease, version: int, oldest: int | None = None) -> str | None:
         """The η policy's verdict on a claimed partial (``strawq.tasks.eta``): None within η (or
-        with no published policy); ``train`` is resumed here and counted."""
+        with no published policy); ``train`` is resumed here and counted. ``oldest``: the
+        prefix's oldest version (default: the claimed name's; a group held through a pause
+        passes its own)."""
+        oldest = lease.name.version if oldest is None else oldest
         policy = self.queue.eta_policy()
         action = None if policy is None else policy.partial_action(
             # the cap on regeneration cycles counts this task's generations, not its
             # failures (TaskName.regenerations: a regeneration spends no attempt)
-            version, lease.name.version, attempts=lease.name.regenerations + 1,
+            version, oldest, attempts=lease.name.regenerations + 1,
             max_attempts=self.queue.config.max_attempts)
         if action == "train":
             self.book.bump("partials_over_eta")
             log.info("task %s: its prefix (oldest version %d) is past eta %s at version %d; "
-                     "resumed (eta_mode=train)", lease.task_id, lease.name.version,
+                     "resumed (eta_mode=train)", lease.task_id, oldest,
                      policy.max_staleness if policy else None, version)
         return action
 
-    async def past_eta(self, lease: Lease, past: PastEta, handback: HandBack) -> None:
-        """Hand back a claimed partial past η before a token is spent on it."""
+    async def past_eta(self, lease: Lease, past: PastEta, handback: HandBack, *,
+                       oldest: int | None = None) -> None:
+        """Hand back a claimed partial past η before a token is spent on it (``oldest``: as
+        for ``eta_action``)."""
+        oldest = lease.name.version if oldest is None else oldest
         policy = self.queue.eta_policy()
         eta = policy.max_staleness if policy is not None else None
-        behind = past.version - lease.name.version
-        msg = (f"partial prefix at version {lease.name.version} is {behind} versions behind "
+        behind = past.version - oldest
+        msg = (f"partial prefix at version {oldest} is {behind} versions behind "
                f"version {past.version}, past eta {eta}")
         log.info("task %s: %s; %s (eta_mode=%s)", lease.task_id, msg,
                  "dropped" if past.action == "drop" else "generated afresh", past.action)

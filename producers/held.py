@@ -6,7 +6,8 @@ is built before everything that reads it, so the aborter, the bracket and the ru
 get a narrow callable of it rather than of each other.
 
 ``GroupHalts`` stops samples: a whole group's siblings (a sample failed, a group dropped,
-a lease lost), every held group (``park_all``: a bracket or a stop; ``abandon_all``: the
+a lease lost), every held group (``park_all``: a bracket or a stop; ``hold_all``: a
+bracket that keeps the leases, ``timing.hold_through_pause``; ``abandon_all``: the
 heartbeats failed). Stopping aborts the exact rids on the engines until the requests came
 back with their tokens; nothing is persisted here (the runner settles each group).
 """
@@ -14,6 +15,8 @@ back with their tokens; nothing is persisted here (the runner settles each group
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from strawq.producers.bracket import EngineAborter
@@ -22,6 +25,11 @@ from strawq.producers.meter import StatsBook
 from strawq.producers.slots import SlotHold, SlotPool
 from strawq.producers.turn_saver import TurnSaver
 from strawq.tasks.queue import Lease
+
+log = logging.getLogger(__name__)
+
+#: how often ``hold_all`` looks whether every group reached its hold, in seconds
+HOLD_POLL_S = 0.005
 
 
 @dataclass(eq=False)
@@ -36,6 +44,10 @@ class ActiveGroup:
     #: rids of this lease's ``/generate`` requests in flight now
     live_rids: set[str] = field(default_factory=set)
     parking: bool = False
+    #: a pause holds it (``GroupHalts.hold_all``): its samples stop, its lease is kept
+    holding: bool = False
+    #: its task waits for the resume now (its samples stopped, its state in memory)
+    held: bool = False
     abandoned: bool = False
     fault: BaseException | None = None
     #: hop timing (the producer's clock): claimed, first request sent, last sample final
@@ -58,6 +70,11 @@ class GroupTable:
 
     def __init__(self) -> None:
         self.groups: dict[str, ActiveGroup] = {}
+        #: the last pause held the groups (``GroupHalts.hold_all``): a lease whose claim
+        #: was in flight at the pause is held too (``GroupRunner.start``)
+        self.holding = False
+        #: pauses that held the groups so far (the held groups of one read its version once)
+        self.holds = 0
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -65,6 +82,10 @@ class GroupTable:
     def live_rids(self) -> set[str]:
         """Every rid of this producer's requests in flight now."""
         return {rid for a in self.groups.values() for rid in a.live_rids}
+
+    def held(self) -> int:
+        """Groups waiting for a pause's resume with their leases (``GroupHalts.hold_all``)."""
+        return sum(a.held for a in self.groups.values())
 
     def loading(self) -> int:
         """Groups claimed whose demand is not known yet (their record is loading)."""
@@ -88,6 +109,7 @@ class GroupHalts:
         """Stop every held group and hand it back; returns how many were yielded.
         ``deadline_s``: how long the aborted requests may take to come back (default: the
         aborter's ``abort_deadline_s``; a stop passes its share of the grace period)."""
+        self.table.holding = False
         actives = list(self.table.groups.values())
         if not actives:
             return 0
@@ -101,6 +123,38 @@ class GroupHalts:
         await asyncio.gather(*(a.task for a in actives if a.task is not None),
                              return_exceptions=True)
         return self.book.get("groups_yielded") - before
+
+    async def hold_all(self, why: str, *, durable: Callable[[], Awaitable[bool]]) -> int:
+        """Stop every held group's samples and keep its lease (a bracket with
+        ``timing.hold_through_pause``); returns how many were yielded (0 unless it fell
+        back to ``park_all``).
+
+        Each group's requests are aborted until they came back with their tokens; a group
+        whose samples are all final settles (completes) as at a park, the others wait in
+        their tasks for the resume (``ActiveGroup.held``). ``durable`` then makes every held
+        group's received state durable (one journal record); should it fail, every group
+        is parked instead (the ack must not promise state that is only in memory)."""
+        self.table.holding = True
+        self.table.holds += 1
+        actives = list(self.table.groups.values())
+        if not actives:
+            return 0
+        for a in actives:
+            a.holding = True
+        self.pool.wake_all()
+        pending = {t for a in actives for t in a.sample_tasks.values() if not t.done()}
+        await self.aborter.abort_until_returned(pending, f"{self.producer_id}/", why)
+        # every group settled (it left the table), waits for the resume, or went on already
+        # (the pause was resumed without this ack: the trainer judged this producer dead)
+        while any(not (a.held or not a.holding or a.parking or a.abandoned or a.task is None
+                       or a.task.done()) for a in self.table.groups.values()):
+            await asyncio.sleep(HOLD_POLL_S)
+        if await durable():
+            self.book.bump("groups_held", self.table.held())
+            return 0
+        log.warning("producer %s: the held groups' journal record failed; parking them",
+                    self.producer_id)
+        return await self.park_all(why)
 
     def abandon_all(self) -> None:
         """Stop work on every lease without persisting anything (the grantor re-queues)."""

@@ -121,6 +121,8 @@ class ProducerStats:
     journal_records: int = 0
     groups_yielded_journal: int = 0
     journal_resumes: int = 0
+    #: groups kept through a bracket's pause with their lease (``timing.hold_through_pause``)
+    groups_held: int = 0
     tool_calls_rerun: int = 0
     tool_calls_reconciled: int = 0
     tool_calls_detached: int = 0

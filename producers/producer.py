@@ -30,7 +30,9 @@ them) and claims nothing until a beat succeeds again.
 
 **Bracket** (``strawq.producers.bracket``): on a pause this producer has not acknowledged,
 it stops claiming, aborts its requests, completes or yields every held group, then acks;
-it claims again once the pause is resumed.
+it claims again once the pause is resumed. With ``timing.hold_through_pause`` it keeps the
+unfinished groups' leases instead (one journal record makes them durable) and continues
+them at the resume.
 
 **Engines on the right weights** (``strawq.producers.engine_versions``): a reply from an
 engine on a version other than the run's (outside a bracket) is discarded and re-issued;
@@ -65,7 +67,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from strawq.errors import StorageError
+from strawq.errors import ConfigError, StorageError
 from strawq.ondisk.names import validate_id
 from strawq.producers.bracket import EngineAborter, PauseBracket
 from strawq.producers.claim_gate import (
@@ -181,7 +183,8 @@ class Producer:
                            book=book)
         self._bracket = bracket = PauseBracket(
             self.control, pid, poll_s=timing.control_poll_s, clock=clock, io=self._io.call,
-            park=halts.park_all, held=table.__len__, unreturned=lambda: len(handback.orphans))
+            park=self._pause_groups, held=table.__len__, unreturned=lambda: len(handback.orphans),
+            kept=table.held)
         #: engines on weights other than the run's version: out of rotation, noted for
         #: the trainer in engines/, probed until they hold the run's version again
         self.guard = VersionGuard(pid, client=self._slot.raw,
@@ -224,6 +227,11 @@ class Producer:
                 log.info("producer %s: the journal holds what arrived; unstreamed, a segment's "
                          "tokens arrive when it ends (engine.client.stream=true makes them "
                          "durable within the window: docs/producers.md)", pid)
+        if timing.hold_through_pause and self.journal is None:
+            raise ConfigError("ProducerConfig.timing.hold_through_pause needs the in-flight "
+                              "journal, which a producer with turn checkpoints (a multi-turn "
+                              "generate plugin, tools.checkpoint_every_*) does not keep: "
+                              "set tools checkpointing off or hold_through_pause=false")
         self._journal_task: asyncio.Task[None] | None = None
         #: whether, and how many groups, this producer may claim now
         self.gate = ClaimGate(producer_id=pid, run_dir=config.run_dir, handback=handback,
@@ -387,6 +395,15 @@ class Producer:
                  st.groups_completed, st.groups_yielded, st.groups_dropped,
                  st.groups_failed, st.tokens_generated)
         log.debug("producer %s stats: %s", self.producer_id, st.to_dict())
+
+    async def _pause_groups(self, why: str) -> int:
+        """A bracket's pause: park every held group (returns the partials yielded), or, with
+        ``timing.hold_through_pause``, hold them (``GroupHalts.hold_all``: one journal
+        record, their leases kept; 0)."""
+        journal = self.journal
+        if journal is not None and self.config.timing.hold_through_pause:
+            return await self.runner.halts.hold_all(why, durable=journal.flush)
+        return await self.runner.halts.park_all(why)
 
     def _eta(self) -> int | None:
         """The collector's η (blocking; re-read every few seconds): the rolling route's

@@ -269,6 +269,15 @@ class TimingConfig(Config):
     #: GPUs (docs/benchmarks.md, "The in-flight journal"). Both 0: no journal; a crash
     #: loses what arrived since the last save.
     journal_every_s: float = 4.0
+    #: Bracket weight updates: keep every held group's lease through the pause instead of
+    #: parking it. At ``pause-<v>`` the producer aborts its requests until they came back
+    #: with their tokens, completes the groups whose samples are all final, makes the
+    #: others' received state durable in ONE journal record, and acks; at ``resume-<v>``
+    #: each held group continues its unfinished samples from their prefixes (the η bound
+    #: applied as at a claim). Needs the in-flight journal (the held state is durable only
+    #: there): with both journal keys 0 it is refused. Off (the default): every held group
+    #: is parked at each pause (docs/producers.md, "Holding through a pause").
+    hold_through_pause: bool = False
 
     @property
     def journaling(self) -> bool:
@@ -280,6 +289,10 @@ class TimingConfig(Config):
             raise ConfigError("ProducerConfig.timing.journal_every_tokens and journal_every_s "
                               f"must be >= 0 (0: off), got {self.journal_every_tokens}, "
                               f"{self.journal_every_s}")
+        if self.hold_through_pause and not self.journaling:
+            raise ConfigError("ProducerConfig.timing.hold_through_pause needs the in-flight "
+                              "journal (timing.journal_every_s or journal_every_tokens > 0): "
+                              "a group held through a pause is durable only there")
         _positive("ProducerConfig.timing", control_poll_s=self.control_poll_s,
                   idle_poll_s=self.idle_poll_s, idle_after_s=self.idle_after_s,
                   idle_probe_s=self.idle_probe_s, abort_deadline_s=self.abort_deadline_s,

@@ -206,6 +206,9 @@ class GroupRunner:
             logs=handback.turn_logs)
         #: tool calls left running at a pause, by idempotency key (``call_tool``)
         self.detached: dict[str, asyncio.Future[Any]] = {}
+        #: the run's version read at the resume of a pause that held the groups, by its
+        #: number (``GroupTable.holds``): one read for every group it held
+        self._resume_reads: dict[int, asyncio.Task[int]] = {}
 
     @property
     def checkpointing(self) -> bool:
@@ -251,6 +254,8 @@ class GroupRunner:
 
     def start(self, lease: Lease) -> ActiveGroup:
         a = ActiveGroup(lease, claimed_at=self.clock())
+        # claimed as a pause that holds the groups began: held as they are
+        a.holding = self.table.holding and self._pausing()
         self.groups[lease.key] = a
         self.pool.set_demand(a.hold, self.group_size)
         self.book.bump("groups_claimed")
@@ -316,11 +321,14 @@ class GroupRunner:
             if not (a.parking or a.abandoned):
                 await self.turns.warm(run, todo)
             if not (a.parking or a.abandoned):
-                for i in todo:
-                    a.sample_tasks[i] = asyncio.create_task(self._run_sample(a, i))
-                if a.sample_tasks:
-                    await asyncio.wait(list(a.sample_tasks.values()))
-            await self._settle(a, version)
+                await self._run_samples(a, todo)
+            while self._holds(a):  # a pause holds the group (``hold_all``)
+                if not await self._hold(a):
+                    return  # handed back: past the η bound after the update
+                if a.parking or a.abandoned:
+                    break
+                await self._run_samples(a, run.unfinished())
+            await self._settle(a, a.version)
         except Exception:  # noqa: BLE001 - a bug must not kill the loop or lose the task
             log.exception("producer %s: unexpected error on task %s", self.producer_id,
                           lease.task_id)
@@ -330,6 +338,60 @@ class GroupRunner:
             self.groups.pop(lease.key, None)
             self.checkpoints.close(lease)
             self._kick()
+
+    async def _run_samples(self, a: ActiveGroup, todo: list[int]) -> None:
+        a.sample_tasks = {i: asyncio.create_task(self._run_sample(a, i)) for i in todo}
+        if a.sample_tasks:
+            await asyncio.wait(list(a.sample_tasks.values()))
+
+    # -- holding through a pause (``timing.hold_through_pause``) ------------------------------
+    def _holds(self, a: ActiveGroup) -> bool:
+        """The group's samples stopped for a pause that holds it, and nothing else ends it
+        (parked, given up, failed, dropped, or all final: it settles)."""
+        run = a.run
+        return (a.holding and run is not None and not run.all_final
+                and not (a.parking or a.abandoned or a.fault is not None or a.drop is not None))
+
+    async def _hold(self, a: ActiveGroup) -> bool:
+        """Wait, lease and state kept, until the pause is resumed (or the group is parked or
+        given up: False is never returned for those, the caller settles them); then apply
+        the η bound as a claim of its prefix would. False: it was handed back (past η)."""
+        run = a.run
+        assert run is not None
+        # its unfinished samples keep their trajectories' place: no claim after the resume
+        # takes the slots it holds (its samples released them as they stopped)
+        self.pool.set_demand(a.hold, len(run.unfinished()))
+        pause = self.table.holds
+        a.held = True
+        try:
+            while self._pausing() and not (a.parking or a.abandoned):
+                await asyncio.sleep(self.config.timing.control_poll_s)
+        finally:
+            a.held = False
+        a.holding = False
+        if a.parking or a.abandoned:
+            return True
+        version = await self._version_after(pause)
+        oldest = run.oldest_version()
+        if oldest is not None:
+            action = await self.io.call(self.loader.eta_action, a.lease, version, oldest)
+            if action in ("regenerate", "drop"):
+                await self.loader.past_eta(a.lease, PastEta(action, version), self.handback,
+                                           oldest=oldest)
+                return False
+        a.version = version
+        if self.saw_version is not None:
+            self.saw_version(version)
+        return True
+
+    async def _version_after(self, pause: int) -> int:
+        """The run's version once pause number ``pause`` was resumed: read once for every
+        group it held."""
+        task = self._resume_reads.get(pause)
+        if task is None:
+            task = asyncio.ensure_future(self.io.call(self.queue.current_version))
+            self._resume_reads = {pause: task}  # an older pause's read is not needed again
+        return await asyncio.shield(task)
 
     async def _run_sample(self, a: ActiveGroup, i: int) -> None:
         run = a.run

@@ -194,7 +194,7 @@ class WeightUpdateBracket:
         acks, dead, waited = self.liveness.wait_for_acks(
             self.control, version, timeout, sleep=self.sleep,
             poll_interval_s=self.poll_interval_s)
-        stray = self.liveness.stray_leases(acks)
+        stray = self.liveness.stray_leases(acks, control=self.control, version=version)
         log.info("weight update to version %d: %d producers paused (%d dead) in %.2fs",
                  version, len(acks), len(dead), waited)
         return BracketReport(version, frozenset(acks), {p: dead[p] for p in dead

@@ -112,11 +112,18 @@ class ProducerLiveness:
                     missing)
             sleep(poll_interval_s)
 
-    def stray_leases(self, acks: frozenset[str]) -> list[str]:
+    def stray_leases(self, acks: frozenset[str], *, control: Control | None = None,
+                     version: int = 0) -> list[str]:
         """Leases still held by producers that acked the pause (a producer bug: an ack means
-        "holds none"); logged as an error, left to the grantor."""
-        out = [str(t) for t in names_in(self.queue.storage, TaskState.LEASED)
-               if t.producer in acks]
+        "holds none", unless it says it holds them: ``held``, a producer holding its groups
+        through the pause, ``timing.hold_through_pause``, read from ``control``'s ack of
+        ``version``); logged as an error, left to the grantor."""
+        by: dict[str, list[str]] = {}
+        for t in names_in(self.queue.storage, TaskState.LEASED):
+            if t.producer in acks:
+                by.setdefault(t.producer, []).append(str(t))
+        out = [t for p, ts in by.items()
+               if control is None or control.held(version, p) < len(ts) for t in ts]
         if out:
             log.error("producers acked the pause but still hold leases %s; they will be "
                       "expired by the grantor if their holders stop beating", out)

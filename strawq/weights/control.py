@@ -5,7 +5,8 @@ producers acknowledge; nothing needs a live connection between them, and a resta
 reads where the bracket stands::
 
     control/pause-<v>              trainer: stop claiming, abort, persist partials, ack
-    control/ack-<v>~<producer>     producer: paused; holds no leases; partials persisted
+    control/ack-<v>~<producer>     producer: paused; holds no leases (or ``held`` ones, their
+                                   state in its journal); partials persisted
     control/resume-<v>             trainer: weights of version v are live; carry on
 
 The bracket for version ``v`` is open while ``pause-<v>`` exists without ``resume-<v>``.
@@ -18,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from strawq.errors import AlreadyExists
+from strawq.errors import AlreadyExists, StrawqError
 from strawq.ondisk import records
 from strawq.ondisk.names import validate_id
 from strawq.ondisk.numbered import Numbered
@@ -66,9 +67,26 @@ class Control:
     def pause(self, version: int, *, reason: str = "weight update") -> None:
         self._put(PAUSES.name(version), {"version": version, "reason": reason})
 
-    def ack(self, version: int, producer: str, *, partials: int = 0) -> None:
+    def ack(self, version: int, producer: str, *, partials: int = 0, held: int = 0) -> None:
+        """``held``: leases the producer keeps through the pause (its producers'
+        ``timing.hold_through_pause``; their state is durable in its journal); written
+        only when > 0."""
         validate_id(producer, "producer id")
-        self._put(ACKS.name(version, producer), {"version": version, "partials": partials})
+        body: dict[str, object] = {"version": version, "partials": partials}
+        if held:
+            body["held"] = held
+        self._put(ACKS.name(version, producer), body)
+
+    def held(self, version: int, producer: str) -> int:
+        """The leases ``producer``'s ack of ``version`` says it holds through the pause
+        (0: none, or no readable ack)."""
+        key = f"control/{ACKS.name(version, producer)}"
+        try:
+            meta = records.decode(self.storage.read(key), expect=Kind.STATE, name=key).meta
+        except StrawqError:
+            return 0
+        held = meta.get("held", 0)
+        return held if isinstance(held, int) else 0
 
     def resume(self, version: int) -> None:
         self._put(RESUMES.name(version), {"version": version})

@@ -82,3 +82,23 @@ def test_the_update_burst_counts_one_refill_claim_per_producer() -> None:
     assert d["burst_single"] - d["burst"] == pytest.approx(
         claims_of_one - run.producers * costs[cp.refill_op(run)])
     assert d["start"] == pytest.approx(run.producers * costs[cp.fill_op(run)])
+
+
+def test_a_pause_that_holds_the_groups_is_one_record_per_producer() -> None:
+    """Counted without a server: with ``hold`` (``timing.hold_through_pause``) the update
+    burst is one window record per producer; no yield, hand-back, claim or load."""
+    cp: Any = _control_plane()
+    run = cp.Run(gpus=10_000, journal_every_s=4.0, hold=True)
+    assert cp.burst_counts(run) == {"journal: window record": 1_250}
+    assert cp.burst_counts(run, refill=False) == {"journal: window record": 1_250}
+    parked = cp.burst_counts(cp.Run(gpus=10_000, journal_every_s=4.0))
+    assert parked["park: yield into the journal"] == 22_500
+    costs = {name: 10.0 + i for i, name in enumerate(
+        [*cp.steady_rates(run), *parked, *cp.burst_counts(run), cp.fill_op(run),
+         *cp.rolling_counts(run), *cp.rolling_counts(run, before=True)])}
+    counter = cp.Counter.__new__(cp.Counter)
+    counter.ops = [cp.Op("x", name, 1, c) for name, c in costs.items()]
+    d = cp.demand(counter, run)
+    assert d["burst"] == pytest.approx(1_250 * costs["journal: window record"])
+    # without the journal there is nothing to hold the groups in: the park as before
+    assert "save partial" in cp.burst_counts(cp.Run(gpus=10_000, hold=True))

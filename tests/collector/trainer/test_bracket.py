@@ -418,3 +418,34 @@ def test_a_producer_that_acks_while_holding_leases_is_reported(world, caplog):
     assert sorted(rep.stray_leases) == held
     assert any("still hold leases" in r.getMessage() for r in caplog.records)
     bracket.end_weight_update()
+
+
+@pytest.mark.timeout(60)
+def test_a_producer_whose_ack_counts_its_held_leases_is_not_reported(world, caplog):
+    """A producer holding its groups through the pause (``timing.hold_through_pause``) acks
+    with ``held``: its leases are not stray; more leases than its ack counts are."""
+    q, col, clock = world
+    holder = SimProducer(q, "holder", seed=3, chunk=2, max_new=(6, 12))
+    _run(col, clock, [holder], 3)
+    held = sorted(_leases_of(q, "holder"))
+    assert held
+    count = {"n": len(held)}
+
+    def hook():  # acks the pause, counting the leases it keeps
+        state = Control(q.storage).state()
+        if state.paused and "holder" not in state.acks:
+            Control(q.storage).ack(state.pause_version, "holder", held=count["n"])
+    clock.hook = hook
+    bracket = WeightUpdateBracket(q, monitor=col.monitor, clock=clock, sleep=clock.sleep)
+    with caplog.at_level("ERROR"):
+        rep = bracket.begin_weight_update(timeout=60)
+    assert rep.acked == {"holder"} and rep.stray_leases == []
+    assert not any("still hold leases" in r.getMessage() for r in caplog.records)
+    bracket.end_weight_update()
+
+    count["n"] = len(held) - 1  # an ack that counts fewer than it holds: reported
+    bracket = WeightUpdateBracket(q, monitor=col.monitor, clock=clock, sleep=clock.sleep)
+    rep = bracket.begin_weight_update(timeout=60)
+    clock.hook = None
+    assert rep.stray_leases and set(rep.stray_leases) <= set(_leases_of(q, "holder"))
+    bracket.end_weight_update()
