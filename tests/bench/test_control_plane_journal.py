@@ -12,6 +12,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def rolling_names(cp: Any, run: Any) -> list[str]:
+    """The rolling update's operations (``bench/control_plane_rolling.py``): every demand
+    prices them too."""
+    return [*cp.rolling_counts(run), *cp.rolling_counts(run, before=True)]
+
+
 def _control_plane() -> object:
     sys.path.insert(0, str(REPO / "bench"))
     import control_plane
@@ -33,7 +39,7 @@ def test_the_journal_is_a_steady_producer_term_and_the_park_replaces_the_partial
     costs = {name: 10.0 + i for i, name in enumerate(
         [*cp.steady_rates(run), *cp.burst_counts(run), *cp.burst_counts(off),
          *cp.burst_counts(run, refill=False), *cp.burst_counts(off, refill=False),
-         cp.fill_op(run)])}
+         cp.fill_op(run), *rolling_names(cp, run)])}
     counter = cp.Counter.__new__(cp.Counter)
     counter.ops = [cp.Op("x", name, 1, c) for name, c in costs.items()]
     rates = cp.steady_rates(run)
@@ -68,7 +74,8 @@ def test_the_update_burst_counts_one_refill_claim_per_producer() -> None:
     run = cp.Run(gpus=10_000)
     single = cp.burst_counts(run, refill=False)
     costs = {name: 10.0 + i for i, name in enumerate(
-        [*cp.steady_rates(run), *single, cp.refill_op(run), cp.fill_op(run)])}
+        [*cp.steady_rates(run), *single, cp.refill_op(run), cp.fill_op(run),
+         *rolling_names(cp, run)])}
     counter = cp.Counter.__new__(cp.Counter)
     counter.ops = [cp.Op("x", name, 1, c) for name, c in costs.items()]
     burst = cp.burst_counts(run)
@@ -95,7 +102,7 @@ def test_a_pause_that_holds_the_groups_is_one_record_per_producer() -> None:
     assert parked["park: yield into the journal"] == 22_500
     costs = {name: 10.0 + i for i, name in enumerate(
         [*cp.steady_rates(run), *parked, *cp.burst_counts(run), cp.fill_op(run),
-         *cp.rolling_counts(run), *cp.rolling_counts(run, before=True)])}
+         *rolling_names(cp, run)])}
     counter = cp.Counter.__new__(cp.Counter)
     counter.ops = [cp.Op("x", name, 1, c) for name, c in costs.items()]
     d = cp.demand(counter, run)
