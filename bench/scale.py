@@ -340,7 +340,9 @@ def main() -> int:
     cp.add_argument("--control-plane", action="store_true",
                     help="count the control plane of a --gpus run instead (brings its own "
                          "Redis-backed volume up: needs juicefs, /dev/fuse, redis-server)")
-    cp.add_argument("--gpus", type=int, default=None, help="default 10000 (--quick: 80)")
+    cp.add_argument("--gpus", default=None,
+                    help="default 10000 (--quick: 80); with --live a comma list of sizes, "
+                         "run smallest first until one cannot be kept up with")
     cp.add_argument("--gpus-per-node", type=int, default=8, help="one producer per node")
     cp.add_argument("--ranks", type=int, default=None,
                     help="trainer ranks waiting for batches (default: one per GPU)")
@@ -387,12 +389,35 @@ def main() -> int:
                          "the model's producers claim as many tasks as they have free slots, "
                          "which free one at a time as groups finish: steady claims want 1 "
                          "task, taken out of a chunk (default 1: one task per file)")
+    live = ap.add_argument_group(
+        "live control plane (--control-plane --live SECONDS): every client at its real "
+        "schedule, concurrently, counted at the Redis server per second and per update")
+    live.add_argument("--live", type=float, default=None, metavar="SECONDS",
+                      help="drive the run's clients at their real rates for SECONDS of wall "
+                           "time (bench/control_plane_live.py) after a counted pass for the "
+                           "model's prediction; --step-s is scaled down to SECONDS / 2 where "
+                           "a step would not fit")
+    live.add_argument("--live-workers", type=int, default=16,
+                      help="worker threads that run the schedule (not a thread per client)")
     args = ap.parse_args()
+    try:
+        sizes = [int(x) for x in args.gpus.split(",")] if args.gpus else []
+    except ValueError:
+        ap.error(f"--gpus takes a number or, with --live, a comma list of numbers: {args.gpus!r}")
+    if len(sizes) > 1 and args.live is None:
+        ap.error("--gpus takes one number without --live")
+    args.gpus_list = sorted(sizes)
+    args.gpus = max(sizes) if sizes else None
+    if args.live is not None and (not args.control_plane or args.live <= 0
+                                  or args.live_workers < 1):
+        ap.error("--live SECONDS needs --control-plane, SECONDS > 0 and --live-workers >= 1")
+    if args.live is not None and args.journal_every_s:
+        ap.error("--live does not drive the in-flight journal yet (--journal-every-s)")
     if args.release_chunk < 1:
         ap.error(f"--release-chunk must be >= 1, got {args.release_chunk}")
     if args.control_plane:
         bad = [f"--{k.replace('_', '-')} {v}" for k, v, ok in (
-            ("gpus", args.gpus, args.gpus is None or args.gpus >= args.gpus_per_node),
+            ("gpus", args.gpus, all(n >= args.gpus_per_node for n in args.gpus_list)),
             ("gpus_per_node", args.gpus_per_node, args.gpus_per_node >= 1),
             ("ranks", args.ranks, args.ranks is None or args.ranks >= 1),
             ("slots", args.slots, args.slots >= 1),
@@ -493,12 +518,10 @@ def main() -> int:
     return 0
 
 
-def control_plane(args: argparse.Namespace) -> int:
-    from control_plane import Run, report
-    from redis_meta import Unavailable, test_volume
+def make_run(args: argparse.Namespace, gpus: int) -> Any:
+    from control_plane import Run
 
-    gpus = args.gpus or (80 if args.quick else 10_000)
-    run = Run(gpus=gpus, gpus_per_node=args.gpus_per_node, ranks=args.ranks or gpus,
+    return Run(gpus=gpus, gpus_per_node=args.gpus_per_node, ranks=args.ranks or gpus,
               slots=args.slots, step_s=args.step_s,
               batch_groups=args.batch_groups or max(1, round(2048 * gpus / 10_000)),
               handback_share=args.handback_share, burst_window_s=args.burst_window_s,
@@ -508,6 +531,15 @@ def control_plane(args: argparse.Namespace) -> int:
               trainer_watch=args.trainer_watch, journal_every_s=args.journal_every_s,
               journal_tok_s=args.journal_tok_s, journal_format=args.journal_format,
               release_chunk=args.release_chunk)
+
+
+def control_plane(args: argparse.Namespace) -> int:
+    from control_plane import report
+    from redis_meta import Unavailable, test_volume
+
+    if args.live is not None:
+        return control_plane_live(args)
+    run = make_run(args, args.gpus or (80 if args.quick else 10_000))
     try:
         with test_volume("redis", meta_cache=args.meta_cache) as vol:
             caches = ("no attribute or entry cache" if args.meta_cache == "zero" else
@@ -525,6 +557,61 @@ def control_plane(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2, default=str)
+    return 0
+
+
+def control_plane_live(args: argparse.Namespace) -> int:
+    """``--control-plane --live SECONDS``: the counted pass for the model's prediction,
+    then each ``--gpus`` size driven live (smallest first, until one is not kept up with:
+    under 95 % of the wanted operations achieved)."""
+    from control_plane_live import KEPT_UP, drive, live_run, model
+    from redis_meta import Unavailable, test_volume
+
+    sizes = args.gpus_list or [80 if args.quick else 10_000]
+    results = []
+    try:
+        with test_volume("redis", meta_cache=args.meta_cache) as vol:
+            caches = ("no attribute or entry cache" if args.meta_cache == "zero" else
+                      "1 s attribute and entry caches")
+            print(f"volume: JuiceFS on a private redis-server ({vol.sock}), two clients, "
+                  f"{caches}; load average {os.getloadavg()[0]:.1f}", flush=True)
+            for gpus in sizes:
+                run = make_run(args, gpus)
+                lrun = live_run(run, args.live)
+                if lrun.step_s != run.step_s:
+                    print(f"live: a {run.step_s:g} s step does not fit {args.live:g} s: step "
+                          f"scaled to {lrun.step_s:g} s and {lrun.batch_groups} groups (the "
+                          f"groups' rate kept, {run.groups_per_s:.2f}/s)", flush=True)
+                predicted = model(vol, lrun, quiet_s=2.0 if args.quick else 5.0)
+                print(f"live: {gpus} GPUs: {lrun.producers} producers ({lrun.slots} slots, "
+                      f"{lrun.in_flight} groups in flight), {lrun.ranks} ranks "
+                      f"({lrun.trainer_watch}), {lrun.groups_per_s:.2f} groups/s, a step "
+                      f"every {lrun.step_s:g} s, heartbeat every {lrun.heartbeat_s:g} s; "
+                      f"{args.live:g} s live, {args.live_workers} workers; load average "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
+                r = drive(vol, lrun, args.live, args.live_workers, predicted)
+                results.append(r)
+                print(r.line(), flush=True)
+                if r.share < KEPT_UP:
+                    print(f"  this machine did not keep up with {gpus} GPUs (achieved "
+                          f"{r.share:.1%} of the wanted operations, under {KEPT_UP:.0%})",
+                          flush=True)
+                    break
+    except Unavailable as e:
+        print(f"scale: the control-plane run needs a Redis-backed JuiceFS volume: {e}")
+        return 2
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        print(f"scale: the live control-plane run failed: {type(e).__name__}: {e}")
+        return 1
+    if len(sizes) > 1:
+        kept = [r.gpus for r in results if r.share >= KEPT_UP]
+        print(f"scale live: the largest size kept up with: "
+              f"{max(kept) if kept else 'none'} GPUs (of {','.join(map(str, sizes))})")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([{k: v for k, v in r.__dict__.items() if k != "tally"}
+                       | {"ops": {k: {"wanted": t.wanted, "done": t.done, "failed": t.failed}
+                                  for k, t in r.tally.items()}} for r in results], f, indent=2)
     return 0
 
 

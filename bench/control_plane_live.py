@@ -1,0 +1,544 @@
+"""The control plane of a run driven live at its real rates (``bench/scale.py --control-plane
+--live SECONDS``).
+
+``bench/control_plane.py`` counts each operation's Redis commands once and multiplies by
+its rate (the model). This mode makes every client's operations concurrently, at their
+real schedule, for ``SECONDS`` of wall time, against the same kind of Redis-backed JuiceFS
+volume, and counts what reaches the server per second and per weight update with Redis's
+own ``INFO commandstats``. Hardware is scaled down (one machine, one FUSE client for all
+simulated nodes), counts are not: at ``--gpus 10000`` there are 1,250 producers, each with
+its own queue handle and its ``slots`` leases, and 10,000 trainer ranks.
+
+**The schedule.** A heap of next-due times, drained by ``--live-workers`` threads (not a
+thread per client):
+
+- every producer heartbeats every ``heartbeat_s`` (its phase spread over the interval;
+  each producer's first two beats, which list and open ``hb/``, are made at setup);
+- the run's groups (``batch_groups / step_s`` a second) are each completed and replaced
+  by a producer chosen round-robin: it completes its oldest held lease and claims one
+  task (one ``complete`` and one ``claim`` a group);
+- the collector releases ``release_batch`` tasks (``Feeder.release``) at the rate groups
+  are claimed, and every step acks the previous batch, collects garbage (``ack``,
+  ``gc``) and batches the ready groups (lists ``ready/``, reads each summary, publishes
+  the manifest);
+- trainer ranks: with ``--trainer-watch rank0`` one thread runs the real rank 0
+  ``BatchReader.next_batch`` (its 20 ms stat of ``batches/``, its listing and end check
+  once a second, its look at ``hb/`` before each wait, the delivery mark), and after each
+  delivery every other rank loads its shard (``delivery, heard``), all due at once; with
+  ``per-rank`` every rank lists ``batches/`` and ``acked/`` and checks for the run's end
+  once a second, every node stats ``batches/`` once per attribute TTL, and every rank
+  lists, reads the manifest and loads its shard after each batch (the counted mode's
+  operations, at their schedule);
+- the update after each step: every producer parks its held leases (75 % saved as
+  partials, 25 % handed back: ``--handback-share``), then refills its slots in one claim
+  (claims again while short) and loads each resumed partial. These are due at once when
+  the step's batch is published; the burst takes as long as this machine takes.
+
+Before the live window, at setup (not counted): the run's ``pending_depth`` tasks beyond
+every producer's slots are released and each producer fills its slots in one claim.
+Steps are scaled down (``step_s`` to ``SECONDS / 2``, ``batch_groups`` with it, the
+groups' rate kept) where a real step would not fit one step and one update in
+``SECONDS``: the output says so.
+
+**What is recorded.** Per operation kind: WANTED (due within the window by the schedule)
+and ACHIEVED (started within it, on time or late: lag p50 / p99 from the due time). Once
+a second the server's total calls (``INFO commandstats``, every command summed): the
+steady commands a second (p50 and max over the seconds that overlap no update), and per
+update the commands from its start until its last producer's refill and loads are done,
+and that duration. An update still running at the window's end is let finish (for as
+long again as the window) so that its burst is measured; the steady operations stop at
+the window's end. The model's prediction comes from the counted mode's own code
+(``control_plane.measure`` and ``demand``) on the same ``Run``, counted first on the same
+volume.
+
+**What limits it.** Two cores for every client and the JuiceFS client and Redis; one
+FUSE client (one kernel, one cache) for every simulated node; the rank 0 reader's stat
+of ``batches/`` every 20 ms reaches the server at every poll with no attribute cache
+(the model counts one a second per node, the TTL of a real node's cache).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from control_plane import Run, demand, group_of, measure, steady_rates, wait_for
+from redis_meta import Volume, commandstats
+
+from strawq.config import QueueConfig
+from strawq.data.dataset import Dataset
+from strawq.data.feeder import Feeder
+from strawq.delivery.batches import BatchStore
+from strawq.errors import BatchTimeout
+from strawq.storage import PosixStorage
+from strawq.tasks.queue import Lease, RunQueue
+
+#: the share of wanted operations a run must achieve to count as kept up with
+KEPT_UP = 0.95
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+@dataclass
+class Tally:
+    wanted: int = 0
+    done: int = 0
+    failed: int = 0
+    lags: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class Burst:
+    start: float
+    parks: int
+    left: int
+    before: int
+    end: float = 0.0
+    after: int = 0
+
+
+class Schedule:
+    """Operations at due times (seconds from ``t0``), run by a few worker threads.
+
+    Periodic chains count every due time within the window as wanted at their first push
+    (a late chain drifts; what it misses stays wanted). After ``end`` only ``burst``
+    operations run (an update let finish), until ``drain``."""
+
+    def __init__(self, end: float, drain: float) -> None:
+        self.t0 = time.monotonic()
+        self.end, self.drain = end, drain
+        self.heap: list[tuple[float, int, str, Callable[[], object], float, bool]] = []
+        self.seq = itertools.count()
+        self.cond = threading.Condition()
+        self.tally: dict[str, Tally] = {}
+        self.stop = False
+        self.bursts_open = 0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def at(self, due: float, kind: str, fn: Callable[[], object], *, every: float = 0.0,
+           burst: bool = False) -> None:
+        with self.cond:
+            t = self.tally.setdefault(kind, Tally())
+            if every:
+                if due < self.end:
+                    t.wanted += math.ceil((self.end - due) / every)
+            elif due < self.end or burst:
+                t.wanted += due < self.end
+            self._push(due, kind, fn, every, burst)
+
+    def _push(self, due: float, kind: str, fn: Callable[[], object], every: float,
+              burst: bool) -> None:
+        if due >= self.end and not burst:
+            return
+        heapq.heappush(self.heap, (due, next(self.seq), kind, fn, every, burst))
+        self.cond.notify()
+
+    def worker(self) -> None:
+        while True:
+            with self.cond:
+                while True:
+                    now = self.now()
+                    if self.stop or now >= self.drain or (now >= self.end and not any(
+                            h[5] for h in self.heap) and not self.bursts_open):
+                        self.cond.notify_all()
+                        return
+                    if now >= self.end:  # only an update's operations run on
+                        self.heap = [h for h in self.heap if h[5]]
+                        heapq.heapify(self.heap)
+                    if self.heap and self.heap[0][0] <= now:
+                        due, _s, kind, fn, every, burst = heapq.heappop(self.heap)
+                        break
+                    wait = self.heap[0][0] - now if self.heap else 0.2
+                    self.cond.wait(max(0.001, min(wait, 0.2)))
+            start = self.now()
+            try:
+                fn()
+                ok, err = True, ""
+            except Exception as e:  # recorded per kind, the run goes on
+                ok, err = False, f"{type(e).__name__}: {e}"
+            with self.cond:
+                t = self.tally[kind]
+                if due < self.end and start < self.end:
+                    t.done += ok
+                    t.lags.append(start - due)
+                t.failed += not ok
+                t.error = t.error or err
+                if every:
+                    self._push(due + every, kind, fn, every, burst)
+
+
+@dataclass
+class LiveResult:
+    gpus: int
+    clients: int
+    seconds: float
+    wanted: int
+    achieved: int
+    steady_p50: float
+    steady_max: float
+    burst_cmds: float
+    burst_raw: int
+    burst_s: float
+    burst_done: bool
+    model_steady: float
+    model_burst: float
+    tally: dict[str, Tally]
+
+    @property
+    def share(self) -> float:
+        return self.achieved / self.wanted if self.wanted else 1.0
+
+    def line(self) -> str:
+        return (f"scale live: {self.gpus} GPUs, {self.clients} clients, achieved "
+                f"{self.achieved / self.seconds:.1f} of wanted {self.wanted / self.seconds:.1f} "
+                f"ops/s (share {self.share:.3f}); Redis {self.steady_p50:.0f} commands/s steady "
+                f"(p50), {self.burst_cmds:.0f} per update over {self.burst_s:.1f} s; model "
+                f"(cost x rate) predicts {self.model_steady:.0f} commands/s steady, "
+                f"{self.model_burst:.0f} per update")
+
+
+def live_run(run: Run, seconds: float) -> Run:
+    """``run`` with its step scaled down so that one step and its update fit ``seconds``
+    (the groups' rate kept); unchanged when a real step fits."""
+    if run.step_s <= seconds / 2:
+        return run
+    step = seconds / 2
+    return replace(run, step_s=step,
+                   batch_groups=max(1, round(run.batch_groups * step / run.step_s)))
+
+
+#: the steady terms the model averages over a step but a run makes at the step, in the
+#: same seconds as the update (live, they fall inside the update's window)
+PER_STEP = ("batch, per group (list, read, publish)", "ack (rank 0) and gc, per step",
+            "delivery (list, manifest, shard)", "delivery, heard (shard)")
+
+
+def model(vol: Volume, run: Run, quiet_s: float) -> dict[str, float]:
+    """The counted mode's prediction for ``run``: its per-operation costs (counted here,
+    on this volume, by ``control_plane.measure``) times ``run``'s rates. ``between``: the
+    steady commands a second between steps (without the per-step terms); ``per_update``:
+    one update's burst and one step's per-step terms, which a run makes together."""
+    print(f"model: the counted pass (bench/control_plane.py) at {run.gpus} GPUs", flush=True)
+    counter, _ = measure(vol, run, quiet_s)
+    d = demand(counter, run)
+    per_step = sum(rate * run.step_s * counter.cost(name)
+                   for name, rate in steady_rates(run).items() if name in PER_STEP)
+    d["between"] = d["steady"] - per_step / run.step_s
+    d["per_update"] = d["burst"] + per_step
+    d["per_step"] = per_step
+    d["quiet"] = counter.quiet_per_s
+    print(f"model: {d['steady']:,.0f} commands/s steady as the counted mode averages it, "
+          f"{d['between']:,.0f} between steps (less the per-step batch, ack and gc and "
+          f"deliveries: {per_step:,.0f} a step); an update's burst {d['burst']:,.0f}, with "
+          f"the step's terms {d['per_update']:,.0f}", flush=True)
+    return d
+
+
+def drive(vol: Volume, run: Run, seconds: float, workers: int,
+          predicted: dict[str, float]) -> LiveResult:
+    """Every client of ``run`` at its schedule for ``seconds``; what the server saw."""
+    from strawq.collector.trainer.reader import BatchReader
+    from strawq.storage.watch import DirProbe
+
+    assert vol.sock is not None
+    sock = vol.sock
+    name = f"live-{secrets.token_hex(3)}"
+    root_a, root_b = os.path.join(vol.a, name), os.path.join(vol.b, name)
+    os.makedirs(root_a)
+    g = run.groups_per_s
+    drain_s = max(seconds, 30.0)
+    tasks = (run.in_flight + run.pending_depth + math.ceil(g * (seconds + drain_s) * 2)
+             + 4 * run.release_batch)
+    ds = os.path.join(root_a, "ds.jsonl")
+    with open(ds, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"prompt": [1, 2, 3], "i": i}) + "\n" for i in range(tasks))
+    q_a = RunQueue.create(PosixStorage(os.path.join(root_a, "run"), writer_id="collector"),
+                          QueueConfig(lease_timeout_s=3600, heartbeat_interval_s=run.heartbeat_s,
+                                      release_chunk=run.release_chunk))
+    feeder = Feeder(q_a, Dataset(ds))
+    bs = BatchStore(q_a)
+    wait_for(os.path.join(root_b, "run", "run.meta"))
+    t_setup = time.monotonic()
+    released = 0
+    while released < run.in_flight + run.pending_depth:
+        n = feeder.release()
+        if not n:
+            raise RuntimeError(f"the dataset ran out at {released} released tasks")
+        released += n
+    pids = list(range(run.producers))
+    queues = {i: RunQueue.open(PosixStorage(os.path.join(root_b, "run"), writer_id=f"p{i}"))
+              for i in pids}
+    held: dict[int, list[Lease]] = {i: [] for i in pids}
+    locks = {i: threading.Lock() for i in pids}
+
+    def fill(i: int) -> None:
+        for _ in range(50):
+            want = run.slots - len(held[i])
+            if want <= 0:
+                return
+            got = queues[i].claim(f"p{i}", want)
+            for lease in got:
+                if lease.has_partial:
+                    queues[i].load_partial(lease)
+            held[i] += got
+            if not got:
+                time.sleep(0.01)
+        raise RuntimeError(f"producer p{i} holds {len(held[i])} of its {run.slots} slots "
+                           "after 50 claims")
+
+    def first_beats(i: int) -> None:
+        queues[i].heartbeat(f"p{i}")
+        queues[i].heartbeat(f"p{i}")
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(first_beats, pids))
+        list(pool.map(fill, pids))
+    q_b = RunQueue.open(PosixStorage(os.path.join(root_b, "run"), writer_id="reader"))
+    readers: dict[int, BatchReader] = {}
+    rlock = threading.Lock()
+
+    def reader(r: int) -> BatchReader:
+        with rlock:
+            if r not in readers:
+                readers[r] = BatchReader(q_b, rank=r, world_size=run.ranks,
+                                         sleep=lambda s: time.sleep(s), checkpointed=False)
+            return readers[r]
+
+    print(f"  setup: {released} tasks released, {run.producers} producers hold "
+          f"{sum(map(len, held.values()))} leases ({time.monotonic() - t_setup:.0f} s, not "
+          f"counted)", flush=True)
+
+    sch = Schedule(seconds, seconds + drain_s)
+    samples: list[tuple[float, int]] = []
+    bursts: list[Burst] = []
+    state: dict[str, Any] = {"rr": 0, "published": [], "acked": None}
+
+    def calls() -> int:
+        return sum(commandstats(sock).values())
+
+    # -- producers ------------------------------------------------------------------------
+    for i in pids:
+        sch.at(run.heartbeat_s * i / len(pids), "heartbeat",
+               lambda i=i: queues[i].heartbeat(f"p{i}"), every=run.heartbeat_s)
+
+    claims = Tally()
+
+    def group() -> None:
+        with sch.cond:
+            i = state["rr"] % len(pids)
+            state["rr"] += 1
+        start = sch.now()
+        with locks[i]:
+            if held[i]:
+                lease = held[i].pop(0)
+                queues[i].complete(lease, group_of(lease))
+            got = queues[i].claim(f"p{i}", 1)
+            held[i] += got
+        with sch.cond:
+            if start < seconds:
+                claims.done += bool(got)
+                claims.failed += not got
+
+    sch.at(0.0, "complete (and a claim of one)", group, every=1 / g)
+    sch.at(0.5 / g * run.release_batch, "release (per 64 tasks)", feeder.release,
+           every=run.release_batch / g)
+
+    # -- the update -----------------------------------------------------------------------
+    saved = round(run.slots * (1 - run.handback_share))
+
+    def park_and_refill(i: int, b: Burst) -> None:
+        try:
+            with locks[i]:
+                for k, lease in enumerate(held[i]):
+                    if k < saved:
+                        queues[i].yield_partial(lease, group_of(lease, tokens=32))
+                    else:
+                        queues[i].release(lease)
+                held[i] = []
+                fill(i)
+        finally:
+            with sch.cond:
+                b.left -= 1
+                last = b.left == 0
+            if last:
+                b.after, b.end = calls(), sch.now()
+                with sch.cond:
+                    sch.bursts_open -= 1
+
+    def update() -> None:
+        b = Burst(start=sch.now(), parks=len(pids), left=len(pids), before=calls())
+        bursts.append(b)
+        with sch.cond:
+            sch.bursts_open += 1
+        for i in pids:
+            sch.at(b.start, "update: park, refill, load (per producer)",
+                   lambda i=i: park_and_refill(i, b), burst=True)
+
+    # -- the collector's step ---------------------------------------------------------------
+    def step() -> None:
+        if state["acked"] is not None:
+            bs.ack(state["acked"])
+            bs.gc()
+            state["acked"] = None
+        names = bs.scan_ready()
+        for n in names:
+            bs.read_summary(n)
+        if names:
+            seq = bs.next_seq()
+            bs.publish_batch(seq, names)
+            state["published"].append((seq, sch.now()))
+            if run.trainer_watch == "per-rank":
+                t = sch.now()
+                for r in range(run.ranks):
+                    sch.at(t, "delivery (list, manifest, shard)", lambda r=r: deliver(r))
+        update()
+
+    sch.at(run.step_s, "collector step (ack, gc, batch)", step, every=run.step_s)
+
+    # -- trainer ranks ----------------------------------------------------------------------
+    def deliver(r: int) -> None:
+        rd = reader(r)
+        seq = rd.positions.next_seq()
+        if seq is None:
+            raise RuntimeError(f"rank {r} sees no batch")
+        rd.load(rd.batches.read_manifest(seq))
+        rd.positions.delivered = seq
+        if r == 0:
+            state["acked"] = seq
+
+    stop_watch = threading.Event()
+    watch_tally = Tally()
+
+    def watch() -> None:
+        rd = reader(0)
+        while not stop_watch.is_set():
+            left = seconds - sch.now()
+            if left <= 0:
+                return
+            try:
+                batch = rd.next_batch(timeout=left)
+            except BatchTimeout:
+                return
+            t = sch.now()
+            pub = dict(state["published"]).get(batch.seq)
+            with sch.cond:
+                watch_tally.done += 1
+                watch_tally.lags.append(t - pub if pub is not None else 0.0)
+            state["acked"] = batch.seq
+            man = rd.batches.read_manifest(batch.seq)
+            for r in range(1, run.ranks):
+                sch.at(t, "delivery, heard (shard)", lambda r=r, m=man: reader(r).load(m))
+
+    watcher: threading.Thread | None = None
+    if run.trainer_watch == "rank0":
+        sch.tally["rank 0: next_batch (real reader)"] = watch_tally
+        watcher = threading.Thread(target=watch, daemon=True)
+    else:
+        for r in range(run.ranks):
+            ph = run.list_every_s * r / run.ranks
+            sch.at(ph, "wait: list batches/, acked/",
+                   lambda r=r: reader(r).positions.next_seq(), every=run.list_every_s)
+            sch.at(ph, "wait: end-of-run check",
+                   lambda r=r: reader(r).waiter.check_finished(), every=run.list_every_s)
+        probes = {n: DirProbe(q_b.storage, ("batches",)) for n in range(run.rank_nodes)}
+        for n, p in probes.items():
+            p.changed()
+            sch.at(run.attr_ttl_s * n / run.rank_nodes, "wait: node probe (stat)", p.changed,
+                   every=run.attr_ttl_s)
+
+    # -- go ---------------------------------------------------------------------------------
+    def sample() -> None:
+        while not sch.stop:
+            samples.append((sch.now(), calls()))
+            time.sleep(max(0.0, 1.0 - (sch.now() % 1.0)))
+
+    sch.t0 = time.monotonic()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    if watcher is not None:
+        watcher.start()
+    threads = [threading.Thread(target=sch.worker, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop_watch.set()
+    if watcher is not None:
+        watcher.join(5)
+    watch_tally.wanted = sum(1 for _s, t in state["published"] if t < seconds)
+    done = sch.tally["complete (and a claim of one)"]
+    claims.wanted, claims.lags = done.wanted, done.lags
+    claims.error = "" if not claims.failed else "found pending/ empty"
+    sch.tally["claim (one, after each complete)"] = claims
+    sch.stop = True
+    sampler.join(3)
+    samples.append((sch.now(), calls()))
+    for rd in readers.values():  # rank 0's fence released before its run goes
+        rd.close()
+    shutil.rmtree(root_a, ignore_errors=True)
+    return summarize(run, seconds, sch, samples, bursts, predicted)
+
+
+def summarize(run: Run, seconds: float, sch: Schedule, samples: list[tuple[float, int]],
+              bursts: list[Burst], predicted: dict[str, float]) -> LiveResult:
+    print(f"  {'operation':<44} {'wanted':>8} {'achieved':>9} {'share':>6} {'lag p50 ms':>11} "
+          f"{'p99 ms':>9} {'failed':>6}")
+    wanted = achieved = 0
+    for kind, t in sch.tally.items():
+        wanted += t.wanted
+        achieved += min(t.done, t.wanted)
+        share = t.done / t.wanted if t.wanted else float("nan")
+        print(f"  {kind:<44} {t.wanted:>8} {t.done:>9} {share:>6.2f} "
+              f"{pct(t.lags, 0.5) * 1e3:>11.1f} {pct(t.lags, 0.99) * 1e3:>9.1f} {t.failed:>6}"
+              + (f"  first failure: {t.error[:120]}" if t.error else ""))
+    windows = [(b.start, b.end if b.end else math.inf) for b in bursts]
+    steady, every = [], []
+    for (t0, c0), (t1, c1) in itertools.pairwise(samples):
+        if t1 - t0 < 0.5 or t0 >= seconds:
+            continue
+        rate = (c1 - c0) / (t1 - t0)
+        every.append(rate)
+        if not any(t0 < e and t1 > s for s, e in windows):
+            steady.append(rate)
+    p50 = pct(steady, 0.5) if steady else 0.0
+    print(f"  Redis commands/s, {len(steady)} steady seconds (no update): p50 {p50:,.0f}, max "
+          f"{max(steady, default=0.0):,.0f}; every second of the window: p50 "
+          f"{pct(every, 0.5):,.0f}, max {max(every, default=0.0):,.0f} (the idle clients "
+          f"send {predicted.get('quiet', 0.0):.0f} of them, in both figures)")
+    done = [b for b in bursts if b.end]
+    for k, b in enumerate(bursts):
+        if b.end:
+            raw = b.after - b.before
+            print(f"  update {k + 1}: from {b.start:.1f} s, {b.end - b.start:.1f} s to its last "
+                  f"refill, {raw:,} Redis commands ({raw - p50 * (b.end - b.start):,.0f} less "
+                  f"the steady p50 over it: the update and the step's batch and deliveries)")
+        else:
+            print(f"  update {k + 1}: from {b.start:.1f} s, not finished "
+                  f"({b.parks - b.left} of {b.parks} producers parked and refilled)")
+    first = done[0] if done else None
+    raw = (first.after - first.before) if first else 0
+    dur = (first.end - first.start) if first else 0.0
+    clients = run.producers + 1 + run.ranks
+    return LiveResult(run.gpus, clients, seconds, wanted, achieved, p50,
+                      max(steady, default=0.0), max(raw - p50 * dur, 0.0) if first else 0.0,
+                      raw, dur, first is not None, predicted["between"], predicted["per_update"],
+                      sch.tally)
