@@ -116,14 +116,22 @@ class Burst:
 class Schedule:
     """Operations at due times (seconds from ``t0``), run by a few worker threads.
 
-    Periodic chains count every due time within the window as wanted at their first push
-    (a late chain drifts; what it misses stays wanted). After ``end`` only ``burst``
-    operations run (an update let finish), until ``drain``."""
+    Two heaps: the steady operations, taken first whenever one is due, and an update's
+    (``burst``), which may hold at most ``burst_workers`` workers at once, so that the
+    others stay free for the steady schedule (a real run's clients do not wait for one
+    another's parks). Periodic chains count every due time within the window as wanted at
+    their first push (a late chain drifts; what it misses stays wanted). After ``end``
+    only an update still running goes on, until ``drain``."""
 
-    def __init__(self, end: float, drain: float) -> None:
+    Item = tuple[float, int, str, Callable[[], object], float]
+
+    def __init__(self, end: float, drain: float, burst_workers: int) -> None:
         self.t0 = time.monotonic()
         self.end, self.drain = end, drain
-        self.heap: list[tuple[float, int, str, Callable[[], object], float, bool]] = []
+        self.steady: list[Schedule.Item] = []
+        self.burst: list[Schedule.Item] = []
+        self.burst_workers = max(1, burst_workers)
+        self.burst_running = 0
         self.seq = itertools.count()
         self.cond = threading.Condition()
         self.tally: dict[str, Tally] = {}
@@ -140,33 +148,41 @@ class Schedule:
             if every:
                 if due < self.end:
                     t.wanted += math.ceil((self.end - due) / every)
-            elif due < self.end or burst:
+            else:
                 t.wanted += due < self.end
             self._push(due, kind, fn, every, burst)
 
     def _push(self, due: float, kind: str, fn: Callable[[], object], every: float,
               burst: bool) -> None:
-        if due >= self.end and not burst:
-            return
-        heapq.heappush(self.heap, (due, next(self.seq), kind, fn, every, burst))
+        if burst:
+            heapq.heappush(self.burst, (due, next(self.seq), kind, fn, every))
+        elif due < self.end:
+            heapq.heappush(self.steady, (due, next(self.seq), kind, fn, every))
         self.cond.notify()
+
+    def _take(self, now: float) -> tuple[Schedule.Item, bool] | None:
+        if self.steady and self.steady[0][0] <= now and now < self.end:
+            return heapq.heappop(self.steady), False
+        if self.burst and self.burst[0][0] <= now and self.burst_running < self.burst_workers:
+            self.burst_running += 1
+            return heapq.heappop(self.burst), True
+        return None
 
     def worker(self) -> None:
         while True:
             with self.cond:
                 while True:
                     now = self.now()
-                    if self.stop or now >= self.drain or (now >= self.end and not any(
-                            h[5] for h in self.heap) and not self.bursts_open):
+                    if self.stop or now >= self.drain or (
+                            now >= self.end and not self.burst and not self.bursts_open):
                         self.cond.notify_all()
                         return
-                    if now >= self.end:  # only an update's operations run on
-                        self.heap = [h for h in self.heap if h[5]]
-                        heapq.heapify(self.heap)
-                    if self.heap and self.heap[0][0] <= now:
-                        due, _s, kind, fn, every, burst = heapq.heappop(self.heap)
+                    took = self._take(now)
+                    if took is not None:
+                        (due, _s, kind, fn, every), burst = took
                         break
-                    wait = self.heap[0][0] - now if self.heap else 0.2
+                    dues = [h[0][0] for h in (self.steady, self.burst) if h]
+                    wait = min(dues) - now if dues else 0.2
                     self.cond.wait(max(0.001, min(wait, 0.2)))
             start = self.now()
             try:
@@ -181,6 +197,9 @@ class Schedule:
                     t.lags.append(start - due)
                 t.failed += not ok
                 t.error = t.error or err
+                if burst:
+                    self.burst_running -= 1
+                    self.cond.notify_all()
                 if every:
                     self._push(due + every, kind, fn, every, burst)
 
@@ -252,7 +271,7 @@ def model(vol: Volume, run: Run, quiet_s: float) -> dict[str, float]:
     return d
 
 
-def drive(vol: Volume, run: Run, seconds: float, workers: int,
+def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: int,
           predicted: dict[str, float]) -> LiveResult:
     """Every client of ``run`` at its schedule for ``seconds``; what the server saw."""
     from strawq.collector.trainer.reader import BatchReader
@@ -327,7 +346,7 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int,
           f"{sum(map(len, held.values()))} leases ({time.monotonic() - t_setup:.0f} s, not "
           f"counted)", flush=True)
 
-    sch = Schedule(seconds, seconds + drain_s)
+    sch = Schedule(seconds, seconds + drain_s, burst_workers)
     samples: list[tuple[float, int]] = []
     bursts: list[Burst] = []
     state: dict[str, Any] = {"rr": 0, "published": [], "acked": None}

@@ -55,6 +55,24 @@ claims); a line ``refill: release_chunk = K, start fill = F Redis commands a tas
 refill = R a task (claims of one: S); update burst B ops (claims of one: B1)`` says what
 they cost.
 
+``--live SECONDS`` drives the run instead of multiplying (``bench/control_plane_live.py``):
+after the counted pass (the model's prediction for the same run), every client makes its
+real operations concurrently at its real schedule for SECONDS of wall time (every
+producer's heartbeat, the groups' completions and claims, the collector's releases and
+steps, the rank 0 reader's real ``next_batch`` or every rank's look, every producer's
+park and refill at each update), run by ``--live-workers`` threads from a heap of due
+times. It prints, per operation kind, the count wanted by the schedule and achieved (lag
+p50 / p99), Redis's commands a second between updates and per update, and ends on
+``scale live: N GPUs, M clients, achieved A of wanted W ops/s (share x); Redis X
+commands/s steady (p50), Y per update over D s; model (cost x rate) predicts P commands/s
+steady, Q per update``. ``--gpus`` takes a list there (``1000,2500,10000``): sizes run
+smallest first until one is not kept up with (under 95 % achieved), and a last line names
+the largest kept up with. A step that does not fit SECONDS / 2 is scaled down to it (the
+groups' rate kept: said in the output). ``--quick``: 80 GPUs.
+
+    python bench/scale.py --control-plane --live SECONDS [--gpus 1000,2500,10000]
+                           [--live-workers 16] [--quick] [the flags above]
+
     python bench/scale.py [--quick] [--meta sqlite|redis] [--idle-s 20] [--counts 1,10,100]
                            [--claims 200]
 
@@ -568,6 +586,8 @@ def control_plane_live(args: argparse.Namespace) -> int:
     from redis_meta import Unavailable, test_volume
 
     sizes = args.gpus_list or [80 if args.quick else 10_000]
+    # an update's parks take at most this many workers: the rest keep the steady schedule
+    burst_workers = max(1, args.live_workers - max(2, args.live_workers // 4))
     results = []
     try:
         with test_volume("redis", meta_cache=args.meta_cache) as vol:
@@ -579,17 +599,19 @@ def control_plane_live(args: argparse.Namespace) -> int:
                 run = make_run(args, gpus)
                 lrun = live_run(run, args.live)
                 if lrun.step_s != run.step_s:
-                    print(f"live: a {run.step_s:g} s step does not fit {args.live:g} s: step "
-                          f"scaled to {lrun.step_s:g} s and {lrun.batch_groups} groups (the "
-                          f"groups' rate kept, {run.groups_per_s:.2f}/s)", flush=True)
+                    print(f"live: a {run.step_s:g} s step and its update do not fit "
+                          f"{args.live:g} s: step scaled to {lrun.step_s:g} s and "
+                          f"{lrun.batch_groups} groups ({lrun.groups_per_s:.2f} groups/s, "
+                          f"{run.groups_per_s:.2f} at the real step)", flush=True)
                 predicted = model(vol, lrun, quiet_s=2.0 if args.quick else 5.0)
                 print(f"live: {gpus} GPUs: {lrun.producers} producers ({lrun.slots} slots, "
                       f"{lrun.in_flight} groups in flight), {lrun.ranks} ranks "
                       f"({lrun.trainer_watch}), {lrun.groups_per_s:.2f} groups/s, a step "
                       f"every {lrun.step_s:g} s, heartbeat every {lrun.heartbeat_s:g} s; "
-                      f"{args.live:g} s live, {args.live_workers} workers; load average "
+                      f"{args.live:g} s live, {args.live_workers} workers ({burst_workers} at most "
+                      f"on an update's parks); load average "
                       f"{os.getloadavg()[0]:.1f}", flush=True)
-                r = drive(vol, lrun, args.live, args.live_workers, predicted)
+                r = drive(vol, lrun, args.live, args.live_workers, burst_workers, predicted)
                 results.append(r)
                 print(r.line(), flush=True)
                 if r.share < KEPT_UP:
@@ -605,8 +627,10 @@ def control_plane_live(args: argparse.Namespace) -> int:
         return 1
     if len(sizes) > 1:
         kept = [r.gpus for r in results if r.share >= KEPT_UP]
-        print(f"scale live: the largest size kept up with: "
-              f"{max(kept) if kept else 'none'} GPUs (of {','.join(map(str, sizes))})")
+        print("scale live: the largest size kept up with: "
+              + (f"{max(kept)} GPUs" if kept else "none") + f" (of {','.join(map(str, sizes))}"
+              + (f"; reached {results[-1].gpus} GPUs at share {results[-1].share:.3f})"
+                 if results else ")"))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump([{k: v for k, v in r.__dict__.items() if k != "tally"}

@@ -34,7 +34,7 @@ def test_the_live_line_has_its_shape_and_counts_what_reached_the_server(tmp_path
     assert int(m["y"]) > 0 and float(m["d"]) > 0, "the update's burst was measured"
     assert int(m["p"]) > 0 and int(m["q"]) > 0, "the model's prediction is printed"
     # the step was scaled to fit 8 s (and said so); every kind achieved at most its wanted
-    assert any(line.startswith("live: a 60 s step does not fit 8 s") for line in out)
+    assert any(line.startswith("live: a 60 s step and its update do not fit 8 s") for line in out)
     rows = [r for r in map(ROW.match, out) if r and r["kind"] != "operation"]
     kinds = {r["kind"].strip() for r in rows}
     assert {"heartbeat", "update: park, refill, load (per producer)",
