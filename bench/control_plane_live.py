@@ -9,8 +9,10 @@ own ``INFO commandstats``. Hardware is scaled down (one machine, one FUSE client
 simulated nodes), counts are not: at ``--gpus 10000`` there are 1,250 producers, each with
 its own queue handle and its ``slots`` leases, and 10,000 trainer ranks.
 
-**The schedule.** A heap of next-due times, drained by ``--live-workers`` threads (not a
-thread per client):
+**The schedule.** Heaps of next-due times, drained by ``--live-workers`` threads (not a
+thread per client); an update's parks take at most three quarters of them, and a steady
+operation that is due goes first, so the steady schedule is kept through an update as far
+as the machine allows:
 
 - every producer heartbeats every ``heartbeat_s`` (its phase spread over the interval;
   each producer's first two beats, which list and open ``hb/``, are made at setup);
@@ -49,7 +51,13 @@ and that duration. An update still running at the window's end is let finish (fo
 long again as the window) so that its burst is measured; the steady operations stop at
 the window's end. The model's prediction comes from the counted mode's own code
 (``control_plane.measure`` and ``demand``) on the same ``Run``, counted first on the same
-volume.
+volume. The counted mode averages the per-step terms (the collector's batch, ack and gc;
+the ranks' deliveries) over the step; a run makes them at the step, in the seconds of the
+update, so the line compares like with like: the model's steady commands a second without
+them against the live seconds between updates, and the model's burst with one step's
+per-step terms against the live commands per update (less the live steady rate over the
+update's seconds). The live figures include the idle clients' own traffic (printed; a few
+commands a second), which the model subtracts.
 
 **What limits it.** Two cores for every client and the JuiceFS client and Redis; one
 FUSE client (one kernel, one cache) for every simulated node; the rank 0 reader's stat
@@ -101,6 +109,15 @@ class Tally:
     failed: int = 0
     lags: list[float] = field(default_factory=list)
     error: str = ""
+
+
+#: seconds the setup (the releases and every producer's first fill) may take before the
+#: size is given up as one this machine cannot bring up
+SETUP_LIMIT_S = 600.0
+
+
+class SetupTooSlow(RuntimeError):
+    """The setup of a size did not finish within ``SETUP_LIMIT_S``."""
 
 
 @dataclass
@@ -298,6 +315,10 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
     t_setup = time.monotonic()
     released = 0
     while released < run.in_flight + run.pending_depth:
+        if time.monotonic() - t_setup > SETUP_LIMIT_S:
+            raise SetupTooSlow(f"the setup did not finish in {SETUP_LIMIT_S:.0f} s: "
+                               f"{released} of {run.in_flight + run.pending_depth} tasks "
+                               "released")
         n = feeder.release()
         if not n:
             raise RuntimeError(f"the dataset ran out at {released} released tasks")
@@ -323,6 +344,16 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
         raise RuntimeError(f"producer p{i} holds {len(held[i])} of its {run.slots} slots "
                            "after 50 claims")
 
+    def setup_fill(i: int) -> None:
+        if time.monotonic() - t_setup > SETUP_LIMIT_S:
+            filled = sum(map(len, held.values()))
+            raise SetupTooSlow(
+                f"the setup did not finish in {SETUP_LIMIT_S:.0f} s: {filled} of "
+                f"{run.in_flight} leases held after every producer's first fill so far (one "
+                f"claim of {run.slots} each; on this machine {run.gpus} GPUs' groups in "
+                "flight cannot be brought up in time)")
+        fill(i)
+
     def first_beats(i: int) -> None:
         queues[i].heartbeat(f"p{i}")
         queues[i].heartbeat(f"p{i}")
@@ -330,7 +361,7 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(first_beats, pids))
-        list(pool.map(fill, pids))
+        list(pool.map(setup_fill, pids))
     q_b = RunQueue.open(PosixStorage(os.path.join(root_b, "run"), writer_id="reader"))
     readers: dict[int, BatchReader] = {}
     rlock = threading.Lock()
@@ -506,7 +537,8 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
     watch_tally.wanted = sum(1 for _s, t in state["published"] if t < seconds)
     done = sch.tally["complete (and a claim of one)"]
     claims.wanted, claims.lags = done.wanted, done.lags
-    claims.error = "" if not claims.failed else "found pending/ empty"
+    if claims.failed:
+        claims.error = "claimed nothing (every race lost, or pending/ empty)"
     sch.tally["claim (one, after each complete)"] = claims
     sch.stop = True
     sampler.join(3)

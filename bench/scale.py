@@ -582,7 +582,7 @@ def control_plane_live(args: argparse.Namespace) -> int:
     """``--control-plane --live SECONDS``: the counted pass for the model's prediction,
     then each ``--gpus`` size driven live (smallest first, until one is not kept up with:
     under 95 % of the wanted operations achieved)."""
-    from control_plane_live import KEPT_UP, drive, live_run, model
+    from control_plane_live import KEPT_UP, SetupTooSlow, drive, live_run, model
     from redis_meta import Unavailable, test_volume
 
     sizes = args.gpus_list or [80 if args.quick else 10_000]
@@ -611,7 +611,12 @@ def control_plane_live(args: argparse.Namespace) -> int:
                       f"{args.live:g} s live, {args.live_workers} workers ({burst_workers} at most "
                       f"on an update's parks); load average "
                       f"{os.getloadavg()[0]:.1f}", flush=True)
-                r = drive(vol, lrun, args.live, args.live_workers, burst_workers, predicted)
+                try:
+                    r = drive(vol, lrun, args.live, args.live_workers, burst_workers,
+                              predicted)
+                except SetupTooSlow as e:
+                    print(f"  this machine did not keep up with {gpus} GPUs: {e}", flush=True)
+                    break
                 results.append(r)
                 print(r.line(), flush=True)
                 if r.share < KEPT_UP:
