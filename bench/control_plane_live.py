@@ -32,9 +32,11 @@ as the machine allows:
   lists, reads the manifest and loads its shard after each batch (the counted mode's
   operations, at their schedule);
 - the update after each step: every producer parks its held leases (75 % saved as
-  partials, 25 % handed back: ``--handback-share``), then refills its slots in one claim
-  (claims again while short) and loads each resumed partial. These are due at once when
-  the step's batch is published; the burst takes as long as this machine takes.
+  partials, 25 % handed back: ``--handback-share``), all due at once when the step's
+  batch is published; once every producer has parked (the pause; the weights pushed),
+  every producer refills its slots in one claim (claims again while short) and loads
+  each resumed partial. A parked producer completes and claims nothing (its turns are
+  not wanted). The burst takes as long as this machine takes.
 
 Before the live window, at setup (not counted): the run's ``pending_depth`` tasks beyond
 every producer's slots are released and each producer fills its slots in one claim.
@@ -122,10 +124,16 @@ class SetupTooSlow(RuntimeError):
 
 @dataclass
 class Burst:
+    """One step and its update: from the step's start (its commands ``before``), the
+    parks from ``parks_start``, the refills once every producer has parked."""
+
     start: float
-    parks: int
-    left: int
     before: int
+    producers: int
+    parks_start: float = 0.0
+    parks_left: int = 0
+    parked: float = 0.0
+    refills_left: int = 0
     end: float = 0.0
     after: int = 0
 
@@ -380,7 +388,7 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
     sch = Schedule(seconds, seconds + drain_s, burst_workers)
     samples: list[tuple[float, int]] = []
     bursts: list[Burst] = []
-    state: dict[str, Any] = {"rr": 0, "published": [], "acked": None}
+    state: dict[str, Any] = {"rr": 0, "published": [], "acked": None, "skipped": 0}
 
     def calls() -> int:
         return sum(commandstats(sock).values())
@@ -392,12 +400,18 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
 
     claims = Tally()
 
+    paused: set[int] = set()
+
     def group() -> None:
         with sch.cond:
             i = state["rr"] % len(pids)
             state["rr"] += 1
         start = sch.now()
         with locks[i]:
+            if i in paused:  # parked for the update: it completes and claims nothing
+                with sch.cond:
+                    state["skipped"] += start < seconds
+                return
             if held[i]:
                 lease = held[i].pop(0)
                 queues[i].complete(lease, group_of(lease))
@@ -415,36 +429,55 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
     # -- the update -----------------------------------------------------------------------
     saved = round(run.slots * (1 - run.handback_share))
 
-    def park_and_refill(i: int, b: Burst) -> None:
+    def park(i: int, b: Burst) -> None:
+        """The pause: the producer parks every held lease (saved or handed back)."""
         try:
             with locks[i]:
+                paused.add(i)
                 for k, lease in enumerate(held[i]):
                     if k < saved:
                         queues[i].yield_partial(lease, group_of(lease, tokens=32))
                     else:
                         queues[i].release(lease)
                 held[i] = []
-                fill(i)
         finally:
             with sch.cond:
-                b.left -= 1
-                last = b.left == 0
+                b.parks_left -= 1
+                last = b.parks_left == 0
+            if last:  # every producer parked: the weights are pushed, they resume
+                b.parked = sch.now()
+                for j in pids:
+                    sch.at(b.parked, "update: refill and load (per producer)",
+                           lambda j=j: refill(j, b), burst=True)
+
+    def refill(i: int, b: Burst) -> None:
+        """The resume: one claim of the producer's slots (again while short), and the load
+        of each resumed partial."""
+        try:
+            with locks[i]:
+                fill(i)
+                paused.discard(i)
+        finally:
+            with sch.cond:
+                b.refills_left -= 1
+                last = b.refills_left == 0
             if last:
                 b.after, b.end = calls(), sch.now()
                 with sch.cond:
                     sch.bursts_open -= 1
 
-    def update() -> None:
-        b = Burst(start=sch.now(), parks=len(pids), left=len(pids), before=calls())
-        bursts.append(b)
-        with sch.cond:
-            sch.bursts_open += 1
+    def update(b: Burst) -> None:
+        b.parks_start, b.parks_left, b.refills_left = sch.now(), len(pids), len(pids)
         for i in pids:
-            sch.at(b.start, "update: park, refill, load (per producer)",
-                   lambda i=i: park_and_refill(i, b), burst=True)
+            sch.at(b.parks_start, "update: park (per producer)", lambda i=i: park(i, b),
+                   burst=True)
 
     # -- the collector's step ---------------------------------------------------------------
     def step() -> None:
+        b = Burst(start=sch.now(), before=calls(), producers=len(pids))
+        bursts.append(b)
+        with sch.cond:
+            sch.bursts_open += 1
         if state["acked"] is not None:
             bs.ack(state["acked"])
             bs.gc()
@@ -460,7 +493,7 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
                 t = sch.now()
                 for r in range(run.ranks):
                     sch.at(t, "delivery (list, manifest, shard)", lambda r=r: deliver(r))
-        update()
+        update(b)
 
     sch.at(run.step_s, "collector step (ack, gc, batch)", step, every=run.step_s)
 
@@ -536,7 +569,13 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
         watcher.join(5)
     watch_tally.wanted = sum(1 for _s, t in state["published"] if t < seconds)
     done = sch.tally["complete (and a claim of one)"]
+    # a paused producer's turn is no group wanted: the whole fleet is parked then
+    done.wanted -= state["skipped"]
+    done.done -= state["skipped"]
     claims.wanted, claims.lags = done.wanted, done.lags
+    if state["skipped"]:
+        print(f"  {state['skipped']} group turns fell to producers parked for the update "
+              "(not wanted: a paused producer completes and claims nothing)")
     if claims.failed:
         claims.error = "claimed nothing (every race lost, or pending/ empty)"
     sch.tally["claim (one, after each complete)"] = claims
@@ -579,12 +618,15 @@ def summarize(run: Run, seconds: float, sch: Schedule, samples: list[tuple[float
     for k, b in enumerate(bursts):
         if b.end:
             raw = b.after - b.before
-            print(f"  update {k + 1}: from {b.start:.1f} s, {b.end - b.start:.1f} s to its last "
-                  f"refill, {raw:,} Redis commands ({raw - p50 * (b.end - b.start):,.0f} less "
-                  f"the steady p50 over it: the update and the step's batch and deliveries)")
+            print(f"  update {k + 1}: the step from {b.start:.1f} s, parks from "
+                  f"{b.parks_start:.1f} s, all parked at {b.parked:.1f} s, refilled at "
+                  f"{b.end:.1f} s: {b.end - b.start:.1f} s, {raw:,} Redis commands "
+                  f"({raw - p50 * (b.end - b.start):,.0f} less the steady p50 over it: the "
+                  "update and the step's batch and deliveries)")
         else:
-            print(f"  update {k + 1}: from {b.start:.1f} s, not finished "
-                  f"({b.parks - b.left} of {b.parks} producers parked and refilled)")
+            print(f"  update {k + 1}: the step from {b.start:.1f} s, not finished "
+                  f"({b.producers - b.parks_left} of {b.producers} producers parked, "
+                  f"{b.producers - b.refills_left if b.parked else 0} refilled)")
     first = done[0] if done else None
     raw = (first.after - first.before) if first else 0
     dur = (first.end - first.start) if first else 0.0

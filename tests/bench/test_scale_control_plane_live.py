@@ -37,7 +37,7 @@ def test_the_live_line_has_its_shape_and_counts_what_reached_the_server(tmp_path
     assert any(line.startswith("live: a 60 s step and its update do not fit 8 s") for line in out)
     rows = [r for r in map(ROW.match, out) if r and r["kind"] != "operation"]
     kinds = {r["kind"].strip() for r in rows}
-    assert {"heartbeat", "update: park, refill, load (per producer)",
+    assert {"heartbeat", "update: park (per producer)", "update: refill and load (per producer)",
             "rank 0: next_batch (real reader)"} <= kinds, kinds
     assert all(int(r["done"]) <= int(r["wanted"]) for r in rows), rows
 
