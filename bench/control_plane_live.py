@@ -136,6 +136,8 @@ class Burst:
     refills_left: int = 0
     end: float = 0.0
     after: int = 0
+    #: when an unfinished update was cut off (the drain's end)
+    cut: float = 0.0
 
 
 class Schedule:
@@ -249,6 +251,11 @@ class LiveResult:
     @property
     def share(self) -> float:
         return self.achieved / self.wanted if self.wanted else 1.0
+
+    @property
+    def kept_up(self) -> bool:
+        """At least ``KEPT_UP`` of the wanted operations achieved, and the update done."""
+        return self.share >= KEPT_UP and self.burst_done
 
     def line(self) -> str:
         return (f"scale live: {self.gpus} GPUs, {self.clients} clients, achieved "
@@ -581,6 +588,9 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
     sch.tally["claim (one, after each complete)"] = claims
     sch.stop = True
     sampler.join(3)
+    for b in bursts:  # an update still running at the drain's end: what it made so far
+        if not b.end:
+            b.after, b.cut = calls(), sch.now()
     samples.append((sch.now(), calls()))
     for rd in readers.values():  # rank 0's fence released before its run goes
         rd.close()
@@ -624,14 +634,18 @@ def summarize(run: Run, seconds: float, sch: Schedule, samples: list[tuple[float
                   f"({raw - p50 * (b.end - b.start):,.0f} less the steady p50 over it: the "
                   "update and the step's batch and deliveries)")
         else:
-            print(f"  update {k + 1}: the step from {b.start:.1f} s, not finished "
+            print(f"  update {k + 1}: the step from {b.start:.1f} s, not finished at "
+                  f"{b.cut:.1f} s: {b.after - b.before:,} Redis commands so far "
                   f"({b.producers - b.parks_left} of {b.producers} producers parked, "
                   f"{b.producers - b.refills_left if b.parked else 0} refilled)")
-    first = done[0] if done else None
+    first = bursts[0] if bursts else None
     raw = (first.after - first.before) if first else 0
-    dur = (first.end - first.start) if first else 0.0
+    dur = ((first.end or first.cut) - first.start) if first else 0.0
+    if first is not None and not first.end:
+        print(f"  the update did not finish: its figures below are what it made in the "
+              f"{dur:.1f} s until the run was cut off")
     clients = run.producers + 1 + run.ranks
     return LiveResult(run.gpus, clients, seconds, wanted, achieved, p50,
-                      max(steady, default=0.0), max(raw - p50 * dur, 0.0) if first else 0.0,
-                      raw, dur, first is not None, predicted["between"], predicted["per_update"],
+                      max(steady, default=0.0), max(raw - p50 * dur, 0.0),
+                      raw, dur, bool(done), predicted["between"], predicted["per_update"],
                       sch.tally)
