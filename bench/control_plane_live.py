@@ -79,6 +79,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -373,7 +374,6 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
         queues[i].heartbeat(f"p{i}")
         queues[i].heartbeat(f"p{i}")
 
-    from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(first_beats, pids))
         list(pool.map(setup_fill, pids))
