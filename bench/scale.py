@@ -62,6 +62,24 @@ claims); a line ``refill: release_chunk = K, start fill = F Redis commands a tas
 refill = R a task (claims of one: S); update burst B ops (claims of one: B1)`` says what
 they cost.
 
+``--live SECONDS`` drives the run instead of multiplying (``bench/control_plane_live.py``):
+after the counted pass (the model's prediction for the same run), every client makes its
+real operations concurrently at its real schedule for SECONDS of wall time (every
+producer's heartbeat, the groups' completions and claims, the collector's releases and
+steps, the rank 0 reader's real ``next_batch`` or every rank's look, every producer's
+park and refill at each update), run by ``--live-workers`` threads from a heap of due
+times. It prints, per operation kind, the count wanted by the schedule and achieved (lag
+p50 / p99), Redis's commands a second between updates and per update, and ends on
+``scale live: N GPUs, M clients, achieved A of wanted W ops/s (share x); Redis X
+commands/s steady (p50), Y per update over D s; model (cost x rate) predicts P commands/s
+steady, Q per update``. ``--gpus`` takes a list there (``1000,2500,10000``): sizes run
+smallest first until one is not kept up with (under 95 % achieved), and a last line names
+the largest kept up with. A step that does not fit SECONDS / 2 is scaled down to it (the
+groups' rate kept: said in the output). ``--quick``: 80 GPUs.
+
+    python bench/scale.py --control-plane --live SECONDS [--gpus 1000,2500,10000]
+                           [--live-workers 16] [--quick] [the flags above]
+
     python bench/scale.py [--quick] [--meta sqlite|redis] [--idle-s 20] [--counts 1,10,100]
                            [--claims 200]
 
@@ -347,7 +365,9 @@ def main() -> int:
     cp.add_argument("--control-plane", action="store_true",
                     help="count the control plane of a --gpus run instead (brings its own "
                          "Redis-backed volume up: needs juicefs, /dev/fuse, redis-server)")
-    cp.add_argument("--gpus", type=int, default=None, help="default 10000 (--quick: 80)")
+    cp.add_argument("--gpus", default=None,
+                    help="default 10000 (--quick: 80); with --live a comma list of sizes, "
+                         "run smallest first until one cannot be kept up with")
     cp.add_argument("--gpus-per-node", type=int, default=8, help="one producer per node")
     cp.add_argument("--ranks", type=int, default=None,
                     help="trainer ranks waiting for batches (default: one per GPU)")
@@ -405,12 +425,35 @@ def main() -> int:
                          "the engines below 1 (default 0.25, the trainer's)")
     cp.add_argument("--load-s", type=float, default=30.0,
                     help="seconds one engine's load takes, for the rolling update (default 30)")
+    live = ap.add_argument_group(
+        "live control plane (--control-plane --live SECONDS): every client at its real "
+        "schedule, concurrently, counted at the Redis server per second and per update")
+    live.add_argument("--live", type=float, default=None, metavar="SECONDS",
+                      help="drive the run's clients at their real rates for SECONDS of wall "
+                           "time (bench/control_plane_live.py) after a counted pass for the "
+                           "model's prediction; --step-s is scaled down to SECONDS / 2 where "
+                           "a step would not fit")
+    live.add_argument("--live-workers", type=int, default=16,
+                      help="worker threads that run the schedule (not a thread per client)")
     args = ap.parse_args()
+    try:
+        sizes = [int(x) for x in args.gpus.split(",")] if args.gpus else []
+    except ValueError:
+        ap.error(f"--gpus takes a number or, with --live, a comma list of numbers: {args.gpus!r}")
+    if len(sizes) > 1 and args.live is None:
+        ap.error("--gpus takes one number without --live")
+    args.gpus_list = sorted(sizes)
+    args.gpus = max(sizes) if sizes else None
+    if args.live is not None and (not args.control_plane or args.live <= 0
+                                  or args.live_workers < 1):
+        ap.error("--live SECONDS needs --control-plane, SECONDS > 0 and --live-workers >= 1")
+    if args.live is not None and args.journal_every_s:
+        ap.error("--live does not drive the in-flight journal yet (--journal-every-s)")
     if args.release_chunk < 1:
         ap.error(f"--release-chunk must be >= 1, got {args.release_chunk}")
     if args.control_plane:
         bad = [f"--{k.replace('_', '-')} {v}" for k, v, ok in (
-            ("gpus", args.gpus, args.gpus is None or args.gpus >= args.gpus_per_node),
+            ("gpus", args.gpus, all(n >= args.gpus_per_node for n in args.gpus_list)),
             ("gpus_per_node", args.gpus_per_node, args.gpus_per_node >= 1),
             ("ranks", args.ranks, args.ranks is None or args.ranks >= 1),
             ("slots", args.slots, args.slots >= 1),
@@ -514,12 +557,10 @@ def main() -> int:
     return 0
 
 
-def control_plane(args: argparse.Namespace) -> int:
-    from control_plane import Run, report
-    from redis_meta import Unavailable, test_volume
+def make_run(args: argparse.Namespace, gpus: int) -> Any:
+    from control_plane import Run
 
-    gpus = args.gpus or (80 if args.quick else 10_000)
-    run = Run(gpus=gpus, gpus_per_node=args.gpus_per_node, ranks=args.ranks or gpus,
+    return Run(gpus=gpus, gpus_per_node=args.gpus_per_node, ranks=args.ranks or gpus,
               slots=args.slots, step_s=args.step_s,
               batch_groups=args.batch_groups or max(1, round(2048 * gpus / 10_000)),
               handback_share=args.handback_share, burst_window_s=args.burst_window_s,
@@ -530,6 +571,15 @@ def control_plane(args: argparse.Namespace) -> int:
               journal_tok_s=args.journal_tok_s, journal_format=args.journal_format,
               release_chunk=args.release_chunk, update=args.update,
               engines_per_node=args.engines_per_node, wave=args.wave, load_s=args.load_s)
+
+
+def control_plane(args: argparse.Namespace) -> int:
+    from control_plane import report
+    from redis_meta import Unavailable, test_volume
+
+    if args.live is not None:
+        return control_plane_live(args)
+    run = make_run(args, args.gpus or (80 if args.quick else 10_000))
     try:
         with test_volume("redis", meta_cache=args.meta_cache) as vol:
             caches = ("no attribute or entry cache" if args.meta_cache == "zero" else
@@ -547,6 +597,75 @@ def control_plane(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2, default=str)
+    return 0
+
+
+def control_plane_live(args: argparse.Namespace) -> int:
+    """``--control-plane --live SECONDS``: the counted pass for the model's prediction,
+    then each ``--gpus`` size driven live (smallest first, until one is not kept up with:
+    under 95 % of the wanted operations achieved)."""
+    from control_plane_live import KEPT_UP, SetupTooSlow, drive, live_run, model
+    from redis_meta import Unavailable, test_volume
+
+    sizes = args.gpus_list or [80 if args.quick else 10_000]
+    # an update's parks take at most this many workers: the rest keep the steady schedule
+    burst_workers = max(1, args.live_workers - max(2, args.live_workers // 4))
+    results = []
+    try:
+        with test_volume("redis", meta_cache=args.meta_cache) as vol:
+            caches = ("no attribute or entry cache" if args.meta_cache == "zero" else
+                      "1 s attribute and entry caches")
+            print(f"volume: JuiceFS on a private redis-server ({vol.sock}), two clients, "
+                  f"{caches}; load average {os.getloadavg()[0]:.1f}", flush=True)
+            for gpus in sizes:
+                run = make_run(args, gpus)
+                lrun = live_run(run, args.live)
+                if lrun.step_s != run.step_s:
+                    print(f"live: a {run.step_s:g} s step and its update do not fit "
+                          f"{args.live:g} s: step scaled to {lrun.step_s:g} s and "
+                          f"{lrun.batch_groups} groups ({lrun.groups_per_s:.2f} groups/s, "
+                          f"{run.groups_per_s:.2f} at the real step)", flush=True)
+                predicted = model(vol, lrun, quiet_s=2.0 if args.quick else 5.0)
+                print(f"live: {gpus} GPUs: {lrun.producers} producers ({lrun.slots} slots, "
+                      f"{lrun.in_flight} groups in flight), {lrun.ranks} ranks "
+                      f"({lrun.trainer_watch}), {lrun.groups_per_s:.2f} groups/s, a step "
+                      f"every {lrun.step_s:g} s, heartbeat every {lrun.heartbeat_s:g} s; "
+                      f"{args.live:g} s live, {args.live_workers} workers ({burst_workers} at most "
+                      f"on an update's parks); load average "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
+                try:
+                    r = drive(vol, lrun, args.live, args.live_workers, burst_workers,
+                              predicted)
+                except SetupTooSlow as e:
+                    print(f"  this machine did not keep up with {gpus} GPUs: {e}", flush=True)
+                    break
+                results.append(r)
+                print(r.line(), flush=True)
+                if not r.kept_up:
+                    why = (f"achieved {r.share:.1%} of the wanted operations, under "
+                           f"{KEPT_UP:.0%}" if r.share < KEPT_UP else
+                           "its update did not finish before the run was cut off: the window "
+                           "and as long again after it, 30 s at least")
+                    print(f"  this machine did not keep up with {gpus} GPUs ({why})",
+                          flush=True)
+                    break
+    except Unavailable as e:
+        print(f"scale: the control-plane run needs a Redis-backed JuiceFS volume: {e}")
+        return 2
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        print(f"scale: the live control-plane run failed: {type(e).__name__}: {e}")
+        return 1
+    if len(sizes) > 1:
+        kept = [r.gpus for r in results if r.kept_up]
+        print("scale live: the largest size kept up with: "
+              + (f"{max(kept)} GPUs" if kept else "none") + f" (of {','.join(map(str, sizes))}"
+              + (f"; reached {results[-1].gpus} GPUs at share {results[-1].share:.3f})"
+                 if results else ")"))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([{k: v for k, v in r.__dict__.items() if k != "tally"}
+                       | {"ops": {k: {"wanted": t.wanted, "done": t.done, "failed": t.failed}
+                                  for k, t in r.tally.items()}} for r in results], f, indent=2)
     return 0
 
 
