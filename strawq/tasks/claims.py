@@ -226,52 +226,62 @@ class Claimer:
         order: list[int | Lease] = []
         lost = 0
         todo = self.candidates(producer, n)
-        while todo and len(won) + len(chunks) < n:
-            src = todo.pop(0)
-            if src in self._top_files:
-                self._top_files.remove(src)
-            last = src.rsplit("/", 1)[1]
-            chunk = (ChunkName.try_parse(last, RELEASES.parse(src.split("/")[1]))
-                     if src.count("/") == 2 and last.startswith(CHUNK_PREFIX) else None)
-            if chunk is not None:
-                # Leased whole, by one rename, even when it holds more tasks than the claim
-                # still wants (the caller gives those back: ``RunQueue.claim``). A task is
-                # never taken out of a queued chunk by its path: such a rename could resolve
-                # the chunk's directory just before another claimer renamed the whole chunk,
-                # and move the task out of the chunk that claimer then held and had listed.
+        for again in (False, True):
+            if again:
+                if won or chunks or not lost:
+                    break
+                # Every candidate was gone: names others claimed since this claimer
+                # listed them, while a release directory it has not listed may hold
+                # tasks. List again (as after any lost race) and try once more, rather
+                # than come back empty with work queued.
+                self._contended = True
+                todo = self.candidates(producer, n)
+            while todo and len(won) + len(chunks) < n:
+                src = todo.pop(0)
+                if src in self._top_files:
+                    self._top_files.remove(src)
+                last = src.rsplit("/", 1)[1]
+                chunk = (ChunkName.try_parse(last, RELEASES.parse(src.split("/")[1]))
+                         if src.count("/") == 2 and last.startswith(CHUNK_PREFIX) else None)
+                if chunk is not None:
+                    # Leased whole, by one rename, even when it holds more tasks than the claim
+                    # still wants (the caller gives those back: ``RunQueue.claim``). A task is
+                    # never taken out of a queued chunk by its path: such a rename could resolve
+                    # the chunk's directory just before another claimer renamed the whole chunk,
+                    # and move the task out of the chunk that claimer then held and had listed.
+                    self._fresh.discard(src)
+                    got = self._claim_chunk(src, chunk.held_by(producer))
+                    if got is None:
+                        lost += 1
+                        self._complete.discard(src.split("/", 2)[1])
+                    chunks += got or []
+                    order += got or []
+                    continue
                 self._fresh.discard(src)
-                got = self._claim_chunk(src, chunk.held_by(producer))
-                if got is None:
+                name = TaskName.try_parse(last)
+                if name is None:
+                    log.warning("ignoring a foreign file in the queue: %s", src)
+                    continue
+                held = name.with_(attempts=name.attempts + 1, producer=producer)
+                try:
+                    dst = move(self.storage, name, queued_state(name), TaskState.LEASED, held,
+                               src_key=src, sync_dir=False)
+                except NotFound:
                     lost += 1
-                    self._complete.discard(src.split("/", 2)[1])
-                chunks += got or []
-                order += got or []
-                continue
-            self._fresh.discard(src)
-            name = TaskName.try_parse(last)
-            if name is None:
-                log.warning("ignoring a foreign file in the queue: %s", src)
-                continue
-            held = name.with_(attempts=name.attempts + 1, producer=producer)
-            try:
-                dst = move(self.storage, name, queued_state(name), TaskState.LEASED, held,
-                           src_key=src, sync_dir=False)
-            except NotFound:
-                lost += 1
-                if src.count("/") >= 2:  # in a release directory: its listing is stale
-                    self._complete.discard(src.split("/", 2)[1])
-                continue  # another producer won it
-            except AlreadyExists:
-                # Not a state the protocol makes: the same task is live twice. Skip it and
-                # move this copy aside (its twin runs); never take the producer down.
-                log.error("claim of %s: %s is already held, so this task is live twice (a "
-                          "second copy at %s); skipping it and moving the copy to "
-                          "quarantine/ for inspection", name.id, key_of(TaskState.LEASED,
-                                                                        held), src)
-                self._quarantine(src)
-                continue
-            order.append(len(won))
-            won.append((dst, held, name.producer if name.resume >= 0 else None))
+                    if src.count("/") >= 2:  # in a release directory: its listing is stale
+                        self._complete.discard(src.split("/", 2)[1])
+                    continue  # another producer won it
+                except AlreadyExists:
+                    # Not a state the protocol makes: the same task is live twice. Skip it and
+                    # move this copy aside (its twin runs); never take the producer down.
+                    log.error("claim of %s: %s is already held, so this task is live twice (a "
+                              "second copy at %s); skipping it and moving the copy to "
+                              "quarantine/ for inspection", name.id, key_of(TaskState.LEASED,
+                                                                            held), src)
+                    self._quarantine(src)
+                    continue
+                order.append(len(won))
+                won.append((dst, held, name.producer if name.resume >= 0 else None))
         self._contended = lost > 0
         self._spread = max(lost, self._spread // 2)
         # No directory fsync: a claim lost to a power failure puts the task back in pending,

@@ -122,6 +122,26 @@ def test_a_claimer_lists_a_release_directory_again_once_it_lost_a_race_there(
     assert st.ops[f"list pending/{release}"] == 1, st.ops
 
 
+def test_a_claim_whose_cached_names_were_all_taken_lists_again_instead_of_claiming_nothing(
+        tmp_path: Path) -> None:
+    """A claimer that listed one release directory whole (enough names for its claims)
+    and found every one of them taken by others since, while a second release it never
+    listed holds tasks: before, its claim came back empty (one claim in four at 1,000
+    GPUs in the live control-plane run, where a producer claims every ~37 s); now it
+    lists again and claims from the second release."""
+    st = CountingStorage(str(tmp_path / "run"))
+    q = make_queue(st, release_batch=20)
+    feeder = make_feeder(q, tmp_path, 40)
+    feeder.release()
+    feeder.release()
+    mine = RunQueue.open(st)
+    assert [lease.task_id for lease in mine.claim("p0", 1)] == [tid(0)]
+    # another producer takes the rest of the first release (all this claimer cached)
+    assert len(RunQueue.open(PosixStorage(st.root)).claim("p1", 19)) == 19
+    got = [lease.task_id for lease in mine.claim("p0", 1)]
+    assert got == [tid(20)], got
+
+
 def test_a_claimer_with_names_cached_does_not_list_the_top_again_within_the_interval(
         tmp_path: Path, monkeypatch: Any) -> None:
     """Claims one at a time within ``TOP_LIST_INTERVAL_S`` of the last listing of the top
