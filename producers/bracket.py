@@ -130,7 +130,8 @@ class PauseBracket:
                  clock: Callable[[], float],
                  io: Callable[[Callable[[], Any]], Awaitable[Any]],
                  park: Callable[[str], Awaitable[int]], held: Callable[[], int],
-                 unreturned: Callable[[], int], kept: Callable[[], int] = lambda: 0) -> None:
+                 unreturned: Callable[[], int], kept: Callable[[], int] = lambda: 0,
+                 holds: bool = False) -> None:
         self.control = control
         self.producer_id = producer_id
         self.poll_s = poll_s
@@ -141,6 +142,8 @@ class PauseBracket:
         self._unreturned = unreturned
         #: leases kept through the pause, their state durable (``GroupHalts.hold_all``)
         self._kept = kept
+        #: ``park`` holds the groups (``timing.hold_through_pause``): what the log says
+        self.holds = holds
         #: a pause is seen and not yet resumed: claim nothing, start no generation
         self.pausing = False
         self.acked_version = 0
@@ -180,8 +183,9 @@ class PauseBracket:
         if self.acked_version == version:
             return False
         if not self.pausing:
-            log.info("producer %s: pause for version %d; parking %d groups",
-                     self.producer_id, version, self._held())
+            log.info("producer %s: pause for version %d; %s %d groups",
+                     self.producer_id, version, "holding" if self.holds else "parking",
+                     self._held())
         self.pausing = True
         partials = await self._park("pause")
         if self._unreturned():

@@ -184,7 +184,7 @@ class Producer:
         self._bracket = bracket = PauseBracket(
             self.control, pid, poll_s=timing.control_poll_s, clock=clock, io=self._io.call,
             park=self._pause_groups, held=table.__len__, unreturned=lambda: len(handback.orphans),
-            kept=table.held)
+            kept=table.held, holds=timing.hold_through_pause)
         #: engines on weights other than the run's version: out of rotation, noted for
         #: the trainer in engines/, probed until they hold the run's version again
         self.guard = VersionGuard(pid, client=self._slot.raw,
