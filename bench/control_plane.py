@@ -65,7 +65,8 @@ less what the idle clients send over the same time, divided by the operations ma
 that operation's cost. The cost of an operation does not depend on how many clients make
 it (it depends on the directories it lists, kept at their real sizes where they matter:
 ``pending/`` at ``pending_depth``); so ``--sample`` identities per kind, spread over the
-whole population (100 by default, every one with ``--sample 0``), are counted, and those
+whole population (100 by default, every one with ``--sample 0``), are counted (the steady
+claims one at a time: at the run's rates they rarely meet), and those
 costs times each operation's rate in the real run (``Run`` below, every rate a flag) are
 the run's demand. What this leaves out: retries of contended transactions at full
 concurrency (8 threads here, not 11,250 clients), and at an update the partial and
@@ -375,7 +376,12 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
     counter.measure("producer", "heartbeat: its second (opens hb/)",
                     lambda i: queues[i].heartbeat(f"p{i}"), pids)
     counter.measure("producer", "heartbeat", lambda i: queues[i].heartbeat(f"p{i}"), pids)
-    leases = dict(zip(pids, counter.measure("producer", "claim", claim, pids), strict=True))
+    # Steady claims one at a time: at the run's rates they rarely meet (34 a second over
+    # 1,250 producers, each a few ms), while 8 claimers at once race for the same first
+    # names and a lost race lists again: counted so at 10,000 GPUs with no cache, a claim
+    # cost 240.8 Redis commands, against 73.7 one at a time (docs/benchmarks.md).
+    leases = dict(zip(pids, counter.measure("producer", "claim", claim, pids, threads=1),
+                      strict=True))
     counter.measure("producer", "complete", lambda i: queues[i].complete(leases[i],
                                                                         group_of(leases[i])),
                     pids)
