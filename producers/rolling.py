@@ -244,9 +244,7 @@ class RollingPull:
 
     async def look_for_slots(self, m: Manifest) -> None:
         """Claim a wave slot for each engine that found the wave full, from one listing of
-        ``weights/`` (names only: ``WeightStore.claim_slot(check_url=False)``, as every
-        claim here: this producer's own loads are in ``pulls``, and its predecessor's
-        slots were released at ``start``)."""
+        ``weights/`` (``_claim``)."""
         self._look_at = self.clock() + self._look_wait * self._spread
         self._look_wait = min(2 * self._look_wait, WAVE_RETRY_MAX_S)
         client = self._client()
@@ -256,17 +254,25 @@ class RollingPull:
         for i, url in enumerate(waiting):
             if url in self.pulls:
                 continue
-            try:
-                slot = await self._io(functools.partial(
-                    self.store.claim_slot, m, self.producer_id, url, check_url=False))
-            except StrawqError as exc:
-                log.warning("producer %s cannot claim a wave slot: %s", self.producer_id, exc)
-                slot = None
+            slot = await self._claim(m, url)
             if slot is None:
                 self._waiting = waiting[i:]
                 return
             self._look_wait = WAVE_RETRY_S
             self.pulls[url] = asyncio.create_task(self.pull(client, url, m, slot))
+
+    async def _claim(self, m: Manifest, url: str) -> int | None:
+        """A wave slot of ``m`` for ``url``, from the slots' names alone
+        (``WeightStore.claim_slot(check_url=False)``: this producer's own loads are in
+        ``pulls``, and its predecessor's slots were released at ``start``); None when the
+        wave is full or the claim failed (logged): either way looked for again later."""
+        try:
+            slot: int | None = await self._io(functools.partial(
+                self.store.claim_slot, m, self.producer_id, url, check_url=False))
+            return slot
+        except StrawqError as exc:
+            log.warning("producer %s cannot claim a wave slot: %s", self.producer_id, exc)
+            return None
 
     async def step(self) -> None:
         """Read the newest manifest; start a load on each engine behind it while a wave
@@ -318,12 +324,7 @@ class RollingPull:
             if self._waiting:
                 self._waiting.append(url)  # the wave was full for an engine before it
                 continue
-            try:
-                slot = await self._io(functools.partial(
-                    self.store.claim_slot, m, self.producer_id, url, check_url=False))
-            except StrawqError as exc:
-                log.warning("producer %s cannot claim a wave slot: %s", self.producer_id, exc)
-                return
+            slot = await self._claim(m, url)
             if slot is None:  # the wave is full: looked for again (``look_for_slots``)
                 self._waiting.append(url)
                 self._look_at = self.clock() + self._look_wait * self._spread
