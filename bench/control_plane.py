@@ -305,6 +305,18 @@ def wait_for(path: str, seconds: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def collector_side(root_a: str, run: Run, tasks: int) -> tuple[RunQueue, Feeder]:
+    """The run made on client A: a dataset of ``tasks`` rows, the queue (leases that never
+    expire here, the run's heartbeat interval and ``release_chunk``) and its feeder."""
+    ds = os.path.join(root_a, "ds.jsonl")
+    with open(ds, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"prompt": [1, 2, 3], "i": i}) + "\n" for i in range(tasks))
+    q_a = RunQueue.create(PosixStorage(os.path.join(root_a, "run"), writer_id="collector"),
+                          QueueConfig(lease_timeout_s=3600, heartbeat_interval_s=run.heartbeat_s,
+                                      release_chunk=run.release_chunk))
+    return q_a, Feeder(q_a, Dataset(ds))
+
+
 def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, float]]:
     """Every client's operations once, counted; returns the counter and the demand."""
     from strawq.collector.trainer.reader import BatchReader
@@ -317,13 +329,7 @@ def measure(vol: Volume, run: Run, quiet_s: float) -> tuple[Counter, dict[str, f
     pids = run.spread(run.producers)
     tasks = (len(pids) * ((6 if run.journal_every_s else 4) + run.slots) + run.pending_depth
              + 2 * run.release_batch)
-    ds = os.path.join(root_a, "ds.jsonl")
-    with open(ds, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"prompt": [1, 2, 3], "i": i}) + "\n" for i in range(tasks))
-    q_a = RunQueue.create(PosixStorage(os.path.join(root_a, "run"), writer_id="collector"),
-                          QueueConfig(lease_timeout_s=3600, heartbeat_interval_s=run.heartbeat_s,
-                                      release_chunk=run.release_chunk))
-    feeder = Feeder(q_a, Dataset(ds))
+    q_a, feeder = collector_side(root_a, run, tasks)
     wait_for(os.path.join(root_b, "run", "run.meta"))
     print(f"setup: run on client A, {run.producers} producers and {run.ranks} trainer ranks "
           f"on client B", flush=True)

@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 import math
 import os
 import secrets
@@ -83,12 +82,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from control_plane import Run, demand, group_of, measure, steady_rates, wait_for
+from control_plane import Run, collector_side, demand, group_of, measure, steady_rates, \
+    wait_for
 from redis_meta import Volume, commandstats
 
-from strawq.config import QueueConfig
-from strawq.data.dataset import Dataset
-from strawq.data.feeder import Feeder
 from strawq.delivery.batches import BatchStore
 from strawq.errors import BatchTimeout
 from strawq.storage import PosixStorage
@@ -319,13 +316,7 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
     drain_s = max(seconds, 30.0)
     tasks = (run.in_flight + run.pending_depth + math.ceil(g * (seconds + drain_s) * 2)
              + 4 * run.release_batch)
-    ds = os.path.join(root_a, "ds.jsonl")
-    with open(ds, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"prompt": [1, 2, 3], "i": i}) + "\n" for i in range(tasks))
-    q_a = RunQueue.create(PosixStorage(os.path.join(root_a, "run"), writer_id="collector"),
-                          QueueConfig(lease_timeout_s=3600, heartbeat_interval_s=run.heartbeat_s,
-                                      release_chunk=run.release_chunk))
-    feeder = Feeder(q_a, Dataset(ds))
+    q_a, feeder = collector_side(root_a, run, tasks)
     bs = BatchStore(q_a)
     wait_for(os.path.join(root_b, "run", "run.meta"))
     t_setup = time.monotonic()
