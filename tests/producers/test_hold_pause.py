@@ -44,6 +44,21 @@ async def _push_version(url: str, version: int) -> None:
         await client.update_weight_version(version, abort_all_requests=False)
 
 
+def _holding(tmp_path: Path, sim_engine: Any, n: int) -> tuple[Any, Control, Producer]:
+    """A run of ``n`` tasks, its ``control/`` and a producer that holds its groups through
+    a pause (``HOLD``) on ``sim_engine``."""
+    run = tmp_path / "run"
+    q = make_run(str(run), n, lease_timeout_s=5.0, heartbeat_interval_s=0.1)
+    return q, Control(q.storage), Producer(cfg(run, [sim_engine.url], **HOLD))
+
+
+async def _paused_while_generating(p: Producer, control: Control) -> None:
+    """Once ``p`` generates, open a pause and wait for its ack."""
+    await wait_for(lambda: p.stats().busy_trajectories > 0, 30, "generating")
+    control.pause(1)
+    await wait_for(lambda: p.producer_id in control.state().acks, 30, "ack")
+
+
 def _held_tokens(p: Producer) -> dict[str, list[np.ndarray]]:
     """Per group the producer holds now, its samples' tokens."""
     return {a.lease.task_id: [s.response_ids.copy() for s in a.run.samples]
@@ -71,10 +86,7 @@ def test_hold_through_pause_needs_the_journal(tmp_path: Path) -> None:
 def test_a_held_bracket_yields_nothing_and_continues_the_groups(tmp_path: Path,
                                                                 sim_engine: Any) -> None:
     n = 6
-    run = tmp_path / "run"
-    q = make_run(str(run), n, lease_timeout_s=5.0, heartbeat_interval_s=0.1)
-    control = Control(q.storage)
-    p = Producer(cfg(run, [sim_engine.url], **HOLD))
+    q, control, p = _holding(tmp_path, sim_engine, n)
     seen: dict[str, Any] = {}
 
     async def body() -> None:
@@ -210,7 +222,7 @@ def test_a_held_group_past_eta_after_the_update_is_handled_as_a_claimed_partial(
     n = 3
     run = tmp_path / "run"
     q = make_run(str(run), n, lease_timeout_s=5.0, heartbeat_interval_s=0.1)
-    publish_policy(q.storage, EtaPolicy(0, "drop", epoch=1))
+    publish_policy(q.storage, EtaPolicy(0, "drop", epoch=1))  # before the producer starts
     control = Control(q.storage)
     p = Producer(cfg(run, [sim_engine.url], **HOLD))
     seen: dict[str, Any] = {}
@@ -240,16 +252,11 @@ def test_a_stop_during_a_held_pause_parks_the_held_groups(tmp_path: Path,
     """A stop keeps today's behaviour: the held groups are parked into the journal (one
     rename each, no ``.partial``) and the producer holds no lease."""
     n = 6
-    run = tmp_path / "run"
-    q = make_run(str(run), n, lease_timeout_s=5.0, heartbeat_interval_s=0.1)
-    control = Control(q.storage)
-    p = Producer(cfg(run, [sim_engine.url], **HOLD))
+    q, control, p = _holding(tmp_path, sim_engine, n)
     seen: dict[str, Any] = {}
 
     async def body() -> None:
-        await wait_for(lambda: p.stats().busy_trajectories > 0, 30, "generating")
-        control.pause(1)
-        await wait_for(lambda: p.producer_id in control.state().acks, 30, "ack")
+        await _paused_while_generating(p, control)
         seen["held"] = _held_tokens(p)  # the stop comes before the resume
 
     asyncio.run(run_producers([p], body))
@@ -271,10 +278,7 @@ def test_a_held_pause_whose_record_fails_parks_the_groups_before_it_acks(
     every group is parked (here into ``.partial`` saves: the journal fails them too) and the
     ack counts no held lease."""
     n = 6
-    run = tmp_path / "run"
-    q = make_run(str(run), n, lease_timeout_s=5.0, heartbeat_interval_s=0.1)
-    control = Control(q.storage)
-    p = Producer(cfg(run, [sim_engine.url], **HOLD))
+    q, control, p = _holding(tmp_path, sim_engine, n)
     assert p.journal is not None
 
     async def failing(**_kw: Any) -> bool:
@@ -284,9 +288,7 @@ def test_a_held_pause_whose_record_fails_parks_the_groups_before_it_acks(
     seen: dict[str, Any] = {}
 
     async def body() -> None:
-        await wait_for(lambda: p.stats().busy_trajectories > 0, 30, "generating")
-        control.pause(1)
-        await wait_for(lambda: p.producer_id in control.state().acks, 30, "ack")
+        await _paused_while_generating(p, control)
         seen["leased"] = [t for t in names(q, "leased") if t.producer == p.producer_id]
         seen["partials"] = [k for k in q.storage.list("data") if k.endswith(".partial")]
         seen["ack_held"] = control.held(1, p.producer_id)
