@@ -185,6 +185,8 @@ class Producer:
             self.control, pid, poll_s=timing.control_poll_s, clock=clock, io=self._io.call,
             park=self._pause_groups, held=table.__len__, unreturned=lambda: len(handback.orphans),
             kept=table.held, holds=timing.hold_through_pause)
+        #: a bracket was just resumed and the engines are being probed: held groups wait
+        self._probing_after_resume = False
         #: engines on weights other than the run's version: out of rotation, noted for
         #: the trainer in engines/, probed until they hold the run's version again
         self.guard = VersionGuard(pid, client=self._slot.raw,
@@ -212,7 +214,7 @@ class Producer:
                                   group_size=self.group_size, client=self._slot.guarded,
                                   pool=self.pool, handback=handback, book=book, io=self._io,
                                   rewards=self._rewards, aborter=self._aborter,
-                                  pausing=lambda: bracket.pausing, clock=clock,
+                                  pausing=self._groups_wait, clock=clock,
                                   kick=self._wakeup.kick, table=table, halts=halts,
                                   backoff=backoff)
         self.runner.saw_version = self.guard.saw_version
@@ -411,6 +413,11 @@ class Producer:
         policy = self._eta_policy.get()
         return None if policy is None else policy.max_staleness
 
+    def _groups_wait(self) -> bool:
+        """Whether the groups' samples wait: a pause is obeyed, or it was just resumed and the
+        engines are being probed (``VersionGuard.probe_all``) before any sample goes on."""
+        return self._bracket.pausing or self._probing_after_resume
+
     def _may_idle(self) -> bool:
         """Nothing to claim (pending/ listed empty), no group held or owed back, no pause
         being obeyed, heartbeats succeeding: the producer may go idle."""
@@ -437,10 +444,16 @@ class Producer:
                 except StorageError:
                     pass  # the claim's check, or the next one, will tell
             was_pausing = self._bracket.pausing
-            if await self._bracket.poll():
-                self._book.bump("brackets")
-            if was_pausing and not self._bracket.pausing:
-                await self.guard.probe_all()  # an engine the push missed stays out
+            # groups held through the pause go on only once the probe after the resume took
+            # out of rotation an engine the push missed (or that failed attestation)
+            self._probing_after_resume = was_pausing
+            try:
+                if await self._bracket.poll():
+                    self._book.bump("brackets")
+                if was_pausing and not self._bracket.pausing:
+                    await self.guard.probe_all()  # an engine the push missed stays out
+            finally:
+                self._probing_after_resume = False
             self.guard.tick()
             self.rolling.tick()
             if self._stopping or self.handback.refusal is not None:

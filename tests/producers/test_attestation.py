@@ -63,8 +63,12 @@ async def push(url: str, path: str, version: int) -> None:
         await c.push_weights(path, weight_version=version, url=url)
 
 
+@pytest.mark.parametrize("hold", [True, False], ids=["hold", "park"])
 def test_wrong_checkpoint_under_the_right_label_generates_nothing_until_repaired(
-        tmp_path: Path) -> None:
+        tmp_path: Path, hold: bool | None) -> None:
+    """Held through the pause, a group goes on only once the probe after the
+    resume took the failed engine out of rotation (it sent it requests before); parked, its
+    claim comes after that probe."""
     run_dir = str(tmp_path / "run")
     q = phased_run(run_dir, 3 * PHASE, 0)
     trainer = GRPOTrainer(init_model(TINY), str(tmp_path / "weights"), [])
@@ -73,7 +77,7 @@ def test_wrong_checkpoint_under_the_right_label_generates_nothing_until_repaired
     trainer.engine_urls = [good.url, bad.url]
     bracket = WeightUpdateBracket(q, lease_timeout_s=3.0, poll_interval_s=0.02)
     notes = EngineWeights(q.storage)
-    p = producer(run_dir, (good.url, bad.url))
+    p = producer(run_dir, (good.url, bad.url), hold=hold)
     seen: dict[str, int] = {}
 
     async def body() -> None:

@@ -70,14 +70,15 @@ def release(q: RunQueue, run_dir: str, n: int) -> None:
     Feeder(q, Dataset(os.path.join(run_dir, "dataset.jsonl"))).release(n)
 
 
-def producer(run_dir: str, workers: tuple[str, ...]) -> Producer:
+def producer(run_dir: str, workers: tuple[str, ...], *, hold: bool | None = None) -> Producer:
+    """``hold``: ``timing.hold_through_pause`` (None: the default)."""
     return Producer(ProducerConfig(
         run_dir=run_dir,
         engine=EngineConfig(workers=workers, backoff_s=0.05),
         plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
         sampling=SamplerParams(max_new_tokens=40, seed=1),
         budget=BudgetConfig(slots=4),
-        timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02)))
+        timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02, hold_through_pause=hold)))
 
 
 def versions_by_index(q: RunQueue) -> dict[int, set[int]]:
