@@ -184,7 +184,7 @@ class Producer:
         self._bracket = bracket = PauseBracket(
             self.control, pid, poll_s=timing.control_poll_s, clock=clock, io=self._io.call,
             park=self._pause_groups, held=table.__len__, unreturned=lambda: len(handback.orphans),
-            kept=table.held, holds=timing.hold_through_pause)
+            kept=table.held)
         #: a bracket was just resumed and the engines are being probed: held groups wait
         self._probing_after_resume = False
         #: engines on weights other than the run's version: out of rotation, noted for
@@ -229,11 +229,13 @@ class Producer:
                 log.info("producer %s: the journal holds what arrived; unstreamed, a segment's "
                          "tokens arrive when it ends (engine.client.stream=true makes them "
                          "durable within the window: docs/producers.md)", pid)
-        if timing.hold_through_pause and self.journal is None:
+        if timing.hold_through_pause is True and self.journal is None:
             raise ConfigError("ProducerConfig.timing.hold_through_pause needs the in-flight "
                               "journal, which a producer with turn checkpoints (a multi-turn "
                               "generate plugin, tools.checkpoint_every_*) does not keep: "
                               "set tools checkpointing off or hold_through_pause=false")
+        # None (the default): hold whenever the journal is kept, park otherwise
+        bracket.holds = self.journal is not None and timing.hold_through_pause is not False
         self._journal_task: asyncio.Task[None] | None = None
         #: whether, and how many groups, this producer may claim now
         self.gate = ClaimGate(producer_id=pid, run_dir=config.run_dir, handback=handback,
@@ -403,7 +405,7 @@ class Producer:
         ``timing.hold_through_pause``, hold them (``GroupHalts.hold_all``: one journal
         record, their leases kept; 0)."""
         journal = self.journal
-        if journal is not None and self.config.timing.hold_through_pause:
+        if journal is not None and self._bracket.holds:
             return await self.runner.halts.hold_all(why, durable=journal.flush)
         return await self.runner.halts.park_all(why)
 

@@ -274,10 +274,12 @@ class TimingConfig(Config):
     #: with their tokens, completes the groups whose samples are all final, makes the
     #: others' received state durable in ONE journal record, and acks; at ``resume-<v>``
     #: each held group continues its unfinished samples from their prefixes (the η bound
-    #: applied as at a claim). Needs the in-flight journal (the held state is durable only
-    #: there): with both journal keys 0 it is refused. Off (the default): every held group
-    #: is parked at each pause (docs/producers.md, "Holding through a pause").
-    hold_through_pause: bool = False
+    #: applied as at a claim). None (the default): hold whenever the producer keeps the
+    #: in-flight journal (the held state is durable only there), park otherwise (journal
+    #: off, or turn checkpoints on). True: hold, and refuse a producer without the journal.
+    #: False: park every held group at each pause (one record and a rename per group;
+    #: docs/producers.md, "Holding through a pause").
+    hold_through_pause: bool | None = None
 
     @property
     def journaling(self) -> bool:
@@ -289,7 +291,7 @@ class TimingConfig(Config):
             raise ConfigError("ProducerConfig.timing.journal_every_tokens and journal_every_s "
                               f"must be >= 0 (0: off), got {self.journal_every_tokens}, "
                               f"{self.journal_every_s}")
-        if self.hold_through_pause and not self.journaling:
+        if self.hold_through_pause is True and not self.journaling:
             raise ConfigError("ProducerConfig.timing.hold_through_pause needs the in-flight "
                               "journal (timing.journal_every_s or journal_every_tokens > 0): "
                               "a group held through a pause is durable only there")

@@ -63,10 +63,10 @@ async def push(url: str, path: str, version: int) -> None:
         await c.push_weights(path, weight_version=version, url=url)
 
 
-@pytest.mark.parametrize("hold", [True, False], ids=["hold", "park"])
+@pytest.mark.parametrize("hold", [None, False], ids=["hold-default", "park"])
 def test_wrong_checkpoint_under_the_right_label_generates_nothing_until_repaired(
         tmp_path: Path, hold: bool | None) -> None:
-    """Held through the pause, a group goes on only once the probe after the
+    """Held through the pause (the default), a group goes on only once the probe after the
     resume took the failed engine out of rotation (it sent it requests before); parked, its
     claim comes after that probe."""
     run_dir = str(tmp_path / "run")

@@ -72,13 +72,23 @@ def mid_sample(q: RunQueue, max_new: int) -> bool:
     return False
 
 
+def held_mid_sample(p: Producer, max_new: int) -> bool:
+    """Whether a group the producer holds through the pause has a sample begun but
+    unfinished (``timing.hold_through_pause``): it goes on under the new weights."""
+    return any(0 < len(s.response_ids) < max_new for a in p.runner.groups.values()
+               if a.run is not None for s in a.run.samples)
+
+
 #: brackets run: at least two, and more (each on new weights) until one has parked a sample
 #: mid-flight; the producer's reaction to a pause is not bounded in time on a loaded machine
 MIN_BRACKETS, MAX_BRACKETS = 2, 6
 
 
 @pytest.mark.slow
-def test_bracket_with_tiny_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hold", [False, None], ids=["park", "hold-default"])
+def test_bracket_with_tiny_engine(tmp_path: Path, hold: bool | None) -> None:
+    """Parked (``timing.hold_through_pause=false``) and held, the default with the journal:
+    either way every token's log-prob is its own weights'."""
     weights = {0: save_weights(init_model(SMALL), tmp_path / "w0")}
     for v in range(1, MAX_BRACKETS + 1):
         weights[v] = perturbed(weights[v - 1], tmp_path / f"w{v}", seed=v)
@@ -94,7 +104,8 @@ def test_bracket_with_tiny_engine(tmp_path: Path) -> None:
             plugins=PluginsConfig(reward="strawq.producers.rewards.count_task"),
             sampling=SamplerParams(max_new_tokens=max_new, ignore_eos=True, seed=1),
             budget=BudgetConfig(slots=2),
-            timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02)))
+            timing=TimingConfig(control_poll_s=0.02, idle_poll_s=0.02,
+                                hold_through_pause=hold)))
         acks: list[int] = []
         spanning = False
 
@@ -112,9 +123,16 @@ def test_bracket_with_tiny_engine(tmp_path: Path) -> None:
                                            poll_s=0.002)
                     control.pause(v)
                     await wait_for(lambda: p.producer_id in control.state().acks, 60, "ack")
-                    assert not names(q, "leased")
+                    if hold is False:
+                        assert not names(q, "leased")
+                        spanning = spanning or mid_sample(q, max_new)
+                    else:  # held: every lease kept, the groups in memory, nothing yielded
+                        assert not [t for t in names(q, "pending") if t.resume >= 0]
+                        assert sorted(t.id for t in names(q, "leased")) == sorted(
+                            a.lease.task_id for a in p.runner.groups.values())
+                        assert control.held(v, p.producer_id) == len(p.runner.groups)
+                        spanning = spanning or held_mid_sample(p, max_new)
                     acks.append(v)
-                    spanning = spanning or mid_sample(q, max_new)
                     await client.update_weights_from_disk(str(weights[v]), weight_version=v)
                     q.set_version(v)
                     control.resume(v)

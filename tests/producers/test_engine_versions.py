@@ -71,7 +71,7 @@ def release(q: RunQueue, run_dir: str, n: int) -> None:
 
 
 def producer(run_dir: str, workers: tuple[str, ...], *, hold: bool | None = None) -> Producer:
-    """``hold``: ``timing.hold_through_pause`` (None: the default)."""
+    """``hold``: ``timing.hold_through_pause`` (None, the default: hold, the journal on)."""
     return Producer(ProducerConfig(
         run_dir=run_dir,
         engine=EngineConfig(workers=workers, backoff_s=0.05),

@@ -66,7 +66,8 @@ def _config(run: Path, url: str, **sections: Any) -> ProducerConfig:
         "budget": {"slots": 2},
         "sampling": {"max_new_tokens": 80, "ignore_eos": True, "seed": 3,
                      "top_k": TOP_K_SAMPLING},
-        "timing": {"control_poll_s": 0.02, "idle_poll_s": 0.02},
+        # parked at the pause: the extras go through a partial's record and its resume
+        "timing": {"control_poll_s": 0.02, "idle_poll_s": 0.02, "hold_through_pause": False},
         "record": {"extras": (ROUTED_EXPERTS, TOP_P_TOKEN_IDS, TEACHER_LOGPROBS),
                    "teacher_url": url, "routed_experts_shape": (LAYERS, TOP_K)}}
     return config_with(base, sections)

@@ -44,12 +44,18 @@ async def _push_version(url: str, version: int) -> None:
         await client.update_weight_version(version, abort_all_requests=False)
 
 
-def _holding(tmp_path: Path, sim_engine: Any, n: int) -> tuple[Any, Control, Producer]:
+def _holding(tmp_path: Path, sim_engine: Any, n: int,
+             hold: bool | None = True) -> tuple[Any, Control, Producer]:
     """A run of ``n`` tasks, its ``control/`` and a producer that holds its groups through
-    a pause (``HOLD``) on ``sim_engine``."""
+    a pause (``HOLD``; ``hold``: its ``timing.hold_through_pause``, None the default) on
+    ``sim_engine``."""
     run = tmp_path / "run"
     q = make_run(str(run), n, lease_timeout_s=5.0, heartbeat_interval_s=0.1)
-    return q, Control(q.storage), Producer(cfg(run, [sim_engine.url], **HOLD))
+    timing = {k: v for k, v in HOLD["timing"].items() if k != "hold_through_pause"}
+    if hold is not None:
+        timing["hold_through_pause"] = hold
+    return q, Control(q.storage), Producer(cfg(run, [sim_engine.url], **{**HOLD,
+                                                                         "timing": timing}))
 
 
 async def _paused_while_generating(p: Producer, control: Control) -> None:
@@ -68,9 +74,16 @@ def _held_tokens(p: Producer) -> dict[str, list[np.ndarray]]:
 def test_hold_through_pause_needs_the_journal(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="hold_through_pause needs the in-flight journal"):
         TimingConfig(hold_through_pause=True, journal_every_s=0.0, journal_every_tokens=0)
-    assert not TimingConfig().hold_through_pause  # off by default
+    assert TimingConfig(hold_through_pause=False, journal_every_s=0.0).hold_through_pause is False
     run = tmp_path / "run"
     make_run(str(run), 1)
+    url = ["http://127.0.0.1:1"]
+    # the default (None) holds whenever the producer keeps the journal, parks otherwise
+    assert TimingConfig().hold_through_pause is None
+    assert Producer(cfg(run, url))._bracket.holds
+    assert not Producer(cfg(run, url, timing={"hold_through_pause": False}))._bracket.holds
+    off = {"journal_every_s": 0.0, "journal_every_tokens": 0}
+    assert not Producer(cfg(run, url, timing=off))._bracket.holds
     turns = {"plugins": {"reward": "strawq.producers.rewards.count_task",
                          "generate": "tests.producers.trajectory_plugins.tool_agent",
                          "generate_args": {"ledger": str(tmp_path / "ledger")}},
@@ -79,14 +92,16 @@ def test_hold_through_pause_needs_the_journal(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="turn checkpoints"):
         Producer(cfg(run, ["http://127.0.0.1:1"], timing={"hold_through_pause": True},
                      **turns))
-    assert Producer(cfg(run, ["http://127.0.0.1:1"], **turns)).journal is None
+    plain = Producer(cfg(run, url, **turns))  # the default: parks, as it keeps no journal
+    assert plain.journal is None and not plain._bracket.holds
 
 
 @pytest.mark.slow
-def test_a_held_bracket_yields_nothing_and_continues_the_groups(tmp_path: Path,
-                                                                sim_engine: Any) -> None:
+@pytest.mark.parametrize("hold", [True, None], ids=["hold", "default"])
+def test_a_held_bracket_yields_nothing_and_continues_the_groups(tmp_path: Path, sim_engine: Any,
+                                                                hold: bool | None) -> None:
     n = 6
-    q, control, p = _holding(tmp_path, sim_engine, n)
+    q, control, p = _holding(tmp_path, sim_engine, n, hold=hold)
     seen: dict[str, Any] = {}
 
     async def body() -> None:

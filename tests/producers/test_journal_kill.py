@@ -116,7 +116,8 @@ def test_a_weight_update_parks_every_group_into_one_journal_record(tmp_path: Pat
                      sampling={"max_new_tokens": 3000, "ignore_eos": True, "seed": 3},
                      timing={"control_poll_s": 0.02, "idle_poll_s": 0.02,
                              "abort_deadline_s": 2.0, "journal_every_tokens": 0,
-                             "journal_every_s": 60.0}))  # no window before the park
+                             "journal_every_s": 60.0,  # no window before the park
+                             "hold_through_pause": False}))  # a park, not the default hold
     seen: dict[str, Any] = {}
 
     async def body() -> None:

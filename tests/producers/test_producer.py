@@ -190,14 +190,19 @@ def test_stop_yields_partials_that_another_producer_finishes(
 
 
 @pytest.mark.slow
-def test_bracket_on_sim_engine(tmp_path: Path, paced_sim: EngineThread) -> None:
-    """Pause/ack/resume twice: partials carry prefixes, versions step up, the off-policy
-    prefix is masked, and nothing is lost or duplicated (tokens equal an unpaused run)."""
+@pytest.mark.parametrize("hold", [False, None], ids=["park", "hold-default"])
+def test_bracket_on_sim_engine(tmp_path: Path, paced_sim: EngineThread,
+                               hold: bool | None) -> None:
+    """Pause/ack/resume twice: partials carry prefixes (or the groups are held through the
+    pause, the default), versions step up, the off-policy prefix is masked, and nothing is
+    lost or duplicated (tokens equal an unpaused run)."""
     n = 8
     rows = [{"prompt": [20 + i, 21]} for i in range(n)]
     kw: dict[str, Any] = {"sampling": {"max_new_tokens": 300, "ignore_eos": True},
                           "budget": {"slots": 2},
                           "record": {"mask_offpolicy_in_partial_rollout": True}}
+    if hold is not None:
+        kw["timing"] = {"hold_through_pause": hold}
     q = make_run(str(tmp_path / "run"), 0, rows=rows)
     control = Control(q.storage)
     sim_engine = paced_sim
@@ -210,7 +215,10 @@ def test_bracket_on_sim_engine(tmp_path: Path, paced_sim: EngineThread) -> None:
                 await asyncio.sleep(0.03)
                 control.pause(v)
                 await wait_for(lambda: p.producer_id in control.state().acks, 30, "ack")
-                assert not [t for t in names(q, "leased")]  # ack = holds no lease
+                # the ack: no lease held, or held through the pause, each one counted
+                leased = names(q, "leased")
+                assert len(leased) == control.held(v, p.producer_id)
+                assert bool(leased) == (hold is None and bool(p.runner.groups))
                 await client.update_weight_version(v, abort_all_requests=False)
                 q.set_version(v)
                 control.resume(v)
@@ -229,7 +237,9 @@ def test_bracket_on_sim_engine(tmp_path: Path, paced_sim: EngineThread) -> None:
             assert np.array_equal(c["loss_mask"], (v == v.max()).astype(np.uint8))
             spans += int(v.min() != v.max())
     assert spans > 0
-    assert p.stats().groups_yielded >= 1
+    st = p.stats()
+    assert (st.groups_yielded, st.groups_held)[hold is None] >= 1
+    assert (st.groups_held, st.groups_yielded)[hold is None] == 0
 
 
 def test_config_is_in_sections() -> None:
