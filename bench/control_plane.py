@@ -188,8 +188,9 @@ class Run:
     wave: float = 0.25
     load_s: float = 30.0
     #: with the journal on: every producer holds its groups through the pause
-    #: (``timing.hold_through_pause``): the burst is one window record per producer, the
-    #: resume nothing; the report prints it beside the park either way
+    #: (``timing.hold_through_pause``, the producer's default with the journal): the burst
+    #: is one window record per producer, the resume nothing; the report prints it beside
+    #: the park either way (``bench/scale.py`` sets it unless ``--park``)
     hold: bool = False
 
     @property
@@ -695,6 +696,8 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
               f"{run.trainer_watch}: rank {d['steady_rank']:,.0f} ops/s, all "
               f"{d['steady']:,.0f} ops/s ({d['steady'] / cap:.1%}, ranks "
               f"{d['steady_rank'] / d['steady']:.0%} of it)")
+    # the refills are a parked bracket's (a held one claims nothing at the resume)
+    parks = demand(counter, replace(run, hold=False)) if run.hold else d
     if run.journal_every_s:
         off = demand(counter, replace(run, journal_every_s=0.0))
         w = run.journal_every_s
@@ -710,9 +713,9 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
               f"{d['steady']:,.0f} ops/s ({off['steady'] / cap:.1%} -> {d['steady'] / cap:.1%} "
               f"of the server); update burst {off['burst']:,.0f} -> {d['burst']:,.0f} ops")
         held = demand(counter, replace(run, hold=True))["burst"]
-        parked = demand(counter, replace(run, hold=False))["burst"]
-        print(f"  held through the pause instead (timing.hold_through_pause): update burst "
-              f"{parked:,.0f} -> {held:,.0f} ops (one window record per producer)")
+        print(f"  bracket pause: parked {parks['burst']:,.0f} ops, held {held:,.0f} ops (one "
+              f"window record per producer); this run's producers "
+              f"{'hold' if run.hold else 'park'} (timing.hold_through_pause)")
     per_task = {"fill": counter.cost(fill_op(run)) / run.slots,
                 "refill": counter.cost(refill_op(run)) / run.slots}
     resume = "resume from journal: claim" if run.journal_every_s else "resume: claim"
@@ -722,7 +725,8 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
           f"{per_task['fill']:,.1f} Redis commands a task, {d['start']:,.0f} ops for every "
           f"producer's first fill ({d['start'] / cap:.1f} s of the server, once a run); at "
           f"an update {per_task['refill']:,.1f} a task against {single:,.1f} in claims of "
-          f"one, update burst {d['burst_single']:,.0f} -> {d['burst']:,.0f} ops")
+          f"one, a parked update's burst {parks['burst_single']:,.0f} -> {parks['burst']:,.0f} "
+          f"ops")
     roll = shape(run)
     costs = ", ".join(f"{name[len('rolling: '):]} {counter.cost(name):,.1f}"
                       for name in rolling_counts(run, before=True) | rolling_counts(run))
@@ -738,8 +742,13 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
         burst, burst_s = d["burst"], run.burst_window_s
     worst = max(d["steady"] / cap, d["steady"] / cap + burst_share)
     volumes = max(1, math.ceil(worst / 0.2))
+    # every term but the collector's per-step ack and gc grows with the GPUs: at these
+    # rates a volume's 20 % is reached at about this many (an estimate from this run's count)
+    most = run.gpus * 0.2 / worst if worst > 0 else math.inf
     print(f"  one volume carries it within the 20 % target: "
-          f"{'yes' if volumes == 1 else f'no: shard across {volumes} volumes'}")
+          f"{'yes' if volumes == 1 else f'no: shard across {volumes} volumes'}; one volume's "
+          f"20 % at these rates: about {most:,.0f} GPUs (demand taken as proportional to the "
+          f"GPUs; the per-step terms do not grow, so a small run's figure is low)")
     size = f"{run.gpus // 1000}k" if run.gpus % 1000 == 0 else str(run.gpus)
     if run.journal_every_s:
         print(f"journal: {run.journal_every_s:g} s window ({run.journal_format}) = "
@@ -748,8 +757,8 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
               f"steady share {off['steady'] / cap:.5f} without, {d['steady'] / cap:.5f} with")
     print(f"refill: release_chunk = {run.release_chunk}, start fill = {per_task['fill']:.1f} "
           f"Redis commands a task, update refill = {per_task['refill']:.1f} a task (claims "
-          f"of one: {single:.1f}); update burst {d['burst']:.0f} ops (claims of one: "
-          f"{d['burst_single']:.0f})")
+          f"of one: {single:.1f}); update burst {parks['burst']:.0f} ops (claims of one: "
+          f"{parks['burst_single']:.0f})")
     print(f"rolling: {roll.engines} engines, wave {roll.wave}, {roll.seconds:.0f} s = "
           f"{d['rolling']:.0f} ops a rolling update ({d['rolling_before']:.0f} with a full "
           f"step at every poll); share {rolling_share:.5f} over the update "

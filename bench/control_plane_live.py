@@ -31,11 +31,17 @@ as the machine allows:
   once a second, every node stats ``batches/`` once per attribute TTL, and every rank
   lists, reads the manifest and loads its shard after each batch (the counted mode's
   operations, at their schedule);
+- with the in-flight journal (``--journal-every-s W``) every producer writes its window
+  record every W seconds (its own ``JournalLog``: deltas of its slots' entries, a full
+  record starting a segment where one is due and the records it supersedes deleted);
 - the update after each step: every producer parks its held leases (75 % saved as
   partials, 25 % handed back: ``--handback-share``), all due at once when the step's
   batch is published; once every producer has parked (the pause; the weights pushed),
   every producer refills its slots in one claim (claims again while short) and loads
-  each resumed partial. A parked producer completes and claims nothing (its turns are
+  each resumed partial. With the journal, producers hold their groups through the pause
+  instead, as a producer does by default (``timing.hold_through_pause``; ``--park``
+  parks): each writes its next window record at once, and once all have, every one goes
+  on with its leases. A paused producer completes and claims nothing (its turns are
   not wanted). The burst takes as long as this machine takes.
 
 Before the live window, at setup (not counted): the run's ``pending_depth`` tasks beyond
@@ -82,13 +88,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from control_plane import Run, collector_side, demand, group_of, measure, steady_rates, \
-    wait_for
+from control_plane import Run, collector_side, demand, group_of, journal_entry, measure, \
+    steady_rates, wait_for
 from redis_meta import Volume, commandstats
 
 from strawq.delivery.batches import BatchStore
 from strawq.errors import BatchTimeout
 from strawq.storage import PosixStorage
+from strawq.tasks.journal import JournalLog
 from strawq.tasks.queue import Lease, RunQueue
 
 #: the share of wanted operations a run must achieve to count as kept up with
@@ -365,9 +372,28 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
         queues[i].heartbeat(f"p{i}")
         queues[i].heartbeat(f"p{i}")
 
+    # the in-flight journal (--journal-every-s): each producer's own writer, a window
+    # record of its slots' entries (deltas), full where one is due (a new segment, and the
+    # records it supersedes deleted), as JournalFlush writes them
+    delta = max(1, round(run.journal_every_s * run.journal_tok_s))
+    fake = [(f"held{k}", 0) for k in range(run.slots)]
+    logs = {i: JournalLog(queues[i].storage, f"p{i}", 1,
+                          segments=run.journal_format == "segments") for i in pids}
+
+    def journal_window(i: int) -> None:
+        with locks[i]:
+            log = logs[i]
+            full = log.next == 0 or log.full_due()
+            n = log.append([journal_entry(t, g, start=0 if full else delta, tokens=delta)
+                            for t, g in fake], full=full)
+            if full and n:
+                log.superseded(fake, before=n)
+
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(first_beats, pids))
         list(pool.map(setup_fill, pids))
+        if run.journal_every_s:  # each writer's first record (full; once a lease)
+            list(pool.map(journal_window, pids))
     q_b = RunQueue.open(PosixStorage(os.path.join(root_b, "run"), writer_id="reader"))
     readers: dict[int, BatchReader] = {}
     rlock = threading.Lock()
@@ -421,28 +447,48 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
                 claims.failed += not got
 
     sch.at(0.0, "complete (and a claim of one)", group, every=1 / g)
+    if run.journal_every_s:
+        for i in pids:
+            sch.at(run.journal_every_s * (i + 0.5) / len(pids), "journal: window record",
+                   lambda i=i: journal_window(i), every=run.journal_every_s)
     sch.at(0.5 / g * run.release_batch, "release (per 64 tasks)", feeder.release,
            every=run.release_batch / g)
 
     # -- the update -----------------------------------------------------------------------
     saved = round(run.slots * (1 - run.handback_share))
 
+    hold = bool(run.journal_every_s and run.hold)
+
     def park(i: int, b: Burst) -> None:
-        """The pause: the producer parks every held lease (saved or handed back)."""
+        """The pause: the producer parks every held lease (saved or handed back), or, held
+        through the pause (``run.hold``: timing.hold_through_pause), writes its next journal
+        window record at once and keeps them."""
         try:
             with locks[i]:
                 paused.add(i)
-                for k, lease in enumerate(held[i]):
-                    if k < saved:
-                        queues[i].yield_partial(lease, group_of(lease, tokens=32))
-                    else:
-                        queues[i].release(lease)
-                held[i] = []
+                if not hold:
+                    for k, lease in enumerate(held[i]):
+                        if k < saved:
+                            queues[i].yield_partial(lease, group_of(lease, tokens=32))
+                        else:
+                            queues[i].release(lease)
+                    held[i] = []
+            if hold:
+                journal_window(i)
         finally:
             with sch.cond:
                 b.parks_left -= 1
                 last = b.parks_left == 0
-            if last:  # every producer parked: the weights are pushed, they resume
+            if last and hold:  # every producer acked: the weights are pushed, they go on
+                b.parked = sch.now()
+                for j in pids:
+                    with locks[j]:
+                        paused.discard(j)
+                b.refills_left = 0
+                b.after, b.end = calls(), sch.now()
+                with sch.cond:
+                    sch.bursts_open -= 1
+            elif last:  # every producer parked: the weights are pushed, they resume
                 b.parked = sch.now()
                 for j in pids:
                     sch.at(b.parked, "update: refill and load (per producer)",
@@ -466,9 +512,10 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
 
     def update(b: Burst) -> None:
         b.parks_start, b.parks_left, b.refills_left = sch.now(), len(pids), len(pids)
+        kind = "update: hold, a journal record (per producer)" if hold else \
+            "update: park (per producer)"
         for i in pids:
-            sch.at(b.parks_start, "update: park (per producer)", lambda i=i: park(i, b),
-                   burst=True)
+            sch.at(b.parks_start, kind, lambda i=i: park(i, b), burst=True)
 
     # -- the collector's step ---------------------------------------------------------------
     def step() -> None:
@@ -616,18 +663,23 @@ def summarize(run: Run, seconds: float, sch: Schedule, samples: list[tuple[float
           f"{pct(every, 0.5):,.0f}, max {max(every, default=0.0):,.0f} (the idle clients "
           f"send {predicted.get('quiet', 0.0):.0f} of them, in both figures)")
     done = [b for b in bursts if b.end]
+    hold = bool(run.journal_every_s and run.hold)
     for k, b in enumerate(bursts):
         if b.end:
             raw = b.after - b.before
-            print(f"  update {k + 1}: the step from {b.start:.1f} s, parks from "
-                  f"{b.parks_start:.1f} s, all parked at {b.parked:.1f} s, refilled at "
+            what = (f"held from {b.parks_start:.1f} s, every producer's record at "
+                    f"{b.parked:.1f} s, going on at" if hold else
+                    f"parks from {b.parks_start:.1f} s, all parked at {b.parked:.1f} s, "
+                    "refilled at")
+            print(f"  update {k + 1}: the step from {b.start:.1f} s, {what} "
                   f"{b.end:.1f} s: {b.end - b.start:.1f} s, {raw:,} Redis commands "
                   f"({raw - p50 * (b.end - b.start):,.0f} less the steady p50 over it: the "
                   "update and the step's batch and deliveries)")
         else:
             print(f"  update {k + 1}: the step from {b.start:.1f} s, not finished at "
                   f"{b.cut:.1f} s: {b.after - b.before:,} Redis commands so far "
-                  f"({b.producers - b.parks_left} of {b.producers} producers parked, "
+                  f"({b.producers - b.parks_left} of {b.producers} producers "
+                  f"{'held' if hold else 'parked'}, "
                   f"{b.producers - b.refills_left if b.parked else 0} refilled)")
     first = bursts[0] if bursts else None
     raw = (first.after - first.before) if first else 0

@@ -46,7 +46,11 @@ figures from the same counts are printed beside it).
                            [--journal-every-s 2] [--journal-format segments|records]
                            [--journal-tok-s 30] [--release-chunk K]
                            [--update bracket|rolling] [--engines-per-node 8] [--wave 0.25]
-                           [--load-s 30]
+                           [--load-s 30] [--park]
+
+With the journal on (``--journal-every-s``) the bracket's producers hold their groups through
+the pause, as a producer does by default (``timing.hold_through_pause``): the burst is one
+window record per producer; ``--park`` counts the park instead (both are printed).
 
 A rolling weight update (``bench/control_plane_rolling.py``: nothing parked, engines load in
 waves) is counted beside the bracket's burst in every run: a line ``rolling: E engines, wave
@@ -416,8 +420,13 @@ def main() -> int:
                          "task, taken out of a chunk (default 1: one task per file)")
     cp.add_argument("--update", choices=("bracket", "rolling"), default="bracket",
                     help="the weight update the last line's burst is of: bracket (every "
-                         "producer parks its groups) or rolling (engines load in waves; "
-                         "bench/control_plane_rolling.py); both are counted and printed")
+                         "producer pauses: with the journal on it holds its groups, the "
+                         "producer's default, else parks them) or rolling (engines load in "
+                         "waves; bench/control_plane_rolling.py); both are counted and printed")
+    cp.add_argument("--park", action="store_true",
+                    help="with the journal on, the bracket's producers park their groups "
+                         "(timing.hold_through_pause=false) instead of holding them (the "
+                         "default); both bursts are printed either way")
     cp.add_argument("--engines-per-node", type=int, default=8,
                     help="engines per producer, for the rolling update (default 8)")
     cp.add_argument("--wave", type=float, default=0.25,
@@ -447,8 +456,6 @@ def main() -> int:
     if args.live is not None and (not args.control_plane or args.live <= 0
                                   or args.live_workers < 1):
         ap.error("--live SECONDS needs --control-plane, SECONDS > 0 and --live-workers >= 1")
-    if args.live is not None and args.journal_every_s:
-        ap.error("--live does not drive the in-flight journal yet (--journal-every-s)")
     if args.release_chunk < 1:
         ap.error(f"--release-chunk must be >= 1, got {args.release_chunk}")
     if args.control_plane:
@@ -570,6 +577,7 @@ def make_run(args: argparse.Namespace, gpus: int) -> Any:
               trainer_watch=args.trainer_watch, journal_every_s=args.journal_every_s,
               journal_tok_s=args.journal_tok_s, journal_format=args.journal_format,
               release_chunk=args.release_chunk, update=args.update,
+              hold=bool(args.journal_every_s) and not args.park,
               engines_per_node=args.engines_per_node, wave=args.wave, load_s=args.load_s)
 
 

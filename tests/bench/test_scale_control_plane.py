@@ -120,6 +120,32 @@ def test_the_journal_line_has_its_shape_and_adds_to_the_steady_share(tmp_path: P
     assert float(m["cmds"]) > 0
     assert float(m["per_s"]) == pytest.approx(float(m["cmds"]) / 2, rel=0.01, abs=0.05)
     assert float(m["on"]) > float(m["off"]) > 0
+    # with the journal the producers hold their groups through the pause (their default):
+    # the line's burst is the held one, one window record per producer
+    b, pause = float(LINE.match(out[-1])["b"]), pause_line(out)
+    assert pause["this"] == "hold" and b == pytest.approx(int(pause["held"]), abs=1)
+    assert 0 < int(pause["held"]) * 10 < int(pause["parked"]), pause.group(0)
+
+
+PAUSE_LINE = re.compile(r"^  bracket pause: parked (?P<parked>\d+) ops, held (?P<held>\d+) ops "
+                        r"\(one window record per producer\); this run's producers "
+                        r"(?P<this>hold|park) ")
+
+
+def pause_line(out: list[str]) -> re.Match[str]:
+    m = next((m for line in out if (m := PAUSE_LINE.match(re.sub(r"(?<=\d),(?=\d)", "", line)))),
+             None)
+    assert m, f"no bracket pause line: {out[-8:]}"
+    return m
+
+
+def test_park_counts_a_parked_bracket_with_the_journal_on(tmp_path: Path) -> None:
+    """``--park`` (``timing.hold_through_pause=false``): the line's burst is the park's."""
+    out = _run_quick(tmp_path, "--journal-every-s", "2", "--park")
+    m, pause = LINE.match(out[-1]), pause_line(out)
+    assert m, out[-3:]
+    assert pause["this"] == "park" and float(m["b"]) == pytest.approx(int(pause["parked"]), abs=1)
+    assert int(pause["parked"]) > int(pause["held"]) > 0, pause.group(0)
 
 
 ROLLING_LINE = re.compile(

@@ -42,6 +42,29 @@ def test_the_live_line_has_its_shape_and_counts_what_reached_the_server(tmp_path
     assert all(int(r["done"]) <= int(r["wanted"]) for r in rows), rows
 
 
+@pytest.mark.slow
+@pytest.mark.juicefs
+def test_a_live_run_with_the_journal_writes_windows_and_holds_through_the_update(
+        tmp_path: Path) -> None:
+    """``--journal-every-s 2``: every producer writes its journal window on schedule, and at
+    the update holds its groups (one window record each: the producer's default with the
+    journal), with no park and no refill."""
+    out = _run_quick(tmp_path, "--live", "8", "--trainer-watch", "rank0",
+                     "--journal-every-s", "2")
+    m = LIVE.match(out[-1]) if out else None
+    assert m, f"not the live line: {out[-4:]}"
+    assert int(m["y"]) > 0 and int(m["q"]) > 0, m.group(0)
+    rows = {r["kind"].strip(): r for r in map(ROW.match, out) if r and r["kind"] != "operation"}
+    hold, window = rows["update: hold, a journal record (per producer)"], \
+        rows["journal: window record"]
+    # each of the 10 producers' record at each update, every one made
+    assert int(hold["done"]) == int(hold["wanted"]) > 0 and int(hold["wanted"]) % 10 == 0, \
+        hold.group(0)
+    assert 0 < int(window["done"]) <= int(window["wanted"]), window.group(0)
+    assert not {"update: park (per producer)", "update: refill and load (per producer)"} & \
+        set(rows), set(rows)
+
+
 @pytest.mark.process
 def test_bad_live_flags_are_refused_without_a_trace() -> None:
     for flags, said in ((["--control-plane", "--live", "0"], "SECONDS > 0"),
