@@ -40,8 +40,9 @@ as the machine allows:
   every producer refills its slots in one claim (claims again while short) and loads
   each resumed partial. With the journal, producers hold their groups through the pause
   instead, as a producer does by default (``timing.hold_through_pause``; ``--park``
-  parks): each writes its next window record at once, and once all have, every one goes
-  on with its leases. A paused producer completes and claims nothing (its turns are
+  parks): each writes its next window record at once (taken in due order with the steady
+  operations: it is one of them in size), and once all have, every one goes on with its
+  leases. A paused producer completes and claims nothing (its turns are
   not wanted). The burst takes as long as this machine takes.
 
 Before the live window, at setup (not counted): the run's ``pending_depth`` tasks beyond
@@ -514,8 +515,12 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
         b.parks_start, b.parks_left, b.refills_left = sch.now(), len(pids), len(pids)
         kind = "update: hold, a journal record (per producer)" if hold else \
             "update: park (per producer)"
+        # a held update is one window record per producer, the size of a steady one: taken
+        # in due order with the steady operations (a park's burst waits behind them, on at
+        # most burst_workers workers), unless due after the window, where only bursts run
+        burst = not hold or b.parks_start >= sch.end
         for i in pids:
-            sch.at(b.parks_start, kind, lambda i=i: park(i, b), burst=True)
+            sch.at(b.parks_start, kind, lambda i=i: park(i, b), burst=burst)
 
     # -- the collector's step ---------------------------------------------------------------
     def step() -> None:
