@@ -624,7 +624,7 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
     done.done -= state["skipped"]
     claims.wanted, claims.lags = done.wanted, done.lags
     if state["skipped"]:
-        print(f"  {state['skipped']} group turns fell to producers parked for the update "
+        print(f"  {state['skipped']} group turns fell to producers paused for the update "
               "(not wanted: a paused producer completes and claims nothing)")
     if claims.failed:
         claims.error = "claimed nothing (every race lost, or pending/ empty)"
