@@ -35,20 +35,23 @@ measures the server's capacity with ``redis-benchmark`` on the run's steady comm
 ends on ``scale: 10k-GPU control plane = A ops/s steady, B ops per update burst; metadata
 server capacity = C ops/s; share = A/C (burst B/D/C over D s)``, saying how many volumes a
 run must be sharded across to stay under 20 % of each. ``--quick``: 80 GPUs' clients, every
-one counted (under a minute). ``--trainer-watch`` names how ranks wait: ``per-rank`` (every
-rank watches ``batches/``) or ``rank0`` (``BatchReader(process_group=...)``: one rank
-watches, the others hear over the process group and load only their shard; the per-rank
-figures from the same counts are printed beside it).
+one counted (under a minute). The defaults are a run's: rank 0 watches, the in-flight
+journal every 4 s, the bracket held. ``--trainer-watch`` names how ranks wait: ``rank0``
+(the default: ``BatchReader(process_group=...)``, one rank watches, the others hear over
+the process group and load only their shard; the per-rank figures from the same counts are
+printed beside it; slime's and verl's adapters read with one process) or ``per-rank``
+(every rank watches ``batches/``: a reader without its process group).
 
     python bench/scale.py --control-plane [--quick] [--gpus 10000] [--ranks N]
                            [--slots 24] [--batch-groups 2048] [--step-s 60]
                            [--meta-cache zero|default] [--sample 100]
-                           [--journal-every-s 2] [--journal-format segments|records]
+                           [--journal-every-s 4] [--journal-format segments|records]
                            [--journal-tok-s 30] [--release-chunk K]
                            [--update bracket|rolling] [--engines-per-node 8] [--wave 0.25]
                            [--load-s 30] [--park]
 
-With the journal on (``--journal-every-s``) the bracket's producers hold their groups through
+With the journal on (``--journal-every-s``, 4 s by default, a producer's default; 0: off)
+the bracket's producers hold their groups through
 the pause, as a producer does by default (``timing.hold_through_pause``): the burst is one
 window record per producer; ``--park`` counts the park instead (both are printed).
 
@@ -396,17 +399,18 @@ def main() -> int:
                     help="the volume's kernel caches: zero (every call reaches the server, "
                          "as on a node whose cache has expired: the upper bound) or default "
                          "(1 s TTLs, shared by every simulated client: the lower bound)")
-    cp.add_argument("--trainer-watch", choices=("per-rank", "rank0"), default="per-rank",
-                    help="how trainer ranks wait for batches: per-rank (each rank polls "
-                         "batches/: a reader without a process group) or rank0 (the group's "
+    cp.add_argument("--trainer-watch", choices=("per-rank", "rank0"), default="rank0",
+                    help="how trainer ranks wait for batches: rank0 (the default: the group's "
                          "rank 0 watches, the others hear over the group: "
-                         "BatchReader(process_group=...)); rank0 prints per-rank's figures "
-                         "beside its own, from the same counts")
-    cp.add_argument("--journal-every-s", type=float, default=0.0,
-                    help="the in-flight journal's window in seconds (0: no journal, the "
-                         "default): each producer's window record and superseded delete as a "
-                         "steady term, the park into the journal at the update; the figures "
-                         "without it are printed beside")
+                         "BatchReader(process_group=...); per-rank's figures printed beside "
+                         "its own, from the same counts) or per-rank (each rank polls "
+                         "batches/: a reader without its process group)")
+    cp.add_argument("--journal-every-s", type=float, default=4.0,
+                    help="the in-flight journal's window in seconds (default 4, a producer's "
+                         "timing.journal_every_s; 0: no journal): each producer's window "
+                         "record and superseded delete as a steady term, and the bracket held "
+                         "(or, with --park, parked into the journal) at the update; the "
+                         "figures without it are printed beside")
     cp.add_argument("--journal-format", choices=("segments", "records"), default="segments",
                     help="segments: each window appended to the writer's open segment (what a "
                          "store that can append gets); records: a file published per window "

@@ -77,6 +77,7 @@ def refill_lines(out: list[str]) -> tuple[re.Match[str], re.Match[str]]:
 
 
 def test_the_line_has_its_shape_and_positive_figures(tmp_path: Path) -> None:
+    """The defaults are a run's: rank 0 watches, the journal every 4 s, the bracket held."""
     out = _run_quick(tmp_path)
     m = LINE.match(out[-1]) if out else None
     assert m, f"not the control-plane line: {out[-3:]}"
@@ -84,12 +85,17 @@ def test_the_line_has_its_shape_and_positive_figures(tmp_path: Path) -> None:
     a, b, c = float(m["a"]), float(m["b"]), float(m["c"])
     assert a > 0 and b > 0 and c > 0, out[-1]
     assert float(m["share"]) == pytest.approx(a / c, rel=0.01, abs=0.001)
-    # every producer's refills, each one claim of its slot budget: the burst counts them
+    assert any(line.startswith("journal: 4 s window") for line in out), "the journal is on"
+    assert any("now rank0:" in line for line in out), "rank 0 watches"
+    # the bracket held (one window record per producer): the line's burst; a parked one's
+    # refills, each one claim of its slot budget, are printed beside
+    pause = pause_line(out)
+    assert pause["this"] == "hold" and b == pytest.approx(int(pause["held"]), abs=1)
     r, filled = refill_lines(out)
     assert int(r["k"]) == 1 and int(filled["chunked"]) == 0 and int(filled["again"]) == 0
     assert int(filled["tasks"]) == 10 * 24, "10 producers fill 24 slots each"
     assert float(r["fill"]) > 0 and float(r["refill"]) > 0 and float(r["single"]) > 0
-    assert int(r["burst"]) == pytest.approx(b, abs=1), "the line's burst is the refill's"
+    assert int(r["burst"]) == int(pause["parked"]) > b, "the refills are a parked update's"
     assert int(r["burst_single"]) > 0
 
 
@@ -179,12 +185,18 @@ CHUNK_LINE = re.compile(r"^  release_chunk = (?P<k>\d+): (?P<staged>\d+) chunk d
 
 
 def test_release_chunk_stages_chunks_and_still_prints_the_line(tmp_path: Path) -> None:
-    """``--release-chunk 4``: the collector's releases stage chunk directories (issue 40)."""
-    out = _run_quick(tmp_path, "--release-chunk", "4")
-    assert LINE.match(out[-1]), out[-3:]
+    """``--release-chunk 4``: the collector's releases stage chunk directories (issue 40);
+    here without the journal and with every rank watching: the bracket parks, and the
+    line's burst is the refills'."""
+    out = _run_quick(tmp_path, "--release-chunk", "4", "--journal-every-s", "0",
+                     "--trainer-watch", "per-rank")
+    shown = LINE.match(out[-1])
+    assert shown, out[-3:]
     m = next((m for line in out if (m := CHUNK_LINE.match(line))), None)
     assert m, f"no release_chunk line: {out[:8]}"
     assert int(m["k"]) == 4 and int(m["staged"]) > 0, m.group(0)
     # the start's fill (24 tasks a claim) takes whole chunks
     r, filled = refill_lines(out)
     assert int(r["k"]) == 4 and int(filled["chunked"]) > 0, filled.group(0)
+    assert int(r["burst"]) == pytest.approx(float(shown["b"]), abs=1), "the line's burst: refills"
+    assert not any(line.startswith("journal:") for line in out), "the journal is off"

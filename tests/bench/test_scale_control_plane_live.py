@@ -25,7 +25,8 @@ ROW = re.compile(r"^  (?P<kind>\S.*?)\s+(?P<wanted>\d+)\s+(?P<done>\d+)\s+(?P<sh
 @pytest.mark.slow
 @pytest.mark.juicefs
 def test_the_live_line_has_its_shape_and_counts_what_reached_the_server(tmp_path: Path) -> None:
-    out = _run_quick(tmp_path, "--live", "8", "--trainer-watch", "rank0")
+    # without the journal: the bracket parks and refills
+    out = _run_quick(tmp_path, "--live", "8", "--trainer-watch", "rank0", "--journal-every-s", "0")
     m = LIVE.match(out[-1]) if out else None
     assert m, f"not the live line: {out[-4:]}"
     assert int(m["gpus"]) == 80 and int(m["clients"]) == 10 + 1 + 80, m.group(0)
@@ -46,11 +47,10 @@ def test_the_live_line_has_its_shape_and_counts_what_reached_the_server(tmp_path
 @pytest.mark.juicefs
 def test_a_live_run_with_the_journal_writes_windows_and_holds_through_the_update(
         tmp_path: Path) -> None:
-    """``--journal-every-s 2``: every producer writes its journal window on schedule, and at
-    the update holds its groups (one window record each: the producer's default with the
-    journal), with no park and no refill."""
-    out = _run_quick(tmp_path, "--live", "8", "--trainer-watch", "rank0",
-                     "--journal-every-s", "2")
+    """The defaults (the journal every 4 s, rank 0 watching): every producer writes its
+    journal window on schedule, and at the update holds its groups (one window record each:
+    the producer's default with the journal), with no park and no refill."""
+    out = _run_quick(tmp_path, "--live", "8")
     m = LIVE.match(out[-1]) if out else None
     assert m, f"not the live line: {out[-4:]}"
     assert int(m["y"]) > 0 and int(m["q"]) > 0, m.group(0)
