@@ -315,3 +315,83 @@ def test_a_held_pause_whose_record_fails_parks_the_groups_before_it_acks(
     assert seen["partials"] and p.stats().groups_yielded == len(seen["partials"])
     assert p.stats().groups_held == 0
     check_exactly_once(q, n)
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_a_producer_silent_at_a_held_pause_is_not_waited_for_and_loses_nothing(
+        tmp_path: Path, sim_engine: Any) -> None:
+    """The crash table's first row for a held pause: a producer (holding by default, the
+    journal on) stops before it acks. The trainer judges it dead and resumes without it;
+    its leases expire and each group is resumed elsewhere from its journal windows. When it
+    wakes after that, nothing it held is completed twice."""
+    import signal
+
+    from strawq.collector.trainer.bracket import WeightUpdateBracket
+
+    n = 3
+    run = tmp_path / "run"
+    q = make_run(str(run), n, lease_timeout_s=2.0, heartbeat_interval_s=0.1)
+    code = "import sys; sys.modules['ray'] = None; from strawq.app.cli import main; " \
+           "sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen(  # the journal on (streamed, a window every 0.3 s): held
+        [sys.executable, "-c", code, "producer", str(run), "--engine", sim_engine.url,
+         "--reward", "strawq.producers.rewards.count_task", "--slots", "3",
+         "--set", "sampling.max_new_tokens=3000", "--set", "sampling.ignore_eos=true",
+         "--set", "timing.idle_poll_s=0.02", "--set", "timing.control_poll_s=0.5",
+         "--set", "timing.journal_every_s=0.3", "--set", "engine.client.stream=true"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    bracket = WeightUpdateBracket(q, lease_timeout_s=2.0, poll_interval_s=0.02)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # every task held, with tokens in its journal windows
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the producer never journaled every task"
+            leased = names(q, "leased")
+            if len(leased) == n and len(_journal_tokens(q)) == n:
+                break
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGSTOP)  # silent before it could see the pause
+        (stopped,) = {t.producer for t in names(q, "leased")}
+        got = _journal_tokens(q)  # what its windows made durable before the pause
+        assert got and sorted(got) == ids(q, "leased")
+        assert any(len(t) for toks in got.values() for t in toks.values())
+        report = bracket.begin_weight_update(timeout=30.0)
+        assert stopped in report.dead and stopped not in report.acked, report
+        assert control_acks(q) == set()
+        asyncio.run(_push_version(sim_engine.url, 1))  # the trainer's push
+        bracket.end_weight_update(1)
+        monitor = bracket.monitor  # it has watched the silent heartbeat since the pause
+        while [t for t in names(q, "leased") if t.producer == stopped]:  # the lease timeout
+            assert time.monotonic() < deadline + 30, "its leases never expired"
+            monitor.scan()
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGCONT)  # it wakes holding leases that are gone
+
+        healthy = Producer(cfg(run, [sim_engine.url], budget={"slots": 3},
+                               sampling={"max_new_tokens": 3000, "ignore_eos": True}))
+
+        async def body() -> None:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 90
+            while len(ids(q, "ready")) < n:
+                assert loop.time() < end, "work not finished"
+                monitor.scan()
+                await asyncio.sleep(0.05)
+
+        asyncio.run(run_producers([healthy], body))
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+    check_exactly_once(q, n)
+    # each group went on from the windows the silent producer wrote before the pause
+    for tid, group in ready_groups(q).items():
+        for i, toks in got[tid].items():
+            np.testing.assert_array_equal(group.sample(i)["tokens"][:len(toks)], toks)
+
+
+def control_acks(q: Any) -> set[str]:
+    return set(Control(q.storage).state().acks)
