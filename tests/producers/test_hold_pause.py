@@ -151,6 +151,20 @@ def test_a_held_bracket_yields_nothing_and_continues_the_groups(tmp_path: Path, 
     assert spans > 0
 
 
+def _producer_process(run: Path, url: str, *sets: str) -> subprocess.Popen[str]:
+    """``strawq producer`` on ``run`` in a process of its own (3 slots, long groups on
+    ``url``), with ``--set`` for each of ``sets``."""
+    code = "import sys; sys.modules['ray'] = None; from strawq.app.cli import main; " \
+           "sys.exit(main(sys.argv[1:]))"
+    flags = [f for kv in ("sampling.max_new_tokens=3000", "sampling.ignore_eos=true",
+                          "timing.idle_poll_s=0.02", *sets) for f in ("--set", kv)]
+    return subprocess.Popen(
+        [sys.executable, "-c", code, "producer", str(run), "--engine", url,
+         "--reward", "strawq.producers.rewards.count_task", "--slots", "3", *flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
 def _journal_tokens(q: Any) -> dict[str, dict[int, np.ndarray]]:
     """Per leased task, its samples' tokens in its holder's journal prefix."""
     out: dict[str, dict[int, np.ndarray]] = {}
@@ -177,16 +191,8 @@ def test_a_producer_killed_after_a_held_ack_is_resumed_from_its_journal(
     run = tmp_path / "run"
     q = make_run(str(run), n, lease_timeout_s=1.0, heartbeat_interval_s=0.1)
     control = Control(q.storage)
-    code = "import sys; sys.modules['ray'] = None; from strawq.app.cli import main; " \
-           "sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, "producer", str(run), "--engine", sim_engine.url,
-         "--reward", "strawq.producers.rewards.count_task", "--slots", "3",
-         "--set", "sampling.max_new_tokens=3000", "--set", "sampling.ignore_eos=true",
-         "--set", "timing.idle_poll_s=0.02", "--set", "timing.control_poll_s=0.02",
-         "--set", "timing.journal_every_s=60", "--set", "timing.hold_through_pause=true"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = _producer_process(run, sim_engine.url, "timing.control_poll_s=0.02",
+                             "timing.journal_every_s=60", "timing.hold_through_pause=true")
     try:
         deadline = time.monotonic() + 60
         while len(names(q, "leased")) < n:
@@ -332,16 +338,9 @@ def test_a_producer_silent_at_a_held_pause_is_not_waited_for_and_loses_nothing(
     n = 3
     run = tmp_path / "run"
     q = make_run(str(run), n, lease_timeout_s=2.0, heartbeat_interval_s=0.1)
-    code = "import sys; sys.modules['ray'] = None; from strawq.app.cli import main; " \
-           "sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen(  # the journal on (streamed, a window every 0.3 s): held
-        [sys.executable, "-c", code, "producer", str(run), "--engine", sim_engine.url,
-         "--reward", "strawq.producers.rewards.count_task", "--slots", "3",
-         "--set", "sampling.max_new_tokens=3000", "--set", "sampling.ignore_eos=true",
-         "--set", "timing.idle_poll_s=0.02", "--set", "timing.control_poll_s=0.5",
-         "--set", "timing.journal_every_s=0.3", "--set", "engine.client.stream=true"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+    # the journal on (streamed, a window every 0.3 s): held by default
+    proc = _producer_process(run, sim_engine.url, "timing.control_poll_s=0.5",
+                             "timing.journal_every_s=0.3", "engine.client.stream=true")
     bracket = WeightUpdateBracket(q, lease_timeout_s=2.0, poll_interval_s=0.02)
     try:
         deadline = time.monotonic() + 60
