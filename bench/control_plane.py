@@ -194,6 +194,12 @@ class Run:
     hold: bool = False
 
     @property
+    def held(self) -> bool:
+        """Whether the bracket's producers hold their groups (``hold``, with the journal on:
+        without it there is nothing to hold them in)."""
+        return bool(self.journal_every_s and self.hold)
+
+    @property
     def watchers(self) -> int:
         """Ranks that watch batches/ while they wait."""
         return 1 if self.trainer_watch == "rank0" else self.ranks
@@ -622,7 +628,7 @@ def burst_counts(run: Run, *, refill: bool = True) -> dict[str, float]:
     claims of one task each (the model before refills were counted)."""
     saved = run.in_flight * (1 - run.handback_share)
     handed = run.in_flight * run.handback_share
-    if run.journal_every_s and run.hold:
+    if run.held:
         # held through the pause: one record (the producer's next window) per producer; no
         # group yielded, handed back, claimed or loaded again
         return {"journal: window record": run.producers}
@@ -697,7 +703,7 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
               f"{d['steady']:,.0f} ops/s ({d['steady'] / cap:.1%}, ranks "
               f"{d['steady_rank'] / d['steady']:.0%} of it)")
     # the refills are a parked bracket's (a held one claims nothing at the resume)
-    parks = demand(counter, replace(run, hold=False)) if run.hold else d
+    parks = demand(counter, replace(run, hold=False)) if run.held else d
     if run.journal_every_s:
         off = demand(counter, replace(run, journal_every_s=0.0))
         w = run.journal_every_s
@@ -715,7 +721,7 @@ def report(vol: Volume, run: Run, quiet_s: float, capacity_requests: int) -> dic
         held = demand(counter, replace(run, hold=True))["burst"]
         print(f"  bracket pause: parked {parks['burst']:,.0f} ops, held {held:,.0f} ops (one "
               f"window record per producer); this run's producers "
-              f"{'hold' if run.hold else 'park'} (timing.hold_through_pause)")
+              f"{'hold' if run.held else 'park'} (timing.hold_through_pause)")
     per_task = {"fill": counter.cost(fill_op(run)) / run.slots,
                 "refill": counter.cost(refill_op(run)) / run.slots}
     resume = "resume from journal: claim" if run.journal_every_s else "resume: claim"

@@ -458,7 +458,7 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
     # -- the update -----------------------------------------------------------------------
     saved = round(run.slots * (1 - run.handback_share))
 
-    hold = bool(run.journal_every_s and run.hold)
+    hold = run.held
 
     def park(i: int, b: Burst) -> None:
         """The pause: the producer parks every held lease (saved or handed back), or, held
@@ -668,7 +668,7 @@ def summarize(run: Run, seconds: float, sch: Schedule, samples: list[tuple[float
           f"{pct(every, 0.5):,.0f}, max {max(every, default=0.0):,.0f} (the idle clients "
           f"send {predicted.get('quiet', 0.0):.0f} of them, in both figures)")
     done = [b for b in bursts if b.end]
-    hold = bool(run.journal_every_s and run.hold)
+    hold = run.held
     for k, b in enumerate(bursts):
         if b.end:
             raw = b.after - b.before

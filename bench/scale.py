@@ -51,9 +51,9 @@ printed beside it; slime's and verl's adapters read with one process) or ``per-r
                            [--load-s 30] [--park]
 
 With the journal on (``--journal-every-s``, 4 s by default, a producer's default; 0: off)
-the bracket's producers hold their groups through
-the pause, as a producer does by default (``timing.hold_through_pause``): the burst is one
-window record per producer; ``--park`` counts the park instead (both are printed).
+the bracket's producers hold their groups through the pause, as a producer does by default
+(``timing.hold_through_pause``): the burst is one window record per producer; ``--park``
+counts the park instead (both are printed).
 
 A rolling weight update (``bench/control_plane_rolling.py``: nothing parked, engines load in
 waves) is counted beside the bracket's burst in every run: a line ``rolling: E engines, wave
