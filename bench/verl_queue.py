@@ -89,10 +89,19 @@ def p99(xs: list[float]) -> float:
     return s[min(len(s) - 1, int(0.99 * len(s)))]
 
 
-def run_stream(actor: Any, blobs: list[bytes], concurrency: int) -> dict[str, float]:
+def client_of(actor: Any, strawq: bool) -> Any:
+    """The client verl's entry point makes for the queue: verl's ``MessageQueueClient``, or,
+    after ``install()``, ``StrawqMessageQueueClient`` (its puts written by the putter)."""
     from verl.experimental.fully_async_policy.message_queue import MessageQueueClient
 
-    client = MessageQueueClient(actor)
+    from strawq.collector.integrations.verl.queue_client import StrawqMessageQueueClient
+
+    return (StrawqMessageQueueClient if strawq else MessageQueueClient)(actor)
+
+
+def run_stream(actor: Any, blobs: list[bytes], concurrency: int,
+               strawq: bool) -> dict[str, float]:
+    client = client_of(actor, strawq)
     ray.get(actor.get_queue_size.remote())  # the actor is up: its start is not timed
 
     async def go() -> dict[str, float]:
@@ -102,10 +111,14 @@ def run_stream(actor: Any, blobs: list[bytes], concurrency: int) -> dict[str, fl
             async with sem:
                 await client.put_sample(sample=b)
 
+        if strawq:  # the client asks the queue where it lives once: not timed
+            await client.connect()
         c0 = await asyncio.wrap_future(actor.cpu.remote().future())
+        p0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         await asyncio.gather(*(put(b) for b in blobs))
         t_put = time.perf_counter() - t0
+        p1 = resource.getrusage(resource.RUSAGE_SELF)
         c1 = await asyncio.wrap_future(actor.cpu.remote().future())
         lat: list[float] = []
         t0 = time.perf_counter()
@@ -119,17 +132,26 @@ def run_stream(actor: Any, blobs: list[bytes], concurrency: int) -> dict[str, fl
         return {"put_s": t_put, "get_s": t_get, "p99_ms": 1000 * p99(lat),
                 "put_usr_ms": 1000 * (c1[0] - c0[0]) / len(blobs),
                 "put_sys_ms": 1000 * (c1[1] - c0[1]) / len(blobs),
+                "client_usr_ms": 1000 * (p1.ru_utime - p0.ru_utime) / len(blobs),
+                "client_sys_ms": 1000 * (p1.ru_stime - p0.ru_stime) / len(blobs),
                 "bytes_put": float(stats.get("bytes_put", 0)),
-                "files": float(stats.get("files_written", 0))}
+                "files": float(stats.get("files_written", 0)),
+                "written": float(stats.get("puts_written_by_putter", 0))}
 
     return asyncio.run(go())
 
 
-def crash(make: Any, blobs: list[bytes]) -> int:
-    """Samples lost when the actor holding ``blobs`` is killed with SIGKILL."""
+def crash(make: Any, blobs: list[bytes], strawq: bool) -> int:
+    """Samples lost when the actor holding ``blobs``, put through its client, is killed with
+    SIGKILL."""
     a = make()
-    for b in blobs:
-        ray.get(a.put_sample.remote(b))
+    client = client_of(a, strawq)
+
+    async def put_all() -> None:
+        for b in blobs:
+            await client.put_sample(sample=b)
+
+    asyncio.run(put_all())
     assert ray.get(a.get_queue_size.remote()) == len(blobs)
     os.kill(ray.get(a.pid.remote()), signal.SIGKILL)
     deadline = time.monotonic() + 60
@@ -185,18 +207,23 @@ def main() -> None:
         results = {}
         for name, make in (("verl MessageQueue", lambda: verl_cls.remote(cfg, 100000)),
                            ("strawq queue", lambda: strawq_cls.remote(cfg, 100000, **sync))):
-            results[name] = r = run_stream(make(), blobs, a.concurrency)
+            results[name] = r = run_stream(make(), blobs, a.concurrency,
+                                           strawq=name.startswith("strawq"))
             per = r["bytes_put"] / a.samples if r["bytes_put"] else size
             print(f"{name:18s} puts/s {a.samples / r['put_s']:8.0f}   gets/s "
                   f"{a.samples / r['get_s']:8.0f}   p99 get {r['p99_ms']:6.2f} ms   "
                   f"bytes/sample {per:9.0f}" + ("" if r["bytes_put"] else " (in memory)"))
-            print(f"{'':18s} the actor's CPU per put: user {r['put_usr_ms']:.2f} ms, system "
-                  f"{r['put_sys_ms']:.2f} ms" + (f"; puts per file {a.samples / r['files']:.2f}"
-                                                 if r["files"] else ""))
+            print(f"{'':18s} CPU per put: the actor's user {r['put_usr_ms']:.2f} ms, system "
+                  f"{r['put_sys_ms']:.2f} ms; the putter's user {r['client_usr_ms']:.2f} ms, "
+                  f"system {r['client_sys_ms']:.2f} ms"
+                  + (f"; puts per file {a.samples / r['files']:.2f}" if r["files"] else "")
+                  + (f"; written by the putter {r['written'] / a.samples:.2f}"
+                     if name.startswith("strawq") else ""))
             shutil.rmtree(os.path.join(root, "ckpt"), ignore_errors=True)
         through = {k: a.samples / (r["put_s"] + r["get_s"]) for k, r in results.items()}
-        lost_verl = crash(lambda: verl_cls.remote(cfg, 100000), blobs[:a.crash])
-        lost_strawq = crash(lambda: strawq_cls.remote(cfg, 100000, **sync), blobs[:a.crash])
+        lost_verl = crash(lambda: verl_cls.remote(cfg, 100000), blobs[:a.crash], False)
+        lost_strawq = crash(lambda: strawq_cls.remote(cfg, 100000, **sync), blobs[:a.crash],
+                            True)
         print(f"crash with {a.crash} samples queued: verl's queue lost {lost_verl}, "
               f"strawq's lost {lost_strawq}")
         ratio = through["strawq queue"] / through["verl MessageQueue"]

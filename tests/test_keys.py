@@ -83,6 +83,7 @@ OWNERS = {
     "dropped/": "collector/trainer/metrics.py",  # the metric name; the entries go through states.py
     # the adapters' stores (``strawq.tasks.states.STORES``): verl's queue directory
     "samples/": "strawq/tasks/states.py",
+    "incoming/": "strawq/tasks/states.py",
     "commits/": "strawq/tasks/states.py",
     "drops/": "strawq/tasks/states.py",
     "partials/": "strawq/tasks/states.py",

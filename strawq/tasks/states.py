@@ -523,15 +523,22 @@ class Store:
 
 
 #: verl's durable ``MessageQueue`` (``strawq.collector.integrations.verl.samples``): a verl
-#: ``RolloutSample`` is a finished group (READY) in ``samples/<seq>~<id>``, or one of a batch
+#: ``RolloutSample`` its putter wrote itself waits, PENDING, in ``incoming/`` until the queue
+#: names it; it is a finished group (READY) in ``samples/<seq>~<id>``, or one of a batch
 #: file's, ``samples/<first seq>~<last seq>~batch`` (the puts of one write); handed out to
 #: verl's trainer it is BATCHED, its record left where it is (the hand-out is held in memory
 #: and re-derived from ``samples/`` and the newest commit at a restart); a checkpoint's
 #: ``commits/<n>`` covers it, TRAINED, and the record is deleted.
 VERL_SAMPLES = Store(
     name="verl sample",
-    dirs={S.READY: "samples", S.BATCHED: "samples", S.DROPPED: "drops"},
+    dirs={S.PENDING: "incoming", S.READY: "samples", S.BATCHED: "samples", S.DROPPED: "drops"},
     transitions={
+        (S.PENDING, S.READY): "a put its putter wrote (put_written): the record, durable in "
+                              "incoming/, renamed to samples/<seq>~<id> by the queue; recover "
+                              "names those no put named",
+        (S.PENDING, S.TRAINED): "a written put of a sample the queue holds or recently "
+                                "committed (a duplicate), or one the queue's process cannot "
+                                "see (the putter sends the bytes instead): deleted",
         (S.READY, S.BATCHED): "get (the queue): handed out to verl's trainer, in put order; "
                               "no file operation (the record stays in samples/)",
         (S.BATCHED, S.READY): "rewind, or a restart of the queue: every hand-out no commit "

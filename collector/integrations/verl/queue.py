@@ -44,7 +44,7 @@ from typing import Any
 from strawq.collector.integrations.verl.config import _cfg, queue_dir
 from strawq.collector.integrations.verl.samples import (QUEUE_FULL, SAMPLES, DurableSampleQueue,
                                                         Held, Pending, sample_identity)
-from strawq.errors import ConfigError
+from strawq.errors import ConfigError, NotFound
 from strawq.storage import PosixStorage
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class StrawqMessageQueue:
         self._per_version = samples_per_version(config)
         fresh = not os.path.isdir(os.path.join(self.path, SAMPLES))
         resume_mode = str(_cfg(config, "trainer.resume_mode", "auto"))
+        self.fsync = fsync
         self.storage = PosixStorage(self.path, writer_id="verlq", fsync=fsync)
         self.q = DurableSampleQueue(self.storage, max_size=int(max_queue_size))
         if resume_mode == "disable" and not fresh and (self.q.size() or self.q.consumed):
@@ -209,6 +210,25 @@ class StrawqMessageQueue:
         pending = self.q.begin(sample, sample_id=meta.pop("sample_id", None), meta=meta)
         if pending is None:
             return True  # a duplicate: stored already
+        return await self._enqueue(pending)
+
+    async def put_written(self, name: str, sample_id: str, size: int) -> bool | None:
+        """A put whose putter wrote the record itself, durable in ``incoming/<name>``
+        (``StrawqMessageQueueClient``, ``samples.IncomingWriter``): a writer thread renames
+        it into ``samples/`` with the other puts waiting. Returns what ``put_sample`` returns,
+        or None when this process cannot see the putter's file (another node's directory at
+        the same path): the putter then sends the sample's bytes (``put_sample``)."""
+        pending = self.q.begin_written(name, sample_id=sample_id, size=size)
+        if pending is None:
+            return True  # a duplicate: its copy deleted
+        try:
+            return await self._enqueue(pending)
+        except NotFound:
+            return None
+
+    async def _enqueue(self, pending: Pending) -> bool:
+        """Hand a begun put to the writer threads; True/False once it is durable and in the
+        queue (``DurableSampleQueue.finish``), its error otherwise."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[bool] = loop.create_future()
         with self._batch_lock:
@@ -346,6 +366,11 @@ class StrawqMessageQueue:
             cond.notify_all()
             return self.q.rewind()
 
+    async def where(self) -> dict[str, Any]:
+        """The queue's directory and whether it fsyncs: where ``StrawqMessageQueueClient``
+        writes its puts."""
+        return {"path": self.path, "fsync": self.fsync}
+
     async def is_held(self, sample_id: str) -> bool:
         return self.q.is_held(sample_id)
 
@@ -369,15 +394,19 @@ def actor_class(**options: Any) -> Any:
 
 
 def install() -> None:
-    """Make verl's fully-async entry point create ``StrawqMessageQueue`` (and the durable
-    partial-rollout client). Run in every Ray worker by
+    """Make verl's fully-async entry point create ``StrawqMessageQueue``, its client
+    ``StrawqMessageQueueClient`` (puts written by the Rollouter: ``queue_client``) and the
+    durable partial-rollout client. Run in every Ray worker by
     ``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=strawq.collector.integrations.verl.queue.install``,
     or call it before ``fully_async_main.main()`` in a driver that runs the task runner."""
     from verl.experimental.fully_async_policy import fully_async_main, message_queue
 
+    from strawq.collector.integrations.verl.queue_client import StrawqMessageQueueClient
+
     actor = actor_class()
     for module in (message_queue, fully_async_main):
         setattr(module, "MessageQueue", actor)  # noqa: B010 (mypy: a class name)
+        setattr(module, "MessageQueueClient", StrawqMessageQueueClient)  # noqa: B010
     try:
         from strawq.collector.integrations.verl.client import install_partial_client
     except ImportError:  # pragma: no cover - verl without its rollout client

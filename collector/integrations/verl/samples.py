@@ -41,6 +41,7 @@ import io
 import logging
 import pickletools
 import re
+import secrets
 import threading
 import time
 from collections import deque
@@ -74,6 +75,8 @@ COMMIT_NAMES = Numbered()
 #: the store's directories (``strawq.tasks.states.VERL_SAMPLES``)
 SAMPLES = VERL_SAMPLES.dir_of(S.READY)
 COMMITTED = VERL_SAMPLES.others[0]
+#: records a putter wrote itself (``IncomingWriter``), not yet named by the queue
+INCOMING = VERL_SAMPLES.dir_of(S.PENDING)
 
 
 def sample_identity(blob: bytes) -> tuple[str | None, int | None]:
@@ -151,6 +154,94 @@ def _name_part(sample_id: str) -> str:
     return "h" + hashlib.blake2b(sample_id.encode(), digest_size=10).hexdigest()
 
 
+def sample_record(blob: bytes, sample_id: str, *, seq: int | None = None,
+                  epoch: int | None = None,
+                  meta: Mapping[str, Any] | None = None) -> list[bytes]:
+    """A sample's record: its metadata (id, sequence number when known, time, ``meta``)
+    and its bytes as one Arrow column, in strawq's framing (``strawq.ondisk.records``)."""
+    body: dict[str, Any] = {"verl": "sample", "sample_id": sample_id, "at": time.time(),
+                            **(dict(meta) if meta else {})}
+    if seq is not None:
+        body["seq"] = seq
+    if epoch is not None:
+        body.setdefault("epoch", epoch)
+    return records.encode(Kind.STATE, body, {"s": {"b": np.frombuffer(blob, dtype=np.uint8)}})
+
+
+def incoming_name(sample_id: str) -> str:
+    """A written put's name in ``incoming/``: ``<ns since the epoch>.<random>~<id part>``
+    (written order first, unique across putters)."""
+    return f"{time.time_ns():020d}.{secrets.token_hex(4)}~{_name_part(sample_id)}"
+
+
+def incoming_part(name: str) -> str | None:
+    """The sample id part of an ``incoming/`` name, None for any other name."""
+    order, sep, part = name.partition("~")
+    stamp, dot, nonce = order.partition(".")
+    if not (sep and dot and stamp.isascii() and stamp.isdigit() and nonce.isalnum()
+            and _SAFE.fullmatch(part)):
+        return None
+    return part
+
+
+def _sample_bytes(data: bytes | memoryview, key: str, *, seq: int | None = None,
+                  part: str = "") -> bytes:
+    """The sample's bytes from its record (``CorruptRecord`` when it is not one; ``seq``:
+    the sequence number a batch file's index gives it, checked)."""
+    rec = records.decode(data, expect=Kind.STATE, name=key)
+    if seq is not None and rec.meta.get("seq") != seq:
+        raise CorruptRecord(f"{key}: sample {part} at the place of seq {seq}")
+    fast = records.decode_tables_fast(rec.meta.get("tables", {}), rec.payload)
+    if fast is not None and "b" in fast.get("s", {}):  # numpy views: no Arrow objects
+        return bytes(fast["s"]["b"].tobytes())
+    return bytes(rec.tables()["s"].column("b").to_numpy().tobytes())
+
+
+@dataclass(frozen=True)
+class Written:
+    """A put its putter wrote (``IncomingWriter.write``): what the queue is told."""
+
+    name: str
+    sample_id: str
+    size: int
+
+
+class IncomingWriter:
+    """The putter's half of a put written where the sample is made (verl's Rollouter,
+    through ``StrawqMessageQueueClient``): the record is encoded and published in
+    ``incoming/`` by the putter's own process — temporary file, fsync, rename, then the
+    directory fsync'd, shared by the puts written at once (``DirSync``) — so it is durable
+    before the queue hears of it, and only its name travels to the queue, whose
+    ``begin_written`` and ``write`` name it ``samples/<seq>~<id>`` (one rename). Thread-safe."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._dir_sync = DirSync(lambda: self.storage.sync_dirs([INCOMING]))
+        self.storage.makedirs(INCOMING)
+
+    def write(self, blob: bytes, *, sample_id: str | None = None,
+              meta: Mapping[str, Any] | None = None) -> Written:
+        """Write one sample's record durably in ``incoming/``."""
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise TypeError(f"a verl queue sample is bytes (ray.cloudpickle.dumps of a "
+                            f"RolloutSample), found {type(blob).__name__}")
+        blob = bytes(blob)
+        epoch: int | None = None
+        if sample_id is None:
+            sample_id, epoch = sample_identity(blob)
+        if sample_id is None:
+            sample_id = "c" + secrets.token_hex(8)
+        record = sample_record(blob, sample_id, epoch=epoch, meta=meta)
+        name = incoming_name(sample_id)
+        self.storage.publish(VERL_SAMPLES.key(S.PENDING, name), record, sync_dir=False)
+        self._dir_sync.wait()
+        return Written(name, sample_id, sum(len(c) for c in record))
+
+    def discard(self, name: str) -> None:
+        """Delete a written record no queue will name (the queue's process cannot see it)."""
+        VERL_SAMPLES.retire(self.storage, name, S.PENDING, S.TRAINED)
+
+
 @dataclass
 class Pending:
     """A put begun (``DurableSampleQueue.begin``): its sequence number and name reserved,
@@ -163,6 +254,10 @@ class Pending:
     blob: bytes
     #: set by ``write`` when the put went into a batch file: (offset, size) of its record
     span: tuple[int, int] | None = None
+    #: a record its putter wrote itself (``IncomingWriter``): its name in ``incoming/``,
+    #: which ``write`` renames to ``key``, and its size
+    src: str | None = None
+    size: int = 0
 
 
 @dataclass(frozen=True)
@@ -226,6 +321,10 @@ class DurableSampleQueue:
         self.batches = 0
         #: files ``write`` published (a batch file, or a put's own file)
         self.files = 0
+        #: puts whose putter wrote the record (``begin_written``), named by ``write``
+        self.named = 0
+        #: a written put was renamed since ``incoming/`` and ``samples/`` were last fsync'd
+        self._unsynced = False
         self.recovered = 0
         #: verl's checkpoint (tracker number) the newest commit stands for, if known
         self.version: int | None = None
@@ -279,11 +378,40 @@ class DurableSampleQueue:
                     continue
                 ready.append(Held(seq, key, sid))
                 self._ids.add(sid)
-            self._ready.extend(sorted(ready, key=lambda h: h.seq))
             self._seq = max(self._seq, last_seq + 1)
+            ready += self._adopt_incoming(last_seq)
+            self._ready.extend(sorted(ready, key=lambda h: h.seq))
             self._committed_seq = last_seq
             self.recovered = len(self._ready)
             return self.recovered
+
+    def _adopt_incoming(self, last_seq: int) -> list[Held]:
+        """The records putters wrote that no put named (the queue died first, or a power cut
+        undid the rename): each named now, after every sample on disk, in the order they
+        were written; one whose sample id is held or recently committed is a duplicate and
+        deleted. No commit covers any of them (a commit fsyncs the renames first)."""
+        held: list[Held] = []
+        for name in self.storage.list(INCOMING):
+            part = incoming_part(name)
+            if part is None:
+                log.warning("verl queue: %s/%s is not a written put's name; left alone",
+                            INCOMING, name)
+                continue
+            if part in self._ids or any(part in s for s in self._recent):
+                VERL_SAMPLES.retire(self.storage, name, S.PENDING, S.TRAINED)
+                continue
+            seq = self._seq = max(self._seq, last_seq + 1)
+            self._seq += 1
+            new = SAMPLE_NAMES.name(seq, part)
+            try:
+                VERL_SAMPLES.move(self.storage, name, S.PENDING, S.READY, new, sync_dir=False)
+            except NotFound:  # another queue named it: it is in samples/ already
+                continue
+            held.append(Held(seq, VERL_SAMPLES.key(S.READY, new), part))
+            self._ids.add(part)
+        if held:
+            self.storage.sync_dirs([INCOMING, SAMPLES])
+        return held
 
     def _dropped_samples(self) -> set[tuple[int, str]]:
         """``(seq, id)`` of the samples ``drops/`` names (a sample dropped out of a batch
@@ -426,16 +554,36 @@ class DurableSampleQueue:
         pending = Pending(seq, part, VERL_SAMPLES.key(S.READY, SAMPLE_NAMES.name(seq, part)),
                           [], blob)
         try:
-            body: dict[str, Any] = {"verl": "sample", "sample_id": sample_id, "seq": seq,
-                                    "at": time.time(), **(dict(meta) if meta else {})}
-            if epoch is not None:
-                body.setdefault("epoch", epoch)
-            pending.record = records.encode(Kind.STATE, body,
-                                            {"s": {"b": np.frombuffer(blob, dtype=np.uint8)}})
+            pending.record = sample_record(blob, sample_id, seq=seq, epoch=epoch, meta=meta)
         except BaseException:
             self.abort(pending)
             raise
         return pending
+
+    def begin_written(self, name: str, *, sample_id: str, size: int) -> Pending | None:
+        """A put whose putter wrote the record itself (``IncomingWriter``: durable in
+        ``incoming/<name>``): reserve its sequence number and id, as ``begin``; ``write``
+        renames it to ``samples/<seq>~<id>``. None for a duplicate (counted; the copy is
+        deleted)."""
+        part = incoming_part(name)
+        if part is None or part != _name_part(sample_id):
+            raise ValueError(f"verl queue: {INCOMING}/{name!r} is not the record of a put "
+                             f"of sample {sample_id!r}")
+        with self._lock:
+            if part in self._ids or any(part in s for s in self._recent):
+                self.duplicates += 1
+                duplicate = True
+            else:
+                duplicate = False
+                seq = self._seq
+                self._seq = seq + 1
+                self._inflight.add(seq)
+                self._ids.add(part)
+        if duplicate:
+            VERL_SAMPLES.retire(self.storage, name, S.PENDING, S.TRAINED)
+            return None
+        return Pending(seq, part, VERL_SAMPLES.key(S.READY, SAMPLE_NAMES.name(seq, part)),
+                       [], b"", src=name, size=int(size))
 
     def write(self, pending: Sequence[Pending]) -> list[BaseException | None]:
         """Make begun puts durable: one put alone as its own file, more as ONE batch file
@@ -447,8 +595,47 @@ class DurableSampleQueue:
         to count and to register a batch file's samples (before any of them can be
         committed), so hand-outs go on while it runs."""
         errors: list[BaseException | None] = [None] * len(pending)
-        if not pending:
-            return errors
+        own = [i for i, p in enumerate(pending) if p.src is None]
+        for i, p in enumerate(pending):
+            if p.src is not None:
+                errors[i] = self._name_written(p)
+        if own:
+            for i, error in zip(own, self._write_own([pending[i] for i in own]), strict=True):
+                errors[i] = error
+        return errors
+
+    def _name_written(self, p: Pending) -> BaseException | None:
+        """A written put's one step here: the rename ``incoming/<src>`` → ``samples/<seq>~<id>``
+        (``NotFound``: this process cannot see the putter's file). Not fsync'd: the record
+        is durable in ``incoming/`` already, and a rename a power cut undid leaves it there,
+        where ``recover`` names it again; a commit or a drop fsyncs both directories before
+        it acts on a sample (``_sync_named``)."""
+        assert p.src is not None
+        try:
+            VERL_SAMPLES.move(self.storage, p.src, S.PENDING, S.READY,
+                              SAMPLE_NAMES.name(p.seq, p.part), sync_dir=False)
+        except Exception as exc:  # noqa: BLE001 (handed to the put's caller)
+            return exc
+        with self._lock:
+            self._unsynced = True
+            self.named += 1
+        try:  # read here, off the caller's loop, so its hand-out is from memory (as a put's)
+            p.blob = _sample_bytes(self.storage.read(p.key), p.key)
+        except (CorruptRecord, NotFound, KeyError):
+            pass  # its hand-out reads it again, and drops it if it is unreadable
+        return None
+
+    def _sync_named(self) -> None:
+        """Make the renames of written puts durable before a commit or a drop acts on them:
+        one undone by a power cut would bring a committed or dropped sample back from
+        ``incoming/`` at the next ``recover``."""
+        if self._unsynced:
+            self._unsynced = False
+            self.storage.sync_dirs([INCOMING, SAMPLES])
+
+    def _write_own(self, pending: Sequence[Pending]) -> list[BaseException | None]:
+        """``write`` of puts whose records the queue encoded (``begin``)."""
+        errors: list[BaseException | None] = [None] * len(pending)
         try:
             if len(pending) == 1:  # its own file, the layout a batch of one gains nothing on
                 p = pending[0]
@@ -503,9 +690,10 @@ class DurableSampleQueue:
         with self._lock:
             self._inflight.discard(pending.seq)
             self._insert(Held(pending.seq, pending.key, pending.part, pending.span))
-            self._cache[pending.seq] = pending.blob
+            if pending.blob:  # a written put's unread bytes are read at its hand-out
+                self._cache[pending.seq] = pending.blob
             self.produced += 1
-            self.bytes_put += sum(len(c) for c in pending.record)
+            self.bytes_put += pending.size or sum(len(c) for c in pending.record)
             full = len(self._ready) > self.max_size
             if full:
                 self._drop(self._ready.popleft(), QUEUE_FULL)
@@ -542,6 +730,7 @@ class DurableSampleQueue:
         (its record's bytes), which is what keeps a restart from handing it out again."""
         drops = VERL_SAMPLES.dir_of(S.DROPPED)
         self.storage.makedirs(drops)
+        self._sync_named()
         if held.span is None:
             try:
                 VERL_SAMPLES.move(self.storage, held.name, S.READY, S.DROPPED,
@@ -623,9 +812,7 @@ class DurableSampleQueue:
                     self._leased.append((self.handed, held))
                     return held, cached
                 try:
-                    rec = records.decode(self.storage.read(held.key), expect=Kind.STATE,
-                                         name=held.key)
-                    blob = rec.tables()["s"].column("b").to_numpy().tobytes()
+                    blob = _sample_bytes(self.storage.read(held.key), held.key)
                 except (CorruptRecord, NotFound, KeyError) as exc:
                     log.error("verl queue: sample %s unreadable (%s): dropped", held.key, exc)
                     self._drop(held, "corrupt")
@@ -646,10 +833,7 @@ class DurableSampleQueue:
         for seq, part, (offset, size) in self._read_index(held.key, data, first, last):
             if seq not in want or (seq != held.seq and seq in self._cache):
                 continue
-            rec = records.decode(view[offset:offset + size], expect=Kind.STATE, name=held.key)
-            if rec.meta.get("seq") != seq:
-                raise CorruptRecord(f"{held.key}: sample {part} at the place of seq {seq}")
-            blob = rec.tables()["s"].column("b").to_numpy().tobytes()
+            blob = _sample_bytes(view[offset:offset + size], held.key, seq=seq, part=part)
             if seq == held.seq:
                 out = blob
             else:
@@ -680,6 +864,7 @@ class DurableSampleQueue:
                 n += 1
             last_seq = max([self._committed_seq, *(h.seq for h in covered)])
             ids = [h.sample_id for h in covered]
+            self._sync_named()
             self.storage.publish(VERL_SAMPLES.other_key(COMMITTED, COMMIT_NAMES.name(consumed)),
                                  records.encode(Kind.STATE, {"verl": "commit",
                                                              "consumed": consumed,
@@ -725,5 +910,5 @@ class DurableSampleQueue:
                     "committed": self.consumed, "duplicates": self.duplicates,
                     "recovered": self.recovered, "bytes_put": self.bytes_put,
                     "dir_syncs": self._dir_sync.syncs, "write_batches": self.batches,
-                    "files_written": self.files,
+                    "files_written": self.files, "puts_written_by_putter": self.named,
                     "dir": self.storage.describe()}

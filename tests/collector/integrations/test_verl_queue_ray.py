@@ -97,7 +97,8 @@ ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="er
 def which():
     from verl.experimental.fully_async_policy import fully_async_main, fully_async_rollouter
     cls = fully_async_main.MessageQueue.__ray_metadata__.modified_class
-    return cls.__mro__[1].__name__, fully_async_rollouter.FullyAsyncLLMServerClient.__name__
+    return (cls.__mro__[1].__name__, fully_async_main.MessageQueueClient.__name__,
+            fully_async_rollouter.FullyAsyncLLMServerClient.__name__)
 
 print("SWITCHED", *ray.get(which.remote()))
 """
@@ -106,7 +107,8 @@ print("SWITCHED", *ray.get(which.remote()))
 def test_the_one_config_line_switches_verls_entry_point(tmp_path: Path) -> None:
     """verl's own ``ray.init`` path (its runtime env merged with ``ray_kwargs.ray_init``) with
     the one line of docs/verl.md: every Ray worker's ``fully_async_main.MessageQueue`` is the
-    durable queue and the Rollouter's client the durable partial-rollout client."""
+    durable queue, its ``MessageQueueClient`` the client whose puts the Rollouter writes, and
+    the Rollouter's rollout client the durable partial-rollout client."""
     import subprocess
     import sys
 
@@ -117,7 +119,8 @@ def test_the_one_config_line_switches_verls_entry_point(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(script), line], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": REPO}, timeout=200, check=False)
     out = [ln for ln in r.stdout.splitlines() if ln.startswith("SWITCHED")]
-    assert out == ["SWITCHED StrawqMessageQueue StrawqFullyAsyncLLMServerClient"], r.stderr[-3000:]
+    assert out == ["SWITCHED StrawqMessageQueue StrawqMessageQueueClient "
+                   "StrawqFullyAsyncLLMServerClient"], r.stderr[-3000:]
 
 
 def test_queue_actor_killed_holding_samples_loses_none(cluster: None, tmp_path: Path) -> None:
@@ -193,6 +196,83 @@ def test_trainer_reader_killed_mid_step(cluster: None, tmp_path: Path) -> None:
     assert ray.get(t2.run.remote(100)) == 6
     # 26 = 6 versions of 4, and 2 the end of stream left short of a step
     once_each(vh.trained_ids(tmp_path / "ckpt") + ["sample_0_24", "sample_0_25"], 26)
+
+
+def test_puts_written_by_the_rollout_worker_survive_the_queue_actor(cluster: None,
+                                                                     tmp_path: Path) -> None:
+    """``StrawqMessageQueueClient``, made in the driver as verl's entry point makes its
+    client and handed to the worker by Ray: every put is written by the worker and only
+    named by the queue; the queue actor killed, the next one has them all, each trained
+    once."""
+    from strawq.collector.integrations.verl.queue_client import StrawqMessageQueueClient
+
+    cfg = config(tmp_path, required=4, trigger=2)
+    q = queue(cfg)
+    w = ray.remote(num_cpus=0)(vh.RolloutWorker).remote()
+    client = StrawqMessageQueueClient(q, write_from_bytes=0)  # the test's samples are small
+    ray.get(w.run.remote(q, 0, 24, str(tmp_path / "put.log"), client))
+    before = stats(q)
+    assert (before["total_produced"], before["puts_written_by_putter"]) == (24, 24), before
+    assert before["files_written"] == 0, before  # the actor wrote no sample file itself
+    t = trainer(q, cfg, 4, 2)
+    assert ray.get(t.run.remote(2)) == 2  # 16 trained and checkpointed
+    os.kill(before["pid"], signal.SIGKILL)
+    until(lambda: _dead(q), "the queue actor to die")
+    q2 = queue(cfg)
+    assert stats(q2)["queue_size"] == 8
+    assert ray.get(trainer(q2, cfg, 4, 2).run.remote(3)) == 3
+    once_each(vh.trained_ids(tmp_path / "ckpt"), 24)
+
+
+def test_a_sample_ray_passes_inside_the_call_goes_through_the_actor(cluster: None,
+                                                                    tmp_path: Path) -> None:
+    """The client's default: a sample under 100 KiB (Ray passes it inside the call) is sent
+    to the actor as verl's client sends it; a larger one is written by the putter."""
+    import asyncio
+
+    from strawq.collector.integrations.verl.queue_client import (WRITE_FROM_BYTES,
+                                                                 StrawqMessageQueueClient)
+
+    q = queue(config(tmp_path, required=4, trigger=2))
+    small, large = vh.blob(0), vh.blob(1, resp_len=4096, prompt_len=1024)
+    assert len(small) < WRITE_FROM_BYTES <= len(large)
+    client = StrawqMessageQueueClient(q)
+
+    async def go() -> None:
+        assert await client.put_sample(small) and await client.put_sample(large)
+
+    asyncio.run(go())
+    s = stats(q)
+    assert (s["total_produced"], s["puts_written_by_putter"]) == (2, 1), s
+    assert (client.sent, client.written) == (1, 1)
+
+
+def test_a_client_whose_directory_the_queue_cannot_see_puts_through_the_actor(
+        cluster: None, tmp_path: Path) -> None:
+    """The queue tells the client a directory that is not its own (as another node's local
+    directory at the same path would be): the first put's file is refused and deleted, and
+    every put goes through the actor, none lost."""
+    from omegaconf import OmegaConf
+
+    from strawq.collector.integrations.verl.queue import StrawqMessageQueue
+    from strawq.collector.integrations.verl.queue_client import StrawqMessageQueueClient
+
+    elsewhere = tmp_path / "another-node"
+
+    async def where(self: Any) -> dict[str, Any]:
+        return {"path": str(elsewhere), "fsync": True}
+
+    cls = ray.remote(num_cpus=0)(type("Elsewhere", (StrawqMessageQueue,), {"where": where}))
+    cfg = config(tmp_path, required=4, trigger=2)
+    q = cls.remote(OmegaConf.create(cfg), 100)
+    w = ray.remote(num_cpus=0)(vh.RolloutWorker).remote()
+    client = StrawqMessageQueueClient(q, write_from_bytes=0)
+    ray.get(w.run.remote(q, 0, 6, str(tmp_path / "put.log"), client))
+    s = stats(q)
+    assert (s["total_produced"], s["puts_written_by_putter"]) == (6, 0), s
+    assert os.listdir(elsewhere / "incoming") == []
+    assert sorted((tmp_path / "put.log").read_text().split()) == \
+        sorted(f"sample_0_{i}" for i in range(6))
 
 
 def test_verls_own_queue_loses_what_it_held(cluster: None) -> None:

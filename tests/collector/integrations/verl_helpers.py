@@ -58,16 +58,18 @@ def trained_ids(ckpt_dir: Path) -> list[str]:
 
 
 class RolloutWorker:
-    """Puts ``sample_0_<i>`` for i in [start, end) through verl's ``MessageQueueClient``,
-    logging each id once its put returned."""
+    """Puts ``sample_0_<i>`` for i in [start, end) through verl's ``MessageQueueClient`` (or
+    ``client``, made by the driver and handed over by Ray as verl's entry point hands its
+    client to the Rollouter), logging each id once its put returned."""
 
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, queue: Any, start: int, end: int, log_path: str) -> int:
+    def run(self, queue: Any, start: int, end: int, log_path: str, client: Any = None) -> int:
         from verl.experimental.fully_async_policy.message_queue import MessageQueueClient
 
-        client = MessageQueueClient(queue)
+        if client is None:
+            client = MessageQueueClient(queue)
 
         async def go() -> int:
             with open(log_path, "a", encoding="utf-8") as log:

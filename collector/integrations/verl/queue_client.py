@@ -1,0 +1,114 @@
+"""``StrawqMessageQueueClient``: verl's ``MessageQueueClient``, whose puts write the sample
+where it is made (``docs/verl.md``).
+
+verl's Rollouter puts every finished sample (a pickle of ~140 KB) through a Ray call to the
+queue actor; with strawq's queue the actor then writes it to disk. This client writes the
+record itself, in the Rollouter's process, into the queue directory's ``incoming/``
+(``samples.IncomingWriter``: durable before the queue hears of it), and sends the queue only
+its name (``StrawqMessageQueue.put_written``: one rename there). The sample's bytes cross no
+Ray call and the queue actor does no storage work per put beyond that rename. A sample small
+enough for Ray to pass inside the call (under 100 KiB) is sent as verl's client sends it:
+there the call is cheaper than a file.
+
+The Rollouter already opens the queue directory (the partial-rollout client saves its
+prefixes there), so the directory is the one the queue uses wherever it is shared
+(production: a shared mount). Where it is not — a local default directory and the queue
+actor on another node — the queue cannot see the written file (``put_written`` returns
+None): this client deletes it and puts through the actor from then on, as verl's client does.
+``install()`` (``strawq.collector.integrations.verl.queue``) makes verl's fully-async entry
+point build this client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from verl.experimental.fully_async_policy.message_queue import MessageQueueClient
+
+from strawq.collector.integrations.verl.samples import IncomingWriter
+from strawq.storage import PosixStorage
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StrawqMessageQueueClient"]
+
+#: threads writing this client's puts (each: record, file fsync, rename; the directory
+#: fsync shared by those written at once)
+WRITERS = 8
+#: the smallest sample written here: Ray passes a smaller argument inside the call itself
+#: (its ``max_direct_call_object_size``, 100 KiB by default), which costs less than a file
+#: here; a larger one goes through Ray's object store, which costs more (docs/benchmarks.md,
+#: "verl queue")
+WRITE_FROM_BYTES = 100 * 1024
+
+
+class StrawqMessageQueueClient(MessageQueueClient):
+    """verl's ``MessageQueueClient`` over ``StrawqMessageQueue``: puts written here, every
+    other call verl's own. Picklable as verl's is (Ray hands it to the Rollouter and the
+    Trainer): only the actor handle travels; the writer is made where it is used. A sample
+    smaller than ``write_from_bytes`` goes through the actor, as verl's client sends it."""
+
+    def __init__(self, queue_actor: Any, *, write_from_bytes: int = WRITE_FROM_BYTES) -> None:
+        super().__init__(queue_actor)
+        self.write_from_bytes = int(write_from_bytes)
+        #: the writer into the queue's directory; None until the first put asks the queue
+        #: where it is, False once the queue could not see a file written here
+        self._writer: IncomingWriter | bool | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        #: puts written here and named by the queue, puts sent through the actor
+        self.written = 0
+        self.sent = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"queue_actor": self.queue_actor, "write_from_bytes": self.write_from_bytes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["queue_actor"],  # type: ignore[misc]
+                      write_from_bytes=state["write_from_bytes"])
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        ref = getattr(self.queue_actor, method).remote(*args, **kwargs)
+        return await asyncio.wrap_future(ref.future())
+
+    async def connect(self) -> bool:
+        """Ask the queue where it lives (the first put does otherwise). True when puts will
+        be written here (until the queue finds it cannot see them)."""
+        return await self._writer_here() is not None
+
+    async def _writer_here(self) -> IncomingWriter | None:
+        if self._writer is None:
+            where = await self._call("where")
+            storage = PosixStorage(str(where["path"]), writer_id="verlc",
+                                   fsync=bool(where["fsync"]))
+            self._writer = IncomingWriter(storage)
+            self._pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="verlq-client")
+        return self._writer if isinstance(self._writer, IncomingWriter) else None
+
+    async def put_sample(self, sample: Any, **meta: Any) -> bool:
+        """verl's put: durable when it returns; False when the queue was full and dropped its
+        oldest sample not handed out."""
+        small = sample is None or (isinstance(sample, (bytes, bytearray, memoryview))
+                                   and memoryview(sample).nbytes < self.write_from_bytes)
+        writer = None if small else await self._writer_here()
+        if writer is None or self._pool is None:
+            self.sent += 1
+            return bool(await self._call("put_sample", sample, **meta))
+        loop = asyncio.get_running_loop()
+        sample_id = meta.pop("sample_id", None)
+        written = await loop.run_in_executor(
+            self._pool, lambda: writer.write(sample, sample_id=sample_id, meta=meta))
+        ok = await self._call("put_written", written.name, written.sample_id, written.size)
+        if ok is None:  # the queue's process cannot see this directory: send the bytes
+            writer.discard(written.name)
+            if self._writer is not False:
+                log.warning("verl queue: the queue actor cannot see %s as this process does "
+                            "(not a shared directory): puts go through the actor",
+                            writer.storage.describe())
+            self._writer = False
+            self.sent += 1
+            return bool(await self._call("put_sample", sample, sample_id=sample_id, **meta))
+        self.written += 1
+        return bool(ok)

@@ -1,0 +1,188 @@
+"""Puts written by their putter (verl's Rollouter, ``StrawqMessageQueueClient``), without Ray:
+the record is durable in ``incoming/`` before the queue hears of it, and the queue only names
+it (``DurableSampleQueue.begin_written``, ``StrawqMessageQueue.put_written``). The client
+over a real Ray actor is in ``test_verl_queue_ray.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from strawq.collector.integrations.verl.queue import DurableSampleQueue, StrawqMessageQueue
+from strawq.collector.integrations.verl.samples import (INCOMING, SAMPLES, IncomingWriter,
+                                                        incoming_part)
+from strawq.storage import PosixStorage
+from strawq.testing.faults import CrashPoint, FaultyStorage
+from tests.collector.integrations import verl_helpers as vh
+
+
+def writer(root: Path) -> IncomingWriter:
+    return IncomingWriter(PosixStorage(str(root), writer_id="verlc"))
+
+
+def put_written(q: DurableSampleQueue, w: IncomingWriter, data: bytes, sid: str) -> bool | None:
+    """A written put, as the client and the actor make it: write here, name there."""
+    written = w.write(data, sample_id=sid)
+    pending = q.begin_written(written.name, sample_id=written.sample_id, size=written.size)
+    if pending is None:
+        return True
+    error = q.write([pending])[0]
+    if error is not None:
+        q.abort(pending)
+        raise error
+    return q.finish(pending)
+
+
+def drain(q: DurableSampleQueue) -> list[bytes]:
+    return [got[1] for got in iter(q.get, None)]
+
+
+def test_written_puts_are_handed_out_in_order_with_their_bytes(tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    w = writer(tmp_path)
+    q.put(b"own-0", sample_id="s0")
+    assert put_written(q, w, b"written-1", "s1") is True
+    q.put(b"own-2", sample_id="s2")
+    assert put_written(q, w, b"written-3", "s3") is True
+    assert os.listdir(tmp_path / INCOMING) == []
+    assert sorted(os.listdir(tmp_path / SAMPLES)) == [
+        "000000000000~s0", "000000000001~s1", "000000000002~s2", "000000000003~s3"]
+    assert q.stats()["puts_written_by_putter"] == 2
+    assert drain(q) == [b"own-0", b"written-1", b"own-2", b"written-3"]
+    again = DurableSampleQueue(str(tmp_path))  # a restart reads them like any put's file
+    assert drain(again) == [b"own-0", b"written-1", b"own-2", b"written-3"]
+
+
+def test_a_verl_sample_written_by_its_putter_keeps_its_id(tmp_path: Path) -> None:
+    """The id comes from the pickle, as for a put through the queue: a re-put is a duplicate,
+    and its copy in ``incoming/`` is deleted."""
+    q = DurableSampleQueue(str(tmp_path))
+    w = writer(tmp_path)
+    written = w.write(vh.blob(7))
+    assert incoming_part(written.name) == written.sample_id == "sample_0_7"
+    pending = q.begin_written(written.name, sample_id=written.sample_id, size=written.size)
+    assert pending is not None and q.write([pending]) == [None] and q.finish(pending)
+    again = w.write(vh.blob(7))
+    assert q.begin_written(again.name, sample_id=again.sample_id, size=again.size) is None
+    assert q.stats()["duplicates"] == 1
+    assert os.listdir(tmp_path / INCOMING) == []
+    assert q.is_held("sample_0_7") and len(drain(q)) == 1
+
+
+def test_a_name_that_is_not_the_puts_record_is_refused(tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    written = writer(tmp_path).write(b"x", sample_id="s1")
+    with pytest.raises(ValueError, match="not the record of a put"):
+        q.begin_written(written.name, sample_id="s2", size=written.size)
+    with pytest.raises(ValueError, match="not the record of a put"):
+        q.begin_written("../samples/x", sample_id="s1", size=1)
+
+
+def test_records_written_but_never_named_are_adopted_at_the_restart(tmp_path: Path) -> None:
+    """The queue died between the putter's write and its own rename: the next queue names
+    them after every sample on disk, in written order; one it holds already is deleted."""
+    q = DurableSampleQueue(str(tmp_path))
+    w = writer(tmp_path)
+    q.put(b"own-0", sample_id="s0")
+    w.write(b"orphan-1", sample_id="s1")
+    w.write(b"orphan-2", sample_id="s2")
+    w.write(b"copy-of-0", sample_id="s0")
+    again = DurableSampleQueue(str(tmp_path))
+    assert again.recovered == 3
+    assert os.listdir(tmp_path / INCOMING) == []
+    assert drain(again) == [b"own-0", b"orphan-1", b"orphan-2"]
+
+
+class Recording(PosixStorage):
+    """Posix storage that records directory fsyncs and commit publications, in order."""
+
+    events: list[str]
+
+    def sync_dirs(self, directories):  # type: ignore[no-untyped-def]
+        directories = list(directories)
+        self.events.append("sync " + ",".join(sorted(directories)))
+        super().sync_dirs(directories)
+
+    def publish(self, key, data, **kw):  # type: ignore[no-untyped-def]
+        if key.startswith("commits/"):
+            self.events.append("commit")
+        super().publish(key, data, **kw)
+
+
+def test_a_commit_makes_the_renames_of_written_puts_durable_first(tmp_path: Path) -> None:
+    """Were the rename of a committed sample undone by a power cut, the sample would be back
+    in ``incoming/`` and trained again: the commit fsyncs both directories before it is
+    published."""
+    st = Recording(str(tmp_path), writer_id="verlq")
+    st.events = []
+    q = DurableSampleQueue(st)
+    w = writer(tmp_path)
+    put_written(q, w, b"a", "s1")
+    put_written(q, w, b"b", "s2")
+    assert q.get() is not None
+    st.events.clear()
+    q.commit(1)
+    assert st.events[:2] == [f"sync {INCOMING},{SAMPLES}", "commit"], st.events
+    st.events.clear()
+    q.commit(2)  # nothing renamed since: no second fsync
+    assert st.events == ["commit"], st.events
+
+
+def test_a_crash_at_any_storage_step_of_written_puts_loses_no_returned_put(
+        tmp_path: Path) -> None:
+    """The putter's writes and the queue's renames, commits and restarts, each process
+    crashed before each of its mutating storage operations in turn: a queue started again
+    holds every put that returned and no commit covers, in put order, once."""
+    for side in ("putter", "queue"):
+        n = 1
+        while True:
+            root = tmp_path / f"{side}{n}"
+            faulty = FaultyStorage(PosixStorage(str(root), writer_id="v"), crash_after=n)
+            plain = PosixStorage(str(root), writer_id="v")
+            q = DurableSampleQueue(faulty if side == "queue" else plain)
+            w = IncomingWriter(faulty if side == "putter" else plain)
+            returned: list[str] = []
+            handed: list[str] = []
+            try:
+                for b in range(3):
+                    for i in range(2):
+                        sid = f"b{b}_{i}"
+                        put_written(q, w, sid.encode(), sid)
+                        returned.append(sid)
+                    handed += [q.get()[0].sample_id for _ in range(2)]  # type: ignore[index]
+                    q.commit(len(handed) - 1)
+            except CrashPoint:
+                pass
+            else:
+                break
+            again = DurableSampleQueue(str(root))
+            committed = handed[:again.consumed]
+            held = [got[0].sample_id for got in iter(again.get, None)]
+            assert len(held) == len(set(held)), (side, n, held)
+            assert not set(held) & set(committed), (side, n, held)
+            assert set(returned) - set(committed) <= set(held), (side, n, held, returned)
+            assert os.listdir(root / INCOMING) == [], (side, n)
+            n += 1
+        assert n > 6, side  # every step was a crash point once
+
+
+def test_the_queue_tells_a_putter_it_cannot_see_the_file(tmp_path: Path) -> None:
+    """A putter whose directory is not the queue's (another node's local directory at the
+    same path): ``put_written`` answers None, the queue is unchanged, and the same sample
+    put with its bytes is stored."""
+    elsewhere = writer(tmp_path / "other-node")
+
+    async def go() -> tuple[bool | None, bool, int]:
+        mq = StrawqMessageQueue(None, 10, path=str(tmp_path / "queue"))
+        written = elsewhere.write(b"bytes", sample_id="s1")
+        answer = await mq.put_written(written.name, written.sample_id, written.size)
+        size_after_refusal = mq.q.size()
+        ok = await mq.put_sample(b"bytes", sample_id="s1")
+        return answer, ok, size_after_refusal
+
+    answer, ok, size = asyncio.run(go())
+    assert (answer, ok, size) == (None, True, 0)
+    assert drain(DurableSampleQueue(str(tmp_path / "queue"))) == [b"bytes"]
