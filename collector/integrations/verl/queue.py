@@ -369,7 +369,7 @@ class StrawqMessageQueue:
     async def where(self) -> dict[str, Any]:
         """The queue's directory and whether it fsyncs: where ``StrawqMessageQueueClient``
         writes its puts."""
-        return {"path": self.path, "fsync": self.fsync}
+        return {"path": os.path.abspath(self.path), "fsync": self.fsync}
 
     async def is_held(self, sample_id: str) -> bool:
         return self.q.is_held(sample_id)
