@@ -89,19 +89,24 @@ def p99(xs: list[float]) -> float:
     return s[min(len(s) - 1, int(0.99 * len(s)))]
 
 
-def client_of(actor: Any, strawq: bool) -> Any:
+def client_of(actor: Any, strawq: bool, write_from: int | None = None) -> Any:
     """The client verl's entry point makes for the queue: verl's ``MessageQueueClient``, or,
-    after ``install()``, ``StrawqMessageQueueClient`` (its puts written by the putter)."""
+    after ``install()``, ``StrawqMessageQueueClient`` (its puts of ``write_from`` bytes or
+    more written by the putter; default its own ``WRITE_FROM_BYTES``)."""
     from verl.experimental.fully_async_policy.message_queue import MessageQueueClient
 
     from strawq.collector.integrations.verl.queue_client import StrawqMessageQueueClient
 
-    return (StrawqMessageQueueClient if strawq else MessageQueueClient)(actor)
+    if not strawq:
+        return MessageQueueClient(actor)
+    if write_from is None:
+        return StrawqMessageQueueClient(actor)
+    return StrawqMessageQueueClient(actor, write_from_bytes=write_from)
 
 
 def run_stream(actor: Any, blobs: list[bytes], concurrency: int,
-               strawq: bool) -> dict[str, float]:
-    client = client_of(actor, strawq)
+               strawq: bool, write_from: int | None = None) -> dict[str, float]:
+    client = client_of(actor, strawq, write_from)
     ray.get(actor.get_queue_size.remote())  # the actor is up: its start is not timed
 
     async def go() -> dict[str, float]:
@@ -178,6 +183,9 @@ def main() -> None:
     ap.add_argument("--writers", type=int, default=None,
                     help="strawq's writer threads (default: the queue's WRITERS)")
     ap.add_argument("--dir", default=None, help="where the strawq queues live (a temp dir)")
+    ap.add_argument("--write-from", type=int, default=None, metavar="BYTES",
+                    help="strawq's client writes samples of this size or more itself "
+                         "(default: its WRITE_FROM_BYTES, 100 KiB)")
     a = ap.parse_args()
     if a.quick:
         a.samples, a.crash, a.tokens = 60, 20, 256
@@ -208,7 +216,8 @@ def main() -> None:
         for name, make in (("verl MessageQueue", lambda: verl_cls.remote(cfg, 100000)),
                            ("strawq queue", lambda: strawq_cls.remote(cfg, 100000, **sync))):
             results[name] = r = run_stream(make(), blobs, a.concurrency,
-                                           strawq=name.startswith("strawq"))
+                                           strawq=name.startswith("strawq"),
+                                           write_from=a.write_from)
             per = r["bytes_put"] / a.samples if r["bytes_put"] else size
             print(f"{name:18s} puts/s {a.samples / r['put_s']:8.0f}   gets/s "
                   f"{a.samples / r['get_s']:8.0f}   p99 get {r['p99_ms']:6.2f} ms   "

@@ -210,7 +210,7 @@ class StrawqMessageQueue:
         pending = self.q.begin(sample, sample_id=meta.pop("sample_id", None), meta=meta)
         if pending is None:
             return True  # a duplicate: stored already
-        return await self._enqueue(pending)
+        return await self._submit(pending)
 
     async def put_written(self, name: str, sample_id: str, size: int) -> bool | None:
         """A put whose putter wrote the record itself, durable in ``incoming/<name>``
@@ -218,17 +218,38 @@ class StrawqMessageQueue:
         it into ``samples/`` with the other puts waiting. Returns what ``put_sample`` returns,
         or None when this process cannot see the putter's file (another node's directory at
         the same path): the putter then sends the sample's bytes (``put_sample``)."""
-        pending = self.q.begin_written(name, sample_id=sample_id, size=size)
-        if pending is None:
-            return True  # a duplicate: its copy deleted
-        try:
-            return await self._enqueue(pending)
-        except NotFound:
-            return None
+        return (await self.put_written_many([(name, sample_id, size)]))[0]
 
-    async def _enqueue(self, pending: Pending) -> bool:
-        """Hand a begun put to the writer threads; True/False once it is durable and in the
-        queue (``DurableSampleQueue.finish``), its error otherwise."""
+    async def put_written_many(self, puts: list[tuple[str, str, int]]) -> list[bool | None]:
+        """``put_written`` of each ``(name, sample_id, size)``, in that order: one call for the
+        puts a client wrote while its last call was out. A put's error other than not seeing
+        its file raises (the puts after it in the list are still made: their files are in
+        ``incoming/`` and their results lost with the call; a re-put is a duplicate)."""
+        waits = []
+        for name, sample_id, size in puts:
+            pending = self.q.begin_written(name, sample_id=sample_id, size=size)
+            waits.append(None if pending is None else self._submit(pending))
+        answers: list[bool | None] = []
+        error: BaseException | None = None
+        for wait in waits:
+            if wait is None:
+                answers.append(True)  # a duplicate: its copy deleted
+                continue
+            try:
+                answers.append(await wait)
+            except NotFound:
+                answers.append(None)
+            except Exception as exc:  # noqa: BLE001 (raised once every put is settled)
+                error = error or exc
+                answers.append(None)
+        if error is not None:
+            raise error
+        return answers
+
+    def _submit(self, pending: Pending) -> asyncio.Future[bool]:
+        """Hand a begun put to the writer threads (in their batch on return): the future is
+        True/False once it is durable and in the queue (``DurableSampleQueue.finish``), its
+        error otherwise."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[bool] = loop.create_future()
         with self._batch_lock:
@@ -244,7 +265,7 @@ class StrawqMessageQueue:
                     self._writing -= 1
                 self._settle(batch, [exc] * len(batch))
                 raise
-        return await done
+        return done
 
     def _write_batches(self, loop: asyncio.AbstractEventLoop) -> None:
         """A writer thread: write the puts waiting, hand them back to the loop, again until

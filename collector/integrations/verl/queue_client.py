@@ -5,7 +5,8 @@ verl's Rollouter puts every finished sample (a pickle of ~140 KB) through a Ray 
 queue actor; with strawq's queue the actor then writes it to disk. This client writes the
 record itself, in the Rollouter's process, into the queue directory's ``incoming/``
 (``samples.IncomingWriter``: durable before the queue hears of it), and sends the queue only
-its name (``StrawqMessageQueue.put_written``: one rename there). The sample's bytes cross no
+its name (``StrawqMessageQueue.put_written_many``: one rename there; the names of the
+puts written while a call is out go in one call). The sample's bytes cross no
 Ray call and the queue actor does no storage work per put beyond that rename. A sample small
 enough for Ray to pass inside the call (under 100 KiB) is sent as verl's client sends it:
 there the call is cheaper than a file.
@@ -28,7 +29,7 @@ from typing import Any
 
 from verl.experimental.fully_async_policy.message_queue import MessageQueueClient
 
-from strawq.collector.integrations.verl.samples import IncomingWriter
+from strawq.collector.integrations.verl.samples import IncomingWriter, Written
 from strawq.storage import PosixStorage
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,10 @@ class StrawqMessageQueueClient(MessageQueueClient):
         #: puts written here and named by the queue, puts sent through the actor
         self.written = 0
         self.sent = 0
+        #: written puts waiting for the queue to name them, and whether a call is out
+        self._naming: list[tuple[Written, asyncio.Future[bool | None]]] = []
+        self._sending = False
+        self._senders: set[asyncio.Task[None]] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"queue_actor": self.queue_actor, "write_from_bytes": self.write_from_bytes}
@@ -72,6 +77,38 @@ class StrawqMessageQueueClient(MessageQueueClient):
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         ref = getattr(self.queue_actor, method).remote(*args, **kwargs)
         return await asyncio.wrap_future(ref.future())
+
+    async def _name(self, written: Written) -> bool | None:
+        """Have the queue name a written put: the puts written while a call is out go in the
+        next call together (``put_written_many``: one Ray call for them all)."""
+        done: asyncio.Future[bool | None] = asyncio.get_running_loop().create_future()
+        self._naming.append((written, done))
+        if not self._sending:
+            self._sending = True
+            task = asyncio.get_running_loop().create_task(self._send_names())
+            self._senders.add(task)
+            task.add_done_callback(self._senders.discard)
+        return await done
+
+    async def _send_names(self) -> None:
+        try:
+            while self._naming:
+                batch, self._naming = self._naming, []
+                try:
+                    answers = await self._call(
+                        "put_written_many", [(w.name, w.sample_id, w.size) for w, _ in batch])
+                except BaseException as exc:  # every put of the call fails with it
+                    for _, done in batch:
+                        if not done.done():
+                            done.set_exception(exc)
+                    if not isinstance(exc, Exception):
+                        raise
+                    continue
+                for (_, done), answer in zip(batch, answers, strict=True):
+                    if not done.done():
+                        done.set_result(answer)
+        finally:
+            self._sending = False
 
     async def connect(self) -> bool:
         """Ask the queue where it lives (the first put does otherwise). True when puts will
@@ -100,7 +137,7 @@ class StrawqMessageQueueClient(MessageQueueClient):
         sample_id = meta.pop("sample_id", None)
         written = await loop.run_in_executor(
             self._pool, lambda: writer.write(sample, sample_id=sample_id, meta=meta))
-        ok = await self._call("put_written", written.name, written.sample_id, written.size)
+        ok = await self._name(written)
         if ok is None:  # the queue's process cannot see this directory: send the bytes
             writer.discard(written.name)
             if self._writer is not False:

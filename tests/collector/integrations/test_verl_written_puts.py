@@ -186,3 +186,24 @@ def test_the_queue_tells_a_putter_it_cannot_see_the_file(tmp_path: Path) -> None
     answer, ok, size = asyncio.run(go())
     assert (answer, ok, size) == (None, True, 0)
     assert drain(DurableSampleQueue(str(tmp_path / "queue"))) == [b"bytes"]
+
+
+def test_the_names_of_many_written_puts_go_in_one_call(tmp_path: Path) -> None:
+    """``put_written_many``: one answer per put, in order: named (True), a duplicate (True,
+    its copy deleted), one the queue cannot see (None); each named put in ``samples/``."""
+    w = writer(tmp_path / "queue")
+    elsewhere = writer(tmp_path / "other-node")
+
+    async def go() -> tuple[list[bool | None], StrawqMessageQueue]:
+        mq = StrawqMessageQueue(None, 10, path=str(tmp_path / "queue"))
+        await mq.put_sample(b"own-0", sample_id="s0")
+        puts = [w.write(b"w-1", sample_id="s1"), w.write(b"copy", sample_id="s0"),
+                elsewhere.write(b"far", sample_id="s9"), w.write(b"w-2", sample_id="s2")]
+        answers = await mq.put_written_many([(p.name, p.sample_id, p.size) for p in puts])
+        return answers, mq
+
+    answers, mq = asyncio.run(go())
+    assert answers == [True, True, None, True]
+    assert mq.q.stats()["puts_written_by_putter"] == 2
+    assert os.listdir(tmp_path / "queue" / INCOMING) == []
+    assert drain(mq.q) == [b"own-0", b"w-1", b"w-2"]
