@@ -585,6 +585,13 @@ def make_run(args: argparse.Namespace, gpus: int) -> Any:
               engines_per_node=args.engines_per_node, wave=args.wave, load_s=args.load_s)
 
 
+def volume_caption(vol: Any, args: argparse.Namespace) -> str:
+    """The control-plane runs' first line: the private Redis-backed volume and its caches."""
+    caches = ("no attribute or entry cache" if args.meta_cache == "zero" else
+              "1 s attribute and entry caches")
+    return f"volume: JuiceFS on a private redis-server ({vol.sock}), two clients, {caches}"
+
+
 def control_plane(args: argparse.Namespace) -> int:
     from control_plane import report
     from redis_meta import Unavailable, test_volume
@@ -594,10 +601,7 @@ def control_plane(args: argparse.Namespace) -> int:
     run = make_run(args, args.gpus or (80 if args.quick else 10_000))
     try:
         with test_volume("redis", meta_cache=args.meta_cache) as vol:
-            caches = ("no attribute or entry cache" if args.meta_cache == "zero" else
-                      "1 s attribute and entry caches")
-            print(f"volume: JuiceFS on a private redis-server ({vol.sock}), two clients, "
-                  f"{caches}", flush=True)
+            print(volume_caption(vol, args), flush=True)
             out = report(vol, run, quiet_s=2.0 if args.quick else 10.0,
                          capacity_requests=5_000 if args.quick else 100_000)
     except Unavailable as e:
@@ -625,10 +629,8 @@ def control_plane_live(args: argparse.Namespace) -> int:
     results = []
     try:
         with test_volume("redis", meta_cache=args.meta_cache) as vol:
-            caches = ("no attribute or entry cache" if args.meta_cache == "zero" else
-                      "1 s attribute and entry caches")
-            print(f"volume: JuiceFS on a private redis-server ({vol.sock}), two clients, "
-                  f"{caches}; load average {os.getloadavg()[0]:.1f}", flush=True)
+            print(f"{volume_caption(vol, args)}; load average {os.getloadavg()[0]:.1f}",
+                  flush=True)
             for gpus in sizes:
                 run = make_run(args, gpus)
                 lrun = live_run(run, args.live)
