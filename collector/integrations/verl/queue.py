@@ -294,7 +294,12 @@ class StrawqMessageQueue:
         waiting gets are woken."""
         for (pending, done), error in zip(batch, errors, strict=True):
             if error is None:
-                ok = self.q.finish(pending)
+                try:
+                    ok = self.q.finish(pending)
+                except Exception as exc:  # noqa: BLE001 (a drop it made failed: its put says so)
+                    if not done.done():
+                        done.set_exception(exc)
+                    continue
                 if not done.done():
                     done.set_result(ok)
             else:

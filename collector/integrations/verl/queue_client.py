@@ -30,6 +30,7 @@ from typing import Any
 from verl.experimental.fully_async_policy.message_queue import MessageQueueClient
 
 from strawq.collector.integrations.verl.samples import IncomingWriter, Written
+from strawq.errors import StrawqError
 from strawq.storage import PosixStorage
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class StrawqMessageQueueClient(MessageQueueClient):
         #: puts written here and named by the queue, puts sent through the actor
         self.written = 0
         self.sent = 0
+        #: ``put_written_many`` calls made (each names the puts written while the last was out)
+        self.naming_calls = 0
         #: written puts waiting for the queue to name them, and whether a call is out
         self._naming: list[tuple[Written, asyncio.Future[bool | None]]] = []
         self._sending = False
@@ -94,9 +97,13 @@ class StrawqMessageQueueClient(MessageQueueClient):
         try:
             while self._naming:
                 batch, self._naming = self._naming, []
+                self.naming_calls += 1
                 try:
                     answers = await self._call(
                         "put_written_many", [(w.name, w.sample_id, w.size) for w, _ in batch])
+                    if len(answers) != len(batch):
+                        raise RuntimeError(f"verl queue: {len(answers)} answers to "
+                                           f"{len(batch)} written puts")
                 except BaseException as exc:  # every put of the call fails with it
                     for _, done in batch:
                         if not done.done():
@@ -109,6 +116,9 @@ class StrawqMessageQueueClient(MessageQueueClient):
                         done.set_result(answer)
         finally:
             self._sending = False
+            left, self._naming = self._naming, []
+            for _, done in left:  # this sender was cancelled: no call will name them
+                done.cancel()
 
     async def connect(self) -> bool:
         """Ask the queue where it lives (the first put does otherwise). True when puts will
@@ -118,10 +128,16 @@ class StrawqMessageQueueClient(MessageQueueClient):
     async def _writer_here(self) -> IncomingWriter | None:
         if self._writer is None:
             where = await self._call("where")
-            storage = PosixStorage(str(where["path"]), writer_id="verlc",
-                                   fsync=bool(where["fsync"]))
-            self._writer = IncomingWriter(storage)
-            self._pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="verlq-client")
+            if self._writer is None:  # not made by a put that asked at the same time
+                try:
+                    self._writer = IncomingWriter(PosixStorage(
+                        str(where["path"]), writer_id="verlc", fsync=bool(where["fsync"])))
+                except (OSError, StrawqError) as exc:
+                    log.warning("verl queue: cannot write into %s here (%s): puts go through "
+                                "the actor", where["path"], exc)
+                    self._writer = False
+                else:
+                    self._pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="verlq-client")
         return self._writer if isinstance(self._writer, IncomingWriter) else None
 
     async def put_sample(self, sample: Any, **meta: Any) -> bool:

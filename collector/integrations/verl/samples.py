@@ -323,8 +323,6 @@ class DurableSampleQueue:
         self.files = 0
         #: puts whose putter wrote the record (``begin_written``), named by ``write``
         self.named = 0
-        #: a written put was renamed since ``incoming/`` and ``samples/`` were last fsync'd
-        self._unsynced = False
         self.recovered = 0
         #: verl's checkpoint (tracker number) the newest commit stands for, if known
         self.version: int | None = None
@@ -376,6 +374,11 @@ class DurableSampleQueue:
                 if seq <= last_seq:  # a commit whose deletions a crash interrupted
                     VERL_SAMPLES.retire(self.storage, name, S.READY, S.TRAINED)
                     continue
+                if sid in self._ids:  # a second file of one sample: the first seq stands
+                    log.warning("verl queue: %s/%s holds a sample an earlier file holds; "
+                                "deleted", SAMPLES, name)
+                    VERL_SAMPLES.retire(self.storage, name, S.READY, S.TRAINED)
+                    continue
                 ready.append(Held(seq, key, sid))
                 self._ids.add(sid)
             self._seq = max(self._seq, last_seq + 1)
@@ -389,7 +392,8 @@ class DurableSampleQueue:
         """The records putters wrote that no put named (the queue died first, or a power cut
         undid the rename): each named now, after every sample on disk, in the order they
         were written; one whose sample id is held or recently committed is a duplicate and
-        deleted. No commit covers any of them (a commit fsyncs the renames first)."""
+        deleted. None of them was handed out (a put returns, and its sample is handed out,
+        only once its rename is fsync'd), so no commit counts them."""
         held: list[Held] = []
         for name in self.storage.list(INCOMING):
             part = incoming_part(name)
@@ -596,9 +600,16 @@ class DurableSampleQueue:
         committed), so hand-outs go on while it runs."""
         errors: list[BaseException | None] = [None] * len(pending)
         own = [i for i, p in enumerate(pending) if p.src is None]
-        for i, p in enumerate(pending):
-            if p.src is not None:
-                errors[i] = self._name_written(p)
+        written = [i for i, p in enumerate(pending) if p.src is not None]
+        for i in written:
+            errors[i] = self._name_written(pending[i])
+        named = [i for i in written if errors[i] is None]
+        if named:
+            try:  # the renames durable before any of these puts returns: one fsync of each
+                self.storage.sync_dirs([INCOMING, SAMPLES])
+            except Exception as exc:  # noqa: BLE001 (every put it would have covered fails)
+                for i in named:
+                    errors[i] = exc
         if own:
             for i, error in zip(own, self._write_own([pending[i] for i in own]), strict=True):
                 errors[i] = error
@@ -606,32 +617,27 @@ class DurableSampleQueue:
 
     def _name_written(self, p: Pending) -> BaseException | None:
         """A written put's one step here: the rename ``incoming/<src>`` → ``samples/<seq>~<id>``
-        (``NotFound``: this process cannot see the putter's file). Not fsync'd: the record
-        is durable in ``incoming/`` already, and a rename a power cut undid leaves it there,
-        where ``recover`` names it again; a commit or a drop fsyncs both directories before
-        it acts on a sample (``_sync_named``)."""
+        (``NotFound``: this process cannot see the putter's file, unless the rename is found
+        made: a retried rename on a shared mount). ``write`` fsyncs both directories once for
+        the puts it named, before any of them returns: its hand-outs, and the commits that
+        count them, rest on that name and sequence number. Then the record is read back, so
+        its hand-out is from memory, as a put's."""
         assert p.src is not None
         try:
             VERL_SAMPLES.move(self.storage, p.src, S.PENDING, S.READY,
                               SAMPLE_NAMES.name(p.seq, p.part), sync_dir=False)
+        except NotFound as exc:
+            if not self.storage.exists(p.key):
+                return exc
         except Exception as exc:  # noqa: BLE001 (handed to the put's caller)
             return exc
         with self._lock:
-            self._unsynced = True
             self.named += 1
-        try:  # read here, off the caller's loop, so its hand-out is from memory (as a put's)
+        try:
             p.blob = _sample_bytes(self.storage.read(p.key), p.key)
-        except (CorruptRecord, NotFound, KeyError):
-            pass  # its hand-out reads it again, and drops it if it is unreadable
+        except Exception:  # noqa: BLE001 (its hand-out reads it again, and drops it if unreadable)
+            p.blob = b""
         return None
-
-    def _sync_named(self) -> None:
-        """Make the renames of written puts durable before a commit or a drop acts on them:
-        one undone by a power cut would bring a committed or dropped sample back from
-        ``incoming/`` at the next ``recover``."""
-        if self._unsynced:
-            self._unsynced = False
-            self.storage.sync_dirs([INCOMING, SAMPLES])
 
     def _write_own(self, pending: Sequence[Pending]) -> list[BaseException | None]:
         """``write`` of puts whose records the queue encoded (``begin``)."""
@@ -730,7 +736,6 @@ class DurableSampleQueue:
         (its record's bytes), which is what keeps a restart from handing it out again."""
         drops = VERL_SAMPLES.dir_of(S.DROPPED)
         self.storage.makedirs(drops)
-        self._sync_named()
         if held.span is None:
             try:
                 VERL_SAMPLES.move(self.storage, held.name, S.READY, S.DROPPED,
@@ -864,7 +869,6 @@ class DurableSampleQueue:
                 n += 1
             last_seq = max([self._committed_seq, *(h.seq for h in covered)])
             ids = [h.sample_id for h in covered]
-            self._sync_named()
             self.storage.publish(VERL_SAMPLES.other_key(COMMITTED, COMMIT_NAMES.name(consumed)),
                                  records.encode(Kind.STATE, {"verl": "commit",
                                                              "consumed": consumed,

@@ -247,6 +247,28 @@ def test_a_sample_ray_passes_inside_the_call_goes_through_the_actor(cluster: Non
     assert (client.sent, client.written) == (1, 1)
 
 
+def test_puts_written_at_once_are_named_in_fewer_calls(cluster: None, tmp_path: Path) -> None:
+    """16 puts in flight, as the Rollouter's sample tasks put: every one written by the
+    putter and stored once, their names sent in fewer calls than puts."""
+    import asyncio
+
+    from strawq.collector.integrations.verl.queue_client import StrawqMessageQueueClient
+
+    q = queue(config(tmp_path, required=4, trigger=2))
+    client = StrawqMessageQueueClient(q, write_from_bytes=0)
+
+    async def go() -> list[Any]:
+        oks = await asyncio.gather(*(client.put_sample(vh.blob(i)) for i in range(32)))
+        assert all(oks)
+        return [await client.get_sample() for _ in range(32)]
+
+    got = asyncio.run(go())
+    s = stats(q)
+    assert (s["total_produced"], s["puts_written_by_putter"]) == (32, 32), s
+    assert client.written == 32 and client.naming_calls < 32, client.naming_calls
+    assert sorted(bytes(g[0]) for g in got) == sorted(vh.blob(i) for i in range(32))
+
+
 def test_a_client_whose_directory_the_queue_cannot_see_puts_through_the_actor(
         cluster: None, tmp_path: Path) -> None:
     """The queue tells the client a directory that is not its own (as another node's local

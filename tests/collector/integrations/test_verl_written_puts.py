@@ -97,14 +97,18 @@ def test_records_written_but_never_named_are_adopted_at_the_restart(tmp_path: Pa
 
 
 class Recording(PosixStorage):
-    """Posix storage that records directory fsyncs and commit publications, in order."""
+    """Posix storage that records renames, directory fsyncs and commit publications."""
 
     events: list[str]
 
+    def rename(self, src, dst, **kw):  # type: ignore[no-untyped-def]
+        super().rename(src, dst, **kw)
+        self.events.append(f"rename {src.partition('/')[0]} -> {dst.partition('/')[0]}")
+
     def sync_dirs(self, directories):  # type: ignore[no-untyped-def]
         directories = list(directories)
-        self.events.append("sync " + ",".join(sorted(directories)))
         super().sync_dirs(directories)
+        self.events.append("sync " + ",".join(sorted(directories)))
 
     def publish(self, key, data, **kw):  # type: ignore[no-untyped-def]
         if key.startswith("commits/"):
@@ -112,23 +116,54 @@ class Recording(PosixStorage):
         super().publish(key, data, **kw)
 
 
-def test_a_commit_makes_the_renames_of_written_puts_durable_first(tmp_path: Path) -> None:
-    """Were the rename of a committed sample undone by a power cut, the sample would be back
-    in ``incoming/`` and trained again: the commit fsyncs both directories before it is
-    published."""
+def test_a_written_put_returns_only_once_its_rename_is_durable(tmp_path: Path) -> None:
+    """A put's hand-outs, and the commits that count them, rest on its name and sequence
+    number: were its rename undone by a power cut, a restart would number it again and a
+    commit by count would cover the wrong samples. So ``write`` fsyncs both directories,
+    once for the puts it named, before any of them returns."""
     st = Recording(str(tmp_path), writer_id="verlq")
     st.events = []
     q = DurableSampleQueue(st)
     w = writer(tmp_path)
-    put_written(q, w, b"a", "s1")
-    put_written(q, w, b"b", "s2")
+    pending = []
+    for i in range(3):
+        written = w.write(f"s{i}".encode(), sample_id=f"s{i}")
+        got = q.begin_written(written.name, sample_id=written.sample_id, size=written.size)
+        assert got is not None
+        pending.append(got)
+    st.events.clear()
+    assert q.write(pending) == [None] * 3
+    assert st.events == [f"rename {INCOMING} -> {SAMPLES}"] * 3 + [f"sync {INCOMING},{SAMPLES}"]
+    for p in pending:
+        q.finish(p)
     assert q.get() is not None
     st.events.clear()
     q.commit(1)
-    assert st.events[:2] == [f"sync {INCOMING},{SAMPLES}", "commit"], st.events
-    st.events.clear()
-    q.commit(2)  # nothing renamed since: no second fsync
     assert st.events == ["commit"], st.events
+
+
+def test_a_rename_made_but_reported_lost_is_a_named_put(tmp_path: Path) -> None:
+    """A retried rename on a shared mount can report ENOENT for a rename it made: the put is
+    named (its file is at its new name), not refused, and no second copy is stored."""
+    st = FaultyStorage(PosixStorage(str(tmp_path), writer_id="verlq"),
+                       phantom_enoent={"rename": 1})
+    q = DurableSampleQueue(st)
+    assert put_written(q, writer(tmp_path), b"once", "s1") is True
+    assert q.stats()["puts_written_by_putter"] == 1
+    assert drain(q) == [b"once"]
+    assert drain(DurableSampleQueue(str(tmp_path))) == [b"once"]
+
+
+def test_two_files_of_one_sample_hand_it_out_once_after_a_restart(tmp_path: Path) -> None:
+    """Should a sample ever be stored twice (a put's outcome unknown, the bytes sent
+    again), a restart keeps the first sequence number and deletes the other file."""
+    q = DurableSampleQueue(str(tmp_path))
+    q.put(b"a", sample_id="s1")
+    q.put(b"b", sample_id="s2")
+    os.link(tmp_path / SAMPLES / "000000000000~s1", tmp_path / SAMPLES / "000000000005~s1")
+    again = DurableSampleQueue(str(tmp_path))
+    assert drain(again) == [b"a", b"b"]
+    assert sorted(os.listdir(tmp_path / SAMPLES)) == ["000000000000~s1", "000000000001~s2"]
 
 
 def test_a_crash_at_any_storage_step_of_written_puts_loses_no_returned_put(
@@ -161,6 +196,7 @@ def test_a_crash_at_any_storage_step_of_written_puts_loses_no_returned_put(
             again = DurableSampleQueue(str(root))
             committed = handed[:again.consumed]
             held = [got[0].sample_id for got in iter(again.get, None)]
+            assert held == sorted(held), (side, n, held)  # put order (b<k>_<i>)
             assert len(held) == len(set(held)), (side, n, held)
             assert not set(held) & set(committed), (side, n, held)
             assert set(returned) - set(committed) <= set(held), (side, n, held, returned)
