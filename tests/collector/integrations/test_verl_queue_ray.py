@@ -269,6 +269,44 @@ def test_puts_written_at_once_are_named_in_fewer_calls(cluster: None, tmp_path: 
     assert sorted(bytes(g[0]) for g in got) == sorted(vh.blob(i) for i in range(32))
 
 
+def test_a_failed_naming_call_fails_its_puts_only_and_loses_none(cluster: None,
+                                                                  tmp_path: Path) -> None:
+    """The queue's first ``put_written_many`` raises: that put raises in the putter, the
+    client's next put is named as usual (its sender is not stuck), and the queue started
+    again holds both samples: the failed put's record was durable in ``incoming/``."""
+    import asyncio
+
+    from omegaconf import OmegaConf
+
+    from strawq.collector.integrations.verl.queue import StrawqMessageQueue
+    from strawq.collector.integrations.verl.queue_client import StrawqMessageQueueClient
+
+    async def put_written_many(self: Any, puts: Any) -> Any:
+        if not getattr(self, "failed_once", False):
+            self.failed_once = True
+            raise RuntimeError("injected: the queue failed this call")
+        return await StrawqMessageQueue.put_written_many(self, puts)
+
+    cls = ray.remote(num_cpus=0)(type("FailsOnce", (StrawqMessageQueue,),
+                                      {"put_written_many": put_written_many}))
+    cfg = config(tmp_path, required=4, trigger=2)
+    q = cls.remote(OmegaConf.create(cfg), 100)
+    client = StrawqMessageQueueClient(q, write_from_bytes=0)
+
+    async def go() -> None:
+        with pytest.raises(Exception, match="injected"):
+            await client.put_sample(vh.blob(0))
+        assert await client.put_sample(vh.blob(1))
+
+    asyncio.run(go())
+    s = stats(q)
+    assert (s["total_produced"], s["puts_written_by_putter"]) == (1, 1), s
+    os.kill(s["pid"], signal.SIGKILL)
+    until(lambda: _dead(q), "the queue actor to die")
+    again = stats(queue(cfg))
+    assert (again["queue_size"], again["recovered"]) == (2, 2), again
+
+
 def test_a_client_whose_directory_the_queue_cannot_see_puts_through_the_actor(
         cluster: None, tmp_path: Path) -> None:
     """The queue tells the client a directory that is not its own (as another node's local
