@@ -12,6 +12,11 @@ Its records and their moves are declared in the core's table (``strawq.tasks.sta
   ``samples/<first seq>~<last seq>~batch``: an index record (each sample's sequence number,
   id, offset and size), then the samples' records back to back, each 64-byte aligned — one
   create, write, fsync and rename for the whole batch;
+* a put its putter wrote itself (verl's Rollouter, a large sample: ``IncomingWriter``,
+  ``StrawqMessageQueueClient``) is durable in ``incoming/`` — PENDING — before the queue hears
+  of it; ``begin_written`` and ``write`` name it ``samples/<seq>~<sample id>`` (one rename,
+  then ``incoming/`` and ``samples/`` fsync'd once for the puts named together) — READY;
+  ``recover`` names those no put named;
 * a get hands the oldest sample out under a lease held in memory, in hand-out order —
   BATCHED, the record left in place (a batch file not in the cache is read once, and its
   samples not yet handed out are kept in memory until their turn);
@@ -184,6 +189,19 @@ def incoming_part(name: str) -> str | None:
     return part
 
 
+def _identified(blob: Any, sample_id: str | None) -> tuple[bytes, str | None, int | None]:
+    """A put's sample as bytes, its id (``sample_id``, else read from the pickle: None when
+    it is not a verl sample's) and its epoch (read with the id)."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a verl queue sample is bytes (ray.cloudpickle.dumps of a "
+                        f"RolloutSample), found {type(blob).__name__}")
+    blob = bytes(blob)
+    if sample_id is not None:
+        return blob, sample_id, None
+    found, epoch = sample_identity(blob)
+    return blob, found, epoch
+
+
 def _sample_bytes(data: bytes | memoryview, key: str, *, seq: int | None = None,
                   part: str = "") -> bytes:
     """The sample's bytes from its record (``CorruptRecord`` when it is not one; ``seq``:
@@ -222,13 +240,7 @@ class IncomingWriter:
     def write(self, blob: bytes, *, sample_id: str | None = None,
               meta: Mapping[str, Any] | None = None) -> Written:
         """Write one sample's record durably in ``incoming/``."""
-        if not isinstance(blob, (bytes, bytearray, memoryview)):
-            raise TypeError(f"a verl queue sample is bytes (ray.cloudpickle.dumps of a "
-                            f"RolloutSample), found {type(blob).__name__}")
-        blob = bytes(blob)
-        epoch: int | None = None
-        if sample_id is None:
-            sample_id, epoch = sample_identity(blob)
+        blob, sample_id, epoch = _identified(blob, sample_id)
         if sample_id is None:
             sample_id = "c" + secrets.token_hex(8)
         record = sample_record(blob, sample_id, epoch=epoch, meta=meta)
@@ -537,13 +549,7 @@ class DurableSampleQueue:
         and id (hand-outs wait for it from now on), encode its record. None for a duplicate
         (counted; nothing to write). Every ``Pending`` returned must reach ``finish`` (after
         ``write`` made it durable) or ``abort``."""
-        if not isinstance(blob, (bytes, bytearray, memoryview)):
-            raise TypeError(f"a verl queue sample is bytes (ray.cloudpickle.dumps of a "
-                            f"RolloutSample), found {type(blob).__name__}")
-        blob = bytes(blob)
-        epoch: int | None = None
-        if sample_id is None:
-            sample_id, epoch = sample_identity(blob)
+        blob, sample_id, epoch = _identified(blob, sample_id)
         with self._lock:  # reserve a sequence number and the id; write outside the lock
             seq = self._seq
             if sample_id is None:
@@ -597,7 +603,9 @@ class DurableSampleQueue:
         each, None when it is durable or the error that kept it from being so (a failed
         publish fails every put of its file). Thread-safe; it takes the queue's lock only
         to count and to register a batch file's samples (before any of them can be
-        committed), so hand-outs go on while it runs."""
+        committed), so hand-outs go on while it runs. A put its putter wrote
+        (``begin_written``) is renamed into place instead, and ``incoming/`` and ``samples/``
+        are fsync'd once for those named (``_name_written``)."""
         errors: list[BaseException | None] = [None] * len(pending)
         own = [i for i, p in enumerate(pending) if p.src is None]
         written = [i for i, p in enumerate(pending) if p.src is not None]
