@@ -106,8 +106,12 @@ class StrawqMessageQueueClient(MessageQueueClient):
                                            f"{len(batch)} written puts")
                 except BaseException as exc:  # every put of the call fails with it
                     for _, done in batch:
-                        if not done.done():
+                        if done.done():
+                            continue
+                        if isinstance(exc, Exception):
                             done.set_exception(exc)
+                        else:  # this sender was cancelled
+                            done.cancel()
                     if not isinstance(exc, Exception):
                         raise
                     continue
