@@ -89,24 +89,28 @@ def p99(xs: list[float]) -> float:
     return s[min(len(s) - 1, int(0.99 * len(s)))]
 
 
-def client_of(actor: Any, strawq: bool, write_from: int | None = None) -> Any:
+def client_of(actor: Any, strawq: bool, write_from: int | None = None,
+              shared: bool = False) -> Any:
     """The client verl's entry point makes for the queue: verl's ``MessageQueueClient``, or,
     after ``install()``, ``StrawqMessageQueueClient`` (its puts of ``write_from`` bytes or
-    more written by the putter; default its own ``WRITE_FROM_BYTES``)."""
+    more written by the putter, default its own ``WRITE_FROM_BYTES``, on a local filesystem,
+    or anywhere with ``shared``)."""
     from verl.experimental.fully_async_policy.message_queue import MessageQueueClient
 
-    from strawq.collector.integrations.verl.queue_client import StrawqMessageQueueClient
+    from strawq.collector.integrations.verl.queue_client import (WRITE_FROM_BYTES,
+                                                                 StrawqMessageQueueClient)
 
     if not strawq:
         return MessageQueueClient(actor)
-    if write_from is None:
-        return StrawqMessageQueueClient(actor)
-    return StrawqMessageQueueClient(actor, write_from_bytes=write_from)
+    return StrawqMessageQueueClient(
+        actor, write_from_bytes=WRITE_FROM_BYTES if write_from is None else write_from,
+        on_shared_mounts=shared)
 
 
 def run_stream(actor: Any, blobs: list[bytes], concurrency: int,
-               strawq: bool, write_from: int | None = None) -> dict[str, float]:
-    client = client_of(actor, strawq, write_from)
+               strawq: bool, write_from: int | None = None,
+               shared: bool = False) -> dict[str, float]:
+    client = client_of(actor, strawq, write_from, shared)
     ray.get(actor.get_queue_size.remote())  # the actor is up: its start is not timed
 
     async def go() -> dict[str, float]:
@@ -186,6 +190,9 @@ def main() -> None:
     ap.add_argument("--write-from", type=int, default=None, metavar="BYTES",
                     help="strawq's client writes samples of this size or more itself "
                          "(default: its WRITE_FROM_BYTES, 100 KiB)")
+    ap.add_argument("--write-on-shared-mounts", action="store_true",
+                    help="strawq's client writes its puts itself on a shared mount too "
+                         "(--dir on JuiceFS or NFS; by default it puts through the actor there)")
     a = ap.parse_args()
     if a.quick:
         a.samples, a.crash, a.tokens = 60, 20, 256
@@ -217,7 +224,8 @@ def main() -> None:
                            ("strawq queue", lambda: strawq_cls.remote(cfg, 100000, **sync))):
             results[name] = r = run_stream(make(), blobs, a.concurrency,
                                            strawq=name.startswith("strawq"),
-                                           write_from=a.write_from)
+                                           write_from=a.write_from,
+                                           shared=a.write_on_shared_mounts)
             per = r["bytes_put"] / a.samples if r["bytes_put"] else size
             print(f"{name:18s} puts/s {a.samples / r['put_s']:8.0f}   gets/s "
                   f"{a.samples / r['get_s']:8.0f}   p99 get {r['p99_ms']:6.2f} ms   "

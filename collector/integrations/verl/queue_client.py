@@ -11,11 +11,12 @@ Ray call and the queue actor does no storage work per put beyond that rename. A 
 enough for Ray to pass inside the call (under 100 KiB) is sent as verl's client sends it:
 there the call is cheaper than a file.
 
-The Rollouter already opens the queue directory (the partial-rollout client saves its
-prefixes there), so the directory is the one the queue uses wherever it is shared
-(production: a shared mount). Where it is not — a local default directory and the queue
-actor on another node — the queue cannot see the written file (``put_written`` returns
-None): this client deletes it and puts through the actor from then on, as verl's client does.
+Only where the queue directory is on a local filesystem (``writes_here``): on a shared mount
+(JuiceFS, NFS) a file a put costs more metadata operations than the queue's batch files of
+many puts, and puts go through the actor (``on_shared_mounts=True`` writes there too). Where
+the queue actor cannot see the written file (a local directory, the actor on another node),
+``put_written`` returns None: this client deletes it and puts through the actor from then on,
+as verl's client does.
 ``install()`` (``strawq.collector.integrations.verl.queue``) makes verl's fully-async entry
 point build this client.
 """
@@ -45,6 +46,20 @@ WRITERS = 8
 #: here; a larger one goes through Ray's object store, which costs more (docs/benchmarks.md,
 #: "verl queue")
 WRITE_FROM_BYTES = 100 * 1024
+#: filesystems a putter writes its puts on (the queue directory on a local disk): on a shared
+#: mount (JuiceFS, NFS: every file a round trip of metadata operations, and its fsync an
+#: upload) a file a put costs more than the queue's own batch files of many puts, so puts go
+#: through the actor there (docs/benchmarks.md, "verl queue")
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "zfs", "f2fs",
+                               "ramfs", "bcachefs", "overlay"})
+
+
+def writes_here(path: str, *, mountinfo: str = "/proc/self/mountinfo") -> bool:
+    """Whether a putter writes its puts into the queue directory ``path`` itself: where that
+    directory is on a local filesystem (``LOCAL_FILESYSTEMS``, read from the mount table)."""
+    from strawq.doctor.mounts import find_mount
+
+    return find_mount(path, mountinfo).fs_type in LOCAL_FILESYSTEMS
 
 
 class StrawqMessageQueueClient(MessageQueueClient):
@@ -53,9 +68,12 @@ class StrawqMessageQueueClient(MessageQueueClient):
     Trainer): only the actor handle travels; the writer is made where it is used. A sample
     smaller than ``write_from_bytes`` goes through the actor, as verl's client sends it."""
 
-    def __init__(self, queue_actor: Any, *, write_from_bytes: int = WRITE_FROM_BYTES) -> None:
+    def __init__(self, queue_actor: Any, *, write_from_bytes: int = WRITE_FROM_BYTES,
+                 on_shared_mounts: bool = False) -> None:
         super().__init__(queue_actor)
         self.write_from_bytes = int(write_from_bytes)
+        #: write puts here on a shared mount too (``writes_here``: not by default)
+        self.on_shared_mounts = bool(on_shared_mounts)
         #: the writer into the queue's directory; None until the first put asks the queue
         #: where it is, False once the queue could not see a file written here
         self._writer: IncomingWriter | bool | None = None
@@ -71,11 +89,13 @@ class StrawqMessageQueueClient(MessageQueueClient):
         self._senders: set[asyncio.Task[None]] = set()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"queue_actor": self.queue_actor, "write_from_bytes": self.write_from_bytes}
+        return {"queue_actor": self.queue_actor, "write_from_bytes": self.write_from_bytes,
+                "on_shared_mounts": self.on_shared_mounts}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["queue_actor"],  # type: ignore[misc]
-                      write_from_bytes=state["write_from_bytes"])
+                      write_from_bytes=state["write_from_bytes"],
+                      on_shared_mounts=state["on_shared_mounts"])
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         ref = getattr(self.queue_actor, method).remote(*args, **kwargs)
@@ -132,6 +152,12 @@ class StrawqMessageQueueClient(MessageQueueClient):
     async def _writer_here(self) -> IncomingWriter | None:
         if self._writer is None:
             where = await self._call("where")
+            if self._writer is None and not (self.on_shared_mounts
+                                             or writes_here(str(where["path"]))):
+                log.info("verl queue: %s is on a shared mount: puts go through the actor "
+                         "(its batch files cost fewer metadata operations there)",
+                         where["path"])
+                self._writer = False
             if self._writer is None:  # not made by a put that asked at the same time
                 try:
                     self._writer = IncomingWriter(PosixStorage(

@@ -243,3 +243,34 @@ def test_the_names_of_many_written_puts_go_in_one_call(tmp_path: Path) -> None:
     assert mq.q.stats()["puts_written_by_putter"] == 2
     assert os.listdir(tmp_path / "queue" / INCOMING) == []
     assert drain(mq.q) == [b"own-0", b"w-1", b"w-2"]
+
+
+MOUNTINFO = """\
+22 1 252:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw
+30 22 0:40 / /mnt/jfs rw,relatime shared:2 - fuse.juicefs JuiceFS:vol rw,user_id=0
+31 22 0:41 / /mnt/nfs rw,relatime shared:3 - nfs4 server:/export rw
+32 22 0:42 / /scratch rw,relatime shared:4 - overlay overlay rw
+"""
+
+
+def test_a_putter_writes_its_puts_only_on_a_local_filesystem(tmp_path: Path) -> None:
+    """On a shared mount a file a put costs more metadata operations than the queue's own
+    batch files: the client writes puts itself only where the queue directory is local."""
+    pytest.importorskip("verl")
+    from strawq.collector.integrations.verl.queue_client import writes_here
+
+    table = tmp_path / "mountinfo"
+    table.write_text(MOUNTINFO)
+    assert writes_here("/var/q", mountinfo=str(table))
+    assert writes_here("/scratch/q", mountinfo=str(table))
+    assert not writes_here("/mnt/jfs/verl/q1", mountinfo=str(table))
+    assert not writes_here("/mnt/nfs/q", mountinfo=str(table))
+
+
+@pytest.mark.juicefs
+def test_a_queue_on_juicefs_is_not_written_by_its_putter(
+        juicefs_mounts: tuple[str, str]) -> None:
+    pytest.importorskip("verl")
+    from strawq.collector.integrations.verl.queue_client import writes_here
+
+    assert not writes_here(os.path.join(juicefs_mounts[0], "verl-q"))
