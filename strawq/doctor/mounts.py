@@ -16,8 +16,9 @@ from strawq.doctor.report import Check, MountInfo, Status
 
 log = logging.getLogger(__name__)
 
-_LOCAL_TYPES = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "zfs", "f2fs", "ramfs",
-                "bcachefs"}
+#: local-disk filesystem types (the "local" profile; also what verl's queue client writes on)
+LOCAL_TYPES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "zfs", "f2fs",
+                         "ramfs", "bcachefs"})
 _NFS_TYPES = {"nfs", "nfs4"}
 _OBJECT_STORE_FUSE = {"fuse.s3fs", "fuse.goofys", "fuse.mountpoint-s3", "fuse.gcsfuse",
                       "fuse.rclone", "fuse.geesefs", "fuse.blobfuse", "fuse.blobfuse2",
@@ -78,7 +79,7 @@ def _fs_check(mount: MountInfo) -> Check:
         return Check("filesystem", Status.WARN, f"{where}: NFS is not exercised by strawq's "
                      "test suite; new names can take up to acdirmax (60 s default) to appear "
                      "on other clients")
-    if t.startswith("fuse.juicefs") or t in _LOCAL_TYPES:
+    if t.startswith("fuse.juicefs") or t in LOCAL_TYPES:
         return Check("filesystem", Status.PASS, where)
     if t == "overlay":
         return Check("filesystem", Status.WARN, f"{where}: a container's overlay layer; data "
@@ -95,7 +96,7 @@ _BASE_DURABILITY = {
 
 
 def _direct_mount(mount: MountInfo) -> bool | None:
-    if mount.fs_type.startswith("fuse.juicefs") or mount.fs_type in _LOCAL_TYPES:
+    if mount.fs_type.startswith("fuse.juicefs") or mount.fs_type in LOCAL_TYPES:
         return True
     if mount.fs_type in _OBJECT_STORE_FUSE:
         return False

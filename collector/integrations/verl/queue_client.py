@@ -31,6 +31,7 @@ from typing import Any
 from verl.experimental.fully_async_policy.message_queue import MessageQueueClient
 
 from strawq.collector.integrations.verl.samples import IncomingWriter, Written
+from strawq.doctor.mounts import LOCAL_TYPES, find_mount
 from strawq.errors import StrawqError
 from strawq.storage import PosixStorage
 
@@ -46,19 +47,17 @@ WRITERS = 8
 #: here; a larger one goes through Ray's object store, which costs more (docs/benchmarks.md,
 #: "verl queue")
 WRITE_FROM_BYTES = 100 * 1024
-#: filesystems a putter writes its puts on (the queue directory on a local disk): on a shared
-#: mount (JuiceFS, NFS: every file a round trip of metadata operations, and its fsync an
-#: upload) a file a put costs more than the queue's own batch files of many puts, so puts go
-#: through the actor there (docs/benchmarks.md, "verl queue")
-LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "zfs", "f2fs",
-                               "ramfs", "bcachefs", "overlay"})
+#: filesystems a putter writes its puts on (the queue directory on a local disk: doctor's
+#: local types, and a container's overlay): on a shared mount (JuiceFS, NFS: every file a
+#: round trip of metadata operations, and its fsync an upload) a file a put costs more than
+#: the queue's own batch files of many puts, so puts go through the actor there
+#: (docs/benchmarks.md, "verl queue")
+LOCAL_FILESYSTEMS = LOCAL_TYPES | {"overlay"}
 
 
 def writes_here(path: str, *, mountinfo: str = "/proc/self/mountinfo") -> bool:
     """Whether a putter writes its puts into the queue directory ``path`` itself: where that
     directory is on a local filesystem (``LOCAL_FILESYSTEMS``, read from the mount table)."""
-    from strawq.doctor.mounts import find_mount
-
     return find_mount(path, mountinfo).fs_type in LOCAL_FILESYSTEMS
 
 
