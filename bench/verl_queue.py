@@ -11,8 +11,8 @@
    Throughput is S / (put time + get time). Also the actor process's CPU per put (user and
    system, all its threads, read with ``getrusage`` in the actor before and after the puts):
    less moved by the machine's load than a rate, it says what a put costs the actor; and,
-   for strawq, the mean puts per file written (its writers put each batch of waiting puts
-   in one file).
+   for strawq, the mean puts per file written (its writers, and the putter's, put each
+   batch of waiting puts in one file).
 3. Crash: K samples put into each queue, its actor's process killed with SIGKILL, a new actor
    made the way verl's task runner makes it (same config): the samples it still has.
    verl's queue comes back empty; strawq's hands all K out again.
@@ -90,11 +90,11 @@ def p99(xs: list[float]) -> float:
 
 
 def client_of(actor: Any, strawq: bool, write_from: int | None = None,
-              shared: bool = False) -> Any:
+              shared: bool = True) -> Any:
     """The client verl's entry point makes for the queue: verl's ``MessageQueueClient``, or,
     after ``install()``, ``StrawqMessageQueueClient`` (its puts of ``write_from`` bytes or
-    more written by the putter, default its own ``WRITE_FROM_BYTES``, on a local filesystem,
-    or anywhere with ``shared``)."""
+    more written by the putter, default its own ``WRITE_FROM_BYTES``; on a shared mount
+    only with ``shared``)."""
     from verl.experimental.fully_async_policy.message_queue import MessageQueueClient
 
     from strawq.collector.integrations.verl.queue_client import (WRITE_FROM_BYTES,
@@ -109,7 +109,7 @@ def client_of(actor: Any, strawq: bool, write_from: int | None = None,
 
 def run_stream(actor: Any, blobs: list[bytes], concurrency: int,
                strawq: bool, write_from: int | None = None,
-               shared: bool = False) -> dict[str, float]:
+               shared: bool = True) -> dict[str, float]:
     client = client_of(actor, strawq, write_from, shared)
     ray.get(actor.get_queue_size.remote())  # the actor is up: its start is not timed
 
@@ -144,7 +144,8 @@ def run_stream(actor: Any, blobs: list[bytes], concurrency: int,
                 "client_usr_ms": 1000 * (p1.ru_utime - p0.ru_utime) / len(blobs),
                 "client_sys_ms": 1000 * (p1.ru_stime - p0.ru_stime) / len(blobs),
                 "bytes_put": float(stats.get("bytes_put", 0)),
-                "files": float(stats.get("files_written", 0)),
+                "files": float(stats.get("files_written", 0)
+                               + stats.get("files_written_by_putter", 0)),
                 "written": float(stats.get("puts_written_by_putter", 0))}
 
     return asyncio.run(go())
@@ -188,11 +189,12 @@ def main() -> None:
                     help="strawq's writer threads (default: the queue's WRITERS)")
     ap.add_argument("--dir", default=None, help="where the strawq queues live (a temp dir)")
     ap.add_argument("--write-from", type=int, default=None, metavar="BYTES",
-                    help="strawq's client writes samples of this size or more itself "
-                         "(default: its WRITE_FROM_BYTES, 100 KiB)")
-    ap.add_argument("--write-on-shared-mounts", action="store_true",
-                    help="strawq's client writes its puts itself on a shared mount too "
-                         "(--dir on JuiceFS or NFS; by default it puts through the actor there)")
+                    help="strawq's client writes samples of this size or more itself, "
+                         "smaller ones go through the actor (default: its WRITE_FROM_BYTES, "
+                         "0: every sample written)")
+    ap.add_argument("--actor-on-shared-mounts", action="store_true",
+                    help="strawq's client puts through the actor where --dir is on a shared "
+                         "mount (JuiceFS, NFS: on_shared_mounts=False)")
     a = ap.parse_args()
     if a.quick:
         a.samples, a.crash, a.tokens = 60, 20, 256
@@ -225,7 +227,7 @@ def main() -> None:
             results[name] = r = run_stream(make(), blobs, a.concurrency,
                                            strawq=name.startswith("strawq"),
                                            write_from=a.write_from,
-                                           shared=a.write_on_shared_mounts)
+                                           shared=not a.actor_on_shared_mounts)
             per = r["bytes_put"] / a.samples if r["bytes_put"] else size
             print(f"{name:18s} puts/s {a.samples / r['put_s']:8.0f}   gets/s "
                   f"{a.samples / r['get_s']:8.0f}   p99 get {r['p99_ms']:6.2f} ms   "

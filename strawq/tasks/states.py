@@ -534,8 +534,9 @@ VERL_SAMPLES = Store(
     dirs={S.PENDING: "incoming", S.READY: "samples", S.BATCHED: "samples", S.DROPPED: "drops"},
     transitions={
         (S.PENDING, S.READY): "a put its putter wrote (put_written): the record, durable in "
-                              "incoming/, renamed to samples/<seq>~<id> by the queue; recover "
-                              "names those no put named",
+                              "incoming/, renamed to samples/<seq>~<id> by the queue; a "
+                              "putter's batch file (put_written_batches) to samples/<first "
+                              "seq>~<last seq>~batch; recover names those no put named",
         (S.PENDING, S.TRAINED): "a written put of a sample the queue holds or recently "
                                 "committed (a duplicate), or one the queue's process cannot "
                                 "see (the putter sends the bytes instead): deleted",
@@ -552,7 +553,9 @@ VERL_SAMPLES = Store(
                               "queue_full), an unreadable record (corrupt), drop_all "
                               "(cleared): renamed to drops/<name>~<reason> (a sample in a "
                               "batch file: copied to drops/<seq>~<id>~<reason>; an "
-                              "unreadable batch file: renamed whole)",
+                              "unreadable batch file: renamed whole); a place of a batch "
+                              "file whose sample is held already (duplicate): a record of "
+                              "the drop only",
     },
     others=("commits",))
 

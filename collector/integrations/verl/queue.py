@@ -246,14 +246,53 @@ class StrawqMessageQueue:
             raise error
         return answers
 
+    async def put_written_batches(self, batches: list[tuple[str, list[str], int]]
+                                  ) -> list[list[bool] | None]:
+        """Puts their putter wrote as batch files (``StrawqMessageQueueClient``,
+        ``samples.IncomingWriter.write_batch``): each ``(name, sample id parts, size)``, durable
+        in ``incoming/<name>``; a writer thread renames each into ``samples/`` with the other
+        puts waiting. Returns, per file, what ``put_sample`` returns for each of its samples
+        (a duplicate: True, stored already), or None when this process cannot see the file
+        (the putter then sends the samples' bytes). A file's error other than that raises
+        once every file of the call is settled (the others are stored; a re-put of theirs is
+        a duplicate)."""
+        plans = []
+        for name, parts, size in batches:
+            live = self.q.begin_written_batch(name, parts, size)
+            plans.append((len(parts), live, self._submit_many(live)))
+        answers: list[list[bool] | None] = []
+        error: BaseException | None = None
+        for count, live, waits in plans:
+            each = [True] * count  # a place with no put: a duplicate, stored already
+            stored = True
+            for pending, wait in zip(live, waits, strict=True):
+                place = pending.seq - (pending.batch.first if pending.batch else pending.seq)
+                try:
+                    each[place] = bool(await wait)
+                except NotFound:  # the file unseen here: every put of it fails so
+                    stored = False
+                except Exception as exc:  # noqa: BLE001 (raised once every file is settled)
+                    error, stored = error or exc, False
+            answers.append(each if stored else None)
+        if error is not None:
+            raise error
+        return answers
+
     def _submit(self, pending: Pending) -> asyncio.Future[bool]:
         """Hand a begun put to the writer threads (in their batch on return): the future is
         True/False once it is durable and in the queue (``DurableSampleQueue.finish``), its
         error otherwise."""
+        return self._submit_many([pending])[0]
+
+    def _submit_many(self, pending: list[Pending]) -> list[asyncio.Future[bool]]:
+        """``_submit`` of puts that go to one writer together (a putter's batch file: its
+        puts are named by one rename)."""
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[bool] = loop.create_future()
+        dones: list[asyncio.Future[bool]] = [loop.create_future() for _ in pending]
+        if not pending:
+            return dones
         with self._batch_lock:
-            self._batch.append((pending, done))
+            self._batch += zip(pending, dones, strict=True)
             start = self._writing < self.writers
             self._writing += start
         if start:
@@ -265,7 +304,7 @@ class StrawqMessageQueue:
                     self._writing -= 1
                 self._settle(batch, [exc] * len(batch))
                 raise
-        return done
+        return dones
 
     def _write_batches(self, loop: asyncio.AbstractEventLoop) -> None:
         """A writer thread: write the puts waiting, hand them back to the loop, again until

@@ -1,22 +1,23 @@
-"""``StrawqMessageQueueClient``: verl's ``MessageQueueClient``, whose puts write the sample
-where it is made (``docs/verl.md``).
+"""``StrawqMessageQueueClient``: verl's ``MessageQueueClient``, whose puts write the samples
+where they are made (``docs/verl.md``).
 
 verl's Rollouter puts every finished sample (a pickle of ~140 KB) through a Ray call to the
 queue actor; with strawq's queue the actor then writes it to disk. This client writes the
-record itself, in the Rollouter's process, into the queue directory's ``incoming/``
-(``samples.IncomingWriter``: durable before the queue hears of it), and sends the queue only
-its name (``StrawqMessageQueue.put_written_many``: one rename there; the names of the
-puts written while a call is out go in one call). The sample's bytes cross no
-Ray call and the queue actor does no storage work per put beyond that rename. A sample small
-enough for Ray to pass inside the call (under 100 KiB) is sent as verl's client sends it:
-there the call is cheaper than a file.
+records itself, in the Rollouter's process, into the queue directory's ``incoming/``: the
+puts waiting go into ONE batch file (``samples.IncomingWriter.write_batch``: one create,
+write, fsync and rename for them all, durable before the queue hears of them), and the puts
+that arrive while a file is written wait for the next (group commit). The queue is sent
+only the file's name and its samples' ids (``StrawqMessageQueue.put_written_batches``: one
+rename there; the files written while a call is out go in one call). The samples' bytes
+cross no Ray call, and the queue actor does one rename a file.
 
-Only where the queue directory is on a local filesystem (``writes_here``): on a shared mount
-(JuiceFS, NFS) a file a put costs more metadata operations than the queue's batch files of
-many puts, and puts go through the actor (``on_shared_mounts=True`` writes there too). Where
-the queue actor cannot see the written file (a local directory, the actor on another node),
-``put_written`` returns None: this client deletes it and puts through the actor from then on,
-as verl's client does.
+Every sample is written so by default, on a local disk and on a shared mount (JuiceFS)
+alike (docs/benchmarks.md, "verl queue", has the figures): ``write_from_bytes`` sends smaller
+samples as verl's client sends them, and ``on_shared_mounts=False`` sends every put so where
+the queue directory is not on a local filesystem (``writes_here``). Where the queue actor
+cannot see the written file (a local directory, the actor on another node),
+``put_written_batches`` answers None for it: this client deletes it and puts through the
+actor from then on, as verl's client does.
 ``install()`` (``strawq.collector.integrations.verl.queue``) makes verl's fully-async entry
 point build this client.
 """
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from verl.experimental.fully_async_policy.message_queue import MessageQueueClient
 
-from strawq.collector.integrations.verl.samples import IncomingWriter, Written
+from strawq.collector.integrations.verl.samples import IncomingWriter, WrittenBatch
 from strawq.doctor.mounts import LOCAL_TYPES, find_mount
 from strawq.errors import StrawqError
 from strawq.storage import PosixStorage
@@ -39,19 +41,20 @@ log = logging.getLogger(__name__)
 
 __all__ = ["StrawqMessageQueueClient"]
 
-#: threads writing this client's puts (each: record, file fsync, rename; the directory
-#: fsync shared by those written at once)
-WRITERS = 8
-#: the smallest sample written here: Ray passes a smaller argument inside the call itself
-#: (its ``max_direct_call_object_size``, 100 KiB by default), which costs less than a file
-#: here; a larger one goes through Ray's object store, which costs more (docs/benchmarks.md,
-#: "verl queue")
-WRITE_FROM_BYTES = 100 * 1024
-#: filesystems a putter writes its puts on (the queue directory on a local disk: doctor's
-#: local types, and a container's overlay): on a shared mount (JuiceFS, NFS: every file a
-#: round trip of metadata operations, and its fsync an upload) a file a put costs more than
-#: the queue's own batch files of many puts, so puts go through the actor there
-#: (docs/benchmarks.md, "verl queue")
+#: the thread writing this client's batch files: one, so that the puts that arrive while it
+#: writes a file (its fsync) wait and go into its next file together (group commit)
+WRITERS = 1
+#: the most bytes of samples one batch file holds (a larger put alone is a file alone)
+FILE_BYTES = 64 << 20
+#: a put's answer: what ``put_sample`` returns, None when the queue cannot see the file
+_Answer = asyncio.Future[bool | None]
+#: the smallest sample written here (0: every sample). A batch file of many puts costs the
+#: putter less than a Ray call of each sample costs verl's queue, from 9 KiB samples up, on
+#: a local disk and on JuiceFS (docs/benchmarks.md, "verl queue")
+WRITE_FROM_BYTES = 0
+#: filesystems that are local (the queue directory on a local disk: doctor's local types,
+#: and a container's overlay): with ``on_shared_mounts=False`` puts are written here only
+#: on these, and go through the actor on a shared mount (JuiceFS, NFS)
 LOCAL_FILESYSTEMS = LOCAL_TYPES | {"overlay"}
 
 
@@ -68,10 +71,10 @@ class StrawqMessageQueueClient(MessageQueueClient):
     smaller than ``write_from_bytes`` goes through the actor, as verl's client sends it."""
 
     def __init__(self, queue_actor: Any, *, write_from_bytes: int = WRITE_FROM_BYTES,
-                 on_shared_mounts: bool = False) -> None:
+                 on_shared_mounts: bool = True) -> None:
         super().__init__(queue_actor)
         self.write_from_bytes = int(write_from_bytes)
-        #: write puts here on a shared mount too (``writes_here``: not by default)
+        #: write puts here on a shared mount too (False: only where ``writes_here``)
         self.on_shared_mounts = bool(on_shared_mounts)
         #: the writer into the queue's directory; None until the first put asks the queue
         #: where it is, False once the queue could not see a file written here
@@ -80,12 +83,17 @@ class StrawqMessageQueueClient(MessageQueueClient):
         #: puts written here and named by the queue, puts sent through the actor
         self.written = 0
         self.sent = 0
-        #: ``put_written_many`` calls made (each names the puts written while the last was out)
+        #: batch files written here, and ``put_written_batches`` calls made (each names the
+        #: files written while the last was out)
+        self.files = 0
         self.naming_calls = 0
-        #: written puts waiting for the queue to name them, and whether a call is out
-        self._naming: list[tuple[Written, asyncio.Future[bool | None]]] = []
+        #: puts waiting for the writer, and whether it is at work
+        self._waiting: list[tuple[Any, str | None, dict[str, Any], _Answer]] = []
+        self._writing = False
+        #: batch files written, waiting for the queue to name them, and whether a call is out
+        self._naming: list[tuple[WrittenBatch, list[_Answer]]] = []
         self._sending = False
-        self._senders: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"queue_actor": self.queue_actor, "write_from_bytes": self.write_from_bytes,
@@ -100,48 +108,70 @@ class StrawqMessageQueueClient(MessageQueueClient):
         ref = getattr(self.queue_actor, method).remote(*args, **kwargs)
         return await asyncio.wrap_future(ref.future())
 
-    async def _name(self, written: Written) -> bool | None:
-        """Have the queue name a written put: the puts written while a call is out go in the
-        next call together (``put_written_many``: one Ray call for them all)."""
-        done: asyncio.Future[bool | None] = asyncio.get_running_loop().create_future()
-        self._naming.append((written, done))
-        if not self._sending:
-            self._sending = True
-            task = asyncio.get_running_loop().create_task(self._send_names())
-            self._senders.add(task)
-            task.add_done_callback(self._senders.discard)
-        return await done
+    def _start(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _send_names(self) -> None:
+    async def _write_files(self, writer: IncomingWriter) -> None:
+        """The writer: the puts waiting go into one batch file (``write_batch``: one file,
+        fsync and rename for them all), while the puts that arrive meanwhile wait for the
+        next (group commit); each file goes to the queue to be named (``_send_names``)
+        while the next is written."""
+        loop = asyncio.get_running_loop()
         try:
-            while self._naming:
-                batch, self._naming = self._naming, []
-                self.naming_calls += 1
+            while self._waiting:
+                batch, self._waiting = _take(self._waiting)
+                answers = [done for *_, done in batch]
+                puts = [(sample, sid, meta) for sample, sid, meta, _ in batch]
                 try:
-                    answers = await self._call(
-                        "put_written_many", [(w.name, w.sample_id, w.size) for w, _ in batch])
-                    if len(answers) != len(batch):
-                        raise RuntimeError(f"verl queue: {len(answers)} answers to "
-                                           f"{len(batch)} written puts")
-                except BaseException as exc:  # every put of the call fails with it
-                    for _, done in batch:
-                        if done.done():
-                            continue
-                        if isinstance(exc, Exception):
-                            done.set_exception(exc)
-                        else:  # this sender was cancelled
-                            done.cancel()
+                    assert self._pool is not None
+                    written = await loop.run_in_executor(self._pool, writer.write_batch, puts)
+                except BaseException as exc:  # every put of the file fails with it
+                    _fail(answers, exc if isinstance(exc, Exception) else None)
                     if not isinstance(exc, Exception):
                         raise
                     continue
-                for (_, done), answer in zip(batch, answers, strict=True):
-                    if not done.done():
-                        done.set_result(answer)
+                self.files += 1
+                self._naming.append((written, answers))
+                if not self._sending:
+                    self._sending = True
+                    self._start(self._send_names(writer))
+        finally:
+            self._writing = False
+            left, self._waiting = self._waiting, []
+            _fail([done for *_, done in left], None)  # cancelled: no file will hold them
+
+    async def _send_names(self, writer: IncomingWriter) -> None:
+        """Have the queue name the batch files written: those written while a call is out
+        go in the next call together (``put_written_batches``: one Ray call for them all)."""
+        try:
+            while self._naming:
+                files, self._naming = self._naming, []
+                self.naming_calls += 1
+                try:
+                    got = await self._call("put_written_batches",
+                                           [(w.name, list(w.parts), w.size) for w, _ in files])
+                    if len(got) != len(files):
+                        raise RuntimeError(f"verl queue: {len(got)} answers to "
+                                           f"{len(files)} batch files")
+                except BaseException as exc:  # every put of the call fails with it
+                    for _, answers in files:
+                        _fail(answers, exc if isinstance(exc, Exception) else None)
+                    if not isinstance(exc, Exception):
+                        raise
+                    continue
+                for (written, answers), each in zip(files, got, strict=True):
+                    if each is None:  # the queue cannot see it: its puts send their bytes
+                        writer.discard(written.name)
+                    for i, done in enumerate(answers):
+                        if not done.done():
+                            done.set_result(None if each is None else each[i])
         finally:
             self._sending = False
             left, self._naming = self._naming, []
-            for _, done in left:  # this sender was cancelled: no call will name them
-                done.cancel()
+            for _, answers in left:  # this sender was cancelled: no call will name them
+                _fail(answers, None)
 
     async def connect(self) -> bool:
         """Ask the queue where it lives (the first put does otherwise). True when puts will
@@ -153,9 +183,8 @@ class StrawqMessageQueueClient(MessageQueueClient):
             where = await self._call("where")
             if self._writer is None and not (self.on_shared_mounts
                                              or writes_here(str(where["path"]))):
-                log.info("verl queue: %s is on a shared mount: puts go through the actor "
-                         "(its batch files cost fewer metadata operations there)",
-                         where["path"])
+                log.info("verl queue: %s is on a shared mount and on_shared_mounts=False: "
+                         "puts go through the actor", where["path"])
                 self._writer = False
             if self._writer is None:  # not made by a put that asked at the same time
                 try:
@@ -172,19 +201,21 @@ class StrawqMessageQueueClient(MessageQueueClient):
     async def put_sample(self, sample: Any, **meta: Any) -> bool:
         """verl's put: durable when it returns; False when the queue was full and dropped its
         oldest sample not handed out."""
-        small = sample is None or (isinstance(sample, (bytes, bytearray, memoryview))
-                                   and memoryview(sample).nbytes < self.write_from_bytes)
+        # anything but bytes goes through the actor, which refuses it for this put alone
+        small = (not isinstance(sample, (bytes, bytearray, memoryview))
+                 or memoryview(sample).nbytes < self.write_from_bytes)
         writer = None if small else await self._writer_here()
         if writer is None or self._pool is None:
             self.sent += 1
             return bool(await self._call("put_sample", sample, **meta))
-        loop = asyncio.get_running_loop()
         sample_id = meta.pop("sample_id", None)
-        written = await loop.run_in_executor(
-            self._pool, lambda: writer.write(sample, sample_id=sample_id, meta=meta))
-        ok = await self._name(written)
+        done: _Answer = asyncio.get_running_loop().create_future()
+        self._waiting.append((sample, sample_id, meta, done))
+        if not self._writing:
+            self._writing = True
+            self._start(self._write_files(writer))
+        ok = await done
         if ok is None:  # the queue's process cannot see this directory: send the bytes
-            writer.discard(written.name)
             if self._writer is not False:
                 log.warning("verl queue: the queue actor cannot see %s as this process does "
                             "(not a shared directory): puts go through the actor",
@@ -194,3 +225,27 @@ class StrawqMessageQueueClient(MessageQueueClient):
             return bool(await self._call("put_sample", sample, sample_id=sample_id, **meta))
         self.written += 1
         return bool(ok)
+
+
+def _take(waiting: list[tuple[Any, str | None, dict[str, Any], _Answer]]
+          ) -> tuple[list[tuple[Any, str | None, dict[str, Any], _Answer]],
+                     list[tuple[Any, str | None, dict[str, Any], _Answer]]]:
+    """The puts of the next batch file (at most ``FILE_BYTES`` of samples, at least one), and
+    those left waiting."""
+    size = 0
+    for i, (sample, *_rest) in enumerate(waiting):
+        size += memoryview(sample).nbytes
+        if i and size > FILE_BYTES:
+            return waiting[:i], waiting[i:]
+    return waiting, []
+
+
+def _fail(answers: list[_Answer], exc: Exception | None) -> None:
+    """Fail the puts not answered yet with ``exc`` (None: cancel them)."""
+    for done in answers:
+        if done.done():
+            continue
+        if exc is None:
+            done.cancel()
+        else:
+            done.set_exception(exc)

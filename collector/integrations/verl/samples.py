@@ -51,7 +51,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 S = TaskState
 #: reason of a sample dropped because the queue was full (verl's own overflow rule)
 QUEUE_FULL = "queue_full"
+#: reason of a place in a putter's batch file whose sample the queue held already
+DUPLICATE = "duplicate"
 _SAFE = re.compile(r"[A-Za-z0-9_.-]{1,120}")
 #: ``samples/<seq>~<sample id>``: the put order, then the (name-safe) id
 SAMPLE_NAMES = Numbered(sep="~")
@@ -189,6 +191,45 @@ def incoming_part(name: str) -> str | None:
     return part
 
 
+def incoming_batch_name(count: int) -> str:
+    """A putter's batch file's name in ``incoming/``: ``<ns>.<random>~<count>~batch`` (a
+    ``~`` no sample id part holds: never read as a single put's name)."""
+    return f"{time.time_ns():020d}.{secrets.token_hex(4)}~{count}~{BATCH_MARK}"
+
+
+def incoming_batch(name: str) -> int | None:
+    """How many samples a putter's batch file named ``name`` holds; None for any other name."""
+    order, sep, tail = name.partition("~")
+    stamp, dot, nonce = order.partition(".")
+    count, sep2, mark = tail.partition("~")
+    if not (sep and sep2 and dot and stamp.isascii() and stamp.isdigit() and nonce.isalnum()
+            and mark == BATCH_MARK and count.isascii() and count.isdigit() and int(count)):
+        return None
+    return int(count)
+
+
+def pack_batch(recs: Sequence[list[bytes]], index: Mapping[str, Any]
+               ) -> tuple[list[bytes], list[tuple[int, int]]]:
+    """A batch file's bytes: its index record (``index`` plus each record's offset and size
+    after it, padded to 64 bytes), then the records, each 64-byte aligned; and each record's
+    ``(offset, size)`` in the file."""
+    offsets: list[int] = []
+    sizes: list[int] = []
+    body: list[bytes] = []
+    at = 0
+    for rec in recs:
+        size = sum(len(c) for c in rec)
+        pad = -size % records.ALIGN
+        offsets.append(at)
+        sizes.append(size)
+        body += [*rec, b"\0" * pad] if pad else rec
+        at += size + pad
+    head = b"".join(records.encode(Kind.STATE, {**index, "verl": "batch", "offsets": offsets,
+                                                "sizes": sizes, "at": time.time()}))
+    head += b"\0" * (-len(head) % records.ALIGN)
+    return [head, *body], [(len(head) + o, n) for o, n in zip(offsets, sizes, strict=True)]
+
+
 def _identified(blob: Any, sample_id: str | None) -> tuple[bytes, str | None, int | None]:
     """A put's sample as bytes, its id (``sample_id``, else read from the pickle: None when
     it is not a verl sample's) and its epoch (read with the id)."""
@@ -207,8 +248,13 @@ def _sample_bytes(data: bytes | memoryview, key: str, *, seq: int | None = None,
     """The sample's bytes from its record (``CorruptRecord`` when it is not one; ``seq``:
     the sequence number a batch file's index gives it, checked)."""
     rec = records.decode(data, expect=Kind.STATE, name=key)
-    if seq is not None and rec.meta.get("seq") != seq:
+    # a putter's batch file numbers its records by place (the queue names the file): a
+    # record there holds no seq, and its id is checked instead
+    if seq is not None and rec.meta.get("seq", seq) != seq:
         raise CorruptRecord(f"{key}: sample {part} at the place of seq {seq}")
+    if part and _name_part(str(rec.meta.get("sample_id", ""))) != part:
+        raise CorruptRecord(f"{key}: the record at the place of sample {part} holds "
+                            f"{rec.meta.get('sample_id')!r}")
     fast = records.decode_tables_fast(rec.meta.get("tables", {}), rec.payload)
     if fast is not None and "b" in fast.get("s", {}):  # numpy views: no Arrow objects
         return bytes(fast["s"]["b"].tobytes())
@@ -221,6 +267,16 @@ class Written:
 
     name: str
     sample_id: str
+    size: int
+
+
+@dataclass(frozen=True)
+class WrittenBatch:
+    """Puts its putter wrote as one batch file (``IncomingWriter.write_batch``): what the
+    queue is told. ``parts``: each sample's id as a name part, in the file's order."""
+
+    name: str
+    parts: tuple[str, ...]
     size: int
 
 
@@ -249,6 +305,29 @@ class IncomingWriter:
         self._dir_sync.wait()
         return Written(name, sample_id, sum(len(c) for c in record))
 
+    def write_batch(self, puts: Sequence[tuple[Any, str | None, Mapping[str, Any] | None]]
+                    ) -> WrittenBatch:
+        """Write many samples ``(bytes, sample id or None, meta)`` durably as ONE batch file
+        in ``incoming/`` (group commit: one create, write, fsync and rename for them all):
+        an index of their ids, offsets and sizes, then their records. No sequence numbers:
+        the queue gives the file's samples consecutive ones when it names the file
+        (``DurableSampleQueue.begin_written_batch``)."""
+        if not puts:
+            raise ValueError("write_batch: no puts")
+        recs: list[list[bytes]] = []
+        parts: list[str] = []
+        for blob, sample_id, meta in puts:
+            blob, sample_id, epoch = _identified(blob, sample_id)
+            if sample_id is None:
+                sample_id = "c" + secrets.token_hex(8)
+            parts.append(_name_part(sample_id))
+            recs.append(sample_record(blob, sample_id, epoch=epoch, meta=meta))
+        data, _ = pack_batch(recs, {"ids": parts})
+        name = incoming_batch_name(len(parts))
+        self.storage.publish(VERL_SAMPLES.key(S.PENDING, name), data, sync_dir=False)
+        self._dir_sync.wait()
+        return WrittenBatch(name, tuple(parts), sum(len(c) for c in data))
+
     def discard(self, name: str) -> None:
         """Delete a written record no queue will name (the queue's process cannot see it)."""
         VERL_SAMPLES.retire(self.storage, name, S.PENDING, S.TRAINED)
@@ -270,6 +349,31 @@ class Pending:
     #: which ``write`` renames to ``key``, and its size
     src: str | None = None
     size: int = 0
+    #: a sample of a putter's batch file (``begin_written_batch``): the file being named
+    batch: NamedBatch | None = None
+
+
+@dataclass
+class NamedBatch:
+    """A putter's batch file the queue is naming (``begin_written_batch``): ``incoming/<src>``
+    becomes ``key`` (``samples/<first>~<last>~batch``), its samples numbered by place."""
+
+    src: str
+    key: str
+    first: int
+    parts: tuple[str, ...]
+    #: ``(seq, part)`` of the places whose sample the queue held already: never handed out
+    #: (``drops/<seq>~<part>~duplicate``, written once the file is named)
+    dups: list[tuple[int, str]]
+    #: the puts of its other places, in order
+    live: list[Pending] = field(default_factory=list)
+    #: set once ``write`` named it (or failed to: ``error``)
+    done: bool = False
+    error: BaseException | None = None
+
+    @property
+    def last(self) -> int:
+        return self.first + len(self.parts) - 1
 
 
 @dataclass(frozen=True)
@@ -335,6 +439,8 @@ class DurableSampleQueue:
         self.files = 0
         #: puts whose putter wrote the record (``begin_written``), named by ``write``
         self.named = 0
+        #: putters' batch files named (``begin_written_batch``)
+        self.named_files = 0
         self.recovered = 0
         #: verl's checkpoint (tracker number) the newest commit stands for, if known
         self.version: int | None = None
@@ -408,6 +514,10 @@ class DurableSampleQueue:
         only once its rename is fsync'd), so no commit counts them."""
         held: list[Held] = []
         for name in self.storage.list(INCOMING):
+            count = incoming_batch(name)
+            if count is not None:
+                held += self._adopt_batch(name, count, last_seq)
+                continue
             part = incoming_part(name)
             if part is None:
                 log.warning("verl queue: %s/%s is not a written put's name; left alone",
@@ -427,6 +537,34 @@ class DurableSampleQueue:
             self._ids.add(part)
         if held:
             self.storage.sync_dirs([INCOMING, SAMPLES])
+        return held
+
+    def _adopt_batch(self, name: str, count: int, last_seq: int) -> list[Held]:
+        """A putter's batch file no put named: numbered after every sample on disk and
+        renamed into ``samples/`` (``_adopt_incoming``); its places whose sample is held
+        dropped as duplicates. An unreadable one is left where it is, logged."""
+        src = VERL_SAMPLES.key(S.PENDING, name)
+        first = max(self._seq, last_seq + 1)
+        try:
+            data = self.storage.read(src)
+            members = self._read_index(src, data, first, first + count - 1)
+        except NotFound:
+            return []  # another queue named it
+        except CorruptRecord as exc:
+            log.error("verl queue: %s is not a readable batch of puts (%s); left alone", src, exc)
+            return []
+        self._seq = first + count
+        new = batch_name(first, first + count - 1)
+        try:
+            VERL_SAMPLES.move(self.storage, name, S.PENDING, S.READY, new, sync_dir=False)
+        except NotFound:
+            return []
+        key = VERL_SAMPLES.key(S.READY, new)
+        held = self._members_held(key, members, last_seq, set())
+        if held:
+            self._batches[key] = {h.seq for h in held}
+        else:  # every place a duplicate: nothing in it to hand out
+            self.storage.delete(key)
         return held
 
     def _dropped_samples(self) -> set[tuple[int, str]]:
@@ -460,14 +598,54 @@ class DurableSampleQueue:
         except (CorruptRecord, NotFound) as exc:
             self._set_aside(key, exc)
             return []
-        held = [Held(seq, key, part, span) for seq, part, span in members
-                if seq > last_seq and (seq, part) not in dropped]
+        held = self._members_held(key, members, last_seq, dropped)
         if not held:  # every sample trained or dropped: a deletion a crash interrupted
             self.storage.delete(key)
             return []
         self._batches[key] = {h.seq for h in held}
-        self._ids.update(h.sample_id for h in held)
         return held
+
+    def _members_held(self, key: str, members: Sequence[tuple[int, str, tuple[int, int]]],
+                      last_seq: int, dropped: set[tuple[int, str]]) -> list[Held]:
+        """The samples of batch file ``key`` to hand out: those no commit covers, ``drops/``
+        does not name, and whose id no earlier sample (on disk, or in a recent commit) holds
+        — a second copy (a put whose write failed after its file was published, then put
+        again; a putter's batch file naming a sample twice) is dropped as a duplicate."""
+        held: list[Held] = []
+        dups: list[tuple[int, str]] = []
+        for seq, part, span in members:
+            if seq <= last_seq or (seq, part) in dropped:
+                continue
+            if part in self._ids or any(part in s for s in self._recent):
+                dups.append((seq, part))
+                continue
+            held.append(Held(seq, key, part, span))
+            self._ids.add(part)
+        self._drop_duplicates(dups)
+        return held
+
+    def _drop_duplicates(self, dups: Sequence[tuple[int, str]]) -> None:
+        """Record places of batch files whose sample the queue held already, so that no
+        restart hands them out (``drops/<seq>~<part>~duplicate``). A failure is logged: until
+        a restart's recovery records them again, the copy they stand for is still held."""
+        if not dups:
+            return
+        drops = VERL_SAMPLES.dir_of(S.DROPPED)
+        VERL_SAMPLES.check(S.READY, S.DROPPED)
+        try:
+            self.storage.makedirs(drops)
+            for seq, part in dups:
+                name = f"{SAMPLE_NAMES.name(seq, part)}~{DUPLICATE}"
+                try:
+                    self.storage.publish(VERL_SAMPLES.key(S.DROPPED, name), records.encode(
+                        Kind.STATE, {"verl": "drop", "seq": seq, "sample_id": part,
+                                     "reason": DUPLICATE}), sync_dir=False)
+                except AlreadyExists:
+                    pass
+            self.storage.sync_dirs([drops])
+        except Exception as exc:  # noqa: BLE001 (a restart records them again)
+            log.error("verl queue: could not record %d duplicate samples of batch files in "
+                      "%s/ (%s)", len(dups), drops, exc)
 
     def _read_index(self, key: str, data: bytes, first: int,
                     last: int) -> list[tuple[int, str, tuple[int, int]]]:
@@ -479,7 +657,10 @@ class DurableSampleQueue:
         meta = records.decode(memoryview(data)[:need], expect=Kind.STATE, name=key).meta
         body = need + (-need % records.ALIGN)
         try:
-            seqs, parts = [int(x) for x in meta["seqs"]], [str(x) for x in meta["ids"]]
+            parts = [str(x) for x in meta["ids"]]
+            # a putter's batch file holds no seqs: its places are numbered from the name's
+            seqs = ([int(x) for x in meta["seqs"]] if "seqs" in meta
+                    else list(range(first, first + len(parts))))
             spans = [(body + int(o), int(n)) for o, n in zip(meta["offsets"], meta["sizes"],
                                                                strict=True)]
         except (KeyError, TypeError, ValueError) as exc:
@@ -595,6 +776,45 @@ class DurableSampleQueue:
         return Pending(seq, part, VERL_SAMPLES.key(S.READY, SAMPLE_NAMES.name(seq, part)),
                        [], b"", src=name, size=int(size))
 
+    def begin_written_batch(self, name: str, parts: Sequence[str], size: int) -> list[Pending]:
+        """Puts its putter wrote as one batch file (``IncomingWriter.write_batch``: durable in
+        ``incoming/<name>``, ``parts`` its samples' ids as name parts, in order): reserve one
+        sequence number a place, consecutive, as ``begin``; ``write`` renames the file to
+        ``samples/<first>~<last>~batch``. Returns the puts of the places whose sample the
+        queue does not hold; the others are duplicates (counted; recorded in ``drops/`` once
+        the file is named, so no restart hands them out). No puts: every place a duplicate,
+        and the file is deleted."""
+        parts = tuple(str(p) for p in parts)
+        if incoming_batch(name) != len(parts) or not all(_SAFE.fullmatch(p) for p in parts):
+            raise ValueError(f"verl queue: {INCOMING}/{name!r} is not a batch file of "
+                             f"{len(parts)} puts")
+        with self._lock:
+            seen: set[str] = set()
+            dup_places: list[int] = []
+            for i, part in enumerate(parts):
+                if part in seen or part in self._ids or any(part in s for s in self._recent):
+                    dup_places.append(i)
+                seen.add(part)
+            self.duplicates += len(dup_places)
+            if len(dup_places) == len(parts):
+                first = -1
+            else:
+                first = self._seq
+                self._seq = first + len(parts)
+                for i, part in enumerate(parts):
+                    if i not in dup_places:
+                        self._inflight.add(first + i)
+                        self._ids.add(part)
+        if first < 0:
+            VERL_SAMPLES.retire(self.storage, name, S.PENDING, S.TRAINED)
+            return []
+        key = VERL_SAMPLES.key(S.READY, batch_name(first, first + len(parts) - 1))
+        plan = NamedBatch(name, key, first, parts, [(first + i, parts[i]) for i in dup_places])
+        each = max(1, int(size) // len(parts))
+        plan.live = [Pending(first + i, part, key, [], b"", src=name, size=each, batch=plan)
+                     for i, part in enumerate(parts) if i not in dup_places]
+        return plan.live
+
     def write(self, pending: Sequence[Pending]) -> list[BaseException | None]:
         """Make begun puts durable: one put alone as its own file, more as ONE batch file
         (``_batch``); either published whole (temporary file, fsync, rename:
@@ -609,8 +829,16 @@ class DurableSampleQueue:
         errors: list[BaseException | None] = [None] * len(pending)
         own = [i for i, p in enumerate(pending) if p.src is None]
         written = [i for i, p in enumerate(pending) if p.src is not None]
+        plans: dict[int, NamedBatch] = {}
         for i in written:
-            errors[i] = self._name_written(pending[i])
+            plan = pending[i].batch
+            if plan is None:
+                errors[i] = self._name_written(pending[i])
+                continue
+            if not plan.done:
+                plan.error, plan.done = self._name_batch(plan), True
+                plans[id(plan)] = plan
+            errors[i] = plan.error
         named = [i for i in written if errors[i] is None]
         if named:
             try:  # the renames durable before any of these puts returns: one fsync of each
@@ -618,6 +846,9 @@ class DurableSampleQueue:
             except Exception as exc:  # noqa: BLE001 (every put it would have covered fails)
                 for i in named:
                     errors[i] = exc
+            else:
+                self._drop_duplicates([d for plan in plans.values() if plan.error is None
+                                       for d in plan.dups])
         if own:
             for i, error in zip(own, self._write_own([pending[i] for i in own]), strict=True):
                 errors[i] = error
@@ -645,6 +876,46 @@ class DurableSampleQueue:
             p.blob = _sample_bytes(self.storage.read(p.key), p.key)
         except Exception:  # noqa: BLE001 (its hand-out reads it again, and drops it if unreadable)
             p.blob = b""
+        return None
+
+    def _name_batch(self, plan: NamedBatch) -> BaseException | None:
+        """A putter's batch file's one step here: read it (its index must name the places
+        the putter said, and every live place's record must be its sample's), then rename
+        ``incoming/<src>`` → ``samples/<first>~<last>~batch`` (``NotFound``: this process
+        cannot see the file, unless the rename is found made). Its samples' bytes are kept
+        for their hand-outs, as a put's are."""
+        src = VERL_SAMPLES.key(S.PENDING, plan.src)
+        made = False
+        try:
+            try:
+                data = self.storage.read(src)
+            except NotFound as exc:
+                if not self.storage.exists(plan.key):
+                    return exc
+                data, made = self.storage.read(plan.key), True
+            members = self._read_index(src, data, plan.first, plan.last)
+            if tuple(part for _, part, _ in members) != plan.parts:
+                raise CorruptRecord(f"{src}: its index names other samples than its put did")
+            view = memoryview(data)
+            places = {p.seq: p for p in plan.live}
+            for seq, part, (offset, size) in members:
+                p = places.get(seq)
+                if p is not None:
+                    p.blob = _sample_bytes(view[offset:offset + size], src, seq=seq, part=part)
+                    p.span, p.size = (offset, size), size
+            if not made:
+                try:
+                    VERL_SAMPLES.move(self.storage, plan.src, S.PENDING, S.READY,
+                                      plan.key.rpartition("/")[2], sync_dir=False)
+                except NotFound as exc:
+                    if not self.storage.exists(plan.key):
+                        return exc
+        except Exception as exc:  # noqa: BLE001 (handed to the callers of its puts)
+            return exc
+        with self._lock:  # before any ``finish``: no commit deletes it early
+            self._batches[plan.key] = {p.seq for p in plan.live}
+            self.named += len(plan.live)
+            self.named_files += 1
         return None
 
     def _write_own(self, pending: Sequence[Pending]) -> list[BaseException | None]:
@@ -677,26 +948,13 @@ class DurableSampleQueue:
     def _batch(self, pending: Sequence[Pending]) -> tuple[str, list[bytes]]:
         """A batch file's key and bytes: its index record (padded to 64 bytes), then each
         put's record, 64-byte aligned; sets each put's ``key`` and ``span``."""
-        offsets: list[int] = []
-        sizes: list[int] = []
-        body: list[bytes] = []
-        at = 0
-        for p in pending:
-            size = sum(len(c) for c in p.record)
-            pad = -size % records.ALIGN
-            offsets.append(at)
-            sizes.append(size)
-            body += [*p.record, b"\0" * pad] if pad else p.record
-            at += size + pad
         seqs = [p.seq for p in pending]
-        head = b"".join(records.encode(Kind.STATE, {
-            "verl": "batch", "seqs": seqs, "ids": [p.part for p in pending],
-            "offsets": offsets, "sizes": sizes, "at": time.time()}))
-        head += b"\0" * (-len(head) % records.ALIGN)
+        data, spans = pack_batch([p.record for p in pending],
+                                 {"seqs": seqs, "ids": [p.part for p in pending]})
         key = VERL_SAMPLES.key(S.READY, batch_name(min(seqs), max(seqs)))
-        for p, o, n in zip(pending, offsets, sizes, strict=True):
-            p.key, p.span = key, (len(head) + o, n)
-        return key, [head, *body]
+        for p, span in zip(pending, spans, strict=True):
+            p.key, p.span = key, span
+        return key, data
 
     def finish(self, pending: Pending) -> bool:
         """A put ``write`` made durable joins the queue, in sequence order. Returns False
@@ -923,4 +1181,5 @@ class DurableSampleQueue:
                     "recovered": self.recovered, "bytes_put": self.bytes_put,
                     "dir_syncs": self._dir_sync.syncs, "write_batches": self.batches,
                     "files_written": self.files, "puts_written_by_putter": self.named,
+                    "files_written_by_putter": self.named_files,
                     "dir": self.storage.describe()}

@@ -224,32 +224,34 @@ def test_puts_written_by_the_rollout_worker_survive_the_queue_actor(cluster: Non
     once_each(vh.trained_ids(tmp_path / "ckpt"), 24)
 
 
-def test_a_sample_ray_passes_inside_the_call_goes_through_the_actor(cluster: None,
-                                                                    tmp_path: Path) -> None:
-    """The client's default: a sample under 100 KiB (Ray passes it inside the call) is sent
-    to the actor as verl's client sends it; a larger one is written by the putter."""
+def test_the_client_writes_every_sample_unless_told_a_size(cluster: None,
+                                                          tmp_path: Path) -> None:
+    """By default every sample, small or large, is written by the putter; with
+    ``write_from_bytes`` a smaller one is sent to the actor as verl's client sends it."""
     import asyncio
 
-    from strawq.collector.integrations.verl.queue_client import (WRITE_FROM_BYTES,
-                                                                 StrawqMessageQueueClient)
+    from strawq.collector.integrations.verl.queue_client import StrawqMessageQueueClient
 
     q = queue(config(tmp_path, required=4, trigger=2))
     small, large = vh.blob(0), vh.blob(1, resp_len=4096, prompt_len=1024)
-    assert len(small) < WRITE_FROM_BYTES <= len(large)
-    client = StrawqMessageQueueClient(q)
+    default = StrawqMessageQueueClient(q)
+    sized = StrawqMessageQueueClient(q, write_from_bytes=len(small) + 1)
 
     async def go() -> None:
-        assert await client.put_sample(small) and await client.put_sample(large)
+        assert await default.put_sample(small)
+        assert await sized.put_sample(vh.blob(2)) and await sized.put_sample(large)
 
     asyncio.run(go())
     s = stats(q)
-    assert (s["total_produced"], s["puts_written_by_putter"]) == (2, 1), s
-    assert (client.sent, client.written) == (1, 1)
+    assert (s["total_produced"], s["puts_written_by_putter"]) == (3, 2), s
+    assert (default.sent, default.written) == (0, 1)
+    assert (sized.sent, sized.written) == (1, 1)
 
 
-def test_puts_written_at_once_are_named_in_fewer_calls(cluster: None, tmp_path: Path) -> None:
-    """16 puts in flight, as the Rollouter's sample tasks put: every one written by the
-    putter and stored once, their names sent in fewer calls than puts."""
+def test_puts_made_at_once_share_batch_files(cluster: None, tmp_path: Path) -> None:
+    """32 puts in flight, as the Rollouter's sample tasks put: every one written by the
+    putter and stored once, in fewer batch files than puts, named in at most as many calls
+    as files."""
     import asyncio
 
     from strawq.collector.integrations.verl.queue_client import StrawqMessageQueueClient
@@ -265,13 +267,14 @@ def test_puts_written_at_once_are_named_in_fewer_calls(cluster: None, tmp_path: 
     got = asyncio.run(go())
     s = stats(q)
     assert (s["total_produced"], s["puts_written_by_putter"]) == (32, 32), s
-    assert client.written == 32 and client.naming_calls < 32, client.naming_calls
+    assert client.written == 32 and client.files < 32, client.files
+    assert client.naming_calls <= client.files == s["files_written_by_putter"], s
     assert sorted(bytes(g[0]) for g in got) == sorted(vh.blob(i) for i in range(32))
 
 
 def test_a_failed_naming_call_fails_its_puts_only_and_loses_none(cluster: None,
                                                                   tmp_path: Path) -> None:
-    """The queue's first ``put_written_many`` raises: that put raises in the putter, the
+    """The queue's first ``put_written_batches`` raises: that put raises in the putter, the
     client's next put is named as usual (its sender is not stuck), and the queue started
     again holds both samples: the failed put's record was durable in ``incoming/``."""
     import asyncio
@@ -281,14 +284,14 @@ def test_a_failed_naming_call_fails_its_puts_only_and_loses_none(cluster: None,
     from strawq.collector.integrations.verl.queue import StrawqMessageQueue
     from strawq.collector.integrations.verl.queue_client import StrawqMessageQueueClient
 
-    async def put_written_many(self: Any, puts: Any) -> Any:
+    async def put_written_batches(self: Any, files: Any) -> Any:
         if not getattr(self, "failed_once", False):
             self.failed_once = True
             raise RuntimeError("injected: the queue failed this call")
-        return await StrawqMessageQueue.put_written_many(self, puts)
+        return await StrawqMessageQueue.put_written_batches(self, files)
 
     cls = ray.remote(num_cpus=0)(type("FailsOnce", (StrawqMessageQueue,),
-                                      {"put_written_many": put_written_many}))
+                                      {"put_written_batches": put_written_batches}))
     cfg = config(tmp_path, required=4, trigger=2)
     q = cls.remote(OmegaConf.create(cfg), 100)
     client = StrawqMessageQueueClient(q, write_from_bytes=0)

@@ -1,0 +1,245 @@
+"""Puts their putter wrote as ONE batch file (``IncomingWriter.write_batch``: group commit in
+verl's Rollouter), without Ray: durable in ``incoming/`` before the queue hears of them; the
+queue numbers the file's places and renames it whole
+(``DurableSampleQueue.begin_written_batch``, ``StrawqMessageQueue.put_written_batches``).
+The client over a real Ray actor is in ``test_verl_queue_ray.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from strawq.collector.integrations.verl.queue import DurableSampleQueue, StrawqMessageQueue
+from strawq.collector.integrations.verl.samples import (INCOMING, SAMPLES, IncomingWriter,
+                                                        WrittenBatch, incoming_batch,
+                                                        incoming_part)
+from strawq.storage import PosixStorage
+from strawq.testing.faults import CrashPoint, FaultyStorage
+from tests.collector.integrations import verl_helpers as vh
+
+
+def writer(root: Path) -> IncomingWriter:
+    return IncomingWriter(PosixStorage(str(root), writer_id="verlc"))
+
+
+def put_batch(q: DurableSampleQueue, w: IncomingWriter,
+              puts: Sequence[tuple[bytes, str | None]]) -> list[bool]:
+    """A putter's batch file, as the client and the actor make it: write here, name there.
+    One answer a place (a duplicate: True, stored already)."""
+    written = w.write_batch([(data, sid, None) for data, sid in puts])
+    return name_batch(q, written)
+
+
+def name_batch(q: DurableSampleQueue, written: WrittenBatch) -> list[bool]:
+    live = q.begin_written_batch(written.name, written.parts, written.size)
+    errors = q.write(live)
+    for p, error in zip(live, errors, strict=True):
+        if error is not None:
+            q.abort(p)
+    for error in errors:
+        if error is not None:
+            raise error
+    answers = [True] * len(written.parts)
+    first = live[0].batch.first if live and live[0].batch else 0
+    for p in live:
+        answers[p.seq - first] = q.finish(p)
+    return answers
+
+
+def drain(q: DurableSampleQueue) -> list[bytes]:
+    return [got[1] for got in iter(q.get, None)]
+
+
+def test_a_putters_batch_file_is_named_whole_and_handed_out_in_put_order(
+        tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    w = writer(tmp_path)
+    q.put(b"own-0", sample_id="s0")
+    assert put_batch(q, w, [(b"w-1", "s1"), (b"w-2", "s2"), (b"w-3", "s3")]) == [True] * 3
+    q.put(b"own-4", sample_id="s4")
+    assert os.listdir(tmp_path / INCOMING) == []
+    assert sorted(os.listdir(tmp_path / SAMPLES)) == [
+        "000000000000~s0", "000000000001~000000000003~batch", "000000000004~s4"]
+    stats = q.stats()
+    assert (stats["puts_written_by_putter"], stats["files_written_by_putter"],
+            stats["files_written"]) == (3, 1, 2)
+    assert drain(q) == [b"own-0", b"w-1", b"w-2", b"w-3", b"own-4"]
+    again = DurableSampleQueue(str(tmp_path))  # a restart reads it like the queue's own
+    assert drain(again) == [b"own-0", b"w-1", b"w-2", b"w-3", b"own-4"]
+
+
+def test_verl_samples_in_a_batch_file_keep_their_ids(tmp_path: Path) -> None:
+    """Ids come from the pickles, as for a put through the queue: a re-put is a duplicate."""
+    q = DurableSampleQueue(str(tmp_path))
+    w = writer(tmp_path)
+    written = w.write_batch([(vh.blob(7), None, None), (vh.blob(8), None, None)])
+    assert incoming_batch(written.name) == 2 and incoming_part(written.name) is None
+    assert written.parts == ("sample_0_7", "sample_0_8")
+    assert name_batch(q, written) == [True, True]
+    assert q.is_held("sample_0_7") and q.is_held("sample_0_8")
+    assert q.put(vh.blob(8)) is True and q.stats()["duplicates"] == 1
+    assert len(drain(q)) == 2
+
+
+def test_a_batch_file_that_does_not_match_its_put_is_refused(tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    written = writer(tmp_path).write_batch([(b"a", "s1", None), (b"b", "s2", None)])
+    for parts in (("s1",), ("s1", "s2", "s3"), ("s1", "bad~id")):
+        try:
+            q.begin_written_batch(written.name, parts, written.size)
+        except ValueError as exc:
+            assert "not a batch file of" in str(exc)
+        else:
+            raise AssertionError(f"{parts} accepted")
+    live = q.begin_written_batch(written.name, ("s2", "s1"), written.size)  # wrong order
+    errors = q.write(live)
+    assert all(e is not None and "other samples" in str(e) for e in errors), errors
+    for p in live:
+        q.abort(p)
+    assert q.size() == 0 and not q.is_held("s1")
+    assert os.listdir(tmp_path / INCOMING) == [written.name]  # left for recovery to read
+
+
+def test_duplicates_in_a_batch_file_are_never_handed_out_not_even_after_restarts(
+        tmp_path: Path) -> None:
+    """A place whose sample the queue holds (put before, or twice in the file) is a
+    duplicate: not handed out, and recorded in ``drops/`` so that no restart hands it out,
+    even once the sample it copies is committed and out of the recent commits' memory."""
+    q = DurableSampleQueue(str(tmp_path), keep_commits=1)
+    w = writer(tmp_path)
+    q.put(b"s1", sample_id="s1")
+    assert put_batch(q, w, [(b"s2", "s2"), (b"copy-1", "s1"), (b"copy-2", "s2"),
+                            (b"s3", "s3")]) == [True] * 4
+    assert q.stats()["duplicates"] == 2
+    q.put(b"s4", sample_id="s4")
+    assert drain(q) == [b"s1", b"s2", b"s3", b"s4"]
+    q.commit(1)  # s1
+    q.commit(2)  # s2: s1 is no longer among the commits remembered (keep_commits=1)
+    assert not q.is_held("s1")
+    again = DurableSampleQueue(str(tmp_path), keep_commits=1)
+    assert drain(again) == [b"s3", b"s4"]
+    again.commit(4)
+    assert os.listdir(tmp_path / SAMPLES) == []
+
+
+def test_a_batch_file_of_duplicates_only_is_deleted(tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path))
+    q.put(b"s1", sample_id="s1")
+    assert put_batch(q, writer(tmp_path), [(b"copy", "s1")]) == [True]
+    assert os.listdir(tmp_path / INCOMING) == []
+    assert drain(DurableSampleQueue(str(tmp_path))) == [b"s1"]
+
+
+def test_batch_files_never_named_are_adopted_at_the_restart(tmp_path: Path) -> None:
+    """The queue died between the putter's write and its own rename: the next queue numbers
+    each file after every sample on disk, in written order; a place it holds is dropped."""
+    q = DurableSampleQueue(str(tmp_path))
+    w = writer(tmp_path)
+    q.put(b"own-0", sample_id="s0")
+    w.write_batch([(b"o-1", "s1", None), (b"copy-0", "s0", None)])
+    w.write(b"o-2", sample_id="s2")
+    w.write_batch([(b"o-3", "s3", None), (b"copy-1", "s1", None), (b"o-4", "s4", None)])
+    again = DurableSampleQueue(str(tmp_path))
+    assert again.recovered == 5
+    assert os.listdir(tmp_path / INCOMING) == []
+    assert drain(again) == [b"own-0", b"o-1", b"o-2", b"o-3", b"o-4"]
+    assert drain(DurableSampleQueue(str(tmp_path))) == [b"own-0", b"o-1", b"o-2", b"o-3",
+                                                        b"o-4"]
+
+
+def test_a_sample_stored_twice_by_the_queue_is_handed_out_once_after_a_restart(
+        tmp_path: Path) -> None:
+    """A put whose file was published but whose directory fsync failed returns an error;
+    the sample put again, with another in one batch file, is a second copy on disk. A
+    restart hands it out once, from the first file, and its place in the batch file never."""
+
+    class SyncFailsOnce(PosixStorage):
+        armed = False
+
+        def sync_dirs(self, directories):  # type: ignore[no-untyped-def]
+            if self.armed:
+                self.armed = False
+                raise OSError(errno.EIO, "injected: the directory fsync failed")
+            super().sync_dirs(directories)
+
+    st = SyncFailsOnce(str(tmp_path), writer_id="verlq")
+    q = DurableSampleQueue(st)
+    st.armed = True
+    with pytest.raises(OSError, match="injected"):
+        q.put(b"a", sample_id="s1")
+    again = [q.begin(b"a-again", sample_id="s1"), q.begin(b"b", sample_id="s2")]
+    assert None not in again
+    assert q.write(again) == [None, None]  # type: ignore[arg-type]
+    for p in again:
+        q.finish(p)  # type: ignore[arg-type]
+    assert drain(q) == [b"a-again", b"b"]
+    assert drain(DurableSampleQueue(str(tmp_path))) == [b"a", b"b"]
+
+
+def test_many_batch_files_are_named_in_one_call(tmp_path: Path) -> None:
+    """``put_written_batches``: per file, one answer a place (a duplicate: True), or None
+    for a file the queue cannot see; each named file in ``samples/`` whole."""
+    w = writer(tmp_path / "queue")
+    elsewhere = writer(tmp_path / "other-node")
+
+    async def go() -> tuple[list[list[bool] | None], StrawqMessageQueue]:
+        mq = StrawqMessageQueue(None, 10, path=str(tmp_path / "queue"))
+        await mq.put_sample(b"own-0", sample_id="s0")
+        files = [w.write_batch([(b"w-1", "s1", None), (b"copy", "s0", None)]),
+                 elsewhere.write_batch([(b"far", "s9", None)]),
+                 w.write_batch([(b"w-2", "s2", None), (b"w-3", "s3", None)])]
+        answers = await mq.put_written_batches([(f.name, list(f.parts), f.size)
+                                                for f in files])
+        return answers, mq
+
+    answers, mq = asyncio.run(go())
+    assert answers == [[True, True], None, [True, True]]
+    assert mq.q.stats()["puts_written_by_putter"] == 3
+    assert os.listdir(tmp_path / "queue" / INCOMING) == []
+    assert drain(mq.q) == [b"own-0", b"w-1", b"w-2", b"w-3"]
+
+
+def test_a_crash_at_any_storage_step_of_batch_files_loses_no_returned_put(
+        tmp_path: Path) -> None:
+    """The putter's batch files and the queue's renames, commits and restarts, each process
+    crashed before each of its mutating storage operations in turn: a queue started again
+    holds every put that returned and no commit covers, in put order, once."""
+    for side in ("putter", "queue"):
+        n = 1
+        while True:
+            root = tmp_path / f"{side}{n}"
+            faulty = FaultyStorage(PosixStorage(str(root), writer_id="v"), crash_after=n)
+            plain = PosixStorage(str(root), writer_id="v")
+            q = DurableSampleQueue(faulty if side == "queue" else plain)
+            w = IncomingWriter(faulty if side == "putter" else plain)
+            returned: list[str] = []
+            handed: list[str] = []
+            try:
+                for b in range(3):
+                    sids = [f"b{b}_{i}" for i in range(3)]
+                    # the second file repeats a sample of the first: a duplicate place
+                    puts = [(s.encode(), s) for s in sids] + ([(b"dup", "b0_0")] if b else [])
+                    put_batch(q, w, puts)
+                    returned += sids
+                    handed += [q.get()[0].sample_id for _ in range(3)]  # type: ignore[index]
+                    q.commit(len(handed) - 1)
+            except CrashPoint:
+                pass
+            else:
+                break
+            again = DurableSampleQueue(str(root))
+            committed = handed[:again.consumed]
+            held = [got[0].sample_id for got in iter(again.get, None)]
+            assert held == sorted(held), (side, n, held)  # put order (b<k>_<i>)
+            assert len(held) == len(set(held)), (side, n, held)
+            assert not set(held) & set(committed), (side, n, held)
+            assert set(returned) - set(committed) <= set(held), (side, n, held, returned)
+            assert os.listdir(root / INCOMING) == [], (side, n)
+            n += 1
+        # every step was a crash point once: the putter's a publish a file
+        assert n > {"putter": 3, "queue": 9}[side], (side, n)
