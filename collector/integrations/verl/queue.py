@@ -247,35 +247,40 @@ class StrawqMessageQueue:
         return answers
 
     async def put_written_batches(self, batches: list[tuple[str, list[str], int]]
-                                  ) -> list[list[bool] | None]:
+                                  ) -> list[list[bool] | dict[str, str] | None]:
         """Puts their putter wrote as batch files (``StrawqMessageQueueClient``,
         ``samples.IncomingWriter.write_batch``): each ``(name, sample id parts, size)``, durable
         in ``incoming/<name>``; a writer thread renames each into ``samples/`` with the other
-        puts waiting. Returns, per file, what ``put_sample`` returns for each of its samples
-        (a duplicate: True, stored already), or None when this process cannot see the file
-        (the putter then sends the samples' bytes). A file's error other than that raises
-        once every file of the call is settled (the others are stored; a re-put of theirs is
-        a duplicate)."""
-        plans = []
+        puts waiting. Returns, per file: what ``put_sample`` returns for each of its places
+        (a duplicate: True, stored already); None when this process cannot see the file
+        (the putter then sends the samples' bytes); or ``{"error": "<type>: <message>"}``
+        when the file could not be stored (its puts fail; the other files of the call are
+        answered as usual)."""
+        plans: list[tuple[int, list[Pending], list[asyncio.Future[bool]]] | BaseException] = []
         for name, parts, size in batches:
-            live = self.q.begin_written_batch(name, parts, size)
+            try:
+                live = self.q.begin_written_batch(name, parts, size)
+            except Exception as exc:  # noqa: BLE001 (that file's answer)
+                plans.append(exc)
+                continue
             plans.append((len(parts), live, self._submit_many(live)))
-        answers: list[list[bool] | None] = []
-        error: BaseException | None = None
-        for count, live, waits in plans:
+        answers: list[list[bool] | dict[str, str] | None] = []
+        for plan in plans:
+            if isinstance(plan, BaseException):
+                answers.append(_error(plan))
+                continue
+            count, live, waits = plan
             each = [True] * count  # a place with no put: a duplicate, stored already
-            stored = True
+            answer: list[bool] | dict[str, str] | None = each
             for pending, wait in zip(live, waits, strict=True):
                 place = pending.seq - (pending.batch.first if pending.batch else pending.seq)
                 try:
                     each[place] = bool(await wait)
                 except NotFound:  # the file unseen here: every put of it fails so
-                    stored = False
-                except Exception as exc:  # noqa: BLE001 (raised once every file is settled)
-                    error, stored = error or exc, False
-            answers.append(each if stored else None)
-        if error is not None:
-            raise error
+                    answer = None
+                except Exception as exc:  # noqa: BLE001 (that file's answer)
+                    answer = _error(exc)
+            answers.append(answer)
         return answers
 
     def _submit(self, pending: Pending) -> asyncio.Future[bool]:
@@ -447,6 +452,11 @@ class StrawqMessageQueue:
 
     async def finish_partial(self, handle: str) -> None:
         self._partials.finish(handle)
+
+
+def _error(exc: BaseException) -> dict[str, str]:
+    """A batch file's answer when it could not be stored (``put_written_batches``)."""
+    return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def actor_class(**options: Any) -> Any:

@@ -94,6 +94,8 @@ class StrawqMessageQueueClient(MessageQueueClient):
         self._naming: list[tuple[WrittenBatch, list[_Answer]]] = []
         self._sending = False
         self._tasks: set[asyncio.Task[None]] = set()
+        #: puts begun and not returned yet (verl's end of stream waits for them)
+        self._outstanding: set[asyncio.Future[None]] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"queue_actor": self.queue_actor, "write_from_bytes": self.write_from_bytes,
@@ -126,12 +128,18 @@ class StrawqMessageQueueClient(MessageQueueClient):
                 puts = [(sample, sid, meta) for sample, sid, meta, _ in batch]
                 try:
                     assert self._pool is not None
-                    written = await loop.run_in_executor(self._pool, writer.write_batch, puts)
+                    written, failed = await loop.run_in_executor(
+                        self._pool, writer.write_batch, puts)
                 except BaseException as exc:  # every put of the file fails with it
                     _fail(answers, exc if isinstance(exc, Exception) else None)
                     if not isinstance(exc, Exception):
                         raise
                     continue
+                for i, error in failed.items():  # a put its record could not be made of
+                    _fail([answers[i]], error)
+                if written is None:
+                    continue
+                answers = [done for i, done in enumerate(answers) if i not in failed]
                 self.files += 1
                 self._naming.append((written, answers))
                 if not self._sending:
@@ -155,23 +163,38 @@ class StrawqMessageQueueClient(MessageQueueClient):
                     if len(got) != len(files):
                         raise RuntimeError(f"verl queue: {len(got)} answers to "
                                            f"{len(files)} batch files")
-                except BaseException as exc:  # every put of the call fails with it
+                    for (written, answers), each in zip(files, got, strict=True):
+                        self._answer(writer, written, answers, each)
+                except BaseException as exc:  # every put of the call not answered fails
                     for _, answers in files:
                         _fail(answers, exc if isinstance(exc, Exception) else None)
                     if not isinstance(exc, Exception):
                         raise
-                    continue
-                for (written, answers), each in zip(files, got, strict=True):
-                    if each is None:  # the queue cannot see it: its puts send their bytes
-                        writer.discard(written.name)
-                    for i, done in enumerate(answers):
-                        if not done.done():
-                            done.set_result(None if each is None else each[i])
         finally:
             self._sending = False
             left, self._naming = self._naming, []
             for _, answers in left:  # this sender was cancelled: no call will name them
                 _fail(answers, None)
+
+    def _answer(self, writer: IncomingWriter, written: WrittenBatch, answers: list[_Answer],
+                each: Any) -> None:
+        """Hand the queue's answer for one batch file to its puts: one per place, None (the
+        queue cannot see the file: it is deleted, and its puts send their bytes), or
+        ``{"error": ...}`` (the file's puts fail with it)."""
+        if each is None:
+            try:
+                writer.discard(written.name)
+            except Exception as exc:  # noqa: BLE001 (a file left is adopted by no queue here)
+                log.warning("verl queue: could not delete %s (%s)", written.name, exc)
+            _settle(answers, [None] * len(answers))
+        elif isinstance(each, dict):
+            _fail(answers, StrawqError(f"verl queue: the queue could not store batch file "
+                                       f"{written.name}: {each.get('error')}"))
+        elif isinstance(each, list) and len(each) == len(answers):
+            _settle(answers, [bool(a) for a in each])
+        else:
+            raise RuntimeError(f"verl queue: {each!r} is no answer for a batch file of "
+                               f"{len(answers)} puts")
 
     async def connect(self) -> bool:
         """Ask the queue where it lives (the first put does otherwise). True when puts will
@@ -200,7 +223,22 @@ class StrawqMessageQueueClient(MessageQueueClient):
 
     async def put_sample(self, sample: Any, **meta: Any) -> bool:
         """verl's put: durable when it returns; False when the queue was full and dropped its
-        oldest sample not handed out."""
+        oldest sample not handed out. verl's end of stream (``None``) is sent once every put
+        this client began before it has returned, so it follows them as it would had they
+        gone through the actor (a written put waits for its file and its name)."""
+        if sample is None:
+            if self._outstanding:
+                await asyncio.wait(set(self._outstanding))
+            return bool(await self._call("put_sample", None, **meta))
+        mark: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._outstanding.add(mark)
+        try:
+            return await self._put(sample, meta)
+        finally:
+            mark.set_result(None)
+            self._outstanding.discard(mark)
+
+    async def _put(self, sample: Any, meta: dict[str, Any]) -> bool:
         # anything but bytes goes through the actor, which refuses it for this put alone
         small = (not isinstance(sample, (bytes, bytearray, memoryview))
                  or memoryview(sample).nbytes < self.write_from_bytes)
@@ -238,6 +276,13 @@ def _take(waiting: list[tuple[Any, str | None, dict[str, Any], _Answer]]
         if i and size > FILE_BYTES:
             return waiting[:i], waiting[i:]
     return waiting, []
+
+
+def _settle(answers: list[_Answer], results: list[bool | None]) -> None:
+    """Answer the puts not answered yet."""
+    for done, result in zip(answers, results, strict=True):
+        if not done.done():
+            done.set_result(result)
 
 
 def _fail(answers: list[_Answer], exc: Exception | None) -> None:

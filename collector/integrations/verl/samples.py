@@ -306,27 +306,36 @@ class IncomingWriter:
         return Written(name, sample_id, sum(len(c) for c in record))
 
     def write_batch(self, puts: Sequence[tuple[Any, str | None, Mapping[str, Any] | None]]
-                    ) -> WrittenBatch:
+                    ) -> tuple[WrittenBatch | None, dict[int, Exception]]:
         """Write many samples ``(bytes, sample id or None, meta)`` durably as ONE batch file
         in ``incoming/`` (group commit: one create, write, fsync and rename for them all):
         an index of their ids, offsets and sizes, then their records. No sequence numbers:
         the queue gives the file's samples consecutive ones when it names the file
-        (``DurableSampleQueue.begin_written_batch``)."""
-        if not puts:
-            raise ValueError("write_batch: no puts")
+        (``DurableSampleQueue.begin_written_batch``). Returns the file (None when no put
+        could be encoded) and, by place in ``puts``, the error of each put whose record
+        could not be made (not a sample's bytes, metadata msgpack cannot hold): that put
+        fails alone, the file holds the others."""
         recs: list[list[bytes]] = []
         parts: list[str] = []
-        for blob, sample_id, meta in puts:
-            blob, sample_id, epoch = _identified(blob, sample_id)
-            if sample_id is None:
-                sample_id = "c" + secrets.token_hex(8)
+        failed: dict[int, Exception] = {}
+        for i, (blob, sample_id, meta) in enumerate(puts):
+            try:
+                blob, sample_id, epoch = _identified(blob, sample_id)
+                if sample_id is None:
+                    sample_id = "c" + secrets.token_hex(8)
+                rec = sample_record(blob, sample_id, epoch=epoch, meta=meta)
+            except Exception as exc:  # noqa: BLE001 (handed to that put's caller)
+                failed[i] = exc
+                continue
             parts.append(_name_part(sample_id))
-            recs.append(sample_record(blob, sample_id, epoch=epoch, meta=meta))
+            recs.append(rec)
+        if not recs:
+            return None, failed
         data, _ = pack_batch(recs, {"ids": parts})
         name = incoming_batch_name(len(parts))
         self.storage.publish(VERL_SAMPLES.key(S.PENDING, name), data, sync_dir=False)
         self._dir_sync.wait()
-        return WrittenBatch(name, tuple(parts), sum(len(c) for c in data))
+        return WrittenBatch(name, tuple(parts), sum(len(c) for c in data)), failed
 
     def discard(self, name: str) -> None:
         """Delete a written record no queue will name (the queue's process cannot see it)."""
@@ -363,7 +372,7 @@ class NamedBatch:
     first: int
     parts: tuple[str, ...]
     #: ``(seq, part)`` of the places whose sample the queue held already: never handed out
-    #: (``drops/<seq>~<part>~duplicate``, written once the file is named)
+    #: (``drops/<seq>~<part>~duplicate``, recorded before the file is renamed into place)
     dups: list[tuple[int, str]]
     #: the puts of its other places, in order
     live: list[Pending] = field(default_factory=list)
@@ -425,6 +434,9 @@ class DurableSampleQueue:
         #: when none is left)
         self._batches: dict[str, set[int]] = {}
         self._recent: deque[set[str]] = deque(maxlen=self.keep_commits)
+        #: ids ``drops/`` records as duplicates (read by ``recover``): a putter's file in
+        #: ``incoming/`` holding one is a copy, whatever the commits still remember
+        self._copies: set[str] = set()
         self._seq = 0
         self._committed_seq = -1
         self.handed = 0
@@ -458,6 +470,7 @@ class DurableSampleQueue:
             self._leased.clear()
             self._ids.clear()
             self._recent.clear()
+            self._copies.clear()
             listing = self.storage.list(COMMITTED)
             stale = set(COMMIT_NAMES.prune(listing, self.keep_commits))
             last_seq = -1
@@ -523,7 +536,7 @@ class DurableSampleQueue:
                 log.warning("verl queue: %s/%s is not a written put's name; left alone",
                             INCOMING, name)
                 continue
-            if part in self._ids or any(part in s for s in self._recent):
+            if part in self._ids or part in self._copies or any(part in s for s in self._recent):
                 VERL_SAMPLES.retire(self.storage, name, S.PENDING, S.TRAINED)
                 continue
             seq = self._seq = max(self._seq, last_seq + 1)
@@ -540,9 +553,10 @@ class DurableSampleQueue:
         return held
 
     def _adopt_batch(self, name: str, count: int, last_seq: int) -> list[Held]:
-        """A putter's batch file no put named: numbered after every sample on disk and
-        renamed into ``samples/`` (``_adopt_incoming``); its places whose sample is held
-        dropped as duplicates. An unreadable one is left where it is, logged."""
+        """A putter's batch file no put named: numbered after every sample on disk, its
+        places whose sample is held recorded as duplicates, then renamed into ``samples/``
+        (``_adopt_incoming``); a file of duplicates only is deleted. An unreadable one is
+        left where it is, logged."""
         src = VERL_SAMPLES.key(S.PENDING, name)
         first = max(self._seq, last_seq + 1)
         try:
@@ -554,22 +568,25 @@ class DurableSampleQueue:
             log.error("verl queue: %s is not a readable batch of puts (%s); left alone", src, exc)
             return []
         self._seq = first + count
+        held, dups = self._sort_members(members, last_seq, set(), also=self._copies)
+        self._record_duplicates(dups)  # raises: the recovery fails, nothing handed out
+        if not held:  # every place a duplicate: nothing in it to hand out
+            VERL_SAMPLES.retire(self.storage, name, S.PENDING, S.TRAINED)
+            return []
         new = batch_name(first, first + count - 1)
         try:
             VERL_SAMPLES.move(self.storage, name, S.PENDING, S.READY, new, sync_dir=False)
         except NotFound:
             return []
         key = VERL_SAMPLES.key(S.READY, new)
-        held = self._members_held(key, members, last_seq, set())
-        if held:
-            self._batches[key] = {h.seq for h in held}
-        else:  # every place a duplicate: nothing in it to hand out
-            self.storage.delete(key)
-        return held
+        self._ids.update(part for _, part, _ in held)
+        self._batches[key] = {seq for seq, _, _ in held}
+        return [Held(seq, key, part, span) for seq, part, span in held]
 
     def _dropped_samples(self) -> set[tuple[int, str]]:
         """``(seq, id)`` of the samples ``drops/`` names (a sample dropped out of a batch
-        file is still in it); no sequence number of theirs is given out again."""
+        file is still in it); no sequence number of theirs is given out again. The ids it
+        records as duplicates go to ``_copies``."""
         out: set[tuple[int, str]] = set()
         for name in self.storage.list(VERL_SAMPLES.dir_of(S.DROPPED)):
             got = SAMPLE_NAMES.split(name)
@@ -578,6 +595,8 @@ class DurableSampleQueue:
             seq, tail = got
             part, _, rest = tail.partition("~")
             out.add((seq, part))
+            if rest == DUPLICATE:
+                self._copies.add(part)
             batch = rest.startswith(BATCH_MARK + "~") and part.isascii() and part.isdigit()
             top = int(part) if batch else seq
             self._seq = max(self._seq, top + 1)
@@ -607,45 +626,57 @@ class DurableSampleQueue:
 
     def _members_held(self, key: str, members: Sequence[tuple[int, str, tuple[int, int]]],
                       last_seq: int, dropped: set[tuple[int, str]]) -> list[Held]:
-        """The samples of batch file ``key`` to hand out: those no commit covers, ``drops/``
-        does not name, and whose id no earlier sample (on disk, or in a recent commit) holds
-        — a second copy (a put whose write failed after its file was published, then put
-        again; a putter's batch file naming a sample twice) is dropped as a duplicate."""
-        held: list[Held] = []
+        """The samples of batch file ``key`` (in ``samples/``) to hand out: those no commit
+        covers, ``drops/`` does not name, and whose id no earlier sample (on disk, or in a
+        recent commit) holds — a second copy (a put whose write failed after its file was
+        published, then put again; a putter's batch file naming a sample twice) is a
+        duplicate, recorded in ``drops/`` before anything is handed out (a failure to record
+        it fails the recovery: handed out, a later restart that no longer remembers the
+        sample it copies would hand it out again)."""
+        held, dups = self._sort_members(members, last_seq, dropped)
+        self._record_duplicates(dups)
+        self._ids.update(part for _, part, _ in held)
+        return [Held(seq, key, part, span) for seq, part, span in held]
+
+    def _sort_members(self, members: Sequence[tuple[int, str, tuple[int, int]]],
+                      last_seq: int, dropped: set[tuple[int, str]], *,
+                      also: set[str] | frozenset[str] = frozenset()
+                      ) -> tuple[list[tuple[int, str, tuple[int, int]]], list[tuple[int, str]]]:
+        """A batch file's places to hand out, and its duplicates ``(seq, part)``
+        (``_members_held``; ``also``: more ids held); no side effect."""
+        held: list[tuple[int, str, tuple[int, int]]] = []
         dups: list[tuple[int, str]] = []
+        seen: set[str] = set()
         for seq, part, span in members:
             if seq <= last_seq or (seq, part) in dropped:
                 continue
-            if part in self._ids or any(part in s for s in self._recent):
+            if (part in seen or part in self._ids or part in also
+                    or any(part in s for s in self._recent)):
                 dups.append((seq, part))
                 continue
-            held.append(Held(seq, key, part, span))
-            self._ids.add(part)
-        self._drop_duplicates(dups)
-        return held
+            held.append((seq, part, span))
+            seen.add(part)
+        return held, dups
 
-    def _drop_duplicates(self, dups: Sequence[tuple[int, str]]) -> None:
-        """Record places of batch files whose sample the queue held already, so that no
-        restart hands them out (``drops/<seq>~<part>~duplicate``). A failure is logged: until
-        a restart's recovery records them again, the copy they stand for is still held."""
+    def _record_duplicates(self, dups: Sequence[tuple[int, str]]) -> None:
+        """Record places of batch files whose sample the queue holds already
+        (``drops/<seq>~<part>~duplicate``), durably, so that no restart hands them out —
+        whatever commits later forget of the samples they copy. Raises when it cannot: the
+        caller must not hand out, nor publish into ``samples/``, what they stand beside."""
         if not dups:
             return
         drops = VERL_SAMPLES.dir_of(S.DROPPED)
         VERL_SAMPLES.check(S.READY, S.DROPPED)
-        try:
-            self.storage.makedirs(drops)
-            for seq, part in dups:
-                name = f"{SAMPLE_NAMES.name(seq, part)}~{DUPLICATE}"
-                try:
-                    self.storage.publish(VERL_SAMPLES.key(S.DROPPED, name), records.encode(
-                        Kind.STATE, {"verl": "drop", "seq": seq, "sample_id": part,
-                                     "reason": DUPLICATE}), sync_dir=False)
-                except AlreadyExists:
-                    pass
-            self.storage.sync_dirs([drops])
-        except Exception as exc:  # noqa: BLE001 (a restart records them again)
-            log.error("verl queue: could not record %d duplicate samples of batch files in "
-                      "%s/ (%s)", len(dups), drops, exc)
+        self.storage.makedirs(drops)
+        for seq, part in dups:
+            name = f"{SAMPLE_NAMES.name(seq, part)}~{DUPLICATE}"
+            try:
+                self.storage.publish(VERL_SAMPLES.key(S.DROPPED, name), records.encode(
+                    Kind.STATE, {"verl": "drop", "seq": seq, "sample_id": part,
+                                 "reason": DUPLICATE}), sync_dir=False)
+            except AlreadyExists:
+                pass
+        self.storage.sync_dirs([drops])
 
     def _read_index(self, key: str, data: bytes, first: int,
                     last: int) -> list[tuple[int, str, tuple[int, int]]]:
@@ -824,12 +855,12 @@ class DurableSampleQueue:
         publish fails every put of its file). Thread-safe; it takes the queue's lock only
         to count and to register a batch file's samples (before any of them can be
         committed), so hand-outs go on while it runs. A put its putter wrote
-        (``begin_written``) is renamed into place instead, and ``incoming/`` and ``samples/``
-        are fsync'd once for those named (``_name_written``)."""
+        (``begin_written``, or a putter's batch file: ``begin_written_batch``) is renamed
+        into place instead, and ``incoming/`` and ``samples/`` are fsync'd once for those
+        named (``_name_written``, ``_name_batch``)."""
         errors: list[BaseException | None] = [None] * len(pending)
         own = [i for i, p in enumerate(pending) if p.src is None]
         written = [i for i, p in enumerate(pending) if p.src is not None]
-        plans: dict[int, NamedBatch] = {}
         for i in written:
             plan = pending[i].batch
             if plan is None:
@@ -837,7 +868,6 @@ class DurableSampleQueue:
                 continue
             if not plan.done:
                 plan.error, plan.done = self._name_batch(plan), True
-                plans[id(plan)] = plan
             errors[i] = plan.error
         named = [i for i in written if errors[i] is None]
         if named:
@@ -846,9 +876,6 @@ class DurableSampleQueue:
             except Exception as exc:  # noqa: BLE001 (every put it would have covered fails)
                 for i in named:
                     errors[i] = exc
-            else:
-                self._drop_duplicates([d for plan in plans.values() if plan.error is None
-                                       for d in plan.dups])
         if own:
             for i, error in zip(own, self._write_own([pending[i] for i in own]), strict=True):
                 errors[i] = error
@@ -904,6 +931,14 @@ class DurableSampleQueue:
                     p.blob = _sample_bytes(view[offset:offset + size], src, seq=seq, part=part)
                     p.span, p.size = (offset, size), size
             if not made:
+                # its duplicate places recorded first: once in samples/, the file is handed
+                # out from at every restart, and a commit meanwhile may forget the samples
+                # they copy
+                try:
+                    self._record_duplicates(plan.dups)
+                except Exception:
+                    self._discard_failed(plan.src)
+                    raise
                 try:
                     VERL_SAMPLES.move(self.storage, plan.src, S.PENDING, S.READY,
                                       plan.key.rpartition("/")[2], sync_dir=False)
@@ -917,6 +952,16 @@ class DurableSampleQueue:
             self.named += len(plan.live)
             self.named_files += 1
         return None
+
+    def _discard_failed(self, src: str) -> None:
+        """A putter's batch file whose puts fail before it is named: deleted, so that no
+        restart adopts a place the queue answered as a duplicate once the sample it copies
+        is forgotten (best effort: a file left is adopted by the rules of its restart)."""
+        try:
+            VERL_SAMPLES.retire(self.storage, src, S.PENDING, S.TRAINED)
+        except Exception as exc:  # noqa: BLE001 (the put's own error is what its caller sees)
+            log.error("verl queue: %s/%s, whose puts failed, could not be deleted (%s)",
+                      INCOMING, src, exc)
 
     def _write_own(self, pending: Sequence[Pending]) -> list[BaseException | None]:
         """``write`` of puts whose records the queue encoded (``begin``)."""

@@ -27,12 +27,17 @@ def writer(root: Path) -> IncomingWriter:
     return IncomingWriter(PosixStorage(str(root), writer_id="verlc"))
 
 
+def write(w: IncomingWriter, puts: Sequence[tuple[bytes, str | None]]) -> WrittenBatch:
+    written, failed = w.write_batch([(data, sid, None) for data, sid in puts])
+    assert written is not None and not failed, failed
+    return written
+
+
 def put_batch(q: DurableSampleQueue, w: IncomingWriter,
               puts: Sequence[tuple[bytes, str | None]]) -> list[bool]:
     """A putter's batch file, as the client and the actor make it: write here, name there.
     One answer a place (a duplicate: True, stored already)."""
-    written = w.write_batch([(data, sid, None) for data, sid in puts])
-    return name_batch(q, written)
+    return name_batch(q, write(w, puts))
 
 
 def name_batch(q: DurableSampleQueue, written: WrittenBatch) -> list[bool]:
@@ -77,7 +82,7 @@ def test_verl_samples_in_a_batch_file_keep_their_ids(tmp_path: Path) -> None:
     """Ids come from the pickles, as for a put through the queue: a re-put is a duplicate."""
     q = DurableSampleQueue(str(tmp_path))
     w = writer(tmp_path)
-    written = w.write_batch([(vh.blob(7), None, None), (vh.blob(8), None, None)])
+    written = write(w, [(vh.blob(7), None), (vh.blob(8), None)])
     assert incoming_batch(written.name) == 2 and incoming_part(written.name) is None
     assert written.parts == ("sample_0_7", "sample_0_8")
     assert name_batch(q, written) == [True, True]
@@ -88,7 +93,7 @@ def test_verl_samples_in_a_batch_file_keep_their_ids(tmp_path: Path) -> None:
 
 def test_a_batch_file_that_does_not_match_its_put_is_refused(tmp_path: Path) -> None:
     q = DurableSampleQueue(str(tmp_path))
-    written = writer(tmp_path).write_batch([(b"a", "s1", None), (b"b", "s2", None)])
+    written = write(writer(tmp_path), [(b"a", "s1"), (b"b", "s2")])
     for parts in (("s1",), ("s1", "s2", "s3"), ("s1", "bad~id")):
         try:
             q.begin_written_batch(written.name, parts, written.size)
@@ -141,9 +146,9 @@ def test_batch_files_never_named_are_adopted_at_the_restart(tmp_path: Path) -> N
     q = DurableSampleQueue(str(tmp_path))
     w = writer(tmp_path)
     q.put(b"own-0", sample_id="s0")
-    w.write_batch([(b"o-1", "s1", None), (b"copy-0", "s0", None)])
+    write(w, [(b"o-1", "s1"), (b"copy-0", "s0")])
     w.write(b"o-2", sample_id="s2")
-    w.write_batch([(b"o-3", "s3", None), (b"copy-1", "s1", None), (b"o-4", "s4", None)])
+    write(w, [(b"o-3", "s3"), (b"copy-1", "s1"), (b"o-4", "s4")])
     again = DurableSampleQueue(str(tmp_path))
     assert again.recovered == 5
     assert os.listdir(tmp_path / INCOMING) == []
@@ -190,9 +195,9 @@ def test_many_batch_files_are_named_in_one_call(tmp_path: Path) -> None:
     async def go() -> tuple[list[list[bool] | None], StrawqMessageQueue]:
         mq = StrawqMessageQueue(None, 10, path=str(tmp_path / "queue"))
         await mq.put_sample(b"own-0", sample_id="s0")
-        files = [w.write_batch([(b"w-1", "s1", None), (b"copy", "s0", None)]),
-                 elsewhere.write_batch([(b"far", "s9", None)]),
-                 w.write_batch([(b"w-2", "s2", None), (b"w-3", "s3", None)])]
+        files = [write(w, [(b"w-1", "s1"), (b"copy", "s0")]),
+                 write(elsewhere, [(b"far", "s9")]),
+                 write(w, [(b"w-2", "s2"), (b"w-3", "s3")])]
         answers = await mq.put_written_batches([(f.name, list(f.parts), f.size)
                                                 for f in files])
         return answers, mq
@@ -243,3 +248,231 @@ def test_a_crash_at_any_storage_step_of_batch_files_loses_no_returned_put(
             n += 1
         # every step was a crash point once: the putter's a publish a file
         assert n > {"putter": 3, "queue": 9}[side], (side, n)
+
+
+class Faults(PosixStorage):
+    """Posix storage with one armed fault: publishing into ``drops/`` fails (``drops``) or
+    crashes (``drops-crash``); the rename of a batch file into ``samples/`` crashes
+    (``rename-crash``); or the next directory fsync fails (``sync``)."""
+
+    mode: str | None = None
+
+    def publish(self, key, data, **kw):  # type: ignore[no-untyped-def]
+        if self.mode == "drops" and key.startswith("drops/"):
+            raise OSError(errno.EIO, "injected: drops/ publish failed")
+        super().publish(key, data, **kw)
+
+    def rename(self, src, dst, **kw):  # type: ignore[no-untyped-def]
+        if self.mode == "rename-crash" and dst.startswith(SAMPLES + "/"):
+            raise CrashPoint("injected: crash before the rename into samples/")
+        super().rename(src, dst, **kw)
+
+    def sync_dirs(self, directories):  # type: ignore[no-untyped-def]
+        directories = list(directories)
+        if self.mode == "sync" and SAMPLES in directories:
+            self.mode = None
+            raise OSError(errno.EIO, "injected: the directory fsync failed")
+        super().sync_dirs(directories)
+
+
+def committed_one_of_two(tmp_path: Path) -> tuple[Faults, DurableSampleQueue]:
+    """s1 and s2 put, s1 handed out and committed (the one commit remembered)."""
+    st = Faults(str(tmp_path), writer_id="verlq")
+    q = DurableSampleQueue(st, keep_commits=1)
+    q.put(b"s1", sample_id="s1")
+    q.put(b"s2", sample_id="s2")
+    assert q.get()[0].sample_id == "s1"  # type: ignore[index]
+    q.commit(1)
+    return st, q
+
+
+def forget_s1(q: DurableSampleQueue) -> None:
+    assert q.get()[0].sample_id == "s2"  # type: ignore[index]
+    q.commit(2)  # s1 is no longer among the commits remembered
+    assert not q.is_held("s1")
+
+
+def test_a_duplicate_that_cannot_be_recorded_fails_its_file_and_leaves_nothing(
+        tmp_path: Path) -> None:
+    """The drop record of a duplicate place cannot be written: the file's puts fail and the
+    file is deleted, so no restart adopts the copy once the sample it copies is forgotten."""
+    st, q = committed_one_of_two(tmp_path)
+    st.mode = "drops"
+    with pytest.raises(OSError, match="injected"):
+        put_batch(q, writer(tmp_path), [(b"copy-of-s1", "s1"), (b"s3", "s3")])
+    st.mode = None
+    assert os.listdir(tmp_path / INCOMING) == [] and not q.is_held("s3")
+    forget_s1(q)
+    assert drain(DurableSampleQueue(str(tmp_path), keep_commits=1)) == []
+
+
+def test_a_commit_while_a_file_is_named_then_a_crash_hands_out_no_copy(tmp_path: Path) -> None:
+    """The duplicate is judged when the call arrives; a commit forgets the sample it copies
+    while the writer thread names the file; the queue dies before (or after) the rename.
+    Its drop record, written before the rename, keeps the copy from being handed out."""
+    for crash in ("rename-crash", "sync"):
+        root = tmp_path / crash
+        st, q = committed_one_of_two(root)
+        written = write(writer(root), [(b"copy-of-s1", "s1"), (b"s3", "s3")])
+        live = q.begin_written_batch(written.name, written.parts, written.size)
+        assert [p.part for p in live] == ["s3"]
+        forget_s1(q)  # on the loop, while the file is being named
+        st.mode = crash
+        if crash == "rename-crash":
+            with pytest.raises(CrashPoint):
+                q.write(live)
+        else:  # the rename made, its fsync failed: the puts fail, the queue lives on
+            assert all(e is not None for e in q.write(live))
+            for p in live:
+                q.abort(p)
+        assert drain(DurableSampleQueue(str(root), keep_commits=1)) == [b"s3"], crash
+
+
+def test_a_file_named_whose_fsync_failed_never_hands_out_its_copy(tmp_path: Path) -> None:
+    """The rename into ``samples/`` made, the directories' fsync failed: the puts fail (a
+    failed put may be stored), the queue lives on and commits; a restart hands out the
+    file's other samples, never its duplicate place."""
+    st, q = committed_one_of_two(tmp_path)
+    st.mode = "sync"
+    with pytest.raises(OSError, match="injected"):
+        put_batch(q, writer(tmp_path), [(b"copy-of-s1", "s1"), (b"s9", "s9")])
+    assert os.listdir(tmp_path / INCOMING) == []  # the file is in samples/
+    forget_s1(q)
+    assert drain(DurableSampleQueue(str(tmp_path), keep_commits=1)) == [b"s9"]
+
+
+def test_a_sample_full_queue_drops_out_of_a_putters_file_stay_dropped(tmp_path: Path) -> None:
+    q = DurableSampleQueue(str(tmp_path), max_size=2)
+    q.put(b"s0", sample_id="s0")
+    assert put_batch(q, writer(tmp_path), [(b"s1", "s1"), (b"d", "s0"), (b"s2", "s2"),
+                                           (b"s3", "s3")]) == [True, True, False, False]
+    assert drain(q) == [b"s2", b"s3"]
+    again = DurableSampleQueue(str(tmp_path), max_size=2)
+    assert drain(again) == [b"s2", b"s3"]
+    again.commit(2)
+    assert os.listdir(tmp_path / SAMPLES) == []
+
+
+def test_a_put_that_cannot_be_encoded_fails_alone(tmp_path: Path) -> None:
+    written, failed = writer(tmp_path).write_batch([
+        (b"a", "s1", None), ("not bytes", "s2", None), (b"c", "s3", {"x": object()})])
+    assert written is not None and written.parts == ("s1",)
+    assert sorted(failed) == [1, 2] and isinstance(failed[1], TypeError)
+    assert writer(tmp_path).write_batch([("x", None, None)])[0] is None
+
+
+# -- the client, without Ray: the queue in the same event loop ----------------------------
+
+
+class LocalActor:
+    """A ``StrawqMessageQueue`` called as the client calls its actor (``m.remote(...)``,
+    then ``.future()``), in the client's own event loop; ``answers`` replaces the queue's
+    answer to ``put_written_batches`` once."""
+
+    def __init__(self, mq: StrawqMessageQueue) -> None:
+        self.mq = mq
+        self.answers: list[object] | None = None
+
+    def __getattr__(self, method: str) -> object:
+        actor = self
+
+        class Method:
+            @staticmethod
+            def remote(*args: object, **kwargs: object) -> object:
+                async def call() -> object:
+                    got = await getattr(actor.mq, method)(*args, **kwargs)
+                    if method == "put_written_batches" and actor.answers is not None:
+                        got, actor.answers = actor.answers, None
+                    return got
+
+                task = asyncio.ensure_future(call())
+
+                class Ref:
+                    @staticmethod
+                    def future() -> object:
+                        return task
+
+                return Ref()
+
+        return Method()
+
+
+def client_for(tmp_path: Path) -> tuple[object, LocalActor]:
+    pytest.importorskip("verl")
+    from strawq.collector.integrations.verl.queue_client import StrawqMessageQueueClient
+
+    actor = LocalActor(StrawqMessageQueue(None, 100, path=str(tmp_path / "queue")))
+    return StrawqMessageQueueClient(actor), actor
+
+
+def test_a_file_the_queue_cannot_see_sends_its_puts_through_the_actor_even_if_undeletable(
+        tmp_path: Path) -> None:
+    """The queue answers None (it cannot see the file) and the file cannot be deleted: the
+    puts are still answered, and sent through the actor (they hung before)."""
+    client, actor = client_for(tmp_path)
+
+    async def go() -> list[bool]:
+        await client.connect()  # type: ignore[attr-defined]
+
+        def undeletable(name: str) -> None:
+            raise OSError(errno.EACCES, "injected: cannot delete")
+
+        client._writer.discard = undeletable  # type: ignore[attr-defined]
+        actor.answers = [None]
+        return await asyncio.wait_for(asyncio.gather(
+            client.put_sample(b"a", sample_id="s1"),  # type: ignore[attr-defined]
+            client.put_sample(b"b", sample_id="s2")), 30)  # type: ignore[attr-defined]
+
+    assert asyncio.run(go()) == [True, True]
+    assert client.sent == 2 and client.written == 0  # type: ignore[attr-defined]
+    assert drain(actor.mq.q) == [b"a", b"b"]
+
+
+def test_a_file_the_queue_could_not_store_fails_its_puts_only(tmp_path: Path) -> None:
+    client, actor = client_for(tmp_path)
+
+    async def go() -> list[object]:
+        actor.answers = [{"error": "OSError: injected"}]
+        first = await asyncio.gather(client.put_sample(b"a", sample_id="s1"),  # type: ignore[attr-defined]
+                                     return_exceptions=True)
+        second = await client.put_sample(b"b", sample_id="s2")  # type: ignore[attr-defined]
+        return [*first, second]
+
+    got = asyncio.run(go())
+    assert "could not store" in str(got[0]) and got[1] is True
+    # the file the answer was replaced for was stored: a re-put of s1 is a duplicate
+    assert actor.mq.q.is_held("s1")
+
+
+def test_a_put_the_client_cannot_encode_fails_alone(tmp_path: Path) -> None:
+    client, actor = client_for(tmp_path)
+
+    async def go() -> list[object]:
+        return await asyncio.gather(
+            client.put_sample(b"a", sample_id="s1"),  # type: ignore[attr-defined]
+            client.put_sample(b"b", sample_id="s2", x=object()),  # type: ignore[attr-defined]
+            client.put_sample(b"c", sample_id="s3"),  # type: ignore[attr-defined]
+            return_exceptions=True)
+
+    got = asyncio.run(go())
+    assert got[0] is True and got[2] is True and isinstance(got[1], Exception), got
+    assert drain(actor.mq.q) == [b"a", b"c"]
+
+
+def test_the_end_of_stream_follows_the_puts_made_before_it(tmp_path: Path) -> None:
+    """verl's ``put_sample(None)`` goes to the actor at once; it waits for the puts this
+    client made before it, which are still being written, so the trainer gets them first."""
+    client, actor = client_for(tmp_path)
+
+    async def go() -> list[object]:
+        puts = [asyncio.ensure_future(client.put_sample(bytes([i]) * 8,  # type: ignore[attr-defined]
+                                                        sample_id=f"s{i}")) for i in range(5)]
+        await asyncio.sleep(0)  # the puts are waiting for their file
+        await client.put_sample(None)  # type: ignore[attr-defined]
+        await asyncio.gather(*puts)
+        got = []
+        while (item := await actor.mq.get_sample()) is not None and item[0] is not None:
+            got.append(item[0])
+        return got
+
+    assert asyncio.run(go()) == [bytes([i]) * 8 for i in range(5)]
