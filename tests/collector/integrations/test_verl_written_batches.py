@@ -19,12 +19,10 @@ from strawq.collector.integrations.verl.samples import (INCOMING, SAMPLES, Incom
                                                         WrittenBatch, incoming_batch,
                                                         incoming_part)
 from strawq.storage import PosixStorage
-from strawq.testing.faults import CrashPoint, FaultyStorage
+from strawq.testing.faults import CrashPoint
 from tests.collector.integrations import verl_helpers as vh
-
-
-def writer(root: Path) -> IncomingWriter:
-    return IncomingWriter(PosixStorage(str(root), writer_id="verlc"))
+from tests.collector.integrations.test_verl_written_puts import (crash_at_every_step, drain,
+                                                                 writer)
 
 
 def write(w: IncomingWriter, puts: Sequence[tuple[bytes, str | None]]) -> WrittenBatch:
@@ -54,10 +52,6 @@ def name_batch(q: DurableSampleQueue, written: WrittenBatch) -> list[bool]:
     for p in live:
         answers[p.seq - first] = q.finish(p)
     return answers
-
-
-def drain(q: DurableSampleQueue) -> list[bytes]:
-    return [got[1] for got in iter(q.get, None)]
 
 
 def test_a_putters_batch_file_is_named_whole_and_handed_out_in_put_order(
@@ -211,43 +205,22 @@ def test_many_batch_files_are_named_in_one_call(tmp_path: Path) -> None:
 
 def test_a_crash_at_any_storage_step_of_batch_files_loses_no_returned_put(
         tmp_path: Path) -> None:
-    """The putter's batch files and the queue's renames, commits and restarts, each process
-    crashed before each of its mutating storage operations in turn: a queue started again
-    holds every put that returned and no commit covers, in put order, once."""
-    for side in ("putter", "queue"):
-        n = 1
-        while True:
-            root = tmp_path / f"{side}{n}"
-            faulty = FaultyStorage(PosixStorage(str(root), writer_id="v"), crash_after=n)
-            plain = PosixStorage(str(root), writer_id="v")
-            q = DurableSampleQueue(faulty if side == "queue" else plain)
-            w = IncomingWriter(faulty if side == "putter" else plain)
-            returned: list[str] = []
-            handed: list[str] = []
-            try:
-                for b in range(3):
-                    sids = [f"b{b}_{i}" for i in range(3)]
-                    # the second file repeats a sample of the first: a duplicate place
-                    puts = [(s.encode(), s) for s in sids] + ([(b"dup", "b0_0")] if b else [])
-                    put_batch(q, w, puts)
-                    returned += sids
-                    handed += [q.get()[0].sample_id for _ in range(3)]  # type: ignore[index]
-                    q.commit(len(handed) - 1)
-            except CrashPoint:
-                pass
-            else:
-                break
-            again = DurableSampleQueue(str(root))
-            committed = handed[:again.consumed]
-            held = [got[0].sample_id for got in iter(again.get, None)]
-            assert held == sorted(held), (side, n, held)  # put order (b<k>_<i>)
-            assert len(held) == len(set(held)), (side, n, held)
-            assert not set(held) & set(committed), (side, n, held)
-            assert set(returned) - set(committed) <= set(held), (side, n, held, returned)
-            assert os.listdir(root / INCOMING) == [], (side, n)
-            n += 1
-        # every step was a crash point once: the putter's a publish a file
-        assert n > {"putter": 3, "queue": 9}[side], (side, n)
+    """The putter's batch files and the queue's drop records, renames, commits and restarts,
+    each process crashed before each of its mutating storage operations in turn."""
+
+    def scenario(q: DurableSampleQueue, w: IncomingWriter, returned: list[str],
+                 handed: list[str]) -> None:
+        for b in range(3):
+            sids = [f"b{b}_{i}" for i in range(3)]
+            # the later files repeat a sample of the first: a duplicate place
+            puts = [(s.encode(), s) for s in sids] + ([(b"dup", "b0_0")] if b else [])
+            put_batch(q, w, puts)
+            returned += sids
+            handed += [q.get()[0].sample_id for _ in range(3)]  # type: ignore[index]
+            q.commit(len(handed) - 1)
+
+    # the putter: a publish a file; the queue: the drop records, renames, commits
+    crash_at_every_step(tmp_path, scenario, {"putter": 3, "queue": 9})
 
 
 class Faults(PosixStorage):
