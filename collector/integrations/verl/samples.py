@@ -812,19 +812,19 @@ class DurableSampleQueue:
         ``incoming/<name>``, ``parts`` its samples' ids as name parts, in order): reserve one
         sequence number a place, consecutive, as ``begin``; ``write`` renames the file to
         ``samples/<first>~<last>~batch``. Returns the puts of the places whose sample the
-        queue does not hold; the others are duplicates (counted; recorded in ``drops/`` once
-        the file is named, so no restart hands them out). No puts: every place a duplicate,
-        and the file is deleted."""
+        queue does not hold; the others are duplicates (counted; ``write`` records them in
+        ``drops/`` before it renames the file, so no restart hands them out). No puts: every
+        place a duplicate, and the file is deleted."""
         parts = tuple(str(p) for p in parts)
         if incoming_batch(name) != len(parts) or not all(_SAFE.fullmatch(p) for p in parts):
             raise ValueError(f"verl queue: {INCOMING}/{name!r} is not a batch file of "
                              f"{len(parts)} puts")
         with self._lock:
             seen: set[str] = set()
-            dup_places: list[int] = []
+            dup_places: set[int] = set()
             for i, part in enumerate(parts):
                 if part in seen or part in self._ids or any(part in s for s in self._recent):
-                    dup_places.append(i)
+                    dup_places.add(i)
                 seen.add(part)
             self.duplicates += len(dup_places)
             if len(dup_places) == len(parts):
@@ -840,7 +840,8 @@ class DurableSampleQueue:
             VERL_SAMPLES.retire(self.storage, name, S.PENDING, S.TRAINED)
             return []
         key = VERL_SAMPLES.key(S.READY, batch_name(first, first + len(parts) - 1))
-        plan = NamedBatch(name, key, first, parts, [(first + i, parts[i]) for i in dup_places])
+        plan = NamedBatch(name, key, first, parts,
+                          [(first + i, parts[i]) for i in sorted(dup_places)])
         each = max(1, int(size) // len(parts))
         plan.live = [Pending(first + i, part, key, [], b"", src=name, size=each, batch=plan)
                      for i, part in enumerate(parts) if i not in dup_places]
