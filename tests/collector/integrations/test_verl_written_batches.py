@@ -449,3 +449,24 @@ def test_the_end_of_stream_follows_the_puts_made_before_it(tmp_path: Path) -> No
         return got
 
     assert asyncio.run(go()) == [bytes([i]) * 8 for i in range(5)]
+
+
+@pytest.mark.juicefs
+def test_a_batch_file_written_on_one_node_is_named_by_the_queue_on_another(
+        juicefs_engine_dirs: tuple[str, str]) -> None:
+    """The Rollouter on node A writes batch files into the queue directory on a real JuiceFS
+    volume (both metadata engines); the queue on node B names them, hands them out in put
+    order with their bytes, and a queue started again on B after a crash before naming
+    adopts the file A wrote."""
+    a, b = (Path(d) / "q" for d in juicefs_engine_dirs)
+    q = DurableSampleQueue(str(b))
+    w = writer(a)
+    q.put(b"own-0", sample_id="s0")
+    assert put_batch(q, w, [(b"a-1", "s1"), (b"copy", "s0"), (b"a-2", "s2")]) == [True] * 3
+    write(w, [(b"a-3", "s3"), (b"a-4", "s4")])  # the queue dies before it hears of it
+    assert drain(q) == [b"own-0", b"a-1", b"a-2"]
+    again = DurableSampleQueue(str(b))
+    assert drain(again) == [b"own-0", b"a-1", b"a-2", b"a-3", b"a-4"]
+    assert os.listdir(b / INCOMING) == []
+    again.commit(5)
+    assert os.listdir(b / SAMPLES) == []
