@@ -247,39 +247,40 @@ class StrawqMessageQueue:
         return answers
 
     async def put_written_batches(self, batches: list[tuple[str, list[str], int]]
-                                  ) -> list[list[bool] | dict[str, str] | None]:
+                                  ) -> list[list[bool | dict[str, str]] | dict[str, str] | None]:
         """Puts their putter wrote as batch files (``StrawqMessageQueueClient``,
         ``samples.IncomingWriter.write_batch``): each ``(name, sample id parts, size)``, durable
         in ``incoming/<name>``; a writer thread renames each into ``samples/`` with the other
-        puts waiting. Returns, per file: what ``put_sample`` returns for each of its places
-        (a duplicate: True, stored already); None when this process cannot see the file
-        (the putter then sends the samples' bytes); or ``{"error": "<type>: <message>"}``
-        when the file could not be stored (its puts fail; the other files of the call are
-        answered as usual)."""
+        puts waiting. Returns, per file: for each of its places what ``put_sample`` returns
+        (a duplicate: True, stored already), or ``{"error": "<type>: <message>"}`` for a
+        put stored whose joining the queue failed (a drop it made); None when this process
+        cannot see the file (the putter then sends the samples' bytes); or
+        ``{"error": ...}`` for the file when it could not be stored (its puts fail; the other
+        files of the call are answered as usual; a file that failed whole has an error at
+        every place)."""
         plans: list[tuple[int, list[Pending], list[asyncio.Future[bool]]] | BaseException] = []
         for name, parts, size in batches:
             try:
                 live = self.q.begin_written_batch(name, parts, size)
+                plans.append((len(parts), live, self._submit_many(live)))
             except Exception as exc:  # noqa: BLE001 (that file's answer)
                 plans.append(exc)
-                continue
-            plans.append((len(parts), live, self._submit_many(live)))
-        answers: list[list[bool] | dict[str, str] | None] = []
+        answers: list[list[bool | dict[str, str]] | dict[str, str] | None] = []
         for plan in plans:
             if isinstance(plan, BaseException):
                 answers.append(_error(plan))
                 continue
             count, live, waits = plan
-            each = [True] * count  # a place with no put: a duplicate, stored already
-            answer: list[bool] | dict[str, str] | None = each
+            each: list[bool | dict[str, str]] = [True] * count  # no put: a duplicate
+            answer: list[bool | dict[str, str]] | dict[str, str] | None = each
             for pending, wait in zip(live, waits, strict=True):
                 place = pending.seq - (pending.batch.first if pending.batch else pending.seq)
                 try:
                     each[place] = bool(await wait)
                 except NotFound:  # the file unseen here: every put of it fails so
                     answer = None
-                except Exception as exc:  # noqa: BLE001 (that file's answer)
-                    answer = _error(exc)
+                except Exception as exc:  # noqa: BLE001 (that put's answer)
+                    each[place] = _error(exc)
             answers.append(answer)
         return answers
 

@@ -178,9 +178,9 @@ class StrawqMessageQueueClient(MessageQueueClient):
 
     def _answer(self, writer: IncomingWriter, written: WrittenBatch, answers: list[_Answer],
                 each: Any) -> None:
-        """Hand the queue's answer for one batch file to its puts: one per place, None (the
-        queue cannot see the file: it is deleted, and its puts send their bytes), or
-        ``{"error": ...}`` (the file's puts fail with it)."""
+        """Hand the queue's answer for one batch file to its puts: one per place (a put's
+        ``{"error": ...}`` fails it), None (the queue cannot see the file: it is deleted, and
+        its puts send their bytes), or ``{"error": ...}`` (the file's puts fail with it)."""
         if each is None:
             try:
                 writer.discard(written.name)
@@ -191,7 +191,12 @@ class StrawqMessageQueueClient(MessageQueueClient):
             _fail(answers, StrawqError(f"verl queue: the queue could not store batch file "
                                        f"{written.name}: {each.get('error')}"))
         elif isinstance(each, list) and len(each) == len(answers):
-            _settle(answers, [bool(a) for a in each])
+            for done, one in zip(answers, each, strict=True):
+                if isinstance(one, dict):  # this put's own error
+                    _fail([done], StrawqError(f"verl queue: the queue could not store a put "
+                                              f"of {written.name}: {one.get('error')}"))
+                else:
+                    _settle([done], [bool(one)])
         else:
             raise RuntimeError(f"verl queue: {each!r} is no answer for a batch file of "
                                f"{len(answers)} puts")

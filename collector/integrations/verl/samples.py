@@ -208,6 +208,22 @@ def incoming_batch(name: str) -> int | None:
     return int(count)
 
 
+def _stamp(name: str) -> str:
+    """A written put's or batch file's ``incoming/`` name's unique part, ``<ns>.<random>``."""
+    return name.partition("~")[0]
+
+
+def _duplicate_origin(reason: str) -> tuple[str, int] | None:
+    """``(stamp, place)`` of a duplicate's drop reason ``duplicate.<ns>.<random>.<place>``
+    (a place of a putter's batch file, recorded before the file was renamed); None for any
+    other reason."""
+    head, dot, rest = reason.partition(".")
+    stamp, dot2, place = rest.rpartition(".")
+    if head != DUPLICATE or not (dot and dot2 and place.isascii() and place.isdigit()):
+        return None
+    return stamp, int(place)
+
+
 def pack_batch(recs: Sequence[list[bytes]], index: Mapping[str, Any]
                ) -> tuple[list[bytes], list[tuple[int, int]]]:
     """A batch file's bytes: its index record (``index`` plus each record's offset and size
@@ -434,9 +450,10 @@ class DurableSampleQueue:
         #: when none is left)
         self._batches: dict[str, set[int]] = {}
         self._recent: deque[set[str]] = deque(maxlen=self.keep_commits)
-        #: ids ``drops/`` records as duplicates (read by ``recover``): a putter's file in
-        #: ``incoming/`` holding one is a copy, whatever the commits still remember
-        self._copies: set[str] = set()
+        #: a putter's file (its ``incoming/`` stamp) -> its places recorded as duplicates in
+        #: ``drops/`` (read by ``recover``): a file the queue died before renaming keeps them
+        #: at its adoption, whatever the commits still remember
+        self._copies: dict[str, set[int]] = {}
         self._seq = 0
         self._committed_seq = -1
         self.handed = 0
@@ -536,7 +553,7 @@ class DurableSampleQueue:
                 log.warning("verl queue: %s/%s is not a written put's name; left alone",
                             INCOMING, name)
                 continue
-            if part in self._ids or part in self._copies or any(part in s for s in self._recent):
+            if part in self._ids or any(part in s for s in self._recent):
                 VERL_SAMPLES.retire(self.storage, name, S.PENDING, S.TRAINED)
                 continue
             seq = self._seq = max(self._seq, last_seq + 1)
@@ -568,8 +585,11 @@ class DurableSampleQueue:
             log.error("verl queue: %s is not a readable batch of puts (%s); left alone", src, exc)
             return []
         self._seq = first + count
-        held, dups = self._sort_members(members, last_seq, set(), also=self._copies)
-        self._record_duplicates(dups)  # raises: the recovery fails, nothing handed out
+        stamp = _stamp(name)
+        recorded = {first + place for place in self._copies.get(stamp, ())}
+        held, dups = self._sort_members(members, last_seq, set(), recorded=recorded)
+        # raises: the recovery fails, nothing handed out
+        self._record_duplicates(dups, origin=(stamp, first))
         if not held:  # every place a duplicate: nothing in it to hand out
             VERL_SAMPLES.retire(self.storage, name, S.PENDING, S.TRAINED)
             return []
@@ -585,8 +605,8 @@ class DurableSampleQueue:
 
     def _dropped_samples(self) -> set[tuple[int, str]]:
         """``(seq, id)`` of the samples ``drops/`` names (a sample dropped out of a batch
-        file is still in it); no sequence number of theirs is given out again. The ids it
-        records as duplicates go to ``_copies``."""
+        file is still in it); no sequence number of theirs is given out again. The places
+        of putters' files it records as duplicates go to ``_copies``."""
         out: set[tuple[int, str]] = set()
         for name in self.storage.list(VERL_SAMPLES.dir_of(S.DROPPED)):
             got = SAMPLE_NAMES.split(name)
@@ -595,8 +615,9 @@ class DurableSampleQueue:
             seq, tail = got
             part, _, rest = tail.partition("~")
             out.add((seq, part))
-            if rest == DUPLICATE:
-                self._copies.add(part)
+            origin = _duplicate_origin(rest)
+            if origin is not None:
+                self._copies.setdefault(origin[0], set()).add(origin[1])
             batch = rest.startswith(BATCH_MARK + "~") and part.isascii() and part.isdigit()
             top = int(part) if batch else seq
             self._seq = max(self._seq, top + 1)
@@ -640,17 +661,18 @@ class DurableSampleQueue:
 
     def _sort_members(self, members: Sequence[tuple[int, str, tuple[int, int]]],
                       last_seq: int, dropped: set[tuple[int, str]], *,
-                      also: set[str] | frozenset[str] = frozenset()
+                      recorded: set[int] | frozenset[int] = frozenset()
                       ) -> tuple[list[tuple[int, str, tuple[int, int]]], list[tuple[int, str]]]:
         """A batch file's places to hand out, and its duplicates ``(seq, part)``
-        (``_members_held``; ``also``: more ids held); no side effect."""
+        (``_members_held``; ``recorded``: the seqs of places recorded as duplicates
+        before); no side effect."""
         held: list[tuple[int, str, tuple[int, int]]] = []
         dups: list[tuple[int, str]] = []
         seen: set[str] = set()
         for seq, part, span in members:
             if seq <= last_seq or (seq, part) in dropped:
                 continue
-            if (part in seen or part in self._ids or part in also
+            if (seq in recorded or part in seen or part in self._ids
                     or any(part in s for s in self._recent)):
                 dups.append((seq, part))
                 continue
@@ -658,18 +680,24 @@ class DurableSampleQueue:
             seen.add(part)
         return held, dups
 
-    def _record_duplicates(self, dups: Sequence[tuple[int, str]]) -> None:
+    def _record_duplicates(self, dups: Sequence[tuple[int, str]], *,
+                           origin: tuple[str, int] | None = None) -> None:
         """Record places of batch files whose sample the queue holds already
         (``drops/<seq>~<part>~duplicate``), durably, so that no restart hands them out —
-        whatever commits later forget of the samples they copy. Raises when it cannot: the
-        caller must not hand out, nor publish into ``samples/``, what they stand beside."""
+        whatever commits later forget of the samples they copy. ``origin``: a putter's file
+        not yet renamed, ``(its incoming/ stamp, its first seq)``: each record also names
+        the file and the place (``duplicate.<stamp>.<place>``), which its adoption keeps
+        should the queue die before the rename. Raises when it cannot: the caller must not
+        hand out, nor publish into ``samples/``, what they stand beside."""
         if not dups:
             return
         drops = VERL_SAMPLES.dir_of(S.DROPPED)
         VERL_SAMPLES.check(S.READY, S.DROPPED)
         self.storage.makedirs(drops)
         for seq, part in dups:
-            name = f"{SAMPLE_NAMES.name(seq, part)}~{DUPLICATE}"
+            reason = (DUPLICATE if origin is None
+                      else f"{DUPLICATE}.{origin[0]}.{seq - origin[1]}")
+            name = f"{SAMPLE_NAMES.name(seq, part)}~{reason}"
             try:
                 self.storage.publish(VERL_SAMPLES.key(S.DROPPED, name), records.encode(
                     Kind.STATE, {"verl": "drop", "seq": seq, "sample_id": part,
@@ -836,8 +864,10 @@ class DurableSampleQueue:
                     if i not in dup_places:
                         self._inflight.add(first + i)
                         self._ids.add(part)
-        if first < 0:
+        if first < 0:  # its places answered "stored already": the deletion made durable,
+            # or a power cut could bring the file back for a restart to adopt
             VERL_SAMPLES.retire(self.storage, name, S.PENDING, S.TRAINED)
+            self.storage.sync_dirs([INCOMING])
             return []
         key = VERL_SAMPLES.key(S.READY, batch_name(first, first + len(parts) - 1))
         plan = NamedBatch(name, key, first, parts,
@@ -936,7 +966,7 @@ class DurableSampleQueue:
                 # out from at every restart, and a commit meanwhile may forget the samples
                 # they copy
                 try:
-                    self._record_duplicates(plan.dups)
+                    self._record_duplicates(plan.dups, origin=(_stamp(plan.src), plan.first))
                 except Exception:
                     self._discard_failed(plan.src)
                     raise
@@ -955,11 +985,12 @@ class DurableSampleQueue:
         return None
 
     def _discard_failed(self, src: str) -> None:
-        """A putter's batch file whose puts fail before it is named: deleted, so that no
-        restart adopts a place the queue answered as a duplicate once the sample it copies
-        is forgotten (best effort: a file left is adopted by the rules of its restart)."""
+        """A putter's batch file whose puts fail before it is named: deleted, durably (best
+        effort: a file left is adopted by the rules of its restart, as any put that did not
+        return)."""
         try:
             VERL_SAMPLES.retire(self.storage, src, S.PENDING, S.TRAINED)
+            self.storage.sync_dirs([INCOMING])
         except Exception as exc:  # noqa: BLE001 (the put's own error is what its caller sees)
             log.error("verl queue: %s/%s, whose puts failed, could not be deleted (%s)",
                       INCOMING, src, exc)

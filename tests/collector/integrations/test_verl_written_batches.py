@@ -281,8 +281,9 @@ def test_a_duplicate_that_cannot_be_recorded_fails_its_file_and_leaves_nothing(
 
 def test_a_commit_while_a_file_is_named_then_a_crash_hands_out_no_copy(tmp_path: Path) -> None:
     """The duplicate is judged when the call arrives; a commit forgets the sample it copies
-    while the writer thread names the file; the queue dies before (or after) the rename.
-    Its drop record, written before the rename, keeps the copy from being handed out."""
+    while the writer thread names the file; the queue dies before the rename (or the rename
+    is made and its fsync fails). Its drop record, written before the rename and naming the
+    file and the place, keeps the copy from being handed out, the file renamed or adopted."""
     for crash in ("rename-crash", "sync"):
         root = tmp_path / crash
         st, q = committed_one_of_two(root)
@@ -299,6 +300,78 @@ def test_a_commit_while_a_file_is_named_then_a_crash_hands_out_no_copy(tmp_path:
             for p in live:
                 q.abort(p)
         assert drain(DurableSampleQueue(str(root), keep_commits=1)) == [b"s3"], crash
+
+
+def test_a_file_naming_a_sample_twice_keeps_its_first_place_when_adopted(
+        tmp_path: Path) -> None:
+    """The second place of a sample in one file is the duplicate, recorded; the queue dies
+    before the rename: the adoption keeps the first place and drops the recorded one."""
+    st = Faults(str(tmp_path), writer_id="verlq")
+    q = DurableSampleQueue(st)
+    written = write(writer(tmp_path), [(b"s1", "s1"), (b"s1-copy", "s1"), (b"s2", "s2")])
+    live = q.begin_written_batch(written.name, written.parts, written.size)
+    st.mode = "rename-crash"
+    with pytest.raises(CrashPoint):
+        q.write(live)
+    assert drain(DurableSampleQueue(str(tmp_path))) == [b"s1", b"s2"]
+    assert drain(DurableSampleQueue(str(tmp_path))) == [b"s1", b"s2"]
+
+
+class RenameFails(PosixStorage):
+    """The rename of one named ``incoming/`` file fails (EIO), once."""
+
+    victim: str | None = None
+
+    def rename(self, src, dst, **kw):  # type: ignore[no-untyped-def]
+        if self.victim and src.endswith(self.victim):
+            self.victim = None
+            raise OSError(errno.EIO, "injected: rename failed")
+        super().rename(src, dst, **kw)
+
+
+def test_a_copy_of_a_put_that_then_fails_is_restored_at_the_restart(tmp_path: Path) -> None:
+    """Two files of one call name the same sample: the second's place is a duplicate of the
+    first's put, in flight. The first file's rename fails (its put fails, the file stays in
+    ``incoming/``): the sample is not in the queue until the restart adopts that file, and
+    the duplicate's record, which names the second file, does not drop it there."""
+    w = writer(tmp_path)
+    st = RenameFails(str(tmp_path), writer_id="verlq")
+
+    async def go() -> tuple[StrawqMessageQueue, list[object]]:
+        mq = StrawqMessageQueue(None, 10, path=str(tmp_path))
+        mq.q.storage = st
+        first = write(w, [(b"s1", "s1")])
+        second = write(w, [(b"s1-again", "s1"), (b"s2", "s2")])
+        st.victim = first.name
+        return mq, await mq.put_written_batches([(f.name, list(f.parts), f.size)
+                                                 for f in (first, second)])
+
+    mq, answers = asyncio.run(go())
+    assert isinstance(answers[0], list) and "injected" in str(answers[0][0])
+    assert answers[1] == [True, True]
+    assert drain(mq.q) == [b"s2"]
+    assert drain(DurableSampleQueue(str(tmp_path))) == [b"s2", b"s1"]
+
+
+def test_a_put_whose_joining_failed_fails_alone(tmp_path: Path) -> None:
+    """A put stored whose joining the queue failed (its queue-full drop could not be
+    written) is answered with its own error; the file's other puts are answered as usual."""
+    w = writer(tmp_path)
+    st = Faults(str(tmp_path), writer_id="verlq")
+
+    async def go() -> tuple[StrawqMessageQueue, list[object]]:
+        mq = StrawqMessageQueue(None, 1, path=str(tmp_path))
+        mq.q.storage = st
+        written = write(w, [(b"a", "s1"), (b"b", "s2"), (b"c", "s3")])
+        st.mode = "drops"  # the queue-full drops (copied out of the batch file) fail
+        return mq, await mq.put_written_batches([(written.name, list(written.parts),
+                                                  written.size)])
+
+    mq, answers = asyncio.run(go())
+    each = answers[0]
+    assert isinstance(each, list) and each[0] is True, each
+    assert all(isinstance(a, dict) and "injected" in a["error"] for a in each[1:]), each
+    assert mq.q.produced == 3
 
 
 def test_a_file_named_whose_fsync_failed_never_hands_out_its_copy(tmp_path: Path) -> None:
