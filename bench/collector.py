@@ -4,9 +4,10 @@
    Feeder, claim, complete; G samples of ~L response tokens each).
 2. Times one collector pass that selects B groups staleness-first out of the N ready and
    publishes the manifest (summaries read from record headers, advantages computed, fsync'd
-   manifest, renames to batched/), with ``pack_ranks`` = the reader's world size: the pass
-   also reads the batch's records and writes one packed shard per rank (``strawq.delivery.packed``);
-   what that costs (seconds, bytes read and written) is printed.
+   manifest: the batch's commit, its groups left in ready/), with ``pack_ranks`` = the
+   reader's world size: the pass also reads the batch's records and writes one packed shard
+   per rank (``strawq.delivery.packed``); what that costs (seconds, bytes read and written)
+   is printed.
 3. Times ``BatchReader.load`` for rank 0 of 8 on both paths against ``numpy.fromfile`` of
    the bytes each path reads: from its packed shard (one read into a reused buffer, xxh3,
    views) against ``numpy.fromfile`` of the shard file, and from the group records (read,

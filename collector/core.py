@@ -55,7 +55,7 @@ from strawq.data.binding import check_binding
 from strawq.data.dataset import Dataset
 from strawq.data.feeder import Feeder
 from strawq.data.planner import Origin
-from strawq.delivery.batches import BatchStore, delivered
+from strawq.delivery.batches import BatchStore, delivered, queue_depths
 from strawq.errors import StorageFull
 from strawq.tasks.eta import EtaPolicy, publish_policy
 from strawq.tasks.finished import clear as clear_finished
@@ -231,7 +231,8 @@ class Collector:
         ready = self.judge.ordered_ready(rep)  # after the progress: eta is judged with it
         # re-queued stale groups left ready after the upstream listing: still count them
         rep.depths = depths(self.storage, upstream=upstream,
-                            ready=len(ready) + len(rep.requeued_stale))
+                            ready=len(ready) + len(rep.requeued_stale),
+                            batched=self.batches.batched_in_ready)
         rep.depths = self.consumed.untrained(rep.depths, seqs, rep.progress)
         if rep.gc is not None:
             self.batches.prune_delivered(rep.version, seqs, acked)
@@ -245,8 +246,9 @@ class Collector:
         return rep
 
     def depths(self) -> Depths:
-        """Queue depths now (``strawq.tasks.states.depths``: listed in the direction work flows)."""
-        return depths(self.storage)
+        """Queue depths now (``strawq.delivery.batches.queue_depths``: listed in the direction
+        work flows)."""
+        return queue_depths(self.storage)
 
     def dropped_by_reason(self) -> dict[str, int]:
         """Per reason over the whole run: the drop audit's counts plus ``dropped/``."""

@@ -282,10 +282,12 @@ class SupersededSweep:
             log.error("batch %d was published by collector epoch %s after epoch %s took over; "
                       "it is refused: readers skip it and its groups go back to ready",
                       seq, man.meta.get("epoch"), superseded(seq, man.meta, starts))
+            self.batches.unname(seq)  # its groups, left in ready/, are scanned as ready
             live = False
             for name in man.groups:
                 if str(name) in named:
                     continue
+                # an older strawq's collector renamed a batch's groups to batched/
                 if self.storage.exists(key_of(TaskState.BATCHED, name)):
                     try:
                         move(self.storage, name, TaskState.BATCHED, TaskState.READY)

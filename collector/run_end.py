@@ -16,10 +16,9 @@ from strawq.collector.config import CollectorConfig
 from strawq.collector.fencing import EpochFence
 from strawq.collector.report import StepReport
 from strawq.collector.upkeep import GcSchedule
-from strawq.delivery.batches import BatchStore
+from strawq.delivery.batches import BatchStore, queue_depths
 from strawq.delivery.commits import committed_seq
 from strawq.tasks.finished import mark_finished
-from strawq.tasks.states import depths
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ def finish_run(rep: StepReport, *, batches: BatchStore, gc: GcSchedule, fence: E
             sleep(max(config.poll_interval_s, 0.05))
             committed = committed_seq(storage)
     rep.gc = gc.final()
-    rep.depths = depths(storage)
+    rep.depths = queue_depths(storage)
     log.info("collector: the run has finished (dataset exhausted, every batch acked%s); "
              "stopping", "" if committed is None else " and committed")
     return rep

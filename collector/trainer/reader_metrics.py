@@ -12,8 +12,9 @@ from typing import Any
 
 from strawq.collector.trainer.loading import Batch
 from strawq.collector.trainer.metrics import MetricsSink
+from strawq.delivery.batches import BatchStore, queue_depths
 from strawq.storage import Storage
-from strawq.tasks.states import depths
+from strawq.tasks.queue import RunQueue
 
 
 class ReaderMetrics:
@@ -24,6 +25,7 @@ class ReaderMetrics:
         self.clock = clock
         self.steps = 0
         self._last_return: float | None = None
+        self._batches: BatchStore | None = None  # reads each manifest once for the depths
 
     def delivered(self, batch: Batch, wait_s: float, sink: MetricsSink | None) -> None:
         """``batch`` is returned to the trainer after ``wait_s`` seconds of waiting; its line
@@ -42,7 +44,9 @@ class ReaderMetrics:
                                   **batch.stats}
         if step_s is not None and step_s > 0:
             values["trainer/wait_ratio"] = min(wait_s / step_s, 1.0)
-        d = depths(self.storage)
+        if self._batches is None:
+            self._batches = BatchStore(RunQueue(self.storage))
+        d = queue_depths(self.storage, store=self._batches)
         for state in ("pending", "partial", "leased", "ready", "batched"):
             values[f"queue/{state}"] = getattr(d, state)
         sink.emit(values)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from strawq.data.cursor import read_cursor_state as cursor_state
-from strawq.delivery.batches import BatchStore, Manifest
+from strawq.delivery.batches import BatchStore, Manifest, queue_depths
 from strawq.errors import BatchTimeout, NotFound, RunFinished
 from strawq.storage.watch import DirProbe, DirWatch
 from strawq.tasks.epochs import epoch_starts, superseded
@@ -25,7 +25,7 @@ from strawq.tasks.epochs import epochs as known_epochs
 from strawq.tasks.epochs import list_names as list_epoch_names
 from strawq.tasks.finished import finished
 from strawq.tasks.queue import RunQueue
-from strawq.tasks.states import depths
+
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class ManifestWait:
             "coming. Save and commit the last checkpoint and stop the trainer.")
 
     def timeout_message(self, timeout: float) -> str:
-        d = depths(self.storage)
+        d = queue_depths(self.storage)
         head = (f"no batch after {timeout:.1f}s (expected batch > {self._delivered()}); "
                 f"queue: pending={d.pending + d.partial} leased={d.leased} ready={d.ready}")
         cursor = cursor_state(self.storage)

@@ -1,11 +1,14 @@
 """The grantor's side of ready groups: staleness-first scan, batch manifests, ack, GC.
 
 A batch is a MANIFEST record that *references* ready groups (no payload copy). Publishing
-``batches/<seq>`` is the commit point; the referenced entries then move from ``ready/`` to
-``batched/`` so later scans skip them. A crash between the two is finished by ``recover``
-(a group named by a manifest is never offered again: a group enters at most one batch,
-docs/design.md, invariant 1). ``ack`` publishes ``acked/<seq>``; ``gc`` then deletes the payloads,
-the entries and finally the manifest, so a crash mid-GC is simply redone.
+``batches/<seq>`` is the commit point and the only step: the groups it names are BATCHED
+from then on, their entries left in ``ready/`` (no rename per group). A scan lists
+``batches/`` first, then ``ready/``, and skips every group a present manifest names
+(``batched_names``), so a group enters at most one batch (docs/design.md, invariant 1).
+``ack`` publishes ``acked/<seq>``; ``gc`` then deletes the payloads, the entries and finally
+the manifest, so a crash mid-GC is simply redone. A run written by an older strawq may
+still hold entries in ``batched/`` (the rename this replaced): they are read, dropped,
+recovered and collected as before (``LEGACY_BATCHED``).
 
 This module owns the batch key families; nothing else spells them::
 
@@ -37,8 +40,8 @@ from strawq.ondisk.numbered import Numbered
 from strawq.ondisk.records import Kind
 from strawq.storage import Storage
 from strawq.tasks.queue import RunQueue
-from strawq.tasks.states import DIRS, TaskState, chunk_key, delete_trained, held_chunks, move, \
-    names_in, queued_state
+from strawq.tasks.states import DIRS, Depths, TaskState, chunk_key, delete_trained, depths, \
+    held_chunks, key_of, move, names_in, queued_state, upstream_depths
 
 S = TaskState
 
@@ -139,6 +142,17 @@ def forget_delivered_after(storage: Storage, seq: int, *, acks: bool = False) ->
     return len(later)
 
 
+def queue_depths(storage: Storage, *, store: BatchStore | None = None) -> Depths:
+    """Tasks per state now (``strawq.tasks.states.depths``), a ready group that a manifest
+    names counted BATCHED: listed upstream first, then ``batches/``, then ``ready/``.
+    ``store``: one kept between calls reads each manifest once (``batched_names``)."""
+    up = upstream_depths(storage)
+    named = (store or BatchStore(RunQueue(storage))).batched_names()
+    listed = names_in(storage, S.READY)
+    n_batched = sum(1 for n in listed if str(n) in named)
+    return depths(storage, upstream=up, ready=len(listed) - n_batched, batched=n_batched)
+
+
 @dataclass(frozen=True)
 class Manifest:
     seq: int
@@ -186,11 +200,70 @@ class BatchStore:
         self.storage = queue.storage
         #: ``dropped/`` entries already recorded in the history (``gc``: record_drops)
         self._drops_recorded: set[str] = set()
+        #: manifest number -> the groups it names (``batched_names``; manifests never change)
+        self._named: dict[int, frozenset[str]] = {}
+        #: whether ``_named`` was read from ``batches/`` (``batched_names``, ``recover``)
+        self._loaded = False
+        #: refused manifests, whose groups this store scans as ready (``unname``)
+        self._unnamed: set[int] = set()
+        #: entries of the last ``scan_ready`` listing that a manifest named (BATCHED)
+        self.batched_in_ready = 0
 
     # -- ready ---------------------------------------------------------------------------------
     def scan_ready(self) -> list[TaskName]:
-        """Ready groups, oldest minimum weight version first (then dataset order)."""
-        return names_in(self.storage, S.READY)  # names sort by <minver>.<order>
+        """Ready groups no manifest names, oldest minimum weight version first (then dataset
+        order). ``batched_in_ready``: how many entries of the listing a manifest named.
+
+        The manifests are read from ``batches/`` at this store's first scan (or by
+        ``recover``); after that the store knows what it publishes and retires itself, and
+        does not list ``batches/`` again: the collector is the run's one publisher (its
+        epoch fence), and a superseded one's late manifest is refused, its groups batched
+        again (``unname``). A manifest another process retired took its entries first."""
+        if not self._loaded:
+            self.batched_names()  # batches/ listed before ready/: see batched_names
+        named = self._named_now()
+        listed = names_in(self.storage, S.READY)  # names sort by <minver>.<order>
+        out = [n for n in listed if str(n) not in named]
+        self.batched_in_ready = len(listed) - len(out)
+        return out
+
+    def batched_names(self) -> set[str]:
+        """The groups the manifests in ``batches/`` name now (refused ones' excepted:
+        ``unname``). Lists ``batches/`` and reads each manifest it has not read before (a
+        manifest never changes and its number is never reused); call it BEFORE listing
+        ``ready/``: GC deletes a group's entry before its manifest, so an entry listed after
+        its manifest went is gone too, never taken for an unbatched one. An unreadable
+        manifest names nothing here (``recover`` quarantines it: its groups go back)."""
+        seqs = _manifest_seqs(self.storage)
+        present = set(seqs)
+        for seq in [s for s in self._named if s not in present]:
+            del self._named[seq]
+        for seq in seqs:
+            if seq in self._named:
+                continue
+            try:
+                man = self.read_manifest(seq)
+            except NotFound:
+                continue  # retired since the listing: its entries went before it
+            except CorruptRecord as exc:
+                log.error("batch manifest %d is unreadable (%s): its groups count as ready "
+                          "until recovery quarantines it", seq, exc)
+                continue
+            self._named[seq] = frozenset(str(n) for n in man.groups)
+        self._loaded = True
+        return self._named_now()
+
+    def _named_now(self) -> set[str]:
+        out: set[str] = set()
+        for seq, names in self._named.items():
+            if seq not in self._unnamed:
+                out |= names
+        return out
+
+    def unname(self, seq: int) -> None:
+        """Batch ``seq`` was refused (a superseded collector's late manifest,
+        ``strawq.collector.fencing``): its groups are ready again for this store's scans."""
+        self._unnamed.add(seq)
 
     def read_summary(self, name: TaskName) -> dict[str, Any]:
         """A group's metadata from its record header, without reading the payload."""
@@ -227,19 +300,9 @@ class BatchStore:
         body = {"seq": seq, "groups": [str(n) for n in names],
                 "summaries": list(summaries or []), "meta": meta or {}, "at": time.time()}
         self.storage.publish(manifest_key(seq), records.encode(Kind.MANIFEST, body))
-        self._move_to_batched(names)
+        # the commit point and the only step: the groups are BATCHED where they lie
+        self._named[seq] = frozenset(str(n) for n in names)
         return Manifest(seq, list(names), list(summaries or []), meta or {})
-
-    def _move_to_batched(self, names: Sequence[TaskName]) -> None:
-        moved = False
-        for name in names:
-            try:
-                move(self.storage, name, S.READY, S.BATCHED, sync_dir=False)
-                moved = True
-            except (NotFound, AlreadyExists):
-                pass
-        if moved:
-            self.storage.sync_dirs([DIRS[S.BATCHED], DIRS[S.READY]])
 
     def batch_seqs(self) -> tuple[list[int], set[int]]:
         """(all manifest seqs present, the acked ones)."""
@@ -250,17 +313,17 @@ class BatchStore:
         return decode_manifest(self.storage.read(key), name=key)
 
     def recover(self) -> list[Manifest]:
-        """Finish interrupted batch commits; returns the unacked manifests, oldest first.
+        """Read the manifests; returns the unacked ones, oldest first.
 
-        A manifest that fails its checks is quarantined. The groups it named can no longer
-        be told apart from the trained ones, so every ``batched/`` entry that no readable
-        manifest names goes back to ``ready/``: possibly trained twice, never lost (and
-        logged as an error, since only storage corruption gets here).
+        A batch's commit is its manifest alone, so no commit is left half done. A manifest
+        that fails its checks is quarantined: its groups, no longer named, are ready again
+        (possibly trained twice, never lost; logged as an error, since only storage
+        corruption gets here). So is every ``batched/`` entry an older strawq left that no
+        readable manifest names (``LEGACY_BATCHED``).
         """
         seqs, acked = self.batch_seqs()
         pending = []
-        named: set[str] = set()
-        lost_manifest = False
+        self._named.clear()
         for seq in seqs:
             try:
                 man = self.read_manifest(seq)
@@ -268,19 +331,17 @@ class BatchStore:
                 log.error("batch manifest %d is corrupt (%s): quarantined; its groups go back "
                           "to ready and may be trained twice", seq, exc)
                 self.quarantine_manifest(seq)
-                lost_manifest = True
                 continue
-            self._move_to_batched(man.groups)
-            named.update(str(n) for n in man.groups)
+            self._named[seq] = frozenset(str(n) for n in man.groups)
             if seq not in acked:
                 pending.append(man)
-        if lost_manifest:
-            for name in names_in(self.storage, S.BATCHED):
-                if str(name) not in named:
-                    try:
-                        move(self.storage, name, S.BATCHED, S.READY)
-                    except (NotFound, AlreadyExists):
-                        pass
+        named = self.batched_names()
+        for name in names_in(self.storage, S.BATCHED):  # an older strawq's batched/ entries
+            if str(name) not in named:
+                try:
+                    move(self.storage, name, S.BATCHED, S.READY)
+                except (NotFound, AlreadyExists):
+                    pass
         return pending
 
     def next_seq(self) -> int:
@@ -307,14 +368,22 @@ class BatchStore:
                   message: str = "", summary: dict[str, Any] | None = None) -> bool:
         """Drop a READY or BATCHED group with a recorded reason; False if it moved on.
         ``summary``: what the group came to, kept in the drop's note (its rewards reach the
-        per-prompt history when the drop is compacted, ``strawq.data.history``)."""
+        per-prompt history when the drop is compacted, ``strawq.data.history``). A BATCHED
+        group's entry is in ``ready/`` (or, left by an older strawq, in ``batched/``)."""
         if state not in (S.READY, S.BATCHED):
             raise ValueError(f"drop_from: state must be 'ready' or 'batched', got {state!r}")
+        src = S(state)
         self.queue.write_note(name, "drop", reason, message, summary)
+        dropped = name.with_(producer=reason)
         try:
-            move(self.storage, name, S(state), S.DROPPED, name.with_(producer=reason))
+            move(self.storage, name, src, S.DROPPED, dropped, src_key=key_of(S.READY, name))
         except (NotFound, AlreadyExists):
-            return False
+            if src is not S.BATCHED:
+                return False
+            try:
+                move(self.storage, name, S.BATCHED, S.DROPPED, dropped)
+            except (NotFound, AlreadyExists):
+                return False
         return True
 
     def requeue_ready(self, name: TaskName, *, refund: bool = True) -> bool:
@@ -364,15 +433,17 @@ class BatchStore:
             except CorruptRecord as exc:
                 log.error("manifest %s is corrupt (%s); quarantining", seq, exc)
                 self.queue.quarantine(manifest_key(seq))
+        legacy = False
         if manifests:  # the per-prompt history, before what it describes is deleted
             record_attempts(self.storage, trained_rows(manifests))
+            legacy = bool(self.storage.list(DIRS[S.BATCHED]))  # an older strawq's entries
         for man in manifests:
             seq = man.seq
             for name in man.groups:
                 self.storage.delete(data_key(name.id, name.gen, "group"))
                 if name.resume >= 0:
                     self.storage.delete(data_key(name.id, name.resume, "partial"))
-                delete_trained(self.storage, name)
+                delete_trained(self.storage, name, legacy=legacy)
                 rep.payloads += 1
             if man.meta.get("packed"):  # its rank shards (packed.py imports numpy: only
                 from strawq.delivery import packed  # when there are shards; status stays light)
@@ -423,6 +494,7 @@ class BatchStore:
         mark_high_water(self.storage, seq)
         self.storage.delete(manifest_key(seq))
         self.storage.delete(ack_key(seq))
+        self._named.pop(seq, None)
 
     def quarantine_manifest(self, seq: int) -> None:
         """Move an unreadable manifest aside (``quarantine/``) and forget its ack."""

@@ -65,7 +65,9 @@ def in_flight(storage: Storage, trained_through: int | None = None) -> set[int]:
             index = TASK_IDS.parse(name.id)
             if index is None:
                 continue  # not a dataset row
-            if state is TaskState.BATCHED:
+            if state in (TaskState.READY, TaskState.BATCHED):
+                # a batched group's entry stays in ready/: a ready entry is in flight
+                # unless a trained batch names it
                 batched[str(name)] = index
             else:
                 out.add(index)

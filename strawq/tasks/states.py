@@ -40,9 +40,15 @@ PENDING and PARTIAL share ``pending/``: the stage letter of a name's key tells t
 (``a`` partial, ``b`` returned, ``c`` fresh; see ``strawq.ondisk.names``). Fresh tasks
 arrive a whole release at a time in ``pending/r-<seq>/`` (one directory rename by the
 feeder); bad dataset rows are published straight into ``dropped/``. TRAINED and COMPACTED have
-no directory (``RETIRED``): ``gc`` deletes a BATCHED entry once the trainer acked its batch, through
-``retire``, and ``compact_drops`` moves a DROPPED entry out of ``dropped/`` once the drop
+no directory (``RETIRED``): ``gc`` deletes a BATCHED entry once the trainer acked its batch
+(``delete_trained``), and ``compact_drops`` moves a DROPPED entry out of ``dropped/`` once the drop
 audit holds it (into ``audit/kept/``, which no state listing reads).
+
+BATCHED has no directory of its own: a batch's manifest (``batches/<seq>``,
+``strawq.delivery.batches``) names its groups, whose entries stay in ``ready/``; a READY entry
+a present manifest names is BATCHED, and every reader that tells the two apart lists
+``batches/`` first (``BatchStore.batched_names``). ``batched/`` (``LEGACY_BATCHED``) holds
+only the entries an older strawq renamed there, read, recovered and collected as before.
 
 Every other arrow is one atomic rename, made by ``move``, which checks the transition against
 ``TRANSITIONS`` first. Only the holder of a lease — or the grantor, after expiry — moves a
@@ -88,11 +94,15 @@ class TaskState(str, enum.Enum):
 
 S = TaskState
 
-#: The directory that holds each state's entries (PENDING and PARTIAL share one).
+#: The directory that holds each state's entries (PENDING and PARTIAL share one). A
+#: BATCHED group's entry stays in ``ready/``; ``batched/`` holds an older strawq's only.
 DIRS: dict[TaskState, str] = {
     S.PENDING: "pending", S.PARTIAL: "pending", S.LEASED: "leased", S.READY: "ready",
     S.BATCHED: "batched", S.DROPPED: "dropped",
 }
+#: Where an older strawq moved a batch's groups (``ready/`` -> ``batched/``, one rename each);
+#: a batch now leaves them in ``ready/``, named by its manifest alone.
+LEGACY_BATCHED = DIRS[S.BATCHED]
 #: States without a directory: reaching one deletes the entry (``retire``).
 RETIRED = frozenset({S.TRAINED, S.COMPACTED})
 #: The reason an older strawq recorded for a group a framework trained itself (LEASED ->
@@ -114,11 +124,13 @@ TRANSITIONS: dict[tuple[TaskState, TaskState], str] = {
     (S.LEASED, S.PENDING): "release / fail retryable (lease holder); expire (grantor)",
     (S.LEASED, S.DROPPED): "drop / fail after max_attempts (holder; drop stale_eta: a "
                            "claimed partial past the η bound); expire after max (grantor)",
-    (S.READY, S.BATCHED): "publish_batch / recover (collector)",
+    (S.READY, S.BATCHED): "publish_batch (collector): the manifest names it; the entry "
+                          "stays in ready/ (an older strawq renamed it to batched/)",
     (S.READY, S.DROPPED): "drop_ready (collector: staleness bound, corrupt payload)",
     (S.READY, S.PENDING): "requeue_ready (collector, staleness bound)",
     (S.READY, S.PARTIAL): "requeue_ready of a group that had a prefix (collector)",
-    (S.BATCHED, S.READY): "recover, when the manifest naming it is lost (collector)",
+    (S.BATCHED, S.READY): "recover, when the manifest naming it is lost (collector): "
+                          "nothing names it any more (a batched/ entry: renamed back)",
     (S.BATCHED, S.DROPPED): "drop_from batched (collector)",
     (S.BATCHED, S.TRAINED): "ack (trainer) then gc (collector): the entry is deleted",
     (S.LEASED, S.TRAINED): "retire_lease (lease holder: a framework that trained the group "
@@ -241,9 +253,14 @@ def retire_lease(storage: Storage, name: TaskName, *, sync_dir: bool = True) -> 
         storage.sync_dirs([DIRS[S.LEASED]])
 
 
-def delete_trained(storage: Storage, name: TaskName) -> None:
-    """BATCHED -> TRAINED: the entry of a group whose batch was acked is deleted."""
-    retire(storage, name, S.BATCHED, S.TRAINED)
+def delete_trained(storage: Storage, name: TaskName, *, legacy: bool = False) -> None:
+    """BATCHED -> TRAINED: the entry of a group whose batch was acked is deleted, in
+    ``ready/`` where it stayed when the batch named it; with ``legacy`` (the run holds
+    entries an older strawq moved to ``batched/``) in ``batched/`` too. Idempotent."""
+    check_transition(S.BATCHED, S.TRAINED)
+    storage.delete(key_of(S.READY, name))
+    if legacy:
+        retire(storage, name, S.BATCHED, S.TRAINED)
 
 
 # -- listings ------------------------------------------------------------------------------
@@ -441,16 +458,19 @@ def count_leased(storage: Storage) -> int:
 
 
 def depths(storage: Storage, *, upstream: Depths | None = None,
-           ready: int | None = None) -> Depths:
+           ready: int | None = None, batched: int = 0) -> Depths:
     """Tasks per state, listed in the direction work flows (pending, leased, ready, batched).
 
     A task that moves on between two listings is counted twice, never zero times, so
     admission errs on the side of releasing too little. A caller that scans ``ready/``
-    itself lists ``upstream_depths`` first, then passes both in.
+    itself lists ``upstream_depths`` first, then passes both in, with ``batched``: the
+    entries of its ``ready/`` listing a manifest names (a BATCHED group's entry stays in
+    ``ready/``; ``strawq.delivery.batches.queue_depths`` counts them). ``batched/`` holds
+    only what an older strawq moved there (``LEGACY_BATCHED``), counted too.
     """
     up = upstream_depths(storage) if upstream is None else upstream
     n_ready = len(names_in(storage, S.READY)) if ready is None else ready
-    return replace(up, ready=n_ready, batched=len(names_in(storage, S.BATCHED)))
+    return replace(up, ready=n_ready, batched=batched + len(names_in(storage, S.BATCHED)))
 
 
 # -- adapters' stores, declared here -------------------------------------------------------

@@ -208,11 +208,17 @@ def audit_run(storage: Storage) -> Audit:
     for n in storage.list("data"):
         _decode(storage, f"data/{n}", a)
     seqs, a.acked = batch_seqs(storage)
+    named: set[str] = set()
     for seq in seqs:
         rec = _decode(storage, manifest_key(seq), a, Kind.MANIFEST)
         if rec is not None:
             ids = [TaskName.parse(g).id for g in rec.meta["groups"]]
             a.manifests[seq] = ids
+            named.update(rec.meta["groups"])
+    # a batch leaves its groups' entries in ready/: a ready entry a manifest names is batched
+    for tid, es in a.entries.items():
+        a.entries[tid] = [Entry("batched", e.key, e.name)
+                          if e.state == "ready" and str(e.name) in named else e for e in es]
     consumed = {tid for seq in a.acked for tid in a.manifests.get(seq, [])}
     in_journal: dict[str, dict[tuple[str, int], int]] = {}
 

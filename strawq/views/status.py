@@ -8,13 +8,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from strawq.data.cursor import read_cursor_state
-from strawq.delivery.batches import batch_seqs
+from strawq.delivery.batches import BatchStore, batch_seqs, queue_depths
 from strawq.delivery.retention import drop_totals
 from strawq.ondisk.names import ChunkName, TaskName
 from strawq.ondisk.staleness import staleness
 from strawq.storage import Storage
 from strawq.tasks.queue import RunQueue
-from strawq.tasks.states import DIRS, RELEASE_PREFIX, RELEASES, TaskState, depths, names_in
+from strawq.tasks.states import DIRS, RELEASE_PREFIX, RELEASES, TaskState, names_in
 from strawq.weights.engine_weights import EngineWeights
 
 #: Free space under which a run's filesystem counts as full: any record write would fail
@@ -106,11 +106,13 @@ class RunStatus:
 def run_status(queue: RunQueue) -> RunStatus:
     st = queue.storage
     out = RunStatus(current_version=queue.current_version())
-    out.counts = asdict(depths(st))
+    out.counts = asdict(queue_depths(st))
     out.dropped_by_reason = drop_totals(st)  # dropped/ plus the compacted drop audit
     out.counts["dropped"] = sum(out.dropped_by_reason.values())
     names = {state.value: names_in(st, state) for state in (
-        TaskState.PARTIAL, TaskState.PENDING, TaskState.LEASED, TaskState.READY)}
+        TaskState.PARTIAL, TaskState.PENDING, TaskState.LEASED)}
+    batched = BatchStore(queue).batched_names()  # listed before ready/ (batched_names)
+    names["ready"] = [n for n in names_in(st, TaskState.READY) if str(n) not in batched]
     by_producer: Counter[str] = Counter(t.producer for t in names["leased"] if t.producer)
     out.leases_by_producer = dict(by_producer)
     for p, c in queue.heartbeats():

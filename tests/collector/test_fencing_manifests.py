@@ -99,3 +99,44 @@ def test_stalled_collectors_late_manifest_is_refused(run: Any,
     done = set(trained) | audit.ids("dropped")
     assert done == {f"i{i:012d}" for i in range(ROWS)}, "a group was lost"
     assert not q.storage.exists(f"batches/{seq:012d}"), "the refused manifest was not swept"
+
+
+@pytest.mark.timeout(60)
+def test_a_late_manifest_the_successors_recovery_read_is_batched_again(run: Any) -> None:
+    """The stalled collector publishes just after its successor marked its epoch's start and
+    before the successor's recovery read the manifests: recovery takes the manifest's groups
+    for batched (a batch leaves them in ``ready/``), and the refusal must give them back to
+    its scans, or they are never trained."""
+    q, ds = run
+    first = Collector(q, ds, CollectorConfig(batch_groups=100, max_running=8, max_ready=100,
+                                             poll_interval_s=0))
+    first.start(wait=False)
+    producer = SimProducer(q, "p", slots=8)
+    for _ in range(6):
+        first.step()
+        producer.step()
+    while len(first.batches.scan_ready()) < 2:
+        producer.step()
+    names, summaries = _stall_after_check(first)
+    clock = FakeClock()
+    second = Collector(q, ds, CFG, clock=clock, sleep=clock.sleep)
+    recover = second.batches.recover
+    published: list[int] = []
+
+    def late_then_recover() -> list[Any]:
+        seq = first.batches.next_seq()
+        first.batches.publish_batch(seq, names, summaries,
+                                    {"epoch": first.fence.epoch, "owner": "collector"})
+        published.append(seq)
+        return recover()
+
+    second.batches.recover = late_then_recover  # type: ignore[method-assign]
+    assert second.start() == 2
+    assert published, "the late manifest was not published inside the successor's start"
+    reader = BatchReader(q, sleep=lambda _dt: None)
+    trained = _drain(second, producer, reader)
+    assert published[0] in reader.positions.refused, "the superseded manifest was delivered"
+    assert len(trained) == len(set(trained)), f"trained twice: {sorted(trained)}"
+    audit = audit_run(q.storage)
+    assert set(trained) | audit.ids("dropped") == {f"i{i:012d}" for i in range(ROWS)}, \
+        "a group was lost"

@@ -77,15 +77,18 @@ def test_publish_batch_ack_and_gc(storage: Storage, tmp_path: Path) -> None:
     assert audit.check([tid(i) for i in range(5)], trained={tid(0), tid(1), tid(2)}) == []
 
 
-def test_batch_recover_finishes_an_interrupted_commit(storage: Storage, tmp_path: Path) -> None:
+def test_batch_recover_reads_a_commit_a_crash_interrupted(storage: Storage,
+                                                         tmp_path: Path) -> None:
+    """A collector died right after its manifest's create: its successor's recovery reads it,
+    and the groups it names are never offered again."""
     q = make_queue(storage)
     _ready_with_versions(q, tmp_path, [0, 1, 2])
-    bs = BatchStore(q)
-    names = bs.scan_ready()[:2]
+    names = BatchStore(q).scan_ready()[:2]
     body = {"seq": 1, "groups": [str(n) for n in names], "summaries": [], "meta": {},
             "at": 0.0}
     storage.publish("batches/000000000001", records.encode(Kind.MANIFEST, body))
-    pending = BatchStore(q).recover()
+    bs = BatchStore(q)
+    pending = bs.recover()
     assert [m.seq for m in pending] == [1]
     assert [n.id for n in bs.scan_ready()] == [tid(2)]
     assert audit_run(storage).check([tid(i) for i in range(3)]) == []
