@@ -41,7 +41,7 @@ from strawq.ondisk.records import Kind
 from strawq.storage import Storage
 from strawq.tasks.queue import RunQueue
 from strawq.tasks.states import DIRS, Depths, TaskState, chunk_key, delete_trained, depths, \
-    held_chunks, key_of, move, names_in, queued_state, upstream_depths
+    entries, held_chunks, key_of, move, names_in, queued_state, upstream_depths
 
 S = TaskState
 
@@ -204,6 +204,8 @@ class BatchStore:
         self._named: dict[int, frozenset[str]] = {}
         #: whether ``_named`` was read from ``batches/`` (``batched_names``, ``recover``)
         self._loaded = False
+        #: whether ``batched/`` holds an older strawq's entries (None: not listed yet)
+        self._legacy: bool | None = None
         #: refused manifests, whose groups this store scans as ready (``unname``)
         self._unnamed: set[int] = set()
         #: entries of the last ``scan_ready`` listing that a manifest named (BATCHED)
@@ -222,9 +224,11 @@ class BatchStore:
         if not self._loaded:
             self.batched_names()  # batches/ listed before ready/: see batched_names
         named = self._named_now()
-        listed = names_in(self.storage, S.READY)  # names sort by <minver>.<order>
-        out = [n for n in listed if str(n) not in named]
-        self.batched_in_ready = len(listed) - len(out)
+        listed = self.storage.list(DIRS[S.READY])  # names sort by <minver>.<order>
+        fresh = [n for n in listed if n not in named]  # batched ones skipped unparsed
+        parsed = [name for _key, name in entries(self.storage, S.READY, listed=fresh)]
+        out = [n for n in parsed if str(n) not in named]  # a name spelled another way
+        self.batched_in_ready = len(listed) - len(fresh) + len(parsed) - len(out)
         return out
 
     def batched_names(self) -> set[str]:
@@ -436,7 +440,7 @@ class BatchStore:
         legacy = False
         if manifests:  # the per-prompt history, before what it describes is deleted
             record_attempts(self.storage, trained_rows(manifests))
-            legacy = bool(self.storage.list(DIRS[S.BATCHED]))  # an older strawq's entries
+            legacy = self._legacy_entries()
         for man in manifests:
             seq = man.seq
             for name in man.groups:
@@ -485,6 +489,13 @@ class BatchStore:
 
             rep.shards = packed.sweep_orphans(self.storage, self.batch_seqs()[0])
         return rep
+
+    def _legacy_entries(self) -> bool:
+        """Whether ``batched/`` holds entries an older strawq moved there. Nothing moves a
+        group there any more: once seen empty it is not listed again."""
+        if self._legacy is not False:
+            self._legacy = bool(self.storage.list(DIRS[S.BATCHED]))
+        return self._legacy
 
     def retire(self, seq: int) -> None:
         """The one way a manifest leaves the run: mark its number used (numbers are never

@@ -365,9 +365,11 @@ def chunk_leases(storage: Storage, chunk: ChunkName,
     return out
 
 
-def entries(storage: Storage, state: TaskState) -> list[tuple[str, TaskName]]:
+def entries(storage: Storage, state: TaskState, *, listed: Iterable[str] | None = None
+            ) -> list[tuple[str, TaskName]]:
     """(key, name) of every task in ``state``, in listing order; stray files are skipped,
-    and so are an older run's trained groups in ``dropped/`` (``LEGACY_TRAINED``)."""
+    and so are an older run's trained groups in ``dropped/`` (``LEGACY_TRAINED``).
+    ``listed``: the names of the state's directory the caller listed (and filtered)."""
     if state in (S.PENDING, S.PARTIAL):
         keys: Iterable[str] = list_queued(storage)
     elif state in RETIRED:
@@ -375,7 +377,8 @@ def entries(storage: Storage, state: TaskState) -> list[tuple[str, TaskName]]:
     elif state is S.LEASED:
         return _leased_entries(storage)
     else:
-        keys = (f"{DIRS[state]}/{n}" for n in storage.list(DIRS[state]))
+        names = storage.list(DIRS[state]) if listed is None else listed
+        keys = (f"{DIRS[state]}/{n}" for n in names)
     out = []
     for key in keys:
         name = _parse(storage, key)
