@@ -208,6 +208,8 @@ class BatchStore:
         self._legacy: bool | None = None
         #: refused manifests, whose groups this store scans as ready (``unname``)
         self._unnamed: set[int] = set()
+        #: ((known manifests, refused ones), the union of their groups): ``_named_now``
+        self._union: tuple[tuple[frozenset[int], frozenset[int]], set[str]] | None = None
         #: entries of the last ``scan_ready`` listing that a manifest named (BATCHED)
         self.batched_in_ready = 0
 
@@ -258,11 +260,16 @@ class BatchStore:
         return self._named_now()
 
     def _named_now(self) -> set[str]:
-        out: set[str] = set()
-        for seq, names in self._named.items():
-            if seq not in self._unnamed:
-                out |= names
-        return out
+        """The union of the groups the known manifests name, refused ones' excepted
+        (kept until ``_named`` or ``_unnamed`` changes)."""
+        key = (frozenset(self._named), frozenset(self._unnamed))
+        if self._union is None or self._union[0] != key:
+            out: set[str] = set()
+            for seq, names in self._named.items():
+                if seq not in self._unnamed:
+                    out |= names
+            self._union = (key, out)
+        return self._union[1]
 
     def unname(self, seq: int) -> None:
         """Batch ``seq`` was refused (a superseded collector's late manifest,
@@ -425,6 +432,12 @@ class BatchStore:
         # ``batches/`` nor ``committed/`` is listed (an idle GC costs one listing).
         acked = _acked(self.storage)
         seqs = _manifest_seqs(self.storage) if acked else []
+        if acked:
+            # forget the manifests another process retired (one numbered above the listing's
+            # newest may have been published since: kept)
+            listed, newest = set(seqs), max(seqs, default=0)
+            for seq in [s for s in self._named if s not in listed and s < newest]:
+                del self._named[seq]
         # acked is consumed; trained (collectable) once a checkpoint covers it (commits.py)
         committed = committed_seq(self.storage) if acked else None
         done = sorted(s for s in seqs if s in acked and (committed is None or s <= committed))

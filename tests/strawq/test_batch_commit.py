@@ -198,3 +198,20 @@ def test_an_older_runs_batched_entries_whose_manifest_is_lost_go_back(
     assert bs.recover() == []
     assert storage.list("batched") == []
     assert [n.id for n in bs.scan_ready()] == [tid(0), tid(1), tid(2)]
+
+
+def test_a_store_forgets_the_manifests_another_process_retired(storage: Storage,
+                                                               tmp_path: Path) -> None:
+    """``strawq gc`` beside the collector retires batches the collector's store knows: its
+    next GC forgets them (what it knows stays bounded), and forgets no manifest it has."""
+    q = make_queue(storage)
+    names = _ready(q, tmp_path, 6)
+    bs = BatchStore(q)
+    for seq in (1, 2, 3):
+        bs.publish_batch(seq, names[2 * seq - 2:2 * seq])
+    bs.ack(1)
+    BatchStore(RunQueue.open(storage)).gc()  # another process collects batch 1
+    bs.ack(2)
+    assert bs.gc().batches == 1  # batch 2; batch 1 was gone already
+    assert sorted(bs._named) == [3]
+    assert bs.scan_ready() == [] and bs.batched_in_ready == 2
