@@ -23,7 +23,11 @@ with just one batch of ready groups), run first.
     python bench/collector.py [--quick] [--dir DIR] [--threads N]
 
 Each case prints ``collector: reader/raw read = R`` (the packed shard path; the records
-path's ratio beside it); the last line is the standard case's,
+path's ratio beside it). The standard case then batches every group left (unacked: the
+backlog a checkpointing trainer leaves until its next commit, the groups left in
+``ready/``) and times what a collector pass lists then, against ``os.listdir`` of the task
+directories: ``collector: a pass's listings with N groups in unacked batches``. The last
+line is the standard case's,
 ``collector: reader GB/s ratio vs raw read = X``.
 """
 
@@ -56,6 +60,7 @@ from strawq.ondisk.groups import GroupData
 from strawq.ondisk.names import data_key
 from strawq.storage import open_storage
 from strawq.tasks.queue import RunQueue
+from strawq.tasks.states import depths, upstream_depths
 
 
 def build(root: str, n: int, g: int, length: int, seed: int = 0) -> tuple[str, float]:
@@ -188,7 +193,40 @@ def run_case(root: str, *, n: int, g: int, length: int, batch: int, ranks: int, 
     print(f"collector: reader/raw read = {ratio_shard:.2f} (packed shard; from the records "
           f"{ratio_rec:.2f}), G={g} x ~{length} tokens, {nbytes / len(paths) / 1e3:.0f} KB "
           "records")
+    if publish_line:
+        pass_listings(col, run, batch, repeat)
     return ratio_shard, ratio_rec
+
+
+def pass_listings(col: Collector, run: str, batch: int, repeat: int) -> None:
+    """What a collector pass lists, with every ready group in an unacked batch: the backlog
+    a checkpointing trainer leaves until its next commit (a batch leaves its groups in
+    ``ready/``; the pass skips them unparsed). The upstream depths, the ready scan and the
+    depths, as ``Collector.step`` runs them, against ``os.listdir`` of the task
+    directories, the anchor."""
+    store = col.batches
+    names = store.scan_ready()
+    seq = store.next_seq()
+    for i in range(0, len(names), batch):
+        store.publish_batch(seq, names[i:i + batch])
+        seq += 1
+    st = col.storage
+
+    def one_pass() -> int:
+        upstream = upstream_depths(st)
+        ready = store.scan_ready()
+        return depths(st, upstream=upstream, ready=len(ready),
+                      batched=store.batched_in_ready).batched
+
+    def listdirs() -> int:
+        return sum(len(os.listdir(os.path.join(run, d)))
+                   for d in ("pending", "leased", "ready", "batched"))
+
+    t = alternate({"pass": one_pass, "listdir": listdirs}, repeat)
+    backlog = one_pass()
+    print(f"collector: a pass's listings with {backlog} groups in unacked batches: "
+          f"{t['pass'] * 1e3:.1f} ms (os.listdir of the task directories "
+          f"{t['listdir'] * 1e3:.1f} ms; ratio {t['pass'] / t['listdir']:.1f})")
 
 
 def pread_into(paths: list[str], buf: np.ndarray) -> int:
