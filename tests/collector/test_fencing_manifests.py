@@ -39,6 +39,26 @@ def _stall_after_check(first: Collector) -> tuple[list[Any], list[Any]]:
     return first.former.summaries(names)
 
 
+def _stalled_and_successor(q: Any, ds: Dataset) -> tuple[Collector, SimProducer, list[Any],
+                                                         list[Any], Collector]:
+    """The old collector, stalled holding its next batch (names, summaries), the producer,
+    and its successor, not started yet."""
+    # the old collector never batches on its own here: only its one late manifest counts
+    first = Collector(q, ds, CollectorConfig(batch_groups=100, max_running=8, max_ready=100,
+                                             poll_interval_s=0))
+    first.start(wait=False)
+    producer = SimProducer(q, "p", slots=8)
+    for _ in range(6):
+        first.step()
+        producer.step()
+    while len(first.batches.scan_ready()) < 2:
+        producer.step()
+    names, summaries = _stall_after_check(first)
+    clock = FakeClock()  # the old one is silent while the newcomer watches
+    second = Collector(q, ds, CFG, clock=clock, sleep=clock.sleep)
+    return first, producer, names, summaries, second
+
+
 def _drain(col: Collector, producer: SimProducer, reader: BatchReader) -> list[str]:
     trained: list[str] = []
     for _ in range(400):
@@ -60,19 +80,7 @@ def _drain(col: Collector, producer: SimProducer, reader: BatchReader) -> list[s
 def test_stalled_collectors_late_manifest_is_refused(run: Any,
                                                      successor_batches_first: bool) -> None:
     q, ds = run
-    # the old collector never batches on its own here: only its one late manifest counts
-    first = Collector(q, ds, CollectorConfig(batch_groups=100, max_running=8, max_ready=100,
-                                             poll_interval_s=0))
-    first.start(wait=False)
-    producer = SimProducer(q, "p", slots=8)
-    for _ in range(6):
-        first.step()
-        producer.step()
-    while len(first.batches.scan_ready()) < 2:
-        producer.step()
-    names, summaries = _stall_after_check(first)
-    clock = FakeClock()  # the old one is silent while the newcomer watches
-    second = Collector(q, ds, CFG, clock=clock, sleep=clock.sleep)
+    first, producer, names, summaries, second = _stalled_and_successor(q, ds)
     assert second.start() == 2
     if successor_batches_first:
         second.step()  # batches the groups the old one still holds
@@ -108,18 +116,7 @@ def test_a_late_manifest_the_successors_recovery_read_is_batched_again(run: Any)
     for batched (a batch leaves them in ``ready/``), and the refusal must give them back to
     its scans, or they are never trained."""
     q, ds = run
-    first = Collector(q, ds, CollectorConfig(batch_groups=100, max_running=8, max_ready=100,
-                                             poll_interval_s=0))
-    first.start(wait=False)
-    producer = SimProducer(q, "p", slots=8)
-    for _ in range(6):
-        first.step()
-        producer.step()
-    while len(first.batches.scan_ready()) < 2:
-        producer.step()
-    names, summaries = _stall_after_check(first)
-    clock = FakeClock()
-    second = Collector(q, ds, CFG, clock=clock, sleep=clock.sleep)
+    first, producer, names, summaries, second = _stalled_and_successor(q, ds)
     recover = second.batches.recover
     published: list[int] = []
 
