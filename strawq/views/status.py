@@ -106,12 +106,13 @@ class RunStatus:
 def run_status(queue: RunQueue) -> RunStatus:
     st = queue.storage
     out = RunStatus(current_version=queue.current_version())
-    out.counts = asdict(queue_depths(st))
+    store = BatchStore(queue)  # reads each manifest once for the counts and the names
+    out.counts = asdict(queue_depths(st, store=store))
     out.dropped_by_reason = drop_totals(st)  # dropped/ plus the compacted drop audit
     out.counts["dropped"] = sum(out.dropped_by_reason.values())
     names = {state.value: names_in(st, state) for state in (
         TaskState.PARTIAL, TaskState.PENDING, TaskState.LEASED)}
-    batched = BatchStore(queue).batched_names()  # listed before ready/ (batched_names)
+    batched = store.batched_names()  # listed before ready/ (batched_names)
     names["ready"] = [n for n in names_in(st, TaskState.READY) if str(n) not in batched]
     by_producer: Counter[str] = Counter(t.producer for t in names["leased"] if t.producer)
     out.leases_by_producer = dict(by_producer)
