@@ -89,9 +89,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from control_plane import Run, collector_side, demand, group_of, journal_entry, measure, \
-    steady_rates, wait_for
-from redis_meta import Volume, commandstats
+from control_plane import Run, collector_side, demand, demand_mix, group_of, journal_entry, \
+    measure, steady_rates, wait_for
+from redis_meta import Volume, capacity, commandstats
 
 from strawq.delivery.batches import BatchStore
 from strawq.errors import BatchTimeout
@@ -131,11 +131,19 @@ class SetupTooSlow(RuntimeError):
 @dataclass
 class Burst:
     """One step and its update: from the step's start (its commands ``before``), the
-    parks from ``parks_start``, the refills once every producer has parked."""
+    parks from ``parks_start``, the refills once every producer has parked, and the
+    ranks' loads of the step's batch; it ends (``end``, its commands ``after``) once
+    the update and the loads are both done."""
 
     start: float
     before: int
     producers: int
+    #: what is still running: the update, and the ranks' loads of the step's batch
+    parts: int = 1
+    loads_left: int = 0
+    #: when the update was done (every producer going on) and the last load was
+    update_end: float = 0.0
+    loads_end: float = 0.0
     parks_start: float = 0.0
     parks_left: int = 0
     parked: float = 0.0
@@ -253,6 +261,16 @@ class LiveResult:
     model_steady: float
     model_burst: float
     tally: dict[str, Tally]
+    #: the idle clients' own commands a second (in the live figures, not the model's)
+    quiet: float = 0.0
+    #: the run was driven at 1/``dilate`` of its rates (``dilated``); 1: at its real rates
+    dilate: float = 1.0
+    #: the metadata server's ops/s for the run's command mix (``redis-benchmark``); 0: not
+    #: measured
+    capacity: float = 0.0
+    #: the seconds, at the real rates, an update's commands are spread over for its share
+    #: (the counted mode's ``burst_window_s``)
+    window_s: float = 10.0
 
     @property
     def share(self) -> float:
@@ -272,6 +290,47 @@ class LiveResult:
                 f"{self.model_burst:.0f} per update")
 
 
+    @property
+    def real_steady(self) -> float:
+        """The steady commands a second at the run's real rates: the clients' part of the
+        live p50 times ``dilate``, the idle clients' own (not dilated) once."""
+        return max(self.steady_p50 - self.quiet, 0.0) * self.dilate + self.quiet
+
+    def real_line(self) -> str:
+        """What a dilated run says of the run at its real rates, against the server's
+        capacity: the steady share, and the update's (its commands, the step's batch and
+        loads with it, spread over ``window_s`` as the counted mode spreads them, on top of
+        the steady rate). The update's own seconds here are this machine's pace, not the
+        real run's."""
+        cap = self.capacity or float("nan")
+        return (f"scale live at real rates: {self.gpus} GPUs driven at 1/{self.dilate:g} of "
+                f"their rates: Redis {self.real_steady:.0f} commands/s steady, "
+                f"{self.burst_cmds:.0f} per update over {self.window_s:g} s; model "
+                f"{self.model_steady * self.dilate:.0f} commands/s steady, "
+                f"{self.model_burst:.0f} per update; metadata server capacity = "
+                f"{self.capacity:.0f} ops/s; share = {self.real_steady / cap:.3f} steady "
+                f"(model {self.model_steady * self.dilate / cap:.3f}), update "
+                f"{(self.real_steady + self.burst_cmds / self.window_s) / cap:.3f}")
+
+
+def dilated(run: Run, factor: float) -> Run:
+    """``run`` slowed ``factor`` times: every period (the step, the heartbeat, the journal's
+    window, a waiting rank's listing, the attribute TTL, an update's window, an engine's
+    load) times ``factor``, so every rate is divided by it; every count (GPUs, producers,
+    ranks, slots, groups per step, pending depth, the tokens of a journal window) is kept.
+    What reaches the server per operation is unchanged (the same directories, as full),
+    and its commands a second at the real rates are the dilated run's times ``factor``."""
+    if factor < 1:
+        raise ValueError(f"a dilation factor is at least 1, got {factor}")
+    if factor == 1:
+        return run
+    return replace(run, step_s=run.step_s * factor, heartbeat_s=run.heartbeat_s * factor,
+                   journal_every_s=run.journal_every_s * factor,
+                   journal_tok_s=run.journal_tok_s / factor,
+                   list_every_s=run.list_every_s * factor, attr_ttl_s=run.attr_ttl_s * factor,
+                   burst_window_s=run.burst_window_s * factor, load_s=run.load_s * factor)
+
+
 def live_run(run: Run, seconds: float) -> Run:
     """``run`` with its step scaled down so that one step and its update fit ``seconds``
     (the groups' rate kept); unchanged when a real step fits."""
@@ -288,14 +347,21 @@ PER_STEP = ("batch, per group (list, read, publish)", "ack (rank 0) and gc, per 
             "delivery (list, manifest, shard)", "delivery, heard (shard)")
 
 
-def model(vol: Volume, run: Run, quiet_s: float) -> dict[str, float]:
+def model(vol: Volume, run: Run, quiet_s: float, capacity_requests: int = 0
+          ) -> dict[str, float]:
     """The counted mode's prediction for ``run``: its per-operation costs (counted here,
     on this volume, by ``control_plane.measure``) times ``run``'s rates. ``between``: the
     steady commands a second between steps (without the per-step terms); ``per_update``:
-    one update's burst and one step's per-step terms, which a run makes together."""
+    one update's burst and one step's per-step terms, which a run makes together;
+    ``capacity`` (with ``capacity_requests``): the server's ops/s for the run's steady
+    command mix, as the counted mode measures it."""
     print(f"model: the counted pass (bench/control_plane.py) at {run.gpus} GPUs", flush=True)
     counter, _ = measure(vol, run, quiet_s)
     d = demand(counter, run)
+    if capacity_requests:
+        assert vol.sock is not None
+        d["capacity"], _rates = capacity(vol.sock, demand_mix(counter, run),
+                                         requests=capacity_requests)
     per_step = sum(rate * run.step_s * counter.cost(name)
                    for name, rate in steady_rates(run).items() if name in PER_STEP)
     d["between"] = d["steady"] - per_step / run.step_s
@@ -310,8 +376,10 @@ def model(vol: Volume, run: Run, quiet_s: float) -> dict[str, float]:
 
 
 def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: int,
-          predicted: dict[str, float]) -> LiveResult:
-    """Every client of ``run`` at its schedule for ``seconds``; what the server saw."""
+          predicted: dict[str, float], dilate: float = 1.0) -> LiveResult:
+    """Every client of ``run`` at its schedule for ``seconds``; what the server saw.
+    ``dilate``: ``run`` is ``dilated`` by it, and the real readers' own clocks (their poll,
+    listing and end-check intervals) are slowed with it."""
     from strawq.collector.trainer.reader import BatchReader
     from strawq.storage.watch import DirProbe
 
@@ -403,9 +471,13 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
         with rlock:
             if r not in readers:
                 readers[r] = BatchReader(q_b, rank=r, world_size=run.ranks,
-                                         sleep=lambda s: time.sleep(s), checkpointed=False)
+                                         sleep=lambda s: time.sleep(s * dilate),
+                                         clock=lambda: time.monotonic() / dilate,
+                                         checkpointed=False)
             return readers[r]
 
+    for r in range(run.ranks):  # each rank's reader exists before the run, as a trainer's
+        reader(r)
     print(f"  setup: {released} tasks released, {run.producers} producers hold "
           f"{sum(map(len, held.values()))} leases ({time.monotonic() - t_setup:.0f} s, not "
           f"counted)", flush=True)
@@ -413,7 +485,8 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
     sch = Schedule(seconds, seconds + drain_s, burst_workers)
     samples: list[tuple[float, int]] = []
     bursts: list[Burst] = []
-    state: dict[str, Any] = {"rr": 0, "published": [], "acked": None, "skipped": 0}
+    state: dict[str, Any] = {"rr": 0, "published": [], "acked": None, "skipped": 0,
+                             "burst_of": {}}
 
     def calls() -> int:
         return sum(commandstats(sock).values())
@@ -486,9 +559,8 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
                     with locks[j]:
                         paused.discard(j)
                 b.refills_left = 0
-                b.after, b.end = calls(), sch.now()
-                with sch.cond:
-                    sch.bursts_open -= 1
+                b.update_end = sch.now()
+                close_part(b)
             elif last:  # every producer parked: the weights are pushed, they resume
                 b.parked = sch.now()
                 for j in pids:
@@ -507,9 +579,31 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
                 b.refills_left -= 1
                 last = b.refills_left == 0
             if last:
-                b.after, b.end = calls(), sch.now()
+                b.update_end = sch.now()
+                close_part(b)
+
+    def close_part(b: Burst) -> None:
+        """The update, or the step's loads, are done; the burst ends with the later."""
+        with sch.cond:
+            b.parts -= 1
+            last = b.parts == 0
+        if last:
+            b.after, b.end = calls(), sch.now()
+            with sch.cond:
+                sch.bursts_open -= 1
+
+    def counted_load(b: Burst | None, fn: Callable[[], object]) -> None:
+        """One rank's load of the step's batch; the last one closes the burst's loads."""
+        try:
+            fn()
+        finally:
+            if b is not None:
                 with sch.cond:
-                    sch.bursts_open -= 1
+                    b.loads_left -= 1
+                    last = b.loads_left == 0
+                if last:
+                    b.loads_end = sch.now()
+                    close_part(b)
 
     def update(b: Burst) -> None:
         b.parks_start, b.parks_left, b.refills_left = sch.now(), len(pids), len(pids)
@@ -537,12 +631,19 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
             bs.read_summary(n)
         if names:
             seq = bs.next_seq()
+            # the ranks' loads of this batch belong to this step's burst: all due at once
+            # (every rank on its own node in a real run), they run on the burst's workers,
+            # and the seconds until the last is done are the update's, not steady ones
+            b.parts += 1
+            b.loads_left = run.ranks - 1 if run.trainer_watch == "rank0" else run.ranks
+            state["burst_of"][seq] = b
             bs.publish_batch(seq, names)
             state["published"].append((seq, sch.now()))
             if run.trainer_watch == "per-rank":
                 t = sch.now()
                 for r in range(run.ranks):
-                    sch.at(t, "delivery (list, manifest, shard)", lambda r=r: deliver(r))
+                    sch.at(t, "delivery (list, manifest, shard)",
+                           lambda r=r: counted_load(b, lambda: deliver(r)), burst=True)
         update(b)
 
     sch.at(run.step_s, "collector step (ack, gc, batch)", step, every=run.step_s)
@@ -568,7 +669,7 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
             if left <= 0:
                 return
             try:
-                batch = rd.next_batch(timeout=left)
+                batch = rd.next_batch(timeout=left / dilate)
             except BatchTimeout:
                 return
             t = sch.now()
@@ -578,8 +679,11 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
                 watch_tally.lags.append(t - pub if pub is not None else 0.0)
             state["acked"] = batch.seq
             man = rd.batches.read_manifest(batch.seq)
+            b = state["burst_of"].get(batch.seq)
             for r in range(1, run.ranks):
-                sch.at(t, "delivery, heard (shard)", lambda r=r, m=man: reader(r).load(m))
+                sch.at(t, "delivery, heard (shard)",
+                       lambda r=r, m=man, b=b: counted_load(b, lambda: reader(r).load(m)),
+                       burst=True)
 
     watcher: threading.Thread | None = None
     if run.trainer_watch == "rank0":
@@ -638,11 +742,12 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
     for rd in readers.values():  # rank 0's fence released before its run goes
         rd.close()
     shutil.rmtree(root_a, ignore_errors=True)
-    return summarize(run, seconds, sch, samples, bursts, predicted)
+    return summarize(run, seconds, sch, samples, bursts, predicted, dilate)
 
 
 def summarize(run: Run, seconds: float, sch: Schedule, samples: list[tuple[float, int]],
-              bursts: list[Burst], predicted: dict[str, float]) -> LiveResult:
+              bursts: list[Burst], predicted: dict[str, float], dilate: float = 1.0
+              ) -> LiveResult:
     print(f"  {'operation':<44} {'wanted':>8} {'achieved':>9} {'share':>6} {'lag p50 ms':>11} "
           f"{'p99 ms':>9} {'failed':>6}")
     wanted = achieved = 0
@@ -676,16 +781,19 @@ def summarize(run: Run, seconds: float, sch: Schedule, samples: list[tuple[float
                     f"{b.parked:.1f} s, going on at" if hold else
                     f"parks from {b.parks_start:.1f} s, all parked at {b.parked:.1f} s, "
                     "refilled at")
+            loads = (f", the ranks' loads of the batch done at {b.loads_end:.1f} s"
+                     if b.loads_end else "")
             print(f"  update {k + 1}: the step from {b.start:.1f} s, {what} "
-                  f"{b.end:.1f} s: {b.end - b.start:.1f} s, {raw:,} Redis commands "
-                  f"({raw - p50 * (b.end - b.start):,.0f} less the steady p50 over it: the "
-                  "update and the step's batch and deliveries)")
+                  f"{b.update_end:.1f} s{loads}: {b.end - b.start:.1f} s, {raw:,} Redis "
+                  f"commands ({raw - p50 * (b.end - b.start):,.0f} less the steady p50 over "
+                  "it: the update and the step's batch and deliveries)")
         else:
             print(f"  update {k + 1}: the step from {b.start:.1f} s, not finished at "
                   f"{b.cut:.1f} s: {b.after - b.before:,} Redis commands so far "
                   f"({b.producers - b.parks_left} of {b.producers} producers "
                   f"{'held' if hold else 'parked'}, "
-                  f"{b.producers - b.refills_left if b.parked else 0} refilled)")
+                  f"{b.producers - b.refills_left if b.parked else 0} refilled, "
+                  f"{b.loads_left} ranks' loads of the batch left)")
     first = bursts[0] if bursts else None
     raw = (first.after - first.before) if first else 0
     dur = ((first.end or first.cut) - first.start) if first else 0.0
@@ -696,4 +804,6 @@ def summarize(run: Run, seconds: float, sch: Schedule, samples: list[tuple[float
     return LiveResult(run.gpus, clients, seconds, wanted, achieved, p50,
                       max(steady, default=0.0), max(raw - p50 * dur, 0.0),
                       raw, dur, bool(done), predicted["between"], predicted["per_update"],
-                      sch.tally)
+                      sch.tally, quiet=predicted.get("quiet", 0.0), dilate=dilate,
+                      capacity=predicted.get("capacity", 0.0),
+                      window_s=run.burst_window_s / dilate)

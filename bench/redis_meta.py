@@ -65,9 +65,11 @@ def missing(meta: str) -> str | None:
 
 
 @contextmanager
-def test_volume(meta: str = "redis", meta_cache: str = "default") -> Iterator[Volume]:
+def test_volume(meta: str = "redis", meta_cache: str = "default",
+                extra_opts: str = "") -> Iterator[Volume]:
     """A fresh two-client volume on ``meta`` metadata (``meta_cache``: testvol.sh's
-    ``STRAWQ_JUICEFS_META_CACHE``); ``Unavailable`` saying why when it cannot come up."""
+    ``STRAWQ_JUICEFS_META_CACHE``; ``extra_opts``: more ``juicefs mount`` options, its
+    ``STRAWQ_JUICEFS_EXTRA_OPTS``); ``Unavailable`` saying why when it cannot come up."""
     why = missing(meta)
     if why:
         raise Unavailable(why)
@@ -75,6 +77,8 @@ def test_volume(meta: str = "redis", meta_cache: str = "default") -> Iterator[Vo
     work = tempfile.mkdtemp(prefix="sq-vol-", dir="/tmp")
     env = {**os.environ, "META": meta, "STRAWQ_JUICEFS_META_CACHE": meta_cache,
            "JUICEFS": juicefs_binary() or ""}
+    if extra_opts:
+        env["STRAWQ_JUICEFS_EXTRA_OPTS"] = extra_opts
     up = subprocess.run(["bash", str(TESTVOL), "up", work], env=env, capture_output=True,
                         text=True, timeout=240, check=False)
     try:

@@ -84,8 +84,21 @@ smallest first until one is not kept up with (under 95 % achieved), and a last l
 the largest kept up with. A step that does not fit SECONDS / 2 is scaled down to it (the
 groups' rate kept: said in the output). ``--quick``: 80 GPUs.
 
+``--dilate F`` (with ``--live``) drives the run at 1/F of its rates where this machine
+cannot keep up with them: every period (the step, the heartbeat, the journal's window, a
+rank's listing, the readers' own clocks, and with ``--meta-cache default`` the volume's
+cache TTLs) times F, every count kept (producers, ranks, leases in flight, groups per step,
+the pending depth, a window's tokens). What each operation sends the server is unchanged;
+a line after each size's live line gives the run at its real rates, the clients' commands
+a second times F, against the server's capacity for the run's command mix (as the counted
+mode measures it): ``scale live at real rates: N GPUs driven at 1/F of their rates: Redis X
+commands/s steady, Y per update over D s; model P commands/s steady; metadata server
+capacity = C ops/s; share = X/C steady (model P/C), update U``. What a dilated run cannot
+show: contention that only the real rates make (claims racing for the same names, a step's
+shard loads against the steady schedule) is F times rarer.
+
     python bench/scale.py --control-plane --live SECONDS [--gpus 1000,2500,10000]
-                           [--live-workers 16] [--quick] [the flags above]
+                           [--live-workers 16] [--dilate F] [--quick] [the flags above]
 
     python bench/scale.py [--quick] [--meta sqlite|redis] [--idle-s 20] [--counts 1,10,100]
                            [--claims 200]
@@ -448,6 +461,11 @@ def main() -> int:
                            "a step would not fit")
     live.add_argument("--live-workers", type=int, default=16,
                       help="worker threads that run the schedule (not a thread per client)")
+    live.add_argument("--dilate", type=float, default=1.0, metavar="F",
+                      help="drive the run at 1/F of its rates (every period and the readers' "
+                           "clocks times F, with --meta-cache default the cache TTLs too; "
+                           "every count kept), and print its commands a second at the real "
+                           "rates (times F) against the server's capacity (default 1)")
     args = ap.parse_args()
     try:
         sizes = [int(x) for x in args.gpus.split(",")] if args.gpus else []
@@ -460,6 +478,8 @@ def main() -> int:
     if args.live is not None and (not args.control_plane or args.live <= 0
                                   or args.live_workers < 1):
         ap.error("--live SECONDS needs --control-plane, SECONDS > 0 and --live-workers >= 1")
+    if args.dilate != 1.0 and (args.live is None or not args.dilate > 1.0):
+        ap.error(f"--dilate F needs --live and F > 1, got {args.dilate:g}")
     if args.release_chunk < 1:
         ap.error(f"--release-chunk must be >= 1, got {args.release_chunk}")
     if args.control_plane:
@@ -620,26 +640,36 @@ def control_plane_live(args: argparse.Namespace) -> int:
     """``--control-plane --live SECONDS``: the counted pass for the model's prediction,
     then each ``--gpus`` size driven live (smallest first, until one is not kept up with:
     under 95 % of the wanted operations achieved)."""
-    from control_plane_live import KEPT_UP, SetupTooSlow, drive, live_run, model
+    from control_plane_live import KEPT_UP, SetupTooSlow, dilated, drive, live_run, model
     from redis_meta import Unavailable, test_volume
 
     sizes = args.gpus_list or [80 if args.quick else 10_000]
     # an update's parks take at most this many workers: the rest keep the steady schedule
     burst_workers = max(1, args.live_workers - max(2, args.live_workers // 4))
     results = []
+    f = args.dilate
+    # a dilated run's caches keep their TTLs in proportion to its periods
+    ttl = f"{f:g}s"
+    extra = (f"--attr-cache {ttl} --entry-cache {ttl} --dir-entry-cache {ttl}"
+             if f != 1.0 and args.meta_cache == "default" else "")
     try:
-        with test_volume("redis", meta_cache=args.meta_cache) as vol:
+        with test_volume("redis", meta_cache=args.meta_cache, extra_opts=extra) as vol:
             print(f"{volume_caption(vol, args)}; load average {os.getloadavg()[0]:.1f}",
                   flush=True)
+            if f != 1.0:
+                print(f"dilated: every period times {f:g}, every rate divided by it, every "
+                      f"count kept" + (f"; cache TTLs {ttl}" if extra else ""), flush=True)
             for gpus in sizes:
-                run = make_run(args, gpus)
+                run = dilated(make_run(args, gpus), f)
                 lrun = live_run(run, args.live)
                 if lrun.step_s != run.step_s:
                     print(f"live: a {run.step_s:g} s step and its update do not fit "
                           f"{args.live:g} s: step scaled to {lrun.step_s:g} s and "
                           f"{lrun.batch_groups} groups ({lrun.groups_per_s:.2f} groups/s, "
                           f"{run.groups_per_s:.2f} at the real step)", flush=True)
-                predicted = model(vol, lrun, quiet_s=2.0 if args.quick else 5.0)
+                predicted = model(vol, lrun, quiet_s=2.0 if args.quick else 5.0,
+                                  capacity_requests=(5_000 if args.quick else 100_000)
+                                  if f != 1.0 else 0)
                 print(f"live: {gpus} GPUs: {lrun.producers} producers ({lrun.slots} slots, "
                       f"{lrun.in_flight} groups in flight), {lrun.ranks} ranks "
                       f"({lrun.trainer_watch}), {lrun.groups_per_s:.2f} groups/s, a step "
@@ -649,12 +679,14 @@ def control_plane_live(args: argparse.Namespace) -> int:
                       f"{os.getloadavg()[0]:.1f}", flush=True)
                 try:
                     r = drive(vol, lrun, args.live, args.live_workers, burst_workers,
-                              predicted)
+                              predicted, dilate=f)
                 except SetupTooSlow as e:
                     print(f"  this machine did not keep up with {gpus} GPUs: {e}", flush=True)
                     break
                 results.append(r)
                 print(r.line(), flush=True)
+                if f != 1.0:
+                    print(r.real_line(), flush=True)
                 if not r.kept_up:
                     why = (f"achieved {r.share:.1%} of the wanted operations, under "
                            f"{KEPT_UP:.0%}" if r.share < KEPT_UP else
