@@ -87,11 +87,14 @@ class Storage(abc.ABC):
 
         ``in_place=True`` writes the file at ``key`` itself (exclusive create, write, fsync,
         close) with no temporary name and no rename, so the name exists before the content
-        is complete: only for a key inside a private directory that nobody reads until the
-        directory itself is renamed into place (a release being staged, a cursor commit
-        being prepared), after every file in it was closed. A crash can leave a partial
-        file there; such a directory is never committed and is discarded whole. The
-        durability is the same (file fsync; the directory fsync as ``sync_dir`` says).
+        is complete: only for a key nobody reads until a later rename commits it, made after
+        the file was closed. Either a key inside a private directory that is itself renamed
+        into place (a release being staged, a cursor commit being prepared; a crash can
+        leave a partial file there, and such a directory is never committed and is
+        discarded whole), or a lease's payload, which only the lease's fencing rename names
+        (``RunQueue.complete``; a crash can leave a partial payload that no entry names,
+        swept once the task moves on). The durability is the same (file fsync; the
+        directory fsync as ``sync_dir`` says).
         """
 
     @abc.abstractmethod

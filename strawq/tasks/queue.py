@@ -236,18 +236,30 @@ class RunQueue:
         return moved
 
     def _publish_payload(self, lease: Lease, key: str, chunks: list[bytes]) -> None:
-        """Publish a lease's payload; a failure on a lease no longer held is ``LeaseLost``."""
-        try:
-            self.storage.publish(key, chunks)
-        except AlreadyExists:
-            if self.still_held(lease):
-                return  # our own earlier attempt (a retried call): the payload stands
-            raise LeaseLost(f"lease {lease.name} is no longer held: the task moved on") from None
-        except (StorageError, NotFound) as exc:
-            if isinstance(exc, NotFound) or not self.still_held(lease):
-                raise LeaseLost(f"lease {lease.name} was lost while its payload was being "
-                                f"written ({exc}); the result is discarded") from exc
-            raise
+        """Publish a lease's payload; a failure on a lease no longer held is ``LeaseLost``.
+
+        Written in place (``Storage.publish(in_place=True)``: no temporary name, no rename
+        of its own): nobody reads ``data/<task>~g<gen>`` until the fencing rename that
+        follows names it, and only the holder of generation ``gen`` writes it (an expired
+        lease comes back as gen + 1). A crash mid-write leaves a partial file that no entry
+        names; ``sweep_payloads`` deletes it once the task moves on, and the holder's own
+        retry (a retried call, a recovered lease) rewrites it here."""
+        for again in (False, True):
+            try:
+                self.storage.publish(key, chunks, in_place=True)
+                return
+            except AlreadyExists:
+                if again or not self.still_held(lease):
+                    raise LeaseLost(f"lease {lease.name} is no longer held: the task moved "
+                                    "on") from None
+                # our own earlier attempt, complete or cut off mid-write: written again
+                self.storage.delete(key)
+            except (StorageError, NotFound) as exc:
+                if isinstance(exc, NotFound) or not self.still_held(lease):
+                    raise LeaseLost(f"lease {lease.name} was lost while its payload was "
+                                    f"being written ({exc}); the result is discarded"
+                                    ) from exc
+                raise
 
     def complete(self, lease: Lease, group: GroupData) -> str:
         """Publish a finished group and move the task to READY. ``LeaseLost`` if fenced."""

@@ -51,6 +51,10 @@ class Audit:
     #: the newest committed cursor's sequence number
     cursor_seq: int = 0
     tmp: list[str] = field(default_factory=list)
+    #: (key, message) of payloads cut off mid-write that no entry names: a lease's payload
+    #: is written in place before its fencing rename (``RunQueue.complete``), so a crash
+    #: leaves such a file, swept once the task moves on; not a problem
+    uncommitted: list[tuple[str, str]] = field(default_factory=list)
     #: reason recorded for each dropped task (from its note)
     drop_reasons: dict[str, str] = field(default_factory=dict)
     #: task ids a release skipped by the history's rule (``strawq.data.prompt_policy``): their
@@ -158,6 +162,22 @@ def _decode(storage: Storage, key: str, audit: Audit, *kinds: Kind) -> records.R
     return rec
 
 
+def _uncommitted_payload(a: Audit, n: str) -> bool:
+    """Whether ``data/<n>`` is a group or partial payload that no entry names (its task's
+    entries as collected so far: every state's, before ``data/`` is read)."""
+    tid, sep, rest = n.partition("~g")
+    gen_s, _, suffix = rest.partition(".")
+    if not sep or not gen_s.isdigit() or suffix not in ("group", "partial"):
+        return False
+    gen = int(gen_s)
+    for e in a.entries.get(tid, []):
+        if suffix == "group" and e.state in ("ready", "batched") and e.name.gen == gen:
+            return False
+        if suffix == "partial" and e.name.resume == gen:
+            return False
+    return True
+
+
 def audit_run(storage: Storage) -> Audit:
     """A read-only snapshot of a run, with every visible record decoded."""
     a = Audit()
@@ -206,7 +226,10 @@ def audit_run(storage: Storage) -> Audit:
             a.entries.setdefault(name.id, []).append(Entry("quarantined", f"quarantine/{n}",
                                                            name))
     for n in storage.list("data"):
+        bad = len(a.corrupt)
         _decode(storage, f"data/{n}", a)
+        if len(a.corrupt) > bad and _uncommitted_payload(a, n):
+            a.uncommitted.append(a.corrupt.pop())
     seqs, a.acked = batch_seqs(storage)
     named: set[str] = set()
     for seq in seqs:

@@ -301,16 +301,26 @@ def _run_worker(root: str, data: str, log: str, kill_at: int, inside: bool) -> i
     return proc.returncode
 
 
+def _torn(storage: Storage, keys: list[str]) -> list[str]:
+    torn = []
+    for key in keys:
+        try:
+            decode(storage.read(key))
+        except CorruptRecord:
+            torn.append(key)
+    return torn
+
+
 def _torn_in_staging(storage: Storage) -> list[str]:
     """Files in staging directories that are not whole records."""
-    torn = []
-    for d in storage.list("staging"):
-        for f in storage.list(f"staging/{d}"):
-            try:
-                decode(storage.read(f"staging/{d}/{f}"))
-            except CorruptRecord:
-                torn.append(f"staging/{d}/{f}")
-    return torn
+    return _torn(storage, [f"staging/{d}/{f}" for d in storage.list("staging")
+                           for f in storage.list(f"staging/{d}")])
+
+
+def _torn_payloads(storage: Storage) -> list[str]:
+    """Payloads in ``data/`` that are not whole records (a lease's payload is written in
+    place: only its fencing rename commits it)."""
+    return _torn(storage, [f"data/{n}" for n in storage.list("data")])
 
 
 def _kill_matrix(tmp_path: Path, inside: bool) -> int:
@@ -337,9 +347,11 @@ def _kill_matrix(tmp_path: Path, inside: bool) -> int:
                 kills += 1
                 storage = PosixStorage(root, writer_id="parent", fsync=False)
                 if inside:
-                    assert storage.list("tmp") or _torn_in_staging(storage), \
+                    assert storage.list("tmp") or _torn_in_staging(storage) or \
+                        _torn_payloads(storage), \
                         "a kill inside publish leaves its temp file (or, for a record " \
-                        "written in place, a partial file in its staging directory)"
+                        "written in place, a partial file in its staging directory or a " \
+                        "partial payload)"
                 batches, acked = read_log(log)
                 recover(storage, Dataset(data), dead_writers=["victim"])
                 assert storage.list("tmp") == [], "recovery removes the dead writer's temps"

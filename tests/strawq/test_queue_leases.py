@@ -72,20 +72,21 @@ def test_fenced_fail_raises_lease_lost(backend: str, tmp_path: Path) -> None:
     assert q.find(tid(0))[1].gen == 1
 
 
-class _PausedPublish(PosixStorage):
-    """Runs ``before_rename`` inside the next publish, between its temp file and rename."""
+class _PausedComplete(PosixStorage):
+    """Runs ``before_rename`` inside the next complete, between its payload (written in
+    place, durable) and its fencing rename out of ``leased/``."""
 
     before_rename: Any = None
 
     def _rename_noreplace(self, at: Any, src: str, dst: str) -> None:
         hook, self.before_rename = self.before_rename, None
-        if hook is not None and src.startswith("tmp/"):
+        if hook is not None and src.startswith("leased/"):
             hook()
         super()._rename_noreplace(at, src, dst)
 
 
 def test_holder_expired_mid_publish_gets_lease_lost(tmp_path: Path) -> None:
-    storage = _PausedPublish(str(tmp_path / "run"), writer_id="p")
+    storage = _PausedComplete(str(tmp_path / "run"), writer_id="p")
     q = make_queue(storage)
     make_feeder(q, tmp_path, 1).release(1)
     clock = FakeClock()
@@ -101,6 +102,7 @@ def test_holder_expired_mid_publish_gets_lease_lost(tmp_path: Path) -> None:
     with pytest.raises(LeaseLost):
         q.complete(lease, make_group(tid(0)))
     assert q.find(tid(0))[1].gen == 1 and storage.list("ready") == []
+    assert storage.list("data") == []  # the fenced holder's payload is removed
 
 
 def test_heartbeats_keep_leases_alive_on_the_grantors_clock(storage: Storage,

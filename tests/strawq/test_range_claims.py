@@ -306,9 +306,10 @@ def test_an_incarnation_removes_the_empty_chunk_its_predecessor_left(
     """The holder died after its last task's rename, before the chunk's rmdir."""
     q = chunked(storage, tmp_path, rows=2)
     leases = q.claim("p1", K)
-    # each task: its payload, its rename, an rmdir of the chunk (this handle did not claim
-    # it, so it tries each time): dies before the last rmdir
-    dying = RunQueue(FaultyStorage(storage, crash_after=3 * len(leases)), q.config)
+    # each task: its payload (written in place: two crash points, before it and inside
+    # it), its rename, an rmdir of the chunk (this handle did not claim it, so it tries
+    # each time): dies before the last rmdir
+    dying = RunQueue(FaultyStorage(storage, crash_after=4 * len(leases)), q.config)
     with pytest.raises(CrashPoint):
         for lease in leases:
             complete(dying, lease)
