@@ -634,8 +634,8 @@ def drive(vol: Volume, run: Run, seconds: float, workers: int, burst_workers: in
             # the ranks' loads of this batch belong to this step's burst: all due at once
             # (every rank on its own node in a real run), they run on the burst's workers,
             # and the seconds until the last is done are the update's, not steady ones
-            b.parts += 1
             b.loads_left = run.ranks - 1 if run.trainer_watch == "rank0" else run.ranks
+            b.parts += b.loads_left > 0  # a single rank 0 loads nothing more
             state["burst_of"][seq] = b
             bs.publish_batch(seq, names)
             state["published"].append((seq, sch.now()))
